@@ -1,0 +1,114 @@
+/* Private to the CPU cast implementation (cast.c, cast_avx2.c,
+ * cast_avx512.c): the SIMD entry points and the scalar element loops they
+ * share for heads and tails.
+ *
+ * Pointers are untyped and may have any alignment: callers hand us arbitrary
+ * byte offsets into tensors, and dereferencing a misaligned uint32_t * is
+ * undefined behaviour, so scalar code goes through memcpy (which compiles to
+ * a plain load or store) and SIMD code through unaligned-load intrinsics.
+ *
+ * `nt` asks for non-temporal (streaming) stores in the vector body. The
+ * dispatcher sets it for destinations far larger than the cache, where
+ * ordinary stores would first read every destination line from memory
+ * (read-for-ownership) and so move 1.5x the bytes; glibc's memcpy makes the
+ * same switch. Kernels fall back to ordinary stores when the destination
+ * cannot be aligned for streaming.
+ */
+#ifndef SP_CAST_SIMD_H
+#define SP_CAST_SIMD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cast_scalar.h"
+
+typedef void (*sp_cast_kernel)(void *dst, const void *src, size_t n, bool nt);
+
+/* AVX2 + F16C (cast_avx2.c). */
+void sp_cast_avx2_f32_to_bf16(void *dst, const void *src, size_t n, bool nt);
+void sp_cast_avx2_bf16_to_f32(void *dst, const void *src, size_t n, bool nt);
+void sp_cast_avx2_f32_to_f16(void *dst, const void *src, size_t n, bool nt);
+void sp_cast_avx2_f16_to_f32(void *dst, const void *src, size_t n, bool nt);
+
+/* AVX-512 F + BW + VL (cast_avx512.c). */
+void sp_cast_avx512_f32_to_bf16(void *dst, const void *src, size_t n, bool nt);
+void sp_cast_avx512_bf16_to_f32(void *dst, const void *src, size_t n, bool nt);
+void sp_cast_avx512_f32_to_f16(void *dst, const void *src, size_t n, bool nt);
+void sp_cast_avx512_f16_to_f32(void *dst, const void *src, size_t n, bool nt);
+
+/* ---- scalar element loops ----------------------------------------------- */
+
+static inline uint16_t sp_cast_ld16(const unsigned char *p) {
+  uint16_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline uint32_t sp_cast_ld32(const unsigned char *p) {
+  uint32_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline uint64_t sp_cast_ld64(const unsigned char *p) {
+  uint64_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void sp_cast_st16(unsigned char *p, uint16_t v) {
+  memcpy(p, &v, sizeof v);
+}
+static inline void sp_cast_st32(unsigned char *p, uint32_t v) {
+  memcpy(p, &v, sizeof v);
+}
+static inline void sp_cast_st64(unsigned char *p, uint64_t v) {
+  memcpy(p, &v, sizeof v);
+}
+
+/* Defines sp_cast_loop_<name>(dst, src, n). Each element is loaded before it
+ * is stored, which keeps the in-place bfloat16 <-> float16 case (same
+ * pointer, same element size) correct. */
+#define SP_CAST_DEFINE_LOOP(name, SBYTES, DBYTES, LD, ST, FN)                  \
+  static inline void sp_cast_loop_##name(void *dst, const void *src,           \
+                                         size_t n) {                           \
+    unsigned char *d = (unsigned char *)dst;                                   \
+    const unsigned char *s = (const unsigned char *)src;                       \
+    for (size_t i = 0; i < n; i++) ST(d + i * (DBYTES), FN(LD(s + i * (SBYTES)))); \
+  }
+
+SP_CAST_DEFINE_LOOP(f32_to_bf16, 4, 2, sp_cast_ld32, sp_cast_st16,
+                    sp_f32_to_bf16_bits)
+SP_CAST_DEFINE_LOOP(bf16_to_f32, 2, 4, sp_cast_ld16, sp_cast_st32,
+                    sp_bf16_to_f32_bits)
+SP_CAST_DEFINE_LOOP(f32_to_f16, 4, 2, sp_cast_ld32, sp_cast_st16,
+                    sp_f32_to_f16_bits)
+SP_CAST_DEFINE_LOOP(f16_to_f32, 2, 4, sp_cast_ld16, sp_cast_st32,
+                    sp_f16_to_f32_bits)
+SP_CAST_DEFINE_LOOP(f64_to_f32, 8, 4, sp_cast_ld64, sp_cast_st32,
+                    sp_f64_to_f32_bits)
+SP_CAST_DEFINE_LOOP(f64_to_bf16, 8, 2, sp_cast_ld64, sp_cast_st16,
+                    sp_f64_to_bf16_bits)
+SP_CAST_DEFINE_LOOP(f64_to_f16, 8, 2, sp_cast_ld64, sp_cast_st16,
+                    sp_f64_to_f16_bits)
+SP_CAST_DEFINE_LOOP(f32_to_f64, 4, 8, sp_cast_ld32, sp_cast_st64,
+                    sp_f32_to_f64_bits)
+SP_CAST_DEFINE_LOOP(bf16_to_f64, 2, 8, sp_cast_ld16, sp_cast_st64,
+                    sp_bf16_to_f64_bits)
+SP_CAST_DEFINE_LOOP(f16_to_f64, 2, 8, sp_cast_ld16, sp_cast_st64,
+                    sp_f16_to_f64_bits)
+SP_CAST_DEFINE_LOOP(bf16_to_f16, 2, 2, sp_cast_ld16, sp_cast_st16,
+                    sp_bf16_to_f16_bits)
+SP_CAST_DEFINE_LOOP(f16_to_bf16, 2, 2, sp_cast_ld16, sp_cast_st16,
+                    sp_f16_to_bf16_bits)
+
+/* Elements to convert one by one before dst is `align`-byte aligned, or
+ * SIZE_MAX when it never will be (dst not even element-aligned). */
+static inline size_t sp_cast_head(const void *dst, size_t dbytes,
+                                  size_t align) {
+  uintptr_t mis = (uintptr_t)dst & (align - 1);
+  if (mis == 0) return 0;
+  if (mis % dbytes != 0) return SIZE_MAX;
+  return (align - mis) / dbytes;
+}
+
+#endif

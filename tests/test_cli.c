@@ -1,0 +1,243 @@
+/* The `shardplane` command, run as a process: exit codes, errors naming the
+ * file at fault, and the JSON plan. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include <cmocka.h>
+#include <jansson.h>
+
+#include "testutil.h"
+
+static char *g_dir;
+
+typedef struct result {
+  int code;
+  char *out, *err;
+} result;
+
+static char *slurp(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  size_t cap = 1 << 16, len = 0;
+  char *buf = malloc(cap);
+  assert_non_null(buf);
+  size_t n;
+  while ((n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+    len += n;
+    if (len + 1 == cap) {
+      cap *= 2;
+      buf = realloc(buf, cap);
+      assert_non_null(buf);
+    }
+  }
+  fclose(f);
+  buf[len] = '\0';
+  return buf;
+}
+
+/* Runs `shardplane ARGS` (a shell fragment) and captures both streams. */
+static result run(const char *args) {
+  char cmd[4096];
+  snprintf(cmd, sizeof cmd, "%s/shardplane %s >%s/out 2>%s/err", SP_BIN_DIR,
+           args, g_dir, g_dir);
+  int st = system(cmd);
+  assert_true(WIFEXITED(st));
+  char p[1024];
+  result r = {WEXITSTATUS(st), NULL, NULL};
+  snprintf(p, sizeof p, "%s/out", g_dir);
+  r.out = slurp(p);
+  snprintf(p, sizeof p, "%s/err", g_dir);
+  r.err = slurp(p);
+  return r;
+}
+
+static void done(result *r) {
+  free(r->out);
+  free(r->err);
+}
+
+#define MODEL(name) SP_EXAMPLES "/models/" name ".json"
+
+static void test_usage_and_help(void **state) {
+  (void)state;
+  result r = run("");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "usage"));
+  done(&r);
+  r = run("--help");
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "plan"));
+  done(&r);
+  r = run("frobnicate");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "frobnicate"));
+  done(&r);
+  r = run("plan --help");
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "--world-size"));
+  done(&r);
+  r = run("plan");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--model"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --world-size 0");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--world-size"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --param-dtype int8");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "int8"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --bogus");
+  assert_int_equal(r.code, 2);
+  done(&r);
+}
+
+static void test_failures_name_the_cause(void **state) {
+  (void)state;
+  result r = run("plan --model /nonexistent/spec.json");
+  assert_int_equal(r.code, 1);
+  assert_non_null(strstr(r.err, "/nonexistent/spec.json"));
+  done(&r);
+  char path[1024];
+  snprintf(path, sizeof path, "%s/bad.json", g_dir);
+  const char *bad = "{\"format\":\"shardplane.model/v1\",\"modules\":[{\"fqn\":"
+                    "\"\",\"type\":\"N\"}],\"params\":[{\"fqn\":\"w\","
+                    "\"shape\":[2,-1],\"dtype\":\"float32\"}]}";
+  sp_test_write_file(path, bad, strlen(bad));
+  char args[2048];
+  snprintf(args, sizeof args, "plan --model %s", path);
+  r = run(args);
+  assert_int_equal(r.code, 1);
+  assert_non_null(strstr(r.err, "bad.json"));
+  assert_non_null(strstr(r.err, "params[0].shape[1]"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --wrap-type NoSuchBlock");
+  assert_int_equal(r.code, 1);
+  assert_non_null(strstr(r.err, "NoSuchBlock"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --world-size 4 --rank 4");
+  assert_int_equal(r.code, 3);
+  assert_non_null(strstr(r.err, "--rank"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --unit nope");
+  assert_int_equal(r.code, 3);
+  done(&r);
+}
+
+static void test_json_plan_llama70b(void **state) {
+  (void)state;
+  result r = run("plan --model " MODEL("llama2_70b") " --world-size 1024 "
+                 "--wrap-type LlamaDecoderLayer --param-dtype bfloat16 "
+                 "--reduce-dtype float32 --rank 1023 --json");
+  assert_int_equal(r.code, 0);
+  json_error_t e;
+  json_t *j = json_loads(r.out, 0, &e);
+  if (j == NULL) fail_msg("bad JSON: %s", e.text);
+  assert_int_equal(strlen(json_string_value(json_object_get(j, "version"))),
+                   16);
+  json_t *units = json_object_get(j, "units");
+  assert_int_equal(json_array_size(units), 81);
+  json_t *u1 = json_array_get(units, 1);
+  assert_string_equal(json_string_value(json_object_get(u1, "module")),
+                      "model.layers.0");
+  json_t *mp = json_object_get(u1, "mixed_precision");
+  assert_string_equal(json_string_value(json_object_get(mp, "param_dtype")),
+                      "bfloat16");
+  assert_string_equal(json_string_value(json_object_get(mp, "reduce_dtype")),
+                      "float32");
+  assert_int_equal(json_array_size(json_object_get(j, "ranks")), 1024);
+  json_t *bufs = json_object_get(j, "buffers");
+  assert_int_equal(json_array_size(bufs), 80);
+  json_t *b0 = json_array_get(bufs, 0);
+  assert_string_equal(json_string_value(json_object_get(b0, "original_dtype")),
+                      "float32");
+  /* rank 1023's shard lists every unit */
+  assert_int_equal(json_array_size(json_object_get(j, "shard")), 81);
+  json_decref(j);
+  done(&r);
+}
+
+static void test_job_file_and_override(void **state) {
+  (void)state;
+  char path[1024], args[2048];
+  snprintf(path, sizeof path, "%s/job.json", g_dir);
+  const char *job = "{\"format\":\"shardplane.job/v1\",\"world_size\":4,"
+                    "\"wrap\":{\"types\":[\"Bottleneck\"]},"
+                    "\"mixed_precision\":{\"param_dtype\":\"bfloat16\","
+                    "\"buffer_dtype\":\"bfloat16\"}}";
+  sp_test_write_file(path, job, strlen(job));
+  snprintf(args, sizeof args,
+           "plan --model %s --job %s --world-size 6 --json", MODEL("resnet50"),
+           path);
+  result r = run(args);
+  assert_int_equal(r.code, 0);
+  json_t *j = json_loads(r.out, 0, NULL);
+  assert_non_null(j);
+  json_t *jj = json_object_get(j, "job");
+  assert_int_equal(json_integer_value(json_object_get(jj, "world_size")), 6);
+  /* BatchNorm stays float32 (its own full-precision unit); the step
+   * counters stay int64 */
+  json_t *bufs = json_object_get(j, "buffers");
+  size_t i;
+  json_t *b;
+  int checked = 0;
+  json_array_foreach(bufs, i, b) {
+    const char *fqn = json_string_value(json_object_get(b, "fqn"));
+    const char *orig =
+        json_string_value(json_object_get(b, "original_dtype"));
+    const char *comp = json_string_value(json_object_get(b, "compute_dtype"));
+    if (strstr(fqn, "num_batches_tracked")) {
+      assert_string_equal(orig, "int64");
+      assert_string_equal(comp, "int64");
+    } else {
+      assert_string_equal(orig, "float32");
+      assert_string_equal(comp, "float32");
+    }
+    checked++;
+  }
+  assert_int_equal(checked, 159);
+  json_decref(j);
+  done(&r);
+  /* a broken job file is named in the error */
+  sp_test_write_file(path, "{\"world_size\": -2}", 18);
+  r = run(args);
+  assert_int_equal(r.code, 1);
+  assert_non_null(strstr(r.err, "job.json"));
+  assert_non_null(strstr(r.err, "world_size"));
+  done(&r);
+}
+
+static void test_human_output(void **state) {
+  (void)state;
+  result r = run("plan --model " MODEL("gpt2") " --world-size 3 "
+                 "--wrap-type GPT2Block --unit transformer.h.0 --rank 2");
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "version"));
+  assert_non_null(strstr(r.out, "transformer.h.0.attn.bias"));
+  assert_non_null(strstr(r.out, "lm_head.weight")); /* the shared param */
+  assert_non_null(strstr(r.out, "rank 2 shard"));
+  assert_non_null(strstr(r.out, "transformer.h.0.mlp.c_proj.weight"));
+  done(&r);
+}
+
+int main(void) {
+  g_dir = sp_test_mkdtemp();
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_usage_and_help),
+      cmocka_unit_test(test_failures_name_the_cause),
+      cmocka_unit_test(test_json_plan_llama70b),
+      cmocka_unit_test(test_job_file_and_override),
+      cmocka_unit_test(test_human_output),
+  };
+  int rc = cmocka_run_group_tests(tests, NULL, NULL);
+  sp_test_rmtree(g_dir);
+  free(g_dir);
+  return rc;
+}

@@ -1,0 +1,64 @@
+#include "testutil.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <ftw.h>
+#include <unistd.h>
+
+int sp_test_skip(const char *why) {
+  printf("SKIPPED: %s\n", why);
+  fflush(stdout);
+  return SP_TEST_SKIP_RC;
+}
+
+uint64_t sp_test_rng_next(sp_test_rng *r) {
+  uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t sp_test_rng_below(sp_test_rng *r, uint64_t n) {
+  return sp_test_rng_next(r) % n;
+}
+
+char *sp_test_mkdtemp(void) {
+  const char *base = getenv("TMPDIR");
+  if (base == NULL || base[0] == '\0') base = "/tmp";
+  char *path = sp_test_path(base, "shardplane-test-XXXXXX");
+  assert_non_null(mkdtemp(path));
+  return path;
+}
+
+char *sp_test_path(const char *dir, const char *name) {
+  size_t n = strlen(dir) + strlen(name) + 2;
+  char *p = malloc(n);
+  assert_non_null(p);
+  snprintf(p, n, "%s/%s", dir, name);
+  return p;
+}
+
+void sp_test_write_file(const char *path, const void *data, size_t len) {
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(data, 1, len, f), len);
+  assert_int_equal(fclose(f), 0);
+}
+
+static int rm_entry(const char *p, const struct stat *sb, int flag,
+                    struct FTW *ftw) {
+  (void)sb;
+  (void)flag;
+  (void)ftw;
+  return remove(p);
+}
+
+void sp_test_rmtree(const char *dir) {
+  nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
