@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "cast.h"
@@ -29,15 +30,20 @@
 #include "cast_cuda.h"
 #endif
 
+#define BENCH_ALIGN ((size_t)2 << 20)
+
 typedef struct bench_cast {
   const char *label;
   sp_dtype src, dst;
 } bench_cast;
 
 static const bench_cast k_casts[] = {
-    {"f32->bf16", SP_FLOAT32, SP_BFLOAT16}, {"bf16->f32", SP_BFLOAT16, SP_FLOAT32},
-    {"f32->f16", SP_FLOAT32, SP_FLOAT16},   {"f16->f32", SP_FLOAT16, SP_FLOAT32},
-    {"f64->f32", SP_FLOAT64, SP_FLOAT32},   {"f32->f64", SP_FLOAT32, SP_FLOAT64},
+    {"f32->bf16", SP_FLOAT32, SP_BFLOAT16},
+    {"bf16->f32", SP_BFLOAT16, SP_FLOAT32},
+    {"f32->f16", SP_FLOAT32, SP_FLOAT16},
+    {"f16->f32", SP_FLOAT16, SP_FLOAT32},
+    {"f64->f32", SP_FLOAT64, SP_FLOAT32},
+    {"f32->f64", SP_FLOAT32, SP_FLOAT64},
 };
 #define N_CASTS (sizeof k_casts / sizeof k_casts[0])
 
@@ -46,21 +52,25 @@ typedef struct bench_opts {
   size_t cache_size; /* elements, cache-resident run */
   int reps;
   bool cuda;
+  bool hugepages;
 } bench_opts;
 
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: cast [--size N] [--cache-size N] [--reps N] "
-          "[--device cpu|cuda] [--help]\n"
-          "  --size N        elements for the DRAM-resident run "
-          "(default 64Mi; K/M/G suffixes are binary)\n"
-          "  --cache-size N  elements for the cache-resident run "
-          "(default 128Ki; 0 skips it)\n"
-          "  --reps N        repetitions, best one counts (default 10)\n"
-          "  --device D      cpu (default) or cuda\n"
-          "Prints, per cast and path, bandwidth (bytes read + written per "
-          "second) and its ratio to memcpy of the same bytes in the same "
-          "run.\n");
+  fprintf(f, "usage: cast [--size N] [--cache-size N] [--reps N] [--hugepages] "
+             "[--device cpu|cuda] [--help]\n"
+             "  --size N        elements for the DRAM-resident run "
+             "(default 64Mi; K/M/G suffixes are binary)\n"
+             "  --cache-size N  elements for the cache-resident run "
+             "(default 128Ki; 0 skips it)\n"
+             "  --reps N        repetitions, best one counts (default 10)\n"
+             "  --device D      cpu (default) or cuda\n"
+             "  --hugepages     ask for transparent huge pages on the CPU "
+             "buffers (both\n"
+             "                  cast and memcpy use them); default: ordinary "
+             "pages\n"
+             "Prints, per cast and path, bandwidth (bytes read + written per "
+             "second) and its ratio to memcpy of the same bytes in the same "
+             "run.\n");
 }
 
 static int parse_size(const char *s, size_t *out) {
@@ -69,15 +79,23 @@ static int parse_size(const char *s, size_t *out) {
   unsigned long long v = strtoull(s, &end, 10);
   if (errno != 0 || end == s) return SP_EINVAL;
   unsigned long long mul = 1;
-  if (*end == 'K' || *end == 'k') mul = 1ull << 10;
-  else if (*end == 'M' || *end == 'm') mul = 1ull << 20;
-  else if (*end == 'G' || *end == 'g') mul = 1ull << 30;
-  else if (*end != '\0') return SP_EINVAL;
-  if (mul != 1 && end[1] != '\0' && strcmp(end + 1, "i") != 0)
+  if (*end == 'K' || *end == 'k')
+    mul = 1ull << 10;
+  else if (*end == 'M' || *end == 'm')
+    mul = 1ull << 20;
+  else if (*end == 'G' || *end == 'g')
+    mul = 1ull << 30;
+  else if (*end != '\0')
     return SP_EINVAL;
+  if (mul != 1 && end[1] != '\0' && strcmp(end + 1, "i") != 0) return SP_EINVAL;
   if (v > SIZE_MAX / mul) return SP_ERANGE;
   *out = (size_t)(v * mul);
   return 0;
+}
+
+static int bad_value(const char *opt, const char *v) {
+  fprintf(stderr, "cast: bad value for %s: %s\n", opt, v);
+  return SP_EINVAL;
 }
 
 static int parse_args(int argc, char **argv, bench_opts *o) {
@@ -88,21 +106,27 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
       usage(stdout);
       exit(0);
     } else if (strcmp(a, "--size") == 0 && v) {
-      if (parse_size(v, &o->size) != 0 || o->size == 0) return SP_EINVAL;
+      if (parse_size(v, &o->size) != 0 || o->size == 0) return bad_value(a, v);
       i++;
     } else if (strcmp(a, "--cache-size") == 0 && v) {
-      if (parse_size(v, &o->cache_size) != 0) return SP_EINVAL;
+      if (parse_size(v, &o->cache_size) != 0) return bad_value(a, v);
       i++;
     } else if (strcmp(a, "--reps") == 0 && v) {
       o->reps = atoi(v);
-      if (o->reps <= 0) return SP_EINVAL;
+      if (o->reps <= 0) return bad_value(a, v);
       i++;
+    } else if (strcmp(a, "--hugepages") == 0) {
+      o->hugepages = true;
     } else if (strcmp(a, "--device") == 0 && v) {
-      if (strcmp(v, "cuda") == 0) o->cuda = true;
-      else if (strcmp(v, "cpu") == 0) o->cuda = false;
-      else return SP_EINVAL;
+      if (strcmp(v, "cuda") == 0)
+        o->cuda = true;
+      else if (strcmp(v, "cpu") == 0)
+        o->cuda = false;
+      else
+        return bad_value(a, v);
       i++;
     } else {
+      fprintf(stderr, "cast: unknown option or missing value: %s\n", a);
       return SP_EINVAL;
     }
   }
@@ -116,23 +140,31 @@ static double now_s(void) {
 }
 
 static void fmt_elems(char *buf, size_t cap, size_t n) {
-  if (n % (1u << 20) == 0) snprintf(buf, cap, "%zuMi", n >> 20);
-  else if (n % (1u << 10) == 0) snprintf(buf, cap, "%zuKi", n >> 10);
-  else snprintf(buf, cap, "%zu", n);
+  if (n % (1u << 20) == 0)
+    snprintf(buf, cap, "%zuMi", n >> 20);
+  else if (n % (1u << 10) == 0)
+    snprintf(buf, cap, "%zuKi", n >> 10);
+  else
+    snprintf(buf, cap, "%zu", n);
 }
 
 static void print_header(const char *baseline) {
-  printf("%-10s %-7s %9s %10s %10s %12s %7s\n", "cast", "path", "elements",
-         "MiB moved", "cast GB/s", baseline, "ratio");
+  printf("%-10s %-7s %9s %9s %10s %12s %7s\n", "cast", "path", "elements",
+         "moved", "cast GB/s", baseline, "ratio");
 }
 
+/* bytes: read + written by one pass; times: seconds for one pass. */
 static void print_row(const char *label, const char *path, size_t n,
                       double bytes, double t_cast, double t_base) {
-  char el[32];
+  char el[32], mv[32];
   fmt_elems(el, sizeof el, n);
+  if (bytes >= (double)(1 << 20))
+    snprintf(mv, sizeof mv, "%.0f MiB", bytes / (1 << 20));
+  else
+    snprintf(mv, sizeof mv, "%.0f KiB", bytes / (1 << 10));
   double bw = bytes / t_cast * 1e-9, base = bytes / t_base * 1e-9;
-  printf("%-10s %-7s %9s %10.1f %10.1f %12.1f %7.2f\n", label, path, el,
-         bytes / (1 << 20), bw, base, bw / base);
+  printf("%-10s %-7s %9s %9s %10.1f %12.1f %7.2f\n", label, path, el, mv, bw,
+         base, bw / base);
   fflush(stdout);
 }
 
@@ -180,8 +212,8 @@ static int bench_cpu_size(const bench_opts *o, size_t n, unsigned char *src,
         for (int k = 0; k < inner; k++) memcpy(dst, src, cpy);
         double t1 = now_s();
         for (int k = 0; k < inner; k++) {
-          int rc = sp_cast_with_path(dst, bc->dst, src, bc->src, n,
-                                     (sp_cast_path)p);
+          int rc =
+              sp_cast_with_path(dst, bc->dst, src, bc->src, n, (sp_cast_path)p);
           if (rc != 0) {
             fprintf(stderr, "cast: %s\n", sp_strerror(rc));
             return rc;
@@ -193,7 +225,7 @@ static int bench_cpu_size(const bench_opts *o, size_t n, unsigned char *src,
         if (t2 - t1 < best_cast) best_cast = t2 - t1;
       }
       print_row(bc->label, sp_cast_path_name((sp_cast_path)p), n,
-                (double)(in + out) * inner, best_cast, best_cpy);
+                (double)(in + out), best_cast / inner, best_cpy / inner);
     }
   }
   return 0;
@@ -203,18 +235,28 @@ static int bench_cpu(const bench_opts *o) {
   size_t big = o->size > o->cache_size ? o->size : o->cache_size;
   /* 8 bytes per element covers the widest source and destination; memcpy
    * baselines reuse the same buffers (at most 6 bytes per element). */
-  unsigned char *src = aligned_alloc(64, big * 8);
-  unsigned char *dst = aligned_alloc(64, big * 8);
+  /* 2 MiB alignment lets huge pages back the buffers when asked for; the
+   * size is rounded up because aligned_alloc wants a multiple. */
+  size_t bytes = (big * 8 + BENCH_ALIGN - 1) / BENCH_ALIGN * BENCH_ALIGN;
+  unsigned char *src = aligned_alloc(BENCH_ALIGN, bytes);
+  unsigned char *dst = aligned_alloc(BENCH_ALIGN, bytes);
   if (src == NULL || dst == NULL) {
     fprintf(stderr, "cast: cannot allocate 2 x %zu MiB\n", big * 8 >> 20);
     free(src);
     free(dst);
     return 1;
   }
+  if (o->hugepages) {
+    /* Advice only: the kernel may still back the buffers with 4 KiB pages
+     * (THP "never", fragmentation); the header says what was asked. */
+    (void)madvise(src, bytes, MADV_HUGEPAGE);
+    (void)madvise(dst, bytes, MADV_HUGEPAGE);
+  }
   /* Fault every page in now so no timed pass pays for it. */
-  memset(src, 0, big * 8);
-  memset(dst, 0, big * 8);
-  printf("CPU casts, 1 thread, best of %d; best path here: %s\n", o->reps,
+  memset(src, 0, bytes);
+  memset(dst, 0, bytes);
+  printf("CPU casts, 1 thread, best of %d, %s; best path here: %s\n", o->reps,
+         o->hugepages ? "huge pages requested" : "ordinary pages",
          sp_cast_path_name(sp_cast_path_best()));
   printf("baseline: memcpy of the same bytes (read + written) in the same "
          "run; ratio = cast GB/s / memcpy GB/s\n");
@@ -296,8 +338,10 @@ out:
 #endif
 
 int main(int argc, char **argv) {
-  bench_opts o = {.size = (size_t)64 << 20, .cache_size = (size_t)128 << 10,
-                  .reps = 10, .cuda = false};
+  bench_opts o = {.size = (size_t)64 << 20,
+                  .cache_size = (size_t)128 << 10,
+                  .reps = 10,
+                  .cuda = false};
   if (parse_args(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;

@@ -46,7 +46,16 @@ sp_cast_path sp_cast_path_best(void);
  * overlap unless they are the same pointer with equal element sizes.
  * No alignment requirement.
  * Errors: SP_EINVAL (NULL pointer with n > 0, non-floating or invalid dtype),
- * SP_EUNSUPPORTED (path not available on this CPU). */
+ * SP_EUNSUPPORTED (path not available on this CPU).
+ *
+ * Thread-safe (the only shared state is the one-time CPU detection).
+ * Runs on the calling thread only. The result bits do not depend on the
+ * thread's floating-point environment (MXCSR rounding mode, FTZ, DAZ).
+ * Destinations beyond the cache (half the last-level cache, at most
+ * 16 MiB) are written with streaming stores, so after a large cast the
+ * result is in memory, not in the cache. Only float32 <-> bfloat16 and
+ * float32 <-> float16 have SIMD kernels; the other pairs run the scalar
+ * loop on every path. */
 int sp_cast(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
             size_t n);
 int sp_cast_with_path(void *dst, sp_dtype dst_t, const void *src,

@@ -17,8 +17,8 @@ static inline __m256i sp_avx2_bf16_round(__m256i u) {
   const __m256i bias = _mm256_set1_epi32(0x7FFF);
   const __m256i quiet = _mm256_set1_epi32(0x0040);
   __m256i hi = _mm256_srli_epi32(u, 16);
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, bias),
-                               _mm256_and_si256(hi, one));
+  __m256i r =
+      _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(hi, one));
   r = _mm256_srli_epi32(r, 16);
   /* Both operands are non-negative as int32, so a signed compare works. */
   __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
@@ -39,11 +39,11 @@ static inline __m256i sp_avx2_vec_f32_to_bf16(const unsigned char *s) {
 static inline __m256i sp_avx2_vec_bf16_to_f32(const unsigned char *s) {
   __m256i u = _mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)s)), 16);
-  __m256i nan = _mm256_cmpgt_epi32(
-      _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
-      _mm256_set1_epi32(0x7F800000));
-  return _mm256_or_si256(
-      u, _mm256_and_si256(nan, _mm256_set1_epi32(0x00400000)));
+  __m256i nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_or_si256(u,
+                         _mm256_and_si256(nan, _mm256_set1_epi32(0x00400000)));
 }
 
 #define SP_F16_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
@@ -62,8 +62,25 @@ static inline __m256i sp_avx2_vec_f16_to_f32(const unsigned char *s) {
       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)));
 }
 
-/* Scalar head up to a 64-byte aligned destination, vector body writing one
- * 64-byte line (two vectors of PER elements) per iteration, scalar tail. */
+/* One iteration of the vector body: two vectors, one 64-byte line of
+ * output. PF: prefetch the source; STORE: ordinary or streaming. */
+#define SP_AVX2_STEP(name, SB, DB, PER, PF, STORE)                             \
+  do {                                                                         \
+    if (PF) sp_cast_prefetch(s + i * (SB), 2 * (PER) * (SB));                  \
+    __m256i v0 = sp_avx2_vec_##name(s + i * (SB));                             \
+    __m256i v1 = sp_avx2_vec_##name(s + (i + (PER)) * (SB));                   \
+    STORE(d + i * (DB), v0);                                                   \
+    STORE(d + (i + (PER)) * (DB), v1);                                         \
+  } while (0)
+#define SP_AVX2_STREAM(p, v) _mm256_stream_si256((__m256i *)(p), (v))
+#define SP_AVX2_STOREU(p, v) _mm256_storeu_si256((__m256i *)(p), (v))
+
+/* Scalar head up to a 64-byte aligned destination, vector body, scalar
+ * tail. The body comes in three variants so the per-iteration choices are
+ * made once: streaming stores (nt) for destinations beyond the cache;
+ * software prefetch for sources beyond L2, where it keeps DRAM and L3
+ * reads flowing; neither for cache-resident data, where the prefetch
+ * instructions would only take load-port slots from a port-bound loop. */
 #define SP_AVX2_KERNEL(name, SB, DB, PER)                                      \
   void sp_cast_avx2_##name(void *dst, const void *src, size_t n, bool nt) {    \
     unsigned char *d = (unsigned char *)dst;                                   \
@@ -80,24 +97,18 @@ static inline __m256i sp_avx2_vec_f16_to_f32(const unsigned char *s) {
     n -= head;                                                                 \
     size_t i = 0;                                                              \
     if (nt) {                                                                  \
-      for (; i + 2 * (PER) <= n; i += 2 * (PER)) {                             \
-        __m256i v0 = sp_avx2_vec_##name(s + i * (SB));                         \
-        __m256i v1 = sp_avx2_vec_##name(s + (i + (PER)) * (SB));               \
-        _mm256_stream_si256((__m256i *)(d + i * (DB)), v0);                    \
-        _mm256_stream_si256((__m256i *)(d + (i + (PER)) * (DB)), v1);          \
-      }                                                                        \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
+        SP_AVX2_STEP(name, SB, DB, PER, 1, SP_AVX2_STREAM);                    \
       _mm_sfence();                                                            \
+    } else if (n * (SB) >= SP_CAST_PF_MIN_SRC) {                               \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
+        SP_AVX2_STEP(name, SB, DB, PER, 1, SP_AVX2_STOREU);                    \
     } else {                                                                   \
-      for (; i + 2 * (PER) <= n; i += 2 * (PER)) {                             \
-        __m256i v0 = sp_avx2_vec_##name(s + i * (SB));                         \
-        __m256i v1 = sp_avx2_vec_##name(s + (i + (PER)) * (SB));               \
-        _mm256_storeu_si256((__m256i *)(d + i * (DB)), v0);                    \
-        _mm256_storeu_si256((__m256i *)(d + (i + (PER)) * (DB)), v1);          \
-      }                                                                        \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
+        SP_AVX2_STEP(name, SB, DB, PER, 0, SP_AVX2_STOREU);                    \
     }                                                                          \
     for (; i + (PER) <= n; i += (PER))                                         \
-      _mm256_storeu_si256((__m256i *)(d + i * (DB)),                           \
-                          sp_avx2_vec_##name(s + i * (SB)));                   \
+      SP_AVX2_STOREU(d + i * (DB), sp_avx2_vec_##name(s + i * (SB)));          \
     sp_cast_loop_##name(d + i * (DB), s + i * (SB), n - i);                    \
   }
 

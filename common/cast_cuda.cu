@@ -159,7 +159,7 @@ int sp_cuda_device_count(int *n) {
    * trip over this expected failure. */
   (void)cudaGetLastError();
   switch (e) {
-  case cudaErrorNoDevice:          /* driver loaded, no GPU */
+  case cudaErrorNoDevice:           /* driver loaded, no GPU */
   case cudaErrorInsufficientDriver: /* no driver at all, or too old */
   case cudaErrorStubLibrary:        /* linked against the toolkit's stub */
     return 0;
@@ -188,8 +188,8 @@ int sp_cuda_cast(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
    * grid-stride loop does the rest with fewer block launches. */
   int dev = 0, sms = 0;
   SP_CUDA_CHECK(cudaGetDevice(&dev));
-  SP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                       dev));
+  SP_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   unsigned max_blocks = (unsigned)(sms > 0 ? sms : 1) * 8u;
   launch(dst, src, n, max_blocks, st);
   SP_CUDA_CHECK(cudaGetLastError());

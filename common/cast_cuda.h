@@ -50,7 +50,7 @@ int sp_cuda_report(int err, const char *expr, const char *file, int line);
   do {                                                                         \
     int sp_cuda_check_err_ = (int)(call);                                      \
     if (sp_cuda_check_err_ != 0)                                               \
-      return sp_cuda_report(sp_cuda_check_err_, #call, __FILE__, __LINE__);   \
+      return sp_cuda_report(sp_cuda_check_err_, #call, __FILE__, __LINE__);    \
   } while (0)
 
 #ifdef __cplusplus

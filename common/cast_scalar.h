@@ -93,8 +93,7 @@ SP_HD static inline uint32_t sp_bf16_to_f32_bits(uint16_t h) {
 SP_HD static inline uint16_t sp_f32_to_f16_bits(uint32_t u) {
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & SP_F32_ABS_MASK;
-  if (a > SP_F32_INF)
-    return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x03FFu));
+  if (a > SP_F32_INF) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x03FFu));
   if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);
   if (a >= 0x38800000u) {
     /* Rebias the exponent from 127 to 15 in place, then round off 13 bits
@@ -156,7 +155,7 @@ SP_HD static inline uint32_t sp_f64_narrow_bits(uint64_t d, unsigned ebits,
     uint32_t payload = (uint32_t)(a >> (52 - mbits)) & ((1u << mbits) - 1u);
     return sign | inf | (1u << (mbits - 1)) | payload;
   }
-  int32_t e = (int32_t)(a >> 52); /* float64 biased exponent, 0..2047 */
+  int32_t e = (int32_t)(a >> 52);        /* float64 biased exponent, 0..2047 */
   int32_t eo = e - 1023 + (int32_t)bias; /* target biased exponent */
   if (eo >= (int32_t)emax) return sign | inf; /* >= 2^(emax-bias) */
   if (eo >= 1) {
@@ -201,8 +200,7 @@ SP_HD static inline uint64_t sp_f32_to_f64_bits(uint32_t u) {
   if (m == 0) return sign;
   /* Subnormal m * 2^-149: normalise so the leading one sits at bit 23. */
   int k = sp_cast_clz32((uint32_t)m) - 8; /* 1..23 */
-  return sign | ((uint64_t)(897 - k) << 52) |
-         (((m << k) & 0x007FFFFFu) << 29);
+  return sign | ((uint64_t)(897 - k) << 52) | (((m << k) & 0x007FFFFFu) << 29);
 }
 
 SP_HD static inline uint64_t sp_f16_to_f64_bits(uint16_t h) {
