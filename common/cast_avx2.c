@@ -75,6 +75,26 @@ static inline __m256i sp_avx2_vec_f16_to_f32(const unsigned char *s) {
 #define SP_AVX2_STREAM(p, v) _mm256_stream_si256((__m256i *)(p), (v))
 #define SP_AVX2_STOREU(p, v) _mm256_storeu_si256((__m256i *)(p), (v))
 
+/* Streaming body over SP_CAST_NT_STREAMS contiguous parts (cast_simd.h says
+ * why), two vectors (one whole, aligned 64-byte output line) per part per
+ * round. Each part is a whole number of lines, so every store stays aligned;
+ * leaves i after the parts, for the single-stream loop to finish. */
+#define SP_AVX2_NT_STREAMS(name, SB, DB, PER)                                  \
+  do {                                                                         \
+    size_t part = n / (SP_CAST_NT_STREAMS * 2 * (PER)) * (2 * (PER));          \
+    for (size_t j = 0; j < part; j += 2 * (PER)) {                             \
+      for (size_t k = 0; k < SP_CAST_NT_STREAMS; k++) {                        \
+        size_t e = k * part + j;                                               \
+        sp_cast_prefetch_near(s + e * (SB), 2 * (PER) * (SB));                 \
+        __m256i v0 = sp_avx2_vec_##name(s + e * (SB));                         \
+        __m256i v1 = sp_avx2_vec_##name(s + (e + (PER)) * (SB));               \
+        SP_AVX2_STREAM(d + e * (DB), v0);                                      \
+        SP_AVX2_STREAM(d + (e + (PER)) * (DB), v1);                            \
+      }                                                                        \
+    }                                                                          \
+    i = SP_CAST_NT_STREAMS * part;                                             \
+  } while (0)
+
 /* Scalar head up to a 64-byte aligned destination, vector body, scalar
  * tail. The body comes in three variants so the per-iteration choices are
  * made once: streaming stores (nt) for destinations beyond the cache;
@@ -97,6 +117,7 @@ static inline __m256i sp_avx2_vec_f16_to_f32(const unsigned char *s) {
     n -= head;                                                                 \
     size_t i = 0;                                                              \
     if (nt) {                                                                  \
+      SP_AVX2_NT_STREAMS(name, SB, DB, PER);                                   \
       for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
         SP_AVX2_STEP(name, SB, DB, PER, 1, SP_AVX2_STREAM);                    \
       _mm_sfence();                                                            \

@@ -120,6 +120,23 @@ static inline __m512i sp_avx512_vec_f16_to_f32(const unsigned char *s) {
 #define SP_AVX512_STREAM(p, v) _mm512_stream_si512((__m512i *)(p), (v))
 #define SP_AVX512_STOREU(p, v) _mm512_storeu_si512((void *)(p), (v))
 
+/* Streaming body over SP_CAST_NT_STREAMS contiguous parts (cast_simd.h says
+ * why), one vector (one whole, aligned 64-byte output line) per part per
+ * round. Each part is a whole number of lines, so every store stays aligned;
+ * leaves i after the parts, for the single-stream loop to finish. */
+#define SP_AVX512_NT_STREAMS(name, SB, DB, PER)                                \
+  do {                                                                         \
+    size_t part = n / (SP_CAST_NT_STREAMS * (PER)) * (PER);                    \
+    for (size_t j = 0; j < part; j += (PER)) {                                 \
+      for (size_t k = 0; k < SP_CAST_NT_STREAMS; k++) {                        \
+        size_t e = k * part + j;                                               \
+        sp_cast_prefetch_near(s + e * (SB), (PER) * (SB));                     \
+        SP_AVX512_STREAM(d + e * (DB), sp_avx512_vec_##name(s + e * (SB)));   \
+      }                                                                        \
+    }                                                                          \
+    i = SP_CAST_NT_STREAMS * part;                                             \
+  } while (0)
+
 /* Scalar head up to a 64-byte aligned destination, vector body, scalar
  * tail. The body comes in three variants so the per-iteration choices are
  * made once: streaming stores (nt) for destinations beyond the cache;
@@ -143,6 +160,7 @@ static inline __m512i sp_avx512_vec_f16_to_f32(const unsigned char *s) {
     n -= head;                                                                 \
     size_t i = 0;                                                              \
     if (nt) {                                                                  \
+      SP_AVX512_NT_STREAMS(name, SB, DB, PER);                                 \
       for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
         SP_AVX512_STEP(name, SB, DB, PER, 1, SP_AVX512_STREAM);                \
       _mm_sfence();                                                            \

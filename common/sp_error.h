@@ -30,7 +30,9 @@ extern "C" {
   X(ECUDA, -12, "CUDA error")                                                  \
   X(ENCCL, -13, "NCCL error")                                                  \
   X(ENODEV, -14, "no such device")                                             \
-  X(EMISMATCH, -15, "mismatch")
+  X(EMISMATCH, -15, "mismatch")                                               \
+  X(EAGAIN, -16, "resource temporarily unavailable, try again")                \
+  X(ECANCELED, -17, "cancelled")
 
 typedef enum sp_errno {
 #define SP_ERR_ENUM(name, val, msg) SP_##name = (val),

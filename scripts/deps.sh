@@ -8,7 +8,13 @@ PACKAGES=(
   gcc g++ make cmake ninja-build pkg-config
   libjansson-dev libprotobuf-c-dev protobuf-c-compiler libcmocka-dev
   libuv1-dev libnghttp2-dev
+  # interop tests: a real gRPC implementation nobody here wrote
+  python3 python3-grpcio python3-protobuf protobuf-compiler
 )
+# `./dev bench` also needs the reference gRPC C++ server
+if [ "${SHARDPLANE_DEPS_BENCH:-0}" = 1 ]; then
+  PACKAGES+=(libgrpc++-dev protobuf-compiler-grpc)
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

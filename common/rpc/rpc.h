@@ -1,0 +1,304 @@
+/* shardplane's gRPC engine: real gRPC over HTTP/2 (h2c), on libuv + nghttp2,
+ * with protobuf-c messages. One engine serves the coordinator and the client
+ * library; any stock gRPC client or server interoperates with it.
+ *
+ * Threading: a server or client lives on one uv_loop_t and every function
+ * here must be called on that loop's thread, except the sp_rpc_sync_*
+ * wrappers, which own a private loop and may be used from any one thread.
+ *
+ * Errors: functions return 0 or a negative SP_E* code (sp_error.h). RPC
+ * outcomes are gRPC status codes (SP_RPC_OK ... SP_RPC_UNAUTHENTICATED).
+ */
+#ifndef SP_RPC_H
+#define SP_RPC_H
+
+#include <protobuf-c/protobuf-c.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "sp_error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* gRPC status codes (grpc/grpc doc/statuscodes.md). */
+typedef enum sp_rpc_code {
+  SP_RPC_OK = 0,
+  SP_RPC_CANCELLED = 1,
+  SP_RPC_UNKNOWN = 2,
+  SP_RPC_INVALID_ARGUMENT = 3,
+  SP_RPC_DEADLINE_EXCEEDED = 4,
+  SP_RPC_NOT_FOUND = 5,
+  SP_RPC_ALREADY_EXISTS = 6,
+  SP_RPC_PERMISSION_DENIED = 7,
+  SP_RPC_RESOURCE_EXHAUSTED = 8,
+  SP_RPC_FAILED_PRECONDITION = 9,
+  SP_RPC_ABORTED = 10,
+  SP_RPC_OUT_OF_RANGE = 11,
+  SP_RPC_UNIMPLEMENTED = 12,
+  SP_RPC_INTERNAL = 13,
+  SP_RPC_UNAVAILABLE = 14,
+  SP_RPC_DATA_LOSS = 15,
+  SP_RPC_UNAUTHENTICATED = 16,
+} sp_rpc_code;
+
+/* "OK", "CANCELLED", ...; "UNKNOWN" for out-of-range values. */
+const char *sp_rpc_code_name(int code);
+
+#define SP_RPC_STATUS_MESSAGE_MAX 512
+
+/* The outcome of a call: code plus the (decoded) grpc-message. */
+typedef struct sp_rpc_status {
+  int code;
+  char message[SP_RPC_STATUS_MESSAGE_MAX];
+} sp_rpc_status;
+
+/* Default limits, mirroring gRPC C-core. */
+#define SP_RPC_DEFAULT_MAX_MESSAGE (4u << 20)
+#define SP_RPC_DEFAULT_MAX_METADATA (8u << 10)
+#define SP_RPC_DEFAULT_MAX_STREAMS 100u
+/* A call may queue this many outgoing bytes before sends report SP_EAGAIN:
+ * a client that does not read cannot make the server buffer without bound. */
+#define SP_RPC_DEFAULT_MAX_PENDING (8u << 20)
+
+/* One metadata entry; -bin values are raw bytes (base64 on the wire). */
+typedef struct sp_rpc_md {
+  const char *key;
+  const uint8_t *value;
+  size_t len;
+} sp_rpc_md;
+
+/* ------------------------------------------------------------------ */
+/* Server                                                              */
+/* ------------------------------------------------------------------ */
+
+typedef enum sp_rpc_kind {
+  SP_RPC_UNARY = 0,
+  SP_RPC_SERVER_STREAMING = 1,
+  SP_RPC_CLIENT_STREAMING = 2,
+  SP_RPC_BIDI_STREAMING = 3,
+} sp_rpc_kind;
+
+typedef struct sp_rpc_server sp_rpc_server;
+typedef struct sp_rpc_call sp_rpc_call;
+
+/* Handler contract. All callbacks run on the loop thread.
+ *
+ * - on_message: one decoded request. For UNARY and SERVER_STREAMING it is
+ *   called exactly once, after the client half-closed; for the streaming
+ *   kinds, once per message as it arrives. The message belongs to the
+ *   engine and is freed when the callback returns.
+ * - on_half_close (CLIENT_STREAMING, BIDI): the client sent its last
+ *   message. Optional.
+ * - on_cancel: the call ended without the handler finishing it (client
+ *   cancel, deadline, connection loss, server shutdown). After it returns
+ *   the call pointer is invalid. Optional.
+ *
+ * A handler owns the call from the first callback until it calls
+ * sp_rpc_call_finish() or until on_cancel returns, whichever is first; it may
+ * finish later, from another loop callback (e.g. a store wait). */
+typedef struct sp_rpc_method {
+  const char *path; /* "/package.Service/Method", exact match */
+  sp_rpc_kind kind;
+  const ProtobufCMessageDescriptor *input; /* NULL: raw bytes */
+  void (*on_message)(sp_rpc_call *call, const ProtobufCMessage *msg,
+                     const uint8_t *raw, size_t raw_len);
+  void (*on_half_close)(sp_rpc_call *call);
+  void (*on_cancel)(sp_rpc_call *call, int code);
+  void *user; /* returned by sp_rpc_call_method_user() */
+} sp_rpc_method;
+
+typedef struct sp_rpc_server_opts {
+  size_t max_message;      /* receive and send limit; 0: default */
+  size_t max_metadata;     /* request header bytes; 0: default */
+  uint32_t max_streams;    /* SETTINGS_MAX_CONCURRENT_STREAMS; 0: default */
+  size_t max_pending;      /* queued outgoing bytes per call; 0: default */
+  uint32_t max_connections; /* 0: 65536 */
+} sp_rpc_server_opts;
+
+/* Creates a server on `loop` with grpc.health.v1.Health registered ("" is
+ * SERVING). opts may be NULL. The caller frees it with sp_rpc_server_free()
+ * after the shutdown callback ran (or before listening). */
+int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
+                      sp_rpc_server **out);
+
+/* Registers methods. The array and strings must outlive the server.
+ * SP_EEXIST for a path registered twice, SP_ENOMEM. */
+int sp_rpc_server_add_methods(sp_rpc_server *srv, const sp_rpc_method *m,
+                              size_t n);
+
+/* Listens on "host:port" ("127.0.0.1:7700", "[::1]:0", "localhost:7700";
+ * port 0 picks a free one). *port_out, if given, gets the bound port.
+ * SP_EINVAL for a malformed address, SP_EIO (with the reason in diag)
+ * when it cannot bind, e.g. the port is in use. */
+int sp_rpc_server_listen(sp_rpc_server *srv, const char *addr,
+                         int *port_out, sp_diag *diag);
+
+/* Graceful shutdown: stop accepting, GOAWAY every connection, let calls in
+ * flight finish (handlers still running after grace_ms are cancelled with
+ * UNAVAILABLE), close, then run done(srv, arg) on the loop. */
+void sp_rpc_server_shutdown(sp_rpc_server *srv, uint64_t grace_ms,
+                            void (*done)(sp_rpc_server *, void *), void *arg);
+void sp_rpc_server_free(sp_rpc_server *srv);
+
+/* Health status of a service name ("" is the whole server). */
+typedef enum sp_rpc_health {
+  SP_HEALTH_UNKNOWN = 0,
+  SP_HEALTH_SERVING = 1,
+  SP_HEALTH_NOT_SERVING = 2,
+} sp_rpc_health;
+int sp_rpc_server_set_health(sp_rpc_server *srv, const char *service,
+                             sp_rpc_health status);
+
+/* Counters for tests and the status command. */
+typedef struct sp_rpc_server_stats {
+  uint64_t connections_open, connections_total, calls_open, calls_total;
+  uint64_t bytes_in, bytes_out;
+} sp_rpc_server_stats;
+void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s);
+
+/* ---- calls (server side) ---- */
+
+/* Queues one response message. SP_ETOOBIG: the packed message is over the
+ * send limit (nothing queued); SP_EAGAIN: the call's queue is full, wait for
+ * on_writable; SP_ESTATE: already finished, or a second message on a
+ * unary/client-streaming method. */
+int sp_rpc_call_send(sp_rpc_call *call, const ProtobufCMessage *msg);
+int sp_rpc_call_send_raw(sp_rpc_call *call, const uint8_t *data, size_t len);
+
+/* Ends the call with a status; message may be NULL. Queued messages are
+ * sent first, then the trailers. The call is invalid afterwards. */
+int sp_rpc_call_finish(sp_rpc_call *call, int code, const char *message);
+/* Like finish, with printf formatting of the message. */
+int sp_rpc_call_finishf(sp_rpc_call *call, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Adds a response metadata entry (sent with the response headers). Only
+ * before the first message. Keys must be valid (lower case, [0-9a-z_.-]);
+ * "-bin" keys carry binary values. */
+int sp_rpc_call_add_metadata(sp_rpc_call *call, const char *key,
+                             const uint8_t *value, size_t len);
+
+/* A request metadata value (decoded for -bin keys), or NULL. The pointer is
+ * valid while the call is. */
+const uint8_t *sp_rpc_call_metadata(const sp_rpc_call *call, const char *key,
+                                    size_t *len);
+
+/* Bytes queued and not yet handed to the transport. */
+size_t sp_rpc_call_pending(const sp_rpc_call *call);
+/* Called once when the pending bytes drop below half the limit after a send
+ * returned SP_EAGAIN. */
+void sp_rpc_call_on_writable(sp_rpc_call *call, void (*cb)(sp_rpc_call *));
+
+/* Milliseconds until the client's deadline, or -1 when it set none. */
+int64_t sp_rpc_call_remaining_ms(const sp_rpc_call *call);
+const char *sp_rpc_call_path(const sp_rpc_call *call);
+void *sp_rpc_call_method_user(const sp_rpc_call *call);
+void sp_rpc_call_set_user(sp_rpc_call *call, void *user);
+void *sp_rpc_call_user(const sp_rpc_call *call);
+/* A per-connection id, stable while the connection lives. */
+uint64_t sp_rpc_call_connection_id(const sp_rpc_call *call);
+/* The peer as "ip:port". */
+const char *sp_rpc_call_peer(const sp_rpc_call *call);
+/* The loop the call runs on (for the handler's own timers). */
+uv_loop_t *sp_rpc_call_loop(const sp_rpc_call *call);
+
+/* ------------------------------------------------------------------ */
+/* Client                                                              */
+/* ------------------------------------------------------------------ */
+
+typedef struct sp_rpc_client sp_rpc_client;
+typedef struct sp_rpc_ccall sp_rpc_ccall;
+
+typedef struct sp_rpc_client_opts {
+  /* Connection attempts retry with jittered exponential backoff (100 ms
+   * initial, x1.6, +-20 %, 5 s cap) until this many ms have passed since the
+   * first attempt; 0: 20000. Calls made while connecting wait for it. */
+  uint64_t connect_timeout_ms;
+  size_t max_message; /* 0: default */
+} sp_rpc_client_opts;
+
+/* Creates a client for "host:port" on loop; connects on the first call.
+ * The client is freed with sp_rpc_client_close(). SP_EINVAL for a bad
+ * address. */
+int sp_rpc_client_new(uv_loop_t *loop, const char *addr,
+                      const sp_rpc_client_opts *opts, sp_rpc_client **out);
+
+/* Fails every open call with CANCELLED, closes the connection and frees the
+ * client once libuv has released its handles (done may be NULL). */
+void sp_rpc_client_close(sp_rpc_client *c, void (*done)(void *), void *arg);
+
+typedef struct sp_rpc_ccall_cbs {
+  /* One response message; bytes valid during the callback. Optional. */
+  void (*on_message)(sp_rpc_ccall *call, const uint8_t *data, size_t len,
+                     void *user);
+  /* Exactly once per call; the call is freed after it returns. */
+  void (*on_close)(sp_rpc_ccall *call, const sp_rpc_status *status,
+                   void *user);
+} sp_rpc_ccall_cbs;
+
+/* Starts a call. timeout_ms 0 means no deadline. md may be NULL. The call
+ * is alive until on_close returns. */
+int sp_rpc_client_start(sp_rpc_client *c, const char *path,
+                        const sp_rpc_md *md, size_t n_md, uint64_t timeout_ms,
+                        const sp_rpc_ccall_cbs *cbs, void *user,
+                        sp_rpc_ccall **out);
+/* Queues one request message (already packed). SP_ETOOBIG over the limit,
+ * SP_ESTATE after close_send or once closed. */
+int sp_rpc_ccall_send(sp_rpc_ccall *call, const uint8_t *data, size_t len);
+int sp_rpc_ccall_send_msg(sp_rpc_ccall *call, const ProtobufCMessage *msg);
+/* Half-closes: no more messages from this side. */
+int sp_rpc_ccall_close_send(sp_rpc_ccall *call);
+/* Cancels (RST_STREAM CANCEL); on_close follows with CANCELLED. */
+void sp_rpc_ccall_cancel(sp_rpc_ccall *call);
+/* Response header or trailer metadata received so far, or NULL. */
+const uint8_t *sp_rpc_ccall_metadata(const sp_rpc_ccall *call,
+                                     const char *key, size_t *len);
+
+/* ------------------------------------------------------------------ */
+/* Blocking wrapper                                                    */
+/* ------------------------------------------------------------------ */
+
+/* A client with its own loop, for simple programs and tests. Not
+ * thread-safe: use one sp_rpc_sync per thread. */
+typedef struct sp_rpc_sync sp_rpc_sync;
+
+int sp_rpc_sync_open(const char *addr, uint64_t connect_timeout_ms,
+                     sp_rpc_sync **out);
+void sp_rpc_sync_close(sp_rpc_sync *s);
+
+/* One unary call. On return *status holds the outcome; when it is OK and
+ * resp_desc is given, *resp is the decoded response (free it with
+ * protobuf_c_message_free_unpacked(*resp, NULL)). Returns 0 whenever the
+ * call completed (whatever the status), SP_EINVAL for bad arguments. */
+int sp_rpc_sync_unary(sp_rpc_sync *s, const char *path,
+                      const ProtobufCMessage *req,
+                      const ProtobufCMessageDescriptor *resp_desc,
+                      uint64_t timeout_ms, ProtobufCMessage **resp,
+                      sp_rpc_status *status);
+
+/* Streaming from the blocking side. */
+typedef struct sp_rpc_sync_stream sp_rpc_sync_stream;
+int sp_rpc_sync_stream_open(sp_rpc_sync *s, const char *path,
+                            uint64_t timeout_ms, const sp_rpc_md *md,
+                            size_t n_md, sp_rpc_sync_stream **out);
+int sp_rpc_sync_stream_send(sp_rpc_sync_stream *st, const ProtobufCMessage *m);
+int sp_rpc_sync_stream_close_send(sp_rpc_sync_stream *st);
+/* Waits up to wait_ms (0: forever) for the next message. Returns 0 with
+ * *msg set (caller frees with protobuf_c_message_free_unpacked), SP_ENOENT
+ * when the call ended (see *status), SP_ETIMEDOUT when nothing came in
+ * time (the call goes on), SP_EFORMAT if the message does not decode. */
+int sp_rpc_sync_stream_recv(sp_rpc_sync_stream *st,
+                            const ProtobufCMessageDescriptor *desc,
+                            uint64_t wait_ms, ProtobufCMessage **msg,
+                            sp_rpc_status *status);
+/* Cancels if still open, then frees. */
+void sp_rpc_sync_stream_free(sp_rpc_sync_stream *st);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

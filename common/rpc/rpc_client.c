@@ -1,0 +1,622 @@
+/* gRPC client: one HTTP/2 connection at a time, calls multiplexed on it,
+ * connection with jittered exponential backoff, deadlines, cancellation. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rpc.h"
+#include "rpc_conn.h"
+#include "rpc_internal.h"
+#include "rpc_wire.h"
+#include "strmap.h"
+
+typedef struct cmsg {
+  struct cmsg *next;
+  size_t len, off;
+  uint8_t data[];
+} cmsg;
+
+typedef struct cconn {
+  sp_h2conn io;
+  sp_rpc_client *cl;
+  sp_rpc_ccall *calls; /* submitted on this connection */
+  bool ready, goaway;
+} cconn;
+
+struct sp_rpc_ccall {
+  sp_rpc_client *cl;
+  cconn *conn; /* NULL while waiting for a connection */
+  int32_t stream_id;
+  char *path;
+  sp_rpc_mdlist md;
+  uint64_t timeout_ms;
+  sp_rpc_ccall_cbs cbs;
+  void *user;
+  cmsg *q_head, *q_tail;
+  bool half_close, eof_sent, deferred, closed;
+  sp_rpc_deframer df;
+  sp_rpc_mdlist resp_md;
+  int http_status;
+  bool has_grpc_status;
+  int local_code; /* -1, or a status decided on this side */
+  sp_rpc_status status;
+  uv_timer_t *timer;
+  sp_rpc_ccall *next, *prev;
+};
+
+struct sp_rpc_client {
+  uv_loop_t *loop;
+  char addr[300];
+  struct sockaddr_storage sa;
+  sp_rpc_client_opts opts;
+  cconn *conn;          /* current connection, if any */
+  bool connecting, closing;
+  uv_connect_t creq;
+  uv_timer_t retry;
+  uint64_t connect_started, backoff_ms;
+  uint64_t rng;
+  char last_error[160];
+  sp_rpc_ccall *waiting; /* calls with no connection yet */
+  size_t open_handles;
+  void (*close_done)(void *);
+  void *close_arg;
+};
+
+static void client_connect(sp_rpc_client *cl);
+static void submit_call(sp_rpc_ccall *call);
+
+/* ---------------- call completion ---------------- */
+
+static void list_remove(sp_rpc_ccall **head, sp_rpc_ccall *call) {
+  if (call->prev) call->prev->next = call->next;
+  else if (*head == call) *head = call->next;
+  if (call->next) call->next->prev = call->prev;
+  call->next = call->prev = NULL;
+}
+
+static void list_push(sp_rpc_ccall **head, sp_rpc_ccall *call) {
+  call->prev = NULL;
+  call->next = *head;
+  if (*head) (*head)->prev = call;
+  *head = call;
+}
+
+static void timer_free(uv_handle_t *h) { free(h); }
+
+/* Delivers on_close exactly once and frees the call. */
+static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
+  if (call->closed) return;
+  call->closed = true;
+  if (call->conn) list_remove(&call->conn->calls, call);
+  else list_remove(&call->cl->waiting, call);
+  if (call->timer) {
+    uv_timer_stop(call->timer);
+    uv_close((uv_handle_t *)call->timer, timer_free);
+  }
+  call->status.code = code;
+  if (msg != NULL)
+    snprintf(call->status.message, sizeof call->status.message, "%s", msg);
+  if (call->cbs.on_close) call->cbs.on_close(call, &call->status, call->user);
+  for (cmsg *m = call->q_head; m;) {
+    cmsg *n = m->next;
+    free(m);
+    m = n;
+  }
+  sp_rpc_deframer_free(&call->df);
+  sp_rpc_mdlist_clear(&call->md);
+  sp_rpc_mdlist_clear(&call->resp_md);
+  free(call->path);
+  free(call);
+}
+
+/* The outcome once the stream is gone (grpc-wire.md §6, §7). */
+static void call_finish_from_stream(sp_rpc_ccall *call, uint32_t h2err) {
+  if (call->local_code >= 0) {
+    call_complete(call, call->local_code, call->status.message);
+  } else if (call->has_grpc_status) {
+    call_complete(call, call->status.code, NULL);
+  } else if (h2err != 0) {
+    char m[64];
+    snprintf(m, sizeof m, "stream reset by the server (HTTP/2 error %u)",
+             h2err);
+    call_complete(call, sp_rpc_code_from_rst(h2err), m);
+  } else if (call->http_status != 200) {
+    char m[64];
+    snprintf(m, sizeof m, "HTTP status %d", call->http_status);
+    call_complete(call, sp_rpc_code_from_http(call->http_status), m);
+  } else {
+    call_complete(call, SP_RPC_UNKNOWN, "response ended without grpc-status");
+  }
+}
+
+/* Ends a call from this side: cancel, deadline, local limits. */
+static void call_abort(sp_rpc_ccall *call, int code, const char *msg) {
+  if (call->closed || call->local_code >= 0) return;
+  call->local_code = code;
+  snprintf(call->status.message, sizeof call->status.message, "%s", msg);
+  if (call->conn == NULL || call->stream_id <= 0) {
+    call_complete(call, code, msg);
+    return;
+  }
+  nghttp2_submit_rst_stream(call->conn->io.h2, NGHTTP2_FLAG_NONE,
+                            call->stream_id, NGHTTP2_CANCEL);
+  sp_h2conn_flush(&call->conn->io);
+}
+
+static void on_call_deadline(uv_timer_t *t) {
+  call_abort(t->data, SP_RPC_DEADLINE_EXCEEDED, "deadline exceeded");
+}
+
+/* ---------------- nghttp2 callbacks ---------------- */
+
+static ssize_t read_request(nghttp2_session *s, int32_t id, uint8_t *buf,
+                            size_t length, uint32_t *flags,
+                            nghttp2_data_source *src, void *ud) {
+  (void)s;
+  (void)id;
+  (void)ud;
+  sp_rpc_ccall *call = src->ptr;
+  size_t out = 0;
+  while (out < length && call->q_head != NULL) {
+    cmsg *m = call->q_head;
+    size_t take = m->len - m->off;
+    if (take > length - out) take = length - out;
+    memcpy(buf + out, m->data + m->off, take);
+    m->off += take;
+    out += take;
+    if (m->off == m->len) {
+      call->q_head = m->next;
+      if (!call->q_head) call->q_tail = NULL;
+      free(m);
+    }
+  }
+  if (call->q_head == NULL && call->half_close) {
+    *flags |= NGHTTP2_DATA_FLAG_EOF;
+    call->eof_sent = true;
+    return (ssize_t)out;
+  }
+  if (out > 0) return (ssize_t)out;
+  call->deferred = true;
+  return NGHTTP2_ERR_DEFERRED;
+}
+
+static int cb_header(nghttp2_session *s, const nghttp2_frame *f,
+                     const uint8_t *name, size_t nlen, const uint8_t *value,
+                     size_t vlen, uint8_t flags, void *ud) {
+  (void)flags;
+  (void)ud;
+  if (f->hd.type != NGHTTP2_HEADERS) return 0;
+  sp_rpc_ccall *call = nghttp2_session_get_stream_user_data(s, f->hd.stream_id);
+  if (call == NULL) return 0;
+  if (nlen == 7 && memcmp(name, ":status", 7) == 0) {
+    int st = 0;
+    for (size_t i = 0; i < vlen && i < 4; i++)
+      st = st * 10 + (value[i] >= '0' && value[i] <= '9' ? value[i] - '0' : 0);
+    call->http_status = st;
+  } else if (nlen == 11 && memcmp(name, "grpc-status", 11) == 0) {
+    int code = 0;
+    for (size_t i = 0; i < vlen && i < 3; i++)
+      code = code * 10 + (value[i] >= '0' && value[i] <= '9' ? value[i] - '0' : 0);
+    call->status.code = code > 16 ? SP_RPC_UNKNOWN : code;
+    call->has_grpc_status = true;
+  } else if (nlen == 12 && memcmp(name, "grpc-message", 12) == 0) {
+    sp_rpc_pct_decode((const char *)value, vlen, call->status.message,
+                      sizeof call->status.message);
+  } else if (name[0] != ':' && !(nlen >= 5 && memcmp(name, "grpc-", 5) == 0)) {
+    if (sp_rpc_md_key_is_bin((const char *)name, nlen)) {
+      uint8_t *raw = malloc(vlen + 1);
+      long n = raw ? sp_rpc_b64_decode((const char *)value, vlen, raw) : -1;
+      if (n >= 0)
+        sp_rpc_mdlist_add(&call->resp_md, (const char *)name, nlen, raw,
+                          (size_t)n, 2 * SP_RPC_DEFAULT_MAX_METADATA);
+      free(raw);
+    } else {
+      sp_rpc_mdlist_add(&call->resp_md, (const char *)name, nlen, value, vlen,
+                        2 * SP_RPC_DEFAULT_MAX_METADATA);
+    }
+  }
+  return 0;
+}
+
+static int deliver_message(void *ud, const uint8_t *msg, size_t len) {
+  sp_rpc_ccall *call = ud;
+  if (call->local_code < 0 && call->cbs.on_message)
+    call->cbs.on_message(call, msg, len, call->user);
+  return 0;
+}
+
+static int cb_data_chunk(nghttp2_session *s, uint8_t flags, int32_t id,
+                         const uint8_t *data, size_t len, void *ud) {
+  (void)flags;
+  (void)ud;
+  sp_rpc_ccall *call = nghttp2_session_get_stream_user_data(s, id);
+  if (call == NULL || call->local_code >= 0) return 0;
+  uint64_t announced = 0;
+  int rc = sp_rpc_deframer_feed(&call->df, data, len, deliver_message, call,
+                                &announced);
+  if (rc == SP_ETOOBIG) {
+    char m[128];
+    snprintf(m, sizeof m, "response message of %llu bytes is over the limit",
+             (unsigned long long)announced);
+    call_abort(call, SP_RPC_RESOURCE_EXHAUSTED, m);
+  } else if (rc != 0) {
+    call_abort(call, SP_RPC_INTERNAL, "malformed response framing");
+  }
+  return 0;
+}
+
+static int cb_frame_recv(nghttp2_session *s, const nghttp2_frame *f,
+                         void *ud) {
+  (void)s;
+  cconn *cc = ud;
+  if (f->hd.type == NGHTTP2_GOAWAY) {
+    /* new calls go to a fresh connection; this one drains */
+    cc->goaway = true;
+    if (cc->cl->conn == cc) cc->cl->conn = NULL;
+  }
+  return 0;
+}
+
+static int cb_stream_close(nghttp2_session *s, int32_t id, uint32_t err,
+                           void *ud) {
+  (void)ud;
+  sp_rpc_ccall *call = nghttp2_session_get_stream_user_data(s, id);
+  if (call == NULL) return 0;
+  nghttp2_session_set_stream_user_data(s, id, NULL);
+  call_finish_from_stream(call, err);
+  return 0;
+}
+
+/* ---------------- connection ---------------- */
+
+static void conn_closed(sp_h2conn *io) {
+  cconn *cc = io->owner;
+  sp_rpc_client *cl = cc->cl;
+  while (cc->calls != NULL) {
+    sp_rpc_ccall *call = cc->calls;
+    if (call->local_code >= 0)
+      call_complete(call, call->local_code, call->status.message);
+    else
+      call_complete(call, SP_RPC_UNAVAILABLE, "connection to the server lost");
+  }
+  if (cl->conn == cc) cl->conn = NULL;
+  free(cc);
+  cl->open_handles--;
+  if (cl->closing && cl->open_handles == 0) {
+    if (cl->close_done) cl->close_done(cl->close_arg);
+    free(cl);
+    return;
+  }
+  /* calls that arrived while this connection was closing need a new one */
+  if (!cl->closing && cl->waiting != NULL && !cl->connecting)
+    client_connect(cl);
+}
+
+static int session_new(cconn *cc) {
+  nghttp2_session_callbacks *cb;
+  if (nghttp2_session_callbacks_new(&cb) != 0) return SP_ENOMEM;
+  nghttp2_session_callbacks_set_on_header_callback(cb, cb_header);
+  nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, cb_data_chunk);
+  nghttp2_session_callbacks_set_on_frame_recv_callback(cb, cb_frame_recv);
+  nghttp2_session_callbacks_set_on_stream_close_callback(cb, cb_stream_close);
+  int rv = nghttp2_session_client_new(&cc->io.h2, cb, cc);
+  nghttp2_session_callbacks_del(cb);
+  if (rv != 0) return SP_ENOMEM;
+  /* nghttp2 writes the preface; the SETTINGS are ours to send */
+  nghttp2_settings_entry iv[] = {
+      {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
+      {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 1u << 20},
+      {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, 2 * SP_RPC_DEFAULT_MAX_METADATA},
+  };
+  nghttp2_submit_settings(cc->io.h2, NGHTTP2_FLAG_NONE, iv, 3);
+  nghttp2_session_set_local_window_size(cc->io.h2, NGHTTP2_FLAG_NONE, 0,
+                                        16u << 20);
+  return 0;
+}
+
+static uint64_t next_rand(sp_rpc_client *cl) {
+  uint64_t z = (cl->rng += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static void fail_waiting(sp_rpc_client *cl) {
+  char msg[SP_RPC_STATUS_MESSAGE_MAX];
+  /* a long address may truncate the message; that is acceptable */
+  if (snprintf(msg, sizeof msg, "cannot connect to %s: %s", cl->addr,
+               cl->last_error) < 0)
+    msg[0] = '\0';
+  while (cl->waiting) call_complete(cl->waiting, SP_RPC_UNAVAILABLE, msg);
+}
+
+static void on_retry(uv_timer_t *t) { client_connect(t->data); }
+
+static void on_connect(uv_connect_t *req, int status) {
+  cconn *cc = req->data;
+  sp_rpc_client *cl = cc->cl;
+  cl->connecting = false;
+  if (status == 0 && !cl->closing && session_new(cc) == 0 &&
+      sp_h2conn_start(&cc->io) == 0) {
+    uv_tcp_nodelay(&cc->io.tcp, 1);
+    cc->ready = true;
+    cl->conn = cc;
+    cl->backoff_ms = 0;
+    while (cl->waiting) submit_call(cl->waiting);
+    sp_h2conn_flush(&cc->io);
+    return;
+  }
+  snprintf(cl->last_error, sizeof cl->last_error, "%s",
+           status ? uv_strerror(status) : "setup failed");
+  sp_h2conn_close(&cc->io);
+  if (cl->closing) return;
+  uint64_t now = uv_now(cl->loop);
+  if (now - cl->connect_started >= cl->opts.connect_timeout_ms) {
+    fail_waiting(cl);
+    return;
+  }
+  /* jittered exponential backoff: 100 ms, x1.6, +-20 %, capped at 5 s */
+  cl->backoff_ms = cl->backoff_ms ? cl->backoff_ms * 8 / 5 : 100;
+  if (cl->backoff_ms > 5000) cl->backoff_ms = 5000;
+  uint64_t jitter = cl->backoff_ms / 5;
+  uint64_t wait = cl->backoff_ms - jitter + next_rand(cl) % (2 * jitter + 1);
+  uint64_t left = cl->opts.connect_timeout_ms - (now - cl->connect_started);
+  if (wait > left) wait = left;
+  cl->connecting = true; /* the retry is part of this attempt */
+  uv_timer_start(&cl->retry, on_retry, wait, 0);
+}
+
+static void client_connect(sp_rpc_client *cl) {
+  if (cl->closing) return;
+  if (!cl->connecting) {
+    cl->connect_started = uv_now(cl->loop);
+    cl->backoff_ms = 0;
+  }
+  cconn *cc = calloc(1, sizeof *cc);
+  if (cc == NULL || sp_h2conn_init(&cc->io, cl->loop, cc) != 0) {
+    free(cc);
+    snprintf(cl->last_error, sizeof cl->last_error, "out of memory");
+    cl->connecting = false;
+    fail_waiting(cl);
+    return;
+  }
+  cc->cl = cl;
+  cc->io.on_closed = conn_closed;
+  cl->open_handles++;
+  cl->connecting = true;
+  cl->creq.data = cc;
+  int rc = uv_tcp_connect(&cl->creq, &cc->io.tcp, (struct sockaddr *)&cl->sa,
+                          on_connect);
+  if (rc != 0) {
+    cl->creq.data = cc;
+    on_connect(&cl->creq, rc);
+  }
+}
+
+/* ---------------- calls ---------------- */
+
+#define NV(n, v, vl)                                                           \
+  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl), NGHTTP2_NV_FLAG_NONE}
+
+static void submit_call(sp_rpc_ccall *call) {
+  sp_rpc_client *cl = call->cl;
+  cconn *cc = cl->conn;
+  list_remove(&cl->waiting, call);
+  call->conn = cc;
+  list_push(&cc->calls, call);
+  size_t cap = 10 + call->md.n;
+  nghttp2_nv *nv = calloc(cap, sizeof *nv);
+  char **b64 = calloc(call->md.n + 1, sizeof *b64);
+  if (nv == NULL || b64 == NULL) {
+    free(nv);
+    free(b64);
+    call_complete(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  size_t n = 0;
+  char timeout[16];
+  nv[n++] = (nghttp2_nv)NV(":method", "POST", 4);
+  nv[n++] = (nghttp2_nv)NV(":scheme", "http", 4);
+  nv[n++] = (nghttp2_nv)NV(":path", call->path, strlen(call->path));
+  nv[n++] = (nghttp2_nv)NV(":authority", cl->addr, strlen(cl->addr));
+  nv[n++] = (nghttp2_nv)NV("te", "trailers", 8);
+  nv[n++] = (nghttp2_nv)NV("content-type", "application/grpc", 16);
+  nv[n++] = (nghttp2_nv)NV("grpc-accept-encoding", "identity", 8);
+  nv[n++] = (nghttp2_nv)NV("user-agent", "shardplane/0.1", 14);
+  if (call->timeout_ms > 0) {
+    /* what is left of the deadline, since the call may have waited */
+    uint64_t left = call->timer ? uv_timer_get_due_in(call->timer) : 0;
+    sp_rpc_timeout_format(left ? left : 1, timeout);
+    nv[n++] = (nghttp2_nv)NV("grpc-timeout", timeout, strlen(timeout));
+  }
+  for (size_t i = 0; i < call->md.n; i++) {
+    struct sp_rpc_mdent *e = &call->md.e[i];
+    size_t kl = strlen(e->key);
+    const uint8_t *v = e->value;
+    size_t vl = e->len;
+    if (sp_rpc_md_key_is_bin(e->key, kl)) {
+      b64[i] = malloc(4 * (e->len / 3 + 1) + 1);
+      if (b64[i] == NULL) continue;
+      vl = sp_rpc_b64_encode(e->value, e->len, b64[i]);
+      v = (const uint8_t *)b64[i];
+    }
+    nv[n++] = (nghttp2_nv){(uint8_t *)e->key, (uint8_t *)v, kl, vl,
+                           NGHTTP2_NV_FLAG_NONE};
+  }
+  nghttp2_data_provider prd = {.source.ptr = call, .read_callback = read_request};
+  int32_t id = nghttp2_submit_request(cc->io.h2, NULL, nv, n, &prd, call);
+  for (size_t i = 0; i < call->md.n; i++) free(b64[i]);
+  free(b64);
+  free(nv);
+  if (id < 0) {
+    call_complete(call, SP_RPC_UNAVAILABLE, nghttp2_strerror(id));
+    return;
+  }
+  call->stream_id = id;
+}
+
+int sp_rpc_client_new(uv_loop_t *loop, const char *addr,
+                      const sp_rpc_client_opts *opts, sp_rpc_client **out) {
+  if (loop == NULL || addr == NULL || out == NULL) return SP_EINVAL;
+  if (strlen(addr) >= sizeof((sp_rpc_client *)0)->addr) return SP_EINVAL;
+  sp_rpc_client *cl = calloc(1, sizeof *cl);
+  if (cl == NULL) return SP_ENOMEM;
+  int rc = sp_rpc_resolve(addr, &cl->sa, NULL);
+  if (rc != 0) {
+    free(cl);
+    return rc;
+  }
+  cl->loop = loop;
+  snprintf(cl->addr, sizeof cl->addr, "%s", addr);
+  if (opts) cl->opts = *opts;
+  if (!cl->opts.connect_timeout_ms) cl->opts.connect_timeout_ms = 20000;
+  if (!cl->opts.max_message) cl->opts.max_message = SP_RPC_DEFAULT_MAX_MESSAGE;
+  cl->rng = (uint64_t)(uintptr_t)cl ^ uv_hrtime();
+  uv_timer_init(loop, &cl->retry);
+  cl->retry.data = cl;
+  cl->open_handles = 1; /* the retry timer */
+  *out = cl;
+  return 0;
+}
+
+static void retry_closed(uv_handle_t *h) {
+  sp_rpc_client *cl = h->data;
+  cl->open_handles--;
+  if (cl->open_handles == 0) {
+    if (cl->close_done) cl->close_done(cl->close_arg);
+    free(cl);
+  }
+}
+
+void sp_rpc_client_close(sp_rpc_client *cl, void (*done)(void *), void *arg) {
+  if (cl == NULL || cl->closing) return;
+  cl->closing = true;
+  cl->close_done = done;
+  cl->close_arg = arg;
+  while (cl->waiting) call_complete(cl->waiting, SP_RPC_CANCELLED, "client closed");
+  cconn *cur = cl->conn;
+  if (cur != NULL) {
+    for (sp_rpc_ccall *c = cur->calls; c; c = c->next)
+      if (c->local_code < 0) {
+        c->local_code = SP_RPC_CANCELLED;
+        snprintf(c->status.message, sizeof c->status.message, "client closed");
+      }
+    sp_h2conn_close(&cur->io);
+  }
+  uv_timer_stop(&cl->retry);
+  uv_close((uv_handle_t *)&cl->retry, retry_closed);
+}
+
+int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
+                        const sp_rpc_md *md, size_t n_md, uint64_t timeout_ms,
+                        const sp_rpc_ccall_cbs *cbs, void *user,
+                        sp_rpc_ccall **out) {
+  if (cl == NULL || path == NULL || path[0] != '/' || cbs == NULL)
+    return SP_EINVAL;
+  if (cl->closing) return SP_ESTATE;
+  sp_rpc_ccall *call = calloc(1, sizeof *call);
+  if (call == NULL) return SP_ENOMEM;
+  call->cl = cl;
+  call->path = sp_strdup(path);
+  call->cbs = *cbs;
+  call->user = user;
+  call->timeout_ms = timeout_ms;
+  call->local_code = -1;
+  sp_rpc_deframer_init(&call->df, cl->opts.max_message);
+  if (call->path == NULL) {
+    free(call);
+    return SP_ENOMEM;
+  }
+  for (size_t i = 0; i < n_md; i++) {
+    size_t kl = strlen(md[i].key);
+    bool bin = sp_rpc_md_key_is_bin(md[i].key, kl);
+    int rc = !sp_rpc_md_key_valid(md[i].key, kl) ||
+                     (!bin && !sp_rpc_md_value_valid(md[i].value, md[i].len))
+                 ? SP_EINVAL
+                 : sp_rpc_mdlist_add(&call->md, md[i].key, kl, md[i].value,
+                                     md[i].len, SP_RPC_DEFAULT_MAX_METADATA);
+    if (rc != 0) {
+      sp_rpc_mdlist_clear(&call->md);
+      sp_rpc_deframer_free(&call->df);
+      free(call->path);
+      free(call);
+      return rc;
+    }
+  }
+  if (timeout_ms > 0) {
+    call->timer = malloc(sizeof *call->timer);
+    if (call->timer != NULL) {
+      uv_timer_init(cl->loop, call->timer);
+      call->timer->data = call;
+      uv_timer_start(call->timer, on_call_deadline, timeout_ms, 0);
+    }
+  }
+  list_push(&cl->waiting, call);
+  if (out) *out = call;
+  if (cl->conn != NULL && cl->conn->ready && !cl->conn->goaway) {
+    submit_call(call);
+    if (!call->closed) sp_h2conn_flush(&cl->conn->io);
+  } else if (!cl->connecting) {
+    client_connect(cl);
+  }
+  return 0;
+}
+
+static int ccall_queue(sp_rpc_ccall *call, const uint8_t *data, size_t len,
+                       const ProtobufCMessage *msg) {
+  if (call->closed || call->half_close || call->local_code >= 0)
+    return SP_ESTATE;
+  if (len > call->cl->opts.max_message) return SP_ETOOBIG;
+  cmsg *m = malloc(sizeof *m + len + 5);
+  if (m == NULL) return SP_ENOMEM;
+  m->next = NULL;
+  m->len = len + 5;
+  m->off = 0;
+  sp_rpc_frame_prefix(m->data, (uint32_t)len);
+  if (msg) protobuf_c_message_pack(msg, m->data + 5);
+  else if (len) memcpy(m->data + 5, data, len);
+  if (call->q_tail) call->q_tail->next = m;
+  else call->q_head = m;
+  call->q_tail = m;
+  if (call->conn != NULL && call->stream_id > 0) {
+    if (call->deferred) {
+      call->deferred = false;
+      nghttp2_session_resume_data(call->conn->io.h2, call->stream_id);
+    }
+    sp_h2conn_flush(&call->conn->io);
+  }
+  return 0;
+}
+
+int sp_rpc_ccall_send(sp_rpc_ccall *call, const uint8_t *data, size_t len) {
+  if (call == NULL || (data == NULL && len > 0)) return SP_EINVAL;
+  return ccall_queue(call, data, len, NULL);
+}
+
+int sp_rpc_ccall_send_msg(sp_rpc_ccall *call, const ProtobufCMessage *msg) {
+  if (call == NULL || msg == NULL) return SP_EINVAL;
+  return ccall_queue(call, NULL, protobuf_c_message_get_packed_size(msg), msg);
+}
+
+int sp_rpc_ccall_close_send(sp_rpc_ccall *call) {
+  if (call == NULL) return SP_EINVAL;
+  if (call->closed || call->half_close) return SP_ESTATE;
+  call->half_close = true;
+  if (call->conn != NULL && call->stream_id > 0) {
+    if (call->deferred) {
+      call->deferred = false;
+      nghttp2_session_resume_data(call->conn->io.h2, call->stream_id);
+    }
+    sp_h2conn_flush(&call->conn->io);
+  }
+  return 0;
+}
+
+void sp_rpc_ccall_cancel(sp_rpc_ccall *call) {
+  if (call != NULL) call_abort(call, SP_RPC_CANCELLED, "cancelled by the client");
+}
+
+const uint8_t *sp_rpc_ccall_metadata(const sp_rpc_ccall *call,
+                                     const char *key, size_t *len) {
+  return sp_rpc_mdlist_get(&call->resp_md, key, len);
+}

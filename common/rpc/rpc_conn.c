@@ -1,0 +1,141 @@
+#include "rpc_conn.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* One flush sends at most this much; the rest waits for the write to
+ * complete, which bounds the memory a slow peer can pin. */
+#define SP_H2_WRITE_CHUNK (256u << 10)
+
+static void on_handle_closed(uv_handle_t *h) {
+  sp_h2conn *c = h->data;
+  free(c->wbuf);
+  free(c->wfly);
+  c->wbuf = c->wfly = NULL;
+  if (c->h2 != NULL) {
+    nghttp2_session_del(c->h2);
+    c->h2 = NULL;
+  }
+  if (c->on_closed) c->on_closed(c);
+}
+
+int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner) {
+  memset(c, 0, sizeof *c);
+  c->owner = owner;
+  int rc = uv_tcp_init(loop, &c->tcp);
+  if (rc != 0) return rc;
+  c->tcp.data = c;
+  return 0;
+}
+
+void sp_h2conn_close(sp_h2conn *c) {
+  if (c->closing) return;
+  c->closing = true;
+  if (c->reading) uv_read_stop((uv_stream_t *)&c->tcp);
+  uv_close((uv_handle_t *)&c->tcp, on_handle_closed);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  (void)h;
+  /* libuv's suggestion is 64 KiB; one buffer per read keeps it simple */
+  buf->base = malloc(suggested);
+  buf->len = buf->base ? suggested : 0;
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
+  sp_h2conn *c = s->data;
+  if (nread < 0) {
+    free(buf->base);
+    sp_h2conn_close(c); /* EOF or error: streams end in on_stream_close */
+    return;
+  }
+  if (nread > 0 && !c->closing) {
+    c->bytes_in += (uint64_t)nread;
+    c->in_h2 = true;
+    ssize_t rv =
+        nghttp2_session_mem_recv(c->h2, (const uint8_t *)buf->base, (size_t)nread);
+    c->in_h2 = false;
+    free(buf->base);
+    if (rv < 0) {
+      /* bad magic, flooding, or a callback failure: the peer is broken */
+      sp_h2conn_close(c);
+      return;
+    }
+    sp_h2conn_flush(c);
+    return;
+  }
+  free(buf->base);
+}
+
+int sp_h2conn_start(sp_h2conn *c) {
+  int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  if (rc == 0) c->reading = true;
+  return rc;
+}
+
+static void on_written(uv_write_t *req, int status) {
+  sp_h2conn *c = req->data;
+  c->writing = false;
+  if (status != 0) {
+    sp_h2conn_close(c);
+    return;
+  }
+  sp_h2conn_flush(c);
+}
+
+static void flush_once(sp_h2conn *c);
+
+void sp_h2conn_flush(sp_h2conn *c) {
+  if (c->in_h2) return;
+  flush_once(c);
+  if (c->on_after_send && !c->closing) c->on_after_send(c);
+}
+
+static void flush_once(sp_h2conn *c) {
+  if (c->closing || c->writing || c->h2 == NULL) return;
+  while (c->wlen < SP_H2_WRITE_CHUNK) {
+    const uint8_t *p;
+    c->in_h2 = true;
+    ssize_t n = nghttp2_session_mem_send(c->h2, &p);
+    c->in_h2 = false;
+    if (n < 0) {
+      sp_h2conn_close(c);
+      return;
+    }
+    if (n == 0) break;
+    if (c->wlen + (size_t)n > c->wcap) {
+      size_t cap = c->wcap ? c->wcap : 16384;
+      while (cap < c->wlen + (size_t)n) cap *= 2;
+      uint8_t *b = realloc(c->wbuf, cap);
+      if (b == NULL) {
+        sp_h2conn_close(c);
+        return;
+      }
+      c->wbuf = b;
+      c->wcap = cap;
+    }
+    memcpy(c->wbuf + c->wlen, p, (size_t)n);
+    c->wlen += (size_t)n;
+  }
+  if (c->wlen > 0) {
+    /* swap so the next flush can fill while this one is in flight */
+    uint8_t *fly = c->wbuf;
+    size_t fly_cap = c->wcap;
+    c->wbuf = c->wfly;
+    c->wcap = c->wfly_cap;
+    c->wfly = fly;
+    c->wfly_cap = fly_cap;
+    uv_buf_t b = uv_buf_init((char *)c->wfly, (unsigned)c->wlen);
+    c->bytes_out += c->wlen;
+    c->wlen = 0;
+    c->wreq.data = c;
+    if (uv_write(&c->wreq, (uv_stream_t *)&c->tcp, &b, 1, on_written) != 0) {
+      sp_h2conn_close(c);
+      return;
+    }
+    c->writing = true;
+    return;
+  }
+  if (!nghttp2_session_want_read(c->h2) && !nghttp2_session_want_write(c->h2))
+    sp_h2conn_close(c);
+}

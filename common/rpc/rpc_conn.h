@@ -1,0 +1,48 @@
+/* One HTTP/2 connection over a libuv TCP handle: feeds received bytes to
+ * nghttp2 and writes what it produces, one uv_write at a time. Shared by
+ * the server and the client so the I/O rules live in one place:
+ * - mem_send output is copied into a connection-owned buffer (its pointer is
+ *   only valid until the next call) and sent with one uv_write per flush;
+ * - while a write is in flight nothing more is pulled from nghttp2, so a
+ *   peer that does not read stops the data providers (backpressure);
+ * - the connection closes once nghttp2 wants neither to read nor to write
+ *   and the last write completed. */
+#ifndef SP_RPC_CONN_H
+#define SP_RPC_CONN_H
+
+#include <nghttp2/nghttp2.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+typedef struct sp_h2conn sp_h2conn;
+
+struct sp_h2conn {
+  uv_tcp_t tcp; /* tcp.data points back to this struct */
+  nghttp2_session *h2;
+  uint8_t *wbuf, *wfly; /* being filled / in flight */
+  size_t wlen, wcap, wfly_cap;
+  uv_write_t wreq;
+  bool writing, closing, reading;
+  bool in_h2; /* inside mem_recv/mem_send: nghttp2 forbids re-entry */
+  uint64_t bytes_in, bytes_out;
+  /* Called once after the handle closed; the owner frees everything. */
+  void (*on_closed)(sp_h2conn *c);
+  /* Called at the end of every flush, outside nghttp2 callbacks: owners run
+   * work there that must not happen inside them (user callbacks). */
+  void (*on_after_send)(sp_h2conn *c);
+  void *owner;
+};
+
+/* Initialises the handle on loop (the caller then connects or accepts). */
+int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner);
+/* Starts reading; input goes to c->h2, which must exist by then. */
+int sp_h2conn_start(sp_h2conn *c);
+/* Pushes everything nghttp2 has to send. Safe to call at any time: inside
+ * nghttp2 callbacks it does nothing, and the flush that follows every
+ * mem_recv picks the output up. */
+void sp_h2conn_flush(sp_h2conn *c);
+/* Closes now (no more I/O); on_closed runs later. Idempotent. */
+void sp_h2conn_close(sp_h2conn *c);
+
+#endif

@@ -1,0 +1,37 @@
+/* Pieces shared by the files of common/rpc; not part of the public API. */
+#ifndef SP_RPC_INTERNAL_H
+#define SP_RPC_INTERNAL_H
+
+#include <sys/socket.h>
+
+#include "rpc.h"
+
+/* Health service state, embedded in the server. */
+typedef struct sp_rpc_health_state {
+  struct sp_rpc_health_ent {
+    char *name;
+    int status;
+  } *e;
+  size_t n, cap;
+  struct sp_rpc_health_watch *watchers;
+  sp_rpc_method methods[2];
+} sp_rpc_health_state;
+
+int sp_rpc_health_init(sp_rpc_server *srv, sp_rpc_health_state *h);
+int sp_rpc_health_set(sp_rpc_health_state *h, const char *service,
+                      sp_rpc_health status);
+/* Marks everything NOT_SERVING and ends the Watch streams. */
+void sp_rpc_health_shutdown(sp_rpc_health_state *h);
+void sp_rpc_health_free(sp_rpc_health_state *h);
+
+/* A listener or connection handle finished closing. */
+void sp_rpc_server_handle_closed(sp_rpc_server *srv);
+
+/* Resolves "host:port" (numeric, or a name through getaddrinfo; blocking,
+ * so only at start-up). SP_EINVAL with the reason in diag. */
+int sp_rpc_resolve(const char *addr, struct sockaddr_storage *out,
+                   sp_diag *diag);
+/* "1.2.3.4:5" or "[::1]:5". */
+void sp_rpc_format_sockaddr(const struct sockaddr *sa, char *out, size_t cap);
+
+#endif

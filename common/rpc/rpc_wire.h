@@ -1,0 +1,97 @@
+/* gRPC wire helpers with no I/O: status names, grpc-message percent
+ * encoding, grpc-timeout, base64 for -bin metadata, metadata lists, and the
+ * incremental message deframer. Private to common/rpc; unit-tested and
+ * fuzzed directly. */
+#ifndef SP_RPC_WIRE_H
+#define SP_RPC_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rpc.h"
+
+/* Percent-encodes a grpc-message (bytes 0x20-0x7E except '%' stay). Writes
+ * at most cap-1 bytes plus NUL, truncating only between escapes. Returns the
+ * length written. */
+size_t sp_rpc_pct_encode(const char *in, char *out, size_t cap);
+/* Decodes in[0..len) into out (NUL-terminated, truncated to cap-1). Bad
+ * escapes are kept literally, as the spec asks decoders to tolerate them. */
+void sp_rpc_pct_decode(const char *in, size_t len, char *out, size_t cap);
+
+/* Parses a grpc-timeout value ("2500m", at most 8 digits and one unit of
+ * HMSmun) into milliseconds, rounding up. -1 when malformed. */
+int64_t sp_rpc_timeout_parse(const char *v, size_t len);
+/* Formats ms as a grpc-timeout value; out needs 16 bytes. */
+void sp_rpc_timeout_format(uint64_t ms, char *out);
+
+/* Unpadded base64 (standard alphabet). Returns the length written; out
+ * needs 4*ceil(len/3)+1 bytes. */
+size_t sp_rpc_b64_encode(const uint8_t *in, size_t len, char *out);
+/* Decodes padded or unpadded base64; comma-joined values are decoded in
+ * turn and concatenated. Returns the decoded length or -1 if malformed; out
+ * needs len bytes. */
+long sp_rpc_b64_decode(const char *in, size_t len, uint8_t *out);
+
+/* Metadata keys: non-empty, [0-9a-z_.-]. */
+bool sp_rpc_md_key_valid(const char *key, size_t len);
+bool sp_rpc_md_key_is_bin(const char *key, size_t len);
+/* ASCII values: 0x20-0x7E. */
+bool sp_rpc_md_value_valid(const uint8_t *v, size_t len);
+
+/* An owned list of metadata entries with a byte budget (name + value + 32
+ * per entry, as HTTP/2 counts header list size). */
+typedef struct sp_rpc_mdlist {
+  struct sp_rpc_mdent {
+    char *key;
+    uint8_t *value;
+    size_t len;
+  } *e;
+  size_t n, cap, bytes;
+} sp_rpc_mdlist;
+/* SP_ETOOBIG when the budget would be exceeded, SP_ENOMEM. */
+int sp_rpc_mdlist_add(sp_rpc_mdlist *l, const char *key, size_t klen,
+                      const uint8_t *v, size_t vlen, size_t budget);
+const uint8_t *sp_rpc_mdlist_get(const sp_rpc_mdlist *l, const char *key,
+                                 size_t *len);
+void sp_rpc_mdlist_clear(sp_rpc_mdlist *l);
+
+/* Length-prefixed message reassembly across DATA frames. */
+typedef struct sp_rpc_deframer {
+  uint8_t hdr[5];
+  size_t hdr_have;
+  uint8_t *buf;
+  size_t need, have;
+  bool in_body;
+  size_t max;
+} sp_rpc_deframer;
+
+typedef int (*sp_rpc_msg_fn)(void *ud, const uint8_t *msg, size_t len);
+
+void sp_rpc_deframer_init(sp_rpc_deframer *d, size_t max);
+void sp_rpc_deframer_free(sp_rpc_deframer *d);
+/* Feeds bytes; calls fn for each complete message (pointer valid during the
+ * call). Returns 0, SP_ETOOBIG (a prefix announced more than max, checked
+ * before allocating), SP_EUNSUPPORTED (compressed flag: no codec is
+ * negotiated), SP_EFORMAT (flag byte not 0/1), SP_ENOMEM, or the first
+ * non-zero value fn returned. *len_out, when given, receives the announced
+ * size on SP_ETOOBIG. */
+int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
+                         sp_rpc_msg_fn fn, void *ud, uint64_t *len_out);
+/* Whether a message is partly received (EOS now would truncate it). */
+bool sp_rpc_deframer_partial(const sp_rpc_deframer *d);
+
+/* Writes the 5-byte prefix for an uncompressed message. */
+void sp_rpc_frame_prefix(uint8_t out[5], uint32_t len);
+
+/* Maps an HTTP/2 RST_STREAM error code to a gRPC status. */
+int sp_rpc_code_from_rst(uint32_t h2_error);
+/* Maps a non-200 HTTP status to a gRPC status. */
+int sp_rpc_code_from_http(int http_status);
+
+/* Splits "host:port", "[v6]:port"; host gets a NUL-terminated copy.
+ * SP_EINVAL if malformed or the port is not 0-65535. */
+int sp_rpc_split_addr(const char *addr, char *host, size_t host_cap,
+                      int *port);
+
+#endif
