@@ -218,7 +218,10 @@ typedef struct sp_rpc_client_opts {
    * initial, x1.6, +-20 %, 5 s cap) until this many ms have passed since the
    * first attempt; 0: 20000. Calls made while connecting wait for it. */
   uint64_t connect_timeout_ms;
-  size_t max_message; /* 0: default */
+  size_t max_message; /* receive limit; 0: SP_RPC_DEFAULT_MAX_MESSAGE */
+  /* Send limit; 0: none beyond the 4 GiB framing bound, as gRPC C-core
+   * (servers enforce their own receive limit). */
+  size_t max_send_message;
 } sp_rpc_client_opts;
 
 /* Creates a client for "host:port" on loop; connects on the first call.

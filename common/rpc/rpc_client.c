@@ -471,6 +471,8 @@ int sp_rpc_client_new(uv_loop_t *loop, const char *addr,
   if (opts) cl->opts = *opts;
   if (!cl->opts.connect_timeout_ms) cl->opts.connect_timeout_ms = 20000;
   if (!cl->opts.max_message) cl->opts.max_message = SP_RPC_DEFAULT_MAX_MESSAGE;
+  if (!cl->opts.max_send_message || cl->opts.max_send_message > UINT32_MAX)
+    cl->opts.max_send_message = UINT32_MAX;
   cl->rng = (uint64_t)(uintptr_t)cl ^ uv_hrtime();
   uv_timer_init(loop, &cl->retry);
   cl->retry.data = cl;
@@ -566,7 +568,7 @@ static int ccall_queue(sp_rpc_ccall *call, const uint8_t *data, size_t len,
                        const ProtobufCMessage *msg) {
   if (call->closed || call->half_close || call->local_code >= 0)
     return SP_ESTATE;
-  if (len > call->cl->opts.max_message) return SP_ETOOBIG;
+  if (len > call->cl->opts.max_send_message) return SP_ETOOBIG;
   cmsg *m = malloc(sizeof *m + len + 5);
   if (m == NULL) return SP_ENOMEM;
   m->next = NULL;

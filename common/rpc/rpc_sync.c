@@ -176,12 +176,21 @@ int sp_rpc_sync_unary(sp_rpc_sync *s, const char *path,
   sp_rpc_sync_stream *st;
   int rc = sp_rpc_sync_stream_open(s, path, timeout_ms, NULL, 0, &st);
   if (rc != 0) return rc;
-  if (sp_rpc_sync_stream_send(st, req) != 0 ||
-      sp_rpc_sync_stream_close_send(st) != 0) {
-    /* the call already ended (e.g. the connection failed): report it */
-  }
+  /* a send that fails locally (over the send limit) cancels the call and
+   * reports why; SP_ESTATE means the call already ended with its status */
+  int send_rc = sp_rpc_sync_stream_send(st, req);
+  if (send_rc == 0)
+    sp_rpc_sync_stream_close_send(st);
+  else if (send_rc != SP_ESTATE && st->call != NULL)
+    sp_rpc_ccall_cancel(st->call);
   while (!st->done) uv_run(&s->loop, UV_RUN_ONCE);
   *status = st->status;
+  if (send_rc != 0 && send_rc != SP_ESTATE) {
+    status->code = send_rc == SP_ETOOBIG ? SP_RPC_RESOURCE_EXHAUSTED
+                                         : SP_RPC_INTERNAL;
+    snprintf(status->message, sizeof status->message,
+             "cannot send the request: %s", sp_strerror(send_rc));
+  }
   if (status->code == SP_RPC_OK) {
     if (st->count != 1) {
       status->code = SP_RPC_UNIMPLEMENTED;

@@ -1,0 +1,573 @@
+/* The gRPC engine from C: wire helpers, then a real server on a loop thread
+ * driven by the engine's own client over loopback. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "echo.pb-c.h"
+#include "grpc/health/v1/health.pb-c.h"
+#include "rpc.h"
+#include "rpc_fixture.h"
+#include "rpc_wire.h"
+#include "testutil.h"
+
+typedef Shardplane__Testing__EchoRequest EchoRequest;
+typedef Shardplane__Testing__EchoReply EchoReply;
+#define EPATH(m) "/shardplane.testing.Echo/" m
+
+/* ---------------- wire helpers ---------------- */
+
+static void test_percent_encoding(void **state) {
+  (void)state;
+  char enc[256], dec[256];
+  const char *msg = "50% done \xc3\xbc\n";
+  sp_rpc_pct_encode(msg, enc, sizeof enc);
+  assert_string_equal(enc, "50%25 done %C3%BC%0A");
+  sp_rpc_pct_decode(enc, strlen(enc), dec, sizeof dec);
+  assert_string_equal(dec, msg);
+  /* bad escapes are kept, never crash */
+  sp_rpc_pct_decode("%zz%4", 5, dec, sizeof dec);
+  assert_string_equal(dec, "%zz%4");
+  /* truncation never splits an escape */
+  char small[5];
+  sp_rpc_pct_encode("a%b", small, sizeof small);
+  assert_string_equal(small, "a%25");
+  sp_rpc_pct_encode("ab%", small, sizeof small);
+  assert_string_equal(small, "ab");
+}
+
+static void test_timeout(void **state) {
+  (void)state;
+  assert_int_equal(sp_rpc_timeout_parse("2500m", 5), 2500);
+  assert_int_equal(sp_rpc_timeout_parse("3S", 2), 3000);
+  assert_int_equal(sp_rpc_timeout_parse("2M", 2), 120000);
+  assert_int_equal(sp_rpc_timeout_parse("1H", 2), 3600000);
+  assert_int_equal(sp_rpc_timeout_parse("1500u", 5), 2); /* rounds up */
+  assert_int_equal(sp_rpc_timeout_parse("1n", 2), 1);
+  assert_int_equal(sp_rpc_timeout_parse("99999999S", 9), 99999999000LL);
+  assert_int_equal(sp_rpc_timeout_parse("123456789S", 10), -1); /* 9 digits */
+  assert_int_equal(sp_rpc_timeout_parse("10x", 3), -1);
+  assert_int_equal(sp_rpc_timeout_parse("m", 1), -1);
+  assert_int_equal(sp_rpc_timeout_parse("-5m", 3), -1);
+  assert_int_equal(sp_rpc_timeout_parse("", 0), -1);
+  const uint64_t ms[] = {0, 1, 2500, 99999999, 100000000, 86400000000ull};
+  for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) {
+    char out[16];
+    sp_rpc_timeout_format(ms[i], out);
+    int64_t back = sp_rpc_timeout_parse(out, strlen(out));
+    assert_true(back >= (int64_t)ms[i]); /* never shorter */
+    assert_true(strlen(out) <= 9);
+  }
+}
+
+static void test_base64(void **state) {
+  (void)state;
+  const uint8_t raw[] = {0, 1, 2, 0xff, 0xfe};
+  char enc[16];
+  uint8_t dec[16];
+  assert_int_equal(sp_rpc_b64_encode(raw, 3, enc), 4);
+  assert_string_equal(enc, "AAEC"); /* what grpcio sends for 00 01 02 */
+  assert_int_equal(sp_rpc_b64_encode(raw, 5, enc), 7); /* unpadded */
+  assert_int_equal(sp_rpc_b64_decode(enc, strlen(enc), dec), 5);
+  assert_memory_equal(dec, raw, 5);
+  assert_int_equal(sp_rpc_b64_decode("AAE=", 4, dec), 2); /* padded */
+  assert_int_equal(sp_rpc_b64_decode("AAEC,AAEC", 9, dec), 6);
+  assert_int_equal(sp_rpc_b64_decode("A", 1, dec), -1);
+  assert_int_equal(sp_rpc_b64_decode("AA*C", 4, dec), -1);
+  assert_true(sp_rpc_md_key_valid("x-trace_id.1", 12));
+  assert_false(sp_rpc_md_key_valid("X-Upper", 7));
+  assert_false(sp_rpc_md_key_valid("", 0));
+  assert_true(sp_rpc_md_key_is_bin("a-bin", 5));
+  assert_false(sp_rpc_md_key_is_bin("bin", 3));
+}
+
+typedef struct collected {
+  size_t n, bytes;
+  uint8_t last[64];
+} collected;
+
+static int collect(void *ud, const uint8_t *msg, size_t len) {
+  collected *c = ud;
+  c->n++;
+  c->bytes += len;
+  memcpy(c->last, msg, len < sizeof c->last ? len : sizeof c->last);
+  return 0;
+}
+
+static void test_deframer(void **state) {
+  (void)state;
+  uint8_t stream[64];
+  size_t off = 0;
+  for (int m = 0; m < 3; m++) {
+    sp_rpc_frame_prefix(stream + off, 4);
+    memcpy(stream + off + 5, "abcd", 4);
+    off += 9;
+  }
+  sp_rpc_frame_prefix(stream + off, 0); /* an empty message */
+  off += 5;
+  /* byte by byte: DATA frame boundaries never follow messages */
+  sp_rpc_deframer d;
+  sp_rpc_deframer_init(&d, 1024);
+  collected c = {0};
+  for (size_t i = 0; i < off; i++) {
+    assert_int_equal(sp_rpc_deframer_feed(&d, stream + i, 1, collect, &c, NULL),
+                     0);
+    if (i + 1 < off && i % 9 != 8) assert_true(sp_rpc_deframer_partial(&d));
+  }
+  assert_int_equal(c.n, 4);
+  assert_int_equal(c.bytes, 12);
+  assert_false(sp_rpc_deframer_partial(&d));
+  /* all at once */
+  memset(&c, 0, sizeof c);
+  assert_int_equal(sp_rpc_deframer_feed(&d, stream, off, collect, &c, NULL), 0);
+  assert_int_equal(c.n, 4);
+  sp_rpc_deframer_free(&d);
+  /* a 4 GiB prefix is refused before anything is allocated */
+  uint8_t huge[5] = {0, 0xff, 0xff, 0xff, 0xff};
+  uint64_t announced = 0;
+  sp_rpc_deframer_init(&d, 4u << 20);
+  assert_int_equal(sp_rpc_deframer_feed(&d, huge, 5, collect, &c, &announced),
+                   SP_ETOOBIG);
+  assert_int_equal(announced, 0xffffffffu);
+  sp_rpc_deframer_free(&d);
+  uint8_t compressed[5] = {1, 0, 0, 0, 0};
+  sp_rpc_deframer_init(&d, 64);
+  assert_int_equal(sp_rpc_deframer_feed(&d, compressed, 5, collect, &c, NULL),
+                   SP_EUNSUPPORTED);
+  sp_rpc_deframer_free(&d);
+  uint8_t badflag[5] = {7, 0, 0, 0, 0};
+  sp_rpc_deframer_init(&d, 64);
+  assert_int_equal(sp_rpc_deframer_feed(&d, badflag, 5, collect, &c, NULL),
+                   SP_EFORMAT);
+  sp_rpc_deframer_free(&d);
+}
+
+static void test_addresses(void **state) {
+  (void)state;
+  char host[64];
+  int port;
+  assert_int_equal(sp_rpc_split_addr("127.0.0.1:7700", host, 64, &port), 0);
+  assert_string_equal(host, "127.0.0.1");
+  assert_int_equal(port, 7700);
+  assert_int_equal(sp_rpc_split_addr("[::1]:0", host, 64, &port), 0);
+  assert_string_equal(host, "::1");
+  assert_int_equal(sp_rpc_split_addr("localhost:80", host, 64, &port), 0);
+  assert_int_equal(sp_rpc_split_addr("::1:80", host, 64, &port), SP_EINVAL);
+  assert_int_equal(sp_rpc_split_addr("host:65536", host, 64, &port), SP_EINVAL);
+  assert_int_equal(sp_rpc_split_addr("host:", host, 64, &port), SP_EINVAL);
+  assert_int_equal(sp_rpc_split_addr(":80", host, 64, &port), SP_EINVAL);
+  assert_int_equal(sp_rpc_split_addr("noport", host, 64, &port), SP_EINVAL);
+  assert_string_equal(sp_rpc_code_name(SP_RPC_UNAVAILABLE), "UNAVAILABLE");
+  assert_string_equal(sp_rpc_code_name(99), "UNKNOWN");
+}
+
+/* ---------------- against a live server ---------------- */
+
+static sp_test_server g_srv;
+static sp_rpc_sync *g_cli;
+
+static int setup(void **state) {
+  (void)state;
+  sp_test_server_start(&g_srv, NULL);
+  assert_int_equal(sp_rpc_sync_open(g_srv.addr, 5000, &g_cli), 0);
+  return 0;
+}
+
+static int teardown(void **state) {
+  (void)state;
+  sp_rpc_sync_close(g_cli);
+  sp_test_server_stop(&g_srv, 1000);
+  return 0;
+}
+
+static EchoReply *unary(const EchoRequest *req, uint64_t timeout_ms,
+                        sp_rpc_status *st) {
+  ProtobufCMessage *resp = NULL;
+  assert_int_equal(sp_rpc_sync_unary(g_cli, EPATH("Unary"), &req->base,
+                                     &shardplane__testing__echo_reply__descriptor,
+                                     timeout_ms, &resp, st),
+                   0);
+  return (EchoReply *)resp;
+}
+
+static void parse_stats(unsigned *cancelled, unsigned *active) {
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "__stats__";
+  sp_rpc_status st;
+  EchoReply *r = unary(&req, 2000, &st);
+  assert_int_equal(st.code, SP_RPC_OK);
+  assert_int_equal(sscanf(r->text, "cancelled=%u active=%u", cancelled, active),
+                   2);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+}
+
+static void test_unary_and_errors(void **state) {
+  (void)state;
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "hello";
+  uint8_t bytes[3] = {0, 0xff, 7};
+  req.payload.data = bytes;
+  req.payload.len = 3;
+  sp_rpc_status st;
+  EchoReply *r = unary(&req, 2000, &st);
+  assert_int_equal(st.code, SP_RPC_OK);
+  assert_string_equal(r->text, "hello");
+  assert_memory_equal(r->payload.data, bytes, 3);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+
+  req.fail_code = SP_RPC_FAILED_PRECONDITION;
+  req.fail_message = "rank 3 is in FORWARD; legal: IDLE (100% sure) \xc3\xa9";
+  r = unary(&req, 2000, &st);
+  assert_null(r);
+  assert_int_equal(st.code, SP_RPC_FAILED_PRECONDITION);
+  assert_string_equal(st.message, req.fail_message);
+
+  /* unknown method: Trailers-Only UNIMPLEMENTED naming it */
+  ProtobufCMessage *resp = NULL;
+  assert_int_equal(sp_rpc_sync_unary(g_cli, "/nope.Svc/Missing", &req.base,
+                                     NULL, 2000, &resp, &st),
+                   0);
+  assert_int_equal(st.code, SP_RPC_UNIMPLEMENTED);
+  assert_non_null(strstr(st.message, "/nope.Svc/Missing"));
+
+  /* an oversize request is refused, and the connection still works */
+  EchoRequest big = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  big.text = "";
+  big.payload.len = SP_RPC_DEFAULT_MAX_MESSAGE + 1;
+  big.payload.data = calloc(1, big.payload.len);
+  assert_non_null(big.payload.data);
+  r = unary(&big, 5000, &st);
+  free(big.payload.data);
+  assert_int_equal(st.code, SP_RPC_RESOURCE_EXHAUSTED);
+  req.fail_code = 0;
+  r = unary(&req, 2000, &st);
+  assert_int_equal(st.code, SP_RPC_OK);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+}
+
+static void test_deadline_cancels_handler(void **state) {
+  (void)state;
+  unsigned c0, a0, c1, a1;
+  parse_stats(&c0, &a0);
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "slow";
+  req.delay_ms = 5000;
+  sp_rpc_status st;
+  uint64_t t0 = uv_hrtime();
+  EchoReply *r = unary(&req, 200, &st);
+  uint64_t ms = (uv_hrtime() - t0) / 1000000;
+  assert_null(r);
+  assert_int_equal(st.code, SP_RPC_DEADLINE_EXCEEDED);
+  assert_true(ms >= 150 && ms < 2000);
+  /* the server's timer fired too: the handler was cancelled, no work left */
+  uv_sleep(100);
+  parse_stats(&c1, &a1);
+  assert_true(c1 >= c0 + 1);
+  assert_int_equal(a1, 0);
+}
+
+static void test_server_stream_and_cancel(void **state) {
+  (void)state;
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "s";
+  req.repeat = 500;
+  sp_rpc_sync_stream *s;
+  assert_int_equal(sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000,
+                                           NULL, 0, &s),
+                   0);
+  assert_int_equal(sp_rpc_sync_stream_send(s, &req.base), 0);
+  assert_int_equal(sp_rpc_sync_stream_close_send(s), 0);
+  ProtobufCMessage *m;
+  sp_rpc_status st;
+  for (uint32_t i = 0; i < 500; i++) {
+    assert_int_equal(sp_rpc_sync_stream_recv(
+                         s, &shardplane__testing__echo_reply__descriptor, 2000,
+                         &m, &st),
+                     0);
+    assert_int_equal(((EchoReply *)m)->index, i);
+    protobuf_c_message_free_unpacked(m, NULL);
+  }
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(s, &shardplane__testing__echo_reply__descriptor,
+                              2000, &m, &st),
+      SP_ENOENT);
+  assert_int_equal(st.code, SP_RPC_OK);
+  sp_rpc_sync_stream_free(s);
+
+  /* cancel a long stream mid-flight: the handler is cancelled */
+  unsigned c0, a0, c1, a1;
+  parse_stats(&c0, &a0);
+  req.repeat = 1000000;
+  assert_int_equal(sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000,
+                                           NULL, 0, &s),
+                   0);
+  sp_rpc_sync_stream_send(s, &req.base);
+  sp_rpc_sync_stream_close_send(s);
+  assert_int_equal(sp_rpc_sync_stream_recv(
+                       s, &shardplane__testing__echo_reply__descriptor, 2000,
+                       &m, &st),
+                   0);
+  protobuf_c_message_free_unpacked(m, NULL);
+  sp_rpc_sync_stream_free(s); /* cancels */
+  for (int i = 0; i < 50; i++) {
+    parse_stats(&c1, &a1);
+    if (a1 == 0) break;
+    uv_sleep(20);
+  }
+  assert_true(c1 >= c0 + 1);
+  assert_int_equal(a1, 0);
+}
+
+static void test_client_stream_and_bidi(void **state) {
+  (void)state;
+  sp_rpc_sync_stream *s;
+  sp_rpc_status st;
+  ProtobufCMessage *m;
+  assert_int_equal(sp_rpc_sync_stream_open(g_cli, EPATH("ClientStream"), 5000,
+                                           NULL, 0, &s),
+                   0);
+  const char *parts[] = {"ra", "nk", "-", "0"};
+  for (int i = 0; i < 4; i++) {
+    EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+    req.text = (char *)parts[i];
+    assert_int_equal(sp_rpc_sync_stream_send(s, &req.base), 0);
+  }
+  sp_rpc_sync_stream_close_send(s);
+  assert_int_equal(sp_rpc_sync_stream_recv(
+                       s, &shardplane__testing__echo_reply__descriptor, 2000,
+                       &m, &st),
+                   0);
+  assert_string_equal(((EchoReply *)m)->text, "rank-0");
+  protobuf_c_message_free_unpacked(m, NULL);
+  sp_rpc_sync_stream_free(s);
+
+  /* bidi in lock-step: each answer arrives before the client half-closes */
+  assert_int_equal(
+      sp_rpc_sync_stream_open(g_cli, EPATH("Bidi"), 5000, NULL, 0, &s), 0);
+  for (uint32_t i = 0; i < 20; i++) {
+    char text[16];
+    snprintf(text, sizeof text, "m%u", i);
+    EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+    req.text = text;
+    assert_int_equal(sp_rpc_sync_stream_send(s, &req.base), 0);
+    assert_int_equal(sp_rpc_sync_stream_recv(
+                         s, &shardplane__testing__echo_reply__descriptor, 2000,
+                         &m, &st),
+                     0);
+    assert_string_equal(((EchoReply *)m)->text, text);
+    assert_int_equal(((EchoReply *)m)->index, i);
+    protobuf_c_message_free_unpacked(m, NULL);
+  }
+  sp_rpc_sync_stream_close_send(s);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(s, &shardplane__testing__echo_reply__descriptor,
+                              2000, &m, &st),
+      SP_ENOENT);
+  assert_int_equal(st.code, SP_RPC_OK);
+  sp_rpc_sync_stream_free(s);
+}
+
+static void test_metadata_roundtrip(void **state) {
+  (void)state;
+  /* the async client, to read the response headers */
+  const uint8_t bin[] = {0, 0x80, 0xff, '\n'};
+  sp_rpc_md md[] = {{"x-echo", (const uint8_t *)"trace-7", 7},
+                    {"x-echo-bin", bin, sizeof bin}};
+  sp_rpc_sync_stream *s;
+  assert_int_equal(
+      sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000, md, 2, &s), 0);
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "md";
+  req.repeat = 1;
+  sp_rpc_sync_stream_send(s, &req.base);
+  sp_rpc_sync_stream_close_send(s);
+  ProtobufCMessage *m;
+  sp_rpc_status st;
+  assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), 0);
+  assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
+  assert_int_equal(st.code, SP_RPC_OK);
+  sp_rpc_sync_stream_free(s);
+  /* invalid keys are refused on the client before anything is sent */
+  sp_rpc_md bad[] = {{"X-Upper", (const uint8_t *)"v", 1}};
+  assert_int_equal(
+      sp_rpc_sync_stream_open(g_cli, EPATH("Unary"), 1000, bad, 1, &s),
+      SP_EINVAL);
+  sp_rpc_md ctl[] = {{"x-ctl", (const uint8_t *)"a\nb", 3}};
+  assert_int_equal(
+      sp_rpc_sync_stream_open(g_cli, EPATH("Unary"), 1000, ctl, 1, &s),
+      SP_EINVAL);
+}
+
+static void test_health(void **state) {
+  (void)state;
+  Grpc__Health__V1__HealthCheckRequest req =
+      GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  req.service = "";
+  ProtobufCMessage *resp;
+  sp_rpc_status st;
+  assert_int_equal(
+      sp_rpc_sync_unary(g_cli, "/grpc.health.v1.Health/Check", &req.base,
+                        &grpc__health__v1__health_check_response__descriptor,
+                        2000, &resp, &st),
+      0);
+  assert_int_equal(st.code, SP_RPC_OK);
+  assert_int_equal(((Grpc__Health__V1__HealthCheckResponse *)resp)->status,
+                   SP_HEALTH_SERVING);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  req.service = "no.such.Service";
+  assert_int_equal(
+      sp_rpc_sync_unary(g_cli, "/grpc.health.v1.Health/Check", &req.base,
+                        &grpc__health__v1__health_check_response__descriptor,
+                        2000, &resp, &st),
+      0);
+  assert_int_equal(st.code, SP_RPC_NOT_FOUND);
+}
+
+static void test_many_concurrent_streams(void **state) {
+  (void)state;
+  enum { N = 300 };
+  static sp_rpc_sync_stream *s[N];
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(
+        sp_rpc_sync_stream_open(g_cli, EPATH("Bidi"), 10000, NULL, 0, &s[i]), 0);
+    EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+    req.text = "x";
+    sp_rpc_sync_stream_send(s[i], &req.base);
+  }
+  /* more than MAX_CONCURRENT_STREAMS (100): nghttp2 queues the rest */
+  for (int i = 0; i < N; i++) sp_rpc_sync_stream_close_send(s[i]);
+  for (int i = 0; i < N; i++) {
+    ProtobufCMessage *m;
+    sp_rpc_status st;
+    assert_int_equal(sp_rpc_sync_stream_recv(s[i], NULL, 10000, &m, &st), 0);
+    assert_int_equal(sp_rpc_sync_stream_recv(s[i], NULL, 10000, &m, &st),
+                     SP_ENOENT);
+    assert_int_equal(st.code, SP_RPC_OK);
+    sp_rpc_sync_stream_free(s[i]);
+  }
+  sp_rpc_server_stats stats = sp_test_server_stats(&g_srv);
+  assert_int_equal(stats.calls_open, 0);
+}
+
+/* ---------------- connection management ---------------- */
+
+static void test_connect_failure_and_retry(void **state) {
+  (void)state;
+  /* a port nobody listens on: UNAVAILABLE once the connect deadline passes */
+  sp_test_server probe;
+  sp_test_server_start(&probe, NULL);
+  char addr[64];
+  snprintf(addr, sizeof addr, "%s", probe.addr);
+  sp_test_server_stop(&probe, 0);
+  sp_rpc_sync *c;
+  assert_int_equal(sp_rpc_sync_open(addr, 600, &c), 0);
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "x";
+  sp_rpc_status st;
+  uint64_t t0 = uv_hrtime();
+  assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 0,
+                                     NULL, &st),
+                   0);
+  uint64_t ms = (uv_hrtime() - t0) / 1000000;
+  assert_int_equal(st.code, SP_RPC_UNAVAILABLE);
+  assert_non_null(strstr(st.message, addr));
+  assert_true(ms >= 400 && ms < 3000); /* retried with backoff, then gave up */
+  sp_rpc_sync_close(c);
+  assert_int_equal(sp_rpc_sync_open("not an address", 100, &c), SP_EINVAL);
+
+  /* the server going away fails calls in flight with UNAVAILABLE, not a hang */
+  sp_test_server other;
+  sp_test_server_start(&other, NULL);
+  assert_int_equal(sp_rpc_sync_open(other.addr, 2000, &c), 0);
+  req.delay_ms = 3000;
+  sp_rpc_sync_stream *s;
+  assert_int_equal(
+      sp_rpc_sync_stream_open(c, EPATH("Unary"), 10000, NULL, 0, &s), 0);
+  sp_rpc_sync_stream_send(s, &req.base);
+  sp_rpc_sync_stream_close_send(s);
+  ProtobufCMessage *m;
+  assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 200, &m, &st),
+                   SP_ETIMEDOUT);
+  sp_test_server_stop(&other, 100); /* grace shorter than the handler */
+  assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 5000, &m, &st), SP_ENOENT);
+  assert_true(st.code == SP_RPC_UNAVAILABLE || st.code == SP_RPC_CANCELLED);
+  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_close(c);
+}
+
+static void test_graceful_shutdown_finishes_calls(void **state) {
+  (void)state;
+  sp_test_server srv;
+  sp_test_server_start(&srv, NULL);
+  sp_rpc_sync *c;
+  assert_int_equal(sp_rpc_sync_open(srv.addr, 2000, &c), 0);
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "in flight";
+  req.delay_ms = 300;
+  sp_rpc_sync_stream *s;
+  assert_int_equal(sp_rpc_sync_stream_open(c, EPATH("Unary"), 5000, NULL, 0, &s),
+                   0);
+  sp_rpc_sync_stream_send(s, &req.base);
+  sp_rpc_sync_stream_close_send(s);
+  ProtobufCMessage *m;
+  sp_rpc_status st;
+  assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 100, &m, &st),
+                   SP_ETIMEDOUT); /* the request reached the server */
+  /* Stop with a grace period longer than the handler: the server sends
+   * GOAWAY, lets the call finish, then closes. The reply is already in our
+   * socket when stop returns. */
+  uint64_t t0 = uv_hrtime();
+  sp_test_server_stop(&srv, 5000);
+  uint64_t ms = (uv_hrtime() - t0) / 1000000;
+  assert_true(ms >= 150 && ms < 3000);
+  assert_int_equal(sp_rpc_sync_stream_recv(
+                       s, &shardplane__testing__echo_reply__descriptor, 2000,
+                       &m, &st),
+                   0);
+  assert_string_equal(((EchoReply *)m)->text, "in flight");
+  protobuf_c_message_free_unpacked(m, NULL);
+  assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
+  assert_int_equal(st.code, SP_RPC_OK);
+  sp_rpc_sync_stream_free(s);
+  /* a new call now fails fast: nothing listens any more */
+  req.delay_ms = 0;
+  assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 500,
+                                     NULL, &st),
+                   0);
+  assert_true(st.code == SP_RPC_UNAVAILABLE ||
+              st.code == SP_RPC_DEADLINE_EXCEEDED);
+  sp_rpc_sync_close(c);
+}
+
+int main(void) {
+  const struct CMUnitTest wire[] = {
+      cmocka_unit_test(test_percent_encoding),
+      cmocka_unit_test(test_timeout),
+      cmocka_unit_test(test_base64),
+      cmocka_unit_test(test_deframer),
+      cmocka_unit_test(test_addresses),
+  };
+  const struct CMUnitTest live[] = {
+      cmocka_unit_test(test_unary_and_errors),
+      cmocka_unit_test(test_deadline_cancels_handler),
+      cmocka_unit_test(test_server_stream_and_cancel),
+      cmocka_unit_test(test_client_stream_and_bidi),
+      cmocka_unit_test(test_metadata_roundtrip),
+      cmocka_unit_test(test_health),
+      cmocka_unit_test(test_many_concurrent_streams),
+  };
+  const struct CMUnitTest conn[] = {
+      cmocka_unit_test(test_connect_failure_and_retry),
+      cmocka_unit_test(test_graceful_shutdown_finishes_calls),
+  };
+  int rc = cmocka_run_group_tests_name("wire", wire, NULL, NULL);
+  rc |= cmocka_run_group_tests_name("live", live, setup, teardown);
+  rc |= cmocka_run_group_tests_name("connections", conn, NULL, NULL);
+  return rc;
+}
