@@ -1,6 +1,9 @@
 /* shardplane: the operator's command. */
+#include <errno.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -12,8 +15,15 @@ static const struct {
   int (*fn)(int, char **);
   const char *summary;
 } k_commands[] = {
+    {"status", sp_cmd_status,
+     "the job at a glance: plan version, ranks per state, alerts"},
+    {"ranks", sp_cmd_ranks, "every rank's state, step and last collective"},
     {"plan", sp_cmd_plan,
-     "print the sharding plan of a model spec (offline, --model)"},
+     "the sharding plan (the coordinator's, or offline with --model)"},
+    {"where", sp_cmd_where, "which ranks hold which slices of a parameter"},
+    {"buffers", sp_cmd_buffers, "original and compute dtype of each buffer"},
+    {"watch", sp_cmd_watch, "print events as they happen"},
+    {"store", sp_cmd_store, "get, set, add, delete, cas in the store"},
 };
 
 void sp_cli_error(const char *cmd, const char *fmt, ...) {
@@ -25,6 +35,15 @@ void sp_cli_error(const char *cmd, const char *fmt, ...) {
   va_end(ap);
 }
 
+int sp_cli_parse_uint(const char *s, long long max, long long *out) {
+  char *end;
+  errno = 0;
+  long long v = strtoll(s, &end, 10);
+  if (*s == '\0' || *end != '\0' || errno != 0 || v < 0 || v > max) return -1;
+  *out = v;
+  return 0;
+}
+
 static void usage(FILE *f) {
   fprintf(f,
           "usage: shardplane <command> [options]   (shardplane <command> "
@@ -32,6 +51,9 @@ static void usage(FILE *f) {
   for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
     fprintf(f, "  %-10s %s\n", k_commands[i].name, k_commands[i].summary);
   fprintf(f,
+          "\nThe remote commands ask the coordinator at --coordinator "
+          "HOST:PORT,\nelse $" SP_COORDINATOR_ENV ", else "
+          SP_DEFAULT_COORDINATOR "; all take --json.\n"
           "\nexit codes: 0 ok, 1 failure, 2 bad usage, 3 not found, "
           "4 coordinator unreachable\n");
 }
@@ -51,6 +73,9 @@ int main(int argc, char **argv) {
     printf("shardplane %s\n", SP_VERSION);
     return SP_EXIT_OK;
   }
+  /* a reader that goes away (`shardplane watch | head`) is a failed
+   * write to report, not a signal that kills the command mid-call */
+  signal(SIGPIPE, SIG_IGN);
   for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
     if (strcmp(cmd, k_commands[i].name) == 0)
       return k_commands[i].fn(argc - 1, argv + 1);

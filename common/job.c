@@ -1,5 +1,6 @@
 #include "job.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -312,4 +313,104 @@ bool sp_job_full_precision_type(const sp_job *job, const char *type) {
   for (int i = 0; i < COUNT(k_default_full_precision); i++)
     if (strcmp(k_default_full_precision[i], type) == 0) return true;
   return false;
+}
+
+const sp_job_flag_def sp_job_flags[] = {
+    {"world-size", true, "number of ranks (default 1)"},
+    {"strategy", true,
+     "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD"},
+    {"shard-group-size", true, "ranks per shard group (HYBRID_SHARD)"},
+    {"wrap-type", true, "module type that becomes a unit (repeatable)"},
+    {"wrap-module", true, "module FQN that becomes a unit (repeatable)"},
+    {"param-dtype", true, "mixed precision: unsharded parameter dtype"},
+    {"reduce-dtype", true, "mixed precision: gradient reduction dtype"},
+    {"buffer-dtype", true, "mixed precision: buffer compute dtype"},
+    {"keep-low-precision-grads", false,
+     "mixed precision: do not cast reduced gradients back"},
+    {"full-precision-type", true,
+     "module type kept in full precision (repeatable; default BatchNorm*)"},
+    {"use-orig-params", false, "FSDP's aligned flat-parameter layout"},
+    {"backend", true, "gloo | nccl"},
+    {NULL, false, NULL},
+};
+
+void sp_job_flags_print_help(void *file) {
+  FILE *f = file;
+  for (const sp_job_flag_def *d = sp_job_flags; d->name; d++) {
+    char left[64];
+    snprintf(left, sizeof left, "--%s%s", d->name, d->has_arg ? " V" : "");
+    fprintf(f, "  %-28s %s\n", left, d->help);
+  }
+}
+
+static int parse_u32_flag(const char *name, const char *v, uint32_t *out,
+                          sp_diag *diag) {
+  char *end;
+  unsigned long long x = v ? strtoull(v, &end, 10) : 0;
+  if (v == NULL || *v == '\0' || *end != '\0' || x < 1 ||
+      x > SP_JOB_MAX_WORLD)
+    return sp_diag_set(diag, SP_EINVAL, "--%s: expected 1..%u, got \"%s\"",
+                       name, SP_JOB_MAX_WORLD, v ? v : "");
+  *out = (uint32_t)x;
+  return 0;
+}
+
+static int parse_fp_flag(const char *name, const char *v, sp_dtype *out,
+                         sp_diag *diag) {
+  if (v == NULL || sp_dtype_parse(v, out) != 0 || !sp_dtype_is_floating(*out))
+    return sp_diag_set(diag, SP_EINVAL,
+                       "--%s: \"%s\" is not a floating dtype (float32, "
+                       "bfloat16, float16, float64)",
+                       name, v ? v : "");
+  return 0;
+}
+
+int sp_job_apply_flag(sp_job *job, const char *name, const char *v,
+                      sp_diag *diag) {
+  sp_mixed_precision *mp = &job->mp;
+  if (strcmp(name, "world-size") == 0)
+    return parse_u32_flag(name, v, &job->world_size, diag);
+  if (strcmp(name, "shard-group-size") == 0)
+    return parse_u32_flag(name, v, &job->shard_group_size, diag);
+  if (strcmp(name, "strategy") == 0) {
+    if (sp_strategy_parse(v, &job->strategy) != 0)
+      return sp_diag_set(diag, SP_EINVAL, "--strategy: unknown strategy \"%s\"",
+                         v ? v : "");
+    return 0;
+  }
+  if (strcmp(name, "backend") == 0) {
+    if (sp_backend_parse(v, &job->backend) != 0)
+      return sp_diag_set(diag, SP_EINVAL,
+                         "--backend: \"%s\" is not gloo or nccl", v ? v : "");
+    return 0;
+  }
+  sp_dtype *dt = strcmp(name, "param-dtype") == 0    ? &mp->param_dtype
+                 : strcmp(name, "reduce-dtype") == 0 ? &mp->reduce_dtype
+                 : strcmp(name, "buffer-dtype") == 0 ? &mp->buffer_dtype
+                                                     : NULL;
+  if (dt != NULL) {
+    int rc = parse_fp_flag(name, v, dt, diag);
+    if (rc == 0) mp->enabled = true;
+    return rc;
+  }
+  if (strcmp(name, "keep-low-precision-grads") == 0) {
+    mp->enabled = mp->keep_low_precision_grads = true;
+    return 0;
+  }
+  if (strcmp(name, "use-orig-params") == 0) {
+    job->use_orig_params = true;
+    return 0;
+  }
+  sp_strlist *list = strcmp(name, "wrap-type") == 0     ? &job->wrap_types
+                     : strcmp(name, "wrap-module") == 0 ? &job->wrap_modules
+                     : strcmp(name, "full-precision-type") == 0
+                         ? &mp->full_precision_types
+                         : NULL;
+  if (list == NULL) return SP_ENOENT;
+  if (v == NULL || v[0] == '\0')
+    return sp_diag_set(diag, SP_EINVAL, "--%s: a name is needed", name);
+  int rc = sp_strlist_add(list, v);
+  if (rc != 0) return sp_diag_set(diag, rc, "--%s: %s", name, sp_strerror(rc));
+  if (list == &mp->full_precision_types) mp->full_precision_types_set = true;
+  return 0;
 }

@@ -105,6 +105,25 @@ const char *sp_backend_name(sp_backend b);
  * in the model. Errors: SP_EINVAL with the field at fault in diag. */
 int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag);
 
+/* Command-line job flags shared by every tool (shardplane plan,
+ * shardplane-coordinator, shardplane run). Tools apply a job file first and
+ * then the flags in order, so flags override the file. */
+typedef struct sp_job_flag_def {
+  const char *name; /* without the leading "--" */
+  bool has_arg;
+  const char *help; /* one line, for --help */
+} sp_job_flag_def;
+/* Terminated by an entry whose name is NULL. */
+extern const sp_job_flag_def sp_job_flags[];
+
+/* Applies one flag. Returns 0, SP_ENOENT when `name` is not a job flag,
+ * SP_EINVAL for a bad value (diag names the flag and the value), or
+ * SP_ETOOBIG/SP_ENOMEM. */
+int sp_job_apply_flag(sp_job *job, const char *name, const char *value,
+                      sp_diag *diag);
+/* Prints the job flags' help lines, indented, to f. */
+void sp_job_flags_print_help(void *file);
+
 /* Whether modules of `type` become full-precision units under this job's
  * mixed-precision policy (false when mixed precision is off). */
 bool sp_job_full_precision_type(const sp_job *job, const char *type);

@@ -744,6 +744,103 @@ static void test_large_streaming(void **state) {
   }
 }
 
+/* The streaming body splits the vector range into SP_CAST_NT_STREAMS parts
+ * of whole output lines and finishes the rest with the single-stream loop,
+ * vector loop and scalar tail. The public API streams only past its size
+ * threshold, so call every SIMD kernel directly with nt set, at lengths
+ * around the multiples of the partition (each part empty, one line, a few
+ * lines, plus every remainder) and at aligned, element-misaligned and
+ * byte-misaligned destinations (the last one cannot stream at all). */
+#if TEST_X86
+typedef struct nt_kernel {
+  const char *name;
+  sp_cast_kernel fn;
+  sp_dtype st, dt;
+} nt_kernel;
+
+static int nt_kernels(nt_kernel *out) {
+  int n = 0;
+  if (sp_cast_path_available(SP_CAST_PATH_AVX2)) {
+    out[n++] = (nt_kernel){"avx2 f32->bf16", sp_cast_avx2_f32_to_bf16,
+                           SP_FLOAT32, SP_BFLOAT16};
+    out[n++] = (nt_kernel){"avx2 bf16->f32", sp_cast_avx2_bf16_to_f32,
+                           SP_BFLOAT16, SP_FLOAT32};
+    out[n++] = (nt_kernel){"avx2 f32->f16", sp_cast_avx2_f32_to_f16,
+                           SP_FLOAT32, SP_FLOAT16};
+    out[n++] = (nt_kernel){"avx2 f16->f32", sp_cast_avx2_f16_to_f32,
+                           SP_FLOAT16, SP_FLOAT32};
+  }
+  if (sp_cast_path_available(SP_CAST_PATH_AVX512)) {
+    out[n++] = (nt_kernel){"avx512 f32->bf16", sp_cast_avx512_f32_to_bf16,
+                           SP_FLOAT32, SP_BFLOAT16};
+    out[n++] = (nt_kernel){"avx512 bf16->f32", sp_cast_avx512_bf16_to_f32,
+                           SP_BFLOAT16, SP_FLOAT32};
+    out[n++] = (nt_kernel){"avx512 f32->f16", sp_cast_avx512_f32_to_f16,
+                           SP_FLOAT32, SP_FLOAT16};
+    out[n++] = (nt_kernel){"avx512 f16->f32", sp_cast_avx512_f16_to_f32,
+                           SP_FLOAT16, SP_FLOAT32};
+    if (__builtin_cpu_supports("avx512bf16"))
+      out[n++] = (nt_kernel){"avx512-native f32->bf16",
+                             sp_cast_avx512_f32_to_bf16_native, SP_FLOAT32,
+                             SP_BFLOAT16};
+  }
+  return n;
+}
+#endif
+
+static void test_streaming_partition(void **state) {
+  (void)state;
+#if TEST_X86
+  /* Elements per 64-byte output line: 32 narrowing, 16 widening; the
+   * lengths below cover both (and the AVX2 two-vector line). */
+  enum { MAXLINES = 4 * SP_CAST_NT_STREAMS + 3, GUARD = 64 };
+  const size_t maxn = (size_t)MAXLINES * 32 + 31 + 64;
+  /* aligned_alloc wants a multiple of the alignment. */
+  const size_t dbytes = (maxn * 4 + 64 + GUARD + 63) / 64 * 64;
+  nt_kernel k[9];
+  int nk = nt_kernels(k);
+  unsigned char *src = malloc(maxn * 4 + 8);
+  unsigned char *want = malloc(maxn * 4);
+  unsigned char *dst = aligned_alloc(64, dbytes);
+  assert_non_null(src);
+  assert_non_null(want);
+  assert_non_null(dst);
+  sp_test_rng rng = {0x57AEA};
+  size_t checked = 0;
+  for (int c = 0; c < nk; c++) {
+    size_t ss = sp_dtype_size(k[c].st), ds = sp_dtype_size(k[c].dt);
+    size_t line = 64 / ds;
+    for (size_t i = 0; i < maxn; i++)
+      store_elem(src + i * ss, ss,
+                 ss == 4 ? gen_f32(&rng) : sp_test_rng_next(&rng));
+    for (size_t lines = 0; lines <= MAXLINES; lines++) {
+      for (size_t extra = 0; extra < line; extra += (extra < 3 ? 1 : 7)) {
+        size_t n = lines * line + extra;
+        ref_cast(want, k[c].dt, src, k[c].st, n);
+        static const size_t offs[] = {0, 2, 4, 62, 1};
+        for (size_t o = 0; o < N_OF(offs); o++) {
+          size_t off = offs[o];
+          if (off % ds != 0 && off != 1) continue;
+          memset(dst, 0xCC, dbytes);
+          k[c].fn(dst + off, src, n, true);
+          if (memcmp(dst + off, want, n * ds) != 0)
+            fail_msg("%s (streaming), n=%zu, dst+%zu differs", k[c].name, n,
+                     off);
+          for (size_t g = 0; g < off; g++) assert_int_equal(dst[g], 0xCC);
+          for (size_t g = off + n * ds; g < dbytes; g++)
+            assert_int_equal(dst[g], 0xCC);
+          checked++;
+        }
+      }
+    }
+  }
+  printf("streaming partition: %zu kernel calls checked\n", checked);
+  free(src);
+  free(want);
+  free(dst);
+#endif
+}
+
 /* Same pointer, equal element sizes: allowed by the contract. */
 static void test_in_place(void **state) {
   (void)state;
@@ -882,6 +979,7 @@ int main(void) {
       cmocka_unit_test(test_f64_sample_every_path),
       cmocka_unit_test(test_pairs_lengths_alignment),
       cmocka_unit_test(test_large_streaming),
+      cmocka_unit_test(test_streaming_partition),
       cmocka_unit_test(test_in_place),
       cmocka_unit_test(test_mxcsr_independent),
       cmocka_unit_test(test_errors),

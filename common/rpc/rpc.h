@@ -45,6 +45,11 @@ typedef enum sp_rpc_code {
   SP_RPC_UNAUTHENTICATED = 16,
 } sp_rpc_code;
 
+/* Splits "host:port" or "[v6]:port"; host gets a NUL-terminated copy.
+ * SP_EINVAL if malformed or the port is not 0-65535. */
+int sp_rpc_split_addr(const char *addr, char *host, size_t host_cap,
+                      int *port);
+
 /* "OK", "CANCELLED", ...; "UNKNOWN" for out-of-range values. */
 const char *sp_rpc_code_name(int code);
 
@@ -289,6 +294,9 @@ int sp_rpc_sync_stream_open(sp_rpc_sync *s, const char *path,
                             uint64_t timeout_ms, const sp_rpc_md *md,
                             size_t n_md, sp_rpc_sync_stream **out);
 int sp_rpc_sync_stream_send(sp_rpc_sync_stream *st, const ProtobufCMessage *m);
+/* Sends bytes as one message, whatever they are (tests of bad input). */
+int sp_rpc_sync_stream_send_raw(sp_rpc_sync_stream *st, const uint8_t *data,
+                                size_t len);
 int sp_rpc_sync_stream_close_send(sp_rpc_sync_stream *st);
 /* Waits up to wait_ms (0: forever) for the next message. Returns 0 with
  * *msg set (caller frees with protobuf_c_message_free_unpacked), SP_ENOENT

@@ -94,7 +94,9 @@ static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
     uv_close((uv_handle_t *)call->timer, timer_free);
   }
   call->status.code = code;
-  if (msg != NULL)
+  /* callers may pass call->status.message itself: an overlapping snprintf
+   * is undefined (glibc leaves it empty) */
+  if (msg != NULL && msg != call->status.message)
     snprintf(call->status.message, sizeof call->status.message, "%s", msg);
   if (call->cbs.on_close) call->cbs.on_close(call, &call->status, call->user);
   for (cmsg *m = call->q_head; m;) {
@@ -405,11 +407,15 @@ static void submit_call(sp_rpc_ccall *call) {
   call->conn = cc;
   list_push(&cc->calls, call);
   size_t cap = 10 + call->md.n;
-  nghttp2_nv *nv = calloc(cap, sizeof *nv);
-  char **b64 = calloc(call->md.n + 1, sizeof *b64);
+  /* the usual few headers fit on the stack; more go to the heap */
+  nghttp2_nv nv_st[16];
+  char *b64_st[8] = {NULL};
+  nghttp2_nv *nv = cap <= 16 ? nv_st : calloc(cap, sizeof *nv);
+  char **b64 = call->md.n + 1 <= 8 ? b64_st
+                                   : calloc(call->md.n + 1, sizeof *b64);
   if (nv == NULL || b64 == NULL) {
-    free(nv);
-    free(b64);
+    if (nv != nv_st) free(nv);
+    if (b64 != b64_st) free(b64);
     call_complete(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
@@ -446,8 +452,8 @@ static void submit_call(sp_rpc_ccall *call) {
   nghttp2_data_provider prd = {.source.ptr = call, .read_callback = read_request};
   int32_t id = nghttp2_submit_request(cc->io.h2, NULL, nv, n, &prd, call);
   for (size_t i = 0; i < call->md.n; i++) free(b64[i]);
-  free(b64);
-  free(nv);
+  if (b64 != b64_st) free(b64);
+  if (nv != nv_st) free(nv);
   if (id < 0) {
     call_complete(call, SP_RPC_UNAVAILABLE, nghttp2_strerror(id));
     return;

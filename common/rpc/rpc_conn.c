@@ -11,7 +11,8 @@ static void on_handle_closed(uv_handle_t *h) {
   sp_h2conn *c = h->data;
   free(c->wbuf);
   free(c->wfly);
-  c->wbuf = c->wfly = NULL;
+  free(c->rbuf);
+  c->wbuf = c->wfly = c->rbuf = NULL;
   if (c->h2 != NULL) {
     nghttp2_session_del(c->h2);
     c->h2 = NULL;
@@ -35,11 +36,37 @@ void sp_h2conn_close(sp_h2conn *c) {
   uv_close((uv_handle_t *)&c->tcp, on_handle_closed);
 }
 
+/* Every read buffer has this size (libuv suggests 64 KiB). */
+#define SP_H2_READ_BUF (64u << 10)
+
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  (void)h;
-  /* libuv's suggestion is 64 KiB; one buffer per read keeps it simple */
-  buf->base = malloc(suggested);
-  buf->len = buf->base ? suggested : 0;
+  (void)suggested;
+  sp_h2conn *c = h->data;
+  /* reuse the connection's spare buffer; a second one only if it is in use */
+  buf->base = (char *)c->rbuf;
+  c->rbuf = NULL;
+  if (buf->base == NULL) buf->base = malloc(SP_H2_READ_BUF);
+  buf->len = buf->base ? SP_H2_READ_BUF : 0;
+}
+
+/* Keeps a read buffer as the spare, or frees it if there is one already. */
+static void read_buf_done(sp_h2conn *c, char *base) {
+  if (c->rbuf == NULL && !c->closing) c->rbuf = (uint8_t *)base;
+  else free(base);
+}
+
+void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
+  if (len == 0 || c->closing || c->h2 == NULL) return;
+  c->bytes_in += (uint64_t)len;
+  c->in_h2 = true;
+  ssize_t rv = nghttp2_session_mem_recv(c->h2, data, len);
+  c->in_h2 = false;
+  if (rv < 0) {
+    /* bad magic, flooding, or a callback failure: the peer is broken */
+    sp_h2conn_close(c);
+    return;
+  }
+  sp_h2conn_flush(c);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
@@ -49,22 +76,8 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
     sp_h2conn_close(c); /* EOF or error: streams end in on_stream_close */
     return;
   }
-  if (nread > 0 && !c->closing) {
-    c->bytes_in += (uint64_t)nread;
-    c->in_h2 = true;
-    ssize_t rv =
-        nghttp2_session_mem_recv(c->h2, (const uint8_t *)buf->base, (size_t)nread);
-    c->in_h2 = false;
-    free(buf->base);
-    if (rv < 0) {
-      /* bad magic, flooding, or a callback failure: the peer is broken */
-      sp_h2conn_close(c);
-      return;
-    }
-    sp_h2conn_flush(c);
-    return;
-  }
-  free(buf->base);
+  sp_h2conn_recv(c, (const uint8_t *)buf->base, (size_t)nread);
+  read_buf_done(c, buf->base);
 }
 
 int sp_h2conn_start(sp_h2conn *c) {
@@ -93,6 +106,7 @@ void sp_h2conn_flush(sp_h2conn *c) {
 
 static void flush_once(sp_h2conn *c) {
   if (c->closing || c->writing || c->h2 == NULL) return;
+again:
   while (c->wlen < SP_H2_WRITE_CHUNK) {
     const uint8_t *p;
     c->in_h2 = true;
@@ -117,7 +131,31 @@ static void flush_once(sp_h2conn *c) {
     memcpy(c->wbuf + c->wlen, p, (size_t)n);
     c->wlen += (size_t)n;
   }
+  if (c->wlen > 0 && c->sink != NULL) {
+    /* memory sink: the "write" completes at once, so keep pulling as
+     * on_written would, without recursing */
+    size_t n = c->wlen;
+    c->bytes_out += n;
+    c->wlen = 0;
+    if (c->sink(c, c->wbuf, n) != 0) {
+      sp_h2conn_close(c);
+      return;
+    }
+    goto again;
+  }
   if (c->wlen > 0) {
+    /* Hand the socket what it takes now, without a write request: that
+     * spares libuv a completion pass and an epoll_ctl per write. A fully
+     * taken write completes at once, as with the sink; only a rest goes
+     * through uv_write, which keeps the backpressure as it was. */
+    uv_buf_t t = uv_buf_init((char *)c->wbuf, (unsigned)c->wlen);
+    int w = uv_try_write((uv_stream_t *)&c->tcp, &t, 1);
+    if (w > 0 && (size_t)w == c->wlen) {
+      c->bytes_out += c->wlen;
+      c->wlen = 0;
+      goto again;
+    }
+    size_t sent = w > 0 ? (size_t)w : 0;
     /* swap so the next flush can fill while this one is in flight */
     uint8_t *fly = c->wbuf;
     size_t fly_cap = c->wcap;
@@ -125,7 +163,8 @@ static void flush_once(sp_h2conn *c) {
     c->wcap = c->wfly_cap;
     c->wfly = fly;
     c->wfly_cap = fly_cap;
-    uv_buf_t b = uv_buf_init((char *)c->wfly, (unsigned)c->wlen);
+    uv_buf_t b =
+        uv_buf_init((char *)c->wfly + sent, (unsigned)(c->wlen - sent));
     c->bytes_out += c->wlen;
     c->wlen = 0;
     c->wreq.data = c;

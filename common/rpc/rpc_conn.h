@@ -22,6 +22,9 @@ struct sp_h2conn {
   nghttp2_session *h2;
   uint8_t *wbuf, *wfly; /* being filled / in flight */
   size_t wlen, wcap, wfly_cap;
+  /* A read buffer kept between reads: a 64 KiB malloc and free per read
+   * made glibc consolidate its small-chunk bins every time. */
+  uint8_t *rbuf;
   uv_write_t wreq;
   bool writing, closing, reading;
   bool in_h2; /* inside mem_recv/mem_send: nghttp2 forbids re-entry */
@@ -31,6 +34,10 @@ struct sp_h2conn {
   /* Called at the end of every flush, outside nghttp2 callbacks: owners run
    * work there that must not happen inside them (user callbacks). */
   void (*on_after_send)(sp_h2conn *c);
+  /* Test and fuzzing seam: when set, output is handed here instead of to
+   * uv_write (the handle is never connected) and counts as written at once.
+   * Non-zero closes the connection, as a failed write would. */
+  int (*sink)(sp_h2conn *c, const uint8_t *data, size_t len);
   void *owner;
 };
 
@@ -38,6 +45,10 @@ struct sp_h2conn {
 int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner);
 /* Starts reading; input goes to c->h2, which must exist by then. */
 int sp_h2conn_start(sp_h2conn *c);
+/* Feeds received bytes to nghttp2 and flushes its answer; closes the
+ * connection when nghttp2 rejects them. The read callback uses it, and so
+ * does the in-memory feed used by the fuzz harness. */
+void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len);
 /* Pushes everything nghttp2 has to send. Safe to call at any time: inside
  * nghttp2 callbacks it does nothing, and the flush that follows every
  * mem_recv picks the output up. */

@@ -27,6 +27,22 @@ void sp_rpc_health_free(sp_rpc_health_state *h);
 /* A listener or connection handle finished closing. */
 void sp_rpc_server_handle_closed(sp_rpc_server *srv);
 
+/* Test and fuzzing seam: runs one server connection over `len` bytes held
+ * in memory, as if a client had sent them on a socket. The bytes go in
+ * `chunk` at a time (0: all at once), with a non-blocking loop iteration
+ * after each so handlers that defer work can act; everything the server
+ * writes goes to sink (may be NULL; non-zero from it fails the connection
+ * like a broken socket). Then the connection is closed, which cancels the
+ * calls it still has, and the function returns once it is freed. Handles
+ * the handlers were closing may still need one more loop iteration to be
+ * released. Call it on the loop thread, outside loop callbacks (it runs the
+ * loop). Returns 0, SP_EINVAL, SP_ESTATE (shutting down) or SP_ENOMEM. */
+int sp_rpc_server_feed_bytes(sp_rpc_server *srv, const uint8_t *data,
+                             size_t len, size_t chunk,
+                             int (*sink)(void *arg, const uint8_t *out,
+                                         size_t n),
+                             void *arg);
+
 /* Resolves "host:port" (numeric, or a name through getaddrinfo; blocking,
  * so only at start-up). SP_EINVAL with the reason in diag. */
 int sp_rpc_resolve(const char *addr, struct sockaddr_storage *out,

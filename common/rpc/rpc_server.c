@@ -57,6 +57,10 @@ struct srv_conn {
   sp_rpc_call *calls;
   sp_rpc_call *notify; /* calls whose on_writable must run */
   srv_conn *next, *prev;
+  /* in-memory connections only (sp_rpc_server_feed_bytes) */
+  int (*feed_sink)(void *arg, const uint8_t *data, size_t len);
+  void *feed_arg;
+  bool *gone; /* set when the connection is freed */
 };
 
 typedef struct listener {
@@ -184,11 +188,16 @@ static int submit_headers(sp_rpc_call *call) {
   if (call->headers_sent) return 0;
   nghttp2_session *h2 = call->conn->io.h2;
   size_t cap = 6 + call->resp_md.n;
-  nghttp2_nv *nv = calloc(cap, sizeof *nv);
-  char **b64 = calloc(call->resp_md.n + 1, sizeof *b64);
+  /* the usual few headers fit on the stack; more go to the heap */
+  nghttp2_nv nv_st[16];
+  char *b64_st[8] = {NULL};
+  nghttp2_nv *nv = cap <= 16 ? nv_st : calloc(cap, sizeof *nv);
+  char **b64 = call->resp_md.n + 1 <= 8
+                   ? b64_st
+                   : calloc(call->resp_md.n + 1, sizeof *b64);
   if (nv == NULL || b64 == NULL) {
-    free(nv);
-    free(b64);
+    if (nv != nv_st) free(nv);
+    if (b64 != b64_st) free(b64);
     return SP_ENOMEM;
   }
   size_t n = 0;
@@ -207,8 +216,8 @@ static int submit_headers(sp_rpc_call *call) {
     rv = nghttp2_submit_response(h2, call->stream_id, nv, n, &prd);
   }
   for (size_t i = 0; i < call->resp_md.n; i++) free(b64[i]);
-  free(b64);
-  free(nv);
+  if (b64 != b64_st) free(b64);
+  if (nv != nv_st) free(nv);
   if (rv != 0) return SP_EIO;
   call->headers_sent = true;
   return 0;
@@ -693,6 +702,7 @@ static void conn_closed(sp_h2conn *io) {
   if (c->next) c->next->prev = c->prev;
   srv->stats.connections_open--;
   srv->stats.bytes_out += io->bytes_out;
+  if (c->gone != NULL) *c->gone = true;
   free(c);
   sp_rpc_server_handle_closed(srv);
 }
@@ -728,15 +738,14 @@ static int session_new(srv_conn *c) {
   return 0;
 }
 
-static void on_connection(uv_stream_t *server, int status) {
-  listener *l = server->data;
-  sp_rpc_server *srv = l->srv;
-  if (status < 0) return;
+/* A linked, counted connection with an initialised (unconnected) handle;
+ * from here on it goes away only through sp_h2conn_close. */
+static srv_conn *conn_new(sp_rpc_server *srv) {
   srv_conn *c = calloc(1, sizeof *c);
-  if (c == NULL) return;
+  if (c == NULL) return NULL;
   if (sp_h2conn_init(&c->io, srv->loop, c) != 0) {
     free(c);
-    return;
+    return NULL;
   }
   c->srv = srv;
   c->id = ++srv->next_conn_id;
@@ -748,6 +757,15 @@ static void on_connection(uv_stream_t *server, int status) {
   srv->open_handles++;
   srv->stats.connections_open++;
   srv->stats.connections_total++;
+  return c;
+}
+
+static void on_connection(uv_stream_t *server, int status) {
+  listener *l = server->data;
+  sp_rpc_server *srv = l->srv;
+  if (status < 0) return;
+  srv_conn *c = conn_new(srv);
+  if (c == NULL) return;
   if (uv_accept(server, (uv_stream_t *)&c->io.tcp) != 0 ||
       srv->shutting_down ||
       srv->stats.connections_open > srv->opts.max_connections ||
@@ -765,6 +783,50 @@ static void on_connection(uv_stream_t *server, int status) {
     return;
   }
   conn_flush(c);
+}
+
+/* ---------------- in-memory connections (tests, fuzzing) ---------------- */
+
+static int feed_sink(sp_h2conn *io, const uint8_t *data, size_t len) {
+  srv_conn *c = io->owner;
+  return c->feed_sink != NULL ? c->feed_sink(c->feed_arg, data, len) : 0;
+}
+
+int sp_rpc_server_feed_bytes(sp_rpc_server *srv, const uint8_t *data,
+                             size_t len, size_t chunk,
+                             int (*sink)(void *arg, const uint8_t *out,
+                                         size_t n),
+                             void *arg) {
+  if (srv == NULL || (data == NULL && len > 0)) return SP_EINVAL;
+  if (srv->shutting_down) return SP_ESTATE;
+  srv_conn *c = conn_new(srv);
+  if (c == NULL) return SP_ENOMEM;
+  bool gone = false;
+  c->gone = &gone;
+  c->feed_sink = sink;
+  c->feed_arg = arg;
+  c->io.sink = feed_sink;
+  snprintf(c->peer, sizeof c->peer, "memory");
+  int rc = session_new(c);
+  if (rc == 0) {
+    conn_flush(c);
+    size_t step = chunk > 0 ? chunk : len;
+    /* `gone` is checked first: a close inside uv_run frees c */
+    for (size_t off = 0; off < len && !gone && !c->io.closing; off += step) {
+      size_t n = len - off < step ? len - off : step;
+      sp_h2conn_recv(&c->io, data + off, n);
+      /* work handlers put on the loop (zero-delay timers, on_writable)
+       * runs between chunks, as it would between reads */
+      uv_run(srv->loop, UV_RUN_NOWAIT);
+    }
+    for (int i = 0; i < 4 && !gone && !c->io.closing; i++)
+      uv_run(srv->loop, UV_RUN_NOWAIT);
+  }
+  if (!gone) sp_h2conn_close(&c->io);
+  /* close callbacks never block the loop, so this ends after an iteration;
+   * conn_closed cancels the calls left and frees c */
+  while (!gone) uv_run(srv->loop, UV_RUN_NOWAIT);
+  return rc;
 }
 
 /* ---------------- server ---------------- */

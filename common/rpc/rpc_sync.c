@@ -53,6 +53,13 @@ void sp_rpc_sync_close(sp_rpc_sync *s) {
   free(s);
 }
 
+/* The waits below run the loop one iteration at a time until their
+ * condition holds. A callback that makes it hold early in an iteration
+ * (a timer that was already due) would otherwise leave that iteration
+ * blocked in poll until unrelated I/O arrives; uv_stop makes the poll
+ * return at once. */
+static void wake_waiter(uv_loop_t *loop) { uv_stop(loop); }
+
 static void st_on_message(sp_rpc_ccall *call, const uint8_t *data, size_t len,
                           void *user) {
   (void)call;
@@ -69,6 +76,7 @@ static void st_on_message(sp_rpc_ccall *call, const uint8_t *data, size_t len,
   else st->head = m;
   st->tail = m;
   st->count++;
+  wake_waiter(&st->s->loop);
 }
 
 static void st_on_close(sp_rpc_ccall *call, const sp_rpc_status *status,
@@ -78,6 +86,7 @@ static void st_on_close(sp_rpc_ccall *call, const sp_rpc_status *status,
   st->status = *status;
   st->done = true;
   st->call = NULL;
+  wake_waiter(&st->s->loop);
 }
 
 static const sp_rpc_ccall_cbs k_stream_cbs = {st_on_message, st_on_close};
@@ -104,12 +113,21 @@ int sp_rpc_sync_stream_send(sp_rpc_sync_stream *st, const ProtobufCMessage *m) {
   return sp_rpc_ccall_send_msg(st->call, m);
 }
 
+int sp_rpc_sync_stream_send_raw(sp_rpc_sync_stream *st, const uint8_t *data,
+                                size_t len) {
+  if (st->call == NULL) return SP_ESTATE;
+  return sp_rpc_ccall_send(st->call, data, len);
+}
+
 int sp_rpc_sync_stream_close_send(sp_rpc_sync_stream *st) {
   if (st->call == NULL) return SP_ESTATE;
   return sp_rpc_ccall_close_send(st->call);
 }
 
-static void on_wait_timer(uv_timer_t *t) { *(bool *)t->data = true; }
+static void on_wait_timer(uv_timer_t *t) {
+  *(bool *)t->data = true;
+  wake_waiter(t->loop);
+}
 static void wait_timer_closed(uv_handle_t *h) { (void)h; }
 
 int sp_rpc_sync_stream_recv(sp_rpc_sync_stream *st,
@@ -119,6 +137,8 @@ int sp_rpc_sync_stream_recv(sp_rpc_sync_stream *st,
   bool expired = false;
   uv_timer_t timer;
   if (wait_ms > 0) {
+    /* the loop's clock may be stale after a while without running */
+    uv_update_time(&st->s->loop);
     uv_timer_init(&st->s->loop, &timer);
     timer.data = &expired;
     uv_timer_start(&timer, on_wait_timer, wait_ms, 0);

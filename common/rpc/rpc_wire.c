@@ -209,13 +209,10 @@ int sp_rpc_mdlist_add(sp_rpc_mdlist *l, const char *key, size_t klen,
     l->e = e;
     l->cap = cap;
   }
-  char *k = malloc(klen + 1);
-  uint8_t *val = malloc(vlen + 1);
-  if (k == NULL || val == NULL) {
-    free(k);
-    free(val);
-    return SP_ENOMEM;
-  }
+  /* key and value share one allocation, owned through the key */
+  char *k = malloc(klen + 1 + vlen + 1);
+  if (k == NULL) return SP_ENOMEM;
+  uint8_t *val = (uint8_t *)k + klen + 1;
   memcpy(k, key, klen);
   k[klen] = '\0';
   if (vlen) memcpy(val, v, vlen);
@@ -237,10 +234,7 @@ const uint8_t *sp_rpc_mdlist_get(const sp_rpc_mdlist *l, const char *key,
 }
 
 void sp_rpc_mdlist_clear(sp_rpc_mdlist *l) {
-  for (size_t i = 0; i < l->n; i++) {
-    free(l->e[i].key);
-    free(l->e[i].value);
-  }
+  for (size_t i = 0; i < l->n; i++) free(l->e[i].key); /* value too */
   free(l->e);
   memset(l, 0, sizeof *l);
 }

@@ -43,8 +43,8 @@ bool sp_rpc_md_value_valid(const uint8_t *v, size_t len);
  * per entry, as HTTP/2 counts header list size). */
 typedef struct sp_rpc_mdlist {
   struct sp_rpc_mdent {
-    char *key;
-    uint8_t *value;
+    char *key;      /* one allocation holds the key and the value */
+    uint8_t *value; /* NUL-terminated, inside key's allocation */
     size_t len;
   } *e;
   size_t n, cap, bytes;
@@ -89,9 +89,5 @@ int sp_rpc_code_from_rst(uint32_t h2_error);
 /* Maps a non-200 HTTP status to a gRPC status. */
 int sp_rpc_code_from_http(int http_status);
 
-/* Splits "host:port", "[v6]:port"; host gets a NUL-terminated copy.
- * SP_EINVAL if malformed or the port is not 0-65535. */
-int sp_rpc_split_addr(const char *addr, char *host, size_t host_cap,
-                      int *port);
 
 #endif

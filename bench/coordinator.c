@@ -1,0 +1,1339 @@
+/* Control-plane load on a real coordinator: N simulated ranks attach,
+ * rendezvous on a store key and stream FSDP training-state transitions.
+ *
+ * The coordinator under test is the shardplane-coordinator program, started
+ * as a child process on a generated model spec (a root module owning a
+ * Linear head plus units-1 "Block" modules, each with a Linear weight and
+ * bias; wrap type Block, so the plan has exactly --units units). This
+ * process is the load: one libuv loop with N clients of our gRPC engine,
+ * one HTTP/2 connection each, as N worker processes would have.
+ *
+ * Per rank, all ranks at once:
+ *  1. Attach (with the plan version GetJob reported before the clock
+ *     started), then the rendezvous: StoreAdd("rdzv", 1) and
+ *     StoreGet("go", wait); the rank whose add returns N sets "go", which
+ *     releases everybody. Timed from the first Attach sent (connections are
+ *     opened by it) to the last rank attached, and to the last one released.
+ *  2. A Session stream, bound by its first message (rank, session id).
+ *  3. --steps training steps of transitions, the sequence one FSDP rank
+ *     reports per step: root IDLE -> FORWARD_BACKWARD; per unit in order
+ *     FORWARD, IDLE; per unit in reverse BACKWARD_PRE, BACKWARD_POST, IDLE;
+ *     root -> IDLE (2 + 5 x units transitions), cut into SessionUp messages
+ *     of --batch transitions, at most --window messages unacknowledged per
+ *     rank (acked_seq of SessionDown). The coordinator decodes every message,
+ *     validates each transition against the state tables and acks each
+ *     message; the rate counts acknowledged transitions.
+ *  4. ListRanks (with unit states) and GetJob check that every rank has
+ *     exactly the transitions sent, ends in IDLE everywhere and raised no
+ *     alert; then every rank detaches and the coordinator must exit cleanly.
+ *
+ * Memory per rank: the coordinator's VmRSS after every rank attached and
+ * bound its session, less its VmRSS before any rank connected, over N. The
+ * same figure after streaming is shown too.
+ *
+ * Baseline for the rate, measured in the same run: this process decoding
+ * the same SessionUp messages and validating their transitions against a
+ * state tracker, on one core with no RPC: the work the coordinator cannot
+ * avoid. The load side packs each batch once and prefixes only the seq
+ * field per message (protobuf fields may come in any order), so that the
+ * load process, which shares the machine, costs as little as it can.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "rpc.h"
+#include "shardplane/v1/coordinator.pb-c.h"
+#include "sp_error.h"
+#include "state.h"
+
+extern char **environ;
+
+#define PATH(m) "/shardplane.v1.Coordinator/" m
+/* the goals of the issue that asked for this benchmark */
+#define GOAL_RELEASE_S 1.0
+#define GOAL_TPS 1e6
+#define GOAL_KIB_PER_RANK 16.0
+/* deadline of every unary call and of each phase */
+#define CALL_TIMEOUT_MS 60000
+#define PHASE_TIMEOUT_MS 300000
+#define MAX_RUNS 16
+
+typedef struct bench_opts {
+  uint32_t ranks, units, steps, batch, window;
+  int runs;
+  const char *coordinator;
+} bench_opts;
+
+static uint64_t now_ns(void) { return uv_hrtime(); }
+
+/* ------------------------------------------------------------------ */
+/* The coordinator process                                             */
+/* ------------------------------------------------------------------ */
+
+typedef struct child {
+  pid_t pid;
+  int port;
+} child;
+
+/* The model spec: root ("BenchNet") owning head.{weight,bias}, then
+ * blocks.0 .. blocks.{units-2} of type Block, each with fc.{weight,bias}. */
+static int write_model(const char *path, uint32_t units) {
+  FILE *f = fopen(path, "w");
+  if (f == NULL) return SP_EIO;
+  fprintf(f, "{\"format\": \"shardplane.model/v1\", \"name\": \"bench%u\",\n"
+             " \"modules\": [{\"fqn\": \"\", \"type\": \"BenchNet\"},\n"
+             "  {\"fqn\": \"head\", \"type\": \"Linear\"},\n"
+             "  {\"fqn\": \"blocks\", \"type\": \"ModuleList\"}",
+          units);
+  for (uint32_t i = 0; i + 1 < units; i++)
+    fprintf(f, ",\n  {\"fqn\": \"blocks.%u\", \"type\": \"Block\"},"
+               " {\"fqn\": \"blocks.%u.fc\", \"type\": \"Linear\"}",
+            i, i);
+  fprintf(f, "],\n \"params\": [\n"
+             "  {\"fqn\": \"head.weight\", \"shape\": [256, 256], \"dtype\": "
+             "\"float32\", \"requires_grad\": true},\n"
+             "  {\"fqn\": \"head.bias\", \"shape\": [256], \"dtype\": "
+             "\"float32\", \"requires_grad\": true}");
+  for (uint32_t i = 0; i + 1 < units; i++)
+    fprintf(f, ",\n  {\"fqn\": \"blocks.%u.fc.weight\", \"shape\": [1024, "
+               "1024], \"dtype\": \"float32\", \"requires_grad\": true},"
+               " {\"fqn\": \"blocks.%u.fc.bias\", \"shape\": [1024], "
+               "\"dtype\": \"float32\", \"requires_grad\": true}",
+            i, i);
+  fprintf(f, "]}\n");
+  return fclose(f) == 0 ? 0 : SP_EIO;
+}
+
+static int child_start(child *ch, const bench_opts *o, const char *model,
+                       sp_diag *d) {
+  int out[2];
+  if (pipe2(out, O_CLOEXEC) != 0)
+    return sp_diag_set(d, SP_EIO, "pipe: %s", strerror(errno));
+  char world[16];
+  snprintf(world, sizeof world, "%u", o->ranks);
+  char *argv[] = {(char *)o->coordinator,
+                  "--model", (char *)model,
+                  "--listen", "127.0.0.1:0",
+                  "--world-size", world,
+                  "--wrap-type", "Block",
+                  /* the load process may starve the rank sessions of CPU;
+                   * nobody must be declared lost for it */
+                  "--heartbeat-timeout-ms", "3600000",
+                  "--quiet", NULL};
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
+  int rc = posix_spawn(&ch->pid, o->coordinator, &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(out[1]);
+  if (rc != 0) {
+    close(out[0]);
+    return sp_diag_set(d, SP_EIO, "cannot start %s: %s", o->coordinator,
+                       strerror(rc));
+  }
+  /* "listening on 127.0.0.1:PORT\n", within 20 s */
+  char line[128];
+  size_t have = 0;
+  ch->port = 0;
+  while (have < sizeof line - 1) {
+    struct pollfd p = {.fd = out[0], .events = POLLIN};
+    if (poll(&p, 1, 20000) <= 0) break;
+    ssize_t n = read(out[0], line + have, sizeof line - 1 - have);
+    if (n <= 0) break;
+    have += (size_t)n;
+    line[have] = '\0';
+    if (strchr(line, '\n') != NULL) {
+      sscanf(line, "listening on 127.0.0.1:%d", &ch->port);
+      break;
+    }
+  }
+  close(out[0]);
+  if (ch->port <= 0) {
+    kill(ch->pid, SIGKILL);
+    waitpid(ch->pid, NULL, 0);
+    return sp_diag_set(d, SP_EIO, "%s did not report \"listening on\"",
+                       o->coordinator);
+  }
+  return 0;
+}
+
+/* SIGTERM, then the exit status (SIGKILL after 10 s: -1). */
+static int child_stop(child *ch) {
+  kill(ch->pid, SIGTERM);
+  for (int i = 0; i < 1000; i++) {
+    int st;
+    if (waitpid(ch->pid, &st, WNOHANG) == ch->pid)
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    usleep(10 * 1000);
+  }
+  kill(ch->pid, SIGKILL);
+  waitpid(ch->pid, NULL, 0);
+  return -1;
+}
+
+/* VmRSS in KiB, or -1. */
+static long read_rss_kib(pid_t pid) {
+  char p[64], line[256];
+  snprintf(p, sizeof p, "/proc/%d/status", (int)pid);
+  FILE *f = fopen(p, "r");
+  if (f == NULL) return -1;
+  long kib = -1;
+  while (fgets(line, sizeof line, f) != NULL)
+    if (sscanf(line, "VmRSS: %ld kB", &kib) == 1) break;
+  fclose(f);
+  return kib;
+}
+
+/* User + system CPU seconds of a process, or -1. */
+static double read_cpu_s(pid_t pid) {
+  char p[64], buf[1024];
+  snprintf(p, sizeof p, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(p, "r");
+  if (f == NULL) return -1;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *s = strrchr(buf, ')');
+  unsigned long ut, st;
+  /* after the name: state ppid pgrp session tty tpgid flags minflt cminflt
+   * majflt cmajflt utime stime */
+  if (s == NULL || sscanf(s + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u "
+                                 "%*u %lu %lu", &ut, &st) != 2)
+    return -1;
+  return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static double self_cpu_s(void) {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec / 1e6 +
+         (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec / 1e6;
+}
+
+/* ------------------------------------------------------------------ */
+/* The transitions of one rank                                         */
+/* ------------------------------------------------------------------ */
+
+/* steps x (2 + 5 units) transitions cut into batches, each packed once as a
+ * SessionUp without seq (shared by every rank). */
+typedef struct workload {
+  uint32_t n_batches;
+  uint8_t **bytes;
+  size_t *len;
+  uint64_t *cum; /* cum[k]: transitions in batches 0..k-1; n_batches+1 */
+  uint64_t per_rank;
+  size_t max_len;
+} workload;
+
+static void workload_free(workload *w) {
+  for (uint32_t i = 0; i < w->n_batches; i++) free(w->bytes[i]);
+  free(w->bytes);
+  free(w->len);
+  free(w->cum);
+  memset(w, 0, sizeof *w);
+}
+
+static int workload_build(workload *w, const bench_opts *o, uint32_t units) {
+  memset(w, 0, sizeof *w);
+  uint64_t per_step = 2 + 5 * (uint64_t)units;
+  uint64_t total = per_step * o->steps;
+  Shardplane__V1__Transition *t = calloc(total, sizeof *t);
+  Shardplane__V1__Transition **tp = calloc(o->batch, sizeof *tp);
+  w->n_batches = (uint32_t)((total + o->batch - 1) / o->batch);
+  w->bytes = calloc(w->n_batches, sizeof *w->bytes);
+  w->len = calloc(w->n_batches, sizeof *w->len);
+  w->cum = calloc(w->n_batches + 1, sizeof *w->cum);
+  if (t == NULL || tp == NULL || w->bytes == NULL || w->len == NULL ||
+      w->cum == NULL) {
+    free(t);
+    free(tp);
+    workload_free(w);
+    return SP_ENOMEM;
+  }
+  size_t k = 0;
+#define ADD(mach, u, s, st)                                                    \
+  do {                                                                         \
+    shardplane__v1__transition__init(&t[k]);                                   \
+    t[k].machine = (mach);                                                     \
+    t[k].unit = (u);                                                           \
+    t[k].state = (s);                                                          \
+    t[k].step = (st);                                                          \
+    k++;                                                                       \
+  } while (0)
+  const Shardplane__V1__Machine R = SHARDPLANE__V1__MACHINE__MACHINE_ROOT;
+  const Shardplane__V1__Machine H = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE;
+  for (uint32_t s = 1; s <= o->steps; s++) {
+    ADD(R, 0, SP_ROOT_FORWARD_BACKWARD, s);
+    for (uint32_t u = 0; u < units; u++) {
+      ADD(H, u, SP_HANDLE_FORWARD, s);
+      ADD(H, u, SP_HANDLE_IDLE, s);
+    }
+    for (uint32_t u = units; u-- > 0;) {
+      ADD(H, u, SP_HANDLE_BACKWARD_PRE, s);
+      ADD(H, u, SP_HANDLE_BACKWARD_POST, s);
+      ADD(H, u, SP_HANDLE_IDLE, s);
+    }
+    ADD(R, 0, SP_ROOT_IDLE, s);
+  }
+#undef ADD
+  w->per_rank = total;
+  for (uint32_t b = 0; b < w->n_batches; b++) {
+    size_t first = (size_t)b * o->batch;
+    size_t n = total - first < o->batch ? total - first : o->batch;
+    for (size_t i = 0; i < n; i++) tp[i] = &t[first + i];
+    Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+    up.n_transitions = n;
+    up.transitions = tp;
+    up.step = t[first + n - 1].step;
+    size_t len = shardplane__v1__session_up__get_packed_size(&up);
+    w->bytes[b] = malloc(len ? len : 1);
+    if (w->bytes[b] == NULL) {
+      free(t);
+      free(tp);
+      workload_free(w);
+      return SP_ENOMEM;
+    }
+    shardplane__v1__session_up__pack(&up, w->bytes[b]);
+    w->len[b] = len;
+    if (len > w->max_len) w->max_len = len;
+    w->cum[b + 1] = w->cum[b] + n;
+  }
+  free(t);
+  free(tp);
+  return 0;
+}
+
+/* Field 3 (seq, varint) followed by a packed batch: a whole SessionUp. */
+static size_t frame_seq(uint8_t *out, uint64_t seq, const uint8_t *batch,
+                        size_t len) {
+  size_t n = 0;
+  out[n++] = 3 << 3;
+  do {
+    uint8_t b = seq & 0x7f;
+    seq >>= 7;
+    out[n++] = (uint8_t)(b | (seq ? 0x80 : 0));
+  } while (seq);
+  memcpy(out + n, batch, len);
+  return n + len;
+}
+
+/* Transitions per second this process decodes and validates on one core,
+ * with no RPC, for the same messages (best of 3 passes over enough ranks'
+ * worth for about 0.2 s each). */
+static double baseline_tps(const workload *w, uint32_t units) {
+  uint8_t *buf = malloc(w->max_len + 16);
+  sp_state_tracker st;
+  if (buf == NULL || sp_state_tracker_init(&st, units, NULL) != 0) {
+    free(buf);
+    return 0;
+  }
+  double best = 0;
+  uint64_t reps = 1;
+  for (int pass = 0; pass < 4; pass++) {
+    uint64_t t0 = now_ns(), done = 0;
+    bool bad = false;
+    for (uint64_t r = 0; r < reps && !bad; r++) {
+      for (uint32_t b = 0; b < w->n_batches && !bad; b++) {
+        size_t len = frame_seq(buf, b + 2, w->bytes[b], w->len[b]);
+        Shardplane__V1__SessionUp *q =
+            shardplane__v1__session_up__unpack(NULL, len, buf);
+        if (q == NULL) {
+          bad = true;
+          break;
+        }
+        for (size_t i = 0; i < q->n_transitions; i++) {
+          const Shardplane__V1__Transition *t = q->transitions[i];
+          sp_machine m = t->machine == SHARDPLANE__V1__MACHINE__MACHINE_HANDLE
+                             ? SP_MACHINE_HANDLE
+                             : SP_MACHINE_ROOT;
+          sp_diag d;
+          if (!sp_state_valid(m, t->state) ||
+              (m == SP_MACHINE_HANDLE && t->unit >= units) ||
+              sp_state_tracker_apply(&st, m, m == SP_MACHINE_HANDLE ? t->unit : 0,
+                                     t->state, &d) != 0) {
+            bad = true;
+            break;
+          }
+          done++;
+        }
+        shardplane__v1__session_up__free_unpacked(q, NULL);
+      }
+    }
+    double s = (double)(now_ns() - t0) / 1e9;
+    if (bad) {
+      best = 0;
+      break;
+    }
+    if (pass == 0) {
+      /* calibrate: about 0.2 s per measured pass */
+      double per_rep = s / (double)reps;
+      reps = per_rep > 0 ? (uint64_t)(0.2 / per_rep) + 1 : 1;
+      continue;
+    }
+    double tps = (double)done / s;
+    if (tps > best) best = tps;
+  }
+  sp_state_tracker_free(&st);
+  free(buf);
+  return best;
+}
+
+/* ------------------------------------------------------------------ */
+/* The ranks                                                           */
+/* ------------------------------------------------------------------ */
+
+typedef struct bench bench;
+
+typedef struct rank_s {
+  bench *b;
+  uint32_t id;
+  sp_rpc_client *cl;
+  char session_id[64];
+  sp_rpc_ccall *session;
+  uint64_t next_seq, acked;
+  uint32_t next_batch;
+  bool bound, done, detaching;
+} rank_s;
+
+typedef struct result {
+  bool ok;       /* every phase completed and the checks passed */
+  double attach_s, release_s, tps, stream_s;
+  double coord_ns_per_tr, load_ns_per_tr; /* CPU */
+  double kib_per_rank, kib_per_rank_streamed;
+  long rss_before_kib, rss_after_kib, rss_streamed_kib;
+  uint64_t transitions;
+  int exit_code;
+} result;
+
+struct bench {
+  const bench_opts *o;
+  uint32_t n;
+  uint32_t units;
+  uv_loop_t loop;
+  uv_timer_t watchdog;
+  rank_s *ranks;
+  char addr[64];
+  char plan_version[64];
+  const workload *w;
+  uint8_t *scratch;
+  /* the current phase: it ends when pending reaches 0 */
+  uint64_t pending;
+  bool timed_out, streaming, closing;
+  uint32_t clients_open;
+  uint64_t errors;
+  char error[SP_RPC_STATUS_MESSAGE_MAX + 128];
+  uint32_t attached, released;
+  uint64_t t0, t_attached, t_released;
+  uint64_t tr_acked, rejections;
+  bool verified;
+  char verify_msg[256];
+};
+
+static void failf(bench *b, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void failf(bench *b, const char *fmt, ...) {
+  b->errors++;
+  if (b->error[0] != '\0') return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(b->error, sizeof b->error, fmt, ap);
+  va_end(ap);
+}
+
+static void item_done(bench *b) {
+  if (b->closing) return; /* calls cancelled by closing their client */
+  if (b->pending > 0 && --b->pending == 0) uv_stop(&b->loop);
+}
+
+static void on_watchdog(uv_timer_t *t) {
+  bench *b = t->data;
+  b->timed_out = true;
+  uv_stop(&b->loop);
+}
+
+/* Runs the loop until the phase's pending items are done. */
+static int run_phase(bench *b, const char *what) {
+  if (b->pending == 0) return 0;
+  b->timed_out = false;
+  uv_timer_start(&b->watchdog, on_watchdog, PHASE_TIMEOUT_MS, 0);
+  while (b->pending > 0 && !b->timed_out) uv_run(&b->loop, UV_RUN_DEFAULT);
+  uv_timer_stop(&b->watchdog);
+  if (b->pending > 0) {
+    failf(b, "%s: %llu items still pending after %d s", what,
+          (unsigned long long)b->pending, PHASE_TIMEOUT_MS / 1000);
+    return SP_ETIMEDOUT;
+  }
+  return 0;
+}
+
+/* ---- unary calls ---- */
+
+typedef void (*unary_fn)(rank_s *r, const sp_rpc_status *st,
+                         const uint8_t *data, size_t len);
+
+typedef struct unary {
+  rank_s *r;
+  unary_fn fn;
+  uint8_t *buf;
+  size_t len;
+  bool starting, closed;
+} unary;
+
+static void unary_msg(sp_rpc_ccall *call, const uint8_t *data, size_t len,
+                      void *user) {
+  (void)call;
+  unary *u = user;
+  free(u->buf);
+  u->buf = malloc(len ? len : 1);
+  if (u->buf != NULL) memcpy(u->buf, data, len);
+  u->len = u->buf != NULL ? len : 0;
+}
+
+static void unary_close(sp_rpc_ccall *call, const sp_rpc_status *st,
+                        void *user) {
+  (void)call;
+  unary *u = user;
+  u->fn(u->r, st, u->buf, u->len);
+  free(u->buf);
+  u->buf = NULL;
+  u->closed = true;
+  if (!u->starting) free(u);
+}
+
+static const sp_rpc_ccall_cbs k_unary_cbs = {unary_msg, unary_close};
+
+/* Starts a unary call whose outcome goes to fn (exactly once, unless this
+ * returns an error). */
+static int unary_start(rank_s *r, const char *path, const ProtobufCMessage *req,
+                       uint64_t timeout_ms, unary_fn fn) {
+  unary *u = calloc(1, sizeof *u);
+  if (u == NULL) return SP_ENOMEM;
+  u->r = r;
+  u->fn = fn;
+  u->starting = true;
+  sp_rpc_ccall *call = NULL;
+  int rc = sp_rpc_client_start(r->cl, path, NULL, 0, timeout_ms, &k_unary_cbs,
+                               u, &call);
+  if (rc != 0) {
+    free(u);
+    return rc;
+  }
+  if (!u->closed) {
+    rc = sp_rpc_ccall_send_msg(call, req);
+    if (rc == 0) rc = sp_rpc_ccall_close_send(call);
+    if (rc != 0 && !u->closed) sp_rpc_ccall_cancel(call); /* on_close follows */
+  }
+  u->starting = false;
+  if (u->closed) free(u);
+  return 0;
+}
+
+static bool call_ok(rank_s *r, const sp_rpc_status *st, const char *what) {
+  if (st->code == SP_RPC_OK) return true;
+  failf(r->b, "rank %u: %s: %s: %s", r->id, what, sp_rpc_code_name(st->code),
+        st->message);
+  return false;
+}
+
+/* ---- attach and rendezvous ---- */
+
+static void on_released(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
+                        size_t n) {
+  bench *b = r->b;
+  if (call_ok(r, st, "StoreGet(go)")) {
+    Shardplane__V1__StoreGetResponse *g =
+        shardplane__v1__store_get_response__unpack(NULL, n, d);
+    if (g == NULL || !g->found)
+      failf(b, "rank %u: StoreGet(go) answered without the key", r->id);
+    else if (++b->released == b->n)
+      b->t_released = now_ns();
+    if (g) shardplane__v1__store_get_response__free_unpacked(g, NULL);
+  }
+  item_done(b);
+}
+
+static void on_go_set(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
+                      size_t n) {
+  (void)d;
+  (void)n;
+  call_ok(r, st, "StoreSet(go)");
+  item_done(r->b);
+}
+
+static void on_added(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
+                     size_t n) {
+  bench *b = r->b;
+  if (!call_ok(r, st, "StoreAdd(rdzv)")) {
+    item_done(b);
+    return;
+  }
+  Shardplane__V1__StoreAddResponse *a =
+      shardplane__v1__store_add_response__unpack(NULL, n, d);
+  int64_t v = a ? a->value : -1;
+  if (a) shardplane__v1__store_add_response__free_unpacked(a, NULL);
+  if (v < 1 || v > (int64_t)b->n) {
+    failf(b, "rank %u: StoreAdd(rdzv) returned %lld, expected 1..%u", r->id,
+          (long long)v, b->n);
+    item_done(b);
+    return;
+  }
+  if (v == (int64_t)b->n) {
+    Shardplane__V1__StoreSetRequest q = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
+    q.key = (char *)"go";
+    q.value.data = (uint8_t *)"1";
+    q.value.len = 1;
+    b->pending++;
+    if (unary_start(r, PATH("StoreSet"), &q.base, CALL_TIMEOUT_MS,
+                    on_go_set) != 0) {
+      failf(b, "rank %u: cannot start StoreSet", r->id);
+      item_done(b);
+    }
+  }
+  Shardplane__V1__StoreGetRequest q = SHARDPLANE__V1__STORE_GET_REQUEST__INIT;
+  q.key = (char *)"go";
+  q.wait = true;
+  if (unary_start(r, PATH("StoreGet"), &q.base, CALL_TIMEOUT_MS,
+                  on_released) != 0) {
+    failf(b, "rank %u: cannot start StoreGet", r->id);
+    item_done(b);
+  }
+}
+
+static void on_attached(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
+                        size_t n) {
+  bench *b = r->b;
+  if (!call_ok(r, st, "Attach")) {
+    item_done(b);
+    return;
+  }
+  Shardplane__V1__AttachResponse *a =
+      shardplane__v1__attach_response__unpack(NULL, n, d);
+  if (a == NULL || a->session_id == NULL || a->session_id[0] == '\0') {
+    failf(b, "rank %u: Attach answered without a session id", r->id);
+    if (a) shardplane__v1__attach_response__free_unpacked(a, NULL);
+    item_done(b);
+    return;
+  }
+  snprintf(r->session_id, sizeof r->session_id, "%s", a->session_id);
+  shardplane__v1__attach_response__free_unpacked(a, NULL);
+  if (++b->attached == b->n) b->t_attached = now_ns();
+  Shardplane__V1__StoreAddRequest q = SHARDPLANE__V1__STORE_ADD_REQUEST__INIT;
+  q.key = (char *)"rdzv";
+  q.delta = 1;
+  if (unary_start(r, PATH("StoreAdd"), &q.base, CALL_TIMEOUT_MS, on_added) !=
+      0) {
+    failf(b, "rank %u: cannot start StoreAdd", r->id);
+    item_done(b);
+  }
+}
+
+static void start_attach(rank_s *r) {
+  bench *b = r->b;
+  Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
+  q.rank = r->id;
+  q.world_size = b->n;
+  q.host = (char *)"bench";
+  q.pid = (uint32_t)getpid();
+  q.device = (char *)"cpu";
+  q.plan_version = b->plan_version;
+  if (unary_start(r, PATH("Attach"), &q.base, CALL_TIMEOUT_MS, on_attached) !=
+      0) {
+    failf(b, "rank %u: cannot start Attach", r->id);
+    item_done(b);
+  }
+}
+
+/* ---- the Session stream ---- */
+
+static void pump(rank_s *r) {
+  bench *b = r->b;
+  const workload *w = b->w;
+  while (r->session != NULL && r->next_batch < w->n_batches &&
+         (r->next_seq - 1) - r->acked < b->o->window) {
+    size_t len = frame_seq(b->scratch, r->next_seq, w->bytes[r->next_batch],
+                           w->len[r->next_batch]);
+    int rc = sp_rpc_ccall_send(r->session, b->scratch, len);
+    if (rc != 0) {
+      failf(b, "rank %u: Session send: %s", r->id, sp_strerror(rc));
+      return;
+    }
+    r->next_seq++;
+    r->next_batch++;
+  }
+}
+
+static void session_msg(sp_rpc_ccall *call, const uint8_t *data, size_t len,
+                        void *user) {
+  (void)call;
+  rank_s *r = user;
+  bench *b = r->b;
+  Shardplane__V1__SessionDown *m =
+      shardplane__v1__session_down__unpack(NULL, len, data);
+  if (m == NULL) {
+    failf(b, "rank %u: undecodable SessionDown", r->id);
+    return;
+  }
+  if (m->command != SHARDPLANE__V1__COMMAND__COMMAND_NONE)
+    failf(b, "rank %u: command %d from the coordinator: %s", r->id,
+          (int)m->command, m->reason ? m->reason : "");
+  if (m->n_rejections > 0) {
+    b->rejections += m->n_rejections;
+    failf(b, "rank %u: transition rejected: %s", r->id,
+          m->rejections[0]->reason ? m->rejections[0]->reason : "");
+  }
+  uint64_t a = m->acked_seq;
+  shardplane__v1__session_down__free_unpacked(m, NULL);
+  if (a <= r->acked) return;
+  if (a >= r->next_seq) {
+    failf(b, "rank %u: acked_seq %llu was never sent", r->id,
+          (unsigned long long)a);
+    return;
+  }
+  /* seq 1 is the binding message; seq k >= 2 carried batch k-2 */
+  b->tr_acked += b->w->cum[a - 1] - b->w->cum[r->acked ? r->acked - 1 : 0];
+  r->acked = a;
+  if (!r->bound) {
+    r->bound = true;
+    item_done(b);
+    return;
+  }
+  if (!b->streaming) return;
+  if (r->acked == 1 + (uint64_t)b->w->n_batches) {
+    if (!r->done) {
+      r->done = true;
+      item_done(b);
+    }
+    return;
+  }
+  pump(r);
+}
+
+static void session_close(sp_rpc_ccall *call, const sp_rpc_status *st,
+                          void *user) {
+  (void)call;
+  rank_s *r = user;
+  bench *b = r->b;
+  r->session = NULL;
+  if (r->detaching) {
+    if (st->code != SP_RPC_OK)
+      failf(b, "rank %u: Session ended with %s at detach: %s", r->id,
+            sp_rpc_code_name(st->code), st->message);
+    item_done(b);
+    return;
+  }
+  failf(b, "rank %u: Session ended early: %s: %s", r->id,
+        sp_rpc_code_name(st->code), st->message);
+  /* whatever this rank still owed the phase will not come */
+  if (!r->bound || (b->streaming && !r->done)) {
+    r->bound = r->done = true;
+    item_done(b);
+  }
+}
+
+static const sp_rpc_ccall_cbs k_session_cbs = {session_msg, session_close};
+
+static void start_session(rank_s *r) {
+  bench *b = r->b;
+  int rc = sp_rpc_client_start(r->cl, PATH("Session"), NULL, 0, 0,
+                               &k_session_cbs, r, &r->session);
+  if (rc != 0) {
+    r->session = NULL;
+    failf(b, "rank %u: cannot start Session: %s", r->id, sp_strerror(rc));
+    item_done(b);
+    return;
+  }
+  if (r->session == NULL) return; /* failed at once: session_close ran */
+  Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+  up.rank = r->id;
+  up.session_id = r->session_id;
+  up.seq = 1;
+  r->next_seq = 2;
+  r->acked = 0;
+  r->next_batch = 0;
+  rc = sp_rpc_ccall_send_msg(r->session, &up.base);
+  if (rc != 0) {
+    failf(b, "rank %u: Session send: %s", r->id, sp_strerror(rc));
+    sp_rpc_ccall_cancel(r->session); /* session_close counts it */
+  }
+}
+
+/* ---- checks and detach ---- */
+
+static void on_list_ranks(rank_s *r, const sp_rpc_status *st,
+                          const uint8_t *d, size_t n) {
+  bench *b = r->b;
+  if (call_ok(r, st, "ListRanks")) {
+    Shardplane__V1__ListRanksResponse *l =
+        shardplane__v1__list_ranks_response__unpack(NULL, n, d);
+    const char *bad = NULL;
+    char why[200] = "";
+    if (l == NULL || l->n_ranks != b->n) {
+      bad = "wrong rank count";
+    } else {
+      for (size_t i = 0; i < l->n_ranks && bad == NULL; i++) {
+        const Shardplane__V1__RankInfo *k = l->ranks[i];
+        if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED)
+          bad = "not attached";
+        else if (k->transitions != b->w->per_rank)
+          bad = "transition count differs from what was sent";
+        else if (k->alerts != 0)
+          bad = "alert raised";
+        else if (k->root_state != SP_ROOT_IDLE)
+          bad = "root not IDLE";
+        else if (k->step != b->o->steps)
+          bad = "step differs";
+        else if (k->n_unit_states != b->units)
+          bad = "unit state count differs";
+        for (size_t u = 0; bad == NULL && u < k->n_unit_states; u++)
+          if (k->unit_states[u] != SP_HANDLE_IDLE) bad = "unit not IDLE";
+        if (bad != NULL)
+          snprintf(why, sizeof why,
+                   "rank %u: %s (status %d, transitions %llu of %llu, "
+                   "alerts %u%s%s)",
+                   k->rank, bad, (int)k->status,
+                   (unsigned long long)k->transitions,
+                   (unsigned long long)b->w->per_rank, k->alerts,
+                   k->alerts ? ": " : "", k->alerts ? k->last_alert : "");
+      }
+    }
+    if (bad != NULL) {
+      b->verified = false;
+      snprintf(b->verify_msg, sizeof b->verify_msg, "ListRanks: %s",
+               why[0] ? why : bad);
+    }
+    if (l) shardplane__v1__list_ranks_response__free_unpacked(l, NULL);
+  } else {
+    b->verified = false;
+    snprintf(b->verify_msg, sizeof b->verify_msg, "ListRanks failed");
+  }
+  item_done(b);
+}
+
+static void on_get_job(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
+                       size_t n) {
+  bench *b = r->b;
+  if (call_ok(r, st, "GetJob")) {
+    Shardplane__V1__GetJobResponse *j =
+        shardplane__v1__get_job_response__unpack(NULL, n, d);
+    if (j == NULL || j->ranks == NULL || j->ranks->attached != b->n ||
+        j->alerts != 0) {
+      b->verified = false;
+      snprintf(b->verify_msg, sizeof b->verify_msg,
+               "GetJob: %u attached, %u alerts (expected %u, 0)",
+               j && j->ranks ? j->ranks->attached : 0, j ? j->alerts : 0,
+               b->n);
+    }
+    if (j) shardplane__v1__get_job_response__free_unpacked(j, NULL);
+  } else {
+    b->verified = false;
+    snprintf(b->verify_msg, sizeof b->verify_msg, "GetJob failed");
+  }
+  item_done(b);
+}
+
+static void on_detached(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
+                        size_t n) {
+  (void)d;
+  (void)n;
+  call_ok(r, st, "Detach");
+  item_done(r->b);
+}
+
+static void client_closed(void *arg) {
+  bench *b = arg;
+  if (--b->clients_open == 0) uv_stop(&b->loop);
+}
+
+/* ------------------------------------------------------------------ */
+/* One run                                                             */
+/* ------------------------------------------------------------------ */
+
+/* GetJob over a blocking client of its own, closed before the clock starts. */
+static int get_job(const char *addr, char *version, size_t cap,
+                   uint32_t *units, uint32_t *world, sp_diag *d) {
+  sp_rpc_sync *s;
+  int rc = sp_rpc_sync_open(addr, 10000, &s);
+  if (rc != 0) return sp_diag_set(d, rc, "cannot open a client to %s", addr);
+  Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status st = {0};
+  rc = sp_rpc_sync_unary(s, PATH("GetJob"), &q.base,
+                         &shardplane__v1__get_job_response__descriptor, 10000,
+                         &resp, &st);
+  sp_rpc_sync_close(s);
+  if (rc != 0 || st.code != SP_RPC_OK)
+    return sp_diag_set(d, SP_EIO, "GetJob: %s: %s",
+                       sp_rpc_code_name(st.code), st.message);
+  Shardplane__V1__GetJobResponse *j = (Shardplane__V1__GetJobResponse *)resp;
+  snprintf(version, cap, "%s", j->plan_version);
+  *units = j->n_units;
+  *world = j->job ? j->job->world_size : 0;
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return 0;
+}
+
+static int run_once(const bench_opts *o, const char *model, uint32_t units,
+                    const workload *w, result *res, sp_diag *d) {
+  memset(res, 0, sizeof *res);
+  res->exit_code = -2;
+  child ch;
+  int rc = child_start(&ch, o, model, d);
+  if (rc != 0) return rc;
+  bench *b = calloc(1, sizeof *b);
+  if (b == NULL) {
+    child_stop(&ch);
+    return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  }
+  b->o = o;
+  b->n = o->ranks;
+  b->w = w;
+  snprintf(b->addr, sizeof b->addr, "127.0.0.1:%d", ch.port);
+  uint32_t got_units = 0, world = 0;
+  rc = get_job(b->addr, b->plan_version, sizeof b->plan_version, &got_units,
+               &world, d);
+  if (rc == 0 && (got_units != units || world != b->n))
+    rc = sp_diag_set(d, SP_EFORMAT,
+                     "the coordinator reports %u units and %u ranks, "
+                     "expected %u and %u",
+                     got_units, world, units, b->n);
+  if (rc != 0) {
+    child_stop(&ch);
+    free(b);
+    return rc;
+  }
+  b->units = units;
+  b->scratch = malloc(w->max_len + 16);
+  b->ranks = calloc(b->n, sizeof *b->ranks);
+  if (b->scratch == NULL || b->ranks == NULL) {
+    child_stop(&ch);
+    free(b->scratch);
+    free(b->ranks);
+    free(b);
+    return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  }
+  uv_loop_init(&b->loop);
+  uv_timer_init(&b->loop, &b->watchdog);
+  b->watchdog.data = b;
+  sp_rpc_client_opts co = {.connect_timeout_ms = 30000};
+  for (uint32_t i = 0; i < b->n && rc == 0; i++) {
+    b->ranks[i].b = b;
+    b->ranks[i].id = i;
+    rc = sp_rpc_client_new(&b->loop, b->addr, &co, &b->ranks[i].cl);
+  }
+  if (rc != 0) {
+    sp_diag_set(d, rc, "cannot create the clients: %s", sp_strerror(rc));
+    goto close_clients;
+  }
+
+  /* 1. attach and rendezvous */
+  usleep(100 * 1000); /* let the coordinator settle after GetJob */
+  res->rss_before_kib = read_rss_kib(ch.pid);
+  b->pending = b->n;
+  b->t0 = now_ns();
+  for (uint32_t i = 0; i < b->n; i++) start_attach(&b->ranks[i]);
+  if (run_phase(b, "attach and rendezvous") != 0 || b->errors) goto fail;
+  res->attach_s = (double)(b->t_attached - b->t0) / 1e9;
+  res->release_s = (double)(b->t_released - b->t0) / 1e9;
+
+  /* 2. sessions */
+  b->pending = b->n;
+  for (uint32_t i = 0; i < b->n; i++) start_session(&b->ranks[i]);
+  if (run_phase(b, "session binding") != 0 || b->errors) goto fail;
+  res->rss_after_kib = read_rss_kib(ch.pid);
+  if (getenv("TMP_HOLD")) { fprintf(stderr, "HOLD pid %d\n", (int)ch.pid); sleep((unsigned)atoi(getenv("TMP_HOLD"))); }
+
+  /* 3. transitions */
+  b->pending = b->n;
+  b->streaming = true;
+  b->tr_acked = 0;
+  double c0 = read_cpu_s(ch.pid), l0 = self_cpu_s();
+  uint64_t t_s0 = now_ns();
+  for (uint32_t i = 0; i < b->n; i++) pump(&b->ranks[i]);
+  if (run_phase(b, "streaming") != 0 || b->errors) goto fail;
+  uint64_t t_s1 = now_ns();
+  double c1 = read_cpu_s(ch.pid), l1 = self_cpu_s();
+  res->rss_streamed_kib = read_rss_kib(ch.pid);
+  res->transitions = b->tr_acked;
+  res->stream_s = (double)(t_s1 - t_s0) / 1e9;
+  res->tps = (double)b->tr_acked / res->stream_s;
+  res->coord_ns_per_tr = (c1 - c0) * 1e9 / (double)b->tr_acked;
+  res->load_ns_per_tr = (l1 - l0) * 1e9 / (double)b->tr_acked;
+  res->kib_per_rank =
+      (double)(res->rss_after_kib - res->rss_before_kib) / (double)b->n;
+  res->kib_per_rank_streamed =
+      (double)(res->rss_streamed_kib - res->rss_before_kib) / (double)b->n;
+  if (b->tr_acked != w->per_rank * b->n) {
+    failf(b, "%llu transitions acknowledged, %llu sent",
+          (unsigned long long)b->tr_acked,
+          (unsigned long long)(w->per_rank * b->n));
+    goto fail;
+  }
+
+  /* 4. checks */
+  b->verified = true;
+  b->pending = 2;
+  Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+  lq.with_unit_states = true;
+  Shardplane__V1__GetJobRequest jq = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  if (unary_start(&b->ranks[0], PATH("ListRanks"), &lq.base, CALL_TIMEOUT_MS,
+                  on_list_ranks) != 0 ||
+      unary_start(&b->ranks[0], PATH("GetJob"), &jq.base, CALL_TIMEOUT_MS,
+                  on_get_job) != 0) {
+    failf(b, "cannot start the checks");
+    goto fail;
+  }
+  if (run_phase(b, "checks") != 0 || b->errors) goto fail;
+  if (!b->verified) {
+    failf(b, "%s", b->verify_msg);
+    goto fail;
+  }
+
+  /* 5. detach: each rank's Detach, and its Session ending OK */
+  b->pending = 2 * (uint64_t)b->n;
+  for (uint32_t i = 0; i < b->n; i++) {
+    rank_s *r = &b->ranks[i];
+    r->detaching = true;
+    if (r->session == NULL) item_done(b);
+    Shardplane__V1__DetachRequest q = SHARDPLANE__V1__DETACH_REQUEST__INIT;
+    q.rank = r->id;
+    q.session_id = r->session_id;
+    if (unary_start(r, PATH("Detach"), &q.base, CALL_TIMEOUT_MS,
+                    on_detached) != 0) {
+      failf(b, "rank %u: cannot start Detach", r->id);
+      item_done(b);
+    }
+  }
+  if (run_phase(b, "detach") != 0 || b->errors) goto fail;
+  res->ok = true;
+  goto close_clients;
+
+fail:
+  sp_diag_set(d, SP_EIO, "%s (%llu error%s)", b->error,
+              (unsigned long long)b->errors, b->errors == 1 ? "" : "s");
+close_clients:
+  /* closing a client cancels its calls; nothing counts as a failure now */
+  b->closing = true;
+  for (uint32_t i = 0; i < b->n; i++) b->ranks[i].detaching = true;
+  for (uint32_t i = 0; i < b->n; i++)
+    if (b->ranks[i].cl != NULL) {
+      b->clients_open++;
+      sp_rpc_client_close(b->ranks[i].cl, client_closed, b);
+    }
+  b->timed_out = false;
+  uv_timer_start(&b->watchdog, on_watchdog, PHASE_TIMEOUT_MS, 0);
+  while (b->clients_open > 0 && !b->timed_out) uv_run(&b->loop, UV_RUN_DEFAULT);
+  uv_timer_stop(&b->watchdog);
+  uv_close((uv_handle_t *)&b->watchdog, NULL);
+  uv_run(&b->loop, UV_RUN_DEFAULT);
+  uv_loop_close(&b->loop);
+  res->exit_code = child_stop(&ch);
+  if (res->ok && res->exit_code != 0) {
+    res->ok = false;
+    sp_diag_set(d, SP_EIO, "the coordinator exited with %d on SIGTERM",
+                res->exit_code);
+  }
+  free(b->scratch);
+  free(b->ranks);
+  free(b);
+  return res->ok ? 0 : SP_EIO;
+}
+
+/* ------------------------------------------------------------------ */
+/* Output                                                              */
+/* ------------------------------------------------------------------ */
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+  if (n <= 0) return 0;
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static void print_run(int i, const result *r) {
+  printf("  run %d: attached %.3f s, released %.3f s, %.2f M transitions/s "
+         "(%.1f s), coordinator CPU %.0f ns/transition, memory %.2f KiB/rank "
+         "(%.2f after streaming), %s\n",
+         i + 1, r->attach_s, r->release_s, r->tps / 1e6, r->stream_s,
+         r->coord_ns_per_tr, r->kib_per_rank, r->kib_per_rank_streamed,
+         r->ok ? "verified" : "FAILED");
+}
+
+static double median_field(const result *runs, int n, size_t off) {
+  double v[MAX_RUNS];
+  int k = 0;
+  for (int i = 0; i < n; i++)
+    if (runs[i].ok) v[k++] = *(const double *)((const char *)&runs[i] + off);
+  return median(v, k);
+}
+
+#define MED(f) median_field(runs, n, offsetof(result, f))
+
+static int report(const bench_opts *o, const result *runs, int n,
+                  double base_tps) {
+  int ok = 0;
+  for (int i = 0; i < n; i++) ok += runs[i].ok;
+  printf("\nmedian of %d run%s (%d verified)\n", n, n == 1 ? "" : "s", ok);
+  if (ok == 0) {
+    printf("goals\n  all: not measured  FAIL\n");
+    return 3;
+  }
+  double attach = MED(attach_s), release = MED(release_s), tps = MED(tps);
+  double cns = MED(coord_ns_per_tr), lns = MED(load_ns_per_tr);
+  double kib = MED(kib_per_rank), kib2 = MED(kib_per_rank_streamed);
+  long before = 0;
+  for (int i = 0; i < n; i++)
+    if (runs[i].ok) before = runs[i].rss_before_kib;
+  printf("  %-48s %10.3f s\n", "time to all attached (connect + Attach)",
+         attach);
+  printf("  %-48s %10.3f s\n", "time to all released from the rendezvous",
+         release);
+  printf("  %-48s %10.2f M/s\n", "transitions ingested (acknowledged)",
+         tps / 1e6);
+  printf("  %-48s %10.2f M/s  (%.2fx of it)\n",
+         "  baseline: decode + validate, 1 core, no RPC", base_tps / 1e6,
+         base_tps > 0 ? tps / base_tps : 0);
+  printf("  %-48s %10.0f ns   (ceiling %.2f M/s on one core)\n",
+         "  coordinator CPU per transition", cns, cns > 0 ? 1e3 / cns : 0);
+  printf("  %-48s %10.0f ns\n", "  load process CPU per transition", lns);
+  printf("  %-48s %10.2f KiB  (RSS before any rank: %.1f MiB)\n",
+         "coordinator memory per attached rank", kib, (double)before / 1024);
+  printf("  %-48s %10.2f KiB\n", "  the same after streaming", kib2);
+
+  int fails = 0;
+  printf("\ngoals\n");
+  bool p = release < GOAL_RELEASE_S;
+  fails += !p;
+  printf("  %u ranks attached and released in < %.0f s: %.3f s  %s\n",
+         o->ranks, GOAL_RELEASE_S, release, p ? "PASS" : "FAIL");
+  p = tps >= GOAL_TPS;
+  fails += !p;
+  printf("  >= %.0f M transitions/s through batched Session streams: %.2f M/s"
+         "  %s\n",
+         GOAL_TPS / 1e6, tps / 1e6, p ? "PASS" : "FAIL");
+  p = kib < GOAL_KIB_PER_RANK;
+  fails += !p;
+  printf("  < %.0f KiB coordinator memory per attached rank: %.2f KiB  %s\n",
+         GOAL_KIB_PER_RANK, kib, p ? "PASS" : "FAIL");
+  printf("  correctness (every rank's count, IDLE states, no alerts, clean "
+         "exit): %d/%d runs  %s\n",
+         ok, n, ok == n ? "PASS" : "FAIL");
+  fails += ok != n;
+  return fails;
+}
+
+/* ------------------------------------------------------------------ */
+/* main                                                                */
+/* ------------------------------------------------------------------ */
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: coordinator [--ranks N] [--units N] [--steps N] [--batch N] "
+          "[--window N] [--runs N] [--coordinator PATH] [--help]\n"
+          "  --ranks N          simulated ranks, one connection each "
+          "(default 1024)\n"
+          "  --units N          FSDP units of the generated model: the root "
+          "plus N-1 Block\n"
+          "                     modules (default 100)\n"
+          "  --steps N          training steps of transitions per rank "
+          "(default 20)\n"
+          "  --batch N          transitions per SessionUp message (default "
+          "256)\n"
+          "  --window N         unacknowledged messages per rank (default 4)\n"
+          "  --runs N           repeat with a fresh coordinator and show the "
+          "median (default 1)\n"
+          "  --coordinator P    the shardplane-coordinator program (default: "
+          "the one built with\n"
+          "                     this benchmark)\n"
+          "One load process (one libuv loop, one HTTP/2 connection per rank) "
+          "against a\n"
+          "shardplane-coordinator child process. Reports time to all "
+          "attached and released\n"
+          "from a store rendezvous, transitions ingested per second (against "
+          "decode +\n"
+          "validate in-process as the baseline) and coordinator RSS per "
+          "attached rank, with\n"
+          "PASS/FAIL for the goals: release < %.0f s, >= %.0f M "
+          "transitions/s, < %.0f KiB/rank.\n",
+          GOAL_RELEASE_S, GOAL_TPS / 1e6, GOAL_KIB_PER_RANK);
+}
+
+static int parse_u32(const char *v, uint32_t lo, uint32_t hi, uint32_t *out) {
+  char *end = NULL;
+  errno = 0;
+  unsigned long x = strtoul(v, &end, 10);
+  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi)
+    return SP_EINVAL;
+  *out = (uint32_t)x;
+  return 0;
+}
+
+static int parse_args(int argc, char **argv, bench_opts *o) {
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    uint32_t x = 0;
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      usage(stdout);
+      exit(0);
+    }
+    if (v == NULL) {
+      usage(stderr);
+      return SP_EINVAL;
+    }
+    if (strcmp(a, "--coordinator") == 0) {
+      o->coordinator = v;
+    } else if (strcmp(a, "--ranks") == 0) {
+      if (parse_u32(v, 1, 65536, &o->ranks) != 0) goto bad;
+    } else if (strcmp(a, "--units") == 0) {
+      if (parse_u32(v, 1, 100000, &o->units) != 0) goto bad;
+    } else if (strcmp(a, "--steps") == 0) {
+      if (parse_u32(v, 1, 1000000, &o->steps) != 0) goto bad;
+    } else if (strcmp(a, "--batch") == 0) {
+      if (parse_u32(v, 1, 65536, &o->batch) != 0) goto bad;
+    } else if (strcmp(a, "--window") == 0) {
+      if (parse_u32(v, 1, 1024, &o->window) != 0) goto bad;
+    } else if (strcmp(a, "--runs") == 0) {
+      if (parse_u32(v, 1, MAX_RUNS, &x) != 0) goto bad;
+      o->runs = (int)x;
+    } else {
+      usage(stderr);
+      return SP_EINVAL;
+    }
+    i++;
+    continue;
+  bad:
+    fprintf(stderr, "coordinator: bad value for %s: %s\n", a, v);
+    return SP_EINVAL;
+  }
+  return 0;
+}
+
+/* The program built next to this benchmark: <build>/bin next to
+ * <build>/bench. */
+static char *default_coordinator(void) {
+#ifdef SP_COORDINATOR_BIN
+  if (access(SP_COORDINATOR_BIN, X_OK) == 0) return strdup(SP_COORDINATOR_BIN);
+#endif
+  char self[4096];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 64);
+  if (n <= 0) return NULL;
+  self[n] = '\0';
+  char *slash = strrchr(self, '/');
+  if (slash == NULL) return NULL;
+  strcpy(slash, "/../bin/shardplane-coordinator");
+  return strdup(self);
+}
+
+/* One descriptor per connection on each side, plus some slack. */
+static int raise_fd_limit(uint32_t ranks, rlim_t *now) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return SP_EIO;
+  rlim_t want = (rlim_t)ranks + 256;
+  if (rl.rlim_cur < want) {
+    rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= want
+                      ? want
+                      : rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) return SP_EIO;
+  }
+  *now = rl.rlim_cur;
+  return rl.rlim_cur >= want ? 0 : SP_ETOOBIG;
+}
+
+int main(int argc, char **argv) {
+  bench_opts o = {.ranks = 1024, .units = 100, .steps = 20, .batch = 256,
+                  .window = 4, .runs = 1};
+  if (parse_args(argc, argv, &o) != 0) return 2;
+  char *coord = o.coordinator ? strdup(o.coordinator) : default_coordinator();
+  if (coord == NULL || access(coord, X_OK) != 0) {
+    fprintf(stderr, "coordinator: no shardplane-coordinator program at %s; "
+                    "build it or pass --coordinator\n",
+            coord ? coord : "(unknown)");
+    return 2;
+  }
+  o.coordinator = coord;
+  signal(SIGPIPE, SIG_IGN);
+  /* the limit is inherited by the coordinator child */
+  rlim_t fds = 0;
+  if (raise_fd_limit(o.ranks, &fds) != 0) {
+    fprintf(stderr, "coordinator: %u ranks need %u file descriptors; the "
+                    "limit is %llu (ulimit -n)\n",
+            o.ranks, o.ranks + 256, (unsigned long long)fds);
+    return 2;
+  }
+
+  const char *tmp = getenv("TMPDIR");
+  char dir[512];
+  snprintf(dir, sizeof dir, "%s/sp-bench-coordinator-XXXXXX",
+           tmp && *tmp ? tmp : "/tmp");
+  if (mkdtemp(dir) == NULL) {
+    fprintf(stderr, "coordinator: mkdtemp: %s\n", strerror(errno));
+    return 1;
+  }
+  char model[600];
+  snprintf(model, sizeof model, "%s/model.json", dir);
+  int rc = write_model(model, o.units);
+  workload w;
+  if (rc == 0) rc = workload_build(&w, &o, o.units);
+  if (rc != 0) {
+    fprintf(stderr, "coordinator: cannot prepare the model or workload: %s\n",
+            sp_strerror(rc));
+    unlink(model);
+    rmdir(dir);
+    return 1;
+  }
+
+  uint64_t per_step = 2 + 5 * (uint64_t)o.units;
+  printf("coordinator: %u ranks, %u units (root + %u Block), %u steps x %llu "
+         "transitions per rank\n",
+         o.ranks, o.units, o.units - 1, o.steps,
+         (unsigned long long)per_step);
+  printf("  %u SessionUp messages of <= %u transitions per rank, <= %u "
+         "unacknowledged; %ld CPUs online\n",
+         w.n_batches, o.batch, o.window, sysconf(_SC_NPROCESSORS_ONLN));
+  printf("  coordinator: child process, --quiet, heartbeat timeout 1 h; "
+         "file descriptor limit %llu (both processes)\n",
+         (unsigned long long)fds);
+  printf("  load: this process, one libuv loop, one sp_rpc client (HTTP/2 "
+         "connection) per rank\n");
+  fflush(stdout);
+
+  double base = baseline_tps(&w, o.units);
+  result runs[MAX_RUNS];
+  int failed = 0;
+  for (int i = 0; i < o.runs; i++) {
+    sp_diag d = {""};
+    if (run_once(&o, model, o.units, &w, &runs[i], &d) != 0) {
+      fprintf(stderr, "coordinator: run %d: %s\n", i + 1, d.msg);
+      failed++;
+    }
+    print_run(i, &runs[i]);
+    fflush(stdout);
+  }
+  int fails = report(&o, runs, o.runs, base);
+  (void)fails; /* goals are reported, not an error of the benchmark */
+
+  workload_free(&w);
+  unlink(model);
+  rmdir(dir);
+  free(coord);
+  return failed ? 1 : 0;
+}

@@ -1,0 +1,161 @@
+/* Coordinator lifetime: load, plan, serve, shut down. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coordinator.h"
+
+uint64_t sp_coord_now_ms(const sp_coord *c) {
+  return uv_now(c->loop) - c->started_ms;
+}
+
+void sp_coord_log(const sp_coord *c, const char *fmt, ...) {
+  if (c->cfg.quiet) return;
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "coordinator: ");
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+}
+
+int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n) {
+  if (c->n_method_tables >= sizeof c->methods / sizeof c->methods[0])
+    return SP_ETOOBIG;
+  sp_rpc_method *m = malloc(n * sizeof *m);
+  if (m == NULL) return SP_ENOMEM;
+  memcpy(m, tmpl, n * sizeof *m);
+  for (size_t i = 0; i < n; i++) m[i].user = c;
+  c->methods[c->n_method_tables++] = m;
+  return sp_rpc_server_add_methods(c->srv, m, n);
+}
+
+/* The job file first, then the flags on top of it. */
+static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
+  sp_job_init(job);
+  if (cfg->job_path != NULL) {
+    int rc = sp_job_load_file(cfg->job_path, job, diag);
+    if (rc != 0) return rc;
+  }
+  const sp_job *f = &cfg->job;
+  sp_job defaults;
+  sp_job_init(&defaults);
+  if (f->world_size != defaults.world_size) job->world_size = f->world_size;
+  if (f->strategy != defaults.strategy) job->strategy = f->strategy;
+  if (f->shard_group_size) job->shard_group_size = f->shard_group_size;
+  if (f->backend != defaults.backend) job->backend = f->backend;
+  if (f->use_orig_params) job->use_orig_params = true;
+  if (f->mp.enabled) {
+    job->mp.enabled = true;
+    if (f->mp.param_dtype) job->mp.param_dtype = f->mp.param_dtype;
+    if (f->mp.reduce_dtype) job->mp.reduce_dtype = f->mp.reduce_dtype;
+    if (f->mp.buffer_dtype) job->mp.buffer_dtype = f->mp.buffer_dtype;
+    if (f->mp.keep_low_precision_grads) job->mp.keep_low_precision_grads = true;
+  }
+  const struct {
+    const sp_strlist *from;
+    sp_strlist *to;
+  } lists[] = {{&f->wrap_types, &job->wrap_types},
+               {&f->wrap_modules, &job->wrap_modules},
+               {&f->mp.full_precision_types, &job->mp.full_precision_types}};
+  for (size_t i = 0; i < 3; i++)
+    for (size_t k = 0; k < lists[i].from->n; k++) {
+      int rc = sp_strlist_add(lists[i].to, lists[i].from->items[k]);
+      if (rc != 0) return sp_diag_set(diag, rc, "job: too many names");
+    }
+  if (f->mp.full_precision_types_set) job->mp.full_precision_types_set = true;
+  return 0;
+}
+
+int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
+                 sp_diag *diag) {
+  if (loop == NULL || cfg == NULL || cfg->model_path == NULL || out == NULL)
+    return sp_diag_set(diag, SP_EINVAL, "coordinator: a model spec is needed");
+  sp_coord *c = calloc(1, sizeof *c);
+  if (c == NULL) return sp_diag_set(diag, SP_ENOMEM, "out of memory");
+  c->loop = loop;
+  c->cfg = *cfg;
+  if (!c->cfg.heartbeat_interval_ms) c->cfg.heartbeat_interval_ms = 1000;
+  if (!c->cfg.heartbeat_timeout_ms) c->cfg.heartbeat_timeout_ms = 5000;
+  c->started_ms = uv_now(loop);
+  sp_rpc_server_opts opts = {.max_message = SP_COORD_MAX_MESSAGE,
+                             .max_pending = 2 * SP_COORD_MAX_MESSAGE};
+  int rc;
+  if ((rc = sp_model_load_file(cfg->model_path, &c->model, diag)) != 0 ||
+      (rc = load_job(cfg, &c->job, diag)) != 0 ||
+      (rc = sp_plan_build(c->model, &c->job, &c->plan, diag)) != 0)
+    goto fail;
+  if ((rc = sp_rpc_server_new(loop, &opts, &c->srv)) != 0 ||
+      (rc = sp_store_new(NULL, &c->store)) != 0) {
+    sp_diag_set(diag, rc, "coordinator: %s", sp_strerror(rc));
+    goto fail;
+  }
+  if ((rc = sp_coord_ranks_init(c)) != 0 ||
+      (rc = sp_coord_plan_register(c)) != 0 ||
+      (rc = sp_coord_ranks_register(c)) != 0 ||
+      (rc = sp_coord_events_register(c)) != 0 ||
+      (rc = sp_coord_store_register(c)) != 0) {
+    sp_diag_set(diag, rc, "coordinator: cannot register the service: %s",
+                sp_strerror(rc));
+    goto fail;
+  }
+  sp_rpc_server_set_health(c->srv, SP_COORD_SERVICE, SP_HEALTH_SERVING);
+  *out = c;
+  return 0;
+fail:
+  sp_coord_free(c);
+  return rc;
+}
+
+int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
+  int rc = sp_rpc_server_listen(c->srv, addr, port, diag);
+  if (rc != 0) return rc;
+  if (!c->heartbeat_started) sp_coord_ranks_start(c);
+  sp_coord_log(c, "serving %s (plan %s, %u ranks, %zu units) on %s",
+               c->model->name, c->plan->version_hex, c->plan->world_size,
+               c->plan->n_units, addr);
+  return 0;
+}
+
+/* Shutdown has two asynchronous steps (the server, the heartbeat timer);
+ * the caller hears about it when both are done. */
+static void stop_step_done(sp_coord *c) {
+  if (--c->stopping > 0) return;
+  if (c->stop_done) c->stop_done(c, c->stop_arg);
+}
+
+static void server_stopped(sp_rpc_server *srv, void *arg) {
+  (void)srv;
+  stop_step_done(arg);
+}
+
+static void heartbeat_closed(uv_handle_t *h) { stop_step_done(h->data); }
+
+void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
+                       void *arg) {
+  if (c->shutting_down) return;
+  c->shutting_down = true;
+  c->stop_done = done;
+  c->stop_arg = arg;
+  c->stopping = 2;
+  sp_coord_log(c, "shutting down");
+  c->heartbeat_timer.data = c;
+  sp_coord_store_shutdown(c);
+  sp_coord_events_shutdown(c);
+  sp_coord_ranks_shutdown(c, heartbeat_closed);
+  sp_rpc_server_shutdown(c->srv, 2000, server_stopped, c);
+}
+
+void sp_coord_free(sp_coord *c) {
+  if (c == NULL) return;
+  sp_rpc_server_free(c->srv);
+  sp_coord_ranks_free(c);
+  for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
+  for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) free(c->recent_msg[i]);
+  sp_store_free(c->store);
+  sp_plan_free(c->plan);
+  sp_model_free(c->model);
+  sp_job_clear(&c->job);
+  free(c);
+}

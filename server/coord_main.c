@@ -1,0 +1,166 @@
+/* shardplane-coordinator: serve one job's plan, ranks and store. */
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coordinator.h"
+#include "job_cli.h"
+
+static void usage(FILE *f) {
+  fputs("usage: shardplane-coordinator --model M.json [--job J.json] "
+        "[--listen HOST:PORT] [options]\n"
+        "\n"
+        "Serves shardplane.v1.Coordinator and grpc.health.v1.Health for one\n"
+        "job: the sharding plan, the ranks' training state, and the store\n"
+        "workers bootstrap their collectives through.\n"
+        "\n"
+        "  --listen HOST:PORT           address (default 127.0.0.1:7700; port\n"
+        "                               0 picks a free one and prints it)\n"
+        "  --model PATH                 model spec (shardplane.model/v1)\n"
+        "  --job PATH                   job config; the flags below override "
+        "it\n",
+        f);
+  sp_job_flags_print_help(f);
+  fputs("  --heartbeat-timeout-ms N     mark a silent rank lost (default "
+        "5000)\n"
+        "  --heartbeat-interval-ms N    interval asked of workers (default "
+        "1000)\n"
+        "  --quiet                      no log lines\n"
+        "  --help                       this text\n"
+        "\n"
+        "Prints \"listening on HOST:PORT\" once serving; SIGINT or SIGTERM "
+        "shut it down gracefully.\n"
+        "exit codes: 0 clean shutdown, 1 cannot start (bad spec or job, "
+        "address in use), 2 bad usage\n",
+        f);
+}
+
+enum { OPT_LISTEN = 256, OPT_MODEL, OPT_JOB, OPT_HB_TIMEOUT, OPT_HB_INTERVAL,
+       OPT_QUIET, OPT_HELP };
+
+static const struct option k_opts[] = {
+    {"listen", required_argument, NULL, OPT_LISTEN},
+    {"model", required_argument, NULL, OPT_MODEL},
+    {"job", required_argument, NULL, OPT_JOB},
+    {"heartbeat-timeout-ms", required_argument, NULL, OPT_HB_TIMEOUT},
+    {"heartbeat-interval-ms", required_argument, NULL, OPT_HB_INTERVAL},
+    {"quiet", no_argument, NULL, OPT_QUIET},
+    {"help", no_argument, NULL, OPT_HELP},
+};
+
+static uv_signal_t g_sig[2];
+
+static void on_stopped(sp_coord *c, void *arg) {
+  (void)c;
+  (void)arg;
+  uv_close((uv_handle_t *)&g_sig[0], NULL);
+  uv_close((uv_handle_t *)&g_sig[1], NULL);
+}
+
+static void on_signal(uv_signal_t *s, int signum) {
+  (void)signum;
+  sp_coord_shutdown(s->data, on_stopped, NULL);
+}
+
+static int parse_ms(const char *flag, const char *v, uint32_t *out) {
+  char *end;
+  unsigned long x = strtoul(v, &end, 10);
+  if (*v == '\0' || *end != '\0' || x == 0 || x > 3600000) {
+    fprintf(stderr, "shardplane-coordinator: %s: expected 1..3600000 ms, got "
+                    "\"%s\"\n", flag, v);
+    return -1;
+  }
+  *out = (uint32_t)x;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  const char *listen = "127.0.0.1:7700";
+  sp_coord_config cfg = {0};
+  sp_job_cli flags = {0};
+  sp_job_init(&cfg.job);
+  int exit_code = 2;
+  struct option *opts =
+      sp_job_cli_options(k_opts, sizeof k_opts / sizeof k_opts[0]);
+  if (opts == NULL) return 1;
+  int c;
+  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    switch (c) {
+    case OPT_LISTEN: listen = optarg; break;
+    case OPT_MODEL: cfg.model_path = optarg; break;
+    case OPT_JOB: cfg.job_path = optarg; break;
+    case OPT_QUIET: cfg.quiet = true; break;
+    case OPT_HB_TIMEOUT:
+      if (parse_ms("--heartbeat-timeout-ms", optarg,
+                   &cfg.heartbeat_timeout_ms) != 0)
+        goto out;
+      break;
+    case OPT_HB_INTERVAL:
+      if (parse_ms("--heartbeat-interval-ms", optarg,
+                   &cfg.heartbeat_interval_ms) != 0)
+        goto out;
+      break;
+    case OPT_HELP:
+      usage(stdout);
+      exit_code = 0;
+      goto out;
+    default:
+      if (c >= SP_JOB_OPT_BASE && sp_job_cli_record(&flags, c, optarg) == 0)
+        break;
+      usage(stderr);
+      goto out;
+    }
+  }
+  if (optind < argc || cfg.model_path == NULL) {
+    fprintf(stderr, "shardplane-coordinator: %s\n",
+            optind < argc ? "unexpected argument" : "--model is required");
+    usage(stderr);
+    goto out;
+  }
+  sp_diag diag = {""};
+  /* the job file and the flags meet in cfg.job; the coordinator takes it
+   * as is (no job path left to reload) */
+  int rc = sp_job_cli_apply(&flags, cfg.job_path, &cfg.job, &diag);
+  if (rc != 0) {
+    fprintf(stderr, "shardplane-coordinator: %s\n", diag.msg);
+    exit_code = rc == SP_EINVAL ? 2 : 1;
+    goto out;
+  }
+  cfg.job_path = NULL;
+  signal(SIGPIPE, SIG_IGN);
+  uv_loop_t *loop = uv_default_loop();
+  sp_coord *coord;
+  exit_code = 1;
+  if (sp_coord_new(loop, &cfg, &coord, &diag) != 0) {
+    fprintf(stderr, "shardplane-coordinator: %s\n", diag.msg);
+    goto out;
+  }
+  int port;
+  if (sp_coord_listen(coord, listen, &port, &diag) != 0) {
+    fprintf(stderr, "shardplane-coordinator: %s\n", diag.msg);
+    sp_coord_free(coord);
+    goto out;
+  }
+  char host[256];
+  int ignored;
+  sp_rpc_split_addr(listen, host, sizeof host, &ignored);
+  printf("listening on %s%s%s:%d\n", strchr(host, ':') ? "[" : "", host,
+         strchr(host, ':') ? "]" : "", port);
+  fflush(stdout);
+  for (int i = 0; i < 2; i++) {
+    uv_signal_init(loop, &g_sig[i]);
+    g_sig[i].data = coord;
+    uv_signal_start(&g_sig[i], on_signal, i == 0 ? SIGINT : SIGTERM);
+  }
+  uv_run(loop, UV_RUN_DEFAULT);
+  sp_coord_free(coord);
+  uv_loop_close(loop);
+  exit_code = 0;
+out:
+  sp_job_cli_free(&flags);
+  sp_job_clear(&cfg.job);
+  free(opts);
+  return exit_code;
+}

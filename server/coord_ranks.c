@@ -1,0 +1,561 @@
+/* Ranks: Attach, Detach, the Session stream, ReportTransition, ListRanks,
+ * heartbeat timeouts and alerts. Every reported transition is checked
+ * against the FSDP state tables (common/state.h). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coordinator.h"
+
+#define SESSION_ID_LEN 32
+
+struct sp_coord_rank {
+  uint8_t status; /* Shardplane__V1__RankStatus */
+  char session_id[SESSION_ID_LEN + 1];
+  char *host, *device;
+  uint32_t pid;
+  uint64_t step;
+  sp_state_tracker st;
+  struct {
+    uint64_t seq, count;
+    uint32_t unit;
+    uint8_t op, dtype;
+    bool set;
+  } last_coll;
+  uint64_t last_heard_ms;
+  uint32_t alerts;
+  char *last_alert;
+  uint64_t transitions;
+  sp_rpc_call *session; /* the open Session stream, if any */
+};
+
+/* Per Session call: which rank it speaks for (NULL until the first
+ * message names a valid session). */
+typedef struct session_ctx {
+  uint32_t rank;
+  bool bound;
+} session_ctx;
+
+static sp_coord *coord_of(sp_rpc_call *call) {
+  return sp_rpc_call_method_user(call);
+}
+
+static void new_session_id(sp_coord *c, char *out) {
+  uint8_t r[SESSION_ID_LEN / 2];
+  if (uv_random(NULL, NULL, r, sizeof r, 0, NULL) != 0) {
+    /* no entropy source: fall back to a counter mixed with the clock */
+    uint64_t x = uv_hrtime() ^ (++c->session_counter * 0x9E3779B97F4A7C15ull);
+    for (size_t i = 0; i < sizeof r; i++) r[i] = (uint8_t)(x >> (8 * (i % 8)));
+  }
+  for (size_t i = 0; i < sizeof r; i++) snprintf(out + 2 * i, 3, "%02x", r[i]);
+}
+
+void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
+                           uint32_t *by_state, size_t n_states) {
+  for (uint32_t r = 0; r < c->plan->world_size; r++) {
+    const sp_coord_rank *k = &c->ranks[r];
+    switch (k->status) {
+    case SHARDPLANE__V1__RANK_STATUS__ATTACHED:
+      s->attached++;
+      if ((size_t)k->st.root < n_states) by_state[k->st.root]++;
+      break;
+    case SHARDPLANE__V1__RANK_STATUS__LOST: s->lost++; break;
+    case SHARDPLANE__V1__RANK_STATUS__DETACHED: s->detached++; break;
+    default: s->never_attached++; break;
+    }
+  }
+  s->n_by_root_state = n_states;
+  s->by_root_state = by_state;
+}
+
+void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
+  char msg[SP_DIAG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  c->n_alerts++;
+  if (rank < c->plan->world_size) {
+    sp_coord_rank *k = &c->ranks[rank];
+    k->alerts++;
+    free(k->last_alert);
+    k->last_alert = sp_strdup(msg);
+  }
+  size_t i = c->recent_next;
+  free(c->recent_msg[i]);
+  c->recent_msg[i] = sp_strdup(msg);
+  shardplane__v1__alert__init(&c->recent[i]);
+  c->recent[i].rank = rank;
+  c->recent[i].message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
+  c->recent[i].time_ms = sp_coord_now_ms(c);
+  c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
+  sp_coord_log(c, "alert: rank %u: %s", rank, msg);
+  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, rank, msg, NULL);
+}
+
+/* Tells every other live session to abort its collectives. */
+static void broadcast_abort(sp_coord *c, uint32_t lost, const char *why) {
+  Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
+  char reason[256];
+  snprintf(reason, sizeof reason, "rank %u %s", lost, why);
+  d.command = SHARDPLANE__V1__COMMAND__ABORT;
+  d.reason = reason;
+  for (uint32_t r = 0; r < c->plan->world_size; r++)
+    if (r != lost && c->ranks[r].session != NULL)
+      sp_rpc_call_send(c->ranks[r].session, &d.base);
+}
+
+static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
+  sp_coord_rank *k = &c->ranks[rank];
+  if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) return;
+  k->status = SHARDPLANE__V1__RANK_STATUS__LOST;
+  sp_coord_log(c, "rank %u lost: %s", rank, why);
+  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_LOST, rank, why, NULL);
+  if (k->session != NULL) {
+    sp_rpc_call *s = k->session;
+    k->session = NULL;
+    session_ctx *ctx = sp_rpc_call_user(s);
+    if (ctx) ctx->bound = false;
+    sp_rpc_call_finishf(s, SP_RPC_ABORTED, "rank %u marked lost: %s", rank, why);
+  }
+  if (!c->shutting_down) broadcast_abort(c, rank, "was lost");
+}
+
+static void on_heartbeat_check(uv_timer_t *t) {
+  sp_coord *c = t->data;
+  uint64_t now = sp_coord_now_ms(c);
+  for (uint32_t r = 0; r < c->plan->world_size; r++) {
+    sp_coord_rank *k = &c->ranks[r];
+    if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED &&
+        now - k->last_heard_ms > c->cfg.heartbeat_timeout_ms) {
+      char why[96];
+      snprintf(why, sizeof why, "no heartbeat for %llu ms",
+               (unsigned long long)(now - k->last_heard_ms));
+      mark_lost(c, r, why);
+    }
+  }
+}
+
+/* Validates and applies one transition; on failure fills msg (the current
+ * state and the legal next ones) and returns a gRPC status. */
+static int apply_transition(sp_coord *c, uint32_t rank,
+                            const Shardplane__V1__Transition *t, char *msg,
+                            size_t cap) {
+  sp_coord_rank *k = &c->ranks[rank];
+  sp_machine m = t->machine == SHARDPLANE__V1__MACHINE__MACHINE_HANDLE
+                     ? SP_MACHINE_HANDLE
+                     : SP_MACHINE_ROOT;
+  if (t->machine != SHARDPLANE__V1__MACHINE__MACHINE_ROOT &&
+      t->machine != SHARDPLANE__V1__MACHINE__MACHINE_HANDLE) {
+    snprintf(msg, cap, "unknown machine %d", (int)t->machine);
+    return SP_RPC_INVALID_ARGUMENT;
+  }
+  if (m == SP_MACHINE_HANDLE && t->unit >= c->plan->n_units) {
+    snprintf(msg, cap, "unit %u is out of range: the plan has units 0-%zu",
+             t->unit, c->plan->n_units - 1);
+    return SP_RPC_INVALID_ARGUMENT;
+  }
+  if (!sp_state_valid(m, t->state)) {
+    snprintf(msg, cap, "%d is not a %s state", t->state, sp_machine_name(m));
+    return SP_RPC_INVALID_ARGUMENT;
+  }
+  sp_diag d;
+  int rc = sp_state_tracker_apply(&k->st, m, m == SP_MACHINE_HANDLE ? t->unit : 0,
+                                  t->state, &d);
+  if (rc != 0) {
+    snprintf(msg, cap, "rank %u: %s", rank, d.msg);
+    sp_coord_alert(c, rank, "%s", d.msg);
+    return SP_RPC_FAILED_PRECONDITION;
+  }
+  k->transitions++;
+  if (t->step > k->step) k->step = t->step;
+  if (c->watchers != NULL)
+    sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__TRANSITION, rank, NULL, t);
+  return SP_RPC_OK;
+}
+
+/* Common checks of requests that speak for an attached rank. */
+static int check_session(sp_coord *c, uint32_t rank, const char *session_id,
+                         char *msg, size_t cap) {
+  if (rank >= c->plan->world_size) {
+    snprintf(msg, cap, "rank %u is out of range: the world has ranks 0-%u",
+             rank, c->plan->world_size - 1);
+    return SP_RPC_INVALID_ARGUMENT;
+  }
+  sp_coord_rank *k = &c->ranks[rank];
+  if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
+    snprintf(msg, cap, "rank %u is not attached (attach first)", rank);
+    return SP_RPC_FAILED_PRECONDITION;
+  }
+  if (session_id == NULL || strcmp(session_id, k->session_id) != 0) {
+    snprintf(msg, cap, "wrong session id for rank %u", rank);
+    return SP_RPC_PERMISSION_DENIED;
+  }
+  return SP_RPC_OK;
+}
+
+static void replace_str(char **dst, const char *src, size_t max) {
+  free(*dst);
+  *dst = strndup(src ? src : "", max);
+}
+
+static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
+                      const uint8_t *raw, size_t len) {
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  const Shardplane__V1__AttachRequest *q =
+      (const Shardplane__V1__AttachRequest *)msg;
+  const sp_plan *pl = c->plan;
+  if (q->rank >= pl->world_size) {
+    sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                        "rank %u is out of range: the world has ranks 0-%u",
+                        q->rank, pl->world_size - 1);
+    return;
+  }
+  if (q->world_size != pl->world_size) {
+    sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                        "world size %u does not match the job's %u",
+                        q->world_size, pl->world_size);
+    return;
+  }
+  if (q->plan_version == NULL || q->plan_version[0] == '\0') {
+    sp_rpc_call_finish(call, SP_RPC_INVALID_ARGUMENT,
+                       "plan_version is required (the plan the rank computed)");
+    return;
+  }
+  if (strcmp(q->plan_version, pl->version_hex) != 0) {
+    sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
+                        "plan version %.32s differs from the coordinator's %s: "
+                        "the rank uses another model spec or job",
+                        q->plan_version, pl->version_hex);
+    return;
+  }
+  sp_coord_rank *k = &c->ranks[q->rank];
+  bool reattach = false;
+  if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
+    if (q->session_id == NULL || strcmp(q->session_id, k->session_id) != 0) {
+      sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
+                          "rank %u is already attached (host %s, pid %u); "
+                          "reattach with its session id",
+                          q->rank, k->host ? k->host : "?", k->pid);
+      return;
+    }
+    reattach = true;
+  } else {
+    new_session_id(c, k->session_id);
+    /* a rank that comes back starts from a clean state */
+    for (size_t u = 0; u < k->st.n_units; u++) k->st.units[u] = SP_HANDLE_IDLE;
+    k->st.root = SP_ROOT_IDLE;
+  }
+  k->status = SHARDPLANE__V1__RANK_STATUS__ATTACHED;
+  replace_str(&k->host, q->host, 255);
+  replace_str(&k->device, q->device, 63);
+  k->pid = q->pid;
+  k->last_heard_ms = sp_coord_now_ms(c);
+  Shardplane__V1__AttachResponse r = SHARDPLANE__V1__ATTACH_RESPONSE__INIT;
+  r.session_id = k->session_id;
+  r.plan_version = (char *)pl->version_hex;
+  r.heartbeat_interval_ms = c->cfg.heartbeat_interval_ms;
+  r.heartbeat_timeout_ms = c->cfg.heartbeat_timeout_ms;
+  sp_rpc_call_send(call, &r.base);
+  sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+  char what[400];
+  snprintf(what, sizeof what, "%s from %s pid %u device %s",
+           reattach ? "reattached" : "attached", k->host, k->pid, k->device);
+  sp_coord_log(c, "rank %u %s", q->rank, what);
+  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, q->rank, what,
+                   NULL);
+}
+
+static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
+                      const uint8_t *raw, size_t len) {
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  const Shardplane__V1__DetachRequest *q =
+      (const Shardplane__V1__DetachRequest *)msg;
+  char err[256];
+  int code = check_session(c, q->rank, q->session_id, err, sizeof err);
+  if (code != SP_RPC_OK) {
+    sp_rpc_call_finish(call, code, err);
+    return;
+  }
+  sp_coord_rank *k = &c->ranks[q->rank];
+  k->status = SHARDPLANE__V1__RANK_STATUS__DETACHED;
+  if (k->session != NULL) {
+    sp_rpc_call *s = k->session;
+    k->session = NULL;
+    session_ctx *ctx = sp_rpc_call_user(s);
+    if (ctx) ctx->bound = false;
+    sp_rpc_call_finish(s, SP_RPC_OK, "detached");
+  }
+  Shardplane__V1__DetachResponse r = SHARDPLANE__V1__DETACH_RESPONSE__INIT;
+  sp_rpc_call_send(call, &r.base);
+  sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+  sp_coord_log(c, "rank %u detached", q->rank);
+  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
+                   "detached", NULL);
+}
+
+static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
+                      const uint8_t *raw, size_t len) {
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  const Shardplane__V1__ReportTransitionRequest *q =
+      (const Shardplane__V1__ReportTransitionRequest *)msg;
+  char err[SP_DIAG_MAX + 64];
+  int code = check_session(c, q->rank, q->session_id, err, sizeof err);
+  if (code == SP_RPC_OK && q->transition == NULL) {
+    code = SP_RPC_INVALID_ARGUMENT;
+    snprintf(err, sizeof err, "transition is required");
+  }
+  if (code == SP_RPC_OK) {
+    c->ranks[q->rank].last_heard_ms = sp_coord_now_ms(c);
+    code = apply_transition(c, q->rank, q->transition, err, sizeof err);
+  }
+  if (code != SP_RPC_OK) {
+    sp_rpc_call_finish(call, code, err);
+    return;
+  }
+  Shardplane__V1__ReportTransitionResponse r =
+      SHARDPLANE__V1__REPORT_TRANSITION_RESPONSE__INIT;
+  sp_rpc_call_send(call, &r.base);
+  sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+}
+
+/* ---- Session stream ---- */
+
+static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
+                           const uint8_t *raw, size_t len) {
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  const Shardplane__V1__SessionUp *q = (const Shardplane__V1__SessionUp *)msg;
+  session_ctx *ctx = sp_rpc_call_user(call);
+  if (ctx == NULL) {
+    /* the first message binds the stream to its rank */
+    char err[256];
+    int code = check_session(c, q->rank, q->session_id, err, sizeof err);
+    if (code != SP_RPC_OK) {
+      sp_rpc_call_finish(call, code, err);
+      return;
+    }
+    ctx = calloc(1, sizeof *ctx);
+    if (ctx == NULL) {
+      sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+      return;
+    }
+    ctx->rank = q->rank;
+    ctx->bound = true;
+    sp_rpc_call_set_user(call, ctx);
+    sp_coord_rank *k = &c->ranks[q->rank];
+    if (k->session != NULL && k->session != call) {
+      /* a newer stream of the same session wins (reconnect) */
+      sp_rpc_call *old = k->session;
+      session_ctx *octx = sp_rpc_call_user(old);
+      if (octx) octx->bound = false;
+      sp_rpc_call_finish(old, SP_RPC_ABORTED, "superseded by a newer session stream");
+    }
+    k->session = call;
+  }
+  if (!ctx->bound) return; /* the rank was marked lost or detached */
+  sp_coord_rank *k = &c->ranks[ctx->rank];
+  k->last_heard_ms = sp_coord_now_ms(c);
+  if (q->step > k->step) k->step = q->step;
+  Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
+  Shardplane__V1__Rejection rej[8];
+  Shardplane__V1__Rejection *rp[8];
+  char reasons[8][SP_DIAG_MAX + 64];
+  d.rejections = rp;
+  for (size_t i = 0; i < q->n_transitions; i++) {
+    char err[SP_DIAG_MAX + 64];
+    int code = apply_transition(c, ctx->rank, q->transitions[i], err, sizeof err);
+    if (code != SP_RPC_OK && d.n_rejections < 8) {
+      size_t j = d.n_rejections++;
+      shardplane__v1__rejection__init(&rej[j]);
+      rej[j].transition = q->transitions[i];
+      memcpy(reasons[j], err, sizeof reasons[j]);
+      rej[j].reason = reasons[j];
+      rp[j] = &rej[j];
+    }
+  }
+  if (q->n_collectives > 0) {
+    const Shardplane__V1__Collective *col = q->collectives[q->n_collectives - 1];
+    k->last_coll.seq = col->seq;
+    k->last_coll.count = col->count;
+    k->last_coll.unit = col->unit;
+    k->last_coll.op = (uint8_t)col->op;
+    k->last_coll.dtype = (uint8_t)col->dtype;
+    k->last_coll.set = true;
+  }
+  d.acked_seq = q->seq;
+  /* acknowledge every message: the worker bounds what it has in flight */
+  sp_rpc_call_send(call, &d.base);
+}
+
+static void session_ended(sp_rpc_call *call, const char *why) {
+  sp_coord *c = coord_of(call);
+  session_ctx *ctx = sp_rpc_call_user(call);
+  sp_rpc_call_set_user(call, NULL);
+  if (ctx == NULL) return;
+  if (ctx->bound && c->ranks[ctx->rank].session == call) {
+    c->ranks[ctx->rank].session = NULL;
+    mark_lost(c, ctx->rank, why);
+  }
+  free(ctx);
+}
+
+static void on_session_half_close(sp_rpc_call *call) {
+  session_ended(call, "session stream closed");
+  sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+}
+
+static void on_session_cancel(sp_rpc_call *call, int code) {
+  session_ended(call, code == SP_RPC_UNAVAILABLE ? "coordinator shutting down"
+                                                 : "session stream broken");
+}
+
+static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
+                          const uint8_t *raw, size_t len) {
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  const Shardplane__V1__ListRanksRequest *q =
+      (const Shardplane__V1__ListRanksRequest *)msg;
+  uint32_t w = c->plan->world_size;
+  size_t nu = c->plan->n_units;
+  Shardplane__V1__ListRanksResponse r = SHARDPLANE__V1__LIST_RANKS_RESPONSE__INIT;
+  Shardplane__V1__RankInfo *infos = calloc(w, sizeof *infos);
+  Shardplane__V1__RankInfo **ptrs = calloc(w, sizeof *ptrs);
+  Shardplane__V1__Collective *cols = calloc(w, sizeof *cols);
+  int32_t *states = q->with_unit_states ? calloc((size_t)w * nu + 1, sizeof *states)
+                                        : NULL;
+  if (infos == NULL || ptrs == NULL || cols == NULL ||
+      (q->with_unit_states && states == NULL)) {
+    sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+  } else {
+    uint64_t now = sp_coord_now_ms(c);
+    for (uint32_t i = 0; i < w; i++) {
+      const sp_coord_rank *k = &c->ranks[i];
+      Shardplane__V1__RankInfo *x = &infos[i];
+      shardplane__v1__rank_info__init(x);
+      x->rank = i;
+      x->status = (Shardplane__V1__RankStatus)k->status;
+      x->host = k->host ? k->host : (char *)"";
+      x->device = k->device ? k->device : (char *)"";
+      x->pid = k->pid;
+      x->step = k->step;
+      x->root_state = k->st.root;
+      if (states != NULL) {
+        for (size_t u = 0; u < nu; u++) states[i * nu + u] = k->st.units[u];
+        x->n_unit_states = nu;
+        x->unit_states = &states[i * nu];
+      }
+      if (k->last_coll.set) {
+        shardplane__v1__collective__init(&cols[i]);
+        cols[i].seq = k->last_coll.seq;
+        cols[i].count = k->last_coll.count;
+        cols[i].unit = k->last_coll.unit;
+        cols[i].op = (Shardplane__V1__CollectiveOp)k->last_coll.op;
+        cols[i].dtype = (Shardplane__V1__DType)k->last_coll.dtype;
+        x->last_collective = &cols[i];
+      }
+      x->last_heard_ms_ago =
+          k->status == SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED
+              ? 0
+              : now - k->last_heard_ms;
+      x->alerts = k->alerts;
+      x->last_alert = k->last_alert ? k->last_alert : (char *)"";
+      x->transitions = k->transitions;
+      ptrs[i] = x;
+    }
+    r.n_ranks = w;
+    r.ranks = ptrs;
+    int rc = sp_rpc_call_send(call, &r.base);
+    if (rc == SP_ETOOBIG)
+      sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED,
+                         "too many ranks for one answer with unit states; "
+                         "ask without them");
+    else
+      sp_rpc_call_finish(call, rc == 0 ? SP_RPC_OK : SP_RPC_INTERNAL, NULL);
+  }
+  free(infos);
+  free(ptrs);
+  free(cols);
+  free(states);
+}
+
+#define M(name, kind, req, fn, half, cancel)                                   \
+  {SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, half,  \
+   cancel, NULL}
+
+static const sp_rpc_method k_methods[] = {
+    M("Attach", SP_RPC_UNARY, attach_request, on_attach, NULL, NULL),
+    M("Detach", SP_RPC_UNARY, detach_request, on_detach, NULL, NULL),
+    M("Session", SP_RPC_BIDI_STREAMING, session_up, on_session_msg,
+      on_session_half_close, on_session_cancel),
+    M("ReportTransition", SP_RPC_UNARY, report_transition_request, on_report,
+      NULL, NULL),
+    M("ListRanks", SP_RPC_UNARY, list_ranks_request, on_list_ranks, NULL,
+      NULL),
+};
+
+int sp_coord_ranks_register(sp_coord *c) {
+  return sp_coord_add_methods(c, k_methods,
+                              sizeof k_methods / sizeof k_methods[0]);
+}
+
+int sp_coord_ranks_init(sp_coord *c) {
+  uint32_t w = c->plan->world_size;
+  c->ranks = calloc(w, sizeof *c->ranks);
+  if (c->ranks == NULL) return SP_ENOMEM;
+  for (uint32_t r = 0; r < w; r++) {
+    int rc = sp_state_tracker_init(&c->ranks[r].st, c->plan->n_units, NULL);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
+void sp_coord_ranks_start(sp_coord *c) {
+  uv_timer_init(c->loop, &c->heartbeat_timer);
+  c->heartbeat_timer.data = c;
+  c->heartbeat_started = true;
+  uint64_t every = c->cfg.heartbeat_timeout_ms / 4;
+  if (every == 0) every = 1;
+  uv_timer_start(&c->heartbeat_timer, on_heartbeat_check, every, every);
+}
+
+void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed) {
+  for (uint32_t r = 0; r < c->plan->world_size; r++) {
+    sp_coord_rank *k = &c->ranks[r];
+    if (k->session != NULL) {
+      sp_rpc_call *s = k->session;
+      k->session = NULL;
+      session_ctx *ctx = sp_rpc_call_user(s);
+      if (ctx) ctx->bound = false;
+      sp_rpc_call_finish(s, SP_RPC_UNAVAILABLE, "coordinator shutting down");
+    }
+  }
+  if (c->heartbeat_started) {
+    uv_timer_stop(&c->heartbeat_timer);
+    uv_close((uv_handle_t *)&c->heartbeat_timer, closed);
+  } else {
+    closed((uv_handle_t *)&c->heartbeat_timer);
+  }
+}
+
+void sp_coord_ranks_free(sp_coord *c) {
+  if (c->ranks == NULL) return;
+  for (uint32_t r = 0; r < c->plan->world_size; r++) {
+    sp_coord_rank *k = &c->ranks[r];
+    sp_state_tracker_free(&k->st);
+    free(k->host);
+    free(k->device);
+    free(k->last_alert);
+  }
+  free(c->ranks);
+  c->ranks = NULL;
+}

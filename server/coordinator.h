@@ -1,0 +1,121 @@
+/* shardplane-coordinator: the job's single authority. One libuv loop runs
+ * the gRPC server and every handler; other threads reach it only through
+ * uv_async_send. This header is shared by the files of server/. */
+#ifndef SP_COORDINATOR_H
+#define SP_COORDINATOR_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "job.h"
+#include "model.h"
+#include "plan.h"
+#include "rpc.h"
+#include "shardplane/v1/coordinator.pb-c.h"
+#include "state.h"
+#include "store.h"
+#include "strmap.h"
+
+#define SP_COORD_SERVICE "shardplane.v1.Coordinator"
+#define SP_COORD_PATH(m) "/" SP_COORD_SERVICE "/" m
+
+/* Store limits (PyTorch TCPStore's), checked before allocating. */
+#define SP_COORD_MAX_KEY (8u << 10)
+#define SP_COORD_MAX_VALUE (8u << 20)
+/* Messages must carry an 8 MiB store value plus framing. */
+#define SP_COORD_MAX_MESSAGE (SP_COORD_MAX_VALUE + (64u << 10))
+/* Alerts kept for status; older ones are only counted. */
+#define SP_COORD_RECENT_ALERTS 32
+
+typedef struct sp_coord_config {
+  const char *model_path;
+  const char *job_path; /* may be NULL: the job comes from `job` alone */
+  sp_job job;           /* flags, applied over the job file */
+  uint32_t heartbeat_interval_ms; /* 0: 1000 */
+  uint32_t heartbeat_timeout_ms;  /* 0: 5000 */
+  bool quiet;                     /* no log lines (tests, benchmarks) */
+} sp_coord_config;
+
+typedef struct sp_coord_rank sp_coord_rank;
+typedef struct sp_coord_watch sp_coord_watch;
+
+typedef struct sp_coord {
+  uv_loop_t *loop;
+  sp_rpc_server *srv;
+  sp_model *model;
+  sp_job job;
+  sp_plan *plan;
+  sp_coord_config cfg;
+  uint64_t started_ms; /* uv_now at start */
+  /* ranks (coord_ranks.c) */
+  sp_coord_rank *ranks; /* world_size entries */
+  uv_timer_t heartbeat_timer;
+  bool heartbeat_started;
+  uint64_t session_counter;
+  /* alerts */
+  uint64_t n_alerts;
+  Shardplane__V1__Alert recent[SP_COORD_RECENT_ALERTS];
+  char *recent_msg[SP_COORD_RECENT_ALERTS];
+  size_t recent_next;
+  /* Watch streams (coord_events.c) */
+  sp_coord_watch *watchers;
+  /* store (coord_store.c) */
+  sp_store *store;
+  struct sp_coord_store_wait *store_waits; /* calls waiting on keys */
+  /* method tables registered with the server, owned here */
+  sp_rpc_method *methods[8];
+  size_t n_method_tables;
+  bool shutting_down;
+  int stopping;  /* shutdown steps still running */
+  void (*stop_done)(struct sp_coord *, void *);
+  void *stop_arg;
+} sp_coord;
+
+/* Loads the model spec and job, builds the plan and the gRPC server (not yet
+ * listening). Errors name the file or field at fault in diag. */
+int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
+                 sp_diag *diag);
+int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag);
+/* Graceful stop: ends sessions and watches, then the server. */
+void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
+                       void *arg);
+void sp_coord_free(sp_coord *c);
+
+/* Milliseconds since start. */
+uint64_t sp_coord_now_ms(const sp_coord *c);
+/* One log line (unless quiet): "coordinator: ...". */
+void sp_coord_log(const sp_coord *c, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Copies a method template, points each entry's user at c, registers it. */
+int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n);
+
+/* Per-area registration (one file each). */
+int sp_coord_plan_register(sp_coord *c);
+int sp_coord_ranks_register(sp_coord *c);
+int sp_coord_events_register(sp_coord *c);
+int sp_coord_store_register(sp_coord *c);
+int sp_coord_ranks_init(sp_coord *c);
+/* Starts the heartbeat check (from sp_coord_listen). */
+void sp_coord_ranks_start(sp_coord *c);
+/* Ends the sessions and closes the heartbeat timer; `closed` runs once the
+ * timer handle is released. */
+void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed);
+void sp_coord_ranks_free(sp_coord *c);
+void sp_coord_events_shutdown(sp_coord *c);
+void sp_coord_store_shutdown(sp_coord *c);
+
+/* Summary counts for GetJob / status. */
+void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
+                           uint32_t *by_state, size_t n_states);
+
+/* Records an alert on a rank, logs it and publishes an ALERT event. */
+void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Publishes an event to the Watch streams whose filters match. */
+void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
+                      uint32_t rank, const char *message,
+                      const Shardplane__V1__Transition *t);
+
+#endif

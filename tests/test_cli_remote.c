@@ -1,0 +1,675 @@
+/* The `shardplane` command against a real coordinator: both run as child
+ * processes on loopback. Checks outputs (JSON parsed with jansson) and exit
+ * codes of status, plan, where, buffers, store and watch, and the codes for
+ * not found (3), unreachable (4) and bad usage (2).
+ *
+ * Every wait is bounded and every child is reaped, also when an assertion
+ * fails: a child still running at the end is killed by the teardown. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "rpc.h"
+#include "shardplane/v1/coordinator.pb-c.h"
+#include "testutil.h"
+
+#define MODEL(name) SP_EXAMPLES "/models/" name ".json"
+#define COORD_BIN SP_BIN_DIR "/shardplane-coordinator"
+#define CLI_BIN SP_BIN_DIR "/shardplane"
+#define METHOD(m) "/shardplane.v1.Coordinator/" m
+
+/* Generous for sanitizer builds; a healthy run takes milliseconds. */
+#define CHILD_TIMEOUT_MS 20000
+#define START_TIMEOUT_MS 20000
+
+static char *g_dir;
+static char g_addr[64]; /* the gpt2 coordinator every test shares */
+static pid_t g_coord = -1;
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Waits up to timeout_ms for pid; kills and reaps it past that. Returns
+ * the wait status, or -1 when it had to be killed. */
+static int wait_child(pid_t pid, int timeout_ms) {
+  int64_t end = now_ms() + timeout_ms;
+  int st;
+  for (;;) {
+    pid_t w = waitpid(pid, &st, WNOHANG);
+    if (w == pid) return st;
+    if (w < 0 && errno != EINTR) return -1;
+    if (now_ms() >= end) break;
+    sleep_ms(2);
+  }
+  kill(pid, SIGKILL);
+  while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  }
+  return -1;
+}
+
+/* fork + exec argv with stdout/stderr to the given files (NULL: a pipe for
+ * stdout, returned in *out_fd; /dev/null for stderr). */
+static pid_t spawn(char *const argv[], const char *out_path,
+                   const char *err_path, int *out_fd) {
+  int pfd[2] = {-1, -1};
+  if (out_path == NULL) assert_int_equal(pipe(pfd), 0);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    int out = out_path ? open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600)
+                       : pfd[1];
+    int err = open(err_path ? err_path : "/dev/null",
+                   O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (out < 0 || err < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0) _exit(127);
+    if (pfd[0] >= 0) close(pfd[0]);
+    execv(argv[0], argv);
+    _exit(127);
+  }
+  if (out_path == NULL) {
+    close(pfd[1]);
+    *out_fd = pfd[0];
+  }
+  return pid;
+}
+
+/* Starts a coordinator on a free port; its address goes to addr. */
+static pid_t start_coordinator(char *const extra[], char *addr, size_t cap) {
+  char *argv[32] = {COORD_BIN, "--listen", "127.0.0.1:0", "--quiet"};
+  size_t n = 4;
+  for (size_t i = 0; extra[i] != NULL && n < 31; i++) argv[n++] = extra[i];
+  argv[n] = NULL;
+  int fd;
+  pid_t pid = spawn(argv, NULL, NULL, &fd);
+  /* "listening on 127.0.0.1:PORT\n", read with a deadline */
+  char line[256];
+  size_t len = 0;
+  int64_t end = now_ms() + START_TIMEOUT_MS;
+  while (len < sizeof line - 1 && memchr(line, '\n', len) == NULL) {
+    struct pollfd p = {fd, POLLIN, 0};
+    int left = (int)(end - now_ms());
+    if (left <= 0 || poll(&p, 1, left) <= 0) break;
+    ssize_t r = read(fd, line + len, sizeof line - 1 - len);
+    if (r <= 0) break;
+    len += (size_t)r;
+  }
+  close(fd);
+  line[len] = '\0';
+  const char *at = strstr(line, "listening on ");
+  if (at == NULL) {
+    wait_child(pid, 1);
+    fail_msg("the coordinator did not start: \"%s\"", line);
+  }
+  snprintf(addr, cap, "%.*s", (int)strcspn(at + 13, "\n"), at + 13);
+  return pid;
+}
+
+/* SIGTERM, then the exit status within the timeout (-1: had to kill). */
+static int stop_coordinator(pid_t pid) {
+  kill(pid, SIGTERM);
+  return wait_child(pid, CHILD_TIMEOUT_MS);
+}
+
+typedef struct result {
+  int code;
+  char *out, *err;
+  int64_t ms;
+} result;
+
+static char *slurp(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  size_t cap = 1 << 16, len = 0, n;
+  char *buf = malloc(cap);
+  assert_non_null(buf);
+  while ((n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+    len += n;
+    if (len + 1 == cap) {
+      cap *= 2;
+      buf = realloc(buf, cap);
+      assert_non_null(buf);
+    }
+  }
+  fclose(f);
+  buf[len] = '\0';
+  return buf;
+}
+
+/* Runs `shardplane ARGS...` (NULL-terminated), bounded in time. */
+static result run(const char *arg, ...) {
+  char *argv[32] = {CLI_BIN};
+  size_t n = 1;
+  va_list ap;
+  va_start(ap, arg);
+  for (const char *a = arg; a != NULL && n < 31; a = va_arg(ap, const char *))
+    argv[n++] = (char *)a;
+  va_end(ap);
+  argv[n] = NULL;
+  char out[1024], err[1024];
+  snprintf(out, sizeof out, "%s/out", g_dir);
+  snprintf(err, sizeof err, "%s/err", g_dir);
+  int64_t t0 = now_ms();
+  pid_t pid = spawn(argv, out, err, NULL);
+  int st = wait_child(pid, CHILD_TIMEOUT_MS);
+  result r = {-1, slurp(out), slurp(err), now_ms() - t0};
+  if (st < 0) fail_msg("shardplane %s did not finish", arg);
+  assert_true(WIFEXITED(st));
+  r.code = WEXITSTATUS(st);
+  return r;
+}
+
+static void done(result *r) {
+  free(r->out);
+  free(r->err);
+}
+
+static json_t *parse(const result *r) {
+  json_error_t e;
+  json_t *j = json_loads(r->out, 0, &e);
+  if (j == NULL) fail_msg("bad JSON (%s): %s", e.text, r->out);
+  return j;
+}
+
+static const char *jstr(json_t *o, const char *key) {
+  const char *s = json_string_value(json_object_get(o, key));
+  if (s == NULL) fail_msg("no string \"%s\"", key);
+  return s;
+}
+
+static json_int_t jint(json_t *o, const char *key) {
+  json_t *v = json_object_get(o, key);
+  if (!json_is_integer(v)) fail_msg("no integer \"%s\"", key);
+  return json_integer_value(v);
+}
+
+/* ---- the shared coordinator: gpt2, 4 ranks in shard groups of 2 ---- */
+
+static int setup(void **state) {
+  (void)state;
+  g_dir = sp_test_mkdtemp();
+  char *extra[] = {"--model", MODEL("gpt2"), "--world-size", "4",
+                   "--strategy", "HYBRID_SHARD", "--shard-group-size", "2",
+                   "--wrap-type", "GPT2Block", NULL};
+  g_coord = start_coordinator(extra, g_addr, sizeof g_addr);
+  /* the default address every command below uses */
+  setenv("SHARDPLANE_COORDINATOR", g_addr, 1);
+  return 0;
+}
+
+static int teardown(void **state) {
+  (void)state;
+  if (g_coord > 0) stop_coordinator(g_coord);
+  g_coord = -1;
+  sp_test_rmtree(g_dir);
+  free(g_dir);
+  return 0;
+}
+
+static void test_status(void **state) {
+  (void)state;
+  result r = run("status", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  json_t *j = parse(&r);
+  assert_string_equal(jstr(j, "coordinator"), g_addr);
+  assert_int_equal(strlen(jstr(j, "plan_version")), 16);
+  assert_int_equal(jint(j, "units"), 13);
+  json_t *m = json_object_get(j, "model");
+  assert_string_equal(jstr(m, "name"), "gpt2");
+  assert_int_equal(jint(m, "params"), 148);
+  json_t *job = json_object_get(j, "job");
+  assert_int_equal(jint(job, "world_size"), 4);
+  assert_string_equal(jstr(job, "strategy"), "HYBRID_SHARD");
+  json_t *ranks = json_object_get(j, "ranks");
+  assert_int_equal(jint(ranks, "never_attached"), 4);
+  assert_int_equal(jint(ranks, "attached"), 0);
+  assert_int_equal(jint(j, "alerts"), 0);
+  json_decref(j);
+  done(&r);
+  r = run("status", NULL);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "4 never attached"));
+  assert_non_null(strstr(r.out, "HYBRID_SHARD (shard groups of 2)"));
+  done(&r);
+}
+
+/* The coordinator's plan prints as the same plan computed offline. */
+static void test_plan_matches_offline(void **state) {
+  (void)state;
+  result r = run("plan", "--rank", "1", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  json_t *remote = parse(&r);
+  done(&r);
+  r = run("plan", "--model", MODEL("gpt2"), "--world-size", "4", "--strategy",
+          "HYBRID_SHARD", "--shard-group-size", "2", "--wrap-type",
+          "GPT2Block", "--rank", "1", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  json_t *offline = parse(&r);
+  done(&r);
+  json_t *shard = json_object_get(remote, "shard");
+  assert_int_equal(json_array_size(shard), 13);
+  assert_int_equal(json_array_size(json_object_get(remote, "buffers")), 24);
+  json_t *aliases = json_object_get(remote, "aliases");
+  assert_int_equal(json_array_size(aliases), 1);
+  assert_string_equal(jstr(json_array_get(aliases, 0), "fqn"),
+                      "lm_head.weight");
+  /* only the source differs: a spec path here, a coordinator there */
+  json_t *rm = json_object_get(remote, "model");
+  assert_true(json_is_null(json_object_get(rm, "path")));
+  assert_string_equal(jstr(rm, "coordinator"), g_addr);
+  json_object_del(remote, "model");
+  json_object_del(offline, "model");
+  assert_true(json_equal(remote, offline));
+  json_decref(remote);
+  json_decref(offline);
+
+  r = run("plan", "--unit", "transformer.h.0", NULL);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "unit 1 (transformer.h.0)"));
+  assert_non_null(strstr(r.out, "coordinator"));
+  done(&r);
+  r = run("plan", "--rank", "4", NULL);
+  assert_int_equal(r.code, 3);
+  assert_non_null(strstr(r.err, "--rank 4"));
+  done(&r);
+  r = run("plan", "--unit", "nope", NULL);
+  assert_int_equal(r.code, 3);
+  done(&r);
+  r = run("plan", "--world-size", "2", NULL); /* job flags need --model */
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--model"));
+  done(&r);
+}
+
+static void test_where(void **state) {
+  (void)state;
+  /* unit 4's flat parameter is split in two shards; each shard is held by
+   * one rank of each shard group: shard s by ranks s and s+2 */
+  result r = run("where", "transformer.h.3.mlp.c_fc.weight", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  json_t *j = parse(&r);
+  assert_int_equal(jint(j, "unit"), 4);
+  assert_false(json_is_true(json_object_get(j, "is_alias")));
+  json_t *slices = json_object_get(j, "slices");
+  assert_int_equal(json_array_size(slices), 2);
+  json_int_t total = 0;
+  for (size_t s = 0; s < 2; s++) {
+    json_t *sl = json_array_get(slices, s);
+    json_t *ranks = json_object_get(sl, "ranks");
+    assert_int_equal(jint(sl, "shard"), s);
+    assert_int_equal(json_array_size(ranks), 2);
+    assert_int_equal(json_integer_value(json_array_get(ranks, 0)), s);
+    assert_int_equal(json_integer_value(json_array_get(ranks, 1)), s + 2);
+    total += jint(sl, "numel");
+  }
+  assert_int_equal(total, jint(j, "numel"));
+  assert_int_equal(total, 768 * 3072);
+  json_decref(j);
+  done(&r);
+
+  /* the tied head resolves to the embedding it shares */
+  r = run("where", "lm_head.weight", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  j = parse(&r);
+  assert_true(json_is_true(json_object_get(j, "is_alias")));
+  assert_string_equal(jstr(j, "flattened_as"), "transformer.wte.weight");
+  assert_int_equal(jint(j, "unit"), 0);
+  json_decref(j);
+  done(&r);
+  r = run("where", "lm_head.weight", NULL);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "tied: flattened as transformer.wte.weight"));
+  assert_non_null(strstr(r.out, "1,3"));
+  done(&r);
+
+  r = run("where", "foo", NULL);
+  assert_int_equal(r.code, 3);
+  assert_non_null(strstr(r.err, "shardplane where: no parameter \"foo\" "
+                                "(NOT_FOUND)"));
+  done(&r);
+}
+
+/* ResNet-50 with bfloat16 buffers: BatchNorm units stay in full precision,
+ * so their float buffers keep float32; the step counters stay int64. */
+static void test_buffers(void **state) {
+  (void)state;
+  char addr[64];
+  char *extra[] = {"--model", MODEL("resnet50"), "--world-size", "2",
+                   "--param-dtype", "bfloat16", "--buffer-dtype", "bfloat16",
+                   NULL};
+  pid_t pid = start_coordinator(extra, addr, sizeof addr);
+  result r = run("buffers", "--json", "--coordinator", addr, NULL);
+  int code = r.code;
+  json_t *j = code == 0 ? parse(&r) : NULL;
+  done(&r);
+  r = run("buffers", "--prefix", "layer1.0.bn1.", "--coordinator", addr, NULL);
+  int code_prefix = r.code;
+  bool has_rows = strstr(r.out, "layer1.0.bn1.num_batches_tracked") &&
+                  strstr(r.out, "layer1.0.bn1.running_var");
+  done(&r);
+  int stop = stop_coordinator(pid);
+  assert_int_equal(code, 0);
+  assert_int_equal(code_prefix, 0);
+  assert_true(has_rows);
+  assert_int_equal(jint(j, "total"), 159);
+  json_t *bufs = json_object_get(j, "buffers");
+  assert_int_equal(json_array_size(bufs), 159);
+  size_t i, counters = 0;
+  json_t *b;
+  json_array_foreach(bufs, i, b) {
+    const char *fqn = jstr(b, "fqn");
+    if (strstr(fqn, "num_batches_tracked")) {
+      assert_string_equal(jstr(b, "original_dtype"), "int64");
+      assert_string_equal(jstr(b, "compute_dtype"), "int64");
+      counters++;
+    } else {
+      assert_string_equal(jstr(b, "original_dtype"), "float32");
+      assert_string_equal(jstr(b, "compute_dtype"), "float32");
+    }
+  }
+  assert_int_equal(counters, 53);
+  json_decref(j);
+  assert_true(stop >= 0 && WIFEXITED(stop));
+  assert_int_equal(WEXITSTATUS(stop), 0);
+}
+
+static void test_store(void **state) {
+  (void)state;
+  result r = run("store", "set", "cli/greeting", "hello world", NULL);
+  assert_int_equal(r.code, 0);
+  done(&r);
+  r = run("store", "get", "cli/greeting", NULL);
+  assert_int_equal(r.code, 0);
+  assert_string_equal(r.out, "hello world\n");
+  done(&r);
+  r = run("store", "get", "cli/greeting", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  json_t *j = parse(&r);
+  assert_string_equal(jstr(j, "value"), "hello world");
+  json_decref(j);
+  done(&r);
+  r = run("store", "add", "cli/counter", "5", NULL);
+  assert_int_equal(r.code, 0);
+  assert_string_equal(r.out, "5\n");
+  done(&r);
+  r = run("store", "add", "cli/counter", "--", "-2", NULL);
+  assert_int_equal(r.code, 0);
+  assert_string_equal(r.out, "3\n");
+  done(&r);
+  r = run("store", "get", "cli/counter", NULL);
+  assert_string_equal(r.out, "3\n");
+  done(&r);
+  r = run("store", "delete", "cli/counter", NULL);
+  assert_int_equal(r.code, 0);
+  done(&r);
+  r = run("store", "get", "cli/counter", NULL);
+  assert_int_equal(r.code, 3);
+  assert_non_null(strstr(r.err, "no key"));
+  done(&r);
+  /* A wait that runs out is "not found" (3), like a get without --wait;
+   * it ends at the deadline, not before and not much after. */
+  r = run("store", "get", "cli/never", "--wait", "--timeout-ms", "300", NULL);
+  assert_int_equal(r.code, 3);
+  assert_non_null(strstr(r.err, "DEADLINE_EXCEEDED"));
+  assert_true(r.ms >= 250);
+  assert_true(r.ms < 10000);
+  done(&r);
+}
+
+static void test_unreachable_and_usage(void **state) {
+  (void)state;
+  /* a port nobody listens on: bind one, then close it */
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET,
+                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof sa;
+  assert_int_equal(bind(s, (struct sockaddr *)&sa, sizeof sa), 0);
+  assert_int_equal(getsockname(s, (struct sockaddr *)&sa, &len), 0);
+  close(s);
+  char closed[64];
+  snprintf(closed, sizeof closed, "127.0.0.1:%u", ntohs(sa.sin_port));
+  result r = run("status", "--coordinator", closed, "--timeout-ms", "300",
+                 NULL);
+  assert_int_equal(r.code, 4);
+  assert_non_null(strstr(r.err, closed));
+  done(&r);
+  r = run("store", "get", "k", "--wait", "--coordinator", closed,
+          "--timeout-ms", "300", NULL);
+  assert_int_equal(r.code, 4); /* not 3: nobody answered at all */
+  done(&r);
+
+  const char *usage[][6] = {
+      {"where", NULL},
+      {"status", "extra", NULL},
+      {"status", "--bogus", NULL},
+      {"status", "--timeout-ms", "0", NULL},
+      {"status", "--coordinator", "no-port", NULL},
+      {"store", "add", "k", "x", NULL},
+      {"store", "frobnicate", NULL},
+      {"store", "get", "k", "--absent", NULL},
+      {"watch", "--kind", "nope", NULL},
+      {"ranks", "--json", "x", NULL},
+  };
+  for (size_t i = 0; i < sizeof usage / sizeof usage[0]; i++) {
+    r = run(usage[i][0], usage[i][1], usage[i][2], usage[i][3], usage[i][4],
+            NULL);
+    if (r.code != 2)
+      fail_msg("shardplane %s %s: exit %d, want 2", usage[i][0],
+               usage[i][1] ? usage[i][1] : "", r.code);
+    done(&r);
+  }
+  /* a rank outside the world is not found, as with `plan --rank` */
+  r = run("watch", "--rank", "9", NULL);
+  assert_int_equal(r.code, 3);
+  done(&r);
+  r = run("where", "--help", NULL);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "--coordinator"));
+  done(&r);
+}
+
+/* ---- a worker's side, through the blocking client ---- */
+
+static ProtobufCMessage *unary(sp_rpc_sync *c, const char *method,
+                               const ProtobufCMessage *req,
+                               const ProtobufCMessageDescriptor *desc) {
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status st;
+  assert_int_equal(sp_rpc_sync_unary(c, method, req, desc, 5000, &resp, &st),
+                   0);
+  if (st.code != SP_RPC_OK)
+    fail_msg("%s: %s (%s)", method, st.message, sp_rpc_code_name(st.code));
+  return resp;
+}
+
+static char *attach(sp_rpc_sync *c, const char *version) {
+  Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
+  q.rank = 0;
+  q.world_size = 4;
+  q.host = "testhost";
+  q.pid = (uint32_t)getpid();
+  q.device = "cpu";
+  q.plan_version = (char *)version;
+  Shardplane__V1__AttachResponse *a =
+      (Shardplane__V1__AttachResponse *)unary(
+          c, METHOD("Attach"), &q.base,
+          &shardplane__v1__attach_response__descriptor);
+  char *id = strdup(a->session_id);
+  protobuf_c_message_free_unpacked(&a->base, NULL);
+  return id;
+}
+
+static void detach(sp_rpc_sync *c, const char *session) {
+  Shardplane__V1__DetachRequest q = SHARDPLANE__V1__DETACH_REQUEST__INIT;
+  q.rank = 0;
+  q.session_id = (char *)session;
+  protobuf_c_message_free_unpacked(
+      unary(c, METHOD("Detach"), &q.base,
+            &shardplane__v1__detach_response__descriptor),
+      NULL);
+}
+
+static void report(sp_rpc_sync *c, const char *session, int root_state) {
+  Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
+  t.machine = SHARDPLANE__V1__MACHINE__MACHINE_ROOT;
+  t.state = root_state;
+  t.step = 1;
+  Shardplane__V1__ReportTransitionRequest q =
+      SHARDPLANE__V1__REPORT_TRANSITION_REQUEST__INIT;
+  q.rank = 0;
+  q.session_id = (char *)session;
+  q.transition = &t;
+  protobuf_c_message_free_unpacked(
+      unary(c, METHOD("ReportTransition"), &q.base,
+            &shardplane__v1__report_transition_response__descriptor),
+      NULL);
+}
+
+/* Nothing says when the coordinator has registered a watch, so the worker
+ * side repeats its event (kick) until the watcher has printed one and
+ * exited (--count 1). Returns the watcher's exit status. */
+static int watch_one(char *const argv[], const char *out,
+                     void (*kick)(sp_rpc_sync *, void *), sp_rpc_sync *c,
+                     void *arg) {
+  pid_t pid = spawn(argv, out, NULL, NULL);
+  int64_t end = now_ms() + CHILD_TIMEOUT_MS;
+  int st = -1;
+  while (now_ms() < end) {
+    kick(c, arg);
+    pid_t w = 0;
+    for (int i = 0; i < 100 && (w = waitpid(pid, &st, WNOHANG)) == 0; i++)
+      sleep_ms(3);
+    if (w == pid) return st;
+  }
+  return wait_child(pid, 1);
+}
+
+typedef struct worker {
+  const char *version;
+  char *session;
+  int state; /* root state to report next */
+} worker;
+
+/* detach (if attached) and attach again: one RANK_ATTACHED event */
+static void kick_attach(sp_rpc_sync *c, void *arg) {
+  worker *w = arg;
+  if (w->session != NULL) detach(c, w->session);
+  free(w->session);
+  w->session = attach(c, w->version);
+}
+
+/* IDLE -> FORWARD_BACKWARD -> IDLE ...: one TRANSITION event each */
+static void kick_transition(sp_rpc_sync *c, void *arg) {
+  worker *w = arg;
+  report(c, w->session, w->state);
+  w->state = w->state == 2 ? 1 : 2;
+}
+
+static void test_watch(void **state) {
+  (void)state;
+  sp_rpc_sync *c;
+  assert_int_equal(sp_rpc_sync_open(g_addr, 5000, &c), 0);
+  Shardplane__V1__GetJobRequest gq = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  Shardplane__V1__GetJobResponse *job =
+      (Shardplane__V1__GetJobResponse *)unary(
+          c, METHOD("GetJob"), &gq.base,
+          &shardplane__v1__get_job_response__descriptor);
+  worker w = {job->plan_version, NULL, 2};
+
+  char out[1024];
+  snprintf(out, sizeof out, "%s/watch", g_dir);
+  char *argv[] = {CLI_BIN, "watch", "--count", "1", "--kind", "attached",
+                  "--json", NULL};
+  int st = watch_one(argv, out, kick_attach, c, &w);
+  assert_true(st >= 0 && WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 0);
+  char *text = slurp(out);
+  size_t lines = 0;
+  for (const char *p = text; *p; p++) lines += *p == '\n';
+  assert_int_equal(lines, 1); /* --count 1: one event, one line */
+  json_t *ev = json_loads(text, JSON_DISABLE_EOF_CHECK, NULL);
+  if (ev == NULL) fail_msg("not a JSON line: %s", text);
+  assert_string_equal(jstr(ev, "kind"), "RANK_ATTACHED");
+  assert_int_equal(jint(ev, "rank"), 0);
+  assert_non_null(strstr(jstr(ev, "message"), "testhost"));
+  json_decref(ev);
+  free(text);
+
+  /* the human line of a transition, filtered to rank 0 */
+  char *targv[] = {CLI_BIN, "watch", "--transitions", "--kind", "transition",
+                   "--rank", "0", "--count", "1", NULL};
+  st = watch_one(targv, out, kick_transition, c, &w);
+  assert_true(st >= 0 && WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 0);
+  text = slurp(out);
+  assert_non_null(strstr(text, "rank 0"));
+  assert_non_null(strstr(text, "TRANSITION"));
+  assert_non_null(strstr(text, "root -> "));
+  free(text);
+
+  /* the attached rank shows in status and ranks */
+  result r = run("status", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  json_t *j = parse(&r);
+  assert_int_equal(jint(json_object_get(j, "ranks"), "attached"), 1);
+  json_decref(j);
+  done(&r);
+  r = run("ranks", "--unit-states", NULL);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "testhost"));
+  assert_non_null(strstr(r.out, "1-3"));     /* the ranks never attached */
+  assert_non_null(strstr(r.out, "IDLE 0-12")); /* every unit idle */
+  done(&r);
+
+  detach(c, w.session);
+  free(w.session);
+  protobuf_c_message_free_unpacked(&job->base, NULL);
+  sp_rpc_sync_close(c);
+}
+
+/* Last: the coordinator shuts down cleanly on SIGTERM. */
+static void test_coordinator_stops(void **state) {
+  (void)state;
+  int st = stop_coordinator(g_coord);
+  g_coord = -1;
+  assert_true(st >= 0);
+  assert_true(WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_status),
+      cmocka_unit_test(test_plan_matches_offline),
+      cmocka_unit_test(test_where),
+      cmocka_unit_test(test_buffers),
+      cmocka_unit_test(test_store),
+      cmocka_unit_test(test_unreachable_and_usage),
+      cmocka_unit_test(test_watch),
+      cmocka_unit_test(test_coordinator_stops),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}
