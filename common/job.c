@@ -154,16 +154,16 @@ static int read_enum(const sp_jr *r, json_t *root, const char *key,
 }
 
 static int parse_strategy_int(const char *s, int *out) {
-  sp_strategy v;
+  sp_strategy v = SP_STRATEGY_INVALID;
   int rc = sp_strategy_parse(s, &v);
-  *out = (int)v;
+  if (rc == 0) *out = (int)v;
   return rc;
 }
 
 static int parse_backend_int(const char *s, int *out) {
-  sp_backend v;
+  sp_backend v = SP_BACKEND_INVALID;
   int rc = sp_backend_parse(s, &v);
-  *out = (int)v;
+  if (rc == 0) *out = (int)v;
   return rc;
 }
 

@@ -570,12 +570,12 @@ static void test_rapid_reset(void **state) {
   expect_server_healthy();
 }
 
-/* A ServerStream asking for 10 million 1 KiB replies from a client that
+/* ServerStreams asking for 10 million 1 KiB replies each from a client that
  * never reads, with flow control wide open so only TCP pushes back: the
- * server's memory stays bounded by its per-call queue, other clients are
- * served meanwhile, and when the client leaves the handler is cancelled. */
-static void test_client_never_reads(void **state) {
-  (void)state;
+ * server's memory stays bounded (per-call queue, and the connection's budget
+ * across all its calls), other clients are served meanwhile, and when the
+ * client leaves the handlers are cancelled. */
+static void never_reads(int n_streams) {
   wait_idle("before the never-reading client");
   size_t rss0 = rss_bytes();
   static const uint16_t ids[] = {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE};
@@ -590,7 +590,8 @@ static void test_client_never_reads(void **state) {
   req.payload.data = payload;
   req.payload.len = sizeof payload;
   req.repeat = 10000000;
-  put_call(&b, 1, EPATH("ServerStream"), &req, true);
+  for (int i = 0; i < n_streams; i++)
+    put_call(&b, 1 + 2 * i, EPATH("ServerStream"), &req, true);
   assert_true(send_buf(fd, &b));
   sp_h2buf_free(&b);
 
@@ -610,24 +611,36 @@ static void test_client_never_reads(void **state) {
     if (now >= deadline) fail_msg("the server never stopped writing");
     sleep_ms(50);
   }
-  assert_int_equal(st.calls_open, 1);
+  assert_int_equal(st.calls_open, (uint64_t)n_streams);
   assert_true(last > (256u << 10)); /* it streamed until TCP pushed back */
   size_t grown = rss_growth(rss0);
-  print_message("never-reading client: %llu bytes written, RSS grew by %zu "
-                "KiB\n",
-                (unsigned long long)last, grown >> 10);
+  print_message("never-reading client, %d streams: %llu bytes written, RSS "
+                "grew by %zu KiB\n",
+                n_streams, (unsigned long long)last, grown >> 10);
   assert_true(grown < RSS_GROWTH_MAX);
 
   /* another client is served while the stream is stuck; the stuck call is
    * the one handler still holding work */
-  assert_int_equal(unary_ping(), 1);
+  assert_int_equal(unary_ping(), n_streams);
   st = stats();
-  assert_int_equal(st.calls_open, 1);
+  assert_int_equal(st.calls_open, (uint64_t)n_streams);
   grown = rss_growth(rss0);
   assert_true(grown < RSS_GROWTH_MAX);
 
   close(fd); /* unread data: the kernel resets the connection */
   expect_server_healthy();
+}
+
+static void test_client_never_reads(void **state) {
+  (void)state;
+  never_reads(1);
+}
+
+/* 50 streams x the 8 MiB per-call cap would be 400 MiB; the connection
+ * budget (32 MiB) keeps the total under RSS_GROWTH_MAX. */
+static void test_client_never_reads_many_streams(void **state) {
+  (void)state;
+  never_reads(50);
 }
 
 /* Request metadata over the 8 KiB limit: RESOURCE_EXHAUSTED, or a stream or
@@ -751,6 +764,7 @@ int main(void) {
       cmocka_unit_test(test_prefix_3mib_then_eos),
       cmocka_unit_test(test_rapid_reset),
       cmocka_unit_test(test_client_never_reads),
+      cmocka_unit_test(test_client_never_reads_many_streams),
       cmocka_unit_test(test_metadata_over_limit),
       cmocka_unit_test(test_not_grpc),
   };

@@ -68,6 +68,8 @@ typedef struct sp_rpc_status {
 /* A call may queue this many outgoing bytes before sends report SP_EAGAIN:
  * a client that does not read cannot make the server buffer without bound. */
 #define SP_RPC_DEFAULT_MAX_PENDING (8u << 20)
+/* ... and all calls of one connection together this many. */
+#define SP_RPC_DEFAULT_MAX_CONN_PENDING (32u << 20)
 
 /* One metadata entry; -bin values are raw bytes (base64 on the wire). */
 typedef struct sp_rpc_md {
@@ -121,6 +123,7 @@ typedef struct sp_rpc_server_opts {
   size_t max_metadata;     /* request header bytes; 0: default */
   uint32_t max_streams;    /* SETTINGS_MAX_CONCURRENT_STREAMS; 0: default */
   size_t max_pending;      /* queued outgoing bytes per call; 0: default */
+  size_t max_conn_pending; /* ... per connection, all calls; 0: default */
   uint32_t max_connections; /* 0: 65536 */
 } sp_rpc_server_opts;
 

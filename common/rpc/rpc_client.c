@@ -582,7 +582,7 @@ static int ccall_queue(sp_rpc_ccall *call, const uint8_t *data, size_t len,
   m->off = 0;
   sp_rpc_frame_prefix(m->data, (uint32_t)len);
   if (msg) protobuf_c_message_pack(msg, m->data + 5);
-  else if (len) memcpy(m->data + 5, data, len);
+  else if (len && data) memcpy(m->data + 5, data, len);
   if (call->q_tail) call->q_tail->next = m;
   else call->q_head = m;
   call->q_tail = m;

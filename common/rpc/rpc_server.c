@@ -42,7 +42,7 @@ struct sp_rpc_call {
   outmsg *q_head, *q_tail;
   size_t pending;
   void (*on_writable)(sp_rpc_call *);
-  bool want_writable;
+  bool want_writable, conn_blocked, notify_queued;
   uv_timer_t *timer;
   uint64_t deadline; /* uv_now() ms */
   void *user;
@@ -56,6 +56,8 @@ struct srv_conn {
   char peer[64];
   sp_rpc_call *calls;
   sp_rpc_call *notify; /* calls whose on_writable must run */
+  size_t pending;      /* bytes queued by all its calls */
+  bool any_blocked;    /* a call waits for `pending` to drain */
   srv_conn *next, *prev;
   /* in-memory connections only (sp_rpc_server_feed_bytes) */
   int (*feed_sink)(void *arg, const uint8_t *data, size_t len);
@@ -121,6 +123,7 @@ static void call_free(sp_rpc_call *call) {
       *pp = call->notify_next;
       break;
     }
+  c->pending -= call->pending;
   call_stop_timer(call);
   sp_rpc_mdlist_clear(&call->req_md);
   sp_rpc_mdlist_clear(&call->resp_md);
@@ -223,6 +226,34 @@ static int submit_headers(sp_rpc_call *call) {
   return 0;
 }
 
+/* Queues on_writable (run after nghttp2 returns, never inside it). */
+static void queue_notify(sp_rpc_call *call) {
+  if (call->notify_queued) return;
+  call->want_writable = false;
+  call->notify_queued = true;
+  call->notify_next = call->conn->notify;
+  call->conn->notify = call;
+}
+
+/* After bytes left the queues: wake the calls whose sends were refused,
+ * once both their own queue and the connection's have drained to half. */
+static void notify_drained(sp_rpc_call *call) {
+  srv_conn *c = call->conn;
+  const sp_rpc_server_opts *o = &c->srv->opts;
+  if (call->want_writable && !call->conn_blocked &&
+      call->pending <= o->max_pending / 2)
+    queue_notify(call);
+  if (c->any_blocked && c->pending <= o->max_conn_pending / 2) {
+    c->any_blocked = false;
+    for (sp_rpc_call *x = c->calls; x; x = x->next) {
+      if (!x->conn_blocked) continue;
+      x->conn_blocked = false;
+      if (x->want_writable && x->pending <= o->max_pending / 2)
+        queue_notify(x);
+    }
+  }
+}
+
 static ssize_t read_response(nghttp2_session *s, int32_t id, uint8_t *buf,
                              size_t length, uint32_t *flags,
                              nghttp2_data_source *src, void *ud) {
@@ -240,16 +271,11 @@ static ssize_t read_response(nghttp2_session *s, int32_t id, uint8_t *buf,
       call->q_head = m->next;
       if (call->q_head == NULL) call->q_tail = NULL;
       call->pending -= m->len;
+      call->conn->pending -= m->len;
       free(m);
     }
   }
-  if (call->want_writable &&
-      call->pending <= call->conn->srv->opts.max_pending / 2) {
-    /* run the handler's callback after nghttp2 returns, never inside it */
-    call->want_writable = false;
-    call->notify_next = call->conn->notify;
-    call->conn->notify = call;
-  }
+  notify_drained(call);
   if (out > 0) return (ssize_t)out;
   if (!call->finished) {
     call->deferred = true;
@@ -310,8 +336,20 @@ static int queue_bytes(sp_rpc_call *call, const uint8_t *data, size_t len,
        call->method->kind == SP_RPC_CLIENT_STREAMING) &&
       (call->headers_sent || call->q_head != NULL))
     return SP_ESTATE; /* one response only */
-  if (call->pending + len + 5 > srv->opts.max_pending && call->pending > 0) {
+  /* Two budgets: the call's, and the connection's, so a client that does
+   * not read cannot pin more than max_conn_pending however many streams it
+   * opens. An empty queue always takes one message. */
+  srv_conn *c = call->conn;
+  bool call_full = call->pending > 0 &&
+                   call->pending + len + 5 > srv->opts.max_pending;
+  bool conn_full = c->pending > 0 &&
+                   c->pending + len + 5 > srv->opts.max_conn_pending;
+  if (call_full || conn_full) {
     call->want_writable = call->on_writable != NULL;
+    if (conn_full) {
+      call->conn_blocked = true;
+      c->any_blocked = true;
+    }
     return SP_EAGAIN;
   }
   outmsg *m = malloc(sizeof *m + len + 5);
@@ -322,12 +360,13 @@ static int queue_bytes(sp_rpc_call *call, const uint8_t *data, size_t len,
   sp_rpc_frame_prefix(m->data, (uint32_t)len);
   if (msg != NULL)
     protobuf_c_message_pack(msg, m->data + 5);
-  else if (len)
+  else if (len && data)
     memcpy(m->data + 5, data, len);
   if (call->q_tail) call->q_tail->next = m;
   else call->q_head = m;
   call->q_tail = m;
   call->pending += m->len;
+  c->pending += m->len;
   int rc = submit_headers(call);
   if (rc != 0) return rc;
   call_kick(call);
@@ -681,6 +720,7 @@ static void conn_after_send(sp_h2conn *io) {
     sp_rpc_call *call = c->notify;
     c->notify = call->notify_next;
     call->notify_next = NULL;
+    call->notify_queued = false;
     if (call->on_writable != NULL && !call->released) call->on_writable(call);
   }
 }
@@ -843,6 +883,8 @@ int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
     srv->opts.max_metadata = SP_RPC_DEFAULT_MAX_METADATA;
   if (!srv->opts.max_streams) srv->opts.max_streams = SP_RPC_DEFAULT_MAX_STREAMS;
   if (!srv->opts.max_pending) srv->opts.max_pending = SP_RPC_DEFAULT_MAX_PENDING;
+  if (!srv->opts.max_conn_pending)
+    srv->opts.max_conn_pending = SP_RPC_DEFAULT_MAX_CONN_PENDING;
   if (!srv->opts.max_connections) srv->opts.max_connections = 65536;
   srv->paths = sp_strmap_new(32);
   if (srv->paths == NULL) {

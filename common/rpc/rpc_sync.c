@@ -48,7 +48,10 @@ int sp_rpc_sync_open(const char *addr, uint64_t connect_timeout_ms,
 void sp_rpc_sync_close(sp_rpc_sync *s) {
   if (s == NULL) return;
   sp_rpc_client_close(s->cl, NULL, NULL);
-  uv_run(&s->loop, UV_RUN_DEFAULT);
+  /* a wake-up (uv_stop) left by a callback that ran outside uv_run (a
+   * stream that its own cancel closed at once) ends one uv_run early */
+  while (uv_run(&s->loop, UV_RUN_DEFAULT) != 0) {
+  }
   uv_loop_close(&s->loop);
   free(s);
 }

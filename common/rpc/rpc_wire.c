@@ -1,5 +1,9 @@
 #include "rpc_wire.h"
 
+/* First allocation for a message split across DATA frames; it doubles as
+ * bytes arrive, up to the announced size. */
+#define SP_RPC_DEFRAME_CHUNK (64u << 10)
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -285,13 +289,24 @@ int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
         len -= n;
         continue;
       }
+      /* Memory follows the bytes that actually arrived, not the size a
+       * prefix announces: six bytes must not reserve 4 MiB. */
       free(d->buf);
-      d->buf = malloc(n ? n : 1);
+      d->cap = n < SP_RPC_DEFRAME_CHUNK ? (n ? n : 1) : SP_RPC_DEFRAME_CHUNK;
+      d->buf = malloc(d->cap);
       if (d->buf == NULL) return SP_ENOMEM;
       continue;
     }
     size_t take = d->need - d->have;
     if (take > len) take = len;
+    if (d->have + take > d->cap) {
+      size_t cap = d->cap;
+      while (cap < d->have + take) cap = cap * 2 < d->need ? cap * 2 : d->need;
+      uint8_t *b = realloc(d->buf, cap);
+      if (b == NULL) return SP_ENOMEM;
+      d->buf = b;
+      d->cap = cap;
+    }
     memcpy(d->buf + d->have, data, take);
     d->have += take;
     data += take;

@@ -61,7 +61,7 @@ typedef struct sp_rpc_deframer {
   uint8_t hdr[5];
   size_t hdr_have;
   uint8_t *buf;
-  size_t need, have;
+  size_t need, have, cap;
   bool in_body;
   size_t max;
 } sp_rpc_deframer;
