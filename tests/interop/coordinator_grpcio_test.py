@@ -31,7 +31,7 @@ class Coordinator:
             argv += ["--heartbeat-timeout-ms", str(timeout_ms)]
         self.child = iu.Child(argv, "shardplane-coordinator")
         addr = self.child.wait_line("listening on ", T).split()[-1]
-        self.grpc, self.pb = grpc, pb
+        self.grpc, self.pb, self.addr = grpc, pb, addr
         self.channel = grpc.insecure_channel(addr)
         grpc.channel_ready_future(self.channel).result(timeout=T)
 
@@ -241,6 +241,43 @@ def main():
         finally:
             c.stop()
 
+    def refuses_to_start():
+        import subprocess
+
+        def start(*argv):
+            p = subprocess.run([args.coordinator, "--listen", "127.0.0.1:0",
+                                *argv], capture_output=True, text=True,
+                               timeout=T)
+            return p.returncode, p.stderr
+        rc, err = start("--model", os.path.join(args.data, "nope.json"))
+        check_eq(rc, 1, "missing spec exit")
+        check("nope.json" in err, err)
+        rc, err = start("--model", gpt2, "--world-size", "0")
+        check_eq(rc, 2, "world size 0 is bad usage")
+        check("--world-size" in err, err)
+        rc, err = start("--model", gpt2, "--wrap-type", "NoSuchBlock")
+        check_eq(rc, 1, "unknown wrap target exit")
+        check("NoSuchBlock" in err, err)
+        rc, err = start("--model", gpt2, "--world-size", "6", "--strategy",
+                        "HYBRID_SHARD", "--shard-group-size", "4")
+        check_eq(rc, 1, "impossible hybrid job exit")
+        check("shard_group_size" in err, err)
+        rc, err = start()
+        check_eq(rc, 2, "no model is bad usage")
+        # a port in use
+        c = Coordinator(grpc, pb, args.coordinator, gpt2)
+        try:
+            port = c.addr.rsplit(":", 1)[1]
+            p = subprocess.run([args.coordinator, "--listen",
+                                "127.0.0.1:" + port, "--model", gpt2],
+                               capture_output=True, text=True, timeout=T)
+            check_eq(p.returncode, 1, "port in use exit")
+            check("address already in use" in p.stderr, p.stderr)
+        finally:
+            c.stop()
+
+    run.case("refuses to start: bad spec, bad job, port in use",
+             refuses_to_start)
     run.case("plan and model queries", plan_and_queries)
     run.case("buffer dtypes keyed by FQN", buffers_by_fqn)
     run.case("attach rules and transitions", ranks_and_transitions)
