@@ -236,7 +236,7 @@ int sp_state_tracker_init(sp_state_tracker *t, size_t n_units, sp_diag *d) {
                        n_units, SP_STATE_MAX_UNITS);
   }
   if (n_units == 0) return 0;
-  int *units = malloc(n_units * sizeof *units);
+  uint8_t *units = malloc(n_units * sizeof *units);
   if (units == NULL) {
     return sp_diag_set(d, SP_ENOMEM, "cannot allocate states for %zu units",
                        n_units);
@@ -276,12 +276,15 @@ int sp_state_tracker_apply(sp_state_tracker *t, sp_machine m, size_t unit,
     return sp_diag_set(d, SP_EINVAL, "invalid %s state %d", sp_machine_name(m),
                        to);
   }
-  int *slot = m == SP_MACHINE_ROOT ? &t->root : &t->units[unit];
-  if (!sp_state_transition_legal(m, *slot, to)) {
-    int rc = sp_state_transition_error(d, m, *slot, to);
+  int from = m == SP_MACHINE_ROOT ? t->root : t->units[unit];
+  if (!sp_state_transition_legal(m, from, to)) {
+    int rc = sp_state_transition_error(d, m, from, to);
     if (m == SP_MACHINE_HANDLE) rc = sp_diag_prefix(d, rc, "unit %zu", unit);
     return rc;
   }
-  *slot = to;
+  if (m == SP_MACHINE_ROOT)
+    t->root = to;
+  else
+    t->units[unit] = (uint8_t)to;
   return 0;
 }

@@ -16,6 +16,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "sp_error.h"
 
@@ -114,7 +115,9 @@ int sp_state_transition_error(sp_diag *d, sp_machine m, int from, int to);
 typedef struct sp_state_tracker {
   int root;      /* sp_root_state */
   size_t n_units;
-  int *units;    /* n_units sp_handle_state values; NULL when n_units is 0 */
+  /* n_units sp_handle_state values (one byte each: a coordinator keeps one
+   * tracker per rank, thousands of them); NULL when n_units is 0 */
+  uint8_t *units;
 } sp_state_tracker;
 
 /* Every state starts IDLE (as _init_core_state and FlatParamHandle.__init__

@@ -106,6 +106,16 @@ static void broadcast_abort(sp_coord *c, uint32_t lost, const char *why) {
       sp_rpc_call_send(c->ranks[r].session, &d.base);
 }
 
+/* The coordinator ends a rank's Session stream itself. A finished call gets
+ * no further callback (neither on_half_close nor on_cancel), so its context
+ * goes here rather than in session_ended. */
+static void session_finish(sp_rpc_call *s, int code, const char *msg) {
+  session_ctx *ctx = sp_rpc_call_user(s);
+  sp_rpc_call_set_user(s, NULL);
+  free(ctx);
+  sp_rpc_call_finish(s, code, msg);
+}
+
 static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
   sp_coord_rank *k = &c->ranks[rank];
   if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) return;
@@ -115,9 +125,9 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
   if (k->session != NULL) {
     sp_rpc_call *s = k->session;
     k->session = NULL;
-    session_ctx *ctx = sp_rpc_call_user(s);
-    if (ctx) ctx->bound = false;
-    sp_rpc_call_finishf(s, SP_RPC_ABORTED, "rank %u marked lost: %s", rank, why);
+    char msg[SP_RPC_STATUS_MESSAGE_MAX];
+    snprintf(msg, sizeof msg, "rank %u marked lost: %s", rank, why);
+    session_finish(s, SP_RPC_ABORTED, msg);
   }
   if (!c->shutting_down) broadcast_abort(c, rank, "was lost");
 }
@@ -125,6 +135,7 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
 static void on_heartbeat_check(uv_timer_t *t) {
   sp_coord *c = t->data;
   uint64_t now = sp_coord_now_ms(c);
+
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];
     if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED &&
@@ -287,9 +298,7 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (k->session != NULL) {
     sp_rpc_call *s = k->session;
     k->session = NULL;
-    session_ctx *ctx = sp_rpc_call_user(s);
-    if (ctx) ctx->bound = false;
-    sp_rpc_call_finish(s, SP_RPC_OK, "detached");
+    session_finish(s, SP_RPC_OK, "detached");
   }
   Shardplane__V1__DetachResponse r = SHARDPLANE__V1__DETACH_RESPONSE__INIT;
   sp_rpc_call_send(call, &r.base);
@@ -354,10 +363,8 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     sp_coord_rank *k = &c->ranks[q->rank];
     if (k->session != NULL && k->session != call) {
       /* a newer stream of the same session wins (reconnect) */
-      sp_rpc_call *old = k->session;
-      session_ctx *octx = sp_rpc_call_user(old);
-      if (octx) octx->bound = false;
-      sp_rpc_call_finish(old, SP_RPC_ABORTED, "superseded by a newer session stream");
+      session_finish(k->session, SP_RPC_ABORTED,
+                     "superseded by a newer session stream");
     }
     k->session = call;
   }
@@ -534,9 +541,7 @@ void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed) {
     if (k->session != NULL) {
       sp_rpc_call *s = k->session;
       k->session = NULL;
-      session_ctx *ctx = sp_rpc_call_user(s);
-      if (ctx) ctx->bound = false;
-      sp_rpc_call_finish(s, SP_RPC_UNAVAILABLE, "coordinator shutting down");
+      session_finish(s, SP_RPC_UNAVAILABLE, "coordinator shutting down");
     }
   }
   if (c->heartbeat_started) {

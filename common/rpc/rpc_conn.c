@@ -42,17 +42,22 @@ void sp_h2conn_close(sp_h2conn *c) {
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   (void)suggested;
   sp_h2conn *c = h->data;
-  /* reuse the connection's spare buffer; a second one only if it is in use */
-  buf->base = (char *)c->rbuf;
-  c->rbuf = NULL;
+  /* reuse the spare buffer; a second one only if it is in use */
+  uint8_t **spare = c->shared != NULL ? &c->shared->rbuf : &c->rbuf;
+  buf->base = (char *)*spare;
+  *spare = NULL;
   if (buf->base == NULL) buf->base = malloc(SP_H2_READ_BUF);
   buf->len = buf->base ? SP_H2_READ_BUF : 0;
 }
 
 /* Keeps a read buffer as the spare, or frees it if there is one already. */
 static void read_buf_done(sp_h2conn *c, char *base) {
-  if (c->rbuf == NULL && !c->closing) c->rbuf = (uint8_t *)base;
-  else free(base);
+  if (c->shared != NULL && c->shared->rbuf == NULL)
+    c->shared->rbuf = (uint8_t *)base;
+  else if (c->shared == NULL && c->rbuf == NULL && !c->closing)
+    c->rbuf = (uint8_t *)base;
+  else
+    free(base);
 }
 
 void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
@@ -104,8 +109,31 @@ void sp_h2conn_flush(sp_h2conn *c) {
   if (c->on_after_send && !c->closing) c->on_after_send(c);
 }
 
+/* Takes the shared write buffer when this connection holds none. */
+static void wbuf_take(sp_h2conn *c) {
+  if (c->wbuf != NULL || c->shared == NULL || c->shared->wbuf == NULL) return;
+  c->wbuf = c->shared->wbuf;
+  c->wcap = c->shared->wcap;
+  c->shared->wbuf = NULL;
+  c->shared->wcap = 0;
+}
+
+/* Idle with a shared slot: gives a write buffer back, or frees it. */
+static void wbuf_put(sp_h2conn *c, uint8_t **buf, size_t *cap) {
+  if (c->shared == NULL || *buf == NULL) return;
+  if (c->shared->wbuf == NULL) {
+    c->shared->wbuf = *buf;
+    c->shared->wcap = *cap;
+  } else {
+    free(*buf);
+  }
+  *buf = NULL;
+  *cap = 0;
+}
+
 static void flush_once(sp_h2conn *c) {
   if (c->closing || c->writing || c->h2 == NULL) return;
+  wbuf_take(c);
 again:
   while (c->wlen < SP_H2_WRITE_CHUNK) {
     const uint8_t *p;
@@ -175,6 +203,9 @@ again:
     c->writing = true;
     return;
   }
+  /* everything went out: an idle connection keeps no write buffer */
+  wbuf_put(c, &c->wbuf, &c->wcap);
+  wbuf_put(c, &c->wfly, &c->wfly_cap);
   if (!nghttp2_session_want_read(c->h2) && !nghttp2_session_want_write(c->h2))
     sp_h2conn_close(c);
 }

@@ -17,6 +17,17 @@
 
 typedef struct sp_h2conn sp_h2conn;
 
+/* Buffers an owner shares among its connections: reads and flushes run one
+ * at a time on a loop, so one spare of each serves them all and an idle
+ * connection holds neither (a server with a thousand connections would
+ * otherwise keep a thousand of each). A connection that finds a slot empty
+ * (its buffer is in use further up the stack) allocates its own. */
+typedef struct sp_h2shared {
+  uint8_t *rbuf;
+  uint8_t *wbuf;
+  size_t wcap;
+} sp_h2shared;
+
 struct sp_h2conn {
   uv_tcp_t tcp; /* tcp.data points back to this struct */
   nghttp2_session *h2;
@@ -25,6 +36,7 @@ struct sp_h2conn {
   /* A read buffer kept between reads: a 64 KiB malloc and free per read
    * made glibc consolidate its small-chunk bins every time. */
   uint8_t *rbuf;
+  sp_h2shared *shared; /* NULL: this connection keeps its own buffers */
   uv_write_t wreq;
   bool writing, closing, reading;
   bool in_h2; /* inside mem_recv/mem_send: nghttp2 forbids re-entry */

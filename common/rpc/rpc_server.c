@@ -87,6 +87,7 @@ struct sp_rpc_server {
   void (*shutdown_done)(sp_rpc_server *, void *);
   void *shutdown_arg;
   sp_rpc_health_state health;
+  sp_h2shared shared; /* the I/O buffers all connections share */
 };
 
 static void conn_flush(srv_conn *c);
@@ -762,6 +763,12 @@ static int session_new(srv_conn *c) {
     return SP_ENOMEM;
   }
   nghttp2_option_set_max_send_header_block_length(opt, 64u << 10);
+  /* nghttp2 otherwise keeps up to max_streams closed streams per
+   * connection for the priority tree (RFC 9113 deprecated priorities;
+   * gRPC sends none): ~220 bytes each, on every long-lived connection.
+   * Frames for a stream closed on both sides are then ignored rather than
+   * answered with a connection error. */
+  nghttp2_option_set_no_closed_streams(opt, 1);
   int rv = nghttp2_session_server_new2(&c->io.h2, cb, c, opt);
   nghttp2_option_del(opt);
   nghttp2_session_callbacks_del(cb);
@@ -788,6 +795,7 @@ static srv_conn *conn_new(sp_rpc_server *srv) {
     return NULL;
   }
   c->srv = srv;
+  c->io.shared = &srv->shared;
   c->id = ++srv->next_conn_id;
   c->io.on_closed = conn_closed;
   c->io.on_after_send = conn_after_send;
@@ -1030,6 +1038,8 @@ void sp_rpc_server_free(sp_rpc_server *srv) {
   sp_rpc_health_free(&srv->health);
   sp_strmap_free(srv->paths);
   free(srv->methods);
+  free(srv->shared.rbuf);
+  free(srv->shared.wbuf);
   free(srv);
 }
 
