@@ -142,7 +142,7 @@ static void test_summon_enter_exit(void **state) {
 static void expect_reject(sp_state_tracker *t, sp_machine m, size_t unit,
                           int to, const char *msg) {
   int root = t->root;
-  int units[N_UNITS];
+  uint8_t units[N_UNITS];
   assert_true(t->n_units <= N_UNITS);
   memcpy(units, t->units, t->n_units * sizeof *units);
   sp_diag d = {{0}};
