@@ -45,23 +45,12 @@ static void arena_free(arena *a) {
   free(a->p);
 }
 
-/* Sends msg and finishes OK, or reports why it could not. */
+/* Answers with msg unless building it ran out of memory. */
 static void reply(sp_rpc_call *call, arena *a, const ProtobufCMessage *msg) {
-  if (a->failed) {
+  if (a->failed)
     sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
-    return;
-  }
-  int rc = sp_rpc_call_send(call, msg);
-  if (rc == SP_ETOOBIG)
-    sp_rpc_call_finishf(call, SP_RPC_RESOURCE_EXHAUSTED,
-                        "answer of %zu bytes is over the message limit; "
-                        "ask for one rank or unit, or page",
-                        protobuf_c_message_get_packed_size(msg));
-  else if (rc != 0)
-    sp_rpc_call_finishf(call, SP_RPC_INTERNAL, "send failed: %s",
-                        sp_strerror(rc));
   else
-    sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+    sp_rpc_call_reply(call, msg);
 }
 
 static sp_coord *coord_of(sp_rpc_call *call) {

@@ -270,8 +270,7 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.plan_version = (char *)pl->version_hex;
   r.heartbeat_interval_ms = c->cfg.heartbeat_interval_ms;
   r.heartbeat_timeout_ms = c->cfg.heartbeat_timeout_ms;
-  sp_rpc_call_send(call, &r.base);
-  sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+  sp_rpc_call_reply(call, &r.base);
   char what[400];
   snprintf(what, sizeof what, "%s from %s pid %u device %s",
            reattach ? "reattached" : "attached", k->host, k->pid, k->device);
@@ -301,8 +300,7 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
     session_finish(s, SP_RPC_OK, "detached");
   }
   Shardplane__V1__DetachResponse r = SHARDPLANE__V1__DETACH_RESPONSE__INIT;
-  sp_rpc_call_send(call, &r.base);
-  sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+  sp_rpc_call_reply(call, &r.base);
   sp_coord_log(c, "rank %u detached", q->rank);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
                    "detached", NULL);
@@ -331,8 +329,7 @@ static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   Shardplane__V1__ReportTransitionResponse r =
       SHARDPLANE__V1__REPORT_TRANSITION_RESPONSE__INIT;
-  sp_rpc_call_send(call, &r.base);
-  sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+  sp_rpc_call_reply(call, &r.base);
 }
 
 /* ---- Session stream ---- */
@@ -481,13 +478,7 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
     }
     r.n_ranks = w;
     r.ranks = ptrs;
-    int rc = sp_rpc_call_send(call, &r.base);
-    if (rc == SP_ETOOBIG)
-      sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED,
-                         "too many ranks for one answer with unit states; "
-                         "ask without them");
-    else
-      sp_rpc_call_finish(call, rc == 0 ? SP_RPC_OK : SP_RPC_INTERNAL, NULL);
+    sp_rpc_call_reply(call, &r.base);
   }
   free(infos);
   free(ptrs);

@@ -81,20 +81,6 @@ static sp_coord *coord_of(sp_rpc_call *call) {
   return sp_rpc_call_method_user(call);
 }
 
-/* Sends msg and finishes OK, or reports why it could not. */
-static void reply(sp_rpc_call *call, const ProtobufCMessage *msg) {
-  int rc = sp_rpc_call_send(call, msg);
-  if (rc == SP_ETOOBIG)
-    sp_rpc_call_finishf(call, SP_RPC_RESOURCE_EXHAUSTED,
-                        "answer of %zu bytes is over the message limit",
-                        protobuf_c_message_get_packed_size(msg));
-  else if (rc != 0)
-    sp_rpc_call_finishf(call, SP_RPC_INTERNAL, "send failed: %s",
-                        sp_strerror(rc));
-  else
-    sp_rpc_call_finish(call, SP_RPC_OK, NULL);
-}
-
 /* Maps a store error (sizes were checked before, so SP_ETOOBIG here means
  * the store as a whole is full). */
 static void fail(sp_rpc_call *call, int rc, const char *key) {
@@ -185,7 +171,7 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
-  reply(call, &r.base);
+  sp_rpc_call_reply(call, &r.base);
 }
 
 /* ---- StoreGet --------------------------------------------------------- */
@@ -196,7 +182,7 @@ static void answer_get(sp_rpc_call *call, const uint8_t *v, size_t n,
   r.found = true;
   r.value = bytes_of(v, n);
   r.version = version;
-  reply(call, &r.base);
+  sp_rpc_call_reply(call, &r.base);
 }
 
 static void get_ready(void *arg) {
@@ -252,7 +238,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (!q->wait) {
     Shardplane__V1__StoreGetResponse r =
         SHARDPLANE__V1__STORE_GET_RESPONSE__INIT;
-    reply(call, &r.base);
+    sp_rpc_call_reply(call, &r.base);
     return;
   }
   if (refuse_if_stopping(call)) return;
@@ -287,7 +273,7 @@ static void wait_ready(void *arg) {
   sp_rpc_call_set_user(r->call, NULL);
   Shardplane__V1__StoreWaitResponse resp =
       SHARDPLANE__V1__STORE_WAIT_RESPONSE__INIT;
-  reply(r->call, &resp.base);
+  sp_rpc_call_reply(r->call, &resp.base);
   free(r);
 }
 
@@ -313,7 +299,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__StoreWaitResponse resp =
       SHARDPLANE__V1__STORE_WAIT_RESPONSE__INIT;
   if (n == 0) { /* every one of no keys exists */
-    reply(call, &resp.base);
+    sp_rpc_call_reply(call, &resp.base);
     return;
   }
   size_t *klens = malloc(n * sizeof *klens);
@@ -338,7 +324,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
         return;
       }
     free(klens);
-    reply(call, &resp.base);
+    sp_rpc_call_reply(call, &resp.base);
     return;
   }
   store_wait *r = malloc(sizeof *r);
@@ -354,7 +340,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(klens);
   if (rc == 1) { /* all there already */
     free(r);
-    reply(call, &resp.base);
+    sp_rpc_call_reply(call, &resp.base);
     return;
   }
   if (rc != 0) {
@@ -398,7 +384,7 @@ static void on_add(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
-  reply(call, &r.base);
+  sp_rpc_call_reply(call, &r.base);
 }
 
 /* ---- StoreCompareSet -------------------------------------------------- */
@@ -436,7 +422,7 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.swapped = swapped;
   r.found = found;
   r.value = bytes_of(v, n);
-  reply(call, &r.base);
+  sp_rpc_call_reply(call, &r.base);
 }
 
 /* ---- StoreDelete ------------------------------------------------------ */
@@ -459,7 +445,7 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
     return;
   }
   r.deleted = deleted;
-  reply(call, &r.base);
+  sp_rpc_call_reply(call, &r.base);
 }
 
 /* ---- registration ----------------------------------------------------- */

@@ -177,6 +177,12 @@ void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s);
 int sp_rpc_call_send(sp_rpc_call *call, const ProtobufCMessage *msg);
 int sp_rpc_call_send_raw(sp_rpc_call *call, const uint8_t *data, size_t len);
 
+/* Sends the one response of a unary-response call and finishes it OK; if
+ * the message cannot be sent, finishes with RESOURCE_EXHAUSTED (over the
+ * send limit: the handler should page) or INTERNAL instead. Returns what
+ * sp_rpc_call_send returned. The call is invalid afterwards either way. */
+int sp_rpc_call_reply(sp_rpc_call *call, const ProtobufCMessage *msg);
+
 /* Ends the call with a status; message may be NULL. Queued messages are
  * sent first, then the trailers. The call is invalid afterwards. */
 int sp_rpc_call_finish(sp_rpc_call *call, int code, const char *message);

@@ -385,6 +385,20 @@ int sp_rpc_call_send_raw(sp_rpc_call *call, const uint8_t *data, size_t len) {
   return queue_bytes(call, data, len, NULL);
 }
 
+int sp_rpc_call_reply(sp_rpc_call *call, const ProtobufCMessage *msg) {
+  int rc = sp_rpc_call_send(call, msg);
+  if (rc == SP_ETOOBIG)
+    sp_rpc_call_finishf(call, SP_RPC_RESOURCE_EXHAUSTED,
+                        "answer of %zu bytes is over the message limit",
+                        protobuf_c_message_get_packed_size(msg));
+  else if (rc != 0)
+    sp_rpc_call_finishf(call, SP_RPC_INTERNAL, "send failed: %s",
+                        sp_strerror(rc));
+  else
+    sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+  return rc;
+}
+
 int sp_rpc_call_finish(sp_rpc_call *call, int code, const char *message) {
   if (call == NULL || code < 0 || code > 16) return SP_EINVAL;
   if (call->released || call->finished) return SP_ESTATE;
