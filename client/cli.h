@@ -63,6 +63,7 @@ struct sp_rpc_sync;
 typedef struct sp_remote {
   const char *cmd;     /* subcommand, first word of every message */
   const char *addr;    /* "host:port" */
+  bool addr_from_env;  /* addr came from $SHARDPLANE_COORDINATOR */
   uint64_t timeout_ms; /* per call */
   bool json;
   struct sp_rpc_sync *rpc; /* open after sp_remote_connect */

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static sp_dtype dtype_of(int v) {
+sp_dtype sp_wire_dtype(int v) {
   return sp_dtype_valid((sp_dtype)v) ? (sp_dtype)v : SP_DTYPE_INVALID;
 }
 
@@ -34,9 +34,9 @@ int sp_wire_job(const Shardplane__V1__Job *m, sp_job *job) {
   const Shardplane__V1__MixedPrecision *mp = m->mixed_precision;
   if (mp != NULL) {
     job->mp.enabled = mp->enabled;
-    job->mp.param_dtype = dtype_of(mp->param_dtype);
-    job->mp.reduce_dtype = dtype_of(mp->reduce_dtype);
-    job->mp.buffer_dtype = dtype_of(mp->buffer_dtype);
+    job->mp.param_dtype = sp_wire_dtype(mp->param_dtype);
+    job->mp.reduce_dtype = sp_wire_dtype(mp->reduce_dtype);
+    job->mp.buffer_dtype = sp_wire_dtype(mp->buffer_dtype);
     job->mp.keep_low_precision_grads = mp->keep_low_precision_grads;
     for (size_t i = 0; i < mp->n_full_precision_types && rc == 0; i++)
       rc = sp_strlist_add(&job->mp.full_precision_types,
@@ -72,7 +72,8 @@ static int fill_units(sp_wire_plan *wp, sp_diag *diag) {
       return sp_diag_set(diag, SP_EFORMAT, "unit %zu has parent %d", u,
                          x->parent);
     n_entries += x->n_entries;
-    for (size_t e = 0; e < x->n_entries; e++) n_params += !x->entries[e]->padding;
+    for (size_t e = 0; e < x->n_entries; e++)
+      n_params += !x->entries[e]->padding;
   }
   md->modules = calloc(m->n_units, sizeof *md->modules);
   pl->units = calloc(m->n_units, sizeof *pl->units);
@@ -95,15 +96,15 @@ static int fill_units(sp_wire_plan *wp, sp_diag *diag) {
     su->parent = x->parent;
     su->first_entry = pl->n_entries;
     su->n_entries = x->n_entries;
-    su->dtype = dtype_of(x->dtype);
+    su->dtype = sp_wire_dtype(x->dtype);
     su->requires_grad = x->requires_grad;
     su->numel = x->numel;
     su->shard_numel = x->shard_numel;
     su->full_precision = x->full_precision;
     su->mixed_precision = x->mixed_precision;
-    su->param_dtype = dtype_of(x->param_dtype);
-    su->reduce_dtype = dtype_of(x->reduce_dtype);
-    su->buffer_dtype = dtype_of(x->buffer_dtype);
+    su->param_dtype = sp_wire_dtype(x->param_dtype);
+    su->reduce_dtype = sp_wire_dtype(x->reduce_dtype);
+    su->buffer_dtype = sp_wire_dtype(x->buffer_dtype);
     su->keep_low_precision_grads = x->keep_low_precision_grads;
     if (x->numel < 0 || x->shard_numel < 0)
       return sp_diag_set(diag, SP_EFORMAT, "unit %zu has a negative size", u);
@@ -150,18 +151,19 @@ static int fill_buffers(sp_wire_plan *wp, sp_diag *diag) {
   for (size_t i = 0; i < m->n_buffers; i++) {
     const Shardplane__V1__BufferInfo *b = m->buffers[i];
     sp_tensor_spec *t = &md->buffers[i];
-    if (copy_shape(b->shape, b->n_shape, t) != 0 || b->owner_unit >= pl->n_units)
+    if (copy_shape(b->shape, b->n_shape, t) != 0 ||
+        b->owner_unit >= pl->n_units)
       return sp_diag_set(diag, SP_EFORMAT, "buffer \"%.200s\" is malformed",
                          b->fqn);
     t->fqn = b->fqn;
     t->local_name = local_name(b->fqn);
     t->module = (int32_t)b->owner_unit;
-    t->dtype = dtype_of(b->original_dtype);
+    t->dtype = sp_wire_dtype(b->original_dtype);
     t->flag = b->persistent;
     t->numel = 1;
     for (size_t d = 0; d < b->n_shape; d++) t->numel *= b->shape[d];
     pl->buffers[i] = (sp_plan_buffer){(int32_t)i, t->dtype,
-                                      dtype_of(b->compute_dtype),
+                                      sp_wire_dtype(b->compute_dtype),
                                       (int32_t)b->owner_unit, b->persistent};
   }
   md->n_buffers = pl->n_buffers = m->n_buffers;
@@ -181,9 +183,10 @@ static int fill_aliases(sp_wire_plan *wp, sp_diag *diag) {
       if (strcmp(wp->model.params[p].fqn, al->flattened_as) == 0)
         param = (int32_t)p;
     if (param < 0)
-      return sp_diag_set(diag, SP_EFORMAT, "\"%.200s\" is shared with \"%.200s\""
-                         ", which is not in the plan", al->fqn,
-                         al->flattened_as);
+      return sp_diag_set(diag, SP_EFORMAT,
+                         "\"%.200s\" is shared with \"%.200s\""
+                         ", which is not in the plan",
+                         al->fqn, al->flattened_as);
     pl->aliases[pl->n_aliases++] = (sp_plan_alias){al->fqn, param};
   }
   return 0;

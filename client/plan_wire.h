@@ -28,6 +28,10 @@ int sp_wire_plan_new(Shardplane__V1__Plan *msg, sp_wire_plan **out,
                      sp_diag *diag);
 void sp_wire_plan_free(sp_wire_plan *wp);
 
+/* A wire DType as sp_dtype (the numbers are equal); SP_DTYPE_INVALID for
+ * values this build does not know. */
+sp_dtype sp_wire_dtype(int v);
+
 /* Copies a Job message into job (initialised by the caller). SP_ENOMEM,
  * SP_ETOOBIG. */
 int sp_wire_job(const Shardplane__V1__Job *m, sp_job *job);

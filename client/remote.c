@@ -39,10 +39,10 @@
 
 void sp_remote_init(sp_remote *r, const char *cmd) {
   const char *env = getenv(SP_COORDINATOR_ENV);
+  bool from_env = env != NULL && env[0] != '\0';
   *r = (sp_remote){.cmd = cmd,
-                   .addr = env != NULL && env[0] != '\0'
-                               ? env
-                               : SP_DEFAULT_COORDINATOR,
+                   .addr = from_env ? env : SP_DEFAULT_COORDINATOR,
+                   .addr_from_env = from_env,
                    .timeout_ms = SP_DEFAULT_TIMEOUT_MS};
 }
 
@@ -51,6 +51,7 @@ int sp_remote_option(sp_remote *r, int c, const char *arg) {
   switch (c) {
   case SP_OPT_COORDINATOR:
     r->addr = arg;
+    r->addr_from_env = false;
     return 1;
   case SP_OPT_TIMEOUT:
     if (sp_cli_parse_uint(arg, 86400000, &v) != 0 || v == 0) {
@@ -63,6 +64,12 @@ int sp_remote_option(sp_remote *r, int c, const char *arg) {
   default:
     return 0;
   }
+}
+
+/* The proto name of an enum value ("RANK_ATTACHED"), "UNKNOWN" if none. */
+static const char *enum_name(const ProtobufCEnumDescriptor *d, int v) {
+  const ProtobufCEnumValue *ev = protobuf_c_enum_descriptor_get_value(d, v);
+  return ev != NULL ? ev->name : "UNKNOWN";
 }
 
 static void remote_close(sp_remote *r) {
@@ -96,13 +103,18 @@ static int remote_connect(sp_remote *r) {
   char host[256];
   int port;
   if (sp_rpc_split_addr(r->addr, host, sizeof host, &port) != 0) {
-    sp_cli_error(r->cmd, "--coordinator: expected HOST:PORT, got \"%s\"",
+    sp_cli_error(r->cmd, "%s: expected HOST:PORT, got \"%s\"",
+                 r->addr_from_env ? "$" SP_COORDINATOR_ENV : "--coordinator",
                  r->addr);
     return SP_EXIT_USAGE;
   }
-  if (sp_rpc_sync_open(r->addr, r->timeout_ms, &r->rpc) != 0) {
-    sp_cli_error(r->cmd, "cannot resolve the coordinator address %s",
-                 r->addr);
+  int rc = sp_rpc_sync_open(r->addr, r->timeout_ms, &r->rpc);
+  if (rc != 0) {
+    /* the address parsed, so SP_EINVAL is a host name that does not
+     * resolve */
+    sp_cli_error(r->cmd, "cannot reach the coordinator at %s: %s", r->addr,
+                 rc == SP_EINVAL ? "the host name does not resolve"
+                                 : sp_strerror(rc));
     return SP_EXIT_UNREACHABLE;
   }
   Grpc__Health__V1__HealthCheckRequest q =
@@ -113,9 +125,13 @@ static int remote_connect(sp_remote *r) {
   /* The grace lets the connect loop (bounded by timeout_ms) end first and
    * report its last error, "connection refused", rather than a bare
    * deadline; an address that never answers still ends at the deadline. */
-  sp_rpc_sync_unary(r->rpc, "/grpc.health.v1.Health/Check", &q.base,
-                    &grpc__health__v1__health_check_response__descriptor,
-                    r->timeout_ms + PROBE_GRACE_MS, &m, &st);
+  rc = sp_rpc_sync_unary(r->rpc, "/grpc.health.v1.Health/Check", &q.base,
+                         &grpc__health__v1__health_check_response__descriptor,
+                         r->timeout_ms + PROBE_GRACE_MS, &m, &st);
+  if (rc != 0) {
+    sp_cli_error(r->cmd, "cannot call the coordinator: %s", sp_strerror(rc));
+    return SP_EXIT_FAILURE;
+  }
   int serving = -1;
   if (st.code == SP_RPC_OK) {
     serving = ((Grpc__Health__V1__HealthCheckResponse *)m)->status;
@@ -123,16 +139,14 @@ static int remote_connect(sp_remote *r) {
   }
   switch (st.code) {
   case SP_RPC_OK:
-    if (serving == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING)
+    if (serving ==
+        GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING)
       return SP_EXIT_OK;
-    sp_cli_error(r->cmd, "the coordinator at %s is not serving (%s)", r->addr,
-                 protobuf_c_enum_descriptor_get_value(
-                     &grpc__health__v1__health_check_response__serving_status__descriptor,
-                     serving)
-                     ? protobuf_c_enum_descriptor_get_value(
-                           &grpc__health__v1__health_check_response__serving_status__descriptor,
-                           serving)->name
-                     : "unknown status");
+    sp_cli_error(
+        r->cmd, "the coordinator at %s is not serving (%s)", r->addr,
+        enum_name(
+            &grpc__health__v1__health_check_response__serving_status__descriptor,
+            serving));
     return SP_EXIT_UNREACHABLE;
   case SP_RPC_UNIMPLEMENTED:
     /* a gRPC server without health checking: the real call will tell */
@@ -192,7 +206,9 @@ static void free_msg(void *m) {
 static int finish(sp_remote *r, int exit_code) {
   remote_close(r);
   if (fflush(stdout) != 0 && exit_code == SP_EXIT_OK) {
-    sp_cli_error(r->cmd, "cannot write the output: %s", strerror(errno));
+    /* a reader that stopped early (`| head`) needs no message */
+    if (errno != EPIPE)
+      sp_cli_error(r->cmd, "cannot write the output: %s", strerror(errno));
     return SP_EXIT_FAILURE;
   }
   return exit_code;
@@ -257,7 +273,8 @@ static int parse_args(sp_remote *r, const subcmd *sc, int argc, char **argv,
       {"help", no_argument, NULL, OPT_HELP},
   };
   size_t n_common = sizeof common / sizeof common[0];
-  if (n_own + n_common + 1 > sizeof opts / sizeof opts[0]) return SP_EXIT_FAILURE;
+  if (n_own + n_common + 1 > sizeof opts / sizeof opts[0])
+    return SP_EXIT_FAILURE;
   for (size_t i = 0; i < n_own; i++) opts[i] = own[i];
   for (size_t i = 0; i < n_common; i++) opts[n_own + i] = common[i];
   opts[n_own + n_common] = (struct option){NULL, 0, NULL, 0};
@@ -290,15 +307,6 @@ static int parse_args(sp_remote *r, const subcmd *sc, int argc, char **argv,
 /* Formatting helpers                                                  */
 /* ------------------------------------------------------------------ */
 
-static const char *enum_name(const ProtobufCEnumDescriptor *d, int v) {
-  const ProtobufCEnumValue *ev = protobuf_c_enum_descriptor_get_value(d, v);
-  return ev != NULL ? ev->name : "UNKNOWN";
-}
-
-static sp_dtype dtype_of(int v) {
-  return sp_dtype_valid((sp_dtype)v) ? (sp_dtype)v : SP_DTYPE_INVALID;
-}
-
 /* "12.3s", "4m 05s", "2h 07m" */
 static void format_duration(uint64_t ms, char *buf, size_t len) {
   if (ms < 60000)
@@ -327,7 +335,7 @@ static json_t *collective_json(const Shardplane__V1__Collective *c) {
   return json_pack("{s:I,s:s,s:i,s:o,s:I}", "seq", (json_int_t)c->seq, "op",
                    enum_name(&shardplane__v1__collective_op__descriptor, c->op),
                    "unit", (int)c->unit, "dtype",
-                   sp_render_dtype_json(dtype_of(c->dtype)), "count",
+                   sp_render_dtype_json(sp_wire_dtype(c->dtype)), "count",
                    (json_int_t)c->count);
 }
 
@@ -418,20 +426,21 @@ static int status_json(const sp_remote *r,
                        const sp_job *job) {
   json_t *alerts = json_array();
   for (size_t i = 0; i < j->n_recent_alerts; i++)
-    json_array_append_new(
-        alerts, json_pack("{s:i,s:s,s:I}", "rank", (int)j->recent_alerts[i]->rank,
-                          "message", j->recent_alerts[i]->message, "time_ms",
-                          (json_int_t)j->recent_alerts[i]->time_ms));
-  json_t *root = json_pack(
-      "{s:s,s:I,s:{s:s,s:i,s:i,s:i,s:I},s:s,s:i,s:o,s:o,s:i,s:o}",
-      "coordinator", r->addr, "uptime_ms", (json_int_t)j->uptime_ms, "model",
-      "name", j->model_name, "modules", (int)j->n_modules, "params",
-      (int)j->n_params, "buffers", (int)j->n_buffers, "elements",
-      (json_int_t)j->total_numel, "plan_version", j->plan_version, "units",
-      (int)j->n_units, "job",
-      sp_render_job_json(job, (sp_strategy)j->effective_strategy, 0), "ranks",
-      rank_summary_json(rank_summary(j)), "alerts", (int)j->alerts, "recent_alerts",
-      alerts);
+    json_array_append_new(alerts,
+                          json_pack("{s:i,s:s,s:I}", "rank",
+                                    (int)j->recent_alerts[i]->rank, "message",
+                                    j->recent_alerts[i]->message, "time_ms",
+                                    (json_int_t)j->recent_alerts[i]->time_ms));
+  json_t *root =
+      json_pack("{s:s,s:I,s:{s:s,s:i,s:i,s:i,s:I},s:s,s:i,s:o,s:o,s:i,s:o}",
+                "coordinator", r->addr, "uptime_ms", (json_int_t)j->uptime_ms,
+                "model", "name", j->model_name, "modules", (int)j->n_modules,
+                "params", (int)j->n_params, "buffers", (int)j->n_buffers,
+                "elements", (json_int_t)j->total_numel, "plan_version",
+                j->plan_version, "units", (int)j->n_units, "job",
+                sp_render_job_json(job, (sp_strategy)j->effective_strategy, 0),
+                "ranks", rank_summary_json(rank_summary(j)), "alerts",
+                (int)j->alerts, "recent_alerts", alerts);
   return sp_render_json_out(root) == 0 ? SP_EXIT_OK : SP_EXIT_FAILURE;
 }
 
@@ -532,15 +541,17 @@ static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
     const Shardplane__V1__Collective *c = k->last_collective;
     if (c != NULL)
       snprintf(coll, sizeof coll, "#%" PRIu64 " %s unit %u %s x%" PRIu64,
-               c->seq, enum_name(&shardplane__v1__collective_op__descriptor, c->op),
-               c->unit, sp_dtype_name(dtype_of(c->dtype)), c->count);
+               c->seq,
+               enum_name(&shardplane__v1__collective_op__descriptor, c->op),
+               c->unit, sp_dtype_name(sp_wire_dtype(c->dtype)), c->count);
     format_duration(k->last_heard_ms_ago, heard, sizeof heard);
     printf("%-9u %-14s %-20s %8u %-8s %8" PRIu64 " %-18s %-34s %9s %6u\n",
            k->rank, rank_status_name(k->status), k->host[0] ? k->host : "-",
            k->pid, k->device[0] ? k->device : "-", k->step,
            sp_state_name(SP_MACHINE_ROOT, k->root_state), coll, heard,
            k->alerts);
-    if (k->last_alert[0] != '\0') printf("      last alert: %s\n", k->last_alert);
+    if (k->last_alert[0] != '\0')
+      printf("      last alert: %s\n", k->last_alert);
     if (unit_states && scratch != NULL && k->n_unit_states > 0)
       print_unit_states(k, scratch);
     i++;
@@ -565,8 +576,8 @@ static int ranks_json(const Shardplane__V1__ListRanksResponse *l,
     if (o != NULL && unit_states) {
       json_t *us = json_array();
       for (size_t u = 0; u < k->n_unit_states; u++)
-        json_array_append_new(
-            us, json_string(sp_state_name(SP_MACHINE_HANDLE, k->unit_states[u])));
+        json_array_append_new(us, json_string(sp_state_name(
+                                      SP_MACHINE_HANDLE, k->unit_states[u])));
       json_object_set_new(o, "unit_states", us);
     }
     json_array_append_new(ranks, o);
@@ -724,8 +735,8 @@ static int where_json(const Shardplane__V1__ParamLocation *p) {
       "flattened_as", p->flattened_as, "is_alias", p->is_alias, "unit",
       (int)p->unit, "unit_module", p->unit_fqn, "shape",
       sp_render_shape_json(p->n_shape, p->shape), "dtype",
-      sp_render_dtype_json(dtype_of(p->dtype)), "offset", (json_int_t)p->offset,
-      "numel", (json_int_t)p->numel, "strategy",
+      sp_render_dtype_json(sp_wire_dtype(p->dtype)), "offset",
+      (json_int_t)p->offset, "numel", (json_int_t)p->numel, "strategy",
       sp_strategy_name((sp_strategy)p->strategy), "world_size",
       (int)p->world_size, "shard_world", (int)p->shard_world, "slices", slices);
   return sp_render_json_out(root) == 0 ? SP_EXIT_OK : SP_EXIT_FAILURE;
@@ -737,7 +748,7 @@ static void print_where(const Shardplane__V1__ParamLocation *p) {
   printf("parameter %s", p->fqn);
   if (p->is_alias) printf("  (tied: flattened as %s)", p->flattened_as);
   printf("\nshape     %s %s, %" PRId64 " elements\n", shape,
-         sp_dtype_name(dtype_of(p->dtype)), p->numel);
+         sp_dtype_name(sp_wire_dtype(p->dtype)), p->numel);
   printf("unit      %u (%s), flat offset %" PRId64 "\n", p->unit,
          p->unit_fqn[0] ? p->unit_fqn : "root", p->offset);
   printf("strategy  %s, world %u, %u shard%s\n\n",
@@ -832,8 +843,8 @@ int sp_cmd_buffers(int argc, char **argv) {
       sp_buffer_row row = {b->fqn,
                            b->n_shape,
                            b->shape,
-                           dtype_of(b->original_dtype),
-                           dtype_of(b->compute_dtype),
+                           sp_wire_dtype(b->original_dtype),
+                           sp_wire_dtype(b->compute_dtype),
                            b->owner_unit,
                            b->persistent};
       if (rows != NULL) {
@@ -884,7 +895,9 @@ static const subcmd k_watch = {
     "                               detached, transition, alert "
     "(repeatable)\n"
     "  --transitions                training-state transitions as well\n"
-    "  --count N                    stop after N events\n",
+    "  --count N                    stop after N events\n"
+    "(--timeout-ms bounds connecting; the stream itself has no deadline)\n"
+    "\n",
     0, 0};
 
 /* The coordinator refuses longer rank filters. */
@@ -906,7 +919,8 @@ static int parse_kind(const char *s, int *out) {
   char up[40] = "RANK_";
   size_t n = strlen(s);
   if (n == 0 || n > 20) return -1;
-  for (size_t i = 0; i <= n; i++) up[5 + i] = (char)toupper((unsigned char)s[i]);
+  for (size_t i = 0; i <= n; i++)
+    up[5 + i] = (char)toupper((unsigned char)s[i]);
   const ProtobufCEnumDescriptor *d = &shardplane__v1__event_kind__descriptor;
   const ProtobufCEnumValue *v =
       protobuf_c_enum_descriptor_get_value_by_name(d, up + 5);
@@ -979,7 +993,8 @@ static json_t *transition_json(const Shardplane__V1__Transition *t) {
 
 /* One line per event; -1 when stdout is gone. */
 static int print_event(const Shardplane__V1__Event *ev, bool json) {
-  const char *kind = enum_name(&shardplane__v1__event_kind__descriptor, ev->kind);
+  const char *kind =
+      enum_name(&shardplane__v1__event_kind__descriptor, ev->kind);
   if (json) {
     json_t *o = json_pack("{s:s,s:i,s:I,s:s,s:o}", "kind", kind, "rank",
                           (int)ev->rank, "time_ms", (json_int_t)ev->time_ms,
@@ -1097,7 +1112,8 @@ int sp_cmd_watch(int argc, char **argv) {
   Shardplane__V1__EventKind kind_list[8];
   Shardplane__V1__WatchRequest q = SHARDPLANE__V1__WATCH_REQUEST__INIT;
   for (int k = 1; k <= SHARDPLANE__V1__EVENT_KIND__ALERT; k++)
-    if (kinds & (1u << k)) kind_list[q.n_kinds++] = (Shardplane__V1__EventKind)k;
+    if (kinds & (1u << k))
+      kind_list[q.n_kinds++] = (Shardplane__V1__EventKind)k;
   q.kinds = kind_list;
   q.n_ranks = w->n_ranks;
   q.ranks = w->ranks;
@@ -1190,7 +1206,8 @@ static void set_value_json(json_t *o, const ProtobufCBinaryData *v) {
   }
   char *hex = malloc(2 * v->len + 1);
   if (hex == NULL) return;
-  for (size_t i = 0; i < v->len; i++) snprintf(hex + 2 * i, 3, "%02x", v->data[i]);
+  for (size_t i = 0; i < v->len; i++)
+    snprintf(hex + 2 * i, 3, "%02x", v->data[i]);
   hex[2 * v->len] = '\0';
   json_object_set_new(o, "value_hex", json_string(hex));
   free(hex);

@@ -554,7 +554,9 @@ static void report(sp_rpc_sync *c, const char *session, int root_state) {
 static int watch_one(char *const argv[], const char *out,
                      void (*kick)(sp_rpc_sync *, void *), sp_rpc_sync *c,
                      void *arg) {
-  pid_t pid = spawn(argv, out, NULL, NULL);
+  char err[1024];
+  snprintf(err, sizeof err, "%s.err", out);
+  pid_t pid = spawn(argv, out, err, NULL);
   int64_t end = now_ms() + CHILD_TIMEOUT_MS;
   int st = -1;
   while (now_ms() < end) {
@@ -565,6 +567,15 @@ static int watch_one(char *const argv[], const char *out,
     if (w == pid) return st;
   }
   return wait_child(pid, 1);
+}
+
+/* The watcher exited 0; else its stderr says why. */
+static void expect_watch_ok(int st, const char *out) {
+  if (st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0) return;
+  char err[1024];
+  snprintf(err, sizeof err, "%s.err", out);
+  char *text = slurp(err);
+  fail_msg("watch: status 0x%x: %s", (unsigned)st, text);
 }
 
 typedef struct worker {
@@ -604,8 +615,7 @@ static void test_watch(void **state) {
   char *argv[] = {CLI_BIN, "watch", "--count", "1", "--kind", "attached",
                   "--json", NULL};
   int st = watch_one(argv, out, kick_attach, c, &w);
-  assert_true(st >= 0 && WIFEXITED(st));
-  assert_int_equal(WEXITSTATUS(st), 0);
+  expect_watch_ok(st, out);
   char *text = slurp(out);
   size_t lines = 0;
   for (const char *p = text; *p; p++) lines += *p == '\n';
@@ -622,8 +632,7 @@ static void test_watch(void **state) {
   char *targv[] = {CLI_BIN, "watch", "--transitions", "--kind", "transition",
                    "--rank", "0", "--count", "1", NULL};
   st = watch_one(targv, out, kick_transition, c, &w);
-  assert_true(st >= 0 && WIFEXITED(st));
-  assert_int_equal(WEXITSTATUS(st), 0);
+  expect_watch_ok(st, out);
   text = slurp(out);
   assert_non_null(strstr(text, "rank 0"));
   assert_non_null(strstr(text, "TRANSITION"));
