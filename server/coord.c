@@ -109,12 +109,19 @@ fail:
 }
 
 int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
-  int rc = sp_rpc_server_listen(c->srv, addr, port, diag);
+  int bound;
+  int rc = sp_rpc_server_listen(c->srv, addr, &bound, diag);
   if (rc != 0) return rc;
+  if (port != NULL) *port = bound;
   if (!c->heartbeat_started) sp_coord_ranks_start(c);
-  sp_coord_log(c, "serving %s (plan %s, %u ranks, %zu units) on %s",
+  char host[256];
+  int ignored;
+  if (sp_rpc_split_addr(addr, host, sizeof host, &ignored) != 0)
+    snprintf(host, sizeof host, "?");
+  sp_coord_log(c, "serving %s (plan %s, %u ranks, %zu units) on %s%s%s:%d",
                c->model->name, c->plan->version_hex, c->plan->world_size,
-               c->plan->n_units, addr);
+               c->plan->n_units, strchr(host, ':') ? "[" : "", host,
+               strchr(host, ':') ? "]" : "", bound);
   return 0;
 }
 

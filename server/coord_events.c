@@ -116,6 +116,8 @@ static void on_watch(sp_rpc_call *call, const ProtobufCMessage *msg,
   w->next = c->watchers;
   c->watchers = w;
   sp_rpc_call_set_user(call, w);
+  /* the response headers tell the client it is subscribed */
+  sp_rpc_call_start(call);
 }
 
 static void on_watch_cancel(sp_rpc_call *call, int code) {

@@ -177,6 +177,11 @@ void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s);
 int sp_rpc_call_send(sp_rpc_call *call, const ProtobufCMessage *msg);
 int sp_rpc_call_send_raw(sp_rpc_call *call, const uint8_t *data, size_t len);
 
+/* Sends the response headers now (with any metadata added so far), so a
+ * streaming client knows the call is established before the first
+ * message. Optional: the first send does it anyway. */
+int sp_rpc_call_start(sp_rpc_call *call);
+
 /* Sends the one response of a unary-response call and finishes it OK; if
  * the message cannot be sent, finishes with RESOURCE_EXHAUSTED (over the
  * send limit: the handler should page) or INTERNAL instead. Returns what

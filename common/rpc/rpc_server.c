@@ -385,6 +385,14 @@ int sp_rpc_call_send_raw(sp_rpc_call *call, const uint8_t *data, size_t len) {
   return queue_bytes(call, data, len, NULL);
 }
 
+int sp_rpc_call_start(sp_rpc_call *call) {
+  if (call == NULL) return SP_EINVAL;
+  if (call->finished || call->released) return SP_ESTATE;
+  int rc = submit_headers(call);
+  if (rc == 0) conn_flush(call->conn);
+  return rc;
+}
+
 int sp_rpc_call_reply(sp_rpc_call *call, const ProtobufCMessage *msg) {
   int rc = sp_rpc_call_send(call, msg);
   if (rc == SP_ETOOBIG)
