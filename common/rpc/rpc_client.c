@@ -10,12 +10,6 @@
 #include "rpc_wire.h"
 #include "strmap.h"
 
-typedef struct cmsg {
-  struct cmsg *next;
-  size_t len, off;
-  uint8_t data[];
-} cmsg;
-
 typedef struct cconn {
   sp_h2conn io;
   sp_rpc_client *cl;
@@ -32,7 +26,7 @@ struct sp_rpc_ccall {
   uint64_t timeout_ms;
   sp_rpc_ccall_cbs cbs;
   void *user;
-  cmsg *q_head, *q_tail;
+  sp_rpc_outq q;
   bool half_close, eof_sent, deferred, closed;
   sp_rpc_deframer df;
   sp_rpc_mdlist resp_md;
@@ -99,11 +93,7 @@ static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
   if (msg != NULL && msg != call->status.message)
     snprintf(call->status.message, sizeof call->status.message, "%s", msg);
   if (call->cbs.on_close) call->cbs.on_close(call, &call->status, call->user);
-  for (cmsg *m = call->q_head; m;) {
-    cmsg *n = m->next;
-    free(m);
-    m = n;
-  }
+  sp_rpc_outq_clear(&call->q);
   sp_rpc_deframer_free(&call->df);
   sp_rpc_mdlist_clear(&call->md);
   sp_rpc_mdlist_clear(&call->resp_md);
@@ -158,21 +148,8 @@ static ssize_t read_request(nghttp2_session *s, int32_t id, uint8_t *buf,
   (void)id;
   (void)ud;
   sp_rpc_ccall *call = src->ptr;
-  size_t out = 0;
-  while (out < length && call->q_head != NULL) {
-    cmsg *m = call->q_head;
-    size_t take = m->len - m->off;
-    if (take > length - out) take = length - out;
-    memcpy(buf + out, m->data + m->off, take);
-    m->off += take;
-    out += take;
-    if (m->off == m->len) {
-      call->q_head = m->next;
-      if (!call->q_head) call->q_tail = NULL;
-      free(m);
-    }
-  }
-  if (call->q_head == NULL && call->half_close) {
+  size_t out = sp_rpc_outq_pull(&call->q, buf, length);
+  if (sp_rpc_outq_empty(&call->q) && call->half_close) {
     *flags |= NGHTTP2_DATA_FLAG_EOF;
     call->eof_sent = true;
     return (ssize_t)out;
@@ -570,29 +547,23 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
   return 0;
 }
 
+/* New data or the end for a submitted stream: wake its provider. */
+static void ccall_kick(sp_rpc_ccall *call) {
+  if (call->conn == NULL || call->stream_id <= 0) return;
+  if (call->deferred) {
+    call->deferred = false;
+    nghttp2_session_resume_data(call->conn->io.h2, call->stream_id);
+  }
+  sp_h2conn_flush(&call->conn->io);
+}
+
 static int ccall_queue(sp_rpc_ccall *call, const uint8_t *data, size_t len,
                        const ProtobufCMessage *msg) {
   if (call->closed || call->half_close || call->local_code >= 0)
     return SP_ESTATE;
   if (len > call->cl->opts.max_send_message) return SP_ETOOBIG;
-  cmsg *m = malloc(sizeof *m + len + 5);
-  if (m == NULL) return SP_ENOMEM;
-  m->next = NULL;
-  m->len = len + 5;
-  m->off = 0;
-  sp_rpc_frame_prefix(m->data, (uint32_t)len);
-  if (msg) protobuf_c_message_pack(msg, m->data + 5);
-  else if (len && data) memcpy(m->data + 5, data, len);
-  if (call->q_tail) call->q_tail->next = m;
-  else call->q_head = m;
-  call->q_tail = m;
-  if (call->conn != NULL && call->stream_id > 0) {
-    if (call->deferred) {
-      call->deferred = false;
-      nghttp2_session_resume_data(call->conn->io.h2, call->stream_id);
-    }
-    sp_h2conn_flush(&call->conn->io);
-  }
+  if (sp_rpc_outq_push(&call->q, msg, data, len) != 0) return SP_ENOMEM;
+  ccall_kick(call);
   return 0;
 }
 
@@ -610,13 +581,7 @@ int sp_rpc_ccall_close_send(sp_rpc_ccall *call) {
   if (call == NULL) return SP_EINVAL;
   if (call->closed || call->half_close) return SP_ESTATE;
   call->half_close = true;
-  if (call->conn != NULL && call->stream_id > 0) {
-    if (call->deferred) {
-      call->deferred = false;
-      nghttp2_session_resume_data(call->conn->io.h2, call->stream_id);
-    }
-    sp_h2conn_flush(&call->conn->io);
-  }
+  ccall_kick(call);
   return 0;
 }
 

@@ -13,12 +13,6 @@
 #include "rpc_wire.h"
 #include "strmap.h"
 
-typedef struct outmsg {
-  struct outmsg *next;
-  size_t len, off;
-  uint8_t data[];
-} outmsg;
-
 typedef struct srv_conn srv_conn;
 
 struct sp_rpc_call {
@@ -39,8 +33,7 @@ struct sp_rpc_call {
   bool headers_sent, finished, released, deferred, remote_closed;
   int status;
   char *status_msg;
-  outmsg *q_head, *q_tail;
-  size_t pending;
+  sp_rpc_outq q; /* q.bytes: what the call has queued */
   void (*on_writable)(sp_rpc_call *);
   bool want_writable, conn_blocked, notify_queued;
   uv_timer_t *timer;
@@ -124,16 +117,12 @@ static void call_free(sp_rpc_call *call) {
       *pp = call->notify_next;
       break;
     }
-  c->pending -= call->pending;
+  c->pending -= call->q.bytes;
   call_stop_timer(call);
   sp_rpc_mdlist_clear(&call->req_md);
   sp_rpc_mdlist_clear(&call->resp_md);
   sp_rpc_deframer_free(&call->df);
-  for (outmsg *m = call->q_head; m;) {
-    outmsg *n = m->next;
-    free(m);
-    m = n;
-  }
+  sp_rpc_outq_clear(&call->q);
   free(call->unary_req);
   free(call->status_msg);
   c->srv->stats.calls_open--;
@@ -211,7 +200,7 @@ static int submit_headers(sp_rpc_call *call) {
   n += md_to_nv(&call->resp_md, nv + n, b64);
   status_nv st;
   int rv;
-  if (call->finished && call->q_head == NULL) {
+  if (call->finished && sp_rpc_outq_empty(&call->q)) {
     n += status_fields(call, &st, nv + n);
     rv = nghttp2_submit_response(h2, call->stream_id, nv, n, NULL);
   } else {
@@ -242,14 +231,14 @@ static void notify_drained(sp_rpc_call *call) {
   srv_conn *c = call->conn;
   const sp_rpc_server_opts *o = &c->srv->opts;
   if (call->want_writable && !call->conn_blocked &&
-      call->pending <= o->max_pending / 2)
+      call->q.bytes <= o->max_pending / 2)
     queue_notify(call);
   if (c->any_blocked && c->pending <= o->max_conn_pending / 2) {
     c->any_blocked = false;
     for (sp_rpc_call *x = c->calls; x; x = x->next) {
       if (!x->conn_blocked) continue;
       x->conn_blocked = false;
-      if (x->want_writable && x->pending <= o->max_pending / 2)
+      if (x->want_writable && x->q.bytes <= o->max_pending / 2)
         queue_notify(x);
     }
   }
@@ -260,22 +249,9 @@ static ssize_t read_response(nghttp2_session *s, int32_t id, uint8_t *buf,
                              nghttp2_data_source *src, void *ud) {
   (void)ud;
   sp_rpc_call *call = src->ptr;
-  size_t out = 0;
-  while (out < length && call->q_head != NULL) {
-    outmsg *m = call->q_head;
-    size_t take = m->len - m->off;
-    if (take > length - out) take = length - out;
-    memcpy(buf + out, m->data + m->off, take);
-    m->off += take;
-    out += take;
-    if (m->off == m->len) {
-      call->q_head = m->next;
-      if (call->q_head == NULL) call->q_tail = NULL;
-      call->pending -= m->len;
-      call->conn->pending -= m->len;
-      free(m);
-    }
-  }
+  size_t before = call->q.bytes;
+  size_t out = sp_rpc_outq_pull(&call->q, buf, length);
+  call->conn->pending -= before - call->q.bytes;
   notify_drained(call);
   if (out > 0) return (ssize_t)out;
   if (!call->finished) {
@@ -335,14 +311,14 @@ static int queue_bytes(sp_rpc_call *call, const uint8_t *data, size_t len,
   if (len > srv->opts.max_message) return SP_ETOOBIG;
   if ((call->method->kind == SP_RPC_UNARY ||
        call->method->kind == SP_RPC_CLIENT_STREAMING) &&
-      (call->headers_sent || call->q_head != NULL))
+      (call->headers_sent || !sp_rpc_outq_empty(&call->q)))
     return SP_ESTATE; /* one response only */
   /* Two budgets: the call's, and the connection's, so a client that does
    * not read cannot pin more than max_conn_pending however many streams it
    * opens. An empty queue always takes one message. */
   srv_conn *c = call->conn;
-  bool call_full = call->pending > 0 &&
-                   call->pending + len + 5 > srv->opts.max_pending;
+  bool call_full = call->q.bytes > 0 &&
+                   call->q.bytes + len + 5 > srv->opts.max_pending;
   bool conn_full = c->pending > 0 &&
                    c->pending + len + 5 > srv->opts.max_conn_pending;
   if (call_full || conn_full) {
@@ -353,21 +329,8 @@ static int queue_bytes(sp_rpc_call *call, const uint8_t *data, size_t len,
     }
     return SP_EAGAIN;
   }
-  outmsg *m = malloc(sizeof *m + len + 5);
-  if (m == NULL) return SP_ENOMEM;
-  m->next = NULL;
-  m->len = len + 5;
-  m->off = 0;
-  sp_rpc_frame_prefix(m->data, (uint32_t)len);
-  if (msg != NULL)
-    protobuf_c_message_pack(msg, m->data + 5);
-  else if (len && data)
-    memcpy(m->data + 5, data, len);
-  if (call->q_tail) call->q_tail->next = m;
-  else call->q_head = m;
-  call->q_tail = m;
-  call->pending += m->len;
-  c->pending += m->len;
+  if (sp_rpc_outq_push(&call->q, msg, data, len) != 0) return SP_ENOMEM;
+  c->pending += len + 5;
   int rc = submit_headers(call);
   if (rc != 0) return rc;
   call_kick(call);
@@ -441,7 +404,7 @@ const uint8_t *sp_rpc_call_metadata(const sp_rpc_call *call, const char *key,
   return sp_rpc_mdlist_get(&call->req_md, key, len);
 }
 
-size_t sp_rpc_call_pending(const sp_rpc_call *call) { return call->pending; }
+size_t sp_rpc_call_pending(const sp_rpc_call *call) { return call->q.bytes; }
 
 void sp_rpc_call_on_writable(sp_rpc_call *call, void (*cb)(sp_rpc_call *)) {
   call->on_writable = cb;

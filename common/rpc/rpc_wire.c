@@ -322,6 +322,64 @@ int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
   return 0;
 }
 
+struct sp_rpc_outmsg {
+  struct sp_rpc_outmsg *next;
+  size_t len, off;
+  uint8_t data[];
+};
+
+int sp_rpc_outq_push(sp_rpc_outq *q, const ProtobufCMessage *msg,
+                     const uint8_t *data, size_t len) {
+  struct sp_rpc_outmsg *m = malloc(sizeof *m + len + 5);
+  if (m == NULL) return SP_ENOMEM;
+  m->next = NULL;
+  m->len = len + 5;
+  m->off = 0;
+  sp_rpc_frame_prefix(m->data, (uint32_t)len);
+  if (msg != NULL)
+    protobuf_c_message_pack(msg, m->data + 5);
+  else if (len > 0 && data != NULL)
+    memcpy(m->data + 5, data, len);
+  if (q->tail != NULL)
+    q->tail->next = m;
+  else
+    q->head = m;
+  q->tail = m;
+  q->bytes += m->len;
+  return 0;
+}
+
+size_t sp_rpc_outq_pull(sp_rpc_outq *q, uint8_t *buf, size_t cap) {
+  size_t out = 0;
+  while (out < cap && q->head != NULL) {
+    struct sp_rpc_outmsg *m = q->head;
+    size_t take = m->len - m->off;
+    if (take > cap - out) take = cap - out;
+    memcpy(buf + out, m->data + m->off, take);
+    m->off += take;
+    out += take;
+    if (m->off == m->len) {
+      q->head = m->next;
+      if (q->head == NULL) q->tail = NULL;
+      q->bytes -= m->len;
+      free(m);
+    }
+  }
+  return out;
+}
+
+bool sp_rpc_outq_empty(const sp_rpc_outq *q) { return q->head == NULL; }
+
+void sp_rpc_outq_clear(sp_rpc_outq *q) {
+  for (struct sp_rpc_outmsg *m = q->head; m;) {
+    struct sp_rpc_outmsg *n = m->next;
+    free(m);
+    m = n;
+  }
+  q->head = q->tail = NULL;
+  q->bytes = 0;
+}
+
 void sp_rpc_frame_prefix(uint8_t out[5], uint32_t len) {
   out[0] = 0;
   out[1] = (uint8_t)(len >> 24);

@@ -81,6 +81,24 @@ int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
 /* Whether a message is partly received (EOS now would truncate it). */
 bool sp_rpc_deframer_partial(const sp_rpc_deframer *d);
 
+/* Framed messages waiting for a data provider, shared by the server's
+ * responses and the client's requests. `bytes` counts whole messages
+ * (prefix included) until their last byte is taken. */
+typedef struct sp_rpc_outq {
+  struct sp_rpc_outmsg *head, *tail;
+  size_t bytes;
+} sp_rpc_outq;
+
+/* Frames one message: packed from msg when given, else copied from data.
+ * SP_ENOMEM. */
+int sp_rpc_outq_push(sp_rpc_outq *q, const ProtobufCMessage *msg,
+                     const uint8_t *data, size_t len);
+/* Copies up to cap bytes into buf, freeing each message once it is all
+ * taken; returns the bytes copied. */
+size_t sp_rpc_outq_pull(sp_rpc_outq *q, uint8_t *buf, size_t cap);
+bool sp_rpc_outq_empty(const sp_rpc_outq *q);
+void sp_rpc_outq_clear(sp_rpc_outq *q);
+
 /* Writes the 5-byte prefix for an uncompressed message. */
 void sp_rpc_frame_prefix(uint8_t out[5], uint32_t len);
 
