@@ -13,93 +13,29 @@
 
 #include <cmocka.h>
 
+#include "coord_fixture.h"
 #include "coordinator.h"
 #include "testutil.h"
 
 #define MODEL(name) SP_EXAMPLES "/models/" name ".json"
 #define PATH(m) SP_COORD_PATH(m)
 
-typedef struct fixture {
-  uv_loop_t loop;
-  uv_thread_t thread;
-  uv_async_t wake;
-  uv_mutex_t lock;
-  uv_cond_t cond;
-  bool stop, want_stats;
-  sp_store_stats stats;
-  sp_coord *c;
-  char addr[64];
-  sp_rpc_sync *cli;
-} fixture;
-
-static void coord_stopped(sp_coord *c, void *arg) {
-  (void)c;
-  fixture *fx = arg;
-  uv_close((uv_handle_t *)&fx->wake, NULL);
-}
-
-/* Requests from the test thread, served on the loop thread: the store is
- * the loop's alone. */
-static void on_wake(uv_async_t *a) {
-  fixture *fx = a->data;
-  uv_mutex_lock(&fx->lock);
-  if (fx->want_stats) {
-    sp_store_get_stats(fx->c->store, &fx->stats);
-    fx->want_stats = false;
-    uv_cond_broadcast(&fx->cond);
-  }
-  bool stop = fx->stop;
-  fx->stop = false;
-  uv_mutex_unlock(&fx->lock);
-  if (stop) sp_coord_shutdown(fx->c, coord_stopped, fx);
-}
-
-static void run_loop(void *arg) {
-  fixture *fx = arg;
-  uv_run(&fx->loop, UV_RUN_DEFAULT);
-}
+typedef sp_coord_fixture fixture;
 
 static void start(fixture *fx) {
-  memset(fx, 0, sizeof *fx);
-  assert_int_equal(uv_loop_init(&fx->loop), 0);
-  sp_coord_config cfg = {.model_path = MODEL("gpt2"), .quiet = true};
-  sp_job_init(&cfg.job);
-  sp_diag d = {""};
-  if (sp_coord_new(&fx->loop, &cfg, &fx->c, &d) != 0) fail_msg("%s", d.msg);
-  sp_job_clear(&cfg.job);
-  int port;
-  if (sp_coord_listen(fx->c, "127.0.0.1:0", &port, &d) != 0)
-    fail_msg("%s", d.msg);
-  snprintf(fx->addr, sizeof fx->addr, "127.0.0.1:%d", port);
-  uv_mutex_init(&fx->lock);
-  uv_cond_init(&fx->cond);
-  uv_async_init(&fx->loop, &fx->wake, on_wake);
-  fx->wake.data = fx;
-  assert_int_equal(uv_thread_create(&fx->thread, run_loop, fx), 0);
-  assert_int_equal(sp_rpc_sync_open(fx->addr, 5000, &fx->cli), 0);
+  sp_coord_fixture_start(fx, MODEL("gpt2"), NULL, 0);
 }
 
 /* Shuts the coordinator down (finishing waiting calls) and joins. */
-static void stop(fixture *fx) {
-  sp_rpc_sync_close(fx->cli);
-  uv_mutex_lock(&fx->lock);
-  fx->stop = true;
-  uv_mutex_unlock(&fx->lock);
-  uv_async_send(&fx->wake);
-  uv_thread_join(&fx->thread);
-  sp_coord_free(fx->c);
-  assert_int_equal(uv_loop_close(&fx->loop), 0);
-  uv_mutex_destroy(&fx->lock);
-  uv_cond_destroy(&fx->cond);
+static void stop(fixture *fx) { sp_coord_fixture_stop(fx); }
+
+static void read_store_stats(sp_coord *c, void *arg) {
+  sp_store_get_stats(c->store, arg);
 }
 
 static sp_store_stats store_stats(fixture *fx) {
-  uv_mutex_lock(&fx->lock);
-  fx->want_stats = true;
-  uv_async_send(&fx->wake);
-  while (fx->want_stats) uv_cond_wait(&fx->cond, &fx->lock);
-  sp_store_stats st = fx->stats;
-  uv_mutex_unlock(&fx->lock);
+  sp_store_stats st;
+  sp_coord_fixture_run(fx, read_store_stats, &st);
   return st;
 }
 
@@ -112,12 +48,7 @@ static void await_waiters(fixture *fx, size_t n) {
   fail_msg("store has %zu waiters, want %zu", store_stats(fx).waiters, n);
 }
 
-static void expect_code(const sp_rpc_status *st, int code, const char *substr) {
-  if (st->code != code || (substr && strstr(st->message, substr) == NULL))
-    fail_msg("status %s \"%s\", want %s with \"%s\"",
-             sp_rpc_code_name(st->code), st->message, sp_rpc_code_name(code),
-             substr ? substr : "");
-}
+#define expect_code sp_test_expect_status
 
 static void free_msg(void *m) {
   if (m) protobuf_c_message_free_unpacked(m, NULL);

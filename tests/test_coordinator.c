@@ -12,65 +12,13 @@
 
 #include <cmocka.h>
 
+#include "coord_fixture.h"
 #include "coordinator.h"
 #include "testutil.h"
 
-typedef struct fixture {
-  uv_loop_t loop;
-  uv_thread_t thread;
-  uv_async_t wake;
-  sp_coord *c;
-  char addr[64];
-  sp_rpc_sync *cli;
-} fixture;
-
-static void coord_stopped(sp_coord *c, void *arg) {
-  (void)c;
-  fixture *fx = arg;
-  uv_close((uv_handle_t *)&fx->wake, NULL);
-}
-
-static void on_wake(uv_async_t *a) {
-  fixture *fx = a->data;
-  sp_coord_shutdown(fx->c, coord_stopped, fx);
-}
-
-static void run_loop(void *arg) {
-  fixture *fx = arg;
-  uv_run(&fx->loop, UV_RUN_DEFAULT);
-}
-
-/* job_flags: "--name value" pairs as an array of strings, NULL-ended. */
-static void start(fixture *fx, const char *model, const char *const *flags,
-                  uint32_t heartbeat_timeout_ms) {
-  memset(fx, 0, sizeof *fx);
-  assert_int_equal(uv_loop_init(&fx->loop), 0);
-  sp_coord_config cfg = {.model_path = model, .quiet = true,
-                         .heartbeat_timeout_ms = heartbeat_timeout_ms};
-  sp_job_init(&cfg.job);
-  sp_diag d = {""};
-  for (size_t i = 0; flags && flags[i]; i += 2)
-    if (sp_job_apply_flag(&cfg.job, flags[i], flags[i + 1], &d) != 0)
-      fail_msg("flag %s: %s", flags[i], d.msg);
-  if (sp_coord_new(&fx->loop, &cfg, &fx->c, &d) != 0) fail_msg("%s", d.msg);
-  sp_job_clear(&cfg.job);
-  int port;
-  if (sp_coord_listen(fx->c, "127.0.0.1:0", &port, &d) != 0)
-    fail_msg("%s", d.msg);
-  snprintf(fx->addr, sizeof fx->addr, "127.0.0.1:%d", port);
-  uv_async_init(&fx->loop, &fx->wake, on_wake);
-  fx->wake.data = fx;
-  assert_int_equal(uv_thread_create(&fx->thread, run_loop, fx), 0);
-  assert_int_equal(sp_rpc_sync_open(fx->addr, 5000, &fx->cli), 0);
-}
-
-static void stop(fixture *fx) {
-  sp_rpc_sync_close(fx->cli);
-  uv_async_send(&fx->wake);
-  uv_thread_join(&fx->thread);
-  sp_coord_free(fx->c);
-  assert_int_equal(uv_loop_close(&fx->loop), 0);
-}
+typedef sp_coord_fixture fixture;
+#define start sp_coord_fixture_start
+#define stop sp_coord_fixture_stop
 
 #define MODEL(name) SP_EXAMPLES "/models/" name ".json"
 #define PATH(m) SP_COORD_PATH(m)
@@ -86,12 +34,7 @@ static ProtobufCMessage *call(fixture *fx, const char *method,
   return resp;
 }
 
-static void expect_code(sp_rpc_status *st, int code, const char *substr) {
-  if (st->code != code || (substr && strstr(st->message, substr) == NULL))
-    fail_msg("status %s \"%s\", want %s with \"%s\"",
-             sp_rpc_code_name(st->code), st->message, sp_rpc_code_name(code),
-             substr ? substr : "");
-}
+#define expect_code sp_test_expect_status
 
 static Shardplane__V1__GetJobResponse *get_job(fixture *fx) {
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
