@@ -29,11 +29,53 @@ int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner) {
   return 0;
 }
 
+/* A finished connection waits for the peer to close its side, or for it to
+ * have been quiet this long (it has read what we sent by then), and never
+ * longer than the cap. */
+#define SP_H2_LINGER_QUIET_MS 200
+#define SP_H2_LINGER_MAX_MS 2000
+
+static void linger_timer_closed(uv_handle_t *h) { free(h); }
+
 void sp_h2conn_close(sp_h2conn *c) {
   if (c->closing) return;
   c->closing = true;
+  if (c->linger != NULL) {
+    uv_timer_stop(c->linger);
+    uv_close((uv_handle_t *)c->linger, linger_timer_closed);
+    c->linger = NULL;
+  }
   if (c->reading) uv_read_stop((uv_stream_t *)&c->tcp);
   uv_close((uv_handle_t *)&c->tcp, on_handle_closed);
+}
+
+static void on_linger_timeout(uv_timer_t *t) { sp_h2conn_close(t->data); }
+
+static void on_shutdown_done(uv_shutdown_t *req, int status) {
+  if (status != 0) sp_h2conn_close(req->data);
+}
+
+/* The orderly end: see `lingering` in rpc_conn.h. */
+static void linger(sp_h2conn *c) {
+  if (c->lingering || c->closing) return;
+  if (c->sink != NULL || !c->reading) {
+    sp_h2conn_close(c);
+    return;
+  }
+  c->lingering = true;
+  c->linger = malloc(sizeof *c->linger);
+  c->sreq.data = c;
+  if (c->linger == NULL ||
+      uv_shutdown(&c->sreq, (uv_stream_t *)&c->tcp, on_shutdown_done) != 0) {
+    free(c->linger);
+    c->linger = NULL;
+    sp_h2conn_close(c);
+    return;
+  }
+  uv_timer_init(c->tcp.loop, c->linger);
+  c->linger->data = c;
+  c->linger_until = uv_now(c->tcp.loop) + SP_H2_LINGER_MAX_MS;
+  uv_timer_start(c->linger, on_linger_timeout, SP_H2_LINGER_QUIET_MS, 0);
 }
 
 /* Every read buffer has this size (libuv suggests 64 KiB). */
@@ -60,18 +102,30 @@ static void read_buf_done(sp_h2conn *c, char *base) {
     free(base);
 }
 
+/* Input goes to nghttp2 in pieces of at most this much, each followed by a
+ * flush: the answers to the first requests of a large read leave while the
+ * rest is parsed, so the peer works on them meanwhile instead of waiting
+ * for the whole batch (measured by bench/rpc: with 64 calls in flight on a
+ * 2-CPU machine, 1.7x the throughput at the same CPU cost per call). */
+#define SP_H2_RECV_PIECE (4u << 10)
+
 void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
-  if (len == 0 || c->closing || c->h2 == NULL) return;
-  c->bytes_in += (uint64_t)len;
-  c->in_h2 = true;
-  ssize_t rv = nghttp2_session_mem_recv(c->h2, data, len);
-  c->in_h2 = false;
-  if (rv < 0) {
-    /* bad magic, flooding, or a callback failure: the peer is broken */
-    sp_h2conn_close(c);
-    return;
+  while (len > 0) {
+    if (c->closing || c->h2 == NULL) return;
+    size_t n = len < SP_H2_RECV_PIECE ? len : SP_H2_RECV_PIECE;
+    c->bytes_in += (uint64_t)n;
+    c->in_h2 = true;
+    ssize_t rv = nghttp2_session_mem_recv(c->h2, data, n);
+    c->in_h2 = false;
+    if (rv < 0) {
+      /* bad magic, flooding, or a callback failure: the peer is broken */
+      sp_h2conn_close(c);
+      return;
+    }
+    sp_h2conn_flush(c);
+    data += n;
+    len -= n;
   }
-  sp_h2conn_flush(c);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
@@ -79,6 +133,15 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   if (nread < 0) {
     free(buf->base);
     sp_h2conn_close(c); /* EOF or error: streams end in on_stream_close */
+    return;
+  }
+  if (c->lingering) { /* HTTP/2 is over; only waiting for the peer's FIN */
+    read_buf_done(c, buf->base);
+    uint64_t now = uv_now(c->tcp.loop);
+    if (now >= c->linger_until)
+      sp_h2conn_close(c);
+    else if (c->linger != NULL) /* the peer is still talking: wait again */
+      uv_timer_start(c->linger, on_linger_timeout, SP_H2_LINGER_QUIET_MS, 0);
     return;
   }
   sp_h2conn_recv(c, (const uint8_t *)buf->base, (size_t)nread);
@@ -132,7 +195,7 @@ static void wbuf_put(sp_h2conn *c, uint8_t **buf, size_t *cap) {
 }
 
 static void flush_once(sp_h2conn *c) {
-  if (c->closing || c->writing || c->h2 == NULL) return;
+  if (c->closing || c->lingering || c->writing || c->h2 == NULL) return;
   wbuf_take(c);
 again:
   while (c->wlen < SP_H2_WRITE_CHUNK) {
@@ -172,18 +235,6 @@ again:
     goto again;
   }
   if (c->wlen > 0) {
-    /* Hand the socket what it takes now, without a write request: that
-     * spares libuv a completion pass and an epoll_ctl per write. A fully
-     * taken write completes at once, as with the sink; only a rest goes
-     * through uv_write, which keeps the backpressure as it was. */
-    uv_buf_t t = uv_buf_init((char *)c->wbuf, (unsigned)c->wlen);
-    int w = uv_try_write((uv_stream_t *)&c->tcp, &t, 1);
-    if (w > 0 && (size_t)w == c->wlen) {
-      c->bytes_out += c->wlen;
-      c->wlen = 0;
-      goto again;
-    }
-    size_t sent = w > 0 ? (size_t)w : 0;
     /* swap so the next flush can fill while this one is in flight */
     uint8_t *fly = c->wbuf;
     size_t fly_cap = c->wcap;
@@ -191,8 +242,7 @@ again:
     c->wcap = c->wfly_cap;
     c->wfly = fly;
     c->wfly_cap = fly_cap;
-    uv_buf_t b =
-        uv_buf_init((char *)c->wfly + sent, (unsigned)(c->wlen - sent));
+    uv_buf_t b = uv_buf_init((char *)c->wfly, (unsigned)c->wlen);
     c->bytes_out += c->wlen;
     c->wlen = 0;
     c->wreq.data = c;
@@ -207,5 +257,5 @@ again:
   wbuf_put(c, &c->wbuf, &c->wcap);
   wbuf_put(c, &c->wfly, &c->wfly_cap);
   if (!nghttp2_session_want_read(c->h2) && !nghttp2_session_want_write(c->h2))
-    sp_h2conn_close(c);
+    linger(c);
 }

@@ -39,6 +39,14 @@ struct sp_h2conn {
   sp_h2shared *shared; /* NULL: this connection keeps its own buffers */
   uv_write_t wreq;
   bool writing, closing, reading;
+  /* Done with HTTP/2: our FIN is sent and the peer's last bytes are read
+   * and dropped until it closes too or goes quiet, because closing with
+   * unread input makes the kernel reset the connection, and the peer then
+   * loses the trailers it has not read yet. */
+  bool lingering;
+  uv_shutdown_t sreq;
+  uv_timer_t *linger; /* only while lingering */
+  uint64_t linger_until;
   bool in_h2; /* inside mem_recv/mem_send: nghttp2 forbids re-entry */
   uint64_t bytes_in, bytes_out;
   /* Called once after the handle closed; the owner frees everything. */
