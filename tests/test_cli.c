@@ -21,25 +21,6 @@ typedef struct result {
   char *out, *err;
 } result;
 
-static char *slurp(const char *path) {
-  FILE *f = fopen(path, "rb");
-  assert_non_null(f);
-  size_t cap = 1 << 16, len = 0;
-  char *buf = malloc(cap);
-  assert_non_null(buf);
-  size_t n;
-  while ((n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
-    len += n;
-    if (len + 1 == cap) {
-      cap *= 2;
-      buf = realloc(buf, cap);
-      assert_non_null(buf);
-    }
-  }
-  fclose(f);
-  buf[len] = '\0';
-  return buf;
-}
 
 /* Runs `shardplane ARGS` (a shell fragment) and captures both streams. */
 static result run(const char *args) {
@@ -51,9 +32,9 @@ static result run(const char *args) {
   char p[1024];
   result r = {WEXITSTATUS(st), NULL, NULL};
   snprintf(p, sizeof p, "%s/out", g_dir);
-  r.out = slurp(p);
+  r.out = sp_test_read_file(p);
   snprintf(p, sizeof p, "%s/err", g_dir);
-  r.err = slurp(p);
+  r.err = sp_test_read_file(p);
   return r;
 }
 

@@ -140,24 +140,6 @@ typedef struct result {
   int64_t ms;
 } result;
 
-static char *slurp(const char *path) {
-  FILE *f = fopen(path, "rb");
-  assert_non_null(f);
-  size_t cap = 1 << 16, len = 0, n;
-  char *buf = malloc(cap);
-  assert_non_null(buf);
-  while ((n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
-    len += n;
-    if (len + 1 == cap) {
-      cap *= 2;
-      buf = realloc(buf, cap);
-      assert_non_null(buf);
-    }
-  }
-  fclose(f);
-  buf[len] = '\0';
-  return buf;
-}
 
 /* Runs `shardplane ARGS...` (NULL-terminated), bounded in time. */
 static result run(const char *arg, ...) {
@@ -175,7 +157,7 @@ static result run(const char *arg, ...) {
   int64_t t0 = now_ms();
   pid_t pid = spawn(argv, out, err, NULL);
   int st = wait_child(pid, CHILD_TIMEOUT_MS);
-  result r = {-1, slurp(out), slurp(err), now_ms() - t0};
+  result r = {-1, sp_test_read_file(out), sp_test_read_file(err), now_ms() - t0};
   if (st < 0) fail_msg("shardplane %s did not finish", arg);
   assert_true(WIFEXITED(st));
   r.code = WEXITSTATUS(st);
@@ -574,7 +556,7 @@ static void expect_watch_ok(int st, const char *out) {
   if (st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0) return;
   char err[1024];
   snprintf(err, sizeof err, "%s.err", out);
-  char *text = slurp(err);
+  char *text = sp_test_read_file(err);
   fail_msg("watch: status 0x%x: %s", (unsigned)st, text);
 }
 
@@ -616,7 +598,7 @@ static void test_watch(void **state) {
                   "--json", NULL};
   int st = watch_one(argv, out, kick_attach, c, &w);
   expect_watch_ok(st, out);
-  char *text = slurp(out);
+  char *text = sp_test_read_file(out);
   size_t lines = 0;
   for (const char *p = text; *p; p++) lines += *p == '\n';
   assert_int_equal(lines, 1); /* --count 1: one event, one line */
@@ -633,7 +615,7 @@ static void test_watch(void **state) {
                    "--rank", "0", "--count", "1", NULL};
   st = watch_one(targv, out, kick_transition, c, &w);
   expect_watch_ok(st, out);
-  text = slurp(out);
+  text = sp_test_read_file(out);
   assert_non_null(strstr(text, "rank 0"));
   assert_non_null(strstr(text, "TRANSITION"));
   assert_non_null(strstr(text, "root -> "));

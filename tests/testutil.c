@@ -44,6 +44,25 @@ char *sp_test_path(const char *dir, const char *name) {
   return p;
 }
 
+char *sp_test_read_file(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  size_t cap = 1 << 16, len = 0, n;
+  char *buf = malloc(cap);
+  assert_non_null(buf);
+  while ((n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+    len += n;
+    if (len + 1 == cap) {
+      cap *= 2;
+      buf = realloc(buf, cap);
+      assert_non_null(buf);
+    }
+  }
+  fclose(f);
+  buf[len] = '\0';
+  return buf;
+}
+
 void sp_test_write_file(const char *path, const void *data, size_t len) {
   FILE *f = fopen(path, "wb");
   assert_non_null(f);

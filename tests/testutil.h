@@ -25,6 +25,9 @@ uint64_t sp_test_rng_below(sp_test_rng *r, uint64_t n);
 char *sp_test_mkdtemp(void);
 /* Joins dir and name into a malloc'd path. */
 char *sp_test_path(const char *dir, const char *name);
+/* The whole file as a malloc'd NUL-terminated string (the caller frees).
+ * Aborts the test on failure. */
+char *sp_test_read_file(const char *path);
 /* Writes len bytes to path, replacing it. Aborts the test on failure. */
 void sp_test_write_file(const char *path, const void *data, size_t len);
 /* Removes a directory tree created by sp_test_mkdtemp (best effort). */
