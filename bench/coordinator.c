@@ -60,6 +60,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "sp_error.h"
@@ -152,20 +153,9 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
   }
   /* "listening on 127.0.0.1:PORT\n", within 20 s */
   char line[128];
-  size_t have = 0;
   ch->port = 0;
-  while (have < sizeof line - 1) {
-    struct pollfd p = {.fd = out[0], .events = POLLIN};
-    if (poll(&p, 1, 20000) <= 0) break;
-    ssize_t n = read(out[0], line + have, sizeof line - 1 - have);
-    if (n <= 0) break;
-    have += (size_t)n;
-    line[have] = '\0';
-    if (strchr(line, '\n') != NULL) {
-      sscanf(line, "listening on 127.0.0.1:%d", &ch->port);
-      break;
-    }
-  }
+  if (sp_bench_read_line(out[0], line, sizeof line, 20000) == 0)
+    sscanf(line, "listening on 127.0.0.1:%d", &ch->port);
   close(out[0]);
   if (ch->port <= 0) {
     kill(ch->pid, SIGKILL);

@@ -45,6 +45,7 @@
 
 #include "echo.pb-c.h"
 #include "echo_service.h"
+#include "bench_util.h"
 #include "rpc.h"
 
 extern char **environ;
@@ -438,20 +439,9 @@ static int grpcpp_start(grpcpp_server *g, const bench_opts *o, sp_diag *d) {
   }
   /* "PORT <n>\n", within 20 s */
   char line[64];
-  size_t have = 0;
   g->port = 0;
-  while (have < sizeof line - 1) {
-    struct pollfd p = {.fd = out[0], .events = POLLIN};
-    if (poll(&p, 1, 20000) <= 0) break;
-    ssize_t n = read(out[0], line + have, sizeof line - 1 - have);
-    if (n <= 0) break;
-    have += (size_t)n;
-    line[have] = '\0';
-    if (strchr(line, '\n') != NULL) {
-      sscanf(line, "PORT %d", &g->port);
-      break;
-    }
-  }
+  if (sp_bench_read_line(out[0], line, sizeof line, 20000) == 0)
+    sscanf(line, "PORT %d", &g->port);
   close(out[0]);
   if (g->port <= 0) {
     close(g->to_child);

@@ -536,7 +536,7 @@ static void report(sp_rpc_sync *c, const char *session, int root_state) {
 static int watch_one(char *const argv[], const char *out,
                      void (*kick)(sp_rpc_sync *, void *), sp_rpc_sync *c,
                      void *arg) {
-  char err[1024];
+  char err[1100]; /* out is at most 1024 bytes */
   snprintf(err, sizeof err, "%s.err", out);
   pid_t pid = spawn(argv, out, err, NULL);
   int64_t end = now_ms() + CHILD_TIMEOUT_MS;
@@ -554,7 +554,7 @@ static int watch_one(char *const argv[], const char *out,
 /* The watcher exited 0; else its stderr says why. */
 static void expect_watch_ok(int st, const char *out) {
   if (st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0) return;
-  char err[1024];
+  char err[1100]; /* out is at most 1024 bytes */
   snprintf(err, sizeof err, "%s.err", out);
   char *text = sp_test_read_file(err);
   fail_msg("watch: status 0x%x: %s", (unsigned)st, text);

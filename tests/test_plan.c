@@ -779,7 +779,7 @@ static void random_subtree(json_t *spec, sp_test_rng *rng, const char *fqn,
   int kids = depth < 4 ? (int)sp_test_rng_below(rng, 4) : 0;
   int params = (int)sp_test_rng_below(rng, 4);
   for (int p = 0; p < params; p++) {
-    char name[300];
+    char name[320]; /* fqn (under 300) plus a short local name */
     snprintf(name, sizeof name, "%s%sp%d", fqn, fqn[0] ? "." : "", p);
     int nd = (int)sp_test_rng_below(rng, 4);
     int64_t shape[3];
@@ -793,8 +793,9 @@ static void random_subtree(json_t *spec, sp_test_rng *rng, const char *fqn,
   }
   for (int k = 0; k < kids && *budget > 0; k++) {
     (*budget)--;
-    char child[256];
-    snprintf(child, sizeof child, "%s%sm%d", fqn, fqn[0] ? "." : "", k);
+    char child[300]; /* depth <= 4: far below this */
+    if (snprintf(child, sizeof child, "%s%sm%d", fqn, fqn[0] ? "." : "", k) < 0)
+      fail_msg("snprintf");
     add_module(spec, child, "Mod");
     if (sp_test_rng_below(rng, 3) == 0) sp_strlist_add(wrap, child);
     random_subtree(spec, rng, child, depth + 1, budget, wrap);
