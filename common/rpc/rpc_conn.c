@@ -209,7 +209,7 @@ again:
     }
     if (n == 0) break;
     if (c->wlen + (size_t)n > c->wcap) {
-      size_t cap = c->wcap ? c->wcap : 16384;
+      size_t cap = c->wcap ? c->wcap : 2048;
       while (cap < c->wlen + (size_t)n) cap *= 2;
       uint8_t *b = realloc(c->wbuf, cap);
       if (b == NULL) {
