@@ -1,8 +1,16 @@
 #include "bench_util.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+extern char **environ;
 
 int sp_bench_read_line(int fd, char *line, size_t cap, int timeout_ms) {
   size_t have = 0;
@@ -16,5 +24,65 @@ int sp_bench_read_line(int fd, char *line, size_t cap, int timeout_ms) {
     line[have] = '\0';
     if (strchr(line, '\n') != NULL) return 0;
   }
+  return -1;
+}
+
+int sp_bench_spawn(sp_bench_child *ch, char *const argv[], bool with_stdin,
+                   const char *port_fmt, sp_diag *diag) {
+  int in[2] = {-1, -1}, out[2];
+  ch->pid = -1;
+  ch->to_child = -1;
+  ch->port = 0;
+  /* close-on-exec everywhere: the child gets only its stdin and stdout */
+  if (pipe2(out, O_CLOEXEC) != 0)
+    return sp_diag_set(diag, SP_EIO, "pipe: %s", strerror(errno));
+  if (with_stdin && pipe2(in, O_CLOEXEC) != 0) {
+    close(out[0]);
+    close(out[1]);
+    return sp_diag_set(diag, SP_EIO, "pipe: %s", strerror(errno));
+  }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  if (with_stdin) posix_spawn_file_actions_adddup2(&fa, in[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
+  int rc = posix_spawn(&ch->pid, argv[0], &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(out[1]);
+  if (with_stdin) close(in[0]);
+  ch->to_child = in[1];
+  if (rc != 0) {
+    close(out[0]);
+    if (ch->to_child >= 0) close(ch->to_child);
+    ch->to_child = -1;
+    return sp_diag_set(diag, SP_EIO, "cannot start %s: %s", argv[0],
+                       strerror(rc));
+  }
+  char line[160];
+  if (sp_bench_read_line(out[0], line, sizeof line, 20000) == 0)
+    sscanf(line, port_fmt, &ch->port);
+  close(out[0]);
+  if (ch->port <= 0) {
+    if (ch->to_child >= 0) close(ch->to_child);
+    ch->to_child = -1;
+    kill(ch->pid, SIGKILL);
+    waitpid(ch->pid, NULL, 0);
+    return sp_diag_set(diag, SP_EIO, "%s did not report its port",
+                       argv[0]);
+  }
+  return 0;
+}
+
+int sp_bench_stop(sp_bench_child *ch, int wait_ms) {
+  if (ch->to_child >= 0) close(ch->to_child);
+  ch->to_child = -1;
+  kill(ch->pid, SIGTERM);
+  for (int i = 0; i < wait_ms / 10; i++) {
+    int st;
+    if (waitpid(ch->pid, &st, WNOHANG) == ch->pid)
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    usleep(10 * 1000);
+  }
+  kill(ch->pid, SIGKILL);
+  waitpid(ch->pid, NULL, 0);
   return -1;
 }

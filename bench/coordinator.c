@@ -90,10 +90,7 @@ static uint64_t now_ns(void) { return uv_hrtime(); }
 /* The coordinator process                                             */
 /* ------------------------------------------------------------------ */
 
-typedef struct child {
-  pid_t pid;
-  int port;
-} child;
+typedef sp_bench_child child;
 
 /* The model spec: root ("BenchNet") owning head.{weight,bias}, then
  * blocks.0 .. blocks.{units-2} of type Block, each with fc.{weight,bias}. */
@@ -126,9 +123,6 @@ static int write_model(const char *path, uint32_t units) {
 
 static int child_start(child *ch, const bench_opts *o, const char *model,
                        sp_diag *d) {
-  int out[2];
-  if (pipe2(out, O_CLOEXEC) != 0)
-    return sp_diag_set(d, SP_EIO, "pipe: %s", strerror(errno));
   char world[16];
   snprintf(world, sizeof world, "%u", o->ranks);
   char *argv[] = {(char *)o->coordinator,
@@ -140,45 +134,11 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
                    * nobody must be declared lost for it */
                   "--heartbeat-timeout-ms", "3600000",
                   "--quiet", NULL};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
-  int rc = posix_spawn(&ch->pid, o->coordinator, &fa, NULL, argv, environ);
-  posix_spawn_file_actions_destroy(&fa);
-  close(out[1]);
-  if (rc != 0) {
-    close(out[0]);
-    return sp_diag_set(d, SP_EIO, "cannot start %s: %s", o->coordinator,
-                       strerror(rc));
-  }
-  /* "listening on 127.0.0.1:PORT\n", within 20 s */
-  char line[128];
-  ch->port = 0;
-  if (sp_bench_read_line(out[0], line, sizeof line, 20000) == 0)
-    sscanf(line, "listening on 127.0.0.1:%d", &ch->port);
-  close(out[0]);
-  if (ch->port <= 0) {
-    kill(ch->pid, SIGKILL);
-    waitpid(ch->pid, NULL, 0);
-    return sp_diag_set(d, SP_EIO, "%s did not report \"listening on\"",
-                       o->coordinator);
-  }
-  return 0;
+  return sp_bench_spawn(ch, argv, false, "listening on 127.0.0.1:%d", d);
 }
 
 /* SIGTERM, then the exit status (SIGKILL after 10 s: -1). */
-static int child_stop(child *ch) {
-  kill(ch->pid, SIGTERM);
-  for (int i = 0; i < 1000; i++) {
-    int st;
-    if (waitpid(ch->pid, &st, WNOHANG) == ch->pid)
-      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    usleep(10 * 1000);
-  }
-  kill(ch->pid, SIGKILL);
-  waitpid(ch->pid, NULL, 0);
-  return -1;
-}
+static int child_stop(child *ch) { return sp_bench_stop(ch, 10000); }
 
 /* VmRSS in KiB, or -1. */
 static long read_rss_kib(pid_t pid) {

@@ -402,67 +402,18 @@ static void our_server_stop(our_server *s) {
 /* The gRPC C++ server, a child process                                */
 /* ------------------------------------------------------------------ */
 
-typedef struct grpcpp_server {
-  pid_t pid;
-  int to_child; /* its stdin: closing it stops the server */
-  int port;
-} grpcpp_server;
+/* Its stdin is a pipe: closing it stops the server. */
+typedef sp_bench_child grpcpp_server;
 
 static int grpcpp_start(grpcpp_server *g, const bench_opts *o, sp_diag *d) {
-  int in[2], out[2];
-  /* close-on-exec everywhere: the child gets only its stdin and stdout */
-  if (pipe2(in, O_CLOEXEC) != 0)
-    return sp_diag_set(d, SP_EIO, "pipe: %s", strerror(errno));
-  if (pipe2(out, O_CLOEXEC) != 0) {
-    close(in[0]);
-    close(in[1]);
-    return sp_diag_set(d, SP_EIO, "pipe: %s", strerror(errno));
-  }
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
   char threads[16];
   snprintf(threads, sizeof threads, "%d", o->grpcpp_threads);
   char *argv[] = {(char *)o->grpcpp_server, "--threads", threads, NULL};
   if (o->grpcpp_threads <= 0) argv[1] = NULL;
-  int rc = posix_spawn(&g->pid, o->grpcpp_server, &fa, NULL, argv, environ);
-  posix_spawn_file_actions_destroy(&fa);
-  close(in[0]);
-  close(out[1]);
-  g->to_child = in[1];
-  if (rc != 0) {
-    close(in[1]);
-    close(out[0]);
-    return sp_diag_set(d, SP_EIO, "cannot start %s: %s", o->grpcpp_server,
-                       strerror(rc));
-  }
-  /* "PORT <n>\n", within 20 s */
-  char line[64];
-  g->port = 0;
-  if (sp_bench_read_line(out[0], line, sizeof line, 20000) == 0)
-    sscanf(line, "PORT %d", &g->port);
-  close(out[0]);
-  if (g->port <= 0) {
-    close(g->to_child);
-    kill(g->pid, SIGKILL);
-    waitpid(g->pid, NULL, 0);
-    return sp_diag_set(d, SP_EIO, "%s did not report its port",
-                       o->grpcpp_server);
-  }
-  return 0;
+  return sp_bench_spawn(g, argv, true, "PORT %d", d);
 }
 
-static void grpcpp_stop(grpcpp_server *g) {
-  close(g->to_child);
-  kill(g->pid, SIGTERM);
-  for (int i = 0; i < 300; i++) { /* up to 3 s, then kill */
-    if (waitpid(g->pid, NULL, WNOHANG) == g->pid) return;
-    usleep(10 * 1000);
-  }
-  kill(g->pid, SIGKILL);
-  waitpid(g->pid, NULL, 0);
-}
+static void grpcpp_stop(grpcpp_server *g) { sp_bench_stop(g, 3000); }
 
 /* ------------------------------------------------------------------ */
 /* The client driver: N unary calls kept in flight on one connection   */
