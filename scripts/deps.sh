@@ -8,8 +8,12 @@ PACKAGES=(
   gcc g++ make cmake ninja-build pkg-config
   libjansson-dev libprotobuf-c-dev protobuf-c-compiler libcmocka-dev
   libuv1-dev libnghttp2-dev
+  # CPU collectives of the worker runtime
+  libgloo-dev
   # interop tests: a real gRPC implementation nobody here wrote
   python3 python3-grpcio python3-protobuf protobuf-compiler
+  # the independent safetensors reader of the checkpoint tests
+  python3-numpy
 )
 # `./dev bench` also needs the reference gRPC C++ server
 if [ "${SHARDPLANE_DEPS_BENCH:-0}" = 1 ]; then

@@ -1,0 +1,308 @@
+/* libshardplane: the C API a training program links.
+ *
+ * A worker process is one rank of a job. It
+ *   1. opens a session (sp_session_open): connects to the coordinator,
+ *      fetches the job and the model spec, builds the plan locally and checks
+ *      that its version equals the coordinator's, attaches, and starts a
+ *      background thread that keeps the Session stream (heartbeats, batched
+ *      transitions and collective fingerprints up; ABORT down);
+ *   2. creates communicators (sp_comm_*) whose rendezvous goes through the
+ *      coordinator's store (no other side channel, no fixed ports);
+ *   3. creates the FSDP runtime (sp_fsdp_*) that owns the flat-parameter
+ *      shards and runs unshard / reshard / gradient reduction per unit, in
+ *      the schedule of the job's sharding strategy, reporting every
+ *      transition and collective through the session;
+ *   4. trains, saves and loads checkpoints (sp_ckpt_*), closes everything.
+ *
+ * Conventions (as the rest of shardplane): every fallible function returns
+ * 0 or a negative SP_E* code (sp_error.h, sp_strerror) and, when given an
+ * sp_diag, a message naming the rank, unit, FQN, file or key at fault.
+ * Nothing here calls exit() or aborts the process. Objects are created by
+ * *_open/*_new and released by the matching *_close/*_free, which accept
+ * NULL. Unless a function says otherwise an object is used by one thread at
+ * a time (the training thread).
+ */
+#ifndef SHARDPLANE_H
+#define SHARDPLANE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dtype.h"
+#include "job.h"
+#include "model.h"
+#include "plan.h"
+#include "sp_error.h"
+#include "state.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ================================================================== */
+/* Session: attach, plan, store, reporting                            */
+/* ================================================================== */
+
+typedef struct sp_session sp_session;
+
+/* Collective ops, equal to the wire enum shardplane.v1.CollectiveOp. */
+typedef enum sp_coll_op {
+  SP_OP_ALL_GATHER = 1,
+  SP_OP_REDUCE_SCATTER = 2,
+  SP_OP_ALL_REDUCE = 3,
+  SP_OP_BROADCAST = 4,
+  SP_OP_BARRIER = 5,
+} sp_coll_op;
+
+typedef struct sp_session_opts {
+  const char *coordinator; /* "host:port"; required */
+  uint32_t rank;
+  const char *device;          /* "cpu", "cuda:0"; NULL: "cpu" */
+  uint64_t connect_timeout_ms; /* 0: 20000 */
+  /* Events the training thread may queue before the background thread has
+   * sent them; 0: 65536. Rounded up to a power of two. When the queue is
+   * full an event is dropped and counted (sp_session_dropped), never
+   * waited for: reporting must not block training. */
+  size_t queue_events;
+  /* false: transitions are still checked locally but nothing is queued or
+   * sent (heartbeats still are). For measuring the cost of reporting. */
+  bool no_report;
+  /* Called once, from the background thread, when the coordinator sends
+   * ABORT or the Session stream fails; reason is valid during the call. The
+   * callback must be thread-safe (typically it calls sp_comm_abort). */
+  void (*on_abort)(void *user, const char *reason);
+  void *user;
+} sp_session_opts;
+
+/* Connects, fetches the job and model spec, builds the plan, checks the
+ * plan version against the coordinator's, attaches as opts->rank and starts
+ * the background thread. Errors: SP_EINVAL (bad opts, rank out of range),
+ * SP_ECONNREFUSED/SP_ETIMEDOUT (coordinator unreachable), SP_ESTATE (plan
+ * version mismatch, naming both versions), SP_EEXIST (rank already
+ * attached), SP_ENOMEM. The session owns the model, job and plan. */
+int sp_session_open(const sp_session_opts *opts, sp_session **out,
+                    sp_diag *d);
+
+/* Flushes queued events (up to timeout_ms, 0: 5000), detaches, stops the
+ * background thread and frees everything. Returns the first error seen by
+ * the background thread, or the flush/detach error; the session is freed
+ * whatever the result. */
+int sp_session_close(sp_session *s, uint64_t timeout_ms, sp_diag *d);
+
+/* Borrowed; valid until sp_session_close. */
+const sp_plan *sp_session_plan(const sp_session *s);
+const sp_model *sp_session_model(const sp_session *s);
+const sp_job *sp_session_job(const sp_session *s);
+uint32_t sp_session_rank(const sp_session *s);
+uint32_t sp_session_world(const sp_session *s);
+const char *sp_session_coordinator(const sp_session *s);
+
+/* Store calls on the coordinator, blocking, safe from any thread (they use
+ * their own connection under a lock). get: waits until the key exists when
+ * wait_ms > 0 (SP_ETIMEDOUT after it), SP_ENOENT when absent and not
+ * waiting; *val is malloc'd, the caller frees it. */
+int sp_session_store_set(sp_session *s, const char *key, const void *val,
+                         size_t len, sp_diag *d);
+int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
+                         uint8_t **val, size_t *len, sp_diag *d);
+int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
+                         int64_t *value, sp_diag *d);
+
+/* ---- reporting: training thread only ----
+ * Each call costs a table check and a store into a ring (no lock, no
+ * syscall). */
+
+/* Checks the transition against the shared state tables and this rank's
+ * tracker, applies it and queues it. SP_ESTATE (with the legal next states)
+ * if it is illegal; nothing is queued then. unit is ignored for the root
+ * machine. */
+int sp_session_transition(sp_session *s, sp_machine m, uint32_t unit, int to,
+                          sp_diag *d);
+/* Current state in the local tracker. */
+int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit);
+/* Queues a collective fingerprint; the sequence number is assigned here
+ * and returned. */
+uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
+                               sp_dtype dtype, uint64_t count);
+/* Sets the step number carried by later events and heartbeats. */
+void sp_session_set_step(sp_session *s, uint64_t step);
+/* Waits until every event queued so far has been acknowledged by the
+ * coordinator. SP_ETIMEDOUT after timeout_ms. Returns SP_ESTATE if the
+ * coordinator rejected a transition (the first rejection in d). */
+int sp_session_flush(sp_session *s, uint64_t timeout_ms, sp_diag *d);
+/* Events dropped because the queue was full. Any thread. */
+uint64_t sp_session_dropped(const sp_session *s);
+/* Whether an ABORT arrived or the stream failed; the reason, if given,
+ * receives a copy (cap bytes). Any thread. */
+bool sp_session_aborted(const sp_session *s, char *reason, size_t cap);
+
+/* ================================================================== */
+/* Communicators                                                      */
+/* ================================================================== */
+
+/* A group of ranks that run collectives together. Every member calls the
+ * same operations in the same order. Sums are deterministic: every member
+ * gets identical bits, summed in member order; bfloat16/float16 are summed
+ * in float32 and rounded once (round to nearest even).
+ *
+ * The store a communicator bootstraps through: set and blocking get. */
+typedef struct sp_comm_store {
+  int (*set)(void *user, const char *key, const void *val, size_t len,
+             sp_diag *d);
+  /* Waits up to wait_ms for the key; *val malloc'd, caller frees. */
+  int (*get)(void *user, const char *key, uint64_t wait_ms, uint8_t **val,
+             size_t *len, sp_diag *d);
+  void *user;
+} sp_comm_store;
+
+/* The session's store as an sp_comm_store (borrowing s). */
+sp_comm_store sp_session_comm_store(sp_session *s);
+
+typedef struct sp_comm sp_comm;
+
+typedef struct sp_comm_opts {
+  sp_backend backend;     /* SP_BACKEND_GLOO (NCCL: the GPU build) */
+  sp_comm_store store;
+  const char *prefix;     /* store key namespace, unique per communicator */
+  uint32_t rank;          /* rank within this communicator */
+  uint32_t size;          /* members */
+  uint64_t timeout_ms;    /* rendezvous and per-operation; 0: 60000 */
+  const char *device;     /* GPU backends: "cuda:N" */
+} sp_comm_opts;
+
+/* Creates the communicator and rendezvouses with the other members (blocks
+ * until all have joined or the timeout passes: SP_ETIMEDOUT). SP_EUNSUPPORTED
+ * for a backend not built in. */
+int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d);
+void sp_comm_free(sp_comm *c);
+uint32_t sp_comm_rank(const sp_comm *c);
+uint32_t sp_comm_size(const sp_comm *c);
+
+/* recv holds size*count elements: member i's count elements at i*count.
+ * send may alias recv + rank*count. */
+int sp_comm_all_gather(sp_comm *c, const void *send, void *recv, size_t count,
+                       sp_dtype dt, sp_diag *d);
+/* send holds size*count elements; recv gets the sum over members of their
+ * block `rank`. */
+int sp_comm_reduce_scatter(sp_comm *c, const void *send, void *recv,
+                           size_t count, sp_dtype dt, sp_diag *d);
+/* In-place sum. */
+int sp_comm_all_reduce(sp_comm *c, void *buf, size_t count, sp_dtype dt,
+                       sp_diag *d);
+int sp_comm_broadcast(sp_comm *c, void *buf, size_t count, sp_dtype dt,
+                      uint32_t root, sp_diag *d);
+int sp_comm_barrier(sp_comm *c, sp_diag *d);
+/* Makes the operation in progress and every later one fail with
+ * SP_ECANCELED, as soon as possible. Safe from any thread, also from a
+ * signal-free callback such as sp_session_opts.on_abort. */
+void sp_comm_abort(sp_comm *c);
+
+/* ================================================================== */
+/* FSDP runtime: flat-parameter handles                               */
+/* ================================================================== */
+
+typedef struct sp_fsdp sp_fsdp;
+
+typedef struct sp_fsdp_opts {
+  sp_session *session; /* plan, rank, reporting; required */
+  /* Communicators: world (all ranks); for HYBRID_SHARD also the shard group
+   * (ranks sharing r / g) and the replica group (ranks sharing r % g). The
+   * runtime borrows them. NO_SHARD uses world for the all-reduce. */
+  sp_comm *world, *shard_group, *replica_group;
+  bool backward_prefetch;      /* BACKWARD_PRE prefetch of the next unit */
+  uint32_t max_inflight_gathers; /* all-gather limiter; 0: 2 */
+  /* Called once per parameter to fill the master shard before training:
+   * elements [start, start + n) of parameter `param` (model index) in the
+   * parameter's dtype, written to dst. */
+  void (*init_param)(void *user, const sp_model *m, int32_t param,
+                     int64_t start, int64_t n, void *dst);
+  /* Same for buffers (whole buffer, original dtype). */
+  void (*init_buffer)(void *user, const sp_model *m, int32_t buffer,
+                      void *dst);
+  void *user;
+} sp_fsdp_opts;
+
+int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d);
+void sp_fsdp_free(sp_fsdp *f);
+
+/* The schedule. Each reports its transitions and collectives.
+ * root_pre_forward: lazy init on the first call (buffers cast to their
+ * compute dtype), root state -> FORWARD_BACKWARD.
+ * pre_forward(u): unshard u (unless still unsharded), u -> FORWARD.
+ * post_forward(u): u -> IDLE; reshard unless the strategy keeps it (root
+ * unit, SHARD_GRAD_OP, NO_SHARD).
+ * pre_backward(u): unshard if needed, u -> BACKWARD_PRE, prefetch the next
+ * unit in backward order.
+ * post_backward(u): u -> BACKWARD_POST; reduce the unit's gradient (cast to
+ * reduce_dtype, pre-divide, reduce-scatter / all-reduce, post-divide, cast
+ * back unless keep_low_precision_grads) into the sharded gradient; reshard.
+ * finish_backward: every unit -> IDLE, root -> IDLE. */
+int sp_fsdp_root_pre_forward(sp_fsdp *f, sp_diag *d);
+int sp_fsdp_pre_forward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_post_forward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_post_backward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d);
+
+/* A parameter's unsharded view (param_dtype of its unit) while its unit is
+ * unsharded; NULL otherwise. The gradient buffer of the same shape and
+ * dtype, to be written during backward before post_backward(unit). */
+void *sp_fsdp_param(sp_fsdp *f, int32_t param);
+void *sp_fsdp_param_grad(sp_fsdp *f, int32_t param);
+sp_dtype sp_fsdp_param_dtype(const sp_fsdp *f, int32_t param);
+/* A buffer's storage in its compute dtype (after the first forward) */
+void *sp_fsdp_buffer(sp_fsdp *f, int32_t buffer);
+sp_dtype sp_fsdp_buffer_dtype(const sp_fsdp *f, int32_t buffer);
+
+/* The master shard and its reduced gradient of a unit (unit dtype, c
+ * elements each; padding included). */
+void *sp_fsdp_shard(sp_fsdp *f, uint32_t unit, int64_t *numel);
+void *sp_fsdp_shard_grad(sp_fsdp *f, uint32_t unit);
+/* Plain SGD on every master shard: p -= lr * g. */
+int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d);
+
+/* Full (unpadded) value of parameter `param` in its original dtype,
+ * gathered from the master shards (a collective: every rank calls it for
+ * the same params in the same order). dst holds numel elements. */
+int sp_fsdp_gather_param(sp_fsdp *f, int32_t param, void *dst, sp_diag *d);
+
+/* Statistics for tests and benchmarks. */
+typedef struct sp_fsdp_stats {
+  uint64_t all_gathers;      /* issued */
+  uint64_t max_inflight;     /* most all-gathers in flight at once */
+  uint64_t prefetches;       /* backward prefetches issued */
+  uint64_t reduce_scatters;
+  uint64_t all_reduces;
+} sp_fsdp_stats;
+void sp_fsdp_get_stats(const sp_fsdp *f, sp_fsdp_stats *out);
+
+/* ================================================================== */
+/* Checkpoints (safetensors)                                          */
+/* ================================================================== */
+
+typedef enum sp_ckpt_kind {
+  SP_CKPT_FULL = 1,    /* rank 0 writes model.safetensors: every FQN */
+  SP_CKPT_SHARDED = 2, /* each rank rank-R-of-W.safetensors: dim-0 chunks;
+                          plus index.json */
+  SP_CKPT_LOCAL = 3,   /* each rank local-R-of-W.safetensors: flat shards */
+} sp_ckpt_kind;
+
+int sp_ckpt_kind_parse(const char *s, sp_ckpt_kind *out);
+const char *sp_ckpt_kind_name(sp_ckpt_kind k);
+
+/* Collective: every rank calls it. Creates dir if needed. Parameters are
+ * written in their original dtype (full precision), persistent buffers in
+ * their original dtype for FULL and SHARDED and in their compute dtype for
+ * LOCAL. */
+int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
+/* Loads a checkpoint into the master shards and buffers. FULL and SHARDED
+ * may come from another world size; LOCAL needs the same plan version.
+ * Errors name the file and tensor: SP_ENOENT (missing file or FQN),
+ * SP_EFORMAT (shape or dtype mismatch), SP_ESTATE (LOCAL plan mismatch). */
+int sp_ckpt_load(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
