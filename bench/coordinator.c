@@ -60,7 +60,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_util.h"
+#include "proc.h"
 #include "rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "sp_error.h"
@@ -90,7 +90,7 @@ static uint64_t now_ns(void) { return uv_hrtime(); }
 /* The coordinator process                                             */
 /* ------------------------------------------------------------------ */
 
-typedef sp_bench_child child;
+typedef sp_proc child;
 
 /* The model spec: root ("BenchNet") owning head.{weight,bias}, then
  * blocks.0 .. blocks.{units-2} of type Block, each with fc.{weight,bias}. */
@@ -134,11 +134,11 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
                    * nobody must be declared lost for it */
                   "--heartbeat-timeout-ms", "3600000",
                   "--quiet", NULL};
-  return sp_bench_spawn(ch, argv, false, "listening on 127.0.0.1:%d", d);
+  return sp_proc_spawn(ch, argv, false, false, "listening on 127.0.0.1:%d", d);
 }
 
 /* SIGTERM, then the exit status (SIGKILL after 10 s: -1). */
-static int child_stop(child *ch) { return sp_bench_stop(ch, 10000); }
+static int child_stop(child *ch) { return sp_proc_stop(ch, 10000); }
 
 /* VmRSS in KiB, or -1. */
 static long read_rss_kib(pid_t pid) {

@@ -45,7 +45,7 @@
 
 #include "echo.pb-c.h"
 #include "echo_service.h"
-#include "bench_util.h"
+#include "proc.h"
 #include "rpc.h"
 
 extern char **environ;
@@ -403,17 +403,17 @@ static void our_server_stop(our_server *s) {
 /* ------------------------------------------------------------------ */
 
 /* Its stdin is a pipe: closing it stops the server. */
-typedef sp_bench_child grpcpp_server;
+typedef sp_proc grpcpp_server;
 
 static int grpcpp_start(grpcpp_server *g, const bench_opts *o, sp_diag *d) {
   char threads[16];
   snprintf(threads, sizeof threads, "%d", o->grpcpp_threads);
   char *argv[] = {(char *)o->grpcpp_server, "--threads", threads, NULL};
   if (o->grpcpp_threads <= 0) argv[1] = NULL;
-  return sp_bench_spawn(g, argv, true, "PORT %d", d);
+  return sp_proc_spawn(g, argv, true, false, "PORT %d", d);
 }
 
-static void grpcpp_stop(grpcpp_server *g) { sp_bench_stop(g, 3000); }
+static void grpcpp_stop(grpcpp_server *g) { sp_proc_stop(g, 3000); }
 
 /* ------------------------------------------------------------------ */
 /* The client driver: N unary calls kept in flight on one connection   */

@@ -30,6 +30,10 @@ int sp_cmd_buffers(int argc, char **argv);
 int sp_cmd_watch(int argc, char **argv);
 int sp_cmd_store(int argc, char **argv);
 
+/* `shardplane run` (run_cmd.c): a coordinator and N workers on this
+ * machine. */
+int sp_cmd_run(int argc, char **argv);
+
 /* Prints "shardplane <cmd>: <message>" to stderr. */
 void sp_cli_error(const char *cmd, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));

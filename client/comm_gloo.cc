@@ -1,2 +1,687 @@
 // The Gloo backend of sp_comm (the one C++ file of libshardplane).
+//
+// Why the collectives are written here on Gloo's point-to-point unbound
+// buffers instead of calling gloo::allgather / gloo::alltoall:
+//   * abort: Gloo has no abort API. A thread blocked inside gloo::allgather
+//     waits on buffers it owns privately, so nothing outside can wake it
+//     before its timeout. With our own buffers, sp_comm_abort can call
+//     UnboundBuffer::abortWaitRecv/abortWaitSend on exactly the buffers the
+//     operation is blocked on: it returns within microseconds.
+//   * determinism: sums are done on the host by comm.c in member order, so
+//     Gloo only has to move bytes; each element of an all-reduce is summed by
+//     exactly one member and then copied, so every member holds the same bits
+//     even if their floating-point environments differ.
+//   * safety: every message's slot encodes the operation, dtype, count and
+//     root, so members that disagree (a desynchronised rank) never match
+//     each other's messages. Gloo's receive path asserts on a size mismatch
+//     in its event-loop thread, where an exception would terminate the
+//     process; with mismatched slots it times out instead.
+//
+// Failure rule: when an operation fails or is cancelled, every connection of
+// the communicator is closed before its buffers are released. Gloo's event
+// loop writes received data straight into the caller's memory; closing the
+// pairs (which takes each pair's lock, the one the loop holds while reading)
+// is the only way to be sure no late message lands in memory the caller is
+// about to free. Peers then see the connection drop and fail too instead of
+// hanging, which is what a lost member should cause.
+//
+// No C++ exception leaves this file: every extern "C" entry point catches
+// everything and returns a negative SP_E* code with a message.
 #include <gloo/config.h>
+
+#include <gloo/common/error.h>
+#include <gloo/context.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/device.h>
+#include <gloo/transport/tcp/attr.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
+
+#include "comm_internal.h"
+
+namespace {
+
+using Ms = std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+using gloo::transport::UnboundBuffer;
+
+// ---- SIGPIPE -------------------------------------------------------------------
+
+// Gloo writes with writev(2), so a write to a connection the peer has closed
+// raises SIGPIPE, whose default action kills the process: a lost member
+// would take every other member down with it. A library must not change the
+// process's signal dispositions, so SIGPIPE is blocked instead, on the
+// threads that write: the calling thread while it is inside Gloo (this
+// guard), and Gloo's event-loop thread, which inherits the mask of the
+// thread that creates the device. A write then fails with EPIPE, which Gloo
+// reports as an error, and the SIGPIPE it raised is consumed here before the
+// caller's mask comes back.
+class SigpipeGuard {
+ public:
+  SigpipeGuard() {
+    sigset_t s;
+    sigemptyset(&s);
+    sigaddset(&s, SIGPIPE);
+    active_ = pthread_sigmask(SIG_BLOCK, &s, &old_) == 0 &&
+              !sigismember(&old_, SIGPIPE);
+  }
+  SigpipeGuard(const SigpipeGuard &) = delete;
+  SigpipeGuard &operator=(const SigpipeGuard &) = delete;
+  ~SigpipeGuard() {
+    // A caller that blocks SIGPIPE itself keeps whatever is pending.
+    if (!active_) return;
+    sigset_t s, pending;
+    sigemptyset(&s);
+    sigaddset(&s, SIGPIPE);
+    if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE)) {
+      struct timespec zero = {0, 0};
+      while (sigtimedwait(&s, nullptr, &zero) == SIGPIPE) {
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+
+ private:
+  sigset_t old_;
+  bool active_ = false;
+};
+
+// ---- exceptions that carry our own codes -----------------------------------
+
+// A store callback failed; the code is the callback's, so a coordinator that
+// is down reads as such instead of as a Gloo error.
+struct StoreError : std::exception {
+  int code;
+  std::string msg;
+  StoreError(int c, std::string m) : code(c), msg(std::move(m)) {}
+  const char *what() const noexcept override { return msg.c_str(); }
+};
+
+// An operation was woken by sp_comm_abort.
+struct Canceled : std::exception {
+  const char *what() const noexcept override { return "cancelled"; }
+};
+
+// ---- the store bridge --------------------------------------------------------
+
+// Gloo's rendezvous (connectFullMesh) publishes each member's pair addresses
+// under the key "<rank>" and then waits for and reads every other member's.
+// Keys are namespaced as "<prefix>/<rank>". One deadline covers the whole
+// rendezvous: Gloo passes its own timeout to every wait, which would let a
+// rendezvous with W members take up to W-1 timeouts.
+class CStore : public gloo::rendezvous::Store {
+ public:
+  CStore(const sp_comm_store &s, const std::string &prefix,
+         Clock::time_point deadline, uint64_t timeout_ms)
+      : s_(s), prefix_(prefix), deadline_(deadline), timeout_ms_(timeout_ms) {}
+
+  void set(const std::string &key, const std::vector<char> &data) override {
+    std::string full = prefix_ + "/" + key;
+    sp_diag d{};
+    int rc = s_.set(s_.user, full.c_str(), data.data(), data.size(), &d);
+    if (rc < 0)
+      throw StoreError(rc, "store set '" + full + "': " + d.msg);
+  }
+
+  std::vector<char> get(const std::string &key) override {
+    auto it = cache_.find(key);
+    if (it != cache_.end()) {
+      std::vector<char> v = std::move(it->second);
+      cache_.erase(it);
+      return v;
+    }
+    return fetch(key);
+  }
+
+  void wait(const std::vector<std::string> &keys) override {
+    for (const auto &k : keys)
+      if (cache_.find(k) == cache_.end()) cache_[k] = fetch(k);
+  }
+
+  void wait(const std::vector<std::string> &keys, const Ms &) override {
+    wait(keys);
+  }
+
+ private:
+  std::vector<char> fetch(const std::string &key) {
+    std::string full = prefix_ + "/" + key;
+    auto left = std::chrono::duration_cast<Ms>(deadline_ - Clock::now());
+    // wait_ms 0 means "do not wait" to the callback: one last look at the
+    // store once the deadline has passed.
+    uint64_t wait_ms = left.count() > 0 ? (uint64_t)left.count() : 0;
+    uint8_t *val = nullptr;
+    size_t len = 0;
+    sp_diag d{};
+    int rc = s_.get(s_.user, full.c_str(), wait_ms, &val, &len, &d);
+    if (rc == SP_ETIMEDOUT || rc == SP_ENOENT) {
+      std::free(val);
+      throw StoreError(SP_ETIMEDOUT,
+                       "timed out after " + std::to_string(timeout_ms_) +
+                           " ms waiting for rank " + key +
+                           " to join (store key '" + full + "')");
+    }
+    if (rc < 0) {
+      std::free(val);
+      throw StoreError(rc, "store get '" + full + "': " + d.msg);
+    }
+    std::unique_ptr<uint8_t, decltype(&std::free)> owned(val, &std::free);
+    if (len > 0 && val == nullptr)
+      throw StoreError(SP_EIO, "store get '" + full + "' returned no value");
+    return std::vector<char>(reinterpret_cast<char *>(val),
+                             reinterpret_cast<char *>(val) + len);
+  }
+
+  const sp_comm_store &s_;
+  const std::string &prefix_;
+  const Clock::time_point deadline_;
+  const uint64_t timeout_ms_;
+  std::map<std::string, std::vector<char>> cache_;
+};
+
+// ---- the communicator --------------------------------------------------------
+
+struct GlooComm {
+  std::string prefix;
+  int rank = 0;
+  int size = 0;
+  uint64_t timeout_ms = 0;
+  std::shared_ptr<gloo::transport::Device> dev;
+  std::shared_ptr<gloo::rendezvous::Context> ctx;
+
+  // Guards aborted and active: abort wakes exactly the buffers registered
+  // here, and an operation unregisters its buffers (under this lock) before
+  // destroying them, so abort never touches a freed buffer.
+  std::mutex mu;
+  bool aborted = false;
+  std::vector<UnboundBuffer *> active;
+
+  // Operations issued; all members issue the same sequence, so this is the
+  // same on all of them for the same operation.
+  uint64_t seq = 0;
+
+  bool is_aborted() {
+    std::lock_guard<std::mutex> lk(mu);
+    return aborted;
+  }
+
+  // Idempotent; Pair::close takes the pair's lock, which the event loop
+  // holds while it reads into a buffer, so after this returns no receive is
+  // in progress and none will start.
+  void close_all() noexcept {
+    try {
+      if (ctx) ctx->closeConnections();
+    } catch (...) {
+      // Closing is best effort: a pair that fails to close is one whose
+      // socket is already gone.
+    }
+  }
+
+  ~GlooComm() {
+    // Pairs go before the device that runs their event loop.
+    ctx.reset();
+    dev.reset();
+  }
+};
+
+enum OpKind : uint32_t {
+  kAllGather = 1,
+  kReduceScatter = 2,
+  kAllReduceScatter = 3,
+  kAllReduceGather = 4,
+  kBroadcast = 5,
+  kBarrier = 6,
+};
+
+uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// One collective in progress: its buffers (registered for abort), its
+// deadline, its slots.
+class Op {
+ public:
+  Op(GlooComm &g, uint64_t a, uint64_t b, uint64_t c)
+      : g_(g),
+        deadline_(Clock::now() + Ms(g.timeout_ms)),
+        seq_(g.seq++),
+        a_(a),
+        b_(b),
+        c_(c) {}
+
+  Op(const Op &) = delete;
+  Op &operator=(const Op &) = delete;
+
+  ~Op() {
+    if (!done_) g_.close_all();
+    std::lock_guard<std::mutex> lk(g_.mu);
+    for (auto &b : bufs_) {
+      auto it = std::find(g_.active.begin(), g_.active.end(), b.get());
+      if (it != g_.active.end()) g_.active.erase(it);
+    }
+  }
+
+  // The slot of one phase: the low half names the operation and its
+  // arguments, the high half its place in the sequence.
+  uint64_t slot(OpKind kind) const {
+    uint64_t h = mix64(mix64(mix64(mix64((uint64_t)kind) ^ a_) ^ b_) ^ c_);
+    return (seq_ << 32) | (h & 0xFFFFFFFFull);
+  }
+
+  UnboundBuffer *buffer(void *ptr, size_t nbytes) {
+    auto b = g_.ctx->createUnboundBuffer(ptr, nbytes);
+    std::lock_guard<std::mutex> lk(g_.mu);
+    if (g_.aborted) throw Canceled();
+    bufs_.reserve(bufs_.size() + 1);
+    g_.active.reserve(g_.active.size() + 1);
+    g_.active.push_back(b.get());
+    bufs_.push_back(std::move(b));
+    return bufs_.back().get();
+  }
+
+  void wait_recv(UnboundBuffer *b) {
+    if (!b->waitRecv(nullptr, left())) throw Canceled();
+  }
+  void wait_send(UnboundBuffer *b) {
+    if (!b->waitSend(nullptr, left())) throw Canceled();
+  }
+
+  bool past_deadline() const { return Clock::now() >= deadline_; }
+
+  // Every transfer completed: the connections stay open.
+  void finish() { done_ = true; }
+
+ private:
+  // Gloo treats 0 as "no timeout" and a negative value as "the context's
+  // default", so the remaining time never goes below 1 ms.
+  Ms left() const {
+    auto r = std::chrono::duration_cast<Ms>(deadline_ - Clock::now());
+    return std::max(r, Ms(1));
+  }
+
+  GlooComm &g_;
+  const Clock::time_point deadline_;
+  const uint64_t seq_;
+  const uint64_t a_, b_, c_;
+  bool done_ = false;
+  std::vector<std::unique_ptr<UnboundBuffer>> bufs_;
+};
+
+bool mentions_timeout(const char *what) {
+  std::string s(what);
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char ch) { return (char)std::tolower(ch); });
+  return s.find("timed out") != std::string::npos ||
+         s.find("timeout") != std::string::npos;
+}
+
+// The exception boundary of every operation. f may throw anything; the
+// communicator's state decides how a Gloo error reads: after an abort any
+// error is the abort's doing.
+template <typename F>
+int guarded(GlooComm *g, sp_diag *d, F &&f) noexcept {
+  SigpipeGuard nosigpipe;
+  bool timed_out = false;
+  try {
+    f(timed_out);
+    return 0;
+  } catch (const Canceled &) {
+    return sp_diag_set(d, SP_ECANCELED, "cancelled by sp_comm_abort");
+  } catch (const std::bad_alloc &) {
+    if (g->is_aborted())
+      return sp_diag_set(d, SP_ECANCELED, "cancelled by sp_comm_abort");
+    return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  } catch (const std::exception &e) {
+    try {
+      if (g->is_aborted())
+        return sp_diag_set(d, SP_ECANCELED,
+                           "cancelled by sp_comm_abort (gloo: %s)", e.what());
+      if (timed_out || mentions_timeout(e.what()))
+        return sp_diag_set(d, SP_ETIMEDOUT,
+                           "timed out after %llu ms: a member did not take "
+                           "part, or members issued different collectives "
+                           "(gloo: %s)",
+                           (unsigned long long)g->timeout_ms, e.what());
+      return sp_diag_set(d, SP_EIO, "connection to a member failed (gloo: %s)",
+                         e.what());
+    } catch (...) {
+      return sp_diag_set(d, SP_EIO, "gloo error");
+    }
+  } catch (...) {
+    return sp_diag_set(d, SP_EIO, "unknown C++ exception from gloo");
+  }
+}
+
+// Runs the body of a collective; on an exception decides, before the Op (and
+// its buffers) is destroyed, whether the deadline had passed.
+template <typename B>
+void run_op(Op &op, bool &timed_out, B &&body) {
+  try {
+    body();
+    op.finish();
+  } catch (...) {
+    timed_out = op.past_deadline();
+    throw;
+  }
+}
+
+// ---- collectives -------------------------------------------------------------
+
+void do_all_gather(GlooComm &g, const void *send, void *recv, size_t nbytes,
+                   bool &timed_out) {
+  Op op(g, nbytes, 0, 0);
+  run_op(op, timed_out, [&] {
+    auto *out = static_cast<unsigned char *>(recv);
+    unsigned char *mine = out + (size_t)g.rank * nbytes;
+    // The own block travels from its place in recv, so send may alias it
+    // (and need not stay valid while the peers are served).
+    if (send != mine) std::memmove(mine, send, nbytes);
+    UnboundBuffer *b = op.buffer(out, nbytes * (size_t)g.size);
+    const uint64_t slot = op.slot(kAllGather);
+    for (int i = 0; i < g.size; i++) {
+      if (i == g.rank) continue;
+      b->recv(i, slot, (size_t)i * nbytes, nbytes);
+      b->send(i, slot, (size_t)g.rank * nbytes, nbytes);
+    }
+    for (int i = 1; i < g.size; i++) op.wait_recv(b);
+    for (int i = 1; i < g.size; i++) op.wait_send(b);
+  });
+}
+
+void do_reduce_scatter(GlooComm &g, const void *send, void *recv, size_t count,
+                       sp_dtype dt, bool &timed_out) {
+  const size_t esz = sp_dtype_size(dt);
+  const size_t nbytes = count * esz;
+  Op op(g, count, (uint64_t)dt, 0);
+  run_op(op, timed_out, [&] {
+    // Block i of tmp receives member i's block `rank`; the own block is
+    // read in place.
+    std::unique_ptr<unsigned char[]> tmp(
+        new unsigned char[nbytes * (size_t)g.size]);
+    auto *in = static_cast<unsigned char *>(const_cast<void *>(send));
+    UnboundBuffer *sb = op.buffer(in, nbytes * (size_t)g.size);
+    UnboundBuffer *rb = op.buffer(tmp.get(), nbytes * (size_t)g.size);
+    const uint64_t slot = op.slot(kReduceScatter);
+    for (int i = 0; i < g.size; i++) {
+      if (i == g.rank) continue;
+      rb->recv(i, slot, (size_t)i * nbytes, nbytes);
+      sb->send(i, slot, (size_t)i * nbytes, nbytes);
+    }
+    for (int i = 1; i < g.size; i++) op.wait_recv(rb);
+    for (int i = 1; i < g.size; i++) op.wait_send(sb);
+    std::vector<const void *> blocks((size_t)g.size);
+    for (int i = 0; i < g.size; i++)
+      blocks[(size_t)i] = i == g.rank ? in + (size_t)i * nbytes
+                                      : tmp.get() + (size_t)i * nbytes;
+    // Every send has completed, so recv may overlap send: the sum reads
+    // each chunk of every block before writing that chunk.
+    if (sp_comm_sum_blocks(recv, blocks.data(), (uint32_t)g.size, count, dt) <
+        0)
+      throw std::invalid_argument("no sum for this dtype");
+  });
+}
+
+// Reduce-scatter over ceil(count / size) blocks, each summed by its owner,
+// then an all-gather of the sums: every element is computed once, so every
+// member gets the owner's bits. Trailing blocks may be short or empty.
+void do_all_reduce(GlooComm &g, void *buf, size_t count, sp_dtype dt,
+                   bool &timed_out) {
+  const size_t esz = sp_dtype_size(dt);
+  const size_t w = (size_t)g.size;
+  const size_t chunk = count / w + (count % w != 0);
+  auto off = [&](size_t j) { return std::min(j * chunk, count); };
+  auto len = [&](size_t j) { return std::min(chunk, count - off(j)); };
+  const size_t me = (size_t)g.rank;
+  const size_t mylen = len(me);
+  Op op(g, count, (uint64_t)dt, 0);
+  run_op(op, timed_out, [&] {
+    auto *data = static_cast<unsigned char *>(buf);
+    std::unique_ptr<unsigned char[]> tmp(
+        new unsigned char[mylen * esz * w + 1]);
+    UnboundBuffer *db = op.buffer(data, count * esz);
+    UnboundBuffer *tb = op.buffer(tmp.get(), mylen * esz * w + 1);
+    uint64_t slot = op.slot(kAllReduceScatter);
+    int nrecv = 0, nsend = 0;
+    for (size_t i = 0; i < w; i++) {
+      if (i == me) continue;
+      if (mylen > 0) {
+        tb->recv((int)i, slot, i * mylen * esz, mylen * esz);
+        nrecv++;
+      }
+      if (len(i) > 0) {
+        db->send((int)i, slot, off(i) * esz, len(i) * esz);
+        nsend++;
+      }
+    }
+    for (int i = 0; i < nrecv; i++) op.wait_recv(tb);
+    for (int i = 0; i < nsend; i++) op.wait_send(db);
+    if (mylen > 0) {
+      std::vector<const void *> blocks(w);
+      for (size_t i = 0; i < w; i++)
+        blocks[i] = i == me ? data + off(me) * esz : tmp.get() + i * mylen * esz;
+      if (sp_comm_sum_blocks(data + off(me) * esz, blocks.data(),
+                             (uint32_t)w, mylen, dt) < 0)
+        throw std::invalid_argument("no sum for this dtype");
+    }
+    // Peers post their gather receives only after their own scatter phase,
+    // and a receive is never filled before it is posted (Gloo sends data
+    // only to a receive the peer has announced), so reusing buf is safe.
+    slot = op.slot(kAllReduceGather);
+    nrecv = nsend = 0;
+    for (size_t i = 0; i < w; i++) {
+      if (i == me) continue;
+      if (len(i) > 0) {
+        db->recv((int)i, slot, off(i) * esz, len(i) * esz);
+        nrecv++;
+      }
+      if (mylen > 0) {
+        db->send((int)i, slot, off(me) * esz, mylen * esz);
+        nsend++;
+      }
+    }
+    for (int i = 0; i < nrecv; i++) op.wait_recv(db);
+    for (int i = 0; i < nsend; i++) op.wait_send(db);
+  });
+}
+
+void do_broadcast(GlooComm &g, void *buf, size_t nbytes, uint32_t root,
+                  bool &timed_out) {
+  Op op(g, nbytes, root, 0);
+  run_op(op, timed_out, [&] {
+    UnboundBuffer *b = op.buffer(buf, nbytes);
+    const uint64_t slot = op.slot(kBroadcast);
+    if ((uint32_t)g.rank == root) {
+      for (int i = 0; i < g.size; i++)
+        if (i != g.rank) b->send(i, slot, 0, nbytes);
+      for (int i = 1; i < g.size; i++) op.wait_send(b);
+    } else {
+      b->recv((int)root, slot, 0, nbytes);
+      op.wait_recv(b);
+    }
+  });
+}
+
+// Everyone tells everyone it has arrived; leaving after hearing from all
+// means all have arrived.
+void do_barrier(GlooComm &g, bool &timed_out) {
+  Op op(g, 0, 0, 0);
+  run_op(op, timed_out, [&] {
+    std::vector<unsigned char> tokens((size_t)g.size, 1);
+    UnboundBuffer *b = op.buffer(tokens.data(), tokens.size());
+    const uint64_t slot = op.slot(kBarrier);
+    for (int i = 0; i < g.size; i++) {
+      if (i == g.rank) continue;
+      b->recv(i, slot, (size_t)i, 1);
+      b->send(i, slot, (size_t)g.rank, 1);
+    }
+    for (int i = 1; i < g.size; i++) op.wait_recv(b);
+    for (int i = 1; i < g.size; i++) op.wait_send(b);
+  });
+}
+
+// ---- creation ----------------------------------------------------------------
+
+std::string gloo_host() {
+  const char *h = std::getenv("SHARDPLANE_GLOO_HOST");
+  return h != nullptr && h[0] != '\0' ? std::string(h)
+                                      : std::string("127.0.0.1");
+}
+
+int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
+                void **impl, sp_diag *d) noexcept {
+  // Also makes the device's event-loop thread, created below, start with
+  // SIGPIPE blocked for good.
+  SigpipeGuard nosigpipe;
+  *impl = nullptr;
+  std::unique_ptr<GlooComm> g;
+  std::string host;
+  try {
+    g.reset(new GlooComm());
+    g->prefix = info->prefix;
+    g->rank = (int)info->rank;
+    g->size = (int)info->size;
+    g->timeout_ms = info->timeout_ms;
+    host = gloo_host();
+  } catch (...) {
+    return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  }
+  try {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = host;
+    g->dev = gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception &e) {
+    return sp_diag_set(d, SP_EIO,
+                       "cannot create a TCP device on host '%s' (set "
+                       "SHARDPLANE_GLOO_HOST): %s",
+                       host.c_str(), e.what());
+  } catch (...) {
+    return sp_diag_set(d, SP_EIO, "cannot create a TCP device on host '%s'",
+                       host.c_str());
+  }
+  try {
+    const auto deadline = Clock::now() + Ms(info->timeout_ms);
+    g->ctx = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
+    // Gloo waits up to 5 pair timeouts for a connection to be made once
+    // both addresses are known (a peer that published its address and then
+    // died); a fifth keeps that wait within the communicator's timeout.
+    g->ctx->setTimeout(Ms(std::max<uint64_t>(1, info->timeout_ms / 5)));
+    CStore st(*store, g->prefix, deadline, info->timeout_ms);
+    g->ctx->connectFullMesh(st, g->dev);
+  } catch (const StoreError &e) {
+    return sp_diag_set(d, e.code, "%s", e.what());
+  } catch (const std::bad_alloc &) {
+    return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  } catch (const std::exception &e) {
+    int rc = mentions_timeout(e.what()) ? SP_ETIMEDOUT : SP_EIO;
+    return sp_diag_set(d, rc, "connecting to the other members over '%s': %s",
+                       host.c_str(), e.what());
+  } catch (...) {
+    return sp_diag_set(d, SP_EIO, "unknown C++ exception from gloo");
+  }
+  *impl = g.release();
+  return 0;
+}
+
+}  // namespace
+
+// ---- the C entry points --------------------------------------------------------
+
+extern "C" {
+
+static int gb_create(const sp_comm_info *info, const sp_comm_store *store,
+                     void **impl, sp_diag *d) {
+  return gloo_create(info, store, impl, d);
+}
+
+static void gb_destroy(void *impl) {
+  try {
+    delete static_cast<GlooComm *>(impl);
+  } catch (...) {
+    // A destructor that throws leaves nothing for the caller to do.
+  }
+}
+
+static int gb_all_gather(void *impl, const void *send, void *recv,
+                         size_t nbytes, sp_diag *d) {
+  auto *g = static_cast<GlooComm *>(impl);
+  return guarded(g, d, [&](bool &to) { do_all_gather(*g, send, recv, nbytes, to); });
+}
+
+static int gb_reduce_scatter(void *impl, const void *send, void *recv,
+                             size_t count, sp_dtype dt, sp_diag *d) {
+  auto *g = static_cast<GlooComm *>(impl);
+  return guarded(g, d, [&](bool &to) {
+    do_reduce_scatter(*g, send, recv, count, dt, to);
+  });
+}
+
+static int gb_all_reduce(void *impl, void *buf, size_t count, sp_dtype dt,
+                         sp_diag *d) {
+  auto *g = static_cast<GlooComm *>(impl);
+  return guarded(g, d, [&](bool &to) { do_all_reduce(*g, buf, count, dt, to); });
+}
+
+static int gb_broadcast(void *impl, void *buf, size_t nbytes, uint32_t root,
+                        sp_diag *d) {
+  auto *g = static_cast<GlooComm *>(impl);
+  return guarded(g, d, [&](bool &to) { do_broadcast(*g, buf, nbytes, root, to); });
+}
+
+static int gb_barrier(void *impl, sp_diag *d) {
+  auto *g = static_cast<GlooComm *>(impl);
+  return guarded(g, d, [&](bool &to) { do_barrier(*g, to); });
+}
+
+static void gb_abort(void *impl) {
+  auto *g = static_cast<GlooComm *>(impl);
+  try {
+    {
+      std::lock_guard<std::mutex> lk(g->mu);
+      g->aborted = true;
+      // A flag set on a buffer nobody waits on yet is kept, so an operation
+      // between posting and waiting still sees it.
+      for (UnboundBuffer *b : g->active) {
+        b->abortWaitRecv();
+        b->abortWaitSend();
+      }
+    }
+    // Peers blocked on this member see the connections drop and fail
+    // instead of waiting for their timeout.
+    g->close_all();
+  } catch (...) {
+    // Only a failing mutex could get here; the flag may not be set, but
+    // there is nothing better to do from a void function.
+  }
+}
+
+static const sp_comm_backend gloo_backend = {
+    "gloo",         gb_create,    gb_destroy, gb_all_gather, gb_reduce_scatter,
+    gb_all_reduce,  gb_broadcast, gb_barrier, gb_abort,
+};
+
+const sp_comm_backend *sp_comm_gloo_backend(void) { return &gloo_backend; }
+
+}  // extern "C"

@@ -74,7 +74,9 @@ void sp_mlp_free(sp_mlp *mlp);
 
 /* Deterministic synthetic data: samples [first, first + n) of step `step`
  * (a pure function of (step, sample index), so any split of the global
- * batch sees the same samples). x is n x in_dim, t is n x out_dim. */
+ * batch sees the same samples). x is n x in_dim, t is n x out_dim; either
+ * may be NULL. x is uniform in [-1, 1) on a 2^-23 grid (exact in float32);
+ * t_j = c_j + sin(sum_i a_ji x_i), with a_ji and c_j fixed by a hash. */
 void sp_mlp_batch(const sp_mlp *mlp, uint64_t step, uint64_t first, size_t n,
                   float *x, float *t);
 
@@ -96,7 +98,8 @@ void sp_mlp_init_buffer(void *user, const sp_model *m, int32_t buffer,
  * buffers in their own current dtype (bdtype per buffer via the callback). */
 typedef struct sp_mlp_io {
   void *(*param)(void *user, int32_t param);      /* view, pdtype */
-  void *(*grad)(void *user, int32_t param);       /* gradient, pdtype */
+  /* gradient, pdtype; NULL: the param takes no gradient */
+  void *(*grad)(void *user, int32_t param);
   sp_dtype (*param_dtype)(void *user, int32_t param);
   void *(*buffer)(void *user, int32_t buffer);
   sp_dtype (*buffer_dtype)(void *user, int32_t buffer);
@@ -109,14 +112,21 @@ typedef struct sp_mlp_io {
  * caller; sp_mlp_acts_new sizes them for n samples). */
 typedef struct sp_mlp_acts {
   size_t n;
-  float **x; /* x[l]: input of layer l (n x in); x[n_layers]: output */
+  /* x[l]: input of layer l (n x in); x[n_layers]: output; x[n_layers + 1]
+   * is NULL */
+  float **x;
   float *dx, *dy;  /* scratch, n x max_dim */
 } sp_mlp_acts;
+/* 0, SP_EINVAL (NULL), SP_ETOOBIG (n x width overflows), SP_ENOMEM. */
 int sp_mlp_acts_new(const sp_mlp *mlp, size_t n, sp_mlp_acts **out);
 void sp_mlp_acts_free(sp_mlp_acts *a);
 
 /* Forward of layer l: reads a->x[l], writes a->x[l+1]. global_n is the
- * global batch size (RunningNorm's mean). Updates the layer's buffers. */
+ * global batch size (RunningNorm's mean; 1..2^24, at least a->n). Updates
+ * the layer's buffers. A Linear or RunningNorm first rounds a->x[l] in place
+ * to its compute dtype (the GEMM's input dtype; for l == 0 this is FSDP's
+ * root input cast), a no-op when the previous layer already rounded to it.
+ * RunningNorm calls io->all_reduce_sum also when a->n is 0. */
 int sp_mlp_forward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
                    sp_mlp_acts *a, uint64_t global_n, sp_diag *d);
 /* Loss of the local batch (sum over its samples of 0.5*sum_j (y-t)^2,
@@ -131,6 +141,9 @@ int sp_mlp_backward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
                     sp_mlp_acts *a, sp_diag *d);
 /* Increments the root "step" buffer (any integer dtype) if there is one. */
 void sp_mlp_count_step(const sp_mlp *mlp, const sp_mlp_io *io);
+/* The compute dtype of the network output, for sp_mlp_loss: the param
+ * dtype of the last layer with parameters (float32 when none). */
+sp_dtype sp_mlp_out_dtype(const sp_mlp *mlp, const sp_mlp_io *io);
 
 /* The unsharded single-process run of the same global batch: full
  * float32 (master dtype) parameters; per step, params cast to each unit's
@@ -140,7 +153,22 @@ void sp_mlp_count_step(const sp_mlp *mlp, const sp_mlp_io *io);
  * world size 1. losses[s] receives the loss of step s (may be NULL). On
  * return *params holds every model param (model order, each in its dtype,
  * concatenated; caller frees) and *buffers every buffer in its compute
- * dtype (concatenated, caller frees); either may be NULL. */
+ * dtype (concatenated, caller frees); either may be NULL.
+ *
+ * Exactly, so that a sharded trainer can follow it: params start from
+ * sp_mlp_init_param, buffers from sp_mlp_init_buffer, then floating buffers
+ * are sp_cast to their compute dtype. Step s (0-based) uses
+ * sp_mlp_batch(step = s, first = 0, n = global_batch); forward of every
+ * layer with global_n = global_batch; loss with sp_mlp_out_dtype; backward
+ * from the last layer; sp_mlp_count_step. Per param p with requires_grad,
+ * in its unit's dtypes: g = sp_cast(grad, param_dtype -> reduce_dtype),
+ * then to the param's own dtype, or to param_dtype with
+ * keep_low_precision_grads (FSDP's cast_grad_to_param_dtype_if_needed);
+ * p = round_to_param_dtype((double)p - lr * (double)g): double arithmetic
+ * (ISO C, no FMA contraction), then one RNE rounding to the param's dtype,
+ * as sp_fsdp_sgd_step does on the master shard.
+ * Errors: SP_EINVAL (NULL, global_batch 0 or over 2^24, lr not finite),
+ * SP_EUNSUPPORTED (not an MLP spec), plan errors, SP_ENOMEM, SP_ETOOBIG. */
 int sp_mlp_reference_run(const sp_model *m, const sp_job *job,
                          uint32_t steps, uint32_t global_batch, double lr,
                          double *losses, void **params, void **buffers,

@@ -41,7 +41,9 @@ int sp_wire_job(const Shardplane__V1__Job *m, sp_job *job) {
     for (size_t i = 0; i < mp->n_full_precision_types && rc == 0; i++)
       rc = sp_strlist_add(&job->mp.full_precision_types,
                           mp->full_precision_types[i]);
-    job->mp.full_precision_types_set = mp->n_full_precision_types > 0;
+    /* older coordinators send no flag: a non-empty list was explicit */
+    job->mp.full_precision_types_set =
+        mp->full_precision_types_set || mp->n_full_precision_types > 0;
   }
   return rc;
 }

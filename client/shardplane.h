@@ -18,7 +18,7 @@
  * 0 or a negative SP_E* code (sp_error.h, sp_strerror) and, when given an
  * sp_diag, a message naming the rank, unit, FQN, file or key at fault.
  * Nothing here calls exit() or aborts the process. Objects are created by
- * *_open/*_new and released by the matching *_close/*_free, which accept
+ * ..._open / ..._new and released by the matching ..._close / ..._free, which accept
  * NULL. Unless a function says otherwise an object is used by one thread at
  * a time (the training thread).
  */
@@ -226,24 +226,51 @@ typedef struct sp_fsdp_opts {
 int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d);
 void sp_fsdp_free(sp_fsdp *f);
 
-/* The schedule. Each reports its transitions and collectives.
+/* The schedule, in FSDP's order. Every call checks and reports its
+ * transitions and collectives through the session. Unit 0 is the root unit
+ * (it may own no parameters: its schedule still runs).
  * root_pre_forward: lazy init on the first call (buffers cast to their
- * compute dtype), root state -> FORWARD_BACKWARD.
- * pre_forward(u): unshard u (unless still unsharded), u -> FORWARD.
- * post_forward(u): u -> IDLE; reshard unless the strategy keeps it (root
- * unit, SHARD_GRAD_OP, NO_SHARD).
- * pre_backward(u): unshard if needed, u -> BACKWARD_PRE, prefetch the next
- * unit in backward order.
- * post_backward(u): u -> BACKWARD_POST; reduce the unit's gradient (cast to
- * reduce_dtype, pre-divide, reduce-scatter / all-reduce, post-divide, cast
- * back unless keep_low_precision_grads) into the sharded gradient; reshard.
- * finish_backward: every unit -> IDLE, root -> IDLE. */
+ *   compute dtype), root IDLE -> FORWARD_BACKWARD, then pre_forward(0).
+ * pre_forward(u): unshard u unless it still is, u -> FORWARD.
+ * post_forward(u): u -> IDLE; reshard unless the strategy keeps it (the
+ *   root unit, SHARD_GRAD_OP, NO_SHARD). Records the post-forward order.
+ * root_post_forward: post_forward(0), root -> IDLE.
+ * root_pre_backward: root -> FORWARD_BACKWARD, then pre_backward(0).
+ * pre_backward(u): unshard if resharded and not prefetched,
+ *   u -> BACKWARD_PRE, then (backward_prefetch) issue the all-gather of the
+ *   unit before u in post-forward order, without waiting for it.
+ * post_backward(u): u -> BACKWARD_POST; queue the unit's gradient
+ *   reduction (cast to reduce_dtype, pre-divide, reduce-scatter / all-reduce
+ *   (HYBRID: reduce-scatter in the shard group, all-reduce in the replica
+ *   group), post-divide, cast to the shard's gradient dtype); reshard.
+ * finish_backward: waits for every queued reduction, every unit -> IDLE,
+ *   root -> IDLE.
+ * Collectives run in issue order on one communication thread per runtime
+ * (the CPU's stand-in for a CUDA stream), so a prefetch overlaps compute.
+ * The limiter keeps at most max_inflight_gathers all-gathers issued and
+ * not yet complete: issuing one more first waits for the oldest. */
 int sp_fsdp_root_pre_forward(sp_fsdp *f, sp_diag *d);
 int sp_fsdp_pre_forward(sp_fsdp *f, uint32_t unit, sp_diag *d);
 int sp_fsdp_post_forward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_root_post_forward(sp_fsdp *f, sp_diag *d);
+int sp_fsdp_root_pre_backward(sp_fsdp *f, sp_diag *d);
 int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t unit, sp_diag *d);
 int sp_fsdp_post_backward(sp_fsdp *f, uint32_t unit, sp_diag *d);
 int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d);
+
+/* A sum over every rank of the world, in place, ordered with the runtime's
+ * other collectives (a model's own collective, e.g. a norm's batch mean). */
+int sp_fsdp_all_reduce(sp_fsdp *f, void *buf, size_t count, sp_dtype dt,
+                       sp_diag *d);
+
+/* Opens the communicators a job needs through the session's store: world,
+ * and for HYBRID_SHARD the shard group (ranks r with equal r / g, member
+ * index r % g) and the replica group (equal r % g, member r / g); the
+ * others NULL. timeout_ms 0: 60000. The caller frees them after the
+ * runtime. */
+int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
+                       sp_comm **shard_group, sp_comm **replica_group,
+                       sp_diag *d);
 
 /* A parameter's unsharded view (param_dtype of its unit) while its unit is
  * unsharded; NULL otherwise. The gradient buffer of the same shape and
@@ -255,10 +282,12 @@ sp_dtype sp_fsdp_param_dtype(const sp_fsdp *f, int32_t param);
 void *sp_fsdp_buffer(sp_fsdp *f, int32_t buffer);
 sp_dtype sp_fsdp_buffer_dtype(const sp_fsdp *f, int32_t buffer);
 
-/* The master shard and its reduced gradient of a unit (unit dtype, c
- * elements each; padding included). */
+/* The master shard of a unit (unit dtype, c elements, padding included)
+ * and its reduced gradient (c elements in the unit dtype, or in
+ * param_dtype with keep_low_precision_grads: sp_fsdp_shard_grad_dtype). */
 void *sp_fsdp_shard(sp_fsdp *f, uint32_t unit, int64_t *numel);
 void *sp_fsdp_shard_grad(sp_fsdp *f, uint32_t unit);
+sp_dtype sp_fsdp_shard_grad_dtype(const sp_fsdp *f, uint32_t unit);
 /* Plain SGD on every master shard: p -= lr * g. */
 int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d);
 

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "coordinator.h"
+#include "jsonutil.h"
 
 uint64_t sp_coord_now_ms(const sp_coord *c) {
   return uv_now(c->loop) - c->started_ms;
@@ -76,13 +77,23 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
   if (c == NULL) return sp_diag_set(diag, SP_ENOMEM, "out of memory");
   c->loop = loop;
   c->cfg = *cfg;
-  if (!c->cfg.heartbeat_interval_ms) c->cfg.heartbeat_interval_ms = 1000;
   if (!c->cfg.heartbeat_timeout_ms) c->cfg.heartbeat_timeout_ms = 5000;
+  /* The default interval leaves room for two missed beats before the
+   * timeout, also when only the timeout was shortened (tests). */
+  if (!c->cfg.heartbeat_interval_ms) {
+    uint32_t third = c->cfg.heartbeat_timeout_ms / 3;
+    c->cfg.heartbeat_interval_ms = third == 0 ? 1 : third < 1000 ? third : 1000;
+  }
   c->started_ms = uv_now(loop);
   sp_rpc_server_opts opts = {.max_message = SP_COORD_MAX_MESSAGE,
                              .max_pending = 2 * SP_COORD_MAX_MESSAGE};
   int rc;
-  if ((rc = sp_model_load_file(cfg->model_path, &c->model, diag)) != 0 ||
+  /* Read once, keep the bytes, parse those same bytes: a file rewritten
+   * meanwhile cannot make GetModelSpec disagree with the plan. */
+  if ((rc = sp_jr_read_file(cfg->model_path, SP_MODEL_MAX_FILE_BYTES,
+                            &c->spec_json, &c->spec_len, diag)) != 0 ||
+      (rc = sp_model_load_string(c->spec_json, c->spec_len, cfg->model_path,
+                                 &c->model, diag)) != 0 ||
       (rc = load_job(cfg, &c->job, diag)) != 0 ||
       (rc = sp_plan_build(c->model, &c->job, &c->plan, diag)) != 0)
     goto fail;
@@ -163,6 +174,7 @@ void sp_coord_free(sp_coord *c) {
   sp_store_free(c->store);
   sp_plan_free(c->plan);
   sp_model_free(c->model);
+  free(c->spec_json);
   sp_job_clear(&c->job);
   free(c);
 }

@@ -1,5 +1,5 @@
 /* Plan and model queries: GetJob, GetPlan, LocateParam, ListModules,
- * ListBuffers. All answers come from the immutable plan, so handlers are
+ * ListBuffers, GetModelSpec. All answers come from the immutable plan, so handlers are
  * plain functions of the request. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -88,6 +88,8 @@ static Shardplane__V1__Job *job_msg(arena *a, const sp_job *j) {
   mp->keep_low_precision_grads = j->mp.keep_low_precision_grads;
   mp->n_full_precision_types = j->mp.full_precision_types.n;
   mp->full_precision_types = j->mp.full_precision_types.items;
+  /* an explicit empty list differs from the default one */
+  mp->full_precision_types_set = j->mp.full_precision_types_set;
   m->mixed_precision = mp;
   return m;
 }
@@ -461,6 +463,36 @@ static void on_list_buffers(sp_rpc_call *call, const ProtobufCMessage *msg,
   arena_free(&a);
 }
 
+/* The spec bytes the plan was built from, in pieces of at most
+ * SP_COORD_SPEC_CHUNK_MAX (see GetModelSpecRequest). */
+static void on_get_model_spec(sp_rpc_call *call, const ProtobufCMessage *msg,
+                              const uint8_t *raw, size_t len) {
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  const Shardplane__V1__GetModelSpecRequest *q =
+      (const Shardplane__V1__GetModelSpecRequest *)msg;
+  if (q->offset > c->spec_len) {
+    sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                        "offset %llu is past the end of the %zu-byte spec",
+                        (unsigned long long)q->offset, c->spec_len);
+    return;
+  }
+  size_t want = q->max_bytes ? q->max_bytes : SP_COORD_SPEC_CHUNK;
+  if (want > SP_COORD_SPEC_CHUNK_MAX) want = SP_COORD_SPEC_CHUNK_MAX;
+  size_t left = c->spec_len - (size_t)q->offset;
+  Shardplane__V1__GetModelSpecResponse r =
+      SHARDPLANE__V1__GET_MODEL_SPEC_RESPONSE__INIT;
+  r.model_name = c->model->name;
+  r.plan_version = (char *)c->plan->version_hex;
+  r.total_bytes = c->spec_len;
+  r.offset = q->offset;
+  r.spec_json.len = left < want ? left : want;
+  /* borrowed: packing copies it */
+  r.spec_json.data = (uint8_t *)c->spec_json + q->offset;
+  sp_rpc_call_reply(call, &r.base);
+}
+
 #define M(name, kind, req, fn)                                                 \
   {SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, NULL,  \
    NULL, NULL}
@@ -471,6 +503,7 @@ static const sp_rpc_method k_methods[] = {
     M("LocateParam", SP_RPC_UNARY, locate_param_request, on_locate),
     M("ListModules", SP_RPC_UNARY, list_modules_request, on_list_modules),
     M("ListBuffers", SP_RPC_UNARY, list_buffers_request, on_list_buffers),
+    M("GetModelSpec", SP_RPC_UNARY, get_model_spec_request, on_get_model_spec),
 };
 
 int sp_coord_plan_register(sp_coord *c) {

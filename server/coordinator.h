@@ -25,6 +25,10 @@
 #define SP_COORD_MAX_VALUE (8u << 20)
 /* Messages must carry an 8 MiB store value plus framing. */
 #define SP_COORD_MAX_MESSAGE (SP_COORD_MAX_VALUE + (64u << 10))
+/* GetModelSpec pieces: the default size, and the most one answer carries
+ * (below gRPC's customary 4 MiB receive limit, whatever the client). */
+#define SP_COORD_SPEC_CHUNK (1u << 20)
+#define SP_COORD_SPEC_CHUNK_MAX ((4u << 20) - (64u << 10))
 /* Alerts kept for status; older ones are only counted. */
 #define SP_COORD_RECENT_ALERTS 32
 
@@ -44,6 +48,10 @@ typedef struct sp_coord {
   uv_loop_t *loop;
   sp_rpc_server *srv;
   sp_model *model;
+  /* The spec file's bytes exactly as read; the model was parsed from these
+   * bytes, so GetModelSpec hands workers what the plan was built from. */
+  char *spec_json;
+  size_t spec_len;
   sp_job job;
   sp_plan *plan;
   sp_coord_config cfg;

@@ -128,18 +128,23 @@ void sp_h2_grpc_request_block(sp_h2buf *blk, const char *path) {
 void sp_h2_headers(sp_h2buf *b, uint32_t sid, const sp_h2buf *blk,
                    bool end_stream, size_t max_frame) {
   if (max_frame == 0) max_frame = 16384;
+  /* the size update first (see h2_raw.h): 001 prefix, 5-bit value 0 */
+  sp_h2buf full = {0};
+  put_u8(&full, 0x20);
+  sp_h2buf_put(&full, blk->p, blk->len);
   size_t off = 0;
   bool first = true;
   do {
-    size_t n = blk->len - off < max_frame ? blk->len - off : max_frame;
-    bool last = off + n == blk->len;
+    size_t n = full.len - off < max_frame ? full.len - off : max_frame;
+    bool last = off + n == full.len;
     uint8_t flags = last ? NGHTTP2_FLAG_END_HEADERS : 0;
     if (first && end_stream) flags |= NGHTTP2_FLAG_END_STREAM;
     sp_h2_frame(b, first ? NGHTTP2_HEADERS : NGHTTP2_CONTINUATION, flags, sid,
-                blk->p + off, n);
+                full.p + off, n);
     off += n;
     first = false;
-  } while (off < blk->len);
+  } while (off < full.len);
+  sp_h2buf_free(&full);
 }
 
 void sp_h2_data(sp_h2buf *b, uint32_t sid, const void *d, size_t len,

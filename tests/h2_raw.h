@@ -4,7 +4,11 @@
  * the output of the in-memory fuzz harness.
  *
  * Header blocks use only HPACK literals without indexing, so a block never
- * depends on the dynamic table and frames can be sent in any order. */
+ * depends on the dynamic table and frames can be sent in any order. Every
+ * block sp_h2_headers sends starts with a dynamic table size update to 0
+ * (RFC 7541 §6.3): an encoder MUST signal one in the first block after it
+ * acknowledges a smaller SETTINGS_HEADER_TABLE_SIZE (§4.2), and 0 is within
+ * any limit the server sets, so no block depends on when the ACK went. */
 #ifndef SP_H2_RAW_H
 #define SP_H2_RAW_H
 
@@ -42,8 +46,9 @@ void sp_h2_hpack_lit(sp_h2buf *blk, const char *name, const void *value,
 /* The header block of a gRPC request: POST, http, path, authority, te,
  * content-type application/grpc. */
 void sp_h2_grpc_request_block(sp_h2buf *blk, const char *path);
-/* HEADERS (END_HEADERS, optionally END_STREAM) carrying blk, split into
- * CONTINUATION frames of at most max_frame bytes (0: 16384). */
+/* HEADERS (END_HEADERS, optionally END_STREAM) carrying a dynamic table
+ * size update to 0 and then blk, split into CONTINUATION frames of at most
+ * max_frame bytes (0: 16384). */
 void sp_h2_headers(sp_h2buf *b, uint32_t sid, const sp_h2buf *blk,
                    bool end_stream, size_t max_frame);
 /* One DATA frame (len <= the peer's max frame size). */

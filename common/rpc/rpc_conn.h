@@ -17,6 +17,14 @@
 
 typedef struct sp_h2conn sp_h2conn;
 
+/* A write buffer. Its write request travels with it, so a connection holds
+ * a uv_write_t (192 bytes) only while a write is in flight. */
+typedef struct sp_h2wbuf {
+  uv_write_t req;
+  size_t cap; /* bytes in data */
+  uint8_t data[];
+} sp_h2wbuf;
+
 /* Buffers an owner shares among its connections: reads and flushes run one
  * at a time on a loop, so one spare of each serves them all and an idle
  * connection holds neither (a server with a thousand connections would
@@ -24,20 +32,21 @@ typedef struct sp_h2conn sp_h2conn;
  * (its buffer is in use further up the stack) allocates its own. */
 typedef struct sp_h2shared {
   uint8_t *rbuf;
-  uint8_t *wbuf;
-  size_t wcap;
+  sp_h2wbuf *wbuf;
 } sp_h2shared;
 
 struct sp_h2conn {
   uv_tcp_t tcp; /* tcp.data points back to this struct */
   nghttp2_session *h2;
-  uint8_t *wbuf, *wfly; /* being filled / in flight */
-  size_t wlen, wcap, wfly_cap;
+  /* Being filled, and in flight (or, once written, kept for the next
+   * swap); wlen bytes of wbuf are filled. */
+  sp_h2wbuf *wbuf, *wfly;
+  size_t wlen;
+  bool wfly_copy; /* wfly holds a copy of the bytes, freed once written */
   /* A read buffer kept between reads: a 64 KiB malloc and free per read
    * made glibc consolidate its small-chunk bins every time. */
   uint8_t *rbuf;
   sp_h2shared *shared; /* NULL: this connection keeps its own buffers */
-  uv_write_t wreq;
   bool writing, closing, reading;
   /* Done with HTTP/2: our FIN is sent and the peer's last bytes are read
    * and dropped until it closes too or goes quiet, because closing with

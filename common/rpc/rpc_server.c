@@ -19,9 +19,14 @@ struct sp_rpc_call {
   srv_conn *conn;
   int32_t stream_id;
   const sp_rpc_method *method;
-  /* request headers */
-  char path[256];
-  bool bad_path, is_post, grpc_content_type, bad_encoding, md_overflow;
+  /* Request headers. The path is looked up as it arrives, so the call keeps
+   * the method's index rather than a copy: a call lives as long as its
+   * stream, and a 256-byte path buffer was nearly half of every open
+   * stream's sp_rpc_call. Only a path no method has is copied, for the
+   * error that names it. */
+  int32_t route;      /* index in srv->methods; -1: unknown or none */
+  char *unknown_path; /* owned; NULL unless the path is unknown */
+  bool is_post, grpc_content_type, bad_encoding, md_overflow;
   int64_t timeout_ms;
   sp_rpc_mdlist req_md;
   sp_rpc_deframer df;
@@ -125,6 +130,7 @@ static void call_free(sp_rpc_call *call) {
   sp_rpc_outq_clear(&call->q);
   free(call->unary_req);
   free(call->status_msg);
+  free(call->unknown_path);
   c->srv->stats.calls_open--;
   free(call);
 }
@@ -416,7 +422,10 @@ int64_t sp_rpc_call_remaining_ms(const sp_rpc_call *call) {
   return call->deadline > now ? (int64_t)(call->deadline - now) : 0;
 }
 
-const char *sp_rpc_call_path(const sp_rpc_call *call) { return call->path; }
+const char *sp_rpc_call_path(const sp_rpc_call *call) {
+  if (call->method != NULL) return call->method->path;
+  return call->unknown_path != NULL ? call->unknown_path : "";
+}
 void *sp_rpc_call_method_user(const sp_rpc_call *call) {
   return call->method ? call->method->user : NULL;
 }
@@ -472,10 +481,11 @@ static void request_headers_done(sp_rpc_call *call) {
     call_end(call, SP_RPC_RESOURCE_EXHAUSTED, "request metadata too large");
     return;
   }
-  int32_t idx = call->bad_path ? -1 : sp_strmap_get(srv->paths, call->path);
+  int32_t idx = call->route;
   if (idx < 0) {
     char msg[300];
-    snprintf(msg, sizeof msg, "unknown method %.256s", call->path);
+    snprintf(msg, sizeof msg, "unknown method %.256s",
+             call->unknown_path != NULL ? call->unknown_path : "");
     call_end(call, SP_RPC_UNIMPLEMENTED, msg);
     return;
   }
@@ -564,6 +574,7 @@ static int cb_begin_headers(nghttp2_session *s, const nghttp2_frame *f,
   call->conn = c;
   call->stream_id = f->hd.stream_id;
   call->timeout_ms = -1;
+  call->route = -1;
   sp_rpc_deframer_init(&call->df, c->srv->opts.max_message);
   call->next = c->calls;
   if (c->calls) c->calls->prev = call;
@@ -590,11 +601,23 @@ static int cb_header(nghttp2_session *s, const nghttp2_frame *f,
   if (call == NULL) return 0;
   if (nlen > 0 && name[0] == ':') {
     if (nlen == 5 && memcmp(name, ":path", 5) == 0) {
-      if (vlen >= sizeof call->path) {
-        call->bad_path = true;
-      } else {
-        memcpy(call->path, value, vlen);
-        call->path[vlen] = '\0';
+      free(call->unknown_path);
+      call->unknown_path = NULL;
+      call->route = -1;
+      char path[256];
+      if (vlen < sizeof path) {
+        memcpy(path, value, vlen);
+        path[vlen] = '\0';
+        call->route = sp_strmap_get(call->conn->srv->paths, path);
+      }
+      if (call->route < 0) {
+        /* a name too long for any method is unknown as well */
+        size_t n = vlen < sizeof path ? vlen : sizeof path - 1;
+        call->unknown_path = malloc(n + 1);
+        if (call->unknown_path == NULL)
+          return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
+        memcpy(call->unknown_path, value, n);
+        call->unknown_path[n] = '\0';
       }
     } else if (nlen == 7 && memcmp(name, ":method", 7) == 0) {
       call->is_post = vlen == 4 && memcmp(value, "POST", 4) == 0;
@@ -754,6 +777,7 @@ static int session_new(srv_conn *c) {
    * Frames for a stream closed on both sides are then ignored rather than
    * answered with a connection error. */
   nghttp2_option_set_no_closed_streams(opt, 1);
+  nghttp2_option_set_max_deflate_dynamic_table_size(opt, 0);
   int rv = nghttp2_session_server_new2(&c->io.h2, cb, c, opt);
   nghttp2_option_del(opt);
   nghttp2_session_callbacks_del(cb);
@@ -763,8 +787,9 @@ static int session_new(srv_conn *c) {
       {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 1u << 20},
       {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE,
        (uint32_t)c->srv->opts.max_metadata + 1024},
+      {NGHTTP2_SETTINGS_HEADER_TABLE_SIZE, 0},
   };
-  nghttp2_submit_settings(c->io.h2, NGHTTP2_FLAG_NONE, iv, 3);
+  nghttp2_submit_settings(c->io.h2, NGHTTP2_FLAG_NONE, iv, 4);
   nghttp2_session_set_local_window_size(c->io.h2, NGHTTP2_FLAG_NONE, 0,
                                         16u << 20);
   return 0;

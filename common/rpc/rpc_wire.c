@@ -207,7 +207,9 @@ int sp_rpc_mdlist_add(sp_rpc_mdlist *l, const char *key, size_t klen,
   size_t cost = klen + vlen + 32;
   if (l->bytes + cost > budget) return SP_ETOOBIG;
   if (l->n == l->cap) {
-    size_t cap = l->cap ? l->cap * 2 : 8;
+    /* Most calls carry one or two entries (a user-agent), and a request's
+     * list lives as long as its call: start small. */
+    size_t cap = l->cap ? l->cap * 2 : 2;
     struct sp_rpc_mdent *e = realloc(l->e, cap * sizeof *e);
     if (e == NULL) return SP_ENOMEM;
     l->e = e;

@@ -1,4 +1,4 @@
-#include "bench_util.h"
+#include "proc.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -12,7 +12,7 @@
 
 extern char **environ;
 
-int sp_bench_read_line(int fd, char *line, size_t cap, int timeout_ms) {
+int sp_proc_read_line(int fd, char *line, size_t cap, int timeout_ms) {
   size_t have = 0;
   line[0] = '\0';
   while (have < cap - 1) {
@@ -27,8 +27,8 @@ int sp_bench_read_line(int fd, char *line, size_t cap, int timeout_ms) {
   return -1;
 }
 
-int sp_bench_spawn(sp_bench_child *ch, char *const argv[], bool with_stdin,
-                   const char *port_fmt, sp_diag *diag) {
+int sp_proc_spawn(sp_proc *ch, char *const argv[], bool with_stdin,
+                  bool own_group, const char *port_fmt, sp_diag *diag) {
   int in[2] = {-1, -1}, out[2];
   ch->pid = -1;
   ch->to_child = -1;
@@ -45,7 +45,14 @@ int sp_bench_spawn(sp_bench_child *ch, char *const argv[], bool with_stdin,
   posix_spawn_file_actions_init(&fa);
   if (with_stdin) posix_spawn_file_actions_adddup2(&fa, in[0], STDIN_FILENO);
   posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
-  int rc = posix_spawn(&ch->pid, argv[0], &fa, NULL, argv, environ);
+  posix_spawnattr_t at;
+  posix_spawnattr_init(&at);
+  if (own_group) {
+    posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&at, 0);
+  }
+  int rc = posix_spawn(&ch->pid, argv[0], &fa, &at, argv, environ);
+  posix_spawnattr_destroy(&at);
   posix_spawn_file_actions_destroy(&fa);
   close(out[1]);
   if (with_stdin) close(in[0]);
@@ -58,7 +65,7 @@ int sp_bench_spawn(sp_bench_child *ch, char *const argv[], bool with_stdin,
                        strerror(rc));
   }
   char line[160];
-  if (sp_bench_read_line(out[0], line, sizeof line, 20000) == 0)
+  if (sp_proc_read_line(out[0], line, sizeof line, 20000) == 0)
     sscanf(line, port_fmt, &ch->port);
   close(out[0]);
   if (ch->port <= 0) {
@@ -72,7 +79,7 @@ int sp_bench_spawn(sp_bench_child *ch, char *const argv[], bool with_stdin,
   return 0;
 }
 
-int sp_bench_stop(sp_bench_child *ch, int wait_ms) {
+int sp_proc_stop(sp_proc *ch, int wait_ms) {
   if (ch->to_child >= 0) close(ch->to_child);
   ch->to_child = -1;
   kill(ch->pid, SIGTERM);

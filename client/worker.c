@@ -1,0 +1,443 @@
+/* shardplane-worker: one rank of a job. Attaches to the coordinator, takes
+ * the job and model from it, and trains the reference MLP (client/mlp.h)
+ * with the FSDP runtime, or, for a spec it cannot compute (ResNet, Llama),
+ * runs the same unshard / reduce / cast cycle on synthetic gradients. */
+#include <getopt.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mlp.h"
+#include "shardplane.h"
+
+typedef struct worker_opts {
+  const char *coordinator;
+  long rank;
+  const char *device;
+  uint32_t steps;
+  uint32_t global_batch;
+  double lr;
+  const char *ckpt_dir;
+  bool ckpt_kinds[4];
+  const char *load_dir;
+  sp_ckpt_kind load_kind;
+  const char *losses_path;
+  uint32_t log_every;
+  bool no_report;
+  uint64_t comm_timeout_ms;
+} worker_opts;
+
+/* The communicators, for the session's abort callback (another thread). */
+static _Atomic(sp_comm *) g_comms[3];
+
+static void on_abort(void *user, const char *reason) {
+  const worker_opts *o = user;
+  fprintf(stderr, "shardplane-worker: rank %ld: aborting collectives: %s\n",
+          o->rank, reason);
+  for (int i = 0; i < 3; i++) {
+    sp_comm *c = atomic_load(&g_comms[i]);
+    if (c) sp_comm_abort(c);
+  }
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- the MLP trainer: sp_mlp_io over the runtime's views ---- */
+
+typedef struct trainer {
+  sp_fsdp *f;
+  sp_session *s;
+  const sp_plan *plan;
+  sp_mlp *mlp;
+  sp_mlp_acts *acts;
+  uint32_t *layer_unit; /* per layer: the unit its module is, or 0 */
+  float *t;             /* targets of the local batch */
+  size_t local_n;
+} trainer;
+
+static void *io_param(void *u, int32_t p) { return sp_fsdp_param(u, p); }
+static void *io_grad(void *u, int32_t p) { return sp_fsdp_param_grad(u, p); }
+static sp_dtype io_param_dtype(void *u, int32_t p) {
+  return sp_fsdp_param_dtype(u, p);
+}
+static void *io_buffer(void *u, int32_t b) { return sp_fsdp_buffer(u, b); }
+static sp_dtype io_buffer_dtype(void *u, int32_t b) {
+  return sp_fsdp_buffer_dtype(u, b);
+}
+static int io_all_reduce(void *u, float *buf, size_t n, sp_diag *d) {
+  return sp_fsdp_all_reduce(u, buf, n, SP_FLOAT32, d);
+}
+
+static int trainer_init(trainer *tr, sp_fsdp *f, sp_session *s, sp_mlp *mlp,
+                        size_t local_n, sp_diag *d) {
+  memset(tr, 0, sizeof *tr);
+  tr->f = f;
+  tr->s = s;
+  tr->plan = sp_session_plan(s);
+  tr->mlp = mlp;
+  tr->local_n = local_n;
+  tr->layer_unit = calloc(mlp->n_layers, sizeof *tr->layer_unit);
+  tr->t = calloc(local_n * (size_t)mlp->out_dim, sizeof *tr->t);
+  if (!tr->layer_unit || !tr->t)
+    return sp_diag_set(d, SP_ENOMEM, "no memory");
+  for (size_t l = 0; l < mlp->n_layers; l++)
+    for (uint32_t u = 1; u < tr->plan->n_units; u++)
+      if (tr->plan->units[u].module == mlp->layers[l].module)
+        tr->layer_unit[l] = u;
+  return sp_mlp_acts_new(mlp, local_n, &tr->acts);
+}
+
+static void trainer_free(trainer *tr) {
+  sp_mlp_acts_free(tr->acts);
+  free(tr->layer_unit);
+  free(tr->t);
+}
+
+/* The dtype activations leave the last layer in: its unit's param dtype. */
+static sp_dtype output_dtype(const trainer *tr) {
+  for (size_t l = tr->mlp->n_layers; l-- > 0;) {
+    int32_t w = tr->mlp->layers[l].weight;
+    if (w >= 0) return tr->plan->units[tr->plan->param_unit[w]].param_dtype;
+  }
+  return SP_FLOAT32;
+}
+
+/* One step; *loss receives the global mean loss. */
+static int trainer_step(trainer *tr, uint64_t step, uint64_t first,
+                        uint64_t global_n, double lr, double *loss,
+                        sp_diag *d) {
+  sp_fsdp *f = tr->f;
+  const sp_mlp *mlp = tr->mlp;
+  sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
+                  io_buffer_dtype, io_all_reduce, f};
+  sp_session_set_step(tr->s, step);
+  sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
+  int rc = sp_fsdp_root_pre_forward(f, d);
+  for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
+    uint32_t u = tr->layer_unit[l];
+    if (u) rc = sp_fsdp_pre_forward(f, u, d);
+    if (rc == 0) rc = sp_mlp_forward(mlp, l, &io, tr->acts, global_n, d);
+    if (rc == 0 && u) rc = sp_fsdp_post_forward(f, u, d);
+  }
+  double local = 0;
+  if (rc == 0) {
+    local = sp_mlp_loss(mlp, tr->acts, tr->t, output_dtype(tr));
+    rc = sp_fsdp_root_post_forward(f, d);
+  }
+  if (rc == 0) rc = sp_fsdp_root_pre_backward(f, d);
+  for (size_t l = mlp->n_layers; rc == 0 && l-- > 0;) {
+    uint32_t u = tr->layer_unit[l];
+    if (u) rc = sp_fsdp_pre_backward(f, u, d);
+    if (rc == 0) rc = sp_mlp_backward(mlp, l, &io, tr->acts, d);
+    if (rc == 0 && u) rc = sp_fsdp_post_backward(f, u, d);
+  }
+  if (rc == 0) rc = sp_fsdp_post_backward(f, 0, d);
+  if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
+  if (rc == 0) sp_mlp_count_step(mlp, &io);
+  if (rc == 0) rc = sp_fsdp_sgd_step(f, lr, d);
+  /* the global loss: local means weighted equally (equal local batches) */
+  double sum = local;
+  if (rc == 0) rc = sp_fsdp_all_reduce(f, &sum, 1, SP_FLOAT64, d);
+  *loss = sum / sp_session_world(tr->s);
+  return rc;
+}
+
+/* ---- synthetic-gradient cycle for specs the worker cannot compute ---- */
+
+static int synthetic_step(sp_fsdp *f, sp_session *s, uint64_t step,
+                          double lr, sp_diag *d) {
+  const sp_plan *pl = sp_session_plan(s);
+  const sp_model *m = sp_session_model(s);
+  sp_session_set_step(s, step);
+  int rc = sp_fsdp_root_pre_forward(f, d);
+  for (uint32_t u = 1; rc == 0 && u < pl->n_units; u++) {
+    rc = sp_fsdp_pre_forward(f, u, d);
+    if (rc == 0) rc = sp_fsdp_post_forward(f, u, d);
+  }
+  if (rc == 0) rc = sp_fsdp_root_post_forward(f, d);
+  if (rc == 0) rc = sp_fsdp_root_pre_backward(f, d);
+  for (uint32_t u = (uint32_t)pl->n_units; rc == 0 && u-- > 0;) {
+    if (u) rc = sp_fsdp_pre_backward(f, u, d);
+    /* gradient = 0.01 * parameter: deterministic, rank-independent */
+    for (size_t p = 0; rc == 0 && p < m->n_params; p++) {
+      if (pl->param_unit[p] != (int32_t)u) continue;
+      void *g = sp_fsdp_param_grad(f, (int32_t)p);
+      const void *v = sp_fsdp_param(f, (int32_t)p);
+      if (!g || !v) continue;
+      sp_dtype dt = sp_fsdp_param_dtype(f, (int32_t)p);
+      size_t n = (size_t)m->params[p].numel, es = sp_dtype_size(dt);
+      memcpy(g, v, n * es);
+      (void)es;
+    }
+    if (rc == 0) rc = sp_fsdp_post_backward(f, u, d);
+  }
+  if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
+  if (rc == 0) rc = sp_fsdp_sgd_step(f, lr * 0.01, d);
+  return rc;
+}
+
+/* ---- main ---- */
+
+static void usage(FILE *f) {
+  fputs(
+      "usage: shardplane-worker --coordinator HOST:PORT --rank R [options]\n"
+      "\n"
+      "One rank of a shardplane job: takes the job and model from the\n"
+      "coordinator, trains the reference MLP (or runs the synthetic-gradient\n"
+      "cycle for other specs) with sharded parameters, and reports every\n"
+      "training-state transition.\n"
+      "\n"
+      "  --coordinator HOST:PORT  coordinator (default $SHARDPLANE_COORDINATOR"
+      ",\n"
+      "                           then 127.0.0.1:7700)\n"
+      "  --rank R                 this rank (required)\n"
+      "  --device cpu             device (cpu; cuda:N needs the GPU build)\n"
+      "  --steps N                training steps (default 20)\n"
+      "  --global-batch N         samples per step over all ranks (default 24"
+      ")\n"
+      "  --lr X                   SGD learning rate (default 0.05)\n"
+      "  --checkpoint-dir DIR     write checkpoints there after training\n"
+      "  --checkpoint KIND        full, sharded or local; repeatable "
+      "(default full)\n"
+      "  --load DIR --load-kind KIND  start from a checkpoint\n"
+      "  --losses FILE            rank 0 writes the loss of every step (JSON)\n"
+      "  --log-every N            rank 0 prints progress every N steps "
+      "(default 1)\n"
+      "  --comm-timeout-ms N      rendezvous and collective timeout "
+      "(default 60000)\n"
+      "  --no-report              check transitions locally, send none\n"
+      "  --help                   this text\n"
+      "\n"
+      "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage\n",
+      f);
+}
+
+static int parse_args(int argc, char **argv, worker_opts *o) {
+  enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
+         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_LOG, O_CTO, O_NOREP, O_HELP };
+  static const struct option opts[] = {
+      {"coordinator", required_argument, NULL, O_COORD},
+      {"rank", required_argument, NULL, O_RANK},
+      {"device", required_argument, NULL, O_DEVICE},
+      {"steps", required_argument, NULL, O_STEPS},
+      {"global-batch", required_argument, NULL, O_BATCH},
+      {"lr", required_argument, NULL, O_LR},
+      {"checkpoint-dir", required_argument, NULL, O_CKDIR},
+      {"checkpoint", required_argument, NULL, O_CK},
+      {"load", required_argument, NULL, O_LOAD},
+      {"load-kind", required_argument, NULL, O_LOADK},
+      {"losses", required_argument, NULL, O_LOSSES},
+      {"log-every", required_argument, NULL, O_LOG},
+      {"comm-timeout-ms", required_argument, NULL, O_CTO},
+      {"no-report", no_argument, NULL, O_NOREP},
+      {"help", no_argument, NULL, O_HELP},
+      {NULL, 0, NULL, 0}};
+  memset(o, 0, sizeof *o);
+  o->coordinator = getenv("SHARDPLANE_COORDINATOR");
+  if (!o->coordinator || !*o->coordinator) o->coordinator = "127.0.0.1:7700";
+  o->rank = -1;
+  o->device = "cpu";
+  o->steps = 20;
+  o->global_batch = 24;
+  o->lr = 0.05;
+  o->log_every = 1;
+  o->load_kind = SP_CKPT_FULL;
+  bool any_kind = false;
+  int c;
+  char *end;
+  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    switch (c) {
+      case O_COORD: o->coordinator = optarg; break;
+      case O_RANK:
+        o->rank = strtol(optarg, &end, 10);
+        if (*end || o->rank < 0) goto bad_value;
+        break;
+      case O_DEVICE: o->device = optarg; break;
+      case O_STEPS:
+        o->steps = (uint32_t)strtoul(optarg, &end, 10);
+        if (*end || !*optarg) goto bad_value;
+        break;
+      case O_BATCH:
+        o->global_batch = (uint32_t)strtoul(optarg, &end, 10);
+        if (*end || o->global_batch == 0 || o->global_batch > 1u << 20)
+          goto bad_value;
+        break;
+      case O_LR:
+        o->lr = strtod(optarg, &end);
+        if (*end || !isfinite(o->lr)) goto bad_value;
+        break;
+      case O_CKDIR: o->ckpt_dir = optarg; break;
+      case O_CK: {
+        sp_ckpt_kind k;
+        if (strcmp(optarg, "none") == 0) {
+          any_kind = true;
+          break;
+        }
+        if (sp_ckpt_kind_parse(optarg, &k) < 0) goto bad_value;
+        o->ckpt_kinds[k] = true;
+        any_kind = true;
+        break;
+      }
+      case O_LOAD: o->load_dir = optarg; break;
+      case O_LOADK:
+        if (sp_ckpt_kind_parse(optarg, &o->load_kind) < 0) goto bad_value;
+        break;
+      case O_LOSSES: o->losses_path = optarg; break;
+      case O_LOG:
+        o->log_every = (uint32_t)strtoul(optarg, &end, 10);
+        if (*end || !*optarg) goto bad_value;
+        break;
+      case O_CTO:
+        o->comm_timeout_ms = strtoull(optarg, &end, 10);
+        if (*end || !*optarg) goto bad_value;
+        break;
+      case O_NOREP: o->no_report = true; break;
+      case O_HELP: usage(stdout); return 1;
+      default: usage(stderr); return 2;
+    }
+    continue;
+  bad_value:
+    fprintf(stderr, "shardplane-worker: %s: bad value \"%s\"\n",
+            argv[optind - 1], optarg);
+    return 2;
+  }
+  if (optind < argc || o->rank < 0) {
+    fprintf(stderr, "shardplane-worker: %s\n",
+            o->rank < 0 ? "--rank is required" : "unexpected argument");
+    usage(stderr);
+    return 2;
+  }
+  if (strcmp(o->device, "cpu") != 0) {
+    fprintf(stderr, "shardplane-worker: --device %s: this build runs on cpu "
+                    "only\n", o->device);
+    return 2;
+  }
+  if (!any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
+  return 0;
+}
+
+static int write_losses(const char *path, const double *l, uint32_t n) {
+  FILE *fp = fopen(path, "w");
+  if (!fp) return SP_EIO;
+  fputc('[', fp);
+  for (uint32_t i = 0; i < n; i++)
+    fprintf(fp, "%s%.17g", i ? ", " : "", l[i]);
+  fputs("]\n", fp);
+  return fclose(fp) == 0 ? 0 : SP_EIO;
+}
+
+static int run(const worker_opts *o, sp_diag *d) {
+  sp_session_opts so = {.coordinator = o->coordinator,
+                        .rank = (uint32_t)o->rank,
+                        .device = o->device,
+                        .no_report = o->no_report,
+                        .on_abort = on_abort,
+                        .user = (void *)o};
+  sp_session *s = NULL;
+  sp_comm *world = NULL, *shard = NULL, *replica = NULL;
+  sp_fsdp *f = NULL;
+  sp_mlp *mlp = NULL;
+  trainer tr;
+  bool have_tr = false;
+  double *losses = NULL;
+  int rc = sp_session_open(&so, &s, d);
+  if (rc < 0) return rc;
+  uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
+  rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica, d);
+  atomic_store(&g_comms[0], world);
+  atomic_store(&g_comms[1], shard);
+  atomic_store(&g_comms[2], replica);
+  sp_fsdp_opts fo = {.session = s, .world = world, .shard_group = shard,
+                     .replica_group = replica, .backward_prefetch = true,
+                     .init_param = sp_mlp_init_param,
+                     .init_buffer = sp_mlp_init_buffer};
+  if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
+  if (rc == 0 && o->load_dir) rc = sp_ckpt_load(f, o->load_kind, o->load_dir, d);
+  sp_diag md = {{0}};
+  bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
+  if (rc == 0 && is_mlp && o->global_batch % w != 0)
+    rc = sp_diag_set(d, SP_EINVAL, "--global-batch %u is not divisible by "
+                     "the world size %u", o->global_batch, w);
+  size_t local_n = o->global_batch / w;
+  if (rc == 0 && is_mlp) {
+    rc = trainer_init(&tr, f, s, mlp, local_n, d);
+    have_tr = true;
+  }
+  if (rc == 0 && rank == 0 && !is_mlp)
+    printf("rank 0: %s; running the synthetic-gradient cycle\n", md.msg);
+  losses = calloc(o->steps ? o->steps : 1, sizeof *losses);
+  if (!losses && rc == 0) rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  double tlast = now_s();
+  for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
+    if (is_mlp)
+      rc = trainer_step(&tr, step, (uint64_t)rank * local_n, o->global_batch,
+                        o->lr, &losses[step], d);
+    else
+      rc = synthetic_step(f, s, step, o->lr, d);
+    if (rc == 0 && rank == 0 && o->log_every &&
+        ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
+      double t = now_s();
+      double per_s = o->log_every * (double)o->global_batch / (t - tlast);
+      tlast = t;
+      if (is_mlp)
+        printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->steps,
+               losses[step], per_s);
+      else
+        printf("step %u/%u  %.0f samples/s (synthetic gradients)\n",
+               step + 1, o->steps, per_s);
+      fflush(stdout);
+    }
+  }
+  if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
+      write_losses(o->losses_path, losses, o->steps) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
+  for (int k = SP_CKPT_FULL; rc == 0 && o->ckpt_dir && k <= SP_CKPT_LOCAL;
+       k++) {
+    if (!o->ckpt_kinds[k]) continue;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
+             k == SP_CKPT_FULL ? "full" : k == SP_CKPT_SHARDED ? "sharded"
+                                                               : "local");
+    rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
+    if (rc == 0 && rank == 0) {
+      printf("checkpoint (%s): %s\n", sp_ckpt_kind_name((sp_ckpt_kind)k), dir);
+      fflush(stdout);
+    }
+  }
+  if (have_tr) trainer_free(&tr);
+  free(losses);
+  sp_mlp_free(mlp);
+  sp_fsdp_free(f);
+  for (int i = 0; i < 3; i++) atomic_store(&g_comms[i], NULL);
+  sp_comm_free(replica);
+  sp_comm_free(shard);
+  sp_comm_free(world);
+  sp_diag cd = {{0}};
+  int crc = sp_session_close(s, 5000, &cd);
+  if (rc == 0 && crc < 0) {
+    *d = cd;
+    rc = crc;
+  }
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  worker_opts o;
+  int prc = parse_args(argc, argv, &o);
+  if (prc) return prc == 1 ? 0 : prc;
+  sp_diag d = {{0}};
+  int rc = run(&o, &d);
+  if (rc < 0) {
+    fprintf(stderr, "shardplane-worker: rank %ld: %s\n", o.rank,
+            d.msg[0] ? d.msg : sp_strerror(rc));
+    return 1;
+  }
+  return 0;
+}
