@@ -310,8 +310,7 @@ int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d) {
                          (int)kind);
   }
   if (rc < 0)
-    sp_diag_prefix(d, rc, "rank %u: %s checkpoint", f->rank,
-                   sp_ckpt_kind_name(kind));
+    sp_diag_prefix(d, rc, "writing %s checkpoint", sp_ckpt_kind_name(kind));
   /* the checkpoint is complete only when every rank's file is */
   if (rc == 0) rc = sp_comm_barrier(f->world_comm, d);
   return rc;
@@ -556,6 +555,10 @@ static int load_local(sp_fsdp *f, const char *dir, sp_diag *d) {
   snprintf(path, sizeof path, "%s/%s", dir, name);
   sp_st_file *st;
   int rc = sp_st_open(path, &st, d);
+  if (rc == SP_ENOENT)
+    return sp_diag_prefix(d, rc, "a LOCAL checkpoint loads only into the "
+                          "world size and plan it was written with (this "
+                          "rank is %u of %u)", f->rank, f->world);
   if (rc < 0) return rc;
   const char *ver = sp_st_metadata_get(st, "shardplane.plan_version");
   if (!ver || strcmp(ver, f->plan->version_hex) != 0)
@@ -598,7 +601,6 @@ int sp_ckpt_load(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d) {
                          (int)kind);
   }
   if (rc < 0)
-    sp_diag_prefix(d, rc, "rank %u: loading %s checkpoint", f->rank,
-                   sp_ckpt_kind_name(kind));
+    sp_diag_prefix(d, rc, "loading %s checkpoint", sp_ckpt_kind_name(kind));
   return rc;
 }

@@ -6,13 +6,14 @@
 //     waits on buffers it owns privately, so nothing outside can wake it
 //     before its timeout. With our own buffers, sp_comm_abort can call
 //     UnboundBuffer::abortWaitRecv/abortWaitSend on exactly the buffers the
-//     operation is blocked on: it returns within microseconds.
+//     operation is blocked on; it returns as soon as the connections are
+//     closed (below), a few milliseconds.
 //   * determinism: sums are done on the host by comm.c in member order, so
 //     Gloo only has to move bytes; each element of an all-reduce is summed by
 //     exactly one member and then copied, so every member holds the same bits
 //     even if their floating-point environments differ.
-//   * safety: every message's slot encodes the operation, dtype, count and
-//     root, so members that disagree (a desynchronised rank) never match
+//   * safety: every message's slot encodes the operation and its arguments
+//     (dtype, count or bytes, root), so members that disagree (a desynchronised rank) never match
 //     each other's messages. Gloo's receive path asserts on a size mismatch
 //     in its event-loop thread, where an exception would terminate the
 //     process; with mismatched slots it times out instead.
@@ -23,7 +24,9 @@
 // pairs (which takes each pair's lock, the one the loop holds while reading)
 // is the only way to be sure no late message lands in memory the caller is
 // about to free. Peers then see the connection drop and fail too instead of
-// hanging, which is what a lost member should cause.
+// hanging, which is what a lost member should cause. A watchdog thread per
+// communicator covers the one failure Gloo does not report to a waiting
+// operation (GlooComm::sentinels).
 //
 // No C++ exception leaves this file: every extern "C" entry point catches
 // everything and returns a negative SP_E* code with a message.
@@ -39,6 +42,7 @@
 #include <gloo/transport/unbound_buffer.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cctype>
 #include <chrono>
 #include <cstdint>
@@ -51,6 +55,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <pthread.h>
@@ -200,6 +205,15 @@ class CStore : public gloo::rendezvous::Store {
 
 // ---- the communicator --------------------------------------------------------
 
+// A member's connection failed while this member's operation waits for a
+// send to it (see GlooComm::watch).
+struct PeerFailed : std::runtime_error {
+  explicit PeerFailed(const std::string &m) : std::runtime_error(m) {}
+};
+
+// Slot of the sentinel receives; operation slots keep the top bit clear.
+constexpr uint64_t kSentinelSlot = ~0ull;
+
 struct GlooComm {
   std::string prefix;
   int rank = 0;
@@ -208,12 +222,27 @@ struct GlooComm {
   std::shared_ptr<gloo::transport::Device> dev;
   std::shared_ptr<gloo::rendezvous::Context> ctx;
 
-  // Guards aborted and active: abort wakes exactly the buffers registered
-  // here, and an operation unregisters its buffers (under this lock) before
-  // destroying them, so abort never touches a freed buffer.
+  // Guards everything below: abort and the watchdog wake exactly the
+  // buffers registered in active, and an operation unregisters its buffers
+  // (under this lock) before destroying them, so nobody touches a freed
+  // buffer.
   std::mutex mu;
+  std::condition_variable cv;
   bool aborted = false;
+  bool stop = false;
+  std::string peer_failure; // non-empty once a connection has failed
   std::vector<UnboundBuffer *> active;
+
+  // One receive per peer, posted at creation on a slot nobody sends to.
+  // Gloo signals a failed connection only to the buffers with transfers
+  // pending on it, and not to a send already being written (a large send
+  // whose peer stopped reading): the thread waiting for that send would sit
+  // until the timeout. The sentinel is always pending, so it always learns
+  // of the failure; the watchdog looks at the sentinels while an operation
+  // is in progress and wakes it.
+  std::vector<std::unique_ptr<UnboundBuffer>> sentinels;
+  std::vector<unsigned char> sentinel_bytes;
+  std::thread watchdog;
 
   // Operations issued; all members issue the same sequence, so this is the
   // same on all of them for the same operation.
@@ -236,8 +265,76 @@ struct GlooComm {
     }
   }
 
+  // Posts the sentinels and starts the watchdog (after the rendezvous).
+  void start_watch() {
+    sentinel_bytes.assign((size_t)size, 0);
+    sentinels.resize((size_t)size);
+    for (int i = 0; i < size; i++) {
+      if (i == rank) continue;
+      sentinels[(size_t)i] =
+          ctx->createUnboundBuffer(&sentinel_bytes[(size_t)i], 1);
+      sentinels[(size_t)i]->recv(i, kSentinelSlot, 0, 1);
+    }
+    watchdog = std::thread([this] { watch(); });
+  }
+
+  // Whether the connection of sentinel s is still up: a waitRecv that is
+  // told beforehand to give up returns false at once, unless the buffer
+  // holds an error, which it throws first.
+  static bool healthy(UnboundBuffer *s, std::string *why) {
+    try {
+      s->abortWaitRecv();
+      s->waitRecv(nullptr, Ms(1));
+      return true;
+    } catch (const std::exception &e) {
+      *why = e.what();
+      return false;
+    }
+  }
+
+  // 20 ms between looks: a lost member is noticed well within a second,
+  // and an idle communicator costs 50 wake-ups a second.
+  void watch() noexcept {
+    try {
+      std::unique_lock<std::mutex> lk(mu);
+      while (!stop) {
+        cv.wait_for(lk, Ms(20));
+        if (stop || aborted || !peer_failure.empty() || active.empty())
+          continue;
+        lk.unlock();
+        std::string why;
+        int bad = -1;
+        for (int i = 0; i < size && bad < 0; i++)
+          if (sentinels[(size_t)i] && !healthy(sentinels[(size_t)i].get(), &why))
+            bad = i;
+        lk.lock();
+        if (bad >= 0 && peer_failure.empty()) {
+          peer_failure =
+              "connection to rank " + std::to_string(bad) + " lost: " + why;
+          for (UnboundBuffer *b : active) {
+            b->abortWaitRecv();
+            b->abortWaitSend();
+          }
+        }
+      }
+    } catch (...) {
+      // Without the watchdog, a send stuck on a dead connection still ends
+      // at the operation's timeout.
+    }
+  }
+
   ~GlooComm() {
-    // Pairs go before the device that runs their event loop.
+    if (watchdog.joinable()) {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        stop = true;
+      }
+      cv.notify_all();
+      watchdog.join();
+    }
+    // Sentinels, then the pairs, then the device that runs their event
+    // loop.
+    sentinels.clear();
     ctx.reset();
     dev.reset();
   }
@@ -285,16 +382,27 @@ class Op {
   }
 
   // The slot of one phase: the low half names the operation and its
-  // arguments, the high half its place in the sequence.
+  // arguments, the high half its place in the sequence (31 bits: slots
+  // with the top bit set belong to the sentinels).
   uint64_t slot(OpKind kind) const {
     uint64_t h = mix64(mix64(mix64(mix64((uint64_t)kind) ^ a_) ^ b_) ^ c_);
-    return (seq_ << 32) | (h & 0xFFFFFFFFull);
+    return ((seq_ & 0x7FFFFFFFull) << 32) | (h & 0xFFFFFFFFull);
+  }
+
+  // Memory Gloo transfers into or out of must be owned here, not by the
+  // body of the operation: an exception unwinds the body's locals before
+  // the catch can close the connections, and the event loop may still be
+  // reading into them until it is closed.
+  unsigned char *scratch(size_t nbytes) {
+    scratch_.emplace_back(new unsigned char[nbytes > 0 ? nbytes : 1]);
+    return scratch_.back().get();
   }
 
   UnboundBuffer *buffer(void *ptr, size_t nbytes) {
     auto b = g_.ctx->createUnboundBuffer(ptr, nbytes);
     std::lock_guard<std::mutex> lk(g_.mu);
     if (g_.aborted) throw Canceled();
+    if (!g_.peer_failure.empty()) throw PeerFailed(g_.peer_failure);
     bufs_.reserve(bufs_.size() + 1);
     g_.active.reserve(g_.active.size() + 1);
     g_.active.push_back(b.get());
@@ -303,10 +411,10 @@ class Op {
   }
 
   void wait_recv(UnboundBuffer *b) {
-    if (!b->waitRecv(nullptr, left())) throw Canceled();
+    if (!b->waitRecv(nullptr, left())) woken();
   }
   void wait_send(UnboundBuffer *b) {
-    if (!b->waitSend(nullptr, left())) throw Canceled();
+    if (!b->waitSend(nullptr, left())) woken();
   }
 
   bool past_deadline() const { return Clock::now() >= deadline_; }
@@ -315,6 +423,13 @@ class Op {
   void finish() { done_ = true; }
 
  private:
+  // A wait returned false: abort or the watchdog told it to give up.
+  [[noreturn]] void woken() {
+    std::lock_guard<std::mutex> lk(g_.mu);
+    if (g_.aborted || g_.peer_failure.empty()) throw Canceled();
+    throw PeerFailed(g_.peer_failure);
+  }
+
   // Gloo treats 0 as "no timeout" and a negative value as "the context's
   // default", so the remaining time never goes below 1 ms.
   Ms left() const {
@@ -327,6 +442,8 @@ class Op {
   const uint64_t seq_;
   const uint64_t a_, b_, c_;
   bool done_ = false;
+  // Declared before bufs_ so that it outlives them.
+  std::vector<std::unique_ptr<unsigned char[]>> scratch_;
   std::vector<std::unique_ptr<UnboundBuffer>> bufs_;
 };
 
@@ -419,11 +536,10 @@ void do_reduce_scatter(GlooComm &g, const void *send, void *recv, size_t count,
   run_op(op, timed_out, [&] {
     // Block i of tmp receives member i's block `rank`; the own block is
     // read in place.
-    std::unique_ptr<unsigned char[]> tmp(
-        new unsigned char[nbytes * (size_t)g.size]);
+    unsigned char *tmp = op.scratch(nbytes * (size_t)g.size);
     auto *in = static_cast<unsigned char *>(const_cast<void *>(send));
     UnboundBuffer *sb = op.buffer(in, nbytes * (size_t)g.size);
-    UnboundBuffer *rb = op.buffer(tmp.get(), nbytes * (size_t)g.size);
+    UnboundBuffer *rb = op.buffer(tmp, nbytes * (size_t)g.size);
     const uint64_t slot = op.slot(kReduceScatter);
     for (int i = 0; i < g.size; i++) {
       if (i == g.rank) continue;
@@ -435,7 +551,7 @@ void do_reduce_scatter(GlooComm &g, const void *send, void *recv, size_t count,
     std::vector<const void *> blocks((size_t)g.size);
     for (int i = 0; i < g.size; i++)
       blocks[(size_t)i] = i == g.rank ? in + (size_t)i * nbytes
-                                      : tmp.get() + (size_t)i * nbytes;
+                                      : tmp + (size_t)i * nbytes;
     // Every send has completed, so recv may overlap send: the sum reads
     // each chunk of every block before writing that chunk.
     if (sp_comm_sum_blocks(recv, blocks.data(), (uint32_t)g.size, count, dt) <
@@ -459,10 +575,9 @@ void do_all_reduce(GlooComm &g, void *buf, size_t count, sp_dtype dt,
   Op op(g, count, (uint64_t)dt, 0);
   run_op(op, timed_out, [&] {
     auto *data = static_cast<unsigned char *>(buf);
-    std::unique_ptr<unsigned char[]> tmp(
-        new unsigned char[mylen * esz * w + 1]);
+    unsigned char *tmp = op.scratch(mylen * esz * w);
     UnboundBuffer *db = op.buffer(data, count * esz);
-    UnboundBuffer *tb = op.buffer(tmp.get(), mylen * esz * w + 1);
+    UnboundBuffer *tb = op.buffer(tmp, mylen * esz * w);
     uint64_t slot = op.slot(kAllReduceScatter);
     int nrecv = 0, nsend = 0;
     for (size_t i = 0; i < w; i++) {
@@ -481,7 +596,7 @@ void do_all_reduce(GlooComm &g, void *buf, size_t count, sp_dtype dt,
     if (mylen > 0) {
       std::vector<const void *> blocks(w);
       for (size_t i = 0; i < w; i++)
-        blocks[i] = i == me ? data + off(me) * esz : tmp.get() + i * mylen * esz;
+        blocks[i] = i == me ? data + off(me) * esz : tmp + i * mylen * esz;
       if (sp_comm_sum_blocks(data + off(me) * esz, blocks.data(),
                              (uint32_t)w, mylen, dt) < 0)
         throw std::invalid_argument("no sum for this dtype");
@@ -529,8 +644,9 @@ void do_broadcast(GlooComm &g, void *buf, size_t nbytes, uint32_t root,
 void do_barrier(GlooComm &g, bool &timed_out) {
   Op op(g, 0, 0, 0);
   run_op(op, timed_out, [&] {
-    std::vector<unsigned char> tokens((size_t)g.size, 1);
-    UnboundBuffer *b = op.buffer(tokens.data(), tokens.size());
+    unsigned char *tokens = op.scratch((size_t)g.size);
+    std::memset(tokens, 1, (size_t)g.size);
+    UnboundBuffer *b = op.buffer(tokens, (size_t)g.size);
     const uint64_t slot = op.slot(kBarrier);
     for (int i = 0; i < g.size; i++) {
       if (i == g.rank) continue;
@@ -590,6 +706,7 @@ int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
     g->ctx->setTimeout(Ms(std::max<uint64_t>(1, info->timeout_ms / 5)));
     CStore st(*store, g->prefix, deadline, info->timeout_ms);
     g->ctx->connectFullMesh(st, g->dev);
+    g->start_watch();
   } catch (const StoreError &e) {
     return sp_diag_set(d, e.code, "%s", e.what());
   } catch (const std::bad_alloc &) {

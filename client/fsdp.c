@@ -33,12 +33,17 @@ static void divide_factors(uint32_t world, double *pre, double *post) {
   *post = (double)world / p;
 }
 
+/* A unit's name in messages: its module FQN, "root" for the root. */
+static const char *unit_name(const sp_fsdp *f, uint32_t unit) {
+  const char *fqn = sp_plan_unit_fqn(f->plan, unit);
+  return fqn && *fqn ? fqn : "root";
+}
+
 static int transition(sp_fsdp *f, sp_machine m, uint32_t unit, int to,
                       sp_diag *d) {
   int rc = sp_session_transition(f->s, m, unit, to, d);
   if (rc < 0)
-    sp_diag_prefix(d, rc, "rank %u unit %u (%s)", f->rank, unit,
-                   sp_plan_unit_fqn(f->plan, unit));
+    sp_diag_prefix(d, rc, "unit %u (%s)", unit, unit_name(f, unit));
   return rc;
 }
 
@@ -159,8 +164,7 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, float *tmp,
       rc = sp_diag_set(d, SP_EINVAL, "unknown work kind %d", (int)w->kind);
   }
   if (rc < 0 && w->kind != SP_WORK_ALL_REDUCE)
-    sp_diag_prefix(d, rc, "unit %u (%s)", w->unit,
-                   sp_plan_unit_fqn(f->plan, w->unit));
+    sp_diag_prefix(d, rc, "unit %u (%s)", w->unit, unit_name(f, w->unit));
   return rc;
 }
 
@@ -175,8 +179,7 @@ static void *comm_thread(void *arg) {
   pthread_mutex_lock(&f->mu);
   if (!tmp && !f->error) {
     f->error = sp_diag_set(&f->error_diag, SP_ENOMEM,
-                           "rank %u: no memory for reduction scratch",
-                           f->rank);
+                           "no memory for reduction scratch");
   }
   for (;;) {
     while (!f->stopping && f->completed == f->issued)
@@ -277,8 +280,8 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   }
   if (!ok)
     return sp_diag_set(d, SP_ENOMEM,
-                       "rank %u unit %u (%s): no memory for %lld elements",
-                       f->rank, ui, sp_plan_unit_fqn(pl, ui),
+                       "unit %u (%s): no memory for %lld elements", ui,
+                       unit_name(f, ui),
                        (long long)padded);
   /* initialise the master shard parameter by parameter */
   size_t n = 0;
@@ -459,8 +462,8 @@ static bool reshard_after_forward(const sp_fsdp *f, uint32_t ui) {
 
 static int check_unit(const sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (ui >= f->n_units)
-    return sp_diag_set(d, SP_ERANGE, "rank %u: unit %u out of range (%zu "
-                                     "units)", f->rank, ui, f->n_units);
+    return sp_diag_set(d, SP_ERANGE, "unit %u out of range (%zu units)", ui,
+                       f->n_units);
   return 0;
 }
 
@@ -763,8 +766,8 @@ int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
     free(p);
     free(g);
     if (rc < 0)
-      return sp_diag_set(d, rc, "rank %u: SGD on unit %zu: %s", f->rank, ui,
-                         sp_strerror(rc));
+      return sp_diag_set(d, rc, "SGD on unit %zu (%s): %s", ui,
+                         unit_name(f, (uint32_t)ui), sp_strerror(rc));
   }
   return 0;
 }

@@ -24,6 +24,23 @@
  * every message with acked_seq. The background thread remembers, per seq in
  * flight, how many events had been sent up to and including it, so "events
  * acknowledged" is a count that flush compares with the producer's head.
+ *
+ * Timings (session_internal.h): the drain timer runs every 1 ms while events
+ * flow and backs off to 16 ms when idle; at most SP_SESSION_BATCH events per
+ * message and SP_SESSION_WINDOW data messages unacknowledged. Heartbeats go
+ * every min(heartbeat_interval, heartbeat_timeout / 3) as the coordinator
+ * gave them at Attach, and only when the stream was quiet for half that.
+ *
+ * Errors of the background side are sticky: the first one (a rejected
+ * transition: SP_ESTATE; the stream ending: the status's code, e.g.
+ * SP_ECANCELED for ABORTED, SP_EIO for UNAVAILABLE) is what every later
+ * flush and the close return. A dropped event is not an error, but a
+ * dropped *transition* leaves the coordinator one state behind, so it
+ * rejects a later one: a queue that overflows shows up as SP_ESTATE.
+ *
+ * on_abort runs on the background thread, at most once, for an ABORT
+ * command or for the stream ending before sp_session_close began; it must
+ * not call sp_session_close (which joins that thread).
  */
 #include <inttypes.h>
 #include <stdatomic.h>

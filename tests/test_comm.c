@@ -696,7 +696,6 @@ static void *aborter(void *p) {
 static void abort_member(member *m) {
   abort_ctx *a = m->g->arg;
   MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
-  sp_diag d = {{0}};
   if (m->rank == 0) {
     float buf[1000] = {0};
     pthread_t th;
@@ -723,7 +722,6 @@ static void abort_member(member *m) {
     m->t[0] = now_s() - t0;
     m->rc[1] = sp_comm_barrier(m->c, &m->diag[1]);
   }
-  (void)d;
 }
 
 static void test_abort_unblocks(void **state) {
@@ -803,6 +801,9 @@ typedef struct storm_ctx {
   unsigned delay_us;
   uint32_t victim;
   double abort_at;
+  /* An abort while a peer is still in its rendezvous fails that peer's
+   * sp_comm_new, rightly; this test is about operations. */
+  pthread_barrier_t ready;
 } storm_ctx;
 
 static void *storm_aborter(void *p) {
@@ -817,6 +818,7 @@ static void *storm_aborter(void *p) {
 
 static void storm_member(member *m) {
   storm_ctx *s = m->g->arg;
+  pthread_barrier_wait(&s->ready);
   MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
   pthread_t th;
   bool victim = m->rank == s->victim;
@@ -825,9 +827,8 @@ static void storm_member(member *m) {
            "pthread_create");
   float *buf = malloc(20000 * sizeof *buf);
   int rc = 0;
-  long ops = 0;
   sp_diag d = {{0}};
-  for (int i = 0; i < 100000 && rc == 0; i++, ops++) {
+  for (int i = 0; i < 100000 && rc == 0; i++) {
     for (int k = 0; k < 20000; k++) buf[k] = (float)(k + i);
     switch (i % 3) {
     case 0:
@@ -847,7 +848,6 @@ static void storm_member(member *m) {
   if (victim) pthread_join(th, NULL);
   m->rc[0] = rc;
   m->diag[0] = d;
-  (void)ops;
 }
 
 static void test_abort_storm(void **state) {
@@ -856,26 +856,26 @@ static void test_abort_storm(void **state) {
   for (int round = 0; round < 12; round++) {
     storm_ctx s = {.delay_us = (unsigned)sp_test_rng_below(&r, 30000),
                    .victim = (uint32_t)sp_test_rng_below(&r, 3)};
+    assert_int_equal(pthread_barrier_init(&s.ready, NULL, 3), 0);
     group g;
     group_init(&g, 3, 10000, storm_member, &s);
     group_run(&g);
+    pthread_barrier_destroy(&s.ready);
     for (uint32_t i = 0; i < 3; i++) {
       assert_true(g.m[i].rc[0] < 0);
       if (i == s.victim) assert_int_equal(g.m[i].rc[0], SP_ECANCELED);
       double late = g.m[i].t[0] - s.abort_at;
       if (late > 2.0)
-        fail_msg("round %d rank %u ended %.3f s after the abort: %s", round,
-                 i, late, g.m[i].diag[0].msg);
+        fail_msg("round %d (victim %u, abort after %u us): rank %u ended "
+                 "%.3f s after the abort: %s; others: [%s] [%s] [%s]",
+                 round, s.victim, s.delay_us, i, late, g.m[i].diag[0].msg,
+                 g.m[0].diag[0].msg, g.m[1].diag[0].msg, g.m[2].diag[0].msg);
     }
     group_done(&g);
   }
 }
 
 /* ---- a member that leaves -------------------------------------------------- */
-
-typedef struct leave_ctx {
-  sp_comm *leaver;
-} leave_ctx;
 
 /* Members 0 and 1 all_gather; member 2 frees its communicator instead (the
  * closest a thread gets to a process dying: its sockets close). */
@@ -909,6 +909,35 @@ static void test_peer_leaves(void **state) {
     assert_true(g.m[r].t[0] < 5.0);
     assert_non_null(strstr(g.m[r].diag[0].msg, "all_gather"));
   }
+  group_done(&g);
+}
+
+/* A root whose broadcast only sends, to a member that has left: the send
+ * must fail, not wait for the timeout. */
+static void leave_root_member(member *m) {
+  MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
+  if (m->rank == 1) {
+    sleep_ms(300);
+    atomic_store(&m->g->comms[1], NULL);
+    sp_comm_free(m->c);
+    m->c = NULL;
+    return;
+  }
+  double buf[64] = {0};
+  double t0 = now_s();
+  m->rc[0] = sp_comm_broadcast(m->c, buf, 64, SP_FLOAT64, 0, &m->diag[0]);
+  m->t[0] = now_s() - t0;
+}
+
+static void test_peer_leaves_root_sends(void **state) {
+  (void)state;
+  group g;
+  group_init(&g, 2, 5000, leave_root_member, NULL);
+  group_run(&g);
+  print_message("root alone: %s after %.1f ms: %s\n", sp_err_name(g.m[0].rc[0]),
+                g.m[0].t[0] * 1e3, g.m[0].diag[0].msg);
+  assert_true(g.m[0].rc[0] < 0);
+  assert_true(g.m[0].t[0] < 2.0);
   group_done(&g);
 }
 
@@ -1155,6 +1184,7 @@ int main(void) {
       cmocka_unit_test(test_abort_before_first_op),
       cmocka_unit_test(test_abort_storm),
       cmocka_unit_test(test_peer_leaves),
+      cmocka_unit_test(test_peer_leaves_root_sends),
       cmocka_unit_test(test_rendezvous_timeout),
       cmocka_unit_test(test_rendezvous_store_error),
       cmocka_unit_test(test_op_timeout),

@@ -590,10 +590,13 @@ typedef struct abort_seen {
   char reason[256];
 } abort_seen;
 
+/* The reason is written before the count is published (the test thread
+ * reads it once it sees the count). */
 static void on_abort(void *user, const char *reason) {
   abort_seen *a = user;
-  if (atomic_fetch_add(&a->calls, 1) == 0)
+  if (atomic_load(&a->calls) == 0)
     snprintf(a->reason, sizeof a->reason, "%s", reason);
+  atomic_fetch_add(&a->calls, 1);
 }
 
 static void wait_abort(abort_seen *a) {

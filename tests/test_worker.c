@@ -10,6 +10,7 @@
  *  - a worker killed mid-step ends the others within the heartbeat timeout.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -25,6 +26,8 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+
+#include <jansson.h>
 
 #include "cast.h"
 #include "mlp.h"
@@ -60,8 +63,9 @@ typedef struct test_job {
 
 #define MAXARGS 64
 
+/* errdir: when given, worker r's stderr goes to errdir/rank-r.err. */
 static void job_start(test_job *j, const char *model, const char *const *cflags,
-                      int n, const char *const *wflags) {
+                      int n, const char *const *wflags, const char *errdir) {
   memset(j, 0, sizeof *j);
   j->n = n;
   char *ca[MAXARGS];
@@ -97,7 +101,16 @@ static void job_start(test_job *j, const char *model, const char *const *cflags,
     wa[m++] = "0";
     for (size_t i = 0; wflags && wflags[i]; i++) wa[m++] = (char *)wflags[i];
     wa[m] = NULL;
-    int rc = posix_spawn(&j->w[r], wa[0], NULL, NULL, wa, environ);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    char errpath[4096];
+    if (errdir) {
+      snprintf(errpath, sizeof errpath, "%s/rank-%d.err", errdir, r);
+      posix_spawn_file_actions_addopen(&fa, 2, errpath,
+                                       O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    }
+    int rc = posix_spawn(&j->w[r], wa[0], &fa, NULL, wa, environ);
+    posix_spawn_file_actions_destroy(&fa);
     if (rc != 0) fail_msg("cannot start a worker: %s", strerror(rc));
   }
 }
@@ -134,7 +147,7 @@ static int job_wait(test_job *j, double timeout_s) {
 static void run_job(const char *model, const char *const *cflags, int n,
                     const char *const *wflags) {
   test_job j;
-  job_start(&j, model, cflags, n, wflags);
+  job_start(&j, model, cflags, n, wflags, NULL);
   int ok = job_wait(&j, 120);
   if (ok != n) {
     for (int r = 0; r < n; r++)
@@ -324,9 +337,340 @@ static void test_parity(void **state) {
       }
 }
 
+
+/* ---- checkpoints ---- */
+
+static sp_st_file *open_st(const char *dir, const char *name) {
+  char *path = sp_test_path(dir, name);
+  sp_st_file *st;
+  sp_diag d = {{0}};
+  if (sp_st_open(path, &st, &d) < 0) fail_msg("%s", d.msg);
+  free(path);
+  return st;
+}
+
+static bool have_numpy(void) {
+  return access("/usr/bin/python3", X_OK) == 0 &&
+         system("/usr/bin/python3 -c 'import numpy' 2>/dev/null") == 0;
+}
+
+/* The independent Python reader must load the file and see every tensor
+ * with the dtype, shape and bytes our reader sees. */
+static void check_with_python(const char *path) {
+  char cmd[4096];
+  snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s '%s' --hex-limit 100000000",
+           ST_READER, path);
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t cap = 1 << 20, len = 0;
+  char *out = malloc(cap);
+  size_t n;
+  while ((n = fread(out + len, 1, cap - len - 1, p)) > 0) {
+    len += n;
+    if (len + 1 == cap) out = realloc(out, cap *= 2);
+  }
+  out[len] = '\0';
+  int st = pclose(p);
+  if (st != 0) fail_msg("st_reader.py %s: status %d", path, st);
+  json_error_t err;
+  json_t *root = json_loads(out, 0, &err);
+  if (!root) fail_msg("st_reader.py output: %s", err.text);
+  json_t *tensors = json_object_get(root, "tensors");
+  sp_st_file *f;
+  sp_diag d = {{0}};
+  assert_int_equal(sp_st_open(path, &f, &d), 0);
+  assert_int_equal(json_object_size(tensors), sp_st_tensor_count(f));
+  for (size_t i = 0; i < sp_st_tensor_count(f); i++) {
+    const sp_st_tensor *t = sp_st_tensor_at(f, i);
+    json_t *pt = json_object_get(tensors, t->name);
+    if (!pt) fail_msg("%s: Python did not see %s", path, t->name);
+    assert_string_equal(json_string_value(json_object_get(pt, "dtype")),
+                        sp_dtype_st_name(t->dtype));
+    json_t *shape = json_object_get(pt, "shape");
+    assert_int_equal(json_array_size(shape), t->ndim);
+    for (size_t k = 0; k < t->ndim; k++)
+      assert_int_equal(json_integer_value(json_array_get(shape, k)),
+                       t->shape[k]);
+    const char *hex = json_string_value(json_object_get(pt, "hex"));
+    assert_non_null(hex);
+    assert_int_equal(strlen(hex), 2 * t->nbytes);
+    for (size_t k = 0; k < t->nbytes; k++) {
+      unsigned v;
+      sscanf(hex + 2 * k, "%2x", &v);
+      if (v != t->data[k]) fail_msg("%s: %s byte %zu differs", path, t->name, k);
+    }
+  }
+  sp_st_free(f);
+  json_decref(root);
+  free(out);
+}
+
+static const char *const k_buffer_job[] = {
+    "--wrap-type", "Linear", "--param-dtype", "bfloat16", "--reduce-dtype",
+    "float32", "--buffer-dtype", "bfloat16", NULL};
+
+/* Element i of a tensor as a double. */
+static double elem(const sp_st_tensor *t, size_t i) {
+  double v;
+  uint8_t tmp[8];
+  size_t es = sp_dtype_size(t->dtype);
+  memcpy(tmp, t->data + i * es, es);
+  if (sp_dtype_is_floating(t->dtype)) {
+    assert_int_equal(sp_cast(&v, SP_FLOAT64, tmp, t->dtype, 1), 0);
+    return v;
+  }
+  int64_t x = 0;
+  if (t->dtype == SP_INT64) memcpy(&x, tmp, 8);
+  else if (t->dtype == SP_INT32) { int32_t y; memcpy(&y, tmp, 4); x = y; }
+  else x = tmp[0];
+  return (double)x;
+}
+
+/* The buffer test of the seed: buffers named running_mean in float64,
+ * float16 and bfloat16 submodules, counters in int64 and int32, bools;
+ * trained with buffer_dtype bfloat16. */
+static void test_buffers_and_checkpoints(void **state) {
+  (void)state;
+  if (!have_numpy()) {
+    printf("  (the Python reader part needs /usr/bin/python3 with numpy)\n");
+  }
+  char *dir = sp_test_mkdtemp();
+  const char *wflags[] = {"--steps", "4", "--global-batch", "24",
+                          "--checkpoint-dir", dir, "--checkpoint", "full",
+                          "--checkpoint", "sharded", "--checkpoint", "local",
+                          NULL};
+  run_job(MLP_BUFFERS, k_buffer_job, 3, wflags);
+
+  sp_model *m;
+  sp_diag d = {{0}};
+  assert_int_equal(sp_model_load_file(MLP_BUFFERS, &m, &d), 0);
+  sp_job job;
+  sp_job_init(&job);
+  sp_strlist_add(&job.wrap_types, "Linear");
+  job.mp.enabled = true;
+  job.mp.param_dtype = SP_BFLOAT16;
+  job.mp.reduce_dtype = SP_FLOAT32;
+  job.mp.buffer_dtype = SP_BFLOAT16;
+  void *ref_bufs = NULL;
+  assert_int_equal(sp_mlp_reference_run(m, &job, 4, 24, 0.05, NULL, NULL,
+                                        &ref_bufs, &d), 0);
+  sp_plan *plan;
+  job.world_size = 3;
+  assert_int_equal(sp_plan_build(m, &job, &plan, &d), 0);
+
+  sp_st_file *full = open_st(dir, "full/model.safetensors");
+  sp_st_file *rank0 = open_st(dir, "sharded/rank-0-of-3.safetensors");
+  sp_st_file *local = open_st(dir, "local/local-1-of-3.safetensors");
+  const uint8_t *ref = ref_bufs;
+  double worst = 0;
+  for (size_t b = 0; b < m->n_buffers; b++) {
+    const sp_tensor_spec *bs = &m->buffers[b];
+    sp_dtype compute = plan->buffers[b].compute_dtype;
+    const sp_st_tensor *tf = sp_st_find(full, bs->fqn);
+    const sp_st_tensor *ts = sp_st_find(rank0, bs->fqn);
+    const sp_st_tensor *tl = sp_st_find(local, bs->fqn);
+    printf("  %-30s original %-8s compute %-8s FULL %-8s SHARDED %-8s "
+           "LOCAL %s\n", bs->fqn, sp_dtype_name(bs->dtype),
+           sp_dtype_name(compute), tf ? sp_dtype_name(tf->dtype) : "-",
+           ts ? sp_dtype_name(ts->dtype) : "-",
+           tl ? sp_dtype_name(tl->dtype) : "-");
+    size_t n = (size_t)bs->numel;
+    const uint8_t *rb = ref;
+    ref += n * sp_dtype_size(compute);
+    if (!bs->flag) {
+      /* non-persistent: in no state dict */
+      assert_null(tf);
+      assert_null(ts);
+      assert_null(tl);
+      continue;
+    }
+    assert_non_null(tf);
+    assert_non_null(ts);
+    assert_non_null(tl);
+    /* FULL and SHARDED restore the original dtype; LOCAL keeps the compute
+     * dtype; integer and bool buffers never change */
+    assert_int_equal(tf->dtype, bs->dtype);
+    assert_int_equal(ts->dtype, bs->dtype);
+    assert_int_equal(tl->dtype, compute);
+    if (!sp_dtype_is_floating(bs->dtype)) {
+      assert_int_equal(compute, bs->dtype);
+      double want = strstr(bs->fqn, "seen") ? 1 : 4;
+      for (size_t i = 0; i < n; i++) {
+        assert_true(elem(tf, i) == want);
+        assert_true(elem(tl, i) == want);
+      }
+      continue;
+    }
+    assert_int_equal(compute, SP_BFLOAT16);
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < n; i++) {
+      double v = elem(tf, i), r;
+      assert_int_equal(sp_cast(&r, SP_FLOAT64, rb + 2 * i, SP_BFLOAT16, 1), 0);
+      /* computed in bfloat16: the restored value is a bf16 value */
+      uint16_t h;
+      double back;
+      sp_cast(&h, SP_BFLOAT16, &v, SP_FLOAT64, 1);
+      sp_cast(&back, SP_FLOAT64, &h, SP_BFLOAT16, 1);
+      assert_true(back == v);
+      assert_true(elem(ts, i) == v);
+      assert_true(elem(tl, i) == v);
+      if (fabs(v - r) > diff) diff = fabs(v - r);
+      if (fabs(r) > scale) scale = fabs(r);
+    }
+    /* against the single process: the batch means come from activations
+     * that differ at the parity bound (bf16 gradients rounded per rank)
+     * and are summed in another order, then rounded to bf16: within one
+     * bf16 step (2^-8 relative) of the tensor's largest value, twice */
+    printf("  %-30s max |sharded - single process| = %.3g (%.2g of its "
+           "largest value)\n", bs->fqn, diff, scale > 0 ? diff / scale : 0);
+    if (scale > 0 && diff / scale > worst) worst = diff / scale;
+    assert_true(diff <= 0x1p-7 * scale);
+  }
+  /* SHARDED: rank 0 holds the buffers, the others only parameter chunks */
+  sp_st_file *rank2 = open_st(dir, "sharded/rank-2-of-3.safetensors");
+  for (size_t b = 0; b < m->n_buffers; b++)
+    assert_null(sp_st_find(rank2, m->buffers[b].fqn));
+  sp_st_free(rank2);
+  sp_st_free(full);
+  sp_st_free(rank0);
+  sp_st_free(local);
+
+  if (have_numpy()) {
+    const char *files[] = {"full/model.safetensors",
+                           "sharded/rank-0-of-3.safetensors",
+                           "sharded/rank-1-of-3.safetensors",
+                           "sharded/rank-2-of-3.safetensors",
+                           "local/local-0-of-3.safetensors",
+                           "local/local-1-of-3.safetensors",
+                           "local/local-2-of-3.safetensors"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+      char *path = sp_test_path(dir, files[i]);
+      check_with_python(path);
+      free(path);
+    }
+  }
+  free(ref_bufs);
+  sp_plan_free(plan);
+  sp_job_clear(&job);
+  sp_model_free(m);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* Every tensor of two safetensors files byte-equal. */
+static void same_tensors(const char *a_dir, const char *a, const char *b_dir,
+                         const char *b) {
+  sp_st_file *fa = open_st(a_dir, a), *fb = open_st(b_dir, b);
+  assert_int_equal(sp_st_tensor_count(fa), sp_st_tensor_count(fb));
+  for (size_t i = 0; i < sp_st_tensor_count(fa); i++) {
+    const sp_st_tensor *ta = sp_st_tensor_at(fa, i);
+    const sp_st_tensor *tb = sp_st_find(fb, ta->name);
+    if (!tb) fail_msg("%s/%s: no %s", b_dir, b, ta->name);
+    assert_int_equal(ta->dtype, tb->dtype);
+    assert_int_equal(ta->nbytes, tb->nbytes);
+    if (memcmp(ta->data, tb->data, ta->nbytes) != 0)
+      fail_msg("%s differs between %s/%s and %s/%s", ta->name, a_dir, a,
+               b_dir, b);
+  }
+  sp_st_free(fa);
+  sp_st_free(fb);
+}
+
+/* FULL and SHARDED load into another world size, LOCAL into the same plan
+ * only: load, save FULL without training, compare with the original. */
+static void test_checkpoint_reload(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *src = sp_test_path(dir, "src");
+  const char *wflags[] = {"--steps", "3", "--checkpoint-dir", src,
+                          "--checkpoint", "full", "--checkpoint", "sharded",
+                          "--checkpoint", "local", NULL};
+  run_job(MLP_BUFFERS, k_buffer_job, 2, wflags);
+  struct {
+    const char *kind;
+    int n;
+  } cases[] = {{"full", 3}, {"sharded", 3}, {"sharded", 4}, {"local", 2}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char name[64];
+    snprintf(name, sizeof name, "%s-%d", cases[i].kind, cases[i].n);
+    char *dst = sp_test_path(dir, name);
+    char *from = sp_test_path(src, cases[i].kind);
+    const char *lf[] = {"--steps", "0", "--load", from, "--load-kind",
+                        cases[i].kind, "--checkpoint-dir", dst,
+                        "--checkpoint", "full", NULL};
+    run_job(MLP_BUFFERS, k_buffer_job, cases[i].n, lf);
+    same_tensors(src, "full/model.safetensors", dst, "full/model.safetensors");
+    printf("  %s checkpoint of 2 ranks loaded into %d ranks: every tensor "
+           "equal\n", cases[i].kind, cases[i].n);
+    free(from);
+    free(dst);
+  }
+  /* LOCAL into another world size: refused, naming the plan */
+  {
+    test_job j;
+    char *from = sp_test_path(src, "local");
+    const char *lf[] = {"--steps", "0", "--load", from, "--load-kind",
+                        "local", "--checkpoint", "none", NULL};
+    job_start(&j, MLP_BUFFERS, k_buffer_job, 3, lf, NULL);
+    assert_int_equal(job_wait(&j, 60), 0);
+    for (int r = 0; r < 3; r++) assert_int_equal(j.status[r], 1);
+    free(from);
+  }
+  free(src);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* A worker killed mid-step: the others must fail within the heartbeat
+ * timeout with a message naming what happened, and nothing may hang. */
+static void test_killed_worker(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  const char *cflags[] = {"--wrap-type", "Linear", "--heartbeat-timeout-ms",
+                          "1000", NULL};
+  const char *wflags[] = {"--steps", "100000000", "--checkpoint", "none",
+                          "--comm-timeout-ms", "30000", NULL};
+  test_job j;
+  job_start(&j, MLP, cflags, 3, wflags, dir);
+  /* let them attach and train a while */
+  usleep(1500 * 1000);
+  for (int r = 0; r < 3; r++) {
+    int st;
+    if (waitpid(j.w[r], &st, WNOHANG) == j.w[r])
+      fail_msg("rank %d ended before the kill", r);
+  }
+  double t0 = now_s();
+  kill(j.w[1], SIGKILL);
+  int ok = job_wait(&j, 10);
+  double took = now_s() - t0;
+  printf("  rank 1 killed: the other ranks ended after %.0f ms (heartbeat "
+         "timeout 1000 ms)\n", took * 1000);
+  assert_int_equal(ok, 0);
+  assert_int_equal(j.status[1], 128 + SIGKILL);
+  for (int r = 0; r < 3; r += 2) {
+    assert_int_equal(j.status[r], 1);
+    char name[32];
+    snprintf(name, sizeof name, "rank-%d.err", r);
+    char *path = sp_test_path(dir, name);
+    char *err = sp_test_read_file(path);
+    printf("  rank %d: %s", r, err);
+    char want[32];
+    snprintf(want, sizeof want, "rank %d", r);
+    assert_non_null(strstr(err, want));
+    free(err);
+    free(path);
+  }
+  assert_true(took < 1.0 + 1.0);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_parity),
+      cmocka_unit_test(test_buffers_and_checkpoints),
+      cmocka_unit_test(test_checkpoint_reload),
+      cmocka_unit_test(test_killed_worker),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

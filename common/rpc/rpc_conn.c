@@ -1,5 +1,6 @@
 #include "rpc_conn.h"
 
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,7 +17,8 @@ static void on_handle_closed(uv_handle_t *h) {
   free(c->wbuf);
   free(c->wfly);
   free(c->rbuf);
-  c->wbuf = c->wfly = c->rbuf = NULL;
+  c->wbuf = c->wfly = NULL;
+  c->rbuf = NULL;
   if (c->h2 != NULL) {
     nghttp2_session_del(c->h2);
     c->h2 = NULL;
@@ -39,14 +41,31 @@ int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner) {
 #define SP_H2_LINGER_QUIET_MS 200
 #define SP_H2_LINGER_MAX_MS 2000
 
-static void linger_timer_closed(uv_handle_t *h) { free(h); }
+/* What lingering needs, allocated only then, so the thousands of open
+ * connections a coordinator holds do not each carry it: the quiet timer
+ * and the shutdown request. Freed when both are done with it (the timer
+ * closed, the shutdown completed or cancelled), in either order. */
+typedef struct sp_h2linger {
+  uv_timer_t timer; /* first: a handle pointer is the struct's */
+  uv_shutdown_t req;
+  uint64_t until; /* uv_now() ms: never linger past it */
+  int refs;
+} sp_h2linger;
+
+static void linger_unref(sp_h2linger *l) {
+  if (--l->refs == 0) free(l);
+}
+
+static void linger_timer_closed(uv_handle_t *h) {
+  linger_unref((sp_h2linger *)h);
+}
 
 void sp_h2conn_close(sp_h2conn *c) {
   if (c->closing) return;
   c->closing = true;
   if (c->linger != NULL) {
-    uv_timer_stop(c->linger);
-    uv_close((uv_handle_t *)c->linger, linger_timer_closed);
+    uv_timer_stop(&c->linger->timer);
+    uv_close((uv_handle_t *)&c->linger->timer, linger_timer_closed);
     c->linger = NULL;
   }
   if (c->reading) uv_read_stop((uv_stream_t *)&c->tcp);
@@ -55,8 +74,12 @@ void sp_h2conn_close(sp_h2conn *c) {
 
 static void on_linger_timeout(uv_timer_t *t) { sp_h2conn_close(t->data); }
 
+/* Runs before the handle's close callback, even when the close cancels
+ * the shutdown, so the connection is still there. */
 static void on_shutdown_done(uv_shutdown_t *req, int status) {
+  sp_h2linger *l = (sp_h2linger *)((char *)req - offsetof(sp_h2linger, req));
   if (status != 0) sp_h2conn_close(req->data);
+  linger_unref(l);
 }
 
 /* The orderly end: see `lingering` in rpc_conn.h. */
@@ -67,19 +90,23 @@ static void linger(sp_h2conn *c) {
     return;
   }
   c->lingering = true;
-  c->linger = malloc(sizeof *c->linger);
-  c->sreq.data = c;
-  if (c->linger == NULL ||
-      uv_shutdown(&c->sreq, (uv_stream_t *)&c->tcp, on_shutdown_done) != 0) {
-    free(c->linger);
-    c->linger = NULL;
+  sp_h2linger *l = malloc(sizeof *l);
+  if (l == NULL) {
     sp_h2conn_close(c);
     return;
   }
-  uv_timer_init(c->tcp.loop, c->linger);
-  c->linger->data = c;
-  c->linger_until = uv_now(c->tcp.loop) + SP_H2_LINGER_MAX_MS;
-  uv_timer_start(c->linger, on_linger_timeout, SP_H2_LINGER_QUIET_MS, 0);
+  l->req.data = c;
+  if (uv_shutdown(&l->req, (uv_stream_t *)&c->tcp, on_shutdown_done) != 0) {
+    free(l);
+    sp_h2conn_close(c);
+    return;
+  }
+  l->refs = 2; /* the shutdown request and the timer */
+  uv_timer_init(c->tcp.loop, &l->timer);
+  l->timer.data = c;
+  l->until = uv_now(c->tcp.loop) + SP_H2_LINGER_MAX_MS;
+  c->linger = l;
+  uv_timer_start(&l->timer, on_linger_timeout, SP_H2_LINGER_QUIET_MS, 0);
 }
 
 /* Every read buffer has this size (libuv suggests 64 KiB). */
@@ -142,10 +169,11 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   if (c->lingering) { /* HTTP/2 is over; only waiting for the peer's FIN */
     read_buf_done(c, buf->base);
     uint64_t now = uv_now(c->tcp.loop);
-    if (now >= c->linger_until)
+    if (c->linger == NULL || now >= c->linger->until)
       sp_h2conn_close(c);
-    else if (c->linger != NULL) /* the peer is still talking: wait again */
-      uv_timer_start(c->linger, on_linger_timeout, SP_H2_LINGER_QUIET_MS, 0);
+    else /* the peer is still talking: wait again */
+      uv_timer_start(&c->linger->timer, on_linger_timeout,
+                     SP_H2_LINGER_QUIET_MS, 0);
     return;
   }
   sp_h2conn_recv(c, (const uint8_t *)buf->base, (size_t)nread);

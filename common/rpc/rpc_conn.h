@@ -53,9 +53,7 @@ struct sp_h2conn {
    * unread input makes the kernel reset the connection, and the peer then
    * loses the trailers it has not read yet. */
   bool lingering;
-  uv_shutdown_t sreq;
-  uv_timer_t *linger; /* only while lingering */
-  uint64_t linger_until;
+  struct sp_h2linger *linger; /* only while lingering */
   bool in_h2; /* inside mem_recv/mem_send: nghttp2 forbids re-entry */
   uint64_t bytes_in, bytes_out;
   /* Called once after the handle closed; the owner frees everything. */

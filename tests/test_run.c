@@ -1,0 +1,262 @@
+/* `shardplane run`, the README's main-job command, as a user runs it: a
+ * whole job to its checkpoint, bad usage, a worker killed mid-run, Ctrl-C.
+ */
+#include <dirent.h>
+#include <fcntl.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "testutil.h"
+
+extern char **environ;
+
+#define SHARDPLANE SP_BIN_DIR "/shardplane"
+#define MLP SP_EXAMPLES "/mlp.json"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Starts `shardplane run ARGS` with stdout and stderr in dir/out, dir/err. */
+static pid_t start_run(const char *dir, const char *const *args) {
+  char *argv[64];
+  size_t k = 0;
+  argv[k++] = SHARDPLANE;
+  argv[k++] = "run";
+  for (size_t i = 0; args[i]; i++) argv[k++] = (char *)args[i];
+  argv[k] = NULL;
+  char *out = sp_test_path(dir, "out"), *err = sp_test_path(dir, "err");
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out, O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err, O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  pid_t pid;
+  int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  assert_int_equal(rc, 0);
+  free(out);
+  free(err);
+  return pid;
+}
+
+/* Exit status (128 + signal when killed), or -1 after timeout_s (then the
+ * run is killed). */
+static int wait_run(pid_t pid, double timeout_s) {
+  double end = now_s() + timeout_s;
+  while (now_s() < end) {
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid)
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    usleep(10000);
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
+  return -1;
+}
+
+static char *slurp(const char *dir, const char *name) {
+  char *path = sp_test_path(dir, name);
+  char *s = sp_test_read_file(path);
+  free(path);
+  return s;
+}
+
+/* Waits until dir/name contains needle. */
+static void wait_for_output(const char *dir, const char *name,
+                            const char *needle, double timeout_s) {
+  double end = now_s() + timeout_s;
+  while (now_s() < end) {
+    char *s = slurp(dir, name);
+    bool found = strstr(s, needle) != NULL;
+    free(s);
+    if (found) return;
+    usleep(20000);
+  }
+  fail_msg("no \"%s\" in %s within %.0f s", needle, name, timeout_s);
+}
+
+/* The worker processes `run` started: children of parent, by rank. */
+static int find_workers(pid_t parent, pid_t *pids, int cap) {
+  int n = 0;
+  DIR *d = opendir("/proc");
+  assert_non_null(d);
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    pid_t pid = (pid_t)atoi(e->d_name);
+    if (pid <= 0) continue;
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) continue;
+    size_t len = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[len] = '\0';
+    char *close_paren = strrchr(buf, ')');
+    int ppid = 0;
+    char st;
+    if (!close_paren || sscanf(close_paren + 2, "%c %d", &st, &ppid) != 2 ||
+        ppid != parent || !strstr(buf, "(shardplane-wor"))
+      continue;
+    snprintf(path, sizeof path, "/proc/%d/cmdline", (int)pid);
+    f = fopen(path, "r");
+    if (!f) continue;
+    len = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    for (size_t i = 0; i + 7 < len; i++)
+      if (strcmp(buf + i, "--rank") == 0) {
+        int r = atoi(buf + i + 7);
+        if (r >= 0 && r < cap) {
+          pids[r] = pid;
+          n++;
+        }
+        break;
+      }
+  }
+  closedir(d);
+  return n;
+}
+
+static bool alive(pid_t pid) { return kill(pid, 0) == 0; }
+
+static void test_run_to_checkpoint(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps", "3",
+                        "--checkpoint-dir", ck, NULL};
+  int st = wait_run(start_run(dir, args), 120);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s%s", out, err);
+  assert_int_equal(st, 0);
+  assert_non_null(strstr(out, "step 3/3"));
+  assert_non_null(strstr(out, "loss"));
+  assert_non_null(strstr(out, "checkpoint in"));
+  assert_non_null(strstr(out, ck));
+  char *model = sp_test_path(ck, "full/model.safetensors");
+  struct stat sb;
+  assert_int_equal(stat(model, &sb), 0);
+  assert_true(sb.st_size > 0);
+  free(model);
+  free(out);
+  free(err);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+static void test_run_bad_usage(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  struct {
+    const char *args[8];
+    int status;
+    const char *msg;
+  } cases[] = {
+      {{"--nproc", "2", NULL}, 2, "--model is required"},
+      {{"--model", MLP, NULL}, 2, "--nproc is required"},
+      {{"--nproc", "0", "--model", MLP, NULL}, 2, "--nproc"},
+      {{"--nproc", "2", "--model", "/nonexistent/m.json", NULL}, 1,
+       "/nonexistent/m.json"},
+      {{"--nproc", "2", "--model", MLP, "--strategy", "SIDEWAYS", NULL}, 2,
+       "SIDEWAYS"},
+      {{"--nproc", "2", "--model", MLP, "--wrap-module", "no.such", NULL}, 2,
+       "no.such"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int st = wait_run(start_run(dir, cases[i].args), 30);
+    char *err = slurp(dir, "err");
+    printf("  exit %d: %s", st, err);
+    assert_int_equal(st, cases[i].status);
+    assert_non_null(strstr(err, cases[i].msg));
+    free(err);
+  }
+  const char *help[] = {"--help", NULL};
+  assert_int_equal(wait_run(start_run(dir, help), 30), 0);
+  char *out = slurp(dir, "out");
+  assert_non_null(strstr(out, "--nproc"));
+  free(out);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* A dead worker ends the run with a message naming the rank, and every
+ * other process goes away. */
+static void test_run_worker_killed(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *args[] = {"--nproc", "3", "--model", MLP, "--steps",
+                        "100000000", "--heartbeat-timeout-ms", "1000",
+                        "--log-every", "50", "--checkpoint-dir", ck, NULL};
+  pid_t run = start_run(dir, args);
+  wait_for_output(dir, "out", "step 100/", 60);
+  pid_t w[3] = {0};
+  assert_int_equal(find_workers(run, w, 3), 3);
+  double t0 = now_s();
+  kill(w[1], SIGKILL);
+  int st = wait_run(run, 10);
+  double took = now_s() - t0;
+  char *err = slurp(dir, "err");
+  printf("  run ended %.0f ms after the kill, exit %d: %s", took * 1000, st,
+         err);
+  assert_int_equal(st, 1);
+  assert_non_null(strstr(err, "rank 1 was killed by signal 9"));
+  assert_true(took < 1.0);
+  for (int r = 0; r < 3; r++) assert_false(alive(w[r]));
+  free(err);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+static void test_run_interrupted(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
+                        "100000000", "--log-every", "50",
+                        "--checkpoint-dir", ck, NULL};
+  pid_t run = start_run(dir, args);
+  wait_for_output(dir, "out", "step 50/", 60);
+  pid_t w[2] = {0};
+  assert_int_equal(find_workers(run, w, 2), 2);
+  kill(run, SIGINT);
+  int st = wait_run(run, 10);
+  char *err = slurp(dir, "err");
+  printf("  exit %d: %s", st, err);
+  assert_int_equal(st, 130);
+  assert_non_null(strstr(err, "interrupted"));
+  for (int r = 0; r < 2; r++) assert_false(alive(w[r]));
+  free(err);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_run_to_checkpoint),
+      cmocka_unit_test(test_run_bad_usage),
+      cmocka_unit_test(test_run_worker_killed),
+      cmocka_unit_test(test_run_interrupted),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
