@@ -320,7 +320,7 @@ int sp_cmd_run(int argc, char **argv) {
   fflush(stdout);
 
   pid_t pids[MAX_NPROC] = {0};
-  char rank_s[MAX_NPROC][12];
+  char rank_s[MAX_NPROC][24];
   double t0 = now_s();
   ret = SP_EXIT_OK;
   for (long long r = 0; r < nproc; r++) {

@@ -78,9 +78,9 @@ typedef struct sp_session_opts {
 /* Connects, fetches the job and model spec, builds the plan, checks the
  * plan version against the coordinator's, attaches as opts->rank and starts
  * the background thread. Errors: SP_EINVAL (bad opts, rank out of range),
- * SP_ECONNREFUSED/SP_ETIMEDOUT (coordinator unreachable), SP_ESTATE (plan
- * version mismatch, naming both versions), SP_EEXIST (rank already
- * attached), SP_ENOMEM. The session owns the model, job and plan. */
+ * SP_ETIMEDOUT (coordinator unreachable within connect_timeout_ms),
+ * SP_ESTATE (plan version mismatch, naming both versions), SP_EEXIST (rank
+ * already attached), SP_ENOMEM. The session owns the model, job and plan. */
 int sp_session_open(const sp_session_opts *opts, sp_session **out,
                     sp_diag *d);
 

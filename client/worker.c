@@ -25,6 +25,7 @@ typedef struct worker_opts {
   const char *load_dir;
   sp_ckpt_kind load_kind;
   const char *losses_path;
+  const char *stats_path;
   uint32_t log_every;
   bool no_report;
   uint64_t comm_timeout_ms;
@@ -208,6 +209,8 @@ static void usage(FILE *f) {
       "(default full)\n"
       "  --load DIR --load-kind KIND  start from a checkpoint\n"
       "  --losses FILE            rank 0 writes the loss of every step (JSON)\n"
+      "  --stats FILE             rank 0 writes every step's duration in s "
+      "(JSON)\n"
       "  --log-every N            rank 0 prints progress every N steps "
       "(default 1)\n"
       "  --comm-timeout-ms N      rendezvous and collective timeout "
@@ -221,7 +224,7 @@ static void usage(FILE *f) {
 
 static int parse_args(int argc, char **argv, worker_opts *o) {
   enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
-         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_LOG, O_CTO, O_NOREP, O_HELP };
+         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_NOREP, O_HELP };
   static const struct option opts[] = {
       {"coordinator", required_argument, NULL, O_COORD},
       {"rank", required_argument, NULL, O_RANK},
@@ -234,6 +237,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"load", required_argument, NULL, O_LOAD},
       {"load-kind", required_argument, NULL, O_LOADK},
       {"losses", required_argument, NULL, O_LOSSES},
+      {"stats", required_argument, NULL, O_STATS},
       {"log-every", required_argument, NULL, O_LOG},
       {"comm-timeout-ms", required_argument, NULL, O_CTO},
       {"no-report", no_argument, NULL, O_NOREP},
@@ -290,6 +294,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         if (sp_ckpt_kind_parse(optarg, &o->load_kind) < 0) goto bad_value;
         break;
       case O_LOSSES: o->losses_path = optarg; break;
+      case O_STATS: o->stats_path = optarg; break;
       case O_LOG:
         o->log_every = (uint32_t)strtoul(optarg, &end, 10);
         if (*end || !*optarg) goto bad_value;
@@ -323,7 +328,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   return 0;
 }
 
-static int write_losses(const char *path, const double *l, uint32_t n) {
+/* A JSON array of doubles, exact (%.17g). */
+static int write_doubles(const char *path, const double *l, uint32_t n) {
   FILE *fp = fopen(path, "w");
   if (!fp) return SP_EIO;
   fputc('[', fp);
@@ -346,7 +352,7 @@ static int run(const worker_opts *o, sp_diag *d) {
   sp_mlp *mlp = NULL;
   trainer tr;
   bool have_tr = false;
-  double *losses = NULL;
+  double *losses = NULL, *step_s = NULL;
   int rc = sp_session_open(&so, &s, d);
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
@@ -373,14 +379,18 @@ static int run(const worker_opts *o, sp_diag *d) {
   if (rc == 0 && rank == 0 && !is_mlp)
     printf("rank 0: %s; running the synthetic-gradient cycle\n", md.msg);
   losses = calloc(o->steps ? o->steps : 1, sizeof *losses);
-  if (!losses && rc == 0) rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  step_s = calloc(o->steps ? o->steps : 1, sizeof *step_s);
+  if ((!losses || !step_s) && rc == 0)
+    rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   double tlast = now_s();
   for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
+    double ts = now_s();
     if (is_mlp)
       rc = trainer_step(&tr, step, (uint64_t)rank * local_n, o->global_batch,
                         o->lr, &losses[step], d);
     else
       rc = synthetic_step(f, s, step, o->lr, d);
+    step_s[step] = now_s() - ts;
     if (rc == 0 && rank == 0 && o->log_every &&
         ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
       double t = now_s();
@@ -396,8 +406,11 @@ static int run(const worker_opts *o, sp_diag *d) {
     }
   }
   if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
-      write_losses(o->losses_path, losses, o->steps) < 0)
+      write_doubles(o->losses_path, losses, o->steps) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
+  if (rc == 0 && rank == 0 && o->stats_path &&
+      write_doubles(o->stats_path, step_s, o->steps) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
   for (int k = SP_CKPT_FULL; rc == 0 && o->ckpt_dir && k <= SP_CKPT_LOCAL;
        k++) {
     if (!o->ckpt_kinds[k]) continue;
@@ -413,6 +426,7 @@ static int run(const worker_opts *o, sp_diag *d) {
   }
   if (have_tr) trainer_free(&tr);
   free(losses);
+  free(step_s);
   sp_mlp_free(mlp);
   sp_fsdp_free(f);
   for (int i = 0; i < 3; i++) atomic_store(&g_comms[i], NULL);

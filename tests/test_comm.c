@@ -22,6 +22,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -875,6 +878,53 @@ static void test_abort_storm(void **state) {
   }
 }
 
+/* A member aborted in the middle of receiving a large broadcast: the root
+ * is then blocked on a send that is half written. Gloo does not tell a
+ * waiting send that its connection died; the watchdog must, well before the
+ * 20 s timeout. */
+static void *bcast_aborter(void *p) {
+  member *m = p;
+  sleep_ms(2);
+  sp_comm_abort(m->c);
+  return NULL;
+}
+
+static void big_bcast_member(member *m) {
+  MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
+  sp_diag d = {{0}};
+  MCHECK_RC(m, sp_comm_barrier(m->c, &d), d);
+  size_t n = (size_t)64 << 20;
+  unsigned char *buf = malloc(n);
+  MCHECK(m, buf != NULL, "out of memory");
+  memset(buf, (int)m->rank, n);
+  pthread_t th;
+  if (m->rank == 1 &&
+      pthread_create(&th, NULL, bcast_aborter, m) != 0) {
+    free(buf);
+    MCHECK(m, 0, "pthread_create");
+  }
+  double t0 = now_s();
+  m->rc[0] = sp_comm_broadcast(m->c, buf, n, SP_UINT8, 0, &m->diag[0]);
+  m->t[0] = now_s() - t0;
+  if (m->rank == 1) pthread_join(th, NULL);
+  free(buf);
+}
+
+static void test_abort_mid_transfer(void **state) {
+  (void)state;
+  group g;
+  group_init(&g, 2, 20000, big_bcast_member, NULL);
+  group_run(&g);
+  print_message("mid-transfer: root %s after %.1f ms: %s\n",
+                sp_err_name(g.m[0].rc[0]), g.m[0].t[0] * 1e3,
+                g.m[0].diag[0].msg);
+  assert_true(g.m[1].rc[0] == SP_ECANCELED || g.m[1].rc[0] == 0);
+  /* Success is possible (the abort came after the last byte); a hang is
+   * not. */
+  assert_true(g.m[0].t[0] < 2.0);
+  group_done(&g);
+}
+
 /* ---- a member that leaves -------------------------------------------------- */
 
 /* Members 0 and 1 all_gather; member 2 frees its communicator instead (the
@@ -939,6 +989,135 @@ static void test_peer_leaves_root_sends(void **state) {
   assert_true(g.m[0].rc[0] < 0);
   assert_true(g.m[0].t[0] < 2.0);
   group_done(&g);
+}
+
+/* ---- a member that is a process, killed ----------------------------------- */
+
+/* The in-memory store does not cross fork(); this one keeps each key in a
+ * file of a temporary directory (written to a temporary name, then renamed,
+ * so a reader never sees half a value) and polls for it. */
+typedef struct fstore {
+  char dir[256];
+} fstore;
+
+static void fstore_path(const fstore *f, const char *key, char *out,
+                        size_t cap, const char *suffix) {
+  int n = snprintf(out, cap, "%s/", f->dir);
+  for (const char *k = key; *k != '\0' && n > 0 && (size_t)n + 1 < cap; k++)
+    out[n++] = *k == '/' ? '_' : *k;
+  out[n] = '\0';
+  strncat(out, suffix, cap - strlen(out) - 1);
+}
+
+static int fstore_set(void *user, const char *key, const void *val,
+                      size_t len, sp_diag *d) {
+  char tmp[512], path[512];
+  fstore_path(user, key, tmp, sizeof tmp, ".tmp");
+  fstore_path(user, key, path, sizeof path, "");
+  FILE *fp = fopen(tmp, "wb");
+  if (fp == NULL) return sp_diag_set(d, SP_EIO, "cannot write %s", tmp);
+  size_t w = fwrite(val, 1, len, fp);
+  if (fclose(fp) != 0 || w != len || rename(tmp, path) != 0)
+    return sp_diag_set(d, SP_EIO, "cannot write %s", path);
+  return 0;
+}
+
+static int fstore_get(void *user, const char *key, uint64_t wait_ms,
+                      uint8_t **val, size_t *len, sp_diag *d) {
+  char path[512];
+  fstore_path(user, key, path, sizeof path, "");
+  double until = now_s() + (double)wait_ms / 1e3;
+  for (;;) {
+    FILE *fp = fopen(path, "rb");
+    if (fp != NULL) {
+      uint8_t *buf = malloc(4096);
+      size_t n = buf != NULL ? fread(buf, 1, 4096, fp) : 0;
+      fclose(fp);
+      if (buf == NULL) return SP_ENOMEM;
+      *val = buf;
+      *len = n;
+      return 0;
+    }
+    if (now_s() >= until)
+      return sp_diag_set(d, wait_ms ? SP_ETIMEDOUT : SP_ENOENT, "no key %s",
+                         key);
+    sleep_ms(2);
+  }
+}
+
+static sp_comm_opts fstore_opts(fstore *f, uint32_t rank) {
+  sp_comm_opts o = {.backend = SP_BACKEND_GLOO,
+                    .store = {.set = fstore_set, .get = fstore_get, .user = f},
+                    .prefix = "proc",
+                    .rank = rank,
+                    .size = 2,
+                    .timeout_ms = 20000};
+  return o;
+}
+
+typedef struct killer_arg {
+  pid_t pid;
+  double at;
+} killer_arg;
+
+static void *killer(void *p) {
+  killer_arg *k = p;
+  sleep_ms(300);
+  k->at = now_s();
+  kill(k->pid, SIGKILL);
+  return NULL;
+}
+
+/* Member 1 is a child process; after a barrier the parent enters an
+ * all_reduce the child never joins, and the child is killed: the parent's
+ * operation fails at once (the kernel closes the child's sockets), not at
+ * its 20 s timeout. */
+static void test_peer_process_killed(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  fstore f;
+  snprintf(f.dir, sizeof f.dir, "%s", dir);
+  fflush(NULL);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    /* Only async-safe-ish work and _exit here: this is a copy of the test
+     * process, cmocka included. */
+    sp_comm *c = NULL;
+    sp_comm_opts o = fstore_opts(&f, 1);
+    if (sp_comm_new(&o, &c, NULL) != 0 || sp_comm_barrier(c, NULL) != 0)
+      _exit(3);
+    for (;;) pause();
+  }
+  sp_comm *c = NULL;
+  sp_diag d = {{0}};
+  sp_comm_opts o = fstore_opts(&f, 0);
+  int rc = sp_comm_new(&o, &c, &d);
+  if (rc == 0) rc = sp_comm_barrier(c, &d);
+  if (rc != 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    fail_msg("parent: %s: %s", sp_err_name(rc), d.msg);
+  }
+  killer_arg k = {.pid = pid, .at = 0};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, killer, &k), 0);
+  double v[100] = {0};
+  rc = sp_comm_all_reduce(c, v, 100, SP_FLOAT64, &d);
+  double t = now_s();
+  pthread_join(th, NULL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  print_message("child killed: parent's all_reduce %s %.1f ms later: %s\n",
+                sp_err_name(rc), (t - k.at) * 1e3, d.msg);
+  assert_int_equal(rc, SP_EIO);
+  assert_true(t - k.at < 2.0);
+  assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  /* Broken for good, and freeing it is fine. */
+  assert_int_equal(sp_comm_barrier(c, &d), SP_EIO);
+  sp_comm_free(c);
+  sp_test_rmtree(dir);
+  free(dir);
 }
 
 /* ---- timeouts ---------------------------------------------------------------- */
@@ -1183,8 +1362,10 @@ int main(void) {
       cmocka_unit_test(test_abort_unblocks),
       cmocka_unit_test(test_abort_before_first_op),
       cmocka_unit_test(test_abort_storm),
+      cmocka_unit_test(test_abort_mid_transfer),
       cmocka_unit_test(test_peer_leaves),
       cmocka_unit_test(test_peer_leaves_root_sends),
+      cmocka_unit_test(test_peer_process_killed),
       cmocka_unit_test(test_rendezvous_timeout),
       cmocka_unit_test(test_rendezvous_store_error),
       cmocka_unit_test(test_op_timeout),
