@@ -29,6 +29,7 @@ struct sp_comm {
   uint32_t rank;
   uint32_t size;
   uint64_t timeout_ms;
+  sp_comm_store store;
   /* Written by sp_comm_abort from any thread, read before every operation;
    * the backend keeps its own flag for waking a blocked transfer. */
   atomic_bool aborted;
@@ -75,23 +76,22 @@ static inline uint32_t f32_bits(float f) {
  * plain moves. LOAD(p) reads one element at p as acc_t; STORE(p, a) writes
  * one. Addition order is block 0, 1, ..., n-1 for every element: the whole
  * point of this function. */
-#define SP_SUM_FN(name, acc_t, esz, LOAD, ADD, STORE)                         \
-  static void name(unsigned char *dst, const void *const *blocks, uint32_t n, \
-                   size_t count) {                                            \
-    acc_t acc[SP_SUM_CHUNK];                                                  \
-    for (size_t k = 0; k < count; k += SP_SUM_CHUNK) {                        \
-      size_t m = count - k < SP_SUM_CHUNK ? count - k : SP_SUM_CHUNK;         \
-      const unsigned char *p0 = (const unsigned char *)blocks[0] + k * (esz); \
-      for (size_t j = 0; j < m; j++) acc[j] = LOAD(p0 + j * (esz));           \
-      for (uint32_t i = 1; i < n; i++) {                                      \
-        const unsigned char *p =                                              \
-            (const unsigned char *)blocks[i] + k * (esz);                     \
-        for (size_t j = 0; j < m; j++)                                        \
-          acc[j] = ADD(acc[j], LOAD(p + j * (esz)));                          \
-      }                                                                       \
-      unsigned char *q = dst + k * (esz);                                     \
-      for (size_t j = 0; j < m; j++) STORE(q + j * (esz), acc[j]);            \
-    }                                                                         \
+#define SP_SUM_FN(name, acc_t, esz, LOAD, ADD, STORE)                          \
+  static void name(unsigned char *dst, const void *const *blocks, uint32_t n,  \
+                   size_t count) {                                             \
+    acc_t acc[SP_SUM_CHUNK];                                                   \
+    for (size_t k = 0; k < count; k += SP_SUM_CHUNK) {                         \
+      size_t m = count - k < SP_SUM_CHUNK ? count - k : SP_SUM_CHUNK;          \
+      const unsigned char *p0 = (const unsigned char *)blocks[0] + k * (esz);  \
+      for (size_t j = 0; j < m; j++) acc[j] = LOAD(p0 + j * (esz));            \
+      for (uint32_t i = 1; i < n; i++) {                                       \
+        const unsigned char *p = (const unsigned char *)blocks[i] + k * (esz); \
+        for (size_t j = 0; j < m; j++)                                         \
+          acc[j] = ADD(acc[j], LOAD(p + j * (esz)));                           \
+      }                                                                        \
+      unsigned char *q = dst + k * (esz);                                      \
+      for (size_t j = 0; j < m; j++) STORE(q + j * (esz), acc[j]);             \
+    }                                                                          \
   }
 
 static inline float load_f32(const unsigned char *p) {
@@ -220,9 +220,8 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
   if (opts == NULL || out == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_comm_new: opts and out are required");
   if (opts->size == 0 || opts->size > SP_COMM_MAX_SIZE)
-    return sp_diag_set(d, SP_EINVAL,
-                       "sp_comm_new: size %u out of range 1..%u", opts->size,
-                       SP_COMM_MAX_SIZE);
+    return sp_diag_set(d, SP_EINVAL, "sp_comm_new: size %u out of range 1..%u",
+                       opts->size, SP_COMM_MAX_SIZE);
   if (opts->rank >= opts->size)
     return sp_diag_set(d, SP_EINVAL, "sp_comm_new: rank %u not below size %u",
                        opts->rank, opts->size);
@@ -272,6 +271,7 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
   c->rank = opts->rank;
   c->size = opts->size;
   c->timeout_ms = timeout_ms;
+  c->store = opts->store;
   atomic_init(&c->aborted, false);
 
   if (c->size > 1) {
@@ -283,8 +283,8 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
     sp_diag local = {{0}};
     int rc = be->create(&info, &opts->store, &c->impl, &local);
     if (rc < 0) {
-      sp_diag_set(d, rc, "comm '%s' rank %u/%u (%s): rendezvous: %s",
-                  c->prefix, c->rank, c->size, be->name, local.msg);
+      sp_diag_set(d, rc, "comm '%s' rank %u/%u (%s): rendezvous: %s", c->prefix,
+                  c->rank, c->size, be->name, local.msg);
       free(c->prefix);
       free(c);
       return rc;
@@ -293,6 +293,37 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
   }
   *out = c;
   return 0;
+}
+
+/* Every member counts itself out through the store; the last one releases
+ * the others: three store calls a member, whatever the size. The wait is
+ * cut into slices so that an abort (a peer lost meanwhile) ends it. */
+int sp_comm_leave(sp_comm *c, sp_diag *d) {
+  if (c == NULL) return sp_diag_set(d, SP_EINVAL, "sp_comm_leave: NULL");
+  if (c->be == NULL || c->broken != 0 || atomic_load(&c->aborted)) return 0;
+  if (c->store.add == NULL)
+    return sp_diag_set(d, SP_EUNSUPPORTED, "comm '%s': the store has no add",
+                       c->prefix);
+  char key[SP_COMM_MAX_PREFIX + 16];
+  int64_t n = 0;
+  snprintf(key, sizeof key, "%s/leaving", c->prefix);
+  int rc = c->store.add(c->store.user, key, 1, &n, d);
+  if (rc < 0) return rc;
+  snprintf(key, sizeof key, "%s/left", c->prefix);
+  if (n == (int64_t)c->size) return c->store.set(c->store.user, key, "1", 1, d);
+  for (uint64_t waited = 0; waited < c->timeout_ms; waited += 100) {
+    if (atomic_load(&c->aborted))
+      return sp_diag_set(d, SP_ECANCELED, "comm '%s' rank %u/%u: aborted "
+                         "while leaving", c->prefix, c->rank, c->size);
+    uint8_t *v = NULL;
+    size_t len = 0;
+    rc = c->store.get(c->store.user, key, 100, &v, &len, d);
+    free(v);
+    if (rc != SP_ETIMEDOUT) return rc;
+  }
+  return sp_diag_set(d, SP_ETIMEDOUT, "comm '%s' rank %u/%u: the other "
+                     "members did not all leave within %llu ms", c->prefix,
+                     c->rank, c->size, (unsigned long long)c->timeout_ms);
 }
 
 void sp_comm_free(sp_comm *c) {
@@ -329,11 +360,10 @@ static const char *op_name(sp_coll_op op) {
   return "?";
 }
 
-/* The checks every operation shares. elems_per_member is how many elements
- * of the largest buffer belong to one member (count for all_gather and
- * reduce_scatter, whose big buffer holds size * count; for all_reduce and
- * broadcast the buffer is count long, so members = 1). On success *nbytes
- * is count * element size. */
+/* The checks every operation shares. members is how many count-element
+ * blocks the largest buffer holds: size for all_gather and reduce_scatter
+ * (size * count elements), 1 for all_reduce and broadcast. On success
+ * *nbytes is count * element size. */
 static int comm_gate(sp_comm *c, sp_coll_op op, size_t count, sp_dtype dt,
                      uint32_t members, bool sum, size_t *nbytes, sp_diag *d) {
   const char *name = op_name(op);
@@ -350,8 +380,9 @@ static int comm_gate(sp_comm *c, sp_coll_op op, size_t count, sp_dtype dt,
                        c->prefix, c->rank, c->size, name, c->broken_msg);
   if (op == SP_OP_BARRIER) return 0;
   if (!sp_dtype_valid(dt))
-    return sp_diag_set(d, SP_EINVAL, "comm '%s' rank %u/%u %s: invalid dtype %d",
-                       c->prefix, c->rank, c->size, name, (int)dt);
+    return sp_diag_set(d, SP_EINVAL,
+                       "comm '%s' rank %u/%u %s: invalid dtype %d", c->prefix,
+                       c->rank, c->size, name, (int)dt);
   if (sum && !sp_comm_dtype_summable(dt))
     return sp_diag_set(d, SP_EINVAL,
                        "comm '%s' rank %u/%u %s: no sum for dtype %s (float32, "
@@ -417,8 +448,8 @@ int sp_comm_all_gather(sp_comm *c, const void *send, void *recv, size_t count,
 int sp_comm_reduce_scatter(sp_comm *c, const void *send, void *recv,
                            size_t count, sp_dtype dt, sp_diag *d) {
   size_t nbytes = 0;
-  int rc = comm_gate(c, SP_OP_REDUCE_SCATTER, count, dt, c ? c->size : 1,
-                     true, &nbytes, d);
+  int rc = comm_gate(c, SP_OP_REDUCE_SCATTER, count, dt, c ? c->size : 1, true,
+                     &nbytes, d);
   if (rc < 0) return rc;
   if (count == 0) return 0;
   if (send == NULL || recv == NULL)
@@ -474,8 +505,8 @@ int sp_comm_broadcast(sp_comm *c, void *buf, size_t count, sp_dtype dt,
 
 int sp_comm_barrier(sp_comm *c, sp_diag *d) {
   size_t nbytes = 0;
-  int rc = comm_gate(c, SP_OP_BARRIER, 0, SP_DTYPE_INVALID, 1, false, &nbytes,
-                     d);
+  int rc =
+      comm_gate(c, SP_OP_BARRIER, 0, SP_DTYPE_INVALID, 1, false, &nbytes, d);
   if (rc < 0) return rc;
   if (c->be == NULL) return 0;
   sp_diag cause = {{0}};

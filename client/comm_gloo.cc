@@ -13,10 +13,10 @@
 //     exactly one member and then copied, so every member holds the same bits
 //     even if their floating-point environments differ.
 //   * safety: every message's slot encodes the operation and its arguments
-//     (dtype, count or bytes, root), so members that disagree (a desynchronised rank) never match
-//     each other's messages. Gloo's receive path asserts on a size mismatch
-//     in its event-loop thread, where an exception would terminate the
-//     process; with mismatched slots it times out instead.
+//     (dtype, count or bytes, root), so members that disagree (a desynchronised
+//     rank) never match each other's messages. Gloo's receive path asserts on a
+//     size mismatch in its event-loop thread, where an exception would
+//     terminate the process; with mismatched slots it times out instead.
 //
 // Failure rule: when an operation fails or is cancelled, every connection of
 // the communicator is closed before its buffers are released. Gloo's event
@@ -42,9 +42,9 @@
 #include <gloo/transport/unbound_buffer.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cctype>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -70,7 +70,8 @@ using Ms = std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 using gloo::transport::UnboundBuffer;
 
-// ---- SIGPIPE -------------------------------------------------------------------
+// ---- SIGPIPE
+// -------------------------------------------------------------------
 
 // Gloo writes with writev(2), so a write to a connection the peer has closed
 // raises SIGPIPE, whose default action kills the process: a lost member
@@ -82,7 +83,7 @@ using gloo::transport::UnboundBuffer;
 // reports as an error, and the SIGPIPE it raised is consumed here before the
 // caller's mask comes back.
 class SigpipeGuard {
- public:
+public:
   SigpipeGuard() {
     sigset_t s;
     sigemptyset(&s);
@@ -106,7 +107,7 @@ class SigpipeGuard {
     pthread_sigmask(SIG_SETMASK, &old_, nullptr);
   }
 
- private:
+private:
   sigset_t old_;
   bool active_ = false;
 };
@@ -127,7 +128,8 @@ struct Canceled : std::exception {
   const char *what() const noexcept override { return "cancelled"; }
 };
 
-// ---- the store bridge --------------------------------------------------------
+// ---- the store bridge
+// --------------------------------------------------------
 
 // Gloo's rendezvous (connectFullMesh) publishes each member's pair addresses
 // under the key "<rank>" and then waits for and reads every other member's.
@@ -135,7 +137,7 @@ struct Canceled : std::exception {
 // rendezvous: Gloo passes its own timeout to every wait, which would let a
 // rendezvous with W members take up to W-1 timeouts.
 class CStore : public gloo::rendezvous::Store {
- public:
+public:
   CStore(const sp_comm_store &s, const std::string &prefix,
          Clock::time_point deadline, uint64_t timeout_ms)
       : s_(s), prefix_(prefix), deadline_(deadline), timeout_ms_(timeout_ms) {}
@@ -144,8 +146,7 @@ class CStore : public gloo::rendezvous::Store {
     std::string full = prefix_ + "/" + key;
     sp_diag d{};
     int rc = s_.set(s_.user, full.c_str(), data.data(), data.size(), &d);
-    if (rc < 0)
-      throw StoreError(rc, "store set '" + full + "': " + d.msg);
+    if (rc < 0) throw StoreError(rc, "store set '" + full + "': " + d.msg);
   }
 
   std::vector<char> get(const std::string &key) override {
@@ -167,7 +168,7 @@ class CStore : public gloo::rendezvous::Store {
     wait(keys);
   }
 
- private:
+private:
   std::vector<char> fetch(const std::string &key) {
     std::string full = prefix_ + "/" + key;
     auto left = std::chrono::duration_cast<Ms>(deadline_ - Clock::now());
@@ -180,10 +181,10 @@ class CStore : public gloo::rendezvous::Store {
     int rc = s_.get(s_.user, full.c_str(), wait_ms, &val, &len, &d);
     if (rc == SP_ETIMEDOUT || rc == SP_ENOENT) {
       std::free(val);
-      throw StoreError(SP_ETIMEDOUT,
-                       "timed out after " + std::to_string(timeout_ms_) +
-                           " ms waiting for rank " + key +
-                           " to join (store key '" + full + "')");
+      throw StoreError(SP_ETIMEDOUT, "timed out after " +
+                                         std::to_string(timeout_ms_) +
+                                         " ms waiting for rank " + key +
+                                         " to join (store key '" + full + "')");
     }
     if (rc < 0) {
       std::free(val);
@@ -203,7 +204,8 @@ class CStore : public gloo::rendezvous::Store {
   std::map<std::string, std::vector<char>> cache_;
 };
 
-// ---- the communicator --------------------------------------------------------
+// ---- the communicator
+// --------------------------------------------------------
 
 // A member's connection failed while this member's operation waits for a
 // send to it (see GlooComm::watch).
@@ -305,7 +307,8 @@ struct GlooComm {
         std::string why;
         int bad = -1;
         for (int i = 0; i < size && bad < 0; i++)
-          if (sentinels[(size_t)i] && !healthy(sentinels[(size_t)i].get(), &why))
+          if (sentinels[(size_t)i] &&
+              !healthy(sentinels[(size_t)i].get(), &why))
             bad = i;
         lk.lock();
         if (bad >= 0 && peer_failure.empty()) {
@@ -360,14 +363,10 @@ uint64_t mix64(uint64_t x) {
 // One collective in progress: its buffers (registered for abort), its
 // deadline, its slots.
 class Op {
- public:
+public:
   Op(GlooComm &g, uint64_t a, uint64_t b, uint64_t c)
-      : g_(g),
-        deadline_(Clock::now() + Ms(g.timeout_ms)),
-        seq_(g.seq++),
-        a_(a),
-        b_(b),
-        c_(c) {}
+      : g_(g), deadline_(Clock::now() + Ms(g.timeout_ms)), seq_(g.seq++), a_(a),
+        b_(b), c_(c) {}
 
   Op(const Op &) = delete;
   Op &operator=(const Op &) = delete;
@@ -422,7 +421,7 @@ class Op {
   // Every transfer completed: the connections stay open.
   void finish() { done_ = true; }
 
- private:
+private:
   // A wait returned false: abort or the watchdog told it to give up.
   [[noreturn]] void woken() {
     std::lock_guard<std::mutex> lk(g_.mu);
@@ -458,8 +457,7 @@ bool mentions_timeout(const char *what) {
 // The exception boundary of every operation. f may throw anything; the
 // communicator's state decides how a Gloo error reads: after an abort any
 // error is the abort's doing.
-template <typename F>
-int guarded(GlooComm *g, sp_diag *d, F &&f) noexcept {
+template <typename F> int guarded(GlooComm *g, sp_diag *d, F &&f) noexcept {
   SigpipeGuard nosigpipe;
   bool timed_out = false;
   try {
@@ -494,8 +492,7 @@ int guarded(GlooComm *g, sp_diag *d, F &&f) noexcept {
 
 // Runs the body of a collective; on an exception decides, before the Op (and
 // its buffers) is destroyed, whether the deadline had passed.
-template <typename B>
-void run_op(Op &op, bool &timed_out, B &&body) {
+template <typename B> void run_op(Op &op, bool &timed_out, B &&body) {
   try {
     body();
     op.finish();
@@ -505,7 +502,8 @@ void run_op(Op &op, bool &timed_out, B &&body) {
   }
 }
 
-// ---- collectives -------------------------------------------------------------
+// ---- collectives
+// -------------------------------------------------------------
 
 void do_all_gather(GlooComm &g, const void *send, void *recv, size_t nbytes,
                    bool &timed_out) {
@@ -550,8 +548,8 @@ void do_reduce_scatter(GlooComm &g, const void *send, void *recv, size_t count,
     for (int i = 1; i < g.size; i++) op.wait_send(sb);
     std::vector<const void *> blocks((size_t)g.size);
     for (int i = 0; i < g.size; i++)
-      blocks[(size_t)i] = i == g.rank ? in + (size_t)i * nbytes
-                                      : tmp + (size_t)i * nbytes;
+      blocks[(size_t)i] =
+          i == g.rank ? in + (size_t)i * nbytes : tmp + (size_t)i * nbytes;
     // Every send has completed, so recv may overlap send: the sum reads
     // each chunk of every block before writing that chunk.
     if (sp_comm_sum_blocks(recv, blocks.data(), (uint32_t)g.size, count, dt) <
@@ -597,8 +595,8 @@ void do_all_reduce(GlooComm &g, void *buf, size_t count, sp_dtype dt,
       std::vector<const void *> blocks(w);
       for (size_t i = 0; i < w; i++)
         blocks[i] = i == me ? data + off(me) * esz : tmp + i * mylen * esz;
-      if (sp_comm_sum_blocks(data + off(me) * esz, blocks.data(),
-                             (uint32_t)w, mylen, dt) < 0)
+      if (sp_comm_sum_blocks(data + off(me) * esz, blocks.data(), (uint32_t)w,
+                             mylen, dt) < 0)
         throw std::invalid_argument("no sum for this dtype");
     }
     // Peers post their gather receives only after their own scatter phase,
@@ -658,7 +656,8 @@ void do_barrier(GlooComm &g, bool &timed_out) {
   });
 }
 
-// ---- creation ----------------------------------------------------------------
+// ---- creation
+// ----------------------------------------------------------------
 
 std::string gloo_host() {
   const char *h = std::getenv("SHARDPLANE_GLOO_HOST");
@@ -722,9 +721,10 @@ int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
   return 0;
 }
 
-}  // namespace
+} // namespace
 
-// ---- the C entry points --------------------------------------------------------
+// ---- the C entry points
+// --------------------------------------------------------
 
 extern "C" {
 
@@ -744,7 +744,8 @@ static void gb_destroy(void *impl) {
 static int gb_all_gather(void *impl, const void *send, void *recv,
                          size_t nbytes, sp_diag *d) {
   auto *g = static_cast<GlooComm *>(impl);
-  return guarded(g, d, [&](bool &to) { do_all_gather(*g, send, recv, nbytes, to); });
+  return guarded(g, d,
+                 [&](bool &to) { do_all_gather(*g, send, recv, nbytes, to); });
 }
 
 static int gb_reduce_scatter(void *impl, const void *send, void *recv,
@@ -758,13 +759,15 @@ static int gb_reduce_scatter(void *impl, const void *send, void *recv,
 static int gb_all_reduce(void *impl, void *buf, size_t count, sp_dtype dt,
                          sp_diag *d) {
   auto *g = static_cast<GlooComm *>(impl);
-  return guarded(g, d, [&](bool &to) { do_all_reduce(*g, buf, count, dt, to); });
+  return guarded(g, d,
+                 [&](bool &to) { do_all_reduce(*g, buf, count, dt, to); });
 }
 
 static int gb_broadcast(void *impl, void *buf, size_t nbytes, uint32_t root,
                         sp_diag *d) {
   auto *g = static_cast<GlooComm *>(impl);
-  return guarded(g, d, [&](bool &to) { do_broadcast(*g, buf, nbytes, root, to); });
+  return guarded(g, d,
+                 [&](bool &to) { do_broadcast(*g, buf, nbytes, root, to); });
 }
 
 static int gb_barrier(void *impl, sp_diag *d) {
@@ -795,10 +798,10 @@ static void gb_abort(void *impl) {
 }
 
 static const sp_comm_backend gloo_backend = {
-    "gloo",         gb_create,    gb_destroy, gb_all_gather, gb_reduce_scatter,
-    gb_all_reduce,  gb_broadcast, gb_barrier, gb_abort,
+    "gloo",        gb_create,    gb_destroy, gb_all_gather, gb_reduce_scatter,
+    gb_all_reduce, gb_broadcast, gb_barrier, gb_abort,
 };
 
 const sp_comm_backend *sp_comm_gloo_backend(void) { return &gloo_backend; }
 
-}  // extern "C"
+} // extern "C"

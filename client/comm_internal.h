@@ -39,9 +39,9 @@ extern "C" {
 typedef struct sp_comm_info {
   const char *prefix;
   uint32_t rank;
-  uint32_t size;        /* >= 2: comm.c handles size 1 itself */
-  uint64_t timeout_ms;  /* already defaulted and clamped */
-  const char *device;   /* opts.device, may be NULL */
+  uint32_t size;       /* >= 2: comm.c handles size 1 itself */
+  uint64_t timeout_ms; /* already defaulted and clamped */
+  const char *device;  /* opts.device, may be NULL */
 } sp_comm_info;
 
 /* A backend. Every function returns 0 or a negative SP_E* code and, on
@@ -63,8 +63,8 @@ typedef struct sp_comm_backend {
   /* nbytes per member; send may equal recv + rank * nbytes. */
   int (*all_gather)(void *impl, const void *send, void *recv, size_t nbytes,
                     sp_diag *d);
-  int (*reduce_scatter)(void *impl, const void *send, void *recv,
-                        size_t count, sp_dtype dt, sp_diag *d);
+  int (*reduce_scatter)(void *impl, const void *send, void *recv, size_t count,
+                        sp_dtype dt, sp_diag *d);
   int (*all_reduce)(void *impl, void *buf, size_t count, sp_dtype dt,
                     sp_diag *d);
   int (*broadcast)(void *impl, void *buf, size_t nbytes, uint32_t root,
@@ -87,9 +87,10 @@ int sp_comm_dtype_summable(sp_dtype dt);
  * summed in float32 and rounded once to nearest even (common/cast_scalar.h);
  * integers wrap modulo 2^bits. A NaN sum is stored as the default quiet
  * NaN (positive, payload 0): which input's payload an addition keeps is up
- * to the compiler's operand order, so it could not be promised. dst may be the same memory as any block (the
- * same elements), since each chunk is read completely before it is written.
- * Returns 0, or SP_EINVAL for a dtype without sums. */
+ * to the compiler's operand order, so it could not be promised. dst may be the
+ * same memory as any block (the same elements), since each chunk is read
+ * completely before it is written. Returns 0, or SP_EINVAL for a dtype without
+ * sums. */
 int sp_comm_sum_blocks(void *dst, const void *const *blocks, uint32_t n,
                        size_t count, sp_dtype dt);
 

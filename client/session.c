@@ -1045,8 +1045,13 @@ static int comm_store_get(void *user, const char *key, uint64_t wait_ms,
   return sp_session_store_get(user, key, wait_ms, val, len, d);
 }
 
+static int comm_store_add(void *user, const char *key, int64_t delta,
+                          int64_t *value, sp_diag *d) {
+  return sp_session_store_add(user, key, delta, value, d);
+}
+
 sp_comm_store sp_session_comm_store(sp_session *s) {
-  sp_comm_store cs = {comm_store_set, comm_store_get, s};
+  sp_comm_store cs = {comm_store_set, comm_store_get, comm_store_add, s};
   return cs;
 }
 

@@ -153,6 +153,10 @@ typedef struct sp_comm_store {
   /* Waits up to wait_ms for the key; *val malloc'd, caller frees. */
   int (*get)(void *user, const char *key, uint64_t wait_ms, uint8_t **val,
              size_t *len, sp_diag *d);
+  /* Atomic add to an integer key (created at 0); optional, for
+   * sp_comm_leave. */
+  int (*add)(void *user, const char *key, int64_t delta, int64_t *value,
+             sp_diag *d);
   void *user;
 } sp_comm_store;
 
@@ -175,6 +179,17 @@ typedef struct sp_comm_opts {
  * until all have joined or the timeout passes: SP_ETIMEDOUT). SP_EUNSUPPORTED
  * for a backend not built in. */
 int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d);
+/* The end of a job: waits, through the store (which needs `add`), until
+ * every member has called sp_comm_leave. A member that closed its
+ * connections while a peer still finishes the last operation would fail
+ * that operation; leaving together avoids it. Returns 0 at once for an
+ * aborted or failed communicator (nothing to protect) or a single member;
+ * SP_ECANCELED if sp_comm_abort is called meanwhile (it may be, from any
+ * thread), SP_ETIMEDOUT after the communicator's timeout, SP_EUNSUPPORTED
+ * without store `add`. */
+int sp_comm_leave(sp_comm *c, sp_diag *d);
+/* Closes the communicator at once. Must not run concurrently with
+ * sp_comm_abort (or anything else on c). */
 void sp_comm_free(sp_comm *c);
 uint32_t sp_comm_rank(const sp_comm *c);
 uint32_t sp_comm_size(const sp_comm *c);

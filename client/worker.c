@@ -4,7 +4,7 @@
  * runs the same unshard / reduce / cast cycle on synthetic gradients. */
 #include <getopt.h>
 #include <math.h>
-#include <stdatomic.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,17 +31,28 @@ typedef struct worker_opts {
   uint64_t comm_timeout_ms;
 } worker_opts;
 
-/* The communicators, for the session's abort callback (another thread). */
-static _Atomic(sp_comm *) g_comms[3];
+/* The communicators, for the session's abort callback, which runs on the
+ * session's thread: the lock keeps an abort off a communicator being
+ * freed. */
+static pthread_mutex_t g_comms_lock = PTHREAD_MUTEX_INITIALIZER;
+static sp_comm *g_comms[3];
 
 static void on_abort(void *user, const char *reason) {
   const worker_opts *o = user;
   fprintf(stderr, "shardplane-worker: rank %ld: aborting collectives: %s\n",
           o->rank, reason);
-  for (int i = 0; i < 3; i++) {
-    sp_comm *c = atomic_load(&g_comms[i]);
-    if (c) sp_comm_abort(c);
-  }
+  pthread_mutex_lock(&g_comms_lock);
+  for (int i = 0; i < 3; i++)
+    if (g_comms[i]) sp_comm_abort(g_comms[i]);
+  pthread_mutex_unlock(&g_comms_lock);
+}
+
+static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
+  pthread_mutex_lock(&g_comms_lock);
+  g_comms[0] = world;
+  g_comms[1] = shard;
+  g_comms[2] = replica;
+  pthread_mutex_unlock(&g_comms_lock);
 }
 
 static double now_s(void) {
@@ -357,9 +368,7 @@ static int run(const worker_opts *o, sp_diag *d) {
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
   rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica, d);
-  atomic_store(&g_comms[0], world);
-  atomic_store(&g_comms[1], shard);
-  atomic_store(&g_comms[2], replica);
+  set_comms(world, shard, replica);
   sp_fsdp_opts fo = {.session = s, .world = world, .shard_group = shard,
                      .replica_group = replica, .backward_prefetch = true,
                      .init_param = sp_mlp_init_param,
@@ -429,7 +438,17 @@ static int run(const worker_opts *o, sp_diag *d) {
   free(step_s);
   sp_mlp_free(mlp);
   sp_fsdp_free(f);
-  for (int i = 0; i < 3; i++) atomic_store(&g_comms[i], NULL);
+  /* leave together, still abortable, then free */
+  sp_comm *comms[3] = {world, shard, replica};
+  for (int i = 0; i < 3; i++) {
+    sp_diag ld = {{0}};
+    int lrc = comms[i] ? sp_comm_leave(comms[i], &ld) : 0;
+    if (rc == 0 && lrc < 0) {
+      *d = ld;
+      rc = lrc;
+    }
+  }
+  set_comms(NULL, NULL, NULL);
   sp_comm_free(replica);
   sp_comm_free(shard);
   sp_comm_free(world);

@@ -85,8 +85,11 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     c->cfg.heartbeat_interval_ms = third == 0 ? 1 : third < 1000 ? third : 1000;
   }
   c->started_ms = uv_now(loop);
+  /* One long-lived connection per rank, with few calls on each: memory
+   * per connection counts more than header bytes per call. */
   sp_rpc_server_opts opts = {.max_message = SP_COORD_MAX_MESSAGE,
-                             .max_pending = 2 * SP_COORD_MAX_MESSAGE};
+                             .max_pending = 2 * SP_COORD_MAX_MESSAGE,
+                             .no_header_tables = true};
   int rc;
   /* Read once, keep the bytes, parse those same bytes: a file rewritten
    * meanwhile cannot make GetModelSpec disagree with the plan. */

@@ -167,6 +167,7 @@ void sp_h2_grpc_message(sp_h2buf *b, uint32_t sid, const void *msg,
 
 void sp_h2_reader_init(sp_h2_reader *r) {
   memset(r, 0, sizeof *r);
+  r->header_table_size = 4096; /* RFC 9113 §6.5.2: the initial value */
   if (nghttp2_hd_inflate_new(&r->inf) != 0) {
     fprintf(stderr, "h2_raw: cannot create an HPACK inflater\n");
     abort();
@@ -320,7 +321,14 @@ static void on_frame(sp_h2_reader *r, uint8_t type, uint8_t flags,
     return;
   }
   case NGHTTP2_SETTINGS:
-    if (!(flags & NGHTTP2_FLAG_ACK)) r->settings++;
+    if (flags & NGHTTP2_FLAG_ACK) return;
+    if (len % 6 != 0) goto bad;
+    for (size_t i = 0; i < len; i += 6) {
+      uint32_t id = (uint32_t)p[i] << 8 | p[i + 1];
+      if (id == NGHTTP2_SETTINGS_HEADER_TABLE_SIZE)
+        r->header_table_size = get_u32(p + i + 2);
+    }
+    r->settings++;
     return;
   case NGHTTP2_PING:
     if (flags & NGHTTP2_FLAG_ACK) r->pings_acked++;

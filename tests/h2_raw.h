@@ -81,6 +81,7 @@ typedef struct sp_h2_reader {
   sp_h2_stream *st;
   size_t n_st, cap_st;
   size_t settings;     /* non-ACK SETTINGS frames seen */
+  uint32_t header_table_size; /* the server's SETTINGS_HEADER_TABLE_SIZE */
   size_t settings_acked; /* how many of them the caller has ACKed */
   size_t pings_acked;  /* PING frames with ACK seen */
   size_t frames;

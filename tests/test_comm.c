@@ -3,9 +3,11 @@
  * Gloo on loopback, bootstrapped through an in-memory store. Every op and
  * dtype is checked bit for bit against a reference computed here, including
  * counts not divisible by the group size and large counts; sums are checked
- * for member order and for float32 accumulation of bfloat16/float16; abort,
- * a member that leaves, a member that never joins, desynchronised members
- * and bad arguments must end in the right error, quickly.
+ * for member order and for float32 accumulation of bfloat16/float16; abort
+ * (also at random moments of a stream of collectives), a member that
+ * leaves, a member process that is killed, a member that never joins,
+ * desynchronised members and bad arguments must end in the right error,
+ * quickly.
  *
  * cmocka's assertions longjmp, which is only valid on the test's own thread,
  * so member threads record their first failure (and abort every member's
@@ -14,6 +16,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -22,7 +25,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -49,7 +51,8 @@ static void sleep_ms(unsigned ms) {
   }
 }
 
-/* ---- an in-memory store: mutex, condition variable, list ------------------ */
+/* ---- an in-memory store: mutex, condition variable, list ------------------
+ */
 
 typedef struct mentry {
   char *key;
@@ -93,8 +96,8 @@ static mentry *mstore_find(mstore *s, const char *key) {
   return NULL;
 }
 
-static int mstore_set(void *user, const char *key, const void *val,
-                      size_t len, sp_diag *d) {
+static int mstore_set(void *user, const char *key, const void *val, size_t len,
+                      sp_diag *d) {
   mstore *s = user;
   pthread_mutex_lock(&s->mu);
   s->sets++;
@@ -201,8 +204,8 @@ static void member_fail(member *m, int line, const char *fmt, ...)
  * collective with this one return at once instead of at their timeout. */
 static void member_fail(member *m, int line, const char *fmt, ...) {
   if (m->fail[0] == '\0') {
-    int n = snprintf(m->fail, sizeof m->fail, "rank %u line %d: ", m->rank,
-                     line);
+    int n =
+        snprintf(m->fail, sizeof m->fail, "rank %u line %d: ", m->rank, line);
     va_list ap;
     va_start(ap, fmt);
     if (n > 0 && (size_t)n < sizeof m->fail)
@@ -227,8 +230,7 @@ static void member_fail(member *m, int line, const char *fmt, ...) {
 #define MCHECK_RC(m, expr, diag)                                               \
   do {                                                                         \
     int rc_ = (expr);                                                          \
-    MCHECK((m), rc_ == 0, "%s = %s: %s", #expr, sp_err_name(rc_),              \
-           (diag).msg);                                                        \
+    MCHECK((m), rc_ == 0, "%s = %s: %s", #expr, sp_err_name(rc_), (diag).msg); \
   } while (0)
 
 static void *member_main(void *p) {
@@ -282,8 +284,8 @@ static void group_run_ranks(group *g, const uint32_t *ranks, uint32_t n) {
   for (uint32_t i = 0; i < n; i++) who[i] = ranks != NULL ? ranks[i] : i;
   assert_int_equal(pthread_barrier_init(&g->done, NULL, n), 0);
   for (uint32_t i = 0; i < n; i++)
-    assert_int_equal(
-        pthread_create(&th[i], NULL, member_main, &g->m[who[i]]), 0);
+    assert_int_equal(pthread_create(&th[i], NULL, member_main, &g->m[who[i]]),
+                     0);
   for (uint32_t i = 0; i < n; i++) pthread_join(th[i], NULL);
   pthread_barrier_destroy(&g->done);
   for (uint32_t i = 0; i < n; i++)
@@ -478,8 +480,8 @@ static void check_case(member *m, sp_dtype dt, size_t count, uint64_t *hash) {
   sp_comm *c = m->c;
   const uint32_t w = m->g->size, me = m->rank;
   const size_t esz = sp_dtype_size(dt), nb = count * esz;
-  const bool sums = sp_dtype_is_floating(dt) || dt == SP_INT64 ||
-                    dt == SP_INT32;
+  const bool sums =
+      sp_dtype_is_floating(dt) || dt == SP_INT64 || dt == SP_INT32;
   sp_diag d = {{0}};
   /* One extra element each, so a zero count still gets real pointers. */
   unsigned char *in = malloc(nb * w + esz);
@@ -493,7 +495,8 @@ static void check_case(member *m, sp_dtype dt, size_t count, uint64_t *hash) {
   gen(in, dt, count, seed_of(w, dt, count, 1, me));
   memset(out, 0xA5, nb * w);
   MCHECK_RC(m, sp_comm_all_gather(c, in, out, count, dt, &d), d);
-  for (uint32_t i = 0; i < w; i++) gen(ref + i * nb, dt, count, seed_of(w, dt, count, 1, i));
+  for (uint32_t i = 0; i < w; i++)
+    gen(ref + i * nb, dt, count, seed_of(w, dt, count, 1, i));
   MCHECK(m, memcmp(out, ref, nb * w) == 0,
          "all_gather %s count %zu: wrong result", sp_dtype_name(dt), count);
   /* ... and in place: send is recv + rank * count. */
@@ -532,8 +535,10 @@ static void check_case(member *m, sp_dtype dt, size_t count, uint64_t *hash) {
       uint64_t gv = 0, rv = 0;
       memcpy(&gv, out + k * esz, esz);
       memcpy(&rv, ref + k * esz, esz);
-      MCHECK(m, 0, "reduce_scatter %s count %zu: element %zu is 0x%llx, want 0x%llx",
-             sp_dtype_name(dt), count, k, (unsigned long long)gv, (unsigned long long)rv);
+      MCHECK(m, 0,
+             "reduce_scatter %s count %zu: element %zu is 0x%llx, want 0x%llx",
+             sp_dtype_name(dt), count, k, (unsigned long long)gv,
+             (unsigned long long)rv);
     }
 
     /* all_reduce, twice: the same bits every run. */
@@ -678,7 +683,8 @@ static void test_sum_blocks_aliasing(void **state) {
   sp_comm_free(c);
 }
 
-/* ---- abort ---------------------------------------------------------------- */
+/* ---- abort ----------------------------------------------------------------
+ */
 
 typedef struct abort_ctx {
   atomic_int phase; /* 0: running, 1: member 0 returned from its op */
@@ -747,8 +753,8 @@ static void test_abort_unblocks(void **state) {
   assert_int_equal(m0->rc[1], SP_ECANCELED);
   assert_int_equal(m0->rc[2], SP_ECANCELED);
   assert_true(m0->t[2] < 0.05);
-  print_message("abort: peer's barrier failed in %.1f ms: %s\n",
-                m1->t[0] * 1e3, m1->diag[0].msg);
+  print_message("abort: peer's barrier failed in %.1f ms: %s\n", m1->t[0] * 1e3,
+                m1->diag[0].msg);
   assert_true(m1->rc[0] < 0);
   assert_true(m1->t[0] < 2.0);
   /* The peer's communicator is broken now: the same error, at once. */
@@ -838,8 +844,8 @@ static void storm_member(member *m) {
       rc = sp_comm_all_reduce(m->c, buf, 20000, SP_FLOAT32, &d);
       break;
     case 1:
-      rc = sp_comm_all_gather(m->c, buf + m->rank * 5000, buf, 5000,
-                              SP_FLOAT32, &d);
+      rc = sp_comm_all_gather(m->c, buf + m->rank * 5000, buf, 5000, SP_FLOAT32,
+                              &d);
       break;
     default:
       rc = sp_comm_barrier(m->c, &d);
@@ -898,8 +904,7 @@ static void big_bcast_member(member *m) {
   MCHECK(m, buf != NULL, "out of memory");
   memset(buf, (int)m->rank, n);
   pthread_t th;
-  if (m->rank == 1 &&
-      pthread_create(&th, NULL, bcast_aborter, m) != 0) {
+  if (m->rank == 1 && pthread_create(&th, NULL, bcast_aborter, m) != 0) {
     free(buf);
     MCHECK(m, 0, "pthread_create");
   }
@@ -925,7 +930,8 @@ static void test_abort_mid_transfer(void **state) {
   group_done(&g);
 }
 
-/* ---- a member that leaves -------------------------------------------------- */
+/* ---- a member that leaves --------------------------------------------------
+ */
 
 /* Members 0 and 1 all_gather; member 2 frees its communicator instead (the
  * closest a thread gets to a process dying: its sockets close). */
@@ -991,7 +997,8 @@ static void test_peer_leaves_root_sends(void **state) {
   group_done(&g);
 }
 
-/* ---- a member that is a process, killed ----------------------------------- */
+/* ---- a member that is a process, killed -----------------------------------
+ */
 
 /* The in-memory store does not cross fork(); this one keeps each key in a
  * file of a temporary directory (written to a temporary name, then renamed,
@@ -1000,8 +1007,8 @@ typedef struct fstore {
   char dir[256];
 } fstore;
 
-static void fstore_path(const fstore *f, const char *key, char *out,
-                        size_t cap, const char *suffix) {
+static void fstore_path(const fstore *f, const char *key, char *out, size_t cap,
+                        const char *suffix) {
   int n = snprintf(out, cap, "%s/", f->dir);
   for (const char *k = key; *k != '\0' && n > 0 && (size_t)n + 1 < cap; k++)
     out[n++] = *k == '/' ? '_' : *k;
@@ -1009,8 +1016,8 @@ static void fstore_path(const fstore *f, const char *key, char *out,
   strncat(out, suffix, cap - strlen(out) - 1);
 }
 
-static int fstore_set(void *user, const char *key, const void *val,
-                      size_t len, sp_diag *d) {
+static int fstore_set(void *user, const char *key, const void *val, size_t len,
+                      sp_diag *d) {
   char tmp[512], path[512];
   fstore_path(user, key, tmp, sizeof tmp, ".tmp");
   fstore_path(user, key, path, sizeof path, "");
@@ -1120,7 +1127,8 @@ static void test_peer_process_killed(void **state) {
   free(dir);
 }
 
-/* ---- timeouts ---------------------------------------------------------------- */
+/* ---- timeouts
+ * ---------------------------------------------------------------- */
 
 static void new_only_member(member *m) {
   m->rc[0] = m->new_rc;
@@ -1212,7 +1220,8 @@ static void test_mismatched_count(void **state) {
   group_done(&g);
 }
 
-/* ---- arguments ---------------------------------------------------------------- */
+/* ---- arguments
+ * ---------------------------------------------------------------- */
 
 static void test_bad_arguments(void **state) {
   (void)state;
@@ -1220,11 +1229,12 @@ static void test_bad_arguments(void **state) {
   sp_diag d = {{0}};
   mstore st;
   mstore_init(&st);
-  sp_comm_opts o = {.backend = SP_BACKEND_GLOO,
-                    .store = {.set = mstore_set, .get = mstore_get, .user = &st},
-                    .prefix = "bad",
-                    .rank = 0,
-                    .size = 1};
+  sp_comm_opts o = {
+      .backend = SP_BACKEND_GLOO,
+      .store = {.set = mstore_set, .get = mstore_get, .user = &st},
+      .prefix = "bad",
+      .rank = 0,
+      .size = 1};
   assert_int_equal(sp_comm_new(NULL, &c, &d), SP_EINVAL);
   assert_null(c);
   assert_int_equal(sp_comm_new(&o, NULL, &d), SP_EINVAL);
@@ -1277,9 +1287,8 @@ static void test_bad_arguments(void **state) {
   assert_int_equal(sp_comm_all_reduce(c, f, SIZE_MAX / 2, SP_FLOAT32, &d),
                    SP_EINVAL);
   assert_non_null(strstr(d.msg, "overflow"));
-  assert_int_equal(sp_comm_all_gather(c, f, f, SIZE_MAX / 8 + 1, SP_FLOAT64,
-                                      &d),
-                   SP_EINVAL);
+  assert_int_equal(
+      sp_comm_all_gather(c, f, f, SIZE_MAX / 8 + 1, SP_FLOAT64, &d), SP_EINVAL);
   assert_int_equal(sp_comm_broadcast(c, f, SIZE_MAX / 4 + 1, SP_INT32, 0, &d),
                    SP_EINVAL);
   /* NULL buffers with a count, roots out of range. */
@@ -1311,15 +1320,14 @@ static void two_comms_member(member *m) {
   sp_comm *c2 = NULL;
   char prefix[80];
   snprintf(prefix, sizeof prefix, "%s/second", m->g->prefix);
-  sp_comm_opts o = {.backend = SP_BACKEND_GLOO,
-                    .store = {.set = mstore_set,
-                              .get = mstore_get,
-                              .user = &m->g->store},
-                    .prefix = prefix,
-                    /* reversed ranks: a different group order */
-                    .rank = m->g->size - 1 - m->rank,
-                    .size = m->g->size,
-                    .timeout_ms = 20000};
+  sp_comm_opts o = {
+      .backend = SP_BACKEND_GLOO,
+      .store = {.set = mstore_set, .get = mstore_get, .user = &m->g->store},
+      .prefix = prefix,
+      /* reversed ranks: a different group order */
+      .rank = m->g->size - 1 - m->rank,
+      .size = m->g->size,
+      .timeout_ms = 20000};
   MCHECK_RC(m, sp_comm_new(&o, &c2, &d), d);
   for (int i = 0; i < 20; i++) {
     int64_t a = (int64_t)m->rank + i, b = (int64_t)m->rank * 10 + i;

@@ -179,6 +179,17 @@ static int setup(void **state) {
   return 0;
 }
 
+/* The same calls with no HPACK dynamic tables (the coordinator's setting):
+ * our client must open its first header block after the SETTINGS ACK with
+ * a table size update, and read responses encoded without indexing. */
+static int setup_no_tables(void **state) {
+  (void)state;
+  sp_rpc_server_opts o = {.no_header_tables = true};
+  sp_test_server_start(&g_srv, &o);
+  assert_int_equal(sp_rpc_sync_open(g_srv.addr, 5000, &g_cli), 0);
+  return 0;
+}
+
 static int teardown(void **state) {
   (void)state;
   sp_rpc_sync_close(g_cli);
@@ -568,6 +579,8 @@ int main(void) {
   };
   int rc = cmocka_run_group_tests_name("wire", wire, NULL, NULL);
   rc |= cmocka_run_group_tests_name("live", live, setup, teardown);
+  rc |= cmocka_run_group_tests_name("live, no header tables", live,
+                                    setup_no_tables, teardown);
   rc |= cmocka_run_group_tests_name("connections", conn, NULL, NULL);
   return rc;
 }

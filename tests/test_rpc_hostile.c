@@ -254,6 +254,11 @@ static bool until_pings(const sp_h2_reader *r, uint32_t n) {
   return r->pings_acked >= n;
 }
 
+static bool until_goaway(const sp_h2_reader *r, uint32_t unused) {
+  (void)unused;
+  return r->goaway;
+}
+
 /* Preface and SETTINGS (n pairs) on a new connection. */
 static int h2_open(const uint16_t *ids, const uint32_t *vals, size_t n,
                    int rcvbuf) {
@@ -751,6 +756,54 @@ static void test_not_grpc(void **state) {
   expect_server_healthy();
 }
 
+/* Replaces the shared server with one started with opts (NULL: defaults). */
+static void restart_server(const sp_rpc_server_opts *opts) {
+  sp_test_server_stop(&g.ts, 2000);
+  sp_test_server_start(&g.ts, opts);
+  g.port = g.ts.port;
+  g.addr = g.ts.addr;
+}
+
+/* A server without HPACK dynamic tables (the coordinator's setting) says
+ * so in its SETTINGS. The first header block a client sends after its ACK
+ * must open with a table size update (RFC 7541 §4.2): one that does not is
+ * a compression error, and blocks that do (every block h2_raw sends) are
+ * served. */
+static void test_no_header_tables(void **state) {
+  (void)state;
+  sp_rpc_server_opts o = {.no_header_tables = true};
+  restart_server(&o);
+
+  int fd = h2_open(NULL, NULL, 0, 0);
+  sp_h2_reader r;
+  sp_h2_reader_init(&r);
+  assert_int_equal(pump(fd, &r, until_settings, 1, IO_TIMEOUT_MS), PUMP_DONE);
+  assert_int_equal(r.header_table_size, 0); /* and pump has ACKed it */
+  sp_h2buf blk = {0}, b = {0};
+  sp_h2_grpc_request_block(&blk, EPATH("Unary"));
+  sp_h2_frame(&b, NGHTTP2_HEADERS,
+              NGHTTP2_FLAG_END_HEADERS | NGHTTP2_FLAG_END_STREAM, 1, blk.p,
+              blk.len); /* the block alone, without the size update */
+  sp_h2buf_free(&blk);
+  assert_true(send_buf(fd, &b));
+  sp_h2buf_free(&b);
+  pump(fd, &r, until_goaway, 0, IO_TIMEOUT_MS);
+  assert_true(r.goaway);
+  assert_int_equal(r.goaway_code, NGHTTP2_COMPRESSION_ERROR);
+  sp_h2_reader_free(&r);
+  close(fd);
+
+  fd = h2_open(NULL, NULL, 0, 0);
+  sp_h2_reader_init(&r);
+  assert_int_equal(pump(fd, &r, until_settings, 1, IO_TIMEOUT_MS), PUMP_DONE);
+  for (uint32_t sid = 1; sid <= 5; sid += 2) expect_unary_ok(fd, &r, sid);
+  sp_h2_reader_free(&r);
+  close(fd);
+  expect_server_healthy(); /* our own client complies too */
+
+  restart_server(NULL);
+}
+
 int main(void) {
   /* a hang anywhere (even outside a timed wait) fails instead of waiting
    * for ctest's timeout */
@@ -767,6 +820,7 @@ int main(void) {
       cmocka_unit_test(test_client_never_reads_many_streams),
       cmocka_unit_test(test_metadata_over_limit),
       cmocka_unit_test(test_not_grpc),
+      cmocka_unit_test(test_no_header_tables),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

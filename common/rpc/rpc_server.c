@@ -777,19 +777,27 @@ static int session_new(srv_conn *c) {
    * Frames for a stream closed on both sides are then ignored rather than
    * answered with a connection error. */
   nghttp2_option_set_no_closed_streams(opt, 1);
-  nghttp2_option_set_max_deflate_dynamic_table_size(opt, 0);
+  bool no_tables = c->srv->opts.no_header_tables;
+  /* what we send: literals only, never indexed (no table to keep) */
+  if (no_tables) nghttp2_option_set_max_deflate_dynamic_table_size(opt, 0);
   int rv = nghttp2_session_server_new2(&c->io.h2, cb, c, opt);
   nghttp2_option_del(opt);
   nghttp2_session_callbacks_del(cb);
   if (rv != 0) return SP_ENOMEM;
-  nghttp2_settings_entry iv[] = {
+  nghttp2_settings_entry iv[4] = {
       {NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, c->srv->opts.max_streams},
       {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 1u << 20},
       {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE,
        (uint32_t)c->srv->opts.max_metadata + 1024},
-      {NGHTTP2_SETTINGS_HEADER_TABLE_SIZE, 0},
   };
-  nghttp2_submit_settings(c->io.h2, NGHTTP2_FLAG_NONE, iv, 4);
+  size_t niv = 3;
+  /* What clients send: once they ACK this, RFC 7541 §4.2 has their encoder
+   * open the next header block with a table size update, and nghttp2
+   * refuses a block without one (COMPRESSION_ERROR). Blocks encoded before
+   * the ACK may still index; nghttp2 drops those entries when it comes. */
+  if (no_tables)
+    iv[niv++] = (nghttp2_settings_entry){NGHTTP2_SETTINGS_HEADER_TABLE_SIZE, 0};
+  nghttp2_submit_settings(c->io.h2, NGHTTP2_FLAG_NONE, iv, niv);
   nghttp2_session_set_local_window_size(c->io.h2, NGHTTP2_FLAG_NONE, 0,
                                         16u << 20);
   return 0;
