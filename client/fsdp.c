@@ -467,6 +467,16 @@ static int check_unit(const sp_fsdp *f, uint32_t ui, sp_diag *d) {
   return 0;
 }
 
+/* Refuses an illegal transition before the call acts on it: unshard issues
+ * an all-gather, and a rank that issued one for a call it then refused
+ * would leave its peers (which never issue it) out of step, or hang. Fails
+ * with the session's message naming the legal states; changes nothing. */
+static int check_transition(sp_fsdp *f, uint32_t ui, int to, sp_diag *d) {
+  int from = sp_session_state(f->s, SP_MACHINE_HANDLE, ui);
+  if (sp_state_transition_legal(SP_MACHINE_HANDLE, from, to)) return 0;
+  return transition(f, SP_MACHINE_HANDLE, ui, to, d);
+}
+
 /* ---- lazy init and buffers ---- */
 
 int sp_fsdp_lazy_init(sp_fsdp *f, sp_diag *d) {
@@ -514,6 +524,7 @@ sp_dtype sp_fsdp_buffer_dtype(const sp_fsdp *f, int32_t b) {
 
 int sp_fsdp_pre_forward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   int rc = check_unit(f, ui, d);
+  if (rc == 0) rc = check_transition(f, ui, SP_HANDLE_FORWARD, d);
   if (rc == 0) rc = unshard(f, ui, d);
   if (rc == 0) rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_FORWARD, d);
   return rc;
@@ -521,6 +532,17 @@ int sp_fsdp_pre_forward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 
 int sp_fsdp_post_forward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   int rc = check_unit(f, ui, d);
+  /* The table also allows IDLE -> IDLE and BACKWARD_PRE -> IDLE, but those
+   * rows are finish_backward's (_post_backward_final_callback); a
+   * post_forward from them would record a bogus post-forward order and
+   * reshard a unit in use. */
+  int from = rc == 0 ? sp_session_state(f->s, SP_MACHINE_HANDLE, ui) : 0;
+  if (rc == 0 && from != SP_HANDLE_FORWARD)
+    rc = sp_diag_set(d, SP_ESTATE,
+                     "unit %u (%s): post_forward from %s; legal only from "
+                     "FORWARD (after pre_forward)",
+                     ui, unit_name(f, ui),
+                     sp_state_name(SP_MACHINE_HANDLE, from));
   if (rc == 0) rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
   if (rc < 0) return rc;
   sp_fsdp_unit *fu = &f->units[ui];
@@ -562,6 +584,12 @@ static int prefetch(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (!tu->has_data || tu->unsharded || tu->gather_ticket >= 0 ||
       tu->prefetched)
     return 0;
+  /* FSDP prefetches only a handle that still needs its pre-backward
+   * unshard (_needs_pre_backward_unshard): one whose backward already ran
+   * (backward not in reverse forward order) would be gathered for nothing,
+   * and its parameters left pending into the next step. */
+  if (sp_session_state(f->s, SP_MACHINE_HANDLE, target) != SP_HANDLE_IDLE)
+    return 0;
   int rc = issue_gather(f, target, d);
   if (rc < 0) return rc;
   tu->prefetched = true;
@@ -571,6 +599,7 @@ static int prefetch(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 
 int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   int rc = check_unit(f, ui, d);
+  if (rc == 0) rc = check_transition(f, ui, SP_HANDLE_BACKWARD_PRE, d);
   if (rc == 0) rc = unshard(f, ui, d);
   if (rc == 0)
     rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_BACKWARD_PRE, d);
@@ -608,7 +637,8 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
       sp_session_collective(f->s, SP_OP_REDUCE_SCATTER, ui, rdt,
                             (uint64_t)fu->padded);
       f->stats.reduce_scatters++;
-      if (f->plan->strategy == SP_HYBRID_SHARD) {
+      if (f->plan->strategy == SP_HYBRID_SHARD && f->replica_comm &&
+          sp_comm_size(f->replica_comm) > 1) {
         sp_session_collective(f->s, SP_OP_ALL_REDUCE, ui, rdt,
                               (uint64_t)fu->c);
         f->stats.all_reduces++;
@@ -626,6 +656,14 @@ int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
     if (fu->reduce_ticket >= 0) {
       rc = sp_fsdp_wait(f, fu->reduce_ticket, d);
       fu->reduce_ticket = -1;
+    }
+    /* a unit prefetched but whose backward never ran: its gather holds
+     * this step's parameters, and a pending ticket would make the next
+     * forward's unshard reuse them after SGD changed the shard. Wait for it
+     * (sgd_step must not write the shard it reads) and drop it. */
+    if (rc == 0 && fu->gather_ticket >= 0) {
+      rc = sp_fsdp_wait(f, fu->gather_ticket, d);
+      fu->gather_ticket = -1;
     }
     if (rc == 0 && sp_session_state(f->s, SP_MACHINE_HANDLE, ui) !=
                        SP_HANDLE_IDLE)
@@ -762,6 +800,9 @@ int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
     if (rc == 0) {
       for (size_t i = 0; i < c; i++) p[i] -= lr * g[i];
       rc = sp_cast(fu->shard, fu->u->dtype, p, SP_FLOAT64, c);
+      /* zero_grad: a unit that gets no gradient next step must not be
+       * moved again by this one */
+      memset(fu->shard_grad, 0, c * sp_dtype_size(fu->grad_dtype));
     }
     free(p);
     free(g);

@@ -392,6 +392,7 @@ static int run(const worker_opts *o, sp_diag *d) {
   if ((!losses || !step_s) && rc == 0)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   double tlast = now_s();
+  uint32_t logged = 0; /* steps up to the last progress line */
   for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
     double ts = now_s();
     if (is_mlp)
@@ -403,8 +404,10 @@ static int run(const worker_opts *o, sp_diag *d) {
     if (rc == 0 && rank == 0 && o->log_every &&
         ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
       double t = now_s();
-      double per_s = o->log_every * (double)o->global_batch / (t - tlast);
+      double per_s = (step + 1 - logged) * (double)o->global_batch /
+                     (t - tlast);
       tlast = t;
+      logged = step + 1;
       if (is_mlp)
         printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->steps,
                losses[step], per_s);
