@@ -25,9 +25,9 @@
  * flight, how many events had been sent up to and including it, so "events
  * acknowledged" is a count that flush compares with the producer's head.
  *
- * Timings (session_internal.h): the drain timer runs every 1 ms while events
- * flow and backs off to 16 ms when idle; at most SP_SESSION_BATCH events per
- * message and SP_SESSION_WINDOW data messages unacknowledged. Heartbeats go
+ * Timings (session_internal.h): the drain timer runs every 50 ms while
+ * events flow and backs off to 200 ms when idle; at most SP_SESSION_BATCH
+ * events per message and SP_SESSION_WINDOW data messages unacknowledged. Heartbeats go
  * every min(heartbeat_interval, heartbeat_timeout / 3) as the coordinator
  * gave them at Attach, and only when the stream was quiet for half that.
  *
@@ -396,7 +396,7 @@ static bool drain(sp_session *s) {
 static void on_drain_timer(uv_timer_t *t) {
   sp_session *s = t->data;
   bool sent = drain(s);
-  /* 1 ms while events flow; back off to 16 ms when idle */
+  /* SP_SESSION_DRAIN_MS while events flow; back off when idle */
   if (sent)
     s->drain_delay = SP_SESSION_DRAIN_MS;
   else if (s->drain_delay < SP_SESSION_DRAIN_IDLE_MS)
@@ -1122,6 +1122,20 @@ uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
     ring_push(s, &e);
   }
   return seq;
+}
+
+int sp_session_set_report(sp_session *s, bool on, sp_diag *d) {
+  if (s == NULL) return sp_diag_set(d, SP_EINVAL, "session is NULL");
+  /* only where the coordinator's copy cannot fall behind: every state IDLE
+   * on both sides, so the transitions skipped leave nothing to replay */
+  bool idle = s->st.root == SP_ROOT_IDLE;
+  for (size_t u = 0; idle && u < s->st.n_units; u++)
+    idle = s->st.units[u] == SP_HANDLE_IDLE;
+  if (!idle)
+    return sp_diag_set(d, SP_ESTATE, "rank %u: reporting can be switched "
+                       "only between steps (every state IDLE)", s->rank);
+  s->no_report = !on;
+  return 0;
 }
 
 void sp_session_set_step(sp_session *s, uint64_t step) {

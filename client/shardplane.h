@@ -125,6 +125,10 @@ int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit);
  * and returned. */
 uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
                                sp_dtype dtype, uint64_t count);
+/* Switches queueing on or off (sp_session_opts.no_report) for measuring
+ * what reporting costs within one run. Only between steps: SP_ESTATE unless
+ * the root and every unit are IDLE. */
+int sp_session_set_report(sp_session *s, bool on, sp_diag *d);
 /* Sets the step number carried by later events and heartbeats. */
 void sp_session_set_step(sp_session *s, uint64_t step);
 /* Waits until every event queued so far has been acknowledged by the

@@ -28,6 +28,7 @@ typedef struct worker_opts {
   const char *stats_path;
   uint32_t log_every;
   bool no_report;
+  uint32_t report_toggle;
   uint64_t comm_timeout_ms;
 } worker_opts;
 
@@ -221,12 +222,15 @@ static void usage(FILE *f) {
       "  --load DIR --load-kind KIND  start from a checkpoint\n"
       "  --losses FILE            rank 0 writes the loss of every step (JSON)\n"
       "  --stats FILE             rank 0 writes every step's duration in s "
-      "(JSON)\n"
+      "and\n"
+      "                           whether it was reported (JSON)\n"
       "  --log-every N            rank 0 prints progress every N steps "
       "(default 1)\n"
       "  --comm-timeout-ms N      rendezvous and collective timeout "
       "(default 60000)\n"
       "  --no-report              check transitions locally, send none\n"
+      "  --report-toggle K        switch reporting off and on every K steps\n"
+      "                           (starting on; for bench/step)\n"
       "  --help                   this text\n"
       "\n"
       "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage\n",
@@ -235,7 +239,7 @@ static void usage(FILE *f) {
 
 static int parse_args(int argc, char **argv, worker_opts *o) {
   enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
-         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_NOREP, O_HELP };
+         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_NOREP, O_TOGGLE, O_HELP };
   static const struct option opts[] = {
       {"coordinator", required_argument, NULL, O_COORD},
       {"rank", required_argument, NULL, O_RANK},
@@ -252,6 +256,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"log-every", required_argument, NULL, O_LOG},
       {"comm-timeout-ms", required_argument, NULL, O_CTO},
       {"no-report", no_argument, NULL, O_NOREP},
+      {"report-toggle", required_argument, NULL, O_TOGGLE},
       {"help", no_argument, NULL, O_HELP},
       {NULL, 0, NULL, 0}};
   memset(o, 0, sizeof *o);
@@ -315,6 +320,10 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         if (*end || !*optarg) goto bad_value;
         break;
       case O_NOREP: o->no_report = true; break;
+      case O_TOGGLE:
+        o->report_toggle = (uint32_t)strtoul(optarg, &end, 10);
+        if (*end || !*optarg) goto bad_value;
+        break;
       case O_HELP: usage(stdout); return 1;
       default: usage(stderr); return 2;
     }
@@ -340,13 +349,34 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
 }
 
 /* A JSON array of doubles, exact (%.17g). */
-static int write_doubles(const char *path, const double *l, uint32_t n) {
-  FILE *fp = fopen(path, "w");
-  if (!fp) return SP_EIO;
+static void put_doubles(FILE *fp, const double *l, uint32_t n) {
   fputc('[', fp);
   for (uint32_t i = 0; i < n; i++)
     fprintf(fp, "%s%.17g", i ? ", " : "", l[i]);
-  fputs("]\n", fp);
+  fputc(']', fp);
+}
+
+static int write_doubles(const char *path, const double *l, uint32_t n) {
+  FILE *fp = fopen(path, "w");
+  if (!fp) return SP_EIO;
+  put_doubles(fp, l, n);
+  fputc('\n', fp);
+  return fclose(fp) == 0 ? 0 : SP_EIO;
+}
+
+/* {"step_seconds": [...], "reported": [true, ...]} */
+static int write_stats(const worker_opts *o, const double *step_s) {
+  FILE *fp = fopen(o->stats_path, "w");
+  if (!fp) return SP_EIO;
+  fputs("{\"step_seconds\": ", fp);
+  put_doubles(fp, step_s, o->steps);
+  fputs(", \"reported\": [", fp);
+  for (uint32_t i = 0; i < o->steps; i++) {
+    bool on = o->report_toggle ? (i / o->report_toggle) % 2 == 0
+                               : !o->no_report;
+    fprintf(fp, "%s%s", i ? ", " : "", on ? "true" : "false");
+  }
+  fputs("]}\n", fp);
   return fclose(fp) == 0 ? 0 : SP_EIO;
 }
 
@@ -394,6 +424,8 @@ static int run(const worker_opts *o, sp_diag *d) {
   double tlast = now_s();
   uint32_t logged = 0; /* steps up to the last progress line */
   for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
+    if (o->report_toggle && step % o->report_toggle == 0)
+      rc = sp_session_set_report(s, (step / o->report_toggle) % 2 == 0, d);
     double ts = now_s();
     if (is_mlp)
       rc = trainer_step(&tr, step, (uint64_t)rank * local_n, o->global_batch,
@@ -421,7 +453,7 @@ static int run(const worker_opts *o, sp_diag *d) {
       write_doubles(o->losses_path, losses, o->steps) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
   if (rc == 0 && rank == 0 && o->stats_path &&
-      write_doubles(o->stats_path, step_s, o->steps) < 0)
+      write_stats(o, step_s) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
   for (int k = SP_CKPT_FULL; rc == 0 && o->ckpt_dir && k <= SP_CKPT_LOCAL;
        k++) {
