@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "clock.h"
 #include "cast.h"
 #include "sp_error.h"
 
@@ -133,12 +134,6 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
   return 0;
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void fmt_elems(char *buf, size_t cap, size_t n) {
   if (n % (1u << 20) == 0)
     snprintf(buf, cap, "%zuMi", n >> 20);
@@ -208,9 +203,9 @@ static int bench_cpu_size(const bench_opts *o, size_t n, unsigned char *src,
       if (!sp_cast_path_available((sp_cast_path)p)) continue;
       double best_cast = 1e30, best_cpy = 1e30;
       for (int r = 0; r < o->reps + 1; r++) { /* +1: warm-up, discarded */
-        double t0 = now_s();
+        double t0 = sp_clock_s();
         for (int k = 0; k < inner; k++) memcpy(dst, src, cpy);
-        double t1 = now_s();
+        double t1 = sp_clock_s();
         for (int k = 0; k < inner; k++) {
           int rc =
               sp_cast_with_path(dst, bc->dst, src, bc->src, n, (sp_cast_path)p);
@@ -219,7 +214,7 @@ static int bench_cpu_size(const bench_opts *o, size_t n, unsigned char *src,
             return rc;
           }
         }
-        double t2 = now_s();
+        double t2 = sp_clock_s();
         if (r == 0) continue;
         if (t1 - t0 < best_cpy) best_cpy = t1 - t0;
         if (t2 - t1 < best_cast) best_cast = t2 - t1;

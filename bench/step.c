@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "proc.h"
 #include "shardplane.h"
 
@@ -38,12 +39,6 @@ extern char **environ;
 #ifndef SP_EXAMPLES
 #define SP_EXAMPLES "examples"
 #endif
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -66,28 +61,37 @@ typedef struct bench_opts {
   const char *model;
 } bench_opts;
 
-/* One job; *ratio receives median(reported steps) / median(unreported)
- * after the warm-up, *on_s and *off_s the two medians. */
-static int run_job(const bench_opts *o, const char *tmpdir, double *ratio,
-                   double *on_s, double *off_s) {
-  char ws[16], steps[16], batch[16], block[16], stats[4096];
-  snprintf(ws, sizeof ws, "%d", o->nproc);
-  snprintf(steps, sizeof steps, "%d", o->steps);
-  snprintf(batch, sizeof batch, "%d", o->batch);
-  snprintf(block, sizeof block, "%d", o->block);
-  snprintf(stats, sizeof stats, "%s/stats.json", tmpdir);
+/* A coordinator for world size `world` on a free port; addr receives
+ * "127.0.0.1:PORT". */
+static int start_coordinator(const bench_opts *o, int world, sp_proc *coord,
+                             char *addr, size_t cap) {
+  char ws[16];
+  snprintf(ws, sizeof ws, "%d", world);
   char *ca[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
                 "127.0.0.1:0", "--model", (char *)o->model, "--world-size", ws,
                 "--wrap-type", "Linear", "--quiet", NULL};
-  sp_proc coord;
   sp_diag d = {{0}};
-  if (sp_proc_spawn(&coord, ca, false, false, "listening on 127.0.0.1:%d",
+  if (sp_proc_spawn(coord, ca, false, false, "listening on 127.0.0.1:%d",
                     &d) < 0) {
     fprintf(stderr, "bench/step: %s\n", d.msg);
     return -1;
   }
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", coord.port);
+  snprintf(addr, cap, "127.0.0.1:%d", coord->port);
+  return 0;
+}
+
+/* One job; *ratio receives median(reported steps) / median(unreported)
+ * after the warm-up, *on_s and *off_s the two medians. */
+static int run_job(const bench_opts *o, const char *tmpdir, double *ratio,
+                   double *on_s, double *off_s) {
+  char steps[16], batch[16], block[16], stats[4096], addr[64];
+  snprintf(steps, sizeof steps, "%d", o->steps);
+  snprintf(batch, sizeof batch, "%d", o->batch);
+  snprintf(block, sizeof block, "%d", o->block);
+  snprintf(stats, sizeof stats, "%s/stats.json", tmpdir);
+  sp_proc coord;
+  if (start_coordinator(o, o->nproc, &coord, addr, sizeof addr) < 0)
+    return -1;
   pid_t w[64];
   int failed = 0;
   for (int r = 0; r < o->nproc; r++) {
@@ -177,18 +181,10 @@ static size_t step_events(uint32_t n_units, event *ev) {
 
 static int event_cost(const bench_opts *o, double *ns_session,
                       double *ns_tracker) {
-  char *ca[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                "127.0.0.1:0", "--model", (char *)o->model, "--world-size",
-                "1", "--wrap-type", "Linear", "--quiet", NULL};
   sp_proc coord;
-  sp_diag d = {{0}};
-  if (sp_proc_spawn(&coord, ca, false, false, "listening on 127.0.0.1:%d",
-                    &d) < 0) {
-    fprintf(stderr, "bench/step: %s\n", d.msg);
-    return -1;
-  }
   char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", coord.port);
+  if (start_coordinator(o, 1, &coord, addr, sizeof addr) < 0) return -1;
+  sp_diag d = {{0}};
   sp_session_opts so = {.coordinator = addr, .rank = 0,
                         .queue_events = 1 << 16};
   sp_session *s = NULL;
@@ -209,15 +205,15 @@ static int event_cost(const bench_opts *o, double *ns_session,
   double t_sess = 0, t_track = 0;
   long done = 0;
   for (int pass = 0; rc == 0 && done < o->events; pass++) {
-    double t0 = now_s();
+    double t0 = sp_clock_s();
     for (size_t i = 0; i < steps_per_batch; i++)
       for (size_t k = 0; k < per_step; k++)
         rc |= sp_session_transition(s, ev[k].m, ev[k].unit, ev[k].to, NULL);
-    double t1 = now_s();
+    double t1 = sp_clock_s();
     for (size_t i = 0; i < steps_per_batch; i++)
       for (size_t k = 0; k < per_step; k++)
         rc |= sp_state_tracker_apply(&tr, ev[k].m, ev[k].unit, ev[k].to, NULL);
-    double t2 = now_s();
+    double t2 = sp_clock_s();
     t_sess += t1 - t0;
     t_track += t2 - t1;
     done += (long)(steps_per_batch * per_step);

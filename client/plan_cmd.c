@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "cli.h"
 #include "job.h"
 #include "job_cli.h"
@@ -70,12 +71,6 @@ typedef struct plan_args {
   sp_job_cli flags; /* job flags, applied after --job */
 } plan_args;
 
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
 static int run_plan(const plan_args *a) {
   sp_diag diag = {""};
   sp_model *model = NULL;
@@ -93,7 +88,7 @@ static int run_plan(const plan_args *a) {
     if (rc == SP_EINVAL) exit_code = SP_EXIT_USAGE;
     goto out;
   }
-  double t0 = now_ms();
+  double t0 = (sp_clock_s() * 1e3);
   if (sp_plan_build(model, &job, &plan, &diag) != 0) {
     sp_cli_error("plan", "%s", diag.msg);
     goto out;
@@ -102,7 +97,7 @@ static int run_plan(const plan_args *a) {
                         .n_modules = model->n_modules,
                         .n_params = model->n_params,
                         .n_buffers = model->n_buffers,
-                        .build_ms = now_ms() - t0};
+                        .build_ms = (sp_clock_s() * 1e3) - t0};
   for (size_t i = 0; i < model->n_params; i++)
     src.elements += model->params[i].numel;
   if (a->rank >= (long long)plan->world_size) {

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "cli.h"
 #include "job_cli.h"
 #include "plan.h"
@@ -100,12 +101,6 @@ static pid_t spawn_worker(char *const argv[]) {
   return rc == 0 ? pid : -1;
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void describe(int st, char *out, size_t cap) {
   if (WIFSIGNALED(st))
     snprintf(out, cap, "was killed by signal %d (%s)", WTERMSIG(st),
@@ -118,7 +113,7 @@ static void describe(int st, char *out, size_t cap) {
 static void stop_workers(pid_t *pids, uint32_t n, int wait_ms) {
   for (uint32_t r = 0; r < n; r++)
     if (pids[r] > 0) kill(pids[r], SIGTERM);
-  double end = now_s() + wait_ms / 1000.0;
+  double end = sp_clock_s() + wait_ms / 1000.0;
   for (;;) {
     bool live = false;
     for (uint32_t r = 0; r < n; r++) {
@@ -129,7 +124,7 @@ static void stop_workers(pid_t *pids, uint32_t n, int wait_ms) {
         live = true;
     }
     if (!live) return;
-    if (now_s() > end) break;
+    if (sp_clock_s() > end) break;
     usleep(10000);
   }
   for (uint32_t r = 0; r < n; r++)
@@ -321,7 +316,7 @@ int sp_cmd_run(int argc, char **argv) {
 
   pid_t pids[MAX_NPROC] = {0};
   char rank_s[MAX_NPROC][24];
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   ret = SP_EXIT_OK;
   for (long long r = 0; r < nproc; r++) {
     argvec wa = {0};
@@ -391,7 +386,7 @@ int sp_cmd_run(int argc, char **argv) {
   stop_workers(pids, (uint32_t)nproc, 3000);
   if (coord.pid > 0) sp_proc_stop(&coord, 5000);
   if (ret == SP_EXIT_OK)
-    printf("shardplane run: done in %.1f s; checkpoint in %s\n", now_s() - t0,
+    printf("shardplane run: done in %.1f s; checkpoint in %s\n", sp_clock_s() - t0,
            ckdir);
 out:
   sp_plan_free(plan);

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "mlp.h"
 #include "shardplane.h"
 
@@ -54,12 +55,6 @@ static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
   g_comms[1] = shard;
   g_comms[2] = replica;
   pthread_mutex_unlock(&g_comms_lock);
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 /* ---- the MLP trainer: sp_mlp_io over the runtime's views ---- */
@@ -421,21 +416,21 @@ static int run(const worker_opts *o, sp_diag *d) {
   step_s = calloc(o->steps ? o->steps : 1, sizeof *step_s);
   if ((!losses || !step_s) && rc == 0)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
-  double tlast = now_s();
+  double tlast = sp_clock_s();
   uint32_t logged = 0; /* steps up to the last progress line */
   for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
     if (o->report_toggle && step % o->report_toggle == 0)
       rc = sp_session_set_report(s, (step / o->report_toggle) % 2 == 0, d);
-    double ts = now_s();
+    double ts = sp_clock_s();
     if (is_mlp)
       rc = trainer_step(&tr, step, (uint64_t)rank * local_n, o->global_batch,
                         o->lr, &losses[step], d);
     else
       rc = synthetic_step(f, s, step, o->lr, d);
-    step_s[step] = now_s() - ts;
+    step_s[step] = sp_clock_s() - ts;
     if (rc == 0 && rank == 0 && o->log_every &&
         ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
-      double t = now_s();
+      double t = sp_clock_s();
       double per_s = (step + 1 - logged) * (double)o->global_batch /
                      (t - tlast);
       tlast = t;

@@ -32,17 +32,12 @@
 
 #include <cmocka.h>
 
+#include "clock.h"
 #include "cast_scalar.h"
 #include "shardplane.h"
 #include "testutil.h"
 
 #define MAX_W 4
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void sleep_ms(unsigned ms) {
   struct timespec ts = {.tv_sec = ms / 1000,
@@ -695,7 +690,7 @@ static void *aborter(void *p) {
   member *m0 = p;
   abort_ctx *a = m0->g->arg;
   sleep_ms(300);
-  a->abort_at = now_s();
+  a->abort_at = sp_clock_s();
   sp_comm_abort(m0->c);
   return NULL;
 }
@@ -709,26 +704,26 @@ static void abort_member(member *m) {
     float buf[1000] = {0};
     pthread_t th;
     MCHECK(m, pthread_create(&th, NULL, aborter, m) == 0, "pthread_create");
-    double t0 = now_s();
+    double t0 = sp_clock_s();
     m->rc[0] = sp_comm_all_reduce(m->c, buf, 1000, SP_FLOAT32, &m->diag[0]);
-    double t1 = now_s();
+    double t1 = sp_clock_s();
     pthread_join(th, NULL);
     m->t[0] = t1 - a->abort_at;
     m->t[1] = t1 - t0;
     /* Later operations fail at once. */
-    t0 = now_s();
+    t0 = sp_clock_s();
     m->rc[1] = sp_comm_barrier(m->c, &m->diag[1]);
     m->rc[2] = sp_comm_all_gather(m->c, buf, buf, 1, SP_FLOAT32, &m->diag[2]);
-    m->t[2] = now_s() - t0;
+    m->t[2] = sp_clock_s() - t0;
     sp_comm_abort(m->c); /* twice is fine */
     atomic_store(&a->phase, 1);
   } else {
     while (atomic_load(&a->phase) == 0) sleep_ms(5);
     /* Member 0's abort closed its connections: this member's next
      * operation fails instead of waiting out its 20 s timeout. */
-    double t0 = now_s();
+    double t0 = sp_clock_s();
     m->rc[0] = sp_comm_barrier(m->c, &m->diag[0]);
-    m->t[0] = now_s() - t0;
+    m->t[0] = sp_clock_s() - t0;
     m->rc[1] = sp_comm_barrier(m->c, &m->diag[1]);
   }
 }
@@ -785,9 +780,9 @@ static void abort_early_member(member *m) {
   MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
   if (m->rank == 1) sp_comm_abort(m->c);
   /* Member 1 fails at once; member 0 finds its peer gone. */
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   m->rc[0] = sp_comm_barrier(m->c, &m->diag[0]);
-  m->t[0] = now_s() - t0;
+  m->t[0] = sp_clock_s() - t0;
 }
 
 static void test_abort_before_first_op(void **state) {
@@ -820,7 +815,7 @@ static void *storm_aborter(void *p) {
   storm_ctx *s = m->g->arg;
   struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)s->delay_us * 1000L};
   nanosleep(&ts, NULL);
-  s->abort_at = now_s();
+  s->abort_at = sp_clock_s();
   sp_comm_abort(m->c);
   return NULL;
 }
@@ -852,7 +847,7 @@ static void storm_member(member *m) {
       break;
     }
   }
-  m->t[0] = now_s();
+  m->t[0] = sp_clock_s();
   free(buf);
   if (victim) pthread_join(th, NULL);
   m->rc[0] = rc;
@@ -908,9 +903,9 @@ static void big_bcast_member(member *m) {
     free(buf);
     MCHECK(m, 0, "pthread_create");
   }
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   m->rc[0] = sp_comm_broadcast(m->c, buf, n, SP_UINT8, 0, &m->diag[0]);
-  m->t[0] = now_s() - t0;
+  m->t[0] = sp_clock_s() - t0;
   if (m->rank == 1) pthread_join(th, NULL);
   free(buf);
 }
@@ -946,10 +941,10 @@ static void leave_member(member *m) {
   }
   double buf[3 * 64];
   for (int i = 0; i < 64; i++) buf[m->rank * 64 + i] = m->rank + i;
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   m->rc[0] = sp_comm_all_gather(m->c, buf + m->rank * 64, buf, 64, SP_FLOAT64,
                                 &m->diag[0]);
-  m->t[0] = now_s() - t0;
+  m->t[0] = sp_clock_s() - t0;
 }
 
 static void test_peer_leaves(void **state) {
@@ -980,9 +975,9 @@ static void leave_root_member(member *m) {
     return;
   }
   double buf[64] = {0};
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   m->rc[0] = sp_comm_broadcast(m->c, buf, 64, SP_FLOAT64, 0, &m->diag[0]);
-  m->t[0] = now_s() - t0;
+  m->t[0] = sp_clock_s() - t0;
 }
 
 static void test_peer_leaves_root_sends(void **state) {
@@ -1033,7 +1028,7 @@ static int fstore_get(void *user, const char *key, uint64_t wait_ms,
                       uint8_t **val, size_t *len, sp_diag *d) {
   char path[512];
   fstore_path(user, key, path, sizeof path, "");
-  double until = now_s() + (double)wait_ms / 1e3;
+  double until = sp_clock_s() + (double)wait_ms / 1e3;
   for (;;) {
     FILE *fp = fopen(path, "rb");
     if (fp != NULL) {
@@ -1045,7 +1040,7 @@ static int fstore_get(void *user, const char *key, uint64_t wait_ms,
       *len = n;
       return 0;
     }
-    if (now_s() >= until)
+    if (sp_clock_s() >= until)
       return sp_diag_set(d, wait_ms ? SP_ETIMEDOUT : SP_ENOENT, "no key %s",
                          key);
     sleep_ms(2);
@@ -1070,7 +1065,7 @@ typedef struct killer_arg {
 static void *killer(void *p) {
   killer_arg *k = p;
   sleep_ms(300);
-  k->at = now_s();
+  k->at = sp_clock_s();
   kill(k->pid, SIGKILL);
   return NULL;
 }
@@ -1111,7 +1106,7 @@ static void test_peer_process_killed(void **state) {
   assert_int_equal(pthread_create(&th, NULL, killer, &k), 0);
   double v[100] = {0};
   rc = sp_comm_all_reduce(c, v, 100, SP_FLOAT64, &d);
-  double t = now_s();
+  double t = sp_clock_s();
   pthread_join(th, NULL);
   int status = 0;
   waitpid(pid, &status, 0);
@@ -1141,9 +1136,9 @@ static void test_rendezvous_timeout(void **state) {
   group g;
   group_init(&g, 3, 400, new_only_member, NULL);
   const uint32_t ranks[2] = {0, 1};
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   group_run_ranks(&g, ranks, 2);
-  double dt = now_s() - t0;
+  double dt = sp_clock_s() - t0;
   for (uint32_t r = 0; r < 2; r++) {
     print_message("rendezvous: %s\n", g.m[r].diag[0].msg);
     assert_int_equal(g.m[r].rc[0], SP_ETIMEDOUT);
@@ -1175,12 +1170,12 @@ static void op_timeout_member(member *m) {
   MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
   if (m->rank == 0) {
     int64_t v[3] = {1, 2, 3};
-    double t0 = now_s();
+    double t0 = sp_clock_s();
     m->rc[0] = sp_comm_all_reduce(m->c, v, 3, SP_INT64, &m->diag[0]);
-    m->t[0] = now_s() - t0;
-    t0 = now_s();
+    m->t[0] = sp_clock_s() - t0;
+    t0 = sp_clock_s();
     m->rc[1] = sp_comm_all_reduce(m->c, v, 3, SP_INT64, &m->diag[1]);
-    m->t[1] = now_s() - t0;
+    m->t[1] = sp_clock_s() - t0;
   }
 }
 

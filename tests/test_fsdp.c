@@ -37,6 +37,7 @@
 
 #include <cmocka.h>
 
+#include "clock.h"
 #include "cast.h"
 #include "coord_fixture.h"
 #include "coordinator.h"
@@ -53,12 +54,6 @@
  * leave padding for every W, and one unit of a single element (N < W). */
 static char *g_dir;
 static char *g_synth;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void sleep_ms(unsigned ms) {
   struct timespec ts = {.tv_sec = ms / 1000,
@@ -661,7 +656,7 @@ out:
 /* Runs body on every rank of a fresh coordinator started for cfg, then
  * checks the coordinator's view; prints the wall time. */
 static void run_job(const job_cfg *cfg, rank_body body, void *arg) {
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   harness *h = calloc(1, sizeof *h);
   assert_non_null(h);
   assert_true(cfg->world >= 1 && cfg->world <= MAX_W);
@@ -744,7 +739,7 @@ static void run_job(const job_cfg *cfg, rank_body body, void *arg) {
   pthread_mutex_destroy(&h->mu);
   pthread_cond_destroy(&h->cv);
   free(h);
-  double dt = now_s() - t0;
+  double dt = sp_clock_s() - t0;
   printf("  %s W=%u %s%s%s%s%s: %.2f s\n",
          strrchr(cfg->model, '/') ? strrchr(cfg->model, '/') + 1 : cfg->model,
          cfg->world, sp_strategy_name(eff), cfg->param_dtype ? " param " : "",

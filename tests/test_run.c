@@ -20,18 +20,13 @@
 
 #include <cmocka.h>
 
+#include "clock.h"
 #include "testutil.h"
 
 extern char **environ;
 
 #define SHARDPLANE SP_BIN_DIR "/shardplane"
 #define MLP SP_EXAMPLES "/mlp.json"
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* Starts `shardplane run ARGS` with stdout and stderr in dir/out, dir/err. */
 static pid_t start_run(const char *dir, const char *const *args) {
@@ -60,8 +55,8 @@ static pid_t start_run(const char *dir, const char *const *args) {
 /* Exit status (128 + signal when killed), or -1 after timeout_s (then the
  * run is killed). */
 static int wait_run(pid_t pid, double timeout_s) {
-  double end = now_s() + timeout_s;
-  while (now_s() < end) {
+  double end = sp_clock_s() + timeout_s;
+  while (sp_clock_s() < end) {
     int st;
     if (waitpid(pid, &st, WNOHANG) == pid)
       return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
@@ -82,8 +77,8 @@ static char *slurp(const char *dir, const char *name) {
 /* Waits until dir/name contains needle. */
 static void wait_for_output(const char *dir, const char *name,
                             const char *needle, double timeout_s) {
-  double end = now_s() + timeout_s;
-  while (now_s() < end) {
+  double end = sp_clock_s() + timeout_s;
+  while (sp_clock_s() < end) {
     char *s = slurp(dir, name);
     bool found = strstr(s, needle) != NULL;
     free(s);
@@ -210,10 +205,10 @@ static void test_run_worker_killed(void **state) {
   wait_for_output(dir, "out", "step 100/", 60);
   pid_t w[3] = {0};
   assert_int_equal(find_workers(run, w, 3), 3);
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   kill(w[1], SIGKILL);
   int st = wait_run(run, 10);
-  double took = now_s() - t0;
+  double took = sp_clock_s() - t0;
   char *err = slurp(dir, "err");
   printf("  run ended %.0f ms after the kill, exit %d: %s", took * 1000, st,
          err);

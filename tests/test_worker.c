@@ -29,6 +29,7 @@
 
 #include <jansson.h>
 
+#include "clock.h"
 #include "cast.h"
 #include "mlp.h"
 #include "plan.h"
@@ -44,12 +45,6 @@ extern char **environ;
 #define STEPS 6
 #define BATCH 24
 #define LR "0.05"
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* ---- a job: one coordinator and n workers ---- */
 
@@ -118,10 +113,10 @@ static void job_start(test_job *j, const char *model, const char *const *cflags,
 /* Waits up to timeout_s for every worker; returns how many exited 0. A
  * worker still running at the deadline is killed (status -1). */
 static int job_wait(test_job *j, double timeout_s) {
-  double end = now_s() + timeout_s;
+  double end = sp_clock_s() + timeout_s;
   int ok = 0, left = j->n;
   for (int r = 0; r < j->n; r++) j->status[r] = -2;
-  while (left > 0 && now_s() < end) {
+  while (left > 0 && sp_clock_s() < end) {
     for (int r = 0; r < j->n; r++) {
       if (j->status[r] != -2) continue;
       int st;
@@ -639,10 +634,10 @@ static void test_killed_worker(void **state) {
     if (waitpid(j.w[r], &st, WNOHANG) == j.w[r])
       fail_msg("rank %d ended before the kill", r);
   }
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   kill(j.w[1], SIGKILL);
   int ok = job_wait(&j, 10);
-  double took = now_s() - t0;
+  double took = sp_clock_s() - t0;
   printf("  rank 1 killed: the other ranks ended after %.0f ms (heartbeat "
          "timeout 1000 ms)\n", took * 1000);
   assert_int_equal(ok, 0);
