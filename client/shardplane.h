@@ -264,6 +264,9 @@ void sp_fsdp_free(sp_fsdp *f);
  *   group), post-divide, cast to the shard's gradient dtype); reshard.
  * finish_backward: waits for every queued reduction, every unit -> IDLE,
  *   root -> IDLE.
+ * Resharding drops the unsharded views (sp_fsdp_param returns NULL); the
+ * storage behind them is allocated once and reused every step, as a GPU
+ * caching allocator would, so no step allocates.
  * Collectives run in issue order on one communication thread per runtime
  * (the CPU's stand-in for a CUDA stream), so a prefetch overlaps compute.
  * The limiter keeps at most max_inflight_gathers all-gathers issued and
