@@ -120,7 +120,9 @@ static const uint8_t *param_in_full(sp_fsdp *f, uint8_t **full, int32_t p) {
 }
 
 /* Persistent buffers restored to their original dtype (FULL, SHARDED) or
- * as they are (LOCAL). Appends entries; the copies go into *owned. */
+ * as they are (LOCAL). Appends entries; the copies go into *owned. A
+ * runtime on a GPU hands out host copies (sp_fsdp_buffer_host), so the
+ * restore casts on the host. */
 static int add_buffers(sp_fsdp *f, bool restore, sp_st_entry *es, size_t *n,
                        uint8_t **owned, sp_diag *d) {
   const sp_model *m = f->model;
@@ -134,14 +136,23 @@ static int add_buffers(sp_fsdp *f, bool restore, sp_st_entry *es, size_t *n,
     e->name = t->fqn;
     e->dtype = to;
     tensor_shape(t, e);
+    const uint8_t *src;
+    uint8_t *staged;
+    int rc = sp_fsdp_buffer_host(f, (int32_t)b, &src, &staged, d);
+    if (rc < 0) return sp_diag_prefix(d, rc, "reading buffer %s", t->fqn);
     if (to == cur) {
-      e->data = f->buffers[b];
+      owned[b] = staged;
+      e->data = src;
       continue;
     }
     uint8_t *copy = malloc((size_t)t->numel * sp_dtype_size(to) + 1);
-    if (!copy) return sp_diag_set(d, SP_ENOMEM, "no memory for %s", t->fqn);
+    if (!copy) {
+      free(staged);
+      return sp_diag_set(d, SP_ENOMEM, "no memory for %s", t->fqn);
+    }
     owned[b] = copy;
-    int rc = sp_cast(copy, to, f->buffers[b], cur, (size_t)t->numel);
+    rc = sp_cast(copy, to, src, cur, (size_t)t->numel);
+    free(staged);
     if (rc < 0)
       return sp_diag_set(d, rc, "restoring buffer %s to %s", t->fqn,
                          sp_dtype_name(to));
@@ -266,7 +277,11 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
   sp_st_entry *es = calloc(cap, sizeof *es);
   char (*names)[SP_ST_MAX_NAME] = calloc(f->n_units, sizeof *names);
   uint8_t **owned = calloc(m->n_buffers ? m->n_buffers : 1, sizeof *owned);
-  int rc = es && names && owned ? 0 : sp_diag_set(d, SP_ENOMEM, "no memory");
+  /* host copies of device shards, kept until the file is written */
+  uint8_t **shards = calloc(f->n_units, sizeof *shards);
+  int rc = es && names && owned && shards
+               ? 0
+               : sp_diag_set(d, SP_ENOMEM, "no memory");
   size_t n = 0;
   for (uint32_t u = 0; rc == 0 && u < f->n_units; u++) {
     sp_fsdp_unit *fu = &f->units[u];
@@ -277,9 +292,12 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
     const char *ufqn = sp_plan_unit_fqn(f->plan, u);
     snprintf(names[u], SP_ST_MAX_NAME, "%s%s_flat_param", ufqn,
              *ufqn ? "." : "");
+    const uint8_t *data;
+    rc = sp_fsdp_shard_host(f, u, &data, &shards[u], d);
+    if (rc < 0) break;
     es[n++] = (sp_st_entry){.name = names[u], .dtype = fu->u->dtype,
                             .ndim = 1, .shape = {(uint64_t)(e - s)},
-                            .data = fu->shard};
+                            .data = data};
   }
   if (rc == 0) rc = sp_fsdp_lazy_init(f, d);
   if (rc == 0) rc = add_buffers(f, false, es, &n, owned, d);
@@ -287,6 +305,8 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
   file_name(name, sizeof name, "local", f->rank, f->world);
   if (rc == 0) rc = write_file(f, dir, name, es, n, SP_CKPT_LOCAL, d);
   for (size_t b = 0; owned && b < m->n_buffers; b++) free(owned[b]);
+  for (size_t u = 0; shards && u < f->n_units; u++) free(shards[u]);
+  free(shards);
   free(owned);
   free(names);
   free(es);
@@ -361,9 +381,14 @@ static int load_buffers(sp_fsdp *f, const sp_st_file *st, const char *file,
     const sp_st_tensor *t;
     int rc = sp_st_get(st, spec->fqn, &t, d);
     if (rc == 0) rc = check_shape(t, spec, -1, file, d);
-    if (rc == 0)
-      rc = copy_elems(f->buffers[b], f->buffer_dtype[b], t->data, t->dtype,
-                      (size_t)spec->numel, spec->fqn, d);
+    if (rc < 0) return rc;
+    /* the buffer itself on the CPU, a host image uploaded on a GPU */
+    uint8_t *dst = sp_fsdp_buffer_stage(f, (int32_t)b, d);
+    if (!dst) return SP_ENOMEM;
+    rc = copy_elems(dst, f->buffer_dtype[b], t->data, t->dtype,
+                    (size_t)spec->numel, spec->fqn, d);
+    int crc = sp_fsdp_buffer_commit(f, (int32_t)b, dst, rc == 0, d);
+    if (rc == 0) rc = crc;
     if (rc < 0) return rc;
   }
   return 0;
@@ -383,14 +408,21 @@ static int fill_shards(sp_fsdp *f, range_fn fn, void *ctx, sp_diag *d) {
     sp_shard_param *sp = calloc(n ? n : 1, sizeof *sp);
     if (!sp) return sp_diag_set(d, SP_ENOMEM, "no memory");
     if (rc == 0) rc = sp_plan_shard_params(f->plan, u, f->rank, sp, n, &n);
-    memset(fu->shard, 0, (size_t)fu->c * fu->esize);
+    /* the shard itself on the CPU, a host image uploaded on a GPU */
+    uint8_t *shard = rc == 0 ? sp_fsdp_shard_stage(f, u, d) : NULL;
+    if (rc == 0 && !shard) rc = SP_ENOMEM;
+    if (rc == 0) memset(shard, 0, (size_t)fu->c * fu->esize);
     for (size_t i = 0; rc == 0 && i < n; i++) {
       const sp_flat_entry *e = &f->plan->entries[sp[i].entry];
       rc = fn(ctx, e->param, sp[i].intra_start, sp[i].numel_in_shard,
-              fu->shard + (size_t)sp[i].offset_in_shard * fu->esize,
+              shard + (size_t)sp[i].offset_in_shard * fu->esize,
               fu->u->dtype, d);
     }
     free(sp);
+    if (shard) {
+      int crc = sp_fsdp_shard_commit(f, u, shard, rc == 0, d);
+      if (rc == 0) rc = crc;
+    }
     if (rc < 0) return rc;
   }
   return 0;
@@ -579,8 +611,14 @@ static int load_local(sp_fsdp *f, const char *dir, sp_diag *d) {
                        path, tn);
       break;
     }
-    memset(fu->shard, 0, (size_t)fu->c * fu->esize);
-    memcpy(fu->shard, t->data, t->nbytes);
+    uint8_t *shard = sp_fsdp_shard_stage(f, u, d);
+    if (!shard) {
+      rc = SP_ENOMEM;
+      break;
+    }
+    memset(shard, 0, (size_t)fu->c * fu->esize);
+    memcpy(shard, t->data, t->nbytes);
+    rc = sp_fsdp_shard_commit(f, u, shard, true, d);
   }
   /* LOCAL buffers are in their compute dtype: cast first so they land */
   if (rc == 0) rc = sp_fsdp_lazy_init(f, d);

@@ -231,15 +231,21 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
     be = sp_comm_gloo_backend();
     break;
   case SP_BACKEND_NCCL:
+#ifdef SHARDPLANE_HAVE_NCCL
+    be = sp_comm_nccl_backend();
+    break;
+#else
     return sp_diag_set(d, SP_EUNSUPPORTED,
                        "sp_comm_new: the NCCL backend is not built into this "
-                       "library");
+                       "library (it needs CUDA and NCCL at configure time)");
+#endif
   default:
     return sp_diag_set(d, SP_EINVAL, "sp_comm_new: unknown backend %d",
                        (int)opts->backend);
   }
   /* A single member never talks to anyone, so it needs neither a store nor
-   * a namespace in it. */
+   * a namespace in it (an NCCL one publishes its id only if there is a
+   * store, and nobody reads it). */
   const char *prefix = opts->prefix;
   if (opts->size > 1) {
     if (prefix == NULL || prefix[0] == '\0')
@@ -274,12 +280,17 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
   c->store = opts->store;
   atomic_init(&c->aborted, false);
 
-  if (c->size > 1) {
+  /* Device buffers can never be handled by the host path below (a device
+   * pointer must not be memcpy'd on the host), so such a backend serves a
+   * single member too; NCCL supports one rank. */
+  if (c->size > 1 || be->device_buffers) {
     sp_comm_info info = {.prefix = c->prefix,
                          .rank = c->rank,
                          .size = c->size,
                          .timeout_ms = timeout_ms,
-                         .device = opts->device};
+                         .device = opts->device,
+                         .cancel = opts->cancel,
+                         .cancel_user = opts->cancel_user};
     sp_diag local = {{0}};
     int rc = be->create(&info, &opts->store, &c->impl, &local);
     if (rc < 0) {
@@ -300,7 +311,9 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
  * cut into slices so that an abort (a peer lost meanwhile) ends it. */
 int sp_comm_leave(sp_comm *c, sp_diag *d) {
   if (c == NULL) return sp_diag_set(d, SP_EINVAL, "sp_comm_leave: NULL");
-  if (c->be == NULL || c->broken != 0 || atomic_load(&c->aborted)) return 0;
+  if (c->size == 1 || c->be == NULL || c->broken != 0 ||
+      atomic_load(&c->aborted))
+    return 0;
   if (c->store.add == NULL)
     return sp_diag_set(d, SP_EUNSUPPORTED, "comm '%s': the store has no add",
                        c->prefix);
@@ -331,6 +344,14 @@ void sp_comm_free(sp_comm *c) {
   if (c->be != NULL) c->be->destroy(c->impl);
   free(c->prefix);
   free(c);
+}
+
+int sp_comm_cuda_stream(sp_comm *c, void **stream) {
+  if (stream != NULL) *stream = NULL;
+  if (c == NULL || stream == NULL) return SP_EINVAL;
+  if (c->be == NULL || c->be->cuda_stream == NULL) return SP_EUNSUPPORTED;
+  *stream = c->be->cuda_stream(c->impl);
+  return *stream != NULL ? 0 : SP_EUNSUPPORTED;
 }
 
 uint32_t sp_comm_rank(const sp_comm *c) { return c != NULL ? c->rank : 0; }

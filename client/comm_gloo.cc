@@ -800,6 +800,8 @@ static void gb_abort(void *impl) {
 static const sp_comm_backend gloo_backend = {
     "gloo",        gb_create,    gb_destroy, gb_all_gather, gb_reduce_scatter,
     gb_all_reduce, gb_broadcast, gb_barrier, gb_abort,
+    nullptr, // cuda_stream: host memory, no stream
+    0,       // device_buffers
 };
 
 const sp_comm_backend *sp_comm_gloo_backend(void) { return &gloo_backend; }

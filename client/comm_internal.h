@@ -4,8 +4,9 @@
  * comm.c owns everything backend-independent: argument checks, the abort
  * flag, the "broken" state after a failure, diagnostics naming the
  * communicator, and the deterministic host-side sum. A backend only moves
- * bytes between members and reports why it failed. Adding NCCL means one
- * more sp_comm_backend and one more case in sp_comm_new.
+ * bytes between members and reports why it failed. Backends: Gloo
+ * (comm_gloo.cc, host memory) and NCCL (comm_nccl.c, device memory, built
+ * with CUDA and NCCL only).
  *
  * This header is included by C and by the Gloo bridge (C++), so it holds
  * only plain C types.
@@ -13,6 +14,7 @@
 #ifndef SP_COMM_INTERNAL_H
 #define SP_COMM_INTERNAL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -39,9 +41,15 @@ extern "C" {
 typedef struct sp_comm_info {
   const char *prefix;
   uint32_t rank;
-  uint32_t size;       /* >= 2: comm.c handles size 1 itself */
+  /* >= 2 for a host-memory backend (comm.c handles a single member itself,
+   * on the host); any size for a device_buffers backend. */
+  uint32_t size;
   uint64_t timeout_ms; /* already defaulted and clamped */
   const char *device;  /* opts.device, may be NULL */
+  /* opts.cancel / opts.cancel_user: polled during the rendezvous; may be
+   * NULL. */
+  bool (*cancel)(void *user);
+  void *cancel_user;
 } sp_comm_info;
 
 /* A backend. Every function returns 0 or a negative SP_E* code and, on
@@ -73,10 +81,23 @@ typedef struct sp_comm_backend {
   /* Any thread, any time between create and destroy: wakes the operation
    * in progress (it returns SP_ECANCELED) and makes later ones fail. */
   void (*abort)(void *impl);
+  /* Members below are optional (a positional initializer that stops at
+   * abort leaves them NULL / 0). */
+  /* The stream operations are enqueued on (sp_comm_cuda_stream); NULL for a
+   * backend without one. Never fails once created. */
+  void *(*cuda_stream)(void *impl);
+  /* Non-zero: buffers are device memory. Then comm.c never touches them on
+   * the host, and a single member goes through the backend too. */
+  int device_buffers;
 } sp_comm_backend;
 
 /* The Gloo backend (comm_gloo.cc). */
 const sp_comm_backend *sp_comm_gloo_backend(void);
+
+#ifdef SHARDPLANE_HAVE_NCCL
+/* The NCCL backend (comm_nccl.c), built only with CUDA and NCCL. */
+const sp_comm_backend *sp_comm_nccl_backend(void);
+#endif
 
 /* Whether sums are defined for dt: float32, float64, bfloat16, float16,
  * int64, int32. */

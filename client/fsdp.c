@@ -6,7 +6,12 @@
  * issues the same collectives in the same order (the schedule is a pure
  * function of the plan), which is what the backends require; the thread
  * lets an all-gather issued as a prefetch overlap the caller's compute, as
- * FSDP's unshard stream does on a GPU. */
+ * FSDP's unshard stream does on a GPU.
+ *
+ * Storage is reached only through a memory-ops table (fsdp_internal.h):
+ * host memory here, device memory in fsdp_cuda.c, where the thread's work
+ * goes on a comm stream ordered after the compute stream with events. The
+ * schedule below is the same for both. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,73 +77,290 @@ static int scale_div(void *buf, sp_dtype dt, size_t n, double div,
   return sp_cast(buf, dt, tmp, SP_FLOAT32, n);
 }
 
+/* ---- host storage: the memory-ops table for "cpu" ---- */
+
+static int host_alloc(sp_fsdp *f, size_t n, size_t esize, void **out,
+                      sp_diag *d) {
+  (void)f;
+  if (esize && n > SIZE_MAX / esize)
+    return sp_diag_set(d, SP_ETOOBIG, "%zu elements of %zu bytes overflow",
+                       n, esize);
+  *out = xcalloc(n, esize);
+  if (!*out)
+    return sp_diag_set(d, SP_ENOMEM, "no memory for %zu elements of %zu "
+                       "bytes", n, esize);
+  return 0;
+}
+
+static void host_release(sp_fsdp *f, void *p) {
+  (void)f;
+  free(p);
+}
+
+static int host_zero(sp_fsdp *f, sp_fsdp_lane l, void *p, size_t bytes,
+                     sp_diag *d) {
+  (void)f, (void)l, (void)d;
+  memset(p, 0, bytes);
+  return 0;
+}
+
+static int host_copy(sp_fsdp *f, sp_fsdp_lane l, void *dst, const void *src,
+                     size_t bytes, sp_diag *d) {
+  (void)f, (void)l, (void)d;
+  if (dst != src) memcpy(dst, src, bytes);
+  return 0;
+}
+
+static int host_cast(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
+                     const void *src, sp_dtype st, size_t n, sp_diag *d) {
+  (void)f, (void)l;
+  int rc = sp_cast(dst, dt, src, st, n);
+  if (rc < 0)
+    return sp_diag_set(d, rc, "casting %s to %s", sp_dtype_name(st),
+                       sp_dtype_name(dt));
+  return 0;
+}
+
+static int host_scale_div(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
+                          size_t n, double div, sp_diag *d) {
+  (void)l;
+  int rc = scale_div(buf, dt, n, div, f->host_tmp);
+  if (rc < 0)
+    return sp_diag_set(d, rc, "dividing %s gradients by %g",
+                       sp_dtype_name(dt), div);
+  return 0;
+}
+
+static int host_cast_div(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
+                         void *src, sp_dtype st, size_t n, double div,
+                         sp_diag *d) {
+  int rc = host_scale_div(f, l, src, st, n, div, d);
+  return rc < 0 ? rc : host_cast(f, l, dst, dt, src, st, n, d);
+}
+
+/* p -= lr * g, computed in double and rounded once to the master dtype, as
+ * the reference trainer does; then zero_grad. */
+static int host_sgd(sp_fsdp *f, void *shard, sp_dtype pdt, void *grad,
+                    sp_dtype gdt, size_t c, double lr, sp_diag *d) {
+  (void)f;
+  double *p = xcalloc(c, sizeof(double)), *g = xcalloc(c, sizeof(double));
+  int rc = p && g ? 0 : SP_ENOMEM;
+  if (rc == 0) rc = sp_cast(p, SP_FLOAT64, shard, pdt, c);
+  if (rc == 0) rc = sp_cast(g, SP_FLOAT64, grad, gdt, c);
+  if (rc == 0) {
+    for (size_t i = 0; i < c; i++) p[i] -= lr * g[i];
+    rc = sp_cast(shard, pdt, p, SP_FLOAT64, c);
+    /* zero_grad: a unit that gets no gradient next step must not be
+     * moved again by this one */
+    memset(grad, 0, c * sp_dtype_size(gdt));
+  }
+  free(p);
+  free(g);
+  return rc < 0 ? sp_diag_set(d, rc, "%s", sp_strerror(rc)) : 0;
+}
+
+static int host_to_host(sp_fsdp *f, void *host, const void *src,
+                        size_t bytes, sp_diag *d) {
+  (void)f, (void)d;
+  if (host != src) memcpy(host, src, bytes);
+  return 0;
+}
+
+static int host_from_host(sp_fsdp *f, void *dst, const void *host,
+                          size_t bytes, sp_diag *d) {
+  (void)f, (void)d;
+  if (dst != host) memcpy(dst, host, bytes);
+  return 0;
+}
+
+static int host_slot_nop(sp_fsdp *f, size_t slot, sp_diag *d) {
+  (void)f, (void)slot, (void)d;
+  return 0;
+}
+
+static int host_drain(sp_fsdp *f, sp_fsdp_lane l, sp_diag *d) {
+  (void)f, (void)l, (void)d;
+  return 0;
+}
+
+static int host_handoff(sp_fsdp *f, void *stream, sp_diag *d) {
+  (void)f, (void)stream, (void)d;
+  return 0;
+}
+
+static void host_destroy(sp_fsdp *f) { (void)f; }
+
+static const sp_fsdp_mem_ops k_host_ops = {
+    .name = "cpu",
+    .device = false,
+    .alloc = host_alloc,
+    .release = host_release,
+    .zero = host_zero,
+    .copy = host_copy,
+    .cast = host_cast,
+    .scale_div = host_scale_div,
+    .cast_div = host_cast_div,
+    .sgd = host_sgd,
+    .to_host = host_to_host,
+    .from_host = host_from_host,
+    .mark = host_slot_nop,
+    .wait_mark = host_slot_nop,
+    .drain = host_drain,
+    .handoff = host_handoff,
+    .thread_init = NULL,
+    .destroy = host_destroy,
+};
+
+/* "cpu-staged": host storage that the runtime treats as a device's, so
+ * every host access (initialisation, checkpoints, loads) goes through the
+ * staging paths a GPU takes, and a machine without one can test them. */
+static const sp_fsdp_mem_ops k_staged_ops = {
+    .name = "cpu-staged",
+    .device = true,
+    .alloc = host_alloc,
+    .release = host_release,
+    .zero = host_zero,
+    .copy = host_copy,
+    .cast = host_cast,
+    .scale_div = host_scale_div,
+    .cast_div = host_cast_div,
+    .sgd = host_sgd,
+    .to_host = host_to_host,
+    .from_host = host_from_host,
+    .mark = host_slot_nop,
+    .wait_mark = host_slot_nop,
+    .drain = host_drain,
+    .handoff = host_handoff,
+    .thread_init = NULL,
+    .destroy = host_destroy,
+};
+
 static sp_comm *gather_comm(sp_fsdp *f) {
   return f->plan->strategy == SP_HYBRID_SHARD ? f->shard_comm
                                               : f->world_comm;
 }
 
+/* ---- collectives on the comm lane ----
+ * On the CPU these are the sp_comm calls themselves. On a GPU the
+ * communicator runs on a stream of its own (sp_comm_cuda_stream) and
+ * returns when its operation has completed on the device; the comm lane's
+ * casts issued before must precede it, so an event on the comm lane is
+ * handed to that stream first. Later comm-lane work follows the return,
+ * hence the completed operation. */
+
+static int handoff(sp_fsdp *f, sp_comm *c, sp_diag *d) {
+  if (!f->dev) return 0; /* host storage, staged or not: nothing queued */
+  void *stream = NULL;
+  int rc = sp_comm_cuda_stream(c, &stream);
+  if (rc < 0)
+    return sp_diag_set(d, rc, "the communicator has no CUDA stream (not an "
+                       "NCCL communicator?)");
+  return f->mem->handoff(f, stream, d);
+}
+
+static int coll_all_gather(sp_fsdp *f, sp_comm *c, const void *send,
+                           void *recv, size_t count, sp_dtype dt,
+                           sp_diag *d) {
+  int rc = handoff(f, c, d);
+  return rc < 0 ? rc : sp_comm_all_gather(c, send, recv, count, dt, d);
+}
+
+static int coll_reduce_scatter(sp_fsdp *f, sp_comm *c, const void *send,
+                               void *recv, size_t count, sp_dtype dt,
+                               sp_diag *d) {
+  int rc = handoff(f, c, d);
+  return rc < 0 ? rc : sp_comm_reduce_scatter(c, send, recv, count, dt, d);
+}
+
+static int coll_all_reduce(sp_fsdp *f, sp_comm *c, void *buf, size_t count,
+                           sp_dtype dt, sp_diag *d) {
+  int rc = handoff(f, c, d);
+  return rc < 0 ? rc : sp_comm_all_reduce(c, buf, count, dt, d);
+}
+
 /* ---- the communication thread ---- */
 
+/* On a GPU: the shard cast (or copied) straight into its own slot of the
+ * unsharded buffer, then gathered in place (send = recv + rank * c), so
+ * mixed precision needs no separate low-precision shard. */
+static int run_gather_device(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
+  const sp_unit *u = fu->u;
+  bool no_shard = f->plan->strategy == SP_NO_SHARD;
+  sp_comm *c = gather_comm(f);
+  size_t slot = no_shard ? 0 : (size_t)sp_comm_rank(c) * (size_t)fu->c;
+  uint8_t *dst = fu->full + slot * fu->psize;
+  int rc = f->mem->cast(f, SP_LANE_COMM, dst, u->param_dtype, fu->shard,
+                        u->dtype, (size_t)fu->c, d);
+  if (rc < 0) return sp_diag_prefix(d, rc, "casting the shard to %s",
+                                    sp_dtype_name(u->param_dtype));
+  if (no_shard) return 0;
+  return coll_all_gather(f, c, dst, fu->full, (size_t)fu->c, u->param_dtype,
+                         d);
+}
+
 static int run_gather(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
+  if (f->dev) return run_gather_device(f, fu, d);
   const sp_unit *u = fu->u;
   uint8_t *src = fu->shard;
+  const sp_fsdp_mem_ops *mem = f->mem;
   if (fu->mp_shard) {
-    int rc = sp_cast(fu->mp_shard, u->param_dtype, fu->shard, u->dtype,
-                     (size_t)fu->c);
+    int rc = mem->cast(f, SP_LANE_COMM, fu->mp_shard, u->param_dtype,
+                       fu->shard, u->dtype, (size_t)fu->c, d);
     if (rc < 0) return sp_diag_set(d, rc, "casting the shard to %s",
                                    sp_dtype_name(u->param_dtype));
     src = fu->mp_shard;
   }
-  if (f->plan->strategy == SP_NO_SHARD) {
-    memcpy(fu->full, src, (size_t)fu->c * fu->psize);
-    return 0;
-  }
-  return sp_comm_all_gather(gather_comm(f), src, fu->full, (size_t)fu->c,
-                            u->param_dtype, d);
+  if (f->plan->strategy == SP_NO_SHARD)
+    return mem->copy(f, SP_LANE_COMM, fu->full, src,
+                     (size_t)fu->c * fu->psize, d);
+  return coll_all_gather(f, gather_comm(f), src, fu->full, (size_t)fu->c,
+                         u->param_dtype, d);
 }
 
 /* The post-backward reduction: FSDP's _post_backward_hook +
  * _reduce_grad / _reduce_grad_no_shard. */
-static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, float *tmp, sp_diag *d) {
+static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
   const sp_unit *u = fu->u;
+  const sp_fsdp_mem_ops *mem = f->mem;
   sp_dtype rdt = u->reduce_dtype;
   size_t padded = (size_t)fu->padded;
   uint8_t *in = fu->full_grad;
   int rc;
   if (fu->red_in) {
-    rc = sp_cast(fu->red_in, rdt, fu->full_grad, u->param_dtype, padded);
+    rc = mem->cast(f, SP_LANE_COMM, fu->red_in, rdt, fu->full_grad,
+                   u->param_dtype, padded, d);
     if (rc < 0) return rc;
     in = fu->red_in;
   }
-  rc = scale_div(in, rdt, padded, f->pre_divide, tmp);
+  rc = mem->scale_div(f, SP_LANE_COMM, in, rdt, padded, f->pre_divide, d);
   if (rc < 0) return rc;
   switch (f->plan->strategy) {
     case SP_NO_SHARD:
-      rc = sp_comm_all_reduce(f->world_comm, in, padded, rdt, d);
+      rc = coll_all_reduce(f, f->world_comm, in, padded, rdt, d);
+      if (rc == 0)
+        rc = mem->copy(f, SP_LANE_COMM, fu->red_out, in,
+                       padded * sp_dtype_size(rdt), d);
       if (rc < 0) return rc;
-      memcpy(fu->red_out, in, padded * sp_dtype_size(rdt));
       break;
     case SP_HYBRID_SHARD:
-      rc = sp_comm_reduce_scatter(f->shard_comm, in, fu->red_out,
-                                  (size_t)fu->c, rdt, d);
+      rc = coll_reduce_scatter(f, f->shard_comm, in, fu->red_out,
+                               (size_t)fu->c, rdt, d);
       if (rc == 0 && f->replica_comm && sp_comm_size(f->replica_comm) > 1)
-        rc = sp_comm_all_reduce(f->replica_comm, fu->red_out, (size_t)fu->c,
-                                rdt, d);
+        rc = coll_all_reduce(f, f->replica_comm, fu->red_out, (size_t)fu->c,
+                             rdt, d);
       if (rc < 0) return rc;
       break;
     default:
-      rc = sp_comm_reduce_scatter(f->world_comm, in, fu->red_out,
-                                  (size_t)fu->c, rdt, d);
+      rc = coll_reduce_scatter(f, f->world_comm, in, fu->red_out,
+                               (size_t)fu->c, rdt, d);
       if (rc < 0) return rc;
   }
-  rc = scale_div(fu->red_out, rdt, (size_t)fu->c, f->post_divide, tmp);
-  if (rc < 0) return rc;
-  return sp_cast(fu->shard_grad, fu->grad_dtype, fu->red_out, rdt,
-                 (size_t)fu->c);
+  /* post-divide and cast to the shard's gradient dtype */
+  return mem->cast_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype,
+                       fu->red_out, rdt, (size_t)fu->c, f->post_divide, d);
 }
 
-static int run_work(sp_fsdp *f, const sp_fsdp_work *w, float *tmp,
-                    sp_diag *d) {
+static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
   sp_fsdp_unit *fu = w->kind == SP_WORK_ALL_REDUCE ? NULL : &f->units[w->unit];
   int rc;
   switch (w->kind) {
@@ -146,23 +368,26 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, float *tmp,
       rc = run_gather(f, fu, d);
       break;
     case SP_WORK_REDUCE:
-      rc = run_reduce(f, fu, tmp, d);
+      rc = run_reduce(f, fu, d);
       break;
     case SP_WORK_ALL_REDUCE:
-      rc = sp_comm_all_reduce(f->world_comm, w->buf, w->count, w->dt, d);
+      rc = coll_all_reduce(f, f->world_comm, w->buf, w->count, w->dt, d);
       break;
     case SP_WORK_GATHER_MASTER:
       if (f->plan->strategy == SP_NO_SHARD) {
-        memcpy(w->buf, fu->shard, (size_t)fu->c * fu->esize);
-        rc = 0;
+        rc = f->mem->copy(f, SP_LANE_COMM, w->buf, fu->shard,
+                          (size_t)fu->c * fu->esize, d);
       } else {
-        rc = sp_comm_all_gather(gather_comm(f), fu->shard, w->buf,
-                                (size_t)fu->c, fu->u->dtype, d);
+        rc = coll_all_gather(f, gather_comm(f), fu->shard, w->buf,
+                             (size_t)fu->c, fu->u->dtype, d);
       }
       break;
     default:
       rc = sp_diag_set(d, SP_EINVAL, "unknown work kind %d", (int)w->kind);
   }
+  /* complete means finished on the device: the waiter may use the result
+   * on any stream, and the next item may reuse this one's scratch */
+  if (rc == 0) rc = f->mem->drain(f, SP_LANE_COMM, d);
   if (rc < 0 && w->kind != SP_WORK_ALL_REDUCE)
     sp_diag_prefix(d, rc, "unit %u (%s)", w->unit, unit_name(f, w->unit));
   return rc;
@@ -170,28 +395,42 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, float *tmp,
 
 static void *comm_thread(void *arg) {
   sp_fsdp *f = arg;
-  /* scratch for low-precision divides: the largest padded unit */
-  size_t scratch = 1;
-  for (size_t i = 0; i < f->n_units; i++)
-    if ((size_t)f->units[i].padded > scratch)
-      scratch = (size_t)f->units[i].padded;
-  float *tmp = malloc(scratch * sizeof(float));
+  float *tmp = NULL;
+  sp_diag init_d = {{0}};
+  int init_rc = 0;
+  if (f->mem->scale_div == host_scale_div) {
+    /* scratch for low-precision divides: the largest padded unit */
+    size_t scratch = 1;
+    for (size_t i = 0; i < f->n_units; i++)
+      if ((size_t)f->units[i].padded > scratch)
+        scratch = (size_t)f->units[i].padded;
+    tmp = malloc(scratch * sizeof(float));
+    if (!tmp)
+      init_rc = sp_diag_set(&init_d, SP_ENOMEM,
+                            "no memory for reduction scratch");
+    f->host_tmp = tmp;
+  } else if (f->mem->thread_init) {
+    init_rc = f->mem->thread_init(f, &init_d);
+  }
   pthread_mutex_lock(&f->mu);
-  if (!tmp && !f->error) {
-    f->error = sp_diag_set(&f->error_diag, SP_ENOMEM,
-                           "no memory for reduction scratch");
+  if (init_rc < 0 && !f->error) {
+    f->error = init_rc;
+    f->error_diag = init_d;
   }
   for (;;) {
     while (!f->stopping && f->completed == f->issued)
       pthread_cond_wait(&f->cv, &f->mu);
     if (f->completed == f->issued) break; /* stopping and drained */
-    sp_fsdp_work w = f->queue[f->completed % (int64_t)f->queue_cap];
+    size_t slot = (size_t)(f->completed % (int64_t)f->queue_cap);
+    sp_fsdp_work w = f->queue[slot];
     int failed = f->error;
     pthread_mutex_unlock(&f->mu);
     sp_diag d = {{0}};
     /* after a failure the rest of the queue is not run: the collective
      * sequence is broken and peers would hang on a half-issued op */
-    int rc = failed ? failed : run_work(f, &w, tmp, &d);
+    int rc = failed;
+    if (!failed) rc = f->mem->wait_mark(f, slot, &d);
+    if (rc == 0) rc = run_work(f, &w, &d);
     pthread_mutex_lock(&f->mu);
     if (rc < 0 && !f->error) {
       f->error = rc;
@@ -201,6 +440,7 @@ static void *comm_thread(void *arg) {
     pthread_cond_broadcast(&f->cv);
   }
   pthread_mutex_unlock(&f->mu);
+  f->host_tmp = NULL;
   free(tmp);
   return NULL;
 }
@@ -217,8 +457,19 @@ int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
     pthread_mutex_unlock(&f->mu);
     return rc;
   }
-  int64_t t = f->issued++;
-  f->queue[t % (int64_t)f->queue_cap] = *w;
+  int64_t t = f->issued;
+  size_t slot = (size_t)(t % (int64_t)f->queue_cap);
+  /* the slot's previous item has completed (the ring is not full), so its
+   * mark may be recorded again */
+  sp_diag md = {{0}};
+  int mrc = f->mem->mark(f, slot, &md);
+  if (mrc < 0) {
+    pthread_mutex_unlock(&f->mu);
+    if (d) *d = md;
+    return mrc;
+  }
+  f->issued++;
+  f->queue[slot] = *w;
   pthread_cond_broadcast(&f->cv);
   pthread_mutex_unlock(&f->mu);
   return t;
@@ -243,6 +494,20 @@ static bool ticket_done(sp_fsdp *f, int64_t ticket) {
 
 /* ---- construction ---- */
 
+/* Zeroed storage for n elements of esize bytes, or NULL with *rc set (the
+ * first failure of a series wins, so one check after several calls). */
+static void *mem_alloc(sp_fsdp *f, size_t n, size_t esize, int *rc,
+                       sp_diag *d) {
+  void *p = NULL;
+  if (*rc < 0) return NULL;
+  int r = f->mem->alloc(f, n, esize, &p, d);
+  if (r < 0) {
+    *rc = r;
+    return NULL;
+  }
+  return p;
+}
+
 static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   const sp_plan *pl = f->plan;
   sp_fsdp_unit *fu = &f->units[ui];
@@ -263,41 +528,55 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
       u->keep_low_precision_grads ? u->param_dtype : u->dtype;
   size_t c = (size_t)fu->c, padded = (size_t)fu->padded;
   size_t rsize = sp_dtype_size(u->reduce_dtype);
-  fu->shard = xcalloc(c, fu->esize);
-  fu->shard_grad = xcalloc(c, sp_dtype_size(fu->grad_dtype));
-  fu->full = xcalloc(padded, fu->psize);
-  fu->full_grad = xcalloc(padded, fu->psize);
-  fu->red_out = xcalloc(pl->strategy == SP_NO_SHARD ? padded : c, rsize);
-  bool ok = fu->shard && fu->shard_grad && fu->full && fu->full_grad &&
-            fu->red_out;
-  if (u->param_dtype != u->dtype) {
-    fu->mp_shard = xcalloc(c, fu->psize);
-    ok = ok && fu->mp_shard;
+  /* Everything a step needs, once: the views, gradients and reduction
+   * buffers are reused every step (on a GPU: no cudaMalloc per step). */
+  int rc = 0;
+  fu->shard = mem_alloc(f, c, fu->esize, &rc, d);
+  fu->shard_grad = mem_alloc(f, c, sp_dtype_size(fu->grad_dtype), &rc, d);
+  fu->full = mem_alloc(f, padded, fu->psize, &rc, d);
+  fu->full_grad = mem_alloc(f, padded, fu->psize, &rc, d);
+  fu->red_out =
+      mem_alloc(f, pl->strategy == SP_NO_SHARD ? padded : c, rsize, &rc, d);
+  if (u->param_dtype != u->dtype && !f->dev)
+    fu->mp_shard = mem_alloc(f, c, fu->psize, &rc, d);
+  if (u->reduce_dtype != u->param_dtype)
+    fu->red_in = mem_alloc(f, padded, rsize, &rc, d);
+  if (rc < 0)
+    return sp_diag_prefix(d, rc, "unit %u (%s): %lld elements", ui,
+                          unit_name(f, ui), (long long)padded);
+  /* initialise the master shard parameter by parameter; the callback
+   * writes host memory, so a device shard is filled through a host image */
+  uint8_t *host = fu->shard;
+  if (f->mem->device) {
+    host = xcalloc(c, fu->esize);
+    if (!host)
+      return sp_diag_set(d, SP_ENOMEM, "unit %u (%s): no host memory for "
+                         "%zu elements", ui, unit_name(f, ui), c);
   }
-  if (u->reduce_dtype != u->param_dtype) {
-    fu->red_in = xcalloc(padded, rsize);
-    ok = ok && fu->red_in;
-  }
-  if (!ok)
-    return sp_diag_set(d, SP_ENOMEM,
-                       "unit %u (%s): no memory for %lld elements", ui,
-                       unit_name(f, ui),
-                       (long long)padded);
-  /* initialise the master shard parameter by parameter */
   size_t n = 0;
-  int rc = sp_plan_shard_params(pl, ui, f->rank, NULL, 0, &n);
-  if (rc < 0) return sp_diag_set(d, rc, "shard params of unit %u", ui);
+  rc = sp_plan_shard_params(pl, ui, f->rank, NULL, 0, &n);
+  if (rc < 0) {
+    if (host != fu->shard) free(host);
+    return sp_diag_set(d, rc, "shard params of unit %u", ui);
+  }
   sp_shard_param *sp = xcalloc(n, sizeof *sp);
-  if (!sp) return sp_diag_set(d, SP_ENOMEM, "no memory");
+  if (!sp) {
+    if (host != fu->shard) free(host);
+    return sp_diag_set(d, SP_ENOMEM, "no memory");
+  }
   rc = sp_plan_shard_params(pl, ui, f->rank, sp, n, &n);
   for (size_t i = 0; rc == 0 && i < n; i++) {
     const sp_flat_entry *e = &pl->entries[sp[i].entry];
     if (f->opts.init_param)
       f->opts.init_param(f->opts.user, f->model, e->param,
                          sp[i].intra_start, sp[i].numel_in_shard,
-                         fu->shard + (size_t)sp[i].offset_in_shard * fu->esize);
+                         host + (size_t)sp[i].offset_in_shard * fu->esize);
   }
   free(sp);
+  if (host != fu->shard) {
+    if (rc == 0) rc = f->mem->from_host(f, fu->shard, host, c * fu->esize, d);
+    free(host);
+  }
   return rc;
 }
 
@@ -315,8 +594,11 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
     return sp_diag_set(d, SP_EINVAL,
                        "world communicator has %u members, the job %u",
                        sp_comm_size(opts->world), pl->world_size);
+  bool on_cpu = !opts->device || strcmp(opts->device, "cpu") == 0;
+  bool staged = opts->device && strcmp(opts->device, "cpu-staged") == 0;
   sp_fsdp *f = calloc(1, sizeof *f);
   if (!f) return sp_diag_set(d, SP_ENOMEM, "no memory");
+  f->mem = &k_host_ops;
   f->s = opts->session;
   f->plan = pl;
   f->model = pl->model;
@@ -343,18 +625,51 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
   if (!f->units || !f->order || !f->inflight || !f->queue || !f->buffers ||
       !f->buffer_dtype)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  /* the storage's home: before the first allocation. Device buffers need
+   * communicators that take device pointers, i.e. have a CUDA stream; a
+   * host backend would read device addresses on the host. */
+  if (rc == 0 && staged) {
+    f->mem = &k_staged_ops;
+  } else if (rc == 0 && !on_cpu) {
+    sp_comm *cs[3] = {f->world_comm, f->shard_comm, f->replica_comm};
+    for (int i = 0; rc == 0 && i < 3; i++) {
+      void *stream = NULL;
+      if (cs[i] && sp_comm_cuda_stream(cs[i], &stream) < 0)
+        rc = sp_diag_set(d, SP_EINVAL, "device %s: the %s communicator "
+                         "takes host memory; a runtime on a GPU needs NCCL "
+                         "communicators (sp_fsdp_comms_open on a session "
+                         "with a cuda device)", opts->device,
+                         i == 0 ? "world" : i == 1 ? "shard-group"
+                                                   : "replica-group");
+    }
+    if (rc == 0) rc = sp_fsdp_cuda_attach(f, opts->device, d);
+  }
   for (uint32_t u = 0; rc == 0 && u < pl->n_units; u++)
     rc = alloc_unit(f, u, d);
   for (size_t b = 0; rc == 0 && b < f->model->n_buffers; b++) {
     const sp_tensor_spec *bs = &f->model->buffers[b];
+    size_t n = (size_t)bs->numel, es = sp_dtype_size(bs->dtype);
     f->buffer_dtype[b] = bs->dtype;
-    f->buffers[b] = xcalloc((size_t)bs->numel, sp_dtype_size(bs->dtype));
-    if (!f->buffers[b]) {
-      rc = sp_diag_set(d, SP_ENOMEM, "no memory for buffer %s", bs->fqn);
+    void *p = NULL;
+    rc = f->mem->alloc(f, n, es, &p, d);
+    if (rc < 0) {
+      sp_diag_prefix(d, rc, "buffer %s", bs->fqn);
       break;
     }
-    if (f->opts.init_buffer)
+    f->buffers[b] = p;
+    if (!f->opts.init_buffer) continue;
+    if (!f->mem->device) {
       f->opts.init_buffer(f->opts.user, f->model, (int32_t)b, f->buffers[b]);
+      continue;
+    }
+    uint8_t *host = xcalloc(n, es);
+    if (!host) {
+      rc = sp_diag_set(d, SP_ENOMEM, "no host memory for buffer %s", bs->fqn);
+      break;
+    }
+    f->opts.init_buffer(f->opts.user, f->model, (int32_t)b, host);
+    rc = f->mem->from_host(f, f->buffers[b], host, n * es, d);
+    free(host);
   }
   if (rc == 0) {
     if (pthread_create(&f->thread, NULL, comm_thread, f) != 0)
@@ -379,18 +694,25 @@ void sp_fsdp_free(sp_fsdp *f) {
     pthread_mutex_unlock(&f->mu);
     pthread_join(f->thread, NULL);
   }
+  /* nothing may still run on the device when its memory goes */
+  if (f->mem->device) {
+    sp_diag ignored = {{0}};
+    (void)f->mem->drain(f, SP_LANE_COMPUTE, &ignored);
+    (void)f->mem->drain(f, SP_LANE_COMM, &ignored);
+  }
   for (size_t i = 0; f->units && i < f->n_units; i++) {
     sp_fsdp_unit *fu = &f->units[i];
-    free(fu->shard);
-    free(fu->shard_grad);
-    free(fu->mp_shard);
-    free(fu->full);
-    free(fu->full_grad);
-    free(fu->red_in);
-    free(fu->red_out);
+    f->mem->release(f, fu->shard);
+    f->mem->release(f, fu->shard_grad);
+    f->mem->release(f, fu->mp_shard);
+    f->mem->release(f, fu->full);
+    f->mem->release(f, fu->full_grad);
+    f->mem->release(f, fu->red_in);
+    f->mem->release(f, fu->red_out);
   }
   for (size_t b = 0; f->buffers && b < f->model->n_buffers; b++)
-    free(f->buffers[b]);
+    f->mem->release(f, f->buffers[b]);
+  f->mem->destroy(f);
   free(f->buffers);
   free(f->buffer_dtype);
   free(f->units);
@@ -487,17 +809,20 @@ int sp_fsdp_lazy_init(sp_fsdp *f, sp_diag *d) {
     sp_dtype to = pb->compute_dtype;
     if (to == f->buffer_dtype[b] || !sp_dtype_is_floating(to)) continue;
     size_t n = (size_t)f->model->buffers[b].numel;
-    uint8_t *nb = xcalloc(n, sp_dtype_size(to));
-    if (!nb)
-      return sp_diag_set(d, SP_ENOMEM, "no memory for buffer %s",
-                         f->model->buffers[b].fqn);
-    int rc = sp_cast(nb, to, f->buffers[b], f->buffer_dtype[b], n);
+    void *nb = NULL;
+    int rc = f->mem->alloc(f, n, sp_dtype_size(to), &nb, d);
+    if (rc < 0)
+      return sp_diag_prefix(d, rc, "buffer %s", f->model->buffers[b].fqn);
+    rc = f->mem->cast(f, SP_LANE_COMPUTE, nb, to, f->buffers[b],
+                      f->buffer_dtype[b], n, d);
+    /* the old storage may still be read by the cast on the device */
+    if (rc == 0) rc = f->mem->drain(f, SP_LANE_COMPUTE, d);
     if (rc < 0) {
-      free(nb);
+      f->mem->release(f, nb);
       return sp_diag_set(d, rc, "casting buffer %s to %s",
                          f->model->buffers[b].fqn, sp_dtype_name(to));
     }
-    free(f->buffers[b]);
+    f->mem->release(f, f->buffers[b]);
     f->buffers[b] = nb;
     f->buffer_dtype[b] = to;
   }
@@ -612,8 +937,11 @@ int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     if (rc < 0) return rc;
     fu->reduce_ticket = -1;
   }
-  if (fu->has_data)
-    memset(fu->full_grad, 0, (size_t)fu->padded * fu->psize);
+  if (fu->has_data) {
+    rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->full_grad,
+                      (size_t)fu->padded * fu->psize, d);
+    if (rc < 0) return rc;
+  }
   return prefetch(f, ui, d);
 }
 
@@ -696,21 +1024,25 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
   if (!fu->has_data) return 0;
   rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_SUMMON_FULL_PARAMS, d);
   if (rc < 0) return rc;
-  uint8_t *tmp = xcalloc((size_t)fu->padded, fu->esize);
-  if (!tmp) return sp_diag_set(d, SP_ENOMEM, "no memory to gather unit %u",
-                               ui);
+  /* storage of the runtime's kind (the collective runs on it), allocated
+   * per call: summoning is for checkpoints, not for steps */
+  void *tmp = NULL;
+  rc = f->mem->alloc(f, (size_t)fu->padded, fu->esize, &tmp, d);
+  if (rc < 0)
+    return sp_diag_prefix(d, rc, "gathering unit %u", ui);
   sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = tmp};
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   if (t < 0) {
-    free(tmp);
+    f->mem->release(f, tmp);
     return (int)t;
   }
   if (f->plan->strategy != SP_NO_SHARD)
     sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, fu->u->dtype,
                           (uint64_t)fu->padded);
   rc = sp_fsdp_wait(f, t, d);
-  if (rc == 0) memcpy(dst, tmp, (size_t)fu->u->numel * fu->esize);
-  free(tmp);
+  if (rc == 0)
+    rc = f->mem->to_host(f, dst, tmp, (size_t)fu->u->numel * fu->esize, d);
+  f->mem->release(f, tmp);
   if (rc == 0) rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
   return rc;
 }
@@ -785,32 +1117,112 @@ sp_dtype sp_fsdp_shard_grad_dtype(const sp_fsdp *f, uint32_t ui) {
 }
 
 /* p -= lr * g, computed in double and rounded once to the master dtype, as
- * the reference trainer does. */
+ * the reference trainer does (the memory ops' sgd). */
 int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
   for (size_t ui = 0; ui < f->n_units; ui++) {
     sp_fsdp_unit *fu = &f->units[ui];
     if (!fu->reduces) continue;
     /* an unsharded copy kept across steps (NO_SHARD) is stale now */
     reshard(f, (uint32_t)ui);
-    size_t c = (size_t)fu->c;
-    double *p = xcalloc(c, sizeof(double)), *g = xcalloc(c, sizeof(double));
-    int rc = p && g ? 0 : SP_ENOMEM;
-    if (rc == 0) rc = sp_cast(p, SP_FLOAT64, fu->shard, fu->u->dtype, c);
-    if (rc == 0) rc = sp_cast(g, SP_FLOAT64, fu->shard_grad, fu->grad_dtype, c);
-    if (rc == 0) {
-      for (size_t i = 0; i < c; i++) p[i] -= lr * g[i];
-      rc = sp_cast(fu->shard, fu->u->dtype, p, SP_FLOAT64, c);
-      /* zero_grad: a unit that gets no gradient next step must not be
-       * moved again by this one */
-      memset(fu->shard_grad, 0, c * sp_dtype_size(fu->grad_dtype));
-    }
-    free(p);
-    free(g);
+    int rc = f->mem->sgd(f, fu->shard, fu->u->dtype, fu->shard_grad,
+                         fu->grad_dtype, (size_t)fu->c, lr, d);
     if (rc < 0)
-      return sp_diag_set(d, rc, "SGD on unit %zu (%s): %s", ui,
-                         unit_name(f, (uint32_t)ui), sp_strerror(rc));
+      return sp_diag_prefix(d, rc, "SGD on unit %zu (%s)", ui,
+                            unit_name(f, (uint32_t)ui));
   }
   return 0;
+}
+
+/* ---- device placement ---- */
+
+/* true for GPU storage only: "cpu-staged" storage is host memory the
+ * caller may use directly */
+bool sp_fsdp_on_device(const sp_fsdp *f) { return f && f->dev != NULL; }
+
+int sp_fsdp_copy(sp_fsdp *f, void *dst, const void *src, size_t bytes,
+                 sp_diag *d) {
+  if (!f || (bytes && (!dst || !src)))
+    return sp_diag_set(d, SP_EINVAL, "sp_fsdp_copy: NULL argument");
+  if (bytes == 0) return 0;
+  return f->mem->copy(f, SP_LANE_COMPUTE, dst, src, bytes, d);
+}
+
+int sp_fsdp_synchronize(sp_fsdp *f, sp_diag *d) {
+  if (!f) return sp_diag_set(d, SP_EINVAL, "sp_fsdp_synchronize: NULL");
+  return f->mem->drain(f, SP_LANE_COMPUTE, d);
+}
+
+/* ---- checkpoint access (fsdp_internal.h) ---- */
+
+static int host_image(sp_fsdp *f, const void *src, size_t bytes,
+                      const uint8_t **data, uint8_t **owned, sp_diag *d) {
+  *owned = NULL;
+  if (!f->mem->device) {
+    *data = src;
+    return 0;
+  }
+  uint8_t *h = malloc(bytes ? bytes : 1);
+  if (!h) return sp_diag_set(d, SP_ENOMEM, "no host memory for %zu bytes",
+                             bytes);
+  int rc = f->mem->to_host(f, h, src, bytes, d);
+  if (rc < 0) {
+    free(h);
+    return rc;
+  }
+  *data = *owned = h;
+  return 0;
+}
+
+int sp_fsdp_shard_host(sp_fsdp *f, uint32_t u, const uint8_t **data,
+                       uint8_t **owned, sp_diag *d) {
+  sp_fsdp_unit *fu = &f->units[u];
+  return host_image(f, fu->shard, (size_t)fu->c * fu->esize, data, owned, d);
+}
+
+int sp_fsdp_buffer_host(sp_fsdp *f, int32_t b, const uint8_t **data,
+                        uint8_t **owned, sp_diag *d) {
+  size_t bytes = (size_t)f->model->buffers[b].numel *
+                 sp_dtype_size(f->buffer_dtype[b]);
+  return host_image(f, f->buffers[b], bytes, data, owned, d);
+}
+
+static uint8_t *stage(sp_fsdp *f, void *storage, size_t bytes, sp_diag *d) {
+  if (!f->mem->device) return storage;
+  uint8_t *h = malloc(bytes ? bytes : 1);
+  if (!h) sp_diag_set(d, SP_ENOMEM, "no host memory for %zu bytes", bytes);
+  return h;
+}
+
+static int commit(sp_fsdp *f, void *storage, uint8_t *h, size_t bytes,
+                  bool keep, sp_diag *d) {
+  if (!f->mem->device || !h) return 0;
+  int rc = keep ? f->mem->from_host(f, storage, h, bytes, d) : 0;
+  free(h);
+  return rc;
+}
+
+uint8_t *sp_fsdp_shard_stage(sp_fsdp *f, uint32_t u, sp_diag *d) {
+  sp_fsdp_unit *fu = &f->units[u];
+  return stage(f, fu->shard, (size_t)fu->c * fu->esize, d);
+}
+
+int sp_fsdp_shard_commit(sp_fsdp *f, uint32_t u, uint8_t *h, bool keep,
+                         sp_diag *d) {
+  sp_fsdp_unit *fu = &f->units[u];
+  return commit(f, fu->shard, h, (size_t)fu->c * fu->esize, keep, d);
+}
+
+uint8_t *sp_fsdp_buffer_stage(sp_fsdp *f, int32_t b, sp_diag *d) {
+  size_t bytes = (size_t)f->model->buffers[b].numel *
+                 sp_dtype_size(f->buffer_dtype[b]);
+  return stage(f, f->buffers[b], bytes, d);
+}
+
+int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *h, bool keep,
+                          sp_diag *d) {
+  size_t bytes = (size_t)f->model->buffers[b].numel *
+                 sp_dtype_size(f->buffer_dtype[b]);
+  return commit(f, f->buffers[b], h, bytes, keep, d);
 }
 
 void sp_fsdp_get_stats(const sp_fsdp *f, sp_fsdp_stats *out) {
@@ -826,9 +1238,14 @@ int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
   const sp_job *job = sp_session_job(s);
   uint32_t r = sp_session_rank(s), w = pl->world_size;
   *world = *shard_group = *replica_group = NULL;
-  sp_comm_opts o = {.backend = job->backend,
+  /* A rank on a GPU moves device memory: NCCL, whatever the job says (its
+   * backend names what CPU ranks use). */
+  const char *device = sp_session_device(s);
+  bool cuda = device && strncmp(device, "cuda", 4) == 0;
+  sp_comm_opts o = {.backend = cuda ? SP_BACKEND_NCCL : job->backend,
                     .store = sp_session_comm_store(s),
-                    .timeout_ms = timeout_ms};
+                    .timeout_ms = timeout_ms,
+                    .device = cuda ? device : NULL};
   char prefix[64];
   o.prefix = "comm/world";
   o.rank = r;

@@ -18,7 +18,8 @@ typedef struct sp_fsdp_unit {
   uint8_t *shard;     /* c, master dtype */
   uint8_t *shard_grad;/* c, grad_dtype */
   sp_dtype grad_dtype;
-  uint8_t *mp_shard;  /* c, param_dtype; NULL when equal to the master */
+  uint8_t *mp_shard;  /* c, param_dtype; NULL when equal to the master, and
+                         on a GPU, which casts into its slot of full */
   uint8_t *full;      /* padded, param_dtype */
   uint8_t *full_grad; /* padded, param_dtype */
   uint8_t *red_in;    /* padded, reduce_dtype; NULL when == param_dtype */
@@ -29,6 +30,83 @@ typedef struct sp_fsdp_unit {
   int64_t reduce_ticket; /* pending reduction, or -1 */
   int32_t post_forward_index; /* in this iteration's order, -1 */
 } sp_fsdp_unit;
+
+/* Where the runtime's tensors live and how they move: one small table, so
+ * the schedule below is written once for host and device memory.
+ *
+ * Two lanes order the work. The compute lane is the training thread's: on a
+ * GPU the runtime's compute stream, on which the trainer also runs its
+ * kernels (sp_fsdp_cuda_stream). The comm lane is the communication
+ * thread's own stream. A work item records a mark on the compute lane when
+ * it is queued and the comm lane waits for that mark before running it, so
+ * a collective sees everything the trainer issued before queueing it. A
+ * work item is complete (its ticket done) only when its comm-lane work has
+ * finished on the device, so after sp_fsdp_wait its results may be used on
+ * any stream. On the CPU every operation is synchronous and lanes and marks
+ * are no-ops.
+ *
+ * Every function returns 0 or a negative SP_E* code with d (which may be
+ * NULL) filled. Pointers are runtime storage (host or device) unless named
+ * host. */
+typedef enum sp_fsdp_lane {
+  SP_LANE_COMPUTE = 0,
+  SP_LANE_COMM = 1,
+} sp_fsdp_lane;
+
+typedef struct sp_fsdp_mem_ops {
+  const char *name; /* "cpu", "cuda" */
+  bool device;      /* storage is device memory, not host-addressable */
+  /* n elements of esize bytes, zero-filled; n == 0 gives a valid pointer.
+   * SP_ETOOBIG when n * esize overflows, SP_ENOMEM / SP_ECUDA. */
+  int (*alloc)(sp_fsdp *f, size_t n, size_t esize, void **out, sp_diag *d);
+  void (*release)(sp_fsdp *f, void *p); /* NULL is fine */
+  int (*zero)(sp_fsdp *f, sp_fsdp_lane l, void *p, size_t bytes, sp_diag *d);
+  int (*copy)(sp_fsdp *f, sp_fsdp_lane l, void *dst, const void *src,
+              size_t bytes, sp_diag *d);
+  /* sp_cast's rules and bits (RNE, NaN kept) */
+  int (*cast)(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
+              const void *src, sp_dtype st, size_t n, sp_diag *d);
+  /* buf /= div in place, the quotient computed in double and rounded once
+   * (float32, float64) or via float32 (16-bit dtypes) */
+  int (*scale_div)(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
+                   size_t n, double div, sp_diag *d);
+  /* dst (dt) = cast(src (st) / div): the reduced gradient's post-divide
+   * and cast back, fused on a GPU (sp_cuda_cast_div); src may be
+   * overwritten (the host divides it in place) */
+  int (*cast_div)(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
+                  void *src, sp_dtype st, size_t n, double div, sp_diag *d);
+  /* compute lane: p = rne(p - lr * g) in double (no FMA), then g = 0 */
+  int (*sgd)(sp_fsdp *f, void *p, sp_dtype pdt, void *g, sp_dtype gdt,
+             size_t n, double lr, sp_diag *d);
+  /* Synchronous copies between host memory and storage, ordered after
+   * everything issued on the compute lane. */
+  int (*to_host)(sp_fsdp *f, void *host, const void *src, size_t bytes,
+                 sp_diag *d);
+  int (*from_host)(sp_fsdp *f, void *dst, const void *host, size_t bytes,
+                   sp_diag *d);
+  /* Training thread, when work is queued into ring slot `slot`: marks the
+   * compute lane. Comm thread, before running that slot: makes the comm
+   * lane wait for the mark. */
+  int (*mark)(sp_fsdp *f, size_t slot, sp_diag *d);
+  int (*wait_mark)(sp_fsdp *f, size_t slot, sp_diag *d);
+  /* Blocks the calling thread until the lane's work has finished. */
+  int (*drain)(sp_fsdp *f, sp_fsdp_lane l, sp_diag *d);
+  /* Comm thread, before a collective: makes `stream` (the communicator's
+   * cudaStream_t) wait for the comm lane's work so far (an event, not a
+   * host wait). */
+  int (*handoff)(sp_fsdp *f, void *stream, sp_diag *d);
+  /* Once, on the communication thread before its first item (a CUDA
+   * device is current per thread). NULL: nothing to do. */
+  int (*thread_init)(sp_fsdp *f, sp_diag *d);
+  /* Frees the lanes (after every storage release). */
+  void (*destroy)(sp_fsdp *f);
+} sp_fsdp_mem_ops;
+
+/* The device implementation (fsdp_cuda.c): parses "cuda:N", makes N the
+ * calling thread's device, creates the compute and comm streams and one
+ * mark event per ring slot (f->queue_cap), and sets f->mem and f->dev.
+ * SP_EUNSUPPORTED in a build without CUDA, SP_ENODEV without the device. */
+int sp_fsdp_cuda_attach(sp_fsdp *f, const char *device, sp_diag *d);
 
 /* One collective queued for the communication thread. */
 typedef enum sp_fsdp_work_kind {
@@ -47,6 +125,9 @@ typedef struct sp_fsdp_work {
 } sp_fsdp_work;
 
 struct sp_fsdp {
+  const sp_fsdp_mem_ops *mem; /* host or device storage */
+  void *dev;                  /* the device implementation's state */
+  float *host_tmp;            /* host scale_div scratch (comm thread) */
   sp_session *s;
   const sp_plan *plan;
   const sp_model *model;
@@ -86,7 +167,8 @@ struct sp_fsdp {
 int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d);
 /* Waits until ticket completed; returns the runtime's first error. */
 int sp_fsdp_wait(sp_fsdp *f, int64_t ticket, sp_diag *d);
-/* Summons unit u's full master parameter (unit dtype, N elements) into dst:
+/* Summons unit u's full master parameter (unit dtype, N elements) into dst
+ * (host memory, also for a runtime on a GPU):
  * a collective over the shard group; reports SUMMON_FULL_PARAMS around it
  * (the caller moves the root into and out of SUMMON_FULL_PARAMS). */
 int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t u, void *dst, sp_diag *d);
@@ -94,5 +176,25 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t u, void *dst, sp_diag *d);
 sp_dtype sp_fsdp_buffer_orig_dtype(const sp_fsdp *f, int32_t b);
 /* Runs lazy init if it has not run (buffers to compute dtype). */
 int sp_fsdp_lazy_init(sp_fsdp *f, sp_diag *d);
+
+/* Checkpoint access to the runtime's storage, so ckpt.c reads and writes
+ * host memory whatever the device.
+ * _host: a host image of unit u's master shard (c elements, unit dtype) or
+ *   of buffer b (current dtype): on the CPU the storage itself (*owned =
+ *   NULL), on a GPU a malloc'd copy (*owned = *data; the caller frees it).
+ * _stage / _commit: a writable host image to load into (contents
+ *   undefined): on the CPU the storage itself; on a GPU a malloc'd buffer
+ *   that _commit uploads when `keep` and frees. NULL from _stage: SP_ENOMEM
+ *   in d. */
+int sp_fsdp_shard_host(sp_fsdp *f, uint32_t u, const uint8_t **data,
+                       uint8_t **owned, sp_diag *d);
+int sp_fsdp_buffer_host(sp_fsdp *f, int32_t b, const uint8_t **data,
+                        uint8_t **owned, sp_diag *d);
+uint8_t *sp_fsdp_shard_stage(sp_fsdp *f, uint32_t u, sp_diag *d);
+int sp_fsdp_shard_commit(sp_fsdp *f, uint32_t u, uint8_t *stage, bool keep,
+                         sp_diag *d);
+uint8_t *sp_fsdp_buffer_stage(sp_fsdp *f, int32_t b, sp_diag *d);
+int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *stage, bool keep,
+                          sp_diag *d);
 
 #endif

@@ -18,6 +18,7 @@
 #include "job_cli.h"
 #include "plan.h"
 #include "proc.h"
+#include "shardplane.h"
 
 extern char **environ;
 
@@ -56,6 +57,9 @@ static void usage(FILE *f) {
         "repeatable\n"
         "                             (default full)\n"
         "  --log-every N              progress every N steps (default 1)\n"
+        "  --device cpu|cuda          where ranks train (default cpu); cuda:\n"
+        "                             rank r on GPU r % (GPUs present), over\n"
+        "                             NCCL; one GPU per rank\n"
         "  --heartbeat-timeout-ms N   a silent rank is lost after N ms "
         "(default 5000)\n"
         "  --help                     this text\n"
@@ -137,7 +141,7 @@ static void stop_workers(pid_t *pids, uint32_t n, int wait_ms) {
 
 int sp_cmd_run(int argc, char **argv) {
   enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-         O_LOG, O_HB, O_HELP };
+         O_LOG, O_HB, O_DEVICE, O_HELP };
   static const struct option own[] = {
       {"nproc", required_argument, NULL, O_NPROC},
       {"model", required_argument, NULL, O_MODEL},
@@ -149,6 +153,7 @@ int sp_cmd_run(int argc, char **argv) {
       {"checkpoint", required_argument, NULL, O_CK},
       {"log-every", required_argument, NULL, O_LOG},
       {"heartbeat-timeout-ms", required_argument, NULL, O_HB},
+      {"device", required_argument, NULL, O_DEVICE},
       {"help", no_argument, NULL, O_HELP}};
   struct option *opts = sp_job_cli_options(own, sizeof own / sizeof own[0]);
   if (!opts) return SP_EXIT_FAILURE;
@@ -156,6 +161,7 @@ int sp_cmd_run(int argc, char **argv) {
   const char *model_path = NULL, *job_path = NULL, *ckdir = NULL;
   const char *steps = "20", *batch = "24", *lr = "0.05", *log_every = "1";
   const char *hb = "5000";
+  bool cuda = false;
   const char *kinds[8];
   size_t n_kinds = 0;
   long long nproc = 0, tmp;
@@ -192,6 +198,14 @@ int sp_cmd_run(int argc, char **argv) {
         if (c == O_HB) hb = optarg;
         break;
       case O_LR: lr = optarg; break;
+      case O_DEVICE:
+        if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cuda") != 0) {
+          sp_cli_error(RUN, "--device: expected cpu or cuda, got \"%s\"",
+                       optarg);
+          goto out;
+        }
+        cuda = strcmp(optarg, "cuda") == 0;
+        break;
       case O_CKDIR: ckdir = optarg; break;
       case O_CK:
         if (n_kinds < sizeof kinds / sizeof kinds[0]) kinds[n_kinds++] = optarg;
@@ -252,6 +266,28 @@ int sp_cmd_run(int argc, char **argv) {
     ret = SP_EXIT_USAGE;
     goto out;
   }
+  /* One GPU per rank, rank r on GPU r % count: NCCL refuses two ranks of
+   * one communicator on the same GPU, so more ranks than GPUs is refused
+   * here rather than by every worker after the rendezvous. */
+  int n_gpus = 0;
+  if (cuda) {
+    if (sp_device_cuda_count(&n_gpus, &d) < 0) {
+      sp_cli_error(RUN, "--device cuda: %s", d.msg);
+      goto out;
+    }
+    if (n_gpus == 0) {
+      sp_cli_error(RUN, "--device cuda: no CUDA device (or this build has "
+                        "no CUDA)");
+      goto out;
+    }
+    if (nproc > n_gpus) {
+      sp_cli_error(RUN, "--device cuda: %lld ranks but %d GPU%s; NCCL needs "
+                        "one GPU per rank", nproc, n_gpus,
+                   n_gpus == 1 ? "" : "s");
+      ret = SP_EXIT_USAGE;
+      goto out;
+    }
+  }
   char coord_bin[PATH_MAX], worker_bin[PATH_MAX];
   if (bin_path("shardplane-coordinator", coord_bin, sizeof coord_bin) < 0 ||
       bin_path("shardplane-worker", worker_bin, sizeof worker_bin) < 0) {
@@ -292,6 +328,12 @@ int sp_cmd_run(int argc, char **argv) {
     push(&ca, "--wrap-type");
     push(&ca, "Linear");
   }
+  if (cuda) {
+    /* what the ranks use (the worker forces NCCL on a GPU); flags given
+     * earlier are overridden by this last one */
+    push(&ca, "--backend");
+    push(&ca, "nccl");
+  }
   push(&ca, "--heartbeat-timeout-ms");
   push(&ca, hb);
   push(&ca, "--quiet");
@@ -316,6 +358,7 @@ int sp_cmd_run(int argc, char **argv) {
 
   pid_t pids[MAX_NPROC] = {0};
   char rank_s[MAX_NPROC][24];
+  char device_s[MAX_NPROC][24];
   double t0 = sp_clock_s();
   ret = SP_EXIT_OK;
   for (long long r = 0; r < nproc; r++) {
@@ -336,6 +379,11 @@ int sp_cmd_run(int argc, char **argv) {
     push(&wa, log_every);
     push(&wa, "--checkpoint-dir");
     push(&wa, ckdir);
+    if (cuda) {
+      snprintf(device_s[r], sizeof device_s[r], "cuda:%lld", r % n_gpus);
+      push(&wa, "--device");
+      push(&wa, device_s[r]);
+    }
     for (size_t k = 0; k < n_kinds; k++) {
       push(&wa, "--checkpoint");
       push(&wa, kinds[k]);

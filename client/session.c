@@ -935,6 +935,9 @@ uint32_t sp_session_world(const sp_session *s) { return s ? s->world : 0; }
 const char *sp_session_coordinator(const sp_session *s) {
   return s ? s->coordinator : NULL;
 }
+const char *sp_session_device(const sp_session *s) {
+  return s ? s->device : NULL;
+}
 
 /* ------------------------------------------------------------------ */
 /* Store                                                               */

@@ -97,6 +97,8 @@ const sp_job *sp_session_job(const sp_session *s);
 uint32_t sp_session_rank(const sp_session *s);
 uint32_t sp_session_world(const sp_session *s);
 const char *sp_session_coordinator(const sp_session *s);
+/* opts.device as given ("cpu" when it was NULL). */
+const char *sp_session_device(const sp_session *s);
 
 /* Store calls on the coordinator, blocking, safe from any thread (they use
  * their own connection under a lock). get: waits until the key exists when
@@ -146,9 +148,30 @@ bool sp_session_aborted(const sp_session *s, char *reason, size_t cap);
 /* ================================================================== */
 
 /* A group of ranks that run collectives together. Every member calls the
- * same operations in the same order. Sums are deterministic: every member
- * gets identical bits, summed in member order; bfloat16/float16 are summed
- * in float32 and rounded once (round to nearest even).
+ * same operations in the same order.
+ *
+ * Backends and buffers:
+ *   - Gloo (CPU): buffers are host memory. Sums are deterministic: every
+ *     member gets identical bits, summed in member order; bfloat16/float16
+ *     are summed in float32 and rounded once (round to nearest even).
+ *   - NCCL (GPU; only when libshardplane was built with CUDA and NCCL, which
+ *     defines SHARDPLANE_HAVE_NCCL for its users): buffers are device memory
+ *     on the communicator's device (opts.device "cuda:N"; managed memory
+ *     also works); host pointers are
+ *     refused with SP_EINVAL before anything is enqueued (a host pointer
+ *     handed to NCCL would fault the GPU context). Every operation, also
+ *     for a single member, goes through NCCL (or the GPU) and never touches
+ *     the bytes on the host. Sums are NCCL's (ncclSum): accumulated in the
+ *     wire dtype in the order of NCCL's algorithm, identical on all members
+ *     but not the Gloo bits for more than one member; a single member gets
+ *     its input unchanged.
+ *     Each operation is enqueued on the communicator's own CUDA stream
+ *     (sp_comm_cuda_stream) and the call returns once it has completed on
+ *     the device, so buffers may be reused or freed right after; the call
+ *     makes the communicator's device current on the calling thread. An
+ *     operation that does not complete within the timeout aborts the NCCL
+ *     communicator (ncclCommAbort) and returns SP_ETIMEDOUT; the
+ *     communicator is then broken, like a Gloo one after a failure.
  *
  * The store a communicator bootstraps through: set and blocking get. */
 typedef struct sp_comm_store {
@@ -170,18 +193,38 @@ sp_comm_store sp_session_comm_store(sp_session *s);
 typedef struct sp_comm sp_comm;
 
 typedef struct sp_comm_opts {
-  sp_backend backend;     /* SP_BACKEND_GLOO (NCCL: the GPU build) */
-  sp_comm_store store;
+  sp_backend backend;     /* SP_BACKEND_GLOO, or SP_BACKEND_NCCL (GPU build) */
+  sp_comm_store store;    /* set and get; required for more than one member */
   const char *prefix;     /* store key namespace, unique per communicator */
   uint32_t rank;          /* rank within this communicator */
   uint32_t size;          /* members */
   uint64_t timeout_ms;    /* rendezvous and per-operation; 0: 60000 */
-  const char *device;     /* GPU backends: "cuda:N" */
+  const char *device;     /* NCCL: "cuda:N" (required); Gloo: ignored */
+  /* Optional, NCCL: polled (on the creating thread, every few ms) while
+   * sp_comm_new waits for the other members; returning true gives up at
+   * once with SP_ECANCELED. Typically it reads sp_session_aborted, so a
+   * job aborted during the rendezvous does not wait out the timeout. */
+  bool (*cancel)(void *user);
+  void *cancel_user;
 } sp_comm_opts;
 
 /* Creates the communicator and rendezvouses with the other members (blocks
  * until all have joined or the timeout passes: SP_ETIMEDOUT). SP_EUNSUPPORTED
- * for a backend not built in. */
+ * for a backend not built in.
+ *
+ * NCCL: checks opts.device first, before any CUDA call or store access: not
+ * of the form "cuda:N" (decimal N) -> SP_EINVAL; N not below the number of
+ * CUDA devices (none at all included) -> SP_ENODEV. Then it makes device N
+ * current on the calling thread (cudaSetDevice, as NCCL requires), rank 0
+ * creates an NCCL unique id and publishes it under "<prefix>/nccl_id" (a
+ * single member publishes it only if the store has a set), the others wait
+ * for it, and every member initialises its NCCL communicator non-blocking,
+ * polling until it is ready, fails (SP_ENCCL), the timeout passes
+ * (SP_ETIMEDOUT) or opts.cancel says stop (SP_ECANCELED); in the last two
+ * cases the half-made communicator is aborted (ncclCommAbort). Each call
+ * needs a fresh prefix: an id left in the store by an earlier communicator
+ * would be picked up. SP_EUNSUPPORTED also when the NCCL library found at
+ * run time is older than 2.14 (non-blocking init and finalize). */
 int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d);
 /* The end of a job: waits, through the store (which needs `add`), until
  * every member has called sp_comm_leave. A member that closed its
@@ -193,17 +236,36 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d);
  * without store `add`. */
 int sp_comm_leave(sp_comm *c, sp_diag *d);
 /* Closes the communicator at once. Must not run concurrently with
- * sp_comm_abort (or anything else on c). */
+ * sp_comm_abort (or anything else on c). NCCL: a healthy communicator is
+ * finalized (ncclCommFinalize, waited for up to the timeout, which needs
+ * the other members to finalize too) and destroyed; an aborted, broken or
+ * unfinalizable one is aborted (ncclCommAbort). */
 void sp_comm_free(sp_comm *c);
 uint32_t sp_comm_rank(const sp_comm *c);
 uint32_t sp_comm_size(const sp_comm *c);
+/* The CUDA stream (a cudaStream_t, as void *) every NCCL operation of c is
+ * enqueued on, owned by c and valid until sp_comm_free. A runtime orders
+ * communication after its compute with cudaEventRecord on the compute
+ * stream and cudaStreamWaitEvent on this one (not a host synchronize). It is
+ * a non-blocking stream: NOT ordered after work on the legacy default
+ * stream, so data written there (cudaMemset, a kernel on stream 0, or a
+ * cudaMemcpy from pageable memory, which may return before the data has
+ * reached the device) needs an event or a synchronize before an operation
+ * reads it.
+ * Work the caller enqueues on it delays c's operations and counts against
+ * their timeout. Errors: SP_EINVAL (c or stream NULL), SP_EUNSUPPORTED (not
+ * an NCCL communicator; *stream = NULL). */
+int sp_comm_cuda_stream(sp_comm *c, void **stream);
 
-/* recv holds size*count elements: member i's count elements at i*count.
+/* Buffers: host memory for Gloo, device memory on the communicator's device
+ * for NCCL (see above). count is in elements of dt.
+ *
+ * recv holds size*count elements: member i's count elements at i*count.
  * send may alias recv + rank*count. */
 int sp_comm_all_gather(sp_comm *c, const void *send, void *recv, size_t count,
                        sp_dtype dt, sp_diag *d);
 /* send holds size*count elements; recv gets the sum over members of their
- * block `rank`. */
+ * block `rank`. recv may alias send + rank*count. */
 int sp_comm_reduce_scatter(sp_comm *c, const void *send, void *recv,
                            size_t count, sp_dtype dt, sp_diag *d);
 /* In-place sum. */
@@ -214,7 +276,10 @@ int sp_comm_broadcast(sp_comm *c, void *buf, size_t count, sp_dtype dt,
 int sp_comm_barrier(sp_comm *c, sp_diag *d);
 /* Makes the operation in progress and every later one fail with
  * SP_ECANCELED, as soon as possible. Safe from any thread, also from a
- * signal-free callback such as sp_session_opts.on_abort. */
+ * signal-free callback such as sp_session_opts.on_abort. NCCL: only sets a
+ * flag; the thread blocked in the operation sees it within a millisecond
+ * and calls ncclCommAbort itself (an idle communicator is aborted by
+ * sp_comm_free). */
 void sp_comm_abort(sp_comm *c);
 
 /* ================================================================== */
@@ -240,6 +305,22 @@ typedef struct sp_fsdp_opts {
   void (*init_buffer)(void *user, const sp_model *m, int32_t buffer,
                       void *dst);
   void *user;
+  /* Where shards, unsharded parameters, gradients and buffers live: "cpu"
+   * (or NULL) in host memory; "cuda:N" in device memory of GPU N, which
+   * becomes the calling thread's current device. Everything a step needs
+   * is allocated by sp_fsdp_new (plain cudaMalloc, reused every step) and
+   * buffers are cast on the device to their compute dtype. On a GPU the
+   * communicators must take device pointers (the NCCL backend: see
+   * sp_fsdp_comms_open), and every pointer the runtime hands out or takes
+   * (views, gradients, shards, buffers, sp_fsdp_all_reduce) is device
+   * memory, ordered on the runtime's compute stream (sp_fsdp_cuda_stream);
+   * the init callbacks above still write host memory. Errors:
+   * SP_EUNSUPPORTED (library built without CUDA), SP_ENODEV (no such GPU),
+   * SP_EINVAL (not "cpu" or "cuda:N"), SP_ECUDA (file and line in d).
+   * "cpu-staged", for tests: host memory that the runtime handles as a
+   * device's (initialisation, checkpoints and loads staged through host
+   * copies), so those paths run on a machine without a GPU. */
+  const char *device;
 } sp_fsdp_opts;
 
 int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d);
@@ -281,22 +362,27 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t unit, sp_diag *d);
 int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d);
 
 /* A sum over every rank of the world, in place, ordered with the runtime's
- * other collectives (a model's own collective, e.g. a norm's batch mean). */
+ * other collectives (a model's own collective, e.g. a norm's batch mean).
+ * On a GPU buf is device memory, written by work on the runtime's compute
+ * stream (or already complete); the sum is complete on return. */
 int sp_fsdp_all_reduce(sp_fsdp *f, void *buf, size_t count, sp_dtype dt,
                        sp_diag *d);
 
 /* Opens the communicators a job needs through the session's store: world,
  * and for HYBRID_SHARD the shard group (ranks r with equal r / g, member
  * index r % g) and the replica group (equal r % g, member r / g); the
- * others NULL. timeout_ms 0: 60000. The caller frees them after the
- * runtime. */
+ * others NULL. timeout_ms 0: 60000. The backend is the job's, except that
+ * a session on a GPU (sp_session_opts.device "cuda:N") gets NCCL on that
+ * device. The caller frees them after the runtime. */
 int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
                        sp_comm **shard_group, sp_comm **replica_group,
                        sp_diag *d);
 
 /* A parameter's unsharded view (param_dtype of its unit) while its unit is
  * unsharded; NULL otherwise. The gradient buffer of the same shape and
- * dtype, to be written during backward before post_backward(unit). */
+ * dtype, to be written during backward before post_backward(unit).
+ * On a GPU (sp_fsdp_opts.device) these, the buffers and the shards below
+ * are device pointers. */
 void *sp_fsdp_param(sp_fsdp *f, int32_t param);
 void *sp_fsdp_param_grad(sp_fsdp *f, int32_t param);
 sp_dtype sp_fsdp_param_dtype(const sp_fsdp *f, int32_t param);
@@ -315,8 +401,37 @@ int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d);
 
 /* Full (unpadded) value of parameter `param` in its original dtype,
  * gathered from the master shards (a collective: every rank calls it for
- * the same params in the same order). dst holds numel elements. */
+ * the same params in the same order). dst holds numel elements, in host
+ * memory also for a runtime on a GPU. */
 int sp_fsdp_gather_param(sp_fsdp *f, int32_t param, void *dst, sp_diag *d);
+
+/* ---- device placement ---- */
+
+/* Whether the runtime's storage is device memory (sp_fsdp_opts.device). */
+bool sp_fsdp_on_device(const sp_fsdp *f);
+/* The runtime's compute stream (a cudaStream_t) on a GPU, NULL on the CPU.
+ * A trainer runs its kernels on it: the runtime's own device work (zeroing
+ * gradients, SGD, buffer casts) runs there, and a collective queued by
+ * the runtime waits for everything issued on it before. */
+void *sp_fsdp_cuda_stream(const sp_fsdp *f);
+/* Copies bytes between two of the runtime's tensors (views, gradients,
+ * buffers), memcpy on the CPU, on the compute stream on a GPU. */
+int sp_fsdp_copy(sp_fsdp *f, void *dst, const void *src, size_t bytes,
+                 sp_diag *d);
+/* Waits until the compute stream's work has finished (0 at once on the
+ * CPU): for timing a step, or before the host reads results. */
+int sp_fsdp_synchronize(sp_fsdp *f, sp_diag *d);
+
+/* Parses a device name: "cpu" (and the test mode "cpu-staged",
+ * sp_fsdp_opts.device) gives *cuda_ordinal = -1; "cuda:N" gives N
+ * after checking that GPU N exists. Errors: SP_EINVAL (neither form),
+ * SP_EUNSUPPORTED (library built without CUDA), SP_ENODEV ("--device
+ * cuda:0: no CUDA device", or N beyond the devices present). d names the
+ * device. */
+int sp_device_parse(const char *device, int *cuda_ordinal, sp_diag *d);
+/* Number of usable CUDA devices: 0 without a GPU, a driver, or a CUDA
+ * build (not an error). SP_ECUDA when the driver fails otherwise. */
+int sp_device_cuda_count(int *n, sp_diag *d);
 
 /* Statistics for tests and benchmarks. */
 typedef struct sp_fsdp_stats {

@@ -12,6 +12,7 @@
 
 #include "clock.h"
 #include "mlp.h"
+#include "mlp_cuda.h"
 #include "shardplane.h"
 
 typedef struct worker_opts {
@@ -57,14 +58,19 @@ static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
   pthread_mutex_unlock(&g_comms_lock);
 }
 
-/* ---- the MLP trainer: sp_mlp_io over the runtime's views ---- */
+/* ---- the MLP trainer: sp_mlp_io over the runtime's views ----
+ * On the CPU the layers run as sp_mlp_forward / sp_mlp_backward on host
+ * activations; on a GPU (--device cuda:N) as their mlp_cuda.h twins on
+ * device activations, the views being device memory, with the runtime's
+ * compute stream ordering both. The schedule around them is the same. */
 
 typedef struct trainer {
   sp_fsdp *f;
   sp_session *s;
   const sp_plan *plan;
   sp_mlp *mlp;
-  sp_mlp_acts *acts;
+  sp_mlp_acts *acts;    /* host: the batch is generated here */
+  sp_mlp_cuda *gpu;     /* device activations; NULL on the CPU */
   uint32_t *layer_unit; /* per layer: the unit its module is, or 0 */
   float *t;             /* targets of the local batch */
   size_t local_n;
@@ -99,10 +105,15 @@ static int trainer_init(trainer *tr, sp_fsdp *f, sp_session *s, sp_mlp *mlp,
     for (uint32_t u = 1; u < tr->plan->n_units; u++)
       if (tr->plan->units[u].module == mlp->layers[l].module)
         tr->layer_unit[l] = u;
-  return sp_mlp_acts_new(mlp, local_n, &tr->acts);
+  int rc = sp_mlp_acts_new(mlp, local_n, &tr->acts);
+  if (rc < 0) return sp_diag_set(d, rc, "activations: %s", sp_strerror(rc));
+  if (sp_fsdp_on_device(f))
+    rc = sp_mlp_cuda_new(mlp, local_n, sp_fsdp_cuda_stream(f), &tr->gpu, d);
+  return rc;
 }
 
 static void trainer_free(trainer *tr) {
+  sp_mlp_cuda_free(tr->gpu);
   sp_mlp_acts_free(tr->acts);
   free(tr->layer_unit);
   free(tr->t);
@@ -115,6 +126,48 @@ static sp_dtype output_dtype(const trainer *tr) {
     if (w >= 0) return tr->plan->units[tr->plan->param_unit[w]].param_dtype;
   }
   return SP_FLOAT32;
+}
+
+/* One step on the GPU: trainer_step's schedule with the device layers.
+ * The local loss stays on the device for the all-reduce and is read once,
+ * at the end (which also waits for the step's work). */
+static int trainer_step_gpu(trainer *tr, uint64_t step, uint64_t first,
+                            uint64_t global_n, double lr, double *loss,
+                            sp_diag *d) {
+  sp_fsdp *f = tr->f;
+  const sp_mlp *mlp = tr->mlp;
+  sp_mlp_cuda *g = tr->gpu;
+  sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
+                  io_buffer_dtype, io_all_reduce, f};
+  sp_session_set_step(tr->s, step);
+  sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
+  int rc = sp_mlp_cuda_set_batch(g, tr->acts->x[0], tr->t, d);
+  if (rc == 0) rc = sp_fsdp_root_pre_forward(f, d);
+  for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
+    uint32_t u = tr->layer_unit[l];
+    if (u) rc = sp_fsdp_pre_forward(f, u, d);
+    if (rc == 0) rc = sp_mlp_cuda_forward(g, l, &io, global_n, d);
+    if (rc == 0 && u) rc = sp_fsdp_post_forward(f, u, d);
+  }
+  if (rc == 0) rc = sp_mlp_cuda_loss(g, output_dtype(tr), d);
+  if (rc == 0) rc = sp_fsdp_root_post_forward(f, d);
+  if (rc == 0) rc = sp_fsdp_root_pre_backward(f, d);
+  for (size_t l = mlp->n_layers; rc == 0 && l-- > 0;) {
+    uint32_t u = tr->layer_unit[l];
+    if (u) rc = sp_fsdp_pre_backward(f, u, d);
+    if (rc == 0) rc = sp_mlp_cuda_backward(g, l, &io, d);
+    if (rc == 0 && u) rc = sp_fsdp_post_backward(f, u, d);
+  }
+  if (rc == 0) rc = sp_fsdp_post_backward(f, 0, d);
+  if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
+  if (rc == 0) rc = sp_mlp_cuda_count_step(g, &io, d);
+  if (rc == 0) rc = sp_fsdp_sgd_step(f, lr, d);
+  double sum = 0;
+  if (rc == 0)
+    rc = sp_fsdp_all_reduce(f, sp_mlp_cuda_loss_ptr(g), 1, SP_FLOAT64, d);
+  if (rc == 0) rc = sp_mlp_cuda_read_loss(g, &sum, d);
+  *loss = sum / sp_session_world(tr->s);
+  return rc;
 }
 
 /* One step; *loss receives the global mean loss. */
@@ -181,13 +234,15 @@ static int synthetic_step(sp_fsdp *f, sp_session *s, uint64_t step,
       if (!g || !v) continue;
       sp_dtype dt = sp_fsdp_param_dtype(f, (int32_t)p);
       size_t n = (size_t)m->params[p].numel, es = sp_dtype_size(dt);
-      memcpy(g, v, n * es);
-      (void)es;
+      /* memcpy on the CPU, a device copy on a GPU */
+      rc = sp_fsdp_copy(f, g, v, n * es, d);
     }
     if (rc == 0) rc = sp_fsdp_post_backward(f, u, d);
   }
   if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
   if (rc == 0) rc = sp_fsdp_sgd_step(f, lr * 0.01, d);
+  /* the step's device work is part of its duration */
+  if (rc == 0) rc = sp_fsdp_synchronize(f, d);
   return rc;
 }
 
@@ -206,7 +261,9 @@ static void usage(FILE *f) {
       ",\n"
       "                           then 127.0.0.1:7700)\n"
       "  --rank R                 this rank (required)\n"
-      "  --device cpu             device (cpu; cuda:N needs the GPU build)\n"
+      "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
+      "                           gradients and buffers on GPU N, the MLP on\n"
+      "                           cuBLAS, collectives over NCCL (GPU build)\n"
       "  --steps N                training steps (default 20)\n"
       "  --global-batch N         samples per step over all ranks (default 24"
       ")\n"
@@ -334,11 +391,6 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     usage(stderr);
     return 2;
   }
-  if (strcmp(o->device, "cpu") != 0) {
-    fprintf(stderr, "shardplane-worker: --device %s: this build runs on cpu "
-                    "only\n", o->device);
-    return 2;
-  }
   if (!any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
   return 0;
 }
@@ -397,7 +449,8 @@ static int run(const worker_opts *o, sp_diag *d) {
   sp_fsdp_opts fo = {.session = s, .world = world, .shard_group = shard,
                      .replica_group = replica, .backward_prefetch = true,
                      .init_param = sp_mlp_init_param,
-                     .init_buffer = sp_mlp_init_buffer};
+                     .init_buffer = sp_mlp_init_buffer,
+                     .device = o->device};
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
   if (rc == 0 && o->load_dir) rc = sp_ckpt_load(f, o->load_kind, o->load_dir, d);
   sp_diag md = {{0}};
@@ -422,7 +475,10 @@ static int run(const worker_opts *o, sp_diag *d) {
     if (o->report_toggle && step % o->report_toggle == 0)
       rc = sp_session_set_report(s, (step / o->report_toggle) % 2 == 0, d);
     double ts = sp_clock_s();
-    if (is_mlp)
+    if (is_mlp && tr.gpu)
+      rc = trainer_step_gpu(&tr, step, (uint64_t)rank * local_n,
+                            o->global_batch, o->lr, &losses[step], d);
+    else if (is_mlp)
       rc = trainer_step(&tr, step, (uint64_t)rank * local_n, o->global_batch,
                         o->lr, &losses[step], d);
     else
@@ -496,6 +552,15 @@ int main(int argc, char **argv) {
   int prc = parse_args(argc, argv, &o);
   if (prc) return prc == 1 ? 0 : prc;
   sp_diag d = {{0}};
+  /* before attaching: a rank that cannot run on its device says so at once
+   * instead of after the rendezvous */
+  int ordinal;
+  int drc = sp_device_parse(o.device, &ordinal, &d);
+  if (drc < 0) {
+    fprintf(stderr, "shardplane-worker: rank %ld: --device %s\n", o.rank,
+            d.msg);
+    return drc == SP_EINVAL ? 2 : 1;
+  }
   int rc = run(&o, &d);
   if (rc < 0) {
     fprintf(stderr, "shardplane-worker: rank %ld: %s\n", o.rank,

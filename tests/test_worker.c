@@ -35,6 +35,7 @@
 #include "plan.h"
 #include "proc.h"
 #include "safetensors.h"
+#include "shardplane.h"
 #include "testutil.h"
 
 extern char **environ;
@@ -616,6 +617,116 @@ static void test_checkpoint_reload(void **state) {
   free(dir);
 }
 
+/* Storage handled as a device's ("cpu-staged": host memory, but every
+ * host access staged as on a GPU): training, checkpoints and loads must
+ * give exactly the plain CPU run's files, so the staging paths a GPU
+ * takes (initialisation, FULL/SHARDED/LOCAL writes, loads) are checked
+ * on a machine without one. */
+static void test_staged_storage(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *plain = sp_test_path(dir, "plain"), *staged = sp_test_path(dir,
+                                                                   "staged");
+  const char *wp[] = {"--steps", "3", "--checkpoint-dir", plain,
+                      "--checkpoint", "full", "--checkpoint", "sharded",
+                      "--checkpoint", "local", NULL};
+  run_job(MLP_BUFFERS, k_buffer_job, 2, wp);
+  const char *ws[] = {"--device", "cpu-staged", "--steps", "3",
+                      "--checkpoint-dir", staged, "--checkpoint", "full",
+                      "--checkpoint", "sharded", "--checkpoint", "local",
+                      NULL};
+  run_job(MLP_BUFFERS, k_buffer_job, 2, ws);
+  const char *files[] = {"full/model.safetensors",
+                         "sharded/rank-0-of-2.safetensors",
+                         "sharded/rank-1-of-2.safetensors",
+                         "local/local-0-of-2.safetensors",
+                         "local/local-1-of-2.safetensors"};
+  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
+    same_tensors(plain, files[i], staged, files[i]);
+  /* loads into staged storage: FULL into 3 ranks, LOCAL into 2 */
+  struct {
+    const char *kind;
+    const char *n;
+    int ranks;
+  } cases[] = {{"full", "full-3", 3}, {"sharded", "sharded-3", 3},
+               {"local", "local-2", 2}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *from = sp_test_path(plain, cases[i].kind);
+    char *dst = sp_test_path(dir, cases[i].n);
+    const char *lf[] = {"--device", "cpu-staged", "--steps", "0", "--load",
+                        from, "--load-kind", cases[i].kind,
+                        "--checkpoint-dir", dst, "--checkpoint", "full",
+                        NULL};
+    run_job(MLP_BUFFERS, k_buffer_job, cases[i].ranks, lf);
+    same_tensors(plain, "full/model.safetensors", dst,
+                 "full/model.safetensors");
+    free(from);
+    free(dst);
+  }
+  printf("  cpu-staged storage: checkpoints byte-equal to the plain CPU "
+         "run's; FULL, SHARDED and LOCAL loads round-trip\n");
+  free(plain);
+  free(staged);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* Runs argv with stderr into a string; returns the exit status. */
+static int run_capture(char *const argv[], char **err) {
+  char *dir = sp_test_mkdtemp();
+  char *path = sp_test_path(dir, "stderr");
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 2, path, O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+  pid_t pid;
+  int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) fail_msg("cannot start %s: %s", argv[0], strerror(rc));
+  int st;
+  waitpid(pid, &st, 0);
+  *err = sp_test_read_file(path);
+  free(path);
+  sp_test_rmtree(dir);
+  free(dir);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* --device errors are messages and exit codes, never crashes: a malformed
+ * name is bad usage (2); a GPU that is not there (or a build without
+ * CUDA) fails the rank (1) before it attaches. */
+static void test_device_errors(void **state) {
+  (void)state;
+  char *err;
+  char *bad[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
+                 "127.0.0.1:1", "--rank", "0", "--device", "gpu0", NULL};
+  assert_int_equal(run_capture(bad, &err), 2);
+  assert_non_null(strstr(err, "--device gpu0: expected cpu or cuda:N"));
+  free(err);
+  int n = 0;
+  sp_diag d = {{0}};
+  assert_int_equal(sp_device_cuda_count(&n, &d), 0);
+  if (n > 0) {
+    printf("  (a CUDA device is present: the no-device messages are not "
+           "checked)\n");
+    return;
+  }
+  char *nodev[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
+                   "127.0.0.1:1", "--rank", "0", "--device", "cuda:0", NULL};
+  assert_int_equal(run_capture(nodev, &err), 1);
+  printf("  %s", err);
+  assert_true(strstr(err, "--device cuda:0: no CUDA device") ||
+              strstr(err, "built without CUDA"));
+  free(err);
+  char *run[] = {SP_BIN_DIR "/shardplane", "run", "--nproc", "1", "--model",
+                 MLP, "--device", "cuda", NULL};
+  assert_int_equal(run_capture(run, &err), 1);
+  printf("  %s", err);
+  assert_non_null(strstr(err, "--device cuda: no CUDA device"));
+  free(err);
+}
+
 /* A worker killed mid-step: the others must fail within the heartbeat
  * timeout with a message naming what happened, and nothing may hang. */
 static void test_killed_worker(void **state) {
@@ -707,6 +818,8 @@ int main(void) {
       cmocka_unit_test(test_parity),
       cmocka_unit_test(test_buffers_and_checkpoints),
       cmocka_unit_test(test_checkpoint_reload),
+      cmocka_unit_test(test_staged_storage),
+      cmocka_unit_test(test_device_errors),
       cmocka_unit_test(test_killed_worker),
       cmocka_unit_test(test_synthetic_resnet50),
   };

@@ -3,6 +3,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 /* One flush sends at most this much; the rest waits for the write to
  * complete, which bounds the memory a slow peer can pin. */
@@ -139,12 +140,83 @@ static void read_buf_done(sp_h2conn *c, char *base) {
  * for the whole batch (measured by bench/rpc: with 64 calls in flight on a
  * 2-CPU machine, 1.7x the throughput at the same CPU cost per call). */
 #define SP_H2_RECV_PIECE (4u << 10)
+/* After an early answer that cost us the CPU (see sp_h2conn_recv), this
+ * many reads answer in one batch before the next early answer is tried. */
+#define SP_H2_EARLY_BACKOFF 64
 
+/* Moves the frame walker over data[0..len) and stops right after the first
+ * frame (or the client preface) that ends there; returns the bytes passed.
+ * It only decides where input is cut before nghttp2 parses it, never what
+ * nghttp2 gets, so input that is not HTTP/2 at all cuts oddly but is
+ * parsed (and refused) as before. */
+static size_t walk_frame(sp_h2conn *c, const uint8_t *data, size_t len) {
+  size_t off = 0;
+  while (off < len) {
+    if (c->rx_hdr_have == 0 && c->rx_left > 0) { /* inside a payload */
+      size_t n = len - off < c->rx_left ? len - off : c->rx_left;
+      c->rx_left -= (uint32_t)n;
+      off += n;
+      if (c->rx_left == 0) return off;
+      continue;
+    }
+    /* a frame header: a 24-bit payload length, then 6 bytes we skip */
+    if (c->rx_hdr_have < 3) c->rx_left = c->rx_left << 8 | data[off];
+    off++;
+    if (++c->rx_hdr_have == 9) {
+      c->rx_hdr_have = 0;
+      if (c->rx_left == 0) return off;
+    }
+  }
+  return off;
+}
+
+/* Whether this thread was switched out against its will since *mark, which
+ * it then updates. Where the count is unknown it says no. */
+static bool preempted_since(long *mark) {
+#ifdef RUSAGE_THREAD
+  struct rusage ru;
+  if (getrusage(RUSAGE_THREAD, &ru) != 0) return false;
+  bool yes = *mark >= 0 && ru.ru_nivcsw != *mark;
+  *mark = ru.ru_nivcsw;
+  return yes;
+#else
+  (void)mark;
+  return false;
+#endif
+}
+
+/* Input is parsed one frame at a time until the first answer it makes is
+ * ready, and that answer is written at once; the rest of the input follows
+ * in pieces, and the answers it makes leave together once that write
+ * completes. The peer, which may well be idle waiting for us, starts on the
+ * first answer while we parse the rest, instead of waking only for the
+ * whole batch: on a 2-CPU machine, with 8 calls in flight on one
+ * connection and the two ends on different CPUs, each end otherwise sleeps
+ * through every round trip, and a wake-up there costs tens of us (bench/rpc,
+ * 8 callers: 1.45x the calls per second).
+ *
+ * When the peer runs on our CPU the early answer cannot overlap anything:
+ * it wakes the peer, which takes the CPU from us, answers the few calls it
+ * has, and the batches split, each paying its own system calls (1 CPU: 20%
+ * fewer calls per second). That shows as an involuntary context switch
+ * during the early write; after one, SP_H2_EARLY_BACKOFF reads answer in
+ * one batch before an early answer is tried again. */
 void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
+  if (c->h2 == NULL) return;
+  if (c->bytes_in == 0 && nghttp2_session_check_server_session(c->h2))
+    c->rx_left = NGHTTP2_CLIENT_MAGIC_LEN; /* the preface is no frame */
+  bool early = !c->writing && c->early_off == 0;
+  if (c->early_off > 0) c->early_off--;
   while (len > 0) {
     if (c->closing || c->h2 == NULL) return;
     size_t n = len < SP_H2_RECV_PIECE ? len : SP_H2_RECV_PIECE;
+    if (early) {
+      n = walk_frame(c, data, len);
+    } else {
+      for (size_t off = 0; off < n;) off += walk_frame(c, data + off, n - off);
+    }
     c->bytes_in += (uint64_t)n;
+    c->want_flush = false;
     c->in_h2 = true;
     ssize_t rv = nghttp2_session_mem_recv(c->h2, data, n);
     c->in_h2 = false;
@@ -153,9 +225,22 @@ void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
       sp_h2conn_close(c);
       return;
     }
-    sp_h2conn_flush(c);
     data += n;
     len -= n;
+    if (early && len > 0) {
+      if (!c->want_flush) continue;
+      early = false;
+      if (c->sink == NULL) { /* a real write: did it cost us the CPU? */
+        long mark = -1;
+        preempted_since(&mark);
+        uint64_t out = c->bytes_out;
+        sp_h2conn_flush(c);
+        if (c->bytes_out != out && preempted_since(&mark))
+          c->early_off = SP_H2_EARLY_BACKOFF;
+        continue;
+      }
+    }
+    sp_h2conn_flush(c);
   }
 }
 
@@ -204,7 +289,10 @@ static void on_written(uv_write_t *req, int status) {
 static void flush_once(sp_h2conn *c);
 
 void sp_h2conn_flush(sp_h2conn *c) {
-  if (c->in_h2) return;
+  if (c->in_h2) {
+    c->want_flush = true; /* sp_h2conn_recv flushes once nghttp2 returns */
+    return;
+  }
   flush_once(c);
   if (c->on_after_send && !c->closing) c->on_after_send(c);
 }

@@ -55,6 +55,17 @@ struct sp_h2conn {
   bool lingering;
   struct sp_h2linger *linger; /* only while lingering */
   bool in_h2; /* inside mem_recv/mem_send: nghttp2 forbids re-entry */
+  /* Something to send was queued inside a nghttp2 callback (see
+   * sp_h2conn_recv, which parses input up to the first answer). */
+  bool want_flush;
+  uint8_t early_off; /* reads left that answer in one batch only */
+  /* Where input frames end: header bytes seen of the frame being read
+   * (0: none, or its payload is being read), then what is left of the
+   * frame (or of the client preface); in between, rx_left gathers the
+   * length. Fits the padding before bytes_in, as a coordinator keeps
+   * thousands of these. */
+  uint8_t rx_hdr_have;
+  uint32_t rx_left;
   uint64_t bytes_in, bytes_out;
   /* Called once after the handle closed; the owner frees everything. */
   void (*on_closed)(sp_h2conn *c);
