@@ -34,7 +34,7 @@ JOBS=$(nproc 2>/dev/null || echo 4)
 T0=$(date +%s)
 # Tests that must run (not skip) on a GPU machine: a GPU test that skips
 # there means the GPU was not usable, which is a failure of this check.
-REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_comm_nccl"
+REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_comm_nccl test_gpu_parity"
 
 say() { printf 'gpu_check: %s\n' "$*"; }
 
@@ -72,7 +72,7 @@ fi
 if ! grep -q "NCCL backend ON" "$BUILD.configure.log"; then
   say "warning: the NCCL backend is not built (no NCCL >= 2.14 found);" \
       "test_comm_nccl will only check SP_EUNSUPPORTED"
-  REQUIRED="test_cuda_cast test_cuda_cast_exhaustive"
+  REQUIRED="test_cuda_cast test_cuda_cast_exhaustive"  # parity needs NCCL
 fi
 T_BUILD0=$(date +%s)
 BUILD_LOG="$BUILD/gpu_check.build.log"
@@ -103,11 +103,16 @@ for t in $(sed -n 's/.*Test *#[0-9]*: \([^ ]*\) .*\*\*\*Skipped.*/\1/p' "$CTEST_
   say "$t: ${why:-skipped (no reason printed)}"
 done
 
-# Future: the GPU parity test of the GPU runtime (tests/test_gpu_*.c) is
-# picked up above by -R "cuda|nccl|gpu"; an end-to-end run of the reference
-# job on the GPU, e.g.
-#   "$BUILD/bin/shardplane" run --nproc 1 --device cuda --model examples/mlp.json
-# goes here once `shardplane run` takes --device, as one more table row.
+# The README's main job on the GPU: one rank, NCCL, cuBLAS, a checkpoint.
+RUN_LOG="$BUILD/gpu_check.run.log"
+RUN_DIR=$(mktemp -d)
+T_RUN0=$(date +%s)
+timeout --signal=INT 120 "$BUILD/bin/shardplane" run --nproc 1 --device cuda \
+  --model examples/mlp.json --steps 50 --log-every 10 \
+  --checkpoint-dir "$RUN_DIR" >"$RUN_LOG" 2>&1
+run_rc=$?
+run_s=$(( $(date +%s) - T_RUN0 ))
+rm -rf "$RUN_DIR"
 
 # ---- 4. cast bandwidth -----------------------------------------------------------
 BENCH_LOG="$BUILD/gpu_check.cast.log"
@@ -116,9 +121,10 @@ bench_rc=$?
 
 # ---- 5. the table ----------------------------------------------------------------
 python3 - "$CTEST_LOG" "$BENCH_LOG" "$ctest_rc" "$bench_rc" "$REQUIRED" \
-  "$(( $(date +%s) - T0 ))" <<'PY'
+  "$(( $(date +%s) - T0 ))" "$RUN_LOG" "$run_rc" "$run_s" <<'PY'
 import re, sys
 ctest_log, bench_log, ctest_rc, bench_rc, required, total = sys.argv[1:7]
+run_log, run_rc, run_s = sys.argv[7], int(sys.argv[8]), sys.argv[9]
 ctest_rc, bench_rc = int(ctest_rc), int(bench_rc)
 required = required.split()
 rows, bad = [], []
@@ -143,6 +149,15 @@ for name in required:
     if name not in seen:
         print("%-30s %-10s %9s" % (name, "MISSING", "-"))
         bad.append("%s did not run" % name)
+run_lines = open(run_log, errors="replace").read().splitlines()
+losses = [l for l in run_lines if l.startswith("step ")]
+print("%-30s %-10s %7s s" % ("shardplane run --device cuda",
+                             "PASS" if run_rc == 0 else "FAIL", run_s))
+if losses:
+    print("    " + losses[0] + "\n    " + losses[-1])
+if run_rc != 0:
+    bad.append("shardplane run --nproc 1 --device cuda: exit %d:\n%s"
+               % (run_rc, "\n".join(run_lines[-10:])))
 if not rows:
     bad.append("no GPU test ran (ctest exit %d)" % ctest_rc)
 elif ctest_rc != 0 and not bad:

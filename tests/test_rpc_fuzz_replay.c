@@ -149,6 +149,63 @@ static void test_harness_edges(void **state) {
   free(req);
 }
 
+/* Records each piece of the server's output as it is written. */
+typedef struct pieces {
+  sp_h2_reader r;
+  /* after the piece that ended stream 1: whether another stream had an
+   * answer by then */
+  bool first_done, others_before_first;
+} pieces;
+
+static int on_piece(void *arg, const uint8_t *out, size_t n) {
+  pieces *p = arg;
+  sp_h2_reader_feed(&p->r, out, n);
+  const sp_h2_stream *s1 = sp_h2_reader_stream(&p->r, 1);
+  if (!p->first_done && s1 != NULL && sp_h2_stream_done(s1)) {
+    p->first_done = true;
+    for (uint32_t sid = 3; sid <= 15; sid += 2)
+      if (sp_h2_reader_stream(&p->r, sid) != NULL)
+        p->others_before_first = true;
+  }
+  return 0;
+}
+
+/* Eight Unary calls in one read, laid out as client libraries send them
+ * (every HEADERS, then every DATA): the answer to the first leaves on its
+ * own, before the server parses the other requests (see sp_h2conn_recv),
+ * and every call still ends OK however the input is cut, including cuts
+ * inside frame headers and the preface. */
+static void test_first_answer_leaves_early(void **state) {
+  (void)state;
+  sp_h2buf in = {0};
+  uint8_t mode = SP_FUZZ_PREFACE | SP_FUZZ_SETTINGS;
+  sp_h2buf_put(&in, &mode, 1);
+  sp_h2buf blk = {0};
+  sp_h2_grpc_request_block(&blk, "/shardplane.testing.Echo/Unary");
+  for (uint32_t sid = 1; sid <= 15; sid += 2)
+    sp_h2_headers(&in, sid, &blk, false, 0);
+  static const uint8_t empty[1]; /* an EchoRequest with no fields */
+  for (uint32_t sid = 1; sid <= 15; sid += 2)
+    sp_h2_grpc_message(&in, sid, empty, 0, true);
+  sp_h2buf_free(&blk);
+  for (unsigned k = 0; k < 8; k++) {
+    in.p[0] = (uint8_t)(mode | SP_FUZZ_CHUNK(k));
+    pieces p = {0};
+    sp_h2_reader_init(&p.r);
+    assert_int_equal(sp_fuzz_rpc_server_run(in.p, in.len, on_piece, &p), 0);
+    assert_false(p.r.error);
+    for (uint32_t sid = 1; sid <= 15; sid += 2) {
+      const sp_h2_stream *s = sp_h2_reader_stream(&p.r, sid);
+      assert_non_null(s);
+      assert_true(s->ended);
+      assert_int_equal(s->grpc_status, SP_RPC_OK);
+    }
+    if (k == 0) assert_false(p.others_before_first); /* all in one read */
+    sp_h2_reader_free(&p.r);
+  }
+  sp_h2buf_free(&in);
+}
+
 static int teardown(void **state) {
   (void)state;
   sp_fuzz_rpc_server_teardown();
@@ -160,6 +217,7 @@ int main(void) {
       cmocka_unit_test(test_server_corpus),
       cmocka_unit_test(test_wire_corpus),
       cmocka_unit_test(test_harness_edges),
+      cmocka_unit_test(test_first_answer_leaves_early),
   };
   return cmocka_run_group_tests(tests, NULL, teardown);
 }

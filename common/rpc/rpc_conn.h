@@ -5,6 +5,8 @@
  *   only valid until the next call) and sent with one uv_write per flush;
  * - while a write is in flight nothing more is pulled from nghttp2, so a
  *   peer that does not read stops the data providers (backpressure);
+ * - the first answer a small read makes is written as soon as it is ready,
+ *   the rest together after it (see sp_h2conn_recv in rpc_conn.c);
  * - the connection closes once nghttp2 wants neither to read nor to write
  *   and the last write completed. */
 #ifndef SP_RPC_CONN_H
@@ -83,13 +85,14 @@ struct sp_h2conn {
 int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner);
 /* Starts reading; input goes to c->h2, which must exist by then. */
 int sp_h2conn_start(sp_h2conn *c);
-/* Feeds received bytes to nghttp2 and flushes its answer; closes the
- * connection when nghttp2 rejects them. The read callback uses it, and so
- * does the in-memory feed used by the fuzz harness. */
+/* Feeds received bytes to nghttp2 and flushes its answers (the first one
+ * early); closes the connection when nghttp2 rejects them. The read
+ * callback uses it, and so does the in-memory feed used by the fuzz
+ * harness. */
 void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len);
 /* Pushes everything nghttp2 has to send. Safe to call at any time: inside
- * nghttp2 callbacks it does nothing, and the flush that follows every
- * mem_recv picks the output up. */
+ * nghttp2 callbacks it only notes that there is output, and the flush that
+ * follows mem_recv picks it up. */
 void sp_h2conn_flush(sp_h2conn *c);
 /* Closes now (no more I/O); on_closed runs later. Idempotent. */
 void sp_h2conn_close(sp_h2conn *c);
