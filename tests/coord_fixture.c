@@ -90,3 +90,35 @@ void sp_test_expect_status(const sp_rpc_status *st, int code,
              sp_rpc_code_name(st->code), st->message, sp_rpc_code_name(code),
              substr ? substr : "");
 }
+
+ProtobufCMessage *sp_test_unary(sp_rpc_sync *cli, const char *method,
+                                const ProtobufCMessage *req,
+                                const ProtobufCMessageDescriptor *resp_desc,
+                                uint64_t timeout_ms, sp_rpc_status *st) {
+  ProtobufCMessage *resp = NULL;
+  assert_int_equal(
+      sp_rpc_sync_unary(cli, method, req, resp_desc, timeout_ms, &resp, st),
+      0);
+  return resp;
+}
+
+ProtobufCMessage *sp_coord_fixture_call(
+    sp_coord_fixture *fx, const char *method, const ProtobufCMessage *req,
+    const ProtobufCMessageDescriptor *resp_desc, sp_rpc_status *st) {
+  return sp_test_unary(fx->cli, method, req, resp_desc, 5000, st);
+}
+
+Shardplane__V1__GetJobResponse *sp_coord_fixture_get_job(
+    sp_coord_fixture *fx) {
+  Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  sp_rpc_status st;
+  ProtobufCMessage *r =
+      sp_coord_fixture_call(fx, SP_COORD_PATH("GetJob"), &q.base,
+                            &shardplane__v1__get_job_response__descriptor, &st);
+  sp_test_expect_status(&st, SP_RPC_OK, NULL);
+  return (Shardplane__V1__GetJobResponse *)r;
+}
+
+void sp_test_free_msg(void *m) {
+  if (m) protobuf_c_message_free_unpacked(m, NULL);
+}

@@ -37,6 +37,22 @@ void sp_coord_fixture_stop(sp_coord_fixture *fx);
 void sp_coord_fixture_run(sp_coord_fixture *fx,
                           void (*fn)(sp_coord *, void *), void *arg);
 
+/* One unary call on cli, waiting up to timeout_ms: the decoded response,
+ * or NULL with *st set. Fails the test when the call cannot be made. */
+ProtobufCMessage *sp_test_unary(sp_rpc_sync *cli, const char *method,
+                                const ProtobufCMessage *req,
+                                const ProtobufCMessageDescriptor *resp_desc,
+                                uint64_t timeout_ms, sp_rpc_status *st);
+/* sp_test_unary on the fixture's client, waiting up to 5 s. */
+ProtobufCMessage *sp_coord_fixture_call(
+    sp_coord_fixture *fx, const char *method, const ProtobufCMessage *req,
+    const ProtobufCMessageDescriptor *resp_desc, sp_rpc_status *st);
+/* GetJob, which must succeed; free with sp_test_free_msg. */
+Shardplane__V1__GetJobResponse *sp_coord_fixture_get_job(
+    sp_coord_fixture *fx);
+/* Frees a decoded message; NULL is fine. */
+void sp_test_free_msg(void *m);
+
 /* Fails the test unless st has that code and (if given) mentions substr. */
 void sp_test_expect_status(const sp_rpc_status *st, int code,
                            const char *substr);

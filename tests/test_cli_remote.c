@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "testutil.h"
@@ -43,16 +44,7 @@ static char *g_dir;
 static char g_addr[64]; /* the gpt2 coordinator every test shares */
 static pid_t g_coord = -1;
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
+static int64_t now_ms(void) { return (int64_t)(sp_clock_s() * 1e3); }
 
 /* Waits up to timeout_ms for pid; kills and reaps it past that. Returns
  * the wait status, or -1 when it had to be killed. */
@@ -64,7 +56,7 @@ static int wait_child(pid_t pid, int timeout_ms) {
     if (w == pid) return st;
     if (w < 0 && errno != EINTR) return -1;
     if (now_ms() >= end) break;
-    sleep_ms(2);
+    sp_test_sleep_ms(2);
   }
   kill(pid, SIGKILL);
   while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {
@@ -545,7 +537,7 @@ static int watch_one(char *const argv[], const char *out,
     kick(c, arg);
     pid_t w = 0;
     for (int i = 0; i < 100 && (w = waitpid(pid, &st, WNOHANG)) == 0; i++)
-      sleep_ms(3);
+      sp_test_sleep_ms(3);
     if (w == pid) return st;
   }
   return wait_child(pid, 1);

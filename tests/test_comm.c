@@ -32,132 +32,13 @@
 
 #include <cmocka.h>
 
-#include "clock.h"
 #include "cast_scalar.h"
+#include "clock.h"
+#include "mem_store.h"
 #include "shardplane.h"
 #include "testutil.h"
 
 #define MAX_W 4
-
-static void sleep_ms(unsigned ms) {
-  struct timespec ts = {.tv_sec = ms / 1000,
-                        .tv_nsec = (long)(ms % 1000) * 1000000L};
-  while (nanosleep(&ts, &ts) != 0) {
-  }
-}
-
-/* ---- an in-memory store: mutex, condition variable, list ------------------
- */
-
-typedef struct mentry {
-  char *key;
-  uint8_t *val;
-  size_t len;
-  struct mentry *next;
-} mentry;
-
-typedef struct mstore {
-  pthread_mutex_t mu;
-  pthread_cond_t cv; /* CLOCK_MONOTONIC */
-  mentry *head;
-  int fail_set; /* nonzero: set returns this code */
-  unsigned sets, gets;
-} mstore;
-
-static void mstore_init(mstore *s) {
-  memset(s, 0, sizeof *s);
-  pthread_mutex_init(&s->mu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&s->cv, &ca);
-  pthread_condattr_destroy(&ca);
-}
-
-static void mstore_destroy(mstore *s) {
-  for (mentry *e = s->head, *n; e != NULL; e = n) {
-    n = e->next;
-    free(e->key);
-    free(e->val);
-    free(e);
-  }
-  pthread_cond_destroy(&s->cv);
-  pthread_mutex_destroy(&s->mu);
-}
-
-static mentry *mstore_find(mstore *s, const char *key) {
-  for (mentry *e = s->head; e != NULL; e = e->next)
-    if (strcmp(e->key, key) == 0) return e;
-  return NULL;
-}
-
-static int mstore_set(void *user, const char *key, const void *val, size_t len,
-                      sp_diag *d) {
-  mstore *s = user;
-  pthread_mutex_lock(&s->mu);
-  s->sets++;
-  if (s->fail_set != 0) {
-    int rc = s->fail_set;
-    pthread_mutex_unlock(&s->mu);
-    return sp_diag_set(d, rc, "test store refuses set '%s'", key);
-  }
-  uint8_t *copy = malloc(len > 0 ? len : 1);
-  if (copy == NULL) {
-    pthread_mutex_unlock(&s->mu);
-    return SP_ENOMEM;
-  }
-  if (len > 0) memcpy(copy, val, len);
-  mentry *e = mstore_find(s, key);
-  if (e == NULL) {
-    e = calloc(1, sizeof *e);
-    e->key = strdup(key);
-    e->next = s->head;
-    s->head = e;
-  } else {
-    free(e->val);
-  }
-  e->val = copy;
-  e->len = len;
-  pthread_cond_broadcast(&s->cv);
-  pthread_mutex_unlock(&s->mu);
-  return 0;
-}
-
-static int mstore_get(void *user, const char *key, uint64_t wait_ms,
-                      uint8_t **val, size_t *len, sp_diag *d) {
-  mstore *s = user;
-  struct timespec dl;
-  clock_gettime(CLOCK_MONOTONIC, &dl);
-  dl.tv_sec += (time_t)(wait_ms / 1000);
-  dl.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
-  if (dl.tv_nsec >= 1000000000L) {
-    dl.tv_sec++;
-    dl.tv_nsec -= 1000000000L;
-  }
-  pthread_mutex_lock(&s->mu);
-  s->gets++;
-  mentry *e;
-  while ((e = mstore_find(s, key)) == NULL) {
-    if (wait_ms == 0) {
-      pthread_mutex_unlock(&s->mu);
-      return sp_diag_set(d, SP_ENOENT, "no key '%s'", key);
-    }
-    if (pthread_cond_timedwait(&s->cv, &s->mu, &dl) != 0 &&
-        mstore_find(s, key) == NULL) {
-      pthread_mutex_unlock(&s->mu);
-      return sp_diag_set(d, SP_ETIMEDOUT, "key '%s' did not appear", key);
-    }
-  }
-  *val = malloc(e->len > 0 ? e->len : 1);
-  if (*val == NULL) {
-    pthread_mutex_unlock(&s->mu);
-    return SP_ENOMEM;
-  }
-  memcpy(*val, e->val, e->len);
-  *len = e->len;
-  pthread_mutex_unlock(&s->mu);
-  return 0;
-}
 
 /* ---- groups of member threads -------------------------------------------- */
 
@@ -183,7 +64,7 @@ struct group {
   uint32_t size;
   char prefix[64];
   uint64_t timeout_ms;
-  mstore store;
+  sp_mstore store;
   member_fn fn;
   void *arg;
   member m[MAX_W];
@@ -233,7 +114,7 @@ static void *member_main(void *p) {
   group *g = m->g;
   sp_comm_opts o = {
       .backend = SP_BACKEND_GLOO,
-      .store = {.set = mstore_set, .get = mstore_get, .user = &g->store},
+      .store = sp_mstore_comm_store(&g->store),
       .prefix = g->prefix,
       .rank = m->rank,
       .size = g->size,
@@ -262,7 +143,7 @@ static void group_init(group *g, uint32_t size, uint64_t timeout_ms,
   g->fn = fn;
   g->arg = arg;
   snprintf(g->prefix, sizeof g->prefix, "test/comm%u", ++group_seq);
-  mstore_init(&g->store);
+  sp_mstore_init(&g->store);
   for (uint32_t i = 0; i < MAX_W; i++) {
     g->m[i].g = g;
     g->m[i].rank = i;
@@ -289,7 +170,7 @@ static void group_run_ranks(group *g, const uint32_t *ranks, uint32_t n) {
 
 static void group_run(group *g) { group_run_ranks(g, NULL, g->size); }
 
-static void group_done(group *g) { mstore_destroy(&g->store); }
+static void group_done(group *g) { sp_mstore_destroy(&g->store); }
 
 /* ---- data and the reference --------------------------------------------- */
 
@@ -689,7 +570,7 @@ typedef struct abort_ctx {
 static void *aborter(void *p) {
   member *m0 = p;
   abort_ctx *a = m0->g->arg;
-  sleep_ms(300);
+  sp_test_sleep_ms(300);
   a->abort_at = sp_clock_s();
   sp_comm_abort(m0->c);
   return NULL;
@@ -718,7 +599,7 @@ static void abort_member(member *m) {
     sp_comm_abort(m->c); /* twice is fine */
     atomic_store(&a->phase, 1);
   } else {
-    while (atomic_load(&a->phase) == 0) sleep_ms(5);
+    while (atomic_load(&a->phase) == 0) sp_test_sleep_ms(5);
     /* Member 0's abort closed its connections: this member's next
      * operation fails instead of waiting out its 20 s timeout. */
     double t0 = sp_clock_s();
@@ -885,7 +766,7 @@ static void test_abort_storm(void **state) {
  * 20 s timeout. */
 static void *bcast_aborter(void *p) {
   member *m = p;
-  sleep_ms(2);
+  sp_test_sleep_ms(2);
   sp_comm_abort(m->c);
   return NULL;
 }
@@ -933,7 +814,7 @@ static void test_abort_mid_transfer(void **state) {
 static void leave_member(member *m) {
   MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
   if (m->rank == 2) {
-    sleep_ms(200);
+    sp_test_sleep_ms(200);
     atomic_store(&m->g->comms[2], NULL);
     sp_comm_free(m->c);
     m->c = NULL;
@@ -968,7 +849,7 @@ static void test_peer_leaves(void **state) {
 static void leave_root_member(member *m) {
   MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
   if (m->rank == 1) {
-    sleep_ms(300);
+    sp_test_sleep_ms(300);
     atomic_store(&m->g->comms[1], NULL);
     sp_comm_free(m->c);
     m->c = NULL;
@@ -1043,7 +924,7 @@ static int fstore_get(void *user, const char *key, uint64_t wait_ms,
     if (sp_clock_s() >= until)
       return sp_diag_set(d, wait_ms ? SP_ETIMEDOUT : SP_ENOENT, "no key %s",
                          key);
-    sleep_ms(2);
+    sp_test_sleep_ms(2);
   }
 }
 
@@ -1064,7 +945,7 @@ typedef struct killer_arg {
 
 static void *killer(void *p) {
   killer_arg *k = p;
-  sleep_ms(300);
+  sp_test_sleep_ms(300);
   k->at = sp_clock_s();
   kill(k->pid, SIGKILL);
   return NULL;
@@ -1222,11 +1103,11 @@ static void test_bad_arguments(void **state) {
   (void)state;
   sp_comm *c = (sp_comm *)&c;
   sp_diag d = {{0}};
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   sp_comm_opts o = {
       .backend = SP_BACKEND_GLOO,
-      .store = {.set = mstore_set, .get = mstore_get, .user = &st},
+      .store = sp_mstore_comm_store(&st),
       .prefix = "bad",
       .rank = 0,
       .size = 1};
@@ -1256,7 +1137,7 @@ static void test_bad_arguments(void **state) {
   o.prefix = "bad";
   o.store.get = NULL;
   assert_int_equal(sp_comm_new(&o, &c, &d), SP_EINVAL);
-  o.store.get = mstore_get;
+  o.store.get = sp_mstore_get;
   assert_int_equal(st.sets, 0); /* nothing reached the store */
 
   /* Operations on a single member: the checks come before any transfer. */
@@ -1310,7 +1191,7 @@ static void test_bad_arguments(void **state) {
   assert_int_equal(sp_comm_all_reduce(c, f, 4, SP_FLOAT32, &d), 0);
   assert_int_equal(sp_comm_barrier(c, &d), 0);
   sp_comm_free(c);
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 
 /* Two communicators on the same members, used alternately, and a size-1
@@ -1323,7 +1204,7 @@ static void two_comms_member(member *m) {
   snprintf(prefix, sizeof prefix, "%s/second", m->g->prefix);
   sp_comm_opts o = {
       .backend = SP_BACKEND_GLOO,
-      .store = {.set = mstore_set, .get = mstore_get, .user = &m->g->store},
+      .store = sp_mstore_comm_store(&m->g->store),
       .prefix = prefix,
       /* reversed ranks: a different group order */
       .rank = m->g->size - 1 - m->rank,

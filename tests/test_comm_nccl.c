@@ -35,6 +35,8 @@
 
 #include <cmocka.h>
 
+#include "clock.h"
+#include "mem_store.h"
 #include "shardplane.h"
 #include "testutil.h"
 
@@ -44,119 +46,8 @@
 #include "cast_cuda.h"
 #endif
 
-/* ---- an in-memory store (thread-safe: the multi-GPU test shares it) ----- */
-
-typedef struct mentry {
-  char *key;
-  uint8_t *val;
-  size_t len;
-  struct mentry *next;
-} mentry;
-
-typedef struct mstore {
-  pthread_mutex_t mu;
-  pthread_cond_t cv; /* CLOCK_MONOTONIC */
-  mentry *head;
-  unsigned sets, gets;
-} mstore;
-
-static void mstore_init(mstore *s) {
-  memset(s, 0, sizeof *s);
-  pthread_mutex_init(&s->mu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&s->cv, &ca);
-  pthread_condattr_destroy(&ca);
-}
-
-static void mstore_destroy(mstore *s) {
-  for (mentry *e = s->head, *n; e != NULL; e = n) {
-    n = e->next;
-    free(e->key);
-    free(e->val);
-    free(e);
-  }
-  pthread_cond_destroy(&s->cv);
-  pthread_mutex_destroy(&s->mu);
-}
-
-static mentry *mstore_find(mstore *s, const char *key) {
-  for (mentry *e = s->head; e != NULL; e = e->next)
-    if (strcmp(e->key, key) == 0) return e;
-  return NULL;
-}
-
-static int mstore_set(void *user, const char *key, const void *val, size_t len,
-                      sp_diag *d) {
-  mstore *s = user;
-  uint8_t *copy = malloc(len > 0 ? len : 1);
-  if (copy == NULL) return sp_diag_set(d, SP_ENOMEM, "test store: no memory");
-  if (len > 0) memcpy(copy, val, len);
-  pthread_mutex_lock(&s->mu);
-  s->sets++;
-  mentry *e = mstore_find(s, key);
-  if (e == NULL) {
-    e = calloc(1, sizeof *e);
-    char *k = strdup(key);
-    if (e == NULL || k == NULL) {
-      pthread_mutex_unlock(&s->mu);
-      free(e);
-      free(k);
-      free(copy);
-      return sp_diag_set(d, SP_ENOMEM, "test store: no memory");
-    }
-    e->key = k;
-    e->next = s->head;
-    s->head = e;
-  } else {
-    free(e->val);
-  }
-  e->val = copy;
-  e->len = len;
-  pthread_cond_broadcast(&s->cv);
-  pthread_mutex_unlock(&s->mu);
-  return 0;
-}
-
-static int mstore_get(void *user, const char *key, uint64_t wait_ms,
-                      uint8_t **val, size_t *len, sp_diag *d) {
-  mstore *s = user;
-  struct timespec dl;
-  clock_gettime(CLOCK_MONOTONIC, &dl);
-  dl.tv_sec += (time_t)(wait_ms / 1000);
-  dl.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
-  if (dl.tv_nsec >= 1000000000L) {
-    dl.tv_sec++;
-    dl.tv_nsec -= 1000000000L;
-  }
-  pthread_mutex_lock(&s->mu);
-  s->gets++;
-  mentry *e;
-  while ((e = mstore_find(s, key)) == NULL) {
-    if (wait_ms == 0) {
-      pthread_mutex_unlock(&s->mu);
-      return sp_diag_set(d, SP_ENOENT, "no key '%s'", key);
-    }
-    if (pthread_cond_timedwait(&s->cv, &s->mu, &dl) != 0 &&
-        mstore_find(s, key) == NULL) {
-      pthread_mutex_unlock(&s->mu);
-      return sp_diag_set(d, SP_ETIMEDOUT, "key '%s' did not appear", key);
-    }
-  }
-  *val = malloc(e->len > 0 ? e->len : 1);
-  if (*val == NULL) {
-    pthread_mutex_unlock(&s->mu);
-    return sp_diag_set(d, SP_ENOMEM, "test store: no memory");
-  }
-  memcpy(*val, e->val, e->len);
-  *len = e->len;
-  pthread_mutex_unlock(&s->mu);
-  return 0;
-}
-
-static sp_comm_opts nccl_opts(mstore *st, const char *prefix, uint32_t rank,
-                              uint32_t size, const char *device,
+static sp_comm_opts nccl_opts(sp_mstore *st, const char *prefix,
+                              uint32_t rank, uint32_t size, const char *device,
                               uint64_t timeout_ms) {
   sp_comm_opts o = {.backend = SP_BACKEND_NCCL,
                     .prefix = prefix,
@@ -164,11 +55,7 @@ static sp_comm_opts nccl_opts(mstore *st, const char *prefix, uint32_t rank,
                     .size = size,
                     .timeout_ms = timeout_ms,
                     .device = device};
-  if (st != NULL) {
-    o.store.set = mstore_set;
-    o.store.get = mstore_get;
-    o.store.user = st;
-  }
+  if (st != NULL) o.store = sp_mstore_comm_store(st);
   return o;
 }
 
@@ -195,8 +82,8 @@ static void test_gloo_has_no_stream(void **state) {
 #ifndef SHARDPLANE_HAVE_NCCL
 static void test_not_built(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   sp_comm *c = (sp_comm *)&st;
   sp_diag d = {{0}};
   sp_comm_opts o = nccl_opts(&st, "nb", 0, 1, "cuda:0", 1000);
@@ -206,7 +93,7 @@ static void test_not_built(void **state) {
   o = nccl_opts(&st, "nb", 1, 2, "cuda:0", 1000);
   assert_int_equal(sp_comm_new(&o, &c, &d), SP_EUNSUPPORTED);
   assert_int_equal(st.sets + st.gets, 0);
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 #else
 /* Checked before any CUDA call or store access, so they hold on a machine
@@ -218,8 +105,8 @@ static void test_bad_device_strings(void **state) {
                               "cuda:-1", "cuda:1x", " cuda:0",
                               "CUDA:0",  "cuda:0 ", "cuda:+1",
                               "gpu:0",   "cuda::0", "cuda:99999999999"};
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     for (uint32_t size = 1; size <= 2; size++) {
       sp_comm *c = (sp_comm *)&st;
@@ -234,14 +121,14 @@ static void test_bad_device_strings(void **state) {
     }
   }
   assert_int_equal(st.sets + st.gets, 0); /* nothing reached the store */
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 
 /* A well-formed name of a GPU that is not there. */
 static void test_missing_device(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   char dev[32];
   snprintf(dev, sizeof dev, "cuda:%d", g_ndev);
   sp_comm *c = NULL;
@@ -253,21 +140,13 @@ static void test_missing_device(void **state) {
   assert_null(c);
   assert_non_null(strstr(d.msg, dev));
   assert_int_equal(st.sets + st.gets, 0);
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 #endif
 
 /* ==== checks on a GPU =================================================== */
 
 #if defined(SHARDPLANE_HAVE_NCCL) && defined(SHARDPLANE_HAVE_CUDA)
-
-#define CU(call)                                                               \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess)                                                     \
-      fail_msg("%s:%d: %s: %s", __FILE__, __LINE__, #call,                     \
-               cudaGetErrorString(e_));                                        \
-  } while (0)
 
 #define SP_OK(call, d)                                                         \
   do {                                                                         \
@@ -285,26 +164,6 @@ static void test_missing_device(void **state) {
                sp_err_name(rc_), sp_err_name(want), (d)->msg);                 \
   } while (0)
 
-/* Length of a key's value, or -1 when absent. */
-static long mstore_len(mstore *s, const char *key) {
-  pthread_mutex_lock(&s->mu);
-  mentry *e = mstore_find(s, key);
-  long n = e != NULL ? (long)e->len : -1;
-  pthread_mutex_unlock(&s->mu);
-  return n;
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void sleep_ms(unsigned ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* Each test may take at most this long; SIGALRM's default action ends the
  * process, which ctest reports as a failure, instead of a hang. */
 static int watchdog(void **state) {
@@ -318,7 +177,8 @@ static int watchdog_off(void **state) {
   return 0;
 }
 
-static sp_comm *new_n1(mstore *st, const char *prefix, uint64_t timeout_ms) {
+static sp_comm *new_n1(sp_mstore *st, const char *prefix,
+                       uint64_t timeout_ms) {
   sp_comm *c = NULL;
   sp_diag d = {{0}};
   sp_comm_opts o = nccl_opts(st, prefix, 0, 1, "cuda:0", timeout_ms);
@@ -391,12 +251,12 @@ static void fill_random(void *buf, sp_dtype dt, size_t count,
  * non-blocking (not ordered after the legacy default stream), so every
  * upload is followed by a device synchronize before an operation reads it. */
 static void h2d(void *dst, const void *src, size_t bytes) {
-  CU(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  CU(cudaDeviceSynchronize());
+  SP_TEST_CU(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  SP_TEST_CU(cudaDeviceSynchronize());
 }
 static void dmemset(void *dst, int v, size_t bytes) {
-  CU(cudaMemset(dst, v, bytes));
-  CU(cudaDeviceSynchronize());
+  SP_TEST_CU(cudaMemset(dst, v, bytes));
+  SP_TEST_CU(cudaDeviceSynchronize());
 }
 
 enum { GUARD = 64 };
@@ -405,9 +265,9 @@ enum { GUARD = 64 };
  * operation may touch. */
 static void *dev_alloc_guarded(size_t bytes) {
   void *p = NULL;
-  CU(cudaMalloc(&p, bytes + GUARD));
-  CU(cudaMemset(p, 0xA5, bytes + GUARD));
-  CU(cudaDeviceSynchronize());
+  SP_TEST_CU(cudaMalloc(&p, bytes + GUARD));
+  SP_TEST_CU(cudaMemset(p, 0xA5, bytes + GUARD));
+  SP_TEST_CU(cudaDeviceSynchronize());
   return p;
 }
 
@@ -416,7 +276,7 @@ static void check_device(const void *dev, const void *want, size_t bytes,
                          const char *what, sp_dtype dt, size_t count) {
   unsigned char *got = malloc(bytes + GUARD);
   assert_non_null(got);
-  CU(cudaMemcpy(got, dev, bytes + GUARD, cudaMemcpyDeviceToHost));
+  SP_TEST_CU(cudaMemcpy(got, dev, bytes + GUARD, cudaMemcpyDeviceToHost));
   if (memcmp(got, want, bytes) != 0) {
     size_t k = 0;
     while (k < bytes && got[k] == ((const unsigned char *)want)[k]) k++;
@@ -441,11 +301,11 @@ static void test_ops_single_member(void **state) {
       SP_FLOAT32, SP_FLOAT64, SP_FLOAT16, SP_BFLOAT16, SP_INT32,
       SP_INT64,   SP_INT16,   SP_INT8,    SP_UINT8,    SP_BOOL};
   static const size_t counts[] = {1, 3, 8, 1001, 65537, (1u << 20) + 3};
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   sp_comm *c = new_n1(&st, "ops", 30000);
   /* Rank 0 published its id, even alone, since the store has a set. */
-  assert_int_equal(mstore_len(&st, "ops/nccl_id"), 128);
+  assert_int_equal(sp_mstore_len(&st, "ops/nccl_id"), 128);
   assert_int_equal(sp_comm_rank(c), 0);
   assert_int_equal(sp_comm_size(c), 1);
   sp_comm *ref = new_host_ref();
@@ -505,8 +365,8 @@ static void test_ops_single_member(void **state) {
       }
       /* the send buffer is never written */
       check_device(dsend, in, bytes, "send buffer after the ops", dt, count);
-      CU(cudaFree(dsend));
-      CU(cudaFree(drecv));
+      SP_TEST_CU(cudaFree(dsend));
+      SP_TEST_CU(cudaFree(drecv));
       free(in);
       free(want);
       checked++;
@@ -524,13 +384,13 @@ static void test_ops_single_member(void **state) {
   printf("NCCL single member: %zu dtype x count combinations, every op, "
          "bit-identical to the host reference\n",
          checked);
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   sp_comm_free(c); /* ncclCommFinalize + ncclCommDestroy */
-  double t_free = now_s() - t0;
+  double t_free = sp_clock_s() - t0;
   printf("sp_comm_free (finalize + destroy): %.1f ms\n", t_free * 1e3);
   assert_true(t_free < 10.0);
   sp_comm_free(ref);
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 
 /* No store at all: a single member needs none. */
@@ -542,61 +402,61 @@ static void test_single_member_without_store(void **state) {
   SP_OK(sp_comm_new(&o, &c, &d), &d);
   float h[5] = {1, -2, 3.5f, 0, 1e-40f}, got[5];
   void *dv = NULL;
-  CU(cudaMalloc(&dv, sizeof h));
+  SP_TEST_CU(cudaMalloc(&dv, sizeof h));
   h2d(dv, h, sizeof h);
   SP_OK(sp_comm_all_reduce(c, dv, 5, SP_FLOAT32, &d), &d);
-  CU(cudaMemcpy(got, dv, sizeof got, cudaMemcpyDeviceToHost));
+  SP_TEST_CU(cudaMemcpy(got, dv, sizeof got, cudaMemcpyDeviceToHost));
   assert_memory_equal(got, h, sizeof h);
-  CU(cudaFree(dv));
+  SP_TEST_CU(cudaFree(dv));
   sp_comm_free(c);
 }
 
 /* Work enqueued on the communicator's stream runs before its operations. */
 static void test_stream_ordering(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   sp_comm *c = new_n1(&st, "stream", 10000);
   void *s = NULL;
   assert_int_equal(sp_comm_cuda_stream(c, &s), 0);
   assert_non_null(s);
-  CU(cudaStreamQuery((cudaStream_t)s));
+  SP_TEST_CU(cudaStreamQuery((cudaStream_t)s));
   enum { N = 1 << 20 };
   void *dsend = NULL, *drecv = NULL;
-  CU(cudaMalloc(&dsend, N));
-  CU(cudaMalloc(&drecv, N));
-  CU(cudaMemset(dsend, 0, N));
-  CU(cudaMemset(drecv, 0, N));
-  CU(cudaDeviceSynchronize());
+  SP_TEST_CU(cudaMalloc(&dsend, N));
+  SP_TEST_CU(cudaMalloc(&drecv, N));
+  SP_TEST_CU(cudaMemset(dsend, 0, N));
+  SP_TEST_CU(cudaMemset(drecv, 0, N));
+  SP_TEST_CU(cudaDeviceSynchronize());
   /* Not synchronized: only the stream orders the memset before the
    * gather, whose result must see 0x5A everywhere. */
-  CU(cudaMemsetAsync(dsend, 0x5A, N, (cudaStream_t)s));
+  SP_TEST_CU(cudaMemsetAsync(dsend, 0x5A, N, (cudaStream_t)s));
   sp_diag d = {{0}};
   SP_OK(sp_comm_all_gather(c, dsend, drecv, N, SP_UINT8, &d), &d);
   unsigned char *h = malloc(N), *want = malloc(N);
   assert_non_null(h);
   assert_non_null(want);
   memset(want, 0x5A, N);
-  CU(cudaMemcpy(h, drecv, N, cudaMemcpyDeviceToHost));
+  SP_TEST_CU(cudaMemcpy(h, drecv, N, cudaMemcpyDeviceToHost));
   assert_memory_equal(h, want, N);
   free(h);
   free(want);
-  CU(cudaFree(dsend));
-  CU(cudaFree(drecv));
+  SP_TEST_CU(cudaFree(dsend));
+  SP_TEST_CU(cudaFree(drecv));
   sp_comm_free(c);
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 
 /* Host memory is refused before anything is enqueued; the communicator is
  * then broken, as after any failed operation. */
 static void test_host_pointers_refused(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   sp_diag d = {{0}};
   float host[16] = {0};
   void *dv = NULL;
-  CU(cudaMalloc(&dv, sizeof host));
+  SP_TEST_CU(cudaMalloc(&dv, sizeof host));
 
   sp_comm *c = new_n1(&st, "host1", 10000);
   SP_WANT(SP_EINVAL, sp_comm_all_reduce(c, host, 16, SP_FLOAT32, &d), &d);
@@ -610,7 +470,7 @@ static void test_host_pointers_refused(void **state) {
 
   /* pinned host memory is host memory too; here in the send position */
   void *pinned = NULL;
-  CU(cudaMallocHost(&pinned, sizeof host));
+  SP_TEST_CU(cudaMallocHost(&pinned, sizeof host));
   c = new_n1(&st, "host2", 10000);
   SP_WANT(SP_EINVAL, sp_comm_all_gather(c, pinned, dv, 16, SP_FLOAT32, &d), &d);
   assert_non_null(strstr(d.msg, "pinned host"));
@@ -620,123 +480,123 @@ static void test_host_pointers_refused(void **state) {
           &d);
   assert_non_null(strstr(d.msg, "recv"));
   sp_comm_free(c);
-  CU(cudaFreeHost(pinned));
-  CU(cudaFree(dv));
-  mstore_destroy(&st);
+  SP_TEST_CU(cudaFreeHost(pinned));
+  SP_TEST_CU(cudaFree(dv));
+  sp_mstore_destroy(&st);
 }
 
 /* An aborted communicator refuses everything and frees through
  * ncclCommAbort. */
 static void test_abort_idle(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   sp_comm *c = new_n1(&st, "abort_idle", 10000);
   sp_diag d = {{0}};
   void *dv = NULL;
-  CU(cudaMalloc(&dv, 64));
+  SP_TEST_CU(cudaMalloc(&dv, 64));
   SP_OK(sp_comm_all_reduce(c, dv, 16, SP_FLOAT32, &d), &d);
   sp_comm_abort(c);
   sp_comm_abort(c); /* twice is fine */
   SP_WANT(SP_ECANCELED, sp_comm_all_reduce(c, dv, 16, SP_FLOAT32, &d), &d);
   SP_WANT(SP_ECANCELED, sp_comm_barrier(c, &d), &d);
   SP_OK(sp_comm_leave(c, &d), &d); /* nothing to protect */
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   sp_comm_free(c);
-  assert_true(now_s() - t0 < 10.0);
-  CU(cudaFree(dv));
-  mstore_destroy(&st);
+  assert_true(sp_clock_s() - t0 < 10.0);
+  SP_TEST_CU(cudaFree(dv));
+  sp_mstore_destroy(&st);
 }
 
-/* A host function on the stream that holds it until `open`. */
-typedef struct gate {
-  atomic_int open;
-  atomic_int entered;
-} gate;
-
-static void CUDART_CB gate_fn(void *arg) {
-  gate *g = arg;
-  atomic_store(&g->entered, 1);
-  /* 30 s safety valve: never hold the GPU forever, whatever the test does */
-  for (int i = 0; i < 30000 && !atomic_load(&g->open); i++) sleep_ms(1);
-}
-
-typedef struct blocker {
+/* A single-member communicator whose stream is held by a host function
+ * (the gate) until `open`, and a thread that opens the gate open_after_ms
+ * after the start, having aborted the communicator abort_after_ms after
+ * the start first when that is not 0. */
+typedef struct held {
+  sp_mstore st;
   sp_comm *c;
-  gate *g;
+  void *dv; /* 4096 device bytes for the operation */
+  atomic_int open;
   unsigned abort_after_ms; /* 0: no abort */
   unsigned open_after_ms;  /* after the start (or after the abort) */
-} blocker;
+  pthread_t t;
+} held;
 
-static void *blocker_thread(void *arg) {
-  blocker *b = arg;
-  if (b->abort_after_ms > 0) {
-    sleep_ms(b->abort_after_ms);
-    sp_comm_abort(b->c);
+static void CUDART_CB gate_fn(void *arg) {
+  held *h = arg;
+  /* 30 s safety valve: never hold the GPU forever, whatever the test does */
+  for (int i = 0; i < 30000 && !atomic_load(&h->open); i++)
+    sp_test_sleep_ms(1);
+}
+
+static void *opener_thread(void *arg) {
+  held *h = arg;
+  if (h->abort_after_ms > 0) {
+    sp_test_sleep_ms(h->abort_after_ms);
+    sp_comm_abort(h->c);
   }
-  sleep_ms(b->open_after_ms);
-  atomic_store(&b->g->open, 1);
+  sp_test_sleep_ms(h->open_after_ms);
+  atomic_store(&h->open, 1);
   return NULL;
+}
+
+static void held_start(held *h, const char *prefix, uint64_t timeout_ms,
+                       unsigned abort_after_ms, unsigned open_after_ms) {
+  sp_mstore_init(&h->st);
+  h->c = new_n1(&h->st, prefix, timeout_ms);
+  void *s = NULL;
+  assert_int_equal(sp_comm_cuda_stream(h->c, &s), 0);
+  h->dv = NULL;
+  SP_TEST_CU(cudaMalloc(&h->dv, 4096));
+  atomic_init(&h->open, 0);
+  h->abort_after_ms = abort_after_ms;
+  h->open_after_ms = open_after_ms;
+  SP_TEST_CU(cudaLaunchHostFunc((cudaStream_t)s, gate_fn, h));
+  assert_int_equal(pthread_create(&h->t, NULL, opener_thread, h), 0);
+}
+
+/* After held_start: the thread joined (the gate open). */
+static void held_join(held *h) { pthread_join(h->t, NULL); }
+
+static void held_free(held *h) {
+  sp_comm_free(h->c);
+  SP_TEST_CU(cudaFree(h->dv));
+  sp_mstore_destroy(&h->st);
 }
 
 /* sp_comm_abort from another thread wakes an operation that is waiting for
  * the device: SP_ECANCELED, promptly, and the communicator stays aborted. */
 static void test_abort_blocked_op(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
-  sp_comm *c = new_n1(&st, "abort_blocked", 20000);
-  void *s = NULL;
-  assert_int_equal(sp_comm_cuda_stream(c, &s), 0);
-  void *dv = NULL;
-  CU(cudaMalloc(&dv, 4096));
-  gate g;
-  atomic_init(&g.open, 0);
-  atomic_init(&g.entered, 0);
-  CU(cudaLaunchHostFunc((cudaStream_t)s, gate_fn, &g));
-  blocker b = {.c = c, .g = &g, .abort_after_ms = 200, .open_after_ms = 300};
-  pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, blocker_thread, &b), 0);
+  held h;
+  held_start(&h, "abort_blocked", 20000, 200, 300);
   sp_diag d = {{0}};
-  double t0 = now_s();
-  int rc = sp_comm_all_reduce(c, dv, 1024, SP_FLOAT32, &d);
-  double dt = now_s() - t0;
-  pthread_join(t, NULL);
+  double t0 = sp_clock_s();
+  int rc = sp_comm_all_reduce(h.c, h.dv, 1024, SP_FLOAT32, &d);
+  double dt = sp_clock_s() - t0;
+  held_join(&h);
   printf("aborted all_reduce returned %s after %.0f ms: %s\n", sp_err_name(rc),
          dt * 1e3, d.msg);
   if (rc != SP_ECANCELED)
     fail_msg("got %s (%s), want SP_ECANCELED", sp_err_name(rc), d.msg);
   assert_true(dt >= 0.15);
   assert_true(dt < 10.0);
-  SP_WANT(SP_ECANCELED, sp_comm_barrier(c, &d), &d);
-  sp_comm_free(c);
-  CU(cudaFree(dv));
-  mstore_destroy(&st);
+  SP_WANT(SP_ECANCELED, sp_comm_barrier(h.c, &d), &d);
+  held_free(&h);
 }
 
 /* An operation that does not complete within the timeout: SP_ETIMEDOUT,
  * the NCCL communicator aborted, the sp_comm broken. */
 static void test_op_timeout(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
-  sp_comm *c = new_n1(&st, "op_timeout", 300);
-  void *s = NULL;
-  assert_int_equal(sp_comm_cuda_stream(c, &s), 0);
-  void *dv = NULL;
-  CU(cudaMalloc(&dv, 4096));
-  gate g;
-  atomic_init(&g.open, 0);
-  atomic_init(&g.entered, 0);
-  CU(cudaLaunchHostFunc((cudaStream_t)s, gate_fn, &g));
-  blocker b = {.c = c, .g = &g, .abort_after_ms = 0, .open_after_ms = 1000};
-  pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, blocker_thread, &b), 0);
+  held h;
+  held_start(&h, "op_timeout", 300, 0, 1000);
   sp_diag d = {{0}};
-  double t0 = now_s();
-  int rc = sp_comm_all_gather(c, dv, (char *)dv + 2048, 512, SP_FLOAT32, &d);
-  double dt = now_s() - t0;
-  pthread_join(t, NULL);
+  double t0 = sp_clock_s();
+  int rc = sp_comm_all_gather(h.c, h.dv, (char *)h.dv + 2048, 512, SP_FLOAT32,
+                              &d);
+  double dt = sp_clock_s() - t0;
+  held_join(&h);
   printf("blocked all_gather returned %s after %.0f ms: %s\n", sp_err_name(rc),
          dt * 1e3, d.msg);
   if (rc != SP_ETIMEDOUT)
@@ -744,14 +604,12 @@ static void test_op_timeout(void **state) {
   assert_non_null(strstr(d.msg, "300 ms"));
   assert_true(dt >= 0.25);
   assert_true(dt < 10.0);
-  rc = sp_comm_barrier(c, &d);
+  rc = sp_comm_barrier(h.c, &d);
   if (rc != SP_ETIMEDOUT || strstr(d.msg, "broken") == NULL)
     fail_msg("after a timeout: got %s (%s), want the broken communicator's "
              "SP_ETIMEDOUT",
              sp_err_name(rc), d.msg);
-  sp_comm_free(c);
-  CU(cudaFree(dv));
-  mstore_destroy(&st);
+  held_free(&h);
 }
 
 typedef struct canceller {
@@ -763,7 +621,7 @@ typedef struct canceller {
 static bool cancel_after(void *user) {
   canceller *k = user;
   atomic_fetch_add(&k->calls, 1);
-  return now_s() - k->start >= k->after_s;
+  return sp_clock_s() - k->start >= k->after_s;
 }
 
 /* Rank 0 of 2 with nobody else: the non-blocking init waits for rank 1
@@ -771,14 +629,14 @@ static bool cancel_after(void *user) {
  * stops when told (SP_ECANCELED). The id was published either way. */
 static void test_init_timeout_and_cancel(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   sp_comm *c = (sp_comm *)&st;
   sp_diag d = {{0}};
   sp_comm_opts o = nccl_opts(&st, "lonely", 0, 2, "cuda:0", 1500);
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   int rc = sp_comm_new(&o, &c, &d);
-  double dt = now_s() - t0;
+  double dt = sp_clock_s() - t0;
   printf("rank 0 of 2 alone: %s after %.0f ms: %s\n", sp_err_name(rc), dt * 1e3,
          d.msg);
   if (rc != SP_ETIMEDOUT)
@@ -786,54 +644,54 @@ static void test_init_timeout_and_cancel(void **state) {
   assert_null(c);
   assert_true(dt >= 1.4);
   assert_true(dt < 20.0);
-  assert_int_equal(mstore_len(&st, "lonely/nccl_id"), 128);
+  assert_int_equal(sp_mstore_len(&st, "lonely/nccl_id"), 128);
 
-  canceller k = {.start = now_s(), .after_s = 0.3};
+  canceller k = {.start = sp_clock_s(), .after_s = 0.3};
   atomic_init(&k.calls, 0);
   o = nccl_opts(&st, "lonely2", 0, 2, "cuda:0", 30000);
   o.cancel = cancel_after;
   o.cancel_user = &k;
-  t0 = now_s();
+  t0 = sp_clock_s();
   rc = sp_comm_new(&o, &c, &d);
-  dt = now_s() - t0;
+  dt = sp_clock_s() - t0;
   printf("rank 0 of 2 cancelled: %s after %.0f ms: %s\n", sp_err_name(rc),
          dt * 1e3, d.msg);
   if (rc != SP_ECANCELED)
     fail_msg("got %s (%s), want SP_ECANCELED", sp_err_name(rc), d.msg);
   assert_true(dt < 15.0);
   assert_true(atomic_load(&k.calls) > 0);
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 
 /* Rank 1 of 2 whose id never comes: the store wait times out, or is
  * cancelled; an id of the wrong size is SP_EFORMAT. No NCCL call is made. */
 static void test_rank1_without_id(void **state) {
   (void)state;
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   sp_comm *c = NULL;
   sp_diag d = {{0}};
   sp_comm_opts o = nccl_opts(&st, "noid", 1, 2, "cuda:0", 500);
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   SP_WANT(SP_ETIMEDOUT, sp_comm_new(&o, &c, &d), &d);
-  assert_true(now_s() - t0 >= 0.45);
+  assert_true(sp_clock_s() - t0 >= 0.45);
   assert_non_null(strstr(d.msg, "noid/nccl_id"));
   assert_null(c);
 
-  canceller k = {.start = now_s(), .after_s = 0.2};
+  canceller k = {.start = sp_clock_s(), .after_s = 0.2};
   atomic_init(&k.calls, 0);
   o = nccl_opts(&st, "noid2", 1, 2, "cuda:0", 30000);
   o.cancel = cancel_after;
   o.cancel_user = &k;
-  t0 = now_s();
+  t0 = sp_clock_s();
   SP_WANT(SP_ECANCELED, sp_comm_new(&o, &c, &d), &d);
-  assert_true(now_s() - t0 < 5.0);
+  assert_true(sp_clock_s() - t0 < 5.0);
 
-  assert_int_equal(mstore_set(&st, "short/nccl_id", "xyz", 3, &d), 0);
+  assert_int_equal(sp_mstore_set(&st, "short/nccl_id", "xyz", 3, &d), 0);
   o = nccl_opts(&st, "short", 1, 2, "cuda:0", 5000);
   SP_WANT(SP_EFORMAT, sp_comm_new(&o, &c, &d), &d);
   assert_null(c);
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 
 /* ---- more than one GPU: a real multi-rank run -------------------------- */
@@ -841,7 +699,7 @@ static void test_rank1_without_id(void **state) {
 enum { MAX_RANKS = 8 };
 
 typedef struct rank_arg {
-  mstore *st;
+  sp_mstore *st;
   uint32_t rank, size;
   char fail[SP_DIAG_MAX + 128];
 } rank_arg;
@@ -939,8 +797,8 @@ static void test_multi_gpu(void **state) {
     skip();
   }
   uint32_t W = g_ndev < MAX_RANKS ? (uint32_t)g_ndev : MAX_RANKS;
-  mstore st;
-  mstore_init(&st);
+  sp_mstore st;
+  sp_mstore_init(&st);
   rank_arg args[MAX_RANKS];
   pthread_t th[MAX_RANKS];
   for (uint32_t r = 0; r < W; r++) {
@@ -953,7 +811,7 @@ static void test_multi_gpu(void **state) {
   printf("NCCL across %u GPUs: all_gather, reduce_scatter, broadcast, "
          "barrier agree\n",
          W);
-  mstore_destroy(&st);
+  sp_mstore_destroy(&st);
 }
 
 #define GPU_TEST(fn) cmocka_unit_test_setup_teardown(fn, watchdog, watchdog_off)

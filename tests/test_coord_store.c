@@ -50,19 +50,8 @@ static void await_waiters(fixture *fx, size_t n) {
 
 #define expect_code sp_test_expect_status
 
-static void free_msg(void *m) {
-  if (m) protobuf_c_message_free_unpacked(m, NULL);
-}
-
-static ProtobufCMessage *call_on(sp_rpc_sync *cli, const char *method,
-                                 const ProtobufCMessage *req,
-                                 const ProtobufCMessageDescriptor *desc,
-                                 uint64_t timeout_ms, sp_rpc_status *st) {
-  ProtobufCMessage *resp = NULL;
-  assert_int_equal(
-      sp_rpc_sync_unary(cli, method, req, desc, timeout_ms, &resp, st), 0);
-  return resp;
-}
+#define free_msg sp_test_free_msg
+#define call_on sp_test_unary
 
 /* ---- typed calls -------------------------------------------------------- */
 

@@ -23,31 +23,10 @@ typedef sp_coord_fixture fixture;
 #define MODEL(name) SP_EXAMPLES "/models/" name ".json"
 #define PATH(m) SP_COORD_PATH(m)
 
-/* One unary call; returns the decoded response or NULL with *st set. */
-static ProtobufCMessage *call(fixture *fx, const char *method,
-                              const ProtobufCMessage *req,
-                              const ProtobufCMessageDescriptor *resp_desc,
-                              sp_rpc_status *st) {
-  ProtobufCMessage *resp = NULL;
-  assert_int_equal(
-      sp_rpc_sync_unary(fx->cli, method, req, resp_desc, 5000, &resp, st), 0);
-  return resp;
-}
-
+#define call sp_coord_fixture_call
+#define get_job sp_coord_fixture_get_job
+#define free_msg sp_test_free_msg
 #define expect_code sp_test_expect_status
-
-static Shardplane__V1__GetJobResponse *get_job(fixture *fx) {
-  Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
-  sp_rpc_status st;
-  ProtobufCMessage *r = call(fx, PATH("GetJob"), &q.base,
-                             &shardplane__v1__get_job_response__descriptor, &st);
-  expect_code(&st, SP_RPC_OK, NULL);
-  return (Shardplane__V1__GetJobResponse *)r;
-}
-
-static void free_msg(void *m) {
-  if (m) protobuf_c_message_free_unpacked(m, NULL);
-}
 
 /* ---------------- plans ---------------- */
 

@@ -28,12 +28,6 @@
 
 #include "cast_cuda.h"
 
-#define CU(call)                                                               \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess) fail_msg("%s: %s", #call, cudaGetErrorString(e_));  \
-  } while (0)
-
 static const sp_dtype k_float_types[] = {SP_FLOAT32, SP_FLOAT64, SP_FLOAT16,
                                          SP_BFLOAT16};
 
@@ -78,7 +72,7 @@ static unsigned char g_fill = 0x11;
 /* Fills the whole device buffer with the next fill byte. */
 static unsigned char fill_device(void *dev, size_t bytes) {
   g_fill = (unsigned char)(g_fill * 73u + 41u);
-  CU(cudaMemset(dev, g_fill, bytes));
+  SP_TEST_CU(cudaMemset(dev, g_fill, bytes));
   return g_fill;
 }
 
@@ -91,7 +85,7 @@ static void fetch_checked(void *host_dst, const void *ddst, size_t dst_off,
   size_t total = dst_off + bytes + GUARD;
   unsigned char *all = malloc(total);
   assert_non_null(all);
-  CU(cudaMemcpy(all, ddst, total, cudaMemcpyDeviceToHost));
+  SP_TEST_CU(cudaMemcpy(all, ddst, total, cudaMemcpyDeviceToHost));
   for (size_t k = 0; k < dst_off; k++)
     if (all[k] != fill)
       fail_msg("%s: byte %zu before the destination was written", what, k);
@@ -111,41 +105,61 @@ static void gpu_cast(void *host_dst, sp_dtype dt, const void *host_src,
   unsigned char *s = (unsigned char *)dsrc + src_off;
   unsigned char *d = (unsigned char *)ddst + dst_off;
   unsigned char fill = fill_device(ddst, dst_off + n * ds + GUARD);
-  if (n > 0) CU(cudaMemcpy(s, host_src, n * ss, cudaMemcpyHostToDevice));
+  if (n > 0)
+    SP_TEST_CU(cudaMemcpy(s, host_src, n * ss, cudaMemcpyHostToDevice));
   int rc = sp_cuda_cast(d, dt, s, st, n, NULL);
   if (rc != 0) fail_msg("sp_cuda_cast: %s", sp_strerror(rc));
-  CU(cudaDeviceSynchronize());
+  SP_TEST_CU(cudaDeviceSynchronize());
   fetch_checked(host_dst, ddst, dst_off, n * ds, fill, "sp_cuda_cast");
+}
+
+/* A test's buffers: input, expected and result on the host, source and
+ * destination on the device. */
+typedef struct bufs {
+  unsigned char *in, *want, *got;
+  void *dsrc, *ddst;
+} bufs;
+
+static void bufs_new(bufs *b, size_t host_bytes, size_t dsrc_bytes,
+                     size_t ddst_bytes) {
+  b->in = malloc(host_bytes);
+  b->want = malloc(host_bytes);
+  b->got = malloc(host_bytes);
+  assert_non_null(b->in);
+  assert_non_null(b->want);
+  assert_non_null(b->got);
+  b->dsrc = b->ddst = NULL;
+  SP_TEST_CU(cudaMalloc(&b->dsrc, dsrc_bytes));
+  SP_TEST_CU(cudaMalloc(&b->ddst, ddst_bytes));
+}
+
+static void bufs_free(bufs *b) {
+  SP_TEST_CU(cudaFree(b->dsrc));
+  SP_TEST_CU(cudaFree(b->ddst));
+  free(b->in);
+  free(b->want);
+  free(b->got);
 }
 
 static void test_all_16bit_inputs(void **state) {
   (void)state;
   enum { N = 65536 };
-  uint16_t *in = malloc(N * 2);
-  unsigned char *want = malloc(N * 8), *got = malloc(N * 8);
-  void *dsrc = NULL, *ddst = NULL;
-  assert_non_null(in);
-  assert_non_null(want);
-  assert_non_null(got);
-  CU(cudaMalloc(&dsrc, N * 8));
-  CU(cudaMalloc(&ddst, N * 8 + 64));
+  bufs io;
+  bufs_new(&io, N * 8, N * 8, N * 8 + 64);
+  uint16_t *in = (uint16_t *)io.in;
   for (uint32_t i = 0; i < N; i++) in[i] = (uint16_t)i;
   const sp_dtype srcs[] = {SP_FLOAT16, SP_BFLOAT16};
   for (int s = 0; s < 2; s++) {
     for (int t = 0; t < 4; t++) {
       sp_dtype dt = k_float_types[t];
-      ref_cast(want, dt, in, srcs[s], N);
-      gpu_cast(got, dt, in, srcs[s], N, 0, 0, dsrc, ddst);
-      if (memcmp(got, want, N * sp_dtype_size(dt)) != 0)
+      ref_cast(io.want, dt, in, srcs[s], N);
+      gpu_cast(io.got, dt, in, srcs[s], N, 0, 0, io.dsrc, io.ddst);
+      if (memcmp(io.got, io.want, N * sp_dtype_size(dt)) != 0)
         fail_msg("GPU %s -> %s differs from scalar", sp_dtype_name(srcs[s]),
                  sp_dtype_name(dt));
     }
   }
-  cudaFree(dsrc);
-  cudaFree(ddst);
-  free(in);
-  free(want);
-  free(got);
+  bufs_free(&io);
 }
 
 static void test_pairs_lengths_offsets(void **state) {
@@ -155,18 +169,12 @@ static void test_pairs_lengths_offsets(void **state) {
    * or the vector kernel after a head, depending on the pair */
   static const size_t offsets[] = {0, 1, 2, 4, 6, 8, 12, 16};
   const size_t maxn = 100003;
-  unsigned char *in = malloc(maxn * 8), *want = malloc(maxn * 8),
-                *got = malloc(maxn * 8);
-  void *dsrc = NULL, *ddst = NULL;
-  assert_non_null(in);
-  assert_non_null(want);
-  assert_non_null(got);
-  CU(cudaMalloc(&dsrc, maxn * 8 + 64));
-  CU(cudaMalloc(&ddst, maxn * 8 + 64));
+  bufs io;
+  bufs_new(&io, maxn * 8, maxn * 8 + 64, maxn * 8 + 64);
   sp_test_rng rng = {0xC0DA};
   for (size_t i = 0; i < maxn; i++) {
     uint64_t x = sp_test_rng_next(&rng);
-    memcpy(in + i * 8, &x, 8);
+    memcpy(io.in + i * 8, &x, 8);
   }
   size_t checked = 0;
   for (int a = 0; a < 4; a++) {
@@ -174,12 +182,13 @@ static void test_pairs_lengths_offsets(void **state) {
       sp_dtype st = k_float_types[a], dt = k_float_types[b];
       for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
         size_t n = lengths[li];
-        ref_cast(want, dt, in, st, n);
+        ref_cast(io.want, dt, io.in, st, n);
         for (size_t so = 0; so < sizeof offsets / sizeof offsets[0]; so++) {
           for (size_t dof = 0; dof < sizeof offsets / sizeof offsets[0];
                dof++) {
-            gpu_cast(got, dt, in, st, n, offsets[so], offsets[dof], dsrc, ddst);
-            if (memcmp(got, want, n * sp_dtype_size(dt)) != 0)
+            gpu_cast(io.got, dt, io.in, st, n, offsets[so], offsets[dof],
+                     io.dsrc, io.ddst);
+            if (memcmp(io.got, io.want, n * sp_dtype_size(dt)) != 0)
               fail_msg("GPU %s -> %s n=%zu src+%zu dst+%zu differs",
                        sp_dtype_name(st), sp_dtype_name(dt), n, offsets[so],
                        offsets[dof]);
@@ -190,11 +199,7 @@ static void test_pairs_lengths_offsets(void **state) {
     }
   }
   printf("GPU pairs x lengths x offsets: %zu casts checked\n", checked);
-  cudaFree(dsrc);
-  cudaFree(ddst);
-  free(in);
-  free(want);
-  free(got);
+  bufs_free(&io);
 }
 
 static void test_in_place_and_errors(void **state) {
@@ -202,15 +207,15 @@ static void test_in_place_and_errors(void **state) {
   enum { N = 4099 };
   uint16_t in[N], want[N], got[N];
   void *d = NULL;
-  CU(cudaMalloc(&d, N * 2));
+  SP_TEST_CU(cudaMalloc(&d, N * 2));
   /* spread over all 16-bit patterns (the product exceeds 65535 near the
    * end, hence the wrap in integer arithmetic) */
   for (int i = 0; i < N; i++) in[i] = (uint16_t)((uint32_t)(i * 16.001));
   ref_cast(want, SP_FLOAT16, in, SP_BFLOAT16, N);
-  CU(cudaMemcpy(d, in, sizeof in, cudaMemcpyHostToDevice));
+  SP_TEST_CU(cudaMemcpy(d, in, sizeof in, cudaMemcpyHostToDevice));
   assert_int_equal(sp_cuda_cast(d, SP_FLOAT16, d, SP_BFLOAT16, N, NULL), 0);
-  CU(cudaDeviceSynchronize());
-  CU(cudaMemcpy(got, d, sizeof got, cudaMemcpyDeviceToHost));
+  SP_TEST_CU(cudaDeviceSynchronize());
+  SP_TEST_CU(cudaMemcpy(got, d, sizeof got, cudaMemcpyDeviceToHost));
   assert_memory_equal(got, want, sizeof got);
 
   assert_int_equal(sp_cuda_cast(d, SP_INT32, d, SP_FLOAT32, 4, NULL),
@@ -362,14 +367,8 @@ static void test_cast_at(void **state) {
   static const size_t src_offs[] = {0, 1, 3, 4, 8};
   static const size_t dst_offs[] = {0, 1, 2, 4, 7, 8, 65536 * 3};
   const size_t maxn = 65539, maxoff = 65536 * 3;
-  unsigned char *in = malloc(maxn * 8), *want = malloc(maxn * 8),
-                *got = malloc(maxn * 8);
-  void *dsrc = NULL, *ddst = NULL;
-  assert_non_null(in);
-  assert_non_null(want);
-  assert_non_null(got);
-  CU(cudaMalloc(&dsrc, (maxn + 8) * 8));
-  CU(cudaMalloc(&ddst, (maxn + maxoff) * 8 + GUARD));
+  bufs io;
+  bufs_new(&io, maxn * 8, (maxn + 8) * 8, (maxn + maxoff) * 8 + GUARD);
   sp_test_rng rng = {0xA77};
   size_t checked = 0;
   for (int a = 0; a < 4; a++) {
@@ -378,21 +377,22 @@ static void test_cast_at(void **state) {
       size_t ss = sp_dtype_size(st), ds = sp_dtype_size(dt);
       for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
         size_t n = lengths[li];
-        fill_specials(in, st, n, &rng);
-        ref_cast(want, dt, in, st, n);
+        fill_specials(io.in, st, n, &rng);
+        ref_cast(io.want, dt, io.in, st, n);
         for (size_t so = 0; so < sizeof src_offs / sizeof src_offs[0]; so++) {
           for (size_t dof = 0; dof < sizeof dst_offs / sizeof dst_offs[0];
                dof++) {
             size_t soff = src_offs[so], doff = dst_offs[dof];
-            unsigned char fill = fill_device(ddst, (doff + n) * ds + GUARD);
-            CU(cudaMemcpy((unsigned char *)dsrc + soff * ss, in, n * ss,
-                          cudaMemcpyHostToDevice));
-            int rc = sp_cuda_cast_at(ddst, doff, dt, dsrc, soff, st, n, NULL);
+            unsigned char fill = fill_device(io.ddst, (doff + n) * ds + GUARD);
+            SP_TEST_CU(cudaMemcpy((unsigned char *)io.dsrc + soff * ss, io.in,
+                                  n * ss, cudaMemcpyHostToDevice));
+            int rc =
+                sp_cuda_cast_at(io.ddst, doff, dt, io.dsrc, soff, st, n, NULL);
             if (rc != 0) fail_msg("sp_cuda_cast_at: %s", sp_strerror(rc));
-            CU(cudaDeviceSynchronize());
-            fetch_checked(got, ddst, doff * ds, n * ds, fill,
+            SP_TEST_CU(cudaDeviceSynchronize());
+            fetch_checked(io.got, io.ddst, doff * ds, n * ds, fill,
                           "sp_cuda_cast_at");
-            compare_elems(got, want, in, st, dt, n, "sp_cuda_cast_at");
+            compare_elems(io.got, io.want, io.in, st, dt, n, "sp_cuda_cast_at");
             checked++;
           }
         }
@@ -401,22 +401,18 @@ static void test_cast_at(void **state) {
   }
   printf("GPU sp_cuda_cast_at: %zu slot casts checked\n", checked);
   /* offsets whose byte position overflows */
-  assert_int_equal(sp_cuda_cast_at(ddst, SIZE_MAX / 2, SP_FLOAT32, dsrc, 0,
-                                   SP_BFLOAT16, 4, NULL),
+  assert_int_equal(sp_cuda_cast_at(io.ddst, SIZE_MAX / 2, SP_FLOAT32, io.dsrc,
+                                   0, SP_BFLOAT16, 4, NULL),
                    SP_EINVAL);
-  assert_int_equal(sp_cuda_cast_at(ddst, 0, SP_FLOAT32, dsrc, SIZE_MAX,
+  assert_int_equal(sp_cuda_cast_at(io.ddst, 0, SP_FLOAT32, io.dsrc, SIZE_MAX,
                                    SP_BFLOAT16, 4, NULL),
                    SP_EINVAL);
   assert_int_equal(
-      sp_cuda_cast_at(ddst, 0, SP_INT32, dsrc, 0, SP_BFLOAT16, 4, NULL),
+      sp_cuda_cast_at(io.ddst, 0, SP_INT32, io.dsrc, 0, SP_BFLOAT16, 4, NULL),
       SP_EINVAL);
   assert_int_equal(
       sp_cuda_cast_at(NULL, 0, SP_FLOAT32, NULL, 0, SP_BFLOAT16, 0, NULL), 0);
-  CU(cudaFree(dsrc));
-  CU(cudaFree(ddst));
-  free(in);
-  free(want);
-  free(got);
+  bufs_free(&io);
 }
 
 /* The reduced gradient back to the master dtype with the post-divide: all
@@ -429,14 +425,8 @@ static void test_cast_div(void **state) {
   static const size_t lengths[] = {1, 9, 1003, 100003};
   static const size_t offs[] = {0, 1, 3, 8};
   const size_t maxn = 100003;
-  unsigned char *in = malloc(maxn * 8), *want = malloc(maxn * 8),
-                *got = malloc(maxn * 8);
-  void *dsrc = NULL, *ddst = NULL;
-  assert_non_null(in);
-  assert_non_null(want);
-  assert_non_null(got);
-  CU(cudaMalloc(&dsrc, (maxn + 8) * 8));
-  CU(cudaMalloc(&ddst, (maxn + 8) * 8 + GUARD));
+  bufs io;
+  bufs_new(&io, maxn * 8, (maxn + 8) * 8, (maxn + 8) * 8 + GUARD);
   sp_test_rng rng = {0xD1F};
   size_t checked = 0;
   for (int a = 0; a < 4; a++) {
@@ -447,34 +437,36 @@ static void test_cast_div(void **state) {
         double div = divs[vi];
         for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
           size_t n = lengths[li];
-          fill_specials(in, st, n, &rng);
-          ref_cast_div(want, dt, in, st, n, div);
+          fill_specials(io.in, st, n, &rng);
+          ref_cast_div(io.want, dt, io.in, st, n, div);
           for (size_t oi = 0; oi < sizeof offs / sizeof offs[0]; oi++) {
             /* source offset k, destination offset (k * 5) % 8: differing
              * alignments on the two sides */
             size_t soff = offs[oi], doff = (offs[oi] * 5) % 8;
-            unsigned char fill = fill_device(ddst, (doff + n) * ds + GUARD);
-            unsigned char *s = (unsigned char *)dsrc + soff * ss;
-            CU(cudaMemcpy(s, in, n * ss, cudaMemcpyHostToDevice));
-            int rc = sp_cuda_cast_div((unsigned char *)ddst + doff * ds, dt, s,
-                                      st, n, div, NULL);
+            unsigned char fill = fill_device(io.ddst, (doff + n) * ds + GUARD);
+            unsigned char *s = (unsigned char *)io.dsrc + soff * ss;
+            SP_TEST_CU(cudaMemcpy(s, io.in, n * ss, cudaMemcpyHostToDevice));
+            int rc = sp_cuda_cast_div((unsigned char *)io.ddst + doff * ds, dt,
+                                      s, st, n, div, NULL);
             if (rc != 0) fail_msg("sp_cuda_cast_div: %s", sp_strerror(rc));
-            CU(cudaDeviceSynchronize());
-            fetch_checked(got, ddst, doff * ds, n * ds, fill,
+            SP_TEST_CU(cudaDeviceSynchronize());
+            fetch_checked(io.got, io.ddst, doff * ds, n * ds, fill,
                           "sp_cuda_cast_div");
             char what[64];
             snprintf(what, sizeof what, "sp_cuda_cast_div(div %g)", div);
-            compare_elems(got, want, in, st, dt, n, what);
+            compare_elems(io.got, io.want, io.in, st, dt, n, what);
             checked++;
           }
           /* in place, equal element sizes */
           if (ss == ds) {
-            CU(cudaMemcpy(dsrc, in, n * ss, cudaMemcpyHostToDevice));
-            int rc = sp_cuda_cast_div(dsrc, dt, dsrc, st, n, div, NULL);
+            SP_TEST_CU(
+                cudaMemcpy(io.dsrc, io.in, n * ss, cudaMemcpyHostToDevice));
+            int rc = sp_cuda_cast_div(io.dsrc, dt, io.dsrc, st, n, div, NULL);
             if (rc != 0) fail_msg("sp_cuda_cast_div: %s", sp_strerror(rc));
-            CU(cudaDeviceSynchronize());
-            CU(cudaMemcpy(got, dsrc, n * ds, cudaMemcpyDeviceToHost));
-            compare_elems(got, want, in, st, dt, n,
+            SP_TEST_CU(cudaDeviceSynchronize());
+            SP_TEST_CU(
+                cudaMemcpy(io.got, io.dsrc, n * ds, cudaMemcpyDeviceToHost));
+            compare_elems(io.got, io.want, io.in, st, dt, n,
                           "sp_cuda_cast_div in place");
             checked++;
           }
@@ -485,17 +477,13 @@ static void test_cast_div(void **state) {
   printf("GPU sp_cuda_cast_div: %zu casts checked against fsdp.c's "
          "scale_div + sp_cast\n",
          checked);
-  CU(cudaFree(dsrc));
-  CU(cudaFree(ddst));
-  free(in);
-  free(want);
-  free(got);
+  bufs_free(&io);
 }
 
 static void test_cast_div_errors(void **state) {
   (void)state;
   void *d = NULL;
-  CU(cudaMalloc(&d, 256));
+  SP_TEST_CU(cudaMalloc(&d, 256));
   unsigned char *p = d;
   assert_int_equal(sp_cuda_cast_div(d, SP_FLOAT32, d, SP_FLOAT32, 4, 0.0, NULL),
                    SP_EINVAL);
@@ -520,33 +508,25 @@ static void test_cast_div_errors(void **state) {
                    SP_EINVAL);
   assert_int_equal(
       sp_cuda_cast_div(NULL, SP_FLOAT32, NULL, SP_FLOAT16, 0, 2, NULL), 0);
-  CU(cudaDeviceSynchronize());
-  CU(cudaFree(d));
+  SP_TEST_CU(cudaDeviceSynchronize());
+  SP_TEST_CU(cudaFree(d));
 }
 #endif
 
 int main(void) {
-#ifndef SHARDPLANE_HAVE_CUDA
-  return sp_test_skip("built without CUDA (no CUDA toolkit at configure "
-                      "time)");
-#else
-  int n = 0;
-  int rc = sp_cuda_device_count(&n);
-  if (rc != 0) {
-    char why[128];
-    snprintf(why, sizeof why, "cannot query CUDA devices (%s)",
-             sp_strerror(rc));
-    return sp_test_skip(why);
+  int rc = sp_test_need_cuda_device();
+#ifdef SHARDPLANE_HAVE_CUDA
+  if (rc == 0) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_all_16bit_inputs),
+        cmocka_unit_test(test_pairs_lengths_offsets),
+        cmocka_unit_test(test_in_place_and_errors),
+        cmocka_unit_test(test_cast_at),
+        cmocka_unit_test(test_cast_div),
+        cmocka_unit_test(test_cast_div_errors),
+    };
+    rc = cmocka_run_group_tests(tests, NULL, NULL);
   }
-  if (n == 0) return sp_test_skip("no CUDA device (or no driver) present");
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_all_16bit_inputs),
-      cmocka_unit_test(test_pairs_lengths_offsets),
-      cmocka_unit_test(test_in_place_and_errors),
-      cmocka_unit_test(test_cast_at),
-      cmocka_unit_test(test_cast_div),
-      cmocka_unit_test(test_cast_div_errors),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
 #endif
+  return rc;
 }

@@ -24,6 +24,7 @@
 #include <cmocka.h>
 
 #include "cast_scalar.h"
+#include "clock.h"
 #include "dtype.h"
 #include "sp_error.h"
 #include "testutil.h"
@@ -33,25 +34,11 @@
 
 #include "cast_cuda.h"
 
-#define CU(call)                                                               \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess)                                                     \
-      fail_msg("%s:%d: %s: %s", __FILE__, __LINE__, #call,                     \
-               cudaGetErrorString(e_));                                        \
-  } while (0)
-
 #define SP_OK(call)                                                            \
   do {                                                                         \
     int rc_ = (call);                                                          \
     if (rc_ != 0) fail_msg("%s: %s", #call, sp_strerror(rc_));                 \
   } while (0)
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* fsdp.c's float32 post-divide (hardware double division, one rounding to
  * float). */
@@ -96,27 +83,27 @@ static void test_all_f32_inputs(void **state) {
   uint16_t *bf16 = NULL, *f16 = NULL;
   void *dsrc = NULL, *dbf = NULL, *dh = NULL, *dq = NULL;
   /* pinned host buffers: the copies run at full bus speed */
-  CU(cudaMallocHost((void **)&in, chunk * 4));
-  CU(cudaMallocHost((void **)&div3, chunk * 4));
-  CU(cudaMallocHost((void **)&bf16, chunk * 2));
-  CU(cudaMallocHost((void **)&f16, chunk * 2));
-  CU(cudaMalloc(&dsrc, chunk * 4));
-  CU(cudaMalloc(&dbf, chunk * 2));
-  CU(cudaMalloc(&dh, chunk * 2));
-  CU(cudaMalloc(&dq, chunk * 4));
+  SP_TEST_CU(cudaMallocHost((void **)&in, chunk * 4));
+  SP_TEST_CU(cudaMallocHost((void **)&div3, chunk * 4));
+  SP_TEST_CU(cudaMallocHost((void **)&bf16, chunk * 2));
+  SP_TEST_CU(cudaMallocHost((void **)&f16, chunk * 2));
+  SP_TEST_CU(cudaMalloc(&dsrc, chunk * 4));
+  SP_TEST_CU(cudaMalloc(&dbf, chunk * 2));
+  SP_TEST_CU(cudaMalloc(&dh, chunk * 2));
+  SP_TEST_CU(cudaMalloc(&dq, chunk * 4));
   unsigned long long bad[3] = {0, 0, 0};
   uint32_t first[3] = {0, 0, 0};
-  double t0 = now_s();
+  double t0 = sp_clock_s();
   for (uint64_t base = 0; base < (1ull << 32); base += chunk) {
     for (size_t i = 0; i < chunk; i++) in[i] = (uint32_t)(base + i);
-    CU(cudaMemcpy(dsrc, in, chunk * 4, cudaMemcpyHostToDevice));
+    SP_TEST_CU(cudaMemcpy(dsrc, in, chunk * 4, cudaMemcpyHostToDevice));
     SP_OK(sp_cuda_cast(dbf, SP_BFLOAT16, dsrc, SP_FLOAT32, chunk, NULL));
     SP_OK(sp_cuda_cast(dh, SP_FLOAT16, dsrc, SP_FLOAT32, chunk, NULL));
     SP_OK(sp_cuda_cast_div(dq, SP_FLOAT32, dsrc, SP_FLOAT32, chunk, 3.0, NULL));
-    CU(cudaDeviceSynchronize());
-    CU(cudaMemcpy(bf16, dbf, chunk * 2, cudaMemcpyDeviceToHost));
-    CU(cudaMemcpy(f16, dh, chunk * 2, cudaMemcpyDeviceToHost));
-    CU(cudaMemcpy(div3, dq, chunk * 4, cudaMemcpyDeviceToHost));
+    SP_TEST_CU(cudaDeviceSynchronize());
+    SP_TEST_CU(cudaMemcpy(bf16, dbf, chunk * 2, cudaMemcpyDeviceToHost));
+    SP_TEST_CU(cudaMemcpy(f16, dh, chunk * 2, cudaMemcpyDeviceToHost));
+    SP_TEST_CU(cudaMemcpy(div3, dq, chunk * 4, cudaMemcpyDeviceToHost));
     check_job jobs[MAX_THREADS];
     pthread_t th[MAX_THREADS];
     for (int t = 0; t < nth; t++) {
@@ -143,21 +130,21 @@ static void test_all_f32_inputs(void **state) {
          bad[1]);
   printf("GPU float32 / 3 -> float32 (div): 4294967296 inputs, %llu differ\n",
          bad[2]);
-  printf("(%.1f s, %d host threads comparing)\n", now_s() - t0, nth);
+  printf("(%.1f s, %d host threads comparing)\n", sp_clock_s() - t0, nth);
   if (bad[0] != 0)
     fail_msg("bfloat16: first mismatch at input 0x%08x", first[0]);
   if (bad[1] != 0)
     fail_msg("float16: first mismatch at input 0x%08x", first[1]);
   if (bad[2] != 0)
     fail_msg("float32 / 3: first mismatch at input 0x%08x", first[2]);
-  CU(cudaFree(dsrc));
-  CU(cudaFree(dbf));
-  CU(cudaFree(dh));
-  CU(cudaFree(dq));
-  CU(cudaFreeHost(in));
-  CU(cudaFreeHost(div3));
-  CU(cudaFreeHost(bf16));
-  CU(cudaFreeHost(f16));
+  SP_TEST_CU(cudaFree(dsrc));
+  SP_TEST_CU(cudaFree(dbf));
+  SP_TEST_CU(cudaFree(dh));
+  SP_TEST_CU(cudaFree(dq));
+  SP_TEST_CU(cudaFreeHost(in));
+  SP_TEST_CU(cudaFreeHost(div3));
+  SP_TEST_CU(cudaFreeHost(bf16));
+  SP_TEST_CU(cudaFreeHost(f16));
 }
 
 /* fsdp.c's 16-bit post-divide: widen, divide in double, round to float32,
@@ -196,17 +183,17 @@ static void test_all_16bit_div(void **state) {
   void *dsrc = NULL, *ddst = NULL;
   assert_non_null(in);
   assert_non_null(got);
-  CU(cudaMalloc(&dsrc, N * 2));
-  CU(cudaMalloc(&ddst, N * 8));
+  SP_TEST_CU(cudaMalloc(&dsrc, N * 2));
+  SP_TEST_CU(cudaMalloc(&ddst, N * 8));
   for (uint32_t i = 0; i < N; i++) in[i] = (uint16_t)i;
-  CU(cudaMemcpy(dsrc, in, N * 2, cudaMemcpyHostToDevice));
+  SP_TEST_CU(cudaMemcpy(dsrc, in, N * 2, cudaMemcpyHostToDevice));
   for (int s = 0; s < 2; s++) {
     for (int t = 0; t < 4; t++) {
       sp_dtype st = sts[s], dt = dts[t];
       size_t ds = sp_dtype_size(dt);
       SP_OK(sp_cuda_cast_div(ddst, dt, dsrc, st, N, 3.0, NULL));
-      CU(cudaDeviceSynchronize());
-      CU(cudaMemcpy(got, ddst, N * ds, cudaMemcpyDeviceToHost));
+      SP_TEST_CU(cudaDeviceSynchronize());
+      SP_TEST_CU(cudaMemcpy(got, ddst, N * ds, cudaMemcpyDeviceToHost));
       for (uint32_t i = 0; i < N; i++) {
         uint64_t g = 0, w = ref_div3_16(in[i], st, dt);
         memcpy(&g, got + i * ds, ds);
@@ -218,31 +205,23 @@ static void test_all_16bit_div(void **state) {
     }
   }
   printf("GPU 16-bit / 3 -> every dtype: all 65536 inputs of each agree\n");
-  CU(cudaFree(dsrc));
-  CU(cudaFree(ddst));
+  SP_TEST_CU(cudaFree(dsrc));
+  SP_TEST_CU(cudaFree(ddst));
   free(in);
   free(got);
 }
 #endif
 
 int main(void) {
-#ifndef SHARDPLANE_HAVE_CUDA
-  return sp_test_skip("built without CUDA (no CUDA toolkit at configure "
-                      "time)");
-#else
-  int n = 0;
-  int rc = sp_cuda_device_count(&n);
-  if (rc != 0) {
-    char why[128];
-    snprintf(why, sizeof why, "cannot query CUDA devices (%s)",
-             sp_strerror(rc));
-    return sp_test_skip(why);
+  int rc = sp_test_need_cuda_device();
+#ifdef SHARDPLANE_HAVE_CUDA
+  if (rc == 0) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_all_16bit_div),
+        cmocka_unit_test(test_all_f32_inputs),
+    };
+    rc = cmocka_run_group_tests(tests, NULL, NULL);
   }
-  if (n == 0) return sp_test_skip("no CUDA device (or no driver) present");
-  const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_all_16bit_div),
-      cmocka_unit_test(test_all_f32_inputs),
-  };
-  return cmocka_run_group_tests(tests, NULL, NULL);
 #endif
+  return rc;
 }

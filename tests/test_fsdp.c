@@ -55,13 +55,6 @@
 static char *g_dir;
 static char *g_synth;
 
-static void sleep_ms(unsigned ms) {
-  struct timespec ts = {.tv_sec = ms / 1000,
-                        .tv_nsec = (long)(ms % 1000) * 1000000L};
-  while (nanosleep(&ts, &ts) != 0) {
-  }
-}
-
 /* ---- a job: coordinator, W rank threads ---- */
 
 typedef struct job_cfg {
@@ -590,9 +583,7 @@ static void *rank_main(void *arg) {
   return NULL;
 }
 
-static void free_msg(void *m) {
-  if (m) protobuf_c_message_free_unpacked(m, NULL);
-}
+#define free_msg sp_test_free_msg
 
 /* What the coordinator says about each rank after the body: attached, the
  * root and every unit IDLE, exactly the transitions the rank made, no
@@ -950,7 +941,7 @@ static int body_limiter(rank_ctx *c, void *arg) {
   const uint32_t jump = 3;
   uint32_t nu = n_units(c);
   TRY(forward(c, true));
-  if (c->rank == 1) sleep_ms(200);
+  if (c->rank == 1) sp_test_sleep_ms(200);
   SCHED(c, 2, sp_fsdp_root_pre_backward(c->f, &D));
   TRY(write_grads(c, 0, &k_rank_grads));
   for (uint32_t i = 0; i < nu - 1; i++) {

@@ -16,11 +16,8 @@
  *    byte-equal.
  * Skips (exit 77, with the reason) when libshardplane was built without
  * CUDA or NCCL, or no CUDA device is present. */
-#include <fcntl.h>
 #include <math.h>
 #include <setjmp.h>
-#include <signal.h>
-#include <spawn.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -28,17 +25,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
 #include "cast.h"
-#include "clock.h"
+#include "job_fixture.h"
 #include "mlp.h"
 #include "mlp_cuda.h"
 #include "plan.h"
-#include "proc.h"
 #include "safetensors.h"
 #include "shardplane.h"
 #include "testutil.h"
@@ -49,8 +44,6 @@
 #include <cuda_runtime_api.h>
 #endif
 
-extern char **environ;
-
 #define MLP SP_EXAMPLES "/mlp.json"
 #define MLP_BUFFERS SP_TEST_DATA "/mlp_buffers.json"
 #define STEPS 6
@@ -58,12 +51,6 @@ extern char **environ;
 #define LR "0.05"
 
 #ifdef SP_GPU_TESTS
-
-#define CU(call)                                                               \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess) fail_msg("%s: %s", #call, cudaGetErrorString(e_));  \
-  } while (0)
 
 #define OK(call)                                                               \
   do {                                                                         \
@@ -168,18 +155,18 @@ static void tensors_init(tensors *t, const sp_model *m, sp_dtype pd,
                        0);
     free(orig);
   }
-  CU(cudaMalloc((void **)&t->dp, t->pbytes + 1));
-  CU(cudaMalloc((void **)&t->dg, t->pbytes + 1));
-  CU(cudaMalloc((void **)&t->db, t->bbytes + 1));
-  CU(cudaMemcpy(t->dp, t->hp, t->pbytes, cudaMemcpyHostToDevice));
-  CU(cudaMemset(t->dg, 0, t->pbytes));
-  CU(cudaMemcpy(t->db, t->hb, t->bbytes, cudaMemcpyHostToDevice));
+  SP_TEST_CU(cudaMalloc((void **)&t->dp, t->pbytes + 1));
+  SP_TEST_CU(cudaMalloc((void **)&t->dg, t->pbytes + 1));
+  SP_TEST_CU(cudaMalloc((void **)&t->db, t->bbytes + 1));
+  SP_TEST_CU(cudaMemcpy(t->dp, t->hp, t->pbytes, cudaMemcpyHostToDevice));
+  SP_TEST_CU(cudaMemset(t->dg, 0, t->pbytes));
+  SP_TEST_CU(cudaMemcpy(t->db, t->hb, t->bbytes, cudaMemcpyHostToDevice));
 }
 
 static void tensors_free(tensors *t) {
-  CU(cudaFree(t->dp));
-  CU(cudaFree(t->dg));
-  CU(cudaFree(t->db));
+  SP_TEST_CU(cudaFree(t->dp));
+  SP_TEST_CU(cudaFree(t->dg));
+  SP_TEST_CU(cudaFree(t->db));
   free(t->hp);
   free(t->hg);
   free(t->hb);
@@ -191,8 +178,8 @@ static void tensors_free(tensors *t) {
 static void *download(const void *dev, size_t bytes) {
   void *h = malloc(bytes + 1);
   assert_non_null(h);
-  CU(cudaDeviceSynchronize());
-  if (bytes) CU(cudaMemcpy(h, dev, bytes, cudaMemcpyDeviceToHost));
+  SP_TEST_CU(cudaDeviceSynchronize());
+  if (bytes) SP_TEST_CU(cudaMemcpy(h, dev, bytes, cudaMemcpyDeviceToHost));
   return h;
 }
 
@@ -349,7 +336,7 @@ static void layer_case_run(const layer_case *lc) {
     same_bits("loss gradient", dev, acts->dy, count);
     sp_dtype dy_dt = out_dt;
     memset(t.hg, 0, t.pbytes);
-    CU(cudaMemset(t.dg, 0, t.pbytes));
+    SP_TEST_CU(cudaMemset(t.dg, 0, t.pbytes));
     for (size_t l = mlp->n_layers; l-- > 0;) {
       const sp_mlp_layer *L = &mlp->layers[l];
       const char *fqn = m->modules[L->module].fqn;
@@ -414,172 +401,8 @@ static void test_layers(void **state) {
 /* whole runs: coordinator + shardplane-worker --device cuda:0        */
 /* ================================================================== */
 
-typedef struct test_job {
-  sp_proc coord;
-  pid_t w[4];
-  int status[4];
-  int n;
-  char addr[64];
-} test_job;
-
-#define MAXARGS 64
-
-static void job_start(test_job *j, const char *model,
-                      const char *const *cflags, int n,
-                      const char *const *wflags) {
-  memset(j, 0, sizeof *j);
-  j->n = n;
-  char *ca[MAXARGS];
-  size_t k = 0;
-  char ws[16];
-  snprintf(ws, sizeof ws, "%d", n);
-  ca[k++] = SP_BIN_DIR "/shardplane-coordinator";
-  ca[k++] = "--listen";
-  ca[k++] = "127.0.0.1:0";
-  ca[k++] = "--model";
-  ca[k++] = (char *)model;
-  ca[k++] = "--world-size";
-  ca[k++] = ws;
-  ca[k++] = "--quiet";
-  for (size_t i = 0; cflags && cflags[i]; i++) ca[k++] = (char *)cflags[i];
-  ca[k] = NULL;
-  sp_diag d = {{0}};
-  if (sp_proc_spawn(&j->coord, ca, false, false, "listening on 127.0.0.1:%d",
-                    &d) < 0)
-    fail_msg("coordinator: %s", d.msg);
-  snprintf(j->addr, sizeof j->addr, "127.0.0.1:%d", j->coord.port);
-  for (int r = 0; r < n; r++) {
-    char *wa[MAXARGS];
-    char rs[16];
-    snprintf(rs, sizeof rs, "%d", r);
-    size_t m = 0;
-    wa[m++] = SP_BIN_DIR "/shardplane-worker";
-    wa[m++] = "--coordinator";
-    wa[m++] = j->addr;
-    wa[m++] = "--rank";
-    wa[m++] = rs;
-    wa[m++] = "--log-every";
-    wa[m++] = "0";
-    for (size_t i = 0; wflags && wflags[i]; i++) wa[m++] = (char *)wflags[i];
-    wa[m] = NULL;
-    int rc = posix_spawn(&j->w[r], wa[0], NULL, NULL, wa, environ);
-    if (rc != 0) fail_msg("cannot start a worker: %s", strerror(rc));
-  }
-}
-
-static int job_wait(test_job *j, double timeout_s) {
-  double end = sp_clock_s() + timeout_s;
-  int ok = 0, left = j->n;
-  for (int r = 0; r < j->n; r++) j->status[r] = -2;
-  while (left > 0 && sp_clock_s() < end) {
-    for (int r = 0; r < j->n; r++) {
-      if (j->status[r] != -2) continue;
-      int st;
-      if (waitpid(j->w[r], &st, WNOHANG) == j->w[r]) {
-        j->status[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-        ok += j->status[r] == 0;
-        left--;
-      }
-    }
-    usleep(5000);
-  }
-  for (int r = 0; r < j->n; r++)
-    if (j->status[r] == -2) {
-      kill(j->w[r], SIGKILL);
-      waitpid(j->w[r], NULL, 0);
-      j->status[r] = -1;
-    }
-  sp_proc_stop(&j->coord, 5000);
-  return ok;
-}
-
-static void run_job(const char *model, const char *const *cflags, int n,
-                    const char *const *wflags) {
-  test_job j;
-  job_start(&j, model, cflags, n, wflags);
-  int ok = job_wait(&j, 180);
-  if (ok != n) {
-    for (int r = 0; r < n; r++)
-      fprintf(stderr, "rank %d: status %d\n", r, j.status[r]);
-    fail_msg("%d of %d workers succeeded", ok, n);
-  }
-}
-
-static double *read_losses(const char *path, size_t *n) {
-  char *s = sp_test_read_file(path);
-  double *v = calloc(1024, sizeof *v);
-  size_t k = 0;
-  char *p = s + 1;
-  while (*p && *p != ']' && k < 1024) {
-    char *end;
-    v[k++] = strtod(p, &end);
-    assert_true(end != p);
-    p = end;
-    while (*p == ',' || *p == ' ') p++;
-  }
-  free(s);
-  *n = k;
-  return v;
-}
-
-static sp_st_file *open_st(const char *dir, const char *name) {
-  char *path = sp_test_path(dir, name);
-  sp_st_file *st;
-  sp_diag d = {{0}};
-  if (sp_st_open(path, &st, &d) < 0) fail_msg("%s", d.msg);
-  free(path);
-  return st;
-}
-
-/* Every param of the FULL checkpoint in dir, in float64, model order. */
-static double *read_full_params(const sp_model *m, const char *dir) {
-  sp_st_file *st = open_st(dir, "full/model.safetensors");
-  size_t total = 0;
-  for (size_t p = 0; p < m->n_params; p++) total += (size_t)m->params[p].numel;
-  double *out = calloc(total + 1, sizeof *out);
-  size_t off = 0;
-  for (size_t p = 0; p < m->n_params; p++) {
-    const sp_st_tensor *t = sp_st_find(st, m->params[p].fqn);
-    if (!t) fail_msg("FULL checkpoint: no %s", m->params[p].fqn);
-    assert_int_equal(t->numel, m->params[p].numel);
-    assert_int_equal(t->dtype, m->params[p].dtype);
-    void *tmp = malloc(t->nbytes + 1);
-    memcpy(tmp, t->data, t->nbytes);
-    assert_int_equal(sp_cast(out + off, SP_FLOAT64, tmp, t->dtype, t->numel),
-                     0);
-    free(tmp);
-    off += (size_t)t->numel;
-  }
-  sp_st_free(st);
-  return out;
-}
-
-static double *ref_params_f64(const sp_model *m, const void *params) {
-  size_t total = 0;
-  for (size_t p = 0; p < m->n_params; p++) total += (size_t)m->params[p].numel;
-  double *out = calloc(total + 1, sizeof *out);
-  const uint8_t *src = params;
-  size_t off = 0;
-  for (size_t p = 0; p < m->n_params; p++) {
-    size_t n = (size_t)m->params[p].numel;
-    assert_int_equal(sp_cast(out + off, SP_FLOAT64, src, m->params[p].dtype, n),
-                     0);
-    src += n * sp_dtype_size(m->params[p].dtype);
-    off += n;
-  }
-  return out;
-}
-
-/* max |a - b| / max |b|, so values near zero do not dominate */
-static double rel_err(const double *a, const double *b, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; i++) {
-    double e = fabs(a[i] - b[i]);
-    if (!(e <= num)) num = e; /* a NaN makes the error NaN: fails below */
-    if (fabs(b[i]) > den) den = fabs(b[i]);
-  }
-  return den > 0 ? num / den : num;
-}
+/* a job's workers must all be done within this */
+#define JOB_TIMEOUT_S 180
 
 /* Bounds of the GPU run against the CPU's single-process reference.
  * float32: the runs differ only where cuBLAS sums a GEMM in another order
@@ -607,75 +430,25 @@ static const char *const k_strategies[] = {"FULL_SHARD", "SHARD_GRAD_OP",
                                            "NO_SHARD", "HYBRID_SHARD"};
 
 static void parity(const char *strategy, bool mp) {
-  char *dir = sp_test_mkdtemp();
-  char *losses = sp_test_path(dir, "losses.json");
-  char steps[16];
-  snprintf(steps, sizeof steps, "%d", STEPS);
-  const char *cflags[16];
-  size_t k = 0;
-  cflags[k++] = "--wrap-type";
-  cflags[k++] = "Linear";
-  cflags[k++] = "--strategy";
-  cflags[k++] = strategy;
-  cflags[k++] = "--backend";
-  cflags[k++] = "nccl";
-  if (strcmp(strategy, "HYBRID_SHARD") == 0) {
-    cflags[k++] = "--shard-group-size";
-    cflags[k++] = "1";
-  }
-  if (mp) {
-    cflags[k++] = "--param-dtype";
-    cflags[k++] = "bfloat16";
-    cflags[k++] = "--reduce-dtype";
-    cflags[k++] = "float32";
-  }
-  cflags[k] = NULL;
-  const char *wflags[] = {"--device", "cuda:0", "--steps", steps,
-                          "--global-batch", "24", "--lr", LR, "--losses",
-                          losses, "--checkpoint-dir", dir, NULL};
-  run_job(MLP, cflags, 1, wflags);
-
-  sp_model *m;
-  sp_diag d = {{0}};
-  assert_int_equal(sp_model_load_file(MLP, &m, &d), 0);
-  sp_job ref_job;
-  sp_job_init(&ref_job);
-  sp_strlist_add(&ref_job.wrap_types, "Linear");
-  if (mp) {
-    ref_job.mp.enabled = true;
-    ref_job.mp.param_dtype = SP_BFLOAT16;
-    ref_job.mp.reduce_dtype = SP_FLOAT32;
-  }
-  double ref_losses[STEPS];
-  void *ref_params = NULL;
-  if (sp_mlp_reference_run(m, &ref_job, STEPS, BATCH, atof(LR), ref_losses,
-                           &ref_params, NULL, &d) < 0)
-    fail_msg("reference: %s", d.msg);
-  size_t nl;
-  double *got = read_losses(losses, &nl);
-  assert_int_equal(nl, STEPS);
-  double loss_err = rel_err(got, ref_losses, STEPS);
-  size_t total = 0;
-  for (size_t p = 0; p < m->n_params; p++) total += (size_t)m->params[p].numel;
-  double *gp = read_full_params(m, dir);
-  double *rp = ref_params_f64(m, ref_params);
-  double param_err = rel_err(gp, rp, total);
-  double tol = mp ? TOL_BF16 : TOL_F32;
-  printf("  %-13s %-4s cuda:0 N=1: loss %.6f -> %.6f, rel. error vs CPU "
-         "loss %.2e params %.2e (bound %.0e)\n", strategy, mp ? "bf16" : "f32",
-         got[0], got[STEPS - 1], loss_err, param_err, tol);
-  assert_true(got[STEPS - 1] < got[0]);
-  assert_true(loss_err <= tol);
-  assert_true(param_err <= tol);
-  free(gp);
-  free(rp);
-  free(got);
-  free(ref_params);
-  sp_job_clear(&ref_job);
-  sp_model_free(m);
-  free(losses);
-  sp_test_rmtree(dir);
-  free(dir);
+  static const char *const cflags[] = {"--backend", "nccl", NULL};
+  static const char *const wflags[] = {"--device", "cuda:0", NULL};
+  char label[64];
+  snprintf(label, sizeof label, "%-13s %-4s cuda:0 N=1 vs CPU", strategy,
+           mp ? "bf16" : "f32");
+  /* at W = 1 HYBRID_SHARD's shard group is the one rank */
+  sp_tjob_parity_cfg c = {.model = MLP,
+                          .strategy = strategy,
+                          .group = 1,
+                          .mp = mp,
+                          .n = 1,
+                          .steps = STEPS,
+                          .batch = BATCH,
+                          .lr = LR,
+                          .cflags = cflags,
+                          .wflags = wflags,
+                          .tol = mp ? TOL_BF16 : TOL_F32,
+                          .timeout_s = JOB_TIMEOUT_S};
+  sp_tjob_parity(label, &c);
 }
 
 static void test_parity(void **state) {
@@ -690,47 +463,6 @@ static const char *const k_buffer_job[] = {
     "--wrap-type", "Linear", "--param-dtype", "bfloat16", "--reduce-dtype",
     "float32", "--buffer-dtype", "bfloat16", "--backend", "nccl", NULL};
 
-static double elem(const sp_st_tensor *t, size_t i) {
-  uint8_t tmp[8];
-  size_t es = sp_dtype_size(t->dtype);
-  memcpy(tmp, t->data + i * es, es);
-  if (sp_dtype_is_floating(t->dtype)) {
-    double v;
-    assert_int_equal(sp_cast(&v, SP_FLOAT64, tmp, t->dtype, 1), 0);
-    return v;
-  }
-  int64_t x = 0;
-  if (t->dtype == SP_INT64) {
-    memcpy(&x, tmp, 8);
-  } else if (t->dtype == SP_INT32) {
-    int32_t y;
-    memcpy(&y, tmp, 4);
-    x = y;
-  } else {
-    x = tmp[0];
-  }
-  return (double)x;
-}
-
-/* Every tensor of two safetensors files byte-equal. */
-static void same_tensors(const char *a_dir, const char *a, const char *b_dir,
-                         const char *b) {
-  sp_st_file *fa = open_st(a_dir, a), *fb = open_st(b_dir, b);
-  assert_int_equal(sp_st_tensor_count(fa), sp_st_tensor_count(fb));
-  for (size_t i = 0; i < sp_st_tensor_count(fa); i++) {
-    const sp_st_tensor *ta = sp_st_tensor_at(fa, i);
-    const sp_st_tensor *tb = sp_st_find(fb, ta->name);
-    if (!tb) fail_msg("%s/%s: no %s", b_dir, b, ta->name);
-    assert_int_equal(ta->dtype, tb->dtype);
-    assert_int_equal(ta->nbytes, tb->nbytes);
-    if (memcmp(ta->data, tb->data, ta->nbytes) != 0)
-      fail_msg("%s differs between %s/%s and %s/%s", ta->name, a_dir, a,
-               b_dir, b);
-  }
-  sp_st_free(fa);
-  sp_st_free(fb);
-}
-
 static void test_checkpoints(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
@@ -739,123 +471,42 @@ static void test_checkpoints(void **state) {
                           "--global-batch", "24", "--checkpoint-dir", src,
                           "--checkpoint", "full", "--checkpoint", "sharded",
                           "--checkpoint", "local", NULL};
-  run_job(MLP_BUFFERS, k_buffer_job, 1, wflags);
+  sp_tjob_run(MLP_BUFFERS, k_buffer_job, 1, wflags, JOB_TIMEOUT_S);
 
-  sp_model *m;
-  sp_diag d = {{0}};
-  assert_int_equal(sp_model_load_file(MLP_BUFFERS, &m, &d), 0);
-  sp_job job;
-  sp_job_init(&job);
-  sp_strlist_add(&job.wrap_types, "Linear");
-  job.mp.enabled = true;
-  job.mp.param_dtype = SP_BFLOAT16;
-  job.mp.reduce_dtype = SP_FLOAT32;
-  job.mp.buffer_dtype = SP_BFLOAT16;
-  void *ref_bufs = NULL;
-  assert_int_equal(sp_mlp_reference_run(m, &job, 4, 24, 0.05, NULL, NULL,
-                                        &ref_bufs, &d), 0);
-  sp_plan *plan;
-  assert_int_equal(sp_plan_build(m, &job, &plan, &d), 0);
-  sp_st_file *full = open_st(src, "full/model.safetensors");
-  sp_st_file *sh = open_st(src, "sharded/rank-0-of-1.safetensors");
-  sp_st_file *local = open_st(src, "local/local-0-of-1.safetensors");
-  const uint8_t *ref = ref_bufs;
-  for (size_t b = 0; b < m->n_buffers; b++) {
-    const sp_tensor_spec *bs = &m->buffers[b];
-    sp_dtype compute = plan->buffers[b].compute_dtype;
-    const sp_st_tensor *tf = sp_st_find(full, bs->fqn);
-    const sp_st_tensor *ts = sp_st_find(sh, bs->fqn);
-    const sp_st_tensor *tl = sp_st_find(local, bs->fqn);
-    size_t n = (size_t)bs->numel;
-    const uint8_t *rb = ref;
-    ref += n * sp_dtype_size(compute);
-    if (!bs->flag) {
-      assert_null(tf);
-      assert_null(ts);
-      assert_null(tl);
-      continue;
-    }
-    if (!tf || !ts || !tl) fail_msg("%s missing from a checkpoint", bs->fqn);
-    printf("  %-30s original %-8s compute %-8s FULL %-8s SHARDED %-8s "
-           "LOCAL %s\n", bs->fqn, sp_dtype_name(bs->dtype),
-           sp_dtype_name(compute), sp_dtype_name(tf->dtype),
-           sp_dtype_name(ts->dtype), sp_dtype_name(tl->dtype));
-    /* restored to the original dtype on the host (FULL, SHARDED); LOCAL
-     * keeps the compute dtype; integers and bools never change */
-    assert_int_equal(tf->dtype, bs->dtype);
-    assert_int_equal(ts->dtype, bs->dtype);
-    assert_int_equal(tl->dtype, compute);
-    if (!sp_dtype_is_floating(bs->dtype)) {
-      double want = strstr(bs->fqn, "seen") ? 1 : 4;
-      for (size_t i = 0; i < n; i++) {
-        assert_true(elem(tf, i) == want);
-        assert_true(elem(tl, i) == want);
-      }
-      continue;
-    }
-    double diff = 0, scale = 0;
-    for (size_t i = 0; i < n; i++) {
-      double v = elem(tf, i), r;
-      assert_int_equal(sp_cast(&r, SP_FLOAT64, rb + 2 * i, SP_BFLOAT16, 1), 0);
-      uint16_t h;
-      double back;
-      sp_cast(&h, SP_BFLOAT16, &v, SP_FLOAT64, 1);
-      sp_cast(&back, SP_FLOAT64, &h, SP_BFLOAT16, 1);
-      assert_true(back == v); /* computed in bfloat16 on the GPU */
-      assert_true(elem(ts, i) == v);
-      assert_true(elem(tl, i) == v);
-      if (fabs(v - r) > diff) diff = fabs(v - r);
-      if (fabs(r) > scale) scale = fabs(r);
-    }
-    /* the batch means come from activations within the bf16 parity bound
-     * of the CPU's, rounded to bf16: within one bf16 step of the tensor's
-     * largest value, twice (as the CPU multi-rank test allows) */
-    printf("  %-30s max |GPU - CPU| = %.3g (%.2g of its largest value)\n",
-           bs->fqn, diff, scale > 0 ? diff / scale : 0);
-    assert_true(diff <= 0x1p-7 * scale);
-  }
-  sp_st_free(full);
-  sp_st_free(sh);
-  sp_st_free(local);
+  sp_tjob_check_buffers(MLP_BUFFERS, 1, 4, 24, 0.05, src,
+                        "sharded/rank-0-of-1.safetensors",
+                        "local/local-0-of-1.safetensors", "GPU - CPU");
 
   /* across devices: the GPU's FULL checkpoint loaded by a CPU rank and
-   * written again, and that loaded by a GPU rank: every tensor equal */
-  char *cpu = sp_test_path(dir, "cpu"), *back = sp_test_path(dir, "back");
-  char *from_gpu = sp_test_path(src, "full"), *from_cpu = sp_test_path(cpu,
-                                                                      "full");
-  const char *cpu_job[] = {"--wrap-type", "Linear", "--param-dtype",
-                           "bfloat16", "--reduce-dtype", "float32",
-                           "--buffer-dtype", "bfloat16", NULL};
-  const char *lf1[] = {"--steps", "0", "--load", from_gpu, "--load-kind",
-                       "full", "--checkpoint-dir", cpu, "--checkpoint",
-                       "full", NULL};
-  run_job(MLP_BUFFERS, cpu_job, 1, lf1);
-  same_tensors(src, "full/model.safetensors", cpu, "full/model.safetensors");
-  const char *lf2[] = {"--device", "cuda:0", "--steps", "0", "--load",
-                       from_cpu, "--load-kind", "full", "--checkpoint-dir",
-                       back, "--checkpoint", "full", NULL};
-  run_job(MLP_BUFFERS, k_buffer_job, 1, lf2);
-  same_tensors(src, "full/model.safetensors", back, "full/model.safetensors");
-  /* LOCAL (compute-dtype buffers, flat shards) into the GPU again */
-  char *loc = sp_test_path(dir, "local"), *from_loc = sp_test_path(src,
-                                                                   "local");
-  const char *lf3[] = {"--device", "cuda:0", "--steps", "0", "--load",
-                       from_loc, "--load-kind", "local", "--checkpoint-dir",
-                       loc, "--checkpoint", "full", NULL};
-  run_job(MLP_BUFFERS, k_buffer_job, 1, lf3);
-  same_tensors(src, "full/model.safetensors", loc, "full/model.safetensors");
+   * written again, and that loaded by a GPU rank; LOCAL (compute-dtype
+   * buffers, flat shards) into the GPU again: each saved as FULL without
+   * training, every tensor equal to the GPU's FULL checkpoint */
+  static const char *const cpu_job[] = {
+      "--wrap-type", "Linear", "--param-dtype", "bfloat16", "--reduce-dtype",
+      "float32", "--buffer-dtype", "bfloat16", NULL};
+  const struct {
+    const char *from, *kind; /* under dir */
+    const char *device;
+    const char *const *job;
+    const char *dst; /* under dir */
+  } loads[] = {{"gpu/full", "full", "cpu", cpu_job, "cpu"},
+               {"cpu/full", "full", "cuda:0", k_buffer_job, "back"},
+               {"gpu/local", "local", "cuda:0", k_buffer_job, "local"}};
+  for (size_t i = 0; i < sizeof loads / sizeof loads[0]; i++) {
+    char *from = sp_test_path(dir, loads[i].from);
+    char *dst = sp_test_path(dir, loads[i].dst);
+    const char *lf[] = {"--device", loads[i].device, "--steps", "0", "--load",
+                        from, "--load-kind", loads[i].kind,
+                        "--checkpoint-dir", dst, "--checkpoint", "full",
+                        NULL};
+    sp_tjob_run(MLP_BUFFERS, loads[i].job, 1, lf, JOB_TIMEOUT_S);
+    sp_tjob_same_tensors(src, "full/model.safetensors", dst,
+                         "full/model.safetensors");
+    free(from);
+    free(dst);
+  }
   printf("  GPU FULL -> CPU -> GPU and GPU LOCAL -> GPU: every tensor "
          "equal\n");
-  free(loc);
-  free(from_loc);
-  free(from_gpu);
-  free(from_cpu);
-  free(cpu);
-  free(back);
-  free(ref_bufs);
-  sp_plan_free(plan);
-  sp_job_clear(&job);
-  sp_model_free(m);
   free(src);
   sp_test_rmtree(dir);
   free(dir);

@@ -75,8 +75,6 @@ static int group_teardown(void **state) {
 
 static uint64_t now_ms(void) { return uv_hrtime() / 1000000u; }
 
-static void sleep_ms(unsigned ms) { uv_sleep(ms); }
-
 static size_t rss_bytes(void) {
   FILE *f = fopen("/proc/self/statm", "r");
   assert_non_null(f);
@@ -101,7 +99,7 @@ static void wait_idle(const char *when) {
     st = stats();
     if (st.calls_open == 0 && st.connections_open == 0) return;
     if (now_ms() >= deadline) break;
-    sleep_ms(10);
+    sp_test_sleep_ms(10);
   }
   fail_msg("%s: server still holds %llu calls, %llu connections", when,
            (unsigned long long)st.calls_open,
@@ -113,7 +111,7 @@ static void wait_calls(uint64_t calls) {
   uint64_t deadline = now_ms() + IO_TIMEOUT_MS;
   while (stats().calls_open < calls) {
     if (now_ms() >= deadline) fail_msg("the call never reached the server");
-    sleep_ms(5);
+    sp_test_sleep_ms(5);
   }
 }
 
@@ -614,7 +612,7 @@ static void never_reads(int n_streams) {
       break;
     }
     if (now >= deadline) fail_msg("the server never stopped writing");
-    sleep_ms(50);
+    sp_test_sleep_ms(50);
   }
   assert_int_equal(st.calls_open, (uint64_t)n_streams);
   assert_true(last > (256u << 10)); /* it streamed until TCP pushed back */

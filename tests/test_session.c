@@ -25,32 +25,12 @@ typedef sp_coord_fixture fixture;
 #define start sp_coord_fixture_start
 #define stop sp_coord_fixture_stop
 #define expect_code sp_test_expect_status
+#define call sp_coord_fixture_call
+#define get_job sp_coord_fixture_get_job
+#define free_msg sp_test_free_msg
 
 #define MODEL(name) SP_EXAMPLES "/models/" name ".json"
 #define PATH(m) SP_COORD_PATH(m)
-
-static void free_msg(void *m) {
-  if (m) protobuf_c_message_free_unpacked(m, NULL);
-}
-
-static ProtobufCMessage *call(fixture *fx, const char *method,
-                              const ProtobufCMessage *req,
-                              const ProtobufCMessageDescriptor *resp_desc,
-                              sp_rpc_status *st) {
-  ProtobufCMessage *resp = NULL;
-  assert_int_equal(
-      sp_rpc_sync_unary(fx->cli, method, req, resp_desc, 5000, &resp, st), 0);
-  return resp;
-}
-
-static Shardplane__V1__GetJobResponse *get_job(fixture *fx) {
-  Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
-  sp_rpc_status st;
-  ProtobufCMessage *r = call(fx, PATH("GetJob"), &q.base,
-                             &shardplane__v1__get_job_response__descriptor, &st);
-  expect_code(&st, SP_RPC_OK, NULL);
-  return (Shardplane__V1__GetJobResponse *)r;
-}
 
 static Shardplane__V1__ListRanksResponse *list_ranks(fixture *fx) {
   Shardplane__V1__ListRanksRequest q = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
@@ -87,10 +67,6 @@ static void flush_ok(sp_session *s) {
   sp_diag d = {""};
   int rc = sp_session_flush(s, 5000, &d);
   if (rc != 0) fail_msg("sp_session_flush: %s: %s", sp_strerror(rc), d.msg);
-}
-
-static void sleep_ms(uint64_t ms) {
-  uv_sleep((unsigned)ms);
 }
 
 /* ---------------- helpers without a coordinator ---------------- */
@@ -302,7 +278,7 @@ typedef struct setter {
 
 static void set_later(void *arg) {
   setter *x = arg;
-  sleep_ms(x->delay_ms);
+  sp_test_sleep_ms((unsigned)x->delay_ms);
   sp_diag d;
   x->rc = sp_session_store_set(x->s, "late", "value", 5, &d);
 }
@@ -552,7 +528,7 @@ static void test_dropped_transition_rejected(void **state) {
                                 i % 2 ? SP_ROOT_IDLE : SP_ROOT_FORWARD_BACKWARD,
                                 &d),
           0);
-    sleep_ms(5);
+    sp_test_sleep_ms(5);
   }
   if (sp_session_dropped(s) == 0) {
     close_ok(s);
@@ -575,7 +551,7 @@ static void test_heartbeat_keeps_rank_alive(void **state) {
   sp_session_opts o = opts_for(&fx, 0);
   sp_session *s = open_ok(&o);
   /* the training thread sends nothing for four timeouts */
-  sleep_ms(1200);
+  sp_test_sleep_ms(1200);
   Shardplane__V1__ListRanksResponse *l = list_ranks(&fx);
   assert_int_equal(l->ranks[0]->status, SHARDPLANE__V1__RANK_STATUS__ATTACHED);
   assert_true(l->ranks[0]->last_heard_ms_ago < 300);
@@ -600,7 +576,8 @@ static void on_abort(void *user, const char *reason) {
 }
 
 static void wait_abort(abort_seen *a) {
-  for (int i = 0; i < 500 && atomic_load(&a->calls) == 0; i++) sleep_ms(10);
+  for (int i = 0; i < 500 && atomic_load(&a->calls) == 0; i++)
+    sp_test_sleep_ms(10);
 }
 
 static void test_abort_when_a_peer_is_lost(void **state) {
@@ -708,7 +685,7 @@ static void test_no_report(void **state) {
                                          SP_HANDLE_BACKWARD_POST, &d),
                    SP_ESTATE);
   flush_ok(s);
-  sleep_ms(700); /* heartbeats keep it attached */
+  sp_test_sleep_ms(700); /* heartbeats keep it attached */
   Shardplane__V1__ListRanksResponse *l = list_ranks(&fx);
   assert_int_equal(l->ranks[0]->status, SHARDPLANE__V1__RANK_STATUS__ATTACHED);
   assert_int_equal(l->ranks[0]->transitions, 0);

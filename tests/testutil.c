@@ -6,15 +6,39 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 #include <ftw.h>
 #include <unistd.h>
 
+#ifdef SHARDPLANE_HAVE_CUDA
+#include "cast_cuda.h"
+#include "sp_error.h"
+#endif
+
 int sp_test_skip(const char *why) {
   printf("SKIPPED: %s\n", why);
   fflush(stdout);
   return SP_TEST_SKIP_RC;
+}
+
+int sp_test_need_cuda_device(void) {
+#ifndef SHARDPLANE_HAVE_CUDA
+  return sp_test_skip("built without CUDA (no CUDA toolkit at configure "
+                      "time)");
+#else
+  int n = 0;
+  int rc = sp_cuda_device_count(&n);
+  if (rc != 0) {
+    char why[128];
+    snprintf(why, sizeof why, "cannot query CUDA devices (%s)",
+             sp_strerror(rc));
+    return sp_test_skip(why);
+  }
+  if (n == 0) return sp_test_skip("no CUDA device (or no driver) present");
+  return 0;
+#endif
 }
 
 uint64_t sp_test_rng_next(sp_test_rng *r) {
@@ -80,4 +104,11 @@ static int rm_entry(const char *p, const struct stat *sb, int flag,
 
 void sp_test_rmtree(const char *dir) {
   nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+void sp_test_sleep_ms(unsigned ms) {
+  struct timespec ts = {.tv_sec = ms / 1000,
+                        .tv_nsec = (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
 }

@@ -12,6 +12,21 @@
  * `return sp_test_skip("no CUDA device");` from main. */
 int sp_test_skip(const char *why);
 
+/* For tests of the GPU paths: 0 when libshardplane was built with CUDA and
+ * a CUDA device is present; otherwise prints "SKIPPED: <why>" and returns
+ * SP_TEST_SKIP_RC, for main to return. */
+int sp_test_need_cuda_device(void);
+
+/* In a file that includes <cuda_runtime_api.h>: fails the test, naming the
+ * call and CUDA's error, unless the CUDA runtime call succeeds. */
+#define SP_TEST_CU(call)                                                       \
+  do {                                                                         \
+    cudaError_t e_ = (call);                                                   \
+    if (e_ != cudaSuccess)                                                     \
+      fail_msg("%s:%d: %s: %s", __FILE__, __LINE__, #call,                     \
+               cudaGetErrorString(e_));                                        \
+  } while (0)
+
 /* Deterministic generator (splitmix64) so failures reproduce. */
 typedef struct sp_test_rng {
   uint64_t s;
@@ -32,5 +47,9 @@ char *sp_test_read_file(const char *path);
 void sp_test_write_file(const char *path, const void *data, size_t len);
 /* Removes a directory tree created by sp_test_mkdtemp (best effort). */
 void sp_test_rmtree(const char *dir);
+
+/* Sleeps ms milliseconds (the whole time, across signals). Time is read
+ * with sp_clock_s() (common/clock.h). */
+void sp_test_sleep_ms(unsigned ms);
 
 #endif
