@@ -190,20 +190,21 @@ static bool preempted_since(long *mark) {
  * rest follows, and its answers leave together once that write completes.
  * The peer, which may well be idle waiting for us, starts on the first
  * answer while we parse the rest instead of waking only for the whole
- * batch: with 8 calls in flight on one connection and the two ends on
+ * batch. With 8 calls in flight on one connection and the two ends on
  * different CPUs, each end otherwise sleeps through every round trip, and
- * on the 2-CPU VM bench/rpc runs on a wake-up costs tens of us (8 callers:
- * 1.6x the calls per second). A larger read already answers after its
- * first piece, which leaves a batch big enough to keep the peer busy; cut
- * at its first answer, the peer would get that answer alone and then the
- * whole rest (64 callers: 35% fewer calls per second).
+ * on the 2-CPU VM bench/rpc runs on, a wake-up across CPUs takes 30 us or
+ * more: there, 8 callers make 1.4x the calls per second. A larger read
+ * already answers after its first piece, which leaves a batch big enough
+ * to keep the peer busy; cut at its first answer, the peer would get that
+ * answer alone and then all the rest (64 callers: 35% fewer calls/s).
  *
  * When the peer runs on our CPU the early answer cannot overlap anything:
  * it wakes the peer, which takes the CPU from us, answers the few calls it
- * has, and the batches split, each paying its own system calls (1 CPU: 20%
- * fewer calls per second). That shows as an involuntary context switch
- * during the early write; after one, SP_H2_EARLY_BACKOFF reads answer in
- * one batch before an early answer is tried again. */
+ * has, and the batches split, each paying its own system calls (both ends
+ * on one CPU, 8 callers: 20% fewer calls/s). That shows as an involuntary
+ * context switch during the early write; after one, SP_H2_EARLY_BACKOFF
+ * reads answer in one batch before an early answer is tried again (which
+ * leaves that case within 4% of batching alone). */
 void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
   if (c->h2 == NULL) return;
   if (c->bytes_in == 0 && nghttp2_session_check_server_session(c->h2))
