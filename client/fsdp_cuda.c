@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cast_cuda.h"
 #include "fsdp_internal.h"
 
 /* "cuda:N" -> N; -1 when malformed. Digits only, no sign or spaces, so
@@ -57,36 +58,6 @@ int sp_cuda_diag(sp_diag *d, int err, const char *expr, const char *file,
   (void)cudaGetLastError();
   return sp_diag_set(d, SP_ECUDA, "%s:%d: %s: CUDA error %s (%s)", file, line,
                      expr, cudaGetErrorName(e), cudaGetErrorString(e));
-}
-
-int sp_device_cuda_count(int *n, sp_diag *d) {
-  if (!n) return sp_diag_set(d, SP_EINVAL, "sp_device_cuda_count: NULL");
-  int rc = sp_cuda_device_count(n);
-  if (rc < 0)
-    return sp_diag_set(d, rc, "cannot count CUDA devices (the driver's "
-                       "error is logged above)");
-  return 0;
-}
-
-int sp_device_parse(const char *device, int *ordinal, sp_diag *d) {
-  if (!device || !ordinal)
-    return sp_diag_set(d, SP_EINVAL, "sp_device_parse: NULL argument");
-  *ordinal = -1;
-  if (strcmp(device, "cpu") == 0 || strcmp(device, "cpu-staged") == 0)
-    return 0;
-  long n = cuda_ordinal(device);
-  if (n < 0)
-    return sp_diag_set(d, SP_EINVAL, "%s: expected cpu or cuda:N", device);
-  int count = 0;
-  int rc = sp_device_cuda_count(&count, d);
-  if (rc < 0) return sp_diag_prefix(d, rc, "%s", device);
-  if (count == 0)
-    return sp_diag_set(d, SP_ENODEV, "%s: no CUDA device", device);
-  if (n >= count)
-    return sp_diag_set(d, SP_ENODEV, "%s: no such CUDA device (%d present)",
-                       device, count);
-  *ordinal = (int)n;
-  return 0;
 }
 
 /* ---- the device memory ops ---- */
@@ -331,24 +302,6 @@ void *sp_fsdp_cuda_stream(const sp_fsdp *f) {
 
 #else /* !SHARDPLANE_HAVE_CUDA */
 
-int sp_device_cuda_count(int *n, sp_diag *d) {
-  if (!n) return sp_diag_set(d, SP_EINVAL, "sp_device_cuda_count: NULL");
-  *n = 0;
-  return 0;
-}
-
-int sp_device_parse(const char *device, int *ordinal, sp_diag *d) {
-  if (!device || !ordinal)
-    return sp_diag_set(d, SP_EINVAL, "sp_device_parse: NULL argument");
-  *ordinal = -1;
-  if (strcmp(device, "cpu") == 0 || strcmp(device, "cpu-staged") == 0)
-    return 0;
-  if (cuda_ordinal(device) < 0)
-    return sp_diag_set(d, SP_EINVAL, "%s: expected cpu or cuda:N", device);
-  return sp_diag_set(d, SP_EUNSUPPORTED, "%s: this library was built "
-                     "without CUDA", device);
-}
-
 int sp_fsdp_cuda_attach(sp_fsdp *f, const char *device, sp_diag *d) {
   (void)f;
   int ordinal;
@@ -364,3 +317,43 @@ void *sp_fsdp_cuda_stream(const sp_fsdp *f) {
 }
 
 #endif
+
+/* ---- device names (with and without CUDA) ---- */
+
+int sp_device_cuda_count(int *n, sp_diag *d) {
+  if (!n) return sp_diag_set(d, SP_EINVAL, "sp_device_cuda_count: NULL");
+  *n = 0;
+#ifdef SHARDPLANE_HAVE_CUDA
+  int rc = sp_cuda_device_count(n);
+  if (rc < 0)
+    return sp_diag_set(d, rc, "cannot count CUDA devices (the driver's "
+                       "error is logged above)");
+#endif
+  return 0;
+}
+
+int sp_device_parse(const char *device, int *ordinal, sp_diag *d) {
+  if (!device || !ordinal)
+    return sp_diag_set(d, SP_EINVAL, "sp_device_parse: NULL argument");
+  *ordinal = -1;
+  if (strcmp(device, "cpu") == 0 || strcmp(device, "cpu-staged") == 0)
+    return 0;
+  long n = cuda_ordinal(device);
+  if (n < 0)
+    return sp_diag_set(d, SP_EINVAL, "%s: expected cpu or cuda:N", device);
+#ifndef SHARDPLANE_HAVE_CUDA
+  return sp_diag_set(d, SP_EUNSUPPORTED, "%s: this library was built "
+                     "without CUDA", device);
+#else
+  int count = 0;
+  int rc = sp_device_cuda_count(&count, d);
+  if (rc < 0) return sp_diag_prefix(d, rc, "%s", device);
+  if (count == 0)
+    return sp_diag_set(d, SP_ENODEV, "%s: no CUDA device", device);
+  if (n >= count)
+    return sp_diag_set(d, SP_ENODEV, "%s: no such CUDA device (%d present)",
+                       device, count);
+  *ordinal = (int)n;
+  return 0;
+#endif
+}

@@ -156,41 +156,14 @@ static bool is_integer_dtype(sp_dtype dt) {
          dt == SP_UINT8;
 }
 
-/* Adds 1 to an integer scalar of any width. Unsigned arithmetic wraps
- * instead of overflowing, so a counter past its range is defined. */
+/* Adds 1 to an integer scalar of any width: a carry through its
+ * little-endian bytes (the host is little-endian, as safetensors.h checks),
+ * which wraps like unsigned arithmetic, so a counter past its range is
+ * defined. */
 static void int_increment(void *p, sp_dtype dt) {
-  switch (dt) {
-  case SP_INT64: {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    v++;
-    memcpy(p, &v, 8);
-    break;
-  }
-  case SP_INT32: {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    v++;
-    memcpy(p, &v, 4);
-    break;
-  }
-  case SP_INT16: {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    v++;
-    memcpy(p, &v, 2);
-    break;
-  }
-  case SP_INT8:
-  case SP_UINT8: {
-    uint8_t v;
-    memcpy(&v, p, 1);
-    v++;
-    memcpy(p, &v, 1);
-    break;
-  }
-  default:
-    break;
+  if (!is_integer_dtype(dt)) return;
+  uint8_t *b = p;
+  for (size_t i = 0, n = sp_dtype_size(dt); i < n && ++b[i] == 0; i++) {
   }
 }
 
