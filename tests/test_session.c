@@ -698,6 +698,40 @@ static void test_no_report(void **state) {
   stop(&fx);
 }
 
+/* Reporting switched off and on between steps (bench/step measures its
+ * cost that way): the coordinator sees exactly the reported steps and
+ * stays in step with the rank; switching mid-step is refused. */
+static void test_set_report(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "1", "wrap-type", "GPT2Block", NULL};
+  fixture fx;
+  start(&fx, MODEL("gpt2"), flags, 0);
+  sp_session_opts o = opts_for(&fx, 0);
+  sp_session *s = open_ok(&o);
+  sp_diag d = {""};
+  uint64_t reported = run_step(s, 1);
+  assert_int_equal(sp_session_set_report(s, false, &d), 0);
+  run_step(s, 2);
+  assert_int_equal(sp_session_set_report(s, true, &d), 0);
+  reported += run_step(s, 3);
+  /* mid-step: the coordinator would fall behind the rank */
+  assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0,
+                                         SP_ROOT_FORWARD_BACKWARD, &d), 0);
+  assert_int_equal(sp_session_set_report(s, false, &d), SP_ESTATE);
+  assert_non_null(strstr(d.msg, "between steps"));
+  assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE,
+                                         &d), 0);
+  reported += 2;
+  flush_ok(s);
+  Shardplane__V1__ListRanksResponse *l = list_ranks(&fx);
+  assert_int_equal(l->ranks[0]->transitions, reported);
+  assert_int_equal(l->ranks[0]->root_state, SP_ROOT_IDLE);
+  assert_int_equal(l->ranks[0]->alerts, 0);
+  free_msg(l);
+  close_ok(s);
+  stop(&fx);
+}
+
 /* The cost of a report on the training thread: a table check and a ring
  * store. Printed; asserted only against gross regressions (sanitizers and
  * a shared machine distort it). */
@@ -761,6 +795,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_abort_when_a_peer_is_lost),
       cmocka_unit_test(test_abort_when_the_coordinator_goes),
       cmocka_unit_test(test_no_report),
+      cmocka_unit_test(test_set_report),
       cmocka_unit_test(test_per_event_cost),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
