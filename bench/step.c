@@ -8,6 +8,10 @@
  *    placement and machine drift. Per run: the median step time of the
  *    reported steps over that of the unreported ones (after a warm-up);
  *    the figure is the median over --repeats runs. Goal: under 1 %.
+ *    Worker r is pinned to CPU r % CPUs (--no-pin: not), as one worker per
+ *    core or GPU runs in production: unpinned on a 2-CPU machine, two
+ *    workers' threads and the coordinator migrate between the CPUs and
+ *    runs scatter by +-25 %, ten times the effect being measured.
  * 2. Per-event cost on the training thread: sp_session_transition through a
  *    session attached to a real coordinator, timed in batches of events
  *    (flushed, untimed, between batches), against the same transitions
@@ -16,6 +20,7 @@
  */
 #include <errno.h>
 #include <getopt.h>
+#include <sched.h>
 #include <jansson.h>
 #include <math.h>
 #include <signal.h>
@@ -57,6 +62,8 @@ typedef struct bench_opts {
   int batch;
   int repeats;
   int block;
+  bool pin;
+  int ncpu;
   long events;
   const char *model;
 } bench_opts;
@@ -104,6 +111,11 @@ static int run_job(const bench_opts *o, const char *tmpdir, double *ratio,
     if (posix_spawn(&w[r], wa[0], NULL, NULL, wa, environ) != 0) {
       w[r] = 0;
       failed = 1;
+    } else if (o->pin) {
+      cpu_set_t cs;
+      CPU_ZERO(&cs);
+      CPU_SET(r % o->ncpu, &cs);
+      sched_setaffinity(w[r], sizeof cs, &cs);
     }
   }
   for (int r = 0; r < o->nproc; r++) {
@@ -261,7 +273,7 @@ static int step_overhead(const bench_opts *o, const char *tmp) {
 
 static void usage(FILE *f) {
   fputs("usage: bench/step [--nproc N] [--steps N] [--global-batch N] "
-        "[--repeats N] [--block K] [--events N] [--model PATH]\n"
+        "[--repeats N] [--block K] [--events N] [--model PATH] [--no-pin]\n"
         "Step time of the reference run with reporting on vs off (1 and 2\n"
         "ranks unless --nproc is given), and the per-event cost of\n"
         "reporting on the training thread.\n", f);
@@ -271,6 +283,9 @@ int main(int argc, char **argv) {
   bench_opts o = {.nproc = 1, .steps = 1200, .warmup = 40, .batch = 256,
                   .repeats = 5, .block = 40, .events = 20000000,
                   .model = SP_EXAMPLES "/mlp.json"};
+  o.ncpu = (int)sysconf(_SC_NPROCESSORS_ONLN);
+  if (o.ncpu < 1) o.ncpu = 1;
+  o.pin = true;
   static const struct option opts[] = {
       {"nproc", required_argument, NULL, 'n'},
       {"steps", required_argument, NULL, 's'},
@@ -279,6 +294,7 @@ int main(int argc, char **argv) {
       {"block", required_argument, NULL, 'k'},
       {"events", required_argument, NULL, 'e'},
       {"model", required_argument, NULL, 'm'},
+      {"no-pin", no_argument, NULL, 'p'},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
   int c;
@@ -295,6 +311,7 @@ int main(int argc, char **argv) {
       case 'k': o.block = atoi(optarg); break;
       case 'e': o.events = atol(optarg); break;
       case 'm': o.model = optarg; break;
+      case 'p': o.pin = false; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }

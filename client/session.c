@@ -25,7 +25,7 @@
  * flight, how many events had been sent up to and including it, so "events
  * acknowledged" is a count that flush compares with the producer's head.
  *
- * Timings (session_internal.h): the drain timer runs every 50 ms while
+ * Timings (session_internal.h): the drain timer runs every 100 ms while
  * events flow and backs off to 200 ms when idle; at most SP_SESSION_BATCH
  * events per message and SP_SESSION_WINDOW data messages unacknowledged. Heartbeats go
  * every min(heartbeat_interval, heartbeat_timeout / 3) as the coordinator

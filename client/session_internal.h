@@ -17,10 +17,11 @@
 /* Background drain period while events flow, and the longest one when idle
  * (the timer backs off; a flush or a half-full queue wakes it at once).
  * Every drain is a wakeup, a message and an acknowledgement that compete
- * with training for the CPU: at 1 ms a 2-rank CPU job ran 45 % slower
- * (bench/step). 50 ms keeps the coordinator's view well inside a heartbeat
- * and the default queue holds 50 ms of over a million events a second. */
-#define SP_SESSION_DRAIN_MS 50u
+ * with training for the CPU: at 1 ms a 2-rank CPU job ran 45 % slower,
+ * at 50 ms about 1 %, at 100 ms within the noise (bench/step). 100 ms keeps
+ * the coordinator's view well inside a heartbeat, and the default queue
+ * holds 100 ms of over 600 k events a second. */
+#define SP_SESSION_DRAIN_MS 100u
 #define SP_SESSION_DRAIN_IDLE_MS 200u
 /* queue_events bounds (after rounding up to a power of two). */
 #define SP_SESSION_QUEUE_DEFAULT 65536u
