@@ -947,9 +947,14 @@ int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 
 int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   int rc = check_unit(f, ui, d);
+  /* BACKWARD_POST -> BACKWARD_POST is reentrant activation checkpointing
+   * running the hook again: the gradient is already being reduced (and,
+   * in place, pre-divided), so a second reduction would divide it twice */
+  bool again = rc == 0 && sp_session_state(f->s, SP_MACHINE_HANDLE, ui) ==
+                              SP_HANDLE_BACKWARD_POST;
   if (rc == 0)
     rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_BACKWARD_POST, d);
-  if (rc < 0) return rc;
+  if (rc < 0 || again) return rc;
   sp_fsdp_unit *fu = &f->units[ui];
   if (fu->reduces) {
     sp_fsdp_work w = {.kind = SP_WORK_REDUCE, .unit = ui};
@@ -978,6 +983,17 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 }
 
 int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
+  /* the table lets any handle state go to IDLE here (the final callback),
+   * FORWARD included; but a unit still in forward means the caller is not
+   * at the end of a backward pass */
+  if (sp_session_state(f->s, SP_MACHINE_ROOT, 0) != SP_ROOT_FORWARD_BACKWARD)
+    return sp_diag_set(d, SP_ESTATE, "finish_backward outside backward "
+                       "(root %s)", sp_state_name(SP_MACHINE_ROOT,
+                       sp_session_state(f->s, SP_MACHINE_ROOT, 0)));
+  for (uint32_t ui = 0; ui < f->n_units; ui++)
+    if (sp_session_state(f->s, SP_MACHINE_HANDLE, ui) == SP_HANDLE_FORWARD)
+      return sp_diag_set(d, SP_ESTATE, "finish_backward during forward: "
+                         "unit %u (%s) is in FORWARD", ui, unit_name(f, ui));
   int rc = 0;
   for (uint32_t ui = 0; ui < f->n_units && rc == 0; ui++) {
     sp_fsdp_unit *fu = &f->units[ui];

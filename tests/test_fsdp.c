@@ -1021,6 +1021,10 @@ static int body_illegal(rank_ctx *c, void *arg) {
   float one;
   REFUSED(c, SP_ESTATE, "legal", sp_fsdp_gather_param(f, p_last, &one, &D));
   SCHED(c, 1, sp_fsdp_pre_forward(f, 1, &D));
+  /* the final callback in the middle of forward */
+  REFUSED(c, SP_ESTATE, "during forward", sp_fsdp_finish_backward(f, &D));
+  CHECK(c, sp_session_state(c->s, SP_MACHINE_HANDLE, 1) == SP_HANDLE_FORWARD,
+        "a refused finish_backward moved unit 1");
   snprintf(legal, sizeof legal, "legal from FORWARD: IDLE");
   REFUSED(c, SP_ESTATE, u1, sp_fsdp_pre_forward(f, 1, &D));
   REFUSED(c, SP_ESTATE, legal, sp_fsdp_pre_forward(f, 1, &D));
@@ -1055,6 +1059,14 @@ static int body_illegal(rank_ctx *c, void *arg) {
   TRY(check_views(c, last, "after a refused post_forward"));
   TRY(write_grads(c, last, &k_rank_grads));
   SCHED(c, 1, sp_fsdp_post_backward(f, last, &D));
+  /* reentrant activation checkpointing runs the hook again: legal, and it
+   * must not reduce (and divide) the gradient a second time */
+  sp_fsdp_get_stats(f, &s0);
+  SCHED(c, 1, sp_fsdp_post_backward(f, last, &D));
+  sp_fsdp_get_stats(f, &s1);
+  CHECK(c, s1.reduce_scatters == s0.reduce_scatters &&
+               s1.all_reduces == s0.all_reduces,
+        "a second post_backward reduced again");
 
   /* unsharding again after post_backward: refused before the all-gather */
   sp_fsdp_get_stats(f, &s0);
