@@ -15,18 +15,6 @@
 #include "cast_scalar.h"
 #include "cuda_internal.h"
 
-#define SP_K_THREADS 256
-#define SP_K_MAX_BLOCKS 4096u
-
-#define SP_K_TID() ((size_t)blockIdx.x * blockDim.x + threadIdx.x)
-#define SP_K_STRIDE() ((size_t)gridDim.x * blockDim.x)
-
-static unsigned blocks_for(size_t n) {
-  size_t b = (n + SP_K_THREADS - 1) / SP_K_THREADS;
-  if (b == 0) b = 1;
-  return b < SP_K_MAX_BLOCKS ? (unsigned)b : SP_K_MAX_BLOCKS;
-}
-
 static __device__ double bits_f64(uint64_t u) { return __longlong_as_double((long long)u); }
 static __device__ uint64_t f64_bits(double v) { return (uint64_t)__double_as_longlong(v); }
 static __device__ float bits_f32(uint32_t u) { return __uint_as_float(u); }
@@ -127,7 +115,7 @@ extern "C" int sp_fsdp_cuda_scale_div(void *buf, sp_dtype dt, size_t n,
   if (!buf || !float_dtype(dt) || !aligned(buf, dt))
     return sp_diag_set(d, SP_EINVAL, "scale_div: %s buffer %p (floating, "
                        "element-aligned expected)", sp_dtype_name(dt), buf);
-  sp_k_scale_div<<<blocks_for(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
+  sp_k_scale_div<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
       buf, (int)dt, n, div);
   SP_CUDA_CHECK_D(d, cudaGetLastError());
   return 0;
@@ -142,7 +130,7 @@ extern "C" int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, void *g, sp_dtype gdt,
     return sp_diag_set(d, SP_EINVAL, "sgd: %s shard %p, %s gradient %p "
                        "(floating, element-aligned expected)",
                        sp_dtype_name(pdt), p, sp_dtype_name(gdt), g);
-  sp_k_sgd<<<blocks_for(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
+  sp_k_sgd<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
       p, (int)pdt, g, (int)gdt, sp_dtype_size(gdt), n, lr);
   SP_CUDA_CHECK_D(d, cudaGetLastError());
   return 0;

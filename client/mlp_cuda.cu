@@ -19,17 +19,6 @@
 #include "cuda_internal.h"
 #include "mlp_cuda.h"
 
-#define SP_K_THREADS 256
-#define SP_K_MAX_BLOCKS 4096u
-#define SP_K_TID() ((size_t)blockIdx.x * blockDim.x + threadIdx.x)
-#define SP_K_STRIDE() ((size_t)gridDim.x * blockDim.x)
-
-static unsigned blocks_for(size_t n) {
-  size_t b = (n + SP_K_THREADS - 1) / SP_K_THREADS;
-  if (b == 0) b = 1;
-  return b < SP_K_MAX_BLOCKS ? (unsigned)b : SP_K_MAX_BLOCKS;
-}
-
 extern "C" int sp_cublas_diag(sp_diag *d, int status, const char *expr,
                               const char *file, int line) {
   cublasStatus_t s = (cublasStatus_t)status;
@@ -547,7 +536,7 @@ static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
 static int round_inplace(sp_mlp_cuda *g, float *x, size_t count, sp_dtype dt,
                          sp_diag *d) {
   if (count == 0 || (dt != SP_BFLOAT16 && dt != SP_FLOAT16)) return 0;
-  sp_mk_round<<<blocks_for(count), SP_K_THREADS, 0, g->st>>>(x, count,
+  sp_mk_round<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(x, count,
                                                              (int)dt);
   SP_CUDA_CHECK_D(d, cudaGetLastError());
   return 0;
@@ -575,7 +564,7 @@ static int linear_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
               g->acc, d);
   if (rc < 0) return rc;
   if (n * out != 0) {
-    sp_mk_bias_round<<<blocks_for(n * out), SP_K_THREADS, 0, g->st>>>(
+    sp_mk_bias_round<<<sp_k_blocks(n * out), SP_K_THREADS, 0, g->st>>>(
         y, g->acc, b, (int)bd, n, out, (int)pd);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
@@ -605,7 +594,7 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc == 0) rc = write_grad(g, io, L->weight, g->acc, d);
   if (rc == 0 && L->bias >= 0) {
     if (out) {
-      sp_mk_colsum<<<blocks_for(out), SP_K_THREADS, 0, g->st>>>(g->dy, n, out,
+      sp_mk_colsum<<<sp_k_blocks(out), SP_K_THREADS, 0, g->st>>>(g->dy, n, out,
                                                                g->vec_a);
       SP_CUDA_CHECK_D(d, cudaGetLastError());
     }
@@ -620,7 +609,7 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
               g->acc, d);
   if (rc < 0) return rc;
   if (n * in != 0) {
-    sp_mk_bias_round<<<blocks_for(n * in), SP_K_THREADS, 0, g->st>>>(
+    sp_mk_bias_round<<<sp_k_blocks(n * in), SP_K_THREADS, 0, g->st>>>(
         g->dx, g->acc, NULL, (int)SP_FLOAT32, n, in, (int)pd);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
@@ -645,7 +634,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   rc = round_inplace(g, x, n * h, pd, d);
   if (rc < 0) return rc;
   if (h) {
-    sp_mk_colsum<<<blocks_for(h), SP_K_THREADS, 0, g->st>>>(x, n, h,
+    sp_mk_colsum<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(x, n, h,
                                                             g->vec_a);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
@@ -656,7 +645,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
     if (rc < 0) return sp_diag_prefix(d, rc, "all-reduce of the batch sum");
   }
   if (h) {
-    sp_mk_norm_update<<<blocks_for(h), SP_K_THREADS, 0, g->st>>>(
+    sp_mk_norm_update<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
         rm, (int)rd, g->vec_a, h, (float)global_n, g->vec_b);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
@@ -673,7 +662,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
   if (n * h != 0) {
-    sp_mk_norm_out<<<blocks_for(n * h), SP_K_THREADS, 0, g->st>>>(
+    sp_mk_norm_out<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
         x, g->vec_b, w, b, (int)pd, n, h, y);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
@@ -691,10 +680,10 @@ static int norm_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc < 0) return rc;
   if (h) {
     /* the stored running mean as float32: the constant the forward used */
-    sp_mk_load<<<blocks_for(h), SP_K_THREADS, 0, g->st>>>(rm, (int)rd, h,
+    sp_mk_load<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(rm, (int)rd, h,
                                                           g->vec_b);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
-    sp_mk_norm_grads<<<blocks_for(h), SP_K_THREADS, 0, g->st>>>(
+    sp_mk_norm_grads<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
         g->x[l], g->dy, g->vec_b, n, h, g->vec_a, g->acc);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
@@ -702,7 +691,7 @@ static int norm_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc == 0) rc = write_grad(g, io, L->bias, g->acc, d);
   if (rc < 0 || l == 0) return rc;
   if (n * h != 0) {
-    sp_mk_norm_dx<<<blocks_for(n * h), SP_K_THREADS, 0, g->st>>>(
+    sp_mk_norm_dx<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
         g->dy, w, (int)pd, n, h, g->dx);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
@@ -731,7 +720,7 @@ extern "C" int sp_mlp_cuda_forward(sp_mlp_cuda *g, size_t l,
   case SP_MLP_RELU: {
     size_t count = g->n * (size_t)L->in;
     if (count) {
-      sp_mk_relu<<<blocks_for(count), SP_K_THREADS, 0, g->st>>>(
+      sp_mk_relu<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
           g->x[l], g->x[l + 1], count);
       SP_CUDA_CHECK_D(d, cudaGetLastError());
     }
@@ -748,7 +737,7 @@ extern "C" int sp_mlp_cuda_loss(sp_mlp_cuda *g, sp_dtype out_dtype,
   if (!g) return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_loss: NULL");
   size_t n = g->n, out = (size_t)g->mlp->out_dim;
   if (n) {
-    sp_mk_loss_rows<<<blocks_for(n), SP_K_THREADS, 0, g->st>>>(
+    sp_mk_loss_rows<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(
         g->x[g->mlp->n_layers], g->t, n, out, (float)n, (int)out_dtype,
         g->dy, g->loss + 1);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
@@ -777,7 +766,7 @@ extern "C" int sp_mlp_cuda_backward(sp_mlp_cuda *g, size_t l,
   case SP_MLP_RELU: {
     size_t count = g->n * (size_t)L->in;
     if (l > 0 && count) {
-      sp_mk_relu_back<<<blocks_for(count), SP_K_THREADS, 0, g->st>>>(
+      sp_mk_relu_back<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
           g->x[l], g->dy, g->dx, count);
       SP_CUDA_CHECK_D(d, cudaGetLastError());
     }
