@@ -1,9 +1,8 @@
 /* mlp_cuda.h in a build without CUDA: every call fails with
  * SP_EUNSUPPORTED, so callers (shardplane-worker, the GPU tests) need no
- * #ifdef of their own. With CUDA, mlp_cuda.cu defines these instead. */
+ * #ifdef of their own. With CUDA, mlp_cuda.cu defines these instead and
+ * CMake leaves this file out. */
 #include "mlp_cuda.h"
-
-#ifndef SHARDPLANE_HAVE_CUDA
 
 static int unsupported(sp_diag *d) {
   return sp_diag_set(d, SP_EUNSUPPORTED,
@@ -79,8 +78,3 @@ int sp_mlp_cuda_write_dy(sp_mlp_cuda *g, const float *host, size_t count,
   (void)g, (void)host, (void)count, (void)dt;
   return unsupported(d);
 }
-
-#else
-/* ISO C forbids an empty translation unit */
-typedef int sp_mlp_cuda_stub_unused;
-#endif
