@@ -21,14 +21,15 @@
 #include <sys/mman.h>
 #include <time.h>
 
-#include "clock.h"
-#include "cast.h"
-#include "sp_error.h"
+#include "base/clock.h"
+#include "cast/cast.h"
+#include "base/sp_error.h"
+#include "shardplane/config.h"
 
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cast_cuda.h"
+#include "cast/cast_cuda.h"
 #endif
 
 #define BENCH_ALIGN ((size_t)2 << 20)
@@ -266,7 +267,7 @@ static int bench_cpu(const bench_opts *o) {
 
 /* ---- CUDA -------------------------------------------------------------- */
 
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
 #define BENCH_CUDA(call)                                                       \
   do {                                                                         \
     cudaError_t e_ = (call);                                                   \
@@ -342,7 +343,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (o.cuda) {
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
     return bench_cuda(&o);
 #else
     printf("skipped: no CUDA device (built without CUDA support)\n");

@@ -60,11 +60,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "proc.h"
-#include "rpc.h"
+#include "base/proc.h"
+#include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
-#include "sp_error.h"
-#include "state.h"
+#include "base/sp_error.h"
+#include "fsdp/state.h"
 
 extern char **environ;
 

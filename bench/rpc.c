@@ -44,9 +44,9 @@
 #include <unistd.h>
 
 #include "echo.pb-c.h"
-#include "echo_service.h"
-#include "proc.h"
-#include "rpc.h"
+#include "support/echo_service.h"
+#include "base/proc.h"
+#include "rpc/rpc.h"
 
 extern char **environ;
 

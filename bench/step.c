@@ -32,9 +32,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "clock.h"
-#include "proc.h"
-#include "shardplane.h"
+#include "base/clock.h"
+#include "base/proc.h"
+#include "lib/shardplane.h"
 
 extern char **environ;
 

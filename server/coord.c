@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "coordinator.h"
-#include "jsonutil.h"
+#include "base/json.h"
 
 uint64_t sp_coord_now_ms(const sp_coord *c) {
   return uv_now(c->loop) - c->started_ms;

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "coordinator.h"
-#include "job_cli.h"
+#include "fsdp/job_cli.h"
 
 static void usage(FILE *f) {
   fputs("usage: shardplane-coordinator --model M.json [--job J.json] "

@@ -8,14 +8,14 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "job.h"
-#include "model.h"
-#include "plan.h"
-#include "rpc.h"
+#include "fsdp/job.h"
+#include "fsdp/model.h"
+#include "fsdp/plan.h"
+#include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
-#include "state.h"
+#include "fsdp/state.h"
 #include "store.h"
-#include "strmap.h"
+#include "base/strmap.h"
 
 #define SP_COORD_SERVICE "shardplane.v1.Coordinator"
 #define SP_COORD_PATH(m) "/" SP_COORD_SERVICE "/" m

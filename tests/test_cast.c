@@ -14,11 +14,11 @@
 #include <fenv.h>
 #include <math.h>
 
-#include "cast.h"
-#include "cast_scalar.h"
-#include "cast_simd.h"
-#include "sp_error.h"
-#include "testutil.h"
+#include "cast/cast.h"
+#include "cast/cast_scalar.h"
+#include "cast/cast_simd.h"
+#include "base/sp_error.h"
+#include "support/testutil.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

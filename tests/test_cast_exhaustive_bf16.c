@@ -24,10 +24,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cast.h"
-#include "cast_scalar.h"
-#include "cast_simd.h"
-#include "testutil.h"
+#include "cast/cast.h"
+#include "cast/cast_scalar.h"
+#include "cast/cast_simd.h"
+#include "support/testutil.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>

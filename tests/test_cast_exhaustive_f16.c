@@ -27,9 +27,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cast.h"
-#include "cast_scalar.h"
-#include "testutil.h"
+#include "cast/cast.h"
+#include "cast/cast_scalar.h"
+#include "support/testutil.h"
 
 #define BLOCK ((size_t)1 << 20)
 #define NBLOCKS ((uint32_t)1 << 12)

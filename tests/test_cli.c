@@ -12,7 +12,7 @@
 #include <cmocka.h>
 #include <jansson.h>
 
-#include "testutil.h"
+#include "support/testutil.h"
 
 static char *g_dir;
 

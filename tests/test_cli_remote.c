@@ -26,10 +26,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "clock.h"
-#include "rpc.h"
+#include "base/clock.h"
+#include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
-#include "testutil.h"
+#include "support/testutil.h"
 
 #define MODEL(name) SP_EXAMPLES "/models/" name ".json"
 #define COORD_BIN SP_BIN_DIR "/shardplane-coordinator"

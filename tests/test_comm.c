@@ -32,11 +32,11 @@
 
 #include <cmocka.h>
 
-#include "cast_scalar.h"
-#include "clock.h"
-#include "mem_store.h"
-#include "shardplane.h"
-#include "testutil.h"
+#include "cast/cast_scalar.h"
+#include "base/clock.h"
+#include "support/mem_store.h"
+#include "lib/shardplane.h"
+#include "support/testutil.h"
 
 #define MAX_W 4
 
@@ -1122,7 +1122,7 @@ static void test_bad_arguments(void **state) {
   assert_non_null(strstr(d.msg, "rank 2"));
   o.rank = 0;
   o.backend = SP_BACKEND_NCCL;
-#ifdef SHARDPLANE_HAVE_NCCL
+#if SHARDPLANE_HAVE_NCCL
   /* built in: refused for the missing opts.device "cuda:N", before any
    * store access (tests/test_comm_nccl.c has the rest) */
   assert_int_equal(sp_comm_new(&o, &c, &d), SP_EINVAL);

@@ -35,15 +35,15 @@
 
 #include <cmocka.h>
 
-#include "clock.h"
-#include "mem_store.h"
-#include "shardplane.h"
-#include "testutil.h"
+#include "base/clock.h"
+#include "support/mem_store.h"
+#include "lib/shardplane.h"
+#include "support/testutil.h"
 
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cast_cuda.h"
+#include "cast/cast_cuda.h"
 #endif
 
 static sp_comm_opts nccl_opts(sp_mstore *st, const char *prefix,
@@ -79,7 +79,7 @@ static void test_gloo_has_no_stream(void **state) {
   sp_comm_free(c);
 }
 
-#ifndef SHARDPLANE_HAVE_NCCL
+#if !SHARDPLANE_HAVE_NCCL
 static void test_not_built(void **state) {
   (void)state;
   sp_mstore st;
@@ -146,7 +146,7 @@ static void test_missing_device(void **state) {
 
 /* ==== checks on a GPU =================================================== */
 
-#if defined(SHARDPLANE_HAVE_NCCL) && defined(SHARDPLANE_HAVE_CUDA)
+#if SHARDPLANE_HAVE_NCCL && SHARDPLANE_HAVE_CUDA
 
 #define SP_OK(call, d)                                                         \
   do {                                                                         \
@@ -819,13 +819,13 @@ static void test_multi_gpu(void **state) {
 
 int main(void) {
   int n = 0;
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
   if (sp_cuda_device_count(&n) != 0) n = 0;
 #endif
   g_ndev = n;
   const struct CMUnitTest nodev[] = {
       cmocka_unit_test(test_gloo_has_no_stream),
-#ifdef SHARDPLANE_HAVE_NCCL
+#if SHARDPLANE_HAVE_NCCL
       cmocka_unit_test(test_bad_device_strings),
       cmocka_unit_test(test_missing_device),
 #else
@@ -834,7 +834,7 @@ int main(void) {
   };
   int rc = cmocka_run_group_tests_name("without a device", nodev, NULL, NULL);
   if (rc != 0) return rc;
-#ifndef SHARDPLANE_HAVE_NCCL
+#if !SHARDPLANE_HAVE_NCCL
   return sp_test_skip("libshardplane was built without the NCCL backend (it "
                       "needs CUDA and NCCL >= 2.14 at configure time); the "
                       "SP_EUNSUPPORTED answer was checked");

@@ -13,9 +13,9 @@
 
 #include <cmocka.h>
 
-#include "coord_fixture.h"
-#include "coordinator.h"
-#include "testutil.h"
+#include "support/coord_fixture.h"
+#include "server/coordinator.h"
+#include "support/testutil.h"
 
 #define MODEL(name) SP_EXAMPLES "/models/" name ".json"
 #define PATH(m) SP_COORD_PATH(m)

@@ -12,9 +12,9 @@
 
 #include <cmocka.h>
 
-#include "coord_fixture.h"
-#include "coordinator.h"
-#include "testutil.h"
+#include "support/coord_fixture.h"
+#include "server/coordinator.h"
+#include "support/testutil.h"
 
 typedef sp_coord_fixture fixture;
 #define start sp_coord_fixture_start

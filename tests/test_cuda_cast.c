@@ -18,15 +18,15 @@
 
 #include <cmocka.h>
 
-#include "cast_scalar.h"
-#include "dtype.h"
-#include "sp_error.h"
-#include "testutil.h"
+#include "cast/cast_scalar.h"
+#include "cast/dtype.h"
+#include "base/sp_error.h"
+#include "support/testutil.h"
 
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cast_cuda.h"
+#include "cast/cast_cuda.h"
 
 static const sp_dtype k_float_types[] = {SP_FLOAT32, SP_FLOAT64, SP_FLOAT16,
                                          SP_BFLOAT16};
@@ -515,7 +515,7 @@ static void test_cast_div_errors(void **state) {
 
 int main(void) {
   int rc = sp_test_need_cuda_device();
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
   if (rc == 0) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_all_16bit_inputs),

@@ -23,16 +23,16 @@
 
 #include <cmocka.h>
 
-#include "cast_scalar.h"
-#include "clock.h"
-#include "dtype.h"
-#include "sp_error.h"
-#include "testutil.h"
+#include "cast/cast_scalar.h"
+#include "base/clock.h"
+#include "cast/dtype.h"
+#include "base/sp_error.h"
+#include "support/testutil.h"
 
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cast_cuda.h"
+#include "cast/cast_cuda.h"
 
 #define SP_OK(call)                                                            \
   do {                                                                         \
@@ -214,7 +214,7 @@ static void test_all_16bit_div(void **state) {
 
 int main(void) {
   int rc = sp_test_need_cuda_device();
-#ifdef SHARDPLANE_HAVE_CUDA
+#if SHARDPLANE_HAVE_CUDA
   if (rc == 0) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_all_16bit_div),

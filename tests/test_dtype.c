@@ -8,11 +8,11 @@
 
 #include <cmocka.h>
 
-#include "dtype.h"
-#include "job.h"
+#include "cast/dtype.h"
+#include "fsdp/job.h"
 #include "shardplane/v1/coordinator.pb-c.h"
-#include "sp_error.h"
-#include "strmap.h"
+#include "base/sp_error.h"
+#include "base/strmap.h"
 
 static void test_table(void **state) {
   (void)state;

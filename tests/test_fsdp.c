@@ -37,13 +37,13 @@
 
 #include <cmocka.h>
 
-#include "clock.h"
-#include "cast.h"
-#include "coord_fixture.h"
-#include "coordinator.h"
-#include "mlp.h"
-#include "shardplane.h"
-#include "testutil.h"
+#include "base/clock.h"
+#include "cast/cast.h"
+#include "support/coord_fixture.h"
+#include "server/coordinator.h"
+#include "worker/mlp.h"
+#include "lib/shardplane.h"
+#include "support/testutil.h"
 
 #define MAX_W 4
 #define MLP SP_EXAMPLES "/mlp.json"

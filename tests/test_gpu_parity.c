@@ -29,17 +29,17 @@
 
 #include <cmocka.h>
 
-#include "cast.h"
-#include "job_fixture.h"
-#include "mlp.h"
-#include "mlp_cuda.h"
-#include "plan.h"
-#include "safetensors.h"
-#include "shardplane.h"
-#include "testutil.h"
+#include "cast/cast.h"
+#include "support/job_fixture.h"
+#include "worker/mlp.h"
+#include "worker/mlp_cuda.h"
+#include "fsdp/plan.h"
+#include "safetensors/safetensors.h"
+#include "lib/shardplane.h"
+#include "support/testutil.h"
 
 /* everything below needs both; without them main only skips */
-#if defined(SHARDPLANE_HAVE_CUDA) && defined(SHARDPLANE_HAVE_NCCL)
+#if SHARDPLANE_HAVE_CUDA && SHARDPLANE_HAVE_NCCL
 #define SP_GPU_TESTS 1
 #include <cuda_runtime_api.h>
 #endif
@@ -528,9 +528,9 @@ static int nccl_probe(char *why, size_t cap) {
 #endif /* SP_GPU_TESTS */
 
 int main(void) {
-#if !defined(SHARDPLANE_HAVE_CUDA)
+#if !SHARDPLANE_HAVE_CUDA
   return sp_test_skip("libshardplane was built without CUDA");
-#elif !defined(SHARDPLANE_HAVE_NCCL)
+#elif !SHARDPLANE_HAVE_NCCL
   return sp_test_skip("libshardplane was built without NCCL");
 #else
   int ordinal;

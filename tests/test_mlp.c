@@ -14,13 +14,13 @@
 #include <math.h>
 #include <pthread.h>
 
-#include "cast.h"
-#include "cast_scalar.h"
-#include "job.h"
-#include "mlp.h"
-#include "model.h"
-#include "plan.h"
-#include "testutil.h"
+#include "cast/cast.h"
+#include "cast/cast_scalar.h"
+#include "fsdp/job.h"
+#include "worker/mlp.h"
+#include "fsdp/model.h"
+#include "fsdp/plan.h"
+#include "support/testutil.h"
 
 #define MLP_JSON SP_EXAMPLES "/mlp.json"
 #define MLP_BUFFERS_JSON SP_TEST_DATA "/mlp_buffers.json"

@@ -10,8 +10,8 @@
 
 #include <cmocka.h>
 
-#include "model.h"
-#include "testutil.h"
+#include "fsdp/model.h"
+#include "support/testutil.h"
 
 static const char *const k_specs[] = {"gpt2",      "llama2_70b",
                                       "llama2_7b", "mobilenet_v3_small",

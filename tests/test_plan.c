@@ -12,11 +12,11 @@
 #include <cmocka.h>
 #include <jansson.h>
 
-#include "clock.h"
-#include "job.h"
-#include "model.h"
-#include "plan.h"
-#include "testutil.h"
+#include "base/clock.h"
+#include "fsdp/job.h"
+#include "fsdp/model.h"
+#include "fsdp/plan.h"
+#include "support/testutil.h"
 
 /* ---- building specs ---- */
 

@@ -12,10 +12,10 @@
 
 #include "echo.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
-#include "rpc.h"
-#include "rpc_fixture.h"
-#include "rpc_wire.h"
-#include "testutil.h"
+#include "rpc/rpc.h"
+#include "support/rpc_fixture.h"
+#include "rpc/rpc_wire.h"
+#include "support/testutil.h"
 
 typedef Shardplane__Testing__EchoRequest EchoRequest;
 typedef Shardplane__Testing__EchoReply EchoReply;

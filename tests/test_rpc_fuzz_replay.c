@@ -16,9 +16,9 @@
 #include <dirent.h>
 
 #include "fuzz/fuzz_targets.h"
-#include "h2_raw.h"
-#include "rpc.h"
-#include "testutil.h"
+#include "support/h2_raw.h"
+#include "rpc/rpc.h"
+#include "support/testutil.h"
 
 static uint8_t *read_file(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");

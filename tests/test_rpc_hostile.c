@@ -28,10 +28,10 @@
 #include <unistd.h>
 
 #include "echo.pb-c.h"
-#include "h2_raw.h"
-#include "rpc.h"
-#include "rpc_fixture.h"
-#include "testutil.h"
+#include "support/h2_raw.h"
+#include "rpc/rpc.h"
+#include "support/rpc_fixture.h"
+#include "support/testutil.h"
 
 typedef Shardplane__Testing__EchoRequest EchoRequest;
 typedef Shardplane__Testing__EchoReply EchoReply;

@@ -20,8 +20,8 @@
 
 #include <cmocka.h>
 
-#include "clock.h"
-#include "testutil.h"
+#include "base/clock.h"
+#include "support/testutil.h"
 
 extern char **environ;
 

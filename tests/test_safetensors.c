@@ -12,8 +12,8 @@
 #include <jansson.h>
 #include <sys/stat.h>
 
-#include "safetensors.h"
-#include "testutil.h"
+#include "safetensors/safetensors.h"
+#include "support/testutil.h"
 
 /* ---- helpers ------------------------------------------------------------ */
 

@@ -14,12 +14,12 @@
 
 #include <cmocka.h>
 
-#include "coord_fixture.h"
-#include "coordinator.h"
-#include "plan_wire.h"
-#include "session_internal.h"
-#include "shardplane.h"
-#include "testutil.h"
+#include "support/coord_fixture.h"
+#include "server/coordinator.h"
+#include "lib/plan_wire.h"
+#include "lib/session_internal.h"
+#include "lib/shardplane.h"
+#include "support/testutil.h"
 
 typedef sp_coord_fixture fixture;
 #define start sp_coord_fixture_start

@@ -17,10 +17,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cast_scalar.h"
-#include "dtype.h"
-#include "safetensors.h"
-#include "testutil.h"
+#include "cast/cast_scalar.h"
+#include "cast/dtype.h"
+#include "safetensors/safetensors.h"
+#include "support/testutil.h"
 
 #define PYTHON "/usr/bin/python3"
 #define ST_READER SP_TEST_DATA "/../interop/st_reader.py"

@@ -8,8 +8,8 @@
 
 #include <cmocka.h>
 
-#include "state.h"
-#include "testutil.h"
+#include "fsdp/state.h"
+#include "support/testutil.h"
 
 enum { N_UNITS = 4 };
 

@@ -12,8 +12,8 @@
 
 #include <cmocka.h>
 
-#include "store.h"
-#include "testutil.h"
+#include "server/store.h"
+#include "support/testutil.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define SP_TEST_ASAN 1

@@ -29,15 +29,15 @@
 
 #include <jansson.h>
 
-#include "cast.h"
-#include "clock.h"
-#include "job_fixture.h"
-#include "mlp.h"
-#include "plan.h"
-#include "proc.h"
-#include "safetensors.h"
-#include "shardplane.h"
-#include "testutil.h"
+#include "cast/cast.h"
+#include "base/clock.h"
+#include "support/job_fixture.h"
+#include "worker/mlp.h"
+#include "fsdp/plan.h"
+#include "base/proc.h"
+#include "safetensors/safetensors.h"
+#include "lib/shardplane.h"
+#include "support/testutil.h"
 
 extern char **environ;
 

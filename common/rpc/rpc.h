@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "sp_error.h"
+#include "base/sp_error.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -8,7 +8,7 @@
 #include "rpc_conn.h"
 #include "rpc_internal.h"
 #include "rpc_wire.h"
-#include "strmap.h"
+#include "base/strmap.h"
 
 typedef struct cconn {
   sp_h2conn io;

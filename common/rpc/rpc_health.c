@@ -6,7 +6,7 @@
 
 #include "grpc/health/v1/health.pb-c.h"
 #include "rpc_internal.h"
-#include "strmap.h"
+#include "base/strmap.h"
 
 #define SERVICE_UNKNOWN 3
 #define MAX_SERVICES 1024

@@ -11,7 +11,7 @@
 #include "rpc_conn.h"
 #include "rpc_internal.h"
 #include "rpc_wire.h"
-#include "strmap.h"
+#include "base/strmap.h"
 
 typedef struct srv_conn srv_conn;
 

@@ -12,11 +12,11 @@
 
 #include <uv.h>
 
-#include "echo_service.h"
+#include "support/echo_service.h"
 #include "fuzz_targets.h"
-#include "h2_raw.h"
-#include "rpc.h"
-#include "rpc_internal.h"
+#include "support/h2_raw.h"
+#include "rpc/rpc.h"
+#include "rpc/rpc_internal.h"
 
 #define CHECK(cond)                                                            \
   do {                                                                         \

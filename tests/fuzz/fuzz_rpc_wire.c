@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "fuzz_targets.h"
-#include "rpc_wire.h"
+#include "rpc/rpc_wire.h"
 
 #define CHECK(cond)                                                            \
   do {                                                                         \

@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "echo.pb-c.h"
-#include "rpc.h"
+#include "rpc/rpc.h"
 
 typedef Shardplane__Testing__EchoRequest sp_ix_req;
 typedef Shardplane__Testing__EchoReply sp_ix_reply;

@@ -1,0 +1,87 @@
+/* The client's CUDA plumbing: checking macros that turn a failed CUDA or
+ * cuBLAS call into an SP_E* code with the file, line and call in an
+ * sp_diag, and the launchers of the runtime's small kernels
+ * (fsdp_cuda_kernels.cu). Includable from C without CUDA headers; only
+ * built with CUDA (SHARDPLANE_HAVE_CUDA).
+ *
+ * common/cast_cuda.h's SP_CUDA_CHECK logs to stderr and returns SP_ECUDA;
+ * these variants fill the caller's sp_diag instead, so the message reaches
+ * whoever reports the failure (a worker prints it naming its rank). Neither
+ * exits: library code returns errors. */
+#ifndef SP_CUDA_INTERNAL_H
+#define SP_CUDA_INTERNAL_H
+
+#include <stddef.h>
+
+#include "cast/dtype.h"
+#include "base/sp_error.h"
+#include "shardplane/config.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* "file:line: call: CUDA error NAME (description)" into d; returns
+ * SP_ECUDA. err is a cudaError_t. Also clears the runtime's sticky
+ * last-error slot for non-sticky errors, so the next check does not trip
+ * over this one. */
+int sp_cuda_diag(sp_diag *d, int err, const char *expr, const char *file,
+                 int line);
+/* Same for a cublasStatus_t: "cuBLAS error NAME (description)". */
+int sp_cublas_diag(sp_diag *d, int status, const char *expr, const char *file,
+                   int line);
+
+/* Evaluates a CUDA runtime call (or anything returning a cudaError_t);
+ * on failure fills d and returns SP_ECUDA from the enclosing function. */
+#define SP_CUDA_CHECK_D(d, call)                                               \
+  do {                                                                         \
+    int sp_cu_err_ = (int)(call);                                              \
+    if (sp_cu_err_ != 0)                                                       \
+      return sp_cuda_diag((d), sp_cu_err_, #call, __FILE__, __LINE__);         \
+  } while (0)
+
+/* Same for cuBLAS calls (cublasStatus_t); returns SP_ECUDA. */
+#define SP_CUBLAS_CHECK_D(d, call)                                             \
+  do {                                                                         \
+    int sp_cb_st_ = (int)(call);                                               \
+    if (sp_cb_st_ != 0)                                                        \
+      return sp_cublas_diag((d), sp_cb_st_, #call, __FILE__, __LINE__);       \
+  } while (0)
+
+/* After a kernel launch: SP_CUDA_CHECK_D(d, cudaGetLastError()) reports a
+ * failed launch; faults during the run surface at the next synchronizing
+ * call on the stream, which is checked as well. */
+
+/* Kernels of the FSDP runtime, enqueued on `stream` (a cudaStream_t).
+ * scale_div: buf[i] /= div in place, bit for bit what fsdp.c's host path
+ *   computes (float32 and float64: the quotient in double rounded once;
+ *   bfloat16 and float16: via float32).
+ * sgd: p = rne_pdt((double)p - lr * (double)g) with no FMA contraction,
+ *   then g = 0: bit for bit the host path (sp_fsdp_sgd_step).
+ * Both: floating dtypes only (SP_EINVAL otherwise), any alignment of the
+ * element size; SP_ECUDA on a failed launch. */
+int sp_fsdp_cuda_scale_div(void *buf, sp_dtype dt, size_t n, double div,
+                           void *stream, sp_diag *d);
+int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, void *g, sp_dtype gdt, size_t n,
+                     double lr, void *stream, sp_diag *d);
+
+#ifdef __cplusplus
+}
+#endif
+
+#ifdef __CUDACC__
+/* Launch geometry shared by the client's kernels: grid-stride loops of
+ * SP_K_THREADS threads a block, at most SP_K_MAX_BLOCKS blocks. */
+#define SP_K_THREADS 256
+#define SP_K_MAX_BLOCKS 4096u
+#define SP_K_TID() ((size_t)blockIdx.x * blockDim.x + threadIdx.x)
+#define SP_K_STRIDE() ((size_t)gridDim.x * blockDim.x)
+
+static inline unsigned sp_k_blocks(size_t n) {
+  size_t b = (n + SP_K_THREADS - 1) / SP_K_THREADS;
+  if (b == 0) b = 1;
+  return b < SP_K_MAX_BLOCKS ? (unsigned)b : SP_K_MAX_BLOCKS;
+}
+#endif
+
+#endif

@@ -1,0 +1,475 @@
+/* libshardplane: the C API a training program links.
+ *
+ * A worker process is one rank of a job. It
+ *   1. opens a session (sp_session_open): connects to the coordinator,
+ *      fetches the job and the model spec, builds the plan locally and checks
+ *      that its version equals the coordinator's, attaches, and starts a
+ *      background thread that keeps the Session stream (heartbeats, batched
+ *      transitions and collective fingerprints up; ABORT down);
+ *   2. creates communicators (sp_comm_*) whose rendezvous goes through the
+ *      coordinator's store (no other side channel, no fixed ports);
+ *   3. creates the FSDP runtime (sp_fsdp_*) that owns the flat-parameter
+ *      shards and runs unshard / reshard / gradient reduction per unit, in
+ *      the schedule of the job's sharding strategy, reporting every
+ *      transition and collective through the session;
+ *   4. trains, saves and loads checkpoints (sp_ckpt_*), closes everything.
+ *
+ * Conventions (as the rest of shardplane): every fallible function returns
+ * 0 or a negative SP_E* code (sp_error.h, sp_strerror) and, when given an
+ * sp_diag, a message naming the rank, unit, FQN, file or key at fault.
+ * Nothing here calls exit() or aborts the process. Objects are created by
+ * ..._open / ..._new and released by the matching ..._close / ..._free, which accept
+ * NULL. Unless a function says otherwise an object is used by one thread at
+ * a time (the training thread).
+ */
+#ifndef SHARDPLANE_H
+#define SHARDPLANE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/sp_error.h"
+#include "cast/dtype.h"
+#include "fsdp/job.h"
+#include "fsdp/model.h"
+#include "fsdp/plan.h"
+#include "fsdp/state.h"
+#include "shardplane/config.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ================================================================== */
+/* Session: attach, plan, store, reporting                            */
+/* ================================================================== */
+
+typedef struct sp_session sp_session;
+
+/* Collective ops, equal to the wire enum shardplane.v1.CollectiveOp. */
+typedef enum sp_coll_op {
+  SP_OP_ALL_GATHER = 1,
+  SP_OP_REDUCE_SCATTER = 2,
+  SP_OP_ALL_REDUCE = 3,
+  SP_OP_BROADCAST = 4,
+  SP_OP_BARRIER = 5,
+} sp_coll_op;
+
+typedef struct sp_session_opts {
+  const char *coordinator; /* "host:port"; required */
+  uint32_t rank;
+  const char *device;          /* "cpu", "cuda:0"; NULL: "cpu" */
+  uint64_t connect_timeout_ms; /* 0: 20000 */
+  /* Events the training thread may queue before the background thread has
+   * sent them; 0: 65536. Rounded up to a power of two. When the queue is
+   * full an event is dropped and counted (sp_session_dropped), never
+   * waited for: reporting must not block training. */
+  size_t queue_events;
+  /* false: transitions are still checked locally but nothing is queued or
+   * sent (heartbeats still are). For measuring the cost of reporting. */
+  bool no_report;
+  /* Called once, from the background thread, when the coordinator sends
+   * ABORT or the Session stream fails; reason is valid during the call. The
+   * callback must be thread-safe (typically it calls sp_comm_abort). */
+  void (*on_abort)(void *user, const char *reason);
+  void *user;
+} sp_session_opts;
+
+/* Connects, fetches the job and model spec, builds the plan, checks the
+ * plan version against the coordinator's, attaches as opts->rank and starts
+ * the background thread. Errors: SP_EINVAL (bad opts, rank out of range),
+ * SP_ETIMEDOUT (coordinator unreachable within connect_timeout_ms),
+ * SP_ESTATE (plan version mismatch, naming both versions), SP_EEXIST (rank
+ * already attached), SP_ENOMEM. The session owns the model, job and plan. */
+int sp_session_open(const sp_session_opts *opts, sp_session **out,
+                    sp_diag *d);
+
+/* Flushes queued events (up to timeout_ms, 0: 5000), detaches, stops the
+ * background thread and frees everything. Returns the first error seen by
+ * the background thread, or the flush/detach error; the session is freed
+ * whatever the result. */
+int sp_session_close(sp_session *s, uint64_t timeout_ms, sp_diag *d);
+
+/* Borrowed; valid until sp_session_close. */
+const sp_plan *sp_session_plan(const sp_session *s);
+const sp_model *sp_session_model(const sp_session *s);
+const sp_job *sp_session_job(const sp_session *s);
+uint32_t sp_session_rank(const sp_session *s);
+uint32_t sp_session_world(const sp_session *s);
+const char *sp_session_coordinator(const sp_session *s);
+/* opts.device as given ("cpu" when it was NULL). */
+const char *sp_session_device(const sp_session *s);
+
+/* Store calls on the coordinator, blocking, safe from any thread (they use
+ * their own connection under a lock). get: waits until the key exists when
+ * wait_ms > 0 (SP_ETIMEDOUT after it), SP_ENOENT when absent and not
+ * waiting; *val is malloc'd, the caller frees it. */
+int sp_session_store_set(sp_session *s, const char *key, const void *val,
+                         size_t len, sp_diag *d);
+int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
+                         uint8_t **val, size_t *len, sp_diag *d);
+int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
+                         int64_t *value, sp_diag *d);
+
+/* ---- reporting: training thread only ----
+ * Each call costs a table check and a store into a ring (no lock, no
+ * syscall). */
+
+/* Checks the transition against the shared state tables and this rank's
+ * tracker, applies it and queues it. SP_ESTATE (with the legal next states)
+ * if it is illegal; nothing is queued then. unit is ignored for the root
+ * machine. */
+int sp_session_transition(sp_session *s, sp_machine m, uint32_t unit, int to,
+                          sp_diag *d);
+/* Current state in the local tracker. */
+int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit);
+/* Queues a collective fingerprint; the sequence number is assigned here
+ * and returned. */
+uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
+                               sp_dtype dtype, uint64_t count);
+/* Switches queueing on or off (sp_session_opts.no_report) for measuring
+ * what reporting costs within one run. Only between steps: SP_ESTATE unless
+ * the root and every unit are IDLE. */
+int sp_session_set_report(sp_session *s, bool on, sp_diag *d);
+/* Sets the step number carried by later events and heartbeats. */
+void sp_session_set_step(sp_session *s, uint64_t step);
+/* Waits until every event queued so far has been acknowledged by the
+ * coordinator. SP_ETIMEDOUT after timeout_ms. Returns SP_ESTATE if the
+ * coordinator rejected a transition (the first rejection in d). */
+int sp_session_flush(sp_session *s, uint64_t timeout_ms, sp_diag *d);
+/* Events dropped because the queue was full. Any thread. */
+uint64_t sp_session_dropped(const sp_session *s);
+/* Whether an ABORT arrived or the stream failed; the reason, if given,
+ * receives a copy (cap bytes). Any thread. */
+bool sp_session_aborted(const sp_session *s, char *reason, size_t cap);
+
+/* ================================================================== */
+/* Communicators                                                      */
+/* ================================================================== */
+
+/* A group of ranks that run collectives together. Every member calls the
+ * same operations in the same order.
+ *
+ * Backends and buffers:
+ *   - Gloo (CPU): buffers are host memory. Sums are deterministic: every
+ *     member gets identical bits, summed in member order; bfloat16/float16
+ *     are summed in float32 and rounded once (round to nearest even).
+ *   - NCCL (GPU; only when libshardplane was built with CUDA and NCCL, which
+ *     defines SHARDPLANE_HAVE_NCCL for its users): buffers are device memory
+ *     on the communicator's device (opts.device "cuda:N"; managed memory
+ *     also works); host pointers are
+ *     refused with SP_EINVAL before anything is enqueued (a host pointer
+ *     handed to NCCL would fault the GPU context). Every operation, also
+ *     for a single member, goes through NCCL (or the GPU) and never touches
+ *     the bytes on the host. Sums are NCCL's (ncclSum): accumulated in the
+ *     wire dtype in the order of NCCL's algorithm, identical on all members
+ *     but not the Gloo bits for more than one member; a single member gets
+ *     its input unchanged.
+ *     Each operation is enqueued on the communicator's own CUDA stream
+ *     (sp_comm_cuda_stream) and the call returns once it has completed on
+ *     the device, so buffers may be reused or freed right after; the call
+ *     makes the communicator's device current on the calling thread. An
+ *     operation that does not complete within the timeout aborts the NCCL
+ *     communicator (ncclCommAbort) and returns SP_ETIMEDOUT; the
+ *     communicator is then broken, like a Gloo one after a failure.
+ *
+ * The store a communicator bootstraps through: set and blocking get. */
+typedef struct sp_comm_store {
+  int (*set)(void *user, const char *key, const void *val, size_t len,
+             sp_diag *d);
+  /* Waits up to wait_ms for the key; *val malloc'd, caller frees. */
+  int (*get)(void *user, const char *key, uint64_t wait_ms, uint8_t **val,
+             size_t *len, sp_diag *d);
+  /* Atomic add to an integer key (created at 0); optional, for
+   * sp_comm_leave. */
+  int (*add)(void *user, const char *key, int64_t delta, int64_t *value,
+             sp_diag *d);
+  void *user;
+} sp_comm_store;
+
+/* The session's store as an sp_comm_store (borrowing s). */
+sp_comm_store sp_session_comm_store(sp_session *s);
+
+typedef struct sp_comm sp_comm;
+
+typedef struct sp_comm_opts {
+  sp_backend backend;     /* SP_BACKEND_GLOO, or SP_BACKEND_NCCL (GPU build) */
+  sp_comm_store store;    /* set and get; required for more than one member */
+  const char *prefix;     /* store key namespace, unique per communicator */
+  uint32_t rank;          /* rank within this communicator */
+  uint32_t size;          /* members */
+  uint64_t timeout_ms;    /* rendezvous and per-operation; 0: 60000 */
+  const char *device;     /* NCCL: "cuda:N" (required); Gloo: ignored */
+  /* Optional, NCCL: polled (on the creating thread, every few ms) while
+   * sp_comm_new waits for the other members; returning true gives up at
+   * once with SP_ECANCELED. Typically it reads sp_session_aborted, so a
+   * job aborted during the rendezvous does not wait out the timeout. */
+  bool (*cancel)(void *user);
+  void *cancel_user;
+} sp_comm_opts;
+
+/* Creates the communicator and rendezvouses with the other members (blocks
+ * until all have joined or the timeout passes: SP_ETIMEDOUT). SP_EUNSUPPORTED
+ * for a backend not built in.
+ *
+ * NCCL: checks opts.device first, before any CUDA call or store access: not
+ * of the form "cuda:N" (decimal N) -> SP_EINVAL; N not below the number of
+ * CUDA devices (none at all included) -> SP_ENODEV. Then it makes device N
+ * current on the calling thread (cudaSetDevice, as NCCL requires), rank 0
+ * creates an NCCL unique id and publishes it under "<prefix>/nccl_id" (a
+ * single member publishes it only if the store has a set), the others wait
+ * for it, and every member initialises its NCCL communicator non-blocking,
+ * polling until it is ready, fails (SP_ENCCL), the timeout passes
+ * (SP_ETIMEDOUT) or opts.cancel says stop (SP_ECANCELED); in the last two
+ * cases the half-made communicator is aborted (ncclCommAbort). Each call
+ * needs a fresh prefix: an id left in the store by an earlier communicator
+ * would be picked up. SP_EUNSUPPORTED also when the NCCL library found at
+ * run time is older than 2.14 (non-blocking init and finalize). */
+int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d);
+/* The end of a job: waits, through the store (which needs `add`), until
+ * every member has called sp_comm_leave. A member that closed its
+ * connections while a peer still finishes the last operation would fail
+ * that operation; leaving together avoids it. Returns 0 at once for an
+ * aborted or failed communicator (nothing to protect) or a single member;
+ * SP_ECANCELED if sp_comm_abort is called meanwhile (it may be, from any
+ * thread), SP_ETIMEDOUT after the communicator's timeout, SP_EUNSUPPORTED
+ * without store `add`. */
+int sp_comm_leave(sp_comm *c, sp_diag *d);
+/* Closes the communicator at once. Must not run concurrently with
+ * sp_comm_abort (or anything else on c). NCCL: a healthy communicator is
+ * finalized (ncclCommFinalize, waited for up to the timeout, which needs
+ * the other members to finalize too) and destroyed; an aborted, broken or
+ * unfinalizable one is aborted (ncclCommAbort). */
+void sp_comm_free(sp_comm *c);
+uint32_t sp_comm_rank(const sp_comm *c);
+uint32_t sp_comm_size(const sp_comm *c);
+/* The CUDA stream (a cudaStream_t, as void *) every NCCL operation of c is
+ * enqueued on, owned by c and valid until sp_comm_free. A runtime orders
+ * communication after its compute with cudaEventRecord on the compute
+ * stream and cudaStreamWaitEvent on this one (not a host synchronize). It is
+ * a non-blocking stream: NOT ordered after work on the legacy default
+ * stream, so data written there (cudaMemset, a kernel on stream 0, or a
+ * cudaMemcpy from pageable memory, which may return before the data has
+ * reached the device) needs an event or a synchronize before an operation
+ * reads it.
+ * Work the caller enqueues on it delays c's operations and counts against
+ * their timeout. Errors: SP_EINVAL (c or stream NULL), SP_EUNSUPPORTED (not
+ * an NCCL communicator; *stream = NULL). */
+int sp_comm_cuda_stream(sp_comm *c, void **stream);
+
+/* Buffers: host memory for Gloo, device memory on the communicator's device
+ * for NCCL (see above). count is in elements of dt.
+ *
+ * recv holds size*count elements: member i's count elements at i*count.
+ * send may alias recv + rank*count. */
+int sp_comm_all_gather(sp_comm *c, const void *send, void *recv, size_t count,
+                       sp_dtype dt, sp_diag *d);
+/* send holds size*count elements; recv gets the sum over members of their
+ * block `rank`. recv may alias send + rank*count. */
+int sp_comm_reduce_scatter(sp_comm *c, const void *send, void *recv,
+                           size_t count, sp_dtype dt, sp_diag *d);
+/* In-place sum. */
+int sp_comm_all_reduce(sp_comm *c, void *buf, size_t count, sp_dtype dt,
+                       sp_diag *d);
+int sp_comm_broadcast(sp_comm *c, void *buf, size_t count, sp_dtype dt,
+                      uint32_t root, sp_diag *d);
+int sp_comm_barrier(sp_comm *c, sp_diag *d);
+/* Makes the operation in progress and every later one fail with
+ * SP_ECANCELED, as soon as possible. Safe from any thread, also from a
+ * signal-free callback such as sp_session_opts.on_abort. NCCL: only sets a
+ * flag; the thread blocked in the operation sees it within a millisecond
+ * and calls ncclCommAbort itself (an idle communicator is aborted by
+ * sp_comm_free). */
+void sp_comm_abort(sp_comm *c);
+
+/* ================================================================== */
+/* FSDP runtime: flat-parameter handles                               */
+/* ================================================================== */
+
+typedef struct sp_fsdp sp_fsdp;
+
+typedef struct sp_fsdp_opts {
+  sp_session *session; /* plan, rank, reporting; required */
+  /* Communicators: world (all ranks); for HYBRID_SHARD also the shard group
+   * (ranks sharing r / g) and the replica group (ranks sharing r % g). The
+   * runtime borrows them. NO_SHARD uses world for the all-reduce. */
+  sp_comm *world, *shard_group, *replica_group;
+  bool backward_prefetch;      /* BACKWARD_PRE prefetch of the next unit */
+  uint32_t max_inflight_gathers; /* all-gather limiter; 0: 2 */
+  /* Called once per parameter to fill the master shard before training:
+   * elements [start, start + n) of parameter `param` (model index) in the
+   * parameter's dtype, written to dst. */
+  void (*init_param)(void *user, const sp_model *m, int32_t param,
+                     int64_t start, int64_t n, void *dst);
+  /* Same for buffers (whole buffer, original dtype). */
+  void (*init_buffer)(void *user, const sp_model *m, int32_t buffer,
+                      void *dst);
+  void *user;
+  /* Where shards, unsharded parameters, gradients and buffers live: "cpu"
+   * (or NULL) in host memory; "cuda:N" in device memory of GPU N, which
+   * becomes the calling thread's current device. Everything a step needs
+   * is allocated by sp_fsdp_new (plain cudaMalloc, reused every step) and
+   * buffers are cast on the device to their compute dtype. On a GPU the
+   * communicators must take device pointers (the NCCL backend: see
+   * sp_fsdp_comms_open), and every pointer the runtime hands out or takes
+   * (views, gradients, shards, buffers, sp_fsdp_all_reduce) is device
+   * memory, ordered on the runtime's compute stream (sp_fsdp_cuda_stream);
+   * the init callbacks above still write host memory. Errors:
+   * SP_EUNSUPPORTED (library built without CUDA), SP_ENODEV (no such GPU),
+   * SP_EINVAL (not "cpu" or "cuda:N"), SP_ECUDA (file and line in d).
+   * "cpu-staged", for tests: host memory that the runtime handles as a
+   * device's (initialisation, checkpoints and loads staged through host
+   * copies), so those paths run on a machine without a GPU. */
+  const char *device;
+} sp_fsdp_opts;
+
+int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d);
+void sp_fsdp_free(sp_fsdp *f);
+
+/* The schedule, in FSDP's order. Every call checks and reports its
+ * transitions and collectives through the session. Unit 0 is the root unit
+ * (it may own no parameters: its schedule still runs).
+ * root_pre_forward: lazy init on the first call (buffers cast to their
+ *   compute dtype), root IDLE -> FORWARD_BACKWARD, then pre_forward(0).
+ * pre_forward(u): unshard u unless it still is, u -> FORWARD.
+ * post_forward(u): u -> IDLE; reshard unless the strategy keeps it (the
+ *   root unit, SHARD_GRAD_OP, NO_SHARD). Records the post-forward order.
+ * root_post_forward: post_forward(0), root -> IDLE.
+ * root_pre_backward: root -> FORWARD_BACKWARD, then pre_backward(0).
+ * pre_backward(u): unshard if resharded and not prefetched,
+ *   u -> BACKWARD_PRE, then (backward_prefetch) issue the all-gather of the
+ *   unit before u in post-forward order, without waiting for it.
+ * post_backward(u): u -> BACKWARD_POST; queue the unit's gradient
+ *   reduction (cast to reduce_dtype, pre-divide, reduce-scatter / all-reduce
+ *   (HYBRID: reduce-scatter in the shard group, all-reduce in the replica
+ *   group), post-divide, cast to the shard's gradient dtype); reshard.
+ * finish_backward: waits for every queued reduction, every unit -> IDLE,
+ *   root -> IDLE.
+ * Resharding drops the unsharded views (sp_fsdp_param returns NULL); the
+ * storage behind them is allocated once and reused every step, as a GPU
+ * caching allocator would, so no step allocates.
+ * Collectives run in issue order on one communication thread per runtime
+ * (the CPU's stand-in for a CUDA stream), so a prefetch overlaps compute.
+ * The limiter keeps at most max_inflight_gathers all-gathers issued and
+ * not yet complete: issuing one more first waits for the oldest. */
+int sp_fsdp_root_pre_forward(sp_fsdp *f, sp_diag *d);
+int sp_fsdp_pre_forward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_post_forward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_root_post_forward(sp_fsdp *f, sp_diag *d);
+int sp_fsdp_root_pre_backward(sp_fsdp *f, sp_diag *d);
+int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_post_backward(sp_fsdp *f, uint32_t unit, sp_diag *d);
+int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d);
+
+/* A sum over every rank of the world, in place, ordered with the runtime's
+ * other collectives (a model's own collective, e.g. a norm's batch mean).
+ * On a GPU buf is device memory, written by work on the runtime's compute
+ * stream (or already complete); the sum is complete on return. */
+int sp_fsdp_all_reduce(sp_fsdp *f, void *buf, size_t count, sp_dtype dt,
+                       sp_diag *d);
+
+/* Opens the communicators a job needs through the session's store: world,
+ * and for HYBRID_SHARD the shard group (ranks r with equal r / g, member
+ * index r % g) and the replica group (equal r % g, member r / g); the
+ * others NULL. timeout_ms 0: 60000. The backend is the job's, except that
+ * a session on a GPU (sp_session_opts.device "cuda:N") gets NCCL on that
+ * device. The caller frees them after the runtime. */
+int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
+                       sp_comm **shard_group, sp_comm **replica_group,
+                       sp_diag *d);
+
+/* A parameter's unsharded view (param_dtype of its unit) while its unit is
+ * unsharded; NULL otherwise. The gradient buffer of the same shape and
+ * dtype, to be written during backward before post_backward(unit).
+ * On a GPU (sp_fsdp_opts.device) these, the buffers and the shards below
+ * are device pointers. */
+void *sp_fsdp_param(sp_fsdp *f, int32_t param);
+void *sp_fsdp_param_grad(sp_fsdp *f, int32_t param);
+sp_dtype sp_fsdp_param_dtype(const sp_fsdp *f, int32_t param);
+/* A buffer's storage in its compute dtype (after the first forward) */
+void *sp_fsdp_buffer(sp_fsdp *f, int32_t buffer);
+sp_dtype sp_fsdp_buffer_dtype(const sp_fsdp *f, int32_t buffer);
+
+/* The master shard of a unit (unit dtype, c elements, padding included)
+ * and its reduced gradient (c elements in the unit dtype, or in
+ * param_dtype with keep_low_precision_grads: sp_fsdp_shard_grad_dtype). */
+void *sp_fsdp_shard(sp_fsdp *f, uint32_t unit, int64_t *numel);
+void *sp_fsdp_shard_grad(sp_fsdp *f, uint32_t unit);
+sp_dtype sp_fsdp_shard_grad_dtype(const sp_fsdp *f, uint32_t unit);
+/* Plain SGD on every master shard: p -= lr * g. */
+int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d);
+
+/* Full (unpadded) value of parameter `param` in its original dtype,
+ * gathered from the master shards (a collective: every rank calls it for
+ * the same params in the same order). dst holds numel elements, in host
+ * memory also for a runtime on a GPU. */
+int sp_fsdp_gather_param(sp_fsdp *f, int32_t param, void *dst, sp_diag *d);
+
+/* ---- device placement ---- */
+
+/* Whether the runtime's storage is device memory (sp_fsdp_opts.device). */
+bool sp_fsdp_on_device(const sp_fsdp *f);
+/* The runtime's compute stream (a cudaStream_t) on a GPU, NULL on the CPU.
+ * A trainer runs its kernels on it: the runtime's own device work (zeroing
+ * gradients, SGD, buffer casts) runs there, and a collective queued by
+ * the runtime waits for everything issued on it before. */
+void *sp_fsdp_cuda_stream(const sp_fsdp *f);
+/* Copies bytes between two of the runtime's tensors (views, gradients,
+ * buffers), memcpy on the CPU, on the compute stream on a GPU. */
+int sp_fsdp_copy(sp_fsdp *f, void *dst, const void *src, size_t bytes,
+                 sp_diag *d);
+/* Waits until the compute stream's work has finished (0 at once on the
+ * CPU): for timing a step, or before the host reads results. */
+int sp_fsdp_synchronize(sp_fsdp *f, sp_diag *d);
+
+/* Parses a device name: "cpu" (and the test mode "cpu-staged",
+ * sp_fsdp_opts.device) gives *cuda_ordinal = -1; "cuda:N" gives N
+ * after checking that GPU N exists. Errors: SP_EINVAL (neither form),
+ * SP_EUNSUPPORTED (library built without CUDA), SP_ENODEV ("--device
+ * cuda:0: no CUDA device", or N beyond the devices present). d names the
+ * device. */
+int sp_device_parse(const char *device, int *cuda_ordinal, sp_diag *d);
+/* Number of usable CUDA devices: 0 without a GPU, a driver, or a CUDA
+ * build (not an error). SP_ECUDA when the driver fails otherwise. */
+int sp_device_cuda_count(int *n, sp_diag *d);
+
+/* Statistics for tests and benchmarks. */
+typedef struct sp_fsdp_stats {
+  uint64_t all_gathers;      /* issued */
+  uint64_t max_inflight;     /* most all-gathers in flight at once */
+  uint64_t prefetches;       /* backward prefetches issued */
+  uint64_t reduce_scatters;
+  uint64_t all_reduces;
+} sp_fsdp_stats;
+void sp_fsdp_get_stats(const sp_fsdp *f, sp_fsdp_stats *out);
+
+/* ================================================================== */
+/* Checkpoints (safetensors)                                          */
+/* ================================================================== */
+
+typedef enum sp_ckpt_kind {
+  SP_CKPT_FULL = 1,    /* rank 0 writes model.safetensors: every FQN */
+  SP_CKPT_SHARDED = 2, /* each rank rank-R-of-W.safetensors: dim-0 chunks;
+                          plus index.json */
+  SP_CKPT_LOCAL = 3,   /* each rank local-R-of-W.safetensors: flat shards */
+} sp_ckpt_kind;
+
+int sp_ckpt_kind_parse(const char *s, sp_ckpt_kind *out);
+const char *sp_ckpt_kind_name(sp_ckpt_kind k);
+
+/* Collective: every rank calls it. Creates dir if needed. Parameters are
+ * written in their original dtype (full precision), persistent buffers in
+ * their original dtype for FULL and SHARDED and in their compute dtype for
+ * LOCAL. */
+int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
+/* Loads a checkpoint into the master shards and buffers. FULL and SHARDED
+ * may come from another world size; LOCAL needs the same plan version.
+ * Errors name the file and tensor: SP_ENOENT (missing file or FQN),
+ * SP_EFORMAT (shape or dtype mismatch), SP_ESTATE (LOCAL plan mismatch). */
+int sp_ckpt_load(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,571 @@
+/* shardplane-worker: one rank of a job. Attaches to the coordinator, takes
+ * the job and model from it, and trains the reference MLP (client/mlp.h)
+ * with the FSDP runtime, or, for a spec it cannot compute (ResNet, Llama),
+ * runs the same unshard / reduce / cast cycle on synthetic gradients. */
+#include <getopt.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/clock.h"
+#include "mlp.h"
+#include "mlp_cuda.h"
+#include "lib/shardplane.h"
+
+typedef struct worker_opts {
+  const char *coordinator;
+  long rank;
+  const char *device;
+  uint32_t steps;
+  uint32_t global_batch;
+  double lr;
+  const char *ckpt_dir;
+  bool ckpt_kinds[4];
+  const char *load_dir;
+  sp_ckpt_kind load_kind;
+  const char *losses_path;
+  const char *stats_path;
+  uint32_t log_every;
+  bool no_report;
+  uint32_t report_toggle;
+  uint64_t comm_timeout_ms;
+} worker_opts;
+
+/* The communicators, for the session's abort callback, which runs on the
+ * session's thread: the lock keeps an abort off a communicator being
+ * freed. */
+static pthread_mutex_t g_comms_lock = PTHREAD_MUTEX_INITIALIZER;
+static sp_comm *g_comms[3];
+
+static void on_abort(void *user, const char *reason) {
+  const worker_opts *o = user;
+  fprintf(stderr, "shardplane-worker: rank %ld: aborting collectives: %s\n",
+          o->rank, reason);
+  pthread_mutex_lock(&g_comms_lock);
+  for (int i = 0; i < 3; i++)
+    if (g_comms[i]) sp_comm_abort(g_comms[i]);
+  pthread_mutex_unlock(&g_comms_lock);
+}
+
+static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
+  pthread_mutex_lock(&g_comms_lock);
+  g_comms[0] = world;
+  g_comms[1] = shard;
+  g_comms[2] = replica;
+  pthread_mutex_unlock(&g_comms_lock);
+}
+
+/* ---- the MLP trainer: sp_mlp_io over the runtime's views ----
+ * On the CPU the layers run as sp_mlp_forward / sp_mlp_backward on host
+ * activations; on a GPU (--device cuda:N) as their mlp_cuda.h twins on
+ * device activations, the views being device memory, with the runtime's
+ * compute stream ordering both. The schedule around them is the same. */
+
+typedef struct trainer {
+  sp_fsdp *f;
+  sp_session *s;
+  const sp_plan *plan;
+  sp_mlp *mlp;
+  sp_mlp_acts *acts;    /* host: the batch is generated here */
+  sp_mlp_cuda *gpu;     /* device activations; NULL on the CPU */
+  uint32_t *layer_unit; /* per layer: the unit its module is, or 0 */
+  float *t;             /* targets of the local batch */
+  size_t local_n;
+} trainer;
+
+static void *io_param(void *u, int32_t p) { return sp_fsdp_param(u, p); }
+static void *io_grad(void *u, int32_t p) { return sp_fsdp_param_grad(u, p); }
+static sp_dtype io_param_dtype(void *u, int32_t p) {
+  return sp_fsdp_param_dtype(u, p);
+}
+static void *io_buffer(void *u, int32_t b) { return sp_fsdp_buffer(u, b); }
+static sp_dtype io_buffer_dtype(void *u, int32_t b) {
+  return sp_fsdp_buffer_dtype(u, b);
+}
+static int io_all_reduce(void *u, float *buf, size_t n, sp_diag *d) {
+  return sp_fsdp_all_reduce(u, buf, n, SP_FLOAT32, d);
+}
+
+static int trainer_init(trainer *tr, sp_fsdp *f, sp_session *s, sp_mlp *mlp,
+                        size_t local_n, sp_diag *d) {
+  memset(tr, 0, sizeof *tr);
+  tr->f = f;
+  tr->s = s;
+  tr->plan = sp_session_plan(s);
+  tr->mlp = mlp;
+  tr->local_n = local_n;
+  tr->layer_unit = calloc(mlp->n_layers, sizeof *tr->layer_unit);
+  tr->t = calloc(local_n * (size_t)mlp->out_dim, sizeof *tr->t);
+  if (!tr->layer_unit || !tr->t)
+    return sp_diag_set(d, SP_ENOMEM, "no memory");
+  for (size_t l = 0; l < mlp->n_layers; l++)
+    for (uint32_t u = 1; u < tr->plan->n_units; u++)
+      if (tr->plan->units[u].module == mlp->layers[l].module)
+        tr->layer_unit[l] = u;
+  int rc = sp_mlp_acts_new(mlp, local_n, &tr->acts);
+  if (rc < 0) return sp_diag_set(d, rc, "activations: %s", sp_strerror(rc));
+  if (sp_fsdp_on_device(f))
+    rc = sp_mlp_cuda_new(mlp, local_n, sp_fsdp_cuda_stream(f), &tr->gpu, d);
+  return rc;
+}
+
+static void trainer_free(trainer *tr) {
+  sp_mlp_cuda_free(tr->gpu);
+  sp_mlp_acts_free(tr->acts);
+  free(tr->layer_unit);
+  free(tr->t);
+}
+
+/* The dtype activations leave the last layer in: its unit's param dtype. */
+static sp_dtype output_dtype(const trainer *tr) {
+  for (size_t l = tr->mlp->n_layers; l-- > 0;) {
+    int32_t w = tr->mlp->layers[l].weight;
+    if (w >= 0) return tr->plan->units[tr->plan->param_unit[w]].param_dtype;
+  }
+  return SP_FLOAT32;
+}
+
+/* One step on the GPU: trainer_step's schedule with the device layers.
+ * The local loss stays on the device for the all-reduce and is read once,
+ * at the end (which also waits for the step's work). */
+static int trainer_step_gpu(trainer *tr, uint64_t step, uint64_t first,
+                            uint64_t global_n, double lr, double *loss,
+                            sp_diag *d) {
+  sp_fsdp *f = tr->f;
+  const sp_mlp *mlp = tr->mlp;
+  sp_mlp_cuda *g = tr->gpu;
+  sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
+                  io_buffer_dtype, io_all_reduce, f};
+  sp_session_set_step(tr->s, step);
+  sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
+  int rc = sp_mlp_cuda_set_batch(g, tr->acts->x[0], tr->t, d);
+  if (rc == 0) rc = sp_fsdp_root_pre_forward(f, d);
+  for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
+    uint32_t u = tr->layer_unit[l];
+    if (u) rc = sp_fsdp_pre_forward(f, u, d);
+    if (rc == 0) rc = sp_mlp_cuda_forward(g, l, &io, global_n, d);
+    if (rc == 0 && u) rc = sp_fsdp_post_forward(f, u, d);
+  }
+  if (rc == 0) rc = sp_mlp_cuda_loss(g, output_dtype(tr), d);
+  if (rc == 0) rc = sp_fsdp_root_post_forward(f, d);
+  if (rc == 0) rc = sp_fsdp_root_pre_backward(f, d);
+  for (size_t l = mlp->n_layers; rc == 0 && l-- > 0;) {
+    uint32_t u = tr->layer_unit[l];
+    if (u) rc = sp_fsdp_pre_backward(f, u, d);
+    if (rc == 0) rc = sp_mlp_cuda_backward(g, l, &io, d);
+    if (rc == 0 && u) rc = sp_fsdp_post_backward(f, u, d);
+  }
+  if (rc == 0) rc = sp_fsdp_post_backward(f, 0, d);
+  if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
+  if (rc == 0) rc = sp_mlp_cuda_count_step(g, &io, d);
+  if (rc == 0) rc = sp_fsdp_sgd_step(f, lr, d);
+  double sum = 0;
+  if (rc == 0)
+    rc = sp_fsdp_all_reduce(f, sp_mlp_cuda_loss_ptr(g), 1, SP_FLOAT64, d);
+  if (rc == 0) rc = sp_mlp_cuda_read_loss(g, &sum, d);
+  *loss = sum / sp_session_world(tr->s);
+  return rc;
+}
+
+/* One step; *loss receives the global mean loss. */
+static int trainer_step(trainer *tr, uint64_t step, uint64_t first,
+                        uint64_t global_n, double lr, double *loss,
+                        sp_diag *d) {
+  sp_fsdp *f = tr->f;
+  const sp_mlp *mlp = tr->mlp;
+  sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
+                  io_buffer_dtype, io_all_reduce, f};
+  sp_session_set_step(tr->s, step);
+  sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
+  int rc = sp_fsdp_root_pre_forward(f, d);
+  for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
+    uint32_t u = tr->layer_unit[l];
+    if (u) rc = sp_fsdp_pre_forward(f, u, d);
+    if (rc == 0) rc = sp_mlp_forward(mlp, l, &io, tr->acts, global_n, d);
+    if (rc == 0 && u) rc = sp_fsdp_post_forward(f, u, d);
+  }
+  double local = 0;
+  if (rc == 0) {
+    local = sp_mlp_loss(mlp, tr->acts, tr->t, output_dtype(tr));
+    rc = sp_fsdp_root_post_forward(f, d);
+  }
+  if (rc == 0) rc = sp_fsdp_root_pre_backward(f, d);
+  for (size_t l = mlp->n_layers; rc == 0 && l-- > 0;) {
+    uint32_t u = tr->layer_unit[l];
+    if (u) rc = sp_fsdp_pre_backward(f, u, d);
+    if (rc == 0) rc = sp_mlp_backward(mlp, l, &io, tr->acts, d);
+    if (rc == 0 && u) rc = sp_fsdp_post_backward(f, u, d);
+  }
+  if (rc == 0) rc = sp_fsdp_post_backward(f, 0, d);
+  if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
+  if (rc == 0) sp_mlp_count_step(mlp, &io);
+  if (rc == 0) rc = sp_fsdp_sgd_step(f, lr, d);
+  /* the global loss: local means weighted equally (equal local batches) */
+  double sum = local;
+  if (rc == 0) rc = sp_fsdp_all_reduce(f, &sum, 1, SP_FLOAT64, d);
+  *loss = sum / sp_session_world(tr->s);
+  return rc;
+}
+
+/* ---- synthetic-gradient cycle for specs the worker cannot compute ---- */
+
+static int synthetic_step(sp_fsdp *f, sp_session *s, uint64_t step,
+                          double lr, sp_diag *d) {
+  const sp_plan *pl = sp_session_plan(s);
+  const sp_model *m = sp_session_model(s);
+  sp_session_set_step(s, step);
+  int rc = sp_fsdp_root_pre_forward(f, d);
+  for (uint32_t u = 1; rc == 0 && u < pl->n_units; u++) {
+    rc = sp_fsdp_pre_forward(f, u, d);
+    if (rc == 0) rc = sp_fsdp_post_forward(f, u, d);
+  }
+  if (rc == 0) rc = sp_fsdp_root_post_forward(f, d);
+  if (rc == 0) rc = sp_fsdp_root_pre_backward(f, d);
+  for (uint32_t u = (uint32_t)pl->n_units; rc == 0 && u-- > 0;) {
+    if (u) rc = sp_fsdp_pre_backward(f, u, d);
+    /* gradient = 0.01 * parameter: deterministic, rank-independent */
+    for (size_t p = 0; rc == 0 && p < m->n_params; p++) {
+      if (pl->param_unit[p] != (int32_t)u) continue;
+      void *g = sp_fsdp_param_grad(f, (int32_t)p);
+      const void *v = sp_fsdp_param(f, (int32_t)p);
+      if (!g || !v) continue;
+      sp_dtype dt = sp_fsdp_param_dtype(f, (int32_t)p);
+      size_t n = (size_t)m->params[p].numel, es = sp_dtype_size(dt);
+      /* memcpy on the CPU, a device copy on a GPU */
+      rc = sp_fsdp_copy(f, g, v, n * es, d);
+    }
+    if (rc == 0) rc = sp_fsdp_post_backward(f, u, d);
+  }
+  if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
+  if (rc == 0) rc = sp_fsdp_sgd_step(f, lr * 0.01, d);
+  /* the step's device work is part of its duration */
+  if (rc == 0) rc = sp_fsdp_synchronize(f, d);
+  return rc;
+}
+
+/* ---- main ---- */
+
+static void usage(FILE *f) {
+  fputs(
+      "usage: shardplane-worker --coordinator HOST:PORT --rank R [options]\n"
+      "\n"
+      "One rank of a shardplane job: takes the job and model from the\n"
+      "coordinator, trains the reference MLP (or runs the synthetic-gradient\n"
+      "cycle for other specs) with sharded parameters, and reports every\n"
+      "training-state transition.\n"
+      "\n"
+      "  --coordinator HOST:PORT  coordinator (default $SHARDPLANE_COORDINATOR"
+      ",\n"
+      "                           then 127.0.0.1:7700)\n"
+      "  --rank R                 this rank (required)\n"
+      "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
+      "                           gradients and buffers on GPU N, the MLP on\n"
+      "                           cuBLAS, collectives over NCCL (GPU build)\n"
+      "  --steps N                training steps (default 20)\n"
+      "  --global-batch N         samples per step over all ranks (default 24"
+      ")\n"
+      "  --lr X                   SGD learning rate (default 0.05)\n"
+      "  --checkpoint-dir DIR     write checkpoints there after training\n"
+      "  --checkpoint KIND        full, sharded or local; repeatable "
+      "(default full)\n"
+      "  --load DIR --load-kind KIND  start from a checkpoint\n"
+      "  --losses FILE            rank 0 writes the loss of every step (JSON)\n"
+      "  --stats FILE             rank 0 writes every step's duration in s "
+      "and\n"
+      "                           whether it was reported (JSON)\n"
+      "  --log-every N            rank 0 prints progress every N steps "
+      "(default 1)\n"
+      "  --comm-timeout-ms N      rendezvous and collective timeout "
+      "(default 60000)\n"
+      "  --no-report              check transitions locally, send none\n"
+      "  --report-toggle K        switch reporting off and on every K steps\n"
+      "                           (starting on; for bench/step)\n"
+      "  --help                   this text\n"
+      "\n"
+      "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage\n",
+      f);
+}
+
+static int parse_args(int argc, char **argv, worker_opts *o) {
+  enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
+         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_NOREP, O_TOGGLE, O_HELP };
+  static const struct option opts[] = {
+      {"coordinator", required_argument, NULL, O_COORD},
+      {"rank", required_argument, NULL, O_RANK},
+      {"device", required_argument, NULL, O_DEVICE},
+      {"steps", required_argument, NULL, O_STEPS},
+      {"global-batch", required_argument, NULL, O_BATCH},
+      {"lr", required_argument, NULL, O_LR},
+      {"checkpoint-dir", required_argument, NULL, O_CKDIR},
+      {"checkpoint", required_argument, NULL, O_CK},
+      {"load", required_argument, NULL, O_LOAD},
+      {"load-kind", required_argument, NULL, O_LOADK},
+      {"losses", required_argument, NULL, O_LOSSES},
+      {"stats", required_argument, NULL, O_STATS},
+      {"log-every", required_argument, NULL, O_LOG},
+      {"comm-timeout-ms", required_argument, NULL, O_CTO},
+      {"no-report", no_argument, NULL, O_NOREP},
+      {"report-toggle", required_argument, NULL, O_TOGGLE},
+      {"help", no_argument, NULL, O_HELP},
+      {NULL, 0, NULL, 0}};
+  memset(o, 0, sizeof *o);
+  o->coordinator = getenv("SHARDPLANE_COORDINATOR");
+  if (!o->coordinator || !*o->coordinator) o->coordinator = "127.0.0.1:7700";
+  o->rank = -1;
+  o->device = "cpu";
+  o->steps = 20;
+  o->global_batch = 24;
+  o->lr = 0.05;
+  o->log_every = 1;
+  o->load_kind = SP_CKPT_FULL;
+  bool any_kind = false;
+  int c;
+  char *end;
+  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    switch (c) {
+      case O_COORD: o->coordinator = optarg; break;
+      case O_RANK:
+        o->rank = strtol(optarg, &end, 10);
+        if (*end || o->rank < 0) goto bad_value;
+        break;
+      case O_DEVICE: o->device = optarg; break;
+      case O_STEPS:
+        o->steps = (uint32_t)strtoul(optarg, &end, 10);
+        if (*end || !*optarg) goto bad_value;
+        break;
+      case O_BATCH:
+        o->global_batch = (uint32_t)strtoul(optarg, &end, 10);
+        if (*end || o->global_batch == 0 || o->global_batch > 1u << 20)
+          goto bad_value;
+        break;
+      case O_LR:
+        o->lr = strtod(optarg, &end);
+        if (*end || !isfinite(o->lr)) goto bad_value;
+        break;
+      case O_CKDIR: o->ckpt_dir = optarg; break;
+      case O_CK: {
+        sp_ckpt_kind k;
+        if (strcmp(optarg, "none") == 0) {
+          any_kind = true;
+          break;
+        }
+        if (sp_ckpt_kind_parse(optarg, &k) < 0) goto bad_value;
+        o->ckpt_kinds[k] = true;
+        any_kind = true;
+        break;
+      }
+      case O_LOAD: o->load_dir = optarg; break;
+      case O_LOADK:
+        if (sp_ckpt_kind_parse(optarg, &o->load_kind) < 0) goto bad_value;
+        break;
+      case O_LOSSES: o->losses_path = optarg; break;
+      case O_STATS: o->stats_path = optarg; break;
+      case O_LOG:
+        o->log_every = (uint32_t)strtoul(optarg, &end, 10);
+        if (*end || !*optarg) goto bad_value;
+        break;
+      case O_CTO:
+        o->comm_timeout_ms = strtoull(optarg, &end, 10);
+        if (*end || !*optarg) goto bad_value;
+        break;
+      case O_NOREP: o->no_report = true; break;
+      case O_TOGGLE:
+        o->report_toggle = (uint32_t)strtoul(optarg, &end, 10);
+        if (*end || !*optarg) goto bad_value;
+        break;
+      case O_HELP: usage(stdout); return 1;
+      default: usage(stderr); return 2;
+    }
+    continue;
+  bad_value:
+    fprintf(stderr, "shardplane-worker: %s: bad value \"%s\"\n",
+            argv[optind - 1], optarg);
+    return 2;
+  }
+  if (optind < argc || o->rank < 0) {
+    fprintf(stderr, "shardplane-worker: %s\n",
+            o->rank < 0 ? "--rank is required" : "unexpected argument");
+    usage(stderr);
+    return 2;
+  }
+  if (!any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
+  return 0;
+}
+
+/* A JSON array of doubles, exact (%.17g). */
+static void put_doubles(FILE *fp, const double *l, uint32_t n) {
+  fputc('[', fp);
+  for (uint32_t i = 0; i < n; i++)
+    fprintf(fp, "%s%.17g", i ? ", " : "", l[i]);
+  fputc(']', fp);
+}
+
+static int write_doubles(const char *path, const double *l, uint32_t n) {
+  FILE *fp = fopen(path, "w");
+  if (!fp) return SP_EIO;
+  put_doubles(fp, l, n);
+  fputc('\n', fp);
+  return fclose(fp) == 0 ? 0 : SP_EIO;
+}
+
+/* {"step_seconds": [...], "reported": [true, ...]} */
+static int write_stats(const worker_opts *o, const double *step_s) {
+  FILE *fp = fopen(o->stats_path, "w");
+  if (!fp) return SP_EIO;
+  fputs("{\"step_seconds\": ", fp);
+  put_doubles(fp, step_s, o->steps);
+  fputs(", \"reported\": [", fp);
+  for (uint32_t i = 0; i < o->steps; i++) {
+    bool on = o->report_toggle ? (i / o->report_toggle) % 2 == 0
+                               : !o->no_report;
+    fprintf(fp, "%s%s", i ? ", " : "", on ? "true" : "false");
+  }
+  fputs("]}\n", fp);
+  return fclose(fp) == 0 ? 0 : SP_EIO;
+}
+
+static int run(const worker_opts *o, sp_diag *d) {
+  sp_session_opts so = {.coordinator = o->coordinator,
+                        .rank = (uint32_t)o->rank,
+                        .device = o->device,
+                        .no_report = o->no_report,
+                        .on_abort = on_abort,
+                        .user = (void *)o};
+  sp_session *s = NULL;
+  sp_comm *world = NULL, *shard = NULL, *replica = NULL;
+  sp_fsdp *f = NULL;
+  sp_mlp *mlp = NULL;
+  trainer tr;
+  bool have_tr = false;
+  double *losses = NULL, *step_s = NULL;
+  int rc = sp_session_open(&so, &s, d);
+  if (rc < 0) return rc;
+  uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
+  rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica, d);
+  set_comms(world, shard, replica);
+  sp_fsdp_opts fo = {.session = s, .world = world, .shard_group = shard,
+                     .replica_group = replica, .backward_prefetch = true,
+                     .init_param = sp_mlp_init_param,
+                     .init_buffer = sp_mlp_init_buffer,
+                     .device = o->device};
+  if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
+  if (rc == 0 && o->load_dir) rc = sp_ckpt_load(f, o->load_kind, o->load_dir, d);
+  sp_diag md = {{0}};
+  bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
+  if (rc == 0 && is_mlp && o->global_batch % w != 0)
+    rc = sp_diag_set(d, SP_EINVAL, "--global-batch %u is not divisible by "
+                     "the world size %u", o->global_batch, w);
+  size_t local_n = o->global_batch / w;
+  if (rc == 0 && is_mlp) {
+    rc = trainer_init(&tr, f, s, mlp, local_n, d);
+    have_tr = true;
+  }
+  if (rc == 0 && rank == 0 && !is_mlp)
+    printf("rank 0: %s; running the synthetic-gradient cycle\n", md.msg);
+  losses = calloc(o->steps ? o->steps : 1, sizeof *losses);
+  step_s = calloc(o->steps ? o->steps : 1, sizeof *step_s);
+  if ((!losses || !step_s) && rc == 0)
+    rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  double tlast = sp_clock_s();
+  uint32_t logged = 0; /* steps up to the last progress line */
+  for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
+    if (o->report_toggle && step % o->report_toggle == 0)
+      rc = sp_session_set_report(s, (step / o->report_toggle) % 2 == 0, d);
+    double ts = sp_clock_s();
+    if (is_mlp && tr.gpu)
+      rc = trainer_step_gpu(&tr, step, (uint64_t)rank * local_n,
+                            o->global_batch, o->lr, &losses[step], d);
+    else if (is_mlp)
+      rc = trainer_step(&tr, step, (uint64_t)rank * local_n, o->global_batch,
+                        o->lr, &losses[step], d);
+    else
+      rc = synthetic_step(f, s, step, o->lr, d);
+    step_s[step] = sp_clock_s() - ts;
+    if (rc == 0 && rank == 0 && o->log_every &&
+        ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
+      double t = sp_clock_s();
+      double per_s = (step + 1 - logged) * (double)o->global_batch /
+                     (t - tlast);
+      tlast = t;
+      logged = step + 1;
+      if (is_mlp)
+        printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->steps,
+               losses[step], per_s);
+      else
+        printf("step %u/%u  %.0f samples/s (synthetic gradients)\n",
+               step + 1, o->steps, per_s);
+      fflush(stdout);
+    }
+  }
+  if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
+      write_doubles(o->losses_path, losses, o->steps) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
+  if (rc == 0 && rank == 0 && o->stats_path &&
+      write_stats(o, step_s) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
+  for (int k = SP_CKPT_FULL; rc == 0 && o->ckpt_dir && k <= SP_CKPT_LOCAL;
+       k++) {
+    if (!o->ckpt_kinds[k]) continue;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
+             k == SP_CKPT_FULL ? "full" : k == SP_CKPT_SHARDED ? "sharded"
+                                                               : "local");
+    rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
+    if (rc == 0 && rank == 0) {
+      printf("checkpoint (%s): %s\n", sp_ckpt_kind_name((sp_ckpt_kind)k), dir);
+      fflush(stdout);
+    }
+  }
+  if (have_tr) trainer_free(&tr);
+  free(losses);
+  free(step_s);
+  sp_mlp_free(mlp);
+  sp_fsdp_free(f);
+  /* leave together, still abortable, then free */
+  sp_comm *comms[3] = {world, shard, replica};
+  for (int i = 0; i < 3; i++) {
+    sp_diag ld = {{0}};
+    int lrc = comms[i] ? sp_comm_leave(comms[i], &ld) : 0;
+    if (rc == 0 && lrc < 0) {
+      *d = ld;
+      rc = lrc;
+    }
+  }
+  set_comms(NULL, NULL, NULL);
+  sp_comm_free(replica);
+  sp_comm_free(shard);
+  sp_comm_free(world);
+  sp_diag cd = {{0}};
+  int crc = sp_session_close(s, 5000, &cd);
+  if (rc == 0 && crc < 0) {
+    *d = cd;
+    rc = crc;
+  }
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  worker_opts o;
+  int prc = parse_args(argc, argv, &o);
+  if (prc) return prc == 1 ? 0 : prc;
+  sp_diag d = {{0}};
+  /* before attaching: a rank that cannot run on its device says so at once
+   * instead of after the rendezvous */
+  int ordinal;
+  int drc = sp_device_parse(o.device, &ordinal, &d);
+  if (drc < 0) {
+    fprintf(stderr, "shardplane-worker: rank %ld: --device %s\n", o.rank,
+            d.msg);
+    return drc == SP_EINVAL ? 2 : 1;
+  }
+  int rc = run(&o, &d);
+  if (rc < 0) {
+    fprintf(stderr, "shardplane-worker: rank %ld: %s\n", o.rank,
+            d.msg[0] ? d.msg : sp_strerror(rc));
+    return 1;
+  }
+  return 0;
+}

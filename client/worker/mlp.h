@@ -1,0 +1,180 @@
+/* The reference model of shardplane-worker: a sequential MLP read from a
+ * model spec, its deterministic data and initialisation, its CPU forward and
+ * backward, and an unsharded single-process trainer to compare against.
+ *
+ * The spec (examples/mlp.json): the root module (any type) holds an int64
+ * scalar buffer "step"; its children "layers.0", "layers.1", ... run in
+ * order and are of three types:
+ *   Linear       weight [out, in], optional bias [out]:   y = x W^T + b
+ *   RunningNorm  weight [h], bias [h]; buffers running_mean [h] (any
+ *                floating dtype), optional num_batches_tracked (any integer
+ *                dtype, scalar) and optional "seen" (bool, scalar):
+ *                  m = mean of x over the *global* batch (all-reduced),
+ *                  running_mean <- 0.9 * running_mean + 0.1 * m  (computed in
+ *                  float32, stored in the buffer's current dtype),
+ *                  num_batches_tracked += 1, seen = true,
+ *                  y = (x - running_mean) * weight + bias
+ *                running_mean is a constant for backward. Unlike BatchNorm
+ *                the output of a sample does not depend on how the batch is
+ *                split, so a sharded run can match the single-process run.
+ *   ReLU         no parameters.
+ * Loss: 0.5 * mean over the batch of sum_j (y_j - t_j)^2.
+ *
+ * Precision: activations and gradients are kept in float32 arrays holding
+ * values rounded to the compute dtype (the unit's param_dtype), as a
+ * bfloat16 GEMM with float32 accumulation produces: every layer output and
+ * every gradient is rounded (RNE, sp_cast) once; sums accumulate in float32
+ * in a fixed order. Parameters are read from their views in param_dtype.
+ */
+#ifndef SP_MLP_H
+#define SP_MLP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cast/dtype.h"
+#include "fsdp/job.h"
+#include "fsdp/model.h"
+#include "base/sp_error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum sp_mlp_kind {
+  SP_MLP_LINEAR = 1,
+  SP_MLP_NORM = 2,
+  SP_MLP_RELU = 3,
+} sp_mlp_kind;
+
+typedef struct sp_mlp_layer {
+  sp_mlp_kind kind;
+  int32_t module;           /* model module index */
+  int32_t weight, bias;     /* model param indices; -1 when absent */
+  int32_t running_mean;     /* model buffer indices; -1 when absent */
+  int32_t num_batches_tracked;
+  int32_t seen;
+  int64_t in, out;          /* features in and out */
+} sp_mlp_layer;
+
+typedef struct sp_mlp {
+  const sp_model *model; /* borrowed */
+  sp_mlp_layer *layers;
+  size_t n_layers;
+  int64_t in_dim, out_dim, max_dim;
+  int32_t step_buffer; /* root "step" buffer, -1 when absent */
+} sp_mlp;
+
+/* Reads the layer chain from the spec. SP_EUNSUPPORTED (naming the module
+ * or tensor) when the spec is not such an MLP: shardplane-worker then runs
+ * the synthetic-gradient cycle instead. */
+int sp_mlp_new(const sp_model *m, sp_mlp **out, sp_diag *d);
+void sp_mlp_free(sp_mlp *mlp);
+
+/* Deterministic synthetic data: samples [first, first + n) of step `step`
+ * (a pure function of (step, sample index), so any split of the global
+ * batch sees the same samples). x is n x in_dim, t is n x out_dim; either
+ * may be NULL. x is uniform in [-1, 1) on a 2^-23 grid (exact in float32);
+ * t_j = c_j + sin(sum_i a_ji x_i), with a_ji and c_j fixed by a hash. */
+void sp_mlp_batch(const sp_mlp *mlp, uint64_t step, uint64_t first, size_t n,
+                  float *x, float *t);
+
+/* Deterministic initialisation by FQN, for any spec: elements
+ * [start, start + n) of parameter `param` written to dst in the param's
+ * dtype. Weights of ndim >= 2 uniform in +-1/sqrt(fan_in) from a hash of
+ * (fqn, element); 1-D params named "weight" 1, other 1-D params 0 (plus
+ * a small hashed term so tests see distinct values). Signature matches
+ * sp_fsdp_opts.init_param (user unused). */
+void sp_mlp_init_param(void *user, const sp_model *m, int32_t param,
+                       int64_t start, int64_t n, void *dst);
+/* Buffers: floating ones 0, integers 0, bools false; in the original
+ * dtype. */
+void sp_mlp_init_buffer(void *user, const sp_model *m, int32_t buffer,
+                        void *dst);
+
+/* Where a layer's tensors are: the trainer (sharded or not) supplies them.
+ * Param views and gradients are in `pdtype` (the unit's param_dtype);
+ * buffers in their own current dtype (bdtype per buffer via the callback). */
+typedef struct sp_mlp_io {
+  void *(*param)(void *user, int32_t param);      /* view, pdtype */
+  /* gradient, pdtype; NULL: the param takes no gradient */
+  void *(*grad)(void *user, int32_t param);
+  sp_dtype (*param_dtype)(void *user, int32_t param);
+  void *(*buffer)(void *user, int32_t buffer);
+  sp_dtype (*buffer_dtype)(void *user, int32_t buffer);
+  /* Sum of buf[0..n) over every rank, in place (NULL: single process). */
+  int (*all_reduce_sum)(void *user, float *buf, size_t n, sp_diag *d);
+  void *user;
+} sp_mlp_io;
+
+/* Per-step activations of a local batch of n samples (owned by the
+ * caller; sp_mlp_acts_new sizes them for n samples). */
+typedef struct sp_mlp_acts {
+  size_t n;
+  /* x[l]: input of layer l (n x in); x[n_layers]: output; x[n_layers + 1]
+   * is NULL */
+  float **x;
+  float *dx, *dy;  /* scratch, n x max_dim */
+} sp_mlp_acts;
+/* 0, SP_EINVAL (NULL), SP_ETOOBIG (n x width overflows), SP_ENOMEM. */
+int sp_mlp_acts_new(const sp_mlp *mlp, size_t n, sp_mlp_acts **out);
+void sp_mlp_acts_free(sp_mlp_acts *a);
+
+/* Forward of layer l: reads a->x[l], writes a->x[l+1]. global_n is the
+ * global batch size (RunningNorm's mean; 1..2^24, at least a->n). Updates
+ * the layer's buffers. A Linear or RunningNorm first rounds a->x[l] in place
+ * to its compute dtype (the GEMM's input dtype; for l == 0 this is FSDP's
+ * root input cast), a no-op when the previous layer already rounded to it.
+ * RunningNorm calls io->all_reduce_sum also when a->n is 0. */
+int sp_mlp_forward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
+                   sp_mlp_acts *a, uint64_t global_n, sp_diag *d);
+/* Loss of the local batch (sum over its samples of 0.5*sum_j (y-t)^2,
+ * divided by n) and the output gradient (y - t) / n rounded to the output
+ * dtype, into a->dy. */
+double sp_mlp_loss(const sp_mlp *mlp, sp_mlp_acts *a, const float *t,
+                   sp_dtype out_dtype);
+/* Backward of layer l: reads a->dy (gradient of layer l's output), writes
+ * the param gradients through io->grad (overwriting) and the input
+ * gradient back into a->dy (swapping with a->dx), except for l == 0. */
+int sp_mlp_backward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
+                    sp_mlp_acts *a, sp_diag *d);
+/* Increments the root "step" buffer (any integer dtype) if there is one. */
+void sp_mlp_count_step(const sp_mlp *mlp, const sp_mlp_io *io);
+/* The compute dtype of the network output, for sp_mlp_loss: the param
+ * dtype of the last layer with parameters (float32 when none). */
+sp_dtype sp_mlp_out_dtype(const sp_mlp *mlp, const sp_mlp_io *io);
+
+/* The unsharded single-process run of the same global batch: full
+ * float32 (master dtype) parameters; per step, params cast to each unit's
+ * param_dtype, buffers cast once to their compute dtype, forward, backward,
+ * gradients cast to reduce_dtype and back (unless keep_low_precision_grads),
+ * SGD with lr. Units and dtypes come from the plan of (model, job) with
+ * world size 1. losses[s] receives the loss of step s (may be NULL). On
+ * return *params holds every model param (model order, each in its dtype,
+ * concatenated; caller frees) and *buffers every buffer in its compute
+ * dtype (concatenated, caller frees); either may be NULL.
+ *
+ * Exactly, so that a sharded trainer can follow it: params start from
+ * sp_mlp_init_param, buffers from sp_mlp_init_buffer, then floating buffers
+ * are sp_cast to their compute dtype. Step s (0-based) uses
+ * sp_mlp_batch(step = s, first = 0, n = global_batch); forward of every
+ * layer with global_n = global_batch; loss with sp_mlp_out_dtype; backward
+ * from the last layer; sp_mlp_count_step. Per param p with requires_grad,
+ * in its unit's dtypes: g = sp_cast(grad, param_dtype -> reduce_dtype),
+ * then to the param's own dtype, or to param_dtype with
+ * keep_low_precision_grads (FSDP's cast_grad_to_param_dtype_if_needed);
+ * p = round_to_param_dtype((double)p - lr * (double)g): double arithmetic
+ * (ISO C, no FMA contraction), then one RNE rounding to the param's dtype,
+ * as sp_fsdp_sgd_step does on the master shard.
+ * Errors: SP_EINVAL (NULL, global_batch 0 or over 2^24, lr not finite),
+ * SP_EUNSUPPORTED (not an MLP spec), plan errors, SP_ENOMEM, SP_ETOOBIG. */
+int sp_mlp_reference_run(const sp_model *m, const sp_job *job,
+                         uint32_t steps, uint32_t global_batch, double lr,
+                         double *losses, void **params, void **buffers,
+                         sp_diag *d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

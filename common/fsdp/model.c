@@ -1,0 +1,381 @@
+#include "model.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/json.h"
+#include "base/strmap.h"
+
+#define SP_MODEL_FORMAT "shardplane.model/v1"
+
+/* One namespace for every FQN, since PyTorch attribute names are unique per
+ * module; the low two bits say what kind of entry an FQN names. */
+enum { KIND_MODULE = 0, KIND_PARAM = 1, KIND_BUFFER = 2, KIND_TIED = 3 };
+
+typedef struct loader {
+  sp_jr r;
+  sp_model *m;
+} loader;
+
+#define fail(L, ...) sp_jr_fail(&(L)->r, __VA_ARGS__)
+
+/* The module an FQN lives on: everything before the last '.', or "" */
+static size_t module_prefix_len(const char *fqn) {
+  const char *dot = strrchr(fqn, '.');
+  return dot == NULL ? 0 : (size_t)(dot - fqn);
+}
+
+static const char *local_part(const char *fqn) {
+  const char *dot = strrchr(fqn, '.');
+  return dot == NULL ? fqn : dot + 1;
+}
+
+static int32_t lookup(const sp_model *m, const char *fqn, int kind) {
+  int32_t v = sp_strmap_get(m->index_, fqn);
+  if (v < 0 || (v & 3) != kind) return -1;
+  return v >> 2;
+}
+
+int32_t sp_model_find_module(const sp_model *m, const char *fqn) {
+  return lookup(m, fqn, KIND_MODULE);
+}
+int32_t sp_model_find_param(const sp_model *m, const char *fqn) {
+  return lookup(m, fqn, KIND_PARAM);
+}
+int32_t sp_model_find_buffer(const sp_model *m, const char *fqn) {
+  return lookup(m, fqn, KIND_BUFFER);
+}
+int32_t sp_model_find_tied(const sp_model *m, const char *fqn) {
+  return lookup(m, fqn, KIND_TIED);
+}
+
+static const char *kind_name(int kind) {
+  static const char *const names[] = {"module", "parameter", "buffer",
+                                      "tied parameter"};
+  return names[kind & 3];
+}
+
+static int register_fqn(loader *L, const char *fqn, int32_t index, int kind,
+                        const char *path) {
+  int32_t prev = sp_strmap_get(L->m->index_, fqn);
+  if (prev >= 0)
+    return fail(L, SP_EFORMAT, "%s.fqn: duplicate FQN \"%s\" (already a %s)",
+                path, fqn, kind_name(prev));
+  int rc = sp_strmap_put(L->m->index_, fqn, (index << 2) | kind);
+  return rc == 0 ? 0 : fail(L, rc, "%s: %s", path, sp_strerror(rc));
+}
+
+static int load_modules(loader *L, json_t *arr) {
+  sp_model *m = L->m;
+  size_t n = json_array_size(arr);
+  if (n == 0)
+    return fail(L, SP_EFORMAT, "modules: empty; the root module \"\" must be "
+                               "listed first");
+  m->modules = calloc(n, sizeof *m->modules);
+  int32_t *stack = calloc(n, sizeof *stack);
+  if (m->modules == NULL || stack == NULL) {
+    free(stack);
+    return fail(L, SP_ENOMEM, "modules: out of memory");
+  }
+  int rc = 0;
+  size_t depth = 0; /* ancestors of the current module on `stack` */
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    char path[64];
+    snprintf(path, sizeof path, "modules[%zu]", i);
+    json_t *o = json_array_get(arr, i);
+    if (!json_is_object(o)) {
+      rc = fail(L, SP_EFORMAT, "%s: expected an object", path);
+      break;
+    }
+    const char *fqn, *type;
+    if ((rc = sp_jr_string(&L->r, o, "fqn", path, true, &fqn)) != 0) break;
+    if ((rc = sp_jr_string(&L->r, o, "type", path, true, &type)) != 0) break;
+    if (type[0] == '\0') {
+      rc = fail(L, SP_EFORMAT, "%s.type: empty module type", path);
+      break;
+    }
+    sp_module *mod = &m->modules[i];
+    mod->fqn = sp_strdup(fqn);
+    mod->type = sp_strdup(type);
+    m->n_modules = i + 1;
+    if (mod->fqn == NULL || mod->type == NULL) {
+      rc = fail(L, SP_ENOMEM, "%s: out of memory", path);
+      break;
+    }
+    if (i == 0) {
+      if (fqn[0] != '\0') {
+        rc = fail(L, SP_EFORMAT,
+                  "modules[0].fqn: the root module \"\" must come first, got "
+                  "\"%s\"",
+                  fqn);
+        break;
+      }
+      mod->parent = -1;
+      stack[depth++] = 0;
+    } else {
+      if (fqn[0] == '\0') {
+        rc = fail(L, SP_EFORMAT, "%s.fqn: duplicate FQN \"\" (the root)",
+                  path);
+        break;
+      }
+      /* named_modules() is a pre-order walk: the parent of each module is
+       * one of the modules whose subtree is still open. */
+      size_t plen = module_prefix_len(fqn);
+      while (depth > 0) {
+        const char *top = m->modules[stack[depth - 1]].fqn;
+        if (strlen(top) == plen && strncmp(top, fqn, plen) == 0) break;
+        depth--;
+      }
+      if (depth == 0) {
+        char parent[SP_JSON_MAX_STRING + 1];
+        snprintf(parent, sizeof parent, "%.*s", (int)plen, fqn);
+        bool exists = sp_strmap_get(m->index_, parent) >= 0;
+        rc = fail(L, SP_EFORMAT,
+                  exists ? "%s.fqn: \"%s\" is not inside the subtree of its "
+                           "parent \"%s\" (modules must be in named_modules "
+                           "order)"
+                         : "%s.fqn: parent module \"%s\" of \"%s\" is not "
+                           "listed before it",
+                  path, exists ? fqn : parent, exists ? parent : fqn);
+        break;
+      }
+      mod->parent = stack[depth - 1];
+      mod->depth = (int32_t)depth;
+      stack[depth++] = (int32_t)i;
+    }
+    rc = register_fqn(L, mod->fqn, (int32_t)i, KIND_MODULE, path);
+  }
+  free(stack);
+  if (rc != 0) return rc;
+  /* pre-order makes every subtree a contiguous index range */
+  for (size_t i = n; i-- > 0;) {
+    sp_module *mod = &m->modules[i];
+    if (mod->subtree_end < i + 1) mod->subtree_end = (uint32_t)(i + 1);
+    if (mod->parent >= 0 &&
+        m->modules[mod->parent].subtree_end < mod->subtree_end)
+      m->modules[mod->parent].subtree_end = mod->subtree_end;
+  }
+  return 0;
+}
+
+/* The owning module of `fqn`, which must exist. */
+static int owner_module(loader *L, const char *fqn, const char *path,
+                        const char *what, int32_t *out) {
+  if (fqn[0] == '\0')
+    return fail(L, SP_EFORMAT, "%s.fqn: empty %s name", path, what);
+  size_t plen = module_prefix_len(fqn);
+  const char *local = local_part(fqn);
+  if (local[0] == '\0')
+    return fail(L, SP_EFORMAT, "%s.fqn: \"%s\" ends with '.'", path, fqn);
+  char mod[SP_JSON_MAX_STRING + 1];
+  snprintf(mod, sizeof mod, "%.*s", (int)plen, fqn);
+  int32_t idx = sp_model_find_module(L->m, mod);
+  if (idx < 0)
+    return fail(L, SP_EFORMAT,
+                "%s.fqn: module \"%s\" of %s \"%s\" is not in modules", path,
+                mod, what, fqn);
+  *out = idx;
+  return 0;
+}
+
+static int load_shape(loader *L, json_t *o, const char *path,
+                      sp_tensor_spec *t) {
+  json_t *shape = json_object_get(o, "shape");
+  if (shape == NULL)
+    return fail(L, SP_EFORMAT, "%s: missing field \"shape\"", path);
+  if (!json_is_array(shape))
+    return fail(L, SP_EFORMAT, "%s.shape: expected an array of integers",
+                path);
+  size_t nd = json_array_size(shape);
+  if (nd > SP_MAX_DIMS)
+    return fail(L, SP_ETOOBIG, "%s.shape: %zu dimensions, at most %d", path,
+                nd, SP_MAX_DIMS);
+  int64_t numel = 1;
+  for (size_t d = 0; d < nd; d++) {
+    json_t *v = json_array_get(shape, d);
+    if (!json_is_integer(v))
+      return fail(L, SP_EFORMAT, "%s.shape[%zu]: not an integer", path, d);
+    json_int_t dim = json_integer_value(v);
+    if (dim < 0)
+      return fail(L, SP_EFORMAT, "%s.shape[%zu]: negative dimension %lld",
+                  path, d, (long long)dim);
+    if (dim > SP_MODEL_MAX_NUMEL || (dim > 0 && numel > SP_MODEL_MAX_NUMEL / dim))
+      return fail(L, SP_ETOOBIG, "%s.shape: more than 2^50 elements", path);
+    t->shape[d] = dim;
+    numel *= dim;
+  }
+  t->ndim = (int32_t)nd;
+  t->numel = numel;
+  return 0;
+}
+
+static int load_tensors(loader *L, json_t *arr, const char *key, int kind,
+                        sp_tensor_spec **out, size_t *n_out) {
+  size_t n = arr == NULL ? 0 : json_array_size(arr);
+  *out = calloc(n ? n : 1, sizeof **out);
+  if (*out == NULL) return fail(L, SP_ENOMEM, "%s: out of memory", key);
+  const char *what = kind == KIND_PARAM ? "parameter" : "buffer";
+  for (size_t i = 0; i < n; i++) {
+    char path[64];
+    snprintf(path, sizeof path, "%s[%zu]", key, i);
+    json_t *o = json_array_get(arr, i);
+    if (!json_is_object(o))
+      return fail(L, SP_EFORMAT, "%s: expected an object", path);
+    sp_tensor_spec *t = &(*out)[i];
+    const char *fqn, *dtype;
+    int rc;
+    if ((rc = sp_jr_string(&L->r, o, "fqn", path, true, &fqn)) != 0) return rc;
+    t->fqn = sp_strdup(fqn);
+    *n_out = i + 1;
+    if (t->fqn == NULL) return fail(L, SP_ENOMEM, "%s: out of memory", path);
+    t->local_name = local_part(t->fqn);
+    if ((rc = owner_module(L, t->fqn, path, what, &t->module)) != 0) return rc;
+    if ((rc = load_shape(L, o, path, t)) != 0) return rc;
+    if ((rc = sp_jr_string(&L->r, o, "dtype", path, true, &dtype)) != 0) return rc;
+    if (sp_dtype_parse(dtype, &t->dtype) != 0)
+      return fail(L, SP_EFORMAT, "%s.dtype: unknown dtype \"%s\"", path, dtype);
+    if (kind == KIND_PARAM) {
+      if (!sp_dtype_is_floating(t->dtype))
+        return fail(L, SP_EFORMAT,
+                    "%s.dtype: parameter \"%s\" has integer dtype %s and "
+                    "cannot be flattened (FSDP flattens only floating "
+                    "parameters)",
+                    path, t->fqn, sp_dtype_name(t->dtype));
+      t->flag = true;
+      rc = sp_jr_bool(&L->r, o, "requires_grad", path, false, &t->flag);
+    } else {
+      t->flag = true;
+      rc = sp_jr_bool(&L->r, o, "persistent", path, false, &t->flag);
+    }
+    if (rc != 0) return rc;
+    if ((rc = register_fqn(L, t->fqn, (int32_t)i, kind, path)) != 0) return rc;
+  }
+  return 0;
+}
+
+static int load_tied(loader *L, json_t *arr) {
+  sp_model *m = L->m;
+  size_t n = arr == NULL ? 0 : json_array_size(arr);
+  m->tied = calloc(n ? n : 1, sizeof *m->tied);
+  if (m->tied == NULL) return fail(L, SP_ENOMEM, "tied: out of memory");
+  for (size_t i = 0; i < n; i++) {
+    char path[64];
+    snprintf(path, sizeof path, "tied[%zu]", i);
+    json_t *o = json_array_get(arr, i);
+    if (!json_is_object(o))
+      return fail(L, SP_EFORMAT, "%s: expected an object", path);
+    const char *fqn, *to;
+    int rc;
+    if ((rc = sp_jr_string(&L->r, o, "fqn", path, true, &fqn)) != 0) return rc;
+    if ((rc = sp_jr_string(&L->r, o, "to", path, true, &to)) != 0) return rc;
+    sp_tied *t = &m->tied[i];
+    t->fqn = sp_strdup(fqn);
+    m->n_tied = i + 1;
+    if (t->fqn == NULL) return fail(L, SP_ENOMEM, "%s: out of memory", path);
+    t->local_name = local_part(t->fqn);
+    if ((rc = owner_module(L, t->fqn, path, "tied parameter", &t->module)) != 0)
+      return rc;
+    t->target = sp_model_find_param(m, to);
+    if (t->target < 0)
+      return fail(L, SP_EFORMAT, "%s.to: \"%s\" is not a parameter", path, to);
+    if ((rc = register_fqn(L, t->fqn, (int32_t)i, KIND_TIED, path)) != 0)
+      return rc;
+  }
+  return 0;
+}
+
+static int load_root(loader *L, json_t *root) {
+  if (!json_is_object(root))
+    return fail(L, SP_EFORMAT, "expected a JSON object at the top level");
+  json_t *fmt = json_object_get(root, "format");
+  if (!json_is_string(fmt) ||
+      strcmp(json_string_value(fmt), SP_MODEL_FORMAT) != 0)
+    return fail(L, SP_EFORMAT, "format: expected \"%s\"%s", SP_MODEL_FORMAT,
+                fmt == NULL ? " (field missing)" : "");
+  const char *name;
+  int rc = sp_jr_string(&L->r, root, "name", "", false, &name);
+  if (rc != 0) return rc;
+  L->m->name = sp_strdup(name != NULL ? name : "");
+  if (L->m->name == NULL) return fail(L, SP_ENOMEM, "out of memory");
+
+  json_t *modules, *params, *buffers, *tied;
+  if ((rc = sp_jr_array(&L->r, root, "modules", "", true,
+                        SP_MODEL_MAX_ENTRIES, &modules)) != 0 ||
+      (rc = sp_jr_array(&L->r, root, "params", "", true, SP_MODEL_MAX_ENTRIES,
+                        &params)) != 0 ||
+      (rc = sp_jr_array(&L->r, root, "buffers", "", false,
+                        SP_MODEL_MAX_ENTRIES, &buffers)) != 0 ||
+      (rc = sp_jr_array(&L->r, root, "tied", "", false, SP_MODEL_MAX_ENTRIES,
+                        &tied)) != 0)
+    return rc;
+  size_t total = json_array_size(modules) + json_array_size(params) +
+                 (buffers ? json_array_size(buffers) : 0) +
+                 (tied ? json_array_size(tied) : 0);
+  L->m->index_ = sp_strmap_new(total);
+  if (L->m->index_ == NULL) return fail(L, SP_ENOMEM, "out of memory");
+  if ((rc = load_modules(L, modules)) != 0) return rc;
+  if ((rc = load_tensors(L, params, "params", KIND_PARAM, &L->m->params,
+                         &L->m->n_params)) != 0)
+    return rc;
+  if ((rc = load_tensors(L, buffers, "buffers", KIND_BUFFER, &L->m->buffers,
+                         &L->m->n_buffers)) != 0)
+    return rc;
+  return load_tied(L, tied);
+}
+
+int sp_model_load_string(const char *json, size_t len, const char *origin,
+                         sp_model **out, sp_diag *diag) {
+  if (json == NULL || out == NULL) return SP_EINVAL;
+  if (origin == NULL) origin = "<string>";
+  loader L = {{origin, diag}, NULL};
+  json_t *root;
+  int rc = sp_jr_parse(&L.r, json, len, SP_MODEL_MAX_FILE_BYTES, &root);
+  if (rc != 0) return rc;
+  L.m = calloc(1, sizeof *L.m);
+  if (L.m == NULL) rc = fail(&L, SP_ENOMEM, "out of memory");
+  if (rc == 0) rc = load_root(&L, root);
+  if (rc == 0 && (L.m->path = sp_strdup(origin)) == NULL)
+    rc = fail(&L, SP_ENOMEM, "out of memory");
+  json_decref(root);
+  if (rc != 0) {
+    sp_model_free(L.m);
+    return rc;
+  }
+  *out = L.m;
+  return 0;
+}
+
+int sp_model_load_file(const char *path, sp_model **out, sp_diag *diag) {
+  if (path == NULL || out == NULL) return SP_EINVAL;
+  char *buf;
+  size_t len;
+  int rc = sp_jr_read_file(path, SP_MODEL_MAX_FILE_BYTES, &buf, &len, diag);
+  if (rc != 0) return rc;
+  rc = sp_model_load_string(buf, len, path, out, diag);
+  free(buf);
+  return rc;
+}
+
+static void free_tensors(sp_tensor_spec *t, size_t n) {
+  for (size_t i = 0; i < n; i++) free((char *)t[i].fqn);
+  free(t);
+}
+
+void sp_model_free(sp_model *m) {
+  if (m == NULL) return;
+  for (size_t i = 0; i < m->n_modules; i++) {
+    free((char *)m->modules[i].fqn);
+    free((char *)m->modules[i].type);
+  }
+  free(m->modules);
+  free_tensors(m->params, m->n_params);
+  free_tensors(m->buffers, m->n_buffers);
+  for (size_t i = 0; i < m->n_tied; i++) free((char *)m->tied[i].fqn);
+  free(m->tied);
+  sp_strmap_free(m->index_);
+  free(m->name);
+  free(m->path);
+  free(m);
+}

@@ -1,0 +1,95 @@
+/* Model spec loader: the "shardplane.model/v1" JSON format.
+ *
+ *   { "format": "shardplane.model/v1", "name": "...",
+ *     "modules": [{"fqn": "", "type": "ResNet"}, ...],      named_modules order
+ *     "params":  [{"fqn", "shape", "dtype", "requires_grad"}, ...],
+ *     "buffers": [{"fqn", "shape", "dtype", "persistent"}, ...],
+ *     "tied":    [{"fqn": "lm_head.weight", "to": "transformer.wte.weight"}] }
+ *
+ * Every error names the file, the JSON path ("params[17].shape[1]") and what is
+ * wrong. A loaded model is immutable; all strings and arrays are owned by the
+ * sp_model and freed by sp_model_free().
+ */
+#ifndef SP_MODEL_H
+#define SP_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cast/dtype.h"
+#include "base/sp_error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SP_MAX_DIMS 8
+/* Bounds checked before allocating: a spec beyond them is rejected. */
+#define SP_MODEL_MAX_FILE_BYTES (256u << 20)
+#define SP_MODEL_MAX_ENTRIES 1000000
+/* numel and byte sizes stay below this so sums over a model cannot overflow */
+#define SP_MODEL_MAX_NUMEL (INT64_C(1) << 50)
+
+typedef struct sp_module {
+  const char *fqn;   /* "" for the root */
+  const char *type;  /* class name, e.g. "BatchNorm2d" */
+  int32_t parent;    /* index into modules; -1 for the root */
+  int32_t depth;     /* root 0 */
+  uint32_t subtree_end; /* modules [index, subtree_end) are this subtree */
+} sp_module;
+
+typedef struct sp_tensor_spec {
+  const char *fqn;
+  const char *local_name; /* points into fqn, after the last '.' */
+  int32_t module;         /* owning module index */
+  int32_t ndim;
+  int64_t shape[SP_MAX_DIMS];
+  int64_t numel;
+  sp_dtype dtype;
+  bool flag; /* params: requires_grad; buffers: persistent */
+} sp_tensor_spec;
+
+/* A parameter registered under a second name (weight tying). */
+typedef struct sp_tied {
+  const char *fqn;        /* the alias, e.g. "lm_head.weight" */
+  const char *local_name; /* points into fqn */
+  int32_t module;         /* module the alias is registered on */
+  int32_t target;         /* index into params */
+} sp_tied;
+
+typedef struct sp_model {
+  char *name;
+  char *path; /* file it came from, or the name given to the string loader */
+  sp_module *modules;
+  size_t n_modules;
+  sp_tensor_spec *params;
+  size_t n_params;
+  sp_tensor_spec *buffers;
+  size_t n_buffers;
+  sp_tied *tied;
+  size_t n_tied;
+  struct sp_strmap *index_; /* private: FQN -> entry, for the lookups below */
+} sp_model;
+
+/* Loads and validates a spec. On success *out is a new model the caller frees
+ * with sp_model_free(). Errors: SP_EIO (cannot read), SP_ETOOBIG (file or
+ * array over the limits above), SP_EFORMAT (anything invalid), SP_ENOMEM.
+ * diag, when given, gets "<file>: <json path>: <what is wrong>". */
+int sp_model_load_file(const char *path, sp_model **out, sp_diag *diag);
+/* Same from memory; `origin` names the source in messages. */
+int sp_model_load_string(const char *json, size_t len, const char *origin,
+                         sp_model **out, sp_diag *diag);
+void sp_model_free(sp_model *m);
+
+/* Index lookups by exact FQN; -1 when absent. Constant time. */
+int32_t sp_model_find_module(const sp_model *m, const char *fqn);
+int32_t sp_model_find_param(const sp_model *m, const char *fqn);
+int32_t sp_model_find_buffer(const sp_model *m, const char *fqn);
+/* Index into m->tied of a tied-parameter name, or -1. */
+int32_t sp_model_find_tied(const sp_model *m, const char *fqn);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

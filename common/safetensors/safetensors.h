@@ -1,0 +1,169 @@
+/* safetensors reader and writer.
+ *
+ * The format (huggingface/safetensors): a u64 little-endian header length N,
+ * N bytes of UTF-8 JSON, then the data section. The JSON maps each tensor
+ * name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative
+ * to the data section, end exclusive) plus an optional "__metadata__" object
+ * of string values. Tensor data is little-endian, row-major and dense.
+ *
+ * Reading: everything in a file is untrusted. The reader checks the whole
+ * header before returning anything: header length, JSON (via jansson:
+ * syntax, UTF-8, duplicate names), each entry's dtype, shape and offsets,
+ * that the tensors tile the data section exactly (contiguous from 0, no gaps
+ * or overlaps, last end == data length), and the limits below. After a
+ * successful parse every sp_st_tensor's bytes lie inside the buffer.
+ *
+ * Alignment: a tensor's `data` pointer is only byte-aligned in general (the
+ * data section starts at 8+N, and a file may order tensors any way it
+ * likes). Read elements with memcpy or sp_st_tensor_read, or check
+ * `(uintptr_t)t->data % sp_dtype_size(t->dtype) == 0` before casting.
+ * sp_st_open places the data section on a 64-byte boundary, so files written
+ * in the standard order (sp_st_write, the reference writer) do give every
+ * tensor its natural alignment there; sp_st_parse uses the caller's buffer
+ * as is.
+ *
+ * Writing: sp_st_write writes the standard layout (see its comment) through
+ * a temporary file in the same directory, fsync and rename, so a crash leaves
+ * either the old file or the complete new one.
+ *
+ * Only the dtypes of dtype.h are handled; F8_*, U16/U32/U64 and newer
+ * safetensors dtypes are rejected with SP_EUNSUPPORTED. The host must be
+ * little-endian (checked at compile time).
+ */
+#ifndef SP_SAFETENSORS_H
+#define SP_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cast/dtype.h"
+#include "base/sp_error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest JSON header, as the reference reader (MAX_HEADER_SIZE). */
+#define SP_ST_MAX_HEADER 100000000u
+/* Most tensors in one file, checked before allocating per-tensor state. */
+#define SP_ST_MAX_TENSORS 1000000u
+/* Longest tensor name or metadata key, in bytes. */
+#define SP_ST_MAX_NAME 4096u
+/* Most dimensions of one tensor. */
+#define SP_ST_MAX_NDIM 8u
+/* Most "__metadata__" entries (the writer adds "format" to the caller's). */
+#define SP_ST_MAX_METADATA 4096u
+
+/* A key/value string pair of "__metadata__". */
+typedef struct sp_st_kv {
+  const char *key;
+  const char *value;
+} sp_st_kv;
+
+/* One tensor of a parsed file. All pointers are owned by the sp_st_file and
+ * valid until sp_st_free (and, for sp_st_parse, while the caller's buffer
+ * lives). */
+typedef struct sp_st_tensor {
+  const char *name;               /* NUL-terminated UTF-8 */
+  sp_dtype dtype;
+  size_t ndim;                    /* 0 for a scalar */
+  uint64_t shape[SP_ST_MAX_NDIM]; /* shape[ndim..] are 0 */
+  uint64_t numel;                 /* product of shape; 1 for a scalar */
+  uint64_t begin, end;            /* data_offsets, relative to the data */
+  const uint8_t *data;            /* end-begin bytes; see Alignment above */
+  size_t nbytes;                  /* end - begin */
+} sp_st_tensor;
+
+/* A parsed file. Opaque; free with sp_st_free. */
+typedef struct sp_st_file sp_st_file;
+
+/* Parses a complete safetensors image buf[0..len). `source` names it in
+ * messages (a path, "<stdin>"; NULL gives "<buffer>"). The result borrows
+ * buf: the caller keeps buf alive and unchanged until sp_st_free(*out).
+ * Never reads outside buf; safe on any input.
+ * Returns 0 and sets *out (caller frees with sp_st_free), or on error leaves
+ * *out NULL and returns:
+ *   SP_EINVAL       NULL out, or NULL buf with len > 0;
+ *   SP_EFORMAT      malformed header, entry, offsets or metadata;
+ *   SP_ETOOBIG      N > SP_ST_MAX_HEADER, 8+N beyond len, or another limit;
+ *   SP_EUNSUPPORTED a valid safetensors dtype shardplane does not handle;
+ *   SP_ENOMEM.
+ * The diag names the source, and the tensor where there is one. */
+int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
+                sp_st_file **out, sp_diag *diag);
+
+/* Reads the regular file at path (size checked against the header before
+ * the bulk read) and parses it; the result owns the contents. Errors as
+ * sp_st_parse, plus SP_ENOENT (no such file), SP_EIO (open/read failure, not
+ * a regular file, or the file changed while being read). */
+int sp_st_open(const char *path, sp_st_file **out, sp_diag *diag);
+
+/* Frees a result of sp_st_parse or sp_st_open; NULL is allowed. */
+void sp_st_free(sp_st_file *f);
+
+/* Tensors in data order (ascending data_offsets). Index i < count, else
+ * NULL. */
+size_t sp_st_tensor_count(const sp_st_file *f);
+const sp_st_tensor *sp_st_tensor_at(const sp_st_file *f, size_t i);
+
+/* The tensor called name (exact bytes), or NULL. O(log n). */
+const sp_st_tensor *sp_st_find(const sp_st_file *f, const char *name);
+
+/* As sp_st_find, but returns SP_ENOENT with a diag naming the file and the
+ * tensor when it is absent. */
+int sp_st_get(const sp_st_file *f, const char *name, const sp_st_tensor **out,
+              sp_diag *diag);
+
+/* Copies the tensor's bytes into dst, which has dst_len bytes and any
+ * alignment the caller needs. Returns 0, or SP_ERANGE when dst_len !=
+ * t->nbytes, or SP_EINVAL for NULL arguments (dst may be NULL when nbytes is
+ * 0). */
+int sp_st_tensor_read(const sp_st_tensor *t, void *dst, size_t dst_len);
+
+/* "__metadata__" entries in file order; the value of key, or NULL. */
+size_t sp_st_metadata_count(const sp_st_file *f);
+const sp_st_kv *sp_st_metadata_at(const sp_st_file *f, size_t i);
+const char *sp_st_metadata_get(const sp_st_file *f, const char *key);
+
+/* Size N of the JSON header and of the data section, in bytes. */
+size_t sp_st_header_len(const sp_st_file *f);
+size_t sp_st_data_len(const sp_st_file *f);
+
+/* One tensor to write. The writer only reads it. */
+typedef struct sp_st_entry {
+  const char *name;               /* UTF-8, 1..SP_ST_MAX_NAME bytes */
+  sp_dtype dtype;
+  size_t ndim;                    /* <= SP_ST_MAX_NDIM; 0 for a scalar */
+  uint64_t shape[SP_ST_MAX_NDIM];
+  const void *data; /* prod(shape)*size bytes, little-endian, row-major, any
+                       alignment; may be NULL when that is 0 */
+} sp_st_entry;
+
+/* Writes entries[0..n) to path, replacing it atomically.
+ *
+ * Layout, as the reference writer's prepare(): "__metadata__" first, holding
+ * {"format":"pt"} (which Transformers requires) then meta[0..n_meta) in the
+ * given order; tensors ordered by descending dtype alignment (the reference
+ * Dtype order, so the tie-break between same-size dtypes matches too), then
+ * by name bytewise, packed from offset 0; compact JSON padded with spaces to
+ * a multiple of 8 bytes, so every tensor is aligned to its element size
+ * within the data section.
+ *
+ * The file is written as "<path>.tmp.<pid>.<n>" in the same directory,
+ * fsync'd, renamed over path, and the directory fsync'd. On error the
+ * temporary file is removed and path is untouched.
+ *
+ * meta may be NULL when n_meta is 0; a caller "format" key must have the
+ * value "pt". Returns 0, or SP_EINVAL (NULL or duplicate names/keys, a name
+ * "__metadata__", empty name, invalid dtype, invalid UTF-8, NULL data for a
+ * non-empty tensor, meta "format" other than "pt"), SP_ETOOBIG (a limit
+ * above, a shape whose byte size overflows, or a header over
+ * SP_ST_MAX_HEADER), SP_ENOMEM, SP_EIO (with the system error in the
+ * diag). */
+int sp_st_write(const char *path, const sp_st_entry *entries, size_t n,
+                const sp_st_kv *meta, size_t n_meta, sp_diag *diag);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,429 @@
+#include "job_fixture.h"
+
+#include <fcntl.h>
+#include <math.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include <cmocka.h>
+
+#include "cast/cast.h"
+#include "base/clock.h"
+#include "fsdp/job.h"
+#include "worker/mlp.h"
+#include "fsdp/plan.h"
+#include "testutil.h"
+
+extern char **environ;
+
+/* ---- a job: one coordinator and n workers ---- */
+
+#define MAXARGS 64
+
+/* Appends the NULL-terminated flags (or none: NULL) to argv, which holds k
+ * entries, and ends it with NULL. */
+static void add_flags(const char **argv, size_t k, const char *const *flags) {
+  for (size_t i = 0; flags && flags[i]; i++) {
+    if (k + 1 >= MAXARGS) fail_msg("more than %d arguments", MAXARGS - 1);
+    argv[k++] = flags[i];
+  }
+  argv[k] = NULL;
+}
+
+void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
+                   int n, const char *const *wflags, const char *errdir) {
+  if (n < 1 || n > SP_TJOB_MAX_RANKS)
+    fail_msg("%d workers: 1 to %d", n, SP_TJOB_MAX_RANKS);
+  memset(j, 0, sizeof *j);
+  j->n = n;
+  char ws[16];
+  snprintf(ws, sizeof ws, "%d", n);
+  const char *ca[MAXARGS] = {SP_BIN_DIR "/shardplane-coordinator",
+                             "--listen",
+                             "127.0.0.1:0",
+                             "--model",
+                             model,
+                             "--world-size",
+                             ws,
+                             "--quiet"};
+  add_flags(ca, 8, cflags);
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(&j->coord, (char *const *)ca, false, false,
+                    "listening on 127.0.0.1:%d", &d) < 0)
+    fail_msg("coordinator: %s", d.msg);
+  snprintf(j->addr, sizeof j->addr, "127.0.0.1:%d", j->coord.port);
+  for (int r = 0; r < n; r++) {
+    char rs[16];
+    snprintf(rs, sizeof rs, "%d", r);
+    const char *wa[MAXARGS] = {SP_BIN_DIR "/shardplane-worker",
+                               "--coordinator",
+                               j->addr,
+                               "--rank",
+                               rs,
+                               "--log-every",
+                               "0"};
+    add_flags(wa, 7, wflags);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    char errpath[4096];
+    if (errdir) {
+      snprintf(errpath, sizeof errpath, "%s/rank-%d.err", errdir, r);
+      posix_spawn_file_actions_addopen(&fa, 2, errpath,
+                                       O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    }
+    int rc =
+        posix_spawn(&j->w[r], wa[0], &fa, NULL, (char *const *)wa, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) fail_msg("cannot start a worker: %s", strerror(rc));
+  }
+}
+
+int sp_tjob_wait(sp_tjob *j, double timeout_s) {
+  double end = sp_clock_s() + timeout_s;
+  int ok = 0, left = j->n;
+  for (int r = 0; r < j->n; r++) j->status[r] = -2;
+  while (left > 0 && sp_clock_s() < end) {
+    for (int r = 0; r < j->n; r++) {
+      if (j->status[r] != -2) continue;
+      int st;
+      if (waitpid(j->w[r], &st, WNOHANG) == j->w[r]) {
+        j->status[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        ok += j->status[r] == 0;
+        left--;
+      }
+    }
+    sp_test_sleep_ms(5);
+  }
+  for (int r = 0; r < j->n; r++)
+    if (j->status[r] == -2) {
+      kill(j->w[r], SIGKILL);
+      waitpid(j->w[r], NULL, 0);
+      j->status[r] = -1;
+    }
+  sp_proc_stop(&j->coord, 5000);
+  return ok;
+}
+
+void sp_tjob_run(const char *model, const char *const *cflags, int n,
+                 const char *const *wflags, double timeout_s) {
+  sp_tjob j;
+  sp_tjob_start(&j, model, cflags, n, wflags, NULL);
+  int ok = sp_tjob_wait(&j, timeout_s);
+  if (ok != n) {
+    for (int r = 0; r < n; r++)
+      fprintf(stderr, "rank %d: status %d\n", r, j.status[r]);
+    fail_msg("%d of %d workers succeeded", ok, n);
+  }
+}
+
+/* ---- reading results ---- */
+
+double *sp_tjob_read_losses(const char *path, size_t *n) {
+  char *s = sp_test_read_file(path);
+  double *v = calloc(1024, sizeof *v);
+  assert_non_null(v);
+  size_t k = 0;
+  char *p = s + 1;
+  while (*p && *p != ']' && k < 1024) {
+    char *end;
+    v[k++] = strtod(p, &end);
+    assert_true(end != p);
+    p = end;
+    while (*p == ',' || *p == ' ') p++;
+  }
+  free(s);
+  *n = k;
+  return v;
+}
+
+sp_st_file *sp_tjob_open_st(const char *dir, const char *name) {
+  char *path = sp_test_path(dir, name);
+  sp_st_file *st;
+  sp_diag d = {{0}};
+  if (sp_st_open(path, &st, &d) < 0) fail_msg("%s", d.msg);
+  free(path);
+  return st;
+}
+
+double sp_tjob_elem(const sp_st_tensor *t, size_t i) {
+  uint8_t tmp[8];
+  size_t es = sp_dtype_size(t->dtype);
+  memcpy(tmp, t->data + i * es, es);
+  if (sp_dtype_is_floating(t->dtype)) {
+    double v;
+    assert_int_equal(sp_cast(&v, SP_FLOAT64, tmp, t->dtype, 1), 0);
+    return v;
+  }
+  int64_t x = 0;
+  if (t->dtype == SP_INT64) {
+    memcpy(&x, tmp, 8);
+  } else if (t->dtype == SP_INT32) {
+    int32_t y;
+    memcpy(&y, tmp, 4);
+    x = y;
+  } else {
+    x = tmp[0];
+  }
+  return (double)x;
+}
+
+void sp_tjob_same_tensors(const char *a_dir, const char *a, const char *b_dir,
+                          const char *b) {
+  sp_st_file *fa = sp_tjob_open_st(a_dir, a), *fb = sp_tjob_open_st(b_dir, b);
+  assert_int_equal(sp_st_tensor_count(fa), sp_st_tensor_count(fb));
+  for (size_t i = 0; i < sp_st_tensor_count(fa); i++) {
+    const sp_st_tensor *ta = sp_st_tensor_at(fa, i);
+    const sp_st_tensor *tb = sp_st_find(fb, ta->name);
+    if (!tb) fail_msg("%s/%s: no %s", b_dir, b, ta->name);
+    assert_int_equal(ta->dtype, tb->dtype);
+    assert_int_equal(ta->nbytes, tb->nbytes);
+    if (memcmp(ta->data, tb->data, ta->nbytes) != 0)
+      fail_msg("%s differs between %s/%s and %s/%s", ta->name, a_dir, a,
+               b_dir, b);
+  }
+  sp_st_free(fa);
+  sp_st_free(fb);
+}
+
+/* ---- against the reference run ---- */
+
+static size_t total_numel(const sp_model *m) {
+  size_t total = 0;
+  for (size_t p = 0; p < m->n_params; p++) total += (size_t)m->params[p].numel;
+  return total;
+}
+
+/* Every param of the FULL checkpoint in dir, in float64, model order. */
+static double *read_full_params(const sp_model *m, const char *dir) {
+  sp_st_file *st = sp_tjob_open_st(dir, "full/model.safetensors");
+  double *out = calloc(total_numel(m) + 1, sizeof *out);
+  assert_non_null(out);
+  size_t off = 0;
+  for (size_t p = 0; p < m->n_params; p++) {
+    const sp_st_tensor *t = sp_st_find(st, m->params[p].fqn);
+    if (!t) fail_msg("FULL checkpoint in %s: no %s", dir, m->params[p].fqn);
+    assert_int_equal(t->numel, m->params[p].numel);
+    assert_int_equal(t->dtype, m->params[p].dtype);
+    void *tmp = malloc(t->nbytes + 1);
+    assert_non_null(tmp);
+    memcpy(tmp, t->data, t->nbytes);
+    assert_int_equal(sp_cast(out + off, SP_FLOAT64, tmp, t->dtype, t->numel),
+                     0);
+    free(tmp);
+    off += (size_t)t->numel;
+  }
+  sp_st_free(st);
+  return out;
+}
+
+/* The reference params (model order, each in its dtype) in float64. */
+static double *ref_params_f64(const sp_model *m, const void *params) {
+  double *out = calloc(total_numel(m) + 1, sizeof *out);
+  assert_non_null(out);
+  const uint8_t *src = params;
+  size_t off = 0;
+  for (size_t p = 0; p < m->n_params; p++) {
+    size_t n = (size_t)m->params[p].numel;
+    assert_int_equal(sp_cast(out + off, SP_FLOAT64, src, m->params[p].dtype, n),
+                     0);
+    src += n * sp_dtype_size(m->params[p].dtype);
+    off += n;
+  }
+  return out;
+}
+
+/* max |a - b| / max |b|, so values near zero do not dominate */
+static double rel_err(const double *a, const double *b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; i++) {
+    double e = fabs(a[i] - b[i]);
+    if (!(e <= num)) num = e; /* a NaN makes the error NaN */
+    if (fabs(b[i]) > den) den = fabs(b[i]);
+  }
+  return den > 0 ? num / den : num;
+}
+
+/* The job the reference runs take (sp_job_clear it): wrap type Linear;
+ * with mp, param dtype bfloat16, reduce dtype float32 and buffer_dtype
+ * (SP_DTYPE_INVALID: unset). */
+static void reference_job(sp_job *job, bool mp, sp_dtype buffer_dtype) {
+  sp_job_init(job);
+  sp_strlist_add(&job->wrap_types, "Linear");
+  if (mp) {
+    job->mp.enabled = true;
+    job->mp.param_dtype = SP_BFLOAT16;
+    job->mp.reduce_dtype = SP_FLOAT32;
+    job->mp.buffer_dtype = buffer_dtype;
+  }
+}
+
+/* The job's results against the reference run (sp_tjob_parity). */
+static void check_parity(const char *label, const char *model, bool mp,
+                         uint32_t steps, uint32_t batch, double lr, double tol,
+                         const char *losses_path, const char *ckpt_dir) {
+  assert_true(steps > 0);
+  sp_model *m;
+  sp_diag d = {{0}};
+  assert_int_equal(sp_model_load_file(model, &m, &d), 0);
+  sp_job ref_job;
+  reference_job(&ref_job, mp, SP_DTYPE_INVALID);
+  double *ref_losses = calloc(steps + 1, sizeof *ref_losses);
+  assert_non_null(ref_losses);
+  void *ref_params = NULL;
+  if (sp_mlp_reference_run(m, &ref_job, steps, batch, lr, ref_losses,
+                           &ref_params, NULL, &d) < 0)
+    fail_msg("reference: %s", d.msg);
+  size_t nl;
+  double *got = sp_tjob_read_losses(losses_path, &nl);
+  assert_int_equal(nl, steps);
+  double loss_err = rel_err(got, ref_losses, steps);
+  double *gp = read_full_params(m, ckpt_dir);
+  double *rp = ref_params_f64(m, ref_params);
+  double param_err = rel_err(gp, rp, total_numel(m));
+  printf("  %s: loss %.6f -> %.6f, rel. error loss %.2e params %.2e (bound "
+         "%.0e)\n",
+         label, got[0], got[steps - 1], loss_err, param_err, tol);
+  assert_true(got[steps - 1] < got[0]);
+  assert_true(loss_err <= tol);
+  assert_true(param_err <= tol);
+  free(gp);
+  free(rp);
+  free(got);
+  free(ref_losses);
+  free(ref_params);
+  sp_job_clear(&ref_job);
+  sp_model_free(m);
+}
+
+void sp_tjob_parity(const char *label, const sp_tjob_parity_cfg *c) {
+  char *dir = sp_test_mkdtemp();
+  char *losses = sp_test_path(dir, "losses.json");
+  char steps[16], batch[16], group[16];
+  snprintf(steps, sizeof steps, "%u", c->steps);
+  snprintf(batch, sizeof batch, "%u", c->batch);
+  snprintf(group, sizeof group, "%d", c->group);
+  const char *cflags[MAXARGS];
+  size_t k = 0;
+  cflags[k++] = "--wrap-type";
+  cflags[k++] = "Linear";
+  cflags[k++] = "--strategy";
+  cflags[k++] = c->strategy;
+  if (strcmp(c->strategy, "HYBRID_SHARD") == 0) {
+    cflags[k++] = "--shard-group-size";
+    cflags[k++] = group;
+  }
+  if (c->mp) {
+    cflags[k++] = "--param-dtype";
+    cflags[k++] = "bfloat16";
+    cflags[k++] = "--reduce-dtype";
+    cflags[k++] = "float32";
+  }
+  add_flags(cflags, k, c->cflags);
+  const char *wflags[MAXARGS] = {
+      "--steps",  steps,  "--global-batch",   batch, "--lr", c->lr,
+      "--losses", losses, "--checkpoint-dir", dir};
+  add_flags(wflags, 10, c->wflags);
+  sp_tjob_run(c->model, cflags, c->n, wflags, c->timeout_s);
+  check_parity(label, c->model, c->mp, c->steps, c->batch, atof(c->lr), c->tol,
+               losses, dir);
+  free(losses);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+void sp_tjob_check_buffers(const char *model, uint32_t world, uint32_t steps,
+                           uint32_t batch, double lr, const char *dir,
+                           const char *sharded, const char *local,
+                           const char *vs) {
+  sp_model *m;
+  sp_diag d = {{0}};
+  assert_int_equal(sp_model_load_file(model, &m, &d), 0);
+  sp_job job;
+  reference_job(&job, true, SP_BFLOAT16);
+  void *ref_bufs = NULL;
+  assert_int_equal(sp_mlp_reference_run(m, &job, steps, batch, lr, NULL, NULL,
+                                        &ref_bufs, &d),
+                   0);
+  sp_plan *plan;
+  job.world_size = world;
+  assert_int_equal(sp_plan_build(m, &job, &plan, &d), 0);
+
+  sp_st_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
+  sp_st_file *sh = sp_tjob_open_st(dir, sharded);
+  sp_st_file *loc = sp_tjob_open_st(dir, local);
+  const uint8_t *ref = ref_bufs;
+  for (size_t b = 0; b < m->n_buffers; b++) {
+    const sp_tensor_spec *bs = &m->buffers[b];
+    sp_dtype compute = plan->buffers[b].compute_dtype;
+    const sp_st_tensor *tf = sp_st_find(full, bs->fqn);
+    const sp_st_tensor *ts = sp_st_find(sh, bs->fqn);
+    const sp_st_tensor *tl = sp_st_find(loc, bs->fqn);
+    printf("  %-30s original %-8s compute %-8s FULL %-8s SHARDED %-8s "
+           "LOCAL %s\n",
+           bs->fqn, sp_dtype_name(bs->dtype), sp_dtype_name(compute),
+           tf ? sp_dtype_name(tf->dtype) : "-",
+           ts ? sp_dtype_name(ts->dtype) : "-",
+           tl ? sp_dtype_name(tl->dtype) : "-");
+    size_t n = (size_t)bs->numel;
+    const uint8_t *rb = ref;
+    ref += n * sp_dtype_size(compute);
+    if (!bs->flag) {
+      /* non-persistent: in no state dict */
+      assert_null(tf);
+      assert_null(ts);
+      assert_null(tl);
+      continue;
+    }
+    if (!tf || !ts || !tl) fail_msg("%s missing from a checkpoint", bs->fqn);
+    /* FULL and SHARDED restore the original dtype; LOCAL keeps the compute
+     * dtype; integer and bool buffers never change */
+    assert_int_equal(tf->dtype, bs->dtype);
+    assert_int_equal(ts->dtype, bs->dtype);
+    assert_int_equal(tl->dtype, compute);
+    if (!sp_dtype_is_floating(bs->dtype)) {
+      assert_int_equal(compute, bs->dtype);
+      double want = strstr(bs->fqn, "seen") ? 1 : (double)steps;
+      for (size_t i = 0; i < n; i++) {
+        assert_true(sp_tjob_elem(tf, i) == want);
+        assert_true(sp_tjob_elem(tl, i) == want);
+      }
+      continue;
+    }
+    assert_int_equal(compute, SP_BFLOAT16);
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < n; i++) {
+      double v = sp_tjob_elem(tf, i), r;
+      assert_int_equal(sp_cast(&r, SP_FLOAT64, rb + 2 * i, SP_BFLOAT16, 1), 0);
+      /* computed in bfloat16: the restored value is a bf16 value */
+      uint16_t h;
+      double back;
+      sp_cast(&h, SP_BFLOAT16, &v, SP_FLOAT64, 1);
+      sp_cast(&back, SP_FLOAT64, &h, SP_BFLOAT16, 1);
+      assert_true(back == v);
+      assert_true(sp_tjob_elem(ts, i) == v);
+      assert_true(sp_tjob_elem(tl, i) == v);
+      if (fabs(v - r) > diff) diff = fabs(v - r);
+      if (fabs(r) > scale) scale = fabs(r);
+    }
+    /* against the single process: the batch means come from activations
+     * that differ at the parity bound (bf16 gradients rounded per rank, or
+     * GEMM sums in another order on a GPU), then rounded to bf16: within
+     * one bf16 step (2^-8 relative) of the tensor's largest value, twice */
+    printf("  %-30s max |%s| = %.3g (%.2g of its largest value)\n", bs->fqn,
+           vs, diff, scale > 0 ? diff / scale : 0);
+    assert_true(diff <= 0x1p-7 * scale);
+  }
+  sp_st_free(full);
+  sp_st_free(sh);
+  sp_st_free(loc);
+  free(ref_bufs);
+  sp_plan_free(plan);
+  sp_job_clear(&job);
+  sp_model_free(m);
+}

@@ -1,0 +1,115 @@
+#include "testutil.h"
+#include "shardplane/config.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+#include <ftw.h>
+#include <unistd.h>
+
+#if SHARDPLANE_HAVE_CUDA
+#include "cast/cast_cuda.h"
+#include "base/sp_error.h"
+#endif
+
+int sp_test_skip(const char *why) {
+  printf("SKIPPED: %s\n", why);
+  fflush(stdout);
+  return SP_TEST_SKIP_RC;
+}
+
+int sp_test_need_cuda_device(void) {
+#if !SHARDPLANE_HAVE_CUDA
+  return sp_test_skip("built without CUDA (no CUDA toolkit at configure "
+                      "time)");
+#else
+  int n = 0;
+  int rc = sp_cuda_device_count(&n);
+  if (rc != 0) {
+    char why[128];
+    snprintf(why, sizeof why, "cannot query CUDA devices (%s)",
+             sp_strerror(rc));
+    return sp_test_skip(why);
+  }
+  if (n == 0) return sp_test_skip("no CUDA device (or no driver) present");
+  return 0;
+#endif
+}
+
+uint64_t sp_test_rng_next(sp_test_rng *r) {
+  uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t sp_test_rng_below(sp_test_rng *r, uint64_t n) {
+  return sp_test_rng_next(r) % n;
+}
+
+char *sp_test_mkdtemp(void) {
+  const char *base = getenv("TMPDIR");
+  if (base == NULL || base[0] == '\0') base = "/tmp";
+  char *path = sp_test_path(base, "shardplane-test-XXXXXX");
+  assert_non_null(mkdtemp(path));
+  return path;
+}
+
+char *sp_test_path(const char *dir, const char *name) {
+  size_t n = strlen(dir) + strlen(name) + 2;
+  char *p = malloc(n);
+  assert_non_null(p);
+  snprintf(p, n, "%s/%s", dir, name);
+  return p;
+}
+
+char *sp_test_read_file(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  size_t cap = 1 << 16, len = 0, n;
+  char *buf = malloc(cap);
+  assert_non_null(buf);
+  while ((n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+    len += n;
+    if (len + 1 == cap) {
+      cap *= 2;
+      buf = realloc(buf, cap);
+      assert_non_null(buf);
+    }
+  }
+  fclose(f);
+  buf[len] = '\0';
+  return buf;
+}
+
+void sp_test_write_file(const char *path, const void *data, size_t len) {
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(data, 1, len, f), len);
+  assert_int_equal(fclose(f), 0);
+}
+
+static int rm_entry(const char *p, const struct stat *sb, int flag,
+                    struct FTW *ftw) {
+  (void)sb;
+  (void)flag;
+  (void)ftw;
+  return remove(p);
+}
+
+void sp_test_rmtree(const char *dir) {
+  nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+void sp_test_sleep_ms(unsigned ms) {
+  struct timespec ts = {.tv_sec = ms / 1000,
+                        .tv_nsec = (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+}

@@ -1,0 +1,57 @@
+/* Small helpers shared by the cmocka tests. */
+#ifndef SP_TESTUTIL_H
+#define SP_TESTUTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shardplane/config.h"
+
+/* Exit status that ctest (SKIP_RETURN_CODE) reports as "skipped". */
+#define SP_TEST_SKIP_RC 77
+
+/* Prints "SKIPPED: <why>" and returns SP_TEST_SKIP_RC; use as
+ * `return sp_test_skip("no CUDA device");` from main. */
+int sp_test_skip(const char *why);
+
+/* For tests of the GPU paths: 0 when libshardplane was built with CUDA and
+ * a CUDA device is present; otherwise prints "SKIPPED: <why>" and returns
+ * SP_TEST_SKIP_RC, for main to return. */
+int sp_test_need_cuda_device(void);
+
+/* In a file that includes <cuda_runtime_api.h>: fails the test, naming the
+ * call and CUDA's error, unless the CUDA runtime call succeeds. */
+#define SP_TEST_CU(call)                                                       \
+  do {                                                                         \
+    cudaError_t e_ = (call);                                                   \
+    if (e_ != cudaSuccess)                                                     \
+      fail_msg("%s:%d: %s: %s", __FILE__, __LINE__, #call,                     \
+               cudaGetErrorString(e_));                                        \
+  } while (0)
+
+/* Deterministic generator (splitmix64) so failures reproduce. */
+typedef struct sp_test_rng {
+  uint64_t s;
+} sp_test_rng;
+uint64_t sp_test_rng_next(sp_test_rng *r);
+/* Uniform in [0, n); n > 0. */
+uint64_t sp_test_rng_below(sp_test_rng *r, uint64_t n);
+
+/* Creates a fresh directory under $TMPDIR (or /tmp); returns a malloc'd path
+ * the caller frees. Aborts the test on failure. */
+char *sp_test_mkdtemp(void);
+/* Joins dir and name into a malloc'd path. */
+char *sp_test_path(const char *dir, const char *name);
+/* The whole file as a malloc'd NUL-terminated string (the caller frees).
+ * Aborts the test on failure. */
+char *sp_test_read_file(const char *path);
+/* Writes len bytes to path, replacing it. Aborts the test on failure. */
+void sp_test_write_file(const char *path, const void *data, size_t len);
+/* Removes a directory tree created by sp_test_mkdtemp (best effort). */
+void sp_test_rmtree(const char *dir);
+
+/* Sleeps ms milliseconds (the whole time, across signals). Time is read
+ * with sp_clock_s() (common/clock.h). */
+void sp_test_sleep_ms(unsigned ms);
+
+#endif
