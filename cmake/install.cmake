@@ -58,6 +58,9 @@ if(SHARDPLANE_HAVE_NCCL)
   get_filename_component(SP_NCCL_DIR ${NCCL_LIBRARY} DIRECTORY)
   string(APPEND SP_PC_LIBS_PRIVATE " -L${SP_NCCL_DIR} -lnccl")
 endif()
+# The prefix relative to the .pc file, so the install can be moved (and
+# `cmake --install --prefix P` works without reconfiguring).
+file(RELATIVE_PATH SP_PC_TO_PREFIX /p/${CMAKE_INSTALL_LIBDIR}/pkgconfig /p)
 configure_file(${PROJECT_SOURCE_DIR}/cmake/shardplane.pc.in
                ${PROJECT_BINARY_DIR}/shardplane.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/shardplane.pc
