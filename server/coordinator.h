@@ -11,14 +11,13 @@
 #include "fsdp/job.h"
 #include "fsdp/model.h"
 #include "fsdp/plan.h"
+#include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "fsdp/state.h"
 #include "store.h"
 #include "base/strmap.h"
 
-#define SP_COORD_SERVICE "shardplane.v1.Coordinator"
-#define SP_COORD_PATH(m) "/" SP_COORD_SERVICE "/" m
 
 /* Store limits (PyTorch TCPStore's), checked before allocating. */
 #define SP_COORD_MAX_KEY (8u << 10)

@@ -20,12 +20,11 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "lib/plan_wire.h"
 #include "render.h"
+#include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "fsdp/state.h"
 
-#define SERVICE "shardplane.v1.Coordinator"
-#define METHOD(m) "/" SERVICE "/" m
 
 /* parse_args(): go on with the subcommand (any other value is an exit code). */
 #define PROCEED (-1)
@@ -119,7 +118,7 @@ static int remote_connect(sp_remote *r) {
   }
   Grpc__Health__V1__HealthCheckRequest q =
       GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
-  q.service = (char *)SERVICE;
+  q.service = (char *)SP_COORD_SERVICE;
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;
   /* The grace lets the connect loop (bounded by timeout_ms) end first and
@@ -153,7 +152,7 @@ static int remote_connect(sp_remote *r) {
     return SP_EXIT_OK;
   case SP_RPC_NOT_FOUND:
     sp_cli_error(r->cmd, "%s answers, but does not serve %s (NOT_FOUND)",
-                 r->addr, SERVICE);
+                 r->addr, SP_COORD_SERVICE);
     return SP_EXIT_UNREACHABLE;
   case SP_RPC_UNAVAILABLE:
   case SP_RPC_DEADLINE_EXCEEDED:
@@ -354,7 +353,7 @@ static int get_job(sp_remote *r, Shardplane__V1__GetJobResponse **out,
                    sp_job *job) {
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   ProtobufCMessage *m;
-  int ec = call(r, METHOD("GetJob"), &q.base,
+  int ec = call(r, SP_COORD_PATH("GetJob"), &q.base,
                 &shardplane__v1__get_job_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   Shardplane__V1__GetJobResponse *j = (Shardplane__V1__GetJobResponse *)m;
@@ -601,7 +600,7 @@ int sp_cmd_ranks(int argc, char **argv) {
   Shardplane__V1__ListRanksRequest q = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
   q.with_unit_states = unit_states;
   ProtobufCMessage *m;
-  ec = call(&r, METHOD("ListRanks"), &q.base,
+  ec = call(&r, SP_COORD_PATH("ListRanks"), &q.base,
             &shardplane__v1__list_ranks_response__descriptor, &m);
   if (ec == SP_EXIT_OK) {
     const Shardplane__V1__ListRanksResponse *l =
@@ -632,7 +631,7 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit) {
   if (ec != SP_EXIT_OK) goto out;
   Shardplane__V1__GetPlanRequest q = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
   ProtobufCMessage *m;
-  if ((ec = call(r, METHOD("GetPlan"), &q.base,
+  if ((ec = call(r, SP_COORD_PATH("GetPlan"), &q.base,
                  &shardplane__v1__plan__descriptor, &m)) != SP_EXIT_OK)
     goto out;
   sp_diag diag = {""};
@@ -779,7 +778,7 @@ int sp_cmd_where(int argc, char **argv) {
       SHARDPLANE__V1__LOCATE_PARAM_REQUEST__INIT;
   q.fqn = argv[first];
   ProtobufCMessage *m;
-  ec = call(&r, METHOD("LocateParam"), &q.base,
+  ec = call(&r, SP_COORD_PATH("LocateParam"), &q.base,
             &shardplane__v1__param_location__descriptor, &m);
   if (ec == SP_EXIT_OK) {
     const Shardplane__V1__ParamLocation *p =
@@ -832,7 +831,7 @@ int sp_cmd_buffers(int argc, char **argv) {
     q.prefix = (char *)prefix;
     q.page_token = token != NULL ? token : (char *)"";
     ProtobufCMessage *m;
-    if ((ec = call(&r, METHOD("ListBuffers"), &q.base,
+    if ((ec = call(&r, SP_COORD_PATH("ListBuffers"), &q.base,
                    &shardplane__v1__list_buffers_response__descriptor, &m)) !=
         SP_EXIT_OK)
       break;
@@ -1118,7 +1117,7 @@ int sp_cmd_watch(int argc, char **argv) {
   q.n_ranks = w->n_ranks;
   q.ranks = w->ranks;
   /* no deadline: a watch lasts until it is stopped */
-  int rc = sp_rpc_sync_stream_open(r.rpc, METHOD("Watch"), 0, NULL, 0, &st);
+  int rc = sp_rpc_sync_stream_open(r.rpc, SP_COORD_PATH("Watch"), 0, NULL, 0, &st);
   if (rc == 0) rc = sp_rpc_sync_stream_send(st, &q.base);
   if (rc == 0) rc = sp_rpc_sync_stream_close_send(st);
   if (rc != 0 && rc != SP_ESTATE) {
@@ -1228,7 +1227,7 @@ static int store_get(sp_remote *r, const char *key, bool wait) {
   q.wait = wait;
   ProtobufCMessage *m;
   sp_rpc_status st;
-  int ec = call_status(r, METHOD("StoreGet"), &q.base,
+  int ec = call_status(r, SP_COORD_PATH("StoreGet"), &q.base,
                        &shardplane__v1__store_get_response__descriptor,
                        r->timeout_ms, &m, &st);
   if (ec != PROCEED) return ec;
@@ -1263,7 +1262,7 @@ static int store_set(sp_remote *r, const char *key, const char *value) {
   q.key = (char *)key;
   q.value = bytes_of(value);
   ProtobufCMessage *m;
-  int ec = call(r, METHOD("StoreSet"), &q.base,
+  int ec = call(r, SP_COORD_PATH("StoreSet"), &q.base,
                 &shardplane__v1__store_set_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   uint64_t version = ((Shardplane__V1__StoreSetResponse *)m)->version;
@@ -1289,7 +1288,7 @@ static int store_add(sp_remote *r, const char *key, const char *delta_s) {
   q.key = (char *)key;
   q.delta = delta;
   ProtobufCMessage *m;
-  int ec = call(r, METHOD("StoreAdd"), &q.base,
+  int ec = call(r, SP_COORD_PATH("StoreAdd"), &q.base,
                 &shardplane__v1__store_add_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   const Shardplane__V1__StoreAddResponse *a =
@@ -1310,7 +1309,7 @@ static int store_delete(sp_remote *r, const char *key) {
       SHARDPLANE__V1__STORE_DELETE_REQUEST__INIT;
   q.key = (char *)key;
   ProtobufCMessage *m;
-  int ec = call(r, METHOD("StoreDelete"), &q.base,
+  int ec = call(r, SP_COORD_PATH("StoreDelete"), &q.base,
                 &shardplane__v1__store_delete_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   bool deleted = ((Shardplane__V1__StoreDeleteResponse *)m)->deleted;
@@ -1333,7 +1332,7 @@ static int store_cas(sp_remote *r, const char *key, const char *expected,
   if (expected != NULL) q.expected = bytes_of(expected);
   q.desired = bytes_of(desired);
   ProtobufCMessage *m;
-  int ec = call(r, METHOD("StoreCompareSet"), &q.base,
+  int ec = call(r, SP_COORD_PATH("StoreCompareSet"), &q.base,
                 &shardplane__v1__store_compare_set_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   const Shardplane__V1__StoreCompareSetResponse *c =

@@ -1,5 +1,8 @@
 /* The session of one rank (shardplane.h, "Session"): attach, the plan the
- * rank builds itself, the coordinator's store, and reporting.
+ * rank builds itself, the coordinator's store, and reporting. This file
+ * opens and closes it; session_store.c has the blocking calls (store and
+ * the other unary calls), session_report.c the reporting: the event ring
+ * the training thread fills and the background thread that streams it.
  *
  * Threads:
  * - the training thread owns the session: open, close, transitions,
@@ -50,124 +53,8 @@
 #include <uv.h>
 
 #include "plan_wire.h"
-#include "rpc/rpc.h"
 #include "session_internal.h"
-#include "shardplane.h"
-#include "shardplane/v1/coordinator.pb-c.h"
 #include "base/strmap.h"
-
-#define SERVICE "shardplane.v1.Coordinator"
-#define METHOD(m) "/" SERVICE "/" m
-
-/* SessionUp messages in flight: data batches plus heartbeats. */
-#define FIFO_CAP (2 * SP_SESSION_WINDOW)
-/* Spec pieces asked of GetModelSpec (the coordinator may answer less). */
-#define SPEC_PIECE (1u << 20)
-/* Messages the background side keeps: a gRPC status message with words
- * around it. */
-#define ERRMSG_MAX (SP_RPC_STATUS_MESSAGE_MAX + 128)
-/* How much of a store key goes into a message. */
-#define KEY_SHOWN 64
-
-enum { EV_TRANSITION = 1, EV_COLLECTIVE = 2 };
-
-/* One queued event; 24 bytes. */
-typedef struct sp_sess_event {
-  uint64_t a;     /* transition: step; collective: seq */
-  uint64_t count; /* collective: elements */
-  uint32_t unit;
-  uint8_t kind;
-  uint8_t x; /* machine or op */
-  uint8_t y; /* state or dtype */
-} sp_sess_event;
-
-typedef struct inflight {
-  uint64_t seq;
-  uint64_t end; /* events sent up to and including this message */
-  bool data;    /* counts against the data window */
-} inflight;
-
-/* Cache-line padding between fields written by different threads: the
- * producer's head and the consumer's tail must not share a line. Arrays
- * rather than alignas, because the struct comes from calloc (16-byte
- * alignment), where an over-aligned type would be undefined. */
-#define PAD(n) char pad_##n[64]
-
-struct sp_session {
-  /* ---- training thread (producer) ---- */
-  sp_sess_event *slots;
-  uint64_t mask;       /* ring capacity - 1 */
-  uint64_t head_local; /* next slot to fill */
-  uint64_t tail_cache; /* the consumer's tail as last read */
-  uint64_t half_check; /* head at which to look for a half-full ring */
-  uint64_t dropped_local;
-  uint64_t step_local;
-  uint64_t coll_seq;
-  sp_state_tracker st;
-  /* legal[m][from][to]: the shared state table as a lookup, so the check
-   * on the hot path is one load */
-  uint8_t legal[2][8][8];
-  bool no_report;
-  PAD(0);
-  _Atomic uint64_t head; /* published by the producer */
-  _Atomic uint64_t dropped;
-  _Atomic uint64_t step;
-  PAD(1);
-  _Atomic uint64_t tail; /* published by the consumer */
-  PAD(2);
-
-  /* ---- set by open, read-only afterwards ---- */
-  uint32_t rank, world;
-  char *coordinator, *device, *session_id;
-  sp_model *model;
-  sp_job job;
-  sp_plan *plan;
-  uint64_t connect_timeout_ms;
-  uint32_t hb_ms;
-  void (*on_abort)(void *, const char *);
-  void *user;
-
-  /* ---- shared between threads, under lock ---- */
-  uv_mutex_t lock;
-  uv_cond_t cond;
-  bool lock_ready;
-  uint64_t acked_events;
-  bool bound, stream_done;
-  int first_error;
-  char first_error_msg[ERRMSG_MAX];
-  char abort_reason[ERRMSG_MAX];
-  uint64_t rejections;
-  _Atomic bool aborted;
-  _Atomic bool abort_called;
-  _Atomic bool closing; /* no abort for the stream ending from now on */
-  _Atomic bool stop;    /* the background thread should wind down */
-
-  /* ---- store connections ---- */
-  uv_mutex_t pool_lock;
-  uv_cond_t pool_cond;
-  bool pool_ready;
-  sp_rpc_sync *pool_free[SP_SESSION_STORE_CONNS];
-  size_t n_free, n_open;
-
-  /* ---- background thread ---- */
-  uv_loop_t loop;
-  bool loop_ready, thread_started;
-  uv_thread_t thread;
-  uv_async_t wake;
-  uv_timer_t drain_timer, hb_timer;
-  sp_rpc_client *cl;
-  sp_rpc_ccall *call; /* the Session stream; NULL once it ended */
-  uint64_t next_seq;
-  uint64_t tail_local;
-  inflight fifo[FIFO_CAP];
-  size_t fifo_first, fifo_n, data_inflight;
-  uint64_t drain_delay;
-  uint64_t last_send_ms;
-  Shardplane__V1__Transition *tr;
-  Shardplane__V1__Transition **trp;
-  Shardplane__V1__Collective *co;
-  Shardplane__V1__Collective **cop;
-};
 
 /* ------------------------------------------------------------------ */
 /* Helpers                                                             */
@@ -217,386 +104,6 @@ static uint64_t round_pow2(uint64_t v) {
   return p;
 }
 
-/* Records the first error of the background side (under lock). */
-static void set_first_error_locked(sp_session *s, int err, const char *msg) {
-  if (s->first_error != 0) return;
-  s->first_error = err;
-  snprintf(s->first_error_msg, sizeof s->first_error_msg, "%s", msg);
-}
-
-/* Marks the session aborted and calls on_abort, once. Never under lock:
- * the callback may ask sp_session_aborted. */
-static void trigger_abort(sp_session *s, const char *reason) {
-  uv_mutex_lock(&s->lock);
-  if (!atomic_load(&s->aborted)) {
-    snprintf(s->abort_reason, sizeof s->abort_reason, "%s", reason);
-    atomic_store(&s->aborted, true);
-  }
-  uv_mutex_unlock(&s->lock);
-  if (!atomic_exchange(&s->abort_called, true) && s->on_abort != NULL)
-    s->on_abort(s->user, reason);
-}
-
-/* ------------------------------------------------------------------ */
-/* Blocking calls: a pool of connections                               */
-/* ------------------------------------------------------------------ */
-
-static int pool_get(sp_session *s, sp_rpc_sync **out, sp_diag *d) {
-  uv_mutex_lock(&s->pool_lock);
-  while (s->n_free == 0 && s->n_open >= SP_SESSION_STORE_CONNS)
-    uv_cond_wait(&s->pool_cond, &s->pool_lock);
-  if (s->n_free > 0) {
-    *out = s->pool_free[--s->n_free];
-    uv_mutex_unlock(&s->pool_lock);
-    return 0;
-  }
-  s->n_open++;
-  uv_mutex_unlock(&s->pool_lock);
-  /* connecting happens on the first call; this only allocates */
-  int rc = sp_rpc_sync_open(s->coordinator, s->connect_timeout_ms, out);
-  if (rc != 0) {
-    uv_mutex_lock(&s->pool_lock);
-    s->n_open--;
-    uv_cond_signal(&s->pool_cond);
-    uv_mutex_unlock(&s->pool_lock);
-    return sp_diag_set(d, rc, "cannot open a connection to %s: %s",
-                       s->coordinator, sp_strerror(rc));
-  }
-  return 0;
-}
-
-static void pool_put(sp_session *s, sp_rpc_sync *c) {
-  uv_mutex_lock(&s->pool_lock);
-  s->pool_free[s->n_free++] = c;
-  uv_cond_broadcast(&s->pool_cond);
-  uv_mutex_unlock(&s->pool_lock);
-}
-
-/* One unary call on a pooled connection. Returns 0 with *resp set (when
- * desc is given), or the SP_E* code of the status with "what: CODE:
- * message" in d; *st (optional) gets the status either way. */
-static int unary(sp_session *s, const char *what, const char *path,
-                 const ProtobufCMessage *req,
-                 const ProtobufCMessageDescriptor *desc, uint64_t timeout_ms,
-                 ProtobufCMessage **resp, sp_rpc_status *st_out, sp_diag *d) {
-  if (st_out != NULL) {
-    st_out->code = SP_RPC_UNKNOWN; /* no call made */
-    st_out->message[0] = '\0';
-  }
-  sp_rpc_sync *c;
-  int rc = pool_get(s, &c, d);
-  if (rc != 0) return rc;
-  sp_rpc_status st = {0};
-  ProtobufCMessage *r = NULL;
-  rc = sp_rpc_sync_unary(c, path, req, desc, timeout_ms, &r, &st);
-  pool_put(s, c);
-  if (st_out != NULL) *st_out = st;
-  if (rc != 0) return sp_diag_set(d, rc, "%s: %s", what, sp_strerror(rc));
-  if (st.code != SP_RPC_OK)
-    return sp_diag_set(d, sp_session_rpc_error(st.code), "%s: %s: %s", what,
-                       sp_rpc_code_name(st.code),
-                       st.message[0] ? st.message : "(no message)");
-  if (desc != NULL && r == NULL)
-    return sp_diag_set(d, SP_EFORMAT, "%s: the answer does not decode", what);
-  if (resp != NULL)
-    *resp = r;
-  else if (r != NULL)
-    protobuf_c_message_free_unpacked(r, NULL);
-  return 0;
-}
-
-/* ------------------------------------------------------------------ */
-/* Background thread: the Session stream                               */
-/* ------------------------------------------------------------------ */
-
-static void stream_fail(sp_session *s, const char *why);
-
-static void fifo_push(sp_session *s, uint64_t seq, uint64_t end, bool data) {
-  inflight *f = &s->fifo[(s->fifo_first + s->fifo_n) % FIFO_CAP];
-  *f = (inflight){seq, end, data};
-  s->fifo_n++;
-  if (data) s->data_inflight++;
-}
-
-/* Sends one SessionUp with events [tail_local, tail_local + n). */
-static int send_up(sp_session *s, size_t n) {
-  Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
-  up.seq = s->next_seq;
-  up.step = atomic_load_explicit(&s->step, memory_order_relaxed);
-  if (up.seq == 1) {
-    /* the first message binds the stream to the rank */
-    up.rank = s->rank;
-    up.session_id = s->session_id;
-  }
-  size_t nt = 0, nc = 0;
-  for (size_t i = 0; i < n; i++) {
-    const sp_sess_event *e = &s->slots[(s->tail_local + i) & s->mask];
-    if (e->kind == EV_TRANSITION) {
-      Shardplane__V1__Transition *t = &s->tr[nt];
-      t->machine = (Shardplane__V1__Machine)e->x;
-      t->unit = e->unit;
-      t->state = e->y;
-      t->step = e->a;
-      s->trp[nt++] = t;
-    } else {
-      Shardplane__V1__Collective *c = &s->co[nc];
-      c->seq = e->a;
-      c->op = (Shardplane__V1__CollectiveOp)e->x;
-      c->unit = e->unit;
-      c->dtype = (Shardplane__V1__DType)e->y;
-      c->count = e->count;
-      s->cop[nc++] = c;
-    }
-  }
-  up.n_transitions = nt;
-  up.transitions = s->trp;
-  up.n_collectives = nc;
-  up.collectives = s->cop;
-  /* packs at once: the arrays are free again when this returns */
-  int rc = sp_rpc_ccall_send_msg(s->call, &up.base);
-  if (rc != 0) return rc;
-  s->next_seq++;
-  s->last_send_ms = uv_now(&s->loop);
-  fifo_push(s, up.seq, s->tail_local + n, n > 0);
-  return 0;
-}
-
-/* Moves queued events into messages while the window allows. Returns
- * whether anything was sent. */
-static bool drain(sp_session *s) {
-  bool sent = false;
-  while (s->call != NULL) {
-    uint64_t h = atomic_load_explicit(&s->head, memory_order_acquire);
-    uint64_t avail = h - s->tail_local;
-    if (avail == 0 || s->data_inflight >= SP_SESSION_WINDOW ||
-        s->fifo_n >= FIFO_CAP)
-      break;
-    size_t n = avail < SP_SESSION_BATCH ? (size_t)avail : SP_SESSION_BATCH;
-    int rc = send_up(s, n);
-    if (rc != 0) {
-      char why[128];
-      snprintf(why, sizeof why, "cannot send on the Session stream: %s",
-               sp_strerror(rc));
-      stream_fail(s, why);
-      break;
-    }
-    s->tail_local += n;
-    atomic_store_explicit(&s->tail, s->tail_local, memory_order_release);
-    sent = true;
-  }
-  if (s->call == NULL) {
-    /* nobody will send them: free the ring so the producer does not count
-     * drops for a stream that is gone (flush reports the stream's error) */
-    s->tail_local = atomic_load_explicit(&s->head, memory_order_acquire);
-    atomic_store_explicit(&s->tail, s->tail_local, memory_order_release);
-  }
-  return sent;
-}
-
-static void on_drain_timer(uv_timer_t *t) {
-  sp_session *s = t->data;
-  bool sent = drain(s);
-  /* SP_SESSION_DRAIN_MS while events flow; back off when idle */
-  if (sent)
-    s->drain_delay = SP_SESSION_DRAIN_MS;
-  else if (s->drain_delay < SP_SESSION_DRAIN_IDLE_MS)
-    s->drain_delay *= 2;
-  uv_timer_start(t, on_drain_timer, s->drain_delay, 0);
-}
-
-static void on_hb_timer(uv_timer_t *t) {
-  sp_session *s = t->data;
-  if (s->call == NULL) return;
-  /* any message counts as a heartbeat; send an empty one only when the
-   * stream has been quiet for half an interval */
-  if (uv_now(&s->loop) - s->last_send_ms < s->hb_ms / 2) return;
-  if (s->fifo_n >= FIFO_CAP) return; /* the coordinator is not reading */
-  int rc = send_up(s, 0);
-  if (rc != 0) {
-    char why[128];
-    snprintf(why, sizeof why, "cannot send a heartbeat: %s", sp_strerror(rc));
-    stream_fail(s, why);
-  }
-}
-
-static void on_acked(sp_session *s, uint64_t seq) {
-  bool any = false;
-  uint64_t end = 0;
-  while (s->fifo_n > 0 && s->fifo[s->fifo_first].seq <= seq) {
-    inflight *f = &s->fifo[s->fifo_first];
-    end = f->end;
-    if (f->data) s->data_inflight--;
-    s->fifo_first = (s->fifo_first + 1) % FIFO_CAP;
-    s->fifo_n--;
-    any = true;
-  }
-  if (!any) return;
-  uv_mutex_lock(&s->lock);
-  if (end > s->acked_events) s->acked_events = end;
-  s->bound = true; /* seq 1, the binding message, is always first */
-  uv_cond_broadcast(&s->cond);
-  uv_mutex_unlock(&s->lock);
-}
-
-static void session_msg(sp_rpc_ccall *call, const uint8_t *data, size_t len,
-                        void *user) {
-  (void)call;
-  sp_session *s = user;
-  Shardplane__V1__SessionDown *m =
-      shardplane__v1__session_down__unpack(NULL, len, data);
-  if (m == NULL) {
-    stream_fail(s, "the coordinator sent an undecodable SessionDown");
-    return;
-  }
-  if (m->n_rejections > 0) {
-    char msg[SP_DIAG_MAX];
-    const Shardplane__V1__Rejection *r = m->rejections[0];
-    snprintf(msg, sizeof msg, "the coordinator rejected a transition: %s",
-             r->reason != NULL && r->reason[0] ? r->reason : "(no reason)");
-    uv_mutex_lock(&s->lock);
-    s->rejections += m->n_rejections;
-    set_first_error_locked(s, SP_ESTATE, msg);
-    uv_mutex_unlock(&s->lock);
-  }
-  on_acked(s, m->acked_seq);
-  if (m->command == SHARDPLANE__V1__COMMAND__ABORT) {
-    char reason[SP_DIAG_MAX];
-    snprintf(reason, sizeof reason, "the coordinator sent ABORT: %s",
-             m->reason != NULL && m->reason[0] ? m->reason : "(no reason)");
-    trigger_abort(s, reason);
-  }
-  shardplane__v1__session_down__free_unpacked(m, NULL);
-  /* acknowledgements open the window */
-  if (s->call != NULL) drain(s);
-}
-
-static void session_close(sp_rpc_ccall *call, const sp_rpc_status *st,
-                          void *user) {
-  (void)call;
-  sp_session *s = user;
-  s->call = NULL;
-  bool closing = atomic_load(&s->closing);
-  char msg[ERRMSG_MAX - 32];
-  snprintf(msg, sizeof msg, "the Session stream ended: %s: %s",
-           sp_rpc_code_name(st->code),
-           st->message[0] ? st->message : "(no message)");
-  uv_mutex_lock(&s->lock);
-  bool was_bound = s->bound;
-  s->stream_done = true;
-  if (!closing) {
-    int err = sp_session_rpc_error(st->code);
-    set_first_error_locked(s, err != 0 ? err : SP_EIO, msg);
-  }
-  uv_cond_broadcast(&s->cond);
-  uv_mutex_unlock(&s->lock);
-  /* before binding, open reports the failure instead */
-  if (!closing && was_bound) trigger_abort(s, msg);
-}
-
-static const sp_rpc_ccall_cbs k_session_cbs = {session_msg, session_close};
-
-/* Ends the stream from this side; session_close records why. */
-static void stream_fail(sp_session *s, const char *why) {
-  uv_mutex_lock(&s->lock);
-  set_first_error_locked(s, SP_EIO, why);
-  uv_mutex_unlock(&s->lock);
-  if (s->call != NULL) sp_rpc_ccall_cancel(s->call);
-}
-
-static void on_wake(uv_async_t *a) {
-  sp_session *s = a->data;
-  if (!atomic_load(&s->stop)) {
-    drain(s);
-    return;
-  }
-  /* wind down: closing the client cancels the stream (session_close runs,
-   * quietly, since closing is set), then every handle goes */
-  if (s->cl != NULL) {
-    sp_rpc_client_close(s->cl, NULL, NULL);
-    s->cl = NULL;
-  }
-  uv_timer_stop(&s->drain_timer);
-  uv_timer_stop(&s->hb_timer);
-  uv_close((uv_handle_t *)&s->drain_timer, NULL);
-  uv_close((uv_handle_t *)&s->hb_timer, NULL);
-  uv_close((uv_handle_t *)&s->wake, NULL);
-}
-
-static void bg_main(void *arg) {
-  sp_session *s = arg;
-  uv_run(&s->loop, UV_RUN_DEFAULT);
-}
-
-/* Sets up the loop, the client, the stream with its binding message and the
- * timers, then starts the thread. On failure everything it made is gone. */
-static int bg_start(sp_session *s, sp_diag *d) {
-  size_t b = SP_SESSION_BATCH;
-  s->tr = calloc(b, sizeof *s->tr);
-  s->trp = calloc(b, sizeof *s->trp);
-  s->co = calloc(b, sizeof *s->co);
-  s->cop = calloc(b, sizeof *s->cop);
-  if (s->tr == NULL || s->trp == NULL || s->co == NULL || s->cop == NULL)
-    return sp_diag_set(d, SP_ENOMEM, "out of memory");
-  for (size_t i = 0; i < b; i++) {
-    shardplane__v1__transition__init(&s->tr[i]);
-    shardplane__v1__collective__init(&s->co[i]);
-  }
-  if (uv_loop_init(&s->loop) != 0)
-    return sp_diag_set(d, SP_EIO, "cannot create the session's event loop");
-  s->loop_ready = true;
-  sp_rpc_client_opts co = {.connect_timeout_ms = s->connect_timeout_ms};
-  int rc = sp_rpc_client_new(&s->loop, s->coordinator, &co, &s->cl);
-  if (rc != 0) {
-    uv_loop_close(&s->loop);
-    s->loop_ready = false;
-    return sp_diag_set(d, rc, "cannot create the Session client: %s",
-                       sp_strerror(rc));
-  }
-  uv_async_init(&s->loop, &s->wake, on_wake);
-  uv_timer_init(&s->loop, &s->drain_timer);
-  uv_timer_init(&s->loop, &s->hb_timer);
-  s->wake.data = s->drain_timer.data = s->hb_timer.data = s;
-  s->next_seq = 1;
-  rc = sp_rpc_client_start(s->cl, METHOD("Session"), NULL, 0, 0,
-                           &k_session_cbs, s, &s->call);
-  if (rc == 0 && s->call != NULL) rc = send_up(s, 0);
-  if (rc != 0 || s->call == NULL) {
-    rc = sp_diag_set(d, rc ? rc : SP_EIO, "cannot start the Session stream: %s",
-                     rc ? sp_strerror(rc) : "ended at once");
-    goto fail_handles;
-  }
-  s->drain_delay = SP_SESSION_DRAIN_MS;
-  uv_timer_start(&s->drain_timer, on_drain_timer, s->drain_delay, 0);
-  uv_timer_start(&s->hb_timer, on_hb_timer, s->hb_ms, s->hb_ms);
-  if (uv_thread_create(&s->thread, bg_main, s) != 0) {
-    rc = sp_diag_set(d, SP_EIO, "cannot start the session thread");
-    goto fail_handles;
-  }
-  s->thread_started = true;
-  return 0;
-
-fail_handles:
-  atomic_store(&s->closing, true);
-  atomic_store(&s->stop, true);
-  on_wake(&s->wake); /* the same wind-down, run here */
-  uv_run(&s->loop, UV_RUN_DEFAULT);
-  uv_loop_close(&s->loop);
-  s->loop_ready = false;
-  return rc;
-}
-
-static void bg_stop(sp_session *s) {
-  if (!s->thread_started) return;
-  atomic_store(&s->stop, true);
-  uv_async_send(&s->wake);
-  uv_thread_join(&s->thread);
-  s->thread_started = false;
-  /* anything a callback left (a uv_stop) ends here */
-  while (uv_run(&s->loop, UV_RUN_DEFAULT) != 0) {
-  }
-  uv_loop_close(&s->loop);
-  s->loop_ready = false;
-}
 
 /* ------------------------------------------------------------------ */
 /* Open and close                                                      */
@@ -604,17 +111,8 @@ static void bg_stop(sp_session *s) {
 
 static void session_free(sp_session *s) {
   if (s == NULL) return;
-  bg_stop(s);
-  if (s->pool_ready) {
-    /* a store call still running on another thread returns its
-     * connection first (the caller must not start new ones now) */
-    uv_mutex_lock(&s->pool_lock);
-    while (s->n_free < s->n_open) uv_cond_wait(&s->pool_cond, &s->pool_lock);
-    uv_mutex_unlock(&s->pool_lock);
-    for (size_t i = 0; i < s->n_free; i++) sp_rpc_sync_close(s->pool_free[i]);
-    uv_mutex_destroy(&s->pool_lock);
-    uv_cond_destroy(&s->pool_cond);
-  }
+  sp_session_bg_stop(s);
+  sp_session_pool_close(s);
   if (s->lock_ready) {
     uv_mutex_destroy(&s->lock);
     uv_cond_destroy(&s->cond);
@@ -639,7 +137,7 @@ static int fetch_job(sp_session *s, char *version, size_t cap, sp_diag *d) {
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;
-  int rc = unary(s, "GetJob", METHOD("GetJob"), &q.base,
+  int rc = sp_session_unary(s, "GetJob", SP_COORD_PATH("GetJob"), &q.base,
                  &shardplane__v1__get_job_response__descriptor,
                  s->connect_timeout_ms + SP_SESSION_CALL_TIMEOUT_MS, &m, &st,
                  d);
@@ -676,7 +174,7 @@ static int fetch_model(sp_session *s, const char *job_version, sp_diag *d) {
     q.offset = off;
     q.max_bytes = SPEC_PIECE;
     ProtobufCMessage *m = NULL;
-    rc = unary(s, "GetModelSpec", METHOD("GetModelSpec"), &q.base,
+    rc = sp_session_unary(s, "GetModelSpec", SP_COORD_PATH("GetModelSpec"), &q.base,
                &shardplane__v1__get_model_spec_response__descriptor,
                SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
     if (rc != 0) break;
@@ -743,7 +241,7 @@ static int attach(sp_session *s, sp_diag *d) {
   ProtobufCMessage *m = NULL;
   char what[48];
   snprintf(what, sizeof what, "Attach rank %u", s->rank);
-  int rc = unary(s, what, METHOD("Attach"), &q.base,
+  int rc = sp_session_unary(s, what, SP_COORD_PATH("Attach"), &q.base,
                  &shardplane__v1__attach_response__descriptor,
                  SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
   if (rc != 0) return rc;
@@ -771,7 +269,7 @@ static int detach(sp_session *s, sp_diag *d) {
   q.session_id = s->session_id;
   char what[48];
   snprintf(what, sizeof what, "Detach rank %u", s->rank);
-  return unary(s, what, METHOD("Detach"), &q.base,
+  return sp_session_unary(s, what, SP_COORD_PATH("Detach"), &q.base,
                &shardplane__v1__detach_response__descriptor,
                SP_SESSION_CALL_TIMEOUT_MS, NULL, NULL, d);
 }
@@ -845,11 +343,7 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
     goto fail;
   }
   s->lock_ready = true;
-  if (uv_mutex_init(&s->pool_lock) != 0 || uv_cond_init(&s->pool_cond) != 0) {
-    rc = sp_diag_set(d, SP_EIO, "cannot create a lock");
-    goto fail;
-  }
-  s->pool_ready = true;
+  if ((rc = sp_session_pool_init(s, d)) != 0) goto fail;
 
   /* job, spec, plan: everything the coordinator's plan came from */
   char job_version[64] = "";
@@ -878,7 +372,7 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
             (uint8_t)sp_state_transition_legal((sp_machine)m, f, t);
 
   if ((rc = attach(s, d)) != 0) goto fail;
-  if ((rc = bg_start(s, d)) != 0 || (rc = wait_bound(s, d)) != 0) {
+  if ((rc = sp_session_bg_start(s, d)) != 0 || (rc = wait_bound(s, d)) != 0) {
     /* attached but not streaming: give the rank back */
     atomic_store(&s->closing, true);
     sp_diag ignored;
@@ -903,7 +397,7 @@ int sp_session_close(sp_session *s, uint64_t timeout_ms, sp_diag *d) {
   /* a stream that ended already had the coordinator mark the rank lost:
    * nothing is left to detach */
   int rc_detach = stream_done ? 0 : detach(s, &dd);
-  bg_stop(s);
+  sp_session_bg_stop(s);
   int rc;
   uv_mutex_lock(&s->lock);
   if (s->first_error != 0) {
@@ -937,255 +431,4 @@ const char *sp_session_coordinator(const sp_session *s) {
 }
 const char *sp_session_device(const sp_session *s) {
   return s ? s->device : NULL;
-}
-
-/* ------------------------------------------------------------------ */
-/* Store                                                               */
-/* ------------------------------------------------------------------ */
-
-static int check_key(const char *op, const char *key, sp_diag *d) {
-  if (key == NULL || key[0] == '\0')
-    return sp_diag_set(d, SP_EINVAL, "store %s: a key is required", op);
-  size_t n = strlen(key);
-  if (n > SP_SESSION_STORE_MAX_KEY)
-    return sp_diag_set(d, SP_ETOOBIG,
-                       "store %s: a %zu-byte key is over the limit of %u", op,
-                       n, SP_SESSION_STORE_MAX_KEY);
-  return 0;
-}
-
-int sp_session_store_set(sp_session *s, const char *key, const void *val,
-                         size_t len, sp_diag *d) {
-  if (s == NULL || (val == NULL && len > 0))
-    return sp_diag_set(d, SP_EINVAL, "store set: bad arguments");
-  int rc = check_key("set", key, d);
-  if (rc != 0) return rc;
-  if (len > SP_SESSION_STORE_MAX_VALUE)
-    return sp_diag_set(d, SP_ETOOBIG,
-                       "store set \"%.*s\": a %zu-byte value is over the "
-                       "limit of %u",
-                       KEY_SHOWN, key, len, SP_SESSION_STORE_MAX_VALUE);
-  Shardplane__V1__StoreSetRequest q = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
-  q.key = (char *)key;
-  q.value.data = (uint8_t *)val;
-  q.value.len = len;
-  char what[96];
-  snprintf(what, sizeof what, "store set \"%.*s\"", KEY_SHOWN, key);
-  return unary(s, what, METHOD("StoreSet"), &q.base,
-               &shardplane__v1__store_set_response__descriptor,
-               SP_SESSION_CALL_TIMEOUT_MS, NULL, NULL, d);
-}
-
-int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
-                         uint8_t **val, size_t *len, sp_diag *d) {
-  if (s == NULL || val == NULL || len == NULL)
-    return sp_diag_set(d, SP_EINVAL, "store get: bad arguments");
-  *val = NULL;
-  *len = 0;
-  int rc = check_key("get", key, d);
-  if (rc != 0) return rc;
-  Shardplane__V1__StoreGetRequest q = SHARDPLANE__V1__STORE_GET_REQUEST__INIT;
-  q.key = (char *)key;
-  /* waiting is the coordinator's: the call's deadline ends it */
-  q.wait = wait_ms > 0;
-  char what[96];
-  snprintf(what, sizeof what, "store get \"%.*s\"", KEY_SHOWN, key);
-  ProtobufCMessage *m = NULL;
-  sp_rpc_status st;
-  rc = unary(s, what, METHOD("StoreGet"), &q.base,
-             &shardplane__v1__store_get_response__descriptor,
-             wait_ms > 0 ? wait_ms : SP_SESSION_CALL_TIMEOUT_MS, &m, &st, d);
-  if (rc != 0) {
-    if (st.code == SP_RPC_DEADLINE_EXCEEDED && wait_ms > 0)
-      return sp_diag_set(d, SP_ETIMEDOUT,
-                         "%s: not set within %" PRIu64 " ms", what, wait_ms);
-    return rc;
-  }
-  Shardplane__V1__StoreGetResponse *r = (Shardplane__V1__StoreGetResponse *)m;
-  if (!r->found) {
-    rc = sp_diag_set(d, SP_ENOENT, "%s: no such key", what);
-  } else {
-    uint8_t *copy = malloc(r->value.len ? r->value.len : 1);
-    if (copy == NULL) {
-      rc = sp_diag_set(d, SP_ENOMEM, "out of memory");
-    } else {
-      if (r->value.len) memcpy(copy, r->value.data, r->value.len);
-      *val = copy;
-      *len = r->value.len;
-    }
-  }
-  protobuf_c_message_free_unpacked(m, NULL);
-  return rc;
-}
-
-int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
-                         int64_t *value, sp_diag *d) {
-  if (s == NULL) return sp_diag_set(d, SP_EINVAL, "store add: bad arguments");
-  int rc = check_key("add", key, d);
-  if (rc != 0) return rc;
-  Shardplane__V1__StoreAddRequest q = SHARDPLANE__V1__STORE_ADD_REQUEST__INIT;
-  q.key = (char *)key;
-  q.delta = delta;
-  char what[96];
-  snprintf(what, sizeof what, "store add \"%.*s\"", KEY_SHOWN, key);
-  ProtobufCMessage *m = NULL;
-  rc = unary(s, what, METHOD("StoreAdd"), &q.base,
-             &shardplane__v1__store_add_response__descriptor,
-             SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
-  if (rc != 0) return rc;
-  if (value != NULL) *value = ((Shardplane__V1__StoreAddResponse *)m)->value;
-  protobuf_c_message_free_unpacked(m, NULL);
-  return 0;
-}
-
-static int comm_store_set(void *user, const char *key, const void *val,
-                          size_t len, sp_diag *d) {
-  return sp_session_store_set(user, key, val, len, d);
-}
-
-static int comm_store_get(void *user, const char *key, uint64_t wait_ms,
-                          uint8_t **val, size_t *len, sp_diag *d) {
-  return sp_session_store_get(user, key, wait_ms, val, len, d);
-}
-
-static int comm_store_add(void *user, const char *key, int64_t delta,
-                          int64_t *value, sp_diag *d) {
-  return sp_session_store_add(user, key, delta, value, d);
-}
-
-sp_comm_store sp_session_comm_store(sp_session *s) {
-  sp_comm_store cs = {comm_store_set, comm_store_get, comm_store_add, s};
-  return cs;
-}
-
-/* ------------------------------------------------------------------ */
-/* Reporting (training thread)                                         */
-/* ------------------------------------------------------------------ */
-
-/* Queues one event, or counts it dropped. No lock, no syscall except the
- * rare poke when the ring has filled to half. */
-static inline void ring_push(sp_session *s, const sp_sess_event *e) {
-  uint64_t h = s->head_local;
-  if (h - s->tail_cache > s->mask) {
-    s->tail_cache = atomic_load_explicit(&s->tail, memory_order_acquire);
-    if (h - s->tail_cache > s->mask) {
-      atomic_store_explicit(&s->dropped, ++s->dropped_local,
-                            memory_order_relaxed);
-      return;
-    }
-  }
-  s->slots[h & s->mask] = *e;
-  s->head_local = h + 1;
-  atomic_store_explicit(&s->head, h + 1, memory_order_release);
-  if (h + 1 >= s->half_check) {
-    /* once per half ring of events: is the consumer behind? */
-    s->tail_cache = atomic_load_explicit(&s->tail, memory_order_acquire);
-    s->half_check = h + 1 + (s->mask + 1) / 2;
-    if (h + 1 - s->tail_cache >= (s->mask + 1) / 2) uv_async_send(&s->wake);
-  }
-}
-
-int sp_session_transition(sp_session *s, sp_machine m, uint32_t unit, int to,
-                          sp_diag *d) {
-  if (s == NULL) return sp_diag_set(d, SP_EINVAL, "session is NULL");
-  bool root = m == SP_MACHINE_ROOT;
-  if ((root || (m == SP_MACHINE_HANDLE && unit < s->st.n_units)) &&
-      (unsigned)to < 8) {
-    int from = root ? s->st.root : s->st.units[unit];
-    if (s->legal[m][from][to]) {
-      if (root)
-        s->st.root = to;
-      else
-        s->st.units[unit] = (uint8_t)to;
-      if (!s->no_report) {
-        sp_sess_event e = {s->step_local, 0, root ? 0 : unit, EV_TRANSITION,
-                           (uint8_t)m, (uint8_t)to};
-        ring_push(s, &e);
-      }
-      return 0;
-    }
-  }
-  /* illegal or invalid: the tracker names the legal next states */
-  int rc = sp_state_tracker_apply(&s->st, m, root ? 0 : unit, to, d);
-  if (rc == 0) rc = SP_ESTATE; /* the table said no: cannot happen */
-  return sp_diag_prefix(d, rc, "rank %u", s->rank);
-}
-
-int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit) {
-  return s ? sp_state_tracker_get(&s->st, m, unit) : 0;
-}
-
-uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
-                               sp_dtype dtype, uint64_t count) {
-  if (s == NULL) return 0;
-  uint64_t seq = ++s->coll_seq;
-  if (!s->no_report) {
-    sp_sess_event e = {seq, count, unit, EV_COLLECTIVE, (uint8_t)op,
-                       (uint8_t)dtype};
-    ring_push(s, &e);
-  }
-  return seq;
-}
-
-int sp_session_set_report(sp_session *s, bool on, sp_diag *d) {
-  if (s == NULL) return sp_diag_set(d, SP_EINVAL, "session is NULL");
-  /* only where the coordinator's copy cannot fall behind: every state IDLE
-   * on both sides, so the transitions skipped leave nothing to replay */
-  bool idle = s->st.root == SP_ROOT_IDLE;
-  for (size_t u = 0; idle && u < s->st.n_units; u++)
-    idle = s->st.units[u] == SP_HANDLE_IDLE;
-  if (!idle)
-    return sp_diag_set(d, SP_ESTATE, "rank %u: reporting can be switched "
-                       "only between steps (every state IDLE)", s->rank);
-  s->no_report = !on;
-  return 0;
-}
-
-void sp_session_set_step(sp_session *s, uint64_t step) {
-  if (s == NULL) return;
-  s->step_local = step;
-  atomic_store_explicit(&s->step, step, memory_order_relaxed);
-}
-
-int sp_session_flush(sp_session *s, uint64_t timeout_ms, sp_diag *d) {
-  if (s == NULL) return sp_diag_set(d, SP_EINVAL, "session is NULL");
-  if (timeout_ms == 0) timeout_ms = 5000;
-  uint64_t target = s->head_local;
-  /* send now rather than at the next tick */
-  if (s->thread_started) uv_async_send(&s->wake);
-  uint64_t t0 = uv_hrtime();
-  int rc = 0;
-  uv_mutex_lock(&s->lock);
-  while (s->first_error == 0 && !s->stream_done &&
-         s->acked_events < target) {
-    uint64_t spent = (uv_hrtime() - t0) / 1000000;
-    if (spent >= timeout_ms) break;
-    uv_cond_timedwait(&s->cond, &s->lock, (timeout_ms - spent) * 1000000);
-  }
-  if (s->first_error != 0)
-    rc = sp_diag_set(d, s->first_error, "rank %u: %s", s->rank,
-                     s->first_error_msg);
-  else if (s->acked_events < target)
-    rc = sp_diag_set(d, s->stream_done ? SP_EIO : SP_ETIMEDOUT,
-                     "rank %u: %" PRIu64 " of %" PRIu64
-                     " queued events unacknowledged after %" PRIu64 " ms",
-                     s->rank, target - s->acked_events, target, timeout_ms);
-  uv_mutex_unlock(&s->lock);
-  return rc;
-}
-
-uint64_t sp_session_dropped(const sp_session *s) {
-  return s ? atomic_load_explicit(&s->dropped, memory_order_relaxed) : 0;
-}
-
-bool sp_session_aborted(const sp_session *s, char *reason, size_t cap) {
-  if (s == NULL) return false;
-  if (!atomic_load(&s->aborted)) return false;
-  if (reason != NULL && cap > 0) {
-    sp_session *w = (sp_session *)s; /* the lock is not part of the value */
-    uv_mutex_lock(&w->lock);
-    snprintf(reason, cap, "%s", w->abort_reason);
-    uv_mutex_unlock(&w->lock);
-  }
-  return true;
 }
