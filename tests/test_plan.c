@@ -182,7 +182,7 @@ static void check_invariants(const sp_plan *pl) {
   assert_int_equal(strlen(pl->version_hex), 16);
 }
 
-/* ---- hand-computed FSDP cases (fsdp-semantics.md §4) ---- */
+/* ---- hand-computed FSDP cases (docs/fsdp.md, "Shard math") ---- */
 
 typedef struct expect_sp {
   const char *fqn;

@@ -1,5 +1,5 @@
 /* Checkpoints in safetensors, as FSDP's three state-dict types
- * (../shared/reference/fsdp-semantics.md §1.4, §7):
+ * (docs/fsdp.md, "Checkpoints"):
  *   FULL     rank 0 writes model.safetensors: every parameter FQN in full,
  *            persistent buffers restored to their original dtype;
  *   SHARDED  every rank writes rank-R-of-W.safetensors with its dim-0 chunk

@@ -1,6 +1,6 @@
 /* CPU dtype-cast kernels.
  *
- * Policy (ARCHITECTURE.md, "Cast kernels"), identical on every path:
+ * Policy (docs/fsdp.md, "Cast rules"), identical on every path:
  *   - round-to-nearest-even, computed in integer arithmetic so the result does
  *     not depend on MXCSR (FTZ/DAZ/rounding mode) of the calling thread;
  *   - subnormal inputs and outputs are converted exactly, never flushed;

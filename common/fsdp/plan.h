@@ -1,5 +1,5 @@
 /* The sharding plan: a pure function of (model spec, job config), computed
- * identically on every process (../shared/reference/fsdp-semantics.md §4).
+ * identically on every process (the rules: docs/fsdp.md).
  *
  * - Units: the root plus every module the wrap policy names (and, with mixed
  *   precision, every module of a full-precision type). A unit owns the

@@ -101,7 +101,9 @@ static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
   free(call);
 }
 
-/* The outcome once the stream is gone (grpc-wire.md §6, §7). */
+/* The outcome once the stream is gone: the status from the trailers (or
+ * a Trailers-Only answer), else one derived from how the stream ended
+ * (docs/wire-protocol.md, "Status codes"). */
 static void call_finish_from_stream(sp_rpc_ccall *call, uint32_t h2err) {
   if (call->local_code >= 0) {
     call_complete(call, call->local_code, call->status.message);

@@ -1,4 +1,4 @@
-/* grpc.health.v1.Health on every server (grpc-wire.md §12): Check answers
+/* grpc.health.v1.Health on every server (docs/wire-protocol.md): Check answers
  * from a table of service names, Watch streams the current status and then
  * every change. */
 #include <stdlib.h>

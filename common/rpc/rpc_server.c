@@ -1,6 +1,6 @@
 /* gRPC server: connections, streams, method dispatch, deadlines,
- * backpressure, graceful shutdown. Wire rules: ../shared/reference/
- * grpc-wire.md (nghttp2 1.52, old API). */
+ * backpressure, graceful shutdown. The wire rules it follows, and the
+ * nghttp2 1.52 (old API) details it works around: docs/wire-protocol.md. */
 #include <netdb.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -264,8 +264,9 @@ static ssize_t read_response(nghttp2_session *s, int32_t id, uint8_t *buf,
     call->deferred = true;
     return NGHTTP2_ERR_DEFERRED;
   }
-  /* Trailers go out from here so they follow the last DATA (grpc-wire.md
-   * §14.4); only when that worked may the DATA stream stay open. */
+  /* Trailers are submitted from inside the data read callback, as nghttpd
+   * and nghttpx do, so they follow the last DATA frame; only when that
+   * submission worked may the DATA stream stay open (NO_END_STREAM). */
   nghttp2_nv nv[2];
   status_nv st;
   size_t n = status_fields(call, &st, nv);
@@ -699,7 +700,8 @@ static int cb_frame_send(nghttp2_session *s, const nghttp2_frame *f,
                          void *ud) {
   (void)ud;
   /* Trailers went out before the client finished sending: follow them with
-   * RST_STREAM(NO_ERROR) (grpc-wire.md §9). Submitting it earlier would drop
+   * RST_STREAM(NO_ERROR), as gRPC's Java and Go servers do, so the client
+   * stops sending without treating the call as failed. Submitting it earlier would drop
    * the queued trailers. */
   if (f->hd.type == NGHTTP2_HEADERS && (f->hd.flags & NGHTTP2_FLAG_END_STREAM) &&
       nghttp2_session_get_stream_remote_close(s, f->hd.stream_id) == 0)
@@ -714,7 +716,9 @@ static int cb_stream_close(nghttp2_session *s, int32_t id, uint32_t err,
   sp_rpc_call *call = nghttp2_session_get_stream_user_data(s, id);
   if (call == NULL) return 0;
   nghttp2_session_set_stream_user_data(s, id, NULL);
-  /* the only place stream state is freed (grpc-wire.md §14.3) */
+  /* the only place stream state is freed: nghttp2 may still call back for
+   * a stream until on_stream_close, so freeing it anywhere else leaves a
+   * dangling stream user-data pointer */
   (void)err; /* whatever ended the stream, an unfinished handler is cancelled */
   call_release(call, SP_RPC_CANCELLED);
   call_free(call);
@@ -1038,7 +1042,7 @@ void sp_rpc_server_shutdown(sp_rpc_server *srv, uint64_t grace_ms,
     nghttp2_session *h2 = c->io.h2;
     if (h2 == NULL) continue;
     /* streams after the last one we processed are refused; the connection
-     * closes by itself when its open streams end (grpc-wire.md §9) */
+     * closes by itself when its open streams end (RFC 9113 §6.8) */
     nghttp2_submit_goaway(h2, NGHTTP2_FLAG_NONE,
                           nghttp2_session_get_last_proc_stream_id(h2),
                           NGHTTP2_NO_ERROR, NULL, 0);
