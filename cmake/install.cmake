@@ -12,7 +12,7 @@ include(CMakePackageConfigHelpers)
 set(SP_PUBLIC_HEADERS client/lib/shardplane.h common/base/sp_error.h
     common/cast/dtype.h common/fsdp/job.h common/fsdp/model.h
     common/fsdp/plan.h common/fsdp/state.h)
-set(SP_STAGED ${PROJECT_BINARY_DIR}/include-install/shardplane)
+set(SP_STAGED ${SP_STAGED_INCLUDE}/shardplane)
 foreach(h ${SP_PUBLIC_HEADERS})
   file(READ ${PROJECT_SOURCE_DIR}/${h} text)
   string(REGEX REPLACE "#include \"(base|cast|fsdp|shardplane)/([a-z_]+\\.h)\""

@@ -3,7 +3,8 @@
  * outside the tree against that prefix four ways (pkg-config and
  * find_package(shardplane), each with the shared and the static library),
  * and each program run against a coordinator: it opens a session, reads
- * the plan and closes. */
+ * the plan and closes. Then the same program in a project that adds this
+ * source tree with add_subdirectory. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -165,11 +166,40 @@ static void test_find_package(void **state) {
   }
 }
 
+/* add_subdirectory(shardplane) in another project: it must configure
+ * without cmocka or the test and benchmark targets, and the program it
+ * builds against the in-tree targets must work as the installed one does.
+ * CUDA is left out so this build stays quick. */
+static void test_subproject(void **state) {
+  (void)state;
+  char *bdir = sp_test_path(g_dir, "subproject");
+  run("%s -S %s/subproject -B %s -G Ninja -DSHARDPLANE_SOURCE_DIR=%s "
+      "-DSHARDPLANE_CUDA=OFF -DCMAKE_C_FLAGS='%s' -DCMAKE_CXX_FLAGS='%s' && "
+      "! grep -q '^CMOCKA_FOUND' %s/CMakeCache.txt && "
+      "%s --build %s --target help > %s/targets && "
+      "! grep -q 'test_\\|bench_' %s/targets && "
+      "grep -q shardplane_static %s/targets && "
+      "%s --build %s --target consumer",
+      SP_CMAKE, SP_CONSUMER_DIR, bdir, SP_SOURCE_DIR, SP_SAN_FLAGS,
+      SP_SAN_FLAGS, bdir, SP_CMAKE, bdir, bdir, bdir, bdir, SP_CMAKE, bdir);
+  char *exe = sp_test_path(bdir, "consumer");
+  char *t = run_consumer(exe, 0);
+  /* the subproject was built without CUDA, whatever this build has */
+  char want[128];
+  snprintf(want, sizeof want, "shardplane %s cuda 0 nccl 0: rank 0 of 4",
+           SHARDPLANE_VERSION);
+  if (strstr(t, want) == NULL) fail_msg("want \"%s\" in: %s", want, t);
+  free(t);
+  free(exe);
+  free(bdir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_installed_files),
       cmocka_unit_test(test_pkg_config),
       cmocka_unit_test(test_find_package),
+      cmocka_unit_test(test_subproject),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
