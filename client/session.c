@@ -122,7 +122,7 @@ struct sp_session {
   sp_model *model;
   sp_job job;
   sp_plan *plan;
-  uint64_t connect_timeout_ms;
+  uint64_t connect_timeout_ms, call_timeout_ms;
   uint32_t hb_ms;
   void (*on_abort)(void *, const char *);
   void *user;
@@ -644,7 +644,7 @@ static int fetch_job(sp_session *s, char *version, size_t cap, sp_diag *d) {
   sp_rpc_status st;
   int rc = unary(s, "GetJob", METHOD("GetJob"), &q.base,
                  &shardplane__v1__get_job_response__descriptor,
-                 s->connect_timeout_ms + SP_SESSION_CALL_TIMEOUT_MS, &m, &st,
+                 s->connect_timeout_ms + s->call_timeout_ms, &m, &st,
                  d);
   if (rc != 0) {
     /* the first call on a fresh connection: UNAVAILABLE means the engine
@@ -681,7 +681,7 @@ static int fetch_model(sp_session *s, const char *job_version, sp_diag *d) {
     ProtobufCMessage *m = NULL;
     rc = unary(s, "GetModelSpec", METHOD("GetModelSpec"), &q.base,
                &shardplane__v1__get_model_spec_response__descriptor,
-               SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
+               s->call_timeout_ms, &m, NULL, d);
     if (rc != 0) break;
     Shardplane__V1__GetModelSpecResponse *r =
         (Shardplane__V1__GetModelSpecResponse *)m;
@@ -748,7 +748,7 @@ static int attach(sp_session *s, sp_diag *d) {
   snprintf(what, sizeof what, "Attach rank %u", s->rank);
   int rc = unary(s, what, METHOD("Attach"), &q.base,
                  &shardplane__v1__attach_response__descriptor,
-                 SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
+                 s->call_timeout_ms, &m, NULL, d);
   if (rc != 0) return rc;
   Shardplane__V1__AttachResponse *r = (Shardplane__V1__AttachResponse *)m;
   size_t idl = r->session_id ? strlen(r->session_id) : 0;
@@ -776,12 +776,12 @@ static int detach(sp_session *s, sp_diag *d) {
   snprintf(what, sizeof what, "Detach rank %u", s->rank);
   return unary(s, what, METHOD("Detach"), &q.base,
                &shardplane__v1__detach_response__descriptor,
-               SP_SESSION_CALL_TIMEOUT_MS, NULL, NULL, d);
+               s->call_timeout_ms, NULL, NULL, d);
 }
 
 /* Waits until the coordinator acknowledged the binding message. */
 static int wait_bound(sp_session *s, sp_diag *d) {
-  uint64_t limit = s->connect_timeout_ms + SP_SESSION_CALL_TIMEOUT_MS;
+  uint64_t limit = s->connect_timeout_ms + s->call_timeout_ms;
   uint64_t t0 = uv_hrtime();
   int rc = 0;
   uv_mutex_lock(&s->lock);
@@ -833,6 +833,8 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   s->on_abort = o->on_abort;
   s->user = o->user;
   s->connect_timeout_ms = o->connect_timeout_ms ? o->connect_timeout_ms : 20000;
+  s->call_timeout_ms =
+      o->call_timeout_ms ? o->call_timeout_ms : SP_SESSION_CALL_TIMEOUT_MS;
   s->coordinator = sp_strdup(o->coordinator);
   s->device = sp_strdup(o->device != NULL ? o->device : "cpu");
   s->slots = calloc((size_t)q, sizeof *s->slots);
@@ -976,7 +978,7 @@ int sp_session_store_set(sp_session *s, const char *key, const void *val,
   snprintf(what, sizeof what, "store set \"%.*s\"", KEY_SHOWN, key);
   return unary(s, what, METHOD("StoreSet"), &q.base,
                &shardplane__v1__store_set_response__descriptor,
-               SP_SESSION_CALL_TIMEOUT_MS, NULL, NULL, d);
+               s->call_timeout_ms, NULL, NULL, d);
 }
 
 int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
@@ -997,7 +999,7 @@ int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
   sp_rpc_status st;
   rc = unary(s, what, METHOD("StoreGet"), &q.base,
              &shardplane__v1__store_get_response__descriptor,
-             wait_ms > 0 ? wait_ms : SP_SESSION_CALL_TIMEOUT_MS, &m, &st, d);
+             wait_ms > 0 ? wait_ms : s->call_timeout_ms, &m, &st, d);
   if (rc != 0) {
     if (st.code == SP_RPC_DEADLINE_EXCEEDED && wait_ms > 0)
       return sp_diag_set(d, SP_ETIMEDOUT,
@@ -1034,7 +1036,7 @@ int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
   ProtobufCMessage *m = NULL;
   rc = unary(s, what, METHOD("StoreAdd"), &q.base,
              &shardplane__v1__store_add_response__descriptor,
-             SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
+             s->call_timeout_ms, &m, NULL, d);
   if (rc != 0) return rc;
   if (value != NULL) *value = ((Shardplane__V1__StoreAddResponse *)m)->value;
   protobuf_c_message_free_unpacked(m, NULL);
