@@ -402,6 +402,7 @@ static void on_drain_timer(uv_timer_t *t) {
     s->drain_delay = SP_SESSION_DRAIN_MS;
   else if (s->drain_delay < SP_SESSION_DRAIN_IDLE_MS)
     s->drain_delay *= 2;
+  uv_update_time(&s->loop); /* from now, after the drain's own work */
   uv_timer_start(t, on_drain_timer, s->drain_delay, 0);
 }
 
