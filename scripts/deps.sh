@@ -15,9 +15,20 @@ PACKAGES=(
   # the independent safetensors reader of the checkpoint tests
   python3-numpy
 )
-# `./dev bench` also needs the reference gRPC C++ server
+# `./dev bench` also needs the reference gRPC C++ server of bench/rpc; what
+# bench/CMakeLists.txt looks for, and the package that has it:
+#   pkg-config grpc++ (libgrpc++-dev), pkg-config protobuf (libprotobuf-dev:
+#   libgrpc++-dev does not pull it in), protoc (protobuf-compiler),
+#   grpc_cpp_plugin (protobuf-compiler-grpc)
 if [ "${SHARDPLANE_DEPS_BENCH:-0}" = 1 ]; then
-  PACKAGES+=(libgrpc++-dev protobuf-compiler-grpc)
+  PACKAGES+=(libgrpc++-dev libprotobuf-dev protobuf-compiler
+             protobuf-compiler-grpc)
+fi
+
+# --list: print the packages a run makes sure of, one a line, and stop
+if [ "${1:-}" = --list ]; then
+  printf '%s\n' "${PACKAGES[@]}"
+  exit 0
 fi
 
 missing=()

@@ -8,6 +8,9 @@
 #include "base/json.h"
 
 uint64_t sp_coord_now_ms(const sp_coord *c) {
+  /* current, not as old as the loop iteration (only the loop's thread
+   * calls this) */
+  uv_update_time(c->loop);
   return uv_now(c->loop) - c->started_ms;
 }
 
@@ -84,6 +87,7 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     uint32_t third = c->cfg.heartbeat_timeout_ms / 3;
     c->cfg.heartbeat_interval_ms = third == 0 ? 1 : third < 1000 ? third : 1000;
   }
+  uv_update_time(loop); /* the loop may not have run for a while */
   c->started_ms = uv_now(loop);
   /* One long-lived connection per rank, with few calls on each: memory
    * per connection counts more than header bytes per call. */

@@ -523,6 +523,7 @@ void sp_coord_ranks_start(sp_coord *c) {
   c->heartbeat_started = true;
   uint64_t every = c->cfg.heartbeat_timeout_ms / 4;
   if (every == 0) every = 1;
+  uv_update_time(c->loop); /* listen may come long after the loop ran */
   uv_timer_start(&c->heartbeat_timer, on_heartbeat_check, every, every);
 }
 

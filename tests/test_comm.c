@@ -14,6 +14,7 @@
  * communicator so nobody waits for a timeout); the main thread asserts after
  * joining them. */
 #include <math.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -25,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -67,6 +69,7 @@ struct group {
   sp_mstore store;
   member_fn fn;
   void *arg;
+  member_fn before; /* optional: runs before sp_comm_new */
   member m[MAX_W];
   _Atomic(sp_comm *) comms[MAX_W];
   pthread_barrier_t done;
@@ -120,6 +123,7 @@ static void *member_main(void *p) {
       .size = g->size,
       .timeout_ms = g->timeout_ms,
   };
+  if (g->before != NULL) g->before(m);
   m->new_rc = sp_comm_new(&o, &m->c, &m->new_diag);
   if (m->new_rc == 0) atomic_store(&g->comms[m->rank], m->c);
   if (g->fn != NULL) g->fn(m);
@@ -1045,6 +1049,107 @@ static void test_rendezvous_store_error(void **state) {
   group_done(&g);
 }
 
+/* The rendezvous record a member publishes ("<prefix>/<rank>"): for each
+ * peer, Gloo's address of the socket it listens on (a sockaddr_storage,
+ * then a 64-bit sequence number). Only the socket address's own bytes, for
+ * its family, may be non-zero: never what was in memory before. */
+#define REC_W 3
+#define REC_ENTRY (sizeof(struct sockaddr_storage) + sizeof(int64_t))
+
+/* Leaves `pattern` on this thread's stack and in freed heap blocks, where
+ * memory the rendezvous does not initialise would pick it up. */
+static __attribute__((noinline)) void dirty_memory(uint8_t pattern) {
+  volatile uint8_t stack[64 << 10];
+  for (size_t i = 0; i < sizeof stack; i++) stack[i] = pattern;
+  void *blocks[64];
+  for (int i = 0; i < 64; i++) {
+    size_t n = (size_t)16 << (i % 10);
+    blocks[i] = malloc(n);
+    if (blocks[i] != NULL) memset(blocks[i], pattern, n);
+  }
+  for (int i = 0; i < 64; i++) free(blocks[i]);
+}
+
+static void dirty_member(member *m) { dirty_memory(*(uint8_t *)m->g->arg); }
+
+static void joined_member(member *m) {
+  MCHECK(m, m->new_rc == 0, "sp_comm_new: %s", m->new_diag.msg);
+}
+
+/* One rendezvous of REC_W members after dirtying memory with `pattern`:
+ * the record each published, as the store holds it (malloc'd). */
+static void rendezvous_records(uint8_t pattern, uint8_t **rec, size_t *len) {
+  group g;
+  group_init(&g, REC_W, 20000, joined_member, &pattern);
+  g.before = dirty_member;
+  dirty_memory(pattern);
+  group_run(&g);
+  for (uint32_t r = 0; r < REC_W; r++) {
+    char key[96];
+    snprintf(key, sizeof key, "%s/%u", g.prefix, r);
+    sp_diag d = {{0}};
+    if (sp_mstore_get(&g.store, key, 0, &rec[r], &len[r], &d) != 0)
+      fail_msg("%s: %s", key, d.msg);
+  }
+  group_done(&g);
+}
+
+/* Fails unless every byte of rank r's record past each socket address's
+ * length is zero; returns the offset of each entry's port. */
+static void check_record(const uint8_t *rec, size_t len, uint32_t r,
+                         const char *run, size_t port_off[REC_W - 1]) {
+  if (len != (REC_W - 1) * REC_ENTRY)
+    fail_msg("%s run: rank %u's record has %zu bytes, expected %zu", run, r,
+             len, (size_t)((REC_W - 1) * REC_ENTRY));
+  for (size_t e = 0; e < REC_W - 1; e++) {
+    const uint8_t *p = rec + e * REC_ENTRY;
+    struct sockaddr_storage ss;
+    memcpy(&ss, p, sizeof ss);
+    size_t used = sizeof ss;
+    if (ss.ss_family == AF_INET) {
+      used = sizeof(struct sockaddr_in);
+      port_off[e] = offsetof(struct sockaddr_in, sin_port);
+    } else if (ss.ss_family == AF_INET6) {
+      used = sizeof(struct sockaddr_in6);
+      port_off[e] = offsetof(struct sockaddr_in6, sin6_port);
+    } else {
+      fail_msg("%s run: rank %u, entry %zu: address family %d", run, r, e,
+               (int)ss.ss_family);
+    }
+    for (size_t i = used; i < sizeof ss; i++)
+      if (p[i] != 0)
+        fail_msg("%s run: rank %u, entry %zu: byte %zu of the socket address "
+                 "(past its %zu bytes) is 0x%02x, not 0",
+                 run, r, e, i, used, p[i]);
+  }
+}
+
+/* Two rendezvous, memory dirtied differently before each: the records are
+ * byte-identical once the listening ports (the kernel's pick) are made the
+ * same, and carry nothing past the socket addresses. */
+static void test_rendezvous_record_clean(void **state) {
+  (void)state;
+  uint8_t *a[REC_W], *b[REC_W];
+  size_t la[REC_W], lb[REC_W];
+  rendezvous_records(0x5a, a, la);
+  rendezvous_records(0xa5, b, lb);
+  for (uint32_t r = 0; r < REC_W; r++) {
+    size_t pa[REC_W - 1], pb[REC_W - 1];
+    check_record(a[r], la[r], r, "first", pa);
+    check_record(b[r], lb[r], r, "second", pb);
+    for (size_t e = 0; e < REC_W - 1; e++) {
+      assert_int_equal(pa[e], pb[e]);
+      memcpy(b[r] + e * REC_ENTRY + pb[e], a[r] + e * REC_ENTRY + pa[e], 2);
+    }
+    for (size_t i = 0; i < la[r]; i++)
+      if (a[r][i] != b[r][i])
+        fail_msg("rank %u's records differ at byte %zu: 0x%02x, then 0x%02x",
+                 r, i, a[r][i], b[r][i]);
+    free(a[r]);
+    free(b[r]);
+  }
+}
+
 /* Member 1 never calls the all_reduce member 0 is in: member 0 times out
  * and its communicator is broken afterwards. */
 static void op_timeout_member(member *m) {
@@ -1258,6 +1363,7 @@ int main(void) {
       cmocka_unit_test(test_peer_process_killed),
       cmocka_unit_test(test_rendezvous_timeout),
       cmocka_unit_test(test_rendezvous_store_error),
+      cmocka_unit_test(test_rendezvous_record_clean),
       cmocka_unit_test(test_op_timeout),
       cmocka_unit_test(test_mismatched_count),
   };

@@ -512,6 +512,61 @@ static void test_connect_failure_and_retry(void **state) {
   sp_rpc_sync_close(c);
 }
 
+/* A blocking client's loop runs only during its calls, so its cached clock
+ * is as old as the last call. Deadlines must count from when a call starts:
+ * here the loop sat idle for twice the call's timeout (and longer than the
+ * connect timeout) before each call. */
+static void test_deadline_after_idle_loop(void **state) {
+  (void)state;
+  sp_test_server srv;
+  sp_test_server_start(&srv, NULL);
+  sp_rpc_sync *c;
+  assert_int_equal(sp_rpc_sync_open(srv.addr, 2000, &c), 0);
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "after idle";
+  /* the first call connects; the second uses the open connection */
+  for (int i = 0; i < 2; i++) {
+    uv_sleep(400);
+    ProtobufCMessage *resp = NULL;
+    sp_rpc_status st;
+    uint64_t t0 = uv_hrtime();
+    assert_int_equal(
+        sp_rpc_sync_unary(c, EPATH("Unary"), &req.base,
+                          &shardplane__testing__echo_reply__descriptor, 200,
+                          &resp, &st),
+        0);
+    uint64_t ms = (uv_hrtime() - t0) / 1000000;
+    if (st.code != SP_RPC_OK)
+      fail_msg("call %d, after 400 ms idle, with a 200 ms deadline: %s: %s "
+               "(after %llu ms)",
+               i + 1, sp_rpc_code_name(st.code), st.message,
+               (unsigned long long)ms);
+    assert_string_equal(((EchoReply *)resp)->text, "after idle");
+    protobuf_c_message_free_unpacked(resp, NULL);
+  }
+  sp_rpc_sync_close(c);
+  char addr[64];
+  snprintf(addr, sizeof addr, "%s", srv.addr);
+  sp_test_server_stop(&srv, 0);
+
+  /* the connect deadline too: against a port nobody listens on the client
+   * retries for its connect timeout, counted from the call, instead of
+   * giving up at the first refusal */
+  assert_int_equal(sp_rpc_sync_open(addr, 600, &c), 0);
+  uv_sleep(800);
+  sp_rpc_status st;
+  uint64_t t0 = uv_hrtime();
+  assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 0,
+                                     NULL, &st),
+                   0);
+  uint64_t ms = (uv_hrtime() - t0) / 1000000;
+  assert_int_equal(st.code, SP_RPC_UNAVAILABLE);
+  if (ms < 400 || ms >= 3000)
+    fail_msg("gave up connecting after %llu ms; the connect timeout is 600 ms",
+             (unsigned long long)ms);
+  sp_rpc_sync_close(c);
+}
+
 static void test_graceful_shutdown_finishes_calls(void **state) {
   (void)state;
   sp_test_server srv;
@@ -576,6 +631,7 @@ int main(void) {
   const struct CMUnitTest conn[] = {
       cmocka_unit_test(test_connect_failure_and_retry),
       cmocka_unit_test(test_graceful_shutdown_finishes_calls),
+      cmocka_unit_test(test_deadline_after_idle_loop),
   };
   int rc = cmocka_run_group_tests_name("wire", wire, NULL, NULL);
   rc |= cmocka_run_group_tests_name("live", live, setup, teardown);

@@ -37,6 +37,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/device.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/attr.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
@@ -45,6 +46,7 @@
 #include <cctype>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -58,8 +60,10 @@
 #include <thread>
 #include <vector>
 
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include "comm_internal.h"
@@ -131,6 +135,45 @@ struct Canceled : std::exception {
 // ---- the store bridge
 // --------------------------------------------------------
 
+// The record Gloo's rendezvous publishes for one pair, as it should be.
+// tcp::Address::bytes() copies the whole of the address: a sockaddr_storage
+// filled by getsockname, whose bytes past the socket address itself are left
+// as they were (stack garbage: pointers, pieces of earlier messages), then
+// the sequence number. Rewritten field by field into a zeroed buffer, in the
+// layout the readers' Address(bytes) expects, the record holds the address,
+// port and sequence number and zeros elsewhere (padding included).
+class CleanAddress : public gloo::transport::tcp::Address {
+public:
+  static constexpr size_t kSize = sizeof(Impl);
+
+  explicit CleanAddress(const std::vector<char> &bytes) : Address(bytes) {}
+
+  // Appends the clean record; false for a family Gloo's TCP transport does
+  // not use (its length would be unknown).
+  bool append_to(std::vector<char> &out) const {
+    size_t used;
+    if (impl_.ss.ss_family == AF_INET)
+      used = sizeof(struct sockaddr_in);
+    else if (impl_.ss.ss_family == AF_INET6)
+      used = sizeof(struct sockaddr_in6);
+    else
+      return false;
+    size_t at = out.size();
+    out.resize(at + kSize, 0);
+    std::memcpy(out.data() + at + offsetof(Impl, ss), &impl_.ss, used);
+    std::memcpy(out.data() + at + offsetof(Impl, seq), &impl_.seq,
+                sizeof impl_.seq);
+    return true;
+  }
+};
+
+// A key Gloo's connectFullMesh publishes pair addresses under: "<rank>".
+bool is_address_key(const std::string &key) {
+  return !key.empty() &&
+         std::all_of(key.begin(), key.end(),
+                     [](unsigned char c) { return std::isdigit(c) != 0; });
+}
+
 // Gloo's rendezvous (connectFullMesh) publishes each member's pair addresses
 // under the key "<rank>" and then waits for and reads every other member's.
 // Keys are namespaced as "<prefix>/<rank>". One deadline covers the whole
@@ -144,8 +187,12 @@ public:
 
   void set(const std::string &key, const std::vector<char> &data) override {
     std::string full = prefix_ + "/" + key;
+    std::vector<char> clean;
+    const bool addresses = is_address_key(key);
+    if (addresses) clean_addresses(full, data, clean);
+    const std::vector<char> &out = addresses ? clean : data;
     sp_diag d{};
-    int rc = s_.set(s_.user, full.c_str(), data.data(), data.size(), &d);
+    int rc = s_.set(s_.user, full.c_str(), out.data(), out.size(), &d);
     if (rc < 0) throw StoreError(rc, "store set '" + full + "': " + d.msg);
   }
 
@@ -169,6 +216,26 @@ public:
   }
 
 private:
+  // Only what each address needs goes to the store (CleanAddress).
+  static void clean_addresses(const std::string &full,
+                              const std::vector<char> &data,
+                              std::vector<char> &out) {
+    const size_t k = CleanAddress::kSize;
+    if (data.size() % k != 0)
+      throw StoreError(SP_EIO, "store set '" + full + "': a rendezvous record "
+                                   "of " + std::to_string(data.size()) +
+                                   " bytes is not a whole number of " +
+                                   std::to_string(k) + "-byte Gloo addresses");
+    out.reserve(data.size());
+    for (size_t at = 0; at < data.size(); at += k) {
+      CleanAddress a(std::vector<char>(data.begin() + (std::ptrdiff_t)at,
+                                       data.begin() + (std::ptrdiff_t)(at + k)));
+      if (!a.append_to(out))
+        throw StoreError(SP_EIO, "store set '" + full + "': a Gloo address "
+                                     "of an unexpected family");
+    }
+  }
+
   std::vector<char> fetch(const std::string &key) {
     std::string full = prefix_ + "/" + key;
     auto left = std::chrono::duration_cast<Ms>(deadline_ - Clock::now());
@@ -728,9 +795,25 @@ int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
 
 extern "C" {
 
+static int gb_barrier(void *impl, sp_diag *d);
+static void gb_destroy(void *impl);
+
 static int gb_create(const sp_comm_info *info, const sp_comm_store *store,
                      void **impl, sp_diag *d) {
-  return gloo_create(info, store, impl, d);
+  int rc = gloo_create(info, store, impl, d);
+  if (rc != 0) return rc;
+  // connectFullMesh returns on a member once its own pairs are connected,
+  // which may be before a peer has handled its side of the connection. A
+  // member that then aborted (closing its sockets) made that peer's Gloo
+  // event-loop thread throw from getpeername, and an exception on that
+  // thread terminates the process. A barrier over every pair first means
+  // no member leaves creation before all of them have finished connecting.
+  rc = gb_barrier(*impl, d);
+  if (rc != 0) {
+    gb_destroy(*impl);
+    *impl = nullptr;
+  }
+  return rc;
 }
 
 static void gb_destroy(void *impl) {

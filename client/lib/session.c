@@ -139,7 +139,7 @@ static int fetch_job(sp_session *s, char *version, size_t cap, sp_diag *d) {
   sp_rpc_status st;
   int rc = sp_session_unary(s, "GetJob", SP_COORD_PATH("GetJob"), &q.base,
                  &shardplane__v1__get_job_response__descriptor,
-                 s->connect_timeout_ms + SP_SESSION_CALL_TIMEOUT_MS, &m, &st,
+                 s->connect_timeout_ms + s->call_timeout_ms, &m, &st,
                  d);
   if (rc != 0) {
     /* the first call on a fresh connection: UNAVAILABLE means the engine
@@ -176,7 +176,7 @@ static int fetch_model(sp_session *s, const char *job_version, sp_diag *d) {
     ProtobufCMessage *m = NULL;
     rc = sp_session_unary(s, "GetModelSpec", SP_COORD_PATH("GetModelSpec"), &q.base,
                &shardplane__v1__get_model_spec_response__descriptor,
-               SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
+               s->call_timeout_ms, &m, NULL, d);
     if (rc != 0) break;
     Shardplane__V1__GetModelSpecResponse *r =
         (Shardplane__V1__GetModelSpecResponse *)m;
@@ -243,7 +243,7 @@ static int attach(sp_session *s, sp_diag *d) {
   snprintf(what, sizeof what, "Attach rank %u", s->rank);
   int rc = sp_session_unary(s, what, SP_COORD_PATH("Attach"), &q.base,
                  &shardplane__v1__attach_response__descriptor,
-                 SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
+                 s->call_timeout_ms, &m, NULL, d);
   if (rc != 0) return rc;
   Shardplane__V1__AttachResponse *r = (Shardplane__V1__AttachResponse *)m;
   size_t idl = r->session_id ? strlen(r->session_id) : 0;
@@ -271,12 +271,12 @@ static int detach(sp_session *s, sp_diag *d) {
   snprintf(what, sizeof what, "Detach rank %u", s->rank);
   return sp_session_unary(s, what, SP_COORD_PATH("Detach"), &q.base,
                &shardplane__v1__detach_response__descriptor,
-               SP_SESSION_CALL_TIMEOUT_MS, NULL, NULL, d);
+               s->call_timeout_ms, NULL, NULL, d);
 }
 
 /* Waits until the coordinator acknowledged the binding message. */
 static int wait_bound(sp_session *s, sp_diag *d) {
-  uint64_t limit = s->connect_timeout_ms + SP_SESSION_CALL_TIMEOUT_MS;
+  uint64_t limit = s->connect_timeout_ms + s->call_timeout_ms;
   uint64_t t0 = uv_hrtime();
   int rc = 0;
   uv_mutex_lock(&s->lock);
@@ -328,6 +328,8 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   s->on_abort = o->on_abort;
   s->user = o->user;
   s->connect_timeout_ms = o->connect_timeout_ms ? o->connect_timeout_ms : 20000;
+  s->call_timeout_ms =
+      o->call_timeout_ms ? o->call_timeout_ms : SP_SESSION_CALL_TIMEOUT_MS;
   s->coordinator = sp_strdup(o->coordinator);
   s->device = sp_strdup(o->device != NULL ? o->device : "cpu");
   s->slots = calloc((size_t)q, sizeof *s->slots);

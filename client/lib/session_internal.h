@@ -32,7 +32,8 @@
 /* queue_events bounds (after rounding up to a power of two). */
 #define SP_SESSION_QUEUE_DEFAULT 65536u
 #define SP_SESSION_QUEUE_MAX (1u << 24)
-/* Deadline of unary calls other than waiting store gets. */
+/* Deadline of unary calls other than waiting store gets, unless
+ * sp_session_opts.call_timeout_ms says otherwise. */
 #define SP_SESSION_CALL_TIMEOUT_MS 30000u
 /* Store connections opened at most (callers beyond wait for one). */
 #define SP_SESSION_STORE_CONNS 8u
@@ -115,7 +116,7 @@ struct sp_session {
   sp_model *model;
   sp_job job;
   sp_plan *plan;
-  uint64_t connect_timeout_ms;
+  uint64_t connect_timeout_ms, call_timeout_ms;
   uint32_t hb_ms;
   void (*on_abort)(void *, const char *);
   void *user;

@@ -81,6 +81,7 @@ static int send_up(sp_session *s, size_t n) {
   int rc = sp_rpc_ccall_send_msg(s->call, &up.base);
   if (rc != 0) return rc;
   s->next_seq++;
+  uv_update_time(&s->loop); /* the first send runs before the loop does */
   s->last_send_ms = uv_now(&s->loop);
   fifo_push(s, up.seq, s->tail_local + n, n > 0);
   return 0;
@@ -126,6 +127,7 @@ static void on_drain_timer(uv_timer_t *t) {
     s->drain_delay = SP_SESSION_DRAIN_MS;
   else if (s->drain_delay < SP_SESSION_DRAIN_IDLE_MS)
     s->drain_delay *= 2;
+  uv_update_time(&s->loop); /* from now, after the drain's own work */
   uv_timer_start(t, on_drain_timer, s->drain_delay, 0);
 }
 
@@ -134,6 +136,7 @@ static void on_hb_timer(uv_timer_t *t) {
   if (s->call == NULL) return;
   /* any message counts as a heartbeat; send an empty one only when the
    * stream has been quiet for half an interval */
+  uv_update_time(&s->loop);
   if (uv_now(&s->loop) - s->last_send_ms < s->hb_ms / 2) return;
   if (s->fifo_n >= FIFO_CAP) return; /* the coordinator is not reading */
   int rc = send_up(s, 0);
@@ -291,6 +294,7 @@ int sp_session_bg_start(sp_session *s, sp_diag *d) {
     goto fail_handles;
   }
   s->drain_delay = SP_SESSION_DRAIN_MS;
+  uv_update_time(&s->loop); /* the loop has not run yet */
   uv_timer_start(&s->drain_timer, on_drain_timer, s->drain_delay, 0);
   uv_timer_start(&s->hb_timer, on_hb_timer, s->hb_ms, s->hb_ms);
   if (uv_thread_create(&s->thread, bg_main, s) != 0) {

@@ -132,7 +132,7 @@ int sp_session_store_set(sp_session *s, const char *key, const void *val,
   snprintf(what, sizeof what, "store set \"%.*s\"", KEY_SHOWN, key);
   return sp_session_unary(s, what, SP_COORD_PATH("StoreSet"), &q.base,
                &shardplane__v1__store_set_response__descriptor,
-               SP_SESSION_CALL_TIMEOUT_MS, NULL, NULL, d);
+               s->call_timeout_ms, NULL, NULL, d);
 }
 
 int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
@@ -153,7 +153,7 @@ int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
   sp_rpc_status st;
   rc = sp_session_unary(s, what, SP_COORD_PATH("StoreGet"), &q.base,
              &shardplane__v1__store_get_response__descriptor,
-             wait_ms > 0 ? wait_ms : SP_SESSION_CALL_TIMEOUT_MS, &m, &st, d);
+             wait_ms > 0 ? wait_ms : s->call_timeout_ms, &m, &st, d);
   if (rc != 0) {
     if (st.code == SP_RPC_DEADLINE_EXCEEDED && wait_ms > 0)
       return sp_diag_set(d, SP_ETIMEDOUT,
@@ -190,7 +190,7 @@ int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
   ProtobufCMessage *m = NULL;
   rc = sp_session_unary(s, what, SP_COORD_PATH("StoreAdd"), &q.base,
              &shardplane__v1__store_add_response__descriptor,
-             SP_SESSION_CALL_TIMEOUT_MS, &m, NULL, d);
+             s->call_timeout_ms, &m, NULL, d);
   if (rc != 0) return rc;
   if (value != NULL) *value = ((Shardplane__V1__StoreAddResponse *)m)->value;
   protobuf_c_message_free_unpacked(m, NULL);

@@ -61,6 +61,9 @@ typedef struct sp_session_opts {
   uint32_t rank;
   const char *device;          /* "cpu", "cuda:0"; NULL: "cpu" */
   uint64_t connect_timeout_ms; /* 0: 20000 */
+  /* Deadline of each blocking call to the coordinator (GetJob, Attach,
+   * store set / add, a store get that does not wait, Detach); 0: 30000. */
+  uint64_t call_timeout_ms;
   /* Events the training thread may queue before the background thread has
    * sent them; 0: 65536. Rounded up to a power of two. When the queue is
    * full an event is dropped and counted (sp_session_dropped), never

@@ -32,6 +32,7 @@ typedef struct worker_opts {
   bool no_report;
   uint32_t report_toggle;
   uint64_t comm_timeout_ms;
+  uint64_t call_timeout_ms;
 } worker_opts;
 
 /* The communicators, for the session's abort callback, which runs on the
@@ -280,6 +281,8 @@ static void usage(FILE *f) {
       "(default 1)\n"
       "  --comm-timeout-ms N      rendezvous and collective timeout "
       "(default 60000)\n"
+      "  --call-timeout-ms N      deadline of each call to the coordinator\n"
+      "                           (attach, store, detach; default 30000)\n"
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
       "                           (starting on; for bench/step)\n"
@@ -291,7 +294,8 @@ static void usage(FILE *f) {
 
 static int parse_args(int argc, char **argv, worker_opts *o) {
   enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
-         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_NOREP, O_TOGGLE, O_HELP };
+         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO,
+         O_NOREP, O_TOGGLE, O_HELP };
   static const struct option opts[] = {
       {"coordinator", required_argument, NULL, O_COORD},
       {"rank", required_argument, NULL, O_RANK},
@@ -307,6 +311,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"stats", required_argument, NULL, O_STATS},
       {"log-every", required_argument, NULL, O_LOG},
       {"comm-timeout-ms", required_argument, NULL, O_CTO},
+      {"call-timeout-ms", required_argument, NULL, O_CALLTO},
       {"no-report", no_argument, NULL, O_NOREP},
       {"report-toggle", required_argument, NULL, O_TOGGLE},
       {"help", no_argument, NULL, O_HELP},
@@ -371,6 +376,10 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         o->comm_timeout_ms = strtoull(optarg, &end, 10);
         if (*end || !*optarg) goto bad_value;
         break;
+      case O_CALLTO:
+        o->call_timeout_ms = strtoull(optarg, &end, 10);
+        if (*end || !*optarg || o->call_timeout_ms == 0) goto bad_value;
+        break;
       case O_NOREP: o->no_report = true; break;
       case O_TOGGLE:
         o->report_toggle = (uint32_t)strtoul(optarg, &end, 10);
@@ -431,6 +440,7 @@ static int run(const worker_opts *o, sp_diag *d) {
   sp_session_opts so = {.coordinator = o->coordinator,
                         .rank = (uint32_t)o->rank,
                         .device = o->device,
+                        .call_timeout_ms = o->call_timeout_ms,
                         .no_report = o->no_report,
                         .on_abort = on_abort,
                         .user = (void *)o};

@@ -331,6 +331,8 @@ static void on_connect(uv_connect_t *req, int status) {
            status ? uv_strerror(status) : "setup failed");
   sp_h2conn_close(&cc->io);
   if (cl->closing) return;
+  /* this may run straight from client_connect, outside the loop */
+  uv_update_time(cl->loop);
   uint64_t now = uv_now(cl->loop);
   if (now - cl->connect_started >= cl->opts.connect_timeout_ms) {
     fail_waiting(cl);
@@ -350,6 +352,8 @@ static void on_connect(uv_connect_t *req, int status) {
 static void client_connect(sp_rpc_client *cl) {
   if (cl->closing) return;
   if (!cl->connecting) {
+    /* a call may start this long after the loop last ran */
+    uv_update_time(cl->loop);
     cl->connect_started = uv_now(cl->loop);
     cl->backoff_ms = 0;
   }
@@ -533,6 +537,10 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
   if (timeout_ms > 0) {
     call->timer = malloc(sizeof *call->timer);
     if (call->timer != NULL) {
+      /* the deadline counts from now, not from when the loop last ran:
+       * a blocking client's loop may have been idle for longer than the
+       * timeout, which would make the call expire at once */
+      uv_update_time(cl->loop);
       uv_timer_init(cl->loop, call->timer);
       call->timer->data = call;
       uv_timer_start(call->timer, on_call_deadline, timeout_ms, 0);

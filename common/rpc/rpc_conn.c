@@ -105,6 +105,8 @@ static void linger(sp_h2conn *c) {
   l->refs = 2; /* the shutdown request and the timer */
   uv_timer_init(c->tcp.loop, &l->timer);
   l->timer.data = c;
+  /* a flush may run outside the loop (a blocking client's close) */
+  uv_update_time(c->tcp.loop);
   l->until = uv_now(c->tcp.loop) + SP_H2_LINGER_MAX_MS;
   c->linger = l;
   uv_timer_start(&l->timer, on_linger_timeout, SP_H2_LINGER_QUIET_MS, 0);
@@ -257,6 +259,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   }
   if (c->lingering) { /* HTTP/2 is over; only waiting for the peer's FIN */
     read_buf_done(c, buf->base);
+    uv_update_time(c->tcp.loop);
     uint64_t now = uv_now(c->tcp.loop);
     if (c->linger == NULL || now >= c->linger->until)
       sp_h2conn_close(c);

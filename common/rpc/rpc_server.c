@@ -419,6 +419,8 @@ void sp_rpc_call_on_writable(sp_rpc_call *call, void (*cb)(sp_rpc_call *)) {
 
 int64_t sp_rpc_call_remaining_ms(const sp_rpc_call *call) {
   if (call->timeout_ms < 0) return -1;
+  /* a handler may ask after working for a while in its callback */
+  uv_update_time(call->conn->srv->loop);
   uint64_t now = uv_now(call->conn->srv->loop);
   return call->deadline > now ? (int64_t)(call->deadline - now) : 0;
 }
@@ -501,6 +503,8 @@ static void request_headers_done(sp_rpc_call *call) {
     if (call->timer != NULL) {
       uv_timer_init(srv->loop, call->timer);
       call->timer->data = call;
+      /* from now: the loop's clock is as old as this iteration */
+      uv_update_time(srv->loop);
       call->deadline = uv_now(srv->loop) + (uint64_t)call->timeout_ms;
       uv_timer_start(call->timer, on_deadline, (uint64_t)call->timeout_ms, 0);
     }
@@ -1051,6 +1055,7 @@ void sp_rpc_server_shutdown(sp_rpc_server *srv, uint64_t grace_ms,
   uv_timer_init(srv->loop, &srv->grace_timer);
   srv->grace_timer.data = srv;
   srv->grace_started = true;
+  uv_update_time(srv->loop); /* shutdown may be called outside the loop */
   uv_timer_start(&srv->grace_timer, grace_expired, grace_ms, 0);
   maybe_finish_shutdown(srv);
 }
