@@ -27,18 +27,6 @@ int sp_comm_dtype_summable(sp_dtype dt) {
  * lets dst alias a block. */
 #define SP_SUM_CHUNK 512
 
-static inline float f32_from_bits(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
 /* Blocks need not be aligned (a bfloat16 buffer may start anywhere), so
  * elements are loaded and stored with memcpy, which compilers turn into
  * plain moves. LOAD(p) reads one element at p as acc_t; STORE(p, a) writes
@@ -97,21 +85,23 @@ static inline void store_f64(unsigned char *p, double v) {
 static inline float load_bf16(const unsigned char *p) {
   uint16_t h;
   memcpy(&h, p, sizeof h);
-  return f32_from_bits(sp_bf16_to_f32_bits(h));
+  return sp_f32_from_bits(sp_bf16_to_f32_bits(h));
 }
 /* One rounding, with the project's RNE policy (integer code, so the result
  * does not depend on this thread's MXCSR). */
 static inline void store_bf16(unsigned char *p, float v) {
-  uint16_t h = v != v ? (uint16_t)0x7FC0 : sp_f32_to_bf16_bits(f32_bits(v));
+  uint16_t h =
+      v != v ? (uint16_t)0x7FC0 : sp_f32_to_bf16_bits(sp_f32_to_bits(v));
   memcpy(p, &h, sizeof h);
 }
 static inline float load_f16(const unsigned char *p) {
   uint16_t h;
   memcpy(&h, p, sizeof h);
-  return f32_from_bits(sp_f16_to_f32_bits(h));
+  return sp_f32_from_bits(sp_f16_to_f32_bits(h));
 }
 static inline void store_f16(unsigned char *p, float v) {
-  uint16_t h = v != v ? (uint16_t)0x7E00 : sp_f32_to_f16_bits(f32_bits(v));
+  uint16_t h =
+      v != v ? (uint16_t)0x7E00 : sp_f32_to_f16_bits(sp_f32_to_bits(v));
   memcpy(p, &h, sizeof h);
 }
 /* Integers add in unsigned arithmetic: wrap-around is defined there (signed

@@ -15,11 +15,6 @@
 #include "cast/cast_scalar.h"
 #include "cuda_internal.h"
 
-static __device__ double bits_f64(uint64_t u) { return __longlong_as_double((long long)u); }
-static __device__ uint64_t f64_bits(double v) { return (uint64_t)__double_as_longlong(v); }
-static __device__ float bits_f32(uint32_t u) { return __uint_as_float(u); }
-static __device__ uint32_t f32_bits(float v) { return __float_as_uint(v); }
-
 /* Element i of a floating array, widened exactly to double (sp_cast's
  * widening). */
 static __device__ double load_f64(const void *p, int dt, size_t i) {
@@ -27,17 +22,17 @@ static __device__ double load_f64(const void *p, int dt, size_t i) {
   case SP_FLOAT64:
     return ((const double *)p)[i];
   case SP_FLOAT32:
-    return bits_f64(sp_f32_to_f64_bits(((const uint32_t *)p)[i]));
+    return sp_f64_from_bits(sp_f32_to_f64_bits(((const uint32_t *)p)[i]));
   case SP_BFLOAT16:
-    return bits_f64(sp_bf16_to_f64_bits(((const uint16_t *)p)[i]));
+    return sp_f64_from_bits(sp_bf16_to_f64_bits(((const uint16_t *)p)[i]));
   default: /* SP_FLOAT16 */
-    return bits_f64(sp_f16_to_f64_bits(((const uint16_t *)p)[i]));
+    return sp_f64_from_bits(sp_f16_to_f64_bits(((const uint16_t *)p)[i]));
   }
 }
 
 /* v rounded once (RNE) to dt, stored at element i (sp_cast's narrowing). */
 static __device__ void store_f64(void *p, int dt, size_t i, double v) {
-  uint64_t u = f64_bits(v);
+  uint64_t u = sp_f64_to_bits(v);
   switch (dt) {
   case SP_FLOAT64:
     ((double *)p)[i] = v;
@@ -72,16 +67,16 @@ __global__ void sp_k_scale_div(void *buf, int dt, size_t n, double div) {
     }
     case SP_BFLOAT16: {
       uint16_t *p = (uint16_t *)buf;
-      float x = bits_f32(sp_bf16_to_f32_bits(p[i]));
+      float x = sp_f32_from_bits(sp_bf16_to_f32_bits(p[i]));
       float q = __double2float_rn(__ddiv_rn((double)x, div));
-      p[i] = sp_f32_to_bf16_bits(f32_bits(q));
+      p[i] = sp_f32_to_bf16_bits(sp_f32_to_bits(q));
       break;
     }
     default: { /* SP_FLOAT16 */
       uint16_t *p = (uint16_t *)buf;
-      float x = bits_f32(sp_f16_to_f32_bits(p[i]));
+      float x = sp_f32_from_bits(sp_f16_to_f32_bits(p[i]));
       float q = __double2float_rn(__ddiv_rn((double)x, div));
-      p[i] = sp_f32_to_f16_bits(f32_bits(q));
+      p[i] = sp_f32_to_f16_bits(sp_f32_to_bits(q));
       break;
     }
     }

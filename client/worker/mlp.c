@@ -26,41 +26,17 @@
 #include "fsdp/plan.h"
 
 /* ------------------------------------------------------------------ */
-/* bit-level helpers                                                   */
+/* element helpers (conversions: cast_scalar.h)                       */
 /* ------------------------------------------------------------------ */
-
-static uint32_t f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float f32_from_bits(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static uint64_t f64_bits(double v) {
-  uint64_t u;
-  memcpy(&u, &v, sizeof u);
-  return u;
-}
-
-static double f64_from_bits(uint64_t u) {
-  double v;
-  memcpy(&v, &u, sizeof v);
-  return v;
-}
 
 /* float32 value rounded to a floating dtype and widened back. float32 and
  * float64 hold every float32 value, so only the 16-bit formats round. */
 static float round_f32(float v, sp_dtype dt) {
   switch (dt) {
   case SP_BFLOAT16:
-    return f32_from_bits(sp_bf16_to_f32_bits(sp_f32_to_bf16_bits(f32_bits(v))));
+    return sp_f32_round_bf16(v);
   case SP_FLOAT16:
-    return f32_from_bits(sp_f16_to_f32_bits(sp_f32_to_f16_bits(f32_bits(v))));
+    return sp_f32_round_f16(v);
   default:
     return v;
   }
@@ -76,7 +52,7 @@ static void round_array(float *v, size_t n, sp_dtype dt) {
 /* A double rounded once (RNE) to float32 without the C conversion, whose
  * result would depend on the thread's rounding mode. */
 static float f64_to_f32(double v) {
-  return f32_from_bits(sp_f64_to_f32_bits(f64_bits(v)));
+  return sp_f32_from_bits(sp_f64_to_f32_bits(sp_f64_to_bits(v)));
 }
 
 /* Element i of a floating array of dtype dt, as float32 (float64 rounds). */
@@ -91,17 +67,17 @@ static float load_f32(const void *p, sp_dtype dt, size_t i) {
   case SP_FLOAT64: {
     uint64_t u;
     memcpy(&u, b + i * 8, 8);
-    return f32_from_bits(sp_f64_to_f32_bits(u));
+    return sp_f32_from_bits(sp_f64_to_f32_bits(u));
   }
   case SP_BFLOAT16: {
     uint16_t h;
     memcpy(&h, b + i * 2, 2);
-    return f32_from_bits(sp_bf16_to_f32_bits(h));
+    return sp_f32_from_bits(sp_bf16_to_f32_bits(h));
   }
   case SP_FLOAT16: {
     uint16_t h;
     memcpy(&h, b + i * 2, 2);
-    return f32_from_bits(sp_f16_to_f32_bits(h));
+    return sp_f32_from_bits(sp_f16_to_f32_bits(h));
   }
   default:
     return 0.0f;
@@ -116,13 +92,14 @@ static double load_f64(const void *p, sp_dtype dt, size_t i) {
     memcpy(&v, b + i * 8, 8);
     return v;
   }
-  return f64_from_bits(sp_f32_to_f64_bits(f32_bits(load_f32(p, dt, i))));
+  float f = load_f32(p, dt, i);
+  return sp_f64_from_bits(sp_f32_to_f64_bits(sp_f32_to_bits(f)));
 }
 
 /* Writes v rounded (RNE, once) to dt into element i. */
 static void store_f64(void *p, sp_dtype dt, size_t i, double v) {
   unsigned char *b = p;
-  uint64_t u = f64_bits(v);
+  uint64_t u = sp_f64_to_bits(v);
   switch (dt) {
   case SP_FLOAT32: {
     uint32_t r = sp_f64_to_f32_bits(u);
@@ -148,7 +125,7 @@ static void store_f64(void *p, sp_dtype dt, size_t i, double v) {
 }
 
 static void store_f32(void *p, sp_dtype dt, size_t i, float v) {
-  store_f64(p, dt, i, f64_from_bits(sp_f32_to_f64_bits(f32_bits(v))));
+  store_f64(p, dt, i, sp_f64_from_bits(sp_f32_to_f64_bits(sp_f32_to_bits(v))));
 }
 
 static bool is_integer_dtype(sp_dtype dt) {

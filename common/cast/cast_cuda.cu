@@ -72,13 +72,6 @@ SP_CUDA_PLAIN_OP(f16_to_bf16, uint16_t, uint16_t, sp_f16_to_bf16_bits)
  * A NaN never reaches the division: x86-64 would return it quieted with
  * its payload, the GPU a canonical NaN, so it is quieted here in integer
  * code, matching the CPU. */
-__device__ __forceinline__ double sp_f64_from_bits(uint64_t u) {
-  return __longlong_as_double((long long)u);
-}
-__device__ __forceinline__ uint64_t sp_f64_to_bits(double v) {
-  return (uint64_t)__double_as_longlong(v);
-}
-
 __device__ __forceinline__ uint64_t sp_div_f64(uint64_t x, double k) {
   if ((x & SP_F64_ABS_MASK) > SP_F64_INF) return x | SP_F64_QUIET;
   return sp_f64_to_bits(__ddiv_rn(sp_f64_from_bits(x), k));
