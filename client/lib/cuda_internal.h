@@ -53,7 +53,7 @@ int sp_cublas_diag(sp_diag *d, int status, const char *expr, const char *file,
  * call on the stream, which is checked as well. */
 
 /* Kernels of the FSDP runtime, enqueued on `stream` (a cudaStream_t).
- * scale_div: buf[i] /= div in place, bit for bit what fsdp.c's host path
+ * scale_div: buf[i] /= div in place, bit for bit what the host path
  *   computes (float32 and float64: the quotient in double rounded once;
  *   bfloat16 and float16: via float32).
  * sgd: p = rne_pdt((double)p - lr * (double)g) with no FMA contraction,

@@ -1,5 +1,5 @@
 /* The FSDP runtime's small kernels (cuda_internal.h), each beside the CPU
- * code it must agree with bit for bit (client/fsdp.c: scale_div and
+ * code it must agree with bit for bit (fsdp_mem_host.c: scale_div and
  * host_sgd). Conversions go through common/cast_scalar.h, as the CPU's do;
  * arithmetic uses the explicitly rounded intrinsics (__ddiv_rn, __dmul_rn,
  * __dsub_rn, __double2float_rn) so that nvcc cannot contract a multiply
@@ -49,7 +49,7 @@ static __device__ void store_f64(void *p, int dt, size_t i, double v) {
   }
 }
 
-/* fsdp.c scale_div: float32 (float)((double)x / div); float64 x / div;
+/* fsdp_mem_host.c scale_div: float32 (float)((double)x / div); float64 x / div;
  * bfloat16/float16 widened to float32, the same float32 step, rounded back
  * with sp_cast's RNE. */
 __global__ void sp_k_scale_div(void *buf, int dt, size_t n, double div) {
@@ -83,7 +83,7 @@ __global__ void sp_k_scale_div(void *buf, int dt, size_t n, double div) {
   }
 }
 
-/* fsdp.c host_sgd: p = rne(p - lr * g) in double, then g = 0. */
+/* fsdp_mem_host.c host_sgd: p = rne(p - lr * g) in double, then g = 0. */
 __global__ void sp_k_sgd(void *p, int pdt, void *g, int gdt, size_t gsize,
                          size_t n, double lr) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
