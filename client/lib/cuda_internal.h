@@ -69,19 +69,4 @@ int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, void *g, sp_dtype gdt, size_t n,
 }
 #endif
 
-#ifdef __CUDACC__
-/* Launch geometry shared by the client's kernels: grid-stride loops of
- * SP_K_THREADS threads a block, at most SP_K_MAX_BLOCKS blocks. */
-#define SP_K_THREADS 256
-#define SP_K_MAX_BLOCKS 4096u
-#define SP_K_TID() ((size_t)blockIdx.x * blockDim.x + threadIdx.x)
-#define SP_K_STRIDE() ((size_t)gridDim.x * blockDim.x)
-
-static inline unsigned sp_k_blocks(size_t n) {
-  size_t b = (n + SP_K_THREADS - 1) / SP_K_THREADS;
-  if (b == 0) b = 1;
-  return b < SP_K_MAX_BLOCKS ? (unsigned)b : SP_K_MAX_BLOCKS;
-}
-#endif
-
 #endif

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cast/cast_scalar.h"
+#include "cast/cuda_launch.h"
 #include "cuda_internal.h"
 
 /* Element i of a floating array, widened exactly to double (sp_cast's
