@@ -1,8 +1,9 @@
 /* CUDA dtype casts on device memory, and the CUDA error-checking macro.
  *
- * Built only when CMake finds a CUDA toolkit (target sp_cuda, which defines
- * SHARDPLANE_HAVE_CUDA for its users). Includable from C: it needs no CUDA
- * header. The kernels call the same cast_scalar.h functions as the CPU
+ * Built only when CMake finds a CUDA toolkit (target sp_cast_cuda;
+ * shardplane/config.h says SHARDPLANE_HAVE_CUDA), except
+ * sp_cuda_device_count, which every build has. Includable from C: it needs
+ * no CUDA header. The kernels call the same cast_scalar.h functions as the CPU
  * paths, so a GPU cast gives the same bits as sp_cast() on every input,
  * including NaN payloads (the float32 -> bfloat16 NaN case is handled in
  * integer code rather than left to cvt.rn.bf16.f32, whose NaN output is not
@@ -84,7 +85,8 @@ int sp_cuda_cast_div(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
                      size_t n, double div, void *stream);
 
 /* Number of CUDA devices usable by this process. A machine without a GPU or
- * without a driver is not an error: *n = 0 and 0 is returned.
+ * without a driver, or a build without CUDA (cast_cuda_stub.c), is not an
+ * error: *n = 0 and 0 is returned; so this one is in every build.
  * Errors: SP_EINVAL (n NULL), SP_ECUDA (the driver reported something other
  * than "no device"; *n = 0). */
 int sp_cuda_device_count(int *n);
