@@ -145,50 +145,36 @@ static int host_handoff(sp_fsdp *f, void *stream, sp_diag *d) {
 
 static void host_destroy(sp_fsdp *f) { (void)f; }
 
-const sp_fsdp_mem_ops sp_fsdp_host_ops = {
-    .name = "cpu",
-    .device = false,
-    .alloc = host_alloc,
-    .release = host_release,
-    .zero = host_zero,
-    .copy = host_copy,
-    .cast = host_cast,
-    .scale_div = host_scale_div,
-    .cast_div = host_cast_div,
-    .sgd = host_sgd,
-    .to_host = host_to_host,
-    .from_host = host_from_host,
-    .mark = host_slot_nop,
-    .wait_mark = host_slot_nop,
-    .drain = host_drain,
-    .handoff = host_handoff,
-    .thread_init = NULL,
-    .destroy = host_destroy,
-};
+/* Both host tables hold the same functions; only the name and whether the
+ * runtime treats the storage as a device's differ. */
+#define SP_HOST_OPS(NAME, DEVICE)                                              \
+  {                                                                            \
+      .name = NAME,                                                            \
+      .device = DEVICE,                                                        \
+      .alloc = host_alloc,                                                     \
+      .release = host_release,                                                 \
+      .zero = host_zero,                                                       \
+      .copy = host_copy,                                                       \
+      .cast = host_cast,                                                       \
+      .scale_div = host_scale_div,                                             \
+      .cast_div = host_cast_div,                                               \
+      .sgd = host_sgd,                                                         \
+      .to_host = host_to_host,                                                 \
+      .from_host = host_from_host,                                             \
+      .mark = host_slot_nop,                                                   \
+      .wait_mark = host_slot_nop,                                              \
+      .drain = host_drain,                                                     \
+      .handoff = host_handoff,                                                 \
+      .thread_init = NULL,                                                     \
+      .destroy = host_destroy,                                                 \
+  }
+
+const sp_fsdp_mem_ops sp_fsdp_host_ops = SP_HOST_OPS("cpu", false);
 
 /* "cpu-staged": host storage that the runtime treats as a device's, so
  * every host access (initialisation, checkpoints, loads) goes through the
  * staging paths a GPU takes, and a machine without one can test them. */
-const sp_fsdp_mem_ops sp_fsdp_staged_ops = {
-    .name = "cpu-staged",
-    .device = true,
-    .alloc = host_alloc,
-    .release = host_release,
-    .zero = host_zero,
-    .copy = host_copy,
-    .cast = host_cast,
-    .scale_div = host_scale_div,
-    .cast_div = host_cast_div,
-    .sgd = host_sgd,
-    .to_host = host_to_host,
-    .from_host = host_from_host,
-    .mark = host_slot_nop,
-    .wait_mark = host_slot_nop,
-    .drain = host_drain,
-    .handoff = host_handoff,
-    .thread_init = NULL,
-    .destroy = host_destroy,
-};
+const sp_fsdp_mem_ops sp_fsdp_staged_ops = SP_HOST_OPS("cpu-staged", true);
 
 bool sp_fsdp_mem_is_host(const sp_fsdp_mem_ops *m) {
   return m->scale_div == host_scale_div;
