@@ -262,8 +262,8 @@ static void gen(void *buf, sp_dtype dt, size_t n, uint64_t seed) {
 }
 
 /* out[k] = in[0][k] + ... + in[w-1][k], one element at a time, written
- * independently of comm.c's chunked loop. A NaN sum is the default quiet
- * NaN (comm_internal.h says why). */
+ * independently of comm_sum.c's chunked loop. A NaN sum is the default
+ * quiet NaN (comm_sum.h says why). */
 static void ref_sum(void *out, sp_dtype dt, const void *const *in, uint32_t w,
                     size_t count) {
   unsigned char *o = out;

@@ -4,9 +4,9 @@
  * a head, the element and the byte kernels); the fused forms
  * (sp_cuda_cast_at into a slot, sp_cuda_cast_div with FSDP's post-divide)
  * on random data with every special value, against a CPU reference that
- * computes what client/fsdp.c computes. The 2^32 float32 inputs are in
- * test_cuda_cast_exhaustive.c. Skips, with the reason, when CUDA was not
- * built or no device is present. */
+ * computes what client/lib/fsdp_mem_host.c computes. The 2^32 float32
+ * inputs are in test_cuda_cast_exhaustive.c. Skips, with the reason, when
+ * CUDA was not built or no device is present. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -288,10 +288,11 @@ static void fill_specials(void *buf, sp_dtype dt, size_t n, sp_test_rng *rng) {
   }
 }
 
-/* What client/fsdp.c computes for one element: scale_div in the reduce
- * dtype (hardware double division; 16-bit through float32 with sp_cast's
- * conversions, whose every path equals cast_scalar.h), then the cast to the
- * gradient dtype. div == 1 skips the division, as fsdp.c does. */
+/* What client/lib/fsdp_mem_host.c computes for one element: scale_div in
+ * the reduce dtype (hardware double division; 16-bit through float32 with
+ * sp_cast's conversions, whose every path equals cast_scalar.h), then the
+ * cast to the gradient dtype. div == 1 skips the division, as the runtime
+ * does. */
 static uint64_t ref_div_one(uint64_t x, sp_dtype st, sp_dtype dt, double div) {
   uint64_t q = x;
   if (div != 1.0) {

@@ -2,7 +2,8 @@
  * (cast_scalar.h):
  *   - all 2^32 float32 inputs to bfloat16 and to float16 (sp_cuda_cast);
  *   - all 2^32 float32 inputs through sp_cuda_cast_div(float32 -> float32,
- *     div 3), against what client/fsdp.c computes ((float)((double)x / 3));
+ *     div 3), against what client/lib/fsdp_mem_host.c computes
+ *     ((float)((double)x / 3));
  *   - all 2^16 inputs of each 16-bit format through sp_cuda_cast_div (div 3)
  *     to every floating dtype.
  * The plain 16-bit widenings and narrowings over all 2^16 inputs are in
@@ -40,8 +41,8 @@
     if (rc_ != 0) fail_msg("%s: %s", #call, sp_strerror(rc_));                 \
   } while (0)
 
-/* fsdp.c's float32 post-divide (hardware double division, one rounding to
- * float). */
+/* fsdp_mem_host.c's float32 post-divide (hardware double division, one
+ * rounding to float). */
 static uint32_t ref_div3_f32(uint32_t u) {
   float f;
   memcpy(&f, &u, sizeof f);
@@ -147,8 +148,8 @@ static void test_all_f32_inputs(void **state) {
   SP_TEST_CU(cudaFreeHost(f16));
 }
 
-/* fsdp.c's 16-bit post-divide: widen, divide in double, round to float32,
- * round to the 16-bit dtype, then cast to dt. */
+/* fsdp_mem_host.c's 16-bit post-divide: widen, divide in double, round to
+ * float32, round to the 16-bit dtype, then cast to dt. */
 static uint64_t ref_div3_16(uint16_t x, sp_dtype st, sp_dtype dt) {
   uint32_t w =
       st == SP_FLOAT16 ? sp_f16_to_f32_bits(x) : sp_bf16_to_f32_bits(x);

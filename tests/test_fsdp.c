@@ -1,4 +1,4 @@
-/* The FSDP runtime (client/fsdp.c) in isolation: its schedule and its
+/* The FSDP runtime (client/lib/fsdp*.c) in isolation: its schedule and its
  * mechanics. W = 1..4 ranks run as threads of this process, each with its
  * own session against one in-process coordinator, its own Gloo
  * communicators (sp_fsdp_comms_open) and its own runtime, driven in the

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "cast/cast_cuda.h"
 #include "cli.h"
 #include "fsdp/job_cli.h"
 #include "fsdp/plan.h"
@@ -271,8 +272,9 @@ int sp_cmd_run(int argc, char **argv) {
    * here rather than by every worker after the rendezvous. */
   int n_gpus = 0;
   if (cuda) {
-    if (sp_device_cuda_count(&n_gpus, &d) < 0) {
-      sp_cli_error(RUN, "--device cuda: %s", d.msg);
+    if (sp_cuda_device_count(&n_gpus) < 0) {
+      sp_cli_error(RUN, "--device cuda: cannot count CUDA devices (the "
+                        "driver's error is logged above)");
       goto out;
     }
     if (n_gpus == 0) {

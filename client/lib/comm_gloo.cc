@@ -8,7 +8,7 @@
 //     UnboundBuffer::abortWaitRecv/abortWaitSend on exactly the buffers the
 //     operation is blocked on; it returns as soon as the connections are
 //     closed (below), a few milliseconds.
-//   * determinism: sums are done on the host by comm.c in member order, so
+//   * determinism: sums are done on the host by comm_sum.c in member order, so
 //     Gloo only has to move bytes; each element of an all-reduce is summed by
 //     exactly one member and then copied, so every member holds the same bits
 //     even if their floating-point environments differ.
@@ -67,6 +67,7 @@
 #include <time.h>
 
 #include "comm_internal.h"
+#include "comm_sum.h"
 
 namespace {
 

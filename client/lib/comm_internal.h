@@ -1,10 +1,10 @@
-/* Communicator internals: the backend table that sp_comm dispatches through,
- * and the helpers backends share with comm.c.
+/* Communicator internals: the backend table that sp_comm dispatches through.
  *
  * comm.c owns everything backend-independent: argument checks, the abort
  * flag, the "broken" state after a failure, diagnostics naming the
- * communicator, and the deterministic host-side sum. A backend only moves
- * bytes between members and reports why it failed. Backends: Gloo
+ * communicator. The deterministic host-side sum, which comm.c and the Gloo
+ * backend share, is comm_sum.c's. A backend only moves bytes between
+ * members and reports why it failed. Backends: Gloo
  * (comm_gloo.cc, host memory) and NCCL (comm_nccl.c, device memory, built
  * with CUDA and NCCL only).
  *
@@ -98,22 +98,6 @@ const sp_comm_backend *sp_comm_gloo_backend(void);
 /* The NCCL backend (comm_nccl.c), built only with CUDA and NCCL. */
 const sp_comm_backend *sp_comm_nccl_backend(void);
 #endif
-
-/* Whether sums are defined for dt: float32, float64, bfloat16, float16,
- * int64, int32. */
-int sp_comm_dtype_summable(sp_dtype dt);
-
-/* dst[k] = blocks[0][k] + blocks[1][k] + ... + blocks[n-1][k], added in that
- * order, for k < count. bfloat16/float16 are widened exactly to float32,
- * summed in float32 and rounded once to nearest even (common/cast_scalar.h);
- * integers wrap modulo 2^bits. A NaN sum is stored as the default quiet
- * NaN (positive, payload 0): which input's payload an addition keeps is up
- * to the compiler's operand order, so it could not be promised. dst may be the
- * same memory as any block (the same elements), since each chunk is read
- * completely before it is written. Returns 0, or SP_EINVAL for a dtype without
- * sums. */
-int sp_comm_sum_blocks(void *dst, const void *const *blocks, uint32_t n,
-                       size_t count, sp_dtype dt);
 
 #ifdef __cplusplus
 }

@@ -53,7 +53,7 @@ int sp_cublas_diag(sp_diag *d, int status, const char *expr, const char *file,
  * call on the stream, which is checked as well. */
 
 /* Kernels of the FSDP runtime, enqueued on `stream` (a cudaStream_t).
- * scale_div: buf[i] /= div in place, bit for bit what fsdp.c's host path
+ * scale_div: buf[i] /= div in place, bit for bit what the host path
  *   computes (float32 and float64: the quotient in double rounded once;
  *   bfloat16 and float16: via float32).
  * sgd: p = rne_pdt((double)p - lr * (double)g) with no FMA contraction,
@@ -66,21 +66,6 @@ int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, void *g, sp_dtype gdt, size_t n,
                      double lr, void *stream, sp_diag *d);
 
 #ifdef __cplusplus
-}
-#endif
-
-#ifdef __CUDACC__
-/* Launch geometry shared by the client's kernels: grid-stride loops of
- * SP_K_THREADS threads a block, at most SP_K_MAX_BLOCKS blocks. */
-#define SP_K_THREADS 256
-#define SP_K_MAX_BLOCKS 4096u
-#define SP_K_TID() ((size_t)blockIdx.x * blockDim.x + threadIdx.x)
-#define SP_K_STRIDE() ((size_t)gridDim.x * blockDim.x)
-
-static inline unsigned sp_k_blocks(size_t n) {
-  size_t b = (n + SP_K_THREADS - 1) / SP_K_THREADS;
-  if (b == 0) b = 1;
-  return b < SP_K_MAX_BLOCKS ? (unsigned)b : SP_K_MAX_BLOCKS;
 }
 #endif
 

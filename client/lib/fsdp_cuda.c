@@ -320,18 +320,6 @@ void *sp_fsdp_cuda_stream(const sp_fsdp *f) {
 
 /* ---- device names (with and without CUDA) ---- */
 
-int sp_device_cuda_count(int *n, sp_diag *d) {
-  if (!n) return sp_diag_set(d, SP_EINVAL, "sp_device_cuda_count: NULL");
-  *n = 0;
-#if SHARDPLANE_HAVE_CUDA
-  int rc = sp_cuda_device_count(n);
-  if (rc < 0)
-    return sp_diag_set(d, rc, "cannot count CUDA devices (the driver's "
-                       "error is logged above)");
-#endif
-  return 0;
-}
-
 int sp_device_parse(const char *device, int *ordinal, sp_diag *d) {
   if (!device || !ordinal)
     return sp_diag_set(d, SP_EINVAL, "sp_device_parse: NULL argument");
@@ -346,8 +334,10 @@ int sp_device_parse(const char *device, int *ordinal, sp_diag *d) {
                      "without CUDA", device);
 #else
   int count = 0;
-  int rc = sp_device_cuda_count(&count, d);
-  if (rc < 0) return sp_diag_prefix(d, rc, "%s", device);
+  int rc = sp_cuda_device_count(&count);
+  if (rc < 0)
+    return sp_diag_set(d, rc, "%s: cannot count CUDA devices (the driver's "
+                       "error is logged above)", device);
   if (count == 0)
     return sp_diag_set(d, SP_ENODEV, "%s: no CUDA device", device);
   if (n >= count)

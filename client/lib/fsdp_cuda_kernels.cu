@@ -1,5 +1,5 @@
 /* The FSDP runtime's small kernels (cuda_internal.h), each beside the CPU
- * code it must agree with bit for bit (client/fsdp.c: scale_div and
+ * code it must agree with bit for bit (fsdp_mem_host.c: scale_div and
  * host_sgd). Conversions go through common/cast_scalar.h, as the CPU's do;
  * arithmetic uses the explicitly rounded intrinsics (__ddiv_rn, __dmul_rn,
  * __dsub_rn, __double2float_rn) so that nvcc cannot contract a multiply
@@ -13,12 +13,8 @@
 #include <string.h>
 
 #include "cast/cast_scalar.h"
+#include "cast/cuda_launch.h"
 #include "cuda_internal.h"
-
-static __device__ double bits_f64(uint64_t u) { return __longlong_as_double((long long)u); }
-static __device__ uint64_t f64_bits(double v) { return (uint64_t)__double_as_longlong(v); }
-static __device__ float bits_f32(uint32_t u) { return __uint_as_float(u); }
-static __device__ uint32_t f32_bits(float v) { return __float_as_uint(v); }
 
 /* Element i of a floating array, widened exactly to double (sp_cast's
  * widening). */
@@ -27,17 +23,17 @@ static __device__ double load_f64(const void *p, int dt, size_t i) {
   case SP_FLOAT64:
     return ((const double *)p)[i];
   case SP_FLOAT32:
-    return bits_f64(sp_f32_to_f64_bits(((const uint32_t *)p)[i]));
+    return sp_f64_from_bits(sp_f32_to_f64_bits(((const uint32_t *)p)[i]));
   case SP_BFLOAT16:
-    return bits_f64(sp_bf16_to_f64_bits(((const uint16_t *)p)[i]));
+    return sp_f64_from_bits(sp_bf16_to_f64_bits(((const uint16_t *)p)[i]));
   default: /* SP_FLOAT16 */
-    return bits_f64(sp_f16_to_f64_bits(((const uint16_t *)p)[i]));
+    return sp_f64_from_bits(sp_f16_to_f64_bits(((const uint16_t *)p)[i]));
   }
 }
 
 /* v rounded once (RNE) to dt, stored at element i (sp_cast's narrowing). */
 static __device__ void store_f64(void *p, int dt, size_t i, double v) {
-  uint64_t u = f64_bits(v);
+  uint64_t u = sp_f64_to_bits(v);
   switch (dt) {
   case SP_FLOAT64:
     ((double *)p)[i] = v;
@@ -54,7 +50,7 @@ static __device__ void store_f64(void *p, int dt, size_t i, double v) {
   }
 }
 
-/* fsdp.c scale_div: float32 (float)((double)x / div); float64 x / div;
+/* fsdp_mem_host.c scale_div: float32 (float)((double)x / div); float64 x / div;
  * bfloat16/float16 widened to float32, the same float32 step, rounded back
  * with sp_cast's RNE. */
 __global__ void sp_k_scale_div(void *buf, int dt, size_t n, double div) {
@@ -72,23 +68,23 @@ __global__ void sp_k_scale_div(void *buf, int dt, size_t n, double div) {
     }
     case SP_BFLOAT16: {
       uint16_t *p = (uint16_t *)buf;
-      float x = bits_f32(sp_bf16_to_f32_bits(p[i]));
+      float x = sp_f32_from_bits(sp_bf16_to_f32_bits(p[i]));
       float q = __double2float_rn(__ddiv_rn((double)x, div));
-      p[i] = sp_f32_to_bf16_bits(f32_bits(q));
+      p[i] = sp_f32_to_bf16_bits(sp_f32_to_bits(q));
       break;
     }
     default: { /* SP_FLOAT16 */
       uint16_t *p = (uint16_t *)buf;
-      float x = bits_f32(sp_f16_to_f32_bits(p[i]));
+      float x = sp_f32_from_bits(sp_f16_to_f32_bits(p[i]));
       float q = __double2float_rn(__ddiv_rn((double)x, div));
-      p[i] = sp_f32_to_f16_bits(f32_bits(q));
+      p[i] = sp_f32_to_f16_bits(sp_f32_to_bits(q));
       break;
     }
     }
   }
 }
 
-/* fsdp.c host_sgd: p = rne(p - lr * g) in double, then g = 0. */
+/* fsdp_mem_host.c host_sgd: p = rne(p - lr * g) in double, then g = 0. */
 __global__ void sp_k_sgd(void *p, int pdt, void *g, int gdt, size_t gsize,
                          size_t n, double lr) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {

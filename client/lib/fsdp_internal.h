@@ -1,4 +1,6 @@
-/* The FSDP runtime's state, shared by fsdp.c (schedule, collectives) and
+/* The FSDP runtime's state, shared by its files (fsdp.c construction and
+ * storage, fsdp_schedule.c the schedule, fsdp_comm.c the communication
+ * thread, fsdp_mem_host.c and fsdp_cuda.c the memory-ops tables) and by
  * ckpt.c (checkpoints). Not part of the public API. */
 #ifndef SP_FSDP_INTERNAL_H
 #define SP_FSDP_INTERNAL_H
@@ -102,6 +104,15 @@ typedef struct sp_fsdp_mem_ops {
   void (*destroy)(sp_fsdp *f);
 } sp_fsdp_mem_ops;
 
+/* The host implementations (fsdp_mem_host.c): "cpu", and "cpu-staged",
+ * host memory the runtime treats as a device's (mem.device), so a machine
+ * without a GPU runs the staging paths a GPU takes. */
+extern const sp_fsdp_mem_ops sp_fsdp_host_ops;
+extern const sp_fsdp_mem_ops sp_fsdp_staged_ops;
+/* Whether m is one of them: their scale_div needs the communication
+ * thread's float32 scratch (f->host_tmp). */
+bool sp_fsdp_mem_is_host(const sp_fsdp_mem_ops *m);
+
 /* The device implementation (fsdp_cuda.c): parses "cuda:N", makes N the
  * calling thread's device, creates the compute and comm streams and one
  * mark event per ring slot (f->queue_cap), and sets f->mem and f->dev.
@@ -163,10 +174,17 @@ struct sp_fsdp {
   sp_diag error_diag;
 };
 
+/* Starts the communication thread (fsdp_comm.c) once the storage is
+ * allocated; _stop lets it drain the queue and joins it (nothing to do if
+ * it never started). */
+int sp_fsdp_comm_start(sp_fsdp *f, sp_diag *d);
+void sp_fsdp_comm_stop(sp_fsdp *f);
 /* Queues work and returns its ticket (>= 0) or a negative error. */
 int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d);
 /* Waits until ticket completed; returns the runtime's first error. */
 int sp_fsdp_wait(sp_fsdp *f, int64_t ticket, sp_diag *d);
+/* Whether ticket has completed, without waiting. */
+bool sp_fsdp_ticket_done(sp_fsdp *f, int64_t ticket);
 /* Summons unit u's full master parameter (unit dtype, N elements) into dst
  * (host memory, also for a runtime on a GPU):
  * a collective over the shard group; reports SUMMON_FULL_PARAMS around it
@@ -196,5 +214,11 @@ int sp_fsdp_shard_commit(sp_fsdp *f, uint32_t u, uint8_t *stage, bool keep,
 uint8_t *sp_fsdp_buffer_stage(sp_fsdp *f, int32_t b, sp_diag *d);
 int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *stage, bool keep,
                           sp_diag *d);
+
+/* calloc that gives a unique pointer for zero elements and NULL (not a
+ * wrapped size) when n * size overflows. */
+void *sp_fsdp_xcalloc(size_t n, size_t size);
+/* A unit's name in messages: its module FQN, "root" for the root. */
+const char *sp_fsdp_unit_name(const sp_fsdp *f, uint32_t unit);
 
 #endif

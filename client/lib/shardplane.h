@@ -433,9 +433,6 @@ int sp_fsdp_synchronize(sp_fsdp *f, sp_diag *d);
  * cuda:0: no CUDA device", or N beyond the devices present). d names the
  * device. */
 int sp_device_parse(const char *device, int *cuda_ordinal, sp_diag *d);
-/* Number of usable CUDA devices: 0 without a GPU, a driver, or a CUDA
- * build (not an error). SP_ECUDA when the driver fails otherwise. */
-int sp_device_cuda_count(int *n, sp_diag *d);
 
 /* Statistics for tests and benchmarks. */
 typedef struct sp_fsdp_stats {

@@ -26,41 +26,17 @@
 #include "fsdp/plan.h"
 
 /* ------------------------------------------------------------------ */
-/* bit-level helpers                                                   */
+/* element helpers (conversions: cast_scalar.h)                       */
 /* ------------------------------------------------------------------ */
-
-static uint32_t f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float f32_from_bits(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static uint64_t f64_bits(double v) {
-  uint64_t u;
-  memcpy(&u, &v, sizeof u);
-  return u;
-}
-
-static double f64_from_bits(uint64_t u) {
-  double v;
-  memcpy(&v, &u, sizeof v);
-  return v;
-}
 
 /* float32 value rounded to a floating dtype and widened back. float32 and
  * float64 hold every float32 value, so only the 16-bit formats round. */
 static float round_f32(float v, sp_dtype dt) {
   switch (dt) {
   case SP_BFLOAT16:
-    return f32_from_bits(sp_bf16_to_f32_bits(sp_f32_to_bf16_bits(f32_bits(v))));
+    return sp_f32_round_bf16(v);
   case SP_FLOAT16:
-    return f32_from_bits(sp_f16_to_f32_bits(sp_f32_to_f16_bits(f32_bits(v))));
+    return sp_f32_round_f16(v);
   default:
     return v;
   }
@@ -76,7 +52,7 @@ static void round_array(float *v, size_t n, sp_dtype dt) {
 /* A double rounded once (RNE) to float32 without the C conversion, whose
  * result would depend on the thread's rounding mode. */
 static float f64_to_f32(double v) {
-  return f32_from_bits(sp_f64_to_f32_bits(f64_bits(v)));
+  return sp_f32_from_bits(sp_f64_to_f32_bits(sp_f64_to_bits(v)));
 }
 
 /* Element i of a floating array of dtype dt, as float32 (float64 rounds). */
@@ -91,17 +67,17 @@ static float load_f32(const void *p, sp_dtype dt, size_t i) {
   case SP_FLOAT64: {
     uint64_t u;
     memcpy(&u, b + i * 8, 8);
-    return f32_from_bits(sp_f64_to_f32_bits(u));
+    return sp_f32_from_bits(sp_f64_to_f32_bits(u));
   }
   case SP_BFLOAT16: {
     uint16_t h;
     memcpy(&h, b + i * 2, 2);
-    return f32_from_bits(sp_bf16_to_f32_bits(h));
+    return sp_f32_from_bits(sp_bf16_to_f32_bits(h));
   }
   case SP_FLOAT16: {
     uint16_t h;
     memcpy(&h, b + i * 2, 2);
-    return f32_from_bits(sp_f16_to_f32_bits(h));
+    return sp_f32_from_bits(sp_f16_to_f32_bits(h));
   }
   default:
     return 0.0f;
@@ -116,13 +92,14 @@ static double load_f64(const void *p, sp_dtype dt, size_t i) {
     memcpy(&v, b + i * 8, 8);
     return v;
   }
-  return f64_from_bits(sp_f32_to_f64_bits(f32_bits(load_f32(p, dt, i))));
+  float f = load_f32(p, dt, i);
+  return sp_f64_from_bits(sp_f32_to_f64_bits(sp_f32_to_bits(f)));
 }
 
 /* Writes v rounded (RNE, once) to dt into element i. */
 static void store_f64(void *p, sp_dtype dt, size_t i, double v) {
   unsigned char *b = p;
-  uint64_t u = f64_bits(v);
+  uint64_t u = sp_f64_to_bits(v);
   switch (dt) {
   case SP_FLOAT32: {
     uint32_t r = sp_f64_to_f32_bits(u);
@@ -148,7 +125,7 @@ static void store_f64(void *p, sp_dtype dt, size_t i, double v) {
 }
 
 static void store_f32(void *p, sp_dtype dt, size_t i, float v) {
-  store_f64(p, dt, i, f64_from_bits(sp_f32_to_f64_bits(f32_bits(v))));
+  store_f64(p, dt, i, sp_f64_from_bits(sp_f32_to_f64_bits(sp_f32_to_bits(v))));
 }
 
 static bool is_integer_dtype(sp_dtype dt) {
@@ -232,6 +209,173 @@ static long layer_index(const char *fqn) {
   return k;
 }
 
+/* The layers.<k> modules, in order, each a Linear, RunningNorm or ReLU
+ * without submodules; layer_of maps a module index to its layer. */
+static int read_layers(const sp_model *m, sp_mlp *mlp, int32_t *layer_of,
+                       sp_diag *d) {
+  int32_t container = -1;
+  for (size_t i = 1; i < m->n_modules; i++) {
+    const sp_module *mod = &m->modules[i];
+    if (strcmp(mod->fqn, "layers") == 0 && mod->parent == 0) {
+      container = (int32_t)i;
+      continue;
+    }
+    long k = layer_index(mod->fqn);
+    if (k < 0 || mod->parent != container || container < 0)
+      return unsupported(d, m, "module \"%s\" is not layers.<k>", mod->fqn);
+    if ((size_t)k != mlp->n_layers)
+      return unsupported(d, m, "module \"%s\" out of order", mod->fqn);
+    if (mod->subtree_end != i + 1)
+      return unsupported(d, m, "module \"%s\" has submodules", mod->fqn);
+    sp_mlp_layer *L = &mlp->layers[mlp->n_layers];
+    if (strcmp(mod->type, "Linear") == 0) {
+      L->kind = SP_MLP_LINEAR;
+    } else if (strcmp(mod->type, "RunningNorm") == 0) {
+      L->kind = SP_MLP_NORM;
+    } else if (strcmp(mod->type, "ReLU") == 0) {
+      L->kind = SP_MLP_RELU;
+    } else {
+      return unsupported(d, m, "module \"%s\": unsupported type", mod->fqn);
+    }
+    L->module = (int32_t)i;
+    L->weight = L->bias = -1;
+    L->running_mean = L->num_batches_tracked = L->seen = -1;
+    layer_of[i] = (int32_t)mlp->n_layers;
+    mlp->n_layers++;
+  }
+  if (mlp->n_layers == 0)
+    return unsupported(d, m, "%s", "no layers.<k> modules");
+  return 0;
+}
+
+/* Every parameter is the weight or bias of a Linear or RunningNorm. */
+static int attach_params(const sp_model *m, sp_mlp *mlp,
+                         const int32_t *layer_of, sp_diag *d) {
+  for (size_t p = 0; p < m->n_params; p++) {
+    const sp_tensor_spec *t = &m->params[p];
+    int32_t li = layer_of[t->module];
+    if (li < 0 || mlp->layers[li].kind == SP_MLP_RELU)
+      return unsupported(d, m, "parameter \"%s\" outside a Linear/RunningNorm",
+                         t->fqn);
+    if (!sp_dtype_is_floating(t->dtype))
+      return unsupported(d, m, "parameter \"%s\" is not floating", t->fqn);
+    sp_mlp_layer *L = &mlp->layers[li];
+    if (strcmp(t->local_name, "weight") == 0 && L->weight < 0) {
+      L->weight = (int32_t)p;
+    } else if (strcmp(t->local_name, "bias") == 0 && L->bias < 0) {
+      L->bias = (int32_t)p;
+    } else {
+      return unsupported(d, m, "unexpected parameter \"%s\"", t->fqn);
+    }
+  }
+  return 0;
+}
+
+/* Buffers: the root's integer step counter, and a RunningNorm's
+ * running_mean, num_batches_tracked and seen. */
+static int attach_buffers(const sp_model *m, sp_mlp *mlp,
+                          const int32_t *layer_of, sp_diag *d) {
+  for (size_t b = 0; b < m->n_buffers; b++) {
+    const sp_tensor_spec *t = &m->buffers[b];
+    if (t->module == 0) {
+      if (strcmp(t->local_name, "step") == 0 && is_integer_dtype(t->dtype) &&
+          t->numel == 1) {
+        mlp->step_buffer = (int32_t)b;
+        continue;
+      }
+      return unsupported(d, m, "unexpected root buffer \"%s\"", t->fqn);
+    }
+    int32_t li = layer_of[t->module];
+    if (li < 0 || mlp->layers[li].kind != SP_MLP_NORM)
+      return unsupported(d, m, "buffer \"%s\" outside a RunningNorm", t->fqn);
+    sp_mlp_layer *L = &mlp->layers[li];
+    if (strcmp(t->local_name, "running_mean") == 0 &&
+        sp_dtype_is_floating(t->dtype) && t->ndim == 1) {
+      L->running_mean = (int32_t)b;
+    } else if (strcmp(t->local_name, "num_batches_tracked") == 0 &&
+               is_integer_dtype(t->dtype) && t->numel == 1) {
+      L->num_batches_tracked = (int32_t)b;
+    } else if (strcmp(t->local_name, "seen") == 0 && t->dtype == SP_BOOL &&
+               t->numel == 1) {
+      L->seen = (int32_t)b;
+    } else {
+      return unsupported(d, m,
+                         "unexpected buffer \"%s\" (name, dtype or shape)",
+                         t->fqn);
+    }
+  }
+  return 0;
+}
+
+/* L's features in and out, from its tensors' shapes; a ReLU keeps those of
+ * the layer before it (prev out features, -1 for none). */
+static int layer_shape(const sp_model *m, sp_mlp_layer *L, int64_t prev,
+                       sp_diag *d) {
+  const char *fqn = m->modules[L->module].fqn;
+  const sp_tensor_spec *w = L->weight >= 0 ? &m->params[L->weight] : NULL;
+  const sp_tensor_spec *bi = L->bias >= 0 ? &m->params[L->bias] : NULL;
+  switch (L->kind) {
+  case SP_MLP_LINEAR:
+    if (w == NULL || w->ndim != 2 || w->shape[0] <= 0 || w->shape[1] <= 0)
+      return unsupported(d, m, "Linear \"%s\" needs a weight [out, in]", fqn);
+    L->out = w->shape[0];
+    L->in = w->shape[1];
+    if (bi != NULL && (bi->ndim != 1 || bi->shape[0] != L->out))
+      return unsupported(d, m, "Linear \"%s\": bias shape", fqn);
+    if (bi != NULL && bi->dtype != w->dtype)
+      return unsupported(d, m, "Linear \"%s\": weight and bias dtypes", fqn);
+    return 0;
+  case SP_MLP_NORM: {
+    const sp_tensor_spec *rm =
+        L->running_mean >= 0 ? &m->buffers[L->running_mean] : NULL;
+    if (w == NULL || bi == NULL || rm == NULL || w->ndim != 1 ||
+        w->shape[0] <= 0)
+      return unsupported(d, m,
+                         "RunningNorm \"%s\" needs weight, bias and "
+                         "running_mean",
+                         fqn);
+    L->in = L->out = w->shape[0];
+    if (bi->ndim != 1 || bi->shape[0] != L->in || rm->shape[0] != L->in)
+      return unsupported(d, m, "RunningNorm \"%s\": shapes differ", fqn);
+    if (bi->dtype != w->dtype)
+      return unsupported(d, m, "RunningNorm \"%s\": weight and bias dtypes",
+                         fqn);
+    return 0;
+  }
+  case SP_MLP_RELU:
+    if (prev < 0)
+      return unsupported(d, m, "ReLU \"%s\" cannot come first", fqn);
+    L->in = L->out = prev;
+    return 0;
+  }
+  return 0;
+}
+
+/* Shapes, and the chain of feature counts from in_dim to out_dim. */
+static int chain_shapes(const sp_model *m, sp_mlp *mlp, sp_diag *d) {
+  int64_t prev = -1;
+  for (size_t l = 0; l < mlp->n_layers; l++) {
+    sp_mlp_layer *L = &mlp->layers[l];
+    int rc = layer_shape(m, L, prev, d);
+    if (rc != 0)
+      return rc;
+    if (prev >= 0 && L->in != prev)
+      return unsupported(d, m,
+                         "layer \"%s\": input features do not match the "
+                         "previous layer's output",
+                         m->modules[L->module].fqn);
+    prev = L->out;
+    if (l == 0)
+      mlp->in_dim = L->in;
+    if (L->in > mlp->max_dim)
+      mlp->max_dim = L->in;
+    if (L->out > mlp->max_dim)
+      mlp->max_dim = L->out;
+  }
+  mlp->out_dim = prev;
+  return 0;
+}
+
 int sp_mlp_new(const sp_model *m, sp_mlp **out, sp_diag *d) {
   if (m == NULL || out == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_new: NULL argument");
@@ -253,8 +397,7 @@ int sp_mlp_new(const sp_model *m, sp_mlp **out, sp_diag *d) {
       return sp_diag_set(d, SP_ENOMEM, "sp_mlp_new: out of memory");
     }
   }
-  int rc = 0;
-  /* module index -> layer index, to attach tensors below */
+  /* module index -> layer index, to attach tensors to their layers */
   int32_t *layer_of = calloc(m->n_modules, sizeof *layer_of);
   if (layer_of == NULL) {
     sp_mlp_free(mlp);
@@ -262,166 +405,14 @@ int sp_mlp_new(const sp_model *m, sp_mlp **out, sp_diag *d) {
   }
   for (size_t i = 0; i < m->n_modules; i++)
     layer_of[i] = -1;
-  int32_t container = -1;
 
-  for (size_t i = 1; i < m->n_modules && rc == 0; i++) {
-    const sp_module *mod = &m->modules[i];
-    if (strcmp(mod->fqn, "layers") == 0 && mod->parent == 0) {
-      container = (int32_t)i;
-      continue;
-    }
-    long k = layer_index(mod->fqn);
-    if (k < 0 || mod->parent != container || container < 0) {
-      rc = unsupported(d, m, "module \"%s\" is not layers.<k>", mod->fqn);
-      break;
-    }
-    if ((size_t)k != mlp->n_layers) {
-      rc = unsupported(d, m, "module \"%s\" out of order", mod->fqn);
-      break;
-    }
-    if (mod->subtree_end != i + 1) {
-      rc = unsupported(d, m, "module \"%s\" has submodules", mod->fqn);
-      break;
-    }
-    sp_mlp_layer *L = &mlp->layers[mlp->n_layers];
-    if (strcmp(mod->type, "Linear") == 0) {
-      L->kind = SP_MLP_LINEAR;
-    } else if (strcmp(mod->type, "RunningNorm") == 0) {
-      L->kind = SP_MLP_NORM;
-    } else if (strcmp(mod->type, "ReLU") == 0) {
-      L->kind = SP_MLP_RELU;
-    } else {
-      rc = unsupported(d, m, "module \"%s\": unsupported type", mod->fqn);
-      break;
-    }
-    L->module = (int32_t)i;
-    L->weight = L->bias = -1;
-    L->running_mean = L->num_batches_tracked = L->seen = -1;
-    layer_of[i] = (int32_t)mlp->n_layers;
-    mlp->n_layers++;
-  }
-  if (rc == 0 && mlp->n_layers == 0)
-    rc = unsupported(d, m, "%s", "no layers.<k> modules");
-
-  for (size_t p = 0; p < m->n_params && rc == 0; p++) {
-    const sp_tensor_spec *t = &m->params[p];
-    int32_t li = layer_of[t->module];
-    if (li < 0 || mlp->layers[li].kind == SP_MLP_RELU) {
-      rc = unsupported(d, m, "parameter \"%s\" outside a Linear/RunningNorm",
-                       t->fqn);
-      break;
-    }
-    if (!sp_dtype_is_floating(t->dtype)) {
-      rc = unsupported(d, m, "parameter \"%s\" is not floating", t->fqn);
-      break;
-    }
-    sp_mlp_layer *L = &mlp->layers[li];
-    if (strcmp(t->local_name, "weight") == 0 && L->weight < 0) {
-      L->weight = (int32_t)p;
-    } else if (strcmp(t->local_name, "bias") == 0 && L->bias < 0) {
-      L->bias = (int32_t)p;
-    } else {
-      rc = unsupported(d, m, "unexpected parameter \"%s\"", t->fqn);
-    }
-  }
-
-  for (size_t b = 0; b < m->n_buffers && rc == 0; b++) {
-    const sp_tensor_spec *t = &m->buffers[b];
-    if (t->module == 0) {
-      if (strcmp(t->local_name, "step") == 0 && is_integer_dtype(t->dtype) &&
-          t->numel == 1) {
-        mlp->step_buffer = (int32_t)b;
-        continue;
-      }
-      rc = unsupported(d, m, "unexpected root buffer \"%s\"", t->fqn);
-      break;
-    }
-    int32_t li = layer_of[t->module];
-    if (li < 0 || mlp->layers[li].kind != SP_MLP_NORM) {
-      rc = unsupported(d, m, "buffer \"%s\" outside a RunningNorm", t->fqn);
-      break;
-    }
-    sp_mlp_layer *L = &mlp->layers[li];
-    if (strcmp(t->local_name, "running_mean") == 0 &&
-        sp_dtype_is_floating(t->dtype) && t->ndim == 1) {
-      L->running_mean = (int32_t)b;
-    } else if (strcmp(t->local_name, "num_batches_tracked") == 0 &&
-               is_integer_dtype(t->dtype) && t->numel == 1) {
-      L->num_batches_tracked = (int32_t)b;
-    } else if (strcmp(t->local_name, "seen") == 0 && t->dtype == SP_BOOL &&
-               t->numel == 1) {
-      L->seen = (int32_t)b;
-    } else {
-      rc = unsupported(d, m, "unexpected buffer \"%s\" (name, dtype or shape)",
-                       t->fqn);
-    }
-  }
-
-  /* shapes, and the chain of feature counts */
-  int64_t prev = -1;
-  for (size_t l = 0; l < mlp->n_layers && rc == 0; l++) {
-    sp_mlp_layer *L = &mlp->layers[l];
-    const char *fqn = m->modules[L->module].fqn;
-    const sp_tensor_spec *w = L->weight >= 0 ? &m->params[L->weight] : NULL;
-    const sp_tensor_spec *bi = L->bias >= 0 ? &m->params[L->bias] : NULL;
-    switch (L->kind) {
-    case SP_MLP_LINEAR:
-      if (w == NULL || w->ndim != 2 || w->shape[0] <= 0 || w->shape[1] <= 0) {
-        rc = unsupported(d, m, "Linear \"%s\" needs a weight [out, in]", fqn);
-        break;
-      }
-      L->out = w->shape[0];
-      L->in = w->shape[1];
-      if (bi != NULL && (bi->ndim != 1 || bi->shape[0] != L->out))
-        rc = unsupported(d, m, "Linear \"%s\": bias shape", fqn);
-      else if (bi != NULL && bi->dtype != w->dtype)
-        rc = unsupported(d, m, "Linear \"%s\": weight and bias dtypes", fqn);
-      break;
-    case SP_MLP_NORM: {
-      const sp_tensor_spec *rm =
-          L->running_mean >= 0 ? &m->buffers[L->running_mean] : NULL;
-      if (w == NULL || bi == NULL || rm == NULL || w->ndim != 1 ||
-          w->shape[0] <= 0) {
-        rc = unsupported(d, m,
-                         "RunningNorm \"%s\" needs weight, bias and "
-                         "running_mean",
-                         fqn);
-        break;
-      }
-      L->in = L->out = w->shape[0];
-      if (bi->ndim != 1 || bi->shape[0] != L->in || rm->shape[0] != L->in)
-        rc = unsupported(d, m, "RunningNorm \"%s\": shapes differ", fqn);
-      else if (bi->dtype != w->dtype)
-        rc = unsupported(d, m, "RunningNorm \"%s\": weight and bias dtypes",
-                         fqn);
-      break;
-    }
-    case SP_MLP_RELU:
-      if (prev < 0) {
-        rc = unsupported(d, m, "ReLU \"%s\" cannot come first", fqn);
-        break;
-      }
-      L->in = L->out = prev;
-      break;
-    }
-    if (rc != 0)
-      break;
-    if (prev >= 0 && L->in != prev) {
-      rc = unsupported(d, m,
-                       "layer \"%s\": input features do not match the "
-                       "previous layer's output",
-                       fqn);
-      break;
-    }
-    prev = L->out;
-    if (l == 0)
-      mlp->in_dim = L->in;
-    if (L->in > mlp->max_dim)
-      mlp->max_dim = L->in;
-    if (L->out > mlp->max_dim)
-      mlp->max_dim = L->out;
-  }
-  mlp->out_dim = prev;
+  int rc = read_layers(m, mlp, layer_of, d);
+  if (rc == 0)
+    rc = attach_params(m, mlp, layer_of, d);
+  if (rc == 0)
+    rc = attach_buffers(m, mlp, layer_of, d);
+  if (rc == 0)
+    rc = chain_shapes(m, mlp, d);
   free(layer_of);
   if (rc != 0) {
     sp_mlp_free(mlp);

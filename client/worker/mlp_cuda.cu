@@ -16,6 +16,7 @@
 
 #include "cast/cast_cuda.h"
 #include "cast/cast_scalar.h"
+#include "cast/cuda_launch.h"
 #include "lib/cuda_internal.h"
 #include "mlp_cuda.h"
 
@@ -34,9 +35,9 @@ extern "C" int sp_cublas_diag(sp_diag *d, int status, const char *expr,
 static __device__ float round_dt(float v, int dt) {
   switch (dt) {
   case SP_BFLOAT16:
-    return __uint_as_float(sp_bf16_to_f32_bits(sp_f32_to_bf16_bits(__float_as_uint(v))));
+    return sp_f32_round_bf16(v);
   case SP_FLOAT16:
-    return __uint_as_float(sp_f16_to_f32_bits(sp_f32_to_f16_bits(__float_as_uint(v))));
+    return sp_f32_round_f16(v);
   default:
     return v;
   }
@@ -47,12 +48,12 @@ static __device__ float load_dt(const void *p, int dt, size_t i) {
   case SP_FLOAT32:
     return ((const float *)p)[i];
   case SP_FLOAT64:
-    return __uint_as_float(sp_f64_to_f32_bits(
-        (uint64_t)__double_as_longlong(((const double *)p)[i])));
+    return sp_f32_from_bits(
+        sp_f64_to_f32_bits(sp_f64_to_bits(((const double *)p)[i])));
   case SP_BFLOAT16:
-    return __uint_as_float(sp_bf16_to_f32_bits(((const uint16_t *)p)[i]));
+    return sp_f32_from_bits(sp_bf16_to_f32_bits(((const uint16_t *)p)[i]));
   case SP_FLOAT16:
-    return __uint_as_float(sp_f16_to_f32_bits(((const uint16_t *)p)[i]));
+    return sp_f32_from_bits(sp_f16_to_f32_bits(((const uint16_t *)p)[i]));
   default:
     return 0.0f;
   }
@@ -61,13 +62,13 @@ static __device__ float load_dt(const void *p, int dt, size_t i) {
 /* v rounded once (RNE) to dt; float32 values widen exactly first, as
  * mlp.c's store_f32 does */
 static __device__ void store_dt(void *p, int dt, size_t i, float v) {
-  uint64_t u = sp_f32_to_f64_bits(__float_as_uint(v));
+  uint64_t u = sp_f32_to_f64_bits(sp_f32_to_bits(v));
   switch (dt) {
   case SP_FLOAT32:
     ((uint32_t *)p)[i] = sp_f64_to_f32_bits(u);
     break;
   case SP_FLOAT64:
-    ((double *)p)[i] = __longlong_as_double((long long)u);
+    ((double *)p)[i] = sp_f64_from_bits(u);
     break;
   case SP_BFLOAT16:
     ((uint16_t *)p)[i] = sp_f64_to_bf16_bits(u);

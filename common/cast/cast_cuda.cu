@@ -30,12 +30,9 @@
 
 #include "cast_cuda.h"
 #include "cast_scalar.h"
+#include "cuda_launch.h"
 
-#define SP_CUDA_THREADS 256
 #define SP_CUDA_VEC 8 /* elements per thread in the vec kernels */
-
-#define SP_CUDA_TID() ((size_t)blockIdx.x * blockDim.x + threadIdx.x)
-#define SP_CUDA_STRIDE() ((size_t)gridDim.x * blockDim.x)
 
 /* ---- element operations -----------------------------------------------
  * Every operation has the signature DT op(ST x, double k); plain casts
@@ -64,21 +61,15 @@ SP_CUDA_PLAIN_OP(f16_to_f64, uint16_t, uint64_t, sp_f16_to_f64_bits)
 SP_CUDA_PLAIN_OP(bf16_to_f16, uint16_t, uint16_t, sp_bf16_to_f16_bits)
 SP_CUDA_PLAIN_OP(f16_to_bf16, uint16_t, uint16_t, sp_f16_to_bf16_bits)
 
-/* The quotient x / k in x's own dtype, exactly as client/fsdp.c's
- * scale_div computes it on the CPU (see sp_cuda_cast_div in cast_cuda.h).
+/* The quotient x / k in x's own dtype, exactly as
+ * client/lib/fsdp_mem_host.c's scale_div computes it on the CPU (see
+ * sp_cuda_cast_div in cast_cuda.h).
  * Widening and narrowing use the integer cast_scalar.h functions, so the
  * only floating-point instruction is the IEEE double division, correctly
  * rounded on the GPU as on x86-64 (no FTZ: double division never flushes).
  * A NaN never reaches the division: x86-64 would return it quieted with
  * its payload, the GPU a canonical NaN, so it is quieted here in integer
  * code, matching the CPU. */
-__device__ __forceinline__ double sp_f64_from_bits(uint64_t u) {
-  return __longlong_as_double((long long)u);
-}
-__device__ __forceinline__ uint64_t sp_f64_to_bits(double v) {
-  return (uint64_t)__double_as_longlong(v);
-}
-
 __device__ __forceinline__ uint64_t sp_div_f64(uint64_t x, double k) {
   if ((x & SP_F64_ABS_MASK) > SP_F64_INF) return x | SP_F64_QUIET;
   return sp_f64_to_bits(__ddiv_rn(sp_f64_from_bits(x), k));
@@ -149,7 +140,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
     };                                                                         \
     const ST *vs = src + head;                                                 \
     DT *vd = dst + head;                                                       \
-    for (size_t v = SP_CUDA_TID(); v < nvec; v += SP_CUDA_STRIDE()) {          \
+    for (size_t v = SP_K_TID(); v < nvec; v += SP_K_STRIDE()) {                \
       union {                                                                  \
         uint4 q[SQ];                                                           \
         ST e[SP_CUDA_VEC];                                                     \
@@ -165,7 +156,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
           sp_op_##name(in.e[j], k);                                            \
       _Pragma("unroll") for (int j = 0; j < DQ; j++) __stcs(d + j, out.q[j]);  \
     }                                                                          \
-    size_t t = SP_CUDA_TID();                                                  \
+    size_t t = SP_K_TID();                                                     \
     if (t < head) dst[t] = sp_op_##name(src[t], k);                            \
     if (t < tail) {                                                            \
       size_t i = head + nvec * SP_CUDA_VEC + t;                                \
@@ -174,7 +165,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
   }                                                                            \
   __global__ void sp_cuda_k_elem_##name(DT *dst, const ST *src, size_t n,      \
                                         double k) {                            \
-    for (size_t i = SP_CUDA_TID(); i < n; i += SP_CUDA_STRIDE())               \
+    for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())                     \
       dst[i] = sp_op_##name(src[i], k);                                        \
   }                                                                            \
   static int sp_cuda_launch_##name(void *dst, const void *src, size_t n,       \
@@ -204,14 +195,12 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
     } else {                                                                   \
       work = n;                                                                \
     }                                                                          \
-    size_t b = (work + SP_CUDA_THREADS - 1) / SP_CUDA_THREADS;                 \
-    unsigned blocks = b < max_blocks ? (unsigned)b : max_blocks;               \
-    if (blocks == 0) blocks = 1;                                               \
+    unsigned blocks = sp_k_blocks_cap(work, max_blocks);                       \
     if (vec)                                                                   \
-      sp_cuda_k_vec_##name<<<blocks, SP_CUDA_THREADS, 0, st>>>(                \
+      sp_cuda_k_vec_##name<<<blocks, SP_K_THREADS, 0, st>>>(                   \
           (DT *)dst, (const ST *)src, head, nvec, tail, k);                    \
     else                                                                       \
-      sp_cuda_k_elem_##name<<<blocks, SP_CUDA_THREADS, 0, st>>>(               \
+      sp_cuda_k_elem_##name<<<blocks, SP_K_THREADS, 0, st>>>(                  \
           (DT *)dst, (const ST *)src, n, k);                                   \
     return 0;                                                                  \
   }
@@ -221,7 +210,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
 #define SP_CUDA_BYTE_KERNEL(name, ST, DT)                                      \
   __global__ void sp_cuda_k_byte_##name(unsigned char *dst,                    \
                                         const unsigned char *src, size_t n) {  \
-    for (size_t i = SP_CUDA_TID(); i < n; i += SP_CUDA_STRIDE()) {             \
+    for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {                   \
       ST x;                                                                    \
       memcpy(&x, src + i * sizeof(ST), sizeof(ST));                            \
       DT y = sp_op_##name(x, 1.0);                                             \
@@ -231,10 +220,8 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
   static void sp_cuda_launch_byte_##name(void *dst, const void *src, size_t n, \
                                          unsigned max_blocks,                  \
                                          cudaStream_t st) {                    \
-    size_t b = (n + SP_CUDA_THREADS - 1) / SP_CUDA_THREADS;                    \
-    unsigned blocks = b < max_blocks ? (unsigned)b : max_blocks;               \
-    if (blocks == 0) blocks = 1;                                               \
-    sp_cuda_k_byte_##name<<<blocks, SP_CUDA_THREADS, 0, st>>>(                 \
+    unsigned blocks = sp_k_blocks_cap(n, max_blocks);                          \
+    sp_cuda_k_byte_##name<<<blocks, SP_K_THREADS, 0, st>>>(                    \
         (unsigned char *)dst, (const unsigned char *)src, n);                  \
   }
 

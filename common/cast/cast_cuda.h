@@ -1,8 +1,9 @@
 /* CUDA dtype casts on device memory, and the CUDA error-checking macro.
  *
- * Built only when CMake finds a CUDA toolkit (target sp_cuda, which defines
- * SHARDPLANE_HAVE_CUDA for its users). Includable from C: it needs no CUDA
- * header. The kernels call the same cast_scalar.h functions as the CPU
+ * Built only when CMake finds a CUDA toolkit (target sp_cast_cuda;
+ * shardplane/config.h says SHARDPLANE_HAVE_CUDA), except
+ * sp_cuda_device_count, which every build has. Includable from C: it needs
+ * no CUDA header. The kernels call the same cast_scalar.h functions as the CPU
  * paths, so a GPU cast gives the same bits as sp_cast() on every input,
  * including NaN payloads (the float32 -> bfloat16 NaN case is handled in
  * integer code rather than left to cvt.rn.bf16.f32, whose NaN output is not
@@ -50,9 +51,10 @@ int sp_cuda_cast_at(void *dst, size_t dst_off, sp_dtype dst_t, const void *src,
 
 /* Casts a reduced gradient shard back to the master dtype, dividing by
  * `div` (FSDP's post-divide factor) on the way: the fused form of
- * client/fsdp.c's "scale_div(red_out, reduce dtype, post) then sp_cast to
- * the gradient dtype", with exactly its bits, so the GPU and CPU runtimes
- * agree. src_t is the reduce dtype, dst_t the master (shard) dtype; any of
+ * client/lib/fsdp_mem_host.c's "scale_div(red_out, reduce dtype, post)
+ * then sp_cast to the gradient dtype", with exactly its bits, so the GPU
+ * and CPU runtimes agree. src_t is the reduce dtype, dst_t the master
+ * (shard) dtype; any of
  * float64, float32, float16, bfloat16 each, equal dtypes included. For each
  * element x (src_t) the result is
  *   float64 x:          q = x / div                      (IEEE double, RNE)
@@ -83,7 +85,8 @@ int sp_cuda_cast_div(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
                      size_t n, double div, void *stream);
 
 /* Number of CUDA devices usable by this process. A machine without a GPU or
- * without a driver is not an error: *n = 0 and 0 is returned.
+ * without a driver, or a build without CUDA (cast_cuda_stub.c), is not an
+ * error: *n = 0 and 0 is returned; so this one is in every build.
  * Errors: SP_EINVAL (n NULL), SP_ECUDA (the driver reported something other
  * than "no device"; *n = 0). */
 int sp_cuda_device_count(int *n);

@@ -26,11 +26,16 @@
  *     F16C VCVTPS2PH gives.
  * Widening is exact; a NaN keeps sign and payload and gets the quiet bit set
  * (an input signalling NaN comes out quiet, as every hardware widening does).
+ *
+ * The one bridge between float values and these bit patterns is here too
+ * (sp_f32_to_bits and friends), so host and device code that computes in
+ * float and rounds with these functions shares one definition of both.
  */
 #ifndef SP_CAST_SCALAR_H
 #define SP_CAST_SCALAR_H
 
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define SP_HD __host__ __device__
@@ -44,6 +49,51 @@
 #define SP_F64_ABS_MASK 0x7FFFFFFFFFFFFFFFull
 #define SP_F64_INF 0x7FF0000000000000ull
 #define SP_F64_QUIET 0x0008000000000000ull
+
+/* ---- float values <-> bit patterns -------------------------------------
+ * A reinterpretation, no arithmetic. On the host memcpy is the defined way
+ * in C (a pointer cast would break strict aliasing) and compiles to one
+ * move; on the device the intrinsics say the same thing. */
+
+SP_HD static inline uint32_t sp_f32_to_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t u;
+  memcpy(&u, &v, sizeof u);
+  return u;
+#endif
+}
+
+SP_HD static inline float sp_f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+#endif
+}
+
+SP_HD static inline uint64_t sp_f64_to_bits(double v) {
+#if defined(__CUDA_ARCH__)
+  return (uint64_t)__double_as_longlong(v);
+#else
+  uint64_t u;
+  memcpy(&u, &v, sizeof u);
+  return u;
+#endif
+}
+
+SP_HD static inline double sp_f64_from_bits(uint64_t u) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double((long long)u);
+#else
+  double v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+#endif
+}
 
 /* Number of leading zero bits; x != 0. */
 SP_HD static inline int sp_cast_clz32(uint32_t x) {
@@ -220,6 +270,21 @@ SP_HD static inline uint16_t sp_bf16_to_f16_bits(uint16_t h) {
 
 SP_HD static inline uint16_t sp_f16_to_bf16_bits(uint16_t h) {
   return sp_f32_to_bf16_bits(sp_f16_to_f32_bits(h));
+}
+
+/* ---- a float32 value through a 16-bit format ---------------------------- */
+
+/* What a bfloat16 (float16) element holds for v, as a float32 value: code
+ * that computes in float32 and keeps a tensor in a 16-bit dtype rounds
+ * with these, and the widening back is exact. */
+SP_HD static inline float sp_f32_round_bf16(float v) {
+  return sp_f32_from_bits(
+      sp_bf16_to_f32_bits(sp_f32_to_bf16_bits(sp_f32_to_bits(v))));
+}
+
+SP_HD static inline float sp_f32_round_f16(float v) {
+  return sp_f32_from_bits(
+      sp_f16_to_f32_bits(sp_f32_to_f16_bits(sp_f32_to_bits(v))));
 }
 
 #endif

@@ -1,0 +1,282 @@
+/* The communication thread of the FSDP runtime: it runs the queued
+ * collectives in issue order on the comm lane (fsdp_internal.h), which is
+ * what lets an all-gather issued as a prefetch overlap the caller's
+ * compute. Every rank queues the same work in the same order (the schedule,
+ * fsdp_schedule.c), as the backends require. */
+#include <stdlib.h>
+
+#include "fsdp_internal.h"
+
+static sp_comm *gather_comm(sp_fsdp *f) {
+  return f->plan->strategy == SP_HYBRID_SHARD ? f->shard_comm
+                                              : f->world_comm;
+}
+
+/* ---- collectives on the comm lane ----
+ * On the CPU these are the sp_comm calls themselves. On a GPU the
+ * communicator runs on a stream of its own (sp_comm_cuda_stream) and
+ * returns when its operation has completed on the device; the comm lane's
+ * casts issued before must precede it, so an event on the comm lane is
+ * handed to that stream first. Later comm-lane work follows the return,
+ * hence the completed operation. */
+
+static int handoff(sp_fsdp *f, sp_comm *c, sp_diag *d) {
+  if (!f->dev) return 0; /* host storage, staged or not: nothing queued */
+  void *stream = NULL;
+  int rc = sp_comm_cuda_stream(c, &stream);
+  if (rc < 0)
+    return sp_diag_set(d, rc, "the communicator has no CUDA stream (not an "
+                       "NCCL communicator?)");
+  return f->mem->handoff(f, stream, d);
+}
+
+static int coll_all_gather(sp_fsdp *f, sp_comm *c, const void *send,
+                           void *recv, size_t count, sp_dtype dt,
+                           sp_diag *d) {
+  int rc = handoff(f, c, d);
+  return rc < 0 ? rc : sp_comm_all_gather(c, send, recv, count, dt, d);
+}
+
+static int coll_reduce_scatter(sp_fsdp *f, sp_comm *c, const void *send,
+                               void *recv, size_t count, sp_dtype dt,
+                               sp_diag *d) {
+  int rc = handoff(f, c, d);
+  return rc < 0 ? rc : sp_comm_reduce_scatter(c, send, recv, count, dt, d);
+}
+
+static int coll_all_reduce(sp_fsdp *f, sp_comm *c, void *buf, size_t count,
+                           sp_dtype dt, sp_diag *d) {
+  int rc = handoff(f, c, d);
+  return rc < 0 ? rc : sp_comm_all_reduce(c, buf, count, dt, d);
+}
+
+/* ---- the communication thread ---- */
+
+/* On a GPU: the shard cast (or copied) straight into its own slot of the
+ * unsharded buffer, then gathered in place (send = recv + rank * c), so
+ * mixed precision needs no separate low-precision shard. */
+static int run_gather_device(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
+  const sp_unit *u = fu->u;
+  bool no_shard = f->plan->strategy == SP_NO_SHARD;
+  sp_comm *c = gather_comm(f);
+  size_t slot = no_shard ? 0 : (size_t)sp_comm_rank(c) * (size_t)fu->c;
+  uint8_t *dst = fu->full + slot * fu->psize;
+  int rc = f->mem->cast(f, SP_LANE_COMM, dst, u->param_dtype, fu->shard,
+                        u->dtype, (size_t)fu->c, d);
+  if (rc < 0) return sp_diag_prefix(d, rc, "casting the shard to %s",
+                                    sp_dtype_name(u->param_dtype));
+  if (no_shard) return 0;
+  return coll_all_gather(f, c, dst, fu->full, (size_t)fu->c, u->param_dtype,
+                         d);
+}
+
+static int run_gather(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
+  if (f->dev) return run_gather_device(f, fu, d);
+  const sp_unit *u = fu->u;
+  uint8_t *src = fu->shard;
+  const sp_fsdp_mem_ops *mem = f->mem;
+  if (fu->mp_shard) {
+    int rc = mem->cast(f, SP_LANE_COMM, fu->mp_shard, u->param_dtype,
+                       fu->shard, u->dtype, (size_t)fu->c, d);
+    if (rc < 0) return sp_diag_set(d, rc, "casting the shard to %s",
+                                   sp_dtype_name(u->param_dtype));
+    src = fu->mp_shard;
+  }
+  if (f->plan->strategy == SP_NO_SHARD)
+    return mem->copy(f, SP_LANE_COMM, fu->full, src,
+                     (size_t)fu->c * fu->psize, d);
+  return coll_all_gather(f, gather_comm(f), src, fu->full, (size_t)fu->c,
+                         u->param_dtype, d);
+}
+
+/* The post-backward reduction: FSDP's _post_backward_hook +
+ * _reduce_grad / _reduce_grad_no_shard. */
+static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
+  const sp_unit *u = fu->u;
+  const sp_fsdp_mem_ops *mem = f->mem;
+  sp_dtype rdt = u->reduce_dtype;
+  size_t padded = (size_t)fu->padded;
+  uint8_t *in = fu->full_grad;
+  int rc;
+  if (fu->red_in) {
+    rc = mem->cast(f, SP_LANE_COMM, fu->red_in, rdt, fu->full_grad,
+                   u->param_dtype, padded, d);
+    if (rc < 0) return rc;
+    in = fu->red_in;
+  }
+  rc = mem->scale_div(f, SP_LANE_COMM, in, rdt, padded, f->pre_divide, d);
+  if (rc < 0) return rc;
+  switch (f->plan->strategy) {
+    case SP_NO_SHARD:
+      rc = coll_all_reduce(f, f->world_comm, in, padded, rdt, d);
+      if (rc == 0)
+        rc = mem->copy(f, SP_LANE_COMM, fu->red_out, in,
+                       padded * sp_dtype_size(rdt), d);
+      if (rc < 0) return rc;
+      break;
+    case SP_HYBRID_SHARD:
+      rc = coll_reduce_scatter(f, f->shard_comm, in, fu->red_out,
+                               (size_t)fu->c, rdt, d);
+      if (rc == 0 && f->replica_comm && sp_comm_size(f->replica_comm) > 1)
+        rc = coll_all_reduce(f, f->replica_comm, fu->red_out, (size_t)fu->c,
+                             rdt, d);
+      if (rc < 0) return rc;
+      break;
+    default:
+      rc = coll_reduce_scatter(f, f->world_comm, in, fu->red_out,
+                               (size_t)fu->c, rdt, d);
+      if (rc < 0) return rc;
+  }
+  /* post-divide and cast to the shard's gradient dtype */
+  return mem->cast_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype,
+                       fu->red_out, rdt, (size_t)fu->c, f->post_divide, d);
+}
+
+static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
+  sp_fsdp_unit *fu = w->kind == SP_WORK_ALL_REDUCE ? NULL : &f->units[w->unit];
+  int rc;
+  switch (w->kind) {
+    case SP_WORK_GATHER:
+      rc = run_gather(f, fu, d);
+      break;
+    case SP_WORK_REDUCE:
+      rc = run_reduce(f, fu, d);
+      break;
+    case SP_WORK_ALL_REDUCE:
+      rc = coll_all_reduce(f, f->world_comm, w->buf, w->count, w->dt, d);
+      break;
+    case SP_WORK_GATHER_MASTER:
+      if (f->plan->strategy == SP_NO_SHARD) {
+        rc = f->mem->copy(f, SP_LANE_COMM, w->buf, fu->shard,
+                          (size_t)fu->c * fu->esize, d);
+      } else {
+        rc = coll_all_gather(f, gather_comm(f), fu->shard, w->buf,
+                             (size_t)fu->c, fu->u->dtype, d);
+      }
+      break;
+    default:
+      rc = sp_diag_set(d, SP_EINVAL, "unknown work kind %d", (int)w->kind);
+  }
+  /* complete means finished on the device: the waiter may use the result
+   * on any stream, and the next item may reuse this one's scratch */
+  if (rc == 0) rc = f->mem->drain(f, SP_LANE_COMM, d);
+  if (rc < 0 && w->kind != SP_WORK_ALL_REDUCE)
+    sp_diag_prefix(d, rc, "unit %u (%s)", w->unit,
+                   sp_fsdp_unit_name(f, w->unit));
+  return rc;
+}
+
+static void *comm_thread(void *arg) {
+  sp_fsdp *f = arg;
+  float *tmp = NULL;
+  sp_diag init_d = {{0}};
+  int init_rc = 0;
+  if (sp_fsdp_mem_is_host(f->mem)) {
+    /* scratch for low-precision divides: the largest padded unit */
+    size_t scratch = 1;
+    for (size_t i = 0; i < f->n_units; i++)
+      if ((size_t)f->units[i].padded > scratch)
+        scratch = (size_t)f->units[i].padded;
+    tmp = malloc(scratch * sizeof(float));
+    if (!tmp)
+      init_rc = sp_diag_set(&init_d, SP_ENOMEM,
+                            "no memory for reduction scratch");
+    f->host_tmp = tmp;
+  } else if (f->mem->thread_init) {
+    init_rc = f->mem->thread_init(f, &init_d);
+  }
+  pthread_mutex_lock(&f->mu);
+  if (init_rc < 0 && !f->error) {
+    f->error = init_rc;
+    f->error_diag = init_d;
+  }
+  for (;;) {
+    while (!f->stopping && f->completed == f->issued)
+      pthread_cond_wait(&f->cv, &f->mu);
+    if (f->completed == f->issued) break; /* stopping and drained */
+    size_t slot = (size_t)(f->completed % (int64_t)f->queue_cap);
+    sp_fsdp_work w = f->queue[slot];
+    int failed = f->error;
+    pthread_mutex_unlock(&f->mu);
+    sp_diag d = {{0}};
+    /* after a failure the rest of the queue is not run: the collective
+     * sequence is broken and peers would hang on a half-issued op */
+    int rc = failed;
+    if (!failed) rc = f->mem->wait_mark(f, slot, &d);
+    if (rc == 0) rc = run_work(f, &w, &d);
+    pthread_mutex_lock(&f->mu);
+    if (rc < 0 && !f->error) {
+      f->error = rc;
+      f->error_diag = d;
+    }
+    f->completed++;
+    pthread_cond_broadcast(&f->cv);
+  }
+  pthread_mutex_unlock(&f->mu);
+  f->host_tmp = NULL;
+  free(tmp);
+  return NULL;
+}
+
+int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
+  pthread_mutex_lock(&f->mu);
+  /* a full ring waits for the oldest: bounded by construction (at most one
+   * gather and one reduce per unit plus caller all-reduces are pending) */
+  while (f->issued - f->completed >= (int64_t)f->queue_cap && !f->error)
+    pthread_cond_wait(&f->cv, &f->mu);
+  if (f->error) {
+    int rc = f->error;
+    if (d) *d = f->error_diag;
+    pthread_mutex_unlock(&f->mu);
+    return rc;
+  }
+  int64_t t = f->issued;
+  size_t slot = (size_t)(t % (int64_t)f->queue_cap);
+  /* the slot's previous item has completed (the ring is not full), so its
+   * mark may be recorded again */
+  sp_diag md = {{0}};
+  int mrc = f->mem->mark(f, slot, &md);
+  if (mrc < 0) {
+    pthread_mutex_unlock(&f->mu);
+    if (d) *d = md;
+    return mrc;
+  }
+  f->issued++;
+  f->queue[slot] = *w;
+  pthread_cond_broadcast(&f->cv);
+  pthread_mutex_unlock(&f->mu);
+  return t;
+}
+
+int sp_fsdp_wait(sp_fsdp *f, int64_t ticket, sp_diag *d) {
+  pthread_mutex_lock(&f->mu);
+  while (f->completed <= ticket && !f->error)
+    pthread_cond_wait(&f->cv, &f->mu);
+  int rc = f->error;
+  if (rc && d) *d = f->error_diag;
+  pthread_mutex_unlock(&f->mu);
+  return rc;
+}
+
+bool sp_fsdp_ticket_done(sp_fsdp *f, int64_t ticket) {
+  pthread_mutex_lock(&f->mu);
+  bool done = f->completed > ticket;
+  pthread_mutex_unlock(&f->mu);
+  return done;
+}
+
+int sp_fsdp_comm_start(sp_fsdp *f, sp_diag *d) {
+  if (pthread_create(&f->thread, NULL, comm_thread, f) != 0)
+    return sp_diag_set(d, SP_ENOMEM, "cannot start the communication thread");
+  f->thread_started = true;
+  return 0;
+}
+
+void sp_fsdp_comm_stop(sp_fsdp *f) {
+  if (!f->thread_started) return;
+  pthread_mutex_lock(&f->mu);
+  f->stopping = true;
+  pthread_cond_broadcast(&f->cv);
+  pthread_mutex_unlock(&f->mu);
+  pthread_join(f->thread, NULL);
+}

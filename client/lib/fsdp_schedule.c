@@ -1,0 +1,348 @@
+/* The FSDP schedule: the hooks a trainer calls around each unit's forward
+ * and backward (FSDP's pre/post-forward and pre/post-backward hooks, the
+ * final callback), unshard with the in-flight limiter, prefetch, the
+ * optimizer step and the caller's collectives. Each moves the unit's state
+ * machine through the session before or after it acts, and queues its
+ * collectives for the communication thread (fsdp_comm.c). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "fsdp_internal.h"
+
+static int transition(sp_fsdp *f, sp_machine m, uint32_t unit, int to,
+                      sp_diag *d) {
+  int rc = sp_session_transition(f->s, m, unit, to, d);
+  if (rc < 0)
+    sp_diag_prefix(d, rc, "unit %u (%s)", unit, sp_fsdp_unit_name(f, unit));
+  return rc;
+}
+
+/* ---- unshard with the limiter ---- */
+
+static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  sp_fsdp_unit *fu = &f->units[ui];
+  /* _FreeEventQueue: drop finished gathers, then block on the oldest while
+   * the limit is reached */
+  size_t k = 0;
+  for (size_t i = 0; i < f->n_inflight; i++)
+    if (!sp_fsdp_ticket_done(f, f->inflight[i]))
+      f->inflight[k++] = f->inflight[i];
+  f->n_inflight = k;
+  while (f->n_inflight >= f->opts.max_inflight_gathers) {
+    int rc = sp_fsdp_wait(f, f->inflight[0], d);
+    if (rc < 0) return rc;
+    memmove(f->inflight, f->inflight + 1,
+            (f->n_inflight - 1) * sizeof *f->inflight);
+    f->n_inflight--;
+  }
+  sp_fsdp_work w = {.kind = SP_WORK_GATHER, .unit = ui};
+  int64_t t = sp_fsdp_enqueue(f, &w, d);
+  if (t < 0) return (int)t;
+  if (f->plan->strategy != SP_NO_SHARD)
+    sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, fu->u->param_dtype,
+                          (uint64_t)fu->padded);
+  fu->gather_ticket = t;
+  f->inflight[f->n_inflight++] = t;
+  f->stats.all_gathers++;
+  if (f->n_inflight > f->stats.max_inflight)
+    f->stats.max_inflight = f->n_inflight;
+  return 0;
+}
+
+static int unshard(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  sp_fsdp_unit *fu = &f->units[ui];
+  if (!fu->has_data || fu->unsharded) return 0;
+  if (fu->gather_ticket < 0) {
+    int rc = issue_gather(f, ui, d);
+    if (rc < 0) return rc;
+  }
+  int rc = sp_fsdp_wait(f, fu->gather_ticket, d);
+  if (rc < 0) return rc;
+  fu->gather_ticket = -1;
+  fu->unsharded = true;
+  return 0;
+}
+
+static void reshard(sp_fsdp *f, uint32_t ui) {
+  sp_fsdp_unit *fu = &f->units[ui];
+  /* storage stays allocated (reused every step); the views go away */
+  fu->unsharded = false;
+  fu->prefetched = false;
+}
+
+/* FULL_SHARD and HYBRID_SHARD free after forward, except the root unit. */
+static bool reshard_after_forward(const sp_fsdp *f, uint32_t ui) {
+  return ui != 0 && (f->plan->strategy == SP_FULL_SHARD ||
+                     f->plan->strategy == SP_HYBRID_SHARD);
+}
+
+static int check_unit(const sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  if (ui >= f->n_units)
+    return sp_diag_set(d, SP_ERANGE, "unit %u out of range (%zu units)", ui,
+                       f->n_units);
+  return 0;
+}
+
+/* Refuses an illegal transition before the call acts on it: unshard issues
+ * an all-gather, and a rank that issued one for a call it then refused
+ * would leave its peers (which never issue it) out of step, or hang. Fails
+ * with the session's message naming the legal states; changes nothing. */
+static int check_transition(sp_fsdp *f, uint32_t ui, int to, sp_diag *d) {
+  int from = sp_session_state(f->s, SP_MACHINE_HANDLE, ui);
+  if (sp_state_transition_legal(SP_MACHINE_HANDLE, from, to)) return 0;
+  return transition(f, SP_MACHINE_HANDLE, ui, to, d);
+}
+
+/* ---- the schedule ---- */
+
+int sp_fsdp_pre_forward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  int rc = check_unit(f, ui, d);
+  if (rc == 0) rc = check_transition(f, ui, SP_HANDLE_FORWARD, d);
+  if (rc == 0) rc = unshard(f, ui, d);
+  if (rc == 0) rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_FORWARD, d);
+  return rc;
+}
+
+int sp_fsdp_post_forward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  int rc = check_unit(f, ui, d);
+  /* The table also allows IDLE -> IDLE and BACKWARD_PRE -> IDLE, but those
+   * rows are finish_backward's (_post_backward_final_callback); a
+   * post_forward from them would record a bogus post-forward order and
+   * reshard a unit in use. */
+  int from = rc == 0 ? sp_session_state(f->s, SP_MACHINE_HANDLE, ui) : 0;
+  if (rc == 0 && from != SP_HANDLE_FORWARD)
+    rc = sp_diag_set(d, SP_ESTATE,
+                     "unit %u (%s): post_forward from %s; legal only from "
+                     "FORWARD (after pre_forward)",
+                     ui, sp_fsdp_unit_name(f, ui),
+                     sp_state_name(SP_MACHINE_HANDLE, from));
+  if (rc == 0) rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
+  if (rc < 0) return rc;
+  sp_fsdp_unit *fu = &f->units[ui];
+  if (fu->post_forward_index < 0 && f->n_order < f->n_units) {
+    fu->post_forward_index = (int32_t)f->n_order;
+    f->order[f->n_order++] = ui;
+  }
+  if (reshard_after_forward(f, ui)) reshard(f, ui);
+  return 0;
+}
+
+int sp_fsdp_root_pre_forward(sp_fsdp *f, sp_diag *d) {
+  int rc = sp_fsdp_lazy_init(f, d);
+  if (rc == 0)
+    rc = transition(f, SP_MACHINE_ROOT, 0, SP_ROOT_FORWARD_BACKWARD, d);
+  if (rc == 0) rc = sp_fsdp_pre_forward(f, 0, d);
+  return rc;
+}
+
+int sp_fsdp_root_post_forward(sp_fsdp *f, sp_diag *d) {
+  int rc = sp_fsdp_post_forward(f, 0, d);
+  if (rc == 0) rc = transition(f, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, d);
+  return rc;
+}
+
+int sp_fsdp_root_pre_backward(sp_fsdp *f, sp_diag *d) {
+  int rc = transition(f, SP_MACHINE_ROOT, 0, SP_ROOT_FORWARD_BACKWARD, d);
+  if (rc == 0) rc = sp_fsdp_pre_backward(f, 0, d);
+  return rc;
+}
+
+/* BACKWARD_PRE prefetch: the unit before this one in post-forward order
+ * (_get_handle_to_prefetch). */
+static int prefetch(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  int32_t idx = f->units[ui].post_forward_index;
+  if (!f->opts.backward_prefetch || idx <= 0) return 0;
+  uint32_t target = f->order[idx - 1];
+  sp_fsdp_unit *tu = &f->units[target];
+  if (!tu->has_data || tu->unsharded || tu->gather_ticket >= 0 ||
+      tu->prefetched)
+    return 0;
+  /* FSDP prefetches only a handle that still needs its pre-backward
+   * unshard (_needs_pre_backward_unshard): one whose backward already ran
+   * (backward not in reverse forward order) would be gathered for nothing,
+   * and its parameters left pending into the next step. */
+  if (sp_session_state(f->s, SP_MACHINE_HANDLE, target) != SP_HANDLE_IDLE)
+    return 0;
+  int rc = issue_gather(f, target, d);
+  if (rc < 0) return rc;
+  tu->prefetched = true;
+  f->stats.prefetches++;
+  return 0;
+}
+
+int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  int rc = check_unit(f, ui, d);
+  if (rc == 0) rc = check_transition(f, ui, SP_HANDLE_BACKWARD_PRE, d);
+  if (rc == 0) rc = unshard(f, ui, d);
+  if (rc == 0)
+    rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_BACKWARD_PRE, d);
+  if (rc < 0) return rc;
+  sp_fsdp_unit *fu = &f->units[ui];
+  /* a gradient of last step's reduction may still be read: wait for it
+   * before the trainer overwrites the buffer */
+  if (fu->reduce_ticket >= 0) {
+    rc = sp_fsdp_wait(f, fu->reduce_ticket, d);
+    if (rc < 0) return rc;
+    fu->reduce_ticket = -1;
+  }
+  if (fu->has_data) {
+    rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->full_grad,
+                      (size_t)fu->padded * fu->psize, d);
+    if (rc < 0) return rc;
+  }
+  return prefetch(f, ui, d);
+}
+
+int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  int rc = check_unit(f, ui, d);
+  /* BACKWARD_POST -> BACKWARD_POST is reentrant activation checkpointing
+   * running the hook again: the gradient is already being reduced (and,
+   * in place, pre-divided), so a second reduction would divide it twice */
+  bool again = rc == 0 && sp_session_state(f->s, SP_MACHINE_HANDLE, ui) ==
+                              SP_HANDLE_BACKWARD_POST;
+  if (rc == 0)
+    rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_BACKWARD_POST, d);
+  if (rc < 0 || again) return rc;
+  sp_fsdp_unit *fu = &f->units[ui];
+  if (fu->reduces) {
+    sp_fsdp_work w = {.kind = SP_WORK_REDUCE, .unit = ui};
+    int64_t t = sp_fsdp_enqueue(f, &w, d);
+    if (t < 0) return (int)t;
+    fu->reduce_ticket = t;
+    sp_dtype rdt = fu->u->reduce_dtype;
+    if (f->plan->strategy == SP_NO_SHARD) {
+      sp_session_collective(f->s, SP_OP_ALL_REDUCE, ui, rdt,
+                            (uint64_t)fu->padded);
+      f->stats.all_reduces++;
+    } else {
+      sp_session_collective(f->s, SP_OP_REDUCE_SCATTER, ui, rdt,
+                            (uint64_t)fu->padded);
+      f->stats.reduce_scatters++;
+      if (f->plan->strategy == SP_HYBRID_SHARD && f->replica_comm &&
+          sp_comm_size(f->replica_comm) > 1) {
+        sp_session_collective(f->s, SP_OP_ALL_REDUCE, ui, rdt,
+                              (uint64_t)fu->c);
+        f->stats.all_reduces++;
+      }
+    }
+  }
+  if (f->plan->strategy != SP_NO_SHARD) reshard(f, ui);
+  return 0;
+}
+
+int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
+  /* the table lets any handle state go to IDLE here (the final callback),
+   * FORWARD included; but a unit still in forward means the caller is not
+   * at the end of a backward pass */
+  if (sp_session_state(f->s, SP_MACHINE_ROOT, 0) != SP_ROOT_FORWARD_BACKWARD)
+    return sp_diag_set(d, SP_ESTATE, "finish_backward outside backward "
+                       "(root %s)", sp_state_name(SP_MACHINE_ROOT,
+                       sp_session_state(f->s, SP_MACHINE_ROOT, 0)));
+  for (uint32_t ui = 0; ui < f->n_units; ui++)
+    if (sp_session_state(f->s, SP_MACHINE_HANDLE, ui) == SP_HANDLE_FORWARD)
+      return sp_diag_set(d, SP_ESTATE, "finish_backward during forward: "
+                         "unit %u (%s) is in FORWARD", ui,
+                         sp_fsdp_unit_name(f, ui));
+  int rc = 0;
+  for (uint32_t ui = 0; ui < f->n_units && rc == 0; ui++) {
+    sp_fsdp_unit *fu = &f->units[ui];
+    if (fu->reduce_ticket >= 0) {
+      rc = sp_fsdp_wait(f, fu->reduce_ticket, d);
+      fu->reduce_ticket = -1;
+    }
+    /* a unit prefetched but whose backward never ran: its gather holds
+     * this step's parameters, and a pending ticket would make the next
+     * forward's unshard reuse them after SGD changed the shard. Wait for it
+     * (sgd_step must not write the shard it reads) and drop it. */
+    if (rc == 0 && fu->gather_ticket >= 0) {
+      rc = sp_fsdp_wait(f, fu->gather_ticket, d);
+      fu->gather_ticket = -1;
+    }
+    if (rc == 0 && sp_session_state(f->s, SP_MACHINE_HANDLE, ui) !=
+                       SP_HANDLE_IDLE)
+      rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
+    /* _catch_all_reshard */
+    if (f->plan->strategy != SP_NO_SHARD) reshard(f, ui);
+    fu->post_forward_index = -1;
+  }
+  f->n_order = 0;
+  if (rc == 0) rc = transition(f, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, d);
+  return rc;
+}
+
+int sp_fsdp_all_reduce(sp_fsdp *f, void *buf, size_t count, sp_dtype dt,
+                       sp_diag *d) {
+  if (f->world == 1) return 0;
+  sp_fsdp_work w = {.kind = SP_WORK_ALL_REDUCE, .buf = buf, .count = count,
+                    .dt = dt};
+  int64_t t = sp_fsdp_enqueue(f, &w, d);
+  if (t < 0) return (int)t;
+  sp_session_collective(f->s, SP_OP_ALL_REDUCE, 0, dt, count);
+  f->stats.all_reduces++;
+  return sp_fsdp_wait(f, t, d);
+}
+
+int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
+  int rc = check_unit(f, ui, d);
+  if (rc < 0) return rc;
+  sp_fsdp_unit *fu = &f->units[ui];
+  if (!fu->has_data) return 0;
+  rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_SUMMON_FULL_PARAMS, d);
+  if (rc < 0) return rc;
+  /* storage of the runtime's kind (the collective runs on it), allocated
+   * per call: summoning is for checkpoints, not for steps */
+  void *tmp = NULL;
+  rc = f->mem->alloc(f, (size_t)fu->padded, fu->esize, &tmp, d);
+  if (rc < 0)
+    return sp_diag_prefix(d, rc, "gathering unit %u", ui);
+  sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = tmp};
+  int64_t t = sp_fsdp_enqueue(f, &w, d);
+  if (t < 0) {
+    f->mem->release(f, tmp);
+    return (int)t;
+  }
+  if (f->plan->strategy != SP_NO_SHARD)
+    sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, fu->u->dtype,
+                          (uint64_t)fu->padded);
+  rc = sp_fsdp_wait(f, t, d);
+  if (rc == 0)
+    rc = f->mem->to_host(f, dst, tmp, (size_t)fu->u->numel * fu->esize, d);
+  f->mem->release(f, tmp);
+  if (rc == 0) rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
+  return rc;
+}
+
+int sp_fsdp_gather_param(sp_fsdp *f, int32_t param, void *dst, sp_diag *d) {
+  if (!f || param < 0 || (size_t)param >= f->model->n_params)
+    return sp_diag_set(d, SP_ERANGE, "parameter %d out of range", param);
+  uint32_t ui = (uint32_t)f->plan->param_unit[param];
+  sp_fsdp_unit *fu = &f->units[ui];
+  const sp_flat_entry *e = &f->plan->entries[f->plan->param_entry[param]];
+  uint8_t *full = sp_fsdp_xcalloc((size_t)fu->u->numel, fu->esize);
+  if (!full) return sp_diag_set(d, SP_ENOMEM, "no memory");
+  int rc = transition(f, SP_MACHINE_ROOT, 0, SP_ROOT_SUMMON_FULL_PARAMS, d);
+  if (rc == 0) rc = sp_fsdp_gather_unit(f, ui, full, d);
+  if (rc == 0) rc = transition(f, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, d);
+  if (rc == 0)
+    memcpy(dst, full + (size_t)e->offset * fu->esize,
+           (size_t)e->numel * fu->esize);
+  free(full);
+  return rc;
+}
+
+/* p -= lr * g, computed in double and rounded once to the master dtype, as
+ * the reference trainer does (the memory ops' sgd). */
+int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
+  for (size_t ui = 0; ui < f->n_units; ui++) {
+    sp_fsdp_unit *fu = &f->units[ui];
+    if (!fu->reduces) continue;
+    /* an unsharded copy kept across steps (NO_SHARD) is stale now */
+    reshard(f, (uint32_t)ui);
+    int rc = f->mem->sgd(f, fu->shard, fu->u->dtype, fu->shard_grad,
+                         fu->grad_dtype, (size_t)fu->c, lr, d);
+    if (rc < 0)
+      return sp_diag_prefix(d, rc, "SGD on unit %zu (%s)", ui,
+                            sp_fsdp_unit_name(f, (uint32_t)ui));
+  }
+  return 0;
+}
