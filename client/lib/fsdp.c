@@ -262,6 +262,7 @@ void sp_fsdp_free(sp_fsdp *f) {
   free(f->order);
   free(f->inflight);
   free(f->queue);
+  free(f->states);
   pthread_mutex_destroy(&f->mu);
   pthread_cond_destroy(&f->cv);
   free(f);
@@ -501,4 +502,25 @@ int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
     *world = *shard_group = NULL;
   }
   return rc;
+}
+
+int sp_fsdp_register_shard_state(sp_fsdp *f, const char *name, sp_dtype dt,
+                                 uint8_t **per_unit, sp_diag *d) {
+  if (!f || !name || !per_unit || !name[0] ||
+      strlen(name) >= sizeof f->states[0].name)
+    return sp_diag_set(d, SP_EINVAL, "shard state: bad name or storage");
+  for (size_t i = 0; i < f->n_states; i++)
+    if (strcmp(f->states[i].name, name) == 0)
+      return sp_diag_set(d, SP_EEXIST, "shard state \"%s\" exists", name);
+  if (f->n_states >= 8)
+    return sp_diag_set(d, SP_ERANGE, "shard state \"%s\": at most 8", name);
+  sp_fsdp_shard_state *n =
+      realloc(f->states, (f->n_states + 1) * sizeof *f->states);
+  if (!n) return sp_diag_set(d, SP_ENOMEM, "no memory");
+  f->states = n;
+  sp_fsdp_shard_state *st = &f->states[f->n_states++];
+  snprintf(st->name, sizeof st->name, "%s", name);
+  st->dtype = dt;
+  st->per_unit = per_unit;
+  return 0;
 }

@@ -9,6 +9,8 @@
 
 #include "shardplane.h"
 
+typedef struct sp_fsdp_shard_state sp_fsdp_shard_state;
+
 typedef struct sp_fsdp_unit {
   const sp_unit *u;
   bool has_data;      /* the unit owns parameters */
@@ -159,6 +161,12 @@ struct sp_fsdp {
   int64_t *inflight;
   size_t n_inflight;
   sp_fsdp_stats stats;
+  /* per-unit state sharded like the master shards (an optimizer's
+   * moments), which checkpoints save and load; and the optimizer steps
+   * taken, which they carry so a resumed run continues its schedule */
+  sp_fsdp_shard_state *states;
+  size_t n_states;
+  uint64_t optim_steps;
 
   /* the communication thread: a FIFO of work with increasing tickets */
   pthread_t thread;
@@ -179,6 +187,23 @@ struct sp_fsdp {
  * it never started). */
 int sp_fsdp_comm_start(sp_fsdp *f, sp_diag *d);
 void sp_fsdp_comm_stop(sp_fsdp *f);
+/* A state tensor sharded exactly like the master shards: for every unit
+ * with parameters, c elements of `dtype` (padding included, zero there),
+ * in the runtime's storage (device memory on a GPU). Registered by whoever
+ * owns it (the optimizer), which keeps the storage; checkpoints save and
+ * load every registered state under "optim.<name>.<fqn>" (FULL, SHARDED)
+ * or "<unit>.optim.<name>" (LOCAL). */
+struct sp_fsdp_shard_state {
+  char name[32];      /* "exp_avg", "exp_avg_sq", "momentum_buffer" */
+  sp_dtype dtype;
+  uint8_t **per_unit; /* n_units pointers; NULL for a unit without data */
+};
+/* Adds a state; names are unique (SP_EEXIST), at most 8 (SP_ERANGE).
+ * per_unit is borrowed: it must outlive the runtime's use of it (until
+ * sp_fsdp_free, or a new registration under the same runtime). */
+int sp_fsdp_register_shard_state(sp_fsdp *f, const char *name, sp_dtype dt,
+                                 uint8_t **per_unit, sp_diag *d);
+
 /* Queues work and returns its ticket (>= 0) or a negative error. */
 int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d);
 /* Waits until ticket completed; returns the runtime's first error. */
