@@ -34,8 +34,11 @@
 #ifndef SP_CAST_SCALAR_H
 #define SP_CAST_SCALAR_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "dtype.h"
 
 #ifdef __CUDACC__
 #define SP_HD __host__ __device__
@@ -286,5 +289,74 @@ SP_HD static inline float sp_f32_round_f16(float v) {
   return sp_f32_from_bits(
       sp_f16_to_f32_bits(sp_f32_to_f16_bits(sp_f32_to_bits(v))));
 }
+
+/* ---- one element of a floating array, through float64 ------------------
+ * Element i of an array of dtype dt (SP_FLOAT64, SP_FLOAT32, SP_BFLOAT16,
+ * SP_FLOAT16; anything else reads 0 and writes nothing) widened exactly
+ * to double, and a double rounded once (RNE) to dt and stored there: the
+ * element access of every kernel that computes in double (the optimizer's,
+ * SGD's, the reduction's accumulation) and of its CPU reference, so both
+ * read and round the same way. On the host the element is copied
+ * (memcpy), so p needs no alignment; device code loads it directly and
+ * needs element-aligned arrays (the launchers check). */
+
+#if defined(__CUDA_ARCH__)
+#define SP_ELEM_GET(T, p, i, out) ((out) = ((const T *)(p))[i])
+#define SP_ELEM_PUT(T, p, i, v) (((T *)(p))[i] = (v))
+#else
+#define SP_ELEM_GET(T, p, i, out) \
+  memcpy(&(out), (const unsigned char *)(p) + (i) * sizeof(T), sizeof(T))
+#define SP_ELEM_PUT(T, p, i, v)                                            \
+  do {                                                                     \
+    T sp_elem_v_ = (v);                                                    \
+    memcpy((unsigned char *)(p) + (i) * sizeof(T), &sp_elem_v_, sizeof(T)); \
+  } while (0)
+#endif
+
+SP_HD static inline double sp_elem_load_f64(const void *p, int dt, size_t i) {
+  uint64_t u64;
+  uint32_t u32;
+  uint16_t u16;
+  switch (dt) {
+  case SP_FLOAT64:
+    SP_ELEM_GET(uint64_t, p, i, u64);
+    return sp_f64_from_bits(u64);
+  case SP_FLOAT32:
+    SP_ELEM_GET(uint32_t, p, i, u32);
+    return sp_f64_from_bits(sp_f32_to_f64_bits(u32));
+  case SP_BFLOAT16:
+    SP_ELEM_GET(uint16_t, p, i, u16);
+    return sp_f64_from_bits(sp_bf16_to_f64_bits(u16));
+  case SP_FLOAT16:
+    SP_ELEM_GET(uint16_t, p, i, u16);
+    return sp_f64_from_bits(sp_f16_to_f64_bits(u16));
+  default:
+    return 0.0;
+  }
+}
+
+SP_HD static inline void sp_elem_store_f64(void *p, int dt, size_t i,
+                                           double v) {
+  uint64_t u = sp_f64_to_bits(v);
+  switch (dt) {
+  case SP_FLOAT64:
+    SP_ELEM_PUT(uint64_t, p, i, u);
+    break;
+  case SP_FLOAT32:
+    SP_ELEM_PUT(uint32_t, p, i, sp_f64_to_f32_bits(u));
+    break;
+  case SP_BFLOAT16:
+    SP_ELEM_PUT(uint16_t, p, i, sp_f64_to_bf16_bits(u));
+    break;
+  case SP_FLOAT16:
+    SP_ELEM_PUT(uint16_t, p, i, sp_f64_to_f16_bits(u));
+    break;
+  default:
+    break;
+  }
+}
+
+#undef SP_ELEM_GET
+#undef SP_ELEM_PUT
 
 #endif
