@@ -131,6 +131,11 @@ static int flatten_param(builder *b, uint32_t u, int32_t p, const char *fqn,
           "uniform requires_grad per unit unless use_orig_params",
           b->m->modules[unit->module].fqn, fqn, t->flag ? "true" : "false",
           first->fqn, unit->requires_grad ? "true" : "false");
+    /* use_orig_params lets frozen and trainable parameters share a flat
+     * parameter (FSDP's _FlatParameter with requires_grad mixed): the unit
+     * takes gradients when any of them does, or the trainable ones would
+     * never be reduced nor stepped */
+    if (t->flag) unit->requires_grad = true;
     if (pl->use_orig_params) {
       /* _flat_param.py: pad so each param starts 16-byte aligned in the
        * dtype it is all-gathered in. */

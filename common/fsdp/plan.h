@@ -53,6 +53,8 @@ typedef struct sp_unit {
   size_t n_entries;
   size_t n_params;     /* real (non-padding) entries */
   sp_dtype dtype;      /* dtype of the flat parameter; INVALID when empty */
+  /* any of its parameters requires grad (they all agree unless
+   * use_orig_params, which allows frozen and trainable ones together) */
   bool requires_grad;
   int64_t numel;       /* N, alignment padding included */
   int64_t shard_numel; /* c: elements every rank holds, padding included */
