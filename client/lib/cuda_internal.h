@@ -52,18 +52,35 @@ int sp_cublas_diag(sp_diag *d, int status, const char *expr, const char *file,
  * failed launch; faults during the run surface at the next synchronizing
  * call on the stream, which is checked as well. */
 
-/* Kernels of the FSDP runtime, enqueued on `stream` (a cudaStream_t).
- * scale_div: buf[i] /= div in place, bit for bit what the host path
- *   computes (float32 and float64: the quotient in double rounded once;
- *   bfloat16 and float16: via float32).
- * sgd: p = rne_pdt((double)p - lr * (double)g) with no FMA contraction,
- *   then g = 0: bit for bit the host path (sp_fsdp_sgd_step).
- * Both: floating dtypes only (SP_EINVAL otherwise), any alignment of the
- * element size; SP_ECUDA on a failed launch. */
+/* Kernels of the FSDP runtime, enqueued on `stream` (a cudaStream_t),
+ * each bit for bit its CPU reference in fsdp_mem_host.c (the memory ops
+ * of fsdp_internal.h say what each computes):
+ * scale_div: buf[i] /= div in place (float32 and float64: the quotient in
+ *   double rounded once; bfloat16 and float16: via float32);
+ * acc: dst = rne_dt(dst + rne_dt(src)), the second half of acc_div;
+ * scale: g = rne(g * k);
+ * sqsum: *out = the sum of squares in sp_fsdp_sqsum_ref's order, through
+ *   partial (sp_fsdp_sqsum_chunks(n) doubles of device memory);
+ * sgd, adamw: the optimizer updates (buf NULL: no momentum).
+ * All: floating dtypes, element-aligned pointers (SP_EINVAL otherwise);
+ * SP_ECUDA on a failed launch. */
+struct sp_fsdp_adamw_args;
 int sp_fsdp_cuda_scale_div(void *buf, sp_dtype dt, size_t n, double div,
                            void *stream, sp_diag *d);
-int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, void *g, sp_dtype gdt, size_t n,
-                     double lr, void *stream, sp_diag *d);
+int sp_fsdp_cuda_acc(void *dst, sp_dtype dt, const void *src, sp_dtype st,
+                     size_t n, void *stream, sp_diag *d);
+int sp_fsdp_cuda_scale(void *g, sp_dtype gdt, size_t n, double k,
+                       void *stream, sp_diag *d);
+int sp_fsdp_cuda_sqsum(const void *g, sp_dtype gdt, size_t n,
+                       double *partial, double *out, void *stream,
+                       sp_diag *d);
+int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, const void *g, sp_dtype gdt,
+                     float *buf, size_t n, double lr, double momentum,
+                     double wd, void *stream, sp_diag *d);
+int sp_fsdp_cuda_adamw(void *p, sp_dtype pdt, const void *g, sp_dtype gdt,
+                       float *m, float *v, size_t n,
+                       const struct sp_fsdp_adamw_args *a, void *stream,
+                       sp_diag *d);
 
 #ifdef __cplusplus
 }

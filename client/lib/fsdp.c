@@ -237,6 +237,7 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
 void sp_fsdp_free(sp_fsdp *f) {
   if (!f) return;
   sp_fsdp_comm_stop(f);
+  sp_fsdp_optim_release(f);
   /* nothing may still run on the device when its memory goes */
   if (f->mem->device) {
     sp_diag ignored = {{0}};
@@ -335,7 +336,9 @@ void *sp_fsdp_param(sp_fsdp *f, int32_t param) {
 void *sp_fsdp_param_grad(sp_fsdp *f, int32_t param) {
   const sp_flat_entry *e;
   sp_fsdp_unit *fu = param_unit(f, param, &e);
-  if (!fu || !fu->has_data) return NULL;
+  /* a frozen parameter takes no gradient (its .grad is None): its elements
+   * stay zero, so they reduce to zero and no optimizer moves them */
+  if (!fu || !fu->has_data || !f->model->params[param].flag) return NULL;
   return fu->full_grad + (size_t)e->offset * fu->psize;
 }
 
@@ -441,7 +444,10 @@ uint8_t *sp_fsdp_shard_stage(sp_fsdp *f, uint32_t u, sp_diag *d) {
 int sp_fsdp_shard_commit(sp_fsdp *f, uint32_t u, uint8_t *h, bool keep,
                          sp_diag *d) {
   sp_fsdp_unit *fu = &f->units[u];
-  return commit(f, fu->shard, h, (size_t)fu->c * fu->esize, keep, d);
+  int rc = commit(f, fu->shard, h, (size_t)fu->c * fu->esize, keep, d);
+  /* a loaded shard: no unsharded copy of the old one may be served */
+  if (rc == 0 && keep) rc = sp_fsdp_unit_stale(f, u, d);
+  return rc;
 }
 
 uint8_t *sp_fsdp_buffer_stage(sp_fsdp *f, int32_t b, sp_diag *d) {

@@ -127,13 +127,16 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
                                (size_t)fu->c, rdt, d);
       if (rc < 0) return rc;
   }
-  /* post-divide and cast to the shard's gradient dtype */
-  return mem->cast_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype,
-                       fu->red_out, rdt, (size_t)fu->c, f->post_divide, d);
+  /* post-divide, cast to the shard's gradient dtype and add to it: the
+   * sharded gradient accumulates until the optimizer step or zero_grad */
+  return mem->acc_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype,
+                      fu->red_out, rdt, (size_t)fu->c, f->post_divide, d);
 }
 
 static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
-  sp_fsdp_unit *fu = w->kind == SP_WORK_ALL_REDUCE ? NULL : &f->units[w->unit];
+  bool caller_buf =
+      w->kind == SP_WORK_ALL_REDUCE || w->kind == SP_WORK_SHARD_ALL_REDUCE;
+  sp_fsdp_unit *fu = caller_buf ? NULL : &f->units[w->unit];
   int rc;
   switch (w->kind) {
     case SP_WORK_GATHER:
@@ -144,6 +147,9 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
       break;
     case SP_WORK_ALL_REDUCE:
       rc = coll_all_reduce(f, f->world_comm, w->buf, w->count, w->dt, d);
+      break;
+    case SP_WORK_SHARD_ALL_REDUCE:
+      rc = coll_all_reduce(f, gather_comm(f), w->buf, w->count, w->dt, d);
       break;
     case SP_WORK_GATHER_MASTER:
       if (f->plan->strategy == SP_NO_SHARD) {
@@ -160,7 +166,7 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
   /* complete means finished on the device: the waiter may use the result
    * on any stream, and the next item may reuse this one's scratch */
   if (rc == 0) rc = f->mem->drain(f, SP_LANE_COMM, d);
-  if (rc < 0 && w->kind != SP_WORK_ALL_REDUCE)
+  if (rc < 0 && !caller_buf)
     sp_diag_prefix(d, rc, "unit %u (%s)", w->unit,
                    sp_fsdp_unit_name(f, w->unit));
   return rc;

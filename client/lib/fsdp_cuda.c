@@ -3,7 +3,7 @@
  * and comm) ordered with one event per work-ring slot, and device names.
  *
  * Ordering, as fsdp_internal.h sets it out: the training thread's device
- * work (zeroing gradients, SGD, buffer casts, uploads) and the trainer's
+ * work (zeroing gradients, the optimizer, clipping, buffer casts, uploads) and the trainer's
  * kernels run on the compute stream; the communication thread's casts run
  * on the comm stream, which waits for an event recorded on the compute
  * stream when the work was queued. A work item ends with the comm stream
@@ -142,24 +142,39 @@ static int cu_scale_div(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
   return sp_fsdp_cuda_scale_div(buf, dt, n, div, (void *)lane(f, l), d);
 }
 
-static int cu_cast_div(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
-                       void *src, sp_dtype st, size_t n, double div,
-                       sp_diag *d) {
-  int rc = sp_cuda_cast_div(dst, dt, src, st, n, div, (void *)lane(f, l));
-  if (rc < 0)
-    return sp_diag_set(d, rc, "%s:%d: sp_cuda_cast_div(%s -> %s, %zu "
-                       "elements, / %g) failed: %s%s", __FILE__, __LINE__,
-                       sp_dtype_name(st), sp_dtype_name(dt), n, div,
-                       sp_strerror(rc),
-                       rc == SP_ECUDA ? " (the CUDA error is logged above)"
-                                      : "");
-  return 0;
+static int cu_acc_div(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
+                      void *src, sp_dtype st, size_t n, double div,
+                      sp_diag *d) {
+  /* the quotient in place (scale_div's rule, as the host), then the sum */
+  int rc = cu_scale_div(f, l, src, st, n, div, d);
+  if (rc == 0) rc = sp_fsdp_cuda_acc(dst, dt, src, st, n, (void *)lane(f, l),
+                                     d);
+  return rc;
 }
 
-static int cu_sgd(sp_fsdp *f, void *p, sp_dtype pdt, void *g, sp_dtype gdt,
-                  size_t n, double lr, sp_diag *d) {
-  return sp_fsdp_cuda_sgd(p, pdt, g, gdt, n, lr, (void *)state(f)->compute,
-                          d);
+static int cu_scale(sp_fsdp *f, sp_fsdp_lane l, void *g, sp_dtype gdt,
+                    size_t n, double k, sp_diag *d) {
+  return sp_fsdp_cuda_scale(g, gdt, n, k, (void *)lane(f, l), d);
+}
+
+static int cu_sqsum(sp_fsdp *f, const void *g, sp_dtype gdt, size_t n,
+                    double *partial, double *out, sp_diag *d) {
+  return sp_fsdp_cuda_sqsum(g, gdt, n, partial, out,
+                            (void *)state(f)->compute, d);
+}
+
+static int cu_sgd(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
+                  sp_dtype gdt, float *buf, size_t n, double lr,
+                  double momentum, double wd, sp_diag *d) {
+  return sp_fsdp_cuda_sgd(p, pdt, g, gdt, buf, n, lr, momentum, wd,
+                          (void *)state(f)->compute, d);
+}
+
+static int cu_adamw(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
+                    sp_dtype gdt, float *m, float *v, size_t n,
+                    const sp_fsdp_adamw_args *a, sp_diag *d) {
+  return sp_fsdp_cuda_adamw(p, pdt, g, gdt, m, v, n, a,
+                            (void *)state(f)->compute, d);
 }
 
 static int cu_to_host(sp_fsdp *f, void *host, const void *src, size_t bytes,
@@ -246,8 +261,11 @@ static const sp_fsdp_mem_ops k_cuda_ops = {
     .copy = cu_copy,
     .cast = cu_cast,
     .scale_div = cu_scale_div,
-    .cast_div = cu_cast_div,
+    .acc_div = cu_acc_div,
+    .scale = cu_scale,
+    .sqsum = cu_sqsum,
     .sgd = cu_sgd,
+    .adamw = cu_adamw,
     .to_host = cu_to_host,
     .from_host = cu_from_host,
     .mark = cu_mark,

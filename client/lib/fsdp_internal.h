@@ -9,12 +9,20 @@
 
 #include "shardplane.h"
 
+/* also included by the runtime's CUDA kernels (C++) */
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct sp_fsdp_shard_state sp_fsdp_shard_state;
+/* The optimizer's state (optim.c): hyperparameters, moments, decay masks. */
+typedef struct sp_fsdp_optim sp_fsdp_optim;
+typedef struct sp_fsdp_adamw_args sp_fsdp_adamw_args;
 
 typedef struct sp_fsdp_unit {
   const sp_unit *u;
   bool has_data;      /* the unit owns parameters */
-  bool reduces;       /* has_data and requires_grad */
+  bool reduces;       /* has_data and any parameter requires grad */
   size_t esize;       /* unit (master) dtype size */
   size_t psize;       /* param_dtype size */
   int64_t c;          /* shard elements, padding included */
@@ -29,6 +37,10 @@ typedef struct sp_fsdp_unit {
   uint8_t *red_in;    /* padded, reduce_dtype; NULL when == param_dtype */
   uint8_t *red_out;   /* c, reduce_dtype */
   bool unsharded;     /* full holds this step's gathered parameters */
+  /* full_grad holds gradients of backward passes run without gradient
+   * sync (sp_fsdp_set_requires_gradient_sync), not reduced yet: the next
+   * pre_backward keeps them for the trainer to add to */
+  bool grad_unsynced;
   bool prefetched;
   int64_t gather_ticket; /* pending all-gather, or -1 */
   int64_t reduce_ticket; /* pending reduction, or -1 */
@@ -74,14 +86,36 @@ typedef struct sp_fsdp_mem_ops {
    * (float32, float64) or via float32 (16-bit dtypes) */
   int (*scale_div)(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
                    size_t n, double div, sp_diag *d);
-  /* dst (dt) = cast(src (st) / div): the reduced gradient's post-divide
-   * and cast back, fused on a GPU (sp_cuda_cast_div); src may be
-   * overwritten (the host divides it in place) */
-  int (*cast_div)(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
-                  void *src, sp_dtype st, size_t n, double div, sp_diag *d);
-  /* compute lane: p = rne(p - lr * g) in double (no FMA), then g = 0 */
-  int (*sgd)(sp_fsdp *f, void *p, sp_dtype pdt, void *g, sp_dtype gdt,
-             size_t n, double lr, sp_diag *d);
+  /* dst (dt) = rne_dt(dst + cast_dt(src (st) / div)), the sum in double:
+   * the reduced gradient's post-divide, cast to the shard gradient's dtype
+   * and accumulation into it (FSDP2: a micro-batch's gradient is added to
+   * the sharded gradient until the optimizer step or zero_grad clears it;
+   * onto a zero gradient it is exactly the cast quotient). The quotient
+   * follows scale_div's rule; src is overwritten with it. */
+  int (*acc_div)(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
+                 void *src, sp_dtype st, size_t n, double div, sp_diag *d);
+  /* g = rne_gdt(g * k), the product in double: gradient clipping */
+  int (*scale)(sp_fsdp *f, sp_fsdp_lane l, void *g, sp_dtype gdt, size_t n,
+               double k, sp_diag *d);
+  /* *out (one double of storage) = the sum of the squares of g's n
+   * elements in double, in the fixed order of sp_fsdp_sqsum_ref (each
+   * square is exact; the sums round), so host and device give the same
+   * bits. partial: storage of sp_fsdp_sqsum_chunks(n) doubles (the device
+   * needs it, the host ignores it). Compute lane. */
+  int (*sqsum)(sp_fsdp *f, const void *g, sp_dtype gdt, size_t n,
+               double *partial, double *out, sp_diag *d);
+  /* The optimizer updates on n elements of a master shard, compute lane,
+   * every operation in double in the order written (no FMA), stored
+   * values rounded once (RNE) to their dtype; g is not changed:
+   * sgd:   gv = g + wd * p;  with buf: b = rne_f32(momentum * b + gv),
+   *        gv = b;  p = rne(p - lr * gv)   (torch.optim.SGD, dampening 0)
+   * adamw: sp_fsdp_adamw_args */
+  int (*sgd)(sp_fsdp *f, void *p, sp_dtype pdt, const void *g, sp_dtype gdt,
+             float *buf, size_t n, double lr, double momentum, double wd,
+             sp_diag *d);
+  int (*adamw)(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
+               sp_dtype gdt, float *m, float *v, size_t n,
+               const sp_fsdp_adamw_args *a, sp_diag *d);
   /* Synchronous copies between host memory and storage, ordered after
    * everything issued on the compute lane. */
   int (*to_host)(sp_fsdp *f, void *host, const void *src, size_t bytes,
@@ -106,6 +140,32 @@ typedef struct sp_fsdp_mem_ops {
   void (*destroy)(sp_fsdp *f);
 } sp_fsdp_mem_ops;
 
+/* One AdamW update (torch.optim.AdamW), element by element in double:
+ *   p  = p - lrwd * p                       (decoupled decay; lrwd = lr*wd,
+ *                                            0 for a no-decay element)
+ *   m  = rne_f32(beta1 * m + omb1 * g)       (omb1 = 1 - beta1)
+ *   v  = rne_f32(beta2 * v + omb2 * (g * g)) (omb2 = 1 - beta2)
+ *   mh = m / bc1,  vh = v / bc2              (bc = 1 - beta^t, t from 1)
+ *   p  = rne(p - (lr * mh) / (sqrt(vh) + eps))
+ * with m and v the stored float32 values. Every constant is computed once
+ * on the host, so host and device see the same doubles. */
+struct sp_fsdp_adamw_args {
+  double lr, lrwd, beta1, omb1, beta2, omb2, bc1, bc2, eps;
+};
+
+/* The summation order of the sum of squares (mem ops sqsum): chunks of
+ * SP_FSDP_SQ_CHUNK elements; within a chunk SP_FSDP_SQ_LANES lanes, lane t
+ * summing elements t, t + LANES, t + 2 LANES, ... of the chunk in order,
+ * then the lanes pairwise (for s = LANES/2 down to 1: lane[t] += lane[t+s]
+ * for t < s); the chunk sums then in chunk order. It is a GPU block's
+ * natural order (a lane per thread, a shared-memory tree), written out
+ * for the CPU. */
+#define SP_FSDP_SQ_LANES 256
+#define SP_FSDP_SQ_CHUNK (SP_FSDP_SQ_LANES * 16)
+size_t sp_fsdp_sqsum_chunks(size_t n);
+/* The host reference of that order (fsdp_mem_host.c). */
+double sp_fsdp_sqsum_ref(const void *g, sp_dtype gdt, size_t n);
+
 /* The host implementations (fsdp_mem_host.c): "cpu", and "cpu-staged",
  * host memory the runtime treats as a device's (mem.device), so a machine
  * without a GPU runs the staging paths a GPU takes. */
@@ -127,6 +187,11 @@ typedef enum sp_fsdp_work_kind {
   SP_WORK_REDUCE = 2,     /* reduce a unit's gradient */
   SP_WORK_ALL_REDUCE = 3, /* a caller's buffer over the world */
   SP_WORK_GATHER_MASTER = 4, /* master shards into a caller's buffer */
+  /* a caller's buffer summed over the shard group (the world for
+   * FULL_SHARD and SHARD_GRAD_OP, the shard group for HYBRID_SHARD; not
+   * queued for NO_SHARD): a gradient norm, whose replicas hold equal
+   * shards and must be counted once */
+  SP_WORK_SHARD_ALL_REDUCE = 5,
 } sp_fsdp_work_kind;
 
 typedef struct sp_fsdp_work {
@@ -167,6 +232,11 @@ struct sp_fsdp {
   sp_fsdp_shard_state *states;
   size_t n_states;
   uint64_t optim_steps;
+  /* the optimizer (sp_fsdp_optim_init), NULL before; freed with f */
+  sp_fsdp_optim *optim;
+  /* sp_fsdp_set_requires_gradient_sync(f, false): post_backward reduces
+   * nothing and unsharded gradients accumulate (FSDP's no_sync) */
+  bool no_sync;
 
   /* the communication thread: a FIFO of work with increasing tickets */
   pthread_t thread;
@@ -203,6 +273,22 @@ struct sp_fsdp_shard_state {
  * sp_fsdp_free, or a new registration under the same runtime). */
 int sp_fsdp_register_shard_state(sp_fsdp *f, const char *name, sp_dtype dt,
                                  uint8_t **per_unit, sp_diag *d);
+
+/* Frees the optimizer's state (optim.c); from sp_fsdp_free, before the
+ * storage goes. NULL optimizer: nothing. */
+void sp_fsdp_optim_release(sp_fsdp *f);
+/* Unit u's master shard changed (a load, an optimizer step): an unsharded
+ * copy kept across steps (NO_SHARD, or a gather not consumed yet) must not
+ * be served again. Waits for a pending gather of u. */
+int sp_fsdp_unit_stale(sp_fsdp *f, uint32_t u, sp_diag *d);
+/* SP_ESTATE naming `what` unless the root and every unit are IDLE and no
+ * reduction is pending: the calls that change shards or gradients run
+ * between steps. */
+int sp_fsdp_check_between_steps(sp_fsdp *f, const char *what, sp_diag *d);
+/* The optimizer step's zero_grad: every sharded gradient (compute lane);
+ * unsharded gradients kept without sync stay (sp_fsdp_zero_grad clears
+ * those too). */
+int sp_fsdp_zero_shard_grads(sp_fsdp *f, sp_diag *d);
 
 /* Queues work and returns its ticket (>= 0) or a negative error. */
 int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d);
@@ -245,5 +331,9 @@ int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *stage, bool keep,
 void *sp_fsdp_xcalloc(size_t n, size_t size);
 /* A unit's name in messages: its module FQN, "root" for the root. */
 const char *sp_fsdp_unit_name(const sp_fsdp *f, uint32_t unit);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

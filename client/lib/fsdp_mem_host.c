@@ -2,10 +2,12 @@
  * CPU, and of "cpu-staged", which takes the device paths on host memory.
  * Every operation is synchronous, so lanes and marks are no-ops. The GPU's
  * table (fsdp_cuda.c) and its kernels must give these bits. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cast/cast.h"
+#include "cast/cast_scalar.h"
 #include "fsdp_internal.h"
 
 /* Scales n elements of dtype dt in place by 1/div (exact rounding of the
@@ -85,33 +87,119 @@ static int host_scale_div(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
   return 0;
 }
 
-static int host_cast_div(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
-                         void *src, sp_dtype st, size_t n, double div,
-                         sp_diag *d) {
-  int rc = host_scale_div(f, l, src, st, n, div, d);
-  return rc < 0 ? rc : host_cast(f, l, dst, dt, src, st, n, d);
+static bool floating(sp_dtype dt) {
+  return dt == SP_FLOAT64 || dt == SP_FLOAT32 || dt == SP_BFLOAT16 ||
+         dt == SP_FLOAT16;
 }
 
-/* p -= lr * g, computed in double and rounded once to the master dtype, as
- * the reference trainer does; then zero_grad. */
-static int host_sgd(sp_fsdp *f, void *shard, sp_dtype pdt, void *grad,
-                    sp_dtype gdt, size_t c, double lr, sp_diag *d) {
-  (void)f;
-  double *p = sp_fsdp_xcalloc(c, sizeof(double));
-  double *g = sp_fsdp_xcalloc(c, sizeof(double));
-  int rc = p && g ? 0 : SP_ENOMEM;
-  if (rc == 0) rc = sp_cast(p, SP_FLOAT64, shard, pdt, c);
-  if (rc == 0) rc = sp_cast(g, SP_FLOAT64, grad, gdt, c);
-  if (rc == 0) {
-    for (size_t i = 0; i < c; i++) p[i] -= lr * g[i];
-    rc = sp_cast(shard, pdt, p, SP_FLOAT64, c);
-    /* zero_grad: a unit that gets no gradient next step must not be
-     * moved again by this one */
-    memset(grad, 0, c * sp_dtype_size(gdt));
+/* v rounded once to dt, as a double (exact): what an element of dt holds */
+static double round_to(double v, sp_dtype dt) {
+  uint64_t tmp;
+  sp_elem_store_f64(&tmp, dt, 0, v);
+  return sp_elem_load_f64(&tmp, dt, 0);
+}
+
+/* The kernels below are the CPU references of fsdp_cuda_kernels.cu's:
+ * the same element helpers (cast_scalar.h), the same double operations in
+ * the same order. ISO C (no FMA contraction), like the kernels' explicitly
+ * rounded intrinsics. */
+
+static int host_acc_div(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
+                        void *src, sp_dtype st, size_t n, double div,
+                        sp_diag *d) {
+  if (!floating(dt) || !floating(st))
+    return sp_diag_set(d, SP_EINVAL, "accumulating %s into %s gradients",
+                       sp_dtype_name(st), sp_dtype_name(dt));
+  int rc = host_scale_div(f, l, src, st, n, div, d);
+  if (rc < 0) return rc;
+  for (size_t i = 0; i < n; i++) {
+    double v = round_to(sp_elem_load_f64(src, st, i), dt);
+    sp_elem_store_f64(dst, dt, i, sp_elem_load_f64(dst, dt, i) + v);
   }
-  free(p);
-  free(g);
-  return rc < 0 ? sp_diag_set(d, rc, "%s", sp_strerror(rc)) : 0;
+  return 0;
+}
+
+static int host_scale(sp_fsdp *f, sp_fsdp_lane l, void *g, sp_dtype gdt,
+                      size_t n, double k, sp_diag *d) {
+  (void)f, (void)l;
+  if (!floating(gdt))
+    return sp_diag_set(d, SP_EINVAL, "scaling %s gradients",
+                       sp_dtype_name(gdt));
+  for (size_t i = 0; i < n; i++)
+    sp_elem_store_f64(g, gdt, i, sp_elem_load_f64(g, gdt, i) * k);
+  return 0;
+}
+
+size_t sp_fsdp_sqsum_chunks(size_t n) {
+  return n / SP_FSDP_SQ_CHUNK + (n % SP_FSDP_SQ_CHUNK != 0);
+}
+
+double sp_fsdp_sqsum_ref(const void *g, sp_dtype gdt, size_t n) {
+  double total = 0;
+  for (size_t base = 0; base < n; base += SP_FSDP_SQ_CHUNK) {
+    double lane[SP_FSDP_SQ_LANES] = {0};
+    for (size_t j = 0; j < SP_FSDP_SQ_CHUNK; j += SP_FSDP_SQ_LANES)
+      for (size_t t = 0; t < SP_FSDP_SQ_LANES; t++) {
+        size_t i = base + j + t;
+        if (i >= n) continue;
+        double v = sp_elem_load_f64(g, gdt, i);
+        lane[t] += v * v;
+      }
+    for (size_t s = SP_FSDP_SQ_LANES / 2; s > 0; s /= 2)
+      for (size_t t = 0; t < s; t++) lane[t] += lane[t + s];
+    total += lane[0];
+  }
+  return total;
+}
+
+static int host_sqsum(sp_fsdp *f, const void *g, sp_dtype gdt, size_t n,
+                      double *partial, double *out, sp_diag *d) {
+  (void)f, (void)partial;
+  if (!floating(gdt))
+    return sp_diag_set(d, SP_EINVAL, "norm of %s gradients",
+                       sp_dtype_name(gdt));
+  *out = sp_fsdp_sqsum_ref(g, gdt, n);
+  return 0;
+}
+
+static int host_sgd(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
+                    sp_dtype gdt, float *buf, size_t n, double lr,
+                    double momentum, double wd, sp_diag *d) {
+  (void)f;
+  if (!floating(pdt) || !floating(gdt))
+    return sp_diag_set(d, SP_EINVAL, "SGD on %s with %s gradients",
+                       sp_dtype_name(pdt), sp_dtype_name(gdt));
+  for (size_t i = 0; i < n; i++) {
+    double pv = sp_elem_load_f64(p, pdt, i);
+    double gv = sp_elem_load_f64(g, gdt, i);
+    if (wd != 0) gv = gv + wd * pv;
+    if (buf) {
+      sp_elem_store_f64(buf, SP_FLOAT32, i, momentum * (double)buf[i] + gv);
+      gv = (double)buf[i];
+    }
+    sp_elem_store_f64(p, pdt, i, pv - lr * gv);
+  }
+  return 0;
+}
+
+static int host_adamw(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
+                      sp_dtype gdt, float *m, float *v, size_t n,
+                      const sp_fsdp_adamw_args *a, sp_diag *d) {
+  (void)f;
+  if (!floating(pdt) || !floating(gdt))
+    return sp_diag_set(d, SP_EINVAL, "AdamW on %s with %s gradients",
+                       sp_dtype_name(pdt), sp_dtype_name(gdt));
+  for (size_t i = 0; i < n; i++) {
+    double pv = sp_elem_load_f64(p, pdt, i);
+    double gv = sp_elem_load_f64(g, gdt, i);
+    pv = pv - a->lrwd * pv;
+    sp_elem_store_f64(m, SP_FLOAT32, i, a->beta1 * (double)m[i] + a->omb1 * gv);
+    sp_elem_store_f64(v, SP_FLOAT32, i,
+                      a->beta2 * (double)v[i] + a->omb2 * (gv * gv));
+    double mh = (double)m[i] / a->bc1, vh = (double)v[i] / a->bc2;
+    sp_elem_store_f64(p, pdt, i, pv - (a->lr * mh) / (sqrt(vh) + a->eps));
+  }
+  return 0;
 }
 
 static int host_to_host(sp_fsdp *f, void *host, const void *src,
@@ -157,8 +245,11 @@ static void host_destroy(sp_fsdp *f) { (void)f; }
       .copy = host_copy,                                                       \
       .cast = host_cast,                                                       \
       .scale_div = host_scale_div,                                             \
-      .cast_div = host_cast_div,                                               \
+      .acc_div = host_acc_div,                                                 \
+      .scale = host_scale,                                                     \
+      .sqsum = host_sqsum,                                                     \
       .sgd = host_sgd,                                                         \
+      .adamw = host_adamw,                                                     \
       .to_host = host_to_host,                                                 \
       .from_host = host_from_host,                                             \
       .mark = host_slot_nop,                                                   \

@@ -185,7 +185,10 @@ int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     if (rc < 0) return rc;
     fu->reduce_ticket = -1;
   }
-  if (fu->has_data) {
+  /* the trainer adds its gradient to the buffer (as autograd accumulates
+   * into .grad): zero, unless it holds the gradients of earlier backward
+   * passes without sync, to be added to and reduced together */
+  if (fu->has_data && !fu->grad_unsynced) {
     rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->full_grad,
                       (size_t)fu->padded * fu->psize, d);
     if (rc < 0) return rc;
@@ -204,7 +207,11 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_BACKWARD_POST, d);
   if (rc < 0 || again) return rc;
   sp_fsdp_unit *fu = &f->units[ui];
-  if (fu->reduces) {
+  /* without gradient sync (FSDP's no_sync) the unsharded gradient stays,
+   * unreduced, for the next backward to add to */
+  if (fu->reduces && f->no_sync) fu->grad_unsynced = true;
+  if (fu->reduces && !f->no_sync) {
+    fu->grad_unsynced = false;
     sp_fsdp_work w = {.kind = SP_WORK_REDUCE, .unit = ui};
     int64_t t = sp_fsdp_enqueue(f, &w, d);
     if (t < 0) return (int)t;
@@ -330,19 +337,109 @@ int sp_fsdp_gather_param(sp_fsdp *f, int32_t param, void *dst, sp_diag *d) {
   return rc;
 }
 
-/* p -= lr * g, computed in double and rounded once to the master dtype, as
- * the reference trainer does (the memory ops' sgd). */
-int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
-  for (size_t ui = 0; ui < f->n_units; ui++) {
-    sp_fsdp_unit *fu = &f->units[ui];
-    if (!fu->reduces) continue;
-    /* an unsharded copy kept across steps (NO_SHARD) is stale now */
-    reshard(f, (uint32_t)ui);
-    int rc = f->mem->sgd(f, fu->shard, fu->u->dtype, fu->shard_grad,
-                         fu->grad_dtype, (size_t)fu->c, lr, d);
-    if (rc < 0)
-      return sp_diag_prefix(d, rc, "SGD on unit %zu (%s)", ui,
-                            sp_fsdp_unit_name(f, (uint32_t)ui));
+/* ---- between steps: shards and gradients ---- */
+
+int sp_fsdp_check_between_steps(sp_fsdp *f, const char *what, sp_diag *d) {
+  int root = sp_session_state(f->s, SP_MACHINE_ROOT, 0);
+  if (root != SP_ROOT_IDLE)
+    return sp_diag_set(d, SP_ESTATE, "%s: between steps only (root %s; "
+                       "after finish_backward)", what,
+                       sp_state_name(SP_MACHINE_ROOT, root));
+  for (uint32_t ui = 0; ui < f->n_units; ui++) {
+    int st = sp_session_state(f->s, SP_MACHINE_HANDLE, ui);
+    if (st != SP_HANDLE_IDLE || f->units[ui].reduce_ticket >= 0)
+      return sp_diag_set(d, SP_ESTATE, "%s: between steps only (unit %u "
+                         "(%s) is %s%s)", what, ui, sp_fsdp_unit_name(f, ui),
+                         sp_state_name(SP_MACHINE_HANDLE, st),
+                         f->units[ui].reduce_ticket >= 0
+                             ? ", its reduction pending" : "");
   }
   return 0;
+}
+
+int sp_fsdp_unit_stale(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  sp_fsdp_unit *fu = &f->units[ui];
+  /* a gather still in flight read the old shard (or is reading it) */
+  if (fu->gather_ticket >= 0) {
+    int rc = sp_fsdp_wait(f, fu->gather_ticket, d);
+    if (rc < 0) return rc;
+    fu->gather_ticket = -1;
+  }
+  reshard(f, ui);
+  return 0;
+}
+
+int sp_fsdp_shards_changed(sp_fsdp *f, sp_diag *d) {
+  if (!f) return sp_diag_set(d, SP_EINVAL, "sp_fsdp_shards_changed: NULL");
+  int rc = sp_fsdp_check_between_steps(f, "sp_fsdp_shards_changed", d);
+  for (uint32_t ui = 0; rc == 0 && ui < f->n_units; ui++)
+    rc = sp_fsdp_unit_stale(f, ui, d);
+  return rc;
+}
+
+int sp_fsdp_set_requires_gradient_sync(sp_fsdp *f, bool sync, sp_diag *d) {
+  if (!f)
+    return sp_diag_set(d, SP_EINVAL, "sp_fsdp_set_requires_gradient_sync: "
+                                     "NULL");
+  int rc = sp_fsdp_check_between_steps(
+      f, "sp_fsdp_set_requires_gradient_sync", d);
+  if (rc == 0) f->no_sync = !sync;
+  return rc;
+}
+
+bool sp_fsdp_requires_gradient_sync(const sp_fsdp *f) {
+  return f && !f->no_sync;
+}
+
+/* The sharded gradients, and with `unsynced` the unsharded ones kept by
+ * backward passes without sync. */
+static int zero_grads(sp_fsdp *f, bool unsynced, sp_diag *d) {
+  int rc = 0;
+  for (uint32_t ui = 0; rc == 0 && ui < f->n_units; ui++) {
+    sp_fsdp_unit *fu = &f->units[ui];
+    if (!fu->has_data) continue;
+    rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->shard_grad,
+                      (size_t)fu->c * sp_dtype_size(fu->grad_dtype), d);
+    if (rc == 0 && unsynced && fu->grad_unsynced) {
+      rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->full_grad,
+                        (size_t)fu->padded * fu->psize, d);
+      fu->grad_unsynced = false;
+    }
+    if (rc < 0) sp_diag_prefix(d, rc, "zeroing the gradients of unit %u (%s)",
+                               ui, sp_fsdp_unit_name(f, ui));
+  }
+  return rc;
+}
+
+int sp_fsdp_zero_grad(sp_fsdp *f, sp_diag *d) {
+  if (!f) return sp_diag_set(d, SP_EINVAL, "sp_fsdp_zero_grad: NULL");
+  int rc = sp_fsdp_check_between_steps(f, "sp_fsdp_zero_grad", d);
+  return rc < 0 ? rc : zero_grads(f, true, d);
+}
+
+int sp_fsdp_zero_shard_grads(sp_fsdp *f, sp_diag *d) {
+  return zero_grads(f, false, d);
+}
+
+/* p -= lr * g, computed in double and rounded once to the master dtype, as
+ * the reference trainer does (the memory ops' sgd without momentum or
+ * decay); then zero_grad, and the shards changed. */
+int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
+  if (!f) return sp_diag_set(d, SP_EINVAL, "sp_fsdp_sgd_step: NULL");
+  int rc = sp_fsdp_check_between_steps(f, "sp_fsdp_sgd_step", d);
+  for (size_t ui = 0; rc == 0 && ui < f->n_units; ui++) {
+    sp_fsdp_unit *fu = &f->units[ui];
+    if (!fu->reduces) continue;
+    rc = f->mem->sgd(f, fu->shard, fu->u->dtype, fu->shard_grad,
+                     fu->grad_dtype, NULL, (size_t)fu->c, lr, 0, 0, d);
+    if (rc < 0)
+      sp_diag_prefix(d, rc, "SGD on unit %zu (%s)", ui,
+                     sp_fsdp_unit_name(f, (uint32_t)ui));
+  }
+  /* a unit that gets no gradient next step must not be moved again by
+   * this one */
+  if (rc == 0) rc = sp_fsdp_zero_shard_grads(f, d);
+  if (rc == 0) rc = sp_fsdp_shards_changed(f, d);
+  if (rc == 0) f->optim_steps++;
+  return rc;
 }

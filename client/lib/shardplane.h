@@ -341,12 +341,18 @@ void sp_fsdp_free(sp_fsdp *f);
  * root_post_forward: post_forward(0), root -> IDLE.
  * root_pre_backward: root -> FORWARD_BACKWARD, then pre_backward(0).
  * pre_backward(u): unshard if resharded and not prefetched,
- *   u -> BACKWARD_PRE, then (backward_prefetch) issue the all-gather of the
- *   unit before u in post-forward order, without waiting for it.
+ *   u -> BACKWARD_PRE, zero u's unsharded gradient (unless it holds
+ *   gradients kept without sync, below), then (backward_prefetch) issue
+ *   the all-gather of the unit before u in post-forward order, without
+ *   waiting for it.
  * post_backward(u): u -> BACKWARD_POST; queue the unit's gradient
  *   reduction (cast to reduce_dtype, pre-divide, reduce-scatter / all-reduce
  *   (HYBRID: reduce-scatter in the shard group, all-reduce in the replica
- *   group), post-divide, cast to the shard's gradient dtype); reshard.
+ *   group), post-divide, cast to the shard's gradient dtype and ADD to the
+ *   shard gradient, which accumulates until the optimizer step or
+ *   sp_fsdp_zero_grad clears it); reshard. Without gradient sync
+ *   (sp_fsdp_set_requires_gradient_sync) nothing is reduced: the unsharded
+ *   gradient is kept for the next backward to add to.
  * finish_backward: waits for every queued reduction, every unit -> IDLE,
  *   root -> IDLE.
  * Resharding drops the unsharded views (sp_fsdp_param returns NULL); the
@@ -384,7 +390,12 @@ int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
 
 /* A parameter's unsharded view (param_dtype of its unit) while its unit is
  * unsharded; NULL otherwise. The gradient buffer of the same shape and
- * dtype, to be written during backward before post_backward(unit).
+ * dtype, which the trainer ADDS its gradient to during backward, before
+ * post_backward(unit), as autograd accumulates into .grad: pre_backward
+ * zeroes it, except without gradient sync, where it still holds the
+ * earlier micro-batches' sum. NULL for a parameter with requires_grad
+ * false (under use_orig_params a unit may mix them): its elements stay
+ * zero, reduce to zero and are left alone by the optimizer.
  * On a GPU (sp_fsdp_opts.device) these, the buffers and the shards below
  * are device pointers. */
 void *sp_fsdp_param(sp_fsdp *f, int32_t param);
@@ -396,12 +407,163 @@ sp_dtype sp_fsdp_buffer_dtype(const sp_fsdp *f, int32_t buffer);
 
 /* The master shard of a unit (unit dtype, c elements, padding included)
  * and its reduced gradient (c elements in the unit dtype, or in
- * param_dtype with keep_low_precision_grads: sp_fsdp_shard_grad_dtype). */
+ * param_dtype with keep_low_precision_grads: sp_fsdp_shard_grad_dtype),
+ * the sum of every reduction since it was last cleared; padding and
+ * frozen elements hold zero. A trainer that writes a master shard itself
+ * must call sp_fsdp_shards_changed before the next forward. */
 void *sp_fsdp_shard(sp_fsdp *f, uint32_t unit, int64_t *numel);
 void *sp_fsdp_shard_grad(sp_fsdp *f, uint32_t unit);
 sp_dtype sp_fsdp_shard_grad_dtype(const sp_fsdp *f, uint32_t unit);
-/* Plain SGD on every master shard: p -= lr * g. */
+/* Plain SGD on every master shard: p = rne(p - lr * g) computed in double;
+ * then the shard gradients are cleared, the shards marked changed
+ * (sp_fsdp_shards_changed) and the optimizer step count incremented.
+ * Between steps only (SP_ESTATE otherwise). */
 int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d);
+
+/* "The master shards changed": a trainer that updated the shards itself
+ * (its own optimizer, through sp_fsdp_shard) says so before the next
+ * forward, so that no strategy serves an unsharded copy of the old values
+ * (NO_SHARD, and so every world of one rank, keeps the unsharded
+ * parameters across steps; a pending prefetch would hold them too): every
+ * unit is resharded and gathered afresh on its next pre_forward. The
+ * optimizer steps here and checkpoint loads call it themselves. Between
+ * steps only (root and units IDLE): SP_ESTATE otherwise. Waits for any
+ * all-gather in flight. */
+int sp_fsdp_shards_changed(sp_fsdp *f, sp_diag *d);
+
+/* ---- gradient accumulation ----
+ * Two ways to train on k micro-batches per optimizer step, both equal to
+ * one batch of all their samples:
+ *   - with sync (the default, FSDP2's): every micro-batch's backward
+ *     reduces its gradient and adds it to the sharded gradient;
+ *   - without (FSDP1's no_sync(), FSDP2's set_requires_gradient_sync
+ *     (False)): sp_fsdp_set_requires_gradient_sync(f, false) before the
+ *     first k-1 micro-batches, whose post_backward reduces nothing and
+ *     keeps the unsharded gradient (one communication per step, unsharded
+ *     gradients held in memory meanwhile); true again before the last,
+ *     whose post_backward reduces the sum.
+ * The divide factors: every reduction divides by the world size W, so a
+ * reduced gradient is the mean over ranks of the local gradients. For the
+ * sum over k micro-batches to be the gradient of the whole batch's mean
+ * loss, the trainer scales each micro-batch's loss (its output gradient)
+ * by 1/k: with n samples per rank and micro-batch, the local loss is the
+ * sum over its samples divided by n * k (the reference trainer's
+ * sp_mlp_loss_over with denominator n * k). A unit whose backward runs
+ * without sync must run again in the last micro-batch (with sync), or its
+ * kept gradient is not reduced this step.
+ * Between steps only (SP_ESTATE otherwise). */
+int sp_fsdp_set_requires_gradient_sync(sp_fsdp *f, bool sync, sp_diag *d);
+bool sp_fsdp_requires_gradient_sync(const sp_fsdp *f);
+/* Clears every sharded gradient and every unsharded one kept without
+ * sync. The optimizer steps clear the sharded ones themselves. Between
+ * steps only. */
+int sp_fsdp_zero_grad(sp_fsdp *f, sp_diag *d);
+
+/* ---- gradient clipping ----
+ * FSDP's clip_grad_norm_: the global 2-norm of every shard gradient of
+ * every unit, *total_norm (NULL: not returned). The squares are summed in
+ * float64 (each square of a float32 or 16-bit value is exact) over this
+ * rank's shards in a fixed order (chunks of 4096 elements in 256 lanes,
+ * then unit order), so the CPU and the GPU give the same local bits; the
+ * local sums are then all-reduced over the shard group only: the world
+ * for FULL_SHARD and SHARD_GRAD_OP, the shard group for HYBRID_SHARD
+ * (replicas hold equal shards and must not be counted twice), and no
+ * collective for NO_SHARD (every rank has the whole gradient). Padding
+ * and frozen elements hold zero and add nothing. Then, as PyTorch,
+ * coef = max_norm / (total_norm + 1e-6) and, when coef < 1 (total_norm
+ * + 1e-6 > max_norm), every shard gradient becomes rne(g * coef)
+ * (product in double). A non-finite norm is returned and nothing scaled.
+ * The norm equals the unsharded gradient's within float64 rounding
+ * (Gloo sums in member order; NCCL in its own, identical on every member
+ * but possibly another last bit). A collective over the shard group:
+ * every member calls it, between steps (SP_ESTATE otherwise); SP_EINVAL
+ * unless max_norm > 0 (+inf computes the norm only). */
+int sp_fsdp_clip_grad_norm(sp_fsdp *f, double max_norm, double *total_norm,
+                           sp_diag *d);
+
+/* ---- the optimizer ----
+ * AdamW or SGD on the master shards, with state sharded exactly like them
+ * (c float32 elements per unit per rank, zero in the padding, in the
+ * runtime's storage: device memory on a GPU) and registered with the
+ * runtime, so checkpoints carry it with the step count. */
+typedef enum sp_optim_kind {
+  SP_OPTIM_SGD = 1,   /* torch.optim.SGD: momentum, L2 weight decay */
+  SP_OPTIM_ADAMW = 2, /* torch.optim.AdamW: decoupled weight decay */
+} sp_optim_kind;
+
+typedef enum sp_lr_schedule {
+  SP_LR_CONSTANT = 1,
+  /* linear warmup, then cosine decay to min_lr (sp_optim_lr) */
+  SP_LR_COSINE = 2,
+} sp_lr_schedule;
+
+typedef struct sp_optim_opts {
+  sp_optim_kind kind;
+  double lr;           /* the peak learning rate; >= 0, finite */
+  double momentum;     /* SGD; 0: none (the buffer "momentum_buffer") */
+  /* AdamW: p -= lr * weight_decay * p before the update (decoupled);
+   * SGD: g += weight_decay * p (L2). Only parameters the mask decays. */
+  double weight_decay;
+  double beta1, beta2; /* AdamW, each in [0, 1) */
+  double eps;          /* AdamW, > 0 */
+  sp_lr_schedule schedule;
+  uint64_t warmup_steps; /* SP_LR_COSINE */
+  uint64_t total_steps;  /* SP_LR_COSINE: min_lr from this step on; > 0 */
+  double min_lr;         /* SP_LR_COSINE; in [0, lr] */
+  /* The weight-decay mask, per parameter by FQN: no decay where it matches
+   * a no_decay pattern; else decay where it matches a decay pattern; else
+   * the common GPT rule: decay for tensors of two or more dimensions
+   * (weights), none for 1-D and scalar ones (biases, norm weights).
+   * Patterns are fnmatch(3) globs without flags ("*" matches dots too,
+   * so "*.bias" is every bias); copied by sp_fsdp_optim_init. */
+  const char *const *decay;
+  size_t n_decay;
+  const char *const *no_decay;
+  size_t n_no_decay;
+} sp_optim_opts;
+
+/* PyTorch's defaults for kind: SGD lr 1e-3, no momentum, no decay;
+ * AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2; both a
+ * constant schedule and the default mask. */
+void sp_optim_opts_init(sp_optim_opts *o, sp_optim_kind kind);
+/* SP_EINVAL naming the field, its value and what is allowed. */
+int sp_optim_opts_check(const sp_optim_opts *o, sp_diag *d);
+/* The learning rate of step t (0-based, optimizer steps, not
+ * micro-batches): SP_LR_CONSTANT lr; SP_LR_COSINE, with w = warmup_steps
+ * and T = total_steps: lr * (t + 1) / w for t < w; min_lr for t >= T;
+ * else min_lr + 0.5 * (lr - min_lr) * (1 + cos(pi * (t - w) / (T - w))).
+ * Computed in double. */
+double sp_optim_lr(const sp_optim_opts *o, uint64_t t);
+/* Whether the mask decays parameter `param` of m. */
+bool sp_optim_decays(const sp_optim_opts *o, const sp_model *m,
+                     int32_t param);
+
+/* Sets up the optimizer, once per runtime (SP_EEXIST after): checks o,
+ * builds each unit's element ranges of trainable parameters in this
+ * rank's shard with their decay flags (from the plan's shard params), and
+ * allocates the zeroed state, registered for checkpoints: "exp_avg" and
+ * "exp_avg_sq" (AdamW), "momentum_buffer" (SGD with momentum). Call it
+ * before sp_ckpt_load, so a checkpoint's optimizer state and step count
+ * load into it. The runtime owns the state until sp_fsdp_free. */
+int sp_fsdp_optim_init(sp_fsdp *f, const sp_optim_opts *o, sp_diag *d);
+/* One optimizer step at the schedule's lr for the step count so far
+ * (*lr receives it; may be NULL), on the trainable elements only, every
+ * operation in double in a fixed order and rounded once to each stored
+ * dtype, on the CPU and (bit for bit) on the GPU:
+ *   AdamW (t = steps + 1): p -= lr * wd * p (decayed elements);
+ *     m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2 (stored float32);
+ *     p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps);
+ *   SGD: g += wd * p (decayed); with momentum b = momentum * b + g (the
+ *     first step gives b = g), g = b; p -= lr * g.
+ * Then the shard gradients are cleared, the shards marked changed and the
+ * step count incremented. Between steps only; SP_ESTATE before
+ * sp_fsdp_optim_init. */
+int sp_fsdp_optim_step(sp_fsdp *f, double *lr, sp_diag *d);
+/* The learning rate the next step will use; 0 before sp_fsdp_optim_init. */
+double sp_fsdp_optim_lr(const sp_fsdp *f);
+/* Optimizer steps taken (sp_fsdp_optim_step and sp_fsdp_sgd_step; a
+ * checkpoint load restores it). */
+uint64_t sp_fsdp_optim_steps(const sp_fsdp *f);
 
 /* Full (unpadded) value of parameter `param` in its original dtype,
  * gathered from the master shards (a collective: every rank calls it for
