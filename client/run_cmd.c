@@ -139,7 +139,54 @@ static void stop_workers(pid_t *pids, uint32_t n, int wait_ms) {
     }
 }
 
-int sp_cmd_run(int argc, char **argv) {
+/* What the command line asked for. */
+typedef struct run_opts {
+  long long nproc;
+  const char *model_path, *job_path, *ckdir;
+  const char *steps, *batch, *lr, *log_every, *hb;
+  bool cuda;
+  const char *kinds[8];
+  size_t n_kinds;
+  bool wrap_given;
+  sp_job_cli jcli; /* job flags, applied after --job */
+} run_opts;
+
+/* What was checked before anything starts. */
+typedef struct run_job {
+  sp_model *model;
+  sp_plan *plan;
+  sp_job job;
+  bool default_wrap; /* no wrap policy given: every Linear is a unit */
+  int n_gpus;
+  char coord_bin[PATH_MAX], worker_bin[PATH_MAX];
+  char default_dir[PATH_MAX];
+  const char *ckdir;
+} run_job;
+
+/* The running processes. */
+typedef struct run_procs {
+  sp_proc coord;
+  char addr[64];
+  pid_t pids[MAX_NPROC];
+  uint32_t live;
+} run_procs;
+
+#define PROCEED (-1)
+
+/* A job flag (getopt's c >= SP_JOB_OPT_BASE), recorded for the
+ * coordinator. 0, or -1 (message printed). */
+static int job_flag(run_opts *o, int c, const char *value) {
+  const char *name = sp_job_flags[c - SP_JOB_OPT_BASE].name;
+  if (strcmp(name, "world-size") == 0) {
+    sp_cli_error(RUN, "--world-size: use --nproc");
+    return -1;
+  }
+  if (strncmp(name, "wrap-", 5) == 0) o->wrap_given = true;
+  return sp_job_cli_record(&o->jcli, c, value) < 0 ? -1 : 0;
+}
+
+/* Fills o from argv. Returns PROCEED, or the exit code. */
+static int parse_args(int argc, char **argv, run_opts *o) {
   enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
          O_LOG, O_HB, O_DEVICE, O_HELP };
   static const struct option own[] = {
@@ -157,32 +204,26 @@ int sp_cmd_run(int argc, char **argv) {
       {"help", no_argument, NULL, O_HELP}};
   struct option *opts = sp_job_cli_options(own, sizeof own / sizeof own[0]);
   if (!opts) return SP_EXIT_FAILURE;
-  sp_job_cli jcli = {0};
-  const char *model_path = NULL, *job_path = NULL, *ckdir = NULL;
-  const char *steps = "20", *batch = "24", *lr = "0.05", *log_every = "1";
-  const char *hb = "5000";
-  bool cuda = false;
-  const char *kinds[8];
-  size_t n_kinds = 0;
-  long long nproc = 0, tmp;
-  bool wrap_given = false;
+  o->steps = "20";
+  o->batch = "24";
+  o->lr = "0.05";
+  o->log_every = "1";
+  o->hb = "5000";
   int ret = SP_EXIT_USAGE, c;
-  sp_model *model = NULL;
-  sp_plan *plan = NULL;
-  sp_job job;
-  sp_job_init(&job);
+  long long tmp;
   optind = 1;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
       case O_NPROC:
-        if (sp_cli_parse_uint(optarg, MAX_NPROC, &nproc) < 0 || nproc < 1) {
+        if (sp_cli_parse_uint(optarg, MAX_NPROC, &o->nproc) < 0 ||
+            o->nproc < 1) {
           sp_cli_error(RUN, "--nproc: expected 1..%d, got \"%s\"", MAX_NPROC,
                        optarg);
           goto out;
         }
         break;
-      case O_MODEL: model_path = optarg; break;
-      case O_JOB: job_path = optarg; break;
+      case O_MODEL: o->model_path = optarg; break;
+      case O_JOB: o->job_path = optarg; break;
       case O_STEPS:
       case O_BATCH:
       case O_LOG:
@@ -192,23 +233,24 @@ int sp_cmd_run(int argc, char **argv) {
                        argv[optind - 1], optarg);
           goto out;
         }
-        if (c == O_STEPS) steps = optarg;
-        if (c == O_BATCH) batch = optarg;
-        if (c == O_LOG) log_every = optarg;
-        if (c == O_HB) hb = optarg;
+        if (c == O_STEPS) o->steps = optarg;
+        if (c == O_BATCH) o->batch = optarg;
+        if (c == O_LOG) o->log_every = optarg;
+        if (c == O_HB) o->hb = optarg;
         break;
-      case O_LR: lr = optarg; break;
+      case O_LR: o->lr = optarg; break;
       case O_DEVICE:
         if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cuda") != 0) {
           sp_cli_error(RUN, "--device: expected cpu or cuda, got \"%s\"",
                        optarg);
           goto out;
         }
-        cuda = strcmp(optarg, "cuda") == 0;
+        o->cuda = strcmp(optarg, "cuda") == 0;
         break;
-      case O_CKDIR: ckdir = optarg; break;
+      case O_CKDIR: o->ckdir = optarg; break;
       case O_CK:
-        if (n_kinds < sizeof kinds / sizeof kinds[0]) kinds[n_kinds++] = optarg;
+        if (o->n_kinds < sizeof o->kinds / sizeof o->kinds[0])
+          o->kinds[o->n_kinds++] = optarg;
         break;
       case O_HELP:
         usage(stdout);
@@ -216,213 +258,223 @@ int sp_cmd_run(int argc, char **argv) {
         goto out;
       default:
         if (c >= SP_JOB_OPT_BASE) {
-          const char *name = sp_job_flags[c - SP_JOB_OPT_BASE].name;
-          if (strcmp(name, "world-size") == 0) {
-            sp_cli_error(RUN, "--world-size: use --nproc");
-            goto out;
-          }
-          if (strncmp(name, "wrap-", 5) == 0) wrap_given = true;
-          if (sp_job_cli_record(&jcli, c, optarg) < 0) goto out;
+          if (job_flag(o, c, optarg) < 0) goto out;
           break;
         }
         usage(stderr);
         goto out;
     }
   }
-  if (optind < argc || !model_path || nproc < 1) {
+  if (optind < argc || !o->model_path || o->nproc < 1) {
     sp_cli_error(RUN, "%s", optind < argc ? "unexpected argument"
-                            : !model_path ? "--model is required"
-                                          : "--nproc is required");
+                            : !o->model_path ? "--model is required"
+                                             : "--nproc is required");
     usage(stderr);
     goto out;
   }
+  ret = PROCEED;
+out:
+  free(opts);
+  return ret;
+}
 
-  /* Check everything here first: a bad spec or job is a message, not N
-   * workers failing at once. */
+/* The spec, the job and its plan. Returns PROCEED or the exit code. */
+static int build_plan(run_opts *o, run_job *j) {
   sp_diag d = {{0}};
-  ret = SP_EXIT_FAILURE;
-  if (sp_model_load_file(model_path, &model, &d) < 0) {
+  if (sp_model_load_file(o->model_path, &j->model, &d) < 0) {
     sp_cli_error(RUN, "%s", d.msg);
-    goto out;
+    return SP_EXIT_FAILURE;
   }
-  int rc = sp_job_cli_apply(&jcli, job_path, &job, &d);
+  int rc = sp_job_cli_apply(&o->jcli, o->job_path, &j->job, &d);
   if (rc < 0) {
     sp_cli_error(RUN, "%s", d.msg);
-    ret = rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;
-    goto out;
+    return rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;
   }
-  job.world_size = (uint32_t)nproc;
-  bool default_wrap = !wrap_given && job.wrap_modules.n == 0 &&
-                      job.wrap_types.n == 0;
-  if (default_wrap) {
+  j->job.world_size = (uint32_t)o->nproc;
+  j->default_wrap = !o->wrap_given && j->job.wrap_modules.n == 0 &&
+                    j->job.wrap_types.n == 0;
+  if (j->default_wrap) {
     bool has_linear = false;
-    for (size_t i = 0; i < model->n_modules; i++)
-      if (strcmp(model->modules[i].type, "Linear") == 0) has_linear = true;
-    default_wrap = has_linear;
-    if (has_linear) sp_strlist_add(&job.wrap_types, "Linear");
+    for (size_t i = 0; i < j->model->n_modules; i++)
+      if (strcmp(j->model->modules[i].type, "Linear") == 0) has_linear = true;
+    j->default_wrap = has_linear;
+    if (has_linear) sp_strlist_add(&j->job.wrap_types, "Linear");
   }
-  if (sp_plan_build(model, &job, &plan, &d) < 0) {
+  if (sp_plan_build(j->model, &j->job, &j->plan, &d) < 0) {
     sp_cli_error(RUN, "%s", d.msg);
-    ret = SP_EXIT_USAGE;
-    goto out;
+    return SP_EXIT_USAGE;
   }
-  /* One GPU per rank, rank r on GPU r % count: NCCL refuses two ranks of
-   * one communicator on the same GPU, so more ranks than GPUs is refused
-   * here rather than by every worker after the rendezvous. */
-  int n_gpus = 0;
-  if (cuda) {
-    if (sp_device_cuda_count(&n_gpus, &d) < 0) {
-      sp_cli_error(RUN, "--device cuda: %s", d.msg);
-      goto out;
-    }
-    if (n_gpus == 0) {
-      sp_cli_error(RUN, "--device cuda: no CUDA device (or this build has "
-                        "no CUDA)");
-      goto out;
-    }
-    if (nproc > n_gpus) {
-      sp_cli_error(RUN, "--device cuda: %lld ranks but %d GPU%s; NCCL needs "
-                        "one GPU per rank", nproc, n_gpus,
-                   n_gpus == 1 ? "" : "s");
-      ret = SP_EXIT_USAGE;
-      goto out;
-    }
+  return PROCEED;
+}
+
+/* One GPU per rank, rank r on GPU r % count: NCCL refuses two ranks of
+ * one communicator on the same GPU, so more ranks than GPUs is refused
+ * here rather than by every worker after the rendezvous. Returns PROCEED
+ * or the exit code. */
+static int check_gpus(const run_opts *o, run_job *j) {
+  sp_diag d = {{0}};
+  if (sp_device_cuda_count(&j->n_gpus, &d) < 0) {
+    sp_cli_error(RUN, "--device cuda: %s", d.msg);
+    return SP_EXIT_FAILURE;
   }
-  char coord_bin[PATH_MAX], worker_bin[PATH_MAX];
-  if (bin_path("shardplane-coordinator", coord_bin, sizeof coord_bin) < 0 ||
-      bin_path("shardplane-worker", worker_bin, sizeof worker_bin) < 0) {
+  if (j->n_gpus == 0) {
+    sp_cli_error(RUN, "--device cuda: no CUDA device (or this build has "
+                      "no CUDA)");
+    return SP_EXIT_FAILURE;
+  }
+  if (o->nproc > j->n_gpus) {
+    sp_cli_error(RUN, "--device cuda: %lld ranks but %d GPU%s; NCCL needs "
+                      "one GPU per rank", o->nproc, j->n_gpus,
+                 j->n_gpus == 1 ? "" : "s");
+    return SP_EXIT_USAGE;
+  }
+  return PROCEED;
+}
+
+/* Everything checked before a process starts: a bad spec or job is a
+ * message, not N workers failing at once. Returns PROCEED or the exit
+ * code. */
+static int check_job(run_opts *o, run_job *j) {
+  int ec = build_plan(o, j);
+  if (ec == PROCEED && o->cuda) ec = check_gpus(o, j);
+  if (ec != PROCEED) return ec;
+  if (bin_path("shardplane-coordinator", j->coord_bin,
+               sizeof j->coord_bin) < 0 ||
+      bin_path("shardplane-worker", j->worker_bin, sizeof j->worker_bin) < 0) {
     sp_cli_error(RUN, "shardplane-coordinator and shardplane-worker must be "
                       "installed beside this program");
-    goto out;
+    return SP_EXIT_FAILURE;
   }
-  char default_dir[PATH_MAX];
-  if (!ckdir) {
-    snprintf(default_dir, sizeof default_dir, "shardplane-run/%s-w%lld",
-             model->name && *model->name ? model->name : "model", nproc);
-    ckdir = default_dir;
+  j->ckdir = o->ckdir;
+  if (!j->ckdir) {
+    snprintf(j->default_dir, sizeof j->default_dir, "shardplane-run/%s-w%lld",
+             j->model->name && *j->model->name ? j->model->name : "model",
+             o->nproc);
+    j->ckdir = j->default_dir;
   }
+  return PROCEED;
+}
 
-  /* the coordinator */
+/* Starts the coordinator on a free loopback port; p->addr is its
+ * address. Returns PROCEED or the exit code. */
+static int start_coordinator(const run_opts *o, const run_job *j,
+                             run_procs *p) {
   char nproc_s[16];
-  snprintf(nproc_s, sizeof nproc_s, "%lld", nproc);
+  snprintf(nproc_s, sizeof nproc_s, "%lld", o->nproc);
   argvec ca = {0};
-  push(&ca, coord_bin);
+  push(&ca, j->coord_bin);
   push(&ca, "--listen");
   push(&ca, "127.0.0.1:0");
   push(&ca, "--model");
-  push(&ca, model_path);
-  if (job_path) {
+  push(&ca, o->model_path);
+  if (o->job_path) {
     push(&ca, "--job");
-    push(&ca, job_path);
+    push(&ca, o->job_path);
   }
   char flagbuf[64][64];
-  for (size_t i = 0; i < jcli.n && i < 64; i++) {
-    const sp_job_flag_def *def = &sp_job_flags[jcli.items[i].flag];
+  for (size_t i = 0; i < o->jcli.n && i < 64; i++) {
+    const sp_job_flag_def *def = &sp_job_flags[o->jcli.items[i].flag];
     snprintf(flagbuf[i], sizeof flagbuf[i], "--%s", def->name);
     push(&ca, flagbuf[i]);
-    if (def->has_arg) push(&ca, jcli.items[i].value);
+    if (def->has_arg) push(&ca, o->jcli.items[i].value);
   }
   push(&ca, "--world-size");
   push(&ca, nproc_s);
-  if (default_wrap) {
+  if (j->default_wrap) {
     push(&ca, "--wrap-type");
     push(&ca, "Linear");
   }
-  if (cuda) {
+  if (o->cuda) {
     /* what the ranks use (the worker forces NCCL on a GPU); flags given
      * earlier are overridden by this last one */
     push(&ca, "--backend");
     push(&ca, "nccl");
   }
   push(&ca, "--heartbeat-timeout-ms");
-  push(&ca, hb);
+  push(&ca, o->hb);
   push(&ca, "--quiet");
-
-  struct sigaction sa = {.sa_handler = on_signal};
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
-
-  sp_proc coord;
-  if (sp_proc_spawn(&coord, ca.v, false, true, "listening on 127.0.0.1:%d",
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(&p->coord, ca.v, false, true, "listening on 127.0.0.1:%d",
                     &d) < 0) {
     sp_cli_error(RUN, "cannot start the coordinator: %s", d.msg);
-    goto out;
+    return SP_EXIT_FAILURE;
   }
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", coord.port);
-  printf("shardplane run: %s, %lld ranks, %s, plan %s; coordinator on %s\n",
-         model->name, nproc, sp_strategy_name(plan->strategy),
-         plan->version_hex, addr);
-  fflush(stdout);
+  snprintf(p->addr, sizeof p->addr, "127.0.0.1:%d", p->coord.port);
+  return PROCEED;
+}
 
-  pid_t pids[MAX_NPROC] = {0};
-  char rank_s[MAX_NPROC][24];
-  char device_s[MAX_NPROC][24];
-  double t0 = sp_clock_s();
-  ret = SP_EXIT_OK;
-  for (long long r = 0; r < nproc; r++) {
+/* Starts the N workers. Returns PROCEED or the exit code (p->pids holds
+ * the ones started). */
+static int start_workers(const run_opts *o, const run_job *j,
+                         run_procs *p) {
+  for (long long r = 0; r < o->nproc; r++) {
+    char rank_s[24], device_s[24];
     argvec wa = {0};
-    snprintf(rank_s[r], sizeof rank_s[r], "%lld", r);
-    push(&wa, worker_bin);
+    snprintf(rank_s, sizeof rank_s, "%lld", r);
+    push(&wa, j->worker_bin);
     push(&wa, "--coordinator");
-    push(&wa, addr);
+    push(&wa, p->addr);
     push(&wa, "--rank");
-    push(&wa, rank_s[r]);
+    push(&wa, rank_s);
     push(&wa, "--steps");
-    push(&wa, steps);
+    push(&wa, o->steps);
     push(&wa, "--global-batch");
-    push(&wa, batch);
+    push(&wa, o->batch);
     push(&wa, "--lr");
-    push(&wa, lr);
+    push(&wa, o->lr);
     push(&wa, "--log-every");
-    push(&wa, log_every);
+    push(&wa, o->log_every);
     push(&wa, "--checkpoint-dir");
-    push(&wa, ckdir);
-    if (cuda) {
-      snprintf(device_s[r], sizeof device_s[r], "cuda:%lld", r % n_gpus);
+    push(&wa, j->ckdir);
+    if (o->cuda) {
+      snprintf(device_s, sizeof device_s, "cuda:%lld", r % j->n_gpus);
       push(&wa, "--device");
-      push(&wa, device_s[r]);
+      push(&wa, device_s);
     }
-    for (size_t k = 0; k < n_kinds; k++) {
+    for (size_t k = 0; k < o->n_kinds; k++) {
       push(&wa, "--checkpoint");
-      push(&wa, kinds[k]);
+      push(&wa, o->kinds[k]);
     }
-    pids[r] = spawn_worker(wa.v);
-    if (pids[r] < 0) {
-      pids[r] = 0;
+    p->pids[r] = spawn_worker(wa.v);
+    if (p->pids[r] < 0) {
+      p->pids[r] = 0;
       sp_cli_error(RUN, "cannot start rank %lld: %s", r, strerror(errno));
-      ret = SP_EXIT_FAILURE;
-      break;
+      return SP_EXIT_FAILURE;
     }
+    p->live++;
   }
-  uint32_t live = 0;
-  for (long long r = 0; r < nproc; r++) live += pids[r] > 0;
-  while (ret == SP_EXIT_OK && live > 0) {
+  return PROCEED;
+}
+
+/* Waits until every worker is done, one fails or dies (naming the rank),
+ * the coordinator dies, or a signal arrives. Returns the exit code. */
+static int supervise(const run_opts *o, run_procs *p) {
+  int ret = SP_EXIT_OK;
+  while (ret == SP_EXIT_OK && p->live > 0) {
     int st;
-    pid_t p = waitpid(-1, &st, 0);
-    if (p < 0) {
+    pid_t pid = waitpid(-1, &st, 0);
+    if (pid < 0) {
       if (errno == EINTR && g_signal) {
         fprintf(stderr, "shardplane run: interrupted; stopping %u worker%s "
-                        "and the coordinator\n", live, live == 1 ? "" : "s");
+                        "and the coordinator\n", p->live,
+                p->live == 1 ? "" : "s");
         ret = 128 + SIGINT;
       } else if (errno != EINTR) {
         ret = SP_EXIT_FAILURE;
       }
       continue;
     }
-    if (p == coord.pid) {
+    if (pid == p->coord.pid) {
       char how[96];
       describe(st, how, sizeof how);
       sp_cli_error(RUN, "the coordinator %s; stopping the workers", how);
-      coord.pid = 0;
-      ret = SP_EXIT_FAILURE;
-      break;
+      p->coord.pid = 0;
+      return SP_EXIT_FAILURE;
     }
-    for (long long r = 0; r < nproc; r++) {
-      if (pids[r] != p) continue;
-      pids[r] = 0;
-      live--;
+    for (long long r = 0; r < o->nproc; r++) {
+      if (p->pids[r] != pid) continue;
+      p->pids[r] = 0;
+      p->live--;
       if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
         char how[96];
         describe(st, how, sizeof how);
@@ -431,16 +483,41 @@ int sp_cmd_run(int argc, char **argv) {
       }
     }
   }
-  stop_workers(pids, (uint32_t)nproc, 3000);
-  if (coord.pid > 0) sp_proc_stop(&coord, 5000);
+  return ret;
+}
+
+int sp_cmd_run(int argc, char **argv) {
+  run_opts o = {0};
+  run_job j = {0};
+  run_procs p = {0};
+  sp_job_init(&j.job);
+  int ret = parse_args(argc, argv, &o);
+  if (ret == PROCEED) ret = check_job(&o, &j);
+  if (ret != PROCEED) goto out;
+
+  struct sigaction sa = {.sa_handler = on_signal};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+
+  ret = start_coordinator(&o, &j, &p);
+  if (ret != PROCEED) goto out;
+  printf("shardplane run: %s, %lld ranks, %s, plan %s; coordinator on %s\n",
+         j.model->name, o.nproc, sp_strategy_name(j.plan->strategy),
+         j.plan->version_hex, p.addr);
+  fflush(stdout);
+  double t0 = sp_clock_s();
+  ret = start_workers(&o, &j, &p);
+  if (ret == PROCEED) ret = supervise(&o, &p);
+  stop_workers(p.pids, (uint32_t)o.nproc, 3000);
+  if (p.coord.pid > 0) sp_proc_stop(&p.coord, 5000);
   if (ret == SP_EXIT_OK)
-    printf("shardplane run: done in %.1f s; checkpoint in %s\n", sp_clock_s() - t0,
-           ckdir);
+    printf("shardplane run: done in %.1f s; checkpoint in %s\n",
+           sp_clock_s() - t0, j.ckdir);
 out:
-  sp_plan_free(plan);
-  sp_model_free(model);
-  sp_job_clear(&job);
-  sp_job_cli_free(&jcli);
-  free(opts);
+  sp_plan_free(j.plan);
+  sp_model_free(j.model);
+  sp_job_clear(&j.job);
+  sp_job_cli_free(&o.jcli);
   return ret;
 }
