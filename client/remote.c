@@ -18,6 +18,7 @@
 
 #include "cli.h"
 #include "grpc/health/v1/health.pb-c.h"
+#include "job_cli.h"
 #include "plan_wire.h"
 #include "render.h"
 #include "rpc.h"
@@ -48,15 +49,15 @@ void sp_remote_init(sp_remote *r, const char *cmd) {
 
 int sp_remote_option(sp_remote *r, int c, const char *arg) {
   long long v;
+  sp_diag d = {{0}};
   switch (c) {
   case SP_OPT_COORDINATOR:
     r->addr = arg;
     r->addr_from_env = false;
     return 1;
   case SP_OPT_TIMEOUT:
-    if (sp_cli_parse_uint(arg, 86400000, &v) != 0 || v == 0) {
-      sp_cli_error(r->cmd, "--timeout-ms: expected 1..86400000, got \"%s\"",
-                   arg);
+    if (sp_flag_int("--timeout-ms", arg, 1, 86400000, &v, &d) != 0) {
+      sp_cli_error(r->cmd, "%s", d.msg);
       return -1;
     }
     r->timeout_ms = (uint64_t)v;
@@ -103,9 +104,11 @@ static int remote_connect(sp_remote *r) {
   char host[256];
   int port;
   if (sp_rpc_split_addr(r->addr, host, sizeof host, &port) != 0) {
-    sp_cli_error(r->cmd, "%s: expected HOST:PORT, got \"%s\"",
-                 r->addr_from_env ? "$" SP_COORDINATOR_ENV : "--coordinator",
-                 r->addr);
+    sp_diag d = {{0}};
+    sp_flag_fail(&d, r->addr_from_env ? "$" SP_COORDINATOR_ENV
+                                      : "--coordinator",
+                 r->addr, "HOST:PORT or [v6]:PORT, port in [0, 65535]");
+    sp_cli_error(r->cmd, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
   int rc = sp_rpc_sync_open(r->addr, r->timeout_ms, &r->rpc);

@@ -16,6 +16,7 @@
 #include "clock.h"
 #include "cli.h"
 #include "job_cli.h"
+#include "mlp.h"
 #include "plan.h"
 #include "proc.h"
 #include "shardplane.h"
@@ -47,7 +48,7 @@ static void usage(FILE *f) {
         "module\n"
         "                             becomes a unit)\n",
         f);
-  sp_job_flags_print_help(f);
+  sp_job_flags_print_help_except(f, "world-size");
   fputs("  --steps N                  training steps (default 20)\n"
         "  --global-batch N           samples per step (default 24)\n"
         "  --lr X                     learning rate (default 0.05)\n"
@@ -145,8 +146,8 @@ typedef struct run_opts {
   const char *model_path, *job_path, *ckdir;
   const char *steps, *batch, *lr, *log_every, *hb;
   bool cuda;
-  const char *kinds[8];
-  size_t n_kinds;
+  bool kinds[4]; /* by sp_ckpt_kind; none given: FULL */
+  bool no_checkpoint;
   bool wrap_given;
   sp_job_cli jcli; /* job flags, applied after --job */
 } run_opts;
@@ -178,17 +179,68 @@ typedef struct run_procs {
 static int job_flag(run_opts *o, int c, const char *value) {
   const char *name = sp_job_flags[c - SP_JOB_OPT_BASE].name;
   if (strcmp(name, "world-size") == 0) {
-    sp_cli_error(RUN, "--world-size: use --nproc");
+    sp_cli_error(RUN, "--world-size \"%s\": not a flag of run, whose world "
+                 "size is --nproc N", value);
     return -1;
   }
   if (strncmp(name, "wrap-", 5) == 0) o->wrap_given = true;
   return sp_job_cli_record(&o->jcli, c, value) < 0 ? -1 : 0;
 }
 
+enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
+       O_LOG, O_HB, O_DEVICE, O_HELP };
+
+/* One of run's own options with its value: 0, or SP_EINVAL with the
+ * flag, the value and what is allowed in d. */
+static int own_option(run_opts *o, int c, const char *flag, const char *v,
+                      sp_diag *d) {
+  static const char *const kinds[] = {"none", "full", "sharded", "local"};
+  static const char *const devices[] = {"cpu", "cuda"};
+  long long n;
+  double x;
+  size_t k;
+  int rc = 0;
+  switch (c) {
+    case O_NPROC: return sp_flag_int(flag, v, 1, MAX_NPROC, &o->nproc, d);
+    case O_MODEL:
+      o->model_path = v;
+      return sp_flag_text(flag, v, "a model spec (JSON file)", d);
+    case O_JOB:
+      o->job_path = v;
+      return sp_flag_text(flag, v, "a job config (JSON file)", d);
+    case O_STEPS:
+      o->steps = v;
+      return sp_flag_int(flag, v, 1, 1000000000, &n, d);
+    case O_BATCH:
+      o->batch = v;
+      return sp_flag_int(flag, v, 1, 1 << 20, &n, d);
+    case O_LOG:
+      o->log_every = v;
+      return sp_flag_int(flag, v, 0, 1000000000, &n, d);
+    case O_HB:
+      o->hb = v;
+      return sp_flag_int(flag, v, 1, 3600000, &n, d);
+    case O_LR:
+      o->lr = v;
+      return sp_flag_number(flag, v, 0, &x, d);
+    case O_DEVICE:
+      rc = sp_flag_choice(flag, v, devices, 2, &k, d);
+      o->cuda = rc == 0 && k == 1;
+      return rc;
+    case O_CKDIR:
+      o->ckdir = v;
+      return sp_flag_text(flag, v, "a directory", d);
+    case O_CK:
+      rc = sp_flag_choice(flag, v, kinds, 4, &k, d);
+      if (rc == 0 && k == 0) o->no_checkpoint = true;
+      if (rc == 0 && k > 0) o->kinds[k] = true;
+      return rc;
+  }
+  return SP_ENOENT;
+}
+
 /* Fills o from argv. Returns PROCEED, or the exit code. */
 static int parse_args(int argc, char **argv, run_opts *o) {
-  enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-         O_LOG, O_HB, O_DEVICE, O_HELP };
   static const struct option own[] = {
       {"nproc", required_argument, NULL, O_NPROC},
       {"model", required_argument, NULL, O_MODEL},
@@ -209,66 +261,39 @@ static int parse_args(int argc, char **argv, run_opts *o) {
   o->lr = "0.05";
   o->log_every = "1";
   o->hb = "5000";
-  int ret = SP_EXIT_USAGE, c;
-  long long tmp;
+  int ret = SP_EXIT_USAGE, c, index = -1;
   optind = 1;
-  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-    switch (c) {
-      case O_NPROC:
-        if (sp_cli_parse_uint(optarg, MAX_NPROC, &o->nproc) < 0 ||
-            o->nproc < 1) {
-          sp_cli_error(RUN, "--nproc: expected 1..%d, got \"%s\"", MAX_NPROC,
-                       optarg);
-          goto out;
-        }
-        break;
-      case O_MODEL: o->model_path = optarg; break;
-      case O_JOB: o->job_path = optarg; break;
-      case O_STEPS:
-      case O_BATCH:
-      case O_LOG:
-      case O_HB:
-        if (sp_cli_parse_uint(optarg, 1ll << 31, &tmp) < 0) {
-          sp_cli_error(RUN, "%s: expected a count, got \"%s\"",
-                       argv[optind - 1], optarg);
-          goto out;
-        }
-        if (c == O_STEPS) o->steps = optarg;
-        if (c == O_BATCH) o->batch = optarg;
-        if (c == O_LOG) o->log_every = optarg;
-        if (c == O_HB) o->hb = optarg;
-        break;
-      case O_LR: o->lr = optarg; break;
-      case O_DEVICE:
-        if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cuda") != 0) {
-          sp_cli_error(RUN, "--device: expected cpu or cuda, got \"%s\"",
-                       optarg);
-          goto out;
-        }
-        o->cuda = strcmp(optarg, "cuda") == 0;
-        break;
-      case O_CKDIR: o->ckdir = optarg; break;
-      case O_CK:
-        if (o->n_kinds < sizeof o->kinds / sizeof o->kinds[0])
-          o->kinds[o->n_kinds++] = optarg;
-        break;
-      case O_HELP:
-        usage(stdout);
-        ret = SP_EXIT_OK;
-        goto out;
-      default:
-        if (c >= SP_JOB_OPT_BASE) {
-          if (job_flag(o, c, optarg) < 0) goto out;
-          break;
-        }
-        usage(stderr);
-        goto out;
+  while ((c = getopt_long(argc, argv, "", opts, &index)) != -1) {
+    if (c == O_HELP) {
+      usage(stdout);
+      ret = SP_EXIT_OK;
+      goto out;
     }
+    if (c >= SP_JOB_OPT_BASE) {
+      if (job_flag(o, c, optarg) < 0) goto out;
+      continue;
+    }
+    if (c == '?' || index < 0) { /* getopt said what */
+      usage(stderr);
+      goto out;
+    }
+    char flag[64];
+    snprintf(flag, sizeof flag, "--%s", opts[index].name);
+    sp_diag d = {{0}};
+    if (own_option(o, c, flag, optarg, &d) < 0) {
+      sp_cli_error(RUN, "%s", d.msg);
+      goto out;
+    }
+    index = -1;
   }
-  if (optind < argc || !o->model_path || o->nproc < 1) {
-    sp_cli_error(RUN, "%s", optind < argc ? "unexpected argument"
-                            : !o->model_path ? "--model is required"
-                                             : "--nproc is required");
+  if (optind < argc) {
+    sp_cli_error(RUN, "unexpected argument \"%s\"", argv[optind]);
+    usage(stderr);
+    goto out;
+  }
+  if (!o->model_path || o->nproc < 1) {
+    sp_cli_error(RUN, "%s", !o->model_path ? "--model is required"
+                                           : "--nproc is required");
     usage(stderr);
     goto out;
   }
@@ -286,11 +311,27 @@ static int build_plan(run_opts *o, run_job *j) {
     return SP_EXIT_FAILURE;
   }
   int rc = sp_job_cli_apply(&o->jcli, o->job_path, &j->job, &d);
+  if (rc == 0) rc = sp_job_cli_check_model(&o->jcli, j->model, &d);
   if (rc < 0) {
     sp_cli_error(RUN, "%s", d.msg);
     return rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;
   }
   j->job.world_size = (uint32_t)o->nproc;
+  if (!o->cuda && j->job.backend != SP_BACKEND_GLOO) {
+    const char *flag = NULL;
+    for (size_t i = 0; i < o->jcli.n; i++)
+      if (strcmp(sp_job_flags[o->jcli.items[i].flag].name, "backend") == 0)
+        flag = o->jcli.items[i].value;
+    if (flag)
+      sp_flag_fail(&d, "--backend", flag, "gloo: CPU ranks use gloo "
+                   "(--device cuda trains over NCCL)");
+    else
+      sp_diag_set(&d, SP_EINVAL, "%s: backend %s: CPU ranks use gloo "
+                  "(--device cuda trains over NCCL)", o->job_path,
+                  sp_backend_name(j->job.backend));
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_USAGE;
+  }
   j->default_wrap = !o->wrap_given && j->job.wrap_modules.n == 0 &&
                     j->job.wrap_types.n == 0;
   if (j->default_wrap) {
@@ -304,6 +345,18 @@ static int build_plan(run_opts *o, run_job *j) {
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
+  /* the reference MLP splits the batch evenly; the synthetic cycle has
+   * none */
+  sp_mlp *mlp = NULL;
+  long long batch = atoll(o->batch);
+  if (sp_mlp_new(j->model, &mlp, &d) == 0 && batch % o->nproc != 0) {
+    sp_flag_fail(&d, "--global-batch", o->batch, "a multiple of --nproc "
+                 "%lld: every rank trains an equal share", o->nproc);
+    sp_cli_error(RUN, "%s", d.msg);
+    sp_mlp_free(mlp);
+    return SP_EXIT_USAGE;
+  }
+  sp_mlp_free(mlp);
   return PROCEED;
 }
 
@@ -431,10 +484,17 @@ static int start_workers(const run_opts *o, const run_job *j,
       push(&wa, "--device");
       push(&wa, device_s);
     }
-    for (size_t k = 0; k < o->n_kinds; k++) {
+    static const char *const kind_names[] = {"none", "full", "sharded",
+                                              "local"};
+    if (o->no_checkpoint) {
       push(&wa, "--checkpoint");
-      push(&wa, o->kinds[k]);
+      push(&wa, "none");
     }
+    for (int k = 1; k < 4; k++)
+      if (o->kinds[k]) {
+        push(&wa, "--checkpoint");
+        push(&wa, kind_names[k]);
+      }
     p->pids[r] = spawn_worker(wa.v);
     if (p->pids[r] < 0) {
       p->pids[r] = 0;

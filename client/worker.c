@@ -11,12 +11,15 @@
 #include <time.h>
 
 #include "clock.h"
+#include "job_cli.h"
 #include "mlp.h"
 #include "mlp_cuda.h"
+#include "rpc.h"
 #include "shardplane.h"
 
 typedef struct worker_opts {
   const char *coordinator;
+  bool coordinator_flag; /* from --coordinator, not the environment */
   long rank;
   const char *device;
   uint32_t steps;
@@ -24,6 +27,7 @@ typedef struct worker_opts {
   double lr;
   const char *ckpt_dir;
   bool ckpt_kinds[4];
+  bool any_kind; /* --checkpoint given (none included) */
   const char *load_dir;
   sp_ckpt_kind load_kind;
   const char *losses_path;
@@ -289,9 +293,79 @@ static void usage(FILE *f) {
       f);
 }
 
+enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
+       O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_NOREP,
+       O_TOGGLE, O_HELP };
+
+/* One option with its value: 0, or SP_EINVAL with the flag, the value and
+ * what is allowed in d. */
+static int parse_option(worker_opts *o, int c, const char *flag,
+                        const char *v, sp_diag *d) {
+  static const char *const kinds[] = {"none", "full", "sharded", "local"};
+  long long n = 0;
+  size_t k;
+  int rc;
+  switch (c) {
+    case O_COORD:
+      o->coordinator = v;
+      o->coordinator_flag = true;
+      return 0; /* checked with the environment's value, in parse_args */
+    case O_RANK:
+      rc = sp_flag_int(flag, v, 0, SP_JOB_MAX_WORLD - 1, &n, d);
+      o->rank = rc == 0 ? (long)n : o->rank;
+      return rc;
+    case O_DEVICE:
+      o->device = v;
+      return sp_flag_text(flag, v, "cpu or cuda:N", d);
+    case O_STEPS:
+      rc = sp_flag_int(flag, v, 0, 1000000000, &n, d);
+      o->steps = (uint32_t)n;
+      return rc;
+    case O_BATCH:
+      rc = sp_flag_int(flag, v, 1, 1 << 20, &n, d);
+      o->global_batch = (uint32_t)n;
+      return rc;
+    case O_LR: return sp_flag_number(flag, v, 0, &o->lr, d);
+    case O_CKDIR:
+      o->ckpt_dir = v;
+      return sp_flag_text(flag, v, "a directory", d);
+    case O_CK:
+      rc = sp_flag_choice(flag, v, kinds, 4, &k, d);
+      if (rc == 0 && k > 0) o->ckpt_kinds[k] = true;
+      if (rc == 0) o->any_kind = true;
+      return rc;
+    case O_LOAD:
+      o->load_dir = v;
+      return sp_flag_text(flag, v, "a checkpoint directory", d);
+    case O_LOADK:
+      rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
+      if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
+      return rc;
+    case O_LOSSES:
+      o->losses_path = v;
+      return sp_flag_text(flag, v, "a file name", d);
+    case O_STATS:
+      o->stats_path = v;
+      return sp_flag_text(flag, v, "a file name", d);
+    case O_LOG:
+      rc = sp_flag_int(flag, v, 0, 1000000000, &n, d);
+      o->log_every = (uint32_t)n;
+      return rc;
+    case O_CTO:
+      rc = sp_flag_int(flag, v, 1, 86400000, &n, d);
+      o->comm_timeout_ms = (uint64_t)n;
+      return rc;
+    case O_TOGGLE:
+      rc = sp_flag_int(flag, v, 1, 1000000000, &n, d);
+      o->report_toggle = (uint32_t)n;
+      return rc;
+    case O_NOREP: o->no_report = true; return 0;
+  }
+  return SP_ENOENT;
+}
+
+/* 0 to run, 1 after --help, 2 for bad usage (message printed). */
 static int parse_args(int argc, char **argv, worker_opts *o) {
-  enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
-         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_NOREP, O_TOGGLE, O_HELP };
   static const struct option opts[] = {
       {"coordinator", required_argument, NULL, O_COORD},
       {"rank", required_argument, NULL, O_RANK},
@@ -321,77 +395,47 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   o->lr = 0.05;
   o->log_every = 1;
   o->load_kind = SP_CKPT_FULL;
-  bool any_kind = false;
-  int c;
-  char *end;
-  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-    switch (c) {
-      case O_COORD: o->coordinator = optarg; break;
-      case O_RANK:
-        o->rank = strtol(optarg, &end, 10);
-        if (*end || o->rank < 0) goto bad_value;
-        break;
-      case O_DEVICE: o->device = optarg; break;
-      case O_STEPS:
-        o->steps = (uint32_t)strtoul(optarg, &end, 10);
-        if (*end || !*optarg) goto bad_value;
-        break;
-      case O_BATCH:
-        o->global_batch = (uint32_t)strtoul(optarg, &end, 10);
-        if (*end || o->global_batch == 0 || o->global_batch > 1u << 20)
-          goto bad_value;
-        break;
-      case O_LR:
-        o->lr = strtod(optarg, &end);
-        if (*end || !isfinite(o->lr)) goto bad_value;
-        break;
-      case O_CKDIR: o->ckpt_dir = optarg; break;
-      case O_CK: {
-        sp_ckpt_kind k;
-        if (strcmp(optarg, "none") == 0) {
-          any_kind = true;
-          break;
-        }
-        if (sp_ckpt_kind_parse(optarg, &k) < 0) goto bad_value;
-        o->ckpt_kinds[k] = true;
-        any_kind = true;
-        break;
-      }
-      case O_LOAD: o->load_dir = optarg; break;
-      case O_LOADK:
-        if (sp_ckpt_kind_parse(optarg, &o->load_kind) < 0) goto bad_value;
-        break;
-      case O_LOSSES: o->losses_path = optarg; break;
-      case O_STATS: o->stats_path = optarg; break;
-      case O_LOG:
-        o->log_every = (uint32_t)strtoul(optarg, &end, 10);
-        if (*end || !*optarg) goto bad_value;
-        break;
-      case O_CTO:
-        o->comm_timeout_ms = strtoull(optarg, &end, 10);
-        if (*end || !*optarg) goto bad_value;
-        break;
-      case O_NOREP: o->no_report = true; break;
-      case O_TOGGLE:
-        o->report_toggle = (uint32_t)strtoul(optarg, &end, 10);
-        if (*end || !*optarg) goto bad_value;
-        break;
-      case O_HELP: usage(stdout); return 1;
-      default: usage(stderr); return 2;
+  int c, index = -1;
+  while ((c = getopt_long(argc, argv, "", opts, &index)) != -1) {
+    if (c == O_HELP) {
+      usage(stdout);
+      return 1;
     }
-    continue;
-  bad_value:
-    fprintf(stderr, "shardplane-worker: %s: bad value \"%s\"\n",
-            argv[optind - 1], optarg);
-    return 2;
+    if (c == '?' || index < 0) { /* getopt said what */
+      usage(stderr);
+      return 2;
+    }
+    char flag[64];
+    snprintf(flag, sizeof flag, "--%s", opts[index].name);
+    sp_diag d = {{0}};
+    if (parse_option(o, c, flag, optarg, &d) < 0) {
+      fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+      return 2;
+    }
+    index = -1;
   }
   if (optind < argc || o->rank < 0) {
-    fprintf(stderr, "shardplane-worker: %s\n",
-            o->rank < 0 ? "--rank is required" : "unexpected argument");
+    if (optind < argc)
+      fprintf(stderr, "shardplane-worker: unexpected argument \"%s\"\n",
+              argv[optind]);
+    else
+      fprintf(stderr, "shardplane-worker: --rank is required\n");
     usage(stderr);
     return 2;
   }
-  if (!any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
+  char host[256];
+  int port;
+  if (sp_rpc_split_addr(o->coordinator, host, sizeof host, &port) != 0 ||
+      port == 0) {
+    sp_diag d = {{0}};
+    sp_flag_fail(&d, o->coordinator_flag ? "--coordinator"
+                                         : "$SHARDPLANE_COORDINATOR",
+                 o->coordinator, "HOST:PORT or [v6]:PORT, port in [1, "
+                 "65535]");
+    fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+    return 2;
+  }
+  if (!o->any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
   return 0;
 }
 
@@ -556,10 +600,15 @@ int main(int argc, char **argv) {
    * instead of after the rendezvous */
   int ordinal;
   int drc = sp_device_parse(o.device, &ordinal, &d);
+  if (drc == SP_EINVAL) {
+    fprintf(stderr, "shardplane-worker: --device \"%s\": expected cpu or "
+            "cuda:N\n", o.device);
+    return 2;
+  }
   if (drc < 0) {
     fprintf(stderr, "shardplane-worker: rank %ld: --device %s\n", o.rank,
             d.msg);
-    return drc == SP_EINVAL ? 2 : 1;
+    return 1;
   }
   int rc = run(&o, &d);
   if (rc < 0) {

@@ -123,6 +123,8 @@ int sp_job_apply_flag(sp_job *job, const char *name, const char *value,
                       sp_diag *diag);
 /* Prints the job flags' help lines, indented, to f. */
 void sp_job_flags_print_help(void *file);
+/* The same without the flag named `skip` (a tool that sets it itself). */
+void sp_job_flags_print_help_except(void *file, const char *skip);
 
 /* Whether modules of `type` become full-precision units under this job's
  * mixed-precision policy (false when mixed precision is off). */
