@@ -27,7 +27,10 @@ static void plan_help(FILE *f) {
         "\n"
         "  --model PATH                 model spec (shardplane.model/v1)\n"
         "  --job PATH                   job config (shardplane.job/v1); the\n"
-        "                               flags below override it\n",
+        "                               flags below override it (without a\n"
+        "                               wrap policy every Linear module\n"
+        "                               becomes a unit, as in shardplane "
+        "run)\n",
         f);
   sp_job_flags_print_help(f);
   fputs(SP_REMOTE_OPTIONS_HELP
@@ -87,6 +90,11 @@ static int run_plan(const plan_args *a) {
   if (rc != 0) {
     sp_cli_error("plan", "%s", diag.msg);
     if (rc == SP_EINVAL) exit_code = SP_EXIT_USAGE;
+    goto out;
+  }
+  /* the plan shardplane run and the coordinator make of this job */
+  if (sp_job_default_wrap(&job, model, NULL) != 0) {
+    sp_cli_error("plan", "out of memory");
     goto out;
   }
   /* a job the flags alone make is bad usage; one from a file, a bad job */

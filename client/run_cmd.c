@@ -148,7 +148,6 @@ typedef struct run_opts {
   bool cuda;
   bool kinds[4]; /* by sp_ckpt_kind; none given: FULL */
   bool no_checkpoint;
-  bool wrap_given;
   sp_job_cli jcli; /* job flags, applied after --job */
 } run_opts;
 
@@ -157,7 +156,6 @@ typedef struct run_job {
   sp_model *model;
   sp_plan *plan;
   sp_job job;
-  bool default_wrap; /* no wrap policy given: every Linear is a unit */
   int n_gpus;
   char coord_bin[PATH_MAX], worker_bin[PATH_MAX];
   char default_dir[PATH_MAX];
@@ -183,7 +181,6 @@ static int job_flag(run_opts *o, int c, const char *value) {
                  "size is --nproc N", value);
     return -1;
   }
-  if (strncmp(name, "wrap-", 5) == 0) o->wrap_given = true;
   return sp_job_cli_record(&o->jcli, c, value) < 0 ? -1 : 0;
 }
 
@@ -332,14 +329,10 @@ static int build_plan(run_opts *o, run_job *j) {
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
-  j->default_wrap = !o->wrap_given && j->job.wrap_modules.n == 0 &&
-                    j->job.wrap_types.n == 0;
-  if (j->default_wrap) {
-    bool has_linear = false;
-    for (size_t i = 0; i < j->model->n_modules; i++)
-      if (strcmp(j->model->modules[i].type, "Linear") == 0) has_linear = true;
-    j->default_wrap = has_linear;
-    if (has_linear) sp_strlist_add(&j->job.wrap_types, "Linear");
+  /* the coordinator applies the same default to the same job */
+  if (sp_job_default_wrap(&j->job, j->model, NULL) < 0) {
+    sp_cli_error(RUN, "out of memory");
+    return SP_EXIT_FAILURE;
   }
   if (sp_plan_build(j->model, &j->job, &j->plan, &d) < 0) {
     sp_cli_error(RUN, "%s", d.msg);
@@ -433,10 +426,6 @@ static int start_coordinator(const run_opts *o, const run_job *j,
   }
   push(&ca, "--world-size");
   push(&ca, nproc_s);
-  if (j->default_wrap) {
-    push(&ca, "--wrap-type");
-    push(&ca, "Linear");
-  }
   if (o->cuda) {
     /* what the ranks use (the worker forces NCCL on a GPU); flags given
      * earlier are overridden by this last one */
@@ -562,9 +551,10 @@ int sp_cmd_run(int argc, char **argv) {
 
   ret = start_coordinator(&o, &j, &p);
   if (ret != PROCEED) goto out;
-  printf("shardplane run: %s, %lld ranks, %s, plan %s; coordinator on %s\n",
-         j.model->name, o.nproc, sp_strategy_name(j.plan->strategy),
-         j.plan->version_hex, p.addr);
+  printf("shardplane run: %s, %lld ranks, %s, plan %s (%zu units); "
+         "coordinator on %s\n", j.model->name, o.nproc,
+         sp_strategy_name(j.plan->strategy), j.plan->version_hex,
+         j.plan->n_units, p.addr);
   fflush(stdout);
   double t0 = sp_clock_s();
   ret = start_workers(&o, &j, &p);

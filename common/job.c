@@ -309,6 +309,14 @@ int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
   return 0;
 }
 
+int sp_job_default_wrap(sp_job *job, const sp_model *model, bool *applied) {
+  bool apply = job->wrap_modules.n == 0 && job->wrap_types.n == 0 &&
+               model_has_type(model, SP_JOB_DEFAULT_WRAP_TYPE);
+  if (applied != NULL) *applied = apply;
+  return apply ? sp_strlist_add(&job->wrap_types, SP_JOB_DEFAULT_WRAP_TYPE)
+               : 0;
+}
+
 bool sp_job_full_precision_type(const sp_job *job, const char *type) {
   if (!job->mp.enabled) return false;
   if (job->mp.full_precision_types_set)

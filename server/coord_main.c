@@ -20,7 +20,10 @@ static void usage(FILE *f) {
         "                               0 picks a free one and prints it)\n"
         "  --model PATH                 model spec (shardplane.model/v1)\n"
         "  --job PATH                   job config; the flags below override "
-        "it\n",
+        "it\n"
+        "                               (without a wrap policy every Linear\n"
+        "                               module becomes a unit, as in "
+        "shardplane run)\n",
         f);
   sp_job_flags_print_help(f);
   fputs("  --heartbeat-timeout-ms N     mark a silent rank lost (default "
@@ -99,9 +102,11 @@ static int parse_listen(const char *v) {
 /* The job against the model: a wrap target it does not have is a flag
  * error (exit 2), named as such, and so is a job the flags alone make
  * that does not hold together; one from a job file is a bad job (1).
- * Returns 0 or the exit code. */
-static int check_job(const sp_job_cli *flags, const sp_job *job,
-                     bool from_file, const char *model_path) {
+ * Without a wrap policy the job gets the tools' default (every Linear a
+ * unit), as in shardplane run and shardplane plan. Returns 0 or the exit
+ * code. */
+static int check_job(const sp_job_cli *flags, sp_job *job, bool from_file,
+                     const char *model_path) {
   sp_model *m = NULL;
   sp_diag d = {{0}};
   int ec = 1;
@@ -109,6 +114,10 @@ static int check_job(const sp_job_cli *flags, const sp_job *job,
     ec = sp_job_cli_check_model(flags, m, &d) != 0 ? 2
          : sp_job_validate(job, m, &d) != 0        ? (from_file ? 1 : 2)
                                                    : 0;
+    if (ec == 0 && sp_job_default_wrap(job, m, NULL) != 0) {
+      sp_diag_set(&d, SP_ENOMEM, "out of memory");
+      ec = 1;
+    }
   }
   sp_model_free(m);
   if (ec != 0) fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);

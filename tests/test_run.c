@@ -19,8 +19,11 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <jansson.h>
 
 #include "clock.h"
+#include "model.h"
+#include "proc.h"
 #include "testutil.h"
 
 extern char **environ;
@@ -246,12 +249,104 @@ static void test_run_interrupted(void **state) {
   free(dir);
 }
 
+/* A coordinator started by hand, as a user does, for model (plus the
+ * NULL-terminated flags); its address goes to addr. */
+static void start_coordinator(sp_proc *c, const char *model,
+                              const char *const *flags, char *addr,
+                              size_t cap) {
+  char *argv[32] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
+                    "127.0.0.1:0", "--quiet", "--model", (char *)model};
+  size_t n = 6;
+  for (size_t i = 0; flags && flags[i] && n < 31; i++)
+    argv[n++] = (char *)flags[i];
+  argv[n] = NULL;
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(c, argv, false, true, "listening on 127.0.0.1:%d", &d) < 0)
+    fail_msg("cannot start the coordinator: %s", d.msg);
+  snprintf(addr, cap, "127.0.0.1:%d", c->port);
+}
+
+/* stdout of a shell command line, which must exit 0; malloc'd. */
+static char *command_output(const char *cmd) {
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t cap = 1 << 16, len = 0, n;
+  char *out = malloc(cap);
+  while ((n = fread(out + len, 1, cap - len - 1, p)) > 0) {
+    len += n;
+    if (len + 1 == cap) out = realloc(out, cap *= 2);
+  }
+  out[len] = '\0';
+  int st = pclose(p);
+  if (st != 0) fail_msg("%s: status %d: %s", cmd, st, out);
+  return out;
+}
+
+/* The plan a hand-started coordinator serves for examples/mlp.json, the
+ * one `shardplane plan --model` computes and the one `shardplane run`
+ * trains are the same: one default wrap policy (every Linear a unit), so
+ * a checkpoint of one loads into the others. */
+static void test_run_same_plan_as_coordinator(void **state) {
+  (void)state;
+  sp_proc coord;
+  char addr[64], cmd[1024];
+  start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
+  snprintf(cmd, sizeof cmd, "%s/shardplane status --coordinator %s --json",
+           SP_BIN_DIR, addr);
+  char *status = command_output(cmd);
+  sp_proc_stop(&coord, 5000);
+  json_t *js = json_loads(status, 0, NULL);
+  assert_non_null(js);
+  const char *coord_version =
+      json_string_value(json_object_get(js, "plan_version"));
+  assert_non_null(coord_version);
+  json_int_t coord_units = json_integer_value(json_object_get(js, "units"));
+
+  char *offline_out = command_output(SP_BIN_DIR "/shardplane plan --model "
+                                     MLP " --json");
+  json_t *jo = json_loads(offline_out, 0, NULL);
+  assert_non_null(jo);
+
+  char *dir = sp_test_mkdtemp();
+  const char *args[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+                        "--checkpoint", "none", NULL};
+  int st = wait_run(start_run(dir, args), 120);
+  char *out = slurp(dir, "out");
+  printf("  coordinator: plan %s, %lld units\n  run: %s", coord_version,
+         (long long)coord_units, out);
+  assert_int_equal(st, 0);
+  char want[64];
+  snprintf(want, sizeof want, "plan %s", coord_version);
+  assert_non_null(strstr(out, want));
+  /* the root, and one unit per Linear layer */
+  sp_model *m;
+  sp_diag d = {{0}};
+  assert_int_equal(sp_model_load_file(MLP, &m, &d), 0);
+  json_int_t linear = 0;
+  for (size_t i = 0; i < m->n_modules; i++)
+    linear += strcmp(m->modules[i].type, "Linear") == 0;
+  sp_model_free(m);
+  assert_true(linear > 1);
+  assert_int_equal(coord_units, 1 + linear);
+  assert_string_equal(json_string_value(json_object_get(jo, "version")),
+                      coord_version);
+  assert_int_equal(json_array_size(json_object_get(jo, "units")), 1 + linear);
+  free(out);
+  json_decref(jo);
+  json_decref(js);
+  free(offline_out);
+  free(status);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_interrupted),
+      cmocka_unit_test(test_run_same_plan_as_coordinator),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
