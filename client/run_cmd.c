@@ -53,10 +53,16 @@ static void usage(FILE *f) {
         "  --global-batch N           samples per step (default 24)\n"
         "  --lr X                     learning rate (default 0.05)\n"
         "  --checkpoint-dir DIR       where to write (default\n"
-        "                             shardplane-run/<model>-w<N>)\n"
+        "                             shardplane-run/<model>-w<N>-<plan>, one\n"
+        "                             per configuration); a directory holding\n"
+        "                             a checkpoint of another plan is refused\n"
         "  --checkpoint KIND          full, sharded, local or none; "
         "repeatable\n"
         "                             (default full)\n"
+        "  --load DIR                 start from a checkpoint: DIR as printed\n"
+        "                             at the end of a run, or its folder\n"
+        "  --load-kind KIND           full, sharded or local, when DIR holds\n"
+        "                             several\n"
         "  --log-every N              progress every N steps (default 1)\n"
         "  --device cpu|cuda          where ranks train (default cpu); cuda:\n"
         "                             rank r on GPU r % (GPUs present), over\n"
@@ -146,8 +152,11 @@ typedef struct run_opts {
   const char *model_path, *job_path, *ckdir;
   const char *steps, *batch, *lr, *log_every, *hb;
   bool cuda;
-  bool kinds[4]; /* by sp_ckpt_kind; none given: FULL */
-  bool no_checkpoint;
+  bool kinds[4]; /* by sp_ckpt_kind: the checkpoints written */
+  bool no_checkpoint; /* --checkpoint none given */
+  bool any_kind;      /* after parse_args: kinds[] holds one at least */
+  const char *load_dir; /* --load */
+  sp_ckpt_kind load_kind; /* --load-kind; 0: the only kind there */
   sp_job_cli jcli; /* job flags, applied after --job */
 } run_opts;
 
@@ -160,6 +169,8 @@ typedef struct run_job {
   char coord_bin[PATH_MAX], worker_bin[PATH_MAX];
   char default_dir[PATH_MAX];
   const char *ckdir;
+  char load_from[4096]; /* the folder --load names */
+  sp_ckpt_kind load_kind; /* and the kind of its checkpoint */
 } run_job;
 
 /* The running processes. */
@@ -185,7 +196,7 @@ static int job_flag(run_opts *o, int c, const char *value) {
 }
 
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-       O_LOG, O_HB, O_DEVICE, O_HELP };
+       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
@@ -232,6 +243,13 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       if (rc == 0 && k == 0) o->no_checkpoint = true;
       if (rc == 0 && k > 0) o->kinds[k] = true;
       return rc;
+    case O_LOAD:
+      o->load_dir = v;
+      return sp_flag_text(flag, v, "a checkpoint directory", d);
+    case O_LOADK:
+      rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
+      if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
+      return rc;
   }
   return SP_ENOENT;
 }
@@ -250,6 +268,8 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"log-every", required_argument, NULL, O_LOG},
       {"heartbeat-timeout-ms", required_argument, NULL, O_HB},
       {"device", required_argument, NULL, O_DEVICE},
+      {"load", required_argument, NULL, O_LOAD},
+      {"load-kind", required_argument, NULL, O_LOADK},
       {"help", no_argument, NULL, O_HELP}};
   struct option *opts = sp_job_cli_options(own, sizeof own / sizeof own[0]);
   if (!opts) return SP_EXIT_FAILURE;
@@ -294,6 +314,16 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     usage(stderr);
     goto out;
   }
+  if (o->load_kind && !o->load_dir) {
+    sp_cli_error(RUN, "--load-kind needs --load DIR");
+    goto out;
+  }
+  /* as the worker: FULL unless --checkpoint says otherwise */
+  if (!o->no_checkpoint && !o->kinds[SP_CKPT_SHARDED] &&
+      !o->kinds[SP_CKPT_LOCAL])
+    o->kinds[SP_CKPT_FULL] = true;
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
+    o->any_kind |= o->kinds[k];
   ret = PROCEED;
 out:
   free(opts);
@@ -377,6 +407,34 @@ static int check_gpus(const run_opts *o, run_job *j) {
   return PROCEED;
 }
 
+/* Where checkpoints go and come from. The default directory is one per
+ * configuration (model, world size, plan), and no directory holding a
+ * checkpoint of another plan is written to: a second run with another
+ * configuration loses nothing. Returns PROCEED or the exit code. */
+static int check_checkpoints(const run_opts *o, run_job *j) {
+  sp_diag d = {{0}};
+  if (o->load_dir &&
+      sp_ckpt_resolve(o->load_dir, o->load_kind, j->load_from,
+                      sizeof j->load_from, &j->load_kind, &d) < 0) {
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_USAGE;
+  }
+  j->ckdir = o->ckdir;
+  if (!j->ckdir) {
+    snprintf(j->default_dir, sizeof j->default_dir,
+             "shardplane-run/%s-w%lld-%.8s",
+             j->model->name && *j->model->name ? j->model->name : "model",
+             o->nproc, j->plan->version_hex);
+    j->ckdir = j->default_dir;
+  }
+  if (o->any_kind && sp_ckpt_check_dir(j->ckdir, j->plan->version_hex,
+                                       &d) < 0) {
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_USAGE;
+  }
+  return PROCEED;
+}
+
 /* Everything checked before a process starts: a bad spec or job is a
  * message, not N workers failing at once. Returns PROCEED or the exit
  * code. */
@@ -391,14 +449,7 @@ static int check_job(run_opts *o, run_job *j) {
                       "installed beside this program");
     return SP_EXIT_FAILURE;
   }
-  j->ckdir = o->ckdir;
-  if (!j->ckdir) {
-    snprintf(j->default_dir, sizeof j->default_dir, "shardplane-run/%s-w%lld",
-             j->model->name && *j->model->name ? j->model->name : "model",
-             o->nproc);
-    j->ckdir = j->default_dir;
-  }
-  return PROCEED;
+  return check_checkpoints(o, j);
 }
 
 /* Starts the coordinator on a free loopback port; p->addr is its
@@ -473,17 +524,21 @@ static int start_workers(const run_opts *o, const run_job *j,
       push(&wa, "--device");
       push(&wa, device_s);
     }
-    static const char *const kind_names[] = {"none", "full", "sharded",
-                                              "local"};
-    if (o->no_checkpoint) {
+    if (!o->any_kind) {
       push(&wa, "--checkpoint");
       push(&wa, "none");
     }
-    for (int k = 1; k < 4; k++)
+    for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
       if (o->kinds[k]) {
         push(&wa, "--checkpoint");
-        push(&wa, kind_names[k]);
+        push(&wa, sp_ckpt_kind_dir((sp_ckpt_kind)k));
       }
+    if (o->load_dir) {
+      push(&wa, "--load");
+      push(&wa, j->load_from);
+      push(&wa, "--load-kind");
+      push(&wa, sp_ckpt_kind_dir(j->load_kind));
+    }
     p->pids[r] = spawn_worker(wa.v);
     if (p->pids[r] < 0) {
       p->pids[r] = 0;
@@ -535,6 +590,36 @@ static int supervise(const run_opts *o, run_procs *p) {
   return ret;
 }
 
+/* The last lines: where the checkpoints are, and the flags that start a
+ * job from each (shardplane run or shardplane-worker). Returns the exit
+ * code. */
+static int report_done(const run_opts *o, const run_job *j, double took_s) {
+  if (!o->any_kind) {
+    printf("shardplane run: done in %.1f s; no checkpoint (--checkpoint "
+           "none)\n", took_s);
+    return SP_EXIT_OK;
+  }
+  printf("shardplane run: done in %.1f s; checkpoint in %s\n", took_s,
+         j->ckdir);
+  sp_ckpt_found f;
+  sp_ckpt_find(j->ckdir, &f);
+  int n = 0;
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) n += o->kinds[k];
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
+    if (!o->kinds[k]) continue;
+    const char *name = sp_ckpt_kind_name((sp_ckpt_kind)k);
+    if (!f.present[k]) {
+      sp_cli_error(RUN, "no %s checkpoint in %s", name, j->ckdir);
+      return SP_EXIT_FAILURE;
+    }
+    char which[32] = "it";
+    if (n > 1) snprintf(which, sizeof which, "the %s one", name);
+    printf("shardplane run: start from %s with --load %s --load-kind %s\n",
+           which, f.dir[k], sp_ckpt_kind_dir((sp_ckpt_kind)k));
+  }
+  return SP_EXIT_OK;
+}
+
 int sp_cmd_run(int argc, char **argv) {
   run_opts o = {0};
   run_job j = {0};
@@ -561,9 +646,7 @@ int sp_cmd_run(int argc, char **argv) {
   if (ret == PROCEED) ret = supervise(&o, &p);
   stop_workers(p.pids, (uint32_t)o.nproc, 3000);
   if (p.coord.pid > 0) sp_proc_stop(&p.coord, 5000);
-  if (ret == SP_EXIT_OK)
-    printf("shardplane run: done in %.1f s; checkpoint in %s\n",
-           sp_clock_s() - t0, j.ckdir);
+  if (ret == SP_EXIT_OK) ret = report_done(&o, &j, sp_clock_s() - t0);
 out:
   sp_plan_free(j.plan);
   sp_model_free(j.model);

@@ -28,8 +28,9 @@ typedef struct worker_opts {
   const char *ckpt_dir;
   bool ckpt_kinds[4];
   bool any_kind; /* --checkpoint given (none included) */
-  const char *load_dir;
-  sp_ckpt_kind load_kind;
+  const char *load_dir;    /* as given */
+  sp_ckpt_kind load_kind;  /* 0: the only kind load_dir holds */
+  char load_from[4096];    /* the checkpoint folder load_dir names */
   const char *losses_path;
   const char *stats_path;
   uint32_t log_every;
@@ -275,7 +276,10 @@ static void usage(FILE *f) {
       "  --checkpoint-dir DIR     write checkpoints there after training\n"
       "  --checkpoint KIND        full, sharded or local; repeatable "
       "(default full)\n"
-      "  --load DIR --load-kind KIND  start from a checkpoint\n"
+      "  --load DIR               start from the checkpoint in DIR (or in its\n"
+      "                           full/, sharded/ or local/ folder)\n"
+      "  --load-kind KIND         full, sharded or local: which one, when DIR\n"
+      "                           holds several\n"
       "  --losses FILE            rank 0 writes the loss of every step (JSON)\n"
       "  --stats FILE             rank 0 writes every step's duration in s "
       "and\n"
@@ -394,7 +398,6 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   o->global_batch = 24;
   o->lr = 0.05;
   o->log_every = 1;
-  o->load_kind = SP_CKPT_FULL;
   int c, index = -1;
   while ((c = getopt_long(argc, argv, "", opts, &index)) != -1) {
     if (c == O_HELP) {
@@ -433,6 +436,10 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
                  o->coordinator, "HOST:PORT or [v6]:PORT, port in [1, "
                  "65535]");
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+    return 2;
+  }
+  if (o->load_kind && !o->load_dir) {
+    fprintf(stderr, "shardplane-worker: --load-kind needs --load DIR\n");
     return 2;
   }
   if (!o->any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
@@ -488,7 +495,12 @@ static int run(const worker_opts *o, sp_diag *d) {
   int rc = sp_session_open(&so, &s, d);
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
-  rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica, d);
+  /* every rank checks before the rendezvous, so before any rank writes */
+  if (o->ckpt_dir)
+    rc = sp_ckpt_check_dir(o->ckpt_dir, sp_session_plan(s)->version_hex, d);
+  if (rc == 0)
+    rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica,
+                            d);
   set_comms(world, shard, replica);
   sp_fsdp_opts fo = {.session = s, .world = world, .shard_group = shard,
                      .replica_group = replica, .backward_prefetch = true,
@@ -496,7 +508,8 @@ static int run(const worker_opts *o, sp_diag *d) {
                      .init_buffer = sp_mlp_init_buffer,
                      .device = o->device};
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
-  if (rc == 0 && o->load_dir) rc = sp_ckpt_load(f, o->load_kind, o->load_dir, d);
+  if (rc == 0 && o->load_dir)
+    rc = sp_ckpt_load(f, o->load_kind, o->load_from, d);
   sp_diag md = {{0}};
   bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
   if (rc == 0 && is_mlp && o->global_batch % w != 0)
@@ -555,8 +568,7 @@ static int run(const worker_opts *o, sp_diag *d) {
     if (!o->ckpt_kinds[k]) continue;
     char dir[4096];
     snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
-             k == SP_CKPT_FULL ? "full" : k == SP_CKPT_SHARDED ? "sharded"
-                                                               : "local");
+             sp_ckpt_kind_dir((sp_ckpt_kind)k));
     rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
     if (rc == 0 && rank == 0) {
       printf("checkpoint (%s): %s\n", sp_ckpt_kind_name((sp_ckpt_kind)k), dir);
@@ -598,6 +610,14 @@ int main(int argc, char **argv) {
   sp_diag d = {{0}};
   /* before attaching: a rank that cannot run on its device says so at once
    * instead of after the rendezvous */
+  /* --load DIR may also be the folder shardplane run wrote (its full/,
+   * sharded/ or local/ subfolder is found) */
+  if (o.load_dir &&
+      sp_ckpt_resolve(o.load_dir, o.load_kind, o.load_from,
+                      sizeof o.load_from, &o.load_kind, &d) < 0) {
+    fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+    return 2;
+  }
   int ordinal;
   int drc = sp_device_parse(o.device, &ordinal, &d);
   if (drc == SP_EINVAL) {

@@ -31,14 +31,9 @@ extern char **environ;
 #define SHARDPLANE SP_BIN_DIR "/shardplane"
 #define MLP SP_EXAMPLES "/mlp.json"
 
-/* Starts `shardplane run ARGS` with stdout and stderr in dir/out, dir/err. */
-static pid_t start_run(const char *dir, const char *const *args) {
-  char *argv[64];
-  size_t k = 0;
-  argv[k++] = SHARDPLANE;
-  argv[k++] = "run";
-  for (size_t i = 0; args[i]; i++) argv[k++] = (char *)args[i];
-  argv[k] = NULL;
+/* Starts argv (NULL-terminated) with stdout and stderr in dir/out,
+ * dir/err. */
+static pid_t start_cmd(const char *dir, char *const *argv) {
   char *out = sp_test_path(dir, "out"), *err = sp_test_path(dir, "err");
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
@@ -53,6 +48,17 @@ static pid_t start_run(const char *dir, const char *const *args) {
   free(out);
   free(err);
   return pid;
+}
+
+/* Starts `shardplane run ARGS` with stdout and stderr in dir/out, dir/err. */
+static pid_t start_run(const char *dir, const char *const *args) {
+  char *argv[64];
+  size_t k = 0;
+  argv[k++] = SHARDPLANE;
+  argv[k++] = "run";
+  for (size_t i = 0; args[i]; i++) argv[k++] = (char *)args[i];
+  argv[k] = NULL;
+  return start_cmd(dir, argv);
 }
 
 /* Exit status (128 + signal when killed), or -1 after timeout_s (then the
@@ -340,6 +346,170 @@ static void test_run_same_plan_as_coordinator(void **state) {
   free(dir);
 }
 
+/* The "--load DIR --load-kind K" a run printed for its checkpoint of
+ * kind `kind`: DIR, malloc'd (NULL when it printed none). */
+static char *printed_load(const char *out, const char *kind) {
+  char tail[64];
+  snprintf(tail, sizeof tail, " --load-kind %s\n", kind);
+  const char *end = strstr(out, tail);
+  if (!end) return NULL;
+  const char *start = end;
+  while (start > out && strncmp(start, "--load ", 7) != 0) start--;
+  if (strncmp(start, "--load ", 7) != 0) return NULL;
+  return strndup(start + 7, (size_t)(end - start - 7));
+}
+
+/* The directory after "checkpoint in " in a run's output, malloc'd. */
+static char *printed_dir(const char *out) {
+  const char *at = strstr(out, "checkpoint in ");
+  if (!at) fail_msg("no \"checkpoint in\" in: %s", out);
+  at += strlen("checkpoint in ");
+  return strndup(at, strcspn(at, "\n"));
+}
+
+/* shardplane-worker RANK 0 of a one-rank job served by addr, started
+ * from --load load (plus --load-kind kind unless NULL), no steps, no
+ * checkpoint; its exit status, its stderr in dir/err. */
+static int worker_load(const char *dir, const char *addr, const char *load,
+                       const char *kind) {
+  char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
+                  (char *)addr, "--rank", "0", "--steps", "0",
+                  "--checkpoint", "none", "--load", (char *)load,
+                  kind ? "--load-kind" : NULL, (char *)kind, NULL};
+  return wait_run(start_cmd(dir, argv), 60);
+}
+
+/* The bytes of a file (binary), malloc'd; *len their count. */
+static uint8_t *file_bytes(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) fail_msg("cannot open %s", path);
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  uint8_t *b = malloc(n > 0 ? (size_t)n : 1);
+  assert_int_equal(fread(b, 1, (size_t)n, f), (size_t)n);
+  fclose(f);
+  *len = (size_t)n;
+  return b;
+}
+
+/* What a run prints loads: the flags it prints for its checkpoint start
+ * a job from it, and so does the run's directory itself as --load (its
+ * full/ folder found, or, when it holds several kinds, --load-kind asked
+ * for). */
+static void test_run_checkpoint_loads(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck"), *ck2 = sp_test_path(dir, "ck2");
+  const char *args[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+                        "--checkpoint-dir", ck, NULL};
+  assert_int_equal(wait_run(start_run(dir, args), 120), 0);
+  char *out = slurp(dir, "out");
+  printf("%s", out);
+  char *load = printed_load(out, "full");
+  assert_non_null(load);
+  free(out);
+  /* the printed flags, given to run */
+  const char *again[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+                         "--load", load, "--load-kind", "full",
+                         "--checkpoint", "none", NULL};
+  assert_int_equal(wait_run(start_run(dir, again), 120), 0);
+
+  const char *both[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+                        "--checkpoint-dir", ck2, "--checkpoint", "full",
+                        "--checkpoint", "sharded", NULL};
+  assert_int_equal(wait_run(start_run(dir, both), 120), 0);
+  out = slurp(dir, "out");
+  char *load_sharded = printed_load(out, "sharded");
+  assert_non_null(load_sharded);
+  free(out);
+
+  sp_proc coord;
+  char addr[64];
+  start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
+  /* the printed folder, and the run's directory, to the worker */
+  assert_int_equal(worker_load(dir, addr, load, "full"), 0);
+  int st = worker_load(dir, addr, ck, NULL);
+  char *err = slurp(dir, "err");
+  printf("  shardplane-worker --load %s: exit %d %s\n", ck, st, err);
+  assert_int_equal(st, 0);
+  free(err);
+  assert_int_equal(worker_load(dir, addr, load_sharded, "sharded"), 0);
+  assert_int_equal(worker_load(dir, addr, ck2, "sharded"), 0);
+  /* two kinds there: which one is asked for, not guessed */
+  st = worker_load(dir, addr, ck2, NULL);
+  err = slurp(dir, "err");
+  printf("  shardplane-worker --load %s: exit %d: %s", ck2, st, err);
+  assert_int_equal(st, 2);
+  assert_non_null(strstr(err, "--load-kind full or sharded"));
+  free(err);
+  sp_proc_stop(&coord, 5000);
+  free(load);
+  free(load_sharded);
+  free(ck);
+  free(ck2);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* A second run with another configuration loses nothing: the default
+ * directory differs per configuration, and a directory holding a
+ * checkpoint of another plan is refused, naming it and --checkpoint-dir,
+ * its checkpoint left as it was. */
+static void test_run_keeps_other_checkpoints(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char cwd[4096];
+  assert_non_null(getcwd(cwd, sizeof cwd));
+  assert_int_equal(chdir(dir), 0); /* the default directory is relative */
+  const char *a[] = {"--nproc", "2", "--model", MLP, "--steps", "1", NULL};
+  const char *b[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
+                     "--strategy", "SHARD_GRAD_OP", NULL};
+  int st_a = wait_run(start_run(dir, a), 120);
+  char *out_a = slurp(dir, "out");
+  int st_b = wait_run(start_run(dir, b), 120);
+  char *out_b = slurp(dir, "out");
+  assert_int_equal(chdir(cwd), 0);
+  printf("%s%s", out_a, out_b);
+  assert_int_equal(st_a, 0);
+  assert_int_equal(st_b, 0);
+  char *ck_a = printed_dir(out_a), *ck_b = printed_dir(out_b);
+  assert_string_not_equal(ck_a, ck_b);
+  char *dir_a = sp_test_path(dir, ck_a);
+  char *model_a = sp_test_path(dir_a, "full/model.safetensors");
+  size_t kept_len;
+  uint8_t *kept = file_bytes(model_a, &kept_len);
+
+  /* configuration b into a's directory: refused */
+  const char *b_into_a[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
+                            "--strategy", "SHARD_GRAD_OP", "--checkpoint-dir",
+                            dir_a, NULL};
+  int st = wait_run(start_run(dir, b_into_a), 120);
+  char *err = slurp(dir, "err");
+  printf("  exit %d: %s", st, err);
+  assert_int_equal(st, 2);
+  assert_non_null(strstr(err, dir_a));
+  assert_non_null(strstr(err, "--checkpoint-dir"));
+  size_t now_len;
+  uint8_t *now = file_bytes(model_a, &now_len);
+  assert_true(now_len == kept_len && memcmp(now, kept, now_len) == 0);
+  free(now);
+  /* the same configuration again: its own directory is rewritten */
+  const char *a_again[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
+                           "--checkpoint-dir", dir_a, NULL};
+  assert_int_equal(wait_run(start_run(dir, a_again), 120), 0);
+  free(err);
+  free(ck_a);
+  free(ck_b);
+  free(kept);
+  free(model_a);
+  free(dir_a);
+  free(out_a);
+  free(out_b);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
@@ -347,6 +517,8 @@ int main(void) {
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_interrupted),
       cmocka_unit_test(test_run_same_plan_as_coordinator),
+      cmocka_unit_test(test_run_checkpoint_loads),
+      cmocka_unit_test(test_run_keeps_other_checkpoints),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
