@@ -1,11 +1,15 @@
 /* `shardplane run`: a whole job on this machine. Starts a coordinator on a
- * free loopback port and N workers, passes rank 0's progress through, and
- * stops everything cleanly when the job ends, when a worker dies (naming
- * the rank) or on Ctrl-C. */
+ * free loopback port and N workers, passes every rank's output through
+ * (each line prefixed with the time and the rank), and stops everything
+ * cleanly when the job ends, when a worker dies (naming the rank) or on
+ * Ctrl-C. */
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,8 +40,10 @@ static void usage(FILE *f) {
         "\n"
         "Runs a whole job on this machine: a coordinator on a free loopback\n"
         "port and N CPU workers (shardplane-worker) training the model with\n"
-        "sharded parameters over Gloo. Rank 0 prints progress; at the end a\n"
-        "checkpoint is written and its place printed.\n"
+        "sharded parameters over Gloo. Every line a worker writes is shown\n"
+        "prefixed with the time and its rank (\"[rank1]: \"); rank 0 prints\n"
+        "progress. At the end a checkpoint is written, and its place and\n"
+        "the flags that load it are printed.\n"
         "\n"
         "  --nproc N                  ranks (the job's world size)\n"
         "  --model PATH               model spec (examples/mlp.json trains the\n"
@@ -99,7 +105,100 @@ static void push(argvec *a, const char *s) {
   a->v[a->n] = NULL;
 }
 
-static pid_t spawn_worker(char *const argv[]) {
+/* ---- the workers' output ----
+ * Each worker's stdout and stderr come through pipes of their own; run
+ * passes them on line by line, each line whole and prefixed with the time
+ * and the rank ("12:03:04.567 [rank1]: ..."), stdout to stdout and stderr
+ * to stderr: every rank's errors show, and no two lines mix. */
+
+typedef struct out_stream {
+  int fd; /* read end; -1 once closed */
+  int rank;
+  FILE *to;
+  size_t len;
+  char line[4096]; /* longer lines are passed on in pieces */
+} out_stream;
+
+static void emit_line(const out_stream *s) {
+  struct timespec ts;
+  struct tm tm;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  localtime_r(&ts.tv_sec, &tm);
+  /* one write per line (stderr is unbuffered, stdout is flushed) */
+  fprintf(s->to, "%02d:%02d:%02d.%03ld [rank%d]: %.*s\n", tm.tm_hour,
+          tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, s->rank, (int)s->len,
+          s->line);
+  fflush(s->to);
+}
+
+/* Reads what the pipe has and passes on every whole line; at the end of
+ * the stream the rest goes out as a line and the stream closes. */
+static void drain(out_stream *s) {
+  char chunk[4096];
+  ssize_t n = read(s->fd, chunk, sizeof chunk);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n <= 0) {
+    if (s->len > 0) emit_line(s);
+    s->len = 0;
+    close(s->fd);
+    s->fd = -1;
+    return;
+  }
+  for (ssize_t i = 0; i < n; i++) {
+    if (chunk[i] == '\n' || s->len == sizeof s->line) {
+      emit_line(s);
+      s->len = 0;
+      if (chunk[i] == '\n') continue;
+    }
+    s->line[s->len++] = chunk[i];
+  }
+}
+
+/* Waits up to timeout_ms for output and passes on what came. Returns how
+ * many streams are still open. */
+static size_t pass_output(out_stream *st, size_t n, int timeout_ms) {
+  struct pollfd fds[2 * MAX_NPROC];
+  size_t idx[2 * MAX_NPROC], k = 0;
+  for (size_t i = 0; i < n; i++)
+    if (st[i].fd >= 0) {
+      fds[k] = (struct pollfd){st[i].fd, POLLIN, 0};
+      idx[k++] = i;
+    }
+  if (k == 0) {
+    if (timeout_ms > 0) usleep((useconds_t)timeout_ms * 1000);
+    return 0;
+  }
+  if (poll(fds, k, timeout_ms) > 0)
+    for (size_t i = 0; i < k; i++)
+      if (fds[i].revents) drain(&st[idx[i]]);
+  size_t open = 0;
+  for (size_t i = 0; i < n; i++) open += st[i].fd >= 0;
+  return open;
+}
+
+static void close_streams(out_stream *st, size_t n) {
+  for (size_t i = 0; st && i < n; i++)
+    if (st[i].fd >= 0) {
+      close(st[i].fd);
+      st[i].fd = -1;
+    }
+}
+
+/* Starts a worker with its stdout and stderr on pipes, whose read ends go
+ * to out and err. -1 (errno set) on failure. */
+static pid_t spawn_worker(char *const argv[], out_stream *out,
+                          out_stream *err) {
+  int po[2], pe[2];
+  if (pipe2(po, O_CLOEXEC) != 0) return -1;
+  if (pipe2(pe, O_CLOEXEC) != 0) {
+    close(po[0]);
+    close(po[1]);
+    return -1;
+  }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, po[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, pe[1], STDERR_FILENO);
   posix_spawnattr_t at;
   posix_spawnattr_init(&at);
   /* own process group: Ctrl-C reaches `run`, which stops the workers in
@@ -107,9 +206,22 @@ static pid_t spawn_worker(char *const argv[]) {
   posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
   posix_spawnattr_setpgroup(&at, 0);
   pid_t pid;
-  int rc = posix_spawn(&pid, argv[0], NULL, &at, argv, environ);
+  int rc = posix_spawn(&pid, argv[0], &fa, &at, argv, environ);
   posix_spawnattr_destroy(&at);
-  return rc == 0 ? pid : -1;
+  posix_spawn_file_actions_destroy(&fa);
+  close(po[1]);
+  close(pe[1]);
+  if (rc != 0) {
+    close(po[0]);
+    close(pe[0]);
+    errno = rc;
+    return -1;
+  }
+  fcntl(po[0], F_SETFL, O_NONBLOCK);
+  fcntl(pe[0], F_SETFL, O_NONBLOCK);
+  out->fd = po[0];
+  err->fd = pe[0];
+  return pid;
 }
 
 static void describe(int st, char *out, size_t cap) {
@@ -179,6 +291,8 @@ typedef struct run_procs {
   char addr[64];
   pid_t pids[MAX_NPROC];
   uint32_t live;
+  out_stream *streams; /* rank r's stdout at 2r, its stderr at 2r + 1 */
+  size_t n_streams;
 } run_procs;
 
 #define PROCEED (-1)
@@ -500,6 +614,15 @@ static int start_coordinator(const run_opts *o, const run_job *j,
  * the ones started). */
 static int start_workers(const run_opts *o, const run_job *j,
                          run_procs *p) {
+  p->streams = calloc(2 * (size_t)o->nproc, sizeof *p->streams);
+  if (!p->streams) {
+    sp_cli_error(RUN, "out of memory");
+    return SP_EXIT_FAILURE;
+  }
+  p->n_streams = 2 * (size_t)o->nproc;
+  for (size_t i = 0; i < p->n_streams; i++)
+    p->streams[i] = (out_stream){.fd = -1, .rank = (int)(i / 2),
+                                 .to = i % 2 ? stderr : stdout};
   for (long long r = 0; r < o->nproc; r++) {
     char rank_s[24], device_s[24];
     argvec wa = {0};
@@ -539,7 +662,8 @@ static int start_workers(const run_opts *o, const run_job *j,
       push(&wa, "--load-kind");
       push(&wa, sp_ckpt_kind_dir(j->load_kind));
     }
-    p->pids[r] = spawn_worker(wa.v);
+    p->pids[r] = spawn_worker(wa.v, &p->streams[2 * r],
+                              &p->streams[2 * r + 1]);
     if (p->pids[r] < 0) {
       p->pids[r] = 0;
       sp_cli_error(RUN, "cannot start rank %lld: %s", r, strerror(errno));
@@ -550,44 +674,105 @@ static int start_workers(const run_opts *o, const run_job *j,
   return PROCEED;
 }
 
-/* Waits until every worker is done, one fails or dies (naming the rank),
- * the coordinator dies, or a signal arrives. Returns the exit code. */
-static int supervise(const run_opts *o, run_procs *p) {
-  int ret = SP_EXIT_OK;
-  while (ret == SP_EXIT_OK && p->live > 0) {
-    int st;
-    pid_t pid = waitpid(-1, &st, 0);
-    if (pid < 0) {
-      if (errno == EINTR && g_signal) {
-        fprintf(stderr, "shardplane run: interrupted; stopping %u worker%s "
-                        "and the coordinator\n", p->live,
-                p->live == 1 ? "" : "s");
-        ret = 128 + SIGINT;
-      } else if (errno != EINTR) {
-        ret = SP_EXIT_FAILURE;
-      }
-      continue;
-    }
+/* After a failure, the other ranks get this long to stop by themselves
+ * (the coordinator aborts them at once) and to say why, before SIGTERM;
+ * SIGKILL follows SIGTERM after TERM_S. */
+#define GRACE_S 0.5
+#define TERM_S 3.0
+
+/* Where supervise stands. */
+typedef struct run_watch {
+  int ret;          /* the exit code so far */
+  double term_at;   /* when to SIGTERM the workers left; < 0: not yet due */
+  double kill_at;   /* when to SIGKILL them; < 0: not yet due */
+  bool terminated;  /* SIGTERM sent: the ends that follow are ours */
+  bool interrupted; /* a signal arrived */
+} run_watch;
+
+/* A failure: the first one names what happened and stops the job; later
+ * ones (other ranks failing before they are stopped) are named too. */
+static void failed(run_watch *w, double grace_s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void failed(run_watch *w, double grace_s, const char *fmt, ...) {
+  char msg[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  bool first = w->ret == SP_EXIT_OK;
+  sp_cli_error(RUN, "%s%s", msg, first ? "; stopping the job" : "");
+  if (first) {
+    w->ret = SP_EXIT_FAILURE;
+    w->term_at = sp_clock_s() + grace_s;
+  }
+}
+
+/* Reaps every child that ended: the coordinator or a worker. */
+static void reap(const run_opts *o, run_procs *p, run_watch *w) {
+  int st;
+  pid_t pid;
+  while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+    char how[96];
+    describe(st, how, sizeof how);
     if (pid == p->coord.pid) {
-      char how[96];
-      describe(st, how, sizeof how);
-      sp_cli_error(RUN, "the coordinator %s; stopping the workers", how);
       p->coord.pid = 0;
-      return SP_EXIT_FAILURE;
+      failed(w, GRACE_S, "the coordinator %s", how);
+      continue;
     }
     for (long long r = 0; r < o->nproc; r++) {
       if (p->pids[r] != pid) continue;
       p->pids[r] = 0;
       p->live--;
-      if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-        char how[96];
-        describe(st, how, sizeof how);
-        sp_cli_error(RUN, "rank %lld %s; stopping the job", r, how);
-        ret = SP_EXIT_FAILURE;
-      }
+      if ((!WIFEXITED(st) || WEXITSTATUS(st) != 0) && !w->terminated)
+        failed(w, GRACE_S, "rank %lld %s", r, how);
     }
   }
-  return ret;
+}
+
+/* Signals to the workers left, when due. */
+static void stop_when_due(run_procs *p, run_watch *w, long long n) {
+  double now = sp_clock_s();
+  int sig = 0;
+  if (w->term_at >= 0 && now >= w->term_at) {
+    sig = SIGTERM;
+    w->term_at = -1;
+    w->kill_at = now + TERM_S;
+    w->terminated = true;
+  } else if (w->kill_at >= 0 && now >= w->kill_at) {
+    sig = SIGKILL;
+    w->kill_at = -1;
+  }
+  for (long long r = 0; sig && r < n; r++)
+    if (p->pids[r] > 0) kill(p->pids[r], sig);
+}
+
+/* Passes the workers' output on until every worker is done, one fails or
+ * dies (naming the rank; the others are given GRACE_S to stop and say
+ * why), the coordinator dies, or a signal arrives. Returns the exit
+ * code. */
+static int supervise(const run_opts *o, run_procs *p) {
+  run_watch w = {.ret = SP_EXIT_OK, .term_at = -1, .kill_at = -1};
+  double drained_by = -1; /* every worker gone: the pipes' last words */
+  for (;;) {
+    size_t open = pass_output(p->streams, p->n_streams, 20);
+    reap(o, p, &w);
+    if (g_signal && !w.interrupted) {
+      w.interrupted = true;
+      fprintf(stderr, "shardplane run: interrupted; stopping %u worker%s "
+                      "and the coordinator\n", p->live,
+              p->live == 1 ? "" : "s");
+      w.ret = 128 + SIGINT;
+      w.term_at = sp_clock_s();
+    }
+    if (p->live == 0) {
+      if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
+      if (open == 0 || sp_clock_s() > drained_by) break;
+      continue;
+    }
+    stop_when_due(p, &w, o->nproc);
+  }
+  close_streams(p->streams, p->n_streams);
+  return w.ret;
 }
 
 /* The last lines: where the checkpoints are, and the flags that start a
@@ -645,6 +830,8 @@ int sp_cmd_run(int argc, char **argv) {
   ret = start_workers(&o, &j, &p);
   if (ret == PROCEED) ret = supervise(&o, &p);
   stop_workers(p.pids, (uint32_t)o.nproc, 3000);
+  close_streams(p.streams, p.n_streams);
+  free(p.streams);
   if (p.coord.pid > 0) sp_proc_stop(&p.coord, 5000);
   if (ret == SP_EXIT_OK) ret = report_done(&o, &j, sp_clock_s() - t0);
 out:

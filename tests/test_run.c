@@ -140,6 +140,26 @@ static int find_workers(pid_t parent, pid_t *pids, int cap) {
 
 static bool alive(pid_t pid) { return kill(pid, 0) == 0; }
 
+/* Whether every line of a run's output is whole and says who wrote it:
+ * run's own ("shardplane run: ...") or a worker's, prefixed with the time
+ * and the rank ("12:03:04.567 [rank1]: ..."). Prints the first that is
+ * not. */
+static bool every_line_attributed(const char *text) {
+  for (const char *l = text; *l;) {
+    size_t n = strcspn(l, "\n");
+    int h, m, sec, ms, rank, end = 0;
+    bool ok = strncmp(l, "shardplane run: ", 16) == 0 ||
+              (sscanf(l, "%2d:%2d:%2d.%3d [rank%d]: %n", &h, &m, &sec, &ms,
+                      &rank, &end) == 5 && end > 0 && (size_t)end <= n);
+    if (!ok) {
+      printf("  not attributed: \"%.*s\"\n", (int)n, l);
+      return false;
+    }
+    l += n + (l[n] == '\n');
+  }
+  return true;
+}
+
 static void test_run_to_checkpoint(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
@@ -150,8 +170,9 @@ static void test_run_to_checkpoint(void **state) {
   char *out = slurp(dir, "out"), *err = slurp(dir, "err");
   printf("%s%s", out, err);
   assert_int_equal(st, 0);
-  assert_non_null(strstr(out, "step 3/3"));
+  assert_non_null(strstr(out, "[rank0]: step 3/3"));
   assert_non_null(strstr(out, "loss"));
+  assert_true(every_line_attributed(out));
   assert_non_null(strstr(out, "checkpoint in"));
   assert_non_null(strstr(out, ck));
   char *model = sp_test_path(ck, "full/model.safetensors");
@@ -224,6 +245,10 @@ static void test_run_worker_killed(void **state) {
   assert_int_equal(st, 1);
   assert_non_null(strstr(err, "rank 1 was killed by signal 9"));
   assert_true(took < 1.0);
+  /* the other ranks' errors show, each line whole and naming its rank */
+  assert_non_null(strstr(err, "[rank0]: shardplane-worker: rank 0: "));
+  assert_non_null(strstr(err, "[rank2]: shardplane-worker: rank 2: "));
+  assert_true(every_line_attributed(err));
   for (int r = 0; r < 3; r++) assert_false(alive(w[r]));
   free(err);
   free(ck);
