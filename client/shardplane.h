@@ -124,14 +124,20 @@ int sp_session_transition(sp_session *s, sp_machine m, uint32_t unit, int to,
 /* Current state in the local tracker. */
 int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit);
 /* Queues a collective fingerprint; the sequence number is assigned here
- * and returned. */
+ * and returned. count is the collective's count as the sp_comm_* calls and
+ * NCCL take it, elements per rank: an all-gather's input (the shard), a
+ * reduce-scatter's output (the reduced shard), an all-reduce's or a
+ * broadcast's whole buffer. */
 uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
                                sp_dtype dtype, uint64_t count);
 /* Switches queueing on or off (sp_session_opts.no_report) for measuring
  * what reporting costs within one run. Only between steps: SP_ESTATE unless
  * the root and every unit are IDLE. */
 int sp_session_set_report(sp_session *s, bool on, sp_diag *d);
-/* Sets the step number carried by later events and heartbeats. */
+/* Sets the step number carried by later events and heartbeats. Steps are
+ * numbered from 1 (0: none yet): set K before the K-th step's events, as
+ * shardplane-worker does, so that after N steps the coordinator shows N,
+ * the number of the worker's last "step N/N" line. */
 void sp_session_set_step(sp_session *s, uint64_t step);
 /* Waits until every event queued so far has been acknowledged by the
  * coordinator. SP_ETIMEDOUT after timeout_ms. Returns SP_ESTATE if the

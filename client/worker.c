@@ -144,7 +144,7 @@ static int trainer_step_gpu(trainer *tr, uint64_t step, uint64_t first,
   sp_mlp_cuda *g = tr->gpu;
   sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
                   io_buffer_dtype, io_all_reduce, f};
-  sp_session_set_step(tr->s, step);
+  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
   sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
   int rc = sp_mlp_cuda_set_batch(g, tr->acts->x[0], tr->t, d);
   if (rc == 0) rc = sp_fsdp_root_pre_forward(f, d);
@@ -183,7 +183,7 @@ static int trainer_step(trainer *tr, uint64_t step, uint64_t first,
   const sp_mlp *mlp = tr->mlp;
   sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
                   io_buffer_dtype, io_all_reduce, f};
-  sp_session_set_step(tr->s, step);
+  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
   sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
   int rc = sp_fsdp_root_pre_forward(f, d);
   for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
@@ -221,7 +221,7 @@ static int synthetic_step(sp_fsdp *f, sp_session *s, uint64_t step,
                           double lr, sp_diag *d) {
   const sp_plan *pl = sp_session_plan(s);
   const sp_model *m = sp_session_model(s);
-  sp_session_set_step(s, step);
+  sp_session_set_step(s, step + 1); /* reported from 1 */
   int rc = sp_fsdp_root_pre_forward(f, d);
   for (uint32_t u = 1; rc == 0 && u < pl->n_units; u++) {
     rc = sp_fsdp_pre_forward(f, u, d);
@@ -526,6 +526,10 @@ static int run(const worker_opts *o, sp_diag *d) {
   step_s = calloc(o->steps ? o->steps : 1, sizeof *step_s);
   if ((!losses || !step_s) && rc == 0)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  /* One numbering of steps everywhere: step indexes 0..steps-1 pick the
+   * data; steps are reported (progress lines "step K/N", the session's
+   * step, so `shardplane ranks` and watch) numbered from 1: step K is the
+   * K-th, and after the last one every report says N. */
   double tlast = sp_clock_s();
   uint32_t logged = 0; /* steps up to the last progress line */
   for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
