@@ -444,6 +444,40 @@ out:
   return ret;
 }
 
+/* CPU ranks talk over Gloo (--device cuda makes the job NCCL's). Returns
+ * PROCEED or the exit code. */
+static int check_backend(const run_opts *o, const run_job *j) {
+  if (o->cuda || j->job.backend == SP_BACKEND_GLOO) return PROCEED;
+  const char *flag = NULL;
+  for (size_t i = 0; i < o->jcli.n; i++)
+    if (strcmp(sp_job_flags[o->jcli.items[i].flag].name, "backend") == 0)
+      flag = o->jcli.items[i].value;
+  sp_diag d = {{0}};
+  if (flag)
+    sp_flag_fail(&d, "--backend", flag, "gloo: CPU ranks use gloo "
+                 "(--device cuda trains over NCCL)");
+  else
+    sp_diag_set(&d, SP_EINVAL, "%s: backend %s: CPU ranks use gloo "
+                "(--device cuda trains over NCCL)", o->job_path,
+                sp_backend_name(j->job.backend));
+  sp_cli_error(RUN, "%s", d.msg);
+  return SP_EXIT_USAGE;
+}
+
+/* The reference MLP splits the batch evenly over the ranks (the synthetic
+ * cycle has none). Returns PROCEED or the exit code. */
+static int check_batch(const run_opts *o, const run_job *j) {
+  sp_mlp *mlp = NULL;
+  sp_diag d = {{0}};
+  bool is_mlp = sp_mlp_new(j->model, &mlp, &d) == 0;
+  sp_mlp_free(mlp);
+  if (!is_mlp || atoll(o->batch) % o->nproc == 0) return PROCEED;
+  sp_flag_fail(&d, "--global-batch", o->batch, "a multiple of --nproc "
+               "%lld: every rank trains an equal share", o->nproc);
+  sp_cli_error(RUN, "%s", d.msg);
+  return SP_EXIT_USAGE;
+}
+
 /* The spec, the job and its plan. Returns PROCEED or the exit code. */
 static int build_plan(run_opts *o, run_job *j) {
   sp_diag d = {{0}};
@@ -458,21 +492,7 @@ static int build_plan(run_opts *o, run_job *j) {
     return rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;
   }
   j->job.world_size = (uint32_t)o->nproc;
-  if (!o->cuda && j->job.backend != SP_BACKEND_GLOO) {
-    const char *flag = NULL;
-    for (size_t i = 0; i < o->jcli.n; i++)
-      if (strcmp(sp_job_flags[o->jcli.items[i].flag].name, "backend") == 0)
-        flag = o->jcli.items[i].value;
-    if (flag)
-      sp_flag_fail(&d, "--backend", flag, "gloo: CPU ranks use gloo "
-                   "(--device cuda trains over NCCL)");
-    else
-      sp_diag_set(&d, SP_EINVAL, "%s: backend %s: CPU ranks use gloo "
-                  "(--device cuda trains over NCCL)", o->job_path,
-                  sp_backend_name(j->job.backend));
-    sp_cli_error(RUN, "%s", d.msg);
-    return SP_EXIT_USAGE;
-  }
+  if ((rc = check_backend(o, j)) != PROCEED) return rc;
   /* the coordinator applies the same default to the same job */
   if (sp_job_default_wrap(&j->job, j->model, NULL) < 0) {
     sp_cli_error(RUN, "out of memory");
@@ -482,19 +502,7 @@ static int build_plan(run_opts *o, run_job *j) {
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
-  /* the reference MLP splits the batch evenly; the synthetic cycle has
-   * none */
-  sp_mlp *mlp = NULL;
-  long long batch = atoll(o->batch);
-  if (sp_mlp_new(j->model, &mlp, &d) == 0 && batch % o->nproc != 0) {
-    sp_flag_fail(&d, "--global-batch", o->batch, "a multiple of --nproc "
-                 "%lld: every rank trains an equal share", o->nproc);
-    sp_cli_error(RUN, "%s", d.msg);
-    sp_mlp_free(mlp);
-    return SP_EXIT_USAGE;
-  }
-  sp_mlp_free(mlp);
-  return PROCEED;
+  return check_batch(o, j);
 }
 
 /* One GPU per rank, rank r on GPU r % count: NCCL refuses two ranks of
@@ -610,6 +618,50 @@ static int start_coordinator(const run_opts *o, const run_job *j,
   return PROCEED;
 }
 
+/* The command line of rank r's worker into wa; rank_s and device_s (24
+ * bytes each) hold strings it points to. */
+static void worker_args(const run_opts *o, const run_job *j,
+                        const run_procs *p, long long r, argvec *wa,
+                        char *rank_s, char *device_s) {
+  snprintf(rank_s, 24, "%lld", r);
+  push(wa, j->worker_bin);
+  push(wa, "--coordinator");
+  push(wa, p->addr);
+  push(wa, "--rank");
+  push(wa, rank_s);
+  push(wa, "--steps");
+  push(wa, o->steps);
+  push(wa, "--global-batch");
+  push(wa, o->batch);
+  push(wa, "--lr");
+  push(wa, o->lr);
+  push(wa, "--log-every");
+  push(wa, o->log_every);
+  if (o->cuda) {
+    snprintf(device_s, 24, "cuda:%lld", r % j->n_gpus);
+    push(wa, "--device");
+    push(wa, device_s);
+  }
+  if (!o->any_kind) {
+    push(wa, "--checkpoint");
+    push(wa, "none");
+  } else {
+    push(wa, "--checkpoint-dir");
+    push(wa, j->ckdir);
+  }
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
+    if (o->kinds[k]) {
+      push(wa, "--checkpoint");
+      push(wa, sp_ckpt_kind_dir((sp_ckpt_kind)k));
+    }
+  if (o->load_dir) {
+    push(wa, "--load");
+    push(wa, j->load_from);
+    push(wa, "--load-kind");
+    push(wa, sp_ckpt_kind_dir(j->load_kind));
+  }
+}
+
 /* Starts the N workers. Returns PROCEED or the exit code (p->pids holds
  * the ones started). */
 static int start_workers(const run_opts *o, const run_job *j,
@@ -626,42 +678,7 @@ static int start_workers(const run_opts *o, const run_job *j,
   for (long long r = 0; r < o->nproc; r++) {
     char rank_s[24], device_s[24];
     argvec wa = {0};
-    snprintf(rank_s, sizeof rank_s, "%lld", r);
-    push(&wa, j->worker_bin);
-    push(&wa, "--coordinator");
-    push(&wa, p->addr);
-    push(&wa, "--rank");
-    push(&wa, rank_s);
-    push(&wa, "--steps");
-    push(&wa, o->steps);
-    push(&wa, "--global-batch");
-    push(&wa, o->batch);
-    push(&wa, "--lr");
-    push(&wa, o->lr);
-    push(&wa, "--log-every");
-    push(&wa, o->log_every);
-    push(&wa, "--checkpoint-dir");
-    push(&wa, j->ckdir);
-    if (o->cuda) {
-      snprintf(device_s, sizeof device_s, "cuda:%lld", r % j->n_gpus);
-      push(&wa, "--device");
-      push(&wa, device_s);
-    }
-    if (!o->any_kind) {
-      push(&wa, "--checkpoint");
-      push(&wa, "none");
-    }
-    for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
-      if (o->kinds[k]) {
-        push(&wa, "--checkpoint");
-        push(&wa, sp_ckpt_kind_dir((sp_ckpt_kind)k));
-      }
-    if (o->load_dir) {
-      push(&wa, "--load");
-      push(&wa, j->load_from);
-      push(&wa, "--load-kind");
-      push(&wa, sp_ckpt_kind_dir(j->load_kind));
-    }
+    worker_args(o, j, p, r, &wa, rank_s, device_s);
     p->pids[r] = spawn_worker(wa.v, &p->streams[2 * r],
                               &p->streams[2 * r + 1]);
     if (p->pids[r] < 0) {

@@ -496,7 +496,9 @@ static int run(const worker_opts *o, sp_diag *d) {
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
   /* every rank checks before the rendezvous, so before any rank writes */
-  if (o->ckpt_dir)
+  bool writes = o->ckpt_kinds[SP_CKPT_FULL] || o->ckpt_kinds[SP_CKPT_SHARDED] ||
+                o->ckpt_kinds[SP_CKPT_LOCAL];
+  if (o->ckpt_dir && writes)
     rc = sp_ckpt_check_dir(o->ckpt_dir, sp_session_plan(s)->version_hex, d);
   if (rc == 0)
     rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica,

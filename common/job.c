@@ -264,8 +264,8 @@ static bool model_has_type(const sp_model *m, const char *type) {
 int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
   if (job->world_size < 1 || job->world_size > SP_JOB_MAX_WORLD)
     return sp_diag_set(diag, SP_EINVAL,
-                       "world_size (--world-size): %u is outside [1, %u]", job->world_size,
-                       SP_JOB_MAX_WORLD);
+                       "world_size (--world-size): %u is outside [1, %u]",
+                       job->world_size, SP_JOB_MAX_WORLD);
   if (job->strategy < SP_FULL_SHARD || job->strategy > SP_HYBRID_SHARD)
     return sp_diag_set(diag, SP_EINVAL, "strategy: invalid");
   if (job->backend != SP_BACKEND_GLOO && job->backend != SP_BACKEND_NCCL)
