@@ -778,7 +778,7 @@ static int supervise(const run_opts *o, run_procs *p) {
       fprintf(stderr, "shardplane run: interrupted; stopping %u worker%s "
                       "and the coordinator\n", p->live,
               p->live == 1 ? "" : "s");
-      w.ret = 128 + SIGINT;
+      if (w.ret == SP_EXIT_OK) w.ret = 128 + SIGINT; /* else: it failed */
       w.term_at = sp_clock_s();
     }
     if (p->live == 0) {

@@ -614,8 +614,6 @@ int main(int argc, char **argv) {
   int prc = parse_args(argc, argv, &o);
   if (prc) return prc == 1 ? 0 : prc;
   sp_diag d = {{0}};
-  /* before attaching: a rank that cannot run on its device says so at once
-   * instead of after the rendezvous */
   /* --load DIR may also be the folder shardplane run wrote (its full/,
    * sharded/ or local/ subfolder is found) */
   if (o.load_dir &&
@@ -624,6 +622,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
   }
+  /* before attaching: a rank that cannot run on its device says so at once
+   * instead of after the rendezvous */
   int ordinal;
   int drc = sp_device_parse(o.device, &ordinal, &d);
   if (drc == SP_EINVAL) {
