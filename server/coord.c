@@ -16,12 +16,13 @@ uint64_t sp_coord_now_ms(const sp_coord *c) {
 
 void sp_coord_log(const sp_coord *c, const char *fmt, ...) {
   if (c->cfg.quiet) return;
+  char msg[2048];
   va_list ap;
   va_start(ap, fmt);
-  fprintf(stderr, "coordinator: ");
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  /* one write, so that no other process's output lands inside the line */
+  fprintf(stderr, "coordinator: %s\n", msg);
 }
 
 int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n) {

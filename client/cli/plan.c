@@ -27,7 +27,10 @@ static void plan_help(FILE *f) {
         "\n"
         "  --model PATH                 model spec (shardplane.model/v1)\n"
         "  --job PATH                   job config (shardplane.job/v1); the\n"
-        "                               flags below override it\n",
+        "                               flags below override it (without a\n"
+        "                               wrap policy every Linear module\n"
+        "                               becomes a unit, as in shardplane "
+        "run)\n",
         f);
   sp_job_flags_print_help(f);
   fputs(SP_REMOTE_OPTIONS_HELP
@@ -83,9 +86,21 @@ static int run_plan(const plan_args *a) {
     goto out;
   }
   int rc = sp_job_cli_apply((sp_job_cli *)&a->flags, a->job, &job, &diag);
+  if (rc == 0) rc = sp_job_cli_check_model(&a->flags, model, &diag);
   if (rc != 0) {
     sp_cli_error("plan", "%s", diag.msg);
     if (rc == SP_EINVAL) exit_code = SP_EXIT_USAGE;
+    goto out;
+  }
+  /* the plan shardplane run and the coordinator make of this job */
+  if (sp_job_default_wrap(&job, model, NULL) != 0) {
+    sp_cli_error("plan", "out of memory");
+    goto out;
+  }
+  /* a job the flags alone make is bad usage; one from a file, a bad job */
+  if (sp_job_validate(&job, model, &diag) != 0) {
+    sp_cli_error("plan", "%s", diag.msg);
+    exit_code = a->job != NULL ? SP_EXIT_FAILURE : SP_EXIT_USAGE;
     goto out;
   }
   double t0 = (sp_clock_s() * 1e3);
@@ -136,6 +151,7 @@ int sp_cmd_plan(int argc, char **argv) {
       sp_job_cli_options(k_opts, sizeof k_opts / sizeof k_opts[0]);
   if (opts == NULL) return SP_EXIT_FAILURE;
   int c;
+  sp_diag d = {{0}};
   optind = 1;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     int r = sp_remote_option(&remote, c, optarg);
@@ -145,16 +161,26 @@ int sp_cmd_plan(int argc, char **argv) {
       continue;
     }
     switch (c) {
-    case OPT_MODEL: a.model = optarg; break;
-    case OPT_JOB: a.job = optarg; break;
+    case OPT_MODEL:
+      a.model = optarg;
+      if (sp_flag_text("--model", optarg, "a model spec (JSON file)", &d))
+        goto bad;
+      break;
+    case OPT_JOB:
+      a.job = optarg;
+      if (sp_flag_text("--job", optarg, "a job config (JSON file)", &d))
+        goto bad;
+      break;
+    case OPT_UNIT:
+      a.unit = optarg;
+      if (sp_flag_text("--unit", optarg, "a unit index or module FQN", &d))
+        goto bad;
+      break;
     case OPT_JSON: a.json = true; break;
-    case OPT_UNIT: a.unit = optarg; break;
     case OPT_RANK:
-      if (sp_cli_parse_uint(optarg, SP_JOB_MAX_WORLD, &a.rank) != 0) {
-        sp_cli_error("plan", "--rank: expected a rank number, got \"%s\"",
-                     optarg);
-        goto out;
-      }
+      if (sp_flag_int("--rank", optarg, 0, SP_JOB_MAX_WORLD - 1, &a.rank,
+                      &d) != 0)
+        goto bad;
       break;
     case OPT_HELP:
       plan_help(stdout);
@@ -168,6 +194,10 @@ int sp_cmd_plan(int argc, char **argv) {
       plan_help(stderr);
       goto out;
     }
+    continue;
+  bad:
+    sp_cli_error("plan", "%s", d.msg);
+    goto out;
   }
   if (optind < argc) {
     sp_cli_error("plan", "unexpected argument \"%s\"", argv[optind]);

@@ -18,6 +18,7 @@
 
 #include "cli.h"
 #include "grpc/health/v1/health.pb-c.h"
+#include "fsdp/job_cli.h"
 #include "lib/plan_wire.h"
 #include "render.h"
 #include "rpc/coord_service.h"
@@ -47,15 +48,15 @@ void sp_remote_init(sp_remote *r, const char *cmd) {
 
 int sp_remote_option(sp_remote *r, int c, const char *arg) {
   long long v;
+  sp_diag d = {{0}};
   switch (c) {
   case SP_OPT_COORDINATOR:
     r->addr = arg;
     r->addr_from_env = false;
     return 1;
   case SP_OPT_TIMEOUT:
-    if (sp_cli_parse_uint(arg, 86400000, &v) != 0 || v == 0) {
-      sp_cli_error(r->cmd, "--timeout-ms: expected 1..86400000, got \"%s\"",
-                   arg);
+    if (sp_flag_int("--timeout-ms", arg, 1, 86400000, &v, &d) != 0) {
+      sp_cli_error(r->cmd, "%s", d.msg);
       return -1;
     }
     r->timeout_ms = (uint64_t)v;
@@ -102,9 +103,11 @@ static int remote_connect(sp_remote *r) {
   char host[256];
   int port;
   if (sp_rpc_split_addr(r->addr, host, sizeof host, &port) != 0) {
-    sp_cli_error(r->cmd, "%s: expected HOST:PORT, got \"%s\"",
-                 r->addr_from_env ? "$" SP_COORDINATOR_ENV : "--coordinator",
-                 r->addr);
+    sp_diag d = {{0}};
+    sp_flag_fail(&d, r->addr_from_env ? "$" SP_COORDINATOR_ENV
+                                      : "--coordinator",
+                 r->addr, "HOST:PORT or [v6]:PORT, port in [0, 65535]");
+    sp_cli_error(r->cmd, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
   int rc = sp_rpc_sync_open(r->addr, r->timeout_ms, &r->rpc);
@@ -474,6 +477,13 @@ static const subcmd k_ranks = {
     "ranks [--unit-states] [options]",
     "Every rank: attach status, host, pid, device, step, root training\n"
     "state, last collective, when it was last heard from, alerts.\n\n"
+    "STEP is the step the rank is in or last finished, numbered from 1 as\n"
+    "in the worker's \"step K/N\" lines (N once it is done; 0: none yet).\n"
+    "LAST COLLECTIVE is \"#SEQ OP unit U DTYPE count C\": C is the\n"
+    "collective's count, in elements per rank, as in the workers' errors:\n"
+    "what each rank contributes to an all-gather (its shard) or receives\n"
+    "from a reduce-scatter (its reduced shard), the whole buffer of an\n"
+    "all-reduce or broadcast.\n\n"
     "  --unit-states                also each unit's training state\n",
     0, 0};
 
@@ -514,7 +524,7 @@ static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
     if (l->ranks[i]->n_unit_states > max_units)
       max_units = l->ranks[i]->n_unit_states;
   uint32_t *scratch = calloc(max_units + 1, sizeof *scratch);
-  printf("%-9s %-14s %-20s %8s %-8s %8s %-18s %-34s %9s %6s\n", "RANK",
+  printf("%-9s %-14s %-20s %8s %-8s %8s %-18s %-40s %9s %6s\n", "RANK",
          "STATUS", "HOST", "PID", "DEVICE", "STEP", "STATE", "LAST COLLECTIVE",
          "HEARD", "ALERTS");
   for (size_t i = 0; i < l->n_ranks;) {
@@ -536,15 +546,15 @@ static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
       i = j + 1;
       continue;
     }
-    char coll[64] = "-", heard[32];
+    char coll[128] = "-", heard[32];
     const Shardplane__V1__Collective *c = k->last_collective;
     if (c != NULL)
-      snprintf(coll, sizeof coll, "#%" PRIu64 " %s unit %u %s x%" PRIu64,
-               c->seq,
+      snprintf(coll, sizeof coll,
+               "#%" PRIu64 " %s unit %u %s count %" PRIu64, c->seq,
                enum_name(&shardplane__v1__collective_op__descriptor, c->op),
                c->unit, sp_dtype_name(sp_wire_dtype(c->dtype)), c->count);
     format_duration(k->last_heard_ms_ago, heard, sizeof heard);
-    printf("%-9u %-14s %-20s %8u %-8s %8" PRIu64 " %-18s %-34s %9s %6u\n",
+    printf("%-9u %-14s %-20s %8u %-8s %8" PRIu64 " %-18s %-40s %9s %6u\n",
            k->rank, rank_status_name(k->status), k->host[0] ? k->host : "-",
            k->pid, k->device[0] ? k->device : "-", k->step,
            sp_state_name(SP_MACHINE_ROOT, k->root_state), coll, heard,

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "job_cli.h"
 #include "base/json.h"
 #include "base/strmap.h"
 
@@ -263,8 +264,8 @@ static bool model_has_type(const sp_model *m, const char *type) {
 int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
   if (job->world_size < 1 || job->world_size > SP_JOB_MAX_WORLD)
     return sp_diag_set(diag, SP_EINVAL,
-                       "world_size: %u is outside [1, %u]", job->world_size,
-                       SP_JOB_MAX_WORLD);
+                       "world_size (--world-size): %u is outside [1, %u]",
+                       job->world_size, SP_JOB_MAX_WORLD);
   if (job->strategy < SP_FULL_SHARD || job->strategy > SP_HYBRID_SHARD)
     return sp_diag_set(diag, SP_EINVAL, "strategy: invalid");
   if (job->backend != SP_BACKEND_GLOO && job->backend != SP_BACKEND_NCCL)
@@ -273,11 +274,13 @@ int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
     uint32_t g = job->shard_group_size;
     if (g == 0)
       return sp_diag_set(diag, SP_EINVAL,
-                         "shard_group_size: HYBRID_SHARD needs the size of "
-                         "the shard group (ranks per replica)");
+                         "shard_group_size (--shard-group-size): HYBRID_SHARD "
+                         "needs the size of the shard group (ranks per "
+                         "replica)");
     if (g > job->world_size || job->world_size % g != 0)
       return sp_diag_set(diag, SP_EINVAL,
-                         "shard_group_size: %u does not divide world_size %u",
+                         "shard_group_size (--shard-group-size): %u does not "
+                         "divide world_size %u",
                          g, job->world_size);
   }
   const sp_dtype mpd[] = {job->mp.param_dtype, job->mp.reduce_dtype,
@@ -304,6 +307,14 @@ int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
                          i, job->wrap_types.items[i], model->name);
   }
   return 0;
+}
+
+int sp_job_default_wrap(sp_job *job, const sp_model *model, bool *applied) {
+  bool apply = job->wrap_modules.n == 0 && job->wrap_types.n == 0 &&
+               model_has_type(model, SP_JOB_DEFAULT_WRAP_TYPE);
+  if (applied != NULL) *applied = apply;
+  return apply ? sp_strlist_add(&job->wrap_types, SP_JOB_DEFAULT_WRAP_TYPE)
+               : 0;
 }
 
 bool sp_job_full_precision_type(const sp_job *job, const char *type) {
@@ -335,61 +346,62 @@ const sp_job_flag_def sp_job_flags[] = {
 };
 
 void sp_job_flags_print_help(void *file) {
+  sp_job_flags_print_help_except(file, NULL);
+}
+
+void sp_job_flags_print_help_except(void *file, const char *skip) {
   FILE *f = file;
   for (const sp_job_flag_def *d = sp_job_flags; d->name; d++) {
+    if (skip != NULL && strcmp(d->name, skip) == 0) continue;
     char left[64];
     snprintf(left, sizeof left, "--%s%s", d->name, d->has_arg ? " V" : "");
     fprintf(f, "  %-28s %s\n", left, d->help);
   }
 }
 
-static int parse_u32_flag(const char *name, const char *v, uint32_t *out,
+static int parse_u32_flag(const char *flag, const char *v, uint32_t *out,
                           sp_diag *diag) {
-  char *end;
-  unsigned long long x = v ? strtoull(v, &end, 10) : 0;
-  if (v == NULL || *v == '\0' || *end != '\0' || x < 1 ||
-      x > SP_JOB_MAX_WORLD)
-    return sp_diag_set(diag, SP_EINVAL, "--%s: expected 1..%u, got \"%s\"",
-                       name, SP_JOB_MAX_WORLD, v ? v : "");
-  *out = (uint32_t)x;
-  return 0;
+  long long x;
+  int rc = sp_flag_int(flag, v, 1, SP_JOB_MAX_WORLD, &x, diag);
+  if (rc == 0) *out = (uint32_t)x;
+  return rc;
 }
 
-static int parse_fp_flag(const char *name, const char *v, sp_dtype *out,
+static int parse_fp_flag(const char *flag, const char *v, sp_dtype *out,
                          sp_diag *diag) {
   if (v == NULL || sp_dtype_parse(v, out) != 0 || !sp_dtype_is_floating(*out))
-    return sp_diag_set(diag, SP_EINVAL,
-                       "--%s: \"%s\" is not a floating dtype (float32, "
-                       "bfloat16, float16, float64)",
-                       name, v ? v : "");
+    return sp_flag_fail(diag, flag, v, "a floating dtype: one of float32, "
+                        "bfloat16, float16, float64");
   return 0;
 }
 
 int sp_job_apply_flag(sp_job *job, const char *name, const char *v,
                       sp_diag *diag) {
   sp_mixed_precision *mp = &job->mp;
+  char flag[64];
+  snprintf(flag, sizeof flag, "--%s", name);
+  size_t k;
   if (strcmp(name, "world-size") == 0)
-    return parse_u32_flag(name, v, &job->world_size, diag);
+    return parse_u32_flag(flag, v, &job->world_size, diag);
   if (strcmp(name, "shard-group-size") == 0)
-    return parse_u32_flag(name, v, &job->shard_group_size, diag);
+    return parse_u32_flag(flag, v, &job->shard_group_size, diag);
   if (strcmp(name, "strategy") == 0) {
-    if (sp_strategy_parse(v, &job->strategy) != 0)
-      return sp_diag_set(diag, SP_EINVAL, "--strategy: unknown strategy \"%s\"",
-                         v ? v : "");
-    return 0;
+    int rc = sp_flag_choice(flag, v, k_strategies, COUNT(k_strategies), &k,
+                            diag);
+    if (rc == 0) job->strategy = (sp_strategy)k;
+    return rc;
   }
   if (strcmp(name, "backend") == 0) {
-    if (sp_backend_parse(v, &job->backend) != 0)
-      return sp_diag_set(diag, SP_EINVAL,
-                         "--backend: \"%s\" is not gloo or nccl", v ? v : "");
-    return 0;
+    int rc = sp_flag_choice(flag, v, k_backends, COUNT(k_backends), &k, diag);
+    if (rc == 0) job->backend = (sp_backend)k;
+    return rc;
   }
   sp_dtype *dt = strcmp(name, "param-dtype") == 0    ? &mp->param_dtype
                  : strcmp(name, "reduce-dtype") == 0 ? &mp->reduce_dtype
                  : strcmp(name, "buffer-dtype") == 0 ? &mp->buffer_dtype
                                                      : NULL;
   if (dt != NULL) {
-    int rc = parse_fp_flag(name, v, dt, diag);
+    int rc = parse_fp_flag(flag, v, dt, diag);
     if (rc == 0) mp->enabled = true;
     return rc;
   }
@@ -407,10 +419,12 @@ int sp_job_apply_flag(sp_job *job, const char *name, const char *v,
                          ? &mp->full_precision_types
                          : NULL;
   if (list == NULL) return SP_ENOENT;
-  if (v == NULL || v[0] == '\0')
-    return sp_diag_set(diag, SP_EINVAL, "--%s: a name is needed", name);
-  int rc = sp_strlist_add(list, v);
-  if (rc != 0) return sp_diag_set(diag, rc, "--%s: %s", name, sp_strerror(rc));
+  int rc = sp_flag_text(flag, v, list == &job->wrap_modules
+                                     ? "a module FQN"
+                                     : "a module type name", diag);
+  if (rc != 0) return rc;
+  rc = sp_strlist_add(list, v);
+  if (rc != 0) return sp_diag_set(diag, rc, "%s: %s", flag, sp_strerror(rc));
   if (list == &mp->full_precision_types) mp->full_precision_types_set = true;
   return 0;
 }

@@ -1,7 +1,12 @@
 #include "job_cli.h"
 
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 struct option *sp_job_cli_options(const struct option *own, size_t n_own) {
   size_t n_job = 0;
@@ -48,4 +53,118 @@ int sp_job_cli_apply(sp_job_cli *cli, const char *job_path, sp_job *job,
 void sp_job_cli_free(sp_job_cli *cli) {
   free(cli->items);
   memset(cli, 0, sizeof *cli);
+}
+
+/* Up to `max` distinct module types (or FQNs) of the model, quoted and
+ * comma-separated, "..." when there are more. */
+static void list_modules(const sp_model *m, bool types, size_t max,
+                         char *out, size_t cap) {
+  size_t len = 0, shown = 0;
+  out[0] = '\0';
+  for (size_t i = 0; i < m->n_modules && len < cap; i++) {
+    const char *s = types ? m->modules[i].type : m->modules[i].fqn;
+    if (s[0] == '\0') continue; /* the root has no FQN */
+    bool seen = false;
+    for (size_t k = 0; types && k < i; k++)
+      if (strcmp(m->modules[k].type, s) == 0) seen = true;
+    if (seen) continue;
+    if (shown == max) {
+      snprintf(out + len, cap - len, ", ...");
+      return;
+    }
+    int w = snprintf(out + len, cap - len, "%s\"%s\"", shown ? ", " : "", s);
+    if (w < 0) return;
+    len += (size_t)w;
+    shown++;
+  }
+}
+
+int sp_job_cli_check_model(const sp_job_cli *cli, const sp_model *model,
+                           sp_diag *diag) {
+  for (size_t i = 0; i < cli->n; i++) {
+    const char *name = sp_job_flags[cli->items[i].flag].name;
+    const char *v = cli->items[i].value;
+    bool type = strcmp(name, "wrap-type") == 0;
+    if (!type && strcmp(name, "wrap-module") != 0) continue;
+    bool found = false;
+    for (size_t k = 0; k < model->n_modules && !found; k++)
+      found = strcmp(type ? model->modules[k].type : model->modules[k].fqn,
+                     v) == 0;
+    if (found) continue;
+    char list[512], flag[64];
+    list_modules(model, type, 12, list, sizeof list);
+    snprintf(flag, sizeof flag, "--%s", name);
+    return sp_flag_fail(diag, flag, v, "%s of model %s: %s",
+                        type ? "a module type" : "the FQN of a module",
+                        model->name, list);
+  }
+  return 0;
+}
+
+int sp_flag_fail(sp_diag *diag, const char *flag, const char *value,
+                 const char *fmt, ...) {
+  if (diag == NULL) return SP_EINVAL;
+  char what[SP_DIAG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  /* truncation is fine for a diagnostic; using the result tells gcc so */
+  if (snprintf(diag->msg, sizeof diag->msg, "%s \"%.200s\": expected %s",
+               flag, value ? value : "", what) < 0)
+    diag->msg[0] = '\0';
+  return SP_EINVAL;
+}
+
+int sp_flag_int(const char *flag, const char *value, long long min,
+                long long max, long long *out, sp_diag *diag) {
+  char *end;
+  errno = 0;
+  long long v = value ? strtoll(value, &end, 10) : 0;
+  /* strtoll takes leading blanks and a '+': a flag value does not */
+  if (value == NULL || !(value[0] == '-' || (value[0] >= '0' &&
+                                             value[0] <= '9')) ||
+      *end != '\0' || errno != 0 || v < min || v > max)
+    return sp_flag_fail(diag, flag, value, "an integer in [%lld, %lld]", min,
+                        max);
+  *out = v;
+  return 0;
+}
+
+int sp_flag_number(const char *flag, const char *value, double min,
+                   double *out, sp_diag *diag) {
+  char *end;
+  double v = value && *value && *value != ' ' ? strtod(value, &end) : NAN;
+  if (isnan(v) || *end != '\0' || !isfinite(v) || v < min)
+    return sp_flag_fail(diag, flag, value, "a finite number >= %g", min);
+  *out = v;
+  return 0;
+}
+
+int sp_flag_choice(const char *flag, const char *value,
+                   const char *const *names, size_t n, size_t *index,
+                   sp_diag *diag) {
+  for (size_t i = 0; value && i < n; i++)
+    if (names[i] != NULL && strcasecmp(value, names[i]) == 0) {
+      *index = i;
+      return 0;
+    }
+  char list[512];
+  size_t len = 0;
+  list[0] = '\0';
+  for (size_t i = 0; i < n && len < sizeof list; i++) {
+    if (names[i] == NULL) continue;
+    int w = snprintf(list + len, sizeof list - len, "%s%s", len ? ", " : "",
+                     names[i]);
+    if (w < 0) break;
+    len += (size_t)w;
+  }
+  return sp_flag_fail(diag, flag, value, "one of %s", list);
+}
+
+int sp_flag_text(const char *flag, const char *value, const char *what,
+                 sp_diag *diag) {
+  if (value == NULL || value[0] == '\0')
+    return sp_flag_fail(diag, flag, value, "%s", what);
+  return 0;
 }
