@@ -98,8 +98,8 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
   int rc;
   /* Read once, keep the bytes, parse those same bytes: a file rewritten
    * meanwhile cannot make GetModelSpec disagree with the plan. */
-  if ((rc = sp_jr_read_file(cfg->model_path, SP_MODEL_MAX_FILE_BYTES,
-                            &c->spec_json, &c->spec_len, diag)) != 0 ||
+  if ((rc = sp_json_read_file(cfg->model_path, SP_MODEL_MAX_FILE_BYTES,
+                              &c->spec_json, &c->spec_len, diag)) != 0 ||
       (rc = sp_model_load_string(c->spec_json, c->spec_len, cfg->model_path,
                                  &c->model, diag)) != 0 ||
       (rc = load_job(cfg, &c->job, diag)) != 0 ||

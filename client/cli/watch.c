@@ -264,7 +264,7 @@ int sp_cmd_watch(int argc, char **argv) {
   /* SP_ESTATE: the call already ended; the loop reads its status */
   ec = watch_loop(&r, st, w->count);
 out:
-  sp_rpc_sync_stream_free(st);
+  sp_rpc_sync_stream_close(st);
   free(w);
   return sp_remote_finish(&r, ec);
 }

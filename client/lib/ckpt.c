@@ -722,18 +722,18 @@ static int load_sharded(sp_fsdp *f, const char *dir, sp_diag *d) {
   snprintf(path, sizeof path, "%s/%s", dir, SP_CKPT_INDEX);
   char *buf;
   size_t len;
-  int rc = sp_jr_read_file(path, SP_CKPT_MAX_INDEX, &buf, &len, d);
+  int rc = sp_json_read_file(path, SP_CKPT_MAX_INDEX, &buf, &len, d);
   if (rc < 0) return rc;
-  sp_jr r = {path, d};
+  sp_json_reader r = {path, d};
   json_t *root = NULL;
-  rc = sp_jr_parse(&r, buf, len, SP_CKPT_MAX_INDEX, &root);
+  rc = sp_json_parse(&r, buf, len, SP_CKPT_MAX_INDEX, &root);
   free(buf);
   if (rc < 0) return rc;
   sharded_ctx c = {.f = f, .dir = dir,
                    .tensors = json_object_get(root, "tensors")};
   const char *bufs = json_string_value(json_object_get(root, "buffers_file"));
   if (!json_is_object(c.tensors) || !bufs)
-    rc = sp_jr_fail(&r, SP_EFORMAT, "not a shardplane.sharded/v1 index");
+    rc = sp_json_fail(&r, SP_EFORMAT, "not a shardplane.sharded/v1 index");
   if (rc == 0) rc = fill_shards(f, sharded_range, &c, d);
   const sp_st_file *st;
   if (rc == 0) rc = sharded_file(&c, bufs, &st, d);

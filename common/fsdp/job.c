@@ -105,10 +105,10 @@ const char *sp_backend_name(sp_backend b) {
   return b > 0 && (int)b < COUNT(k_backends) ? k_backends[b] : "invalid";
 }
 
-static int read_strlist(const sp_jr *r, json_t *obj, const char *key,
+static int read_strlist(const sp_json_reader *r, json_t *obj, const char *key,
                         const char *path, sp_strlist *l, bool *was_set) {
   json_t *arr;
-  int rc = sp_jr_array(r, obj, key, path, false, SP_JOB_MAX_LIST, &arr);
+  int rc = sp_json_array(r, obj, key, path, false, SP_JOB_MAX_LIST, &arr);
   if (rc != 0 || arr == NULL) return rc;
   sp_strlist_clear(l);
   if (was_set != NULL) *was_set = true;
@@ -116,41 +116,41 @@ static int read_strlist(const sp_jr *r, json_t *obj, const char *key,
     json_t *v = json_array_get(arr, i);
     if (!json_is_string(v) || json_string_length(v) > SP_JSON_MAX_STRING ||
         strlen(json_string_value(v)) != json_string_length(v))
-      return sp_jr_fail(r, SP_EFORMAT, "%s.%s[%zu]: expected a name", path,
-                        key, i);
+      return sp_json_fail(r, SP_EFORMAT, "%s.%s[%zu]: expected a name", path,
+                          key, i);
     if ((rc = sp_strlist_add(l, json_string_value(v))) != 0)
-      return sp_jr_fail(r, rc, "%s.%s[%zu]: %s", path, key, i,
-                        sp_strerror(rc));
+      return sp_json_fail(r, rc, "%s.%s[%zu]: %s", path, key, i,
+                          sp_strerror(rc));
   }
   return 0;
 }
 
-static int read_dtype(const sp_jr *r, json_t *obj, const char *key,
+static int read_dtype(const sp_json_reader *r, json_t *obj, const char *key,
                       sp_dtype *out) {
   json_t *v = json_object_get(obj, key);
   if (v == NULL || json_is_null(v)) return 0; /* null = unset, as in FSDP */
   const char *name;
-  int rc = sp_jr_string(r, obj, key, "mixed_precision", true, &name);
+  int rc = sp_json_string(r, obj, key, "mixed_precision", true, &name);
   if (rc != 0) return rc;
   sp_dtype t;
   if (sp_dtype_parse(name, &t) != 0 || !sp_dtype_is_floating(t))
-    return sp_jr_fail(r, SP_EFORMAT,
-                      "mixed_precision.%s: \"%s\" is not a floating dtype "
-                      "(float32, bfloat16, float16, float64)",
-                      key, name);
+    return sp_json_fail(r, SP_EFORMAT,
+                        "mixed_precision.%s: \"%s\" is not a floating dtype "
+                        "(float32, bfloat16, float16, float64)",
+                        key, name);
   *out = t;
   return 0;
 }
 
-static int read_enum(const sp_jr *r, json_t *root, const char *key,
+static int read_enum(const sp_json_reader *r, json_t *root, const char *key,
                      int (*parse)(const char *, int *), int *out,
                      const char *expected) {
   const char *s;
-  int rc = sp_jr_string(r, root, key, "", false, &s);
+  int rc = sp_json_string(r, root, key, "", false, &s);
   if (rc != 0 || s == NULL) return rc;
   if (parse(s, out) != 0)
-    return sp_jr_fail(r, SP_EFORMAT, "%s: unknown value \"%s\" (expected %s)",
-                      key, s, expected);
+    return sp_json_fail(r, SP_EFORMAT, "%s: unknown value \"%s\" (expected %s)",
+                        key, s, expected);
   return 0;
 }
 
@@ -168,39 +168,42 @@ static int parse_backend_int(const char *s, int *out) {
   return rc;
 }
 
-static int load_mp(const sp_jr *r, json_t *mp, sp_mixed_precision *out) {
+static int load_mp(const sp_json_reader *r, json_t *mp,
+                   sp_mixed_precision *out) {
   if (!json_is_object(mp))
-    return sp_jr_fail(r, SP_EFORMAT, "mixed_precision: expected an object");
+    return sp_json_fail(r, SP_EFORMAT, "mixed_precision: expected an object");
   out->enabled = true;
   int rc;
   if ((rc = read_dtype(r, mp, "param_dtype", &out->param_dtype)) != 0 ||
       (rc = read_dtype(r, mp, "reduce_dtype", &out->reduce_dtype)) != 0 ||
       (rc = read_dtype(r, mp, "buffer_dtype", &out->buffer_dtype)) != 0 ||
-      (rc = sp_jr_bool(r, mp, "keep_low_precision_grads", "mixed_precision",
-                       false, &out->keep_low_precision_grads)) != 0)
+      (rc = sp_json_bool(r, mp, "keep_low_precision_grads", "mixed_precision",
+                         false, &out->keep_low_precision_grads)) != 0)
     return rc;
   return read_strlist(r, mp, "full_precision_types", "mixed_precision",
                       &out->full_precision_types,
                       &out->full_precision_types_set);
 }
 
-static int load_root(const sp_jr *r, json_t *root, sp_job *job) {
+static int load_root(const sp_json_reader *r, json_t *root, sp_job *job) {
   if (!json_is_object(root))
-    return sp_jr_fail(r, SP_EFORMAT, "expected a JSON object at the top level");
+    return sp_json_fail(r, SP_EFORMAT,
+                        "expected a JSON object at the top level");
   json_t *fmt = json_object_get(root, "format");
   if (fmt != NULL && (!json_is_string(fmt) ||
                       strcmp(json_string_value(fmt), SP_JOB_FORMAT) != 0))
-    return sp_jr_fail(r, SP_EFORMAT, "format: expected \"%s\"", SP_JOB_FORMAT);
+    return sp_json_fail(r, SP_EFORMAT, "format: expected \"%s\"",
+                        SP_JOB_FORMAT);
   long long v;
   int rc = 0, e;
   v = job->world_size;
-  if ((rc = sp_jr_int(r, root, "world_size", "", false, 1, SP_JOB_MAX_WORLD,
-                      &v)) != 0)
+  if ((rc = sp_json_int(r, root, "world_size", "", false, 1, SP_JOB_MAX_WORLD,
+                        &v)) != 0)
     return rc;
   job->world_size = (uint32_t)v;
   v = job->shard_group_size;
-  if ((rc = sp_jr_int(r, root, "shard_group_size", "", false, 1,
-                      SP_JOB_MAX_WORLD, &v)) != 0)
+  if ((rc = sp_json_int(r, root, "shard_group_size", "", false, 1,
+                        SP_JOB_MAX_WORLD, &v)) != 0)
     return rc;
   job->shard_group_size = (uint32_t)v;
   e = (int)job->strategy;
@@ -214,13 +217,13 @@ static int load_root(const sp_jr *r, json_t *root, sp_job *job) {
                       "gloo or nccl")) != 0)
     return rc;
   job->backend = (sp_backend)e;
-  if ((rc = sp_jr_bool(r, root, "use_orig_params", "", false,
-                       &job->use_orig_params)) != 0)
+  if ((rc = sp_json_bool(r, root, "use_orig_params", "", false,
+                         &job->use_orig_params)) != 0)
     return rc;
   json_t *wrap = json_object_get(root, "wrap");
   if (wrap != NULL) {
     if (!json_is_object(wrap))
-      return sp_jr_fail(r, SP_EFORMAT, "wrap: expected an object");
+      return sp_json_fail(r, SP_EFORMAT, "wrap: expected an object");
     if ((rc = read_strlist(r, wrap, "modules", "wrap", &job->wrap_modules,
                            NULL)) != 0 ||
         (rc = read_strlist(r, wrap, "types", "wrap", &job->wrap_types, NULL)) !=
@@ -235,9 +238,9 @@ static int load_root(const sp_jr *r, json_t *root, sp_job *job) {
 int sp_job_load_string(const char *json, size_t len, const char *origin,
                        sp_job *job, sp_diag *diag) {
   if (json == NULL || job == NULL) return SP_EINVAL;
-  sp_jr r = {origin != NULL ? origin : "<string>", diag};
+  sp_json_reader r = {origin != NULL ? origin : "<string>", diag};
   json_t *root;
-  int rc = sp_jr_parse(&r, json, len, SP_JOB_MAX_FILE_BYTES, &root);
+  int rc = sp_json_parse(&r, json, len, SP_JOB_MAX_FILE_BYTES, &root);
   if (rc != 0) return rc;
   rc = load_root(&r, root, job);
   json_decref(root);
@@ -248,7 +251,7 @@ int sp_job_load_file(const char *path, sp_job *job, sp_diag *diag) {
   if (path == NULL || job == NULL) return SP_EINVAL;
   char *buf;
   size_t len;
-  int rc = sp_jr_read_file(path, SP_JOB_MAX_FILE_BYTES, &buf, &len, diag);
+  int rc = sp_json_read_file(path, SP_JOB_MAX_FILE_BYTES, &buf, &len, diag);
   if (rc != 0) return rc;
   rc = sp_job_load_string(buf, len, path, job, diag);
   free(buf);
