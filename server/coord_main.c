@@ -7,6 +7,7 @@
 
 #include "coordinator.h"
 #include "fsdp/job_cli.h"
+#include "base/flag.h"
 
 static void usage(FILE *f) {
   fputs("usage: shardplane-coordinator --model M.json [--job J.json] "

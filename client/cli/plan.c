@@ -13,6 +13,7 @@
 #include "cli.h"
 #include "fsdp/job.h"
 #include "fsdp/job_cli.h"
+#include "base/flag.h"
 #include "fsdp/model.h"
 #include "fsdp/plan.h"
 #include "lib/plan_wire.h"

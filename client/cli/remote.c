@@ -19,6 +19,7 @@
 
 #include "cli.h"
 #include "fsdp/job_cli.h"
+#include "base/flag.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "lib/plan_wire.h"
 #include "remote.h"

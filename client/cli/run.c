@@ -21,6 +21,7 @@
 #include "cast/cast_cuda.h"
 #include "cli.h"
 #include "fsdp/job_cli.h"
+#include "base/flag.h"
 #include "worker/mlp.h"
 #include "fsdp/plan.h"
 #include "base/proc.h"

@@ -12,6 +12,7 @@
 
 #include "base/clock.h"
 #include "fsdp/job_cli.h"
+#include "base/flag.h"
 #include "mlp.h"
 #include "mlp_cuda.h"
 #include "rpc/rpc.h"

@@ -5,7 +5,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "job_cli.h"
+#include "base/flag.h"
 #include "base/json.h"
 #include "base/strmap.h"
 

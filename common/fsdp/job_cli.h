@@ -38,28 +38,4 @@ void sp_job_cli_free(sp_job_cli *cli);
 int sp_job_cli_check_model(const sp_job_cli *cli, const sp_model *model,
                            sp_diag *diag);
 
-/* ---- flag values ----
- * Every tool checks its flags' values with these, so that every error
- * reads `--steps "-3": expected an integer in [1, 1000000000]`: the flag
- * (written with its dashes), the value and what is allowed. Each returns
- * 0, or SP_EINVAL with that message in diag. */
-
-/* Sets `FLAG "VALUE": expected <fmt...>` in diag; returns SP_EINVAL. */
-int sp_flag_fail(sp_diag *diag, const char *flag, const char *value,
-                 const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-/* A decimal integer in [min, max]. */
-int sp_flag_int(const char *flag, const char *value, long long min,
-                long long max, long long *out, sp_diag *diag);
-/* A finite number >= min. */
-int sp_flag_number(const char *flag, const char *value, double min,
-                   double *out, sp_diag *diag);
-/* One of names[0..n) (case-insensitive; NULL entries are skipped):
- * *index is its index. */
-int sp_flag_choice(const char *flag, const char *value,
-                   const char *const *names, size_t n, size_t *index,
-                   sp_diag *diag);
-/* Any non-empty value; `what` says what it names ("a directory"). */
-int sp_flag_text(const char *flag, const char *value, const char *what,
-                 sp_diag *diag);
-
 #endif
