@@ -6,7 +6,8 @@
  *   - values live in float32 arrays; a layer's inputs, outputs and input
  *     gradients are rounded once to the layer's compute dtype (its params'
  *     param_dtype) with the scalar casts of cast_scalar.h, and parameter
- *     gradients are rounded by sp_cast when written into the gradient view;
+ *     gradients are added to the gradient view, the sum rounded once to its
+ *     dtype (onto a zeroed view: the gradient rounded once);
  *   - every sum is a float32 accumulation over samples (or features) in
  *     increasing index order, so results do not depend on threads or on the
  *     caller; only RunningNorm's batch sum crosses ranks (all_reduce_sum);
@@ -15,6 +16,7 @@
  */
 #include "mlp.h"
 
+#include <fnmatch.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -84,48 +86,9 @@ static float load_f32(const void *p, sp_dtype dt, size_t i) {
   }
 }
 
-/* Element i of a floating array as float64 (exact). */
-static double load_f64(const void *p, sp_dtype dt, size_t i) {
-  const unsigned char *b = p;
-  if (dt == SP_FLOAT64) {
-    double v;
-    memcpy(&v, b + i * 8, 8);
-    return v;
-  }
-  float f = load_f32(p, dt, i);
-  return sp_f64_from_bits(sp_f32_to_f64_bits(sp_f32_to_bits(f)));
-}
-
-/* Writes v rounded (RNE, once) to dt into element i. */
-static void store_f64(void *p, sp_dtype dt, size_t i, double v) {
-  unsigned char *b = p;
-  uint64_t u = sp_f64_to_bits(v);
-  switch (dt) {
-  case SP_FLOAT32: {
-    uint32_t r = sp_f64_to_f32_bits(u);
-    memcpy(b + i * 4, &r, 4);
-    break;
-  }
-  case SP_FLOAT64:
-    memcpy(b + i * 8, &v, 8);
-    break;
-  case SP_BFLOAT16: {
-    uint16_t r = sp_f64_to_bf16_bits(u);
-    memcpy(b + i * 2, &r, 2);
-    break;
-  }
-  case SP_FLOAT16: {
-    uint16_t r = sp_f64_to_f16_bits(u);
-    memcpy(b + i * 2, &r, 2);
-    break;
-  }
-  default:
-    break;
-  }
-}
-
 static void store_f32(void *p, sp_dtype dt, size_t i, float v) {
-  store_f64(p, dt, i, sp_f64_from_bits(sp_f32_to_f64_bits(sp_f32_to_bits(v))));
+  sp_elem_store_f64(p, dt, i,
+                    sp_f64_from_bits(sp_f32_to_f64_bits(sp_f32_to_bits(v))));
 }
 
 static bool is_integer_dtype(sp_dtype dt) {
@@ -486,7 +449,7 @@ void sp_mlp_init_param(void *user, const sp_model *m, int32_t param,
   for (int64_t k = 0; k < n; k++) {
     double u = unit_f64(hash3(TAG_INIT, key, (uint64_t)(start + k), 0));
     double v = base + (bound != 0.0 ? bound : jitter) * u;
-    store_f64(dst, t->dtype, (size_t)k, v);
+    sp_elem_store_f64(dst, t->dtype, (size_t)k, v);
   }
 }
 
@@ -594,8 +557,10 @@ static int read_param(const sp_mlp *mlp, const sp_mlp_io *io, int32_t p,
   return 0;
 }
 
-/* Writes a float32 gradient into the param's gradient view, rounding to its
- * dtype. A NULL view means the param takes no gradient. */
+/* Adds a float32 gradient to the param's gradient view, as autograd
+ * accumulates into .grad: dst = rne_pd(dst + g), the sum in double (onto a
+ * zero view exactly the rounded g). A NULL view means the param takes no
+ * gradient. */
 static int write_grad(const sp_mlp *mlp, const sp_mlp_io *io, int32_t p,
                       const float *g, sp_diag *d) {
   if (io->grad == NULL)
@@ -605,10 +570,11 @@ static int write_grad(const sp_mlp *mlp, const sp_mlp_io *io, int32_t p,
     return 0;
   const sp_tensor_spec *t = &mlp->model->params[p];
   sp_dtype pd = io->param_dtype(io->user, p);
-  int rc = sp_cast(dst, pd, g, SP_FLOAT32, (size_t)t->numel);
-  if (rc != 0)
-    return sp_diag_set(d, rc, "%s: cast of the gradient to %s failed", t->fqn,
-                       sp_dtype_name(pd));
+  if (!sp_dtype_is_floating(pd))
+    return sp_diag_set(d, SP_EINVAL, "%s: gradient dtype %s is not floating",
+                       t->fqn, sp_dtype_name(pd));
+  for (size_t i = 0; i < (size_t)t->numel; i++)
+    sp_elem_store_f64(dst, pd, i, sp_elem_load_f64(dst, pd, i) + (double)g[i]);
   return 0;
 }
 
@@ -862,11 +828,16 @@ int sp_mlp_forward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
 
 double sp_mlp_loss(const sp_mlp *mlp, sp_mlp_acts *a, const float *t,
                    sp_dtype out_dtype) {
-  if (mlp == NULL || a == NULL || t == NULL || a->n == 0)
+  return sp_mlp_loss_over(mlp, a, t, out_dtype, a ? a->n : 0);
+}
+
+double sp_mlp_loss_over(const sp_mlp *mlp, sp_mlp_acts *a, const float *t,
+                        sp_dtype out_dtype, uint64_t denom) {
+  if (mlp == NULL || a == NULL || t == NULL || a->n == 0 || denom == 0)
     return 0.0;
   size_t n = a->n, out = (size_t)mlp->out_dim;
   const float *y = a->x[mlp->n_layers];
-  float fn = (float)n;
+  float fn = (float)denom;
   double loss = 0.0;
   for (size_t s = 0; s < n; s++)
     for (size_t j = 0; j < out; j++) {
@@ -875,7 +846,7 @@ double sp_mlp_loss(const sp_mlp *mlp, sp_mlp_acts *a, const float *t,
       loss += 0.5 * (double)r * (double)r;
       a->dy[i] = round_f32(r / fn, out_dtype);
     }
-  return loss / (double)n;
+  return loss / (double)denom;
 }
 
 int sp_mlp_backward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
@@ -941,6 +912,14 @@ typedef struct ref_ctx {
   unsigned char *bufs;   /* every buffer, compute dtype */
   size_t *master_off, *view_off, *buf_off;
   sp_dtype *pdt, *bdt;
+  /* the optimizer's side, per param element (elem_off), in double but
+   * holding values of their stored dtype: the reduced gradient (the
+   * gradient dtype gdt: the param's, or param_dtype with
+   * keep_low_precision_grads), and the float32 state */
+  size_t *elem_off;
+  sp_dtype *gdt, *rdt;
+  bool *decays;
+  double *g, *m1, *m2;
 } ref_ctx;
 
 static void *ref_param(void *u, int32_t p) {
@@ -987,21 +966,180 @@ static int layout(const sp_tensor_spec *ts, const sp_dtype *dt, size_t n,
  * it in float32, exact up to 2^24. */
 #define SP_MLP_MAX_BATCH (1u << 24)
 
+/* v rounded once to dt, as a double */
+static double ref_round(double v, sp_dtype dt) {
+  uint64_t tmp;
+  sp_elem_store_f64(&tmp, dt, 0, v);
+  return sp_elem_load_f64(&tmp, dt, 0);
+}
+
+/* ---- the optimizer, written out for one process ----
+ * torch.optim's formulas on whole tensors, independently of the runtime's
+ * sharded implementation (client/lib/optim.c), in the documented order of
+ * double operations, so that one rank's run agrees with it bit for bit and
+ * a sharded one within its summation-order differences. */
+
+static double ref_lr(const sp_optim_opts *o, uint32_t step) {
+  if (o->schedule != SP_LR_COSINE)
+    return o->lr;
+  double t = step, w = (double)o->warmup_steps, total = (double)o->total_steps;
+  if (t < w)
+    return o->lr * (t + 1) / w;
+  if (t >= total)
+    return o->min_lr;
+  const double pi = 3.14159265358979323846;
+  return o->min_lr +
+         0.5 * (o->lr - o->min_lr) * (1.0 + cos(pi * (t - w) / (total - w)));
+}
+
+static bool ref_any_match(const char *const *pats, size_t n,
+                          const char *fqn) {
+  for (size_t i = 0; i < n; i++)
+    if (fnmatch(pats[i], fqn, 0) == 0)
+      return true;
+  return false;
+}
+
+/* no_decay patterns, then decay patterns, then: weights (2-D and up) */
+static bool ref_decays(const sp_optim_opts *o, const sp_tensor_spec *t) {
+  if (ref_any_match(o->no_decay, o->n_no_decay, t->fqn))
+    return false;
+  if (ref_any_match(o->decay, o->n_decay, t->fqn))
+    return true;
+  return t->ndim >= 2;
+}
+
+/* The gradient the runtime's reduction leaves for param p from its view
+ * gradient: cast to reduce_dtype and on to the gradient dtype (a no-op
+ * collective in one process), added to what it holds. */
+static int ref_reduce(ref_ctx *c, int32_t p, unsigned char *tmp_a,
+                      unsigned char *tmp_b, sp_diag *d) {
+  const sp_tensor_spec *t = &c->m->params[p];
+  size_t n = (size_t)t->numel;
+  int rc = sp_cast(tmp_a, c->rdt[p], c->grad + c->view_off[p], c->pdt[p], n);
+  if (rc == 0)
+    rc = sp_cast(tmp_b, c->gdt[p], tmp_a, c->rdt[p], n);
+  if (rc != 0)
+    return sp_diag_set(d, rc, "%s: gradient cast failed", t->fqn);
+  double *g = c->g + c->elem_off[p];
+  for (size_t i = 0; i < n; i++)
+    g[i] = ref_round(g[i] + sp_elem_load_f64(tmp_b, c->gdt[p], i),
+                     c->gdt[p]);
+  return 0;
+}
+
+/* clip_grad_norm_ over every trainable gradient */
+static void ref_clip(ref_ctx *c, double max_norm) {
+  const sp_model *m = c->m;
+  double sq = 0;
+  for (size_t p = 0; p < m->n_params; p++) {
+    if (!m->params[p].flag)
+      continue;
+    const double *g = c->g + c->elem_off[p];
+    for (int64_t i = 0; i < m->params[p].numel; i++)
+      sq += g[i] * g[i];
+  }
+  double coef = max_norm / (sqrt(sq) + 1e-6);
+  if (!(coef < 1.0))
+    return;
+  for (size_t p = 0; p < m->n_params; p++) {
+    if (!m->params[p].flag)
+      continue;
+    double *g = c->g + c->elem_off[p];
+    for (int64_t i = 0; i < m->params[p].numel; i++)
+      g[i] = ref_round(g[i] * coef, c->gdt[p]);
+  }
+}
+
+/* One optimizer step (0-based `step`) on every trainable param. */
+static void ref_update(ref_ctx *c, const sp_optim_opts *o, uint32_t step) {
+  const sp_model *m = c->m;
+  double lr = ref_lr(o, step), t = (double)step + 1;
+  double bc1 = 1.0 - pow(o->beta1, t), bc2 = 1.0 - pow(o->beta2, t);
+  for (size_t p = 0; p < m->n_params; p++) {
+    const sp_tensor_spec *ts = &m->params[p];
+    if (!ts->flag)
+      continue;
+    void *mp = c->master + c->master_off[p];
+    const double *g = c->g + c->elem_off[p];
+    double *m1 = c->m1 + c->elem_off[p], *m2 = c->m2 + c->elem_off[p];
+    double wd = c->decays[p] ? o->weight_decay : 0.0;
+    for (int64_t i = 0; i < ts->numel; i++) {
+      double pv = sp_elem_load_f64(mp, ts->dtype, (size_t)i), gv = g[i];
+      if (o->kind == SP_OPTIM_ADAMW) {
+        pv = pv - lr * wd * pv;
+        m1[i] = ref_round(o->beta1 * m1[i] + (1.0 - o->beta1) * gv,
+                          SP_FLOAT32);
+        m2[i] = ref_round(o->beta2 * m2[i] + (1.0 - o->beta2) * (gv * gv),
+                          SP_FLOAT32);
+        pv = pv - lr * (m1[i] / bc1) / (sqrt(m2[i] / bc2) + o->eps);
+      } else {
+        if (wd != 0)
+          gv = gv + wd * pv;
+        if (o->momentum != 0) {
+          m1[i] = ref_round(o->momentum * m1[i] + gv, SP_FLOAT32);
+          gv = m1[i];
+        }
+        pv = pv - lr * gv;
+      }
+      sp_elem_store_f64(mp, ts->dtype, (size_t)i, pv);
+    }
+  }
+}
+
+void sp_mlp_train_cfg_init(sp_mlp_train_cfg *cfg, uint32_t steps,
+                           uint32_t global_batch, double lr) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->steps = steps;
+  cfg->global_batch = global_batch;
+  cfg->grad_accum = 1;
+  sp_optim_opts_init(&cfg->optim, SP_OPTIM_SGD);
+  cfg->optim.lr = lr;
+}
+
 int sp_mlp_reference_run(const sp_model *m, const sp_job *job, uint32_t steps,
                          uint32_t global_batch, double lr, double *losses,
                          void **params, void **buffers, sp_diag *d) {
+  if (!isfinite(lr))
+    return sp_diag_set(d, SP_EINVAL, "sp_mlp_reference_run: lr not finite");
+  sp_mlp_train_cfg cfg;
+  sp_mlp_train_cfg_init(&cfg, steps, global_batch, lr);
+  return sp_mlp_reference_train(m, job, &cfg, losses, params, buffers, d);
+}
+
+static int ref_check(const sp_mlp_train_cfg *cfg, sp_diag *d) {
+  uint32_t k = cfg->grad_accum ? cfg->grad_accum : 1;
+  if (cfg->global_batch == 0 || cfg->global_batch > SP_MLP_MAX_BATCH)
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_mlp_reference_run: global batch %u not in 1..%u",
+                       cfg->global_batch, SP_MLP_MAX_BATCH);
+  if (cfg->global_batch % k != 0)
+    return sp_diag_set(d, SP_EINVAL, "sp_mlp_reference_run: global batch %u "
+                       "is not a multiple of %u micro-batches",
+                       cfg->global_batch, k);
+  if (cfg->clip_grad_norm < 0 || !isfinite(cfg->clip_grad_norm))
+    return sp_diag_set(d, SP_EINVAL, "sp_mlp_reference_run: clip norm %g",
+                       cfg->clip_grad_norm);
+  int rc = sp_optim_opts_check(&cfg->optim, d);
+  if (rc != 0)
+    return sp_diag_prefix(d, rc, "sp_mlp_reference_run");
+  return 0;
+}
+
+int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
+                           const sp_mlp_train_cfg *cfg, double *losses,
+                           void **params, void **buffers, sp_diag *d) {
   if (params)
     *params = NULL;
   if (buffers)
     *buffers = NULL;
-  if (m == NULL || job == NULL)
+  if (m == NULL || job == NULL || cfg == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_reference_run: NULL argument");
-  if (global_batch == 0 || global_batch > SP_MLP_MAX_BATCH)
-    return sp_diag_set(d, SP_EINVAL,
-                       "sp_mlp_reference_run: global batch %u not in 1..%u",
-                       global_batch, SP_MLP_MAX_BATCH);
-  if (!isfinite(lr))
-    return sp_diag_set(d, SP_EINVAL, "sp_mlp_reference_run: lr not finite");
+  int rc = ref_check(cfg, d);
+  if (rc != 0)
+    return rc;
+  uint32_t k = cfg->grad_accum ? cfg->grad_accum : 1;
+  uint32_t micro = cfg->global_batch / k;
 
   sp_mlp *mlp = NULL;
   sp_plan *plan = NULL;
@@ -1009,7 +1147,7 @@ int sp_mlp_reference_run(const sp_model *m, const sp_job *job, uint32_t steps,
   float *target = NULL;
   unsigned char *tmp_a = NULL, *tmp_b = NULL;
   ref_ctx c = {.m = m};
-  int rc = sp_mlp_new(m, &mlp, d);
+  rc = sp_mlp_new(m, &mlp, d);
   if (rc != 0)
     return rc;
 
@@ -1028,19 +1166,35 @@ int sp_mlp_reference_run(const sp_model *m, const sp_job *job, uint32_t steps,
   c.master_off = calloc(np + 1, sizeof *c.master_off);
   c.view_off = calloc(np + 1, sizeof *c.view_off);
   c.buf_off = calloc(nb + 1, sizeof *c.buf_off);
+  c.elem_off = calloc(np + 1, sizeof *c.elem_off);
   c.pdt = calloc(np + 1, sizeof *c.pdt);
+  c.gdt = calloc(np + 1, sizeof *c.gdt);
+  c.rdt = calloc(np + 1, sizeof *c.rdt);
+  c.decays = calloc(np + 1, sizeof *c.decays);
   c.bdt = calloc(nb + 1, sizeof *c.bdt);
   sp_dtype *mdt = calloc(np + 1, sizeof *mdt);
-  if (!c.master_off || !c.view_off || !c.buf_off || !c.pdt || !c.bdt || !mdt) {
+  if (!c.master_off || !c.view_off || !c.buf_off || !c.elem_off || !c.pdt ||
+      !c.gdt || !c.rdt || !c.decays || !c.bdt || !mdt) {
     free(mdt);
     rc = sp_diag_set(d, SP_ENOMEM, "sp_mlp_reference_run: out of memory");
     goto out;
   }
   int64_t max_numel = 1;
+  size_t elems = 0;
   for (size_t p = 0; p < np; p++) {
     const sp_unit *u = &plan->units[plan->param_unit[p]];
     mdt[p] = m->params[p].dtype;
     c.pdt[p] = u->param_dtype != SP_DTYPE_INVALID ? u->param_dtype : mdt[p];
+    /* FSDP: the gradient goes to reduce_dtype for the collective (a no-op
+     * sum at world size 1), then back to the flat parameter's dtype, or,
+     * with keep_low_precision_grads, to param_dtype
+     * (cast_grad_to_param_dtype_if_needed). */
+    c.rdt[p] = u->reduce_dtype != SP_DTYPE_INVALID ? u->reduce_dtype
+                                                   : c.pdt[p];
+    c.gdt[p] = u->keep_low_precision_grads ? c.pdt[p] : mdt[p];
+    c.decays[p] = ref_decays(&cfg->optim, &m->params[p]);
+    c.elem_off[p] = elems;
+    elems += (size_t)m->params[p].numel;
     if (m->params[p].numel > max_numel)
       max_numel = m->params[p].numel;
   }
@@ -1064,12 +1218,16 @@ int sp_mlp_reference_run(const sp_model *m, const sp_job *job, uint32_t steps,
   c.view = calloc(view_bytes ? view_bytes : 1, 1);
   c.grad = calloc(view_bytes ? view_bytes : 1, 1);
   c.bufs = calloc(buf_bytes ? buf_bytes : 1, 1);
+  c.g = calloc(elems + 1, sizeof *c.g);
+  c.m1 = calloc(elems + 1, sizeof *c.m1);
+  c.m2 = calloc(elems + 1, sizeof *c.m2);
   /* two scratch arrays of the largest tensor, 8 bytes an element */
   if ((uint64_t)max_numel <= SIZE_MAX / 8) {
     tmp_a = malloc((size_t)max_numel * 8);
     tmp_b = malloc((size_t)max_numel * 8);
   }
-  if (!c.master || !c.view || !c.grad || !c.bufs || !tmp_a || !tmp_b) {
+  if (!c.master || !c.view || !c.grad || !c.bufs || !c.g || !c.m1 || !c.m2 ||
+      !tmp_a || !tmp_b) {
     rc = sp_diag_set(d, SP_ENOMEM, "sp_mlp_reference_run: out of memory");
     goto out;
   }
@@ -1092,11 +1250,11 @@ int sp_mlp_reference_run(const sp_model *m, const sp_job *job, uint32_t steps,
     }
   }
 
-  if ((rc = sp_mlp_acts_new(mlp, global_batch, &acts)) != 0) {
+  if ((rc = sp_mlp_acts_new(mlp, micro, &acts)) != 0) {
     rc = sp_diag_set(d, rc, "sp_mlp_reference_run: activations");
     goto out;
   }
-  target = alloc_floats(global_batch, mlp->out_dim, &rc);
+  target = alloc_floats(micro, mlp->out_dim, &rc);
   if (target == NULL) {
     rc = sp_diag_set(d, rc, "sp_mlp_reference_run: targets");
     goto out;
@@ -1113,56 +1271,47 @@ int sp_mlp_reference_run(const sp_model *m, const sp_job *job, uint32_t steps,
   };
   sp_dtype out_dt = sp_mlp_out_dtype(mlp, &io);
 
-  for (uint32_t step = 0; step < steps; step++) {
-    for (size_t p = 0; p < np; p++) {
-      rc = sp_cast(c.view + c.view_off[p], c.pdt[p], c.master + c.master_off[p],
-                   m->params[p].dtype, (size_t)m->params[p].numel);
-      if (rc != 0) {
-        rc = sp_diag_set(d, rc, "%s: cast to param dtype failed",
-                         m->params[p].fqn);
-        goto out;
-      }
-    }
-    memset(c.grad, 0, view_bytes);
-    sp_mlp_batch(mlp, step, 0, global_batch, acts->x[0], target);
-    for (size_t l = 0; l < mlp->n_layers; l++)
-      if ((rc = sp_mlp_forward(mlp, l, &io, acts, global_batch, d)) != 0)
-        goto out;
-    double loss = sp_mlp_loss(mlp, acts, target, out_dt);
+  for (uint32_t step = 0; step < cfg->steps; step++) {
+    memset(c.g, 0, elems * sizeof *c.g);
     if (losses)
-      losses[step] = loss;
-    for (size_t l = mlp->n_layers; l-- > 0;)
-      if ((rc = sp_mlp_backward(mlp, l, &io, acts, d)) != 0)
-        goto out;
-    sp_mlp_count_step(mlp, &io);
-
-    for (size_t p = 0; p < np; p++) {
-      const sp_tensor_spec *t = &m->params[p];
-      if (!t->flag)
-        continue;
-      const sp_unit *u = &plan->units[plan->param_unit[p]];
-      sp_dtype pd = c.pdt[p];
-      sp_dtype red = u->reduce_dtype != SP_DTYPE_INVALID ? u->reduce_dtype : pd;
-      /* FSDP: the gradient goes to reduce_dtype for the collective (a no-op
-       * sum at world size 1), then back to the flat parameter's dtype, or,
-       * with keep_low_precision_grads, to param_dtype
-       * (cast_grad_to_param_dtype_if_needed). */
-      sp_dtype gd = u->keep_low_precision_grads ? pd : t->dtype;
-      size_t n = (size_t)t->numel;
-      rc = sp_cast(tmp_a, red, c.grad + c.view_off[p], pd, n);
-      if (rc == 0)
-        rc = sp_cast(tmp_b, gd, tmp_a, red, n);
-      if (rc != 0) {
-        rc = sp_diag_set(d, rc, "%s: gradient cast failed", t->fqn);
-        goto out;
+      losses[step] = 0;
+    for (uint32_t j = 0; j < k; j++) {
+      for (size_t p = 0; p < np; p++) {
+        rc = sp_cast(c.view + c.view_off[p], c.pdt[p],
+                     c.master + c.master_off[p], m->params[p].dtype,
+                     (size_t)m->params[p].numel);
+        if (rc != 0) {
+          rc = sp_diag_set(d, rc, "%s: cast to param dtype failed",
+                           m->params[p].fqn);
+          goto out;
+        }
       }
-      void *mp = c.master + c.master_off[p];
-      for (size_t i = 0; i < n; i++) {
-        double pv = load_f64(mp, t->dtype, i);
-        double gv = load_f64(tmp_b, gd, i);
-        store_f64(mp, t->dtype, i, pv - lr * gv);
-      }
+      /* without sync the view gradients add up over the micro-batches
+       * and are reduced once, at the last */
+      bool sync = !cfg->no_sync || j + 1 == k;
+      if (!cfg->no_sync || j == 0)
+        memset(c.grad, 0, view_bytes);
+      sp_mlp_batch(mlp, step, (uint64_t)j * micro, micro, acts->x[0], target);
+      for (size_t l = 0; l < mlp->n_layers; l++)
+        if ((rc = sp_mlp_forward(mlp, l, &io, acts, micro, d)) != 0)
+          goto out;
+      /* each micro-batch's loss scaled by 1/k: the mean over the step */
+      double loss = sp_mlp_loss_over(mlp, acts, target, out_dt,
+                                     (uint64_t)micro * k);
+      if (losses)
+        losses[step] += loss;
+      for (size_t l = mlp->n_layers; l-- > 0;)
+        if ((rc = sp_mlp_backward(mlp, l, &io, acts, d)) != 0)
+          goto out;
+      sp_mlp_count_step(mlp, &io);
+      for (size_t p = 0; sync && p < np; p++)
+        if (m->params[p].flag &&
+            (rc = ref_reduce(&c, (int32_t)p, tmp_a, tmp_b, d)) != 0)
+          goto out;
     }
+    if (cfg->clip_grad_norm > 0)
+      ref_clip(&c, cfg->clip_grad_norm);
+    ref_update(&c, &cfg->optim, step);
   }
 
   if (params) {
@@ -1181,8 +1330,15 @@ out:
   free(c.master_off);
   free(c.view_off);
   free(c.buf_off);
+  free(c.elem_off);
   free(c.pdt);
+  free(c.gdt);
+  free(c.rdt);
+  free(c.decays);
   free(c.bdt);
+  free(c.g);
+  free(c.m1);
+  free(c.m2);
   free(tmp_a);
   free(tmp_b);
   free(target);

@@ -37,6 +37,7 @@
 #include "fsdp/job.h"
 #include "fsdp/model.h"
 #include "base/sp_error.h"
+#include "lib/shardplane.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -134,9 +135,19 @@ int sp_mlp_forward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
  * dtype, into a->dy. */
 double sp_mlp_loss(const sp_mlp *mlp, sp_mlp_acts *a, const float *t,
                    sp_dtype out_dtype);
-/* Backward of layer l: reads a->dy (gradient of layer l's output), writes
- * the param gradients through io->grad (overwriting) and the input
- * gradient back into a->dy (swapping with a->dx), except for l == 0. */
+/* The same with another denominator than n: a micro-batch of k per
+ * optimizer step divides by n * k, so that its loss and gradient are 1/k
+ * of the micro-batch's mean and k of them add up to the step's mean
+ * (gradient accumulation). dy = (y - t) / (float)denom rounded; returns
+ * the sum / denom. 0 when denom or a->n is 0. */
+double sp_mlp_loss_over(const sp_mlp *mlp, sp_mlp_acts *a, const float *t,
+                        sp_dtype out_dtype, uint64_t denom);
+/* Backward of layer l: reads a->dy (gradient of layer l's output), ADDS
+ * the param gradients to io->grad's views (as autograd accumulates into
+ * .grad: the float32 gradient plus the view's value in double, rounded
+ * once to the view's dtype; the caller zeroes the views, or keeps them to
+ * accumulate micro-batches) and writes the input gradient back into a->dy
+ * (swapping with a->dx), except for l == 0. */
 int sp_mlp_backward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
                     sp_mlp_acts *a, sp_diag *d);
 /* Increments the root "step" buffer (any integer dtype) if there is one. */
@@ -145,11 +156,42 @@ void sp_mlp_count_step(const sp_mlp *mlp, const sp_mlp_io *io);
  * dtype of the last layer with parameters (float32 when none). */
 sp_dtype sp_mlp_out_dtype(const sp_mlp *mlp, const sp_mlp_io *io);
 
-/* The unsharded single-process run of the same global batch: full
- * float32 (master dtype) parameters; per step, params cast to each unit's
- * param_dtype, buffers cast once to their compute dtype, forward, backward,
- * gradients cast to reduce_dtype and back (unless keep_low_precision_grads),
- * SGD with lr. Units and dtypes come from the plan of (model, job) with
+/* What sp_mlp_reference_train runs. */
+typedef struct sp_mlp_train_cfg {
+  uint32_t steps; /* optimizer steps */
+  /* samples per optimizer step, over all micro-batches (and ranks, for a
+   * sharded trainer); 1..2^24, a multiple of grad_accum */
+  uint32_t global_batch;
+  /* micro-batches per step, 0 or 1: none. Micro-batch j of step s is
+   * samples [j*m, (j+1)*m) of sp_mlp_batch(step = s), m = global_batch / k
+   * (a sharded rank r of W takes [j*m + r*m/W, j*m + (r+1)*m/W)); its
+   * forward uses global_n = m, its loss sp_mlp_loss_over(denom = m * k for
+   * one process, m / W * k for a rank), and sp_mlp_count_step follows
+   * each micro-batch's backward. */
+  uint32_t grad_accum;
+  /* how the micro-batches' gradients add up (mlp.h's reduction emulation):
+   * false: each is cast to reduce_dtype and on to the gradient dtype and
+   * added there (FSDP2's reduce per micro-batch); true: they add up in
+   * the views' param_dtype and are cast once (no_sync) */
+  bool no_sync;
+  /* optimizer, schedule (total_steps set by the caller) and decay mask */
+  sp_optim_opts optim;
+  double clip_grad_norm; /* > 0: clip_grad_norm_ before each step; 0 off */
+} sp_mlp_train_cfg;
+
+/* steps and global batch, SGD at lr with no momentum, decay, clipping or
+ * accumulation: what sp_mlp_reference_run trains. */
+void sp_mlp_train_cfg_init(sp_mlp_train_cfg *cfg, uint32_t steps,
+                           uint32_t global_batch, double lr);
+
+/* The unsharded single-process run: sp_mlp_reference_train with
+ * sp_mlp_train_cfg_init(steps, global_batch, lr).
+ *
+ * sp_mlp_reference_train: full float32 (master dtype) parameters; per
+ * micro-batch, params cast to each unit's param_dtype, buffers cast once
+ * to their compute dtype, forward, backward, gradients cast to
+ * reduce_dtype and back (unless keep_low_precision_grads) and summed over
+ * the micro-batches; then clipping and the optimizer (cfg). Units and dtypes come from the plan of (model, job) with
  * world size 1. losses[s] receives the loss of step s (may be NULL). On
  * return *params holds every model param (model order, each in its dtype,
  * concatenated; caller frees) and *buffers every buffer in its compute
@@ -157,22 +199,34 @@ sp_dtype sp_mlp_out_dtype(const sp_mlp *mlp, const sp_mlp_io *io);
  *
  * Exactly, so that a sharded trainer can follow it: params start from
  * sp_mlp_init_param, buffers from sp_mlp_init_buffer, then floating buffers
- * are sp_cast to their compute dtype. Step s (0-based) uses
- * sp_mlp_batch(step = s, first = 0, n = global_batch); forward of every
- * layer with global_n = global_batch; loss with sp_mlp_out_dtype; backward
- * from the last layer; sp_mlp_count_step. Per param p with requires_grad,
- * in its unit's dtypes: g = sp_cast(grad, param_dtype -> reduce_dtype),
- * then to the param's own dtype, or to param_dtype with
- * keep_low_precision_grads (FSDP's cast_grad_to_param_dtype_if_needed);
- * p = round_to_param_dtype((double)p - lr * (double)g): double arithmetic
- * (ISO C, no FMA contraction), then one RNE rounding to the param's dtype,
- * as sp_fsdp_sgd_step does on the master shard.
- * Errors: SP_EINVAL (NULL, global_batch 0 or over 2^24, lr not finite),
- * SP_EUNSUPPORTED (not an MLP spec), plan errors, SP_ENOMEM, SP_ETOOBIG. */
+ * are sp_cast to their compute dtype. Micro-batch j of step s (0-based) as
+ * sp_mlp_train_cfg says; forward of every layer; loss with
+ * sp_mlp_out_dtype (losses[s]: the sum of the micro-batches' scaled
+ * losses, the step's mean); backward from the last layer;
+ * sp_mlp_count_step. Per param p with requires_grad, in its unit's
+ * dtypes: g = sp_cast(grad, param_dtype -> reduce_dtype), then to the
+ * param's own dtype, or to param_dtype with keep_low_precision_grads
+ * (FSDP's cast_grad_to_param_dtype_if_needed), added to the step's
+ * gradient (the sum rounded to that dtype). Clipping: the 2-norm of every
+ * trainable gradient (squares summed in double), coef = max /
+ * (norm + 1e-6), g = rne(g * coef) when coef < 1. The optimizer at
+ * lr(step) (warmup-cosine as sp_optim_lr), on trainable params only, the
+ * decay mask as sp_optim_decays, the formulas of sp_fsdp_optim_step in
+ * its order of double operations (ISO C, no FMA contraction), moments
+ * rounded to float32 and params once (RNE) to their dtype. Written on its
+ * own (not through the runtime's optimizer), so the parity tests compare
+ * two implementations. With SGD, no momentum and no decay this is
+ * p = rne((double)p - lr * (double)g), as sp_fsdp_sgd_step.
+ * Errors: SP_EINVAL (NULL, global_batch 0, over 2^24 or not a multiple of
+ * grad_accum, a bad optimizer option or clip norm), SP_EUNSUPPORTED (not
+ * an MLP spec), plan errors, SP_ENOMEM, SP_ETOOBIG. */
 int sp_mlp_reference_run(const sp_model *m, const sp_job *job,
                          uint32_t steps, uint32_t global_batch, double lr,
                          double *losses, void **params, void **buffers,
                          sp_diag *d);
+int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
+                           const sp_mlp_train_cfg *cfg, double *losses,
+                           void **params, void **buffers, sp_diag *d);
 
 #ifdef __cplusplus
 }

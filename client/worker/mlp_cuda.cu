@@ -206,8 +206,8 @@ __global__ void sp_mk_relu_back(const float *x, const float *dy, float *dx,
     dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
 }
 
-/* sp_mlp_loss, per sample: r = y - t, the sample's sum of 0.5 r^2 in
- * double (in feature order), dy = r / n rounded to the output dtype */
+/* sp_mlp_loss_over, per sample: r = y - t, the sample's sum of 0.5 r^2 in
+ * double (in feature order), dy = r / fn rounded to the output dtype */
 __global__ void sp_mk_loss_rows(const float *y, const float *t, size_t n,
                                 size_t out, float fn, int out_dt, float *dy,
                                 double *partial) {
@@ -223,14 +223,23 @@ __global__ void sp_mk_loss_rows(const float *y, const float *t, size_t n,
   }
 }
 
-/* the sample sums in sample order, divided by n: one thread, so the
- * result does not depend on the launch */
+/* the sample sums in sample order, divided by denom (n, or n * k for a
+ * micro-batch of k), set or added to loss[0]: one thread, so the result
+ * does not depend on the launch */
 __global__ void sp_mk_loss_total(const double *partial, size_t n,
-                                 double *loss) {
+                                 double denom, int add, double *loss) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   double acc = 0.0;
   for (size_t s = 0; s < n; s++) acc = __dadd_rn(acc, partial[s]);
-  loss[0] = n ? __ddiv_rn(acc, (double)n) : 0.0;
+  double v = n ? __ddiv_rn(acc, denom) : 0.0;
+  loss[0] = add ? __dadd_rn(loss[0], v) : v;
+}
+
+/* mlp.c write_grad: dst = rne_pd(dst + g), the sum in double */
+__global__ void sp_mk_grad_add(void *dst, int pd, const float *g, size_t n) {
+  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+    sp_elem_store_f64(dst, pd, i,
+                      __dadd_rn(sp_elem_load_f64(dst, pd, i), (double)g[i]));
 }
 
 /* a buffer (any floating dtype) as float32 */
@@ -423,8 +432,9 @@ static int buffer_view(const sp_mlp_cuda *g, const sp_mlp_io *io, int32_t b,
   return 0;
 }
 
-/* A float32 gradient into the param's gradient view, rounded to its dtype
- * (mlp.c write_grad). A NULL view: the param takes no gradient. */
+/* A float32 gradient added to the param's gradient view, the sum rounded
+ * to its dtype (mlp.c write_grad). A NULL view: the param takes no
+ * gradient. */
 static int write_grad(sp_mlp_cuda *g, const sp_mlp_io *io, int32_t p,
                       const float *src, sp_diag *d) {
   if (!io->grad) return 0;
@@ -432,11 +442,16 @@ static int write_grad(sp_mlp_cuda *g, const sp_mlp_io *io, int32_t p,
   if (!dst) return 0;
   const sp_tensor_spec *t = &g->mlp->model->params[p];
   sp_dtype pd = io->param_dtype(io->user, p);
-  int rc = sp_cuda_cast(dst, pd, src, SP_FLOAT32, (size_t)t->numel, g->st);
-  if (rc < 0)
-    return sp_diag_set(d, rc, "%s:%d: %s: gradient cast to %s failed (the "
-                       "CUDA error is logged above)", __FILE__, __LINE__,
-                       t->fqn, sp_dtype_name(pd));
+  size_t n = (size_t)t->numel;
+  if (!sp_dtype_is_floating(pd) ||
+      (uintptr_t)dst % sp_dtype_size(pd) != 0)
+    return sp_diag_set(d, SP_EINVAL, "%s: gradient view %p of %s (floating, "
+                       "element-aligned expected)", t->fqn, dst,
+                       sp_dtype_name(pd));
+  if (n == 0) return 0;
+  sp_mk_grad_add<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(dst, (int)pd,
+                                                             src, n);
+  SP_CUDA_CHECK_D(d, cudaGetLastError());
   return 0;
 }
 
@@ -736,14 +751,23 @@ extern "C" int sp_mlp_cuda_forward(sp_mlp_cuda *g, size_t l,
 extern "C" int sp_mlp_cuda_loss(sp_mlp_cuda *g, sp_dtype out_dtype,
                                 sp_diag *d) {
   if (!g) return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_loss: NULL");
+  return sp_mlp_cuda_loss_over(g, out_dtype, g->n, false, d);
+}
+
+extern "C" int sp_mlp_cuda_loss_over(sp_mlp_cuda *g, sp_dtype out_dtype,
+                                     uint64_t denom, bool add, sp_diag *d) {
+  if (!g || denom == 0)
+    return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_loss_over: NULL or a zero "
+                       "denominator");
   size_t n = g->n, out = (size_t)g->mlp->out_dim;
   if (n) {
     sp_mk_loss_rows<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(
-        g->x[g->mlp->n_layers], g->t, n, out, (float)n, (int)out_dtype,
+        g->x[g->mlp->n_layers], g->t, n, out, (float)denom, (int)out_dtype,
         g->dy, g->loss + 1);
     SP_CUDA_CHECK_D(d, cudaGetLastError());
   }
-  sp_mk_loss_total<<<1, 1, 0, g->st>>>(g->loss + 1, n, g->loss);
+  sp_mk_loss_total<<<1, 1, 0, g->st>>>(g->loss + 1, n, (double)denom,
+                                       add ? 1 : 0, g->loss);
   SP_CUDA_CHECK_D(d, cudaGetLastError());
   g->dy_dt = out_dtype;
   return 0;

@@ -41,6 +41,7 @@
 #ifndef SP_MLP_CUDA_H
 #define SP_MLP_CUDA_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -72,11 +73,17 @@ int sp_mlp_cuda_set_batch(sp_mlp_cuda *g, const float *x, const float *t,
  * buffers; RunningNorm calls io->all_reduce_sum (also for n = 0) after
  * its column sums were enqueued. loss writes dy and the local batch's mean
  * loss into a device double (sp_mlp_cuda_loss_ptr). backward reads dy,
- * writes the param gradients through io->grad (NULL: none) and, for
- * l > 0, the input gradient as the new dy. */
+ * adds the param gradients to io->grad's views (NULL: none; the sum
+ * rounded once to the view's dtype, as mlp.c) and, for l > 0, writes the
+ * input gradient as the new dy. */
 int sp_mlp_cuda_forward(sp_mlp_cuda *g, size_t l, const sp_mlp_io *io,
                         uint64_t global_n, sp_diag *d);
 int sp_mlp_cuda_loss(sp_mlp_cuda *g, sp_dtype out_dtype, sp_diag *d);
+/* sp_mlp_loss_over: dy = (y - t) / denom, and the loss sum / denom set
+ * into the device double (add false) or added to it (true: the
+ * micro-batches of one step summing their scaled losses). */
+int sp_mlp_cuda_loss_over(sp_mlp_cuda *g, sp_dtype out_dtype, uint64_t denom,
+                          bool add, sp_diag *d);
 int sp_mlp_cuda_backward(sp_mlp_cuda *g, size_t l, const sp_mlp_io *io,
                          sp_diag *d);
 int sp_mlp_cuda_count_step(sp_mlp_cuda *g, const sp_mlp_io *io, sp_diag *d);

@@ -35,6 +35,12 @@ int sp_mlp_cuda_loss(sp_mlp_cuda *g, sp_dtype out_dtype, sp_diag *d) {
   return unsupported(d);
 }
 
+int sp_mlp_cuda_loss_over(sp_mlp_cuda *g, sp_dtype out_dtype, uint64_t denom,
+                          bool add, sp_diag *d) {
+  (void)g, (void)out_dtype, (void)denom, (void)add;
+  return unsupported(d);
+}
+
 int sp_mlp_cuda_backward(sp_mlp_cuda *g, size_t l, const sp_mlp_io *io,
                          sp_diag *d) {
   (void)g, (void)l, (void)io;
