@@ -1,5 +1,6 @@
 /* `shardplane run`, the README's main-job command, as a user runs it: a
- * whole job to its checkpoint, bad usage, a worker killed mid-run, Ctrl-C.
+ * whole job to its checkpoint, the training flags passed to the workers,
+ * bad usage, a worker killed mid-run, Ctrl-C.
  */
 #include <dirent.h>
 #include <fcntl.h>
@@ -25,6 +26,8 @@
 #include "fsdp/model.h"
 #include "base/proc.h"
 #include "support/testutil.h"
+#include "worker/mlp.h"
+#include "worker/train_flags.h"
 
 extern char **environ;
 
@@ -183,6 +186,63 @@ static void test_run_to_checkpoint(void **state) {
   free(out);
   free(err);
   free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* The training flags reach every worker: a run with AdamW, warmup-cosine,
+ * clipping and no_sync accumulation prints the loss curve the unsharded
+ * reference run of the same settings has (and not SGD's). */
+static void test_run_training_flags(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  const char *train[] = {"--optimizer", "adamw", "--weight-decay", "0.1",
+                         "--lr-schedule", "cosine", "--warmup-steps", "1",
+                         "--min-lr", "0.001", "--clip-grad-norm", "1",
+                         "--grad-accum", "2", "--no-sync", NULL};
+  const char *args[64] = {"--nproc", "2", "--model", MLP, "--steps", "4",
+                          "--lr", "0.01", "--checkpoint", "none"};
+  size_t k = 10;
+  for (size_t i = 0; train[i]; i++) args[k++] = train[i];
+  args[k] = NULL;
+  int st = wait_run(start_run(dir, args), 120);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s%s", out, err);
+  assert_int_equal(st, 0);
+  /* the reference run of the same flags, through the worker's parser */
+  struct option opts[64];
+  size_t n = sp_train_options(opts, 64);
+  sp_train_flags t;
+  sp_train_flags_init(&t);
+  sp_diag d = {{0}};
+  for (size_t i = 0; train[i]; i++)
+    for (size_t o = 0; o < n; o++)
+      if (strcmp(train[i] + 2, opts[o].name) == 0)
+        assert_int_equal(sp_train_flag(&t, opts[o].val,
+                                       opts[o].has_arg ? train[i + 1] : NULL,
+                                       &d), 0);
+  sp_mlp_train_cfg cfg;
+  assert_int_equal(sp_train_flags_finish(&t, 4, 0.01, 24, 2, "--nproc", &cfg,
+                                         &d), 0);
+  sp_model *m;
+  assert_int_equal(sp_model_load_file(MLP, &m, &d), 0);
+  sp_job job;
+  sp_job_init(&job);
+  sp_strlist_add(&job.wrap_types, "Linear");
+  double losses[4];
+  assert_int_equal(sp_mlp_reference_train(m, &job, &cfg, losses, NULL, NULL,
+                                          &d), 0);
+  for (int s = 0; s < 4; s++) {
+    char want[64];
+    snprintf(want, sizeof want, "step %d/4  loss %.6f", s + 1, losses[s]);
+    if (!strstr(out, want)) fail_msg("no \"%s\" in the run's output", want);
+  }
+  printf("  the run's loss curve is the reference's with the same training "
+         "flags\n");
+  sp_job_clear(&job);
+  sp_model_free(m);
+  free(out);
+  free(err);
   sp_test_rmtree(dir);
   free(dir);
 }
@@ -538,6 +598,7 @@ static void test_run_keeps_other_checkpoints(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
+      cmocka_unit_test(test_run_training_flags),
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_interrupted),

@@ -2,7 +2,9 @@
  * Gloo on loopback.
  *  - parity: every strategy, mixed precision off and on, N = 1..4 ranks,
  *    against the unsharded single-process run of the same global batch
- *    (sp_mlp_reference_run): loss curve and final parameters;
+ *    (sp_mlp_reference_run): loss curve and final parameters; with SGD,
+ *    and with AdamW, warmup-cosine, clipping and gradient accumulation
+ *    (sp_mlp_reference_train);
  *  - checkpoints: FULL, SHARDED and LOCAL written, read back by the
  *    project's reader and by an independent Python reader, loaded into a
  *    different world size;
@@ -52,11 +54,6 @@ extern char **environ;
 /* a job's workers must all be done within this */
 #define JOB_TIMEOUT_S 120
 
-typedef struct parity_case {
-  const char *strategy;
-  bool mp;
-  int n;
-} parity_case;
 
 static const char *const k_strategies[] = {"FULL_SHARD", "SHARD_GRAD_OP",
                                            "NO_SHARD", "HYBRID_SHARD"};
@@ -78,33 +75,181 @@ static int hybrid_group(int n) { return n == 4 ? 2 : n == 2 ? 1 : n; }
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-3
 
-static void parity(const parity_case *pc) {
-  char label[64];
-  snprintf(label, sizeof label, "%-13s %-4s N=%d", pc->strategy,
-           pc->mp ? "bf16" : "f32", pc->n);
-  sp_tjob_parity_cfg c = {.model = MLP,
-                          .strategy = pc->strategy,
-                          .group = hybrid_group(pc->n),
-                          .mp = pc->mp,
-                          .n = pc->n,
-                          .steps = STEPS,
-                          .batch = BATCH,
-                          .lr = LR,
-                          .tol = pc->mp ? TOL_BF16 : TOL_F32,
-                          .timeout_s = JOB_TIMEOUT_S};
-  sp_tjob_parity(label, &c);
-}
-
 static void test_parity(void **state) {
   (void)state;
+  enum { N_CASES = 4 * 2 * 4 };
+  sp_tjob_parity_cfg c[N_CASES];
+  char label[N_CASES][64];
+  const char *labels[N_CASES];
+  size_t k = 0;
   for (size_t s = 0; s < 4; s++)
     for (int mp = 0; mp <= 1; mp++)
-      for (int n = 1; n <= 4; n++) {
-        parity_case pc = {k_strategies[s], mp, n};
-        parity(&pc);
+      for (int n = 1; n <= 4; n++, k++) {
+        snprintf(label[k], sizeof label[k], "%-13s %-4s N=%d", k_strategies[s],
+                 mp ? "bf16" : "f32", n);
+        labels[k] = label[k];
+        c[k] = (sp_tjob_parity_cfg){.model = MLP,
+                                    .strategy = k_strategies[s],
+                                    .group = hybrid_group(n),
+                                    .mp = mp,
+                                    .n = n,
+                                    .steps = STEPS,
+                                    .batch = BATCH,
+                                    .lr = LR,
+                                    .tol = mp ? TOL_BF16 : TOL_F32,
+                                    .timeout_s = JOB_TIMEOUT_S};
       }
+  /* a job mostly waits on its rendezvous and timers: three at a time */
+  sp_tjob_parity_many(c, labels, N_CASES, 3);
 }
 
+/* ---- the optimizer: AdamW, schedule, clipping, accumulation ----
+ * AdamW (lr 0.01, betas 0.9,0.999, eps 1e-8) with decoupled weight decay
+ * 0.1 on the weights only, linear warmup then cosine decay to 0.001,
+ * clipping to a global norm of 1 (the MLP's gradient norm is about 2, so
+ * every step clips) and two micro-batches a step, reduced each (FSDP2's
+ * default) or once (no_sync); against sp_mlp_reference_train, the
+ * unsharded run with the same settings (read from the same flags).
+ *
+ * float32: the runs differ in summation order only, and AdamW's update
+ * does not amplify that: the bound is 1e-6 relative, as the issue asks.
+ * Measured: params 4.6e-7 (W = 3, whose divide by 3 rounds), loss curve
+ * 2.3e-8, after 20 steps.
+ *
+ * bfloat16 parameters: each rank rounds its partial gradient to bfloat16
+ * (8 significant bits) before the reduction, where the single process
+ * rounds the whole batch's once. Where the partial gradients cancel, the
+ * sum's relative error is large, and AdamW normalises every element's
+ * step to about lr whatever the gradient's size (m / sqrt(v) is near +-1),
+ * so such an element can step up to ~2 lr apart each step; the largest
+ * parameters (the norm weights) are about 1, so a few lr of drift after
+ * 20 steps (sum of the schedule's lr: 0.11) is a few 1e-2 relative. SGD's
+ * step scales with the gradient, which is why test_parity keeps 1e-3 for
+ * it. Bounds: 0.1 for the largest element, 3e-2 for the rms error of all
+ * parameters, 5e-3 for the loss curve. Measured after 20 steps: 3.8e-2,
+ * 1.1e-2 and 1.4e-3. */
+/* SGD with momentum 0.9, bfloat16: each step's update sums about ten
+ * steps' gradients, each with the per-rank bfloat16 rounding test_parity
+ * bounds by 1e-3 over 6 steps, so over 20 steps the drift is some times
+ * larger; the step still scales with the gradient (no AdamW-like
+ * normalisation). Measured 3.2e-3 (params), 3.4e-4 (loss). */
+#define TOL_BF16_MOMENTUM 1e-2
+#define OPT_STEPS_ALL 5 /* the whole matrix: warmup, decay and the end */
+#define SP_STR_(x) #x
+#define SP_STR(x) SP_STR_(x)
+#define OPT_STEPS_SUBSET 20
+#define OPT_PARALLEL 3
+
+static const char *const k_opt_flags[2][20] = {
+    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule",
+     "cosine", "--warmup-steps", "2", "--min-lr", "0.001", "--clip-grad-norm",
+     "1", "--grad-accum", "2", NULL},
+    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule",
+     "cosine", "--warmup-steps", "2", "--min-lr", "0.001", "--clip-grad-norm",
+     "1", "--grad-accum", "2", "--no-sync", NULL}};
+static const char *const k_opt_flags20[2][20] = {
+    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule",
+     "cosine", "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm",
+     "1", "--grad-accum", "2", NULL},
+    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule",
+     "cosine", "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm",
+     "1", "--grad-accum", "2", "--no-sync", NULL}};
+
+static const char *const k_sgd_flags[2][20] = {
+    {"--momentum", "0.9", "--weight-decay", "0.01", "--clip-grad-norm", "1",
+     "--grad-accum", "2", NULL},
+    {"--momentum", "0.9", "--weight-decay", "0.01", "--clip-grad-norm", "1",
+     "--grad-accum", "2", "--no-sync", NULL}};
+
+typedef struct opt_matrix {
+  sp_tjob_parity_cfg c[128];
+  char label[128][96];
+  const char *labels[128];
+  size_t n;
+} opt_matrix;
+
+/* One configuration: AdamW (sgd false) or SGD with momentum (true). */
+static void opt_add(opt_matrix *m, size_t s, bool mp, int n, int nosync,
+                    uint32_t steps, bool sgd) {
+  assert_true(m->n < 128);
+  sp_tjob_parity_cfg *c = &m->c[m->n];
+  const char *const *flags = sgd ? k_sgd_flags[nosync]
+                             : steps == OPT_STEPS_SUBSET
+                                 ? k_opt_flags20[nosync]
+                                 : k_opt_flags[nosync];
+  double tol = sgd ? (mp ? TOL_BF16_MOMENTUM : 1e-6) : mp ? 0.1 : 1e-6;
+  *c = (sp_tjob_parity_cfg){
+      .model = MLP, .strategy = k_strategies[s], .group = hybrid_group(n),
+      .mp = mp, .n = n, .steps = steps, .batch = BATCH,
+      .lr = sgd ? LR : "0.01", .wflags = flags, .tol = tol,
+      .rms_tol = mp && !sgd ? 3e-2 : 0,
+      .loss_tol = sgd ? tol : mp ? 5e-3 : 1e-6, .timeout_s = JOB_TIMEOUT_S};
+  snprintf(m->label[m->n], sizeof m->label[0],
+           "%-13s %-4s N=%d %-7s %2u st %s", k_strategies[s],
+           mp ? "bf16" : "f32", n, nosync ? "no_sync" : "sync", steps,
+           sgd ? "SGD" : "AdamW");
+  m->labels[m->n] = m->label[m->n];
+  m->n++;
+}
+
+static void opt_run(opt_matrix *m, const char *what) {
+  sp_tjob_errors worst[2] = {{0, 0, 0}, {0, 0, 0}};
+  /* the float32 and the bfloat16 runs' largest errors apart */
+  for (int mp = 0; mp <= 1; mp++) {
+    opt_matrix *part = calloc(1, sizeof *part);
+    assert_non_null(part);
+    for (size_t i = 0; i < m->n; i++)
+      if (m->c[i].mp == (mp == 1)) {
+        part->c[part->n] = m->c[i];
+        part->labels[part->n++] = m->labels[i];
+      }
+    g_parity_worst = &worst[mp];
+    sp_tjob_parity_many(part->c, part->labels, part->n, OPT_PARALLEL);
+    g_parity_worst = NULL;
+    free(part);
+  }
+  printf("  %s: largest errors float32: params %.2e, loss %.2e; bfloat16: "
+         "params %.2e (rms %.2e), loss %.2e\n",
+         what, worst[0].params, worst[0].loss, worst[1].params, worst[1].rms,
+         worst[1].loss);
+}
+
+/* Every strategy, W = 1..4, float32 and bfloat16, both accumulation
+ * modes, for a few steps. */
+static void test_parity_optim(void **state) {
+  (void)state;
+  opt_matrix *m = calloc(1, sizeof *m);
+  assert_non_null(m);
+  for (int nosync = 0; nosync <= 1; nosync++)
+    for (size_t s = 0; s < 4; s++)
+      for (int mp = 0; mp <= 1; mp++)
+        for (int n = 1; n <= 4; n++)
+          opt_add(m, s, mp, n, nosync, OPT_STEPS_ALL, false);
+  opt_run(m, "AdamW, every configuration, " SP_STR(OPT_STEPS_ALL) " steps");
+  free(m);
+}
+
+/* 20 steps: every strategy at W = 4 (HYBRID_SHARD: 2 replicas) in both
+ * modes, W = 3 (padding, a rounding divide), and bfloat16. */
+static void test_parity_optim_20_steps(void **state) {
+  (void)state;
+  opt_matrix *m = calloc(1, sizeof *m);
+  assert_non_null(m);
+  for (int nosync = 0; nosync <= 1; nosync++) {
+    for (size_t s = 0; s < 4; s++)
+      opt_add(m, s, false, 4, nosync, OPT_STEPS_SUBSET, false);
+    opt_add(m, 0, false, 3, nosync, OPT_STEPS_SUBSET, false);
+    opt_add(m, 0, true, 4, nosync, OPT_STEPS_SUBSET, false);
+    opt_add(m, 3, true, 4, nosync, OPT_STEPS_SUBSET, false);
+  }
+  /* SGD with momentum and weight decay (L2), clipped and accumulated */
+  for (int nosync = 0; nosync <= 1; nosync++) {
+    opt_add(m, 0, false, 4, nosync, OPT_STEPS_SUBSET, true);
+    opt_add(m, 3, true, 4, nosync, OPT_STEPS_SUBSET, true);
+  }
+  opt_run(m, "AdamW and SGD, " SP_STR(OPT_STEPS_SUBSET) " steps");
+  free(m);
+}
 
 /* ---- checkpoints ---- */
 
@@ -457,9 +602,13 @@ static void test_synthetic_resnet50(void **state) {
   free(dir);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  /* one test by name: test_worker test_parity_optim */
+  if (argc > 1) cmocka_set_test_filter(argv[1]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_parity),
+      cmocka_unit_test(test_parity_optim),
+      cmocka_unit_test(test_parity_optim_20_steps),
       cmocka_unit_test(test_buffers_and_checkpoints),
       cmocka_unit_test(test_checkpoint_reload),
       cmocka_unit_test(test_staged_storage),

@@ -23,6 +23,7 @@
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
 #include "worker/mlp.h"
+#include "worker/train_flags.h"
 #include "fsdp/plan.h"
 #include "base/proc.h"
 #include "lib/shardplane.h"
@@ -58,8 +59,10 @@ static void usage(FILE *f) {
         f);
   sp_job_flags_print_help_except(f, "world-size");
   fputs("  --steps N                  training steps (default 20)\n"
-        "  --global-batch N           samples per step (default 24)\n"
-        "  --lr X                     learning rate (default 0.05)\n"
+        "  --global-batch N           samples per step over all ranks and\n"
+        "                             micro-batches (default 24)\n"
+        "  --lr X                     learning rate, the peak of a schedule\n"
+        "                             (default 0.05)\n"
         "  --checkpoint-dir DIR       where to write (default\n"
         "                             shardplane-run/<model>-w<N>-<plan>, one\n"
         "                             per configuration); a directory holding\n"
@@ -77,7 +80,10 @@ static void usage(FILE *f) {
         "                             NCCL; one GPU per rank\n"
         "  --heartbeat-timeout-ms N   a silent rank is lost after N ms "
         "(default 5000)\n"
-        "  --help                     this text\n"
+        "training flags, checked here and passed to every worker:\n",
+        f);
+  sp_train_flags_help(f, 29);
+  fputs("  --help                     this text\n"
         "\n"
         "exit codes: 0 done, 1 the job failed (a worker died or failed: the\n"
         "message names the rank), 2 bad usage, 130 interrupted\n",
@@ -272,6 +278,14 @@ typedef struct run_opts {
   const char *load_dir; /* --load */
   sp_ckpt_kind load_kind; /* --load-kind; 0: the only kind there */
   sp_job_cli jcli; /* job flags, applied after --job */
+  /* the training flags, checked here and passed to every worker as
+   * given, in order */
+  sp_train_flags train;
+  struct {
+    char flag[64]; /* "--name" */
+    const char *value; /* into argv; NULL for a flag without one */
+  } tflags[64];
+  size_t n_tflags;
 } run_opts;
 
 /* What was checked before anything starts. */
@@ -324,6 +338,17 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
   double x;
   size_t k;
   int rc = 0;
+  if (c >= SP_TRAIN_OPT_BASE) {
+    rc = sp_train_flag(&o->train, c, v, d);
+    if (rc == 0 && o->n_tflags < sizeof o->tflags / sizeof o->tflags[0]) {
+      snprintf(o->tflags[o->n_tflags].flag, sizeof o->tflags[0].flag, "%s",
+               flag);
+      o->tflags[o->n_tflags++].value = sp_train_flag_has_arg(c) ? v : NULL;
+    } else if (rc == 0) {
+      rc = sp_flag_fail(d, flag, v, "at most 64 training flags");
+    }
+    return rc;
+  }
   switch (c) {
     case O_NPROC: return sp_flag_int(flag, v, 1, MAX_NPROC, &o->nproc, d);
     case O_MODEL:
@@ -387,8 +412,14 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"load", required_argument, NULL, O_LOAD},
       {"load-kind", required_argument, NULL, O_LOADK},
       {"help", no_argument, NULL, O_HELP}};
-  struct option *opts = sp_job_cli_options(own, sizeof own / sizeof own[0]);
+  /* run's own options, the training flags, then the job flags */
+  struct option mine[64];
+  size_t n_own = sizeof own / sizeof own[0];
+  memcpy(mine, own, sizeof own);
+  size_t n_train = sp_train_options(mine + n_own, 64 - n_own);
+  struct option *opts = sp_job_cli_options(mine, n_own + n_train);
   if (!opts) return SP_EXIT_FAILURE;
+  sp_train_flags_init(&o->train);
   o->steps = "20";
   o->batch = "24";
   o->lr = "0.05";
@@ -402,7 +433,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       ret = SP_EXIT_OK;
       goto out;
     }
-    if (c >= SP_JOB_OPT_BASE) {
+    if (c >= SP_JOB_OPT_BASE && c < SP_TRAIN_OPT_BASE) {
       if (job_flag(o, c, optarg) < 0) goto out;
       continue;
     }
@@ -466,16 +497,20 @@ static int check_backend(const run_opts *o, const run_job *j) {
   return SP_EXIT_USAGE;
 }
 
-/* The reference MLP splits the batch evenly over the ranks (the synthetic
- * cycle has none). Returns PROCEED or the exit code. */
-static int check_batch(const run_opts *o, const run_job *j) {
+/* The training flags together, as every worker will check them: the
+ * reference MLP splits each micro-batch evenly over the ranks (the
+ * synthetic cycle has no batch). Returns PROCEED or the exit code. */
+static int check_training(const run_opts *o, const run_job *j) {
   sp_mlp *mlp = NULL;
   sp_diag d = {{0}};
   bool is_mlp = sp_mlp_new(j->model, &mlp, &d) == 0;
   sp_mlp_free(mlp);
-  if (!is_mlp || atoll(o->batch) % o->nproc == 0) return PROCEED;
-  sp_flag_fail(&d, "--global-batch", o->batch, "a multiple of --nproc "
-               "%lld: every rank trains an equal share", o->nproc);
+  sp_mlp_train_cfg cfg;
+  if (sp_train_flags_finish(&o->train, (uint32_t)atoll(o->steps),
+                            strtod(o->lr, NULL),
+                            is_mlp ? (uint32_t)atoll(o->batch) : 0,
+                            (uint32_t)o->nproc, "--nproc", &cfg, &d) == 0)
+    return PROCEED;
   sp_cli_error(RUN, "%s", d.msg);
   return SP_EXIT_USAGE;
 }
@@ -504,7 +539,7 @@ static int build_plan(run_opts *o, run_job *j) {
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
-  return check_batch(o, j);
+  return check_training(o, j);
 }
 
 /* One GPU per rank, rank r on GPU r % count: NCCL refuses two ranks of
@@ -639,6 +674,10 @@ static void worker_args(const run_opts *o, const run_job *j,
   push(wa, o->lr);
   push(wa, "--log-every");
   push(wa, o->log_every);
+  for (size_t i = 0; i < o->n_tflags; i++) {
+    push(wa, o->tflags[i].flag);
+    if (o->tflags[i].value) push(wa, o->tflags[i].value);
+  }
   if (o->cuda) {
     snprintf(device_s, 24, "cuda:%lld", r % j->n_gpus);
     push(wa, "--device");

@@ -17,6 +17,7 @@
 #include "mlp_cuda.h"
 #include "rpc/rpc.h"
 #include "lib/shardplane.h"
+#include "train_flags.h"
 
 typedef struct worker_opts {
   const char *coordinator;
@@ -39,6 +40,7 @@ typedef struct worker_opts {
   uint32_t report_toggle;
   uint64_t comm_timeout_ms;
   uint64_t call_timeout_ms;
+  sp_train_flags train; /* optimizer, schedule, clipping, accumulation */
 } worker_opts;
 
 /* The communicators, for the session's abort callback, which runs on the
@@ -80,7 +82,9 @@ typedef struct trainer {
   sp_mlp_cuda *gpu;     /* device activations; NULL on the CPU */
   uint32_t *layer_unit; /* per layer: the unit its module is, or 0 */
   float *t;             /* targets of the local batch */
-  size_t local_n;
+  size_t local_n;       /* samples of a micro-batch on this rank */
+  const sp_mlp_train_cfg *cfg;
+  uint32_t rank;
 } trainer;
 
 static void *io_param(void *u, int32_t p) { return sp_fsdp_param(u, p); }
@@ -97,12 +101,16 @@ static int io_all_reduce(void *u, float *buf, size_t n, sp_diag *d) {
 }
 
 static int trainer_init(trainer *tr, sp_fsdp *f, sp_session *s, sp_mlp *mlp,
-                        size_t local_n, sp_diag *d) {
+                        const sp_mlp_train_cfg *cfg, sp_diag *d) {
   memset(tr, 0, sizeof *tr);
   tr->f = f;
   tr->s = s;
   tr->plan = sp_session_plan(s);
   tr->mlp = mlp;
+  tr->cfg = cfg;
+  tr->rank = sp_session_rank(s);
+  size_t local_n = cfg->global_batch / cfg->grad_accum /
+                   sp_session_world(s);
   tr->local_n = local_n;
   tr->layer_unit = calloc(mlp->n_layers, sizeof *tr->layer_unit);
   tr->t = calloc(local_n * (size_t)mlp->out_dim, sizeof *tr->t);
@@ -135,28 +143,63 @@ static sp_dtype output_dtype(const trainer *tr) {
   return SP_FLOAT32;
 }
 
-/* One step on the GPU: trainer_step's schedule with the device layers.
- * The local loss stays on the device for the all-reduce and is read once,
- * at the end (which also waits for the step's work). */
-static int trainer_step_gpu(trainer *tr, uint64_t step, uint64_t first,
-                            uint64_t global_n, double lr, double *loss,
-                            sp_diag *d) {
+/* A step is grad_accum micro-batches (sp_mlp_train_cfg says which
+ * samples each is): forward and backward of each, the reductions adding
+ * up in the shard gradients (or, with no_sync, the unsharded gradients
+ * adding up until the last micro-batch reduces them), each micro-batch's
+ * loss scaled by 1/K; then clipping and the optimizer step. */
+
+/* The micro-batch's first sample on this rank, and its size over every
+ * rank (the RunningNorm mean's global batch). */
+static uint64_t micro_first(const trainer *tr, uint32_t j) {
+  uint64_t micro = tr->cfg->global_batch / tr->cfg->grad_accum;
+  return j * micro + (uint64_t)tr->rank * tr->local_n;
+}
+
+static uint64_t micro_global(const trainer *tr) {
+  return tr->cfg->global_batch / tr->cfg->grad_accum;
+}
+
+/* Sync off for every micro-batch but the last (no_sync). */
+static int set_sync(trainer *tr, uint32_t j, sp_diag *d) {
+  if (!tr->cfg->no_sync) return 0;
+  return sp_fsdp_set_requires_gradient_sync(tr->f,
+                                            j + 1 == tr->cfg->grad_accum, d);
+}
+
+/* After the micro-batches: clipping, then the optimizer. */
+static int optimizer_step(trainer *tr, sp_diag *d) {
+  int rc = 0;
+  if (tr->cfg->clip_grad_norm > 0)
+    rc = sp_fsdp_clip_grad_norm(tr->f, tr->cfg->clip_grad_norm, NULL, d);
+  if (rc == 0) rc = sp_fsdp_optim_step(tr->f, NULL, d);
+  return rc;
+}
+
+/* One micro-batch on the GPU: micro_step's schedule with the device
+ * layers. The local loss stays on the device, summed over the
+ * micro-batches, for the all-reduce. */
+static int micro_step_gpu(trainer *tr, uint64_t step, uint32_t j,
+                          sp_diag *d) {
   sp_fsdp *f = tr->f;
   const sp_mlp *mlp = tr->mlp;
   sp_mlp_cuda *g = tr->gpu;
   sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
                   io_buffer_dtype, io_all_reduce, f};
-  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
-  sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
-  int rc = sp_mlp_cuda_set_batch(g, tr->acts->x[0], tr->t, d);
+  sp_mlp_batch(mlp, step, micro_first(tr, j), tr->local_n, tr->acts->x[0],
+               tr->t);
+  int rc = set_sync(tr, j, d);
+  if (rc == 0) rc = sp_mlp_cuda_set_batch(g, tr->acts->x[0], tr->t, d);
   if (rc == 0) rc = sp_fsdp_root_pre_forward(f, d);
   for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
     uint32_t u = tr->layer_unit[l];
     if (u) rc = sp_fsdp_pre_forward(f, u, d);
-    if (rc == 0) rc = sp_mlp_cuda_forward(g, l, &io, global_n, d);
+    if (rc == 0) rc = sp_mlp_cuda_forward(g, l, &io, micro_global(tr), d);
     if (rc == 0 && u) rc = sp_fsdp_post_forward(f, u, d);
   }
-  if (rc == 0) rc = sp_mlp_cuda_loss(g, output_dtype(tr), d);
+  if (rc == 0)
+    rc = sp_mlp_cuda_loss_over(g, output_dtype(tr),
+                               tr->local_n * tr->cfg->grad_accum, j > 0, d);
   if (rc == 0) rc = sp_fsdp_root_post_forward(f, d);
   if (rc == 0) rc = sp_fsdp_root_pre_backward(f, d);
   for (size_t l = mlp->n_layers; rc == 0 && l-- > 0;) {
@@ -168,35 +211,47 @@ static int trainer_step_gpu(trainer *tr, uint64_t step, uint64_t first,
   if (rc == 0) rc = sp_fsdp_post_backward(f, 0, d);
   if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
   if (rc == 0) rc = sp_mlp_cuda_count_step(g, &io, d);
-  if (rc == 0) rc = sp_fsdp_sgd_step(f, lr, d);
+  return rc;
+}
+
+static int trainer_step_gpu(trainer *tr, uint64_t step, double *loss,
+                            sp_diag *d) {
+  sp_fsdp *f = tr->f;
+  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
+  int rc = 0;
+  for (uint32_t j = 0; rc == 0 && j < tr->cfg->grad_accum; j++)
+    rc = micro_step_gpu(tr, step, j, d);
+  if (rc == 0) rc = optimizer_step(tr, d);
   double sum = 0;
   if (rc == 0)
-    rc = sp_fsdp_all_reduce(f, sp_mlp_cuda_loss_ptr(g), 1, SP_FLOAT64, d);
-  if (rc == 0) rc = sp_mlp_cuda_read_loss(g, &sum, d);
+    rc = sp_fsdp_all_reduce(f, sp_mlp_cuda_loss_ptr(tr->gpu), 1, SP_FLOAT64,
+                            d);
+  if (rc == 0) rc = sp_mlp_cuda_read_loss(tr->gpu, &sum, d);
   *loss = sum / sp_session_world(tr->s);
   return rc;
 }
 
-/* One step; *loss receives the global mean loss. */
-static int trainer_step(trainer *tr, uint64_t step, uint64_t first,
-                        uint64_t global_n, double lr, double *loss,
-                        sp_diag *d) {
+/* One micro-batch; *local receives its scaled local loss. */
+static int micro_step(trainer *tr, uint64_t step, uint32_t j, double *local,
+                      sp_diag *d) {
   sp_fsdp *f = tr->f;
   const sp_mlp *mlp = tr->mlp;
   sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
                   io_buffer_dtype, io_all_reduce, f};
-  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
-  sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
-  int rc = sp_fsdp_root_pre_forward(f, d);
+  sp_mlp_batch(mlp, step, micro_first(tr, j), tr->local_n, tr->acts->x[0],
+               tr->t);
+  int rc = set_sync(tr, j, d);
+  if (rc == 0) rc = sp_fsdp_root_pre_forward(f, d);
   for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
     uint32_t u = tr->layer_unit[l];
     if (u) rc = sp_fsdp_pre_forward(f, u, d);
-    if (rc == 0) rc = sp_mlp_forward(mlp, l, &io, tr->acts, global_n, d);
+    if (rc == 0)
+      rc = sp_mlp_forward(mlp, l, &io, tr->acts, micro_global(tr), d);
     if (rc == 0 && u) rc = sp_fsdp_post_forward(f, u, d);
   }
-  double local = 0;
   if (rc == 0) {
-    local = sp_mlp_loss(mlp, tr->acts, tr->t, output_dtype(tr));
+    *local = sp_mlp_loss_over(mlp, tr->acts, tr->t, output_dtype(tr),
+                              tr->local_n * tr->cfg->grad_accum);
     rc = sp_fsdp_root_post_forward(f, d);
   }
   if (rc == 0) rc = sp_fsdp_root_pre_backward(f, d);
@@ -209,10 +264,24 @@ static int trainer_step(trainer *tr, uint64_t step, uint64_t first,
   if (rc == 0) rc = sp_fsdp_post_backward(f, 0, d);
   if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
   if (rc == 0) sp_mlp_count_step(mlp, &io);
-  if (rc == 0) rc = sp_fsdp_sgd_step(f, lr, d);
+  return rc;
+}
+
+/* One step; *loss receives the global mean loss. */
+static int trainer_step(trainer *tr, uint64_t step, double *loss,
+                        sp_diag *d) {
+  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
+  double local = 0;
+  int rc = 0;
+  for (uint32_t j = 0; rc == 0 && j < tr->cfg->grad_accum; j++) {
+    double part = 0;
+    rc = micro_step(tr, step, j, &part, d);
+    local += part;
+  }
+  if (rc == 0) rc = optimizer_step(tr, d);
   /* the global loss: local means weighted equally (equal local batches) */
   double sum = local;
-  if (rc == 0) rc = sp_fsdp_all_reduce(f, &sum, 1, SP_FLOAT64, d);
+  if (rc == 0) rc = sp_fsdp_all_reduce(tr->f, &sum, 1, SP_FLOAT64, d);
   *loss = sum / sp_session_world(tr->s);
   return rc;
 }
@@ -272,9 +341,10 @@ static void usage(FILE *f) {
       "                           gradients and buffers on GPU N, the MLP on\n"
       "                           cuBLAS, collectives over NCCL (GPU build)\n"
       "  --steps N                training steps (default 20)\n"
-      "  --global-batch N         samples per step over all ranks (default 24"
-      ")\n"
-      "  --lr X                   SGD learning rate (default 0.05)\n"
+      "  --global-batch N         samples per step over all ranks and micro-\n"
+      "                           batches (default 24)\n"
+      "  --lr X                   learning rate, the peak of a schedule\n"
+      "                           (default 0.05)\n"
       "  --checkpoint-dir DIR     write checkpoints there after training\n"
       "  --checkpoint KIND        full, sharded or local; repeatable "
       "(default full)\n"
@@ -294,7 +364,10 @@ static void usage(FILE *f) {
       "                           (attach, store, detach; default 30000)\n"
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
-      "                           (starting on; for bench/step)\n"
+      "                           (starting on; for bench/step)\n",
+      f);
+  sp_train_flags_help(f, 27);
+  fputs(
       "  --help                   this text\n"
       "\n"
       "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage\n",
@@ -313,6 +386,7 @@ static int parse_option(worker_opts *o, int c, const char *flag,
   long long n = 0;
   size_t k;
   int rc;
+  if (c >= SP_TRAIN_OPT_BASE) return sp_train_flag(&o->train, c, v, d);
   switch (c) {
     case O_COORD:
       o->coordinator = v;
@@ -378,7 +452,7 @@ static int parse_option(worker_opts *o, int c, const char *flag,
 
 /* 0 to run, 1 after --help, 2 for bad usage (message printed). */
 static int parse_args(int argc, char **argv, worker_opts *o) {
-  static const struct option opts[] = {
+  static const struct option own[] = {
       {"coordinator", required_argument, NULL, O_COORD},
       {"rank", required_argument, NULL, O_RANK},
       {"device", required_argument, NULL, O_DEVICE},
@@ -396,9 +470,15 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"call-timeout-ms", required_argument, NULL, O_CALLTO},
       {"no-report", no_argument, NULL, O_NOREP},
       {"report-toggle", required_argument, NULL, O_TOGGLE},
-      {"help", no_argument, NULL, O_HELP},
-      {NULL, 0, NULL, 0}};
+      {"help", no_argument, NULL, O_HELP}};
+  /* the worker's own options, then the training flags */
+  struct option opts[64];
+  size_t n_own = sizeof own / sizeof own[0];
+  memcpy(opts, own, sizeof own);
+  size_t n_train = sp_train_options(opts + n_own, 63 - n_own);
+  opts[n_own + n_train] = (struct option){NULL, 0, NULL, 0};
   memset(o, 0, sizeof *o);
+  sp_train_flags_init(&o->train);
   o->coordinator = getenv("SHARDPLANE_COORDINATOR");
   if (!o->coordinator || !*o->coordinator) o->coordinator = "127.0.0.1:7700";
   o->rank = -1;
@@ -452,6 +532,15 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     return 2;
   }
   if (!o->any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
+  /* the flags that combine (the world size's share of the batch is
+   * checked once the job says it) */
+  sp_diag d = {{0}};
+  sp_mlp_train_cfg cfg;
+  if (sp_train_flags_finish(&o->train, o->steps, o->lr, o->global_batch, 0,
+                            NULL, &cfg, &d) < 0) {
+    fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+    return 2;
+  }
   return 0;
 }
 
@@ -519,17 +608,21 @@ static int run(const worker_opts *o, sp_diag *d) {
                      .init_param = sp_mlp_init_param,
                      .init_buffer = sp_mlp_init_buffer,
                      .device = o->device};
-  if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
-  if (rc == 0 && o->load_dir)
-    rc = sp_ckpt_load(f, o->load_kind, o->load_from, d);
   sp_diag md = {{0}};
   bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
-  if (rc == 0 && is_mlp && o->global_batch % w != 0)
-    rc = sp_diag_set(d, SP_EINVAL, "--global-batch %u is not divisible by "
-                     "the world size %u", o->global_batch, w);
-  size_t local_n = o->global_batch / w;
+  /* every rank takes an equal share of every micro-batch */
+  sp_mlp_train_cfg cfg;
+  if (rc == 0 && is_mlp)
+    rc = sp_train_flags_finish(&o->train, o->steps, o->lr, o->global_batch,
+                               w, "the world size", &cfg, d);
+  if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
+  /* the optimizer before a load, so a checkpoint's optimizer state and
+   * step count load into it (the synthetic cycle runs plain SGD) */
+  if (rc == 0 && is_mlp) rc = sp_fsdp_optim_init(f, &cfg.optim, d);
+  if (rc == 0 && o->load_dir)
+    rc = sp_ckpt_load(f, o->load_kind, o->load_from, d);
   if (rc == 0 && is_mlp) {
-    rc = trainer_init(&tr, f, s, mlp, local_n, d);
+    rc = trainer_init(&tr, f, s, mlp, &cfg, d);
     have_tr = true;
   }
   if (rc == 0 && rank == 0 && !is_mlp)
@@ -549,11 +642,9 @@ static int run(const worker_opts *o, sp_diag *d) {
       rc = sp_session_set_report(s, (step / o->report_toggle) % 2 == 0, d);
     double ts = sp_clock_s();
     if (is_mlp && tr.gpu)
-      rc = trainer_step_gpu(&tr, step, (uint64_t)rank * local_n,
-                            o->global_batch, o->lr, &losses[step], d);
+      rc = trainer_step_gpu(&tr, step, &losses[step], d);
     else if (is_mlp)
-      rc = trainer_step(&tr, step, (uint64_t)rank * local_n, o->global_batch,
-                        o->lr, &losses[step], d);
+      rc = trainer_step(&tr, step, &losses[step], d);
     else
       rc = synthetic_step(f, s, step, o->lr, d);
     step_s[step] = sp_clock_s() - ts;

@@ -72,22 +72,42 @@ typedef struct sp_tjob_parity_cfg {
   int n;                /* workers */
   uint32_t steps, batch;
   const char *lr;
-  /* more coordinator and worker flags (NULL-terminated), or NULL */
+  /* more coordinator and worker flags (NULL-terminated), or NULL; the
+   * training flags among wflags (train_flags.h: optimizer, schedule,
+   * clipping, accumulation) configure the reference run as well */
   const char *const *cflags, *const *wflags;
   double tol, timeout_s;
+  double loss_tol; /* the loss curve's bound; 0: tol */
+  /* ||params - reference|| / ||reference||'s bound; 0: not checked */
+  double rms_tol;
 } sp_tjob_parity_cfg;
+
+/* The largest errors seen by sp_tjob_parity since the caller pointed
+ * g_parity_worst at a record (NULL: none kept). */
+typedef struct sp_tjob_errors {
+  double loss, params, rms;
+} sp_tjob_errors;
+extern sp_tjob_errors *g_parity_worst;
 
 /* The parity test of one configuration: a job (wrap type Linear) trains
  * c->model for c->steps steps of global batch c->batch at c->lr, writing
  * its loss curve and a FULL checkpoint; then the unsharded single-process
- * run of the same settings (sp_mlp_reference_run) does too. Prints both
+ * run of the same settings (sp_mlp_reference_train, configured by the
+ * training flags among c->wflags) does too. Prints both
  * errors after `label`, then fails unless every worker succeeded within
  * c->timeout_s, the loss curve has c->steps entries and went down, the
  * checkpoint holds every parameter in its dtype, and the largest relative
  * errors of the loss curve and of the final parameters (max |job -
  * reference| / max |reference|, so values near zero do not dominate; a NaN
- * fails) are within c->tol. */
+ * fails) are within c->tol (the loss curve's within c->loss_tol when set,
+ * the parameters' rms error within c->rms_tol when set). */
 void sp_tjob_parity(const char *label, const sp_tjob_parity_cfg *c);
+/* sp_tjob_parity of n configurations, `parallel` jobs at a time (a job
+ * spends most of its time waiting on its rendezvous and timers, so a few
+ * at once cost little more than one); labels[i] names cs[i]. */
+void sp_tjob_parity_many(const sp_tjob_parity_cfg *cs,
+                         const char *const *labels, size_t n,
+                         size_t parallel);
 
 /* The buffer test (SP_TEST_DATA/mlp_buffers.json: running means in
  * float64, float16 and bfloat16 submodules, step counters in int64 and

@@ -1,0 +1,281 @@
+/* The training flags (train_flags.h): one table, read by the option
+ * parser, the checks and the help of shardplane-worker and shardplane
+ * run. */
+#include "train_flags.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/flag.h"
+
+enum {
+  F_OPTIMIZER,
+  F_MOMENTUM,
+  F_WEIGHT_DECAY,
+  F_BETAS,
+  F_EPS,
+  F_SCHEDULE,
+  F_WARMUP,
+  F_MIN_LR,
+  F_CLIP,
+  F_ACCUM,
+  F_NO_SYNC,
+  F_DECAY,
+  F_NO_DECAY,
+  F_COUNT
+};
+
+static const struct {
+  const char *name, *arg, *help;
+} k_flags[F_COUNT] = {
+    [F_OPTIMIZER] = {"optimizer", "sgd|adamw",
+                     "sgd (default) or adamw, on the master shards"},
+    [F_MOMENTUM] = {"momentum", "X", "sgd: momentum (default 0: none)"},
+    [F_WEIGHT_DECAY] = {"weight-decay", "X",
+                        "adamw: decoupled (default 0.01); sgd: L2 (default "
+                        "0); decayed: 2-D and larger parameters, and see "
+                        "--decay"},
+    [F_BETAS] = {"betas", "B1,B2", "adamw: default 0.9,0.999"},
+    [F_EPS] = {"eps", "X", "adamw: default 1e-8"},
+    [F_SCHEDULE] = {"lr-schedule", "constant|cosine",
+                    "constant (default), or linear warmup then cosine "
+                    "decay to --min-lr at the last step"},
+    [F_WARMUP] = {"warmup-steps", "N", "cosine: warmup steps (default 0)"},
+    [F_MIN_LR] = {"min-lr", "X", "cosine: the floor (default 0)"},
+    [F_CLIP] = {"clip-grad-norm", "X",
+                "clip the gradients' global 2-norm to X before each step"},
+    [F_ACCUM] = {"grad-accum", "K",
+                 "K micro-batches a step (default 1); --global-batch is "
+                 "the step's samples over all of them"},
+    [F_NO_SYNC] = {"no-sync", NULL,
+                   "with --grad-accum: reduce gradients once a step, "
+                   "holding them unsharded meanwhile (FSDP's no_sync)"},
+    [F_DECAY] = {"decay", "GLOB",
+                 "decay parameters whose FQN matches (repeatable)"},
+    [F_NO_DECAY] = {"no-decay", "GLOB",
+                    "never decay parameters whose FQN matches (repeatable; "
+                    "wins over --decay)"},
+};
+
+void sp_train_flags_init(sp_train_flags *t) {
+  memset(t, 0, sizeof *t);
+  t->kind = SP_OPTIM_SGD;
+  t->schedule = SP_LR_CONSTANT;
+  t->grad_accum = 1;
+}
+
+size_t sp_train_options(struct option *out, size_t cap) {
+  for (size_t i = 0; i < F_COUNT && i < cap; i++)
+    out[i] = (struct option){k_flags[i].name,
+                             k_flags[i].arg ? required_argument : no_argument,
+                             NULL, SP_TRAIN_OPT_BASE + (int)i};
+  return F_COUNT;
+}
+
+const char *sp_train_flag_name(int c) {
+  int i = c - SP_TRAIN_OPT_BASE;
+  return i >= 0 && i < F_COUNT ? k_flags[i].name : NULL;
+}
+
+bool sp_train_flag_has_arg(int c) {
+  int i = c - SP_TRAIN_OPT_BASE;
+  return i >= 0 && i < F_COUNT && k_flags[i].arg != NULL;
+}
+
+/* "B1,B2", each in [0, 1) */
+static int parse_betas(sp_train_flags *t, const char *flag, const char *v,
+                       sp_diag *d) {
+  const char *comma = v ? strchr(v, ',') : NULL;
+  char a[64], b[64];
+  if (!comma || (size_t)(comma - v) >= sizeof a || strlen(comma + 1) >= sizeof b)
+    return sp_flag_fail(d, flag, v, "two numbers B1,B2, each in [0, 1)");
+  memcpy(a, v, (size_t)(comma - v));
+  a[comma - v] = '\0';
+  strcpy(b, comma + 1);
+  sp_diag ignored = {{0}};
+  if (sp_flag_number(flag, a, 0, &t->beta1, &ignored) < 0 ||
+      sp_flag_number(flag, b, 0, &t->beta2, &ignored) < 0 ||
+      !(t->beta1 < 1) || !(t->beta2 < 1))
+    return sp_flag_fail(d, flag, v, "two numbers B1,B2, each in [0, 1)");
+  return 0;
+}
+
+static int add_pattern(const char **list, size_t *n, const char *flag,
+                       const char *v, sp_diag *d) {
+  if (!v || !*v)
+    return sp_flag_fail(d, flag, v, "an FQN glob (fnmatch), e.g. '*.bias'");
+  if (*n >= SP_TRAIN_MAX_PATTERNS)
+    return sp_flag_fail(d, flag, v, "at most %d of them",
+                        SP_TRAIN_MAX_PATTERNS);
+  list[(*n)++] = v;
+  return 0;
+}
+
+int sp_train_flag(sp_train_flags *t, int c, const char *v, sp_diag *d) {
+  static const char *const kinds[] = {"sgd", "adamw"};
+  static const char *const schedules[] = {"constant", "cosine"};
+  int i = c - SP_TRAIN_OPT_BASE;
+  if (i < 0 || i >= F_COUNT) return SP_ENOENT;
+  char flag[64];
+  snprintf(flag, sizeof flag, "--%s", k_flags[i].name);
+  long long n = 0;
+  size_t k = 0;
+  int rc = 0;
+  switch (i) {
+    case F_OPTIMIZER:
+      rc = sp_flag_choice(flag, v, kinds, 2, &k, d);
+      t->kind = k == 1 ? SP_OPTIM_ADAMW : SP_OPTIM_SGD;
+      break;
+    case F_MOMENTUM:
+      rc = sp_flag_number(flag, v, 0, &t->momentum, d);
+      break;
+    case F_WEIGHT_DECAY:
+      rc = sp_flag_number(flag, v, 0, &t->weight_decay, d);
+      break;
+    case F_BETAS: rc = parse_betas(t, flag, v, d); break;
+    case F_EPS:
+      rc = sp_flag_number(flag, v, 0, &t->eps, d);
+      if (rc == 0 && !(t->eps > 0))
+        rc = sp_flag_fail(d, flag, v, "a finite number > 0");
+      break;
+    case F_SCHEDULE:
+      rc = sp_flag_choice(flag, v, schedules, 2, &k, d);
+      t->schedule = k == 1 ? SP_LR_COSINE : SP_LR_CONSTANT;
+      break;
+    case F_WARMUP:
+      rc = sp_flag_int(flag, v, 0, 1000000000, &n, d);
+      t->warmup_steps = (uint64_t)n;
+      break;
+    case F_MIN_LR: rc = sp_flag_number(flag, v, 0, &t->min_lr, d); break;
+    case F_CLIP:
+      rc = sp_flag_number(flag, v, 0, &t->clip_grad_norm, d);
+      if (rc == 0 && !(t->clip_grad_norm > 0))
+        rc = sp_flag_fail(d, flag, v, "a finite number > 0");
+      break;
+    case F_ACCUM:
+      rc = sp_flag_int(flag, v, 1, 1024, &n, d);
+      t->grad_accum = (uint32_t)n;
+      break;
+    case F_NO_SYNC: t->no_sync = true; break;
+    case F_DECAY:
+      rc = add_pattern(t->decay, &t->n_decay, flag, v, d);
+      break;
+    case F_NO_DECAY:
+      rc = add_pattern(t->no_decay, &t->n_no_decay, flag, v, d);
+      break;
+  }
+  if (rc == 0) t->given[i] = v ? v : "";
+  return rc;
+}
+
+/* `--flag "value": only with <what>` for a flag given where it means
+ * nothing. */
+static int only_with(const sp_train_flags *t, int i, const char *what,
+                     sp_diag *d) {
+  if (!k_flags[i].arg)
+    return sp_diag_set(d, SP_EINVAL, "--%s: only with %s", k_flags[i].name,
+                       what);
+  return sp_diag_set(d, SP_EINVAL, "--%s \"%s\": only with %s",
+                     k_flags[i].name, t->given[i], what);
+}
+
+int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
+                          uint32_t global_batch, uint32_t world,
+                          const char *world_name, sp_mlp_train_cfg *cfg,
+                          sp_diag *d) {
+  bool adamw = t->kind == SP_OPTIM_ADAMW;
+  bool cosine = t->schedule == SP_LR_COSINE;
+  if (adamw && t->given[F_MOMENTUM])
+    return only_with(t, F_MOMENTUM, "--optimizer sgd (adamw has --betas)",
+                     d);
+  if (!adamw && t->given[F_BETAS])
+    return only_with(t, F_BETAS, "--optimizer adamw", d);
+  if (!adamw && t->given[F_EPS])
+    return only_with(t, F_EPS, "--optimizer adamw", d);
+  if (!cosine && t->given[F_WARMUP])
+    return only_with(t, F_WARMUP, "--lr-schedule cosine", d);
+  if (!cosine && t->given[F_MIN_LR])
+    return only_with(t, F_MIN_LR, "--lr-schedule cosine", d);
+  if (t->no_sync && t->grad_accum < 2)
+    return only_with(t, F_NO_SYNC, "--grad-accum K, K > 1", d);
+  if (cosine && t->warmup_steps > steps)
+    return sp_flag_fail(d, "--warmup-steps", t->given[F_WARMUP],
+                        "at most --steps %u", steps);
+  if (cosine && t->min_lr > lr)
+    return sp_flag_fail(d, "--min-lr", t->given[F_MIN_LR],
+                        "at most --lr %g", lr);
+  uint64_t split = (uint64_t)(world ? world : 1) * t->grad_accum;
+  if (global_batch % split != 0) {
+    char v[32];
+    snprintf(v, sizeof v, "%u", global_batch);
+    if (!world)
+      return sp_flag_fail(d, "--global-batch", v, "a multiple of "
+                          "--grad-accum %u", t->grad_accum);
+    if (t->grad_accum == 1)
+      return sp_flag_fail(d, "--global-batch", v, "a multiple of %s %u: "
+                          "every rank trains an equal share", world_name,
+                          world);
+    return sp_flag_fail(d, "--global-batch", v, "a multiple of %u: %s %u "
+                        "times --grad-accum %u, every rank an equal share "
+                        "of each micro-batch", (unsigned)split, world_name,
+                        world, t->grad_accum);
+  }
+  sp_mlp_train_cfg_init(cfg, steps, global_batch, lr);
+  sp_optim_opts *o = &cfg->optim;
+  sp_optim_opts_init(o, t->kind);
+  o->lr = lr;
+  if (t->given[F_MOMENTUM]) o->momentum = t->momentum;
+  if (t->given[F_WEIGHT_DECAY]) o->weight_decay = t->weight_decay;
+  if (t->given[F_BETAS]) {
+    o->beta1 = t->beta1;
+    o->beta2 = t->beta2;
+  }
+  if (t->given[F_EPS]) o->eps = t->eps;
+  o->schedule = t->schedule;
+  o->warmup_steps = t->warmup_steps;
+  o->total_steps = steps;
+  o->min_lr = t->min_lr;
+  o->decay = t->decay;
+  o->n_decay = t->n_decay;
+  o->no_decay = t->no_decay;
+  o->n_no_decay = t->n_no_decay;
+  cfg->clip_grad_norm = t->clip_grad_norm;
+  cfg->grad_accum = t->grad_accum;
+  cfg->no_sync = t->no_sync;
+  /* what sp_optim_opts_check would refuse is refused above, by flag; a
+   * cosine schedule over 0 steps is the one case left (nothing trains) */
+  if (cosine && steps == 0) o->schedule = SP_LR_CONSTANT;
+  int rc = sp_optim_opts_check(o, d);
+  return rc < 0 ? rc : 0;
+}
+
+void sp_train_flags_help(FILE *f, int col) {
+  for (size_t i = 0; i < F_COUNT; i++) {
+    char head[64];
+    snprintf(head, sizeof head, "  --%s%s%s", k_flags[i].name,
+             k_flags[i].arg ? " " : "", k_flags[i].arg ? k_flags[i].arg : "");
+    int pad = col - (int)strlen(head);
+    /* the description wrapped at 76 columns */
+    const char *h = k_flags[i].help;
+    fputs(head, f);
+    if (pad < 1) {
+      fputc('\n', f);
+      pad = col;
+    }
+    int width = 76 - col;
+    bool first = true;
+    while (*h) {
+      size_t len = strlen(h);
+      size_t take = len;
+      if ((int)len > width) {
+        take = (size_t)width;
+        while (take > 0 && h[take] != ' ') take--;
+        if (take == 0) take = (size_t)width;
+      }
+      fprintf(f, "%*s%.*s\n", first ? pad : col, "", (int)take, h);
+      first = false;
+      h += take;
+      while (*h == ' ') h++;
+    }
+  }
+}

@@ -1,0 +1,82 @@
+/* The training flags of shardplane-worker: optimizer, learning-rate
+ * schedule, weight decay, clipping and gradient accumulation. `shardplane
+ * run` takes the same flags and passes them through, so both check them
+ * here, once: every error names the flag, the value and what is allowed
+ * (common/base/flag.h). */
+#ifndef SP_TRAIN_FLAGS_H
+#define SP_TRAIN_FLAGS_H
+
+#include <getopt.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "base/sp_error.h"
+#include "lib/shardplane.h"
+#include "mlp.h"
+
+/* getopt_long returns SP_TRAIN_OPT_BASE + i for the i-th training flag. */
+#define SP_TRAIN_OPT_BASE 2000
+/* Most values of the repeatable --decay and --no-decay (each). */
+#define SP_TRAIN_MAX_PATTERNS 16
+
+typedef struct sp_train_flags {
+  sp_optim_kind kind;           /* --optimizer (default sgd) */
+  double momentum;              /* --momentum (sgd) */
+  double weight_decay;          /* --weight-decay */
+  double beta1, beta2;          /* --betas B1,B2 (adamw) */
+  double eps;                   /* --eps (adamw) */
+  sp_lr_schedule schedule;      /* --lr-schedule */
+  uint64_t warmup_steps;        /* --warmup-steps (cosine) */
+  double min_lr;                /* --min-lr (cosine) */
+  double clip_grad_norm;        /* --clip-grad-norm; 0: off */
+  uint32_t grad_accum;          /* --grad-accum K, micro-batches a step */
+  bool no_sync;                 /* --no-sync */
+  /* --decay / --no-decay globs, pointing into argv */
+  const char *decay[SP_TRAIN_MAX_PATTERNS];
+  size_t n_decay;
+  const char *no_decay[SP_TRAIN_MAX_PATTERNS];
+  size_t n_no_decay;
+  /* which were given, for the checks that combine flags: the value as
+   * given (NULL: not given), by flag index */
+  const char *given[16];
+} sp_train_flags;
+
+/* Defaults: SGD, constant schedule, no clipping, one micro-batch; AdamW's
+ * betas, eps and weight decay as sp_optim_opts_init gives them unless the
+ * flags say otherwise. */
+void sp_train_flags_init(sp_train_flags *t);
+
+/* Appends the training flags to a getopt_long table: up to cap entries at
+ * out; returns how many there are. */
+size_t sp_train_options(struct option *out, size_t cap);
+/* The flag's name (without dashes) for getopt's return value c, or NULL
+ * when c is none of them. */
+const char *sp_train_flag_name(int c);
+/* Whether the flag (by getopt's c) takes a value. */
+bool sp_train_flag_has_arg(int c);
+
+/* One flag (getopt's c) with its value: 0, or SP_EINVAL naming the flag,
+ * the value and what is allowed; SP_ENOENT when c is no training flag. */
+int sp_train_flag(sp_train_flags *t, int c, const char *value, sp_diag *d);
+
+/* The checks that combine flags, with the run's --steps, --lr and
+ * --global-batch over `world` ranks: --momentum only for sgd, --betas and
+ * --eps only for adamw, --warmup-steps and --min-lr only with
+ * --lr-schedule cosine, warmup at most --steps, --min-lr at most --lr,
+ * --no-sync only with --grad-accum above 1, the batch a multiple of
+ * world * K (world 0: not known yet, of K; world_name says what gave the
+ * world in messages: "--nproc", "the world size"). Then the configuration for the trainer and the reference run
+ * (cfg: optimizer with total_steps = steps, clipping, accumulation; the
+ * patterns point into t). SP_EINVAL with the message. */
+int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
+                          uint32_t global_batch, uint32_t world,
+                          const char *world_name, sp_mlp_train_cfg *cfg,
+                          sp_diag *d);
+
+/* The help lines, indented like the programs' own (column `col` for the
+ * descriptions). */
+void sp_train_flags_help(FILE *f, int col);
+
+#endif
