@@ -1,7 +1,8 @@
 /* The FSDP runtime's state, shared by its files (fsdp.c construction and
  * storage, fsdp_schedule.c the schedule, fsdp_comm.c the communication
- * thread, fsdp_mem_host.c and fsdp_cuda.c the memory-ops tables) and by
- * ckpt.c (checkpoints). Not part of the public API. */
+ * thread, fsdp_mem_host.c and fsdp_cuda.c the memory-ops tables, optim.c
+ * the optimizer and clipping) and by ckpt.c (checkpoints). Not part of the
+ * public API. */
 #ifndef SP_FSDP_INTERNAL_H
 #define SP_FSDP_INTERNAL_H
 
