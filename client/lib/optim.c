@@ -243,6 +243,11 @@ int sp_fsdp_optim_init(sp_fsdp *f, const sp_optim_opts *o, sp_diag *d) {
   if (f->optim && f->optim->ready)
     return sp_diag_set(d, SP_EEXIST, "sp_fsdp_optim_init: the runtime has "
                        "an optimizer already");
+  /* its state may be registered already, under the names a second try
+   * would register again */
+  if (f->optim && f->optim->ranges)
+    return sp_diag_set(d, SP_ESTATE, "sp_fsdp_optim_init: an earlier call "
+                       "failed half-way; free the runtime");
   int rc = sp_optim_opts_check(o, d);
   if (rc < 0) return rc;
   sp_fsdp_optim *op = optim_get(f, d);

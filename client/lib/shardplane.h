@@ -550,7 +550,9 @@ bool sp_optim_decays(const sp_optim_opts *o, const sp_model *m,
  * allocates the zeroed state, registered for checkpoints: "exp_avg" and
  * "exp_avg_sq" (AdamW), "momentum_buffer" (SGD with momentum). Call it
  * before sp_ckpt_load, so a checkpoint's optimizer state and step count
- * load into it. The runtime owns the state until sp_fsdp_free. */
+ * load into it. The runtime owns the state until sp_fsdp_free. After a
+ * failure (SP_EINVAL for bad options changes nothing; SP_ENOMEM may leave
+ * state registered) a second call is refused with SP_ESTATE. */
 int sp_fsdp_optim_init(sp_fsdp *f, const sp_optim_opts *o, sp_diag *d);
 /* One optimizer step at the schedule's lr for the step count so far
  * (*lr receives it; may be NULL), on the trainable elements only, every
