@@ -11,6 +11,7 @@
 #include <dirent.h>
 #include <jansson.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "safetensors/safetensors.h"
 #include "support/testutil.h"
@@ -899,6 +900,192 @@ static void test_mutations_never_crash(void **state) {
   free(dir);
 }
 
+/* ---- writing and reading in pieces --------------------------------------- */
+
+static const sp_st_entry k_piece_entries[] = {
+    {.name = "b.weight", .dtype = SP_FLOAT32, .ndim = 2, .shape = {3, 4}},
+    {.name = "a.weight", .dtype = SP_BFLOAT16, .ndim = 1, .shape = {5}},
+    {.name = "step", .dtype = SP_INT64, .ndim = 0},
+    {.name = "empty", .dtype = SP_FLOAT16, .ndim = 2, .shape = {0, 2}},
+    {.name = "mask", .dtype = SP_BOOL, .ndim = 1, .shape = {3}},
+};
+#define N_PIECES (sizeof k_piece_entries / sizeof k_piece_entries[0])
+
+/* tensor i's bytes: a pattern that differs per tensor and per byte */
+static void piece_bytes(size_t i, uint8_t *dst, size_t n) {
+  for (size_t k = 0; k < n; k++) dst[k] = (uint8_t)(17 * i + 3 * k + 1);
+}
+
+static size_t piece_nbytes(size_t i) {
+  const sp_st_entry *e = &k_piece_entries[i];
+  size_t n = sp_dtype_size(e->dtype);
+  for (size_t k = 0; k < e->ndim; k++) n *= e->shape[k];
+  return n;
+}
+
+/* The streaming writer gives sp_st_write's file byte for byte, whatever the
+ * order of the tensors and however a tensor is cut into pieces; it refuses
+ * pieces out of order and an incomplete file, leaving nothing behind. */
+static void test_writer_pieces(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *whole = sp_test_path(dir, "whole.safetensors");
+  char *parts = sp_test_path(dir, "parts.safetensors");
+  uint8_t data[N_PIECES][64];
+  sp_st_entry es[N_PIECES];
+  for (size_t i = 0; i < N_PIECES; i++) {
+    es[i] = k_piece_entries[i];
+    piece_bytes(i, data[i], piece_nbytes(i));
+    es[i].data = data[i];
+  }
+  sp_st_kv meta[] = {{"shardplane.kind", "FULL"}, {"optim_steps", "7"}};
+  sp_diag d = {{0}};
+  assert_int_equal(sp_st_write(whole, es, N_PIECES, meta, 2, &d), 0);
+
+  /* no data pointers at open: only names, dtypes and shapes are read */
+  sp_st_entry shapes[N_PIECES];
+  memcpy(shapes, k_piece_entries, sizeof shapes);
+  sp_st_writer *w;
+  assert_int_equal(sp_st_writer_open(parts, shapes, N_PIECES, meta, 2, &w, &d),
+                   0);
+  /* backwards, each tensor in pieces of 3 bytes */
+  for (size_t i = N_PIECES; i-- > 0;) {
+    size_t nb = piece_nbytes(i);
+    for (size_t off = 0; off < nb; off += 3) {
+      size_t len = nb - off < 3 ? nb - off : 3;
+      if (off == 3) {
+        /* a gap, a repeat and a piece past the end are refused */
+        assert_int_equal(sp_st_writer_put(w, i, off + 1, data[i] + off + 1,
+                                          1, &d), SP_ERANGE);
+        assert_non_null(strstr(d.msg, k_piece_entries[i].name));
+        assert_int_equal(sp_st_writer_put(w, i, 0, data[i], 1, &d),
+                         SP_ERANGE);
+        assert_int_equal(sp_st_writer_put(w, i, off, data[i] + off, nb, &d),
+                         SP_ERANGE);
+      }
+      assert_int_equal(sp_st_writer_put(w, i, off, data[i] + off, len, &d),
+                       0);
+    }
+  }
+  assert_int_equal(sp_st_writer_put(w, N_PIECES, 0, data[0], 1, &d),
+                   SP_ERANGE);
+  assert_int_equal(sp_st_writer_commit(w, &d), 0);
+  size_t la, lb;
+  uint8_t *a = read_file(whole, &la), *b = read_file(parts, &lb);
+  assert_int_equal(la, lb);
+  assert_memory_equal(a, b, la);
+  free(a);
+  free(b);
+  assert_int_equal(count_dir_entries(dir), 2);
+
+  /* incomplete: commit fails naming the tensor; the old file stays */
+  assert_int_equal(sp_st_writer_open(parts, shapes, N_PIECES, NULL, 0, &w, &d),
+                   0);
+  assert_int_equal(sp_st_writer_put(w, 0, 0, data[0], 8, &d), 0);
+  assert_int_equal(sp_st_writer_commit(w, &d), SP_EINVAL);
+  assert_non_null(strstr(d.msg, "b.weight"));
+  assert_non_null(strstr(d.msg, "8 of its 48 bytes"));
+  b = read_file(parts, &lb);
+  assert_int_equal(lb, la);
+  free(b);
+  assert_int_equal(count_dir_entries(dir), 2);
+  /* abort: nothing left */
+  assert_int_equal(sp_st_writer_open(parts, shapes, N_PIECES, NULL, 0, &w, &d),
+                   0);
+  assert_int_equal(count_dir_entries(dir), 3);
+  sp_st_writer_abort(w);
+  sp_st_writer_abort(NULL);
+  assert_int_equal(count_dir_entries(dir), 2);
+  /* the arguments are checked as sp_st_write checks them */
+  shapes[1].name = "b.weight";
+  assert_int_equal(sp_st_writer_open(parts, shapes, N_PIECES, NULL, 0, &w, &d),
+                   SP_EINVAL);
+  assert_non_null(strstr(d.msg, "given twice"));
+  assert_int_equal(count_dir_entries(dir), 2);
+  free(whole);
+  free(parts);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* sp_st_open_header keeps only the header in memory and reads ranges of a
+ * tensor from disk; a range outside the tensor is refused, a file cut
+ * short after opening reads as an error, and a bad header fails as in
+ * sp_st_open. */
+static void test_open_header_ranges(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *path = sp_test_path(dir, "m.safetensors");
+  uint8_t data[N_PIECES][64];
+  sp_st_entry es[N_PIECES];
+  for (size_t i = 0; i < N_PIECES; i++) {
+    es[i] = k_piece_entries[i];
+    piece_bytes(i, data[i], piece_nbytes(i));
+    es[i].data = data[i];
+  }
+  sp_st_kv meta[] = {{"optim_steps", "7"}};
+  sp_diag d = {{0}};
+  assert_int_equal(sp_st_write(path, es, N_PIECES, meta, 1, &d), 0);
+  sp_st_file *h, *full;
+  assert_int_equal(sp_st_open_header(path, &h, &d), 0);
+  assert_int_equal(sp_st_open(path, &full, &d), 0);
+  assert_int_equal(sp_st_tensor_count(h), N_PIECES);
+  assert_string_equal(sp_st_metadata_get(h, "optim_steps"), "7");
+  assert_int_equal(sp_st_header_len(h), sp_st_header_len(full));
+  assert_int_equal(sp_st_data_len(h), sp_st_data_len(full));
+  for (size_t i = 0; i < N_PIECES; i++) {
+    const sp_st_tensor *t = sp_st_find(h, k_piece_entries[i].name);
+    const sp_st_tensor *tf = sp_st_find(full, k_piece_entries[i].name);
+    assert_non_null(t);
+    assert_null(t->data);
+    assert_int_equal(t->nbytes, piece_nbytes(i));
+    assert_int_equal(t->begin, tf->begin);
+    /* every range, from the disk and from memory */
+    for (size_t off = 0; off <= t->nbytes; off++)
+      for (size_t len = 0; off + len <= t->nbytes; len++) {
+        uint8_t got[64], mem[64];
+        assert_int_equal(sp_st_read_range(h, t, off, got, len, &d), 0);
+        assert_int_equal(sp_st_read_range(full, tf, off, mem, len, &d), 0);
+        assert_memory_equal(got, data[i] + off, len);
+        assert_memory_equal(mem, data[i] + off, len);
+      }
+    uint8_t one[64];
+    assert_int_equal(sp_st_read_range(h, t, t->nbytes, one, 1, &d),
+                     SP_ERANGE);
+    assert_non_null(strstr(d.msg, k_piece_entries[i].name));
+    assert_int_equal(sp_st_read_range(h, t, UINT64_MAX, one, 1, &d),
+                     SP_ERANGE);
+  }
+  sp_st_free(full);
+  /* cut short under the open file: the last tensor's bytes are gone */
+  const sp_st_tensor *last = sp_st_tensor_at(h, N_PIECES - 1);
+  size_t keep = 8 + sp_st_header_len(h) + (size_t)last->begin;
+  assert_int_equal(truncate(path, (off_t)keep), 0);
+  uint8_t got[64];
+  int rc = sp_st_read_range(h, last, 0, got, last->nbytes, &d);
+  if (last->nbytes > 0) {
+    assert_int_equal(rc, SP_EIO);
+    assert_non_null(strstr(d.msg, path));
+  }
+  sp_st_free(h);
+  /* the same header checks as sp_st_open */
+  assert_int_equal(sp_st_open_header(path, &h, &d), SP_EFORMAT);
+  assert_null(h);
+  assert_non_null(strstr(d.msg, path));
+  uint8_t img[16] = {0};
+  put_le64(img, 1000);
+  sp_test_write_file(path, img, sizeof img);
+  assert_int_equal(sp_st_open_header(path, &h, &d), SP_ETOOBIG);
+  assert_non_null(strstr(d.msg, "runs past the end"));
+  assert_int_equal(sp_st_open_header(dir, &h, &d), SP_EIO);
+  char *missing = sp_test_path(dir, "missing.safetensors");
+  assert_int_equal(sp_st_open_header(missing, &h, &d), SP_ENOENT);
+  free(missing);
+  free(path);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_reference_vector),
@@ -921,6 +1108,8 @@ int main(void) {
       cmocka_unit_test(test_round_trip_all_dtypes),
       cmocka_unit_test(test_write_rejects),
       cmocka_unit_test(test_mutations_never_crash),
+      cmocka_unit_test(test_writer_pieces),
+      cmocka_unit_test(test_open_header_ranges),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

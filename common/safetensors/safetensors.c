@@ -29,8 +29,10 @@ _Static_assert(SP_ST_MAX_HEADER <= INT32_MAX,
 struct sp_st_file {
   void *owned; /* sp_st_open's allocation (contains the image), or NULL */
   size_t header_len;
-  const uint8_t *data;
+  const uint8_t *data; /* NULL for sp_st_open_header: the bytes are on disk */
   size_t data_len;
+  int fd;              /* sp_st_open_header's file, else -1 */
+  char *path;          /* its name, for messages */
   size_t n_tensors;
   sp_st_tensor *tensors;         /* data order */
   const sp_st_tensor **by_name;  /* strcmp order, for bsearch */
@@ -327,6 +329,8 @@ static int check_metadata(const char *src, const json_t *m, size_t *bytes,
 
 void sp_st_free(sp_st_file *f) {
   if (f == NULL) return;
+  if (f->fd >= 0) close(f->fd);
+  free(f->path);
   free(f->tensors);
   free(f->by_name);
   free(f->meta);
@@ -343,18 +347,16 @@ static char *arena_put(char **cursor, const char *s, size_t len) {
   return dst;
 }
 
-int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
-                sp_st_file **out, sp_diag *diag) {
-  const char *src = source != NULL ? source : "<buffer>";
-  if (out == NULL) return st_fail(diag, SP_EINVAL, "%s: out is NULL", src);
-  *out = NULL;
-  if (buf == NULL && len > 0) {
-    return st_fail(diag, SP_EINVAL, "%s: buffer is NULL", src);
-  }
-
+/* Parses the header at buf (the 8-byte prefix and the JSON, at least
+ * 8+N bytes) of an image of total_len bytes. With `data` the image is
+ * buf[0..total_len) and tensors point into it; without, only the header is
+ * in memory and tensors get NULL data (sp_st_open_header). */
+static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
+                       const char *src, sp_st_file **out, sp_diag *diag) {
   uint64_t n;
-  int rc = check_prefix(buf, len, src, &n, diag);
+  int rc = check_prefix(buf, total_len, src, &n, diag);
   if (rc != 0) return rc;
+  size_t len = (size_t)total_len;
   const char *hdr = (const char *)buf + 8;
   size_t hlen = (size_t)n;
   /* Newer reference readers require this too (InvalidHeaderStart); it also
@@ -409,8 +411,9 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
   rc = SP_ENOMEM;
   f = calloc(1, sizeof *f);
   if (f == NULL) goto fail_nomem;
+  f->fd = -1;
   f->header_len = hlen;
-  f->data = buf + 8 + hlen;
+  f->data = data ? buf + 8 + hlen : NULL;
   f->data_len = len - 8 - hlen;
   f->strings = malloc(arena);
   if (f->strings == NULL) goto fail_nomem;
@@ -474,7 +477,7 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
   for (size_t i = 0; i < f->n_tensors; i++) {
     sp_st_tensor *t = &f->tensors[i];
     /* end <= data_len <= SIZE_MAX from here on, so the casts are exact. */
-    t->data = f->data + (size_t)t->begin;
+    t->data = f->data != NULL ? f->data + (size_t)t->begin : NULL;
     t->nbytes = (size_t)(t->end - t->begin);
     f->by_name[i] = t;
   }
@@ -490,6 +493,17 @@ fail:
   if (root != NULL) json_decref(root);
   sp_st_free(f);
   return rc;
+}
+
+int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
+                sp_st_file **out, sp_diag *diag) {
+  const char *src = source != NULL ? source : "<buffer>";
+  if (out == NULL) return st_fail(diag, SP_EINVAL, "%s: out is NULL", src);
+  *out = NULL;
+  if (buf == NULL && len > 0) {
+    return st_fail(diag, SP_EINVAL, "%s: buffer is NULL", src);
+  }
+  return parse_image(buf, len, true, src, out, diag);
 }
 
 /* Reads exactly len bytes at offset off. */
@@ -575,6 +589,98 @@ done:
   free(base);
   close(fd);
   return rc;
+}
+
+int sp_st_open_header(const char *path, sp_st_file **out, sp_diag *diag) {
+  if (out == NULL || path == NULL) {
+    return st_fail(diag, SP_EINVAL, "sp_st_open_header: NULL argument");
+  }
+  *out = NULL;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    return st_fail(diag, e == ENOENT ? SP_ENOENT : SP_EIO,
+                   "%s: cannot open: %s", path, strerror(e));
+  }
+  int rc;
+  uint8_t *hdr = NULL;
+  sp_st_file *f = NULL;
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    rc = st_fail(diag, SP_EIO, "%s: cannot stat: %s", path, strerror(errno));
+    goto fail;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    rc = st_fail(diag, SP_EIO, "%s: not a regular file", path);
+    goto fail;
+  }
+  uint64_t size = (uint64_t)st.st_size;
+  if (size > SIZE_MAX) {
+    rc = st_fail(diag, SP_ETOOBIG, "%s: %llu bytes cannot be addressed", path,
+                 (unsigned long long)size);
+    goto fail;
+  }
+  uint8_t prefix[8];
+  rc = read_full(fd, prefix, size < 8 ? (size_t)size : 8, 0, path, diag);
+  if (rc != 0) goto fail;
+  uint64_t n;
+  /* the length is checked against the real size before allocating it */
+  rc = check_prefix(prefix, size, path, &n, diag);
+  if (rc != 0) goto fail;
+  hdr = malloc(8 + (size_t)n);
+  if (hdr == NULL) {
+    rc = st_fail(diag, SP_ENOMEM, "%s: cannot allocate the %llu-byte header",
+                 path, (unsigned long long)n);
+    goto fail;
+  }
+  rc = read_full(fd, hdr, 8 + (size_t)n, 0, path, diag);
+  if (rc == 0) rc = parse_image(hdr, size, false, path, &f, diag);
+  free(hdr);
+  hdr = NULL;
+  if (rc != 0) goto fail;
+  f->path = strdup(path);
+  if (f->path == NULL) {
+    rc = st_fail(diag, SP_ENOMEM, "%s: out of memory", path);
+    goto fail;
+  }
+  f->fd = fd;
+  *out = f;
+  return 0;
+
+fail:
+  sp_st_free(f);
+  free(hdr);
+  close(fd);
+  return rc;
+}
+
+int sp_st_read_range(const sp_st_file *f, const sp_st_tensor *t,
+                     uint64_t offset, void *dst, size_t len, sp_diag *diag) {
+  if (f == NULL || t == NULL || (dst == NULL && len > 0)) {
+    return st_fail(diag, SP_EINVAL, "sp_st_read_range: NULL argument");
+  }
+  if (offset > t->nbytes || len > t->nbytes - offset) {
+    return st_fail(diag, SP_ERANGE,
+                   "tensor '%.*s': bytes [%llu, +%zu) are outside its %zu",
+                   NAME_Q, t->name, (unsigned long long)offset, len,
+                   t->nbytes);
+  }
+  if (len == 0) return 0;
+  if (f->data != NULL) {
+    memcpy(dst, t->data + offset, len);
+    return 0;
+  }
+  /* the tensor lies inside the data section, which lies inside the file as
+   * it was at open; a file cut short since then reads short (SP_EIO) */
+  uint64_t pos = 8 + f->header_len + t->begin + offset;
+  if (pos > (uint64_t)INT64_MAX) {
+    return st_fail(diag, SP_ERANGE, "%s: offset overflows", f->path);
+  }
+  int rc = read_full(f->fd, dst, len, (off_t)pos, f->path, diag);
+  if (rc != 0) {
+    return sp_diag_prefix(diag, rc, "tensor '%.*s'", NAME_Q, t->name);
+  }
+  return 0;
 }
 
 size_t sp_st_tensor_count(const sp_st_file *f) {
@@ -680,7 +786,8 @@ static int entry_nbytes(const sp_st_entry *e, uint64_t *out, sp_diag *d) {
 
 /* Checks every argument, in the order: presence, limits, content. */
 static int check_write_args(const sp_st_entry *entries, size_t n,
-                            const sp_st_kv *meta, size_t n_meta, sp_diag *d) {
+                            const sp_st_kv *meta, size_t n_meta,
+                            bool need_data, sp_diag *d) {
   if (n > 0 && entries == NULL) {
     return st_fail(d, SP_EINVAL, "entries is NULL");
   }
@@ -725,7 +832,7 @@ static int check_write_args(const sp_st_entry *entries, size_t n,
     uint64_t nbytes;
     int rc = entry_nbytes(e, &nbytes, d);
     if (rc != 0) return rc;
-    if (nbytes > 0 && e->data == NULL) {
+    if (need_data && nbytes > 0 && e->data == NULL) {
       return st_fail(d, SP_EINVAL, "tensor '%.*s': data is NULL", NAME_Q,
                      e->name);
     }
@@ -757,10 +864,10 @@ static int check_write_args(const sp_st_entry *entries, size_t n,
 /* Builds 8-byte prefix + padded JSON into *out (malloc'd) and the tensor
  * order into *order_out (malloc'd, n pointers into entries). */
 static int build_header(const sp_st_entry *entries, size_t n,
-                        const sp_st_kv *meta, size_t n_meta, uint8_t **out,
-                        size_t *out_len, const sp_st_entry ***order_out,
-                        sp_diag *d) {
-  int rc = check_write_args(entries, n, meta, n_meta, d);
+                        const sp_st_kv *meta, size_t n_meta, bool need_data,
+                        uint8_t **out, size_t *out_len,
+                        const sp_st_entry ***order_out, sp_diag *d) {
+  int rc = check_write_args(entries, n, meta, n_meta, need_data, d);
   if (rc != 0) return rc;
 
   json_t *root = NULL;
@@ -919,68 +1026,208 @@ static int sync_parent_dir(const char *path, sp_diag *d) {
   return rc;
 }
 
-int sp_st_write(const char *path, const sp_st_entry *entries, size_t n,
-                const sp_st_kv *meta, size_t n_meta, sp_diag *diag) {
-  if (path == NULL) return st_fail(diag, SP_EINVAL, "path is NULL");
+/* A file being written: the header is on disk, tensors arrive by put. */
+struct sp_st_writer {
+  char *path;
+  char *tmp;
+  int fd;
+  size_t n;
+  uint64_t data_start; /* 8 + N */
+  uint64_t *begin;     /* per entry index: offset in the data section */
+  uint64_t *nbytes;
+  uint64_t *written;   /* bytes put so far, from the tensor's start */
+  size_t *order;       /* entry indices in layout (file) order */
+  char **names;        /* copies, for messages after open returns */
+};
+
+static void writer_free(sp_st_writer *w) {
+  if (w == NULL) return;
+  if (w->fd >= 0) close(w->fd);
+  if (w->tmp != NULL) unlink(w->tmp);
+  for (size_t i = 0; w->names != NULL && i < w->n; i++) free(w->names[i]);
+  free(w->names);
+  free(w->order);
+  free(w->written);
+  free(w->nbytes);
+  free(w->begin);
+  free(w->tmp);
+  free(w->path);
+  free(w);
+}
+
+void sp_st_writer_abort(sp_st_writer *w) { writer_free(w); }
+
+int sp_st_writer_open(const char *path, const sp_st_entry *entries, size_t n,
+                      const sp_st_kv *meta, size_t n_meta,
+                      sp_st_writer **out, sp_diag *diag) {
+  if (path == NULL || out == NULL) {
+    return st_fail(diag, SP_EINVAL, "path or out is NULL");
+  }
+  *out = NULL;
   uint8_t *hdr = NULL;
   size_t hdr_len = 0;
   const sp_st_entry **order = NULL;
-  int rc = build_header(entries, n, meta, n_meta, &hdr, &hdr_len, &order, diag);
+  int rc = build_header(entries, n, meta, n_meta, false, &hdr, &hdr_len,
+                        &order, diag);
   if (rc != 0) return sp_diag_prefix(diag, rc, "%s", path);
 
-  static atomic_uint counter;
-  size_t tlen = strlen(path) + 64;
-  char *tmp = malloc(tlen);
-  int fd = -1;
-  if (tmp == NULL) {
+  sp_st_writer *w = calloc(1, sizeof *w);
+  size_t slots = n > 0 ? n : 1;
+  if (w != NULL) {
+    w->fd = -1;
+    w->n = n;
+    w->data_start = hdr_len;
+    w->path = strdup(path);
+    w->tmp = malloc(strlen(path) + 64);
+    w->begin = calloc(slots, sizeof *w->begin);
+    w->nbytes = calloc(slots, sizeof *w->nbytes);
+    w->written = calloc(slots, sizeof *w->written);
+    w->order = calloc(slots, sizeof *w->order);
+    w->names = calloc(slots, sizeof *w->names);
+  }
+  if (w == NULL || w->path == NULL || w->tmp == NULL || w->begin == NULL ||
+      w->nbytes == NULL || w->written == NULL || w->order == NULL ||
+      w->names == NULL) {
     rc = st_fail(diag, SP_ENOMEM, "%s: out of memory", path);
-    goto out;
+    goto fail;
   }
-  /* O_EXCL with a name unique per process and call: concurrent writers of
-   * the same path never share a temporary file. */
-  for (int attempt = 0; attempt < 100 && fd < 0; attempt++) {
-    snprintf(tmp, tlen, "%s.tmp.%ld.%u", path, (long)getpid(),
-             atomic_fetch_add(&counter, 1u));
-    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0) {
-    rc = st_fail(diag, SP_EIO, "%s: cannot create temporary file: %s", path,
-                 strerror(errno));
-    free(tmp);
-    tmp = NULL;
-    goto out;
-  }
-
-  rc = write_full(fd, hdr, hdr_len, tmp, diag);
-  for (size_t i = 0; rc == 0 && i < n; i++) {
-    uint64_t nbytes = 0;
-    rc = entry_nbytes(order[i], &nbytes, diag);
-    if (rc == 0 && nbytes > 0) {
-      rc = write_full(fd, order[i]->data, (size_t)nbytes, tmp, diag);
+  uint64_t offset = 0;
+  for (size_t k = 0; k < n; k++) {
+    size_t i = (size_t)(order[k] - entries);
+    w->order[k] = i;
+    w->begin[i] = offset;
+    rc = entry_nbytes(&entries[i], &w->nbytes[i], diag);
+    if (rc != 0) goto fail;
+    offset += w->nbytes[i]; /* build_header checked the total */
+    w->names[i] = strdup(entries[i].name);
+    if (w->names[i] == NULL) {
+      rc = st_fail(diag, SP_ENOMEM, "%s: out of memory", path);
+      goto fail;
     }
   }
-  if (rc == 0 && fsync(fd) != 0) {
-    rc = st_fail(diag, SP_EIO, "%s: fsync failed: %s", tmp, strerror(errno));
+
+  static atomic_uint counter;
+  /* O_EXCL with a name unique per process and call: concurrent writers of
+   * the same path never share a temporary file. */
+  for (int attempt = 0; attempt < 100 && w->fd < 0; attempt++) {
+    snprintf(w->tmp, strlen(path) + 64, "%s.tmp.%ld.%u", path,
+             (long)getpid(), atomic_fetch_add(&counter, 1u));
+    w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (w->fd < 0 && errno != EEXIST) break;
+  }
+  if (w->fd < 0) {
+    rc = st_fail(diag, SP_EIO, "%s: cannot create temporary file: %s", path,
+                 strerror(errno));
+    free(w->tmp); /* nothing of ours to unlink */
+    w->tmp = NULL;
+    goto fail;
+  }
+  rc = write_full(w->fd, hdr, hdr_len, w->tmp, diag);
+  if (rc != 0) goto fail;
+  free(order);
+  free(hdr);
+  *out = w;
+  return 0;
+
+fail:
+  free(order);
+  free(hdr);
+  writer_free(w);
+  return rc;
+}
+
+int sp_st_writer_put(sp_st_writer *w, size_t i, uint64_t offset,
+                     const void *src, size_t len, sp_diag *diag) {
+  if (w == NULL || (src == NULL && len > 0)) {
+    return st_fail(diag, SP_EINVAL, "sp_st_writer_put: NULL argument");
+  }
+  if (i >= w->n) {
+    return st_fail(diag, SP_ERANGE, "%s: tensor %zu of %zu", w->path, i,
+                   w->n);
+  }
+  if (offset != w->written[i] || len > w->nbytes[i] - offset) {
+    return st_fail(diag, SP_ERANGE,
+                   "%s: tensor '%.*s': bytes [%llu, +%zu) given, the next "
+                   "expected at %llu of %llu",
+                   w->path, NAME_Q, w->names[i], (unsigned long long)offset,
+                   len, (unsigned long long)w->written[i],
+                   (unsigned long long)w->nbytes[i]);
+  }
+  const uint8_t *p = src;
+  uint64_t pos = w->data_start + w->begin[i] + offset;
+  size_t left = len;
+  while (left > 0) {
+    size_t chunk = left > ((size_t)1 << 30) ? (size_t)1 << 30 : left;
+    ssize_t r = pwrite(w->fd, p, chunk, (off_t)pos);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return st_fail(diag, SP_EIO, "%s: write failed: %s", w->tmp,
+                     strerror(errno));
+    }
+    p += r;
+    pos += (uint64_t)r;
+    left -= (size_t)r;
+  }
+  w->written[i] += len;
+  return 0;
+}
+
+int sp_st_writer_commit(sp_st_writer *w, sp_diag *diag) {
+  if (w == NULL) return st_fail(diag, SP_EINVAL, "sp_st_writer_commit: NULL");
+  int rc = 0;
+  for (size_t i = 0; i < w->n; i++) {
+    if (w->written[i] != w->nbytes[i]) {
+      rc = st_fail(diag, SP_EINVAL,
+                   "%s: tensor '%.*s': %llu of its %llu bytes written",
+                   w->path, NAME_Q, w->names[i],
+                   (unsigned long long)w->written[i],
+                   (unsigned long long)w->nbytes[i]);
+      break;
+    }
+  }
+  if (rc == 0 && fsync(w->fd) != 0) {
+    rc = st_fail(diag, SP_EIO, "%s: fsync failed: %s", w->tmp,
+                 strerror(errno));
   }
   /* close can report a deferred write error (NFS); only a clean close
    * counts. */
+  int fd = w->fd;
+  w->fd = -1;
   if (close(fd) != 0 && rc == 0) {
-    rc = st_fail(diag, SP_EIO, "%s: close failed: %s", tmp, strerror(errno));
-  }
-  if (rc == 0 && rename(tmp, path) != 0) {
-    rc = st_fail(diag, SP_EIO, "%s: cannot rename temporary file: %s", path,
+    rc = st_fail(diag, SP_EIO, "%s: close failed: %s", w->tmp,
                  strerror(errno));
   }
-  if (rc != 0) {
-    unlink(tmp);
-  } else {
-    rc = sync_parent_dir(path, diag);
+  if (rc == 0 && rename(w->tmp, w->path) != 0) {
+    rc = st_fail(diag, SP_EIO, "%s: cannot rename temporary file: %s",
+                 w->path, strerror(errno));
   }
-
-out:
-  free(tmp);
-  free(order);
-  free(hdr);
+  if (rc == 0) {
+    free(w->tmp); /* renamed: nothing left to unlink */
+    w->tmp = NULL;
+    rc = sync_parent_dir(w->path, diag);
+  }
+  writer_free(w);
   return rc;
+}
+
+int sp_st_write(const char *path, const sp_st_entry *entries, size_t n,
+                const sp_st_kv *meta, size_t n_meta, sp_diag *diag) {
+  if (path == NULL) return st_fail(diag, SP_EINVAL, "path is NULL");
+  /* the data must be there before anything is created */
+  int rc = check_write_args(entries, n, meta, n_meta, true, diag);
+  if (rc != 0) return sp_diag_prefix(diag, rc, "%s", path);
+  sp_st_writer *w;
+  rc = sp_st_writer_open(path, entries, n, meta, n_meta, &w, diag);
+  if (rc != 0) return rc;
+  /* in file order: one sequential write */
+  for (size_t k = 0; k < n; k++) {
+    size_t i = w->order[k];
+    rc = sp_st_writer_put(w, i, 0, entries[i].data, (size_t)w->nbytes[i],
+                          diag);
+    if (rc != 0) {
+      writer_free(w);
+      return rc;
+    }
+  }
+  return sp_st_writer_commit(w, diag);
 }

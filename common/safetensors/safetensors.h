@@ -24,7 +24,15 @@
  *
  * Writing: sp_st_write writes the standard layout (see its comment) through
  * a temporary file in the same directory, fsync and rename, so a crash leaves
- * either the old file or the complete new one.
+ * either the old file or the complete new one. sp_st_writer_* write the same
+ * file in pieces (header first, from the known shapes; then each tensor's
+ * bytes as the caller produces them), for files larger than the memory a
+ * writer wants to hold: a checkpoint written unit by unit.
+ *
+ * Reading in pieces: sp_st_open_header reads and checks only the header
+ * and keeps the file open; sp_st_read_range then reads any byte range of
+ * one tensor (pread), so a rank loads its slice of a large checkpoint
+ * without the rest.
  *
  * Only the dtypes of dtype.h are handled; F8_*, U16/U32/U64 and newer
  * safetensors dtypes are rejected with SP_EUNSUPPORTED. The host must be
@@ -98,7 +106,25 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
  * a regular file, or the file changed while being read). */
 int sp_st_open(const char *path, sp_st_file **out, sp_diag *diag);
 
-/* Frees a result of sp_st_parse or sp_st_open; NULL is allowed. */
+/* Opens the regular file at path and reads only its header: the 8-byte
+ * length (checked against the file's size before the header is allocated)
+ * and the JSON, checked exactly as sp_st_open checks them, the data section
+ * being the rest of the file. The file stays open (one descriptor) until
+ * sp_st_free; tensors have `data` NULL: read them with sp_st_read_range.
+ * Memory: the header's, whatever the file's size. Errors as sp_st_open. */
+int sp_st_open_header(const char *path, sp_st_file **out, sp_diag *diag);
+
+/* Copies bytes [offset, offset + len) of tensor t of f into dst (any
+ * alignment): memcpy for a file in memory (sp_st_parse, sp_st_open), pread
+ * for one from sp_st_open_header. Safe from several threads at once on one
+ * file. Errors: SP_EINVAL (NULL arguments), SP_ERANGE (the range is not
+ * inside the tensor; the diag names it), SP_EIO (read failure, or the file
+ * was cut short after it was opened). */
+int sp_st_read_range(const sp_st_file *f, const sp_st_tensor *t,
+                     uint64_t offset, void *dst, size_t len, sp_diag *diag);
+
+/* Frees a result of sp_st_parse, sp_st_open or sp_st_open_header (closing
+ * its file); NULL is allowed. */
 void sp_st_free(sp_st_file *f);
 
 /* Tensors in data order (ascending data_offsets). Index i < count, else
@@ -162,6 +188,40 @@ typedef struct sp_st_entry {
  * diag). */
 int sp_st_write(const char *path, const sp_st_entry *entries, size_t n,
                 const sp_st_kv *meta, size_t n_meta, sp_diag *diag);
+
+/* A file written in pieces: sp_st_write's layout and bytes, with the
+ * tensors' data handed in after the header is on disk. Opaque. One thread
+ * at a time. */
+typedef struct sp_st_writer sp_st_writer;
+
+/* Checks the arguments as sp_st_write does (except that every entry's data
+ * is ignored and may be NULL: only names, dtypes and shapes are read, and
+ * only during the call), creates "<path>.tmp.<pid>.<n>" in path's
+ * directory and writes the header there. Errors as sp_st_write; on error
+ * nothing is left behind. */
+int sp_st_writer_open(const char *path, const sp_st_entry *entries, size_t n,
+                      const sp_st_kv *meta, size_t n_meta,
+                      sp_st_writer **out, sp_diag *diag);
+
+/* Writes len bytes of entry i (its index in the array given to
+ * sp_st_writer_open) starting at byte `offset` of that tensor. Tensors may
+ * come in any order and a tensor in several pieces, but the pieces of one
+ * tensor in order: offset must be where its previous piece ended (0 for the
+ * first). Errors: SP_ERANGE (i out of range, a piece out of order or past
+ * the tensor's end; nothing is written), SP_EIO (the write failed; the
+ * writer is still valid for abort), SP_EINVAL (NULL src with len > 0). */
+int sp_st_writer_put(sp_st_writer *w, size_t i, uint64_t offset,
+                     const void *src, size_t len, sp_diag *diag);
+
+/* Finishes the file: checks that every tensor is complete (SP_EINVAL
+ * naming the first that is not), fsyncs, renames over path and fsyncs the
+ * directory, as sp_st_write. Frees w whatever the result; on error the
+ * temporary file is removed and path is untouched. */
+int sp_st_writer_commit(sp_st_writer *w, sp_diag *diag);
+
+/* Drops an unfinished file: removes the temporary file, frees w. NULL is
+ * allowed. */
+void sp_st_writer_abort(sp_st_writer *w);
 
 #ifdef __cplusplus
 }
