@@ -145,15 +145,18 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
     case SP_WORK_ALL_REDUCE:
       rc = coll_all_reduce(f, f->world_comm, w->buf, w->count, w->dt, d);
       break;
-    case SP_WORK_GATHER_MASTER:
+    case SP_WORK_GATHER_MASTER: {
+      const void *src = w->src ? w->src : fu->shard;
+      sp_dtype dt = w->src ? w->dt : fu->u->dtype;
       if (f->plan->strategy == SP_NO_SHARD) {
-        rc = f->mem->copy(f, SP_LANE_COMM, w->buf, fu->shard,
-                          (size_t)fu->c * fu->esize, d);
+        rc = f->mem->copy(f, SP_LANE_COMM, w->buf, src,
+                          (size_t)fu->c * sp_dtype_size(dt), d);
       } else {
-        rc = coll_all_gather(f, gather_comm(f), fu->shard, w->buf,
-                             (size_t)fu->c, fu->u->dtype, d);
+        rc = coll_all_gather(f, gather_comm(f), src, w->buf, (size_t)fu->c,
+                             dt, d);
       }
       break;
+    }
     default:
       rc = sp_diag_set(d, SP_EINVAL, "unknown work kind %d", (int)w->kind);
   }

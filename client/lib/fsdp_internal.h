@@ -135,6 +135,9 @@ typedef struct sp_fsdp_work {
   void *buf;
   size_t count;
   sp_dtype dt;
+  /* GATHER_MASTER: the per-rank tensor gathered (c elements of dt), NULL
+   * for the master shard itself */
+  const void *src;
 } sp_fsdp_work;
 
 struct sp_fsdp {
@@ -215,6 +218,15 @@ bool sp_fsdp_ticket_done(sp_fsdp *f, int64_t ticket);
  * a collective over the shard group; reports SUMMON_FULL_PARAMS around it
  * (the caller moves the root into and out of SUMMON_FULL_PARAMS). */
 int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t u, void *dst, sp_diag *d);
+/* Gathers one tensor of unit u sharded like the master (src: c elements
+ * of dt in the runtime's storage, e.g. a registered state; NULL: the master
+ * shard, in the unit dtype) over the shard group into dst, host memory of
+ * c * W_s elements: every rank's shard, padding included. On host storage
+ * the collective writes dst itself; on a device it goes through a
+ * temporary of the same size in device memory. The caller moves the unit
+ * (and the root) into SUMMON_FULL_PARAMS around it; a collective. */
+int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t u, const void *src,
+                          sp_dtype dt, void *dst, sp_diag *d);
 /* Original dtype of a buffer, and its element count. */
 sp_dtype sp_fsdp_buffer_orig_dtype(const sp_fsdp *f, int32_t b);
 /* Runs lazy init if it has not run (buffers to compute dtype). */

@@ -312,6 +312,33 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
   return rc;
 }
 
+int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t ui, const void *src,
+                          sp_dtype dt, void *dst, sp_diag *d) {
+  int rc = check_unit(f, ui, d);
+  if (rc < 0) return rc;
+  sp_fsdp_unit *fu = &f->units[ui];
+  if (!fu->has_data) return 0;
+  size_t es = sp_dtype_size(dt);
+  /* host storage: Gloo gathers into the caller's buffer, no second copy */
+  void *buf = dst;
+  if (f->mem->device) {
+    rc = f->mem->alloc(f, (size_t)fu->padded, es, &buf, d);
+    if (rc < 0) return sp_diag_prefix(d, rc, "gathering unit %u", ui);
+  }
+  sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = buf,
+                    .src = src ? src : fu->shard,
+                    .dt = src ? dt : fu->u->dtype};
+  int64_t t = sp_fsdp_enqueue(f, &w, d);
+  if (t >= 0 && f->plan->strategy != SP_NO_SHARD)
+    sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, w.dt,
+                          (uint64_t)fu->padded);
+  rc = t < 0 ? (int)t : sp_fsdp_wait(f, t, d);
+  if (rc == 0 && buf != dst)
+    rc = f->mem->to_host(f, dst, buf, (size_t)fu->padded * es, d);
+  if (buf != dst) f->mem->release(f, buf);
+  return rc;
+}
+
 int sp_fsdp_gather_param(sp_fsdp *f, int32_t param, void *dst, sp_diag *d) {
   if (!f || param < 0 || (size_t)param >= f->model->n_params)
     return sp_diag_set(d, SP_ERANGE, "parameter %d out of range", param);
@@ -344,5 +371,8 @@ int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
       return sp_diag_prefix(d, rc, "SGD on unit %zu (%s)", ui,
                             sp_fsdp_unit_name(f, (uint32_t)ui));
   }
+  /* the step count checkpoints carry, so a resumed run continues its
+   * schedule (and an optimizer with bias correction its own) */
+  f->optim_steps++;
   return 0;
 }
