@@ -400,7 +400,8 @@ sp_dtype sp_fsdp_buffer_dtype(const sp_fsdp *f, int32_t buffer);
 void *sp_fsdp_shard(sp_fsdp *f, uint32_t unit, int64_t *numel);
 void *sp_fsdp_shard_grad(sp_fsdp *f, uint32_t unit);
 sp_dtype sp_fsdp_shard_grad_dtype(const sp_fsdp *f, uint32_t unit);
-/* Plain SGD on every master shard: p -= lr * g. */
+/* Plain SGD on every master shard: p -= lr * g. Counts one optimizer step
+ * (the step count checkpoints carry, sp_ckpt_save). */
 int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d);
 
 /* Full (unpadded) value of parameter `param` in its original dtype,
@@ -458,16 +459,84 @@ typedef enum sp_ckpt_kind {
 int sp_ckpt_kind_parse(const char *s, sp_ckpt_kind *out);
 const char *sp_ckpt_kind_name(sp_ckpt_kind k);
 
-/* Collective: every rank calls it. Creates dir if needed. Parameters are
- * written in their original dtype (full precision), persistent buffers in
- * their original dtype for FULL and SHARDED and in their compute dtype for
- * LOCAL. */
+/* Collective: every rank calls it, between steps (root and units IDLE),
+ * and returns the same result. Writes a complete checkpoint into dir or
+ * leaves dir as it was:
+ *   - every rank writes its files into "<dir>.tmp" (created next to dir,
+ *     its parents as needed; what a crashed save left there is removed
+ *     first); each file is fsync'd;
+ *   - when every rank has finished, rank 0 swaps "<dir>.tmp" with dir (an
+ *     atomic rename exchange; two renames on a file system without it) and
+ *     removes the previous checkpoint; the directories are fsync'd.
+ *   dir and "<dir>.tmp" must be one directory for all ranks (a shared file
+ *   system for ranks on several machines), holding only checkpoint files.
+ * Content: parameters in their original dtype (full precision, the
+ * master), persistent buffers in their original dtype for FULL and SHARDED
+ * and in their compute dtype for LOCAL; every optimizer state registered
+ * with the runtime under "optim.<state>.<fqn>" (FULL: the parameter's full
+ * shape, SHARDED: its dim-0 chunks) or "<unit>.optim.<state>" (LOCAL: flat
+ * shards), in the state's dtype; and the runtime's optimizer step count
+ * (sp_fsdp_sgd_step counts them) with the state names in every file's
+ * __metadata__ ("shardplane.optim_steps", "shardplane.optim_states",
+ * comma-separated) and in SHARDED's index.json ("optim_steps",
+ * "optim_states").
+ * Memory: FULL and SHARDED gather one unit at a time over the shard group
+ * (the master, then each state) into one host buffer of the largest unit
+ * (c * W_s elements of its widest dtype; on a GPU also as much device
+ * memory), and each rank writes only its own pieces from it: nothing else
+ * of the model is held. LOCAL copies one shard at a time (on a GPU).
+ * Errors: SP_EINVAL (dir without a name of its own, such as "/" or ".";
+ * a registered state without storage for a unit), SP_EIO (naming the file),
+ * SP_ENOMEM; a rank whose own part failed returns its error, the others
+ * SP_ECANCELED naming that rank. A failure of the collectives themselves
+ * (a peer died) returns that error. */
 int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
-/* Loads a checkpoint into the master shards and buffers. FULL and SHARDED
- * may come from another world size; LOCAL needs the same plan version.
- * Errors name the file and tensor: SP_ENOENT (missing file or FQN),
- * SP_EFORMAT (shape or dtype mismatch), SP_ESTATE (LOCAL plan mismatch). */
+
+typedef struct sp_ckpt_load_opts {
+  /* Load parameters and buffers only: the checkpoint's optimizer states
+   * and step count are not read, and the runtime's registered states and
+   * step count stay as they are (fine-tuning from a checkpoint written
+   * with another optimizer or none). false (the default): the checkpoint's
+   * states must be exactly the registered ones, and are loaded with the
+   * step count. */
+  bool params_only;
+} sp_ckpt_load_opts;
+
+/* What a loaded checkpoint said about itself. */
+typedef struct sp_ckpt_info {
+  uint64_t optim_steps; /* its step count (0 in one written before
+                           checkpoints carried it); restored into the
+                           runtime unless params_only */
+  uint32_t world_size;  /* of the job that wrote it (0: not recorded) */
+  uint32_t n_states;    /* optimizer states it holds */
+} sp_ckpt_info;
+
+/* Loads a checkpoint into the master shards, registered optimizer states
+ * and buffers, and restores the step count. Not a collective: each rank
+ * reads, with pread, only the byte ranges of its own shard (and the
+ * buffers) out of the files; memory is the files' headers plus, on a GPU,
+ * one unit's shard staged on the host. FULL and SHARDED may come from
+ * another world size and plan; LOCAL needs the same plan version. A state
+ * is loaded into its registered dtype (cast from another floating dtype).
+ * opts NULL: the defaults; info may be NULL. On error the runtime's shards
+ * and states are partly loaded: load again or discard the runtime.
+ * Errors name the file and tensor: SP_ENOENT (missing file or tensor),
+ * SP_EFORMAT (shape or dtype mismatch, a bad index or metadata), SP_ESTATE
+ * (LOCAL plan mismatch; a state in the checkpoint that is not registered,
+ * or a registered one the checkpoint lacks, naming the state, unless
+ * params_only). */
+int sp_ckpt_load_with(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
+                      const sp_ckpt_load_opts *opts, sp_ckpt_info *info,
+                      sp_diag *d);
+/* sp_ckpt_load_with(f, kind, dir, NULL, NULL, d). */
 int sp_ckpt_load(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
+
+/* Collective over the world: *any = whether any rank passed mine = true.
+ * For stopping together: a rank that got a signal passes true at the next
+ * step boundary, and every rank learns it at the same step, so all of them
+ * checkpoint there. One all-reduce of world-size floats (through 4 * W
+ * bytes of device memory allocated per call on a GPU). */
+int sp_fsdp_any(sp_fsdp *f, bool mine, bool *any, sp_diag *d);
 
 #ifdef __cplusplus
 }
