@@ -888,7 +888,7 @@ static int run_once(const bench_opts *o, const char *model, uint32_t units,
   for (uint32_t i = 0; i < b->n && rc == 0; i++) {
     b->ranks[i].b = b;
     b->ranks[i].id = i;
-    rc = sp_rpc_client_new(&b->loop, b->addr, &co, &b->ranks[i].cl);
+    rc = sp_rpc_client_open(&b->loop, b->addr, &co, &b->ranks[i].cl);
   }
   if (rc != 0) {
     sp_diag_set(d, rc, "cannot create the clients: %s", sp_strerror(rc));

@@ -150,7 +150,9 @@ for name in required:
         print("%-30s %-10s %9s" % (name, "MISSING", "-"))
         bad.append("%s did not run" % name)
 run_lines = open(run_log, errors="replace").read().splitlines()
-losses = [l for l in run_lines if l.startswith("step ")]
+# run prefixes the workers' lines: "12:03:04.567 [rank0]: step 10/50 ..."
+losses = [m.group(1) for m in (re.search(r"\[rank0\]: (step .*)", l)
+                               for l in run_lines) if m]
 print("%-30s %-10s %7s s" % ("shardplane run --device cuda",
                              "PASS" if run_rc == 0 else "FAIL", run_s))
 if losses:

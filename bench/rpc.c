@@ -602,7 +602,7 @@ static int driver_open(driver *d, uv_loop_t *loop, int port,
   char addr[32];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
   sp_rpc_client_opts co = {.connect_timeout_ms = 5000};
-  int rc = sp_rpc_client_new(loop, addr, &co, &d->cl);
+  int rc = sp_rpc_client_open(loop, addr, &co, &d->cl);
   if (rc != 0) return rc;
   uv_timer_init(loop, &d->watchdog);
   d->watchdog.data = d;

@@ -16,12 +16,13 @@ uint64_t sp_coord_now_ms(const sp_coord *c) {
 
 void sp_coord_log(const sp_coord *c, const char *fmt, ...) {
   if (c->cfg.quiet) return;
+  char msg[2048];
   va_list ap;
   va_start(ap, fmt);
-  fprintf(stderr, "coordinator: ");
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  /* one write, so that no other process's output lands inside the line */
+  fprintf(stderr, "coordinator: %s\n", msg);
 }
 
 int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n) {
@@ -97,8 +98,8 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
   int rc;
   /* Read once, keep the bytes, parse those same bytes: a file rewritten
    * meanwhile cannot make GetModelSpec disagree with the plan. */
-  if ((rc = sp_jr_read_file(cfg->model_path, SP_MODEL_MAX_FILE_BYTES,
-                            &c->spec_json, &c->spec_len, diag)) != 0 ||
+  if ((rc = sp_json_read_file(cfg->model_path, SP_MODEL_MAX_FILE_BYTES,
+                              &c->spec_json, &c->spec_len, diag)) != 0 ||
       (rc = sp_model_load_string(c->spec_json, c->spec_len, cfg->model_path,
                                  &c->model, diag)) != 0 ||
       (rc = load_job(cfg, &c->job, diag)) != 0 ||

@@ -7,6 +7,7 @@
 
 #include "coordinator.h"
 #include "fsdp/job_cli.h"
+#include "base/flag.h"
 
 static void usage(FILE *f) {
   fputs("usage: shardplane-coordinator --model M.json [--job J.json] "
@@ -20,7 +21,10 @@ static void usage(FILE *f) {
         "                               0 picks a free one and prints it)\n"
         "  --model PATH                 model spec (shardplane.model/v1)\n"
         "  --job PATH                   job config; the flags below override "
-        "it\n",
+        "it\n"
+        "                               (without a wrap policy every Linear\n"
+        "                               module becomes a unit, as in "
+        "shardplane run)\n",
         f);
   sp_job_flags_print_help(f);
   fputs("  --heartbeat-timeout-ms N     mark a silent rank lost (default "
@@ -66,15 +70,59 @@ static void on_signal(uv_signal_t *s, int signum) {
 }
 
 static int parse_ms(const char *flag, const char *v, uint32_t *out) {
-  char *end;
-  unsigned long x = strtoul(v, &end, 10);
-  if (*v == '\0' || *end != '\0' || x == 0 || x > 3600000) {
-    fprintf(stderr, "shardplane-coordinator: %s: expected 1..3600000 ms, got "
-                    "\"%s\"\n", flag, v);
+  long long x;
+  sp_diag d = {{0}};
+  if (sp_flag_int(flag, v, 1, 3600000, &x, &d) != 0) {
+    fprintf(stderr, "shardplane-coordinator: %s (milliseconds)\n", d.msg);
     return -1;
   }
   *out = (uint32_t)x;
   return 0;
+}
+
+/* A path-like value: 0, or -1 with the message printed. */
+static int parse_text(const char *flag, const char *v, const char *what) {
+  sp_diag d = {{0}};
+  if (sp_flag_text(flag, v, what, &d) == 0) return 0;
+  fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
+  return -1;
+}
+
+/* The address to listen on: 0, or -1 with the message printed. */
+static int parse_listen(const char *v) {
+  char host[256];
+  int port;
+  if (sp_rpc_split_addr(v, host, sizeof host, &port) == 0) return 0;
+  sp_diag d = {{0}};
+  sp_flag_fail(&d, "--listen", v, "HOST:PORT or [v6]:PORT, port in [0, "
+               "65535] (0: a free one)");
+  fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
+  return -1;
+}
+
+/* The job against the model: a wrap target it does not have is a flag
+ * error (exit 2), named as such, and so is a job the flags alone make
+ * that does not hold together; one from a job file is a bad job (1).
+ * Without a wrap policy the job gets the tools' default (every Linear a
+ * unit), as in shardplane run and shardplane plan. Returns 0 or the exit
+ * code. */
+static int check_job(const sp_job_cli *flags, sp_job *job, bool from_file,
+                     const char *model_path) {
+  sp_model *m = NULL;
+  sp_diag d = {{0}};
+  int ec = 1;
+  if (sp_model_load_file(model_path, &m, &d) == 0) {
+    ec = sp_job_cli_check_model(flags, m, &d) != 0 ? 2
+         : sp_job_validate(job, m, &d) != 0        ? (from_file ? 1 : 2)
+                                                   : 0;
+    if (ec == 0 && sp_job_default_wrap(job, m, NULL) != 0) {
+      sp_diag_set(&d, SP_ENOMEM, "out of memory");
+      ec = 1;
+    }
+  }
+  sp_model_free(m);
+  if (ec != 0) fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
+  return ec;
 }
 
 int main(int argc, char **argv) {
@@ -89,9 +137,20 @@ int main(int argc, char **argv) {
   int c;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
-    case OPT_LISTEN: listen = optarg; break;
-    case OPT_MODEL: cfg.model_path = optarg; break;
-    case OPT_JOB: cfg.job_path = optarg; break;
+    case OPT_LISTEN:
+      listen = optarg;
+      if (parse_listen(optarg) != 0) goto out;
+      break;
+    case OPT_MODEL:
+      cfg.model_path = optarg;
+      if (parse_text("--model", optarg, "a model spec (JSON file)") != 0)
+        goto out;
+      break;
+    case OPT_JOB:
+      cfg.job_path = optarg;
+      if (parse_text("--job", optarg, "a job config (JSON file)") != 0)
+        goto out;
+      break;
     case OPT_QUIET: cfg.quiet = true; break;
     case OPT_HB_TIMEOUT:
       if (parse_ms("--heartbeat-timeout-ms", optarg,
@@ -108,15 +167,24 @@ int main(int argc, char **argv) {
       exit_code = 0;
       goto out;
     default:
-      if (c >= SP_JOB_OPT_BASE && sp_job_cli_record(&flags, c, optarg) == 0)
-        break;
-      usage(stderr);
+      if (c >= SP_JOB_OPT_BASE) {
+        if (sp_job_cli_record(&flags, c, optarg) == 0) break;
+        fprintf(stderr, "shardplane-coordinator: out of memory\n");
+        exit_code = 1;
+        goto out;
+      }
+      usage(stderr); /* getopt said what */
       goto out;
     }
   }
-  if (optind < argc || cfg.model_path == NULL) {
-    fprintf(stderr, "shardplane-coordinator: %s\n",
-            optind < argc ? "unexpected argument" : "--model is required");
+  if (optind < argc) {
+    fprintf(stderr, "shardplane-coordinator: unexpected argument \"%s\"\n",
+            argv[optind]);
+    usage(stderr);
+    goto out;
+  }
+  if (cfg.model_path == NULL) {
+    fprintf(stderr, "shardplane-coordinator: --model is required\n");
     usage(stderr);
     goto out;
   }
@@ -129,6 +197,9 @@ int main(int argc, char **argv) {
     exit_code = rc == SP_EINVAL ? 2 : 1;
     goto out;
   }
+  exit_code = check_job(&flags, &cfg.job, cfg.job_path != NULL,
+                        cfg.model_path);
+  if (exit_code != 0) goto out;
   cfg.job_path = NULL;
   signal(SIGPIPE, SIG_IGN);
   uv_loop_t *loop = uv_default_loop();

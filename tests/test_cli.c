@@ -22,11 +22,12 @@ typedef struct result {
 } result;
 
 
-/* Runs `shardplane ARGS` (a shell fragment) and captures both streams. */
-static result run(const char *args) {
+/* Runs `PROG ARGS` (PROG one of the programs the build makes, ARGS a
+ * shell fragment; killed after 30 s) and captures both streams. */
+static result run_prog(const char *prog, const char *args) {
   char cmd[4096];
-  snprintf(cmd, sizeof cmd, "%s/shardplane %s >%s/out 2>%s/err", SP_BIN_DIR,
-           args, g_dir, g_dir);
+  snprintf(cmd, sizeof cmd, "timeout 30 %s/%s %s >%s/out 2>%s/err",
+           SP_BIN_DIR, prog, args, g_dir, g_dir);
   int st = system(cmd);
   assert_true(WIFEXITED(st));
   char p[1024];
@@ -37,6 +38,9 @@ static result run(const char *args) {
   r.err = sp_test_read_file(p);
   return r;
 }
+
+/* Runs `shardplane ARGS` (a shell fragment) and captures both streams. */
+static result run(const char *args) { return run_prog("shardplane", args); }
 
 static void done(result *r) {
   free(r->out);
@@ -101,8 +105,9 @@ static void test_failures_name_the_cause(void **state) {
   assert_non_null(strstr(r.err, "bad.json"));
   assert_non_null(strstr(r.err, "params[0].shape[1]"));
   done(&r);
+  /* a flag naming no module of the model is bad usage */
   r = run("plan --model " MODEL("gpt2") " --wrap-type NoSuchBlock");
-  assert_int_equal(r.code, 1);
+  assert_int_equal(r.code, 2);
   assert_non_null(strstr(r.err, "NoSuchBlock"));
   done(&r);
   r = run("plan --model " MODEL("gpt2") " --world-size 4 --rank 4");
@@ -210,6 +215,129 @@ static void test_human_output(void **state) {
   done(&r);
 }
 
+#define MLP SP_EXAMPLES "/mlp.json"
+/* so that an old worker which took a bad value fails at once */
+#define WORKER "--coordinator 127.0.0.1:1 --rank 0 "
+#define RUN "run --nproc 2 --model " MLP " "
+#define COORD "--listen 127.0.0.1:0 --quiet --model " MLP " "
+
+/* Every flag error of shardplane-worker, shardplane run, shardplane plan
+ * and shardplane-coordinator names the flag, the value and what is
+ * allowed, and exits 2. */
+static void test_flag_errors(void **state) {
+  (void)state;
+  static const struct {
+    const char *prog, *args, *want;
+  } cases[] = {
+      {"shardplane-worker", "--rank -1",
+       "--rank \"-1\": expected an integer in [0, 1048575]"},
+      {"shardplane-worker", WORKER "--steps -3",
+       "--steps \"-3\": expected an integer in [0, 1000000000]"},
+      {"shardplane-worker", WORKER "--global-batch 0",
+       "--global-batch \"0\": expected an integer in [1, 1048576]"},
+      {"shardplane-worker", WORKER "--lr nan",
+       "--lr \"nan\": expected a finite number >= 0"},
+      {"shardplane-worker", WORKER "--checkpoint bogus",
+       "--checkpoint \"bogus\": expected one of none, full, sharded, local"},
+      {"shardplane-worker", WORKER "--load-kind bogus",
+       "--load-kind \"bogus\": expected one of full, sharded, local"},
+      {"shardplane-worker", WORKER "--log-every x",
+       "--log-every \"x\": expected an integer in [0, 1000000000]"},
+      {"shardplane-worker", WORKER "--comm-timeout-ms -5",
+       "--comm-timeout-ms \"-5\": expected an integer in [1, 86400000]"},
+      {"shardplane-worker", WORKER "--report-toggle 0",
+       "--report-toggle \"0\": expected an integer in [1, 1000000000]"},
+      {"shardplane-worker", WORKER "--device gpu0",
+       "--device \"gpu0\": expected cpu or cuda:N"},
+      {"shardplane-worker", WORKER "--checkpoint-dir ''",
+       "--checkpoint-dir \"\": expected a directory"},
+      {"shardplane-worker", "--rank 0 --coordinator nohost",
+       "--coordinator \"nohost\": expected HOST:PORT"},
+      {"shardplane", RUN "--steps -3",
+       "shardplane run: --steps \"-3\": expected an integer in [1, "
+       "1000000000]"},
+      {"shardplane", "run --nproc 0 --model " MLP,
+       "--nproc \"0\": expected an integer in [1, 256]"},
+      {"shardplane", RUN "--global-batch x",
+       "--global-batch \"x\": expected an integer in [1, 1048576]"},
+      {"shardplane", RUN "--global-batch 25",
+       "--global-batch \"25\": expected a multiple of --nproc 2"},
+      {"shardplane", RUN "--lr -1",
+       "--lr \"-1\": expected a finite number >= 0"},
+      {"shardplane", RUN "--log-every -1",
+       "--log-every \"-1\": expected an integer in [0, 1000000000]"},
+      {"shardplane", RUN "--heartbeat-timeout-ms 0",
+       "--heartbeat-timeout-ms \"0\": expected an integer in [1, 3600000]"},
+      {"shardplane", RUN "--checkpoint bogus",
+       "--checkpoint \"bogus\": expected one of none, full, sharded, local"},
+      {"shardplane", RUN "--device tpu",
+       "--device \"tpu\": expected one of cpu, cuda"},
+      {"shardplane", RUN "--strategy FOO",
+       "--strategy \"FOO\": expected one of FULL_SHARD, SHARD_GRAD_OP, "
+       "NO_SHARD, HYBRID_SHARD"},
+      {"shardplane", RUN "--world-size 2", "--world-size \"2\""},
+      {"shardplane", RUN "--backend mpi",
+       "--backend \"mpi\": expected one of gloo, nccl"},
+      {"shardplane", RUN "--backend nccl", "--backend \"nccl\": expected gloo"},
+      {"shardplane", RUN "--param-dtype int8",
+       "--param-dtype \"int8\": expected a floating dtype: one of float32, "
+       "bfloat16, float16, float64"},
+      {"shardplane", RUN "--shard-group-size 0",
+       "--shard-group-size \"0\": expected an integer in [1, 1048576]"},
+      {"shardplane", RUN "--wrap-type Conv2d",
+       "--wrap-type \"Conv2d\": expected a module type of model mlp: "},
+      {"shardplane", RUN "--wrap-module no.such",
+       "--wrap-module \"no.such\": expected the FQN of a module of model "
+       "mlp: \"layers\", \"layers.0\""},
+      {"shardplane", "plan --model " MLP " --rank -1",
+       "shardplane plan: --rank \"-1\": expected an integer in [0, 1048575]"},
+      {"shardplane", "plan --model " MLP " --world-size 0",
+       "--world-size \"0\": expected an integer in [1, 1048576]"},
+      {"shardplane", "plan --model " MLP " --reduce-dtype int32",
+       "--reduce-dtype \"int32\": expected a floating dtype"},
+      {"shardplane", "plan --model " MLP " --wrap-type Nope",
+       "--wrap-type \"Nope\": expected a module type of model mlp"},
+      {"shardplane", "plan --model " MLP " --strategy HYBRID_SHARD",
+       "(--shard-group-size): HYBRID_SHARD needs"},
+      {"shardplane", "plan --timeout-ms 0",
+       "--timeout-ms \"0\": expected an integer in [1, 86400000]"},
+      {"shardplane", "plan --coordinator nohost",
+       "--coordinator \"nohost\": expected HOST:PORT"},
+      {"shardplane-coordinator", "--model " MLP " --listen nohost",
+       "--listen \"nohost\": expected HOST:PORT"},
+      {"shardplane-coordinator", COORD "--heartbeat-timeout-ms 0",
+       "--heartbeat-timeout-ms \"0\": expected an integer in [1, 3600000]"},
+      {"shardplane-coordinator", COORD "--heartbeat-interval-ms x",
+       "--heartbeat-interval-ms \"x\": expected an integer in [1, 3600000]"},
+      {"shardplane-coordinator", COORD "--strategy FOO",
+       "--strategy \"FOO\": expected one of FULL_SHARD, SHARD_GRAD_OP, "
+       "NO_SHARD, HYBRID_SHARD"},
+      {"shardplane-coordinator", COORD "--world-size -4",
+       "--world-size \"-4\": expected an integer in [1, 1048576]"},
+      {"shardplane-coordinator", COORD "--wrap-type Nope",
+       "--wrap-type \"Nope\": expected a module type of model mlp"},
+      {"shardplane-coordinator", COORD "--model ''",
+       "--model \"\": expected a model spec"},
+  };
+  int bad = 0;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    result r = run_prog(cases[i].prog, cases[i].args);
+    if (r.code != 2 || strstr(r.err, cases[i].want) == NULL) {
+      printf("  %s %s: exit %d, stderr \"%s\"; want exit 2 and \"%s\"\n",
+             cases[i].prog, cases[i].args, r.code, r.err, cases[i].want);
+      bad++;
+    }
+    done(&r);
+  }
+  assert_int_equal(bad, 0);
+  /* run sets the world size itself: --help does not offer it */
+  result r = run("run --help");
+  assert_int_equal(r.code, 0);
+  assert_null(strstr(r.out, "--world-size"));
+  assert_non_null(strstr(r.out, "--strategy"));
+  done(&r);
+}
+
 int main(void) {
   g_dir = sp_test_mkdtemp();
   const struct CMUnitTest tests[] = {
@@ -218,6 +346,7 @@ int main(void) {
       cmocka_unit_test(test_json_plan_llama70b),
       cmocka_unit_test(test_job_file_and_override),
       cmocka_unit_test(test_human_output),
+      cmocka_unit_test(test_flag_errors),
   };
   int rc = cmocka_run_group_tests(tests, NULL, NULL);
   sp_test_rmtree(g_dir);

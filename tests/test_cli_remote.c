@@ -633,6 +633,122 @@ static void test_watch(void **state) {
   sp_rpc_sync_close(c);
 }
 
+/* ---- what `ranks` says after a job ---- */
+
+/* A coordinator for model (plus extra, NULL-terminated) and world
+ * shardplane-worker processes training steps steps; returns once every
+ * worker exited 0, with the coordinator still serving (stop it). Rank 0's
+ * stdout goes to g_dir/rank0.out. */
+static pid_t job_to_the_end(const char *model, char *const extra[], int world,
+                            const char *steps, char *addr, size_t cap) {
+  char *argv[32] = {"--model", (char *)model};
+  size_t n = 2;
+  for (size_t i = 0; extra[i] != NULL && n < 31; i++) argv[n++] = extra[i];
+  argv[n] = NULL;
+  pid_t coord = start_coordinator(argv, addr, cap);
+  pid_t w[4];
+  char out[1024], err[1024];
+  for (int r = 0; r < world; r++) {
+    char rank[8];
+    snprintf(rank, sizeof rank, "%d", r);
+    char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
+                  "--rank", rank, "--steps", (char *)steps, "--checkpoint",
+                  "none", NULL};
+    snprintf(out, sizeof out, "%s/rank%d.out", g_dir, r);
+    snprintf(err, sizeof err, "%s/rank%d.err", g_dir, r);
+    w[r] = spawn(wa, out, err, NULL);
+  }
+  for (int r = 0; r < world; r++) {
+    int st = wait_child(w[r], 60000);
+    if (st < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      snprintf(err, sizeof err, "%s/rank%d.err", g_dir, r);
+      char *e = sp_test_read_file(err);
+      stop_coordinator(coord);
+      fail_msg("rank %d: status %d: %s", r, st, e);
+    }
+  }
+  return coord;
+}
+
+/* After a job of 3 steps `ranks` says step 3, the number of the worker's
+ * last "step 3/3" line; a collective's count is elements per rank (the
+ * shard a reduce-scatter leaves each rank, as the workers' errors count),
+ * not the elements of all ranks. */
+static void test_ranks_after_a_job(void **state) {
+  (void)state;
+  char addr[64];
+  char *mlp_flags[] = {"--world-size", "3", NULL};
+  pid_t coord = job_to_the_end(SP_EXAMPLES "/mlp.json", mlp_flags, 3, "3",
+                               addr, sizeof addr);
+  char path[1024];
+  snprintf(path, sizeof path, "%s/rank0.out", g_dir);
+  char *progress = sp_test_read_file(path);
+  result r = run("ranks", "--coordinator", addr, "--json", NULL);
+  assert_true(stop_coordinator(coord) >= 0);
+  printf("%s", progress);
+  assert_non_null(strstr(progress, "step 3/3"));
+  free(progress);
+  assert_int_equal(r.code, 0);
+  json_t *j = parse(&r);
+  json_t *ranks = json_object_get(j, "ranks");
+  assert_int_equal(json_array_size(ranks), 3);
+  for (size_t i = 0; i < 3; i++) {
+    json_int_t step = jint(json_array_get(ranks, i), "step");
+    if (step != 3) fail_msg("rank %zu: STEP %lld after 3 steps", i,
+                            (long long)step);
+  }
+  json_decref(j);
+  done(&r);
+
+  /* a spec the worker cannot compute: the synthetic cycle ends each step
+   * with the root unit's reduce-scatter */
+  const char *tiny =
+      "{\"format\":\"shardplane.model/v1\",\"name\":\"tiny\",\"modules\":"
+      "[{\"fqn\":\"\",\"type\":\"Net\"},{\"fqn\":\"a\",\"type\":"
+      "\"Block\"}],\"params\":[{\"fqn\":\"a.w\",\"shape\":[10,3],"
+      "\"dtype\":\"float32\"},{\"fqn\":\"c\",\"shape\":[5],\"dtype\":"
+      "\"float32\"}]}";
+  snprintf(path, sizeof path, "%s/tiny.json", g_dir);
+  sp_test_write_file(path, tiny, strlen(tiny));
+  char *tiny_flags[] = {"--world-size", "3", "--wrap-type", "Block", NULL};
+  coord = job_to_the_end(path, tiny_flags, 3, "2", addr, sizeof addr);
+  r = run("ranks", "--coordinator", addr, "--json", NULL);
+  result text = run("ranks", "--coordinator", addr, NULL);
+  assert_true(stop_coordinator(coord) >= 0);
+  result plan = run("plan", "--model", path, "--world-size", "3",
+                    "--wrap-type", "Block", "--json", NULL);
+  assert_int_equal(plan.code, 0);
+  json_t *pj = parse(&plan);
+  json_int_t shard = jint(json_array_get(json_object_get(pj, "units"), 0),
+                          "shard_numel");
+  json_int_t numel = jint(json_array_get(json_object_get(pj, "units"), 0),
+                          "numel");
+  json_decref(pj);
+  done(&plan);
+  assert_int_equal(r.code, 0);
+  j = parse(&r);
+  printf("%s", text.out);
+  ranks = json_object_get(j, "ranks");
+  for (size_t i = 0; i < 3; i++) {
+    json_t *k = json_array_get(ranks, i);
+    assert_int_equal(jint(k, "step"), 2);
+    json_t *c = json_object_get(k, "last_collective");
+    assert_string_equal(jstr(c, "op"), "REDUCE_SCATTER");
+    assert_int_equal(jint(c, "unit"), 0);
+    if (jint(c, "count") != shard)
+      fail_msg("rank %zu: count %lld; the root unit has %lld elements, %lld "
+               "per rank", i, (long long)jint(c, "count"), (long long)numel,
+               (long long)shard);
+  }
+  char want[64];
+  snprintf(want, sizeof want, "REDUCE_SCATTER unit 0 float32 count %lld",
+           (long long)shard);
+  assert_non_null(strstr(text.out, want));
+  json_decref(j);
+  done(&r);
+  done(&text);
+}
+
 /* Last: the coordinator shuts down cleanly on SIGTERM. */
 static void test_coordinator_stops(void **state) {
   (void)state;
@@ -652,6 +768,7 @@ int main(void) {
       cmocka_unit_test(test_store),
       cmocka_unit_test(test_unreachable_and_usage),
       cmocka_unit_test(test_watch),
+      cmocka_unit_test(test_ranks_after_a_job),
       cmocka_unit_test(test_coordinator_stops),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

@@ -249,7 +249,7 @@ static void get_large(const fixture *fx, const char *key, big_get *b) {
   assert_int_equal(uv_loop_init(&loop), 0);
   sp_rpc_client_opts o = {.max_message = SP_COORD_MAX_MESSAGE};
   sp_rpc_client *cl;
-  assert_int_equal(sp_rpc_client_new(&loop, fx->addr, &o, &cl), 0);
+  assert_int_equal(sp_rpc_client_open(&loop, fx->addr, &o, &cl), 0);
   sp_rpc_ccall_cbs cbs = {big_on_message, big_on_close};
   sp_rpc_ccall *call;
   b->st.code = -1;
@@ -483,7 +483,7 @@ static void test_deadline_and_cancel_leave_no_waiter(void **state) {
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 100, &m, &st),
                    SP_ETIMEDOUT);
   await_waiters(&fx, 1);
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
   await_waiters(&fx, 0);
   /* A deadline from another client, while this one stays connected. */
   waiter_thread w = {.key = "never", .timeout_ms = 300};
@@ -600,7 +600,7 @@ static void test_limits_and_bad_requests(void **state) {
   ProtobufCMessage *m;
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
   expect_code(&st, SP_RPC_INTERNAL, "StoreSetRequest");
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
 
   /* The coordinator still answers, and its store is as it was: the 8 KiB
    * key, "big" and "half". */

@@ -527,7 +527,7 @@ static void test_session_stream_and_loss(void **state) {
   /* closing rank 0's stream marks it lost as well */
   sp_rpc_sync_stream_close_send(s);
   while (sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st) == 0) free(m);
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
   ev = next_event(w, 2000);
   assert_int_equal(ev->kind, SHARDPLANE__V1__EVENT_KIND__RANK_LOST);
   assert_int_equal(ev->rank, 0);
@@ -535,7 +535,7 @@ static void test_session_stream_and_loss(void **state) {
   j = get_job(&fx);
   assert_int_equal(j->ranks->lost, 2);
   free_msg(j);
-  sp_rpc_sync_stream_free(w);
+  sp_rpc_sync_stream_close(w);
   sp_rpc_sync_close(wcli);
   stop(&fx);
 }
@@ -558,7 +558,7 @@ static void test_bad_input_is_harmless(void **state) {
   ProtobufCMessage *m;
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
   expect_code(&st, SP_RPC_INTERNAL, "GetPlanRequest");
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
   Shardplane__V1__GetPlanRequest q = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
   /* out-of-range rank and unit */
   q.by_rank = true;

@@ -988,6 +988,38 @@ static void test_reference_run_buffers(void **state) {
   sp_model_free(m);
 }
 
+static int t_all_reduce_fails(void *user, float *buf, size_t n,
+                              sp_diag *d) {
+  (void)user;
+  (void)buf;
+  (void)n;
+  return sp_diag_set(d, SP_EIO, "comm 'comm/world' rank 0/2 all_reduce: "
+                     "peer gone");
+}
+
+/* A failed all-reduce of a RunningNorm's batch sum reads as one message:
+ * the module, what failed, the cause, with no stray ": :". */
+static void test_norm_all_reduce_error(void **state) {
+  (void)state;
+  sp_model *m = load(MLP_JSON);
+  tnet t;
+  tnet_init(&t, m, SP_FLOAT32, SP_DTYPE_INVALID);
+  t.io.all_reduce_sum = t_all_reduce_fails;
+  enum { N = 4 };
+  sp_mlp_acts *a = NULL;
+  assert_int_equal(sp_mlp_acts_new(t.mlp, N, &a), 0);
+  float tg[N * 64];
+  sp_mlp_batch(t.mlp, 0, 0, N, a->x[0], tg);
+  sp_diag d = {""};
+  assert_int_equal(tnet_forward(&t, a, 2 * N, &d), SP_EIO);
+  printf("  %s\n", d.msg);
+  assert_non_null(strstr(d.msg, "all-reduce of the batch sum: comm "));
+  assert_null(strstr(d.msg, ": :"));
+  sp_mlp_acts_free(a);
+  tnet_free(&t);
+  sp_model_free(m);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_new_specs),
@@ -998,6 +1030,7 @@ int main(void) {
       cmocka_unit_test(test_buffers),
       cmocka_unit_test(test_reference_run),
       cmocka_unit_test(test_reference_run_buffers),
+      cmocka_unit_test(test_norm_all_reduce_error),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -309,7 +309,7 @@ static void test_server_stream_and_cancel(void **state) {
                               2000, &m, &st),
       SP_ENOENT);
   assert_int_equal(st.code, SP_RPC_OK);
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
 
   /* cancel a long stream mid-flight: the handler is cancelled */
   unsigned c0, a0, c1, a1;
@@ -325,7 +325,7 @@ static void test_server_stream_and_cancel(void **state) {
                        &m, &st),
                    0);
   protobuf_c_message_free_unpacked(m, NULL);
-  sp_rpc_sync_stream_free(s); /* cancels */
+  sp_rpc_sync_stream_close(s); /* cancels */
   for (int i = 0; i < 50; i++) {
     parse_stats(&c1, &a1);
     if (a1 == 0) break;
@@ -356,7 +356,7 @@ static void test_client_stream_and_bidi(void **state) {
                    0);
   assert_string_equal(((EchoReply *)m)->text, "rank-0");
   protobuf_c_message_free_unpacked(m, NULL);
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
 
   /* bidi in lock-step: each answer arrives before the client half-closes */
   assert_int_equal(
@@ -381,7 +381,7 @@ static void test_client_stream_and_bidi(void **state) {
                               2000, &m, &st),
       SP_ENOENT);
   assert_int_equal(st.code, SP_RPC_OK);
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
 }
 
 static void test_metadata_roundtrip(void **state) {
@@ -403,7 +403,7 @@ static void test_metadata_roundtrip(void **state) {
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), 0);
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
   assert_int_equal(st.code, SP_RPC_OK);
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
   /* invalid keys are refused on the client before anything is sent */
   sp_rpc_md bad[] = {{"X-Upper", (const uint8_t *)"v", 1}};
   assert_int_equal(
@@ -460,7 +460,7 @@ static void test_many_concurrent_streams(void **state) {
     assert_int_equal(sp_rpc_sync_stream_recv(s[i], NULL, 10000, &m, &st),
                      SP_ENOENT);
     assert_int_equal(st.code, SP_RPC_OK);
-    sp_rpc_sync_stream_free(s[i]);
+    sp_rpc_sync_stream_close(s[i]);
   }
   sp_rpc_server_stats stats = sp_test_server_stats(&g_srv);
   assert_int_equal(stats.calls_open, 0);
@@ -508,7 +508,7 @@ static void test_connect_failure_and_retry(void **state) {
   sp_test_server_stop(&other, 100); /* grace shorter than the handler */
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 5000, &m, &st), SP_ENOENT);
   assert_true(st.code == SP_RPC_UNAVAILABLE || st.code == SP_RPC_CANCELLED);
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
   sp_rpc_sync_close(c);
 }
 
@@ -600,7 +600,7 @@ static void test_graceful_shutdown_finishes_calls(void **state) {
   protobuf_c_message_free_unpacked(m, NULL);
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
   assert_int_equal(st.code, SP_RPC_OK);
-  sp_rpc_sync_stream_free(s);
+  sp_rpc_sync_stream_close(s);
   /* a new call now fails fast: nothing listens any more */
   req.delay_ms = 0;
   assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 500,

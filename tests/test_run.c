@@ -19,8 +19,11 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <jansson.h>
 
 #include "base/clock.h"
+#include "fsdp/model.h"
+#include "base/proc.h"
 #include "support/testutil.h"
 
 extern char **environ;
@@ -28,14 +31,9 @@ extern char **environ;
 #define SHARDPLANE SP_BIN_DIR "/shardplane"
 #define MLP SP_EXAMPLES "/mlp.json"
 
-/* Starts `shardplane run ARGS` with stdout and stderr in dir/out, dir/err. */
-static pid_t start_run(const char *dir, const char *const *args) {
-  char *argv[64];
-  size_t k = 0;
-  argv[k++] = SHARDPLANE;
-  argv[k++] = "run";
-  for (size_t i = 0; args[i]; i++) argv[k++] = (char *)args[i];
-  argv[k] = NULL;
+/* Starts argv (NULL-terminated) with stdout and stderr in dir/out,
+ * dir/err. */
+static pid_t start_cmd(const char *dir, char *const *argv) {
   char *out = sp_test_path(dir, "out"), *err = sp_test_path(dir, "err");
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
@@ -50,6 +48,17 @@ static pid_t start_run(const char *dir, const char *const *args) {
   free(out);
   free(err);
   return pid;
+}
+
+/* Starts `shardplane run ARGS` with stdout and stderr in dir/out, dir/err. */
+static pid_t start_run(const char *dir, const char *const *args) {
+  char *argv[64];
+  size_t k = 0;
+  argv[k++] = SHARDPLANE;
+  argv[k++] = "run";
+  for (size_t i = 0; args[i]; i++) argv[k++] = (char *)args[i];
+  argv[k] = NULL;
+  return start_cmd(dir, argv);
 }
 
 /* Exit status (128 + signal when killed), or -1 after timeout_s (then the
@@ -131,6 +140,26 @@ static int find_workers(pid_t parent, pid_t *pids, int cap) {
 
 static bool alive(pid_t pid) { return kill(pid, 0) == 0; }
 
+/* Whether every line of a run's output is whole and says who wrote it:
+ * run's own ("shardplane run: ...") or a worker's, prefixed with the time
+ * and the rank ("12:03:04.567 [rank1]: ..."). Prints the first that is
+ * not. */
+static bool every_line_attributed(const char *text) {
+  for (const char *l = text; *l;) {
+    size_t n = strcspn(l, "\n");
+    int h, m, sec, ms, rank, end = 0;
+    bool ok = strncmp(l, "shardplane run: ", 16) == 0 ||
+              (sscanf(l, "%2d:%2d:%2d.%3d [rank%d]: %n", &h, &m, &sec, &ms,
+                      &rank, &end) == 5 && end > 0 && (size_t)end <= n);
+    if (!ok) {
+      printf("  not attributed: \"%.*s\"\n", (int)n, l);
+      return false;
+    }
+    l += n + (l[n] == '\n');
+  }
+  return true;
+}
+
 static void test_run_to_checkpoint(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
@@ -141,8 +170,9 @@ static void test_run_to_checkpoint(void **state) {
   char *out = slurp(dir, "out"), *err = slurp(dir, "err");
   printf("%s%s", out, err);
   assert_int_equal(st, 0);
-  assert_non_null(strstr(out, "step 3/3"));
+  assert_non_null(strstr(out, "[rank0]: step 3/3"));
   assert_non_null(strstr(out, "loss"));
+  assert_true(every_line_attributed(out));
   assert_non_null(strstr(out, "checkpoint in"));
   assert_non_null(strstr(out, ck));
   char *model = sp_test_path(ck, "full/model.safetensors");
@@ -215,6 +245,10 @@ static void test_run_worker_killed(void **state) {
   assert_int_equal(st, 1);
   assert_non_null(strstr(err, "rank 1 was killed by signal 9"));
   assert_true(took < 1.0);
+  /* the other ranks' errors show, each line whole and naming its rank */
+  assert_non_null(strstr(err, "[rank0]: shardplane-worker: rank 0: "));
+  assert_non_null(strstr(err, "[rank2]: shardplane-worker: rank 2: "));
+  assert_true(every_line_attributed(err));
   for (int r = 0; r < 3; r++) assert_false(alive(w[r]));
   free(err);
   free(ck);
@@ -246,12 +280,270 @@ static void test_run_interrupted(void **state) {
   free(dir);
 }
 
+/* A coordinator started by hand, as a user does, for model (plus the
+ * NULL-terminated flags); its address goes to addr. */
+static void start_coordinator(sp_proc *c, const char *model,
+                              const char *const *flags, char *addr,
+                              size_t cap) {
+  char *argv[32] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
+                    "127.0.0.1:0", "--quiet", "--model", (char *)model};
+  size_t n = 6;
+  for (size_t i = 0; flags && flags[i] && n < 31; i++)
+    argv[n++] = (char *)flags[i];
+  argv[n] = NULL;
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(c, argv, false, true, "listening on 127.0.0.1:%d", &d) < 0)
+    fail_msg("cannot start the coordinator: %s", d.msg);
+  snprintf(addr, cap, "127.0.0.1:%d", c->port);
+}
+
+/* stdout of a shell command line, which must exit 0; malloc'd. */
+static char *command_output(const char *cmd) {
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t cap = 1 << 16, len = 0, n;
+  char *out = malloc(cap);
+  while ((n = fread(out + len, 1, cap - len - 1, p)) > 0) {
+    len += n;
+    if (len + 1 == cap) out = realloc(out, cap *= 2);
+  }
+  out[len] = '\0';
+  int st = pclose(p);
+  if (st != 0) fail_msg("%s: status %d: %s", cmd, st, out);
+  return out;
+}
+
+/* The plan a hand-started coordinator serves for examples/mlp.json, the
+ * one `shardplane plan --model` computes and the one `shardplane run`
+ * trains are the same: one default wrap policy (every Linear a unit), so
+ * a checkpoint of one loads into the others. */
+static void test_run_same_plan_as_coordinator(void **state) {
+  (void)state;
+  sp_proc coord;
+  char addr[64], cmd[1024];
+  start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
+  snprintf(cmd, sizeof cmd, "%s/shardplane status --coordinator %s --json",
+           SP_BIN_DIR, addr);
+  char *status = command_output(cmd);
+  sp_proc_stop(&coord, 5000);
+  json_t *js = json_loads(status, 0, NULL);
+  assert_non_null(js);
+  const char *coord_version =
+      json_string_value(json_object_get(js, "plan_version"));
+  assert_non_null(coord_version);
+  json_int_t coord_units = json_integer_value(json_object_get(js, "units"));
+
+  char *offline_out = command_output(SP_BIN_DIR "/shardplane plan --model "
+                                     MLP " --json");
+  json_t *jo = json_loads(offline_out, 0, NULL);
+  assert_non_null(jo);
+
+  char *dir = sp_test_mkdtemp();
+  const char *args[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+                        "--checkpoint", "none", NULL};
+  int st = wait_run(start_run(dir, args), 120);
+  char *out = slurp(dir, "out");
+  printf("  coordinator: plan %s, %lld units\n  run: %s", coord_version,
+         (long long)coord_units, out);
+  assert_int_equal(st, 0);
+  char want[64];
+  snprintf(want, sizeof want, "plan %s", coord_version);
+  assert_non_null(strstr(out, want));
+  /* the root, and one unit per Linear layer */
+  sp_model *m;
+  sp_diag d = {{0}};
+  assert_int_equal(sp_model_load_file(MLP, &m, &d), 0);
+  json_int_t linear = 0;
+  for (size_t i = 0; i < m->n_modules; i++)
+    linear += strcmp(m->modules[i].type, "Linear") == 0;
+  sp_model_free(m);
+  assert_true(linear > 1);
+  assert_int_equal(coord_units, 1 + linear);
+  assert_string_equal(json_string_value(json_object_get(jo, "version")),
+                      coord_version);
+  assert_int_equal(json_array_size(json_object_get(jo, "units")), 1 + linear);
+  free(out);
+  json_decref(jo);
+  json_decref(js);
+  free(offline_out);
+  free(status);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* The "--load DIR --load-kind K" a run printed for its checkpoint of
+ * kind `kind`: DIR, malloc'd (NULL when it printed none). */
+static char *printed_load(const char *out, const char *kind) {
+  char tail[64];
+  snprintf(tail, sizeof tail, " --load-kind %s\n", kind);
+  const char *end = strstr(out, tail);
+  if (!end) return NULL;
+  const char *start = end;
+  while (start > out && strncmp(start, "--load ", 7) != 0) start--;
+  if (strncmp(start, "--load ", 7) != 0) return NULL;
+  return strndup(start + 7, (size_t)(end - start - 7));
+}
+
+/* The directory after "checkpoint in " in a run's output, malloc'd. */
+static char *printed_dir(const char *out) {
+  const char *at = strstr(out, "checkpoint in ");
+  if (!at) fail_msg("no \"checkpoint in\" in: %s", out);
+  at += strlen("checkpoint in ");
+  return strndup(at, strcspn(at, "\n"));
+}
+
+/* shardplane-worker RANK 0 of a one-rank job served by addr, started
+ * from --load load (plus --load-kind kind unless NULL), no steps, no
+ * checkpoint; its exit status, its stderr in dir/err. */
+static int worker_load(const char *dir, const char *addr, const char *load,
+                       const char *kind) {
+  char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
+                  (char *)addr, "--rank", "0", "--steps", "0",
+                  "--checkpoint", "none", "--load", (char *)load,
+                  kind ? "--load-kind" : NULL, (char *)kind, NULL};
+  return wait_run(start_cmd(dir, argv), 60);
+}
+
+/* The bytes of a file (binary), malloc'd; *len their count. */
+static uint8_t *file_bytes(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) fail_msg("cannot open %s", path);
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  uint8_t *b = malloc(n > 0 ? (size_t)n : 1);
+  assert_int_equal(fread(b, 1, (size_t)n, f), (size_t)n);
+  fclose(f);
+  *len = (size_t)n;
+  return b;
+}
+
+/* What a run prints loads: the flags it prints for its checkpoint start
+ * a job from it, and so does the run's directory itself as --load (its
+ * full/ folder found, or, when it holds several kinds, --load-kind asked
+ * for). */
+static void test_run_checkpoint_loads(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck"), *ck2 = sp_test_path(dir, "ck2");
+  const char *args[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+                        "--checkpoint-dir", ck, NULL};
+  assert_int_equal(wait_run(start_run(dir, args), 120), 0);
+  char *out = slurp(dir, "out");
+  printf("%s", out);
+  char *load = printed_load(out, "full");
+  assert_non_null(load);
+  free(out);
+  /* the printed flags, given to run */
+  const char *again[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+                         "--load", load, "--load-kind", "full",
+                         "--checkpoint", "none", NULL};
+  assert_int_equal(wait_run(start_run(dir, again), 120), 0);
+
+  const char *both[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+                        "--checkpoint-dir", ck2, "--checkpoint", "full",
+                        "--checkpoint", "sharded", NULL};
+  assert_int_equal(wait_run(start_run(dir, both), 120), 0);
+  out = slurp(dir, "out");
+  char *load_sharded = printed_load(out, "sharded");
+  assert_non_null(load_sharded);
+  free(out);
+
+  sp_proc coord;
+  char addr[64];
+  start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
+  /* the printed folder, and the run's directory, to the worker */
+  assert_int_equal(worker_load(dir, addr, load, "full"), 0);
+  int st = worker_load(dir, addr, ck, NULL);
+  char *err = slurp(dir, "err");
+  printf("  shardplane-worker --load %s: exit %d %s\n", ck, st, err);
+  assert_int_equal(st, 0);
+  free(err);
+  assert_int_equal(worker_load(dir, addr, load_sharded, "sharded"), 0);
+  assert_int_equal(worker_load(dir, addr, ck2, "sharded"), 0);
+  /* two kinds there: which one is asked for, not guessed */
+  st = worker_load(dir, addr, ck2, NULL);
+  err = slurp(dir, "err");
+  printf("  shardplane-worker --load %s: exit %d: %s", ck2, st, err);
+  assert_int_equal(st, 2);
+  assert_non_null(strstr(err, "--load-kind full or sharded"));
+  free(err);
+  sp_proc_stop(&coord, 5000);
+  free(load);
+  free(load_sharded);
+  free(ck);
+  free(ck2);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* A second run with another configuration loses nothing: the default
+ * directory differs per configuration, and a directory holding a
+ * checkpoint of another plan is refused, naming it and --checkpoint-dir,
+ * its checkpoint left as it was. */
+static void test_run_keeps_other_checkpoints(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char cwd[4096];
+  assert_non_null(getcwd(cwd, sizeof cwd));
+  assert_int_equal(chdir(dir), 0); /* the default directory is relative */
+  const char *a[] = {"--nproc", "2", "--model", MLP, "--steps", "1", NULL};
+  const char *b[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
+                     "--strategy", "SHARD_GRAD_OP", NULL};
+  int st_a = wait_run(start_run(dir, a), 120);
+  char *out_a = slurp(dir, "out");
+  int st_b = wait_run(start_run(dir, b), 120);
+  char *out_b = slurp(dir, "out");
+  assert_int_equal(chdir(cwd), 0);
+  printf("%s%s", out_a, out_b);
+  assert_int_equal(st_a, 0);
+  assert_int_equal(st_b, 0);
+  char *ck_a = printed_dir(out_a), *ck_b = printed_dir(out_b);
+  assert_string_not_equal(ck_a, ck_b);
+  char *dir_a = sp_test_path(dir, ck_a);
+  char *model_a = sp_test_path(dir_a, "full/model.safetensors");
+  size_t kept_len;
+  uint8_t *kept = file_bytes(model_a, &kept_len);
+
+  /* configuration b into a's directory: refused */
+  const char *b_into_a[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
+                            "--strategy", "SHARD_GRAD_OP", "--checkpoint-dir",
+                            dir_a, NULL};
+  int st = wait_run(start_run(dir, b_into_a), 120);
+  char *err = slurp(dir, "err");
+  printf("  exit %d: %s", st, err);
+  assert_int_equal(st, 2);
+  assert_non_null(strstr(err, dir_a));
+  assert_non_null(strstr(err, "--checkpoint-dir"));
+  size_t now_len;
+  uint8_t *now = file_bytes(model_a, &now_len);
+  assert_true(now_len == kept_len && memcmp(now, kept, now_len) == 0);
+  free(now);
+  /* the same configuration again: its own directory is rewritten */
+  const char *a_again[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
+                           "--checkpoint-dir", dir_a, NULL};
+  assert_int_equal(wait_run(start_run(dir, a_again), 120), 0);
+  free(err);
+  free(ck_a);
+  free(ck_b);
+  free(kept);
+  free(model_a);
+  free(dir_a);
+  free(out_a);
+  free(out_b);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_interrupted),
+      cmocka_unit_test(test_run_same_plan_as_coordinator),
+      cmocka_unit_test(test_run_checkpoint_loads),
+      cmocka_unit_test(test_run_keeps_other_checkpoints),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -617,7 +617,7 @@ static void test_abort_when_a_peer_is_lost(void **state) {
                    0);
   free_msg(m);
   assert_int_equal(atomic_load(&seen.calls), 0);
-  sp_rpc_sync_stream_free(ss); /* cancels: rank 1 is lost */
+  sp_rpc_sync_stream_close(ss); /* cancels: rank 1 is lost */
   /* the cancel goes out when the client's loop runs next */
   free_msg(get_job(&fx));
 

@@ -346,7 +346,7 @@ static void test_device_errors(void **state) {
   char *bad[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
                  "127.0.0.1:1", "--rank", "0", "--device", "gpu0", NULL};
   assert_int_equal(run_capture(bad, &err), 2);
-  assert_non_null(strstr(err, "--device gpu0: expected cpu or cuda:N"));
+  assert_non_null(strstr(err, "--device \"gpu0\": expected cpu or cuda:N"));
   free(err);
   int n = 0;
   assert_int_equal(sp_cuda_device_count(&n), 0);

@@ -29,12 +29,14 @@ static const struct {
 };
 
 void sp_cli_error(const char *cmd, const char *fmt, ...) {
+  char msg[2048];
   va_list ap;
   va_start(ap, fmt);
-  fprintf(stderr, "shardplane %s: ", cmd);
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  /* one write: stderr is unbuffered, and other processes (the workers of
+   * `run`, a coordinator) may write to it between the pieces of a line */
+  fprintf(stderr, "shardplane %s: %s\n", cmd, msg);
 }
 
 int sp_cli_parse_uint(const char *s, long long max, long long *out) {

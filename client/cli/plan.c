@@ -2,6 +2,7 @@
  * and a job (file and/or flags), or asked of a running coordinator, as
  * tables or JSON (render.c prints both). */
 #include <getopt.h>
+#include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,9 +13,13 @@
 #include "cli.h"
 #include "fsdp/job.h"
 #include "fsdp/job_cli.h"
+#include "base/flag.h"
 #include "fsdp/model.h"
 #include "fsdp/plan.h"
+#include "lib/plan_wire.h"
+#include "remote.h"
 #include "render.h"
+#include "rpc/coord_service.h"
 
 static void plan_help(FILE *f) {
   fputs("usage: shardplane plan --model M.json [job options] [options]\n"
@@ -27,7 +32,10 @@ static void plan_help(FILE *f) {
         "\n"
         "  --model PATH                 model spec (shardplane.model/v1)\n"
         "  --job PATH                   job config (shardplane.job/v1); the\n"
-        "                               flags below override it\n",
+        "                               flags below override it (without a\n"
+        "                               wrap policy every Linear module\n"
+        "                               becomes a unit, as in shardplane "
+        "run)\n",
         f);
   sp_job_flags_print_help(f);
   fputs(SP_REMOTE_OPTIONS_HELP
@@ -83,9 +91,21 @@ static int run_plan(const plan_args *a) {
     goto out;
   }
   int rc = sp_job_cli_apply((sp_job_cli *)&a->flags, a->job, &job, &diag);
+  if (rc == 0) rc = sp_job_cli_check_model(&a->flags, model, &diag);
   if (rc != 0) {
     sp_cli_error("plan", "%s", diag.msg);
     if (rc == SP_EINVAL) exit_code = SP_EXIT_USAGE;
+    goto out;
+  }
+  /* the plan shardplane run and the coordinator make of this job */
+  if (sp_job_default_wrap(&job, model, NULL) != 0) {
+    sp_cli_error("plan", "out of memory");
+    goto out;
+  }
+  /* a job the flags alone make is bad usage; one from a file, a bad job */
+  if (sp_job_validate(&job, model, &diag) != 0) {
+    sp_cli_error("plan", "%s", diag.msg);
+    exit_code = a->job != NULL ? SP_EXIT_FAILURE : SP_EXIT_USAGE;
     goto out;
   }
   double t0 = (sp_clock_s() * 1e3);
@@ -136,6 +156,7 @@ int sp_cmd_plan(int argc, char **argv) {
       sp_job_cli_options(k_opts, sizeof k_opts / sizeof k_opts[0]);
   if (opts == NULL) return SP_EXIT_FAILURE;
   int c;
+  sp_diag d = {{0}};
   optind = 1;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     int r = sp_remote_option(&remote, c, optarg);
@@ -145,16 +166,26 @@ int sp_cmd_plan(int argc, char **argv) {
       continue;
     }
     switch (c) {
-    case OPT_MODEL: a.model = optarg; break;
-    case OPT_JOB: a.job = optarg; break;
+    case OPT_MODEL:
+      a.model = optarg;
+      if (sp_flag_text("--model", optarg, "a model spec (JSON file)", &d))
+        goto bad;
+      break;
+    case OPT_JOB:
+      a.job = optarg;
+      if (sp_flag_text("--job", optarg, "a job config (JSON file)", &d))
+        goto bad;
+      break;
+    case OPT_UNIT:
+      a.unit = optarg;
+      if (sp_flag_text("--unit", optarg, "a unit index or module FQN", &d))
+        goto bad;
+      break;
     case OPT_JSON: a.json = true; break;
-    case OPT_UNIT: a.unit = optarg; break;
     case OPT_RANK:
-      if (sp_cli_parse_uint(optarg, SP_JOB_MAX_WORLD, &a.rank) != 0) {
-        sp_cli_error("plan", "--rank: expected a rank number, got \"%s\"",
-                     optarg);
-        goto out;
-      }
+      if (sp_flag_int("--rank", optarg, 0, SP_JOB_MAX_WORLD - 1, &a.rank,
+                      &d) != 0)
+        goto bad;
       break;
     case OPT_HELP:
       plan_help(stdout);
@@ -168,6 +199,10 @@ int sp_cmd_plan(int argc, char **argv) {
       plan_help(stderr);
       goto out;
     }
+    continue;
+  bad:
+    sp_cli_error("plan", "%s", d.msg);
+    goto out;
   }
   if (optind < argc) {
     sp_cli_error("plan", "unexpected argument \"%s\"", argv[optind]);
@@ -192,4 +227,269 @@ out:
   sp_job_cli_free(&a.flags);
   free(opts);
   return exit_code;
+}
+
+/* ------------------------------------------------------------------ */
+/* plan (remote)                                                       */
+/* ------------------------------------------------------------------ */
+
+int sp_remote_plan(sp_remote *r, long long rank, const char *unit) {
+  Shardplane__V1__GetJobResponse *j = NULL;
+  sp_wire_plan *wp = NULL;
+  sp_job job;
+  sp_job_init(&job);
+  /* GetJob for the header's model counts, GetPlan for the rest. The whole
+   * plan is asked for even with --rank/--unit: the tables print every unit
+   * and buffer, and the rank's shard and the unit's ranges come from the
+   * plan math of common/ (the coordinator's own) on the rebuilt plan. */
+  int ec = sp_remote_get_job(r, &j, &job);
+  if (ec != SP_EXIT_OK) goto out;
+  Shardplane__V1__GetPlanRequest q = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
+  ProtobufCMessage *m;
+  if ((ec = sp_remote_call(r, SP_COORD_PATH("GetPlan"), &q.base,
+                 &shardplane__v1__plan__descriptor, &m)) != SP_EXIT_OK)
+    goto out;
+  sp_diag diag = {""};
+  if (sp_wire_plan_new((Shardplane__V1__Plan *)m, &wp, &diag) != 0) {
+    sp_cli_error(r->cmd, "the coordinator's plan is malformed: %s", diag.msg);
+    ec = SP_EXIT_FAILURE;
+    goto out;
+  }
+  const sp_plan *pl = &wp->plan;
+  if (rank >= (long long)pl->world_size) {
+    sp_cli_error(r->cmd, "--rank %lld: the world has ranks 0-%u", rank,
+                 pl->world_size - 1);
+    ec = SP_EXIT_NOT_FOUND;
+    goto out;
+  }
+  long u = -1;
+  if (unit != NULL && (u = sp_plan_find_unit(pl, unit)) < 0) {
+    sp_cli_error(r->cmd, "--unit %s: no such unit (%zu units)", unit,
+                 pl->n_units);
+    ec = SP_EXIT_NOT_FOUND;
+    goto out;
+  }
+  sp_plan_source src = {.coordinator = r->addr,
+                        .n_modules = j->n_modules,
+                        .n_params = j->n_params,
+                        .n_buffers = j->n_buffers,
+                        .elements = j->total_numel,
+                        .build_ms = -1};
+  if (r->json) {
+    if (sp_render_plan_json(pl, &wp->job, &src, (long)rank, u) != 0)
+      ec = SP_EXIT_FAILURE;
+  } else {
+    sp_render_plan_text(pl, &wp->job, &src, (long)rank, u);
+  }
+out:
+  sp_wire_plan_free(wp);
+  sp_remote_free_msg(j);
+  sp_job_clear(&job);
+  return sp_remote_finish(r, ec);
+}
+
+/* ------------------------------------------------------------------ */
+/* where                                                               */
+/* ------------------------------------------------------------------ */
+
+static const subcmd k_where = {
+    "where FQN [options]",
+    "Where a parameter lives: its unit, its offset in the unit's flat\n"
+    "parameter, and per shard the slice of it and the ranks that hold it\n"
+    "(with HYBRID_SHARD, shard s is held by ranks s, s+G, s+2G, ... for\n"
+    "shard groups of G). A tied name resolves to the tensor it shares.\n\n",
+    1, 1};
+
+/* The ranks holding shard index s: s + k*shard_world (FULL_SHARD and
+ * SHARD_GRAD_OP: rank s alone; NO_SHARD, shard_world 1: every rank). */
+static uint32_t shard_rank_count(const Shardplane__V1__ParamLocation *p,
+                                 uint32_t s) {
+  if (p->shard_world == 0 || s >= p->world_size) return 0;
+  return (p->world_size - s + p->shard_world - 1) / p->shard_world;
+}
+
+static void print_shard_ranks(const Shardplane__V1__ParamLocation *p,
+                              uint32_t s, char *buf, size_t len) {
+  uint32_t n = shard_rank_count(p, s), step = p->shard_world;
+  uint32_t last = n ? s + (n - 1) * step : s;
+  if (n == 0)
+    snprintf(buf, len, "-");
+  else if (n == 1)
+    snprintf(buf, len, "%u", s);
+  else if (step == 1)
+    snprintf(buf, len, "%u-%u", s, last);
+  else if (n <= 6) {
+    size_t off = 0;
+    for (uint32_t k = 0; k < n && off < len; k++)
+      off += (size_t)snprintf(buf + off, len - off, "%s%u", k ? "," : "",
+                              s + k * step);
+  } else {
+    snprintf(buf, len, "%u,%u,...,%u (%u ranks)", s, s + step, last, n);
+  }
+}
+
+static int where_json(const Shardplane__V1__ParamLocation *p) {
+  json_t *slices = json_array();
+  for (size_t i = 0; i < p->n_slices; i++) {
+    const Shardplane__V1__ParamSlice *sl = p->slices[i];
+    json_t *ranks = json_array();
+    for (uint32_t k = 0; k < shard_rank_count(p, sl->shard); k++)
+      json_array_append_new(ranks,
+                            json_integer(sl->shard + k * p->shard_world));
+    json_array_append_new(
+        slices, json_pack("{s:i,s:o,s:I,s:I,s:I,s:I}", "shard", (int)sl->shard,
+                          "ranks", ranks, "offset_in_shard",
+                          (json_int_t)sl->offset_in_shard, "numel",
+                          (json_int_t)sl->numel, "intra_start",
+                          (json_int_t)sl->intra_start, "intra_end",
+                          (json_int_t)sl->intra_end));
+  }
+  json_t *root = json_pack(
+      "{s:s,s:s,s:b,s:i,s:s,s:o,s:o,s:I,s:I,s:s,s:i,s:i,s:o}", "fqn", p->fqn,
+      "flattened_as", p->flattened_as, "is_alias", p->is_alias, "unit",
+      (int)p->unit, "unit_module", p->unit_fqn, "shape",
+      sp_render_shape_json(p->n_shape, p->shape), "dtype",
+      sp_render_dtype_json(sp_wire_dtype(p->dtype)), "offset",
+      (json_int_t)p->offset, "numel", (json_int_t)p->numel, "strategy",
+      sp_strategy_name((sp_strategy)p->strategy), "world_size",
+      (int)p->world_size, "shard_world", (int)p->shard_world, "slices", slices);
+  return sp_render_json_out(root) == 0 ? SP_EXIT_OK : SP_EXIT_FAILURE;
+}
+
+static void print_where(const Shardplane__V1__ParamLocation *p) {
+  char shape[96];
+  sp_render_shape(p->n_shape, p->shape, shape, sizeof shape);
+  printf("parameter %s", p->fqn);
+  if (p->is_alias) printf("  (tied: flattened as %s)", p->flattened_as);
+  printf("\nshape     %s %s, %" PRId64 " elements\n", shape,
+         sp_dtype_name(sp_wire_dtype(p->dtype)), p->numel);
+  printf("unit      %u (%s), flat offset %" PRId64 "\n", p->unit,
+         p->unit_fqn[0] ? p->unit_fqn : "root", p->offset);
+  printf("strategy  %s, world %u, %u shard%s\n\n",
+         sp_strategy_name((sp_strategy)p->strategy), p->world_size,
+         p->shard_world, p->shard_world == 1 ? "" : "s");
+  printf("%-6s %-28s %16s %14s %14s %14s\n", "SHARD", "RANKS",
+         "OFFSET IN SHARD", "NUMEL", "PARAM START", "PARAM END");
+  for (size_t i = 0; i < p->n_slices; i++) {
+    const Shardplane__V1__ParamSlice *sl = p->slices[i];
+    char ranks[64];
+    print_shard_ranks(p, sl->shard, ranks, sizeof ranks);
+    printf("%-6u %-28s %16" PRId64 " %14" PRId64 " %14" PRId64 " %14" PRId64
+           "\n",
+           sl->shard, ranks, sl->offset_in_shard, sl->numel, sl->intra_start,
+           sl->intra_end);
+  }
+}
+
+int sp_cmd_where(int argc, char **argv) {
+  sp_remote r;
+  sp_remote_init(&r, "where");
+  int first;
+  size_t n;
+  int ec = sp_remote_parse_args(&r, &k_where, argc, argv, NULL, 0, NULL, NULL, &first,
+                      &n);
+  if (ec != PROCEED) return ec;
+  Shardplane__V1__LocateParamRequest q =
+      SHARDPLANE__V1__LOCATE_PARAM_REQUEST__INIT;
+  q.fqn = argv[first];
+  ProtobufCMessage *m;
+  ec = sp_remote_call(&r, SP_COORD_PATH("LocateParam"), &q.base,
+            &shardplane__v1__param_location__descriptor, &m);
+  if (ec == SP_EXIT_OK) {
+    const Shardplane__V1__ParamLocation *p =
+        (const Shardplane__V1__ParamLocation *)m;
+    if (r.json)
+      ec = where_json(p);
+    else
+      print_where(p);
+    sp_remote_free_msg(m);
+  }
+  return sp_remote_finish(&r, ec);
+}
+
+/* ------------------------------------------------------------------ */
+/* buffers                                                             */
+/* ------------------------------------------------------------------ */
+
+static const subcmd k_buffers = {
+    "buffers [--prefix P] [options]",
+    "Every buffer by FQN: shape, original dtype, the dtype it is computed\n"
+    "in, owner unit, persistent. Exit 3 when --prefix matches none.\n\n"
+    "  --prefix P                   only FQNs that start with P\n",
+    0, 0};
+
+enum { OPT_PREFIX = 256 };
+
+static int buffers_opt(void *ctx, int c, const char *arg) {
+  if (c != OPT_PREFIX) return -1;
+  *(const char **)ctx = arg;
+  return 0;
+}
+
+int sp_cmd_buffers(int argc, char **argv) {
+  sp_remote r;
+  sp_remote_init(&r, "buffers");
+  const char *prefix = "";
+  const struct option own[] = {{"prefix", required_argument, NULL, OPT_PREFIX}};
+  int first;
+  size_t n;
+  int ec = sp_remote_parse_args(&r, &k_buffers, argc, argv, own, 1, buffers_opt,
+                      &prefix, &first, &n);
+  if (ec != PROCEED) return ec;
+  json_t *rows = r.json ? json_array() : NULL;
+  char *token = NULL;
+  size_t seen = 0;
+  /* the coordinator answers in pages of at most 1000 */
+  for (;;) {
+    Shardplane__V1__ListBuffersRequest q =
+        SHARDPLANE__V1__LIST_BUFFERS_REQUEST__INIT;
+    q.prefix = (char *)prefix;
+    q.page_token = token != NULL ? token : (char *)"";
+    ProtobufCMessage *m;
+    if ((ec = sp_remote_call(&r, SP_COORD_PATH("ListBuffers"), &q.base,
+                   &shardplane__v1__list_buffers_response__descriptor, &m)) !=
+        SP_EXIT_OK)
+      break;
+    const Shardplane__V1__ListBuffersResponse *l =
+        (const Shardplane__V1__ListBuffersResponse *)m;
+    for (size_t i = 0; i < l->n_buffers; i++) {
+      const Shardplane__V1__BufferInfo *b = l->buffers[i];
+      sp_buffer_row row = {b->fqn,
+                           b->n_shape,
+                           b->shape,
+                           sp_wire_dtype(b->original_dtype),
+                           sp_wire_dtype(b->compute_dtype),
+                           b->owner_unit,
+                           b->persistent};
+      if (rows != NULL) {
+        json_array_append_new(rows, sp_render_buffer_json(&row));
+        continue;
+      }
+      if (seen + i == 0) sp_render_buffer_header();
+      sp_render_buffer_row(&row);
+    }
+    seen += l->n_buffers;
+    free(token);
+    /* a page that brings nothing cannot be followed by a useful one */
+    token = l->next_page_token[0] != '\0' && l->n_buffers > 0
+                ? strdup(l->next_page_token)
+                : NULL;
+    sp_remote_free_msg(m);
+    if (token == NULL) break;
+  }
+  free(token);
+  if (ec == SP_EXIT_OK && seen == 0 && prefix[0] != '\0') {
+    sp_cli_error(r.cmd, "no buffer FQN starts with \"%s\"", prefix);
+    ec = SP_EXIT_NOT_FOUND;
+  } else if (ec == SP_EXIT_OK && seen == 0 && rows == NULL) {
+    sp_render_buffer_header(); /* a model without buffers: an empty table */
+  }
+  if (rows != NULL) {
+    if (ec == SP_EXIT_OK &&
+        sp_render_json_out(json_pack("{s:i,s:O}", "total", (int)seen,
+                                     "buffers", rows)) != 0)
+      ec = SP_EXIT_FAILURE;
+    json_decref(rows);
+  }
+  return sp_remote_finish(&r, ec);
 }

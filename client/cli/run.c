@@ -1,11 +1,15 @@
 /* `shardplane run`: a whole job on this machine. Starts a coordinator on a
- * free loopback port and N workers, passes rank 0's progress through, and
- * stops everything cleanly when the job ends, when a worker dies (naming
- * the rank) or on Ctrl-C. */
+ * free loopback port and N workers, passes every rank's output through
+ * (each line prefixed with the time and the rank), and stops everything
+ * cleanly when the job ends, when a worker dies (naming the rank) or on
+ * Ctrl-C. */
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +21,8 @@
 #include "cast/cast_cuda.h"
 #include "cli.h"
 #include "fsdp/job_cli.h"
+#include "base/flag.h"
+#include "worker/mlp.h"
 #include "fsdp/plan.h"
 #include "base/proc.h"
 #include "lib/shardplane.h"
@@ -36,8 +42,10 @@ static void usage(FILE *f) {
         "\n"
         "Runs a whole job on this machine: a coordinator on a free loopback\n"
         "port and N CPU workers (shardplane-worker) training the model with\n"
-        "sharded parameters over Gloo. Rank 0 prints progress; at the end a\n"
-        "checkpoint is written and its place printed.\n"
+        "sharded parameters over Gloo. Every line a worker writes is shown\n"
+        "prefixed with the time and its rank (\"[rank1]: \"); rank 0 prints\n"
+        "progress. At the end a checkpoint is written, and its place and\n"
+        "the flags that load it are printed.\n"
         "\n"
         "  --nproc N                  ranks (the job's world size)\n"
         "  --model PATH               model spec (examples/mlp.json trains the\n"
@@ -48,15 +56,21 @@ static void usage(FILE *f) {
         "module\n"
         "                             becomes a unit)\n",
         f);
-  sp_job_flags_print_help(f);
+  sp_job_flags_print_help_except(f, "world-size");
   fputs("  --steps N                  training steps (default 20)\n"
         "  --global-batch N           samples per step (default 24)\n"
         "  --lr X                     learning rate (default 0.05)\n"
         "  --checkpoint-dir DIR       where to write (default\n"
-        "                             shardplane-run/<model>-w<N>)\n"
+        "                             shardplane-run/<model>-w<N>-<plan>, one\n"
+        "                             per configuration); a directory holding\n"
+        "                             a checkpoint of another plan is refused\n"
         "  --checkpoint KIND          full, sharded, local or none; "
         "repeatable\n"
         "                             (default full)\n"
+        "  --load DIR                 start from a checkpoint: DIR as printed\n"
+        "                             at the end of a run, or its folder\n"
+        "  --load-kind KIND           full, sharded or local, when DIR holds\n"
+        "                             several\n"
         "  --log-every N              progress every N steps (default 1)\n"
         "  --device cpu|cuda          where ranks train (default cpu); cuda:\n"
         "                             rank r on GPU r % (GPUs present), over\n"
@@ -93,7 +107,100 @@ static void push(argvec *a, const char *s) {
   a->v[a->n] = NULL;
 }
 
-static pid_t spawn_worker(char *const argv[]) {
+/* ---- the workers' output ----
+ * Each worker's stdout and stderr come through pipes of their own; run
+ * passes them on line by line, each line whole and prefixed with the time
+ * and the rank ("12:03:04.567 [rank1]: ..."), stdout to stdout and stderr
+ * to stderr: every rank's errors show, and no two lines mix. */
+
+typedef struct out_stream {
+  int fd; /* read end; -1 once closed */
+  int rank;
+  FILE *to;
+  size_t len;
+  char line[4096]; /* longer lines are passed on in pieces */
+} out_stream;
+
+static void emit_line(const out_stream *s) {
+  struct timespec ts;
+  struct tm tm;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  localtime_r(&ts.tv_sec, &tm);
+  /* one write per line (stderr is unbuffered, stdout is flushed) */
+  fprintf(s->to, "%02d:%02d:%02d.%03ld [rank%d]: %.*s\n", tm.tm_hour,
+          tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, s->rank, (int)s->len,
+          s->line);
+  fflush(s->to);
+}
+
+/* Reads what the pipe has and passes on every whole line; at the end of
+ * the stream the rest goes out as a line and the stream closes. */
+static void drain(out_stream *s) {
+  char chunk[4096];
+  ssize_t n = read(s->fd, chunk, sizeof chunk);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n <= 0) {
+    if (s->len > 0) emit_line(s);
+    s->len = 0;
+    close(s->fd);
+    s->fd = -1;
+    return;
+  }
+  for (ssize_t i = 0; i < n; i++) {
+    if (chunk[i] == '\n' || s->len == sizeof s->line) {
+      emit_line(s);
+      s->len = 0;
+      if (chunk[i] == '\n') continue;
+    }
+    s->line[s->len++] = chunk[i];
+  }
+}
+
+/* Waits up to timeout_ms for output and passes on what came. Returns how
+ * many streams are still open. */
+static size_t pass_output(out_stream *st, size_t n, int timeout_ms) {
+  struct pollfd fds[2 * MAX_NPROC];
+  size_t idx[2 * MAX_NPROC], k = 0;
+  for (size_t i = 0; i < n; i++)
+    if (st[i].fd >= 0) {
+      fds[k] = (struct pollfd){st[i].fd, POLLIN, 0};
+      idx[k++] = i;
+    }
+  if (k == 0) {
+    if (timeout_ms > 0) usleep((useconds_t)timeout_ms * 1000);
+    return 0;
+  }
+  if (poll(fds, k, timeout_ms) > 0)
+    for (size_t i = 0; i < k; i++)
+      if (fds[i].revents) drain(&st[idx[i]]);
+  size_t open = 0;
+  for (size_t i = 0; i < n; i++) open += st[i].fd >= 0;
+  return open;
+}
+
+static void close_streams(out_stream *st, size_t n) {
+  for (size_t i = 0; st && i < n; i++)
+    if (st[i].fd >= 0) {
+      close(st[i].fd);
+      st[i].fd = -1;
+    }
+}
+
+/* Starts a worker with its stdout and stderr on pipes, whose read ends go
+ * to out and err. -1 (errno set) on failure. */
+static pid_t spawn_worker(char *const argv[], out_stream *out,
+                          out_stream *err) {
+  int po[2], pe[2];
+  if (pipe2(po, O_CLOEXEC) != 0) return -1;
+  if (pipe2(pe, O_CLOEXEC) != 0) {
+    close(po[0]);
+    close(po[1]);
+    return -1;
+  }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, po[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, pe[1], STDERR_FILENO);
   posix_spawnattr_t at;
   posix_spawnattr_init(&at);
   /* own process group: Ctrl-C reaches `run`, which stops the workers in
@@ -101,9 +208,22 @@ static pid_t spawn_worker(char *const argv[]) {
   posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
   posix_spawnattr_setpgroup(&at, 0);
   pid_t pid;
-  int rc = posix_spawn(&pid, argv[0], NULL, &at, argv, environ);
+  int rc = posix_spawn(&pid, argv[0], &fa, &at, argv, environ);
   posix_spawnattr_destroy(&at);
-  return rc == 0 ? pid : -1;
+  posix_spawn_file_actions_destroy(&fa);
+  close(po[1]);
+  close(pe[1]);
+  if (rc != 0) {
+    close(po[0]);
+    close(pe[0]);
+    errno = rc;
+    return -1;
+  }
+  fcntl(po[0], F_SETFL, O_NONBLOCK);
+  fcntl(pe[0], F_SETFL, O_NONBLOCK);
+  out->fd = po[0];
+  err->fd = pe[0];
+  return pid;
 }
 
 static void describe(int st, char *out, size_t cap) {
@@ -140,9 +260,118 @@ static void stop_workers(pid_t *pids, uint32_t n, int wait_ms) {
     }
 }
 
-int sp_cmd_run(int argc, char **argv) {
-  enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-         O_LOG, O_HB, O_DEVICE, O_HELP };
+/* What the command line asked for. */
+typedef struct run_opts {
+  long long nproc;
+  const char *model_path, *job_path, *ckdir;
+  const char *steps, *batch, *lr, *log_every, *hb;
+  bool cuda;
+  bool kinds[4]; /* by sp_ckpt_kind: the checkpoints written */
+  bool no_checkpoint; /* --checkpoint none given */
+  bool any_kind;      /* after parse_args: kinds[] holds one at least */
+  const char *load_dir; /* --load */
+  sp_ckpt_kind load_kind; /* --load-kind; 0: the only kind there */
+  sp_job_cli jcli; /* job flags, applied after --job */
+} run_opts;
+
+/* What was checked before anything starts. */
+typedef struct run_job {
+  sp_model *model;
+  sp_plan *plan;
+  sp_job job;
+  int n_gpus;
+  char coord_bin[PATH_MAX], worker_bin[PATH_MAX];
+  char default_dir[PATH_MAX];
+  const char *ckdir;
+  char load_from[4096]; /* the folder --load names */
+  sp_ckpt_kind load_kind; /* and the kind of its checkpoint */
+} run_job;
+
+/* The running processes. */
+typedef struct run_procs {
+  sp_proc coord;
+  char addr[64];
+  pid_t pids[MAX_NPROC];
+  uint32_t live;
+  out_stream *streams; /* rank r's stdout at 2r, its stderr at 2r + 1 */
+  size_t n_streams;
+} run_procs;
+
+#define PROCEED (-1)
+
+/* A job flag (getopt's c >= SP_JOB_OPT_BASE), recorded for the
+ * coordinator. 0, or -1 (message printed). */
+static int job_flag(run_opts *o, int c, const char *value) {
+  const char *name = sp_job_flags[c - SP_JOB_OPT_BASE].name;
+  if (strcmp(name, "world-size") == 0) {
+    sp_cli_error(RUN, "--world-size \"%s\": not a flag of run, whose world "
+                 "size is --nproc N", value);
+    return -1;
+  }
+  return sp_job_cli_record(&o->jcli, c, value) < 0 ? -1 : 0;
+}
+
+enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
+       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_HELP };
+
+/* One of run's own options with its value: 0, or SP_EINVAL with the
+ * flag, the value and what is allowed in d. */
+static int own_option(run_opts *o, int c, const char *flag, const char *v,
+                      sp_diag *d) {
+  static const char *const kinds[] = {"none", "full", "sharded", "local"};
+  static const char *const devices[] = {"cpu", "cuda"};
+  long long n;
+  double x;
+  size_t k;
+  int rc = 0;
+  switch (c) {
+    case O_NPROC: return sp_flag_int(flag, v, 1, MAX_NPROC, &o->nproc, d);
+    case O_MODEL:
+      o->model_path = v;
+      return sp_flag_text(flag, v, "a model spec (JSON file)", d);
+    case O_JOB:
+      o->job_path = v;
+      return sp_flag_text(flag, v, "a job config (JSON file)", d);
+    case O_STEPS:
+      o->steps = v;
+      return sp_flag_int(flag, v, 1, 1000000000, &n, d);
+    case O_BATCH:
+      o->batch = v;
+      return sp_flag_int(flag, v, 1, 1 << 20, &n, d);
+    case O_LOG:
+      o->log_every = v;
+      return sp_flag_int(flag, v, 0, 1000000000, &n, d);
+    case O_HB:
+      o->hb = v;
+      return sp_flag_int(flag, v, 1, 3600000, &n, d);
+    case O_LR:
+      o->lr = v;
+      return sp_flag_number(flag, v, 0, &x, d);
+    case O_DEVICE:
+      rc = sp_flag_choice(flag, v, devices, 2, &k, d);
+      o->cuda = rc == 0 && k == 1;
+      return rc;
+    case O_CKDIR:
+      o->ckdir = v;
+      return sp_flag_text(flag, v, "a directory", d);
+    case O_CK:
+      rc = sp_flag_choice(flag, v, kinds, 4, &k, d);
+      if (rc == 0 && k == 0) o->no_checkpoint = true;
+      if (rc == 0 && k > 0) o->kinds[k] = true;
+      return rc;
+    case O_LOAD:
+      o->load_dir = v;
+      return sp_flag_text(flag, v, "a checkpoint directory", d);
+    case O_LOADK:
+      rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
+      if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
+      return rc;
+  }
+  return SP_ENOENT;
+}
+
+/* Fills o from argv. Returns PROCEED, or the exit code. */
+static int parse_args(int argc, char **argv, run_opts *o) {
   static const struct option own[] = {
       {"nproc", required_argument, NULL, O_NPROC},
       {"model", required_argument, NULL, O_MODEL},
@@ -155,294 +384,479 @@ int sp_cmd_run(int argc, char **argv) {
       {"log-every", required_argument, NULL, O_LOG},
       {"heartbeat-timeout-ms", required_argument, NULL, O_HB},
       {"device", required_argument, NULL, O_DEVICE},
+      {"load", required_argument, NULL, O_LOAD},
+      {"load-kind", required_argument, NULL, O_LOADK},
       {"help", no_argument, NULL, O_HELP}};
   struct option *opts = sp_job_cli_options(own, sizeof own / sizeof own[0]);
   if (!opts) return SP_EXIT_FAILURE;
-  sp_job_cli jcli = {0};
-  const char *model_path = NULL, *job_path = NULL, *ckdir = NULL;
-  const char *steps = "20", *batch = "24", *lr = "0.05", *log_every = "1";
-  const char *hb = "5000";
-  bool cuda = false;
-  const char *kinds[8];
-  size_t n_kinds = 0;
-  long long nproc = 0, tmp;
-  bool wrap_given = false;
-  int ret = SP_EXIT_USAGE, c;
-  sp_model *model = NULL;
-  sp_plan *plan = NULL;
-  sp_job job;
-  sp_job_init(&job);
+  o->steps = "20";
+  o->batch = "24";
+  o->lr = "0.05";
+  o->log_every = "1";
+  o->hb = "5000";
+  int ret = SP_EXIT_USAGE, c, index = -1;
   optind = 1;
-  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-    switch (c) {
-      case O_NPROC:
-        if (sp_cli_parse_uint(optarg, MAX_NPROC, &nproc) < 0 || nproc < 1) {
-          sp_cli_error(RUN, "--nproc: expected 1..%d, got \"%s\"", MAX_NPROC,
-                       optarg);
-          goto out;
-        }
-        break;
-      case O_MODEL: model_path = optarg; break;
-      case O_JOB: job_path = optarg; break;
-      case O_STEPS:
-      case O_BATCH:
-      case O_LOG:
-      case O_HB:
-        if (sp_cli_parse_uint(optarg, 1ll << 31, &tmp) < 0) {
-          sp_cli_error(RUN, "%s: expected a count, got \"%s\"",
-                       argv[optind - 1], optarg);
-          goto out;
-        }
-        if (c == O_STEPS) steps = optarg;
-        if (c == O_BATCH) batch = optarg;
-        if (c == O_LOG) log_every = optarg;
-        if (c == O_HB) hb = optarg;
-        break;
-      case O_LR: lr = optarg; break;
-      case O_DEVICE:
-        if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cuda") != 0) {
-          sp_cli_error(RUN, "--device: expected cpu or cuda, got \"%s\"",
-                       optarg);
-          goto out;
-        }
-        cuda = strcmp(optarg, "cuda") == 0;
-        break;
-      case O_CKDIR: ckdir = optarg; break;
-      case O_CK:
-        if (n_kinds < sizeof kinds / sizeof kinds[0]) kinds[n_kinds++] = optarg;
-        break;
-      case O_HELP:
-        usage(stdout);
-        ret = SP_EXIT_OK;
-        goto out;
-      default:
-        if (c >= SP_JOB_OPT_BASE) {
-          const char *name = sp_job_flags[c - SP_JOB_OPT_BASE].name;
-          if (strcmp(name, "world-size") == 0) {
-            sp_cli_error(RUN, "--world-size: use --nproc");
-            goto out;
-          }
-          if (strncmp(name, "wrap-", 5) == 0) wrap_given = true;
-          if (sp_job_cli_record(&jcli, c, optarg) < 0) goto out;
-          break;
-        }
-        usage(stderr);
-        goto out;
+  while ((c = getopt_long(argc, argv, "", opts, &index)) != -1) {
+    if (c == O_HELP) {
+      usage(stdout);
+      ret = SP_EXIT_OK;
+      goto out;
     }
+    if (c >= SP_JOB_OPT_BASE) {
+      if (job_flag(o, c, optarg) < 0) goto out;
+      continue;
+    }
+    if (c == '?' || index < 0) { /* getopt said what */
+      usage(stderr);
+      goto out;
+    }
+    char flag[64];
+    snprintf(flag, sizeof flag, "--%s", opts[index].name);
+    sp_diag d = {{0}};
+    if (own_option(o, c, flag, optarg, &d) < 0) {
+      sp_cli_error(RUN, "%s", d.msg);
+      goto out;
+    }
+    index = -1;
   }
-  if (optind < argc || !model_path || nproc < 1) {
-    sp_cli_error(RUN, "%s", optind < argc ? "unexpected argument"
-                            : !model_path ? "--model is required"
-                                          : "--nproc is required");
+  if (optind < argc) {
+    sp_cli_error(RUN, "unexpected argument \"%s\"", argv[optind]);
     usage(stderr);
     goto out;
   }
-
-  /* Check everything here first: a bad spec or job is a message, not N
-   * workers failing at once. */
-  sp_diag d = {{0}};
-  ret = SP_EXIT_FAILURE;
-  if (sp_model_load_file(model_path, &model, &d) < 0) {
-    sp_cli_error(RUN, "%s", d.msg);
+  if (!o->model_path || o->nproc < 1) {
+    sp_cli_error(RUN, "%s", !o->model_path ? "--model is required"
+                                           : "--nproc is required");
+    usage(stderr);
     goto out;
   }
-  int rc = sp_job_cli_apply(&jcli, job_path, &job, &d);
+  if (o->load_kind && !o->load_dir) {
+    sp_cli_error(RUN, "--load-kind needs --load DIR");
+    goto out;
+  }
+  /* as the worker: FULL unless --checkpoint says otherwise */
+  if (!o->no_checkpoint && !o->kinds[SP_CKPT_SHARDED] &&
+      !o->kinds[SP_CKPT_LOCAL])
+    o->kinds[SP_CKPT_FULL] = true;
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
+    o->any_kind |= o->kinds[k];
+  ret = PROCEED;
+out:
+  free(opts);
+  return ret;
+}
+
+/* CPU ranks talk over Gloo (--device cuda makes the job NCCL's). Returns
+ * PROCEED or the exit code. */
+static int check_backend(const run_opts *o, const run_job *j) {
+  if (o->cuda || j->job.backend == SP_BACKEND_GLOO) return PROCEED;
+  const char *flag = NULL;
+  for (size_t i = 0; i < o->jcli.n; i++)
+    if (strcmp(sp_job_flags[o->jcli.items[i].flag].name, "backend") == 0)
+      flag = o->jcli.items[i].value;
+  sp_diag d = {{0}};
+  if (flag)
+    sp_flag_fail(&d, "--backend", flag, "gloo: CPU ranks use gloo "
+                 "(--device cuda trains over NCCL)");
+  else
+    sp_diag_set(&d, SP_EINVAL, "%s: backend %s: CPU ranks use gloo "
+                "(--device cuda trains over NCCL)", o->job_path,
+                sp_backend_name(j->job.backend));
+  sp_cli_error(RUN, "%s", d.msg);
+  return SP_EXIT_USAGE;
+}
+
+/* The reference MLP splits the batch evenly over the ranks (the synthetic
+ * cycle has none). Returns PROCEED or the exit code. */
+static int check_batch(const run_opts *o, const run_job *j) {
+  sp_mlp *mlp = NULL;
+  sp_diag d = {{0}};
+  bool is_mlp = sp_mlp_new(j->model, &mlp, &d) == 0;
+  sp_mlp_free(mlp);
+  if (!is_mlp || atoll(o->batch) % o->nproc == 0) return PROCEED;
+  sp_flag_fail(&d, "--global-batch", o->batch, "a multiple of --nproc "
+               "%lld: every rank trains an equal share", o->nproc);
+  sp_cli_error(RUN, "%s", d.msg);
+  return SP_EXIT_USAGE;
+}
+
+/* The spec, the job and its plan. Returns PROCEED or the exit code. */
+static int build_plan(run_opts *o, run_job *j) {
+  sp_diag d = {{0}};
+  if (sp_model_load_file(o->model_path, &j->model, &d) < 0) {
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_FAILURE;
+  }
+  int rc = sp_job_cli_apply(&o->jcli, o->job_path, &j->job, &d);
+  if (rc == 0) rc = sp_job_cli_check_model(&o->jcli, j->model, &d);
   if (rc < 0) {
     sp_cli_error(RUN, "%s", d.msg);
-    ret = rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;
-    goto out;
+    return rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;
   }
-  job.world_size = (uint32_t)nproc;
-  bool default_wrap = !wrap_given && job.wrap_modules.n == 0 &&
-                      job.wrap_types.n == 0;
-  if (default_wrap) {
-    bool has_linear = false;
-    for (size_t i = 0; i < model->n_modules; i++)
-      if (strcmp(model->modules[i].type, "Linear") == 0) has_linear = true;
-    default_wrap = has_linear;
-    if (has_linear) sp_strlist_add(&job.wrap_types, "Linear");
+  j->job.world_size = (uint32_t)o->nproc;
+  if ((rc = check_backend(o, j)) != PROCEED) return rc;
+  /* the coordinator applies the same default to the same job */
+  if (sp_job_default_wrap(&j->job, j->model, NULL) < 0) {
+    sp_cli_error(RUN, "out of memory");
+    return SP_EXIT_FAILURE;
   }
-  if (sp_plan_build(model, &job, &plan, &d) < 0) {
+  if (sp_plan_build(j->model, &j->job, &j->plan, &d) < 0) {
     sp_cli_error(RUN, "%s", d.msg);
-    ret = SP_EXIT_USAGE;
-    goto out;
+    return SP_EXIT_USAGE;
   }
-  /* One GPU per rank, rank r on GPU r % count: NCCL refuses two ranks of
-   * one communicator on the same GPU, so more ranks than GPUs is refused
-   * here rather than by every worker after the rendezvous. */
-  int n_gpus = 0;
-  if (cuda) {
-    if (sp_cuda_device_count(&n_gpus) < 0) {
-      sp_cli_error(RUN, "--device cuda: cannot count CUDA devices (the "
-                        "driver's error is logged above)");
-      goto out;
-    }
-    if (n_gpus == 0) {
-      sp_cli_error(RUN, "--device cuda: no CUDA device (or this build has "
-                        "no CUDA)");
-      goto out;
-    }
-    if (nproc > n_gpus) {
-      sp_cli_error(RUN, "--device cuda: %lld ranks but %d GPU%s; NCCL needs "
-                        "one GPU per rank", nproc, n_gpus,
-                   n_gpus == 1 ? "" : "s");
-      ret = SP_EXIT_USAGE;
-      goto out;
-    }
+  return check_batch(o, j);
+}
+
+/* One GPU per rank, rank r on GPU r % count: NCCL refuses two ranks of
+ * one communicator on the same GPU, so more ranks than GPUs is refused
+ * here rather than by every worker after the rendezvous. Returns PROCEED
+ * or the exit code. */
+static int check_gpus(const run_opts *o, run_job *j) {
+  if (sp_cuda_device_count(&j->n_gpus) < 0) {
+    sp_cli_error(RUN, "--device cuda: cannot count CUDA devices (the "
+                      "driver's error is logged above)");
+    return SP_EXIT_FAILURE;
   }
-  char coord_bin[PATH_MAX], worker_bin[PATH_MAX];
-  if (bin_path("shardplane-coordinator", coord_bin, sizeof coord_bin) < 0 ||
-      bin_path("shardplane-worker", worker_bin, sizeof worker_bin) < 0) {
+  if (j->n_gpus == 0) {
+    sp_cli_error(RUN, "--device cuda: no CUDA device (or this build has "
+                      "no CUDA)");
+    return SP_EXIT_FAILURE;
+  }
+  if (o->nproc > j->n_gpus) {
+    sp_cli_error(RUN, "--device cuda: %lld ranks but %d GPU%s; NCCL needs "
+                      "one GPU per rank", o->nproc, j->n_gpus,
+                 j->n_gpus == 1 ? "" : "s");
+    return SP_EXIT_USAGE;
+  }
+  return PROCEED;
+}
+
+/* Where checkpoints go and come from. The default directory is one per
+ * configuration (model, world size, plan), and no directory holding a
+ * checkpoint of another plan is written to: a second run with another
+ * configuration loses nothing. Returns PROCEED or the exit code. */
+static int check_checkpoints(const run_opts *o, run_job *j) {
+  sp_diag d = {{0}};
+  if (o->load_dir &&
+      sp_ckpt_resolve(o->load_dir, o->load_kind, j->load_from,
+                      sizeof j->load_from, &j->load_kind, &d) < 0) {
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_USAGE;
+  }
+  j->ckdir = o->ckdir;
+  if (!j->ckdir) {
+    snprintf(j->default_dir, sizeof j->default_dir,
+             "shardplane-run/%s-w%lld-%.8s",
+             j->model->name && *j->model->name ? j->model->name : "model",
+             o->nproc, j->plan->version_hex);
+    j->ckdir = j->default_dir;
+  }
+  if (o->any_kind && sp_ckpt_check_dir(j->ckdir, j->plan->version_hex,
+                                       &d) < 0) {
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_USAGE;
+  }
+  return PROCEED;
+}
+
+/* Everything checked before a process starts: a bad spec or job is a
+ * message, not N workers failing at once. Returns PROCEED or the exit
+ * code. */
+static int check_job(run_opts *o, run_job *j) {
+  int ec = build_plan(o, j);
+  if (ec == PROCEED && o->cuda) ec = check_gpus(o, j);
+  if (ec != PROCEED) return ec;
+  if (bin_path("shardplane-coordinator", j->coord_bin,
+               sizeof j->coord_bin) < 0 ||
+      bin_path("shardplane-worker", j->worker_bin, sizeof j->worker_bin) < 0) {
     sp_cli_error(RUN, "shardplane-coordinator and shardplane-worker must be "
                       "installed beside this program");
-    goto out;
+    return SP_EXIT_FAILURE;
   }
-  char default_dir[PATH_MAX];
-  if (!ckdir) {
-    snprintf(default_dir, sizeof default_dir, "shardplane-run/%s-w%lld",
-             model->name && *model->name ? model->name : "model", nproc);
-    ckdir = default_dir;
-  }
+  return check_checkpoints(o, j);
+}
 
-  /* the coordinator */
+/* Starts the coordinator on a free loopback port; p->addr is its
+ * address. Returns PROCEED or the exit code. */
+static int start_coordinator(const run_opts *o, const run_job *j,
+                             run_procs *p) {
   char nproc_s[16];
-  snprintf(nproc_s, sizeof nproc_s, "%lld", nproc);
+  snprintf(nproc_s, sizeof nproc_s, "%lld", o->nproc);
   argvec ca = {0};
-  push(&ca, coord_bin);
+  push(&ca, j->coord_bin);
   push(&ca, "--listen");
   push(&ca, "127.0.0.1:0");
   push(&ca, "--model");
-  push(&ca, model_path);
-  if (job_path) {
+  push(&ca, o->model_path);
+  if (o->job_path) {
     push(&ca, "--job");
-    push(&ca, job_path);
+    push(&ca, o->job_path);
   }
   char flagbuf[64][64];
-  for (size_t i = 0; i < jcli.n && i < 64; i++) {
-    const sp_job_flag_def *def = &sp_job_flags[jcli.items[i].flag];
+  for (size_t i = 0; i < o->jcli.n && i < 64; i++) {
+    const sp_job_flag_def *def = &sp_job_flags[o->jcli.items[i].flag];
     snprintf(flagbuf[i], sizeof flagbuf[i], "--%s", def->name);
     push(&ca, flagbuf[i]);
-    if (def->has_arg) push(&ca, jcli.items[i].value);
+    if (def->has_arg) push(&ca, o->jcli.items[i].value);
   }
   push(&ca, "--world-size");
   push(&ca, nproc_s);
-  if (default_wrap) {
-    push(&ca, "--wrap-type");
-    push(&ca, "Linear");
-  }
-  if (cuda) {
+  if (o->cuda) {
     /* what the ranks use (the worker forces NCCL on a GPU); flags given
      * earlier are overridden by this last one */
     push(&ca, "--backend");
     push(&ca, "nccl");
   }
   push(&ca, "--heartbeat-timeout-ms");
-  push(&ca, hb);
+  push(&ca, o->hb);
   push(&ca, "--quiet");
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(&p->coord, ca.v, false, true, "listening on 127.0.0.1:%d",
+                    &d) < 0) {
+    sp_cli_error(RUN, "cannot start the coordinator: %s", d.msg);
+    return SP_EXIT_FAILURE;
+  }
+  snprintf(p->addr, sizeof p->addr, "127.0.0.1:%d", p->coord.port);
+  return PROCEED;
+}
+
+/* The command line of rank r's worker into wa; rank_s and device_s (24
+ * bytes each) hold strings it points to. */
+static void worker_args(const run_opts *o, const run_job *j,
+                        const run_procs *p, long long r, argvec *wa,
+                        char *rank_s, char *device_s) {
+  snprintf(rank_s, 24, "%lld", r);
+  push(wa, j->worker_bin);
+  push(wa, "--coordinator");
+  push(wa, p->addr);
+  push(wa, "--rank");
+  push(wa, rank_s);
+  push(wa, "--steps");
+  push(wa, o->steps);
+  push(wa, "--global-batch");
+  push(wa, o->batch);
+  push(wa, "--lr");
+  push(wa, o->lr);
+  push(wa, "--log-every");
+  push(wa, o->log_every);
+  if (o->cuda) {
+    snprintf(device_s, 24, "cuda:%lld", r % j->n_gpus);
+    push(wa, "--device");
+    push(wa, device_s);
+  }
+  if (!o->any_kind) {
+    push(wa, "--checkpoint");
+    push(wa, "none");
+  } else {
+    push(wa, "--checkpoint-dir");
+    push(wa, j->ckdir);
+  }
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
+    if (o->kinds[k]) {
+      push(wa, "--checkpoint");
+      push(wa, sp_ckpt_kind_dir((sp_ckpt_kind)k));
+    }
+  if (o->load_dir) {
+    push(wa, "--load");
+    push(wa, j->load_from);
+    push(wa, "--load-kind");
+    push(wa, sp_ckpt_kind_dir(j->load_kind));
+  }
+}
+
+/* Starts the N workers. Returns PROCEED or the exit code (p->pids holds
+ * the ones started). */
+static int start_workers(const run_opts *o, const run_job *j,
+                         run_procs *p) {
+  p->streams = calloc(2 * (size_t)o->nproc, sizeof *p->streams);
+  if (!p->streams) {
+    sp_cli_error(RUN, "out of memory");
+    return SP_EXIT_FAILURE;
+  }
+  p->n_streams = 2 * (size_t)o->nproc;
+  for (size_t i = 0; i < p->n_streams; i++)
+    p->streams[i] = (out_stream){.fd = -1, .rank = (int)(i / 2),
+                                 .to = i % 2 ? stderr : stdout};
+  for (long long r = 0; r < o->nproc; r++) {
+    char rank_s[24], device_s[24];
+    argvec wa = {0};
+    worker_args(o, j, p, r, &wa, rank_s, device_s);
+    p->pids[r] = spawn_worker(wa.v, &p->streams[2 * r],
+                              &p->streams[2 * r + 1]);
+    if (p->pids[r] < 0) {
+      p->pids[r] = 0;
+      sp_cli_error(RUN, "cannot start rank %lld: %s", r, strerror(errno));
+      return SP_EXIT_FAILURE;
+    }
+    p->live++;
+  }
+  return PROCEED;
+}
+
+/* After a failure, the other ranks get this long to stop by themselves
+ * (the coordinator aborts them at once) and to say why, before SIGTERM;
+ * SIGKILL follows SIGTERM after TERM_S. */
+#define GRACE_S 0.5
+#define TERM_S 3.0
+
+/* Where supervise stands. */
+typedef struct run_watch {
+  int ret;          /* the exit code so far */
+  double term_at;   /* when to SIGTERM the workers left; < 0: not yet due */
+  double kill_at;   /* when to SIGKILL them; < 0: not yet due */
+  bool terminated;  /* SIGTERM sent: the ends that follow are ours */
+  bool interrupted; /* a signal arrived */
+} run_watch;
+
+/* A failure: the first one names what happened and stops the job; later
+ * ones (other ranks failing before they are stopped) are named too. */
+static void failed(run_watch *w, double grace_s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void failed(run_watch *w, double grace_s, const char *fmt, ...) {
+  char msg[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  bool first = w->ret == SP_EXIT_OK;
+  sp_cli_error(RUN, "%s%s", msg, first ? "; stopping the job" : "");
+  if (first) {
+    w->ret = SP_EXIT_FAILURE;
+    w->term_at = sp_clock_s() + grace_s;
+  }
+}
+
+/* Reaps every child that ended: the coordinator or a worker. */
+static void reap(const run_opts *o, run_procs *p, run_watch *w) {
+  int st;
+  pid_t pid;
+  while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+    char how[96];
+    describe(st, how, sizeof how);
+    if (pid == p->coord.pid) {
+      p->coord.pid = 0;
+      failed(w, GRACE_S, "the coordinator %s", how);
+      continue;
+    }
+    for (long long r = 0; r < o->nproc; r++) {
+      if (p->pids[r] != pid) continue;
+      p->pids[r] = 0;
+      p->live--;
+      if ((!WIFEXITED(st) || WEXITSTATUS(st) != 0) && !w->terminated)
+        failed(w, GRACE_S, "rank %lld %s", r, how);
+    }
+  }
+}
+
+/* Signals to the workers left, when due. */
+static void stop_when_due(run_procs *p, run_watch *w, long long n) {
+  double now = sp_clock_s();
+  int sig = 0;
+  if (w->term_at >= 0 && now >= w->term_at) {
+    sig = SIGTERM;
+    w->term_at = -1;
+    w->kill_at = now + TERM_S;
+    w->terminated = true;
+  } else if (w->kill_at >= 0 && now >= w->kill_at) {
+    sig = SIGKILL;
+    w->kill_at = -1;
+  }
+  for (long long r = 0; sig && r < n; r++)
+    if (p->pids[r] > 0) kill(p->pids[r], sig);
+}
+
+/* Passes the workers' output on until every worker is done, one fails or
+ * dies (naming the rank; the others are given GRACE_S to stop and say
+ * why), the coordinator dies, or a signal arrives. Returns the exit
+ * code. */
+static int supervise(const run_opts *o, run_procs *p) {
+  run_watch w = {.ret = SP_EXIT_OK, .term_at = -1, .kill_at = -1};
+  double drained_by = -1; /* every worker gone: the pipes' last words */
+  for (;;) {
+    size_t open = pass_output(p->streams, p->n_streams, 20);
+    reap(o, p, &w);
+    if (g_signal && !w.interrupted) {
+      w.interrupted = true;
+      fprintf(stderr, "shardplane run: interrupted; stopping %u worker%s "
+                      "and the coordinator\n", p->live,
+              p->live == 1 ? "" : "s");
+      if (w.ret == SP_EXIT_OK) w.ret = 128 + SIGINT; /* else: it failed */
+      w.term_at = sp_clock_s();
+    }
+    if (p->live == 0) {
+      if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
+      if (open == 0 || sp_clock_s() > drained_by) break;
+      continue;
+    }
+    stop_when_due(p, &w, o->nproc);
+  }
+  close_streams(p->streams, p->n_streams);
+  return w.ret;
+}
+
+/* The last lines: where the checkpoints are, and the flags that start a
+ * job from each (shardplane run or shardplane-worker). Returns the exit
+ * code. */
+static int report_done(const run_opts *o, const run_job *j, double took_s) {
+  if (!o->any_kind) {
+    printf("shardplane run: done in %.1f s; no checkpoint (--checkpoint "
+           "none)\n", took_s);
+    return SP_EXIT_OK;
+  }
+  printf("shardplane run: done in %.1f s; checkpoint in %s\n", took_s,
+         j->ckdir);
+  sp_ckpt_found f;
+  sp_ckpt_find(j->ckdir, &f);
+  int n = 0;
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) n += o->kinds[k];
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
+    if (!o->kinds[k]) continue;
+    const char *name = sp_ckpt_kind_name((sp_ckpt_kind)k);
+    if (!f.present[k]) {
+      sp_cli_error(RUN, "no %s checkpoint in %s", name, j->ckdir);
+      return SP_EXIT_FAILURE;
+    }
+    char which[32] = "it";
+    if (n > 1) snprintf(which, sizeof which, "the %s one", name);
+    printf("shardplane run: start from %s with --load %s --load-kind %s\n",
+           which, f.dir[k], sp_ckpt_kind_dir((sp_ckpt_kind)k));
+  }
+  return SP_EXIT_OK;
+}
+
+int sp_cmd_run(int argc, char **argv) {
+  run_opts o = {0};
+  run_job j = {0};
+  run_procs p = {0};
+  sp_job_init(&j.job);
+  int ret = parse_args(argc, argv, &o);
+  if (ret == PROCEED) ret = check_job(&o, &j);
+  if (ret != PROCEED) goto out;
 
   struct sigaction sa = {.sa_handler = on_signal};
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
 
-  sp_proc coord;
-  if (sp_proc_spawn(&coord, ca.v, false, true, "listening on 127.0.0.1:%d",
-                    &d) < 0) {
-    sp_cli_error(RUN, "cannot start the coordinator: %s", d.msg);
-    goto out;
-  }
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", coord.port);
-  printf("shardplane run: %s, %lld ranks, %s, plan %s; coordinator on %s\n",
-         model->name, nproc, sp_strategy_name(plan->strategy),
-         plan->version_hex, addr);
+  ret = start_coordinator(&o, &j, &p);
+  if (ret != PROCEED) goto out;
+  printf("shardplane run: %s, %lld ranks, %s, plan %s (%zu units); "
+         "coordinator on %s\n", j.model->name, o.nproc,
+         sp_strategy_name(j.plan->strategy), j.plan->version_hex,
+         j.plan->n_units, p.addr);
   fflush(stdout);
-
-  pid_t pids[MAX_NPROC] = {0};
-  char rank_s[MAX_NPROC][24];
-  char device_s[MAX_NPROC][24];
   double t0 = sp_clock_s();
-  ret = SP_EXIT_OK;
-  for (long long r = 0; r < nproc; r++) {
-    argvec wa = {0};
-    snprintf(rank_s[r], sizeof rank_s[r], "%lld", r);
-    push(&wa, worker_bin);
-    push(&wa, "--coordinator");
-    push(&wa, addr);
-    push(&wa, "--rank");
-    push(&wa, rank_s[r]);
-    push(&wa, "--steps");
-    push(&wa, steps);
-    push(&wa, "--global-batch");
-    push(&wa, batch);
-    push(&wa, "--lr");
-    push(&wa, lr);
-    push(&wa, "--log-every");
-    push(&wa, log_every);
-    push(&wa, "--checkpoint-dir");
-    push(&wa, ckdir);
-    if (cuda) {
-      snprintf(device_s[r], sizeof device_s[r], "cuda:%lld", r % n_gpus);
-      push(&wa, "--device");
-      push(&wa, device_s[r]);
-    }
-    for (size_t k = 0; k < n_kinds; k++) {
-      push(&wa, "--checkpoint");
-      push(&wa, kinds[k]);
-    }
-    pids[r] = spawn_worker(wa.v);
-    if (pids[r] < 0) {
-      pids[r] = 0;
-      sp_cli_error(RUN, "cannot start rank %lld: %s", r, strerror(errno));
-      ret = SP_EXIT_FAILURE;
-      break;
-    }
-  }
-  uint32_t live = 0;
-  for (long long r = 0; r < nproc; r++) live += pids[r] > 0;
-  while (ret == SP_EXIT_OK && live > 0) {
-    int st;
-    pid_t p = waitpid(-1, &st, 0);
-    if (p < 0) {
-      if (errno == EINTR && g_signal) {
-        fprintf(stderr, "shardplane run: interrupted; stopping %u worker%s "
-                        "and the coordinator\n", live, live == 1 ? "" : "s");
-        ret = 128 + SIGINT;
-      } else if (errno != EINTR) {
-        ret = SP_EXIT_FAILURE;
-      }
-      continue;
-    }
-    if (p == coord.pid) {
-      char how[96];
-      describe(st, how, sizeof how);
-      sp_cli_error(RUN, "the coordinator %s; stopping the workers", how);
-      coord.pid = 0;
-      ret = SP_EXIT_FAILURE;
-      break;
-    }
-    for (long long r = 0; r < nproc; r++) {
-      if (pids[r] != p) continue;
-      pids[r] = 0;
-      live--;
-      if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-        char how[96];
-        describe(st, how, sizeof how);
-        sp_cli_error(RUN, "rank %lld %s; stopping the job", r, how);
-        ret = SP_EXIT_FAILURE;
-      }
-    }
-  }
-  stop_workers(pids, (uint32_t)nproc, 3000);
-  if (coord.pid > 0) sp_proc_stop(&coord, 5000);
-  if (ret == SP_EXIT_OK)
-    printf("shardplane run: done in %.1f s; checkpoint in %s\n", sp_clock_s() - t0,
-           ckdir);
+  ret = start_workers(&o, &j, &p);
+  if (ret == PROCEED) ret = supervise(&o, &p);
+  stop_workers(p.pids, (uint32_t)o.nproc, 3000);
+  close_streams(p.streams, p.n_streams);
+  free(p.streams);
+  if (p.coord.pid > 0) sp_proc_stop(&p.coord, 5000);
+  if (ret == SP_EXIT_OK) ret = report_done(&o, &j, sp_clock_s() - t0);
 out:
-  sp_plan_free(plan);
-  sp_model_free(model);
-  sp_job_clear(&job);
-  sp_job_cli_free(&jcli);
-  free(opts);
+  sp_plan_free(j.plan);
+  sp_model_free(j.model);
+  sp_job_clear(&j.job);
+  sp_job_cli_free(&o.jcli);
   return ret;
 }

@@ -71,6 +71,172 @@ const char *sp_ckpt_kind_name(sp_ckpt_kind k) {
   return "INVALID";
 }
 
+const char *sp_ckpt_kind_dir(sp_ckpt_kind k) {
+  switch (k) {
+    case SP_CKPT_FULL: return "full";
+    case SP_CKPT_SHARDED: return "sharded";
+    case SP_CKPT_LOCAL: return "local";
+  }
+  return "invalid";
+}
+
+/* ---- what a directory holds ---- */
+
+/* A safetensors file's shardplane.plan_version, from its header alone
+ * (the tensors after it may be large); "" when there is none. */
+static void header_plan_version(const char *path, char *out, size_t cap) {
+  out[0] = '\0';
+  FILE *fp = fopen(path, "rb");
+  if (!fp) return;
+  uint8_t len8[8];
+  uint64_t n = 0;
+  if (fread(len8, 1, 8, fp) == 8)
+    for (int i = 7; i >= 0; i--) n = n << 8 | len8[i];
+  char *hdr = n > 0 && n <= SP_CKPT_MAX_INDEX ? malloc((size_t)n) : NULL;
+  json_t *root = NULL;
+  if (hdr && fread(hdr, 1, (size_t)n, fp) == n)
+    root = json_loadb(hdr, (size_t)n, 0, NULL);
+  const char *v = json_string_value(json_object_get(
+      json_object_get(root, "__metadata__"), "shardplane.plan_version"));
+  if (v) snprintf(out, cap, "%s", v);
+  json_decref(root);
+  free(hdr);
+  fclose(fp);
+}
+
+static bool is_file(const char *path) {
+  struct stat sb;
+  return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
+/* Which kinds folder itself holds, into out (kinds found earlier stay). */
+static void find_in(const char *folder, sp_ckpt_found *out) {
+  char path[PATH_MAX];
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
+    if (out->present[k]) continue;
+    char *ver = out->plan_version[k];
+    size_t vcap = sizeof out->plan_version[k];
+    if (k == SP_CKPT_FULL) {
+      snprintf(path, sizeof path, "%s/%s", folder, SP_CKPT_FULL_FILE);
+      if (!is_file(path)) continue;
+      header_plan_version(path, ver, vcap);
+    } else if (k == SP_CKPT_SHARDED) {
+      snprintf(path, sizeof path, "%s/%s", folder, SP_CKPT_INDEX);
+      if (!is_file(path)) continue;
+      json_t *index = json_load_file(path, 0, NULL);
+      const char *v = json_string_value(json_object_get(index,
+                                                        "plan_version"));
+      snprintf(ver, vcap, "%s", v ? v : "");
+      json_decref(index);
+    } else {
+      DIR *dd = opendir(folder);
+      struct dirent *e;
+      unsigned w = 0;
+      bool found = false;
+      while (dd && !found && (e = readdir(dd)) != NULL) {
+        int end = 0;
+        found = sscanf(e->d_name, "local-0-of-%u.safetensors%n", &w,
+                       &end) == 1 && end > 0 && e->d_name[end] == '\0';
+      }
+      if (dd) closedir(dd);
+      if (!found) continue;
+      snprintf(path, sizeof path, "%s/local-0-of-%u.safetensors", folder, w);
+      header_plan_version(path, ver, vcap);
+    }
+    out->present[k] = true;
+    snprintf(out->dir[k], sizeof out->dir[k], "%s", folder);
+  }
+}
+
+int sp_ckpt_find(const char *dir, sp_ckpt_found *out) {
+  memset(out, 0, sizeof *out);
+  if (!dir) return 0;
+  find_in(dir, out);
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
+    char sub[PATH_MAX];
+    snprintf(sub, sizeof sub, "%s/%s", dir, sp_ckpt_kind_dir(k));
+    sp_ckpt_found in_sub;
+    memset(&in_sub, 0, sizeof in_sub);
+    find_in(sub, &in_sub);
+    if (out->present[k] || !in_sub.present[k]) continue;
+    out->present[k] = true;
+    memcpy(out->dir[k], in_sub.dir[k], sizeof out->dir[k]);
+    memcpy(out->plan_version[k], in_sub.plan_version[k],
+           sizeof out->plan_version[k]);
+  }
+  int n = 0;
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) n += out->present[k];
+  return n;
+}
+
+/* "FULL (d/full) and SHARDED (d/sharded)" */
+static void list_found(const sp_ckpt_found *f, char *out, size_t cap) {
+  size_t len = 0, n = 0, total = 0;
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) total += f->present[k];
+  out[0] = '\0';
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL && len < cap; k++) {
+    if (!f->present[k]) continue;
+    n++;
+    int w = snprintf(out + len, cap - len, "%s%s (%s)",
+                     n == 1 ? "" : n == total ? " and " : ", ",
+                     sp_ckpt_kind_name((sp_ckpt_kind)k), f->dir[k]);
+    if (w < 0) return;
+    len += (size_t)w;
+  }
+}
+
+int sp_ckpt_resolve(const char *dir, sp_ckpt_kind kind, char *out,
+                    size_t cap, sp_ckpt_kind *out_kind, sp_diag *d) {
+  sp_ckpt_found f;
+  int n = sp_ckpt_find(dir, &f);
+  char list[3 * 4200];
+  list_found(&f, list, sizeof list);
+  if (n == 0)
+    return sp_diag_set(d, SP_ENOENT, "--load \"%s\": expected a checkpoint "
+                       "directory: model.safetensors (FULL), index.json "
+                       "(SHARDED) or local-R-of-W.safetensors (LOCAL), there "
+                       "or in its full/, sharded/ or local/ folder; found "
+                       "none", dir ? dir : "");
+  if (kind == 0 && n > 1) {
+    char choices[64] = "";
+    for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
+      if (f.present[k])
+        snprintf(choices + strlen(choices), sizeof choices - strlen(choices),
+                 "%s%s", choices[0] ? " or " : "",
+                 sp_ckpt_kind_dir((sp_ckpt_kind)k));
+    return sp_diag_set(d, SP_EINVAL, "--load \"%s\" holds %s checkpoints: "
+                       "choose one with --load-kind %s", dir, list, choices);
+  }
+  if (kind != 0 && (kind < SP_CKPT_FULL || kind > SP_CKPT_LOCAL ||
+                    !f.present[kind]))
+    return sp_diag_set(d, SP_ENOENT, "--load \"%s\" --load-kind %s: no %s "
+                       "checkpoint there; it holds %s", dir,
+                       sp_ckpt_kind_dir(kind), sp_ckpt_kind_name(kind), list);
+  for (int k = SP_CKPT_FULL; kind == 0 && k <= SP_CKPT_LOCAL; k++)
+    if (f.present[k]) kind = (sp_ckpt_kind)k;
+  if (snprintf(out, cap, "%s", f.dir[kind]) >= (int)cap)
+    return sp_diag_set(d, SP_ETOOBIG, "%s: path too long", f.dir[kind]);
+  *out_kind = kind;
+  return 0;
+}
+
+int sp_ckpt_check_dir(const char *dir, const char *plan_version, sp_diag *d) {
+  sp_ckpt_found f;
+  sp_ckpt_find(dir, &f);
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
+    if (!f.present[k] || strcmp(f.plan_version[k], plan_version) == 0)
+      continue;
+    return sp_diag_set(d, SP_EEXIST, "%s holds a %s checkpoint of another "
+                       "configuration (plan %s; this job's plan is %s), "
+                       "which is kept: choose another directory with "
+                       "--checkpoint-dir", dir,
+                       sp_ckpt_kind_name((sp_ckpt_kind)k),
+                       f.plan_version[k][0] ? f.plan_version[k] : "unknown",
+                       plan_version);
+  }
+  return 0;
+}
+
 /* ---- agreement between ranks ---- */
 
 /* One float per rank, 1 where that rank says yes, summed over the world:
@@ -1211,17 +1377,17 @@ static int load_sharded(sp_fsdp *f, const char *dir, bool params_only,
   char *buf;
   size_t len;
   int rc = join(path, sizeof path, dir, SP_CKPT_INDEX, d);
-  if (rc == 0) rc = sp_jr_read_file(path, SP_CKPT_MAX_INDEX, &buf, &len, d);
+  if (rc == 0) rc = sp_json_read_file(path, SP_CKPT_MAX_INDEX, &buf, &len, d);
   if (rc < 0) return rc;
-  sp_jr r = {path, d};
+  sp_json_reader r = {path, d};
   json_t *root = NULL;
-  rc = sp_jr_parse(&r, buf, len, SP_CKPT_MAX_INDEX, &root);
+  rc = sp_json_parse(&r, buf, len, SP_CKPT_MAX_INDEX, &root);
   free(buf);
   if (rc < 0) return rc;
   sharded_ctx c = {.dir = dir, .tensors = json_object_get(root, "tensors")};
   const char *bufs = json_string_value(json_object_get(root, "buffers_file"));
   if (!json_is_object(c.tensors) || !bufs)
-    rc = sp_jr_fail(&r, SP_EFORMAT, "not a shardplane.sharded/v1 index");
+    rc = sp_json_fail(&r, SP_EFORMAT, "not a shardplane.sharded/v1 index");
   ckpt_optim o;
   if (rc == 0) rc = optim_from_index(root, path, &o, d);
   if (rc == 0 && !params_only) rc = check_states(f, &o, path, d);

@@ -40,7 +40,7 @@ static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (t < 0) return (int)t;
   if (f->plan->strategy != SP_NO_SHARD)
     sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, fu->u->param_dtype,
-                          (uint64_t)fu->padded);
+                          (uint64_t)fu->c);
   fu->gather_ticket = t;
   f->inflight[f->n_inflight++] = t;
   f->stats.all_gathers++;
@@ -212,11 +212,11 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     sp_dtype rdt = fu->u->reduce_dtype;
     if (f->plan->strategy == SP_NO_SHARD) {
       sp_session_collective(f->s, SP_OP_ALL_REDUCE, ui, rdt,
-                            (uint64_t)fu->padded);
+                            (uint64_t)fu->c);
       f->stats.all_reduces++;
     } else {
       sp_session_collective(f->s, SP_OP_REDUCE_SCATTER, ui, rdt,
-                            (uint64_t)fu->padded);
+                            (uint64_t)fu->c);
       f->stats.reduce_scatters++;
       if (f->plan->strategy == SP_HYBRID_SHARD && f->replica_comm &&
           sp_comm_size(f->replica_comm) > 1) {
@@ -303,7 +303,7 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
   }
   if (f->plan->strategy != SP_NO_SHARD)
     sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, fu->u->dtype,
-                          (uint64_t)fu->padded);
+                          (uint64_t)fu->c);
   rc = sp_fsdp_wait(f, t, d);
   if (rc == 0)
     rc = f->mem->to_host(f, dst, tmp, (size_t)fu->u->numel * fu->esize, d);

@@ -128,14 +128,20 @@ int sp_session_transition(sp_session *s, sp_machine m, uint32_t unit, int to,
 /* Current state in the local tracker. */
 int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit);
 /* Queues a collective fingerprint; the sequence number is assigned here
- * and returned. */
+ * and returned. count is the collective's count as the sp_comm_* calls and
+ * NCCL take it, elements per rank: an all-gather's input (the shard), a
+ * reduce-scatter's output (the reduced shard), an all-reduce's or a
+ * broadcast's whole buffer. */
 uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
                                sp_dtype dtype, uint64_t count);
 /* Switches queueing on or off (sp_session_opts.no_report) for measuring
  * what reporting costs within one run. Only between steps: SP_ESTATE unless
  * the root and every unit are IDLE. */
 int sp_session_set_report(sp_session *s, bool on, sp_diag *d);
-/* Sets the step number carried by later events and heartbeats. */
+/* Sets the step number carried by later events and heartbeats. Steps are
+ * numbered from 1 (0: none yet): set K before the K-th step's events, as
+ * shardplane-worker does, so that after N steps the coordinator shows N,
+ * the number of the worker's last "step N/N" line. */
 void sp_session_set_step(sp_session *s, uint64_t step);
 /* Waits until every event queued so far has been acknowledged by the
  * coordinator. SP_ETIMEDOUT after timeout_ms. Returns SP_ESTATE if the
@@ -458,6 +464,34 @@ typedef enum sp_ckpt_kind {
 
 int sp_ckpt_kind_parse(const char *s, sp_ckpt_kind *out);
 const char *sp_ckpt_kind_name(sp_ckpt_kind k);
+/* The folder a checkpoint directory keeps each kind in, as
+ * shardplane-worker --checkpoint-dir DIR writes them: "full", "sharded",
+ * "local" (DIR/full/model.safetensors, ...). */
+const char *sp_ckpt_kind_dir(sp_ckpt_kind k);
+
+/* What a directory holds: it may be one checkpoint itself
+ * (model.safetensors: FULL; index.json: SHARDED; local-R-of-W.safetensors:
+ * LOCAL) or hold them in its full/, sharded/ and local/ folders. */
+typedef struct sp_ckpt_found {
+  bool present[4];         /* by sp_ckpt_kind */
+  char dir[4][4096];       /* the folder of each present kind */
+  char plan_version[4][24]; /* the plan it was written with; "" unknown */
+} sp_ckpt_found;
+/* Fills *out, reading only file headers; returns how many kinds are
+ * present (0 also when dir does not exist). */
+int sp_ckpt_find(const char *dir, sp_ckpt_found *out);
+/* The tools' --load DIR [--load-kind K] (messages name these flags): DIR
+ * itself or its full/, sharded/ or local/ folder, holding a checkpoint of
+ * kind K or, when kind is 0, the only kind there. out receives the folder
+ * to pass to sp_ckpt_load, *out_kind its kind. SP_ENOENT: no such
+ * checkpoint there; SP_EINVAL: several kinds and kind 0. */
+int sp_ckpt_resolve(const char *dir, sp_ckpt_kind kind, char *out,
+                    size_t cap, sp_ckpt_kind *out_kind, sp_diag *d);
+/* Before writing checkpoints of the plan `plan_version` into dir:
+ * SP_EEXIST, naming dir, the plans and the --checkpoint-dir flag, when dir
+ * holds a checkpoint of another plan (another configuration), which
+ * writing would overwrite or mix with. 0 otherwise. */
+int sp_ckpt_check_dir(const char *dir, const char *plan_version, sp_diag *d);
 
 /* Collective: every rank calls it, between steps (root and units IDLE),
  * and returns the same result. Writes a complete checkpoint into dir or

@@ -11,12 +11,16 @@
 #include <time.h>
 
 #include "base/clock.h"
+#include "fsdp/job_cli.h"
+#include "base/flag.h"
 #include "mlp.h"
 #include "mlp_cuda.h"
+#include "rpc/rpc.h"
 #include "lib/shardplane.h"
 
 typedef struct worker_opts {
   const char *coordinator;
+  bool coordinator_flag; /* from --coordinator, not the environment */
   long rank;
   const char *device;
   uint32_t steps;
@@ -24,8 +28,10 @@ typedef struct worker_opts {
   double lr;
   const char *ckpt_dir;
   bool ckpt_kinds[4];
-  const char *load_dir;
-  sp_ckpt_kind load_kind;
+  bool any_kind; /* --checkpoint given (none included) */
+  const char *load_dir;    /* as given */
+  sp_ckpt_kind load_kind;  /* 0: the only kind load_dir holds */
+  char load_from[4096];    /* the checkpoint folder load_dir names */
   const char *losses_path;
   const char *stats_path;
   uint32_t log_every;
@@ -140,7 +146,7 @@ static int trainer_step_gpu(trainer *tr, uint64_t step, uint64_t first,
   sp_mlp_cuda *g = tr->gpu;
   sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
                   io_buffer_dtype, io_all_reduce, f};
-  sp_session_set_step(tr->s, step);
+  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
   sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
   int rc = sp_mlp_cuda_set_batch(g, tr->acts->x[0], tr->t, d);
   if (rc == 0) rc = sp_fsdp_root_pre_forward(f, d);
@@ -179,7 +185,7 @@ static int trainer_step(trainer *tr, uint64_t step, uint64_t first,
   const sp_mlp *mlp = tr->mlp;
   sp_mlp_io io = {io_param, io_grad, io_param_dtype, io_buffer,
                   io_buffer_dtype, io_all_reduce, f};
-  sp_session_set_step(tr->s, step);
+  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
   sp_mlp_batch(mlp, step, first, tr->local_n, tr->acts->x[0], tr->t);
   int rc = sp_fsdp_root_pre_forward(f, d);
   for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
@@ -217,7 +223,7 @@ static int synthetic_step(sp_fsdp *f, sp_session *s, uint64_t step,
                           double lr, sp_diag *d) {
   const sp_plan *pl = sp_session_plan(s);
   const sp_model *m = sp_session_model(s);
-  sp_session_set_step(s, step);
+  sp_session_set_step(s, step + 1); /* reported from 1 */
   int rc = sp_fsdp_root_pre_forward(f, d);
   for (uint32_t u = 1; rc == 0 && u < pl->n_units; u++) {
     rc = sp_fsdp_pre_forward(f, u, d);
@@ -272,7 +278,10 @@ static void usage(FILE *f) {
       "  --checkpoint-dir DIR     write checkpoints there after training\n"
       "  --checkpoint KIND        full, sharded or local; repeatable "
       "(default full)\n"
-      "  --load DIR --load-kind KIND  start from a checkpoint\n"
+      "  --load DIR               start from the checkpoint in DIR (or in its\n"
+      "                           full/, sharded/ or local/ folder)\n"
+      "  --load-kind KIND         full, sharded or local: which one, when DIR\n"
+      "                           holds several\n"
       "  --losses FILE            rank 0 writes the loss of every step (JSON)\n"
       "  --stats FILE             rank 0 writes every step's duration in s "
       "and\n"
@@ -292,10 +301,83 @@ static void usage(FILE *f) {
       f);
 }
 
+enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
+       O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_NOREP,
+       O_TOGGLE, O_HELP };
+
+/* One option with its value: 0, or SP_EINVAL with the flag, the value and
+ * what is allowed in d. */
+static int parse_option(worker_opts *o, int c, const char *flag,
+                        const char *v, sp_diag *d) {
+  static const char *const kinds[] = {"none", "full", "sharded", "local"};
+  long long n = 0;
+  size_t k;
+  int rc;
+  switch (c) {
+    case O_COORD:
+      o->coordinator = v;
+      o->coordinator_flag = true;
+      return 0; /* checked with the environment's value, in parse_args */
+    case O_RANK:
+      rc = sp_flag_int(flag, v, 0, SP_JOB_MAX_WORLD - 1, &n, d);
+      o->rank = rc == 0 ? (long)n : o->rank;
+      return rc;
+    case O_DEVICE:
+      o->device = v;
+      return sp_flag_text(flag, v, "cpu or cuda:N", d);
+    case O_STEPS:
+      rc = sp_flag_int(flag, v, 0, 1000000000, &n, d);
+      o->steps = (uint32_t)n;
+      return rc;
+    case O_BATCH:
+      rc = sp_flag_int(flag, v, 1, 1 << 20, &n, d);
+      o->global_batch = (uint32_t)n;
+      return rc;
+    case O_LR: return sp_flag_number(flag, v, 0, &o->lr, d);
+    case O_CKDIR:
+      o->ckpt_dir = v;
+      return sp_flag_text(flag, v, "a directory", d);
+    case O_CK:
+      rc = sp_flag_choice(flag, v, kinds, 4, &k, d);
+      if (rc == 0 && k > 0) o->ckpt_kinds[k] = true;
+      if (rc == 0) o->any_kind = true;
+      return rc;
+    case O_LOAD:
+      o->load_dir = v;
+      return sp_flag_text(flag, v, "a checkpoint directory", d);
+    case O_LOADK:
+      rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
+      if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
+      return rc;
+    case O_LOSSES:
+      o->losses_path = v;
+      return sp_flag_text(flag, v, "a file name", d);
+    case O_STATS:
+      o->stats_path = v;
+      return sp_flag_text(flag, v, "a file name", d);
+    case O_LOG:
+      rc = sp_flag_int(flag, v, 0, 1000000000, &n, d);
+      o->log_every = (uint32_t)n;
+      return rc;
+    case O_CTO:
+      rc = sp_flag_int(flag, v, 1, 86400000, &n, d);
+      o->comm_timeout_ms = (uint64_t)n;
+      return rc;
+    case O_CALLTO:
+      rc = sp_flag_int(flag, v, 1, 86400000, &n, d);
+      o->call_timeout_ms = (uint64_t)n;
+      return rc;
+    case O_TOGGLE:
+      rc = sp_flag_int(flag, v, 1, 1000000000, &n, d);
+      o->report_toggle = (uint32_t)n;
+      return rc;
+    case O_NOREP: o->no_report = true; return 0;
+  }
+  return SP_ENOENT;
+}
+
+/* 0 to run, 1 after --help, 2 for bad usage (message printed). */
 static int parse_args(int argc, char **argv, worker_opts *o) {
-  enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
-         O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO,
-         O_NOREP, O_TOGGLE, O_HELP };
   static const struct option opts[] = {
       {"coordinator", required_argument, NULL, O_COORD},
       {"rank", required_argument, NULL, O_RANK},
@@ -325,82 +407,51 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   o->global_batch = 24;
   o->lr = 0.05;
   o->log_every = 1;
-  o->load_kind = SP_CKPT_FULL;
-  bool any_kind = false;
-  int c;
-  char *end;
-  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-    switch (c) {
-      case O_COORD: o->coordinator = optarg; break;
-      case O_RANK:
-        o->rank = strtol(optarg, &end, 10);
-        if (*end || o->rank < 0) goto bad_value;
-        break;
-      case O_DEVICE: o->device = optarg; break;
-      case O_STEPS:
-        o->steps = (uint32_t)strtoul(optarg, &end, 10);
-        if (*end || !*optarg) goto bad_value;
-        break;
-      case O_BATCH:
-        o->global_batch = (uint32_t)strtoul(optarg, &end, 10);
-        if (*end || o->global_batch == 0 || o->global_batch > 1u << 20)
-          goto bad_value;
-        break;
-      case O_LR:
-        o->lr = strtod(optarg, &end);
-        if (*end || !isfinite(o->lr)) goto bad_value;
-        break;
-      case O_CKDIR: o->ckpt_dir = optarg; break;
-      case O_CK: {
-        sp_ckpt_kind k;
-        if (strcmp(optarg, "none") == 0) {
-          any_kind = true;
-          break;
-        }
-        if (sp_ckpt_kind_parse(optarg, &k) < 0) goto bad_value;
-        o->ckpt_kinds[k] = true;
-        any_kind = true;
-        break;
-      }
-      case O_LOAD: o->load_dir = optarg; break;
-      case O_LOADK:
-        if (sp_ckpt_kind_parse(optarg, &o->load_kind) < 0) goto bad_value;
-        break;
-      case O_LOSSES: o->losses_path = optarg; break;
-      case O_STATS: o->stats_path = optarg; break;
-      case O_LOG:
-        o->log_every = (uint32_t)strtoul(optarg, &end, 10);
-        if (*end || !*optarg) goto bad_value;
-        break;
-      case O_CTO:
-        o->comm_timeout_ms = strtoull(optarg, &end, 10);
-        if (*end || !*optarg) goto bad_value;
-        break;
-      case O_CALLTO:
-        o->call_timeout_ms = strtoull(optarg, &end, 10);
-        if (*end || !*optarg || o->call_timeout_ms == 0) goto bad_value;
-        break;
-      case O_NOREP: o->no_report = true; break;
-      case O_TOGGLE:
-        o->report_toggle = (uint32_t)strtoul(optarg, &end, 10);
-        if (*end || !*optarg) goto bad_value;
-        break;
-      case O_HELP: usage(stdout); return 1;
-      default: usage(stderr); return 2;
+  int c, index = -1;
+  while ((c = getopt_long(argc, argv, "", opts, &index)) != -1) {
+    if (c == O_HELP) {
+      usage(stdout);
+      return 1;
     }
-    continue;
-  bad_value:
-    fprintf(stderr, "shardplane-worker: %s: bad value \"%s\"\n",
-            argv[optind - 1], optarg);
-    return 2;
+    if (c == '?' || index < 0) { /* getopt said what */
+      usage(stderr);
+      return 2;
+    }
+    char flag[64];
+    snprintf(flag, sizeof flag, "--%s", opts[index].name);
+    sp_diag d = {{0}};
+    if (parse_option(o, c, flag, optarg, &d) < 0) {
+      fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+      return 2;
+    }
+    index = -1;
   }
   if (optind < argc || o->rank < 0) {
-    fprintf(stderr, "shardplane-worker: %s\n",
-            o->rank < 0 ? "--rank is required" : "unexpected argument");
+    if (optind < argc)
+      fprintf(stderr, "shardplane-worker: unexpected argument \"%s\"\n",
+              argv[optind]);
+    else
+      fprintf(stderr, "shardplane-worker: --rank is required\n");
     usage(stderr);
     return 2;
   }
-  if (!any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
+  char host[256];
+  int port;
+  if (sp_rpc_split_addr(o->coordinator, host, sizeof host, &port) != 0 ||
+      port == 0) {
+    sp_diag d = {{0}};
+    sp_flag_fail(&d, o->coordinator_flag ? "--coordinator"
+                                         : "$SHARDPLANE_COORDINATOR",
+                 o->coordinator, "HOST:PORT or [v6]:PORT, port in [1, "
+                 "65535]");
+    fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+    return 2;
+  }
+  if (o->load_kind && !o->load_dir) {
+    fprintf(stderr, "shardplane-worker: --load-kind needs --load DIR\n");
+    return 2;
+  }
+  if (!o->any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
   return 0;
 }
 
@@ -454,7 +505,14 @@ static int run(const worker_opts *o, sp_diag *d) {
   int rc = sp_session_open(&so, &s, d);
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
-  rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica, d);
+  /* every rank checks before the rendezvous, so before any rank writes */
+  bool writes = o->ckpt_kinds[SP_CKPT_FULL] || o->ckpt_kinds[SP_CKPT_SHARDED] ||
+                o->ckpt_kinds[SP_CKPT_LOCAL];
+  if (o->ckpt_dir && writes)
+    rc = sp_ckpt_check_dir(o->ckpt_dir, sp_session_plan(s)->version_hex, d);
+  if (rc == 0)
+    rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica,
+                            d);
   set_comms(world, shard, replica);
   sp_fsdp_opts fo = {.session = s, .world = world, .shard_group = shard,
                      .replica_group = replica, .backward_prefetch = true,
@@ -462,7 +520,8 @@ static int run(const worker_opts *o, sp_diag *d) {
                      .init_buffer = sp_mlp_init_buffer,
                      .device = o->device};
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
-  if (rc == 0 && o->load_dir) rc = sp_ckpt_load(f, o->load_kind, o->load_dir, d);
+  if (rc == 0 && o->load_dir)
+    rc = sp_ckpt_load(f, o->load_kind, o->load_from, d);
   sp_diag md = {{0}};
   bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
   if (rc == 0 && is_mlp && o->global_batch % w != 0)
@@ -479,6 +538,10 @@ static int run(const worker_opts *o, sp_diag *d) {
   step_s = calloc(o->steps ? o->steps : 1, sizeof *step_s);
   if ((!losses || !step_s) && rc == 0)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  /* One numbering of steps everywhere: step indexes 0..steps-1 pick the
+   * data; steps are reported (progress lines "step K/N", the session's
+   * step, so `shardplane ranks` and watch) numbered from 1: step K is the
+   * K-th, and after the last one every report says N. */
   double tlast = sp_clock_s();
   uint32_t logged = 0; /* steps up to the last progress line */
   for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
@@ -521,8 +584,7 @@ static int run(const worker_opts *o, sp_diag *d) {
     if (!o->ckpt_kinds[k]) continue;
     char dir[4096];
     snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
-             k == SP_CKPT_FULL ? "full" : k == SP_CKPT_SHARDED ? "sharded"
-                                                               : "local");
+             sp_ckpt_kind_dir((sp_ckpt_kind)k));
     rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
     if (rc == 0 && rank == 0) {
       printf("checkpoint (%s): %s\n", sp_ckpt_kind_name((sp_ckpt_kind)k), dir);
@@ -562,14 +624,27 @@ int main(int argc, char **argv) {
   int prc = parse_args(argc, argv, &o);
   if (prc) return prc == 1 ? 0 : prc;
   sp_diag d = {{0}};
+  /* --load DIR may also be the folder shardplane run wrote (its full/,
+   * sharded/ or local/ subfolder is found) */
+  if (o.load_dir &&
+      sp_ckpt_resolve(o.load_dir, o.load_kind, o.load_from,
+                      sizeof o.load_from, &o.load_kind, &d) < 0) {
+    fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+    return 2;
+  }
   /* before attaching: a rank that cannot run on its device says so at once
    * instead of after the rendezvous */
   int ordinal;
   int drc = sp_device_parse(o.device, &ordinal, &d);
+  if (drc == SP_EINVAL) {
+    fprintf(stderr, "shardplane-worker: --device \"%s\": expected cpu or "
+            "cuda:N\n", o.device);
+    return 2;
+  }
   if (drc < 0) {
     fprintf(stderr, "shardplane-worker: rank %ld: --device %s\n", o.rank,
             d.msg);
-    return drc == SP_EINVAL ? 2 : 1;
+    return 1;
   }
   int rc = run(&o, &d);
   if (rc < 0) {

@@ -748,7 +748,7 @@ static int norm_forward(const sp_mlp *mlp, const sp_mlp_layer *L,
   if (io->all_reduce_sum != NULL) {
     rc = io->all_reduce_sum(io->user, sum, h, d);
     if (rc != 0) {
-      sp_diag_prefix(d, rc, "%s: all-reduce of the batch sum: ",
+      sp_diag_prefix(d, rc, "%s: all-reduce of the batch sum",
                      mlp->model->modules[L->module].fqn);
       goto out;
     }

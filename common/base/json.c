@@ -7,7 +7,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-int sp_jr_fail(const sp_jr *r, int err, const char *fmt, ...) {
+int sp_json_fail(const sp_json_reader *r, int err, const char *fmt, ...) {
   if (r->diag == NULL) return err;
   char what[SP_DIAG_MAX];
   va_list ap;
@@ -17,11 +17,11 @@ int sp_jr_fail(const sp_jr *r, int err, const char *fmt, ...) {
   return sp_diag_set(r->diag, err, "%s: %s", r->origin, what);
 }
 
-int sp_jr_parse(const sp_jr *r, const char *buf, size_t len, size_t max_len,
-                json_t **out) {
+int sp_json_parse(const sp_json_reader *r, const char *buf, size_t len,
+                  size_t max_len, json_t **out) {
   if (len > max_len)
-    return sp_jr_fail(r, SP_ETOOBIG, "%zu bytes, over the limit of %zu", len,
-                      max_len);
+    return sp_json_fail(r, SP_ETOOBIG, "%zu bytes, over the limit of %zu", len,
+                        max_len);
   json_error_t e;
   json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES, &e);
   if (root == NULL) {
@@ -34,8 +34,8 @@ int sp_jr_parse(const sp_jr *r, const char *buf, size_t len, size_t max_len,
   return 0;
 }
 
-int sp_jr_read_file(const char *path, size_t max_len, char **buf, size_t *len,
-                    sp_diag *diag) {
+int sp_json_read_file(const char *path, size_t max_len, char **buf, size_t *len,
+                      sp_diag *diag) {
   FILE *f = fopen(path, "rb");
   if (f == NULL)
     return sp_diag_set(diag, SP_EIO, "%s: cannot open: %s", path,
@@ -79,17 +79,17 @@ static jpath join(const char *path, const char *key) {
   return p;
 }
 
-static json_t *field(const sp_jr *r, json_t *obj, const char *key,
+static json_t *field(const sp_json_reader *r, json_t *obj, const char *key,
                      const char *path, bool required, int *rc) {
   json_t *v = json_object_get(obj, key);
   *rc = 0;
   if (v == NULL && required)
-    *rc = sp_jr_fail(r, SP_EFORMAT, "%s: missing field", join(path, key).s);
+    *rc = sp_json_fail(r, SP_EFORMAT, "%s: missing field", join(path, key).s);
   return v;
 }
 
-int sp_jr_string(const sp_jr *r, json_t *obj, const char *key,
-                 const char *path, bool required, const char **out) {
+int sp_json_string(const sp_json_reader *r, json_t *obj, const char *key,
+                   const char *path, bool required, const char **out) {
   int rc;
   json_t *v = field(r, obj, key, path, required, &rc);
   if (v == NULL) {
@@ -97,55 +97,59 @@ int sp_jr_string(const sp_jr *r, json_t *obj, const char *key,
     return rc;
   }
   if (!json_is_string(v))
-    return sp_jr_fail(r, SP_EFORMAT, "%s: expected a string", join(path, key).s);
+    return sp_json_fail(r, SP_EFORMAT, "%s: expected a string",
+                        join(path, key).s);
   if (json_string_length(v) > SP_JSON_MAX_STRING)
-    return sp_jr_fail(r, SP_ETOOBIG, "%s: longer than %d bytes", join(path, key).s,
-                      SP_JSON_MAX_STRING);
+    return sp_json_fail(r, SP_ETOOBIG, "%s: longer than %d bytes",
+                        join(path, key).s, SP_JSON_MAX_STRING);
   if (strlen(json_string_value(v)) != json_string_length(v))
-    return sp_jr_fail(r, SP_EFORMAT, "%s: contains a NUL character",
-                      join(path, key).s);
+    return sp_json_fail(r, SP_EFORMAT, "%s: contains a NUL character",
+                        join(path, key).s);
   *out = json_string_value(v);
   return 0;
 }
 
-int sp_jr_bool(const sp_jr *r, json_t *obj, const char *key, const char *path,
-               bool required, bool *out) {
+int sp_json_bool(const sp_json_reader *r, json_t *obj, const char *key,
+                 const char *path, bool required, bool *out) {
   int rc;
   json_t *v = field(r, obj, key, path, required, &rc);
   if (v == NULL) return rc;
   if (!json_is_boolean(v))
-    return sp_jr_fail(r, SP_EFORMAT, "%s: expected true or false",
-                      join(path, key).s);
+    return sp_json_fail(r, SP_EFORMAT, "%s: expected true or false",
+                        join(path, key).s);
   *out = json_is_true(v);
   return 0;
 }
 
-int sp_jr_int(const sp_jr *r, json_t *obj, const char *key, const char *path,
-              bool required, long long min, long long max, long long *out) {
+int sp_json_int(const sp_json_reader *r, json_t *obj, const char *key,
+                const char *path, bool required, long long min, long long max,
+                long long *out) {
   int rc;
   json_t *v = field(r, obj, key, path, required, &rc);
   if (v == NULL) return rc;
   if (!json_is_integer(v))
-    return sp_jr_fail(r, SP_EFORMAT, "%s: expected an integer", join(path, key).s);
+    return sp_json_fail(r, SP_EFORMAT, "%s: expected an integer",
+                        join(path, key).s);
   long long x = json_integer_value(v);
   if (x < min || x > max)
-    return sp_jr_fail(r, SP_EFORMAT, "%s: %lld is outside [%lld, %lld]",
-                      join(path, key).s, x, min, max);
+    return sp_json_fail(r, SP_EFORMAT, "%s: %lld is outside [%lld, %lld]",
+                        join(path, key).s, x, min, max);
   *out = x;
   return 0;
 }
 
-int sp_jr_array(const sp_jr *r, json_t *obj, const char *key,
-                const char *path, bool required, size_t max_n, json_t **out) {
+int sp_json_array(const sp_json_reader *r, json_t *obj, const char *key,
+                  const char *path, bool required, size_t max_n, json_t **out) {
   int rc;
   json_t *v = field(r, obj, key, path, required, &rc);
   *out = NULL;
   if (v == NULL) return rc;
   if (!json_is_array(v))
-    return sp_jr_fail(r, SP_EFORMAT, "%s: expected an array", join(path, key).s);
+    return sp_json_fail(r, SP_EFORMAT, "%s: expected an array",
+                        join(path, key).s);
   if (json_array_size(v) > max_n)
-    return sp_jr_fail(r, SP_ETOOBIG, "%s: %zu entries, over the limit of %zu",
-                      join(path, key).s, json_array_size(v), max_n);
+    return sp_json_fail(r, SP_ETOOBIG, "%s: %zu entries, over the limit of %zu",
+                        join(path, key).s, json_array_size(v), max_n);
   *out = v;
   return 0;
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "base/flag.h"
 #include "base/json.h"
 #include "base/strmap.h"
 
@@ -104,10 +105,10 @@ const char *sp_backend_name(sp_backend b) {
   return b > 0 && (int)b < COUNT(k_backends) ? k_backends[b] : "invalid";
 }
 
-static int read_strlist(const sp_jr *r, json_t *obj, const char *key,
+static int read_strlist(const sp_json_reader *r, json_t *obj, const char *key,
                         const char *path, sp_strlist *l, bool *was_set) {
   json_t *arr;
-  int rc = sp_jr_array(r, obj, key, path, false, SP_JOB_MAX_LIST, &arr);
+  int rc = sp_json_array(r, obj, key, path, false, SP_JOB_MAX_LIST, &arr);
   if (rc != 0 || arr == NULL) return rc;
   sp_strlist_clear(l);
   if (was_set != NULL) *was_set = true;
@@ -115,41 +116,41 @@ static int read_strlist(const sp_jr *r, json_t *obj, const char *key,
     json_t *v = json_array_get(arr, i);
     if (!json_is_string(v) || json_string_length(v) > SP_JSON_MAX_STRING ||
         strlen(json_string_value(v)) != json_string_length(v))
-      return sp_jr_fail(r, SP_EFORMAT, "%s.%s[%zu]: expected a name", path,
-                        key, i);
+      return sp_json_fail(r, SP_EFORMAT, "%s.%s[%zu]: expected a name", path,
+                          key, i);
     if ((rc = sp_strlist_add(l, json_string_value(v))) != 0)
-      return sp_jr_fail(r, rc, "%s.%s[%zu]: %s", path, key, i,
-                        sp_strerror(rc));
+      return sp_json_fail(r, rc, "%s.%s[%zu]: %s", path, key, i,
+                          sp_strerror(rc));
   }
   return 0;
 }
 
-static int read_dtype(const sp_jr *r, json_t *obj, const char *key,
+static int read_dtype(const sp_json_reader *r, json_t *obj, const char *key,
                       sp_dtype *out) {
   json_t *v = json_object_get(obj, key);
   if (v == NULL || json_is_null(v)) return 0; /* null = unset, as in FSDP */
   const char *name;
-  int rc = sp_jr_string(r, obj, key, "mixed_precision", true, &name);
+  int rc = sp_json_string(r, obj, key, "mixed_precision", true, &name);
   if (rc != 0) return rc;
   sp_dtype t;
   if (sp_dtype_parse(name, &t) != 0 || !sp_dtype_is_floating(t))
-    return sp_jr_fail(r, SP_EFORMAT,
-                      "mixed_precision.%s: \"%s\" is not a floating dtype "
-                      "(float32, bfloat16, float16, float64)",
-                      key, name);
+    return sp_json_fail(r, SP_EFORMAT,
+                        "mixed_precision.%s: \"%s\" is not a floating dtype "
+                        "(float32, bfloat16, float16, float64)",
+                        key, name);
   *out = t;
   return 0;
 }
 
-static int read_enum(const sp_jr *r, json_t *root, const char *key,
+static int read_enum(const sp_json_reader *r, json_t *root, const char *key,
                      int (*parse)(const char *, int *), int *out,
                      const char *expected) {
   const char *s;
-  int rc = sp_jr_string(r, root, key, "", false, &s);
+  int rc = sp_json_string(r, root, key, "", false, &s);
   if (rc != 0 || s == NULL) return rc;
   if (parse(s, out) != 0)
-    return sp_jr_fail(r, SP_EFORMAT, "%s: unknown value \"%s\" (expected %s)",
-                      key, s, expected);
+    return sp_json_fail(r, SP_EFORMAT, "%s: unknown value \"%s\" (expected %s)",
+                        key, s, expected);
   return 0;
 }
 
@@ -167,39 +168,42 @@ static int parse_backend_int(const char *s, int *out) {
   return rc;
 }
 
-static int load_mp(const sp_jr *r, json_t *mp, sp_mixed_precision *out) {
+static int load_mp(const sp_json_reader *r, json_t *mp,
+                   sp_mixed_precision *out) {
   if (!json_is_object(mp))
-    return sp_jr_fail(r, SP_EFORMAT, "mixed_precision: expected an object");
+    return sp_json_fail(r, SP_EFORMAT, "mixed_precision: expected an object");
   out->enabled = true;
   int rc;
   if ((rc = read_dtype(r, mp, "param_dtype", &out->param_dtype)) != 0 ||
       (rc = read_dtype(r, mp, "reduce_dtype", &out->reduce_dtype)) != 0 ||
       (rc = read_dtype(r, mp, "buffer_dtype", &out->buffer_dtype)) != 0 ||
-      (rc = sp_jr_bool(r, mp, "keep_low_precision_grads", "mixed_precision",
-                       false, &out->keep_low_precision_grads)) != 0)
+      (rc = sp_json_bool(r, mp, "keep_low_precision_grads", "mixed_precision",
+                         false, &out->keep_low_precision_grads)) != 0)
     return rc;
   return read_strlist(r, mp, "full_precision_types", "mixed_precision",
                       &out->full_precision_types,
                       &out->full_precision_types_set);
 }
 
-static int load_root(const sp_jr *r, json_t *root, sp_job *job) {
+static int load_root(const sp_json_reader *r, json_t *root, sp_job *job) {
   if (!json_is_object(root))
-    return sp_jr_fail(r, SP_EFORMAT, "expected a JSON object at the top level");
+    return sp_json_fail(r, SP_EFORMAT,
+                        "expected a JSON object at the top level");
   json_t *fmt = json_object_get(root, "format");
   if (fmt != NULL && (!json_is_string(fmt) ||
                       strcmp(json_string_value(fmt), SP_JOB_FORMAT) != 0))
-    return sp_jr_fail(r, SP_EFORMAT, "format: expected \"%s\"", SP_JOB_FORMAT);
+    return sp_json_fail(r, SP_EFORMAT, "format: expected \"%s\"",
+                        SP_JOB_FORMAT);
   long long v;
   int rc = 0, e;
   v = job->world_size;
-  if ((rc = sp_jr_int(r, root, "world_size", "", false, 1, SP_JOB_MAX_WORLD,
-                      &v)) != 0)
+  if ((rc = sp_json_int(r, root, "world_size", "", false, 1, SP_JOB_MAX_WORLD,
+                        &v)) != 0)
     return rc;
   job->world_size = (uint32_t)v;
   v = job->shard_group_size;
-  if ((rc = sp_jr_int(r, root, "shard_group_size", "", false, 1,
-                      SP_JOB_MAX_WORLD, &v)) != 0)
+  if ((rc = sp_json_int(r, root, "shard_group_size", "", false, 1,
+                        SP_JOB_MAX_WORLD, &v)) != 0)
     return rc;
   job->shard_group_size = (uint32_t)v;
   e = (int)job->strategy;
@@ -213,13 +217,13 @@ static int load_root(const sp_jr *r, json_t *root, sp_job *job) {
                       "gloo or nccl")) != 0)
     return rc;
   job->backend = (sp_backend)e;
-  if ((rc = sp_jr_bool(r, root, "use_orig_params", "", false,
-                       &job->use_orig_params)) != 0)
+  if ((rc = sp_json_bool(r, root, "use_orig_params", "", false,
+                         &job->use_orig_params)) != 0)
     return rc;
   json_t *wrap = json_object_get(root, "wrap");
   if (wrap != NULL) {
     if (!json_is_object(wrap))
-      return sp_jr_fail(r, SP_EFORMAT, "wrap: expected an object");
+      return sp_json_fail(r, SP_EFORMAT, "wrap: expected an object");
     if ((rc = read_strlist(r, wrap, "modules", "wrap", &job->wrap_modules,
                            NULL)) != 0 ||
         (rc = read_strlist(r, wrap, "types", "wrap", &job->wrap_types, NULL)) !=
@@ -234,9 +238,9 @@ static int load_root(const sp_jr *r, json_t *root, sp_job *job) {
 int sp_job_load_string(const char *json, size_t len, const char *origin,
                        sp_job *job, sp_diag *diag) {
   if (json == NULL || job == NULL) return SP_EINVAL;
-  sp_jr r = {origin != NULL ? origin : "<string>", diag};
+  sp_json_reader r = {origin != NULL ? origin : "<string>", diag};
   json_t *root;
-  int rc = sp_jr_parse(&r, json, len, SP_JOB_MAX_FILE_BYTES, &root);
+  int rc = sp_json_parse(&r, json, len, SP_JOB_MAX_FILE_BYTES, &root);
   if (rc != 0) return rc;
   rc = load_root(&r, root, job);
   json_decref(root);
@@ -247,7 +251,7 @@ int sp_job_load_file(const char *path, sp_job *job, sp_diag *diag) {
   if (path == NULL || job == NULL) return SP_EINVAL;
   char *buf;
   size_t len;
-  int rc = sp_jr_read_file(path, SP_JOB_MAX_FILE_BYTES, &buf, &len, diag);
+  int rc = sp_json_read_file(path, SP_JOB_MAX_FILE_BYTES, &buf, &len, diag);
   if (rc != 0) return rc;
   rc = sp_job_load_string(buf, len, path, job, diag);
   free(buf);
@@ -263,8 +267,8 @@ static bool model_has_type(const sp_model *m, const char *type) {
 int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
   if (job->world_size < 1 || job->world_size > SP_JOB_MAX_WORLD)
     return sp_diag_set(diag, SP_EINVAL,
-                       "world_size: %u is outside [1, %u]", job->world_size,
-                       SP_JOB_MAX_WORLD);
+                       "world_size (--world-size): %u is outside [1, %u]",
+                       job->world_size, SP_JOB_MAX_WORLD);
   if (job->strategy < SP_FULL_SHARD || job->strategy > SP_HYBRID_SHARD)
     return sp_diag_set(diag, SP_EINVAL, "strategy: invalid");
   if (job->backend != SP_BACKEND_GLOO && job->backend != SP_BACKEND_NCCL)
@@ -273,11 +277,13 @@ int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
     uint32_t g = job->shard_group_size;
     if (g == 0)
       return sp_diag_set(diag, SP_EINVAL,
-                         "shard_group_size: HYBRID_SHARD needs the size of "
-                         "the shard group (ranks per replica)");
+                         "shard_group_size (--shard-group-size): HYBRID_SHARD "
+                         "needs the size of the shard group (ranks per "
+                         "replica)");
     if (g > job->world_size || job->world_size % g != 0)
       return sp_diag_set(diag, SP_EINVAL,
-                         "shard_group_size: %u does not divide world_size %u",
+                         "shard_group_size (--shard-group-size): %u does not "
+                         "divide world_size %u",
                          g, job->world_size);
   }
   const sp_dtype mpd[] = {job->mp.param_dtype, job->mp.reduce_dtype,
@@ -304,6 +310,14 @@ int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
                          i, job->wrap_types.items[i], model->name);
   }
   return 0;
+}
+
+int sp_job_default_wrap(sp_job *job, const sp_model *model, bool *applied) {
+  bool apply = job->wrap_modules.n == 0 && job->wrap_types.n == 0 &&
+               model_has_type(model, SP_JOB_DEFAULT_WRAP_TYPE);
+  if (applied != NULL) *applied = apply;
+  return apply ? sp_strlist_add(&job->wrap_types, SP_JOB_DEFAULT_WRAP_TYPE)
+               : 0;
 }
 
 bool sp_job_full_precision_type(const sp_job *job, const char *type) {
@@ -335,61 +349,62 @@ const sp_job_flag_def sp_job_flags[] = {
 };
 
 void sp_job_flags_print_help(void *file) {
+  sp_job_flags_print_help_except(file, NULL);
+}
+
+void sp_job_flags_print_help_except(void *file, const char *skip) {
   FILE *f = file;
   for (const sp_job_flag_def *d = sp_job_flags; d->name; d++) {
+    if (skip != NULL && strcmp(d->name, skip) == 0) continue;
     char left[64];
     snprintf(left, sizeof left, "--%s%s", d->name, d->has_arg ? " V" : "");
     fprintf(f, "  %-28s %s\n", left, d->help);
   }
 }
 
-static int parse_u32_flag(const char *name, const char *v, uint32_t *out,
+static int parse_u32_flag(const char *flag, const char *v, uint32_t *out,
                           sp_diag *diag) {
-  char *end;
-  unsigned long long x = v ? strtoull(v, &end, 10) : 0;
-  if (v == NULL || *v == '\0' || *end != '\0' || x < 1 ||
-      x > SP_JOB_MAX_WORLD)
-    return sp_diag_set(diag, SP_EINVAL, "--%s: expected 1..%u, got \"%s\"",
-                       name, SP_JOB_MAX_WORLD, v ? v : "");
-  *out = (uint32_t)x;
-  return 0;
+  long long x;
+  int rc = sp_flag_int(flag, v, 1, SP_JOB_MAX_WORLD, &x, diag);
+  if (rc == 0) *out = (uint32_t)x;
+  return rc;
 }
 
-static int parse_fp_flag(const char *name, const char *v, sp_dtype *out,
+static int parse_fp_flag(const char *flag, const char *v, sp_dtype *out,
                          sp_diag *diag) {
   if (v == NULL || sp_dtype_parse(v, out) != 0 || !sp_dtype_is_floating(*out))
-    return sp_diag_set(diag, SP_EINVAL,
-                       "--%s: \"%s\" is not a floating dtype (float32, "
-                       "bfloat16, float16, float64)",
-                       name, v ? v : "");
+    return sp_flag_fail(diag, flag, v, "a floating dtype: one of float32, "
+                        "bfloat16, float16, float64");
   return 0;
 }
 
 int sp_job_apply_flag(sp_job *job, const char *name, const char *v,
                       sp_diag *diag) {
   sp_mixed_precision *mp = &job->mp;
+  char flag[64];
+  snprintf(flag, sizeof flag, "--%s", name);
+  size_t k;
   if (strcmp(name, "world-size") == 0)
-    return parse_u32_flag(name, v, &job->world_size, diag);
+    return parse_u32_flag(flag, v, &job->world_size, diag);
   if (strcmp(name, "shard-group-size") == 0)
-    return parse_u32_flag(name, v, &job->shard_group_size, diag);
+    return parse_u32_flag(flag, v, &job->shard_group_size, diag);
   if (strcmp(name, "strategy") == 0) {
-    if (sp_strategy_parse(v, &job->strategy) != 0)
-      return sp_diag_set(diag, SP_EINVAL, "--strategy: unknown strategy \"%s\"",
-                         v ? v : "");
-    return 0;
+    int rc = sp_flag_choice(flag, v, k_strategies, COUNT(k_strategies), &k,
+                            diag);
+    if (rc == 0) job->strategy = (sp_strategy)k;
+    return rc;
   }
   if (strcmp(name, "backend") == 0) {
-    if (sp_backend_parse(v, &job->backend) != 0)
-      return sp_diag_set(diag, SP_EINVAL,
-                         "--backend: \"%s\" is not gloo or nccl", v ? v : "");
-    return 0;
+    int rc = sp_flag_choice(flag, v, k_backends, COUNT(k_backends), &k, diag);
+    if (rc == 0) job->backend = (sp_backend)k;
+    return rc;
   }
   sp_dtype *dt = strcmp(name, "param-dtype") == 0    ? &mp->param_dtype
                  : strcmp(name, "reduce-dtype") == 0 ? &mp->reduce_dtype
                  : strcmp(name, "buffer-dtype") == 0 ? &mp->buffer_dtype
                                                      : NULL;
   if (dt != NULL) {
-    int rc = parse_fp_flag(name, v, dt, diag);
+    int rc = parse_fp_flag(flag, v, dt, diag);
     if (rc == 0) mp->enabled = true;
     return rc;
   }
@@ -407,10 +422,12 @@ int sp_job_apply_flag(sp_job *job, const char *name, const char *v,
                          ? &mp->full_precision_types
                          : NULL;
   if (list == NULL) return SP_ENOENT;
-  if (v == NULL || v[0] == '\0')
-    return sp_diag_set(diag, SP_EINVAL, "--%s: a name is needed", name);
-  int rc = sp_strlist_add(list, v);
-  if (rc != 0) return sp_diag_set(diag, rc, "--%s: %s", name, sp_strerror(rc));
+  int rc = sp_flag_text(flag, v, list == &job->wrap_modules
+                                     ? "a module FQN"
+                                     : "a module type name", diag);
+  if (rc != 0) return rc;
+  rc = sp_strlist_add(list, v);
+  if (rc != 0) return sp_diag_set(diag, rc, "%s: %s", flag, sp_strerror(rc));
   if (list == &mp->full_precision_types) mp->full_precision_types_set = true;
   return 0;
 }

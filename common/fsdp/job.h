@@ -123,6 +123,16 @@ int sp_job_apply_flag(sp_job *job, const char *name, const char *value,
                       sp_diag *diag);
 /* Prints the job flags' help lines, indented, to f. */
 void sp_job_flags_print_help(void *file);
+/* The same without the flag named `skip` (a tool that sets it itself). */
+void sp_job_flags_print_help_except(void *file, const char *skip);
+
+/* The tools' default wrap policy, the same in shardplane run, shardplane
+ * plan and shardplane-coordinator (so a checkpoint of one loads into the
+ * others): a job without one (no wrap module, no wrap type) wraps every
+ * module of type SP_JOB_DEFAULT_WRAP_TYPE as a unit, when the model has
+ * any. *applied (may be NULL) says whether it did. 0 or SP_ENOMEM. */
+#define SP_JOB_DEFAULT_WRAP_TYPE "Linear"
+int sp_job_default_wrap(sp_job *job, const sp_model *model, bool *applied);
 
 /* Whether modules of `type` become full-precision units under this job's
  * mixed-precision policy (false when mixed precision is off). */

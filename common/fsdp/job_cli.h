@@ -32,5 +32,10 @@ int sp_job_cli_record(sp_job_cli *cli, int c, const char *optarg_value);
 int sp_job_cli_apply(sp_job_cli *cli, const char *job_path, sp_job *job,
                      sp_diag *diag);
 void sp_job_cli_free(sp_job_cli *cli);
+/* The recorded --wrap-type and --wrap-module values against the model:
+ * SP_EINVAL, naming the flag, the value and the model's modules, for a
+ * target the model does not have. */
+int sp_job_cli_check_model(const sp_job_cli *cli, const sp_model *model,
+                           sp_diag *diag);
 
 #endif

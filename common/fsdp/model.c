@@ -15,11 +15,11 @@
 enum { KIND_MODULE = 0, KIND_PARAM = 1, KIND_BUFFER = 2, KIND_TIED = 3 };
 
 typedef struct loader {
-  sp_jr r;
+  sp_json_reader r;
   sp_model *m;
 } loader;
 
-#define fail(L, ...) sp_jr_fail(&(L)->r, __VA_ARGS__)
+#define fail(L, ...) sp_json_fail(&(L)->r, __VA_ARGS__)
 
 /* The module an FQN lives on: everything before the last '.', or "" */
 static size_t module_prefix_len(const char *fqn) {
@@ -90,8 +90,10 @@ static int load_modules(loader *L, json_t *arr) {
       break;
     }
     const char *fqn, *type;
-    if ((rc = sp_jr_string(&L->r, o, "fqn", path, true, &fqn)) != 0) break;
-    if ((rc = sp_jr_string(&L->r, o, "type", path, true, &type)) != 0) break;
+    if ((rc = sp_json_string(&L->r, o, "fqn", path, true, &fqn)) != 0)
+      break;
+    if ((rc = sp_json_string(&L->r, o, "type", path, true, &type)) != 0)
+      break;
     if (type[0] == '\0') {
       rc = fail(L, SP_EFORMAT, "%s.type: empty module type", path);
       break;
@@ -226,14 +228,16 @@ static int load_tensors(loader *L, json_t *arr, const char *key, int kind,
     sp_tensor_spec *t = &(*out)[i];
     const char *fqn, *dtype;
     int rc;
-    if ((rc = sp_jr_string(&L->r, o, "fqn", path, true, &fqn)) != 0) return rc;
+    if ((rc = sp_json_string(&L->r, o, "fqn", path, true, &fqn)) != 0)
+      return rc;
     t->fqn = sp_strdup(fqn);
     *n_out = i + 1;
     if (t->fqn == NULL) return fail(L, SP_ENOMEM, "%s: out of memory", path);
     t->local_name = local_part(t->fqn);
     if ((rc = owner_module(L, t->fqn, path, what, &t->module)) != 0) return rc;
     if ((rc = load_shape(L, o, path, t)) != 0) return rc;
-    if ((rc = sp_jr_string(&L->r, o, "dtype", path, true, &dtype)) != 0) return rc;
+    if ((rc = sp_json_string(&L->r, o, "dtype", path, true, &dtype)) != 0)
+      return rc;
     if (sp_dtype_parse(dtype, &t->dtype) != 0)
       return fail(L, SP_EFORMAT, "%s.dtype: unknown dtype \"%s\"", path, dtype);
     if (kind == KIND_PARAM) {
@@ -244,10 +248,10 @@ static int load_tensors(loader *L, json_t *arr, const char *key, int kind,
                     "parameters)",
                     path, t->fqn, sp_dtype_name(t->dtype));
       t->flag = true;
-      rc = sp_jr_bool(&L->r, o, "requires_grad", path, false, &t->flag);
+      rc = sp_json_bool(&L->r, o, "requires_grad", path, false, &t->flag);
     } else {
       t->flag = true;
-      rc = sp_jr_bool(&L->r, o, "persistent", path, false, &t->flag);
+      rc = sp_json_bool(&L->r, o, "persistent", path, false, &t->flag);
     }
     if (rc != 0) return rc;
     if ((rc = register_fqn(L, t->fqn, (int32_t)i, kind, path)) != 0) return rc;
@@ -268,8 +272,10 @@ static int load_tied(loader *L, json_t *arr) {
       return fail(L, SP_EFORMAT, "%s: expected an object", path);
     const char *fqn, *to;
     int rc;
-    if ((rc = sp_jr_string(&L->r, o, "fqn", path, true, &fqn)) != 0) return rc;
-    if ((rc = sp_jr_string(&L->r, o, "to", path, true, &to)) != 0) return rc;
+    if ((rc = sp_json_string(&L->r, o, "fqn", path, true, &fqn)) != 0)
+      return rc;
+    if ((rc = sp_json_string(&L->r, o, "to", path, true, &to)) != 0)
+      return rc;
     sp_tied *t = &m->tied[i];
     t->fqn = sp_strdup(fqn);
     m->n_tied = i + 1;
@@ -295,20 +301,20 @@ static int load_root(loader *L, json_t *root) {
     return fail(L, SP_EFORMAT, "format: expected \"%s\"%s", SP_MODEL_FORMAT,
                 fmt == NULL ? " (field missing)" : "");
   const char *name;
-  int rc = sp_jr_string(&L->r, root, "name", "", false, &name);
+  int rc = sp_json_string(&L->r, root, "name", "", false, &name);
   if (rc != 0) return rc;
   L->m->name = sp_strdup(name != NULL ? name : "");
   if (L->m->name == NULL) return fail(L, SP_ENOMEM, "out of memory");
 
   json_t *modules, *params, *buffers, *tied;
-  if ((rc = sp_jr_array(&L->r, root, "modules", "", true,
-                        SP_MODEL_MAX_ENTRIES, &modules)) != 0 ||
-      (rc = sp_jr_array(&L->r, root, "params", "", true, SP_MODEL_MAX_ENTRIES,
-                        &params)) != 0 ||
-      (rc = sp_jr_array(&L->r, root, "buffers", "", false,
-                        SP_MODEL_MAX_ENTRIES, &buffers)) != 0 ||
-      (rc = sp_jr_array(&L->r, root, "tied", "", false, SP_MODEL_MAX_ENTRIES,
-                        &tied)) != 0)
+  if ((rc = sp_json_array(&L->r, root, "modules", "", true,
+                          SP_MODEL_MAX_ENTRIES, &modules)) != 0 ||
+      (rc = sp_json_array(&L->r, root, "params", "", true, SP_MODEL_MAX_ENTRIES,
+                          &params)) != 0 ||
+      (rc = sp_json_array(&L->r, root, "buffers", "", false,
+                          SP_MODEL_MAX_ENTRIES, &buffers)) != 0 ||
+      (rc = sp_json_array(&L->r, root, "tied", "", false, SP_MODEL_MAX_ENTRIES,
+                          &tied)) != 0)
     return rc;
   size_t total = json_array_size(modules) + json_array_size(params) +
                  (buffers ? json_array_size(buffers) : 0) +
@@ -331,7 +337,7 @@ int sp_model_load_string(const char *json, size_t len, const char *origin,
   if (origin == NULL) origin = "<string>";
   loader L = {{origin, diag}, NULL};
   json_t *root;
-  int rc = sp_jr_parse(&L.r, json, len, SP_MODEL_MAX_FILE_BYTES, &root);
+  int rc = sp_json_parse(&L.r, json, len, SP_MODEL_MAX_FILE_BYTES, &root);
   if (rc != 0) return rc;
   L.m = calloc(1, sizeof *L.m);
   if (L.m == NULL) rc = fail(&L, SP_ENOMEM, "out of memory");
@@ -351,7 +357,7 @@ int sp_model_load_file(const char *path, sp_model **out, sp_diag *diag) {
   if (path == NULL || out == NULL) return SP_EINVAL;
   char *buf;
   size_t len;
-  int rc = sp_jr_read_file(path, SP_MODEL_MAX_FILE_BYTES, &buf, &len, diag);
+  int rc = sp_json_read_file(path, SP_MODEL_MAX_FILE_BYTES, &buf, &len, diag);
   if (rc != 0) return rc;
   rc = sp_model_load_string(buf, len, path, out, diag);
   free(buf);

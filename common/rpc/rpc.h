@@ -254,8 +254,8 @@ typedef struct sp_rpc_client_opts {
 /* Creates a client for "host:port" on loop; connects on the first call.
  * The client is freed with sp_rpc_client_close(). SP_EINVAL for a bad
  * address. */
-int sp_rpc_client_new(uv_loop_t *loop, const char *addr,
-                      const sp_rpc_client_opts *opts, sp_rpc_client **out);
+int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
+                       const sp_rpc_client_opts *opts, sp_rpc_client **out);
 
 /* Fails every open call with CANCELLED, closes the connection and frees the
  * client once libuv has released its handles (done may be NULL). */
@@ -329,7 +329,7 @@ int sp_rpc_sync_stream_recv(sp_rpc_sync_stream *st,
                             uint64_t wait_ms, ProtobufCMessage **msg,
                             sp_rpc_status *status);
 /* Cancels if still open, then frees. */
-void sp_rpc_sync_stream_free(sp_rpc_sync_stream *st);
+void sp_rpc_sync_stream_close(sp_rpc_sync_stream *st);
 
 #ifdef __cplusplus
 }

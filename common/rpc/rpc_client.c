@@ -444,8 +444,8 @@ static void submit_call(sp_rpc_ccall *call) {
   call->stream_id = id;
 }
 
-int sp_rpc_client_new(uv_loop_t *loop, const char *addr,
-                      const sp_rpc_client_opts *opts, sp_rpc_client **out) {
+int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
+                       const sp_rpc_client_opts *opts, sp_rpc_client **out) {
   if (loop == NULL || addr == NULL || out == NULL) return SP_EINVAL;
   if (strlen(addr) >= sizeof((sp_rpc_client *)0)->addr) return SP_EINVAL;
   sp_rpc_client *cl = calloc(1, sizeof *cl);

@@ -35,7 +35,7 @@ int sp_rpc_sync_open(const char *addr, uint64_t connect_timeout_ms,
     return SP_EIO;
   }
   sp_rpc_client_opts o = {.connect_timeout_ms = connect_timeout_ms};
-  int rc = sp_rpc_client_new(&s->loop, addr, &o, &s->cl);
+  int rc = sp_rpc_client_open(&s->loop, addr, &o, &s->cl);
   if (rc != 0) {
     uv_loop_close(&s->loop);
     free(s);
@@ -174,7 +174,7 @@ int sp_rpc_sync_stream_recv(sp_rpc_sync_stream *st,
   return SP_ETIMEDOUT;
 }
 
-void sp_rpc_sync_stream_free(sp_rpc_sync_stream *st) {
+void sp_rpc_sync_stream_close(sp_rpc_sync_stream *st) {
   if (st == NULL) return;
   if (st->call != NULL) {
     sp_rpc_ccall_cancel(st->call);
@@ -229,6 +229,6 @@ int sp_rpc_sync_unary(sp_rpc_sync *s, const char *path,
       }
     }
   }
-  sp_rpc_sync_stream_free(st);
+  sp_rpc_sync_stream_close(st);
   return 0;
 }

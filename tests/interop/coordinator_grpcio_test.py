@@ -255,12 +255,13 @@ def main():
         rc, err = start("--model", gpt2, "--world-size", "0")
         check_eq(rc, 2, "world size 0 is bad usage")
         check("--world-size" in err, err)
+        # flag errors are bad usage
         rc, err = start("--model", gpt2, "--wrap-type", "NoSuchBlock")
-        check_eq(rc, 1, "unknown wrap target exit")
-        check("NoSuchBlock" in err, err)
+        check_eq(rc, 2, "unknown wrap target exit")
+        check("--wrap-type \"NoSuchBlock\"" in err, err)
         rc, err = start("--model", gpt2, "--world-size", "6", "--strategy",
                         "HYBRID_SHARD", "--shard-group-size", "4")
-        check_eq(rc, 1, "impossible hybrid job exit")
+        check_eq(rc, 2, "impossible hybrid job exit")
         check("shard_group_size" in err, err)
         rc, err = start()
         check_eq(rc, 2, "no model is bad usage")

@@ -138,8 +138,8 @@ static bool sp_ix_open(sp_ix *ix, size_t max_message) {
   CHECK(uv_loop_init(&ix->loop) == 0, "uv_loop_init");
   sp_rpc_client_opts o = {.connect_timeout_ms = 5000,
                           .max_message = max_message};
-  int rc = sp_rpc_client_new(&ix->loop, g_addr, &o, &ix->cl);
-  CHECK(rc == 0, "sp_rpc_client_new: %s", sp_strerror(rc));
+  int rc = sp_rpc_client_open(&ix->loop, g_addr, &o, &ix->cl);
+  CHECK(rc == 0, "sp_rpc_client_open: %s", sp_strerror(rc));
   return true;
 }
 
@@ -901,7 +901,7 @@ static bool sync_streams(sp_rpc_sync *s) {
   bool ok = sp_rpc_sync_stream_send(st, &q.base) == 0 &&
             sp_rpc_sync_stream_close_send(st) == 0 &&
             sync_drain(st, &n, "ss", &status);
-  sp_rpc_sync_stream_free(st);
+  sp_rpc_sync_stream_close(st);
   if (!ok) return g_why[0] ? false : sp_ix_failf(__LINE__, "server stream");
   CHECK_CODE(status, SP_RPC_OK);
   CHECK(n == 300, "server stream: %zu replies", n);
@@ -922,7 +922,7 @@ static bool sync_streams(sp_rpc_sync *s) {
   bool text_ok = rc == 0 && strcmp(((sp_ix_reply *)m)->text, "a\xc3\xa9z") == 0;
   if (m) protobuf_c_message_free_unpacked(m, NULL);
   ok = ok && text_ok && sync_drain(st, &n, NULL, &status) && n == 0;
-  sp_rpc_sync_stream_free(st);
+  sp_rpc_sync_stream_close(st);
   CHECK(ok, "client stream (rc %d)", rc);
   CHECK_CODE(status, SP_RPC_OK);
   /* bidi in lock-step */
@@ -941,7 +941,7 @@ static bool sync_streams(sp_rpc_sync *s) {
   }
   ok = ok && sp_rpc_sync_stream_close_send(st) == 0 &&
        sync_drain(st, &n, NULL, &status) && n == 0;
-  sp_rpc_sync_stream_free(st);
+  sp_rpc_sync_stream_close(st);
   CHECK(ok, "bidi lock-step");
   CHECK_CODE(status, SP_RPC_OK);
   return true;
@@ -971,7 +971,7 @@ static bool case_sync_metadata(void) {
     sp_rpc_sync_stream_send(st, &q.base);
     sp_rpc_sync_stream_close_send(st);
     rc = sp_rpc_sync_stream_recv(st, SP_IX_REPLY_DESC, 5000, &m, &status);
-    sp_rpc_sync_stream_free(st);
+    sp_rpc_sync_stream_close(st);
   }
   sp_rpc_sync_close(s);
   sp_ix_reply *r = (sp_ix_reply *)m;
@@ -1001,7 +1001,7 @@ static bool case_sync_cancel(void) {
     ProtobufCMessage *m = NULL;
     rrc = sp_rpc_sync_stream_recv(st, SP_IX_REPLY_DESC, 300, &m, NULL);
     if (m) protobuf_c_message_free_unpacked(m, NULL);
-    sp_rpc_sync_stream_free(st);
+    sp_rpc_sync_stream_close(st);
   }
   sp_rpc_sync_close(s);
   CHECK(rc == 0, "open: %s", sp_strerror(rc));
