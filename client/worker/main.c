@@ -5,6 +5,7 @@
 #include <getopt.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,7 @@
 #include "mlp_cuda.h"
 #include "rpc/rpc.h"
 #include "lib/shardplane.h"
+#include "test_state.h"
 
 typedef struct worker_opts {
   const char *coordinator;
@@ -28,6 +30,8 @@ typedef struct worker_opts {
   double lr;
   const char *ckpt_dir;
   bool ckpt_kinds[4];
+  uint32_t ckpt_every; /* also every N steps; 0: only at the end */
+  const char *test_state; /* --test-state NAME */
   bool any_kind; /* --checkpoint given (none included) */
   const char *load_dir;    /* as given */
   sp_ckpt_kind load_kind;  /* 0: the only kind load_dir holds */
@@ -40,6 +44,20 @@ typedef struct worker_opts {
   uint64_t comm_timeout_ms;
   uint64_t call_timeout_ms;
 } worker_opts;
+
+/* SIGINT / SIGTERM: the first asks for a checkpoint and a stop at the
+ * next step boundary (every rank learns it there, sp_fsdp_any); a second
+ * one ends the process at once. */
+static volatile sig_atomic_t g_stop_signal;
+
+static void on_stop_signal(int sig) {
+  if (g_stop_signal) {
+    signal(sig, SIG_DFL);
+    raise(sig); /* delivered when the handler returns */
+    return;
+  }
+  g_stop_signal = sig;
+}
 
 /* The communicators, for the session's abort callback, which runs on the
  * session's thread: the lock keeps an abort off a communicator being
@@ -271,18 +289,26 @@ static void usage(FILE *f) {
       "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
       "                           gradients and buffers on GPU N, the MLP on\n"
       "                           cuBLAS, collectives over NCCL (GPU build)\n"
-      "  --steps N                training steps (default 20)\n"
+      "  --steps N                train up to step N in all (default 20): a\n"
+      "                           run resumed from a checkpoint of step K\n"
+      "                           trains steps K+1..N\n"
       "  --global-batch N         samples per step over all ranks (default 24"
       ")\n"
       "  --lr X                   SGD learning rate (default 0.05)\n"
       "  --checkpoint-dir DIR     write checkpoints there after training\n"
       "  --checkpoint KIND        full, sharded or local; repeatable "
       "(default full)\n"
+      "  --checkpoint-every N     also after every N-th step (needs\n"
+      "                           --checkpoint-dir); each replaces the last\n"
+      "                           only once it is complete\n"
       "  --load DIR               start from the checkpoint in DIR (or in its\n"
-      "                           full/, sharded/ or local/ folder)\n"
+      "                           full/, sharded/ or local/ folder): its\n"
+      "                           parameters, buffers, optimizer state and\n"
+      "                           step, from which training continues\n"
       "  --load-kind KIND         full, sharded or local: which one, when DIR\n"
       "                           holds several\n"
-      "  --losses FILE            rank 0 writes the loss of every step (JSON)\n"
+      "  --losses FILE            rank 0 writes the loss of every step it\n"
+      "                           trains (JSON)\n"
       "  --stats FILE             rank 0 writes every step's duration in s "
       "and\n"
       "                           whether it was reported (JSON)\n"
@@ -295,15 +321,25 @@ static void usage(FILE *f) {
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
       "                           (starting on; for bench/step)\n"
+      "  --test-state NAME        (tests) register a float32 state NAME\n"
+      "                           sharded like the parameters, s = 0.5 s + p\n"
+      "                           after each step, which checkpoints carry\n"
+      "                           as an optimizer's (host storage only)\n"
       "  --help                   this text\n"
       "\n"
-      "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage\n",
+      "SIGINT or SIGTERM: every rank stops after the same step (they agree\n"
+      "at each step boundary), writes the checkpoints and exits 128 + the\n"
+      "signal (143 on a rank stopped by another's); a second signal ends\n"
+      "the process at once.\n"
+      "\n"
+      "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage,\n"
+      "130 / 143 stopped by SIGINT / SIGTERM after the checkpoint\n",
       f);
 }
 
 enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
        O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_NOREP,
-       O_TOGGLE, O_HELP };
+       O_TOGGLE, O_CKEVERY, O_TSTATE, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
  * what is allowed in d. */
@@ -372,6 +408,13 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       o->report_toggle = (uint32_t)n;
       return rc;
     case O_NOREP: o->no_report = true; return 0;
+    case O_CKEVERY:
+      rc = sp_flag_int(flag, v, 1, 1000000000, &n, d);
+      o->ckpt_every = (uint32_t)n;
+      return rc;
+    case O_TSTATE:
+      o->test_state = v;
+      return sp_flag_text(flag, v, "a state name", d);
   }
   return SP_ENOENT;
 }
@@ -396,6 +439,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"call-timeout-ms", required_argument, NULL, O_CALLTO},
       {"no-report", no_argument, NULL, O_NOREP},
       {"report-toggle", required_argument, NULL, O_TOGGLE},
+      {"checkpoint-every", required_argument, NULL, O_CKEVERY},
+      {"test-state", required_argument, NULL, O_TSTATE},
       {"help", no_argument, NULL, O_HELP},
       {NULL, 0, NULL, 0}};
   memset(o, 0, sizeof *o);
@@ -452,6 +497,14 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     return 2;
   }
   if (!o->any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
+  bool writes = o->ckpt_kinds[SP_CKPT_FULL] ||
+                o->ckpt_kinds[SP_CKPT_SHARDED] || o->ckpt_kinds[SP_CKPT_LOCAL];
+  if (o->ckpt_every && (!o->ckpt_dir || !writes)) {
+    fprintf(stderr, "shardplane-worker: --checkpoint-every %u needs "
+            "--checkpoint-dir DIR and a --checkpoint kind other than none\n",
+            o->ckpt_every);
+    return 2;
+  }
   return 0;
 }
 
@@ -471,23 +524,49 @@ static int write_doubles(const char *path, const double *l, uint32_t n) {
   return fclose(fp) == 0 ? 0 : SP_EIO;
 }
 
-/* {"step_seconds": [...], "reported": [true, ...]} */
-static int write_stats(const worker_opts *o, const double *step_s) {
+/* {"step_seconds": [...], "reported": [true, ...]}: the n steps trained
+ * from step index `first` on */
+static int write_stats(const worker_opts *o, const double *step_s,
+                       uint32_t first, uint32_t n) {
   FILE *fp = fopen(o->stats_path, "w");
   if (!fp) return SP_EIO;
   fputs("{\"step_seconds\": ", fp);
-  put_doubles(fp, step_s, o->steps);
+  put_doubles(fp, step_s, n);
   fputs(", \"reported\": [", fp);
-  for (uint32_t i = 0; i < o->steps; i++) {
+  for (uint32_t k = 0; k < n; k++) {
+    uint32_t i = first + k;
     bool on = o->report_toggle ? (i / o->report_toggle) % 2 == 0
                                : !o->no_report;
-    fprintf(fp, "%s%s", i ? ", " : "", on ? "true" : "false");
+    fprintf(fp, "%s%s", k ? ", " : "", on ? "true" : "false");
   }
   fputs("]}\n", fp);
   return fclose(fp) == 0 ? 0 : SP_EIO;
 }
 
-static int run(const worker_opts *o, sp_diag *d) {
+/* Every kind asked for, into --checkpoint-dir/<kind>; each replaces the
+ * previous one of its kind only once complete (sp_ckpt_save). */
+static int save_checkpoints(const worker_opts *o, sp_fsdp *f, uint32_t rank,
+                            uint64_t step, sp_diag *d) {
+  for (int k = SP_CKPT_FULL; o->ckpt_dir && k <= SP_CKPT_LOCAL; k++) {
+    if (!o->ckpt_kinds[k]) continue;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
+             sp_ckpt_kind_dir((sp_ckpt_kind)k));
+    int rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
+    if (rc < 0) return rc;
+    if (rank == 0) {
+      printf("checkpoint (%s) of step %llu: %s\n",
+             sp_ckpt_kind_name((sp_ckpt_kind)k), (unsigned long long)step,
+             dir);
+      fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+/* *stopped: 0 when training ran to --steps; else the signal that stopped
+ * this rank, or -1 when another rank's did. */
+static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   sp_session_opts so = {.coordinator = o->coordinator,
                         .rank = (uint32_t)o->rank,
                         .device = o->device,
@@ -498,6 +577,7 @@ static int run(const worker_opts *o, sp_diag *d) {
   sp_session *s = NULL;
   sp_comm *world = NULL, *shard = NULL, *replica = NULL;
   sp_fsdp *f = NULL;
+  sp_test_state *ts = NULL;
   sp_mlp *mlp = NULL;
   trainer tr;
   bool have_tr = false;
@@ -520,8 +600,24 @@ static int run(const worker_opts *o, sp_diag *d) {
                      .init_buffer = sp_mlp_init_buffer,
                      .device = o->device};
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
+  /* registered before a load, which fills it */
+  if (rc == 0 && o->test_state)
+    rc = sp_test_state_new(f, o->test_state, &ts, d);
+  /* --steps counts all steps: a resumed run starts after the
+   * checkpoint's, with its data and schedule (both by step index) */
+  uint32_t first = 0;
+  sp_ckpt_info info = {0};
   if (rc == 0 && o->load_dir)
-    rc = sp_ckpt_load(f, o->load_kind, o->load_from, d);
+    rc = sp_ckpt_load_with(f, o->load_kind, o->load_from, NULL, &info, d);
+  if (rc == 0 && o->load_dir) {
+    first = info.optim_steps < o->steps ? (uint32_t)info.optim_steps
+                                        : o->steps;
+    if (rank == 0) {
+      printf("resuming after step %llu of %u (%s)\n",
+             (unsigned long long)info.optim_steps, o->steps, o->load_from);
+      fflush(stdout);
+    }
+  }
   sp_diag md = {{0}};
   bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
   if (rc == 0 && is_mlp && o->global_batch % w != 0)
@@ -534,8 +630,9 @@ static int run(const worker_opts *o, sp_diag *d) {
   }
   if (rc == 0 && rank == 0 && !is_mlp)
     printf("rank 0: %s; running the synthetic-gradient cycle\n", md.msg);
-  losses = calloc(o->steps ? o->steps : 1, sizeof *losses);
-  step_s = calloc(o->steps ? o->steps : 1, sizeof *step_s);
+  uint32_t todo = o->steps - first;
+  losses = calloc(todo ? todo : 1, sizeof *losses);
+  step_s = calloc(todo ? todo : 1, sizeof *step_s);
   if ((!losses || !step_s) && rc == 0)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   /* One numbering of steps everywhere: step indexes 0..steps-1 pick the
@@ -543,20 +640,34 @@ static int run(const worker_opts *o, sp_diag *d) {
    * step, so `shardplane ranks` and watch) numbered from 1: step K is the
    * K-th, and after the last one every report says N. */
   double tlast = sp_clock_s();
-  uint32_t logged = 0; /* steps up to the last progress line */
-  for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
+  uint32_t logged = first; /* steps up to the last progress line */
+  uint32_t step = first;
+  uint64_t saved = UINT64_MAX; /* the step of the last checkpoint written */
+  for (; rc == 0 && step < o->steps; step++) {
+    /* every rank asks, so all stop after the same step, whichever got
+     * the signal */
+    bool stop = false;
+    rc = sp_fsdp_any(f, g_stop_signal != 0, &stop, d);
+    if (rc < 0 || stop) {
+      *stopped = g_stop_signal ? g_stop_signal : -1;
+      break;
+    }
     if (o->report_toggle && step % o->report_toggle == 0)
       rc = sp_session_set_report(s, (step / o->report_toggle) % 2 == 0, d);
-    double ts = sp_clock_s();
-    if (is_mlp && tr.gpu)
+    double ts0 = sp_clock_s();
+    double *loss = &losses[step - first];
+    if (rc < 0)
+      break;
+    else if (is_mlp && tr.gpu)
       rc = trainer_step_gpu(&tr, step, (uint64_t)rank * local_n,
-                            o->global_batch, o->lr, &losses[step], d);
+                            o->global_batch, o->lr, loss, d);
     else if (is_mlp)
       rc = trainer_step(&tr, step, (uint64_t)rank * local_n, o->global_batch,
-                        o->lr, &losses[step], d);
+                        o->lr, loss, d);
     else
       rc = synthetic_step(f, s, step, o->lr, d);
-    step_s[step] = sp_clock_s() - ts;
+    if (rc == 0 && ts) rc = sp_test_state_step(ts, d);
+    step_s[step - first] = sp_clock_s() - ts0;
     if (rc == 0 && rank == 0 && o->log_every &&
         ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
       double t = sp_clock_s();
@@ -566,36 +677,41 @@ static int run(const worker_opts *o, sp_diag *d) {
       logged = step + 1;
       if (is_mlp)
         printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->steps,
-               losses[step], per_s);
+               *loss, per_s);
       else
         printf("step %u/%u  %.0f samples/s (synthetic gradients)\n",
                step + 1, o->steps, per_s);
       fflush(stdout);
     }
-  }
-  if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
-      write_doubles(o->losses_path, losses, o->steps) < 0)
-    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
-  if (rc == 0 && rank == 0 && o->stats_path &&
-      write_stats(o, step_s) < 0)
-    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
-  for (int k = SP_CKPT_FULL; rc == 0 && o->ckpt_dir && k <= SP_CKPT_LOCAL;
-       k++) {
-    if (!o->ckpt_kinds[k]) continue;
-    char dir[4096];
-    snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
-             sp_ckpt_kind_dir((sp_ckpt_kind)k));
-    rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
-    if (rc == 0 && rank == 0) {
-      printf("checkpoint (%s): %s\n", sp_ckpt_kind_name((sp_ckpt_kind)k), dir);
-      fflush(stdout);
+    if (rc == 0 && o->ckpt_every && (step + 1) % o->ckpt_every == 0 &&
+        step + 1 < o->steps) {
+      rc = save_checkpoints(o, f, rank, step + 1, d);
+      saved = step + 1;
     }
   }
+  uint32_t ran = step - first;
+  if (rc == 0 && *stopped && rank == 0) {
+    printf("stopping after step %u of %u: %s\n", step, o->steps,
+           *stopped > 0 ? strsignal(*stopped)
+                        : "another rank was signalled");
+    fflush(stdout);
+  }
+  if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
+      write_doubles(o->losses_path, losses, ran) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
+  if (rc == 0 && rank == 0 && o->stats_path &&
+      write_stats(o, step_s, first, ran) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
+  /* the final checkpoint; a stop before any step trained here has
+   * nothing new to keep (the loaded checkpoint, if any, stays) */
+  if (rc == 0 && saved != step && !(*stopped && ran == 0))
+    rc = save_checkpoints(o, f, rank, step, d);
   if (have_tr) trainer_free(&tr);
   free(losses);
   free(step_s);
   sp_mlp_free(mlp);
   sp_fsdp_free(f);
+  sp_test_state_free(ts);
   /* leave together, still abortable, then free */
   sp_comm *comms[3] = {world, shard, replica};
   for (int i = 0; i < 3; i++) {
@@ -646,11 +762,16 @@ int main(int argc, char **argv) {
             d.msg);
     return 1;
   }
-  int rc = run(&o, &d);
+  struct sigaction sa = {.sa_handler = on_stop_signal, .sa_flags = SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  int stopped = 0;
+  int rc = run(&o, &stopped, &d);
   if (rc < 0) {
     fprintf(stderr, "shardplane-worker: rank %ld: %s\n", o.rank,
             d.msg[0] ? d.msg : sp_strerror(rc));
     return 1;
   }
-  return 0;
+  return stopped ? 128 + (stopped > 0 ? stopped : SIGTERM) : 0;
 }
