@@ -139,6 +139,16 @@ static void check_with_python(const char *path) {
   sp_diag d = {{0}};
   assert_int_equal(sp_st_open(path, &f, &d), 0);
   assert_int_equal(json_object_size(tensors), sp_st_tensor_count(f));
+  /* the metadata too (the step count and state names among it) */
+  json_t *meta = json_object_get(root, "metadata");
+  assert_int_equal(json_object_size(meta), sp_st_metadata_count(f));
+  for (size_t i = 0; i < sp_st_metadata_count(f); i++) {
+    const sp_st_kv *kv = sp_st_metadata_at(f, i);
+    const char *pv = json_string_value(json_object_get(meta, kv->key));
+    if (!pv || strcmp(pv, kv->value) != 0)
+      fail_msg("%s: metadata %s: Python sees %s", path, kv->key,
+               pv ? pv : "nothing");
+  }
   for (size_t i = 0; i < sp_st_tensor_count(f); i++) {
     const sp_st_tensor *t = sp_st_tensor_at(f, i);
     json_t *pt = json_object_get(tensors, t->name);
@@ -177,10 +187,12 @@ static void test_buffers_and_checkpoints(void **state) {
     printf("  (the Python reader part needs /usr/bin/python3 with numpy)\n");
   }
   char *dir = sp_test_mkdtemp();
+  /* with an optimizer state, so the Python reader sees its tensors and
+   * the step count too */
   const char *wflags[] = {"--steps", "4", "--global-batch", "24",
                           "--checkpoint-dir", dir, "--checkpoint", "full",
                           "--checkpoint", "sharded", "--checkpoint", "local",
-                          NULL};
+                          "--test-state", "exp_avg", NULL};
   sp_tjob_run(MLP_BUFFERS, k_buffer_job, 3, wflags, JOB_TIMEOUT_S);
 
   sp_tjob_check_buffers(MLP_BUFFERS, 3, 4, 24, 0.05, dir,

@@ -1214,7 +1214,8 @@ static int check_states(const sp_fsdp *f, const ckpt_optim *o,
     if (!found)
       return sp_diag_set(d, SP_ESTATE, "%s: the checkpoint holds optimizer "
                          "state \"%s\", which this runtime has not "
-                         "registered (load parameters only to leave the "
+                         "registered (a parameters-only load, "
+                         "sp_ckpt_load_opts.params_only, leaves the "
                          "optimizer out)", where, o->states[i]);
   }
   for (size_t j = 0; j < f->n_states; j++) {
@@ -1223,8 +1224,9 @@ static int check_states(const sp_fsdp *f, const ckpt_optim *o,
       found = found || strcmp(o->states[i], f->states[j].name) == 0;
     if (!found)
       return sp_diag_set(d, SP_ESTATE, "%s: optimizer state \"%s\" of this "
-                         "runtime is not in the checkpoint (load "
-                         "parameters only to start it afresh)", where,
+                         "runtime is not in the checkpoint (a "
+                         "parameters-only load, sp_ckpt_load_opts."
+                         "params_only, starts it afresh)", where,
                          f->states[j].name);
   }
   return 0;

@@ -612,11 +612,14 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   if (rc == 0 && o->load_dir) {
     first = info.optim_steps < o->steps ? (uint32_t)info.optim_steps
                                         : o->steps;
-    if (rank == 0) {
+    if (rank == 0 && first < o->steps)
       printf("resuming after step %llu of %u (%s)\n",
              (unsigned long long)info.optim_steps, o->steps, o->load_from);
-      fflush(stdout);
-    }
+    else if (rank == 0)
+      printf("loaded the checkpoint of step %llu (%s): nothing to train up "
+             "to --steps %u\n", (unsigned long long)info.optim_steps,
+             o->load_from, o->steps);
+    fflush(stdout);
   }
   sp_diag md = {{0}};
   bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
