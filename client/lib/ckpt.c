@@ -239,26 +239,33 @@ int sp_ckpt_check_dir(const char *dir, const char *plan_version, sp_diag *d) {
 
 /* ---- agreement between ranks ---- */
 
-/* One float per rank, 1 where that rank says yes, summed over the world:
- * every rank learns which ranks said yes. In the runtime's storage, so it
- * works over NCCL too. *first: the lowest such rank, or -1. */
+/* host[0..n) summed over the world, in place, through the runtime's
+ * storage (device memory on a GPU: NCCL takes no host pointers). */
+static int sum_floats(sp_fsdp *f, float *host, size_t n, sp_diag *d) {
+  if (f->world == 1) return 0;
+  void *buf = host;
+  int rc = 0;
+  if (f->mem->device) {
+    rc = f->mem->alloc(f, n, sizeof(float), &buf, d);
+    if (rc == 0) rc = f->mem->from_host(f, buf, host, n * sizeof(float), d);
+  }
+  if (rc == 0) rc = sp_fsdp_all_reduce(f, buf, n, SP_FLOAT32, d);
+  if (rc == 0 && buf != host)
+    rc = f->mem->to_host(f, host, buf, n * sizeof(float), d);
+  if (buf != host) f->mem->release(f, buf);
+  return rc;
+}
+
+/* One float per rank, 1 where that rank says yes: every rank learns which
+ * ranks did (for messages naming them). *first: the lowest, or -1. Only
+ * at checkpoints: it moves W floats. */
 static int agree(sp_fsdp *f, bool mine, int64_t *first, sp_diag *d) {
   *first = mine ? (int64_t)f->rank : -1;
   if (f->world == 1) return 0;
   float *host = calloc(f->world, sizeof *host);
   if (!host) return sp_diag_set(d, SP_ENOMEM, "no memory");
   host[f->rank] = mine ? 1.0f : 0.0f;
-  void *buf = host;
-  int rc = 0;
-  if (f->mem->device) {
-    rc = f->mem->alloc(f, f->world, sizeof(float), &buf, d);
-    if (rc == 0)
-      rc = f->mem->from_host(f, buf, host, f->world * sizeof(float), d);
-  }
-  if (rc == 0) rc = sp_fsdp_all_reduce(f, buf, f->world, SP_FLOAT32, d);
-  if (rc == 0 && buf != host)
-    rc = f->mem->to_host(f, host, buf, f->world * sizeof(float), d);
-  if (buf != host) f->mem->release(f, buf);
+  int rc = sum_floats(f, host, f->world, d);
   for (uint32_t r = 0; rc == 0 && r < f->world; r++)
     if (host[r] != 0.0f) {
       *first = r;
@@ -268,12 +275,14 @@ static int agree(sp_fsdp *f, bool mine, int64_t *first, sp_diag *d) {
   return rc;
 }
 
+/* Every step: one float, the number of ranks that say yes (exact in
+ * float32 up to 2^24 ranks). */
 int sp_fsdp_any(sp_fsdp *f, bool mine, bool *any, sp_diag *d) {
   if (!f || !any) return sp_diag_set(d, SP_EINVAL, "sp_fsdp_any: NULL");
-  int64_t first;
-  int rc = agree(f, mine, &first, d);
+  float n = mine ? 1.0f : 0.0f;
+  int rc = sum_floats(f, &n, 1, d);
   if (rc < 0) return sp_diag_prefix(d, rc, "rank %u: agreeing", f->rank);
-  *any = first >= 0;
+  *any = n != 0.0f;
   return 0;
 }
 

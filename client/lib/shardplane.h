@@ -568,8 +568,8 @@ int sp_ckpt_load(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
 /* Collective over the world: *any = whether any rank passed mine = true.
  * For stopping together: a rank that got a signal passes true at the next
  * step boundary, and every rank learns it at the same step, so all of them
- * checkpoint there. One all-reduce of world-size floats (through 4 * W
- * bytes of device memory allocated per call on a GPU). */
+ * checkpoint there. One all-reduce of one float (through 4 bytes of
+ * device memory allocated per call on a GPU). */
 int sp_fsdp_any(sp_fsdp *f, bool mine, bool *any, sp_diag *d);
 
 #ifdef __cplusplus
