@@ -426,6 +426,20 @@ static void test_failed_save_keeps_old(void **state) {
   expect_steps(ck, "sharded/rank-0-of-2.safetensors", "3");
   expect_steps(ck, "sharded/rank-1-of-2.safetensors", "3");
   assert_int_equal(rmdir(sub), 0);
+  /* a folder to replace that holds more than a checkpoint's files */
+  char *mine = sp_test_path(from, "not-a-checkpoint-file");
+  assert_int_equal(mkdir(mine, 0777), 0);
+  sp_tjob_start(&j, MLP_BUFFERS, k_f32_job, 2, wf, dir);
+  assert_int_equal(sp_tjob_wait(&j, 60), 0);
+  for (int r = 0; r < 2; r++) assert_int_equal(j.status[r], 1);
+  free(e0);
+  e0 = sp_test_read_file(e0p);
+  printf("  rank 0: %s", e0);
+  assert_non_null(strstr(e0, "holds not-a-checkpoint-file, which is not a "
+                             "checkpoint file"));
+  expect_steps(ck, "sharded/rank-0-of-2.safetensors", "3");
+  assert_int_equal(rmdir(mine), 0);
+  free(mine);
   char *again = sp_test_path(dir, "again");
   /* now it goes through, every 2 steps and at the end */
   sp_tjob_run(MLP_BUFFERS, k_f32_job, 2,

@@ -396,10 +396,34 @@ static int ckpt_paths_of(const char *dir, ckpt_paths *p, sp_diag *d) {
   return 0;
 }
 
+/* The folder a save will replace holds only files (an earlier
+ * checkpoint), or does not exist: anything else is not ours to remove. */
+static int check_replaceable(const char *dir, sp_diag *d) {
+  DIR *dp = opendir(dir);
+  if (!dp)
+    return errno == ENOENT ? 0
+                           : sp_diag_set(d, SP_EIO, "%s: cannot open: %s",
+                                         dir, strerror(errno));
+  int rc = 0;
+  struct dirent *e;
+  while (rc == 0 && (e = readdir(dp)) != NULL) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+    struct stat sb;
+    if (fstatat(dirfd(dp), e->d_name, &sb, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(sb.st_mode))
+      rc = sp_diag_set(d, SP_EEXIST, "%s holds %s, which is not a checkpoint "
+                       "file: a save replaces the whole folder, so choose "
+                       "another", dir, e->d_name);
+  }
+  closedir(dp);
+  return rc;
+}
+
 /* Rank 0, before anyone writes: an empty staging directory (what a crashed
  * save left there goes). */
 static int prepare_staging(const ckpt_paths *p, sp_diag *d) {
   int rc = make_dir(p->parent, d);
+  if (rc == 0) rc = check_replaceable(p->dir, d);
   if (rc == 0) rc = remove_ckpt_dir(p->staging, d);
   if (rc == 0 && mkdir(p->staging, 0777) != 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot create: %s", p->staging,

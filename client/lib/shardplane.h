@@ -503,7 +503,9 @@ int sp_ckpt_check_dir(const char *dir, const char *plan_version, sp_diag *d);
  *     atomic rename exchange; two renames on a file system without it) and
  *     removes the previous checkpoint; the directories are fsync'd.
  *   dir and "<dir>.tmp" must be one directory for all ranks (a shared file
- *   system for ranks on several machines), holding only checkpoint files.
+ *   system for ranks on several machines), holding only checkpoint files:
+ *   a dir holding anything else (a subdirectory) is refused, SP_EEXIST,
+ *   before anything is written.
  * Content: parameters in their original dtype (full precision, the
  * master), persistent buffers in their original dtype for FULL and SHARDED
  * and in their compute dtype for LOCAL; every optimizer state registered
@@ -520,7 +522,8 @@ int sp_ckpt_check_dir(const char *dir, const char *plan_version, sp_diag *d);
  * memory), and each rank writes only its own pieces from it: nothing else
  * of the model is held. LOCAL copies one shard at a time (on a GPU).
  * Errors: SP_EINVAL (dir without a name of its own, such as "/" or ".";
- * a registered state without storage for a unit), SP_EIO (naming the file),
+ * a registered state without storage for a unit), SP_EEXIST (dir holds
+ * more than files), SP_EIO (naming the file),
  * SP_ENOMEM; a rank whose own part failed returns its error, the others
  * SP_ECANCELED naming that rank. A failure of the collectives themselves
  * (a peer died) returns that error. */
