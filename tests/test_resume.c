@@ -86,10 +86,10 @@ static void train(const char *const *job, int n, const char *steps,
 }
 
 static char *meta_of(const char *dir, const char *file, const char *key) {
-  sp_st_file *st = sp_tjob_open_st(dir, file);
-  const char *v = sp_st_metadata_get(st, key);
+  sp_safetensors_file *st = sp_tjob_open_st(dir, file);
+  const char *v = sp_safetensors_metadata_get(st, key);
   char *copy = v ? strdup(v) : NULL;
-  sp_st_free(st);
+  sp_safetensors_close(st);
   return copy;
 }
 
@@ -161,30 +161,30 @@ static void check_state_names(const char *dir, int w) {
   sp_model *m;
   sp_diag d = {{0}};
   assert_int_equal(sp_model_load_file(MLP_BUFFERS, &m, &d), 0);
-  sp_st_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
+  sp_safetensors_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
   size_t states = 0;
-  for (size_t i = 0; i < sp_st_tensor_count(full); i++)
-    states += has_prefix(sp_st_tensor_at(full, i)->name, "optim.");
+  for (size_t i = 0; i < sp_safetensors_tensor_count(full); i++)
+    states += has_prefix(sp_safetensors_tensor_at(full, i)->name, "optim.");
   assert_int_equal(states, m->n_params);
   for (size_t p = 0; p < m->n_params; p++) {
     char name[256];
     snprintf(name, sizeof name, "optim.%s.%s", STATE, m->params[p].fqn);
-    const sp_st_tensor *t = sp_st_find(full, name);
+    const sp_safetensors_tensor *t = sp_safetensors_find(full, name);
     if (!t) fail_msg("%s/full: no %s", dir, name);
     assert_int_equal(t->dtype, SP_FLOAT32);
     assert_int_equal((int)t->ndim, m->params[p].ndim);
     for (size_t k = 0; k < t->ndim; k++)
       assert_int_equal(t->shape[k], m->params[p].shape[k]);
   }
-  assert_string_equal(sp_st_metadata_get(full, "shardplane.optim_states"),
-                      STATE);
-  sp_st_free(full);
+  assert_string_equal(
+      sp_safetensors_metadata_get(full, "shardplane.optim_states"), STATE);
+  sp_safetensors_close(full);
   char name[96];
   snprintf(name, sizeof name, "local/local-0-of-%d.safetensors", w);
-  sp_st_file *local = sp_tjob_open_st(dir, name);
-  assert_non_null(sp_st_find(local, "layers.0.optim." STATE));
-  assert_non_null(sp_st_find(local, "layers.0._flat_param"));
-  sp_st_free(local);
+  sp_safetensors_file *local = sp_tjob_open_st(dir, name);
+  assert_non_null(sp_safetensors_find(local, "layers.0.optim." STATE));
+  assert_non_null(sp_safetensors_find(local, "layers.0._flat_param"));
+  sp_safetensors_close(local);
   sp_model_free(m);
 }
 
@@ -231,13 +231,14 @@ typedef struct diff_stats {
 
 static void full_diff(const char *a, const char *b, diff_stats *ds) {
   memset(ds, 0, sizeof *ds);
-  sp_st_file *fa = sp_tjob_open_st(a, "full/model.safetensors");
-  sp_st_file *fb = sp_tjob_open_st(b, "full/model.safetensors");
-  assert_int_equal(sp_st_tensor_count(fa), sp_st_tensor_count(fb));
-  ds->tensors = sp_st_tensor_count(fa);
-  for (size_t i = 0; i < sp_st_tensor_count(fa); i++) {
-    const sp_st_tensor *ta = sp_st_tensor_at(fa, i);
-    const sp_st_tensor *tb = sp_st_find(fb, ta->name);
+  sp_safetensors_file *fa = sp_tjob_open_st(a, "full/model.safetensors");
+  sp_safetensors_file *fb = sp_tjob_open_st(b, "full/model.safetensors");
+  assert_int_equal(sp_safetensors_tensor_count(fa),
+                   sp_safetensors_tensor_count(fb));
+  ds->tensors = sp_safetensors_tensor_count(fa);
+  for (size_t i = 0; i < sp_safetensors_tensor_count(fa); i++) {
+    const sp_safetensors_tensor *ta = sp_safetensors_tensor_at(fa, i);
+    const sp_safetensors_tensor *tb = sp_safetensors_find(fb, ta->name);
     if (!tb) fail_msg("%s: no %s", b, ta->name);
     assert_int_equal(ta->dtype, tb->dtype);
     assert_int_equal(ta->numel, tb->numel);
@@ -264,8 +265,8 @@ static void full_diff(const char *a, const char *b, diff_stats *ds) {
                ta->name);
     }
   }
-  sp_st_free(fa);
-  sp_st_free(fb);
+  sp_safetensors_close(fa);
+  sp_safetensors_close(fb);
 }
 
 /* Measured (3 ranks to step 5, then 2 or 4 ranks to step 10, float32):

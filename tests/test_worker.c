@@ -135,22 +135,22 @@ static void check_with_python(const char *path) {
   json_t *root = json_loads(out, 0, &err);
   if (!root) fail_msg("st_reader.py output: %s", err.text);
   json_t *tensors = json_object_get(root, "tensors");
-  sp_st_file *f;
+  sp_safetensors_file *f;
   sp_diag d = {{0}};
-  assert_int_equal(sp_st_open(path, &f, &d), 0);
-  assert_int_equal(json_object_size(tensors), sp_st_tensor_count(f));
+  assert_int_equal(sp_safetensors_open(path, &f, &d), 0);
+  assert_int_equal(json_object_size(tensors), sp_safetensors_tensor_count(f));
   /* the metadata too (the step count and state names among it) */
   json_t *meta = json_object_get(root, "metadata");
-  assert_int_equal(json_object_size(meta), sp_st_metadata_count(f));
-  for (size_t i = 0; i < sp_st_metadata_count(f); i++) {
-    const sp_st_kv *kv = sp_st_metadata_at(f, i);
+  assert_int_equal(json_object_size(meta), sp_safetensors_metadata_count(f));
+  for (size_t i = 0; i < sp_safetensors_metadata_count(f); i++) {
+    const sp_safetensors_kv *kv = sp_safetensors_metadata_at(f, i);
     const char *pv = json_string_value(json_object_get(meta, kv->key));
     if (!pv || strcmp(pv, kv->value) != 0)
       fail_msg("%s: metadata %s: Python sees %s", path, kv->key,
                pv ? pv : "nothing");
   }
-  for (size_t i = 0; i < sp_st_tensor_count(f); i++) {
-    const sp_st_tensor *t = sp_st_tensor_at(f, i);
+  for (size_t i = 0; i < sp_safetensors_tensor_count(f); i++) {
+    const sp_safetensors_tensor *t = sp_safetensors_tensor_at(f, i);
     json_t *pt = json_object_get(tensors, t->name);
     if (!pt) fail_msg("%s: Python did not see %s", path, t->name);
     assert_string_equal(json_string_value(json_object_get(pt, "dtype")),
@@ -169,7 +169,7 @@ static void check_with_python(const char *path) {
       if (v != t->data[k]) fail_msg("%s: %s byte %zu differs", path, t->name, k);
     }
   }
-  sp_st_free(f);
+  sp_safetensors_close(f);
   json_decref(root);
   free(out);
 }
@@ -203,10 +203,11 @@ static void test_buffers_and_checkpoints(void **state) {
   sp_model *m;
   sp_diag d = {{0}};
   assert_int_equal(sp_model_load_file(MLP_BUFFERS, &m, &d), 0);
-  sp_st_file *rank2 = sp_tjob_open_st(dir, "sharded/rank-2-of-3.safetensors");
+  sp_safetensors_file *rank2 =
+      sp_tjob_open_st(dir, "sharded/rank-2-of-3.safetensors");
   for (size_t b = 0; b < m->n_buffers; b++)
-    assert_null(sp_st_find(rank2, m->buffers[b].fqn));
-  sp_st_free(rank2);
+    assert_null(sp_safetensors_find(rank2, m->buffers[b].fqn));
+  sp_safetensors_close(rank2);
   sp_model_free(m);
 
   if (have_numpy()) {
@@ -442,18 +443,20 @@ static void test_synthetic_resnet50(void **state) {
   sp_diag d = {{0}};
   assert_int_equal(
       sp_model_load_file(SP_EXAMPLES "/models/resnet50.json", &m, &d), 0);
-  sp_st_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
+  sp_safetensors_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
   size_t want = m->n_params;
   for (size_t b = 0; b < m->n_buffers; b++) want += m->buffers[b].flag;
-  assert_int_equal(sp_st_tensor_count(full), want);
+  assert_int_equal(sp_safetensors_tensor_count(full), want);
   for (size_t p = 0; p < m->n_params; p++) {
-    const sp_st_tensor *t = sp_st_find(full, m->params[p].fqn);
+    const sp_safetensors_tensor *t =
+        sp_safetensors_find(full, m->params[p].fqn);
     assert_non_null(t);
     assert_int_equal(t->dtype, m->params[p].dtype);
     assert_int_equal(t->numel, m->params[p].numel);
   }
   for (size_t b = 0; b < m->n_buffers; b++) {
-    const sp_st_tensor *t = sp_st_find(full, m->buffers[b].fqn);
+    const sp_safetensors_tensor *t =
+        sp_safetensors_find(full, m->buffers[b].fqn);
     if (!m->buffers[b].flag) {
       assert_null(t);
       continue;
@@ -463,7 +466,7 @@ static void test_synthetic_resnet50(void **state) {
   }
   printf("  resnet50, 2 ranks, synthetic gradients: %zu tensors in the FULL "
          "checkpoint, each in its original dtype\n", want);
-  sp_st_free(full);
+  sp_safetensors_close(full);
   sp_model_free(m);
   sp_test_rmtree(dir);
   free(dir);

@@ -18,9 +18,10 @@
  * Memory: saving gathers one unit at a time over the shard group (one
  * tensor of it: the master, then each state) into one host buffer of the
  * largest unit's c * W_s elements, writes this rank's pieces of it straight
- * into the file (sp_st_writer) and reuses the buffer for the next; nothing
- * else of the model is held. Loading reads, per unit, only the byte ranges
- * of this rank's shard out of the files (sp_st_open_header and pread).
+ * into the file (sp_safetensors_writer) and reuses the buffer for the next;
+ * nothing else of the model is held. Loading reads, per unit, only the byte
+ * ranges of this rank's shard out of the files (sp_safetensors_open_header and
+ * pread).
  *
  * Publishing: every rank writes into "<dir>.tmp"; when all have finished,
  * rank 0 swaps it with dir (one atomic rename exchange) and removes the
@@ -485,7 +486,7 @@ static int join(char *out, size_t cap, const char *dir, const char *name,
   return 0;
 }
 
-static void tensor_shape(const sp_tensor_spec *t, sp_st_entry *e) {
+static void tensor_shape(const sp_tensor_spec *t, sp_safetensors_entry *e) {
   e->ndim = (size_t)t->ndim;
   for (int i = 0; i < t->ndim; i++) e->shape[i] = (uint64_t)t->shape[i];
 }
@@ -607,7 +608,7 @@ static int check_registered(const sp_fsdp *f, sp_diag *d) {
 /* One rank's file being written: its entries and where each parameter's
  * tensors went. */
 typedef struct save_file {
-  sp_st_entry *es;
+  sp_safetensors_entry *es;
   char **names; /* owned names of es (NULL where borrowed) */
   size_t n, cap;
   /* per (k, p), k * n_params + p: index into es, or -1 (not in this
@@ -615,7 +616,7 @@ typedef struct save_file {
   int64_t *slot;
   /* buffers: index into es of each, -1 when not here */
   int64_t *buf_slot;
-  sp_st_writer *w;
+  sp_safetensors_writer *w;
   char steps[24];
   char states[MAX_STATES * 33];
 } save_file;
@@ -626,7 +627,7 @@ static void save_file_free(save_file *sf) {
   free(sf->es);
   free(sf->slot);
   free(sf->buf_slot);
-  sp_st_writer_abort(sf->w);
+  sp_safetensors_writer_abort(sf->w);
 }
 
 static int add_entry(save_file *sf, char *owned_name, const char *name,
@@ -634,7 +635,7 @@ static int add_entry(save_file *sf, char *owned_name, const char *name,
   if (!owned_name && !name) return sp_diag_set(d, SP_ENOMEM, "no memory");
   if (sf->n == sf->cap) {
     size_t cap = sf->cap ? 2 * sf->cap : 64;
-    sp_st_entry *es = realloc(sf->es, cap * sizeof *es);
+    sp_safetensors_entry *es = realloc(sf->es, cap * sizeof *es);
     if (es) sf->es = es;
     char **ns = realloc(sf->names, cap * sizeof *ns);
     if (ns) sf->names = ns;
@@ -644,7 +645,7 @@ static int add_entry(save_file *sf, char *owned_name, const char *name,
     }
     sf->cap = cap;
   }
-  sp_st_entry *e = &sf->es[sf->n];
+  sp_safetensors_entry *e = &sf->es[sf->n];
   memset(e, 0, sizeof *e);
   e->name = owned_name ? owned_name : name;
   e->dtype = dt;
@@ -671,13 +672,13 @@ static int open_writer(sp_fsdp *f, save_file *sf, const char *dir,
   snprintf(world, sizeof world, "%u", f->world);
   snprintf(rank, sizeof rank, "%u", f->rank);
   format_meta(f, sf);
-  sp_st_kv meta[] = {{"shardplane.kind", sp_ckpt_kind_name(kind)},
-                     {"shardplane.plan_version", f->plan->version_hex},
-                     {"shardplane.world_size", world},
-                     {"shardplane.rank", rank},
-                     {META_STEPS, sf->steps},
-                     {META_STATES, sf->states}};
-  return sp_st_writer_open(path, sf->es, sf->n, meta, 6, &sf->w, d);
+  sp_safetensors_kv meta[] = {{"shardplane.kind", sp_ckpt_kind_name(kind)},
+                              {"shardplane.plan_version", f->plan->version_hex},
+                              {"shardplane.world_size", world},
+                              {"shardplane.rank", rank},
+                              {META_STEPS, sf->steps},
+                              {META_STATES, sf->states}};
+  return sp_safetensors_writer_open(path, sf->es, sf->n, meta, 6, &sf->w, d);
 }
 
 /* The entries of this rank's FULL or SHARDED file (FULL: rank 0 only). */
@@ -743,8 +744,8 @@ static int put_buffer(sp_fsdp *f, save_file *sf, size_t b, sp_dtype to,
     src = copy;
   }
   if (rc == 0)
-    rc = sp_st_writer_put(sf->w, (size_t)sf->buf_slot[b], 0, src,
-                          n * sp_dtype_size(to), d);
+    rc = sp_safetensors_writer_put(sf->w, (size_t)sf->buf_slot[b], 0, src,
+                                   n * sp_dtype_size(to), d);
   free(copy);
   free(staged);
   return rc;
@@ -767,8 +768,8 @@ static int put_unit(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf, uint32_t u,
                                             &last);
     int64_t rn = row_numel(t);
     const uint8_t *src = full + (size_t)(e->offset + first * rn) * es;
-    int rc = sp_st_writer_put(sf->w, (size_t)slot, 0, src,
-                              (size_t)((last - first) * rn) * es, d);
+    int rc = sp_safetensors_writer_put(sf->w, (size_t)slot, 0, src,
+                                       (size_t)((last - first) * rn) * es, d);
     if (rc < 0) return rc;
   }
   return 0;
@@ -929,9 +930,9 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
     if (sf.buf_slot[b] >= 0)
       *local = put_buffer(f, &sf, b, f->model->buffers[b].dtype, ld);
   if (rc == 0 && *local == 0 && writer) {
-    sp_st_writer *w = sf.w;
+    sp_safetensors_writer *w = sf.w;
     sf.w = NULL;
-    *local = sp_st_writer_commit(w, ld);
+    *local = sp_safetensors_writer_commit(w, ld);
   }
   if (rc == 0 && *local == 0 && kind == SP_CKPT_SHARDED && f->rank == 0)
     *local = write_index(f, dir, ld);
@@ -955,7 +956,7 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
     int64_t s, e, pad;
     rc = sp_plan_rank_range(f->plan, u, f->rank, &s, &e, &pad);
     for (size_t k = 0; rc == 0 && k < nk; k++) {
-      char tn[SP_ST_MAX_NAME];
+      char tn[SP_SAFETENSORS_MAX_NAME];
       local_name(f, u, k, tn, sizeof tn);
       unit_slot[u * nk + k] = (int64_t)sf.n;
       rc = add_entry(&sf, strdup(tn), NULL, kind_dtype(f, u, k), NULL, d);
@@ -980,23 +981,23 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
   for (uint32_t u = 0; rc == 0 && u < f->n_units; u++) {
     if (!f->units[u].has_data) continue;
     for (size_t k = 0; rc == 0 && k < nk; k++) {
-      const sp_st_entry *e = &sf.es[unit_slot[u * nk + k]];
+      const sp_safetensors_entry *e = &sf.es[unit_slot[u * nk + k]];
       const uint8_t *data;
       uint8_t *owned;
       rc = kind_host(f, u, k, &data, &owned, d);
       if (rc == 0)
-        rc = sp_st_writer_put(sf.w, (size_t)unit_slot[u * nk + k], 0, data,
-                              (size_t)e->shape[0] * sp_dtype_size(e->dtype),
-                              d);
+        rc = sp_safetensors_writer_put(
+            sf.w, (size_t)unit_slot[u * nk + k], 0, data,
+            (size_t)e->shape[0] * sp_dtype_size(e->dtype), d);
       free(owned);
     }
   }
   for (size_t b = 0; rc == 0 && b < m->n_buffers; b++)
     if (sf.buf_slot[b] >= 0) rc = put_buffer(f, &sf, b, f->buffer_dtype[b], d);
   if (rc == 0) {
-    sp_st_writer *w = sf.w;
+    sp_safetensors_writer *w = sf.w;
     sf.w = NULL;
-    rc = sp_st_writer_commit(w, d);
+    rc = sp_safetensors_writer_commit(w, d);
   }
   free(unit_slot);
   save_file_free(&sf);
@@ -1050,9 +1051,9 @@ int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d) {
 
 /* Reads elements [a, a + n) of tensor t (of file st) into dst in dtype
  * dt: the bytes themselves for equal dtypes, cast for floating ones. */
-static int read_elems(const sp_st_file *st, const sp_st_tensor *t, int64_t a,
-                      int64_t n, void *dst, sp_dtype dt, const char *file,
-                      sp_diag *d) {
+static int read_elems(const sp_safetensors_file *st,
+                      const sp_safetensors_tensor *t, int64_t a, int64_t n,
+                      void *dst, sp_dtype dt, const char *file, sp_diag *d) {
   size_t ses = sp_dtype_size(t->dtype);
   if (a < 0 || n < 0 || (uint64_t)(a + n) > t->numel)
     return sp_diag_set(d, SP_EFORMAT, "%s: tensor %s: elements [%lld, %lld) "
@@ -1060,7 +1061,8 @@ static int read_elems(const sp_st_file *st, const sp_st_tensor *t, int64_t a,
                        (long long)(a + n), (unsigned long long)t->numel);
   int rc;
   if (t->dtype == dt) {
-    rc = sp_st_read_range(st, t, (uint64_t)a * ses, dst, (size_t)n * ses, d);
+    rc = sp_safetensors_read_range(st, t, (uint64_t)a * ses, dst,
+                                   (size_t)n * ses, d);
     return rc < 0 ? sp_diag_prefix(d, rc, "%s", file) : 0;
   }
   if (!sp_dtype_is_floating(dt) || !sp_dtype_is_floating(t->dtype))
@@ -1069,7 +1071,8 @@ static int read_elems(const sp_st_file *st, const sp_st_tensor *t, int64_t a,
                        sp_dtype_name(dt));
   void *tmp = malloc((size_t)n * ses + 1);
   if (!tmp) return sp_diag_set(d, SP_ENOMEM, "no memory");
-  rc = sp_st_read_range(st, t, (uint64_t)a * ses, tmp, (size_t)n * ses, d);
+  rc = sp_safetensors_read_range(st, t, (uint64_t)a * ses, tmp, (size_t)n * ses,
+                                 d);
   if (rc < 0) sp_diag_prefix(d, rc, "%s", file);
   if (rc == 0) {
     rc = sp_cast(dst, dt, tmp, t->dtype, (size_t)n);
@@ -1079,8 +1082,9 @@ static int read_elems(const sp_st_file *st, const sp_st_tensor *t, int64_t a,
   return rc;
 }
 
-static int check_shape(const sp_st_tensor *t, const sp_tensor_spec *spec,
-                       int64_t rows, const char *file, sp_diag *d) {
+static int check_shape(const sp_safetensors_tensor *t,
+                       const sp_tensor_spec *spec, int64_t rows,
+                       const char *file, sp_diag *d) {
   bool ok = (int)t->ndim == spec->ndim;
   for (int i = 0; ok && i < spec->ndim; i++)
     ok = (int64_t)t->shape[i] == (i == 0 && rows >= 0 ? rows : spec->shape[i]);
@@ -1092,14 +1096,14 @@ static int check_shape(const sp_st_tensor *t, const sp_tensor_spec *spec,
 
 /* Loads every persistent buffer from st (its original or compute dtype)
  * into the runtime's buffers. */
-static int load_buffers(sp_fsdp *f, const sp_st_file *st, const char *file,
-                        sp_diag *d) {
+static int load_buffers(sp_fsdp *f, const sp_safetensors_file *st,
+                        const char *file, sp_diag *d) {
   const sp_model *m = f->model;
   for (size_t b = 0; b < m->n_buffers; b++) {
     const sp_tensor_spec *spec = &m->buffers[b];
     if (!spec->flag) continue;
-    const sp_st_tensor *t;
-    int rc = sp_st_get(st, spec->fqn, &t, d);
+    const sp_safetensors_tensor *t;
+    int rc = sp_safetensors_get(st, spec->fqn, &t, d);
     if (rc < 0) return sp_diag_prefix(d, rc, "%s", file);
     rc = check_shape(t, spec, -1, file, d);
     if (rc < 0) return rc;
@@ -1197,11 +1201,11 @@ static int add_state_name(ckpt_optim *o, const char *s, size_t len,
 
 /* From a file's metadata; a file written before checkpoints carried the
  * optimizer has neither key: no states, step 0. */
-static int optim_from_meta(const sp_st_file *st, const char *where,
+static int optim_from_meta(const sp_safetensors_file *st, const char *where,
                            ckpt_optim *o, sp_diag *d) {
   memset(o, 0, sizeof *o);
-  const char *steps = sp_st_metadata_get(st, META_STEPS);
-  const char *states = sp_st_metadata_get(st, META_STATES);
+  const char *steps = sp_safetensors_metadata_get(st, META_STEPS);
+  const char *states = sp_safetensors_metadata_get(st, META_STATES);
   int rc = steps ? parse_steps(steps, &o->steps, where, d) : 0;
   for (const char *s = states; rc == 0 && s && *s;) {
     const char *c = strchr(s, ',');
@@ -1265,13 +1269,13 @@ static int check_states(const sp_fsdp *f, const ckpt_optim *o,
   return 0;
 }
 
-static uint32_t meta_world(const sp_st_file *st) {
-  const char *w = sp_st_metadata_get(st, "shardplane.world_size");
+static uint32_t meta_world(const sp_safetensors_file *st) {
+  const char *w = sp_safetensors_metadata_get(st, "shardplane.world_size");
   return w ? (uint32_t)strtoul(w, NULL, 10) : 0;
 }
 
 typedef struct full_ctx {
-  const sp_st_file *st;
+  const sp_safetensors_file *st;
   const char *file;
 } full_ctx;
 
@@ -1279,8 +1283,8 @@ static int full_range(void *vctx, const char *name,
                       const sp_tensor_spec *spec, int64_t a, int64_t n,
                       void *dst, sp_dtype dt, sp_diag *d) {
   full_ctx *c = vctx;
-  const sp_st_tensor *t;
-  int rc = sp_st_get(c->st, name, &t, d);
+  const sp_safetensors_tensor *t;
+  int rc = sp_safetensors_get(c->st, name, &t, d);
   if (rc < 0) return sp_diag_prefix(d, rc, "%s", c->file);
   rc = check_shape(t, spec, -1, c->file, d);
   return rc < 0 ? rc : read_elems(c->st, t, a, n, dst, dt, c->file, d);
@@ -1291,8 +1295,8 @@ static int load_full(sp_fsdp *f, const char *dir, bool params_only,
   char path[PATH_MAX];
   int rc = join(path, sizeof path, dir, SP_CKPT_FULL_FILE, d);
   if (rc < 0) return rc;
-  sp_st_file *st;
-  rc = sp_st_open_header(path, &st, d);
+  sp_safetensors_file *st;
+  rc = sp_safetensors_open_header(path, &st, d);
   if (rc < 0) return rc;
   ckpt_optim o;
   rc = optim_from_meta(st, path, &o, d);
@@ -1305,7 +1309,7 @@ static int load_full(sp_fsdp *f, const char *dir, bool params_only,
     info->n_states = (uint32_t)o.n_states;
     info->world_size = meta_world(st);
   }
-  sp_st_free(st);
+  sp_safetensors_close(st);
   return rc;
 }
 
@@ -1314,12 +1318,12 @@ typedef struct sharded_ctx {
   const char *dir;
   json_t *tensors;
   char **names; /* opened files, by name */
-  sp_st_file **files;
+  sp_safetensors_file **files;
   size_t n_files, cap_files;
 } sharded_ctx;
 
 static int sharded_file(sharded_ctx *c, const char *name,
-                        const sp_st_file **out, sp_diag *d) {
+                        const sp_safetensors_file **out, sp_diag *d) {
   for (size_t i = 0; i < c->n_files; i++)
     if (strcmp(c->names[i], name) == 0) {
       *out = c->files[i];
@@ -1334,7 +1338,7 @@ static int sharded_file(sharded_ctx *c, const char *name,
     size_t cap = c->cap_files ? 2 * c->cap_files : 8;
     char **nn = realloc(c->names, cap * sizeof *nn);
     if (nn) c->names = nn;
-    sp_st_file **nf = realloc(c->files, cap * sizeof *nf);
+    sp_safetensors_file **nf = realloc(c->files, cap * sizeof *nf);
     if (nf) c->files = nf;
     if (!nn || !nf) return sp_diag_set(d, SP_ENOMEM, "no memory");
     c->cap_files = cap;
@@ -1343,9 +1347,10 @@ static int sharded_file(sharded_ctx *c, const char *name,
   if (!copy) return sp_diag_set(d, SP_ENOMEM, "no memory");
   char path[PATH_MAX];
   /* only the header: the bytes are read range by range */
-  sp_st_file *st;
+  sp_safetensors_file *st;
   int rc = join(path, sizeof path, c->dir, name, d);
-  if (rc == 0) rc = sp_st_open_header(path, &st, d);
+  if (rc == 0)
+    rc = sp_safetensors_open_header(path, &st, d);
   if (rc < 0) {
     free(copy);
     return rc;
@@ -1385,11 +1390,11 @@ static int sharded_range(void *vctx, const char *name,
     int64_t lo = a > ca ? a : ca, hi = a + n < cb ? a + n : cb;
     if (lo >= hi) continue;
     const char *fn = json_string_value(jf);
-    const sp_st_file *st;
+    const sp_safetensors_file *st;
     int rc = sharded_file(c, fn, &st, d);
-    const sp_st_tensor *t = NULL;
+    const sp_safetensors_tensor *t = NULL;
     if (rc == 0) {
-      rc = sp_st_get(st, name, &t, d);
+      rc = sp_safetensors_get(st, name, &t, d);
       if (rc < 0) sp_diag_prefix(d, rc, "%s", fn);
     }
     if (rc == 0) rc = check_shape(t, spec, spec->ndim ? rows : -1, fn, d);
@@ -1427,7 +1432,7 @@ static int load_sharded(sp_fsdp *f, const char *dir, bool params_only,
   if (rc == 0) rc = optim_from_index(root, path, &o, d);
   if (rc == 0 && !params_only) rc = check_states(f, &o, path, d);
   if (rc == 0) rc = fill_shards(f, !params_only, sharded_range, &c, d);
-  const sp_st_file *st;
+  const sp_safetensors_file *st;
   if (rc == 0) rc = sharded_file(&c, bufs, &st, d);
   if (rc == 0) rc = load_buffers(f, st, bufs, d);
   if (rc == 0) {
@@ -1440,7 +1445,7 @@ static int load_sharded(sp_fsdp *f, const char *dir, bool params_only,
                            : 0;
   }
   for (size_t i = 0; i < c.n_files; i++) {
-    sp_st_free(c.files[i]);
+    sp_safetensors_close(c.files[i]);
     free(c.names[i]);
   }
   free(c.files);
@@ -1453,16 +1458,16 @@ static int load_local(sp_fsdp *f, const char *dir, bool params_only,
                       sp_ckpt_info *info, sp_diag *d) {
   char name[128], path[PATH_MAX];
   file_name(name, sizeof name, "local", f->rank, f->world);
-  sp_st_file *st;
+  sp_safetensors_file *st;
   int rc = join(path, sizeof path, dir, name, d);
   if (rc < 0) return rc;
-  rc = sp_st_open_header(path, &st, d);
+  rc = sp_safetensors_open_header(path, &st, d);
   if (rc == SP_ENOENT)
     return sp_diag_prefix(d, rc, "a LOCAL checkpoint loads only into the "
                           "world size and plan it was written with (this "
                           "rank is %u of %u)", f->rank, f->world);
   if (rc < 0) return rc;
-  const char *ver = sp_st_metadata_get(st, "shardplane.plan_version");
+  const char *ver = sp_safetensors_metadata_get(st, "shardplane.plan_version");
   if (!ver || strcmp(ver, f->plan->version_hex) != 0)
     rc = sp_diag_set(d, SP_ESTATE, "%s: plan %s, this job's plan is %s: a "
                      "LOCAL checkpoint loads only into the same plan",
@@ -1474,11 +1479,11 @@ static int load_local(sp_fsdp *f, const char *dir, bool params_only,
     sp_fsdp_unit *fu = &f->units[u];
     if (!fu->has_data) continue;
     for (size_t k = 0; rc == 0 && k < (params_only ? 1 : n_kinds(f)); k++) {
-      char tn[SP_ST_MAX_NAME];
+      char tn[SP_SAFETENSORS_MAX_NAME];
       local_name(f, u, k, tn, sizeof tn);
       sp_dtype dt = kind_dtype(f, u, k);
-      const sp_st_tensor *t;
-      rc = sp_st_get(st, tn, &t, d);
+      const sp_safetensors_tensor *t;
+      rc = sp_safetensors_get(st, tn, &t, d);
       if (rc < 0) {
         sp_diag_prefix(d, rc, "%s", path);
         break;
@@ -1509,7 +1514,7 @@ static int load_local(sp_fsdp *f, const char *dir, bool params_only,
     info->n_states = (uint32_t)o.n_states;
     info->world_size = meta_world(st);
   }
-  sp_st_free(st);
+  sp_safetensors_close(st);
   return rc;
 }
 

@@ -21,23 +21,25 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 #error "cannot determine the host byte order"
 #endif
 
-_Static_assert(SP_ST_MAX_HEADER <= INT32_MAX,
+_Static_assert(SP_SAFETENSORS_MAX_HEADER <= INT32_MAX,
                "header positions are reported through jansson's int");
 
 #define META_KEY "__metadata__"
 
-struct sp_st_file {
-  void *owned; /* sp_st_open's allocation (contains the image), or NULL */
+struct sp_safetensors_file {
+  void *owned; /* sp_safetensors_open's allocation (contains the image), or NULL
+                */
   size_t header_len;
-  const uint8_t *data; /* NULL for sp_st_open_header: the bytes are on disk */
+  const uint8_t
+      *data; /* NULL for sp_safetensors_open_header: the bytes are on disk */
   size_t data_len;
-  int fd;              /* sp_st_open_header's file, else -1 */
+  int fd;              /* sp_safetensors_open_header's file, else -1 */
   char *path;          /* its name, for messages */
   size_t n_tensors;
-  sp_st_tensor *tensors;         /* data order */
-  const sp_st_tensor **by_name;  /* strcmp order, for bsearch */
+  sp_safetensors_tensor *tensors;        /* data order */
+  const sp_safetensors_tensor **by_name; /* strcmp order, for bsearch */
   size_t n_meta;
-  sp_st_kv *meta;
+  sp_safetensors_kv *meta;
   char *strings; /* one arena for every name, key and value */
 };
 
@@ -118,8 +120,8 @@ static int st_fail(sp_diag *d, int err, const char *fmt, ...) {
   return err;
 }
 
-/* Names can be SP_ST_MAX_NAME bytes; quote at most this much of one so the
- * rest of the line survives. */
+/* Names can be SP_SAFETENSORS_MAX_NAME bytes; quote at most this much of one so
+ * the rest of the line survives. */
 #define NAME_Q 160
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -170,8 +172,9 @@ static int dtype_rank(sp_dtype t) {
   }
 }
 
-/* Checks the 8-byte prefix against the image length; shared by sp_st_parse
- * and sp_st_open (which checks before reading the rest). */
+/* Checks the 8-byte prefix against the image length; shared by
+ * sp_safetensors_parse and sp_safetensors_open (which checks before reading the
+ * rest). */
 static int check_prefix(const uint8_t *buf, uint64_t len, const char *src,
                         uint64_t *n_out, sp_diag *d) {
   if (len < 8) {
@@ -180,10 +183,10 @@ static int check_prefix(const uint8_t *buf, uint64_t len, const char *src,
                    src, (unsigned long long)len);
   }
   uint64_t n = load_le64(buf);
-  if (n > SP_ST_MAX_HEADER) {
+  if (n > SP_SAFETENSORS_MAX_HEADER) {
     return st_fail(d, SP_ETOOBIG,
                    "%s: header length %llu exceeds the limit of %u bytes", src,
-                   (unsigned long long)n, SP_ST_MAX_HEADER);
+                   (unsigned long long)n, SP_SAFETENSORS_MAX_HEADER);
   }
   if (n > len - 8) {
     return st_fail(d, SP_ETOOBIG,
@@ -198,14 +201,14 @@ static int check_prefix(const uint8_t *buf, uint64_t len, const char *src,
 /* ---- reader ------------------------------------------------------------- */
 
 static int cmp_offsets(const void *a, const void *b) {
-  const sp_st_tensor *x = a, *y = b;
+  const sp_safetensors_tensor *x = a, *y = b;
   if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
   if (x->end != y->end) return x->end < y->end ? -1 : 1;
   return strcmp(x->name, y->name);
 }
 
 static int cmp_name_ptr(const void *a, const void *b) {
-  const sp_st_tensor *const *x = a, *const *y = b;
+  const sp_safetensors_tensor *const *x = a, *const *y = b;
   return strcmp((*x)->name, (*y)->name);
 }
 
@@ -219,7 +222,7 @@ static bool get_uint(const json_t *v, uint64_t *out) {
 }
 
 static int parse_entry(const char *src, const char *name, const json_t *v,
-                       sp_st_tensor *t, sp_diag *d) {
+                       sp_safetensors_tensor *t, sp_diag *d) {
   if (!json_is_object(v)) {
     return st_fail(d, SP_EFORMAT, "%s: tensor '%.*s': entry is not an object",
                    src, NAME_Q, name);
@@ -251,10 +254,10 @@ static int parse_entry(const char *src, const char *name, const json_t *v,
                    src, NAME_Q, name);
   }
   size_t ndim = json_array_size(jshape);
-  if (ndim > SP_ST_MAX_NDIM) {
+  if (ndim > SP_SAFETENSORS_MAX_NDIM) {
     return st_fail(d, SP_ETOOBIG,
                    "%s: tensor '%.*s': %zu dimensions exceed the limit of %u",
-                   src, NAME_Q, name, ndim, SP_ST_MAX_NDIM);
+                   src, NAME_Q, name, ndim, SP_SAFETENSORS_MAX_NDIM);
   }
   uint64_t numel = 1;
   bool overflow = false;
@@ -306,10 +309,10 @@ static int check_metadata(const char *src, const json_t *m, size_t *bytes,
   if (!json_is_object(m)) {
     return st_fail(d, SP_EFORMAT, "%s: __metadata__ is not an object", src);
   }
-  if (json_object_size(m) > SP_ST_MAX_METADATA) {
+  if (json_object_size(m) > SP_SAFETENSORS_MAX_METADATA) {
     return st_fail(d, SP_ETOOBIG,
                    "%s: __metadata__ has %zu entries; the limit is %u", src,
-                   json_object_size(m), SP_ST_MAX_METADATA);
+                   json_object_size(m), SP_SAFETENSORS_MAX_METADATA);
   }
   size_t total = 0;
   const char *k;
@@ -327,7 +330,7 @@ static int check_metadata(const char *src, const json_t *m, size_t *bytes,
   return 0;
 }
 
-void sp_st_free(sp_st_file *f) {
+void sp_safetensors_close(sp_safetensors_file *f) {
   if (f == NULL) return;
   if (f->fd >= 0) close(f->fd);
   free(f->path);
@@ -350,9 +353,10 @@ static char *arena_put(char **cursor, const char *s, size_t len) {
 /* Parses the header at buf (the 8-byte prefix and the JSON, at least
  * 8+N bytes) of an image of total_len bytes. With `data` the image is
  * buf[0..total_len) and tensors point into it; without, only the header is
- * in memory and tensors get NULL data (sp_st_open_header). */
+ * in memory and tensors get NULL data (sp_safetensors_open_header). */
 static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
-                       const char *src, sp_st_file **out, sp_diag *diag) {
+                       const char *src, sp_safetensors_file **out,
+                       sp_diag *diag) {
   uint64_t n;
   int rc = check_prefix(buf, total_len, src, &n, diag);
   if (rc != 0) return rc;
@@ -377,12 +381,12 @@ static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
     return st_fail(diag, SP_EFORMAT, "%s: header is not a JSON object", src);
   }
 
-  sp_st_file *f = NULL;
+  sp_safetensors_file *f = NULL;
   const json_t *jmeta = json_object_get(root, META_KEY);
   size_t n_tensors = json_object_size(root) - (jmeta != NULL ? 1 : 0);
-  if (n_tensors > SP_ST_MAX_TENSORS) {
+  if (n_tensors > SP_SAFETENSORS_MAX_TENSORS) {
     rc = st_fail(diag, SP_ETOOBIG, "%s: %zu tensors exceed the limit of %u",
-                 src, n_tensors, SP_ST_MAX_TENSORS);
+                 src, n_tensors, SP_SAFETENSORS_MAX_TENSORS);
     goto fail;
   }
 
@@ -398,11 +402,11 @@ static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
   json_object_foreach(root, key, val) {
     if (strcmp(key, META_KEY) == 0) continue;
     size_t klen = strlen(key);
-    if (klen > SP_ST_MAX_NAME) {
+    if (klen > SP_SAFETENSORS_MAX_NAME) {
       rc = st_fail(diag, SP_ETOOBIG,
                    "%s: tensor '%.*s...': name of %zu bytes exceeds the limit "
                    "of %u",
-                   src, NAME_Q, key, klen, SP_ST_MAX_NAME);
+                   src, NAME_Q, key, klen, SP_SAFETENSORS_MAX_NAME);
       goto fail;
     }
     arena += klen + 1;
@@ -430,7 +434,7 @@ static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
     const char *mk;
     json_t *mv;
     json_object_foreach((json_t *)jmeta, mk, mv) {
-      sp_st_kv *kv = &f->meta[f->n_meta++];
+      sp_safetensors_kv *kv = &f->meta[f->n_meta++];
       kv->key = arena_put(&cursor, mk, strlen(mk));
       kv->value =
           arena_put(&cursor, json_string_value(mv), json_string_length(mv));
@@ -439,7 +443,7 @@ static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
 
   json_object_foreach(root, key, val) {
     if (strcmp(key, META_KEY) == 0) continue;
-    sp_st_tensor *t = &f->tensors[f->n_tensors];
+    sp_safetensors_tensor *t = &f->tensors[f->n_tensors];
     rc = parse_entry(src, key, val, t, diag);
     if (rc != 0) goto fail;
     t->name = arena_put(&cursor, key, strlen(key));
@@ -455,7 +459,7 @@ static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
   }
   uint64_t expect = 0;
   for (size_t i = 0; i < f->n_tensors; i++) {
-    sp_st_tensor *t = &f->tensors[i];
+    sp_safetensors_tensor *t = &f->tensors[i];
     if (t->begin != expect) {
       rc = st_fail(diag, SP_EFORMAT,
                    "%s: tensor '%.*s': data_offsets [%llu, %llu] %s the "
@@ -475,7 +479,7 @@ static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
     goto fail;
   }
   for (size_t i = 0; i < f->n_tensors; i++) {
-    sp_st_tensor *t = &f->tensors[i];
+    sp_safetensors_tensor *t = &f->tensors[i];
     /* end <= data_len <= SIZE_MAX from here on, so the casts are exact. */
     t->data = f->data != NULL ? f->data + (size_t)t->begin : NULL;
     t->nbytes = (size_t)(t->end - t->begin);
@@ -491,12 +495,12 @@ fail_nomem:
   rc = st_fail(diag, SP_ENOMEM, "%s: out of memory parsing the header", src);
 fail:
   if (root != NULL) json_decref(root);
-  sp_st_free(f);
+  sp_safetensors_close(f);
   return rc;
 }
 
-int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
-                sp_st_file **out, sp_diag *diag) {
+int sp_safetensors_parse(const uint8_t *buf, size_t len, const char *source,
+                         sp_safetensors_file **out, sp_diag *diag) {
   const char *src = source != NULL ? source : "<buffer>";
   if (out == NULL) return st_fail(diag, SP_EINVAL, "%s: out is NULL", src);
   *out = NULL;
@@ -526,9 +530,10 @@ static int read_full(int fd, uint8_t *dst, size_t len, off_t off,
   return 0;
 }
 
-int sp_st_open(const char *path, sp_st_file **out, sp_diag *diag) {
+int sp_safetensors_open(const char *path, sp_safetensors_file **out,
+                        sp_diag *diag) {
   if (out == NULL || path == NULL) {
-    return st_fail(diag, SP_EINVAL, "sp_st_open: NULL argument");
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_open: NULL argument");
   }
   *out = NULL;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -578,8 +583,8 @@ int sp_st_open(const char *path, sp_st_file **out, sp_diag *diag) {
   rc = read_full(fd, img, (size_t)size, 0, path, diag);
   if (rc != 0) goto done;
 
-  sp_st_file *f = NULL;
-  rc = sp_st_parse(img, (size_t)size, path, &f, diag);
+  sp_safetensors_file *f = NULL;
+  rc = sp_safetensors_parse(img, (size_t)size, path, &f, diag);
   if (rc != 0) goto done;
   f->owned = base;
   base = NULL;
@@ -591,9 +596,11 @@ done:
   return rc;
 }
 
-int sp_st_open_header(const char *path, sp_st_file **out, sp_diag *diag) {
+int sp_safetensors_open_header(const char *path, sp_safetensors_file **out,
+                               sp_diag *diag) {
   if (out == NULL || path == NULL) {
-    return st_fail(diag, SP_EINVAL, "sp_st_open_header: NULL argument");
+    return st_fail(diag, SP_EINVAL,
+                   "sp_safetensors_open_header: NULL argument");
   }
   *out = NULL;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -604,7 +611,7 @@ int sp_st_open_header(const char *path, sp_st_file **out, sp_diag *diag) {
   }
   int rc;
   uint8_t *hdr = NULL;
-  sp_st_file *f = NULL;
+  sp_safetensors_file *f = NULL;
   struct stat st;
   if (fstat(fd, &st) != 0) {
     rc = st_fail(diag, SP_EIO, "%s: cannot stat: %s", path, strerror(errno));
@@ -648,16 +655,17 @@ int sp_st_open_header(const char *path, sp_st_file **out, sp_diag *diag) {
   return 0;
 
 fail:
-  sp_st_free(f);
+  sp_safetensors_close(f);
   free(hdr);
   close(fd);
   return rc;
 }
 
-int sp_st_read_range(const sp_st_file *f, const sp_st_tensor *t,
-                     uint64_t offset, void *dst, size_t len, sp_diag *diag) {
+int sp_safetensors_read_range(const sp_safetensors_file *f,
+                              const sp_safetensors_tensor *t, uint64_t offset,
+                              void *dst, size_t len, sp_diag *diag) {
   if (f == NULL || t == NULL || (dst == NULL && len > 0)) {
-    return st_fail(diag, SP_EINVAL, "sp_st_read_range: NULL argument");
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_read_range: NULL argument");
   }
   if (offset > t->nbytes || len > t->nbytes - offset) {
     return st_fail(diag, SP_ERANGE,
@@ -683,32 +691,34 @@ int sp_st_read_range(const sp_st_file *f, const sp_st_tensor *t,
   return 0;
 }
 
-size_t sp_st_tensor_count(const sp_st_file *f) {
+size_t sp_safetensors_tensor_count(const sp_safetensors_file *f) {
   return f != NULL ? f->n_tensors : 0;
 }
 
-const sp_st_tensor *sp_st_tensor_at(const sp_st_file *f, size_t i) {
+const sp_safetensors_tensor *
+sp_safetensors_tensor_at(const sp_safetensors_file *f, size_t i) {
   return f != NULL && i < f->n_tensors ? &f->tensors[i] : NULL;
 }
 
 static int cmp_key_name(const void *key, const void *elem) {
-  const sp_st_tensor *const *t = elem;
+  const sp_safetensors_tensor *const *t = elem;
   return strcmp((const char *)key, (*t)->name);
 }
 
-const sp_st_tensor *sp_st_find(const sp_st_file *f, const char *name) {
+const sp_safetensors_tensor *sp_safetensors_find(const sp_safetensors_file *f,
+                                                 const char *name) {
   if (f == NULL || name == NULL || f->n_tensors == 0) return NULL;
-  const sp_st_tensor *const *hit = bsearch(name, f->by_name, f->n_tensors,
-                                           sizeof *f->by_name, cmp_key_name);
+  const sp_safetensors_tensor *const *hit =
+      bsearch(name, f->by_name, f->n_tensors, sizeof *f->by_name, cmp_key_name);
   return hit != NULL ? *hit : NULL;
 }
 
-int sp_st_get(const sp_st_file *f, const char *name, const sp_st_tensor **out,
-              sp_diag *diag) {
+int sp_safetensors_get(const sp_safetensors_file *f, const char *name,
+                       const sp_safetensors_tensor **out, sp_diag *diag) {
   if (f == NULL || name == NULL || out == NULL) {
-    return st_fail(diag, SP_EINVAL, "sp_st_get: NULL argument");
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_get: NULL argument");
   }
-  *out = sp_st_find(f, name);
+  *out = sp_safetensors_find(f, name);
   if (*out == NULL) {
     return st_fail(diag, SP_ENOENT, "tensor '%.*s' not found (%zu tensors)",
                    NAME_Q, name, f->n_tensors);
@@ -716,22 +726,25 @@ int sp_st_get(const sp_st_file *f, const char *name, const sp_st_tensor **out,
   return 0;
 }
 
-int sp_st_tensor_read(const sp_st_tensor *t, void *dst, size_t dst_len) {
+int sp_safetensors_tensor_read(const sp_safetensors_tensor *t, void *dst,
+                               size_t dst_len) {
   if (t == NULL || (dst == NULL && dst_len > 0)) return SP_EINVAL;
   if (dst_len != t->nbytes) return SP_ERANGE;
   if (dst_len > 0) memcpy(dst, t->data, dst_len);
   return 0;
 }
 
-size_t sp_st_metadata_count(const sp_st_file *f) {
+size_t sp_safetensors_metadata_count(const sp_safetensors_file *f) {
   return f != NULL ? f->n_meta : 0;
 }
 
-const sp_st_kv *sp_st_metadata_at(const sp_st_file *f, size_t i) {
+const sp_safetensors_kv *
+sp_safetensors_metadata_at(const sp_safetensors_file *f, size_t i) {
   return f != NULL && i < f->n_meta ? &f->meta[i] : NULL;
 }
 
-const char *sp_st_metadata_get(const sp_st_file *f, const char *key) {
+const char *sp_safetensors_metadata_get(const sp_safetensors_file *f,
+                                        const char *key) {
   if (f == NULL || key == NULL) return NULL;
   for (size_t i = 0; i < f->n_meta; i++) {
     if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
@@ -739,34 +752,35 @@ const char *sp_st_metadata_get(const sp_st_file *f, const char *key) {
   return NULL;
 }
 
-size_t sp_st_header_len(const sp_st_file *f) {
+size_t sp_safetensors_header_len(const sp_safetensors_file *f) {
   return f != NULL ? f->header_len : 0;
 }
 
-size_t sp_st_data_len(const sp_st_file *f) {
+size_t sp_safetensors_data_len(const sp_safetensors_file *f) {
   return f != NULL ? f->data_len : 0;
 }
 
 /* ---- writer ------------------------------------------------------------- */
 
 static int cmp_entry_name(const void *a, const void *b) {
-  const sp_st_entry *const *x = a, *const *y = b;
+  const sp_safetensors_entry *const *x = a, *const *y = b;
   return strcmp((*x)->name, (*y)->name);
 }
 
 static int cmp_entry_layout(const void *a, const void *b) {
-  const sp_st_entry *const *x = a, *const *y = b;
+  const sp_safetensors_entry *const *x = a, *const *y = b;
   int rx = dtype_rank((*x)->dtype), ry = dtype_rank((*y)->dtype);
   if (rx != ry) return rx > ry ? -1 : 1;
   return strcmp((*x)->name, (*y)->name);
 }
 
 static int cmp_kv_key(const void *a, const void *b) {
-  const sp_st_kv *const *x = a, *const *y = b;
+  const sp_safetensors_kv *const *x = a, *const *y = b;
   return strcmp((*x)->key, (*y)->key);
 }
 
-static int entry_nbytes(const sp_st_entry *e, uint64_t *out, sp_diag *d) {
+static int entry_nbytes(const sp_safetensors_entry *e, uint64_t *out,
+                        sp_diag *d) {
   uint64_t numel = 1;
   for (size_t k = 0; k < e->ndim; k++) {
     /* jansson integers are signed 64-bit */
@@ -785,8 +799,8 @@ static int entry_nbytes(const sp_st_entry *e, uint64_t *out, sp_diag *d) {
 }
 
 /* Checks every argument, in the order: presence, limits, content. */
-static int check_write_args(const sp_st_entry *entries, size_t n,
-                            const sp_st_kv *meta, size_t n_meta,
+static int check_write_args(const sp_safetensors_entry *entries, size_t n,
+                            const sp_safetensors_kv *meta, size_t n_meta,
                             bool need_data, sp_diag *d) {
   if (n > 0 && entries == NULL) {
     return st_fail(d, SP_EINVAL, "entries is NULL");
@@ -794,24 +808,24 @@ static int check_write_args(const sp_st_entry *entries, size_t n,
   if (n_meta > 0 && meta == NULL) {
     return st_fail(d, SP_EINVAL, "metadata is NULL");
   }
-  if (n > SP_ST_MAX_TENSORS) {
+  if (n > SP_SAFETENSORS_MAX_TENSORS) {
     return st_fail(d, SP_ETOOBIG, "%zu tensors exceed the limit of %u", n,
-                   SP_ST_MAX_TENSORS);
+                   SP_SAFETENSORS_MAX_TENSORS);
   }
   /* One slot is taken by "format". */
-  if (n_meta >= SP_ST_MAX_METADATA) {
+  if (n_meta >= SP_SAFETENSORS_MAX_METADATA) {
     return st_fail(d, SP_ETOOBIG, "%zu metadata entries exceed the limit of %u",
-                   n_meta, SP_ST_MAX_METADATA - 1);
+                   n_meta, SP_SAFETENSORS_MAX_METADATA - 1);
   }
   for (size_t i = 0; i < n; i++) {
-    const sp_st_entry *e = &entries[i];
+    const sp_safetensors_entry *e = &entries[i];
     if (e->name == NULL) return st_fail(d, SP_EINVAL, "tensor %zu: NULL name", i);
-    size_t len = strnlen(e->name, SP_ST_MAX_NAME + 1);
+    size_t len = strnlen(e->name, SP_SAFETENSORS_MAX_NAME + 1);
     if (len == 0) return st_fail(d, SP_EINVAL, "tensor %zu: empty name", i);
-    if (len > SP_ST_MAX_NAME) {
+    if (len > SP_SAFETENSORS_MAX_NAME) {
       return st_fail(d, SP_ETOOBIG,
                      "tensor '%.*s...': name exceeds the limit of %u bytes",
-                     NAME_Q, e->name, SP_ST_MAX_NAME);
+                     NAME_Q, e->name, SP_SAFETENSORS_MAX_NAME);
     }
     if (!utf8_valid(e->name)) {
       return st_fail(d, SP_EINVAL, "tensor '%.*s': name is not valid UTF-8",
@@ -824,10 +838,10 @@ static int check_write_args(const sp_st_entry *entries, size_t n,
       return st_fail(d, SP_EINVAL, "tensor '%.*s': invalid dtype %d", NAME_Q,
                      e->name, (int)e->dtype);
     }
-    if (e->ndim > SP_ST_MAX_NDIM) {
+    if (e->ndim > SP_SAFETENSORS_MAX_NDIM) {
       return st_fail(d, SP_ETOOBIG,
                      "tensor '%.*s': %zu dimensions exceed the limit of %u",
-                     NAME_Q, e->name, e->ndim, SP_ST_MAX_NDIM);
+                     NAME_Q, e->name, e->ndim, SP_SAFETENSORS_MAX_NDIM);
     }
     uint64_t nbytes;
     int rc = entry_nbytes(e, &nbytes, d);
@@ -838,14 +852,15 @@ static int check_write_args(const sp_st_entry *entries, size_t n,
     }
   }
   for (size_t i = 0; i < n_meta; i++) {
-    const sp_st_kv *kv = &meta[i];
+    const sp_safetensors_kv *kv = &meta[i];
     if (kv->key == NULL || kv->value == NULL) {
       return st_fail(d, SP_EINVAL, "metadata entry %zu: NULL key or value", i);
     }
-    if (strnlen(kv->key, SP_ST_MAX_NAME + 1) > SP_ST_MAX_NAME) {
+    if (strnlen(kv->key, SP_SAFETENSORS_MAX_NAME + 1) >
+        SP_SAFETENSORS_MAX_NAME) {
       return st_fail(d, SP_ETOOBIG,
                      "metadata key '%.*s...' exceeds the limit of %u bytes",
-                     NAME_Q, kv->key, SP_ST_MAX_NAME);
+                     NAME_Q, kv->key, SP_SAFETENSORS_MAX_NAME);
     }
     if (!utf8_valid(kv->key) || !utf8_valid(kv->value)) {
       return st_fail(d, SP_EINVAL, "metadata '%.*s': not valid UTF-8", NAME_Q,
@@ -863,17 +878,17 @@ static int check_write_args(const sp_st_entry *entries, size_t n,
 
 /* Builds 8-byte prefix + padded JSON into *out (malloc'd) and the tensor
  * order into *order_out (malloc'd, n pointers into entries). */
-static int build_header(const sp_st_entry *entries, size_t n,
-                        const sp_st_kv *meta, size_t n_meta, bool need_data,
-                        uint8_t **out, size_t *out_len,
-                        const sp_st_entry ***order_out, sp_diag *d) {
+static int build_header(const sp_safetensors_entry *entries, size_t n,
+                        const sp_safetensors_kv *meta, size_t n_meta,
+                        bool need_data, uint8_t **out, size_t *out_len,
+                        const sp_safetensors_entry ***order_out, sp_diag *d) {
   int rc = check_write_args(entries, n, meta, n_meta, need_data, d);
   if (rc != 0) return rc;
 
   json_t *root = NULL;
   char *text = NULL;
-  const sp_st_entry **order = NULL;
-  const sp_st_kv **korder = NULL;
+  const sp_safetensors_entry **order = NULL;
+  const sp_safetensors_kv **korder = NULL;
   rc = SP_ENOMEM;
 
   if (n > 0) {
@@ -918,7 +933,7 @@ static int build_header(const sp_st_entry *entries, size_t n,
   }
   uint64_t offset = 0;
   for (size_t i = 0; i < n; i++) {
-    const sp_st_entry *e = order[i];
+    const sp_safetensors_entry *e = order[i];
     uint64_t nbytes;
     rc = entry_nbytes(e, &nbytes, d);
     if (rc != 0) goto out;
@@ -954,9 +969,9 @@ static int build_header(const sp_st_entry *entries, size_t n,
   if (text == NULL) goto nomem;
   size_t tlen = strlen(text);
   size_t padded = (tlen + 7) & ~(size_t)7;
-  if (padded > SP_ST_MAX_HEADER) {
+  if (padded > SP_SAFETENSORS_MAX_HEADER) {
     rc = st_fail(d, SP_ETOOBIG, "header of %zu bytes exceeds the limit of %u",
-                 padded, SP_ST_MAX_HEADER);
+                 padded, SP_SAFETENSORS_MAX_HEADER);
     goto out;
   }
   uint8_t *buf = malloc(8 + padded);
@@ -1027,7 +1042,7 @@ static int sync_parent_dir(const char *path, sp_diag *d) {
 }
 
 /* A file being written: the header is on disk, tensors arrive by put. */
-struct sp_st_writer {
+struct sp_safetensors_writer {
   char *path;
   char *tmp;
   int fd;
@@ -1040,7 +1055,7 @@ struct sp_st_writer {
   char **names;        /* copies, for messages after open returns */
 };
 
-static void writer_free(sp_st_writer *w) {
+static void writer_free(sp_safetensors_writer *w) {
   if (w == NULL) return;
   if (w->fd >= 0) close(w->fd);
   if (w->tmp != NULL) unlink(w->tmp);
@@ -1055,23 +1070,24 @@ static void writer_free(sp_st_writer *w) {
   free(w);
 }
 
-void sp_st_writer_abort(sp_st_writer *w) { writer_free(w); }
+void sp_safetensors_writer_abort(sp_safetensors_writer *w) { writer_free(w); }
 
-int sp_st_writer_open(const char *path, const sp_st_entry *entries, size_t n,
-                      const sp_st_kv *meta, size_t n_meta,
-                      sp_st_writer **out, sp_diag *diag) {
+int sp_safetensors_writer_open(const char *path,
+                               const sp_safetensors_entry *entries, size_t n,
+                               const sp_safetensors_kv *meta, size_t n_meta,
+                               sp_safetensors_writer **out, sp_diag *diag) {
   if (path == NULL || out == NULL) {
     return st_fail(diag, SP_EINVAL, "path or out is NULL");
   }
   *out = NULL;
   uint8_t *hdr = NULL;
   size_t hdr_len = 0;
-  const sp_st_entry **order = NULL;
+  const sp_safetensors_entry **order = NULL;
   int rc = build_header(entries, n, meta, n_meta, false, &hdr, &hdr_len,
                         &order, diag);
   if (rc != 0) return sp_diag_prefix(diag, rc, "%s", path);
 
-  sp_st_writer *w = calloc(1, sizeof *w);
+  sp_safetensors_writer *w = calloc(1, sizeof *w);
   size_t slots = n > 0 ? n : 1;
   if (w != NULL) {
     w->fd = -1;
@@ -1136,10 +1152,11 @@ fail:
   return rc;
 }
 
-int sp_st_writer_put(sp_st_writer *w, size_t i, uint64_t offset,
-                     const void *src, size_t len, sp_diag *diag) {
+int sp_safetensors_writer_put(sp_safetensors_writer *w, size_t i,
+                              uint64_t offset, const void *src, size_t len,
+                              sp_diag *diag) {
   if (w == NULL || (src == NULL && len > 0)) {
-    return st_fail(diag, SP_EINVAL, "sp_st_writer_put: NULL argument");
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_writer_put: NULL argument");
   }
   if (i >= w->n) {
     return st_fail(diag, SP_ERANGE, "%s: tensor %zu of %zu", w->path, i,
@@ -1172,8 +1189,9 @@ int sp_st_writer_put(sp_st_writer *w, size_t i, uint64_t offset,
   return 0;
 }
 
-int sp_st_writer_commit(sp_st_writer *w, sp_diag *diag) {
-  if (w == NULL) return st_fail(diag, SP_EINVAL, "sp_st_writer_commit: NULL");
+int sp_safetensors_writer_commit(sp_safetensors_writer *w, sp_diag *diag) {
+  if (w == NULL)
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_writer_commit: NULL");
   int rc = 0;
   for (size_t i = 0; i < w->n; i++) {
     if (w->written[i] != w->nbytes[i]) {
@@ -1210,24 +1228,25 @@ int sp_st_writer_commit(sp_st_writer *w, sp_diag *diag) {
   return rc;
 }
 
-int sp_st_write(const char *path, const sp_st_entry *entries, size_t n,
-                const sp_st_kv *meta, size_t n_meta, sp_diag *diag) {
+int sp_safetensors_write(const char *path, const sp_safetensors_entry *entries,
+                         size_t n, const sp_safetensors_kv *meta, size_t n_meta,
+                         sp_diag *diag) {
   if (path == NULL) return st_fail(diag, SP_EINVAL, "path is NULL");
   /* the data must be there before anything is created */
   int rc = check_write_args(entries, n, meta, n_meta, true, diag);
   if (rc != 0) return sp_diag_prefix(diag, rc, "%s", path);
-  sp_st_writer *w;
-  rc = sp_st_writer_open(path, entries, n, meta, n_meta, &w, diag);
+  sp_safetensors_writer *w;
+  rc = sp_safetensors_writer_open(path, entries, n, meta, n_meta, &w, diag);
   if (rc != 0) return rc;
   /* in file order: one sequential write */
   for (size_t k = 0; k < n; k++) {
     size_t i = w->order[k];
-    rc = sp_st_writer_put(w, i, 0, entries[i].data, (size_t)w->nbytes[i],
-                          diag);
+    rc = sp_safetensors_writer_put(w, i, 0, entries[i].data,
+                                   (size_t)w->nbytes[i], diag);
     if (rc != 0) {
       writer_free(w);
       return rc;
     }
   }
-  return sp_st_writer_commit(w, diag);
+  return sp_safetensors_writer_commit(w, diag);
 }
