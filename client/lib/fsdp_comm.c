@@ -98,13 +98,15 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
   }
   rc = mem->scale_div(f, SP_LANE_COMM, in, rdt, padded, f->pre_divide, d);
   if (rc < 0) return rc;
+  uint8_t *out = fu->red_out;
   switch (f->plan->strategy) {
     case SP_NO_SHARD:
+      /* in place, as FSDP's _reduce_grad_no_shard: the sum is divided and
+       * cast from where it is, so NO_SHARD needs no second buffer of the
+       * unit's size (177 MB for GPT-2's largest units) */
       rc = coll_all_reduce(f, f->world_comm, in, padded, rdt, d);
-      if (rc == 0)
-        rc = mem->copy(f, SP_LANE_COMM, fu->red_out, in,
-                       padded * sp_dtype_size(rdt), d);
       if (rc < 0) return rc;
+      out = in;
       break;
     case SP_HYBRID_SHARD:
       rc = coll_reduce_scatter(f, f->shard_comm, in, fu->red_out,
@@ -120,8 +122,8 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
       if (rc < 0) return rc;
   }
   /* post-divide and cast to the shard's gradient dtype */
-  return mem->cast_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype,
-                       fu->red_out, rdt, (size_t)fu->c, f->post_divide, d);
+  return mem->cast_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype, out,
+                       rdt, (size_t)fu->c, f->post_divide, d);
 }
 
 static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {

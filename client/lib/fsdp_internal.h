@@ -33,7 +33,8 @@ typedef struct sp_fsdp_unit {
                          reduction is retired */
   uint8_t *red_in;    /* padded, reduce_dtype, only when it differs from
                          param_dtype: from post_backward until retired */
-  uint8_t *red_out;   /* c (NO_SHARD: padded), reduce_dtype: likewise */
+  uint8_t *red_out;   /* c, reduce_dtype: likewise (NO_SHARD reduces in
+                         place and has none) */
   bool unsharded;     /* full holds this step's gathered parameters */
   bool prefetched;
   int64_t gather_ticket; /* pending all-gather, or -1 */

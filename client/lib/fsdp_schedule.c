@@ -291,10 +291,9 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     if (rc == 0 && fu->u->reduce_dtype != fu->u->param_dtype)
       rc = take_slot(f, SP_MEM_REDUCE, (size_t)fu->padded, fu->rsize,
                      &fu->red_in, d);
-    if (rc == 0)
-      rc = take_slot(f, SP_MEM_REDUCE,
-                     no_shard ? (size_t)fu->padded : (size_t)fu->c,
-                     fu->rsize, &fu->red_out, d);
+    if (rc == 0 && !no_shard)
+      rc = take_slot(f, SP_MEM_REDUCE, (size_t)fu->c, fu->rsize,
+                     &fu->red_out, d);
     if (rc < 0)
       return sp_diag_prefix(d, rc, "unit %u (%s): reduce buffers", ui,
                             sp_fsdp_unit_name(f, ui));

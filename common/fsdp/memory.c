@@ -130,7 +130,8 @@ int sp_mem_pool_take(sp_mem_pool *p, sp_mem_cat cat, size_t n, size_t esize,
   *out = NULL;
   int rc = check_size(cat, n, esize, &bytes, d);
   if (rc < 0) return rc;
-  /* the most recently made free block first: the same order every step */
+  /* any free block of the size will do: they are interchangeable for
+   * every count (the newest first, as a cache would) */
   for (size_t i = p->n_blocks; i-- > 0;) {
     sp_mem_block *b = &p->blocks[i];
     if (!b->pooled || b->in_use || b->bytes != bytes) continue;
@@ -211,15 +212,15 @@ void sp_mem_opts_default(sp_mem_opts *o) {
 /* ---- the model: the runtime's schedule, replayed through a pool ----
  * Every function below mirrors the one of client/lib/fsdp_schedule.c (or
  * fsdp.c) named in its comment, taking and releasing the same blocks in
- * the same order; tests/test_memory.c checks that the runtime's counters
- * equal the prediction on every strategy. */
+ * the same order; test_memory_model_exact (tests/test_fsdp.c) checks that
+ * the runtime's counters equal the prediction on every strategy. */
 
 typedef struct sim_unit {
   bool has_data, reduces;
   size_t c, padded;      /* elements */
   size_t esize, psize, gsize, rsize;
   bool red_in;           /* reduce_dtype differs from param_dtype */
-  size_t red_out_n;      /* c, or padded for NO_SHARD */
+  size_t red_out_n;      /* c; 0 for NO_SHARD, which reduces in place */
   void *full, *full_grad, *rin, *rout;
   bool unsharded, prefetched, gather_pending, idle;
   int32_t pf_index;
@@ -287,7 +288,7 @@ static void sim_new(sim *s) {
                                                           : u->dtype);
     su->rsize = sp_dtype_size(u->reduce_dtype);
     su->red_in = u->reduce_dtype != u->param_dtype;
-    su->red_out_n = s->no_shard ? su->padded : su->c;
+    su->red_out_n = s->no_shard ? 0 : su->c;
     void *shard, *grad;
     own(s, SP_MEM_SHARD_PARAMS, su->c, su->esize, &shard);
     own(s, SP_MEM_SHARD_GRADS, su->c, su->gsize, &grad);
@@ -417,7 +418,8 @@ static void sim_post_backward(sim *s, uint32_t i) {
   if (su->reduces && !s->accumulate) {
     sim_limit_reductions(s);
     if (su->red_in) take(s, SP_MEM_REDUCE, su->padded, su->rsize, &su->rin);
-    take(s, SP_MEM_REDUCE, su->red_out_n, su->rsize, &su->rout);
+    if (!s->no_shard)
+      take(s, SP_MEM_REDUCE, su->red_out_n, su->rsize, &su->rout);
     s->pending[s->n_pending++] = i;
   } else if (su->has_data && !su->reduces && !s->no_shard) {
     give(s, SP_MEM_GRADS, &su->full_grad);
@@ -483,6 +485,9 @@ int sp_mem_estimate_plan(const sp_plan *plan, const sp_mem_opts *opts,
     return sp_diag_set(d, SP_EINVAL, "optimizer %d: expected none, sgd, "
                        "sgd-momentum or adamw", (int)o.optimizer);
   if (o.max_inflight == 0) o.max_inflight = 2;
+  if (o.max_inflight > SP_MEM_MAX_INFLIGHT)
+    return sp_diag_set(d, SP_EINVAL, "max_inflight %u: at most %u",
+                       o.max_inflight, SP_MEM_MAX_INFLIGHT);
   sim s = {.pl = plan, .o = o, .no_shard = plan->strategy == SP_NO_SHARD,
            .n = plan->n_units, .d = d};
   uintptr_t tokens = 0;

@@ -134,10 +134,15 @@ const char *sp_mem_optimizer_name(sp_mem_optimizer o); /* "invalid" if bad */
 /* float32 copies of a unit's shard the optimizer keeps: 0, 0, 1, 2. */
 uint32_t sp_mem_optimizer_states(sp_mem_optimizer o);
 
+/* Largest limiter the model takes: far beyond any unit count that fits a
+ * machine, and small enough that nothing it sizes can overflow. */
+#define SP_MEM_MAX_INFLIGHT 65536u
+
 typedef struct sp_mem_opts {
   sp_mem_optimizer optimizer; /* SP_MEM_OPT_INVALID: sgd */
   uint32_t max_inflight;      /* the limiter (all-gathers and reductions in
-                                 flight); 0: 2, the runtime's default */
+                                 flight), 1..SP_MEM_MAX_INFLIGHT; 0: 2, the
+                                 runtime's default */
   bool backward_prefetch;     /* sp_fsdp_opts.backward_prefetch */
   /* Gradient accumulation under no_sync: every micro-batch but the last
    * skips the reduction and keeps each unit's unsharded gradient until the
