@@ -618,7 +618,8 @@ int sp_cmd_ranks(int argc, char **argv) {
 /* plan (remote)                                                       */
 /* ------------------------------------------------------------------ */
 
-int sp_remote_plan(sp_remote *r, long long rank, const char *unit) {
+int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
+                   const sp_mem_opts *memory) {
   Shardplane__V1__GetJobResponse *j = NULL;
   sp_wire_plan *wp = NULL;
   sp_job job;
@@ -630,6 +631,15 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit) {
   int ec = get_job(r, &j, &job);
   if (ec != SP_EXIT_OK) goto out;
   Shardplane__V1__GetPlanRequest q = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
+  Shardplane__V1__MemoryOptions mo = SHARDPLANE__V1__MEMORY_OPTIONS__INIT;
+  if (memory != NULL) {
+    mo.optimizer = (Shardplane__V1__Optimizer)memory->optimizer;
+    mo.max_inflight_gathers = memory->max_inflight;
+    mo.no_backward_prefetch = !memory->backward_prefetch;
+    mo.no_sync = memory->no_sync;
+    q.with_memory = true;
+    q.memory = &mo;
+  }
   ProtobufCMessage *m;
   if ((ec = call(r, SP_COORD_PATH("GetPlan"), &q.base,
                  &shardplane__v1__plan__descriptor, &m)) != SP_EXIT_OK)
@@ -660,7 +670,19 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit) {
                         .n_buffers = j->n_buffers,
                         .elements = j->total_numel,
                         .build_ms = -1};
-  if (r->json) {
+  if (memory != NULL) {
+    sp_mem_estimate e;
+    if (sp_wire_memory(wp->msg->memory, &e, &diag) != 0) {
+      sp_cli_error(r->cmd, "the coordinator's memory model is malformed: %s",
+                   diag.msg);
+      ec = SP_EXIT_FAILURE;
+    } else if (r->json) {
+      if (sp_render_memory_json(pl, &wp->job, &src, &e) != 0)
+        ec = SP_EXIT_FAILURE;
+    } else {
+      sp_render_memory_text(pl, &wp->job, &src, &e);
+    }
+  } else if (r->json) {
     if (sp_render_plan_json(pl, &wp->job, &src, (long)rank, u) != 0)
       ec = SP_EXIT_FAILURE;
   } else {
