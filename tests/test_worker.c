@@ -472,6 +472,85 @@ static void test_synthetic_resnet50(void **state) {
   free(dir);
 }
 
+/* --stats memory: what rank 0's runtime counted in a real job equals the
+ * memory model's prediction for the coordinator's plan, category by
+ * category, and the second step allocated nothing; its RSS grew. The MLP
+ * trains for real (its trainer leaves the root's layers to the root unit);
+ * ResNet-50 (the synthetic cycle) has units of many sizes and full-precision
+ * BatchNorm units under bfloat16. */
+static void check_memory_stats(const char *model, const char *const *cflags,
+                               int n, const char *label) {
+  char *dir = sp_test_mkdtemp();
+  char *stats = sp_test_path(dir, "stats.json");
+  const char *wflags[] = {"--steps", "2", "--checkpoint", "none", "--stats",
+                          stats, NULL};
+  sp_tjob_run(model, cflags, n, wflags, JOB_TIMEOUT_S);
+  sp_model *m;
+  sp_plan *pl;
+  sp_job job;
+  sp_job_init(&job);
+  sp_diag d = {{0}};
+  char ws[16];
+  snprintf(ws, sizeof ws, "%d", n);
+  assert_int_equal(sp_model_load_file(model, &m, &d), 0);
+  assert_int_equal(sp_job_apply_flag(&job, "world-size", ws, &d), 0);
+  for (size_t i = 0; cflags[i]; i += 2)
+    assert_int_equal(sp_job_apply_flag(&job, cflags[i] + 2, cflags[i + 1], &d),
+                     0);
+  assert_int_equal(sp_plan_build(m, &job, &pl, &d), 0);
+  sp_mem_estimate e;
+  assert_int_equal(sp_mem_estimate_plan(pl, NULL, &e, &d), 0);
+  json_error_t je;
+  json_t *root = json_load_file(stats, 0, &je);
+  assert_non_null(root);
+  json_t *mem = json_object_get(root, "memory");
+  json_t *c = json_object_get(json_object_get(mem, "train"), "counted");
+  assert_non_null(c);
+  for (int k = 0; k < SP_MEM_N_CATS; k++) {
+    json_t *cat = json_object_get(c, sp_mem_cat_name((sp_mem_cat)k));
+    uint64_t got = (uint64_t)json_integer_value(json_object_get(cat, "peak"));
+    if (got != e.acct.cat[k].peak)
+      fail_msg("%s: %s peak %llu bytes, the model says %llu", label,
+               sp_mem_cat_label((sp_mem_cat)k), (unsigned long long)got,
+               (unsigned long long)e.acct.cat[k].peak);
+  }
+  uint64_t reserved = (uint64_t)json_integer_value(
+      json_object_get(json_object_get(c, "reserved"), "peak"));
+  uint64_t total = (uint64_t)json_integer_value(
+      json_object_get(json_object_get(c, "total"), "peak"));
+  assert_int_equal(reserved, e.acct.reserved.peak);
+  assert_int_equal(total, e.acct.total.peak);
+  assert_int_equal(json_integer_value(json_object_get(c, "allocs")),
+                   json_integer_value(
+                       json_object_get(mem, "allocs_after_first_step")));
+  json_int_t before = json_integer_value(json_object_get(mem, "rss_before"));
+  json_int_t hwm = json_integer_value(
+      json_object_get(json_object_get(mem, "train"), "rss_hwm"));
+  assert_true(before > 0 && hwm > before);
+  printf("  %s, %d ranks: counted = predicted, peak %llu bytes in use, %llu "
+         "reserved; RSS grew %.1f MiB\n", label, n,
+         (unsigned long long)total, (unsigned long long)reserved,
+         (double)(hwm - before) / (1024.0 * 1024.0));
+  json_decref(root);
+  sp_plan_free(pl);
+  sp_job_clear(&job);
+  sp_model_free(m);
+  sp_test_rmtree(dir);
+  free(stats);
+  free(dir);
+}
+
+static void test_memory_stats(void **state) {
+  (void)state;
+  const char *mlp[] = {"--wrap-type", "Linear", "--strategy", "SHARD_GRAD_OP",
+                       "--param-dtype", "bfloat16", NULL};
+  check_memory_stats(MLP, mlp, 3, "mlp SHARD_GRAD_OP bfloat16");
+  const char *resnet[] = {"--wrap-type", "Bottleneck", "--param-dtype",
+                          "bfloat16", "--reduce-dtype", "float32", NULL};
+  check_memory_stats(SP_EXAMPLES "/models/resnet50.json", resnet, 2,
+                     "resnet50 FULL_SHARD bfloat16/float32");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_parity),
@@ -481,6 +560,7 @@ int main(void) {
       cmocka_unit_test(test_device_errors),
       cmocka_unit_test(test_killed_worker),
       cmocka_unit_test(test_synthetic_resnet50),
+      cmocka_unit_test(test_memory_stats),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

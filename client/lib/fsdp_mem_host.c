@@ -8,10 +8,16 @@
 #include "cast/cast.h"
 #include "fsdp_internal.h"
 
+/* Elements per pass of the low-precision divide and of SGD: their float32
+ * or float64 scratch lives on the stack (16 KiB, 32 KiB), so neither
+ * allocates per step nor needs a scratch as large as the largest unit
+ * (GPT-2's root is 39 M elements: 158 MB of float32). Both are
+ * element-wise, so the passes give the bits of one pass over everything. */
+#define SP_HOST_CHUNK 2048
+
 /* Scales n elements of dtype dt in place by 1/div (exact rounding of the
  * quotient to dt: computed in double, rounded once). */
-static int scale_div(void *buf, sp_dtype dt, size_t n, double div,
-                     float *tmp) {
+static int scale_div(void *buf, sp_dtype dt, size_t n, double div) {
   if (div == 1.0 || n == 0) return 0;
   if (dt == SP_FLOAT32) {
     float *p = buf;
@@ -27,10 +33,18 @@ static int scale_div(void *buf, sp_dtype dt, size_t n, double div,
    * as the exact one for the power-of-two and small factors used here
    * except in rare double-rounding ties; FSDP divides in the low dtype
    * directly, which rounds once as well. */
-  int rc = sp_cast(tmp, SP_FLOAT32, buf, dt, n);
-  if (rc < 0) return rc;
-  for (size_t i = 0; i < n; i++) tmp[i] = (float)((double)tmp[i] / div);
-  return sp_cast(buf, dt, tmp, SP_FLOAT32, n);
+  float tmp[2 * SP_HOST_CHUNK];
+  size_t es = sp_dtype_size(dt);
+  for (size_t at = 0; at < n; at += 2 * SP_HOST_CHUNK) {
+    size_t k = n - at < 2 * SP_HOST_CHUNK ? n - at : 2 * SP_HOST_CHUNK;
+    uint8_t *p = (uint8_t *)buf + at * es;
+    int rc = sp_cast(tmp, SP_FLOAT32, p, dt, k);
+    if (rc < 0) return rc;
+    for (size_t i = 0; i < k; i++) tmp[i] = (float)((double)tmp[i] / div);
+    rc = sp_cast(p, dt, tmp, SP_FLOAT32, k);
+    if (rc < 0) return rc;
+  }
+  return 0;
 }
 
 static int host_alloc(sp_fsdp *f, size_t n, size_t esize, void **out,
@@ -77,8 +91,8 @@ static int host_cast(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
 
 static int host_scale_div(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
                           size_t n, double div, sp_diag *d) {
-  (void)l;
-  int rc = scale_div(buf, dt, n, div, f->host_tmp);
+  (void)f, (void)l;
+  int rc = scale_div(buf, dt, n, div);
   if (rc < 0)
     return sp_diag_set(d, rc, "dividing %s gradients by %g",
                        sp_dtype_name(dt), div);
@@ -97,20 +111,22 @@ static int host_cast_div(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
 static int host_sgd(sp_fsdp *f, void *shard, sp_dtype pdt, void *grad,
                     sp_dtype gdt, size_t c, double lr, sp_diag *d) {
   (void)f;
-  double *p = sp_fsdp_xcalloc(c, sizeof(double));
-  double *g = sp_fsdp_xcalloc(c, sizeof(double));
-  int rc = p && g ? 0 : SP_ENOMEM;
-  if (rc == 0) rc = sp_cast(p, SP_FLOAT64, shard, pdt, c);
-  if (rc == 0) rc = sp_cast(g, SP_FLOAT64, grad, gdt, c);
-  if (rc == 0) {
-    for (size_t i = 0; i < c; i++) p[i] -= lr * g[i];
-    rc = sp_cast(shard, pdt, p, SP_FLOAT64, c);
-    /* zero_grad: a unit that gets no gradient next step must not be
-     * moved again by this one */
-    memset(grad, 0, c * sp_dtype_size(gdt));
+  double p[SP_HOST_CHUNK], g[SP_HOST_CHUNK];
+  size_t ps = sp_dtype_size(pdt), gs = sp_dtype_size(gdt);
+  int rc = 0;
+  for (size_t at = 0; rc == 0 && at < c; at += SP_HOST_CHUNK) {
+    size_t k = c - at < SP_HOST_CHUNK ? c - at : SP_HOST_CHUNK;
+    uint8_t *sp = (uint8_t *)shard + at * ps, *gp = (uint8_t *)grad + at * gs;
+    rc = sp_cast(p, SP_FLOAT64, sp, pdt, k);
+    if (rc == 0) rc = sp_cast(g, SP_FLOAT64, gp, gdt, k);
+    if (rc == 0) {
+      for (size_t i = 0; i < k; i++) p[i] -= lr * g[i];
+      rc = sp_cast(sp, pdt, p, SP_FLOAT64, k);
+    }
   }
-  free(p);
-  free(g);
+  /* zero_grad: a unit that gets no gradient next step must not be
+   * moved again by this one */
+  if (rc == 0) memset(grad, 0, c * gs);
   return rc < 0 ? sp_diag_set(d, rc, "%s", sp_strerror(rc)) : 0;
 }
 
@@ -175,7 +191,3 @@ const sp_fsdp_mem_ops sp_fsdp_host_ops = SP_HOST_OPS("cpu", false);
  * every host access (initialisation, checkpoints, loads) goes through the
  * staging paths a GPU takes, and a machine without one can test them. */
 const sp_fsdp_mem_ops sp_fsdp_staged_ops = SP_HOST_OPS("cpu-staged", true);
-
-bool sp_fsdp_mem_is_host(const sp_fsdp_mem_ops *m) {
-  return m->scale_div == host_scale_div;
-}

@@ -32,6 +32,7 @@
 #include "base/sp_error.h"
 #include "cast/dtype.h"
 #include "fsdp/job.h"
+#include "fsdp/memory.h"
 #include "fsdp/model.h"
 #include "fsdp/plan.h"
 #include "fsdp/state.h"
@@ -317,9 +318,12 @@ typedef struct sp_fsdp_opts {
   void *user;
   /* Where shards, unsharded parameters, gradients and buffers live: "cpu"
    * (or NULL) in host memory; "cuda:N" in device memory of GPU N, which
-   * becomes the calling thread's current device. Everything a step needs
-   * is allocated by sp_fsdp_new (plain cudaMalloc, reused every step) and
-   * buffers are cast on the device to their compute dtype. On a GPU the
+   * becomes the calling thread's current device. The sharded state is
+   * allocated by sp_fsdp_new, the unsharded slots by the runtime's caching
+   * pool during the first step and reused by every later one (plain
+   * cudaMalloc on a GPU, never freed before sp_fsdp_free; see "Memory"
+   * below), and buffers are cast on the device to their compute dtype. On a
+   * GPU the
    * communicators must take device pointers (the NCCL backend: see
    * sp_fsdp_comms_open), and every pointer the runtime hands out or takes
    * (views, gradients, shards, buffers, sp_fsdp_all_reduce) is device
@@ -336,7 +340,30 @@ typedef struct sp_fsdp_opts {
 int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d);
 void sp_fsdp_free(sp_fsdp *f);
 
-/* The schedule, in FSDP's order. Every call checks and reports its
+/* Memory. The runtime holds a unit's sharded state (master shard, reduced
+ * gradient shard, the optimizer's state) for its whole life, and its
+ * unsharded storage only while a step needs it, drawn from a caching pool
+ * (blocks kept and reused, never returned before sp_fsdp_free, so no step
+ * after the first allocates):
+ *   unsharded parameters (c * W_s elements of param_dtype): from the
+ *     all-gather's issue (pre_forward, pre_backward, or a prefetch) until
+ *     reshard; at most the units in use plus max_inflight_gathers
+ *     all-gathers in flight;
+ *   unsharded gradient (the same size): from pre_backward, which zeroes
+ *     it, until its reduction is retired; reduce buffers (reduce_dtype)
+ *     from post_backward likewise. A reduction is retired (its blocks back
+ *     to the pool) when a unit needs a gradient slot or queues a reduction
+ *     while max_inflight_gathers reductions are in flight (it waits for the
+ *     oldest instead of growing), and at finish_backward.
+ * What FSDP keeps unsharded, this runtime keeps too: NO_SHARD's parameters
+ * and gradients for the whole run (allocated by sp_fsdp_new); under
+ * SHARD_GRAD_OP every unit's parameters from forward until its
+ * post_backward; under FULL_SHARD and HYBRID_SHARD the root unit's from
+ * root_pre_forward until post_backward(0) (it is not resharded after
+ * forward). sp_fsdp_stats.mem counts every block by category (fsdp/
+ * memory.h); sp_mem_estimate_plan predicts those counts from the plan.
+ *
+ * The schedule, in FSDP's order. Every call checks and reports its
  * transitions and collectives through the session. Unit 0 is the root unit
  * (it may own no parameters: its schedule still runs).
  * root_pre_forward: lazy init on the first call (buffers cast to their
@@ -355,9 +382,8 @@ void sp_fsdp_free(sp_fsdp *f);
  *   group), post-divide, cast to the shard's gradient dtype); reshard.
  * finish_backward: waits for every queued reduction, every unit -> IDLE,
  *   root -> IDLE.
- * Resharding drops the unsharded views (sp_fsdp_param returns NULL); the
- * storage behind them is allocated once and reused every step, as a GPU
- * caching allocator would, so no step allocates.
+ * Resharding drops the unsharded views (sp_fsdp_param returns NULL) and
+ * gives their storage back to the pool.
  * Collectives run in issue order on one communication thread per runtime
  * (the CPU's stand-in for a CUDA stream), so a prefetch overlaps compute.
  * The limiter keeps at most max_inflight_gathers all-gathers issued and
@@ -390,7 +416,10 @@ int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
 
 /* A parameter's unsharded view (param_dtype of its unit) while its unit is
  * unsharded; NULL otherwise. The gradient buffer of the same shape and
- * dtype, to be written during backward before post_backward(unit).
+ * dtype, to be written during backward before post_backward(unit): it
+ * exists from pre_backward(unit) until the unit's reduction is retired
+ * (NULL outside; NO_SHARD: always). Both point into the unit's current
+ * pool block: do not keep them across a reshard or a step.
  * On a GPU (sp_fsdp_opts.device) these, the buffers and the shards below
  * are device pointers. */
 void *sp_fsdp_param(sp_fsdp *f, int32_t param);
@@ -448,8 +477,18 @@ typedef struct sp_fsdp_stats {
   uint64_t prefetches;       /* backward prefetches issued */
   uint64_t reduce_scatters;
   uint64_t all_reduces;
+  /* The runtime's storage in bytes (host or device), current and peak:
+   * mem.cat[SP_MEM_SHARD_PARAMS ... SP_MEM_BUFFERS] in use by category,
+   * mem.total in use, mem.reserved held from the allocator (in use plus
+   * the pool's cached free blocks), mem.allocs allocator calls. Not
+   * counted: host staging copies of a runtime on a GPU, checkpoint files'
+   * host images, the communicators' own memory. */
+  sp_mem_account mem;
 } sp_fsdp_stats;
 void sp_fsdp_get_stats(const sp_fsdp *f, sp_fsdp_stats *out);
+/* Sets every memory peak of the stats to its current value, to measure one
+ * phase (a checkpoint save, a step). Training thread. */
+void sp_fsdp_reset_peak_memory(sp_fsdp *f);
 
 /* ================================================================== */
 /* Checkpoints (safetensors)                                          */

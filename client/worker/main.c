@@ -309,9 +309,10 @@ static void usage(FILE *f) {
       "                           holds several\n"
       "  --losses FILE            rank 0 writes the loss of every step it\n"
       "                           trains (JSON)\n"
-      "  --stats FILE             rank 0 writes every step's duration in s "
-      "and\n"
-      "                           whether it was reported (JSON)\n"
+      "  --stats FILE             rank 0 writes every step's duration in s,\n"
+      "                           whether it was reported, and the runtime's\n"
+      "                           counted memory and the process's RSS in\n"
+      "                           training and in the checkpoints (JSON)\n"
       "  --log-every N            rank 0 prints progress every N steps "
       "(default 1)\n"
       "  --comm-timeout-ms N      rendezvous and collective timeout "
@@ -524,10 +525,74 @@ static int write_doubles(const char *path, const double *l, uint32_t n) {
   return fclose(fp) == 0 ? 0 : SP_EIO;
 }
 
-/* {"step_seconds": [...], "reported": [true, ...]}: the n steps trained
- * from step index `first` on */
+/* ---- memory, for --stats (bench/memory) ---- */
+
+/* A "VmRSS:" / "VmHWM:" line of /proc/self/status in bytes; -1 when the
+ * file or the line is missing (not Linux). */
+static long long proc_status_bytes(const char *key) {
+  FILE *fp = fopen("/proc/self/status", "r");
+  if (!fp) return -1;
+  char line[256];
+  long long kb = -1;
+  size_t kl = strlen(key);
+  while (fgets(line, sizeof line, fp))
+    if (strncmp(line, key, kl) == 0) {
+      kb = strtoll(line + kl, NULL, 10);
+      break;
+    }
+  fclose(fp);
+  return kb < 0 ? -1 : kb * 1024;
+}
+
+/* Sets VmHWM back to VmRSS, to measure the peak of one phase; false when
+ * the kernel does not allow it. */
+static bool reset_rss_peak(void) {
+  FILE *fp = fopen("/proc/self/clear_refs", "w");
+  if (!fp) return false;
+  bool ok = fputs("5", fp) >= 0;
+  return fclose(fp) == 0 && ok;
+}
+
+typedef struct mem_phase {
+  bool have;
+  long long rss_start, rss_hwm; /* bytes, -1: unknown */
+  sp_mem_account counted;
+} mem_phase;
+
+typedef struct mem_report {
+  long long rss_before; /* before sp_fsdp_new */
+  uint64_t allocs_after_first_step;
+  mem_phase train, ckpt;
+} mem_report;
+
+static void put_account(FILE *fp, const sp_mem_account *a) {
+  fputc('{', fp);
+  for (int c = 0; c < SP_MEM_N_CATS; c++)
+    fprintf(fp, "\"%s\": {\"current\": %llu, \"peak\": %llu}, ",
+            sp_mem_cat_name((sp_mem_cat)c),
+            (unsigned long long)a->cat[c].current,
+            (unsigned long long)a->cat[c].peak);
+  fprintf(fp, "\"total\": {\"current\": %llu, \"peak\": %llu}, "
+          "\"reserved\": {\"current\": %llu, \"peak\": %llu}, "
+          "\"allocs\": %llu}",
+          (unsigned long long)a->total.current,
+          (unsigned long long)a->total.peak,
+          (unsigned long long)a->reserved.current,
+          (unsigned long long)a->reserved.peak,
+          (unsigned long long)a->allocs);
+}
+
+static void put_phase(FILE *fp, const char *name, const mem_phase *p) {
+  fprintf(fp, ", \"%s\": {\"rss_start\": %lld, \"rss_hwm\": %lld, "
+          "\"counted\": ", name, p->rss_start, p->rss_hwm);
+  put_account(fp, &p->counted);
+  fputc('}', fp);
+}
+
+/* {"step_seconds": [...], "reported": [true, ...], "memory": {...}}: the
+ * n steps trained from step index `first` on */
 static int write_stats(const worker_opts *o, const double *step_s,
-                       uint32_t first, uint32_t n) {
+                       uint32_t first, uint32_t n, const mem_report *m) {
   FILE *fp = fopen(o->stats_path, "w");
   if (!fp) return SP_EIO;
   fputs("{\"step_seconds\": ", fp);
@@ -539,7 +604,12 @@ static int write_stats(const worker_opts *o, const double *step_s,
                                : !o->no_report;
     fprintf(fp, "%s%s", k ? ", " : "", on ? "true" : "false");
   }
-  fputs("]}\n", fp);
+  fprintf(fp, "], \"memory\": {\"rss_before\": %lld, "
+          "\"allocs_after_first_step\": %llu",
+          m->rss_before, (unsigned long long)m->allocs_after_first_step);
+  if (m->train.have) put_phase(fp, "train", &m->train);
+  if (m->ckpt.have) put_phase(fp, "checkpoint", &m->ckpt);
+  fputs("}}\n", fp);
   return fclose(fp) == 0 ? 0 : SP_EIO;
 }
 
@@ -599,6 +669,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                      .init_param = sp_mlp_init_param,
                      .init_buffer = sp_mlp_init_buffer,
                      .device = o->device};
+  mem_report mem = {.rss_before = proc_status_bytes("VmRSS:")};
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
   /* registered before a load, which fills it */
   if (rc == 0 && o->test_state)
@@ -671,6 +742,11 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
       rc = synthetic_step(f, s, step, o->lr, d);
     if (rc == 0 && ts) rc = sp_test_state_step(ts, d);
     step_s[step - first] = sp_clock_s() - ts0;
+    if (rc == 0 && step == first) {
+      sp_fsdp_stats st;
+      sp_fsdp_get_stats(f, &st);
+      mem.allocs_after_first_step = st.mem.allocs;
+    }
     if (rc == 0 && rank == 0 && o->log_every &&
         ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
       double t = sp_clock_s();
@@ -702,13 +778,31 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
       write_doubles(o->losses_path, losses, ran) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
-  if (rc == 0 && rank == 0 && o->stats_path &&
-      write_stats(o, step_s, first, ran) < 0)
-    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
+  if (rc == 0) {
+    sp_fsdp_stats st;
+    sp_fsdp_get_stats(f, &st);
+    mem.train = (mem_phase){.have = true, .rss_start = mem.rss_before,
+                            .rss_hwm = proc_status_bytes("VmHWM:"),
+                            .counted = st.mem};
+  }
   /* the final checkpoint; a stop before any step trained here has
    * nothing new to keep (the loaded checkpoint, if any, stays) */
-  if (rc == 0 && saved != step && !(*stopped && ran == 0))
+  if (rc == 0 && saved != step && !(*stopped && ran == 0)) {
+    /* the checkpoints' own peak, from here (both counters restart at what
+     * is held now) */
+    sp_fsdp_reset_peak_memory(f);
+    mem.ckpt.have = true;
+    mem.ckpt.rss_start = reset_rss_peak() ? proc_status_bytes("VmRSS:") : -1;
     rc = save_checkpoints(o, f, rank, step, d);
+    sp_fsdp_stats st;
+    sp_fsdp_get_stats(f, &st);
+    mem.ckpt.counted = st.mem;
+    mem.ckpt.rss_hwm =
+        mem.ckpt.rss_start < 0 ? -1 : proc_status_bytes("VmHWM:");
+  }
+  if (rc == 0 && rank == 0 && o->stats_path &&
+      write_stats(o, step_s, first, ran, &mem) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
   if (have_tr) trainer_free(&tr);
   free(losses);
   free(step_s);
