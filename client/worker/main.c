@@ -807,8 +807,9 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   free(losses);
   free(step_s);
   sp_mlp_free(mlp);
-  sp_fsdp_free(f);
+  /* the state's storage is the runtime's: it goes first */
   sp_test_state_free(ts);
+  sp_fsdp_free(f);
   /* leave together, still abortable, then free */
   sp_comm *comms[3] = {world, shard, replica};
   for (int i = 0; i < 3; i++) {
