@@ -11,7 +11,7 @@ include(CMakePackageConfigHelpers)
 # with another project's.
 set(SP_PUBLIC_HEADERS client/lib/shardplane.h common/base/sp_error.h
     common/cast/dtype.h common/fsdp/job.h common/fsdp/model.h
-    common/fsdp/plan.h common/fsdp/state.h)
+    common/fsdp/plan.h common/fsdp/state.h common/fsdp/memory.h)
 set(SP_STAGED ${SP_STAGED_INCLUDE}/shardplane)
 foreach(h ${SP_PUBLIC_HEADERS})
   file(READ ${PROJECT_SOURCE_DIR}/${h} text)

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "coordinator.h"
+#include "fsdp/memory.h"
 
 typedef Shardplane__V1__DType PDType;
 
@@ -236,6 +237,71 @@ static long find_unit(const sp_plan *pl, const Shardplane__V1__GetPlanRequest *q
   return q->unit < pl->n_units ? (long)q->unit : -1;
 }
 
+/* ---- the memory model ---- */
+
+/* The options of a GetPlan request as the model takes them, or -1 with
+ * the INVALID_ARGUMENT message in err naming the field and value. */
+static int memory_opts(const Shardplane__V1__MemoryOptions *m, sp_mem_opts *o,
+                       char *err, size_t cap) {
+  sp_mem_opts_default(o);
+  if (m == NULL) return 0;
+  int opt = (int)m->optimizer;
+  if (opt != 0 && (opt < SP_MEM_OPT_NONE || opt > SP_MEM_OPT_ADAMW)) {
+    snprintf(err, cap, "memory.optimizer %d: expected OPTIMIZER_NONE (1), "
+             "OPTIMIZER_SGD (2), OPTIMIZER_SGD_MOMENTUM (3) or "
+             "OPTIMIZER_ADAMW (4)", opt);
+    return -1;
+  }
+  if (m->max_inflight_gathers > SP_MEM_MAX_INFLIGHT) {
+    snprintf(err, cap, "memory.max_inflight_gathers %u: at most %u",
+             m->max_inflight_gathers, SP_MEM_MAX_INFLIGHT);
+    return -1;
+  }
+  if (opt != 0) o->optimizer = (sp_mem_optimizer)opt;
+  if (m->max_inflight_gathers) o->max_inflight = m->max_inflight_gathers;
+  o->backward_prefetch = !m->no_backward_prefetch;
+  o->no_sync = m->no_sync;
+  return 0;
+}
+
+static Shardplane__V1__MemoryBytes *mem_bytes(arena *a, const char *cat,
+                                              const sp_mem_bytes *b) {
+  Shardplane__V1__MemoryBytes *m = ANEW(a, Shardplane__V1__MemoryBytes, 1);
+  if (m == NULL) return NULL;
+  shardplane__v1__memory_bytes__init(m);
+  m->category = (char *)cat;
+  m->peak = b->peak;
+  m->current = b->current;
+  return m;
+}
+
+static Shardplane__V1__MemoryEstimate *memory_msg(arena *a,
+                                                  const sp_mem_estimate *e) {
+  Shardplane__V1__MemoryEstimate *m = ANEW(a, Shardplane__V1__MemoryEstimate, 1);
+  Shardplane__V1__MemoryOptions *o = ANEW(a, Shardplane__V1__MemoryOptions, 1);
+  Shardplane__V1__MemoryBytes **cats =
+      ANEW(a, Shardplane__V1__MemoryBytes *, SP_MEM_N_CATS);
+  if (m == NULL || o == NULL || cats == NULL) return NULL;
+  shardplane__v1__memory_estimate__init(m);
+  shardplane__v1__memory_options__init(o);
+  o->optimizer = (Shardplane__V1__Optimizer)e->opts.optimizer;
+  o->max_inflight_gathers = e->opts.max_inflight;
+  o->no_backward_prefetch = !e->opts.backward_prefetch;
+  o->no_sync = e->opts.no_sync;
+  m->options = o;
+  m->categories = cats;
+  for (int k = 0; k < SP_MEM_N_CATS; k++)
+    if ((cats[m->n_categories] = mem_bytes(a, sp_mem_cat_name((sp_mem_cat)k),
+                                           &e->acct.cat[k])) != NULL)
+      m->n_categories++;
+  m->total = mem_bytes(a, "total", &e->acct.total);
+  m->reserved = mem_bytes(a, "reserved", &e->acct.reserved);
+  m->allocs = e->acct.allocs;
+  m->sharded_state = e->sharded_state;
+  m->in_flight_floor = e->in_flight_floor;
+  return m;
+}
+
 static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
                         const uint8_t *raw, size_t len) {
   (void)raw;
@@ -261,9 +327,28 @@ static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
                           q->unit, pl->n_units - 1);
     return;
   }
+  sp_mem_estimate mem;
+  if (q->with_memory) {
+    sp_mem_opts mo;
+    char err[256];
+    if (memory_opts(q->memory, &mo, err, sizeof err) < 0) {
+      sp_rpc_call_finish(call, SP_RPC_INVALID_ARGUMENT, err);
+      return;
+    }
+    sp_diag d = {""};
+    int rc = sp_mem_estimate_plan(pl, &mo, &mem, &d);
+    if (rc < 0) {
+      sp_rpc_call_finishf(call, rc == SP_ENOMEM ? SP_RPC_RESOURCE_EXHAUSTED
+                                                : SP_RPC_INVALID_ARGUMENT,
+                          "memory model: %.300s", d.msg);
+      return;
+    }
+  }
   arena a = {0};
   Shardplane__V1__Plan p = SHARDPLANE__V1__PLAN__INIT;
   p.version = (char *)pl->version_hex;
+  if (q->with_memory && (p.memory = memory_msg(&a, &mem)) == NULL)
+    a.failed = true;
   p.model_name = c->model->name;
   p.job = job_msg(&a, &c->job);
   p.effective_strategy = (Shardplane__V1__ShardingStrategy)pl->strategy;

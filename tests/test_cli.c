@@ -376,6 +376,61 @@ static void test_flag_errors(void **state) {
   done(&r);
 }
 
+/* `plan --memory`: the model's numbers as a table and as JSON, and its
+ * options refused with the flag, the value and what is allowed. */
+static void test_plan_memory(void **state) {
+  (void)state;
+  result r = run("plan --model " MODEL("gpt2") " --wrap-type GPT2Block "
+                 "--world-size 8 --memory --optimizer adamw --json");
+  assert_int_equal(r.code, 0);
+  json_error_t je;
+  json_t *j = json_loads(r.out, 0, &je);
+  assert_non_null(j);
+  json_t *m = json_object_get(j, "memory");
+  assert_string_equal(json_string_value(json_object_get(m, "optimizer")),
+                      "adamw");
+  json_t *cats = json_object_get(m, "categories");
+  /* 2 float32 moments of every rank's 15554976 elements */
+  assert_int_equal(json_integer_value(json_object_get(
+                       json_object_get(cats, "optimizer"), "peak")),
+                   124439808);
+  assert_int_equal(json_integer_value(json_object_get(
+                       json_object_get(cats, "sharded_params"), "peak")),
+                   62219904);
+  /* the SGD figure of test_memory.c plus the moments */
+  assert_int_equal(
+      json_integer_value(json_object_get(json_object_get(m, "total"), "peak")),
+      572599344 + 124439808);
+  json_decref(j);
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --wrap-type GPT2Block "
+          "--world-size 8 --memory");
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "unsharded grads"));
+  assert_non_null(strstr(r.out, "572599344"));
+  assert_non_null(strstr(r.out, "in-flight floor"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --memory --optimizer adam");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--optimizer \"adam\""));
+  assert_non_null(strstr(r.err, "sgd-momentum or adamw"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --memory --max-inflight-gathers 0");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--max-inflight-gathers \"0\""));
+  assert_non_null(strstr(r.err, "1 to 65536"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --no-sync");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--no-sync"));
+  assert_non_null(strstr(r.err, "needs --memory"));
+  done(&r);
+  r = run("plan --model " MODEL("gpt2") " --memory --rank 0");
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--rank"));
+  done(&r);
+}
+
 int main(void) {
   g_dir = sp_test_mkdtemp();
   const struct CMUnitTest tests[] = {
@@ -385,6 +440,7 @@ int main(void) {
       cmocka_unit_test(test_job_file_and_override),
       cmocka_unit_test(test_human_output),
       cmocka_unit_test(test_flag_errors),
+      cmocka_unit_test(test_plan_memory),
   };
   int rc = cmocka_run_group_tests(tests, NULL, NULL);
   sp_test_rmtree(g_dir);

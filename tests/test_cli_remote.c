@@ -260,6 +260,34 @@ static void test_plan_matches_offline(void **state) {
   json_decref(remote);
   json_decref(offline);
 
+  /* the memory model: the coordinator's answer for the same options is
+   * the offline one */
+  r = run("plan", "--memory", "--optimizer", "sgd-momentum", "--no-sync",
+          "--json", NULL);
+  assert_int_equal(r.code, 0);
+  remote = parse(&r);
+  done(&r);
+  r = run("plan", "--model", MODEL("gpt2"), "--world-size", "4", "--strategy",
+          "HYBRID_SHARD", "--shard-group-size", "2", "--wrap-type",
+          "GPT2Block", "--memory", "--optimizer", "sgd-momentum",
+          "--no-sync", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  offline = parse(&r);
+  done(&r);
+  json_t *mem = json_object_get(remote, "memory");
+  assert_string_equal(jstr(mem, "optimizer"), "sgd-momentum");
+  assert_true(json_is_true(json_object_get(mem, "no_sync")));
+  assert_true(jint(json_object_get(mem, "total"), "peak") > 0);
+  json_object_del(remote, "model");
+  json_object_del(offline, "model");
+  assert_true(json_equal(remote, offline));
+  json_decref(remote);
+  json_decref(offline);
+  r = run("plan", "--memory", "--optimizer", "lion", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "lion"));
+  done(&r);
+
   r = run("plan", "--unit", "transformer.h.0", NULL);
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "unit 1 (transformer.h.0)"));

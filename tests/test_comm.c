@@ -490,6 +490,45 @@ static void test_all_ops_w4(void **state) {
   run_all_ops(4);
 }
 
+/* ---- reductions moved in rounds ----------------------------------------- */
+
+/* Gloo moves a reduce-scatter's blocks and an all-reduce's segments in
+ * rounds of 1 MiB per peer (comm_gloo.cc, kRoundBytes): counts that need
+ * two to four rounds, with a short last one and, for the all-reduce,
+ * segments of unequal length, give the reference's bits as one round
+ * does. float32: 262144 elements a round, bfloat16 524288, float64
+ * 131072. */
+static const struct {
+  sp_dtype dt;
+  size_t count;
+} k_round_cases[] = {
+    {SP_FLOAT32, 800003}, /* reduce-scatter 4 rounds; all-reduce 2 */
+    {SP_BFLOAT16, 1100003},
+    {SP_FLOAT64, 300007},
+};
+
+static void rounds_member(member *m) {
+  MCHECK(m, m->new_rc == 0, "sp_comm_new: %s: %s", sp_err_name(m->new_rc),
+         m->new_diag.msg);
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (size_t i = 0; i < sizeof k_round_cases / sizeof k_round_cases[0]; i++) {
+    check_case(m, k_round_cases[i].dt, k_round_cases[i].count, &h);
+    if (m->fail[0] != '\0' || atomic_load(&m->g->failed)) return;
+  }
+  m->hash = h;
+}
+
+static void test_reductions_in_rounds(void **state) {
+  (void)state;
+  for (uint32_t w = 2; w <= 3; w++) {
+    group g;
+    group_init(&g, w, 20000, rounds_member, NULL);
+    group_run(&g);
+    for (uint32_t i = 1; i < w; i++) assert_true(g.m[i].hash == g.m[0].hash);
+    group_done(&g);
+  }
+}
+
 /* ---- the order of additions and the single rounding ---------------------- */
 
 /* Three members; member i contributes v[i]. The expected sums hold only for
@@ -1351,6 +1390,7 @@ int main(void) {
       cmocka_unit_test(test_all_ops_w2),
       cmocka_unit_test(test_all_ops_w3),
       cmocka_unit_test(test_all_ops_w4),
+      cmocka_unit_test(test_reductions_in_rounds),
       cmocka_unit_test(test_sum_order_and_rounding),
       cmocka_unit_test(test_two_communicators),
       cmocka_unit_test(test_abort_before_and_single),

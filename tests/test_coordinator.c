@@ -12,6 +12,8 @@
 
 #include <cmocka.h>
 
+#include "fsdp/memory.h"
+
 #include "support/coord_fixture.h"
 #include "server/coordinator.h"
 #include "support/testutil.h"
@@ -573,6 +575,30 @@ static void test_bad_input_is_harmless(void **state) {
   q.unit_fqn = "layer9";
   assert_null(call(&fx, PATH("GetPlan"), &q.base, &shardplane__v1__plan__descriptor, &st));
   expect_code(&st, SP_RPC_NOT_FOUND, "layer9");
+  /* memory model options out of range: the field and the value */
+  Shardplane__V1__GetPlanRequest mq = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
+  Shardplane__V1__MemoryOptions mo = SHARDPLANE__V1__MEMORY_OPTIONS__INIT;
+  mq.with_memory = true;
+  mq.memory = &mo;
+  mo.optimizer = (Shardplane__V1__Optimizer)7;
+  assert_null(call(&fx, PATH("GetPlan"), &mq.base, &shardplane__v1__plan__descriptor, &st));
+  expect_code(&st, SP_RPC_INVALID_ARGUMENT, "memory.optimizer 7");
+  mo.optimizer = SHARDPLANE__V1__OPTIMIZER__OPTIMIZER_ADAMW;
+  mo.max_inflight_gathers = 1u << 20;
+  assert_null(call(&fx, PATH("GetPlan"), &mq.base, &shardplane__v1__plan__descriptor, &st));
+  expect_code(&st, SP_RPC_INVALID_ARGUMENT, "memory.max_inflight_gathers 1048576");
+  /* and in range: the estimate, AdamW's moments included */
+  mo.max_inflight_gathers = 0;
+  Shardplane__V1__Plan *mp = (Shardplane__V1__Plan *)call(
+      &fx, PATH("GetPlan"), &mq.base, &shardplane__v1__plan__descriptor, &st);
+  assert_non_null(mp);
+  assert_non_null(mp->memory);
+  assert_int_equal(mp->memory->n_categories, SP_MEM_N_CATS);
+  assert_string_equal(mp->memory->categories[SP_MEM_OPTIMIZER]->category,
+                      "optimizer");
+  assert_true(mp->memory->categories[SP_MEM_OPTIMIZER]->peak > 0);
+  assert_int_equal(mp->memory->options->max_inflight_gathers, 2);
+  free_msg(mp);
   Shardplane__V1__ListBuffersRequest lb = SHARDPLANE__V1__LIST_BUFFERS_REQUEST__INIT;
   lb.page_token = "x7";
   assert_null(call(&fx, PATH("ListBuffers"), &lb.base,

@@ -1250,6 +1250,117 @@ static void test_lazy_init_buffers(void **state) {
   run_job(&cfg, body_lazy_init, NULL);
 }
 
+/* ---- memory: the model predicts the runtime's counters exactly ---- */
+
+/* Two steps of the standard schedule (no summons: a checkpoint's gather
+ * is no part of a step), then every counter of sp_fsdp_stats.mem equals
+ * what sp_mem_estimate_plan predicts for the plan: each category's peak
+ * and current bytes, in use and reserved, and the allocator calls, which
+ * the second step must not add to. */
+static int body_memory(rank_ctx *c, void *arg) {
+  (void)arg;
+  uint64_t allocs_step1 = 0;
+  for (uint64_t s = 1; s <= 2; s++) {
+    sp_session_set_step(c->s, s);
+    TRY(forward(c, false));
+    TRY(backward(c, false, 0, &k_rank_grads));
+    TRY(sgd(c, LR, 0, &k_rank_grads));
+    sp_fsdp_stats st;
+    sp_fsdp_get_stats(c->f, &st);
+    if (s == 1) allocs_step1 = st.mem.allocs;
+  }
+  sp_fsdp_stats st;
+  sp_fsdp_get_stats(c->f, &st);
+  sp_mem_opts o;
+  sp_mem_opts_default(&o);
+  o.backward_prefetch = c->h->cfg.prefetch;
+  o.max_inflight = c->h->cfg.max_inflight;
+  sp_mem_estimate e;
+  CALL(c, sp_mem_estimate_plan(c->plan, &o, &e, &D));
+  const sp_mem_account *got = &st.mem, *want = &e.acct;
+  for (int k = 0; k < SP_MEM_N_CATS; k++) {
+    const char *name = sp_mem_cat_label((sp_mem_cat)k);
+    CHECK(c, got->cat[k].peak == want->cat[k].peak,
+          "%s: peak %llu bytes, the model says %llu", name,
+          (unsigned long long)got->cat[k].peak,
+          (unsigned long long)want->cat[k].peak);
+    CHECK(c, got->cat[k].current == want->cat[k].current,
+          "%s: %llu bytes after two steps, the model says %llu", name,
+          (unsigned long long)got->cat[k].current,
+          (unsigned long long)want->cat[k].current);
+  }
+  CHECK(c, got->total.peak == want->total.peak,
+        "total peak %llu bytes, the model says %llu",
+        (unsigned long long)got->total.peak,
+        (unsigned long long)want->total.peak);
+  CHECK(c, got->reserved.peak == want->reserved.peak &&
+               got->reserved.current == want->reserved.current,
+        "reserved %llu bytes (peak %llu), the model says %llu (%llu)",
+        (unsigned long long)got->reserved.current,
+        (unsigned long long)got->reserved.peak,
+        (unsigned long long)want->reserved.current,
+        (unsigned long long)want->reserved.peak);
+  CHECK(c, got->allocs == want->allocs, "%llu allocations, the model says "
+        "%llu", (unsigned long long)got->allocs,
+        (unsigned long long)want->allocs);
+  CHECK(c, got->allocs == allocs_step1, "the second step allocated %llu "
+        "blocks", (unsigned long long)(got->allocs - allocs_step1));
+  /* and the pool held the unsharded state only in flight: after the
+   * steps, only NO_SHARD keeps any */
+  if (is_sharded(c))
+    CHECK(c, got->cat[SP_MEM_PARAMS].current == 0 &&
+                 got->cat[SP_MEM_GRADS].current == 0 &&
+                 got->cat[SP_MEM_REDUCE].current == 0,
+          "unsharded storage still in use after the steps: params %llu, "
+          "grads %llu, reduce %llu",
+          (unsigned long long)got->cat[SP_MEM_PARAMS].current,
+          (unsigned long long)got->cat[SP_MEM_GRADS].current,
+          (unsigned long long)got->cat[SP_MEM_REDUCE].current);
+  return 0;
+}
+
+static job_cfg cfg_hybrid(const char *model, uint32_t w, uint32_t g) {
+  job_cfg cfg = cfg_of(model, w, SP_HYBRID_SHARD);
+  cfg.group = g;
+  return cfg;
+}
+
+/* The reference MLP on every strategy at W = 1..4 (W = 1 is NO_SHARD
+ * whatever is asked), then mixed precision (a reduce dtype of its own
+ * needs red_in; keep_low_precision_grads changes the gradient shards),
+ * buffers that lazy init casts, and the limiter and prefetch options on the
+ * synthetic spec. */
+static void test_memory_model_exact(void **state) {
+  (void)state;
+  job_cfg cfgs[32];
+  size_t n = 0;
+  cfgs[n++] = cfg_of(MLP, 1, SP_FULL_SHARD);
+  for (uint32_t w = 2; w <= 4; w++) {
+    cfgs[n++] = cfg_of(MLP, w, SP_FULL_SHARD);
+    cfgs[n++] = cfg_of(MLP, w, SP_SHARD_GRAD_OP);
+    cfgs[n++] = cfg_of(MLP, w, SP_NO_SHARD);
+    cfgs[n++] = cfg_hybrid(MLP, w, w % 2 == 0 ? 2 : 1);
+  }
+  cfgs[n] = cfg_of(MLP, 4, SP_FULL_SHARD);
+  cfgs[n++].param_dtype = SP_BFLOAT16;
+  cfgs[n] = cfg_hybrid(MLP, 4, 2);
+  cfgs[n].param_dtype = SP_BFLOAT16;
+  cfgs[n++].reduce_dtype = SP_FLOAT32;
+  cfgs[n] = cfg_of(MLP, 3, SP_SHARD_GRAD_OP);
+  cfgs[n].param_dtype = SP_BFLOAT16;
+  cfgs[n++].keep_low = true;
+  cfgs[n] = cfg_of(MLP, 2, SP_NO_SHARD);
+  cfgs[n].param_dtype = SP_BFLOAT16;
+  cfgs[n++].reduce_dtype = SP_FLOAT32;
+  cfgs[n] = cfg_of(MLP_BUFFERS, 2, SP_FULL_SHARD);
+  cfgs[n++].buffer_dtype = SP_BFLOAT16;
+  cfgs[n] = cfg_of(g_synth, 3, SP_FULL_SHARD);
+  cfgs[n++].max_inflight = 1;
+  cfgs[n] = cfg_of(g_synth, 4, SP_FULL_SHARD);
+  cfgs[n++].prefetch = false;
+  for (size_t i = 0; i < n; i++) run_job(&cfgs[i], body_memory, NULL);
+}
+
 /* ---- the synthetic spec ---- */
 
 static void append(char *buf, size_t cap, const char *fmt, ...)
@@ -1321,6 +1432,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_illegal_schedules),
       cmocka_unit_test(test_prefetched_unit_skipped_in_backward),
       cmocka_unit_test(test_lazy_init_buffers),
+      cmocka_unit_test(test_memory_model_exact),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -316,25 +316,75 @@ static void test_run_worker_killed(void **state) {
   free(dir);
 }
 
+/* The step count in a FULL checkpoint's metadata, or -1. */
+static long ckpt_step(const char *ck) {
+  char *path = sp_test_path(ck, "full/model.safetensors");
+  FILE *fp = fopen(path, "rb");
+  free(path);
+  if (!fp) return -1;
+  char buf[8192];
+  size_t n = fread(buf, 1, sizeof buf - 1, fp);
+  fclose(fp);
+  buf[n] = '\0';
+  char *at = n > 8 ? strstr(buf + 8, "\"shardplane.optim_steps\":\"") : NULL;
+  return at ? atol(at + strlen("\"shardplane.optim_steps\":\"")) : -1;
+}
+
+/* Ctrl-C: run forwards it, every worker stops after the same step with a
+ * checkpoint of it, run exits 130 naming the flags that continue; the
+ * continued job starts after that step and trains up to --steps in all.
+ * SIGTERM the same, with 143. */
 static void test_run_interrupted(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
-                        "100000000", "--log-every", "50",
-                        "--checkpoint-dir", ck, NULL};
-  pid_t run = start_run(dir, args);
-  wait_for_output(dir, "out", "step 50/", 60);
-  pid_t w[2] = {0};
-  assert_int_equal(find_workers(run, w, 2), 2);
-  kill(run, SIGINT);
-  int st = wait_run(run, 10);
-  char *err = slurp(dir, "err");
-  printf("  exit %d: %s", st, err);
-  assert_int_equal(st, 130);
-  assert_non_null(strstr(err, "interrupted"));
-  for (int r = 0; r < 2; r++) assert_false(alive(w[r]));
-  free(err);
+  const int sigs[] = {SIGINT, SIGTERM};
+  for (int i = 0; i < 2; i++) {
+    const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
+                          "100000000", "--log-every", "50",
+                          "--checkpoint-dir", ck, NULL};
+    pid_t run = start_run(dir, args);
+    wait_for_output(dir, "out", "step 50/", 60);
+    pid_t w[2] = {0};
+    assert_int_equal(find_workers(run, w, 2), 2);
+    kill(run, sigs[i]);
+    int st = wait_run(run, 30);
+    char *err = slurp(dir, "err"), *out = slurp(dir, "out");
+    printf("  exit %d: %s", st, err);
+    assert_int_equal(st, 128 + sigs[i]);
+    assert_non_null(strstr(err, "interrupted"));
+    for (int r = 0; r < 2; r++) assert_false(alive(w[r]));
+    long k = ckpt_step(ck);
+    assert_true(k >= 50);
+    char want[128];
+    snprintf(want, sizeof want, "[rank0]: stopping after step %ld of "
+             "100000000", k);
+    assert_non_null(strstr(out, want));
+    assert_non_null(strstr(out, "continue from it with --load"));
+    free(err);
+    free(out);
+    /* --steps counts all steps: K + 3 trains three more */
+    char total[32];
+    snprintf(total, sizeof total, "%ld", k + 3);
+    const char *more[] = {"--nproc", "2", "--model", MLP, "--steps", total,
+                          "--load", ck, "--checkpoint-dir", ck, NULL};
+    run = start_run(dir, more);
+    assert_int_equal(wait_run(run, 60), 0);
+    out = slurp(dir, "out");
+    snprintf(want, sizeof want, "[rank0]: resuming after step %ld of %ld", k,
+             k + 3);
+    assert_non_null(strstr(out, want));
+    snprintf(want, sizeof want, "step %ld/%ld", k + 1, k + 3);
+    assert_non_null(strstr(out, want));
+    snprintf(want, sizeof want, "step %ld/%ld", k, k + 3);
+    assert_null(strstr(out, want));
+    assert_int_equal(ckpt_step(ck), k + 3);
+    printf("  %s after step %ld: checkpoint there; --load %s --steps %ld "
+           "trained steps %ld..%ld\n", strsignal(sigs[i]), k, "ck", k + 3,
+           k + 1, k + 3);
+    free(out);
+    sp_test_rmtree(ck);
+  }
   free(ck);
   sp_test_rmtree(dir);
   free(dir);

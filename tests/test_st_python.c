@@ -1,5 +1,5 @@
-/* safetensors interop: files written by sp_st_write are read back by an
- * independent reader (tests/interop/st_reader.py: Python's standard library
+/* safetensors interop: files written by sp_safetensors_write are read back by
+ * an independent reader (tests/interop/st_reader.py: Python's standard library
  * and numpy), which must see the same names, dtypes, shapes, offsets, bytes
  * and values: every dtype, a scalar, an empty tensor, non-finite values and
  * float16/bfloat16 subnormals. */
@@ -120,8 +120,9 @@ static long long value_as_int(sp_dtype dt, const uint8_t *data, size_t i) {
 
 /* Checks one tensor of the reader's summary against what the C side
  * wrote; returns how many values were compared. */
-static size_t check_tensor(const sp_st_entry *e, const sp_st_tensor *ct,
-                           json_t *t, bool want_hex) {
+static size_t check_tensor(const sp_safetensors_entry *e,
+                           const sp_safetensors_tensor *ct, json_t *t,
+                           bool want_hex) {
   assert_non_null(t);
   assert_string_equal(json_string_value(json_object_get(t, "dtype")),
                       sp_dtype_st_name(e->dtype));
@@ -227,7 +228,7 @@ static void test_every_dtype(void **state) {
     memcpy(&big[i], &u, 4);
   }
 
-  const sp_st_entry entries[] = {
+  const sp_safetensors_entry entries[] = {
       {"f64", SP_FLOAT64, 2, {2, 5}, f64},
       {"f32", SP_FLOAT32, 2, {3, 4}, f32},
       {"f16", SP_FLOAT16, 1, {12}, f16},
@@ -245,16 +246,16 @@ static void test_every_dtype(void **state) {
       {"big", SP_FLOAT32, 2, {100, BIG / 100}, big},
   };
   const size_t n = sizeof entries / sizeof entries[0];
-  const sp_st_kv meta[] = {{"producer", "shardplane test_st_python"}};
+  const sp_safetensors_kv meta[] = {{"producer", "shardplane test_st_python"}};
   char *path = sp_test_path(g_dir, "all.safetensors");
   sp_diag d = {""};
-  if (sp_st_write(path, entries, n, meta, 1, &d) != 0)
-    fail_msg("sp_st_write: %s", d.msg);
+  if (sp_safetensors_write(path, entries, n, meta, 1, &d) != 0)
+    fail_msg("sp_safetensors_write: %s", d.msg);
 
   /* the C reader's view of the same file: offsets and order */
-  sp_st_file *cf = NULL;
-  if (sp_st_open(path, &cf, &d) != 0)
-    fail_msg("sp_st_open: %s", d.msg);
+  sp_safetensors_file *cf = NULL;
+  if (sp_safetensors_open(path, &cf, &d) != 0)
+    fail_msg("sp_safetensors_open: %s", d.msg);
 
   json_t *out = NULL;
   char *err = NULL;
@@ -264,9 +265,9 @@ static void test_every_dtype(void **state) {
   free(err);
 
   assert_int_equal(json_integer_value(json_object_get(out, "header_len")),
-                   sp_st_header_len(cf));
+                   sp_safetensors_header_len(cf));
   assert_int_equal(json_integer_value(json_object_get(out, "data_len")),
-                   sp_st_data_len(cf));
+                   sp_safetensors_data_len(cf));
   json_t *md = json_object_get(out, "metadata");
   assert_string_equal(json_string_value(json_object_get(md, "format")), "pt");
   assert_string_equal(json_string_value(json_object_get(md, "producer")),
@@ -277,10 +278,10 @@ static void test_every_dtype(void **state) {
   assert_int_equal(json_object_size(tensors), n);
   for (size_t i = 0; i < n; i++)
     assert_string_equal(json_string_value(json_array_get(order, i)),
-                        sp_st_tensor_at(cf, i)->name);
+                        sp_safetensors_tensor_at(cf, i)->name);
   size_t values = 0;
   for (size_t i = 0; i < n; i++) {
-    const sp_st_tensor *ct = sp_st_find(cf, entries[i].name);
+    const sp_safetensors_tensor *ct = sp_safetensors_find(cf, entries[i].name);
     assert_non_null(ct);
     bool want_hex = ct->nbytes <= 4096;
     values += check_tensor(&entries[i], ct,
@@ -288,7 +289,7 @@ static void test_every_dtype(void **state) {
   }
   printf("st_reader.py agreed on %zu tensors, %zu values\n", n, values);
   json_decref(out);
-  sp_st_free(cf);
+  sp_safetensors_close(cf);
 
   /* The reader is not a rubber stamp: a truncated copy and a header whose
    * length points past the end are refused. */

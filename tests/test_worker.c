@@ -280,12 +280,22 @@ static void check_with_python(const char *path) {
   json_t *root = json_loads(out, 0, &err);
   if (!root) fail_msg("st_reader.py output: %s", err.text);
   json_t *tensors = json_object_get(root, "tensors");
-  sp_st_file *f;
+  sp_safetensors_file *f;
   sp_diag d = {{0}};
-  assert_int_equal(sp_st_open(path, &f, &d), 0);
-  assert_int_equal(json_object_size(tensors), sp_st_tensor_count(f));
-  for (size_t i = 0; i < sp_st_tensor_count(f); i++) {
-    const sp_st_tensor *t = sp_st_tensor_at(f, i);
+  assert_int_equal(sp_safetensors_open(path, &f, &d), 0);
+  assert_int_equal(json_object_size(tensors), sp_safetensors_tensor_count(f));
+  /* the metadata too (the step count and state names among it) */
+  json_t *meta = json_object_get(root, "metadata");
+  assert_int_equal(json_object_size(meta), sp_safetensors_metadata_count(f));
+  for (size_t i = 0; i < sp_safetensors_metadata_count(f); i++) {
+    const sp_safetensors_kv *kv = sp_safetensors_metadata_at(f, i);
+    const char *pv = json_string_value(json_object_get(meta, kv->key));
+    if (!pv || strcmp(pv, kv->value) != 0)
+      fail_msg("%s: metadata %s: Python sees %s", path, kv->key,
+               pv ? pv : "nothing");
+  }
+  for (size_t i = 0; i < sp_safetensors_tensor_count(f); i++) {
+    const sp_safetensors_tensor *t = sp_safetensors_tensor_at(f, i);
     json_t *pt = json_object_get(tensors, t->name);
     if (!pt) fail_msg("%s: Python did not see %s", path, t->name);
     assert_string_equal(json_string_value(json_object_get(pt, "dtype")),
@@ -304,7 +314,7 @@ static void check_with_python(const char *path) {
       if (v != t->data[k]) fail_msg("%s: %s byte %zu differs", path, t->name, k);
     }
   }
-  sp_st_free(f);
+  sp_safetensors_close(f);
   json_decref(root);
   free(out);
 }
@@ -322,10 +332,12 @@ static void test_buffers_and_checkpoints(void **state) {
     printf("  (the Python reader part needs /usr/bin/python3 with numpy)\n");
   }
   char *dir = sp_test_mkdtemp();
+  /* with an optimizer state, so the Python reader sees its tensors and
+   * the step count too */
   const char *wflags[] = {"--steps", "4", "--global-batch", "24",
                           "--checkpoint-dir", dir, "--checkpoint", "full",
                           "--checkpoint", "sharded", "--checkpoint", "local",
-                          NULL};
+                          "--test-state", "exp_avg", NULL};
   sp_tjob_run(MLP_BUFFERS, k_buffer_job, 3, wflags, JOB_TIMEOUT_S);
 
   sp_tjob_check_buffers(MLP_BUFFERS, 3, 4, 24, 0.05, dir,
@@ -336,10 +348,11 @@ static void test_buffers_and_checkpoints(void **state) {
   sp_model *m;
   sp_diag d = {{0}};
   assert_int_equal(sp_model_load_file(MLP_BUFFERS, &m, &d), 0);
-  sp_st_file *rank2 = sp_tjob_open_st(dir, "sharded/rank-2-of-3.safetensors");
+  sp_safetensors_file *rank2 =
+      sp_tjob_open_st(dir, "sharded/rank-2-of-3.safetensors");
   for (size_t b = 0; b < m->n_buffers; b++)
-    assert_null(sp_st_find(rank2, m->buffers[b].fqn));
-  sp_st_free(rank2);
+    assert_null(sp_safetensors_find(rank2, m->buffers[b].fqn));
+  sp_safetensors_close(rank2);
   sp_model_free(m);
 
   if (have_numpy()) {
@@ -575,18 +588,20 @@ static void test_synthetic_resnet50(void **state) {
   sp_diag d = {{0}};
   assert_int_equal(
       sp_model_load_file(SP_EXAMPLES "/models/resnet50.json", &m, &d), 0);
-  sp_st_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
+  sp_safetensors_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
   size_t want = m->n_params;
   for (size_t b = 0; b < m->n_buffers; b++) want += m->buffers[b].flag;
-  assert_int_equal(sp_st_tensor_count(full), want);
+  assert_int_equal(sp_safetensors_tensor_count(full), want);
   for (size_t p = 0; p < m->n_params; p++) {
-    const sp_st_tensor *t = sp_st_find(full, m->params[p].fqn);
+    const sp_safetensors_tensor *t =
+        sp_safetensors_find(full, m->params[p].fqn);
     assert_non_null(t);
     assert_int_equal(t->dtype, m->params[p].dtype);
     assert_int_equal(t->numel, m->params[p].numel);
   }
   for (size_t b = 0; b < m->n_buffers; b++) {
-    const sp_st_tensor *t = sp_st_find(full, m->buffers[b].fqn);
+    const sp_safetensors_tensor *t =
+        sp_safetensors_find(full, m->buffers[b].fqn);
     if (!m->buffers[b].flag) {
       assert_null(t);
       continue;
@@ -596,10 +611,89 @@ static void test_synthetic_resnet50(void **state) {
   }
   printf("  resnet50, 2 ranks, synthetic gradients: %zu tensors in the FULL "
          "checkpoint, each in its original dtype\n", want);
-  sp_st_free(full);
+  sp_safetensors_close(full);
   sp_model_free(m);
   sp_test_rmtree(dir);
   free(dir);
+}
+
+/* --stats memory: what rank 0's runtime counted in a real job equals the
+ * memory model's prediction for the coordinator's plan, category by
+ * category, and the second step allocated nothing; its RSS grew. The MLP
+ * trains for real (its trainer leaves the root's layers to the root unit);
+ * ResNet-50 (the synthetic cycle) has units of many sizes and full-precision
+ * BatchNorm units under bfloat16. */
+static void check_memory_stats(const char *model, const char *const *cflags,
+                               int n, const char *label) {
+  char *dir = sp_test_mkdtemp();
+  char *stats = sp_test_path(dir, "stats.json");
+  const char *wflags[] = {"--steps", "2", "--checkpoint", "none", "--stats",
+                          stats, NULL};
+  sp_tjob_run(model, cflags, n, wflags, JOB_TIMEOUT_S);
+  sp_model *m;
+  sp_plan *pl;
+  sp_job job;
+  sp_job_init(&job);
+  sp_diag d = {{0}};
+  char ws[16];
+  snprintf(ws, sizeof ws, "%d", n);
+  assert_int_equal(sp_model_load_file(model, &m, &d), 0);
+  assert_int_equal(sp_job_apply_flag(&job, "world-size", ws, &d), 0);
+  for (size_t i = 0; cflags[i]; i += 2)
+    assert_int_equal(sp_job_apply_flag(&job, cflags[i] + 2, cflags[i + 1], &d),
+                     0);
+  assert_int_equal(sp_plan_build(m, &job, &pl, &d), 0);
+  sp_mem_estimate e;
+  assert_int_equal(sp_mem_estimate_plan(pl, NULL, &e, &d), 0);
+  json_error_t je;
+  json_t *root = json_load_file(stats, 0, &je);
+  assert_non_null(root);
+  json_t *mem = json_object_get(root, "memory");
+  json_t *c = json_object_get(json_object_get(mem, "train"), "counted");
+  assert_non_null(c);
+  for (int k = 0; k < SP_MEM_N_CATS; k++) {
+    json_t *cat = json_object_get(c, sp_mem_cat_name((sp_mem_cat)k));
+    uint64_t got = (uint64_t)json_integer_value(json_object_get(cat, "peak"));
+    if (got != e.acct.cat[k].peak)
+      fail_msg("%s: %s peak %llu bytes, the model says %llu", label,
+               sp_mem_cat_label((sp_mem_cat)k), (unsigned long long)got,
+               (unsigned long long)e.acct.cat[k].peak);
+  }
+  uint64_t reserved = (uint64_t)json_integer_value(
+      json_object_get(json_object_get(c, "reserved"), "peak"));
+  uint64_t total = (uint64_t)json_integer_value(
+      json_object_get(json_object_get(c, "total"), "peak"));
+  assert_int_equal(reserved, e.acct.reserved.peak);
+  assert_int_equal(total, e.acct.total.peak);
+  assert_int_equal(json_integer_value(json_object_get(c, "allocs")),
+                   json_integer_value(
+                       json_object_get(mem, "allocs_after_first_step")));
+  json_int_t before = json_integer_value(json_object_get(mem, "rss_before"));
+  json_int_t hwm = json_integer_value(
+      json_object_get(json_object_get(mem, "train"), "rss_hwm"));
+  assert_true(before > 0 && hwm > before);
+  printf("  %s, %d ranks: counted = predicted, peak %llu bytes in use, %llu "
+         "reserved; RSS grew %.1f MiB\n", label, n,
+         (unsigned long long)total, (unsigned long long)reserved,
+         (double)(hwm - before) / (1024.0 * 1024.0));
+  json_decref(root);
+  sp_plan_free(pl);
+  sp_job_clear(&job);
+  sp_model_free(m);
+  sp_test_rmtree(dir);
+  free(stats);
+  free(dir);
+}
+
+static void test_memory_stats(void **state) {
+  (void)state;
+  const char *mlp[] = {"--wrap-type", "Linear", "--strategy", "SHARD_GRAD_OP",
+                       "--param-dtype", "bfloat16", NULL};
+  check_memory_stats(MLP, mlp, 3, "mlp SHARD_GRAD_OP bfloat16");
+  const char *resnet[] = {"--wrap-type", "Bottleneck", "--param-dtype",
+                          "bfloat16", "--reduce-dtype", "float32", NULL};
+  check_memory_stats(SP_EXAMPLES "/models/resnet50.json", resnet, 2,
+                     "resnet50 FULL_SHARD bfloat16/float32");
 }
 
 int main(int argc, char **argv) {
@@ -615,6 +709,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_device_errors),
       cmocka_unit_test(test_killed_worker),
       cmocka_unit_test(test_synthetic_resnet50),
+      cmocka_unit_test(test_memory_stats),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

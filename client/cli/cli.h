@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "fsdp/memory.h"
+
 /* Exit codes: scripts tell these apart. */
 enum {
   SP_EXIT_OK = 0,
@@ -79,8 +81,10 @@ void sp_remote_init(sp_remote *r, const char *cmd);
  * 0 when it was not, -1 (message printed) for a bad value. */
 int sp_remote_option(sp_remote *r, int c, const char *arg);
 /* `plan` without --model: the coordinator's plan, printed as the offline
- * one; rank and unit as `plan --rank/--unit` (rank < 0, unit NULL: none).
- * Returns an exit code and closes r. */
-int sp_remote_plan(sp_remote *r, long long rank, const char *unit);
+ * one; rank and unit as `plan --rank/--unit` (rank < 0, unit NULL: none);
+ * memory not NULL: its memory model for those options instead (`plan
+ * --memory`). Returns an exit code and closes r. */
+int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
+                   const sp_mem_opts *memory);
 
 #endif

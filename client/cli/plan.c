@@ -14,6 +14,7 @@
 #include "fsdp/job.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
+#include "fsdp/memory.h"
 #include "fsdp/model.h"
 #include "fsdp/plan.h"
 #include "lib/plan_wire.h"
@@ -26,9 +27,9 @@ static void plan_help(FILE *f) {
         "       shardplane plan [--coordinator HOST:PORT] [options]\n"
         "\n"
         "Prints the sharding plan: its units, per-rank shard sizes and the\n"
-        "buffer table (FQN, original and compute dtype). With --model it is\n"
-        "computed here from the spec and job; without, it is the running\n"
-        "coordinator's plan.\n"
+        "buffer table (FQN, original and compute dtype), or with --memory\n"
+        "the bytes each rank holds. With --model it is computed here from\n"
+        "the spec and job; without, it is the running coordinator's plan.\n"
         "\n"
         "  --model PATH                 model spec (shardplane.model/v1)\n"
         "  --job PATH                   job config (shardplane.job/v1); the\n"
@@ -44,6 +45,26 @@ static void plan_help(FILE *f) {
         "  --unit U                     also list unit U (index or module "
         "FQN)\n"
         "  --json                       machine-readable output\n"
+        "  --memory                     instead of the tables: the bytes "
+        "every rank\n"
+        "                               holds, by category, at its peak "
+        "(the memory\n"
+        "                               model: exact for shardplane's "
+        "runtime)\n"
+        "  --optimizer O                with --memory: none, sgd (default), "
+        "sgd-momentum\n"
+        "                               or adamw (its state: 0, 0, 1, 2 "
+        "float32 copies\n"
+        "                               of each shard)\n"
+        "  --max-inflight-gathers N     with --memory: the limiter "
+        "(default 2)\n"
+        "  --no-backward-prefetch       with --memory: no BACKWARD_PRE "
+        "prefetch\n"
+        "  --no-sync                    with --memory: gradient "
+        "accumulation under\n"
+        "                               no_sync (every unit's gradient "
+        "kept until the\n"
+        "                               last micro-batch)\n"
         "  --help                       this text\n"
         "\n"
         "exit codes: 0 ok, 1 bad spec or job, 2 bad usage, 3 rank/unit not "
@@ -59,6 +80,11 @@ enum {
   OPT_UNIT,
   OPT_JSON,
   OPT_HELP,
+  OPT_MEMORY,
+  OPT_OPTIMIZER,
+  OPT_INFLIGHT,
+  OPT_NO_PREFETCH,
+  OPT_NO_SYNC,
 };
 
 static const struct option k_opts[] = {
@@ -68,6 +94,11 @@ static const struct option k_opts[] = {
     {"unit", required_argument, NULL, OPT_UNIT},
     {"json", no_argument, NULL, OPT_JSON},
     {"help", no_argument, NULL, OPT_HELP},
+    {"memory", no_argument, NULL, OPT_MEMORY},
+    {"optimizer", required_argument, NULL, OPT_OPTIMIZER},
+    {"max-inflight-gathers", required_argument, NULL, OPT_INFLIGHT},
+    {"no-backward-prefetch", no_argument, NULL, OPT_NO_PREFETCH},
+    {"no-sync", no_argument, NULL, OPT_NO_SYNC},
     SP_REMOTE_OPTIONS,
 };
 
@@ -75,6 +106,10 @@ typedef struct plan_args {
   const char *model, *job, *unit;
   long long rank;
   bool json;
+  bool memory;
+  sp_mem_opts mem;
+  const char *mem_flag; /* a memory option given (for the error without
+                           --memory) */
   bool remote_opts; /* --coordinator or --timeout-ms given */
   sp_job_cli flags; /* job flags, applied after --job */
 } plan_args;
@@ -133,7 +168,18 @@ static int run_plan(const plan_args *a) {
     exit_code = SP_EXIT_NOT_FOUND;
     goto out;
   }
-  if (a->json) {
+  if (a->memory) {
+    sp_mem_estimate e;
+    if (sp_mem_estimate_plan(plan, &a->mem, &e, &diag) != 0) {
+      sp_cli_error("plan", "memory model: %s", diag.msg);
+      goto out;
+    }
+    if (a->json) {
+      if (sp_render_memory_json(plan, &job, &src, &e) != 0) goto out;
+    } else {
+      sp_render_memory_text(plan, &job, &src, &e);
+    }
+  } else if (a->json) {
     if (sp_render_plan_json(plan, &job, &src, (long)a->rank, unit) != 0)
       goto out;
   } else {
@@ -149,6 +195,7 @@ out:
 
 int sp_cmd_plan(int argc, char **argv) {
   plan_args a = {.rank = -1};
+  sp_mem_opts_default(&a.mem);
   sp_remote remote;
   sp_remote_init(&remote, "plan");
   int exit_code = SP_EXIT_USAGE;
@@ -191,6 +238,35 @@ int sp_cmd_plan(int argc, char **argv) {
       plan_help(stdout);
       exit_code = SP_EXIT_OK;
       goto out;
+    case OPT_MEMORY: a.memory = true; break;
+    case OPT_OPTIMIZER:
+      a.mem_flag = "--optimizer";
+      if (sp_mem_optimizer_parse(optarg, &a.mem.optimizer) != 0) {
+        sp_cli_error("plan", "--optimizer \"%s\": expected none, sgd, "
+                     "sgd-momentum or adamw", optarg);
+        goto out;
+      }
+      break;
+    case OPT_INFLIGHT: {
+      long long n;
+      a.mem_flag = "--max-inflight-gathers";
+      if (sp_cli_parse_uint(optarg, SP_MEM_MAX_INFLIGHT, &n) != 0 || n < 1) {
+        sp_cli_error("plan", "--max-inflight-gathers \"%s\": expected a "
+                     "whole number from 1 to %u", optarg,
+                     SP_MEM_MAX_INFLIGHT);
+        goto out;
+      }
+      a.mem.max_inflight = (uint32_t)n;
+      break;
+    }
+    case OPT_NO_PREFETCH:
+      a.mem_flag = "--no-backward-prefetch";
+      a.mem.backward_prefetch = false;
+      break;
+    case OPT_NO_SYNC:
+      a.mem_flag = "--no-sync";
+      a.mem.no_sync = true;
+      break;
     default:
       if (c >= SP_JOB_OPT_BASE) {
         if (sp_job_cli_record(&a.flags, c, optarg) != 0) goto out;
@@ -208,6 +284,16 @@ int sp_cmd_plan(int argc, char **argv) {
     sp_cli_error("plan", "unexpected argument \"%s\"", argv[optind]);
     goto out;
   }
+  if (a.mem_flag != NULL && !a.memory) {
+    sp_cli_error("plan", "%s is an option of the memory model: it needs "
+                 "--memory", a.mem_flag);
+    goto out;
+  }
+  if (a.memory && (a.rank >= 0 || a.unit != NULL)) {
+    sp_cli_error("plan", "--memory prints what every rank holds (the same "
+                 "on all); --rank and --unit are for the plan tables");
+    goto out;
+  }
   if (a.model != NULL) {
     if (a.remote_opts) {
       sp_cli_error("plan", "--model computes the plan here; --coordinator and "
@@ -221,7 +307,8 @@ int sp_cmd_plan(int argc, char **argv) {
                          "coordinator's plan has its own job)");
   } else {
     remote.json = a.json;
-    exit_code = sp_remote_plan(&remote, a.rank, a.unit);
+    exit_code = sp_remote_plan(&remote, a.rank, a.unit,
+                               a.memory ? &a.mem : NULL);
   }
 out:
   sp_job_cli_free(&a.flags);
@@ -233,7 +320,8 @@ out:
 /* plan (remote)                                                       */
 /* ------------------------------------------------------------------ */
 
-int sp_remote_plan(sp_remote *r, long long rank, const char *unit) {
+int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
+                   const sp_mem_opts *memory) {
   Shardplane__V1__GetJobResponse *j = NULL;
   sp_wire_plan *wp = NULL;
   sp_job job;
@@ -245,6 +333,15 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit) {
   int ec = sp_remote_get_job(r, &j, &job);
   if (ec != SP_EXIT_OK) goto out;
   Shardplane__V1__GetPlanRequest q = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
+  Shardplane__V1__MemoryOptions mo = SHARDPLANE__V1__MEMORY_OPTIONS__INIT;
+  if (memory != NULL) {
+    mo.optimizer = (Shardplane__V1__Optimizer)memory->optimizer;
+    mo.max_inflight_gathers = memory->max_inflight;
+    mo.no_backward_prefetch = !memory->backward_prefetch;
+    mo.no_sync = memory->no_sync;
+    q.with_memory = true;
+    q.memory = &mo;
+  }
   ProtobufCMessage *m;
   if ((ec = sp_remote_call(r, SP_COORD_PATH("GetPlan"), &q.base,
                  &shardplane__v1__plan__descriptor, &m)) != SP_EXIT_OK)
@@ -275,7 +372,19 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit) {
                         .n_buffers = j->n_buffers,
                         .elements = j->total_numel,
                         .build_ms = -1};
-  if (r->json) {
+  if (memory != NULL) {
+    sp_mem_estimate e;
+    if (sp_wire_memory(wp->msg->memory, &e, &diag) != 0) {
+      sp_cli_error(r->cmd, "the coordinator's memory model is malformed: %s",
+                   diag.msg);
+      ec = SP_EXIT_FAILURE;
+    } else if (r->json) {
+      if (sp_render_memory_json(pl, &wp->job, &src, &e) != 0)
+        ec = SP_EXIT_FAILURE;
+    } else {
+      sp_render_memory_text(pl, &wp->job, &src, &e);
+    }
+  } else if (r->json) {
     if (sp_render_plan_json(pl, &wp->job, &src, (long)rank, u) != 0)
       ec = SP_EXIT_FAILURE;
   } else {

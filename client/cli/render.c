@@ -155,8 +155,8 @@ static sp_shard_param *shard_params(const sp_plan *pl, uint32_t u,
 
 /* ---- human-readable ---- */
 
-void sp_render_plan_text(const sp_plan *pl, const sp_job *job,
-                         const sp_plan_source *src, long rank, long unit) {
+static void plan_header(const sp_plan *pl, const sp_job *job,
+                        const sp_plan_source *src) {
   const sp_model *m = pl->model;
   printf("model   %s  (", m->name);
   if (src->model_path != NULL)
@@ -170,7 +170,14 @@ void sp_render_plan_text(const sp_plan *pl, const sp_job *job,
   sp_render_job_line(job, pl->strategy);
   printf("\nplan    version %s, %zu units", pl->version_hex, pl->n_units);
   if (src->build_ms >= 0) printf(", computed in %.2f ms", src->build_ms);
-  printf("\n\n");
+  printf("\n");
+}
+
+void sp_render_plan_text(const sp_plan *pl, const sp_job *job,
+                         const sp_plan_source *src, long rank, long unit) {
+  const sp_model *m = pl->model;
+  plan_header(pl, job, src);
+  printf("\n");
 
   printf("%-4s %-40s %-20s %6s %14s %12s %-9s %-9s %-9s %-9s\n", "UNIT",
          "MODULE", "TYPE", "PARAMS", "ELEMENTS", "SHARD(c)", "DTYPE", "PARAM",
@@ -259,6 +266,97 @@ void sp_render_plan_text(const sp_plan *pl, const sp_job *job,
       free(sp);
     }
   }
+}
+
+/* ---- memory ---- */
+
+/* "59.3 MiB" */
+static void human_bytes(uint64_t b, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = (double)b;
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%llu B", (unsigned long long)b);
+  else
+    snprintf(buf, len, "%.1f %s", v, units[u]);
+}
+
+static void memory_row(const char *label, uint64_t peak, uint64_t current) {
+  char hp[32], hc[32];
+  human_bytes(peak, hp, sizeof hp);
+  human_bytes(current, hc, sizeof hc);
+  printf("%-28s %16llu %12s %16llu %12s\n", label, (unsigned long long)peak,
+         hp, (unsigned long long)current, hc);
+}
+
+void sp_render_memory_text(const sp_plan *pl, const sp_job *job,
+                           const sp_plan_source *src,
+                           const sp_mem_estimate *e) {
+  plan_header(pl, job, src);
+  printf("memory  per rank (every rank holds c elements of every unit); "
+         "optimizer %s, limiter %u, backward prefetch %s, no_sync %s\n\n",
+         sp_mem_optimizer_name(e->opts.optimizer), e->opts.max_inflight,
+         e->opts.backward_prefetch ? "on" : "off",
+         e->opts.no_sync ? "on" : "off");
+  printf("%-28s %16s %12s %16s %12s\n", "CATEGORY", "PEAK BYTES", "PEAK",
+         "AFTER STEP 2", "");
+  for (int k = 0; k < SP_MEM_N_CATS; k++)
+    memory_row(sp_mem_cat_label((sp_mem_cat)k), e->acct.cat[k].peak,
+               e->acct.cat[k].current);
+  memory_row("total in use", e->acct.total.peak, e->acct.total.current);
+  memory_row("reserved (pool included)", e->acct.reserved.peak,
+             e->acct.reserved.current);
+  char h[32];
+  human_bytes(e->sharded_state, h, sizeof h);
+  printf("\nsharded state (falls as 1/W)  %16llu %12s\n",
+         (unsigned long long)e->sharded_state, h);
+  human_bytes(e->in_flight_floor, h, sizeof h);
+  printf("in-flight floor               %16llu %12s\n",
+         (unsigned long long)e->in_flight_floor, h);
+  printf("\nEach category's peak is its own maximum; total is the peak of "
+         "the sum.\nreserved adds the blocks the pool keeps cached: what "
+         "the process holds.\nThe floor: buffers, the root unit's "
+         "parameters and gradient, and %u times\nthe largest other unit's "
+         "parameters, gradient and reduce buffers.\n",
+         e->opts.max_inflight);
+}
+
+static json_t *mem_bytes_json(const sp_mem_bytes *b) {
+  return json_pack("{s:I,s:I}", "peak", (json_int_t)b->peak, "current",
+                   (json_int_t)b->current);
+}
+
+int sp_render_memory_json(const sp_plan *pl, const sp_job *job,
+                          const sp_plan_source *src,
+                          const sp_mem_estimate *e) {
+  json_t *cats = json_object();
+  for (int k = 0; k < SP_MEM_N_CATS; k++)
+    json_object_set_new(cats, sp_mem_cat_name((sp_mem_cat)k),
+                        mem_bytes_json(&e->acct.cat[k]));
+  json_t *mem = json_pack(
+      "{s:s,s:I,s:b,s:b,s:o,s:o,s:o,s:I,s:I,s:I}", "optimizer",
+      sp_mem_optimizer_name(e->opts.optimizer), "max_inflight",
+      (json_int_t)e->opts.max_inflight, "backward_prefetch",
+      e->opts.backward_prefetch, "no_sync", e->opts.no_sync, "categories",
+      cats, "total", mem_bytes_json(&e->acct.total), "reserved",
+      mem_bytes_json(&e->acct.reserved), "allocs",
+      (json_int_t)e->acct.allocs, "sharded_state",
+      (json_int_t)e->sharded_state, "in_flight_floor",
+      (json_int_t)e->in_flight_floor);
+  json_t *model = json_pack(
+      "{s:s,s:o,s:I}", "name", pl->model->name, "path",
+      src->model_path ? json_string(src->model_path) : json_null(),
+      "elements", (json_int_t)src->elements);
+  if (model != NULL && src->coordinator != NULL)
+    json_object_set_new(model, "coordinator", json_string(src->coordinator));
+  json_t *root = json_pack(
+      "{s:s,s:o,s:o,s:o}", "version", pl->version_hex, "model", model, "job",
+      sp_render_job_json(job, pl->strategy, pl->shard_world), "memory", mem);
+  return sp_render_json_out(root);
 }
 
 /* ---- JSON ---- */

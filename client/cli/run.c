@@ -2,7 +2,8 @@
  * free loopback port and N workers, passes every rank's output through
  * (each line prefixed with the time and the rank), and stops everything
  * cleanly when the job ends, when a worker dies (naming the rank) or on
- * Ctrl-C. */
+ * Ctrl-C / SIGTERM, which it forwards to every worker: they agree on a
+ * step, checkpoint there and stop (a second signal stops them at once). */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -58,7 +59,9 @@ static void usage(FILE *f) {
         "                             becomes a unit)\n",
         f);
   sp_job_flags_print_help_except(f, "world-size");
-  fputs("  --steps N                  training steps (default 20)\n"
+  fputs("  --steps N                  train up to step N in all (default 20);\n"
+        "                             resumed with --load from step K, the\n"
+        "                             job trains steps K+1..N\n"
         "  --global-batch N           samples per step over all ranks and\n"
         "                             micro-batches (default 24)\n"
         "  --lr X                     learning rate, the peak of a schedule\n"
@@ -70,8 +73,12 @@ static void usage(FILE *f) {
         "  --checkpoint KIND          full, sharded, local or none; "
         "repeatable\n"
         "                             (default full)\n"
+        "  --checkpoint-every N       also after every N-th step; the last\n"
+        "                             one is kept until the new one is\n"
+        "                             complete\n"
         "  --load DIR                 start from a checkpoint: DIR as printed\n"
-        "                             at the end of a run, or its folder\n"
+        "                             at the end of a run, or its folder; the\n"
+        "                             job continues after its step\n"
         "  --load-kind KIND           full, sharded or local, when DIR holds\n"
         "                             several\n"
         "  --log-every N              progress every N steps (default 1)\n"
@@ -85,8 +92,13 @@ static void usage(FILE *f) {
   sp_train_flags_help(f, 29);
   fputs("  --help                     this text\n"
         "\n"
+        "Ctrl-C (SIGINT) or SIGTERM: forwarded to every worker; the ranks stop\n"
+        "after the same step, write the checkpoints and exit; a second signal\n"
+        "stops them at once, without a checkpoint.\n"
+        "\n"
         "exit codes: 0 done, 1 the job failed (a worker died or failed: the\n"
-        "message names the rank), 2 bad usage, 130 interrupted\n",
+        "message names the rank), 2 bad usage, 130 / 143 stopped by SIGINT /\n"
+        "SIGTERM (after the checkpoint)\n",
         f);
 }
 
@@ -271,6 +283,7 @@ typedef struct run_opts {
   long long nproc;
   const char *model_path, *job_path, *ckdir;
   const char *steps, *batch, *lr, *log_every, *hb;
+  const char *ckpt_every; /* --checkpoint-every, or NULL */
   bool cuda;
   bool kinds[4]; /* by sp_ckpt_kind: the checkpoints written */
   bool no_checkpoint; /* --checkpoint none given */
@@ -326,7 +339,7 @@ static int job_flag(run_opts *o, int c, const char *value) {
 }
 
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_HELP };
+       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_CKEVERY, O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
@@ -391,6 +404,9 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
       if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
       return rc;
+    case O_CKEVERY:
+      o->ckpt_every = v;
+      return sp_flag_int(flag, v, 1, 1000000000, &n, d);
   }
   return SP_ENOENT;
 }
@@ -411,6 +427,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"device", required_argument, NULL, O_DEVICE},
       {"load", required_argument, NULL, O_LOAD},
       {"load-kind", required_argument, NULL, O_LOADK},
+      {"checkpoint-every", required_argument, NULL, O_CKEVERY},
       {"help", no_argument, NULL, O_HELP}};
   /* run's own options, the training flags, then the job flags */
   struct option mine[64];
@@ -471,6 +488,11 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     o->kinds[SP_CKPT_FULL] = true;
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
     o->any_kind |= o->kinds[k];
+  if (o->ckpt_every && !o->any_kind) {
+    sp_cli_error(RUN, "--checkpoint-every %s: nothing to write with "
+                 "--checkpoint none", o->ckpt_every);
+    goto out;
+  }
   ret = PROCEED;
 out:
   free(opts);
@@ -695,6 +717,10 @@ static void worker_args(const run_opts *o, const run_job *j,
       push(wa, "--checkpoint");
       push(wa, sp_ckpt_kind_dir((sp_ckpt_kind)k));
     }
+  if (o->ckpt_every) {
+    push(wa, "--checkpoint-every");
+    push(wa, o->ckpt_every);
+  }
   if (o->load_dir) {
     push(wa, "--load");
     push(wa, j->load_from);
@@ -744,7 +770,7 @@ typedef struct run_watch {
   double term_at;   /* when to SIGTERM the workers left; < 0: not yet due */
   double kill_at;   /* when to SIGKILL them; < 0: not yet due */
   bool terminated;  /* SIGTERM sent: the ends that follow are ours */
-  bool interrupted; /* a signal arrived */
+  int interrupted;  /* the signal that arrived and was forwarded, or 0 */
 } run_watch;
 
 /* A failure: the first one names what happened and stops the job; later
@@ -781,7 +807,13 @@ static void reap(const run_opts *o, run_procs *p, run_watch *w) {
       if (p->pids[r] != pid) continue;
       p->pids[r] = 0;
       p->live--;
-      if ((!WIFEXITED(st) || WEXITSTATUS(st) != 0) && !w->terminated)
+      /* after a forwarded signal a rank ends 128 + it, or 143 when it
+       * stopped for another rank's */
+      bool asked = w->interrupted && WIFEXITED(st) &&
+                   (WEXITSTATUS(st) == 128 + w->interrupted ||
+                    WEXITSTATUS(st) == 128 + SIGTERM);
+      if ((!WIFEXITED(st) || WEXITSTATUS(st) != 0) && !w->terminated &&
+          !asked)
         failed(w, GRACE_S, "rank %lld %s", r, how);
     }
   }
@@ -814,13 +846,27 @@ static int supervise(const run_opts *o, run_procs *p) {
   for (;;) {
     size_t open = pass_output(p->streams, p->n_streams, 20);
     reap(o, p, &w);
-    if (g_signal && !w.interrupted) {
-      w.interrupted = true;
+    int sig = g_signal;
+    g_signal = 0;
+    if (sig && !w.interrupted && w.ret == SP_EXIT_OK) {
+      /* the workers agree on a step, checkpoint there and stop */
+      w.interrupted = sig;
+      w.ret = 128 + sig;
+      fprintf(stderr, "shardplane run: interrupted (%s); the %u worker%s "
+                      "checkpoint after the current step and stop (a "
+                      "second signal stops them at once)\n", strsignal(sig),
+              p->live, p->live == 1 ? "" : "s");
+      for (long long r = 0; r < o->nproc; r++)
+        if (p->pids[r] > 0) kill(p->pids[r], sig);
+    } else if (sig) {
+      /* again, or while stopping after a failure: at once */
       fprintf(stderr, "shardplane run: interrupted; stopping %u worker%s "
-                      "and the coordinator\n", p->live,
+                      "and the coordinator now\n", p->live,
               p->live == 1 ? "" : "s");
-      if (w.ret == SP_EXIT_OK) w.ret = 128 + SIGINT; /* else: it failed */
-      w.term_at = sp_clock_s();
+      if (w.ret == SP_EXIT_OK || w.interrupted) w.ret = 128 + sig;
+      w.terminated = true;
+      w.term_at = -1;
+      w.kill_at = sp_clock_s();
     }
     if (p->live == 0) {
       if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
@@ -834,15 +880,18 @@ static int supervise(const run_opts *o, run_procs *p) {
 }
 
 /* The last lines: where the checkpoints are, and the flags that start a
- * job from each (shardplane run or shardplane-worker). Returns the exit
- * code. */
-static int report_done(const run_opts *o, const run_job *j, double took_s) {
+ * job from each (shardplane run or shardplane-worker). After a stop by a
+ * signal the same, as far as the checkpoints were written. Returns the
+ * exit code. */
+static int report_done(const run_opts *o, const run_job *j, double took_s,
+                       int stopped) {
+  const char *how = stopped ? "stopped" : "done";
   if (!o->any_kind) {
-    printf("shardplane run: done in %.1f s; no checkpoint (--checkpoint "
-           "none)\n", took_s);
-    return SP_EXIT_OK;
+    printf("shardplane run: %s after %.1f s; no checkpoint (--checkpoint "
+           "none)\n", how, took_s);
+    return stopped;
   }
-  printf("shardplane run: done in %.1f s; checkpoint in %s\n", took_s,
+  printf("shardplane run: %s after %.1f s; checkpoint in %s\n", how, took_s,
          j->ckdir);
   sp_ckpt_found f;
   sp_ckpt_find(j->ckdir, &f);
@@ -852,15 +901,17 @@ static int report_done(const run_opts *o, const run_job *j, double took_s) {
     if (!o->kinds[k]) continue;
     const char *name = sp_ckpt_kind_name((sp_ckpt_kind)k);
     if (!f.present[k]) {
+      /* a stop before the first step writes none */
       sp_cli_error(RUN, "no %s checkpoint in %s", name, j->ckdir);
-      return SP_EXIT_FAILURE;
+      return stopped ? stopped : SP_EXIT_FAILURE;
     }
     char which[32] = "it";
     if (n > 1) snprintf(which, sizeof which, "the %s one", name);
-    printf("shardplane run: start from %s with --load %s --load-kind %s\n",
-           which, f.dir[k], sp_ckpt_kind_dir((sp_ckpt_kind)k));
+    printf("shardplane run: %s from %s with --load %s --load-kind %s\n",
+           stopped ? "continue" : "start", which, f.dir[k],
+           sp_ckpt_kind_dir((sp_ckpt_kind)k));
   }
-  return SP_EXIT_OK;
+  return stopped;
 }
 
 int sp_cmd_run(int argc, char **argv) {
@@ -891,7 +942,8 @@ int sp_cmd_run(int argc, char **argv) {
   close_streams(p.streams, p.n_streams);
   free(p.streams);
   if (p.coord.pid > 0) sp_proc_stop(&p.coord, 5000);
-  if (ret == SP_EXIT_OK) ret = report_done(&o, &j, sp_clock_s() - t0);
+  if (ret == SP_EXIT_OK || ret == 128 + SIGINT || ret == 128 + SIGTERM)
+    ret = report_done(&o, &j, sp_clock_s() - t0, ret);
 out:
   sp_plan_free(j.plan);
   sp_model_free(j.model);

@@ -451,8 +451,11 @@ public:
   // The slot of one phase: the low half names the operation and its
   // arguments, the high half its place in the sequence (31 bits: slots
   // with the top bit set belong to the sentinels).
-  uint64_t slot(OpKind kind) const {
+  // round: the round of an operation moved in several (0 for the first,
+  // which keeps the slot of an operation of one round).
+  uint64_t slot(OpKind kind, uint64_t round = 0) const {
     uint64_t h = mix64(mix64(mix64(mix64((uint64_t)kind) ^ a_) ^ b_) ^ c_);
+    if (round) h = mix64(h ^ round);
     return ((seq_ & 0x7FFFFFFFull) << 32) | (h & 0xFFFFFFFFull);
   }
 
@@ -594,35 +597,53 @@ void do_all_gather(GlooComm &g, const void *send, void *recv, size_t nbytes,
   });
 }
 
+// The peers' data of a reduce-scatter (and of an all-reduce's scatter
+// phase) moves in rounds of at most this many bytes per peer, so the
+// scratch it lands in is size * 1 MiB whatever the count: received whole,
+// GPT-2's 39 M-element root unit needed a 158 MB scratch (size * count
+// bytes) per reduction, as much as the FSDP runtime's whole unsharded
+// gradient of that unit. Sums are element-wise, so the rounds give the
+// bits of one; on loopback a round costs about 50 us, and a 1 MiB round
+// moves in about 0.3 ms.
+constexpr size_t kRoundBytes = size_t(1) << 20;
+
 void do_reduce_scatter(GlooComm &g, const void *send, void *recv, size_t count,
                        sp_dtype dt, bool &timed_out) {
   const size_t esz = sp_dtype_size(dt);
   const size_t nbytes = count * esz;
+  const size_t per = std::max<size_t>(1, kRoundBytes / esz);
+  const size_t chunk = std::min(per, count);
   Op op(g, count, (uint64_t)dt, 0);
   run_op(op, timed_out, [&] {
-    // Block i of tmp receives member i's block `rank`; the own block is
-    // read in place.
-    unsigned char *tmp = op.scratch(nbytes * (size_t)g.size);
+    // Block i of tmp receives this round's part of member i's block
+    // `rank`; the own block is read in place.
+    unsigned char *tmp = op.scratch(chunk * esz * (size_t)g.size);
     auto *in = static_cast<unsigned char *>(const_cast<void *>(send));
+    auto *out = static_cast<unsigned char *>(recv);
     UnboundBuffer *sb = op.buffer(in, nbytes * (size_t)g.size);
-    UnboundBuffer *rb = op.buffer(tmp, nbytes * (size_t)g.size);
-    const uint64_t slot = op.slot(kReduceScatter);
-    for (int i = 0; i < g.size; i++) {
-      if (i == g.rank) continue;
-      rb->recv(i, slot, (size_t)i * nbytes, nbytes);
-      sb->send(i, slot, (size_t)i * nbytes, nbytes);
-    }
-    for (int i = 1; i < g.size; i++) op.wait_recv(rb);
-    for (int i = 1; i < g.size; i++) op.wait_send(sb);
+    UnboundBuffer *rb = op.buffer(tmp, chunk * esz * (size_t)g.size);
     std::vector<const void *> blocks((size_t)g.size);
-    for (int i = 0; i < g.size; i++)
-      blocks[(size_t)i] =
-          i == g.rank ? in + (size_t)i * nbytes : tmp + (size_t)i * nbytes;
-    // Every send has completed, so recv may overlap send: the sum reads
-    // each chunk of every block before writing that chunk.
-    if (sp_comm_sum_blocks(recv, blocks.data(), (uint32_t)g.size, count, dt) <
-        0)
-      throw std::invalid_argument("no sum for this dtype");
+    for (size_t e0 = 0, round = 0; e0 < count; e0 += per, round++) {
+      const size_t k = std::min(per, count - e0);
+      const uint64_t slot = op.slot(kReduceScatter, round);
+      for (int i = 0; i < g.size; i++) {
+        if (i == g.rank) continue;
+        rb->recv(i, slot, (size_t)i * chunk * esz, k * esz);
+        sb->send(i, slot, ((size_t)i * count + e0) * esz, k * esz);
+      }
+      for (int i = 1; i < g.size; i++) op.wait_recv(rb);
+      for (int i = 1; i < g.size; i++) op.wait_send(sb);
+      for (int i = 0; i < g.size; i++)
+        blocks[(size_t)i] =
+            i == g.rank ? in + ((size_t)i * count + e0) * esz
+                        : tmp + (size_t)i * chunk * esz;
+      // Every send of this round has completed, so recv may overlap send:
+      // the sum reads each chunk of every block before writing that
+      // chunk, and later rounds read only later parts of the own block.
+      if (sp_comm_sum_blocks(out + e0 * esz, blocks.data(), (uint32_t)g.size,
+                             k, dt) < 0)
+        throw std::invalid_argument("no sum for this dtype");
+    }
   });
 }
 
@@ -638,40 +659,52 @@ void do_all_reduce(GlooComm &g, void *buf, size_t count, sp_dtype dt,
   auto len = [&](size_t j) { return std::min(chunk, count - off(j)); };
   const size_t me = (size_t)g.rank;
   const size_t mylen = len(me);
+  // the scatter phase in rounds of kRoundBytes per peer (see
+  // do_reduce_scatter): round r moves elements [r * per, (r + 1) * per) of
+  // every segment; a short or empty segment just ends sooner
+  const size_t per = std::max<size_t>(1, kRoundBytes / esz);
+  const size_t part = std::min(per, mylen);
   Op op(g, count, (uint64_t)dt, 0);
   run_op(op, timed_out, [&] {
     auto *data = static_cast<unsigned char *>(buf);
-    unsigned char *tmp = op.scratch(mylen * esz * w);
+    unsigned char *tmp = op.scratch(part * esz * w);
     UnboundBuffer *db = op.buffer(data, count * esz);
-    UnboundBuffer *tb = op.buffer(tmp, mylen * esz * w);
-    uint64_t slot = op.slot(kAllReduceScatter);
-    int nrecv = 0, nsend = 0;
-    for (size_t i = 0; i < w; i++) {
-      if (i == me) continue;
-      if (mylen > 0) {
-        tb->recv((int)i, slot, i * mylen * esz, mylen * esz);
-        nrecv++;
+    UnboundBuffer *tb = op.buffer(tmp, part * esz * w);
+    std::vector<const void *> blocks(w);
+    for (size_t e0 = 0, round = 0; e0 < chunk; e0 += per, round++) {
+      auto piece = [&](size_t j) {
+        return len(j) > e0 ? std::min(per, len(j) - e0) : 0;
+      };
+      const size_t k = piece(me);
+      const uint64_t slot = op.slot(kAllReduceScatter, round);
+      int nrecv = 0, nsend = 0;
+      for (size_t i = 0; i < w; i++) {
+        if (i == me) continue;
+        if (k > 0) {
+          tb->recv((int)i, slot, i * part * esz, k * esz);
+          nrecv++;
+        }
+        if (piece(i) > 0) {
+          db->send((int)i, slot, (off(i) + e0) * esz, piece(i) * esz);
+          nsend++;
+        }
       }
-      if (len(i) > 0) {
-        db->send((int)i, slot, off(i) * esz, len(i) * esz);
-        nsend++;
+      for (int i = 0; i < nrecv; i++) op.wait_recv(tb);
+      for (int i = 0; i < nsend; i++) op.wait_send(db);
+      if (k > 0) {
+        for (size_t i = 0; i < w; i++)
+          blocks[i] = i == me ? data + (off(me) + e0) * esz
+                              : tmp + i * part * esz;
+        if (sp_comm_sum_blocks(data + (off(me) + e0) * esz, blocks.data(),
+                               (uint32_t)w, k, dt) < 0)
+          throw std::invalid_argument("no sum for this dtype");
       }
-    }
-    for (int i = 0; i < nrecv; i++) op.wait_recv(tb);
-    for (int i = 0; i < nsend; i++) op.wait_send(db);
-    if (mylen > 0) {
-      std::vector<const void *> blocks(w);
-      for (size_t i = 0; i < w; i++)
-        blocks[i] = i == me ? data + off(me) * esz : tmp + i * mylen * esz;
-      if (sp_comm_sum_blocks(data + off(me) * esz, blocks.data(), (uint32_t)w,
-                             mylen, dt) < 0)
-        throw std::invalid_argument("no sum for this dtype");
     }
     // Peers post their gather receives only after their own scatter phase,
     // and a receive is never filled before it is posted (Gloo sends data
     // only to a receive the peer has announced), so reusing buf is safe.
-    slot = op.slot(kAllReduceGather);
-    nrecv = nsend = 0;
+    const uint64_t slot = op.slot(kAllReduceGather);
+    int nrecv = 0, nsend = 0;
     for (size_t i = 0; i < w; i++) {
       if (i == me) continue;
       if (len(i) > 0) {

@@ -47,13 +47,41 @@ const char *sp_fsdp_unit_name(const sp_fsdp *f, uint32_t unit) {
 
 /* ---- construction ---- */
 
-/* Zeroed storage for n elements of esize bytes, or NULL with *rc set (the
- * first failure of a series wins, so one check after several calls). */
-static void *mem_alloc(sp_fsdp *f, size_t n, size_t esize, int *rc,
-                       sp_diag *d) {
+/* ---- storage: every block through the pool (fsdp_internal.h) ---- */
+
+static int pool_alloc(void *user, size_t n, size_t esize, void **out,
+                      sp_diag *d) {
+  sp_fsdp *f = user;
+  return f->mem->alloc(f, n, esize, out, d);
+}
+
+static void pool_release(void *user, void *p) {
+  sp_fsdp *f = user;
+  f->mem->release(f, p);
+}
+
+int sp_fsdp_alloc(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
+                  void **p, sp_diag *d) {
+  return sp_mem_pool_alloc(&f->pool, cat, n, esize, p, d);
+}
+
+int sp_fsdp_take(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
+                 void **p, sp_diag *d) {
+  return sp_mem_pool_take(&f->pool, cat, n, esize, p, d);
+}
+
+int sp_fsdp_release(sp_fsdp *f, sp_mem_cat cat, void *p) {
+  return sp_mem_pool_release(&f->pool, cat, p, NULL);
+}
+
+/* Zeroed storage of its own for n elements of esize bytes, or NULL with
+ * *rc set (the first failure of a series wins, so one check after several
+ * calls). */
+static void *mem_alloc(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
+                       int *rc, sp_diag *d) {
   void *p = NULL;
   if (*rc < 0) return NULL;
-  int r = f->mem->alloc(f, n, esize, &p, d);
+  int r = sp_fsdp_alloc(f, cat, n, esize, &p, d);
   if (r < 0) {
     *rc = r;
     return NULL;
@@ -80,20 +108,18 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   fu->grad_dtype =
       u->keep_low_precision_grads ? u->param_dtype : u->dtype;
   size_t c = (size_t)fu->c, padded = (size_t)fu->padded;
-  size_t rsize = sp_dtype_size(u->reduce_dtype);
-  /* Everything a step needs, once: the views, gradients and reduction
-   * buffers are reused every step (on a GPU: no cudaMalloc per step). */
+  fu->rsize = sp_dtype_size(u->reduce_dtype);
+  /* The sharded state lives for the runtime's life; the unsharded slots
+   * come from the pool when a step needs them (fsdp_schedule.c), except
+   * NO_SHARD's, which FSDP keeps unsharded all along: allocated here. */
   int rc = 0;
-  fu->shard = mem_alloc(f, c, fu->esize, &rc, d);
-  fu->shard_grad = mem_alloc(f, c, sp_dtype_size(fu->grad_dtype), &rc, d);
-  fu->full = mem_alloc(f, padded, fu->psize, &rc, d);
-  fu->full_grad = mem_alloc(f, padded, fu->psize, &rc, d);
-  fu->red_out =
-      mem_alloc(f, pl->strategy == SP_NO_SHARD ? padded : c, rsize, &rc, d);
-  if (u->param_dtype != u->dtype && !f->dev)
-    fu->mp_shard = mem_alloc(f, c, fu->psize, &rc, d);
-  if (u->reduce_dtype != u->param_dtype)
-    fu->red_in = mem_alloc(f, padded, rsize, &rc, d);
+  fu->shard = mem_alloc(f, SP_MEM_SHARD_PARAMS, c, fu->esize, &rc, d);
+  fu->shard_grad = mem_alloc(f, SP_MEM_SHARD_GRADS, c,
+                             sp_dtype_size(fu->grad_dtype), &rc, d);
+  if (pl->strategy == SP_NO_SHARD) {
+    fu->full = mem_alloc(f, SP_MEM_PARAMS, padded, fu->psize, &rc, d);
+    fu->full_grad = mem_alloc(f, SP_MEM_GRADS, padded, fu->psize, &rc, d);
+  }
   if (rc < 0)
     return sp_diag_prefix(d, rc, "unit %u (%s): %lld elements", ui,
                           sp_fsdp_unit_name(f, ui), (long long)padded);
@@ -165,19 +191,21 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
   divide_factors(f->world, &f->pre_divide, &f->post_divide);
   pthread_mutex_init(&f->mu, NULL);
   pthread_cond_init(&f->cv, NULL);
+  sp_mem_pool_init(&f->pool, pool_alloc, pool_release, f);
   f->n_units = pl->n_units;
   f->queue_cap = 2 * pl->n_units + 16;
   f->units = sp_fsdp_xcalloc(pl->n_units, sizeof *f->units);
   f->order = sp_fsdp_xcalloc(pl->n_units, sizeof *f->order);
   f->inflight = sp_fsdp_xcalloc(f->opts.max_inflight_gathers + 1,
                         sizeof *f->inflight);
+  f->reducing = sp_fsdp_xcalloc(pl->n_units + 1, sizeof *f->reducing);
   f->queue = sp_fsdp_xcalloc(f->queue_cap, sizeof *f->queue);
   f->buffers = sp_fsdp_xcalloc(f->model->n_buffers, sizeof *f->buffers);
   f->buffer_dtype =
       sp_fsdp_xcalloc(f->model->n_buffers, sizeof *f->buffer_dtype);
   int rc = 0;
-  if (!f->units || !f->order || !f->inflight || !f->queue || !f->buffers ||
-      !f->buffer_dtype)
+  if (!f->units || !f->order || !f->inflight || !f->reducing || !f->queue ||
+      !f->buffers || !f->buffer_dtype)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   /* the storage's home: before the first allocation. Device buffers need
    * communicators that take device pointers, i.e. have a CUDA stream; a
@@ -205,7 +233,7 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
     size_t n = (size_t)bs->numel, es = sp_dtype_size(bs->dtype);
     f->buffer_dtype[b] = bs->dtype;
     void *p = NULL;
-    rc = f->mem->alloc(f, n, es, &p, d);
+    rc = sp_fsdp_alloc(f, SP_MEM_BUFFERS, n, es, &p, d);
     if (rc < 0) {
       sp_diag_prefix(d, rc, "buffer %s", bs->fqn);
       break;
@@ -244,24 +272,15 @@ void sp_fsdp_free(sp_fsdp *f) {
     (void)f->mem->drain(f, SP_LANE_COMPUTE, &ignored);
     (void)f->mem->drain(f, SP_LANE_COMM, &ignored);
   }
-  for (size_t i = 0; f->units && i < f->n_units; i++) {
-    sp_fsdp_unit *fu = &f->units[i];
-    f->mem->release(f, fu->shard);
-    f->mem->release(f, fu->shard_grad);
-    f->mem->release(f, fu->mp_shard);
-    f->mem->release(f, fu->full);
-    f->mem->release(f, fu->full_grad);
-    f->mem->release(f, fu->red_in);
-    f->mem->release(f, fu->red_out);
-  }
-  for (size_t b = 0; f->buffers && b < f->model->n_buffers; b++)
-    f->mem->release(f, f->buffers[b]);
+  /* every block: the sharded state, the buffers, the pool's cache */
+  sp_mem_pool_destroy(&f->pool);
   f->mem->destroy(f);
   free(f->buffers);
   free(f->buffer_dtype);
   free(f->units);
   free(f->order);
   free(f->inflight);
+  free(f->reducing);
   free(f->queue);
   free(f->states);
   pthread_mutex_destroy(&f->mu);
@@ -280,7 +299,7 @@ int sp_fsdp_lazy_init(sp_fsdp *f, sp_diag *d) {
     if (to == f->buffer_dtype[b] || !sp_dtype_is_floating(to)) continue;
     size_t n = (size_t)f->model->buffers[b].numel;
     void *nb = NULL;
-    int rc = f->mem->alloc(f, n, sp_dtype_size(to), &nb, d);
+    int rc = sp_fsdp_alloc(f, SP_MEM_BUFFERS, n, sp_dtype_size(to), &nb, d);
     if (rc < 0)
       return sp_diag_prefix(d, rc, "buffer %s", f->model->buffers[b].fqn);
     rc = f->mem->cast(f, SP_LANE_COMPUTE, nb, to, f->buffers[b],
@@ -288,11 +307,11 @@ int sp_fsdp_lazy_init(sp_fsdp *f, sp_diag *d) {
     /* the old storage may still be read by the cast on the device */
     if (rc == 0) rc = f->mem->drain(f, SP_LANE_COMPUTE, d);
     if (rc < 0) {
-      f->mem->release(f, nb);
+      (void)sp_fsdp_release(f, SP_MEM_BUFFERS, nb);
       return sp_diag_set(d, rc, "casting buffer %s to %s",
                          f->model->buffers[b].fqn, sp_dtype_name(to));
     }
-    f->mem->release(f, f->buffers[b]);
+    (void)sp_fsdp_release(f, SP_MEM_BUFFERS, f->buffers[b]);
     f->buffers[b] = nb;
     f->buffer_dtype[b] = to;
   }
@@ -338,7 +357,9 @@ void *sp_fsdp_param_grad(sp_fsdp *f, int32_t param) {
   sp_fsdp_unit *fu = param_unit(f, param, &e);
   /* a frozen parameter takes no gradient (its .grad is None): its elements
    * stay zero, so they reduce to zero and no optimizer moves them */
-  if (!fu || !fu->has_data || !f->model->params[param].flag) return NULL;
+  if (!fu || !fu->has_data || !fu->full_grad ||
+      !f->model->params[param].flag)
+    return NULL;
   return fu->full_grad + (size_t)e->offset * fu->psize;
 }
 
@@ -464,7 +485,13 @@ int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *h, bool keep,
 }
 
 void sp_fsdp_get_stats(const sp_fsdp *f, sp_fsdp_stats *out) {
-  if (f && out) *out = f->stats;
+  if (!f || !out) return;
+  *out = f->stats;
+  out->mem = f->pool.acct;
+}
+
+void sp_fsdp_reset_peak_memory(sp_fsdp *f) {
+  if (f) sp_mem_pool_reset_peaks(&f->pool);
 }
 
 /* ---- communicators ---- */

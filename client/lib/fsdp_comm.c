@@ -52,41 +52,33 @@ static int coll_all_reduce(sp_fsdp *f, sp_comm *c, void *buf, size_t count,
 
 /* ---- the communication thread ---- */
 
-/* On a GPU: the shard cast (or copied) straight into its own slot of the
- * unsharded buffer, then gathered in place (send = recv + rank * c), so
- * mixed precision needs no separate low-precision shard. */
-static int run_gather_device(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
+/* The unshard: the shard goes into this rank's own place of the unsharded
+ * buffer (cast to param_dtype when that differs, and always on a GPU, whose
+ * cast kernel also copies), then the all-gather runs in place (send = recv
+ * + rank * c); NO_SHARD stops after the copy. A host shard already in
+ * param_dtype is sent from where it is, which Gloo moves into place
+ * itself. Casting into the slot rather than into a separate low-precision
+ * shard saves c * param_dtype bytes per unit and gives the same bits. */
+static int run_gather(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
   const sp_unit *u = fu->u;
   bool no_shard = f->plan->strategy == SP_NO_SHARD;
   sp_comm *c = gather_comm(f);
   size_t slot = no_shard ? 0 : (size_t)sp_comm_rank(c) * (size_t)fu->c;
-  uint8_t *dst = fu->full + slot * fu->psize;
-  int rc = f->mem->cast(f, SP_LANE_COMM, dst, u->param_dtype, fu->shard,
-                        u->dtype, (size_t)fu->c, d);
-  if (rc < 0) return sp_diag_prefix(d, rc, "casting the shard to %s",
-                                    sp_dtype_name(u->param_dtype));
-  if (no_shard) return 0;
-  return coll_all_gather(f, c, dst, fu->full, (size_t)fu->c, u->param_dtype,
-                         d);
-}
-
-static int run_gather(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
-  if (f->dev) return run_gather_device(f, fu, d);
-  const sp_unit *u = fu->u;
-  uint8_t *src = fu->shard;
-  const sp_fsdp_mem_ops *mem = f->mem;
-  if (fu->mp_shard) {
-    int rc = mem->cast(f, SP_LANE_COMM, fu->mp_shard, u->param_dtype,
-                       fu->shard, u->dtype, (size_t)fu->c, d);
-    if (rc < 0) return sp_diag_set(d, rc, "casting the shard to %s",
-                                   sp_dtype_name(u->param_dtype));
-    src = fu->mp_shard;
+  uint8_t *mine = fu->full + slot * fu->psize;
+  const void *send = fu->shard;
+  if (f->dev || u->param_dtype != u->dtype) {
+    int rc = f->mem->cast(f, SP_LANE_COMM, mine, u->param_dtype, fu->shard,
+                          u->dtype, (size_t)fu->c, d);
+    if (rc < 0) return sp_diag_prefix(d, rc, "casting the shard to %s",
+                                      sp_dtype_name(u->param_dtype));
+    send = mine;
   }
-  if (f->plan->strategy == SP_NO_SHARD)
-    return mem->copy(f, SP_LANE_COMM, fu->full, src,
-                     (size_t)fu->c * fu->psize, d);
-  return coll_all_gather(f, gather_comm(f), src, fu->full, (size_t)fu->c,
-                         u->param_dtype, d);
+  if (no_shard)
+    return send == mine ? 0
+                        : f->mem->copy(f, SP_LANE_COMM, mine, send,
+                                       (size_t)fu->c * fu->psize, d);
+  return coll_all_gather(f, c, send, fu->full, (size_t)fu->c, u->param_dtype,
+                         d);
 }
 
 /* The post-backward reduction: FSDP's _post_backward_hook +
@@ -106,13 +98,15 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
   }
   rc = mem->scale_div(f, SP_LANE_COMM, in, rdt, padded, f->pre_divide, d);
   if (rc < 0) return rc;
+  uint8_t *out = fu->red_out;
   switch (f->plan->strategy) {
     case SP_NO_SHARD:
+      /* in place, as FSDP's _reduce_grad_no_shard: the sum is divided and
+       * cast from where it is, so NO_SHARD needs no second buffer of the
+       * unit's size (177 MB for GPT-2's largest units) */
       rc = coll_all_reduce(f, f->world_comm, in, padded, rdt, d);
-      if (rc == 0)
-        rc = mem->copy(f, SP_LANE_COMM, fu->red_out, in,
-                       padded * sp_dtype_size(rdt), d);
       if (rc < 0) return rc;
+      out = in;
       break;
     case SP_HYBRID_SHARD:
       rc = coll_reduce_scatter(f, f->shard_comm, in, fu->red_out,
@@ -129,8 +123,8 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
   }
   /* post-divide, cast to the shard's gradient dtype and add to it: the
    * sharded gradient accumulates until the optimizer step or zero_grad */
-  return mem->acc_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype,
-                      fu->red_out, rdt, (size_t)fu->c, f->post_divide, d);
+  return mem->acc_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype, out,
+                      rdt, (size_t)fu->c, f->post_divide, d);
 }
 
 static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
@@ -151,15 +145,18 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
     case SP_WORK_SHARD_ALL_REDUCE:
       rc = coll_all_reduce(f, gather_comm(f), w->buf, w->count, w->dt, d);
       break;
-    case SP_WORK_GATHER_MASTER:
+    case SP_WORK_GATHER_MASTER: {
+      const void *src = w->src ? w->src : fu->shard;
+      sp_dtype dt = w->src ? w->dt : fu->u->dtype;
       if (f->plan->strategy == SP_NO_SHARD) {
-        rc = f->mem->copy(f, SP_LANE_COMM, w->buf, fu->shard,
-                          (size_t)fu->c * fu->esize, d);
+        rc = f->mem->copy(f, SP_LANE_COMM, w->buf, src,
+                          (size_t)fu->c * sp_dtype_size(dt), d);
       } else {
-        rc = coll_all_gather(f, gather_comm(f), fu->shard, w->buf,
-                             (size_t)fu->c, fu->u->dtype, d);
+        rc = coll_all_gather(f, gather_comm(f), src, w->buf, (size_t)fu->c,
+                             dt, d);
       }
       break;
+    }
     default:
       rc = sp_diag_set(d, SP_EINVAL, "unknown work kind %d", (int)w->kind);
   }
@@ -174,23 +171,8 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
 
 static void *comm_thread(void *arg) {
   sp_fsdp *f = arg;
-  float *tmp = NULL;
   sp_diag init_d = {{0}};
-  int init_rc = 0;
-  if (sp_fsdp_mem_is_host(f->mem)) {
-    /* scratch for low-precision divides: the largest padded unit */
-    size_t scratch = 1;
-    for (size_t i = 0; i < f->n_units; i++)
-      if ((size_t)f->units[i].padded > scratch)
-        scratch = (size_t)f->units[i].padded;
-    tmp = malloc(scratch * sizeof(float));
-    if (!tmp)
-      init_rc = sp_diag_set(&init_d, SP_ENOMEM,
-                            "no memory for reduction scratch");
-    f->host_tmp = tmp;
-  } else if (f->mem->thread_init) {
-    init_rc = f->mem->thread_init(f, &init_d);
-  }
+  int init_rc = f->mem->thread_init ? f->mem->thread_init(f, &init_d) : 0;
   pthread_mutex_lock(&f->mu);
   if (init_rc < 0 && !f->error) {
     f->error = init_rc;
@@ -219,8 +201,6 @@ static void *comm_thread(void *arg) {
     pthread_cond_broadcast(&f->cv);
   }
   pthread_mutex_unlock(&f->mu);
-  f->host_tmp = NULL;
-  free(tmp);
   return NULL;
 }
 

@@ -1,6 +1,9 @@
 /* The FSDP runtime's device storage (fsdp_internal.h, sp_fsdp_mem_ops):
  * cudaMalloc'd shards, views, gradients and buffers, two streams (compute
  * and comm) ordered with one event per work-ring slot, and device names.
+ * Every allocation comes through the runtime's pool (fsdp/memory.h), which
+ * keeps the unsharded slots' blocks cached from the first step to
+ * sp_fsdp_free: no cudaMalloc or cudaFree in a later step.
  *
  * Ordering, as fsdp_internal.h sets it out: the training thread's device
  * work (zeroing gradients, the optimizer, clipping, buffer casts, uploads) and the trainer's

@@ -8,6 +8,7 @@
 
 #include <pthread.h>
 
+#include "fsdp/memory.h"
 #include "shardplane.h"
 
 /* also included by the runtime's CUDA kernels (C++) */
@@ -28,15 +29,23 @@ typedef struct sp_fsdp_unit {
   size_t psize;       /* param_dtype size */
   int64_t c;          /* shard elements, padding included */
   int64_t padded;     /* c * shard_world (NO_SHARD: c) */
+  size_t rsize;       /* reduce_dtype size */
   uint8_t *shard;     /* c, master dtype */
   uint8_t *shard_grad;/* c, grad_dtype */
   sp_dtype grad_dtype;
-  uint8_t *mp_shard;  /* c, param_dtype; NULL when equal to the master, and
-                         on a GPU, which casts into its slot of full */
-  uint8_t *full;      /* padded, param_dtype */
-  uint8_t *full_grad; /* padded, param_dtype */
-  uint8_t *red_in;    /* padded, reduce_dtype; NULL when == param_dtype */
-  uint8_t *red_out;   /* c, reduce_dtype */
+  /* Slots: pool blocks the unit holds only while it needs them (docs/
+   * fsdp.md, "Memory"); NULL otherwise. NO_SHARD keeps full and full_grad
+   * from sp_fsdp_new to sp_fsdp_free. The shard is cast (or copied) into
+   * its own place of full and gathered in place, so mixed precision needs
+   * no separate low-precision shard. */
+  uint8_t *full;      /* padded, param_dtype: from the all-gather's issue
+                         to reshard */
+  uint8_t *full_grad; /* padded, param_dtype: from pre_backward until the
+                         reduction is retired */
+  uint8_t *red_in;    /* padded, reduce_dtype, only when it differs from
+                         param_dtype: from post_backward until retired */
+  uint8_t *red_out;   /* c, reduce_dtype: likewise (NO_SHARD reduces in
+                         place and has none) */
   bool unsharded;     /* full holds this step's gathered parameters */
   /* full_grad holds gradients of backward passes run without gradient
    * sync (sp_fsdp_set_requires_gradient_sync), not reduced yet: the next
@@ -172,9 +181,6 @@ double sp_fsdp_sqsum_ref(const void *g, sp_dtype gdt, size_t n);
  * without a GPU runs the staging paths a GPU takes. */
 extern const sp_fsdp_mem_ops sp_fsdp_host_ops;
 extern const sp_fsdp_mem_ops sp_fsdp_staged_ops;
-/* Whether m is one of them: their scale_div needs the communication
- * thread's float32 scratch (f->host_tmp). */
-bool sp_fsdp_mem_is_host(const sp_fsdp_mem_ops *m);
 
 /* The device implementation (fsdp_cuda.c): parses "cuda:N", makes N the
  * calling thread's device, creates the compute and comm streams and one
@@ -201,12 +207,17 @@ typedef struct sp_fsdp_work {
   void *buf;
   size_t count;
   sp_dtype dt;
+  /* GATHER_MASTER: the per-rank tensor gathered (c elements of dt), NULL
+   * for the master shard itself */
+  const void *src;
 } sp_fsdp_work;
 
 struct sp_fsdp {
   const sp_fsdp_mem_ops *mem; /* host or device storage */
   void *dev;                  /* the device implementation's state */
-  float *host_tmp;            /* host scale_div scratch (comm thread) */
+  /* every block of storage, counted by category (sp_fsdp_alloc / _take /
+   * _release); the training thread's alone */
+  sp_mem_pool pool;
   sp_session *s;
   const sp_plan *plan;
   const sp_model *model;
@@ -226,6 +237,11 @@ struct sp_fsdp {
   /* all-gathers in flight, oldest first (tickets) */
   int64_t *inflight;
   size_t n_inflight;
+  /* reductions queued whose buffers are still held, oldest first (units):
+   * at most max_inflight_gathers, the limiter's bound on the gradient
+   * side */
+  uint32_t *reducing;
+  size_t n_reducing;
   sp_fsdp_stats stats;
   /* per-unit state sharded like the master shards (an optimizer's
    * moments), which checkpoints save and load; and the optimizer steps
@@ -302,6 +318,15 @@ bool sp_fsdp_ticket_done(sp_fsdp *f, int64_t ticket);
  * a collective over the shard group; reports SUMMON_FULL_PARAMS around it
  * (the caller moves the root into and out of SUMMON_FULL_PARAMS). */
 int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t u, void *dst, sp_diag *d);
+/* Gathers one tensor of unit u sharded like the master (src: c elements
+ * of dt in the runtime's storage, e.g. a registered state; NULL: the master
+ * shard, in the unit dtype) over the shard group into dst, host memory of
+ * c * W_s elements: every rank's shard, padding included. On host storage
+ * the collective writes dst itself; on a device it goes through a
+ * temporary of the same size in device memory. The caller moves the unit
+ * (and the root) into SUMMON_FULL_PARAMS around it; a collective. */
+int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t u, const void *src,
+                          sp_dtype dt, void *dst, sp_diag *d);
 /* Original dtype of a buffer, and its element count. */
 sp_dtype sp_fsdp_buffer_orig_dtype(const sp_fsdp *f, int32_t b);
 /* Runs lazy init if it has not run (buffers to compute dtype). */
@@ -326,6 +351,28 @@ int sp_fsdp_shard_commit(sp_fsdp *f, uint32_t u, uint8_t *stage, bool keep,
 uint8_t *sp_fsdp_buffer_stage(sp_fsdp *f, int32_t b, sp_diag *d);
 int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *stage, bool keep,
                           sp_diag *d);
+
+/* The runtime's storage, host or device (f->mem), counted in f->pool by
+ * category (fsdp/memory.h); every block of it goes through these, on the
+ * training thread.
+ * _alloc: a block of its own, zero-filled, for state that lives until
+ *   released (shards, optimizer state, buffers). SP_ETOOBIG when n * esize
+ *   overflows (checked before allocating), SP_ENOMEM / SP_ECUDA; d names
+ *   the category and the size.
+ * _take: a block from the pool's cache, exactly n * esize bytes, contents
+ *   undefined, allocated only when no cached block fits (so a step that
+ *   repeats the last allocates nothing). On a GPU it may still be read by
+ *   work queued on the compute lane before the release: reuse it on the
+ *   compute lane, or on the comm lane through a queued work item (whose
+ *   mark orders it after the compute lane).
+ * _release: a taken block back to the cache, an own block to the
+ *   allocator; NULL is fine. SP_EINVAL when p is not the runtime's or not
+ *   of cat (released anyway). */
+int sp_fsdp_alloc(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
+                  void **p, sp_diag *d);
+int sp_fsdp_take(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
+                 void **p, sp_diag *d);
+int sp_fsdp_release(sp_fsdp *f, sp_mem_cat cat, void *p);
 
 /* calloc that gives a unique pointer for zero elements and NULL (not a
  * wrapped size) when n * size overflows. */

@@ -10,10 +10,17 @@
 #include "cast/cast_scalar.h"
 #include "fsdp_internal.h"
 
+/* Elements per pass of the low-precision divide: its float32 scratch lives
+ * on the stack (16 KiB), so it neither allocates per step nor needs a
+ * scratch as large as the largest unit (GPT-2's root is 39 M elements:
+ * 158 MB of float32). It is element-wise, so the passes give the bits of
+ * one pass over everything. The optimizer's kernels below need no scratch
+ * (one element at a time, through cast_scalar.h). */
+#define SP_HOST_CHUNK 2048
+
 /* Scales n elements of dtype dt in place by 1/div (exact rounding of the
  * quotient to dt: computed in double, rounded once). */
-static int scale_div(void *buf, sp_dtype dt, size_t n, double div,
-                     float *tmp) {
+static int scale_div(void *buf, sp_dtype dt, size_t n, double div) {
   if (div == 1.0 || n == 0) return 0;
   if (dt == SP_FLOAT32) {
     float *p = buf;
@@ -29,10 +36,18 @@ static int scale_div(void *buf, sp_dtype dt, size_t n, double div,
    * as the exact one for the power-of-two and small factors used here
    * except in rare double-rounding ties; FSDP divides in the low dtype
    * directly, which rounds once as well. */
-  int rc = sp_cast(tmp, SP_FLOAT32, buf, dt, n);
-  if (rc < 0) return rc;
-  for (size_t i = 0; i < n; i++) tmp[i] = (float)((double)tmp[i] / div);
-  return sp_cast(buf, dt, tmp, SP_FLOAT32, n);
+  float tmp[2 * SP_HOST_CHUNK];
+  size_t es = sp_dtype_size(dt);
+  for (size_t at = 0; at < n; at += 2 * SP_HOST_CHUNK) {
+    size_t k = n - at < 2 * SP_HOST_CHUNK ? n - at : 2 * SP_HOST_CHUNK;
+    uint8_t *p = (uint8_t *)buf + at * es;
+    int rc = sp_cast(tmp, SP_FLOAT32, p, dt, k);
+    if (rc < 0) return rc;
+    for (size_t i = 0; i < k; i++) tmp[i] = (float)((double)tmp[i] / div);
+    rc = sp_cast(p, dt, tmp, SP_FLOAT32, k);
+    if (rc < 0) return rc;
+  }
+  return 0;
 }
 
 static int host_alloc(sp_fsdp *f, size_t n, size_t esize, void **out,
@@ -79,8 +94,8 @@ static int host_cast(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
 
 static int host_scale_div(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
                           size_t n, double div, sp_diag *d) {
-  (void)l;
-  int rc = scale_div(buf, dt, n, div, f->host_tmp);
+  (void)f, (void)l;
+  int rc = scale_div(buf, dt, n, div);
   if (rc < 0)
     return sp_diag_set(d, rc, "dividing %s gradients by %g",
                        sp_dtype_name(dt), div);
@@ -266,7 +281,3 @@ const sp_fsdp_mem_ops sp_fsdp_host_ops = SP_HOST_OPS("cpu", false);
  * every host access (initialisation, checkpoints, loads) goes through the
  * staging paths a GPU takes, and a machine without one can test them. */
 const sp_fsdp_mem_ops sp_fsdp_staged_ops = SP_HOST_OPS("cpu-staged", true);
-
-bool sp_fsdp_mem_is_host(const sp_fsdp_mem_ops *m) {
-  return m->scale_div == host_scale_div;
-}

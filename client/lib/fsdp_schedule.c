@@ -19,6 +19,15 @@ static int transition(sp_fsdp *f, sp_machine m, uint32_t unit, int to,
 
 /* ---- unshard with the limiter ---- */
 
+/* A pool block for one of a unit's slots. */
+static int take_slot(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
+                     uint8_t **slot, sp_diag *d) {
+  void *p = NULL;
+  int rc = sp_fsdp_take(f, cat, n, esize, &p, d);
+  *slot = p;
+  return rc;
+}
+
 static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   sp_fsdp_unit *fu = &f->units[ui];
   /* _FreeEventQueue: drop finished gathers, then block on the oldest while
@@ -34,6 +43,15 @@ static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     memmove(f->inflight, f->inflight + 1,
             (f->n_inflight - 1) * sizeof *f->inflight);
     f->n_inflight--;
+  }
+  /* the unsharded slot, from the pool (NO_SHARD keeps its own): after the
+   * wait, so the limiter bounds the slots of gathers in flight */
+  if (!fu->full) {
+    int rc = take_slot(f, SP_MEM_PARAMS, (size_t)fu->padded, fu->psize,
+                       &fu->full, d);
+    if (rc < 0)
+      return sp_diag_prefix(d, rc, "unit %u (%s): unsharded parameters", ui,
+                            sp_fsdp_unit_name(f, ui));
   }
   sp_fsdp_work w = {.kind = SP_WORK_GATHER, .unit = ui};
   int64_t t = sp_fsdp_enqueue(f, &w, d);
@@ -63,11 +81,64 @@ static int unshard(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   return 0;
 }
 
+/* The views go away and, except for NO_SHARD (which keeps its unsharded
+ * storage), the slot goes back to the pool. A gather still pending into it
+ * (a prefetch nobody used) is waited for first: the comm thread must not
+ * write a block the pool may hand out again. Its error, if any, is the
+ * runtime's sticky one and the next call reports it. */
 static void reshard(sp_fsdp *f, uint32_t ui) {
   sp_fsdp_unit *fu = &f->units[ui];
-  /* storage stays allocated (reused every step); the views go away */
+  if (fu->gather_ticket >= 0 && f->plan->strategy != SP_NO_SHARD) {
+    (void)sp_fsdp_wait(f, fu->gather_ticket, NULL);
+    fu->gather_ticket = -1;
+  }
   fu->unsharded = false;
   fu->prefetched = false;
+  if (f->plan->strategy != SP_NO_SHARD && fu->full) {
+    (void)sp_fsdp_release(f, SP_MEM_PARAMS, fu->full);
+    fu->full = NULL;
+  }
+}
+
+/* ---- the gradient side of the limiter ----
+ * A reduction holds the unit's unsharded gradient and its reduce buffers
+ * until it is retired: its ticket waited for, then the blocks back to the
+ * pool (NO_SHARD keeps its gradient). Retiring only when the limit forces
+ * it or at finish_backward, never because a ticket happens to be done
+ * already, makes what is held at every point a function of the schedule
+ * alone, so the memory model (fsdp/memory.c) predicts it exactly. */
+
+static int retire_oldest(sp_fsdp *f, sp_diag *d) {
+  uint32_t ui = f->reducing[0];
+  memmove(f->reducing, f->reducing + 1,
+          (f->n_reducing - 1) * sizeof *f->reducing);
+  f->n_reducing--;
+  sp_fsdp_unit *fu = &f->units[ui];
+  int rc = 0;
+  if (fu->reduce_ticket >= 0) {
+    rc = sp_fsdp_wait(f, fu->reduce_ticket, d);
+    fu->reduce_ticket = -1;
+  }
+  /* after a failure the comm thread runs nothing more, so the blocks are
+   * free to go either way */
+  (void)sp_fsdp_release(f, SP_MEM_REDUCE, fu->red_in);
+  (void)sp_fsdp_release(f, SP_MEM_REDUCE, fu->red_out);
+  fu->red_in = fu->red_out = NULL;
+  if (f->plan->strategy != SP_NO_SHARD) {
+    (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
+    fu->full_grad = NULL;
+  }
+  return rc;
+}
+
+/* Waits for the oldest reductions while as many as the limiter allows are
+ * in flight, instead of holding one more gradient. */
+static int limit_reductions(sp_fsdp *f, sp_diag *d) {
+  while (f->n_reducing >= f->opts.max_inflight_gathers) {
+    int rc = retire_oldest(f, d);
+    if (rc < 0) return rc;
+  }
+  return 0;
 }
 
 /* FULL_SHARD and HYBRID_SHARD free after forward, except the root unit. */
@@ -178,17 +249,22 @@ int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_BACKWARD_PRE, d);
   if (rc < 0) return rc;
   sp_fsdp_unit *fu = &f->units[ui];
-  /* a gradient of last step's reduction may still be read: wait for it
-   * before the trainer overwrites the buffer */
-  if (fu->reduce_ticket >= 0) {
-    rc = sp_fsdp_wait(f, fu->reduce_ticket, d);
-    if (rc < 0) return rc;
-    fu->reduce_ticket = -1;
-  }
   /* the trainer adds its gradient to the buffer (as autograd accumulates
-   * into .grad): zero, unless it holds the gradients of earlier backward
-   * passes without sync, to be added to and reduced together */
+   * into .grad): a zeroed slot, unless the buffer holds the gradients of
+   * earlier backward passes without sync, to be added to and reduced
+   * together (it stays taken from one micro-batch to the next) */
   if (fu->has_data && !fu->grad_unsynced) {
+    /* the gradient slot (NO_SHARD keeps its own), after waiting for the
+     * oldest reduction if the limit is reached */
+    if (!fu->full_grad) {
+      rc = limit_reductions(f, d);
+      if (rc == 0)
+        rc = take_slot(f, SP_MEM_GRADS, (size_t)fu->padded, fu->psize,
+                       &fu->full_grad, d);
+      if (rc < 0)
+        return sp_diag_prefix(d, rc, "unit %u (%s): unsharded gradient", ui,
+                              sp_fsdp_unit_name(f, ui));
+    }
     rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->full_grad,
                       (size_t)fu->padded * fu->psize, d);
     if (rc < 0) return rc;
@@ -207,15 +283,33 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_BACKWARD_POST, d);
   if (rc < 0 || again) return rc;
   sp_fsdp_unit *fu = &f->units[ui];
+  if (fu->reduces && !fu->full_grad)
+    return sp_diag_set(d, SP_ESTATE, "unit %u (%s): post_backward without "
+                       "its gradient (pre_backward did not run?)", ui,
+                       sp_fsdp_unit_name(f, ui));
   /* without gradient sync (FSDP's no_sync) the unsharded gradient stays,
-   * unreduced, for the next backward to add to */
+   * unreduced and in its slot, for the next backward to add to */
   if (fu->reduces && f->no_sync) fu->grad_unsynced = true;
   if (fu->reduces && !f->no_sync) {
     fu->grad_unsynced = false;
+    bool no_shard = f->plan->strategy == SP_NO_SHARD;
+    /* the oldest reductions first, while the limit is reached, then this
+     * one's buffers */
+    rc = limit_reductions(f, d);
+    if (rc == 0 && fu->u->reduce_dtype != fu->u->param_dtype)
+      rc = take_slot(f, SP_MEM_REDUCE, (size_t)fu->padded, fu->rsize,
+                     &fu->red_in, d);
+    if (rc == 0 && !no_shard)
+      rc = take_slot(f, SP_MEM_REDUCE, (size_t)fu->c, fu->rsize,
+                     &fu->red_out, d);
+    if (rc < 0)
+      return sp_diag_prefix(d, rc, "unit %u (%s): reduce buffers", ui,
+                            sp_fsdp_unit_name(f, ui));
     sp_fsdp_work w = {.kind = SP_WORK_REDUCE, .unit = ui};
     int64_t t = sp_fsdp_enqueue(f, &w, d);
     if (t < 0) return (int)t;
     fu->reduce_ticket = t;
+    f->reducing[f->n_reducing++] = ui;
     sp_dtype rdt = fu->u->reduce_dtype;
     if (f->plan->strategy == SP_NO_SHARD) {
       sp_session_collective(f->s, SP_OP_ALL_REDUCE, ui, rdt,
@@ -232,6 +326,11 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
         f->stats.all_reduces++;
       }
     }
+  } else if (fu->has_data && !fu->reduces &&
+             f->plan->strategy != SP_NO_SHARD) {
+    /* a frozen unit: its gradient is not reduced, the slot goes at once */
+    (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
+    fu->full_grad = NULL;
   }
   if (f->plan->strategy != SP_NO_SHARD) reshard(f, ui);
   return 0;
@@ -251,12 +350,9 @@ int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
                          "unit %u (%s) is in FORWARD", ui,
                          sp_fsdp_unit_name(f, ui));
   int rc = 0;
+  while (rc == 0 && f->n_reducing > 0) rc = retire_oldest(f, d);
   for (uint32_t ui = 0; ui < f->n_units && rc == 0; ui++) {
     sp_fsdp_unit *fu = &f->units[ui];
-    if (fu->reduce_ticket >= 0) {
-      rc = sp_fsdp_wait(f, fu->reduce_ticket, d);
-      fu->reduce_ticket = -1;
-    }
     /* a unit prefetched but whose backward never ran: its gather holds
      * this step's parameters, and a pending ticket would make the next
      * forward's unshard reuse them after SGD changed the shard. Wait for it
@@ -268,8 +364,16 @@ int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
     if (rc == 0 && sp_session_state(f->s, SP_MACHINE_HANDLE, ui) !=
                        SP_HANDLE_IDLE)
       rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
-    /* _catch_all_reshard */
-    if (f->plan->strategy != SP_NO_SHARD) reshard(f, ui);
+    /* _catch_all_reshard; and the gradient slot of a unit whose
+     * post_backward never ran (one that ran without sync keeps it for the
+     * next micro-batch) */
+    if (f->plan->strategy != SP_NO_SHARD) {
+      reshard(f, ui);
+      if (!fu->grad_unsynced) {
+        (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
+        fu->full_grad = NULL;
+      }
+    }
     fu->post_forward_index = -1;
   }
   f->n_order = 0;
@@ -296,16 +400,18 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
   if (!fu->has_data) return 0;
   rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_SUMMON_FULL_PARAMS, d);
   if (rc < 0) return rc;
-  /* storage of the runtime's kind (the collective runs on it), allocated
-   * per call: summoning is for checkpoints, not for steps */
+  /* storage of the runtime's kind (the collective runs on it), from the
+   * pool: a float32 model's master parameter is the size of its unsharded
+   * slot, so a checkpoint between steps reuses the steps' blocks */
   void *tmp = NULL;
-  rc = f->mem->alloc(f, (size_t)fu->padded, fu->esize, &tmp, d);
+  rc = sp_fsdp_take(f, SP_MEM_PARAMS, (size_t)fu->padded, fu->esize, &tmp, d);
   if (rc < 0)
-    return sp_diag_prefix(d, rc, "gathering unit %u", ui);
+    return sp_diag_prefix(d, rc, "gathering unit %u (%s)", ui,
+                          sp_fsdp_unit_name(f, ui));
   sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = tmp};
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   if (t < 0) {
-    f->mem->release(f, tmp);
+    (void)sp_fsdp_release(f, SP_MEM_PARAMS, tmp);
     return (int)t;
   }
   if (f->plan->strategy != SP_NO_SHARD)
@@ -314,8 +420,35 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
   rc = sp_fsdp_wait(f, t, d);
   if (rc == 0)
     rc = f->mem->to_host(f, dst, tmp, (size_t)fu->u->numel * fu->esize, d);
-  f->mem->release(f, tmp);
+  (void)sp_fsdp_release(f, SP_MEM_PARAMS, tmp);
   if (rc == 0) rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
+  return rc;
+}
+
+int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t ui, const void *src,
+                          sp_dtype dt, void *dst, sp_diag *d) {
+  int rc = check_unit(f, ui, d);
+  if (rc < 0) return rc;
+  sp_fsdp_unit *fu = &f->units[ui];
+  if (!fu->has_data) return 0;
+  size_t es = sp_dtype_size(dt);
+  /* host storage: Gloo gathers into the caller's buffer, no second copy */
+  void *buf = dst;
+  if (f->mem->device) {
+    rc = f->mem->alloc(f, (size_t)fu->padded, es, &buf, d);
+    if (rc < 0) return sp_diag_prefix(d, rc, "gathering unit %u", ui);
+  }
+  sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = buf,
+                    .src = src ? src : fu->shard,
+                    .dt = src ? dt : fu->u->dtype};
+  int64_t t = sp_fsdp_enqueue(f, &w, d);
+  if (t >= 0 && f->plan->strategy != SP_NO_SHARD)
+    sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, w.dt,
+                          (uint64_t)fu->padded);
+  rc = t < 0 ? (int)t : sp_fsdp_wait(f, t, d);
+  if (rc == 0 && buf != dst)
+    rc = f->mem->to_host(f, dst, buf, (size_t)fu->padded * es, d);
+  if (buf != dst) f->mem->release(f, buf);
   return rc;
 }
 
@@ -401,8 +534,14 @@ static int zero_grads(sp_fsdp *f, bool unsynced, sp_diag *d) {
     rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->shard_grad,
                       (size_t)fu->c * sp_dtype_size(fu->grad_dtype), d);
     if (rc == 0 && unsynced && fu->grad_unsynced) {
-      rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->full_grad,
-                        (size_t)fu->padded * fu->psize, d);
+      /* NO_SHARD's slot is its own for good; the others' go back */
+      if (f->plan->strategy == SP_NO_SHARD) {
+        rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->full_grad,
+                          (size_t)fu->padded * fu->psize, d);
+      } else {
+        (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
+        fu->full_grad = NULL;
+      }
       fu->grad_unsynced = false;
     }
     if (rc < 0) sp_diag_prefix(d, rc, "zeroing the gradients of unit %u (%s)",
@@ -440,6 +579,8 @@ int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
    * this one */
   if (rc == 0) rc = sp_fsdp_zero_shard_grads(f, d);
   if (rc == 0) rc = sp_fsdp_shards_changed(f, d);
+  /* the step count checkpoints carry, so a resumed run continues its
+   * schedule (and an optimizer with bias correction its own) */
   if (rc == 0) f->optim_steps++;
   return rc;
 }

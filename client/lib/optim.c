@@ -135,7 +135,8 @@ static sp_fsdp_optim *optim_get(sp_fsdp *f, sp_diag *d) {
 }
 
 static void free_per_unit(sp_fsdp *f, uint8_t **pu) {
-  for (size_t u = 0; pu && u < f->n_units; u++) f->mem->release(f, pu[u]);
+  for (size_t u = 0; pu && u < f->n_units; u++)
+    (void)sp_fsdp_release(f, SP_MEM_OPTIMIZER, pu[u]);
   free(pu);
 }
 
@@ -147,9 +148,9 @@ void sp_fsdp_optim_release(sp_fsdp *f) {
   free_per_unit(f, op->exp_avg);
   free_per_unit(f, op->exp_avg_sq);
   free_per_unit(f, op->momentum);
-  f->mem->release(f, op->unit_sums);
-  f->mem->release(f, op->partial);
-  f->mem->release(f, op->total);
+  (void)sp_fsdp_release(f, SP_MEM_OPTIMIZER, op->unit_sums);
+  (void)sp_fsdp_release(f, SP_MEM_OPTIMIZER, op->partial);
+  (void)sp_fsdp_release(f, SP_MEM_OPTIMIZER, op->total);
   for (size_t u = 0; op->ranges && u < f->n_units; u++) free(op->ranges[u]);
   free(op->ranges);
   free(op->n_ranges);
@@ -217,7 +218,9 @@ static int build_ranges(sp_fsdp *f, sp_fsdp_optim *op, uint32_t u,
 }
 
 /* One float32 state tensor per unit with data, c elements, zeroed, in the
- * runtime's storage, registered under `name`. */
+ * runtime's storage (counted as optimizer state), registered under
+ * `name`. Frozen units get one too: checkpoints want every state of every
+ * unit with parameters; it stays zero. */
 static int alloc_state(sp_fsdp *f, const char *name, uint8_t ***out,
                        sp_diag *d) {
   uint8_t **pu = sp_fsdp_xcalloc(f->n_units, sizeof *pu);
@@ -228,7 +231,8 @@ static int alloc_state(sp_fsdp *f, const char *name, uint8_t ***out,
     if (!fu->has_data) continue;
     void *p = NULL;
     /* category: optimizer state */
-    int rc = f->mem->alloc(f, (size_t)fu->c, sizeof(float), &p, d);
+    int rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, (size_t)fu->c, sizeof(float),
+                           &p, d);
     if (rc < 0)
       return sp_diag_prefix(d, rc, "optimizer state %s of unit %u (%s)",
                             name, u, sp_fsdp_unit_name(f, u));
@@ -369,15 +373,16 @@ static int clip_scratch(sp_fsdp *f, sp_fsdp_optim *op, sp_diag *d) {
     if (c > chunks) chunks = c;
   }
   void *a = NULL, *b = NULL, *c = NULL;
-  /* category: optimizer state */
-  int rc = f->mem->alloc(f, f->n_units, sizeof(double), &a, d);
-  /* category: optimizer state */
-  if (rc == 0) rc = f->mem->alloc(f, chunks, sizeof(double), &b, d);
-  /* category: optimizer state */
-  if (rc == 0) rc = f->mem->alloc(f, 1, sizeof(double), &c, d);
+  /* category: optimizer state (the clipping's few doubles, held from the
+   * first clip on) */
+  int rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, f->n_units, sizeof(double), &a,
+                         d);
+  if (rc == 0)
+    rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, chunks, sizeof(double), &b, d);
+  if (rc == 0) rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, 1, sizeof(double), &c, d);
   if (rc < 0) {
-    f->mem->release(f, a);
-    f->mem->release(f, b);
+    (void)sp_fsdp_release(f, SP_MEM_OPTIMIZER, a);
+    (void)sp_fsdp_release(f, SP_MEM_OPTIMIZER, b);
     return sp_diag_prefix(d, rc, "gradient clipping scratch");
   }
   op->unit_sums = a;

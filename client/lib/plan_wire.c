@@ -254,3 +254,51 @@ void sp_wire_plan_free(sp_wire_plan *wp) {
   protobuf_c_message_free_unpacked(&wp->msg->base, NULL);
   free(wp);
 }
+
+static int wire_bytes(const Shardplane__V1__MemoryBytes *b, const char *what,
+                      sp_mem_bytes *out, sp_diag *diag) {
+  if (b == NULL)
+    return sp_diag_set(diag, SP_EFORMAT, "memory: no %s bytes", what);
+  out->peak = b->peak;
+  out->current = b->current;
+  return 0;
+}
+
+int sp_wire_memory(const Shardplane__V1__MemoryEstimate *m,
+                   sp_mem_estimate *out, sp_diag *diag) {
+  memset(out, 0, sizeof *out);
+  if (m == NULL)
+    return sp_diag_set(diag, SP_EFORMAT, "no memory estimate in the answer "
+                       "(a coordinator older than GetPlan.with_memory?)");
+  if (m->n_categories != SP_MEM_N_CATS)
+    return sp_diag_set(diag, SP_EFORMAT, "memory: %zu categories, this "
+                       "build has %d", m->n_categories, SP_MEM_N_CATS);
+  for (int k = 0; k < SP_MEM_N_CATS; k++) {
+    const Shardplane__V1__MemoryBytes *b = m->categories[k];
+    const char *want = sp_mem_cat_name((sp_mem_cat)k);
+    if (b == NULL || b->category == NULL || strcmp(b->category, want) != 0)
+      return sp_diag_set(diag, SP_EFORMAT, "memory: category %d is \"%.64s\""
+                         ", this build's is \"%s\"", k,
+                         b && b->category ? b->category : "", want);
+    wire_bytes(b, want, &out->acct.cat[k], diag);
+  }
+  int rc = wire_bytes(m->total, "total", &out->acct.total, diag);
+  if (rc == 0) rc = wire_bytes(m->reserved, "reserved", &out->acct.reserved,
+                               diag);
+  if (rc < 0) return rc;
+  const Shardplane__V1__MemoryOptions *o = m->options;
+  sp_mem_opts_default(&out->opts);
+  if (o != NULL) {
+    int opt = (int)o->optimizer;
+    if (opt != 0 && (opt < SP_MEM_OPT_NONE || opt > SP_MEM_OPT_ADAMW))
+      return sp_diag_set(diag, SP_EFORMAT, "memory: optimizer %d", opt);
+    if (opt != 0) out->opts.optimizer = (sp_mem_optimizer)opt;
+    if (o->max_inflight_gathers) out->opts.max_inflight = o->max_inflight_gathers;
+    out->opts.backward_prefetch = !o->no_backward_prefetch;
+    out->opts.no_sync = o->no_sync;
+  }
+  out->acct.allocs = m->allocs;
+  out->sharded_state = m->sharded_state;
+  out->in_flight_floor = m->in_flight_floor;
+  return 0;
+}

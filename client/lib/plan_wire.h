@@ -6,6 +6,7 @@
 #define SP_PLAN_WIRE_H
 
 #include "fsdp/job.h"
+#include "fsdp/memory.h"
 #include "fsdp/model.h"
 #include "fsdp/plan.h"
 #include "shardplane/v1/coordinator.pb-c.h"
@@ -35,5 +36,11 @@ sp_dtype sp_wire_dtype(int v);
 /* Copies a Job message into job (initialised by the caller). SP_ENOMEM,
  * SP_ETOOBIG. */
 int sp_wire_job(const Shardplane__V1__Job *m, sp_job *job);
+
+/* A Plan's memory estimate (GetPlan with_memory) as the model's struct.
+ * SP_EFORMAT, naming what, when it is missing, has other categories than
+ * this build's (by name, in sp_mem_cat order) or an unknown optimizer. */
+int sp_wire_memory(const Shardplane__V1__MemoryEstimate *m,
+                   sp_mem_estimate *out, sp_diag *diag);
 
 #endif

@@ -32,6 +32,7 @@
 #include "base/sp_error.h"
 #include "cast/dtype.h"
 #include "fsdp/job.h"
+#include "fsdp/memory.h"
 #include "fsdp/model.h"
 #include "fsdp/plan.h"
 #include "fsdp/state.h"
@@ -317,9 +318,12 @@ typedef struct sp_fsdp_opts {
   void *user;
   /* Where shards, unsharded parameters, gradients and buffers live: "cpu"
    * (or NULL) in host memory; "cuda:N" in device memory of GPU N, which
-   * becomes the calling thread's current device. Everything a step needs
-   * is allocated by sp_fsdp_new (plain cudaMalloc, reused every step) and
-   * buffers are cast on the device to their compute dtype. On a GPU the
+   * becomes the calling thread's current device. The sharded state is
+   * allocated by sp_fsdp_new, the unsharded slots by the runtime's caching
+   * pool during the first step and reused by every later one (plain
+   * cudaMalloc on a GPU, never freed before sp_fsdp_free; see "Memory"
+   * below), and buffers are cast on the device to their compute dtype. On a
+   * GPU the
    * communicators must take device pointers (the NCCL backend: see
    * sp_fsdp_comms_open), and every pointer the runtime hands out or takes
    * (views, gradients, shards, buffers, sp_fsdp_all_reduce) is device
@@ -336,7 +340,30 @@ typedef struct sp_fsdp_opts {
 int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d);
 void sp_fsdp_free(sp_fsdp *f);
 
-/* The schedule, in FSDP's order. Every call checks and reports its
+/* Memory. The runtime holds a unit's sharded state (master shard, reduced
+ * gradient shard, the optimizer's state) for its whole life, and its
+ * unsharded storage only while a step needs it, drawn from a caching pool
+ * (blocks kept and reused, never returned before sp_fsdp_free, so no step
+ * after the first allocates):
+ *   unsharded parameters (c * W_s elements of param_dtype): from the
+ *     all-gather's issue (pre_forward, pre_backward, or a prefetch) until
+ *     reshard; at most the units in use plus max_inflight_gathers
+ *     all-gathers in flight;
+ *   unsharded gradient (the same size): from pre_backward, which zeroes
+ *     it, until its reduction is retired; reduce buffers (reduce_dtype)
+ *     from post_backward likewise. A reduction is retired (its blocks back
+ *     to the pool) when a unit needs a gradient slot or queues a reduction
+ *     while max_inflight_gathers reductions are in flight (it waits for the
+ *     oldest instead of growing), and at finish_backward.
+ * What FSDP keeps unsharded, this runtime keeps too: NO_SHARD's parameters
+ * and gradients for the whole run (allocated by sp_fsdp_new); under
+ * SHARD_GRAD_OP every unit's parameters from forward until its
+ * post_backward; under FULL_SHARD and HYBRID_SHARD the root unit's from
+ * root_pre_forward until post_backward(0) (it is not resharded after
+ * forward). sp_fsdp_stats.mem counts every block by category (fsdp/
+ * memory.h); sp_mem_estimate_plan predicts those counts from the plan.
+ *
+ * The schedule, in FSDP's order. Every call checks and reports its
  * transitions and collectives through the session. Unit 0 is the root unit
  * (it may own no parameters: its schedule still runs).
  * root_pre_forward: lazy init on the first call (buffers cast to their
@@ -361,9 +388,8 @@ void sp_fsdp_free(sp_fsdp *f);
  *   gradient is kept for the next backward to add to.
  * finish_backward: waits for every queued reduction, every unit -> IDLE,
  *   root -> IDLE.
- * Resharding drops the unsharded views (sp_fsdp_param returns NULL); the
- * storage behind them is allocated once and reused every step, as a GPU
- * caching allocator would, so no step allocates.
+ * Resharding drops the unsharded views (sp_fsdp_param returns NULL) and
+ * gives their storage back to the pool.
  * Collectives run in issue order on one communication thread per runtime
  * (the CPU's stand-in for a CUDA stream), so a prefetch overlaps compute.
  * The limiter keeps at most max_inflight_gathers all-gathers issued and
@@ -399,9 +425,13 @@ int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
  * dtype, which the trainer ADDS its gradient to during backward, before
  * post_backward(unit), as autograd accumulates into .grad: pre_backward
  * zeroes it, except without gradient sync, where it still holds the
- * earlier micro-batches' sum. NULL for a parameter with requires_grad
- * false (under use_orig_params a unit may mix them): its elements stay
- * zero, reduce to zero and are left alone by the optimizer.
+ * earlier micro-batches' sum. It exists from pre_backward(unit) until the
+ * unit's reduction is retired (NULL outside; NO_SHARD: always; without
+ * sync: until the micro-batch that reduces it). NULL also for a parameter
+ * with requires_grad false (under use_orig_params a unit may mix them):
+ * its elements stay zero, reduce to zero and are left alone by the
+ * optimizer. Both point into the unit's current pool block: do not keep
+ * them across a reshard or a step.
  * On a GPU (sp_fsdp_opts.device) these, the buffers and the shards below
  * are device pointers. */
 void *sp_fsdp_param(sp_fsdp *f, int32_t param);
@@ -422,8 +452,9 @@ void *sp_fsdp_shard_grad(sp_fsdp *f, uint32_t unit);
 sp_dtype sp_fsdp_shard_grad_dtype(const sp_fsdp *f, uint32_t unit);
 /* Plain SGD on every master shard: p = rne(p - lr * g) computed in double;
  * then the shard gradients are cleared, the shards marked changed
- * (sp_fsdp_shards_changed) and the optimizer step count incremented.
- * Between steps only (SP_ESTATE otherwise). */
+ * (sp_fsdp_shards_changed) and one optimizer step counted (the step count
+ * checkpoints carry, sp_ckpt_save). Between steps only (SP_ESTATE
+ * otherwise). */
 int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d);
 
 /* "The master shards changed": a trainer that updated the shards itself
@@ -611,8 +642,18 @@ typedef struct sp_fsdp_stats {
   uint64_t prefetches;       /* backward prefetches issued */
   uint64_t reduce_scatters;
   uint64_t all_reduces;
+  /* The runtime's storage in bytes (host or device), current and peak:
+   * mem.cat[SP_MEM_SHARD_PARAMS ... SP_MEM_BUFFERS] in use by category,
+   * mem.total in use, mem.reserved held from the allocator (in use plus
+   * the pool's cached free blocks), mem.allocs allocator calls. Not
+   * counted: host staging copies of a runtime on a GPU, checkpoint files'
+   * host images, the communicators' own memory. */
+  sp_mem_account mem;
 } sp_fsdp_stats;
 void sp_fsdp_get_stats(const sp_fsdp *f, sp_fsdp_stats *out);
+/* Sets every memory peak of the stats to its current value, to measure one
+ * phase (a checkpoint save, a step). Training thread. */
+void sp_fsdp_reset_peak_memory(sp_fsdp *f);
 
 /* ================================================================== */
 /* Checkpoints (safetensors)                                          */
@@ -656,16 +697,87 @@ int sp_ckpt_resolve(const char *dir, sp_ckpt_kind kind, char *out,
  * writing would overwrite or mix with. 0 otherwise. */
 int sp_ckpt_check_dir(const char *dir, const char *plan_version, sp_diag *d);
 
-/* Collective: every rank calls it. Creates dir if needed. Parameters are
- * written in their original dtype (full precision), persistent buffers in
- * their original dtype for FULL and SHARDED and in their compute dtype for
- * LOCAL. */
+/* Collective: every rank calls it, between steps (root and units IDLE),
+ * and returns the same result. Writes a complete checkpoint into dir or
+ * leaves dir as it was:
+ *   - every rank writes its files into "<dir>.tmp" (created next to dir,
+ *     its parents as needed; what a crashed save left there is removed
+ *     first); each file is fsync'd;
+ *   - when every rank has finished, rank 0 swaps "<dir>.tmp" with dir (an
+ *     atomic rename exchange; two renames on a file system without it) and
+ *     removes the previous checkpoint; the directories are fsync'd.
+ *   dir and "<dir>.tmp" must be one directory for all ranks (a shared file
+ *   system for ranks on several machines), holding only checkpoint files:
+ *   a dir holding anything else (a subdirectory) is refused, SP_EEXIST,
+ *   before anything is written.
+ * Content: parameters in their original dtype (full precision, the
+ * master), persistent buffers in their original dtype for FULL and SHARDED
+ * and in their compute dtype for LOCAL; every optimizer state registered
+ * with the runtime under "optim.<state>.<fqn>" (FULL: the parameter's full
+ * shape, SHARDED: its dim-0 chunks) or "<unit>.optim.<state>" (LOCAL: flat
+ * shards), in the state's dtype; and the runtime's optimizer step count
+ * (sp_fsdp_sgd_step counts them) with the state names in every file's
+ * __metadata__ ("shardplane.optim_steps", "shardplane.optim_states",
+ * comma-separated) and in SHARDED's index.json ("optim_steps",
+ * "optim_states").
+ * Memory: FULL and SHARDED gather one unit at a time over the shard group
+ * (the master, then each state) into one host buffer of the largest unit
+ * (c * W_s elements of its widest dtype; on a GPU also as much device
+ * memory), and each rank writes only its own pieces from it: nothing else
+ * of the model is held. LOCAL copies one shard at a time (on a GPU).
+ * Errors: SP_EINVAL (dir without a name of its own, such as "/" or ".";
+ * a registered state without storage for a unit), SP_EEXIST (dir holds
+ * more than files), SP_EIO (naming the file),
+ * SP_ENOMEM; a rank whose own part failed returns its error, the others
+ * SP_ECANCELED naming that rank. A failure of the collectives themselves
+ * (a peer died) returns that error. */
 int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
-/* Loads a checkpoint into the master shards and buffers. FULL and SHARDED
- * may come from another world size; LOCAL needs the same plan version.
- * Errors name the file and tensor: SP_ENOENT (missing file or FQN),
- * SP_EFORMAT (shape or dtype mismatch), SP_ESTATE (LOCAL plan mismatch). */
+
+typedef struct sp_ckpt_load_opts {
+  /* Load parameters and buffers only: the checkpoint's optimizer states
+   * and step count are not read, and the runtime's registered states and
+   * step count stay as they are (fine-tuning from a checkpoint written
+   * with another optimizer or none). false (the default): the checkpoint's
+   * states must be exactly the registered ones, and are loaded with the
+   * step count. */
+  bool params_only;
+} sp_ckpt_load_opts;
+
+/* What a loaded checkpoint said about itself. */
+typedef struct sp_ckpt_info {
+  uint64_t optim_steps; /* its step count (0 in one written before
+                           checkpoints carried it); restored into the
+                           runtime unless params_only */
+  uint32_t world_size;  /* of the job that wrote it (0: not recorded) */
+  uint32_t n_states;    /* optimizer states it holds */
+} sp_ckpt_info;
+
+/* Loads a checkpoint into the master shards, registered optimizer states
+ * and buffers, and restores the step count. Not a collective: each rank
+ * reads, with pread, only the byte ranges of its own shard (and the
+ * buffers) out of the files; memory is the files' headers plus, on a GPU,
+ * one unit's shard staged on the host. FULL and SHARDED may come from
+ * another world size and plan; LOCAL needs the same plan version. A state
+ * is loaded into its registered dtype (cast from another floating dtype).
+ * opts NULL: the defaults; info may be NULL. On error the runtime's shards
+ * and states are partly loaded: load again or discard the runtime.
+ * Errors name the file and tensor: SP_ENOENT (missing file or tensor),
+ * SP_EFORMAT (shape or dtype mismatch, a bad index or metadata), SP_ESTATE
+ * (LOCAL plan mismatch; a state in the checkpoint that is not registered,
+ * or a registered one the checkpoint lacks, naming the state, unless
+ * params_only). */
+int sp_ckpt_load_with(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
+                      const sp_ckpt_load_opts *opts, sp_ckpt_info *info,
+                      sp_diag *d);
+/* sp_ckpt_load_with(f, kind, dir, NULL, NULL, d). */
 int sp_ckpt_load(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d);
+
+/* Collective over the world: *any = whether any rank passed mine = true.
+ * For stopping together: a rank that got a signal passes true at the next
+ * step boundary, and every rank learns it at the same step, so all of them
+ * checkpoint there. One all-reduce of one float (through 4 bytes of
+ * device memory allocated per call on a GPU). */
+int sp_fsdp_any(sp_fsdp *f, bool mine, bool *any, sp_diag *d);
 
 #ifdef __cplusplus
 }

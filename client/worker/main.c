@@ -5,6 +5,7 @@
 #include <getopt.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,7 @@
 #include "mlp_cuda.h"
 #include "rpc/rpc.h"
 #include "lib/shardplane.h"
+#include "test_state.h"
 #include "train_flags.h"
 
 typedef struct worker_opts {
@@ -29,6 +31,8 @@ typedef struct worker_opts {
   double lr;
   const char *ckpt_dir;
   bool ckpt_kinds[4];
+  uint32_t ckpt_every; /* also every N steps; 0: only at the end */
+  const char *test_state; /* --test-state NAME */
   bool any_kind; /* --checkpoint given (none included) */
   const char *load_dir;    /* as given */
   sp_ckpt_kind load_kind;  /* 0: the only kind load_dir holds */
@@ -42,6 +46,20 @@ typedef struct worker_opts {
   uint64_t call_timeout_ms;
   sp_train_flags train; /* optimizer, schedule, clipping, accumulation */
 } worker_opts;
+
+/* SIGINT / SIGTERM: the first asks for a checkpoint and a stop at the
+ * next step boundary (every rank learns it there, sp_fsdp_any); a second
+ * one ends the process at once. */
+static volatile sig_atomic_t g_stop_signal;
+
+static void on_stop_signal(int sig) {
+  if (g_stop_signal) {
+    signal(sig, SIG_DFL);
+    raise(sig); /* delivered when the handler returns */
+    return;
+  }
+  g_stop_signal = sig;
+}
 
 /* The communicators, for the session's abort callback, which runs on the
  * session's thread: the lock keeps an abort off a communicator being
@@ -340,7 +358,9 @@ static void usage(FILE *f) {
       "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
       "                           gradients and buffers on GPU N, the MLP on\n"
       "                           cuBLAS, collectives over NCCL (GPU build)\n"
-      "  --steps N                training steps (default 20)\n"
+      "  --steps N                train up to step N in all (default 20): a\n"
+      "                           run resumed from a checkpoint of step K\n"
+      "                           trains steps K+1..N\n"
       "  --global-batch N         samples per step over all ranks and micro-\n"
       "                           batches (default 24)\n"
       "  --lr X                   learning rate, the peak of a schedule\n"
@@ -348,14 +368,21 @@ static void usage(FILE *f) {
       "  --checkpoint-dir DIR     write checkpoints there after training\n"
       "  --checkpoint KIND        full, sharded or local; repeatable "
       "(default full)\n"
+      "  --checkpoint-every N     also after every N-th step (needs\n"
+      "                           --checkpoint-dir); each replaces the last\n"
+      "                           only once it is complete\n"
       "  --load DIR               start from the checkpoint in DIR (or in its\n"
-      "                           full/, sharded/ or local/ folder)\n"
+      "                           full/, sharded/ or local/ folder): its\n"
+      "                           parameters, buffers, optimizer state and\n"
+      "                           step, from which training continues\n"
       "  --load-kind KIND         full, sharded or local: which one, when DIR\n"
       "                           holds several\n"
-      "  --losses FILE            rank 0 writes the loss of every step (JSON)\n"
-      "  --stats FILE             rank 0 writes every step's duration in s "
-      "and\n"
-      "                           whether it was reported (JSON)\n"
+      "  --losses FILE            rank 0 writes the loss of every step it\n"
+      "                           trains (JSON)\n"
+      "  --stats FILE             rank 0 writes every step's duration in s,\n"
+      "                           whether it was reported, and the runtime's\n"
+      "                           counted memory and the process's RSS in\n"
+      "                           training and in the checkpoints (JSON)\n"
       "  --log-every N            rank 0 prints progress every N steps "
       "(default 1)\n"
       "  --comm-timeout-ms N      rendezvous and collective timeout "
@@ -364,19 +391,29 @@ static void usage(FILE *f) {
       "                           (attach, store, detach; default 30000)\n"
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
-      "                           (starting on; for bench/step)\n",
+      "                           (starting on; for bench/step)\n"
+      "  --test-state NAME        (tests) register a float32 state NAME\n"
+      "                           sharded like the parameters, s = 0.5 s + p\n"
+      "                           after each step, which checkpoints carry\n"
+      "                           as an optimizer's (host storage only)\n",
       f);
   sp_train_flags_help(f, 27);
   fputs(
       "  --help                   this text\n"
       "\n"
-      "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage\n",
+      "SIGINT or SIGTERM: every rank stops after the same step (they agree\n"
+      "at each step boundary), writes the checkpoints and exits 128 + the\n"
+      "signal (143 on a rank stopped by another's); a second signal ends\n"
+      "the process at once.\n"
+      "\n"
+      "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage,\n"
+      "130 / 143 stopped by SIGINT / SIGTERM after the checkpoint\n",
       f);
 }
 
 enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
        O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_NOREP,
-       O_TOGGLE, O_HELP };
+       O_TOGGLE, O_CKEVERY, O_TSTATE, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
  * what is allowed in d. */
@@ -446,6 +483,13 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       o->report_toggle = (uint32_t)n;
       return rc;
     case O_NOREP: o->no_report = true; return 0;
+    case O_CKEVERY:
+      rc = sp_flag_int(flag, v, 1, 1000000000, &n, d);
+      o->ckpt_every = (uint32_t)n;
+      return rc;
+    case O_TSTATE:
+      o->test_state = v;
+      return sp_flag_text(flag, v, "a state name", d);
   }
   return SP_ENOENT;
 }
@@ -470,6 +514,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"call-timeout-ms", required_argument, NULL, O_CALLTO},
       {"no-report", no_argument, NULL, O_NOREP},
       {"report-toggle", required_argument, NULL, O_TOGGLE},
+      {"checkpoint-every", required_argument, NULL, O_CKEVERY},
+      {"test-state", required_argument, NULL, O_TSTATE},
       {"help", no_argument, NULL, O_HELP}};
   /* the worker's own options, then the training flags */
   struct option opts[64];
@@ -532,6 +578,14 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     return 2;
   }
   if (!o->any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
+  bool writes = o->ckpt_kinds[SP_CKPT_FULL] ||
+                o->ckpt_kinds[SP_CKPT_SHARDED] || o->ckpt_kinds[SP_CKPT_LOCAL];
+  if (o->ckpt_every && (!o->ckpt_dir || !writes)) {
+    fprintf(stderr, "shardplane-worker: --checkpoint-every %u needs "
+            "--checkpoint-dir DIR and a --checkpoint kind other than none\n",
+            o->ckpt_every);
+    return 2;
+  }
   /* the flags that combine (the world size's share of the batch is
    * checked once the job says it) */
   sp_diag d = {{0}};
@@ -560,23 +614,118 @@ static int write_doubles(const char *path, const double *l, uint32_t n) {
   return fclose(fp) == 0 ? 0 : SP_EIO;
 }
 
-/* {"step_seconds": [...], "reported": [true, ...]} */
-static int write_stats(const worker_opts *o, const double *step_s) {
+/* ---- memory, for --stats (bench/memory) ---- */
+
+/* A "VmRSS:" / "VmHWM:" line of /proc/self/status in bytes; -1 when the
+ * file or the line is missing (not Linux). */
+static long long proc_status_bytes(const char *key) {
+  FILE *fp = fopen("/proc/self/status", "r");
+  if (!fp) return -1;
+  char line[256];
+  long long kb = -1;
+  size_t kl = strlen(key);
+  while (fgets(line, sizeof line, fp))
+    if (strncmp(line, key, kl) == 0) {
+      kb = strtoll(line + kl, NULL, 10);
+      break;
+    }
+  fclose(fp);
+  return kb < 0 ? -1 : kb * 1024;
+}
+
+/* Sets VmHWM back to VmRSS, to measure the peak of one phase; false when
+ * the kernel does not allow it. */
+static bool reset_rss_peak(void) {
+  FILE *fp = fopen("/proc/self/clear_refs", "w");
+  if (!fp) return false;
+  bool ok = fputs("5", fp) >= 0;
+  return fclose(fp) == 0 && ok;
+}
+
+typedef struct mem_phase {
+  bool have;
+  long long rss_start, rss_hwm; /* bytes, -1: unknown */
+  sp_mem_account counted;
+} mem_phase;
+
+typedef struct mem_report {
+  long long rss_before; /* before sp_fsdp_new */
+  uint64_t allocs_after_first_step;
+  mem_phase train, ckpt;
+} mem_report;
+
+static void put_account(FILE *fp, const sp_mem_account *a) {
+  fputc('{', fp);
+  for (int c = 0; c < SP_MEM_N_CATS; c++)
+    fprintf(fp, "\"%s\": {\"current\": %llu, \"peak\": %llu}, ",
+            sp_mem_cat_name((sp_mem_cat)c),
+            (unsigned long long)a->cat[c].current,
+            (unsigned long long)a->cat[c].peak);
+  fprintf(fp, "\"total\": {\"current\": %llu, \"peak\": %llu}, "
+          "\"reserved\": {\"current\": %llu, \"peak\": %llu}, "
+          "\"allocs\": %llu}",
+          (unsigned long long)a->total.current,
+          (unsigned long long)a->total.peak,
+          (unsigned long long)a->reserved.current,
+          (unsigned long long)a->reserved.peak,
+          (unsigned long long)a->allocs);
+}
+
+static void put_phase(FILE *fp, const char *name, const mem_phase *p) {
+  fprintf(fp, ", \"%s\": {\"rss_start\": %lld, \"rss_hwm\": %lld, "
+          "\"counted\": ", name, p->rss_start, p->rss_hwm);
+  put_account(fp, &p->counted);
+  fputc('}', fp);
+}
+
+/* {"step_seconds": [...], "reported": [true, ...], "memory": {...}}: the
+ * n steps trained from step index `first` on */
+static int write_stats(const worker_opts *o, const double *step_s,
+                       uint32_t first, uint32_t n, const mem_report *m) {
   FILE *fp = fopen(o->stats_path, "w");
   if (!fp) return SP_EIO;
   fputs("{\"step_seconds\": ", fp);
-  put_doubles(fp, step_s, o->steps);
+  put_doubles(fp, step_s, n);
   fputs(", \"reported\": [", fp);
-  for (uint32_t i = 0; i < o->steps; i++) {
+  for (uint32_t k = 0; k < n; k++) {
+    uint32_t i = first + k;
     bool on = o->report_toggle ? (i / o->report_toggle) % 2 == 0
                                : !o->no_report;
-    fprintf(fp, "%s%s", i ? ", " : "", on ? "true" : "false");
+    fprintf(fp, "%s%s", k ? ", " : "", on ? "true" : "false");
   }
-  fputs("]}\n", fp);
+  fprintf(fp, "], \"memory\": {\"rss_before\": %lld, "
+          "\"allocs_after_first_step\": %llu",
+          m->rss_before, (unsigned long long)m->allocs_after_first_step);
+  if (m->train.have) put_phase(fp, "train", &m->train);
+  if (m->ckpt.have) put_phase(fp, "checkpoint", &m->ckpt);
+  fputs("}}\n", fp);
   return fclose(fp) == 0 ? 0 : SP_EIO;
 }
 
-static int run(const worker_opts *o, sp_diag *d) {
+/* Every kind asked for, into --checkpoint-dir/<kind>; each replaces the
+ * previous one of its kind only once complete (sp_ckpt_save). */
+static int save_checkpoints(const worker_opts *o, sp_fsdp *f, uint32_t rank,
+                            uint64_t step, sp_diag *d) {
+  for (int k = SP_CKPT_FULL; o->ckpt_dir && k <= SP_CKPT_LOCAL; k++) {
+    if (!o->ckpt_kinds[k]) continue;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
+             sp_ckpt_kind_dir((sp_ckpt_kind)k));
+    int rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
+    if (rc < 0) return rc;
+    if (rank == 0) {
+      printf("checkpoint (%s) of step %llu: %s\n",
+             sp_ckpt_kind_name((sp_ckpt_kind)k), (unsigned long long)step,
+             dir);
+      fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+/* *stopped: 0 when training ran to --steps; else the signal that stopped
+ * this rank, or -1 when another rank's did. */
+static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   sp_session_opts so = {.coordinator = o->coordinator,
                         .rank = (uint32_t)o->rank,
                         .device = o->device,
@@ -587,6 +736,7 @@ static int run(const worker_opts *o, sp_diag *d) {
   sp_session *s = NULL;
   sp_comm *world = NULL, *shard = NULL, *replica = NULL;
   sp_fsdp *f = NULL;
+  sp_test_state *ts = NULL;
   sp_mlp *mlp = NULL;
   trainer tr;
   bool have_tr = false;
@@ -608,6 +758,7 @@ static int run(const worker_opts *o, sp_diag *d) {
                      .init_param = sp_mlp_init_param,
                      .init_buffer = sp_mlp_init_buffer,
                      .device = o->device};
+  mem_report mem = {.rss_before = proc_status_bytes("VmRSS:")};
   sp_diag md = {{0}};
   bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
   /* every rank takes an equal share of every micro-batch */
@@ -616,19 +767,38 @@ static int run(const worker_opts *o, sp_diag *d) {
     rc = sp_train_flags_finish(&o->train, o->steps, o->lr, o->global_batch,
                                w, "the world size", &cfg, d);
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
-  /* the optimizer before a load, so a checkpoint's optimizer state and
-   * step count load into it (the synthetic cycle runs plain SGD) */
+  /* the optimizer (the synthetic cycle runs plain SGD) and any stand-in
+   * state registered before a load, which fills them with the step count */
   if (rc == 0 && is_mlp) rc = sp_fsdp_optim_init(f, &cfg.optim, d);
+  if (rc == 0 && o->test_state)
+    rc = sp_test_state_new(f, o->test_state, &ts, d);
+  /* --steps counts all steps: a resumed run starts after the
+   * checkpoint's, with its data and schedule (both by step index) */
+  uint32_t first = 0;
+  sp_ckpt_info info = {0};
   if (rc == 0 && o->load_dir)
-    rc = sp_ckpt_load(f, o->load_kind, o->load_from, d);
+    rc = sp_ckpt_load_with(f, o->load_kind, o->load_from, NULL, &info, d);
+  if (rc == 0 && o->load_dir) {
+    first = info.optim_steps < o->steps ? (uint32_t)info.optim_steps
+                                        : o->steps;
+    if (rank == 0 && first < o->steps)
+      printf("resuming after step %llu of %u (%s)\n",
+             (unsigned long long)info.optim_steps, o->steps, o->load_from);
+    else if (rank == 0)
+      printf("loaded the checkpoint of step %llu (%s): nothing to train up "
+             "to --steps %u\n", (unsigned long long)info.optim_steps,
+             o->load_from, o->steps);
+    fflush(stdout);
+  }
   if (rc == 0 && is_mlp) {
     rc = trainer_init(&tr, f, s, mlp, &cfg, d);
     have_tr = true;
   }
   if (rc == 0 && rank == 0 && !is_mlp)
     printf("rank 0: %s; running the synthetic-gradient cycle\n", md.msg);
-  losses = calloc(o->steps ? o->steps : 1, sizeof *losses);
-  step_s = calloc(o->steps ? o->steps : 1, sizeof *step_s);
+  uint32_t todo = o->steps - first;
+  losses = calloc(todo ? todo : 1, sizeof *losses);
+  step_s = calloc(todo ? todo : 1, sizeof *step_s);
   if ((!losses || !step_s) && rc == 0)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   /* One numbering of steps everywhere: step indexes 0..steps-1 pick the
@@ -636,18 +806,37 @@ static int run(const worker_opts *o, sp_diag *d) {
    * step, so `shardplane ranks` and watch) numbered from 1: step K is the
    * K-th, and after the last one every report says N. */
   double tlast = sp_clock_s();
-  uint32_t logged = 0; /* steps up to the last progress line */
-  for (uint32_t step = 0; rc == 0 && step < o->steps; step++) {
+  uint32_t logged = first; /* steps up to the last progress line */
+  uint32_t step = first;
+  uint64_t saved = UINT64_MAX; /* the step of the last checkpoint written */
+  for (; rc == 0 && step < o->steps; step++) {
+    /* every rank asks, so all stop after the same step, whichever got
+     * the signal */
+    bool stop = false;
+    rc = sp_fsdp_any(f, g_stop_signal != 0, &stop, d);
+    if (rc < 0 || stop) {
+      *stopped = g_stop_signal ? g_stop_signal : -1;
+      break;
+    }
     if (o->report_toggle && step % o->report_toggle == 0)
       rc = sp_session_set_report(s, (step / o->report_toggle) % 2 == 0, d);
-    double ts = sp_clock_s();
-    if (is_mlp && tr.gpu)
-      rc = trainer_step_gpu(&tr, step, &losses[step], d);
+    double ts0 = sp_clock_s();
+    double *loss = &losses[step - first];
+    if (rc < 0)
+      break;
+    else if (is_mlp && tr.gpu)
+      rc = trainer_step_gpu(&tr, step, loss, d);
     else if (is_mlp)
-      rc = trainer_step(&tr, step, &losses[step], d);
+      rc = trainer_step(&tr, step, loss, d);
     else
       rc = synthetic_step(f, s, step, o->lr, d);
-    step_s[step] = sp_clock_s() - ts;
+    if (rc == 0 && ts) rc = sp_test_state_step(ts, d);
+    step_s[step - first] = sp_clock_s() - ts0;
+    if (rc == 0 && step == first) {
+      sp_fsdp_stats st;
+      sp_fsdp_get_stats(f, &st);
+      mem.allocs_after_first_step = st.mem.allocs;
+    }
     if (rc == 0 && rank == 0 && o->log_every &&
         ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
       double t = sp_clock_s();
@@ -657,35 +846,59 @@ static int run(const worker_opts *o, sp_diag *d) {
       logged = step + 1;
       if (is_mlp)
         printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->steps,
-               losses[step], per_s);
+               *loss, per_s);
       else
         printf("step %u/%u  %.0f samples/s (synthetic gradients)\n",
                step + 1, o->steps, per_s);
       fflush(stdout);
     }
-  }
-  if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
-      write_doubles(o->losses_path, losses, o->steps) < 0)
-    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
-  if (rc == 0 && rank == 0 && o->stats_path &&
-      write_stats(o, step_s) < 0)
-    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
-  for (int k = SP_CKPT_FULL; rc == 0 && o->ckpt_dir && k <= SP_CKPT_LOCAL;
-       k++) {
-    if (!o->ckpt_kinds[k]) continue;
-    char dir[4096];
-    snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
-             sp_ckpt_kind_dir((sp_ckpt_kind)k));
-    rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
-    if (rc == 0 && rank == 0) {
-      printf("checkpoint (%s): %s\n", sp_ckpt_kind_name((sp_ckpt_kind)k), dir);
-      fflush(stdout);
+    if (rc == 0 && o->ckpt_every && (step + 1) % o->ckpt_every == 0 &&
+        step + 1 < o->steps) {
+      rc = save_checkpoints(o, f, rank, step + 1, d);
+      saved = step + 1;
     }
   }
+  uint32_t ran = step - first;
+  if (rc == 0 && *stopped && rank == 0) {
+    printf("stopping after step %u of %u: %s\n", step, o->steps,
+           *stopped > 0 ? strsignal(*stopped)
+                        : "another rank was signalled");
+    fflush(stdout);
+  }
+  if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
+      write_doubles(o->losses_path, losses, ran) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
+  if (rc == 0) {
+    sp_fsdp_stats st;
+    sp_fsdp_get_stats(f, &st);
+    mem.train = (mem_phase){.have = true, .rss_start = mem.rss_before,
+                            .rss_hwm = proc_status_bytes("VmHWM:"),
+                            .counted = st.mem};
+  }
+  /* the final checkpoint; a stop before any step trained here has
+   * nothing new to keep (the loaded checkpoint, if any, stays) */
+  if (rc == 0 && saved != step && !(*stopped && ran == 0)) {
+    /* the checkpoints' own peak, from here (both counters restart at what
+     * is held now) */
+    sp_fsdp_reset_peak_memory(f);
+    mem.ckpt.have = true;
+    mem.ckpt.rss_start = reset_rss_peak() ? proc_status_bytes("VmRSS:") : -1;
+    rc = save_checkpoints(o, f, rank, step, d);
+    sp_fsdp_stats st;
+    sp_fsdp_get_stats(f, &st);
+    mem.ckpt.counted = st.mem;
+    mem.ckpt.rss_hwm =
+        mem.ckpt.rss_start < 0 ? -1 : proc_status_bytes("VmHWM:");
+  }
+  if (rc == 0 && rank == 0 && o->stats_path &&
+      write_stats(o, step_s, first, ran, &mem) < 0)
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
   if (have_tr) trainer_free(&tr);
   free(losses);
   free(step_s);
   sp_mlp_free(mlp);
+  /* the state's storage is the runtime's: it goes first */
+  sp_test_state_free(ts);
   sp_fsdp_free(f);
   /* leave together, still abortable, then free */
   sp_comm *comms[3] = {world, shard, replica};
@@ -737,11 +950,16 @@ int main(int argc, char **argv) {
             d.msg);
     return 1;
   }
-  int rc = run(&o, &d);
+  struct sigaction sa = {.sa_handler = on_stop_signal, .sa_flags = SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  int stopped = 0;
+  int rc = run(&o, &stopped, &d);
   if (rc < 0) {
     fprintf(stderr, "shardplane-worker: rank %ld: %s\n", o.rank,
             d.msg[0] ? d.msg : sp_strerror(rc));
     return 1;
   }
-  return 0;
+  return stopped ? 128 + (stopped > 0 ? stopped : SIGTERM) : 0;
 }

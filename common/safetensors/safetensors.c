@@ -21,21 +21,25 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 #error "cannot determine the host byte order"
 #endif
 
-_Static_assert(SP_ST_MAX_HEADER <= INT32_MAX,
+_Static_assert(SP_SAFETENSORS_MAX_HEADER <= INT32_MAX,
                "header positions are reported through jansson's int");
 
 #define META_KEY "__metadata__"
 
-struct sp_st_file {
-  void *owned; /* sp_st_open's allocation (contains the image), or NULL */
+struct sp_safetensors_file {
+  void *owned; /* sp_safetensors_open's allocation (contains the image), or NULL
+                */
   size_t header_len;
-  const uint8_t *data;
+  const uint8_t
+      *data; /* NULL for sp_safetensors_open_header: the bytes are on disk */
   size_t data_len;
+  int fd;              /* sp_safetensors_open_header's file, else -1 */
+  char *path;          /* its name, for messages */
   size_t n_tensors;
-  sp_st_tensor *tensors;         /* data order */
-  const sp_st_tensor **by_name;  /* strcmp order, for bsearch */
+  sp_safetensors_tensor *tensors;        /* data order */
+  const sp_safetensors_tensor **by_name; /* strcmp order, for bsearch */
   size_t n_meta;
-  sp_st_kv *meta;
+  sp_safetensors_kv *meta;
   char *strings; /* one arena for every name, key and value */
 };
 
@@ -116,8 +120,8 @@ static int st_fail(sp_diag *d, int err, const char *fmt, ...) {
   return err;
 }
 
-/* Names can be SP_ST_MAX_NAME bytes; quote at most this much of one so the
- * rest of the line survives. */
+/* Names can be SP_SAFETENSORS_MAX_NAME bytes; quote at most this much of one so
+ * the rest of the line survives. */
 #define NAME_Q 160
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -168,8 +172,9 @@ static int dtype_rank(sp_dtype t) {
   }
 }
 
-/* Checks the 8-byte prefix against the image length; shared by sp_st_parse
- * and sp_st_open (which checks before reading the rest). */
+/* Checks the 8-byte prefix against the image length; shared by
+ * sp_safetensors_parse and sp_safetensors_open (which checks before reading the
+ * rest). */
 static int check_prefix(const uint8_t *buf, uint64_t len, const char *src,
                         uint64_t *n_out, sp_diag *d) {
   if (len < 8) {
@@ -178,10 +183,10 @@ static int check_prefix(const uint8_t *buf, uint64_t len, const char *src,
                    src, (unsigned long long)len);
   }
   uint64_t n = load_le64(buf);
-  if (n > SP_ST_MAX_HEADER) {
+  if (n > SP_SAFETENSORS_MAX_HEADER) {
     return st_fail(d, SP_ETOOBIG,
                    "%s: header length %llu exceeds the limit of %u bytes", src,
-                   (unsigned long long)n, SP_ST_MAX_HEADER);
+                   (unsigned long long)n, SP_SAFETENSORS_MAX_HEADER);
   }
   if (n > len - 8) {
     return st_fail(d, SP_ETOOBIG,
@@ -196,14 +201,14 @@ static int check_prefix(const uint8_t *buf, uint64_t len, const char *src,
 /* ---- reader ------------------------------------------------------------- */
 
 static int cmp_offsets(const void *a, const void *b) {
-  const sp_st_tensor *x = a, *y = b;
+  const sp_safetensors_tensor *x = a, *y = b;
   if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
   if (x->end != y->end) return x->end < y->end ? -1 : 1;
   return strcmp(x->name, y->name);
 }
 
 static int cmp_name_ptr(const void *a, const void *b) {
-  const sp_st_tensor *const *x = a, *const *y = b;
+  const sp_safetensors_tensor *const *x = a, *const *y = b;
   return strcmp((*x)->name, (*y)->name);
 }
 
@@ -217,7 +222,7 @@ static bool get_uint(const json_t *v, uint64_t *out) {
 }
 
 static int parse_entry(const char *src, const char *name, const json_t *v,
-                       sp_st_tensor *t, sp_diag *d) {
+                       sp_safetensors_tensor *t, sp_diag *d) {
   if (!json_is_object(v)) {
     return st_fail(d, SP_EFORMAT, "%s: tensor '%.*s': entry is not an object",
                    src, NAME_Q, name);
@@ -249,10 +254,10 @@ static int parse_entry(const char *src, const char *name, const json_t *v,
                    src, NAME_Q, name);
   }
   size_t ndim = json_array_size(jshape);
-  if (ndim > SP_ST_MAX_NDIM) {
+  if (ndim > SP_SAFETENSORS_MAX_NDIM) {
     return st_fail(d, SP_ETOOBIG,
                    "%s: tensor '%.*s': %zu dimensions exceed the limit of %u",
-                   src, NAME_Q, name, ndim, SP_ST_MAX_NDIM);
+                   src, NAME_Q, name, ndim, SP_SAFETENSORS_MAX_NDIM);
   }
   uint64_t numel = 1;
   bool overflow = false;
@@ -304,10 +309,10 @@ static int check_metadata(const char *src, const json_t *m, size_t *bytes,
   if (!json_is_object(m)) {
     return st_fail(d, SP_EFORMAT, "%s: __metadata__ is not an object", src);
   }
-  if (json_object_size(m) > SP_ST_MAX_METADATA) {
+  if (json_object_size(m) > SP_SAFETENSORS_MAX_METADATA) {
     return st_fail(d, SP_ETOOBIG,
                    "%s: __metadata__ has %zu entries; the limit is %u", src,
-                   json_object_size(m), SP_ST_MAX_METADATA);
+                   json_object_size(m), SP_SAFETENSORS_MAX_METADATA);
   }
   size_t total = 0;
   const char *k;
@@ -325,8 +330,10 @@ static int check_metadata(const char *src, const json_t *m, size_t *bytes,
   return 0;
 }
 
-void sp_st_free(sp_st_file *f) {
+void sp_safetensors_close(sp_safetensors_file *f) {
   if (f == NULL) return;
+  if (f->fd >= 0) close(f->fd);
+  free(f->path);
   free(f->tensors);
   free(f->by_name);
   free(f->meta);
@@ -343,18 +350,17 @@ static char *arena_put(char **cursor, const char *s, size_t len) {
   return dst;
 }
 
-int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
-                sp_st_file **out, sp_diag *diag) {
-  const char *src = source != NULL ? source : "<buffer>";
-  if (out == NULL) return st_fail(diag, SP_EINVAL, "%s: out is NULL", src);
-  *out = NULL;
-  if (buf == NULL && len > 0) {
-    return st_fail(diag, SP_EINVAL, "%s: buffer is NULL", src);
-  }
-
+/* Parses the header at buf (the 8-byte prefix and the JSON, at least
+ * 8+N bytes) of an image of total_len bytes. With `data` the image is
+ * buf[0..total_len) and tensors point into it; without, only the header is
+ * in memory and tensors get NULL data (sp_safetensors_open_header). */
+static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
+                       const char *src, sp_safetensors_file **out,
+                       sp_diag *diag) {
   uint64_t n;
-  int rc = check_prefix(buf, len, src, &n, diag);
+  int rc = check_prefix(buf, total_len, src, &n, diag);
   if (rc != 0) return rc;
+  size_t len = (size_t)total_len;
   const char *hdr = (const char *)buf + 8;
   size_t hlen = (size_t)n;
   /* Newer reference readers require this too (InvalidHeaderStart); it also
@@ -375,12 +381,12 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
     return st_fail(diag, SP_EFORMAT, "%s: header is not a JSON object", src);
   }
 
-  sp_st_file *f = NULL;
+  sp_safetensors_file *f = NULL;
   const json_t *jmeta = json_object_get(root, META_KEY);
   size_t n_tensors = json_object_size(root) - (jmeta != NULL ? 1 : 0);
-  if (n_tensors > SP_ST_MAX_TENSORS) {
+  if (n_tensors > SP_SAFETENSORS_MAX_TENSORS) {
     rc = st_fail(diag, SP_ETOOBIG, "%s: %zu tensors exceed the limit of %u",
-                 src, n_tensors, SP_ST_MAX_TENSORS);
+                 src, n_tensors, SP_SAFETENSORS_MAX_TENSORS);
     goto fail;
   }
 
@@ -396,11 +402,11 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
   json_object_foreach(root, key, val) {
     if (strcmp(key, META_KEY) == 0) continue;
     size_t klen = strlen(key);
-    if (klen > SP_ST_MAX_NAME) {
+    if (klen > SP_SAFETENSORS_MAX_NAME) {
       rc = st_fail(diag, SP_ETOOBIG,
                    "%s: tensor '%.*s...': name of %zu bytes exceeds the limit "
                    "of %u",
-                   src, NAME_Q, key, klen, SP_ST_MAX_NAME);
+                   src, NAME_Q, key, klen, SP_SAFETENSORS_MAX_NAME);
       goto fail;
     }
     arena += klen + 1;
@@ -409,8 +415,9 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
   rc = SP_ENOMEM;
   f = calloc(1, sizeof *f);
   if (f == NULL) goto fail_nomem;
+  f->fd = -1;
   f->header_len = hlen;
-  f->data = buf + 8 + hlen;
+  f->data = data ? buf + 8 + hlen : NULL;
   f->data_len = len - 8 - hlen;
   f->strings = malloc(arena);
   if (f->strings == NULL) goto fail_nomem;
@@ -427,7 +434,7 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
     const char *mk;
     json_t *mv;
     json_object_foreach((json_t *)jmeta, mk, mv) {
-      sp_st_kv *kv = &f->meta[f->n_meta++];
+      sp_safetensors_kv *kv = &f->meta[f->n_meta++];
       kv->key = arena_put(&cursor, mk, strlen(mk));
       kv->value =
           arena_put(&cursor, json_string_value(mv), json_string_length(mv));
@@ -436,7 +443,7 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
 
   json_object_foreach(root, key, val) {
     if (strcmp(key, META_KEY) == 0) continue;
-    sp_st_tensor *t = &f->tensors[f->n_tensors];
+    sp_safetensors_tensor *t = &f->tensors[f->n_tensors];
     rc = parse_entry(src, key, val, t, diag);
     if (rc != 0) goto fail;
     t->name = arena_put(&cursor, key, strlen(key));
@@ -452,7 +459,7 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
   }
   uint64_t expect = 0;
   for (size_t i = 0; i < f->n_tensors; i++) {
-    sp_st_tensor *t = &f->tensors[i];
+    sp_safetensors_tensor *t = &f->tensors[i];
     if (t->begin != expect) {
       rc = st_fail(diag, SP_EFORMAT,
                    "%s: tensor '%.*s': data_offsets [%llu, %llu] %s the "
@@ -472,9 +479,9 @@ int sp_st_parse(const uint8_t *buf, size_t len, const char *source,
     goto fail;
   }
   for (size_t i = 0; i < f->n_tensors; i++) {
-    sp_st_tensor *t = &f->tensors[i];
+    sp_safetensors_tensor *t = &f->tensors[i];
     /* end <= data_len <= SIZE_MAX from here on, so the casts are exact. */
-    t->data = f->data + (size_t)t->begin;
+    t->data = f->data != NULL ? f->data + (size_t)t->begin : NULL;
     t->nbytes = (size_t)(t->end - t->begin);
     f->by_name[i] = t;
   }
@@ -488,8 +495,19 @@ fail_nomem:
   rc = st_fail(diag, SP_ENOMEM, "%s: out of memory parsing the header", src);
 fail:
   if (root != NULL) json_decref(root);
-  sp_st_free(f);
+  sp_safetensors_close(f);
   return rc;
+}
+
+int sp_safetensors_parse(const uint8_t *buf, size_t len, const char *source,
+                         sp_safetensors_file **out, sp_diag *diag) {
+  const char *src = source != NULL ? source : "<buffer>";
+  if (out == NULL) return st_fail(diag, SP_EINVAL, "%s: out is NULL", src);
+  *out = NULL;
+  if (buf == NULL && len > 0) {
+    return st_fail(diag, SP_EINVAL, "%s: buffer is NULL", src);
+  }
+  return parse_image(buf, len, true, src, out, diag);
 }
 
 /* Reads exactly len bytes at offset off. */
@@ -512,9 +530,10 @@ static int read_full(int fd, uint8_t *dst, size_t len, off_t off,
   return 0;
 }
 
-int sp_st_open(const char *path, sp_st_file **out, sp_diag *diag) {
+int sp_safetensors_open(const char *path, sp_safetensors_file **out,
+                        sp_diag *diag) {
   if (out == NULL || path == NULL) {
-    return st_fail(diag, SP_EINVAL, "sp_st_open: NULL argument");
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_open: NULL argument");
   }
   *out = NULL;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -564,8 +583,8 @@ int sp_st_open(const char *path, sp_st_file **out, sp_diag *diag) {
   rc = read_full(fd, img, (size_t)size, 0, path, diag);
   if (rc != 0) goto done;
 
-  sp_st_file *f = NULL;
-  rc = sp_st_parse(img, (size_t)size, path, &f, diag);
+  sp_safetensors_file *f = NULL;
+  rc = sp_safetensors_parse(img, (size_t)size, path, &f, diag);
   if (rc != 0) goto done;
   f->owned = base;
   base = NULL;
@@ -577,32 +596,129 @@ done:
   return rc;
 }
 
-size_t sp_st_tensor_count(const sp_st_file *f) {
+int sp_safetensors_open_header(const char *path, sp_safetensors_file **out,
+                               sp_diag *diag) {
+  if (out == NULL || path == NULL) {
+    return st_fail(diag, SP_EINVAL,
+                   "sp_safetensors_open_header: NULL argument");
+  }
+  *out = NULL;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    return st_fail(diag, e == ENOENT ? SP_ENOENT : SP_EIO,
+                   "%s: cannot open: %s", path, strerror(e));
+  }
+  int rc;
+  uint8_t *hdr = NULL;
+  sp_safetensors_file *f = NULL;
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    rc = st_fail(diag, SP_EIO, "%s: cannot stat: %s", path, strerror(errno));
+    goto fail;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    rc = st_fail(diag, SP_EIO, "%s: not a regular file", path);
+    goto fail;
+  }
+  uint64_t size = (uint64_t)st.st_size;
+  if (size > SIZE_MAX) {
+    rc = st_fail(diag, SP_ETOOBIG, "%s: %llu bytes cannot be addressed", path,
+                 (unsigned long long)size);
+    goto fail;
+  }
+  uint8_t prefix[8];
+  rc = read_full(fd, prefix, size < 8 ? (size_t)size : 8, 0, path, diag);
+  if (rc != 0) goto fail;
+  uint64_t n;
+  /* the length is checked against the real size before allocating it */
+  rc = check_prefix(prefix, size, path, &n, diag);
+  if (rc != 0) goto fail;
+  hdr = malloc(8 + (size_t)n);
+  if (hdr == NULL) {
+    rc = st_fail(diag, SP_ENOMEM, "%s: cannot allocate the %llu-byte header",
+                 path, (unsigned long long)n);
+    goto fail;
+  }
+  rc = read_full(fd, hdr, 8 + (size_t)n, 0, path, diag);
+  if (rc == 0) rc = parse_image(hdr, size, false, path, &f, diag);
+  free(hdr);
+  hdr = NULL;
+  if (rc != 0) goto fail;
+  f->path = strdup(path);
+  if (f->path == NULL) {
+    rc = st_fail(diag, SP_ENOMEM, "%s: out of memory", path);
+    goto fail;
+  }
+  f->fd = fd;
+  *out = f;
+  return 0;
+
+fail:
+  sp_safetensors_close(f);
+  free(hdr);
+  close(fd);
+  return rc;
+}
+
+int sp_safetensors_read_range(const sp_safetensors_file *f,
+                              const sp_safetensors_tensor *t, uint64_t offset,
+                              void *dst, size_t len, sp_diag *diag) {
+  if (f == NULL || t == NULL || (dst == NULL && len > 0)) {
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_read_range: NULL argument");
+  }
+  if (offset > t->nbytes || len > t->nbytes - offset) {
+    return st_fail(diag, SP_ERANGE,
+                   "tensor '%.*s': bytes [%llu, +%zu) are outside its %zu",
+                   NAME_Q, t->name, (unsigned long long)offset, len,
+                   t->nbytes);
+  }
+  if (len == 0) return 0;
+  if (f->data != NULL) {
+    memcpy(dst, t->data + offset, len);
+    return 0;
+  }
+  /* the tensor lies inside the data section, which lies inside the file as
+   * it was at open; a file cut short since then reads short (SP_EIO) */
+  uint64_t pos = 8 + f->header_len + t->begin + offset;
+  if (pos > (uint64_t)INT64_MAX) {
+    return st_fail(diag, SP_ERANGE, "%s: offset overflows", f->path);
+  }
+  int rc = read_full(f->fd, dst, len, (off_t)pos, f->path, diag);
+  if (rc != 0) {
+    return sp_diag_prefix(diag, rc, "tensor '%.*s'", NAME_Q, t->name);
+  }
+  return 0;
+}
+
+size_t sp_safetensors_tensor_count(const sp_safetensors_file *f) {
   return f != NULL ? f->n_tensors : 0;
 }
 
-const sp_st_tensor *sp_st_tensor_at(const sp_st_file *f, size_t i) {
+const sp_safetensors_tensor *
+sp_safetensors_tensor_at(const sp_safetensors_file *f, size_t i) {
   return f != NULL && i < f->n_tensors ? &f->tensors[i] : NULL;
 }
 
 static int cmp_key_name(const void *key, const void *elem) {
-  const sp_st_tensor *const *t = elem;
+  const sp_safetensors_tensor *const *t = elem;
   return strcmp((const char *)key, (*t)->name);
 }
 
-const sp_st_tensor *sp_st_find(const sp_st_file *f, const char *name) {
+const sp_safetensors_tensor *sp_safetensors_find(const sp_safetensors_file *f,
+                                                 const char *name) {
   if (f == NULL || name == NULL || f->n_tensors == 0) return NULL;
-  const sp_st_tensor *const *hit = bsearch(name, f->by_name, f->n_tensors,
-                                           sizeof *f->by_name, cmp_key_name);
+  const sp_safetensors_tensor *const *hit =
+      bsearch(name, f->by_name, f->n_tensors, sizeof *f->by_name, cmp_key_name);
   return hit != NULL ? *hit : NULL;
 }
 
-int sp_st_get(const sp_st_file *f, const char *name, const sp_st_tensor **out,
-              sp_diag *diag) {
+int sp_safetensors_get(const sp_safetensors_file *f, const char *name,
+                       const sp_safetensors_tensor **out, sp_diag *diag) {
   if (f == NULL || name == NULL || out == NULL) {
-    return st_fail(diag, SP_EINVAL, "sp_st_get: NULL argument");
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_get: NULL argument");
   }
-  *out = sp_st_find(f, name);
+  *out = sp_safetensors_find(f, name);
   if (*out == NULL) {
     return st_fail(diag, SP_ENOENT, "tensor '%.*s' not found (%zu tensors)",
                    NAME_Q, name, f->n_tensors);
@@ -610,22 +726,25 @@ int sp_st_get(const sp_st_file *f, const char *name, const sp_st_tensor **out,
   return 0;
 }
 
-int sp_st_tensor_read(const sp_st_tensor *t, void *dst, size_t dst_len) {
+int sp_safetensors_tensor_read(const sp_safetensors_tensor *t, void *dst,
+                               size_t dst_len) {
   if (t == NULL || (dst == NULL && dst_len > 0)) return SP_EINVAL;
   if (dst_len != t->nbytes) return SP_ERANGE;
   if (dst_len > 0) memcpy(dst, t->data, dst_len);
   return 0;
 }
 
-size_t sp_st_metadata_count(const sp_st_file *f) {
+size_t sp_safetensors_metadata_count(const sp_safetensors_file *f) {
   return f != NULL ? f->n_meta : 0;
 }
 
-const sp_st_kv *sp_st_metadata_at(const sp_st_file *f, size_t i) {
+const sp_safetensors_kv *
+sp_safetensors_metadata_at(const sp_safetensors_file *f, size_t i) {
   return f != NULL && i < f->n_meta ? &f->meta[i] : NULL;
 }
 
-const char *sp_st_metadata_get(const sp_st_file *f, const char *key) {
+const char *sp_safetensors_metadata_get(const sp_safetensors_file *f,
+                                        const char *key) {
   if (f == NULL || key == NULL) return NULL;
   for (size_t i = 0; i < f->n_meta; i++) {
     if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
@@ -633,34 +752,35 @@ const char *sp_st_metadata_get(const sp_st_file *f, const char *key) {
   return NULL;
 }
 
-size_t sp_st_header_len(const sp_st_file *f) {
+size_t sp_safetensors_header_len(const sp_safetensors_file *f) {
   return f != NULL ? f->header_len : 0;
 }
 
-size_t sp_st_data_len(const sp_st_file *f) {
+size_t sp_safetensors_data_len(const sp_safetensors_file *f) {
   return f != NULL ? f->data_len : 0;
 }
 
 /* ---- writer ------------------------------------------------------------- */
 
 static int cmp_entry_name(const void *a, const void *b) {
-  const sp_st_entry *const *x = a, *const *y = b;
+  const sp_safetensors_entry *const *x = a, *const *y = b;
   return strcmp((*x)->name, (*y)->name);
 }
 
 static int cmp_entry_layout(const void *a, const void *b) {
-  const sp_st_entry *const *x = a, *const *y = b;
+  const sp_safetensors_entry *const *x = a, *const *y = b;
   int rx = dtype_rank((*x)->dtype), ry = dtype_rank((*y)->dtype);
   if (rx != ry) return rx > ry ? -1 : 1;
   return strcmp((*x)->name, (*y)->name);
 }
 
 static int cmp_kv_key(const void *a, const void *b) {
-  const sp_st_kv *const *x = a, *const *y = b;
+  const sp_safetensors_kv *const *x = a, *const *y = b;
   return strcmp((*x)->key, (*y)->key);
 }
 
-static int entry_nbytes(const sp_st_entry *e, uint64_t *out, sp_diag *d) {
+static int entry_nbytes(const sp_safetensors_entry *e, uint64_t *out,
+                        sp_diag *d) {
   uint64_t numel = 1;
   for (size_t k = 0; k < e->ndim; k++) {
     /* jansson integers are signed 64-bit */
@@ -679,32 +799,33 @@ static int entry_nbytes(const sp_st_entry *e, uint64_t *out, sp_diag *d) {
 }
 
 /* Checks every argument, in the order: presence, limits, content. */
-static int check_write_args(const sp_st_entry *entries, size_t n,
-                            const sp_st_kv *meta, size_t n_meta, sp_diag *d) {
+static int check_write_args(const sp_safetensors_entry *entries, size_t n,
+                            const sp_safetensors_kv *meta, size_t n_meta,
+                            bool need_data, sp_diag *d) {
   if (n > 0 && entries == NULL) {
     return st_fail(d, SP_EINVAL, "entries is NULL");
   }
   if (n_meta > 0 && meta == NULL) {
     return st_fail(d, SP_EINVAL, "metadata is NULL");
   }
-  if (n > SP_ST_MAX_TENSORS) {
+  if (n > SP_SAFETENSORS_MAX_TENSORS) {
     return st_fail(d, SP_ETOOBIG, "%zu tensors exceed the limit of %u", n,
-                   SP_ST_MAX_TENSORS);
+                   SP_SAFETENSORS_MAX_TENSORS);
   }
   /* One slot is taken by "format". */
-  if (n_meta >= SP_ST_MAX_METADATA) {
+  if (n_meta >= SP_SAFETENSORS_MAX_METADATA) {
     return st_fail(d, SP_ETOOBIG, "%zu metadata entries exceed the limit of %u",
-                   n_meta, SP_ST_MAX_METADATA - 1);
+                   n_meta, SP_SAFETENSORS_MAX_METADATA - 1);
   }
   for (size_t i = 0; i < n; i++) {
-    const sp_st_entry *e = &entries[i];
+    const sp_safetensors_entry *e = &entries[i];
     if (e->name == NULL) return st_fail(d, SP_EINVAL, "tensor %zu: NULL name", i);
-    size_t len = strnlen(e->name, SP_ST_MAX_NAME + 1);
+    size_t len = strnlen(e->name, SP_SAFETENSORS_MAX_NAME + 1);
     if (len == 0) return st_fail(d, SP_EINVAL, "tensor %zu: empty name", i);
-    if (len > SP_ST_MAX_NAME) {
+    if (len > SP_SAFETENSORS_MAX_NAME) {
       return st_fail(d, SP_ETOOBIG,
                      "tensor '%.*s...': name exceeds the limit of %u bytes",
-                     NAME_Q, e->name, SP_ST_MAX_NAME);
+                     NAME_Q, e->name, SP_SAFETENSORS_MAX_NAME);
     }
     if (!utf8_valid(e->name)) {
       return st_fail(d, SP_EINVAL, "tensor '%.*s': name is not valid UTF-8",
@@ -717,28 +838,29 @@ static int check_write_args(const sp_st_entry *entries, size_t n,
       return st_fail(d, SP_EINVAL, "tensor '%.*s': invalid dtype %d", NAME_Q,
                      e->name, (int)e->dtype);
     }
-    if (e->ndim > SP_ST_MAX_NDIM) {
+    if (e->ndim > SP_SAFETENSORS_MAX_NDIM) {
       return st_fail(d, SP_ETOOBIG,
                      "tensor '%.*s': %zu dimensions exceed the limit of %u",
-                     NAME_Q, e->name, e->ndim, SP_ST_MAX_NDIM);
+                     NAME_Q, e->name, e->ndim, SP_SAFETENSORS_MAX_NDIM);
     }
     uint64_t nbytes;
     int rc = entry_nbytes(e, &nbytes, d);
     if (rc != 0) return rc;
-    if (nbytes > 0 && e->data == NULL) {
+    if (need_data && nbytes > 0 && e->data == NULL) {
       return st_fail(d, SP_EINVAL, "tensor '%.*s': data is NULL", NAME_Q,
                      e->name);
     }
   }
   for (size_t i = 0; i < n_meta; i++) {
-    const sp_st_kv *kv = &meta[i];
+    const sp_safetensors_kv *kv = &meta[i];
     if (kv->key == NULL || kv->value == NULL) {
       return st_fail(d, SP_EINVAL, "metadata entry %zu: NULL key or value", i);
     }
-    if (strnlen(kv->key, SP_ST_MAX_NAME + 1) > SP_ST_MAX_NAME) {
+    if (strnlen(kv->key, SP_SAFETENSORS_MAX_NAME + 1) >
+        SP_SAFETENSORS_MAX_NAME) {
       return st_fail(d, SP_ETOOBIG,
                      "metadata key '%.*s...' exceeds the limit of %u bytes",
-                     NAME_Q, kv->key, SP_ST_MAX_NAME);
+                     NAME_Q, kv->key, SP_SAFETENSORS_MAX_NAME);
     }
     if (!utf8_valid(kv->key) || !utf8_valid(kv->value)) {
       return st_fail(d, SP_EINVAL, "metadata '%.*s': not valid UTF-8", NAME_Q,
@@ -756,17 +878,17 @@ static int check_write_args(const sp_st_entry *entries, size_t n,
 
 /* Builds 8-byte prefix + padded JSON into *out (malloc'd) and the tensor
  * order into *order_out (malloc'd, n pointers into entries). */
-static int build_header(const sp_st_entry *entries, size_t n,
-                        const sp_st_kv *meta, size_t n_meta, uint8_t **out,
-                        size_t *out_len, const sp_st_entry ***order_out,
-                        sp_diag *d) {
-  int rc = check_write_args(entries, n, meta, n_meta, d);
+static int build_header(const sp_safetensors_entry *entries, size_t n,
+                        const sp_safetensors_kv *meta, size_t n_meta,
+                        bool need_data, uint8_t **out, size_t *out_len,
+                        const sp_safetensors_entry ***order_out, sp_diag *d) {
+  int rc = check_write_args(entries, n, meta, n_meta, need_data, d);
   if (rc != 0) return rc;
 
   json_t *root = NULL;
   char *text = NULL;
-  const sp_st_entry **order = NULL;
-  const sp_st_kv **korder = NULL;
+  const sp_safetensors_entry **order = NULL;
+  const sp_safetensors_kv **korder = NULL;
   rc = SP_ENOMEM;
 
   if (n > 0) {
@@ -811,7 +933,7 @@ static int build_header(const sp_st_entry *entries, size_t n,
   }
   uint64_t offset = 0;
   for (size_t i = 0; i < n; i++) {
-    const sp_st_entry *e = order[i];
+    const sp_safetensors_entry *e = order[i];
     uint64_t nbytes;
     rc = entry_nbytes(e, &nbytes, d);
     if (rc != 0) goto out;
@@ -847,9 +969,9 @@ static int build_header(const sp_st_entry *entries, size_t n,
   if (text == NULL) goto nomem;
   size_t tlen = strlen(text);
   size_t padded = (tlen + 7) & ~(size_t)7;
-  if (padded > SP_ST_MAX_HEADER) {
+  if (padded > SP_SAFETENSORS_MAX_HEADER) {
     rc = st_fail(d, SP_ETOOBIG, "header of %zu bytes exceeds the limit of %u",
-                 padded, SP_ST_MAX_HEADER);
+                 padded, SP_SAFETENSORS_MAX_HEADER);
     goto out;
   }
   uint8_t *buf = malloc(8 + padded);
@@ -919,68 +1041,212 @@ static int sync_parent_dir(const char *path, sp_diag *d) {
   return rc;
 }
 
-int sp_st_write(const char *path, const sp_st_entry *entries, size_t n,
-                const sp_st_kv *meta, size_t n_meta, sp_diag *diag) {
-  if (path == NULL) return st_fail(diag, SP_EINVAL, "path is NULL");
+/* A file being written: the header is on disk, tensors arrive by put. */
+struct sp_safetensors_writer {
+  char *path;
+  char *tmp;
+  int fd;
+  size_t n;
+  uint64_t data_start; /* 8 + N */
+  uint64_t *begin;     /* per entry index: offset in the data section */
+  uint64_t *nbytes;
+  uint64_t *written;   /* bytes put so far, from the tensor's start */
+  size_t *order;       /* entry indices in layout (file) order */
+  char **names;        /* copies, for messages after open returns */
+};
+
+static void writer_free(sp_safetensors_writer *w) {
+  if (w == NULL) return;
+  if (w->fd >= 0) close(w->fd);
+  if (w->tmp != NULL) unlink(w->tmp);
+  for (size_t i = 0; w->names != NULL && i < w->n; i++) free(w->names[i]);
+  free(w->names);
+  free(w->order);
+  free(w->written);
+  free(w->nbytes);
+  free(w->begin);
+  free(w->tmp);
+  free(w->path);
+  free(w);
+}
+
+void sp_safetensors_writer_abort(sp_safetensors_writer *w) { writer_free(w); }
+
+int sp_safetensors_writer_open(const char *path,
+                               const sp_safetensors_entry *entries, size_t n,
+                               const sp_safetensors_kv *meta, size_t n_meta,
+                               sp_safetensors_writer **out, sp_diag *diag) {
+  if (path == NULL || out == NULL) {
+    return st_fail(diag, SP_EINVAL, "path or out is NULL");
+  }
+  *out = NULL;
   uint8_t *hdr = NULL;
   size_t hdr_len = 0;
-  const sp_st_entry **order = NULL;
-  int rc = build_header(entries, n, meta, n_meta, &hdr, &hdr_len, &order, diag);
+  const sp_safetensors_entry **order = NULL;
+  int rc = build_header(entries, n, meta, n_meta, false, &hdr, &hdr_len,
+                        &order, diag);
   if (rc != 0) return sp_diag_prefix(diag, rc, "%s", path);
 
-  static atomic_uint counter;
-  size_t tlen = strlen(path) + 64;
-  char *tmp = malloc(tlen);
-  int fd = -1;
-  if (tmp == NULL) {
+  sp_safetensors_writer *w = calloc(1, sizeof *w);
+  size_t slots = n > 0 ? n : 1;
+  if (w != NULL) {
+    w->fd = -1;
+    w->n = n;
+    w->data_start = hdr_len;
+    w->path = strdup(path);
+    w->tmp = malloc(strlen(path) + 64);
+    w->begin = calloc(slots, sizeof *w->begin);
+    w->nbytes = calloc(slots, sizeof *w->nbytes);
+    w->written = calloc(slots, sizeof *w->written);
+    w->order = calloc(slots, sizeof *w->order);
+    w->names = calloc(slots, sizeof *w->names);
+  }
+  if (w == NULL || w->path == NULL || w->tmp == NULL || w->begin == NULL ||
+      w->nbytes == NULL || w->written == NULL || w->order == NULL ||
+      w->names == NULL) {
     rc = st_fail(diag, SP_ENOMEM, "%s: out of memory", path);
-    goto out;
+    goto fail;
   }
-  /* O_EXCL with a name unique per process and call: concurrent writers of
-   * the same path never share a temporary file. */
-  for (int attempt = 0; attempt < 100 && fd < 0; attempt++) {
-    snprintf(tmp, tlen, "%s.tmp.%ld.%u", path, (long)getpid(),
-             atomic_fetch_add(&counter, 1u));
-    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0) {
-    rc = st_fail(diag, SP_EIO, "%s: cannot create temporary file: %s", path,
-                 strerror(errno));
-    free(tmp);
-    tmp = NULL;
-    goto out;
-  }
-
-  rc = write_full(fd, hdr, hdr_len, tmp, diag);
-  for (size_t i = 0; rc == 0 && i < n; i++) {
-    uint64_t nbytes = 0;
-    rc = entry_nbytes(order[i], &nbytes, diag);
-    if (rc == 0 && nbytes > 0) {
-      rc = write_full(fd, order[i]->data, (size_t)nbytes, tmp, diag);
+  uint64_t offset = 0;
+  for (size_t k = 0; k < n; k++) {
+    size_t i = (size_t)(order[k] - entries);
+    w->order[k] = i;
+    w->begin[i] = offset;
+    rc = entry_nbytes(&entries[i], &w->nbytes[i], diag);
+    if (rc != 0) goto fail;
+    offset += w->nbytes[i]; /* build_header checked the total */
+    w->names[i] = strdup(entries[i].name);
+    if (w->names[i] == NULL) {
+      rc = st_fail(diag, SP_ENOMEM, "%s: out of memory", path);
+      goto fail;
     }
   }
-  if (rc == 0 && fsync(fd) != 0) {
-    rc = st_fail(diag, SP_EIO, "%s: fsync failed: %s", tmp, strerror(errno));
+
+  static atomic_uint counter;
+  /* O_EXCL with a name unique per process and call: concurrent writers of
+   * the same path never share a temporary file. */
+  for (int attempt = 0; attempt < 100 && w->fd < 0; attempt++) {
+    snprintf(w->tmp, strlen(path) + 64, "%s.tmp.%ld.%u", path,
+             (long)getpid(), atomic_fetch_add(&counter, 1u));
+    w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (w->fd < 0 && errno != EEXIST) break;
+  }
+  if (w->fd < 0) {
+    rc = st_fail(diag, SP_EIO, "%s: cannot create temporary file: %s", path,
+                 strerror(errno));
+    free(w->tmp); /* nothing of ours to unlink */
+    w->tmp = NULL;
+    goto fail;
+  }
+  rc = write_full(w->fd, hdr, hdr_len, w->tmp, diag);
+  if (rc != 0) goto fail;
+  free(order);
+  free(hdr);
+  *out = w;
+  return 0;
+
+fail:
+  free(order);
+  free(hdr);
+  writer_free(w);
+  return rc;
+}
+
+int sp_safetensors_writer_put(sp_safetensors_writer *w, size_t i,
+                              uint64_t offset, const void *src, size_t len,
+                              sp_diag *diag) {
+  if (w == NULL || (src == NULL && len > 0)) {
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_writer_put: NULL argument");
+  }
+  if (i >= w->n) {
+    return st_fail(diag, SP_ERANGE, "%s: tensor %zu of %zu", w->path, i,
+                   w->n);
+  }
+  if (offset != w->written[i] || len > w->nbytes[i] - offset) {
+    return st_fail(diag, SP_ERANGE,
+                   "%s: tensor '%.*s': bytes [%llu, +%zu) given, the next "
+                   "expected at %llu of %llu",
+                   w->path, NAME_Q, w->names[i], (unsigned long long)offset,
+                   len, (unsigned long long)w->written[i],
+                   (unsigned long long)w->nbytes[i]);
+  }
+  const uint8_t *p = src;
+  uint64_t pos = w->data_start + w->begin[i] + offset;
+  size_t left = len;
+  while (left > 0) {
+    size_t chunk = left > ((size_t)1 << 30) ? (size_t)1 << 30 : left;
+    ssize_t r = pwrite(w->fd, p, chunk, (off_t)pos);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return st_fail(diag, SP_EIO, "%s: write failed: %s", w->tmp,
+                     strerror(errno));
+    }
+    p += r;
+    pos += (uint64_t)r;
+    left -= (size_t)r;
+  }
+  w->written[i] += len;
+  return 0;
+}
+
+int sp_safetensors_writer_commit(sp_safetensors_writer *w, sp_diag *diag) {
+  if (w == NULL)
+    return st_fail(diag, SP_EINVAL, "sp_safetensors_writer_commit: NULL");
+  int rc = 0;
+  for (size_t i = 0; i < w->n; i++) {
+    if (w->written[i] != w->nbytes[i]) {
+      rc = st_fail(diag, SP_EINVAL,
+                   "%s: tensor '%.*s': %llu of its %llu bytes written",
+                   w->path, NAME_Q, w->names[i],
+                   (unsigned long long)w->written[i],
+                   (unsigned long long)w->nbytes[i]);
+      break;
+    }
+  }
+  if (rc == 0 && fsync(w->fd) != 0) {
+    rc = st_fail(diag, SP_EIO, "%s: fsync failed: %s", w->tmp,
+                 strerror(errno));
   }
   /* close can report a deferred write error (NFS); only a clean close
    * counts. */
+  int fd = w->fd;
+  w->fd = -1;
   if (close(fd) != 0 && rc == 0) {
-    rc = st_fail(diag, SP_EIO, "%s: close failed: %s", tmp, strerror(errno));
-  }
-  if (rc == 0 && rename(tmp, path) != 0) {
-    rc = st_fail(diag, SP_EIO, "%s: cannot rename temporary file: %s", path,
+    rc = st_fail(diag, SP_EIO, "%s: close failed: %s", w->tmp,
                  strerror(errno));
   }
-  if (rc != 0) {
-    unlink(tmp);
-  } else {
-    rc = sync_parent_dir(path, diag);
+  if (rc == 0 && rename(w->tmp, w->path) != 0) {
+    rc = st_fail(diag, SP_EIO, "%s: cannot rename temporary file: %s",
+                 w->path, strerror(errno));
   }
-
-out:
-  free(tmp);
-  free(order);
-  free(hdr);
+  if (rc == 0) {
+    free(w->tmp); /* renamed: nothing left to unlink */
+    w->tmp = NULL;
+    rc = sync_parent_dir(w->path, diag);
+  }
+  writer_free(w);
   return rc;
+}
+
+int sp_safetensors_write(const char *path, const sp_safetensors_entry *entries,
+                         size_t n, const sp_safetensors_kv *meta, size_t n_meta,
+                         sp_diag *diag) {
+  if (path == NULL) return st_fail(diag, SP_EINVAL, "path is NULL");
+  /* the data must be there before anything is created */
+  int rc = check_write_args(entries, n, meta, n_meta, true, diag);
+  if (rc != 0) return sp_diag_prefix(diag, rc, "%s", path);
+  sp_safetensors_writer *w;
+  rc = sp_safetensors_writer_open(path, entries, n, meta, n_meta, &w, diag);
+  if (rc != 0) return rc;
+  /* in file order: one sequential write */
+  for (size_t k = 0; k < n; k++) {
+    size_t i = w->order[k];
+    rc = sp_safetensors_writer_put(w, i, 0, entries[i].data,
+                                   (size_t)w->nbytes[i], diag);
+    if (rc != 0) {
+      writer_free(w);
+      return rc;
+    }
+  }
+  return sp_safetensors_writer_commit(w, diag);
 }

@@ -143,16 +143,17 @@ double *sp_tjob_read_losses(const char *path, size_t *n) {
   return v;
 }
 
-sp_st_file *sp_tjob_open_st(const char *dir, const char *name) {
+sp_safetensors_file *sp_tjob_open_st(const char *dir, const char *name) {
   char *path = sp_test_path(dir, name);
-  sp_st_file *st;
+  sp_safetensors_file *st;
   sp_diag d = {{0}};
-  if (sp_st_open(path, &st, &d) < 0) fail_msg("%s", d.msg);
+  if (sp_safetensors_open(path, &st, &d) < 0)
+    fail_msg("%s", d.msg);
   free(path);
   return st;
 }
 
-double sp_tjob_elem(const sp_st_tensor *t, size_t i) {
+double sp_tjob_elem(const sp_safetensors_tensor *t, size_t i) {
   uint8_t tmp[8];
   size_t es = sp_dtype_size(t->dtype);
   memcpy(tmp, t->data + i * es, es);
@@ -176,11 +177,13 @@ double sp_tjob_elem(const sp_st_tensor *t, size_t i) {
 
 void sp_tjob_same_tensors(const char *a_dir, const char *a, const char *b_dir,
                           const char *b) {
-  sp_st_file *fa = sp_tjob_open_st(a_dir, a), *fb = sp_tjob_open_st(b_dir, b);
-  assert_int_equal(sp_st_tensor_count(fa), sp_st_tensor_count(fb));
-  for (size_t i = 0; i < sp_st_tensor_count(fa); i++) {
-    const sp_st_tensor *ta = sp_st_tensor_at(fa, i);
-    const sp_st_tensor *tb = sp_st_find(fb, ta->name);
+  sp_safetensors_file *fa = sp_tjob_open_st(a_dir, a),
+                      *fb = sp_tjob_open_st(b_dir, b);
+  assert_int_equal(sp_safetensors_tensor_count(fa),
+                   sp_safetensors_tensor_count(fb));
+  for (size_t i = 0; i < sp_safetensors_tensor_count(fa); i++) {
+    const sp_safetensors_tensor *ta = sp_safetensors_tensor_at(fa, i);
+    const sp_safetensors_tensor *tb = sp_safetensors_find(fb, ta->name);
     if (!tb) fail_msg("%s/%s: no %s", b_dir, b, ta->name);
     assert_int_equal(ta->dtype, tb->dtype);
     assert_int_equal(ta->nbytes, tb->nbytes);
@@ -188,8 +191,8 @@ void sp_tjob_same_tensors(const char *a_dir, const char *a, const char *b_dir,
       fail_msg("%s differs between %s/%s and %s/%s", ta->name, a_dir, a,
                b_dir, b);
   }
-  sp_st_free(fa);
-  sp_st_free(fb);
+  sp_safetensors_close(fa);
+  sp_safetensors_close(fb);
 }
 
 /* ---- against the reference run ---- */
@@ -204,12 +207,12 @@ static size_t total_numel(const sp_model *m) {
 
 /* Every param of the FULL checkpoint in dir, in float64, model order. */
 static double *read_full_params(const sp_model *m, const char *dir) {
-  sp_st_file *st = sp_tjob_open_st(dir, "full/model.safetensors");
+  sp_safetensors_file *st = sp_tjob_open_st(dir, "full/model.safetensors");
   double *out = calloc(total_numel(m) + 1, sizeof *out);
   assert_non_null(out);
   size_t off = 0;
   for (size_t p = 0; p < m->n_params; p++) {
-    const sp_st_tensor *t = sp_st_find(st, m->params[p].fqn);
+    const sp_safetensors_tensor *t = sp_safetensors_find(st, m->params[p].fqn);
     if (!t) fail_msg("FULL checkpoint in %s: no %s", dir, m->params[p].fqn);
     assert_int_equal(t->numel, m->params[p].numel);
     assert_int_equal(t->dtype, m->params[p].dtype);
@@ -221,7 +224,7 @@ static double *read_full_params(const sp_model *m, const char *dir) {
     free(tmp);
     off += (size_t)t->numel;
   }
-  sp_st_free(st);
+  sp_safetensors_close(st);
   return out;
 }
 
@@ -456,16 +459,16 @@ void sp_tjob_check_buffers(const char *model, uint32_t world, uint32_t steps,
   job.world_size = world;
   assert_int_equal(sp_plan_build(m, &job, &plan, &d), 0);
 
-  sp_st_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
-  sp_st_file *sh = sp_tjob_open_st(dir, sharded);
-  sp_st_file *loc = sp_tjob_open_st(dir, local);
+  sp_safetensors_file *full = sp_tjob_open_st(dir, "full/model.safetensors");
+  sp_safetensors_file *sh = sp_tjob_open_st(dir, sharded);
+  sp_safetensors_file *loc = sp_tjob_open_st(dir, local);
   const uint8_t *ref = ref_bufs;
   for (size_t b = 0; b < m->n_buffers; b++) {
     const sp_tensor_spec *bs = &m->buffers[b];
     sp_dtype compute = plan->buffers[b].compute_dtype;
-    const sp_st_tensor *tf = sp_st_find(full, bs->fqn);
-    const sp_st_tensor *ts = sp_st_find(sh, bs->fqn);
-    const sp_st_tensor *tl = sp_st_find(loc, bs->fqn);
+    const sp_safetensors_tensor *tf = sp_safetensors_find(full, bs->fqn);
+    const sp_safetensors_tensor *ts = sp_safetensors_find(sh, bs->fqn);
+    const sp_safetensors_tensor *tl = sp_safetensors_find(loc, bs->fqn);
     printf("  %-30s original %-8s compute %-8s FULL %-8s SHARDED %-8s "
            "LOCAL %s\n",
            bs->fqn, sp_dtype_name(bs->dtype), sp_dtype_name(compute),
@@ -521,9 +524,9 @@ void sp_tjob_check_buffers(const char *model, uint32_t world, uint32_t steps,
            vs, diff, scale > 0 ? diff / scale : 0);
     assert_true(diff <= 0x1p-7 * scale);
   }
-  sp_st_free(full);
-  sp_st_free(sh);
-  sp_st_free(loc);
+  sp_safetensors_close(full);
+  sp_safetensors_close(sh);
+  sp_safetensors_close(loc);
   free(ref_bufs);
   sp_plan_free(plan);
   sp_job_clear(&job);

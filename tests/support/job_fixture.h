@@ -51,12 +51,12 @@ void sp_tjob_run(const char *model, const char *const *cflags, int n,
  * a malloc'd array (the caller frees) of *n values. */
 double *sp_tjob_read_losses(const char *path, size_t *n);
 
-/* Opens dir/name, a safetensors file; sp_st_free it. */
-sp_st_file *sp_tjob_open_st(const char *dir, const char *name);
+/* Opens dir/name, a safetensors file; sp_safetensors_close it. */
+sp_safetensors_file *sp_tjob_open_st(const char *dir, const char *name);
 
 /* Element i of a tensor (floating, int64, int32, or one-byte) as a
  * double. */
-double sp_tjob_elem(const sp_st_tensor *t, size_t i);
+double sp_tjob_elem(const sp_safetensors_tensor *t, size_t i);
 
 /* Fails unless a_dir/a and b_dir/b hold the same tensors: the same names,
  * dtypes and bytes. */
