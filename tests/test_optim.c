@@ -8,7 +8,8 @@
  *    nothing), equal to the unsharded norm;
  *  - gradient accumulation with sync (each micro-batch reduced and added)
  *    and without (no_sync: one reduction of the local sum), equal to one
- *    batch of all the micro-batches;
+ *    batch of all the micro-batches; the memory model's prediction of what
+ *    AdamW and no_sync hold;
  *  - two bugs: the forward after a trainer wrote the master shards itself
  *    (NO_SHARD served the old unsharded copy), and use_orig_params units
  *    whose first parameter is frozen (their trainable parameters were
@@ -32,6 +33,7 @@
 #include <cmocka.h>
 
 #include "cast/cast.h"
+#include "fsdp/memory.h"
 #include "lib/fsdp_internal.h"
 #include "lib/shardplane.h"
 #include "support/coord_fixture.h"
@@ -723,6 +725,72 @@ static void test_grad_accumulation(void **state) {
       }
 }
 
+/* ---- the memory model: AdamW's moments and no_sync's held gradients ----
+ * Two steps of two micro-batches without sync for the first, AdamW: every
+ * counter of sp_fsdp_stats.mem equals what sp_mem_estimate_plan predicts
+ * with optimizer adamw and no_sync (common/fsdp/memory.c), category by
+ * category, peak and current, in use and reserved, and the allocations. */
+static int body_memory(rank_ctx *c, void *arg) {
+  (void)arg;
+  sp_optim_opts o;
+  sp_optim_opts_init(&o, SP_OPTIM_ADAMW);
+  CALL(c, sp_fsdp_optim_init(c->f, &o, &D));
+  for (uint32_t step = 0; step < 2; step++) {
+    for (uint32_t j = 0; j < 2; j++) {
+      CALL(c, sp_fsdp_set_requires_gradient_sync(c->f, j == 1, &D));
+      TRY(fwd_bwd(c, j, layer_grad));
+    }
+    CALL(c, sp_fsdp_optim_step(c->f, NULL, &D));
+  }
+  sp_fsdp_stats st;
+  sp_fsdp_get_stats(c->f, &st);
+  sp_mem_opts mo;
+  sp_mem_opts_default(&mo);
+  mo.optimizer = SP_MEM_OPT_ADAMW;
+  mo.no_sync = true;
+  sp_mem_estimate e;
+  CALL(c, sp_mem_estimate_plan(c->plan, &mo, &e, &D));
+  const sp_mem_account *got = &st.mem, *want = &e.acct;
+  for (int k = 0; k < SP_MEM_N_CATS; k++)
+    CHECK(c, got->cat[k].peak == want->cat[k].peak &&
+                 got->cat[k].current == want->cat[k].current,
+          "%s: peak %llu, now %llu bytes; the model says %llu, %llu",
+          sp_mem_cat_label((sp_mem_cat)k),
+          (unsigned long long)got->cat[k].peak,
+          (unsigned long long)got->cat[k].current,
+          (unsigned long long)want->cat[k].peak,
+          (unsigned long long)want->cat[k].current);
+  CHECK(c, got->total.peak == want->total.peak &&
+               got->reserved.peak == want->reserved.peak &&
+               got->allocs == want->allocs,
+        "total peak %llu, reserved %llu, %llu allocations; the model says "
+        "%llu, %llu, %llu", (unsigned long long)got->total.peak,
+        (unsigned long long)got->reserved.peak,
+        (unsigned long long)got->allocs,
+        (unsigned long long)want->total.peak,
+        (unsigned long long)want->reserved.peak,
+        (unsigned long long)want->allocs);
+  if (c->rank == 0)
+    printf("    counted = predicted: optimizer state %llu bytes, unsharded "
+           "gradients' peak %llu\n",
+           (unsigned long long)got->cat[SP_MEM_OPTIMIZER].peak,
+           (unsigned long long)got->cat[SP_MEM_GRADS].peak);
+  return 0;
+}
+
+static void test_memory_model(void **state) {
+  (void)state;
+  sp_strategy ss[] = {SP_FULL_SHARD, SP_SHARD_GRAD_OP, SP_NO_SHARD,
+                      SP_HYBRID_SHARD};
+  for (size_t s = 0; s < 4; s++)
+    for (uint32_t w = 1; w <= 4; w += 3) {
+      printf("  W=%u %s, AdamW, no_sync\n", w, sp_strategy_name(ss[s]));
+      job_cfg cfg = {.model = g_layers, .world = w, .strategy = ss[s],
+                     .group = w == 4 ? 2 : w};
+      run_job(&cfg, body_memory, NULL);
+    }
+}
+
 /* ---- bug: an update outside the runtime's optimizer was not seen ---- */
 
 /* Every rank's master shard of the one unit goes to 100, 200, ... (flat
@@ -1032,6 +1100,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_options),
       cmocka_unit_test(test_clip_grad_norm),
       cmocka_unit_test(test_grad_accumulation),
+      cmocka_unit_test(test_memory_model),
       cmocka_unit_test(test_bug_own_update_seen),
       cmocka_unit_test(test_bug_mixed_requires_grad),
       cmocka_unit_test(test_kernels_match_cpu),
