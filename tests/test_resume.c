@@ -15,9 +15,9 @@
  *    that cannot be made fails on every rank and keeps the old one;
  *  - the optimizer state must match: a checkpoint with a state the run has
  *    not registered, or without one it has, is refused naming the state.
- * The optimizer state is the worker's --test-state until the real
- * optimizer registers its own; the comparisons take every tensor a file
- * holds, so its moments join them by name. */
+ * The optimizer state is the worker's --test-state, and AdamW's moments
+ * in test_resume_adamw; the comparisons take every tensor a file holds,
+ * so the moments join them by name. */
 #include <dirent.h>
 #include <math.h>
 #include <setjmp.h>
@@ -210,6 +210,65 @@ static void test_resume_bit_exact(void **state) {
     printf("  5 + 5 steps from the %s checkpoint == 10 in one go: %zu "
            "checkpoint files, every tensor's bytes, the loss curve\n",
            kinds[k], files);
+    free(from);
+    free(to);
+  }
+  free(one);
+  free(half);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* The real optimizer's state resumes as the stand-in's does: AdamW with a
+ * warmup-cosine schedule, clipping and two micro-batches a step; 6 steps
+ * in one go equal 3, a checkpoint (its exp_avg, exp_avg_sq and step
+ * count), new processes and 3 more, bit for bit, from FULL and LOCAL. */
+static const char *const k_adamw[] = {
+    "--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1",
+    "--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "0.001",
+    "--clip-grad-norm", "1", "--grad-accum", "2", NULL};
+
+static void train_adamw(const char *steps, const char *out, const char *load,
+                        const char *load_kind) {
+  char *losses = sp_test_path(out, "losses.json");
+  mkdir(out, 0777);
+  flags f = {0};
+  add(&f, "--steps", steps, "--global-batch", "24", "--checkpoint-dir", out,
+      "--checkpoint", "full", "--checkpoint", "local", "--losses", losses,
+      NULL);
+  for (size_t i = 0; k_adamw[i]; i++) add(&f, k_adamw[i], NULL);
+  if (load) add(&f, "--load", load, "--load-kind", load_kind, NULL);
+  sp_tjob_run(MLP_BUFFERS, k_f32_job, 2, f.v, JOB_TIMEOUT_S);
+  free(losses);
+}
+
+static void test_resume_adamw(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *one = sp_test_path(dir, "one"), *half = sp_test_path(dir, "half");
+  train_adamw("6", one, NULL, NULL);
+  train_adamw("3", half, NULL, NULL);
+  char *states = meta_of(one, "full/model.safetensors",
+                         "shardplane.optim_states");
+  assert_non_null(states);
+  assert_string_equal(states, "exp_avg,exp_avg_sq");
+  free(states);
+  const char *kinds[] = {"full", "local"};
+  for (size_t k = 0; k < 2; k++) {
+    char name[32];
+    snprintf(name, sizeof name, "from-%s", kinds[k]);
+    char *to = sp_test_path(dir, name);
+    char *from = sp_test_path(half, kinds[k]);
+    train_adamw("6", to, from, kinds[k]);
+    sp_tjob_same_tensors(one, "full/model.safetensors", to,
+                         "full/model.safetensors");
+    sp_tjob_same_tensors(one, "local/local-1-of-2.safetensors", to,
+                         "local/local-1-of-2.safetensors");
+    expect_steps(to, "full/model.safetensors", "6");
+    same_losses(one, to, 3);
+    printf("  AdamW, cosine, clipping, 2 micro-batches: 3 + 3 steps from the "
+           "%s checkpoint == 6 in one go, moments and parameters bit for "
+           "bit\n", kinds[k]);
     free(from);
     free(to);
   }
@@ -520,6 +579,7 @@ static void test_state_mismatch(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_resume_bit_exact),
+      cmocka_unit_test(test_resume_adamw),
       cmocka_unit_test(test_resume_other_world),
       cmocka_unit_test(test_stop_and_resume),
       cmocka_unit_test(test_failed_save_keeps_old),
