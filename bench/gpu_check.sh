@@ -5,9 +5,11 @@
 #
 # 1. configures and builds a Release tree (build-gpu-check/; packages via
 #    scripts/deps.sh) for the configured CUDA architectures;
-# 2. runs every GPU test: ctest -R "cuda|nccl|gpu" (test_cuda_cast,
-#    test_cuda_cast_exhaustive, test_comm_nccl, and the GPU runtime's
-#    test_gpu_* files as they appear);
+# 2. runs every GPU test: ctest -R "cuda|nccl|gpu|optim" (test_cuda_cast,
+#    test_cuda_cast_exhaustive, test_comm_nccl, test_gpu_parity: the
+#    runtime on device memory drawn from its pool, and test_optim, whose
+#    AdamW / SGD / clipping / accumulation kernels must give the CPU's bits;
+#    SHARDPLANE_REQUIRE_GPU=1 makes a test that finds no device fail);
 # 3. runs bench/cast --device cuda (each cast against a device-to-device
 #    copy of the same bytes);
 # 4. prints one table: test, result, time; cast, GB/s, ratio to the copy.
@@ -34,7 +36,7 @@ JOBS=$(nproc 2>/dev/null || echo 4)
 T0=$(date +%s)
 # Tests that must run (not skip) on a GPU machine: a GPU test that skips
 # there means the GPU was not usable, which is a failure of this check.
-REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_comm_nccl test_gpu_parity"
+REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_comm_nccl test_gpu_parity test_optim"
 
 say() { printf 'gpu_check: %s\n' "$*"; }
 
@@ -72,7 +74,7 @@ fi
 if ! grep -q "NCCL backend ON" "$BUILD.configure.log"; then
   say "warning: the NCCL backend is not built (no NCCL >= 2.14 found);" \
       "test_comm_nccl will only check SP_EUNSUPPORTED"
-  REQUIRED="test_cuda_cast test_cuda_cast_exhaustive"  # parity needs NCCL
+  REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_optim"  # parity needs NCCL
 fi
 T_BUILD0=$(date +%s)
 BUILD_LOG="$BUILD/gpu_check.build.log"
@@ -90,7 +92,8 @@ CTEST_LOG="$BUILD/gpu_check.ctest.log"
 # NCCL's own warnings say why an init or a collective failed.
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 timeout --signal=TERM "$TEST_LIMIT" \
-  ctest --test-dir "$BUILD" -R "cuda|nccl|gpu" --output-on-failure \
+  env SHARDPLANE_REQUIRE_GPU=1 \
+  ctest --test-dir "$BUILD" -R "cuda|nccl|gpu|optim" --output-on-failure \
   >"$CTEST_LOG" 2>&1
 ctest_rc=$?
 if [ $ctest_rc -eq 124 ]; then
