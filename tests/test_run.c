@@ -216,7 +216,7 @@ static void test_run_training_flags(void **state) {
   sp_train_flags_init(&t);
   sp_diag d = {{0}};
   for (size_t i = 0; train[i]; i++)
-    for (size_t o = 0; o < n; o++)
+    for (size_t o = 0; strncmp(train[i], "--", 2) == 0 && o < n; o++)
       if (strcmp(train[i] + 2, opts[o].name) == 0)
         assert_int_equal(sp_train_flag(&t, opts[o].val,
                                        opts[o].has_arg ? train[i + 1] : NULL,
