@@ -190,6 +190,40 @@ static void test_run_to_checkpoint(void **state) {
   free(dir);
 }
 
+/* A checkpoint of one optimizer resumed with another: refused, naming
+ * the state and the flag that loads anyway; with --load-params-only the
+ * job continues after the checkpoint's step with a fresh optimizer. */
+static void test_run_load_params_only(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *sgd[] = {"--nproc", "2", "--model", MLP, "--steps", "3",
+                       "--checkpoint-dir", ck, NULL};
+  assert_int_equal(wait_run(start_run(dir, sgd), 120), 0);
+  const char *adamw[] = {"--nproc", "2", "--model", MLP, "--steps", "5",
+                         "--load", ck, "--optimizer", "adamw", "--lr",
+                         "0.001", "--checkpoint", "none", NULL, NULL};
+  const size_t last = sizeof adamw / sizeof adamw[0] - 2;
+  assert_int_equal(wait_run(start_run(dir, adamw), 120), 1);
+  char *err = slurp(dir, "err");
+  printf("%s", err);
+  assert_non_null(strstr(err, "optimizer state \"exp_avg\""));
+  assert_non_null(strstr(err, "--load-params-only"));
+  free(err);
+  char *out;
+  adamw[last] = "--load-params-only";
+  assert_int_equal(wait_run(start_run(dir, adamw), 120), 0);
+  out = slurp(dir, "out");
+  printf("%s", out);
+  assert_non_null(strstr(out, "resuming after step 3 of 5"));
+  assert_non_null(strstr(out, "[rank0]: step 5/5"));
+  assert_null(strstr(out, "[rank0]: step 3/5"));
+  free(out);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* The training flags reach every worker: a run with AdamW, warmup-cosine,
  * clipping and no_sync accumulation prints the loss curve the unsharded
  * reference run of the same settings has (and not SGD's). */
@@ -649,6 +683,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
       cmocka_unit_test(test_run_training_flags),
+      cmocka_unit_test(test_run_load_params_only),
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_interrupted),

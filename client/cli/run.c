@@ -81,6 +81,10 @@ static void usage(FILE *f) {
         "                             job continues after its step\n"
         "  --load-kind KIND           full, sharded or local, when DIR holds\n"
         "                             several\n"
+        "  --load-params-only         only its parameters and buffers: the\n"
+        "                             optimizer's state and schedule start\n"
+        "                             afresh (another optimizer than the\n"
+        "                             checkpoint's)\n"
         "  --log-every N              progress every N steps (default 1)\n"
         "  --device cpu|cuda          where ranks train (default cpu); cuda:\n"
         "                             rank r on GPU r % (GPUs present), over\n"
@@ -290,6 +294,7 @@ typedef struct run_opts {
   bool any_kind;      /* after parse_args: kinds[] holds one at least */
   const char *load_dir; /* --load */
   sp_ckpt_kind load_kind; /* --load-kind; 0: the only kind there */
+  bool load_params_only;  /* --load-params-only */
   sp_job_cli jcli; /* job flags, applied after --job */
   /* the training flags, checked here and passed to every worker as
    * given, in order */
@@ -339,7 +344,7 @@ static int job_flag(run_opts *o, int c, const char *value) {
 }
 
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_CKEVERY, O_HELP };
+       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
@@ -404,6 +409,7 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
       if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
       return rc;
+    case O_LOADP: o->load_params_only = true; return 0;
     case O_CKEVERY:
       o->ckpt_every = v;
       return sp_flag_int(flag, v, 1, 1000000000, &n, d);
@@ -427,6 +433,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"device", required_argument, NULL, O_DEVICE},
       {"load", required_argument, NULL, O_LOAD},
       {"load-kind", required_argument, NULL, O_LOADK},
+      {"load-params-only", no_argument, NULL, O_LOADP},
       {"checkpoint-every", required_argument, NULL, O_CKEVERY},
       {"help", no_argument, NULL, O_HELP}};
   /* run's own options, the training flags, then the job flags */
@@ -478,8 +485,9 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     usage(stderr);
     goto out;
   }
-  if (o->load_kind && !o->load_dir) {
-    sp_cli_error(RUN, "--load-kind needs --load DIR");
+  if ((o->load_kind || o->load_params_only) && !o->load_dir) {
+    sp_cli_error(RUN, "%s needs --load DIR",
+                 o->load_kind ? "--load-kind" : "--load-params-only");
     goto out;
   }
   /* as the worker: FULL unless --checkpoint says otherwise */
@@ -726,6 +734,7 @@ static void worker_args(const run_opts *o, const run_job *j,
     push(wa, j->load_from);
     push(wa, "--load-kind");
     push(wa, sp_ckpt_kind_dir(j->load_kind));
+    if (o->load_params_only) push(wa, "--load-params-only");
   }
 }
 

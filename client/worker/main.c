@@ -36,6 +36,7 @@ typedef struct worker_opts {
   bool any_kind; /* --checkpoint given (none included) */
   const char *load_dir;    /* as given */
   sp_ckpt_kind load_kind;  /* 0: the only kind load_dir holds */
+  bool load_params_only;   /* --load-params-only */
   char load_from[4096];    /* the checkpoint folder load_dir names */
   const char *losses_path;
   const char *stats_path;
@@ -377,6 +378,10 @@ static void usage(FILE *f) {
       "                           step, from which training continues\n"
       "  --load-kind KIND         full, sharded or local: which one, when DIR\n"
       "                           holds several\n"
+      "  --load-params-only       take only the parameters and buffers: the\n"
+      "                           optimizer's state and schedule start afresh\n"
+      "                           (another optimizer than the checkpoint's);\n"
+      "                           training still continues after its step\n"
       "  --losses FILE            rank 0 writes the loss of every step it\n"
       "                           trains (JSON)\n"
       "  --stats FILE             rank 0 writes every step's duration in s,\n"
@@ -412,7 +417,7 @@ static void usage(FILE *f) {
 }
 
 enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
-       O_CK, O_LOAD, O_LOADK, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_NOREP,
+       O_CK, O_LOAD, O_LOADK, O_LOADP, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_NOREP,
        O_TOGGLE, O_CKEVERY, O_TSTATE, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
@@ -460,6 +465,7 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
       if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
       return rc;
+    case O_LOADP: o->load_params_only = true; return 0;
     case O_LOSSES:
       o->losses_path = v;
       return sp_flag_text(flag, v, "a file name", d);
@@ -507,6 +513,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"checkpoint", required_argument, NULL, O_CK},
       {"load", required_argument, NULL, O_LOAD},
       {"load-kind", required_argument, NULL, O_LOADK},
+      {"load-params-only", no_argument, NULL, O_LOADP},
       {"losses", required_argument, NULL, O_LOSSES},
       {"stats", required_argument, NULL, O_STATS},
       {"log-every", required_argument, NULL, O_LOG},
@@ -573,8 +580,9 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
   }
-  if (o->load_kind && !o->load_dir) {
-    fprintf(stderr, "shardplane-worker: --load-kind needs --load DIR\n");
+  if ((o->load_kind || o->load_params_only) && !o->load_dir) {
+    fprintf(stderr, "shardplane-worker: %s needs --load DIR\n",
+            o->load_kind ? "--load-kind" : "--load-params-only");
     return 2;
   }
   if (!o->any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
@@ -723,6 +731,21 @@ static int save_checkpoints(const worker_opts *o, sp_fsdp *f, uint32_t rank,
   return 0;
 }
 
+/* --load, with --load-params-only or the checkpoint's optimizer state and
+ * step; a state mismatch names the flag that loads anyway. */
+static int load(const worker_opts *o, sp_fsdp *f, sp_ckpt_info *info,
+                sp_diag *d) {
+  sp_ckpt_load_opts lo = {.params_only = o->load_params_only};
+  int rc = sp_ckpt_load_with(f, o->load_kind, o->load_from, &lo, info, d);
+  if (rc == SP_ESTATE && !o->load_params_only &&
+      strstr(d->msg, "state \"")) {
+    sp_diag why = *d; /* the message is formatted into d */
+    sp_diag_set(d, rc, "%.900s; --load-params-only starts the optimizer "
+                "afresh", why.msg);
+  }
+  return rc;
+}
+
 /* *stopped: 0 when training ran to --steps; else the signal that stopped
  * this rank, or -1 when another rank's did. */
 static int run(const worker_opts *o, int *stopped, sp_diag *d) {
@@ -777,7 +800,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   uint32_t first = 0;
   sp_ckpt_info info = {0};
   if (rc == 0 && o->load_dir)
-    rc = sp_ckpt_load_with(f, o->load_kind, o->load_from, NULL, &info, d);
+    rc = load(o, f, &info, d);
   if (rc == 0 && o->load_dir) {
     first = info.optim_steps < o->steps ? (uint32_t)info.optim_steps
                                         : o->steps;
