@@ -530,45 +530,54 @@ static int read_full(int fd, uint8_t *dst, size_t len, off_t off,
   return 0;
 }
 
+/* Opens path for reading and checks what both readers need before they
+ * allocate anything: a regular file whose 8-byte header length fits its
+ * real size. On success *fd is open (the caller closes it), *size is the
+ * file's size and *n the header length; on error nothing stays open. */
+static int open_checked(const char *path, int *fd, uint64_t *size,
+                        uint64_t *n, sp_diag *diag) {
+  *fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (*fd < 0) {
+    int e = errno;
+    return st_fail(diag, e == ENOENT ? SP_ENOENT : SP_EIO,
+                   "%s: cannot open: %s", path, strerror(e));
+  }
+  struct stat st;
+  int rc = 0;
+  if (fstat(*fd, &st) != 0)
+    rc = st_fail(diag, SP_EIO, "%s: cannot stat: %s", path, strerror(errno));
+  else if (!S_ISREG(st.st_mode))
+    rc = st_fail(diag, SP_EIO, "%s: not a regular file", path);
+  uint8_t prefix[8];
+  if (rc == 0) {
+    *size = (uint64_t)st.st_size;
+    rc = read_full(*fd, prefix, *size < 8 ? (size_t)*size : 8, 0, path,
+                   diag);
+  }
+  if (rc == 0) rc = check_prefix(prefix, *size, path, n, diag);
+  if (rc != 0) {
+    close(*fd);
+    *fd = -1;
+  }
+  return rc;
+}
+
 int sp_safetensors_open(const char *path, sp_safetensors_file **out,
                         sp_diag *diag) {
   if (out == NULL || path == NULL) {
     return st_fail(diag, SP_EINVAL, "sp_safetensors_open: NULL argument");
   }
   *out = NULL;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int e = errno;
-    return st_fail(diag, e == ENOENT ? SP_ENOENT : SP_EIO,
-                   "%s: cannot open: %s", path, strerror(e));
-  }
-  int rc;
+  int fd;
+  uint64_t size, n;
+  int rc = open_checked(path, &fd, &size, &n, diag);
+  if (rc != 0) return rc;
   void *base = NULL;
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    rc = st_fail(diag, SP_EIO, "%s: cannot stat: %s", path, strerror(errno));
-    goto done;
-  }
-  if (!S_ISREG(st.st_mode)) {
-    rc = st_fail(diag, SP_EIO, "%s: not a regular file", path);
-    goto done;
-  }
-  uint64_t size = (uint64_t)st.st_size;
   if (size > SIZE_MAX - 64) {
     rc = st_fail(diag, SP_ETOOBIG, "%s: %llu bytes do not fit in memory", path,
                  (unsigned long long)size);
     goto done;
   }
-
-  /* Validate the header length against the real size before allocating
-   * the whole file. */
-  uint8_t prefix[8];
-  size_t plen = size < 8 ? (size_t)size : 8;
-  rc = read_full(fd, prefix, plen, 0, path, diag);
-  if (rc != 0) goto done;
-  uint64_t n;
-  rc = check_prefix(prefix, size, path, &n, diag);
-  if (rc != 0) goto done;
 
   /* Put the data section (file offset 8+N) on a 64-byte boundary so that
    * standard-order files give naturally aligned tensors. */
@@ -603,37 +612,17 @@ int sp_safetensors_open_header(const char *path, sp_safetensors_file **out,
                    "sp_safetensors_open_header: NULL argument");
   }
   *out = NULL;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int e = errno;
-    return st_fail(diag, e == ENOENT ? SP_ENOENT : SP_EIO,
-                   "%s: cannot open: %s", path, strerror(e));
-  }
-  int rc;
+  int fd;
+  uint64_t size, n;
+  int rc = open_checked(path, &fd, &size, &n, diag);
+  if (rc != 0) return rc;
   uint8_t *hdr = NULL;
   sp_safetensors_file *f = NULL;
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    rc = st_fail(diag, SP_EIO, "%s: cannot stat: %s", path, strerror(errno));
-    goto fail;
-  }
-  if (!S_ISREG(st.st_mode)) {
-    rc = st_fail(diag, SP_EIO, "%s: not a regular file", path);
-    goto fail;
-  }
-  uint64_t size = (uint64_t)st.st_size;
   if (size > SIZE_MAX) {
     rc = st_fail(diag, SP_ETOOBIG, "%s: %llu bytes cannot be addressed", path,
                  (unsigned long long)size);
     goto fail;
   }
-  uint8_t prefix[8];
-  rc = read_full(fd, prefix, size < 8 ? (size_t)size : 8, 0, path, diag);
-  if (rc != 0) goto fail;
-  uint64_t n;
-  /* the length is checked against the real size before allocating it */
-  rc = check_prefix(prefix, size, path, &n, diag);
-  if (rc != 0) goto fail;
   hdr = malloc(8 + (size_t)n);
   if (hdr == NULL) {
     rc = st_fail(diag, SP_ENOMEM, "%s: cannot allocate the %llu-byte header",
