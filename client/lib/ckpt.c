@@ -325,26 +325,40 @@ static int make_dir(const char *dir, sp_diag *d) {
   }
 }
 
+/* Calls fn for every entry of dir but "." and "..", until
+ * one fails; an absent dir has no entries. */
+static int each_entry(const char *dir,
+                      int (*fn)(const char *dir, int dfd, const char *name,
+                                sp_diag *d),
+                      sp_diag *d) {
+  DIR *dp = opendir(dir);
+  if (!dp)
+    return errno == ENOENT ? 0
+                           : sp_diag_set(d, SP_EIO, "%s: cannot open: %s",
+                                         dir, strerror(errno));
+  int rc = 0;
+  struct dirent *e;
+  while (rc == 0 && (e = readdir(dp)) != NULL)
+    if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+      rc = fn(dir, dirfd(dp), e->d_name, d);
+  closedir(dp);
+  return rc;
+}
+
+static int remove_file(const char *dir, int dfd, const char *name,
+                       sp_diag *d) {
+  if (unlinkat(dfd, name, 0) == 0) return 0;
+  return sp_diag_set(d, SP_EIO, "%s/%s: cannot remove: %s (a checkpoint "
+                     "directory holds only files)", dir, name,
+                     strerror(errno));
+}
+
 /* Removes a checkpoint directory: its files, then itself. A checkpoint
  * holds only files, so a subdirectory means the path is not one of ours:
  * it is left alone and reported. Absent: nothing to do. */
 static int remove_ckpt_dir(const char *path, sp_diag *d) {
-  DIR *dp = opendir(path);
-  if (!dp)
-    return errno == ENOENT ? 0
-                           : sp_diag_set(d, SP_EIO, "%s: cannot open: %s",
-                                         path, strerror(errno));
-  int rc = 0;
-  struct dirent *e;
-  while (rc == 0 && (e = readdir(dp)) != NULL) {
-    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-    if (unlinkat(dirfd(dp), e->d_name, 0) != 0)
-      rc = sp_diag_set(d, SP_EIO, "%s/%s: cannot remove: %s (a checkpoint "
-                       "directory holds only files)", path, e->d_name,
-                       strerror(errno));
-  }
-  closedir(dp);
-  if (rc == 0 && rmdir(path) != 0)
+  int rc = each_entry(path, remove_file, d);
+  if (rc == 0 && rmdir(path) != 0 && errno != ENOENT)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot remove: %s", path,
                      strerror(errno));
   return rc;
@@ -397,27 +411,20 @@ static int ckpt_paths_of(const char *dir, ckpt_paths *p, sp_diag *d) {
   return 0;
 }
 
+static int regular_file(const char *dir, int dfd, const char *name,
+                        sp_diag *d) {
+  struct stat sb;
+  if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(sb.st_mode))
+    return 0;
+  return sp_diag_set(d, SP_EEXIST, "%s holds %s, which is not a checkpoint "
+                     "file: a save replaces the whole folder, so choose "
+                     "another", dir, name);
+}
+
 /* The folder a save will replace holds only files (an earlier
  * checkpoint), or does not exist: anything else is not ours to remove. */
 static int check_replaceable(const char *dir, sp_diag *d) {
-  DIR *dp = opendir(dir);
-  if (!dp)
-    return errno == ENOENT ? 0
-                           : sp_diag_set(d, SP_EIO, "%s: cannot open: %s",
-                                         dir, strerror(errno));
-  int rc = 0;
-  struct dirent *e;
-  while (rc == 0 && (e = readdir(dp)) != NULL) {
-    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-    struct stat sb;
-    if (fstatat(dirfd(dp), e->d_name, &sb, AT_SYMLINK_NOFOLLOW) != 0 ||
-        !S_ISREG(sb.st_mode))
-      rc = sp_diag_set(d, SP_EEXIST, "%s holds %s, which is not a checkpoint "
-                       "file: a save replaces the whole folder, so choose "
-                       "another", dir, e->d_name);
-  }
-  closedir(dp);
-  return rc;
+  return each_entry(dir, regular_file, d);
 }
 
 /* Rank 0, before anyone writes: an empty staging directory (what a crashed
