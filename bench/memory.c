@@ -387,7 +387,11 @@ int main(int argc, char **argv) {
     }
   }
   signal(SIGPIPE, SIG_IGN);
-  char tmpl[] = "/tmp/shardplane-bench-memory-XXXXXX";
+  /* under $TMPDIR, as the tests and bench/coordinator put theirs */
+  const char *tmpdir = getenv("TMPDIR");
+  char tmpl[512];
+  snprintf(tmpl, sizeof tmpl, "%s/shardplane-bench-memory-XXXXXX",
+           tmpdir && *tmpdir ? tmpdir : "/tmp");
   char *tmp = mkdtemp(tmpl);
   if (!tmp) {
     perror("bench/memory: mkdtemp");
