@@ -8,6 +8,11 @@ PACKAGES=(
   gcc g++ make cmake ninja-build pkg-config
   libjansson-dev libprotobuf-c-dev protobuf-c-compiler libcmocka-dev
   libuv1-dev libnghttp2-dev
+  # the control plane: TLS and token hashes (OpenSSL 3), durable state
+  # (SQLite); the openssl command makes the tests' certificates
+  libssl-dev openssl libsqlite3-dev
+  # network namespaces as test hosts
+  iproute2
   # CPU collectives of the worker runtime
   libgloo-dev
   # interop tests: a real gRPC implementation nobody here wrote

@@ -118,6 +118,16 @@ typedef struct sp_rpc_method {
   void *user; /* returned by sp_rpc_call_method_user() */
 } sp_rpc_method;
 
+/* TLS for a server (OpenSSL): PEM files, read when the server starts to
+ * listen; errors name the file. TLS 1.2 or later, ALPN "h2" only. */
+typedef struct sp_rpc_tls_server_opts {
+  const char *cert_file;      /* certificate chain (PEM); required */
+  const char *key_file;       /* its private key (PEM); required */
+  /* Non-NULL: mutual TLS; every client must present a certificate that
+   * chains to this CA bundle (PEM), or the handshake fails. */
+  const char *client_ca_file;
+} sp_rpc_tls_server_opts;
+
 typedef struct sp_rpc_server_opts {
   size_t max_message;      /* receive and send limit; 0: default */
   size_t max_metadata;     /* request header bytes; 0: default */
@@ -133,6 +143,9 @@ typedef struct sp_rpc_server_opts {
    * long-lived connections that make few calls each, like the coordinator.
    * Clients must follow RFC 7541 §4.2 (nghttp2 and gRPC do). */
   bool no_header_tables;
+  /* NULL: cleartext HTTP/2 (h2c). The struct and its strings need only
+   * live until sp_rpc_server_listen returns. */
+  const sp_rpc_tls_server_opts *tls;
 } sp_rpc_server_opts;
 
 /* Creates a server on `loop` with grpc.health.v1.Health registered ("" is
@@ -240,6 +253,17 @@ uv_loop_t *sp_rpc_call_loop(const sp_rpc_call *call);
 typedef struct sp_rpc_client sp_rpc_client;
 typedef struct sp_rpc_ccall sp_rpc_ccall;
 
+/* TLS for a client (OpenSSL): the server's certificate is verified
+ * against ca_file and its name against server_name. */
+typedef struct sp_rpc_tls_client_opts {
+  const char *ca_file;   /* CA bundle (PEM); NULL: the system's trust store */
+  const char *cert_file; /* client certificate (PEM) for mutual TLS; NULL: none */
+  const char *key_file;  /* its private key; required with cert_file */
+  /* The name the certificate must carry (DNS name or IP address), also
+   * sent as SNI; NULL: the host part of the address. */
+  const char *server_name;
+} sp_rpc_tls_client_opts;
+
 typedef struct sp_rpc_client_opts {
   /* Connection attempts retry with jittered exponential backoff (100 ms
    * initial, x1.6, +-20 %, 5 s cap) until this many ms have passed since the
@@ -249,6 +273,11 @@ typedef struct sp_rpc_client_opts {
   /* Send limit; 0: none beyond the 4 GiB framing bound, as gRPC C-core
    * (servers enforce their own receive limit). */
   size_t max_send_message;
+  /* NULL: cleartext HTTP/2 (h2c). Copied by sp_rpc_client_open. */
+  const sp_rpc_tls_client_opts *tls;
+  /* Non-NULL: sent as "authorization: Bearer <token>" on every call.
+   * Copied by sp_rpc_client_open. */
+  const char *token;
 } sp_rpc_client_opts;
 
 /* Creates a client for "host:port" on loop; connects on the first call.
@@ -298,6 +327,9 @@ typedef struct sp_rpc_sync sp_rpc_sync;
 
 int sp_rpc_sync_open(const char *addr, uint64_t connect_timeout_ms,
                      sp_rpc_sync **out);
+/* The same with every client option (TLS, token, limits); opts may be NULL. */
+int sp_rpc_sync_open_opts(const char *addr, const sp_rpc_client_opts *opts,
+                          sp_rpc_sync **out);
 void sp_rpc_sync_close(sp_rpc_sync *s);
 
 /* One unary call. On return *status holds the outcome; when it is OK and

@@ -27,6 +27,12 @@ struct sp_rpc_sync_stream {
 
 int sp_rpc_sync_open(const char *addr, uint64_t connect_timeout_ms,
                      sp_rpc_sync **out) {
+  sp_rpc_client_opts o = {.connect_timeout_ms = connect_timeout_ms};
+  return sp_rpc_sync_open_opts(addr, &o, out);
+}
+
+int sp_rpc_sync_open_opts(const char *addr, const sp_rpc_client_opts *opts,
+                          sp_rpc_sync **out) {
   if (out == NULL) return SP_EINVAL;
   sp_rpc_sync *s = calloc(1, sizeof *s);
   if (s == NULL) return SP_ENOMEM;
@@ -34,8 +40,7 @@ int sp_rpc_sync_open(const char *addr, uint64_t connect_timeout_ms,
     free(s);
     return SP_EIO;
   }
-  sp_rpc_client_opts o = {.connect_timeout_ms = connect_timeout_ms};
-  int rc = sp_rpc_client_open(&s->loop, addr, &o, &s->cl);
+  int rc = sp_rpc_client_open(&s->loop, addr, opts, &s->cl);
   if (rc != 0) {
     uv_loop_close(&s->loop);
     free(s);
