@@ -119,6 +119,8 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
                 sp_strerror(rc));
     goto fail;
   }
+  /* last: the restored ranks need the rank table */
+  if ((rc = sp_coord_persist_open(c, diag)) != 0) goto fail;
   sp_rpc_server_set_health(c->srv, SP_COORD_SERVICE, SP_HEALTH_SERVING);
   *out = c;
   return 0;
@@ -133,6 +135,7 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
   if (rc != 0) return rc;
   if (port != NULL) *port = bound;
   if (!c->heartbeat_started) sp_coord_ranks_start(c);
+  sp_coord_persist_start(c);
   char host[256];
   int ignored;
   if (sp_rpc_split_addr(addr, host, sizeof host, &ignored) != 0)
@@ -158,6 +161,8 @@ static void server_stopped(sp_rpc_server *srv, void *arg) {
 
 static void heartbeat_closed(uv_handle_t *h) { stop_step_done(h->data); }
 
+static void persist_closed(uv_handle_t *h) { stop_step_done(h->data); }
+
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg) {
   if (c->shutting_down) return;
@@ -170,12 +175,15 @@ void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
   sp_coord_store_shutdown(c);
   sp_coord_events_shutdown(c);
   sp_coord_ranks_shutdown(c, heartbeat_closed);
+  /* after the ranks' last words, before the server goes */
+  if (sp_coord_persist_shutdown(c, persist_closed)) c->stopping++;
   sp_rpc_server_shutdown(c->srv, 2000, server_stopped, c);
 }
 
 void sp_coord_free(sp_coord *c) {
   if (c == NULL) return;
   sp_rpc_server_free(c->srv);
+  sp_coord_persist_free(c);
   sp_coord_ranks_free(c);
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
   for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) free(c->recent_msg[i]);

@@ -32,18 +32,32 @@ static void usage(FILE *f) {
         "  --heartbeat-interval-ms N    interval asked of workers (default "
         "1000,\n"
         "                               or a third of a shorter timeout)\n"
+        "  --state-dir DIR              keep the store, the ranks and the "
+        "alerts in\n"
+        "                               DIR (SQLite, created if absent): a "
+        "coordinator\n"
+        "                               restarted on DIR continues the job. "
+        "One\n"
+        "                               coordinator per DIR; a DIR of another "
+        "job is\n"
+        "                               refused\n"
+        "  --reattach-grace-ms N        after such a restart, how long a rank "
+        "may take\n"
+        "                               to reattach before it is lost "
+        "(default 60000)\n"
         "  --quiet                      no log lines\n"
         "  --help                       this text\n"
         "\n"
         "Prints \"listening on HOST:PORT\" once serving; SIGINT or SIGTERM "
         "shut it down gracefully.\n"
         "exit codes: 0 clean shutdown, 1 cannot start (bad spec or job, "
-        "address in use), 2 bad usage\n",
+        "address in use,\n"
+        "state dir in use or of another job), 2 bad usage\n",
         f);
 }
 
 enum { OPT_LISTEN = 256, OPT_MODEL, OPT_JOB, OPT_HB_TIMEOUT, OPT_HB_INTERVAL,
-       OPT_QUIET, OPT_HELP };
+       OPT_QUIET, OPT_HELP, OPT_STATE_DIR, OPT_REATTACH };
 
 static const struct option k_opts[] = {
     {"listen", required_argument, NULL, OPT_LISTEN},
@@ -52,6 +66,8 @@ static const struct option k_opts[] = {
     {"heartbeat-timeout-ms", required_argument, NULL, OPT_HB_TIMEOUT},
     {"heartbeat-interval-ms", required_argument, NULL, OPT_HB_INTERVAL},
     {"quiet", no_argument, NULL, OPT_QUIET},
+    {"state-dir", required_argument, NULL, OPT_STATE_DIR},
+    {"reattach-grace-ms", required_argument, NULL, OPT_REATTACH},
     {"help", no_argument, NULL, OPT_HELP},
 };
 
@@ -152,6 +168,14 @@ int main(int argc, char **argv) {
         goto out;
       break;
     case OPT_QUIET: cfg.quiet = true; break;
+    case OPT_STATE_DIR:
+      cfg.state_dir = optarg;
+      if (parse_text("--state-dir", optarg, "a directory") != 0) goto out;
+      break;
+    case OPT_REATTACH:
+      if (parse_ms("--reattach-grace-ms", optarg, &cfg.reattach_grace_ms) != 0)
+        goto out;
+      break;
     case OPT_HB_TIMEOUT:
       if (parse_ms("--heartbeat-timeout-ms", optarg,
                    &cfg.heartbeat_timeout_ms) != 0)

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_db.h"
 #include "coordinator.h"
 
 #define SESSION_ID_LEN 32
@@ -28,6 +29,11 @@ struct sp_coord_rank {
   char *last_alert;
   uint64_t transitions;
   sp_rpc_call *session; /* the open Session stream, if any */
+  /* durability: restored from a state dir and not reattached yet (lost
+   * after reattach_by_ms); what the last written snapshot held */
+  bool awaiting;
+  uint64_t reattach_by_ms;
+  uint64_t snap_transitions, snap_step, gap_events;
 };
 
 /* Per Session call: which rank it speaks for (NULL until the first
@@ -39,6 +45,11 @@ typedef struct session_ctx {
 
 static sp_coord *coord_of(sp_rpc_call *call) {
   return sp_rpc_call_method_user(call);
+}
+
+static void replace_str(char **dst, const char *src, size_t max) {
+  free(*dst);
+  *dst = strndup(src ? src : "", max);
 }
 
 static void new_session_id(sp_coord *c, char *out) {
@@ -90,6 +101,7 @@ void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
   c->recent[i].message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
   c->recent[i].time_ms = sp_coord_now_ms(c);
   c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
+  sp_coord_persist_alert(c, rank, msg, c->recent[i].time_ms);
   sp_coord_log(c, "alert: rank %u: %s", rank, msg);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, rank, msg, NULL);
 }
@@ -116,10 +128,79 @@ static void session_finish(sp_rpc_call *s, int code, const char *msg) {
   sp_rpc_call_finish(s, code, msg);
 }
 
+/* Writes one rank's registration and snapshot down (a no-op without a
+ * state dir); a failure is logged by the persist side. */
+static void persist_rank(sp_coord *c, uint32_t rank) {
+  if (!sp_coord_durable(c)) return;
+  sp_coord_rank *k = &c->ranks[rank];
+  sp_coord_db_rank r = {.rank = rank,
+                        .status = k->status,
+                        .session_id = k->session_id,
+                        .host = k->host,
+                        .device = k->device,
+                        .pid = k->pid,
+                        .step = k->step,
+                        .root = k->st.root,
+                        .units = k->st.units,
+                        .n_units = k->st.n_units,
+                        .alerts = k->alerts,
+                        .transitions = k->transitions};
+  if (sp_coord_persist_rank(c, &r) == 0) {
+    k->snap_transitions = k->transitions;
+    k->snap_step = k->step;
+  }
+}
+
+void sp_coord_ranks_snapshot(sp_coord *c) {
+  for (uint32_t r = 0; r < c->plan->world_size; r++) {
+    sp_coord_rank *k = &c->ranks[r];
+    if (k->transitions != k->snap_transitions || k->step != k->snap_step)
+      persist_rank(c, r);
+  }
+}
+
+/* A rank as a state dir had it: everything read back is checked. */
+int sp_coord_ranks_restore(sp_coord *c, const sp_coord_db_rank *r) {
+  if (r->rank >= c->plan->world_size || r->n_units != c->plan->n_units ||
+      r->status < SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED ||
+      r->status > SHARDPLANE__V1__RANK_STATUS__DETACHED ||
+      strlen(r->session_id) > SESSION_ID_LEN || strlen(r->host) > 255 ||
+      strlen(r->device) > 63 || !sp_state_valid(SP_MACHINE_ROOT, r->root))
+    return SP_EFORMAT;
+  for (size_t u = 0; u < r->n_units; u++)
+    if (!sp_state_valid(SP_MACHINE_HANDLE, r->units[u])) return SP_EFORMAT;
+  sp_coord_rank *k = &c->ranks[r->rank];
+  k->status = (uint8_t)r->status;
+  snprintf(k->session_id, sizeof k->session_id, "%s", r->session_id);
+  replace_str(&k->host, r->host, 255);
+  replace_str(&k->device, r->device, 63);
+  k->pid = r->pid;
+  k->step = k->snap_step = r->step;
+  k->st.root = r->root;
+  memcpy(k->st.units, r->units, r->n_units);
+  k->alerts = r->alerts;
+  k->transitions = k->snap_transitions = r->transitions;
+  uint64_t now = sp_coord_now_ms(c);
+  k->last_heard_ms = now;
+  if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
+    uint32_t grace = c->cfg.reattach_grace_ms ? c->cfg.reattach_grace_ms : 60000;
+    k->awaiting = true;
+    k->reattach_by_ms = now + grace;
+  }
+  return 0;
+}
+
+/* A restored rank is judged by the reattach grace, not the heartbeat:
+ * its worker may be backing off. Returns true when k is such a rank (it
+ * may have been marked lost here). */
+static bool reattach_judged(sp_coord *c, uint32_t rank, uint64_t now);
+
 static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
   sp_coord_rank *k = &c->ranks[rank];
   if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) return;
   k->status = SHARDPLANE__V1__RANK_STATUS__LOST;
+  k->awaiting = false;
+  persist_rank(c, rank);
   sp_coord_log(c, "rank %u lost: %s", rank, why);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_LOST, rank, why, NULL);
   if (k->session != NULL) {
@@ -138,6 +219,7 @@ static void on_heartbeat_check(uv_timer_t *t) {
 
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];
+    if (reattach_judged(c, r, now)) continue;
     if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED &&
         now - k->last_heard_ms > c->cfg.heartbeat_timeout_ms) {
       char why[96];
@@ -146,6 +228,19 @@ static void on_heartbeat_check(uv_timer_t *t) {
       mark_lost(c, r, why);
     }
   }
+}
+
+static bool reattach_judged(sp_coord *c, uint32_t rank, uint64_t now) {
+  sp_coord_rank *k = &c->ranks[rank];
+  if (!k->awaiting) return false;
+  if (now > k->reattach_by_ms) {
+    char why[96];
+    snprintf(why, sizeof why,
+             "did not reattach within %u ms of the coordinator's restart",
+             c->cfg.reattach_grace_ms ? c->cfg.reattach_grace_ms : 60000);
+    mark_lost(c, rank, why);
+  }
+  return true;
 }
 
 /* Validates and applies one transition; on failure fills msg (the current
@@ -206,11 +301,6 @@ static int check_session(sp_coord *c, uint32_t rank, const char *session_id,
   return SP_RPC_OK;
 }
 
-static void replace_str(char **dst, const char *src, size_t max) {
-  free(*dst);
-  *dst = strndup(src ? src : "", max);
-}
-
 static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
                       const uint8_t *raw, size_t len) {
   (void)raw;
@@ -261,16 +351,19 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
     k->st.root = SP_ROOT_IDLE;
   }
   k->status = SHARDPLANE__V1__RANK_STATUS__ATTACHED;
+  k->awaiting = false;
   replace_str(&k->host, q->host, 255);
   replace_str(&k->device, q->device, 63);
   k->pid = q->pid;
   k->last_heard_ms = sp_coord_now_ms(c);
+  /* the session id must be on disk before the worker may use it */
+  persist_rank(c, q->rank);
   Shardplane__V1__AttachResponse r = SHARDPLANE__V1__ATTACH_RESPONSE__INIT;
   r.session_id = k->session_id;
   r.plan_version = (char *)pl->version_hex;
   r.heartbeat_interval_ms = c->cfg.heartbeat_interval_ms;
   r.heartbeat_timeout_ms = c->cfg.heartbeat_timeout_ms;
-  sp_rpc_call_reply(call, &r.base);
+  sp_coord_reply(c, call, &r.base);
   char what[400];
   snprintf(what, sizeof what, "%s from %s pid %u device %s",
            reattach ? "reattached" : "attached", k->host, k->pid, k->device);
@@ -294,13 +387,15 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   sp_coord_rank *k = &c->ranks[q->rank];
   k->status = SHARDPLANE__V1__RANK_STATUS__DETACHED;
+  k->awaiting = false;
+  persist_rank(c, q->rank);
   if (k->session != NULL) {
     sp_rpc_call *s = k->session;
     k->session = NULL;
     session_finish(s, SP_RPC_OK, "detached");
   }
   Shardplane__V1__DetachResponse r = SHARDPLANE__V1__DETACH_RESPONSE__INIT;
-  sp_rpc_call_reply(call, &r.base);
+  sp_coord_reply(c, call, &r.base);
   sp_coord_log(c, "rank %u detached", q->rank);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
                    "detached", NULL);
@@ -334,6 +429,45 @@ static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
 
 /* ---- Session stream ---- */
 
+/* A worker back after a coordinator outage: its states as of the events
+ * that follow replace the snapshot this coordinator restored (or kept),
+ * and the events lost meanwhile are counted, not judged. */
+static int resync(sp_coord *c, uint32_t rank, const Shardplane__V1__SessionUp *q,
+                  char *msg, size_t cap) {
+  sp_coord_rank *k = &c->ranks[rank];
+  if (q->n_unit_states != k->st.n_units) {
+    snprintf(msg, cap, "resync with %zu unit states; the plan has %zu units",
+             q->n_unit_states, k->st.n_units);
+    return SP_RPC_INVALID_ARGUMENT;
+  }
+  if (!sp_state_valid(SP_MACHINE_ROOT, q->root_state)) {
+    snprintf(msg, cap, "resync: %d is not a root state", q->root_state);
+    return SP_RPC_INVALID_ARGUMENT;
+  }
+  for (size_t u = 0; u < q->n_unit_states; u++)
+    if (!sp_state_valid(SP_MACHINE_HANDLE, q->unit_states[u])) {
+      snprintf(msg, cap, "resync: unit %zu: %d is not a unit state", u,
+               q->unit_states[u]);
+      return SP_RPC_INVALID_ARGUMENT;
+    }
+  k->st.root = q->root_state;
+  for (size_t u = 0; u < q->n_unit_states; u++)
+    k->st.units[u] = (uint8_t)q->unit_states[u];
+  k->awaiting = false;
+  k->gap_events += q->gap;
+  if (q->step > k->step) k->step = q->step;
+  char what[160];
+  snprintf(what, sizeof what,
+           "reattached its session at step %llu (%llu events not delivered "
+           "while away)",
+           (unsigned long long)q->step, (unsigned long long)q->gap);
+  sp_coord_log(c, "rank %u %s", rank, what);
+  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, rank, what,
+                   NULL);
+  persist_rank(c, rank);
+  return SP_RPC_OK;
+}
+
 static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
                            const uint8_t *raw, size_t len) {
   (void)raw;
@@ -364,6 +498,11 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
                      "superseded by a newer session stream");
     }
     k->session = call;
+    if (q->resync && resync(c, ctx->rank, q, err, sizeof err) != SP_RPC_OK) {
+      k->session = NULL;
+      session_finish(call, SP_RPC_INVALID_ARGUMENT, err);
+      return;
+    }
   }
   if (!ctx->bound) return; /* the rank was marked lost or detached */
   sp_coord_rank *k = &c->ranks[ctx->rank];

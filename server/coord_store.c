@@ -26,6 +26,11 @@
  *
  * Keys are proto3 strings, which protobuf-c hands over NUL-terminated: a
  * key ends at its first NUL byte.
+ *
+ * With a state dir (coord_persist.c) every write is written down and its
+ * answer, like that of a waiting call it released, goes out only once the
+ * loop iteration's transaction committed; StoreAdd and StoreCompareSet
+ * with a request id already seen are answered from the record.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -165,24 +170,27 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
     return;
   Shardplane__V1__StoreSetResponse r = SHARDPLANE__V1__STORE_SET_RESPONSE__INIT;
   /* Waiting calls released by this set are answered inside it. */
-  int rc = sp_store_set(coord_of(call)->store, q->key, klen, q->value.data,
-                        q->value.len, &r.version);
+  sp_coord *c = coord_of(call);
+  int rc = sp_store_set(c->store, q->key, klen, q->value.data, q->value.len,
+                        &r.version);
+  if (rc == 0) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
     return;
   }
-  sp_rpc_call_reply(call, &r.base);
+  sp_coord_reply(c, call, &r.base);
 }
 
 /* ---- StoreGet --------------------------------------------------------- */
 
-static void answer_get(sp_rpc_call *call, const uint8_t *v, size_t n,
-                       uint64_t version) {
+/* A value may come from a write of this iteration: answered after commit. */
+static void answer_get(sp_coord *c, sp_rpc_call *call, const uint8_t *v,
+                       size_t n, uint64_t version) {
   Shardplane__V1__StoreGetResponse r = SHARDPLANE__V1__STORE_GET_RESPONSE__INIT;
   r.found = true;
   r.value = bytes_of(v, n);
   r.version = version;
-  sp_rpc_call_reply(call, &r.base);
+  sp_coord_reply(c, call, &r.base);
 }
 
 static void get_ready(void *arg) {
@@ -209,7 +217,7 @@ static void get_ready(void *arg) {
   }
   waits_remove(r);
   sp_rpc_call_set_user(r->call, NULL);
-  answer_get(r->call, v, n, ver);
+  answer_get(r->c, r->call, v, n, ver);
   free(r);
 }
 
@@ -228,7 +236,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   uint64_t ver;
   int rc = sp_store_get(c->store, q->key, klen, &v, &n, &ver);
   if (rc == 0) {
-    answer_get(call, v, n, ver);
+    answer_get(c, call, v, n, ver);
     return;
   }
   if (rc != SP_ENOENT) {
@@ -273,7 +281,7 @@ static void wait_ready(void *arg) {
   sp_rpc_call_set_user(r->call, NULL);
   Shardplane__V1__StoreWaitResponse resp =
       SHARDPLANE__V1__STORE_WAIT_RESPONSE__INIT;
-  sp_rpc_call_reply(r->call, &resp.base);
+  sp_coord_reply(r->c, r->call, &resp.base);
   free(r);
 }
 
@@ -356,6 +364,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
  * call is gone, so is its waiter. */
 static void on_cancel(sp_rpc_call *call, int code) {
   (void)code;
+  sp_coord_persist_forget(coord_of(call), call);
   store_wait *r = sp_rpc_call_user(call);
   if (r == NULL) return; /* not a waiting call */
   sp_rpc_call_set_user(call, NULL);
@@ -377,14 +386,17 @@ static void on_add(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (key_malformed(call, q->key, "key") ||
       key_oversize(call, q->key, &klen, "key"))
     return;
+  sp_coord *c = coord_of(call);
+  if (sp_coord_persist_replay(c, call, q->request_id)) return;
   Shardplane__V1__StoreAddResponse r = SHARDPLANE__V1__STORE_ADD_RESPONSE__INIT;
-  int rc = sp_store_add(coord_of(call)->store, q->key, klen, q->delta, &r.value,
+  int rc = sp_store_add(c->store, q->key, klen, q->delta, &r.value,
                         &r.version);
+  if (rc == 0) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
     return;
   }
-  sp_rpc_call_reply(call, &r.base);
+  sp_coord_persist_answer(c, call, q->request_id, &r.base);
 }
 
 /* ---- StoreCompareSet -------------------------------------------------- */
@@ -406,13 +418,15 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
       value_oversize(call, q->desired.len, "desired") ||
       value_oversize(call, q->expected.len, "expected"))
     return;
+  sp_coord *c = coord_of(call);
+  if (sp_coord_persist_replay(c, call, q->request_id)) return;
   Shardplane__V1__StoreCompareSetResponse r =
       SHARDPLANE__V1__STORE_COMPARE_SET_RESPONSE__INIT;
   const uint8_t *v = NULL;
   size_t n = 0;
   bool swapped, found; /* protobuf_c_boolean is an int */
   int rc = sp_store_compare_set(
-      coord_of(call)->store, q->key, klen, q->expected.data, q->expected.len,
+      c->store, q->key, klen, q->expected.data, q->expected.len,
       q->expect_absent, q->desired.data, q->desired.len, &swapped, &v, &n,
       &found, &r.version);
   if (rc != 0) {
@@ -422,7 +436,12 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.swapped = swapped;
   r.found = found;
   r.value = bytes_of(v, n);
-  sp_rpc_call_reply(call, &r.base);
+  /* packed before anything else can change the value v points at */
+  if (swapped && (rc = sp_coord_persist_key(c, q->key, klen)) != 0) {
+    fail(call, rc, q->key);
+    return;
+  }
+  sp_coord_persist_answer(c, call, q->request_id, &r.base);
 }
 
 /* ---- StoreDelete ------------------------------------------------------ */
@@ -439,13 +458,15 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__StoreDeleteResponse r =
       SHARDPLANE__V1__STORE_DELETE_RESPONSE__INIT;
   bool deleted;
-  int rc = sp_store_delete(coord_of(call)->store, q->key, klen, &deleted);
+  sp_coord *c = coord_of(call);
+  int rc = sp_store_delete(c->store, q->key, klen, &deleted);
+  if (rc == 0 && deleted) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
     return;
   }
   r.deleted = deleted;
-  sp_rpc_call_reply(call, &r.base);
+  sp_coord_reply(c, call, &r.base);
 }
 
 /* ---- registration ----------------------------------------------------- */

@@ -429,6 +429,23 @@ int sp_store_set(sp_store *s, const void *key, size_t klen, const void *value,
   return 0;
 }
 
+int sp_store_restore(sp_store *s, const void *key, size_t klen,
+                     const void *value, size_t vlen, uint64_t version) {
+  if (s == NULL || (value == NULL && vlen > 0) || version == 0)
+    return SP_EINVAL;
+  int rc = check_key(s, key, klen);
+  if (rc != 0) return rc;
+  if (vlen > s->lim.max_value) return SP_ETOOBIG;
+  entry *e;
+  rc = put(s, hash_of(s, key, klen), key, klen, value, vlen, &e);
+  if (rc != 0) return rc;
+  /* the version the key had when it was written down, so that a client
+   * comparing versions across a restart sees no change */
+  e->version = version;
+  wake_if_any(s, e);
+  return 0;
+}
+
 int sp_store_get(const sp_store *s, const void *key, size_t klen,
                  const uint8_t **value, size_t *vlen, uint64_t *version) {
   if (s == NULL) return SP_EINVAL;

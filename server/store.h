@@ -72,6 +72,12 @@ void sp_store_free(sp_store *s);
 int sp_store_set(sp_store *s, const void *key, size_t klen, const void *value,
                  size_t vlen, uint64_t *version);
 
+/* Like sp_store_set, but the key gets `version` (non-zero) rather than the
+ * next one: for reloading a store written down earlier (coord_db). Same
+ * errors, plus SP_EINVAL for version 0. */
+int sp_store_restore(sp_store *s, const void *key, size_t klen,
+                     const void *value, size_t vlen, uint64_t version);
+
 /* Looks a key up. The value pointer stays valid until the key changes or is
  * deleted; the value is followed by a NUL byte (not counted in *vlen), so
  * ASCII values can be read as C strings. SP_ENOENT when absent. */
