@@ -46,6 +46,7 @@
  * not call sp_session_close (which joins that thread).
  */
 #include <inttypes.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,6 +122,7 @@ static void session_free(sp_session *s) {
   free(s->trp);
   free(s->co);
   free(s->cop);
+  free(s->shadow_units);
   free(s->slots);
   sp_state_tracker_free(&s->st);
   sp_plan_free(s->plan);
@@ -299,6 +301,17 @@ static int wait_bound(sp_session *s, sp_diag *d) {
   return rc;
 }
 
+/* A write on a connection the coordinator's death reset must fail with
+ * EPIPE, not kill the process: riding out an outage depends on it. Only
+ * when the program left SIGPIPE at its default (gRPC C-core does the same
+ * at init). */
+static void ignore_sigpipe(void) {
+  struct sigaction sa;
+  if (sigaction(SIGPIPE, NULL, &sa) == 0 && sa.sa_handler == SIG_DFL &&
+      !(sa.sa_flags & SA_SIGINFO))
+    signal(SIGPIPE, SIG_IGN);
+}
+
 int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   if (out != NULL) *out = NULL;
   if (o == NULL || out == NULL || o->coordinator == NULL ||
@@ -320,6 +333,7 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
                        q, SP_SESSION_QUEUE_MAX);
   q = round_pow2(q);
 
+  ignore_sigpipe();
   sp_session *s = calloc(1, sizeof *s);
   if (s == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
   sp_job_init(&s->job);
@@ -330,6 +344,8 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   s->connect_timeout_ms = o->connect_timeout_ms ? o->connect_timeout_ms : 20000;
   s->call_timeout_ms =
       o->call_timeout_ms ? o->call_timeout_ms : SP_SESSION_CALL_TIMEOUT_MS;
+  s->grace_ms = o->coordinator_grace_ms ? o->coordinator_grace_ms
+                                        : SP_SESSION_GRACE_DEFAULT_MS;
   s->coordinator = sp_strdup(o->coordinator);
   s->device = sp_strdup(o->device != NULL ? o->device : "cpu");
   s->slots = calloc((size_t)q, sizeof *s->slots);

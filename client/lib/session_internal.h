@@ -41,6 +41,16 @@
  * (its receive limit is SP_RPC_DEFAULT_MAX_MESSAGE), less framing. */
 #define SP_SESSION_STORE_MAX_VALUE (SP_RPC_DEFAULT_MAX_MESSAGE - (64u << 10))
 #define SP_SESSION_STORE_MAX_KEY (8u << 10)
+/* Riding out a coordinator outage: how long by default, and the backoff
+ * between attempts to reach it again (doubling, jittered by +-50 %). */
+#define SP_SESSION_GRACE_DEFAULT_MS 60000u
+#define SP_SESSION_BACKOFF_MIN_MS 50u
+#define SP_SESSION_BACKOFF_MAX_MS 2000u
+
+/* Advances *base (0: the first attempt) and returns the delay before the
+ * next attempt, base jittered by +-50 %; *state is the caller's random
+ * state (any value to start). */
+uint64_t sp_session_backoff(uint64_t *base, uint64_t *state);
 
 /* SP_ESTATE naming both versions unless they are equal (and non-empty). */
 int sp_session_check_plan_version(const char *local, const char *coordinator,
@@ -117,6 +127,7 @@ struct sp_session {
   sp_job job;
   sp_plan *plan;
   uint64_t connect_timeout_ms, call_timeout_ms;
+  uint64_t grace_ms; /* coordinator outage ridden out */
   uint32_t hb_ms;
   void (*on_abort)(void *, const char *);
   void *user;
@@ -131,6 +142,13 @@ struct sp_session {
   char first_error_msg[ERRMSG_MAX];
   char abort_reason[ERRMSG_MAX];
   uint64_t rejections;
+  /* a coordinator outage in progress (background side sets it): since
+   * when (uv_hrtime, ns), so flush and close wait for the grace period */
+  bool away;
+  uint64_t away_since_ns;
+  uint64_t reattaches, gap_total;
+  /* store calls: the sequence of request ids (session id ":" seq) */
+  _Atomic uint64_t req_seq;
   _Atomic bool aborted;
   _Atomic bool abort_called;
   _Atomic bool closing; /* no abort for the stream ending from now on */
@@ -161,6 +179,17 @@ struct sp_session {
   Shardplane__V1__Transition **trp;
   Shardplane__V1__Collective *co;
   Shardplane__V1__Collective **cop;
+  /* the states as of the last event drained (sent, or lost while the
+   * coordinator was away): what a reattach resends */
+  int32_t shadow_root;
+  int32_t *shadow_units;
+  uint64_t gap; /* events not delivered since the last reattach */
+  uint64_t gap_mark; /* events up to here are delivered or in `gap` */
+  uv_timer_t retry_timer, grace_timer;
+  uint64_t backoff_ms, jitter;
+  bool resyncing; /* the current stream began with a resync */
+  bool need_bind;  /* the next message is the stream's first */
+  bool gave_up;    /* the grace period ran out */
 };
 
 /* One unary call on a pooled connection (session_store.c). Returns 0 with

@@ -35,6 +35,16 @@ static void trigger_abort(sp_session *s, const char *reason) {
 /* ------------------------------------------------------------------ */
 
 static void stream_fail(sp_session *s, const char *why);
+static bool outage_begin(sp_session *s);
+static void outage_end(sp_session *s);
+
+/* The background side's copy of the states, one event at a time. */
+static inline void shadow_apply(sp_session *s, const sp_sess_event *e) {
+  if (e->x == SP_MACHINE_ROOT)
+    s->shadow_root = e->y;
+  else if (e->unit < s->plan->n_units)
+    s->shadow_units[e->unit] = e->y;
+}
 
 static void fifo_push(sp_session *s, uint64_t seq, uint64_t end, bool data) {
   inflight *f = &s->fifo[(s->fifo_first + s->fifo_n) % FIFO_CAP];
@@ -48,15 +58,23 @@ static int send_up(sp_session *s, size_t n) {
   Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
   up.seq = s->next_seq;
   up.step = atomic_load_explicit(&s->step, memory_order_relaxed);
-  if (up.seq == 1) {
+  if (s->need_bind) {
     /* the first message binds the stream to the rank */
     up.rank = s->rank;
     up.session_id = s->session_id;
+    if (s->resyncing) {
+      up.resync = true;
+      up.root_state = s->shadow_root;
+      up.n_unit_states = s->plan->n_units;
+      up.unit_states = s->shadow_units;
+      up.gap = s->gap;
+    }
   }
   size_t nt = 0, nc = 0;
   for (size_t i = 0; i < n; i++) {
     const sp_sess_event *e = &s->slots[(s->tail_local + i) & s->mask];
     if (e->kind == EV_TRANSITION) {
+      shadow_apply(s, e);
       Shardplane__V1__Transition *t = &s->tr[nt];
       t->machine = (Shardplane__V1__Machine)e->x;
       t->unit = e->unit;
@@ -80,6 +98,7 @@ static int send_up(sp_session *s, size_t n) {
   /* packs at once: the arrays are free again when this returns */
   int rc = sp_rpc_ccall_send_msg(s->call, &up.base);
   if (rc != 0) return rc;
+  s->need_bind = false;
   s->next_seq++;
   uv_update_time(&s->loop); /* the first send runs before the loop does */
   s->last_send_ms = uv_now(&s->loop);
@@ -112,8 +131,19 @@ static bool drain(sp_session *s) {
   }
   if (s->call == NULL) {
     /* nobody will send them: free the ring so the producer does not count
-     * drops for a stream that is gone (flush reports the stream's error) */
-    s->tail_local = atomic_load_explicit(&s->head, memory_order_acquire);
+     * drops for a stream that is gone (flush reports the stream's error).
+     * While the coordinator is away they are a gap the reattach reports,
+     * and the states they lead to are what it resends. */
+    uint64_t h = atomic_load_explicit(&s->head, memory_order_acquire);
+    if (s->resyncing) {
+      for (uint64_t i = s->tail_local; i < h; i++) {
+        const sp_sess_event *e = &s->slots[i & s->mask];
+        if (e->kind == EV_TRANSITION) shadow_apply(s, e);
+      }
+      s->gap += h - s->tail_local;
+      s->gap_mark = h;
+    }
+    s->tail_local = h;
     atomic_store_explicit(&s->tail, s->tail_local, memory_order_release);
   }
   return sent;
@@ -170,6 +200,7 @@ static void session_msg(sp_rpc_ccall *call, const uint8_t *data, size_t len,
                         void *user) {
   (void)call;
   sp_session *s = user;
+  if (s->resyncing) outage_end(s);
   Shardplane__V1__SessionDown *m =
       shardplane__v1__session_down__unpack(NULL, len, data);
   if (m == NULL) {
@@ -204,6 +235,8 @@ static void session_close(sp_rpc_ccall *call, const sp_rpc_status *st,
   sp_session *s = user;
   s->call = NULL;
   bool closing = atomic_load(&s->closing);
+  /* the coordinator went away (killed, restarting): ride it out */
+  if (!closing && st->code == SP_RPC_UNAVAILABLE && outage_begin(s)) return;
   char msg[ERRMSG_MAX - 32];
   snprintf(msg, sizeof msg, "the Session stream ended: %s: %s",
            sp_rpc_code_name(st->code),
@@ -231,6 +264,110 @@ static void stream_fail(sp_session *s, const char *why) {
   if (s->call != NULL) sp_rpc_ccall_cancel(s->call);
 }
 
+/* ---- coordinator outages ----
+ * A bound stream that ends UNAVAILABLE (the coordinator died or is
+ * restarting) is not the job's end: training goes on over the
+ * communicators, which need no coordinator after rendezvous. The stream
+ * is started again with jittered exponential backoff; its first message
+ * names the session, resends the states (as of the events that follow)
+ * and the gap (events drained while away, or sent and never
+ * acknowledged). The grace timer, armed once per outage, gives up. */
+
+uint64_t sp_session_backoff(uint64_t *base, uint64_t *state) {
+  uint64_t b = *base == 0 ? SP_SESSION_BACKOFF_MIN_MS : 2 * *base;
+  if (b > SP_SESSION_BACKOFF_MAX_MS) b = SP_SESSION_BACKOFF_MAX_MS;
+  *base = b;
+  /* xorshift64: no lock, no shared state, good enough for jitter */
+  uint64_t x = *state ? *state : 0x9E3779B97F4A7C15ull;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  *state = x;
+  return b / 2 + x % (b + 1);
+}
+
+static void on_retry(uv_timer_t *t) {
+  sp_session *s = t->data;
+  if (s->gave_up || atomic_load(&s->stop) || s->call != NULL) return;
+  s->need_bind = true;
+  int rc = sp_rpc_client_start(s->cl, SP_COORD_PATH("Session"), NULL, 0, 0,
+                               &k_session_cbs, s, &s->call);
+  /* a failed start closes the call (UNAVAILABLE): session_close then
+   * schedules the next attempt */
+  if (rc == 0 && s->call != NULL) rc = send_up(s, 0);
+  if (rc != 0 && s->call == NULL) {
+    uv_update_time(&s->loop);
+    uv_timer_start(&s->retry_timer, on_retry,
+                   sp_session_backoff(&s->backoff_ms, &s->jitter), 0);
+  }
+}
+
+static void on_grace(uv_timer_t *t) {
+  sp_session *s = t->data;
+  if (!s->resyncing || s->gave_up) return;
+  s->gave_up = true;
+  uv_timer_stop(&s->retry_timer);
+  char msg[ERRMSG_MAX - 32];
+  snprintf(msg, sizeof msg,
+           "the coordinator at %s was unreachable for longer than the grace "
+           "period of %" PRIu64 " ms (--coordinator-grace)",
+           s->coordinator, s->grace_ms);
+  uv_mutex_lock(&s->lock);
+  set_first_error_locked(s, SP_ETIMEDOUT, msg);
+  s->stream_done = true;
+  s->away = false;
+  uv_cond_broadcast(&s->cond);
+  uv_mutex_unlock(&s->lock);
+  if (s->call != NULL) sp_rpc_ccall_cancel(s->call);
+  trigger_abort(s, msg);
+}
+
+/* Returns false when the outage is not ridden out (before binding, with no
+ * grace, after giving up): the stream's end is then final. */
+static bool outage_begin(sp_session *s) {
+  if (s->gave_up || s->grace_ms == 0 || atomic_load(&s->stop)) return false;
+  uv_mutex_lock(&s->lock);
+  bool bound = s->bound;
+  uint64_t acked = s->acked_events;
+  if (bound && !s->away) {
+    s->away = true;
+    s->away_since_ns = uv_hrtime();
+  }
+  uv_mutex_unlock(&s->lock);
+  if (!bound) return false;
+  /* sent and never acknowledged: the coordinator may not have them */
+  uint64_t from = acked > s->gap_mark ? acked : s->gap_mark;
+  if (s->tail_local > from) s->gap += s->tail_local - from;
+  s->gap_mark = s->tail_local;
+  if (!s->resyncing) {
+    s->resyncing = true;
+    s->backoff_ms = 0;
+    uv_update_time(&s->loop);
+    uv_timer_start(&s->grace_timer, on_grace, s->grace_ms, 0);
+  }
+  s->fifo_n = 0;
+  s->fifo_first = 0;
+  s->data_inflight = 0;
+  uv_update_time(&s->loop);
+  uv_timer_start(&s->retry_timer, on_retry,
+                 sp_session_backoff(&s->backoff_ms, &s->jitter), 0);
+  return true;
+}
+
+/* The coordinator answered the new stream: the session is whole again. */
+static void outage_end(sp_session *s) {
+  s->resyncing = false;
+  s->backoff_ms = 0;
+  uv_timer_stop(&s->grace_timer);
+  uv_mutex_lock(&s->lock);
+  s->away = false;
+  s->reattaches++;
+  s->gap_total += s->gap;
+  uv_cond_broadcast(&s->cond);
+  uv_mutex_unlock(&s->lock);
+  s->gap = 0;
+}
+
 static void on_wake(uv_async_t *a) {
   sp_session *s = a->data;
   if (!atomic_load(&s->stop)) {
@@ -245,8 +382,12 @@ static void on_wake(uv_async_t *a) {
   }
   uv_timer_stop(&s->drain_timer);
   uv_timer_stop(&s->hb_timer);
+  uv_timer_stop(&s->retry_timer);
+  uv_timer_stop(&s->grace_timer);
   uv_close((uv_handle_t *)&s->drain_timer, NULL);
   uv_close((uv_handle_t *)&s->hb_timer, NULL);
+  uv_close((uv_handle_t *)&s->retry_timer, NULL);
+  uv_close((uv_handle_t *)&s->grace_timer, NULL);
   uv_close((uv_handle_t *)&s->wake, NULL);
 }
 
@@ -269,6 +410,14 @@ int sp_session_bg_start(sp_session *s, sp_diag *d) {
     shardplane__v1__transition__init(&s->tr[i]);
     shardplane__v1__collective__init(&s->co[i]);
   }
+  /* open starts this before the first transition: every state IDLE */
+  s->shadow_units = calloc(s->plan->n_units + 1, sizeof *s->shadow_units);
+  if (s->shadow_units == NULL)
+    return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  s->shadow_root = SP_ROOT_IDLE;
+  for (size_t u = 0; u < s->plan->n_units; u++)
+    s->shadow_units[u] = SP_HANDLE_IDLE;
+  s->jitter = uv_hrtime() ^ ((uint64_t)s->rank << 32);
   if (uv_loop_init(&s->loop) != 0)
     return sp_diag_set(d, SP_EIO, "cannot create the session's event loop");
   s->loop_ready = true;
@@ -283,8 +432,12 @@ int sp_session_bg_start(sp_session *s, sp_diag *d) {
   uv_async_init(&s->loop, &s->wake, on_wake);
   uv_timer_init(&s->loop, &s->drain_timer);
   uv_timer_init(&s->loop, &s->hb_timer);
+  uv_timer_init(&s->loop, &s->retry_timer);
+  uv_timer_init(&s->loop, &s->grace_timer);
   s->wake.data = s->drain_timer.data = s->hb_timer.data = s;
+  s->retry_timer.data = s->grace_timer.data = s;
   s->next_seq = 1;
+  s->need_bind = true;
   rc = sp_rpc_client_start(s->cl, SP_COORD_PATH("Session"), NULL, 0, 0,
                            &k_session_cbs, s, &s->call);
   if (rc == 0 && s->call != NULL) rc = send_up(s, 0);
@@ -427,8 +580,11 @@ int sp_session_flush(sp_session *s, uint64_t timeout_ms, sp_diag *d) {
   while (s->first_error == 0 && !s->stream_done &&
          s->acked_events < target) {
     uint64_t spent = (uv_hrtime() - t0) / 1000000;
-    if (spent >= timeout_ms) break;
-    uv_cond_timedwait(&s->cond, &s->lock, (timeout_ms - spent) * 1000000);
+    /* a coordinator outage may last its grace period, which ends it
+     * (reattached, or given up) */
+    if (spent >= timeout_ms && !s->away) break;
+    uint64_t left = spent < timeout_ms ? timeout_ms - spent : 100;
+    uv_cond_timedwait(&s->cond, &s->lock, left * 1000000);
   }
   if (s->first_error != 0)
     rc = sp_diag_set(d, s->first_error, "rank %u: %s", s->rank,

@@ -69,6 +69,22 @@ static void pool_put(sp_session *s, sp_rpc_sync *c) {
   uv_mutex_unlock(&s->pool_lock);
 }
 
+/* Whether a call that ended with `code` is tried again: only once the
+ * session is attached (open's calls fail fast), only when the coordinator
+ * could not be reached (UNAVAILABLE: it died or restarts), and within the
+ * grace period counted from the call's first failure. Sleeps the backoff. */
+static bool retry_after(sp_session *s, int code, uint64_t first_fail_ns,
+                        uint64_t *base, uint64_t *jitter) {
+  if (code != SP_RPC_UNAVAILABLE || s->session_id == NULL || s->grace_ms == 0)
+    return false;
+  uint64_t spent_ms = (uv_hrtime() - first_fail_ns) / 1000000;
+  if (spent_ms >= s->grace_ms) return false;
+  uint64_t delay = sp_session_backoff(base, jitter);
+  if (delay > s->grace_ms - spent_ms) delay = s->grace_ms - spent_ms;
+  uv_sleep((unsigned)delay);
+  return true;
+}
+
 int sp_session_unary(sp_session *s, const char *what, const char *path,
                  const ProtobufCMessage *req,
                  const ProtobufCMessageDescriptor *desc, uint64_t timeout_ms,
@@ -82,7 +98,20 @@ int sp_session_unary(sp_session *s, const char *what, const char *path,
   if (rc != 0) return rc;
   sp_rpc_status st = {0};
   ProtobufCMessage *r = NULL;
-  rc = sp_rpc_sync_unary(c, path, req, desc, timeout_ms, &r, &st);
+  uint64_t first_fail = 0, base = 0, jitter = uv_hrtime();
+  for (;;) {
+    rc = sp_rpc_sync_unary(c, path, req, desc, timeout_ms, &r, &st);
+    if (rc != 0 || st.code != SP_RPC_UNAVAILABLE) break;
+    if (first_fail == 0) first_fail = uv_hrtime();
+    if (!retry_after(s, st.code, first_fail, &base, &jitter)) {
+      if (s->session_id != NULL && s->grace_ms != 0)
+        snprintf(st.message, sizeof st.message,
+                 "the coordinator at %s was unreachable for longer than the "
+                 "grace period of %" PRIu64 " ms (--coordinator-grace)",
+                 s->coordinator, s->grace_ms);
+      break;
+    }
+  }
   pool_put(s, c);
   if (st_out != NULL) *st_out = st;
   if (rc != 0) return sp_diag_set(d, rc, "%s: %s", what, sp_strerror(rc));
@@ -185,6 +214,13 @@ int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
   Shardplane__V1__StoreAddRequest q = SHARDPLANE__V1__STORE_ADD_REQUEST__INIT;
   q.key = (char *)key;
   q.delta = delta;
+  /* the same id on every retry: the coordinator applies it once */
+  char req_id[96];
+  if (s->session_id != NULL) {
+    snprintf(req_id, sizeof req_id, "%s:%" PRIu64, s->session_id,
+             atomic_fetch_add(&s->req_seq, 1) + 1);
+    q.request_id = req_id;
+  }
   char what[96];
   snprintf(what, sizeof what, "store add \"%.*s\"", KEY_SHOWN, key);
   ProtobufCMessage *m = NULL;

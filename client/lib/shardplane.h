@@ -73,6 +73,18 @@ typedef struct sp_session_opts {
   /* false: transitions are still checked locally but nothing is queued or
    * sent (heartbeats still are). For measuring the cost of reporting. */
   bool no_report;
+  /* How long the session rides out a coordinator outage (its process
+   * died or restarts); 0: 60000. Training goes on meanwhile (the
+   * communicators need no coordinator after rendezvous); the Session
+   * stream reconnects with jittered exponential backoff (50 ms doubling to
+   * 2 s), reattaches with the session id, resends the rank's states and
+   * reports the events it could not deliver as a gap; store calls and
+   * Detach are retried (StoreAdd with a request id, so a retry is never
+   * applied twice). Past the grace period the session fails with
+   * SP_ETIMEDOUT naming the coordinator's address, and on_abort runs. Only
+   * a coordinator with a state dir knows the session after a restart; any
+   * other refuses it, which ends the session at once. */
+  uint64_t coordinator_grace_ms;
   /* Called once, from the background thread, when the coordinator sends
    * ABORT or the Session stream fails; reason is valid during the call. The
    * callback must be thread-safe (typically it calls sp_comm_abort). */

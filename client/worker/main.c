@@ -45,6 +45,7 @@ typedef struct worker_opts {
   uint32_t report_toggle;
   uint64_t comm_timeout_ms;
   uint64_t call_timeout_ms;
+  uint64_t coordinator_grace_ms; /* --coordinator-grace; 0: the default */
   sp_train_flags train; /* optimizer, schedule, clipping, accumulation */
 } worker_opts;
 
@@ -394,6 +395,11 @@ static void usage(FILE *f) {
       "(default 60000)\n"
       "  --call-timeout-ms N      deadline of each call to the coordinator\n"
       "                           (attach, store, detach; default 30000)\n"
+      "  --coordinator-grace S    ride out a coordinator outage of up to S\n"
+      "                           seconds (default 60): training goes on,\n"
+      "                           the session reattaches when it is back\n"
+      "                           (a coordinator with --state-dir); after S\n"
+      "                           the rank fails naming the coordinator\n"
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
       "                           (starting on; for bench/step)\n"
@@ -417,7 +423,7 @@ static void usage(FILE *f) {
 }
 
 enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
-       O_CK, O_LOAD, O_LOADK, O_LOADP, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_NOREP,
+       O_CK, O_LOAD, O_LOADK, O_LOADP, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_GRACE, O_NOREP,
        O_TOGGLE, O_CKEVERY, O_TSTATE, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
@@ -484,6 +490,15 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       rc = sp_flag_int(flag, v, 1, 86400000, &n, d);
       o->call_timeout_ms = (uint64_t)n;
       return rc;
+    case O_GRACE: {
+      double sec;
+      /* a week at most: beyond that the job has surely ended */
+      rc = sp_flag_number(flag, v, 0.001, &sec, d);
+      if (rc == 0 && sec > 604800.0)
+        rc = sp_flag_fail(d, flag, v, "seconds in [0.001, 604800]");
+      o->coordinator_grace_ms = rc == 0 ? (uint64_t)(sec * 1000.0 + 0.5) : 0;
+      return rc;
+    }
     case O_TOGGLE:
       rc = sp_flag_int(flag, v, 1, 1000000000, &n, d);
       o->report_toggle = (uint32_t)n;
@@ -519,6 +534,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"log-every", required_argument, NULL, O_LOG},
       {"comm-timeout-ms", required_argument, NULL, O_CTO},
       {"call-timeout-ms", required_argument, NULL, O_CALLTO},
+      {"coordinator-grace", required_argument, NULL, O_GRACE},
       {"no-report", no_argument, NULL, O_NOREP},
       {"report-toggle", required_argument, NULL, O_TOGGLE},
       {"checkpoint-every", required_argument, NULL, O_CKEVERY},
@@ -753,6 +769,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                         .rank = (uint32_t)o->rank,
                         .device = o->device,
                         .call_timeout_ms = o->call_timeout_ms,
+                        .coordinator_grace_ms = o->coordinator_grace_ms,
                         .no_report = o->no_report,
                         .on_abort = on_abort,
                         .user = (void *)o};
