@@ -3,7 +3,12 @@
  * (each line prefixed with the time and the rank), and stops everything
  * cleanly when the job ends, when a worker dies (naming the rank) or on
  * Ctrl-C / SIGTERM, which it forwards to every worker: they agree on a
- * step, checkpoint there and stop (a second signal stops them at once). */
+ * step, checkpoint there and stop (a second signal stops them at once).
+ * The coordinator keeps its state in the run directory (--state-dir); if
+ * it dies, run starts it again on the same port and state dir, and the
+ * workers, riding out the outage, carry on. */
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -91,6 +96,16 @@ static void usage(FILE *f) {
         "                             NCCL; one GPU per rank\n"
         "  --heartbeat-timeout-ms N   a silent rank is lost after N ms "
         "(default 5000)\n"
+        "  --coordinator-grace S      workers ride out a coordinator outage "
+        "of up\n"
+        "                             to S seconds (default 60); a "
+        "coordinator\n"
+        "                             that dies is restarted on the same port "
+        "and\n"
+        "                             its state dir (DIR/coordinator-state of "
+        "the\n"
+        "                             checkpoint directory), and the job goes "
+        "on\n"
         "training flags, checked here and passed to every worker:\n",
         f);
   sp_train_flags_help(f, 29);
@@ -287,6 +302,7 @@ typedef struct run_opts {
   long long nproc;
   const char *model_path, *job_path, *ckdir;
   const char *steps, *batch, *lr, *log_every, *hb;
+  const char *grace; /* --coordinator-grace, or NULL */
   const char *ckpt_every; /* --checkpoint-every, or NULL */
   bool cuda;
   bool kinds[4]; /* by sp_ckpt_kind: the checkpoints written */
@@ -322,6 +338,11 @@ typedef struct run_job {
 /* The running processes. */
 typedef struct run_procs {
   sp_proc coord;
+  /* what a restart of the coordinator needs */
+  const run_opts *o;
+  const run_job *j;
+  char state_dir[PATH_MAX];
+  int restarts;
   char addr[64];
   pid_t pids[MAX_NPROC];
   uint32_t live;
@@ -344,7 +365,8 @@ static int job_flag(run_opts *o, int c, const char *value) {
 }
 
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_HELP };
+       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_GRACE,
+       O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
@@ -387,6 +409,12 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
     case O_HB:
       o->hb = v;
       return sp_flag_int(flag, v, 1, 3600000, &n, d);
+    case O_GRACE:
+      o->grace = v;
+      rc = sp_flag_number(flag, v, 0.001, &x, d);
+      if (rc == 0 && x > 604800.0)
+        rc = sp_flag_fail(d, flag, v, "seconds in [0.001, 604800]");
+      return rc;
     case O_LR:
       o->lr = v;
       return sp_flag_number(flag, v, 0, &x, d);
@@ -435,6 +463,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"load-kind", required_argument, NULL, O_LOADK},
       {"load-params-only", no_argument, NULL, O_LOADP},
       {"checkpoint-every", required_argument, NULL, O_CKEVERY},
+      {"coordinator-grace", required_argument, NULL, O_GRACE},
       {"help", no_argument, NULL, O_HELP}};
   /* run's own options, the training flags, then the job flags */
   struct option mine[64];
@@ -645,12 +674,16 @@ static int check_job(run_opts *o, run_job *j) {
  * address. Returns PROCEED or the exit code. */
 static int start_coordinator(const run_opts *o, const run_job *j,
                              run_procs *p) {
-  char nproc_s[16];
+  char nproc_s[16], listen[32];
   snprintf(nproc_s, sizeof nproc_s, "%lld", o->nproc);
+  /* a restart takes the port the workers know */
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", p->restarts ? p->coord.port : 0);
   argvec ca = {0};
   push(&ca, j->coord_bin);
   push(&ca, "--listen");
-  push(&ca, "127.0.0.1:0");
+  push(&ca, listen);
+  push(&ca, "--state-dir");
+  push(&ca, p->state_dir);
   push(&ca, "--model");
   push(&ca, o->model_path);
   if (o->job_path) {
@@ -704,6 +737,10 @@ static void worker_args(const run_opts *o, const run_job *j,
   push(wa, o->lr);
   push(wa, "--log-every");
   push(wa, o->log_every);
+  if (o->grace) {
+    push(wa, "--coordinator-grace");
+    push(wa, o->grace);
+  }
   for (size_t i = 0; i < o->n_tflags; i++) {
     push(wa, o->tflags[i].flag);
     if (o->tflags[i].value) push(wa, o->tflags[i].value);
@@ -800,6 +837,86 @@ static void failed(run_watch *w, double grace_s, const char *fmt, ...) {
   }
 }
 
+/* ---- the coordinator's state dir and its restarts ---- */
+
+/* Restarts in one run at most: a coordinator that keeps dying has a
+ * cause a restart will not cure. */
+#define MAX_COORD_RESTARTS 10
+
+/* mkdir -p; 0 or -1 (errno set). */
+static int make_dirs(const char *dir) {
+  char path[PATH_MAX];
+  int n = snprintf(path, sizeof path, "%s", dir);
+  if (n <= 0 || (size_t)n >= sizeof path) {
+    errno = ENAMETOOLONG;
+    return -1;
+  }
+  for (char *q = path + 1; *q; q++) {
+    if (*q != '/') continue;
+    *q = '\0';
+    if (mkdir(path, 0777) != 0 && errno != EEXIST) return -1;
+    *q = '/';
+  }
+  return mkdir(path, 0777) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* DIR/coordinator-state of the checkpoint directory, emptied: each run is
+ * a new job, whose store must not hold the last one's rendezvous keys.
+ * Left alone while another coordinator holds it (that one then refuses
+ * to start, naming it). Returns PROCEED or the exit code. */
+static int prepare_state_dir(const run_job *j, run_procs *p) {
+  int n = snprintf(p->state_dir, sizeof p->state_dir, "%s/coordinator-state",
+                   j->ckdir);
+  if (n <= 0 || (size_t)n >= sizeof p->state_dir || make_dirs(p->state_dir)) {
+    sp_cli_error(RUN, "cannot create the coordinator's state dir %s: %s",
+                 p->state_dir, strerror(errno));
+    return SP_EXIT_FAILURE;
+  }
+  char path[PATH_MAX + 32];
+  snprintf(path, sizeof path, "%s/coordinator.lock", p->state_dir);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    sp_cli_error(RUN, "cannot open %s: %s", path, strerror(errno));
+    return SP_EXIT_FAILURE;
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    static const char *const files[] = {"coordinator.db", "coordinator.db-wal",
+                                        "coordinator.db-shm"};
+    for (size_t i = 0; i < 3; i++) {
+      snprintf(path, sizeof path, "%s/%s", p->state_dir, files[i]);
+      if (unlink(path) != 0 && errno != ENOENT) {
+        sp_cli_error(RUN, "cannot remove %s: %s", path, strerror(errno));
+        close(fd);
+        return SP_EXIT_FAILURE;
+      }
+    }
+  }
+  close(fd); /* and the lock with it */
+  return PROCEED;
+}
+
+/* The coordinator died mid-job: start it again on its port and state dir.
+ * Returns whether it runs again (the job goes on). */
+static bool restart_coordinator(run_procs *p, const char *how) {
+  if (p->restarts >= MAX_COORD_RESTARTS) {
+    sp_cli_error(RUN, "the coordinator %s, after %d restarts", how,
+                 p->restarts);
+    return false;
+  }
+  p->restarts++;
+  int port = p->coord.port;
+  if (start_coordinator(p->o, p->j, p) != PROCEED) return false;
+  if (p->coord.port != port) { /* cannot happen: it listens on port */
+    sp_cli_error(RUN, "the restarted coordinator listens on %d, not %d",
+                 p->coord.port, port);
+    return false;
+  }
+  fprintf(stderr, "shardplane run: the coordinator %s; restarted it on %s "
+                  "with state dir %s (restart %d); the job goes on\n",
+          how, p->addr, p->state_dir, p->restarts);
+  return true;
+}
+
 /* Reaps every child that ended: the coordinator or a worker. */
 static void reap(const run_opts *o, run_procs *p, run_watch *w) {
   int st;
@@ -809,6 +926,9 @@ static void reap(const run_opts *o, run_procs *p, run_watch *w) {
     describe(st, how, sizeof how);
     if (pid == p->coord.pid) {
       p->coord.pid = 0;
+      if (w->ret == SP_EXIT_OK && !w->interrupted && p->live > 0 &&
+          restart_coordinator(p, how))
+        continue;
       failed(w, GRACE_S, "the coordinator %s", how);
       continue;
     }
@@ -937,7 +1057,10 @@ int sp_cmd_run(int argc, char **argv) {
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
 
-  ret = start_coordinator(&o, &j, &p);
+  p.o = &o;
+  p.j = &j;
+  ret = prepare_state_dir(&j, &p);
+  if (ret == PROCEED) ret = start_coordinator(&o, &j, &p);
   if (ret != PROCEED) goto out;
   printf("shardplane run: %s, %lld ranks, %s, plan %s (%zu units); "
          "coordinator on %s\n", j.model->name, o.nproc,

@@ -318,8 +318,9 @@ static void on_grace(uv_timer_t *t) {
   s->away = false;
   uv_cond_broadcast(&s->cond);
   uv_mutex_unlock(&s->lock);
-  if (s->call != NULL) sp_rpc_ccall_cancel(s->call);
+  /* the reason first: cancelling closes the call, which would give its own */
   trigger_abort(s, msg);
+  if (s->call != NULL) sp_rpc_ccall_cancel(s->call);
 }
 
 /* Returns false when the outage is not ridden out (before binding, with no
