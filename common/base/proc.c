@@ -82,6 +82,8 @@ int sp_proc_spawn(sp_proc *ch, char *const argv[], bool with_stdin,
 int sp_proc_stop(sp_proc *ch, int wait_ms) {
   if (ch->to_child >= 0) close(ch->to_child);
   ch->to_child = -1;
+  /* already reaped: kill(0) would signal our own process group */
+  if (ch->pid <= 0) return -1;
   kill(ch->pid, SIGTERM);
   for (int i = 0; i < wait_ms / 10; i++) {
     int st;

@@ -31,7 +31,8 @@ int sp_proc_spawn(sp_proc *ch, char *const argv[], bool with_stdin,
                   bool own_group, const char *port_fmt, sp_diag *diag);
 
 /* Closes its stdin, sends SIGTERM, waits up to wait_ms, then SIGKILL.
- * Returns the exit status, 128 + signal, or -1 when it had to be killed. */
+ * Returns the exit status, 128 + signal, or -1 when it had to be killed
+ * or was reaped already (pid 0). */
 int sp_proc_stop(sp_proc *ch, int wait_ms);
 
 #endif

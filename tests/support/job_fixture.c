@@ -37,17 +37,14 @@ static void add_flags(const char **argv, size_t k, const char *const *flags) {
   argv[k] = NULL;
 }
 
-void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
-                   int n, const char *const *wflags, const char *errdir) {
-  if (n < 1 || n > SP_TJOB_MAX_RANKS)
-    fail_msg("%d workers: 1 to %d", n, SP_TJOB_MAX_RANKS);
-  memset(j, 0, sizeof *j);
-  j->n = n;
+/* The job's coordinator on `listen`, its port into j. */
+static void spawn_coord(sp_tjob *j, const char *model,
+                        const char *const *cflags, const char *listen) {
   char ws[16];
-  snprintf(ws, sizeof ws, "%d", n);
+  snprintf(ws, sizeof ws, "%d", j->n);
   const char *ca[MAXARGS] = {SP_BIN_DIR "/shardplane-coordinator",
                              "--listen",
-                             "127.0.0.1:0",
+                             listen,
                              "--model",
                              model,
                              "--world-size",
@@ -59,6 +56,29 @@ void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
                     "listening on 127.0.0.1:%d", &d) < 0)
     fail_msg("coordinator: %s", d.msg);
   snprintf(j->addr, sizeof j->addr, "127.0.0.1:%d", j->coord.port);
+}
+
+void sp_tjob_restart_coord(sp_tjob *j, const char *model,
+                           const char *const *cflags) {
+  if (j->coord.pid > 0) {
+    kill(j->coord.pid, SIGKILL);
+    waitpid(j->coord.pid, NULL, 0);
+    j->coord.pid = 0;
+  }
+  char listen[64];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", j->coord.port);
+  int port = j->coord.port;
+  spawn_coord(j, model, cflags, listen);
+  assert_int_equal(j->coord.port, port);
+}
+
+void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
+                   int n, const char *const *wflags, const char *errdir) {
+  if (n < 1 || n > SP_TJOB_MAX_RANKS)
+    fail_msg("%d workers: 1 to %d", n, SP_TJOB_MAX_RANKS);
+  memset(j, 0, sizeof *j);
+  j->n = n;
+  spawn_coord(j, model, cflags, "127.0.0.1:0");
   for (int r = 0; r < n; r++) {
     char rs[16];
     snprintf(rs, sizeof rs, "%d", r);

@@ -37,6 +37,12 @@ typedef struct sp_tjob {
 void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
                    int n, const char *const *wflags, const char *errdir);
 
+/* SIGKILLs the job's coordinator and starts it again on the same port,
+ * with the model and cflags it was started with (a --state-dir among them
+ * makes it continue the job). */
+void sp_tjob_restart_coord(sp_tjob *j, const char *model,
+                           const char *const *cflags);
+
 /* Waits up to timeout_s for every worker (killing those still running at
  * the deadline), then stops the coordinator. Returns how many exited 0;
  * j->status says how each ended. */
