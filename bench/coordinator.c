@@ -14,6 +14,8 @@
  *     StoreGet("go", wait); the rank whose add returns N sets "go", which
  *     releases everybody. Timed from the first Attach sent (connections are
  *     opened by it) to the last rank attached, and to the last one released.
+ *  1b. --store-writes sequential StoreSet calls per rank, all ranks at
+ *     once: store writes per second.
  *  2. A Session stream, bound by its first message (rank, session id).
  *  3. --steps training steps of transitions, the sequence one FSDP rank
  *     reports per step: root IDLE -> FORWARD_BACKWARD; per unit in order
@@ -37,6 +39,13 @@
  * avoid. The load side packs each batch once and prefixes only the seq
  * field per message (protobuf fields may come in any order), so that the
  * load process, which shares the machine, costs as little as it can.
+ *
+ * Durability: every run is made twice, with a coordinator without and
+ * with --state-dir (a fresh one each time), and the store writes and the
+ * transition ingest of the two are shown side by side with their ratio.
+ * With a state dir every store write is committed (group commit, one
+ * transaction per loop iteration) before it is answered; transitions are
+ * not written one by one (rank snapshots on a timer).
  *
  * File descriptors: each side needs one per rank. The benchmark raises its
  * soft RLIMIT_NOFILE to ranks + 256 (within the hard limit, else it stops
@@ -79,7 +88,7 @@ extern char **environ;
 #define MAX_RUNS 16
 
 typedef struct bench_opts {
-  uint32_t ranks, units, steps, batch, window;
+  uint32_t ranks, units, steps, batch, window, store_writes;
   int runs;
   const char *coordinator;
 } bench_opts;
@@ -122,7 +131,7 @@ static int write_model(const char *path, uint32_t units) {
 }
 
 static int child_start(child *ch, const bench_opts *o, const char *model,
-                       sp_diag *d) {
+                       const char *state_dir, sp_diag *d) {
   char world[16];
   snprintf(world, sizeof world, "%u", o->ranks);
   char *argv[] = {(char *)o->coordinator,
@@ -133,7 +142,11 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
                   /* the load process may starve the rank sessions of CPU;
                    * nobody must be declared lost for it */
                   "--heartbeat-timeout-ms", "3600000",
-                  "--quiet", NULL};
+                  "--quiet", NULL, NULL, NULL};
+  if (state_dir != NULL) {
+    argv[13] = "--state-dir";
+    argv[14] = (char *)state_dir;
+  }
   return sp_proc_spawn(ch, argv, false, false, "listening on 127.0.0.1:%d", d);
 }
 
@@ -360,13 +373,13 @@ typedef struct rank_s {
   char session_id[64];
   sp_rpc_ccall *session;
   uint64_t next_seq, acked;
-  uint32_t next_batch;
+  uint32_t next_batch, next_write;
   bool bound, done, detaching;
 } rank_s;
 
 typedef struct result {
   bool ok;       /* every phase completed and the checks passed */
-  double attach_s, release_s, tps, stream_s;
+  double attach_s, release_s, tps, stream_s, writes_s;
   double coord_ns_per_tr, load_ns_per_tr; /* CPU */
   double kib_per_rank, kib_per_rank_streamed;
   long rss_before_kib, rss_after_kib, rss_streamed_kib;
@@ -393,7 +406,7 @@ struct bench {
   char error[SP_RPC_STATUS_MESSAGE_MAX + 128];
   uint32_t attached, released;
   uint64_t t0, t_attached, t_released;
-  uint64_t tr_acked, rejections;
+  uint64_t tr_acked, rejections, writes_done;
   bool verified, unit_states;
   char verify_msg[256];
 };
@@ -609,6 +622,40 @@ static void start_attach(rank_s *r) {
       0) {
     failf(b, "rank %u: cannot start Attach", r->id);
     item_done(b);
+  }
+}
+
+/* ---- store writes ---- */
+
+static void start_write(rank_s *r);
+
+static void on_written(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
+                       size_t n) {
+  (void)d;
+  (void)n;
+  if (!call_ok(r, st, "StoreSet")) {
+    item_done(r->b);
+    return;
+  }
+  r->b->writes_done++;
+  if (++r->next_write < r->b->o->store_writes)
+    start_write(r);
+  else
+    item_done(r->b);
+}
+
+static void start_write(rank_s *r) {
+  char key[48], val[64];
+  snprintf(key, sizeof key, "bench/%u/%u", r->id, r->next_write);
+  memset(val, 'v', sizeof val);
+  Shardplane__V1__StoreSetRequest q = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
+  q.key = key;
+  q.value.data = (uint8_t *)val;
+  q.value.len = sizeof val;
+  if (unary_start(r, PATH("StoreSet"), &q.base, CALL_TIMEOUT_MS,
+                  on_written) != 0) {
+    failf(r->b, "rank %u: cannot start StoreSet", r->id);
+    item_done(r->b);
   }
 }
 
@@ -843,11 +890,12 @@ static int get_job(const char *addr, char *version, size_t cap,
 }
 
 static int run_once(const bench_opts *o, const char *model, uint32_t units,
-                    const workload *w, result *res, sp_diag *d) {
+                    const workload *w, const char *state_dir, result *res,
+                    sp_diag *d) {
   memset(res, 0, sizeof *res);
   res->exit_code = -2;
   child ch;
-  int rc = child_start(&ch, o, model, d);
+  int rc = child_start(&ch, o, model, state_dir, d);
   if (rc != 0) return rc;
   bench *b = calloc(1, sizeof *b);
   if (b == NULL) {
@@ -904,6 +952,15 @@ static int run_once(const bench_opts *o, const char *model, uint32_t units,
   if (run_phase(b, "attach and rendezvous") != 0 || b->errors) goto fail;
   res->attach_s = (double)(b->t_attached - b->t0) / 1e9;
   res->release_s = (double)(b->t_released - b->t0) / 1e9;
+
+  /* 1b. store writes */
+  if (o->store_writes > 0) {
+    b->pending = b->n;
+    uint64_t tw0 = now_ns();
+    for (uint32_t i = 0; i < b->n; i++) start_write(&b->ranks[i]);
+    if (run_phase(b, "store writes") != 0 || b->errors) goto fail;
+    res->writes_s = (double)b->writes_done / ((double)(now_ns() - tw0) / 1e9);
+  }
 
   /* 2. sessions */
   b->pending = b->n;
@@ -1024,13 +1081,28 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-static void print_run(int i, const result *r) {
-  printf("  run %d: attached %.3f s, released %.3f s, %.2f M transitions/s "
+static void print_run(int i, const result *r, bool durable) {
+  printf("  run %d%s: attached %.3f s, released %.3f s, %.0f store writes/s, "
+         "%.2f M transitions/s "
          "(%.1f s), coordinator CPU %.0f ns/transition, memory %.2f KiB/rank "
          "(%.2f after streaming), %s\n",
-         i + 1, r->attach_s, r->release_s, r->tps / 1e6, r->stream_s,
+         i + 1, durable ? " --state-dir" : "", r->attach_s, r->release_s,
+         r->writes_s, r->tps / 1e6, r->stream_s,
          r->coord_ns_per_tr, r->kib_per_rank, r->kib_per_rank_streamed,
          r->ok ? "verified" : "FAILED");
+}
+
+/* A state dir's files, then the dir. */
+static void remove_state_dir(const char *dir) {
+  static const char *const files[] = {"coordinator.db", "coordinator.db-wal",
+                                      "coordinator.db-shm",
+                                      "coordinator.lock"};
+  char path[700];
+  for (size_t i = 0; i < 4; i++) {
+    snprintf(path, sizeof path, "%s/%s", dir, files[i]);
+    unlink(path);
+  }
+  rmdir(dir);
 }
 
 static double median_field(const result *runs, int n, size_t off) {
@@ -1096,6 +1168,27 @@ static int report(const bench_opts *o, const result *runs, int n,
   return fails;
 }
 
+/* Without against with --state-dir, from the same runs. */
+static int report_durable(const result *plain, const result *dur, int n) {
+  const result *runs = plain;
+  double w0 = MED(writes_s), t0 = MED(tps);
+  runs = dur;
+  double w1 = MED(writes_s), t1 = MED(tps);
+  int ok = 0;
+  for (int i = 0; i < n; i++) ok += dur[i].ok;
+  printf("\ndurability: the same runs with --state-dir (median of %d, %d "
+         "verified)\n", n, ok);
+  printf("  %-48s %10.0f /s  without: %.0f /s  (%.2fx)\n",
+         "store writes (StoreSet, acknowledged)", w1, w0,
+         w0 > 0 ? w1 / w0 : 0);
+  printf("  %-48s %10.2f M/s without: %.2f M/s (%.2fx)\n",
+         "transitions ingested", t1 / 1e6, t0 / 1e6, t0 > 0 ? t1 / t0 : 0);
+  bool p = ok == n && t1 >= GOAL_TPS;
+  printf("  >= %.0f M transitions/s with --state-dir: %.2f M/s  %s\n",
+         GOAL_TPS / 1e6, t1 / 1e6, p ? "PASS" : "FAIL");
+  return !p;
+}
+
 /* ------------------------------------------------------------------ */
 /* main                                                                */
 /* ------------------------------------------------------------------ */
@@ -1116,6 +1209,8 @@ static void usage(FILE *f) {
           "  --window N         unacknowledged messages per rank (default 4)\n"
           "  --runs N           repeat with a fresh coordinator and show the "
           "median (default 1)\n"
+          "  --store-writes N   StoreSet calls per rank, one at a time "
+          "(default 20; 0: none)\n"
           "  --coordinator P    the shardplane-coordinator program (default: "
           "the one built with\n"
           "                     this benchmark)\n"
@@ -1165,6 +1260,8 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
       if (parse_u32(v, 1, 1000000, &o->steps) != 0) goto bad;
     } else if (strcmp(a, "--batch") == 0) {
       if (parse_u32(v, 1, 65536, &o->batch) != 0) goto bad;
+    } else if (strcmp(a, "--store-writes") == 0) {
+      if (parse_u32(v, 0, 1000000, &o->store_writes) != 0) goto bad;
     } else if (strcmp(a, "--window") == 0) {
       if (parse_u32(v, 1, 1024, &o->window) != 0) goto bad;
     } else if (strcmp(a, "--runs") == 0) {
@@ -1216,7 +1313,7 @@ static int raise_fd_limit(uint32_t ranks, rlim_t *now) {
 
 int main(int argc, char **argv) {
   bench_opts o = {.ranks = 1024, .units = 100, .steps = 50, .batch = 256,
-                  .window = 4, .runs = 1};
+                  .window = 4, .runs = 1, .store_writes = 20};
   if (parse_args(argc, argv, &o) != 0) return 2;
   char *coord = o.coordinator ? strdup(o.coordinator) : default_coordinator();
   if (coord == NULL || access(coord, X_OK) != 0) {
@@ -1273,18 +1370,26 @@ int main(int argc, char **argv) {
   fflush(stdout);
 
   double base = baseline_tps(&w, o.units);
-  result runs[MAX_RUNS];
+  result runs[MAX_RUNS], druns[MAX_RUNS];
   int failed = 0;
   for (int i = 0; i < o.runs; i++) {
-    sp_diag d = {""};
-    if (run_once(&o, model, o.units, &w, &runs[i], &d) != 0) {
-      fprintf(stderr, "coordinator: run %d: %s\n", i + 1, d.msg);
-      failed++;
+    for (int k = 0; k < 2; k++) {
+      sp_diag d = {""};
+      char state[600];
+      snprintf(state, sizeof state, "%s/state-%d", dir, i);
+      result *r = k ? &druns[i] : &runs[i];
+      if (run_once(&o, model, o.units, &w, k ? state : NULL, r, &d) != 0) {
+        fprintf(stderr, "coordinator: run %d%s: %s\n", i + 1,
+                k ? " --state-dir" : "", d.msg);
+        failed++;
+      }
+      if (k) remove_state_dir(state);
+      print_run(i, r, k);
+      fflush(stdout);
     }
-    print_run(i, &runs[i]);
-    fflush(stdout);
   }
   int fails = report(&o, runs, o.runs, base);
+  fails += report_durable(runs, druns, o.runs);
   (void)fails; /* goals are reported, not an error of the benchmark */
 
   workload_free(&w);
