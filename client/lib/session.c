@@ -36,10 +36,15 @@
  *
  * Errors of the background side are sticky: the first one (a rejected
  * transition: SP_ESTATE; the stream ending: the status's code, e.g.
- * SP_ECANCELED for ABORTED, SP_EIO for UNAVAILABLE) is what every later
+ * SP_ECANCELED for ABORTED; a coordinator away longer than the grace
+ * period: SP_ETIMEDOUT) is what every later
  * flush and the close return. A dropped event is not an error, but a
  * dropped *transition* leaves the coordinator one state behind, so it
  * rejects a later one: a queue that overflows shows up as SP_ESTATE.
+ *
+ * A stream ending UNAVAILABLE (the coordinator died or restarts) is not
+ * an error at first: session_report.c reconnects within the grace period
+ * and resyncs (docs/architecture.md, "Durability").
  *
  * on_abort runs on the background thread, at most once, for an ABORT
  * command or for the stream ending before sp_session_close began; it must

@@ -94,7 +94,9 @@ typedef struct sp_session_opts {
 
 /* Connects, fetches the job and model spec, builds the plan, checks the
  * plan version against the coordinator's, attaches as opts->rank and starts
- * the background thread. Errors: SP_EINVAL (bad opts, rank out of range),
+ * the background thread. Sets SIGPIPE to SIG_IGN when the program left it
+ * at its default: a write to a coordinator that died must fail, not end
+ * the process. Errors: SP_EINVAL (bad opts, rank out of range),
  * SP_ETIMEDOUT (coordinator unreachable within connect_timeout_ms),
  * SP_ESTATE (plan version mismatch, naming both versions), SP_EEXIST (rank
  * already attached), SP_ENOMEM. The session owns the model, job and plan. */
