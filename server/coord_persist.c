@@ -123,6 +123,8 @@ int sp_coord_reply(sp_coord *c, sp_rpc_call *call, const ProtobufCMessage *m) {
   }
   protobuf_c_message_pack(m, data);
   p->q[p->n++] = (pending){call, len, data};
+  /* no commit handle (before listen, or shutting down): commit now */
+  if (!p->started || p->closed != NULL) commit_now(c);
   return 0;
 }
 
