@@ -97,6 +97,12 @@ static int db_check(sp_coord_db *db, int rc, const char *what,
   return SP_EIO;
 }
 #define CHECK(db, rc, what, d) db_check((db), (rc), (what), __FILE__, __LINE__, (d))
+/* Keeps the first failing bind's code in acc, for one CHECK after them. */
+#define BIND(acc, call)                                                        \
+  do {                                                                         \
+    int b_ = (call);                                                           \
+    if ((acc) == SQLITE_OK) (acc) = b_;                                        \
+  } while (0)
 
 const char *sp_coord_db_dir(const sp_coord_db *db) { return db->dir; }
 const char *sp_coord_db_error(const sp_coord_db *db) { return db->err.msg; }
@@ -116,9 +122,11 @@ static int exec(sp_coord_db *db, const char *sql, sp_diag *d) {
   return CHECK(db, sqlite3_exec(db->h, sql, NULL, NULL, NULL), sql, d);
 }
 
-/* Runs a prepared statement that returns no rows, then resets it. */
-static int step_done(sp_coord_db *db, sqlite3_stmt *s, const char *what) {
-  int rc = sqlite3_step(s);
+/* Runs a prepared statement that returns no rows (unless a bind failed:
+ * `bound`), then resets it. */
+static int step_done(sp_coord_db *db, sqlite3_stmt *s, int bound,
+                     const char *what) {
+  int rc = bound != SQLITE_OK ? bound : sqlite3_step(s);
   int err = CHECK(db, rc == SQLITE_ROW ? SQLITE_MISUSE : rc, what, NULL);
   sqlite3_reset(s);
   sqlite3_clear_bindings(s);
@@ -187,8 +195,8 @@ static int meta_get(sp_coord_db *db, const char *name, char *out, size_t cap,
                                     -1, &s, NULL),
                  "read the job identity", d);
   if (rc != 0) return rc;
-  sqlite3_bind_text(s, 1, name, -1, SQLITE_STATIC);
-  int r = sqlite3_step(s);
+  int r = sqlite3_bind_text(s, 1, name, -1, SQLITE_STATIC);
+  if (r == SQLITE_OK) r = sqlite3_step(s);
   *found = r == SQLITE_ROW;
   if (*found) {
     const unsigned char *v = sqlite3_column_text(s, 0);
@@ -215,9 +223,10 @@ static int meta_put(sp_coord_db *db, const char *name, const char *value,
                                     -1, &s, NULL),
                  "write the job identity", d);
   if (rc != 0) return rc;
-  sqlite3_bind_text(s, 1, name, -1, SQLITE_STATIC);
-  sqlite3_bind_text(s, 2, value, -1, SQLITE_STATIC);
-  rc = CHECK(db, sqlite3_step(s), "write the job identity", d);
+  int r = sqlite3_bind_text(s, 1, name, -1, SQLITE_STATIC);
+  BIND(r, sqlite3_bind_text(s, 2, value, -1, SQLITE_STATIC));
+  if (r == SQLITE_OK) r = sqlite3_step(s);
+  rc = CHECK(db, r, "write the job identity", d);
   sqlite3_finalize(s);
   return rc;
 }
@@ -258,6 +267,31 @@ static int check_job(sp_coord_db *db, const sp_coord_db_job *job, bool *fresh,
   return 0;
 }
 
+/* WAL or nothing: synchronous=NORMAL keeps committed transactions across a
+ * process crash only in WAL mode, and SQLite answers with the mode it
+ * could set rather than failing (some file systems cannot do WAL). */
+static int set_wal(sp_coord_db *db, sp_diag *d) {
+  sqlite3_stmt *s;
+  int rc = CHECK(db,
+                 sqlite3_prepare_v2(db->h, "PRAGMA journal_mode=WAL", -1, &s,
+                                    NULL),
+                 "set WAL mode", d);
+  if (rc != 0) return rc;
+  int r = sqlite3_step(s);
+  if (r == SQLITE_ROW) {
+    const unsigned char *mode = sqlite3_column_text(s, 0);
+    if (mode == NULL || strcmp((const char *)mode, "wal") != 0)
+      rc = sp_diag_set(d, SP_EUNSUPPORTED,
+                       "state dir %s: SQLite cannot use WAL mode there "
+                       "(journal mode %s)",
+                       db->dir, mode ? (const char *)mode : "?");
+  } else {
+    rc = CHECK(db, r, "set WAL mode", d);
+  }
+  sqlite3_finalize(s);
+  return rc;
+}
+
 int sp_coord_db_open(const char *dir, const sp_coord_db_job *job,
                      sp_coord_db **out, bool *fresh, sp_diag *d) {
   if (dir == NULL || dir[0] == '\0' || job == NULL || out == NULL ||
@@ -294,7 +328,7 @@ int sp_coord_db_open(const char *dir, const sp_coord_db_job *job,
   /* the lock file already keeps other coordinators out; this covers any
    * other reader (an operator's sqlite3 shell) holding the file briefly */
   sqlite3_busy_timeout(db->h, 2000);
-  if ((rc = exec(db, "PRAGMA journal_mode=WAL", d)) != 0 ||
+  if ((rc = set_wal(db, d)) != 0 ||
       (rc = exec(db, "PRAGMA synchronous=NORMAL", d)) != 0 ||
       (rc = exec(db, k_schema, d)) != 0 ||
       (rc = check_job(db, job, fresh, d)) != 0)
@@ -327,36 +361,39 @@ int sp_coord_db_put_key(sp_coord_db *db, const void *key, size_t klen,
                         const void *value, size_t vlen, uint64_t version) {
   int rc = begin(db);
   if (rc != 0) return rc;
+  int bound = SQLITE_OK;
   sqlite3_stmt *s = db->st[ST_PUT_KEY];
-  sqlite3_bind_blob(s, 1, key, (int)klen, SQLITE_STATIC);
+  BIND(bound, sqlite3_bind_blob(s, 1, key, (int)klen, SQLITE_STATIC));
   /* zeroblob for an empty value: a NULL blob would break NOT NULL */
   if (vlen == 0)
-    sqlite3_bind_zeroblob(s, 2, 0);
+    BIND(bound, sqlite3_bind_zeroblob(s, 2, 0));
   else
-    sqlite3_bind_blob(s, 2, value, (int)vlen, SQLITE_STATIC);
-  sqlite3_bind_int64(s, 3, (sqlite3_int64)version);
-  return step_done(db, s, "write a store key");
+    BIND(bound, sqlite3_bind_blob(s, 2, value, (int)vlen, SQLITE_STATIC));
+  BIND(bound, sqlite3_bind_int64(s, 3, (sqlite3_int64)version));
+  return step_done(db, s, bound, "write a store key");
 }
 
 int sp_coord_db_del_key(sp_coord_db *db, const void *key, size_t klen) {
   int rc = begin(db);
   if (rc != 0) return rc;
+  int bound = SQLITE_OK;
   sqlite3_stmt *s = db->st[ST_DEL_KEY];
-  sqlite3_bind_blob(s, 1, key, (int)klen, SQLITE_STATIC);
-  return step_done(db, s, "delete a store key");
+  BIND(bound, sqlite3_bind_blob(s, 1, key, (int)klen, SQLITE_STATIC));
+  return step_done(db, s, bound, "delete a store key");
 }
 
 int sp_coord_db_put_request(sp_coord_db *db, const char *id,
                             const uint8_t *resp, size_t len) {
   int rc = begin(db);
   if (rc != 0) return rc;
+  int bound = SQLITE_OK;
   sqlite3_stmt *s = db->st[ST_PUT_REQ];
-  sqlite3_bind_text(s, 1, id, -1, SQLITE_STATIC);
+  BIND(bound, sqlite3_bind_text(s, 1, id, -1, SQLITE_STATIC));
   if (len == 0)
-    sqlite3_bind_zeroblob(s, 2, 0);
+    BIND(bound, sqlite3_bind_zeroblob(s, 2, 0));
   else
-    sqlite3_bind_blob(s, 2, resp, (int)len, SQLITE_STATIC);
-  if ((rc = step_done(db, s, "record a request id")) != 0) return rc;
+    BIND(bound, sqlite3_bind_blob(s, 2, resp, (int)len, SQLITE_STATIC));
+  if ((rc = step_done(db, s, bound, "record a request id")) != 0) return rc;
   /* A retry comes within the worker's grace period; far older ids are
    * dead weight. Prune in bulk, not per insert. */
   if (++db->req_puts >= SP_COORD_DB_REQUESTS_KEPT / 10) {
@@ -364,8 +401,8 @@ int sp_coord_db_put_request(sp_coord_db *db, const char *id,
     sqlite3_int64 last = sqlite3_last_insert_rowid(db->h);
     if (last > SP_COORD_DB_REQUESTS_KEPT) {
       s = db->st[ST_PRUNE_REQ];
-      sqlite3_bind_int64(s, 1, last - SP_COORD_DB_REQUESTS_KEPT);
-      rc = step_done(db, s, "prune request ids");
+      BIND(bound, sqlite3_bind_int64(s, 1, last - SP_COORD_DB_REQUESTS_KEPT));
+      rc = step_done(db, s, bound, "prune request ids");
     }
   }
   return rc;
@@ -374,8 +411,8 @@ int sp_coord_db_put_request(sp_coord_db *db, const char *id,
 int sp_coord_db_get_request(sp_coord_db *db, const char *id, size_t max_len,
                             uint8_t **resp, size_t *len) {
   sqlite3_stmt *s = db->st[ST_GET_REQ];
-  sqlite3_bind_text(s, 1, id, -1, SQLITE_STATIC);
-  int r = sqlite3_step(s);
+  int r = sqlite3_bind_text(s, 1, id, -1, SQLITE_STATIC);
+  if (r == SQLITE_OK) r = sqlite3_step(s);
   int rc = 0;
   if (r == SQLITE_ROW) {
     const void *b = sqlite3_column_blob(s, 0);
@@ -404,34 +441,36 @@ int sp_coord_db_get_request(sp_coord_db *db, const char *id, size_t max_len,
 int sp_coord_db_put_rank(sp_coord_db *db, const sp_coord_db_rank *r) {
   int rc = begin(db);
   if (rc != 0) return rc;
+  int bound = SQLITE_OK;
   sqlite3_stmt *s = db->st[ST_PUT_RANK];
-  sqlite3_bind_int64(s, 1, r->rank);
-  sqlite3_bind_int(s, 2, r->status);
-  sqlite3_bind_text(s, 3, r->session_id ? r->session_id : "", -1,
-                    SQLITE_STATIC);
-  sqlite3_bind_text(s, 4, r->host ? r->host : "", -1, SQLITE_STATIC);
-  sqlite3_bind_text(s, 5, r->device ? r->device : "", -1, SQLITE_STATIC);
-  sqlite3_bind_int64(s, 6, r->pid);
-  sqlite3_bind_int64(s, 7, (sqlite3_int64)r->step);
-  sqlite3_bind_int(s, 8, r->root);
+  BIND(bound, sqlite3_bind_int64(s, 1, r->rank));
+  BIND(bound, sqlite3_bind_int(s, 2, r->status));
+  BIND(bound, sqlite3_bind_text(s, 3, r->session_id ? r->session_id : "", -1,
+                    SQLITE_STATIC));
+  BIND(bound, sqlite3_bind_text(s, 4, r->host ? r->host : "", -1, SQLITE_STATIC));
+  BIND(bound, sqlite3_bind_text(s, 5, r->device ? r->device : "", -1, SQLITE_STATIC));
+  BIND(bound, sqlite3_bind_int64(s, 6, r->pid));
+  BIND(bound, sqlite3_bind_int64(s, 7, (sqlite3_int64)r->step));
+  BIND(bound, sqlite3_bind_int(s, 8, r->root));
   if (r->n_units == 0)
-    sqlite3_bind_zeroblob(s, 9, 0);
+    BIND(bound, sqlite3_bind_zeroblob(s, 9, 0));
   else
-    sqlite3_bind_blob(s, 9, r->units, (int)r->n_units, SQLITE_STATIC);
-  sqlite3_bind_int64(s, 10, r->alerts);
-  sqlite3_bind_int64(s, 11, (sqlite3_int64)r->transitions);
-  return step_done(db, s, "write a rank");
+    BIND(bound, sqlite3_bind_blob(s, 9, r->units, (int)r->n_units, SQLITE_STATIC));
+  BIND(bound, sqlite3_bind_int64(s, 10, r->alerts));
+  BIND(bound, sqlite3_bind_int64(s, 11, (sqlite3_int64)r->transitions));
+  return step_done(db, s, bound, "write a rank");
 }
 
 int sp_coord_db_add_alert(sp_coord_db *db, uint32_t rank, const char *msg,
                           uint64_t time_ms) {
   int rc = begin(db);
   if (rc != 0) return rc;
+  int bound = SQLITE_OK;
   sqlite3_stmt *s = db->st[ST_ADD_ALERT];
-  sqlite3_bind_int64(s, 1, rank);
-  sqlite3_bind_text(s, 2, msg ? msg : "", -1, SQLITE_STATIC);
-  sqlite3_bind_int64(s, 3, (sqlite3_int64)time_ms);
-  return step_done(db, s, "write an alert");
+  BIND(bound, sqlite3_bind_int64(s, 1, rank));
+  BIND(bound, sqlite3_bind_text(s, 2, msg ? msg : "", -1, SQLITE_STATIC));
+  BIND(bound, sqlite3_bind_int64(s, 3, (sqlite3_int64)time_ms));
+  return step_done(db, s, bound, "write an alert");
 }
 
 /* ---- reads (at start) ---- */
@@ -535,8 +574,8 @@ int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
                     "ORDER BY id",
                     &s, d)) != 0)
     return rc;
-  sqlite3_bind_int64(s, 1, (sqlite3_int64)last);
-  while ((r = sqlite3_step(s)) == SQLITE_ROW) {
+  r = sqlite3_bind_int64(s, 1, (sqlite3_int64)last);
+  while (r == SQLITE_OK && (r = sqlite3_step(s)) == SQLITE_ROW) {
     int n = sqlite3_column_bytes(s, 1);
     if ((rc = fn(arg, (uint32_t)col_u64(s, 0), col_text(s, 1),
                  n > 0 ? (size_t)n : 0, col_u64(s, 2))) != 0)

@@ -323,19 +323,19 @@ static void on_grace(uv_timer_t *t) {
   if (s->call != NULL) sp_rpc_ccall_cancel(s->call);
 }
 
-/* Returns false when the outage is not ridden out (before binding, with no
- * grace, after giving up): the stream's end is then final. */
+/* Returns false when the outage is not ridden out (no grace, after giving
+ * up, winding down): the stream's end is then final. Also before the first
+ * binding was acknowledged: Attach has given the session id, so a
+ * coordinator that dies now comes back knowing it (open waits). */
 static bool outage_begin(sp_session *s) {
   if (s->gave_up || s->grace_ms == 0 || atomic_load(&s->stop)) return false;
   uv_mutex_lock(&s->lock);
-  bool bound = s->bound;
   uint64_t acked = s->acked_events;
-  if (bound && !s->away) {
+  if (!s->away) {
     s->away = true;
     s->away_since_ns = uv_hrtime();
   }
   uv_mutex_unlock(&s->lock);
-  if (!bound) return false;
   /* sent and never acknowledged: the coordinator may not have them */
   uint64_t from = acked > s->gap_mark ? acked : s->gap_mark;
   if (s->tail_local > from) s->gap += s->tail_local - from;
