@@ -295,7 +295,11 @@ static void on_retry(uv_timer_t *t) {
   /* a failed start closes the call (UNAVAILABLE): session_close then
    * schedules the next attempt */
   if (rc == 0 && s->call != NULL) rc = send_up(s, 0);
-  if (rc != 0 && s->call == NULL) {
+  if (rc != 0 && s->call != NULL) {
+    /* a fresh stream that cannot take its first message: a real error,
+     * which the close (CANCELLED) makes final */
+    stream_fail(s, "cannot resend the session's state on a new stream");
+  } else if (rc != 0) {
     uv_update_time(&s->loop);
     uv_timer_start(&s->retry_timer, on_retry,
                    sp_session_backoff(&s->backoff_ms, &s->jitter), 0);
