@@ -34,6 +34,7 @@ struct sp_coord_rank {
   bool awaiting;
   uint64_t reattach_by_ms;
   uint64_t snap_transitions, snap_step, gap_events;
+  uint32_t snap_alerts;
 };
 
 /* Per Session call: which rank it speaks for (NULL until the first
@@ -80,6 +81,8 @@ void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
   s->by_root_state = by_state;
 }
 
+static void persist_rank(sp_coord *c, uint32_t rank);
+
 void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
   char msg[SP_DIAG_MAX];
   va_list ap;
@@ -102,6 +105,8 @@ void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
   c->recent[i].time_ms = sp_coord_now_ms(c);
   c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
   sp_coord_persist_alert(c, rank, msg, c->recent[i].time_ms);
+  /* the rank's count goes with its log entry, in the same transaction */
+  if (rank < c->plan->world_size) persist_rank(c, rank);
   sp_coord_log(c, "alert: rank %u: %s", rank, msg);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, rank, msg, NULL);
 }
@@ -148,13 +153,15 @@ static void persist_rank(sp_coord *c, uint32_t rank) {
   if (sp_coord_persist_rank(c, &r) == 0) {
     k->snap_transitions = k->transitions;
     k->snap_step = k->step;
+    k->snap_alerts = k->alerts;
   }
 }
 
 void sp_coord_ranks_snapshot(sp_coord *c) {
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];
-    if (k->transitions != k->snap_transitions || k->step != k->snap_step)
+    if (k->transitions != k->snap_transitions || k->step != k->snap_step ||
+        k->alerts != k->snap_alerts)
       persist_rank(c, r);
   }
 }
@@ -178,7 +185,7 @@ int sp_coord_ranks_restore(sp_coord *c, const sp_coord_db_rank *r) {
   k->step = k->snap_step = r->step;
   k->st.root = r->root;
   memcpy(k->st.units, r->units, r->n_units);
-  k->alerts = r->alerts;
+  k->alerts = k->snap_alerts = r->alerts;
   k->transitions = k->snap_transitions = r->transitions;
   uint64_t now = sp_coord_now_ms(c);
   k->last_heard_ms = now;

@@ -5,8 +5,11 @@
  * state dir) finishes with the checkpoint of an undisturbed run, bit for
  * bit, and so does `shardplane run`, which restarts its coordinator
  * itself; a second coordinator on a state dir, or one of another job, is
- * refused; a worker whose coordinator stays away past --coordinator-grace
- * fails naming the coordinator.
+ * refused, and so is one whose database holds what the job cannot have;
+ * the rank registrations and the alert log survive, and a rank that does
+ * not reattach is declared lost after the reattach grace; a worker whose
+ * coordinator stays away past --coordinator-grace fails naming the
+ * coordinator.
  *
  * The random delays come from a seed printed at the start (SP_TEST_SEED
  * sets it) so a failure can be replayed.
@@ -30,9 +33,11 @@
 #include <uv.h>
 
 #include <cmocka.h>
+#include <sqlite3.h>
 
 #include "base/clock.h"
 #include "base/proc.h"
+#include "fsdp/state.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
@@ -47,6 +52,33 @@ extern char **environ;
 #define MLP SP_EXAMPLES "/mlp.json"
 
 static sp_test_rng g_rng;
+
+/* Children a failed test would leave running (cmocka leaves the test
+ * function at the failed assertion): the teardown ends them. */
+#define MAX_TRACKED 64
+static pid_t g_tracked[MAX_TRACKED];
+
+static void track(pid_t pid) {
+  for (int i = 0; i < MAX_TRACKED; i++)
+    if (g_tracked[i] <= 0) {
+      g_tracked[i] = pid;
+      return;
+    }
+}
+
+static int end_tracked(void **state) {
+  (void)state;
+  for (int i = 0; i < MAX_TRACKED; i++) {
+    pid_t p = g_tracked[i];
+    g_tracked[i] = 0;
+    /* only a child of ours not yet reaped: never a pid reused since */
+    if (p > 0 && waitpid(p, NULL, WNOHANG) == 0) {
+      kill(p, SIGKILL);
+      waitpid(p, NULL, 0);
+    }
+  }
+  return 0;
+}
 
 /* ---- processes ---- */
 
@@ -63,6 +95,12 @@ static void coord_start(sp_proc *p, const char *state, int world, int port) {
   if (sp_proc_spawn(p, (char *const *)argv, false, false,
                     "listening on 127.0.0.1:%d", &d) < 0)
     fail_msg("coordinator: %s", d.msg);
+  track(p->pid);
+}
+
+static void track_job(const sp_tjob *j) {
+  track(j->coord.pid);
+  for (int r = 0; r < j->n; r++) track(j->w[r]);
 }
 
 static void kill9(pid_t *pid) {
@@ -84,6 +122,7 @@ static int run_to_end(char *const *argv, const char *err_path,
   pid_t pid;
   assert_int_equal(posix_spawn(&pid, argv[0], &fa, NULL, argv, environ), 0);
   posix_spawn_file_actions_destroy(&fa);
+  track(pid);
   double end = sp_clock_s() + timeout_s;
   while (sp_clock_s() < end) {
     int st;
@@ -340,6 +379,7 @@ static void test_training_rides_out_kills(void **state) {
   const char *cf[] = {"--state-dir", st_dir, NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP, cf, 4, wf, dir);
+  track_job(&j);
   wait_attached(j.addr, 4, 60);
   for (int k = 0; k < 2; k++) {
     unsigned delay = 100 + (unsigned)sp_test_rng_below(&g_rng, 500);
@@ -351,6 +391,7 @@ static void test_training_rides_out_kills(void **state) {
       fail_msg("the job ended before the first kill: the test needs more "
                "steps");
     sp_tjob_restart_coord(&j, MLP, cf);
+    track(j.coord.pid);
   }
   int ok = sp_tjob_wait(&j, 120);
   for (int r = 0; r < 4; r++)
@@ -393,6 +434,7 @@ static pid_t start_run(const char *dir, const char *ck) {
   assert_int_equal(
       posix_spawn(&pid, argv[0], &fa, NULL, (char *const *)argv, environ), 0);
   posix_spawn_file_actions_destroy(&fa);
+  track(pid);
   free(out);
   free(err);
   return pid;
@@ -515,6 +557,7 @@ static void test_worker_gives_up_after_grace(void **state) {
                       NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP, cf, 2, wf, dir);
+  track_job(&j);
   wait_attached(j.addr, 2, 60);
   char addr[128];
   snprintf(addr, sizeof addr, "the coordinator at %s", j.addr);
@@ -542,6 +585,156 @@ static void test_worker_gives_up_after_grace(void **state) {
   free(dir);
 }
 
+/* ---- (6) registrations and alerts survive; a rank that does not come
+ * back is lost after the reattach grace; a tampered database is refused ---- */
+
+static void coord_start_flags(sp_proc *p, const char *state, int world,
+                              const char *grace_ms) {
+  char ws[16];
+  snprintf(ws, sizeof ws, "%d", world);
+  const char *argv[] = {COORD,          "--listen",      "127.0.0.1:0",
+                        "--model",      MLP,             "--world-size",
+                        ws,             "--state-dir",   state,
+                        "--reattach-grace-ms", grace_ms, "--quiet",
+                        NULL};
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(p, (char *const *)argv, false, false,
+                    "listening on 127.0.0.1:%d", &d) < 0)
+    fail_msg("coordinator: %s", d.msg);
+  track(p->pid);
+}
+
+static Shardplane__V1__ListRanksResponse *list_ranks(sp_rpc_sync *cli) {
+  Shardplane__V1__ListRanksRequest q = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+  sp_rpc_status st;
+  Shardplane__V1__ListRanksResponse *r = (void *)sp_test_unary(
+      cli, SP_COORD_PATH("ListRanks"), &q.base,
+      &shardplane__v1__list_ranks_response__descriptor, 2000, &st);
+  if (r == NULL) fail_msg("ListRanks: %s", st.message);
+  return r;
+}
+
+static void test_ranks_and_alerts_survive(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *st_dir = sp_test_path(dir, "state");
+  sp_proc co;
+  coord_start_flags(&co, st_dir, 2, "400");
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", co.port);
+  sp_rpc_sync *cli;
+  assert_int_equal(sp_rpc_sync_open(addr, 5000, &cli), 0);
+  Shardplane__V1__GetJobRequest jq = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  sp_rpc_status st;
+  Shardplane__V1__GetJobResponse *job = (void *)sp_test_unary(
+      cli, SP_COORD_PATH("GetJob"), &jq.base,
+      &shardplane__v1__get_job_response__descriptor, 2000, &st);
+  assert_non_null(job);
+  Shardplane__V1__AttachRequest aq = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
+  aq.rank = 1;
+  aq.world_size = 2;
+  aq.host = "h1";
+  aq.pid = 4242;
+  aq.device = "cpu";
+  aq.plan_version = job->plan_version;
+  Shardplane__V1__AttachResponse *ar = (void *)sp_test_unary(
+      cli, SP_COORD_PATH("Attach"), &aq.base,
+      &shardplane__v1__attach_response__descriptor, 2000, &st);
+  assert_non_null(ar);
+  /* an illegal transition (IDLE -> BACKWARD_POST): an alert */
+  Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
+  t.machine = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE;
+  t.unit = 0;
+  t.state = SP_HANDLE_BACKWARD_POST;
+  Shardplane__V1__ReportTransitionRequest rq =
+      SHARDPLANE__V1__REPORT_TRANSITION_REQUEST__INIT;
+  rq.rank = 1;
+  rq.session_id = ar->session_id;
+  rq.transition = &t;
+  sp_test_free_msg(sp_test_unary(
+      cli, SP_COORD_PATH("ReportTransition"), &rq.base,
+      &shardplane__v1__report_transition_response__descriptor, 2000, &st));
+  assert_int_equal(st.code, SP_RPC_FAILED_PRECONDITION);
+  /* a refusal is not a write the client waits for; a store write's answer
+   * comes after the commit that holds the alert too */
+  Shardplane__V1__StoreSetRequest sq = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
+  sq.key = "sync";
+  sp_test_free_msg(sp_test_unary(
+      cli, SP_COORD_PATH("StoreSet"), &sq.base,
+      &shardplane__v1__store_set_response__descriptor, 2000, &st));
+  assert_int_equal(st.code, SP_RPC_OK);
+  sp_rpc_sync_close(cli);
+  kill9(&co.pid);
+
+  coord_start_flags(&co, st_dir, 2, "400");
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", co.port);
+  assert_int_equal(sp_rpc_sync_open(addr, 5000, &cli), 0);
+  Shardplane__V1__ListRanksResponse *lr = list_ranks(cli);
+  assert_int_equal(lr->n_ranks, 2);
+  assert_int_equal(lr->ranks[1]->status, SHARDPLANE__V1__RANK_STATUS__ATTACHED);
+  assert_string_equal(lr->ranks[1]->host, "h1");
+  assert_int_equal(lr->ranks[1]->pid, 4242);
+  assert_int_equal(lr->ranks[1]->alerts, 1);
+  assert_int_equal(lr->ranks[0]->status,
+                   SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED);
+  sp_test_free_msg(lr);
+  Shardplane__V1__GetJobResponse *j2 = (void *)sp_test_unary(
+      cli, SP_COORD_PATH("GetJob"), &jq.base,
+      &shardplane__v1__get_job_response__descriptor, 2000, &st);
+  assert_non_null(j2);
+  assert_int_equal(j2->alerts, 1);
+  assert_int_equal(j2->n_recent_alerts, 1);
+  assert_non_null(strstr(j2->recent_alerts[0]->message, "BACKWARD_POST"));
+  sp_test_free_msg(j2);
+  /* the session id is still good for the rank's own calls */
+  Shardplane__V1__ReportTransitionRequest ok = rq;
+  t.state = SP_HANDLE_FORWARD;
+  sp_test_free_msg(sp_test_unary(
+      cli, SP_COORD_PATH("ReportTransition"), &ok.base,
+      &shardplane__v1__report_transition_response__descriptor, 2000, &st));
+  assert_int_equal(st.code, SP_RPC_OK);
+  /* ... but it never opens its Session stream again: lost after 400 ms */
+  double end = sp_clock_s() + 10;
+  int status = 0;
+  while (sp_clock_s() < end) {
+    lr = list_ranks(cli);
+    status = lr->ranks[1]->status;
+    sp_test_free_msg(lr);
+    if (status == SHARDPLANE__V1__RANK_STATUS__LOST) break;
+    usleep(50000);
+  }
+  assert_int_equal(status, SHARDPLANE__V1__RANK_STATUS__LOST);
+  printf("  rank registration, session id and alert log restored; a rank "
+         "that did not reattach within 400 ms was declared lost\n");
+  sp_rpc_sync_close(cli);
+  sp_proc_stop(&co, 5000);
+
+  /* the database is input too: a rank the job does not have is refused */
+  char *db_path = sp_test_path(st_dir, "coordinator.db");
+  sqlite3 *db;
+  assert_int_equal(sqlite3_open(db_path, &db), SQLITE_OK);
+  assert_int_equal(sqlite3_exec(db,
+                                "UPDATE ranks SET rank = 7 WHERE rank = 1",
+                                NULL, NULL, NULL),
+                   SQLITE_OK);
+  sqlite3_close(db);
+  char *err = sp_test_path(dir, "err");
+  const char *argv[] = {COORD,         "--listen",   "127.0.0.1:0",
+                        "--model",     MLP,          "--world-size",
+                        "2",           "--state-dir", st_dir,
+                        NULL};
+  assert_int_equal(run_to_end((char *const *)argv, err, 30), 1);
+  expect_in_file(err, "a rank row out of bounds");
+  printf("  a state dir with a rank the job does not have is refused\n");
+  free(err);
+  free(db_path);
+  sp_test_free_msg(ar);
+  sp_test_free_msg(job);
+  sp_test_rmtree(dir);
+  free(st_dir);
+  free(dir);
+}
+
 int main(void) {
   const char *seed = getenv("SP_TEST_SEED");
   g_rng.s = seed ? strtoull(seed, NULL, 0) : (uint64_t)time(NULL);
@@ -549,11 +742,12 @@ int main(void) {
   fflush(stdout);
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_acked_writes_survive_kill),
-      cmocka_unit_test(test_state_dir_refusals),
-      cmocka_unit_test(test_worker_gives_up_after_grace),
-      cmocka_unit_test(test_training_rides_out_kills),
-      cmocka_unit_test(test_run_restarts_its_coordinator),
+      cmocka_unit_test_teardown(test_acked_writes_survive_kill, end_tracked),
+      cmocka_unit_test_teardown(test_state_dir_refusals, end_tracked),
+      cmocka_unit_test_teardown(test_ranks_and_alerts_survive, end_tracked),
+      cmocka_unit_test_teardown(test_worker_gives_up_after_grace, end_tracked),
+      cmocka_unit_test_teardown(test_training_rides_out_kills, end_tracked),
+      cmocka_unit_test_teardown(test_run_restarts_its_coordinator, end_tracked),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
