@@ -9,7 +9,9 @@
  * the rank registrations and the alert log survive, and a rank that does
  * not reattach is declared lost after the reattach grace; a worker whose
  * coordinator stays away past --coordinator-grace fails naming the
- * coordinator.
+ * coordinator. The training tests also show that the events a worker
+ * could not deliver while the coordinator was away are a gap, not a
+ * rejected transition: a rejection would make the worker exit non-zero.
  *
  * The random delays come from a seed printed at the start (SP_TEST_SEED
  * sets it) so a failure can be replayed.
@@ -537,8 +539,34 @@ static void test_state_dir_refusals(void **state) {
   /* the same job is still welcome */
   coord_start(&co, st_dir, 2, 0);
   sp_proc_stop(&co, 5000);
+  /* a file is no state dir */
+  char *file = sp_test_path(dir, "file");
+  sp_test_write_file(file, "x", 1);
+  const char *on_file[] = {COORD, "--listen", "127.0.0.1:0", "--model", MLP,
+                           "--world-size", "2", "--state-dir", file, NULL};
+  assert_int_equal(run_to_end((char *const *)on_file, err, 30), 1);
+  expect_in_file(err, "is not a directory");
+  free(file);
+  /* bad usage: exit 2, naming the flag */
+  const char *empty[] = {COORD, "--model", MLP, "--state-dir", "", NULL};
+  assert_int_equal(run_to_end((char *const *)empty, err, 30), 2);
+  expect_in_file(err, "--state-dir");
+  const char *zero[] = {COORD, "--model", MLP, "--reattach-grace-ms", "0",
+                        NULL};
+  assert_int_equal(run_to_end((char *const *)zero, err, 30), 2);
+  expect_in_file(err, "--reattach-grace-ms");
+  const char *wgrace[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
+                          "127.0.0.1:1", "--rank", "0", "--coordinator-grace",
+                          "soon", NULL};
+  assert_int_equal(run_to_end((char *const *)wgrace, err, 30), 2);
+  expect_in_file(err, "--coordinator-grace");
+  const char *rgrace[] = {SHARDPLANE, "run", "--nproc", "2", "--model", MLP,
+                          "--coordinator-grace", "0", NULL};
+  assert_int_equal(run_to_end((char *const *)rgrace, err, 30), 2);
+  expect_in_file(err, "--coordinator-grace");
   printf("  a second coordinator on a state dir and one of another job are "
-         "refused, naming the dir\n");
+         "refused, naming the dir; so is a file; bad values of --state-dir, "
+         "--reattach-grace-ms and --coordinator-grace are bad usage\n");
   free(err);
   sp_test_rmtree(dir);
   free(st_dir);
