@@ -7,6 +7,7 @@
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -314,6 +315,31 @@ static void test_server_files(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* A server that accepts and never answers the ClientHello: the connect
+ * timeout bounds the handshake. */
+static void test_handshake_timeout(void **state) {
+  (void)state;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  assert_int_equal(listen(fd, 4), 0); /* the kernel accepts; nobody reads */
+  socklen_t len = sizeof sa;
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+  char addr[32];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", ntohs(sa.sin_port));
+  sp_rpc_tls_client_opts tls = {.ca_file = g_certs.ca};
+  sp_rpc_client_opts o = {.connect_timeout_ms = 300, .tls = &tls};
+  sp_rpc_sync *s;
+  assert_int_equal(sp_rpc_sync_open_opts(addr, &o, &s), 0);
+  double t0 = sp_clock_s();
+  expect_refused(s, "failed: timed out");
+  assert_true(sp_clock_s() - t0 >= 0.25);
+  sp_rpc_sync_close(s);
+  close(fd);
+}
+
 /* ---------------- cleartext and TLS mixed ---------------- */
 
 static void test_mixed_cleartext_and_tls(void **state) {
@@ -346,8 +372,27 @@ static void test_mixed_cleartext_and_tls(void **state) {
  * versions up to max_version (0: any), ALPN protocols in wire form (NULL:
  * none offered), no verification. Returns whether the handshake
  * completed; why holds OpenSSL's reason when not. */
-static bool raw_handshake(int port, int max_version, const unsigned char *alpn,
-                          unsigned alpn_len, char *why, size_t cap) {
+/* After a completed handshake: sends the HTTP/2 preface, SETTINGS and
+ * GOAWAY, then reads until the server ends; true when it ended with
+ * close_notify (SSL_ERROR_ZERO_RETURN) rather than a bare FIN. */
+static bool goaway_ends_with_close_notify(SSL *ssl) {
+  static const unsigned char out[] =
+      "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+      "\x00\x00\x00\x04\x00\x00\x00\x00\x00"  /* SETTINGS */
+      "\x00\x00\x08\x07\x00\x00\x00\x00\x00"  /* GOAWAY, */
+      "\x00\x00\x00\x00\x00\x00\x00\x00"; /* last stream 0, NO_ERROR */
+  size_t done = 0;
+  if (SSL_write_ex(ssl, out, sizeof out - 1, &done) != 1) return false;
+  unsigned char buf[4096];
+  size_t got;
+  while (SSL_read_ex(ssl, buf, sizeof buf, &got) == 1) {
+  }
+  return SSL_get_error(ssl, 0) == SSL_ERROR_ZERO_RETURN;
+}
+
+static bool raw_handshake_then(int port, int max_version,
+                               const unsigned char *alpn, unsigned alpn_len,
+                               char *why, size_t cap, bool (*then)(SSL *)) {
   SSL_CTX *ctx = SSL_CTX_new(TLS_client_method());
   assert_non_null(ctx);
   /* let this client offer what the server must refuse */
@@ -373,11 +418,18 @@ static bool raw_handshake(int port, int max_version, const unsigned char *alpn,
   why[0] = '\0';
   if (!ok)
     ERR_error_string_n(ERR_get_error(), why, cap);
+  if (ok && then != NULL)
+    ok = then(ssl);
   ERR_clear_error();
   SSL_free(ssl);
   close(fd);
   SSL_CTX_free(ctx);
   return ok;
+}
+
+static bool raw_handshake(int port, int max_version, const unsigned char *alpn,
+                          unsigned alpn_len, char *why, size_t cap) {
+  return raw_handshake_then(port, max_version, alpn, alpn_len, why, cap, NULL);
 }
 
 static void test_rule_breaking_clients(void **state) {
@@ -406,6 +458,10 @@ static void test_rule_breaking_clients(void **state) {
   print_message("    -> %s\n", why);
   assert_non_null(strstr(why, "no application protocol"));
 
+  print_message("  the orderly end after GOAWAY sends close_notify\n");
+  assert_true(raw_handshake_then(ts.port, 0, h2, 3, why, sizeof why,
+                                 goaway_ends_with_close_notify));
+
   /* none of it hurt the server */
   sp_rpc_tls_client_opts tls = {.ca_file = g_certs.ca};
   sp_rpc_sync *s = open_client(ts.addr, &tls, 0);
@@ -418,6 +474,9 @@ static void test_rule_breaking_clients(void **state) {
 }
 
 int main(void) {
+  /* peers here close mid-handshake on purpose; a write to them must fail,
+   * not kill the test (the programs ignore SIGPIPE too) */
+  signal(SIGPIPE, SIG_IGN);
   g_dir = sp_test_mkdtemp();
   int rc = sp_test_certs_make(g_dir, &g_certs);
   if (rc == SP_EUNSUPPORTED) {
@@ -437,6 +496,7 @@ int main(void) {
       cmocka_unit_test(test_mtls),
       cmocka_unit_test(test_client_verification),
       cmocka_unit_test(test_server_files),
+      cmocka_unit_test(test_handshake_timeout),
       cmocka_unit_test(test_mixed_cleartext_and_tls),
       cmocka_unit_test(test_rule_breaking_clients),
   };

@@ -646,6 +646,7 @@ void sp_rpc_client_close(sp_rpc_client *cl, void (*done)(void *), void *arg) {
         c->local_code = SP_RPC_CANCELLED;
         snprintf(c->status.message, sizeof c->status.message, "client closed");
       }
+    sp_h2conn_close_notify(&cur->io);
     sp_h2conn_close(&cur->io);
   }
   uv_timer_stop(&cl->retry);

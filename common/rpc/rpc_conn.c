@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 
 /* One flush sends at most this much; the rest waits for the write to
  * complete, which bounds the memory a slow peer can pin. */
@@ -335,6 +336,24 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
 }
 
 void sp_h2conn_tls(sp_h2conn *c, sp_tls_conn *t) { c->tls = t; }
+
+void sp_h2conn_close_notify(sp_h2conn *c) {
+  sp_tls_conn *t = c->tls;
+  if (t == NULL || c->closing || c->writing || c->lingering || !t->ready ||
+      t->failed || t->shutdown_sent)
+    return;
+  sp_tls_conn_shutdown(t);
+  /* one alert record, a few dozen bytes; a TLS 1.2 one has no more */
+  uint8_t buf[128];
+  size_t n = sp_tls_conn_pending(t);
+  if (n == 0 || n > sizeof buf) return;
+  n = sp_tls_conn_take(t, buf, n);
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)&c->tcp, &fd) != 0) return;
+  /* best effort, as the socket closes right after either way; no SIGPIPE
+   * if the peer is gone, whatever the program does with the signal */
+  (void)send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
 
 int sp_h2conn_start(sp_h2conn *c) {
   int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);

@@ -109,6 +109,10 @@ void sp_h2conn_flush(sp_h2conn *c);
  * sink). t then belongs to the connection, which frees it when it closes.
  * A client's ClientHello leaves with the first flush. */
 void sp_h2conn_tls(sp_h2conn *c, struct sp_tls_conn *t);
+/* With TLS: before a close that ends the connection on our side (a client
+ * closing, a server's grace running out), tries to send close_notify
+ * without blocking; nothing when a write is queued. */
+void sp_h2conn_close_notify(sp_h2conn *c);
 /* Closes now (no more I/O); on_closed runs later. Idempotent. */
 void sp_h2conn_close(sp_h2conn *c);
 

@@ -1041,7 +1041,10 @@ static void grace_expired(uv_timer_t *t) {
   sp_rpc_server *srv = t->data;
   /* calls still running: drop the connections, which cancels the handlers
    * with UNAVAILABLE */
-  for (srv_conn *c = srv->conns; c; c = c->next) sp_h2conn_close(&c->io);
+  for (srv_conn *c = srv->conns; c; c = c->next) {
+    sp_h2conn_close_notify(&c->io);
+    sp_h2conn_close(&c->io);
+  }
 }
 
 void sp_rpc_server_shutdown(sp_rpc_server *srv, uint64_t grace_ms,
