@@ -440,8 +440,9 @@ static void test_rule_breaking_clients(void **state) {
   static const unsigned char http11[] = "\x08http/1.1";
   char why[256];
 
-  /* the control: this client can complete a handshake */
+  /* the control: this client can complete a handshake, also in TLS 1.2 */
   assert_true(raw_handshake(ts.port, 0, h2, 3, why, sizeof why));
+  assert_true(raw_handshake(ts.port, TLS1_2_VERSION, h2, 3, why, sizeof why));
 
   print_message("  TLS 1.1 only\n");
   assert_false(raw_handshake(ts.port, TLS1_1_VERSION, h2, 3, why, sizeof why));
