@@ -370,6 +370,7 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.plan_version = (char *)pl->version_hex;
   r.heartbeat_interval_ms = c->cfg.heartbeat_interval_ms;
   r.heartbeat_timeout_ms = c->cfg.heartbeat_timeout_ms;
+  r.durable = sp_coord_durable(c);
   sp_coord_reply(c, call, &r.base);
   char what[400];
   snprintf(what, sizeof what, "%s from %s pid %u device %s",

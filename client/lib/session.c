@@ -265,6 +265,9 @@ static int attach(sp_session *s, sp_diag *d) {
     if (r->heartbeat_timeout_ms > 0 && hb > r->heartbeat_timeout_ms / 3)
       hb = r->heartbeat_timeout_ms / 3;
     s->hb_ms = hb > 0 ? hb : 1;
+    /* a coordinator without a state dir forgets the session when it dies:
+     * nothing to wait for then */
+    if (!r->durable) s->grace_ms = 0;
   }
   protobuf_c_message_free_unpacked(m, NULL);
   return rc;

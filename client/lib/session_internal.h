@@ -127,7 +127,8 @@ struct sp_session {
   sp_job job;
   sp_plan *plan;
   uint64_t connect_timeout_ms, call_timeout_ms;
-  uint64_t grace_ms; /* coordinator outage ridden out */
+  uint64_t grace_ms; /* coordinator outage ridden out; 0: not (the
+                        coordinator has no state dir) */
   uint32_t hb_ms;
   void (*on_abort)(void *, const char *);
   void *user;

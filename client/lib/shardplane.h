@@ -82,8 +82,9 @@ typedef struct sp_session_opts {
    * Detach are retried (StoreAdd with a request id, so a retry is never
    * applied twice). Past the grace period the session fails with
    * SP_ETIMEDOUT naming the coordinator's address, and on_abort runs. Only
-   * a coordinator with a state dir knows the session after a restart; any
-   * other refuses it, which ends the session at once. */
+   * a coordinator with a state dir knows the session after a restart, and
+   * says so at Attach: with any other, an outage ends the session at once
+   * (as does a restarted coordinator that refuses the session). */
   uint64_t coordinator_grace_ms;
   /* Called once, from the background thread, when the coordinator sends
    * ABORT or the Session stream fails; reason is valid during the call. The
