@@ -254,16 +254,23 @@ static int check_job(sp_coord_db *db, const sp_coord_db_job *job, bool *fresh,
       if ((rc = meta_put(db, f[i].name, f[i].value, d)) != 0) return rc;
     return 0;
   }
+  /* every difference named, not only the first */
+  char diff[SP_DIAG_MAX] = "";
+  size_t used = 0;
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
     if ((rc = meta_get(db, f[i].name, have, sizeof have, &found, d)) != 0)
       return rc;
-    if (!found || strcmp(have, f[i].value) != 0)
-      return sp_diag_set(d, SP_EMISMATCH,
-                         "state dir %s belongs to another job: its %s is %s, "
-                         "this job's is %s",
-                         db->dir, f[i].what, found ? have : "(none)",
-                         f[i].value);
+    if (found && strcmp(have, f[i].value) == 0) continue;
+    int n = snprintf(diff + used, sizeof diff - used, "%sits %s is %s, this "
+                     "job's is %s", used ? "; " : "", f[i].what,
+                     found ? have : "(none)", f[i].value);
+    if (n > 0) used += (size_t)n < sizeof diff - used ? (size_t)n
+                                                      : sizeof diff - used - 1;
   }
+  if (used > 0)
+    return sp_diag_set(d, SP_EMISMATCH,
+                       "state dir %s belongs to another job: %s", db->dir,
+                       diff);
   return 0;
 }
 
