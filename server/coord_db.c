@@ -83,7 +83,7 @@ struct sp_coord_db {
   sp_diag err;
 };
 
-/* The checking helper: every SQLite result goes through it. SQLITE_OK,
+/* The check of every SQLite result: each goes through it. SQLITE_OK,
  * SQLITE_ROW and SQLITE_DONE pass; anything else becomes SP_EIO with
  * SQLite's message and where in this file it happened. */
 static int db_check(sp_coord_db *db, int rc, const char *what,

@@ -277,7 +277,7 @@ uint64_t sp_session_backoff(uint64_t *base, uint64_t *state) {
   uint64_t b = *base == 0 ? SP_SESSION_BACKOFF_MIN_MS : 2 * *base;
   if (b > SP_SESSION_BACKOFF_MAX_MS) b = SP_SESSION_BACKOFF_MAX_MS;
   *base = b;
-  /* xorshift64: no lock, no shared state, good enough for jitter */
+  /* xorshift64: no lock, no global state, good enough for jitter */
   uint64_t x = *state ? *state : 0x9E3779B97F4A7C15ull;
   x ^= x << 13;
   x ^= x >> 7;
