@@ -343,6 +343,9 @@ bool sp_coord_persist_shutdown(sp_coord *c, uv_close_cb closed) {
   /* the last snapshot and every answer still kept go out now */
   sp_coord_ranks_snapshot(c);
   commit_now(c);
+  sp_coord_log(c, "state dir %s: %" PRIu64 " store writes in %" PRIu64
+               " commits",
+               sp_coord_db_dir(p->db), p->writes, p->commits);
   if (!p->started) return false;
   p->closed = closed;
   uv_prepare_stop(&p->commit);
