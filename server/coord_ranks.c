@@ -308,6 +308,19 @@ static int check_session(sp_coord *c, uint32_t rank, const char *session_id,
   return SP_RPC_OK;
 }
 
+/* With a state dir, an Attach without a session id from the process that
+ * holds the rank (same host and pid) while no Session stream is bound: the
+ * retry of an Attach whose answer was lost (the coordinator died after
+ * writing it down). It gets the same session. Without a state dir no
+ * answer outlives the coordinator, and a second Attach is refused. */
+static bool attach_retried(const sp_coord *c, const sp_coord_rank *k,
+                           const Shardplane__V1__AttachRequest *q) {
+  return sp_coord_durable(c) &&
+         (q->session_id == NULL || q->session_id[0] == '\0') &&
+         k->session == NULL && k->pid == q->pid && k->host != NULL &&
+         q->host != NULL && strcmp(k->host, q->host) == 0;
+}
+
 static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
                       const uint8_t *raw, size_t len) {
   (void)raw;
@@ -343,7 +356,10 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord_rank *k = &c->ranks[q->rank];
   bool reattach = false;
   if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
-    if (q->session_id == NULL || strcmp(q->session_id, k->session_id) != 0) {
+    if (attach_retried(c, k, q)) {
+      reattach = true;
+    } else if (q->session_id == NULL ||
+               strcmp(q->session_id, k->session_id) != 0) {
       sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
                           "rank %u is already attached (host %s, pid %u); "
                           "reattach with its session id",

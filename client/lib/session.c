@@ -234,6 +234,29 @@ static int fetch_model(sp_session *s, const char *job_version, sp_diag *d) {
   return rc;
 }
 
+/* Attach, tried again while the coordinator cannot be reached (it may be
+ * restarting), for connect_timeout_ms as the calls before it. A retry of
+ * an Attach whose answer was lost is the same process (host and pid)
+ * asking again, which the coordinator answers with the same session. */
+static int attach_call(sp_session *s, const char *what,
+                       const Shardplane__V1__AttachRequest *q,
+                       ProtobufCMessage **m, sp_diag *d) {
+  uint64_t t0 = uv_hrtime(), base = 0, jitter = t0 ^ s->rank;
+  for (;;) {
+    sp_rpc_status st;
+    int rc = sp_session_unary(s, what, SP_COORD_PATH("Attach"), &q->base,
+                              &shardplane__v1__attach_response__descriptor,
+                              s->call_timeout_ms, m, &st, d);
+    if (rc == 0 || st.code != SP_RPC_UNAVAILABLE) return rc;
+    uint64_t spent = (uv_hrtime() - t0) / 1000000;
+    if (spent >= s->connect_timeout_ms) return rc;
+    uint64_t delay = sp_session_backoff(&base, &jitter);
+    if (delay > s->connect_timeout_ms - spent)
+      delay = s->connect_timeout_ms - spent;
+    uv_sleep((unsigned)delay);
+  }
+}
+
 static int attach(sp_session *s, sp_diag *d) {
   char host[256];
   size_t hl = sizeof host;
@@ -248,9 +271,7 @@ static int attach(sp_session *s, sp_diag *d) {
   ProtobufCMessage *m = NULL;
   char what[48];
   snprintf(what, sizeof what, "Attach rank %u", s->rank);
-  int rc = sp_session_unary(s, what, SP_COORD_PATH("Attach"), &q.base,
-                 &shardplane__v1__attach_response__descriptor,
-                 s->call_timeout_ms, &m, NULL, d);
+  int rc = attach_call(s, what, &q, &m, d);
   if (rc != 0) return rc;
   Shardplane__V1__AttachResponse *r = (Shardplane__V1__AttachResponse *)m;
   size_t idl = r->session_id ? strlen(r->session_id) : 0;
