@@ -188,6 +188,7 @@ void sp_coord_free(sp_coord *c) {
   for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) free(c->recent_msg[i]);
   sp_store_free(c->store);
   sp_auth_free(c->auth);
+  free(c->abort_reason);
   sp_plan_free(c->plan);
   sp_model_free(c->model);
   free(c->spec_json);

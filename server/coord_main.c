@@ -301,11 +301,6 @@ int main(int argc, char **argv) {
     usage(stderr);
     goto out;
   }
-  if (check_security(&sec, &cfg) != 0) {
-    usage(stderr);
-    goto out;
-  }
-  if (!sec.insecure) cfg.tls = &sec.tls;
   sp_diag diag = {""};
   /* the job file and the flags meet in cfg.job; the coordinator takes it
    * as is (no job path left to reload) */
@@ -318,6 +313,12 @@ int main(int argc, char **argv) {
   exit_code = check_job(&flags, &cfg.job, cfg.job_path != NULL,
                         cfg.model_path);
   if (exit_code != 0) goto out;
+  if (check_security(&sec, &cfg) != 0) {
+    usage(stderr);
+    exit_code = 2;
+    goto out;
+  }
+  if (!sec.insecure) cfg.tls = &sec.tls;
   cfg.job_path = NULL;
   signal(SIGPIPE, SIG_IGN);
   uv_loop_t *loop = uv_default_loop();

@@ -97,6 +97,13 @@ void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, rank, msg, NULL);
 }
 
+static int send_abort(sp_rpc_call *session, const char *reason) {
+  Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
+  d.command = SHARDPLANE__V1__COMMAND__ABORT;
+  d.reason = (char *)reason;
+  return sp_rpc_call_send(session, &d.base);
+}
+
 /* Tells every other live session to abort its collectives. */
 static void broadcast_abort(sp_coord *c, uint32_t lost, const char *why) {
   Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
@@ -259,6 +266,11 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
                         q->plan_version, pl->version_hex);
     return;
   }
+  if (c->abort_reason != NULL) {
+    sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION, "%s",
+                        c->abort_reason);
+    return;
+  }
   sp_coord_rank *k = &c->ranks[q->rank];
   bool reattach = false;
   if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
@@ -396,6 +408,7 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
                      "superseded by a newer session stream");
     }
     k->session = call;
+    if (c->abort_reason != NULL) send_abort(call, c->abort_reason);
   }
   if (!ctx->bound) return; /* the rank was marked lost or detached */
   sp_coord_rank *k = &c->ranks[ctx->rank];
@@ -531,13 +544,11 @@ static void on_abort(sp_rpc_call *call, const ProtobufCMessage *msg,
   snprintf(reason, sizeof reason, "job aborted%s%s%s%s%.200s",
            p ? " by token \"" : "", p ? p->name : "", p ? "\"" : "",
            q->reason && q->reason[0] ? ": " : "", q->reason ? q->reason : "");
-  Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
-  d.command = SHARDPLANE__V1__COMMAND__ABORT;
-  d.reason = reason;
+  if (c->abort_reason == NULL) c->abort_reason = sp_strdup(reason);
   Shardplane__V1__AbortResponse r = SHARDPLANE__V1__ABORT_RESPONSE__INIT;
   for (uint32_t i = 0; i < c->plan->world_size; i++)
     if (c->ranks[i].session != NULL &&
-        sp_rpc_call_send(c->ranks[i].session, &d.base) == 0)
+        send_abort(c->ranks[i].session, reason) == 0)
       r.sessions++;
   sp_coord_log(c, "%s", reason);
   sp_coord_alert(c, UINT32_MAX, "%s", reason);

@@ -78,6 +78,9 @@ typedef struct sp_coord {
   sp_store *store;
   struct sp_coord_store_wait *store_waits; /* calls waiting on keys */
   sp_auth *auth; /* NULL without a token file */
+  /* Set by Abort: every Session stream gets ABORT with it, also one that
+   * binds later, and no rank attaches any more. */
+  char *abort_reason;
   /* method tables registered with the server, owned here */
   sp_rpc_method *methods[8];
   size_t n_method_tables;

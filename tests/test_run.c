@@ -430,8 +430,9 @@ static void start_coordinator(sp_proc *c, const char *model,
                               const char *const *flags, char *addr,
                               size_t cap) {
   char *argv[32] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                    "127.0.0.1:0", "--quiet", "--model", (char *)model};
-  size_t n = 6;
+                    "127.0.0.1:0", "--quiet", "--model", (char *)model,
+                    "--insecure", "--no-auth"};
+  size_t n = 8;
   for (size_t i = 0; flags && flags[i] && n < 31; i++)
     argv[n++] = (char *)flags[i];
   argv[n] = NULL;
@@ -466,7 +467,8 @@ static void test_run_same_plan_as_coordinator(void **state) {
   sp_proc coord;
   char addr[64], cmd[1024];
   start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
-  snprintf(cmd, sizeof cmd, "%s/shardplane status --coordinator %s --json",
+  snprintf(cmd, sizeof cmd, "%s/shardplane status --insecure --coordinator "
+           "%s --json",
            SP_BIN_DIR, addr);
   char *status = command_output(cmd);
   sp_proc_stop(&coord, 5000);
@@ -542,7 +544,7 @@ static char *printed_dir(const char *out) {
 static int worker_load(const char *dir, const char *addr, const char *load,
                        const char *kind) {
   char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                  (char *)addr, "--rank", "0", "--steps", "0",
+                  (char *)addr, "--insecure", "--rank", "0", "--steps", "0",
                   "--checkpoint", "none", "--load", (char *)load,
                   kind ? "--load-kind" : NULL, (char *)kind, NULL};
   return wait_run(start_cmd(dir, argv), 60);
