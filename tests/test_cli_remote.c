@@ -136,19 +136,28 @@ typedef struct result {
 } result;
 
 
-/* Runs `shardplane ARGS...` (NULL-terminated), bounded in time; a
- * subcommand gets --insecure after its name (the coordinators here are
- * cleartext). */
+/* Runs `shardplane ARGS...` (NULL-terminated), bounded in time. The
+ * coordinators here are cleartext: a remote subcommand gets --insecure
+ * last (an offline plan, with --model, takes no connection flags). */
 static result run(const char *arg, ...) {
   char *argv[32] = {CLI_BIN};
   size_t n = 1;
+  bool offline = false;
+  size_t dashes = 0; /* where "--" is, if anywhere */
   va_list ap;
   va_start(ap, arg);
   for (const char *a = arg; a != NULL && n < 30; a = va_arg(ap, const char *)) {
+    if (strcmp(a, "--") == 0 && dashes == 0) dashes = n;
     argv[n++] = (char *)a;
-    if (n == 2 && a[0] != '-') argv[n++] = "--insecure";
+    offline |= strcmp(a, "--model") == 0;
   }
   va_end(ap);
+  if (arg != NULL && arg[0] != '-' && !offline) {
+    size_t at = dashes ? dashes : n;
+    memmove(&argv[at + 1], &argv[at], (n - at) * sizeof argv[0]);
+    argv[at] = "--insecure";
+    n++;
+  }
   argv[n] = NULL;
   char out[1024], err[1024];
   snprintf(out, sizeof out, "%s/out", g_dir);

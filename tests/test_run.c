@@ -681,6 +681,63 @@ static void test_run_keeps_other_checkpoints(void **state) {
   free(dir);
 }
 
+/* The running job's coordinator takes tokens: the admin token run prints
+ * works for `shardplane status`, no token does not, and the tokens are
+ * gone once the job ends. */
+static void test_run_admin_token(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
+                        "1000000", "--checkpoint", "none", NULL};
+  pid_t pid = start_run(dir, args);
+  wait_for_output(dir, "out", "admin token in ", 30);
+  char *out = slurp(dir, "out");
+  const char *at = strstr(out, "coordinator on ");
+  assert_non_null(at);
+  char addr[64];
+  snprintf(addr, sizeof addr, "%.*s", (int)strcspn(at + 15, "\n"), at + 15);
+  at = strstr(out, "admin token in ") + 15;
+  char token[4096];
+  snprintf(token, sizeof token, "%.*s", (int)strcspn(at, " \n"), at);
+  free(out);
+  struct stat sb;
+  assert_int_equal(stat(token, &sb), 0);
+  assert_int_equal(sb.st_mode & 0777, 0600);
+  char cmd[8192];
+  snprintf(cmd, sizeof cmd,
+           "%s status --coordinator %s --token-file %s --insecure --json",
+           SHARDPLANE, addr, token);
+  char *status = command_output(cmd);
+  json_t *js = json_loads(status, 0, NULL);
+  assert_non_null(js);
+  assert_int_equal(json_integer_value(json_object_get(
+                       json_object_get(js, "ranks"), "attached")) +
+                       json_integer_value(json_object_get(
+                           json_object_get(js, "ranks"), "never_attached")),
+                   2);
+  json_decref(js);
+  free(status);
+  snprintf(cmd, sizeof cmd,
+           "%s status --coordinator %s --insecure 2>&1 | grep -q "
+           "UNAUTHENTICATED", SHARDPLANE, addr);
+  assert_int_equal(system(cmd), 0);
+  /* the token file the coordinator reads holds no token */
+  char tokens[4096];
+  snprintf(tokens, sizeof tokens, "%.*s/tokens",
+           (int)(strrchr(token, '/') - token), token);
+  char *secret = sp_test_read_file(token), *hashes = sp_test_read_file(tokens);
+  secret[strcspn(secret, "\n")] = '\0';
+  assert_null(strstr(hashes, secret));
+  free(secret);
+  free(hashes);
+  kill(pid, SIGINT);
+  assert_int_equal(wait_run(pid, 30), 130);
+  assert_int_equal(stat(token, &sb), -1);
+  assert_int_equal(stat(tokens, &sb), -1);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
@@ -692,6 +749,7 @@ int main(void) {
       cmocka_unit_test(test_run_same_plan_as_coordinator),
       cmocka_unit_test(test_run_checkpoint_loads),
       cmocka_unit_test(test_run_keeps_other_checkpoints),
+      cmocka_unit_test(test_run_admin_token),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
