@@ -9,6 +9,7 @@
 
 #include "fsdp/memory.h"
 #include "rpc/rpc_cred.h"
+#include "lib/shardplane.h"
 
 /* Exit codes: scripts tell these apart. */
 enum {
@@ -49,7 +50,6 @@ int sp_cli_parse_uint(const char *s, long long max, long long *out);
 /* ---- talking to a coordinator (remote.c) ---- */
 
 #define SP_DEFAULT_COORDINATOR "127.0.0.1:7700"
-#define SP_COORDINATOR_ENV "SHARDPLANE_COORDINATOR"
 #define SP_DEFAULT_TIMEOUT_MS 5000
 
 /* getopt_long values of the options every remote subcommand takes; put
