@@ -671,6 +671,25 @@ static void test_coordinator_flags(void **state) {
       fail_msg("%s: no \"%s\" in: %s", cases[i].flags, cases[i].says, out);
     free(out);
   }
+  /* open on purpose: it serves, and warns about both */
+  snprintf(cmd, sizeof cmd,
+           "%s/shardplane-coordinator --model %s --listen 0.0.0.0:0 --quiet "
+           "--insecure --no-auth 2>&1 >/dev/null & p=$!; sleep 0.5; kill $p; "
+           "wait $p", SP_BIN_DIR, MLP);
+  assert_int_equal(shell(cmd, &out), 0);
+  if (strstr(out, "warning: listening in cleartext on 0.0.0.0:0") == NULL ||
+      strstr(out, "warning: --no-auth") == NULL)
+    fail_msg("no warnings in: %s", out);
+  free(out);
+  /* on loopback, cleartext needs no warning */
+  snprintf(cmd, sizeof cmd,
+           "%s/shardplane-coordinator --model %s --listen 127.0.0.1:0 --quiet "
+           "--insecure --no-auth 2>&1 >/dev/null & p=$!; sleep 0.5; kill $p; "
+           "wait $p", SP_BIN_DIR, MLP);
+  assert_int_equal(shell(cmd, &out), 0);
+  assert_null(strstr(out, "cleartext"));
+  assert_non_null(strstr(out, "warning: --no-auth"));
+  free(out);
 }
 
 int main(void) {
