@@ -8,27 +8,12 @@
 #include <unistd.h>
 
 #include <openssl/crypto.h>
-#include <openssl/err.h>
 #include <openssl/rand.h>
 #include <openssl/sha.h>
 
 #include "coord_auth.h"
 #include "rpc/coord_service.h"
-
-/* Every OpenSSL call goes through this: its error queue becomes one line
- * naming the call site. */
-#define OSSL_CHECK(ok, d, what)                                                \
-  ((ok) ? 0 : ossl_fail((d), (what), __FILE__, __LINE__))
-
-static int ossl_fail(sp_diag *d, const char *what, const char *file,
-                     int line) {
-  char buf[256] = "no detail";
-  unsigned long e = ERR_get_error();
-  if (e != 0) ERR_error_string_n(e, buf, sizeof buf);
-  ERR_clear_error();
-  return sp_diag_set(d, SP_EIO, "%s failed (%s:%d): %s", what, file, line,
-                     buf);
-}
+#include "rpc/rpc_tls.h"
 
 static const char *const k_roles[] = {NULL, "worker", "reader", "admin"};
 
@@ -64,7 +49,10 @@ static void b64url(const uint8_t *in, size_t n, char *out) {
 
 int sp_auth_token_new(char out[SP_AUTH_TOKEN_LEN + 1], sp_diag *d) {
   uint8_t r[32];
-  int rc = OSSL_CHECK(RAND_bytes(r, sizeof r) == 1, d, "RAND_bytes");
+  /* every OpenSSL call goes through the engine's check, which names the
+   * call site and OpenSSL's reasons */
+  int rc = SP_TLS_CHECK(RAND_bytes(r, sizeof r) == 1, d, SP_EIO,
+                        "no random bytes for a token");
   if (rc != 0) return rc;
   memcpy(out, SP_AUTH_TOKEN_PREFIX, 4);
   b64url(r, sizeof r, out + 4);
@@ -74,8 +62,8 @@ int sp_auth_token_new(char out[SP_AUTH_TOKEN_LEN + 1], sp_diag *d) {
 
 static int token_hash(const char *token, size_t len, uint8_t h[32],
                       sp_diag *d) {
-  return OSSL_CHECK(SHA256((const unsigned char *)token, len, h) != NULL, d,
-                    "SHA256");
+  return SP_TLS_CHECK(SHA256((const unsigned char *)token, len, h) != NULL, d,
+                      SP_EIO, "cannot hash a token");
 }
 
 static bool name_valid(const char *s) {
