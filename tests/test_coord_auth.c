@@ -25,7 +25,9 @@
 #include "rpc/coord_service.h"
 #include "support/auth_fixture.h"
 #include "support/coord_fixture.h"
+#include "support/test_certs.h"
 #include "support/testutil.h"
+#include "base/proc.h"
 
 extern char **environ;
 
@@ -692,6 +694,108 @@ static void test_coordinator_flags(void **state) {
   free(out);
 }
 
+/* The exposed setup, end to end: a coordinator serving TLS (then mutual
+ * TLS) with a token file, real workers with --tls-ca and the worker token,
+ * the command with a reader token; cleartext and an unknown CA fail. */
+static void test_tls_and_tokens(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  sp_test_certs certs;
+  int crc = sp_test_certs_make(dir, &certs);
+  if (crc == SP_EUNSUPPORTED) {
+    printf("  SKIPPED: no openssl command to make test certificates\n");
+    sp_test_rmtree(dir);
+    free(dir);
+    skip();
+  }
+  assert_int_equal(crc, 0);
+  sp_tauth a;
+  sp_tauth_make(&a);
+  for (int mutual = 0; mutual < 2; mutual++) {
+    const char *ca[24] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
+                          "127.0.0.1:0", "--model", MLP, "--world-size", "2",
+                          "--quiet", "--tls-cert", certs.server_cert,
+                          "--tls-key", certs.server_key, "--token-file",
+                          a.token_file, NULL};
+    if (mutual) {
+      ca[14] = "--tls-client-ca";
+      ca[15] = certs.ca;
+    }
+    sp_proc coord;
+    sp_diag d = {{0}};
+    if (sp_proc_spawn(&coord, (char *const *)ca, false, false,
+                      "listening on 127.0.0.1:%d", &d) < 0)
+      fail_msg("coordinator: %s", d.msg);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", coord.port);
+    const char *client_cert =
+        mutual ? " --tls-cert %s --tls-key %s" : "%.0s%.0s";
+    char certflags[2048];
+    snprintf(certflags, sizeof certflags, client_cert, certs.client_cert,
+             certs.client_key);
+    if (!mutual) {
+      /* two workers train over TLS with the worker token */
+      pid_t w[2];
+      for (int r = 0; r < 2; r++) {
+        char rs[4], err[1024];
+        snprintf(rs, sizeof rs, "%d", r);
+        snprintf(err, sizeof err, "%s/rank-%d.err", dir, r);
+        const char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
+                            addr, "--tls-ca", certs.ca, "--token-file",
+                            a.file[SP_ROLE_WORKER], "--rank", rs, "--steps",
+                            "3", "--log-every", "0", "--checkpoint", "none",
+                            NULL};
+        posix_spawn_file_actions_t fa;
+        posix_spawn_file_actions_init(&fa);
+        posix_spawn_file_actions_addopen(&fa, 2, err,
+                                         O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        assert_int_equal(posix_spawn(&w[r], wa[0], &fa, NULL,
+                                     (char *const *)wa, environ), 0);
+        posix_spawn_file_actions_destroy(&fa);
+      }
+      for (int r = 0; r < 2; r++) expect_exit(w[r], 0, dir, r);
+    }
+    char cmd[8192], *out;
+    snprintf(cmd, sizeof cmd,
+             "%s/shardplane ranks --coordinator %s --tls-ca %s%s "
+             "--token-file %s 2>&1", SP_BIN_DIR, addr, certs.ca, certflags,
+             a.file[SP_ROLE_READER]);
+    assert_int_equal(shell(cmd, &out), 0);
+    if (!mutual && strstr(out, "DETACHED") == NULL)
+      fail_msg("the TLS job's ranks: %s", out);
+    free(out);
+    /* cleartext to a TLS coordinator, and a CA it does not use */
+    snprintf(cmd, sizeof cmd,
+             "%s/shardplane status --coordinator %s --insecure --token-file "
+             "%s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
+             a.file[SP_ROLE_READER]);
+    assert_true(shell(cmd, &out) != 0);
+    free(out);
+    snprintf(cmd, sizeof cmd,
+             "%s/shardplane status --coordinator %s --tls-ca %s%s "
+             "--token-file %s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
+             certs.other_ca, certflags, a.file[SP_ROLE_READER]);
+    assert_true(shell(cmd, &out) != 0);
+    free(out);
+    if (mutual) {
+      /* without a client certificate the handshake fails */
+      snprintf(cmd, sizeof cmd,
+               "%s/shardplane status --coordinator %s --tls-ca %s "
+               "--token-file %s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
+               certs.ca, a.file[SP_ROLE_READER]);
+      assert_true(shell(cmd, &out) != 0);
+      free(out);
+    }
+    sp_proc_stop(&coord, 5000);
+  }
+  printf("  TLS and mutual TLS with tokens: a 2-rank job trained, the "
+         "command read it; cleartext and a foreign CA refused\n");
+  sp_tauth_free(&a);
+  sp_test_certs_free(&certs);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_admin_aborts),
@@ -702,6 +806,7 @@ int main(void) {
       cmocka_unit_test(test_refused_before_the_body),
       cmocka_unit_test(test_store_quota),
       cmocka_unit_test(test_attacks_leave_the_job_running),
+      cmocka_unit_test(test_tls_and_tokens),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
