@@ -309,16 +309,13 @@ static void test_admin_aborts(void **state) {
          &shardplane__v1__attach_response__descriptor,
          SP_RPC_FAILED_PRECONDITION, "job aborted by token");
   sp_test_free_msg(job);
-  /* How fast the ranks then exit is the runtime's business: a Gloo
-   * collective that every rank abandons at once does not always return
-   * (seen here as a rank still in its all-gather), so a rank still running
-   * after 5 s is reported and killed, not failed. */
+  /* and they stop, also a rank whose ABORT came while it was still
+   * opening its communicators (the ABORT here follows the attach at once) */
   for (int r = 0; r < 2; r++) {
-    int code = wait_worker(w[r], 5);
-    printf("  rank %d: %s %.0f ms after the abort\n", r,
-           code < 0 ? "still running, killed" : "exited",
+    int code = wait_worker(w[r], 20);
+    printf("  rank %d: exit %d %.0f ms after the abort\n", r, code,
            (sp_clock_s() - t0) * 1000);
-    assert_true(code != 0);
+    assert_true(code > 0);
   }
   sp_rpc_sync_close(admin);
   sp_coord_fixture_stop(&fx);

@@ -71,11 +71,17 @@ static void on_stop_signal(int sig) {
 static pthread_mutex_t g_comms_lock = PTHREAD_MUTEX_INITIALIZER;
 static sp_comm *g_comms[3];
 
+/* The session calls on_abort once: an ABORT that comes while the
+ * communicators are still being opened must stop them too, or this rank
+ * trains on and waits in its first collective for peers that stopped. */
+static bool g_aborted;
+
 static void on_abort(void *user, const char *reason) {
   const worker_opts *o = user;
   fprintf(stderr, "shardplane-worker: rank %ld: aborting collectives: %s\n",
           o->rank, reason);
   pthread_mutex_lock(&g_comms_lock);
+  g_aborted = true;
   for (int i = 0; i < 3; i++)
     if (g_comms[i]) sp_comm_abort(g_comms[i]);
   pthread_mutex_unlock(&g_comms_lock);
@@ -86,6 +92,8 @@ static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
   g_comms[0] = world;
   g_comms[1] = shard;
   g_comms[2] = replica;
+  for (int i = 0; i < 3 && g_aborted; i++)
+    if (g_comms[i]) sp_comm_abort(g_comms[i]);
   pthread_mutex_unlock(&g_comms_lock);
 }
 
