@@ -142,10 +142,12 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
                   /* the load process may starve the rank sessions of CPU;
                    * nobody must be declared lost for it */
                   "--heartbeat-timeout-ms", "3600000",
+                  /* the simulated ranks are this machine's own clients */
+                  "--insecure", "--no-auth",
                   "--quiet", NULL, NULL, NULL};
   if (state_dir != NULL) {
-    argv[13] = "--state-dir";
-    argv[14] = (char *)state_dir;
+    argv[15] = "--state-dir";
+    argv[16] = (char *)state_dir;
   }
   return sp_proc_spawn(ch, argv, false, false, "listening on 127.0.0.1:%d", d);
 }

@@ -151,6 +151,31 @@ static bool refuse_if_stopping(sp_rpc_call *call) {
   return true;
 }
 
+/* The writer's role and store quota (coord_auth.h), before anything
+ * changes: true when the call was refused. vlen: the value the write may
+ * leave; SIZE_MAX for a delete, which no quota limits. */
+static bool write_refused(sp_rpc_call *call, const char *key, size_t klen,
+                          size_t vlen) {
+  const sp_rpc_principal *p = sp_rpc_call_principal(call);
+  if (p == NULL) return false;
+  char msg[SP_RPC_STATUS_MESSAGE_MAX];
+  int code = sp_auth_store_may_write(p, key, msg, sizeof msg);
+  if (code == SP_RPC_OK && vlen != SIZE_MAX)
+    code = sp_auth_quota_check(coord_of(call)->auth, p, key, klen, vlen, msg,
+                               sizeof msg);
+  if (code == SP_RPC_OK) return false;
+  sp_rpc_call_finish(call, code, msg);
+  return true;
+}
+
+/* After a write: the key now counts against its writer's quota. Out of
+ * memory here only leaves the key unaccounted; the write itself stands. */
+static void wrote(sp_rpc_call *call, const char *key, size_t klen,
+                  size_t vlen) {
+  (void)sp_auth_quota_wrote(coord_of(call)->auth, sp_rpc_call_principal(call),
+                            key, klen, vlen);
+}
+
 static ProtobufCBinaryData bytes_of(const uint8_t *p, size_t n) {
   /* pack only reads it; the field type is not const */
   return (ProtobufCBinaryData){n, (uint8_t *)(uintptr_t)p};
@@ -166,7 +191,8 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   size_t klen;
   if (key_malformed(call, q->key, "key") ||
       key_oversize(call, q->key, &klen, "key") ||
-      value_oversize(call, q->value.len, "value"))
+      value_oversize(call, q->value.len, "value") ||
+      write_refused(call, q->key, klen, q->value.len))
     return;
   Shardplane__V1__StoreSetResponse r = SHARDPLANE__V1__STORE_SET_RESPONSE__INIT;
   /* Waiting calls released by this set are answered inside it. */
@@ -178,6 +204,7 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
+  wrote(call, q->key, klen, q->value.len);
   sp_coord_reply(c, call, &r.base);
 }
 
@@ -246,7 +273,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (!q->wait) {
     Shardplane__V1__StoreGetResponse r =
         SHARDPLANE__V1__STORE_GET_RESPONSE__INIT;
-    sp_rpc_call_reply(call, &r.base);
+    sp_coord_reply(c, call, &r.base);
     return;
   }
   if (refuse_if_stopping(call)) return;
@@ -307,7 +334,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__StoreWaitResponse resp =
       SHARDPLANE__V1__STORE_WAIT_RESPONSE__INIT;
   if (n == 0) { /* every one of no keys exists */
-    sp_rpc_call_reply(call, &resp.base);
+    sp_coord_reply(c, call, &resp.base);
     return;
   }
   size_t *klens = malloc(n * sizeof *klens);
@@ -332,7 +359,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
         return;
       }
     free(klens);
-    sp_rpc_call_reply(call, &resp.base);
+    sp_coord_reply(c, call, &resp.base);
     return;
   }
   store_wait *r = malloc(sizeof *r);
@@ -348,7 +375,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(klens);
   if (rc == 1) { /* all there already */
     free(r);
-    sp_rpc_call_reply(call, &resp.base);
+    sp_coord_reply(c, call, &resp.base);
     return;
   }
   if (rc != 0) {
@@ -383,8 +410,10 @@ static void on_add(sp_rpc_call *call, const ProtobufCMessage *msg,
   (void)len;
   const Shardplane__V1__StoreAddRequest *q = (const void *)msg;
   size_t klen;
+  /* 20: the longest int64 in decimal, sign included */
   if (key_malformed(call, q->key, "key") ||
-      key_oversize(call, q->key, &klen, "key"))
+      key_oversize(call, q->key, &klen, "key") ||
+      write_refused(call, q->key, klen, 20))
     return;
   sp_coord *c = coord_of(call);
   if (sp_coord_persist_replay(c, call, q->request_id)) return;
@@ -396,6 +425,9 @@ static void on_add(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
+  char digits[24];
+  wrote(call, q->key, klen,
+        (size_t)snprintf(digits, sizeof digits, "%lld", (long long)r.value));
   sp_coord_persist_answer(c, call, q->request_id, &r.base);
 }
 
@@ -416,7 +448,8 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   if (key_oversize(call, q->key, &klen, "key") ||
       value_oversize(call, q->desired.len, "desired") ||
-      value_oversize(call, q->expected.len, "expected"))
+      value_oversize(call, q->expected.len, "expected") ||
+      write_refused(call, q->key, klen, q->desired.len))
     return;
   sp_coord *c = coord_of(call);
   if (sp_coord_persist_replay(c, call, q->request_id)) return;
@@ -433,6 +466,7 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
+  if (swapped) wrote(call, q->key, klen, q->desired.len);
   r.swapped = swapped;
   r.found = found;
   r.value = bytes_of(v, n);
@@ -453,7 +487,8 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__StoreDeleteRequest *q = (const void *)msg;
   size_t klen;
   if (key_malformed(call, q->key, "key") ||
-      key_oversize(call, q->key, &klen, "key"))
+      key_oversize(call, q->key, &klen, "key") ||
+      write_refused(call, q->key, klen, SIZE_MAX))
     return;
   Shardplane__V1__StoreDeleteResponse r =
       SHARDPLANE__V1__STORE_DELETE_RESPONSE__INIT;
@@ -465,6 +500,7 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
+  if (deleted) sp_auth_quota_deleted(coord_of(call)->auth, q->key, klen);
   r.deleted = deleted;
   sp_coord_reply(c, call, &r.base);
 }

@@ -92,7 +92,7 @@ static void coord_start(sp_proc *p, const char *state, int world, int port) {
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
   const char *argv[] = {COORD,         "--listen", listen,  "--model", MLP,
                         "--world-size", ws,        "--state-dir", state,
-                        "--quiet",      NULL};
+                        "--insecure",   "--no-auth", "--quiet", NULL};
   sp_diag d = {{0}};
   if (sp_proc_spawn(p, (char *const *)argv, false, false,
                     "listening on 127.0.0.1:%d", &d) < 0)
@@ -144,10 +144,13 @@ static void expect_in_file(const char *path, const char *needle) {
   free(s);
 }
 
-/* Waits until every one of n ranks is attached to the coordinator. */
-static void wait_attached(const char *addr, uint32_t n, double timeout_s) {
+/* Waits until every one of n ranks is attached to the coordinator (asked
+ * with `token`). */
+static void wait_attached(const char *addr, const char *token, uint32_t n,
+                          double timeout_s) {
   sp_rpc_sync *cli;
-  assert_int_equal(sp_rpc_sync_open(addr, 5000, &cli), 0);
+  sp_rpc_client_opts o = {.connect_timeout_ms = 5000, .token = token};
+  assert_int_equal(sp_rpc_sync_open_opts(addr, &o, &cli), 0);
   double end = sp_clock_s() + timeout_s;
   uint32_t attached = 0;
   while (sp_clock_s() < end) {
@@ -521,19 +524,19 @@ static void test_state_dir_refusals(void **state) {
   char *err = sp_test_path(dir, "err");
   sp_proc co;
   coord_start(&co, st_dir, 2, 0);
-  const char *second[] = {COORD,          "--listen", "127.0.0.1:0",
-                          "--model",      MLP,        "--world-size",
+  const char *second[] = {COORD,          "--listen",    "127.0.0.1:0",
+                          "--model",      MLP,           "--world-size",
                           "2",            "--state-dir", st_dir,
-                          NULL};
+                          "--insecure",   "--no-auth",   NULL};
   assert_int_equal(run_to_end((char *const *)second, err, 30), 1);
   expect_in_file(err, st_dir);
   expect_in_file(err, "in use by another coordinator");
   sp_proc_stop(&co, 5000);
 
-  const char *other[] = {COORD,          "--listen", "127.0.0.1:0",
-                         "--model",      MLP,        "--world-size",
+  const char *other[] = {COORD,          "--listen",    "127.0.0.1:0",
+                         "--model",      MLP,           "--world-size",
                          "3",            "--state-dir", st_dir,
-                         NULL};
+                         "--insecure",   "--no-auth",   NULL};
   assert_int_equal(run_to_end((char *const *)other, err, 30), 1);
   expect_in_file(err, st_dir);
   expect_in_file(err, "belongs to another job");
@@ -545,16 +548,18 @@ static void test_state_dir_refusals(void **state) {
   char *file = sp_test_path(dir, "file");
   sp_test_write_file(file, "x", 1);
   const char *on_file[] = {COORD, "--listen", "127.0.0.1:0", "--model", MLP,
-                           "--world-size", "2", "--state-dir", file, NULL};
+                           "--world-size", "2", "--state-dir", file,
+                           "--insecure", "--no-auth", NULL};
   assert_int_equal(run_to_end((char *const *)on_file, err, 30), 1);
   expect_in_file(err, "is not a directory");
   free(file);
   /* bad usage: exit 2, naming the flag */
-  const char *empty[] = {COORD, "--model", MLP, "--state-dir", "", NULL};
+  const char *empty[] = {COORD, "--model", MLP, "--insecure", "--no-auth",
+                         "--state-dir", "", NULL};
   assert_int_equal(run_to_end((char *const *)empty, err, 30), 2);
   expect_in_file(err, "--state-dir");
-  const char *zero[] = {COORD, "--model", MLP, "--reattach-grace-ms", "0",
-                        NULL};
+  const char *zero[] = {COORD, "--model", MLP, "--insecure", "--no-auth",
+                        "--reattach-grace-ms", "0", NULL};
   assert_int_equal(run_to_end((char *const *)zero, err, 30), 2);
   expect_in_file(err, "--reattach-grace-ms");
   const char *wgrace[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
@@ -588,7 +593,7 @@ static void test_worker_gives_up_after_grace(void **state) {
   sp_tjob j;
   sp_tjob_start(&j, MLP, cf, 2, wf, dir);
   track_job(&j);
-  wait_attached(j.addr, 2, 60);
+  wait_attached(j.addr, j.auth.token[SP_ROLE_READER], 2, 60);
   char addr[128];
   snprintf(addr, sizeof addr, "the coordinator at %s", j.addr);
   double t0 = sp_clock_s();
@@ -626,7 +631,7 @@ static void coord_start_flags(sp_proc *p, const char *state, int world,
                         "--model",      MLP,             "--world-size",
                         ws,             "--state-dir",   state,
                         "--reattach-grace-ms", grace_ms, "--quiet",
-                        NULL};
+                        "--insecure",   "--no-auth",     NULL};
   sp_diag d = {{0}};
   if (sp_proc_spawn(p, (char *const *)argv, false, false,
                     "listening on 127.0.0.1:%d", &d) < 0)
@@ -749,10 +754,10 @@ static void test_ranks_and_alerts_survive(void **state) {
                    SQLITE_OK);
   sqlite3_close(db);
   char *err = sp_test_path(dir, "err");
-  const char *argv[] = {COORD,         "--listen",   "127.0.0.1:0",
-                        "--model",     MLP,          "--world-size",
+  const char *argv[] = {COORD,         "--listen",    "127.0.0.1:0",
+                        "--model",     MLP,           "--world-size",
                         "2",           "--state-dir", st_dir,
-                        NULL};
+                        "--insecure",  "--no-auth",   NULL};
   assert_int_equal(run_to_end((char *const *)argv, err, 30), 1);
   expect_in_file(err, "a rank row out of bounds");
   printf("  a state dir with a rank the job does not have is refused\n");

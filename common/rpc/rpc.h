@@ -128,6 +128,27 @@ typedef struct sp_rpc_tls_server_opts {
   const char *client_ca_file;
 } sp_rpc_tls_server_opts;
 
+/* Who made a call, as the server's authorize hook decided: an application
+ * role number (its meaning is the server's) and a name for messages and
+ * logs. The hook attaches it; handlers read it. */
+typedef struct sp_rpc_principal {
+  int role;
+  const char *name;
+} sp_rpc_principal;
+
+/* Decides whether a call may proceed. Called once per call on the loop
+ * thread, as soon as its request headers are complete and before any of
+ * its body is read: sp_rpc_call_path, sp_rpc_call_metadata and
+ * sp_rpc_call_method_user work; nothing else about the call does yet.
+ * Returns SP_RPC_OK (optionally after sp_rpc_call_set_principal), or a
+ * status code with a NUL-terminated message written to msg (msg_cap
+ * bytes). A refused call is answered Trailers-Only with that status and its
+ * stream reset; its body is discarded unread and its handler never hears
+ * of it. Never called for grpc.health.v1.Health, which stays open to
+ * anyone (it tells only whether the server serves). */
+typedef int (*sp_rpc_authorize_fn)(sp_rpc_call *call, void *arg, char *msg,
+                                   size_t msg_cap);
+
 typedef struct sp_rpc_server_opts {
   size_t max_message;      /* receive and send limit; 0: default */
   size_t max_metadata;     /* request header bytes; 0: default */
@@ -146,6 +167,9 @@ typedef struct sp_rpc_server_opts {
   /* NULL: cleartext HTTP/2 (h2c). The struct and its strings need only
    * live until sp_rpc_server_listen returns. */
   const sp_rpc_tls_server_opts *tls;
+  /* NULL: every call proceeds. */
+  sp_rpc_authorize_fn authorize;
+  void *authorize_arg;
 } sp_rpc_server_opts;
 
 /* Creates a server on `loop` with grpc.health.v1.Health registered ("" is
@@ -186,6 +210,11 @@ int sp_rpc_server_set_health(sp_rpc_server *srv, const char *service,
 typedef struct sp_rpc_server_stats {
   uint64_t connections_open, connections_total, calls_open, calls_total;
   uint64_t bytes_in, bytes_out;
+  /* Request body bytes taken in by calls (buffered or decoded); the DATA
+   * of a call that was refused or had already ended is dropped unread and
+   * not counted. */
+  uint64_t body_bytes;
+  uint64_t calls_refused; /* by the authorize hook */
 } sp_rpc_server_stats;
 void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s);
 
@@ -226,6 +255,11 @@ int sp_rpc_call_add_metadata(sp_rpc_call *call, const char *key,
  * valid while the call is. */
 const uint8_t *sp_rpc_call_metadata(const sp_rpc_call *call, const char *key,
                                     size_t *len);
+
+/* The identity the authorize hook attached, or NULL (no hook, or it
+ * attached none). set keeps the pointer: *p must outlive the call. */
+void sp_rpc_call_set_principal(sp_rpc_call *call, const sp_rpc_principal *p);
+const sp_rpc_principal *sp_rpc_call_principal(const sp_rpc_call *call);
 
 /* Bytes queued and not yet handed to the transport. */
 size_t sp_rpc_call_pending(const sp_rpc_call *call);
@@ -279,7 +313,9 @@ typedef struct sp_rpc_client_opts {
    * handshake too; a failed verification is not retried. */
   const sp_rpc_tls_client_opts *tls;
   /* Non-NULL: sent as "authorization: Bearer <token>" on every call.
-   * Copied by sp_rpc_client_open. */
+   * Copied by sp_rpc_client_open, which returns SP_EINVAL for a token that
+   * is empty, over 1 KiB or not printable ASCII (it could not be a header
+   * value). */
   const char *token;
 } sp_rpc_client_opts;
 

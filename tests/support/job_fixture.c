@@ -49,8 +49,11 @@ static void spawn_coord(sp_tjob *j, const char *model,
                              model,
                              "--world-size",
                              ws,
-                             "--quiet"};
-  add_flags(ca, 8, cflags);
+                             "--quiet",
+                             "--insecure",
+                             "--token-file",
+                             j->auth.token_file};
+  add_flags(ca, 11, cflags);
   sp_diag d = {{0}};
   if (sp_proc_spawn(&j->coord, (char *const *)ca, false, false,
                     "listening on 127.0.0.1:%d", &d) < 0)
@@ -78,6 +81,7 @@ void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
     fail_msg("%d workers: 1 to %d", n, SP_TJOB_MAX_RANKS);
   memset(j, 0, sizeof *j);
   j->n = n;
+  sp_tauth_make(&j->auth);
   spawn_coord(j, model, cflags, "127.0.0.1:0");
   for (int r = 0; r < n; r++) {
     char rs[16];
@@ -88,8 +92,11 @@ void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
                                "--rank",
                                rs,
                                "--log-every",
-                               "0"};
-    add_flags(wa, 7, wflags);
+                               "0",
+                               "--insecure",
+                               "--token-file",
+                               j->auth.file[SP_ROLE_WORKER]};
+    add_flags(wa, 10, wflags);
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     char errpath[4096];
@@ -128,6 +135,7 @@ int sp_tjob_wait(sp_tjob *j, double timeout_s) {
       j->status[r] = -1;
     }
   sp_proc_stop(&j->coord, 5000);
+  sp_tauth_free(&j->auth);
   return ok;
 }
 
