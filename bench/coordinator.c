@@ -145,9 +145,11 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
                   /* the simulated ranks are this machine's own clients */
                   "--insecure", "--no-auth",
                   "--quiet", NULL, NULL, NULL};
-  if (state_dir != NULL) {
-    argv[15] = "--state-dir";
-    argv[16] = (char *)state_dir;
+  if (state_dir != NULL) { /* into the two NULLs after the first */
+    size_t k = 0;
+    while (argv[k] != NULL) k++;
+    argv[k] = "--state-dir";
+    argv[k + 1] = (char *)state_dir;
   }
   return sp_proc_spawn(ch, argv, false, false, "listening on 127.0.0.1:%d", d);
 }

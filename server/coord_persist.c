@@ -29,7 +29,7 @@
 
 /* Rank snapshots (step, states) are written on this period, not per
  * transition: ingest must not pay a database row per event. */
-#define SNAPSHOT_MS 250u
+#define SNAPSHOT_MS 1000u
 
 typedef struct pending {
   sp_rpc_call *call; /* NULL once the call went away */
