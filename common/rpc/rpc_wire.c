@@ -250,10 +250,25 @@ void sp_rpc_deframer_init(sp_rpc_deframer *d, size_t max) {
   d->max = max;
 }
 
-void sp_rpc_deframer_free(sp_rpc_deframer *d) {
+/* Charges a buffer of cap bytes (replacing what is charged) to the shared
+ * budget; SP_EAGAIN when it does not fit. */
+static int deframer_charge(sp_rpc_deframer *d, size_t cap) {
+  if (d->used == NULL) return 0;
+  if (cap > d->charged && *d->used + (cap - d->charged) > d->used_max)
+    return SP_EAGAIN;
+  *d->used = *d->used - d->charged + cap;
+  d->charged = cap;
+  return 0;
+}
+
+static void deframer_release(sp_rpc_deframer *d) {
   free(d->buf);
   d->buf = NULL;
+  if (d->used != NULL) *d->used -= d->charged;
+  d->charged = 0;
 }
+
+void sp_rpc_deframer_free(sp_rpc_deframer *d) { deframer_release(d); }
 
 bool sp_rpc_deframer_partial(const sp_rpc_deframer *d) {
   return d->hdr_have > 0 || d->in_body;
@@ -293,8 +308,9 @@ int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
       }
       /* Memory follows the bytes that actually arrived, not the size a
        * prefix announces: six bytes must not reserve 4 MiB. */
-      free(d->buf);
+      deframer_release(d);
       d->cap = n < SP_RPC_DEFRAME_CHUNK ? (n ? n : 1) : SP_RPC_DEFRAME_CHUNK;
+      if (deframer_charge(d, d->cap) != 0) return SP_EAGAIN;
       d->buf = malloc(d->cap);
       if (d->buf == NULL) return SP_ENOMEM;
       continue;
@@ -304,6 +320,7 @@ int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
     if (d->have + take > d->cap) {
       size_t cap = d->cap;
       while (cap < d->have + take) cap = cap * 2 < d->need ? cap * 2 : d->need;
+      if (deframer_charge(d, cap) != 0) return SP_EAGAIN;
       uint8_t *b = realloc(d->buf, cap);
       if (b == NULL) return SP_ENOMEM;
       d->buf = b;
@@ -316,8 +333,7 @@ int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
     if (d->have == d->need) {
       d->in_body = false;
       int rc = fn(ud, d->buf, d->need);
-      free(d->buf);
-      d->buf = NULL;
+      deframer_release(d);
       if (rc != 0) return rc;
     }
   }
