@@ -63,7 +63,12 @@ static int scan_fail(pbscan *sc, const char *fmt, ...) {
 
 /* A varint at p[*off..n): its value, or false when it runs past the end
  * or over 10 bytes. */
-static bool get_varint(const uint8_t *p, size_t n, size_t *off, uint64_t *v) {
+static inline bool get_varint(const uint8_t *p, size_t n, size_t *off,
+                              uint64_t *v) {
+  if (*off < n && p[*off] < 0x80) { /* one byte: most tags and values */
+    *v = p[(*off)++];
+    return true;
+  }
   uint64_t x = 0;
   for (unsigned i = 0; i < 10; i++) {
     if (*off >= n) return false;
@@ -123,6 +128,58 @@ static bool packed_ok(unsigned wt, const uint8_t *p, size_t n) {
   return true;
 }
 
+/* Field lookup, one table per message being scanned: the descriptor's
+ * binary search cost 35 ns a field, and an 8 MiB message of 2-byte fields
+ * has 4 million of them. Numbers below SMALL_IDS (nearly all) are an
+ * index. */
+#define SMALL_IDS 32
+typedef struct fieldmap {
+  const ProtobufCMessageDescriptor *d;
+  const ProtobufCFieldDescriptor *small[SMALL_IDS];
+} fieldmap;
+
+static void fieldmap_init(fieldmap *m, const ProtobufCMessageDescriptor *d) {
+  m->d = d;
+  memset(m->small, 0, sizeof m->small);
+  for (unsigned i = 0; i < d->n_fields; i++)
+    if (d->fields[i].id < SMALL_IDS) m->small[d->fields[i].id] = &d->fields[i];
+}
+
+/* The densest unknown fields are two bytes, a one-byte tag and a one-byte
+ * varint or empty length: for a tag byte, the largest second byte that
+ * makes such a field, or -1. Long messages skip runs of them with one
+ * table look-up each (2 ns a field instead of 8). */
+typedef struct skip2 {
+  int16_t lim[256];
+} skip2;
+
+static void skip2_init(skip2 *k, const fieldmap *m) {
+  for (unsigned t = 0; t < 256; t++) {
+    unsigned wt = t & 7, num = t >> 3;
+    bool unknown = t < 0x80 && num != 0 && m->small[num] == NULL;
+    k->lim[t] = !unknown ? -1 : wt == 0 ? 0x7F : wt == 2 ? 0 : -1;
+  }
+}
+
+/* Skips the run of two-byte unknown fields at p[*off..n); whether any. */
+static inline bool skip2_run(const skip2 *k, const uint8_t *p, size_t n,
+                             size_t *off) {
+  size_t o = *off;
+  while (o + 1 < n && (int)p[o + 1] <= k->lim[p[o]]) o += 2;
+  bool any = o != *off;
+  *off = o;
+  return any;
+}
+
+/* Below this size a message is scanned without the table. */
+#define SKIP2_MIN 1024
+
+static inline const ProtobufCFieldDescriptor *fieldmap_get(const fieldmap *m,
+                                                           uint32_t num) {
+  if (num < SMALL_IDS) return m->small[num];
+  return protobuf_c_message_descriptor_get_field(m->d, num);
+}
+
 /* One message's bytes: validates them and computes the size they have
  * without unknown fields (*keep) and whether any were found (*dropped).
  * base is the offset of p in the outermost message, for errors. */
@@ -134,7 +191,16 @@ static int check_msg(pbscan *sc, const ProtobufCMessageDescriptor *d,
                      SP_PBCHECK_MAX_DEPTH);
   size_t off = 0, kept = 0;
   bool any = false;
+  fieldmap fm;
+  fieldmap_init(&fm, d);
+  skip2 sk;
+  bool fast = n >= SKIP2_MIN;
+  if (fast) skip2_init(&sk, &fm);
   while (off < n) {
+    if (fast && skip2_run(&sk, p, n, &off)) {
+      any = true;
+      if (off >= n) break;
+    }
     size_t start = off;
     uint64_t tag;
     if (!get_varint(p, n, &off, &tag) || tag > UINT32_MAX)
@@ -176,8 +242,7 @@ static int check_msg(pbscan *sc, const ProtobufCMessageDescriptor *d,
                        "%s: malformed wire data at byte %zu (wire type %u)",
                        d->name, base + start, wt);
     }
-    const ProtobufCFieldDescriptor *f =
-        protobuf_c_message_descriptor_get_field(d, num);
+    const ProtobufCFieldDescriptor *f = fieldmap_get(&fm, num);
     if (f == NULL) { /* unknown: dropped */
       any = true;
       continue;
@@ -224,7 +289,13 @@ static int check_msg(pbscan *sc, const ProtobufCMessageDescriptor *d,
 static size_t write_msg(const ProtobufCMessageDescriptor *d, const uint8_t *p,
                         size_t n, uint8_t *dst) {
   size_t off = 0, w = 0;
+  fieldmap fm;
+  fieldmap_init(&fm, d);
+  skip2 sk;
+  bool fast = n >= SKIP2_MIN;
+  if (fast) skip2_init(&sk, &fm);
   while (off < n) {
+    if (fast && skip2_run(&sk, p, n, &off) && off >= n) break;
     size_t start = off;
     uint64_t tag = 0, v = 0; /* check_msg proved every read succeeds */
     get_varint(p, n, &off, &tag);
@@ -240,8 +311,7 @@ static size_t write_msg(const ProtobufCMessageDescriptor *d, const uint8_t *p,
       plen = (size_t)v;
       off += plen;
     }
-    const ProtobufCFieldDescriptor *f =
-        protobuf_c_message_descriptor_get_field(d, (uint32_t)(tag >> 3));
+    const ProtobufCFieldDescriptor *f = fieldmap_get(&fm, (uint32_t)(tag >> 3));
     if (f == NULL) continue;
     if (f->type == PROTOBUF_C_TYPE_MESSAGE && wt == 2) {
       size_t sub = 0;
