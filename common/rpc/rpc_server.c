@@ -34,7 +34,7 @@ struct sp_rpc_call {
   sp_rpc_deframer df;
   uint32_t n_requests;
   uint8_t *unary_req;
-  size_t unary_len;
+  size_t unary_len, unary_charged; /* charged: to srv->buffered */
   /* response */
   sp_rpc_mdlist resp_md;
   bool headers_sent, finished, released, deferred, remote_closed;
@@ -136,8 +136,8 @@ static void unary_req_free(sp_rpc_call *call) {
   if (call->unary_req == NULL) return;
   free(call->unary_req);
   call->unary_req = NULL;
-  call->conn->srv->buffered -= call->unary_len;
-  call->unary_len = 0;
+  call->conn->srv->buffered -= call->unary_charged;
+  call->unary_len = call->unary_charged = 0;
 }
 
 /* ---------------- call lifetime ---------------- */
@@ -735,12 +735,12 @@ static void half_close_now(sp_rpc_call *call) {
     /* the call owns the bytes no longer: a handler that finishes the call
      * inside on_message must not free what it is reading */
     uint8_t *req = call->unary_req;
-    size_t len = call->unary_len;
+    size_t len = call->unary_len, charged = call->unary_charged;
     call->unary_req = NULL;
-    call->unary_len = 0;
+    call->unary_len = call->unary_charged = 0;
     deliver(call, req, len);
     free(req);
-    call->conn->srv->buffered -= len;
+    call->conn->srv->buffered -= charged;
     return;
   }
   if (m->on_half_close != NULL && !call->released) m->on_half_close(call);
@@ -812,7 +812,10 @@ static void on_dispatch(uv_idle_t *h) {
   srv->iter_bytes = 0; /* a new iteration: its timers have run */
   while (srv->ready_head != NULL) {
     sp_rpc_call *call = srv->ready_head;
-    size_t len = call->rq_head != NULL ? call->rq_head->len : 0;
+    /* a unary call's half-close delivers its request */
+    size_t len = call->rq_head != NULL           ? call->rq_head->len
+                 : unary_request(call->method) ? call->unary_len
+                                               : 0;
     if (!budget_allows(srv, len)) break;
     budget_spend(srv, len);
     dispatch_one(srv, call);
@@ -863,6 +866,16 @@ static int on_request_message(void *ud, const uint8_t *data, size_t len) {
       return 0;
     }
     sp_rpc_server *srv = call->conn->srv;
+    /* A reassembled message is kept as it is: copying 16 requests of
+     * 8 MiB that complete in one read cost 64 ms of page faults there. */
+    size_t charged = 0;
+    uint8_t *own = sp_rpc_deframer_take(&call->df, &charged);
+    if (own != NULL) {
+      call->unary_req = own;
+      call->unary_len = len;
+      call->unary_charged = charged;
+      return 0;
+    }
     if (srv->buffered + len > srv->opts.max_buffered) {
       srv->stats.calls_over_budget++;
       call_fail(call, SP_RPC_RESOURCE_EXHAUSTED,
@@ -876,7 +889,7 @@ static int on_request_message(void *ud, const uint8_t *data, size_t len) {
       return 0;
     }
     memcpy(call->unary_req, data, len);
-    call->unary_len = len;
+    call->unary_len = call->unary_charged = len;
     buffered_add(srv, len);
     return 0;
   }

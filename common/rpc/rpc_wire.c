@@ -270,6 +270,17 @@ static void deframer_release(sp_rpc_deframer *d) {
 
 void sp_rpc_deframer_free(sp_rpc_deframer *d) { deframer_release(d); }
 
+uint8_t *sp_rpc_deframer_take(sp_rpc_deframer *d, size_t *charged) {
+  uint8_t *b = d->buf;
+  *charged = b != NULL ? d->charged : 0;
+  if (b != NULL) {
+    d->buf = NULL;
+    d->charged = 0;
+    d->cap = 0;
+  }
+  return b;
+}
+
 bool sp_rpc_deframer_partial(const sp_rpc_deframer *d) {
   return d->hdr_have > 0 || d->in_body;
 }
