@@ -24,6 +24,12 @@
  * --runs runs are made and the median of each figure is shown. 1-caller
  * latencies are also split by regime (fast/slow, see SPLIT_X), and when the
  * floor shows both, the latency goal compares each with the floor's own.
+ *
+ * TLS: a second server of ours serves TLS 1.3 (certificates made for the
+ * run by tests/support/make_test_certs.sh) and takes its slices in the same
+ * round-robin, so "TLS / cleartext" compares like with like; and the cost
+ * of a connection, connect + handshake + first call against connect +
+ * first call, is timed over fresh connections taken in turns.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -45,6 +51,8 @@
 
 #include "echo.pb-c.h"
 #include "support/echo_service.h"
+#include "support/test_certs.h"
+#include "support/testutil.h"
 #include "base/proc.h"
 #include "rpc/rpc.h"
 
@@ -64,6 +72,9 @@ typedef struct bench_opts {
   const char *grpcpp_server; /* NULL: --no-grpcpp, no comparison */
   int grpcpp_threads;        /* 0: its default (one per CPU) */
   bool no_grpcpp;            /* --no-grpcpp: leave the comparison out */
+  /* TLS: the test certificates, or why there are none */
+  const sp_test_certs *certs;
+  const char *no_tls_why;
 } bench_opts;
 
 static uint64_t now_ns(void) {
@@ -376,11 +387,20 @@ static void our_server_on_stop(uv_async_t *a) {
   sp_rpc_server_shutdown(s->srv, 0, our_server_down, s);
 }
 
-/* Sets the server up here, then hands its loop to a thread. */
-static int our_server_start(our_server *s, sp_diag *d) {
+/* Sets the server up here, then hands its loop to a thread; with certs,
+ * it serves TLS. */
+static int our_server_start(our_server *s, const sp_test_certs *certs,
+                            sp_diag *d) {
   if (uv_loop_init(&s->loop) != 0)
     return sp_diag_set(d, SP_EIO, "uv_loop_init failed");
-  int rc = sp_rpc_server_new(&s->loop, NULL, &s->srv);
+  sp_rpc_tls_server_opts tls = {0};
+  sp_rpc_server_opts so = {0};
+  if (certs != NULL) {
+    tls.cert_file = certs->server_cert;
+    tls.key_file = certs->server_key;
+    so.tls = &tls;
+  }
+  int rc = sp_rpc_server_new(&s->loop, &so, &s->srv);
   if (rc == 0) rc = sp_echo_register(s->srv);
   if (rc == 0) rc = sp_rpc_server_listen(s->srv, "127.0.0.1:0", &s->port, d);
   if (rc != 0) return rc;
@@ -593,7 +613,8 @@ static result accum_result(accum a[N_CALLERS], int n_callers,
 static void client_closed(void *arg) { *(bool *)arg = true; }
 
 static int driver_open(driver *d, uv_loop_t *loop, int port,
-                       const uint8_t *req, size_t len, const char *who) {
+                       const uint8_t *req, size_t len, const char *who,
+                       const sp_rpc_tls_client_opts *tls) {
   memset(d, 0, sizeof *d);
   d->loop = loop;
   d->req = req;
@@ -601,7 +622,7 @@ static int driver_open(driver *d, uv_loop_t *loop, int port,
   d->who = who;
   char addr[32];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-  sp_rpc_client_opts co = {.connect_timeout_ms = 5000};
+  sp_rpc_client_opts co = {.connect_timeout_ms = 5000, .tls = tls};
   int rc = sp_rpc_client_open(loop, addr, &co, &d->cl);
   if (rc != 0) return rc;
   uv_timer_init(loop, &d->watchdog);
@@ -622,9 +643,98 @@ static void driver_close(driver *d) {
 /* Output                                                              */
 /* ------------------------------------------------------------------ */
 
-enum { FLOOR, OURS, GRPCPP, N_CONTENDERS };
+/* ---- connection cost: fresh connections, one call each ---- */
+
+typedef struct first_call {
+  bool done, replied;
+  int code;
+  const uint8_t *req;
+  size_t len;
+} first_call;
+
+static void fc_reply(sp_rpc_ccall *call, const uint8_t *data, size_t len,
+                     void *user) {
+  (void)call;
+  first_call *f = user;
+  f->replied = len == f->len && memcmp(data, f->req, len) == 0;
+}
+
+static void fc_close(sp_rpc_ccall *call, const sp_rpc_status *st,
+                     void *user) {
+  (void)call;
+  first_call *f = user;
+  f->done = true;
+  f->code = st->code;
+}
+
+/* ns from the first call's start (which connects, and with TLS does the
+ * handshake) to its reply, on a client of its own; the client's setup
+ * (its TLS context) comes before and is not counted. */
+static int connect_once(uv_loop_t *loop, int port,
+                        const sp_rpc_tls_client_opts *tls, const uint8_t *req,
+                        size_t len, uint64_t *ns) {
+  char addr[32];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  sp_rpc_client_opts co = {.connect_timeout_ms = 5000, .tls = tls};
+  sp_rpc_client *cl;
+  if (sp_rpc_client_open(loop, addr, &co, &cl) != 0) return SP_EIO;
+  static const sp_rpc_ccall_cbs cbs = {.on_message = fc_reply,
+                                       .on_close = fc_close};
+  first_call f = {.req = req, .len = len};
+  sp_rpc_ccall *call;
+  uint64_t t0 = now_ns();
+  int rc = sp_rpc_client_start(cl, ECHO_UNARY, NULL, 0, 5000, &cbs, &f, &call);
+  if (rc == 0 && !f.done) rc = sp_rpc_ccall_send(call, req, len);
+  if (rc == 0 && !f.done) rc = sp_rpc_ccall_close_send(call);
+  while (rc == 0 && !f.done) uv_run(loop, UV_RUN_ONCE);
+  *ns = now_ns() - t0;
+  bool closed = false;
+  sp_rpc_client_close(cl, client_closed, &closed);
+  while (!closed && uv_run(loop, UV_RUN_ONCE) != 0) {
+  }
+  return rc == 0 && f.code == SP_RPC_OK && f.replied ? 0 : SP_EIO;
+}
+
+typedef struct conn_cost {
+  bool ok;
+  int n;
+  double clear_us, tls_us; /* medians */
+} conn_cost;
+
+/* n fresh connections each way, taken in turns so both see the same
+ * machine. */
+static conn_cost measure_connections(uv_loop_t *loop, int port, int tls_port,
+                                     const sp_rpc_tls_client_opts *tls,
+                                     const uint8_t *req, size_t len, int n) {
+  conn_cost c = {.n = n};
+  double *clear = malloc((size_t)n * sizeof *clear);
+  double *sec = malloc((size_t)n * sizeof *sec);
+  if (clear == NULL || sec == NULL) {
+    free(clear);
+    free(sec);
+    return c;
+  }
+  c.ok = true;
+  for (int i = 0; i < n && c.ok; i++) {
+    uint64_t a = 0, b = 0;
+    c.ok = connect_once(loop, port, NULL, req, len, &a) == 0 &&
+           connect_once(loop, tls_port, tls, req, len, &b) == 0;
+    clear[i] = (double)a / 1e3;
+    sec[i] = (double)b / 1e3;
+  }
+  if (c.ok) {
+    c.clear_us = median(clear, n);
+    c.tls_us = median(sec, n);
+  }
+  free(clear);
+  free(sec);
+  return c;
+}
+
+enum { FLOOR, OURS, GRPCPP, OURS_TLS, N_CONTENDERS };
 static const char *const k_names[N_CONTENDERS] = {
-    "raw TCP ping-pong (floor)", "ours (sp_rpc server)", "gRPC C++ server"};
+    "raw TCP ping-pong (floor)", "ours (sp_rpc server)", "gRPC C++ server",
+    "ours over TLS 1.3"};
 
 static result med(const result *runs, int n) {
   result m = {0};
@@ -674,14 +784,18 @@ static void print_run(int run, const result r[N_CONTENDERS]) {
     if (!r[c].ok) continue;
     printf("    %-8s p50 %6.1f  p99 %6.1f us (%3.0f%% fast)  %7.0f %7.0f "
            "%7.0f calls/s\n",
-           c == FLOOR ? "floor" : c == OURS ? "ours" : "gRPC C++", r[c].p50_us,
+           c == FLOOR      ? "floor"
+           : c == OURS     ? "ours"
+           : c == OURS_TLS ? "ours TLS"
+                           : "gRPC C++",
+           r[c].p50_us,
            r[c].p99_us, 100 * r[c].fast_share, r[c].tput[0], r[c].tput[1],
            r[c].tput[2]);
   }
 }
 
 static int report(const bench_opts *o, result runs[][N_CONTENDERS],
-                  size_t req_len) {
+                  size_t req_len, const conn_cost *cc) {
   result m[N_CONTENDERS];
   result col[64];
   for (int c = 0; c < N_CONTENDERS; c++) {
@@ -697,10 +811,12 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
   for (int c = 0; c < N_CONTENDERS; c++) {
     const result *r = &m[c];
     if (!r->ok) {
-      printf("%-27s %s\n", k_names[c],
-             c == GRPCPP && o->grpcpp_server == NULL
-                 ? "left out (--no-grpcpp)"
-                 : "failed");
+      char why[160] = "failed";
+      if (c == GRPCPP && o->grpcpp_server == NULL)
+        snprintf(why, sizeof why, "left out (--no-grpcpp)");
+      else if (c == OURS_TLS && o->certs == NULL)
+        snprintf(why, sizeof why, "left out (%s)", o->no_tls_why);
+      printf("%-27s %s\n", k_names[c], why);
       continue;
     }
     printf("%-27s %9.1f %9.1f %8.2fx %8.2fx %10.0f", k_names[c], r->p50_us,
@@ -720,6 +836,14 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
     for (int i = 0; i < N_CALLERS; i++)
       printf(" %9.2fx", us->tput[i] / fl->tput[i]);
     printf("\n");
+  }
+  const result *tl = &m[OURS_TLS];
+  if (us->ok && tl->ok) {
+    printf("%-27s %9s %9s %9s %9s", "ours TLS / cleartext", "", "", "", "");
+    for (int i = 0; i < N_CALLERS; i++)
+      printf(" %9.2fx", tl->tput[i] / us->tput[i]);
+    printf("\n%-27s %8.2fx %8.2fx\n", "TLS / cleartext latency",
+           tl->p50_us / us->p50_us, tl->p99_us / us->p99_us);
   }
   printf("(request and reply: %zu-byte Echo message; the floor sends as many "
          "bytes per call,\n N calls as one N-message write and reads them "
@@ -762,6 +886,16 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
         printf(" %10s", "?");
     printf("\n");
   }
+
+  if (cc->ok)
+    printf("\nconnection cost, median of %d fresh connections each (first "
+           "call's start to its reply):\n  cleartext connect + first call "
+           "%.0f us; TLS 1.3 connect + handshake + first call %.0f us: "
+           "%.2fx\n",
+           cc->n, cc->clear_us, cc->tls_us, cc->tls_us / cc->clear_us);
+  else
+    printf("\nconnection cost: %s\n",
+           o->certs == NULL ? o->no_tls_why : "failed");
 
   int fails = 0;
   printf("\ngoals\n");
@@ -947,6 +1081,29 @@ int main(int argc, char **argv) {
   uint8_t *req = malloc(req_len);
   shardplane__testing__echo_request__pack(&rq, req);
 
+  /* the TLS server's certificates, in a scratch directory of the run */
+  char certs_dir[4096] = "";
+  sp_test_certs certs;
+  {
+    const char *tmp = getenv("TMPDIR");
+    snprintf(certs_dir, sizeof certs_dir, "%s/shardplane-bench-rpc-XXXXXX",
+             tmp != NULL && tmp[0] != '\0' ? tmp : "/tmp");
+    if (mkdtemp(certs_dir) == NULL) {
+      certs_dir[0] = '\0';
+      o.no_tls_why = "cannot make a scratch directory for certificates";
+    } else {
+      int crc = sp_test_certs_make(certs_dir, &certs);
+      if (crc == 0)
+        o.certs = &certs;
+      else
+        o.no_tls_why = crc == SP_EUNSUPPORTED
+                           ? "no openssl command to make certificates"
+                           : "making the certificates failed";
+    }
+  }
+  sp_rpc_tls_client_opts ctls = {0};
+  if (o.certs != NULL) ctls.ca_file = o.certs->ca;
+
   printf("rpc: unary Echo.Unary on loopback, %ld CPUs online, %.2f s per "
          "figure, %d run%s\n",
          sysconf(_SC_NPROCESSORS_ONLN), o.seconds, o.runs,
@@ -955,6 +1112,11 @@ int main(int argc, char **argv) {
          "%zu-byte messages\n         (N callers: N messages per write)\n",
          req_len);
   printf("  ours: sp_rpc Echo server on its own loop in a thread\n");
+  if (o.certs != NULL)
+    printf("  ours over TLS: a second one serving TLS (P-256 certificate), "
+           "the client verifying it\n");
+  else
+    printf("  ours over TLS: left out (%s)\n", o.no_tls_why);
   if (o.grpcpp_server != NULL)
     printf("  gRPC C++: async server in a child process, %s\n",
            o.grpcpp_threads ? "--grpcpp-threads completion-queue threads"
@@ -967,14 +1129,18 @@ int main(int argc, char **argv) {
 
   sp_diag d = {""};
   tcp_floor tf;
-  our_server os;
+  our_server os, ots;
   grpcpp_server gs = {0};
   if (tcp_floor_start(&tf, req_len) != 0) {
     fprintf(stderr, "rpc: cannot start the TCP echo thread\n");
     return 1;
   }
-  if (our_server_start(&os, &d) != 0) {
+  if (our_server_start(&os, NULL, &d) != 0) {
     fprintf(stderr, "rpc: our server: %s\n", d.msg);
+    return 1;
+  }
+  if (o.certs != NULL && our_server_start(&ots, o.certs, &d) != 0) {
+    fprintf(stderr, "rpc: our TLS server: %s\n", d.msg);
     return 1;
   }
   if (o.grpcpp_server != NULL && grpcpp_start(&gs, &o, &d) != 0) {
@@ -987,16 +1153,20 @@ int main(int argc, char **argv) {
 
   uv_loop_t loop;
   uv_loop_init(&loop);
-  driver ours, theirs;
-  if (driver_open(&ours, &loop, os.port, req, req_len, "ours") != 0 ||
+  driver ours, theirs, ours_tls;
+  if (driver_open(&ours, &loop, os.port, req, req_len, "ours", NULL) != 0 ||
       (o.grpcpp_server != NULL &&
-       driver_open(&theirs, &loop, gs.port, req, req_len, "gRPC C++") != 0)) {
+       driver_open(&theirs, &loop, gs.port, req, req_len, "gRPC C++",
+                   NULL) != 0) ||
+      (o.certs != NULL && driver_open(&ours_tls, &loop, ots.port, req, req_len,
+                                      "ours TLS", &ctls) != 0)) {
     fprintf(stderr, "rpc: cannot create the client\n");
     return 1;
   }
   if (o.grpcpp_server != NULL) theirs.server_pid = gs.pid;
   driver *drv[N_CONTENDERS] = {NULL, &ours,
-                               o.grpcpp_server != NULL ? &theirs : NULL};
+                               o.grpcpp_server != NULL ? &theirs : NULL,
+                               o.certs != NULL ? &ours_tls : NULL};
   int floor_fd = tcp_floor_connect(&tf);
   if (floor_fd < 0) {
     fprintf(stderr, "rpc: cannot connect to the TCP echo thread\n");
@@ -1053,14 +1223,30 @@ int main(int argc, char **argv) {
     for (int c = 0; c < N_CONTENDERS; c++)
       for (int j = 0; j < N_CALLERS; j++) free(acc[c][j].lat.v);
   }
-  if (rc == 0) report(&o, runs, req_len);
+  conn_cost cc = {0};
+  if (rc == 0 && o.certs != NULL) {
+    int n = (int)(200 * o.seconds);
+    cc = measure_connections(&loop, os.port, ots.port, &ctls, req, req_len,
+                             n < 10 ? 10 : n > 2000 ? 2000 : n);
+    if (!cc.ok) {
+      fprintf(stderr, "rpc: a fresh connection's first call failed\n");
+      rc = 1;
+    }
+  }
+  if (rc == 0) report(&o, runs, req_len, &cc);
 
   close(floor_fd);
   driver_close(&ours);
   if (o.grpcpp_server != NULL) driver_close(&theirs);
+  if (o.certs != NULL) driver_close(&ours_tls);
   uv_loop_close(&loop);
   if (o.grpcpp_server != NULL) grpcpp_stop(&gs);
   our_server_stop(&os);
+  if (o.certs != NULL) {
+    our_server_stop(&ots);
+    sp_test_certs_free(&certs);
+  }
+  if (certs_dir[0] != '\0') sp_test_rmtree(certs_dir);
   tcp_floor_stop(&tf);
   free(req);
   free(payload);

@@ -8,6 +8,7 @@
 #include <stdio.h>
 
 #include "fsdp/memory.h"
+#include "lib/shardplane.h"
 
 /* Exit codes: scripts tell these apart. */
 enum {
@@ -46,7 +47,6 @@ int sp_cli_parse_uint(const char *s, long long max, long long *out);
 /* ---- talking to a coordinator (remote.c) ---- */
 
 #define SP_DEFAULT_COORDINATOR "127.0.0.1:7700"
-#define SP_COORDINATOR_ENV "SHARDPLANE_COORDINATOR"
 #define SP_DEFAULT_TIMEOUT_MS 5000
 
 /* getopt_long values of the options every remote subcommand takes; put

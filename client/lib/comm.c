@@ -121,6 +121,7 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
                          .size = c->size,
                          .timeout_ms = timeout_ms,
                          .device = opts->device,
+                         .host = opts->host,
                          .cancel = opts->cancel,
                          .cancel_user = opts->cancel_user};
     sp_diag local = {{0}};

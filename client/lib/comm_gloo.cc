@@ -760,8 +760,10 @@ void do_barrier(GlooComm &g, bool &timed_out) {
 // ---- creation
 // ----------------------------------------------------------------
 
-std::string gloo_host() {
-  const char *h = std::getenv("SHARDPLANE_GLOO_HOST");
+std::string gloo_host(const sp_comm_info *info) {
+  if (info->host != nullptr && info->host[0] != '\0')
+    return std::string(info->host);
+  const char *h = std::getenv(SP_GLOO_HOST_ENV);
   return h != nullptr && h[0] != '\0' ? std::string(h)
                                       : std::string("127.0.0.1");
 }
@@ -780,7 +782,7 @@ int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
     g->rank = (int)info->rank;
     g->size = (int)info->size;
     g->timeout_ms = info->timeout_ms;
-    host = gloo_host();
+    host = gloo_host(info);
   } catch (...) {
     return sp_diag_set(d, SP_ENOMEM, "out of memory");
   }
@@ -791,7 +793,7 @@ int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
   } catch (const std::exception &e) {
     return sp_diag_set(d, SP_EIO,
                        "cannot create a TCP device on host '%s' (set "
-                       "SHARDPLANE_GLOO_HOST): %s",
+                       SP_GLOO_HOST_ENV "): %s",
                        host.c_str(), e.what());
   } catch (...) {
     return sp_diag_set(d, SP_EIO, "cannot create a TCP device on host '%s'",

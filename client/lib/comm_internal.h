@@ -46,6 +46,7 @@ typedef struct sp_comm_info {
   uint32_t size;
   uint64_t timeout_ms; /* already defaulted and clamped */
   const char *device;  /* opts.device, may be NULL */
+  const char *host;    /* opts.host, may be NULL */
   /* opts.cancel / opts.cancel_user: polled during the rendezvous; may be
    * NULL. */
   bool (*cancel)(void *user);

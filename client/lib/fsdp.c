@@ -511,6 +511,21 @@ int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
                     .store = sp_session_comm_store(s),
                     .timeout_ms = timeout_ms,
                     .device = cuda ? device : NULL};
+  /* Peers on other hosts reach this one on the network it reaches the
+   * coordinator through (loopback for a local job); the variable
+   * overrides it, for hosts whose collectives use another network. */
+  char host[64];
+  const char *env_host = getenv(SP_GLOO_HOST_ENV);
+  if (env_host == NULL || env_host[0] == '\0') {
+    sp_diag hd = {{0}};
+    if (sp_local_addr_toward(sp_session_coordinator(s), host, sizeof host,
+                             &hd) != 0)
+      return sp_diag_set(d, SP_EIO,
+                         "rank %u: cannot choose the address peers reach this "
+                         "rank at (set " SP_GLOO_HOST_ENV "): %s",
+                         r, hd.msg);
+    o.host = host;
+  }
   char prefix[64];
   o.prefix = "comm/world";
   o.rank = r;

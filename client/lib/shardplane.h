@@ -116,6 +116,41 @@ int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
 int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
                          int64_t *value, sp_diag *d);
 
+/* ---- where a worker is (launch.c) ----
+ * Launchers tell each process who it is through the environment: torchrun
+ * sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE; srun sets
+ * SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS (read when torchrun's are
+ * not set). A program's own flags win over both. */
+
+/* The coordinator's address, "HOST:PORT", when no flag gives it. */
+#define SP_COORDINATOR_ENV "SHARDPLANE_COORDINATOR"
+/* Overrides the address the Gloo backend binds and advertises to its peers
+ * (sp_comm_opts.host). */
+#define SP_GLOO_HOST_ENV "SHARDPLANE_GLOO_HOST"
+
+typedef struct sp_launch_env {
+  long rank, local_rank, world_size, local_world_size; /* -1: not set */
+  const char *coordinator; /* $SHARDPLANE_COORDINATOR; NULL: not set */
+  /* The variable each number came from (for messages); NULL: not set.
+   * Static strings. */
+  const char *rank_var, *local_rank_var, *world_size_var,
+      *local_world_size_var;
+} sp_launch_env;
+
+/* Reads the variables above. SP_EINVAL, naming the variable and its value,
+ * for one that is not a number in range or a rank not below the world
+ * size. The strings point into the environment: valid until it changes.
+ * Any thread, as long as none changes the environment. */
+int sp_launch_env_read(sp_launch_env *e, sp_diag *d);
+
+/* The address (numeric, no port) of this host's interface that a
+ * connection to addr ("host:port") leaves from: the one peers on that
+ * network reach this host at. Sends nothing. SP_EINVAL for an address
+ * that does not resolve, SP_EIO when there is no route. Blocking only for
+ * a name to resolve. */
+int sp_local_addr_toward(const char *addr, char *out, size_t cap,
+                         sp_diag *d);
+
 /* ---- reporting: training thread only ----
  * Each call costs a table check and a store into a ring (no lock, no
  * syscall). */
@@ -211,6 +246,10 @@ typedef struct sp_comm_opts {
   uint32_t size;          /* members */
   uint64_t timeout_ms;    /* rendezvous and per-operation; 0: 60000 */
   const char *device;     /* NCCL: "cuda:N" (required); Gloo: ignored */
+  /* Gloo: the numeric address this member binds and advertises; NULL:
+   * $SHARDPLANE_GLOO_HOST, else 127.0.0.1 (sp_fsdp_comms_open passes the
+   * interface that reaches the coordinator). NCCL: ignored. Copied. */
+  const char *host;
   /* Optional, NCCL: polled (on the creating thread, every few ms) while
    * sp_comm_new waits for the other members; returning true gives up at
    * once with SP_ECANCELED. Typically it reads sp_session_aborted, so a

@@ -25,6 +25,7 @@ typedef struct worker_opts {
   const char *coordinator;
   bool coordinator_flag; /* from --coordinator, not the environment */
   long rank;
+  sp_launch_env env; /* RANK, WORLD_SIZE, ... as a launcher set them */
   const char *device;
   uint32_t steps;
   uint32_t global_batch;
@@ -355,7 +356,8 @@ static void usage(FILE *f) {
       "  --coordinator HOST:PORT  coordinator (default $SHARDPLANE_COORDINATOR"
       ",\n"
       "                           then 127.0.0.1:7700)\n"
-      "  --rank R                 this rank (required)\n"
+      "  --rank R                 this rank (default $RANK, then\n"
+      "                           $SLURM_PROCID; one of them is required)\n"
       "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
       "                           gradients and buffers on GPU N, the MLP on\n"
       "                           cuBLAS, collectives over NCCL (GPU build)\n"
@@ -405,6 +407,12 @@ static void usage(FILE *f) {
   sp_train_flags_help(f, 27);
   fputs(
       "  --help                   this text\n"
+      "\n"
+      "Environment, as launchers set it (flags win): RANK or SLURM_PROCID\n"
+      "(the rank), WORLD_SIZE or SLURM_NTASKS (must equal the job's world\n"
+      "size), SHARDPLANE_COORDINATOR (the address). Gloo binds and\n"
+      "advertises the address of the interface that reaches the\n"
+      "coordinator; SHARDPLANE_GLOO_HOST=ADDR overrides it.\n"
       "\n"
       "SIGINT or SIGTERM: every rank stops after the same step (they agree\n"
       "at each step boundary), writes the checkpoints and exits 128 + the\n"
@@ -532,9 +540,14 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   opts[n_own + n_train] = (struct option){NULL, 0, NULL, 0};
   memset(o, 0, sizeof *o);
   sp_train_flags_init(&o->train);
-  o->coordinator = getenv("SHARDPLANE_COORDINATOR");
-  if (!o->coordinator || !*o->coordinator) o->coordinator = "127.0.0.1:7700";
-  o->rank = -1;
+  /* what a launcher said (torchrun's or Slurm's variables); flags win */
+  sp_diag ed = {{0}};
+  if (sp_launch_env_read(&o->env, &ed) != 0) {
+    fprintf(stderr, "shardplane-worker: %s\n", ed.msg);
+    return 2;
+  }
+  o->coordinator = o->env.coordinator ? o->env.coordinator : "127.0.0.1:7700";
+  o->rank = o->env.rank;
   o->device = "cpu";
   o->steps = 20;
   o->global_batch = 24;
@@ -564,7 +577,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       fprintf(stderr, "shardplane-worker: unexpected argument \"%s\"\n",
               argv[optind]);
     else
-      fprintf(stderr, "shardplane-worker: --rank is required\n");
+      fprintf(stderr, "shardplane-worker: --rank is required (or $RANK or "
+              "$SLURM_PROCID, as launchers set them)\n");
     usage(stderr);
     return 2;
   }
@@ -767,10 +781,17 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   int rc = sp_session_open(&so, &s, d);
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
+  /* a launcher started as many processes as it was told: if that is not
+   * the job's world size, some ranks will never come (or are too many) */
+  if (o->env.world_size > 0 && (uint32_t)o->env.world_size != w)
+    rc = sp_diag_set(d, SP_EINVAL,
+                     "rank %u: $%s=%ld but the coordinator's job has world "
+                     "size %u", rank, o->env.world_size_var,
+                     o->env.world_size, w);
   /* every rank checks before the rendezvous, so before any rank writes */
   bool writes = o->ckpt_kinds[SP_CKPT_FULL] || o->ckpt_kinds[SP_CKPT_SHARDED] ||
                 o->ckpt_kinds[SP_CKPT_LOCAL];
-  if (o->ckpt_dir && writes)
+  if (rc == 0 && o->ckpt_dir && writes)
     rc = sp_ckpt_check_dir(o->ckpt_dir, sp_session_plan(s)->version_hex, d);
   if (rc == 0)
     rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica,

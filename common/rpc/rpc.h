@@ -320,7 +320,10 @@ typedef struct sp_rpc_client_opts {
   /* Send limit; 0: none beyond the 4 GiB framing bound, as gRPC C-core
    * (servers enforce their own receive limit). */
   size_t max_send_message;
-  /* NULL: cleartext HTTP/2 (h2c). Copied by sp_rpc_client_open. */
+  /* NULL: cleartext HTTP/2 (h2c). Copied by sp_rpc_client_open, which
+   * reads the files then: one it cannot use makes every call fail with
+   * UNAVAILABLE and a message naming it. connect_timeout_ms bounds the
+   * handshake too; a failed verification is not retried. */
   const sp_rpc_tls_client_opts *tls;
   /* Non-NULL: sent as "authorization: Bearer <token>" on every call.
    * Copied by sp_rpc_client_open. */

@@ -7,6 +7,7 @@
 #include "rpc.h"
 #include "rpc_conn.h"
 #include "rpc_internal.h"
+#include "rpc_tls.h"
 #include "rpc_wire.h"
 #include "base/strmap.h"
 
@@ -15,6 +16,7 @@ typedef struct cconn {
   sp_rpc_client *cl;
   sp_rpc_ccall *calls; /* submitted on this connection */
   bool ready, goaway;
+  bool handshaking; /* TLS: connected, the handshake not done yet */
 } cconn;
 
 struct sp_rpc_ccall {
@@ -49,7 +51,13 @@ struct sp_rpc_client {
   uv_timer_t retry;
   uint64_t connect_started, backoff_ms;
   uint64_t rng;
-  char last_error[160];
+  /* What the waiting calls fail with when connecting gives up. */
+  char last_error[SP_RPC_STATUS_MESSAGE_MAX];
+  /* TLS: the context and the name the server's certificate must carry;
+   * a context that could not be built fails every call with why. */
+  bool use_tls, tls_setup_failed;
+  SSL_CTX *tls;
+  char *tls_name;
   sp_rpc_ccall *waiting; /* calls with no connection yet */
   size_t open_handles;
   void (*close_done)(void *);
@@ -250,22 +258,74 @@ static int cb_stream_close(nghttp2_session *s, int32_t id, uint32_t err,
 
 /* ---------------- connection ---------------- */
 
+/* Messages that name the address: a long one truncates them, which is
+ * acceptable (checking the result tells the compiler so). */
+#define MSGF(buf, cap, ...)                                                    \
+  do {                                                                         \
+    if (snprintf((buf), (cap), __VA_ARGS__) < 0) (buf)[0] = '\0';              \
+  } while (0)
+
+static void client_free(sp_rpc_client *cl) {
+  if (cl->close_done) cl->close_done(cl->close_arg);
+  SSL_CTX_free(cl->tls);
+  free(cl->tls_name);
+  free(cl);
+}
+
+static void connect_failed(sp_rpc_client *cl, bool final);
+
+/* Why the calls of a connection that broke failed: its TLS error, or a
+ * cleartext client that got TLS from the server. */
+static void lost_message(cconn *cc, char *msg, size_t cap) {
+  const sp_tls_conn *t = cc->io.tls;
+  if (t != NULL && t->err[0] != '\0')
+    MSGF(msg, cap, "TLS connection to %s failed: %s", cc->cl->addr,
+             t->err);
+  else if (cc->io.peer_tls)
+    MSGF(msg, cap,
+             "connection to the server lost: %s answered with TLS, and this "
+             "client speaks cleartext HTTP/2",
+             cc->cl->addr);
+  else if (cc->io.tls == NULL && cc->io.bytes_in == 0)
+    /* what a TLS server does with a cleartext client's preface */
+    MSGF(msg, cap,
+         "connection to the server lost: %s closed it without a word "
+         "(does it require TLS?)",
+         cc->cl->addr);
+  else
+    snprintf(msg, cap, "connection to the server lost");
+}
+
 static void conn_closed(sp_h2conn *io) {
   cconn *cc = io->owner;
   sp_rpc_client *cl = cc->cl;
+  char lost[SP_RPC_STATUS_MESSAGE_MAX];
+  if (cc->calls != NULL) lost_message(cc, lost, sizeof lost);
   while (cc->calls != NULL) {
     sp_rpc_ccall *call = cc->calls;
     if (call->local_code >= 0)
       call_complete(call, call->local_code, call->status.message);
     else
-      call_complete(call, SP_RPC_UNAVAILABLE, "connection to the server lost");
+      call_complete(call, SP_RPC_UNAVAILABLE, lost);
+  }
+  bool handshaking = cc->handshaking;
+  bool final = false;
+  if (handshaking) {
+    const sp_tls_conn *t = io->tls;
+    final = t != NULL && t->final;
+    MSGF(cl->last_error, sizeof cl->last_error,
+             "TLS handshake with %s failed: %s", cl->addr,
+             t != NULL && t->err[0] ? t->err : "the connection closed");
   }
   if (cl->conn == cc) cl->conn = NULL;
   free(cc);
   cl->open_handles--;
   if (cl->closing && cl->open_handles == 0) {
-    if (cl->close_done) cl->close_done(cl->close_arg);
-    free(cl);
+    client_free(cl);
+    return;
+  }
+  if (handshaking) { /* a failed attempt to connect */
+    connect_failed(cl, final);
     return;
   }
   /* calls that arrived while this connection was closing need a new one */
@@ -303,38 +363,66 @@ static uint64_t next_rand(sp_rpc_client *cl) {
 }
 
 static void fail_waiting(sp_rpc_client *cl) {
-  char msg[SP_RPC_STATUS_MESSAGE_MAX];
-  /* a long address may truncate the message; that is acceptable */
-  if (snprintf(msg, sizeof msg, "cannot connect to %s: %s", cl->addr,
-               cl->last_error) < 0)
-    msg[0] = '\0';
-  while (cl->waiting) call_complete(cl->waiting, SP_RPC_UNAVAILABLE, msg);
+  while (cl->waiting)
+    call_complete(cl->waiting, SP_RPC_UNAVAILABLE, cl->last_error);
 }
 
 static void on_retry(uv_timer_t *t) { client_connect(t->data); }
 
-static void on_connect(uv_connect_t *req, int status) {
-  cconn *cc = req->data;
+/* The connection is ready for calls: connected and, with TLS, through
+ * the handshake with ALPN h2. */
+static void conn_ready(cconn *cc) {
   sp_rpc_client *cl = cc->cl;
   cl->connecting = false;
-  if (status == 0 && !cl->closing && session_new(cc) == 0 &&
-      sp_h2conn_start(&cc->io) == 0) {
-    uv_tcp_nodelay(&cc->io.tcp, 1);
-    cc->ready = true;
-    cl->conn = cc;
-    cl->backoff_ms = 0;
-    while (cl->waiting) submit_call(cl->waiting);
-    sp_h2conn_flush(&cc->io);
-    return;
-  }
-  snprintf(cl->last_error, sizeof cl->last_error, "%s",
-           status ? uv_strerror(status) : "setup failed");
-  sp_h2conn_close(&cc->io);
+  uv_timer_stop(&cl->retry); /* the handshake's deadline */
+  cc->handshaking = false;
+  cc->ready = true;
+  cl->conn = cc;
+  cl->backoff_ms = 0;
+  while (cl->waiting) submit_call(cl->waiting);
+  sp_h2conn_flush(&cc->io);
+}
+
+static void on_tls_ready(sp_h2conn *io) { conn_ready(io->owner); }
+
+/* connect_timeout_ms covers the handshake too: a server that accepts and
+ * never answers must not hold the calls forever. */
+static void on_handshake_timeout(uv_timer_t *t) {
+  sp_rpc_client *cl = t->data;
+  cconn *cc = cl->conn;
+  if (cc == NULL || !cc->handshaking) return;
+  snprintf(cc->io.tls->err, sizeof cc->io.tls->err, "timed out");
+  sp_h2conn_close(&cc->io); /* conn_closed reports it */
+}
+
+static void on_setup_failed(uv_timer_t *t) {
+  sp_rpc_client *cl = t->data;
+  cl->connecting = false;
+  fail_waiting(cl);
+}
+
+static int conn_tls(cconn *cc) {
+  sp_rpc_client *cl = cc->cl;
+  if (!cl->use_tls) return 0;
+  sp_tls_conn *t;
+  int rc = sp_tls_conn_new(cl->tls, false, cl->tls_name, &t);
+  if (rc != 0) return rc;
+  t->on_ready = on_tls_ready;
+  sp_h2conn_tls(&cc->io, t);
+  return 0;
+}
+
+/* An attempt failed: retry with backoff, unless it is final (a TLS
+ * verification or protocol failure, which would only repeat) or the
+ * connect timeout has passed. */
+static void connect_failed(sp_rpc_client *cl, bool final) {
+  uv_timer_stop(&cl->retry);
+  cl->connecting = false;
   if (cl->closing) return;
   /* this may run straight from client_connect, outside the loop */
   uv_update_time(cl->loop);
   uint64_t now = uv_now(cl->loop);
-  if (now - cl->connect_started >= cl->opts.connect_timeout_ms) {
+  if (final || now - cl->connect_started >= cl->opts.connect_timeout_ms) {
     fail_waiting(cl);
     return;
   }
@@ -349,6 +437,34 @@ static void on_connect(uv_connect_t *req, int status) {
   uv_timer_start(&cl->retry, on_retry, wait, 0);
 }
 
+static void on_connect(uv_connect_t *req, int status) {
+  cconn *cc = req->data;
+  sp_rpc_client *cl = cc->cl;
+  if (status == 0 && !cl->closing && session_new(cc) == 0 &&
+      conn_tls(cc) == 0 && sp_h2conn_start(&cc->io) == 0) {
+    uv_tcp_nodelay(&cc->io.tcp, 1);
+    if (cc->io.tls == NULL) {
+      conn_ready(cc);
+      return;
+    }
+    /* still connecting: calls wait for the handshake */
+    cc->handshaking = true;
+    cl->conn = cc;
+    uv_update_time(cl->loop);
+    uint64_t spent = uv_now(cl->loop) - cl->connect_started;
+    uint64_t left = spent < cl->opts.connect_timeout_ms
+                        ? cl->opts.connect_timeout_ms - spent
+                        : 1;
+    uv_timer_start(&cl->retry, on_handshake_timeout, left, 0);
+    sp_h2conn_flush(&cc->io); /* the ClientHello */
+    return;
+  }
+  MSGF(cl->last_error, sizeof cl->last_error, "cannot connect to %s: %s",
+           cl->addr, status ? uv_strerror(status) : "setup failed");
+  sp_h2conn_close(&cc->io);
+  connect_failed(cl, false);
+}
+
 static void client_connect(sp_rpc_client *cl) {
   if (cl->closing) return;
   if (!cl->connecting) {
@@ -357,10 +473,17 @@ static void client_connect(sp_rpc_client *cl) {
     cl->connect_started = uv_now(cl->loop);
     cl->backoff_ms = 0;
   }
+  if (cl->tls_setup_failed) {
+    /* from the loop, not inside sp_rpc_client_start */
+    cl->connecting = true;
+    uv_timer_start(&cl->retry, on_setup_failed, 0, 0);
+    return;
+  }
   cconn *cc = calloc(1, sizeof *cc);
   if (cc == NULL || sp_h2conn_init(&cc->io, cl->loop, cc) != 0) {
     free(cc);
-    snprintf(cl->last_error, sizeof cl->last_error, "out of memory");
+    MSGF(cl->last_error, sizeof cl->last_error,
+             "cannot connect to %s: out of memory", cl->addr);
     cl->connecting = false;
     fail_waiting(cl);
     return;
@@ -405,7 +528,10 @@ static void submit_call(sp_rpc_ccall *call) {
   size_t n = 0;
   char timeout[16];
   nv[n++] = (nghttp2_nv)NV(":method", "POST", 4);
-  nv[n++] = (nghttp2_nv)NV(":scheme", "http", 4);
+  if (cl->use_tls)
+    nv[n++] = (nghttp2_nv)NV(":scheme", "https", 5);
+  else
+    nv[n++] = (nghttp2_nv)NV(":scheme", "http", 4);
   nv[n++] = (nghttp2_nv)NV(":path", call->path, strlen(call->path));
   nv[n++] = (nghttp2_nv)NV(":authority", cl->addr, strlen(cl->addr));
   nv[n++] = (nghttp2_nv)NV("te", "trailers", 8);
@@ -444,6 +570,29 @@ static void submit_call(sp_rpc_ccall *call) {
   call->stream_id = id;
 }
 
+/* Builds the TLS context now, so every connection shares it; files that
+ * cannot be used leave a message for the calls instead. */
+static int client_tls_setup(sp_rpc_client *cl,
+                            const sp_rpc_tls_client_opts *o) {
+  cl->use_tls = true;
+  char host[256];
+  int port;
+  const char *name = o->server_name;
+  if (name == NULL) {
+    if (sp_rpc_split_addr(cl->addr, host, sizeof host, &port) != 0)
+      return SP_EINVAL;
+    name = host;
+  }
+  cl->tls_name = sp_strdup(name);
+  if (cl->tls_name == NULL) return SP_ENOMEM;
+  sp_diag d = {""};
+  if (sp_tls_client_ctx_new(o, &cl->tls, &d) != 0) {
+    cl->tls_setup_failed = true;
+    snprintf(cl->last_error, sizeof cl->last_error, "%s", d.msg);
+  }
+  return 0;
+}
+
 int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
                        const sp_rpc_client_opts *opts, sp_rpc_client **out) {
   if (loop == NULL || addr == NULL || out == NULL) return SP_EINVAL;
@@ -463,6 +612,14 @@ int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
   if (!cl->opts.max_send_message || cl->opts.max_send_message > UINT32_MAX)
     cl->opts.max_send_message = UINT32_MAX;
   cl->rng = (uint64_t)(uintptr_t)cl ^ uv_hrtime();
+  if (cl->opts.tls != NULL) {
+    rc = client_tls_setup(cl, cl->opts.tls);
+    cl->opts.tls = NULL; /* the caller's struct need not outlive this */
+    if (rc != 0) {
+      client_free(cl);
+      return rc;
+    }
+  }
   uv_timer_init(loop, &cl->retry);
   cl->retry.data = cl;
   cl->open_handles = 1; /* the retry timer */
@@ -473,10 +630,7 @@ int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
 static void retry_closed(uv_handle_t *h) {
   sp_rpc_client *cl = h->data;
   cl->open_handles--;
-  if (cl->open_handles == 0) {
-    if (cl->close_done) cl->close_done(cl->close_arg);
-    free(cl);
-  }
+  if (cl->open_handles == 0) client_free(cl);
 }
 
 void sp_rpc_client_close(sp_rpc_client *cl, void (*done)(void *), void *arg) {
@@ -492,6 +646,7 @@ void sp_rpc_client_close(sp_rpc_client *cl, void (*done)(void *), void *arg) {
         c->local_code = SP_RPC_CANCELLED;
         snprintf(c->status.message, sizeof c->status.message, "client closed");
       }
+    sp_h2conn_close_notify(&cur->io);
     sp_h2conn_close(&cur->io);
   }
   uv_timer_stop(&cl->retry);

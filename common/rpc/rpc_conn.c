@@ -1,9 +1,12 @@
 #include "rpc_conn.h"
 
+#include "rpc_tls.h"
+
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 
 /* One flush sends at most this much; the rest waits for the write to
  * complete, which bounds the memory a slow peer can pin. */
@@ -24,7 +27,10 @@ static void on_handle_closed(uv_handle_t *h) {
     nghttp2_session_del(c->h2);
     c->h2 = NULL;
   }
+  /* freed after on_closed, which frees c but may read why TLS failed */
+  sp_tls_conn *t = c->tls;
   if (c->on_closed) c->on_closed(c);
+  sp_tls_conn_free(t);
 }
 
 int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner) {
@@ -209,8 +215,13 @@ static bool preempted_since(long *mark) {
  * leaves that case within 4% of batching alone). */
 void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
   if (c->h2 == NULL) return;
-  if (c->bytes_in == 0 && nghttp2_session_check_server_session(c->h2))
-    c->rx_left = NGHTTP2_CLIENT_MAGIC_LEN; /* the preface is no frame */
+  if (c->bytes_in == 0) {
+    if (nghttp2_session_check_server_session(c->h2))
+      c->rx_left = NGHTTP2_CLIENT_MAGIC_LEN; /* the preface is no frame */
+    else if (c->tls == NULL && len >= 3 && (data[0] == 22 || data[0] == 21) &&
+             data[1] == 3) /* a handshake or alert record, TLS 1.x */
+      c->peer_tls = true;
+  }
   bool early = !c->writing && c->early_off == 0 && len <= SP_H2_RECV_PIECE;
   if (c->early_off > 0) c->early_off--;
   while (len > 0) {
@@ -250,10 +261,59 @@ void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
   }
 }
 
+/* Ciphertext a peer that does not read may make us queue (answers to its
+ * key updates, say) while our write is stuck. */
+#define SP_H2_TLS_BACKLOG_MAX (1u << 20)
+
+/* Ciphertext in buf[0..n) of a buffer of cap bytes: into OpenSSL, then
+ * the handshake or the plaintext for nghttp2, decrypted into the same
+ * buffer (OpenSSL has copied the ciphertext), so a read costs no second
+ * buffer. */
+static void tls_recv(sp_h2conn *c, uint8_t *buf, size_t n, size_t cap) {
+  sp_tls_conn *t = c->tls;
+  if (sp_tls_conn_feed(t, buf, n) != 0) {
+    sp_h2conn_close(c);
+    return;
+  }
+  if (!t->ready) {
+    /* in progress: send our next flight; failed: send the alert, then
+     * linger (see flush_tls) */
+    if (sp_tls_conn_handshake(t) != 1) {
+      sp_h2conn_flush(c);
+      return;
+    }
+    if (t->on_ready != NULL) t->on_ready(c);
+    if (c->closing) return;
+  }
+  long r = 0;
+  do {
+    size_t got = 0;
+    while (got < cap && (r = sp_tls_conn_read(t, buf + got, cap - got)) > 0)
+      got += (size_t)r;
+    if (got > 0) sp_h2conn_recv(c, buf, got);
+    if (c->closing || c->lingering) return;
+    if (r == SP_ENOENT) { /* the peer's close_notify: its end of stream */
+      sp_h2conn_close(c);
+      return;
+    }
+  } while (r > 0);
+  if (c->writing && sp_tls_conn_pending(t) > SP_H2_TLS_BACKLOG_MAX) {
+    sp_h2conn_close(c);
+    return;
+  }
+  /* handshake messages, key updates, or the alert of a failure */
+  sp_h2conn_flush(c);
+}
+
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   sp_h2conn *c = s->data;
   if (nread < 0) {
     free(buf->base);
+    sp_tls_conn *t = c->tls;
+    if (t != NULL && !t->ready && !t->failed) /* retrying may help */
+      snprintf(t->err, sizeof t->err,
+               "the connection was closed during the handshake (%s)",
+               nread == UV_EOF ? "end of stream" : uv_strerror((int)nread));
     sp_h2conn_close(c); /* EOF or error: streams end in on_stream_close */
     return;
   }
@@ -268,8 +328,31 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
                      SP_H2_LINGER_QUIET_MS, 0);
     return;
   }
-  sp_h2conn_recv(c, (const uint8_t *)buf->base, (size_t)nread);
+  if (c->tls != NULL)
+    tls_recv(c, (uint8_t *)buf->base, (size_t)nread, buf->len);
+  else
+    sp_h2conn_recv(c, (const uint8_t *)buf->base, (size_t)nread);
   read_buf_done(c, buf->base);
+}
+
+void sp_h2conn_tls(sp_h2conn *c, sp_tls_conn *t) { c->tls = t; }
+
+void sp_h2conn_close_notify(sp_h2conn *c) {
+  sp_tls_conn *t = c->tls;
+  if (t == NULL || c->closing || c->writing || c->lingering || !t->ready ||
+      t->failed || t->shutdown_sent)
+    return;
+  sp_tls_conn_shutdown(t);
+  /* one alert record, a few dozen bytes; a TLS 1.2 one has no more */
+  uint8_t buf[128];
+  size_t n = sp_tls_conn_pending(t);
+  if (n == 0 || n > sizeof buf) return;
+  n = sp_tls_conn_take(t, buf, n);
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)&c->tcp, &fd) != 0) return;
+  /* best effort, as the socket closes right after either way; no SIGPIPE
+   * if the peer is gone, whatever the program does with the signal */
+  (void)send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 int sp_h2conn_start(sp_h2conn *c) {
@@ -321,10 +404,9 @@ static void wbuf_put(sp_h2conn *c, sp_h2wbuf **buf) {
   *buf = NULL;
 }
 
-static void flush_once(sp_h2conn *c) {
-  if (c->closing || c->lingering || c->writing || c->h2 == NULL) return;
-  wbuf_take(c);
-again:
+/* Moves what nghttp2 has to send into c->wbuf, up to a write chunk;
+ * false when that failed and the connection is closing. */
+static bool pull_h2(sp_h2conn *c) {
   while (c->wlen < SP_H2_WRITE_CHUNK) {
     const uint8_t *p;
     c->in_h2 = true;
@@ -332,7 +414,7 @@ again:
     c->in_h2 = false;
     if (n < 0) {
       sp_h2conn_close(c);
-      return;
+      return false;
     }
     if (n == 0) break;
     size_t cap = c->wbuf != NULL ? c->wbuf->cap : 0;
@@ -342,7 +424,7 @@ again:
       sp_h2wbuf *b = realloc(c->wbuf, sizeof *b + cap);
       if (b == NULL) {
         sp_h2conn_close(c);
-        return;
+        return false;
       }
       b->cap = cap;
       c->wbuf = b;
@@ -350,6 +432,65 @@ again:
     memcpy(c->wbuf->data + c->wlen, p, (size_t)n);
     c->wlen += (size_t)n;
   }
+  return true;
+}
+
+/* The TLS flush: nghttp2's output goes through SSL_write once the
+ * handshake is done (never before), and whatever ciphertext OpenSSL has
+ * (handshake flights, session tickets, key updates, alerts, close_notify)
+ * leaves in one uv_write. The ciphertext is copied out of OpenSSL's
+ * memory BIO into a buffer of its exact size, freed once written, as
+ * reads may add to the BIO while the write is in flight. */
+static void flush_tls(sp_h2conn *c) {
+  sp_tls_conn *t = c->tls;
+  if (t->ready && !t->failed) {
+    wbuf_take(c);
+    if (!pull_h2(c)) return;
+    if (c->wlen > 0) {
+      sp_tls_conn_write(t, c->wbuf->data, c->wlen); /* failed: an alert */
+      c->wlen = 0;
+    }
+    wbuf_put(c, &c->wbuf);
+  }
+  size_t n = sp_tls_conn_pending(t);
+  if (n == 0 && t->ready && !t->failed && !nghttp2_session_want_read(c->h2) &&
+      !nghttp2_session_want_write(c->h2)) {
+    sp_tls_conn_shutdown(t); /* the orderly end: close_notify, then FIN */
+    n = sp_tls_conn_pending(t);
+  }
+  if (n == 0) {
+    if (t->failed || t->shutdown_sent) linger(c);
+    return;
+  }
+  sp_h2wbuf *fly = malloc(sizeof *fly + n);
+  if (fly == NULL) {
+    sp_h2conn_close(c);
+    return;
+  }
+  fly->cap = n;
+  n = sp_tls_conn_take(t, fly->data, n);
+  free(c->wfly);
+  c->wfly = fly;
+  c->wfly_copy = true;
+  uv_buf_t b = uv_buf_init((char *)fly->data, (unsigned)n);
+  c->bytes_out += n;
+  fly->req.data = c;
+  if (uv_write(&fly->req, (uv_stream_t *)&c->tcp, &b, 1, on_written) != 0) {
+    sp_h2conn_close(c);
+    return;
+  }
+  c->writing = true;
+}
+
+static void flush_once(sp_h2conn *c) {
+  if (c->closing || c->lingering || c->writing || c->h2 == NULL) return;
+  if (c->tls != NULL) {
+    flush_tls(c);
+    return;
+  }
+  wbuf_take(c);
+again:
+  if (!pull_h2(c)) return;
   if (c->wlen > 0 && c->sink != NULL) {
     /* memory sink: the "write" completes at once, so keep pulling as
      * on_written would, without recursing */

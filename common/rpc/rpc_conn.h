@@ -8,7 +8,11 @@
  * - the first answer a small read makes is written as soon as it is ready,
  *   the rest together after it (see sp_h2conn_recv in rpc_conn.c);
  * - the connection closes once nghttp2 wants neither to read nor to write
- *   and the last write completed. */
+ *   and the last write completed;
+ * - with TLS (c->tls), ciphertext read goes to OpenSSL and its plaintext to
+ *   nghttp2; what nghttp2 produces is encrypted at each flush and the
+ *   ciphertext written, with the same one-write-in-flight rule. Nothing of
+ *   HTTP/2 is sent or parsed before the handshake completed with ALPN h2. */
 #ifndef SP_RPC_CONN_H
 #define SP_RPC_CONN_H
 
@@ -18,6 +22,7 @@
 #include <uv.h>
 
 typedef struct sp_h2conn sp_h2conn;
+struct sp_tls_conn;
 
 /* A write buffer. Its write request travels with it, so a connection holds
  * a uv_write_t (192 bytes) only while a write is in flight. */
@@ -50,6 +55,9 @@ struct sp_h2conn {
   uint8_t *rbuf;
   sp_h2shared *shared; /* NULL: this connection keeps its own buffers */
   bool writing, closing, reading;
+  /* A cleartext client read what looks like a TLS record from the server
+   * (so its calls can say why the connection broke). */
+  bool peer_tls;
   /* Done with HTTP/2: our FIN is sent and the peer's last bytes are read
    * and dropped until it closes too or goes quiet, because closing with
    * unread input makes the kernel reset the connection, and the peer then
@@ -69,6 +77,9 @@ struct sp_h2conn {
   uint8_t rx_hdr_have;
   uint32_t rx_left;
   uint64_t bytes_in, bytes_out;
+  /* NULL: cleartext. One pointer, so a cleartext connection pays 8 bytes
+   * for TLS; set with sp_h2conn_tls before sp_h2conn_start. */
+  struct sp_tls_conn *tls;
   /* Called once after the handle closed; the owner frees everything. */
   void (*on_closed)(sp_h2conn *c);
   /* Called at the end of every flush, outside nghttp2 callbacks: owners run
@@ -94,6 +105,14 @@ void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len);
  * nghttp2 callbacks it only notes that there is output, and the flush that
  * follows mem_recv picks it up. */
 void sp_h2conn_flush(sp_h2conn *c);
+/* Puts TLS under the connection (before sp_h2conn_start; never with a
+ * sink). t then belongs to the connection, which frees it when it closes.
+ * A client's ClientHello leaves with the first flush. */
+void sp_h2conn_tls(sp_h2conn *c, struct sp_tls_conn *t);
+/* With TLS: before a close that ends the connection on our side (a client
+ * closing, a server's grace running out), tries to send close_notify
+ * without blocking; nothing when a write is queued. */
+void sp_h2conn_close_notify(sp_h2conn *c);
 /* Closes now (no more I/O); on_closed runs later. Idempotent. */
 void sp_h2conn_close(sp_h2conn *c);
 

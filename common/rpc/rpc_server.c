@@ -12,6 +12,7 @@
 #include "rpc_conn.h"
 #include "rpc_internal.h"
 #include "rpc_pbcheck.h"
+#include "rpc_tls.h"
 #include "rpc_wire.h"
 #include "base/strmap.h"
 
@@ -101,6 +102,7 @@ struct sp_rpc_server {
   void *shutdown_arg;
   sp_rpc_health_state health;
   sp_h2shared shared; /* the I/O buffers all connections share */
+  SSL_CTX *tls; /* NULL: cleartext; built by the first listen */
   /* Request and response bytes buffered across all connections, against
    * opts.max_buffered. */
   size_t buffered;
@@ -1354,6 +1356,14 @@ static void on_connection(uv_stream_t *server, int status) {
     sp_h2conn_close(&c->io);
     return;
   }
+  if (srv->tls != NULL) {
+    sp_tls_conn *t;
+    if (sp_tls_conn_new(srv->tls, true, NULL, &t) != 0) {
+      sp_h2conn_close(&c->io);
+      return;
+    }
+    sp_h2conn_tls(&c->io, t);
+  }
   bool refuse = srv->live_conns > srv->opts.max_connections &&
                 !evict_idle(srv, c);
   sweep_start(srv);
@@ -1494,6 +1504,11 @@ int sp_rpc_server_listen(sp_rpc_server *srv, const char *addr, int *port_out,
   struct sockaddr_storage ss;
   int rc = sp_rpc_resolve(addr, &ss, diag);
   if (rc != 0) return rc;
+  if (srv->opts.tls != NULL && srv->tls == NULL) {
+    rc = sp_tls_server_ctx_new(srv->opts.tls, &srv->tls, diag);
+    if (rc != 0) return rc;
+  }
+  srv->opts.tls = NULL; /* its strings need not outlive this call */
   listener *l = calloc(1, sizeof *l);
   if (l == NULL) return SP_ENOMEM;
   l->srv = srv;
@@ -1559,7 +1574,10 @@ static void grace_expired(uv_timer_t *t) {
   sp_rpc_server *srv = t->data;
   /* calls still running: drop the connections, which cancels the handlers
    * with UNAVAILABLE */
-  for (srv_conn *c = srv->conns; c; c = c->next) sp_h2conn_close(&c->io);
+  for (srv_conn *c = srv->conns; c; c = c->next) {
+    sp_h2conn_close_notify(&c->io);
+    sp_h2conn_close(&c->io);
+  }
 }
 
 void sp_rpc_server_shutdown(sp_rpc_server *srv, uint64_t grace_ms,
@@ -1601,6 +1619,7 @@ void sp_rpc_server_free(sp_rpc_server *srv) {
   free(srv->methods);
   free(srv->shared.rbuf);
   free(srv->shared.wbuf);
+  SSL_CTX_free(srv->tls);
   free(srv);
 }
 

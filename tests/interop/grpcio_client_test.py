@@ -4,6 +4,10 @@ engine's server: tests/echo_server serving shardplane.testing.Echo and
 grpc.health.v1.Health.
 
     grpcio_client_test.py --server PATH/echo_server --gen DIR_WITH_PB2
+                          [--tls none|tls|mtls]
+
+With --tls, echo_server serves TLS (mtls: and requires client certificates)
+with certificates made for the run, and every channel is a secure one.
 
 Prints one line per case and ends with "N passed, M failed"; exits non-zero
 on any failure, 77 when grpcio is missing."""
@@ -27,6 +31,25 @@ MIB = 1 << 20
 # timeout, and the watchdog ends the script well before ctest's limit.
 T = 10
 
+# Set by main for --tls: the credentials of every channel and the
+# echo_server flags that go with them.
+SEC = None
+SERVER_TLS_ARGS = []
+
+
+def channel(grpc, target, options=()):
+    """An insecure channel, or with --tls a secure one that checks the
+    server's certificate against the test CA under the name localhost."""
+    if SEC is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(
+        target, SEC, options=tuple(options) + (
+            ("grpc.ssl_target_name_override", "localhost"),))
+
+
+def server_argv(args):
+    return [args.server] + SERVER_TLS_ARGS
+
 
 class Client:
     """Plain multicallables on one channel (protoc --python_out makes no
@@ -35,7 +58,7 @@ class Client:
     def __init__(self, grpc, pb, hpb, port):
         self.grpc, self.pb, self.hpb = grpc, pb, hpb
         self.target = "127.0.0.1:%d" % port
-        self.channel = grpc.insecure_channel(self.target)
+        self.channel = channel(grpc, self.target)
         grpc.channel_ready_future(self.channel).result(timeout=T)
         ser = pb.EchoRequest.SerializeToString
         de = pb.EchoReply.FromString
@@ -55,8 +78,9 @@ class Client:
         # behind the calls under test (the server allows 100 streams per
         # connection; grpcio shares connections between channels unless
         # told otherwise)
-        self.stats_channel = grpc.insecure_channel(
-            self.target, options=(("grpc.use_local_subchannel_pool", 1),))
+        self.stats_channel = channel(
+            grpc, self.target,
+            options=(("grpc.use_local_subchannel_pool", 1),))
         self.stats_unary = self.stats_channel.unary_unary(ECHO + "Unary", ser,
                                                           de)
 
@@ -492,8 +516,36 @@ def t_concurrent_streams(c):
     check(all(o == list(range(20)) for o in out), "all 150 streams complete")
 
 
+def t_tls_refusals(grpc, pb, c, certs, mtls):
+    """Channels the TLS server must refuse: one that does not trust its CA
+    and, with mTLS, one without a client certificate and one whose
+    certificate comes from another CA. The server keeps serving."""
+    rd = iu.read_bytes
+    bad = [("untrusted server CA", grpc.ssl_channel_credentials(
+        root_certificates=rd(certs["other_ca"])))]
+    if mtls:
+        bad.append(("no client certificate", grpc.ssl_channel_credentials(
+            root_certificates=rd(certs["ca"]))))
+        bad.append(("client certificate from another CA",
+                    grpc.ssl_channel_credentials(
+                        root_certificates=rd(certs["ca"]),
+                        private_key=rd(certs["other_key"]),
+                        certificate_chain=rd(certs["other_cert"]))))
+    for what, creds in bad:
+        ch = grpc.secure_channel(c.target, creds, options=(
+            ("grpc.ssl_target_name_override", "localhost"),
+            ("grpc.use_local_subchannel_pool", 1)))
+        m = ch.unary_unary(ECHO + "Unary", pb.EchoRequest.SerializeToString,
+                           pb.EchoReply.FromString)
+        expect_error(grpc, grpc.StatusCode.UNAVAILABLE,
+                     lambda: m(pb.EchoRequest(text="x"), timeout=3), what)
+        ch.close()
+    check_eq(c.unary(c.req(text="after"), timeout=T).text, "after",
+             "a good channel still works")
+
+
 def graceful_shutdown(args, grpc, pb, hpb):
-    srv = iu.Child([args.server], "echo_server (shutdown)")
+    srv = iu.Child(server_argv(args), "echo_server (shutdown)")
     try:
         c = Client(grpc, pb, hpb, srv.port())
         fut = c.unary.future(c.req(text="late", delay_ms=800), timeout=T)
@@ -508,7 +560,7 @@ def graceful_shutdown(args, grpc, pb, hpb):
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         # new calls are refused once shutdown started
-        c2 = grpc.insecure_channel(c.target)
+        c2 = channel(grpc, c.target)
         m = c2.unary_unary(ECHO + "Unary", pb.EchoRequest.SerializeToString,
                            pb.EchoReply.FromString)
         expect_error(grpc, grpc.StatusCode.UNAVAILABLE,
@@ -531,7 +583,7 @@ def graceful_shutdown(args, grpc, pb, hpb):
 
 
 def shutdown_grace_expires(args, grpc, pb, hpb):
-    srv = iu.Child([args.server], "echo_server (grace)")
+    srv = iu.Child(server_argv(args), "echo_server (grace)")
     try:
         c = Client(grpc, pb, hpb, srv.port())
         fut = c.unary.future(c.req(text="too late", delay_ms=8000), timeout=T)
@@ -555,11 +607,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True, help="echo_server binary")
     ap.add_argument("--gen", required=True, help="dir with echo_pb2.py")
+    ap.add_argument("--tls", choices=("none", "tls", "mtls"), default="none")
     args = ap.parse_args()
     grpc, pb, hpb = iu.import_generated(args.gen)
     iu.start_watchdog(50)
     run = iu.Runner()
-    srv = iu.Child([args.server], "echo_server")
+    global SEC
+    certs = None
+    if args.tls != "none":
+        certs = iu.make_certs()
+        rd = iu.read_bytes
+        SERVER_TLS_ARGS.extend(["--tls-cert", certs["server_cert"],
+                                "--tls-key", certs["server_key"]])
+        if args.tls == "mtls":
+            SERVER_TLS_ARGS.extend(["--tls-client-ca", certs["ca"]])
+            SEC = grpc.ssl_channel_credentials(
+                root_certificates=rd(certs["ca"]),
+                private_key=rd(certs["client_key"]),
+                certificate_chain=rd(certs["client_cert"]))
+        else:
+            SEC = grpc.ssl_channel_credentials(
+                root_certificates=rd(certs["ca"]))
+    srv = iu.Child(server_argv(args), "echo_server")
     try:
         c = Client(grpc, pb, hpb, srv.port())
         cases = [
@@ -603,6 +672,9 @@ def main():
             check_eq(srv.proc.wait(timeout=10), 0, "echo_server exit status")
             took = time.monotonic() - t0
             check(took < 1.0, "idle server exited %.2f s after SIGTERM" % took)
+        if args.tls != "none":
+            run.case("tls_refusals", t_tls_refusals, grpc, pb, c, certs,
+                     args.tls == "mtls")
         run.case("server_exit_clean_idle_channel", clean_exit)
         c.close()
     except Exception as e:  # noqa: BLE001

@@ -2,7 +2,11 @@
 """shardplane.testing.Echo served by grpcio (Debian's python3-grpcio), for
 testing the engine's client against a server nobody here wrote.
 
-    grpcio_server.py --gen DIR_WITH_PB2 [--port N]
+    grpcio_server.py --gen DIR_WITH_PB2 [--port N] [--tls-dir D [--mtls]]
+
+With --tls-dir (certificates made by tests/support/make_test_certs.sh) it
+serves TLS with server.pem; --mtls also requires a client certificate
+signed by ca.pem.
 
 Prints "PORT <n>" once listening. Stops (grace 1 s) on SIGTERM/SIGINT or when
 stdin reaches EOF, so it never outlives the driver that started it.
@@ -33,6 +37,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gen", required=True)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--tls-dir")
+    ap.add_argument("--mtls", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, args.gen)
     import grpc
@@ -173,7 +179,18 @@ def main():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
                          handlers=(handler,),
                          options=(("grpc.so_reuseport", 0),))
-    port = server.add_insecure_port("127.0.0.1:%d" % args.port)
+    addr = "127.0.0.1:%d" % args.port
+    if args.tls_dir:
+        def rd(name):
+            with open(os.path.join(args.tls_dir, name), "rb") as f:
+                return f.read()
+        creds = grpc.ssl_server_credentials(
+            [(rd("server.key"), rd("server.pem"))],
+            root_certificates=rd("ca.pem") if args.mtls else None,
+            require_client_auth=args.mtls)
+        port = server.add_secure_port(addr, creds)
+    else:
+        port = server.add_insecure_port(addr)
     if port == 0:
         print("grpcio_server: cannot bind", file=sys.stderr, flush=True)
         return 1

@@ -4,15 +4,46 @@ runner that prints one line per case and the "N passed, M failed" summary."""
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 
 SKIP_RC = 77
 _children = []
+_dirs = []
+HERE = os.path.dirname(os.path.abspath(__file__))
+CERTS_SCRIPT = os.path.join(HERE, "..", "support", "make_test_certs.sh")
+
+
+def make_certs():
+    """Fresh test certificates (tests/support/make_test_certs.sh, as the C
+    tests make them) in a temporary directory that kill_all() removes:
+    {"dir", "ca", "server_cert", "server_key", "client_cert", "client_key",
+    "other_ca", "other_cert", "other_key"}. Exits 77 without openssl."""
+    if shutil.which("openssl") is None:
+        print("SKIPPED: no openssl command to make the test certificates",
+              flush=True)
+        sys.exit(SKIP_RC)
+    d = tempfile.mkdtemp(prefix="shardplane-certs-")
+    _dirs.append(d)
+    subprocess.run(["sh", CERTS_SCRIPT, d], check=True, timeout=30)
+    names = {"ca": "ca.pem", "server_cert": "server.pem",
+             "server_key": "server.key", "client_cert": "client.pem",
+             "client_key": "client.key", "other_ca": "other-ca.pem",
+             "other_cert": "other.pem", "other_key": "other.key"}
+    out = {k: os.path.join(d, v) for k, v in names.items()}
+    out["dir"] = d
+    return out
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def import_generated(gen_dir):
@@ -91,6 +122,9 @@ class Child:
 def kill_all():
     for c in list(_children):
         c.kill()
+    for d in _dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    del _dirs[:]
 
 
 def start_watchdog(seconds):

@@ -29,6 +29,9 @@ typedef Shardplane__Testing__EchoReply sp_ix_reply;
 #define SP_IX_WAIT_MS 10000 /* bound on every wait */
 
 static const char *g_addr;
+/* --tls-ca and the rest: every client of the run uses them (NULL: h2c). */
+static sp_rpc_tls_client_opts g_tls_opts;
+static const sp_rpc_tls_client_opts *g_tls;
 static char g_why[1024];
 
 /* Records why a case failed; the case returns false right after. */
@@ -137,7 +140,8 @@ static bool sp_ix_open(sp_ix *ix, size_t max_message) {
   memset(ix, 0, sizeof *ix);
   CHECK(uv_loop_init(&ix->loop) == 0, "uv_loop_init");
   sp_rpc_client_opts o = {.connect_timeout_ms = 5000,
-                          .max_message = max_message};
+                          .max_message = max_message,
+                          .tls = g_tls};
   int rc = sp_rpc_client_open(&ix->loop, g_addr, &o, &ix->cl);
   CHECK(rc == 0, "sp_rpc_client_open: %s", sp_strerror(rc));
   return true;
@@ -275,7 +279,8 @@ static bool sp_ix_wait(sp_ix *ix, sp_ix_call *c) {
 
 static bool sp_ix_stats(unsigned *cancelled, unsigned *active) {
   sp_rpc_sync *s;
-  CHECK(sp_rpc_sync_open(g_addr, 5000, &s) == 0, "sp_rpc_sync_open");
+  sp_rpc_client_opts o = {.connect_timeout_ms = 5000, .tls = g_tls};
+  CHECK(sp_rpc_sync_open_opts(g_addr, &o, &s) == 0, "sp_rpc_sync_open");
   sp_ix_req q = SP_IX_REQ_INIT;
   q.text = "__stats__";
   ProtobufCMessage *resp = NULL;
@@ -791,7 +796,8 @@ out:
 /* ------------------------------------------------------------------ */
 
 static bool sp_ix_sync_open(sp_rpc_sync **s) {
-  int rc = sp_rpc_sync_open(g_addr, 5000, s);
+  sp_rpc_client_opts o = {.connect_timeout_ms = 5000, .tls = g_tls};
+  int rc = sp_rpc_sync_open_opts(g_addr, &o, s);
   CHECK(rc == 0, "sp_rpc_sync_open: %s", sp_strerror(rc));
   return true;
 }
@@ -1038,11 +1044,31 @@ static const sp_ix_case k_cases[] = {
 };
 
 int main(int argc, char **argv) {
-  if (argc != 2) {
-    fprintf(stderr, "usage: rpc_client_interop HOST:PORT\n");
+  for (int i = 1; i < argc; i++) {
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (strcmp(argv[i], "--tls-ca") == 0 && v)
+      g_tls_opts.ca_file = v;
+    else if (strcmp(argv[i], "--tls-cert") == 0 && v)
+      g_tls_opts.cert_file = v;
+    else if (strcmp(argv[i], "--tls-key") == 0 && v)
+      g_tls_opts.key_file = v;
+    else if (strcmp(argv[i], "--tls-server-name") == 0 && v)
+      g_tls_opts.server_name = v;
+    else if (argv[i][0] != '-' && g_addr == NULL) {
+      g_addr = argv[i];
+      continue;
+    } else {
+      g_addr = NULL;
+      break;
+    }
+    i++;
+  }
+  if (g_addr == NULL) {
+    fprintf(stderr, "usage: rpc_client_interop HOST:PORT [--tls-ca PEM "
+                    "[--tls-cert PEM --tls-key PEM] [--tls-server-name N]]\n");
     return 2;
   }
-  g_addr = argv[1];
+  if (g_tls_opts.ca_file != NULL) g_tls = &g_tls_opts;
   alarm(45); /* last resort: never hang (SIGALRM ends the process) */
   int passed = 0, failed = 0;
   for (size_t i = 0; i < sizeof k_cases / sizeof k_cases[0]; i++) {

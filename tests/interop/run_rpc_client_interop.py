@@ -3,6 +3,10 @@
 (grpcio_server.py, Debian's python3-grpcio).
 
     run_rpc_client_interop.py --client PATH/rpc_client_interop --gen DIR
+                              [--tls none|tls|mtls]
+
+With --tls the grpcio server serves TLS (mtls: and requires a client
+certificate) and the C client verifies it against the test CA.
 
 Prints the C program's per-case lines, then its own checks, and ends with
 "N passed, M failed"; exits non-zero on any failure, 77 without grpcio."""
@@ -24,16 +28,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--client", required=True, help="rpc_client_interop")
     ap.add_argument("--gen", required=True, help="dir with echo_pb2.py")
+    ap.add_argument("--tls", choices=("none", "tls", "mtls"), default="none")
     args = ap.parse_args()
     iu.import_generated(args.gen)  # exits 77 without grpcio
     iu.start_watchdog(55)
     run = iu.Runner()
-    srv = iu.Child([sys.executable, os.path.join(HERE, "grpcio_server.py"),
-                    "--gen", args.gen], "grpcio_server")
+    server_argv = [sys.executable, os.path.join(HERE, "grpcio_server.py"),
+                   "--gen", args.gen]
+    client_tls = []
+    if args.tls != "none":
+        certs = iu.make_certs()
+        server_argv += ["--tls-dir", certs["dir"]]
+        client_tls = ["--tls-ca", certs["ca"]]
+        if args.tls == "mtls":
+            server_argv.append("--mtls")
+            client_tls += ["--tls-cert", certs["client_cert"],
+                           "--tls-key", certs["client_key"]]
+    srv = iu.Child(server_argv, "grpcio_server")
     try:
         port = srv.port(timeout=15)
         try:
-            p = subprocess.run([args.client, "127.0.0.1:%d" % port],
+            p = subprocess.run([args.client, "127.0.0.1:%d" % port]
+                               + client_tls,
                                stdout=subprocess.PIPE, text=True, timeout=45)
             out, rc = p.stdout, p.returncode
         except subprocess.TimeoutExpired as e:
@@ -64,6 +80,7 @@ def main():
         run.fail("setup", "%s: %s" % (type(e).__name__, e))
     finally:
         srv.kill()
+    iu.kill_all()
     rc = run.summary()
     os._exit(rc)
 

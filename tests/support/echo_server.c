@@ -24,17 +24,26 @@ static void on_signal(uv_signal_t *s, int signum) {
 int main(int argc, char **argv) {
   const char *addr = "127.0.0.1:0";
   sp_rpc_server_opts opts = {0};
+  sp_rpc_tls_server_opts tls = {0};
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--listen") == 0 && i + 1 < argc)
       addr = argv[++i];
     else if (strcmp(argv[i], "--max-message") == 0 && i + 1 < argc)
       opts.max_message = strtoul(argv[++i], NULL, 10);
+    else if (strcmp(argv[i], "--tls-cert") == 0 && i + 1 < argc)
+      tls.cert_file = argv[++i];
+    else if (strcmp(argv[i], "--tls-key") == 0 && i + 1 < argc)
+      tls.key_file = argv[++i];
+    else if (strcmp(argv[i], "--tls-client-ca") == 0 && i + 1 < argc)
+      tls.client_ca_file = argv[++i];
     else {
       fprintf(stderr, "usage: echo_server [--listen host:port] "
-                      "[--max-message bytes]\n");
+                      "[--max-message bytes] [--tls-cert PEM --tls-key PEM "
+                      "[--tls-client-ca PEM]]\n");
       return 2;
     }
   }
+  if (tls.cert_file != NULL || tls.key_file != NULL) opts.tls = &tls;
   signal(SIGPIPE, SIG_IGN);
   uv_loop_t *loop = uv_default_loop();
   sp_rpc_server *srv;
