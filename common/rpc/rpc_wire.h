@@ -87,12 +87,16 @@ void sp_rpc_deframer_free(sp_rpc_deframer *d);
 int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
                          sp_rpc_msg_fn fn, void *ud, uint64_t *len_out);
 /* Inside the message callback only: hands over the buffer the message was
- * reassembled in (the caller frees it), so a large message is not copied
- * again; NULL when the message lay in the input as fed (it is then at most
- * one feed's bytes). With a shared budget the buffer stays charged:
- * *charged gets the amount, which the caller releases when it frees the
- * buffer. */
-uint8_t *sp_rpc_deframer_take(sp_rpc_deframer *d, size_t *charged);
+ * reassembled in, so a large message is not copied again; the caller frees
+ * it with sp_rpc_deframer_buf_free(buf, *cap). NULL when the message lay in
+ * the input as fed (it is then at most one feed's bytes). With a shared
+ * budget the buffer stays charged: *charged gets the amount, which the
+ * caller releases when it frees the buffer. */
+uint8_t *sp_rpc_deframer_take(sp_rpc_deframer *d, size_t *charged,
+                               size_t *cap);
+/* Frees a buffer sp_rpc_deframer_take handed over (large ones are
+ * mappings); cap 0 frees a malloc'd one. */
+void sp_rpc_deframer_buf_free(uint8_t *buf, size_t cap);
 /* Whether a message is partly received (EOS now would truncate it). */
 bool sp_rpc_deframer_partial(const sp_rpc_deframer *d);
 
