@@ -750,8 +750,8 @@ static void half_close_now(sp_rpc_call *call) {
   if (m->on_half_close != NULL && !call->released) m->on_half_close(call);
 }
 
-/* Queues a request (data copied, or `owned` taken, already charged) for
- * the ready list. */
+/* Queues a copy of a streaming call's request message for the ready
+ * list, charged to the budget; a failure ends the call. */
 static int rq_push(sp_rpc_call *call, const uint8_t *data, size_t len) {
   sp_rpc_server *srv = call->conn->srv;
   if (srv->buffered + len > srv->opts.max_buffered) {
