@@ -24,10 +24,7 @@
 
 #include <cmocka.h>
 
-#include <arpa/inet.h>
 #include <errno.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -278,13 +275,8 @@ static int atk_closed(nghttp2_session *s, int32_t sid, uint32_t err,
 }
 
 static void atk_send_all(int fd, const uint8_t *p, size_t n) {
-  while (n > 0) {
-    ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) fail_msg("attacker: send: %s", strerror(errno));
-    p += k;
-    n -= (size_t)k;
-  }
+  if (!sp_h2_send_all(fd, p, n))
+    fail_msg("attacker: send: %s", strerror(errno));
 }
 
 /* What nghttp2 has to send, in one send() when gather is set, so the
@@ -319,14 +311,8 @@ static void attack_run(const char *addr) {
   assert_non_null(a);
   for (size_t i = 0; i < sizeof a->pattern; i++)
     a->pattern[i] = i % 2 == 0 ? 0x78 : 0x00;
-  int port = atoi(strrchr(addr, ':') + 1);
-  a->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  assert_true(a->fd >= 0);
-  struct sockaddr_in sa = {0};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons((uint16_t)port);
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  assert_int_equal(connect(a->fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  a->fd = sp_h2_connect(atoi(strrchr(addr, ':') + 1));
+  if (a->fd < 0) fail_msg("attacker: connect: %s", strerror(errno));
   nghttp2_session_callbacks *cb;
   assert_int_equal(nghttp2_session_callbacks_new(&cb), 0);
   nghttp2_session_callbacks_set_on_header_callback(cb, atk_header);
@@ -562,20 +548,6 @@ static void test_request_fields(void **state) {
 
 /* ---------------- at the fd limit ---------------- */
 
-static int tcp_connect(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  assert_true(fd >= 0);
-  struct sockaddr_in sa = {0};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons((uint16_t)port);
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 static void test_attach_at_fd_limit(void **state) {
   (void)state;
   /* the coordinator inherits a soft limit of 64 descriptors */
@@ -606,7 +578,7 @@ static void test_attach_at_fd_limit(void **state) {
   sp_h2_preface(&hello);
   sp_h2_settings(&hello, NULL, NULL, 0);
   for (int i = 0; i < N_IDLE; i++) {
-    fd[i] = tcp_connect(co.port);
+    fd[i] = sp_h2_connect(co.port);
     if (fd[i] >= 0) send(fd[i], hello.p, hello.len, MSG_NOSIGNAL);
   }
   sp_h2buf_free(&hello);

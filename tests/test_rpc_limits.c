@@ -16,10 +16,7 @@
 
 #include <cmocka.h>
 
-#include <arpa/inet.h>
 #include <errno.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -99,26 +96,13 @@ static void unary_ok(void) {
 }
 
 static int tcp_open(void) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  assert_true(fd >= 0);
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  struct sockaddr_in sa = {0};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons((uint16_t)g_ts.port);
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  int fd = sp_h2_connect(g_ts.port);
+  if (fd < 0) fail_msg("connect: %s", strerror(errno));
   return fd;
 }
 
 static void send_buf(int fd, sp_h2buf *b) {
-  size_t off = 0;
-  while (off < b->len) {
-    ssize_t n = send(fd, b->p + off, b->len - off, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    assert_true(n > 0);
-    off += (size_t)n;
-  }
+  assert_true(sp_h2_send_all(fd, b->p, b->len));
   b->len = 0;
 }
 
