@@ -54,7 +54,7 @@ static void expect_refused(const ProtobufCMessageDescriptor *d, bytes in,
   uint8_t *out = (uint8_t *)1;
   size_t n = 1;
   char err[256];
-  assert_int_equal(sp_rpc_pbcheck(d, in.p, in.n, &out, &n, err, sizeof err),
+  assert_int_equal(sp_rpc_pbcheck(d, in.p, in.n, 0, &out, &n, err, sizeof err),
                    SP_EFORMAT);
   assert_null(out);
   if (strstr(err, want) == NULL) fail_msg("error \"%s\", wanted \"%s\"", err, want);
@@ -67,7 +67,7 @@ static bytes checked(const ProtobufCMessageDescriptor *d, bytes in,
   uint8_t *out = NULL;
   size_t n = 0;
   char err[256];
-  int rc = sp_rpc_pbcheck(d, in.p, in.n, &out, &n, err, sizeof err);
+  int rc = sp_rpc_pbcheck(d, in.p, in.n, 0, &out, &n, err, sizeof err);
   if (rc != 0) fail_msg("refused: %s", err);
   if (!expect_copy) {
     assert_null(out);
@@ -91,7 +91,7 @@ static void test_known_fields_used_as_is(void **state) {
   uint8_t *out = NULL;
   size_t n = 0;
   assert_int_equal(sp_rpc_pbcheck(&shardplane__v1__get_job_request__descriptor,
-                                  NULL, 0, &out, &n, NULL, 0),
+                                  NULL, 0, 0, &out, &n, NULL, 0),
                    0);
   assert_null(out);
 }
@@ -243,7 +243,7 @@ static void test_unknown_field_flood(void **state) {
   uint8_t *out = NULL;
   size_t out_n = 1;
   assert_int_equal(sp_rpc_pbcheck(&shardplane__v1__store_set_request__descriptor,
-                                  in, n, &out, &out_n, NULL, 0),
+                                  in, n, n, &out, &out_n, NULL, 0),
                    0);
   double ms = (sp_clock_s() - t0) * 1e3;
   assert_non_null(out);
@@ -258,6 +258,47 @@ static void test_unknown_field_flood(void **state) {
   free(in);
 }
 
+/* Known fields can amplify too: empty nested messages of two bytes each
+ * become a struct and an array slot each. The estimate refuses them over
+ * the limit, and lets a real SessionUp batch through. */
+static void test_decode_budget(void **state) {
+  (void)state;
+  const ProtobufCMessageDescriptor *d = &shardplane__v1__session_up__descriptor;
+  size_t n = 2u << 20;
+  uint8_t *in = malloc(n);
+  assert_non_null(in);
+  for (size_t i = 0; i < n; i += 2) {
+    in[i] = 0x22; /* transitions, an empty Transition */
+    in[i + 1] = 0x00;
+  }
+  uint8_t *out = NULL;
+  size_t out_n = 0;
+  char err[256];
+  assert_int_equal(sp_rpc_pbcheck(d, in, n, 8u << 20, &out, &out_n, err,
+                                  sizeof err),
+                   SP_ETOOBIG);
+  assert_non_null(strstr(err, "shardplane.v1.SessionUp: decoding it would "
+                              "take more than 8388608 bytes"));
+  free(in);
+  /* 4096 transitions, as the worker batches them, fit easily */
+  Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
+  t.machine = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE;
+  t.unit = 7;
+  t.state = 2;
+  t.step = 123456;
+  Shardplane__V1__Transition *tp[4096];
+  for (size_t i = 0; i < 4096; i++) tp[i] = &t;
+  Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+  up.n_transitions = 4096;
+  up.transitions = tp;
+  bytes b = pack(&up.base);
+  assert_int_equal(sp_rpc_pbcheck(d, b.p, b.n, 8u << 20, &out, &out_n, err,
+                                  sizeof err),
+                   0);
+  assert_null(out);
+  free(b.p);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_known_fields_used_as_is),
@@ -266,6 +307,7 @@ int main(void) {
       cmocka_unit_test(test_strings_refused),
       cmocka_unit_test(test_malformed_refused),
       cmocka_unit_test(test_unknown_field_flood),
+      cmocka_unit_test(test_decode_budget),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

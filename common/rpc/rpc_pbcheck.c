@@ -47,7 +47,13 @@ fail:
 typedef struct pbscan {
   char *err;
   size_t cap;
+  /* what protobuf-c will allocate, estimated as the scan goes, and the
+   * most allowed (0: no limit) */
+  size_t decoded, max_decoded;
 } pbscan;
+
+/* What malloc adds to each allocation, for the estimate. */
+#define ALLOC_OVERHEAD 16u
 
 static int scan_fail(pbscan *sc, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -117,15 +123,27 @@ static unsigned natural_wire_type(ProtobufCType t) {
   }
 }
 
-/* A packed repeated scalar's payload must hold whole elements. */
-static bool packed_ok(unsigned wt, const uint8_t *p, size_t n) {
-  if (wt == 5) return n % 4 == 0;
-  if (wt == 1) return n % 8 == 0;
-  size_t off = 0;
+/* A packed repeated scalar's payload must hold whole elements; *count
+ * gets how many. */
+static bool packed_ok(unsigned wt, const uint8_t *p, size_t n, size_t *count) {
+  if (wt == 5 || wt == 1) {
+    *count = n / (wt == 5 ? 4 : 8);
+    return n % (wt == 5 ? 4 : 8) == 0;
+  }
+  size_t off = 0, k = 0;
   uint64_t v;
-  while (off < n)
+  while (off < n) {
     if (!get_varint(p, n, &off, &v)) return false;
+    k++;
+  }
+  *count = k;
   return true;
+}
+
+/* Adds to the decode estimate; false once it is over the limit. */
+static bool charge(pbscan *sc, size_t n) {
+  sc->decoded += n;
+  return sc->max_decoded == 0 || sc->decoded <= sc->max_decoded;
 }
 
 /* Field lookup, one table per message being scanned: the descriptor's
@@ -180,6 +198,14 @@ static inline const ProtobufCFieldDescriptor *fieldmap_get(const fieldmap *m,
   return protobuf_c_message_descriptor_get_field(m->d, num);
 }
 
+static int over_budget(pbscan *sc, const ProtobufCMessageDescriptor *d) {
+  if (sc->err != NULL && sc->cap > 0)
+    snprintf(sc->err, sc->cap,
+             "%s: decoding it would take more than %zu bytes of memory", d->name,
+             sc->max_decoded);
+  return SP_ETOOBIG;
+}
+
 /* One message's bytes: validates them and computes the size they have
  * without unknown fields (*keep) and whether any were found (*dropped).
  * base is the offset of p in the outermost message, for errors. */
@@ -191,6 +217,7 @@ static int check_msg(pbscan *sc, const ProtobufCMessageDescriptor *d,
                      SP_PBCHECK_MAX_DEPTH);
   size_t off = 0, kept = 0;
   bool any = false;
+  if (!charge(sc, d->sizeof_message + ALLOC_OVERHEAD)) return over_budget(sc, d);
   fieldmap fm;
   fieldmap_init(&fm, d);
   skip2 sk;
@@ -253,9 +280,22 @@ static int check_msg(pbscan *sc, const ProtobufCMessageDescriptor *d,
       return scan_fail(sc, "%s.%s: wire type %u where %u is expected", d->name,
                        f->name, wt, want);
     size_t sz = off - start;
-    if (packed && !packed_ok(want, p + vstart, plen))
+    size_t elems = 1;
+    if (packed && !packed_ok(want, p + vstart, plen, &elems))
       return scan_fail(sc, "%s.%s: malformed packed field at byte %zu",
                        d->name, f->name, base + vstart);
+    /* protobuf-c's allocations: an array slot per repeated element, a copy
+     * of each string and non-empty bytes, each nested message */
+    size_t cost = 0;
+    if (f->label == PROTOBUF_C_LABEL_REPEATED)
+      cost += elems * (f->type == PROTOBUF_C_TYPE_BYTES
+                           ? sizeof(ProtobufCBinaryData)
+                           : sizeof(uint64_t));
+    if (f->type == PROTOBUF_C_TYPE_STRING)
+      cost += plen + 1 + ALLOC_OVERHEAD;
+    else if (f->type == PROTOBUF_C_TYPE_BYTES && plen > 0)
+      cost += plen + ALLOC_OVERHEAD;
+    if (!charge(sc, cost)) return over_budget(sc, d);
     if (f->type == PROTOBUF_C_TYPE_STRING) {
       const uint8_t *s = p + vstart;
       const uint8_t *z = memchr(s, 0, plen);
@@ -316,7 +356,7 @@ static size_t write_msg(const ProtobufCMessageDescriptor *d, const uint8_t *p,
     if (f->type == PROTOBUF_C_TYPE_MESSAGE && wt == 2) {
       size_t sub = 0;
       bool sub_dropped = false;
-      pbscan quiet = {NULL, 0};
+      pbscan quiet = {NULL, 0, 0, 0};
       check_msg(&quiet, f->descriptor, p + vstart, plen, 0, 0, &sub,
                 &sub_dropped);
       if (sub_dropped) {
@@ -335,15 +375,15 @@ static size_t write_msg(const ProtobufCMessageDescriptor *d, const uint8_t *p,
 }
 
 int sp_rpc_pbcheck(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
-                   size_t len, uint8_t **out, size_t *out_len, char *err,
-                   size_t err_cap) {
+                   size_t len, size_t max_decoded, uint8_t **out,
+                   size_t *out_len, char *err, size_t err_cap) {
   if (desc == NULL || (data == NULL && len > 0) || out == NULL ||
       out_len == NULL)
     return SP_EINVAL;
   *out = NULL;
   *out_len = 0;
   if (err != NULL && err_cap > 0) err[0] = '\0';
-  pbscan sc = {err, err_cap};
+  pbscan sc = {err, err_cap, 0, max_decoded};
   size_t keep = 0;
   bool dropped = false;
   int rc = check_msg(&sc, desc, data, len, 0, 0, &keep, &dropped);

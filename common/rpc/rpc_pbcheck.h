@@ -30,12 +30,19 @@
  * it); when there are none *out is NULL and the input is used as is, so a
  * message of known fields only costs one scan.
  *
+ * What protobuf-c will allocate to decode the known fields (each message,
+ * string, bytes value and repeated array slot, with malloc's overhead) is
+ * estimated on the way; over max_decoded (0: no limit) the message is
+ * refused, so known fields cannot amplify either (a million empty nested
+ * messages in 2 MiB would otherwise cost 50 MB).
+ *
  * Returns 0, SP_EFORMAT with one line in err naming the field (e.g.
  * "shardplane.v1.StoreSetRequest.key: contains a NUL byte at offset 1";
- * err may be NULL), or SP_ENOMEM (for the copy). */
+ * err may be NULL), SP_ETOOBIG (over max_decoded, err says so) or
+ * SP_ENOMEM (for the copy). */
 int sp_rpc_pbcheck(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
-                   size_t len, uint8_t **out, size_t *out_len, char *err,
-                   size_t err_cap);
+                   size_t len, size_t max_decoded, uint8_t **out,
+                   size_t *out_len, char *err, size_t err_cap);
 
 /* Whether s[0..n) is valid UTF-8 (no overlong forms, no surrogates, at most
  * U+10FFFF); if not, *bad (when given) is the offset of the first bad

@@ -622,10 +622,15 @@ static int deliver(sp_rpc_call *call, const uint8_t *data, size_t len) {
      * string: the pre-scan drops the one and refuses the other */
     char err[SP_RPC_STATUS_MESSAGE_MAX];
     size_t clen = 0;
-    int rc = sp_rpc_pbcheck(m->input, data, len, &compact, &clen, err,
-                            sizeof err);
+    /* decode memory within the message limit too */
+    int rc = sp_rpc_pbcheck(m->input, data, len, call->conn->srv->opts.max_message,
+                            &compact, &clen, err, sizeof err);
     if (rc == SP_EFORMAT) {
       call_fail(call, SP_RPC_INVALID_ARGUMENT, "%s", err);
+      return 0;
+    }
+    if (rc == SP_ETOOBIG) {
+      call_fail(call, SP_RPC_RESOURCE_EXHAUSTED, "%s", err);
       return 0;
     }
     if (rc != 0) {

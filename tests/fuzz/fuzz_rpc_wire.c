@@ -193,9 +193,10 @@ static void fuzz_pbcheck(const uint8_t *d, size_t n, uint8_t sel) {
   uint8_t *out = NULL;
   size_t out_len = 0;
   char err[256];
-  int rc = sp_rpc_pbcheck(desc, d, n, &out, &out_len, err, sizeof err);
-  CHECK(rc == 0 || rc == SP_EFORMAT || rc == SP_ENOMEM);
-  if (rc == SP_EFORMAT) CHECK(err[0] != '\0');
+  /* a small decode limit, so the budget's refusal is reached too */
+  int rc = sp_rpc_pbcheck(desc, d, n, 4096, &out, &out_len, err, sizeof err);
+  CHECK(rc == 0 || rc == SP_EFORMAT || rc == SP_ETOOBIG || rc == SP_ENOMEM);
+  if (rc == SP_EFORMAT || rc == SP_ETOOBIG) CHECK(err[0] != '\0');
   if (rc != 0) return;
   const uint8_t *m = out != NULL ? out : d;
   size_t mlen = out != NULL ? out_len : n;
@@ -205,7 +206,7 @@ static void fuzz_pbcheck(const uint8_t *d, size_t n, uint8_t sel) {
   protobuf_c_message_free_unpacked(msg, NULL);
   uint8_t *again = NULL;
   size_t again_len = 0;
-  CHECK(sp_rpc_pbcheck(desc, m, mlen, &again, &again_len, NULL, 0) == 0);
+  CHECK(sp_rpc_pbcheck(desc, m, mlen, 4096, &again, &again_len, NULL, 0) == 0);
   CHECK(again == NULL);
   free(out);
 }

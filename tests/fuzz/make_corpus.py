@@ -304,6 +304,8 @@ def wire_inputs():
     c["pb_attach_bad_utf8"] = two(b"\x1a\x03\xed\xa0\x80", sel=0x80)
     c["pb_attach_truncated"] = two(b"\x1a\x05ab", sel=0x80)
     c["pb_wait_keys"] = two(b"\x0a\x01a\x0a\x02bc\x10\x05", sel=0xc0)
+    # empty nested messages past the harness's 4 KiB decode budget
+    c["pb_session_many_empty"] = two(b"\x22\x00" * 100, sel=0x00)
     return c
 
 
