@@ -186,7 +186,10 @@ typedef struct sp_rpc_server_opts {
 
 /* Creates a server on `loop` with grpc.health.v1.Health registered ("" is
  * SERVING). opts may be NULL. The caller frees it with sp_rpc_server_free()
- * after the shutdown callback ran (or before listening). */
+ * after the shutdown callback ran (or before listening). A server freed
+ * without a shutdown after it had connections (the in-memory feed of the
+ * fuzz harness) closes its loop handles then: run the loop once more
+ * before uv_loop_close. */
 int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
                       sp_rpc_server **out);
 
