@@ -34,7 +34,7 @@
  * string, bytes value and repeated array slot, with malloc's overhead) is
  * estimated on the way; over max_decoded (0: no limit) the message is
  * refused, so known fields cannot amplify either (a million empty nested
- * messages in 2 MiB would otherwise cost 50 MB).
+ * messages in 2 MiB would otherwise cost about 70 MB).
  *
  * Returns 0, SP_EFORMAT with one line in err naming the field (e.g.
  * "shardplane.v1.StoreSetRequest.key: contains a NUL byte at offset 1";

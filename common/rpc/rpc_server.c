@@ -622,9 +622,12 @@ static int deliver(sp_rpc_call *call, const uint8_t *data, size_t len) {
      * string: the pre-scan drops the one and refuses the other */
     char err[SP_RPC_STATUS_MESSAGE_MAX];
     size_t clen = 0;
-    /* decode memory within the message limit too */
-    int rc = sp_rpc_pbcheck(m->input, data, len, call->conn->srv->opts.max_message,
-                            &compact, &clen, err, sizeof err);
+    /* Decode memory within twice the message limit: a bytes field as
+     * large as the limit decodes into about its own size, two-byte empty
+     * messages into 24 times theirs. */
+    size_t max_decoded = 2 * call->conn->srv->opts.max_message + (64u << 10);
+    int rc = sp_rpc_pbcheck(m->input, data, len, max_decoded, &compact, &clen,
+                            err, sizeof err);
     if (rc == SP_EFORMAT) {
       call_fail(call, SP_RPC_INVALID_ARGUMENT, "%s", err);
       return 0;
