@@ -133,6 +133,8 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
                   /* the load process may starve the rank sessions of CPU;
                    * nobody must be declared lost for it */
                   "--heartbeat-timeout-ms", "3600000",
+                  /* the simulated ranks are this machine's own clients */
+                  "--insecure", "--no-auth",
                   "--quiet", NULL};
   return sp_proc_spawn(ch, argv, false, false, "listening on 127.0.0.1:%d", d);
 }

@@ -209,8 +209,8 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
   char *ca[24] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
                   "127.0.0.1:0", "--model", (char *)o->model, "--world-size",
                   ws, "--strategy", (char *)r->strategy, "--wrap-type",
-                  (char *)o->wrap, "--quiet"};
-  int k = 12;
+                  (char *)o->wrap, "--quiet", "--insecure", "--no-auth"};
+  int k = 14;
   if (strcmp(r->strategy, "HYBRID_SHARD") == 0) {
     ca[k++] = "--shard-group-size";
     ca[k++] = "2";
@@ -240,8 +240,8 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
     char rs[16];
     snprintf(rs, sizeof rs, "%d", rk);
     char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
-                  "--rank", rs, "--steps", steps, "--log-every", "0",
-                  "--stats", stats, "--checkpoint",
+                  "--insecure", "--rank", rs, "--steps", steps, "--log-every",
+                  "0", "--stats", stats, "--checkpoint",
                   r->ckpt ? "sharded" : "none", "--checkpoint-dir", ckdir,
                   NULL};
     if (posix_spawn(&w[rk], wa[0], &fa, NULL, wa, environ) != 0) {

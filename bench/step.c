@@ -76,7 +76,8 @@ static int start_coordinator(const bench_opts *o, int world, sp_proc *coord,
   snprintf(ws, sizeof ws, "%d", world);
   char *ca[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
                 "127.0.0.1:0", "--model", (char *)o->model, "--world-size", ws,
-                "--wrap-type", "Linear", "--quiet", NULL};
+                "--wrap-type", "Linear", "--quiet", "--insecure", "--no-auth",
+                NULL};
   sp_diag d = {{0}};
   if (sp_proc_spawn(coord, ca, false, false, "listening on 127.0.0.1:%d",
                     &d) < 0) {
@@ -105,7 +106,8 @@ static int run_job(const bench_opts *o, const char *tmpdir, double *ratio,
     char rs[16];
     snprintf(rs, sizeof rs, "%d", r);
     char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
-                  "--rank", rs, "--steps", steps, "--global-batch", batch,
+                  "--insecure", "--rank", rs, "--steps", steps,
+                  "--global-batch", batch,
                   "--log-every", "0", "--checkpoint", "none",
                   "--report-toggle", block, "--stats", stats, NULL};
     if (posix_spawn(&w[r], wa[0], NULL, NULL, wa, environ) != 0) {

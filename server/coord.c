@@ -121,6 +121,13 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       (rc = load_job(cfg, &c->job, diag)) != 0 ||
       (rc = sp_plan_build(c->model, &c->job, &c->plan, diag)) != 0)
     goto fail;
+  if (cfg->token_file != NULL) {
+    rc = sp_auth_load(cfg->token_file, &cfg->store_quota, &c->auth, diag);
+    if (rc != 0) goto fail;
+    opts.authorize = sp_auth_authorize;
+    opts.authorize_arg = c->auth;
+  }
+  opts.tls = cfg->tls;
   if ((rc = sp_rpc_server_new(loop, &opts, &c->srv)) != 0 ||
       (rc = sp_store_new(NULL, &c->store)) != 0) {
     sp_diag_set(diag, rc, "coordinator: %s", sp_strerror(rc));
@@ -196,6 +203,8 @@ void sp_coord_free(sp_coord *c) {
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
   for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) free(c->recent_msg[i]);
   sp_store_free(c->store);
+  sp_auth_free(c->auth);
+  free(c->abort_reason);
   sp_plan_free(c->plan);
   sp_model_free(c->model);
   free(c->spec_json);

@@ -49,6 +49,26 @@ static void usage(FILE *f) {
         "                               without a deadline (default 30000)\n"
         "  --max-buffered-mib N         request and response bytes buffered,\n"
         "                               all connections (default 256)\n"
+        "\n"
+        "Security (docs/security.md): one of --tls-cert/--tls-key or\n"
+        "--insecure, and one of --token-file or --no-auth, are required.\n"
+        "  --tls-cert FILE              serve TLS with this certificate "
+        "chain (PEM)\n"
+        "  --tls-key FILE               ... and its private key (PEM)\n"
+        "  --tls-client-ca FILE         mutual TLS: clients must present a\n"
+        "                               certificate from this CA bundle\n"
+        "  --insecure                   cleartext HTTP/2 (a warning when the\n"
+        "                               address is not loopback)\n"
+        "  --token-file FILE            bearer tokens and their roles, as\n"
+        "                               SHA-256 hashes (shardplane token "
+        "create)\n"
+        "  --no-auth                    serve every call to anyone (warns)\n"
+        "  --store-quota-bytes N        store bytes (keys and values) one "
+        "token's\n"
+        "                               keys may hold (default 268435456)\n"
+        "  --store-quota-keys N         store keys one token may hold "
+        "(default\n"
+        "                               65536)\n"
         "  --quiet                      no log lines\n"
         "  --help                       this text\n"
         "\n"
@@ -60,7 +80,9 @@ static void usage(FILE *f) {
 }
 
 enum { OPT_LISTEN = 256, OPT_MODEL, OPT_JOB, OPT_HB_TIMEOUT, OPT_HB_INTERVAL,
-       OPT_QUIET, OPT_HELP, OPT_MAX_CONNS, OPT_PREFACE_MS, OPT_IDLE_MS,
+       OPT_QUIET, OPT_HELP, OPT_TLS_CERT, OPT_TLS_KEY, OPT_TLS_CLIENT_CA,
+       OPT_INSECURE, OPT_TOKEN_FILE, OPT_NO_AUTH, OPT_QUOTA_BYTES,
+       OPT_QUOTA_KEYS, OPT_MAX_CONNS, OPT_PREFACE_MS, OPT_IDLE_MS,
        OPT_REQUEST_MS, OPT_MAX_BUFFERED };
 
 static const struct option k_opts[] = {
@@ -76,6 +98,14 @@ static const struct option k_opts[] = {
     {"max-buffered-mib", required_argument, NULL, OPT_MAX_BUFFERED},
     {"quiet", no_argument, NULL, OPT_QUIET},
     {"help", no_argument, NULL, OPT_HELP},
+    {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
+    {"tls-key", required_argument, NULL, OPT_TLS_KEY},
+    {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
+    {"insecure", no_argument, NULL, OPT_INSECURE},
+    {"token-file", required_argument, NULL, OPT_TOKEN_FILE},
+    {"no-auth", no_argument, NULL, OPT_NO_AUTH},
+    {"store-quota-bytes", required_argument, NULL, OPT_QUOTA_BYTES},
+    {"store-quota-keys", required_argument, NULL, OPT_QUOTA_KEYS},
 };
 
 static uv_signal_t g_sig[2];
@@ -158,6 +188,62 @@ static int parse_listen(const char *v) {
   return -1;
 }
 
+static int parse_quota(const char *flag, const char *v, uint64_t *out) {
+  long long x;
+  sp_diag d = {{0}};
+  if (sp_flag_int(flag, v, 1, (long long)1 << 50, &x, &d) != 0) {
+    fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
+    return -1;
+  }
+  *out = (uint64_t)x;
+  return 0;
+}
+
+typedef struct security {
+  sp_rpc_tls_server_opts tls;
+  bool insecure, no_auth;
+} security;
+
+/* Transport and authentication must each be chosen, never defaulted to
+ * the open one. 0, or -1 with the message printed (bad usage). */
+static int check_security(const security *s, const sp_coord_config *cfg) {
+  const char *err = NULL;
+  bool any_tls = s->tls.cert_file || s->tls.key_file || s->tls.client_ca_file;
+  if (s->insecure && any_tls)
+    err = "--insecure and --tls-* exclude each other";
+  else if (!s->insecure && !any_tls)
+    err = "choose the transport: --tls-cert FILE --tls-key FILE, or "
+          "--insecure for cleartext";
+  else if (any_tls && (s->tls.cert_file == NULL || s->tls.key_file == NULL))
+    err = "--tls-cert and --tls-key go together";
+  else if (s->no_auth && cfg->token_file != NULL)
+    err = "--no-auth and --token-file exclude each other";
+  else if (!s->no_auth && cfg->token_file == NULL)
+    err = "--token-file FILE is required (or --no-auth to serve anyone)";
+  if (err == NULL) return 0;
+  fprintf(stderr, "shardplane-coordinator: %s\n", err);
+  return -1;
+}
+
+static bool loopback(const char *host) {
+  return strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0 ||
+         strcmp(host, "localhost") == 0;
+}
+
+static void warn_open(const security *s, const char *listen) {
+  char host[256];
+  int port;
+  if (s->insecure && (sp_rpc_split_addr(listen, host, sizeof host, &port) != 0
+                      || !loopback(host)))
+    fprintf(stderr, "shardplane-coordinator: warning: listening in cleartext "
+            "on %s: tokens and store values cross the network unencrypted "
+            "(use --tls-cert/--tls-key)\n", listen);
+  if (s->no_auth)
+    fprintf(stderr, "shardplane-coordinator: warning: --no-auth: anyone who "
+            "reaches %s may call every method, abort the job and write the "
+            "store\n", listen);
+}
+
 /* The job against the model: a wrap target it does not have is a flag
  * error (exit 2), named as such, and so is a job the flags alone make
  * that does not hold together; one from a job file is a bad job (1).
@@ -187,6 +273,8 @@ int main(int argc, char **argv) {
   const char *listen = "127.0.0.1:7700";
   sp_coord_config cfg = {0};
   sp_job_cli flags = {0};
+  security sec;
+  memset(&sec, 0, sizeof sec);
   sp_job_init(&cfg.job);
   int exit_code = 2;
   struct option *opts =
@@ -218,6 +306,31 @@ int main(int argc, char **argv) {
     case OPT_HB_INTERVAL:
       if (parse_ms("--heartbeat-interval-ms", optarg,
                    &cfg.heartbeat_interval_ms) != 0)
+        goto out;
+      break;
+    case OPT_TLS_CERT:
+    case OPT_TLS_KEY:
+    case OPT_TLS_CLIENT_CA:
+    case OPT_TOKEN_FILE: {
+      static const char *const names[] = {"--tls-cert", "--tls-key",
+                                          "--tls-client-ca", NULL,
+                                          "--token-file"};
+      if (parse_text(names[c - OPT_TLS_CERT], optarg, "a file") != 0)
+        goto out;
+      if (c == OPT_TLS_CERT) sec.tls.cert_file = optarg;
+      else if (c == OPT_TLS_KEY) sec.tls.key_file = optarg;
+      else if (c == OPT_TLS_CLIENT_CA) sec.tls.client_ca_file = optarg;
+      else cfg.token_file = optarg;
+      break;
+    }
+    case OPT_INSECURE: sec.insecure = true; break;
+    case OPT_NO_AUTH: sec.no_auth = true; break;
+    case OPT_QUOTA_BYTES:
+      if (parse_quota("--store-quota-bytes", optarg, &cfg.store_quota.bytes))
+        goto out;
+      break;
+    case OPT_QUOTA_KEYS:
+      if (parse_quota("--store-quota-keys", optarg, &cfg.store_quota.keys))
         goto out;
       break;
     case OPT_HELP:
@@ -265,6 +378,12 @@ int main(int argc, char **argv) {
   exit_code = check_job(&flags, &cfg.job, cfg.job_path != NULL,
                         cfg.model_path);
   if (exit_code != 0) goto out;
+  if (check_security(&sec, &cfg) != 0) {
+    usage(stderr);
+    exit_code = 2;
+    goto out;
+  }
+  if (!sec.insecure) cfg.tls = &sec.tls;
   cfg.job_path = NULL;
   signal(SIGPIPE, SIG_IGN);
   uv_loop_t *loop = uv_default_loop();
@@ -280,6 +399,7 @@ int main(int argc, char **argv) {
     sp_coord_free(coord);
     goto out;
   }
+  warn_open(&sec, listen);
   char host[256];
   int ignored;
   sp_rpc_split_addr(listen, host, sizeof host, &ignored);

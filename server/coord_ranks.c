@@ -28,6 +28,9 @@ struct sp_coord_rank {
   char *last_alert;
   uint64_t transitions;
   sp_rpc_call *session; /* the open Session stream, if any */
+  /* The token that attached the rank (NULL without authentication): only
+   * it may speak for the rank's session. */
+  const sp_rpc_principal *owner;
 };
 
 /* Per Session call: which rank it speaks for (NULL until the first
@@ -92,6 +95,13 @@ void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
   c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
   sp_coord_log(c, "alert: rank %u: %s", rank, msg);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, rank, msg, NULL);
+}
+
+static int send_abort(sp_rpc_call *session, const char *reason) {
+  Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
+  d.command = SHARDPLANE__V1__COMMAND__ABORT;
+  d.reason = (char *)reason;
+  return sp_rpc_call_send(session, &d.base);
 }
 
 /* Tells every other live session to abort its collectives. */
@@ -214,9 +224,22 @@ static int apply_transition(sp_coord *c, uint32_t rank,
   return SP_RPC_OK;
 }
 
+/* A worker token speaks only for the ranks it attached, whatever session
+ * id it shows; an admin token for any. */
+static int check_owner(const sp_coord_rank *k, uint32_t rank,
+                       const sp_rpc_call *call, char *msg, size_t cap) {
+  const sp_rpc_principal *p = sp_rpc_call_principal(call);
+  if (p == NULL || p->role == SP_ROLE_ADMIN || k->owner == NULL ||
+      k->owner == p)
+    return SP_RPC_OK;
+  snprintf(msg, cap, "rank %u was attached with another token than \"%s\"",
+           rank, p->name);
+  return SP_RPC_PERMISSION_DENIED;
+}
+
 /* Common checks of requests that speak for an attached rank. */
-static int check_session(sp_coord *c, uint32_t rank, const char *session_id,
-                         char *msg, size_t cap) {
+static int check_session(sp_coord *c, const sp_rpc_call *call, uint32_t rank,
+                         const char *session_id, char *msg, size_t cap) {
   if (rank >= c->plan->world_size) {
     snprintf(msg, cap, "rank %u is out of range: the world has ranks 0-%u",
              rank, c->plan->world_size - 1);
@@ -237,7 +260,7 @@ static int check_session(sp_coord *c, uint32_t rank, const char *session_id,
     snprintf(msg, cap, "wrong session id for rank %u", rank);
     return SP_RPC_PERMISSION_DENIED;
   }
-  return SP_RPC_OK;
+  return check_owner(k, rank, call, msg, cap);
 }
 
 static void replace_str(char **dst, const char *src, size_t max) {
@@ -291,6 +314,11 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
                         q->plan_version, pl->version_hex);
     return;
   }
+  if (c->abort_reason != NULL) {
+    sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION, "%s",
+                        c->abort_reason);
+    return;
+  }
   sp_coord_rank *k = &c->ranks[q->rank];
   bool reattach = false;
   if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
@@ -301,6 +329,11 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
                           q->rank, k->host ? k->host : "?", k->pid);
       return;
     }
+    char err[256];
+    if (check_owner(k, q->rank, call, err, sizeof err) != SP_RPC_OK) {
+      sp_rpc_call_finish(call, SP_RPC_PERMISSION_DENIED, err);
+      return;
+    }
     reattach = true;
   } else {
     new_session_id(c, k->session_id);
@@ -309,6 +342,7 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
     k->st.root = SP_ROOT_IDLE;
   }
   k->status = SHARDPLANE__V1__RANK_STATUS__ATTACHED;
+  if (!reattach) k->owner = sp_rpc_call_principal(call);
   replace_str(&k->host, q->host, SP_COORD_MAX_HOST);
   replace_str(&k->device, q->device, SP_COORD_MAX_DEVICE);
   k->pid = q->pid;
@@ -335,7 +369,15 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__DetachRequest *q =
       (const Shardplane__V1__DetachRequest *)msg;
   char err[256];
-  int code = check_session(c, q->rank, q->session_id, err, sizeof err);
+  /* an admin may detach any attached rank without its session id */
+  const sp_rpc_principal *p = sp_rpc_call_principal(call);
+  bool forced = p != NULL && p->role == SP_ROLE_ADMIN &&
+                (q->session_id == NULL || q->session_id[0] == '\0') &&
+                q->rank < c->plan->world_size;
+  int code = check_session(c, call, q->rank,
+                           forced ? c->ranks[q->rank].session_id
+                                  : q->session_id,
+                           err, sizeof err);
   if (code != SP_RPC_OK) {
     sp_rpc_call_finish(call, code, err);
     return;
@@ -349,7 +391,9 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   Shardplane__V1__DetachResponse r = SHARDPLANE__V1__DETACH_RESPONSE__INIT;
   sp_rpc_call_reply(call, &r.base);
-  sp_coord_log(c, "rank %u detached", q->rank);
+  if (forced) sp_coord_log(c, "rank %u detached by token \"%s\"", q->rank,
+                           p->name);
+  else sp_coord_log(c, "rank %u detached", q->rank);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
                    "detached", NULL);
 }
@@ -362,7 +406,7 @@ static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__ReportTransitionRequest *q =
       (const Shardplane__V1__ReportTransitionRequest *)msg;
   char err[SP_DIAG_MAX + 64];
-  int code = check_session(c, q->rank, q->session_id, err, sizeof err);
+  int code = check_session(c, call, q->rank, q->session_id, err, sizeof err);
   if (code == SP_RPC_OK && q->transition == NULL) {
     code = SP_RPC_INVALID_ARGUMENT;
     snprintf(err, sizeof err, "transition is required");
@@ -392,7 +436,7 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (ctx == NULL) {
     /* the first message binds the stream to its rank */
     char err[256];
-    int code = check_session(c, q->rank, q->session_id, err, sizeof err);
+    int code = check_session(c, call, q->rank, q->session_id, err, sizeof err);
     if (code != SP_RPC_OK) {
       sp_rpc_call_finish(call, code, err);
       return;
@@ -412,6 +456,7 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
                      "superseded by a newer session stream");
     }
     k->session = call;
+    if (c->abort_reason != NULL) send_abort(call, c->abort_reason);
   }
   if (!ctx->bound) return; /* the rank was marked lost or detached */
   sp_coord_rank *k = &c->ranks[ctx->rank];
@@ -534,6 +579,30 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(states);
 }
 
+/* ABORT down every open Session stream (the authorize hook lets only
+ * admins here when tokens are on). */
+static void on_abort(sp_rpc_call *call, const ProtobufCMessage *msg,
+                     const uint8_t *raw, size_t len) {
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  const Shardplane__V1__AbortRequest *q = (const void *)msg;
+  const sp_rpc_principal *p = sp_rpc_call_principal(call);
+  char reason[400];
+  snprintf(reason, sizeof reason, "job aborted%s%s%s%s%.200s",
+           p ? " by token \"" : "", p ? p->name : "", p ? "\"" : "",
+           q->reason && q->reason[0] ? ": " : "", q->reason ? q->reason : "");
+  if (c->abort_reason == NULL) c->abort_reason = sp_strdup(reason);
+  Shardplane__V1__AbortResponse r = SHARDPLANE__V1__ABORT_RESPONSE__INIT;
+  for (uint32_t i = 0; i < c->plan->world_size; i++)
+    if (c->ranks[i].session != NULL &&
+        send_abort(c->ranks[i].session, reason) == 0)
+      r.sessions++;
+  sp_coord_log(c, "%s", reason);
+  sp_coord_alert(c, UINT32_MAX, "%s", reason);
+  sp_rpc_call_reply(call, &r.base);
+}
+
 #define M(name, kind, req, fn, half, cancel)                                   \
   {SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, half,  \
    cancel, NULL}
@@ -547,6 +616,7 @@ static const sp_rpc_method k_methods[] = {
       NULL, NULL),
     M("ListRanks", SP_RPC_UNARY, list_ranks_request, on_list_ranks, NULL,
       NULL),
+    M("Abort", SP_RPC_UNARY, abort_request, on_abort, NULL, NULL),
 };
 
 int sp_coord_ranks_register(sp_coord *c) {

@@ -146,6 +146,31 @@ static bool refuse_if_stopping(sp_rpc_call *call) {
   return true;
 }
 
+/* The writer's role and store quota (coord_auth.h), before anything
+ * changes: true when the call was refused. vlen: the value the write may
+ * leave; SIZE_MAX for a delete, which no quota limits. */
+static bool write_refused(sp_rpc_call *call, const char *key, size_t klen,
+                          size_t vlen) {
+  const sp_rpc_principal *p = sp_rpc_call_principal(call);
+  if (p == NULL) return false;
+  char msg[SP_RPC_STATUS_MESSAGE_MAX];
+  int code = sp_auth_store_may_write(p, key, msg, sizeof msg);
+  if (code == SP_RPC_OK && vlen != SIZE_MAX)
+    code = sp_auth_quota_check(coord_of(call)->auth, p, key, klen, vlen, msg,
+                               sizeof msg);
+  if (code == SP_RPC_OK) return false;
+  sp_rpc_call_finish(call, code, msg);
+  return true;
+}
+
+/* After a write: the key now counts against its writer's quota. Out of
+ * memory here only leaves the key unaccounted; the write itself stands. */
+static void wrote(sp_rpc_call *call, const char *key, size_t klen,
+                  size_t vlen) {
+  (void)sp_auth_quota_wrote(coord_of(call)->auth, sp_rpc_call_principal(call),
+                            key, klen, vlen);
+}
+
 static ProtobufCBinaryData bytes_of(const uint8_t *p, size_t n) {
   /* pack only reads it; the field type is not const */
   return (ProtobufCBinaryData){n, (uint8_t *)(uintptr_t)p};
@@ -161,7 +186,8 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   size_t klen;
   if (key_malformed(call, q->key, "key") ||
       key_oversize(call, q->key, &klen, "key") ||
-      value_oversize(call, q->value.len, "value"))
+      value_oversize(call, q->value.len, "value") ||
+      write_refused(call, q->key, klen, q->value.len))
     return;
   Shardplane__V1__StoreSetResponse r = SHARDPLANE__V1__STORE_SET_RESPONSE__INIT;
   /* Waiting calls released by this set are answered inside it. */
@@ -171,6 +197,7 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
+  wrote(call, q->key, klen, q->value.len);
   sp_rpc_call_reply(call, &r.base);
 }
 
@@ -374,8 +401,10 @@ static void on_add(sp_rpc_call *call, const ProtobufCMessage *msg,
   (void)len;
   const Shardplane__V1__StoreAddRequest *q = (const void *)msg;
   size_t klen;
+  /* 20: the longest int64 in decimal, sign included */
   if (key_malformed(call, q->key, "key") ||
-      key_oversize(call, q->key, &klen, "key"))
+      key_oversize(call, q->key, &klen, "key") ||
+      write_refused(call, q->key, klen, 20))
     return;
   Shardplane__V1__StoreAddResponse r = SHARDPLANE__V1__STORE_ADD_RESPONSE__INIT;
   int rc = sp_store_add(coord_of(call)->store, q->key, klen, q->delta, &r.value,
@@ -384,6 +413,9 @@ static void on_add(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
+  char digits[24];
+  wrote(call, q->key, klen,
+        (size_t)snprintf(digits, sizeof digits, "%lld", (long long)r.value));
   sp_rpc_call_reply(call, &r.base);
 }
 
@@ -404,7 +436,8 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   if (key_oversize(call, q->key, &klen, "key") ||
       value_oversize(call, q->desired.len, "desired") ||
-      value_oversize(call, q->expected.len, "expected"))
+      value_oversize(call, q->expected.len, "expected") ||
+      write_refused(call, q->key, klen, q->desired.len))
     return;
   Shardplane__V1__StoreCompareSetResponse r =
       SHARDPLANE__V1__STORE_COMPARE_SET_RESPONSE__INIT;
@@ -419,6 +452,7 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
+  if (swapped) wrote(call, q->key, klen, q->desired.len);
   r.swapped = swapped;
   r.found = found;
   r.value = bytes_of(v, n);
@@ -434,7 +468,8 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__StoreDeleteRequest *q = (const void *)msg;
   size_t klen;
   if (key_malformed(call, q->key, "key") ||
-      key_oversize(call, q->key, &klen, "key"))
+      key_oversize(call, q->key, &klen, "key") ||
+      write_refused(call, q->key, klen, SIZE_MAX))
     return;
   Shardplane__V1__StoreDeleteResponse r =
       SHARDPLANE__V1__STORE_DELETE_RESPONSE__INIT;
@@ -444,6 +479,7 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
+  if (deleted) sp_auth_quota_deleted(coord_of(call)->auth, q->key, klen);
   r.deleted = deleted;
   sp_rpc_call_reply(call, &r.base);
 }

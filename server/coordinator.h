@@ -15,6 +15,7 @@
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "fsdp/state.h"
+#include "coord_auth.h"
 #include "store.h"
 #include "base/strmap.h"
 
@@ -53,6 +54,12 @@ typedef struct sp_coord_config {
   uint32_t max_connections;
   uint64_t preface_timeout_ms, idle_timeout_ms, request_timeout_ms;
   size_t max_buffered;
+  /* The token file (coord_auth.h); NULL: no authentication, every call is
+   * served (in-process test fixtures, benchmarks). Read by sp_coord_new. */
+  const char *token_file;
+  sp_auth_quota store_quota; /* per token; zeros: the defaults */
+  /* NULL: cleartext. Needs to live only until sp_coord_listen returns. */
+  const sp_rpc_tls_server_opts *tls;
 } sp_coord_config;
 
 typedef struct sp_coord_rank sp_coord_rank;
@@ -89,6 +96,10 @@ typedef struct sp_coord {
   /* store (coord_store.c) */
   sp_store *store;
   struct sp_coord_store_wait *store_waits; /* calls waiting on keys */
+  sp_auth *auth; /* NULL without a token file */
+  /* Set by Abort: every Session stream gets ABORT with it, also one that
+   * binds later, and no rank attaches any more. */
+  char *abort_reason;
   /* method tables registered with the server, owned here */
   sp_rpc_method *methods[8];
   size_t n_method_tables;

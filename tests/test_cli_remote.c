@@ -91,8 +91,11 @@ static pid_t spawn(char *const argv[], const char *out_path,
 
 /* Starts a coordinator on a free port; its address goes to addr. */
 static pid_t start_coordinator(char *const extra[], char *addr, size_t cap) {
-  char *argv[32] = {COORD_BIN, "--listen", "127.0.0.1:0", "--quiet"};
-  size_t n = 4;
+  /* the command's credentials are test_coord_auth's and test_run's
+   * subject; here the coordinator serves anyone, in cleartext */
+  char *argv[32] = {COORD_BIN, "--listen", "127.0.0.1:0", "--quiet",
+                    "--insecure", "--no-auth"};
+  size_t n = 6;
   for (size_t i = 0; extra[i] != NULL && n < 31; i++) argv[n++] = extra[i];
   argv[n] = NULL;
   int fd;
@@ -133,15 +136,28 @@ typedef struct result {
 } result;
 
 
-/* Runs `shardplane ARGS...` (NULL-terminated), bounded in time. */
+/* Runs `shardplane ARGS...` (NULL-terminated), bounded in time. The
+ * coordinators here are cleartext: a remote subcommand gets --insecure
+ * last (an offline plan, with --model, takes no connection flags). */
 static result run(const char *arg, ...) {
   char *argv[32] = {CLI_BIN};
   size_t n = 1;
+  bool offline = false;
+  size_t dashes = 0; /* where "--" is, if anywhere */
   va_list ap;
   va_start(ap, arg);
-  for (const char *a = arg; a != NULL && n < 31; a = va_arg(ap, const char *))
+  for (const char *a = arg; a != NULL && n < 30; a = va_arg(ap, const char *)) {
+    if (strcmp(a, "--") == 0 && dashes == 0) dashes = n;
     argv[n++] = (char *)a;
+    offline |= strcmp(a, "--model") == 0;
+  }
   va_end(ap);
+  if (arg != NULL && arg[0] != '-' && !offline) {
+    size_t at = dashes ? dashes : n;
+    memmove(&argv[at + 1], &argv[at], (n - at) * sizeof argv[0]);
+    argv[at] = "--insecure";
+    n++;
+  }
   argv[n] = NULL;
   char out[1024], err[1024];
   snprintf(out, sizeof out, "%s/out", g_dir);
@@ -614,8 +630,8 @@ static void test_watch(void **state) {
 
   char out[1024];
   snprintf(out, sizeof out, "%s/watch", g_dir);
-  char *argv[] = {CLI_BIN, "watch", "--count", "1", "--kind", "attached",
-                  "--json", NULL};
+  char *argv[] = {CLI_BIN, "watch", "--insecure", "--count", "1", "--kind",
+                  "attached", "--json", NULL};
   int st = watch_one(argv, out, kick_attach, c, &w);
   expect_watch_ok(st, out);
   char *text = sp_test_read_file(out);
@@ -631,7 +647,8 @@ static void test_watch(void **state) {
   free(text);
 
   /* the human line of a transition, filtered to rank 0 */
-  char *targv[] = {CLI_BIN, "watch", "--transitions", "--kind", "transition",
+  char *targv[] = {CLI_BIN, "watch", "--insecure", "--transitions", "--kind",
+                   "transition",
                    "--rank", "0", "--count", "1", NULL};
   st = watch_one(targv, out, kick_transition, c, &w);
   expect_watch_ok(st, out);
@@ -680,8 +697,8 @@ static pid_t job_to_the_end(const char *model, char *const extra[], int world,
     char rank[8];
     snprintf(rank, sizeof rank, "%d", r);
     char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
-                  "--rank", rank, "--steps", (char *)steps, "--checkpoint",
-                  "none", NULL};
+                  "--insecure", "--rank", rank, "--steps", (char *)steps,
+                  "--checkpoint", "none", NULL};
     snprintf(out, sizeof out, "%s/rank%d.out", g_dir, r);
     snprintf(err, sizeof err, "%s/rank%d.err", g_dir, r);
     w[r] = spawn(wa, out, err, NULL);

@@ -569,7 +569,8 @@ static void test_attach_at_fd_limit(void **state) {
   assert_int_equal(setrlimit(RLIMIT_NOFILE, &low), 0);
   const char *argv[] = {SP_BIN_DIR "/shardplane-coordinator",
                         "--model", MODEL("gpt2"), "--world-size", "2",
-                        "--listen", "127.0.0.1:0", "--quiet", NULL};
+                        "--listen", "127.0.0.1:0", "--insecure", "--no-auth",
+                        "--quiet", NULL};
   sp_proc co;
   sp_diag d = {""};
   int rc = sp_proc_spawn(&co, (char *const *)argv, false, false,

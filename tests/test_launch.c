@@ -133,7 +133,7 @@ static pid_t spawn_env_worker(const char *const *env_add, const char *err) {
   for (char **e = environ; *e && n < 254; e++) envp[n++] = *e;
   envp[n] = NULL;
   const char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--log-every", "0",
-                        "--steps", "2", NULL};
+                        "--steps", "2", "--insecure", NULL};
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   if (err != NULL)
@@ -168,10 +168,13 @@ static void test_worker_from_env(void **state) {
   /* the fixture starts a 1-worker job; the coordinator must want 2 */
   const char *const cf2[] = {"--world-size", "2", NULL};
   sp_tjob_start(&j, SP_EXAMPLES "/mlp.json", cf2, 1, wflags, NULL);
-  char coord[96];
+  char coord[96], token[96];
   snprintf(coord, sizeof coord, SP_COORDINATOR_ENV "=%s", j.addr);
+  /* the token from the environment too */
+  snprintf(token, sizeof token, "SHARDPLANE_TOKEN=%s",
+           j.auth.token[SP_ROLE_WORKER]);
   const char *const env[] = {"RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1",
-                             coord, NULL};
+                             coord, token, NULL};
   pid_t w1 = spawn_env_worker(env, NULL);
   int st1 = wait_exit(w1, 60);
   int ok = sp_tjob_wait(&j, 60);
@@ -189,9 +192,11 @@ static void test_world_size_mismatch(void **state) {
   const char *const cf2[] = {"--world-size", "2", NULL};
   const char *const wflags[] = {"--steps", "2", NULL};
   sp_tjob_start(&j, SP_EXAMPLES "/mlp.json", cf2, 1, wflags, NULL);
-  char coord[96];
+  char coord[96], token[96];
   snprintf(coord, sizeof coord, SP_COORDINATOR_ENV "=%s", j.addr);
-  const char *const env[] = {"RANK=1", "WORLD_SIZE=3", coord, NULL};
+  snprintf(token, sizeof token, "SHARDPLANE_TOKEN=%s",
+           j.auth.token[SP_ROLE_WORKER]);
+  const char *const env[] = {"RANK=1", "WORLD_SIZE=3", coord, token, NULL};
   pid_t w1 = spawn_env_worker(env, err);
   int st1 = wait_exit(w1, 60);
   sp_tjob_wait(&j, 0.5); /* rank 0 waits for a rank 1 that left: stop it */

@@ -13,6 +13,7 @@
 #include "echo.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "rpc/rpc.h"
+#include "support/coord_fixture.h"
 #include "support/rpc_fixture.h"
 #include "rpc/rpc_wire.h"
 #include "support/testutil.h"
@@ -611,6 +612,77 @@ static void test_graceful_shutdown_finishes_calls(void **state) {
   sp_rpc_sync_close(c);
 }
 
+/* The authorize hook sees the path and the request metadata once the
+ * headers are in; a refusal reaches the client as its status, Health never
+ * asks the hook, and the client sends its token as "Bearer <token>". */
+static char g_seen_path[128];
+static int g_hook_calls;
+
+static int check_bearer(sp_rpc_call *call, void *arg, char *msg, size_t cap) {
+  (void)arg;
+  g_hook_calls++;
+  snprintf(g_seen_path, sizeof g_seen_path, "%s", sp_rpc_call_path(call));
+  size_t n = 0;
+  const uint8_t *v = sp_rpc_call_metadata(call, "authorization", &n);
+  if (v == NULL || n != 11 || memcmp(v, "Bearer good", 11) != 0) {
+    snprintf(msg, cap, "bad token");
+    return SP_RPC_UNAUTHENTICATED;
+  }
+  return SP_RPC_OK;
+}
+
+static void test_authorize_hook(void **state) {
+  (void)state;
+  sp_test_server ts;
+  sp_rpc_server_opts so = {.authorize = check_bearer};
+  sp_test_server_start(&ts, &so);
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "hi";
+  const char *tokens[] = {NULL, "bad", "good"};
+  for (int i = 0; i < 3; i++) {
+    sp_rpc_client_opts co = {.connect_timeout_ms = 5000, .token = tokens[i]};
+    sp_rpc_sync *c;
+    assert_int_equal(sp_rpc_sync_open_opts(ts.addr, &co, &c), 0);
+    ProtobufCMessage *resp = NULL;
+    sp_rpc_status st;
+    assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base,
+                                       &shardplane__testing__echo_reply__descriptor,
+                                       2000, &resp, &st), 0);
+    if (i < 2) {
+      sp_test_expect_status(&st, SP_RPC_UNAUTHENTICATED, "bad token");
+      assert_null(resp);
+    } else {
+      sp_test_expect_status(&st, SP_RPC_OK, NULL);
+      assert_string_equal(((EchoReply *)resp)->text, "hi");
+      protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    assert_string_equal(g_seen_path, EPATH("Unary"));
+    /* health answers without the hook */
+    int before = g_hook_calls;
+    Grpc__Health__V1__HealthCheckRequest hq =
+        GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    assert_int_equal(sp_rpc_sync_unary(c, "/grpc.health.v1.Health/Check",
+                                       &hq.base,
+                                       &grpc__health__v1__health_check_response__descriptor,
+                                       2000, &resp, &st), 0);
+    sp_test_expect_status(&st, SP_RPC_OK, NULL);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    assert_int_equal(g_hook_calls, before);
+    sp_rpc_sync_close(c);
+  }
+  sp_rpc_server_stats stats = sp_test_server_stats(&ts);
+  assert_int_equal(stats.calls_refused, 2);
+  sp_test_server_stop(&ts, 1000);
+  /* a token that could not be a header value is refused at once */
+  const char *bad[] = {"", "two words", "line\nbreak"};
+  for (int i = 0; i < 3; i++) {
+    sp_rpc_client_opts co = {.token = bad[i]};
+    sp_rpc_sync *c = NULL;
+    assert_int_equal(sp_rpc_sync_open_opts("127.0.0.1:1", &co, &c),
+                     SP_EINVAL);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest wire[] = {
       cmocka_unit_test(test_percent_encoding),
@@ -618,6 +690,7 @@ int main(void) {
       cmocka_unit_test(test_base64),
       cmocka_unit_test(test_deframer),
       cmocka_unit_test(test_addresses),
+      cmocka_unit_test(test_authorize_hook),
   };
   const struct CMUnitTest live[] = {
       cmocka_unit_test(test_unary_and_errors),

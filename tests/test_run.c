@@ -430,8 +430,9 @@ static void start_coordinator(sp_proc *c, const char *model,
                               const char *const *flags, char *addr,
                               size_t cap) {
   char *argv[32] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                    "127.0.0.1:0", "--quiet", "--model", (char *)model};
-  size_t n = 6;
+                    "127.0.0.1:0", "--quiet", "--model", (char *)model,
+                    "--insecure", "--no-auth"};
+  size_t n = 8;
   for (size_t i = 0; flags && flags[i] && n < 31; i++)
     argv[n++] = (char *)flags[i];
   argv[n] = NULL;
@@ -466,7 +467,8 @@ static void test_run_same_plan_as_coordinator(void **state) {
   sp_proc coord;
   char addr[64], cmd[1024];
   start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
-  snprintf(cmd, sizeof cmd, "%s/shardplane status --coordinator %s --json",
+  snprintf(cmd, sizeof cmd, "%s/shardplane status --insecure --coordinator "
+           "%s --json",
            SP_BIN_DIR, addr);
   char *status = command_output(cmd);
   sp_proc_stop(&coord, 5000);
@@ -542,7 +544,7 @@ static char *printed_dir(const char *out) {
 static int worker_load(const char *dir, const char *addr, const char *load,
                        const char *kind) {
   char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                  (char *)addr, "--rank", "0", "--steps", "0",
+                  (char *)addr, "--insecure", "--rank", "0", "--steps", "0",
                   "--checkpoint", "none", "--load", (char *)load,
                   kind ? "--load-kind" : NULL, (char *)kind, NULL};
   return wait_run(start_cmd(dir, argv), 60);
@@ -679,6 +681,63 @@ static void test_run_keeps_other_checkpoints(void **state) {
   free(dir);
 }
 
+/* The running job's coordinator takes tokens: the admin token run prints
+ * works for `shardplane status`, no token does not, and the tokens are
+ * gone once the job ends. */
+static void test_run_admin_token(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
+                        "1000000", "--checkpoint", "none", NULL};
+  pid_t pid = start_run(dir, args);
+  wait_for_output(dir, "out", "admin token in ", 30);
+  char *out = slurp(dir, "out");
+  const char *at = strstr(out, "coordinator on ");
+  assert_non_null(at);
+  char addr[64];
+  snprintf(addr, sizeof addr, "%.*s", (int)strcspn(at + 15, "\n"), at + 15);
+  at = strstr(out, "admin token in ") + 15;
+  char token[4096];
+  snprintf(token, sizeof token, "%.*s", (int)strcspn(at, " \n"), at);
+  free(out);
+  struct stat sb;
+  assert_int_equal(stat(token, &sb), 0);
+  assert_int_equal(sb.st_mode & 0777, 0600);
+  char cmd[8192];
+  snprintf(cmd, sizeof cmd,
+           "%s status --coordinator %s --token-file %s --insecure --json",
+           SHARDPLANE, addr, token);
+  char *status = command_output(cmd);
+  json_t *js = json_loads(status, 0, NULL);
+  assert_non_null(js);
+  assert_int_equal(json_integer_value(json_object_get(
+                       json_object_get(js, "ranks"), "attached")) +
+                       json_integer_value(json_object_get(
+                           json_object_get(js, "ranks"), "never_attached")),
+                   2);
+  json_decref(js);
+  free(status);
+  snprintf(cmd, sizeof cmd,
+           "%s status --coordinator %s --insecure 2>&1 | grep -q "
+           "UNAUTHENTICATED", SHARDPLANE, addr);
+  assert_int_equal(system(cmd), 0);
+  /* the token file the coordinator reads holds no token */
+  char tokens[4096];
+  snprintf(tokens, sizeof tokens, "%.*s/tokens",
+           (int)(strrchr(token, '/') - token), token);
+  char *secret = sp_test_read_file(token), *hashes = sp_test_read_file(tokens);
+  secret[strcspn(secret, "\n")] = '\0';
+  assert_null(strstr(hashes, secret));
+  free(secret);
+  free(hashes);
+  kill(pid, SIGINT);
+  assert_int_equal(wait_run(pid, 30), 130);
+  assert_int_equal(stat(token, &sb), -1);
+  assert_int_equal(stat(tokens, &sb), -1);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
@@ -690,6 +749,7 @@ int main(void) {
       cmocka_unit_test(test_run_same_plan_as_coordinator),
       cmocka_unit_test(test_run_checkpoint_loads),
       cmocka_unit_test(test_run_keeps_other_checkpoints),
+      cmocka_unit_test(test_run_admin_token),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

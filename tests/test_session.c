@@ -14,6 +14,7 @@
 
 #include <cmocka.h>
 
+#include "support/auth_fixture.h"
 #include "support/coord_fixture.h"
 #include "server/coordinator.h"
 #include "lib/plan_wire.h"
@@ -777,6 +778,39 @@ static void test_per_event_cost(void **state) {
   stop(&fx);
 }
 
+/* sp_session_opts.token reaches both of the session's connections: the
+ * blocking calls (GetJob, Attach, the store pool) and the Session stream,
+ * whose first acknowledgement sp_session_open waits for. Without it the
+ * open fails naming the coordinator's refusal; with a worker token the
+ * store takes comm/ keys only. */
+static void test_token(void **state) {
+  (void)state;
+  sp_tauth a;
+  sp_tauth_make(&a);
+  fixture fx;
+  sp_coord_fixture_start_auth(&fx, MODEL("gpt2"), NULL, 0, a.token_file,
+                              NULL);
+  sp_session_opts o = opts_for(&fx, 0);
+  sp_session *s = NULL;
+  sp_diag d = {""};
+  assert_int_equal(sp_session_open(&o, &s, &d), SP_EINVAL);
+  if (strstr(d.msg, "UNAUTHENTICATED") == NULL) fail_msg("%s", d.msg);
+  o.token = "not a token";
+  assert_int_equal(sp_session_open(&o, &s, &d), SP_EINVAL);
+  o.token = a.token[SP_ROLE_READER];
+  assert_int_equal(sp_session_open(&o, &s, &d), SP_ESTATE);
+  if (strstr(d.msg, "may not call Attach") == NULL) fail_msg("%s", d.msg);
+  o.token = a.token[SP_ROLE_WORKER];
+  s = open_ok(&o);
+  assert_int_equal(sp_session_store_set(s, "comm/test/0", "x", 1, &d), 0);
+  assert_int_equal(sp_session_store_set(s, "elsewhere", "x", 1, &d),
+                   SP_ESTATE);
+  assert_non_null(strstr(d.msg, "under \"comm/\""));
+  close_ok(s);
+  stop(&fx);
+  sp_tauth_free(&a);
+}
+
 int main(int argc, char **argv) {
   /* one test by name: test_session test_store */
   if (argc > 1) cmocka_set_test_filter(argv[1]);
@@ -797,6 +831,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_no_report),
       cmocka_unit_test(test_set_report),
       cmocka_unit_test(test_per_event_cost),
+      cmocka_unit_test(test_token),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

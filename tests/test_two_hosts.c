@@ -3,7 +3,10 @@
  * worker advertises must be one the other host can reach. Then the link of
  * rank 1's host goes down: for less than the heartbeat timeout the job
  * goes on; for longer, rank 1 is named lost, the job ends and nothing is
- * left running. Needs root and iproute2; otherwise it says skipped. */
+ * left running. The control plane is exposed as on a cluster network: TLS
+ * (the workers verify the coordinator's certificate) and bearer tokens.
+ * Needs root, iproute2 and the openssl command; otherwise it says
+ * skipped. */
 #include <errno.h>
 #include <fcntl.h>
 #include <setjmp.h>
@@ -23,6 +26,8 @@
 
 #include "base/clock.h"
 #include "base/proc.h"
+#include "support/auth_fixture.h"
+#include "support/test_certs.h"
 #include "support/testutil.h"
 
 extern char **environ;
@@ -32,6 +37,8 @@ static char g_ns[2][32];       /* the two hosts */
 static char g_veth[2][16];     /* each host's end of the link */
 static char g_addr[2][32];     /* each host's address */
 static char *g_dir;            /* logs */
+static sp_test_certs g_certs;  /* the coordinator's certificate and its CA */
+static sp_tauth g_auth;        /* the job's tokens */
 
 /* Runs a shell command; its exit status. */
 static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -166,7 +173,10 @@ static void job_start(job *j, int steps, int hb_timeout_ms) {
   const char *ca[] = {g_ip, "netns", "exec", g_ns[0],
                       SP_BIN_DIR "/shardplane-coordinator", "--listen", listen,
                       "--model", SP_EXAMPLES "/mlp.json", "--world-size", "2",
-                      "--heartbeat-timeout-ms", hb, NULL};
+                      "--heartbeat-timeout-ms", hb,
+                      "--tls-cert", g_certs.server_cert,
+                      "--tls-key", g_certs.server_key,
+                      "--token-file", g_auth.token_file, NULL};
   char fmt[64];
   snprintf(fmt, sizeof fmt, "listening on %s:%%d", g_addr[0]);
   sp_diag d = {{0}};
@@ -177,8 +187,13 @@ static void job_start(job *j, int steps, int hb_timeout_ms) {
     char rs[4], log[32];
     snprintf(rs, sizeof rs, "%d", r);
     snprintf(log, sizeof log, "rank-%d.err", r);
+    /* the certificate names the coordinator "localhost": the name it is
+     * verified against, whatever address reaches it */
     const char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                        j->caddr, "--rank", rs, "--steps", st,
+                        j->caddr, "--tls-ca", g_certs.ca,
+                        "--tls-server-name", "localhost", "--token-file",
+                        g_auth.file[SP_ROLE_WORKER], "--rank", rs, "--steps",
+                        st,
                         "--log-every", "10", "--comm-timeout-ms", "5000",
                         NULL};
     j->w[r] = spawn_in(r, wa, r == 0 ? &j->progress : NULL, log);
@@ -256,11 +271,18 @@ int main(void) {
   char why[256];
   if (hosts_up(why, sizeof why) != 0) return sp_test_skip(why);
   g_dir = sp_test_mkdtemp();
+  if (sp_test_certs_make(g_dir, &g_certs) != 0) {
+    hosts_down();
+    return sp_test_skip("cannot make test certificates (openssl command)");
+  }
+  sp_tauth_make(&g_auth);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_short_outage),
       cmocka_unit_test(test_long_outage),
   };
   int rc = cmocka_run_group_tests(tests, NULL, teardown);
+  sp_tauth_free(&g_auth);
+  sp_test_certs_free(&g_certs);
   sp_test_rmtree(g_dir);
   free(g_dir);
   return rc;

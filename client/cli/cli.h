@@ -8,6 +8,7 @@
 #include <stdio.h>
 
 #include "fsdp/memory.h"
+#include "rpc/rpc_cred.h"
 #include "lib/shardplane.h"
 
 /* Exit codes: scripts tell these apart. */
@@ -36,6 +37,8 @@ int sp_cmd_store(int argc, char **argv);
 /* `shardplane run` (run_cmd.c): a coordinator and N workers on this
  * machine. */
 int sp_cmd_run(int argc, char **argv);
+/* token.c */
+int sp_cmd_token(int argc, char **argv);
 
 /* Prints "shardplane <cmd>: <message>" to stderr. */
 void sp_cli_error(const char *cmd, const char *fmt, ...)
@@ -54,14 +57,15 @@ int sp_cli_parse_uint(const char *s, long long max, long long *out);
 enum { SP_OPT_COORDINATOR = 900, SP_OPT_TIMEOUT };
 #define SP_REMOTE_OPTIONS                                                      \
   {"coordinator", required_argument, NULL, SP_OPT_COORDINATOR},                \
-      {"timeout-ms", required_argument, NULL, SP_OPT_TIMEOUT}
+      {"timeout-ms", required_argument, NULL, SP_OPT_TIMEOUT}, SP_CRED_OPTIONS
 #define SP_REMOTE_OPTIONS_HELP                                                 \
   "  --coordinator HOST:PORT      the coordinator (default "                  \
   "$" SP_COORDINATOR_ENV ",\n"                                                 \
   "                               then " SP_DEFAULT_COORDINATOR ")\n"          \
   "  --timeout-ms N               deadline of each call, and how long to "   \
   "keep\n"                                                                     \
-  "                               trying to connect (default 5000)\n"
+  "                               trying to connect (default 5000)\n"        \
+  SP_CRED_OPTIONS_HELP
 
 struct sp_rpc_sync;
 
@@ -71,6 +75,7 @@ typedef struct sp_remote {
   const char *addr;    /* "host:port" */
   bool addr_from_env;  /* addr came from $SHARDPLANE_COORDINATOR */
   uint64_t timeout_ms; /* per call */
+  sp_cred cred;        /* transport and token */
   bool json;
   struct sp_rpc_sync *rpc; /* open after sp_remote_connect */
 } sp_remote;

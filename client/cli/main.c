@@ -24,6 +24,8 @@ static const struct {
     {"buffers", sp_cmd_buffers, "original and compute dtype of each buffer"},
     {"watch", sp_cmd_watch, "print events as they happen"},
     {"store", sp_cmd_store, "get, set, add, delete, cas in the store"},
+    {"token", sp_cmd_token,
+     "token create: a bearer token for a coordinator's token file"},
     {"run", sp_cmd_run,
      "run a whole job here: a coordinator and N CPU workers"},
 };

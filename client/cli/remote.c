@@ -59,8 +59,11 @@ int sp_remote_option(sp_remote *r, int c, const char *arg) {
     }
     r->timeout_ms = (uint64_t)v;
     return 1;
-  default:
-    return 0;
+  default: {
+    int rc = sp_cred_option(&r->cred, c, arg, &d);
+    if (rc < 0) sp_cli_error(r->cmd, "%s", d.msg);
+    return rc < 0 ? -1 : rc;
+  }
   }
 }
 
@@ -108,7 +111,15 @@ int sp_remote_connect(sp_remote *r) {
     sp_cli_error(r->cmd, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
-  int rc = sp_rpc_sync_open(r->addr, r->timeout_ms, &r->rpc);
+  sp_diag cd = {{0}};
+  int rc = sp_cred_finish(&r->cred, &cd);
+  if (rc != 0) {
+    sp_cli_error(r->cmd, "%s", cd.msg);
+    return SP_EXIT_USAGE;
+  }
+  sp_rpc_client_opts co = {.connect_timeout_ms = r->timeout_ms};
+  sp_cred_client_opts(&r->cred, &co);
+  rc = sp_rpc_sync_open_opts(r->addr, &co, &r->rpc);
   if (rc != 0) {
     /* the address parsed, so SP_EINVAL is a host name that does not
      * resolve */
@@ -260,7 +271,7 @@ int sp_remote_parse_args(sp_remote *r, const subcmd *sc, int argc, char **argv,
                       const struct option *own, size_t n_own,
                       int (*on_opt)(void *ctx, int c, const char *arg),
                       void *ctx, int *first, size_t *n) {
-  struct option opts[24];
+  struct option opts[32];
   const struct option common[] = {
       SP_REMOTE_OPTIONS,
       {"json", no_argument, NULL, SP_ROPT_JSON},

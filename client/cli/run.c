@@ -28,6 +28,7 @@
 #include "fsdp/plan.h"
 #include "base/proc.h"
 #include "lib/shardplane.h"
+#include "run_auth.h"
 
 extern char **environ;
 
@@ -95,6 +96,14 @@ static void usage(FILE *f) {
         f);
   sp_train_flags_help(f, 29);
   fputs("  --help                     this text\n"
+        "\n"
+        "Credentials: the coordinator listens on 127.0.0.1 in cleartext\n"
+        "(--insecure) and requires tokens: run makes a worker token for its\n"
+        "ranks and an admin token, under shardplane-run/auth-XXXXXX/ (mode\n"
+        "0700; the coordinator's token file holds only their hashes), and\n"
+        "prints where the admin token is, for shardplane status --insecure\n"
+        "--token-file FILE and the other commands. They are removed when the\n"
+        "job ends.\n"
         "\n"
         "Ctrl-C (SIGINT) or SIGTERM: forwarded to every worker; the ranks stop\n"
         "after the same step, write the checkpoints and exit; a second signal\n"
@@ -317,6 +326,7 @@ typedef struct run_job {
   const char *ckdir;
   char load_from[4096]; /* the folder --load names */
   sp_ckpt_kind load_kind; /* and the kind of its checkpoint */
+  sp_run_creds creds; /* the job's tokens (run_auth.c) */
 } run_job;
 
 /* The running processes. */
@@ -674,6 +684,11 @@ static int start_coordinator(const run_opts *o, const run_job *j,
   }
   push(&ca, "--heartbeat-timeout-ms");
   push(&ca, o->hb);
+  /* loopback only, so cleartext; tokens still keep other users of this
+   * machine out of the job */
+  push(&ca, "--insecure");
+  push(&ca, "--token-file");
+  push(&ca, j->creds.token_file);
   push(&ca, "--quiet");
   sp_diag d = {{0}};
   if (sp_proc_spawn(&p->coord, ca.v, false, true, "listening on 127.0.0.1:%d",
@@ -694,6 +709,9 @@ static void worker_args(const run_opts *o, const run_job *j,
   push(wa, j->worker_bin);
   push(wa, "--coordinator");
   push(wa, p->addr);
+  push(wa, "--insecure");
+  push(wa, "--token-file");
+  push(wa, j->creds.worker_token);
   push(wa, "--rank");
   push(wa, rank_s);
   push(wa, "--steps");
@@ -937,12 +955,19 @@ int sp_cmd_run(int argc, char **argv) {
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
 
+  if (sp_run_creds_make("shardplane-run", &j.creds) != 0) {
+    ret = SP_EXIT_FAILURE;
+    goto out;
+  }
   ret = start_coordinator(&o, &j, &p);
   if (ret != PROCEED) goto out;
   printf("shardplane run: %s, %lld ranks, %s, plan %s (%zu units); "
          "coordinator on %s\n", j.model->name, o.nproc,
          sp_strategy_name(j.plan->strategy), j.plan->version_hex,
          j.plan->n_units, p.addr);
+  printf("shardplane run: admin token in %s (shardplane status "
+         "--coordinator %s --insecure --token-file %s)\n",
+         j.creds.admin_token, p.addr, j.creds.admin_token);
   fflush(stdout);
   double t0 = sp_clock_s();
   ret = start_workers(&o, &j, &p);
@@ -954,6 +979,7 @@ int sp_cmd_run(int argc, char **argv) {
   if (ret == SP_EXIT_OK || ret == 128 + SIGINT || ret == 128 + SIGTERM)
     ret = report_done(&o, &j, sp_clock_s() - t0, ret);
 out:
+  sp_run_creds_remove(&j.creds);
   sp_plan_free(j.plan);
   sp_model_free(j.model);
   sp_job_clear(&j.job);

@@ -129,6 +129,7 @@ static void session_free(sp_session *s) {
   free(s->coordinator);
   free(s->device);
   free(s->session_id);
+  sp_session_cred_free(&s->cred);
   free(s);
 }
 
@@ -333,7 +334,8 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   s->coordinator = sp_strdup(o->coordinator);
   s->device = sp_strdup(o->device != NULL ? o->device : "cpu");
   s->slots = calloc((size_t)q, sizeof *s->slots);
-  int rc = 0;
+  int rc = sp_session_cred_copy(&s->cred, o, d);
+  if (rc != 0) goto fail;
   if (s->coordinator == NULL || s->device == NULL || s->slots == NULL) {
     rc = sp_diag_set(d, SP_ENOMEM, "out of memory");
     goto fail;

@@ -87,6 +87,22 @@ typedef struct inflight {
  * alignment), where an over-aligned type would be undefined. */
 #define PAD(n) char pad_##n[64]
 
+/* The session's copy of its transport and token options
+ * (sp_session_opts.tls ... token), for both its connections
+ * (session_cred.c). */
+typedef struct sp_session_cred {
+  bool tls;
+  sp_rpc_tls_client_opts tls_opts; /* strings owned */
+  char *token;                     /* owned; NULL: none */
+} sp_session_cred;
+
+int sp_session_cred_copy(sp_session_cred *c, const sp_session_opts *o,
+                         sp_diag *d);
+/* Points o's tls and token at c (which must outlive the client's open). */
+void sp_session_cred_client_opts(const sp_session_cred *c,
+                                 sp_rpc_client_opts *o);
+void sp_session_cred_free(sp_session_cred *c);
+
 struct sp_session {
   /* ---- training thread (producer) ---- */
   sp_sess_event *slots;
@@ -111,6 +127,7 @@ struct sp_session {
   PAD(2);
 
   /* ---- set by open, read-only afterwards ---- */
+  sp_session_cred cred;
   uint32_t rank, world;
   char *coordinator, *device, *session_id;
   sp_model *model;

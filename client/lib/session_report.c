@@ -273,6 +273,7 @@ int sp_session_bg_start(sp_session *s, sp_diag *d) {
     return sp_diag_set(d, SP_EIO, "cannot create the session's event loop");
   s->loop_ready = true;
   sp_rpc_client_opts co = {.connect_timeout_ms = s->connect_timeout_ms};
+  sp_session_cred_client_opts(&s->cred, &co);
   int rc = sp_rpc_client_open(&s->loop, s->coordinator, &co, &s->cl);
   if (rc != 0) {
     uv_loop_close(&s->loop);

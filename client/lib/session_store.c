@@ -50,7 +50,9 @@ static int pool_get(sp_session *s, sp_rpc_sync **out, sp_diag *d) {
   s->n_open++;
   uv_mutex_unlock(&s->pool_lock);
   /* connecting happens on the first call; this only allocates */
-  int rc = sp_rpc_sync_open(s->coordinator, s->connect_timeout_ms, out);
+  sp_rpc_client_opts co = {.connect_timeout_ms = s->connect_timeout_ms};
+  sp_session_cred_client_opts(&s->cred, &co);
+  int rc = sp_rpc_sync_open_opts(s->coordinator, &co, out);
   if (rc != 0) {
     uv_mutex_lock(&s->pool_lock);
     s->n_open--;

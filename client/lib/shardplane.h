@@ -78,6 +78,25 @@ typedef struct sp_session_opts {
    * callback must be thread-safe (typically it calls sp_comm_abort). */
   void (*on_abort)(void *user, const char *reason);
   void *user;
+  /* Transport and credentials, used by both of the session's connections
+   * (the Session stream and the blocking calls and store). tls false:
+   * cleartext HTTP/2, as the coordinator's --insecure serves. tls true:
+   * TLS 1.2 or later, the coordinator's certificate checked against
+   * tls_ca_file (PEM; NULL: the system trust store) and its name against
+   * tls_server_name (NULL: the host part of `coordinator`); tls_cert_file
+   * and tls_key_file (PEM, both or neither) present a client certificate
+   * for mutual TLS. token (NULL: none) is sent as "authorization: Bearer
+   * <token>" on every call; a coordinator with a token file refuses calls
+   * without a valid one (UNAUTHENTICATED, which sp_session_open reports as
+   * SP_EINVAL with the coordinator's message; a role that may not make a
+   * call, PERMISSION_DENIED, as SP_ESTATE). All strings are copied by
+   * sp_session_open; SP_EINVAL for a token that is not printable ASCII. */
+  bool tls;
+  const char *tls_ca_file;
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  const char *tls_server_name;
+  const char *token;
 } sp_session_opts;
 
 /* Connects, fetches the job and model spec, builds the plan, checks the

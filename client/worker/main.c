@@ -17,11 +17,13 @@
 #include "mlp.h"
 #include "mlp_cuda.h"
 #include "rpc/rpc.h"
+#include "rpc/rpc_cred.h"
 #include "lib/shardplane.h"
 #include "test_state.h"
 #include "train_flags.h"
 
 typedef struct worker_opts {
+  sp_cred cred; /* --insecure, --tls-*, --token-file, $SHARDPLANE_TOKEN */
   const char *coordinator;
   bool coordinator_flag; /* from --coordinator, not the environment */
   long rank;
@@ -69,11 +71,17 @@ static void on_stop_signal(int sig) {
 static pthread_mutex_t g_comms_lock = PTHREAD_MUTEX_INITIALIZER;
 static sp_comm *g_comms[3];
 
+/* The session calls on_abort once: an ABORT that comes while the
+ * communicators are still being opened must stop them too, or this rank
+ * trains on and waits in its first collective for peers that stopped. */
+static bool g_aborted;
+
 static void on_abort(void *user, const char *reason) {
   const worker_opts *o = user;
   fprintf(stderr, "shardplane-worker: rank %ld: aborting collectives: %s\n",
           o->rank, reason);
   pthread_mutex_lock(&g_comms_lock);
+  g_aborted = true;
   for (int i = 0; i < 3; i++)
     if (g_comms[i]) sp_comm_abort(g_comms[i]);
   pthread_mutex_unlock(&g_comms_lock);
@@ -84,6 +92,8 @@ static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
   g_comms[0] = world;
   g_comms[1] = shard;
   g_comms[2] = replica;
+  for (int i = 0; i < 3 && g_aborted; i++)
+    if (g_comms[i]) sp_comm_abort(g_comms[i]);
   pthread_mutex_unlock(&g_comms_lock);
 }
 
@@ -358,6 +368,7 @@ static void usage(FILE *f) {
       "                           then 127.0.0.1:7700)\n"
       "  --rank R                 this rank (default $RANK, then\n"
       "                           $SLURM_PROCID; one of them is required)\n"
+      SP_CRED_OPTIONS_HELP
       "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
       "                           gradients and buffers on GPU N, the MLP on\n"
       "                           cuBLAS, collectives over NCCL (GPU build)\n"
@@ -531,7 +542,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"report-toggle", required_argument, NULL, O_TOGGLE},
       {"checkpoint-every", required_argument, NULL, O_CKEVERY},
       {"test-state", required_argument, NULL, O_TSTATE},
-      {"help", no_argument, NULL, O_HELP}};
+      {"help", no_argument, NULL, O_HELP},
+      SP_CRED_OPTIONS};
   /* the worker's own options, then the training flags */
   struct option opts[64];
   size_t n_own = sizeof own / sizeof own[0];
@@ -566,7 +578,12 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     char flag[64];
     snprintf(flag, sizeof flag, "--%s", opts[index].name);
     sp_diag d = {{0}};
-    if (parse_option(o, c, flag, optarg, &d) < 0) {
+    int cred = sp_cred_option(&o->cred, c, optarg, &d);
+    if (cred < 0) {
+      fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+      return 2;
+    }
+    if (cred == 0 && parse_option(o, c, flag, optarg, &d) < 0) {
       fprintf(stderr, "shardplane-worker: %s\n", d.msg);
       return 2;
     }
@@ -592,6 +609,11 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
                  o->coordinator, "HOST:PORT or [v6]:PORT, port in [1, "
                  "65535]");
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
+    return 2;
+  }
+  sp_diag cd = {{0}};
+  if (sp_cred_finish(&o->cred, &cd) != 0) {
+    fprintf(stderr, "shardplane-worker: %s\n", cd.msg);
     return 2;
   }
   if ((o->load_kind || o->load_params_only) && !o->load_dir) {
@@ -769,7 +791,13 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                         .call_timeout_ms = o->call_timeout_ms,
                         .no_report = o->no_report,
                         .on_abort = on_abort,
-                        .user = (void *)o};
+                        .user = (void *)o,
+                        .tls = !o->cred.insecure,
+                        .tls_ca_file = o->cred.tls.ca_file,
+                        .tls_cert_file = o->cred.tls.cert_file,
+                        .tls_key_file = o->cred.tls.key_file,
+                        .tls_server_name = o->cred.tls.server_name,
+                        .token = o->cred.has_token ? o->cred.token : NULL};
   sp_session *s = NULL;
   sp_comm *world = NULL, *shard = NULL, *replica = NULL;
   sp_fsdp *f = NULL;

@@ -142,6 +142,27 @@ typedef struct sp_rpc_tls_server_opts {
   const char *client_ca_file;
 } sp_rpc_tls_server_opts;
 
+/* Who made a call, as the server's authorize hook decided: an application
+ * role number (its meaning is the server's) and a name for messages and
+ * logs. The hook attaches it; handlers read it. */
+typedef struct sp_rpc_principal {
+  int role;
+  const char *name;
+} sp_rpc_principal;
+
+/* Decides whether a call may proceed. Called once per call on the loop
+ * thread, as soon as its request headers are complete and before any of
+ * its body is read: sp_rpc_call_path, sp_rpc_call_metadata and
+ * sp_rpc_call_method_user work; nothing else about the call does yet.
+ * Returns SP_RPC_OK (optionally after sp_rpc_call_set_principal), or a
+ * status code with a NUL-terminated message written to msg (msg_cap
+ * bytes). A refused call is answered Trailers-Only with that status and its
+ * stream reset; its body is discarded unread and its handler never hears
+ * of it. Never called for grpc.health.v1.Health, which stays open to
+ * anyone (it tells only whether the server serves). */
+typedef int (*sp_rpc_authorize_fn)(sp_rpc_call *call, void *arg, char *msg,
+                                   size_t msg_cap);
+
 typedef struct sp_rpc_server_opts {
   size_t max_message;      /* receive and send limit; 0: default */
   size_t max_metadata;     /* request header bytes; 0: default */
@@ -182,6 +203,9 @@ typedef struct sp_rpc_server_opts {
    * would go over it ends with RESOURCE_EXHAUSTED; a send that would,
    * returns SP_ENOMEM. 0: SP_RPC_DEFAULT_MAX_BUFFERED. */
   size_t max_buffered;
+  /* NULL: every call proceeds. */
+  sp_rpc_authorize_fn authorize;
+  void *authorize_arg;
 } sp_rpc_server_opts;
 
 /* Creates a server on `loop` with grpc.health.v1.Health registered ("" is
@@ -235,6 +259,11 @@ typedef struct sp_rpc_server_stats {
   uint64_t buffered_bytes, buffered_peak;
   /* requests handed to handlers later, under the per-iteration budget */
   uint64_t deliveries_deferred;
+  /* Request body bytes taken in by calls (buffered or decoded); the DATA
+   * of a call that was refused or had already ended is dropped unread and
+   * not counted. */
+  uint64_t body_bytes;
+  uint64_t calls_refused; /* by the authorize hook */
 } sp_rpc_server_stats;
 void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s);
 
@@ -276,6 +305,11 @@ int sp_rpc_call_add_metadata(sp_rpc_call *call, const char *key,
  * valid while the call is. */
 const uint8_t *sp_rpc_call_metadata(const sp_rpc_call *call, const char *key,
                                     size_t *len);
+
+/* The identity the authorize hook attached, or NULL (no hook, or it
+ * attached none). set keeps the pointer: *p must outlive the call. */
+void sp_rpc_call_set_principal(sp_rpc_call *call, const sp_rpc_principal *p);
+const sp_rpc_principal *sp_rpc_call_principal(const sp_rpc_call *call);
 
 /* Bytes queued and not yet handed to the transport. */
 size_t sp_rpc_call_pending(const sp_rpc_call *call);
@@ -329,7 +363,9 @@ typedef struct sp_rpc_client_opts {
    * handshake too; a failed verification is not retried. */
   const sp_rpc_tls_client_opts *tls;
   /* Non-NULL: sent as "authorization: Bearer <token>" on every call.
-   * Copied by sp_rpc_client_open. */
+   * Copied by sp_rpc_client_open, which returns SP_EINVAL for a token that
+   * is empty, over 1 KiB or not printable ASCII (it could not be a header
+   * value). */
   const char *token;
 } sp_rpc_client_opts;
 

@@ -56,6 +56,7 @@ struct sp_rpc_call {
   bool rq_half_close, ready;
   sp_rpc_call *ready_next, *ready_prev;
   void *user;
+  const sp_rpc_principal *principal; /* borrowed from the authorize hook */
   sp_rpc_call *next, *prev, *notify_next;
 };
 
@@ -506,6 +507,12 @@ void *sp_rpc_call_method_user(const sp_rpc_call *call) {
   return call->method ? call->method->user : NULL;
 }
 void sp_rpc_call_set_user(sp_rpc_call *call, void *user) { call->user = user; }
+void sp_rpc_call_set_principal(sp_rpc_call *call, const sp_rpc_principal *p) {
+  call->principal = p;
+}
+const sp_rpc_principal *sp_rpc_call_principal(const sp_rpc_call *call) {
+  return call->principal;
+}
 void *sp_rpc_call_user(const sp_rpc_call *call) { return call->user; }
 uint64_t sp_rpc_call_connection_id(const sp_rpc_call *call) {
   return call->conn->id;
@@ -562,7 +569,12 @@ static void call_arm_timer(sp_rpc_call *call, uint64_t ms) {
   uv_timer_start(call->timer, on_deadline, ms, 0);
 }
 
-/* End of request headers: route and validate. */
+static bool is_health(const char *path) {
+  static const char k[] = "/grpc.health.v1.Health/";
+  return strncmp(path, k, sizeof k - 1) == 0;
+}
+
+/* End of request headers: route, validate, authorize. */
 static void request_headers_done(sp_rpc_call *call) {
   sp_rpc_server *srv = call->conn->srv;
   call->conn->had_request = true;
@@ -597,6 +609,21 @@ static void request_headers_done(sp_rpc_call *call) {
     return;
   }
   call->method = srv->methods[idx];
+  if (srv->opts.authorize != NULL && !is_health(call->method->path)) {
+    char msg[SP_RPC_STATUS_MESSAGE_MAX] = "";
+    int code = srv->opts.authorize(call, srv->opts.authorize_arg, msg,
+                                   sizeof msg);
+    if (code != SP_RPC_OK) {
+      /* The handler never saw the call, so it must not hear of its end;
+       * finished makes cb_data_chunk drop the body unread, and the
+       * Trailers-Only answer is followed by RST_STREAM (cb_frame_send). */
+      call->method = NULL;
+      call->principal = NULL;
+      srv->stats.calls_refused++;
+      call_end(call, code > 0 && code <= 16 ? code : SP_RPC_INTERNAL, msg);
+      return;
+    }
+  }
   /* from now: the loop's clock is as old as this iteration */
   uint64_t now = loop_now(srv);
   if (call->timeout_ms >= 0)
@@ -1041,6 +1068,7 @@ static int cb_data_chunk(nghttp2_session *s, uint8_t flags, int32_t id,
   c->srv->stats.bytes_in += len;
   sp_rpc_call *call = nghttp2_session_get_stream_user_data(s, id);
   if (call == NULL || call->finished || call->method == NULL) return 0;
+  c->srv->stats.body_bytes += len;
   uint64_t announced = 0;
   int rc = sp_rpc_deframer_feed(&call->df, data, len, on_request_message, call,
                                 &announced);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Debian's grpcio against the real shardplane-coordinator: plans, buffer
 dtypes by FQN, attach rules, transitions, the store with waits released by
-a later set, deadlines, Watch, health, and bad input.
+a later set, deadlines, Watch, health, bad input, and bearer tokens sent
+as grpcio metadata to a coordinator with a token file.
 
     coordinator_grpcio_test.py --coordinator PATH --gen DIR --data DIR
                                --examples DIR
@@ -10,6 +11,8 @@ Prints one line per case and "N passed, M failed"; exits non-zero on any
 failure, 77 when grpcio is missing."""
 
 import argparse
+import base64
+import hashlib
 import os
 import sys
 import threading
@@ -24,8 +27,13 @@ T = 10
 
 
 class Coordinator:
-    def __init__(self, grpc, pb, binary, model, *flags, timeout_ms=None):
-        argv = [binary, "--listen", "127.0.0.1:0", "--model", model, "--quiet"]
+    """Cleartext; without token_file, serving anyone (--no-auth)."""
+
+    def __init__(self, grpc, pb, binary, model, *flags, timeout_ms=None,
+                 token_file=None):
+        argv = [binary, "--listen", "127.0.0.1:0", "--model", model, "--quiet",
+                "--insecure"]
+        argv += ["--token-file", token_file] if token_file else ["--no-auth"]
         argv += list(flags)
         if timeout_ms:
             argv += ["--heartbeat-timeout-ms", str(timeout_ms)]
@@ -273,12 +281,68 @@ def main():
         try:
             port = c.addr.rsplit(":", 1)[1]
             p = subprocess.run([args.coordinator, "--listen",
-                                "127.0.0.1:" + port, "--model", gpt2],
+                                "127.0.0.1:" + port, "--model", gpt2,
+                                "--insecure", "--no-auth"],
                                capture_output=True, text=True, timeout=T)
             check_eq(p.returncode, 1, "port in use exit")
             check("address already in use" in p.stderr, p.stderr)
         finally:
             c.stop()
+
+    def new_token(path, role, name):
+        """A token and its line, made here as the format says (an
+        implementation independent of server/coord_auth.c)."""
+        tok = "spt_" + base64.urlsafe_b64encode(os.urandom(32)).decode() \
+            .rstrip("=")
+        with open(path, "a") as f:
+            f.write("sha256:%s %s %s\n" % (
+                hashlib.sha256(tok.encode()).hexdigest(), role, name))
+        os.chmod(path, 0o600)
+        return tok
+
+    def tokens():
+        import tempfile
+        d = tempfile.mkdtemp()
+        path = os.path.join(d, "tokens")
+        reader = new_token(path, "reader", "py-reader")
+        admin = new_token(path, "admin", "py-admin")
+        c = Coordinator(grpc, pb, args.coordinator, gpt2, token_file=path)
+        try:
+            def bearer(t):
+                return [("authorization", "Bearer " + t)]
+            expect(grpc, S.UNAUTHENTICATED,
+                   lambda: c.unary("GetJob", pb.GetJobRequest(),
+                                   pb.GetJobResponse),
+                   "missing or invalid bearer token")
+            expect(grpc, S.UNAUTHENTICATED,
+                   lambda: c.unary("GetJob", pb.GetJobRequest(),
+                                   pb.GetJobResponse,
+                                   metadata=bearer(reader + "x")))
+            job = c.unary("GetJob", pb.GetJobRequest(), pb.GetJobResponse,
+                          metadata=bearer(reader))
+            check_eq(job.model_name, "gpt2", "model, as a reader")
+            setq = pb.StoreSetRequest(key="k", value=b"v")
+            expect(grpc, S.PERMISSION_DENIED,
+                   lambda: c.unary("StoreSet", setq, pb.StoreSetResponse,
+                                   metadata=bearer(reader)),
+                   "role reader, which may not call StoreSet")
+            c.unary("StoreSet", setq, pb.StoreSetResponse,
+                    metadata=bearer(admin))
+            got = c.unary("StoreGet", pb.StoreGetRequest(key="k"),
+                          pb.StoreGetResponse, metadata=bearer(reader))
+            check_eq(got.value, b"v", "a reader reads what an admin wrote")
+            # health needs no token
+            h = c.channel.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                hpb.HealthCheckRequest.SerializeToString,
+                hpb.HealthCheckResponse.FromString)
+            check_eq(h(hpb.HealthCheckRequest(service=""), timeout=T).status,
+                     1, "health SERVING without a token")
+        finally:
+            c.stop()
+            for f in os.listdir(d):
+                os.unlink(os.path.join(d, f))
+            os.rmdir(d)
 
     run.case("refuses to start: bad spec, bad job, port in use",
              refuses_to_start)
@@ -287,6 +351,7 @@ def main():
     run.case("attach rules and transitions", ranks_and_transitions)
     run.case("store, waits, deadlines, bad input", store)
     run.case("watch a rank get lost", watch_lost_rank)
+    run.case("bearer tokens as grpcio metadata", tokens)
     iu.kill_all()
     sys.exit(run.summary())
 

@@ -36,11 +36,22 @@ static void run_loop(void *arg) {
 void sp_coord_fixture_start(sp_coord_fixture *fx, const char *model,
                             const char *const *flags,
                             uint32_t heartbeat_timeout_ms) {
+  sp_coord_fixture_start_auth(fx, model, flags, heartbeat_timeout_ms, NULL,
+                              NULL);
+}
+
+void sp_coord_fixture_start_auth(sp_coord_fixture *fx, const char *model,
+                                 const char *const *flags,
+                                 uint32_t heartbeat_timeout_ms,
+                                 const char *token_file,
+                                 const sp_auth_quota *quota) {
   memset(fx, 0, sizeof *fx);
   assert_int_equal(uv_loop_init(&fx->loop), 0);
   sp_coord_config cfg = {.model_path = model,
                          .quiet = true,
-                         .heartbeat_timeout_ms = heartbeat_timeout_ms};
+                         .heartbeat_timeout_ms = heartbeat_timeout_ms,
+                         .token_file = token_file};
+  if (quota != NULL) cfg.store_quota = *quota;
   sp_job_init(&cfg.job);
   sp_diag d = {""};
   for (size_t i = 0; flags != NULL && flags[i] != NULL; i += 2)

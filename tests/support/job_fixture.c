@@ -43,6 +43,7 @@ void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
     fail_msg("%d workers: 1 to %d", n, SP_TJOB_MAX_RANKS);
   memset(j, 0, sizeof *j);
   j->n = n;
+  sp_tauth_make(&j->auth);
   char ws[16];
   snprintf(ws, sizeof ws, "%d", n);
   const char *ca[MAXARGS] = {SP_BIN_DIR "/shardplane-coordinator",
@@ -52,8 +53,11 @@ void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
                              model,
                              "--world-size",
                              ws,
-                             "--quiet"};
-  add_flags(ca, 8, cflags);
+                             "--quiet",
+                             "--insecure",
+                             "--token-file",
+                             j->auth.token_file};
+  add_flags(ca, 11, cflags);
   sp_diag d = {{0}};
   if (sp_proc_spawn(&j->coord, (char *const *)ca, false, false,
                     "listening on 127.0.0.1:%d", &d) < 0)
@@ -68,8 +72,11 @@ void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
                                "--rank",
                                rs,
                                "--log-every",
-                               "0"};
-    add_flags(wa, 7, wflags);
+                               "0",
+                               "--insecure",
+                               "--token-file",
+                               j->auth.file[SP_ROLE_WORKER]};
+    add_flags(wa, 10, wflags);
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     char errpath[4096];
@@ -108,6 +115,7 @@ int sp_tjob_wait(sp_tjob *j, double timeout_s) {
       j->status[r] = -1;
     }
   sp_proc_stop(&j->coord, 5000);
+  sp_tauth_free(&j->auth);
   return ok;
 }
 

@@ -13,6 +13,7 @@
 #include <sys/types.h>
 
 #include "fsdp/model.h"
+#include "auth_fixture.h"
 #include "base/proc.h"
 #include "safetensors/safetensors.h"
 
@@ -27,11 +28,15 @@ typedef struct sp_tjob {
   int status[SP_TJOB_MAX_RANKS];
   int n;
   char addr[64]; /* the coordinator's, "127.0.0.1:port" */
+  /* the job's tokens: the coordinator has the token file, the workers the
+   * worker token; tests may use the others (removed by sp_tjob_wait) */
+  sp_tauth auth;
 } sp_tjob;
 
 /* Starts a coordinator for `model` (--listen 127.0.0.1:0 --world-size n
- * --quiet, then cflags) and n workers attached to it (--rank r
- * --log-every 0, then wflags); cflags and wflags are NULL-terminated, or
+ * --quiet --insecure --token-file, then cflags) and n workers attached to
+ * it (--rank r --log-every 0 --insecure and the worker token, then
+ * wflags); cflags and wflags are NULL-terminated, or
  * NULL for none. errdir: when given, worker r's stderr goes to
  * errdir/rank-r.err; otherwise it stays the test's. */
 void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
