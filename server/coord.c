@@ -7,6 +7,17 @@
 #include "coordinator.h"
 #include "base/json.h"
 
+bool sp_coord_text_ok(sp_rpc_call *call, const char *msg_name,
+                      const char *field, const char *v, size_t max) {
+  /* bounded: the engine refused messages over its limit */
+  size_t n = v != NULL ? strlen(v) : 0;
+  if (n <= max) return true;
+  sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                      "shardplane.v1.%s.%s: %zu bytes, at most %zu", msg_name,
+                      field, n, max);
+  return false;
+}
+
 uint64_t sp_coord_now_ms(const sp_coord *c) {
   /* current, not as old as the loop iteration (only the loop's thread
    * calls this) */
@@ -94,7 +105,12 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
    * per connection counts more than header bytes per call. */
   sp_rpc_server_opts opts = {.max_message = SP_COORD_MAX_MESSAGE,
                              .max_pending = 2 * SP_COORD_MAX_MESSAGE,
-                             .no_header_tables = true};
+                             .no_header_tables = true,
+                             .max_connections = cfg->max_connections,
+                             .preface_timeout_ms = cfg->preface_timeout_ms,
+                             .idle_timeout_ms = cfg->idle_timeout_ms,
+                             .request_timeout_ms = cfg->request_timeout_ms,
+                             .max_buffered = cfg->max_buffered};
   int rc;
   /* Read once, keep the bytes, parse those same bytes: a file rewritten
    * meanwhile cannot make GetModelSpec disagree with the plan. */

@@ -46,6 +46,23 @@ static void usage(FILE *f) {
         "                               to reattach before it is lost "
         "(default 60000)\n"
         "\n"
+        "Limits against clients that hold resources (over one: the call ends\n"
+        "with RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED, or the connection gets\n"
+        "GOAWAY with the reason):\n"
+        "  --max-connections N          open connections; when all are taken\n"
+        "                               the longest idle one (no open call)\n"
+        "                               is closed to admit a new one (default:\n"
+        "                               the fd limit less 64, at most 65536)\n"
+        "  --preface-timeout-ms N       from connecting to the first request's\n"
+        "                               headers (default 10000)\n"
+        "  --idle-timeout-ms N          close a connection with no open call\n"
+        "                               after this long (default 300000)\n"
+        "  --request-timeout-ms N       a unary request must be complete (the\n"
+        "                               client half-closed) within this, even\n"
+        "                               without a deadline (default 30000)\n"
+        "  --max-buffered-mib N         request and response bytes buffered,\n"
+        "                               all connections (default 256)\n"
+        "\n"
         "Security (docs/security.md): one of --tls-cert/--tls-key or\n"
         "--insecure, and one of --token-file or --no-auth, are required.\n"
         "  --tls-cert FILE              serve TLS with this certificate "
@@ -79,7 +96,8 @@ static void usage(FILE *f) {
 enum { OPT_LISTEN = 256, OPT_MODEL, OPT_JOB, OPT_HB_TIMEOUT, OPT_HB_INTERVAL,
        OPT_QUIET, OPT_HELP, OPT_TLS_CERT, OPT_TLS_KEY, OPT_TLS_CLIENT_CA,
        OPT_INSECURE, OPT_TOKEN_FILE, OPT_NO_AUTH, OPT_QUOTA_BYTES,
-       OPT_QUOTA_KEYS, OPT_STATE_DIR, OPT_REATTACH };
+       OPT_QUOTA_KEYS, OPT_MAX_CONNS, OPT_PREFACE_MS, OPT_IDLE_MS,
+       OPT_REQUEST_MS, OPT_MAX_BUFFERED, OPT_STATE_DIR, OPT_REATTACH };
 
 static const struct option k_opts[] = {
     {"listen", required_argument, NULL, OPT_LISTEN},
@@ -87,6 +105,11 @@ static const struct option k_opts[] = {
     {"job", required_argument, NULL, OPT_JOB},
     {"heartbeat-timeout-ms", required_argument, NULL, OPT_HB_TIMEOUT},
     {"heartbeat-interval-ms", required_argument, NULL, OPT_HB_INTERVAL},
+    {"max-connections", required_argument, NULL, OPT_MAX_CONNS},
+    {"preface-timeout-ms", required_argument, NULL, OPT_PREFACE_MS},
+    {"idle-timeout-ms", required_argument, NULL, OPT_IDLE_MS},
+    {"request-timeout-ms", required_argument, NULL, OPT_REQUEST_MS},
+    {"max-buffered-mib", required_argument, NULL, OPT_MAX_BUFFERED},
     {"quiet", no_argument, NULL, OPT_QUIET},
     {"state-dir", required_argument, NULL, OPT_STATE_DIR},
     {"reattach-grace-ms", required_argument, NULL, OPT_REATTACH},
@@ -124,6 +147,41 @@ static int parse_ms(const char *flag, const char *v, uint32_t *out) {
   }
   *out = (uint32_t)x;
   return 0;
+}
+
+/* The server's limits, one flag each: 0 when c is one of them and its
+ * value is good, -1 with the message printed, 1 when c is another flag. */
+static int parse_limit(int c, const char *v, sp_coord_config *cfg) {
+  static const struct {
+    int opt;
+    const char *flag, *unit;
+    long long max;
+  } k_limits[] = {
+      {OPT_MAX_CONNS, "--max-connections", "connections", 1 << 20},
+      {OPT_PREFACE_MS, "--preface-timeout-ms", "milliseconds", 3600000},
+      {OPT_IDLE_MS, "--idle-timeout-ms", "milliseconds", 86400000},
+      {OPT_REQUEST_MS, "--request-timeout-ms", "milliseconds", 3600000},
+      {OPT_MAX_BUFFERED, "--max-buffered-mib", "MiB", 1 << 20},
+  };
+  for (size_t i = 0; i < sizeof k_limits / sizeof k_limits[0]; i++) {
+    if (k_limits[i].opt != c) continue;
+    long long x;
+    sp_diag d = {{0}};
+    if (sp_flag_int(k_limits[i].flag, v, 1, k_limits[i].max, &x, &d) != 0) {
+      fprintf(stderr, "shardplane-coordinator: %s (%s)\n", d.msg,
+              k_limits[i].unit);
+      return -1;
+    }
+    switch (c) {
+    case OPT_MAX_CONNS: cfg->max_connections = (uint32_t)x; break;
+    case OPT_PREFACE_MS: cfg->preface_timeout_ms = (uint64_t)x; break;
+    case OPT_IDLE_MS: cfg->idle_timeout_ms = (uint64_t)x; break;
+    case OPT_REQUEST_MS: cfg->request_timeout_ms = (uint64_t)x; break;
+    default: cfg->max_buffered = (size_t)x << 20; break;
+    }
+    return 0;
+  }
+  return 1;
 }
 
 /* A path-like value: 0, or -1 with the message printed. */
@@ -303,6 +361,13 @@ int main(int argc, char **argv) {
       usage(stdout);
       exit_code = 0;
       goto out;
+    case OPT_MAX_CONNS:
+    case OPT_PREFACE_MS:
+    case OPT_IDLE_MS:
+    case OPT_REQUEST_MS:
+    case OPT_MAX_BUFFERED:
+      if (parse_limit(c, optarg, &cfg) != 0) goto out;
+      break;
     default:
       if (c >= SP_JOB_OPT_BASE) {
         if (sp_job_cli_record(&flags, c, optarg) == 0) break;

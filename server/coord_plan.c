@@ -310,6 +310,9 @@ static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
   const sp_plan *pl = c->plan;
   const Shardplane__V1__GetPlanRequest *q =
       (const Shardplane__V1__GetPlanRequest *)msg;
+  if (!sp_coord_text_ok(call, "GetPlanRequest", "unit_fqn", q->unit_fqn,
+                        SP_COORD_MAX_NAME))
+    return;
   if (q->by_rank && q->rank >= pl->world_size) {
     sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
                         "rank %u is out of range: the world has ranks 0-%u",
@@ -388,6 +391,9 @@ static void on_locate(sp_rpc_call *call, const ProtobufCMessage *msg,
   const sp_plan *pl = c->plan;
   const Shardplane__V1__LocateParamRequest *q =
       (const Shardplane__V1__LocateParamRequest *)msg;
+  if (!sp_coord_text_ok(call, "LocateParamRequest", "fqn", q->fqn,
+                        SP_COORD_MAX_NAME))
+    return;
   sp_param_location loc;
   if (sp_plan_locate(pl, q->fqn, &loc) != 0) {
     sp_rpc_call_finishf(call, SP_RPC_NOT_FOUND, "no parameter \"%.300s\"",
@@ -464,6 +470,11 @@ static void on_list_modules(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__ListModulesRequest *q =
       (const Shardplane__V1__ListModulesRequest *)msg;
   size_t start, count;
+  if (!sp_coord_text_ok(call, "ListModulesRequest", "prefix", q->prefix,
+                        SP_COORD_MAX_NAME) ||
+      !sp_coord_text_ok(call, "ListModulesRequest", "page_token", q->page_token,
+                        SP_COORD_MAX_PAGE_TOKEN))
+    return;
   if (parse_page(call, q->page_token, q->page_size, m->n_modules, &start,
                  &count) != 0)
     return;
@@ -519,6 +530,11 @@ static void on_list_buffers(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__ListBuffersRequest *q =
       (const Shardplane__V1__ListBuffersRequest *)msg;
   size_t start, count;
+  if (!sp_coord_text_ok(call, "ListBuffersRequest", "prefix", q->prefix,
+                        SP_COORD_MAX_NAME) ||
+      !sp_coord_text_ok(call, "ListBuffersRequest", "page_token", q->page_token,
+                        SP_COORD_MAX_PAGE_TOKEN))
+    return;
   if (parse_page(call, q->page_token, q->page_size, pl->n_buffers, &start,
                  &count) != 0)
     return;

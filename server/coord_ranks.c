@@ -230,9 +230,37 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
   if (!c->shutting_down) broadcast_abort(c, rank, "was lost");
 }
 
+/* How often the heartbeat check runs. */
+static uint64_t heartbeat_period_ms(const sp_coord *c) {
+  uint64_t every = c->cfg.heartbeat_timeout_ms / 4;
+  return every == 0 ? 1 : every;
+}
+
+/* A rank is not to blame for the coordinator's own pauses: while the loop
+ * did not run (a long handler, the process stopped, a swapped-out heap),
+ * the heartbeats that came wait unread in the sockets, and after the pause
+ * libuv runs timers before it reads them. The check then fires late by
+ * about the pause, and that much of every rank's silence is forgiven. */
+static void discount_loop_pause(sp_coord *c, uint64_t now) {
+  uint64_t due = c->hb_last_check_ms + heartbeat_period_ms(c);
+  if (c->hb_last_check_ms != 0 && now > due) {
+    uint64_t late = now - due;
+    c->loop_pause_total_ms += late;
+    if (late > c->loop_pause_max_ms) c->loop_pause_max_ms = late;
+    for (uint32_t r = 0; r < c->plan->world_size; r++) {
+      sp_coord_rank *k = &c->ranks[r];
+      if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) continue;
+      k->last_heard_ms += late;
+      if (k->last_heard_ms > now) k->last_heard_ms = now;
+    }
+  }
+  c->hb_last_check_ms = now;
+}
+
 static void on_heartbeat_check(uv_timer_t *t) {
   sp_coord *c = t->data;
   uint64_t now = sp_coord_now_ms(c);
+  discount_loop_pause(c, now);
 
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];
@@ -319,6 +347,12 @@ static int check_session(sp_coord *c, const sp_rpc_call *call, uint32_t rank,
              rank, c->plan->world_size - 1);
     return SP_RPC_INVALID_ARGUMENT;
   }
+  size_t idlen = session_id != NULL ? strlen(session_id) : 0;
+  if (idlen > SP_COORD_MAX_SESSION_ID) {
+    snprintf(msg, cap, "session_id: %zu bytes, at most %u", idlen,
+             SP_COORD_MAX_SESSION_ID);
+    return SP_RPC_INVALID_ARGUMENT;
+  }
   sp_coord_rank *k = &c->ranks[rank];
   if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
     snprintf(msg, cap, "rank %u is not attached (attach first)", rank);
@@ -344,6 +378,19 @@ static bool attach_retried(const sp_coord *c, const sp_coord_rank *k,
          q->host != NULL && strcmp(k->host, q->host) == 0;
 }
 
+/* What a rank registers is kept and shown: sizes checked, not cut. */
+static bool attach_fields_ok(sp_rpc_call *call,
+                             const Shardplane__V1__AttachRequest *q) {
+  return sp_coord_text_ok(call, "AttachRequest", "host", q->host,
+                          SP_COORD_MAX_HOST) &&
+         sp_coord_text_ok(call, "AttachRequest", "device", q->device,
+                          SP_COORD_MAX_DEVICE) &&
+         sp_coord_text_ok(call, "AttachRequest", "plan_version",
+                          q->plan_version, SP_COORD_MAX_VERSION) &&
+         sp_coord_text_ok(call, "AttachRequest", "session_id", q->session_id,
+                          SP_COORD_MAX_SESSION_ID);
+}
+
 static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
                       const uint8_t *raw, size_t len) {
   (void)raw;
@@ -352,6 +399,7 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__AttachRequest *q =
       (const Shardplane__V1__AttachRequest *)msg;
   const sp_plan *pl = c->plan;
+  if (!attach_fields_ok(call, q)) return;
   if (q->rank >= pl->world_size) {
     sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
                         "rank %u is out of range: the world has ranks 0-%u",
@@ -409,8 +457,8 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   k->status = SHARDPLANE__V1__RANK_STATUS__ATTACHED;
   k->awaiting = false;
   if (!reattach) k->owner = sp_rpc_call_principal(call);
-  replace_str(&k->host, q->host, 255);
-  replace_str(&k->device, q->device, 63);
+  replace_str(&k->host, q->host, SP_COORD_MAX_HOST);
+  replace_str(&k->device, q->device, SP_COORD_MAX_DEVICE);
   k->pid = q->pid;
   k->last_heard_ms = sp_coord_now_ms(c);
   /* the session id must be on disk before the worker may use it */
@@ -754,9 +802,9 @@ void sp_coord_ranks_start(sp_coord *c) {
   uv_timer_init(c->loop, &c->heartbeat_timer);
   c->heartbeat_timer.data = c;
   c->heartbeat_started = true;
-  uint64_t every = c->cfg.heartbeat_timeout_ms / 4;
-  if (every == 0) every = 1;
+  uint64_t every = heartbeat_period_ms(c);
   uv_update_time(c->loop); /* listen may come long after the loop ran */
+  c->hb_last_check_ms = sp_coord_now_ms(c);
   uv_timer_start(&c->heartbeat_timer, on_heartbeat_check, every, every);
 }
 

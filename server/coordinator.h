@@ -31,6 +31,16 @@
 #define SP_COORD_SPEC_CHUNK_MAX ((4u << 20) - (64u << 10))
 /* Alerts kept for status; older ones are only counted. */
 #define SP_COORD_RECENT_ALERTS 32
+/* Sizes of request strings, checked before anything is kept
+ * (INVALID_ARGUMENT naming the field): a rank's host and device, the plan
+ * version and session id, and the FQNs, prefixes and page tokens of the
+ * plan queries. */
+#define SP_COORD_MAX_HOST 255u
+#define SP_COORD_MAX_DEVICE 63u
+#define SP_COORD_MAX_VERSION 64u
+#define SP_COORD_MAX_SESSION_ID 32u
+#define SP_COORD_MAX_NAME 4096u
+#define SP_COORD_MAX_PAGE_TOKEN 20u
 
 typedef struct sp_coord_config {
   const char *model_path;
@@ -44,6 +54,11 @@ typedef struct sp_coord_config {
   /* After a restart on a state dir, how long a rank registered before may
    * take to reattach before it is declared lost; 0: 60000. */
   uint32_t reattach_grace_ms;
+  /* The server's limits (sp_rpc_server_opts); 0 keeps the engine's
+   * default. */
+  uint32_t max_connections;
+  uint64_t preface_timeout_ms, idle_timeout_ms, request_timeout_ms;
+  size_t max_buffered;
   /* The token file (coord_auth.h); NULL: no authentication, every call is
    * served (in-process test fixtures, benchmarks). Read by sp_coord_new. */
   const char *token_file;
@@ -73,6 +88,10 @@ typedef struct sp_coord {
   sp_coord_rank *ranks; /* world_size entries */
   uv_timer_t heartbeat_timer;
   bool heartbeat_started;
+  /* The loop's own pauses, seen as the heartbeat check firing late
+   * (coord_ranks.c): when it last ran (sp_coord_now_ms), the longest pause
+   * and their total, in ms. Not counted against any rank. */
+  uint64_t hb_last_check_ms, loop_pause_max_ms, loop_pause_total_ms;
   uint64_t session_counter;
   /* alerts */
   uint64_t n_alerts;
@@ -113,6 +132,12 @@ uint64_t sp_coord_now_ms(const sp_coord *c);
 /* One log line (unless quiet): "coordinator: ...". */
 void sp_coord_log(const sp_coord *c, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+
+/* Whether a request's string field is at most max bytes; if not, finishes
+ * the call with INVALID_ARGUMENT naming the field ("AttachRequest.host: 4194304
+ * bytes, at most 255") and returns false. NULL is an empty string. */
+bool sp_coord_text_ok(sp_rpc_call *call, const char *msg_name,
+                      const char *field, const char *v, size_t max);
 
 /* Copies a method template, points each entry's user at c, registers it. */
 int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n);

@@ -84,6 +84,17 @@ static void test_usage_and_help(void **state) {
   r = run("plan --model " MODEL("gpt2") " --bogus");
   assert_int_equal(r.code, 2);
   done(&r);
+  /* the coordinator's help names its limits */
+  r = run_prog("shardplane-coordinator", "--help");
+  assert_int_equal(r.code, 0);
+  static const char *const k_limit_flags[] = {
+      "--max-connections", "--preface-timeout-ms", "--idle-timeout-ms",
+      "--request-timeout-ms", "--max-buffered-mib"};
+  for (size_t i = 0; i < sizeof k_limit_flags / sizeof k_limit_flags[0]; i++)
+    if (strstr(r.out, k_limit_flags[i]) == NULL)
+      fail_msg("shardplane-coordinator --help does not mention %s",
+               k_limit_flags[i]);
+  done(&r);
 }
 
 static void test_failures_name_the_cause(void **state) {
@@ -347,6 +358,18 @@ static void test_flag_errors(void **state) {
        "--heartbeat-timeout-ms \"0\": expected an integer in [1, 3600000]"},
       {"shardplane-coordinator", COORD "--heartbeat-interval-ms x",
        "--heartbeat-interval-ms \"x\": expected an integer in [1, 3600000]"},
+      {"shardplane-coordinator", COORD "--max-connections 0",
+       "--max-connections \"0\": expected an integer in [1, 1048576] "
+       "(connections)"},
+      {"shardplane-coordinator", COORD "--preface-timeout-ms x",
+       "--preface-timeout-ms \"x\": expected an integer in [1, 3600000]"},
+      {"shardplane-coordinator", COORD "--idle-timeout-ms -1",
+       "--idle-timeout-ms \"-1\": expected an integer in [1, 86400000]"},
+      {"shardplane-coordinator", COORD "--request-timeout-ms 0",
+       "--request-timeout-ms \"0\": expected an integer in [1, 3600000]"},
+      {"shardplane-coordinator", COORD "--max-buffered-mib 2000000",
+       "--max-buffered-mib \"2000000\": expected an integer in [1, 1048576] "
+       "(MiB)"},
       {"shardplane-coordinator", COORD "--strategy FOO",
        "--strategy \"FOO\": expected one of FULL_SHARD, SHARD_GRAD_OP, "
        "NO_SHARD, HYBRID_SHARD"},

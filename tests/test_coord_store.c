@@ -590,7 +590,8 @@ static void test_limits_and_bad_requests(void **state) {
   expect_code(&st, SP_RPC_RESOURCE_EXHAUSTED, "keys in one wait");
   free(many);
 
-  /* Bytes that are not a request: INTERNAL, and nothing else happens. */
+  /* Bytes that are not a request: INVALID_ARGUMENT (the pre-scan finds
+   * the malformed wire data), and nothing else happens. */
   sp_rpc_sync_stream *s;
   assert_int_equal(
       sp_rpc_sync_stream_open(fx.cli, PATH("StoreSet"), 2000, NULL, 0, &s), 0);
@@ -599,7 +600,7 @@ static void test_limits_and_bad_requests(void **state) {
   sp_rpc_sync_stream_close_send(s);
   ProtobufCMessage *m;
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
-  expect_code(&st, SP_RPC_INTERNAL, "StoreSetRequest");
+  expect_code(&st, SP_RPC_INVALID_ARGUMENT, "StoreSetRequest");
   sp_rpc_sync_stream_close(s);
 
   /* The coordinator still answers, and its store is as it was: the 8 KiB

@@ -550,7 +550,7 @@ static void test_bad_input_is_harmless(void **state) {
   fixture fx;
   start(&fx, MODEL("resnet50"), flags, 0);
   sp_rpc_status st;
-  /* bytes that are not a protobuf message: INTERNAL, nothing else */
+  /* bytes that are not a protobuf message: INVALID_ARGUMENT, nothing else */
   sp_rpc_sync_stream *s;
   assert_int_equal(
       sp_rpc_sync_stream_open(fx.cli, PATH("GetPlan"), 2000, NULL, 0, &s), 0);
@@ -559,7 +559,7 @@ static void test_bad_input_is_harmless(void **state) {
   sp_rpc_sync_stream_close_send(s);
   ProtobufCMessage *m;
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
-  expect_code(&st, SP_RPC_INTERNAL, "GetPlanRequest");
+  expect_code(&st, SP_RPC_INVALID_ARGUMENT, "GetPlanRequest");
   sp_rpc_sync_stream_close(s);
   Shardplane__V1__GetPlanRequest q = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
   /* out-of-range rank and unit */

@@ -70,6 +70,14 @@ typedef struct sp_rpc_status {
 #define SP_RPC_DEFAULT_MAX_PENDING (8u << 20)
 /* ... and all calls of one connection together this many. */
 #define SP_RPC_DEFAULT_MAX_CONN_PENDING (32u << 20)
+/* Limits against clients that hold resources without using them (see
+ * sp_rpc_server_opts). */
+#define SP_RPC_DEFAULT_PREFACE_TIMEOUT_MS 10000u
+#define SP_RPC_DEFAULT_IDLE_TIMEOUT_MS 300000u
+#define SP_RPC_DEFAULT_REQUEST_TIMEOUT_MS 30000u
+#define SP_RPC_DEFAULT_MAX_BUFFERED (256u << 20)
+/* Connections the default leaves to everything else of RLIMIT_NOFILE. */
+#define SP_RPC_FD_HEADROOM 64u
 
 /* One metadata entry; -bin values are raw bytes (base64 on the wire). */
 typedef struct sp_rpc_md {
@@ -97,7 +105,13 @@ typedef struct sp_rpc_call sp_rpc_call;
  * - on_message: one decoded request. For UNARY and SERVER_STREAMING it is
  *   called exactly once, after the client half-closed; for the streaming
  *   kinds, once per message as it arrives. The message belongs to the
- *   engine and is freed when the callback returns.
+ *   engine and is freed when the callback returns. Before decoding, the
+ *   engine drops unknown fields and refuses (INVALID_ARGUMENT, naming the
+ *   field) strings with a NUL byte or invalid UTF-8 and malformed wire
+ *   data; raw holds the bytes decoded (without the unknown fields). Handlers run under a budget
+ *   per loop iteration (bytes and time): requests beyond it wait for the
+ *   next iteration, so timers run between them; a call's messages and its
+ *   half-close keep their order.
  * - on_half_close (CLIENT_STREAMING, BIDI): the client sent its last
  *   message. Optional.
  * - on_cancel: the call ended without the handler finishing it (client
@@ -155,7 +169,12 @@ typedef struct sp_rpc_server_opts {
   uint32_t max_streams;    /* SETTINGS_MAX_CONCURRENT_STREAMS; 0: default */
   size_t max_pending;      /* queued outgoing bytes per call; 0: default */
   size_t max_conn_pending; /* ... per connection, all calls; 0: default */
-  uint32_t max_connections; /* 0: 65536 */
+  /* Open connections. When all are taken, a new one is admitted by closing
+   * (GOAWAY) the connection with no open call that has been idle longest;
+   * with none idle it is refused. 0: the soft RLIMIT_NOFILE at start less
+   * a headroom (SP_RPC_FD_HEADROOM, or a quarter of a smaller limit), at
+   * most 65536, so accept never meets the fd limit. */
+  uint32_t max_connections;
   /* No HPACK dynamic tables in either direction. nghttp2 keeps each table
    * for the life of a connection (about 2 KiB per connection between them,
    * measured by bench/coordinator); without them every call's headers
@@ -167,6 +186,23 @@ typedef struct sp_rpc_server_opts {
   /* NULL: cleartext HTTP/2 (h2c). The struct and its strings need only
    * live until sp_rpc_server_listen returns. */
   const sp_rpc_tls_server_opts *tls;
+  /* From accept until a connection's first complete request headers (the
+   * HTTP/2 preface, SETTINGS and a HEADERS frame); over it the connection
+   * is closed with GOAWAY. 0: SP_RPC_DEFAULT_PREFACE_TIMEOUT_MS. */
+  uint64_t preface_timeout_ms;
+  /* A connection with no open call for this long is closed with GOAWAY.
+   * 0: SP_RPC_DEFAULT_IDLE_TIMEOUT_MS; UINT64_MAX: never. */
+  uint64_t idle_timeout_ms;
+  /* A unary or server-streaming call's request must be complete (the
+   * client half-closed) this long after its headers, whatever deadline the
+   * client gave; otherwise the call ends with DEADLINE_EXCEEDED and its
+   * buffers are freed. 0: SP_RPC_DEFAULT_REQUEST_TIMEOUT_MS. */
+  uint64_t request_timeout_ms;
+  /* Request and response bytes buffered by all calls of all connections
+   * (partial and undelivered requests, queued responses). A request that
+   * would go over it ends with RESOURCE_EXHAUSTED; a send that would,
+   * returns SP_ENOMEM. 0: SP_RPC_DEFAULT_MAX_BUFFERED. */
+  size_t max_buffered;
   /* NULL: every call proceeds. */
   sp_rpc_authorize_fn authorize;
   void *authorize_arg;
@@ -174,7 +210,10 @@ typedef struct sp_rpc_server_opts {
 
 /* Creates a server on `loop` with grpc.health.v1.Health registered ("" is
  * SERVING). opts may be NULL. The caller frees it with sp_rpc_server_free()
- * after the shutdown callback ran (or before listening). */
+ * after the shutdown callback ran (or before listening). A server freed
+ * without a shutdown after it had connections (the in-memory feed of the
+ * fuzz harness) closes its loop handles then: run the loop once more
+ * before uv_loop_close. */
 int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
                       sp_rpc_server **out);
 
@@ -210,6 +249,16 @@ int sp_rpc_server_set_health(sp_rpc_server *srv, const char *service,
 typedef struct sp_rpc_server_stats {
   uint64_t connections_open, connections_total, calls_open, calls_total;
   uint64_t bytes_in, bytes_out;
+  /* connections closed for a limit: idle (also to admit a new one), no
+   * request within the preface timeout, refused with every slot busy */
+  uint64_t connections_idle_closed, connections_preface_closed;
+  uint64_t connections_refused;
+  /* calls ended because the buffer budget or request timeout was hit */
+  uint64_t calls_over_budget, calls_request_timeout;
+  /* buffered request and response bytes now, and the most seen */
+  uint64_t buffered_bytes, buffered_peak;
+  /* requests handed to handlers later, under the per-iteration budget */
+  uint64_t deliveries_deferred;
   /* Request body bytes taken in by calls (buffered or decoded); the DATA
    * of a call that was refused or had already ended is dropped unread and
    * not counted. */
@@ -222,7 +271,8 @@ void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s);
 
 /* Queues one response message. SP_ETOOBIG: the packed message is over the
  * send limit (nothing queued); SP_EAGAIN: the call's queue is full, wait for
- * on_writable; SP_ESTATE: already finished, or a second message on a
+ * on_writable; SP_ENOMEM: out of memory or over the server's buffer budget
+ * (max_buffered); SP_ESTATE: already finished, or a second message on a
  * unary/client-streaming method. */
 int sp_rpc_call_send(sp_rpc_call *call, const ProtobufCMessage *msg);
 int sp_rpc_call_send_raw(sp_rpc_call *call, const uint8_t *data, size_t len);

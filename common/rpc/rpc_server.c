@@ -6,10 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "rpc.h"
 #include "rpc_conn.h"
 #include "rpc_internal.h"
+#include "rpc_pbcheck.h"
 #include "rpc_tls.h"
 #include "rpc_wire.h"
 #include "base/strmap.h"
@@ -33,7 +35,8 @@ struct sp_rpc_call {
   sp_rpc_deframer df;
   uint32_t n_requests;
   uint8_t *unary_req;
-  size_t unary_len;
+  size_t unary_len, unary_charged; /* charged: to srv->buffered */
+  size_t unary_cap; /* for sp_rpc_deframer_buf_free; 0: malloc'd */
   /* response */
   sp_rpc_mdlist resp_md;
   bool headers_sent, finished, released, deferred, remote_closed;
@@ -44,6 +47,14 @@ struct sp_rpc_call {
   bool want_writable, conn_blocked, notify_queued;
   uv_timer_t *timer;
   uint64_t deadline; /* uv_now() ms */
+  /* The timer runs for the server's request timeout (the request must
+   * complete first), not for the client's deadline. */
+  bool timer_is_request;
+  /* Requests waiting for the handler (see dispatch below), in order, and
+   * whether the half-close follows them; queued while on the ready list. */
+  struct rq_item *rq_head, *rq_tail;
+  bool rq_half_close, ready;
+  sp_rpc_call *ready_next, *ready_prev;
   void *user;
   const sp_rpc_principal *principal; /* borrowed from the authorize hook */
   sp_rpc_call *next, *prev, *notify_next;
@@ -58,6 +69,11 @@ struct srv_conn {
   sp_rpc_call *notify; /* calls whose on_writable must run */
   size_t pending;      /* bytes queued by all its calls */
   bool any_blocked;    /* a call waits for `pending` to drain */
+  /* For the limits (uv_now() ms): accepted, and last seen with no open
+   * call; whether complete request headers ever came; when an evicted or
+   * timed-out connection, told by GOAWAY, is closed if still there. */
+  uint64_t accepted_ms, idle_since_ms, kill_at_ms;
+  bool had_request, evicting;
   srv_conn *next, *prev;
   /* in-memory connections only (sp_rpc_server_feed_bytes) */
   int (*feed_sink)(void *arg, const uint8_t *data, size_t len);
@@ -89,10 +105,44 @@ struct sp_rpc_server {
   sp_rpc_health_state health;
   sp_h2shared shared; /* the I/O buffers all connections share */
   SSL_CTX *tls; /* NULL: cleartext; built by the first listen */
+  /* Request and response bytes buffered across all connections, against
+   * opts.max_buffered. */
+  size_t buffered;
+  /* Calls with requests waiting for their handler, oldest first. */
+  sp_rpc_call *ready_head, *ready_tail;
+  /* Bytes handed to handlers in this loop iteration, and when the first
+   * went (uv_hrtime ns). */
+  size_t iter_bytes;
+  uint64_t iter_start_ns;
+  struct srv_handles *h; /* created with the first connection */
+  uint32_t live_conns;   /* open and not being closed for a limit */
 };
 
 static void conn_flush(srv_conn *c);
 static void call_free(sp_rpc_call *call);
+static void rq_clear(sp_rpc_call *call);
+
+/* uv_now after bringing the loop's clock up to date: the stamps and
+ * deadlines of the limits must not be as old as the iteration. */
+static uint64_t loop_now(sp_rpc_server *srv) {
+  uv_update_time(srv->loop);
+  return uv_now(srv->loop);
+}
+
+static void buffered_add(sp_rpc_server *srv, size_t n) {
+  srv->buffered += n;
+  if (srv->buffered > srv->stats.buffered_peak)
+    srv->stats.buffered_peak = srv->buffered;
+}
+
+/* A unary request copy (call->unary_req) goes back to the budget. */
+static void unary_req_free(sp_rpc_call *call) {
+  if (call->unary_req == NULL) return;
+  sp_rpc_deframer_buf_free(call->unary_req, call->unary_cap);
+  call->unary_req = NULL;
+  call->conn->srv->buffered -= call->unary_charged;
+  call->unary_len = call->unary_charged = call->unary_cap = 0;
+}
 
 /* ---------------- call lifetime ---------------- */
 
@@ -126,16 +176,20 @@ static void call_free(sp_rpc_call *call) {
       break;
     }
   c->pending -= call->q.bytes;
+  c->srv->buffered -= call->q.bytes;
   call_stop_timer(call);
+  rq_clear(call);
   sp_rpc_mdlist_clear(&call->req_md);
   sp_rpc_mdlist_clear(&call->resp_md);
   sp_rpc_deframer_free(&call->df);
   sp_rpc_outq_clear(&call->q);
-  free(call->unary_req);
+  unary_req_free(call);
   free(call->status_msg);
   free(call->unknown_path);
   c->srv->stats.calls_open--;
   free(call);
+  /* the connection's idle time counts from its last call */
+  if (c->calls == NULL) c->idle_since_ms = loop_now(c->srv);
 }
 
 /* ---------------- sending ---------------- */
@@ -261,6 +315,7 @@ static ssize_t read_response(nghttp2_session *s, int32_t id, uint8_t *buf,
   size_t before = call->q.bytes;
   size_t out = sp_rpc_outq_pull(&call->q, buf, length);
   call->conn->pending -= before - call->q.bytes;
+  call->conn->srv->buffered -= before - call->q.bytes;
   notify_drained(call);
   if (out > 0) return (ssize_t)out;
   if (!call->finished) {
@@ -293,6 +348,11 @@ static int call_end(sp_rpc_call *call, int code, const char *msg) {
   call->status = code;
   if (msg != NULL) call->status_msg = sp_strdup(msg);
   call_stop_timer(call);
+  /* what the request still holds goes back to the budget now (a partial
+   * message stays in the deframer, which may be in use up the stack,
+   * until the stream closes, right after the trailers) */
+  rq_clear(call);
+  unary_req_free(call);
   int rc = call->headers_sent ? 0 : submit_headers(call);
   call_kick(call);
   if (rc != 0) nghttp2_submit_rst_stream(call->conn->io.h2, NGHTTP2_FLAG_NONE,
@@ -339,8 +399,13 @@ static int queue_bytes(sp_rpc_call *call, const uint8_t *data, size_t len,
     }
     return SP_EAGAIN;
   }
+  if (srv->buffered + len + 5 > srv->opts.max_buffered) {
+    srv->stats.calls_over_budget++;
+    return SP_ENOMEM; /* the server's budget, across all connections */
+  }
   if (sp_rpc_outq_push(&call->q, msg, data, len) != 0) return SP_ENOMEM;
   c->pending += len + 5;
+  buffered_add(srv, len + 5);
   int rc = submit_headers(call);
   if (rc != 0) return rc;
   call_kick(call);
@@ -372,6 +437,12 @@ int sp_rpc_call_reply(sp_rpc_call *call, const ProtobufCMessage *msg) {
     sp_rpc_call_finishf(call, SP_RPC_RESOURCE_EXHAUSTED,
                         "answer of %zu bytes is over the message limit",
                         protobuf_c_message_get_packed_size(msg));
+  else if (rc == SP_ENOMEM)
+    sp_rpc_call_finishf(call, SP_RPC_RESOURCE_EXHAUSTED,
+                        "no room for an answer of %zu bytes: the server's "
+                        "buffers are full (limit %zu bytes)",
+                        protobuf_c_message_get_packed_size(msg),
+                        call->conn->srv->opts.max_buffered);
   else if (rc != 0)
     sp_rpc_call_finishf(call, SP_RPC_INTERNAL, "send failed: %s",
                         sp_strerror(rc));
@@ -457,6 +528,15 @@ uv_loop_t *sp_rpc_call_loop(const sp_rpc_call *call) {
 
 static void on_deadline(uv_timer_t *t) {
   sp_rpc_call *call = t->data;
+  if (call->timer_is_request) {
+    sp_rpc_server *srv = call->conn->srv;
+    srv->stats.calls_request_timeout++;
+    call_fail(call, SP_RPC_DEADLINE_EXCEEDED,
+              "the request was not complete (half-closed) within %llu ms, "
+              "the server's request timeout",
+              (unsigned long long)srv->opts.request_timeout_ms);
+    return;
+  }
   call_fail(call, SP_RPC_DEADLINE_EXCEEDED, "deadline exceeded");
 }
 
@@ -473,6 +553,22 @@ static void http_error(sp_rpc_call *call, const char *status, int code,
   call->headers_sent = call->finished = call->released = true;
 }
 
+static bool unary_request(const sp_rpc_method *m) {
+  return m->kind == SP_RPC_UNARY || m->kind == SP_RPC_SERVER_STREAMING;
+}
+
+/* Arms the call's timer for ms from now. */
+static void call_arm_timer(sp_rpc_call *call, uint64_t ms) {
+  sp_rpc_server *srv = call->conn->srv;
+  if (call->timer == NULL) {
+    call->timer = malloc(sizeof *call->timer);
+    if (call->timer == NULL) return;
+    uv_timer_init(srv->loop, call->timer);
+    call->timer->data = call;
+  }
+  uv_timer_start(call->timer, on_deadline, ms, 0);
+}
+
 static bool is_health(const char *path) {
   static const char k[] = "/grpc.health.v1.Health/";
   return strncmp(path, k, sizeof k - 1) == 0;
@@ -481,6 +577,7 @@ static bool is_health(const char *path) {
 /* End of request headers: route, validate, authorize. */
 static void request_headers_done(sp_rpc_call *call) {
   sp_rpc_server *srv = call->conn->srv;
+  call->conn->had_request = true;
   if (srv->shutting_down) {
     call_end(call, SP_RPC_UNAVAILABLE, "server is shutting down");
     return;
@@ -527,25 +624,56 @@ static void request_headers_done(sp_rpc_call *call) {
       return;
     }
   }
-  if (call->timeout_ms >= 0) {
-    call->timer = malloc(sizeof *call->timer);
-    if (call->timer != NULL) {
-      uv_timer_init(srv->loop, call->timer);
-      call->timer->data = call;
-      /* from now: the loop's clock is as old as this iteration */
-      uv_update_time(srv->loop);
-      call->deadline = uv_now(srv->loop) + (uint64_t)call->timeout_ms;
-      uv_timer_start(call->timer, on_deadline, (uint64_t)call->timeout_ms, 0);
-    }
+  /* from now: the loop's clock is as old as this iteration */
+  uint64_t now = loop_now(srv);
+  if (call->timeout_ms >= 0)
+    call->deadline = now + (uint64_t)call->timeout_ms;
+  /* A unary request is buffered until the client half-closes, so it must
+   * do so in bounded time even without a deadline of its own. */
+  uint64_t req_ms = srv->opts.request_timeout_ms;
+  if (unary_request(call->method) &&
+      (call->timeout_ms < 0 || (uint64_t)call->timeout_ms > req_ms)) {
+    call->timer_is_request = true;
+    call_arm_timer(call, req_ms);
+  } else if (call->timeout_ms >= 0) {
+    call_arm_timer(call, (uint64_t)call->timeout_ms);
   }
 }
 
 static int deliver(sp_rpc_call *call, const uint8_t *data, size_t len) {
   const sp_rpc_method *m = call->method;
   ProtobufCMessage *msg = NULL;
+  uint8_t *compact = NULL;
   if (m->input != NULL) {
+    /* protobuf-c keeps each unknown field as an allocation and takes any
+     * string: the pre-scan drops the one and refuses the other */
+    char err[SP_RPC_STATUS_MESSAGE_MAX];
+    size_t clen = 0;
+    /* Decode memory within twice the message limit: a bytes field as
+     * large as the limit decodes into about its own size, two-byte empty
+     * messages into 24 times theirs. */
+    size_t max_decoded = 2 * call->conn->srv->opts.max_message + (64u << 10);
+    int rc = sp_rpc_pbcheck(m->input, data, len, max_decoded, &compact, &clen,
+                            err, sizeof err);
+    if (rc == SP_EFORMAT) {
+      call_fail(call, SP_RPC_INVALID_ARGUMENT, "%s", err);
+      return 0;
+    }
+    if (rc == SP_ETOOBIG) {
+      call_fail(call, SP_RPC_RESOURCE_EXHAUSTED, "%s", err);
+      return 0;
+    }
+    if (rc != 0) {
+      call_fail(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+      return 0;
+    }
+    if (compact != NULL) {
+      data = compact;
+      len = clen;
+    }
     msg = protobuf_c_message_unpack(m->input, NULL, len, data);
     if (msg == NULL) {
+      free(compact);
       call_fail(call, SP_RPC_INTERNAL, "cannot decode %s request (%zu bytes)",
                 m->input->name, len);
       return 0;
@@ -553,17 +681,246 @@ static int deliver(sp_rpc_call *call, const uint8_t *data, size_t len) {
   }
   m->on_message(call, msg, data, len);
   if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
+  free(compact);
   return 0;
+}
+
+/* ---------------- handing requests over under a budget ---------------- */
+
+/* What one loop iteration hands to handlers: 16 requests of 8 MiB that
+ * completed in one read were once all decoded and handled inside that read
+ * callback (5.4 s), and the coordinator's heartbeat timer could not run
+ * meanwhile. Past this many bytes or this long, requests wait on the ready
+ * list for the next iteration, which runs timers first; the first request
+ * of an iteration always goes. */
+#define SP_DISPATCH_BYTES (4u << 20)
+#define SP_DISPATCH_NS 5000000u
+
+typedef struct rq_item {
+  struct rq_item *next;
+  size_t len; /* charged to srv->buffered */
+  uint8_t *data;
+} rq_item;
+
+/* The loop handles the server keeps once it has connections. */
+struct srv_handles {
+  uv_idle_t idle;   /* runs the ready list; active only while it has calls */
+  uv_check_t check; /* ends an iteration's budget */
+  uv_timer_t sweep; /* connection limits */
+  sp_rpc_server *srv;
+  sp_rpc_server *notify; /* told when all three are closed (shutdown) */
+  int open;
+};
+
+static bool budget_allows(sp_rpc_server *srv, size_t len) {
+  if (srv->iter_bytes == 0) return true;
+  return srv->iter_bytes + len <= SP_DISPATCH_BYTES &&
+         uv_hrtime() - srv->iter_start_ns < SP_DISPATCH_NS;
+}
+
+static void budget_spend(sp_rpc_server *srv, size_t len) {
+  if (srv->iter_bytes == 0) srv->iter_start_ns = uv_hrtime();
+  srv->iter_bytes += len + 1; /* an empty message counts too */
+}
+
+static void on_dispatch(uv_idle_t *h);
+
+static void ready_push(sp_rpc_server *srv, sp_rpc_call *call) {
+  if (call->ready) return;
+  call->ready = true;
+  call->ready_next = NULL;
+  call->ready_prev = srv->ready_tail;
+  if (srv->ready_tail) srv->ready_tail->ready_next = call;
+  else srv->ready_head = call;
+  srv->ready_tail = call;
+  if (srv->h != NULL && !uv_is_active((uv_handle_t *)&srv->h->idle))
+    uv_idle_start(&srv->h->idle, on_dispatch);
+}
+
+static void ready_remove(sp_rpc_server *srv, sp_rpc_call *call) {
+  if (!call->ready) return;
+  call->ready = false;
+  if (call->ready_prev) call->ready_prev->ready_next = call->ready_next;
+  else srv->ready_head = call->ready_next;
+  if (call->ready_next) call->ready_next->ready_prev = call->ready_prev;
+  else srv->ready_tail = call->ready_prev;
+  call->ready_next = call->ready_prev = NULL;
+}
+
+static void rq_item_free(sp_rpc_server *srv, rq_item *it) {
+  srv->buffered -= it->len;
+  free(it->data);
+  free(it);
+}
+
+static void rq_clear(sp_rpc_call *call) {
+  sp_rpc_server *srv = call->conn->srv;
+  while (call->rq_head != NULL) {
+    rq_item *it = call->rq_head;
+    call->rq_head = it->next;
+    rq_item_free(srv, it);
+  }
+  call->rq_tail = NULL;
+  call->rq_half_close = false;
+  ready_remove(srv, call);
+}
+
+/* The half-close, once every request before it went to the handler. */
+static void half_close_now(sp_rpc_call *call) {
+  const sp_rpc_method *m = call->method;
+  if (call->finished) return;
+  if (unary_request(m)) {
+    /* the call owns the bytes no longer: a handler that finishes the call
+     * inside on_message must not free what it is reading */
+    uint8_t *req = call->unary_req;
+    size_t len = call->unary_len, charged = call->unary_charged;
+    size_t cap = call->unary_cap;
+    call->unary_req = NULL;
+    call->unary_len = call->unary_charged = call->unary_cap = 0;
+    deliver(call, req, len);
+    sp_rpc_deframer_buf_free(req, cap);
+    call->conn->srv->buffered -= charged;
+    return;
+  }
+  if (m->on_half_close != NULL && !call->released) m->on_half_close(call);
+}
+
+/* Queues a copy of a streaming call's request message for the ready
+ * list, charged to the budget; a failure ends the call. */
+static int rq_push(sp_rpc_call *call, const uint8_t *data, size_t len) {
+  sp_rpc_server *srv = call->conn->srv;
+  if (srv->buffered + len > srv->opts.max_buffered) {
+    srv->stats.calls_over_budget++;
+    call_fail(call, SP_RPC_RESOURCE_EXHAUSTED,
+              "request of %zu bytes: the server's buffers are full (limit "
+              "%zu bytes)", len, srv->opts.max_buffered);
+    return SP_ENOMEM;
+  }
+  rq_item *it = malloc(sizeof *it);
+  uint8_t *copy = malloc(len ? len : 1);
+  if (it == NULL || copy == NULL) {
+    free(it);
+    free(copy);
+    call_fail(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+    return SP_ENOMEM;
+  }
+  memcpy(copy, data, len);
+  it->next = NULL;
+  it->len = len;
+  it->data = copy;
+  buffered_add(srv, len);
+  if (call->rq_tail) call->rq_tail->next = it;
+  else call->rq_head = it;
+  call->rq_tail = it;
+  srv->stats.deliveries_deferred++;
+  ready_push(srv, call);
+  return 0;
+}
+
+/* Handler work from the ready list runs as it would inside nghttp2's
+ * callbacks: what it sends is flushed once it returns. */
+static void dispatch_one(sp_rpc_server *srv, sp_rpc_call *call) {
+  srv_conn *c = call->conn;
+  ready_remove(srv, call);
+  rq_item *it = call->rq_head;
+  bool half = false;
+  if (it != NULL) {
+    call->rq_head = it->next;
+    if (call->rq_head == NULL) call->rq_tail = NULL;
+  } else {
+    half = call->rq_half_close;
+    call->rq_half_close = false;
+  }
+  /* round robin: a call with more waits behind the others */
+  if (call->rq_head != NULL || call->rq_half_close) ready_push(srv, call);
+  bool was_in_h2 = c->io.in_h2;
+  c->io.in_h2 = true;
+  if (it != NULL && !call->finished) deliver(call, it->data, it->len);
+  else if (half) half_close_now(call);
+  c->io.in_h2 = was_in_h2;
+  if (it != NULL) rq_item_free(srv, it);
+  if (!was_in_h2 && c->io.want_flush) {
+    c->io.want_flush = false;
+    sp_h2conn_flush(&c->io);
+  }
+}
+
+static void on_dispatch(uv_idle_t *h) {
+  struct srv_handles *hs = h->data;
+  sp_rpc_server *srv = hs->srv;
+  srv->iter_bytes = 0; /* a new iteration: its timers have run */
+  while (srv->ready_head != NULL) {
+    sp_rpc_call *call = srv->ready_head;
+    /* a unary call's half-close delivers its request */
+    size_t len = call->rq_head != NULL           ? call->rq_head->len
+                 : unary_request(call->method) ? call->unary_len
+                                               : 0;
+    if (!budget_allows(srv, len)) break;
+    budget_spend(srv, len);
+    dispatch_one(srv, call);
+  }
+  if (srv->ready_head == NULL) uv_idle_stop(h);
+}
+
+static void on_iteration_end(uv_check_t *h) {
+  struct srv_handles *hs = h->data;
+  hs->srv->iter_bytes = 0;
+}
+
+/* A complete request message of a streaming-request call: to the handler
+ * now when the budget allows and nothing waits, else queued. */
+static int submit_message(sp_rpc_call *call, const uint8_t *data, size_t len) {
+  sp_rpc_server *srv = call->conn->srv;
+  if (call->rq_head == NULL && srv->ready_head == NULL &&
+      budget_allows(srv, len)) {
+    budget_spend(srv, len);
+    return deliver(call, data, len);
+  }
+  rq_push(call, data, len);
+  return 0;
+}
+
+static void submit_half_close(sp_rpc_call *call) {
+  sp_rpc_server *srv = call->conn->srv;
+  size_t len = unary_request(call->method) ? call->unary_len : 0;
+  if (call->rq_head == NULL && srv->ready_head == NULL &&
+      budget_allows(srv, len)) {
+    budget_spend(srv, len);
+    half_close_now(call);
+    return;
+  }
+  if (len > 0) srv->stats.deliveries_deferred++;
+  call->rq_half_close = true;
+  ready_push(srv, call);
 }
 
 static int on_request_message(void *ud, const uint8_t *data, size_t len) {
   sp_rpc_call *call = ud;
   if (call->finished) return 0;
   const sp_rpc_method *m = call->method;
-  if (m->kind == SP_RPC_UNARY || m->kind == SP_RPC_SERVER_STREAMING) {
+  if (unary_request(m)) {
     if (++call->n_requests > 1) {
       call_end(call, SP_RPC_UNIMPLEMENTED,
                "more than one request message for a unary-request method");
+      return 0;
+    }
+    sp_rpc_server *srv = call->conn->srv;
+    /* A reassembled message is kept as it is: copying 16 requests of
+     * 8 MiB that complete in one read cost 64 ms of page faults there. */
+    size_t charged = 0, cap = 0;
+    uint8_t *own = sp_rpc_deframer_take(&call->df, &charged, &cap);
+    if (own != NULL) {
+      call->unary_req = own;
+      call->unary_len = len;
+      call->unary_charged = charged;
+      call->unary_cap = cap;
+      return 0;
+    }
+    if (srv->buffered + len > srv->opts.max_buffered) {
+      srv->stats.calls_over_budget++;
+      call_fail(call, SP_RPC_RESOURCE_EXHAUSTED,
+                "request of %zu bytes: the server's buffers are full (limit "
+                "%zu bytes)", len, srv->opts.max_buffered);
       return 0;
     }
     call->unary_req = malloc(len ? len : 1);
@@ -572,10 +929,11 @@ static int on_request_message(void *ud, const uint8_t *data, size_t len) {
       return 0;
     }
     memcpy(call->unary_req, data, len);
-    call->unary_len = len;
+    call->unary_len = call->unary_charged = len;
+    buffered_add(srv, len);
     return 0;
   }
-  return deliver(call, data, len);
+  return submit_message(call, data, len);
 }
 
 static void request_half_closed(sp_rpc_call *call) {
@@ -586,16 +944,24 @@ static void request_half_closed(sp_rpc_call *call) {
     return;
   }
   const sp_rpc_method *m = call->method;
-  if (m->kind == SP_RPC_UNARY || m->kind == SP_RPC_SERVER_STREAMING) {
+  if (unary_request(m)) {
     if (call->n_requests != 1) {
       call_end(call, SP_RPC_UNIMPLEMENTED,
                "no request message for a unary-request method");
       return;
     }
-    deliver(call, call->unary_req, call->unary_len);
-    return;
+    if (call->timer_is_request) {
+      /* complete in time: from here only the client's deadline counts */
+      call->timer_is_request = false;
+      if (call->timeout_ms >= 0) {
+        uint64_t now = loop_now(call->conn->srv);
+        call_arm_timer(call, call->deadline > now ? call->deadline - now : 0);
+      } else {
+        call_stop_timer(call);
+      }
+    }
   }
-  if (m->on_half_close != NULL && !call->released) m->on_half_close(call);
+  submit_half_close(call);
 }
 
 static int cb_begin_headers(nghttp2_session *s, const nghttp2_frame *f,
@@ -610,6 +976,8 @@ static int cb_begin_headers(nghttp2_session *s, const nghttp2_frame *f,
   call->timeout_ms = -1;
   call->route = -1;
   sp_rpc_deframer_init(&call->df, c->srv->opts.max_message);
+  call->df.used = &c->srv->buffered;
+  call->df.used_max = c->srv->opts.max_buffered;
   call->next = c->calls;
   if (c->calls) c->calls->prev = call;
   c->calls = call;
@@ -711,8 +1079,16 @@ static int cb_data_chunk(nghttp2_session *s, uint8_t flags, int32_t id,
   else if (rc == SP_EUNSUPPORTED)
     call_fail(call, SP_RPC_INTERNAL,
               "compressed message but no grpc-encoding was negotiated");
-  else if (rc != 0)
+  else if (rc == SP_EAGAIN) {
+    c->srv->stats.calls_over_budget++;
+    call_fail(call, SP_RPC_RESOURCE_EXHAUSTED,
+              "request message of %llu bytes: the server's buffers are full "
+              "(limit %zu bytes)",
+              (unsigned long long)call->df.need, c->srv->opts.max_buffered);
+  } else if (rc != 0)
     call_fail(call, SP_RPC_INTERNAL, "malformed message framing");
+  if (c->srv->buffered > c->srv->stats.buffered_peak)
+    c->srv->stats.buffered_peak = c->srv->buffered;
   return 0;
 }
 
@@ -774,6 +1150,146 @@ static void conn_after_send(sp_h2conn *io) {
 
 static void conn_flush(srv_conn *c) { sp_h2conn_flush(&c->io); }
 
+/* ---------------- connection limits ---------------- */
+
+/* An evicted or timed-out connection is told with GOAWAY and closes by
+ * itself once that is written; one whose peer does not read is closed
+ * this long after anyway. */
+#define SP_RPC_GOAWAY_CLOSE_MS 2000u
+
+static void handles_closed(uv_handle_t *h) {
+  struct srv_handles *hs = h->data;
+  if (--hs->open > 0) return;
+  sp_rpc_server *notify = hs->notify;
+  free(hs);
+  if (notify != NULL) sp_rpc_server_handle_closed(notify);
+}
+
+/* Closes the loop handles; with count, shutdown waits for them. */
+static void handles_close(sp_rpc_server *srv, bool count) {
+  struct srv_handles *hs = srv->h;
+  if (hs == NULL) return;
+  srv->h = NULL;
+  if (count) {
+    srv->open_handles++;
+    hs->notify = srv;
+  }
+  uv_close((uv_handle_t *)&hs->idle, handles_closed);
+  uv_close((uv_handle_t *)&hs->check, handles_closed);
+  uv_close((uv_handle_t *)&hs->sweep, handles_closed);
+}
+
+static int handles_get(sp_rpc_server *srv) {
+  if (srv->h != NULL) return 0;
+  struct srv_handles *hs = calloc(1, sizeof *hs);
+  if (hs == NULL) return SP_ENOMEM;
+  hs->srv = srv;
+  hs->open = 3;
+  uv_idle_init(srv->loop, &hs->idle);
+  uv_check_init(srv->loop, &hs->check);
+  uv_timer_init(srv->loop, &hs->sweep);
+  hs->idle.data = hs->check.data = hs->sweep.data = hs;
+  uv_check_start(&hs->check, on_iteration_end);
+  /* neither keeps the loop alive: they only serve connections, which do */
+  uv_unref((uv_handle_t *)&hs->check);
+  uv_unref((uv_handle_t *)&hs->sweep);
+  srv->h = hs;
+  return 0;
+}
+
+/* Says why in a GOAWAY and lets the connection close; it no longer counts
+ * against max_connections. */
+static void conn_goaway(srv_conn *c, const char *why) {
+  if (c->evicting || c->io.closing) return;
+  sp_rpc_server *srv = c->srv;
+  c->evicting = true;
+  srv->live_conns--;
+  c->kill_at_ms = loop_now(srv) + SP_RPC_GOAWAY_CLOSE_MS;
+  nghttp2_session *h2 = c->io.h2;
+  if (h2 == NULL) {
+    sp_h2conn_close(&c->io);
+    return;
+  }
+  nghttp2_submit_goaway(h2, NGHTTP2_FLAG_NONE,
+                        nghttp2_session_get_last_proc_stream_id(h2),
+                        NGHTTP2_NO_ERROR, (const uint8_t *)why, strlen(why));
+  conn_flush(c);
+}
+
+/* Walks the connections for the preface and idle timeouts, and closes
+ * those told by GOAWAY that are still there. One timer for all: a
+ * coordinator holds thousands of connections, and a timer each would cost
+ * every one of them. */
+static void on_sweep(uv_timer_t *t) {
+  struct srv_handles *hs = t->data;
+  sp_rpc_server *srv = hs->srv;
+  const sp_rpc_server_opts *o = &srv->opts;
+  uint64_t now = loop_now(srv);
+  char why[96];
+  for (srv_conn *c = srv->conns, *next; c != NULL; c = next) {
+    next = c->next;
+    if (c->io.closing || c->io.sink != NULL) continue;
+    if (c->evicting) {
+      if (now >= c->kill_at_ms) sp_h2conn_close(&c->io);
+      continue;
+    }
+    if (!c->had_request && now - c->accepted_ms >= o->preface_timeout_ms) {
+      srv->stats.connections_preface_closed++;
+      snprintf(why, sizeof why, "no request within %llu ms of connecting",
+               (unsigned long long)o->preface_timeout_ms);
+      conn_goaway(c, why);
+    } else if (c->calls == NULL && o->idle_timeout_ms != UINT64_MAX &&
+               now - c->idle_since_ms >= o->idle_timeout_ms) {
+      srv->stats.connections_idle_closed++;
+      snprintf(why, sizeof why, "idle for %llu ms",
+               (unsigned long long)o->idle_timeout_ms);
+      conn_goaway(c, why);
+    }
+  }
+}
+
+static void sweep_start(sp_rpc_server *srv) {
+  if (srv->h == NULL || uv_is_active((uv_handle_t *)&srv->h->sweep)) return;
+  const sp_rpc_server_opts *o = &srv->opts;
+  uint64_t every = o->preface_timeout_ms;
+  if (o->idle_timeout_ms < every) every = o->idle_timeout_ms;
+  if (SP_RPC_GOAWAY_CLOSE_MS < every) every = SP_RPC_GOAWAY_CLOSE_MS;
+  every /= 4; /* a connection overstays a limit by at most a quarter */
+  if (every < 5) every = 5;
+  if (every > 1000) every = 1000;
+  uv_update_time(srv->loop);
+  uv_timer_start(&srv->h->sweep, on_sweep, every, every);
+}
+
+/* All connection slots taken: make room by closing the connection with no
+ * open call that has been idle longest, so a worker that attaches is not
+ * refused because idle clients hold every slot. False when none is idle. */
+static bool evict_idle(sp_rpc_server *srv, const srv_conn *keep) {
+  srv_conn *victim = NULL;
+  for (srv_conn *x = srv->conns; x != NULL; x = x->next) {
+    if (x == keep || x->evicting || x->io.closing || x->calls != NULL ||
+        x->io.sink != NULL)
+      continue;
+    if (victim == NULL || x->idle_since_ms < victim->idle_since_ms) victim = x;
+  }
+  if (victim == NULL) return false;
+  srv->stats.connections_idle_closed++;
+  conn_goaway(victim, "too many connections: the longest idle one is closed");
+  return true;
+}
+
+/* The default connection limit: below the fd limit with room for the
+ * process's other files, so accept never fails for want of a descriptor. */
+static uint32_t default_max_connections(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY ||
+      rl.rlim_cur > 65536 + SP_RPC_FD_HEADROOM)
+    return 65536;
+  uint64_t n = rl.rlim_cur;
+  uint64_t room = n >= 4 * SP_RPC_FD_HEADROOM ? SP_RPC_FD_HEADROOM : n / 4;
+  return n > room ? (uint32_t)(n - room) : 1;
+}
+
 static void conn_closed(sp_h2conn *io) {
   srv_conn *c = io->owner;
   sp_rpc_server *srv = c->srv;
@@ -788,6 +1304,7 @@ static void conn_closed(sp_h2conn *io) {
   else srv->conns = c->next;
   if (c->next) c->next->prev = c->prev;
   srv->stats.connections_open--;
+  if (!c->evicting) srv->live_conns--;
   srv->stats.bytes_out += io->bytes_out;
   if (c->gone != NULL) *c->gone = true;
   free(c);
@@ -844,6 +1361,7 @@ static int session_new(srv_conn *c) {
 /* A linked, counted connection with an initialised (unconnected) handle;
  * from here on it goes away only through sp_h2conn_close. */
 static srv_conn *conn_new(sp_rpc_server *srv) {
+  if (handles_get(srv) != 0) return NULL;
   srv_conn *c = calloc(1, sizeof *c);
   if (c == NULL) return NULL;
   if (sp_h2conn_init(&c->io, srv->loop, c) != 0) {
@@ -859,8 +1377,10 @@ static srv_conn *conn_new(sp_rpc_server *srv) {
   if (srv->conns) srv->conns->prev = c;
   srv->conns = c;
   srv->open_handles++;
+  srv->live_conns++;
   srv->stats.connections_open++;
   srv->stats.connections_total++;
+  c->accepted_ms = c->idle_since_ms = loop_now(srv);
   return c;
 }
 
@@ -871,9 +1391,7 @@ static void on_connection(uv_stream_t *server, int status) {
   srv_conn *c = conn_new(srv);
   if (c == NULL) return;
   if (uv_accept(server, (uv_stream_t *)&c->io.tcp) != 0 ||
-      srv->shutting_down ||
-      srv->stats.connections_open > srv->opts.max_connections ||
-      session_new(c) != 0) {
+      srv->shutting_down || session_new(c) != 0) {
     sp_h2conn_close(&c->io);
     return;
   }
@@ -885,6 +1403,9 @@ static void on_connection(uv_stream_t *server, int status) {
     }
     sp_h2conn_tls(&c->io, t);
   }
+  bool refuse = srv->live_conns > srv->opts.max_connections &&
+                !evict_idle(srv, c);
+  sweep_start(srv);
   uv_tcp_nodelay(&c->io.tcp, 1);
   struct sockaddr_storage ss;
   int len = sizeof ss;
@@ -892,6 +1413,12 @@ static void on_connection(uv_stream_t *server, int status) {
     sp_rpc_format_sockaddr((struct sockaddr *)&ss, c->peer, sizeof c->peer);
   if (sp_h2conn_start(&c->io) != 0) {
     sp_h2conn_close(&c->io);
+    return;
+  }
+  if (refuse) {
+    /* every slot busy with calls: this one is told why and goes */
+    srv->stats.connections_refused++;
+    conn_goaway(c, "too many connections");
     return;
   }
   conn_flush(c);
@@ -933,6 +1460,11 @@ int sp_rpc_server_feed_bytes(sp_rpc_server *srv, const uint8_t *data,
     }
     for (int i = 0; i < 4 && !gone && !c->io.closing; i++)
       uv_run(srv->loop, UV_RUN_NOWAIT);
+    /* requests left on the ready list get their iterations */
+    for (int i = 0; i < 100000 && !gone && !c->io.closing &&
+                    srv->ready_head != NULL;
+         i++)
+      uv_run(srv->loop, UV_RUN_NOWAIT);
   }
   if (!gone) sp_h2conn_close(&c->io);
   /* close callbacks never block the loop, so this ends after an iteration;
@@ -957,7 +1489,15 @@ int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
   if (!srv->opts.max_pending) srv->opts.max_pending = SP_RPC_DEFAULT_MAX_PENDING;
   if (!srv->opts.max_conn_pending)
     srv->opts.max_conn_pending = SP_RPC_DEFAULT_MAX_CONN_PENDING;
-  if (!srv->opts.max_connections) srv->opts.max_connections = 65536;
+  if (!srv->opts.max_connections)
+    srv->opts.max_connections = default_max_connections();
+  if (!srv->opts.preface_timeout_ms)
+    srv->opts.preface_timeout_ms = SP_RPC_DEFAULT_PREFACE_TIMEOUT_MS;
+  if (!srv->opts.idle_timeout_ms)
+    srv->opts.idle_timeout_ms = SP_RPC_DEFAULT_IDLE_TIMEOUT_MS;
+  if (!srv->opts.request_timeout_ms)
+    srv->opts.request_timeout_ms = SP_RPC_DEFAULT_REQUEST_TIMEOUT_MS;
+  if (!srv->opts.max_buffered) srv->opts.max_buffered = SP_RPC_DEFAULT_MAX_BUFFERED;
   srv->paths = sp_strmap_new(32);
   if (srv->paths == NULL) {
     free(srv);
@@ -1042,6 +1582,10 @@ static void grace_closed(uv_handle_t *h);
  * grace timer is released. */
 static void maybe_finish_shutdown(sp_rpc_server *srv) {
   if (!srv->shutting_down || srv->open_handles > 0 || srv->done_called) return;
+  if (srv->h != NULL) { /* last, as handlers may run until here */
+    handles_close(srv, true);
+    return;
+  }
   if (srv->grace_started && !srv->grace_closed) {
     if (!srv->grace_closing) {
       srv->grace_closing = true;
@@ -1108,6 +1652,7 @@ void sp_rpc_server_shutdown(sp_rpc_server *srv, uint64_t grace_ms,
 
 void sp_rpc_server_free(sp_rpc_server *srv) {
   if (srv == NULL) return;
+  handles_close(srv, false); /* freed without a shutdown */
   sp_rpc_health_free(&srv->health);
   sp_strmap_free(srv->paths);
   free(srv->methods);
@@ -1124,6 +1669,7 @@ int sp_rpc_server_set_health(sp_rpc_server *srv, const char *service,
 
 void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s) {
   *s = srv->stats;
+  s->buffered_bytes = srv->buffered;
   for (const srv_conn *c = srv->conns; c; c = c->next)
     s->bytes_out += c->io.bytes_out;
 }

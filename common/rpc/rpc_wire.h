@@ -64,6 +64,13 @@ typedef struct sp_rpc_deframer {
   size_t need, have, cap;
   bool in_body;
   size_t max;
+  /* Optional: a budget shared with other deframers (a server's, across
+   * all its connections). Partial-message buffers are charged to *used
+   * before they are allocated and released when freed; charged is what
+   * this one holds. */
+  size_t *used;
+  size_t used_max;
+  size_t charged;
 } sp_rpc_deframer;
 
 typedef int (*sp_rpc_msg_fn)(void *ud, const uint8_t *msg, size_t len);
@@ -73,11 +80,23 @@ void sp_rpc_deframer_free(sp_rpc_deframer *d);
 /* Feeds bytes; calls fn for each complete message (pointer valid during the
  * call). Returns 0, SP_ETOOBIG (a prefix announced more than max, checked
  * before allocating), SP_EUNSUPPORTED (compressed flag: no codec is
- * negotiated), SP_EFORMAT (flag byte not 0/1), SP_ENOMEM, or the first
+ * negotiated), SP_EFORMAT (flag byte not 0/1), SP_ENOMEM, SP_EAGAIN (the
+ * shared budget, when set, cannot hold the buffer), or the first
  * non-zero value fn returned. *len_out, when given, receives the announced
  * size on SP_ETOOBIG. */
 int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
                          sp_rpc_msg_fn fn, void *ud, uint64_t *len_out);
+/* Inside the message callback only: hands over the buffer the message was
+ * reassembled in, so a large message is not copied again; the caller frees
+ * it with sp_rpc_deframer_buf_free(buf, *cap). NULL when the message lay in
+ * the input as fed (it is then at most one feed's bytes). With a shared
+ * budget the buffer stays charged: *charged gets the amount, which the
+ * caller releases when it frees the buffer. */
+uint8_t *sp_rpc_deframer_take(sp_rpc_deframer *d, size_t *charged,
+                               size_t *cap);
+/* Frees a buffer sp_rpc_deframer_take handed over (large ones are
+ * mappings); cap 0 frees a malloc'd one. */
+void sp_rpc_deframer_buf_free(uint8_t *buf, size_t cap);
 /* Whether a message is partly received (EOS now would truncate it). */
 bool sp_rpc_deframer_partial(const sp_rpc_deframer *d);
 

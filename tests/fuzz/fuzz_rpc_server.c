@@ -53,7 +53,13 @@ void sp_fuzz_rpc_server_teardown(void) {
   if (g_srv == NULL) return;
   sp_rpc_server_free(g_srv);
   g_srv = NULL;
-  CHECK(uv_loop_close(&g_loop) == 0);
+  /* the server's loop handles close with it: let libuv release them */
+  int rc = uv_loop_close(&g_loop);
+  for (int i = 0; i < 8 && rc != 0; i++) {
+    uv_run(&g_loop, UV_RUN_NOWAIT);
+    rc = uv_loop_close(&g_loop);
+  }
+  CHECK(rc == 0);
 }
 
 typedef struct out_state {

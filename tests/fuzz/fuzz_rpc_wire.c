@@ -1,6 +1,7 @@
 /* libFuzzer target over the engine's pure wire helpers (rpc_wire.h): the
  * message deframer, grpc-message percent coding, grpc-timeout, base64 for
- * -bin metadata, metadata lists and address splitting. Besides sanitizer
+ * -bin metadata, metadata lists and address splitting; and the protobuf
+ * pre-scan (rpc_pbcheck.h) over coordinator request types. Besides sanitizer
  * findings it checks invariants: the deframer accounts for every byte,
  * encodings round-trip, and outputs respect their buffer sizes. */
 #include <stdbool.h>
@@ -9,7 +10,9 @@
 #include <string.h>
 
 #include "fuzz_targets.h"
+#include "rpc/rpc_pbcheck.h"
 #include "rpc/rpc_wire.h"
+#include "shardplane/v1/coordinator.pb-c.h"
 
 #define CHECK(cond)                                                            \
   do {                                                                         \
@@ -177,6 +180,37 @@ static void fuzz_addr(const uint8_t *d, size_t n) {
   free(s);
 }
 
+/* What the pre-scan accepts protobuf-c decodes, and its compacted copy has
+ * nothing left to drop. */
+static void fuzz_pbcheck(const uint8_t *d, size_t n, uint8_t sel) {
+  static const ProtobufCMessageDescriptor *const k_desc[] = {
+      &shardplane__v1__session_up__descriptor,
+      &shardplane__v1__store_set_request__descriptor,
+      &shardplane__v1__attach_request__descriptor,
+      &shardplane__v1__store_wait_request__descriptor,
+  };
+  const ProtobufCMessageDescriptor *desc = k_desc[(sel >> 6) & 3];
+  uint8_t *out = NULL;
+  size_t out_len = 0;
+  char err[256];
+  /* a small decode limit, so the budget's refusal is reached too */
+  int rc = sp_rpc_pbcheck(desc, d, n, 4096, &out, &out_len, err, sizeof err);
+  CHECK(rc == 0 || rc == SP_EFORMAT || rc == SP_ETOOBIG || rc == SP_ENOMEM);
+  if (rc == SP_EFORMAT || rc == SP_ETOOBIG) CHECK(err[0] != '\0');
+  if (rc != 0) return;
+  const uint8_t *m = out != NULL ? out : d;
+  size_t mlen = out != NULL ? out_len : n;
+  CHECK(out == NULL || out_len <= n);
+  ProtobufCMessage *msg = protobuf_c_message_unpack(desc, NULL, mlen, m);
+  CHECK(msg != NULL);
+  protobuf_c_message_free_unpacked(msg, NULL);
+  uint8_t *again = NULL;
+  size_t again_len = 0;
+  CHECK(sp_rpc_pbcheck(desc, m, mlen, 4096, &again, &again_len, NULL, 0) == 0);
+  CHECK(again == NULL);
+  free(out);
+}
+
 int sp_fuzz_rpc_wire_one(const uint8_t *data, size_t size) {
   if (size < 2) return 0;
   uint8_t sel = data[0], split = data[1];
@@ -188,6 +222,7 @@ int sp_fuzz_rpc_wire_one(const uint8_t *data, size_t size) {
   fuzz_base64(d, n);
   fuzz_metadata(d, n);
   fuzz_addr(d, n);
+  fuzz_pbcheck(d, n, sel);
   return 0;
 }
 

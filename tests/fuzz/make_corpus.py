@@ -160,8 +160,18 @@ def server_inputs():
         1, grpc_block(ECHO + "Unary")) + data(1, msg(ok, flag=1), True))
     c["unary_bad_flag.s13"] = (P | S, headers(
         1, grpc_block(ECHO + "Unary")) + data(1, msg(ok, flag=2), True))
-    c["unary_undecodable.s13"] = (P | S, headers(
+    c["unary_undecodable.s3"] = (P | S, headers(
         1, grpc_block(ECHO + "Unary")) + data(1, msg(b"\xff\xff\xff"), True))
+    # unknown fields (7, 8 varint; 9 bytes) are dropped before decoding
+    c["unary_unknown_fields.s0"] = (P | S, headers(
+        1, grpc_block(ECHO + "Unary")) + data(1, msg(
+            b"\x38\x00" * 64 + b"\x40\x01\x4a\x02zz" + ok), True))
+    c["unary_nul_string.s3"] = (P | S, headers(
+        1, grpc_block(ECHO + "Unary")) + data(1, msg(b"\x0a\x03a\x00b"), True))
+    c["unary_bad_utf8.s3"] = (P | S, headers(
+        1, grpc_block(ECHO + "Unary")) + data(1, msg(b"\x0a\x02\xc3\x28"), True))
+    c["unary_wrong_wire_type.s3"] = (P | S, headers(
+        1, grpc_block(ECHO + "Unary")) + data(1, msg(b"\x0d\x00\x00\x00\x00"), True))
     c["prefix_4gib.s8"] = (P | S, headers(1, grpc_block(ECHO + "Unary"))
                            + data(1, b"\x00\xff\xff\xff\xff"))
     c["prefix_over_limit.s8"] = (P | S, headers(1, grpc_block(ECHO + "Bidi"))
@@ -283,6 +293,19 @@ def wire_inputs():
     c["addr_v6"] = two(b"[::1]:0")
     c["addr_bad_port"] = two(b"host:99999")
     c["metadata"] = two(b"\x06x-echovalue")
+    # the pre-scan: selector bits 6-7 pick SessionUp, StoreSetRequest,
+    # AttachRequest or StoreWaitRequest
+    trans = b"\x08\x01\x10\x02\x18\x03"
+    c["pb_session_nested_unknown"] = two(
+        b"\x08\x07" + b"\x2a" + bytes([len(trans) + 2]) + trans + b"\x78\x01"
+        + b"\x2a\x06" + trans, sel=0x00)
+    c["pb_store_set_nul_key"] = two(b"\x0a\x03a\x00b\x12\x01v", sel=0x40)
+    c["pb_store_set_unknown"] = two(b"\x18\x00" * 32 + b"\x0a\x01k", sel=0x40)
+    c["pb_attach_bad_utf8"] = two(b"\x1a\x03\xed\xa0\x80", sel=0x80)
+    c["pb_attach_truncated"] = two(b"\x1a\x05ab", sel=0x80)
+    c["pb_wait_keys"] = two(b"\x0a\x01a\x0a\x02bc\x10\x05", sel=0xc0)
+    # empty nested messages past the harness's 4 KiB decode budget
+    c["pb_session_many_empty"] = two(b"\x22\x00" * 100, sel=0x00)
     return c
 
 

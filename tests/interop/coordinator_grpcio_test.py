@@ -217,7 +217,10 @@ def main():
                 "StoreSet", pb.StoreSetRequest(key="k" * 9000, value=b"v"),
                 pb.StoreSetResponse))
             raw = c.channel.unary_unary(SVC + "StoreSet")
-            expect(grpc, S.INTERNAL, lambda: raw(b"\xff\xff\xff", timeout=T))
+            expect(grpc, S.INVALID_ARGUMENT,
+                   lambda: raw(b"\xff\xff\xff", timeout=T))
+            expect(grpc, S.INVALID_ARGUMENT,
+                   lambda: raw(b"\x0a\x03a\x00b\x12\x01v", timeout=T))
             check_eq(c.unary("GetJob", pb.GetJobRequest(),
                              pb.GetJobResponse).model_name, "gpt2",
                      "still answers after bad input")

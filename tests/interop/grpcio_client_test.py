@@ -402,13 +402,25 @@ def t_cancel_many(c):
 
 def t_malformed(c):
     g = c.grpc
+    # the engine's check before decoding: INVALID_ARGUMENT naming the message
     for raw in (b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x12\x80"):
-        e = expect_error(g, g.StatusCode.INTERNAL,
+        e = expect_error(g, g.StatusCode.INVALID_ARGUMENT,
                          lambda: c.raw_unary(raw, timeout=T), repr(raw))
-        check(e.details(), "INTERNAL carries a message")
-    # wrong field type for the whole message: text as varint
-    expect_error(g, g.StatusCode.INTERNAL,
+        check("EchoRequest" in e.details(), "the message names the type")
+    expect_error(g, g.StatusCode.INVALID_ARGUMENT,
                  lambda: c.raw_unary(b"\x0b", timeout=T), "end-group tag")
+    # a string with a NUL byte, and one that is not UTF-8
+    e = expect_error(g, g.StatusCode.INVALID_ARGUMENT,
+                     lambda: c.raw_unary(b"\x0a\x03a\x00b", timeout=T),
+                     "NUL in text")
+    check("EchoRequest.text: contains a NUL byte at offset 1" in e.details(),
+          "the message names the field: %r" % e.details())
+    expect_error(g, g.StatusCode.INVALID_ARGUMENT,
+                 lambda: c.raw_unary(b"\x0a\x02\xc3\x28", timeout=T),
+                 "invalid UTF-8 in text")
+    # unknown fields are dropped: the known ones still arrive
+    r = c.raw_unary(b"\x78\x01" * 100 + b"\x0a\x02ok", timeout=T)
+    check_eq(r.text, "ok", "unknown fields dropped")
     r = c.unary(c.req(text="still fine"), timeout=T)
     check_eq(r.text, "still fine", "channel works after")
 

@@ -27,6 +27,12 @@ typedef struct sp_h2buf {
 void sp_h2buf_put(sp_h2buf *b, const void *d, size_t n);
 void sp_h2buf_free(sp_h2buf *b);
 
+/* A blocking TCP connection to 127.0.0.1:port with TCP_NODELAY, or -1
+ * (errno says why). */
+int sp_h2_connect(int port);
+/* Sends all n bytes (retrying on EINTR); false once the peer is gone. */
+bool sp_h2_send_all(int fd, const void *data, size_t n);
+
 /* The 24-byte client connection preface. */
 void sp_h2_preface(sp_h2buf *b);
 /* One frame: 9-byte header plus payload. */
