@@ -50,6 +50,8 @@ typedef struct pbscan {
   /* what protobuf-c will allocate, estimated as the scan goes, and the
    * most allowed (0: no limit) */
   size_t decoded, max_decoded;
+  /* the message as a whole, which the budget is for */
+  const ProtobufCMessageDescriptor *top;
 } pbscan;
 
 /* What malloc adds to each allocation, for the estimate. */
@@ -198,11 +200,14 @@ static inline const ProtobufCFieldDescriptor *fieldmap_get(const fieldmap *m,
   return protobuf_c_message_descriptor_get_field(m->d, num);
 }
 
+/* Names the whole message, not the nested one whose share happened to
+ * cross the limit: which one that is depends on the sizes of all. */
 static int over_budget(pbscan *sc, const ProtobufCMessageDescriptor *d) {
+  (void)d;
   if (sc->err != NULL && sc->cap > 0)
     snprintf(sc->err, sc->cap,
-             "%s: decoding it would take more than %zu bytes of memory", d->name,
-             sc->max_decoded);
+             "%s: decoding it would take more than %zu bytes of memory",
+             sc->top->name, sc->max_decoded);
   return SP_ETOOBIG;
 }
 
@@ -356,7 +361,7 @@ static size_t write_msg(const ProtobufCMessageDescriptor *d, const uint8_t *p,
     if (f->type == PROTOBUF_C_TYPE_MESSAGE && wt == 2) {
       size_t sub = 0;
       bool sub_dropped = false;
-      pbscan quiet = {NULL, 0, 0, 0};
+      pbscan quiet = {NULL, 0, 0, 0, NULL};
       check_msg(&quiet, f->descriptor, p + vstart, plen, 0, 0, &sub,
                 &sub_dropped);
       if (sub_dropped) {
@@ -383,7 +388,7 @@ int sp_rpc_pbcheck(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
   *out = NULL;
   *out_len = 0;
   if (err != NULL && err_cap > 0) err[0] = '\0';
-  pbscan sc = {err, err_cap, 0, max_decoded};
+  pbscan sc = {err, err_cap, 0, max_decoded, desc};
   size_t keep = 0;
   bool dropped = false;
   int rc = check_msg(&sc, desc, data, len, 0, 0, &keep, &dropped);
