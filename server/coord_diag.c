@@ -456,7 +456,8 @@ static void desync_alert(sp_coord *c, int kind, uint32_t index,
            "desync on %s at collective #%" PRIu64 ": %s issued %s (last "
            "event: %s); %s issued %s (last event: %s)%s%s%s",
            comm, f->seq, la, wa, ea, lb, wb, eb, nn ? "; " : "", ln,
-           nn ? " not yet" : "");
+           nn == 0 ? "" : nn == 1 ? " has not issued it yet"
+                                  : " have not issued it yet");
   /* the smaller side is the odd one out; at a tie, the later one */
   bool b_culprit = nb <= na;
   Shardplane__V1__Collective col;
@@ -704,11 +705,39 @@ uint64_t sp_coord_diag_stall_threshold(const sp_coord *c) {
   return adaptive > SP_DIAG_STALL_FLOOR_MS ? adaptive : SP_DIAG_STALL_FLOOR_MS;
 }
 
-/* The collective most ranks wait in: issued, not completed. */
+static bool in_collective(const diag_rank *k) {
+  for (int kind = 0; kind < N_KINDS; kind++)
+    if (k->comm[kind].issued.seq > k->comm[kind].done_seq) return true;
+  return false;
+}
+
+/* Whether the open collective (kind, index, f) has members that have not
+ * issued it and wait in no collective themselves: the end of the chain of
+ * waits (ranks 0-1 wait in the world for rank 2, which waits in its shard
+ * group for rank 3, which is in none: rank 3 is the one to name). */
+static bool waits_on_a_root(const sp_coord *c, int kind, uint32_t index,
+                            const fprint *f) {
+  const sp_coord_diag *d = c->diag;
+  bool any = false;
+  for (uint32_t i = 0; i < n_members(d, kind); i++) {
+    uint32_t r = member(d, kind, index, i);
+    const diag_rank *k = &d->r[r];
+    if (k->comm[kind].issued.seq >= f->seq) continue;
+    if (sp_coord_rank_status(c, r) == SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
+      continue;
+    if (attached(c, r) && in_collective(k)) return false;
+    any = true;
+  }
+  return any;
+}
+
+/* The collective to explain the stall by: the earliest-issued open one
+ * whose missing members wait on nothing, else the earliest-issued open
+ * one. */
 static bool find_waited(const sp_coord *c, int *kind_out, uint32_t *index_out,
                         fprint *f_out) {
   const sp_coord_diag *d = c->diag;
-  bool found = false;
+  bool found = false, rooted = false;
   uint64_t oldest = UINT64_MAX;
   for (uint32_t r = 0; r < d->world; r++) {
     if (!attached(c, r)) continue;
@@ -717,9 +746,12 @@ static bool find_waited(const sp_coord *c, int *kind_out, uint32_t *index_out,
       if (k->comm[kind].issued.seq == 0 ||
           k->comm[kind].done_seq >= k->comm[kind].issued.seq)
         continue;
-      /* the earliest-issued open collective: what the job waits on first */
-      if (k->comm[kind].issued_ms < oldest) {
+      bool root = waits_on_a_root(c, kind, k->comm[kind].index,
+                                  &k->comm[kind].issued);
+      if ((root && !rooted) ||
+          (root == rooted && k->comm[kind].issued_ms < oldest)) {
         oldest = k->comm[kind].issued_ms;
+        rooted = root;
         *kind_out = kind;
         *index_out = k->comm[kind].index;
         *f_out = k->comm[kind].issued;
@@ -738,7 +770,7 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
   size_t nw = 0, nmiss = 0;
   int kind = 0;
   uint32_t index = 0;
-  fprint f;
+  fprint f = {0};
   char msg[SP_DIAG_MAX], lw[1200], lm[1200], words[200], comm[48], ev[160];
   if (find_waited(c, &kind, &index, &f)) {
     uint64_t since = now;
@@ -757,10 +789,10 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
       if (k->comm[kind].issued.seq >= f.seq &&
           k->comm[kind].done_seq < f.seq) {
         waiting[nw++] = r;
-        const fprint *x = &k->comm[kind].ring[f.seq % RANK_RING];
-        if (x->seq == f.seq && k->comm[kind].issued_ms < since)
-          since = k->comm[kind].issued.seq == f.seq ? k->comm[kind].issued_ms
-                                                    : since;
+        /* how long: from the earliest issue of this very collective */
+        if (k->comm[kind].issued.seq == f.seq &&
+            k->comm[kind].issued_ms < since)
+          since = k->comm[kind].issued_ms;
       } else if (k->comm[kind].issued.seq < f.seq) {
         missing[nmiss++] = r;
       }
@@ -875,9 +907,14 @@ static void check_stragglers(sp_coord *c) {
     /* a floor of 1 ms keeps near-zero compute from making ratios */
     float base = job_med > 1.0f ? job_med : 1.0f;
     k->score = k->busy_med / base;
-    if (!k->straggling && k->busy_med > 1.0f && k->score >= ratio) {
+    float step = median_of(k->step_ms, k->n_steps);
+    /* and it must cost the job: its excess compute a tenth of a step and
+     * 2 ms at least (a few ms of compute in a step of tens jitters by
+     * half on a loaded machine, and nobody waits for that) */
+    float excess = k->busy_med - job_med;
+    bool costly = excess >= 2.0f && excess >= 0.1f * step;
+    if (!k->straggling && costly && k->score >= ratio) {
       k->straggling = true;
-      float step = median_of(k->step_ms, k->n_steps);
       char msg[SP_DIAG_MAX];
       say(msg, sizeof msg,
                "rank %u is a straggler: its own compute is %.2fx the job's "
