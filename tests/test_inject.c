@@ -269,9 +269,10 @@ static void test_stall_keeps_heartbeats(void **state) {
     assert_int_equal(waitpid(j.w[r], &st, WNOHANG), 0); /* still there */
   }
   expect_err(dir, 1, "rank 1: --inject stall: blocking before unit");
-  /* a stack dump of the hung rank says which thread is which */
-  static const char *const names[] = {"training", "session", "comm", "gloo",
-                                      "gloo-watchdog"};
+  /* a stack dump of the hung rank says which thread is which (the
+   * training thread is the main one, with the program's name) */
+  static const char *const names[] = {"shardplane-wor", "session", "comm",
+                                      "gloo", "gloo-watchdog"};
   for (size_t i = 0; i < 5; i++)
     if (!has_thread(j.w[1], names[i]))
       fail_msg("rank 1 has no thread called %s", names[i]);
