@@ -42,6 +42,7 @@
 #include "support/coord_fixture.h"
 #include "server/coordinator.h"
 #include "worker/mlp.h"
+#include "lib/session_internal.h"
 #include "lib/shardplane.h"
 #include "support/testutil.h"
 
@@ -617,6 +618,15 @@ static void check_coordinator(harness *h, char *err, size_t cap) {
     uint64_t colls = s->reduce_scatters + s->all_reduces +
                      (is_sharded(c) ? s->all_gathers + c->summons : 0);
     uint64_t seq = ri->last_collective ? ri->last_collective->seq : 0;
+    /* each communicator numbers its own collectives: together they are
+     * what the runtime issued, and the last one reported (its completion)
+     * is the last one of some communicator */
+    uint64_t per_comm[3], sum = 0;
+    bool last_seen = false;
+    for (int k = 0; k < 3; k++) {
+      sum += per_comm[k] = sp_session_coll_seq(c->s, (sp_comm_kind)k);
+      last_seen = last_seen || (per_comm[k] != 0 && per_comm[k] == seq);
+    }
     if (ri->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED)
       snprintf(err, cap, "rank %u: status %d", r, (int)ri->status);
     else if (ri->root_state != SP_ROOT_IDLE)
@@ -630,10 +640,16 @@ static void check_coordinator(harness *h, char *err, size_t cap) {
     else if (ri->alerts != 0)
       snprintf(err, cap, "rank %u: %u alerts: %s", r, ri->alerts,
                ri->last_alert);
-    else if (seq != colls)
-      snprintf(err, cap, "rank %u: last collective #%llu, the runtime "
-               "issued %llu", r, (unsigned long long)seq,
+    else if (sum != colls)
+      snprintf(err, cap, "rank %u: %llu collectives reported, the runtime "
+               "issued %llu", r, (unsigned long long)sum,
                (unsigned long long)colls);
+    else if (sum > 0 && !last_seen)
+      snprintf(err, cap, "rank %u: last collective #%llu, the runtime's "
+               "last were %llu, %llu, %llu", r, (unsigned long long)seq,
+               (unsigned long long)per_comm[0],
+               (unsigned long long)per_comm[1],
+               (unsigned long long)per_comm[2]);
     for (size_t u = 0; !err[0] && u < ri->n_unit_states; u++)
       if (ri->unit_states[u] != SP_HANDLE_IDLE)
         snprintf(err, cap, "rank %u: unit %zu state %d", r, u,

@@ -368,13 +368,13 @@ static uint64_t run_step(sp_session *s, uint64_t step) {
   TR(SP_MACHINE_ROOT, 0, SP_ROOT_FORWARD_BACKWARD);
   for (uint32_t u = 0; u < nu; u++) {
     TR(SP_MACHINE_HANDLE, u, SP_HANDLE_FORWARD);
-    sp_session_collective(s, SP_OP_ALL_GATHER, u, SP_FLOAT32, 1000 + u);
+    sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_GATHER, u, SP_FLOAT32, 1000 + u);
     TR(SP_MACHINE_HANDLE, u, SP_HANDLE_IDLE);
   }
   for (uint32_t u = nu; u-- > 0;) {
     TR(SP_MACHINE_HANDLE, u, SP_HANDLE_BACKWARD_PRE);
     TR(SP_MACHINE_HANDLE, u, SP_HANDLE_BACKWARD_POST);
-    sp_session_collective(s, SP_OP_REDUCE_SCATTER, u, SP_FLOAT32,
+    sp_session_collective(s, SP_COMM_WORLD, SP_OP_REDUCE_SCATTER, u, SP_FLOAT32,
                           2000 + u);
     TR(SP_MACHINE_HANDLE, u, SP_HANDLE_IDLE);
   }
@@ -493,7 +493,7 @@ static void test_queue_overflow_counted(void **state) {
   const uint64_t n = 200000;
   uint64_t last = 0;
   for (uint64_t i = 0; i < n; i++)
-    last = sp_session_collective(s, SP_OP_ALL_REDUCE, 0, SP_FLOAT32, i);
+    last = sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0, SP_FLOAT32, i);
   assert_int_equal(last, n); /* sequence numbers count every call */
   uint64_t dropped = sp_session_dropped(s);
   printf("queue of 8: %llu of %llu collectives dropped\n",

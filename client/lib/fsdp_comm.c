@@ -5,6 +5,7 @@
  * fsdp_schedule.c), as the backends require. */
 #include <stdlib.h>
 
+#include "base/thread_name.h"
 #include "fsdp_internal.h"
 
 static sp_comm *gather_comm(sp_fsdp *f) {
@@ -30,24 +31,79 @@ static int handoff(sp_fsdp *f, sp_comm *c, sp_diag *d) {
   return f->mem->handoff(f, stream, d);
 }
 
-static int coll_all_gather(sp_fsdp *f, sp_comm *c, const void *send,
-                           void *recv, size_t count, sp_dtype dt,
+/* Each stamps the time the collective returned into w's next report
+ * (the work's fingerprints are in the order its collectives run). */
+static void stamp(sp_fsdp_work *w, size_t *next) {
+  if (*next < w->n_fp) w->fp[*next].done_us = sp_session_time_us();
+  (*next)++;
+}
+
+static int coll_all_gather(sp_fsdp *f, sp_fsdp_work *w, size_t *next,
+                           sp_comm *c, const void *send, void *recv,
+                           size_t count, sp_dtype dt, sp_diag *d) {
+  int rc = handoff(f, c, d);
+  if (rc == 0) rc = sp_comm_all_gather(c, send, recv, count, dt, d);
+  if (rc == 0) stamp(w, next);
+  return rc;
+}
+
+static int coll_reduce_scatter(sp_fsdp *f, sp_fsdp_work *w, size_t *next,
+                               sp_comm *c, const void *send, void *recv,
+                               size_t count, sp_dtype dt, sp_diag *d) {
+  int rc = handoff(f, c, d);
+  if (rc == 0) rc = sp_comm_reduce_scatter(c, send, recv, count, dt, d);
+  if (rc == 0) stamp(w, next);
+  return rc;
+}
+
+static int coll_all_reduce(sp_fsdp *f, sp_fsdp_work *w, size_t *next,
+                           sp_comm *c, void *buf, size_t count, sp_dtype dt,
                            sp_diag *d) {
   int rc = handoff(f, c, d);
-  return rc < 0 ? rc : sp_comm_all_gather(c, send, recv, count, dt, d);
+  if (rc == 0) rc = sp_comm_all_reduce(c, buf, count, dt, d);
+  if (rc == 0) stamp(w, next);
+  return rc;
 }
 
-static int coll_reduce_scatter(sp_fsdp *f, sp_comm *c, const void *send,
-                               void *recv, size_t count, sp_dtype dt,
-                               sp_diag *d) {
-  int rc = handoff(f, c, d);
-  return rc < 0 ? rc : sp_comm_reduce_scatter(c, send, recv, count, dt, d);
+sp_comm_kind sp_fsdp_gather_kind(const sp_fsdp *f) {
+  return f->plan->strategy == SP_HYBRID_SHARD ? SP_COMM_SHARD
+                                              : SP_COMM_WORLD;
 }
 
-static int coll_all_reduce(sp_fsdp *f, sp_comm *c, void *buf, size_t count,
-                           sp_dtype dt, sp_diag *d) {
-  int rc = handoff(f, c, d);
-  return rc < 0 ? rc : sp_comm_all_reduce(c, buf, count, dt, d);
+void sp_fsdp_fp_issue(sp_fsdp *f, sp_fsdp_work *w, sp_comm_kind k,
+                      sp_coll_op op, uint32_t unit, sp_dtype dt,
+                      uint64_t count) {
+  uint64_t seq = sp_session_collective(f->s, k, op, unit, dt, count);
+  if (w->n_fp < 2) w->fp[w->n_fp++] = (sp_fsdp_fp){seq, 0, (uint8_t)k};
+}
+
+int sp_fsdp_before_collective(sp_fsdp *f, sp_comm_kind k, sp_coll_op op,
+                              uint32_t unit, uint64_t *count, sp_diag *d) {
+  if (f->opts.before_collective == NULL) return 0;
+  int rc = f->opts.before_collective(f->opts.inject_user, f->phase, k, op,
+                                     unit, count);
+  if (rc < 0)
+    return sp_diag_set(d, rc, "unit %u (%s): the before_collective hook "
+                       "failed: %s", unit, sp_fsdp_unit_name(f, unit),
+                       sp_strerror(rc));
+  if (rc == 1 && op != SP_OP_ALL_GATHER)
+    return sp_diag_set(d, SP_EINVAL, "unit %u: before_collective may skip "
+                       "only an all-gather", unit);
+  return rc;
+}
+
+/* Reports the completion of every ticket finished since the last call, in
+ * issue order. Under f->mu, on the training thread (the session's queue
+ * has one producer). */
+static void report_done_locked(sp_fsdp *f) {
+  for (; f->reported < f->completed; f->reported++) {
+    const sp_fsdp_work *w =
+        &f->queue[(size_t)(f->reported % (int64_t)f->queue_cap)];
+    for (size_t i = 0; i < w->n_fp; i++)
+      if (w->fp[i].done_us != 0)
+        sp_session_collective_done(f->s, (sp_comm_kind)w->fp[i].comm,
+                                   w->fp[i].seq, w->fp[i].done_us);
+  }
 }
 
 /* ---- the communication thread ---- */
@@ -59,7 +115,8 @@ static int coll_all_reduce(sp_fsdp *f, sp_comm *c, void *buf, size_t count,
  * param_dtype is sent from where it is, which Gloo moves into place
  * itself. Casting into the slot rather than into a separate low-precision
  * shard saves c * param_dtype bytes per unit and gives the same bits. */
-static int run_gather(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
+static int run_gather(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
+                      sp_diag *d) {
   const sp_unit *u = fu->u;
   bool no_shard = f->plan->strategy == SP_NO_SHARD;
   sp_comm *c = gather_comm(f);
@@ -77,14 +134,19 @@ static int run_gather(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
     return send == mine ? 0
                         : f->mem->copy(f, SP_LANE_COMM, mine, send,
                                        (size_t)fu->c * fu->psize, d);
-  return coll_all_gather(f, c, send, fu->full, (size_t)fu->c, u->param_dtype,
-                         d);
+  size_t next = 0;
+  return coll_all_gather(f, w, &next, c, send, fu->full, (size_t)fu->c,
+                         u->param_dtype, d);
 }
 
 /* The post-backward reduction: FSDP's _post_backward_hook +
  * _reduce_grad / _reduce_grad_no_shard. */
-static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
+static int run_reduce(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
+                      sp_diag *d) {
   const sp_unit *u = fu->u;
+  size_t next = 0;
+  /* an injected wrong count (only ever lower: within both buffers) */
+  size_t rc_count = w->count ? w->count : (size_t)fu->c;
   const sp_fsdp_mem_ops *mem = f->mem;
   sp_dtype rdt = u->reduce_dtype;
   size_t padded = (size_t)fu->padded;
@@ -104,21 +166,22 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
       /* in place, as FSDP's _reduce_grad_no_shard: the sum is divided and
        * cast from where it is, so NO_SHARD needs no second buffer of the
        * unit's size (177 MB for GPT-2's largest units) */
-      rc = coll_all_reduce(f, f->world_comm, in, padded, rdt, d);
+      rc = coll_all_reduce(f, w, &next, f->world_comm, in,
+                           w->count ? w->count : padded, rdt, d);
       if (rc < 0) return rc;
       out = in;
       break;
     case SP_HYBRID_SHARD:
-      rc = coll_reduce_scatter(f, f->shard_comm, in, fu->red_out,
-                               (size_t)fu->c, rdt, d);
+      rc = coll_reduce_scatter(f, w, &next, f->shard_comm, in, fu->red_out,
+                               rc_count, rdt, d);
       if (rc == 0 && f->replica_comm && sp_comm_size(f->replica_comm) > 1)
-        rc = coll_all_reduce(f, f->replica_comm, fu->red_out, (size_t)fu->c,
-                             rdt, d);
+        rc = coll_all_reduce(f, w, &next, f->replica_comm, fu->red_out,
+                             (size_t)fu->c, rdt, d);
       if (rc < 0) return rc;
       break;
     default:
-      rc = coll_reduce_scatter(f, f->world_comm, in, fu->red_out,
-                               (size_t)fu->c, rdt, d);
+      rc = coll_reduce_scatter(f, w, &next, f->world_comm, in, fu->red_out,
+                               rc_count, rdt, d);
       if (rc < 0) return rc;
   }
   /* post-divide, cast to the shard's gradient dtype and add to it: the
@@ -127,23 +190,26 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_unit *fu, sp_diag *d) {
                       rdt, (size_t)fu->c, f->post_divide, d);
 }
 
-static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
+static int run_work(sp_fsdp *f, sp_fsdp_work *w, sp_diag *d) {
   bool caller_buf =
       w->kind == SP_WORK_ALL_REDUCE || w->kind == SP_WORK_SHARD_ALL_REDUCE;
   sp_fsdp_unit *fu = caller_buf ? NULL : &f->units[w->unit];
+  size_t next = 0;
   int rc;
   switch (w->kind) {
     case SP_WORK_GATHER:
-      rc = run_gather(f, fu, d);
+      rc = run_gather(f, w, fu, d);
       break;
     case SP_WORK_REDUCE:
-      rc = run_reduce(f, fu, d);
+      rc = run_reduce(f, w, fu, d);
       break;
     case SP_WORK_ALL_REDUCE:
-      rc = coll_all_reduce(f, f->world_comm, w->buf, w->count, w->dt, d);
+      rc = coll_all_reduce(f, w, &next, f->world_comm, w->buf, w->count,
+                           w->dt, d);
       break;
     case SP_WORK_SHARD_ALL_REDUCE:
-      rc = coll_all_reduce(f, gather_comm(f), w->buf, w->count, w->dt, d);
+      rc = coll_all_reduce(f, w, &next, gather_comm(f), w->buf, w->count,
+                           w->dt, d);
       break;
     case SP_WORK_GATHER_MASTER: {
       const void *src = w->src ? w->src : fu->shard;
@@ -152,8 +218,8 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
         rc = f->mem->copy(f, SP_LANE_COMM, w->buf, src,
                           (size_t)fu->c * sp_dtype_size(dt), d);
       } else {
-        rc = coll_all_gather(f, gather_comm(f), src, w->buf, (size_t)fu->c,
-                             dt, d);
+        rc = coll_all_gather(f, w, &next, gather_comm(f), src, w->buf,
+                             (size_t)fu->c, dt, d);
       }
       break;
     }
@@ -171,6 +237,7 @@ static int run_work(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
 
 static void *comm_thread(void *arg) {
   sp_fsdp *f = arg;
+  sp_thread_name("comm");
   sp_diag init_d = {{0}};
   int init_rc = f->mem->thread_init ? f->mem->thread_init(f, &init_d) : 0;
   pthread_mutex_lock(&f->mu);
@@ -197,6 +264,9 @@ static void *comm_thread(void *arg) {
       f->error = rc;
       f->error_diag = d;
     }
+    /* the times the collectives returned, for report_done_locked */
+    for (size_t i = 0; i < w.n_fp; i++)
+      f->queue[slot].fp[i].done_us = rc == 0 ? w.fp[i].done_us : 0;
     f->completed++;
     pthread_cond_broadcast(&f->cv);
   }
@@ -210,6 +280,8 @@ int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
    * gather and one reduce per unit plus caller all-reduces are pending) */
   while (f->issued - f->completed >= (int64_t)f->queue_cap && !f->error)
     pthread_cond_wait(&f->cv, &f->mu);
+  /* before a slot is written again */
+  report_done_locked(f);
   if (f->error) {
     int rc = f->error;
     if (d) *d = f->error_diag;
@@ -238,6 +310,7 @@ int sp_fsdp_wait(sp_fsdp *f, int64_t ticket, sp_diag *d) {
   pthread_mutex_lock(&f->mu);
   while (f->completed <= ticket && !f->error)
     pthread_cond_wait(&f->cv, &f->mu);
+  report_done_locked(f);
   int rc = f->error;
   if (rc && d) *d = f->error_diag;
   pthread_mutex_unlock(&f->mu);
@@ -247,6 +320,7 @@ int sp_fsdp_wait(sp_fsdp *f, int64_t ticket, sp_diag *d) {
 bool sp_fsdp_ticket_done(sp_fsdp *f, int64_t ticket) {
   pthread_mutex_lock(&f->mu);
   bool done = f->completed > ticket;
+  report_done_locked(f);
   pthread_mutex_unlock(&f->mu);
   return done;
 }

@@ -53,6 +53,7 @@ typedef struct sp_fsdp_unit {
   bool grad_unsynced;
   bool prefetched;
   int64_t gather_ticket; /* pending all-gather, or -1 */
+  bool gather_skipped;   /* before_collective skipped the last gather */
   int64_t reduce_ticket; /* pending reduction, or -1 */
   int32_t post_forward_index; /* in this iteration's order, -1 */
 } sp_fsdp_unit;
@@ -201,15 +202,29 @@ typedef enum sp_fsdp_work_kind {
   SP_WORK_SHARD_ALL_REDUCE = 5,
 } sp_fsdp_work_kind;
 
+/* One collective of a work item as reported: its seq on its communicator
+ * kind, and when it returned (set by the communication thread; 0: it did
+ * not, or failed). The training thread reports the completion when it sees
+ * the ticket done (sp_fsdp_wait, _ticket_done, _enqueue), since only it
+ * may write the session's queue. */
+typedef struct sp_fsdp_fp {
+  uint64_t seq;
+  uint64_t done_us;
+  uint8_t comm;
+} sp_fsdp_fp;
+
 typedef struct sp_fsdp_work {
   sp_fsdp_work_kind kind;
   uint32_t unit;
   void *buf;
-  size_t count;
+  size_t count; /* REDUCE: the reduced count when an injected fault
+                   lowered it, else 0 (the unit's c) */
   sp_dtype dt;
   /* GATHER_MASTER: the per-rank tensor gathered (c elements of dt), NULL
    * for the master shard itself */
   const void *src;
+  sp_fsdp_fp fp[2];
+  uint8_t n_fp;
 } sp_fsdp_work;
 
 struct sp_fsdp {
@@ -264,6 +279,9 @@ struct sp_fsdp {
   size_t queue_cap;
   int64_t issued;    /* tickets handed out: next is issued */
   int64_t completed; /* tickets [0, completed) finished */
+  int64_t reported;  /* tickets whose completions went to the session */
+  /* what the trainer is in, for the fault-injection hook */
+  sp_fsdp_phase phase;
   bool stopping;
   int error;         /* first failure, sticky */
   sp_diag error_diag;
@@ -306,6 +324,19 @@ int sp_fsdp_check_between_steps(sp_fsdp *f, const char *what, sp_diag *d);
  * unsharded gradients kept without sync stay (sp_fsdp_zero_grad clears
  * those too). */
 int sp_fsdp_zero_shard_grads(sp_fsdp *f, sp_diag *d);
+
+/* The communicator kind of the unshard and of the shard-group sums. */
+sp_comm_kind sp_fsdp_gather_kind(const sp_fsdp *f);
+/* Reports the issue of one of w's collectives (before w is queued) and
+ * remembers its seq in w for the completion. */
+void sp_fsdp_fp_issue(sp_fsdp *f, sp_fsdp_work *w, sp_comm_kind k,
+                      sp_coll_op op, uint32_t unit, sp_dtype dt,
+                      uint64_t count);
+/* Runs sp_fsdp_opts.before_collective, when there is one: 0 go on, 1 skip
+ * (an all-gather only), or a negative SP_E* code. *count may come back
+ * changed. */
+int sp_fsdp_before_collective(sp_fsdp *f, sp_comm_kind k, sp_coll_op op,
+                              uint32_t unit, uint64_t *count, sp_diag *d);
 
 /* Queues work and returns its ticket (>= 0) or a negative error. */
 int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d);

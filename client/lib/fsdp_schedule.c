@@ -54,11 +54,25 @@ static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
                             sp_fsdp_unit_name(f, ui));
   }
   sp_fsdp_work w = {.kind = SP_WORK_GATHER, .unit = ui};
+  if (f->plan->strategy != SP_NO_SHARD) {
+    sp_comm_kind gk = sp_fsdp_gather_kind(f);
+    uint64_t count = (uint64_t)fu->c;
+    int rc = sp_fsdp_before_collective(f, gk, SP_OP_ALL_GATHER, ui, &count,
+                                       d);
+    if (rc < 0) return rc;
+    if (rc == 1) {
+      /* skipped (an injected fault): nothing issued, nothing reported */
+      fu->gather_skipped = true;
+      return 0;
+    }
+    if (count != (uint64_t)fu->c)
+      return sp_diag_set(d, SP_EINVAL, "unit %u: before_collective changed "
+                         "an all-gather's count", ui);
+    sp_fsdp_fp_issue(f, &w, gk, SP_OP_ALL_GATHER, ui, fu->u->param_dtype,
+                     count);
+  }
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   if (t < 0) return (int)t;
-  if (f->plan->strategy != SP_NO_SHARD)
-    sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, fu->u->param_dtype,
-                          (uint64_t)fu->c);
   fu->gather_ticket = t;
   f->inflight[f->n_inflight++] = t;
   f->stats.all_gathers++;
@@ -73,6 +87,11 @@ static int unshard(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (fu->gather_ticket < 0) {
     int rc = issue_gather(f, ui, d);
     if (rc < 0) return rc;
+    if (fu->gather_skipped) {
+      fu->gather_skipped = false;
+      fu->unsharded = true;
+      return 0;
+    }
   }
   int rc = sp_fsdp_wait(f, fu->gather_ticket, d);
   if (rc < 0) return rc;
@@ -167,6 +186,7 @@ static int check_transition(sp_fsdp *f, uint32_t ui, int to, sp_diag *d) {
 /* ---- the schedule ---- */
 
 int sp_fsdp_pre_forward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  f->phase = SP_PHASE_FORWARD;
   int rc = check_unit(f, ui, d);
   if (rc == 0) rc = check_transition(f, ui, SP_HANDLE_FORWARD, d);
   if (rc == 0) rc = unshard(f, ui, d);
@@ -242,6 +262,7 @@ static int prefetch(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 }
 
 int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  f->phase = SP_PHASE_BACKWARD;
   int rc = check_unit(f, ui, d);
   if (rc == 0) rc = check_transition(f, ui, SP_HANDLE_BACKWARD_PRE, d);
   if (rc == 0) rc = unshard(f, ui, d);
@@ -273,6 +294,7 @@ int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 }
 
 int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
+  f->phase = SP_PHASE_BACKWARD;
   int rc = check_unit(f, ui, d);
   /* BACKWARD_POST -> BACKWARD_POST is reentrant activation checkpointing
    * running the hook again: the gradient is already being reduced (and,
@@ -306,25 +328,42 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
       return sp_diag_prefix(d, rc, "unit %u (%s): reduce buffers", ui,
                             sp_fsdp_unit_name(f, ui));
     sp_fsdp_work w = {.kind = SP_WORK_REDUCE, .unit = ui};
+    sp_dtype rdt = fu->u->reduce_dtype;
+    bool hybrid_ar = f->plan->strategy == SP_HYBRID_SHARD &&
+                     f->replica_comm && sp_comm_size(f->replica_comm) > 1;
+    sp_coll_op op = no_shard ? SP_OP_ALL_REDUCE : SP_OP_REDUCE_SCATTER;
+    sp_comm_kind k = no_shard ? SP_COMM_WORLD : sp_fsdp_gather_kind(f);
+    uint64_t planned = (uint64_t)fu->c; /* NO_SHARD: padded == c */
+    uint64_t count = planned;
+    rc = sp_fsdp_before_collective(f, k, op, ui, &count, d);
+    if (rc == 0 && (count > planned || count == 0))
+      rc = sp_diag_set(d, SP_EINVAL, "unit %u: before_collective may only "
+                       "lower a reduction's count (%llu, planned %llu)", ui,
+                       (unsigned long long)count,
+                       (unsigned long long)planned);
+    if (rc == 0 && hybrid_ar) {
+      uint64_t c2 = (uint64_t)fu->c;
+      rc = sp_fsdp_before_collective(f, SP_COMM_REPLICA, SP_OP_ALL_REDUCE,
+                                     ui, &c2, d);
+      if (rc == 0 && c2 != (uint64_t)fu->c)
+        rc = sp_diag_set(d, SP_EINVAL, "unit %u: before_collective changed "
+                         "the replica all-reduce's count", ui);
+    }
+    if (rc != 0) return rc < 0 ? rc : SP_EINVAL;
+    if (count != planned) w.count = (size_t)count;
+    sp_fsdp_fp_issue(f, &w, k, op, ui, rdt, count);
+    if (hybrid_ar)
+      sp_fsdp_fp_issue(f, &w, SP_COMM_REPLICA, SP_OP_ALL_REDUCE, ui, rdt,
+                       (uint64_t)fu->c);
     int64_t t = sp_fsdp_enqueue(f, &w, d);
     if (t < 0) return (int)t;
     fu->reduce_ticket = t;
     f->reducing[f->n_reducing++] = ui;
-    sp_dtype rdt = fu->u->reduce_dtype;
-    if (f->plan->strategy == SP_NO_SHARD) {
-      sp_session_collective(f->s, SP_OP_ALL_REDUCE, ui, rdt,
-                            (uint64_t)fu->c);
+    if (no_shard) {
       f->stats.all_reduces++;
     } else {
-      sp_session_collective(f->s, SP_OP_REDUCE_SCATTER, ui, rdt,
-                            (uint64_t)fu->c);
       f->stats.reduce_scatters++;
-      if (f->plan->strategy == SP_HYBRID_SHARD && f->replica_comm &&
-          sp_comm_size(f->replica_comm) > 1) {
-        sp_session_collective(f->s, SP_OP_ALL_REDUCE, ui, rdt,
-                              (uint64_t)fu->c);
-        f->stats.all_reduces++;
-      }
+      if (hybrid_ar) f->stats.all_reduces++;
     }
   } else if (fu->has_data && !fu->reduces &&
              f->plan->strategy != SP_NO_SHARD) {
@@ -377,6 +416,7 @@ int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
     fu->post_forward_index = -1;
   }
   f->n_order = 0;
+  f->phase = SP_PHASE_OTHER;
   if (rc == 0) rc = transition(f, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, d);
   return rc;
 }
@@ -386,9 +426,17 @@ int sp_fsdp_all_reduce(sp_fsdp *f, void *buf, size_t count, sp_dtype dt,
   if (f->world == 1) return 0;
   sp_fsdp_work w = {.kind = SP_WORK_ALL_REDUCE, .buf = buf, .count = count,
                     .dt = dt};
+  uint64_t n = count;
+  f->phase = SP_PHASE_OTHER;
+  int rc = sp_fsdp_before_collective(f, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0,
+                                     &n, d);
+  if (rc == 0 && n != count)
+    rc = sp_diag_set(d, SP_EINVAL, "before_collective changed a caller's "
+                     "all-reduce count");
+  if (rc != 0) return rc < 0 ? rc : SP_EINVAL;
+  sp_fsdp_fp_issue(f, &w, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0, dt, count);
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   if (t < 0) return (int)t;
-  sp_session_collective(f->s, SP_OP_ALL_REDUCE, 0, dt, count);
   f->stats.all_reduces++;
   return sp_fsdp_wait(f, t, d);
 }
@@ -409,14 +457,14 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
     return sp_diag_prefix(d, rc, "gathering unit %u (%s)", ui,
                           sp_fsdp_unit_name(f, ui));
   sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = tmp};
+  if (f->plan->strategy != SP_NO_SHARD)
+    sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_GATHER, ui,
+                     fu->u->dtype, (uint64_t)fu->c);
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   if (t < 0) {
     (void)sp_fsdp_release(f, SP_MEM_PARAMS, tmp);
     return (int)t;
   }
-  if (f->plan->strategy != SP_NO_SHARD)
-    sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, fu->u->dtype,
-                          (uint64_t)fu->c);
   rc = sp_fsdp_wait(f, t, d);
   if (rc == 0)
     rc = f->mem->to_host(f, dst, tmp, (size_t)fu->u->numel * fu->esize, d);
@@ -441,10 +489,10 @@ int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t ui, const void *src,
   sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = buf,
                     .src = src ? src : fu->shard,
                     .dt = src ? dt : fu->u->dtype};
+  if (f->plan->strategy != SP_NO_SHARD)
+    sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_GATHER, ui,
+                     w.dt, (uint64_t)fu->padded);
   int64_t t = sp_fsdp_enqueue(f, &w, d);
-  if (t >= 0 && f->plan->strategy != SP_NO_SHARD)
-    sp_session_collective(f->s, SP_OP_ALL_GATHER, ui, w.dt,
-                          (uint64_t)fu->padded);
   rc = t < 0 ? (int)t : sp_fsdp_wait(f, t, d);
   if (rc == 0 && buf != dst)
     rc = f->mem->to_host(f, dst, buf, (size_t)fu->padded * es, d);

@@ -437,10 +437,12 @@ int sp_fsdp_clip_grad_norm(sp_fsdp *f, double max_norm, double *total_norm,
     rc = f->mem->from_host(f, op->total, &sq, sizeof sq, d);
     sp_fsdp_work w = {.kind = SP_WORK_SHARD_ALL_REDUCE, .buf = op->total,
                       .count = 1, .dt = SP_FLOAT64};
+    if (rc == 0)
+      sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_REDUCE, 0,
+                       SP_FLOAT64, 1);
     int64_t t = rc == 0 ? sp_fsdp_enqueue(f, &w, d) : -1;
     if (rc == 0 && t < 0) rc = (int)t;
     if (rc == 0) {
-      sp_session_collective(f->s, SP_OP_ALL_REDUCE, 0, SP_FLOAT64, 1);
       f->stats.all_reduces++;
       rc = sp_fsdp_wait(f, t, d);
     }

@@ -128,6 +128,8 @@ static void session_free(sp_session *s) {
   free(s->co);
   free(s->cop);
   free(s->shadow_units);
+  free(s->flight);
+  for (int k = 0; k < SP_SESSION_COMMS; k++) free(s->issued[k]);
   free(s->slots);
   sp_state_tracker_free(&s->st);
   sp_plan_free(s->plan);
@@ -362,6 +364,12 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
                        "of %u",
                        q, SP_SESSION_QUEUE_MAX);
   q = round_pow2(q);
+  uint32_t flight = o->flight_events ? o->flight_events
+                                     : SP_SESSION_FLIGHT_DEFAULT;
+  if (flight > SP_SESSION_FLIGHT_MAX)
+    return sp_diag_set(d, SP_EINVAL,
+                       "session: flight_events %u is over the limit of %u",
+                       flight, SP_SESSION_FLIGHT_MAX);
 
   ignore_sigpipe();
   sp_session *s = calloc(1, sizeof *s);
@@ -369,6 +377,7 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   sp_job_init(&s->job);
   s->rank = o->rank;
   s->no_report = o->no_report;
+  s->flight_cap = flight;
   s->on_abort = o->on_abort;
   s->user = o->user;
   s->connect_timeout_ms = o->connect_timeout_ms ? o->connect_timeout_ms : 20000;
@@ -419,6 +428,11 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
       for (int t = 0; t < 8; t++)
         s->legal[m][f][t] =
             (uint8_t)sp_state_transition_legal((sp_machine)m, f, t);
+  /* the groups of HYBRID_SHARD (fsdp_comms_open makes them the same way) */
+  uint32_t sw = s->plan->shard_world ? s->plan->shard_world : 1;
+  s->comm_index[SP_COMM_WORLD] = 0;
+  s->comm_index[SP_COMM_SHARD] = s->rank / sw;
+  s->comm_index[SP_COMM_REPLICA] = s->rank % sw;
 
   if ((rc = attach(s, d)) != 0) goto fail;
   if ((rc = sp_session_bg_start(s, d)) != 0 || (rc = wait_bound(s, d)) != 0) {

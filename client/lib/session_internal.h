@@ -59,6 +59,9 @@ int sp_session_check_plan_version(const char *local, const char *coordinator,
 /* The SP_E* code for a gRPC status (0 for OK). */
 int sp_session_rpc_error(int rpc_code);
 
+/* The last collective seq issued on communicator kind k (tests). */
+uint64_t sp_session_coll_seq(const sp_session *s, sp_comm_kind k);
+
 /* The session id the coordinator gave at Attach (tests). */
 const char *sp_session_id(const sp_session *s);
 
@@ -73,17 +76,48 @@ const char *sp_session_id(const sp_session *s);
 /* How much of a store key goes into a message. */
 #define KEY_SHOWN 64
 
-enum { EV_TRANSITION = 1, EV_COLLECTIVE = 2 };
+/* Flight recorder: default and largest size (events). The largest keeps
+ * a whole FlightRecord (about 40 bytes an event on the wire) well inside
+ * the coordinator's 8 MiB message limit. */
+#define SP_SESSION_FLIGHT_DEFAULT 2000u
+#define SP_SESSION_FLIGHT_MAX 100000u
+/* Communicator kinds (sp_comm_kind, CommKind on the wire). */
+#define SP_SESSION_COMMS 3
 
-/* One queued event; 24 bytes. */
+/* EV_DONE carries only the communicator and the seq: the background thread
+ * fills in the fingerprint from the issue it drained before, so a
+ * completion costs the training thread no more than an issue. EV_STEP marks
+ * where the step changes, so collectives need no step field of their own. */
+enum { EV_TRANSITION = 1, EV_COLLECTIVE = 2, EV_DONE = 3, EV_STEP = 4 };
+
+/* One queued event; 32 bytes. */
 typedef struct sp_sess_event {
-  uint64_t a;     /* transition: step; collective: seq */
-  uint64_t count; /* collective: elements */
+  uint64_t a;       /* transition, step: step; collective, done: seq */
+  uint64_t count;   /* collective: elements */
+  uint64_t time_us; /* CLOCK_REALTIME, microseconds */
   uint32_t unit;
   uint8_t kind;
-  uint8_t x; /* machine or op */
-  uint8_t y; /* state or dtype */
+  uint8_t x;    /* machine or op */
+  uint8_t y;    /* state or dtype */
+  uint8_t comm; /* collective, done: sp_comm_kind */
 } sp_sess_event;
+
+/* An event as the flight recorder keeps it: decoded, with its fingerprint
+ * and step filled in. */
+typedef struct sp_flight_ev {
+  uint64_t seq, count, time_us, step;
+  uint32_t unit;
+  uint8_t kind; /* EV_TRANSITION, EV_COLLECTIVE (issue) or EV_DONE */
+  uint8_t x, y, comm;
+} sp_flight_ev;
+
+/* What the background thread remembers of an issued collective until its
+ * completion comes by (a table per communicator, indexed by seq). */
+typedef struct sp_issued_fp {
+  uint64_t seq, count;
+  uint32_t unit;
+  uint8_t op, dtype;
+} sp_issued_fp;
 
 typedef struct inflight {
   uint64_t seq;
@@ -122,7 +156,7 @@ struct sp_session {
   uint64_t half_check; /* head at which to look for a half-full ring */
   uint64_t dropped_local;
   uint64_t step_local;
-  uint64_t coll_seq;
+  uint64_t coll_seq[SP_SESSION_COMMS]; /* per communicator kind */
   sp_state_tracker st;
   /* legal[m][from][to]: the shared state table as a lookup, so the check
    * on the hot path is one load */
@@ -132,6 +166,11 @@ struct sp_session {
   _Atomic uint64_t head; /* published by the producer */
   _Atomic uint64_t dropped;
   _Atomic uint64_t step;
+  /* sp_session_set_progress: the loss's bits, total steps, and whether a
+   * loss was given; read by the background thread for every message */
+  _Atomic uint64_t loss_bits;
+  _Atomic uint64_t total_steps;
+  _Atomic bool has_loss;
   PAD(1);
   _Atomic uint64_t tail; /* published by the consumer */
   PAD(2);
@@ -139,6 +178,8 @@ struct sp_session {
   /* ---- set by open, read-only afterwards ---- */
   sp_session_cred cred;
   uint32_t rank, world;
+  uint32_t comm_index[SP_SESSION_COMMS]; /* this rank's group of each kind */
+  uint32_t flight_cap;                   /* events the recorder keeps */
   char *coordinator, *device, *session_id;
   sp_model *model;
   sp_job job;
@@ -159,6 +200,8 @@ struct sp_session {
   int first_error;
   char first_error_msg[ERRMSG_MAX];
   char abort_reason[ERRMSG_MAX];
+  bool has_culprit; /* the ABORT named the rank at fault */
+  uint32_t culprit;
   uint64_t rejections;
   /* a coordinator outage in progress (background side sets it): since
    * when (uv_hrtime, ns), so flush and close wait for the grace period */
@@ -202,6 +245,19 @@ struct sp_session {
   int32_t shadow_root;
   int32_t *shadow_units;
   uint64_t gap; /* events not delivered since the last reattach */
+  /* the step as of the last event drained (EV_STEP, transitions) */
+  uint64_t bg_step;
+  /* issued fingerprints by comm and seq & issued_mask, for EV_DONE */
+  sp_issued_fp *issued[SP_SESSION_COMMS];
+  uint64_t issued_mask;
+  /* the flight recorder: the last flight_cap events drained, a ring */
+  sp_flight_ev *flight;
+  uint64_t flight_n; /* events recorded since the start */
+  /* a FLIGHT_DUMP waiting for room in the in-flight window */
+  bool dump_pending;
+  uint64_t dump_request;
+  uint32_t dump_last_n;
+  uint64_t dumps_sent;
   uint64_t gap_mark; /* events up to here are delivered or in `gap` */
   uv_timer_t retry_timer, grace_timer;
   uint64_t backoff_ms, jitter;

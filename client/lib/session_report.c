@@ -3,12 +3,15 @@
  * background thread's (its own loop keeping the Session stream: drain,
  * heartbeats, acknowledgements, rejections, ABORT). */
 #include <inttypes.h>
+#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <uv.h>
 
+#include "base/thread_name.h"
 #include "session_internal.h"
 
 /* Records the first error of the background side (under lock). */
@@ -53,11 +56,95 @@ static void fifo_push(sp_session *s, uint64_t seq, uint64_t end, bool data) {
   if (data) s->data_inflight++;
 }
 
-/* Sends one SessionUp with events [tail_local, tail_local + n). */
-static int send_up(sp_session *s, size_t n) {
+/* Decodes one drained event: keeps the step and the issued fingerprints
+ * (so a completion gets its own), and records it in the flight recorder.
+ * Returns false for a step marker, which is no event of the wire. */
+static bool bg_decode(sp_session *s, const sp_sess_event *e,
+                      sp_flight_ev *fe) {
+  *fe = (sp_flight_ev){.time_us = e->time_us, .kind = e->kind,
+                       .comm = e->comm, .step = s->bg_step};
+  switch (e->kind) {
+    case EV_STEP:
+      s->bg_step = e->a;
+      return false;
+    case EV_TRANSITION:
+      s->bg_step = e->a;
+      fe->step = e->a;
+      fe->unit = e->unit;
+      fe->x = e->x;
+      fe->y = e->y;
+      break;
+    case EV_COLLECTIVE: {
+      fe->seq = e->a;
+      fe->count = e->count;
+      fe->unit = e->unit;
+      fe->x = e->x;
+      fe->y = e->y;
+      if (e->comm < SP_SESSION_COMMS)
+        s->issued[e->comm][e->a & s->issued_mask] = (sp_issued_fp){
+            e->a, e->count, e->unit, e->x, e->y};
+      break;
+    }
+    case EV_DONE: {
+      fe->seq = e->a;
+      if (e->comm < SP_SESSION_COMMS) {
+        const sp_issued_fp *f = &s->issued[e->comm][e->a & s->issued_mask];
+        /* an issue dropped by a full queue leaves only the seq */
+        if (f->seq == e->a) {
+          fe->count = f->count;
+          fe->unit = f->unit;
+          fe->x = f->op;
+          fe->y = f->dtype;
+        }
+      }
+      break;
+    }
+    default:
+      return false;
+  }
+  s->flight[s->flight_n % s->flight_cap] = *fe;
+  s->flight_n++;
+  return true;
+}
+
+static void fill_transition(const sp_flight_ev *fe,
+                            Shardplane__V1__Transition *t) {
+  t->machine = (Shardplane__V1__Machine)fe->x;
+  t->unit = fe->unit;
+  t->state = fe->y;
+  t->step = fe->step;
+  t->time_us = fe->time_us;
+}
+
+static void fill_collective(const sp_session *s, const sp_flight_ev *fe,
+                            Shardplane__V1__Collective *c) {
+  c->seq = fe->seq;
+  c->op = (Shardplane__V1__CollectiveOp)fe->x;
+  c->unit = fe->unit;
+  c->dtype = (Shardplane__V1__DType)fe->y;
+  c->count = fe->count;
+  c->comm = (Shardplane__V1__CommKind)fe->comm;
+  c->comm_index = fe->comm < SP_SESSION_COMMS ? s->comm_index[fe->comm] : 0;
+  c->completed = fe->kind == EV_DONE;
+  c->time_us = fe->time_us;
+  c->step = fe->step;
+}
+
+/* Sends one SessionUp with events [tail_local, tail_local + n), and the
+ * flight record when one is given. */
+static int send_up_flight(sp_session *s, size_t n,
+                          Shardplane__V1__FlightRecord *flight) {
   Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
   up.seq = s->next_seq;
   up.step = atomic_load_explicit(&s->step, memory_order_relaxed);
+  up.time_us = sp_session_time_us();
+  if (atomic_load_explicit(&s->has_loss, memory_order_acquire)) {
+    uint64_t bits = atomic_load_explicit(&s->loss_bits, memory_order_relaxed);
+    up.has_loss = true;
+    memcpy(&up.loss, &bits, sizeof up.loss);
+  }
+  up.total_steps = atomic_load_explicit(&s->total_steps, memory_order_relaxed);
+  up.flight = flight;
   if (s->need_bind) {
     /* the first message binds the stream to the rank */
     up.rank = s->rank;
@@ -73,22 +160,17 @@ static int send_up(sp_session *s, size_t n) {
   size_t nt = 0, nc = 0;
   for (size_t i = 0; i < n; i++) {
     const sp_sess_event *e = &s->slots[(s->tail_local + i) & s->mask];
+    sp_flight_ev fe;
+    if (!bg_decode(s, e, &fe)) continue;
     if (e->kind == EV_TRANSITION) {
       shadow_apply(s, e);
-      Shardplane__V1__Transition *t = &s->tr[nt];
-      t->machine = (Shardplane__V1__Machine)e->x;
-      t->unit = e->unit;
-      t->state = e->y;
-      t->step = e->a;
-      s->trp[nt++] = t;
+      fill_transition(&fe, &s->tr[nt]);
+      s->trp[nt] = &s->tr[nt];
+      nt++;
     } else {
-      Shardplane__V1__Collective *c = &s->co[nc];
-      c->seq = e->a;
-      c->op = (Shardplane__V1__CollectiveOp)e->x;
-      c->unit = e->unit;
-      c->dtype = (Shardplane__V1__DType)e->y;
-      c->count = e->count;
-      s->cop[nc++] = c;
+      fill_collective(s, &fe, &s->co[nc]);
+      s->cop[nc] = &s->co[nc];
+      nc++;
     }
   }
   up.n_transitions = nt;
@@ -104,6 +186,70 @@ static int send_up(sp_session *s, size_t n) {
   s->last_send_ms = uv_now(&s->loop);
   fifo_push(s, up.seq, s->tail_local + n, n > 0);
   return 0;
+}
+
+static int send_up(sp_session *s, size_t n) {
+  return send_up_flight(s, n, NULL);
+}
+
+/* Answers a pending FLIGHT_DUMP once the window has room: the recorder's
+ * last dump_last_n events (0: all it keeps), oldest first. */
+static void try_dump(sp_session *s) {
+  if (!s->dump_pending || s->call == NULL || s->need_bind ||
+      s->fifo_n >= FIFO_CAP)
+    return;
+  uint64_t have = s->flight_n < s->flight_cap ? s->flight_n : s->flight_cap;
+  uint64_t n = s->dump_last_n && s->dump_last_n < have ? s->dump_last_n
+                                                        : have;
+  Shardplane__V1__FlightRecord fr = SHARDPLANE__V1__FLIGHT_RECORD__INIT;
+  fr.rank = s->rank;
+  fr.request_id = s->dump_request;
+  fr.recorded = s->flight_n;
+  fr.capacity = s->flight_cap;
+  fr.time_us = sp_session_time_us();
+  /* n <= SP_SESSION_FLIGHT_MAX: bounded by the option's check */
+  Shardplane__V1__Transition *tr = calloc(n ? n : 1, sizeof *tr);
+  Shardplane__V1__Transition **trp = calloc(n ? n : 1, sizeof *trp);
+  Shardplane__V1__Collective *co = calloc(n ? n : 1, sizeof *co);
+  Shardplane__V1__Collective **cop = calloc(n ? n : 1, sizeof *cop);
+  int rc = SP_ENOMEM;
+  if (tr != NULL && trp != NULL && co != NULL && cop != NULL) {
+    size_t nt = 0, nc = 0;
+    for (uint64_t i = s->flight_n - n; i < s->flight_n; i++) {
+      const sp_flight_ev *fe = &s->flight[i % s->flight_cap];
+      if (fe->kind == EV_TRANSITION) {
+        shardplane__v1__transition__init(&tr[nt]);
+        fill_transition(fe, &tr[nt]);
+        trp[nt] = &tr[nt];
+        nt++;
+      } else {
+        shardplane__v1__collective__init(&co[nc]);
+        fill_collective(s, fe, &co[nc]);
+        cop[nc] = &co[nc];
+        nc++;
+      }
+    }
+    fr.n_transitions = nt;
+    fr.transitions = trp;
+    fr.n_collectives = nc;
+    fr.collectives = cop;
+    rc = send_up_flight(s, 0, &fr);
+  }
+  free(tr);
+  free(trp);
+  free(co);
+  free(cop);
+  if (rc != 0) {
+    char why[128];
+    snprintf(why, sizeof why, "cannot send the flight record: %s",
+             sp_strerror(rc));
+    stream_fail(s, why);
+    return;
+  }
+  s->dump_pending = false;
+  uv_mutex_lock(&s->lock);
+  s->dumps_sent++;
+  uv_mutex_unlock(&s->lock);
 }
 
 /* Moves queued events into messages while the window allows. Returns
@@ -135,11 +281,14 @@ static bool drain(sp_session *s) {
      * While the coordinator is away they are a gap the reattach reports,
      * and the states they lead to are what it resends. */
     uint64_t h = atomic_load_explicit(&s->head, memory_order_acquire);
+    for (uint64_t i = s->tail_local; i < h; i++) {
+      const sp_sess_event *e = &s->slots[i & s->mask];
+      sp_flight_ev fe;
+      /* the recorder keeps them all the same: they happened */
+      if (bg_decode(s, e, &fe) && s->resyncing && e->kind == EV_TRANSITION)
+        shadow_apply(s, e);
+    }
     if (s->resyncing) {
-      for (uint64_t i = s->tail_local; i < h; i++) {
-        const sp_sess_event *e = &s->slots[i & s->mask];
-        if (e->kind == EV_TRANSITION) shadow_apply(s, e);
-      }
       s->gap += h - s->tail_local;
       s->gap_mark = h;
     }
@@ -164,6 +313,7 @@ static void on_drain_timer(uv_timer_t *t) {
 static void on_hb_timer(uv_timer_t *t) {
   sp_session *s = t->data;
   if (s->call == NULL) return;
+  try_dump(s);
   /* any message counts as a heartbeat; send an empty one only when the
    * stream has been quiet for half an interval */
   uv_update_time(&s->loop);
@@ -196,6 +346,34 @@ static void on_acked(sp_session *s, uint64_t seq) {
   uv_mutex_unlock(&s->lock);
 }
 
+/* The words of an ABORT: a victim says whose fault it is, so the operator
+ * reading any rank's error finds the culprit. */
+static void abort_reason(const sp_session *s,
+                         const Shardplane__V1__SessionDown *m, char *out,
+                         size_t cap) {
+  const char *why =
+      m->reason != NULL && m->reason[0] ? m->reason : "(no reason given)";
+  if (!m->has_culprit) {
+    snprintf(out, cap, "the coordinator sent ABORT: %s", why);
+    return;
+  }
+  if (m->culprit == s->rank) {
+    snprintf(out, cap, "aborted: this rank (%u) is at fault: %s", s->rank,
+             why);
+    return;
+  }
+  /* the coordinator's reason usually names the rank already */
+  char name[32];
+  snprintf(name, sizeof name, "rank %u", m->culprit);
+  const char *p = strstr(why, name);
+  bool named = p != NULL && (p[strlen(name)] < '0' || p[strlen(name)] > '9');
+  if (named)
+    snprintf(out, cap, "aborted: %s, not this rank's fault", why);
+  else
+    snprintf(out, cap, "aborted: rank %u failed: %s, not this rank's fault",
+             m->culprit, why);
+}
+
 static void session_msg(sp_rpc_ccall *call, const uint8_t *data, size_t len,
                         void *user) {
   (void)call;
@@ -220,13 +398,26 @@ static void session_msg(sp_rpc_ccall *call, const uint8_t *data, size_t len,
   on_acked(s, m->acked_seq);
   if (m->command == SHARDPLANE__V1__COMMAND__ABORT) {
     char reason[SP_DIAG_MAX];
-    snprintf(reason, sizeof reason, "the coordinator sent ABORT: %s",
-             m->reason != NULL && m->reason[0] ? m->reason : "(no reason)");
+    abort_reason(s, m, reason, sizeof reason);
+    if (m->has_culprit) {
+      uv_mutex_lock(&s->lock);
+      s->has_culprit = true;
+      s->culprit = m->culprit;
+      uv_mutex_unlock(&s->lock);
+    }
     trigger_abort(s, reason);
+  } else if (m->command == SHARDPLANE__V1__COMMAND__FLIGHT_DUMP) {
+    /* a second request before the first was answered: the later one wins,
+     * its asker is the one still waiting */
+    s->dump_pending = true;
+    s->dump_request = m->request_id;
+    s->dump_last_n = m->last_n;
   }
   shardplane__v1__session_down__free_unpacked(m, NULL);
-  /* acknowledgements open the window */
+  /* acknowledgements open the window; the recorder then holds what was
+   * queued up to now, which the dump sends */
   if (s->call != NULL) drain(s);
+  try_dump(s);
 }
 
 static void session_close(sp_rpc_ccall *call, const sp_rpc_status *st,
@@ -398,6 +589,7 @@ static void on_wake(uv_async_t *a) {
 
 static void bg_main(void *arg) {
   sp_session *s = arg;
+  sp_thread_name("session");
   uv_run(&s->loop, UV_RUN_DEFAULT);
 }
 
@@ -419,6 +611,19 @@ int sp_session_bg_start(sp_session *s, sp_diag *d) {
   s->shadow_units = calloc(s->plan->n_units + 1, sizeof *s->shadow_units);
   if (s->shadow_units == NULL)
     return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  /* collectives in flight per communicator are at most the runtime's
+   * queue (2 * units + 16): a table twice that never overwrites an issue
+   * before its completion is drained */
+  uint64_t need = 4 * (uint64_t)s->plan->n_units + 64, cap = 64;
+  while (cap < need) cap <<= 1;
+  s->issued_mask = cap - 1;
+  for (int k = 0; k < SP_SESSION_COMMS; k++) {
+    s->issued[k] = calloc((size_t)cap, sizeof *s->issued[k]);
+    if (s->issued[k] == NULL)
+      return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  }
+  s->flight = calloc(s->flight_cap, sizeof *s->flight);
+  if (s->flight == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
   s->shadow_root = SP_ROOT_IDLE;
   for (size_t u = 0; u < s->plan->n_units; u++)
     s->shadow_units[u] = SP_HANDLE_IDLE;
@@ -525,8 +730,10 @@ int sp_session_transition(sp_session *s, sp_machine m, uint32_t unit, int to,
       else
         s->st.units[unit] = (uint8_t)to;
       if (!s->no_report) {
-        sp_sess_event e = {s->step_local, 0, root ? 0 : unit, EV_TRANSITION,
-                           (uint8_t)m, (uint8_t)to};
+        sp_sess_event e = {s->step_local,   0,
+                           sp_session_time_us(), root ? 0 : unit,
+                           EV_TRANSITION,       (uint8_t)m,
+                           (uint8_t)to,         0};
         ring_push(s, &e);
       }
       return 0;
@@ -542,16 +749,44 @@ int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit) {
   return s ? sp_state_tracker_get(&s->st, m, unit) : 0;
 }
 
-uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
-                               sp_dtype dtype, uint64_t count) {
-  if (s == NULL) return 0;
-  uint64_t seq = ++s->coll_seq;
+uint64_t sp_session_time_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm,
+                               sp_coll_op op, uint32_t unit, sp_dtype dtype,
+                               uint64_t count) {
+  if (s == NULL || (unsigned)comm >= SP_SESSION_COMMS) return 0;
+  uint64_t seq = ++s->coll_seq[comm];
   if (!s->no_report) {
-    sp_sess_event e = {seq, count, unit, EV_COLLECTIVE, (uint8_t)op,
-                       (uint8_t)dtype};
+    sp_sess_event e = {seq,         count,         sp_session_time_us(),
+                       unit,        EV_COLLECTIVE, (uint8_t)op,
+                       (uint8_t)dtype, (uint8_t)comm};
     ring_push(s, &e);
   }
   return seq;
+}
+
+void sp_session_collective_done(sp_session *s, sp_comm_kind comm,
+                                uint64_t seq, uint64_t time_us) {
+  if (s == NULL || s->no_report || (unsigned)comm >= SP_SESSION_COMMS ||
+      seq == 0)
+    return;
+  sp_sess_event e = {seq, 0, time_us ? time_us : sp_session_time_us(),
+                     0,   EV_DONE, 0, 0, (uint8_t)comm};
+  ring_push(s, &e);
+}
+
+void sp_session_set_progress(sp_session *s, double loss,
+                             uint64_t total_steps) {
+  if (s == NULL) return;
+  uint64_t bits;
+  memcpy(&bits, &loss, sizeof bits);
+  atomic_store_explicit(&s->loss_bits, bits, memory_order_relaxed);
+  atomic_store_explicit(&s->total_steps, total_steps, memory_order_relaxed);
+  atomic_store_explicit(&s->has_loss, !isnan(loss), memory_order_release);
 }
 
 int sp_session_set_report(sp_session *s, bool on, sp_diag *d) {
@@ -572,6 +807,10 @@ void sp_session_set_step(sp_session *s, uint64_t step) {
   if (s == NULL) return;
   s->step_local = step;
   atomic_store_explicit(&s->step, step, memory_order_relaxed);
+  if (!s->no_report) {
+    sp_sess_event e = {step, 0, sp_session_time_us(), 0, EV_STEP, 0, 0, 0};
+    ring_push(s, &e);
+  }
 }
 
 int sp_session_flush(sp_session *s, uint64_t timeout_ms, sp_diag *d) {
@@ -602,6 +841,29 @@ int sp_session_flush(sp_session *s, uint64_t timeout_ms, sp_diag *d) {
                      s->rank, target - s->acked_events, target, timeout_ms);
   uv_mutex_unlock(&s->lock);
   return rc;
+}
+
+bool sp_session_culprit(const sp_session *s, uint32_t *rank) {
+  if (s == NULL || !atomic_load(&s->aborted)) return false;
+  sp_session *w = (sp_session *)s; /* the lock is not part of the value */
+  uv_mutex_lock(&w->lock);
+  bool has = w->has_culprit;
+  if (has && rank != NULL) *rank = w->culprit;
+  uv_mutex_unlock(&w->lock);
+  return has;
+}
+
+uint64_t sp_session_coll_seq(const sp_session *s, sp_comm_kind k) {
+  return s != NULL && (unsigned)k < SP_SESSION_COMMS ? s->coll_seq[k] : 0;
+}
+
+uint64_t sp_session_flight_dumps(const sp_session *s) {
+  if (s == NULL) return 0;
+  sp_session *w = (sp_session *)s;
+  uv_mutex_lock(&w->lock);
+  uint64_t n = w->dumps_sent;
+  uv_mutex_unlock(&w->lock);
+  return n;
 }
 
 uint64_t sp_session_dropped(const sp_session *s) {

@@ -57,6 +57,16 @@ typedef enum sp_coll_op {
   SP_OP_BARRIER = 5,
 } sp_coll_op;
 
+/* The communicator a collective runs on, equal to the wire enum
+ * shardplane.v1.CommKind. Each kind numbers its collectives on its own
+ * (seq 1, 2, ... per kind), so a rank's fingerprints line up with those of
+ * the other members of that communicator. */
+typedef enum sp_comm_kind {
+  SP_COMM_WORLD = 0,   /* every rank */
+  SP_COMM_SHARD = 1,   /* HYBRID_SHARD: the ranks sharing r / shard_world */
+  SP_COMM_REPLICA = 2, /* HYBRID_SHARD: the ranks sharing r % shard_world */
+} sp_comm_kind;
+
 typedef struct sp_session_opts {
   const char *coordinator; /* "host:port"; required */
   uint32_t rank;
@@ -73,6 +83,10 @@ typedef struct sp_session_opts {
   /* false: transitions are still checked locally but nothing is queued or
    * sent (heartbeats still are). For measuring the cost of reporting. */
   bool no_report;
+  /* Events the flight recorder keeps (the last ones, kept by the
+   * background thread as it drains the queue, sent when the coordinator
+   * asks with FLIGHT_DUMP); 0: 2000, at most 100000 (SP_EINVAL above). */
+  uint32_t flight_events;
   /* How long the session rides out a coordinator outage (its process
    * died or restarts); 0: 60000. Training goes on meanwhile (the
    * communicators need no coordinator after rendezvous); the Session
@@ -197,13 +211,35 @@ int sp_session_transition(sp_session *s, sp_machine m, uint32_t unit, int to,
                           sp_diag *d);
 /* Current state in the local tracker. */
 int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit);
-/* Queues a collective fingerprint; the sequence number is assigned here
- * and returned. count is the collective's count as the sp_comm_* calls and
- * NCCL take it, elements per rank: an all-gather's input (the shard), a
- * reduce-scatter's output (the reduced shard), an all-reduce's or a
- * broadcast's whole buffer. */
-uint64_t sp_session_collective(sp_session *s, sp_coll_op op, uint32_t unit,
-                               sp_dtype dtype, uint64_t count);
+/* Queues a collective's issue: its fingerprint (op, unit, dtype, count,
+ * and the communicator with this rank's group of that kind) stamped with
+ * the current step and the time (CLOCK_REALTIME). The sequence number,
+ * counted per communicator kind from 1, is assigned here and returned (0
+ * for a NULL session or an invalid kind); pass it to
+ * sp_session_collective_done when the collective returns. count is the
+ * collective's count as the sp_comm_* calls and NCCL take it, elements per
+ * rank: an all-gather's input (the shard), a reduce-scatter's output (the
+ * reduced shard), an all-reduce's or a broadcast's whole buffer. Every
+ * member of a communicator must issue the same fingerprints in the same
+ * order; the coordinator compares them to name a desynchronised rank. */
+uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm,
+                               sp_coll_op op, uint32_t unit, sp_dtype dtype,
+                               uint64_t count);
+/* Queues the completion of collective `seq` of `comm` (as returned by
+ * sp_session_collective), at time_us (CLOCK_REALTIME microseconds, as
+ * sp_session_time_us gives; 0: now). A collective issued and never
+ * completed is what a hang looks like to the coordinator, so call it only
+ * once the operation has really finished on this rank. */
+void sp_session_collective_done(sp_session *s, sp_comm_kind comm,
+                                uint64_t seq, uint64_t time_us);
+/* CLOCK_REALTIME in microseconds, the clock of every event. Any thread. */
+uint64_t sp_session_time_us(void);
+/* The trainer's progress, sent with the next message (and every later one,
+ * until changed): the last loss (NaN: none) and the steps the run will
+ * take in all (0: unknown). The coordinator shows them and estimates the
+ * time left. */
+void sp_session_set_progress(sp_session *s, double loss,
+                             uint64_t total_steps);
 /* Switches queueing on or off (sp_session_opts.no_report) for measuring
  * what reporting costs within one run. Only between steps: SP_ESTATE unless
  * the root and every unit are IDLE. */
@@ -222,6 +258,13 @@ uint64_t sp_session_dropped(const sp_session *s);
 /* Whether an ABORT arrived or the stream failed; the reason, if given,
  * receives a copy (cap bytes). Any thread. */
 bool sp_session_aborted(const sp_session *s, char *reason, size_t cap);
+/* Whether the ABORT named the rank at fault (SessionDown.culprit), and
+ * which (*rank). The abort reason then says so: "rank C ..., not this
+ * rank's fault". Any thread. */
+bool sp_session_culprit(const sp_session *s, uint32_t *rank);
+/* Flight records sent in answer to FLIGHT_DUMP so far (tests). Any
+ * thread. */
+uint64_t sp_session_flight_dumps(const sp_session *s);
 
 /* ================================================================== */
 /* Communicators                                                      */
@@ -372,6 +415,14 @@ void sp_comm_abort(sp_comm *c);
 
 typedef struct sp_fsdp sp_fsdp;
 
+/* Where the trainer is when the runtime issues a collective (for
+ * sp_fsdp_opts.before_collective). */
+typedef enum sp_fsdp_phase {
+  SP_PHASE_OTHER = 0,    /* between steps: clipping, checkpoints, sums */
+  SP_PHASE_FORWARD = 1,  /* pre_forward's unshard */
+  SP_PHASE_BACKWARD = 2, /* pre_backward's unshard or prefetch, reductions */
+} sp_fsdp_phase;
+
 typedef struct sp_fsdp_opts {
   sp_session *session; /* plan, rank, reporting; required */
   /* Communicators: world (all ranks); for HYBRID_SHARD also the shard group
@@ -389,6 +440,22 @@ typedef struct sp_fsdp_opts {
   void (*init_buffer)(void *user, const sp_model *m, int32_t buffer,
                       void *dst);
   void *user;
+  /* Fault injection (shardplane-worker --inject; tests). Called on the
+   * training thread before the runtime issues each collective, with its
+   * communicator, op, unit and count and the trainer's phase; NULL (the
+   * default) costs one test per collective. It may block (a stall), change
+   * *count or ask for the collective to be skipped: return 0 to go on, 1 to
+   * skip it (all-gathers only: the unit is then unsharded with whatever
+   * its buffer held, and nothing is reported, so the peers wait in a
+   * collective this rank never joins), or a negative SP_E* code, which the
+   * hook's caller returns. A count may only be lowered, and only for a
+   * unit's reduction (the reduce-scatter, or NO_SHARD's all-reduce), which
+   * then really runs with it and is reported so; any other change is
+   * SP_EINVAL. inject_user is passed through. */
+  int (*before_collective)(void *inject_user, sp_fsdp_phase phase,
+                           sp_comm_kind comm, sp_coll_op op, uint32_t unit,
+                           uint64_t *count);
+  void *inject_user;
   /* Where shards, unsharded parameters, gradients and buffers live: "cpu"
    * (or NULL) in host memory; "cuda:N" in device memory of GPU N, which
    * becomes the calling thread's current device. The sharded state is
