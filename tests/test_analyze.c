@@ -275,6 +275,31 @@ static void test_windows_and_silent_ranks(void **state) {
   json_decref(d);
 }
 
+static void test_live_dump_in_flight(void **state) {
+  (void)state;
+  /* a dump of a moving job: #2 issued by all 10 ms before the dump, #3 by
+   * rank 0 only, 5 ms before it. In flight, not a divergence. */
+  json_t *d = dump_new(2);
+  for (int r = 0; r < 2; r++) {
+    done_coll(d, r, 1, "ALL_GATHER", 1, 10);
+    coll(d, r, "world", 0, 2, "ALL_GATHER", 2, 1024, false, 9990);
+  }
+  coll(d, 0, "world", 0, 3, "ALL_GATHER", 3, 1024, false, 9995);
+  sp_analysis a;
+  sp_diag diag = {{0}};
+  assert_int_equal(analyze(d, &a, &diag), 0);
+  assert_int_equal(a.n_findings, 0);
+  sp_analysis_free(&a);
+  /* the same desynchronised is a finding however young */
+  json_object_set_new(json_array_get(events_of(d, 1), 2), "count",
+                      json_integer(7));
+  assert_int_equal(analyze(d, &a, &diag), 0);
+  assert_int_equal(a.n_findings, 1);
+  assert_int_equal(a.findings[0].kind, SP_FINDING_DESYNC);
+  sp_analysis_free(&a);
+  json_decref(d);
+}
+
 static void expect_error(json_t *d, const char *want) {
   sp_analysis a;
   sp_diag diag = {{0}};
@@ -403,6 +428,7 @@ int main(void) {
       cmocka_unit_test(test_all_issued_none_completed),
       cmocka_unit_test(test_shard_group),
       cmocka_unit_test(test_windows_and_silent_ranks),
+      cmocka_unit_test(test_live_dump_in_flight),
       cmocka_unit_test(test_malformed),
       cmocka_unit_test(test_command),
   };

@@ -19,6 +19,9 @@
 #define SP_DUMP_MAX_RANKS 65536
 #define SP_DUMP_MAX_EVENTS 1000000 /* per rank */
 #define SP_DUMP_MAX_ALERTS 10000
+/* A collective issued less than this long before the dump was taken is in
+ * flight, not stuck: a live job's dump always catches some. */
+#define SP_ANALYZE_SETTLE_US 1000000
 
 typedef enum sp_finding_kind {
   SP_FINDING_DESYNC,    /* every member issued seq, not the same collective */

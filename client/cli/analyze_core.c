@@ -410,7 +410,16 @@ static int analyze_comm(const ctx *c, uint32_t comm, size_t lo, size_t hi,
     char *text = NULL;
     size_t tlen = 0;
     FILE *f = NULL;
-    if (n_missing > 0 && n_issued > 0) {
+    /* a dump of a live job catches its last collectives in flight: one
+     * younger than SP_ANALYZE_SETTLE_US is the job moving, not stuck (and
+     * every later seq is younger still) */
+    uint64_t first_issue = UINT64_MAX;
+    for (size_t m = 0; m < nm; m++)
+      if (at[m] != NULL && at[m]->issued && at[m]->issue_us < first_issue)
+        first_issue = at[m]->issue_us;
+    bool settled = first_issue == UINT64_MAX ||
+                   c->taken_us >= first_issue + SP_ANALYZE_SETTLE_US;
+    if (n_missing > 0 && n_issued > 0 && settled) {
       if ((f = open_memstream(&text, &tlen)) == NULL) { rc = SP_ENOMEM; break; }
       size_t ng = 0;
       const coll_rec *ex = NULL;
@@ -486,18 +495,16 @@ static int analyze_comm(const ctx *c, uint32_t comm, size_t lo, size_t hi,
       rc = add_finding(a, SP_FINDING_DESYNC, k, seq, bad, nb, text);
       break;
     }
+    if ((n_missing > 0 || n_done < n_issued) && !settled) break;
     if (n_done < n_issued) {
       if ((f = open_memstream(&text, &tlen)) == NULL) { rc = SP_ENOMEM; break; }
       size_t nb = 0, ng = 0;
-      uint64_t first_issue = UINT64_MAX;
       for (size_t m = 0; m < nm; m++) {
         if (at[m] == NULL) continue;
         if (at[m]->completed)
           good[ng++] = members[m];
         else
           bad[nb++] = members[m];
-        if (at[m]->issued && at[m]->issue_us < first_issue)
-          first_issue = at[m]->issue_us;
       }
       if (ng == 0) {
         fprintf(f, "all %zu members issued ", n_issued);
@@ -745,7 +752,7 @@ void sp_analysis_print(const sp_analysis *a, FILE *f) {
     fprintf(f, "alerts:\n%s", a->alerts);
   if (a->n_findings == 0) {
     fprintf(f, "no divergence: on %zu communicator%s, every member issued the "
-               "same collectives and completed them (%" PRIu64
+               "same collectives, and none is stuck (%" PRIu64
                " collective events)\n",
             a->n_comms, a->n_comms == 1 ? "" : "s", a->n_collectives);
   } else {

@@ -42,13 +42,13 @@ static void print_verdict(const Shardplane__V1__Verdict *v) {
   char h[1024];
   headline(v, h, sizeof h);
   printf("%s\n", h);
-  /* the text is the longer account; it may start with the headline */
-  if (v->text[0] != '\0' && strcmp(v->text, h) != 0) {
-    const char *t = v->text;
-    if (strncmp(t, h, strlen(h)) == 0) t += strlen(h);
-    while (*t == '\n') t++;
-    if (*t != '\0') printf("%s%s", t, t[strlen(t) - 1] == '\n' ? "" : "\n");
-  }
+  /* the text is the longer account; one that only repeats the headline
+   * (the alert lines below say the rest) adds nothing */
+  const char *t = v->text;
+  const char *nl = strchr(t, '\n');
+  bool one_line = nl == NULL || nl[1] == '\0';
+  if (t[0] != '\0' && !(one_line && strstr(t, h) != NULL))
+    printf("%s%s", t, t[strlen(t) - 1] == '\n' ? "" : "\n");
   for (size_t i = 0; i < v->n_open_alerts; i++) {
     fputs("  open alert ", stdout);
     sp_remote_print_alert(stdout, v->open_alerts[i]);
