@@ -641,6 +641,200 @@ static void test_abort_when_a_peer_is_lost(void **state) {
   stop(&fx);
 }
 
+
+/* ---------------- hang diagnosis: fingerprints, recorder ---------------- */
+
+/* Asks for the flight record as the coordinator's FLIGHT_DUMP does and
+ * returns what went out (the real decode and answer, through the
+ * background thread). */
+static Shardplane__V1__FlightRecord *dump(sp_session *s, uint64_t id,
+                                          uint32_t last_n) {
+  uint64_t before = sp_session_flight_dumps(s);
+  Shardplane__V1__SessionDown m = SHARDPLANE__V1__SESSION_DOWN__INIT;
+  m.command = SHARDPLANE__V1__COMMAND__FLIGHT_DUMP;
+  m.request_id = id;
+  m.last_n = last_n;
+  assert_int_equal(sp_session_test_down(s, &m), 0);
+  for (int i = 0; i < 500 && sp_session_flight_dumps(s) == before; i++)
+    sp_test_sleep_ms(10);
+  assert_int_equal(sp_session_flight_dumps(s), before + 1);
+  Shardplane__V1__FlightRecord *fr = sp_session_test_last_flight(s);
+  assert_non_null(fr);
+  return fr;
+}
+
+/* HYBRID_SHARD, 4 ranks in shard groups of 2: rank 3 is in shard group 1
+ * and replica group 1. Each communicator counts its own collectives from
+ * 1; a completion follows its issue with the same fingerprint; every
+ * event has the worker's time (monotone here, one thread) and its step. */
+static void test_fingerprints_per_communicator(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "GPT2Block",
+                         "strategy", "HYBRID_SHARD", "shard-group-size", "2",
+                         NULL};
+  fixture fx;
+  start(&fx, MODEL("gpt2"), flags, 0);
+  sp_session_opts o = opts_for(&fx, 3);
+  sp_session *s = open_ok(&o);
+  uint64_t t0 = sp_session_time_us();
+  sp_session_set_step(s, 1);
+  assert_int_equal(sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_REDUCE,
+                                         0, SP_FLOAT64, 1), 1);
+  uint64_t g1 = sp_session_collective(s, SP_COMM_SHARD, SP_OP_ALL_GATHER, 1,
+                                      SP_FLOAT32, 10);
+  uint64_t g2 = sp_session_collective(s, SP_COMM_SHARD,
+                                      SP_OP_REDUCE_SCATTER, 1, SP_FLOAT32,
+                                      10);
+  uint64_t r1 = sp_session_collective(s, SP_COMM_REPLICA, SP_OP_ALL_REDUCE,
+                                      1, SP_FLOAT32, 10);
+  assert_int_equal(g1, 1);
+  assert_int_equal(g2, 2);
+  assert_int_equal(r1, 1);
+  sp_session_collective_done(s, SP_COMM_SHARD, g1, 0);
+  sp_session_collective_done(s, SP_COMM_SHARD, g2, 0);
+  sp_session_collective_done(s, SP_COMM_REPLICA, r1, 0);
+  sp_session_set_step(s, 2);
+  uint64_t g3 = sp_session_collective(s, SP_COMM_SHARD, SP_OP_ALL_GATHER, 2,
+                                      SP_BFLOAT16, 20);
+  assert_int_equal(g3, 3);
+  sp_session_collective_done(s, SP_COMM_SHARD, g3, 0);
+  /* an invalid communicator is refused, nothing queued */
+  assert_int_equal(sp_session_collective(s, (sp_comm_kind)7,
+                                         SP_OP_ALL_GATHER, 0, SP_FLOAT32, 1),
+                   0);
+  flush_ok(s);
+  uint64_t t1 = sp_session_time_us();
+
+  Shardplane__V1__FlightRecord *fr = dump(s, 77, 0);
+  assert_int_equal(fr->request_id, 77);
+  assert_int_equal(fr->rank, 3);
+  assert_int_equal(fr->capacity, 2000);
+  assert_int_equal(fr->recorded, 9); /* 5 issues, 4 completions */
+  assert_int_equal(fr->n_transitions, 0);
+  assert_int_equal(fr->n_collectives, 9);
+  assert_true(fr->time_us >= t1);
+  /* kind, seq, completed, step, unit, count, op */
+  static const struct {
+    int comm;
+    uint64_t seq;
+    bool done;
+    uint64_t step;
+    uint32_t unit;
+    uint64_t count;
+    int op;
+  } want[9] = {
+      {SP_COMM_WORLD, 1, false, 1, 0, 1, SP_OP_ALL_REDUCE},
+      {SP_COMM_SHARD, 1, false, 1, 1, 10, SP_OP_ALL_GATHER},
+      {SP_COMM_SHARD, 2, false, 1, 1, 10, SP_OP_REDUCE_SCATTER},
+      {SP_COMM_REPLICA, 1, false, 1, 1, 10, SP_OP_ALL_REDUCE},
+      {SP_COMM_SHARD, 1, true, 1, 1, 10, SP_OP_ALL_GATHER},
+      {SP_COMM_SHARD, 2, true, 1, 1, 10, SP_OP_REDUCE_SCATTER},
+      {SP_COMM_REPLICA, 1, true, 1, 1, 10, SP_OP_ALL_REDUCE},
+      {SP_COMM_SHARD, 3, false, 2, 2, 20, SP_OP_ALL_GATHER},
+      {SP_COMM_SHARD, 3, true, 2, 2, 20, SP_OP_ALL_GATHER},
+  };
+  static const uint32_t index_of[3] = {0, 1, 1}; /* 3 / 2, 3 % 2 */
+  uint64_t prev = t0;
+  for (size_t i = 0; i < 9; i++) {
+    const Shardplane__V1__Collective *c = fr->collectives[i];
+    assert_int_equal(c->comm, want[i].comm);
+    assert_int_equal(c->comm_index, index_of[want[i].comm]);
+    assert_int_equal(c->seq, want[i].seq);
+    assert_int_equal(c->completed, want[i].done);
+    assert_int_equal(c->step, want[i].step);
+    assert_int_equal(c->unit, want[i].unit);
+    assert_int_equal(c->count, want[i].count);
+    assert_int_equal(c->op, want[i].op);
+    assert_int_equal(c->dtype, i >= 7 ? SP_BFLOAT16
+                               : i == 0 ? SP_FLOAT64 : SP_FLOAT32);
+    assert_true(c->time_us >= prev);
+    assert_true(c->time_us <= t1);
+    prev = c->time_us;
+  }
+  shardplane__v1__flight_record__free_unpacked(fr, NULL);
+
+  /* the last 3 only, for another request */
+  fr = dump(s, 78, 3);
+  assert_int_equal(fr->request_id, 78);
+  assert_int_equal(fr->n_collectives, 3);
+  assert_int_equal(fr->collectives[0]->comm, SP_COMM_REPLICA);
+  assert_true(fr->collectives[0]->completed);
+  assert_int_equal(fr->collectives[2]->seq, 3);
+  assert_true(fr->collectives[2]->completed);
+  shardplane__v1__flight_record__free_unpacked(fr, NULL);
+  close_ok(s);
+  stop(&fx);
+}
+
+/* The recorder keeps the last flight_events events, transitions and
+ * collectives in their order, and counts all it saw. */
+static void test_flight_recorder_keeps_the_last(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "2", "wrap-type", "GPT2Block", NULL};
+  fixture fx;
+  start(&fx, MODEL("gpt2"), flags, 0);
+  sp_session_opts o = opts_for(&fx, 0);
+  o.flight_events = 5;
+  sp_session *s = open_ok(&o);
+  sp_diag d;
+  sp_session_set_step(s, 4);
+  for (int i = 0; i < 10; i++)
+    sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_GATHER, 1, SP_FLOAT32,
+                          (uint64_t)i);
+  assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0,
+                                         SP_ROOT_FORWARD_BACKWARD, &d), 0);
+  flush_ok(s);
+  Shardplane__V1__FlightRecord *fr = dump(s, 5, 0);
+  assert_int_equal(fr->capacity, 5);
+  assert_int_equal(fr->recorded, 11);
+  assert_int_equal(fr->n_collectives, 4); /* seqs 7..10 */
+  for (size_t i = 0; i < 4; i++)
+    assert_int_equal(fr->collectives[i]->seq, 7 + i);
+  assert_int_equal(fr->n_transitions, 1);
+  assert_int_equal(fr->transitions[0]->state, SP_ROOT_FORWARD_BACKWARD);
+  assert_int_equal(fr->transitions[0]->step, 4);
+  assert_true(fr->transitions[0]->time_us >= fr->collectives[3]->time_us);
+  shardplane__v1__flight_record__free_unpacked(fr, NULL);
+  close_ok(s);
+  /* the option's bound */
+  o.flight_events = 100001;
+  sp_session *bad = NULL;
+  sp_diag bd = {""};
+  assert_int_equal(sp_session_open(&o, &bad, &bd), SP_EINVAL);
+  assert_non_null(strstr(bd.msg, "flight_events 100001"));
+  stop(&fx);
+}
+
+/* An ABORT naming a culprit: the victim's reason says whose fault it is;
+ * the culprit itself is told it is at fault. */
+static void test_abort_names_the_culprit(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "2", "wrap-type", "GPT2Block", NULL};
+  fixture fx;
+  start(&fx, MODEL("gpt2"), flags, 0);
+  abort_seen seen = {0};
+  sp_session_opts o = opts_for(&fx, 0);
+  o.on_abort = on_abort;
+  o.user = &seen;
+  sp_session *s = open_ok(&o);
+  uint32_t who = 99;
+  assert_false(sp_session_culprit(s, &who));
+  Shardplane__V1__SessionDown m = SHARDPLANE__V1__SESSION_DOWN__INIT;
+  m.command = SHARDPLANE__V1__COMMAND__ABORT;
+  m.reason = (char *)"rank 1 stalled before unit 3's all-gather at step 2";
+  m.has_culprit = true;
+  m.culprit = 1;
+  assert_int_equal(sp_session_test_down(s, &m), 0);
+  wait_abort(&seen);
+  assert_int_equal(atomic_load(&seen.calls), 1);
+  assert_string_equal(seen.reason, "aborted: rank 1 stalled before unit 3's "
+                      "all-gather at step 2, not this rank's fault");
+  assert_true(sp_session_culprit(s, &who));
+  assert_int_equal(who, 1);
+  close_ok(s);
+  stop(&fx);
+}
+
 static void test_abort_when_the_coordinator_goes(void **state) {
   (void)state;
   const char *flags[] = {"world-size", "2", NULL};
@@ -828,6 +1022,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_heartbeat_keeps_rank_alive),
       cmocka_unit_test(test_abort_when_a_peer_is_lost),
       cmocka_unit_test(test_abort_when_the_coordinator_goes),
+      cmocka_unit_test(test_fingerprints_per_communicator),
+      cmocka_unit_test(test_flight_recorder_keeps_the_last),
+      cmocka_unit_test(test_abort_names_the_culprit),
       cmocka_unit_test(test_no_report),
       cmocka_unit_test(test_set_report),
       cmocka_unit_test(test_per_event_cost),

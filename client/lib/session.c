@@ -129,6 +129,8 @@ static void session_free(sp_session *s) {
   free(s->cop);
   free(s->shadow_units);
   free(s->flight);
+  free(s->test_down);
+  free(s->last_flight);
   for (int k = 0; k < SP_SESSION_COMMS; k++) free(s->issued[k]);
   free(s->slots);
   sp_state_tracker_free(&s->st);

@@ -62,6 +62,14 @@ int sp_session_rpc_error(int rpc_code);
 /* The last collective seq issued on communicator kind k (tests). */
 uint64_t sp_session_coll_seq(const sp_session *s, sp_comm_kind k);
 
+/* Tests: has the background thread handle m as if the coordinator had
+ * sent it (the real decode and handling), soon after the call. */
+int sp_session_test_down(sp_session *s,
+                         const Shardplane__V1__SessionDown *m);
+/* Tests: the last FlightRecord this session sent, decoded (free with
+ * shardplane__v1__flight_record__free_unpacked), or NULL. */
+Shardplane__V1__FlightRecord *sp_session_test_last_flight(sp_session *s);
+
 /* The session id the coordinator gave at Attach (tests). */
 const char *sp_session_id(const sp_session *s);
 
@@ -258,6 +266,12 @@ struct sp_session {
   uint64_t dump_request;
   uint32_t dump_last_n;
   uint64_t dumps_sent;
+  /* tests: a SessionDown to handle as if received (under lock), and the
+   * last FlightRecord sent, packed (under lock) */
+  uint8_t *test_down;
+  size_t test_down_len;
+  uint8_t *last_flight;
+  size_t last_flight_len;
   uint64_t gap_mark; /* events up to here are delivered or in `gap` */
   uv_timer_t retry_timer, grace_timer;
   uint64_t backoff_ms, jitter;

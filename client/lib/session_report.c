@@ -235,6 +235,14 @@ static void try_dump(sp_session *s) {
     fr.collectives = cop;
     rc = send_up_flight(s, 0, &fr);
   }
+  uint8_t *copy = NULL;
+  size_t len = 0;
+  if (rc == 0) {
+    /* kept for the tests' look at what went out */
+    len = shardplane__v1__flight_record__get_packed_size(&fr);
+    copy = malloc(len ? len : 1);
+    if (copy != NULL) shardplane__v1__flight_record__pack(&fr, copy);
+  }
   free(tr);
   free(trp);
   free(co);
@@ -249,6 +257,9 @@ static void try_dump(sp_session *s) {
   s->dump_pending = false;
   uv_mutex_lock(&s->lock);
   s->dumps_sent++;
+  free(s->last_flight);
+  s->last_flight = copy;
+  s->last_flight_len = len;
   uv_mutex_unlock(&s->lock);
 }
 
@@ -567,6 +578,15 @@ static void outage_end(sp_session *s) {
 static void on_wake(uv_async_t *a) {
   sp_session *s = a->data;
   if (!atomic_load(&s->stop)) {
+    uv_mutex_lock(&s->lock);
+    uint8_t *down = s->test_down;
+    size_t down_len = s->test_down_len;
+    s->test_down = NULL;
+    uv_mutex_unlock(&s->lock);
+    if (down != NULL) {
+      if (s->call != NULL) session_msg(s->call, down, down_len, s);
+      free(down);
+    }
     drain(s);
     return;
   }
@@ -851,6 +871,32 @@ bool sp_session_culprit(const sp_session *s, uint32_t *rank) {
   if (has && rank != NULL) *rank = w->culprit;
   uv_mutex_unlock(&w->lock);
   return has;
+}
+
+int sp_session_test_down(sp_session *s,
+                         const Shardplane__V1__SessionDown *m) {
+  size_t len = shardplane__v1__session_down__get_packed_size(m);
+  uint8_t *buf = malloc(len ? len : 1);
+  if (buf == NULL) return SP_ENOMEM;
+  shardplane__v1__session_down__pack(m, buf);
+  uv_mutex_lock(&s->lock);
+  free(s->test_down);
+  s->test_down = buf;
+  s->test_down_len = len;
+  uv_mutex_unlock(&s->lock);
+  uv_async_send(&s->wake);
+  return 0;
+}
+
+Shardplane__V1__FlightRecord *sp_session_test_last_flight(sp_session *s) {
+  uv_mutex_lock(&s->lock);
+  Shardplane__V1__FlightRecord *fr =
+      s->last_flight == NULL
+          ? NULL
+          : shardplane__v1__flight_record__unpack(NULL, s->last_flight_len,
+                                                  s->last_flight);
+  uv_mutex_unlock(&s->lock);
+  return fr;
 }
 
 uint64_t sp_session_coll_seq(const sp_session *s, sp_comm_kind k) {

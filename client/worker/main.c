@@ -12,8 +12,10 @@
 #include <time.h>
 
 #include "base/clock.h"
+#include "base/thread_name.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
+#include "inject.h"
 #include "mlp.h"
 #include "mlp_cuda.h"
 #include "rpc/rpc.h"
@@ -49,8 +51,13 @@ typedef struct worker_opts {
   uint64_t comm_timeout_ms;
   uint64_t call_timeout_ms;
   uint64_t coordinator_grace_ms; /* --coordinator-grace; 0: the default */
+  uint32_t flight_events;        /* --flight-events; 0: the default */
   sp_train_flags train; /* optimizer, schedule, clipping, accumulation */
 } worker_opts;
+
+/* --inject: the faults of every rank, parsed with the flags; run() keeps
+ * this rank's. */
+static sp_inject g_inject;
 
 /* SIGINT / SIGTERM: the first asks for a checkpoint and a stop at the
  * next step boundary (every rank learns it there, sp_fsdp_any); a second
@@ -413,6 +420,21 @@ static void usage(FILE *f) {
       "                           the session reattaches when it is back\n"
       "                           (a coordinator with --state-dir); after S\n"
       "                           the rank fails naming the coordinator\n"
+      "  --flight-events N        events the flight recorder keeps for\n"
+      "                           `shardplane trace` (default 2000, at most\n"
+      "                           100000)\n"
+      "  --inject FAULT           (tests, drills) make a fault on purpose,\n"
+      "                           repeatable, off by default; steps count\n"
+      "                           from 1, only faults naming this rank act:\n"
+      "      stall:rank=R,step=S[,unit=U,phase=forward|backward]\n"
+      "                           block before that collective, heartbeats\n"
+      "                           going on, until killed or aborted\n"
+      "      skip-collective:rank=R,step=S[,unit=U]\n"
+      "                           skip one all-gather (peers hang)\n"
+      "      wrong-count:rank=R,step=S\n"
+      "                           one reduction with one element fewer\n"
+      "      slow:rank=R,factor=F every step F times slower (a straggler)\n"
+      "      exit:rank=R,step=S   die (_exit(1)) as step S begins\n"
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
       "                           (starting on; for bench/step)\n"
@@ -443,7 +465,7 @@ static void usage(FILE *f) {
 
 enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
        O_CK, O_LOAD, O_LOADK, O_LOADP, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_GRACE, O_NOREP,
-       O_TOGGLE, O_CKEVERY, O_TSTATE, O_HELP };
+       O_TOGGLE, O_CKEVERY, O_TSTATE, O_FLIGHT, O_INJECT, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
  * what is allowed in d. */
@@ -530,6 +552,11 @@ static int parse_option(worker_opts *o, int c, const char *flag,
     case O_TSTATE:
       o->test_state = v;
       return sp_flag_text(flag, v, "a state name", d);
+    case O_FLIGHT:
+      rc = sp_flag_int(flag, v, 1, 100000, &n, d);
+      o->flight_events = (uint32_t)n;
+      return rc;
+    case O_INJECT: return sp_inject_parse(&g_inject, v, d);
   }
   return SP_ENOENT;
 }
@@ -558,6 +585,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"report-toggle", required_argument, NULL, O_TOGGLE},
       {"checkpoint-every", required_argument, NULL, O_CKEVERY},
       {"test-state", required_argument, NULL, O_TSTATE},
+      {"flight-events", required_argument, NULL, O_FLIGHT},
+      {"inject", required_argument, NULL, O_INJECT},
       {"help", no_argument, NULL, O_HELP},
       SP_CRED_OPTIONS};
   /* the worker's own options, then the training flags */
@@ -807,6 +836,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                         .call_timeout_ms = o->call_timeout_ms,
                         .coordinator_grace_ms = o->coordinator_grace_ms,
                         .no_report = o->no_report,
+                        .flight_events = o->flight_events,
                         .on_abort = on_abort,
                         .user = (void *)o,
                         .tls = !o->cred.insecure,
@@ -826,6 +856,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   int rc = sp_session_open(&so, &s, d);
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
+  sp_inject_start(&g_inject, s, rank);
   /* a launcher started as many processes as it was told: if that is not
    * the job's world size, some ranks will never come (or are too many) */
   if (o->env.world_size > 0 && (uint32_t)o->env.world_size != w)
@@ -847,6 +878,11 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                      .init_param = sp_mlp_init_param,
                      .init_buffer = sp_mlp_init_buffer,
                      .device = o->device};
+  /* no hook at all unless a fault of this rank needs one */
+  if (sp_inject_wants_hook(&g_inject)) {
+    fo.before_collective = sp_inject_before_collective;
+    fo.inject_user = &g_inject;
+  }
   mem_report mem = {.rss_before = proc_status_bytes("VmRSS:")};
   sp_diag md = {{0}};
   bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
@@ -899,6 +935,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   uint32_t step = first;
   uint64_t saved = UINT64_MAX; /* the step of the last checkpoint written */
   for (; rc == 0 && step < o->steps; step++) {
+    sp_inject_step(&g_inject, step + 1);
     /* every rank asks, so all stop after the same step, whichever got
      * the signal */
     bool stop = false;
@@ -921,6 +958,10 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
       rc = synthetic_step(f, s, step, o->lr, d);
     if (rc == 0 && ts) rc = sp_test_state_step(ts, d);
     step_s[step - first] = sp_clock_s() - ts0;
+    if (rc == 0) {
+      sp_session_set_progress(s, is_mlp ? *loss : NAN, o->steps);
+      sp_inject_after_step(&g_inject, step_s[step - first]);
+    }
     if (rc == 0 && step == first) {
       sp_fsdp_stats st;
       sp_fsdp_get_stats(f, &st);
@@ -982,6 +1023,14 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   if (rc == 0 && rank == 0 && o->stats_path &&
       write_stats(o, step_s, first, ran, &mem) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
+  /* a rank failed by another's fault says whose: its own error (a
+   * collective cancelled) is only the consequence */
+  uint32_t culprit;
+  if (rc < 0 && sp_session_culprit(s, &culprit) && culprit != rank) {
+    char why[SP_DIAG_MAX];
+    sp_session_aborted(s, why, sizeof why);
+    sp_diag_set(d, rc, "%s", why);
+  }
   if (have_tr) trainer_free(&tr);
   free(losses);
   free(step_s);
@@ -1013,6 +1062,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
 }
 
 int main(int argc, char **argv) {
+  sp_thread_name("training");
   worker_opts o;
   int prc = parse_args(argc, argv, &o);
   if (prc) return prc == 1 ? 0 : prc;
