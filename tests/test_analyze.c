@@ -83,7 +83,7 @@ static void trans(json_t *d, int rank, int unit, const char *state, int t_ms) {
 static int analyze(json_t *d, sp_analysis *a, sp_diag *diag) {
   char *s = json_dumps(d, JSON_COMPACT);
   assert_non_null(s);
-  int rc = sp_analyze(s, strlen(s), "dump.json", a, diag);
+  int rc = sp_analyze(s, strlen(s), "dump.json", NULL, 0, a, diag);
   free(s);
   return rc;
 }
@@ -300,6 +300,26 @@ static void test_live_dump_in_flight(void **state) {
   json_decref(d);
 }
 
+static void test_unit_names_from_the_plan(void **state) {
+  (void)state;
+  json_t *d = dump_new(2);
+  for (int r = 0; r < 2; r++)
+    coll(d, r, "world", 0, 1, "ALL_GATHER", 1, r ? 8 : 16, false, 10);
+  /* events without a module name of their own take the plan's */
+  for (int r = 0; r < 2; r++)
+    json_object_del(json_array_get(events_of(d, r), 0), "fqn");
+  const char *const fqns[] = {"", "layers.0"};
+  char *s = json_dumps(d, JSON_COMPACT);
+  sp_analysis a;
+  sp_diag diag = {{0}};
+  assert_int_equal(sp_analyze(s, strlen(s), "live", fqns, 2, &a, &diag), 0);
+  assert_int_equal(a.n_findings, 1);
+  assert_non_null(strstr(a.findings[0].text, "unit 1 (layers.0)"));
+  sp_analysis_free(&a);
+  free(s);
+  json_decref(d);
+}
+
 static void expect_error(json_t *d, const char *want) {
   sp_analysis a;
   sp_diag diag = {{0}};
@@ -316,7 +336,7 @@ static void test_malformed(void **state) {
   sp_diag diag = {{0}};
   /* truncated */
   const char *cut = "{\"format\":\"shardplane.dump/v1\",\"ranks\":[{\"ra";
-  assert_int_equal(sp_analyze(cut, strlen(cut), "dump.json", &a, &diag),
+  assert_int_equal(sp_analyze(cut, strlen(cut), "dump.json", NULL, 0, &a, &diag),
                    SP_EFORMAT);
   assert_non_null(strstr(diag.msg, "dump.json:1:"));
   json_t *d = dump_new(2);
@@ -429,6 +449,7 @@ int main(void) {
       cmocka_unit_test(test_shard_group),
       cmocka_unit_test(test_windows_and_silent_ranks),
       cmocka_unit_test(test_live_dump_in_flight),
+      cmocka_unit_test(test_unit_names_from_the_plan),
       cmocka_unit_test(test_malformed),
       cmocka_unit_test(test_command),
   };

@@ -47,10 +47,11 @@ static int analyze_opt(void *ctx, int c, const char *arg) {
 }
 
 static int report(sp_remote *r, const char *buf, size_t len,
-                  const char *origin) {
+                  const char *origin, const char *const *fqns,
+                  size_t n_fqns) {
   sp_analysis an;
   sp_diag d = {{0}};
-  int rc = sp_analyze(buf, len, origin, &an, &d);
+  int rc = sp_analyze(buf, len, origin, fqns, n_fqns, &an, &d);
   if (rc != 0) {
     sp_cli_error(r->cmd, "%s", d.msg[0] ? d.msg : sp_strerror(rc));
     return SP_EXIT_FAILURE;
@@ -84,9 +85,30 @@ int sp_cmd_analyze(int argc, char **argv) {
       sp_cli_error(r.cmd, "%s", d.msg);
       return SP_EXIT_FAILURE;
     }
-    ec = report(&r, buf, len, path);
+    ec = report(&r, buf, len, path, NULL, 0);
     free(buf);
     return sp_remote_finish(&r, ec);
+  }
+  /* the units' module names, from the plan; without them the report
+   * names units by number */
+  Shardplane__V1__GetPlanRequest pq = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
+  ProtobufCMessage *pm = NULL;
+  sp_rpc_status pst;
+  const char **fqns = NULL;
+  size_t n_fqns = 0;
+  ec = sp_remote_call_status(&r, SP_COORD_PATH("GetPlan"), &pq.base,
+                             &shardplane__v1__plan__descriptor, r.timeout_ms,
+                             &pm, &pst);
+  if (ec != PROCEED) return sp_remote_finish(&r, ec);
+  if (pst.code == SP_RPC_OK) {
+    const Shardplane__V1__Plan *pl = (const Shardplane__V1__Plan *)pm;
+    /* indices are the plan's own, 0..n-1; one past that is not a unit */
+    n_fqns = pl->n_units;
+    fqns = calloc(n_fqns + 1, sizeof *fqns);
+    for (size_t i = 0; fqns != NULL && i < pl->n_units; i++)
+      if (pl->units[i]->index < n_fqns)
+        fqns[pl->units[i]->index] = pl->units[i]->module_fqn;
+    if (fqns == NULL) n_fqns = 0;
   }
   Shardplane__V1__GetDumpRequest q = SHARDPLANE__V1__GET_DUMP_REQUEST__INIT;
   q.last_n = (uint32_t)a.last;
@@ -98,8 +120,11 @@ int sp_cmd_analyze(int argc, char **argv) {
         (const Shardplane__V1__GetDumpResponse *)m;
     char origin[300];
     snprintf(origin, sizeof origin, "the dump of %s", r.addr);
-    ec = report(&r, (const char *)g->json.data, g->json.len, origin);
+    ec = report(&r, (const char *)g->json.data, g->json.len, origin, fqns,
+                n_fqns);
     sp_remote_free_msg(m);
   }
+  free(fqns);
+  sp_remote_free_msg(pm);
   return sp_remote_finish(&r, ec);
 }

@@ -60,9 +60,12 @@ typedef struct sp_analysis {
 } sp_analysis;
 
 /* Reads the dump in buf (origin names it in errors: the file, or the
- * coordinator) into *out. SP_EFORMAT (or SP_ETOOBIG, SP_ENOMEM) with a
- * message in d naming origin, the JSON path and what is wrong. */
+ * coordinator) into *out. unit_fqns[u] (n_units of them; NULL, 0: none)
+ * names unit u's module where an event has no "fqn" of its own (a live
+ * dump: the coordinator's plan). SP_EFORMAT (or SP_ETOOBIG, SP_ENOMEM)
+ * with a message in d naming origin, the JSON path and what is wrong. */
 int sp_analyze(const char *buf, size_t len, const char *origin,
+               const char *const *unit_fqns, size_t n_units,
                sp_analysis *out, sp_diag *d);
 void sp_analysis_free(sp_analysis *a);
 

@@ -54,6 +54,8 @@ typedef struct ctx {
   rank_in *ranks;
   size_t n_ranks;
   uint64_t taken_us;
+  const char *const *unit_fqns;
+  size_t n_units;
 } ctx;
 
 static int comm_of(ctx *c, const char *name, uint32_t index, const char *path,
@@ -86,7 +88,12 @@ static const char *event_fqn(ctx *c, json_t *ev, const char *path) {
   const char *fqn = NULL;
   /* the coordinator may name the unit's module; older dumps do not */
   if (sp_json_string(&c->jr, ev, "fqn", path, false, &fqn) != 0) return NULL;
-  return fqn;
+  if (fqn != NULL) return fqn;
+  json_t *u = json_object_get(ev, "unit");
+  if (json_is_integer(u) && json_integer_value(u) >= 0 &&
+      (size_t)json_integer_value(u) < c->n_units)
+    return c->unit_fqns[json_integer_value(u)];
+  return NULL;
 }
 
 /* An event's fields, checked, as flight_fmt reads them. */
@@ -655,9 +662,10 @@ static int rank_cmp(const void *pa, const void *pb) {
 }
 
 int sp_analyze(const char *buf, size_t len, const char *origin,
+               const char *const *unit_fqns, size_t n_units,
                sp_analysis *out, sp_diag *d) {
   memset(out, 0, sizeof *out);
-  ctx c = {.jr = {origin, d}};
+  ctx c = {.jr = {origin, d}, .unit_fqns = unit_fqns, .n_units = n_units};
   json_t *root = NULL;
   int rc = sp_json_parse(&c.jr, buf, len, SP_DUMP_MAX_BYTES, &root);
   if (rc != 0) return rc;
