@@ -90,6 +90,7 @@ struct sp_coord_diag {
   uint64_t end_step;
   bool has_culprit;
   uint32_t culprit;
+  char *culprit_msg; /* the verdict that named it */
   bool stall_open;
   uint64_t total_steps;
   /* progress: the slowest rank's step at two moments */
@@ -224,6 +225,7 @@ void sp_coord_diag_free(sp_coord *c) {
   free(d->replica_t);
   for (size_t i = 0; i < d->n_open; i++) free_open(&d->open[i]);
   free(d->verdict);
+  free(d->culprit_msg);
   free(d->r);
   free(d);
   c->diag = NULL;
@@ -384,11 +386,12 @@ static void job_failed(sp_coord *c, const char *verdict) {
   sp_coord_log(c, "job FAILED: %s", verdict);
 }
 
-static void name_culprit(sp_coord *c, uint32_t rank) {
+static void name_culprit(sp_coord *c, uint32_t rank, const char *msg) {
   sp_coord_diag *d = c->diag;
   if (d->has_culprit) return;
   d->has_culprit = true;
   d->culprit = rank;
+  d->culprit_msg = sp_strdup(msg);
 }
 
 /* Every rank not among the culprits that is still attached. */
@@ -407,7 +410,7 @@ static size_t others(const sp_coord *c, const uint32_t *cul, size_t nc,
  * verdict as its reason) or keep alerting; the dump either way. */
 static void after_verdict(sp_coord *c, const char *msg, bool culprit_known,
                           uint32_t culprit, bool stall) {
-  if (culprit_known) name_culprit(c, culprit);
+  if (culprit_known) name_culprit(c, culprit, msg);
   if (stall && c->cfg.diag.abort_on_stall) {
     sp_coord_abort_all(c, msg, culprit_known, culprit);
     job_failed(c, msg);
@@ -643,19 +646,17 @@ void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
     d->r[rank].victim_of = d->culprit;
     sp_coord_log(c, "rank %u lost after rank %u's fault (a victim): %s", rank,
                  d->culprit, why);
-    snprintf(reason, cap, "%s", d->verdict ? d->verdict : "");
-    if (d->verdict == NULL || d->verdict[0] == '\0') {
-      const char *v = d->n_open ? d->open[d->n_open - 1].msg : "";
-      snprintf(reason, cap, "rank %u failed the job: %s", d->culprit, v);
-    }
+    snprintf(reason, cap, "%s",
+             d->verdict ? d->verdict
+                        : d->culprit_msg ? d->culprit_msg : "a peer failed");
     *culprit = d->culprit;
     job_failed(c, reason);
     return;
   }
-  name_culprit(c, rank);
   *culprit = rank;
   char msg[SP_DIAG_MAX];
   say(msg, sizeof msg, "rank %u was lost: %s", rank, why);
+  name_culprit(c, rank, msg);
   uint32_t *v = malloc((size_t)d->world * sizeof *v);
   size_t nv = v ? others(c, &rank, 1, v) : 0;
   raise_alert(c, SHARDPLANE__V1__ALERT_KIND__ALERT_LOST, &rank, 1, v, nv, NULL, msg);
