@@ -136,6 +136,7 @@ void sp_inject_start(sp_inject *in, sp_session *s, uint32_t rank) {
   in->s = s;
   in->rank = rank;
   in->slow = 1;
+  in->hooks = false;
   for (size_t i = 0; i < in->n; i++) {
     const sp_inject_fault *f = &in->faults[i];
     if (f->rank != rank) continue;

@@ -957,11 +957,10 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     else
       rc = synthetic_step(f, s, step, o->lr, d);
     if (rc == 0 && ts) rc = sp_test_state_step(ts, d);
+    /* a slowed rank's sleep is part of its step, as slow compute is */
+    if (rc == 0) sp_inject_after_step(&g_inject, sp_clock_s() - ts0);
     step_s[step - first] = sp_clock_s() - ts0;
-    if (rc == 0) {
-      sp_session_set_progress(s, is_mlp ? *loss : NAN, o->steps);
-      sp_inject_after_step(&g_inject, step_s[step - first]);
-    }
+    if (rc == 0) sp_session_set_progress(s, is_mlp ? *loss : NAN, o->steps);
     if (rc == 0 && step == first) {
       sp_fsdp_stats st;
       sp_fsdp_get_stats(f, &st);
