@@ -120,13 +120,18 @@ static int find_workers(pid_t parent, pid_t *pids, int cap) {
     int ppid = 0;
     char st;
     if (!close_paren || sscanf(close_paren + 2, "%c %d", &st, &ppid) != 2 ||
-        ppid != parent || !strstr(buf, "(shardplane-wor"))
+        ppid != parent)
       continue;
+    /* by its program, not its name in stat: the worker names its
+     * training thread, the main one */
     snprintf(path, sizeof path, "/proc/%d/cmdline", (int)pid);
     f = fopen(path, "r");
     if (!f) continue;
     len = fread(buf, 1, sizeof buf - 1, f);
     fclose(f);
+    buf[len] = '\0';
+    size_t n0 = strlen(buf);
+    if (n0 < 17 || strcmp(buf + n0 - 17, "shardplane-worker") != 0) continue;
     for (size_t i = 0; i + 7 < len; i++)
       if (strcmp(buf + i, "--rank") == 0) {
         int r = atoi(buf + i + 7);
@@ -611,6 +616,17 @@ static int worker_load(const char *dir, const char *addr, const char *load,
   return wait_run(start_cmd(dir, argv), 60);
 }
 
+/* worker_load with a coordinator of its own: a job whose one rank
+ * finished is over, and its coordinator refuses a second attach. */
+static int load_alone(const char *dir, const char *load, const char *kind) {
+  sp_proc coord;
+  char addr[64];
+  start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
+  int st = worker_load(dir, addr, load, kind);
+  sp_proc_stop(&coord, 5000);
+  return st;
+}
+
 /* The bytes of a file (binary), malloc'd; *len their count. */
 static uint8_t *file_bytes(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");
@@ -656,26 +672,22 @@ static void test_run_checkpoint_loads(void **state) {
   assert_non_null(load_sharded);
   free(out);
 
-  sp_proc coord;
-  char addr[64];
-  start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
   /* the printed folder, and the run's directory, to the worker */
-  assert_int_equal(worker_load(dir, addr, load, "full"), 0);
-  int st = worker_load(dir, addr, ck, NULL);
+  assert_int_equal(load_alone(dir, load, "full"), 0);
+  int st = load_alone(dir, ck, NULL);
   char *err = slurp(dir, "err");
   printf("  shardplane-worker --load %s: exit %d %s\n", ck, st, err);
   assert_int_equal(st, 0);
   free(err);
-  assert_int_equal(worker_load(dir, addr, load_sharded, "sharded"), 0);
-  assert_int_equal(worker_load(dir, addr, ck2, "sharded"), 0);
+  assert_int_equal(load_alone(dir, load_sharded, "sharded"), 0);
+  assert_int_equal(load_alone(dir, ck2, "sharded"), 0);
   /* two kinds there: which one is asked for, not guessed */
-  st = worker_load(dir, addr, ck2, NULL);
+  st = load_alone(dir, ck2, NULL);
   err = slurp(dir, "err");
   printf("  shardplane-worker --load %s: exit %d: %s", ck2, st, err);
   assert_int_equal(st, 2);
   assert_non_null(strstr(err, "--load-kind full or sharded"));
   free(err);
-  sp_proc_stop(&coord, 5000);
   free(load);
   free(load_sharded);
   free(ck);
