@@ -209,10 +209,24 @@ static void test_all_issued_none_completed(void **state) {
   assert_int_equal(f->kind, SP_FINDING_STUCK);
   assert_int_equal(f->seq, 2);
   assert_int_equal(f->n_culprits, 3);
-  assert_non_null(strstr(f->text, "all 3 members issued reduce-scatter #2"));
+  assert_non_null(
+      strstr(f->text, "all 3 members that answered issued reduce-scatter #2"));
   assert_non_null(strstr(f->text, "none completed"));
   /* taken 10 s after T0, issued 1 s after it */
   assert_non_null(strstr(f->text, "issued 9.0 s before the dump"));
+  /* with rank 2 silent, the ranks that answered all wait: rank 2 is
+   * the suspect */
+  json_t *k2 = json_array_get(json_object_get(d, "ranks"), 2);
+  json_object_set_new(k2, "flight", json_null());
+  json_object_set_new(k2, "flight_error", json_string("no session stream"));
+  sp_analysis s2;
+  assert_int_equal(analyze(d, &s2, &diag), 0);
+  assert_int_equal(s2.n_findings, 1);
+  assert_int_equal(s2.findings[0].n_culprits, 1);
+  assert_int_equal(s2.findings[0].culprits[0], 2);
+  assert_non_null(
+      strstr(s2.findings[0].text, "no record from rank 2: no session stream"));
+  sp_analysis_free(&s2);
   /* a completed collective says how long it took */
   json_t *d2 = dump_new(1);
   done_coll(d2, 0, 1, "ALL_REDUCE", 0, 10);

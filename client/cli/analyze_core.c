@@ -308,6 +308,25 @@ static void put_fingerprint(FILE *f, const ctx *c, const coll_rec *r) {
   fputs(buf, f);
 }
 
+/* The world's ranks that were in the job but sent no recorder: on a hang
+ * they are the first suspects, and nothing in the dump shows where they
+ * are. Their ranks into out; the lines go to f. */
+static size_t put_silent(FILE *f, const ctx *c, const comm_id *k,
+                         uint32_t *out) {
+  size_t n = 0;
+  if (strcmp(k->name, "world") != 0) return 0;
+  for (size_t i = 0; i < c->n_ranks; i++) {
+    const rank_in *r = &c->ranks[i];
+    if (r->flight != NULL ||
+        (r->status != NULL && strcmp(r->status, "NEVER_ATTACHED") == 0))
+      continue;
+    out[n++] = r->rank;
+    fprintf(f, "\n    no record from rank %u: %s", r->rank,
+            r->error && r->error[0] ? r->error : "it did not answer");
+  }
+  return n;
+}
+
 static bool same_fingerprint(const coll_rec *a, const coll_rec *b) {
   return strcmp(a->op, b->op) == 0 && a->unit == b->unit &&
          strcmp(a->dtype, b->dtype) == 0 && a->count == b->count;
@@ -455,6 +474,7 @@ static int analyze_comm(const ctx *c, uint32_t comm, size_t lo, size_t hi,
           fputs("none recorded", f);
         }
       }
+      put_silent(f, c, k, good);
       fclose(f);
       rc = add_finding(a, SP_FINDING_MISSING, k, seq, bad, n_missing, text);
       break;
@@ -514,7 +534,8 @@ static int analyze_comm(const ctx *c, uint32_t comm, size_t lo, size_t hi,
           bad[nb++] = members[m];
       }
       if (ng == 0) {
-        fprintf(f, "all %zu members issued ", n_issued);
+        fprintf(f, "all %zu member%s that answered issued ", n_issued,
+                n_issued == 1 ? "" : "s");
         put_fingerprint(f, c, ref);
         fputs(", none completed", f);
       } else {
@@ -528,8 +549,13 @@ static int analyze_comm(const ctx *c, uint32_t comm, size_t lo, size_t hi,
       if (first_issue != UINT64_MAX && c->taken_us >= first_issue)
         fprintf(f, " (issued %.1f s before the dump)",
                 (double)(c->taken_us - first_issue) / 1e6);
+      /* every rank that answered waits: the culprit is among the silent */
+      size_t ns = put_silent(f, c, k, good);
       fclose(f);
-      rc = add_finding(a, SP_FINDING_STUCK, k, seq, bad, nb, text);
+      if (ns > 0 && ng == 0)
+        rc = add_finding(a, SP_FINDING_STUCK, k, seq, good, ns, text);
+      else
+        rc = add_finding(a, SP_FINDING_STUCK, k, seq, bad, nb, text);
       break;
     }
     i = j;
