@@ -76,7 +76,7 @@ static uint32_t attached(sp_rpc_sync *reader) {
 static pid_t start_worker(const sp_coord_fixture *fx, int r,
                           const char *token_file, const char *steps,
                           const char *dir) {
-  char rs[8], err[1024];
+  char rs[16], err[1024];
   snprintf(rs, sizeof rs, "%d", r);
   snprintf(err, sizeof err, "%s/rank-%d.err", dir, r);
   const char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
