@@ -1,6 +1,7 @@
 /* shardplane-worker's --inject (client/worker/inject.c): the parser's
  * answers to good and bad specs, the hook's decisions, and one job per
  * fault showing that the worker does what the fault says. */
+#include <dirent.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -175,6 +176,30 @@ static Shardplane__V1__ListRanksResponse *ranks_of(sp_rpc_sync *cli) {
                                2000, &st);
 }
 
+/* Whether process pid has a thread called name. */
+static bool has_thread(pid_t pid, const char *name) {
+  char dirpath[64];
+  snprintf(dirpath, sizeof dirpath, "/proc/%d/task", (int)pid);
+  DIR *dir = opendir(dirpath);
+  if (dir == NULL) return false;
+  bool found = false;
+  struct dirent *e;
+  while (!found && (e = readdir(dir)) != NULL) {
+    if (e->d_name[0] == '.') continue;
+    char path[400], comm[32] = "";
+    snprintf(path, sizeof path, "%s/%s/comm", dirpath, e->d_name);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) continue;
+    if (fgets(comm, sizeof comm, f) != NULL) {
+      comm[strcspn(comm, "\n")] = '\0';
+      found = strcmp(comm, name) == 0;
+    }
+    fclose(f);
+  }
+  closedir(dir);
+  return found;
+}
+
 static const char *const k_cflags[] = {"--wrap-type", "Linear",
                                        "--heartbeat-timeout-ms", "1000",
                                        NULL};
@@ -244,6 +269,12 @@ static void test_stall_keeps_heartbeats(void **state) {
     assert_int_equal(waitpid(j.w[r], &st, WNOHANG), 0); /* still there */
   }
   expect_err(dir, 1, "rank 1: --inject stall: blocking before unit");
+  /* a stack dump of the hung rank says which thread is which */
+  static const char *const names[] = {"training", "session", "comm", "gloo",
+                                      "gloo-watchdog"};
+  for (size_t i = 0; i < 5; i++)
+    if (!has_thread(j.w[1], names[i]))
+      fail_msg("rank 1 has no thread called %s", names[i]);
   /* the stalled job is killed at the deadline */
   assert_int_equal(sp_tjob_wait(&j, 0.5), 0);
   assert_int_equal(j.status[0], -1);

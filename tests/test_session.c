@@ -3,6 +3,7 @@
  * store from several threads, a whole training step reported and seen by
  * ListRanks, local refusal of illegal transitions, queue overflow,
  * heartbeats, ABORT, detach, no_report, and the per-event cost. */
+#include <dirent.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -663,6 +664,28 @@ static Shardplane__V1__FlightRecord *dump(sp_session *s, uint64_t id,
   return fr;
 }
 
+/* Whether a thread of this process is called name (/proc/self/task). */
+static bool thread_named(const char *name) {
+  DIR *dir = opendir("/proc/self/task");
+  if (dir == NULL) return false;
+  bool found = false;
+  struct dirent *e;
+  while (!found && (e = readdir(dir)) != NULL) {
+    if (e->d_name[0] == '.') continue;
+    char path[300], comm[32] = "";
+    snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) continue;
+    if (fgets(comm, sizeof comm, f) != NULL) {
+      comm[strcspn(comm, "\n")] = '\0';
+      found = strcmp(comm, name) == 0;
+    }
+    fclose(f);
+  }
+  closedir(dir);
+  return found;
+}
+
 /* HYBRID_SHARD, 4 ranks in shard groups of 2: rank 3 is in shard group 1
  * and replica group 1. Each communicator counts its own collectives from
  * 1; a completion follows its issue with the same fingerprint; every
@@ -676,6 +699,8 @@ static void test_fingerprints_per_communicator(void **state) {
   start(&fx, MODEL("gpt2"), flags, 0);
   sp_session_opts o = opts_for(&fx, 3);
   sp_session *s = open_ok(&o);
+  /* the background thread says what it is in a stack dump or top -H */
+  assert_true(thread_named("session"));
   uint64_t t0 = sp_session_time_us();
   sp_session_set_step(s, 1);
   assert_int_equal(sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_REDUCE,

@@ -277,6 +277,25 @@ private:
 
 // A member's connection failed while this member's operation waits for a
 // send to it (see GlooComm::watch).
+// A new thread starts with its creator's name: a thread named "gloo"
+// while Gloo starts its event loop gives that loop the name, and gets its
+// own back after.
+struct ThreadNameScope {
+  explicit ThreadNameScope(const char *name) {
+    named_ = pthread_getname_np(pthread_self(), own_, sizeof own_) == 0;
+    if (named_) pthread_setname_np(pthread_self(), name);
+  }
+  ~ThreadNameScope() {
+    if (named_) pthread_setname_np(pthread_self(), own_);
+  }
+  ThreadNameScope(const ThreadNameScope &) = delete;
+  ThreadNameScope &operator=(const ThreadNameScope &) = delete;
+
+private:
+  char own_[16] = "";
+  bool named_ = false;
+};
+
 struct PeerFailed : std::runtime_error {
   explicit PeerFailed(const std::string &m) : std::runtime_error(m) {}
 };
@@ -301,6 +320,9 @@ struct GlooComm {
   bool aborted = false;
   bool stop = false;
   std::string peer_failure; // non-empty once a connection has failed
+  // The members whose data the last failed operation never received
+  // (Op::missing), for its error message.
+  std::string last_missing;
   std::vector<UnboundBuffer *> active;
 
   // One receive per peer, posted at creation on a slot nobody sends to.
@@ -345,7 +367,10 @@ struct GlooComm {
           ctx->createUnboundBuffer(&sentinel_bytes[(size_t)i], 1);
       sentinels[(size_t)i]->recv(i, kSentinelSlot, 0, 1);
     }
-    watchdog = std::thread([this] { watch(); });
+    watchdog = std::thread([this] {
+      pthread_setname_np(pthread_self(), "gloo-watchdog");
+      watch();
+    });
   }
 
   // Whether the connection of sentinel s is still up: a waitRecv that is
@@ -434,7 +459,7 @@ class Op {
 public:
   Op(GlooComm &g, uint64_t a, uint64_t b, uint64_t c)
       : g_(g), deadline_(Clock::now() + Ms(g.timeout_ms)), seq_(g.seq++), a_(a),
-        b_(b), c_(c) {}
+        b_(b), c_(c), posted_((size_t)g.size), got_((size_t)g.size) {}
 
   Op(const Op &) = delete;
   Op &operator=(const Op &) = delete;
@@ -480,14 +505,36 @@ public:
     return bufs_.back().get();
   }
 
+  // Every receive of an operation goes through here, and its wait learns
+  // which peer's data came, so a timeout can name the members whose data
+  // never did.
+  void recv(UnboundBuffer *b, int peer, uint64_t slot, size_t off,
+            size_t nbytes) {
+    if (peer >= 0 && peer < g_.size) posted_[(size_t)peer]++;
+    b->recv(peer, slot, off, nbytes);
+  }
   void wait_recv(UnboundBuffer *b) {
-    if (!b->waitRecv(nullptr, left())) woken();
+    int src = -1;
+    if (!b->waitRecv(&src, left())) woken();
+    if (src >= 0 && src < g_.size) got_[(size_t)src]++;
+  }
+  // "member 2", "members 1, 3": those whose posted receives did not all
+  // complete; empty when every one did.
+  std::string missing() const {
+    std::string s;
+    int n = 0;
+    for (size_t i = 0; i < posted_.size(); i++)
+      if (got_[i] < posted_[i]) {
+        s += (n++ ? ", " : "") + std::to_string(i);
+      }
+    return n == 0 ? s : (n == 1 ? "member " : "members ") + s;
   }
   void wait_send(UnboundBuffer *b) {
     if (!b->waitSend(nullptr, left())) woken();
   }
 
   bool past_deadline() const { return Clock::now() >= deadline_; }
+  GlooComm &comm() { return g_; }
 
   // Every transfer completed: the connections stay open.
   void finish() { done_ = true; }
@@ -511,6 +558,7 @@ private:
   const Clock::time_point deadline_;
   const uint64_t seq_;
   const uint64_t a_, b_, c_;
+  std::vector<uint32_t> posted_, got_; // receives per peer: posted, done
   bool done_ = false;
   // Declared before bufs_ so that it outlives them.
   std::vector<std::unique_ptr<unsigned char[]>> scratch_;
@@ -545,6 +593,19 @@ template <typename F> int guarded(GlooComm *g, sp_diag *d, F &&f) noexcept {
       if (g->is_aborted())
         return sp_diag_set(d, SP_ECANCELED,
                            "cancelled by sp_comm_abort (gloo: %s)", e.what());
+      std::string who;
+      {
+        std::lock_guard<std::mutex> lk(g->mu);
+        who = g->last_missing;
+      }
+      if ((timed_out || mentions_timeout(e.what())) && !who.empty())
+        return sp_diag_set(d, SP_ETIMEDOUT,
+                           "timed out after %llu ms: %s of this %d-member "
+                           "communicator (this rank is member %d) did not "
+                           "take part, or issued a different collective "
+                           "(gloo: %s)",
+                           (unsigned long long)g->timeout_ms, who.c_str(),
+                           g->size, g->rank, e.what());
       if (timed_out || mentions_timeout(e.what()))
         return sp_diag_set(d, SP_ETIMEDOUT,
                            "timed out after %llu ms: a member did not take "
@@ -569,6 +630,9 @@ template <typename B> void run_op(Op &op, bool &timed_out, B &&body) {
     op.finish();
   } catch (...) {
     timed_out = op.past_deadline();
+    std::string m = op.missing();
+    std::lock_guard<std::mutex> lk(op.comm().mu);
+    op.comm().last_missing = m;
     throw;
   }
 }
@@ -589,7 +653,7 @@ void do_all_gather(GlooComm &g, const void *send, void *recv, size_t nbytes,
     const uint64_t slot = op.slot(kAllGather);
     for (int i = 0; i < g.size; i++) {
       if (i == g.rank) continue;
-      b->recv(i, slot, (size_t)i * nbytes, nbytes);
+      op.recv(b, i, slot, (size_t)i * nbytes, nbytes);
       b->send(i, slot, (size_t)g.rank * nbytes, nbytes);
     }
     for (int i = 1; i < g.size; i++) op.wait_recv(b);
@@ -628,7 +692,7 @@ void do_reduce_scatter(GlooComm &g, const void *send, void *recv, size_t count,
       const uint64_t slot = op.slot(kReduceScatter, round);
       for (int i = 0; i < g.size; i++) {
         if (i == g.rank) continue;
-        rb->recv(i, slot, (size_t)i * chunk * esz, k * esz);
+        op.recv(rb, i, slot, (size_t)i * chunk * esz, k * esz);
         sb->send(i, slot, ((size_t)i * count + e0) * esz, k * esz);
       }
       for (int i = 1; i < g.size; i++) op.wait_recv(rb);
@@ -681,7 +745,7 @@ void do_all_reduce(GlooComm &g, void *buf, size_t count, sp_dtype dt,
       for (size_t i = 0; i < w; i++) {
         if (i == me) continue;
         if (k > 0) {
-          tb->recv((int)i, slot, i * part * esz, k * esz);
+          op.recv(tb, (int)i, slot, i * part * esz, k * esz);
           nrecv++;
         }
         if (piece(i) > 0) {
@@ -708,7 +772,7 @@ void do_all_reduce(GlooComm &g, void *buf, size_t count, sp_dtype dt,
     for (size_t i = 0; i < w; i++) {
       if (i == me) continue;
       if (len(i) > 0) {
-        db->recv((int)i, slot, off(i) * esz, len(i) * esz);
+        op.recv(db, (int)i, slot, off(i) * esz, len(i) * esz);
         nrecv++;
       }
       if (mylen > 0) {
@@ -732,7 +796,7 @@ void do_broadcast(GlooComm &g, void *buf, size_t nbytes, uint32_t root,
         if (i != g.rank) b->send(i, slot, 0, nbytes);
       for (int i = 1; i < g.size; i++) op.wait_send(b);
     } else {
-      b->recv((int)root, slot, 0, nbytes);
+      op.recv(b, (int)root, slot, 0, nbytes);
       op.wait_recv(b);
     }
   });
@@ -749,7 +813,7 @@ void do_barrier(GlooComm &g, bool &timed_out) {
     const uint64_t slot = op.slot(kBarrier);
     for (int i = 0; i < g.size; i++) {
       if (i == g.rank) continue;
-      b->recv(i, slot, (size_t)i, 1);
+      op.recv(b, i, slot, (size_t)i, 1);
       b->send(i, slot, (size_t)g.rank, 1);
     }
     for (int i = 1; i < g.size; i++) op.wait_recv(b);
@@ -789,6 +853,7 @@ int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
   try {
     gloo::transport::tcp::attr attr;
     attr.hostname = host;
+    ThreadNameScope as_gloo("gloo");
     g->dev = gloo::transport::tcp::CreateDevice(attr);
   } catch (const std::exception &e) {
     return sp_diag_set(d, SP_EIO,
