@@ -81,6 +81,7 @@ struct sp_coord_diag {
   uv_timer_t timer;
   bool timer_started;
   uint64_t last_tick_ms;
+  uint64_t forgiven_ms; /* the coordinator's own pauses, in total */
   diag_rank *r;
   uint32_t world, shard_world, n_shard, n_replica;
   comm_table world_t, *shard_t, *replica_t;
@@ -229,6 +230,10 @@ void sp_coord_diag_free(sp_coord *c) {
   free(d->r);
   free(d);
   c->diag = NULL;
+}
+
+uint64_t sp_coord_diag_forgiven_ms(const sp_coord *c) {
+  return c->diag->forgiven_ms;
 }
 
 size_t sp_coord_diag_bytes(const sp_coord *c) {
@@ -739,8 +744,16 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     uint64_t since = now;
     for (uint32_t i = 0; i < n_members(d, kind); i++) {
       uint32_t r = member(d, kind, index, i);
-      if (!attached(c, r)) continue;
       const diag_rank *k = &d->r[r];
+      if (!attached(c, r)) {
+        /* a member that left (detached after fewer steps, say) never
+         * issues it: it is the one the others wait for */
+        if (k->comm[kind].issued.seq < f.seq &&
+            sp_coord_rank_status(c, r) !=
+                SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
+          missing[nmiss++] = r;
+        continue;
+      }
       if (k->comm[kind].issued.seq >= f.seq &&
           k->comm[kind].done_seq < f.seq) {
         waiting[nw++] = r;
@@ -761,12 +774,18 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     if (nmiss > 0) {
       fmt_ranks(missing, nmiss, lm, sizeof lm);
       sp_coord_diag_last_event(c, missing[0], ev, sizeof ev);
+      int st = sp_coord_rank_status(c, missing[0]);
+      const char *then = st == SHARDPLANE__V1__RANK_STATUS__DETACHED
+                             ? " (then it detached)"
+                         : st == SHARDPLANE__V1__RANK_STATUS__LOST
+                             ? " (then it was lost)"
+                             : "";
       say(msg, sizeof msg,
                "%s %s not issued %s #%" PRIu64 " of unit %u (%s) on %s; %s "
-               "%s been waiting in it for %.0f s; rank %u's last event: %s",
+               "%s been waiting in it for %.0f s; rank %u's last event: %s%s",
                lm, nmiss == 1 ? "has" : "have", op_name(f.op), f.seq, f.unit,
                unit_name(c, f.unit), comm, lw, nw == 1 ? "has" : "have", secs,
-               missing[0], ev);
+               missing[0], ev, then);
       raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss,
                   waiting, nw, &col, msg);
       after_verdict(c, msg, true, missing[0], true);
@@ -921,6 +940,7 @@ static void forgive_pause(sp_coord *c, uint64_t now) {
   uint64_t due = d->last_tick_ms + SP_DIAG_TICK_MS;
   if (d->last_tick_ms != 0 && now > due + SP_DIAG_TICK_MS) {
     uint64_t late = now - due;
+    d->forgiven_ms += late;
     for (uint32_t r = 0; r < d->world; r++) {
       diag_rank *k = &d->r[r];
       k->last_event_ms += late;

@@ -77,6 +77,9 @@ void sp_coord_diag_rank_info(const struct sp_coord *c, uint32_t rank,
                              Shardplane__V1__RankInfo *x);
 /* The stall threshold in force now, ms. */
 uint64_t sp_coord_diag_stall_threshold(const struct sp_coord *c);
+/* The silence forgiven every rank because the coordinator's loop paused
+ * (its tick came late), in total: a stall verdict comes that much later. */
+uint64_t sp_coord_diag_forgiven_ms(const struct sp_coord *c);
 /* Bytes the diagnosis keeps per rank and per communicator (the bench). */
 size_t sp_coord_diag_bytes(const struct sp_coord *c);
 
