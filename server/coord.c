@@ -137,7 +137,8 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       (rc = sp_coord_plan_register(c)) != 0 ||
       (rc = sp_coord_ranks_register(c)) != 0 ||
       (rc = sp_coord_events_register(c)) != 0 ||
-      (rc = sp_coord_store_register(c)) != 0) {
+      (rc = sp_coord_store_register(c)) != 0 ||
+      (rc = sp_coord_dump_register(c)) != 0) {
     sp_diag_set(diag, rc, "coordinator: cannot register the service: %s",
                 sp_strerror(rc));
     goto fail;
@@ -158,6 +159,7 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
   if (rc != 0) return rc;
   if (port != NULL) *port = bound;
   if (!c->heartbeat_started) sp_coord_ranks_start(c);
+  sp_coord_diag_start(c);
   sp_coord_persist_start(c);
   char host[256];
   int ignored;
@@ -186,17 +188,20 @@ static void heartbeat_closed(uv_handle_t *h) { stop_step_done(h->data); }
 
 static void persist_closed(uv_handle_t *h) { stop_step_done(h->data); }
 
+static void diag_closed(void *c) { stop_step_done(c); }
+
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg) {
   if (c->shutting_down) return;
   c->shutting_down = true;
   c->stop_done = done;
   c->stop_arg = arg;
-  c->stopping = 2;
+  c->stopping = 3;
   sp_coord_log(c, "shutting down");
   c->heartbeat_timer.data = c;
   sp_coord_store_shutdown(c);
   sp_coord_events_shutdown(c);
+  sp_coord_diag_shutdown(c, diag_closed);
   sp_coord_ranks_shutdown(c, heartbeat_closed);
   /* after the ranks' last words, before the server goes */
   if (sp_coord_persist_shutdown(c, persist_closed)) c->stopping++;
@@ -209,7 +214,10 @@ void sp_coord_free(sp_coord *c) {
   sp_coord_persist_free(c);
   sp_coord_ranks_free(c);
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
-  for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) free(c->recent_msg[i]);
+  for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) {
+    free(c->recent_msg[i]);
+    free(c->recent_ranks[i]);
+  }
   sp_store_free(c->store);
   sp_auth_free(c->auth);
   free(c->abort_reason);

@@ -354,6 +354,9 @@ static const struct {
     {"StoreSet", W},          {"StoreAdd", W},
     {"StoreCompareSet", W},   {"StoreDelete", W},
     {"StoreGet", W | R},      {"StoreWait", W | R},
+    /* hang diagnosis: an operator's questions, not a worker's */
+    {"GetVerdict", R},        {"GetTrace", R},
+    {"GetDump", R},
 };
 
 static bool role_may_call(int role, const char *path) {

@@ -55,8 +55,8 @@ static const char *const k_sql[ST_N] = {
                     "host, device, pid, step, root, units, alerts, "
                     "transitions) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
                     "?10, ?11)",
-    [ST_ADD_ALERT] = "INSERT INTO alerts(rank, message, time_ms) "
-                     "VALUES (?1, ?2, ?3)",
+    [ST_ADD_ALERT] = "INSERT INTO alerts(rank, message, time_ms, kind) "
+                     "VALUES (?1, ?2, ?3, ?4)",
 };
 
 static const char k_schema[] =
@@ -69,7 +69,7 @@ static const char k_schema[] =
     "INTEGER, root INTEGER, units BLOB, alerts INTEGER, transitions "
     "INTEGER);"
     "CREATE TABLE IF NOT EXISTS alerts(id INTEGER PRIMARY KEY, rank INTEGER, "
-    "message TEXT, time_ms INTEGER);"
+    "message TEXT, time_ms INTEGER, kind INTEGER NOT NULL DEFAULT 0);"
     "CREATE TABLE IF NOT EXISTS requests(id TEXT PRIMARY KEY, response BLOB "
     "NOT NULL);";
 
@@ -340,6 +340,11 @@ int sp_coord_db_open(const char *dir, const sp_coord_db_job *job,
       (rc = exec(db, k_schema, d)) != 0 ||
       (rc = check_job(db, job, fresh, d)) != 0)
     goto fail;
+  /* an alert log written before alerts had kinds: the column is added
+   * (SQLite refuses a second one, which is the case to ignore) */
+  sqlite3_exec(db->h,
+               "ALTER TABLE alerts ADD COLUMN kind INTEGER NOT NULL DEFAULT 0",
+               NULL, NULL, NULL);
   for (int i = 0; i < ST_N; i++)
     if ((rc = CHECK(db, sqlite3_prepare_v3(db->h, k_sql[i], -1,
                                            SQLITE_PREPARE_PERSISTENT,
@@ -468,8 +473,8 @@ int sp_coord_db_put_rank(sp_coord_db *db, const sp_coord_db_rank *r) {
   return step_done(db, s, bound, "write a rank");
 }
 
-int sp_coord_db_add_alert(sp_coord_db *db, uint32_t rank, const char *msg,
-                          uint64_t time_ms) {
+int sp_coord_db_add_alert(sp_coord_db *db, uint32_t rank, int kind,
+                          const char *msg, uint64_t time_ms) {
   int rc = begin(db);
   if (rc != 0) return rc;
   int bound = SQLITE_OK;
@@ -477,6 +482,7 @@ int sp_coord_db_add_alert(sp_coord_db *db, uint32_t rank, const char *msg,
   BIND(bound, sqlite3_bind_int64(s, 1, rank));
   BIND(bound, sqlite3_bind_text(s, 2, msg ? msg : "", -1, SQLITE_STATIC));
   BIND(bound, sqlite3_bind_int64(s, 3, (sqlite3_int64)time_ms));
+  BIND(bound, sqlite3_bind_int(s, 4, kind));
   return step_done(db, s, bound, "write an alert");
 }
 
@@ -563,7 +569,7 @@ int sp_coord_db_each_rank(sp_coord_db *db,
 }
 
 int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
-                           int (*fn)(void *arg, uint32_t rank,
+                           int (*fn)(void *arg, uint32_t rank, int kind,
                                      const char *msg, size_t len,
                                      uint64_t time_ms),
                            void *arg, uint64_t *total, sp_diag *d) {
@@ -576,15 +582,16 @@ int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
   sqlite3_finalize(s);
   if (rc != 0) return rc;
   if ((rc = prepare(db,
-                    "SELECT rank, message, time_ms FROM (SELECT id, rank, "
-                    "message, time_ms FROM alerts ORDER BY id DESC LIMIT ?1) "
-                    "ORDER BY id",
+                    "SELECT rank, message, time_ms, kind FROM (SELECT id, "
+                    "rank, message, time_ms, kind FROM alerts ORDER BY id "
+                    "DESC LIMIT ?1) ORDER BY id",
                     &s, d)) != 0)
     return rc;
   r = sqlite3_bind_int64(s, 1, (sqlite3_int64)last);
   while (r == SQLITE_OK && (r = sqlite3_step(s)) == SQLITE_ROW) {
     int n = sqlite3_column_bytes(s, 1);
-    if ((rc = fn(arg, (uint32_t)col_u64(s, 0), col_text(s, 1),
+    if ((rc = fn(arg, (uint32_t)col_u64(s, 0), sqlite3_column_int(s, 3),
+                 col_text(s, 1),
                  n > 0 ? (size_t)n : 0, col_u64(s, 2))) != 0)
       break;
   }

@@ -91,11 +91,12 @@ int sp_coord_db_each_rank(sp_coord_db *db,
                           int (*fn)(void *arg, const sp_coord_db_rank *r),
                           void *arg, sp_diag *d);
 
-int sp_coord_db_add_alert(sp_coord_db *db, uint32_t rank, const char *msg,
-                          uint64_t time_ms);
+/* kind: Shardplane__V1__AlertKind (0 in a log written before kinds). */
+int sp_coord_db_add_alert(sp_coord_db *db, uint32_t rank, int kind,
+                          const char *msg, uint64_t time_ms);
 /* The newest `last` alerts, oldest first, and the count of all. */
 int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
-                           int (*fn)(void *arg, uint32_t rank,
+                           int (*fn)(void *arg, uint32_t rank, int kind,
                                      const char *msg, size_t len,
                                      uint64_t time_ms),
                            void *arg, uint64_t *total, sp_diag *d);

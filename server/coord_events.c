@@ -38,9 +38,10 @@ static void drop(sp_coord *c, sp_coord_watch *w) {
   free(w);
 }
 
-void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
-                      uint32_t rank, const char *message,
-                      const Shardplane__V1__Transition *t) {
+static void publish(sp_coord *c, Shardplane__V1__EventKind kind,
+                    uint32_t rank, const char *message,
+                    const Shardplane__V1__Transition *t,
+                    const Shardplane__V1__Alert *a) {
   if (c->watchers == NULL) return;
   Shardplane__V1__Event ev = SHARDPLANE__V1__EVENT__INIT;
   ev.kind = kind;
@@ -48,6 +49,7 @@ void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
   ev.time_ms = sp_coord_now_ms(c);
   ev.message = (char *)(message ? message : "");
   ev.transition = (Shardplane__V1__Transition *)t;
+  ev.alert = (Shardplane__V1__Alert *)a;
   for (sp_coord_watch *w = c->watchers, *next; w; w = next) {
     next = w->next;
     if (!wants(w, kind, rank)) continue;
@@ -60,6 +62,16 @@ void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
                          "watcher fell behind; events would be lost");
     }
   }
+}
+
+void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
+                      uint32_t rank, const char *message,
+                      const Shardplane__V1__Transition *t) {
+  publish(c, kind, rank, message, t, NULL);
+}
+
+void sp_coord_publish_alert(sp_coord *c, const Shardplane__V1__Alert *a) {
+  publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, a->rank, a->message, NULL, a);
 }
 
 static void on_watch(sp_rpc_call *call, const ProtobufCMessage *msg,

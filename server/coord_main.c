@@ -45,6 +45,27 @@ static void usage(FILE *f) {
         "may take\n"
         "                               to reattach before it is lost "
         "(default 60000)\n"
+        "Hang diagnosis (docs/architecture.md):\n"
+        "  --stall-timeout-ms N         a rank with no event for N ms while "
+        "it\n"
+        "                               heartbeats is stalled (default: "
+        "adaptive,\n"
+        "                               max(10000, 5 x the job's p99 step "
+        "time))\n"
+        "  --on-stall alert|abort       what a stall verdict does (default "
+        "alert;\n"
+        "                               abort sends it to every rank as the "
+        "abort\n"
+        "                               reason)\n"
+        "  --straggler-ratio X          a rank whose compute per step is X "
+        "times the\n"
+        "                               job's median is a straggler (default "
+        "1.3)\n"
+        "  --dump-dir DIR               on abort or stall, write every "
+        "rank's flight\n"
+        "                               recorder and the coordinator's view "
+        "to DIR\n"
+        "                               (shardplane.dump/v1; default: none)\n"
         "\n"
         "Limits against clients that hold resources (over one: the call ends\n"
         "with RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED, or the connection gets\n"
@@ -97,7 +118,8 @@ enum { OPT_LISTEN = 256, OPT_MODEL, OPT_JOB, OPT_HB_TIMEOUT, OPT_HB_INTERVAL,
        OPT_QUIET, OPT_HELP, OPT_TLS_CERT, OPT_TLS_KEY, OPT_TLS_CLIENT_CA,
        OPT_INSECURE, OPT_TOKEN_FILE, OPT_NO_AUTH, OPT_QUOTA_BYTES,
        OPT_QUOTA_KEYS, OPT_MAX_CONNS, OPT_PREFACE_MS, OPT_IDLE_MS,
-       OPT_REQUEST_MS, OPT_MAX_BUFFERED, OPT_STATE_DIR, OPT_REATTACH };
+       OPT_REQUEST_MS, OPT_MAX_BUFFERED, OPT_STATE_DIR, OPT_REATTACH,
+       OPT_STALL_MS, OPT_ON_STALL, OPT_STRAGGLER, OPT_DUMP_DIR };
 
 static const struct option k_opts[] = {
     {"listen", required_argument, NULL, OPT_LISTEN},
@@ -113,6 +135,10 @@ static const struct option k_opts[] = {
     {"quiet", no_argument, NULL, OPT_QUIET},
     {"state-dir", required_argument, NULL, OPT_STATE_DIR},
     {"reattach-grace-ms", required_argument, NULL, OPT_REATTACH},
+    {"stall-timeout-ms", required_argument, NULL, OPT_STALL_MS},
+    {"on-stall", required_argument, NULL, OPT_ON_STALL},
+    {"straggler-ratio", required_argument, NULL, OPT_STRAGGLER},
+    {"dump-dir", required_argument, NULL, OPT_DUMP_DIR},
     {"help", no_argument, NULL, OPT_HELP},
     {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
     {"tls-key", required_argument, NULL, OPT_TLS_KEY},
@@ -321,6 +347,34 @@ int main(int argc, char **argv) {
     case OPT_REATTACH:
       if (parse_ms("--reattach-grace-ms", optarg, &cfg.reattach_grace_ms) != 0)
         goto out;
+      break;
+    case OPT_STALL_MS:
+      if (parse_ms("--stall-timeout-ms", optarg, &cfg.diag.stall_timeout_ms))
+        goto out;
+      break;
+    case OPT_ON_STALL: {
+      static const char *const names[] = {"alert", "abort"};
+      size_t i;
+      sp_diag d = {{0}};
+      if (sp_flag_choice("--on-stall", optarg, names, 2, &i, &d) != 0) {
+        fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
+        goto out;
+      }
+      cfg.diag.abort_on_stall = i == 1;
+      break;
+    }
+    case OPT_STRAGGLER: {
+      sp_diag d = {{0}};
+      if (sp_flag_number("--straggler-ratio", optarg, 1.01,
+                         &cfg.diag.straggler_ratio, &d) != 0) {
+        fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
+        goto out;
+      }
+      break;
+    }
+    case OPT_DUMP_DIR:
+      cfg.diag.dump_dir = optarg;
+      if (parse_text("--dump-dir", optarg, "a directory") != 0) goto out;
       break;
     case OPT_HB_TIMEOUT:
       if (parse_ms("--heartbeat-timeout-ms", optarg,

@@ -224,11 +224,12 @@ int sp_coord_persist_rank(sp_coord *c, const sp_coord_db_rank *r) {
   return rc != 0 ? write_failed(c, rc) : 0;
 }
 
-void sp_coord_persist_alert(sp_coord *c, uint32_t rank, const char *msg,
-                            uint64_t time_ms) {
+void sp_coord_persist_alert(sp_coord *c, uint32_t rank, int kind,
+                            const char *msg, uint64_t time_ms) {
   sp_coord_db *db = db_of(c);
   if (db == NULL) return;
-  if (sp_coord_db_add_alert(db, rank, msg, time_ms) != 0) write_failed(c, 0);
+  if (sp_coord_db_add_alert(db, rank, kind, msg, time_ms) != 0)
+    write_failed(c, 0);
 }
 
 /* ---- restore ---- */
@@ -248,8 +249,8 @@ static int restore_rank(void *arg, const sp_coord_db_rank *r) {
   return sp_coord_ranks_restore(arg, r);
 }
 
-static int restore_alert(void *arg, uint32_t rank, const char *msg, size_t len,
-                         uint64_t time_ms) {
+static int restore_alert(void *arg, uint32_t rank, int kind, const char *msg,
+                         size_t len, uint64_t time_ms) {
   sp_coord *c = arg;
   if (len > SP_DIAG_MAX) return SP_EFORMAT;
   size_t i = c->recent_next;
@@ -259,6 +260,11 @@ static int restore_alert(void *arg, uint32_t rank, const char *msg, size_t len,
   c->recent[i].rank = rank;
   c->recent[i].message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
   c->recent[i].time_ms = time_ms;
+  /* a kind this build does not know reads as unknown */
+  c->recent[i].kind = protobuf_c_enum_descriptor_get_value(
+                          &shardplane__v1__alert_kind__descriptor, kind)
+                          ? (Shardplane__V1__AlertKind)kind
+                          : SHARDPLANE__V1__ALERT_KIND__ALERT_KIND_UNKNOWN;
   c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
   return 0;
 }

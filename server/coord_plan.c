@@ -131,6 +131,8 @@ static void on_get_job(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.n_recent_alerts = n;
   r.recent_alerts = recent;
   r.uptime_ms = sp_coord_now_ms(c);
+  Shardplane__V1__Progress progress;
+  sp_coord_diag_job(c, &r, &progress);
   reply(call, &a, &r.base);
   arena_free(&a);
 }

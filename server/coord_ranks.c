@@ -86,48 +86,111 @@ void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
 
 static void persist_rank(sp_coord *c, uint32_t rank);
 
-void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
-  char msg[SP_DIAG_MAX];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
+void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *in,
+                       const char *msg) {
   c->n_alerts++;
-  if (rank < c->plan->world_size) {
-    sp_coord_rank *k = &c->ranks[rank];
+  for (size_t j = 0; j < in->n_culprits; j++) {
+    uint32_t r = in->culprits[j];
+    if (r >= c->plan->world_size) continue;
+    sp_coord_rank *k = &c->ranks[r];
     k->alerts++;
     free(k->last_alert);
     k->last_alert = sp_strdup(msg);
   }
   size_t i = c->recent_next;
   free(c->recent_msg[i]);
+  free(c->recent_ranks[i]);
   c->recent_msg[i] = sp_strdup(msg);
-  shardplane__v1__alert__init(&c->recent[i]);
-  c->recent[i].rank = rank;
-  c->recent[i].message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
-  c->recent[i].time_ms = sp_coord_now_ms(c);
+  size_t nr = in->n_culprits + in->n_victims;
+  c->recent_ranks[i] = nr ? malloc(nr * sizeof(uint32_t)) : NULL;
+  Shardplane__V1__Alert *a = &c->recent[i];
+  shardplane__v1__alert__init(a);
+  a->rank = in->n_culprits ? in->culprits[0] : UINT32_MAX;
+  a->message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
+  a->time_ms = sp_coord_now_ms(c);
+  a->kind = in->kind;
+  if (c->recent_ranks[i] != NULL) {
+    memcpy(c->recent_ranks[i], in->culprits, in->n_culprits * sizeof(uint32_t));
+    if (in->n_victims)
+      memcpy(c->recent_ranks[i] + in->n_culprits, in->victims,
+             in->n_victims * sizeof(uint32_t));
+    a->culprits = c->recent_ranks[i];
+    a->n_culprits = in->n_culprits;
+    a->victims = c->recent_ranks[i] + in->n_culprits;
+    a->n_victims = in->n_victims;
+  }
+  if (in->collective) {
+    c->recent_col[i] = *in->collective;
+    a->collective = &c->recent_col[i];
+  }
   c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
-  sp_coord_persist_alert(c, rank, msg, c->recent[i].time_ms);
-  /* the rank's count goes with its log entry, in the same transaction */
-  if (rank < c->plan->world_size) persist_rank(c, rank);
-  sp_coord_log(c, "alert: rank %u: %s", rank, msg);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, rank, msg, NULL);
+  sp_coord_persist_alert(c, a->rank, in->kind, msg, a->time_ms);
+  /* the ranks' counts go with the log entry, in the same transaction */
+  for (size_t j = 0; j < in->n_culprits; j++)
+    if (in->culprits[j] < c->plan->world_size)
+      persist_rank(c, in->culprits[j]);
+  const ProtobufCEnumValue *kn = protobuf_c_enum_descriptor_get_value(
+      &shardplane__v1__alert_kind__descriptor, in->kind);
+  if (a->rank == UINT32_MAX)
+    sp_coord_log(c, "alert %s: %s", kn ? kn->name : "?", msg);
+  else
+    sp_coord_log(c, "alert %s: rank %u: %s", kn ? kn->name : "?", a->rank, msg);
+  sp_coord_publish_alert(c, a);
 }
 
-static int send_abort(sp_rpc_call *session, const char *reason) {
+void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
+  char msg[SP_DIAG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  bool one = rank < c->plan->world_size;
+  sp_coord_alert_info in = {
+      .kind = one ? SHARDPLANE__V1__ALERT_KIND__ILLEGAL_TRANSITION
+                  : SHARDPLANE__V1__ALERT_KIND__ALERT_KIND_UNKNOWN,
+      .culprits = one ? &rank : NULL,
+      .n_culprits = one ? 1 : 0};
+  sp_coord_alert_ex(c, &in, msg);
+}
+
+void sp_coord_rank_get(const sp_coord *c, uint32_t rank,
+                       sp_coord_rank_view *v) {
+  const sp_coord_rank *k = &c->ranks[rank];
+  v->status = k->status;
+  v->host = k->host;
+  v->pid = k->pid;
+  v->step = k->step;
+  v->last_heard_ms = k->last_heard_ms;
+  v->root = k->st.root;
+  v->session = k->session;
+}
+
+int sp_coord_rank_status(const sp_coord *c, uint32_t rank) {
+  return c->ranks[rank].status;
+}
+
+uint64_t sp_coord_rank_step(const sp_coord *c, uint32_t rank) {
+  return c->ranks[rank].step;
+}
+
+static int send_abort(sp_coord *c, sp_rpc_call *session, const char *reason) {
   Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
   d.command = SHARDPLANE__V1__COMMAND__ABORT;
   d.reason = (char *)reason;
+  d.has_culprit = c->abort_has_culprit;
+  d.culprit = c->abort_culprit;
   return sp_rpc_call_send(session, &d.base);
 }
 
-/* Tells every other live session to abort its collectives. */
-static void broadcast_abort(sp_coord *c, uint32_t lost, const char *why) {
+/* Tells every other live session to abort its collectives, naming the
+ * culprit (a victim's loss names the rank whose fault it follows). */
+static void broadcast_abort(sp_coord *c, uint32_t lost, const char *reason,
+                            uint32_t culprit) {
   Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
-  char reason[256];
-  snprintf(reason, sizeof reason, "rank %u %s", lost, why);
   d.command = SHARDPLANE__V1__COMMAND__ABORT;
-  d.reason = reason;
+  d.reason = (char *)reason;
+  d.has_culprit = true;
+  d.culprit = culprit;
   for (uint32_t r = 0; r < c->plan->world_size; r++)
     if (r != lost && c->ranks[r].session != NULL)
       sp_rpc_call_send(c->ranks[r].session, &d.base);
@@ -227,7 +290,11 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
     snprintf(msg, sizeof msg, "rank %u marked lost: %s", rank, why);
     session_finish(s, SP_RPC_ABORTED, msg);
   }
-  if (!c->shutting_down) broadcast_abort(c, rank, "was lost");
+  if (c->shutting_down) return;
+  char reason[SP_DIAG_MAX];
+  uint32_t culprit = rank;
+  sp_coord_diag_lost(c, rank, why, reason, sizeof reason, &culprit);
+  broadcast_abort(c, rank, reason, culprit);
 }
 
 /* How often the heartbeat check runs. */
@@ -321,6 +388,7 @@ static int apply_transition(sp_coord *c, uint32_t rank,
   }
   k->transitions++;
   if (t->step > k->step) k->step = t->step;
+  sp_coord_diag_transition(c, rank, t);
   if (c->watchers != NULL)
     sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__TRANSITION, rank, NULL, t);
   return SP_RPC_OK;
@@ -429,6 +497,11 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
                         c->abort_reason);
     return;
   }
+  char ended[SP_DIAG_MAX];
+  if (sp_coord_diag_refuse_attach(c, ended, sizeof ended)) {
+    sp_rpc_call_finish(call, SP_RPC_FAILED_PRECONDITION, ended);
+    return;
+  }
   sp_coord_rank *k = &c->ranks[q->rank];
   bool reattach = false;
   if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
@@ -476,6 +549,7 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord_log(c, "rank %u %s", q->rank, what);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, q->rank, what,
                    NULL);
+  if (!reattach) sp_coord_diag_attached(c, q->rank);
 }
 
 static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -515,6 +589,7 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
   else sp_coord_log(c, "rank %u detached", q->rank);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
                    "detached", NULL);
+  sp_coord_diag_detached(c, q->rank);
 }
 
 static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -614,7 +689,7 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
                      "superseded by a newer session stream");
     }
     k->session = call;
-    if (c->abort_reason != NULL) send_abort(call, c->abort_reason);
+    if (c->abort_reason != NULL) send_abort(c, call, c->abort_reason);
     if (q->resync && resync(c, ctx->rank, q, err, sizeof err) != SP_RPC_OK) {
       k->session = NULL;
       session_finish(call, SP_RPC_INVALID_ARGUMENT, err);
@@ -651,6 +726,8 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     k->last_coll.dtype = (uint8_t)col->dtype;
     k->last_coll.set = true;
   }
+  sp_coord_diag_session_up(c, ctx->rank, q);
+  if (!ctx->bound) return; /* a verdict ended the session meanwhile */
   d.acked_seq = q->seq;
   /* acknowledge every message: the worker bounds what it has in flight */
   sp_rpc_call_send(call, &d.base);
@@ -730,6 +807,7 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
       x->alerts = k->alerts;
       x->last_alert = k->last_alert ? k->last_alert : (char *)"";
       x->transitions = k->transitions;
+      sp_coord_diag_rank_info(c, i, x);
       ptrs[i] = x;
     }
     r.n_ranks = w;
@@ -740,6 +818,21 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(ptrs);
   free(cols);
   free(states);
+}
+
+uint32_t sp_coord_abort_all(sp_coord *c, const char *reason, bool has_culprit,
+                            uint32_t culprit) {
+  if (c->abort_reason == NULL) {
+    c->abort_reason = sp_strdup(reason);
+    c->abort_has_culprit = has_culprit;
+    c->abort_culprit = culprit;
+  }
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < c->plan->world_size; i++)
+    if (c->ranks[i].session != NULL &&
+        send_abort(c, c->ranks[i].session, c->abort_reason) == 0)
+      n++;
+  return n;
 }
 
 /* ABORT down every open Session stream (the authorize hook lets only
@@ -755,14 +848,12 @@ static void on_abort(sp_rpc_call *call, const ProtobufCMessage *msg,
   snprintf(reason, sizeof reason, "job aborted%s%s%s%s%.200s",
            p ? " by token \"" : "", p ? p->name : "", p ? "\"" : "",
            q->reason && q->reason[0] ? ": " : "", q->reason ? q->reason : "");
-  if (c->abort_reason == NULL) c->abort_reason = sp_strdup(reason);
-  Shardplane__V1__AbortResponse r = SHARDPLANE__V1__ABORT_RESPONSE__INIT;
-  for (uint32_t i = 0; i < c->plan->world_size; i++)
-    if (c->ranks[i].session != NULL &&
-        send_abort(c->ranks[i].session, reason) == 0)
-      r.sessions++;
   sp_coord_log(c, "%s", reason);
+  Shardplane__V1__AbortResponse r = SHARDPLANE__V1__ABORT_RESPONSE__INIT;
+  r.sessions = sp_coord_abort_all(c, reason, false, 0);
   sp_coord_alert(c, UINT32_MAX, "%s", reason);
+  sp_coord_diag_aborted(c, reason);
+  sp_coord_dump_write(c, reason);
   sp_rpc_call_reply(call, &r.base);
 }
 
@@ -795,7 +886,7 @@ int sp_coord_ranks_init(sp_coord *c) {
     int rc = sp_state_tracker_init(&c->ranks[r].st, c->plan->n_units, NULL);
     if (rc != 0) return rc;
   }
-  return 0;
+  return sp_coord_diag_init(c);
 }
 
 void sp_coord_ranks_start(sp_coord *c) {
@@ -826,6 +917,7 @@ void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed) {
 }
 
 void sp_coord_ranks_free(sp_coord *c) {
+  sp_coord_diag_free(c);
   if (c->ranks == NULL) return;
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];

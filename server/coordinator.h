@@ -18,6 +18,7 @@
 #include "coord_auth.h"
 #include "store.h"
 #include "base/strmap.h"
+#include "coord_diag.h"
 
 
 /* Store limits (PyTorch TCPStore's), checked before allocating. */
@@ -65,6 +66,8 @@ typedef struct sp_coord_config {
   sp_auth_quota store_quota; /* per token; zeros: the defaults */
   /* NULL: cleartext. Needs to live only until sp_coord_listen returns. */
   const sp_rpc_tls_server_opts *tls;
+  /* Hang diagnosis (coord_diag.h): thresholds, --on-stall, --dump-dir. */
+  sp_coord_diag_config diag;
 } sp_coord_config;
 
 typedef struct sp_coord_rank sp_coord_rank;
@@ -97,7 +100,14 @@ typedef struct sp_coord {
   uint64_t n_alerts;
   Shardplane__V1__Alert recent[SP_COORD_RECENT_ALERTS];
   char *recent_msg[SP_COORD_RECENT_ALERTS];
+  uint32_t *recent_ranks[SP_COORD_RECENT_ALERTS]; /* culprits, victims */
+  Shardplane__V1__Collective recent_col[SP_COORD_RECENT_ALERTS];
   size_t recent_next;
+  /* hang diagnosis (coord_diag.c) and the recorders being gathered
+   * (coord_dump.c) */
+  sp_coord_diag *diag;
+  struct trace_req *traces;
+  uint64_t trace_counter;
   /* Watch streams (coord_events.c) */
   sp_coord_watch *watchers;
   /* store (coord_store.c) */
@@ -108,6 +118,8 @@ typedef struct sp_coord {
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
   char *abort_reason;
+  bool abort_has_culprit;
+  uint32_t abort_culprit;
   /* method tables registered with the server, owned here */
   sp_rpc_method *methods[8];
   size_t n_method_tables;
@@ -187,18 +199,51 @@ int sp_coord_persist_replay(sp_coord *c, sp_rpc_call *call, const char *id);
 int sp_coord_persist_answer(sp_coord *c, sp_rpc_call *call, const char *id,
                             const ProtobufCMessage *m);
 int sp_coord_persist_rank(sp_coord *c, const struct sp_coord_db_rank *r);
-void sp_coord_persist_alert(sp_coord *c, uint32_t rank, const char *msg,
-                            uint64_t time_ms);
+void sp_coord_persist_alert(sp_coord *c, uint32_t rank, int kind,
+                            const char *msg, uint64_t time_ms);
 /* coord_ranks.c: writes the ranks whose snapshot changed; restores one. */
 void sp_coord_ranks_snapshot(sp_coord *c);
 int sp_coord_ranks_restore(sp_coord *c, const struct sp_coord_db_rank *r);
 
-/* Records an alert on a rank, logs it and publishes an ALERT event. */
+/* Records an alert on a rank, logs it and publishes an ALERT event: an
+ * illegal transition (a rank given) or an operator's abort (UINT32_MAX). */
 void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* An alert of a kind with its culprits (the first is Alert.rank) and
+ * victims: counted on each culprit, kept in the recent ring and the alert
+ * log, logged, published with Event.alert. The arrays are copied. */
+typedef struct sp_coord_alert_info {
+  Shardplane__V1__AlertKind kind;
+  const uint32_t *culprits, *victims;
+  size_t n_culprits, n_victims;
+  const Shardplane__V1__Collective *collective; /* may be NULL */
+} sp_coord_alert_info;
+void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *a,
+                       const char *msg);
+/* ABORT down every open Session stream with the reason and, when known,
+ * the culprit; streams that bind later get it too and no rank attaches
+ * any more. */
+uint32_t sp_coord_abort_all(sp_coord *c, const char *reason, bool has_culprit,
+                            uint32_t culprit);
+
+/* What coord_diag.c and coord_dump.c read of a rank (coord_ranks.c owns
+ * it); the strings are borrowed until the rank changes. */
+typedef struct sp_coord_rank_view {
+  int status; /* Shardplane__V1__RankStatus */
+  const char *host;
+  uint32_t pid;
+  uint64_t step, last_heard_ms;
+  int root;
+  sp_rpc_call *session; /* NULL: no open stream */
+} sp_coord_rank_view;
+void sp_coord_rank_get(const sp_coord *c, uint32_t rank, sp_coord_rank_view *v);
+int sp_coord_rank_status(const sp_coord *c, uint32_t rank);
+uint64_t sp_coord_rank_step(const sp_coord *c, uint32_t rank);
 /* Publishes an event to the Watch streams whose filters match. */
 void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
                       uint32_t rank, const char *message,
                       const Shardplane__V1__Transition *t);
+/* An ALERT event carrying the alert itself (Event.alert). */
+void sp_coord_publish_alert(sp_coord *c, const Shardplane__V1__Alert *a);
 
 #endif

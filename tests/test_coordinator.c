@@ -496,10 +496,11 @@ static void test_session_stream_and_loss(void **state) {
   /* rank 1 never heartbeats while rank 0 keeps its session alive: rank 1
    * is lost after the timeout, and rank 0 is told to abort its
    * collectives */
-  bool lost1 = false, saw_abort = false;
+  bool lost1 = false, saw_abort = false, saw_lost_alert = false;
   uint64_t t0 = uv_hrtime(), seq = 3;
   up.n_transitions = 0;
-  while ((!lost1 || !saw_abort) && uv_hrtime() - t0 < 3000000000ull) {
+  while ((!lost1 || !saw_abort || !saw_lost_alert) &&
+         uv_hrtime() - t0 < 3000000000ull) {
     up.seq = seq++;
     assert_int_equal(sp_rpc_sync_stream_send(s, &up.base), 0);
     while (sp_rpc_sync_stream_recv(s, &shardplane__v1__session_down__descriptor,
@@ -508,12 +509,28 @@ static void test_session_stream_and_loss(void **state) {
       if (down->command == SHARDPLANE__V1__COMMAND__ABORT) {
         saw_abort = true;
         assert_non_null(strstr(down->reason, "rank 1"));
+        assert_true(down->has_culprit);
+        assert_int_equal(down->culprit, 1);
       }
       free_msg(down);
     }
     if (sp_rpc_sync_stream_recv(w, &shardplane__v1__event__descriptor, 50, &m,
                                 &st) == 0) {
       ev = (Shardplane__V1__Event *)m;
+      if (ev->kind == SHARDPLANE__V1__EVENT_KIND__ALERT) {
+        /* the first loss is the culprit's: a LOST alert naming rank 0 as
+         * its victim */
+        assert_non_null(ev->alert);
+        assert_int_equal(ev->alert->kind,
+                         SHARDPLANE__V1__ALERT_KIND__ALERT_LOST);
+        assert_int_equal(ev->alert->n_culprits, 1);
+        assert_int_equal(ev->alert->culprits[0], 1);
+        assert_int_equal(ev->alert->n_victims, 1);
+        assert_int_equal(ev->alert->victims[0], 0);
+        saw_lost_alert = true;
+        free_msg(ev);
+        continue;
+      }
       if (ev->kind != SHARDPLANE__V1__EVENT_KIND__RANK_LOST || ev->rank != 1)
         fail_msg("event %d rank %u: %s (after %llu ms)", ev->kind, ev->rank,
                  ev->message,
@@ -525,6 +542,7 @@ static void test_session_stream_and_loss(void **state) {
   }
   assert_true(lost1);
   assert_true(saw_abort);
+  assert_true(saw_lost_alert);
 
   /* closing rank 0's stream marks it lost as well */
   sp_rpc_sync_stream_close_send(s);
@@ -536,6 +554,11 @@ static void test_session_stream_and_loss(void **state) {
   free_msg(ev);
   j = get_job(&fx);
   assert_int_equal(j->ranks->lost, 2);
+  /* rank 0 is rank 1's victim, not a second culprit: one alert, and the
+   * job failed with rank 1's verdict */
+  assert_int_equal(j->alerts, 2); /* the illegal transition and rank 1 */
+  assert_int_equal(j->state, SHARDPLANE__V1__JOB_STATE__JOB_FAILED);
+  assert_non_null(strstr(j->verdict, "rank 1 was lost"));
   free_msg(j);
   sp_rpc_sync_stream_close(w);
   sp_rpc_sync_close(wcli);

@@ -1,0 +1,1079 @@
+/* The detectors: desync from the per-communicator fingerprints, stall from
+ * the ranks' silence while they heartbeat, stragglers from the workers'
+ * own timestamps, victims from who failed first, and the job's state.
+ * Per rank the coordinator keeps a few fingerprints and a window of step
+ * times (well under a kilobyte); per communicator a ring of the first
+ * fingerprint seen at each recent seq. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cast/dtype.h"
+#include "coordinator.h"
+
+#define N_KINDS 3
+/* Fingerprints a communicator remembers: more than a rank can be ahead of
+ * its slowest peer (FSDP's in-flight limit is a handful). */
+#define COMM_SLOTS 64u
+/* Issued collectives a rank remembers per communicator kind, to say which
+ * side of a desync it is on. */
+#define RANK_RING 4u
+#define MAX_OPEN 16u
+
+static int cmp_float(const void *a, const void *b);
+
+typedef struct fprint {
+  uint64_t seq, count;
+  uint32_t unit;
+  uint8_t op, dtype;
+} fprint;
+
+typedef struct comm_slot {
+  fprint f;
+  uint32_t first_rank;
+} comm_slot;
+
+typedef struct comm_table {
+  comm_slot *slots; /* COMM_SLOTS, allocated on first use */
+  bool desynced;    /* alerted once: the rest follows from it */
+} comm_table;
+
+typedef struct diag_rank {
+  bool active; /* sent any event since it attached */
+  uint64_t last_event_ms;
+  /* its last transition, for "rank 3's last event: ..." */
+  uint8_t last_machine, last_state;
+  uint32_t last_unit;
+  uint64_t last_step;
+  struct {
+    fprint issued;     /* the last issued */
+    uint64_t issued_ms; /* coordinator clock */
+    uint64_t done_seq;  /* the last completed */
+    uint32_t index;     /* comm_index */
+    fprint ring[RANK_RING];
+  } comm[N_KINDS];
+  /* step timing from the worker's clock: compute in forward/backward of
+   * its units plus the time between steps (optimizer, data); the rest of
+   * a step is waiting on peers */
+  uint64_t step_start_us, cur_step, busy_us, enter_us, root_idle_us;
+  bool in_compute;
+  float step_ms[SP_DIAG_STEP_WINDOW], busy_ms[SP_DIAG_STEP_WINDOW];
+  uint8_t n_steps, next;
+  float score, busy_med;
+  bool straggling;
+  bool victim;
+  uint32_t victim_of;
+  bool has_loss;
+  double loss;
+} diag_rank;
+
+typedef struct open_alert {
+  Shardplane__V1__Alert a;
+  Shardplane__V1__Collective col;
+  char *msg;
+  uint32_t *culprits, *victims;
+} open_alert;
+
+struct sp_coord_diag {
+  uv_timer_t timer;
+  bool timer_started;
+  uint64_t last_tick_ms;
+  uint64_t forgiven_ms; /* the coordinator's own pauses, in total */
+  diag_rank *r;
+  uint32_t world, shard_world, n_shard, n_replica;
+  comm_table world_t, *shard_t, *replica_t;
+  Shardplane__V1__JobState state;
+  bool ever_running;
+  char *verdict; /* FAILED */
+  uint64_t end_step;
+  bool has_culprit;
+  uint32_t culprit;
+  char *culprit_msg; /* the verdict that named it */
+  bool stall_open;
+  uint64_t total_steps;
+  /* progress: the slowest rank's step at two moments */
+  uint64_t rate_t0_ms, rate_step0;
+  double steps_per_s;
+  uint64_t last_min_step;
+  open_alert open[MAX_OPEN];
+  size_t n_open;
+  char last_event_buf[160];
+  void (*closed)(void *);
+};
+
+/* ---- names ---- */
+
+/* Verdicts are cut at SP_DIAG_MAX (what the alert log keeps). */
+static void say(char *out, size_t cap, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void say(char *out, size_t cap, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(out, cap, fmt, ap);
+  va_end(ap);
+}
+
+static const char *op_name(uint8_t op) {
+  const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(
+      &shardplane__v1__collective_op__descriptor, op);
+  return v ? v->name : "?";
+}
+
+static const char *comm_kind_name(int kind) {
+  return kind == SHARDPLANE__V1__COMM_KIND__COMM_SHARD     ? "shard group"
+         : kind == SHARDPLANE__V1__COMM_KIND__COMM_REPLICA ? "replica group"
+                                                           : "world";
+}
+
+static void comm_label(int kind, uint32_t index, char *out, size_t cap) {
+  if (kind == SHARDPLANE__V1__COMM_KIND__COMM_WORLD)
+    snprintf(out, cap, "world");
+  else
+    snprintf(out, cap, "%s %u", comm_kind_name(kind), index);
+}
+
+static const char *unit_name(const sp_coord *c, uint32_t unit) {
+  if (unit >= c->plan->n_units) return "?";
+  const char *n = sp_plan_unit_fqn(c->plan, unit);
+  return n && n[0] ? n : "root";
+}
+
+/* "rank 3" / "ranks 0-2, 4-7" */
+static void fmt_ranks(const uint32_t *v, size_t n, char *out, size_t cap) {
+  size_t used = 0;
+  int w = snprintf(out, cap, "%s ", n == 1 ? "rank" : "ranks");
+  if (w < 0 || (size_t)w >= cap) return;
+  used = (size_t)w;
+  for (size_t i = 0; i < n && used < cap;) {
+    size_t j = i;
+    while (j + 1 < n && v[j + 1] == v[j] + 1) j++;
+    if (j > i + 1 || j == i + 1)
+      w = snprintf(out + used, cap - used, "%s%u%s%u", i ? ", " : "", v[i],
+                   j == i + 1 ? ", " : "-", v[j]);
+    else
+      w = snprintf(out + used, cap - used, "%s%u", i ? ", " : "", v[i]);
+    if (w < 0) break;
+    used += (size_t)w;
+    i = j + 1;
+  }
+  if (used >= cap) out[cap - 1] = '\0';
+}
+
+static void fp_words(const sp_coord *c, const fprint *f, char *out,
+                     size_t cap) {
+  snprintf(out, cap, "%s of unit %u (%s), %s x %" PRIu64, op_name(f->op),
+           f->unit, unit_name(c, f->unit), sp_dtype_name((sp_dtype)f->dtype),
+           f->count);
+}
+
+void sp_coord_diag_last_event(const sp_coord *c, uint32_t rank, char *out,
+                              size_t cap) {
+  const diag_rank *k = &c->diag->r[rank];
+  if (!k->active) {
+    snprintf(out, cap, "none since it attached");
+    return;
+  }
+  if (k->last_machine == SHARDPLANE__V1__MACHINE__MACHINE_HANDLE)
+    snprintf(out, cap, "%s of unit %u, step %" PRIu64,
+             sp_state_name(SP_MACHINE_HANDLE, k->last_state), k->last_unit,
+             k->last_step);
+  else
+    snprintf(out, cap, "%s, step %" PRIu64,
+             sp_state_name(SP_MACHINE_ROOT, k->last_state), k->last_step);
+}
+
+/* ---- setup ---- */
+
+int sp_coord_diag_init(sp_coord *c) {
+  sp_coord_diag *d = calloc(1, sizeof *d);
+  if (d == NULL) return SP_ENOMEM;
+  c->diag = d;
+  d->world = c->plan->world_size;
+  d->r = calloc(d->world, sizeof *d->r);
+  if (d->r == NULL) return SP_ENOMEM;
+  if (c->plan->strategy == SP_HYBRID_SHARD &&
+      c->plan->shard_world > 0) {
+    d->shard_world = c->plan->shard_world;
+    d->n_shard = d->world / d->shard_world;
+    d->n_replica = d->shard_world;
+    d->shard_t = calloc(d->n_shard, sizeof *d->shard_t);
+    d->replica_t = calloc(d->n_replica, sizeof *d->replica_t);
+    if (d->shard_t == NULL || d->replica_t == NULL) return SP_ENOMEM;
+  }
+  d->state = SHARDPLANE__V1__JOB_STATE__JOB_WAITING;
+  return 0;
+}
+
+static void free_open(open_alert *o) {
+  free(o->msg);
+  free(o->culprits);
+  free(o->victims);
+  memset(o, 0, sizeof *o);
+}
+
+void sp_coord_diag_free(sp_coord *c) {
+  sp_coord_diag *d = c->diag;
+  if (d == NULL) return;
+  free(d->world_t.slots);
+  for (uint32_t i = 0; d->shard_t && i < d->n_shard; i++)
+    free(d->shard_t[i].slots);
+  for (uint32_t i = 0; d->replica_t && i < d->n_replica; i++)
+    free(d->replica_t[i].slots);
+  free(d->shard_t);
+  free(d->replica_t);
+  for (size_t i = 0; i < d->n_open; i++) free_open(&d->open[i]);
+  free(d->verdict);
+  free(d->culprit_msg);
+  free(d->r);
+  free(d);
+  c->diag = NULL;
+}
+
+uint64_t sp_coord_diag_forgiven_ms(const sp_coord *c) {
+  return c->diag->forgiven_ms;
+}
+
+size_t sp_coord_diag_bytes(const sp_coord *c) {
+  const sp_coord_diag *d = c->diag;
+  size_t n = sizeof *d + (size_t)d->world * sizeof *d->r;
+  size_t tables = 1 + d->n_shard + d->n_replica;
+  n += tables * (sizeof(comm_table) + COMM_SLOTS * sizeof(comm_slot));
+  return n;
+}
+
+/* ---- members of a communicator ---- */
+
+static comm_table *table_of(sp_coord_diag *d, int kind, uint32_t index) {
+  switch (kind) {
+  case SHARDPLANE__V1__COMM_KIND__COMM_WORLD:
+    return index == 0 ? &d->world_t : NULL;
+  case SHARDPLANE__V1__COMM_KIND__COMM_SHARD:
+    return d->shard_t && index < d->n_shard ? &d->shard_t[index] : NULL;
+  case SHARDPLANE__V1__COMM_KIND__COMM_REPLICA:
+    return d->replica_t && index < d->n_replica ? &d->replica_t[index] : NULL;
+  default: return NULL;
+  }
+}
+
+/* The i-th member (i < n_members), in rank order. */
+static uint32_t n_members(const sp_coord_diag *d, int kind) {
+  return kind == SHARDPLANE__V1__COMM_KIND__COMM_SHARD     ? d->shard_world
+         : kind == SHARDPLANE__V1__COMM_KIND__COMM_REPLICA ? d->n_shard
+                                                           : d->world;
+}
+
+static uint32_t member(const sp_coord_diag *d, int kind, uint32_t index,
+                       uint32_t i) {
+  return kind == SHARDPLANE__V1__COMM_KIND__COMM_SHARD
+             ? index * d->shard_world + i
+         : kind == SHARDPLANE__V1__COMM_KIND__COMM_REPLICA
+             ? i * d->shard_world + index
+             : i;
+}
+
+static bool member_of(const sp_coord_diag *d, int kind, uint32_t index,
+                      uint32_t rank) {
+  if (kind == SHARDPLANE__V1__COMM_KIND__COMM_SHARD)
+    return rank / d->shard_world == index;
+  if (kind == SHARDPLANE__V1__COMM_KIND__COMM_REPLICA)
+    return rank % d->shard_world == index;
+  return true;
+}
+
+static bool fp_eq(const fprint *a, const fprint *b) {
+  return a->op == b->op && a->unit == b->unit && a->dtype == b->dtype &&
+         a->count == b->count;
+}
+
+static bool attached(const sp_coord *c, uint32_t rank);
+
+/* ---- alerts ---- */
+
+static void collective_msg(Shardplane__V1__Collective *m, const fprint *f,
+                           int kind, uint32_t index) {
+  shardplane__v1__collective__init(m);
+  m->seq = f->seq;
+  m->op = (Shardplane__V1__CollectiveOp)f->op;
+  m->unit = f->unit;
+  m->dtype = (Shardplane__V1__DType)f->dtype;
+  m->count = f->count;
+  m->comm = (Shardplane__V1__CommKind)kind;
+  m->comm_index = index;
+}
+
+/* Raises an alert and keeps it open (GetVerdict) until closed. */
+static void raise_alert(sp_coord *c, Shardplane__V1__AlertKind kind,
+                        const uint32_t *cul, size_t nc, const uint32_t *vic,
+                        size_t nv, const Shardplane__V1__Collective *col,
+                        const char *msg) {
+  sp_coord_diag *d = c->diag;
+  sp_coord_alert_info info = {.kind = kind,
+                              .culprits = cul,
+                              .n_culprits = nc,
+                              .victims = vic,
+                              .n_victims = nv,
+                              .collective = col};
+  sp_coord_alert_ex(c, &info, msg);
+  if (d->n_open == MAX_OPEN) {
+    free_open(&d->open[0]);
+    memmove(&d->open[0], &d->open[1], (MAX_OPEN - 1) * sizeof d->open[0]);
+    memset(&d->open[MAX_OPEN - 1], 0, sizeof d->open[0]);
+    d->n_open--;
+  }
+  open_alert *o = &d->open[d->n_open];
+  shardplane__v1__alert__init(&o->a);
+  o->msg = sp_strdup(msg);
+  o->culprits = nc ? malloc(nc * sizeof *cul) : NULL;
+  o->victims = nv ? malloc(nv * sizeof *vic) : NULL;
+  if ((nc && o->culprits == NULL) || (nv && o->victims == NULL) ||
+      o->msg == NULL) {
+    free_open(o);
+    return;
+  }
+  d->n_open++;
+  if (nc) memcpy(o->culprits, cul, nc * sizeof *cul);
+  if (nv) memcpy(o->victims, vic, nv * sizeof *vic);
+  o->a.kind = kind;
+  o->a.rank = nc ? cul[0] : UINT32_MAX;
+  o->a.message = o->msg;
+  o->a.time_ms = sp_coord_now_ms(c);
+  o->a.culprits = o->culprits;
+  o->a.n_culprits = nc;
+  o->a.victims = o->victims;
+  o->a.n_victims = nv;
+  if (col) {
+    o->col = *col;
+    o->a.collective = &o->col;
+  }
+}
+
+static void close_alerts(sp_coord *c, Shardplane__V1__AlertKind kind,
+                         bool any_rank, uint32_t rank) {
+  sp_coord_diag *d = c->diag;
+  size_t j = 0;
+  for (size_t i = 0; i < d->n_open; i++) {
+    open_alert *o = &d->open[i];
+    if (o->a.kind == kind && (any_rank || o->a.rank == rank)) {
+      free_open(o);
+      continue;
+    }
+    if (j != i) {
+      d->open[j] = *o;
+      if (d->open[j].a.collective) d->open[j].a.collective = &d->open[j].col;
+      memset(o, 0, sizeof *o);
+    }
+    j++;
+  }
+  d->n_open = j;
+}
+
+size_t sp_coord_diag_open_alerts(sp_coord *c, Shardplane__V1__Alert **out,
+                                 size_t cap) {
+  size_t n = 0;
+  for (size_t i = 0; i < c->diag->n_open && n < cap; i++)
+    out[n++] = &c->diag->open[i].a;
+  return n;
+}
+
+/* The job failed: the first verdict stays. */
+static void job_failed(sp_coord *c, const char *verdict) {
+  sp_coord_diag *d = c->diag;
+  if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_FAILED ||
+      d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED)
+    return;
+  d->state = SHARDPLANE__V1__JOB_STATE__JOB_FAILED;
+  free(d->verdict);
+  d->verdict = sp_strdup(verdict);
+  d->end_step = d->last_min_step;
+  sp_coord_log(c, "job FAILED: %s", verdict);
+}
+
+static void name_culprit(sp_coord *c, uint32_t rank, const char *msg) {
+  sp_coord_diag *d = c->diag;
+  if (d->has_culprit) return;
+  d->has_culprit = true;
+  d->culprit = rank;
+  d->culprit_msg = sp_strdup(msg);
+}
+
+/* Every rank not among the culprits that is still attached. */
+static size_t others(const sp_coord *c, const uint32_t *cul, size_t nc,
+                     uint32_t *out) {
+  size_t n = 0;
+  for (uint32_t r = 0; r < c->diag->world; r++) {
+    bool is = false;
+    for (size_t i = 0; i < nc; i++) is |= cul[i] == r;
+    if (!is && attached(c, r)) out[n++] = r;
+  }
+  return n;
+}
+
+/* The policy after a stall or desync verdict: abort (every rank gets the
+ * verdict as its reason) or keep alerting; the dump either way. */
+static void after_verdict(sp_coord *c, const char *msg, bool culprit_known,
+                          uint32_t culprit, bool stall) {
+  if (culprit_known) name_culprit(c, culprit, msg);
+  if (stall && c->cfg.diag.abort_on_stall) {
+    sp_coord_abort_all(c, msg, culprit_known, culprit);
+    job_failed(c, msg);
+  }
+  sp_coord_dump_write(c, msg);
+}
+
+/* ---- desync ---- */
+
+static void desync_alert(sp_coord *c, int kind, uint32_t index,
+                         const comm_slot *ref, uint32_t rank,
+                         const fprint *f) {
+  sp_coord_diag *d = c->diag;
+  uint32_t nm = n_members(d, kind);
+  uint32_t *a = calloc((size_t)nm * 3 + 1, sizeof *a);
+  if (a == NULL) return;
+  uint32_t *b = a + nm, *none = b + nm;
+  size_t na = 0, nb = 0, nn = 0;
+  for (uint32_t i = 0; i < nm; i++) {
+    uint32_t r = member(d, kind, index, i);
+    const fprint *x = &d->r[r].comm[kind].ring[f->seq % RANK_RING];
+    if (x->seq != f->seq) none[nn++] = r;
+    else if (fp_eq(x, &ref->f)) a[na++] = r;
+    else b[nb++] = r;
+  }
+  char la[1200], lb[1200], ln[1200] = "", wa[200], wb[200], ea[160], eb[160],
+       comm[48];
+  fmt_ranks(a, na, la, sizeof la);
+  fmt_ranks(b, nb, lb, sizeof lb);
+  if (nn) fmt_ranks(none, nn, ln, sizeof ln);
+  fp_words(c, &ref->f, wa, sizeof wa);
+  fp_words(c, f, wb, sizeof wb);
+  sp_coord_diag_last_event(c, na ? a[0] : ref->first_rank, ea, sizeof ea);
+  sp_coord_diag_last_event(c, nb ? b[0] : rank, eb, sizeof eb);
+  comm_label(kind, index, comm, sizeof comm);
+  char msg[SP_DIAG_MAX];
+  say(msg, sizeof msg,
+           "desync on %s at collective #%" PRIu64 ": %s issued %s (last "
+           "event: %s); %s issued %s (last event: %s)%s%s%s",
+           comm, f->seq, la, wa, ea, lb, wb, eb, nn ? "; " : "", ln,
+           nn ? " not yet" : "");
+  /* the smaller side is the odd one out; at a tie, the later one */
+  bool b_culprit = nb <= na;
+  Shardplane__V1__Collective col;
+  collective_msg(&col, b_culprit ? f : &ref->f, kind, index);
+  raise_alert(c, SHARDPLANE__V1__ALERT_KIND__DESYNC, b_culprit ? b : a,
+              b_culprit ? nb : na, b_culprit ? a : b, b_culprit ? na : nb,
+              &col, msg);
+  after_verdict(c, msg, true, b_culprit ? b[0] : a[0], false);
+  free(a);
+}
+
+static void ingest_collective(sp_coord *c, uint32_t rank,
+                              const Shardplane__V1__Collective *q,
+                              uint64_t now) {
+  sp_coord_diag *d = c->diag;
+  int kind = (int)q->comm;
+  if (kind < 0 || kind >= N_KINDS) return;
+  comm_table *t = table_of(d, kind, q->comm_index);
+  if (t == NULL || !member_of(d, kind, q->comm_index, rank) || q->seq == 0)
+    return;
+  diag_rank *k = &d->r[rank];
+  fprint f = {.seq = q->seq,
+              .count = q->count,
+              .unit = q->unit,
+              .op = (uint8_t)q->op,
+              .dtype = (uint8_t)q->dtype};
+  if (q->completed) {
+    if (q->seq > k->comm[kind].done_seq) k->comm[kind].done_seq = q->seq;
+    return;
+  }
+  if (q->seq > k->comm[kind].issued.seq) {
+    k->comm[kind].issued = f;
+    k->comm[kind].issued_ms = now;
+    k->comm[kind].index = q->comm_index;
+  }
+  k->comm[kind].ring[q->seq % RANK_RING] = f;
+  if (t->slots == NULL) {
+    t->slots = calloc(COMM_SLOTS, sizeof *t->slots);
+    if (t->slots == NULL) return;
+  }
+  comm_slot *s = &t->slots[q->seq % COMM_SLOTS];
+  if (s->f.seq < q->seq) {
+    s->f = f;
+    s->first_rank = rank;
+  } else if (s->f.seq == q->seq && !fp_eq(&s->f, &f) && !t->desynced) {
+    t->desynced = true;
+    desync_alert(c, kind, q->comm_index, s, rank, &f);
+  }
+}
+
+/* ---- straggler timing ---- */
+
+static float median_of(const float *v, size_t n) {
+  float tmp[SP_DIAG_STEP_WINDOW];
+  if (n == 0) return 0;
+  memcpy(tmp, v, n * sizeof *v);
+  for (size_t i = 1; i < n; i++) /* n is tiny */
+    for (size_t j = i; j > 0 && tmp[j - 1] > tmp[j]; j--) {
+      float x = tmp[j];
+      tmp[j] = tmp[j - 1];
+      tmp[j - 1] = x;
+    }
+  return n % 2 ? tmp[n / 2] : (tmp[n / 2 - 1] + tmp[n / 2]) / 2;
+}
+
+static float pct_of(const float *v, size_t n, double p) {
+  float tmp[SP_DIAG_STEP_WINDOW];
+  if (n == 0) return 0;
+  memcpy(tmp, v, n * sizeof *v);
+  for (size_t i = 1; i < n; i++)
+    for (size_t j = i; j > 0 && tmp[j - 1] > tmp[j]; j--) {
+      float x = tmp[j];
+      tmp[j] = tmp[j - 1];
+      tmp[j - 1] = x;
+    }
+  size_t i = (size_t)ceil(p * (double)n) - 1;
+  return tmp[i < n ? i : n - 1];
+}
+
+static void close_step(diag_rank *k, uint64_t t_us) {
+  if (k->step_start_us == 0 || t_us <= k->step_start_us) return;
+  k->step_ms[k->next] = (float)(t_us - k->step_start_us) / 1000.0f;
+  k->busy_ms[k->next] = (float)k->busy_us / 1000.0f;
+  k->next = (uint8_t)((k->next + 1) % SP_DIAG_STEP_WINDOW);
+  if (k->n_steps < SP_DIAG_STEP_WINDOW) k->n_steps++;
+  k->busy_med = median_of(k->busy_ms, k->n_steps);
+}
+
+static void time_transition(diag_rank *k, const Shardplane__V1__Transition *t) {
+  uint64_t us = t->time_us;
+  if (us == 0) return; /* a worker without timestamps */
+  if (k->in_compute && us > k->enter_us) k->busy_us += us - k->enter_us;
+  k->in_compute = false;
+  if (t->machine == SHARDPLANE__V1__MACHINE__MACHINE_ROOT) {
+    if (t->state == SP_ROOT_FORWARD_BACKWARD) {
+      if (k->root_idle_us && us > k->root_idle_us)
+        k->busy_us += us - k->root_idle_us;
+      k->root_idle_us = 0;
+      if (t->step != k->cur_step || k->step_start_us == 0) {
+        close_step(k, us);
+        k->step_start_us = us;
+        k->cur_step = t->step;
+        k->busy_us = 0;
+      }
+    } else if (t->state == SP_ROOT_IDLE) {
+      k->root_idle_us = us;
+    }
+  } else if (t->state == SP_HANDLE_FORWARD ||
+             t->state == SP_HANDLE_BACKWARD_PRE) {
+    k->in_compute = true;
+    k->enter_us = us;
+  }
+}
+
+/* ---- ingest ---- */
+
+static bool attached(const sp_coord *c, uint32_t rank) {
+  return sp_coord_rank_status(c, rank) == SHARDPLANE__V1__RANK_STATUS__ATTACHED;
+}
+
+void sp_coord_diag_transition(sp_coord *c, uint32_t rank,
+                              const Shardplane__V1__Transition *t) {
+  diag_rank *k = &c->diag->r[rank];
+  k->active = true;
+  k->last_event_ms = sp_coord_now_ms(c);
+  k->last_machine = (uint8_t)t->machine;
+  k->last_state = (uint8_t)t->state;
+  k->last_unit = t->unit;
+  if (t->step > k->last_step) k->last_step = t->step;
+  time_transition(k, t);
+}
+
+void sp_coord_diag_session_up(sp_coord *c, uint32_t rank,
+                              const Shardplane__V1__SessionUp *q) {
+  sp_coord_diag *d = c->diag;
+  diag_rank *k = &d->r[rank];
+  if (q->has_loss && isfinite(q->loss)) {
+    k->has_loss = true;
+    k->loss = q->loss;
+  }
+  if (q->total_steps > d->total_steps) d->total_steps = q->total_steps;
+  if (q->n_collectives > 0) {
+    uint64_t now = sp_coord_now_ms(c);
+    k->active = true;
+    k->last_event_ms = now;
+    for (size_t i = 0; i < q->n_collectives; i++)
+      ingest_collective(c, rank, q->collectives[i], now);
+  }
+  if (q->flight != NULL) sp_coord_dump_flight(c, rank, q->flight);
+}
+
+void sp_coord_diag_attached(sp_coord *c, uint32_t rank) {
+  sp_coord_diag *d = c->diag;
+  diag_rank *k = &d->r[rank];
+  bool victim = k->victim;
+  uint32_t of = k->victim_of;
+  memset(k, 0, sizeof *k);
+  k->victim = victim;
+  k->victim_of = of;
+  k->last_event_ms = sp_coord_now_ms(c);
+  if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
+    for (uint32_t r = 0; r < d->world; r++)
+      if (!attached(c, r)) return;
+    d->state = SHARDPLANE__V1__JOB_STATE__JOB_RUNNING;
+    d->ever_running = true;
+    d->rate_t0_ms = sp_coord_now_ms(c);
+    d->rate_step0 = 0;
+    sp_coord_log(c, "job RUNNING: all %u ranks attached", d->world);
+  }
+}
+
+void sp_coord_diag_detached(sp_coord *c, uint32_t rank) {
+  (void)rank;
+  sp_coord_diag *d = c->diag;
+  if (d->state != SHARDPLANE__V1__JOB_STATE__JOB_RUNNING) return;
+  for (uint32_t r = 0; r < d->world; r++)
+    if (sp_coord_rank_status(c, r) != SHARDPLANE__V1__RANK_STATUS__DETACHED)
+      return;
+  uint64_t step = 0;
+  for (uint32_t r = 0; r < d->world; r++)
+    if (sp_coord_rank_step(c, r) > step) step = sp_coord_rank_step(c, r);
+  d->state = SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
+  d->end_step = step;
+  sp_coord_log(c, "job COMPLETED at step %" PRIu64, step);
+}
+
+void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
+                        char *reason, size_t cap, uint32_t *culprit) {
+  sp_coord_diag *d = c->diag;
+  if (d->has_culprit && d->culprit != rank) {
+    d->r[rank].victim = true;
+    d->r[rank].victim_of = d->culprit;
+    sp_coord_log(c, "rank %u lost after rank %u's fault (a victim): %s", rank,
+                 d->culprit, why);
+    snprintf(reason, cap, "%s",
+             d->verdict ? d->verdict
+                        : d->culprit_msg ? d->culprit_msg : "a peer failed");
+    *culprit = d->culprit;
+    job_failed(c, reason);
+    return;
+  }
+  *culprit = rank;
+  char msg[SP_DIAG_MAX];
+  say(msg, sizeof msg, "rank %u was lost: %s", rank, why);
+  name_culprit(c, rank, msg);
+  uint32_t *v = malloc((size_t)d->world * sizeof *v);
+  size_t nv = v ? others(c, &rank, 1, v) : 0;
+  raise_alert(c, SHARDPLANE__V1__ALERT_KIND__ALERT_LOST, &rank, 1, v, nv, NULL, msg);
+  free(v);
+  snprintf(reason, cap, "%s", msg);
+  if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING) job_failed(c, msg);
+  if (!c->shutting_down) sp_coord_dump_write(c, msg);
+}
+
+void sp_coord_diag_aborted(sp_coord *c, const char *reason) {
+  job_failed(c, reason);
+}
+
+bool sp_coord_diag_refuse_attach(const sp_coord *c, char *msg, size_t cap) {
+  const sp_coord_diag *d = c->diag;
+  if (d->state != SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED &&
+      d->state != SHARDPLANE__V1__JOB_STATE__JOB_FAILED)
+    return false;
+  bool ok = d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
+  snprintf(msg, cap, "the job ended (%s at step %" PRIu64 "%s%.300s); start "
+           "a new coordinator",
+           ok ? "COMPLETED" : "FAILED", d->end_step, ok ? "" : ": ",
+           ok ? "" : (d->verdict ? d->verdict : ""));
+  return true;
+}
+
+/* ---- stall ---- */
+
+uint64_t sp_coord_diag_stall_threshold(const sp_coord *c) {
+  if (c->cfg.diag.stall_timeout_ms) return c->cfg.diag.stall_timeout_ms;
+  const sp_coord_diag *d = c->diag;
+  float p99 = 0;
+  for (uint32_t r = 0; r < d->world; r++) {
+    const diag_rank *k = &d->r[r];
+    if (k->n_steps == 0) continue;
+    float x = pct_of(k->step_ms, k->n_steps, 0.99);
+    if (x > p99) p99 = x;
+  }
+  uint64_t adaptive = (uint64_t)(SP_DIAG_STALL_K * p99);
+  return adaptive > SP_DIAG_STALL_FLOOR_MS ? adaptive : SP_DIAG_STALL_FLOOR_MS;
+}
+
+/* The collective most ranks wait in: issued, not completed. */
+static bool find_waited(const sp_coord *c, int *kind_out, uint32_t *index_out,
+                        fprint *f_out) {
+  const sp_coord_diag *d = c->diag;
+  bool found = false;
+  uint64_t oldest = UINT64_MAX;
+  for (uint32_t r = 0; r < d->world; r++) {
+    if (!attached(c, r)) continue;
+    const diag_rank *k = &d->r[r];
+    for (int kind = 0; kind < N_KINDS; kind++) {
+      if (k->comm[kind].issued.seq == 0 ||
+          k->comm[kind].done_seq >= k->comm[kind].issued.seq)
+        continue;
+      /* the earliest-issued open collective: what the job waits on first */
+      if (k->comm[kind].issued_ms < oldest) {
+        oldest = k->comm[kind].issued_ms;
+        *kind_out = kind;
+        *index_out = k->comm[kind].index;
+        *f_out = k->comm[kind].issued;
+        found = true;
+      }
+    }
+  }
+  return found;
+}
+
+static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
+  sp_coord_diag *d = c->diag;
+  uint32_t *waiting = malloc((size_t)d->world * 2 * sizeof *waiting);
+  if (waiting == NULL) return;
+  uint32_t *missing = waiting + d->world;
+  size_t nw = 0, nmiss = 0;
+  int kind = 0;
+  uint32_t index = 0;
+  fprint f;
+  char msg[SP_DIAG_MAX], lw[1200], lm[1200], words[200], comm[48], ev[160];
+  if (find_waited(c, &kind, &index, &f)) {
+    uint64_t since = now;
+    for (uint32_t i = 0; i < n_members(d, kind); i++) {
+      uint32_t r = member(d, kind, index, i);
+      const diag_rank *k = &d->r[r];
+      if (!attached(c, r)) {
+        /* a member that left (detached after fewer steps, say) never
+         * issues it: it is the one the others wait for */
+        if (k->comm[kind].issued.seq < f.seq &&
+            sp_coord_rank_status(c, r) !=
+                SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
+          missing[nmiss++] = r;
+        continue;
+      }
+      if (k->comm[kind].issued.seq >= f.seq &&
+          k->comm[kind].done_seq < f.seq) {
+        waiting[nw++] = r;
+        const fprint *x = &k->comm[kind].ring[f.seq % RANK_RING];
+        if (x->seq == f.seq && k->comm[kind].issued_ms < since)
+          since = k->comm[kind].issued.seq == f.seq ? k->comm[kind].issued_ms
+                                                    : since;
+      } else if (k->comm[kind].issued.seq < f.seq) {
+        missing[nmiss++] = r;
+      }
+    }
+    if (since == now) since = now - thr;
+    double secs = (double)(now - since) / 1000.0;
+    comm_label(kind, index, comm, sizeof comm);
+    fmt_ranks(waiting, nw, lw, sizeof lw);
+    Shardplane__V1__Collective col;
+    collective_msg(&col, &f, kind, index);
+    if (nmiss > 0) {
+      fmt_ranks(missing, nmiss, lm, sizeof lm);
+      sp_coord_diag_last_event(c, missing[0], ev, sizeof ev);
+      int st = sp_coord_rank_status(c, missing[0]);
+      const char *then = st == SHARDPLANE__V1__RANK_STATUS__DETACHED
+                             ? " (then it detached)"
+                         : st == SHARDPLANE__V1__RANK_STATUS__LOST
+                             ? " (then it was lost)"
+                             : "";
+      say(msg, sizeof msg,
+               "%s %s not issued %s #%" PRIu64 " of unit %u (%s) on %s; %s "
+               "%s been waiting in it for %.0f s; rank %u's last event: %s%s",
+               lm, nmiss == 1 ? "has" : "have", op_name(f.op), f.seq, f.unit,
+               unit_name(c, f.unit), comm, lw, nw == 1 ? "has" : "have", secs,
+               missing[0], ev, then);
+      raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss,
+                  waiting, nw, &col, msg);
+      after_verdict(c, msg, true, missing[0], true);
+    } else {
+      fp_words(c, &f, words, sizeof words);
+      say(msg, sizeof msg,
+               "every member of %s (%s) issued %s, collective #%" PRIu64
+               ", and none has completed it for %.0f s: the network or the "
+               "collective library, not a rank",
+               comm, lw, words, f.seq, secs);
+      raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STALL, NULL, 0, waiting, nw,
+                  &col, msg);
+      after_verdict(c, msg, false, 0, true);
+    }
+  } else {
+    /* nobody in a collective: the silent ranks themselves */
+    for (uint32_t r = 0; r < d->world; r++)
+      if (attached(c, r) && d->r[r].active &&
+          now - d->r[r].last_event_ms > thr)
+        missing[nmiss++] = r;
+    if (nmiss == 0) {
+      free(waiting);
+      return;
+    }
+    fmt_ranks(missing, nmiss, lm, sizeof lm);
+    sp_coord_diag_last_event(c, missing[0], ev, sizeof ev);
+    say(msg, sizeof msg,
+             "%s made no progress for %.0f s while heartbeating, in no "
+             "collective; rank %u's last event: %s",
+             lm, (double)(now - d->r[missing[0]].last_event_ms) / 1000.0,
+             missing[0], ev);
+    nw = others(c, missing, nmiss, waiting);
+    raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss, waiting,
+                nw, NULL, msg);
+    after_verdict(c, msg, true, missing[0], true);
+  }
+  free(waiting);
+}
+
+static void check_stall(sp_coord *c, uint64_t now) {
+  sp_coord_diag *d = c->diag;
+  if (d->state != SHARDPLANE__V1__JOB_STATE__JOB_RUNNING) return;
+  uint64_t thr = sp_coord_diag_stall_threshold(c);
+  bool any = false, moving = false;
+  for (uint32_t r = 0; r < d->world; r++) {
+    if (!attached(c, r) || !d->r[r].active) continue;
+    if (now - d->r[r].last_event_ms > thr) any = true;
+    else if (now - d->r[r].last_event_ms < SP_DIAG_TICK_MS * 2) moving = true;
+  }
+  if (!any) {
+    if (d->stall_open) {
+      d->stall_open = false;
+      close_alerts(c, SHARDPLANE__V1__ALERT_KIND__STALL, true, 0);
+      sp_coord_log(c, "the stall is over: every rank moves again");
+    }
+    return;
+  }
+  (void)moving;
+  if (d->stall_open) return;
+  d->stall_open = true;
+  stall_verdict(c, now, thr);
+}
+
+/* ---- straggler ---- */
+
+static void check_stragglers(sp_coord *c) {
+  sp_coord_diag *d = c->diag;
+  float *meds = malloc((size_t)d->world * sizeof *meds);
+  if (meds == NULL) return;
+  size_t n = 0;
+  for (uint32_t r = 0; r < d->world; r++)
+    if (attached(c, r) && d->r[r].n_steps >= SP_DIAG_STEP_WINDOW / 2)
+      meds[n++] = d->r[r].busy_med;
+  if (n < 2) {
+    free(meds);
+    return;
+  }
+  /* the median of the medians, every tick: n log n over the world */
+  qsort(meds, n, sizeof *meds, cmp_float);
+  float job_med = n % 2 ? meds[n / 2] : (meds[n / 2 - 1] + meds[n / 2]) / 2;
+  free(meds);
+  double ratio = c->cfg.diag.straggler_ratio > 1.0 ? c->cfg.diag.straggler_ratio
+                                                   : 1.3;
+  for (uint32_t r = 0; r < d->world; r++) {
+    diag_rank *k = &d->r[r];
+    if (!attached(c, r) || k->n_steps < SP_DIAG_STEP_WINDOW / 2) continue;
+    /* a floor of 1 ms keeps near-zero compute from making ratios */
+    float base = job_med > 1.0f ? job_med : 1.0f;
+    k->score = k->busy_med / base;
+    if (!k->straggling && k->busy_med > 1.0f && k->score >= ratio) {
+      k->straggling = true;
+      float step = median_of(k->step_ms, k->n_steps);
+      char msg[SP_DIAG_MAX];
+      say(msg, sizeof msg,
+               "rank %u is a straggler: its own compute is %.2fx the job's "
+               "median (%.1f ms a step against %.1f ms, over its last %u "
+               "steps); the step takes %.1f ms and the other ranks spend the "
+               "difference waiting for it in collectives",
+               r, (double)k->score, (double)k->busy_med, (double)job_med,
+               (unsigned)k->n_steps, (double)step);
+      uint32_t *v = malloc((size_t)d->world * sizeof *v);
+      size_t nv = v ? others(c, &r, 1, v) : 0;
+      raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, &r, 1, v, nv,
+                  NULL, msg);
+      free(v);
+    } else if (k->straggling && k->score < (ratio + 1.0) / 2) {
+      k->straggling = false;
+      close_alerts(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, false, r);
+    }
+  }
+}
+
+static int cmp_float(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+/* ---- progress ---- */
+
+static void update_progress(sp_coord *c, uint64_t now) {
+  sp_coord_diag *d = c->diag;
+  uint64_t min_step = UINT64_MAX;
+  for (uint32_t r = 0; r < d->world; r++)
+    if (attached(c, r)) {
+      uint64_t s = sp_coord_rank_step(c, r);
+      if (s < min_step) min_step = s;
+    }
+  if (min_step == UINT64_MAX) return;
+  d->last_min_step = min_step;
+  if (d->state != SHARDPLANE__V1__JOB_STATE__JOB_RUNNING) return;
+  if (d->rate_step0 == 0 && min_step > 0) {
+    d->rate_step0 = min_step;
+    d->rate_t0_ms = now;
+  } else if (min_step > d->rate_step0 && now > d->rate_t0_ms + 500) {
+    double rate = (double)(min_step - d->rate_step0) * 1000.0 /
+                  (double)(now - d->rate_t0_ms);
+    d->steps_per_s = d->steps_per_s > 0 ? 0.7 * d->steps_per_s + 0.3 * rate
+                                        : rate;
+    d->rate_step0 = min_step;
+    d->rate_t0_ms = now;
+  } else if (now > d->rate_t0_ms + 10000 && min_step == d->rate_step0) {
+    d->steps_per_s = 0;
+  }
+}
+
+/* ---- the tick ---- */
+
+/* The coordinator's own pause (the tick came late) is nobody's silence:
+ * the events that arrived meanwhile wait unread in the sockets. */
+static void forgive_pause(sp_coord *c, uint64_t now) {
+  sp_coord_diag *d = c->diag;
+  uint64_t due = d->last_tick_ms + SP_DIAG_TICK_MS;
+  if (d->last_tick_ms != 0 && now > due + SP_DIAG_TICK_MS) {
+    uint64_t late = now - due;
+    d->forgiven_ms += late;
+    for (uint32_t r = 0; r < d->world; r++) {
+      diag_rank *k = &d->r[r];
+      k->last_event_ms += late;
+      if (k->last_event_ms > now) k->last_event_ms = now;
+      for (int i = 0; i < N_KINDS; i++) {
+        k->comm[i].issued_ms += late;
+        if (k->comm[i].issued_ms > now) k->comm[i].issued_ms = now;
+      }
+    }
+  }
+  d->last_tick_ms = now;
+}
+
+static void on_tick(uv_timer_t *t) {
+  sp_coord *c = t->data;
+  uv_update_time(c->loop);
+  uint64_t now = sp_coord_now_ms(c);
+  forgive_pause(c, now);
+  update_progress(c, now);
+  check_stall(c, now);
+  check_stragglers(c);
+}
+
+void sp_coord_diag_start(sp_coord *c) {
+  sp_coord_diag *d = c->diag;
+  if (d->timer_started) return;
+  uv_timer_init(c->loop, &d->timer);
+  d->timer.data = c;
+  d->timer_started = true;
+  uv_update_time(c->loop);
+  d->last_tick_ms = sp_coord_now_ms(c);
+  uv_timer_start(&d->timer, on_tick, SP_DIAG_TICK_MS, SP_DIAG_TICK_MS);
+}
+
+static void timer_closed(uv_handle_t *h) {
+  sp_coord *c = h->data;
+  c->diag->closed(c);
+}
+
+void sp_coord_diag_shutdown(sp_coord *c, void (*closed)(void *)) {
+  sp_coord_diag *d = c->diag;
+  sp_coord_dump_shutdown(c);
+  if (d == NULL || !d->timer_started) {
+    closed(c);
+    return;
+  }
+  d->closed = closed;
+  uv_timer_stop(&d->timer);
+  uv_close((uv_handle_t *)&d->timer, timer_closed);
+}
+
+/* ---- what GetJob, ListRanks and GetVerdict say ---- */
+
+static double job_loss(const sp_coord *c, bool *has) {
+  const sp_coord_diag *d = c->diag;
+  for (uint32_t r = 0; r < d->world; r++)
+    if (d->r[r].has_loss) {
+      *has = true;
+      return d->r[r].loss;
+    }
+  *has = false;
+  return 0;
+}
+
+void sp_coord_diag_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
+                       Shardplane__V1__Progress *p) {
+  sp_coord_diag *d = c->diag;
+  r->state = d->state;
+  r->verdict = d->verdict ? d->verdict : (char *)"";
+  shardplane__v1__progress__init(p);
+  p->step = d->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING ||
+                    d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING
+                ? d->last_min_step
+                : d->end_step;
+  p->total_steps = d->total_steps;
+  p->steps_per_s = d->steps_per_s;
+  bool has;
+  p->loss = job_loss(c, &has);
+  p->has_loss = has;
+  p->eta_s = d->total_steps > p->step && d->steps_per_s > 0
+                 ? (double)(d->total_steps - p->step) / d->steps_per_s
+                 : (d->total_steps && d->total_steps <= p->step ? 0 : -1);
+  r->progress = p;
+}
+
+void sp_coord_diag_rank_info(const sp_coord *c, uint32_t rank,
+                             Shardplane__V1__RankInfo *x) {
+  const diag_rank *k = &c->diag->r[rank];
+  x->step_p50_ms = pct_of(k->step_ms, k->n_steps, 0.50);
+  x->step_p90_ms = pct_of(k->step_ms, k->n_steps, 0.90);
+  x->step_p99_ms = pct_of(k->step_ms, k->n_steps, 0.99);
+  x->straggler_score = k->n_steps ? k->score : 0;
+  x->victim = k->victim;
+  x->victim_of = k->victim_of;
+}
+
+bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
+                           char *text, size_t tcap) {
+  sp_coord_diag *d = c->diag;
+  uint32_t n_att = 0;
+  for (uint32_t r = 0; r < d->world; r++) n_att += attached(c, r);
+  text[0] = '\0';
+  if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_FAILED) {
+    snprintf(headline, hcap, "failed at step %" PRIu64 ": %s", d->end_step,
+             d->verdict ? d->verdict : "");
+  } else if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED) {
+    snprintf(headline, hcap, "completed: all %u ranks finished at step %" PRIu64,
+             d->world, d->end_step);
+    snprintf(text, tcap, "%s", headline);
+    return true;
+  } else if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
+    snprintf(headline, hcap, "waiting: %u of %u ranks attached", n_att,
+             d->world);
+  } else if (d->n_open == 0) {
+    bool has;
+    double loss = job_loss(c, &has);
+    char tail[64] = "";
+    if (has) snprintf(tail, sizeof tail, ", loss %.4g", loss);
+    snprintf(headline, hcap, "healthy: all %u ranks at step %" PRIu64
+             ", %.1f steps/s%s", d->world, d->last_min_step, d->steps_per_s,
+             tail);
+  } else {
+    snprintf(headline, hcap, "%s", d->open[d->n_open - 1].msg);
+  }
+  size_t used = 0;
+  for (size_t i = 0; i < d->n_open && used + 1 < tcap; i++) {
+    const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(
+        &shardplane__v1__alert_kind__descriptor, d->open[i].a.kind);
+    int w = snprintf(text + used, tcap - used, "%s%s: %s", used ? "\n" : "",
+                     v ? v->name : "?", d->open[i].msg);
+    if (w < 0) break;
+    used += (size_t)w < tcap - used ? (size_t)w : tcap - used - 1;
+  }
+  if (used == 0) snprintf(text, tcap, "%s", headline);
+  return d->state != SHARDPLANE__V1__JOB_STATE__JOB_FAILED && d->n_open == 0;
+}

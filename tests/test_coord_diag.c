@@ -1,0 +1,867 @@
+/* Hang diagnosis against synthetic ranks: each fake rank is a Session
+ * stream of its own driven with SessionUp messages, so the test chooses
+ * every fingerprint, timestamp and silence. Desync (the verdict string,
+ * the sides, the time from the mismatching fingerprint to the alert, on
+ * the world and on a HYBRID_SHARD shard group), stall (a rank that has not
+ * issued the collective its peers wait in; a collective nobody completes),
+ * victims and the culprit in every ABORT, stragglers with the step
+ * percentiles, the job's state and progress, Attach refused after the job
+ * ended, GetTrace and GetDump with a fake worker answering FLIGHT_DUMP. */
+#include <jansson.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "fsdp/state.h"
+#include "server/coordinator.h"
+#include "support/coord_fixture.h"
+#include "support/testutil.h"
+
+#define PATH(m) SP_COORD_PATH(m)
+#define MODEL SP_TEST_DATA "/same_name_buffers.json"
+#define WORLD 4
+/* ASan and a loaded 2-CPU machine: the bounds below are the issue's,
+ * plus this much for the machine (printed with every figure). */
+#define SLACK_MS 400
+
+static uint64_t now_ms(void) { return uv_hrtime() / 1000000u; }
+
+typedef struct fake {
+  sp_rpc_sync *cli;
+  sp_rpc_sync_stream *s;
+  char session[64];
+  uint32_t rank;
+  uint64_t seq;
+  /* what came down */
+  bool aborted, has_culprit;
+  uint32_t culprit;
+  char reason[SP_DIAG_MAX];
+  uint64_t dump_id;
+  uint32_t dump_last_n;
+  bool dump_asked;
+} fake;
+
+typedef struct job {
+  sp_coord_fixture fx;
+  char version[32];
+  uint32_t n_units;
+  fake f[WORLD];
+  sp_rpc_sync *wcli;
+  sp_rpc_sync_stream *w;
+} job;
+
+static void get_forgiven(sp_coord *c, void *arg) {
+  *(uint64_t *)arg = sp_coord_diag_forgiven_ms(c);
+}
+
+/* The stall bound: the threshold + 1 s, plus the coordinator's own pauses
+ * since `before` (forgiven every rank, so the verdict comes that much
+ * later) and the machine's slack. */
+static uint64_t stall_bound(job *j, uint32_t thr, uint64_t before) {
+  uint64_t now;
+  sp_coord_fixture_run(&j->fx, get_forgiven, &now);
+  uint64_t b = thr + 1000u + (now - before) + SLACK_MS;
+  printf("  (coordinator paused %llu ms meanwhile; bound %llu ms)\n",
+         (unsigned long long)(now - before), (unsigned long long)b);
+  return b;
+}
+
+static void set_stall(sp_coord *c, void *arg) {
+  c->cfg.diag.stall_timeout_ms = *(uint32_t *)arg;
+}
+
+static char g_unit1[128];
+static void unit1_name(sp_coord *c, void *arg) {
+  (void)arg;
+  snprintf(g_unit1, sizeof g_unit1, "%s", sp_plan_unit_fqn(c->plan, 1));
+}
+
+static void attach_one(job *j, uint32_t r) {
+  fake *f = &j->f[r];
+  memset(f, 0, sizeof *f);
+  f->rank = r;
+  Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
+  q.rank = r;
+  q.world_size = WORLD;
+  q.host = "testhost";
+  q.pid = 1000 + r;
+  q.device = "cpu";
+  q.plan_version = j->version;
+  sp_rpc_status st;
+  Shardplane__V1__AttachResponse *a =
+      (Shardplane__V1__AttachResponse *)sp_coord_fixture_call(
+          &j->fx, PATH("Attach"), &q.base,
+          &shardplane__v1__attach_response__descriptor, &st);
+  if (a == NULL) fail_msg("attach rank %u: %s", r, st.message);
+  snprintf(f->session, sizeof f->session, "%s", a->session_id);
+  sp_test_free_msg(a);
+  assert_int_equal(sp_rpc_sync_open(j->fx.addr, 2000, &f->cli), 0);
+  assert_int_equal(
+      sp_rpc_sync_stream_open(f->cli, PATH("Session"), 0, NULL, 0, &f->s), 0);
+}
+
+static void take(fake *f, Shardplane__V1__SessionDown *d) {
+  if (d->command == SHARDPLANE__V1__COMMAND__ABORT && !f->aborted) {
+    f->aborted = true;
+    f->has_culprit = d->has_culprit;
+    f->culprit = d->culprit;
+    snprintf(f->reason, sizeof f->reason, "%s", d->reason);
+  } else if (d->command == SHARDPLANE__V1__COMMAND__FLIGHT_DUMP) {
+    f->dump_asked = true;
+    f->dump_id = d->request_id;
+    f->dump_last_n = d->last_n;
+  }
+}
+
+/* Reads what comes down f's stream within wait_ms (at least 1: 0 would
+ * wait forever), then what is already there. */
+static void drain(fake *f, uint64_t wait_ms) {
+  ProtobufCMessage *m;
+  sp_rpc_status st;
+  if (wait_ms == 0) wait_ms = 1;
+  while (sp_rpc_sync_stream_recv(f->s, &shardplane__v1__session_down__descriptor,
+                                 wait_ms, &m, &st) == 0) {
+    take(f, (Shardplane__V1__SessionDown *)m);
+    sp_test_free_msg(m);
+    wait_ms = 1;
+  }
+}
+
+/* Sends and waits for its acknowledgement: the coordinator has taken the
+ * message in when this returns. */
+static void send_up(fake *f, Shardplane__V1__SessionUp *up) {
+  up->rank = f->rank;
+  up->session_id = f->session;
+  up->seq = ++f->seq;
+  int rc = sp_rpc_sync_stream_send(f->s, &up->base);
+  if (rc != 0) fail_msg("rank %u: send: %s", f->rank, sp_strerror(rc));
+  for (;;) {
+    ProtobufCMessage *m;
+    sp_rpc_status st;
+    rc = sp_rpc_sync_stream_recv(f->s, &shardplane__v1__session_down__descriptor,
+                                 5000, &m, &st);
+    if (rc != 0)
+      fail_msg("rank %u: no ack of %llu: %s (%s)", f->rank,
+               (unsigned long long)f->seq, sp_strerror(rc), st.message);
+    Shardplane__V1__SessionDown *d = (Shardplane__V1__SessionDown *)m;
+    take(f, d);
+    bool acked = d->acked_seq >= f->seq;
+    sp_test_free_msg(d);
+    if (acked) break;
+  }
+}
+
+static void heartbeat(fake *f) {
+  Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+  send_up(f, &up);
+}
+
+static void transition(fake *f, int machine, uint32_t unit, int state,
+                       uint64_t step, uint64_t t_us) {
+  Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
+  t.machine = (Shardplane__V1__Machine)machine;
+  t.unit = unit;
+  t.state = state;
+  t.step = step;
+  t.time_us = t_us;
+  Shardplane__V1__Transition *tp = &t;
+  Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+  up.step = step;
+  up.n_transitions = 1;
+  up.transitions = &tp;
+  send_up(f, &up);
+}
+
+static void collective(fake *f, int comm, uint32_t index, uint64_t seq,
+                       int op, uint32_t unit, uint64_t count, bool done,
+                       uint64_t step) {
+  Shardplane__V1__Collective k = SHARDPLANE__V1__COLLECTIVE__INIT;
+  k.comm = (Shardplane__V1__CommKind)comm;
+  k.comm_index = index;
+  k.seq = seq;
+  k.op = (Shardplane__V1__CollectiveOp)op;
+  k.unit = unit;
+  k.dtype = SHARDPLANE__V1__DTYPE__BFLOAT16;
+  k.count = count;
+  k.completed = done;
+  k.step = step;
+  Shardplane__V1__Collective *kp = &k;
+  Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+  up.step = step;
+  up.n_collectives = 1;
+  up.collectives = &kp;
+  send_up(f, &up);
+}
+
+#define AG SHARDPLANE__V1__COLLECTIVE_OP__ALL_GATHER
+#define RS SHARDPLANE__V1__COLLECTIVE_OP__REDUCE_SCATTER
+#define WORLD_C SHARDPLANE__V1__COMM_KIND__COMM_WORLD
+#define ROOT SHARDPLANE__V1__MACHINE__MACHINE_ROOT
+#define HANDLE SHARDPLANE__V1__MACHINE__MACHINE_HANDLE
+
+static void job_start(job *j, const char *const *flags, uint32_t stall_ms) {
+  sp_coord_fixture_start(&j->fx, MODEL, flags, 0);
+  Shardplane__V1__GetJobResponse *g = sp_coord_fixture_get_job(&j->fx);
+  snprintf(j->version, sizeof j->version, "%s", g->plan_version);
+  j->n_units = g->n_units;
+  assert_int_equal(g->state, SHARDPLANE__V1__JOB_STATE__JOB_WAITING);
+  sp_test_free_msg(g);
+  assert_true(j->n_units >= 2);
+  sp_coord_fixture_run(&j->fx, set_stall, &stall_ms);
+  sp_coord_fixture_run(&j->fx, unit1_name, NULL);
+  /* a watcher for the alerts */
+  assert_int_equal(sp_rpc_sync_open(j->fx.addr, 2000, &j->wcli), 0);
+  assert_int_equal(
+      sp_rpc_sync_stream_open(j->wcli, PATH("Watch"), 0, NULL, 0, &j->w), 0);
+  Shardplane__V1__WatchRequest wq = SHARDPLANE__V1__WATCH_REQUEST__INIT;
+  wq.kinds = (Shardplane__V1__EventKind[]){SHARDPLANE__V1__EVENT_KIND__ALERT};
+  wq.n_kinds = 1;
+  sp_rpc_sync_stream_send(j->w, &wq.base);
+  sp_rpc_sync_stream_close_send(j->w);
+  ProtobufCMessage *none;
+  sp_rpc_status st;
+  sp_rpc_sync_stream_recv(j->w, NULL, 100, &none, &st);
+  for (uint32_t r = 0; r < WORLD; r++) attach_one(j, r);
+  for (uint32_t r = 0; r < WORLD; r++) heartbeat(&j->f[r]);
+}
+
+static void job_stop(job *j) {
+  for (uint32_t r = 0; r < WORLD; r++) {
+    if (j->f[r].s) sp_rpc_sync_stream_close(j->f[r].s);
+    if (j->f[r].cli) sp_rpc_sync_close(j->f[r].cli);
+  }
+  sp_rpc_sync_stream_close(j->w);
+  sp_rpc_sync_close(j->wcli);
+  sp_coord_fixture_stop(&j->fx);
+}
+
+/* The next ALERT event within wait_ms, every rank heartbeating meanwhile
+ * (a stall is a silence with heartbeats); NULL when none came. */
+static Shardplane__V1__Event *next_alert(job *j, uint64_t wait_ms) {
+  uint64_t t0 = now_ms();
+  while (now_ms() - t0 < wait_ms) {
+    ProtobufCMessage *m;
+    sp_rpc_status st;
+    if (sp_rpc_sync_stream_recv(j->w, &shardplane__v1__event__descriptor, 100,
+                                &m, &st) == 0) {
+      Shardplane__V1__Event *ev = (Shardplane__V1__Event *)m;
+      if (ev->kind == SHARDPLANE__V1__EVENT_KIND__ALERT) return ev;
+      sp_test_free_msg(ev);
+    }
+    for (uint32_t r = 0; r < WORLD; r++)
+      if (j->f[r].s) heartbeat(&j->f[r]);
+  }
+  return NULL;
+}
+
+static Shardplane__V1__Verdict *get_verdict(job *j) {
+  Shardplane__V1__GetVerdictRequest q = SHARDPLANE__V1__GET_VERDICT_REQUEST__INIT;
+  sp_rpc_status st;
+  Shardplane__V1__Verdict *v = (Shardplane__V1__Verdict *)sp_coord_fixture_call(
+      &j->fx, PATH("GetVerdict"), &q.base, &shardplane__v1__verdict__descriptor,
+      &st);
+  if (v == NULL) fail_msg("GetVerdict: %s", st.message);
+  return v;
+}
+
+static void expect_ranks(const uint32_t *v, size_t n, const uint32_t *want,
+                         size_t nw) {
+  assert_int_equal(n, nw);
+  for (size_t i = 0; i < n; i++) assert_int_equal(v[i], want[i]);
+}
+
+/* ---------------- desync ---------------- */
+
+static void test_desync_world(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  job_start(&j, flags, 60000);
+  for (uint32_t r = 0; r < WORLD; r++)
+    transition(&j.f[r], ROOT, 0, SP_ROOT_FORWARD_BACKWARD, 1, 0);
+  for (uint32_t r = 0; r < 3; r++) {
+    transition(&j.f[r], HANDLE, 1, SP_HANDLE_FORWARD, 1, 0);
+    collective(&j.f[r], WORLD_C, 0, 1, AG, 1, 100, false, 1);
+  }
+  /* no alert while the fingerprints agree */
+  Shardplane__V1__Event *ev = next_alert(&j, 300);
+  assert_null(ev);
+  transition(&j.f[3], HANDLE, 1, SP_HANDLE_FORWARD, 1, 0);
+  transition(&j.f[3], HANDLE, 1, SP_HANDLE_IDLE, 1, 0);
+  transition(&j.f[3], HANDLE, 1, SP_HANDLE_BACKWARD_PRE, 1, 0);
+  uint64_t t0 = now_ms();
+  collective(&j.f[3], WORLD_C, 0, 1, RS, 1, 100, false, 1);
+  ev = next_alert(&j, 1000 + SLACK_MS);
+  uint64_t dt = now_ms() - t0;
+  assert_non_null(ev);
+  printf("desync: fingerprint to alert %llu ms (bound 1000 + %d)\n",
+         (unsigned long long)dt, SLACK_MS);
+  assert_true(dt <= 1000 + SLACK_MS);
+  assert_non_null(ev->alert);
+  assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__DESYNC);
+  char want[1024];
+  snprintf(want, sizeof want,
+           "desync on world at collective #1: ranks 0-2 issued ALL_GATHER of "
+           "unit 1 (%s), bfloat16 x 100 (last event: FORWARD of unit 1, step "
+           "1); rank 3 issued REDUCE_SCATTER of unit 1 (%s), bfloat16 x 100 "
+           "(last event: BACKWARD_PRE of unit 1, step 1)",
+           g_unit1, g_unit1);
+  assert_string_equal(ev->alert->message, want);
+  expect_ranks(ev->alert->culprits, ev->alert->n_culprits, (uint32_t[]){3}, 1);
+  expect_ranks(ev->alert->victims, ev->alert->n_victims,
+               (uint32_t[]){0, 1, 2}, 3);
+  assert_non_null(ev->alert->collective);
+  assert_int_equal(ev->alert->collective->seq, 1);
+  assert_int_equal(ev->alert->collective->op, RS);
+  sp_test_free_msg(ev);
+  Shardplane__V1__Verdict *v = get_verdict(&j);
+  assert_false(v->healthy);
+  assert_string_equal(v->headline, want);
+  assert_int_equal(v->n_open_alerts, 1);
+  sp_test_free_msg(v);
+  job_stop(&j);
+}
+
+static void test_desync_shard_group(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", "strategy",
+                         "HYBRID_SHARD", "shard-group-size", "2", NULL};
+  job j;
+  job_start(&j, flags, 60000);
+  int shard = SHARDPLANE__V1__COMM_KIND__COMM_SHARD;
+  /* shard group 0 (ranks 0, 1) agrees; in group 1 rank 3 sends another
+   * count; the same seq on different groups is no desync */
+  collective(&j.f[0], shard, 0, 7, AG, 1, 64, false, 1);
+  collective(&j.f[1], shard, 0, 7, AG, 1, 64, false, 1);
+  collective(&j.f[2], shard, 1, 7, AG, 1, 32, false, 1);
+  assert_null(next_alert(&j, 300));
+  uint64_t t0 = now_ms();
+  collective(&j.f[3], shard, 1, 7, AG, 1, 48, false, 1);
+  Shardplane__V1__Event *ev = next_alert(&j, 1000 + SLACK_MS);
+  assert_non_null(ev);
+  printf("desync (shard group): fingerprint to alert %llu ms\n",
+         (unsigned long long)(now_ms() - t0));
+  assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__DESYNC);
+  assert_non_null(strstr(ev->alert->message,
+                         "desync on shard group 1 at collective #7: rank 2 "
+                         "issued ALL_GATHER"));
+  assert_non_null(strstr(ev->alert->message, "bfloat16 x 48"));
+  /* a tie: the later side is named */
+  expect_ranks(ev->alert->culprits, ev->alert->n_culprits, (uint32_t[]){3}, 1);
+  expect_ranks(ev->alert->victims, ev->alert->n_victims, (uint32_t[]){2}, 1);
+  assert_int_equal(ev->alert->collective->comm, shard);
+  assert_int_equal(ev->alert->collective->comm_index, 1);
+  sp_test_free_msg(ev);
+  job_stop(&j);
+}
+
+/* ---------------- stall, victims, job end ---------------- */
+
+static void test_stall_names_the_rank_and_its_victims(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  uint32_t thr = 1500;
+  job_start(&j, flags, thr);
+  Shardplane__V1__GetJobResponse *g = sp_coord_fixture_get_job(&j.fx);
+  assert_int_equal(g->state, SHARDPLANE__V1__JOB_STATE__JOB_RUNNING);
+  sp_test_free_msg(g);
+  uint64_t p0;
+  sp_coord_fixture_run(&j.fx, get_forgiven, &p0);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    transition(&j.f[r], ROOT, 0, SP_ROOT_FORWARD_BACKWARD, 4, 0);
+    transition(&j.f[r], HANDLE, 0, SP_HANDLE_FORWARD, 4, 0);
+  }
+  /* rank 2's last event: the clock runs from here */
+  uint64_t t0 = now_ms();
+  for (uint32_t r = 0; r < WORLD; r++)
+    if (r != 2) collective(&j.f[r], WORLD_C, 0, 5, AG, 1, 100, false, 4);
+  /* the wait itself is generous; the bound is checked after */
+  Shardplane__V1__Event *ev = next_alert(&j, thr + 10000);
+  uint64_t dt = now_ms() - t0;
+  assert_non_null(ev);
+  printf("stall: last event to verdict %llu ms (threshold %u)\n",
+         (unsigned long long)dt, thr);
+  assert_true(dt >= thr);
+  assert_true(dt <= stall_bound(&j, thr, p0));
+  assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__STALL);
+  char head[512], tail[256];
+  snprintf(head, sizeof head,
+           "rank 2 has not issued ALL_GATHER #5 of unit 1 (%s) on world; "
+           "ranks 0, 1, 3 have been waiting in it for ",
+           g_unit1);
+  snprintf(tail, sizeof tail, " s; rank 2's last event: FORWARD of unit 0, "
+                              "step 4");
+  const char *msg = ev->alert->message;
+  assert_memory_equal(msg, head, strlen(head));
+  assert_string_equal(msg + strlen(msg) - strlen(tail), tail);
+  expect_ranks(ev->alert->culprits, ev->alert->n_culprits, (uint32_t[]){2}, 1);
+  expect_ranks(ev->alert->victims, ev->alert->n_victims,
+               (uint32_t[]){0, 1, 3}, 3);
+  assert_int_equal(ev->alert->collective->seq, 5);
+  sp_test_free_msg(ev);
+
+  /* rank 0 fails because of it: a victim of rank 2, and the others' ABORT
+   * names rank 2 */
+  sp_rpc_sync_stream_close_send(j.f[0].s);
+  sp_rpc_sync_stream_close(j.f[0].s);
+  j.f[0].s = NULL;
+  bool all = false;
+  for (uint64_t t1 = now_ms(); !all && now_ms() - t1 < 3000;) {
+    all = true;
+    for (uint32_t r = 1; r < WORLD; r++) {
+      drain(&j.f[r], 50);
+      all &= j.f[r].aborted;
+    }
+  }
+  assert_true(all);
+  for (uint32_t r = 1; r < WORLD; r++) {
+    assert_true(j.f[r].has_culprit);
+    assert_int_equal(j.f[r].culprit, 2);
+    assert_non_null(strstr(j.f[r].reason, "rank 2 has not issued"));
+  }
+  Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+  sp_rpc_status st;
+  Shardplane__V1__ListRanksResponse *lr =
+      (Shardplane__V1__ListRanksResponse *)sp_coord_fixture_call(
+          &j.fx, PATH("ListRanks"), &lq.base,
+          &shardplane__v1__list_ranks_response__descriptor, &st);
+  assert_non_null(lr);
+  assert_int_equal(lr->ranks[0]->status, SHARDPLANE__V1__RANK_STATUS__LOST);
+  assert_true(lr->ranks[0]->victim);
+  assert_int_equal(lr->ranks[0]->victim_of, 2);
+  assert_false(lr->ranks[2]->victim);
+  assert_int_equal(lr->ranks[2]->alerts, 1);
+  sp_test_free_msg(lr);
+  /* no LOST alert for a victim */
+  assert_null(next_alert(&j, 300));
+  g = sp_coord_fixture_get_job(&j.fx);
+  assert_int_equal(g->state, SHARDPLANE__V1__JOB_STATE__JOB_FAILED);
+  assert_non_null(strstr(g->verdict, "rank 2 has not issued"));
+  assert_int_equal(g->recent_alerts[g->n_recent_alerts - 1]->kind,
+                   SHARDPLANE__V1__ALERT_KIND__STALL);
+  sp_test_free_msg(g);
+  /* the job ended: no new rank attaches */
+  Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
+  q.rank = 0;
+  q.world_size = WORLD;
+  q.host = "testhost";
+  q.plan_version = j.version;
+  void *a = sp_coord_fixture_call(&j.fx, PATH("Attach"), &q.base,
+                                  &shardplane__v1__attach_response__descriptor,
+                                  &st);
+  assert_null(a);
+  sp_test_expect_status(&st, SP_RPC_FAILED_PRECONDITION,
+                        "the job ended (FAILED at step 4: rank 2 has not");
+  assert_non_null(strstr(st.message, "start a new coordinator"));
+  job_stop(&j);
+}
+
+static void test_stall_in_the_network(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  uint32_t thr = 1200;
+  job_start(&j, flags, thr);
+  uint64_t p0;
+  sp_coord_fixture_run(&j.fx, get_forgiven, &p0);
+  for (uint32_t r = 0; r < WORLD; r++)
+    collective(&j.f[r], WORLD_C, 0, 3, AG, 1, 100, false, 2);
+  uint64_t t0 = now_ms();
+  Shardplane__V1__Event *ev = next_alert(&j, thr + 10000);
+  assert_non_null(ev);
+  uint64_t dt = now_ms() - t0;
+  printf("stall (network): last event to verdict %llu ms (threshold %u)\n",
+         (unsigned long long)dt, thr);
+  assert_true(dt <= stall_bound(&j, thr, p0));
+  assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__STALL);
+  char head[512];
+  snprintf(head, sizeof head,
+           "every member of world (ranks 0-3) issued ALL_GATHER of unit 1 "
+           "(%s), bfloat16 x 100, collective #3, and none has completed it "
+           "for ",
+           g_unit1);
+  assert_memory_equal(ev->alert->message, head, strlen(head));
+  assert_non_null(strstr(ev->alert->message,
+                         "the network or the collective library, not a rank"));
+  assert_int_equal(ev->alert->n_culprits, 0);
+  assert_int_equal(ev->alert->n_victims, 4);
+  sp_test_free_msg(ev);
+  /* it completes: the stall closes and the verdict is healthy again */
+  for (uint32_t r = 0; r < WORLD; r++)
+    collective(&j.f[r], WORLD_C, 0, 3, AG, 1, 100, true, 2);
+  Shardplane__V1__Verdict *v = NULL;
+  for (uint64_t t1 = now_ms(); now_ms() - t1 < 2000;) {
+    for (uint32_t r = 0; r < WORLD; r++)
+      transition(&j.f[r], ROOT, 0, SP_ROOT_FORWARD_BACKWARD, 2, 0);
+    for (uint32_t r = 0; r < WORLD; r++)
+      transition(&j.f[r], ROOT, 0, SP_ROOT_IDLE, 2, 0);
+    sp_test_free_msg(v);
+    v = get_verdict(&j);
+    if (v->healthy) break;
+  }
+  assert_true(v->healthy);
+  assert_memory_equal(v->headline, "healthy: all 4 ranks at step 2, ", 32);
+  sp_test_free_msg(v);
+  job_stop(&j);
+}
+
+/* Ranks started with different step counts: the one that finished first
+ * detached, and the others wait for it in the next step's first
+ * collective. */
+static void test_stall_after_a_rank_left(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  uint32_t thr = 1200;
+  job_start(&j, flags, thr);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    transition(&j.f[r], ROOT, 0, SP_ROOT_FORWARD_BACKWARD, 10, 0);
+    collective(&j.f[r], WORLD_C, 0, 1, AG, 1, 100, false, 10);
+    collective(&j.f[r], WORLD_C, 0, 1, AG, 1, 100, true, 10);
+    transition(&j.f[r], ROOT, 0, SP_ROOT_IDLE, 10, 0);
+  }
+  Shardplane__V1__DetachRequest q = SHARDPLANE__V1__DETACH_REQUEST__INIT;
+  q.rank = 2;
+  q.session_id = j.f[2].session;
+  sp_rpc_status st;
+  void *m = sp_coord_fixture_call(&j.fx, PATH("Detach"), &q.base,
+                                  &shardplane__v1__detach_response__descriptor,
+                                  &st);
+  assert_non_null(m);
+  sp_test_free_msg(m);
+  sp_rpc_sync_stream_close(j.f[2].s);
+  j.f[2].s = NULL;
+  uint64_t p0;
+  sp_coord_fixture_run(&j.fx, get_forgiven, &p0);
+  for (uint32_t r = 0; r < WORLD; r++)
+    if (r != 2) collective(&j.f[r], WORLD_C, 0, 2, AG, 1, 100, false, 11);
+  uint64_t t0 = now_ms();
+  Shardplane__V1__Event *ev = next_alert(&j, thr + 10000);
+  assert_non_null(ev);
+  uint64_t dt = now_ms() - t0;
+  printf("stall (a rank left): last event to verdict %llu ms\n",
+         (unsigned long long)dt);
+  assert_true(dt <= stall_bound(&j, thr, p0));
+  assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__STALL);
+  char head[512];
+  snprintf(head, sizeof head,
+           "rank 2 has not issued ALL_GATHER #2 of unit 1 (%s) on world; "
+           "ranks 0, 1, 3 have been waiting in it for ",
+           g_unit1);
+  assert_memory_equal(ev->alert->message, head, strlen(head));
+  const char *tail = "rank 2's last event: IDLE, step 10 (then it detached)";
+  const char *msg = ev->alert->message;
+  assert_string_equal(msg + strlen(msg) - strlen(tail), tail);
+  expect_ranks(ev->alert->culprits, ev->alert->n_culprits, (uint32_t[]){2}, 1);
+  sp_test_free_msg(ev);
+  job_stop(&j);
+}
+
+/* ---------------- stragglers ---------------- */
+
+static void test_straggler_within_20_steps(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  job_start(&j, flags, 60000);
+  /* synthetic clocks: every step takes 100 ms on every rank (the
+   * collectives make them wait for each other); rank 1 computes 1.5x as
+   * long as the others, who wait the difference */
+  uint64_t base = 1700000000000000ull;
+  int flagged_at = -1;
+  for (int s = 1; s <= 22 && flagged_at < 0; s++) {
+    uint64_t t = base + (uint64_t)s * 100000u;
+    for (uint32_t r = 0; r < WORLD; r++) {
+      uint64_t busy = r == 1 ? 60000u : 40000u;
+      fake *f = &j.f[r];
+      transition(f, ROOT, 0, SP_ROOT_FORWARD_BACKWARD, (uint64_t)s, t);
+      transition(f, HANDLE, 1, SP_HANDLE_FORWARD, (uint64_t)s, t + 1000);
+      transition(f, HANDLE, 1, SP_HANDLE_IDLE, (uint64_t)s,
+                 t + 1000 + busy / 2);
+      transition(f, HANDLE, 1, SP_HANDLE_BACKWARD_PRE, (uint64_t)s,
+                 t + 50000);
+      transition(f, HANDLE, 1, SP_HANDLE_BACKWARD_POST, (uint64_t)s,
+                 t + 50000 + busy / 2);
+      transition(f, HANDLE, 1, SP_HANDLE_IDLE, (uint64_t)s, t + 99000);
+      /* no optimizer time between steps: compute is the units' alone */
+      transition(f, ROOT, 0, SP_ROOT_IDLE, (uint64_t)s, t + 100000);
+    }
+    Shardplane__V1__Event *ev = next_alert(&j, SP_DIAG_TICK_MS + 50);
+    if (ev != NULL) {
+      assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__STRAGGLER);
+      expect_ranks(ev->alert->culprits, ev->alert->n_culprits,
+                   (uint32_t[]){1}, 1);
+      assert_memory_equal(ev->alert->message,
+                          "rank 1 is a straggler: its own compute is 1.50x "
+                          "the job's median (60.0 ms a step against 40.0 ms",
+                          88);
+      flagged_at = s;
+      sp_test_free_msg(ev);
+    }
+  }
+  printf("straggler (1.5x): flagged after step %d (bound 20)\n", flagged_at);
+  assert_true(flagged_at > 0 && flagged_at <= 20);
+  Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+  sp_rpc_status st;
+  Shardplane__V1__ListRanksResponse *lr =
+      (Shardplane__V1__ListRanksResponse *)sp_coord_fixture_call(
+          &j.fx, PATH("ListRanks"), &lq.base,
+          &shardplane__v1__list_ranks_response__descriptor, &st);
+  assert_non_null(lr);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    assert_true(lr->ranks[r]->step_p50_ms > 99.9 &&
+                lr->ranks[r]->step_p50_ms < 100.1);
+    assert_true(lr->ranks[r]->step_p99_ms > 99.9 &&
+                lr->ranks[r]->step_p99_ms < 100.1);
+    double want = r == 1 ? 1.5 : 1.0;
+    assert_true(lr->ranks[r]->straggler_score > want - 0.01 &&
+                lr->ranks[r]->straggler_score < want + 0.01);
+  }
+  sp_test_free_msg(lr);
+  /* the others are not flagged */
+  assert_null(next_alert(&j, 300));
+  job_stop(&j);
+}
+
+/* ---------------- job state and progress ---------------- */
+
+static void test_job_completes_and_refuses_attach(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  job_start(&j, flags, 60000);
+  for (uint64_t s = 1; s <= 20; s++) {
+    for (uint32_t r = 0; r < WORLD; r++) {
+      Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+      up.step = s;
+      up.total_steps = 20;
+      up.has_loss = r == 0;
+      up.loss = 3.0 - 0.05 * (double)s;
+      send_up(&j.f[r], &up);
+    }
+    if (s == 10) {
+      uv_sleep(700); /* a rate to measure */
+      Shardplane__V1__Verdict *v = get_verdict(&j);
+      assert_true(v->healthy);
+      assert_int_equal(v->state, SHARDPLANE__V1__JOB_STATE__JOB_RUNNING);
+      assert_int_equal(v->progress->step, 10);
+      assert_int_equal(v->progress->total_steps, 20);
+      assert_true(v->progress->has_loss);
+      assert_true(v->progress->loss > 2.49 && v->progress->loss < 2.51);
+      assert_memory_equal(v->headline, "healthy: all 4 ranks at step 10, ", 33);
+      assert_non_null(strstr(v->headline, "loss 2.5"));
+      sp_test_free_msg(v);
+    }
+  }
+  for (uint32_t r = 0; r < WORLD; r++) {
+    Shardplane__V1__DetachRequest q = SHARDPLANE__V1__DETACH_REQUEST__INIT;
+    q.rank = r;
+    q.session_id = j.f[r].session;
+    sp_rpc_status st;
+    void *m = sp_coord_fixture_call(&j.fx, PATH("Detach"), &q.base,
+                                    &shardplane__v1__detach_response__descriptor,
+                                    &st);
+    assert_non_null(m);
+    sp_test_free_msg(m);
+    Shardplane__V1__GetJobResponse *g = sp_coord_fixture_get_job(&j.fx);
+    assert_int_equal(g->state, r + 1 < WORLD
+                                   ? SHARDPLANE__V1__JOB_STATE__JOB_RUNNING
+                                   : SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED);
+    sp_test_free_msg(g);
+  }
+  Shardplane__V1__GetJobResponse *g = sp_coord_fixture_get_job(&j.fx);
+  assert_int_equal(g->progress->step, 20);
+  assert_true(g->progress->eta_s == 0);
+  sp_test_free_msg(g);
+  Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
+  q.rank = 1;
+  q.world_size = WORLD;
+  q.host = "testhost";
+  q.plan_version = j.version;
+  sp_rpc_status st;
+  void *a = sp_coord_fixture_call(&j.fx, PATH("Attach"), &q.base,
+                                  &shardplane__v1__attach_response__descriptor,
+                                  &st);
+  assert_null(a);
+  sp_test_expect_status(&st, SP_RPC_FAILED_PRECONDITION, NULL);
+  assert_string_equal(st.message, "the job ended (COMPLETED at step 20); "
+                                  "start a new coordinator");
+  Shardplane__V1__Verdict *v = get_verdict(&j);
+  assert_string_equal(v->headline,
+                      "completed: all 4 ranks finished at step 20");
+  sp_test_free_msg(v);
+  job_stop(&j);
+}
+
+/* ---------------- GetTrace and GetDump ---------------- */
+
+typedef struct answerer {
+  fake *f;
+  volatile bool stop;
+  int answered;
+} answerer;
+
+/* A worker's recorder: two events, answered on its own thread while the
+ * test's thread waits in GetTrace. */
+static void answer_loop(void *arg) {
+  answerer *a = arg;
+  while (!a->stop) {
+    a->f->dump_asked = false;
+    drain(a->f, 50);
+    if (!a->f->dump_asked) continue;
+    Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
+    t.machine = HANDLE;
+    t.unit = 1;
+    t.state = SP_HANDLE_FORWARD;
+    t.step = 9;
+    t.time_us = 100;
+    Shardplane__V1__Transition *tp = &t;
+    Shardplane__V1__Collective k = SHARDPLANE__V1__COLLECTIVE__INIT;
+    k.seq = 41;
+    k.op = AG;
+    k.unit = 1;
+    k.dtype = SHARDPLANE__V1__DTYPE__BFLOAT16;
+    k.count = 100;
+    k.time_us = 200;
+    k.step = 9;
+    Shardplane__V1__Collective *kp = &k;
+    Shardplane__V1__FlightRecord fr = SHARDPLANE__V1__FLIGHT_RECORD__INIT;
+    fr.rank = 99; /* the coordinator trusts the stream, not this */
+    fr.request_id = a->f->dump_id;
+    fr.n_transitions = 1;
+    fr.transitions = &tp;
+    fr.n_collectives = 1;
+    fr.collectives = &kp;
+    fr.recorded = 2;
+    fr.capacity = 1024;
+    fr.time_us = 300;
+    Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+    up.flight = &fr;
+    send_up(a->f, &up);
+    a->answered++;
+  }
+}
+
+static void test_trace_and_dump(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  job_start(&j, flags, 60000);
+  answerer an = {.f = &j.f[1]};
+  uv_thread_t th;
+  assert_int_equal(uv_thread_create(&th, answer_loop, &an), 0);
+
+  Shardplane__V1__GetTraceRequest tq = SHARDPLANE__V1__GET_TRACE_REQUEST__INIT;
+  tq.rank = 1;
+  tq.last_n = 50;
+  sp_rpc_status st;
+  Shardplane__V1__FlightRecord *fr =
+      (Shardplane__V1__FlightRecord *)sp_coord_fixture_call(
+          &j.fx, PATH("GetTrace"), &tq.base,
+          &shardplane__v1__flight_record__descriptor, &st);
+  if (fr == NULL) fail_msg("GetTrace: %s", st.message);
+  assert_int_equal(fr->rank, 1);
+  assert_int_equal(fr->n_transitions, 1);
+  assert_int_equal(fr->n_collectives, 1);
+  assert_int_equal(fr->collectives[0]->seq, 41);
+  assert_int_equal(fr->capacity, 1024);
+  assert_int_equal(j.f[1].dump_last_n, 50);
+  sp_test_free_msg(fr);
+
+  /* rank 2 is attached but does not answer: DEADLINE_EXCEEDED */
+  tq.rank = 2;
+  void *m = sp_test_unary(j.fx.cli, PATH("GetTrace"), &tq.base,
+                          &shardplane__v1__flight_record__descriptor,
+                          SP_DIAG_TRACE_WAIT_MS + 3000, &st);
+  assert_null(m);
+  sp_test_expect_status(&st, SP_RPC_DEADLINE_EXCEEDED,
+                        "rank 2 did not answer FLIGHT_DUMP within 3000 ms");
+
+  /* the dump: rank 1's recorder, the others' errors, the coordinator's
+   * view (rank 3's stream is gone first: no open session) */
+  sp_rpc_sync_stream_close(j.f[3].s);
+  j.f[3].s = NULL;
+  uv_sleep(200);
+  Shardplane__V1__GetDumpRequest dq = SHARDPLANE__V1__GET_DUMP_REQUEST__INIT;
+  Shardplane__V1__GetDumpResponse *dr =
+      (Shardplane__V1__GetDumpResponse *)sp_test_unary(
+          j.fx.cli, PATH("GetDump"), &dq.base,
+          &shardplane__v1__get_dump_response__descriptor,
+          SP_DIAG_TRACE_WAIT_MS + 3000, &st);
+  if (dr == NULL) fail_msg("GetDump: %s", st.message);
+  json_error_t je;
+  json_t *doc = json_loadb((const char *)dr->json.data, dr->json.len, 0, &je);
+  if (doc == NULL) fail_msg("dump is not JSON: %s", je.text);
+  assert_string_equal(json_string_value(json_object_get(doc, "format")),
+                      "shardplane.dump/v1");
+  assert_true(json_integer_value(json_object_get(doc, "taken_unix_ms")) > 0);
+  json_t *jb = json_object_get(doc, "job");
+  assert_string_equal(json_string_value(json_object_get(jb, "strategy")),
+                      "FULL_SHARD");
+  assert_string_equal(json_string_value(json_object_get(jb, "state")),
+                      "FAILED"); /* rank 3 was lost */
+  assert_int_equal(json_integer_value(json_object_get(jb, "world_size")), 4);
+  json_t *alerts = json_object_get(doc, "alerts");
+  json_t *last = json_array_get(alerts, json_array_size(alerts) - 1);
+  assert_string_equal(json_string_value(json_object_get(last, "kind")), "LOST");
+  assert_int_equal(json_integer_value(
+                       json_array_get(json_object_get(last, "culprits"), 0)),
+                   3);
+  json_t *ranks = json_object_get(doc, "ranks");
+  assert_int_equal(json_array_size(ranks), 4);
+  json_t *r1 = json_array_get(ranks, 1);
+  assert_string_equal(json_string_value(json_object_get(r1, "status")),
+                      "ATTACHED");
+  assert_int_equal(json_integer_value(json_object_get(r1, "pid")), 1001);
+  json_t *ev = json_object_get(json_object_get(r1, "flight"), "events");
+  assert_int_equal(json_array_size(ev), 2);
+  json_t *e0 = json_array_get(ev, 0), *e1 = json_array_get(ev, 1);
+  assert_string_equal(json_string_value(json_object_get(e0, "type")),
+                      "transition");
+  assert_string_equal(json_string_value(json_object_get(e0, "state")),
+                      "FORWARD");
+  assert_string_equal(json_string_value(json_object_get(e1, "type")),
+                      "collective");
+  assert_string_equal(json_string_value(json_object_get(e1, "op")),
+                      "ALL_GATHER");
+  assert_string_equal(json_string_value(json_object_get(e1, "dtype")),
+                      "bfloat16");
+  assert_string_equal(json_string_value(json_object_get(e1, "comm")), "world");
+  json_t *r2 = json_array_get(ranks, 2), *r3 = json_array_get(ranks, 3);
+  assert_true(json_is_null(json_object_get(r2, "flight")));
+  assert_non_null(strstr(json_string_value(json_object_get(r2, "flight_error")),
+                         "did not answer"));
+  assert_true(json_is_null(json_object_get(r3, "flight")));
+  assert_non_null(strstr(json_string_value(json_object_get(r3, "flight_error")),
+                         "no open session stream (LOST)"));
+  json_decref(doc);
+  sp_test_free_msg(dr);
+  an.stop = true;
+  uv_thread_join(&th);
+  assert_int_equal(an.answered, 2);
+  job_stop(&j);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_desync_world),
+      cmocka_unit_test(test_desync_shard_group),
+      cmocka_unit_test(test_stall_names_the_rank_and_its_victims),
+      cmocka_unit_test(test_stall_in_the_network),
+      cmocka_unit_test(test_stall_after_a_rank_left),
+      cmocka_unit_test(test_straggler_within_20_steps),
+      cmocka_unit_test(test_job_completes_and_refuses_attach),
+      cmocka_unit_test(test_trace_and_dump),
+  };
+  /* streams the coordinator ends may be written once more */
+  signal(SIGPIPE, SIG_IGN);
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
