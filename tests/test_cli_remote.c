@@ -43,6 +43,9 @@
 static char *g_dir;
 static char g_addr[64]; /* the gpt2 coordinator every test shares */
 static pid_t g_coord = -1;
+/* test_diagnosis_live's coordinator and workers */
+static pid_t g_live[3] = {-1, -1, -1};
+static void stop_live_job(void);
 
 static int64_t now_ms(void) { return (int64_t)(sp_clock_s() * 1e3); }
 
@@ -212,6 +215,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
   (void)state;
+  stop_live_job();
   if (g_coord > 0) stop_coordinator(g_coord);
   g_coord = -1;
   sp_test_rmtree(g_dir);
@@ -794,6 +798,197 @@ static void test_ranks_after_a_job(void **state) {
   done(&text);
 }
 
+/* The hang-diagnosis commands on a live job of 2 MLP ranks: why, status,
+ * ranks, trace, watch and a live analyze, text and JSON. Timing-dependent
+ * verdicts (a loaded machine makes stragglers) are checked for agreement
+ * between the exit code and the answer, not for one value. */
+/* Also from the teardown: a failed assertion leaves them running. */
+static void stop_live_job(void) {
+  for (int k = 1; k < 3; k++)
+    if (g_live[k] > 0) {
+      kill(g_live[k], SIGKILL);
+      wait_child(g_live[k], CHILD_TIMEOUT_MS);
+      g_live[k] = -1;
+    }
+  if (g_live[0] > 0) stop_coordinator(g_live[0]);
+  g_live[0] = -1;
+}
+
+static void test_diagnosis_live(void **state) {
+  (void)state;
+  char addr[64];
+  char *cflags[] = {"--model", SP_EXAMPLES "/mlp.json", "--world-size", "2",
+                    NULL};
+  pid_t coord = start_coordinator(cflags, addr, sizeof addr);
+  pid_t *w = &g_live[1];
+  g_live[0] = coord;
+  for (int k = 0; k < 2; k++) {
+    char rank[8], out[1024];
+    snprintf(rank, sizeof rank, "%d", k);
+    snprintf(out, sizeof out, "%s/live%d.out", g_dir, k);
+    char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
+                  "--insecure", "--rank", rank, "--steps", "1000000",
+                  "--checkpoint", "none", "--log-every", "0", NULL};
+    w[k] = spawn(wa, out, "/dev/null", NULL);
+  }
+  /* both ranks past the straggler window (16 steps): step times and
+   * scores exist */
+  int64_t end = now_ms() + START_TIMEOUT_MS;
+  json_int_t step = 0;
+  while (now_ms() < end) {
+    result r = run("status", "--coordinator", addr, "--json", NULL);
+    if (r.code == 0) {
+      json_t *j = parse(&r);
+      json_t *p = json_object_get(j, "progress");
+      step = json_is_object(p) ? jint(p, "step") : 0;
+      json_decref(j);
+    }
+    done(&r);
+    if (step >= 20) break;
+    sp_test_sleep_ms(50);
+  }
+  if (step < 20) {
+    stop_live_job();
+    fail_msg("the job did not reach step 20 (step %lld)", (long long)step);
+  }
+
+  result r = run("why", "--coordinator", addr, "--json", NULL);
+  json_t *j = parse(&r);
+  bool healthy = json_is_true(json_object_get(j, "healthy"));
+  size_t open = json_array_size(json_object_get(j, "open_alerts"));
+  assert_string_equal(jstr(j, "state"), "RUNNING");
+  assert_int_equal(r.code, open > 0 ? 5 : 0);
+  if (healthy) assert_non_null(strstr(jstr(j, "headline"), "healthy: all 2 ranks at step"));
+  json_decref(j);
+  done(&r);
+  r = run("why", "--coordinator", addr, NULL);
+  assert_true(r.code == 0 || r.code == 5);
+  assert_true(strlen(r.out) > 0);
+  done(&r);
+
+  r = run("status", "--coordinator", addr, NULL);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "state       RUNNING: step "));
+  done(&r);
+
+  r = run("ranks", "--coordinator", addr, "--json", NULL);
+  assert_int_equal(r.code, 0);
+  j = parse(&r);
+  json_t *ranks = json_object_get(j, "ranks");
+  assert_int_equal(json_array_size(ranks), 2);
+  for (size_t i = 0; i < 2; i++) {
+    json_t *k = json_array_get(ranks, i);
+    double p50 = json_real_value(json_object_get(k, "step_p50_ms"));
+    double p99 = json_real_value(json_object_get(k, "step_p99_ms"));
+    if (!(p50 > 0 && p99 >= p50))
+      fail_msg("rank %zu: step times p50 %g p99 %g", i, p50, p99);
+    assert_true(json_real_value(json_object_get(k, "straggler_score")) > 0);
+    assert_false(json_is_true(json_object_get(k, "victim")));
+  }
+  json_decref(j);
+  done(&r);
+  r = run("ranks", "--coordinator", addr, NULL);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "P50"));
+  assert_non_null(strstr(r.out, "SCORE"));
+  done(&r);
+
+  /* the worker's own clock: within a minute of ours */
+  int64_t now_us = (int64_t)time(NULL) * 1000000;
+  r = run("trace", "--coordinator", addr, "--rank", "1", "--last", "12",
+          "--json", NULL);
+  assert_int_equal(r.code, 0);
+  j = parse(&r);
+  assert_int_equal(jint(j, "rank"), 1);
+  json_t *evs = json_object_get(j, "events");
+  assert_true(json_array_size(evs) > 0 && json_array_size(evs) <= 12);
+  for (size_t i = 0; i < json_array_size(evs); i++) {
+    json_t *e = json_array_get(evs, i);
+    json_int_t t = jint(e, "t_us");
+    if (llabs((long long)(t - now_us)) > 60000000LL)
+      fail_msg("event %zu: t_us %lld, now %lld", i, (long long)t,
+               (long long)now_us);
+    if (i > 0) assert_true(t >= jint(json_array_get(evs, i - 1), "t_us"));
+    const char *type = jstr(e, "type");
+    assert_true(strcmp(type, "transition") == 0 ||
+                strcmp(type, "collective") == 0);
+  }
+  json_decref(j);
+  done(&r);
+  r = run("trace", "--coordinator", addr, "--rank", "0", "--last", "40", NULL);
+  assert_int_equal(r.code, 0);
+  /* "12:03:41.123456 step 7 ..." lines, and collectives by their seq */
+  char *line = strchr(r.out, '\n');
+  assert_non_null(line);
+  unsigned hh, mm, ss, us;
+  assert_int_equal(sscanf(line + 1, "%2u:%2u:%2u.%6u step ", &hh, &mm, &ss, &us), 4);
+  assert_non_null(strstr(r.out, " world unit "));
+  assert_non_null(strstr(r.out, " float32 x "));
+  done(&r);
+  r = run("trace", "--coordinator", addr, NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--rank"));
+  done(&r);
+
+  r = run("watch", "--coordinator", addr, "--kind", "transition", "--count",
+          "5", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  int lines = 0;
+  for (char *l = r.out; l != NULL && *l; lines++) {
+    json_t *e = json_loads(l, JSON_DISABLE_EOF_CHECK, NULL);
+    assert_non_null(e);
+    assert_true(json_is_true(json_object_get(e, "worker_time")));
+    json_int_t t = jint(e, "time_us");
+    if (llabs((long long)(t - now_us)) > 60000000LL)
+      fail_msg("watch: time_us %lld, now %lld", (long long)t, (long long)now_us);
+    json_decref(e);
+    l = strchr(l, '\n');
+    if (l) l++;
+  }
+  assert_int_equal(lines, 5);
+  done(&r);
+
+  r = run("analyze", "--coordinator", addr, "--last", "50", "--json", NULL);
+  j = parse(&r);
+  assert_int_equal(r.code,
+                   json_is_true(json_object_get(j, "diverged")) ? 5 : 0);
+  assert_int_equal(json_array_size(json_object_get(j, "ranks")), 2);
+  for (size_t i = 0; i < 2; i++)
+    assert_true(json_is_true(
+        json_object_get(json_array_get(json_object_get(j, "ranks"), i),
+                        "answered")));
+  assert_true(jint(j, "collective_events") > 0);
+  json_decref(j);
+  done(&r);
+
+  stop_live_job();
+}
+
+/* Before any rank attached: why says the job waits (exit 0), and the
+ * diagnosis commands check their flags. */
+static void test_diagnosis_waiting(void **state) {
+  (void)state;
+  result r = run("why", "--json", NULL);
+  assert_int_equal(r.code, 0);
+  json_t *j = parse(&r);
+  assert_string_equal(jstr(j, "state"), "WAITING");
+  json_decref(j);
+  done(&r);
+  r = run("trace", "--rank", "x", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--rank"));
+  done(&r);
+  r = run("analyze", "--last", "-1", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--last"));
+  done(&r);
+  r = run("why", "--help", NULL);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "--token-file"));
+  assert_non_null(strstr(r.out, "exit code 5"));
+  done(&r);
+}
+
 /* Last: the coordinator shuts down cleanly on SIGTERM. */
 static void test_coordinator_stops(void **state) {
   (void)state;
@@ -814,6 +1009,8 @@ int main(void) {
       cmocka_unit_test(test_unreachable_and_usage),
       cmocka_unit_test(test_watch),
       cmocka_unit_test(test_ranks_after_a_job),
+      cmocka_unit_test(test_diagnosis_waiting),
+      cmocka_unit_test(test_diagnosis_live),
       cmocka_unit_test(test_coordinator_stops),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

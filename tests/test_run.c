@@ -120,13 +120,18 @@ static int find_workers(pid_t parent, pid_t *pids, int cap) {
     int ppid = 0;
     char st;
     if (!close_paren || sscanf(close_paren + 2, "%c %d", &st, &ppid) != 2 ||
-        ppid != parent || !strstr(buf, "(shardplane-wor"))
+        ppid != parent)
       continue;
+    /* by its program, not its name in stat: the worker names its
+     * training thread, the main one */
     snprintf(path, sizeof path, "/proc/%d/cmdline", (int)pid);
     f = fopen(path, "r");
     if (!f) continue;
     len = fread(buf, 1, sizeof buf - 1, f);
     fclose(f);
+    buf[len] = '\0';
+    size_t n0 = strlen(buf);
+    if (n0 < 17 || strcmp(buf + n0 - 17, "shardplane-worker") != 0) continue;
     for (size_t i = 0; i + 7 < len; i++)
       if (strcmp(buf + i, "--rank") == 0) {
         int r = atoi(buf + i + 7);
@@ -350,6 +355,67 @@ static void test_run_worker_killed(void **state) {
   free(dir);
 }
 
+/* The first file in dir whose name ends in suffix (malloc'd), or NULL. */
+static char *first_file(const char *dir, const char *suffix) {
+  DIR *d = opendir(dir);
+  if (!d) return NULL;
+  struct dirent *e;
+  char *found = NULL;
+  while (!found && (e = readdir(d)) != NULL) {
+    size_t n = strlen(e->d_name), m = strlen(suffix);
+    if (n > m && strcmp(e->d_name + n - m, suffix) == 0)
+      found = sp_test_path(dir, e->d_name);
+  }
+  closedir(d);
+  return found;
+}
+
+/* A rank that stalls: run passes --inject to the workers and the stall
+ * settings to the coordinator, which aborts the job and writes its dump to
+ * the run's dumps folder; run's exit message names rank 2 (not rank 0,
+ * the first to exit, a victim), and analyze reads the dump and names
+ * rank 2 too. */
+static void test_run_stall_named(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *args[] = {"--nproc", "3", "--model", MLP, "--steps", "1000",
+                        "--inject", "stall:rank=2,step=3",
+                        "--stall-timeout-ms", "2000", "--on-stall", "abort",
+                        "--checkpoint", "none", "--checkpoint-dir", ck, NULL};
+  pid_t run = start_run(dir, args);
+  int st = wait_run(run, 90);
+  char *err = slurp(dir, "err");
+  printf("  run exit %d:\n%s", st, err);
+  assert_int_equal(st, 1);
+  /* run's own line that stops the job */
+  const char *line = strstr(err, "shardplane run: ");
+  while (line && !strstr(line, "stopping the job")) line = strstr(line + 1, "shardplane run: ");
+  assert_non_null(line);
+  size_t n = strcspn(line, "\n");
+  char *first = strndup(line, n);
+  if (!strstr(first, "rank 2"))
+    fail_msg("run's message does not name rank 2: \"%s\"", first);
+  free(first);
+  char *dumps = sp_test_path(ck, "dumps");
+  char *dump = first_file(dumps, ".json");
+  if (!dump) fail_msg("no dump in %s", dumps);
+  char *argv[] = {SHARDPLANE, "analyze", dump, NULL};
+  pid_t a = start_cmd(dir, argv);
+  int ast = wait_run(a, 30);
+  char *out = slurp(dir, "out");
+  printf("  analyze %s: exit %d\n%s", dump, ast, out);
+  assert_int_equal(ast, 5);
+  assert_non_null(strstr(out, "rank 2 did not"));
+  free(out);
+  free(dump);
+  free(dumps);
+  free(err);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* The step count in a FULL checkpoint's metadata, or -1. */
 static long ckpt_step(const char *ck) {
   char *path = sp_test_path(ck, "full/model.safetensors");
@@ -550,6 +616,17 @@ static int worker_load(const char *dir, const char *addr, const char *load,
   return wait_run(start_cmd(dir, argv), 60);
 }
 
+/* worker_load with a coordinator of its own: a job whose one rank
+ * finished is over, and its coordinator refuses a second attach. */
+static int load_alone(const char *dir, const char *load, const char *kind) {
+  sp_proc coord;
+  char addr[64];
+  start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
+  int st = worker_load(dir, addr, load, kind);
+  sp_proc_stop(&coord, 5000);
+  return st;
+}
+
 /* The bytes of a file (binary), malloc'd; *len their count. */
 static uint8_t *file_bytes(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");
@@ -595,26 +672,22 @@ static void test_run_checkpoint_loads(void **state) {
   assert_non_null(load_sharded);
   free(out);
 
-  sp_proc coord;
-  char addr[64];
-  start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
   /* the printed folder, and the run's directory, to the worker */
-  assert_int_equal(worker_load(dir, addr, load, "full"), 0);
-  int st = worker_load(dir, addr, ck, NULL);
+  assert_int_equal(load_alone(dir, load, "full"), 0);
+  int st = load_alone(dir, ck, NULL);
   char *err = slurp(dir, "err");
   printf("  shardplane-worker --load %s: exit %d %s\n", ck, st, err);
   assert_int_equal(st, 0);
   free(err);
-  assert_int_equal(worker_load(dir, addr, load_sharded, "sharded"), 0);
-  assert_int_equal(worker_load(dir, addr, ck2, "sharded"), 0);
+  assert_int_equal(load_alone(dir, load_sharded, "sharded"), 0);
+  assert_int_equal(load_alone(dir, ck2, "sharded"), 0);
   /* two kinds there: which one is asked for, not guessed */
-  st = worker_load(dir, addr, ck2, NULL);
+  st = load_alone(dir, ck2, NULL);
   err = slurp(dir, "err");
   printf("  shardplane-worker --load %s: exit %d: %s", ck2, st, err);
   assert_int_equal(st, 2);
   assert_non_null(strstr(err, "--load-kind full or sharded"));
   free(err);
-  sp_proc_stop(&coord, 5000);
   free(load);
   free(load_sharded);
   free(ck);
@@ -745,6 +818,7 @@ int main(void) {
       cmocka_unit_test(test_run_load_params_only),
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_worker_killed),
+      cmocka_unit_test(test_run_stall_named),
       cmocka_unit_test(test_run_interrupted),
       cmocka_unit_test(test_run_same_plan_as_coordinator),
       cmocka_unit_test(test_run_checkpoint_loads),

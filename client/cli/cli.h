@@ -19,6 +19,8 @@ enum {
   SP_EXIT_NOT_FOUND = 3,   /* the FQN, rank, unit or key asked for does not
                               exist (store get --wait: not within the wait) */
   SP_EXIT_UNREACHABLE = 4, /* no coordinator answered */
+  SP_EXIT_ALERT = 5,       /* why: the job has an open alert or failed;
+                              analyze: the dump shows a divergence */
 };
 
 /* `shardplane plan ...`; argv[0] is "plan". Offline with --model, else it
@@ -33,6 +35,10 @@ int sp_cmd_where(int argc, char **argv);
 int sp_cmd_buffers(int argc, char **argv);
 int sp_cmd_watch(int argc, char **argv);
 int sp_cmd_store(int argc, char **argv);
+/* Hang diagnosis: why.c, trace.c, analyze.c */
+int sp_cmd_why(int argc, char **argv);
+int sp_cmd_trace(int argc, char **argv);
+int sp_cmd_analyze(int argc, char **argv);
 
 /* `shardplane run` (run_cmd.c): a coordinator and N workers on this
  * machine. */

@@ -23,6 +23,11 @@ static const struct {
     {"where", sp_cmd_where, "which ranks hold which slices of a parameter"},
     {"buffers", sp_cmd_buffers, "original and compute dtype of each buffer"},
     {"watch", sp_cmd_watch, "print events as they happen"},
+    {"why", sp_cmd_why,
+     "the verdict in plain words: healthy, or who is stuck where and why"},
+    {"trace", sp_cmd_trace, "a rank's recent events, from its flight recorder"},
+    {"analyze", sp_cmd_analyze,
+     "the first divergence in a dump (a file, or a live one)"},
     {"store", sp_cmd_store, "get, set, add, delete, cas in the store"},
     {"token", sp_cmd_token,
      "token create: a bearer token for a coordinator's token file"},
@@ -61,7 +66,8 @@ static void usage(FILE *f) {
           "HOST:PORT,\nelse $" SP_COORDINATOR_ENV ", else "
           SP_DEFAULT_COORDINATOR "; all take --json.\n"
           "\nexit codes: 0 ok, 1 failure, 2 bad usage, 3 not found, "
-          "4 coordinator unreachable\n");
+          "4 coordinator unreachable,\n"
+          "            5 (why, analyze) an open alert or a divergence\n");
 }
 
 int main(int argc, char **argv) {

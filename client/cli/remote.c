@@ -343,3 +343,88 @@ json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c) {
                    sp_render_dtype_json(sp_wire_dtype(c->dtype)), "count",
                    (json_int_t)c->count);
 }
+
+/* ------------------------------------------------------------------ */
+/* Hang diagnosis: the words status, why and watch share               */
+/* ------------------------------------------------------------------ */
+
+/* "RUNNING", without the enum's prefix. */
+const char *sp_remote_job_state_name(int v) {
+  const char *s =
+      sp_remote_enum_name(&shardplane__v1__job_state__descriptor, v);
+  return strncmp(s, "JOB_", 4) == 0 ? s + 4 : s;
+}
+
+/* "STALL", "LOST" (the proto's ALERT_LOST), "ALERT" when unknown. */
+const char *sp_remote_alert_kind_name(int v) {
+  if (v == SHARDPLANE__V1__ALERT_KIND__ALERT_KIND_UNKNOWN) return "ALERT";
+  const char *s =
+      sp_remote_enum_name(&shardplane__v1__alert_kind__descriptor, v);
+  return strncmp(s, "ALERT_", 6) == 0 ? s + 6 : s;
+}
+
+void sp_remote_progress_words(const Shardplane__V1__Progress *p, char *buf,
+                              size_t len) {
+  if (p == NULL) {
+    snprintf(buf, len, "no progress reported yet");
+    return;
+  }
+  size_t n = 0;
+#define PUT(...)                                                               \
+  do {                                                                         \
+    if (n < len) n += (size_t)snprintf(buf + n, len - n, __VA_ARGS__);        \
+  } while (0)
+  PUT("step %" PRIu64, p->step);
+  if (p->total_steps > 0) PUT(" of %" PRIu64, p->total_steps);
+  if (p->steps_per_s > 0) PUT(", %.1f steps/s", p->steps_per_s);
+  if (p->has_loss) PUT(", loss %.4g", p->loss);
+  if (p->eta_s >= 0 && p->total_steps > 0) {
+    char eta[32];
+    sp_remote_format_duration((uint64_t)(p->eta_s * 1000.0), eta, sizeof eta);
+    PUT(", about %s left", eta);
+  }
+#undef PUT
+}
+
+json_t *sp_remote_progress_json(const Shardplane__V1__Progress *p) {
+  if (p == NULL) return json_null();
+  json_t *o = json_pack("{s:I,s:I,s:f}", "step", (json_int_t)p->step,
+                        "total_steps", (json_int_t)p->total_steps,
+                        "steps_per_s", p->steps_per_s);
+  if (o == NULL) return NULL;
+  json_object_set_new(o, "loss", p->has_loss ? json_real(p->loss) : json_null());
+  json_object_set_new(o, "eta_s", p->eta_s >= 0 && p->total_steps > 0
+                                      ? json_real(p->eta_s)
+                                      : json_null());
+  return o;
+}
+
+/* "STALL: <message> (culprit rank 3; victims 0-2)" */
+void sp_remote_print_alert(FILE *f, const Shardplane__V1__Alert *a) {
+  fprintf(f, "%s: %s", sp_remote_alert_kind_name(a->kind), a->message);
+  if (a->n_culprits > 0 || a->n_victims > 0) {
+    fputs(" (", f);
+    if (a->n_culprits > 0) {
+      fputs(a->n_culprits == 1 ? "culprit rank " : "culprit ranks ", f);
+      sp_remote_print_ranges(f, a->culprits, a->n_culprits);
+    }
+    if (a->n_victims > 0) {
+      fputs(a->n_culprits > 0 ? "; victims " : "victims ", f);
+      sp_remote_print_ranges(f, a->victims, a->n_victims);
+    }
+    fputc(')', f);
+  }
+}
+
+json_t *sp_remote_alert_json(const Shardplane__V1__Alert *a) {
+  json_t *cul = json_array(), *vic = json_array();
+  for (size_t i = 0; i < a->n_culprits; i++)
+    json_array_append_new(cul, json_integer(a->culprits[i]));
+  for (size_t i = 0; i < a->n_victims; i++)
+    json_array_append_new(vic, json_integer(a->victims[i]));
+  return json_pack("{s:s,s:i,s:s,s:I,s:o,s:o,s:o}", "kind",
+                   sp_remote_alert_kind_name(a->kind), "rank", (int)a->rank,
+                   "message", a->message, "time_ms", (json_int_t)a->time_ms,
+                   "culprits", cul, "victims", vic, "collective",
+                   sp_remote_collective_json(a->collective));
+}

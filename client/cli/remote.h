@@ -64,6 +64,16 @@ void sp_remote_format_duration(uint64_t ms, char *buf, size_t len);
 /* Ascending indices as "0-2,5,7-9". */
 void sp_remote_print_ranges(FILE *f, const uint32_t *idx, size_t n);
 json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c);
+/* Hang diagnosis (the words status, why and watch share). */
+const char *sp_remote_job_state_name(int v);   /* "RUNNING" */
+const char *sp_remote_alert_kind_name(int v);  /* "STALL", "LOST" */
+/* "step 120 of 500, 3.1 steps/s, loss 2.41, about 40.0s left" */
+void sp_remote_progress_words(const Shardplane__V1__Progress *p, char *buf,
+                              size_t len);
+json_t *sp_remote_progress_json(const Shardplane__V1__Progress *p);
+/* "STALL: <message> (culprit rank 3; victims 0-2)", no newline */
+void sp_remote_print_alert(FILE *f, const Shardplane__V1__Alert *a);
+json_t *sp_remote_alert_json(const Shardplane__V1__Alert *a);
 /* GetJob, with the job rebuilt into *job (status.c); the answer is the
  * caller's to free. Returns an exit code. */
 int sp_remote_get_job(sp_remote *r, Shardplane__V1__GetJobResponse **out,

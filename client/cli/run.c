@@ -34,6 +34,7 @@
 #include "base/proc.h"
 #include "lib/shardplane.h"
 #include "run_auth.h"
+#include "run_verdict.h"
 
 extern char **environ;
 
@@ -110,6 +111,23 @@ static void usage(FILE *f) {
         "training flags, checked here and passed to every worker:\n",
         f);
   sp_train_flags_help(f, 29);
+  fputs("hang diagnosis:\n"
+        "  --inject SPEC              passed to every worker (repeatable): a\n"
+        "                             fault to inject, e.g. "
+        "stall:rank=2,step=3\n"
+        "                             (shardplane-worker --help)\n"
+        "  --stall-timeout-ms N       the coordinator calls a job stalled "
+        "when\n"
+        "                             no rank moves for N ms (default: "
+        "adaptive)\n"
+        "  --on-stall alert|abort     and then alerts, or aborts the job\n"
+        "  --straggler-ratio X        a rank whose steps take X times the\n"
+        "                             job's median is a straggler\n"
+        "The coordinator writes its dumps (on a stall or an abort) to\n"
+        "DIR/dumps of the checkpoint directory: shardplane analyze FILE\n"
+        "reads them. When the job fails, run asks the coordinator for its\n"
+        "verdict before stopping it and names the culprit it gives.\n",
+        f);
   fputs("  --help                     this text\n"
         "\n"
         "Credentials: the coordinator listens on 127.0.0.1 in cleartext\n"
@@ -125,7 +143,8 @@ static void usage(FILE *f) {
         "stops them at once, without a checkpoint.\n"
         "\n"
         "exit codes: 0 done, 1 the job failed (a worker died or failed: the\n"
-        "message names the rank), 2 bad usage, 130 / 143 stopped by SIGINT /\n"
+        "message names the culprit the coordinator's verdict gives, else the\n"
+        "rank), 2 bad usage, 130 / 143 stopped by SIGINT /\n"
         "SIGTERM (after the checkpoint)\n",
         f);
 }
@@ -329,6 +348,11 @@ typedef struct run_opts {
     const char *value; /* into argv; NULL for a flag without one */
   } tflags[64];
   size_t n_tflags;
+  /* hang diagnosis: --inject for the workers, the detectors' settings for
+   * the coordinator (NULL: its defaults) */
+  const char *inject[32];
+  size_t n_inject;
+  const char *stall_ms, *on_stall, *straggler;
 } run_opts;
 
 /* What was checked before anything starts. */
@@ -341,6 +365,7 @@ typedef struct run_job {
   char default_dir[PATH_MAX];
   const char *ckdir;
   char load_from[4096]; /* the folder --load names */
+  char dump_dir[PATH_MAX]; /* the coordinator's --dump-dir */
   sp_ckpt_kind load_kind; /* and the kind of its checkpoint */
   sp_run_creds creds; /* the job's tokens (run_auth.c) */
 } run_job;
@@ -358,6 +383,7 @@ typedef struct run_procs {
   uint32_t live;
   out_stream *streams; /* rank r's stdout at 2r, its stderr at 2r + 1 */
   size_t n_streams;
+  bool verdict_told; /* the coordinator's verdict on a failure was printed */
 } run_procs;
 
 #define PROCEED (-1)
@@ -376,7 +402,7 @@ static int job_flag(run_opts *o, int c, const char *value) {
 
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
        O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_GRACE,
-       O_HELP };
+       O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
@@ -384,6 +410,7 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
                       sp_diag *d) {
   static const char *const kinds[] = {"none", "full", "sharded", "local"};
   static const char *const devices[] = {"cpu", "cuda"};
+  static const char *const on_stall[] = {"alert", "abort"};
   long long n;
   double x;
   size_t k;
@@ -451,6 +478,23 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
     case O_CKEVERY:
       o->ckpt_every = v;
       return sp_flag_int(flag, v, 1, 1000000000, &n, d);
+    case O_INJECT:
+      /* the worker checks the spec itself: run passes it as given */
+      if (o->n_inject == sizeof o->inject / sizeof o->inject[0])
+        return sp_flag_fail(d, flag, v, "at most 32 --inject flags");
+      o->inject[o->n_inject++] = v;
+      return sp_flag_text(flag, v, "a fault to inject (KIND:KEY=VALUE,...)",
+                          d);
+    case O_STALL:
+      o->stall_ms = v;
+      return sp_flag_int(flag, v, 0, 86400000, &n, d);
+    case O_ONSTALL:
+      o->on_stall = v;
+      return sp_flag_choice(flag, v, on_stall, 2, &k, d);
+    case O_STRAGGLER:
+      o->straggler = v;
+      rc = sp_flag_number(flag, v, 1.0, &x, d);
+      return rc;
   }
   return SP_ENOENT;
 }
@@ -474,6 +518,10 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"load-params-only", no_argument, NULL, O_LOADP},
       {"checkpoint-every", required_argument, NULL, O_CKEVERY},
       {"coordinator-grace", required_argument, NULL, O_GRACE},
+      {"inject", required_argument, NULL, O_INJECT},
+      {"stall-timeout-ms", required_argument, NULL, O_STALL},
+      {"on-stall", required_argument, NULL, O_ONSTALL},
+      {"straggler-ratio", required_argument, NULL, O_STRAGGLER},
       {"help", no_argument, NULL, O_HELP}};
   /* run's own options, the training flags, then the job flags */
   struct option mine[64];
@@ -717,6 +765,20 @@ static int start_coordinator(const run_opts *o, const run_job *j,
   }
   push(&ca, "--heartbeat-timeout-ms");
   push(&ca, o->hb);
+  push(&ca, "--dump-dir");
+  push(&ca, j->dump_dir);
+  if (o->stall_ms) {
+    push(&ca, "--stall-timeout-ms");
+    push(&ca, o->stall_ms);
+  }
+  if (o->on_stall) {
+    push(&ca, "--on-stall");
+    push(&ca, o->on_stall);
+  }
+  if (o->straggler) {
+    push(&ca, "--straggler-ratio");
+    push(&ca, o->straggler);
+  }
   /* loopback only, so cleartext; tokens still keep other users of this
    * machine out of the job */
   push(&ca, "--insecure");
@@ -755,6 +817,10 @@ static void worker_args(const run_opts *o, const run_job *j,
   push(wa, o->lr);
   push(wa, "--log-every");
   push(wa, o->log_every);
+  for (size_t i = 0; i < o->n_inject; i++) {
+    push(wa, "--inject");
+    push(wa, o->inject[i]);
+  }
   if (o->grace) {
     push(wa, "--coordinator-grace");
     push(wa, o->grace);
@@ -827,6 +893,8 @@ static int start_workers(const run_opts *o, const run_job *j,
  * SIGKILL follows SIGTERM after TERM_S. */
 #define GRACE_S 0.5
 #define TERM_S 3.0
+/* How long a failing run waits for the coordinator's verdict. */
+#define VERDICT_MS 2000
 
 /* Where supervise stands. */
 typedef struct run_watch {
@@ -835,6 +903,7 @@ typedef struct run_watch {
   double kill_at;   /* when to SIGKILL them; < 0: not yet due */
   bool terminated;  /* SIGTERM sent: the ends that follow are ours */
   int interrupted;  /* the signal that arrived and was forwarded, or 0 */
+  run_procs *p;     /* whose coordinator to ask for the verdict */
 } run_watch;
 
 /* A failure: the first one names what happened and stops the job; later
@@ -848,7 +917,17 @@ static void failed(run_watch *w, double grace_s, const char *fmt, ...) {
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   bool first = w->ret == SP_EXIT_OK;
-  sp_cli_error(RUN, "%s%s", msg, first ? "; stopping the job" : "");
+  char verdict[512];
+  /* a victim of a stall exits like its culprit: the coordinator, which
+   * saw every rank, names the one at fault */
+  if (first && w->p != NULL && w->p->coord.pid > 0 &&
+      sp_run_verdict(w->p->addr, w->p->j->creds.admin_token, VERDICT_MS,
+                     verdict, sizeof verdict)) {
+    w->p->verdict_told = true;
+    sp_cli_error(RUN, "%s (%s); stopping the job", verdict, msg);
+  } else {
+    sp_cli_error(RUN, "%s%s", msg, first ? "; stopping the job" : "");
+  }
   if (first) {
     w->ret = SP_EXIT_FAILURE;
     w->term_at = sp_clock_s() + grace_s;
@@ -910,6 +989,19 @@ static int prepare_state_dir(const run_job *j, run_procs *p) {
     }
   }
   close(fd); /* and the lock with it */
+  return PROCEED;
+}
+
+/* DIR/dumps of the checkpoint directory, for the coordinator's dumps
+ * (kept across runs: each file is named by its time). Returns PROCEED or
+ * the exit code. */
+static int prepare_dump_dir(run_job *j) {
+  int n = snprintf(j->dump_dir, sizeof j->dump_dir, "%s/dumps", j->ckdir);
+  if (n <= 0 || (size_t)n >= sizeof j->dump_dir || make_dirs(j->dump_dir)) {
+    sp_cli_error(RUN, "cannot create the dump dir %s: %s", j->dump_dir,
+                 strerror(errno));
+    return SP_EXIT_FAILURE;
+  }
   return PROCEED;
 }
 
@@ -988,7 +1080,7 @@ static void stop_when_due(run_procs *p, run_watch *w, long long n) {
  * why), the coordinator dies, or a signal arrives. Returns the exit
  * code. */
 static int supervise(const run_opts *o, run_procs *p) {
-  run_watch w = {.ret = SP_EXIT_OK, .term_at = -1, .kill_at = -1};
+  run_watch w = {.ret = SP_EXIT_OK, .term_at = -1, .kill_at = -1, .p = p};
   double drained_by = -1; /* every worker gone: the pipes' last words */
   for (;;) {
     size_t open = pass_output(p->streams, p->n_streams, 20);
@@ -1082,6 +1174,7 @@ int sp_cmd_run(int argc, char **argv) {
   p.o = &o;
   p.j = &j;
   ret = prepare_state_dir(&j, &p);
+  if (ret == PROCEED) ret = prepare_dump_dir(&j);
   if (ret == PROCEED) ret = start_coordinator(&o, &j, &p);
   if (ret != PROCEED) goto out;
   printf("shardplane run: %s, %lld ranks, %s, plan %s (%zu units); "
@@ -1098,6 +1191,13 @@ int sp_cmd_run(int argc, char **argv) {
   stop_workers(p.pids, (uint32_t)o.nproc, 3000);
   close_streams(p.streams, p.n_streams);
   free(p.streams);
+  char verdict[512];
+  /* the verdict may have come after the first failure was reported (a
+   * lost rank is noticed when its stream breaks) */
+  if (ret == SP_EXIT_FAILURE && !p.verdict_told && p.coord.pid > 0 &&
+      sp_run_verdict(p.addr, j.creds.admin_token, VERDICT_MS, verdict,
+                     sizeof verdict))
+    sp_cli_error(RUN, "the coordinator's verdict: %s", verdict);
   if (p.coord.pid > 0) sp_proc_stop(&p.coord, 5000);
   if (ret == SP_EXIT_OK || ret == 128 + SIGINT || ret == 128 + SIGTERM)
     ret = report_done(&o, &j, sp_clock_s() - t0, ret);

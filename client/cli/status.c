@@ -19,8 +19,11 @@
 
 static const subcmd k_status = {
     "status [options]",
-    "The job at a glance: model, job, plan version, how many ranks are in\n"
-    "each state, and the alerts raised so far.\n\n",
+    "The job at a glance: model, job, plan version, the job's state and\n"
+    "progress (step of total, steps/s, loss, time left), its verdict when\n"
+    "it failed, how many ranks are in each state, and the alerts raised so\n"
+    "far, each with its kind, culprits and victims (shardplane why: the\n"
+    "verdict in full).\n\n",
     0, 0};
 
 /* GetJob, with the job converted for the shared job renderer. */
@@ -73,6 +76,10 @@ static void print_status(const sp_remote *r,
   printf("job         ");
   sp_render_job_line(job, (sp_strategy)j->effective_strategy);
   printf("\nplan        version %s, %u units\n", j->plan_version, j->n_units);
+  char prog[256];
+  sp_remote_progress_words(j->progress, prog, sizeof prog);
+  printf("state       %s: %s\n", sp_remote_job_state_name(j->state), prog);
+  if (j->verdict[0] != '\0') printf("verdict     %s\n", j->verdict);
   const Shardplane__V1__RankSummary *s = rank_summary(j);
   printf("ranks       %u attached", s->attached);
   bool any = false;
@@ -90,8 +97,9 @@ static void print_status(const sp_remote *r,
   printf("\n");
   for (size_t i = 0; i < j->n_recent_alerts; i++) {
     const Shardplane__V1__Alert *a = j->recent_alerts[i];
-    printf("  %10.3fs  rank %u: %s\n", (double)a->time_ms / 1000.0, a->rank,
-           a->message);
+    printf("  %10.3fs  rank %u ", (double)a->time_ms / 1000.0, a->rank);
+    sp_remote_print_alert(stdout, a);
+    putchar('\n');
   }
 }
 
@@ -100,11 +108,7 @@ static int status_json(const sp_remote *r,
                        const sp_job *job) {
   json_t *alerts = json_array();
   for (size_t i = 0; i < j->n_recent_alerts; i++)
-    json_array_append_new(alerts,
-                          json_pack("{s:i,s:s,s:I}", "rank",
-                                    (int)j->recent_alerts[i]->rank, "message",
-                                    j->recent_alerts[i]->message, "time_ms",
-                                    (json_int_t)j->recent_alerts[i]->time_ms));
+    json_array_append_new(alerts, sp_remote_alert_json(j->recent_alerts[i]));
   json_t *root =
       json_pack("{s:s,s:I,s:{s:s,s:i,s:i,s:i,s:I},s:s,s:i,s:o,s:o,s:i,s:o}",
                 "coordinator", r->addr, "uptime_ms", (json_int_t)j->uptime_ms,
@@ -115,6 +119,11 @@ static int status_json(const sp_remote *r,
                 sp_render_job_json(job, (sp_strategy)j->effective_strategy, 0),
                 "ranks", rank_summary_json(rank_summary(j)), "alerts",
                 (int)j->alerts, "recent_alerts", alerts);
+  if (root != NULL) {
+    json_object_set_new(root, "state", json_string(sp_remote_job_state_name(j->state)));
+    json_object_set_new(root, "verdict", json_string(j->verdict));
+    json_object_set_new(root, "progress", sp_remote_progress_json(j->progress));
+  }
   return sp_render_json_out(root) == 0 ? SP_EXIT_OK : SP_EXIT_FAILURE;
 }
 
@@ -155,7 +164,11 @@ static const subcmd k_ranks = {
     "collective's count, in elements per rank, as in the workers' errors:\n"
     "what each rank contributes to an all-gather (its shard) or receives\n"
     "from a reduce-scatter (its reduced shard), the whole buffer of an\n"
-    "all-reduce or broadcast.\n\n"
+    "all-reduce or broadcast.\n"
+    "P50/P90/P99 are the rank's step times (ms, from its own clock) over\n"
+    "the recent steps; SCORE how much slower than the job's median it is\n"
+    "(1.00: as fast; a straggler scores high). A rank that failed because\n"
+    "a peer did is marked \"victim of rank R\".\n\n"
     "  --unit-states                also each unit's training state\n",
     0, 0};
 
@@ -196,9 +209,9 @@ static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
     if (l->ranks[i]->n_unit_states > max_units)
       max_units = l->ranks[i]->n_unit_states;
   uint32_t *scratch = calloc(max_units + 1, sizeof *scratch);
-  printf("%-9s %-14s %-20s %8s %-8s %8s %-18s %-40s %9s %6s\n", "RANK",
-         "STATUS", "HOST", "PID", "DEVICE", "STEP", "STATE", "LAST COLLECTIVE",
-         "HEARD", "ALERTS");
+  printf("%-9s %-14s %-20s %8s %-8s %8s %-18s %-40s %9s %6s %8s %8s %8s %6s\n",
+         "RANK", "STATUS", "HOST", "PID", "DEVICE", "STEP", "STATE",
+         "LAST COLLECTIVE", "HEARD", "ALERTS", "P50", "P90", "P99", "SCORE");
   for (size_t i = 0; i < l->n_ranks;) {
     const Shardplane__V1__RankInfo *k = l->ranks[i];
     if (k->status == SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED) {
@@ -226,11 +239,22 @@ static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
                sp_remote_enum_name(&shardplane__v1__collective_op__descriptor, c->op),
                c->unit, sp_dtype_name(sp_wire_dtype(c->dtype)), c->count);
     sp_remote_format_duration(k->last_heard_ms_ago, heard, sizeof heard);
-    printf("%-9u %-14s %-20s %8u %-8s %8" PRIu64 " %-18s %-40s %9s %6u\n",
+    char p50[16] = "-", p90[16] = "-", p99[16] = "-", score[16] = "-";
+    /* no step timed yet: nothing to show, not zeros */
+    if (k->step_p50_ms > 0) {
+      snprintf(p50, sizeof p50, "%.1f", k->step_p50_ms);
+      snprintf(p90, sizeof p90, "%.1f", k->step_p90_ms);
+      snprintf(p99, sizeof p99, "%.1f", k->step_p99_ms);
+    }
+    if (k->straggler_score > 0)
+      snprintf(score, sizeof score, "%.2f", k->straggler_score);
+    printf("%-9u %-14s %-20s %8u %-8s %8" PRIu64
+           " %-18s %-40s %9s %6u %8s %8s %8s %6s\n",
            k->rank, rank_status_name(k->status), k->host[0] ? k->host : "-",
            k->pid, k->device[0] ? k->device : "-", k->step,
            sp_state_name(SP_MACHINE_ROOT, k->root_state), coll, heard,
-           k->alerts);
+           k->alerts, p50, p90, p99, score);
+    if (k->victim) printf("      victim of rank %u\n", k->victim_of);
     if (k->last_alert[0] != '\0')
       printf("      last alert: %s\n", k->last_alert);
     if (unit_states && scratch != NULL && k->n_unit_states > 0)
@@ -254,6 +278,15 @@ static int ranks_json(const Shardplane__V1__ListRanksResponse *l,
         "last_heard_ms_ago", (json_int_t)k->last_heard_ms_ago, "alerts",
         (int)k->alerts, "last_alert", k->last_alert, "transitions",
         (json_int_t)k->transitions);
+    if (o != NULL) {
+      json_object_set_new(o, "step_p50_ms", json_real(k->step_p50_ms));
+      json_object_set_new(o, "step_p90_ms", json_real(k->step_p90_ms));
+      json_object_set_new(o, "step_p99_ms", json_real(k->step_p99_ms));
+      json_object_set_new(o, "straggler_score", json_real(k->straggler_score));
+      json_object_set_new(o, "victim", json_boolean(k->victim));
+      json_object_set_new(o, "victim_of", k->victim ? json_integer(k->victim_of)
+                                                    : json_null());
+    }
     if (o != NULL && unit_states) {
       json_t *us = json_array();
       for (size_t u = 0; u < k->n_unit_states; u++)

@@ -7,8 +7,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli.h"
+#include "flight_fmt.h"
 #include "fsdp/state.h"
 #include "remote.h"
 #include "rpc/coord_service.h"
@@ -24,7 +26,12 @@ static const subcmd k_watch = {
     "[options]",
     "Prints the coordinator's events as they happen, one line each (JSON\n"
     "Lines with --json), until Ctrl-C, the end of the stream, or --count\n"
-    "events. By default: ranks attached, lost and detached, and alerts.\n\n"
+    "events. By default: ranks attached, lost and detached, and alerts\n"
+    "(with their kind: DESYNC, STALL, STRAGGLER, LOST, ILLEGAL_TRANSITION,\n"
+    "culprits and victims).\n"
+    "The first column is the time of the event (UTC): the worker's own\n"
+    "clock for a transition, which it stamps when it happens (a step's\n"
+    "events reach the coordinator in batches), else the coordinator's.\n\n"
     "  --rank R                     only rank R's events (repeatable)\n"
     "  --kind K                     only events of kind K: attached, lost,\n"
     "                               detached, transition, alert "
@@ -126,8 +133,24 @@ static json_t *transition_json(const Shardplane__V1__Transition *t) {
   return o;
 }
 
+/* When the event happened, in microseconds since the epoch: the worker's
+ * stamp where it has one, else the coordinator's time_ms from its start
+ * (coord_start_us, learned from its uptime when the watch began). */
+static uint64_t event_time_us(const Shardplane__V1__Event *ev,
+                              uint64_t coord_start_us, bool *worker) {
+  *worker = false;
+  if (ev->transition != NULL && ev->transition->time_us > 0) {
+    *worker = true;
+    return ev->transition->time_us;
+  }
+  return coord_start_us + ev->time_ms * 1000;
+}
+
 /* One line per event; -1 when stdout is gone. */
-static int print_event(const Shardplane__V1__Event *ev, bool json) {
+static int print_event(const Shardplane__V1__Event *ev, bool json,
+                       uint64_t coord_start_us) {
+  bool worker;
+  uint64_t t_us = event_time_us(ev, coord_start_us, &worker);
   const char *kind =
       sp_remote_enum_name(&shardplane__v1__event_kind__descriptor, ev->kind);
   if (json) {
@@ -135,13 +158,20 @@ static int print_event(const Shardplane__V1__Event *ev, bool json) {
                           (int)ev->rank, "time_ms", (json_int_t)ev->time_ms,
                           "message", ev->message, "transition",
                           transition_json(ev->transition));
+    if (o != NULL) {
+      json_object_set_new(o, "time_us", json_integer((json_int_t)t_us));
+      json_object_set_new(o, "worker_time", json_boolean(worker));
+      json_object_set_new(o, "alert", ev->alert ? sp_remote_alert_json(ev->alert)
+                                                : json_null());
+    }
     int rc = o ? json_dumpf(o, stdout, JSON_COMPACT | JSON_PRESERVE_ORDER) : -1;
     json_decref(o);
     if (rc != 0 || putchar('\n') == EOF) return -1;
   } else {
     if (strncmp(kind, "RANK_", 5) == 0) kind += 5;
-    printf("%10.3fs  rank %-6u %-10s", (double)ev->time_ms / 1000.0, ev->rank,
-           kind);
+    char when[32];
+    sp_flight_time(t_us, when, sizeof when);
+    printf("%s  rank %-6u %-10s", when, ev->rank, kind);
     const Shardplane__V1__Transition *t = ev->transition;
     if (t != NULL) {
       if (t->machine == SHARDPLANE__V1__MACHINE__MACHINE_HANDLE)
@@ -151,7 +181,12 @@ static int print_event(const Shardplane__V1__Event *ev, bool json) {
         printf(" root -> %s", sp_state_name(SP_MACHINE_ROOT, t->state));
       printf(", step %" PRIu64, t->step);
     }
-    if (ev->message[0] != '\0') printf(" %s", ev->message);
+    if (ev->alert != NULL) {
+      putchar(' ');
+      sp_remote_print_alert(stdout, ev->alert);
+    } else if (ev->message[0] != '\0') {
+      printf(" %s", ev->message);
+    }
     putchar('\n');
   }
   /* a pipe reader sees each event as it happens */
@@ -159,7 +194,8 @@ static int print_event(const Shardplane__V1__Event *ev, bool json) {
 }
 
 /* Reads events until the stream ends, a signal, or the count is reached. */
-static int watch_loop(sp_remote *r, sp_rpc_sync_stream *st, long long count) {
+static int watch_loop(sp_remote *r, sp_rpc_sync_stream *st, long long count,
+                      uint64_t coord_start_us) {
   struct sigaction sa = {.sa_handler = on_stop_signal}, old_int, old_term;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, &old_int);
@@ -182,7 +218,8 @@ static int watch_loop(sp_remote *r, sp_rpc_sync_stream *st, long long count) {
       ec = SP_EXIT_FAILURE;
       break;
     }
-    int wrc = print_event((const Shardplane__V1__Event *)m, r->json);
+    int wrc = print_event((const Shardplane__V1__Event *)m, r->json,
+                          coord_start_us);
     sp_remote_free_msg(m);
     if (wrc != 0) {
       ec = SP_EXIT_FAILURE; /* the reader went away (e.g. `| head`) */
@@ -216,12 +253,20 @@ int sp_cmd_watch(int argc, char **argv) {
     return ec;
   }
   sp_rpc_sync_stream *st = NULL;
-  if (w->n_ranks > 0) {
-    /* an unknown rank is "not found" here, as in `plan --rank` */
+  uint64_t coord_start_us = 0;
+  {
+    /* an unknown rank is "not found" here, as in `plan --rank`; the
+     * uptime places the coordinator's event times on the wall clock */
     Shardplane__V1__GetJobResponse *j = NULL;
     sp_job job;
     sp_job_init(&job);
     ec = sp_remote_get_job(&r, &j, &job);
+    if (ec == SP_EXIT_OK) {
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      uint64_t now_us = (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
+      coord_start_us = now_us - j->uptime_ms * 1000;
+    }
     for (size_t i = 0; ec == SP_EXIT_OK && i < w->n_ranks; i++)
       if (w->ranks[i] >= job.world_size) {
         sp_cli_error(r.cmd, "--rank %u: the world has ranks 0-%u", w->ranks[i],
@@ -230,8 +275,6 @@ int sp_cmd_watch(int argc, char **argv) {
       }
     sp_remote_free_msg(j);
     sp_job_clear(&job);
-  } else {
-    ec = sp_remote_connect(&r);
   }
   if (ec != SP_EXIT_OK) goto out;
   const uint32_t all_but_transitions =
@@ -262,7 +305,7 @@ int sp_cmd_watch(int argc, char **argv) {
     goto out;
   }
   /* SP_ESTATE: the call already ended; the loop reads its status */
-  ec = watch_loop(&r, st, w->count);
+  ec = watch_loop(&r, st, w->count, coord_start_us);
 out:
   sp_rpc_sync_stream_close(st);
   free(w);

@@ -196,7 +196,11 @@ int sp_inject_before_collective(void *user, sp_fsdp_phase phase,
     if (f->has_unit && f->unit != unit) continue;
     switch (f->kind) {
       case SP_INJECT_STALL:
-        if (f->phase != SP_PHASE_OTHER && f->phase != phase) break;
+        /* a unit's collective: the sums between steps (the stop check,
+         * the loss) are no unit's */
+        if (phase == SP_PHASE_OTHER ||
+            (f->phase != SP_PHASE_OTHER && f->phase != phase))
+          break;
         f->fired = true;
         return stall(in, f, unit);
       case SP_INJECT_SKIP:

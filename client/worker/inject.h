@@ -4,9 +4,10 @@
  * --inject is given; then only the faults naming this rank act.
  *
  *   stall:rank=R,step=S[,unit=U,phase=forward|backward]
- *       the training thread blocks before that collective (the first of
- *       step S, of unit U, in that phase) while the session's heartbeats go
- *       on; for ever, until the process is killed or the job aborted
+ *       the training thread blocks before that collective (the first
+ *       unit collective of step S, of unit U, in that phase) while the
+ *       session's heartbeats go on; for ever, until the process is
+ *       killed or the job aborted
  *   skip-collective:rank=R,step=S[,unit=U]
  *       the rank skips one all-gather (the first of step S, of unit U): a
  *       real desynchronisation, its peers wait in a collective it never

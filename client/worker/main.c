@@ -12,7 +12,6 @@
 #include <time.h>
 
 #include "base/clock.h"
-#include "base/thread_name.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
 #include "inject.h"
@@ -1061,7 +1060,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
 }
 
 int main(int argc, char **argv) {
-  sp_thread_name("training");
+  /* The training thread is the main thread, and keeps the program's name:
+   * renaming it would rename the process for ps, pgrep and killall. */
   worker_opts o;
   int prc = parse_args(argc, argv, &o);
   if (prc) return prc == 1 ? 0 : prc;
