@@ -275,8 +275,9 @@ static void test_admin_aborts(void **state) {
       admin, M("Abort"), &abq.base,
       &shardplane__v1__abort_response__descriptor, 5000, &st);
   sp_test_expect_status(&st, SP_RPC_OK, NULL);
-  /* a stream not bound yet gets the ABORT when it binds */
-  assert_true(ar->sessions >= 1 && ar->sessions <= 2);
+  /* attached ranks whose Session stream is not bound yet (a loaded
+   * machine) get the ABORT when it binds: 0 to 2 at once */
+  assert_true(ar->sessions <= 2);
   sp_test_free_msg(ar);
   /* every rank hears it, with the reason and who sent it */
   for (int r = 0; r < 2; r++) {
