@@ -284,13 +284,7 @@ static void rec_event(const ctx *c, const coll_rec *r, sp_flight_event *e) {
 /* "rank 3" / "ranks 0-2,5" */
 static void put_ranks(FILE *f, const uint32_t *idx, size_t n) {
   fputs(n == 1 ? "rank " : "ranks ", f);
-  for (size_t i = 0; i < n;) {
-    size_t j = i;
-    while (j + 1 < n && idx[j + 1] == idx[j] + 1) j++;
-    fprintf(f, "%s%u", i ? "," : "", idx[i]);
-    if (j > i) fprintf(f, "-%u", idx[j]);
-    i = j + 1;
-  }
+  sp_fmt_ranges(f, idx, n);
 }
 
 static void put_comm(FILE *f, const comm_id *k) {

@@ -65,3 +65,13 @@ void sp_flight_line(const sp_flight_event *e, char *buf, size_t len) {
     snprintf(what, sizeof what, "completed");
   snprintf(buf, len, "%s step %" PRIu64 " %s %s", t, e->step, c, what);
 }
+
+void sp_fmt_ranges(FILE *f, const uint32_t *idx, size_t n) {
+  for (size_t i = 0; i < n;) {
+    size_t j = i;
+    while (j + 1 < n && idx[j + 1] == idx[j] + 1) j++;
+    fprintf(f, "%s%u", i ? "," : "", idx[i]);
+    if (j > i) fprintf(f, "-%u", idx[j]);
+    i = j + 1;
+  }
+}

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 typedef struct sp_flight_event {
   uint64_t t_us; /* worker clock, microseconds since the epoch */
@@ -41,5 +42,8 @@ void sp_flight_collective(const sp_flight_event *e, char *buf, size_t len);
  * "12:03:41.123456 step 120 all-gather #413 world unit 7 ... issued",
  * "... completed after 2.1 ms". */
 void sp_flight_line(const sp_flight_event *e, char *buf, size_t len);
+
+/* Ascending indices as "0-2,5,7-9". */
+void sp_fmt_ranges(FILE *f, const uint32_t *idx, size_t n);
 
 #endif

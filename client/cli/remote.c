@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "flight_fmt.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
 #include "grpc/health/v1/health.pb-c.h"
@@ -324,16 +325,6 @@ void sp_remote_format_duration(uint64_t ms, char *buf, size_t len) {
              (unsigned)(ms / 60000 % 60));
 }
 
-/* Ascending indices as "0-2,5,7-9". */
-void sp_remote_print_ranges(FILE *f, const uint32_t *idx, size_t n) {
-  for (size_t i = 0; i < n;) {
-    size_t j = i;
-    while (j + 1 < n && idx[j + 1] == idx[j] + 1) j++;
-    fprintf(f, "%s%u", i ? "," : "", idx[i]);
-    if (j > i) fprintf(f, "-%u", idx[j]);
-    i = j + 1;
-  }
-}
 
 json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c) {
   if (c == NULL) return json_null();
@@ -406,11 +397,11 @@ void sp_remote_print_alert(FILE *f, const Shardplane__V1__Alert *a) {
     fputs(" (", f);
     if (a->n_culprits > 0) {
       fputs(a->n_culprits == 1 ? "culprit rank " : "culprit ranks ", f);
-      sp_remote_print_ranges(f, a->culprits, a->n_culprits);
+      sp_fmt_ranges(f, a->culprits, a->n_culprits);
     }
     if (a->n_victims > 0) {
       fputs(a->n_culprits > 0 ? "; victims " : "victims ", f);
-      sp_remote_print_ranges(f, a->victims, a->n_victims);
+      sp_fmt_ranges(f, a->victims, a->n_victims);
     }
     fputc(')', f);
   }

@@ -61,8 +61,6 @@ void sp_remote_free_msg(void *m);
 const char *sp_remote_enum_name(const ProtobufCEnumDescriptor *d, int v);
 /* "12.3s", "4m 05s", "2h 07m" */
 void sp_remote_format_duration(uint64_t ms, char *buf, size_t len);
-/* Ascending indices as "0-2,5,7-9". */
-void sp_remote_print_ranges(FILE *f, const uint32_t *idx, size_t n);
 json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c);
 /* Hang diagnosis (the words status, why and watch share). */
 const char *sp_remote_job_state_name(int v);   /* "RUNNING" */

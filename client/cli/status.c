@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "cli.h"
+#include "flight_fmt.h"
 #include "fsdp/state.h"
 #include "lib/plan_wire.h"
 #include "remote.h"
@@ -196,7 +197,7 @@ static void print_unit_states(const Shardplane__V1__RankInfo *k,
       if (k->unit_states[u] == s) scratch[n++] = (uint32_t)u;
     if (n == 0) continue;
     printf("%s%s ", sep, sp_state_name(SP_MACHINE_HANDLE, s));
-    sp_remote_print_ranges(stdout, scratch, n);
+    sp_fmt_ranges(stdout, scratch, n);
     sep = "; ";
   }
   printf("\n");
