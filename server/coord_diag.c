@@ -22,6 +22,9 @@
  * side of a desync it is on. */
 #define RANK_RING 4u
 #define MAX_OPEN 16u
+/* How long a tied desync waits for a member to break the tie (well within
+ * the second the verdict is due in). */
+#define DESYNC_TIE_MS 400u
 
 static int cmp_float(const void *a, const void *b);
 
@@ -39,6 +42,14 @@ typedef struct comm_slot {
 typedef struct comm_table {
   comm_slot *slots; /* COMM_SLOTS, allocated on first use */
   bool desynced;    /* alerted once: the rest follows from it */
+  /* A mismatch seen while both sides had as many ranks (rank 1 says 259
+   * elements, rank 2 says 260, the others have not issued it yet): which
+   * one is the odd one out is not known yet. The next member's
+   * fingerprint decides, or, after DESYNC_TIE_MS, the tie rule. */
+  bool pending;
+  uint64_t pending_ms;
+  uint32_t pending_rank;
+  fprint pending_f;
 } comm_table;
 
 typedef struct diag_rank {
@@ -425,13 +436,15 @@ static void after_verdict(sp_coord *c, const char *msg, bool culprit_known,
 
 /* ---- desync ---- */
 
-static void desync_alert(sp_coord *c, int kind, uint32_t index,
+/* Raises the DESYNC alert, unless the sides are tied with members still
+ * to be heard from and force is false; whether it did. */
+static bool desync_alert(sp_coord *c, int kind, uint32_t index,
                          const comm_slot *ref, uint32_t rank,
-                         const fprint *f) {
+                         const fprint *f, bool force) {
   sp_coord_diag *d = c->diag;
   uint32_t nm = n_members(d, kind);
   uint32_t *a = calloc((size_t)nm * 3 + 1, sizeof *a);
-  if (a == NULL) return;
+  if (a == NULL) return true; /* cannot tell: do not try again */
   uint32_t *b = a + nm, *none = b + nm;
   size_t na = 0, nb = 0, nn = 0;
   for (uint32_t i = 0; i < nm; i++) {
@@ -440,6 +453,10 @@ static void desync_alert(sp_coord *c, int kind, uint32_t index,
     if (x->seq != f->seq) none[nn++] = r;
     else if (fp_eq(x, &ref->f)) a[na++] = r;
     else b[nb++] = r;
+  }
+  if (!force && na == nb && nn > 0) {
+    free(a);
+    return false;
   }
   char la[1200], lb[1200], ln[1200] = "", wa[200], wb[200], ea[160], eb[160],
        comm[48];
@@ -467,6 +484,7 @@ static void desync_alert(sp_coord *c, int kind, uint32_t index,
               &col, msg);
   after_verdict(c, msg, true, b_culprit ? b[0] : a[0], false);
   free(a);
+  return true;
 }
 
 static void ingest_collective(sp_coord *c, uint32_t rank,
@@ -502,10 +520,44 @@ static void ingest_collective(sp_coord *c, uint32_t rank,
   if (s->f.seq < q->seq) {
     s->f = f;
     s->first_rank = rank;
-  } else if (s->f.seq == q->seq && !fp_eq(&s->f, &f) && !t->desynced) {
-    t->desynced = true;
-    desync_alert(c, kind, q->comm_index, s, rank, &f);
+  } else if (s->f.seq == q->seq && !t->desynced) {
+    if (!fp_eq(&s->f, &f) && !t->pending) {
+      t->pending = true;
+      t->pending_ms = now;
+      t->pending_rank = rank;
+      t->pending_f = f;
+    }
+    /* every fingerprint at the pending seq may break a tie */
+    if (t->pending && t->pending_f.seq == q->seq &&
+        desync_alert(c, kind, q->comm_index, s, t->pending_rank,
+                     &t->pending_f, false)) {
+      t->desynced = true;
+      t->pending = false;
+    }
   }
+}
+
+/* A tie still unbroken after DESYNC_TIE_MS: the verdict goes out by the
+ * tie rule rather than late. */
+static void settle_tie(sp_coord *c, int kind, uint32_t index, uint64_t now) {
+  comm_table *t = table_of(c->diag, kind, index);
+  if (t == NULL || !t->pending || t->desynced ||
+      now - t->pending_ms < DESYNC_TIE_MS)
+    return;
+  t->pending = false;
+  const comm_slot *s = &t->slots[t->pending_f.seq % COMM_SLOTS];
+  if (s->f.seq != t->pending_f.seq) return; /* long gone */
+  t->desynced = desync_alert(c, kind, index, s, t->pending_rank,
+                             &t->pending_f, true);
+}
+
+static void settle_ties(sp_coord *c, uint64_t now) {
+  sp_coord_diag *d = c->diag;
+  settle_tie(c, SHARDPLANE__V1__COMM_KIND__COMM_WORLD, 0, now);
+  for (uint32_t i = 0; i < d->n_shard; i++)
+    settle_tie(c, SHARDPLANE__V1__COMM_KIND__COMM_SHARD, i, now);
+  for (uint32_t i = 0; i < d->n_replica; i++)
+    settle_tie(c, SHARDPLANE__V1__COMM_KIND__COMM_REPLICA, i, now);
 }
 
 /* ---- straggler timing ---- */
@@ -996,6 +1048,7 @@ static void on_tick(uv_timer_t *t) {
   uv_update_time(c->loop);
   uint64_t now = sp_coord_now_ms(c);
   forgive_pause(c, now);
+  settle_ties(c, now);
   update_progress(c, now);
   check_stall(c, now);
   check_stragglers(c);
