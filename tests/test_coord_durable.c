@@ -357,16 +357,23 @@ static void job_flags(const char **f, const char *ck) {
   memcpy(f, v, sizeof v);
 }
 
-static int live_workers(sp_tjob *j) {
+/* Ranks still running; a rank that ended fails the test with its stderr
+ * (dir/rank-R.err). */
+static int live_workers(sp_tjob *j, const char *dir) {
   int live = 0;
   for (int r = 0; r < j->n; r++) {
     if (j->w[r] <= 0) continue;
     int st;
     pid_t p = waitpid(j->w[r], &st, WNOHANG);
-    if (p == 0)
+    if (p == 0) {
       live++;
-    else if (p == j->w[r])
-      fail_msg("rank %d ended (status %d) before the job did", r, st);
+    } else if (p == j->w[r]) {
+      char name[32];
+      snprintf(name, sizeof name, "rank-%d.err", r);
+      char *path = sp_test_path(dir, name), *err = sp_test_read_file(path);
+      fail_msg("rank %d ended (status %d) before the job did: %s", r, st,
+               err);
+    }
   }
   return live;
 }
@@ -391,7 +398,7 @@ static void test_training_rides_out_kills(void **state) {
     unsigned delay = k == 0 ? (unsigned)sp_test_rng_below(&g_rng, 400)
                             : 100 + (unsigned)sp_test_rng_below(&g_rng, 500);
     sp_test_sleep_ms(delay);
-    int live = live_workers(&j);
+    int live = live_workers(&j, dir);
     printf("  kill -9 of the coordinator %u ms after %s (%d ranks running)\n",
            delay, k == 0 ? "the workers started" : "its restart", live);
     if (k == 0 && live != 4)
