@@ -144,15 +144,38 @@ static void session_free(sp_session *s) {
   free(s);
 }
 
+/* A start-up call (GetJob, GetModelSpec, Attach), tried again while the
+ * coordinator cannot be reached (it may be restarting: a kill -9 can land
+ * in any of them), for connect_timeout_ms in all. A retry of an Attach
+ * whose answer was lost is the same process (host and pid) asking again,
+ * which the coordinator answers with the same session. */
+static int call_retrying(sp_session *s, const char *what, const char *path,
+                         const ProtobufCMessage *q,
+                         const ProtobufCMessageDescriptor *desc,
+                         uint64_t timeout_ms, ProtobufCMessage **m,
+                         sp_rpc_status *st, sp_diag *d) {
+  uint64_t t0 = uv_hrtime(), base = 0, jitter = t0 ^ s->rank;
+  for (;;) {
+    int rc = sp_session_unary(s, what, path, q, desc, timeout_ms, m, st, d);
+    if (rc == 0 || st->code != SP_RPC_UNAVAILABLE) return rc;
+    uint64_t spent = (uv_hrtime() - t0) / 1000000;
+    if (spent >= s->connect_timeout_ms) return rc;
+    uint64_t delay = sp_session_backoff(&base, &jitter);
+    if (delay > s->connect_timeout_ms - spent)
+      delay = s->connect_timeout_ms - spent;
+    uv_sleep((unsigned)delay);
+  }
+}
+
 /* GetJob: the job this rank builds its plan from. */
 static int fetch_job(sp_session *s, char *version, size_t cap, sp_diag *d) {
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;
-  int rc = sp_session_unary(s, "GetJob", SP_COORD_PATH("GetJob"), &q.base,
-                 &shardplane__v1__get_job_response__descriptor,
-                 s->connect_timeout_ms + s->call_timeout_ms, &m, &st,
-                 d);
+  int rc = call_retrying(s, "GetJob", SP_COORD_PATH("GetJob"), &q.base,
+                         &shardplane__v1__get_job_response__descriptor,
+                         s->connect_timeout_ms + s->call_timeout_ms, &m, &st,
+                         d);
   if (rc != 0) {
     /* the first call on a fresh connection: UNAVAILABLE means the engine
      * retried for connect_timeout_ms without reaching the coordinator */
@@ -186,9 +209,11 @@ static int fetch_model(sp_session *s, const char *job_version, sp_diag *d) {
     q.offset = off;
     q.max_bytes = SPEC_PIECE;
     ProtobufCMessage *m = NULL;
-    rc = sp_session_unary(s, "GetModelSpec", SP_COORD_PATH("GetModelSpec"), &q.base,
-               &shardplane__v1__get_model_spec_response__descriptor,
-               s->call_timeout_ms, &m, NULL, d);
+    sp_rpc_status st;
+    rc = call_retrying(s, "GetModelSpec", SP_COORD_PATH("GetModelSpec"),
+                       &q.base,
+                       &shardplane__v1__get_model_spec_response__descriptor,
+                       s->call_timeout_ms, &m, &st, d);
     if (rc != 0) break;
     Shardplane__V1__GetModelSpecResponse *r =
         (Shardplane__V1__GetModelSpecResponse *)m;
@@ -239,29 +264,6 @@ static int fetch_model(sp_session *s, const char *job_version, sp_diag *d) {
   return rc;
 }
 
-/* Attach, tried again while the coordinator cannot be reached (it may be
- * restarting), for connect_timeout_ms as the calls before it. A retry of
- * an Attach whose answer was lost is the same process (host and pid)
- * asking again, which the coordinator answers with the same session. */
-static int attach_call(sp_session *s, const char *what,
-                       const Shardplane__V1__AttachRequest *q,
-                       ProtobufCMessage **m, sp_diag *d) {
-  uint64_t t0 = uv_hrtime(), base = 0, jitter = t0 ^ s->rank;
-  for (;;) {
-    sp_rpc_status st;
-    int rc = sp_session_unary(s, what, SP_COORD_PATH("Attach"), &q->base,
-                              &shardplane__v1__attach_response__descriptor,
-                              s->call_timeout_ms, m, &st, d);
-    if (rc == 0 || st.code != SP_RPC_UNAVAILABLE) return rc;
-    uint64_t spent = (uv_hrtime() - t0) / 1000000;
-    if (spent >= s->connect_timeout_ms) return rc;
-    uint64_t delay = sp_session_backoff(&base, &jitter);
-    if (delay > s->connect_timeout_ms - spent)
-      delay = s->connect_timeout_ms - spent;
-    uv_sleep((unsigned)delay);
-  }
-}
-
 static int attach(sp_session *s, sp_diag *d) {
   char host[256];
   size_t hl = sizeof host;
@@ -276,7 +278,10 @@ static int attach(sp_session *s, sp_diag *d) {
   ProtobufCMessage *m = NULL;
   char what[48];
   snprintf(what, sizeof what, "Attach rank %u", s->rank);
-  int rc = attach_call(s, what, &q, &m, d);
+  sp_rpc_status st;
+  int rc = call_retrying(s, what, SP_COORD_PATH("Attach"), &q.base,
+                         &shardplane__v1__attach_response__descriptor,
+                         s->call_timeout_ms, &m, &st, d);
   if (rc != 0) return rc;
   Shardplane__V1__AttachResponse *r = (Shardplane__V1__AttachResponse *)m;
   size_t idl = r->session_id ? strlen(r->session_id) : 0;
