@@ -110,7 +110,9 @@ void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *in,
   a->time_ms = sp_coord_now_ms(c);
   a->kind = in->kind;
   if (c->recent_ranks[i] != NULL) {
-    memcpy(c->recent_ranks[i], in->culprits, in->n_culprits * sizeof(uint32_t));
+    if (in->n_culprits) /* no culprit (a stall in the network): NULL */
+      memcpy(c->recent_ranks[i], in->culprits,
+             in->n_culprits * sizeof(uint32_t));
     if (in->n_victims)
       memcpy(c->recent_ranks[i] + in->n_culprits, in->victims,
              in->n_victims * sizeof(uint32_t));
