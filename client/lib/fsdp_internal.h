@@ -280,6 +280,7 @@ struct sp_fsdp {
   int64_t issued;    /* tickets handed out: next is issued */
   int64_t completed; /* tickets [0, completed) finished */
   int64_t reported;  /* tickets whose completions went to the session */
+  uint64_t waited_us; /* training-thread wait not yet reported */
   /* what the trainer is in, for the fault-injection hook */
   sp_fsdp_phase phase;
   bool stopping;
