@@ -52,6 +52,15 @@ typedef struct comm_table {
   fprint pending_f;
 } comm_table;
 
+/* What a rank did on one communicator kind. */
+typedef struct rank_comm {
+  fprint issued;      /* the last issued */
+  uint64_t issued_ms; /* coordinator clock */
+  uint64_t done_seq;  /* the last completed */
+  uint32_t index;     /* comm_index */
+  fprint ring[RANK_RING];
+} rank_comm;
+
 typedef struct diag_rank {
   bool active; /* sent any event since it attached */
   uint64_t last_event_ms;
@@ -59,13 +68,10 @@ typedef struct diag_rank {
   uint8_t last_machine, last_state;
   uint32_t last_unit;
   uint64_t last_step;
-  struct {
-    fprint issued;     /* the last issued */
-    uint64_t issued_ms; /* coordinator clock */
-    uint64_t done_seq;  /* the last completed */
-    uint32_t index;     /* comm_index */
-    fprint ring[RANK_RING];
-  } comm[N_KINDS];
+  /* the kinds the strategy has (sp_coord_diag.n_kinds): the world's,
+   * and HYBRID_SHARD's shard and replica groups'; a job of another
+   * strategy keeps only the first, a third of the state per rank */
+  rank_comm *comm;
   /* step timing from the worker's clock: a step's own time is its length
    * less the time its training thread was blocked waiting for collectives
    * (the completions' waited_us), that is for its peers */
@@ -97,6 +103,8 @@ struct sp_coord_diag {
   uint64_t last_tick_ms;
   uint64_t forgiven_ms; /* the coordinator's own pauses, in total */
   diag_rank *r;
+  rank_comm *comms; /* every rank's, n_kinds a rank */
+  int n_kinds;
   uint32_t world, shard_world, n_shard, n_replica;
   comm_table world_t, *shard_t, *replica_t;
   Shardplane__V1__JobState state;
@@ -289,6 +297,11 @@ int sp_coord_diag_init(sp_coord *c) {
     d->replica_t = calloc(d->n_replica, sizeof *d->replica_t);
     if (d->shard_t == NULL || d->replica_t == NULL) return SP_ENOMEM;
   }
+  d->n_kinds = d->shard_t ? N_KINDS : 1;
+  d->comms = calloc((size_t)d->world * (size_t)d->n_kinds, sizeof *d->comms);
+  if (d->comms == NULL) return SP_ENOMEM;
+  for (uint32_t r = 0; r < d->world; r++)
+    d->r[r].comm = &d->comms[(size_t)r * (size_t)d->n_kinds];
   d->state = SHARDPLANE__V1__JOB_STATE__JOB_WAITING;
   return 0;
 }
@@ -313,6 +326,7 @@ void sp_coord_diag_free(sp_coord *c) {
   for (size_t i = 0; i < d->n_open; i++) free_open(&d->open[i]);
   free(d->verdict);
   free(d->culprit_msg);
+  free(d->comms);
   free(d->r);
   free(d);
   c->diag = NULL;
@@ -324,7 +338,9 @@ uint64_t sp_coord_diag_forgiven_ms(const sp_coord *c) {
 
 size_t sp_coord_diag_bytes(const sp_coord *c) {
   const sp_coord_diag *d = c->diag;
-  size_t n = sizeof *d + (size_t)d->world * sizeof *d->r;
+  size_t n = sizeof *d + (size_t)d->world * (sizeof *d->r +
+                                             (size_t)d->n_kinds *
+                                                 sizeof *d->comms);
   size_t tables = 1 + d->n_shard + d->n_replica;
   n += tables * (sizeof(comm_table) + COMM_SLOTS * sizeof(comm_slot));
   return n;
@@ -593,7 +609,7 @@ static void ingest_collective(sp_coord *c, uint32_t rank,
                               uint64_t now) {
   sp_coord_diag *d = c->diag;
   int kind = (int)q->comm;
-  if (kind < 0 || kind >= N_KINDS) return;
+  if (kind < 0 || kind >= d->n_kinds) return;
   comm_table *t = table_of(d, kind, q->comm_index);
   if (t == NULL || !member_of(d, kind, q->comm_index, rank) || q->seq == 0)
     return;
@@ -704,7 +720,10 @@ void sp_coord_diag_attached(sp_coord *c, uint32_t rank) {
   diag_rank *k = &d->r[rank];
   bool victim = k->victim;
   uint32_t of = k->victim_of;
+  rank_comm *comm = k->comm;
   memset(k, 0, sizeof *k);
+  memset(comm, 0, (size_t)d->n_kinds * sizeof *comm);
+  k->comm = comm;
   k->victim = victim;
   k->victim_of = of;
   k->last_event_ms = sp_coord_now_ms(c);
@@ -795,8 +814,8 @@ uint64_t sp_coord_diag_stall_threshold(const sp_coord *c) {
   return adaptive > SP_DIAG_STALL_FLOOR_MS ? adaptive : SP_DIAG_STALL_FLOOR_MS;
 }
 
-static bool in_collective(const diag_rank *k) {
-  for (int kind = 0; kind < N_KINDS; kind++)
+static bool in_collective(const sp_coord_diag *d, const diag_rank *k) {
+  for (int kind = 0; kind < d->n_kinds; kind++)
     if (k->comm[kind].issued.seq > k->comm[kind].done_seq) return true;
   return false;
 }
@@ -815,7 +834,7 @@ static bool waits_on_a_root(const sp_coord *c, int kind, uint32_t index,
     if (k->comm[kind].issued.seq >= f->seq) continue;
     if (sp_coord_rank_status(c, r) == SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
       continue;
-    if (attached(c, r) && in_collective(k)) return false;
+    if (attached(c, r) && in_collective(d, k)) return false;
     any = true;
   }
   return any;
@@ -832,7 +851,7 @@ static bool find_waited(const sp_coord *c, int *kind_out, uint32_t *index_out,
   for (uint32_t r = 0; r < d->world; r++) {
     if (!attached(c, r)) continue;
     const diag_rank *k = &d->r[r];
-    for (int kind = 0; kind < N_KINDS; kind++) {
+    for (int kind = 0; kind < d->n_kinds; kind++) {
       if (k->comm[kind].issued.seq == 0 ||
           k->comm[kind].done_seq >= k->comm[kind].issued.seq)
         continue;
@@ -1126,7 +1145,7 @@ static void forgive_pause(sp_coord *c, uint64_t now) {
       diag_rank *k = &d->r[r];
       k->last_event_ms += late;
       if (k->last_event_ms > now) k->last_event_ms = now;
-      for (int i = 0; i < N_KINDS; i++) {
+      for (int i = 0; i < d->n_kinds; i++) {
         k->comm[i].issued_ms += late;
         if (k->comm[i].issued_ms > now) k->comm[i].issued_ms = now;
       }
