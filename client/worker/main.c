@@ -1,7 +1,8 @@
 /* shardplane-worker: one rank of a job. Attaches to the coordinator, takes
- * the job and model from it, and trains the reference MLP (client/mlp.h)
- * with the FSDP runtime, or, for a spec it cannot compute (ResNet, Llama),
- * runs the same unshard / reduce / cast cycle on synthetic gradients. */
+ * the job and model from it, and trains a GPT-2-family transformer
+ * (gpt2_train.h) or the reference MLP (mlp.h) with the FSDP runtime, or,
+ * for a spec it cannot compute (ResNet, Llama), runs the same unshard /
+ * reduce / cast cycle on synthetic gradients. */
 #include <getopt.h>
 #include <math.h>
 #include <pthread.h>
@@ -14,6 +15,8 @@
 #include "base/clock.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
+#include "gpt2.h"
+#include "gpt2_train.h"
 #include "inject.h"
 #include "mlp.h"
 #include "mlp_cuda.h"
@@ -849,6 +852,9 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   sp_fsdp *f = NULL;
   sp_test_state *ts = NULL;
   sp_mlp *mlp = NULL;
+  sp_gpt2 *gpt = NULL;
+  sp_gpt2_trainer *gtr = NULL;
+  double eval_s = 0; /* time in validation, left out of tokens/s */
   trainer tr;
   bool have_tr = false;
   double *losses = NULL, *step_s = NULL;
@@ -884,16 +890,27 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   }
   mem_report mem = {.rss_before = proc_status_bytes("VmRSS:")};
   sp_diag md = {{0}};
-  bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
+  sp_diag gd = {{0}};
+  bool is_gpt2 = rc == 0 && sp_gpt2_new(sp_session_model(s), &gpt, &gd) == 0;
+  bool is_mlp = rc == 0 && !is_gpt2 &&
+                sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
+  if (is_gpt2) {
+    fo.init_param = sp_gpt2_init_param;
+    fo.init_buffer = sp_gpt2_init_buffer;
+  }
   /* every rank takes an equal share of every micro-batch */
   sp_mlp_train_cfg cfg;
-  if (rc == 0 && is_mlp)
+  if (rc == 0 && (is_mlp || is_gpt2))
     rc = sp_train_flags_finish(&o->train, o->steps, o->lr, o->global_batch,
                                w, "the world size", &cfg, d);
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
   /* the optimizer (the synthetic cycle runs plain SGD) and any stand-in
    * state registered before a load, which fills them with the step count */
-  if (rc == 0 && is_mlp) rc = sp_fsdp_optim_init(f, &cfg.optim, d);
+  if (rc == 0 && (is_mlp || is_gpt2))
+    rc = sp_fsdp_optim_init(f, &cfg.optim, d);
+  if (rc == 0 && is_gpt2 && sp_fsdp_on_device(f))
+    rc = sp_diag_set(d, SP_EUNSUPPORTED, "the GPT-2 models train on the CPU "
+                     "only (--device cpu)");
   if (rc == 0 && o->test_state)
     rc = sp_test_state_new(f, o->test_state, &ts, d);
   /* --steps counts all steps: a resumed run starts after the
@@ -918,8 +935,19 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     rc = trainer_init(&tr, f, s, mlp, &cfg, d);
     have_tr = true;
   }
-  if (rc == 0 && rank == 0 && !is_mlp)
-    printf("rank 0: %s; running the synthetic-gradient cycle\n", md.msg);
+  if (rc == 0 && is_gpt2)
+    rc = sp_gpt2_trainer_new(gpt, f, s, &cfg, &o->train, &gtr, d);
+  if (rc == 0 && rank == 0 && is_gpt2) {
+    printf("rank 0: GPT-2, %lld layers, d_model %lld, %lld heads, context "
+           "%lld; %llu tokens a step; data %s\n", (long long)gpt->n_layer,
+           (long long)gpt->C, (long long)gpt->n_head, (long long)gpt->ctx,
+           (unsigned long long)sp_gpt2_trainer_tokens_per_step(gtr),
+           sp_gpt2_trainer_data_source(gtr));
+    fflush(stdout);
+  }
+  if (rc == 0 && rank == 0 && !is_mlp && !is_gpt2)
+    printf("rank 0: %s; %s; running the synthetic-gradient cycle\n", gd.msg,
+           md.msg);
   uint32_t todo = o->steps - first;
   losses = calloc(todo ? todo : 1, sizeof *losses);
   step_s = calloc(todo ? todo : 1, sizeof *step_s);
@@ -949,6 +977,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     double *loss = &losses[step - first];
     if (rc < 0)
       break;
+    else if (is_gpt2)
+      rc = sp_gpt2_trainer_step(gtr, step, loss, d);
     else if (is_mlp && tr.gpu)
       rc = trainer_step_gpu(&tr, step, loss, d);
     else if (is_mlp)
@@ -959,7 +989,16 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     /* a slowed rank's sleep is part of its step, as slow compute is */
     if (rc == 0) sp_inject_after_step(&g_inject, sp_clock_s() - ts0);
     step_s[step - first] = sp_clock_s() - ts0;
-    if (rc == 0) sp_session_set_progress(s, is_mlp ? *loss : NAN, o->steps);
+    if (rc == 0)
+      sp_session_set_progress(s, is_mlp || is_gpt2 ? *loss : NAN, o->steps);
+    /* the held-out loss every --eval-every steps and after the last */
+    double val = NAN;
+    if (rc == 0 && is_gpt2 && o->train.eval_every &&
+        ((step + 1) % o->train.eval_every == 0 || step + 1 == o->steps)) {
+      double te = sp_clock_s();
+      rc = sp_gpt2_trainer_eval(gtr, &val, d);
+      eval_s += sp_clock_s() - te;
+    }
     if (rc == 0 && step == first) {
       sp_fsdp_stats st;
       sp_fsdp_get_stats(f, &st);
@@ -970,9 +1009,19 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
       double t = sp_clock_s();
       double per_s = (step + 1 - logged) * (double)o->global_batch /
                      (t - tlast);
+      double tok_s = is_gpt2 ? (step + 1 - logged) *
+                                   (double)sp_gpt2_trainer_tokens_per_step(gtr) /
+                                   (t - tlast - eval_s)
+                             : 0;
       tlast = t;
+      eval_s = 0;
       logged = step + 1;
-      if (is_mlp)
+      if (is_gpt2) {
+        char vs[48] = "";
+        if (!isnan(val)) snprintf(vs, sizeof vs, "  val loss %.4f", val);
+        printf("step %u/%u  loss %.4f%s  %.0f tokens/s\n", step + 1,
+               o->steps, *loss, vs, tok_s);
+      } else if (is_mlp)
         printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->steps,
                *loss, per_s);
       else
@@ -993,7 +1042,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                         : "another rank was signalled");
     fflush(stdout);
   }
-  if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
+  if (rc == 0 && rank == 0 && o->losses_path && (is_mlp || is_gpt2) &&
       write_doubles(o->losses_path, losses, ran) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
   if (rc == 0) {
@@ -1030,6 +1079,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     sp_diag_set(d, rc, "%s", why);
   }
   if (have_tr) trainer_free(&tr);
+  sp_gpt2_trainer_free(gtr);
+  sp_gpt2_free(gpt);
   free(losses);
   free(step_s);
   sp_mlp_free(mlp);
