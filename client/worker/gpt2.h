@@ -96,7 +96,9 @@ typedef struct sp_gpt2_io {
 } sp_gpt2_io;
 
 /* The activations of B sequences of T tokens (T <= ctx), kept from
- * forward for backward, and the backward's scratch. Owned by the caller. */
+ * forward for backward, and the backward's scratch. Owned by the caller.
+ * T may be lowered afterwards (generation's shorter windows): the arrays
+ * stay large enough. */
 typedef struct sp_gpt2_acts {
   size_t B, T;
   /* per layer l: res[l] the block's input (res[n_layer] the last output) */

@@ -16,6 +16,7 @@
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
 #include "gpt2.h"
+#include "gpt2_generate.h"
 #include "gpt2_train.h"
 #include "inject.h"
 #include "mlp.h"
@@ -55,6 +56,9 @@ typedef struct worker_opts {
   uint64_t coordinator_grace_ms; /* --coordinator-grace; 0: the default */
   uint32_t flight_events;        /* --flight-events; 0: the default */
   sp_train_flags train; /* optimizer, schedule, clipping, accumulation */
+  /* --generate: text from a GPT-2 checkpoint, no job */
+  bool generate;
+  sp_gpt2_gen_opts gen;
 } worker_opts;
 
 /* --inject: the faults of every rank, parsed with the flags; run() keeps
@@ -369,9 +373,10 @@ static void usage(FILE *f) {
       "usage: shardplane-worker --coordinator HOST:PORT --rank R [options]\n"
       "\n"
       "One rank of a shardplane job: takes the job and model from the\n"
-      "coordinator, trains the reference MLP (or runs the synthetic-gradient\n"
-      "cycle for other specs) with sharded parameters, and reports every\n"
-      "training-state transition.\n"
+      "coordinator, trains a GPT-2-family transformer (blocks wrapped as\n"
+      "units: --wrap-type GPT2Block) or the reference MLP (or runs the\n"
+      "synthetic-gradient cycle for other specs) with sharded parameters,\n"
+      "and reports every training-state transition.\n"
       "\n"
       "  --coordinator HOST:PORT  coordinator (default $SHARDPLANE_COORDINATOR"
       ",\n"
@@ -449,6 +454,13 @@ static void usage(FILE *f) {
   fputs(
       "  --help                   this text\n"
       "\n"
+      "shardplane-worker --generate --load DIR --model SPEC [--prompt TEXT]\n"
+      "    [--tokens N] [--temperature X] [--seed N]\n"
+      "  text from a GPT-2 checkpoint, without a job: DIR's FULL checkpoint\n"
+      "  and the spec it was trained from continue TEXT (default a newline)\n"
+      "  by N bytes (default 400), sampled at temperature X (default 0.8)\n"
+      "  with seed N (default 0)\n"
+      "\n"
       "Environment, as launchers set it (flags win): RANK or SLURM_PROCID\n"
       "(the rank), WORLD_SIZE or SLURM_NTASKS (must equal the job's world\n"
       "size), SHARDPLANE_COORDINATOR (the address). Gloo binds and\n"
@@ -467,7 +479,8 @@ static void usage(FILE *f) {
 
 enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
        O_CK, O_LOAD, O_LOADK, O_LOADP, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_GRACE, O_NOREP,
-       O_TOGGLE, O_CKEVERY, O_TSTATE, O_FLIGHT, O_INJECT, O_HELP };
+       O_TOGGLE, O_CKEVERY, O_TSTATE, O_FLIGHT, O_INJECT, O_GEN, O_GMODEL,
+       O_PROMPT, O_TOKENS, O_TEMP, O_SEED, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
  * what is allowed in d. */
@@ -559,6 +572,24 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       o->flight_events = (uint32_t)n;
       return rc;
     case O_INJECT: return sp_inject_parse(&g_inject, v, d);
+    case O_GEN: o->generate = true; return 0;
+    case O_GMODEL:
+      o->gen.model_path = v;
+      return sp_flag_text(flag, v, "a model spec (JSON file)", d);
+    case O_PROMPT: o->gen.prompt = v; return 0;
+    case O_TOKENS:
+      rc = sp_flag_int(flag, v, 1, 1000000, &n, d);
+      o->gen.tokens = (uint32_t)n;
+      return rc;
+    case O_TEMP:
+      rc = sp_flag_number(flag, v, 0, &o->gen.temperature, d);
+      if (rc == 0 && !(o->gen.temperature > 0))
+        rc = sp_flag_fail(d, flag, v, "a number > 0");
+      return rc;
+    case O_SEED:
+      rc = sp_flag_int(flag, v, 0, INT64_MAX, &n, d);
+      o->gen.seed = (uint64_t)n;
+      return rc;
   }
   return SP_ENOENT;
 }
@@ -589,6 +620,12 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"test-state", required_argument, NULL, O_TSTATE},
       {"flight-events", required_argument, NULL, O_FLIGHT},
       {"inject", required_argument, NULL, O_INJECT},
+      {"generate", no_argument, NULL, O_GEN},
+      {"model", required_argument, NULL, O_GMODEL},
+      {"prompt", required_argument, NULL, O_PROMPT},
+      {"tokens", required_argument, NULL, O_TOKENS},
+      {"temperature", required_argument, NULL, O_TEMP},
+      {"seed", required_argument, NULL, O_SEED},
       {"help", no_argument, NULL, O_HELP},
       SP_CRED_OPTIONS};
   /* the worker's own options, then the training flags */
@@ -612,6 +649,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   o->global_batch = 24;
   o->lr = 0.05;
   o->log_every = 1;
+  o->gen.tokens = 400;
+  o->gen.temperature = 0.8;
   int c, index = -1;
   while ((c = getopt_long(argc, argv, "", opts, &index)) != -1) {
     if (c == O_HELP) {
@@ -635,6 +674,15 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       return 2;
     }
     index = -1;
+  }
+  if (o->generate) { /* no job: the checkpoint and its spec */
+    if (optind < argc || !o->load_dir || !o->gen.model_path) {
+      fprintf(stderr, "shardplane-worker: --generate needs --load DIR (a "
+              "FULL checkpoint) and --model SPEC (the spec it was trained "
+              "from)\n");
+      return 2;
+    }
+    return 0;
   }
   if (optind < argc || o->rank < 0) {
     if (optind < argc)
@@ -1124,6 +1172,21 @@ int main(int argc, char **argv) {
                       sizeof o.load_from, &o.load_kind, &d) < 0) {
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
+  }
+  if (o.generate) {
+    if (o.load_kind != SP_CKPT_FULL) {
+      fprintf(stderr, "shardplane-worker: --generate: %s holds no FULL "
+              "checkpoint\n", o.load_dir);
+      return 2;
+    }
+    char file[4200];
+    snprintf(file, sizeof file, "%s/model.safetensors", o.load_from);
+    o.gen.ckpt_file = file;
+    if (sp_gpt2_generate(&o.gen, stdout, &d) < 0) {
+      fprintf(stderr, "shardplane-worker: --generate: %s\n", d.msg);
+      return 1;
+    }
+    return 0;
   }
   /* before attaching: a rank that cannot run on its device says so at once
    * instead of after the rendezvous */
