@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/clock.h"
 #include "fsdp/plan.h"
 
 struct sp_gpt2_trainer {
@@ -20,7 +21,16 @@ struct sp_gpt2_trainer {
   uint32_t head_unit;   /* lm_head's unit (empty: the head is tied), or 0 */
   size_t B, T;          /* a micro-batch's sequences on this rank, tokens */
   uint32_t rank, world;
+  sp_gpt2_times times; /* of the step in progress */
 };
+
+/* Time of a call, added to one of the step's counters. */
+#define TIMED(counter, call)                \
+  do {                                      \
+    double t0_ = sp_clock_s();              \
+    rc = (call);                            \
+    tr->times.counter += sp_clock_s() - t0_; \
+  } while (0)
 
 static void *io_param(void *u, int32_t p) { return sp_fsdp_param(u, p); }
 static void *io_grad(void *u, int32_t p) { return sp_fsdp_param_grad(u, p); }
@@ -134,6 +144,10 @@ void sp_gpt2_trainer_free(sp_gpt2_trainer *tr) {
   free(tr);
 }
 
+sp_gpt2_times sp_gpt2_trainer_times(const sp_gpt2_trainer *tr) {
+  return tr->times;
+}
+
 uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr) {
   return (uint64_t)tr->cfg->global_batch * tr->T;
 }
@@ -148,19 +162,24 @@ static int forward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
                    double *loss, sp_diag *d) {
   sp_fsdp *f = tr->f;
   const sp_gpt2 *g = tr->g;
-  int rc = sp_fsdp_root_pre_forward(f, d);
-  if (rc == 0) rc = sp_gpt2_embed_forward(g, io, tr->acts, d);
+  sp_gpt2_acts *a = tr->acts;
+  int rc;
+  TIMED(wait_s, sp_fsdp_root_pre_forward(f, d));
+  if (rc == 0) TIMED(compute_s, sp_gpt2_embed_forward(g, io, a, d));
   for (int64_t l = 0; rc == 0 && l < g->n_layer; l++) {
     uint32_t u = tr->block_unit[l];
-    if (u) rc = sp_fsdp_pre_forward(f, u, d);
-    if (rc == 0) rc = sp_gpt2_block_forward(g, (size_t)l, io, tr->acts, d);
-    if (rc == 0 && u) rc = sp_fsdp_post_forward(f, u, d);
+    if (u) TIMED(wait_s, sp_fsdp_pre_forward(f, u, d));
+    if (rc == 0)
+      TIMED(compute_s, sp_gpt2_block_forward(g, (size_t)l, io, a, d));
+    if (rc == 0 && u) TIMED(wait_s, sp_fsdp_post_forward(f, u, d));
   }
-  if (rc == 0 && tr->head_unit) rc = sp_fsdp_pre_forward(f, tr->head_unit, d);
-  if (rc == 0) rc = sp_gpt2_head_forward(g, io, tr->acts, denom, loss, d);
   if (rc == 0 && tr->head_unit)
-    rc = sp_fsdp_post_forward(f, tr->head_unit, d);
-  if (rc == 0) rc = sp_fsdp_root_post_forward(f, d);
+    TIMED(wait_s, sp_fsdp_pre_forward(f, tr->head_unit, d));
+  if (rc == 0)
+    TIMED(compute_s, sp_gpt2_head_forward(g, io, a, denom, loss, d));
+  if (rc == 0 && tr->head_unit)
+    TIMED(wait_s, sp_fsdp_post_forward(f, tr->head_unit, d));
+  if (rc == 0) TIMED(wait_s, sp_fsdp_root_post_forward(f, d));
   return rc;
 }
 
@@ -168,21 +187,24 @@ static int backward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
                     sp_diag *d) {
   sp_fsdp *f = tr->f;
   const sp_gpt2 *g = tr->g;
-  int rc = sp_fsdp_root_pre_backward(f, d);
+  sp_gpt2_acts *a = tr->acts;
+  int rc;
+  TIMED(wait_s, sp_fsdp_root_pre_backward(f, d));
   if (rc == 0 && tr->head_unit)
-    rc = sp_fsdp_pre_backward(f, tr->head_unit, d);
-  if (rc == 0) rc = sp_gpt2_head_backward(g, io, tr->acts, denom, d);
+    TIMED(wait_s, sp_fsdp_pre_backward(f, tr->head_unit, d));
+  if (rc == 0) TIMED(compute_s, sp_gpt2_head_backward(g, io, a, denom, d));
   if (rc == 0 && tr->head_unit)
-    rc = sp_fsdp_post_backward(f, tr->head_unit, d);
+    TIMED(wait_s, sp_fsdp_post_backward(f, tr->head_unit, d));
   for (int64_t l = g->n_layer; rc == 0 && l-- > 0;) {
     uint32_t u = tr->block_unit[l];
-    if (u) rc = sp_fsdp_pre_backward(f, u, d);
-    if (rc == 0) rc = sp_gpt2_block_backward(g, (size_t)l, io, tr->acts, d);
-    if (rc == 0 && u) rc = sp_fsdp_post_backward(f, u, d);
+    if (u) TIMED(wait_s, sp_fsdp_pre_backward(f, u, d));
+    if (rc == 0)
+      TIMED(compute_s, sp_gpt2_block_backward(g, (size_t)l, io, a, d));
+    if (rc == 0 && u) TIMED(wait_s, sp_fsdp_post_backward(f, u, d));
   }
-  if (rc == 0) rc = sp_gpt2_embed_backward(g, io, tr->acts, d);
-  if (rc == 0) rc = sp_fsdp_post_backward(f, 0, d);
-  if (rc == 0) rc = sp_fsdp_finish_backward(f, d);
+  if (rc == 0) TIMED(compute_s, sp_gpt2_embed_backward(g, io, a, d));
+  if (rc == 0) TIMED(wait_s, sp_fsdp_post_backward(f, 0, d));
+  if (rc == 0) TIMED(wait_s, sp_fsdp_finish_backward(f, d));
   return rc;
 }
 
@@ -195,6 +217,7 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
   uint64_t micro = cfg->global_batch / k;
   double denom = (double)(tr->B * tr->T) * k, local = 0;
   sp_session_set_step(tr->s, step + 1); /* reported from 1 */
+  memset(&tr->times, 0, sizeof tr->times);
   int rc = 0;
   for (uint32_t j = 0; rc == 0 && j < k; j++) {
     /* samples [j*m + r*B, j*m + (r+1)*B) of the step (gpt2_data.h) */
@@ -208,8 +231,9 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
     local += part;
   }
   if (rc == 0 && cfg->clip_grad_norm > 0)
-    rc = sp_fsdp_clip_grad_norm(tr->f, cfg->clip_grad_norm, NULL, d);
-  if (rc == 0) rc = sp_fsdp_optim_step(tr->f, NULL, d);
+    TIMED(optim_s,
+          sp_fsdp_clip_grad_norm(tr->f, cfg->clip_grad_norm, NULL, d));
+  if (rc == 0) TIMED(optim_s, sp_fsdp_optim_step(tr->f, NULL, d));
   /* the global loss: local means weighted equally (equal shares) */
   double sum = local;
   if (rc == 0) rc = sp_fsdp_all_reduce(tr->f, &sum, 1, SP_FLOAT64, d);

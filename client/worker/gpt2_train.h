@@ -49,6 +49,16 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
  * windows (window v for v = (e * W + r) * B + q of rank r, taken modulo
  * the number of windows), a forward-only pass. A collective. */
 int sp_gpt2_trainer_eval(sp_gpt2_trainer *tr, double *loss, sp_diag *d);
+/* Where the training thread spent the last step (sp_gpt2_trainer_step):
+ * in the model's kernels; in the runtime's schedule calls (all-gathers
+ * waited for, gradients cast and queued, reductions waited for at
+ * finish_backward: the collectives themselves run on the runtime's
+ * communication thread, overlapping the kernels, so this is the part of
+ * them compute did not hide); in clipping and the optimizer. */
+typedef struct sp_gpt2_times {
+  double compute_s, wait_s, optim_s;
+} sp_gpt2_times;
+sp_gpt2_times sp_gpt2_trainer_times(const sp_gpt2_trainer *tr);
 /* Tokens a step trains over every rank (global_batch * seq_len). */
 uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr);
 /* Where the data came from, for the first progress line. */

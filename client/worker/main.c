@@ -820,13 +820,27 @@ static void put_phase(FILE *fp, const char *name, const mem_phase *p) {
 }
 
 /* {"step_seconds": [...], "reported": [true, ...], "memory": {...}}: the
- * n steps trained from step index `first` on */
+ * n steps trained from step index `first` on; a GPT-2's also where each
+ * step's time went (gt: sp_gpt2_times per step, or NULL) as
+ * "compute_seconds", "wait_seconds" and "optim_seconds" */
 static int write_stats(const worker_opts *o, const double *step_s,
-                       uint32_t first, uint32_t n, const mem_report *m) {
+                       const sp_gpt2_times *gt, uint32_t first, uint32_t n,
+                       const mem_report *m) {
   FILE *fp = fopen(o->stats_path, "w");
   if (!fp) return SP_EIO;
   fputs("{\"step_seconds\": ", fp);
   put_doubles(fp, step_s, n);
+  static const char *const parts[] = {"compute_seconds", "wait_seconds",
+                                      "optim_seconds"};
+  for (int k = 0; gt && k < 3; k++) {
+    fprintf(fp, ", \"%s\": [", parts[k]);
+    for (uint32_t i = 0; i < n; i++) {
+      double v = k == 0 ? gt[i].compute_s : k == 1 ? gt[i].wait_s
+                                                   : gt[i].optim_s;
+      fprintf(fp, "%s%.9g", i ? ", " : "", v);
+    }
+    fputc(']', fp);
+  }
   fputs(", \"reported\": [", fp);
   for (uint32_t k = 0; k < n; k++) {
     uint32_t i = first + k;
@@ -908,6 +922,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   trainer tr;
   bool have_tr = false;
   double *losses = NULL, *step_s = NULL;
+  sp_gpt2_times *gtimes = NULL;
   int rc = sp_session_open(&so, &s, d);
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
@@ -1001,7 +1016,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   uint32_t todo = o->steps - first;
   losses = calloc(todo ? todo : 1, sizeof *losses);
   step_s = calloc(todo ? todo : 1, sizeof *step_s);
-  if ((!losses || !step_s) && rc == 0)
+  gtimes = calloc(todo ? todo : 1, sizeof *gtimes);
+  if ((!losses || !step_s || !gtimes) && rc == 0)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   /* One numbering of steps everywhere: step indexes 0..steps-1 pick the
    * data; steps are reported (progress lines "step K/N", the session's
@@ -1039,6 +1055,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     /* a slowed rank's sleep is part of its step, as slow compute is */
     if (rc == 0) sp_inject_after_step(&g_inject, sp_clock_s() - ts0);
     step_s[step - first] = sp_clock_s() - ts0;
+    if (rc == 0 && is_gpt2) gtimes[step - first] = sp_gpt2_trainer_times(gtr);
     if (rc == 0)
       sp_session_set_progress(s, is_mlp || is_gpt2 ? *loss : NAN, o->steps);
     /* the held-out loss every --eval-every steps and after the last */
@@ -1118,7 +1135,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
         mem.ckpt.rss_start < 0 ? -1 : proc_status_bytes("VmHWM:");
   }
   if (rc == 0 && rank == 0 && o->stats_path &&
-      write_stats(o, step_s, first, ran, &mem) < 0)
+      write_stats(o, step_s, is_gpt2 ? gtimes : NULL, first, ran, &mem) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
   /* a rank failed by another's fault says whose: its own error (a
    * collective cancelled) is only the consequence */
@@ -1133,6 +1150,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   sp_gpt2_free(gpt);
   free(losses);
   free(step_s);
+  free(gtimes);
   sp_mlp_free(mlp);
   /* the state's storage is the runtime's: it goes first */
   sp_test_state_free(ts);
