@@ -61,6 +61,7 @@ typedef struct worker_opts {
   /* --generate: text from a GPT-2 checkpoint, no job */
   bool generate;
   sp_gpt2_gen_opts gen;
+  bool synthetic; /* --synthetic: the cycle on synthetic gradients always */
 } worker_opts;
 
 /* --inject: the faults of every rank, parsed with the flags; run() keeps
@@ -444,6 +445,9 @@ static void usage(FILE *f) {
       "                           one reduction with one element fewer\n"
       "      slow:rank=R,factor=F every step F times slower (a straggler)\n"
       "      exit:rank=R,step=S   die (_exit(1)) as step S begins\n"
+      "  --synthetic              run the synthetic-gradient cycle whatever\n"
+      "                           the spec (the runtime's memory and\n"
+      "                           collectives without a model: bench/memory)\n"
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
       "                           (starting on; for bench/step)\n"
@@ -482,7 +486,7 @@ static void usage(FILE *f) {
 enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
        O_CK, O_LOAD, O_LOADK, O_LOADP, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_GRACE, O_NOREP,
        O_TOGGLE, O_CKEVERY, O_TSTATE, O_FLIGHT, O_INJECT, O_GEN, O_GMODEL,
-       O_PROMPT, O_TOKENS, O_TEMP, O_SEED, O_HELP };
+       O_PROMPT, O_TOKENS, O_TEMP, O_SEED, O_SYNTH, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
  * what is allowed in d. */
@@ -575,6 +579,7 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       return rc;
     case O_INJECT: return sp_inject_parse(&g_inject, v, d);
     case O_GEN: o->generate = true; return 0;
+    case O_SYNTH: o->synthetic = true; return 0;
     case O_GMODEL:
       o->gen.model_path = v;
       return sp_flag_text(flag, v, "a model spec (JSON file)", d);
@@ -623,6 +628,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"flight-events", required_argument, NULL, O_FLIGHT},
       {"inject", required_argument, NULL, O_INJECT},
       {"generate", no_argument, NULL, O_GEN},
+      {"synthetic", no_argument, NULL, O_SYNTH},
       {"model", required_argument, NULL, O_GMODEL},
       {"prompt", required_argument, NULL, O_PROMPT},
       {"tokens", required_argument, NULL, O_TOKENS},
@@ -956,9 +962,14 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   mem_report mem = {.rss_before = proc_status_bytes("VmRSS:")};
   sp_diag md = {{0}};
   sp_diag gd = {{0}};
-  bool is_gpt2 = rc == 0 && sp_gpt2_new(sp_session_model(s), &gpt, &gd) == 0;
-  bool is_mlp = rc == 0 && !is_gpt2 &&
+  bool is_gpt2 = rc == 0 && !o->synthetic &&
+                 sp_gpt2_new(sp_session_model(s), &gpt, &gd) == 0;
+  bool is_mlp = rc == 0 && !is_gpt2 && !o->synthetic &&
                 sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
+  if (o->synthetic) {
+    snprintf(gd.msg, sizeof gd.msg, "--synthetic");
+    snprintf(md.msg, sizeof md.msg, "any spec");
+  }
   if (is_gpt2) {
     fo.init_param = sp_gpt2_init_param;
     fo.init_buffer = sp_gpt2_init_buffer;
