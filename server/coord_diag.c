@@ -438,6 +438,27 @@ static void after_verdict(sp_coord *c, const char *msg, bool culprit_known,
 
 /* Raises the DESYNC alert, unless the sides are tied with members still
  * to be heard from and force is false; whether it did. */
+/* How many ranks of the other groups of `kind` issued fingerprint ref at
+ * f's seq, less how many issued f. */
+static int other_groups_vote(const sp_coord_diag *d, int kind, uint32_t index,
+                             const fprint *ref, const fprint *f) {
+  if (kind == SHARDPLANE__V1__COMM_KIND__COMM_WORLD) return 0;
+  uint32_t groups = kind == SHARDPLANE__V1__COMM_KIND__COMM_SHARD
+                        ? d->n_shard
+                        : d->n_replica;
+  int vote = 0;
+  for (uint32_t g = 0; g < groups; g++) {
+    if (g == index) continue;
+    for (uint32_t i = 0; i < n_members(d, kind); i++) {
+      const fprint *x =
+          &d->r[member(d, kind, g, i)].comm[kind].ring[f->seq % RANK_RING];
+      if (x->seq != f->seq) continue;
+      vote += fp_eq(x, ref) ? 1 : fp_eq(x, f) ? -1 : 0;
+    }
+  }
+  return vote;
+}
+
 static bool desync_alert(sp_coord *c, int kind, uint32_t index,
                          const comm_slot *ref, uint32_t rank,
                          const fprint *f, bool force) {
@@ -454,7 +475,11 @@ static bool desync_alert(sp_coord *c, int kind, uint32_t index,
     else if (fp_eq(x, &ref->f)) a[na++] = r;
     else b[nb++] = r;
   }
-  if (!force && na == nb && nn > 0) {
+  /* a tie inside a shard or replica group: the other groups of its kind
+   * run the same program and say which fingerprint belongs at this seq */
+  int vote = na == nb ? other_groups_vote(d, kind, index, &ref->f, f) : 0;
+  if (!force && na == nb && vote == 0 &&
+      (nn > 0 || kind != SHARDPLANE__V1__COMM_KIND__COMM_WORLD)) {
     free(a);
     return false;
   }
@@ -475,8 +500,9 @@ static bool desync_alert(sp_coord *c, int kind, uint32_t index,
            comm, f->seq, la, wa, ea, lb, wb, eb, nn ? "; " : "", ln,
            nn == 0 ? "" : nn == 1 ? " has not issued it yet"
                                   : " have not issued it yet");
-  /* the smaller side is the odd one out; at a tie, the later one */
-  bool b_culprit = nb <= na;
+  /* the smaller side is the odd one out; at a tie, the one the other
+   * groups disagree with, else the later one */
+  bool b_culprit = na != nb ? nb < na : vote >= 0;
   Shardplane__V1__Collective col;
   collective_msg(&col, b_culprit ? f : &ref->f, kind, index);
   raise_alert(c, SHARDPLANE__V1__ALERT_KIND__DESYNC, b_culprit ? b : a,
@@ -814,6 +840,45 @@ static bool find_waited(const sp_coord *c, int *kind_out, uint32_t *index_out,
   return found;
 }
 
+/* Sorts the members of communicator (kind, index) by collective f: those
+ * that issued it and wait in it, and those that have not issued it.
+ * Returns when the earliest of them issued it (coordinator clock), or now
+ * when that is not known. */
+static uint64_t classify(const sp_coord *c, int kind, uint32_t index,
+                         const fprint *fp, uint64_t now, uint32_t *waiting,
+                         size_t *nw_out, uint32_t *missing,
+                         size_t *nmiss_out) {
+  const sp_coord_diag *d = c->diag;
+  size_t nw = 0, nmiss = 0;
+  uint64_t since = now;
+  for (uint32_t i = 0; i < n_members(d, kind); i++) {
+    uint32_t r = member(d, kind, index, i);
+    const diag_rank *k = &d->r[r];
+    if (!attached(c, r)) {
+      /* a member that left (detached after fewer steps, say) never
+       * issues it: it is the one the others wait for */
+      if (k->comm[kind].issued.seq < fp->seq &&
+          sp_coord_rank_status(c, r) !=
+              SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
+        missing[nmiss++] = r;
+      continue;
+    }
+    if (k->comm[kind].issued.seq >= fp->seq &&
+        k->comm[kind].done_seq < fp->seq) {
+      waiting[nw++] = r;
+      /* how long: from the earliest issue of this very collective */
+      if (k->comm[kind].issued.seq == fp->seq &&
+          k->comm[kind].issued_ms < since)
+        since = k->comm[kind].issued_ms;
+    } else if (k->comm[kind].issued.seq < fp->seq) {
+      missing[nmiss++] = r;
+    }
+  }
+  *nw_out = nw;
+  *nmiss_out = nmiss;
+  return since;
+}
+
 static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
   sp_coord_diag *d = c->diag;
   uint32_t *waiting = malloc((size_t)d->world * 2 * sizeof *waiting);
@@ -825,29 +890,28 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
   fprint f = {0};
   char msg[SP_DIAG_MAX], lw[1200], lm[1200], words[200], comm[48], ev[160];
   if (find_waited(c, &kind, &index, &f)) {
-    uint64_t since = now;
+    uint64_t since =
+        classify(c, kind, index, &f, now, waiting, &nw, missing, &nmiss);
+    /* The collective the job waits in is the first one some member has
+     * not issued: a rank several collectives ahead (prefetch) waits there,
+     * not in its last one, and a laggard's own last collective may still
+     * be open only because its thread stopped before waiting on it. */
+    uint64_t lo = UINT64_MAX, hi = 0;
     for (uint32_t i = 0; i < n_members(d, kind); i++) {
       uint32_t r = member(d, kind, index, i);
-      const diag_rank *k = &d->r[r];
-      if (!attached(c, r)) {
-        /* a member that left (detached after fewer steps, say) never
-         * issues it: it is the one the others wait for */
-        if (k->comm[kind].issued.seq < f.seq &&
-            sp_coord_rank_status(c, r) !=
-                SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
-          missing[nmiss++] = r;
+      if (sp_coord_rank_status(c, r) ==
+          SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
         continue;
-      }
-      if (k->comm[kind].issued.seq >= f.seq &&
-          k->comm[kind].done_seq < f.seq) {
-        waiting[nw++] = r;
-        /* how long: from the earliest issue of this very collective */
-        if (k->comm[kind].issued.seq == f.seq &&
-            k->comm[kind].issued_ms < since)
-          since = k->comm[kind].issued_ms;
-      } else if (k->comm[kind].issued.seq < f.seq) {
-        missing[nmiss++] = r;
-      }
+      uint64_t q = d->r[r].comm[kind].issued.seq;
+      if (q < lo) lo = q;
+      if (q > hi) hi = q;
+    }
+    const comm_table *t = table_of(d, kind, index);
+    if (lo < hi && lo + 1 != f.seq && t && t->slots &&
+        t->slots[(lo + 1) % COMM_SLOTS].f.seq == lo + 1) {
+      f = t->slots[(lo + 1) % COMM_SLOTS].f;
+      since = classify(c, kind, index, &f, now, waiting, &nw, missing,
+                       &nmiss);
     }
     if (since == now) since = now - thr;
     double secs = (double)(now - since) / 1000.0;
