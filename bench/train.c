@@ -9,7 +9,8 @@
  *    rank: the speed-up, and where rank 0's step time goes (the worker's
  *    --stats: the model's kernels; waiting in the runtime's schedule calls,
  *    the collectives compute did not hide; clipping and the optimizer;
- *    the rest).
+ *    the rest; and, overlapping them, the time the runtime's communication
+ *    thread was busy with collectives and their casts).
  * Without torch the benchmark fails: its peer is the figure's baseline.
  * Both peers get the same OpenBLAS kernels: on a virtual CPU that hides its
  * model OpenBLAS falls back to Prescott's, and the worker then runs itself
@@ -68,7 +69,7 @@ static int med_of(json_t *root, const char *key, const opts *o, double *out) {
 }
 
 typedef struct job_result {
-  double step_s, compute_s, wait_s, optim_s;
+  double step_s, compute_s, wait_s, optim_s, comm_s;
 } job_result;
 
 /* A job of `world` ranks, `threads` BLAS threads each. */
@@ -127,6 +128,7 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
   if (rc == 0) rc = med_of(root, "compute_seconds", o, &res->compute_s);
   if (rc == 0) rc = med_of(root, "wait_seconds", o, &res->wait_s);
   if (rc == 0) rc = med_of(root, "optim_seconds", o, &res->optim_s);
+  if (rc == 0) rc = med_of(root, "comm_seconds", o, &res->comm_s);
   if (rc < 0) fprintf(stderr, "bench/train: %s: not the stats of %d GPT-2 "
                       "steps\n", stats, o->steps);
   json_decref(root);
@@ -250,8 +252,9 @@ int main(int argc, char **argv) {
       double other = r->step_s - r->compute_s - r->wait_s - r->optim_s;
       printf("  W=%d rank 0: step %.3f s = compute %.3f + waiting in the "
              "runtime (collectives not hidden) %.3f + clip/optimizer %.3f + "
-             "other %.3f\n", i + 1, r->step_s, r->compute_s, r->wait_s,
-             r->optim_s, other);
+             "other %.3f; communication thread busy %.3f (overlapping)\n",
+             i + 1, r->step_s, r->compute_s, r->wait_s, r->optim_s, other,
+             r->comm_s);
     }
   }
   rmdir(tmp);

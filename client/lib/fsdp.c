@@ -488,6 +488,7 @@ void sp_fsdp_get_stats(const sp_fsdp *f, sp_fsdp_stats *out) {
   if (!f || !out) return;
   *out = f->stats;
   out->mem = f->pool.acct;
+
 }
 
 void sp_fsdp_reset_peak_memory(sp_fsdp *f) {

@@ -218,6 +218,8 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
   double denom = (double)(tr->B * tr->T) * k, local = 0;
   sp_session_set_step(tr->s, step + 1); /* reported from 1 */
   memset(&tr->times, 0, sizeof tr->times);
+  sp_fsdp_stats st0, st1;
+  sp_fsdp_get_stats(tr->f, &st0);
   int rc = 0;
   for (uint32_t j = 0; rc == 0 && j < k; j++) {
     /* samples [j*m + r*B, j*m + (r+1)*B) of the step (gpt2_data.h) */
@@ -238,6 +240,8 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
   double sum = local;
   if (rc == 0) rc = sp_fsdp_all_reduce(tr->f, &sum, 1, SP_FLOAT64, d);
   *loss = sum / tr->world;
+  sp_fsdp_get_stats(tr->f, &st1);
+  tr->times.comm_s = st1.comm_busy_s - st0.comm_busy_s;
   return rc;
 }
 

@@ -54,9 +54,12 @@ int sp_gpt2_trainer_eval(sp_gpt2_trainer *tr, double *loss, sp_diag *d);
  * waited for, gradients cast and queued, reductions waited for at
  * finish_backward: the collectives themselves run on the runtime's
  * communication thread, overlapping the kernels, so this is the part of
- * them compute did not hide); in clipping and the optimizer. */
+ * them compute did not hide); in clipping and the optimizer. comm_s: what
+ * the runtime's communication thread was busy meanwhile (collectives,
+ * waiting for the peers included, and their casts: sp_fsdp_stats.
+ * comm_busy_s), overlapping the rest. */
 typedef struct sp_gpt2_times {
-  double compute_s, wait_s, optim_s;
+  double compute_s, wait_s, optim_s, comm_s;
 } sp_gpt2_times;
 sp_gpt2_times sp_gpt2_trainer_times(const sp_gpt2_trainer *tr);
 /* Tokens a step trains over every rank (global_batch * seq_len). */

@@ -828,7 +828,7 @@ static void put_phase(FILE *fp, const char *name, const mem_phase *p) {
 /* {"step_seconds": [...], "reported": [true, ...], "memory": {...}}: the
  * n steps trained from step index `first` on; a GPT-2's also where each
  * step's time went (gt: sp_gpt2_times per step, or NULL) as
- * "compute_seconds", "wait_seconds" and "optim_seconds" */
+ * "compute_seconds", "wait_seconds", "optim_seconds" and "comm_seconds" */
 static int write_stats(const worker_opts *o, const double *step_s,
                        const sp_gpt2_times *gt, uint32_t first, uint32_t n,
                        const mem_report *m) {
@@ -837,12 +837,14 @@ static int write_stats(const worker_opts *o, const double *step_s,
   fputs("{\"step_seconds\": ", fp);
   put_doubles(fp, step_s, n);
   static const char *const parts[] = {"compute_seconds", "wait_seconds",
-                                      "optim_seconds"};
-  for (int k = 0; gt && k < 3; k++) {
+                                      "optim_seconds", "comm_seconds"};
+  for (int k = 0; gt && k < 4; k++) {
     fprintf(fp, ", \"%s\": [", parts[k]);
     for (uint32_t i = 0; i < n; i++) {
-      double v = k == 0 ? gt[i].compute_s : k == 1 ? gt[i].wait_s
-                                                   : gt[i].optim_s;
+      double v = k == 0   ? gt[i].compute_s
+                 : k == 1 ? gt[i].wait_s
+                 : k == 2 ? gt[i].optim_s
+                          : gt[i].comm_s;
       fprintf(fp, "%s%.9g", i ? ", " : "", v);
     }
     fputc(']', fp);
