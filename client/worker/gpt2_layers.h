@@ -49,7 +49,8 @@ void sp_gpt2k_attention_bwd(float *dqkv, float *datt, const float *dout,
                             const float *qkv, const float *att, int B, int T,
                             int C, int NH);
 /* GELU, tanh approximation (Hugging Face gelu_new). */
-void sp_gpt2k_gelu_fwd(float *out, const float *inp, size_t n);
+void sp_gpt2k_gelu_fwd(float *restrict out, const float *restrict inp,
+                       size_t n);
 /* dinp = dout * gelu'(inp); dinp may be dout. */
 void sp_gpt2k_gelu_bwd(float *dinp, const float *inp, const float *dout,
                        size_t n);
