@@ -66,14 +66,17 @@ typedef struct diag_rank {
     uint32_t index;     /* comm_index */
     fprint ring[RANK_RING];
   } comm[N_KINDS];
-  /* step timing from the worker's clock: compute in forward/backward of
-   * its units plus the time between steps (optimizer, data); the rest of
-   * a step is waiting on peers */
-  uint64_t step_start_us, cur_step, busy_us, enter_us, root_idle_us;
-  bool in_compute;
+  /* step timing from the worker's clock: a step's own time is its length
+   * less the time its training thread was blocked waiting for collectives
+   * (the completions' waited_us), that is for its peers */
+  uint64_t step_start_us, cur_step, wait_us;
   float step_ms[SP_DIAG_STEP_WINDOW], busy_ms[SP_DIAG_STEP_WINDOW];
   uint8_t n_steps, next;
   float score, busy_med;
+  float busy_lo; /* its 25th percentile: how fast its faster steps are */
+  /* the rank's step when it first crossed the straggler bar (0: it has
+   * not): one slow window is not a straggler, a slow stretch is */
+  uint64_t over_since;
   bool straggling;
   bool victim;
   uint32_t victim_of;
@@ -114,6 +117,78 @@ struct sp_coord_diag {
   char last_event_buf[160];
   void (*closed)(void *);
 };
+
+/* ---- straggler timing ---- */
+
+static float median_of(const float *v, size_t n) {
+  float tmp[SP_DIAG_STEP_WINDOW];
+  if (n == 0) return 0;
+  memcpy(tmp, v, n * sizeof *v);
+  for (size_t i = 1; i < n; i++) /* n is tiny */
+    for (size_t j = i; j > 0 && tmp[j - 1] > tmp[j]; j--) {
+      float x = tmp[j];
+      tmp[j] = tmp[j - 1];
+      tmp[j - 1] = x;
+    }
+  return n % 2 ? tmp[n / 2] : (tmp[n / 2 - 1] + tmp[n / 2]) / 2;
+}
+
+static float pct_of(const float *v, size_t n, double p) {
+  float tmp[SP_DIAG_STEP_WINDOW];
+  if (n == 0) return 0;
+  memcpy(tmp, v, n * sizeof *v);
+  for (size_t i = 1; i < n; i++)
+    for (size_t j = i; j > 0 && tmp[j - 1] > tmp[j]; j--) {
+      float x = tmp[j];
+      tmp[j] = tmp[j - 1];
+      tmp[j - 1] = x;
+    }
+  size_t i = (size_t)ceil(p * (double)n) - 1;
+  return tmp[i < n ? i : n - 1];
+}
+
+static void close_step(diag_rank *k, uint64_t t_us) {
+  if (k->step_start_us == 0 || t_us <= k->step_start_us) return;
+  float len = (float)(t_us - k->step_start_us) / 1000.0f;
+  float own = len - (float)k->wait_us / 1000.0f;
+  k->step_ms[k->next] = len;
+  k->busy_ms[k->next] = own > 0 ? own : 0;
+  k->next = (uint8_t)((k->next + 1) % SP_DIAG_STEP_WINDOW);
+  if (k->n_steps < SP_DIAG_STEP_WINDOW) k->n_steps++;
+  k->busy_med = median_of(k->busy_ms, k->n_steps);
+  k->busy_lo = pct_of(k->busy_ms, k->n_steps, 0.25);
+}
+
+/* A step begins with the root's FORWARD_BACKWARD of a new step number. */
+static void time_transition(diag_rank *k, const Shardplane__V1__Transition *t) {
+  uint64_t us = t->time_us;
+  if (us == 0) return; /* a worker without timestamps */
+  if (t->machine == SHARDPLANE__V1__MACHINE__MACHINE_ROOT &&
+      t->state == SP_ROOT_FORWARD_BACKWARD &&
+      (t->step != k->cur_step || k->step_start_us == 0)) {
+    close_step(k, us);
+    k->step_start_us = us;
+    k->cur_step = t->step;
+    k->wait_us = 0;
+  }
+}
+
+/* A completion's wait belongs to the step it ended in. A message carries
+ * transitions and collectives apart, so one that ended before the
+ * current step began (its step is closed) is taken off that step. */
+static void time_wait(diag_rank *k, const Shardplane__V1__Collective *q) {
+  if (q->waited_us == 0) return;
+  if (k->step_start_us == 0 || q->time_us >= k->step_start_us) {
+    k->wait_us += q->waited_us;
+    return;
+  }
+  if (k->n_steps == 0) return;
+  size_t last = (k->next + SP_DIAG_STEP_WINDOW - 1) % SP_DIAG_STEP_WINDOW;
+  float own = k->busy_ms[last] - (float)q->waited_us / 1000.0f;
+  k->busy_ms[last] = own > 0 ? own : 0;
+  k->busy_med = median_of(k->busy_ms, k->n_steps);
+  k->busy_lo = pct_of(k->busy_ms, k->n_steps, 0.25);
+}
 
 /* ---- names ---- */
 
@@ -530,6 +605,7 @@ static void ingest_collective(sp_coord *c, uint32_t rank,
               .dtype = (uint8_t)q->dtype};
   if (q->completed) {
     if (q->seq > k->comm[kind].done_seq) k->comm[kind].done_seq = q->seq;
+    time_wait(k, q);
     return;
   }
   if (q->seq > k->comm[kind].issued.seq) {
@@ -584,70 +660,6 @@ static void settle_ties(sp_coord *c, uint64_t now) {
     settle_tie(c, SHARDPLANE__V1__COMM_KIND__COMM_SHARD, i, now);
   for (uint32_t i = 0; i < d->n_replica; i++)
     settle_tie(c, SHARDPLANE__V1__COMM_KIND__COMM_REPLICA, i, now);
-}
-
-/* ---- straggler timing ---- */
-
-static float median_of(const float *v, size_t n) {
-  float tmp[SP_DIAG_STEP_WINDOW];
-  if (n == 0) return 0;
-  memcpy(tmp, v, n * sizeof *v);
-  for (size_t i = 1; i < n; i++) /* n is tiny */
-    for (size_t j = i; j > 0 && tmp[j - 1] > tmp[j]; j--) {
-      float x = tmp[j];
-      tmp[j] = tmp[j - 1];
-      tmp[j - 1] = x;
-    }
-  return n % 2 ? tmp[n / 2] : (tmp[n / 2 - 1] + tmp[n / 2]) / 2;
-}
-
-static float pct_of(const float *v, size_t n, double p) {
-  float tmp[SP_DIAG_STEP_WINDOW];
-  if (n == 0) return 0;
-  memcpy(tmp, v, n * sizeof *v);
-  for (size_t i = 1; i < n; i++)
-    for (size_t j = i; j > 0 && tmp[j - 1] > tmp[j]; j--) {
-      float x = tmp[j];
-      tmp[j] = tmp[j - 1];
-      tmp[j - 1] = x;
-    }
-  size_t i = (size_t)ceil(p * (double)n) - 1;
-  return tmp[i < n ? i : n - 1];
-}
-
-static void close_step(diag_rank *k, uint64_t t_us) {
-  if (k->step_start_us == 0 || t_us <= k->step_start_us) return;
-  k->step_ms[k->next] = (float)(t_us - k->step_start_us) / 1000.0f;
-  k->busy_ms[k->next] = (float)k->busy_us / 1000.0f;
-  k->next = (uint8_t)((k->next + 1) % SP_DIAG_STEP_WINDOW);
-  if (k->n_steps < SP_DIAG_STEP_WINDOW) k->n_steps++;
-  k->busy_med = median_of(k->busy_ms, k->n_steps);
-}
-
-static void time_transition(diag_rank *k, const Shardplane__V1__Transition *t) {
-  uint64_t us = t->time_us;
-  if (us == 0) return; /* a worker without timestamps */
-  if (k->in_compute && us > k->enter_us) k->busy_us += us - k->enter_us;
-  k->in_compute = false;
-  if (t->machine == SHARDPLANE__V1__MACHINE__MACHINE_ROOT) {
-    if (t->state == SP_ROOT_FORWARD_BACKWARD) {
-      if (k->root_idle_us && us > k->root_idle_us)
-        k->busy_us += us - k->root_idle_us;
-      k->root_idle_us = 0;
-      if (t->step != k->cur_step || k->step_start_us == 0) {
-        close_step(k, us);
-        k->step_start_us = us;
-        k->cur_step = t->step;
-        k->busy_us = 0;
-      }
-    } else if (t->state == SP_ROOT_IDLE) {
-      k->root_idle_us = us;
-    }
-  } else if (t->state == SP_HANDLE_FORWARD ||
-             t->state == SP_HANDLE_BACKWARD_PRE) {
-    k->in_compute = true;
-    k->enter_us = us;
-  }
 }
 
 /* ---- ingest ---- */
@@ -1024,21 +1036,35 @@ static void check_stragglers(sp_coord *c) {
     float base = job_med > 1.0f ? job_med : 1.0f;
     k->score = k->busy_med / base;
     float step = median_of(k->step_ms, k->n_steps);
-    /* and it must cost the job: its excess compute a tenth of a step and
-     * 2 ms at least (a few ms of compute in a step of tens jitters by
-     * half on a loaded machine, and nobody waits for that) */
-    float excess = k->busy_med - job_med;
-    bool costly = excess >= 2.0f && excess >= 0.1f * step;
-    if (!k->straggling && costly && k->score >= ratio) {
+    /* The bar is crossed by its faster steps too (the 25th percentile):
+     * a process a busy host deschedules now and then has slow steps among
+     * normal ones, a straggler has no normal ones. And it must cost the
+     * job: the excess a tenth of a step and 2 ms at least (a few ms of
+     * compute in a step of tens jitters by half on a loaded machine, and
+     * nobody waits for that). */
+    float excess = k->busy_med - job_med, lo_excess = k->busy_lo - job_med;
+    bool over = lo_excess >= 2.0f && lo_excess >= 0.1f * step &&
+                k->busy_lo / base >= ratio;
+    /* and for a stretch of steps: a process descheduled for a while on a
+     * busy host crosses the bar for a window, a straggler stays over it */
+    if (!over)
+      k->over_since = 0;
+    else if (k->over_since == 0)
+      k->over_since = k->cur_step + 1;
+    if (!k->straggling && over &&
+        k->cur_step + 1 >= k->over_since + SP_DIAG_STRAGGLER_STEPS) {
       k->straggling = true;
       char msg[SP_DIAG_MAX];
       say(msg, sizeof msg,
-               "rank %u is a straggler: its own compute is %.2fx the job's "
-               "median (%.1f ms a step against %.1f ms, over its last %u "
-               "steps); the step takes %.1f ms and the other ranks spend the "
-               "difference waiting for it in collectives",
+               "rank %u is a straggler: its own time (the step less its "
+               "waits on peers) is %.2fx the job's median, %.1f ms a step "
+               "against %.1f ms over its last %u steps (%.1f ms or more in "
+               "three steps of four); each step takes %.1f ms, and the "
+               "other ranks spend about %.1f ms of it waiting for rank %u "
+               "in collectives",
                r, (double)k->score, (double)k->busy_med, (double)job_med,
-               (unsigned)k->n_steps, (double)step);
+               (unsigned)k->n_steps, (double)k->busy_lo, (double)step,
+               (double)excess, r);
       uint32_t *v = malloc((size_t)d->world * sizeof *v);
       size_t nv = v ? others(c, &r, 1, v) : 0;
       raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, &r, 1, v, nv,

@@ -22,8 +22,8 @@ typedef struct sp_coord_diag_config {
    * max(SP_DIAG_STALL_FLOOR_MS, SP_DIAG_STALL_K x the job's p99 step). */
   uint32_t stall_timeout_ms;
   bool abort_on_stall; /* --on-stall abort: the verdict ends the job */
-  /* A rank whose median compute per step is this many times the job's
-   * median is a straggler; 0: 1.3. */
+  /* A rank whose median own time per step (the step less its waits on
+   * peers) is this many times the job's median is a straggler; 0: 1.3. */
   double straggler_ratio;
   const char *dump_dir; /* NULL: no dump written on abort or stall */
 } sp_coord_diag_config;
@@ -34,6 +34,8 @@ typedef struct sp_coord_diag_config {
 #define SP_DIAG_TICK_MS 200u
 /* Step times kept per rank (percentiles, straggler window). */
 #define SP_DIAG_STEP_WINDOW 16u
+/* Steps a rank must stay over the straggler bar before it is named. */
+#define SP_DIAG_STRAGGLER_STEPS 4u
 /* Events of one FlightRecord the coordinator keeps (the rest: dropped,
  * oldest first), and the most ranks whose records one dump gathers at
  * once. */

@@ -716,14 +716,14 @@ static void test_fingerprints_per_communicator(void **state) {
   assert_int_equal(g1, 1);
   assert_int_equal(g2, 2);
   assert_int_equal(r1, 1);
-  sp_session_collective_done(s, SP_COMM_SHARD, g1, 0);
-  sp_session_collective_done(s, SP_COMM_SHARD, g2, 0);
-  sp_session_collective_done(s, SP_COMM_REPLICA, r1, 0);
+  sp_session_collective_done(s, SP_COMM_SHARD, g1, 0, 0);
+  sp_session_collective_done(s, SP_COMM_SHARD, g2, 0, 0);
+  sp_session_collective_done(s, SP_COMM_REPLICA, r1, 0, 0);
   sp_session_set_step(s, 2);
   uint64_t g3 = sp_session_collective(s, SP_COMM_SHARD, SP_OP_ALL_GATHER, 2,
                                       SP_BFLOAT16, 20);
   assert_int_equal(g3, 3);
-  sp_session_collective_done(s, SP_COMM_SHARD, g3, 0);
+  sp_session_collective_done(s, SP_COMM_SHARD, g3, 0, 0);
   /* an invalid communicator is refused, nothing queued */
   assert_int_equal(sp_session_collective(s, (sp_comm_kind)7,
                                          SP_OP_ALL_GATHER, 0, SP_FLOAT32, 1),

@@ -102,10 +102,25 @@ static void report_done_locked(sp_fsdp *f) {
     const sp_fsdp_work *w =
         &f->queue[(size_t)(f->reported % (int64_t)f->queue_cap)];
     for (size_t i = 0; i < w->n_fp; i++)
-      if (w->fp[i].done_us != 0)
+      if (w->fp[i].done_us != 0) {
+        /* the training thread's wait just ended: it goes with the first
+         * completion seen after it (the one it waited for, or the last
+         * before it) */
         sp_session_collective_done(f->s, (sp_comm_kind)w->fp[i].comm,
-                                   w->fp[i].seq, w->fp[i].done_us);
+                                   w->fp[i].seq, w->fp[i].done_us,
+                                   f->waited_us);
+        f->waited_us = 0;
+      }
   }
+}
+
+/* Blocks on f->cv (f->mu held), counting the time into f->waited_us: the
+ * training thread waiting for the communication thread, that is for its
+ * peers. */
+static void wait_locked(sp_fsdp *f) {
+  uint64_t t0 = sp_session_time_us();
+  pthread_cond_wait(&f->cv, &f->mu);
+  f->waited_us += sp_session_time_us() - t0;
 }
 
 /* ---- the communication thread ---- */
@@ -284,7 +299,7 @@ int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
   /* a full ring waits for the oldest: bounded by construction (at most one
    * gather and one reduce per unit plus caller all-reduces are pending) */
   while (f->issued - f->completed >= (int64_t)f->queue_cap && !f->error)
-    pthread_cond_wait(&f->cv, &f->mu);
+    wait_locked(f);
   /* before a slot is written again */
   report_done_locked(f);
   if (f->error) {
@@ -313,8 +328,7 @@ int64_t sp_fsdp_enqueue(sp_fsdp *f, const sp_fsdp_work *w, sp_diag *d) {
 
 int sp_fsdp_wait(sp_fsdp *f, int64_t ticket, sp_diag *d) {
   pthread_mutex_lock(&f->mu);
-  while (f->completed <= ticket && !f->error)
-    pthread_cond_wait(&f->cv, &f->mu);
+  while (f->completed <= ticket && !f->error) wait_locked(f);
   report_done_locked(f);
   int rc = f->error;
   if (rc && d) *d = f->error_diag;

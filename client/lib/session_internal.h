@@ -101,7 +101,7 @@ enum { EV_TRANSITION = 1, EV_COLLECTIVE = 2, EV_DONE = 3, EV_STEP = 4 };
 /* One queued event; 32 bytes. */
 typedef struct sp_sess_event {
   uint64_t a;       /* transition, step: step; collective, done: seq */
-  uint64_t count;   /* collective: elements */
+  uint64_t count;   /* collective: elements; done: the wait, us */
   uint64_t time_us; /* CLOCK_REALTIME, microseconds */
   uint32_t unit;
   uint8_t kind;
@@ -114,6 +114,7 @@ typedef struct sp_sess_event {
  * and step filled in. */
 typedef struct sp_flight_ev {
   uint64_t seq, count, time_us, step;
+  uint64_t waited_us; /* EV_DONE */
   uint32_t unit;
   uint8_t kind; /* EV_TRANSITION, EV_COLLECTIVE (issue) or EV_DONE */
   uint8_t x, y, comm;

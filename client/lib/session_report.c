@@ -87,6 +87,7 @@ static bool bg_decode(sp_session *s, const sp_sess_event *e,
     }
     case EV_DONE: {
       fe->seq = e->a;
+      fe->waited_us = e->count;
       if (e->comm < SP_SESSION_COMMS) {
         const sp_issued_fp *f = &s->issued[e->comm][e->a & s->issued_mask];
         /* an issue dropped by a full queue leaves only the seq */
@@ -128,6 +129,7 @@ static void fill_collective(const sp_session *s, const sp_flight_ev *fe,
   c->completed = fe->kind == EV_DONE;
   c->time_us = fe->time_us;
   c->step = fe->step;
+  if (fe->kind == EV_DONE) c->waited_us = fe->waited_us;
 }
 
 /* Sends one SessionUp with events [tail_local, tail_local + n), and the
@@ -790,11 +792,13 @@ uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm,
 }
 
 void sp_session_collective_done(sp_session *s, sp_comm_kind comm,
-                                uint64_t seq, uint64_t time_us) {
+                                uint64_t seq, uint64_t time_us,
+                                uint64_t waited_us) {
   if (s == NULL || s->no_report || (unsigned)comm >= SP_SESSION_COMMS ||
       seq == 0)
     return;
-  sp_sess_event e = {seq, 0, time_us ? time_us : sp_session_time_us(),
+  /* a completion has no count of its own: the wait rides there */
+  sp_sess_event e = {seq, waited_us, time_us ? time_us : sp_session_time_us(),
                      0,   EV_DONE, 0, 0, (uint8_t)comm};
   ring_push(s, &e);
 }

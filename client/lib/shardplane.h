@@ -229,9 +229,13 @@ uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm,
  * sp_session_collective), at time_us (CLOCK_REALTIME microseconds, as
  * sp_session_time_us gives; 0: now). A collective issued and never
  * completed is what a hang looks like to the coordinator, so call it only
- * once the operation has really finished on this rank. */
+ * once the operation has really finished on this rank. waited_us: how
+ * long the training thread was blocked waiting for it (0: not at all, or
+ * not measured); the coordinator takes a step less its waits as the rank's
+ * own time, the measure that names a straggler. */
 void sp_session_collective_done(sp_session *s, sp_comm_kind comm,
-                                uint64_t seq, uint64_t time_us);
+                                uint64_t seq, uint64_t time_us,
+                                uint64_t waited_us);
 /* CLOCK_REALTIME in microseconds, the clock of every event. Any thread. */
 uint64_t sp_session_time_us(void);
 /* The trainer's progress, sent with the next message (and every later one,
