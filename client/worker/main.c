@@ -1228,6 +1228,8 @@ int main(int argc, char **argv) {
   int prc = parse_args(argc, argv, &o);
   if (prc) return prc == 1 ? 0 : prc;
   sp_diag d = {{0}};
+  /* generation reads a FULL checkpoint, whatever else DIR holds */
+  if (o.generate && !o.load_kind) o.load_kind = SP_CKPT_FULL;
   /* --load DIR may also be the folder shardplane run wrote (its full/,
    * sharded/ or local/ subfolder is found) */
   if (o.load_dir &&
