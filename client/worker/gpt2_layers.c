@@ -172,9 +172,11 @@ void sp_gpt2k_attention_bwd(float *dqkv, float *datt, const float *dout,
  * 2^n assembled in the exponent bits. x is clamped to [-87, 88], where
  * 2^n stays a normal float: GELU and tanh only need the limits there. */
 static inline float vexp(float x) {
-  /* two selects, which vectorize (a nested one does not) */
-  x = x > 88.0f ? 88.0f : x;
-  x = x < -87.0f ? -87.0f : x;
+  /* two selects, which vectorize (a nested one does not); written so that
+   * a NaN becomes 88, whose integer conversion below is defined (GELU's
+   * result is still NaN: it multiplies by the NaN input) */
+  x = x <= 88.0f ? x : 88.0f;
+  x = x >= -87.0f ? x : -87.0f;
   float t = x * 1.44269504088896341f;
   float n = (t + 12582912.0f) - 12582912.0f;
   float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
