@@ -425,6 +425,32 @@ static int load(const sp_gpt2 *g, const sp_gpt2_io *io, int32_t p, float *dst,
   return 0;
 }
 
+/* A float32 parameter's view itself when it is aligned for floats (the
+ * runtime's flat parameters are), else a float32 copy in scratch: the
+ * products read the weights in place, a copy per product cost a pass over
+ * every weight twice a step. */
+static int view_f32(const sp_gpt2 *g, const sp_gpt2_io *io, int32_t p,
+                    float *scratch, const float **out, sp_diag *d) {
+  void *v = io->param(io->user, p);
+  if (v && io->param_dtype(io->user, p) == SP_FLOAT32 &&
+      (uintptr_t)v % _Alignof(float) == 0) {
+    *out = v;
+    return 0;
+  }
+  *out = scratch;
+  return load(g, io, p, scratch, NULL, d);
+}
+
+/* The gradient view as float32 to add to in place (aligned, float32), or
+ * NULL: then the gradient goes through a scratch and add_grad. */
+static float *grad_f32(const sp_gpt2_io *io, int32_t p) {
+  void *v = io->grad ? io->grad(io->user, p) : NULL;
+  return v && io->param_dtype(io->user, p) == SP_FLOAT32 &&
+                 (uintptr_t)v % _Alignof(float) == 0
+             ? v
+             : NULL;
+}
+
 /* grad view += g, the sum in double rounded once to the view's dtype (as
  * autograd accumulates into .grad). */
 static int add_grad(const sp_gpt2 *g, const sp_gpt2_io *io, int32_t p,
@@ -543,19 +569,20 @@ int sp_gpt2_block_forward(const sp_gpt2 *g, size_t l, const sp_gpt2_io *io,
                          a->lnb, N, C);
   sp_gpt2k_round(a->ln1[l], NC, pd);
   /* attention */
-  rc = load(g, io, b->attn_w, a->w, NULL, d);
+  const float *w;
+  rc = view_f32(g, io, b->attn_w, a->w, &w, d);
   if (rc == 0) rc = load(g, io, b->attn_b, a->gb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(a->qkv[l], a->ln1[l], a->w, a->gb, N, C, 3 * C);
+  sp_gpt2k_matmul_fwd(a->qkv[l], a->ln1[l], w, a->gb, N, C, 3 * C);
   sp_gpt2k_round(a->qkv[l], 3 * NC, pd);
   sp_gpt2k_attention_fwd(a->atty[l], a->att[l], a->qkv[l],
                          have_mask ? a->allow : NULL, (int)a->B, (int)a->T, C,
                          NH);
   sp_gpt2k_round(a->atty[l], NC, pd);
-  rc = load(g, io, b->proj_w, a->w, NULL, d);
+  rc = view_f32(g, io, b->proj_w, a->w, &w, d);
   if (rc == 0) rc = load(g, io, b->proj_b, a->gb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(tmp, a->atty[l], a->w, a->gb, N, C, C);
+  sp_gpt2k_matmul_fwd(tmp, a->atty[l], w, a->gb, N, C, C);
   sp_gpt2k_round(tmp, NC, pd);
   for (size_t i = 0; i < NC; i++) a->res2[l][i] = x[i] + tmp[i];
   sp_gpt2k_round(a->res2[l], NC, pd);
@@ -566,17 +593,17 @@ int sp_gpt2_block_forward(const sp_gpt2 *g, size_t l, const sp_gpt2_io *io,
   sp_gpt2k_layernorm_fwd(a->ln2[l], a->ln2_mean[l], a->ln2_rstd[l],
                          a->res2[l], a->lnw, a->lnb, N, C);
   sp_gpt2k_round(a->ln2[l], NC, pd);
-  rc = load(g, io, b->fc_w, a->w, NULL, d);
+  rc = view_f32(g, io, b->fc_w, a->w, &w, d);
   if (rc == 0) rc = load(g, io, b->fc_b, a->gb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(a->fch[l], a->ln2[l], a->w, a->gb, N, C, 4 * C);
+  sp_gpt2k_matmul_fwd(a->fch[l], a->ln2[l], w, a->gb, N, C, 4 * C);
   sp_gpt2k_round(a->fch[l], 4 * NC, pd);
   sp_gpt2k_gelu_fwd(a->fch_gelu[l], a->fch[l], 4 * NC);
   sp_gpt2k_round(a->fch_gelu[l], 4 * NC, pd);
-  rc = load(g, io, b->fcproj_w, a->w, NULL, d);
+  rc = view_f32(g, io, b->fcproj_w, a->w, &w, d);
   if (rc == 0) rc = load(g, io, b->fcproj_b, a->gb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(tmp, a->fch_gelu[l], a->w, a->gb, N, 4 * C, C);
+  sp_gpt2k_matmul_fwd(tmp, a->fch_gelu[l], w, a->gb, N, 4 * C, C);
   sp_gpt2k_round(tmp, NC, pd);
   float *y = a->res[l + 1];
   for (size_t i = 0; i < NC; i++) y[i] = a->res2[l][i] + tmp[i];
@@ -657,9 +684,17 @@ int sp_gpt2_head_backward(const sp_gpt2 *g, const sp_gpt2_io *io,
 static int conv_bwd(const sp_gpt2 *g, const sp_gpt2_io *io, sp_gpt2_acts *a,
                     int32_t w, int32_t b, float *dinp, const float *dout,
                     const float *inp, int N, int IC, int OC, sp_diag *d) {
-  int rc = load(g, io, w, a->w, NULL, d);
+  const float *wv;
+  int rc = view_f32(g, io, w, a->w, &wv, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_bwd(dinp, a->gw, a->gb, dout, inp, a->w, N, IC, OC);
+  /* float32 views take the products' sums in place (the BLAS adds to
+   * them); others through the scratch, rounded once by add_grad */
+  float *gw = grad_f32(io, w), *gbv = grad_f32(io, b);
+  if (gw && gbv) {
+    sp_gpt2k_matmul_bwd(dinp, gw, gbv, dout, inp, wv, N, IC, OC, 1);
+    return 0;
+  }
+  sp_gpt2k_matmul_bwd(dinp, a->gw, a->gb, dout, inp, wv, N, IC, OC, 0);
   rc = add_grad(g, io, w, a->gw, d);
   if (rc == 0) rc = add_grad(g, io, b, a->gb, d);
   return rc;

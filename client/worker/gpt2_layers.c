@@ -22,14 +22,14 @@ void sp_gpt2k_matmul_fwd(float *out, const float *inp, const float *w,
 
 void sp_gpt2k_matmul_bwd(float *dinp, float *dw, float *db, const float *dout,
                          const float *inp, const float *w, int N, int IC,
-                         int OC) {
+                         int OC, int acc) {
   if (dinp)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, IC, OC, 1.0f,
                 dout, OC, w, OC, 0.0f, dinp, IC);
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, IC, OC, N, 1.0f, inp,
-              IC, dout, OC, 0.0f, dw, OC);
+              IC, dout, OC, acc ? 1.0f : 0.0f, dw, OC);
   if (db == NULL) return;
-  memset(db, 0, (size_t)OC * sizeof *db);
+  if (!acc) memset(db, 0, (size_t)OC * sizeof *db);
   for (int i = 0; i < N; i++) {
     const float *g = dout + (size_t)i * OC;
     for (int j = 0; j < OC; j++) db[j] += g[j];

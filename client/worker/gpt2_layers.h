@@ -14,11 +14,13 @@
 /* out[N, OC] = inp[N, IC] w[IC, OC] + b[OC] (b may be NULL). */
 void sp_gpt2k_matmul_fwd(float *out, const float *inp, const float *w,
                          const float *b, int N, int IC, int OC);
-/* dinp[N, IC] = dout w^T (dinp NULL: skipped), dw[IC, OC] = inp^T dout,
- * db[OC] = the column sums of dout (db may be NULL): all overwritten. */
+/* dinp[N, IC] = dout w^T (dinp NULL: skipped, overwritten), then
+ * dw[IC, OC] = inp^T dout and db[OC] = the column sums of dout (db may be
+ * NULL): overwritten when acc is 0, added to when it is 1 (a gradient
+ * view's accumulation, in float32). */
 void sp_gpt2k_matmul_bwd(float *dinp, float *dw, float *db, const float *dout,
                          const float *inp, const float *w, int N, int IC,
-                         int OC);
+                         int OC, int acc);
 /* The tied head: logits[N, V] = x[N, C] wte[V, C]^T. */
 void sp_gpt2k_logits_fwd(float *logits, const float *x, const float *wte,
                          int N, int C, int V);
