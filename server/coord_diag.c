@@ -1057,12 +1057,14 @@ static void check_stragglers(sp_coord *c) {
       char msg[SP_DIAG_MAX];
       say(msg, sizeof msg,
                "rank %u is a straggler: its own time (the step less its "
-               "waits on peers) is %.2fx the job's median, %.1f ms a step "
+               "waits on peers) is %.2fx the job's median%s, %.1f ms a step "
                "against %.1f ms over its last %u steps (%.1f ms or more in "
                "three steps of four); each step takes %.1f ms, and the "
                "other ranks spend about %.1f ms of it waiting for rank %u "
                "in collectives",
-               r, (double)k->score, (double)k->busy_med, (double)job_med,
+               r, (double)k->score,
+               job_med < base ? " (taken as 1 ms at least)" : "",
+               (double)k->busy_med, (double)job_med,
                (unsigned)k->n_steps, (double)k->busy_lo, (double)step,
                (double)excess, r);
       uint32_t *v = malloc((size_t)d->world * sizeof *v);
