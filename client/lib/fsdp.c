@@ -488,7 +488,6 @@ void sp_fsdp_get_stats(const sp_fsdp *f, sp_fsdp_stats *out) {
   if (!f || !out) return;
   *out = f->stats;
   out->mem = f->pool.acct;
-
 }
 
 void sp_fsdp_reset_peak_memory(sp_fsdp *f) {
