@@ -239,7 +239,9 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
   for (int rk = 0; rk < r->world; rk++) {
     char rs[16];
     snprintf(rs, sizeof rs, "%d", rk);
+    /* --synthetic: the GPT-2 specs train for real otherwise */
     char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
+                  "--synthetic",
                   "--insecure", "--rank", rs, "--steps", steps, "--log-every",
                   "0", "--stats", stats, "--checkpoint",
                   r->ckpt ? "sharded" : "none", "--checkpoint-dir", ckdir,

@@ -19,6 +19,12 @@ PACKAGES=(
   python3 python3-grpcio python3-protobuf protobuf-compiler
   # the independent safetensors reader of the checkpoint tests
   python3-numpy
+  # the worker's CPU matrix products (GPT-2, MLP): CBLAS from a well-kept,
+  # threaded BLAS instead of hand-written GEMM loops
+  libopenblas-dev
+  # the numerical oracle of the GPT-2 gradient and training-parity tests
+  # and the peer of bench/train (Debian 12 has PyTorch 1.13.1)
+  python3-torch
 )
 # `./dev bench` also needs the reference gRPC C++ server of bench/rpc; what
 # bench/CMakeLists.txt looks for, and the package that has it:

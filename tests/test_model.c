@@ -11,11 +11,12 @@
 #include <cmocka.h>
 
 #include "fsdp/model.h"
+#include "fsdp/plan.h"
 #include "support/testutil.h"
 
-static const char *const k_specs[] = {"gpt2",      "llama2_70b",
-                                      "llama2_7b", "mobilenet_v3_small",
-                                      "resnet50",  "vit_b_16"};
+static const char *const k_specs[] = {
+    "gpt2",     "gpt2-tiny", "gpt2-mini", "llama2_70b", "llama2_7b",
+    "mobilenet_v3_small", "resnet50", "vit_b_16"};
 
 static sp_model *load_example(const char *name) {
   char path[512];
@@ -91,6 +92,82 @@ static void test_gpt2_tied(void **state) {
   assert_int_equal(m->buffers[b].dtype, SP_FLOAT32);
   assert_int_equal(m->buffers[b].ndim, 0);
   sp_model_free(m);
+}
+
+/* The byte-level GPT-2s the worker trains: HF names and Conv1D layouts
+ * ([in, out]), the head count in "config", and a plan wrapping the blocks
+ * (one unit per block plus the root, which owns the embeddings, ln_f and
+ * the tied head). */
+static void test_gpt2_family(void **state) {
+  (void)state;
+  static const struct {
+    const char *name;
+    int64_t layers, d, heads, ctx;
+  } k[] = {{"gpt2-tiny", 2, 64, 4, 64}, {"gpt2-mini", 6, 384, 6, 256}};
+  for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+    sp_model *m = load_example(k[i].name);
+    int64_t v = 0;
+    assert_int_equal(sp_model_config_int(m, "n_head", &v), 0);
+    assert_int_equal(v, k[i].heads);
+    assert_int_equal(sp_model_config_int(m, "n_layer", &v), 0);
+    assert_int_equal(v, k[i].layers);
+    assert_int_equal(sp_model_config_int(m, "nope", &v), SP_ENOENT);
+    int32_t p = sp_model_find_param(m, "transformer.wte.weight");
+    assert_int_equal(m->params[p].shape[0], 256);
+    assert_int_equal(m->params[p].shape[1], k[i].d);
+    p = sp_model_find_param(m, "transformer.wpe.weight");
+    assert_int_equal(m->params[p].shape[0], k[i].ctx);
+    char fqn[128];
+    snprintf(fqn, sizeof fqn, "transformer.h.%lld.attn.c_attn.weight",
+             (long long)(k[i].layers - 1));
+    p = sp_model_find_param(m, fqn);
+    assert_true(p >= 0);
+    assert_int_equal(m->params[p].shape[0], k[i].d);
+    assert_int_equal(m->params[p].shape[1], 3 * k[i].d);
+    p = sp_model_find_param(m, "transformer.h.0.mlp.c_proj.weight");
+    assert_int_equal(m->params[p].shape[0], 4 * k[i].d);
+    assert_int_equal(m->params[p].shape[1], k[i].d);
+    int32_t b = sp_model_find_buffer(m, "transformer.h.0.attn.bias");
+    assert_int_equal(m->buffers[b].dtype, SP_BOOL);
+    assert_int_equal(m->buffers[b].shape[3], k[i].ctx);
+    assert_int_equal(m->n_tied, 1);
+    assert_string_equal(m->params[m->tied[0].target].fqn,
+                        "transformer.wte.weight");
+    sp_job job;
+    sp_job_init(&job);
+    job.world_size = 4;
+    assert_int_equal(sp_strlist_add(&job.wrap_types, "GPT2Block"), 0);
+    sp_plan *pl = NULL;
+    sp_diag d = {""};
+    if (sp_plan_build(m, &job, &pl, &d) != 0) fail_msg("%s", d.msg);
+    assert_int_equal(pl->n_units, (size_t)k[i].layers + 1);
+    assert_int_equal(
+        pl->param_unit[sp_model_find_param(m, "transformer.ln_f.bias")], 0);
+    sp_plan_free(pl);
+    sp_job_clear(&job);
+    sp_model_free(m);
+  }
+  /* only integers are kept; anything else in an HF config is skipped */
+  static const char js[] =
+      "{\"format\":\"shardplane.model/v1\",\"name\":\"c\",\"modules\":"
+      "[{\"fqn\":\"\",\"type\":\"Net\"}],\"params\":[],\"config\":"
+      "{\"n_head\":3,\"layer_norm_epsilon\":1e-5,\"activation\":\"gelu\"}}";
+  sp_model *m = NULL;
+  sp_diag d = {""};
+  if (sp_model_load_string(js, strlen(js), "c.json", &m, &d) != 0)
+    fail_msg("%s", d.msg);
+  int64_t v = 0;
+  assert_int_equal(sp_model_config_int(m, "n_head", &v), 0);
+  assert_int_equal(v, 3);
+  assert_int_equal(sp_model_config_int(m, "layer_norm_epsilon", &v),
+                   SP_ENOENT);
+  sp_model_free(m);
+  static const char bad[] =
+      "{\"format\":\"shardplane.model/v1\",\"name\":\"c\",\"modules\":"
+      "[{\"fqn\":\"\",\"type\":\"Net\"}],\"params\":[],\"config\":[1]}";
+  assert_int_equal(sp_model_load_string(bad, strlen(bad), "c.json", &m, &d),
+                   SP_EFORMAT);
+  assert_non_null(strstr(d.msg, "config"));
 }
 
 /* A spec with one module, parameterised by the params/buffers/tied parts. */
@@ -281,6 +358,7 @@ int main(void) {
       cmocka_unit_test(test_real_specs_load),
       cmocka_unit_test(test_resnet_details),
       cmocka_unit_test(test_gpt2_tied),
+      cmocka_unit_test(test_gpt2_family),
       cmocka_unit_test(test_bad_specs),
       cmocka_unit_test(test_defaults_and_aliases),
       cmocka_unit_test(test_file_errors),

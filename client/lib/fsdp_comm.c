@@ -5,6 +5,7 @@
  * fsdp_schedule.c), as the backends require. */
 #include <stdlib.h>
 
+#include "base/clock.h"
 #include "base/thread_name.h"
 #include "fsdp_internal.h"
 
@@ -96,6 +97,7 @@ int sp_fsdp_before_collective(sp_fsdp *f, sp_comm_kind k, sp_coll_op op,
  * issue order. Under f->mu, on the training thread (the session's queue
  * has one producer). */
 static void report_done_locked(sp_fsdp *f) {
+  f->stats.comm_busy_s = (double)f->comm_busy_ns * 1e-9;
   for (; f->reported < f->completed; f->reported++) {
     const sp_fsdp_work *w =
         &f->queue[(size_t)(f->reported % (int64_t)f->queue_cap)];
@@ -273,8 +275,11 @@ static void *comm_thread(void *arg) {
      * sequence is broken and peers would hang on a half-issued op */
     int rc = failed;
     if (!failed) rc = f->mem->wait_mark(f, slot, &d);
+    double t0 = sp_clock_s();
     if (rc == 0) rc = run_work(f, &w, &d);
+    double busy = sp_clock_s() - t0;
     pthread_mutex_lock(&f->mu);
+    f->comm_busy_ns += (uint64_t)(busy * 1e9);
     if (rc < 0 && !f->error) {
       f->error = rc;
       f->error_diag = d;

@@ -281,6 +281,9 @@ struct sp_fsdp {
   int64_t completed; /* tickets [0, completed) finished */
   int64_t reported;  /* tickets whose completions went to the session */
   uint64_t waited_us; /* training-thread wait not yet reported */
+  /* nanoseconds the thread spent running work, under mu; the trainer's
+   * thread copies it into stats.comm_busy_s whenever it takes mu */
+  uint64_t comm_busy_ns;
   /* what the trainer is in, for the fault-injection hook */
   sp_fsdp_phase phase;
   bool stopping;

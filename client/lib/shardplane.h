@@ -786,6 +786,10 @@ typedef struct sp_fsdp_stats {
   uint64_t prefetches;       /* backward prefetches issued */
   uint64_t reduce_scatters;
   uint64_t all_reduces;
+  /* Seconds the communication thread spent running its work since
+   * sp_fsdp_new: the collectives (waiting for the peers included) and the
+   * casts around them, overlapping the trainer's compute. */
+  double comm_busy_s;
   /* The runtime's storage in bytes (host or device), current and peak:
    * mem.cat[SP_MEM_SHARD_PARAMS ... SP_MEM_BUFFERS] in use by category,
    * mem.total in use, mem.reserved held from the allocator (in use plus

@@ -1,7 +1,9 @@
 /* shardplane-worker: one rank of a job. Attaches to the coordinator, takes
- * the job and model from it, and trains the reference MLP (client/mlp.h)
- * with the FSDP runtime, or, for a spec it cannot compute (ResNet, Llama),
- * runs the same unshard / reduce / cast cycle on synthetic gradients. */
+ * the job and model from it, and trains a GPT-2-family transformer
+ * (gpt2_train.h) or the reference MLP (mlp.h) with the FSDP runtime, or,
+ * for a spec it cannot compute (ResNet, Llama), runs the same unshard /
+ * reduce / cast cycle on synthetic gradients. */
+#include <cblas.h>
 #include <getopt.h>
 #include <math.h>
 #include <pthread.h>
@@ -9,11 +11,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "base/clock.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
+#include "gpt2.h"
+#include "gpt2_generate.h"
+#include "gpt2_train.h"
 #include "inject.h"
 #include "mlp.h"
 #include "mlp_cuda.h"
@@ -52,6 +59,10 @@ typedef struct worker_opts {
   uint64_t coordinator_grace_ms; /* --coordinator-grace; 0: the default */
   uint32_t flight_events;        /* --flight-events; 0: the default */
   sp_train_flags train; /* optimizer, schedule, clipping, accumulation */
+  /* --generate: text from a GPT-2 checkpoint, no job */
+  bool generate;
+  sp_gpt2_gen_opts gen;
+  bool synthetic; /* --synthetic: the cycle on synthetic gradients always */
 } worker_opts;
 
 /* --inject: the faults of every rank, parsed with the flags; run() keeps
@@ -366,9 +377,10 @@ static void usage(FILE *f) {
       "usage: shardplane-worker --coordinator HOST:PORT --rank R [options]\n"
       "\n"
       "One rank of a shardplane job: takes the job and model from the\n"
-      "coordinator, trains the reference MLP (or runs the synthetic-gradient\n"
-      "cycle for other specs) with sharded parameters, and reports every\n"
-      "training-state transition.\n"
+      "coordinator, trains a GPT-2-family transformer (blocks wrapped as\n"
+      "units: --wrap-type GPT2Block) or the reference MLP (or runs the\n"
+      "synthetic-gradient cycle for other specs) with sharded parameters,\n"
+      "and reports every training-state transition.\n"
       "\n"
       "  --coordinator HOST:PORT  coordinator (default $SHARDPLANE_COORDINATOR"
       ",\n"
@@ -434,6 +446,9 @@ static void usage(FILE *f) {
       "                           one reduction with one element fewer\n"
       "      slow:rank=R,factor=F every step F times slower (a straggler)\n"
       "      exit:rank=R,step=S   die (_exit(1)) as step S begins\n"
+      "  --synthetic              run the synthetic-gradient cycle whatever\n"
+      "                           the spec (the runtime's memory and\n"
+      "                           collectives without a model: bench/memory)\n"
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
       "                           (starting on; for bench/step)\n"
@@ -445,6 +460,13 @@ static void usage(FILE *f) {
   sp_train_flags_help(f, 27);
   fputs(
       "  --help                   this text\n"
+      "\n"
+      "shardplane-worker --generate --load DIR --model SPEC [--prompt TEXT]\n"
+      "    [--tokens N] [--temperature X] [--seed N]\n"
+      "  text from a GPT-2 checkpoint, without a job: DIR's FULL checkpoint\n"
+      "  and the spec it was trained from continue TEXT (default a newline)\n"
+      "  by N bytes (default 400), sampled at temperature X (default 0.8)\n"
+      "  with seed N (default 0)\n"
       "\n"
       "Environment, as launchers set it (flags win): RANK or SLURM_PROCID\n"
       "(the rank), WORLD_SIZE or SLURM_NTASKS (must equal the job's world\n"
@@ -464,7 +486,8 @@ static void usage(FILE *f) {
 
 enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
        O_CK, O_LOAD, O_LOADK, O_LOADP, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_GRACE, O_NOREP,
-       O_TOGGLE, O_CKEVERY, O_TSTATE, O_FLIGHT, O_INJECT, O_HELP };
+       O_TOGGLE, O_CKEVERY, O_TSTATE, O_FLIGHT, O_INJECT, O_GEN, O_GMODEL,
+       O_PROMPT, O_TOKENS, O_TEMP, O_SEED, O_SYNTH, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
  * what is allowed in d. */
@@ -556,6 +579,25 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       o->flight_events = (uint32_t)n;
       return rc;
     case O_INJECT: return sp_inject_parse(&g_inject, v, d);
+    case O_GEN: o->generate = true; return 0;
+    case O_SYNTH: o->synthetic = true; return 0;
+    case O_GMODEL:
+      o->gen.model_path = v;
+      return sp_flag_text(flag, v, "a model spec (JSON file)", d);
+    case O_PROMPT: o->gen.prompt = v; return 0;
+    case O_TOKENS:
+      rc = sp_flag_int(flag, v, 1, 1000000, &n, d);
+      o->gen.tokens = (uint32_t)n;
+      return rc;
+    case O_TEMP:
+      rc = sp_flag_number(flag, v, 0, &o->gen.temperature, d);
+      if (rc == 0 && !(o->gen.temperature > 0))
+        rc = sp_flag_fail(d, flag, v, "a number > 0");
+      return rc;
+    case O_SEED:
+      rc = sp_flag_int(flag, v, 0, INT64_MAX, &n, d);
+      o->gen.seed = (uint64_t)n;
+      return rc;
   }
   return SP_ENOENT;
 }
@@ -586,6 +628,13 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"test-state", required_argument, NULL, O_TSTATE},
       {"flight-events", required_argument, NULL, O_FLIGHT},
       {"inject", required_argument, NULL, O_INJECT},
+      {"generate", no_argument, NULL, O_GEN},
+      {"synthetic", no_argument, NULL, O_SYNTH},
+      {"model", required_argument, NULL, O_GMODEL},
+      {"prompt", required_argument, NULL, O_PROMPT},
+      {"tokens", required_argument, NULL, O_TOKENS},
+      {"temperature", required_argument, NULL, O_TEMP},
+      {"seed", required_argument, NULL, O_SEED},
       {"help", no_argument, NULL, O_HELP},
       SP_CRED_OPTIONS};
   /* the worker's own options, then the training flags */
@@ -609,6 +658,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   o->global_batch = 24;
   o->lr = 0.05;
   o->log_every = 1;
+  o->gen.tokens = 400;
+  o->gen.temperature = 0.8;
   int c, index = -1;
   while ((c = getopt_long(argc, argv, "", opts, &index)) != -1) {
     if (c == O_HELP) {
@@ -632,6 +683,15 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       return 2;
     }
     index = -1;
+  }
+  if (o->generate) { /* no job: the checkpoint and its spec */
+    if (optind < argc || !o->load_dir || !o->gen.model_path) {
+      fprintf(stderr, "shardplane-worker: --generate needs --load DIR (a "
+              "FULL checkpoint) and --model SPEC (the spec it was trained "
+              "from)\n");
+      return 2;
+    }
+    return 0;
   }
   if (optind < argc || o->rank < 0) {
     if (optind < argc)
@@ -767,13 +827,29 @@ static void put_phase(FILE *fp, const char *name, const mem_phase *p) {
 }
 
 /* {"step_seconds": [...], "reported": [true, ...], "memory": {...}}: the
- * n steps trained from step index `first` on */
+ * n steps trained from step index `first` on; a GPT-2's also where each
+ * step's time went (gt: sp_gpt2_times per step, or NULL) as
+ * "compute_seconds", "wait_seconds", "optim_seconds" and "comm_seconds" */
 static int write_stats(const worker_opts *o, const double *step_s,
-                       uint32_t first, uint32_t n, const mem_report *m) {
+                       const sp_gpt2_times *gt, uint32_t first, uint32_t n,
+                       const mem_report *m) {
   FILE *fp = fopen(o->stats_path, "w");
   if (!fp) return SP_EIO;
   fputs("{\"step_seconds\": ", fp);
   put_doubles(fp, step_s, n);
+  static const char *const parts[] = {"compute_seconds", "wait_seconds",
+                                      "optim_seconds", "comm_seconds"};
+  for (int k = 0; gt && k < 4; k++) {
+    fprintf(fp, ", \"%s\": [", parts[k]);
+    for (uint32_t i = 0; i < n; i++) {
+      double v = k == 0   ? gt[i].compute_s
+                 : k == 1 ? gt[i].wait_s
+                 : k == 2 ? gt[i].optim_s
+                          : gt[i].comm_s;
+      fprintf(fp, "%s%.9g", i ? ", " : "", v);
+    }
+    fputc(']', fp);
+  }
   fputs(", \"reported\": [", fp);
   for (uint32_t k = 0; k < n; k++) {
     uint32_t i = first + k;
@@ -849,9 +925,13 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   sp_fsdp *f = NULL;
   sp_test_state *ts = NULL;
   sp_mlp *mlp = NULL;
+  sp_gpt2 *gpt = NULL;
+  sp_gpt2_trainer *gtr = NULL;
+  double eval_s = 0; /* time in validation, left out of tokens/s */
   trainer tr;
   bool have_tr = false;
   double *losses = NULL, *step_s = NULL;
+  sp_gpt2_times *gtimes = NULL;
   int rc = sp_session_open(&so, &s, d);
   if (rc < 0) return rc;
   uint32_t rank = sp_session_rank(s), w = sp_session_world(s);
@@ -884,16 +964,32 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   }
   mem_report mem = {.rss_before = proc_status_bytes("VmRSS:")};
   sp_diag md = {{0}};
-  bool is_mlp = rc == 0 && sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
+  sp_diag gd = {{0}};
+  bool is_gpt2 = rc == 0 && !o->synthetic &&
+                 sp_gpt2_new(sp_session_model(s), &gpt, &gd) == 0;
+  bool is_mlp = rc == 0 && !is_gpt2 && !o->synthetic &&
+                sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
+  if (o->synthetic) {
+    snprintf(gd.msg, sizeof gd.msg, "--synthetic");
+    snprintf(md.msg, sizeof md.msg, "any spec");
+  }
+  if (is_gpt2) {
+    fo.init_param = sp_gpt2_init_param;
+    fo.init_buffer = sp_gpt2_init_buffer;
+  }
   /* every rank takes an equal share of every micro-batch */
   sp_mlp_train_cfg cfg;
-  if (rc == 0 && is_mlp)
+  if (rc == 0 && (is_mlp || is_gpt2))
     rc = sp_train_flags_finish(&o->train, o->steps, o->lr, o->global_batch,
                                w, "the world size", &cfg, d);
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
   /* the optimizer (the synthetic cycle runs plain SGD) and any stand-in
    * state registered before a load, which fills them with the step count */
-  if (rc == 0 && is_mlp) rc = sp_fsdp_optim_init(f, &cfg.optim, d);
+  if (rc == 0 && (is_mlp || is_gpt2))
+    rc = sp_fsdp_optim_init(f, &cfg.optim, d);
+  if (rc == 0 && is_gpt2 && sp_fsdp_on_device(f))
+    rc = sp_diag_set(d, SP_EUNSUPPORTED, "the GPT-2 models train on the CPU "
+                     "only (--device cpu)");
   if (rc == 0 && o->test_state)
     rc = sp_test_state_new(f, o->test_state, &ts, d);
   /* --steps counts all steps: a resumed run starts after the
@@ -918,12 +1014,24 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     rc = trainer_init(&tr, f, s, mlp, &cfg, d);
     have_tr = true;
   }
-  if (rc == 0 && rank == 0 && !is_mlp)
-    printf("rank 0: %s; running the synthetic-gradient cycle\n", md.msg);
+  if (rc == 0 && is_gpt2)
+    rc = sp_gpt2_trainer_new(gpt, f, s, &cfg, &o->train, &gtr, d);
+  if (rc == 0 && rank == 0 && is_gpt2) {
+    printf("rank 0: GPT-2, %lld layers, d_model %lld, %lld heads, context "
+           "%lld; %llu tokens a step; data %s\n", (long long)gpt->n_layer,
+           (long long)gpt->C, (long long)gpt->n_head, (long long)gpt->ctx,
+           (unsigned long long)sp_gpt2_trainer_tokens_per_step(gtr),
+           sp_gpt2_trainer_data_source(gtr));
+    fflush(stdout);
+  }
+  if (rc == 0 && rank == 0 && !is_mlp && !is_gpt2)
+    printf("rank 0: %s; %s; running the synthetic-gradient cycle\n", gd.msg,
+           md.msg);
   uint32_t todo = o->steps - first;
   losses = calloc(todo ? todo : 1, sizeof *losses);
   step_s = calloc(todo ? todo : 1, sizeof *step_s);
-  if ((!losses || !step_s) && rc == 0)
+  gtimes = calloc(todo ? todo : 1, sizeof *gtimes);
+  if ((!losses || !step_s || !gtimes) && rc == 0)
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   /* One numbering of steps everywhere: step indexes 0..steps-1 pick the
    * data; steps are reported (progress lines "step K/N", the session's
@@ -949,6 +1057,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     double *loss = &losses[step - first];
     if (rc < 0)
       break;
+    else if (is_gpt2)
+      rc = sp_gpt2_trainer_step(gtr, step, loss, d);
     else if (is_mlp && tr.gpu)
       rc = trainer_step_gpu(&tr, step, loss, d);
     else if (is_mlp)
@@ -959,7 +1069,17 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     /* a slowed rank's sleep is part of its step, as slow compute is */
     if (rc == 0) sp_inject_after_step(&g_inject, sp_clock_s() - ts0);
     step_s[step - first] = sp_clock_s() - ts0;
-    if (rc == 0) sp_session_set_progress(s, is_mlp ? *loss : NAN, o->steps);
+    if (rc == 0 && is_gpt2) gtimes[step - first] = sp_gpt2_trainer_times(gtr);
+    if (rc == 0)
+      sp_session_set_progress(s, is_mlp || is_gpt2 ? *loss : NAN, o->steps);
+    /* the held-out loss every --eval-every steps and after the last */
+    double val = NAN;
+    if (rc == 0 && is_gpt2 && o->train.eval_every &&
+        ((step + 1) % o->train.eval_every == 0 || step + 1 == o->steps)) {
+      double te = sp_clock_s();
+      rc = sp_gpt2_trainer_eval(gtr, &val, d);
+      eval_s += sp_clock_s() - te;
+    }
     if (rc == 0 && step == first) {
       sp_fsdp_stats st;
       sp_fsdp_get_stats(f, &st);
@@ -970,9 +1090,19 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
       double t = sp_clock_s();
       double per_s = (step + 1 - logged) * (double)o->global_batch /
                      (t - tlast);
+      double tok_s = is_gpt2 ? (step + 1 - logged) *
+                                   (double)sp_gpt2_trainer_tokens_per_step(gtr) /
+                                   (t - tlast - eval_s)
+                             : 0;
       tlast = t;
+      eval_s = 0;
       logged = step + 1;
-      if (is_mlp)
+      if (is_gpt2) {
+        char vs[48] = "";
+        if (!isnan(val)) snprintf(vs, sizeof vs, "  val loss %.4f", val);
+        printf("step %u/%u  loss %.4f%s  %.0f tokens/s\n", step + 1,
+               o->steps, *loss, vs, tok_s);
+      } else if (is_mlp)
         printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->steps,
                *loss, per_s);
       else
@@ -993,7 +1123,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                         : "another rank was signalled");
     fflush(stdout);
   }
-  if (rc == 0 && rank == 0 && o->losses_path && is_mlp &&
+  if (rc == 0 && rank == 0 && o->losses_path && (is_mlp || is_gpt2) &&
       write_doubles(o->losses_path, losses, ran) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->losses_path);
   if (rc == 0) {
@@ -1019,7 +1149,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
         mem.ckpt.rss_start < 0 ? -1 : proc_status_bytes("VmHWM:");
   }
   if (rc == 0 && rank == 0 && o->stats_path &&
-      write_stats(o, step_s, first, ran, &mem) < 0)
+      write_stats(o, step_s, is_gpt2 ? gtimes : NULL, first, ran, &mem) < 0)
     rc = sp_diag_set(d, SP_EIO, "%s: cannot write", o->stats_path);
   /* a rank failed by another's fault says whose: its own error (a
    * collective cancelled) is only the consequence */
@@ -1030,8 +1160,11 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     sp_diag_set(d, rc, "%s", why);
   }
   if (have_tr) trainer_free(&tr);
+  sp_gpt2_trainer_free(gtr);
+  sp_gpt2_free(gpt);
   free(losses);
   free(step_s);
+  free(gtimes);
   sp_mlp_free(mlp);
   /* the state's storage is the runtime's: it goes first */
   sp_test_state_free(ts);
@@ -1059,13 +1192,44 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   return rc;
 }
 
+/* Debian's OpenBLAS picks its kernels from the CPU's cpuid family and
+ * model; a virtual CPU that hides them falls back to the Prescott (SSE3)
+ * kernels, whatever AVX it has: on a 2-core VM reporting "Intel Xeon
+ * Processor" gpt2-mini's step took 6.5 s instead of 2.7 s with the
+ * SkylakeX kernels. The library reads OPENBLAS_CORETYPE once, as it is
+ * loaded, so the fix is to run again with it set. Nothing happens when
+ * the variable is set already (the user's choice), or the detection was
+ * not the fallback. */
+static void blas_kernels(char **argv) {
+  const char *core = openblas_get_corename();
+  if (getenv("OPENBLAS_CORETYPE") || !core || strcasecmp(core, "prescott"))
+    return;
+  __builtin_cpu_init();
+  const char *want = __builtin_cpu_supports("avx512f")  ? "SkylakeX"
+                     : __builtin_cpu_supports("avx2")   ? "Haswell"
+                     : __builtin_cpu_supports("avx")    ? "Sandybridge"
+                                                        : NULL;
+  if (!want) return;
+  /* by its own path, not /proc/self/exe: the process's name (ps, pgrep,
+   * the thread names tests check) is the file's */
+  char self[4096];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) return;
+  self[n] = '\0';
+  setenv("OPENBLAS_CORETYPE", want, 1);
+  execv(self, argv); /* on failure: on with the slow kernels */
+}
+
 int main(int argc, char **argv) {
+  blas_kernels(argv);
   /* The training thread is the main thread, and keeps the program's name:
    * renaming it would rename the process for ps, pgrep and killall. */
   worker_opts o;
   int prc = parse_args(argc, argv, &o);
   if (prc) return prc == 1 ? 0 : prc;
   sp_diag d = {{0}};
+  /* generation reads a FULL checkpoint, whatever else DIR holds */
+  if (o.generate && !o.load_kind) o.load_kind = SP_CKPT_FULL;
   /* --load DIR may also be the folder shardplane run wrote (its full/,
    * sharded/ or local/ subfolder is found) */
   if (o.load_dir &&
@@ -1073,6 +1237,21 @@ int main(int argc, char **argv) {
                       sizeof o.load_from, &o.load_kind, &d) < 0) {
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
+  }
+  if (o.generate) {
+    if (o.load_kind != SP_CKPT_FULL) {
+      fprintf(stderr, "shardplane-worker: --generate: %s holds no FULL "
+              "checkpoint\n", o.load_dir);
+      return 2;
+    }
+    char file[4200];
+    snprintf(file, sizeof file, "%s/model.safetensors", o.load_from);
+    o.gen.ckpt_file = file;
+    if (sp_gpt2_generate(&o.gen, stdout, &d) < 0) {
+      fprintf(stderr, "shardplane-worker: --generate: %s\n", d.msg);
+      return 1;
+    }
+    return 0;
   }
   /* before attaching: a rank that cannot run on its device says so at once
    * instead of after the rendezvous */

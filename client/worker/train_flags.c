@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "base/flag.h"
+#include "gpt2_data.h"
 
 enum {
   F_OPTIMIZER,
@@ -22,6 +23,11 @@ enum {
   F_NO_SYNC,
   F_DECAY,
   F_NO_DECAY,
+  F_DATA,
+  F_SEQ,
+  F_EVAL_EVERY,
+  F_EVAL_BATCHES,
+  F_THREADS,
   F_COUNT
 };
 
@@ -55,6 +61,19 @@ static const struct {
     [F_NO_DECAY] = {"no-decay", "GLOB",
                     "never decay parameters whose FQN matches (repeatable; "
                     "wins over --decay)"},
+    [F_DATA] = {"data", "FILE",
+                "GPT-2 models: the text to train on, as bytes (default: "
+                "the licence texts under " SP_GPT2_DEFAULT_CORPUS ")"},
+    [F_SEQ] = {"seq-len", "T",
+               "GPT-2 models: tokens a sample (default: the context)"},
+    [F_EVAL_EVERY] = {"eval-every", "K",
+                      "GPT-2 models: the validation loss every K steps and "
+                      "after the last (default 10; 0: never)"},
+    [F_EVAL_BATCHES] = {"eval-batches", "N",
+                        "GPT-2 models: validation micro-batches (default "
+                        "4)"},
+    [F_THREADS] = {"threads", "N",
+                   "BLAS threads of each rank (default 1)"},
 };
 
 void sp_train_flags_init(sp_train_flags *t) {
@@ -62,6 +81,9 @@ void sp_train_flags_init(sp_train_flags *t) {
   t->kind = SP_OPTIM_SGD;
   t->schedule = SP_LR_CONSTANT;
   t->grad_accum = 1;
+  t->eval_every = 10;
+  t->eval_batches = 4;
+  t->threads = 1;
 }
 
 size_t sp_train_options(struct option *out, size_t cap) {
@@ -162,6 +184,26 @@ int sp_train_flag(sp_train_flags *t, int c, const char *v, sp_diag *d) {
       break;
     case F_NO_DECAY:
       rc = add_pattern(t->no_decay, &t->n_no_decay, flag, v, d);
+      break;
+    case F_DATA:
+      t->data = v;
+      rc = sp_flag_text(flag, v, "a text file", d);
+      break;
+    case F_SEQ:
+      rc = sp_flag_int(flag, v, 1, 65536, &n, d);
+      t->seq_len = (uint32_t)n;
+      break;
+    case F_EVAL_EVERY:
+      rc = sp_flag_int(flag, v, 0, 1000000000, &n, d);
+      t->eval_every = (uint32_t)n;
+      break;
+    case F_EVAL_BATCHES:
+      rc = sp_flag_int(flag, v, 1, 100000, &n, d);
+      t->eval_batches = (uint32_t)n;
+      break;
+    case F_THREADS:
+      rc = sp_flag_int(flag, v, 1, 1024, &n, d);
+      t->threads = (uint32_t)n;
       break;
   }
   if (rc == 0) t->given[i] = v ? v : "";

@@ -1,5 +1,6 @@
 /* The training flags of shardplane-worker: optimizer, learning-rate
- * schedule, weight decay, clipping and gradient accumulation. `shardplane
+ * schedule, weight decay, clipping, gradient accumulation, and the GPT-2
+ * models' data, sequence length and validation. `shardplane
  * run` takes the same flags and passes them through, so both check them
  * here, once: every error names the flag, the value and what is allowed
  * (common/base/flag.h). */
@@ -38,9 +39,15 @@ typedef struct sp_train_flags {
   size_t n_decay;
   const char *no_decay[SP_TRAIN_MAX_PATTERNS];
   size_t n_no_decay;
+  /* GPT-2 models */
+  const char *data;             /* --data FILE; NULL: the default corpus */
+  uint32_t seq_len;             /* --seq-len; 0: the model's context */
+  uint32_t eval_every;          /* --eval-every (default 10; 0: never) */
+  uint32_t eval_batches;        /* --eval-batches (default 4) */
+  uint32_t threads;             /* --threads, BLAS threads (default 1) */
   /* which were given, for the checks that combine flags: the value as
    * given (NULL: not given), by flag index */
-  const char *given[16];
+  const char *given[32];
 } sp_train_flags;
 
 /* Defaults: SGD, constant schedule, no clipping, one micro-batch; AdamW's

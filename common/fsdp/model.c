@@ -292,6 +292,43 @@ static int load_tied(loader *L, json_t *arr) {
   return 0;
 }
 
+/* "config": integers only (a GPT-2's n_head); floats, strings and nested
+ * objects of a pasted HF config.json are skipped, not errors. */
+static int load_config(loader *L, json_t *cfg) {
+  if (cfg == NULL) return 0;
+  if (!json_is_object(cfg))
+    return fail(L, SP_EFORMAT, "config: expected an object");
+  if (json_object_size(cfg) > SP_MODEL_MAX_CONFIG)
+    return fail(L, SP_ETOOBIG, "config: %zu entries, at most %d",
+                json_object_size(cfg), SP_MODEL_MAX_CONFIG);
+  L->m->config = calloc(json_object_size(cfg) + 1, sizeof *L->m->config);
+  if (L->m->config == NULL) return fail(L, SP_ENOMEM, "out of memory");
+  const char *key;
+  json_t *v;
+  json_object_foreach(cfg, key, v) {
+    if (!json_is_integer(v)) continue;
+    if (strlen(key) > SP_JSON_MAX_STRING)
+      return fail(L, SP_EFORMAT, "config: a key of %zu bytes, at most %d",
+                  strlen(key), SP_JSON_MAX_STRING);
+    sp_model_config *c = &L->m->config[L->m->n_config];
+    c->key = sp_strdup(key);
+    if (c->key == NULL) return fail(L, SP_ENOMEM, "out of memory");
+    c->value = (int64_t)json_integer_value(v);
+    L->m->n_config++;
+  }
+  return 0;
+}
+
+int sp_model_config_int(const sp_model *m, const char *key, int64_t *out) {
+  if (m == NULL || key == NULL) return SP_EINVAL;
+  for (size_t i = 0; i < m->n_config; i++)
+    if (strcmp(m->config[i].key, key) == 0) {
+      if (out) *out = m->config[i].value;
+      return 0;
+    }
+  return SP_ENOENT;
+}
+
 static int load_root(loader *L, json_t *root) {
   if (!json_is_object(root))
     return fail(L, SP_EFORMAT, "expected a JSON object at the top level");
@@ -328,7 +365,8 @@ static int load_root(loader *L, json_t *root) {
   if ((rc = load_tensors(L, buffers, "buffers", KIND_BUFFER, &L->m->buffers,
                          &L->m->n_buffers)) != 0)
     return rc;
-  return load_tied(L, tied);
+  if ((rc = load_tied(L, tied)) != 0) return rc;
+  return load_config(L, json_object_get(root, "config"));
 }
 
 int sp_model_load_string(const char *json, size_t len, const char *origin,
@@ -380,6 +418,8 @@ void sp_model_free(sp_model *m) {
   free_tensors(m->buffers, m->n_buffers);
   for (size_t i = 0; i < m->n_tied; i++) free((char *)m->tied[i].fqn);
   free(m->tied);
+  for (size_t i = 0; i < m->n_config; i++) free((char *)m->config[i].key);
+  free(m->config);
   sp_strmap_free(m->index_);
   free(m->name);
   free(m->path);

@@ -4,7 +4,12 @@
  *     "modules": [{"fqn": "", "type": "ResNet"}, ...],      named_modules order
  *     "params":  [{"fqn", "shape", "dtype", "requires_grad"}, ...],
  *     "buffers": [{"fqn", "shape", "dtype", "persistent"}, ...],
- *     "tied":    [{"fqn": "lm_head.weight", "to": "transformer.wte.weight"}] }
+ *     "tied":    [{"fqn": "lm_head.weight", "to": "transformer.wte.weight"}],
+ *     "config":  {"n_head": 12, ...} }
+ *
+ * "config" (optional) holds the integer hyper-parameters the shapes do not
+ * say, as a Hugging Face config.json does (a transformer's head count);
+ * other value types there are ignored, so an HF config can be pasted in.
  *
  * Every error names the file, the JSON path ("params[17].shape[1]") and what is
  * wrong. A loaded model is immutable; all strings and arrays are owned by the
@@ -58,6 +63,15 @@ typedef struct sp_tied {
   int32_t target;         /* index into params */
 } sp_tied;
 
+/* One integer of the spec's "config". */
+typedef struct sp_model_config {
+  const char *key;
+  int64_t value;
+} sp_model_config;
+
+/* Most "config" entries kept. */
+#define SP_MODEL_MAX_CONFIG 256
+
 typedef struct sp_model {
   char *name;
   char *path; /* file it came from, or the name given to the string loader */
@@ -69,6 +83,8 @@ typedef struct sp_model {
   size_t n_buffers;
   sp_tied *tied;
   size_t n_tied;
+  sp_model_config *config;
+  size_t n_config;
   struct sp_strmap *index_; /* private: FQN -> entry, for the lookups below */
 } sp_model;
 
@@ -86,6 +102,9 @@ void sp_model_free(sp_model *m);
 int32_t sp_model_find_module(const sp_model *m, const char *fqn);
 int32_t sp_model_find_param(const sp_model *m, const char *fqn);
 int32_t sp_model_find_buffer(const sp_model *m, const char *fqn);
+/* The integer "config" entry `key`: 0 with *out set, SP_ENOENT when the
+ * spec has none. */
+int sp_model_config_int(const sp_model *m, const char *key, int64_t *out);
 /* Index into m->tied of a tied-parameter name, or -1. */
 int32_t sp_model_find_tied(const sp_model *m, const char *fqn);
 

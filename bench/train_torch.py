@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""bench/train's peer: PyTorch training the same GPT-2 (the model of
+tests/support/gpt2_torch.py, Hugging Face's GPT2LMHeadModel layout) on
+the same batch shape with torch.optim.AdamW and the same threads.
+
+  train_torch.py SPEC STEPS BATCH SEQ THREADS
+
+prints {"step_seconds": [...]}: each step is zero_grad, forward, backward
+and the optimizer step. Exit 3 when torch is missing (bench/train then
+fails: a benchmark without its peer measures nothing).
+"""
+import importlib.util
+import json
+import os
+import sys
+import time
+
+try:
+    import torch
+except ImportError as e:
+    sys.stderr.write("train_torch.py: %s (Debian: python3-torch)\n" % e)
+    sys.exit(3)
+
+
+def main():
+    spec_path, steps, batch, seq, threads = sys.argv[1], *map(int, sys.argv[2:6])
+    here = os.path.dirname(os.path.abspath(__file__))
+    mod = importlib.util.spec_from_file_location(
+        "gpt2_torch", os.path.join(here, "..", "tests", "support", "gpt2_torch.py"))
+    g = importlib.util.module_from_spec(mod)
+    mod.loader.exec_module(g)
+    with open(spec_path) as f:
+        spec = json.load(f)
+    shapes = {p["fqn"]: p["shape"] for p in spec["params"]}
+    V, C = shapes["transformer.wte.weight"]
+    ctx = shapes["transformer.wpe.weight"][0]
+    L = sum(1 for k in shapes if k.endswith(".ln_1.weight"))
+    heads = spec.get("config", {}).get("n_head", C // 64)
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    m = g.GPT2LMHeadModel(V, C, ctx, L, heads)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    tok = torch.randint(0, V, (batch, seq))
+    tgt = torch.randint(0, V, (batch, seq))
+    secs = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        m(tok, tgt).backward()
+        opt.step()
+        secs.append(time.perf_counter() - t0)
+    print(json.dumps({"step_seconds": secs}))
+
+
+if __name__ == "__main__":
+    main()

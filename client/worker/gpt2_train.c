@@ -1,0 +1,267 @@
+/* shardplane-worker's GPT-2 trainer (gpt2_train.h). */
+#include "gpt2_train.h"
+
+#include <cblas.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "fsdp/plan.h"
+
+struct sp_gpt2_trainer {
+  const sp_gpt2 *g;
+  sp_fsdp *f;
+  sp_session *s;
+  const sp_plan *plan;
+  const sp_mlp_train_cfg *cfg;
+  const sp_train_flags *flags;
+  sp_gpt2_data *data;
+  sp_gpt2_acts *acts;
+  uint32_t *block_unit; /* per block: its unit, or 0 (the root's) */
+  uint32_t head_unit;   /* lm_head's unit (empty: the head is tied), or 0 */
+  size_t B, T;          /* a micro-batch's sequences on this rank, tokens */
+  uint32_t rank, world;
+  sp_gpt2_times times; /* of the step in progress */
+};
+
+/* Time of a call, added to one of the step's counters. */
+#define TIMED(counter, call)                \
+  do {                                      \
+    double t0_ = sp_clock_s();              \
+    rc = (call);                            \
+    tr->times.counter += sp_clock_s() - t0_; \
+  } while (0)
+
+static void *io_param(void *u, int32_t p) { return sp_fsdp_param(u, p); }
+static void *io_grad(void *u, int32_t p) { return sp_fsdp_param_grad(u, p); }
+static sp_dtype io_param_dtype(void *u, int32_t p) {
+  return sp_fsdp_param_dtype(u, p);
+}
+static void *io_buffer(void *u, int32_t b) { return sp_fsdp_buffer(u, b); }
+static sp_dtype io_buffer_dtype(void *u, int32_t b) {
+  return sp_fsdp_buffer_dtype(u, b);
+}
+
+/* The unit whose module is `module`, or 0. */
+static uint32_t unit_of_module(const sp_plan *pl, int32_t module) {
+  for (uint32_t u = 1; u < pl->n_units; u++)
+    if (pl->units[u].module == module) return u;
+  return 0;
+}
+
+/* Every parameter in the root or in its own block's unit; any other unit
+ * is empty (lm_head, when Linear is wrapped). */
+static int check_plan(sp_gpt2_trainer *tr, sp_diag *d) {
+  const sp_gpt2 *g = tr->g;
+  const sp_model *m = g->model;
+  const sp_plan *pl = tr->plan;
+  for (int64_t l = 0; l < g->n_layer; l++)
+    tr->block_unit[l] = unit_of_module(pl, g->blocks[l].module);
+  tr->head_unit =
+      g->lm_head_module >= 0 ? unit_of_module(pl, g->lm_head_module) : 0;
+  for (size_t p = 0; p < m->n_params; p++) {
+    uint32_t u = (uint32_t)pl->param_unit[p];
+    if (u == 0) continue;
+    bool ok = false;
+    for (int64_t l = 0; l < g->n_layer && !ok; l++) {
+      const sp_module *bm = &m->modules[g->blocks[l].module];
+      ok = u == tr->block_unit[l] &&
+           (uint32_t)m->params[p].module >= (uint32_t)g->blocks[l].module &&
+           (uint32_t)m->params[p].module < bm->subtree_end;
+    }
+    if (!ok)
+      return sp_diag_set(d, SP_EUNSUPPORTED,
+                         "%s: in unit %u (%s), which is not its block: the "
+                         "GPT-2 trainer needs the blocks as units (--wrap-"
+                         "type GPT2Block)", m->params[p].fqn, u,
+                         m->modules[pl->units[u].module].fqn);
+  }
+  for (uint32_t u = 1; u < pl->n_units; u++) {
+    bool known = u == tr->head_unit;
+    for (int64_t l = 0; l < g->n_layer && !known; l++)
+      known = u == tr->block_unit[l];
+    if (!known && pl->units[u].numel > 0)
+      return sp_diag_set(d, SP_EUNSUPPORTED,
+                         "unit %u (%s) is not a block: the GPT-2 trainer "
+                         "needs the blocks as units (--wrap-type GPT2Block)",
+                         u, m->modules[pl->units[u].module].fqn);
+    if (!known)
+      return sp_diag_set(d, SP_EUNSUPPORTED,
+                         "unit %u (%s) is neither a block nor lm_head (use "
+                         "--wrap-type GPT2Block)", u,
+                         m->modules[pl->units[u].module].fqn);
+  }
+  return 0;
+}
+
+int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
+                        const sp_mlp_train_cfg *cfg,
+                        const sp_train_flags *flags, sp_gpt2_trainer **out,
+                        sp_diag *d) {
+  *out = NULL;
+  sp_gpt2_trainer *tr = calloc(1, sizeof *tr);
+  if (tr == NULL) return sp_diag_set(d, SP_ENOMEM, "no memory");
+  tr->g = g;
+  tr->f = f;
+  tr->s = s;
+  tr->plan = sp_session_plan(s);
+  tr->cfg = cfg;
+  tr->flags = flags;
+  tr->rank = sp_session_rank(s);
+  tr->world = sp_session_world(s);
+  tr->T = flags->seq_len ? flags->seq_len : (size_t)g->ctx;
+  tr->B = cfg->global_batch / cfg->grad_accum / tr->world;
+  int rc = 0;
+  if (tr->T > (size_t)g->ctx)
+    rc = sp_diag_set(d, SP_EINVAL, "--seq-len %zu: at most the model's "
+                     "context, %lld", tr->T, (long long)g->ctx);
+  tr->block_unit = calloc((size_t)g->n_layer, sizeof *tr->block_unit);
+  if (rc == 0 && tr->block_unit == NULL)
+    rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  if (rc == 0) rc = check_plan(tr, d);
+  if (rc == 0) rc = sp_gpt2_data_open(flags->data, tr->T, &tr->data, d);
+  if (rc == 0) {
+    rc = sp_gpt2_acts_new(g, tr->B, tr->T, &tr->acts);
+    if (rc != 0)
+      sp_diag_set(d, rc, "activations of %zu x %zu tokens: %s", tr->B, tr->T,
+                  sp_strerror(rc));
+  }
+  if (rc != 0) {
+    sp_gpt2_trainer_free(tr);
+    return rc;
+  }
+  /* the BLAS's own threads, one by default: ranks share the cores */
+  openblas_set_num_threads((int)flags->threads);
+  *out = tr;
+  return 0;
+}
+
+void sp_gpt2_trainer_free(sp_gpt2_trainer *tr) {
+  if (tr == NULL) return;
+  sp_gpt2_acts_free(tr->acts);
+  sp_gpt2_data_free(tr->data);
+  free(tr->block_unit);
+  free(tr);
+}
+
+sp_gpt2_times sp_gpt2_trainer_times(const sp_gpt2_trainer *tr) {
+  return tr->times;
+}
+
+uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr) {
+  return (uint64_t)tr->cfg->global_batch * tr->T;
+}
+
+const char *sp_gpt2_trainer_data_source(const sp_gpt2_trainer *tr) {
+  return tr->data->source;
+}
+
+/* The forward of the micro-batch in acts: *loss its local loss over
+ * denom tokens. */
+static int forward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
+                   double *loss, sp_diag *d) {
+  sp_fsdp *f = tr->f;
+  const sp_gpt2 *g = tr->g;
+  sp_gpt2_acts *a = tr->acts;
+  int rc;
+  TIMED(wait_s, sp_fsdp_root_pre_forward(f, d));
+  if (rc == 0) TIMED(compute_s, sp_gpt2_embed_forward(g, io, a, d));
+  for (int64_t l = 0; rc == 0 && l < g->n_layer; l++) {
+    uint32_t u = tr->block_unit[l];
+    if (u) TIMED(wait_s, sp_fsdp_pre_forward(f, u, d));
+    if (rc == 0)
+      TIMED(compute_s, sp_gpt2_block_forward(g, (size_t)l, io, a, d));
+    if (rc == 0 && u) TIMED(wait_s, sp_fsdp_post_forward(f, u, d));
+  }
+  if (rc == 0 && tr->head_unit)
+    TIMED(wait_s, sp_fsdp_pre_forward(f, tr->head_unit, d));
+  if (rc == 0)
+    TIMED(compute_s, sp_gpt2_head_forward(g, io, a, denom, loss, d));
+  if (rc == 0 && tr->head_unit)
+    TIMED(wait_s, sp_fsdp_post_forward(f, tr->head_unit, d));
+  if (rc == 0) TIMED(wait_s, sp_fsdp_root_post_forward(f, d));
+  return rc;
+}
+
+static int backward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
+                    sp_diag *d) {
+  sp_fsdp *f = tr->f;
+  const sp_gpt2 *g = tr->g;
+  sp_gpt2_acts *a = tr->acts;
+  int rc;
+  TIMED(wait_s, sp_fsdp_root_pre_backward(f, d));
+  if (rc == 0 && tr->head_unit)
+    TIMED(wait_s, sp_fsdp_pre_backward(f, tr->head_unit, d));
+  if (rc == 0) TIMED(compute_s, sp_gpt2_head_backward(g, io, a, denom, d));
+  if (rc == 0 && tr->head_unit)
+    TIMED(wait_s, sp_fsdp_post_backward(f, tr->head_unit, d));
+  for (int64_t l = g->n_layer; rc == 0 && l-- > 0;) {
+    uint32_t u = tr->block_unit[l];
+    if (u) TIMED(wait_s, sp_fsdp_pre_backward(f, u, d));
+    if (rc == 0)
+      TIMED(compute_s, sp_gpt2_block_backward(g, (size_t)l, io, a, d));
+    if (rc == 0 && u) TIMED(wait_s, sp_fsdp_post_backward(f, u, d));
+  }
+  if (rc == 0) TIMED(compute_s, sp_gpt2_embed_backward(g, io, a, d));
+  if (rc == 0) TIMED(wait_s, sp_fsdp_post_backward(f, 0, d));
+  if (rc == 0) TIMED(wait_s, sp_fsdp_finish_backward(f, d));
+  return rc;
+}
+
+int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
+                         sp_diag *d) {
+  sp_gpt2_io io = {io_param, io_grad, io_param_dtype, io_buffer,
+                   io_buffer_dtype, tr->f};
+  const sp_mlp_train_cfg *cfg = tr->cfg;
+  uint32_t k = cfg->grad_accum;
+  uint64_t micro = cfg->global_batch / k;
+  double denom = (double)(tr->B * tr->T) * k, local = 0;
+  sp_session_set_step(tr->s, step + 1); /* reported from 1 */
+  memset(&tr->times, 0, sizeof tr->times);
+  sp_fsdp_stats st0, st1;
+  sp_fsdp_get_stats(tr->f, &st0);
+  int rc = 0;
+  for (uint32_t j = 0; rc == 0 && j < k; j++) {
+    /* samples [j*m + r*B, j*m + (r+1)*B) of the step (gpt2_data.h) */
+    sp_gpt2_data_train(tr->data, step, j * micro + (uint64_t)tr->rank * tr->B,
+                       tr->B, tr->T, tr->acts->tok, tr->acts->tgt);
+    if (cfg->no_sync)
+      rc = sp_fsdp_set_requires_gradient_sync(tr->f, j + 1 == k, d);
+    double part = 0;
+    if (rc == 0) rc = forward(tr, &io, denom, &part, d);
+    if (rc == 0) rc = backward(tr, &io, denom, d);
+    local += part;
+  }
+  if (rc == 0 && cfg->clip_grad_norm > 0)
+    TIMED(optim_s,
+          sp_fsdp_clip_grad_norm(tr->f, cfg->clip_grad_norm, NULL, d));
+  if (rc == 0) TIMED(optim_s, sp_fsdp_optim_step(tr->f, NULL, d));
+  /* the global loss: local means weighted equally (equal shares) */
+  double sum = local;
+  if (rc == 0) rc = sp_fsdp_all_reduce(tr->f, &sum, 1, SP_FLOAT64, d);
+  *loss = sum / tr->world;
+  sp_fsdp_get_stats(tr->f, &st1);
+  tr->times.comm_s = st1.comm_busy_s - st0.comm_busy_s;
+  return rc;
+}
+
+int sp_gpt2_trainer_eval(sp_gpt2_trainer *tr, double *loss, sp_diag *d) {
+  sp_gpt2_io io = {io_param, io_grad, io_param_dtype, io_buffer,
+                   io_buffer_dtype, tr->f};
+  size_t count = sp_gpt2_data_val_count(tr->data, tr->T);
+  double denom = (double)(tr->B * tr->T), sum = 0;
+  int rc = 0;
+  for (uint32_t e = 0; rc == 0 && e < tr->flags->eval_batches; e++) {
+    for (size_t q = 0; q < tr->B; q++) {
+      uint64_t v = (((uint64_t)e * tr->world + tr->rank) * tr->B + q) % count;
+      sp_gpt2_data_val(tr->data, v, tr->T, tr->acts->tok + q * tr->T,
+                       tr->acts->tgt + q * tr->T);
+    }
+    double part = 0;
+    rc = forward(tr, &io, denom, &part, d);
+    sum += part;
+  }
+  if (rc == 0) rc = sp_fsdp_all_reduce(tr->f, &sum, 1, SP_FLOAT64, d);
+  *loss = sum / ((double)tr->world * tr->flags->eval_batches);
+  return rc;
+}
