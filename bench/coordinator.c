@@ -14,9 +14,9 @@
  *     StoreGet("go", wait); the rank whose add returns N sets "go", which
  *     releases everybody. Timed from the first Attach sent (connections are
  *     opened by it) to the last rank attached, and to the last one released.
- *  1b. --store-writes sequential StoreSet calls per rank, all ranks at
- *     once: store writes per second.
  *  2. A Session stream, bound by its first message (rank, session id).
+ *  2b. --store-writes sequential StoreSet calls per rank, all ranks at
+ *     once, the sessions open: store writes per second.
  *  3. --steps training steps of transitions, the sequence one FSDP rank
  *     reports per step: root IDLE -> FORWARD_BACKWARD; per unit in order
  *     FORWARD, IDLE; per unit in reverse BACKWARD_PRE, BACKWARD_POST, IDLE;
@@ -31,9 +31,9 @@
  *
  * Memory per rank: the coordinator's VmRSS after every rank attached and
  * bound its session, less its VmRSS before any rank connected, over N. The
- * same figure after streaming is shown too. What the store writes add is
- * the job's own data (the values it chose to keep there, growing with
- * them), so it is measured (VmRSS across phase 1b) and shown apart.
+ * same figure after streaming is shown too, less what the store writes
+ * added: that is the job's own data (the values it chose to keep there,
+ * growing with them), measured as VmRSS across phase 2b and shown apart.
  *
  * Baseline for the rate, measured in the same run: this process decoding
  * the same SessionUp messages and validating their transitions against a
@@ -1009,9 +1009,14 @@ static int run_once(const bench_opts *o, const char *model, uint32_t units,
   res->attach_s = (double)(b->t_attached - b->t0) / 1e9;
   res->release_s = (double)(b->t_released - b->t0) / 1e9;
 
-  /* 1b. store writes */
-  long rss_unwritten_kib = read_rss_kib(ch.pid), rss_written_kib =
-                                                     rss_unwritten_kib;
+  /* 2. sessions */
+  b->pending = b->n;
+  for (uint32_t i = 0; i < b->n; i++) start_session(&b->ranks[i]);
+  if (run_phase(b, "session binding") != 0 || b->errors) goto fail;
+  res->rss_after_kib = read_rss_kib(ch.pid);
+
+  /* 2b. store writes, with the sessions open */
+  long rss_written_kib = res->rss_after_kib;
   if (o->store_writes > 0) {
     b->pending = b->n;
     uint64_t tw0 = now_ns();
@@ -1020,12 +1025,6 @@ static int run_once(const bench_opts *o, const char *model, uint32_t units,
     res->writes_s = (double)b->writes_done / ((double)(now_ns() - tw0) / 1e9);
     rss_written_kib = read_rss_kib(ch.pid);
   }
-
-  /* 2. sessions */
-  b->pending = b->n;
-  for (uint32_t i = 0; i < b->n; i++) start_session(&b->ranks[i]);
-  if (run_phase(b, "session binding") != 0 || b->errors) goto fail;
-  res->rss_after_kib = read_rss_kib(ch.pid);
 
   /* 3. transitions */
   b->pending = b->n;
@@ -1043,11 +1042,10 @@ static int run_once(const bench_opts *o, const char *model, uint32_t units,
   res->tps = (double)b->tr_acked / res->stream_s;
   res->coord_ns_per_tr = (c1 - c0) * 1e9 / (double)b->tr_acked;
   res->load_ns_per_tr = (l1 - l0) * 1e9 / (double)b->tr_acked;
-  long store_kib = rss_written_kib - rss_unwritten_kib;
+  long store_kib = rss_written_kib - res->rss_after_kib;
   res->store_kib_per_rank = (double)store_kib / (double)b->n;
   res->kib_per_rank =
-      (double)(res->rss_after_kib - res->rss_before_kib - store_kib) /
-      (double)b->n;
+      (double)(res->rss_after_kib - res->rss_before_kib) / (double)b->n;
   res->kib_per_rank_streamed =
       (double)(res->rss_streamed_kib - res->rss_before_kib - store_kib) /
       (double)b->n;
@@ -1209,9 +1207,11 @@ static int report(const bench_opts *o, const result *runs, int n,
          "coordinator memory per attached rank", kib, (double)before / 1024);
   printf("  %-48s %10.2f KiB\n", "  the same after streaming", kib2);
   if (o->store_writes > 0)
-    printf("  %-48s %10.2f KiB  (%u keys of 64 B a rank; not counted above)\n",
+    printf("  %-48s %10.2f KiB  (%u keys of 64 B a rank, %.0f B a key; not "
+           "counted above)\n",
            "  the job's store data, per rank", MED(store_kib_per_rank),
-           o->store_writes);
+           o->store_writes,
+           MED(store_kib_per_rank) * 1024.0 / (double)o->store_writes);
 
   int fails = 0;
   printf("\ngoals\n");
