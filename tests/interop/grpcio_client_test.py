@@ -683,7 +683,9 @@ def main():
             srv.proc.send_signal(signal.SIGTERM)
             check_eq(srv.proc.wait(timeout=10), 0, "echo_server exit status")
             took = time.monotonic() - t0
-            check(took < 1.0, "idle server exited %.2f s after SIGTERM" % took)
+            # well short of the 2 s grace; under ASan the exit itself (the
+            # leak check) takes most of a second on a busy machine
+            check(took < 1.5, "idle server exited %.2f s after SIGTERM" % took)
         if args.tls != "none":
             run.case("tls_refusals", t_tls_refusals, grpc, pb, c, certs,
                      args.tls == "mtls")
