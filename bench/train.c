@@ -17,6 +17,7 @@
  * model OpenBLAS falls back to Prescott's, and the worker then runs itself
  * with OPENBLAS_CORETYPE set (client/worker/main.c); so does torch here. */
 #include <cblas.h>
+#include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <math.h>
@@ -240,7 +241,10 @@ int main(int argc, char **argv) {
   blas_kernels();
   char tmpl[] = "/tmp/sp-bench-train-XXXXXX";
   char *tmp = mkdtemp(tmpl);
-  if (!tmp) return 1;
+  if (!tmp) {
+    fprintf(stderr, "bench/train: mkdtemp %s: %s\n", tmpl, strerror(errno));
+    return 1;
+  }
   double tokens = (double)o.batch * o.seq;
   printf("bench/train: %s, batch %d x %d tokens, AdamW, %d BLAS thread%s, "
          "medians of steps %d..%d (OpenBLAS kernels: %s)\n", o.model, o.batch,
