@@ -38,16 +38,7 @@ extern char **environ;
  * dir/err. */
 static pid_t start_cmd(const char *dir, char *const *argv) {
   char *out = sp_test_path(dir, "out"), *err = sp_test_path(dir, "err");
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out, O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err, O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  pid_t pid;
-  int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ);
-  posix_spawn_file_actions_destroy(&fa);
-  assert_int_equal(rc, 0);
+  pid_t pid = sp_test_spawn_logged(out, err, argv);
   free(out);
   free(err);
   return pid;
@@ -67,16 +58,7 @@ static pid_t start_run(const char *dir, const char *const *args) {
 /* Exit status (128 + signal when killed), or -1 after timeout_s (then the
  * run is killed). */
 static int wait_run(pid_t pid, double timeout_s) {
-  double end = sp_clock_s() + timeout_s;
-  while (sp_clock_s() < end) {
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid)
-      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    usleep(10000);
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, NULL, 0);
-  return -1;
+  return sp_test_wait_exit(pid, timeout_s);
 }
 
 static char *slurp(const char *dir, const char *name) {

@@ -43,6 +43,9 @@ int sp_cmd_analyze(int argc, char **argv);
 /* `shardplane run` (run_cmd.c): a coordinator and N workers on this
  * machine. */
 int sp_cmd_run(int argc, char **argv);
+/* `shardplane agent` (agent.c): one host's workers of a job, launched and
+ * supervised, their control traffic proxied over one connection. */
+int sp_cmd_agent(int argc, char **argv);
 /* token.c */
 int sp_cmd_token(int argc, char **argv);
 

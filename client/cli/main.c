@@ -31,6 +31,8 @@ static const struct {
     {"store", sp_cmd_store, "get, set, add, delete, cas in the store"},
     {"token", sp_cmd_token,
      "token create: a bearer token for a coordinator's token file"},
+    {"agent", sp_cmd_agent,
+     "start and supervise this host's workers of a job (as torchrun)"},
     {"run", sp_cmd_run,
      "run a whole job here: a coordinator and N CPU workers"},
 };

@@ -35,11 +35,12 @@
 #include "lib/shardplane.h"
 #include "run_auth.h"
 #include "run_verdict.h"
+#include "workers.h"
 
 extern char **environ;
 
 #define RUN "run"
-#define MAX_NPROC 256
+#define MAX_NPROC SP_WORKERS_MAX
 
 static volatile sig_atomic_t g_signal;
 
@@ -174,159 +175,6 @@ static void push(argvec *a, const char *s) {
   a->v[a->n] = NULL;
 }
 
-/* ---- the workers' output ----
- * Each worker's stdout and stderr come through pipes of their own; run
- * passes them on line by line, each line whole and prefixed with the time
- * and the rank ("12:03:04.567 [rank1]: ..."), stdout to stdout and stderr
- * to stderr: every rank's errors show, and no two lines mix. */
-
-typedef struct out_stream {
-  int fd; /* read end; -1 once closed */
-  int rank;
-  FILE *to;
-  size_t len;
-  char line[4096]; /* longer lines are passed on in pieces */
-} out_stream;
-
-static void emit_line(const out_stream *s) {
-  struct timespec ts;
-  struct tm tm;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  localtime_r(&ts.tv_sec, &tm);
-  /* one write per line (stderr is unbuffered, stdout is flushed) */
-  fprintf(s->to, "%02d:%02d:%02d.%03ld [rank%d]: %.*s\n", tm.tm_hour,
-          tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, s->rank, (int)s->len,
-          s->line);
-  fflush(s->to);
-}
-
-/* Reads what the pipe has and passes on every whole line; at the end of
- * the stream the rest goes out as a line and the stream closes. */
-static void drain(out_stream *s) {
-  char chunk[4096];
-  ssize_t n = read(s->fd, chunk, sizeof chunk);
-  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
-  if (n <= 0) {
-    if (s->len > 0) emit_line(s);
-    s->len = 0;
-    close(s->fd);
-    s->fd = -1;
-    return;
-  }
-  for (ssize_t i = 0; i < n; i++) {
-    if (chunk[i] == '\n' || s->len == sizeof s->line) {
-      emit_line(s);
-      s->len = 0;
-      if (chunk[i] == '\n') continue;
-    }
-    s->line[s->len++] = chunk[i];
-  }
-}
-
-/* Waits up to timeout_ms for output and passes on what came. Returns how
- * many streams are still open. */
-static size_t pass_output(out_stream *st, size_t n, int timeout_ms) {
-  struct pollfd fds[2 * MAX_NPROC];
-  size_t idx[2 * MAX_NPROC], k = 0;
-  for (size_t i = 0; i < n; i++)
-    if (st[i].fd >= 0) {
-      fds[k] = (struct pollfd){st[i].fd, POLLIN, 0};
-      idx[k++] = i;
-    }
-  if (k == 0) {
-    if (timeout_ms > 0) usleep((useconds_t)timeout_ms * 1000);
-    return 0;
-  }
-  if (poll(fds, k, timeout_ms) > 0)
-    for (size_t i = 0; i < k; i++)
-      if (fds[i].revents) drain(&st[idx[i]]);
-  size_t open = 0;
-  for (size_t i = 0; i < n; i++) open += st[i].fd >= 0;
-  return open;
-}
-
-static void close_streams(out_stream *st, size_t n) {
-  for (size_t i = 0; st && i < n; i++)
-    if (st[i].fd >= 0) {
-      close(st[i].fd);
-      st[i].fd = -1;
-    }
-}
-
-/* Starts a worker with its stdout and stderr on pipes, whose read ends go
- * to out and err. -1 (errno set) on failure. */
-static pid_t spawn_worker(char *const argv[], out_stream *out,
-                          out_stream *err) {
-  int po[2], pe[2];
-  if (pipe2(po, O_CLOEXEC) != 0) return -1;
-  if (pipe2(pe, O_CLOEXEC) != 0) {
-    close(po[0]);
-    close(po[1]);
-    return -1;
-  }
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, po[1], STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&fa, pe[1], STDERR_FILENO);
-  posix_spawnattr_t at;
-  posix_spawnattr_init(&at);
-  /* own process group: Ctrl-C reaches `run`, which stops the workers in
-   * order instead of every process dying at once */
-  posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&at, 0);
-  pid_t pid;
-  int rc = posix_spawn(&pid, argv[0], &fa, &at, argv, environ);
-  posix_spawnattr_destroy(&at);
-  posix_spawn_file_actions_destroy(&fa);
-  close(po[1]);
-  close(pe[1]);
-  if (rc != 0) {
-    close(po[0]);
-    close(pe[0]);
-    errno = rc;
-    return -1;
-  }
-  fcntl(po[0], F_SETFL, O_NONBLOCK);
-  fcntl(pe[0], F_SETFL, O_NONBLOCK);
-  out->fd = po[0];
-  err->fd = pe[0];
-  return pid;
-}
-
-static void describe(int st, char *out, size_t cap) {
-  if (WIFSIGNALED(st))
-    snprintf(out, cap, "was killed by signal %d (%s)", WTERMSIG(st),
-             strsignal(WTERMSIG(st)));
-  else
-    snprintf(out, cap, "exited with status %d", WEXITSTATUS(st));
-}
-
-/* SIGTERM to every live worker, then SIGKILL after wait_ms. */
-static void stop_workers(pid_t *pids, uint32_t n, int wait_ms) {
-  for (uint32_t r = 0; r < n; r++)
-    if (pids[r] > 0) kill(pids[r], SIGTERM);
-  double end = sp_clock_s() + wait_ms / 1000.0;
-  for (;;) {
-    bool live = false;
-    for (uint32_t r = 0; r < n; r++) {
-      if (pids[r] <= 0) continue;
-      if (waitpid(pids[r], NULL, WNOHANG) == pids[r])
-        pids[r] = 0;
-      else
-        live = true;
-    }
-    if (!live) return;
-    if (sp_clock_s() > end) break;
-    usleep(10000);
-  }
-  for (uint32_t r = 0; r < n; r++)
-    if (pids[r] > 0) {
-      kill(pids[r], SIGKILL);
-      waitpid(pids[r], NULL, 0);
-      pids[r] = 0;
-    }
-}
-
 /* What the command line asked for. */
 typedef struct run_opts {
   long long nproc;
@@ -383,7 +231,7 @@ typedef struct run_procs {
   char addr[64];
   pid_t pids[MAX_NPROC];
   uint32_t live;
-  out_stream *streams; /* rank r's stdout at 2r, its stderr at 2r + 1 */
+  sp_out_stream *streams; /* rank r's stdout at 2r, its stderr at 2r + 1 */
   size_t n_streams;
   bool verdict_told; /* the coordinator's verdict on a failure was printed */
 } run_procs;
@@ -872,13 +720,13 @@ static int start_workers(const run_opts *o, const run_job *j,
   }
   p->n_streams = 2 * (size_t)o->nproc;
   for (size_t i = 0; i < p->n_streams; i++)
-    p->streams[i] = (out_stream){.fd = -1, .rank = (int)(i / 2),
+    p->streams[i] = (sp_out_stream){.fd = -1, .rank = (int)(i / 2),
                                  .to = i % 2 ? stderr : stdout};
   for (long long r = 0; r < o->nproc; r++) {
     char rank_s[24], device_s[24];
     argvec wa = {0};
     worker_args(o, j, p, r, &wa, rank_s, device_s);
-    p->pids[r] = spawn_worker(wa.v, &p->streams[2 * r],
+    p->pids[r] = sp_workers_spawn(wa.v, NULL, &p->streams[2 * r],
                               &p->streams[2 * r + 1]);
     if (p->pids[r] < 0) {
       p->pids[r] = 0;
@@ -1035,7 +883,7 @@ static void reap(const run_opts *o, run_procs *p, run_watch *w) {
   pid_t pid;
   while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
     char how[96];
-    describe(st, how, sizeof how);
+    sp_workers_describe(st, how, sizeof how);
     if (pid == p->coord.pid) {
       p->coord.pid = 0;
       if (w->ret == SP_EXIT_OK && !w->interrupted && p->live > 0 &&
@@ -1085,7 +933,7 @@ static int supervise(const run_opts *o, run_procs *p) {
   run_watch w = {.ret = SP_EXIT_OK, .term_at = -1, .kill_at = -1, .p = p};
   double drained_by = -1; /* every worker gone: the pipes' last words */
   for (;;) {
-    size_t open = pass_output(p->streams, p->n_streams, 20);
+    size_t open = sp_workers_pass_output(p->streams, p->n_streams, 20);
     reap(o, p, &w);
     int sig = g_signal;
     g_signal = 0;
@@ -1116,7 +964,7 @@ static int supervise(const run_opts *o, run_procs *p) {
     }
     stop_when_due(p, &w, o->nproc);
   }
-  close_streams(p->streams, p->n_streams);
+  sp_workers_close_streams(p->streams, p->n_streams);
   return w.ret;
 }
 
@@ -1190,8 +1038,8 @@ int sp_cmd_run(int argc, char **argv) {
   double t0 = sp_clock_s();
   ret = start_workers(&o, &j, &p);
   if (ret == PROCEED) ret = supervise(&o, &p);
-  stop_workers(p.pids, (uint32_t)o.nproc, 3000);
-  close_streams(p.streams, p.n_streams);
+  sp_workers_stop(p.pids, (uint32_t)o.nproc, 3000);
+  sp_workers_close_streams(p.streams, p.n_streams);
   free(p.streams);
   char verdict[512];
   /* the verdict may have come after the first failure was reported (a

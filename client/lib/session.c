@@ -359,9 +359,13 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
                                      "required");
   char host[256];
   int port;
-  if (sp_rpc_split_addr(o->coordinator, host, sizeof host, &port) != 0)
+  /* unix:PATH: the host agent's socket, which proxies to the coordinator */
+  if (strncmp(o->coordinator, SP_RPC_UNIX_PREFIX,
+              strlen(SP_RPC_UNIX_PREFIX)) != 0 &&
+      sp_rpc_split_addr(o->coordinator, host, sizeof host, &port) != 0)
     return sp_diag_set(d, SP_EINVAL,
-                       "session: coordinator: expected HOST:PORT, got \"%s\"",
+                       "session: coordinator: expected HOST:PORT or "
+                       "unix:PATH, got \"%s\"",
                        o->coordinator);
   uint64_t q = o->queue_events ? (uint64_t)o->queue_events
                                : SP_SESSION_QUEUE_DEFAULT;

@@ -68,7 +68,8 @@ typedef enum sp_comm_kind {
 } sp_comm_kind;
 
 typedef struct sp_session_opts {
-  const char *coordinator; /* "host:port"; required */
+  const char *coordinator; /* "host:port", or "unix:PATH" (a host
+                            * agent's socket, shardplane agent); required */
   uint32_t rank;
   const char *device;          /* "cpu", "cuda:0"; NULL: "cpu" */
   uint64_t connect_timeout_ms; /* 0: 20000 */

@@ -705,13 +705,17 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   }
   char host[256];
   int port;
-  if (sp_rpc_split_addr(o->coordinator, host, sizeof host, &port) != 0 ||
-      port == 0) {
+  /* unix:PATH is a host agent's socket (shardplane agent) */
+  bool via_agent = strncmp(o->coordinator, SP_RPC_UNIX_PREFIX,
+                           strlen(SP_RPC_UNIX_PREFIX)) == 0;
+  if (!via_agent &&
+      (sp_rpc_split_addr(o->coordinator, host, sizeof host, &port) != 0 ||
+       port == 0)) {
     sp_diag d = {{0}};
     sp_flag_fail(&d, o->coordinator_flag ? "--coordinator"
                                          : "$SHARDPLANE_COORDINATOR",
                  o->coordinator, "HOST:PORT or [v6]:PORT, port in [1, "
-                 "65535]");
+                 "65535], or unix:PATH");
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
   }

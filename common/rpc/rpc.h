@@ -50,6 +50,13 @@ typedef enum sp_rpc_code {
 int sp_rpc_split_addr(const char *addr, char *host, size_t host_cap,
                       int *port);
 
+/* "unix:PATH" names a Unix-domain socket instead of host:port: clients
+ * connect to it and servers listen on it. The connection is always
+ * cleartext h2c (a client ignores its TLS options for it): such a socket
+ * joins processes of one host, and it is the directory holding it and the
+ * server's check of the peer's uid that keep others out. */
+#define SP_RPC_UNIX_PREFIX "unix:"
+
 /* "OK", "CANCELLED", ...; "UNKNOWN" for out-of-range values. */
 const char *sp_rpc_code_name(int code);
 
@@ -223,7 +230,9 @@ int sp_rpc_server_add_methods(sp_rpc_server *srv, const sp_rpc_method *m,
                               size_t n);
 
 /* Listens on "host:port" ("127.0.0.1:7700", "[::1]:0", "localhost:7700";
- * port 0 picks a free one). *port_out, if given, gets the bound port.
+ * port 0 picks a free one), or on "unix:PATH" (a new socket file, mode
+ * 0600; *port_out gets 0), where a connection whose peer runs under
+ * another uid than the server is closed at once (SO_PEERCRED). *port_out, if given, gets the bound port.
  * SP_EINVAL for a malformed address, SP_EIO (with the reason in diag)
  * when it cannot bind, e.g. the port is in use. */
 int sp_rpc_server_listen(sp_rpc_server *srv, const char *addr,
@@ -325,7 +334,7 @@ void sp_rpc_call_set_user(sp_rpc_call *call, void *user);
 void *sp_rpc_call_user(const sp_rpc_call *call);
 /* A per-connection id, stable while the connection lives. */
 uint64_t sp_rpc_call_connection_id(const sp_rpc_call *call);
-/* The peer as "ip:port". */
+/* The peer as "ip:port" ("unix:pid=N" on a Unix socket). */
 const char *sp_rpc_call_peer(const sp_rpc_call *call);
 /* The loop the call runs on (for the handler's own timers). */
 uv_loop_t *sp_rpc_call_loop(const sp_rpc_call *call);
@@ -369,7 +378,7 @@ typedef struct sp_rpc_client_opts {
   const char *token;
 } sp_rpc_client_opts;
 
-/* Creates a client for "host:port" on loop; connects on the first call.
+/* Creates a client for "host:port" (or "unix:PATH") on loop; connects on the first call.
  * The client is freed with sp_rpc_client_close(). SP_EINVAL for a bad
  * address. */
 int sp_rpc_client_open(uv_loop_t *loop, const char *addr,

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/un.h>
 
 #include "rpc.h"
 #include "rpc_conn.h"
@@ -444,7 +445,7 @@ static void on_connect(uv_connect_t *req, int status) {
   sp_rpc_client *cl = cc->cl;
   if (status == 0 && !cl->closing && session_new(cc) == 0 &&
       conn_tls(cc) == 0 && sp_h2conn_start(&cc->io) == 0) {
-    uv_tcp_nodelay(&cc->io.tcp, 1);
+    if (cl->sa.ss_family != AF_UNIX) uv_tcp_nodelay(&cc->io.tcp, 1);
     if (cc->io.tls == NULL) {
       conn_ready(cc);
       return;
@@ -481,8 +482,10 @@ static void client_connect(sp_rpc_client *cl) {
     uv_timer_start(&cl->retry, on_setup_failed, 0, 0);
     return;
   }
+  bool unix_sock = cl->sa.ss_family == AF_UNIX;
   cconn *cc = calloc(1, sizeof *cc);
-  if (cc == NULL || sp_h2conn_init(&cc->io, cl->loop, cc) != 0) {
+  if (cc == NULL || (unix_sock ? sp_h2conn_init_pipe(&cc->io, cl->loop, cc)
+                               : sp_h2conn_init(&cc->io, cl->loop, cc)) != 0) {
     free(cc);
     MSGF(cl->last_error, sizeof cl->last_error,
              "cannot connect to %s: out of memory", cl->addr);
@@ -495,6 +498,11 @@ static void client_connect(sp_rpc_client *cl) {
   cl->open_handles++;
   cl->connecting = true;
   cl->creq.data = cc;
+  if (unix_sock) { /* reports through on_connect, also when it fails */
+    uv_pipe_connect(&cl->creq, &cc->io.pipe,
+                    ((struct sockaddr_un *)&cl->sa)->sun_path, on_connect);
+    return;
+  }
   int rc = uv_tcp_connect(&cl->creq, &cc->io.tcp, (struct sockaddr *)&cl->sa,
                           on_connect);
   if (rc != 0) {
@@ -535,7 +543,12 @@ static void submit_call(sp_rpc_ccall *call) {
   else
     nv[n++] = (nghttp2_nv)NV(":scheme", "http", 4);
   nv[n++] = (nghttp2_nv)NV(":path", call->path, strlen(call->path));
-  nv[n++] = (nghttp2_nv)NV(":authority", cl->addr, strlen(cl->addr));
+  /* a path is no authority (nghttp2 refuses its '/'); gRPC names a Unix
+   * socket's "localhost" too */
+  if (cl->sa.ss_family == AF_UNIX)
+    nv[n++] = (nghttp2_nv)NV(":authority", "localhost", 9);
+  else
+    nv[n++] = (nghttp2_nv)NV(":authority", cl->addr, strlen(cl->addr));
   nv[n++] = (nghttp2_nv)NV("te", "trailers", 8);
   nv[n++] = (nghttp2_nv)NV("content-type", "application/grpc", 16);
   nv[n++] = (nghttp2_nv)NV("grpc-accept-encoding", "identity", 8);
@@ -644,7 +657,8 @@ int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
   if (!cl->opts.max_send_message || cl->opts.max_send_message > UINT32_MAX)
     cl->opts.max_send_message = UINT32_MAX;
   cl->rng = (uint64_t)(uintptr_t)cl ^ uv_hrtime();
-  if (cl->opts.tls != NULL) {
+  /* a Unix socket is the host's own (rpc.h): cleartext */
+  if (cl->opts.tls != NULL && cl->sa.ss_family != AF_UNIX) {
     rc = client_tls_setup(cl, cl->opts.tls);
     cl->opts.tls = NULL; /* the caller's struct need not outlive this */
     if (rc != 0) {
@@ -652,6 +666,7 @@ int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
       return rc;
     }
   }
+  cl->opts.tls = NULL;
   uv_timer_init(loop, &cl->retry);
   cl->retry.data = cl;
   cl->open_handles = 1; /* the retry timer */

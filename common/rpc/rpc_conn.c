@@ -42,6 +42,15 @@ int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner) {
   return 0;
 }
 
+int sp_h2conn_init_pipe(sp_h2conn *c, uv_loop_t *loop, void *owner) {
+  memset(c, 0, sizeof *c);
+  c->owner = owner;
+  int rc = uv_pipe_init(loop, &c->pipe, 0);
+  if (rc != 0) return rc;
+  c->pipe.data = c;
+  return 0;
+}
+
 /* A finished connection waits for the peer to close its side, or for it to
  * have been quiet this long (it has read what we sent by then), and never
  * longer than the cap. */

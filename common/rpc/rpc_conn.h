@@ -1,4 +1,5 @@
-/* One HTTP/2 connection over a libuv TCP handle: feeds received bytes to
+/* One HTTP/2 connection over a libuv TCP handle (or a Unix-socket pipe, for
+ * a worker and its host's agent): feeds received bytes to
  * nghttp2 and writes what it produces, one uv_write at a time. Shared by
  * the server and the client so the I/O rules live in one place:
  * - mem_send output is copied into a connection-owned buffer (its pointer is
@@ -43,7 +44,13 @@ typedef struct sp_h2shared {
 } sp_h2shared;
 
 struct sp_h2conn {
-  uv_tcp_t tcp; /* tcp.data points back to this struct */
+  /* tcp.data points back to this struct. A pipe shares the stream fields
+   * at the same offsets, so every stream call on &tcp serves both; only
+   * TCP options (nodelay, peer name) look at which it is. */
+  union {
+    uv_tcp_t tcp;
+    uv_pipe_t pipe;
+  };
   nghttp2_session *h2;
   /* Being filled, and in flight (or, once written, kept for the next
    * swap); wlen bytes of wbuf are filled. */
@@ -94,6 +101,8 @@ struct sp_h2conn {
 
 /* Initialises the handle on loop (the caller then connects or accepts). */
 int sp_h2conn_init(sp_h2conn *c, uv_loop_t *loop, void *owner);
+/* The same with a Unix-socket pipe handle. */
+int sp_h2conn_init_pipe(sp_h2conn *c, uv_loop_t *loop, void *owner);
 /* Starts reading; input goes to c->h2, which must exist by then. */
 int sp_h2conn_start(sp_h2conn *c);
 /* Feeds received bytes to nghttp2 and flushes its answers (the first one

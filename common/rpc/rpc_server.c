@@ -6,7 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include "rpc.h"
 #include "rpc_conn.h"
@@ -82,7 +87,11 @@ struct srv_conn {
 };
 
 typedef struct listener {
-  uv_tcp_t tcp;
+  union { /* stream fields at the same offsets, as in sp_h2conn */
+    uv_tcp_t tcp;
+    uv_pipe_t pipe;
+  };
+  bool is_pipe;
   sp_rpc_server *srv;
   struct listener *next;
 } listener;
@@ -1369,11 +1378,12 @@ static int session_new(srv_conn *c) {
 
 /* A linked, counted connection with an initialised (unconnected) handle;
  * from here on it goes away only through sp_h2conn_close. */
-static srv_conn *conn_new(sp_rpc_server *srv) {
+static srv_conn *conn_new(sp_rpc_server *srv, bool pipe) {
   if (handles_get(srv) != 0) return NULL;
   srv_conn *c = calloc(1, sizeof *c);
   if (c == NULL) return NULL;
-  if (sp_h2conn_init(&c->io, srv->loop, c) != 0) {
+  if ((pipe ? sp_h2conn_init_pipe(&c->io, srv->loop, c)
+            : sp_h2conn_init(&c->io, srv->loop, c)) != 0) {
     free(c);
     return NULL;
   }
@@ -1393,14 +1403,29 @@ static srv_conn *conn_new(sp_rpc_server *srv) {
   return c;
 }
 
+/* A Unix-socket peer must run under this process's uid: the socket's
+ * directory keeps others out, and this check holds if it is opened up.
+ * Writes "unix:pid=N" to peer. */
+static bool pipe_peer_ok(srv_conn *c) {
+  uv_os_fd_t fd;
+  struct ucred cr;
+  socklen_t len = sizeof cr;
+  if (uv_fileno((uv_handle_t *)&c->io.pipe, &fd) != 0 ||
+      getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0)
+    return false;
+  snprintf(c->peer, sizeof c->peer, "unix:pid=%ld", (long)cr.pid);
+  return cr.uid == geteuid();
+}
+
 static void on_connection(uv_stream_t *server, int status) {
   listener *l = server->data;
   sp_rpc_server *srv = l->srv;
   if (status < 0) return;
-  srv_conn *c = conn_new(srv);
+  srv_conn *c = conn_new(srv, l->is_pipe);
   if (c == NULL) return;
   if (uv_accept(server, (uv_stream_t *)&c->io.tcp) != 0 ||
-      srv->shutting_down || session_new(c) != 0) {
+      srv->shutting_down || (l->is_pipe && !pipe_peer_ok(c)) ||
+      session_new(c) != 0) {
     sp_h2conn_close(&c->io);
     return;
   }
@@ -1415,11 +1440,13 @@ static void on_connection(uv_stream_t *server, int status) {
   bool refuse = srv->live_conns > srv->opts.max_connections &&
                 !evict_idle(srv, c);
   sweep_start(srv);
-  uv_tcp_nodelay(&c->io.tcp, 1);
   struct sockaddr_storage ss;
   int len = sizeof ss;
-  if (uv_tcp_getpeername(&c->io.tcp, (struct sockaddr *)&ss, &len) == 0)
-    sp_rpc_format_sockaddr((struct sockaddr *)&ss, c->peer, sizeof c->peer);
+  if (!l->is_pipe) {
+    uv_tcp_nodelay(&c->io.tcp, 1);
+    if (uv_tcp_getpeername(&c->io.tcp, (struct sockaddr *)&ss, &len) == 0)
+      sp_rpc_format_sockaddr((struct sockaddr *)&ss, c->peer, sizeof c->peer);
+  }
   if (sp_h2conn_start(&c->io) != 0) {
     sp_h2conn_close(&c->io);
     return;
@@ -1447,7 +1474,7 @@ int sp_rpc_server_feed_bytes(sp_rpc_server *srv, const uint8_t *data,
                              void *arg) {
   if (srv == NULL || (data == NULL && len > 0)) return SP_EINVAL;
   if (srv->shutting_down) return SP_ESTATE;
-  srv_conn *c = conn_new(srv);
+  srv_conn *c = conn_new(srv, false);
   if (c == NULL) return SP_ENOMEM;
   bool gone = false;
   c->gone = &gone;
@@ -1560,10 +1587,19 @@ int sp_rpc_server_listen(sp_rpc_server *srv, const char *addr, int *port_out,
   listener *l = calloc(1, sizeof *l);
   if (l == NULL) return SP_ENOMEM;
   l->srv = srv;
-  uv_tcp_init(srv->loop, &l->tcp);
+  l->is_pipe = ss.ss_family == AF_UNIX;
+  if (l->is_pipe)
+    uv_pipe_init(srv->loop, &l->pipe, 0);
+  else
+    uv_tcp_init(srv->loop, &l->tcp);
   l->tcp.data = l;
   srv->open_handles++;
-  int uvrc = uv_tcp_bind(&l->tcp, (struct sockaddr *)&ss, 0);
+  int uvrc = l->is_pipe
+                 ? uv_pipe_bind(&l->pipe, ((struct sockaddr_un *)&ss)->sun_path)
+                 : uv_tcp_bind(&l->tcp, (struct sockaddr *)&ss, 0);
+  if (uvrc == 0 && l->is_pipe &&
+      chmod(((struct sockaddr_un *)&ss)->sun_path, 0600) != 0)
+    uvrc = uv_translate_sys_error(errno);
   /* the kernel caps the backlog at somaxconn; ask for plenty so thousands
    * of ranks attaching at once are not reset */
   if (uvrc == 0) uvrc = uv_listen((uv_stream_t *)&l->tcp, 65535, on_connection);
@@ -1572,7 +1608,9 @@ int sp_rpc_server_listen(sp_rpc_server *srv, const char *addr, int *port_out,
     return sp_diag_set(diag, SP_EIO, "cannot listen on %s: %s", addr,
                        uv_strerror(uvrc));
   }
-  if (port_out != NULL) {
+  if (port_out != NULL && l->is_pipe) {
+    *port_out = 0;
+  } else if (port_out != NULL) {
     struct sockaddr_storage b;
     int len = sizeof b;
     uv_tcp_getsockname(&l->tcp, (struct sockaddr *)&b, &len);

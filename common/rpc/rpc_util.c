@@ -3,6 +3,7 @@
 #include <netinet/in.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/un.h>
 
 #include "rpc_internal.h"
 #include "rpc_wire.h"
@@ -11,6 +12,19 @@ int sp_rpc_resolve(const char *addr, struct sockaddr_storage *out,
                    sp_diag *diag) {
   char host[256];
   int port;
+  if (addr != NULL && strncmp(addr, SP_RPC_UNIX_PREFIX, 5) == 0) {
+    struct sockaddr_un *un = (struct sockaddr_un *)out;
+    size_t n = strlen(addr + 5);
+    if (n == 0 || n >= sizeof un->sun_path)
+      return sp_diag_set(diag, SP_EINVAL,
+                         "bad address \"%s\": a Unix socket path of 1 to "
+                         "%zu bytes after unix:", addr,
+                         sizeof un->sun_path - 1);
+    memset(out, 0, sizeof *out);
+    un->sun_family = AF_UNIX;
+    memcpy(un->sun_path, addr + 5, n + 1);
+    return 0;
+  }
   if (sp_rpc_split_addr(addr, host, sizeof host, &port) != 0)
     return sp_diag_set(diag, SP_EINVAL,
                        "bad address \"%s\": expected host:port or [v6]:port",

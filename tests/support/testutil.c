@@ -10,12 +10,19 @@
 #include <time.h>
 
 #include <cmocka.h>
+#include <fcntl.h>
 #include <ftw.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #if SHARDPLANE_HAVE_CUDA
 #include "cast/cast_cuda.h"
 #include "base/sp_error.h"
+#include "base/clock.h"
+
+extern char **environ;
 #endif
 
 int sp_test_skip(const char *why) {
@@ -112,4 +119,31 @@ void sp_test_sleep_ms(unsigned ms) {
                         .tv_nsec = (long)(ms % 1000) * 1000000L};
   while (nanosleep(&ts, &ts) != 0) {
   }
+}
+
+int sp_test_spawn_logged(const char *out, const char *err, char *const *argv) {
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out, O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err, O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  pid_t pid;
+  int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) fail_msg("cannot start %s: %s", argv[0], strerror(rc));
+  return (int)pid;
+}
+
+int sp_test_wait_exit(int pid, double timeout_s) {
+  double end = sp_clock_s() + timeout_s;
+  while (sp_clock_s() < end) {
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid)
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    usleep(10000);
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
+  return -1;
 }

@@ -50,6 +50,14 @@ void sp_test_write_file(const char *path, const void *data, size_t len);
 /* Removes a directory tree created by sp_test_mkdtemp (best effort). */
 void sp_test_rmtree(const char *dir);
 
+/* Starts argv (NULL-terminated; argv[0] a path) with stdout and stderr
+ * in the files out and err (created or truncated). Aborts the test if it
+ * cannot start. */
+int sp_test_spawn_logged(const char *out, const char *err, char *const *argv);
+/* Waits for pid: its exit status, 128 + the signal that ended it, or -1
+ * after timeout_s (then it is SIGKILLed and reaped). */
+int sp_test_wait_exit(int pid, double timeout_s);
+
 /* Sleeps ms milliseconds (the whole time, across signals). Time is read
  * with sp_clock_s() (common/clock.h). */
 void sp_test_sleep_ms(unsigned ms);

@@ -1,0 +1,453 @@
+/* `shardplane agent`: the launcher and supervisor of one host's workers,
+ * as torchrun. Starts N local processes of any trainer with the variables
+ * launchers set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+ * GROUP_RANK / NODE_RANK, SHARDPLANE_COORDINATOR), passes their output on
+ * with a rank prefix, and ends with their exit codes: 0 when every worker
+ * finished, 1 naming the first rank that failed and how. The workers'
+ * control traffic goes through the agent's proxy (agent_proxy.h): they
+ * connect to a Unix socket of the agent's, and the agent holds the one
+ * connection to the coordinator. */
+#include <errno.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "agent_proxy.h"
+#include "base/clock.h"
+#include "base/flag.h"
+#include "cli.h"
+#include "remote.h"
+#include "workers.h"
+
+#define AGENT "agent"
+
+extern char **environ;
+
+static volatile sig_atomic_t g_signal;
+static void on_signal(int sig) { g_signal = sig; }
+
+static void usage(FILE *f) {
+  fputs("usage: shardplane agent --coordinator HOST:PORT --nproc-per-node N "
+        "[options] -- TRAINER [ARGS...]\n"
+        "\n"
+        "Starts N workers of TRAINER on this host (one agent per host, as\n"
+        "torchrun) and supervises them. Worker i of node R gets RANK=R*N+i,\n"
+        "LOCAL_RANK=i, WORLD_SIZE, LOCAL_WORLD_SIZE=N, GROUP_RANK=NODE_RANK=R\n"
+        "and SHARDPLANE_COORDINATOR in its environment, which\n"
+        "shardplane-worker and every program linking libshardplane read.\n"
+        "Their gRPC calls reach the coordinator over the agent's one\n"
+        "connection: the workers talk to the agent over a Unix socket in a\n"
+        "private directory (SHARDPLANE_COORDINATOR=unix:PATH). Every line a\n"
+        "worker writes is shown prefixed with the time and its rank.\n"
+        "\n"
+        "  --nproc-per-node N           workers on this host\n"
+        "  --node-rank R                this host's place among the hosts\n"
+        "                               (default $NODE_RANK, $GROUP_RANK or\n"
+        "                               $SLURM_NODEID; 0 with one host)\n"
+        "  --nnodes M                   hosts in the job (default: the job's\n"
+        "                               world size / N, asked of the\n"
+        "                               coordinator; given, it must agree)\n"
+        "  --no-proxy                   the workers connect to the coordinator\n"
+        "                               themselves (SHARDPLANE_COORDINATOR is\n"
+        "                               its address; they need their own\n"
+        "                               credentials)\n",
+        f);
+  fputs(SP_REMOTE_OPTIONS_HELP, f);
+  fputs("  --help                       this text\n"
+        "\n"
+        "The agent's credentials (TLS and token) are its connection's; a\n"
+        "worker's call that carries no token of its own gets the agent's.\n"
+        "Gloo binds the address of this host that reaches the coordinator\n"
+        "(SHARDPLANE_GLOO_HOST, unless set already).\n"
+        "\n"
+        "Ctrl-C (SIGINT) or SIGTERM is forwarded to every worker; a second\n"
+        "one stops them at once.\n"
+        "\n"
+        "exit codes: 0 every worker exited 0, 1 a worker failed or died (the\n"
+        "message names its rank, and the signal or status), 2 bad usage,\n"
+        "4 no coordinator answered, 130 / 143 stopped by SIGINT / SIGTERM\n",
+        f);
+}
+
+typedef struct agent {
+  sp_remote r;          /* the coordinator, its address and credentials */
+  long long nproc, node_rank, nnodes;
+  const char *node_rank_var; /* where node_rank came from, for messages */
+  bool no_proxy;
+  char **trainer;       /* argv of the trainer, NULL-terminated */
+  uint32_t world;       /* the job's world size */
+  /* private directory (0700) of the socket; sun_path holds 107 bytes */
+  char dir[80];
+  char sock[108];
+  char worker_coord[PATH_MAX + 8]; /* what the workers connect to */
+  char gloo_host[64];   /* "" when the environment sets it */
+  sp_agent_proxy *proxy;
+  pid_t pids[SP_WORKERS_MAX];
+  uint32_t live;
+  sp_out_stream *streams; /* local rank i's stdout at 2i, stderr 2i + 1 */
+} agent;
+
+enum { A_NPROC = 1, A_NODE_RANK, A_NNODES, A_NO_PROXY, A_HELP };
+
+#define PROCEED (-1)
+
+/* --node-rank from the environment when the flag did not give it. */
+static int node_rank_from_env(agent *a) {
+  static const char *const vars[] = {"NODE_RANK", "GROUP_RANK",
+                                     "SLURM_NODEID"};
+  for (size_t i = 0; i < 3 && a->node_rank < 0; i++) {
+    const char *v = getenv(vars[i]);
+    if (v == NULL || v[0] == '\0') continue;
+    char flag[32];
+    snprintf(flag, sizeof flag, "$%s", vars[i]);
+    sp_diag d = {{0}};
+    if (sp_flag_int(flag, v, 0, SP_WORKERS_MAX * 4096LL, &a->node_rank,
+                    &d) != 0) {
+      sp_cli_error(AGENT, "%s", d.msg);
+      return SP_EXIT_USAGE;
+    }
+    a->node_rank_var = vars[i];
+  }
+  return PROCEED;
+}
+
+static int parse_args(agent *a, int argc, char **argv) {
+  static const struct option opts[] = {
+      {"nproc-per-node", required_argument, NULL, A_NPROC},
+      {"node-rank", required_argument, NULL, A_NODE_RANK},
+      {"nnodes", required_argument, NULL, A_NNODES},
+      {"no-proxy", no_argument, NULL, A_NO_PROXY},
+      {"help", no_argument, NULL, A_HELP},
+      SP_REMOTE_OPTIONS,
+      {NULL, 0, NULL, 0}};
+  a->nproc = a->node_rank = a->nnodes = -1;
+  a->r.timeout_ms = 30000; /* agents may start before their coordinator */
+  int c;
+  optind = 1;
+  /* "+": the trainer's arguments after "--" (or its name) are its own */
+  while ((c = getopt_long(argc, argv, "+", opts, NULL)) != -1) {
+    sp_diag d = {{0}};
+    int rc = 0;
+    switch (c) {
+      case A_HELP: usage(stdout); return SP_EXIT_OK;
+      case A_NPROC:
+        rc = sp_flag_int("--nproc-per-node", optarg, 1, SP_WORKERS_MAX,
+                         &a->nproc, &d);
+        break;
+      case A_NODE_RANK:
+        rc = sp_flag_int("--node-rank", optarg, 0, SP_WORKERS_MAX * 4096LL,
+                         &a->node_rank, &d);
+        a->node_rank_var = NULL;
+        break;
+      case A_NNODES:
+        rc = sp_flag_int("--nnodes", optarg, 1, SP_WORKERS_MAX * 4096LL,
+                         &a->nnodes, &d);
+        break;
+      case A_NO_PROXY: a->no_proxy = true; break;
+      case '?': usage(stderr); return SP_EXIT_USAGE;
+      default: {
+        int k = sp_remote_option(&a->r, c, optarg);
+        if (k < 0) return SP_EXIT_USAGE;
+        if (k == 0) {
+          usage(stderr);
+          return SP_EXIT_USAGE;
+        }
+      }
+    }
+    if (rc != 0) {
+      sp_cli_error(AGENT, "%s", d.msg);
+      return SP_EXIT_USAGE;
+    }
+  }
+  if (a->nproc < 0) {
+    sp_cli_error(AGENT, "--nproc-per-node is required");
+    usage(stderr);
+    return SP_EXIT_USAGE;
+  }
+  if (optind >= argc) {
+    sp_cli_error(AGENT, "no trainer: give it after \"--\" (shardplane "
+                        "agent ... -- shardplane-worker --steps 20)");
+    return SP_EXIT_USAGE;
+  }
+  a->trainer = argv + optind;
+  return a->node_rank < 0 ? node_rank_from_env(a) : PROCEED;
+}
+
+/* Asks the coordinator for the job's world size and checks the hosts
+ * add up to it. Returns PROCEED or the exit code. */
+static int check_world(agent *a) {
+  int ec = sp_remote_connect(&a->r);
+  if (ec != SP_EXIT_OK) return ec;
+  Shardplane__V1__GetJobRequest req = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  Shardplane__V1__GetJobResponse *resp = NULL;
+  ec = sp_remote_call(&a->r, "/shardplane.v1.Coordinator/GetJob",
+                      &req.base, &shardplane__v1__get_job_response__descriptor,
+                      (ProtobufCMessage **)&resp);
+  if (ec != SP_EXIT_OK) return ec;
+  a->world = resp->job ? resp->job->world_size : 0;
+  sp_remote_free_msg(resp);
+  long long n = a->nproc;
+  if (a->world == 0 || a->world % n != 0) {
+    sp_cli_error(AGENT, "--nproc-per-node %lld: the job's world size %u is "
+                 "not a multiple of it", n, a->world);
+    return SP_EXIT_USAGE;
+  }
+  if (a->nnodes < 0) a->nnodes = a->world / n;
+  if (a->nnodes * n != a->world) {
+    sp_cli_error(AGENT, "--nnodes %lld x --nproc-per-node %lld is %lld "
+                 "ranks; the job has %u", a->nnodes, n, a->nnodes * n,
+                 a->world);
+    return SP_EXIT_USAGE;
+  }
+  if (a->node_rank < 0) {
+    if (a->nnodes > 1) {
+      sp_cli_error(AGENT, "--node-rank is required with %lld hosts (or "
+                   "$NODE_RANK, $GROUP_RANK, $SLURM_NODEID)", a->nnodes);
+      return SP_EXIT_USAGE;
+    }
+    a->node_rank = 0;
+  }
+  if (a->node_rank >= a->nnodes) {
+    sp_cli_error(AGENT, "%s%s %lld: the job has %lld hosts (0 to %lld)",
+                 a->node_rank_var ? "$" : "--",
+                 a->node_rank_var ? a->node_rank_var : "node-rank",
+                 a->node_rank, a->nnodes, a->nnodes - 1);
+    return SP_EXIT_USAGE;
+  }
+  return PROCEED;
+}
+
+/* The private directory, the socket and the proxy on it. Returns PROCEED
+ * or the exit code. */
+static int start_proxy(agent *a) {
+  sp_diag d = {{0}};
+  if (sp_local_addr_toward(a->r.addr, a->gloo_host, sizeof a->gloo_host,
+                           &d) != 0) {
+    sp_cli_error(AGENT, "the coordinator %s: %s", a->r.addr, d.msg);
+    return SP_EXIT_FAILURE;
+  }
+  const char *g = getenv(SP_GLOO_HOST_ENV);
+  if (g != NULL && g[0] != '\0') a->gloo_host[0] = '\0';
+  if (a->no_proxy) {
+    snprintf(a->worker_coord, sizeof a->worker_coord, "%s", a->r.addr);
+    return PROCEED;
+  }
+  const char *tmp = getenv("TMPDIR");
+  /* sun_path holds 107 bytes: a long $TMPDIR falls back to /tmp */
+  if (tmp == NULL || tmp[0] == '\0' || strlen(tmp) > 60) tmp = "/tmp";
+  snprintf(a->dir, sizeof a->dir, "%s/shardplane-agent-XXXXXX", tmp);
+  if (mkdtemp(a->dir) == NULL) { /* mode 0700 */
+    sp_cli_error(AGENT, "cannot create a directory in %s: %s", tmp,
+                 strerror(errno));
+    a->dir[0] = '\0';
+    return SP_EXIT_FAILURE;
+  }
+  int n = snprintf(a->sock, sizeof a->sock, "%s/coordinator.sock", a->dir);
+  if (n <= 0 || (size_t)n >= sizeof a->sock) {
+    sp_cli_error(AGENT, "the socket path in %s is too long", a->dir);
+    return SP_EXIT_FAILURE;
+  }
+  sp_rpc_client_opts co = {.connect_timeout_ms = 20000};
+  sp_cred_client_opts(&a->r.cred, &co);
+  if (sp_agent_proxy_start(a->r.addr, &co, a->sock, &a->proxy, &d) != 0) {
+    sp_cli_error(AGENT, "cannot start the proxy on %s: %s", a->sock, d.msg);
+    return SP_EXIT_FAILURE;
+  }
+  snprintf(a->worker_coord, sizeof a->worker_coord, SP_RPC_UNIX_PREFIX "%s",
+           a->sock);
+  return PROCEED;
+}
+
+/* The environment of local rank i: this process's, less the variables the
+ * agent sets, plus them. envp (cap entries) points into vars. */
+static int worker_env(const agent *a, long long i, char **envp, size_t cap,
+                      char vars[][PATH_MAX + 40], size_t nvars) {
+  static const char *const set[] = {
+      "RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=",
+      "GROUP_RANK=", "NODE_RANK=", SP_COORDINATOR_ENV "=",
+      SP_GLOO_HOST_ENV "="};
+  size_t n = 0, k = 0;
+  snprintf(vars[k++], sizeof vars[0], "RANK=%lld", a->node_rank * a->nproc + i);
+  snprintf(vars[k++], sizeof vars[0], "LOCAL_RANK=%lld", i);
+  snprintf(vars[k++], sizeof vars[0], "WORLD_SIZE=%u", a->world);
+  snprintf(vars[k++], sizeof vars[0], "LOCAL_WORLD_SIZE=%lld", a->nproc);
+  snprintf(vars[k++], sizeof vars[0], "GROUP_RANK=%lld", a->node_rank);
+  snprintf(vars[k++], sizeof vars[0], "NODE_RANK=%lld", a->node_rank);
+  snprintf(vars[k++], sizeof vars[0], SP_COORDINATOR_ENV "=%s",
+           a->worker_coord);
+  if (a->gloo_host[0])
+    snprintf(vars[k++], sizeof vars[0], SP_GLOO_HOST_ENV "=%s", a->gloo_host);
+  (void)nvars;
+  for (char **e = environ; *e; e++) {
+    bool ours = false;
+    for (size_t j = 0; j < sizeof set / sizeof set[0] && !ours; j++)
+      ours = strncmp(*e, set[j], strlen(set[j])) == 0;
+    if (ours) continue;
+    if (n + k + 1 >= cap) return -1;
+    envp[n++] = *e;
+  }
+  for (size_t j = 0; j < k; j++) envp[n++] = vars[j];
+  envp[n] = NULL;
+  return 0;
+}
+
+static int start_workers(agent *a) {
+  size_t ns = 2 * (size_t)a->nproc;
+  a->streams = calloc(ns, sizeof *a->streams);
+  if (a->streams == NULL) {
+    sp_cli_error(AGENT, "out of memory");
+    return SP_EXIT_FAILURE;
+  }
+  for (size_t i = 0; i < ns; i++)
+    a->streams[i] = (sp_out_stream){
+        .fd = -1, .rank = (int)(a->node_rank * a->nproc + (long long)i / 2),
+        .to = i % 2 ? stderr : stdout};
+  size_t cap = 8;
+  for (char **e = environ; *e; e++) cap++;
+  char **envp = calloc(cap + 1, sizeof *envp);
+  char(*vars)[PATH_MAX + 40] = calloc(8, sizeof *vars);
+  int ec = PROCEED;
+  if (envp == NULL || vars == NULL) {
+    sp_cli_error(AGENT, "out of memory");
+    ec = SP_EXIT_FAILURE;
+  }
+  for (long long i = 0; ec == PROCEED && i < a->nproc; i++) {
+    if (worker_env(a, i, envp, cap + 1, vars, 8) != 0) {
+      sp_cli_error(AGENT, "out of memory");
+      ec = SP_EXIT_FAILURE;
+      break;
+    }
+    a->pids[i] = sp_workers_spawn(a->trainer, envp, &a->streams[2 * i],
+                                  &a->streams[2 * i + 1]);
+    if (a->pids[i] < 0) {
+      a->pids[i] = 0;
+      sp_cli_error(AGENT, "cannot start %s for rank %lld: %s", a->trainer[0],
+                   a->node_rank * a->nproc + i, strerror(errno));
+      ec = SP_EXIT_FAILURE;
+      break;
+    }
+    a->live++;
+  }
+  free(envp);
+  free(vars);
+  return ec;
+}
+
+/* After a failure the other workers get this long to stop by themselves
+ * (the coordinator aborts them when it notices the lost rank) and say
+ * why; then SIGTERM, and SIGKILL TERM_S after it. As `shardplane run`. */
+#define GRACE_S 0.5
+#define TERM_S 3.0
+
+static int supervise(agent *a) {
+  int ret = SP_EXIT_OK, interrupted = 0;
+  bool terminated = false;
+  double term_at = -1, kill_at = -1, drained_by = -1;
+  size_t ns = 2 * (size_t)a->nproc;
+  for (;;) {
+    size_t open = sp_workers_pass_output(a->streams, ns, 20);
+    int st;
+    pid_t pid;
+    while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+      for (long long i = 0; i < a->nproc; i++) {
+        if (a->pids[i] != pid) continue;
+        a->pids[i] = 0;
+        a->live--;
+        bool asked = interrupted && WIFEXITED(st) &&
+                     (WEXITSTATUS(st) == 128 + interrupted ||
+                      WEXITSTATUS(st) == 128 + SIGTERM);
+        if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || terminated || asked)
+          continue;
+        char how[96];
+        sp_workers_describe(st, how, sizeof how);
+        bool first = ret == SP_EXIT_OK;
+        sp_cli_error(AGENT, "rank %lld (local rank %lld on node %lld) %s%s",
+                     a->node_rank * a->nproc + i, i, a->node_rank, how,
+                     first ? "; stopping the workers" : "");
+        if (first) {
+          ret = SP_EXIT_FAILURE;
+          term_at = sp_clock_s() + GRACE_S;
+        }
+      }
+    }
+    int sig = g_signal;
+    g_signal = 0;
+    if (sig && !interrupted && ret == SP_EXIT_OK) {
+      interrupted = sig;
+      ret = 128 + sig;
+      fprintf(stderr, "shardplane agent: interrupted (%s); passed on to the "
+                      "%u worker%s (a second signal stops them at once)\n",
+              strsignal(sig), a->live, a->live == 1 ? "" : "s");
+      for (long long i = 0; i < a->nproc; i++)
+        if (a->pids[i] > 0) kill(a->pids[i], sig);
+    } else if (sig) {
+      if (ret == SP_EXIT_OK || interrupted) ret = 128 + sig;
+      terminated = true;
+      term_at = -1;
+      kill_at = sp_clock_s();
+    }
+    if (a->live == 0) {
+      if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
+      if (open == 0 || sp_clock_s() > drained_by) break;
+      continue;
+    }
+    double now = sp_clock_s();
+    int to_send = 0;
+    if (term_at >= 0 && now >= term_at) {
+      to_send = SIGTERM;
+      term_at = -1;
+      kill_at = now + TERM_S;
+      terminated = true;
+    } else if (kill_at >= 0 && now >= kill_at) {
+      to_send = SIGKILL;
+      kill_at = -1;
+    }
+    for (long long i = 0; to_send && i < a->nproc; i++)
+      if (a->pids[i] > 0) kill(a->pids[i], to_send);
+  }
+  return ret;
+}
+
+int sp_cmd_agent(int argc, char **argv) {
+  agent a = {0};
+  sp_remote_init(&a.r, AGENT);
+  int ret = parse_args(&a, argc, argv);
+  if (ret == PROCEED) ret = check_world(&a);
+  /* its connection goes: the proxy's is the one the agent keeps */
+  if (a.r.rpc) sp_remote_finish(&a.r, SP_EXIT_OK);
+  a.r.rpc = NULL;
+  if (ret == PROCEED) ret = start_proxy(&a);
+  if (ret != PROCEED) goto out;
+  struct sigaction sa = {.sa_handler = on_signal};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  fprintf(stderr, "shardplane agent: node %lld of %lld, ranks %lld-%lld of "
+                  "%u; coordinator %s%s%s\n", a.node_rank, a.nnodes,
+          a.node_rank * a.nproc, a.node_rank * a.nproc + a.nproc - 1, a.world,
+          a.r.addr, a.proxy ? ", proxied from " : "",
+          a.proxy ? a.worker_coord : "");
+  ret = start_workers(&a);
+  if (ret == PROCEED) ret = supervise(&a);
+  sp_workers_stop(a.pids, (uint32_t)a.nproc, (int)(TERM_S * 1000));
+out:
+  if (a.streams) sp_workers_close_streams(a.streams, 2 * (size_t)a.nproc);
+  free(a.streams);
+  if (a.proxy) {
+    sp_agent_proxy_stop(a.proxy);
+    sp_agent_proxy_stats st;
+    sp_agent_proxy_stats_get(a.proxy, &st);
+    fprintf(stderr, "shardplane agent: proxied %llu calls of %llu worker "
+                    "connections over one connection to %s\n",
+            (unsigned long long)st.calls,
+            (unsigned long long)st.local_conns, a.r.addr);
+    sp_agent_proxy_free(a.proxy);
+  }
+  if (a.dir[0]) rmdir(a.dir);
+  return ret;
+}

@@ -1,0 +1,393 @@
+/* `shardplane agent` with real processes on loopback: two agents of two
+ * workers each train the reference MLP to the very checkpoint `shardplane
+ * run --nproc 4` writes, their workers' control traffic carried over one
+ * connection per agent; the launcher's variables, prefixes and exit
+ * codes; a worker killed mid-training named with its rank and signal;
+ * bad usage named by its flag. */
+#include <dirent.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "base/clock.h"
+#include "base/proc.h"
+#include "rpc/rpc_cred.h"
+#include "support/auth_fixture.h"
+#include "support/job_fixture.h"
+#include "support/testutil.h"
+
+#define SHARDPLANE SP_BIN_DIR "/shardplane"
+#define WORKER SP_BIN_DIR "/shardplane-worker"
+#define MLP SP_EXAMPLES "/mlp.json"
+
+/* A coordinator of a world of `world` ranks on a free loopback port,
+ * with the tokens of auth. */
+static void start_coord(sp_proc *c, sp_tauth *auth, int world, char *addr,
+                        size_t cap) {
+  char ws[16];
+  snprintf(ws, sizeof ws, "%d", world);
+  char *argv[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
+                  "127.0.0.1:0", "--model", MLP, "--world-size", ws,
+                  "--insecure", "--token-file", auth->token_file, "--quiet",
+                  NULL};
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(c, argv, false, true, "listening on 127.0.0.1:%d", &d))
+    fail_msg("coordinator: %s", d.msg);
+  snprintf(addr, cap, "127.0.0.1:%d", c->port);
+}
+
+/* `shardplane agent --coordinator addr --insecure --token-file (worker)
+ * --nproc-per-node 2 [--node-rank node] -- trainer...`, its output in
+ * dir/agentNODE.out and .err. node < 0: no --node-rank. */
+static pid_t start_agent(const char *dir, const char *addr,
+                         const sp_tauth *auth, int node,
+                         const char *const *extra,
+                         const char *const *trainer) {
+  char *argv[64], ns[16], name[32];
+  size_t k = 0;
+  argv[k++] = SHARDPLANE;
+  argv[k++] = "agent";
+  argv[k++] = "--coordinator";
+  argv[k++] = (char *)addr;
+  argv[k++] = "--insecure";
+  argv[k++] = "--token-file";
+  argv[k++] = auth->file[SP_ROLE_WORKER];
+  argv[k++] = "--nproc-per-node";
+  argv[k++] = "2";
+  snprintf(ns, sizeof ns, "%d", node);
+  if (node >= 0) {
+    argv[k++] = "--node-rank";
+    argv[k++] = ns;
+  }
+  for (size_t i = 0; extra && extra[i]; i++) argv[k++] = (char *)extra[i];
+  argv[k++] = "--";
+  for (size_t i = 0; trainer[i]; i++) argv[k++] = (char *)trainer[i];
+  argv[k] = NULL;
+  snprintf(name, sizeof name, "agent%d.out", node < 0 ? 9 : node);
+  char *out = sp_test_path(dir, name);
+  snprintf(name, sizeof name, "agent%d.err", node < 0 ? 9 : node);
+  char *err = sp_test_path(dir, name);
+  pid_t pid = sp_test_spawn_logged(out, err, argv);
+  free(out);
+  free(err);
+  return pid;
+}
+
+static char *slurp(const char *dir, const char *name) {
+  char *path = sp_test_path(dir, name);
+  char *s = sp_test_read_file(path);
+  free(path);
+  return s;
+}
+
+/* Established TCP connections whose far end is 127.0.0.1:port: the
+ * clients' side of connections to the coordinator, whoever holds them. */
+static int conns_to(int port) {
+  FILE *f = fopen("/proc/net/tcp", "r");
+  if (!f) return -1;
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof line, f)) {
+    unsigned la, lp, ra, rp, st;
+    if (sscanf(line, " %*d: %x:%x %x:%x %x", &la, &lp, &ra, &rp, &st) == 5 &&
+        (int)rp == port && st == 1 /* ESTABLISHED */)
+      n++;
+  }
+  fclose(f);
+  return n;
+}
+
+/* Waits for both agents (killing them after timeout_s) while counting the
+ * connections to the coordinator; the largest count seen goes to
+ * *max_conns. */
+static void wait_agents(pid_t a[2], int st[2], int port, double timeout_s,
+                        int *max_conns) {
+  double end = sp_clock_s() + timeout_s;
+  st[0] = st[1] = -2;
+  *max_conns = 0;
+  while ((st[0] == -2 || st[1] == -2) && sp_clock_s() < end) {
+    int c = conns_to(port);
+    if (c > *max_conns) *max_conns = c;
+    for (int i = 0; i < 2; i++) {
+      int s;
+      if (st[i] == -2 && waitpid(a[i], &s, WNOHANG) == a[i])
+        st[i] = WIFEXITED(s) ? WEXITSTATUS(s) : 128 + WTERMSIG(s);
+    }
+    usleep(5000);
+  }
+  for (int i = 0; i < 2; i++)
+    if (st[i] == -2) st[i] = sp_test_wait_exit(a[i], 0);
+}
+
+/* Two agents of two workers each against one coordinator train to the
+ * same bytes as `shardplane run --nproc 4`, each agent holding one
+ * connection to the coordinator for its two workers (each of which opens
+ * a Session stream and store connections of its own). */
+static void test_agents_train_as_run(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *cka = sp_test_path(dir, "agents"), *ckr = sp_test_path(dir, "run");
+  sp_tauth auth;
+  sp_tauth_make(&auth);
+  sp_proc coord;
+  char addr[64];
+  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  const char *trainer[] = {WORKER, "--insecure", "--steps", "6",
+                           "--global-batch", "24", "--lr", "0.05",
+                           "--log-every", "1", "--checkpoint-dir", cka, NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(dir, addr, &auth, i, NULL, trainer);
+  int st[2], max_conns;
+  wait_agents(a, st, coord.port, 120, &max_conns);
+  sp_proc_stop(&coord, 5000);
+  char *out0 = slurp(dir, "agent0.out"), *err0 = slurp(dir, "agent0.err"),
+       *err1 = slurp(dir, "agent1.err");
+  printf("agent 0:\n%s%s\nagent 1:\n%s\nconnections to the coordinator: at "
+         "most %d\n", out0, err0, err1, max_conns);
+  assert_int_equal(st[0], 0);
+  assert_int_equal(st[1], 0);
+  /* rank 0's progress, with its prefix */
+  assert_non_null(strstr(out0, "[rank0]: step 6/6"));
+  /* every worker reached the coordinator through its agent ... */
+  assert_non_null(strstr(err0, "ranks 0-1 of 4"));
+  assert_non_null(strstr(err1, "ranks 2-3 of 4"));
+  assert_non_null(strstr(err0, "proxied "));
+  /* ... and the agents' were the only connections */
+  assert_int_equal(max_conns, 2);
+  free(out0);
+  free(err0);
+  free(err1);
+
+  char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
+                  "--steps", "6", "--global-batch", "24", "--lr", "0.05",
+                  "--checkpoint-dir", ckr, NULL};
+  char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
+  assert_int_equal(sp_test_wait_exit(sp_test_spawn_logged(out, err, argv),
+                                     120), 0);
+  char *fa = sp_test_path(cka, "full"), *fr = sp_test_path(ckr, "full");
+  sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
+  free(fa);
+  free(fr);
+  free(out);
+  free(err);
+  sp_tauth_free(&auth);
+  free(cka);
+  free(ckr);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* What a trainer is given, whatever it is: the launcher's variables, its
+ * lines prefixed with its rank, its exit code collected and named. */
+static void test_agent_env_and_exit_codes(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  sp_tauth auth;
+  sp_tauth_make(&auth);
+  sp_proc coord;
+  char addr[64];
+  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  const char *show[] = {"/bin/sh", "-c",
+                        "echo \"env $RANK $LOCAL_RANK $WORLD_SIZE "
+                        "$LOCAL_WORLD_SIZE $GROUP_RANK $NODE_RANK "
+                        "$SHARDPLANE_COORDINATOR\"; echo oops >&2; "
+                        "[ $LOCAL_RANK = 1 ] && exit 3; exit 0",
+                        NULL};
+  /* the node rank from the environment, as torchrun's launchers set it */
+  setenv("NODE_RANK", "1", 1);
+  pid_t pid = start_agent(dir, addr, &auth, -1, NULL, show);
+  unsetenv("NODE_RANK");
+  int st = sp_test_wait_exit(pid, 60);
+  char *out = slurp(dir, "agent9.out"), *err = slurp(dir, "agent9.err");
+  printf("%s%s", out, err);
+  assert_int_equal(st, 1);
+  assert_non_null(strstr(out, "[rank2]: env 2 0 4 2 1 1 unix:/"));
+  assert_non_null(strstr(out, "[rank3]: env 3 1 4 2 1 1 unix:/"));
+  assert_non_null(strstr(err, "[rank3]: oops"));
+  assert_non_null(strstr(err, "rank 3 (local rank 1 on node 1) exited with "
+                              "status 3"));
+  assert_null(strstr(err, "rank 2 (local rank 0"));
+  free(out);
+  free(err);
+
+  /* without the proxy the workers get the coordinator's own address */
+  const char *noproxy[] = {"--no-proxy", NULL};
+  const char *ok[] = {"/bin/sh", "-c", "echo \"at $SHARDPLANE_COORDINATOR\"",
+                      NULL};
+  st = sp_test_wait_exit(start_agent(dir, addr, &auth, 0, noproxy, ok), 60);
+  out = slurp(dir, "agent0.out");
+  char want[96];
+  snprintf(want, sizeof want, "[rank1]: at %s\n", addr);
+  printf("%s", out);
+  assert_int_equal(st, 0);
+  assert_non_null(strstr(out, want));
+  free(out);
+  sp_proc_stop(&coord, 5000);
+  sp_tauth_free(&auth);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* The pid of the child of parent whose environment holds RANK=rank. */
+static pid_t child_with_rank(pid_t parent, int rank) {
+  char want[32];
+  snprintf(want, sizeof want, "RANK=%d", rank);
+  DIR *d = opendir("/proc");
+  assert_non_null(d);
+  struct dirent *e;
+  pid_t found = 0;
+  while (!found && (e = readdir(d)) != NULL) {
+    pid_t pid = (pid_t)atoi(e->d_name);
+    if (pid <= 0) continue;
+    char path[64], buf[65536];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) continue;
+    size_t len = fread(buf, 1, 4095, f);
+    fclose(f);
+    buf[len] = '\0';
+    char *cp = strrchr(buf, ')');
+    int ppid = 0;
+    char s;
+    if (!cp || sscanf(cp + 2, "%c %d", &s, &ppid) != 2 || ppid != parent)
+      continue;
+    snprintf(path, sizeof path, "/proc/%d/environ", (int)pid);
+    f = fopen(path, "r");
+    if (!f) continue;
+    len = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[len] = '\0';
+    for (size_t i = 0; i < len; i += strlen(buf + i) + 1)
+      if (strcmp(buf + i, want) == 0) found = pid;
+  }
+  closedir(d);
+  return found;
+}
+
+/* A worker killed mid-training without restarts: its agent names its
+ * rank and signal and exits 1; the other host's workers are aborted by the
+ * coordinator and their agent exits 1 too. Nothing is left running. */
+static void test_agent_worker_killed(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  sp_tauth auth;
+  sp_tauth_make(&auth);
+  sp_proc coord;
+  char addr[64];
+  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
+                           "--log-every", "1", "--checkpoint", "none", NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(dir, addr, &auth, i, NULL, trainer);
+  double end = sp_clock_s() + 60;
+  for (;;) {
+    char *out = slurp(dir, "agent0.out");
+    bool going = strstr(out, "step 3/") != NULL;
+    free(out);
+    if (going) break;
+    if (sp_clock_s() > end) fail_msg("the job did not reach step 3");
+    usleep(20000);
+  }
+  pid_t victim = child_with_rank(a[1], 3);
+  assert_true(victim > 0);
+  assert_int_equal(kill(victim, SIGKILL), 0);
+  int st[2], max_conns;
+  double t0 = sp_clock_s();
+  wait_agents(a, st, coord.port, 60, &max_conns);
+  double took = sp_clock_s() - t0;
+  sp_proc_stop(&coord, 5000);
+  char *err0 = slurp(dir, "agent0.err"), *err1 = slurp(dir, "agent1.err");
+  printf("agent 0:\n%s\nagent 1:\n%s\nended %.2f s after the kill\n", err0,
+         err1, took);
+  assert_int_equal(st[1], 1);
+  assert_non_null(strstr(err1, "rank 3 (local rank 1 on node 1) was killed "
+                               "by signal 9"));
+  assert_int_equal(st[0], 1);
+  /* lost by its broken stream, not by a heartbeat timeout */
+  assert_true(took < 15);
+  free(err0);
+  free(err1);
+  sp_tauth_free(&auth);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* Bad usage is named by its flag, and exits 2. */
+static void test_agent_bad_usage(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  sp_tauth auth;
+  sp_tauth_make(&auth);
+  sp_proc coord;
+  char addr[64];
+  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  char *out = sp_test_path(dir, "out"), *err = sp_test_path(dir, "err");
+  struct {
+    const char *args[12];
+    int code;
+    const char *says;
+  } cases[] = {
+      {{"--coordinator", addr, "--insecure", "--", "/bin/true", NULL}, 2,
+       "--nproc-per-node is required"},
+      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "2", NULL},
+       2, "no trainer"},
+      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "0", "--",
+        "/bin/true", NULL}, 2, "--nproc-per-node"},
+      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "3", "--",
+        "/bin/true", NULL}, 2, "world size 4 is not a multiple"},
+      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "2",
+        "--nnodes", "3", "--", "/bin/true", NULL}, 2,
+       "--nnodes 3 x --nproc-per-node 2 is 6 ranks; the job has 4"},
+      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "2", "--",
+        "/bin/true", NULL}, 2, "--node-rank is required with 2 hosts"},
+      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "2",
+        "--node-rank", "2", "--", "/bin/true", NULL}, 2,
+       "--node-rank 2: the job has 2 hosts (0 to 1)"},
+      {{"--help", NULL}, 0, NULL},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *argv[16] = {SHARDPLANE, "agent"};
+    size_t k = 2;
+    for (size_t j = 0; cases[i].args[j]; j++)
+      argv[k++] = (char *)cases[i].args[j];
+    argv[k] = NULL;
+    setenv(SP_TOKEN_ENV, auth.token[SP_ROLE_WORKER], 1);
+    int st = sp_test_wait_exit(sp_test_spawn_logged(out, err, argv), 30);
+    unsetenv(SP_TOKEN_ENV);
+    char *e = sp_test_read_file(err), *o = sp_test_read_file(out);
+    printf("case %zu: exit %d: %s", i, st, e);
+    assert_int_equal(st, cases[i].code);
+    if (cases[i].says) assert_non_null(strstr(e, cases[i].says));
+    else assert_non_null(strstr(o, "usage: shardplane agent"));
+    free(e);
+    free(o);
+  }
+  sp_proc_stop(&coord, 5000);
+  free(out);
+  free(err);
+  sp_tauth_free(&auth);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_agent_env_and_exit_codes),
+      cmocka_unit_test(test_agent_bad_usage),
+      cmocka_unit_test(test_agents_train_as_run),
+      cmocka_unit_test(test_agent_worker_killed),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
