@@ -173,8 +173,29 @@ static void test_agents_train_as_run(void **state) {
                   "--steps", "6", "--global-batch", "24", "--lr", "0.05",
                   "--checkpoint-dir", ckr, NULL};
   char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
-  assert_int_equal(sp_test_wait_exit(sp_test_spawn_logged(out, err, argv),
-                                     120), 0);
+  pid_t run = sp_test_spawn_logged(out, err, argv);
+  /* run is the coordinator and one agent: its 4 workers, one connection */
+  int port = 0, run_conns = 0, rst = -2;
+  double end = sp_clock_s() + 120;
+  while (rst == -2 && sp_clock_s() < end) {
+    if (port == 0) {
+      char *o = sp_test_read_file(out);
+      const char *at = strstr(o, "coordinator on 127.0.0.1:");
+      if (at) port = atoi(at + strlen("coordinator on 127.0.0.1:"));
+      free(o);
+    }
+    int c = port ? conns_to(port) : 0;
+    if (c > run_conns) run_conns = c;
+    int s;
+    if (waitpid(run, &s, WNOHANG) == run)
+      rst = WIFEXITED(s) ? WEXITSTATUS(s) : 128 + WTERMSIG(s);
+    usleep(5000);
+  }
+  if (rst == -2) rst = sp_test_wait_exit(run, 0);
+  printf("shardplane run --nproc 4: exit %d, at most %d connection(s) to "
+         "its coordinator\n", rst, run_conns);
+  assert_int_equal(rst, 0);
+  assert_int_equal(run_conns, 1);
   char *fa = sp_test_path(cka, "full"), *fr = sp_test_path(ckr, "full");
   sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
   free(fa);

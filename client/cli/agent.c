@@ -81,9 +81,6 @@ typedef struct agent {
   bool no_proxy;
   char **trainer;       /* argv of the trainer, NULL-terminated */
   uint32_t world;       /* the job's world size */
-  /* private directory (0700) of the socket; sun_path holds 107 bytes */
-  char dir[80];
-  char sock[108];
   char worker_coord[PATH_MAX + 8]; /* what the workers connect to */
   char gloo_host[64];   /* "" when the environment sets it */
   sp_agent_proxy *proxy;
@@ -222,8 +219,8 @@ static int check_world(agent *a) {
   return PROCEED;
 }
 
-/* The private directory, the socket and the proxy on it. Returns PROCEED
- * or the exit code. */
+/* The proxy, and what the workers are told. Returns PROCEED or the exit
+ * code. */
 static int start_proxy(agent *a) {
   sp_diag d = {{0}};
   if (sp_local_addr_toward(a->r.addr, a->gloo_host, sizeof a->gloo_host,
@@ -237,29 +234,14 @@ static int start_proxy(agent *a) {
     snprintf(a->worker_coord, sizeof a->worker_coord, "%s", a->r.addr);
     return PROCEED;
   }
-  const char *tmp = getenv("TMPDIR");
-  /* sun_path holds 107 bytes: a long $TMPDIR falls back to /tmp */
-  if (tmp == NULL || tmp[0] == '\0' || strlen(tmp) > 60) tmp = "/tmp";
-  snprintf(a->dir, sizeof a->dir, "%s/shardplane-agent-XXXXXX", tmp);
-  if (mkdtemp(a->dir) == NULL) { /* mode 0700 */
-    sp_cli_error(AGENT, "cannot create a directory in %s: %s", tmp,
-                 strerror(errno));
-    a->dir[0] = '\0';
-    return SP_EXIT_FAILURE;
-  }
-  int n = snprintf(a->sock, sizeof a->sock, "%s/coordinator.sock", a->dir);
-  if (n <= 0 || (size_t)n >= sizeof a->sock) {
-    sp_cli_error(AGENT, "the socket path in %s is too long", a->dir);
-    return SP_EXIT_FAILURE;
-  }
   sp_rpc_client_opts co = {.connect_timeout_ms = 20000};
   sp_cred_client_opts(&a->r.cred, &co);
-  if (sp_agent_proxy_start(a->r.addr, &co, a->sock, &a->proxy, &d) != 0) {
-    sp_cli_error(AGENT, "cannot start the proxy on %s: %s", a->sock, d.msg);
+  if (sp_agent_proxy_start(a->r.addr, &co, &a->proxy, &d) != 0) {
+    sp_cli_error(AGENT, "cannot start the proxy: %s", d.msg);
     return SP_EXIT_FAILURE;
   }
-  snprintf(a->worker_coord, sizeof a->worker_coord, SP_RPC_UNIX_PREFIX "%s",
-           a->sock);
+  snprintf(a->worker_coord, sizeof a->worker_coord, "%s",
+           sp_agent_proxy_address(a->proxy));
   return PROCEED;
 }
 
@@ -417,6 +399,9 @@ int sp_cmd_agent(int argc, char **argv) {
   agent a = {0};
   sp_remote_init(&a.r, AGENT);
   int ret = parse_args(&a, argc, argv);
+  /* a worker gone from its socket is an EPIPE for the proxy, not the end
+   * of the agent */
+  signal(SIGPIPE, SIG_IGN);
   if (ret == PROCEED) ret = check_world(&a);
   /* its connection goes: the proxy's is the one the agent keeps */
   if (a.r.rpc) sp_remote_finish(&a.r, SP_EXIT_OK);
@@ -448,6 +433,5 @@ out:
             (unsigned long long)st.local_conns, a.r.addr);
     sp_agent_proxy_free(a.proxy);
   }
-  if (a.dir[0]) rmdir(a.dir);
   return ret;
 }

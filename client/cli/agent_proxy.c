@@ -1,6 +1,7 @@
 /* The agent's proxy (agent_proxy.h). */
 #include "agent_proxy.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -27,7 +28,9 @@ struct sp_agent_proxy {
   char (*paths)[PATH_CAP];
   size_t n_methods;
   char *bearer; /* "Bearer <token>" or NULL */
+  char dir[80];          /* private, 0700; sun_path holds 107 bytes */
   char socket_path[108];
+  char address[116];     /* "unix:" socket_path */
   bool stopping;
   /* written by the proxy thread, read after the join */
   sp_agent_proxy_stats stats;
@@ -221,18 +224,47 @@ static int build_methods(sp_agent_proxy *p) {
   return 0;
 }
 
+/* The private directory and the socket's path in it. */
+static int make_dir(sp_agent_proxy *p, sp_diag *d) {
+  const char *tmp = getenv("TMPDIR");
+  /* a long $TMPDIR would not leave room for the socket's name */
+  if (tmp == NULL || tmp[0] == '\0' || strlen(tmp) > 50) tmp = "/tmp";
+  snprintf(p->dir, sizeof p->dir, "%s/shardplane-agent-XXXXXX", tmp);
+  if (mkdtemp(p->dir) == NULL) { /* mode 0700 */
+    int e = errno;
+    p->dir[0] = '\0';
+    return sp_diag_set(d, SP_EIO, "cannot create a directory in %s: %s", tmp,
+                       strerror(e));
+  }
+  snprintf(p->socket_path, sizeof p->socket_path, "%s/coordinator.sock",
+           p->dir);
+  snprintf(p->address, sizeof p->address, SP_RPC_UNIX_PREFIX "%s",
+           p->socket_path);
+  return 0;
+}
+
+const char *sp_agent_proxy_address(const sp_agent_proxy *p) {
+  return p->address;
+}
+
+/* The socket file and the directory, once nothing listens. */
+static void remove_dir(sp_agent_proxy *p) {
+  if (p->dir[0] == '\0') return;
+  unlink(p->socket_path);
+  rmdir(p->dir);
+  p->dir[0] = '\0';
+}
+
 int sp_agent_proxy_start(const char *upstream, const sp_rpc_client_opts *opts,
-                         const char *socket_path, sp_agent_proxy **out,
-                         sp_diag *d) {
+                         sp_agent_proxy **out, sp_diag *d) {
   sp_agent_proxy *p = calloc(1, sizeof *p);
   if (p == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
-  if (strlen(socket_path) >= sizeof p->socket_path) {
+  int rc = make_dir(p, d);
+  if (rc != 0) {
     free(p);
-    return sp_diag_set(d, SP_ETOOBIG, "socket path %s is too long",
-                       socket_path);
+    return rc;
   }
-  snprintf(p->socket_path, sizeof p->socket_path, "%s", socket_path);
-  int rc = build_methods(p);
+  rc = build_methods(p);
   if (rc == 0 && opts != NULL && opts->token != NULL) {
     size_t n = strlen(opts->token);
     p->bearer = malloc(n + 8);
@@ -240,10 +272,12 @@ int sp_agent_proxy_start(const char *upstream, const sp_rpc_client_opts *opts,
     else snprintf(p->bearer, n + 8, "Bearer %s", opts->token);
   }
   if (rc != 0) {
+    remove_dir(p);
     sp_agent_proxy_free(p);
     return sp_diag_set(d, rc, "cannot set up the proxy: %s", sp_strerror(rc));
   }
   if ((rc = uv_loop_init(&p->loop)) != 0) {
+    remove_dir(p);
     sp_agent_proxy_free(p);
     return sp_diag_set(d, SP_EIO, "uv_loop_init: %s", uv_strerror(rc));
   }
@@ -251,11 +285,9 @@ int sp_agent_proxy_start(const char *upstream, const sp_rpc_client_opts *opts,
   sp_rpc_server_opts so = {.idle_timeout_ms = UINT64_MAX};
   sp_rpc_client_opts co = opts ? *opts : (sp_rpc_client_opts){0};
   co.token = NULL; /* each call carries its caller's, or the agent's */
-  char listen[sizeof p->socket_path + 8];
-  snprintf(listen, sizeof listen, SP_RPC_UNIX_PREFIX "%s", socket_path);
   rc = sp_rpc_server_new(&p->loop, &so, &p->srv);
   if (rc == 0) rc = sp_rpc_server_add_methods(p->srv, p->methods, p->n_methods);
-  if (rc == 0) rc = sp_rpc_server_listen(p->srv, listen, NULL, d);
+  if (rc == 0) rc = sp_rpc_server_listen(p->srv, p->address, NULL, d);
   if (rc == 0) {
     rc = sp_rpc_client_open(&p->loop, upstream, &co, &p->up);
     if (rc != 0)
@@ -278,7 +310,7 @@ int sp_agent_proxy_start(const char *upstream, const sp_rpc_client_opts *opts,
     uv_run(&p->loop, UV_RUN_DEFAULT);
     if (p->srv) sp_rpc_server_free(p->srv);
     uv_loop_close(&p->loop);
-    unlink(p->socket_path);
+    remove_dir(p);
     sp_agent_proxy_free(p);
     return rc < 0 ? rc : SP_EIO;
   }
@@ -300,7 +332,7 @@ void sp_agent_proxy_stop(sp_agent_proxy *p) {
   p->srv = NULL;
   uv_run(&p->loop, UV_RUN_NOWAIT);
   uv_loop_close(&p->loop);
-  unlink(p->socket_path);
+  remove_dir(p);
 }
 
 void sp_agent_proxy_stats_get(const sp_agent_proxy *p,

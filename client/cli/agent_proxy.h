@@ -26,13 +26,16 @@
 
 typedef struct sp_agent_proxy sp_agent_proxy;
 
-/* Listens on socket_path (which must not exist; its directory is the
- * caller's) and starts the thread. upstream is the coordinator's
+/* Makes a private directory (mode 0700) under $TMPDIR, else /tmp, listens
+ * on a socket in it and starts the thread. upstream is the coordinator's
  * "host:port"; opts its TLS and the agent's token (copied). 0, or a
  * negative code with the reason in d. */
 int sp_agent_proxy_start(const char *upstream, const sp_rpc_client_opts *opts,
-                         const char *socket_path, sp_agent_proxy **out,
-                         sp_diag *d);
+                         sp_agent_proxy **out, sp_diag *d);
+
+/* "unix:PATH": what the workers connect to (SHARDPLANE_COORDINATOR). The
+ * string is the proxy's. */
+const char *sp_agent_proxy_address(const sp_agent_proxy *p);
 
 typedef struct sp_agent_proxy_stats {
   uint64_t calls;            /* calls proxied since the start */
@@ -43,7 +46,7 @@ void sp_agent_proxy_stats_get(const sp_agent_proxy *p,
                               sp_agent_proxy_stats *s);
 
 /* Stops listening, cancels the calls in flight, closes the connection,
- * joins the thread and removes the socket file; the counters stay
+ * joins the thread and removes the socket and its directory; the counters stay
  * readable until sp_agent_proxy_free. */
 void sp_agent_proxy_stop(sp_agent_proxy *p);
 void sp_agent_proxy_free(sp_agent_proxy *p);

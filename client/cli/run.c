@@ -34,6 +34,7 @@
 #include "base/proc.h"
 #include "lib/shardplane.h"
 #include "run_auth.h"
+#include "agent_proxy.h"
 #include "run_verdict.h"
 #include "workers.h"
 
@@ -229,6 +230,8 @@ typedef struct run_procs {
   char state_dir[PATH_MAX];
   int restarts;
   char addr[64];
+  /* the workers' calls go through it, as under an agent (agent_proxy.h) */
+  sp_agent_proxy *proxy;
   pid_t pids[MAX_NPROC];
   uint32_t live;
   sp_out_stream *streams; /* rank r's stdout at 2r, its stderr at 2r + 1 */
@@ -653,7 +656,7 @@ static void worker_args(const run_opts *o, const run_job *j,
   snprintf(rank_s, 24, "%lld", r);
   push(wa, j->worker_bin);
   push(wa, "--coordinator");
-  push(wa, p->addr);
+  push(wa, sp_agent_proxy_address(p->proxy));
   push(wa, "--insecure");
   push(wa, "--token-file");
   push(wa, j->creds.worker_token);
@@ -707,6 +710,22 @@ static void worker_args(const run_opts *o, const run_job *j,
     push(wa, sp_ckpt_kind_dir(j->load_kind));
     if (o->load_params_only) push(wa, "--load-params-only");
   }
+}
+
+/* This host's agent, in-process: the workers reach the coordinator over
+ * its one connection. Returns PROCEED or the exit code. */
+static int start_proxy(run_procs *p) {
+  sp_diag d = {{0}};
+  /* each call carries its worker's token; the connection is loopback */
+  sp_rpc_client_opts co = {.connect_timeout_ms = 20000};
+  if (sp_agent_proxy_start(p->addr, &co, &p->proxy, &d) != 0) {
+    sp_cli_error(RUN, "cannot start the workers' proxy: %s", d.msg);
+    return SP_EXIT_FAILURE;
+  }
+  /* the workers' coordinator is a socket now, so it no longer shows the
+   * interface Gloo binds: on one host, loopback (a value set stays) */
+  setenv(SP_GLOO_HOST_ENV, "127.0.0.1", 0);
+  return PROCEED;
 }
 
 /* Starts the N workers. Returns PROCEED or the exit code (p->pids holds
@@ -1016,6 +1035,7 @@ int sp_cmd_run(int argc, char **argv) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN); /* the proxy's sockets say EPIPE instead */
 
   if (sp_run_creds_make("shardplane-run", &j.creds) != 0) {
     ret = SP_EXIT_FAILURE;
@@ -1036,9 +1056,11 @@ int sp_cmd_run(int argc, char **argv) {
          j.creds.admin_token, p.addr, j.creds.admin_token);
   fflush(stdout);
   double t0 = sp_clock_s();
-  ret = start_workers(&o, &j, &p);
+  ret = start_proxy(&p);
+  if (ret == PROCEED) ret = start_workers(&o, &j, &p);
   if (ret == PROCEED) ret = supervise(&o, &p);
   sp_workers_stop(p.pids, (uint32_t)o.nproc, 3000);
+  sp_agent_proxy_free(p.proxy);
   sp_workers_close_streams(p.streams, p.n_streams);
   free(p.streams);
   char verdict[512];

@@ -94,7 +94,13 @@ pid_t sp_workers_spawn(char *const argv[], char *const envp[],
   posix_spawn_file_actions_adddup2(&fa, pe[1], STDERR_FILENO);
   posix_spawnattr_t at;
   posix_spawnattr_init(&at);
-  posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
+  /* the launcher ignores SIGPIPE (its sockets say EPIPE instead); the
+   * trainer starts with the default, as from a shell */
+  sigset_t def;
+  sigemptyset(&def);
+  sigaddset(&def, SIGPIPE);
+  posix_spawnattr_setsigdefault(&at, &def);
+  posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF);
   posix_spawnattr_setpgroup(&at, 0);
   pid_t pid;
   /* a trainer named without a slash is looked up on PATH, as torchrun */
