@@ -138,7 +138,8 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       (rc = sp_coord_ranks_register(c)) != 0 ||
       (rc = sp_coord_events_register(c)) != 0 ||
       (rc = sp_coord_store_register(c)) != 0 ||
-      (rc = sp_coord_dump_register(c)) != 0) {
+      (rc = sp_coord_dump_register(c)) != 0 ||
+      (rc = sp_coord_agents_register(c)) != 0) {
     sp_diag_set(diag, rc, "coordinator: cannot register the service: %s",
                 sp_strerror(rc));
     goto fail;
@@ -174,21 +175,21 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
 
 /* Shutdown has two asynchronous steps (the server, the heartbeat timer);
  * the caller hears about it when both are done. */
-static void stop_step_done(sp_coord *c) {
+void sp_coord_stop_step_done(sp_coord *c) {
   if (--c->stopping > 0) return;
   if (c->stop_done) c->stop_done(c, c->stop_arg);
 }
 
 static void server_stopped(sp_rpc_server *srv, void *arg) {
   (void)srv;
-  stop_step_done(arg);
+  sp_coord_stop_step_done(arg);
 }
 
-static void heartbeat_closed(uv_handle_t *h) { stop_step_done(h->data); }
+static void heartbeat_closed(uv_handle_t *h) { sp_coord_stop_step_done(h->data); }
 
-static void persist_closed(uv_handle_t *h) { stop_step_done(h->data); }
+static void persist_closed(uv_handle_t *h) { sp_coord_stop_step_done(h->data); }
 
-static void diag_closed(void *c) { stop_step_done(c); }
+static void diag_closed(void *c) { sp_coord_stop_step_done(c); }
 
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg) {
@@ -200,6 +201,7 @@ void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
   sp_coord_log(c, "shutting down");
   c->heartbeat_timer.data = c;
   sp_coord_store_shutdown(c);
+  sp_coord_agents_shutdown(c);
   sp_coord_events_shutdown(c);
   sp_coord_diag_shutdown(c, diag_closed);
   sp_coord_ranks_shutdown(c, heartbeat_closed);
@@ -213,6 +215,7 @@ void sp_coord_free(sp_coord *c) {
   sp_rpc_server_free(c->srv);
   sp_coord_persist_free(c);
   sp_coord_ranks_free(c);
+  sp_coord_agents_free(c);
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
   for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) {
     free(c->recent_msg[i]);

@@ -357,6 +357,8 @@ static const struct {
     /* hang diagnosis: an operator's questions, not a worker's */
     {"GetVerdict", R},        {"GetTrace", R},
     {"GetDump", R},
+    /* a host's agent holds a worker token */
+    {"AgentSession", W},      {"ListIncarnations", W | R},
 };
 
 static bool role_may_call(int role, const char *path) {

@@ -7,6 +7,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -281,10 +282,9 @@ void sp_coord_diag_last_event(const sp_coord *c, uint32_t rank, char *out,
 
 /* ---- setup ---- */
 
-int sp_coord_diag_init(sp_coord *c) {
-  sp_coord_diag *d = calloc(1, sizeof *d);
-  if (d == NULL) return SP_ENOMEM;
-  c->diag = d;
+/* What one incarnation of the job builds up (tables, verdicts, the
+ * ranks' figures), allocated for d's world; the timer is not touched. */
+static int diag_alloc(sp_coord *c, sp_coord_diag *d) {
   d->world = c->plan->world_size;
   d->r = calloc(d->world, sizeof *d->r);
   if (d->r == NULL) return SP_ENOMEM;
@@ -306,6 +306,13 @@ int sp_coord_diag_init(sp_coord *c) {
   return 0;
 }
 
+int sp_coord_diag_init(sp_coord *c) {
+  sp_coord_diag *d = calloc(1, sizeof *d);
+  if (d == NULL) return SP_ENOMEM;
+  c->diag = d;
+  return diag_alloc(c, d);
+}
+
 static void free_open(open_alert *o) {
   free(o->msg);
   free(o->culprits);
@@ -313,9 +320,7 @@ static void free_open(open_alert *o) {
   memset(o, 0, sizeof *o);
 }
 
-void sp_coord_diag_free(sp_coord *c) {
-  sp_coord_diag *d = c->diag;
-  if (d == NULL) return;
+static void diag_clear(sp_coord_diag *d) {
   free(d->world_t.slots);
   for (uint32_t i = 0; d->shard_t && i < d->n_shard; i++)
     free(d->shard_t[i].slots);
@@ -328,8 +333,35 @@ void sp_coord_diag_free(sp_coord *c) {
   free(d->culprit_msg);
   free(d->comms);
   free(d->r);
+}
+
+void sp_coord_diag_free(sp_coord *c) {
+  sp_coord_diag *d = c->diag;
+  if (d == NULL) return;
+  diag_clear(d);
   free(d);
   c->diag = NULL;
+}
+
+int sp_coord_diag_new_incarnation(sp_coord *c) {
+  sp_coord_diag *d = c->diag;
+  diag_clear(d);
+  /* everything after the timer fields starts afresh: the next
+   * incarnation's collectives count from 0 again, and its verdicts are
+   * its own (the timer handle is the loop's and stays where it is) */
+  uint64_t forgiven = d->forgiven_ms;
+  void (*closed)(void *) = d->closed;
+  memset(&d->r, 0, sizeof *d - offsetof(sp_coord_diag, r));
+  d->forgiven_ms = forgiven;
+  d->closed = closed;
+  return diag_alloc(c, d);
+}
+
+bool sp_coord_diag_culprit(const sp_coord *c, uint32_t *rank) {
+  const sp_coord_diag *d = c->diag;
+  if (d == NULL || !d->has_culprit) return false;
+  *rank = d->culprit;
+  return true;
 }
 
 uint64_t sp_coord_diag_forgiven_ms(const sp_coord *c) {

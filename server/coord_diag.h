@@ -50,6 +50,12 @@ void sp_coord_diag_start(struct sp_coord *c);
  * is the coordinator). Pending trace calls are answered UNAVAILABLE. */
 void sp_coord_diag_shutdown(struct sp_coord *c, void (*closed)(void *));
 void sp_coord_diag_free(struct sp_coord *c);
+/* A new incarnation of the job (coord_agents.c): every table, verdict and
+ * rank figure starts afresh, the job WAITING again. SP_ENOMEM. */
+int sp_coord_diag_new_incarnation(struct sp_coord *c);
+/* The rank the first fault named (a stall's, a desync's, the first rank
+ * lost): true with *rank set, false while there is none. */
+bool sp_coord_diag_culprit(const struct sp_coord *c, uint32_t *rank);
 
 /* Ingest (coord_ranks.c). q is the decoded SessionUp of an attached,
  * bound rank; the transitions were applied before. */

@@ -822,6 +822,30 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(states);
 }
 
+void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why) {
+  for (uint32_t r = 0; r < c->plan->world_size; r++) {
+    sp_coord_rank *k = &c->ranks[r];
+    if (k->session != NULL) { /* a worker of the ended incarnation */
+      sp_rpc_call *s = k->session;
+      k->session = NULL;
+      session_finish(s, SP_RPC_ABORTED, why);
+    }
+    k->status = SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED;
+    k->session_id[0] = '\0';
+    k->step = 0;
+    for (size_t u = 0; u < k->st.n_units; u++) k->st.units[u] = SP_HANDLE_IDLE;
+    k->st.root = SP_ROOT_IDLE;
+    k->last_coll.set = false;
+    k->awaiting = false;
+    k->owner = NULL;
+    persist_rank(c, r);
+  }
+  /* an abort ended the last incarnation, not this one */
+  free(c->abort_reason);
+  c->abort_reason = NULL;
+  c->abort_has_culprit = false;
+}
+
 uint32_t sp_coord_abort_all(sp_coord *c, const char *reason, bool has_culprit,
                             uint32_t culprit) {
   if (c->abort_reason == NULL) {

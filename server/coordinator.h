@@ -114,6 +114,8 @@ typedef struct sp_coord {
   sp_store *store;
   struct sp_coord_store_wait *store_waits; /* calls waiting on keys */
   sp_coord_persist *persist; /* NULL without a state dir */
+  /* the hosts' agents and the job's incarnations (coord_agents.c) */
+  struct sp_coord_agents *agents;
   sp_auth *auth; /* NULL without a token file */
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
@@ -138,6 +140,9 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag);
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg);
 void sp_coord_free(sp_coord *c);
+/* One asynchronous step of the shutdown is done (a handle released); an
+ * area whose shutdown adds one counts it in c->stopping first. */
+void sp_coord_stop_step_done(sp_coord *c);
 
 /* Milliseconds since start. */
 uint64_t sp_coord_now_ms(const sp_coord *c);
@@ -168,6 +173,15 @@ void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed);
 void sp_coord_ranks_free(sp_coord *c);
 void sp_coord_events_shutdown(sp_coord *c);
 void sp_coord_store_shutdown(sp_coord *c);
+/* Agents and incarnations (coord_agents.c): AgentSession and
+ * ListIncarnations. */
+int sp_coord_agents_register(sp_coord *c);
+void sp_coord_agents_shutdown(sp_coord *c);
+void sp_coord_agents_free(sp_coord *c);
+/* coord_ranks.c: a new incarnation: every rank's Session stream of the
+ * last one is ended (ABORTED, why), every rank is to attach afresh, and
+ * the last incarnation's abort is forgotten. */
+void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why);
 
 /* Summary counts for GetJob / status. */
 void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,

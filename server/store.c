@@ -577,6 +577,26 @@ int sp_store_delete(sp_store *s, const void *key, size_t klen, bool *deleted) {
   return 0;
 }
 
+int sp_store_clear(sp_store *s,
+                   void (*each)(void *arg, const void *key, size_t klen),
+                   void *arg) {
+  if (s == NULL) return SP_EINVAL;
+  if (s->n_keys == 0) return 0;
+  /* gathered first: removing shrinks and rehashes the table */
+  entry **all = malloc(s->n_keys * sizeof *all);
+  if (all == NULL) return SP_ENOMEM;
+  size_t n = 0;
+  for (size_t b = 0; b < s->nbuckets; b++)
+    for (entry *e = s->buckets[b]; e != NULL; e = e->next)
+      if (e->present) all[n++] = e;
+  for (size_t i = 0; i < n; i++) {
+    if (each != NULL) each(arg, all[i]->key, all[i]->klen);
+    remove_entry(s, all[i]);
+  }
+  free(all);
+  return 0;
+}
+
 int sp_store_wait(sp_store *s, const void *const *keys, const size_t *klens,
                   size_t n, sp_store_wake_fn fn, void *arg,
                   sp_store_waiter **out) {

@@ -111,6 +111,14 @@ int sp_store_compare_set(sp_store *s, const void *key, size_t klen,
  * that already counted the key keep it counted. */
 int sp_store_delete(sp_store *s, const void *key, size_t klen, bool *deleted);
 
+/* Removes every key (a new incarnation of the job starts with none of
+ * the last one's). each, when given, sees every key just before it goes
+ * (the bytes are valid during the call). Waiters stay registered and keep
+ * what they counted, as for sp_store_delete. SP_ENOMEM (nothing removed). */
+int sp_store_clear(sp_store *s,
+                   void (*each)(void *arg, const void *key, size_t klen),
+                   void *arg);
+
 /* Waits for every key of keys[0..n) to exist (see sp_store_wake_fn). If
  * they all exist already (or n is 0), returns 1, registers nothing and
  * never calls fn. Otherwise registers a waiter, returns 0 and sets *out

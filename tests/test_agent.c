@@ -21,7 +21,9 @@
 
 #include "base/clock.h"
 #include "base/proc.h"
+#include "rpc/rpc.h"
 #include "rpc/rpc_cred.h"
+#include "shardplane/v1/coordinator.pb-c.h"
 #include "support/auth_fixture.h"
 #include "support/job_fixture.h"
 #include "support/testutil.h"
@@ -88,6 +90,72 @@ static char *slurp(const char *dir, const char *name) {
   char *s = sp_test_read_file(path);
   free(path);
   return s;
+}
+
+/* A client of the coordinator with the token of a role. */
+static sp_rpc_sync *client(const char *addr, const sp_tauth *auth, int role) {
+  sp_rpc_client_opts o = {.connect_timeout_ms = 5000,
+                          .token = auth->token[role]};
+  sp_rpc_sync *c = NULL;
+  assert_int_equal(sp_rpc_sync_open_opts(addr, &o, &c), 0);
+  return c;
+}
+
+static Shardplane__V1__ListIncarnationsResponse *incarnations(
+    const char *addr, const sp_tauth *auth) {
+  sp_rpc_sync *c = client(addr, auth, SP_ROLE_READER);
+  Shardplane__V1__ListIncarnationsRequest q =
+      SHARDPLANE__V1__LIST_INCARNATIONS_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status st;
+  assert_int_equal(
+      sp_rpc_sync_unary(c, "/shardplane.v1.Coordinator/ListIncarnations",
+                        &q.base,
+                        &shardplane__v1__list_incarnations_response__descriptor,
+                        5000, &resp, &st),
+      0);
+  if (st.code != SP_RPC_OK) fail_msg("ListIncarnations: %s", st.message);
+  sp_rpc_sync_close(c);
+  return (Shardplane__V1__ListIncarnationsResponse *)resp;
+}
+
+/* StoreSet key=value as a worker would; StoreGet's status and, when
+ * found, whether the value is `value`. */
+static void store_set(const char *addr, const sp_tauth *auth, const char *key,
+                      const char *value) {
+  sp_rpc_sync *c = client(addr, auth, SP_ROLE_WORKER);
+  Shardplane__V1__StoreSetRequest q = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
+  q.key = (char *)key;
+  q.value.data = (uint8_t *)value;
+  q.value.len = strlen(value);
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status st;
+  assert_int_equal(sp_rpc_sync_unary(
+                       c, "/shardplane.v1.Coordinator/StoreSet", &q.base,
+                       &shardplane__v1__store_set_response__descriptor, 5000,
+                       &resp, &st),
+                   0);
+  assert_int_equal(st.code, SP_RPC_OK);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  sp_rpc_sync_close(c);
+}
+
+static bool store_has(const char *addr, const sp_tauth *auth, const char *key) {
+  sp_rpc_sync *c = client(addr, auth, SP_ROLE_WORKER);
+  Shardplane__V1__StoreGetRequest q = SHARDPLANE__V1__STORE_GET_REQUEST__INIT;
+  q.key = (char *)key;
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status st;
+  assert_int_equal(sp_rpc_sync_unary(
+                       c, "/shardplane.v1.Coordinator/StoreGet", &q.base,
+                       &shardplane__v1__store_get_response__descriptor, 5000,
+                       &resp, &st),
+                   0);
+  bool found = st.code == SP_RPC_OK &&
+               ((Shardplane__V1__StoreGetResponse *)resp)->found;
+  if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+  sp_rpc_sync_close(c);
+  return found;
 }
 
 /* Established TCP connections whose far end is 127.0.0.1:port: the
@@ -328,6 +396,23 @@ static void test_agent_worker_killed(void **state) {
   double t0 = sp_clock_s();
   wait_agents(a, st, coord.port, 60, &max_conns);
   double took = sp_clock_s() - t0;
+  /* the coordinator recorded what ended the job's one incarnation (it
+   * weighs the deaths reported within 300 ms of the first) */
+  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, &auth);
+  for (double until = sp_clock_s() + 5;
+       !li->incarnations[0]->ended && sp_clock_s() < until;) {
+    protobuf_c_message_free_unpacked(&li->base, NULL);
+    usleep(20000);
+    li = incarnations(addr, &auth);
+  }
+  assert_int_equal(li->current, 0);
+  assert_int_equal(li->n_incarnations, 1);
+  assert_true(li->incarnations[0]->ended);
+  assert_true(li->incarnations[0]->has_rank);
+  assert_int_equal(li->incarnations[0]->rank, 3);
+  assert_int_equal(li->incarnations[0]->signal, SIGKILL);
+  printf("incarnation 0 ended: %s\n", li->incarnations[0]->reason);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
   sp_proc_stop(&coord, 5000);
   char *err0 = slurp(dir, "agent0.err"), *err1 = slurp(dir, "agent1.err");
   printf("agent 0:\n%s\nagent 1:\n%s\nended %.2f s after the kill\n", err0,
@@ -341,6 +426,107 @@ static void test_agent_worker_killed(void **state) {
   free(err0);
   free(err1);
   sp_tauth_free(&auth);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* Waits until dir/name holds needle. */
+static void wait_for(const char *dir, const char *name, const char *needle,
+                     double timeout_s) {
+  double end = sp_clock_s() + timeout_s;
+  for (;;) {
+    char *out = slurp(dir, name);
+    bool there = strstr(out, needle) != NULL;
+    free(out);
+    if (there) return;
+    if (sp_clock_s() > end) fail_msg("no \"%s\" in %s", needle, name);
+    usleep(10000);
+  }
+}
+
+/* A worker killed mid-training with --max-restarts 1: the coordinator
+ * ends incarnation 0 naming the rank and signal, every agent stops its
+ * workers and starts them again, they load the last checkpoint and the
+ * job finishes with the parameters of an undisturbed run (a resumed run
+ * continues bit-exactly). The store of incarnation 0 is gone in
+ * incarnation 1. */
+static void test_agent_restart(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck"), *ckr = sp_test_path(dir, "run");
+  sp_tauth auth;
+  sp_tauth_make(&auth);
+  sp_proc coord;
+  char addr[64];
+  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  /* rank 0 a straggler (4x its step), for time to kill mid-run; the
+   * numbers do not change */
+  const char *trainer[] = {WORKER, "--insecure", "--steps", "24",
+                           "--global-batch", "24", "--lr", "0.05",
+                           "--log-every", "1", "--checkpoint-dir", ck,
+                           "--checkpoint-every", "4", "--inject",
+                           "slow:rank=0,factor=4", NULL};
+  const char *restarts[] = {"--max-restarts", "1", "--load-on-restart", ck,
+                            NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(dir, addr, &auth, i, restarts, trainer);
+  wait_for(dir, "agent0.out", "checkpoint (FULL) of step 8:", 60);
+  store_set(addr, &auth, "comm/test-incarnation-0", "kept?");
+  assert_true(store_has(addr, &auth, "comm/test-incarnation-0"));
+  pid_t victim = child_with_rank(a[1], 3);
+  assert_true(victim > 0);
+  assert_int_equal(kill(victim, SIGKILL), 0);
+  int st[2], max_conns;
+  wait_agents(a, st, coord.port, 120, &max_conns);
+  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, &auth);
+  bool leaked = store_has(addr, &auth, "comm/test-incarnation-0");
+  sp_proc_stop(&coord, 5000);
+  char *out0 = slurp(dir, "agent0.out"), *err0 = slurp(dir, "agent0.err"),
+       *err1 = slurp(dir, "agent1.err");
+  printf("agent 0:\n%s\nagent 1:\n%s\n", err0, err1);
+  assert_int_equal(st[0], 0);
+  assert_int_equal(st[1], 0);
+  assert_non_null(strstr(err1, "rank 3 (local rank 1 on node 1) was killed "
+                               "by signal 9"));
+  assert_non_null(strstr(err0, "incarnation 0 ended (rank 3 was killed by "
+                               "signal 9 (Killed))"));
+  assert_non_null(strstr(err0, "incarnation 1 loads "));
+  const char *resumed = strstr(out0, "resuming after step ");
+  assert_non_null(resumed);
+  printf("%.60s\n", resumed);
+  assert_non_null(strstr(out0, "[rank0]: step 24/24"));
+  /* the record: incarnation 0 ended by rank 3's SIGKILL, 1 ran to the end */
+  assert_int_equal(li->current, 1);
+  assert_int_equal(li->restarts, 1);
+  assert_int_equal(li->max_restarts, 1);
+  assert_int_equal(li->n_incarnations, 2);
+  assert_true(li->incarnations[0]->ended);
+  assert_int_equal(li->incarnations[0]->rank, 3);
+  assert_int_equal(li->incarnations[0]->signal, SIGKILL);
+  assert_false(li->incarnations[1]->ended);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  /* incarnation 1 could not read incarnation 0's key */
+  assert_false(leaked);
+
+  char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
+                  "--steps", "24", "--global-batch", "24", "--lr", "0.05",
+                  "--checkpoint-dir", ckr, NULL};
+  char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
+  assert_int_equal(sp_test_wait_exit(sp_test_spawn_logged(out, err, argv),
+                                     120), 0);
+  char *fa = sp_test_path(ck, "full"), *fr = sp_test_path(ckr, "full");
+  sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
+  free(fa);
+  free(fr);
+  free(out);
+  free(err);
+  free(out0);
+  free(err0);
+  free(err1);
+  sp_tauth_free(&auth);
+  free(ck);
+  free(ckr);
   sp_test_rmtree(dir);
   free(dir);
 }
@@ -409,6 +595,7 @@ int main(void) {
       cmocka_unit_test(test_agent_bad_usage),
       cmocka_unit_test(test_agents_train_as_run),
       cmocka_unit_test(test_agent_worker_killed),
+      cmocka_unit_test(test_agent_restart),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

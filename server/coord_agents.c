@@ -1,0 +1,509 @@
+/* The hosts' agents and the job's incarnations: AgentSession and
+ * ListIncarnations.
+ *
+ * An incarnation is one start of the job's workers. The coordinator holds
+ * its number (0 first) and a record of each: when it started, when it
+ * ended and what ended it. A worker that dies is reported by its agent
+ * (rank, exit code or signal). With restarts left (--max-restarts of the
+ * agents) every agent is told AGENT_STOP; once each says its workers are
+ * stopped, the next incarnation begins: the ranks are to attach afresh,
+ * the hang detectors start over, the store is emptied (so no key of one
+ * incarnation can be read by the next: none of its workers is alive by
+ * then, on any host, to write one late) and every agent is told
+ * AGENT_START, its workers loading the last checkpoint. Without restarts
+ * left, AGENT_END names the rank and the signal.
+ *
+ * Everything runs on the coordinator's loop. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "coordinator.h"
+
+/* Deaths reported within this long of the first one are weighed together
+ * before one is named as what ended the incarnation: a victim (a rank the
+ * coordinator aborted because the culprit was lost) may exit, and be
+ * reported by its agent, before the culprit's agent reaps it. In
+ * test_agent the victims exited 20-40 ms after the kill; their agents
+ * poll every 20 ms. */
+#define DECIDE_MS 300
+/* Reports weighed at most (the rest of a large job's victims). */
+#define MAX_CANDIDATES 64
+
+/* Incarnations kept with their record; older ones are only counted. A
+ * job restarted this often has a cause restarts will not cure. */
+#define MAX_RECORDS 1024
+
+typedef struct agent_conn {
+  sp_rpc_call *call;
+  uint32_t node_rank, nproc;
+  bool registered, stopped;
+  struct agent_conn *prev, *next;
+} agent_conn;
+
+typedef struct inc_record {
+  uint64_t number, started_ms, ended_ms;
+  bool ended, has_rank;
+  uint32_t rank;
+  int32_t exit_code, signal;
+  char *reason;
+} inc_record;
+
+enum { PHASE_RUNNING, PHASE_STOPPING, PHASE_ENDED };
+
+struct sp_coord_agents {
+  agent_conn *list;
+  uint64_t current;
+  bool max_set;
+  uint32_t max_restarts, restarts;
+  int phase;
+  char *end_reason; /* PHASE_ENDED */
+  /* the deaths reported in the decision window */
+  Shardplane__V1__WorkerExit cand[MAX_CANDIDATES];
+  size_t n_cand;
+  uv_timer_t decide;
+  bool decide_init;
+  inc_record *rec;
+  size_t n_rec;
+};
+
+static sp_coord *coord_of(sp_rpc_call *call) {
+  return sp_rpc_call_method_user(call);
+}
+
+static uint64_t unix_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static struct sp_coord_agents *agents_of(sp_coord *c) {
+  if (c->agents == NULL) {
+    c->agents = calloc(1, sizeof *c->agents);
+    if (c->agents == NULL) return NULL;
+  }
+  struct sp_coord_agents *a = c->agents;
+  if (a->n_rec == 0) {
+    a->rec = calloc(1, sizeof *a->rec);
+    if (a->rec == NULL) return NULL;
+    a->rec[0] = (inc_record){.number = 0, .started_ms = unix_ms()};
+    a->n_rec = 1;
+  }
+  return a;
+}
+
+static inc_record *current_rec(struct sp_coord_agents *a) {
+  return &a->rec[a->n_rec - 1];
+}
+
+static int send_cmd(sp_rpc_call *call, int cmd, uint64_t inc,
+                    const char *reason) {
+  Shardplane__V1__AgentDown d = SHARDPLANE__V1__AGENT_DOWN__INIT;
+  d.command = (Shardplane__V1__AgentCommand)cmd;
+  d.incarnation = inc;
+  d.reason = (char *)(reason ? reason : "");
+  return sp_rpc_call_send(call, &d.base);
+}
+
+static void send_all(struct sp_coord_agents *a, int cmd, const char *reason) {
+  for (agent_conn *g = a->list; g; g = g->next)
+    if (g->registered) send_cmd(g->call, cmd, a->current, reason);
+}
+
+static void unlink_agent(struct sp_coord_agents *a, agent_conn *g) {
+  if (g->prev) g->prev->next = g->next;
+  else a->list = g->next;
+  if (g->next) g->next->prev = g->prev;
+}
+
+/* The store's keys, gathered as they go so that their removal is written
+ * down after it. */
+typedef struct key_list {
+  char **k;
+  size_t *len, n, cap;
+} key_list;
+
+static void note_key(void *arg, const void *key, size_t klen) {
+  key_list *l = arg;
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 64;
+    char **k = realloc(l->k, cap * sizeof *k);
+    if (k == NULL) return;
+    l->k = k;
+    size_t *len = realloc(l->len, cap * sizeof *len);
+    if (len == NULL) return;
+    l->len = len;
+    l->cap = cap;
+  }
+  l->k[l->n] = malloc(klen + 1);
+  if (l->k[l->n] == NULL) return;
+  memcpy(l->k[l->n], key, klen);
+  l->k[l->n][klen] = '\0';
+  l->len[l->n++] = klen;
+}
+
+static void clear_store(sp_coord *c) {
+  key_list l = {0};
+  if (sp_store_clear(c->store, note_key, &l) != 0)
+    sp_coord_log(c, "cannot empty the store for the new incarnation: out "
+                    "of memory");
+  for (size_t i = 0; i < l.n; i++) {
+    sp_coord_persist_key(c, l.k[i], l.len[i]);
+    free(l.k[i]);
+  }
+  free(l.k);
+  free(l.len);
+}
+
+/* Every agent stopped its workers: the next incarnation begins. */
+static void next_incarnation(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  if (a->n_rec < MAX_RECORDS) {
+    inc_record *r = realloc(a->rec, (a->n_rec + 1) * sizeof *r);
+    if (r == NULL) {
+      sp_coord_log(c, "cannot record incarnation %llu: out of memory",
+                   (unsigned long long)a->current + 1);
+    } else {
+      a->rec = r;
+      a->n_rec++;
+    }
+  }
+  a->current++;
+  a->restarts++;
+  *current_rec(a) = (inc_record){.number = a->current,
+                                 .started_ms = unix_ms()};
+  a->phase = PHASE_RUNNING;
+  char why[96];
+  snprintf(why, sizeof why, "incarnation %llu ended; incarnation %llu begins",
+           (unsigned long long)a->current - 1,
+           (unsigned long long)a->current);
+  sp_coord_ranks_new_incarnation(c, why);
+  if (sp_coord_diag_new_incarnation(c) != 0)
+    sp_coord_log(c, "hang diagnosis: out of memory for the new incarnation");
+  clear_store(c);
+  sp_coord_log(c, "incarnation %llu begins (restart %u of %u)",
+               (unsigned long long)a->current, a->restarts, a->max_restarts);
+  for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
+  send_all(a, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, NULL);
+}
+
+static void maybe_all_stopped(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  if (a->phase != PHASE_STOPPING) return;
+  for (agent_conn *g = a->list; g; g = g->next)
+    if (g->registered && !g->stopped) return;
+  next_incarnation(c);
+}
+
+/* The death that ended the incarnation, among those reported in the
+ * window: the rank the coordinator's diagnosis names as the first fault,
+ * else one killed by a signal, else the first reported. */
+static const Shardplane__V1__WorkerExit *pick(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  uint32_t culprit;
+  if (sp_coord_diag_culprit(c, &culprit))
+    for (size_t i = 0; i < a->n_cand; i++)
+      if (a->cand[i].rank == culprit) return &a->cand[i];
+  for (size_t i = 0; i < a->n_cand; i++)
+    if (a->cand[i].signal > 0) return &a->cand[i];
+  return &a->cand[0];
+}
+
+static void decide(uv_timer_t *t) {
+  sp_coord *c = t->data;
+  struct sp_coord_agents *a = c->agents;
+  if (a->n_cand == 0 || a->phase != PHASE_RUNNING) return;
+  const Shardplane__V1__WorkerExit *w = pick(c);
+  inc_record *r = current_rec(a);
+  char how[160];
+  if (w->signal > 0 && w->signal < NSIG)
+    snprintf(how, sizeof how, "rank %u was killed by signal %d (%s)", w->rank,
+             w->signal, strsignal(w->signal));
+  else
+    snprintf(how, sizeof how, "rank %u exited with status %d", w->rank,
+             w->exit_code);
+  r->ended = true;
+  r->ended_ms = unix_ms();
+  r->has_rank = true;
+  r->rank = w->rank;
+  r->exit_code = w->exit_code;
+  r->signal = w->signal;
+  free(r->reason);
+  r->reason = strdup(how);
+  a->n_cand = 0;
+  if (a->restarts < a->max_restarts) {
+    a->phase = PHASE_STOPPING;
+    sp_coord_log(c, "incarnation %llu ended: %s; restarting (%u of %u "
+                 "restarts used)", (unsigned long long)a->current, how,
+                 a->restarts, a->max_restarts);
+    for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
+    send_all(a, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, how);
+    maybe_all_stopped(c);
+    return;
+  }
+  a->phase = PHASE_ENDED;
+  char end[320];
+  snprintf(end, sizeof end, "%s; no restarts left (--max-restarts %u)", how,
+           a->max_restarts);
+  free(a->end_reason);
+  a->end_reason = strdup(end);
+  sp_coord_log(c, "incarnation %llu ended: %s", (unsigned long long)a->current,
+               end);
+  send_all(a, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, end);
+}
+
+/* A worker died on its own: the end of the current incarnation, decided
+ * DECIDE_MS after the first report. */
+static void worker_died(sp_coord *c, const Shardplane__V1__WorkerExit *w) {
+  struct sp_coord_agents *a = c->agents;
+  if (w->incarnation != a->current || a->phase != PHASE_RUNNING) return;
+  if (a->n_cand < MAX_CANDIDATES) {
+    Shardplane__V1__WorkerExit *x = &a->cand[a->n_cand++];
+    shardplane__v1__worker_exit__init(x);
+    x->incarnation = w->incarnation;
+    x->rank = w->rank;
+    x->exit_code = w->exit_code;
+    x->signal = w->signal;
+  }
+  if (a->n_cand > 1) return;
+  if (!a->decide_init) {
+    uv_timer_init(c->loop, &a->decide);
+    a->decide.data = c;
+    a->decide_init = true;
+  }
+  uv_timer_start(&a->decide, decide, DECIDE_MS, 0);
+}
+
+/* The first message: which node, how many workers, how many restarts. */
+static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
+                           const Shardplane__V1__AgentRegister *q) {
+  struct sp_coord_agents *a = c->agents;
+  uint32_t world = c->plan->world_size;
+  if (!sp_coord_text_ok(call, "AgentRegister", "host", q->host,
+                        SP_COORD_MAX_HOST))
+    return false;
+  if (q->nproc == 0 || q->nproc > world ||
+      (uint64_t)q->node_rank * q->nproc + q->nproc > world) {
+    sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                        "node %u with %u workers: ranks %llu-%llu are not "
+                        "all in the job's world of %u", q->node_rank,
+                        q->nproc, (unsigned long long)q->node_rank * q->nproc,
+                        (unsigned long long)q->node_rank * q->nproc +
+                            q->nproc - 1, world);
+    return false;
+  }
+  for (agent_conn *o = a->list; o; o = o->next)
+    if (o->registered && o->node_rank == q->node_rank) {
+      sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
+                          "node %u already has an agent", q->node_rank);
+      return false;
+    }
+  if (a->max_set && q->max_restarts != a->max_restarts) {
+    sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
+                        "--max-restarts %u differs from the %u the job's "
+                        "first agent gave", q->max_restarts, a->max_restarts);
+    return false;
+  }
+  a->max_set = true;
+  a->max_restarts = q->max_restarts;
+  g->registered = true;
+  g->node_rank = q->node_rank;
+  g->nproc = q->nproc;
+  sp_coord_log(c, "agent of node %u (%u workers) from %s pid %u",
+               q->node_rank, q->nproc, q->host ? q->host : "?", q->pid);
+  if (a->phase == PHASE_ENDED)
+    send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->current,
+             a->end_reason);
+  else if (a->phase == PHASE_STOPPING)
+    send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, a->current,
+             current_rec(a)->reason);
+  else
+    send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, a->current,
+             NULL);
+  return true;
+}
+
+static void on_agent_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
+                         const uint8_t *raw, size_t len) {
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  const Shardplane__V1__AgentUp *q = (const Shardplane__V1__AgentUp *)msg;
+  struct sp_coord_agents *a = agents_of(c);
+  if (a == NULL) {
+    sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  agent_conn *g = sp_rpc_call_user(call);
+  if (g == NULL) {
+    if (q->register_ == NULL) {
+      sp_rpc_call_finish(call, SP_RPC_INVALID_ARGUMENT,
+                         "the first AgentUp must carry register");
+      return;
+    }
+    g = calloc(1, sizeof *g);
+    if (g == NULL) {
+      sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+      return;
+    }
+    g->call = call;
+    if (!register_agent(c, call, g, q->register_)) {
+      free(g);
+      return;
+    }
+    g->next = a->list;
+    if (a->list) a->list->prev = g;
+    a->list = g;
+    sp_rpc_call_set_user(call, g);
+    return;
+  }
+  if (q->register_ != NULL) {
+    sp_rpc_call_finish(call, SP_RPC_INVALID_ARGUMENT,
+                       "register comes in the first AgentUp only");
+    unlink_agent(a, g);
+    sp_rpc_call_set_user(call, NULL);
+    free(g);
+    maybe_all_stopped(c);
+    return;
+  }
+  if (q->worker_exit != NULL) {
+    const Shardplane__V1__WorkerExit *w = q->worker_exit;
+    if (w->rank < g->node_rank * g->nproc ||
+        w->rank >= g->node_rank * g->nproc + g->nproc) {
+      sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                          "rank %u is not one of node %u's", w->rank,
+                          g->node_rank);
+      unlink_agent(a, g);
+      sp_rpc_call_set_user(call, NULL);
+      free(g);
+      maybe_all_stopped(c);
+      return;
+    }
+    worker_died(c, w);
+  }
+  if (q->stopped && q->incarnation == a->current) {
+    g->stopped = true;
+    maybe_all_stopped(c);
+  }
+}
+
+static void agent_gone(sp_rpc_call *call) {
+  sp_coord *c = coord_of(call);
+  agent_conn *g = sp_rpc_call_user(call);
+  if (g == NULL || c->agents == NULL) return;
+  sp_rpc_call_set_user(call, NULL);
+  unlink_agent(c->agents, g);
+  free(g);
+  /* an agent that left does not hold up a restart (its host's ranks
+   * then never attach, and the job waits as for any missing rank) */
+  if (!c->shutting_down) maybe_all_stopped(c);
+}
+
+static void on_agent_half_close(sp_rpc_call *call) {
+  agent_gone(call);
+  sp_rpc_call_finish(call, SP_RPC_OK, NULL);
+}
+
+static void on_agent_cancel(sp_rpc_call *call, int code) {
+  (void)code;
+  agent_gone(call);
+}
+
+static void on_list_incarnations(sp_rpc_call *call, const ProtobufCMessage *msg,
+                                 const uint8_t *raw, size_t len) {
+  (void)msg;
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  struct sp_coord_agents *a = agents_of(c);
+  if (a == NULL) {
+    sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  Shardplane__V1__ListIncarnationsResponse r =
+      SHARDPLANE__V1__LIST_INCARNATIONS_RESPONSE__INIT;
+  r.current = a->current;
+  r.max_restarts = a->max_restarts;
+  r.restarts = a->restarts;
+  Shardplane__V1__Incarnation *items = calloc(a->n_rec, sizeof *items);
+  Shardplane__V1__Incarnation **ptrs = calloc(a->n_rec, sizeof *ptrs);
+  if (items == NULL || ptrs == NULL) {
+    free(items);
+    free(ptrs);
+    sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < a->n_rec; i++) {
+    const inc_record *e = &a->rec[i];
+    Shardplane__V1__Incarnation *x = &items[i];
+    shardplane__v1__incarnation__init(x);
+    x->number = e->number;
+    x->started_unix_ms = e->started_ms;
+    x->ended = e->ended;
+    x->ended_unix_ms = e->ended_ms;
+    x->has_rank = e->has_rank;
+    x->rank = e->rank;
+    x->exit_code = e->exit_code;
+    x->signal = e->signal;
+    x->reason = e->reason ? e->reason : "";
+    ptrs[i] = x;
+  }
+  r.n_incarnations = a->n_rec;
+  r.incarnations = ptrs;
+  sp_rpc_call_reply(call, &r.base);
+  free(items);
+  free(ptrs);
+}
+
+#define M(name, kind, req, fn, half, cancel)                                   \
+  {SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, half,  \
+   cancel, NULL}
+
+static const sp_rpc_method k_methods[] = {
+    M("AgentSession", SP_RPC_BIDI_STREAMING, agent_up, on_agent_msg,
+      on_agent_half_close, on_agent_cancel),
+    M("ListIncarnations", SP_RPC_UNARY, list_incarnations_request,
+      on_list_incarnations, NULL, NULL),
+};
+
+static void decide_closed(uv_handle_t *h) {
+  sp_coord *c = h->data;
+  c->agents->decide_init = false;
+  sp_coord_stop_step_done(c);
+}
+
+int sp_coord_agents_register(sp_coord *c) {
+  if (agents_of(c) == NULL) return SP_ENOMEM;
+  return sp_coord_add_methods(c, k_methods,
+                              sizeof k_methods / sizeof k_methods[0]);
+}
+
+void sp_coord_agents_shutdown(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  if (a == NULL) return;
+  if (a->decide_init) {
+    uv_timer_stop(&a->decide);
+    c->stopping++; /* the coordinator's stop waits for the handle */
+    uv_close((uv_handle_t *)&a->decide, decide_closed);
+  }
+  while (a->list) {
+    agent_conn *g = a->list;
+    unlink_agent(a, g);
+    sp_rpc_call_set_user(g->call, NULL);
+    sp_rpc_call_finish(g->call, SP_RPC_UNAVAILABLE,
+                       "coordinator shutting down");
+    free(g);
+  }
+}
+
+void sp_coord_agents_free(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  if (a == NULL) return;
+  for (size_t i = 0; i < a->n_rec; i++) free(a->rec[i].reason);
+  free(a->rec);
+  free(a->end_reason);
+  free(a);
+  c->agents = NULL;
+}
