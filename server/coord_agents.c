@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "coord_db.h"
 #include "coordinator.h"
 
 /* Deaths reported within this long of the first one are weighed together
@@ -98,6 +99,53 @@ static inc_record *current_rec(struct sp_coord_agents *a) {
   return &a->rec[a->n_rec - 1];
 }
 
+/* Writes a record down (a no-op without a state dir). */
+static void persist_rec(sp_coord *c, const inc_record *r) {
+  sp_coord_db_incarnation x = {
+      .number = r->number, .started_ms = r->started_ms,
+      .ended_ms = r->ended_ms, .ended = r->ended, .has_rank = r->has_rank,
+      .rank = r->rank, .max_restarts = c->agents->max_restarts,
+      .exit_code = r->exit_code, .signal = r->signal, .reason = r->reason};
+  sp_coord_persist_incarnation(c, &x);
+}
+
+int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
+  struct sp_coord_agents *a = agents_of(c);
+  if (a == NULL) return SP_ENOMEM;
+  /* read back as input: in order, and within the bounds it was made in */
+  bool first = x->number == 0;
+  if ((first ? a->current != 0 : x->number != a->current + 1) ||
+      x->max_restarts > 1000 || (x->reason && strlen(x->reason) > 512))
+    return SP_EFORMAT;
+  if (!first) {
+    if (a->n_rec >= MAX_RECORDS) return SP_EFORMAT;
+    inc_record *r = realloc(a->rec, (a->n_rec + 1) * sizeof *r);
+    if (r == NULL) return SP_ENOMEM;
+    a->rec = r;
+    a->n_rec++;
+    current_rec(a)->reason = NULL;
+  }
+  inc_record *r = current_rec(a);
+  free(r->reason);
+  *r = (inc_record){.number = x->number, .started_ms = x->started_ms,
+                    .ended = x->ended, .ended_ms = x->ended_ms,
+                    .has_rank = x->has_rank, .rank = x->rank,
+                    .exit_code = x->exit_code, .signal = x->signal,
+                    .reason = x->reason && x->reason[0] ? strdup(x->reason)
+                                                        : NULL};
+  a->current = x->number;
+  a->restarts = (uint32_t)x->number;
+  a->max_restarts = x->max_restarts;
+  a->max_set = true;
+  a->phase = PHASE_RUNNING;
+  if (x->ended) { /* the coordinator stopped after the job's end */
+    a->phase = PHASE_ENDED;
+    free(a->end_reason);
+    a->end_reason = strdup(x->reason ? x->reason : "");
+  }
+  return 0;
+}
+
 static int send_cmd(sp_rpc_call *call, int cmd, uint64_t inc,
                     const char *reason) {
   Shardplane__V1__AgentDown d = SHARDPLANE__V1__AGENT_DOWN__INIT;
@@ -160,21 +208,27 @@ static void clear_store(sp_coord *c) {
 /* Every agent stopped its workers: the next incarnation begins. */
 static void next_incarnation(sp_coord *c) {
   struct sp_coord_agents *a = c->agents;
+  bool appended = false;
   if (a->n_rec < MAX_RECORDS) {
     inc_record *r = realloc(a->rec, (a->n_rec + 1) * sizeof *r);
-    if (r == NULL) {
-      sp_coord_log(c, "cannot record incarnation %llu: out of memory",
-                   (unsigned long long)a->current + 1);
-    } else {
+    if (r != NULL) {
       a->rec = r;
       a->n_rec++;
+      appended = true;
     }
+  }
+  if (!appended) { /* the last record makes way (logged) */
+    sp_coord_log(c, "incarnation %llu replaces the record of %llu",
+                 (unsigned long long)a->current + 1,
+                 (unsigned long long)a->current);
+    free(current_rec(a)->reason);
   }
   a->current++;
   a->restarts++;
   *current_rec(a) = (inc_record){.number = a->current,
                                  .started_ms = unix_ms()};
   a->phase = PHASE_RUNNING;
+  persist_rec(c, current_rec(a));
   char why[96];
   snprintf(why, sizeof why, "incarnation %llu ended; incarnation %llu begins",
            (unsigned long long)a->current - 1,
@@ -232,6 +286,7 @@ static void decide(uv_timer_t *t) {
   r->signal = w->signal;
   free(r->reason);
   r->reason = strdup(how);
+  persist_rec(c, r);
   a->n_cand = 0;
   if (a->restarts < a->max_restarts) {
     a->phase = PHASE_STOPPING;
@@ -294,20 +349,23 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
                             q->nproc - 1, world);
     return false;
   }
-  for (agent_conn *o = a->list; o; o = o->next)
-    if (o->registered && o->node_rank == q->node_rank) {
-      sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
-                          "node %u already has an agent", q->node_rank);
-      return false;
-    }
   if (a->max_set && q->max_restarts != a->max_restarts) {
     sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
                         "--max-restarts %u differs from the %u the job's "
                         "first agent gave", q->max_restarts, a->max_restarts);
     return false;
   }
-  a->max_set = true;
-  a->max_restarts = q->max_restarts;
+  for (agent_conn *o = a->list; o; o = o->next)
+    if (o->registered && o->node_rank == q->node_rank) {
+      sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
+                          "node %u already has an agent", q->node_rank);
+      return false;
+    }
+  if (!a->max_set) { /* the job's first agent: the record starts here */
+    a->max_set = true;
+    a->max_restarts = q->max_restarts;
+    persist_rec(c, current_rec(a));
+  }
   g->registered = true;
   g->node_rank = q->node_rank;
   g->nproc = q->nproc;

@@ -40,6 +40,7 @@ enum {
   ST_PRUNE_REQ,
   ST_PUT_RANK,
   ST_ADD_ALERT,
+  ST_PUT_INCARNATION,
   ST_N
 };
 
@@ -57,6 +58,10 @@ static const char *const k_sql[ST_N] = {
                     "?10, ?11)",
     [ST_ADD_ALERT] = "INSERT INTO alerts(rank, message, time_ms, kind) "
                      "VALUES (?1, ?2, ?3, ?4)",
+    [ST_PUT_INCARNATION] =
+        "INSERT OR REPLACE INTO incarnations(number, started_ms, ended, "
+        "ended_ms, has_rank, rank, exit_code, signal, reason, "
+        "max_restarts) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
 };
 
 static const char k_schema[] =
@@ -71,7 +76,11 @@ static const char k_schema[] =
     "CREATE TABLE IF NOT EXISTS alerts(id INTEGER PRIMARY KEY, rank INTEGER, "
     "message TEXT, time_ms INTEGER, kind INTEGER NOT NULL DEFAULT 0);"
     "CREATE TABLE IF NOT EXISTS requests(id TEXT PRIMARY KEY, response BLOB "
-    "NOT NULL);";
+    "NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS incarnations(number INTEGER PRIMARY KEY, "
+    "started_ms INTEGER, ended INTEGER, ended_ms INTEGER, has_rank INTEGER, "
+    "rank INTEGER, exit_code INTEGER, signal INTEGER, reason TEXT, "
+    "max_restarts INTEGER);";
 
 struct sp_coord_db {
   sqlite3 *h;
@@ -486,6 +495,26 @@ int sp_coord_db_add_alert(sp_coord_db *db, uint32_t rank, int kind,
   return step_done(db, s, bound, "write an alert");
 }
 
+int sp_coord_db_put_incarnation(sp_coord_db *db,
+                                const sp_coord_db_incarnation *r) {
+  int rc = begin(db);
+  if (rc != 0) return rc;
+  int bound = SQLITE_OK;
+  sqlite3_stmt *s = db->st[ST_PUT_INCARNATION];
+  BIND(bound, sqlite3_bind_int64(s, 1, (sqlite3_int64)r->number));
+  BIND(bound, sqlite3_bind_int64(s, 2, (sqlite3_int64)r->started_ms));
+  BIND(bound, sqlite3_bind_int(s, 3, r->ended));
+  BIND(bound, sqlite3_bind_int64(s, 4, (sqlite3_int64)r->ended_ms));
+  BIND(bound, sqlite3_bind_int(s, 5, r->has_rank));
+  BIND(bound, sqlite3_bind_int64(s, 6, r->rank));
+  BIND(bound, sqlite3_bind_int(s, 7, r->exit_code));
+  BIND(bound, sqlite3_bind_int(s, 8, r->signal));
+  BIND(bound, sqlite3_bind_text(s, 9, r->reason ? r->reason : "", -1,
+                                SQLITE_STATIC));
+  BIND(bound, sqlite3_bind_int64(s, 10, r->max_restarts));
+  return step_done(db, s, bound, "write an incarnation");
+}
+
 /* ---- reads (at start) ---- */
 
 static int prepare(sp_coord_db *db, const char *sql, sqlite3_stmt **s,
@@ -596,6 +625,36 @@ int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
       break;
   }
   if (rc == 0) rc = CHECK(db, r, "read the alerts", d);
+  sqlite3_finalize(s);
+  return rc;
+}
+
+int sp_coord_db_each_incarnation(
+    sp_coord_db *db, int (*fn)(void *arg, const sp_coord_db_incarnation *r),
+    void *arg, sp_diag *d) {
+  sqlite3_stmt *s;
+  int rc = prepare(db,
+                   "SELECT number, started_ms, ended, ended_ms, has_rank, "
+                   "rank, exit_code, signal, reason, max_restarts FROM "
+                   "incarnations ORDER BY number",
+                   &s, d);
+  if (rc != 0) return rc;
+  int r;
+  while ((r = sqlite3_step(s)) == SQLITE_ROW) {
+    sp_coord_db_incarnation k = {
+        .number = col_u64(s, 0),
+        .started_ms = col_u64(s, 1),
+        .ended = sqlite3_column_int(s, 2) != 0,
+        .ended_ms = col_u64(s, 3),
+        .has_rank = sqlite3_column_int(s, 4) != 0,
+        .rank = (uint32_t)col_u64(s, 5),
+        .exit_code = sqlite3_column_int(s, 6),
+        .signal = sqlite3_column_int(s, 7),
+        .reason = col_text(s, 8),
+        .max_restarts = (uint32_t)col_u64(s, 9)};
+    if ((rc = fn(arg, &k)) != 0) break;
+  }
+  if (rc == 0) rc = CHECK(db, r, "read the incarnations", d);
   sqlite3_finalize(s);
   return rc;
 }

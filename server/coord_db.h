@@ -101,6 +101,23 @@ int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
                                      uint64_t time_ms),
                            void *arg, uint64_t *total, sp_diag *d);
 
+/* One incarnation of the job (coord_agents.c): its start and what ended
+ * it. The reason is borrowed. */
+typedef struct sp_coord_db_incarnation {
+  uint64_t number, started_ms, ended_ms;
+  bool ended, has_rank;
+  uint32_t rank, max_restarts;
+  int32_t exit_code, signal;
+  const char *reason;
+} sp_coord_db_incarnation;
+/* Writes (or rewrites) the record of r->number. */
+int sp_coord_db_put_incarnation(sp_coord_db *db,
+                                const sp_coord_db_incarnation *r);
+/* Every record, by number. */
+int sp_coord_db_each_incarnation(
+    sp_coord_db *db, int (*fn)(void *arg, const sp_coord_db_incarnation *r),
+    void *arg, sp_diag *d);
+
 /* FNV-1a, 64 bits: the spec hash a state dir is checked against. */
 uint64_t sp_coord_db_hash(const void *p, size_t n);
 

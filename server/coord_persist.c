@@ -232,6 +232,14 @@ void sp_coord_persist_alert(sp_coord *c, uint32_t rank, int kind,
     write_failed(c, 0);
 }
 
+void sp_coord_persist_incarnation(sp_coord *c,
+                                  const sp_coord_db_incarnation *r) {
+  sp_coord_db *db = db_of(c);
+  if (db == NULL) return;
+  c->persist->writes++;
+  if (sp_coord_db_put_incarnation(db, r) != 0) write_failed(c, 0);
+}
+
 /* ---- restore ---- */
 
 static int restore_key(void *arg, const uint8_t *k, size_t kl,
@@ -269,6 +277,10 @@ static int restore_alert(void *arg, uint32_t rank, int kind, const char *msg,
   return 0;
 }
 
+static int restore_incarnation(void *arg, const sp_coord_db_incarnation *r) {
+  return sp_coord_agents_restore(arg, r);
+}
+
 static int restore(sp_coord *c, sp_diag *d) {
   sp_coord_db *db = c->persist->db;
   int rc = sp_coord_db_each_key(db, restore_key, c, d);
@@ -287,6 +299,11 @@ static int restore(sp_coord *c, sp_diag *d) {
   if (rc == SP_EFORMAT)
     sp_diag_set(d, rc, "state dir %s: an alert row out of bounds",
                 sp_coord_db_dir(db));
+  if (rc != 0) return rc;
+  rc = sp_coord_db_each_incarnation(db, restore_incarnation, c, d);
+  if (rc == SP_EFORMAT)
+    sp_diag_set(d, rc, "state dir %s: an incarnation row out of order or "
+                "bounds", sp_coord_db_dir(db));
   return rc;
 }
 

@@ -178,6 +178,13 @@ void sp_coord_store_shutdown(sp_coord *c);
 int sp_coord_agents_register(sp_coord *c);
 void sp_coord_agents_shutdown(sp_coord *c);
 void sp_coord_agents_free(sp_coord *c);
+/* An incarnation's record read back from a state dir, in order of
+ * number (SP_EFORMAT for one out of order or bounds). */
+struct sp_coord_db_incarnation;
+int sp_coord_agents_restore(sp_coord *c,
+                            const struct sp_coord_db_incarnation *r);
+void sp_coord_persist_incarnation(sp_coord *c,
+                                  const struct sp_coord_db_incarnation *r);
 /* coord_ranks.c: a new incarnation: every rank's Session stream of the
  * last one is ended (ABORTED, why), every rank is to attach afresh, and
  * the last incarnation's abort is forgotten. */

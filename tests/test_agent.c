@@ -34,18 +34,29 @@
 
 /* A coordinator of a world of `world` ranks on a free loopback port,
  * with the tokens of auth. */
-static void start_coord(sp_proc *c, sp_tauth *auth, int world, char *addr,
-                        size_t cap) {
+static void start_coord_at(sp_proc *c, sp_tauth *auth, int world,
+                           const char *listen, const char *state_dir,
+                           char *addr, size_t cap) {
   char ws[16];
   snprintf(ws, sizeof ws, "%d", world);
-  char *argv[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                  "127.0.0.1:0", "--model", MLP, "--world-size", ws,
-                  "--insecure", "--token-file", auth->token_file, "--quiet",
-                  NULL};
+  char *argv[16] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
+                    (char *)listen, "--model", MLP, "--world-size", ws,
+                    "--insecure", "--token-file", auth->token_file, "--quiet",
+                    NULL};
+  if (state_dir) {
+    argv[11] = "--state-dir";
+    argv[12] = (char *)state_dir;
+    argv[13] = NULL;
+  }
   sp_diag d = {{0}};
   if (sp_proc_spawn(c, argv, false, true, "listening on 127.0.0.1:%d", &d))
     fail_msg("coordinator: %s", d.msg);
   snprintf(addr, cap, "127.0.0.1:%d", c->port);
+}
+
+static void start_coord(sp_proc *c, sp_tauth *auth, int world, char *addr,
+                        size_t cap) {
+  start_coord_at(c, auth, world, "127.0.0.1:0", NULL, addr, cap);
 }
 
 /* `shardplane agent --coordinator addr --insecure --token-file (worker)
@@ -156,6 +167,60 @@ static bool store_has(const char *addr, const sp_tauth *auth, const char *key) {
   if (resp) protobuf_c_message_free_unpacked(resp, NULL);
   sp_rpc_sync_close(c);
   return found;
+}
+
+/* ---- the agents' protocol, spoken by the test ---- */
+
+static sp_rpc_sync_stream *agent_open(sp_rpc_sync *c, uint32_t node,
+                                      uint32_t nproc, uint32_t max_restarts) {
+  sp_rpc_sync_stream *st = NULL;
+  assert_int_equal(sp_rpc_sync_stream_open(
+                       c, "/shardplane.v1.Coordinator/AgentSession", 0, NULL,
+                       0, &st),
+                   0);
+  Shardplane__V1__AgentRegister reg = SHARDPLANE__V1__AGENT_REGISTER__INIT;
+  reg.node_rank = node;
+  reg.nproc = nproc;
+  reg.max_restarts = max_restarts;
+  reg.host = "test";
+  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
+  up.register_ = &reg;
+  assert_int_equal(sp_rpc_sync_stream_send(st, &up.base), 0);
+  return st;
+}
+
+/* The next command, which must be `cmd` for incarnation `inc`; its reason
+ * is copied to why (when given). */
+static void expect_cmd(sp_rpc_sync_stream *st, int cmd, uint64_t inc,
+                       char *why, size_t cap) {
+  ProtobufCMessage *m = NULL;
+  sp_rpc_status status;
+  int rc = sp_rpc_sync_stream_recv(st, &shardplane__v1__agent_down__descriptor,
+                                   10000, &m, &status);
+  if (rc != 0) fail_msg("no AgentDown: %d %s", rc, status.message);
+  Shardplane__V1__AgentDown *d = (Shardplane__V1__AgentDown *)m;
+  assert_int_equal(d->command, cmd);
+  assert_int_equal(d->incarnation, inc);
+  if (why) snprintf(why, cap, "%s", d->reason);
+  protobuf_c_message_free_unpacked(m, NULL);
+}
+
+/* A worker's death (rank >= 0) or, with rank < 0, "stopped". */
+static void agent_send(sp_rpc_sync_stream *st, uint64_t inc, int rank,
+                       int exit_code, int sig) {
+  Shardplane__V1__WorkerExit w = SHARDPLANE__V1__WORKER_EXIT__INIT;
+  w.incarnation = inc;
+  w.rank = rank < 0 ? 0 : (uint32_t)rank;
+  w.exit_code = exit_code;
+  w.signal = sig;
+  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
+  if (rank >= 0) {
+    up.worker_exit = &w;
+  } else {
+    up.stopped = true;
+    up.incarnation = inc;
+  }
+  assert_int_equal(sp_rpc_sync_stream_send(st, &up.base), 0);
 }
 
 /* Established TCP connections whose far end is 127.0.0.1:port: the
@@ -531,6 +596,114 @@ static void test_agent_restart(void **state) {
   free(dir);
 }
 
+/* The coordinator's side of supervision, spoken to directly: a death
+ * with a restart left stops every agent, the next incarnation begins only
+ * once every agent stopped, and it cannot read the last one's store; a
+ * death without restarts left ends the job naming the rank and signal;
+ * agents that disagree on --max-restarts, or report a rank not theirs,
+ * are refused; the records outlive a coordinator restart on its state
+ * dir. */
+static void test_incarnations_protocol(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *sd = sp_test_path(dir, "state");
+  sp_tauth auth;
+  sp_tauth_make(&auth);
+  sp_proc coord;
+  char addr[64], why[512];
+  start_coord_at(&coord, &auth, 4, "127.0.0.1:0", sd, addr, sizeof addr);
+  sp_rpc_sync *c0 = client(addr, &auth, SP_ROLE_WORKER),
+              *c1 = client(addr, &auth, SP_ROLE_WORKER),
+              *c2 = client(addr, &auth, SP_ROLE_WORKER);
+  sp_rpc_sync_stream *g0 = agent_open(c0, 0, 2, 1);
+  expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 0, NULL, 0);
+  sp_rpc_sync_stream *g1 = agent_open(c1, 1, 2, 1);
+  expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 0, NULL, 0);
+  /* another --max-restarts than the job's first agent: refused */
+  sp_rpc_sync_stream *bad = agent_open(c2, 1, 2, 5);
+  ProtobufCMessage *m = NULL;
+  sp_rpc_status status;
+  assert_int_equal(sp_rpc_sync_stream_recv(
+                       bad, &shardplane__v1__agent_down__descriptor, 10000, &m,
+                       &status),
+                   SP_ENOENT);
+  printf("a third agent: %s\n", status.message);
+  assert_int_equal(status.code, SP_RPC_FAILED_PRECONDITION);
+  assert_non_null(strstr(status.message, "--max-restarts 5"));
+  sp_rpc_sync_stream_close(bad);
+
+  store_set(addr, &auth, "comm/incarnation-0", "x");
+  /* rank 3 of node 1 killed: both agents are told to stop */
+  agent_send(g1, 0, 3, 0, SIGKILL);
+  expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, why,
+             sizeof why);
+  expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, NULL, 0);
+  printf("stop: %s\n", why);
+  assert_string_equal(why, "rank 3 was killed by signal 9 (Killed)");
+  /* until every agent stopped, incarnation 0 is the current one */
+  agent_send(g0, 0, -1, 0, 0);
+  sp_test_sleep_ms(100);
+  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, &auth);
+  assert_int_equal(li->current, 0);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  assert_true(store_has(addr, &auth, "comm/incarnation-0"));
+  agent_send(g1, 0, -1, 0, 0);
+  expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 1, NULL, 0);
+  expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 1, NULL, 0);
+  /* incarnation 1 cannot read incarnation 0's keys */
+  assert_false(store_has(addr, &auth, "comm/incarnation-0"));
+  store_set(addr, &auth, "comm/incarnation-1", "y");
+  assert_true(store_has(addr, &auth, "comm/incarnation-1"));
+
+  /* a death reported for an incarnation that ended is not this one's */
+  agent_send(g0, 0, 1, 1, 0);
+  /* rank 0 exits 1 in incarnation 1: no restart left, the job ends */
+  agent_send(g0, 1, 0, 1, 0);
+  expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, 1, why, sizeof why);
+  expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, 1, NULL, 0);
+  printf("end: %s\n", why);
+  assert_string_equal(why, "rank 0 exited with status 1; no restarts left "
+                           "(--max-restarts 1)");
+  /* a rank that is not the agent's node's: refused */
+  agent_send(g1, 1, 0, 1, 0);
+  assert_int_equal(sp_rpc_sync_stream_recv(
+                       g1, &shardplane__v1__agent_down__descriptor, 10000, &m,
+                       &status),
+                   SP_ENOENT);
+  assert_int_equal(status.code, SP_RPC_INVALID_ARGUMENT);
+  printf("node 1 reporting rank 0: %s\n", status.message);
+  sp_rpc_sync_stream_close(g0);
+  sp_rpc_sync_stream_close(g1);
+  sp_rpc_sync_close(c0);
+  sp_rpc_sync_close(c1);
+  sp_rpc_sync_close(c2);
+
+  /* the records, read back by a coordinator started again on the dir */
+  sp_proc_stop(&coord, 5000);
+  char listen[64];
+  snprintf(listen, sizeof listen, "%s", addr);
+  start_coord_at(&coord, &auth, 4, listen, sd, addr, sizeof addr);
+  li = incarnations(addr, &auth);
+  assert_int_equal(li->current, 1);
+  assert_int_equal(li->restarts, 1);
+  assert_int_equal(li->max_restarts, 1);
+  assert_int_equal(li->n_incarnations, 2);
+  assert_true(li->incarnations[0]->ended);
+  assert_int_equal(li->incarnations[0]->rank, 3);
+  assert_int_equal(li->incarnations[0]->signal, SIGKILL);
+  assert_true(li->incarnations[1]->ended);
+  assert_int_equal(li->incarnations[1]->rank, 0);
+  assert_int_equal(li->incarnations[1]->exit_code, 1);
+  assert_true(li->incarnations[1]->started_unix_ms >=
+              li->incarnations[0]->ended_unix_ms);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  sp_proc_stop(&coord, 5000);
+  sp_tauth_free(&auth);
+  free(sd);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* Bad usage is named by its flag, and exits 2. */
 static void test_agent_bad_usage(void **state) {
   (void)state;
@@ -589,13 +762,15 @@ static void test_agent_bad_usage(void **state) {
   free(dir);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_agent_env_and_exit_codes),
       cmocka_unit_test(test_agent_bad_usage),
+      cmocka_unit_test(test_incarnations_protocol),
       cmocka_unit_test(test_agents_train_as_run),
       cmocka_unit_test(test_agent_worker_killed),
       cmocka_unit_test(test_agent_restart),
   };
+  if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
