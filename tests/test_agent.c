@@ -26,6 +26,7 @@
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "support/auth_fixture.h"
 #include "support/job_fixture.h"
+#include "support/netns_fixture.h"
 #include "support/testutil.h"
 
 #define SHARDPLANE SP_BIN_DIR "/shardplane"
@@ -329,6 +330,79 @@ static void test_agents_train_as_run(void **state) {
          "its coordinator\n", rst, run_conns);
   assert_int_equal(rst, 0);
   assert_int_equal(run_conns, 1);
+  char *fa = sp_test_path(cka, "full"), *fr = sp_test_path(ckr, "full");
+  sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
+  free(fa);
+  free(fr);
+  free(out);
+  free(err);
+  sp_tauth_free(&auth);
+  free(cka);
+  free(ckr);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* The same on two hosts for real: each agent in a network namespace of
+ * its own, joined by a veth pair, the coordinator beside agent 0. The
+ * workers' Gloo connections cross hosts at the address each agent finds
+ * toward the coordinator. Needs root and iproute2, else skipped. */
+static void test_agents_two_namespaces(void **state) {
+  (void)state;
+  sp_tnet net = {0};
+  char why[256];
+  if (sp_tnet_up(&net, why, sizeof why) != 0) {
+    printf("SKIPPED: two agents in network namespaces: %s (the loopback "
+           "variant runs)\n", why);
+    skip();
+  }
+  char *dir = sp_test_mkdtemp();
+  char *cka = sp_test_path(dir, "agents"), *ckr = sp_test_path(dir, "run");
+  sp_tauth auth;
+  sp_tauth_make(&auth);
+  char listen[64], fmt[64], addr[64];
+  snprintf(listen, sizeof listen, "%s:0", net.addr[0]);
+  snprintf(fmt, sizeof fmt, "listening on %s:%%d", net.addr[0]);
+  char *cargv[] = {net.ip, "netns", "exec", net.ns[0],
+                   SP_BIN_DIR "/shardplane-coordinator", "--listen", listen,
+                   "--model", MLP, "--world-size", "4", "--insecure",
+                   "--token-file", auth.token_file, "--quiet", NULL};
+  sp_proc coord;
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(&coord, cargv, false, true, fmt, &d) != 0)
+    fail_msg("coordinator: %s", d.msg);
+  snprintf(addr, sizeof addr, "%s:%d", net.addr[0], coord.port);
+  pid_t a[2];
+  for (int i = 0; i < 2; i++) {
+    char ns[16], out[32], err[32];
+    snprintf(ns, sizeof ns, "%d", i);
+    char *argv[] = {net.ip, "netns", "exec", net.ns[i], SHARDPLANE, "agent",
+                    "--coordinator", addr, "--insecure", "--token-file",
+                    auth.file[SP_ROLE_WORKER], "--nproc-per-node", "2",
+                    "--node-rank", ns, "--", WORKER, "--insecure", "--steps",
+                    "6", "--global-batch", "24", "--lr", "0.05",
+                    "--log-every", "1", "--checkpoint-dir", cka, NULL};
+    snprintf(out, sizeof out, "ns%d.out", i);
+    snprintf(err, sizeof err, "ns%d.err", i);
+    char *po = sp_test_path(dir, out), *pe = sp_test_path(dir, err);
+    a[i] = sp_test_spawn_logged(po, pe, argv);
+    free(po);
+    free(pe);
+  }
+  int st0 = sp_test_wait_exit(a[0], 120), st1 = sp_test_wait_exit(a[1], 120);
+  sp_proc_stop(&coord, 5000);
+  char *err1 = slurp(dir, "ns1.err");
+  printf("agent in %s:\n%s", net.ns[1], err1);
+  sp_tnet_down(&net);
+  assert_int_equal(st0, 0);
+  assert_int_equal(st1, 0);
+  free(err1);
+  char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
+                  "--steps", "6", "--global-batch", "24", "--lr", "0.05",
+                  "--checkpoint-dir", ckr, NULL};
+  char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
+  assert_int_equal(sp_test_wait_exit(sp_test_spawn_logged(out, err, argv),
+                                     120), 0);
   char *fa = sp_test_path(cka, "full"), *fr = sp_test_path(ckr, "full");
   sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
   free(fa);
@@ -768,6 +842,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_agent_bad_usage),
       cmocka_unit_test(test_incarnations_protocol),
       cmocka_unit_test(test_agents_train_as_run),
+      cmocka_unit_test(test_agents_two_namespaces),
       cmocka_unit_test(test_agent_worker_killed),
       cmocka_unit_test(test_agent_restart),
   };

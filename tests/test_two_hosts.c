@@ -27,84 +27,28 @@
 #include "base/clock.h"
 #include "base/proc.h"
 #include "support/auth_fixture.h"
+#include "support/netns_fixture.h"
 #include "support/test_certs.h"
 #include "support/testutil.h"
 
 extern char **environ;
 
-static char g_ip[64];          /* the ip program */
-static char g_ns[2][32];       /* the two hosts */
-static char g_veth[2][16];     /* each host's end of the link */
-static char g_addr[2][32];     /* each host's address */
+static sp_tnet g_net;          /* the two hosts */
 static char *g_dir;            /* logs */
 static sp_test_certs g_certs;  /* the coordinator's certificate and its CA */
 static sp_tauth g_auth;        /* the job's tokens */
 
-/* Runs a shell command; its exit status. */
-static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int sh(const char *fmt, ...) {
-  char cmd[1024];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(cmd, sizeof cmd, fmt, ap);
-  va_end(ap);
-  int st = system(cmd);
-  return st == -1 ? -1 : WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-}
-
-static void hosts_down(void) {
-  for (int i = 0; i < 2; i++)
-    if (g_ns[i][0]) sh("%s netns del %s 2>/dev/null", g_ip, g_ns[i]);
-}
-
-/* Two namespaces, a veth pair between them, 10.R.R.1 and 10.R.R.2: 0 when
- * made, else the reason in why. */
-static int hosts_up(char *why, size_t cap) {
-  const char *ips[] = {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"};
-  for (size_t i = 0; i < 4 && !g_ip[0]; i++)
-    if (access(ips[i], X_OK) == 0) snprintf(g_ip, sizeof g_ip, "%s", ips[i]);
-  if (!g_ip[0]) return snprintf(why, cap, "no ip program (iproute2)"), -1;
-  if (geteuid() != 0)
-    return snprintf(why, cap, "network namespaces need root"), -1;
-  unsigned id = (unsigned)getpid() % 200 + 20;
-  for (int i = 0; i < 2; i++) {
-    snprintf(g_ns[i], sizeof g_ns[i], "sp2h-%u-%c", (unsigned)getpid(),
-             'a' + i);
-    snprintf(g_veth[i], sizeof g_veth[i], "sp2h%u%c", (unsigned)getpid() % 100000,
-             'a' + i);
-    snprintf(g_addr[i], sizeof g_addr[i], "10.213.%u.%d", id, i + 1);
-  }
-  if (sh("%s netns add %s 2>/dev/null", g_ip, g_ns[0]) != 0) {
-    g_ns[0][0] = g_ns[1][0] = '\0';
-    return snprintf(why, cap, "cannot make a network namespace (%s netns "
-                    "add: not permitted in this container?)", g_ip), -1;
-  }
-  int rc = sh("%s netns add %s", g_ip, g_ns[1]);
-  if (rc == 0)
-    rc = sh("%s link add %s netns %s type veth peer name %s netns %s", g_ip,
-            g_veth[0], g_ns[0], g_veth[1], g_ns[1]);
-  for (int i = 0; rc == 0 && i < 2; i++)
-    rc = sh("%s -n %s addr add %s/24 dev %s && %s -n %s link set %s up && "
-            "%s -n %s link set lo up", g_ip, g_ns[i], g_addr[i], g_veth[i],
-            g_ip, g_ns[i], g_veth[i], g_ip, g_ns[i]);
-  if (rc != 0) {
-    hosts_down();
-    return snprintf(why, cap, "cannot join the namespaces with a veth pair"),
-           -1;
-  }
-  return 0;
-}
-
 static void link_set(int host, const char *updown) {
-  assert_int_equal(sh("%s -n %s link set %s %s", g_ip, g_ns[host],
-                      g_veth[host], updown), 0);
+  assert_int_equal(sp_tnet_sh("%s -n %s link set %s %s", g_net.ip,
+                              g_net.ns[host], g_net.veth[host], updown),
+                   0);
 }
 
 /* A process inside host's namespace; its stdout on *out_fd when asked
  * for, its stderr in g_dir/<log>. */
 static pid_t spawn_in(int host, const char *const *args, int *out_fd,
                       const char *log) {
-  const char *argv[64] = {g_ip, "netns", "exec", g_ns[host]};
+  const char *argv[64] = {g_net.ip, "netns", "exec", g_net.ns[host]};
   size_t n = 4;
   for (; *args && n < 63; args++) argv[n++] = *args;
   argv[n] = NULL;
@@ -167,10 +111,10 @@ typedef struct job {
 
 static void job_start(job *j, int steps, int hb_timeout_ms) {
   char listen[64], st[16], hb[16];
-  snprintf(listen, sizeof listen, "%s:0", g_addr[0]);
+  snprintf(listen, sizeof listen, "%s:0", g_net.addr[0]);
   snprintf(st, sizeof st, "%d", steps);
   snprintf(hb, sizeof hb, "%d", hb_timeout_ms);
-  const char *ca[] = {g_ip, "netns", "exec", g_ns[0],
+  const char *ca[] = {g_net.ip, "netns", "exec", g_net.ns[0],
                       SP_BIN_DIR "/shardplane-coordinator", "--listen", listen,
                       "--model", SP_EXAMPLES "/mlp.json", "--world-size", "2",
                       "--heartbeat-timeout-ms", hb,
@@ -178,11 +122,11 @@ static void job_start(job *j, int steps, int hb_timeout_ms) {
                       "--tls-key", g_certs.server_key,
                       "--token-file", g_auth.token_file, NULL};
   char fmt[64];
-  snprintf(fmt, sizeof fmt, "listening on %s:%%d", g_addr[0]);
+  snprintf(fmt, sizeof fmt, "listening on %s:%%d", g_net.addr[0]);
   sp_diag d = {{0}};
   if (sp_proc_spawn(&j->coord, (char *const *)ca, false, false, fmt, &d) != 0)
     fail_msg("coordinator: %s", d.msg);
-  snprintf(j->caddr, sizeof j->caddr, "%s:%d", g_addr[0], j->coord.port);
+  snprintf(j->caddr, sizeof j->caddr, "%s:%d", g_net.addr[0], j->coord.port);
   for (int r = 0; r < 2; r++) {
     char rs[4], log[32];
     snprintf(rs, sizeof rs, "%d", r);
@@ -257,22 +201,24 @@ static void test_long_outage(void **state) {
   assert_int_equal(sc, 0);
   /* nothing of the job is left on either host */
   for (int h = 0; h < 2; h++)
-    assert_int_equal(sh("test -z \"$(%s netns pids %s)\"", g_ip, g_ns[h]), 0);
+    assert_int_equal(sp_tnet_sh("test -z \"$(%s netns pids %s)\"", g_net.ip,
+                                g_net.ns[h]),
+                     0);
   free(e0);
 }
 
 static int teardown(void **state) {
   (void)state;
-  hosts_down();
+  sp_tnet_down(&g_net);
   return 0;
 }
 
 int main(void) {
   char why[256];
-  if (hosts_up(why, sizeof why) != 0) return sp_test_skip(why);
+  if (sp_tnet_up(&g_net, why, sizeof why) != 0) return sp_test_skip(why);
   g_dir = sp_test_mkdtemp();
   if (sp_test_certs_make(g_dir, &g_certs) != 0) {
-    hosts_down();
+    sp_tnet_down(&g_net);
     return sp_test_skip("cannot make test certificates (openssl command)");
   }
   sp_tauth_make(&g_auth);

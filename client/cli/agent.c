@@ -52,15 +52,16 @@ static void usage(FILE *f) {
         "  --nnodes M                   hosts in the job (default: the job's\n"
         "                               world size / N, asked of the\n"
         "                               coordinator; given, it must agree)\n"
-        "  --no-proxy                   the workers connect to the coordinator\n"
-        "                               themselves (SHARDPLANE_COORDINATOR is\n"
-        "                               its address; they need their own\n"
+        "  --no-proxy                   the workers connect to the\n"
+        "                               coordinator themselves\n"
+        "                               (SHARDPLANE_COORDINATOR is its\n"
+        "                               address; they need their own\n"
         "                               credentials)\n"
         "  --max-restarts K             when a worker dies, restart the job\n"
         "                               (every host's workers) up to K times\n"
         "                               as a new incarnation (default 0: the\n"
-        "                               job ends naming the rank); every agent\n"
-        "                               of the job must give the same K\n"
+        "                               job ends naming the rank); every\n"
+        "                               agent of the job must give the same K\n"
         "  --load-on-restart DIR        on a restart, TRAINER gets --load DIR\n"
         "                               when DIR holds a checkpoint (the\n"
         "                               trainer's --checkpoint-dir, written\n"
@@ -411,7 +412,8 @@ static int ctl_send(agent *a, const Shardplane__V1__AgentUp *up) {
 
 /* Waits up to wait_ms for a command. Returns 1 with *out set (the caller
  * frees it), 0 when none came, -1 when the stream ended (said why). */
-static int ctl_recv(agent *a, uint64_t wait_ms, Shardplane__V1__AgentDown **out) {
+static int ctl_recv(agent *a, uint64_t wait_ms,
+                    Shardplane__V1__AgentDown **out) {
   if (a->ctl_st == NULL) return -1;
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;

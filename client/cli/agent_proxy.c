@@ -205,7 +205,8 @@ void sp_agent_proxy_free(sp_agent_proxy *p) {
 }
 
 static int build_methods(sp_agent_proxy *p) {
-  const ProtobufCServiceDescriptor *sd = &shardplane__v1__coordinator__descriptor;
+  const ProtobufCServiceDescriptor *sd =
+      &shardplane__v1__coordinator__descriptor;
   p->n_methods = sd->n_methods;
   p->methods = calloc(sd->n_methods, sizeof *p->methods);
   p->paths = calloc(sd->n_methods, sizeof *p->paths);
