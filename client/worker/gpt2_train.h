@@ -13,7 +13,11 @@
  * Loss scaling (as the MLP trainer's): each rank computes the mean over
  * its own tokens of a micro-batch, divided by the micro-batches of the
  * step; the runtime's reduction averages over the ranks, so the gradient
- * is that of the global mean (all ranks hold equal shares). */
+ * is that of the global mean (all ranks hold equal shares).
+ *
+ * On a GPU (the runtime's storage on a device, --device cuda:N) the same
+ * schedule runs gpt2_cuda.h's pieces on the runtime's compute stream, on
+ * the same data; the loss is reduced in device memory. */
 #ifndef SP_GPT2_TRAIN_H
 #define SP_GPT2_TRAIN_H
 
@@ -64,6 +68,8 @@ typedef struct sp_gpt2_times {
 sp_gpt2_times sp_gpt2_trainer_times(const sp_gpt2_trainer *tr);
 /* Tokens a step trains over every rank (global_batch * seq_len). */
 uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr);
+/* Tokens one sp_gpt2_trainer_eval reads over every rank. */
+uint64_t sp_gpt2_trainer_eval_tokens(const sp_gpt2_trainer *tr);
 /* Where the data came from, for the first progress line. */
 const char *sp_gpt2_trainer_data_source(const sp_gpt2_trainer *tr);
 
