@@ -140,7 +140,8 @@ timeout --signal=INT 300 "$BUILD/bin/shardplane" run --nproc 1 --device cuda \
   --model examples/models/gpt2.json --wrap-type GPT2Block --steps 8 \
   --global-batch 8 --seq-len 1024 --log-every 4 --eval-every 8 \
   --eval-batches 4 --data "$GPT2_DIR/corpus.txt" --optimizer adamw \
-  --lr 6e-4 --clip-grad-norm 1.0 >"$GPT2_LOG" 2>&1
+  --lr 6e-4 --clip-grad-norm 1.0 --checkpoint none \
+  --checkpoint-dir "$GPT2_DIR/ckpt" >"$GPT2_LOG" 2>&1
 gpt2_rc=$?
 gpt2_s=$(( $(date +%s) - T_GPT0 ))
 rm -rf "$GPT2_DIR"

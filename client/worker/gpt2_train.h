@@ -61,7 +61,10 @@ int sp_gpt2_trainer_eval(sp_gpt2_trainer *tr, double *loss, sp_diag *d);
  * them compute did not hide); in clipping and the optimizer. comm_s: what
  * the runtime's communication thread was busy meanwhile (collectives,
  * waiting for the peers included, and their casts: sp_fsdp_stats.
- * comm_busy_s), overlapping the rest. */
+ * comm_busy_s), overlapping the rest. On a GPU the kernels run
+ * asynchronously: compute_s is the time to enqueue them, except that each
+ * micro-batch's forward waits for its loss, and the step's end for the
+ * reduced loss. */
 typedef struct sp_gpt2_times {
   double compute_s, wait_s, optim_s, comm_s;
 } sp_gpt2_times;
