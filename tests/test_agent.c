@@ -97,6 +97,42 @@ static pid_t start_agent(const char *dir, const char *addr,
   return pid;
 }
 
+/* Each test's scratch directory, the job's tokens and, for most, a
+ * coordinator of 4 ranks on loopback; the teardown also runs after a
+ * failed test, so nothing it started is left behind. */
+typedef struct fx {
+  char *dir;
+  sp_tauth auth;
+  sp_proc coord;
+  char addr[64];
+} fx;
+
+static int fx_setup_bare(void **state) {
+  fx *f = calloc(1, sizeof *f);
+  if (f == NULL) return -1;
+  f->dir = sp_test_mkdtemp();
+  sp_tauth_make(&f->auth);
+  *state = f;
+  return 0;
+}
+
+static int fx_setup(void **state) {
+  fx_setup_bare(state);
+  fx *f = *state;
+  start_coord(&f->coord, &f->auth, 4, f->addr, sizeof f->addr);
+  return 0;
+}
+
+static int fx_teardown(void **state) {
+  fx *f = *state;
+  if (f->coord.pid > 0) sp_proc_stop(&f->coord, 5000);
+  sp_tauth_free(&f->auth);
+  sp_test_rmtree(f->dir);
+  free(f->dir);
+  free(f);
+  return 0;
+}
+
 static char *slurp(const char *dir, const char *name) {
   char *path = sp_test_path(dir, name);
   char *s = sp_test_read_file(path);
@@ -129,6 +165,19 @@ static Shardplane__V1__ListIncarnationsResponse *incarnations(
   if (st.code != SP_RPC_OK) fail_msg("ListIncarnations: %s", st.message);
   sp_rpc_sync_close(c);
   return (Shardplane__V1__ListIncarnationsResponse *)resp;
+}
+
+/* A job restarted once (of --max-restarts 1), incarnation 0 ended by
+ * rank 3's SIGKILL. */
+static void expect_restarted_after_rank3(
+    const Shardplane__V1__ListIncarnationsResponse *li) {
+  assert_int_equal(li->current, 1);
+  assert_int_equal(li->restarts, 1);
+  assert_int_equal(li->max_restarts, 1);
+  assert_int_equal(li->n_incarnations, 2);
+  assert_true(li->incarnations[0]->ended);
+  assert_int_equal(li->incarnations[0]->rank, 3);
+  assert_int_equal(li->incarnations[0]->signal, SIGKILL);
 }
 
 /* StoreSet key=value as a worker would; StoreGet's status and, when
@@ -263,30 +312,49 @@ static void wait_agents(pid_t a[2], int st[2], int port, double timeout_s,
     if (st[i] == -2) st[i] = sp_test_wait_exit(a[i], 0);
 }
 
+/* `shardplane run --nproc 4` of the same training (steps, global batch 24,
+ * lr 0.05), its checkpoint in dir/run, its output in dir/run.out and
+ * .err. */
+static pid_t start_reference(const char *dir, const char *steps) {
+  char *ck = sp_test_path(dir, "run");
+  char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
+                  "--steps", (char *)steps, "--global-batch", "24", "--lr",
+                  "0.05", "--checkpoint-dir", ck, NULL};
+  char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
+  pid_t pid = sp_test_spawn_logged(out, err, argv);
+  free(out);
+  free(err);
+  free(ck);
+  return pid;
+}
+
+/* Fails unless the FULL checkpoint in ck is, tensor for tensor and byte
+ * for byte, the one the reference run wrote in dir/run. */
+static void same_as_reference(const char *dir, const char *ck) {
+  char *fa = sp_test_path(ck, "full"), *fr = sp_test_path(dir, "run/full");
+  sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
+  free(fa);
+  free(fr);
+}
+
 /* Two agents of two workers each against one coordinator train to the
  * same bytes as `shardplane run --nproc 4`, each agent holding one
  * connection to the coordinator for its two workers (each of which opens
  * a Session stream and store connections of its own). */
 static void test_agents_train_as_run(void **state) {
-  (void)state;
-  char *dir = sp_test_mkdtemp();
-  char *cka = sp_test_path(dir, "agents"), *ckr = sp_test_path(dir, "run");
-  sp_tauth auth;
-  sp_tauth_make(&auth);
-  sp_proc coord;
-  char addr[64];
-  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  fx *f = *state;
+  char *cka = sp_test_path(f->dir, "agents");
   const char *trainer[] = {WORKER, "--insecure", "--steps", "6",
                            "--global-batch", "24", "--lr", "0.05",
                            "--log-every", "1", "--checkpoint-dir", cka, NULL};
   pid_t a[2];
   for (int i = 0; i < 2; i++)
-    a[i] = start_agent(dir, addr, &auth, i, NULL, trainer);
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
   int st[2], max_conns;
-  wait_agents(a, st, coord.port, 120, &max_conns);
-  sp_proc_stop(&coord, 5000);
-  char *out0 = slurp(dir, "agent0.out"), *err0 = slurp(dir, "agent0.err"),
-       *err1 = slurp(dir, "agent1.err");
+  wait_agents(a, st, f->coord.port, 120, &max_conns);
+  sp_proc_stop(&f->coord, 5000);
+  char *out0 = slurp(f->dir, "agent0.out"), *err0 = slurp(f->dir, "agent0.err"),
+       *err1 = slurp(f->dir, "agent1.err");
   printf("agent 0:\n%s%s\nagent 1:\n%s\nconnections to the coordinator: at "
          "most %d\n", out0, err0, err1, max_conns);
   assert_int_equal(st[0], 0);
@@ -303,11 +371,8 @@ static void test_agents_train_as_run(void **state) {
   free(err0);
   free(err1);
 
-  char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
-                  "--steps", "6", "--global-batch", "24", "--lr", "0.05",
-                  "--checkpoint-dir", ckr, NULL};
-  char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
-  pid_t run = sp_test_spawn_logged(out, err, argv);
+  pid_t run = start_reference(f->dir, "6");
+  char *out = sp_test_path(f->dir, "run.out");
   /* run is the coordinator and one agent: its 4 workers, one connection */
   int port = 0, run_conns = 0, rst = -2;
   double end = sp_clock_s() + 120;
@@ -330,17 +395,9 @@ static void test_agents_train_as_run(void **state) {
          "its coordinator\n", rst, run_conns);
   assert_int_equal(rst, 0);
   assert_int_equal(run_conns, 1);
-  char *fa = sp_test_path(cka, "full"), *fr = sp_test_path(ckr, "full");
-  sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
-  free(fa);
-  free(fr);
+  same_as_reference(f->dir, cka);
   free(out);
-  free(err);
-  sp_tauth_free(&auth);
   free(cka);
-  free(ckr);
-  sp_test_rmtree(dir);
-  free(dir);
 }
 
 /* The same on two hosts for real: each agent in a network namespace of
@@ -348,7 +405,7 @@ static void test_agents_train_as_run(void **state) {
  * workers' Gloo connections cross hosts at the address each agent finds
  * toward the coordinator. Needs root and iproute2, else skipped. */
 static void test_agents_two_namespaces(void **state) {
-  (void)state;
+  fx *f = *state;
   sp_tnet net = {0};
   char why[256];
   if (sp_tnet_up(&net, why, sizeof why) != 0) {
@@ -356,76 +413,53 @@ static void test_agents_two_namespaces(void **state) {
            "variant runs)\n", why);
     skip();
   }
-  char *dir = sp_test_mkdtemp();
-  char *cka = sp_test_path(dir, "agents"), *ckr = sp_test_path(dir, "run");
-  sp_tauth auth;
-  sp_tauth_make(&auth);
+  char *cka = sp_test_path(f->dir, "agents");
   char listen[64], fmt[64], addr[64];
   snprintf(listen, sizeof listen, "%s:0", net.addr[0]);
   snprintf(fmt, sizeof fmt, "listening on %s:%%d", net.addr[0]);
   char *cargv[] = {net.ip, "netns", "exec", net.ns[0],
                    SP_BIN_DIR "/shardplane-coordinator", "--listen", listen,
                    "--model", MLP, "--world-size", "4", "--insecure",
-                   "--token-file", auth.token_file, "--quiet", NULL};
-  sp_proc coord;
+                   "--token-file", f->auth.token_file, "--quiet", NULL};
   sp_diag d = {{0}};
-  if (sp_proc_spawn(&coord, cargv, false, true, fmt, &d) != 0)
+  if (sp_proc_spawn(&f->coord, cargv, false, true, fmt, &d) != 0)
     fail_msg("coordinator: %s", d.msg);
-  snprintf(addr, sizeof addr, "%s:%d", net.addr[0], coord.port);
+  snprintf(addr, sizeof addr, "%s:%d", net.addr[0], f->coord.port);
   pid_t a[2];
   for (int i = 0; i < 2; i++) {
     char ns[16], out[32], err[32];
     snprintf(ns, sizeof ns, "%d", i);
     char *argv[] = {net.ip, "netns", "exec", net.ns[i], SHARDPLANE, "agent",
                     "--coordinator", addr, "--insecure", "--token-file",
-                    auth.file[SP_ROLE_WORKER], "--nproc-per-node", "2",
+                    f->auth.file[SP_ROLE_WORKER], "--nproc-per-node", "2",
                     "--node-rank", ns, "--", WORKER, "--insecure", "--steps",
                     "6", "--global-batch", "24", "--lr", "0.05",
                     "--log-every", "1", "--checkpoint-dir", cka, NULL};
     snprintf(out, sizeof out, "ns%d.out", i);
     snprintf(err, sizeof err, "ns%d.err", i);
-    char *po = sp_test_path(dir, out), *pe = sp_test_path(dir, err);
+    char *po = sp_test_path(f->dir, out), *pe = sp_test_path(f->dir, err);
     a[i] = sp_test_spawn_logged(po, pe, argv);
     free(po);
     free(pe);
   }
   int st0 = sp_test_wait_exit(a[0], 120), st1 = sp_test_wait_exit(a[1], 120);
-  sp_proc_stop(&coord, 5000);
-  char *err1 = slurp(dir, "ns1.err");
+  sp_proc_stop(&f->coord, 5000);
+  char *err1 = slurp(f->dir, "ns1.err");
   printf("agent in %s:\n%s", net.ns[1], err1);
   sp_tnet_down(&net);
   assert_int_equal(st0, 0);
   assert_int_equal(st1, 0);
   free(err1);
-  char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
-                  "--steps", "6", "--global-batch", "24", "--lr", "0.05",
-                  "--checkpoint-dir", ckr, NULL};
-  char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
-  assert_int_equal(sp_test_wait_exit(sp_test_spawn_logged(out, err, argv),
-                                     120), 0);
-  char *fa = sp_test_path(cka, "full"), *fr = sp_test_path(ckr, "full");
-  sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
-  free(fa);
-  free(fr);
-  free(out);
-  free(err);
-  sp_tauth_free(&auth);
+  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "6"), 120),
+                   0);
+  same_as_reference(f->dir, cka);
   free(cka);
-  free(ckr);
-  sp_test_rmtree(dir);
-  free(dir);
 }
 
 /* What a trainer is given, whatever it is: the launcher's variables, its
  * lines prefixed with its rank, its exit code collected and named. */
 static void test_agent_env_and_exit_codes(void **state) {
-  (void)state;
-  char *dir = sp_test_mkdtemp();
-  sp_tauth auth;
-  sp_tauth_make(&auth);
-  sp_proc coord;
-  char addr[64];
-  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  fx *f = *state;
   const char *show[] = {"/bin/sh", "-c",
                         "echo \"env $RANK $LOCAL_RANK $WORLD_SIZE "
                         "$LOCAL_WORLD_SIZE $GROUP_RANK $NODE_RANK "
@@ -434,10 +468,10 @@ static void test_agent_env_and_exit_codes(void **state) {
                         NULL};
   /* the node rank from the environment, as torchrun's launchers set it */
   setenv("NODE_RANK", "1", 1);
-  pid_t pid = start_agent(dir, addr, &auth, -1, NULL, show);
+  pid_t pid = start_agent(f->dir, f->addr, &f->auth, -1, NULL, show);
   unsetenv("NODE_RANK");
   int st = sp_test_wait_exit(pid, 60);
-  char *out = slurp(dir, "agent9.out"), *err = slurp(dir, "agent9.err");
+  char *out = slurp(f->dir, "agent9.out"), *err = slurp(f->dir, "agent9.err");
   printf("%s%s", out, err);
   assert_int_equal(st, 1);
   assert_non_null(strstr(out, "[rank2]: env 2 0 4 2 1 1 unix:/"));
@@ -453,18 +487,16 @@ static void test_agent_env_and_exit_codes(void **state) {
   const char *noproxy[] = {"--no-proxy", NULL};
   const char *ok[] = {"/bin/sh", "-c", "echo \"at $SHARDPLANE_COORDINATOR\"",
                       NULL};
-  st = sp_test_wait_exit(start_agent(dir, addr, &auth, 0, noproxy, ok), 60);
-  out = slurp(dir, "agent0.out");
+  st = sp_test_wait_exit(
+      start_agent(f->dir, f->addr, &f->auth, 0, noproxy, ok), 60);
+  out = slurp(f->dir, "agent0.out");
   char want[96];
-  snprintf(want, sizeof want, "[rank1]: at %s\n", addr);
+  snprintf(want, sizeof want, "[rank1]: at %s\n", f->addr);
   printf("%s", out);
   assert_int_equal(st, 0);
   assert_non_null(strstr(out, want));
   free(out);
-  sp_proc_stop(&coord, 5000);
-  sp_tauth_free(&auth);
-  sp_test_rmtree(dir);
-  free(dir);
+  sp_proc_stop(&f->coord, 5000);
 }
 
 /* The pid of the child of parent whose environment holds RANK=rank. */
@@ -507,21 +539,15 @@ static pid_t child_with_rank(pid_t parent, int rank) {
  * rank and signal and exits 1; the other host's workers are aborted by the
  * coordinator and their agent exits 1 too. Nothing is left running. */
 static void test_agent_worker_killed(void **state) {
-  (void)state;
-  char *dir = sp_test_mkdtemp();
-  sp_tauth auth;
-  sp_tauth_make(&auth);
-  sp_proc coord;
-  char addr[64];
-  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  fx *f = *state;
   const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
                            "--log-every", "1", "--checkpoint", "none", NULL};
   pid_t a[2];
   for (int i = 0; i < 2; i++)
-    a[i] = start_agent(dir, addr, &auth, i, NULL, trainer);
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
   double end = sp_clock_s() + 60;
   for (;;) {
-    char *out = slurp(dir, "agent0.out");
+    char *out = slurp(f->dir, "agent0.out");
     bool going = strstr(out, "step 3/") != NULL;
     free(out);
     if (going) break;
@@ -533,16 +559,17 @@ static void test_agent_worker_killed(void **state) {
   assert_int_equal(kill(victim, SIGKILL), 0);
   int st[2], max_conns;
   double t0 = sp_clock_s();
-  wait_agents(a, st, coord.port, 60, &max_conns);
+  wait_agents(a, st, f->coord.port, 60, &max_conns);
   double took = sp_clock_s() - t0;
   /* the coordinator recorded what ended the job's one incarnation (it
    * weighs the deaths reported within 300 ms of the first) */
-  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, &auth);
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
   for (double until = sp_clock_s() + 5;
        !li->incarnations[0]->ended && sp_clock_s() < until;) {
     protobuf_c_message_free_unpacked(&li->base, NULL);
     usleep(20000);
-    li = incarnations(addr, &auth);
+    li = incarnations(f->addr, &f->auth);
   }
   assert_int_equal(li->current, 0);
   assert_int_equal(li->n_incarnations, 1);
@@ -552,8 +579,8 @@ static void test_agent_worker_killed(void **state) {
   assert_int_equal(li->incarnations[0]->signal, SIGKILL);
   printf("incarnation 0 ended: %s\n", li->incarnations[0]->reason);
   protobuf_c_message_free_unpacked(&li->base, NULL);
-  sp_proc_stop(&coord, 5000);
-  char *err0 = slurp(dir, "agent0.err"), *err1 = slurp(dir, "agent1.err");
+  sp_proc_stop(&f->coord, 5000);
+  char *err0 = slurp(f->dir, "agent0.err"), *err1 = slurp(f->dir, "agent1.err");
   printf("agent 0:\n%s\nagent 1:\n%s\nended %.2f s after the kill\n", err0,
          err1, took);
   assert_int_equal(st[1], 1);
@@ -564,9 +591,6 @@ static void test_agent_worker_killed(void **state) {
   assert_true(took < 15);
   free(err0);
   free(err1);
-  sp_tauth_free(&auth);
-  sp_test_rmtree(dir);
-  free(dir);
 }
 
 /* Waits until dir/name holds needle. */
@@ -590,14 +614,8 @@ static void wait_for(const char *dir, const char *name, const char *needle,
  * continues bit-exactly). The store of incarnation 0 is gone in
  * incarnation 1. */
 static void test_agent_restart(void **state) {
-  (void)state;
-  char *dir = sp_test_mkdtemp();
-  char *ck = sp_test_path(dir, "ck"), *ckr = sp_test_path(dir, "run");
-  sp_tauth auth;
-  sp_tauth_make(&auth);
-  sp_proc coord;
-  char addr[64];
-  start_coord(&coord, &auth, 4, addr, sizeof addr);
+  fx *f = *state;
+  char *ck = sp_test_path(f->dir, "ck");
   /* rank 0 a straggler (4x its step), for time to kill mid-run; the
    * numbers do not change */
   const char *trainer[] = {WORKER, "--insecure", "--steps", "24",
@@ -609,20 +627,21 @@ static void test_agent_restart(void **state) {
                             NULL};
   pid_t a[2];
   for (int i = 0; i < 2; i++)
-    a[i] = start_agent(dir, addr, &auth, i, restarts, trainer);
-  wait_for(dir, "agent0.out", "checkpoint (FULL) of step 8:", 60);
-  store_set(addr, &auth, "comm/test-incarnation-0", "kept?");
-  assert_true(store_has(addr, &auth, "comm/test-incarnation-0"));
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, restarts, trainer);
+  wait_for(f->dir, "agent0.out", "checkpoint (FULL) of step 8:", 60);
+  store_set(f->addr, &f->auth, "comm/test-incarnation-0", "kept?");
+  assert_true(store_has(f->addr, &f->auth, "comm/test-incarnation-0"));
   pid_t victim = child_with_rank(a[1], 3);
   assert_true(victim > 0);
   assert_int_equal(kill(victim, SIGKILL), 0);
   int st[2], max_conns;
-  wait_agents(a, st, coord.port, 120, &max_conns);
-  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, &auth);
-  bool leaked = store_has(addr, &auth, "comm/test-incarnation-0");
-  sp_proc_stop(&coord, 5000);
-  char *out0 = slurp(dir, "agent0.out"), *err0 = slurp(dir, "agent0.err"),
-       *err1 = slurp(dir, "agent1.err");
+  wait_agents(a, st, f->coord.port, 120, &max_conns);
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
+  bool leaked = store_has(f->addr, &f->auth, "comm/test-incarnation-0");
+  sp_proc_stop(&f->coord, 5000);
+  char *out0 = slurp(f->dir, "agent0.out"), *err0 = slurp(f->dir, "agent0.err"),
+       *err1 = slurp(f->dir, "agent1.err");
   printf("agent 0:\n%s\nagent 1:\n%s\n", err0, err1);
   assert_int_equal(st[0], 0);
   assert_int_equal(st[1], 0);
@@ -636,38 +655,19 @@ static void test_agent_restart(void **state) {
   printf("%.60s\n", resumed);
   assert_non_null(strstr(out0, "[rank0]: step 24/24"));
   /* the record: incarnation 0 ended by rank 3's SIGKILL, 1 ran to the end */
-  assert_int_equal(li->current, 1);
-  assert_int_equal(li->restarts, 1);
-  assert_int_equal(li->max_restarts, 1);
-  assert_int_equal(li->n_incarnations, 2);
-  assert_true(li->incarnations[0]->ended);
-  assert_int_equal(li->incarnations[0]->rank, 3);
-  assert_int_equal(li->incarnations[0]->signal, SIGKILL);
+  expect_restarted_after_rank3(li);
   assert_false(li->incarnations[1]->ended);
   protobuf_c_message_free_unpacked(&li->base, NULL);
   /* incarnation 1 could not read incarnation 0's key */
   assert_false(leaked);
 
-  char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
-                  "--steps", "24", "--global-batch", "24", "--lr", "0.05",
-                  "--checkpoint-dir", ckr, NULL};
-  char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
-  assert_int_equal(sp_test_wait_exit(sp_test_spawn_logged(out, err, argv),
-                                     120), 0);
-  char *fa = sp_test_path(ck, "full"), *fr = sp_test_path(ckr, "full");
-  sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
-  free(fa);
-  free(fr);
-  free(out);
-  free(err);
+  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "24"), 120),
+                   0);
+  same_as_reference(f->dir, ck);
   free(out0);
   free(err0);
   free(err1);
-  sp_tauth_free(&auth);
   free(ck);
-  free(ckr);
-  sp_test_rmtree(dir);
-  free(dir);
 }
 
 /* The coordinator's side of supervision, spoken to directly: a death
@@ -678,17 +678,13 @@ static void test_agent_restart(void **state) {
  * are refused; the records outlive a coordinator restart on its state
  * dir. */
 static void test_incarnations_protocol(void **state) {
-  (void)state;
-  char *dir = sp_test_mkdtemp();
-  char *sd = sp_test_path(dir, "state");
-  sp_tauth auth;
-  sp_tauth_make(&auth);
-  sp_proc coord;
+  fx *f = *state;
+  char *sd = sp_test_path(f->dir, "state");
   char addr[64], why[512];
-  start_coord_at(&coord, &auth, 4, "127.0.0.1:0", sd, addr, sizeof addr);
-  sp_rpc_sync *c0 = client(addr, &auth, SP_ROLE_WORKER),
-              *c1 = client(addr, &auth, SP_ROLE_WORKER),
-              *c2 = client(addr, &auth, SP_ROLE_WORKER);
+  start_coord_at(&f->coord, &f->auth, 4, "127.0.0.1:0", sd, addr, sizeof addr);
+  sp_rpc_sync *c0 = client(addr, &f->auth, SP_ROLE_WORKER),
+              *c1 = client(addr, &f->auth, SP_ROLE_WORKER),
+              *c2 = client(addr, &f->auth, SP_ROLE_WORKER);
   sp_rpc_sync_stream *g0 = agent_open(c0, 0, 2, 1);
   expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 0, NULL, 0);
   sp_rpc_sync_stream *g1 = agent_open(c1, 1, 2, 1);
@@ -706,7 +702,7 @@ static void test_incarnations_protocol(void **state) {
   assert_non_null(strstr(status.message, "--max-restarts 5"));
   sp_rpc_sync_stream_close(bad);
 
-  store_set(addr, &auth, "comm/incarnation-0", "x");
+  store_set(addr, &f->auth, "comm/incarnation-0", "x");
   /* rank 3 of node 1 killed: both agents are told to stop */
   agent_send(g1, 0, 3, 0, SIGKILL);
   expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, why,
@@ -717,17 +713,17 @@ static void test_incarnations_protocol(void **state) {
   /* until every agent stopped, incarnation 0 is the current one */
   agent_send(g0, 0, -1, 0, 0);
   sp_test_sleep_ms(100);
-  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, &auth);
+  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, &f->auth);
   assert_int_equal(li->current, 0);
   protobuf_c_message_free_unpacked(&li->base, NULL);
-  assert_true(store_has(addr, &auth, "comm/incarnation-0"));
+  assert_true(store_has(addr, &f->auth, "comm/incarnation-0"));
   agent_send(g1, 0, -1, 0, 0);
   expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 1, NULL, 0);
   expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 1, NULL, 0);
   /* incarnation 1 cannot read incarnation 0's keys */
-  assert_false(store_has(addr, &auth, "comm/incarnation-0"));
-  store_set(addr, &auth, "comm/incarnation-1", "y");
-  assert_true(store_has(addr, &auth, "comm/incarnation-1"));
+  assert_false(store_has(addr, &f->auth, "comm/incarnation-0"));
+  store_set(addr, &f->auth, "comm/incarnation-1", "y");
+  assert_true(store_has(addr, &f->auth, "comm/incarnation-1"));
 
   /* a death reported for an incarnation that ended is not this one's */
   agent_send(g0, 0, 1, 1, 0);
@@ -752,61 +748,46 @@ static void test_incarnations_protocol(void **state) {
   sp_rpc_sync_close(c1);
   sp_rpc_sync_close(c2);
 
-  /* the records, read back by a coordinator started again on the dir */
-  sp_proc_stop(&coord, 5000);
+  /* the records, read back by a coordinator started again on the f->dir */
+  sp_proc_stop(&f->coord, 5000);
   char listen[64];
   snprintf(listen, sizeof listen, "%s", addr);
-  start_coord_at(&coord, &auth, 4, listen, sd, addr, sizeof addr);
-  li = incarnations(addr, &auth);
-  assert_int_equal(li->current, 1);
-  assert_int_equal(li->restarts, 1);
-  assert_int_equal(li->max_restarts, 1);
-  assert_int_equal(li->n_incarnations, 2);
-  assert_true(li->incarnations[0]->ended);
-  assert_int_equal(li->incarnations[0]->rank, 3);
-  assert_int_equal(li->incarnations[0]->signal, SIGKILL);
+  start_coord_at(&f->coord, &f->auth, 4, listen, sd, addr, sizeof addr);
+  li = incarnations(addr, &f->auth);
+  expect_restarted_after_rank3(li);
   assert_true(li->incarnations[1]->ended);
   assert_int_equal(li->incarnations[1]->rank, 0);
   assert_int_equal(li->incarnations[1]->exit_code, 1);
   assert_true(li->incarnations[1]->started_unix_ms >=
               li->incarnations[0]->ended_unix_ms);
   protobuf_c_message_free_unpacked(&li->base, NULL);
-  sp_proc_stop(&coord, 5000);
-  sp_tauth_free(&auth);
+  sp_proc_stop(&f->coord, 5000);
   free(sd);
-  sp_test_rmtree(dir);
-  free(dir);
 }
 
 /* Bad usage is named by its flag, and exits 2. */
 static void test_agent_bad_usage(void **state) {
-  (void)state;
-  char *dir = sp_test_mkdtemp();
-  sp_tauth auth;
-  sp_tauth_make(&auth);
-  sp_proc coord;
-  char addr[64];
-  start_coord(&coord, &auth, 4, addr, sizeof addr);
-  char *out = sp_test_path(dir, "out"), *err = sp_test_path(dir, "err");
+  fx *f = *state;
+  char *out = sp_test_path(f->dir, "out"), *err = sp_test_path(f->dir, "err");
   struct {
     const char *args[12];
     int code;
     const char *says;
   } cases[] = {
-      {{"--coordinator", addr, "--insecure", "--", "/bin/true", NULL}, 2,
+      {{"--coordinator", f->addr, "--insecure", "--", "/bin/true", NULL}, 2,
        "--nproc-per-node is required"},
-      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "2", NULL},
+      {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2", NULL},
        2, "no trainer"},
-      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "0", "--",
+      {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "0", "--",
         "/bin/true", NULL}, 2, "--nproc-per-node"},
-      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "3", "--",
+      {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "3", "--",
         "/bin/true", NULL}, 2, "world size 4 is not a multiple"},
-      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "2",
+      {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2",
         "--nnodes", "3", "--", "/bin/true", NULL}, 2,
        "--nnodes 3 x --nproc-per-node 2 is 6 ranks; the job has 4"},
-      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "2", "--",
+      {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2", "--",
         "/bin/true", NULL}, 2, "--node-rank is required with 2 hosts"},
-      {{"--coordinator", addr, "--insecure", "--nproc-per-node", "2",
+      {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2",
         "--node-rank", "2", "--", "/bin/true", NULL}, 2,
        "--node-rank 2: the job has 2 hosts (0 to 1)"},
       {{"--help", NULL}, 0, NULL},
@@ -817,7 +798,7 @@ static void test_agent_bad_usage(void **state) {
     for (size_t j = 0; cases[i].args[j]; j++)
       argv[k++] = (char *)cases[i].args[j];
     argv[k] = NULL;
-    setenv(SP_TOKEN_ENV, auth.token[SP_ROLE_WORKER], 1);
+    setenv(SP_TOKEN_ENV, f->auth.token[SP_ROLE_WORKER], 1);
     int st = sp_test_wait_exit(sp_test_spawn_logged(out, err, argv), 30);
     unsetenv(SP_TOKEN_ENV);
     char *e = sp_test_read_file(err), *o = sp_test_read_file(out);
@@ -828,23 +809,27 @@ static void test_agent_bad_usage(void **state) {
     free(e);
     free(o);
   }
-  sp_proc_stop(&coord, 5000);
+  sp_proc_stop(&f->coord, 5000);
   free(out);
   free(err);
-  sp_tauth_free(&auth);
-  sp_test_rmtree(dir);
-  free(dir);
 }
 
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_agent_env_and_exit_codes),
-      cmocka_unit_test(test_agent_bad_usage),
-      cmocka_unit_test(test_incarnations_protocol),
-      cmocka_unit_test(test_agents_train_as_run),
-      cmocka_unit_test(test_agents_two_namespaces),
-      cmocka_unit_test(test_agent_worker_killed),
-      cmocka_unit_test(test_agent_restart),
+      cmocka_unit_test_setup_teardown(test_agent_env_and_exit_codes, fx_setup,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_bad_usage, fx_setup,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_incarnations_protocol, fx_setup_bare,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agents_train_as_run, fx_setup,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agents_two_namespaces, fx_setup_bare,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_worker_killed, fx_setup,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_restart, fx_setup,
+                                      fx_teardown),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -125,16 +125,7 @@ static int run_to_end(char *const *argv, const char *err_path,
   assert_int_equal(posix_spawn(&pid, argv[0], &fa, NULL, argv, environ), 0);
   posix_spawn_file_actions_destroy(&fa);
   track(pid);
-  double end = sp_clock_s() + timeout_s;
-  while (sp_clock_s() < end) {
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid)
-      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    usleep(10000);
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, NULL, 0);
-  return -1;
+  return sp_test_wait_exit(pid, timeout_s);
 }
 
 static void expect_in_file(const char *path, const char *needle) {
@@ -455,16 +446,7 @@ static pid_t start_run(const char *dir, const char *ck) {
 }
 
 static int wait_exit(pid_t pid, double timeout_s) {
-  double end = sp_clock_s() + timeout_s;
-  while (sp_clock_s() < end) {
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid)
-      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    usleep(10000);
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, NULL, 0);
-  return -1;
+  return sp_test_wait_exit(pid, timeout_s);
 }
 
 static bool file_has(const char *path, const char *needle) {
