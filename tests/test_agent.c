@@ -483,7 +483,11 @@ static void test_agent_env_and_exit_codes(void **state) {
   free(out);
   free(err);
 
-  /* without the proxy the workers get the coordinator's own address */
+  /* without the proxy the workers get the coordinator's own address; a
+   * new job (that one ended with rank 3, and a coordinator tells an agent
+   * that joins an ended job so) */
+  sp_proc_stop(&f->coord, 5000);
+  start_coord(&f->coord, &f->auth, 4, f->addr, sizeof f->addr);
   const char *noproxy[] = {"--no-proxy", NULL};
   const char *ok[] = {"/bin/sh", "-c", "echo \"at $SHARDPLANE_COORDINATOR\"",
                       NULL};
