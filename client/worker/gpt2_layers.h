@@ -40,7 +40,10 @@ void sp_gpt2k_layernorm_bwd(float *dinp, float *dw, float *db,
                             const float *rstd, int N, int C);
 /* Causal self-attention of B sequences of T, NH heads over C = NH * hs:
  * qkv [B*T, 3C] (q, k, v side by side), att [B, NH, T, T] the softmax
- * probabilities (zero where masked), out [B*T, C]. allow [T, T] (row t,
+ * probabilities (zero where masked), out [B*T, C]. Query rows go in tiles
+ * of 64 and a tile's row is written only up to the tile's end: past it
+ * att keeps what it held, so a caller's att starts zeroed (sp_gpt2_acts_new
+ * does). allow [T, T] (row t,
  * column t2): nonzero where t may attend t2, ANDed with t2 <= t; NULL: the
  * causal mask alone. A row with nothing allowed is all zero. */
 void sp_gpt2k_attention_fwd(float *out, float *att, const float *qkv,
