@@ -152,6 +152,10 @@ uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr) {
   return (uint64_t)tr->cfg->global_batch * tr->T;
 }
 
+uint64_t sp_gpt2_trainer_act_bytes(const sp_gpt2_trainer *tr) {
+  return tr->acts->bytes;
+}
+
 const char *sp_gpt2_trainer_data_source(const sp_gpt2_trainer *tr) {
   return tr->data->source;
 }
