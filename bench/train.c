@@ -46,10 +46,8 @@
 #include <unistd.h>
 
 #include "base/proc.h"
-#include "fsdp/job.h"
 #include "fsdp/memory.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "predict.h"
 
 extern char **environ;
 
@@ -236,26 +234,16 @@ static int run_torch(const opts *o, double *step_s, int *busy) {
  * worker's limiter and prefetch). */
 static int predict(const opts *o, int world, uint64_t *reserved) {
   sp_diag d = {{0}};
-  sp_model *m = NULL;
-  sp_plan *pl = NULL;
-  sp_job job;
-  sp_job_init(&job);
   char ws[16];
   snprintf(ws, sizeof ws, "%d", world);
-  int rc = sp_model_load_file(o->model, &m, &d);
-  if (rc == 0) rc = sp_job_apply_flag(&job, "world-size", ws, &d);
-  if (rc == 0) rc = sp_job_apply_flag(&job, "wrap-type", "GPT2Block", &d);
-  if (rc == 0) rc = sp_plan_build(m, &job, &pl, &d);
+  const char *flags[] = {"world-size", ws, "wrap-type", "GPT2Block", NULL};
   sp_mem_opts mo;
   sp_mem_opts_default(&mo);
   mo.optimizer = SP_MEM_OPT_ADAMW;
   sp_mem_estimate e;
-  if (rc == 0) rc = sp_mem_estimate_plan(pl, &mo, &e, &d);
+  int rc = sp_bench_predict(o->model, flags, &mo, &e, &d);
   if (rc == 0) *reserved = e.acct.reserved.peak;
   if (rc < 0) fprintf(stderr, "bench/train: the memory model: %s\n", d.msg);
-  sp_plan_free(pl);
-  sp_model_free(m);
-  sp_job_clear(&job);
   return rc;
 }
 
