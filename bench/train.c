@@ -264,13 +264,18 @@ static bool memory_row(const opts *o, int world, const job_result *r) {
   return exact && rss_ok;
 }
 
+/* At W = 1 the runtime has no communication thread: its work (copies)
+ * runs in the schedule calls, so it is part of the waiting. */
 static void print_split(int world, const job_result *r) {
   double other = r->step_s - r->compute_s - r->wait_s - r->optim_s;
-  printf("  W=%d rank 0: step %.3f s = compute %.3f + waiting in the "
-         "runtime (collectives not hidden) %.3f + clip/optimizer %.3f + "
-         "other %.3f; communication thread busy %.3f (overlapping)\n",
-         world, r->step_s, r->compute_s, r->wait_s, r->optim_s, other,
-         r->comm_s);
+  printf("  W=%d rank 0: step %.3f s = compute %.3f + %s %.3f + "
+         "clip/optimizer %.3f + other %.3f; %s %.3f%s\n", world, r->step_s,
+         r->compute_s,
+         world == 1 ? "the runtime's calls (its copies included)"
+                    : "waiting in the runtime (collectives not hidden)",
+         r->wait_s, r->optim_s, other,
+         world == 1 ? "of which collectives" : "communication thread busy",
+         r->comm_s, world == 1 ? "" : " (overlapping)");
 }
 
 /* The index of v's median (the lower one of an even count). */
@@ -390,7 +395,8 @@ int main(int argc, char **argv) {
     }
     double m1 = median(steps1, (size_t)n), mt = median(steps_t, (size_t)n);
     printf("  W=1 shardplane %8.0f tokens/s (median %.3f s/step; %d BLAS "
-           "thread%s, its communication thread busy %.3f s a step)\n",
+           "thread%s; the runtime's collectives, copies at W=1, %.3f s a "
+           "step on the training thread)\n",
            tokens / m1, m1, o.threads, o.threads == 1 ? "" : "s",
            one[r1].comm_s);
     printf("  PyTorch 1.13   %8.0f tokens/s (median %.3f s/step; "
