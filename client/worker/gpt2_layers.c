@@ -12,19 +12,17 @@
 /* The elementwise loops are compiled for AVX-512 and AVX2 beside the
  * baseline x86-64 (SSE2) and picked at load time by the CPU: SSE2's 4
  * lanes made GELU alone 5 % of a gpt2-mini step. ISO C mode contracts no
- * multiply-add and no loop here reassociates a sum, so every clone gives
- * the same bits. An AddressSanitizer build keeps the plain functions: a
- * clone's resolver runs while the program is relocated, before the
- * sanitizer's runtime is up. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__)
+ * multiply-add, and no compiler reorders a float sum on its own (the lane
+ * sums below fix their order in the source), so every clone gives the
+ * same bits. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define VEC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define VEC_CLONES
 #endif
 
 /* Row sums run in LANES interleaved partial sums, added pairwise at the
- * end (lane_total): a single running sum is one chain of dependent adds,
+ * end (LANE_FOLD): a single running sum is one chain of dependent adds,
  * 4 cycles each, which no compiler may vectorize; the lanes' order is
  * fixed, so the sums stay deterministic. With serial sums the softmax
  * rows and LayerNorm were 9 % of a gpt2-mini step. (The maximum folds the
@@ -65,7 +63,6 @@
 /* The bias goes in first and the product is added to it (beta 1), as
  * torch.addmm does: the same single rounding of sum + bias as adding it
  * afterwards, without a second pass over the output. */
-VEC_CLONES
 static void fill_rows(float *restrict out, const float *restrict b, int N,
                       int OC) {
   for (int i = 0; i < N; i++) memcpy(out + (size_t)i * OC, b, (size_t)OC * 4);
