@@ -40,10 +40,8 @@ void sp_gpt2k_layernorm_bwd(float *dinp, float *dw, float *db,
                             const float *rstd, int N, int C);
 /* Causal self-attention of B sequences of T, NH heads over C = NH * hs:
  * qkv [B*T, 3C] (q, k, v side by side), att [B, NH, T, T] the softmax
- * probabilities (zero where masked), out [B*T, C]. Query rows go in tiles
- * of 64 and a tile's row is written only up to the tile's end: past it
- * att keeps what it held, so a caller's att starts zeroed (sp_gpt2_acts_new
- * does). allow [T, T] (row t,
+ * probabilities (zero where masked), out [B*T, C]; query rows go in tiles
+ * of 64, each over the keys up to its last row. allow [T, T] (row t,
  * column t2): nonzero where t may attend t2, ANDed with t2 <= t; NULL: the
  * causal mask alone. A row with nothing allowed is all zero. */
 void sp_gpt2k_attention_fwd(float *out, float *att, const float *qkv,
@@ -66,6 +64,19 @@ double sp_gpt2k_softmax_xent_fwd(float *probs, const int32_t *tgt, int N,
 /* probs becomes dlogits = (probs - onehot(tgt)) * scale, in place. */
 void sp_gpt2k_softmax_xent_bwd(float *probs, const int32_t *tgt, int N,
                                int V, float scale);
+/* The embeddings: x[i] = wte[tok[i]] + wpe[i mod T] (N = B*T rows of C;
+ * tokens < V, checked by the caller). */
+void sp_gpt2k_embed_fwd(float *x, const int32_t *tok, const float *wte,
+                        const float *wpe, int N, int T, int C);
+/* dwte [V, C] overwritten: row tok[i] sums dx[i], tokens in index order. */
+void sp_gpt2k_wte_bwd(float *dwte, const float *dx, const int32_t *tok, int N,
+                      int C, int V);
+/* dwpe [ctx, C] overwritten: row t sums dx[i] of i mod T == t, in index
+ * order; rows from T on are zero. */
+void sp_gpt2k_wpe_bwd(float *dwpe, const float *dx, int N, int T, int C,
+                      int ctx);
+/* y = a + b (the residual; y may be a or b). */
+void sp_gpt2k_add(float *y, const float *a, const float *b, size_t n);
 /* Rounds every value to dt (bfloat16, float16) in place; other dtypes
  * hold every float32, so nothing changes. */
 void sp_gpt2k_round(float *v, size_t n, sp_dtype dt);
