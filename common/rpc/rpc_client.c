@@ -7,6 +7,7 @@
 #include "rpc.h"
 #include "rpc_conn.h"
 #include "rpc_internal.h"
+#include "rpc_mem.h"
 #include "rpc_tls.h"
 #include "rpc_wire.h"
 #include "base/strmap.h"
@@ -61,6 +62,8 @@ struct sp_rpc_client {
   char *tls_name;
   sp_rpc_ccall *waiting; /* calls with no connection yet */
   size_t open_handles;
+  /* nghttp2's blocks and the calls (rpc_mem.h) */
+  sp_rpc_mem mem;
   void (*close_done)(void *);
   void *close_arg;
 };
@@ -107,7 +110,7 @@ static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
   sp_rpc_mdlist_clear(&call->md);
   sp_rpc_mdlist_clear(&call->resp_md);
   free(call->path);
-  free(call);
+  sp_rpc_mem_free(&call->cl->mem, call);
 }
 
 /* The outcome once the stream is gone: the status from the trailers (or
@@ -271,6 +274,7 @@ static void client_free(sp_rpc_client *cl) {
   SSL_CTX_free(cl->tls);
   free(cl->tls_name);
   free(cl->authorization);
+  sp_rpc_mem_release(&cl->mem);
   free(cl);
 }
 
@@ -342,7 +346,7 @@ static int session_new(cconn *cc) {
   nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, cb_data_chunk);
   nghttp2_session_callbacks_set_on_frame_recv_callback(cb, cb_frame_recv);
   nghttp2_session_callbacks_set_on_stream_close_callback(cb, cb_stream_close);
-  int rv = nghttp2_session_client_new(&cc->io.h2, cb, cc);
+  int rv = nghttp2_session_client_new3(&cc->io.h2, cb, cc, NULL, &cc->cl->mem.nv);
   nghttp2_session_callbacks_del(cb);
   if (rv != 0) return SP_ENOMEM;
   /* nghttp2 writes the preface; the SETTINGS are ours to send */
@@ -629,6 +633,7 @@ int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
     return rc;
   }
   cl->loop = loop;
+  sp_rpc_mem_init(&cl->mem);
   snprintf(cl->addr, sizeof cl->addr, "%s", addr);
   if (opts) cl->opts = *opts;
   if (cl->opts.token != NULL) {
@@ -692,7 +697,7 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
   if (cl == NULL || path == NULL || path[0] != '/' || cbs == NULL)
     return SP_EINVAL;
   if (cl->closing) return SP_ESTATE;
-  sp_rpc_ccall *call = calloc(1, sizeof *call);
+  sp_rpc_ccall *call = sp_rpc_mem_calloc(&cl->mem, 1, sizeof *call);
   if (call == NULL) return SP_ENOMEM;
   call->cl = cl;
   call->path = sp_strdup(path);
@@ -702,7 +707,7 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
   call->local_code = -1;
   sp_rpc_deframer_init(&call->df, cl->opts.max_message);
   if (call->path == NULL) {
-    free(call);
+    sp_rpc_mem_free(&cl->mem, call);
     return SP_ENOMEM;
   }
   for (size_t i = 0; i < n_md; i++) {
@@ -717,7 +722,7 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
       sp_rpc_mdlist_clear(&call->md);
       sp_rpc_deframer_free(&call->df);
       free(call->path);
-      free(call);
+      sp_rpc_mem_free(&cl->mem, call);
       return rc;
     }
   }
