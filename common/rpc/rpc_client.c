@@ -700,6 +700,7 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
   sp_rpc_ccall *call = sp_rpc_mem_calloc(&cl->mem, 1, sizeof *call);
   if (call == NULL) return SP_ENOMEM;
   call->cl = cl;
+  call->md.mem = call->resp_md.mem = call->q.mem = &cl->mem;
   call->path = sp_strdup(path);
   call->cbs = *cbs;
   call->user = user;

@@ -517,13 +517,18 @@ again:
   }
   if (c->wlen > 0 && c->hold) return; /* sp_h2conn_recv writes it */
   if (c->wlen > 0) {
-    /* The write is tried at once: on loopback it nearly always completes,
-     * and then no write request, no copy of the bytes and no callback on a
-     * later loop iteration are needed (bench/rpc, 1 caller: a uv_write was
-     * a malloc, a memcpy and a free per flush on a server). Only what the
-     * socket did not take waits in a uv_write. */
+    /* The answers to a read are written at once: on loopback the write
+     * nearly always completes, and then no write request, no copy of the
+     * bytes and no callback on a later loop iteration are needed
+     * (bench/rpc, 1 caller: a uv_write was a malloc, a memcpy and a free
+     * per flush on a server). Only what the socket did not take waits in a
+     * uv_write. Outside a read (calls started or finished from elsewhere)
+     * the uv_write stays: the flushes that follow it in the same loop turn
+     * then leave together once it completes, where each would otherwise
+     * be a write of its own. */
     uv_buf_t b = uv_buf_init((char *)c->wbuf->data, (unsigned)c->wlen);
-    int w = uv_try_write((uv_stream_t *)&c->tcp, &b, 1);
+    int w = c->in_recv ? uv_try_write((uv_stream_t *)&c->tcp, &b, 1)
+                       : UV_EAGAIN;
     if (w < 0 && w != UV_EAGAIN) {
       sp_h2conn_close(c);
       return;
@@ -532,7 +537,7 @@ again:
     c->bytes_out += off;
     if (off == c->wlen) {
       c->wlen = 0;
-      if (c->in_recv) c->hold = true;
+      c->hold = true;
       goto again;
     }
     size_t left = c->wlen - off;

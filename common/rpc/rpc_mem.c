@@ -64,6 +64,7 @@ void sp_rpc_mem_release(sp_rpc_mem *m) {
 }
 
 void *sp_rpc_mem_alloc(sp_rpc_mem *m, size_t size) {
+  if (m == NULL) return malloc(size);
   size_t c = class_of(size);
   sp_rpc_mem_blk *b;
   if (c != LARGE && m->free[c] != NULL) {
@@ -82,6 +83,7 @@ void *sp_rpc_mem_alloc(sp_rpc_mem *m, size_t size) {
 
 void *sp_rpc_mem_calloc(sp_rpc_mem *m, size_t n, size_t size) {
   if (size != 0 && n > SIZE_MAX / size) return NULL;
+  if (m == NULL) return calloc(n, size);
   void *p = sp_rpc_mem_alloc(m, n * size);
   if (p != NULL) memset(p, 0, n * size);
   return p;
@@ -89,6 +91,10 @@ void *sp_rpc_mem_calloc(sp_rpc_mem *m, size_t n, size_t size) {
 
 void sp_rpc_mem_free(sp_rpc_mem *m, void *p) {
   if (p == NULL) return;
+  if (m == NULL) {
+    free(p);
+    return;
+  }
   sp_rpc_mem_blk *b = (sp_rpc_mem_blk *)p - 1;
   size_t c = b->u.cls;
   if (c == LARGE || m->n_free[c] >= SP_RPC_MEM_KEEP) {
@@ -101,6 +107,7 @@ void sp_rpc_mem_free(sp_rpc_mem *m, void *p) {
 }
 
 void *sp_rpc_mem_realloc(sp_rpc_mem *m, void *p, size_t size) {
+  if (m == NULL) return realloc(p, size);
   if (p == NULL) return sp_rpc_mem_alloc(m, size);
   sp_rpc_mem_blk *b = (sp_rpc_mem_blk *)p - 1;
   size_t c = b->u.cls;

@@ -37,7 +37,9 @@ void sp_rpc_mem_init(sp_rpc_mem *m);
 /* Frees the cached blocks; every block must be freed before. */
 void sp_rpc_mem_release(sp_rpc_mem *m);
 
-/* NULL when out of memory. calloc checks n * size for overflow. */
+/* m NULL: plain malloc, calloc, realloc and free (for lists that may
+ * have no cache). NULL when out of memory. calloc checks n * size for
+ * overflow. */
 void *sp_rpc_mem_alloc(sp_rpc_mem *m, size_t size);
 void *sp_rpc_mem_calloc(sp_rpc_mem *m, size_t n, size_t size);
 /* NULL when out of memory, the old block still valid. */

@@ -37,7 +37,7 @@ struct sp_rpc_call {
   uint32_t n_requests;
   uint8_t *unary_req;
   size_t unary_len, unary_charged; /* charged: to srv->buffered */
-  size_t unary_cap; /* for sp_rpc_deframer_buf_free; 0: malloc'd */
+  size_t unary_cap; /* the deframer's buffer of this size; 0: srv->mem's */
   /* response */
   sp_rpc_mdlist resp_md;
   bool headers_sent, finished, released, deferred, remote_closed;
@@ -112,6 +112,7 @@ struct sp_rpc_server {
   sp_h2shared shared; /* the I/O buffers all connections share */
   /* nghttp2's blocks and the calls, for all connections (rpc_mem.h) */
   sp_rpc_mem mem;
+  ProtobufCAllocator pb_mem; /* srv->mem for the decoded requests */
   SSL_CTX *tls; /* NULL: cleartext; built by the first listen */
   /* Request and response bytes buffered across all connections, against
    * opts.max_buffered. */
@@ -143,10 +144,19 @@ static void buffered_add(sp_rpc_server *srv, size_t n) {
     srv->stats.buffered_peak = srv->buffered;
 }
 
+/* A unary request's bytes: a copy from srv->mem (cap 0), or the buffer
+ * the deframer reassembled it in (cap bytes). */
+static void unary_buf_free(sp_rpc_server *srv, uint8_t *buf, size_t cap) {
+  if (cap == 0)
+    sp_rpc_mem_free(&srv->mem, buf);
+  else
+    sp_rpc_deframer_buf_free(buf, cap);
+}
+
 /* A unary request copy (call->unary_req) goes back to the budget. */
 static void unary_req_free(sp_rpc_call *call) {
   if (call->unary_req == NULL) return;
-  sp_rpc_deframer_buf_free(call->unary_req, call->unary_cap);
+  unary_buf_free(call->conn->srv, call->unary_req, call->unary_cap);
   call->unary_req = NULL;
   call->conn->srv->buffered -= call->unary_charged;
   call->unary_len = call->unary_charged = call->unary_cap = 0;
@@ -202,8 +212,10 @@ static void call_free(sp_rpc_call *call) {
   free(call->unknown_path);
   c->srv->stats.calls_open--;
   sp_rpc_mem_free(&c->srv->mem, call);
-  /* the connection's idle time counts from its last call */
-  if (c->calls == NULL) c->idle_since_ms = loop_now(c->srv);
+  /* the connection's idle time counts from its last call; the loop's
+   * clock, updated when its poll returned, is as good for an idle limit
+   * and spares a clock read per call */
+  if (c->calls == NULL) c->idle_since_ms = uv_now(c->srv->loop);
 }
 
 /* ---------------- sending ---------------- */
@@ -647,9 +659,8 @@ static void request_headers_done(sp_rpc_call *call) {
     }
   }
   /* from now: the loop's clock is as old as this iteration */
-  uint64_t now = loop_now(srv);
   if (call->timeout_ms >= 0)
-    call->deadline = now + (uint64_t)call->timeout_ms;
+    call->deadline = loop_now(srv) + (uint64_t)call->timeout_ms;
   /* A unary request is buffered until the client half-closes, so it must
    * do so in bounded time even without a deadline of its own. */
   uint64_t req_ms = srv->opts.request_timeout_ms;
@@ -702,7 +713,10 @@ static int deliver(sp_rpc_call *call, const uint8_t *data, size_t len) {
       data = compact;
       len = clen;
     }
-    msg = protobuf_c_message_unpack(m->input, NULL, len, data);
+    /* the message lives only until the handler returns: its blocks come
+     * from the server's cache */
+    msg = protobuf_c_message_unpack(m->input, &call->conn->srv->pb_mem, len,
+                                    data);
     if (msg == NULL) {
       free(compact);
       call_fail(call, SP_RPC_INTERNAL, "cannot decode %s request (%zu bytes)",
@@ -711,7 +725,8 @@ static int deliver(sp_rpc_call *call, const uint8_t *data, size_t len) {
     }
   }
   m->on_message(call, msg, data, len);
-  if (msg != NULL) protobuf_c_message_free_unpacked(msg, NULL);
+  if (msg != NULL)
+    protobuf_c_message_free_unpacked(msg, &call->conn->srv->pb_mem);
   free(compact);
   return 0;
 }
@@ -815,9 +830,10 @@ static void half_close_now(sp_rpc_call *call) {
     size_t cap = call->unary_cap;
     call->unary_req = NULL;
     call->unary_len = call->unary_charged = call->unary_cap = 0;
+    sp_rpc_server *srv = call->conn->srv;
     deliver(call, req, len);
-    sp_rpc_deframer_buf_free(req, cap);
-    call->conn->srv->buffered -= charged;
+    unary_buf_free(srv, req, cap);
+    srv->buffered -= charged;
     return;
   }
   if (m->on_half_close != NULL && !call->released) m->on_half_close(call);
@@ -963,7 +979,7 @@ static int on_request_message(void *ud, const uint8_t *data, size_t len) {
                 "%zu bytes)", len, srv->opts.max_buffered);
       return 0;
     }
-    call->unary_req = malloc(len ? len : 1);
+    call->unary_req = sp_rpc_mem_alloc(&srv->mem, len ? len : 1);
     if (call->unary_req == NULL) {
       call_end(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
       return 0;
@@ -1012,6 +1028,7 @@ static int cb_begin_headers(nghttp2_session *s, const nghttp2_frame *f,
   sp_rpc_call *call = sp_rpc_mem_calloc(&c->srv->mem, 1, sizeof *call);
   if (call == NULL) return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
   call->conn = c;
+  call->req_md.mem = call->resp_md.mem = call->q.mem = &c->srv->mem;
   call->stream_id = f->hd.stream_id;
   call->timeout_ms = -1;
   call->route = -1;
@@ -1529,6 +1546,11 @@ int sp_rpc_server_feed_bytes(sp_rpc_server *srv, const uint8_t *data,
 
 /* ---------------- server ---------------- */
 
+static void *pb_alloc(void *mem, size_t size) {
+  return sp_rpc_mem_alloc(mem, size);
+}
+static void pb_free(void *mem, void *p) { sp_rpc_mem_free(mem, p); }
+
 int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
                       sp_rpc_server **out) {
   if (loop == NULL || out == NULL) return SP_EINVAL;
@@ -1536,6 +1558,7 @@ int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
   if (srv == NULL) return SP_ENOMEM;
   srv->loop = loop;
   sp_rpc_mem_init(&srv->mem);
+  srv->pb_mem = (ProtobufCAllocator){pb_alloc, pb_free, &srv->mem};
   if (opts) srv->opts = *opts;
   if (!srv->opts.max_message) srv->opts.max_message = SP_RPC_DEFAULT_MAX_MESSAGE;
   if (!srv->opts.max_metadata)
