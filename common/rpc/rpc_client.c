@@ -24,7 +24,7 @@ struct sp_rpc_ccall {
   sp_rpc_client *cl;
   cconn *conn; /* NULL while waiting for a connection */
   int32_t stream_id;
-  char *path;
+  char *path; /* from cl->mem */
   sp_rpc_mdlist md;
   uint64_t timeout_ms;
   sp_rpc_ccall_cbs cbs;
@@ -109,7 +109,7 @@ static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
   sp_rpc_deframer_free(&call->df);
   sp_rpc_mdlist_clear(&call->md);
   sp_rpc_mdlist_clear(&call->resp_md);
-  free(call->path);
+  sp_rpc_mem_free(&call->cl->mem, call->path);
   sp_rpc_mem_free(&call->cl->mem, call);
 }
 
@@ -701,7 +701,9 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
   if (call == NULL) return SP_ENOMEM;
   call->cl = cl;
   call->md.mem = call->resp_md.mem = call->q.mem = &cl->mem;
-  call->path = sp_strdup(path);
+  size_t plen = strlen(path);
+  call->path = sp_rpc_mem_alloc(&cl->mem, plen + 1);
+  if (call->path != NULL) memcpy(call->path, path, plen + 1);
   call->cbs = *cbs;
   call->user = user;
   call->timeout_ms = timeout_ms;
@@ -722,7 +724,7 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
     if (rc != 0) {
       sp_rpc_mdlist_clear(&call->md);
       sp_rpc_deframer_free(&call->df);
-      free(call->path);
+      sp_rpc_mem_free(&cl->mem, call->path);
       sp_rpc_mem_free(&cl->mem, call);
       return rc;
     }

@@ -260,17 +260,24 @@ static void recv_pieces(sp_h2conn *c, const uint8_t *data, size_t len) {
   }
 }
 
+/* Flushes until nothing is held back (see `hold`). */
+static void release_hold(sp_h2conn *c) {
+  while (c->hold && !c->closing) {
+    c->hold = false;
+    sp_h2conn_flush(c);
+  }
+}
+
 void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
   if (c->h2 == NULL) return;
-  bool outer = !c->in_recv;
-  c->in_recv = true;
-  recv_pieces(c, data, len);
-  if (!outer) return;
-  c->in_recv = false;
-  if (c->hold) {
-    c->hold = false;
-    if (!c->closing) sp_h2conn_flush(c);
+  if (c->direct) {
+    recv_pieces(c, data, len);
+    return;
   }
+  c->direct = true;
+  recv_pieces(c, data, len);
+  release_hold(c);
+  c->direct = false;
 }
 
 /* Ciphertext a peer that does not read may make us queue (answers to its
@@ -385,7 +392,13 @@ static void on_written(uv_write_t *req, int status) {
     sp_h2conn_close(c);
     return;
   }
+  /* what queued up behind the write goes out at once, as one write */
+  bool outer = !c->direct;
+  c->direct = true;
   sp_h2conn_flush(c);
+  if (!outer) return;
+  release_hold(c);
+  c->direct = false;
 }
 
 static void flush_once(sp_h2conn *c);
@@ -515,19 +528,19 @@ again:
     }
     goto again;
   }
-  if (c->wlen > 0 && c->hold) return; /* sp_h2conn_recv writes it */
+  if (c->wlen > 0 && c->hold) return; /* release_hold writes it */
   if (c->wlen > 0) {
-    /* The answers to a read are written at once: on loopback the write
-     * nearly always completes, and then no write request, no copy of the
-     * bytes and no callback on a later loop iteration are needed
-     * (bench/rpc, 1 caller: a uv_write was a malloc, a memcpy and a free
-     * per flush on a server). Only what the socket did not take waits in a
-     * uv_write. Outside a read (calls started or finished from elsewhere)
-     * the uv_write stays: the flushes that follow it in the same loop turn
-     * then leave together once it completes, where each would otherwise
-     * be a write of its own. */
+    /* The answers to a read, and what queued up behind a write, are
+     * written at once: on loopback the write nearly always completes, and
+     * then no write request, no copy of the bytes and no callback on a
+     * later loop iteration are needed (bench/rpc, 1 caller: a uv_write was
+     * a malloc, a memcpy and a free per flush on a server). Only what the
+     * socket did not take waits in a uv_write. Elsewhere (calls started or
+     * finished outside a read) the uv_write stays: the flushes that follow
+     * it in the same loop turn then leave together once it completes,
+     * where each would otherwise be a write of its own. */
     uv_buf_t b = uv_buf_init((char *)c->wbuf->data, (unsigned)c->wlen);
-    int w = c->in_recv ? uv_try_write((uv_stream_t *)&c->tcp, &b, 1)
+    int w = c->direct ? uv_try_write((uv_stream_t *)&c->tcp, &b, 1)
                        : UV_EAGAIN;
     if (w < 0 && w != UV_EAGAIN) {
       sp_h2conn_close(c);

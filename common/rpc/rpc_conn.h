@@ -70,10 +70,12 @@ struct sp_h2conn {
   /* Something to send was queued inside a nghttp2 callback (see
    * sp_h2conn_recv, which parses input up to the first answer). */
   bool want_flush;
-  /* Inside sp_h2conn_recv; and a write it made went out whole, so the
-   * answers still to come from this read wait and leave together when it
-   * returns (the one write in flight that a uv_write used to be). */
-  bool in_recv, hold;
+  /* direct: inside a read or a write's completion, where a flush writes
+   * at once (uv_try_write). hold: such a write went out whole, so what
+   * the rest of that read or completion produces waits and leaves in one
+   * write when it returns (as it waited for the callback of the one
+   * uv_write in flight before). */
+  bool direct, hold;
   uint8_t early_off; /* reads left that answer in one batch only */
   /* Where input frames end: header bytes seen of the frame being read
    * (0: none, or its payload is being read), then what is left of the

@@ -97,7 +97,7 @@ void sp_rpc_mem_free(sp_rpc_mem *m, void *p) {
   }
   sp_rpc_mem_blk *b = (sp_rpc_mem_blk *)p - 1;
   size_t c = b->u.cls;
-  if (c == LARGE || m->n_free[c] >= SP_RPC_MEM_KEEP) {
+  if (c == LARGE || m->n_free[c] >= SP_RPC_MEM_KEEP_BYTES / CLASS_BYTES(c)) {
     free(b);
     return;
   }

@@ -11,7 +11,8 @@
  *
  * One cache per server or client, used only on its loop's thread (no
  * locking), and outliving every block it handed out. The free lists
- * are bounded (SP_RPC_MEM_KEEP blocks a class, at most 128 KiB in all).
+ * are bounded (SP_RPC_MEM_KEEP_BYTES a class, 384 KiB in all) and hold
+ * only blocks that were in use at once before.
  * Under AddressSanitizer the cache passes everything to malloc and free,
  * so that use after free is still caught. */
 #ifndef SP_RPC_MEM_H
@@ -25,7 +26,10 @@
  * nghttp2 made in bench/rpc was a 1.6 KiB header copy). */
 #define SP_RPC_MEM_CLASSES 6
 #define SP_RPC_MEM_MAX 2048u
-#define SP_RPC_MEM_KEEP 32u
+/* Each class keeps at most this many bytes of free blocks (1,024 blocks
+ * of 64 bytes, 32 of 2 KiB): 32 blocks a class were too few for 64 calls
+ * in flight, and a third of the allocations still went to malloc. */
+#define SP_RPC_MEM_KEEP_BYTES (64u << 10)
 
 typedef struct sp_rpc_mem {
   nghttp2_mem nv; /* for nghttp2_session_*_new3; mem_user_data: this */
