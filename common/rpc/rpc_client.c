@@ -354,8 +354,10 @@ static int session_new(cconn *cc) {
       {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
       {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 1u << 20},
       {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, 2 * SP_RPC_DEFAULT_MAX_METADATA},
+      /* as the server's (rpc_server.c, session_new) */
+      {NGHTTP2_SETTINGS_NO_RFC7540_PRIORITIES, 1},
   };
-  nghttp2_submit_settings(cc->io.h2, NGHTTP2_FLAG_NONE, iv, 3);
+  nghttp2_submit_settings(cc->io.h2, NGHTTP2_FLAG_NONE, iv, 4);
   nghttp2_session_set_local_window_size(cc->io.h2, NGHTTP2_FLAG_NONE, 0,
                                         16u << 20);
   return 0;
