@@ -544,7 +544,8 @@ static void submit_call(sp_rpc_ccall *call) {
   nv[n++] = (nghttp2_nv)NV(":authority", cl->addr, strlen(cl->addr));
   nv[n++] = (nghttp2_nv)NV("te", "trailers", 8);
   nv[n++] = (nghttp2_nv)NV("content-type", "application/grpc", 16);
-  nv[n++] = (nghttp2_nv)NV("grpc-accept-encoding", "identity", 8);
+  /* no grpc-accept-encoding: without it servers send identity, the only
+   * codec we take (see rpc_server.c, submit_headers) */
   nv[n++] = (nghttp2_nv)NV("user-agent", "shardplane/0.1", 14);
   if (cl->authorization != NULL)
     nv[n++] = (nghttp2_nv){(uint8_t *)"authorization",
