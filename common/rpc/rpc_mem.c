@@ -33,9 +33,9 @@ _Static_assert(sizeof(sp_rpc_mem_blk) == 16, "keeps 16-byte alignment");
 
 static size_t class_of(size_t size) {
   if (!SP_RPC_MEM_CACHE || size > SP_RPC_MEM_MAX) return LARGE;
-  size_t c = 0;
-  while (CLASS_BYTES(c) < size) c++;
-  return c;
+  if (size <= CLASS_BYTES(0)) return 0;
+  /* the smallest c with 64 << c >= size */
+  return (size_t)(64 - __builtin_clzll((unsigned long long)(size - 1))) - 6;
 }
 
 static void *nv_malloc(size_t size, void *m) { return sp_rpc_mem_alloc(m, size); }
