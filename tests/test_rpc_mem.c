@@ -1,8 +1,9 @@
 /* The engine's small-block cache (common/rpc/rpc_mem.h): blocks of a size
  * class come back from its free list, contents survive a realloc across
  * classes and into and out of a large block, calloc zeroes and refuses an
- * overflowing size, the free lists stay within their byte bound, and no
- * cache (NULL) is plain malloc. Under AddressSanitizer the cache passes
+ * overflowing size, the free lists stay within their byte bound, its
+ * blocks and malloc's are interchangeable, and no cache (NULL) is plain
+ * malloc. Under AddressSanitizer the cache passes
  * everything to malloc, so the reuse and bound checks are skipped there
  * (they say so). */
 #include <setjmp.h>
@@ -43,12 +44,12 @@ static void test_reuse_by_class(void **state) {
   (void)state;
   sp_rpc_mem m;
   sp_rpc_mem_init(&m);
-  void *a = sp_rpc_mem_alloc(&m, 100); /* the 128-byte class */
+  void *a = sp_rpc_mem_alloc(&m, 100); /* the 104-byte class */
   assert_non_null(a);
   assert_int_equal((uintptr_t)a % 16, 0);
   fill(a, 100, 1);
   sp_rpc_mem_free(&m, a);
-  void *b = sp_rpc_mem_alloc(&m, 128); /* same class: the same block */
+  void *b = sp_rpc_mem_alloc(&m, 104); /* same class: the same block */
   void *c = sp_rpc_mem_alloc(&m, 100); /* none left: a new one */
   assert_non_null(b);
   assert_non_null(c);
@@ -110,7 +111,6 @@ static void test_zeroed_alloc(void **state) {
   for (size_t i = 0; i < 200; i++) assert_int_equal(z[i], 0);
   sp_rpc_mem_free(&m, z);
   assert_null(sp_rpc_mem_calloc(&m, SIZE_MAX / 2, 3));
-  assert_null(sp_rpc_mem_alloc(&m, SIZE_MAX - 8));
   sp_rpc_mem_release(&m);
 }
 
@@ -125,27 +125,51 @@ static void test_free_lists_bounded(void **state) {
   enum { N = 3000 };
   void **v = calloc(N, sizeof *v);
   assert_non_null(v);
-  for (size_t sz = 64; sz <= SP_RPC_MEM_MAX; sz *= 2) {
+  for (size_t sz = 24; sz <= SP_RPC_MEM_MAX; sz = sz * 2 + 8) {
     for (int i = 0; i < N; i++) {
       v[i] = sp_rpc_mem_alloc(&m, sz);
       assert_non_null(v[i]);
     }
     for (int i = 0; i < N; i++) sp_rpc_mem_free(&m, v[i]);
+    assert_true(m.kept > 0);
+    assert_true(m.kept <= SP_RPC_MEM_KEEP_BYTES);
   }
-  size_t kept = 0;
+  /* what the lists hold adds up to what they say they keep */
+  size_t sum = 0;
   for (int c = 0; c < SP_RPC_MEM_CLASSES; c++) {
-    size_t bytes = (size_t)m.n_free[c] * ((size_t)64 << c);
-    assert_true(bytes <= SP_RPC_MEM_KEEP_BYTES);
-    assert_true(m.n_free[c] > 0);
-    kept += bytes;
+    void *b = m.free[c];
+    while (b != NULL) {
+      sum += (size_t)24 + (size_t)16 * (size_t)c;
+      memcpy(&b, b, sizeof b);
+    }
   }
-  assert_true(kept <= SP_RPC_MEM_CLASSES * (size_t)SP_RPC_MEM_KEEP_BYTES);
+  assert_int_equal(sum, m.kept);
   free(v);
   sp_rpc_mem_release(&m);
-  for (int c = 0; c < SP_RPC_MEM_CLASSES; c++) {
-    assert_int_equal(m.n_free[c], 0);
-    assert_null(m.free[c]);
-  }
+  assert_int_equal(m.kept, 0);
+  for (int c = 0; c < SP_RPC_MEM_CLASSES; c++) assert_null(m.free[c]);
+}
+
+/* The blocks are malloc's: either side may free the other's. */
+static void test_blocks_are_malloc_blocks(void **state) {
+  (void)state;
+  sp_rpc_mem m;
+  sp_rpc_mem_init(&m);
+  void *a = malloc(300);
+  assert_non_null(a);
+  sp_rpc_mem_free(&m, a); /* onto a free list (or freed) */
+  uint8_t *b = sp_rpc_mem_alloc(&m, 290);
+  assert_non_null(b);
+  fill(b, 290, 8);
+  free(b); /* a cached block handed to free() */
+  uint8_t *r = sp_rpc_mem_alloc(&m, 50);
+  assert_non_null(r);
+  fill(r, 50, 2);
+  r = realloc(r, 4000); /* and to realloc() */
+  assert_non_null(r);
+  assert_true(same(r, 50, 2));
+  sp_rpc_mem_free(&m, r); /* too large for a list: freed */
+  sp_rpc_mem_release(&m);
 }
 
 static void test_no_cache_is_malloc(void **state) {
@@ -170,6 +194,7 @@ int main(void) {
       cmocka_unit_test(test_realloc_keeps_contents),
       cmocka_unit_test(test_zeroed_alloc),
       cmocka_unit_test(test_free_lists_bounded),
+      cmocka_unit_test(test_blocks_are_malloc_blocks),
       cmocka_unit_test(test_no_cache_is_malloc),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1312,6 +1312,8 @@ static void on_sweep(uv_timer_t *t) {
   const sp_rpc_server_opts *o = &srv->opts;
   uint64_t now = loop_now(srv);
   char why[96];
+  /* the free blocks go back to malloc between bursts (rpc_mem.h) */
+  sp_rpc_mem_release(&srv->mem);
   for (srv_conn *c = srv->conns, *next; c != NULL; c = next) {
     next = c->next;
     if (c->io.closing || c->io.sink != NULL) continue;
