@@ -129,3 +129,11 @@ void sp_test_sleep_ms(unsigned ms) {
   while (nanosleep(&ts, &ts) != 0) {
   }
 }
+
+void sp_test_same_f32(const char *what, const float *got, const float *want,
+                      size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (memcmp(&got[i], &want[i], 4) != 0)
+      fail_msg("%s: element %zu of %zu: GPU %.9g, CPU %.9g (bit-exact "
+               "expected)", what, i, n, (double)got[i], (double)want[i]);
+}

@@ -60,4 +60,10 @@ int sp_test_dir_teardown(void **state);
  * with sp_clock_s() (common/clock.h). */
 void sp_test_sleep_ms(unsigned ms);
 
+/* Fails the test unless got and want (n float32 each, a GPU's and the
+ * CPU's) hold the same bits, NaNs included, naming `what` and the first
+ * element that differs. */
+void sp_test_same_f32(const char *what, const float *got, const float *want,
+                      size_t n);
+
 #endif
