@@ -123,9 +123,17 @@ static int fx_setup(void **state) {
   return 0;
 }
 
+/* sp_proc_stop leaves the pid of the child it reaped: cleared here, so
+ * the teardown never signals a pid the system may have given another
+ * process since. */
+static void stop_coord(fx *f) {
+  if (f->coord.pid > 0) sp_proc_stop(&f->coord, 5000);
+  f->coord.pid = 0;
+}
+
 static int fx_teardown(void **state) {
   fx *f = *state;
-  if (f->coord.pid > 0) sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   sp_tauth_free(&f->auth);
   sp_test_rmtree(f->dir);
   free(f->dir);
@@ -352,7 +360,7 @@ static void test_agents_train_as_run(void **state) {
     a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
   int st[2], max_conns;
   wait_agents(a, st, f->coord.port, 120, &max_conns);
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   char *out0 = slurp(f->dir, "agent0.out"), *err0 = slurp(f->dir, "agent0.err"),
        *err1 = slurp(f->dir, "agent1.err");
   printf("agent 0:\n%s%s\nagent 1:\n%s\nconnections to the coordinator: at "
@@ -443,7 +451,7 @@ static void test_agents_two_namespaces(void **state) {
     free(pe);
   }
   int st0 = sp_test_wait_exit(a[0], 120), st1 = sp_test_wait_exit(a[1], 120);
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   char *err1 = slurp(f->dir, "ns1.err");
   printf("agent in %s:\n%s", net.ns[1], err1);
   sp_tnet_down(&net);
@@ -486,7 +494,7 @@ static void test_agent_env_and_exit_codes(void **state) {
   /* without the proxy the workers get the coordinator's own address; a
    * new job (that one ended with rank 3, and a coordinator tells an agent
    * that joins an ended job so) */
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   start_coord(&f->coord, &f->auth, 4, f->addr, sizeof f->addr);
   const char *noproxy[] = {"--no-proxy", NULL};
   const char *ok[] = {"/bin/sh", "-c", "echo \"at $SHARDPLANE_COORDINATOR\"",
@@ -500,7 +508,7 @@ static void test_agent_env_and_exit_codes(void **state) {
   assert_int_equal(st, 0);
   assert_non_null(strstr(out, want));
   free(out);
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
 }
 
 /* The pid of the child of parent whose environment holds RANK=rank. */
@@ -583,7 +591,7 @@ static void test_agent_worker_killed(void **state) {
   assert_int_equal(li->incarnations[0]->signal, SIGKILL);
   printf("incarnation 0 ended: %s\n", li->incarnations[0]->reason);
   protobuf_c_message_free_unpacked(&li->base, NULL);
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   char *err0 = slurp(f->dir, "agent0.err"), *err1 = slurp(f->dir, "agent1.err");
   printf("agent 0:\n%s\nagent 1:\n%s\nended %.2f s after the kill\n", err0,
          err1, took);
@@ -643,7 +651,7 @@ static void test_agent_restart(void **state) {
   Shardplane__V1__ListIncarnationsResponse *li =
       incarnations(f->addr, &f->auth);
   bool leaked = store_has(f->addr, &f->auth, "comm/test-incarnation-0");
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   char *out0 = slurp(f->dir, "agent0.out"), *err0 = slurp(f->dir, "agent0.err"),
        *err1 = slurp(f->dir, "agent1.err");
   printf("agent 0:\n%s\nagent 1:\n%s\n", err0, err1);
@@ -753,7 +761,7 @@ static void test_incarnations_protocol(void **state) {
   sp_rpc_sync_close(c2);
 
   /* the records, read back by a coordinator started again on the f->dir */
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   char listen[64];
   snprintf(listen, sizeof listen, "%s", addr);
   start_coord_at(&f->coord, &f->auth, 4, listen, sd, addr, sizeof addr);
@@ -765,7 +773,7 @@ static void test_incarnations_protocol(void **state) {
   assert_true(li->incarnations[1]->started_unix_ms >=
               li->incarnations[0]->ended_unix_ms);
   protobuf_c_message_free_unpacked(&li->base, NULL);
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   free(sd);
 }
 
@@ -813,7 +821,7 @@ static void test_agent_bad_usage(void **state) {
     free(e);
     free(o);
   }
-  sp_proc_stop(&f->coord, 5000);
+  stop_coord(f);
   free(out);
   free(err);
 }

@@ -68,7 +68,10 @@ static void usage(FILE *f) {
         "                               with --checkpoint-every N)\n",
         f);
   fputs(SP_REMOTE_OPTIONS_HELP, f);
-  fputs("  --help                       this text\n"
+  fputs("                               (the agent's --timeout-ms defaults\n"
+        "                               to 30000: agents may start before\n"
+        "                               their coordinator)\n"
+        "  --help                       this text\n"
         "\n"
         "The agent's credentials (TLS and token) are its connection's; a\n"
         "worker's call that carries no token of its own gets the agent's.\n"
