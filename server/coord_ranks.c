@@ -764,12 +764,15 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord *c = coord_of(call);
   const Shardplane__V1__ListRanksRequest *q =
       (const Shardplane__V1__ListRanksRequest *)msg;
-  uint32_t w = c->plan->world_size;
+  uint32_t first = q->first_rank < c->plan->world_size ? q->first_rank
+                                                        : c->plan->world_size;
+  uint32_t w = c->plan->world_size - first;
+  if (q->max_ranks != 0 && q->max_ranks < w) w = q->max_ranks;
   size_t nu = c->plan->n_units;
   Shardplane__V1__ListRanksResponse r = SHARDPLANE__V1__LIST_RANKS_RESPONSE__INIT;
-  Shardplane__V1__RankInfo *infos = calloc(w, sizeof *infos);
-  Shardplane__V1__RankInfo **ptrs = calloc(w, sizeof *ptrs);
-  Shardplane__V1__Collective *cols = calloc(w, sizeof *cols);
+  Shardplane__V1__RankInfo *infos = calloc((size_t)w + 1, sizeof *infos);
+  Shardplane__V1__RankInfo **ptrs = calloc((size_t)w + 1, sizeof *ptrs);
+  Shardplane__V1__Collective *cols = calloc((size_t)w + 1, sizeof *cols);
   int32_t *states = q->with_unit_states ? calloc((size_t)w * nu + 1, sizeof *states)
                                         : NULL;
   if (infos == NULL || ptrs == NULL || cols == NULL ||
@@ -778,10 +781,10 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   } else {
     uint64_t now = sp_coord_now_ms(c);
     for (uint32_t i = 0; i < w; i++) {
-      const sp_coord_rank *k = &c->ranks[i];
+      const sp_coord_rank *k = &c->ranks[first + i];
       Shardplane__V1__RankInfo *x = &infos[i];
       shardplane__v1__rank_info__init(x);
-      x->rank = i;
+      x->rank = first + i;
       x->status = (Shardplane__V1__RankStatus)k->status;
       x->host = k->host ? k->host : (char *)"";
       x->device = k->device ? k->device : (char *)"";
@@ -809,7 +812,7 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
       x->alerts = k->alerts;
       x->last_alert = k->last_alert ? k->last_alert : (char *)"";
       x->transitions = k->transitions;
-      sp_coord_diag_rank_info(c, i, x);
+      sp_coord_diag_rank_info(c, first + i, x);
       ptrs[i] = x;
     }
     r.n_ranks = w;
