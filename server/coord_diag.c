@@ -728,8 +728,9 @@ void sp_coord_diag_attached(sp_coord *c, uint32_t rank) {
   k->victim_of = of;
   k->last_event_ms = sp_coord_now_ms(c);
   if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
-    for (uint32_t r = 0; r < d->world; r++)
-      if (!attached(c, r)) return;
+    if (sp_coord_ranks_with_status(c, SHARDPLANE__V1__RANK_STATUS__ATTACHED) <
+        d->world)
+      return;
     d->state = SHARDPLANE__V1__JOB_STATE__JOB_RUNNING;
     d->ever_running = true;
     d->rate_t0_ms = sp_coord_now_ms(c);
@@ -741,10 +742,11 @@ void sp_coord_diag_attached(sp_coord *c, uint32_t rank) {
 void sp_coord_diag_detached(sp_coord *c, uint32_t rank) {
   (void)rank;
   sp_coord_diag *d = c->diag;
-  if (d->state != SHARDPLANE__V1__JOB_STATE__JOB_RUNNING) return;
-  for (uint32_t r = 0; r < d->world; r++)
-    if (sp_coord_rank_status(c, r) != SHARDPLANE__V1__RANK_STATUS__DETACHED)
-      return;
+  if (d->state != SHARDPLANE__V1__JOB_STATE__JOB_RUNNING ||
+      sp_coord_ranks_with_status(c, SHARDPLANE__V1__RANK_STATUS__DETACHED) <
+          d->world)
+    return;
+  /* once, when the last rank detached */
   uint64_t step = 0;
   for (uint32_t r = 0; r < d->world; r++)
     if (sp_coord_rank_step(c, r) > step) step = sp_coord_rank_step(c, r);
