@@ -5,8 +5,13 @@
  * as a child process on a generated model spec (a root module owning a
  * Linear head plus units-1 "Block" modules, each with a Linear weight and
  * bias; wrap type Block, so the plan has exactly --units units). This
- * process is the load: one libuv loop with N clients of our gRPC engine,
- * one HTTP/2 connection each, as N worker processes would have.
+ * process is the load: one libuv loop with a client of our gRPC engine per
+ * simulated agent, each ONE HTTP/2 connection carrying --ranks-per-agent
+ * ranks' calls as concurrent streams (default 8, as a host's agent proxies
+ * its 8 workers; 1: a connection per rank, as N worker processes without
+ * an agent have). Several sizes (--ranks 1024,16384,100000) run one after
+ * the other and are compared per rank: the cost of a rank must not grow
+ * with the job.
  *
  * Per rank, all ranks at once:
  *  1. Attach (with the plan version GetJob reported before the clock
@@ -25,15 +30,24 @@
  *     rank (acked_seq of SessionDown). The coordinator decodes every message,
  *     validates each transition against the state tables and acks each
  *     message; the rate counts acknowledged transitions.
- *  4. ListRanks (with unit states) and GetJob check that every rank has
- *     exactly the transitions sent, ends in IDLE everywhere and raised no
- *     alert; then every rank detaches and the coordinator must exit cleanly.
+ *  4. ListRanks (with unit states, in pages of LIST_PAGE ranks) and GetJob
+ *     check that every rank has exactly the transitions sent, ends in IDLE
+ *     everywhere and raised no alert; then every rank detaches and the
+ *     coordinator must exit cleanly.
+ * Each phase is timed apart, the rendezvous wake-up too (the last StoreAdd
+ * answered to the last rank released), with both processes' CPU per rank
+ * over attach and rendezvous: the load shares the machine, and must not be
+ * what is measured.
  *
  * Memory per rank: the coordinator's VmRSS after every rank attached and
  * bound its session, less its VmRSS before any rank connected, over N. The
  * same figure after streaming is shown too, less what the store writes
  * added: that is the job's own data (the values it chose to keep there,
  * growing with them), measured as VmRSS across phase 2b and shown apart.
+ * The rank table and the detectors' per-rank state are allocated at start,
+ * before that first VmRSS: "all of it" is VmRSS with every rank bound less
+ * that of a coordinator of one rank on the same model, over N, and the
+ * memory goal is judged by it.
  *
  * Baseline for the rate, measured in the same run: this process decoding
  * the same SessionUp messages and validating their transitions against a
@@ -49,9 +63,12 @@
  * transaction per loop iteration) before it is answered; transitions are
  * not written one by one (rank snapshots on a timer).
  *
- * File descriptors: each side needs one per rank. The benchmark raises its
- * soft RLIMIT_NOFILE to ranks + 256 (within the hard limit, else it stops
- * with a message) before starting the coordinator, which inherits it.
+ * File descriptors: each side needs one per connection. The benchmark
+ * raises its soft RLIMIT_NOFILE to the hard limit and needs connections +
+ * 256 (else it stops with a message) before starting the coordinator,
+ * which inherits it (its engine caps connections at the limit less 64).
+ * With a hard limit of 20,000, 100,000 ranks fit at 8 a connection (12,500
+ * connections) and not at one each.
  */
 #include <errno.h>
 #include <fcntl.h>

@@ -394,6 +394,36 @@ static Shardplane__V1__Event *next_event(sp_rpc_sync_stream *w,
   return (Shardplane__V1__Event *)m;
 }
 
+/* One training step of transitions (2 + 5 units) into tv/tp. */
+static size_t step_transitions(Shardplane__V1__Transition *tv,
+                               Shardplane__V1__Transition **tp,
+                               uint32_t n_units, uint64_t step) {
+  size_t k = 0;
+#define AG_T(m, u, to)                                                         \
+  do {                                                                         \
+    shardplane__v1__transition__init(&tv[k]);                                  \
+    tv[k].machine = (Shardplane__V1__Machine)(m);                              \
+    tv[k].unit = (u);                                                          \
+    tv[k].state = (to);                                                        \
+    tv[k].step = step;                                                         \
+    tp[k] = &tv[k];                                                            \
+    k++;                                                                       \
+  } while (0)
+  AG_T(ROOT, 0, SP_ROOT_FORWARD_BACKWARD);
+  for (uint32_t u = 0; u < n_units; u++) {
+    AG_T(HANDLE, u, SP_HANDLE_FORWARD);
+    AG_T(HANDLE, u, SP_HANDLE_IDLE);
+  }
+  for (uint32_t u = n_units; u-- > 0;) {
+    AG_T(HANDLE, u, SP_HANDLE_BACKWARD_PRE);
+    AG_T(HANDLE, u, SP_HANDLE_BACKWARD_POST);
+    AG_T(HANDLE, u, SP_HANDLE_IDLE);
+  }
+  AG_T(ROOT, 0, SP_ROOT_IDLE);
+#undef AG_T
+  return k;
+}
+
 static void test_session_stream_and_loss(void **state) {
   (void)state;
   const char *flags[] = {"world-size", "2", "wrap-type", "Block", NULL};
@@ -437,28 +467,7 @@ static void test_session_stream_and_loss(void **state) {
   size_t n = 2 + 5 * n_units;
   Shardplane__V1__Transition *tv = calloc(n + 1, sizeof *tv);
   Shardplane__V1__Transition **tp = calloc(n + 1, sizeof *tp);
-  size_t k = 0;
-#define T(m, u, to)                                                             \
-  do {                                                                         \
-    shardplane__v1__transition__init(&tv[k]);                                  \
-    tv[k].machine = (Shardplane__V1__Machine)(m);                                                     \
-    tv[k].unit = (u);                                                          \
-    tv[k].state = (to);                                                        \
-    tv[k].step = 7;                                                            \
-    tp[k] = &tv[k];                                                            \
-    k++;                                                                       \
-  } while (0)
-  T(ROOT, 0, SP_ROOT_FORWARD_BACKWARD);
-  for (uint32_t u = 0; u < n_units; u++) {
-    T(HANDLE, u, SP_HANDLE_FORWARD);
-    T(HANDLE, u, SP_HANDLE_IDLE);
-  }
-  for (uint32_t u = n_units; u-- > 0;) {
-    T(HANDLE, u, SP_HANDLE_BACKWARD_PRE);
-    T(HANDLE, u, SP_HANDLE_BACKWARD_POST);
-    T(HANDLE, u, SP_HANDLE_IDLE);
-  }
-  T(ROOT, 0, SP_ROOT_IDLE);
+  size_t k = step_transitions(tv, tp, n_units, 7);
   Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
   up.rank = 0;
   up.session_id = s0;
@@ -474,8 +483,11 @@ static void test_session_stream_and_loss(void **state) {
   assert_int_equal(down->acked_seq, 1);
   assert_int_equal(down->n_rejections, 0);
   free_msg(down);
-  k = 0;
-  T(HANDLE, 0, SP_HANDLE_BACKWARD_POST);
+  shardplane__v1__transition__init(&tv[0]);
+  tv[0].machine = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE;
+  tv[0].unit = 0;
+  tv[0].state = SP_HANDLE_BACKWARD_POST;
+  tv[0].step = 7;
   up.seq = 2;
   up.n_transitions = 1;
   up.session_id = ""; /* later messages need not repeat it */
@@ -581,36 +593,6 @@ static void get_waiters(sp_coord *c, void *arg) {
   sp_store_stats st;
   sp_store_get_stats(c->store, &st);
   *(size_t *)arg = st.waiters;
-}
-
-/* One training step of transitions (2 + 5 units) into tv/tp. */
-static size_t step_transitions(Shardplane__V1__Transition *tv,
-                               Shardplane__V1__Transition **tp,
-                               uint32_t n_units, uint64_t step) {
-  size_t k = 0;
-#define AG_T(m, u, to)                                                         \
-  do {                                                                         \
-    shardplane__v1__transition__init(&tv[k]);                                  \
-    tv[k].machine = (Shardplane__V1__Machine)(m);                              \
-    tv[k].unit = (u);                                                          \
-    tv[k].state = (to);                                                        \
-    tv[k].step = step;                                                         \
-    tp[k] = &tv[k];                                                            \
-    k++;                                                                       \
-  } while (0)
-  AG_T(ROOT, 0, SP_ROOT_FORWARD_BACKWARD);
-  for (uint32_t u = 0; u < n_units; u++) {
-    AG_T(HANDLE, u, SP_HANDLE_FORWARD);
-    AG_T(HANDLE, u, SP_HANDLE_IDLE);
-  }
-  for (uint32_t u = n_units; u-- > 0;) {
-    AG_T(HANDLE, u, SP_HANDLE_BACKWARD_PRE);
-    AG_T(HANDLE, u, SP_HANDLE_BACKWARD_POST);
-    AG_T(HANDLE, u, SP_HANDLE_IDLE);
-  }
-  AG_T(ROOT, 0, SP_ROOT_IDLE);
-#undef AG_T
-  return k;
 }
 
 /* 64 ranks on 8 connections, as 8 hosts' agents carry them: each
