@@ -7,20 +7,31 @@
 #    scripts/deps.sh) for the configured CUDA architectures;
 # 2. runs every GPU test: ctest -R "cuda|nccl|gpu|optim" (test_cuda_cast,
 #    test_cuda_cast_exhaustive, test_comm_nccl, test_gpu_parity: the
-#    runtime on device memory drawn from its pool, and test_optim, whose
-#    AdamW / SGD / clipping / accumulation kernels must give the CPU's bits;
+#    runtime on device memory drawn from its pool, test_optim, whose
+#    AdamW / SGD / clipping / accumulation kernels must give the CPU's bits,
+#    and test_gpt2_cuda: the GPT-2 kernels against their CPU functions and
+#    gpt2-tiny trained on the GPU against the CPU;
 #    SHARDPLANE_REQUIRE_GPU=1 makes a test that finds no device fail);
-# 3. runs bench/cast --device cuda (each cast against a device-to-device
+# 3. trains the MLP with `shardplane run --device cuda`, then GPT-2 124M
+#    (examples/models/gpt2.json, 8 sequences of 1024 tokens, AdamW) for 8
+#    steps on one GPU: the training tokens/s of steps 5-8 against the
+#    forward-only tokens/s of the same model and batch in the same run (its
+#    validation pass), a ratio whose product-bound ideal is about 1/3 (a
+#    backward is two forwards' products; the optimizer and the runtime's
+#    collectives come on top);
+# 4. runs bench/cast --device cuda (each cast against a device-to-device
 #    copy of the same bytes);
-# 4. prints one table: test, result, time; cast, GB/s, ratio to the copy.
+# 5. prints one table: test, result, time; the GPT-2 rates; cast, GB/s,
+#    ratio to the copy.
 #
 # Exit status: 0 when everything passed; 1 when a test failed, timed out, or
 # a required test (the three above) skipped on this GPU machine, or the
 # benchmark failed; 2 when the tree did not build. Without a GPU it says it
 # is skipping and exits 0 (CI runs it harmlessly).
 #
-# Designed to finish in under 5 minutes on an H200 (the build takes about a
-# minute with 16 cores; the 2^32-input test about half a minute).
+# Designed to finish in under 6 minutes on an H200 (the build takes about a
+# minute with 16 cores; the 2^32-input test about half a minute, the GPT-2
+# 124M run well under one).
 #
 # Environment: SP_GPU_CHECK_BUILD (build directory, default build-gpu-check),
 # SP_CUDA_ARCHS (overrides CMAKE_CUDA_ARCHITECTURES, e.g. "90-real" to build
@@ -36,7 +47,7 @@ JOBS=$(nproc 2>/dev/null || echo 4)
 T0=$(date +%s)
 # Tests that must run (not skip) on a GPU machine: a GPU test that skips
 # there means the GPU was not usable, which is a failure of this check.
-REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_comm_nccl test_gpu_parity test_optim"
+REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_comm_nccl test_gpu_parity test_optim test_gpt2_cuda"
 
 say() { printf 'gpu_check: %s\n' "$*"; }
 
@@ -74,7 +85,8 @@ fi
 if ! grep -q "NCCL backend ON" "$BUILD.configure.log"; then
   say "warning: the NCCL backend is not built (no NCCL >= 2.14 found);" \
       "test_comm_nccl will only check SP_EUNSUPPORTED"
-  REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_optim"  # parity needs NCCL
+  # parity needs NCCL; test_gpt2_cuda then checks its kernels only
+  REQUIRED="test_cuda_cast test_cuda_cast_exhaustive test_optim test_gpt2_cuda"
 fi
 T_BUILD0=$(date +%s)
 BUILD_LOG="$BUILD/gpu_check.build.log"
@@ -117,6 +129,23 @@ run_rc=$?
 run_s=$(( $(date +%s) - T_RUN0 ))
 rm -rf "$RUN_DIR"
 
+# GPT-2 124M on one GPU: training tokens/s against the forward-only rate of
+# the same run's validation (the worker's last line). The corpus is the
+# repo's own text, so the check needs nothing from the system.
+GPT2_LOG="$BUILD/gpu_check.gpt2.log"
+GPT2_DIR=$(mktemp -d)
+cat README.md docs/*.md >"$GPT2_DIR/corpus.txt"
+T_GPT0=$(date +%s)
+timeout --signal=INT 300 "$BUILD/bin/shardplane" run --nproc 1 --device cuda \
+  --model examples/models/gpt2.json --wrap-type GPT2Block --steps 8 \
+  --global-batch 8 --seq-len 1024 --log-every 4 --eval-every 8 \
+  --eval-batches 4 --data "$GPT2_DIR/corpus.txt" --optimizer adamw \
+  --lr 6e-4 --clip-grad-norm 1.0 --checkpoint none \
+  --checkpoint-dir "$GPT2_DIR/ckpt" >"$GPT2_LOG" 2>&1
+gpt2_rc=$?
+gpt2_s=$(( $(date +%s) - T_GPT0 ))
+rm -rf "$GPT2_DIR"
+
 # ---- 4. cast bandwidth -----------------------------------------------------------
 BENCH_LOG="$BUILD/gpu_check.cast.log"
 "$BUILD/bench/cast" --device cuda >"$BENCH_LOG" 2>&1
@@ -124,10 +153,12 @@ bench_rc=$?
 
 # ---- 5. the table ----------------------------------------------------------------
 python3 - "$CTEST_LOG" "$BENCH_LOG" "$ctest_rc" "$bench_rc" "$REQUIRED" \
-  "$(( $(date +%s) - T0 ))" "$RUN_LOG" "$run_rc" "$run_s" <<'PY'
+  "$(( $(date +%s) - T0 ))" "$RUN_LOG" "$run_rc" "$run_s" \
+  "$GPT2_LOG" "$gpt2_rc" "$gpt2_s" <<'PY'
 import re, sys
 ctest_log, bench_log, ctest_rc, bench_rc, required, total = sys.argv[1:7]
 run_log, run_rc, run_s = sys.argv[7], int(sys.argv[8]), sys.argv[9]
+gpt2_log, gpt2_rc, gpt2_s = sys.argv[10], int(sys.argv[11]), sys.argv[12]
 ctest_rc, bench_rc = int(ctest_rc), int(bench_rc)
 required = required.split()
 rows, bad = [], []
@@ -163,6 +194,29 @@ if losses:
 if run_rc != 0:
     bad.append("shardplane run --nproc 1 --device cuda: exit %d:\n%s"
                % (run_rc, "\n".join(run_lines[-10:])))
+# GPT-2 124M: "step 8/8  loss L  [val loss V]  T tokens/s" (steps 5-8) and
+# "validation: N tokens forward only, F tokens/s"
+gpt2_lines = open(gpt2_log, errors="replace").read().splitlines()
+train_tok = fwd_tok = None
+for l in gpt2_lines:
+    m = re.search(r"\[rank0\]: step 8/8 .* ([\d.]+) tokens/s", l)
+    if m:
+        train_tok = float(m.group(1))
+    m = re.search(r"\[rank0\]: validation: \d+ tokens forward only, "
+                  r"([\d.]+) tokens/s", l)
+    if m:
+        fwd_tok = float(m.group(1))
+print("%-30s %-10s %7s s" % ("GPT-2 124M --device cuda",
+                             "PASS" if gpt2_rc == 0 and train_tok and fwd_tok
+                             else "FAIL", gpt2_s))
+if train_tok and fwd_tok:
+    print("    training %.0f tokens/s (steps 5-8, batch 8 x 1024), forward "
+          "only %.0f tokens/s: ratio %.3f (product-bound ideal ~0.33)"
+          % (train_tok, fwd_tok, train_tok / fwd_tok))
+else:
+    bad.append("GPT-2 124M on the GPU: exit %d, training rate %s, forward-"
+               "only rate %s (the baseline); its output:\n%s"
+               % (gpt2_rc, train_tok, fwd_tok, "\n".join(gpt2_lines[-15:])))
 if not rows:
     bad.append("no GPU test ran (ctest exit %d)" % ctest_rc)
 elif ctest_rc != 0 and not bad:

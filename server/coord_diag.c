@@ -26,6 +26,7 @@
  * the second the verdict is due in). */
 #define DESYNC_TIE_MS 400u
 
+static void judge_straggler(sp_coord *c, uint32_t r);
 
 typedef struct fprint {
   uint64_t seq, count;
@@ -119,6 +120,9 @@ struct sp_coord_diag {
   uint64_t rate_t0_ms, rate_step0;
   double steps_per_s;
   uint64_t last_min_step;
+  /* the median of the ranks' own step times, from the last tick (0: not
+   * yet known), that each rank's step close is judged against */
+  float job_med;
   open_alert open[MAX_OPEN];
   size_t n_open;
   char last_event_buf[160];
@@ -167,9 +171,9 @@ static void close_step(diag_rank *k, uint64_t t_us) {
 }
 
 /* A step begins with the root's FORWARD_BACKWARD of a new step number. */
-static void time_transition(diag_rank *k, const Shardplane__V1__Transition *t) {
+static bool time_transition(diag_rank *k, const Shardplane__V1__Transition *t) {
   uint64_t us = t->time_us;
-  if (us == 0) return; /* a worker without timestamps */
+  if (us == 0) return false; /* a worker without timestamps */
   if (t->machine == SHARDPLANE__V1__MACHINE__MACHINE_ROOT &&
       t->state == SP_ROOT_FORWARD_BACKWARD &&
       (t->step != k->cur_step || k->step_start_us == 0)) {
@@ -177,7 +181,9 @@ static void time_transition(diag_rank *k, const Shardplane__V1__Transition *t) {
     k->step_start_us = us;
     k->cur_step = t->step;
     k->wait_us = 0;
+    return true;
   }
+  return false;
 }
 
 /* A completion's wait belongs to the step it ended in. A message carries
@@ -692,7 +698,7 @@ void sp_coord_diag_transition(sp_coord *c, uint32_t rank,
   k->last_state = (uint8_t)t->state;
   k->last_unit = t->unit;
   if (t->step > k->last_step) k->last_step = t->step;
-  time_transition(k, t);
+  if (time_transition(k, t)) judge_straggler(c, rank);
 }
 
 void sp_coord_diag_session_up(sp_coord *c, uint32_t rank,
@@ -1070,6 +1076,63 @@ static float select_median(float *v, size_t n) {
   return (lo + hi) / 2;
 }
 
+/* Judged at each of the rank's step closes, against the job's median of
+ * the last tick, so that the 4 steps it must stay over the bar are steps,
+ * not ticks: judged on the 200 ms tick alone, a job of 20 ms steps moved
+ * 10 steps between judgements and a 1.5x slow rank was flagged at step
+ * 25 instead of 14 on a loaded machine. */
+static void judge_straggler(sp_coord *c, uint32_t r) {
+  sp_coord_diag *d = c->diag;
+  diag_rank *k = &d->r[r];
+  float job_med = d->job_med;
+  if (job_med <= 0 || !attached(c, r) || k->n_steps < SP_DIAG_STEP_WINDOW / 2)
+    return;
+  double ratio = c->cfg.diag.straggler_ratio > 1.0 ? c->cfg.diag.straggler_ratio
+                                                   : 1.3;
+  /* a floor of 1 ms keeps near-zero compute from making ratios */
+  float base = job_med > 1.0f ? job_med : 1.0f;
+  k->score = k->busy_med / base;
+  float step = median_of(k->step_ms, k->n_steps);
+  /* The bar is crossed by its faster steps too (the 25th percentile):
+   * a process a busy host deschedules now and then has slow steps among
+   * normal ones, a straggler has no normal ones. And it must cost the
+   * job: the excess a tenth of a step and 2 ms at least (a few ms of
+   * compute in a step of tens jitters by half on a loaded machine, and
+   * nobody waits for that). */
+  float excess = k->busy_med - job_med, lo_excess = k->busy_lo - job_med;
+  bool over = lo_excess >= 2.0f && lo_excess >= 0.1f * step &&
+              k->busy_lo / base >= ratio;
+  /* and for a stretch of steps: a process descheduled for a while on a
+   * busy host crosses the bar for a window, a straggler stays over it */
+  if (!over)
+    k->over_since = 0;
+  else if (k->over_since == 0)
+    k->over_since = k->cur_step + 1;
+  if (!k->straggling && over &&
+      k->cur_step + 1 >= k->over_since + SP_DIAG_STRAGGLER_STEPS) {
+    k->straggling = true;
+    char msg[SP_DIAG_MAX];
+    say(msg, sizeof msg,
+        "rank %u is a straggler: its own time (the step less its "
+        "waits on peers) is %.2fx the job's median%s, %.1f ms a step "
+        "against %.1f ms over its last %u steps (%.1f ms or more in "
+        "three steps of four); each step takes %.1f ms, and the "
+        "other ranks spend about %.1f ms of it waiting for rank %u "
+        "in collectives",
+        r, (double)k->score, job_med < base ? " (taken as 1 ms at least)" : "",
+        (double)k->busy_med, (double)job_med, (unsigned)k->n_steps,
+        (double)k->busy_lo, (double)step, (double)excess, r);
+    uint32_t *v = malloc((size_t)d->world * sizeof *v);
+    size_t nv = v ? others(c, &r, 1, v) : 0;
+    raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, &r, 1, v, nv, NULL,
+                msg);
+    free(v);
+  } else if (k->straggling && k->score < (ratio + 1.0) / 2) {
+    k->straggling = false;
+    close_alerts(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, false, r);
+  }
+}
+
 static void check_stragglers(sp_coord *c) {
   sp_coord_diag *d = c->diag;
   float *meds = malloc((size_t)d->world * sizeof *meds);
@@ -1080,61 +1143,13 @@ static void check_stragglers(sp_coord *c) {
       meds[n++] = d->r[r].busy_med;
   if (n < 2) {
     free(meds);
+    d->job_med = 0;
     return;
   }
   /* the median of the medians, every tick: linear in the world */
-  float job_med = select_median(meds, n);
+  d->job_med = select_median(meds, n);
   free(meds);
-  double ratio = c->cfg.diag.straggler_ratio > 1.0 ? c->cfg.diag.straggler_ratio
-                                                   : 1.3;
-  for (uint32_t r = 0; r < d->world; r++) {
-    diag_rank *k = &d->r[r];
-    if (!attached(c, r) || k->n_steps < SP_DIAG_STEP_WINDOW / 2) continue;
-    /* a floor of 1 ms keeps near-zero compute from making ratios */
-    float base = job_med > 1.0f ? job_med : 1.0f;
-    k->score = k->busy_med / base;
-    float step = median_of(k->step_ms, k->n_steps);
-    /* The bar is crossed by its faster steps too (the 25th percentile):
-     * a process a busy host deschedules now and then has slow steps among
-     * normal ones, a straggler has no normal ones. And it must cost the
-     * job: the excess a tenth of a step and 2 ms at least (a few ms of
-     * compute in a step of tens jitters by half on a loaded machine, and
-     * nobody waits for that). */
-    float excess = k->busy_med - job_med, lo_excess = k->busy_lo - job_med;
-    bool over = lo_excess >= 2.0f && lo_excess >= 0.1f * step &&
-                k->busy_lo / base >= ratio;
-    /* and for a stretch of steps: a process descheduled for a while on a
-     * busy host crosses the bar for a window, a straggler stays over it */
-    if (!over)
-      k->over_since = 0;
-    else if (k->over_since == 0)
-      k->over_since = k->cur_step + 1;
-    if (!k->straggling && over &&
-        k->cur_step + 1 >= k->over_since + SP_DIAG_STRAGGLER_STEPS) {
-      k->straggling = true;
-      char msg[SP_DIAG_MAX];
-      say(msg, sizeof msg,
-               "rank %u is a straggler: its own time (the step less its "
-               "waits on peers) is %.2fx the job's median%s, %.1f ms a step "
-               "against %.1f ms over its last %u steps (%.1f ms or more in "
-               "three steps of four); each step takes %.1f ms, and the "
-               "other ranks spend about %.1f ms of it waiting for rank %u "
-               "in collectives",
-               r, (double)k->score,
-               job_med < base ? " (taken as 1 ms at least)" : "",
-               (double)k->busy_med, (double)job_med,
-               (unsigned)k->n_steps, (double)k->busy_lo, (double)step,
-               (double)excess, r);
-      uint32_t *v = malloc((size_t)d->world * sizeof *v);
-      size_t nv = v ? others(c, &r, 1, v) : 0;
-      raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, &r, 1, v, nv,
-                  NULL, msg);
-      free(v);
-    } else if (k->straggling && k->score < (ratio + 1.0) / 2) {
-      k->straggling = false;
-      close_alerts(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, false, r);
-    }
-  }
+  for (uint32_t r = 0; r < d->world; r++) judge_straggler(c, r);
 }
 
 

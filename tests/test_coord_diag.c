@@ -592,35 +592,37 @@ static void test_stall_after_a_rank_left(void **state) {
 
 /* ---------------- stragglers ---------------- */
 
+/* One step of every rank on synthetic clocks: every step takes 100 ms on
+ * every rank (the collectives make them wait for each other); a rank
+ * computes busy_us of it (the slow rank slow_us), and waits the rest:
+ * the step's one collective reports the wait (waited_us) that fills it */
+static void sync_step(job *j, int s, uint32_t slow, uint64_t slow_us) {
+  uint64_t t = 1700000000000000ull + (uint64_t)s * 100000u;
+  for (uint32_t r = 0; r < WORLD; r++) {
+    uint64_t busy = r == slow ? slow_us : 40000u;
+    fake *f = &j->f[r];
+    transition(f, ROOT, 0, SP_ROOT_FORWARD_BACKWARD, (uint64_t)s, t);
+    transition(f, HANDLE, 1, SP_HANDLE_FORWARD, (uint64_t)s, t + 1000);
+    transition(f, HANDLE, 1, SP_HANDLE_IDLE, (uint64_t)s, t + 1000 + busy / 2);
+    transition(f, HANDLE, 1, SP_HANDLE_BACKWARD_PRE, (uint64_t)s, t + 50000);
+    transition(f, HANDLE, 1, SP_HANDLE_BACKWARD_POST, (uint64_t)s,
+               t + 50000 + busy / 2);
+    transition(f, HANDLE, 1, SP_HANDLE_IDLE, (uint64_t)s, t + 99000);
+    waited(f, (uint64_t)s, (uint64_t)s, t + 99500, 100000u - busy);
+    /* no optimizer time between steps: compute is the units' alone */
+    transition(f, ROOT, 0, SP_ROOT_IDLE, (uint64_t)s, t + 100000);
+  }
+}
+
 static void test_straggler_within_20_steps(void **state) {
   (void)state;
   const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
   job j;
   job_start(&j, flags, 60000);
-  /* synthetic clocks: every step takes 100 ms on every rank (the
-   * collectives make them wait for each other); rank 1 computes 1.5x as
-   * long as the others, who wait the difference: each step's one
-   * collective reports the wait (waited_us) that fills its step */
-  uint64_t base = 1700000000000000ull;
+  /* rank 1 computes 1.5x as long as the others */
   int flagged_at = -1;
   for (int s = 1; s <= 22 && flagged_at < 0; s++) {
-    uint64_t t = base + (uint64_t)s * 100000u;
-    for (uint32_t r = 0; r < WORLD; r++) {
-      uint64_t busy = r == 1 ? 60000u : 40000u;
-      fake *f = &j.f[r];
-      transition(f, ROOT, 0, SP_ROOT_FORWARD_BACKWARD, (uint64_t)s, t);
-      transition(f, HANDLE, 1, SP_HANDLE_FORWARD, (uint64_t)s, t + 1000);
-      transition(f, HANDLE, 1, SP_HANDLE_IDLE, (uint64_t)s,
-                 t + 1000 + busy / 2);
-      transition(f, HANDLE, 1, SP_HANDLE_BACKWARD_PRE, (uint64_t)s,
-                 t + 50000);
-      transition(f, HANDLE, 1, SP_HANDLE_BACKWARD_POST, (uint64_t)s,
-                 t + 50000 + busy / 2);
-      transition(f, HANDLE, 1, SP_HANDLE_IDLE, (uint64_t)s, t + 99000);
-      waited(f, (uint64_t)s, (uint64_t)s, t + 99500, 100000u - busy);
-      /* no optimizer time between steps: compute is the units' alone */
-      transition(f, ROOT, 0, SP_ROOT_IDLE, (uint64_t)s, t + 100000);
-    }
+    sync_step(&j, s, 1, 60000u);
     Shardplane__V1__Event *ev = next_alert(&j, SP_DIAG_TICK_MS + 50);
     if (ev != NULL) {
       assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__STRAGGLER);
@@ -655,6 +657,32 @@ static void test_straggler_within_20_steps(void **state) {
   }
   sp_test_free_msg(lr);
   /* the others are not flagged */
+  assert_null(next_alert(&j, 300));
+  job_stop(&j);
+}
+
+/* Steps far shorter than the detector's tick: ranks are judged as their
+ * steps close, not on the tick, so the steps a straggler must stay over
+ * the bar are steps. Judged on the tick alone, 20 steps coming within one
+ * tick were judged once, and the rank went unflagged until the next. */
+static void test_straggler_between_ticks(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  job_start(&j, flags, 60000);
+  /* nine even steps, and a tick to take the job's median from */
+  for (int s = 1; s <= 9; s++) sync_step(&j, s, 1, 40000u);
+  assert_null(next_alert(&j, SP_DIAG_TICK_MS + 50));
+  /* rank 1 turns 1.5x slow at step 10; steps 10..30 come at once */
+  for (int s = 10; s <= 30; s++) sync_step(&j, s, 1, 60000u);
+  Shardplane__V1__Event *ev = next_alert(&j, 2 * SP_DIAG_TICK_MS + 50);
+  assert_non_null(ev);
+  assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__STRAGGLER);
+  expect_ranks(ev->alert->culprits, ev->alert->n_culprits, (uint32_t[]){1}, 1);
+  sp_test_free_msg(ev);
+  /* it was flagged by step 30, 20 steps after it turned slow, without a
+   * step since: were it judged on the tick, the first tick after the
+   * burst would only begin its stretch over the bar */
   assert_null(next_alert(&j, 300));
   job_stop(&j);
 }
@@ -886,6 +914,7 @@ int main(void) {
       cmocka_unit_test(test_stall_in_the_network),
       cmocka_unit_test(test_stall_after_a_rank_left),
       cmocka_unit_test(test_straggler_within_20_steps),
+      cmocka_unit_test(test_straggler_between_ticks),
       cmocka_unit_test(test_job_completes_and_refuses_attach),
       cmocka_unit_test(test_trace_and_dump),
   };

@@ -32,7 +32,6 @@
 #define PYTHON "/usr/bin/python3"
 #define TORCH_SCRIPT SP_TEST_DATA "/../support/gpt2_torch.py"
 
-static char *g_dir;
 
 static sp_model *load_spec(const char *name) {
   char path[512];
@@ -201,7 +200,7 @@ static void test_data(void **state) {
   enum { N = 1000, T = 16 };
   uint8_t bytes[N];
   for (int i = 0; i < N; i++) bytes[i] = (uint8_t)(i * 7 + i / 3);
-  char *path = sp_test_path(g_dir, "corpus.txt");
+  char *path = sp_test_path(sp_test_dir, "corpus.txt");
   sp_test_write_file(path, bytes, N);
   sp_gpt2_data *data = NULL;
   sp_diag d = {""};
@@ -230,7 +229,7 @@ static void test_data(void **state) {
   assert_int_equal(sp_gpt2_data_open(path, 200, &data, &d), SP_EINVAL);
   assert_non_null(strstr(d.msg, "--data"));
   assert_non_null(strstr(d.msg, "corpus.txt"));
-  char *missing = sp_test_path(g_dir, "missing.txt");
+  char *missing = sp_test_path(sp_test_dir, "missing.txt");
   assert_int_equal(sp_gpt2_data_open(missing, T, &data, &d), SP_EIO);
   assert_non_null(strstr(d.msg, "missing.txt"));
   free(missing);
@@ -349,8 +348,8 @@ static void test_grad_vs_torch(void **state) {
                                   .ndim = 2, .shape = {B, T}, .data = a->tok};
   e[n++] = (sp_safetensors_entry){.name = "targets", .dtype = SP_INT32,
                                   .ndim = 2, .shape = {B, T}, .data = a->tgt};
-  char *in = sp_test_path(g_dir, "in.safetensors");
-  char *out = sp_test_path(g_dir, "out.safetensors");
+  char *in = sp_test_path(sp_test_dir, "in.safetensors");
+  char *out = sp_test_path(sp_test_dir, "out.safetensors");
   if (sp_safetensors_write(in, e, n, NULL, 0, &d) != 0) fail_msg("%s", d.msg);
   char cmd[4096];
   snprintf(cmd, sizeof cmd, "'%s' '%s' grad '%s' '%s' %lld", PYTHON,
@@ -401,19 +400,6 @@ static void test_grad_vs_torch(void **state) {
   sp_model_free(m);
 }
 
-static int setup(void **state) {
-  (void)state;
-  g_dir = sp_test_mkdtemp();
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  sp_test_rmtree(g_dir);
-  free(g_dir);
-  return 0;
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_spec_reader),
@@ -421,7 +407,8 @@ int main(void) {
       cmocka_unit_test(test_data),
       cmocka_unit_test(test_gelu),
   };
-  int rc = cmocka_run_group_tests(tests, setup, teardown);
+  int rc = cmocka_run_group_tests(tests, sp_test_dir_setup,
+                                  sp_test_dir_teardown);
   if (rc != 0) return rc;
   if (!have_torch())
     return sp_test_skip("the comparison with PyTorch: torch is not "
@@ -429,5 +416,6 @@ int main(void) {
   const struct CMUnitTest torch_tests[] = {
       cmocka_unit_test(test_grad_vs_torch),
   };
-  return cmocka_run_group_tests(torch_tests, setup, teardown);
+  return cmocka_run_group_tests(torch_tests, sp_test_dir_setup,
+                                sp_test_dir_teardown);
 }

@@ -31,7 +31,6 @@
 #define ST_READER SP_TEST_DATA "/../interop/st_reader.py"
 #define MODEL SP_TEST_DATA "/gpt2_buffers.json"
 
-static char *g_dir;
 
 /* The reader's view of a file: {"tensors": {name: {"dtype", "values"}}} */
 static json_t *read_back(const char *path) {
@@ -125,9 +124,9 @@ static void test_buffers(void **state) {
   sp_model *m = NULL;
   sp_diag d = {""};
   assert_int_equal(sp_model_load_file(MODEL, &m, &d), 0);
-  char *dir = sp_test_path(g_dir, "ck");
+  char *dir = sp_test_path(sp_test_dir, "ck");
   /* a corpus of its own: the test does not depend on the system's texts */
-  char *corpus = sp_test_path(g_dir, "corpus.txt");
+  char *corpus = sp_test_path(sp_test_dir, "corpus.txt");
   static char text[20000];
   for (size_t i = 0; i < sizeof text; i++)
     text[i] = "the unit gathers its shards\n"[i % 28];
@@ -163,19 +162,6 @@ static void test_buffers(void **state) {
   sp_model_free(m);
 }
 
-static int setup(void **state) {
-  (void)state;
-  g_dir = sp_test_mkdtemp();
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  sp_test_rmtree(g_dir);
-  free(g_dir);
-  return 0;
-}
-
 int main(void) {
   if (access(PYTHON, X_OK) != 0 ||
       system("'" PYTHON "' -c 'import numpy' >/dev/null 2>&1") != 0)
@@ -184,5 +170,6 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_buffers),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return cmocka_run_group_tests(tests, sp_test_dir_setup,
+                                sp_test_dir_teardown);
 }

@@ -56,6 +56,7 @@
 
 #include "fsdp/model.h"
 #include "safetensors/safetensors.h"
+#include "support/gpt2_fixture.h"
 #include "support/job_fixture.h"
 #include "support/testutil.h"
 
@@ -78,50 +79,9 @@ static char *g_corpus;
   "steps=" STEPS_S " batch=8 seq=64 lr=1e-3 beta1=0.9 beta2=0.95 eps=1e-8 "  \
   "wd=0.1 clip=1.0 schedule=cosine warmup=5 min_lr=1e-4"
 
-/* The corpus: text, the same for every job and for torch. The default
- * corpus would do, but a file of the test's own keeps it independent of
- * the system. */
-static void write_corpus(const char *path) {
-  size_t n = 1 << 16, len = 0;
-  char *buf = malloc(n);
-  assert_non_null(buf);
-  static const char *const words[] = {
-      "shard", "plane", "the", "gradient", "of", "a", "rank", "gathers",
-      "every", "unit", "before", "its", "forward", "and", "reduces", "after",
-      "backward", "while", "optimizer", "steps", "on", "master", "copies"};
-  sp_test_rng rng = {2024};
-  while (len + 16 < n) {
-    const char *w = words[sp_test_rng_below(&rng, 23)];
-    size_t k = strlen(w);
-    memcpy(buf + len, w, k);
-    len += k;
-    buf[len++] = sp_test_rng_below(&rng, 9) == 0 ? '\n' : ' ';
-  }
-  sp_test_write_file(path, buf, len);
-  free(buf);
-}
-
-/* The sum of the schedule's learning rates over the run, as torch's
- * lr_at (warmup 5, cosine to 3e-4 at step 20): Adam moves an element by
- * at most about lr a step. */
-static double lr_sum(void) {
-  double s = 0;
-  for (int t = 0; t < STEPS; t++) {
-    double lr = t < 5 ? 1e-3 * (t + 1) / 5
-                      : 1e-4 + 0.5 * (1e-3 - 1e-4) *
-                                   (1 + cos(M_PI * (t - 5) / (STEPS - 5)));
-    s += lr;
-  }
-  return s;
-}
-
-static void read_f32(const sp_safetensors_file *f, const char *name,
-                     float *dst, size_t n) {
-  const sp_safetensors_tensor *t = sp_safetensors_find(f, name);
-  if (t == NULL) fail_msg("%s: not in the file", name);
-  assert_int_equal(t->dtype, SP_FLOAT32);
-  assert_int_equal(sp_safetensors_tensor_read(t, dst, n * sizeof *dst), 0);
-}
+/* The sum of the schedule's learning rates over the run (warmup 5,
+ * cosine to 1e-4 at step 20). */
+static double lr_sum(void) { return sp_tgpt2_lr_sum(STEPS, 1e-3, 5, 1e-4); }
 
 typedef struct cfg {
   const char *label, *strategy, *group;
@@ -175,56 +135,17 @@ static void check(run *r, int ok, const cfg *c, const sp_model *m,
   size_t nl = 0;
   double *l = sp_tjob_read_losses(r->losses, &nl);
   assert_int_equal(nl, STEPS);
-  double loss_err = 0;
-  size_t at = 0;
-  for (size_t s = 0; s < nl; s++) {
-    double e = fabs(l[s] - tl[s]) / fabs(tl[s]);
-    if (!(e <= loss_err)) { /* a NaN sticks */
-      loss_err = e;
-      at = s;
-    }
-  }
   /* it learned, as torch did */
   assert_true(l[STEPS - 1] < l[0] - 0.5);
   sp_safetensors_file *jf = sp_tjob_open_st(r->dir, "full/model.safetensors");
-  double par_err = 0, kb_err = 0, abs_err = 0, d2 = 0, r2 = 0;
-  const char *worst = "";
-  int64_t C = m->params[sp_model_find_param(m, "transformer.wpe.weight")]
-                  .shape[1];
-  for (size_t p = 0; p < m->n_params; p++) {
-    const sp_tensor_spec *t = &m->params[p];
-    size_t n = (size_t)t->numel;
-    float *a = malloc(n * sizeof *a), *b = malloc(n * sizeof *b);
-    assert_non_null(a);
-    assert_non_null(b);
-    read_f32(jf, t->fqn, a, n);
-    read_f32(tp, t->fqn, b, n);
-    bool kbias = strstr(t->fqn, ".attn.c_attn.bias") != NULL;
-    double ref = 0, err = 0;
-    for (size_t i = 0; i < n; i++) {
-      bool key = kbias && (int64_t)i >= C && (int64_t)i < 2 * C;
-      double e = fabs((double)a[i] - b[i]);
-      if (key) {
-        if (!(e <= kb_err)) kb_err = e;
-        continue;
-      }
-      if (fabs(b[i]) > ref) ref = fabs(b[i]);
-      if (!(e <= err)) err = e;
-      d2 += e * e;
-      r2 += (double)b[i] * b[i];
-    }
-    if (!(err / ref <= par_err)) {
-      par_err = err / ref;
-      worst = t->fqn;
-    }
-    if (!(err <= abs_err)) abs_err = err;
-    free(a);
-    free(b);
-  }
-  double rms = sqrt(d2 / r2);
+  sp_tgpt2_errors e;
+  sp_tgpt2_compare(m, l, tl, nl, jf, tp, &e);
+  double loss_err = e.loss, par_err = e.params, abs_err = e.abs;
+  double rms = e.rms, kb_err = e.key_bias;
+  const char *worst = e.worst;
   printf("%-26s loss %.3g (step %zu, first %.3g)  params %.3g (%s), "
-         "whole %.3g, key biases %.3g abs\n", c->label, loss_err, at + 1,
-         fabs(l[0] - tl[0]) / tl[0], par_err, worst, rms, kb_err);
+         "whole %.3g, key biases %.3g abs\n", c->label, loss_err,
+         e.loss_at + 1, e.first, par_err, worst, rms, kb_err);
   double lt = c->bf16 ? 2e-2 : 1e-5;
   if (!(loss_err <= lt))
     fail_msg("%s: loss curve %.3g from torch's (bound %g)", c->label,
@@ -347,7 +268,7 @@ static int setup(void **state) {
   (void)state;
   g_dir = sp_test_mkdtemp();
   g_corpus = sp_test_path(g_dir, "corpus.txt");
-  write_corpus(g_corpus);
+  sp_tgpt2_write_corpus(g_corpus);
   return 0;
 }
 

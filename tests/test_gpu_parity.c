@@ -183,15 +183,6 @@ static void *download(const void *dev, size_t bytes) {
   return h;
 }
 
-/* Bit-for-bit equality of float32 arrays (NaN compared by bits too). */
-static void same_bits(const char *what, const float *got, const float *want,
-                      size_t n) {
-  for (size_t i = 0; i < n; i++)
-    if (memcmp(&got[i], &want[i], 4) != 0)
-      fail_msg("%s: element %zu of %zu: GPU %.9g, CPU %.9g (bit-exact "
-               "expected)", what, i, n, (double)got[i], (double)want[i]);
-}
-
 /* A GEMM result against the CPU's sequential float32 sums: per element
  * |got - want| <= rel * |want| + abs_frac * max|want|. rel covers one
  * rounding of the output to a 16-bit dtype landing on the neighbour
@@ -261,7 +252,7 @@ static void compare_grad(const tensors *t, int32_t p, bool exact,
   snprintf(what, sizeof what, "gradient of %s (%s)", ps->fqn,
            sp_dtype_name(t->pd));
   if (exact)
-    same_bits(what, got, want, n);
+    sp_test_same_f32(what, got, want, n);
   else
     *differ += near(what, got, want, n, gemm_rel(t->pd), GEMM_ABS);
   if (!exact) *total += n;
@@ -310,7 +301,7 @@ static void layer_case_run(const layer_case *lc) {
       OK(sp_mlp_cuda_read_act(g, l, dev, &d_));
       snprintf(what, sizeof what, "step %llu %s forward: rounded input",
                (unsigned long long)step, fqn);
-      same_bits(what, dev, acts->x[l], n * in);
+      sp_test_same_f32(what, dev, acts->x[l], n * in);
       OK(sp_mlp_cuda_read_act(g, l + 1, dev, &d_));
       snprintf(what, sizeof what, "step %llu %s forward: output",
                (unsigned long long)step, fqn);
@@ -319,7 +310,7 @@ static void layer_case_run(const layer_case *lc) {
                             gemm_rel(lc->pd), GEMM_ABS);
         gemm_total += n * out;
       } else {
-        same_bits(what, dev, acts->x[l + 1], n * out);
+        sp_test_same_f32(what, dev, acts->x[l + 1], n * out);
       }
       compare_buffers(&t, what);
     }
@@ -333,7 +324,7 @@ static void layer_case_run(const layer_case *lc) {
                (unsigned long long)step, gl, loss);
     size_t count = n * (size_t)mlp->out_dim;
     OK(sp_mlp_cuda_read_dy(g, dev, count, &d_));
-    same_bits("loss gradient", dev, acts->dy, count);
+    sp_test_same_f32("loss gradient", dev, acts->dy, count);
     sp_dtype dy_dt = out_dt;
     memset(t.hg, 0, t.pbytes);
     SP_TEST_CU(cudaMemset(t.dg, 0, t.pbytes));
@@ -360,7 +351,7 @@ static void layer_case_run(const layer_case *lc) {
                             GEMM_ABS);
         gemm_total += n * in;
       } else {
-        same_bits(what, dev, acts->dy, n * in);
+        sp_test_same_f32(what, dev, acts->dy, n * in);
       }
       if (L->kind != SP_MLP_RELU) dy_dt = lc->pd;
     }

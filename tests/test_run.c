@@ -383,7 +383,7 @@ static char *first_file(const char *dir, const char *suffix) {
  * settings to the coordinator, which aborts the job and writes its dump to
  * the run's dumps folder; run's exit message names rank 2 (not rank 0,
  * the first to exit, a victim), and analyze reads the dump and names
- * rank 2 too. */
+ * rank 2 too. Meanwhile run's lines on the ranks show them held at step 3. */
 static void test_run_stall_named(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
@@ -391,12 +391,17 @@ static void test_run_stall_named(void **state) {
   const char *args[] = {"--nproc", "3", "--model", MLP, "--steps", "1000",
                         "--inject", "stall:rank=2,step=3",
                         "--stall-timeout-ms", "2000", "--on-stall", "abort",
-                        "--checkpoint", "none", "--checkpoint-dir", ck, NULL};
+                        "--checkpoint", "none", "--checkpoint-dir", ck,
+                        "--ranks-every", "0.5", NULL};
   pid_t run = start_run(dir, args);
   int st = wait_run(run, 90);
   char *err = slurp(dir, "err");
   printf("  run exit %d:\n%s", st, err);
   assert_int_equal(st, 1);
+  char *run_out = slurp(dir, "out");
+  if (!strstr(run_out, "[ranks]: step 3: "))
+    fail_msg("no line on the ranks held at step 3 in:\n%s", run_out);
+  free(run_out);
   /* run's own line that stops the job */
   const char *line = strstr(err, "shardplane run: ");
   while (line && !strstr(line, "stopping the job")) line = strstr(line + 1, "shardplane run: ");

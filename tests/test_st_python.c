@@ -25,12 +25,11 @@
 #define PYTHON "/usr/bin/python3"
 #define ST_READER SP_TEST_DATA "/../interop/st_reader.py"
 
-static char *g_dir;
 
 /* Runs the reader on path; returns its exit status and, on 0, its stdout
  * parsed as JSON (*out). stderr goes to a file whose text is in *err. */
 static int run_reader(const char *path, json_t **out, char **err) {
-  char *errf = sp_test_path(g_dir, "reader.err");
+  char *errf = sp_test_path(sp_test_dir, "reader.err");
   size_t cap =
       strlen(path) + strlen(errf) + sizeof PYTHON + sizeof ST_READER + 64;
   char *cmd = malloc(cap);
@@ -247,7 +246,7 @@ static void test_every_dtype(void **state) {
   };
   const size_t n = sizeof entries / sizeof entries[0];
   const sp_safetensors_kv meta[] = {{"producer", "shardplane test_st_python"}};
-  char *path = sp_test_path(g_dir, "all.safetensors");
+  char *path = sp_test_path(sp_test_dir, "all.safetensors");
   sp_diag d = {""};
   if (sp_safetensors_write(path, entries, n, meta, 1, &d) != 0)
     fail_msg("sp_safetensors_write: %s", d.msg);
@@ -304,7 +303,7 @@ static void test_every_dtype(void **state) {
     assert_non_null(text);
     assert_int_equal(fread(text, 1, (size_t)sz, f), (size_t)sz);
     fclose(f);
-    char *bad = sp_test_path(g_dir, "bad.safetensors");
+    char *bad = sp_test_path(sp_test_dir, "bad.safetensors");
     sp_test_write_file(bad, text, (size_t)sz - 1);
     assert_int_equal(run_reader(bad, &out, &err), 2);
     assert_non_null(strstr(err, "data section"));
@@ -322,19 +321,6 @@ static void test_every_dtype(void **state) {
   free(path);
 }
 
-static int setup(void **state) {
-  (void)state;
-  g_dir = sp_test_mkdtemp();
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  sp_test_rmtree(g_dir);
-  free(g_dir);
-  return 0;
-}
-
 int main(void) {
   if (access(PYTHON, X_OK) != 0)
     return sp_test_skip(PYTHON " is not installed");
@@ -346,5 +332,6 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_dtype),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return cmocka_run_group_tests(tests, sp_test_dir_setup,
+                                sp_test_dir_teardown);
 }

@@ -95,6 +95,10 @@ static void usage(FILE *f) {
         "                             afresh (another optimizer than the\n"
         "                             checkpoint's)\n"
         "  --log-every N              progress every N steps (default 1)\n"
+        "  --ranks-every S            every S seconds a line saying where the\n"
+        "                             ranks are, from the coordinator (\"step\n"
+        "                             311: 3 in FORWARD, 1 in BACKWARD_PRE\");\n"
+        "                             0: never (default 10)\n"
         "  --device cpu|cuda          where ranks train (default cpu); cuda:\n"
         "                             rank r on GPU r % (GPUs present), over\n"
         "                             NCCL; one GPU per rank\n"
@@ -332,6 +336,7 @@ typedef struct run_opts {
   long long nproc;
   const char *model_path, *job_path, *ckdir;
   const char *steps, *batch, *lr, *log_every, *hb;
+  double ranks_every_s; /* --ranks-every; 0: no ranks lines */
   const char *grace; /* --coordinator-grace, or NULL */
   const char *ckpt_every; /* --checkpoint-every, or NULL */
   bool cuda;
@@ -403,7 +408,7 @@ static int job_flag(run_opts *o, int c, const char *value) {
 }
 
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-       O_LOG, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_GRACE,
+       O_LOG, O_RANKS, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_GRACE,
        O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
@@ -445,6 +450,11 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
     case O_LOG:
       o->log_every = v;
       return sp_flag_int(flag, v, 0, 1000000000, &n, d);
+    case O_RANKS:
+      rc = sp_flag_number(flag, v, 0, &o->ranks_every_s, d);
+      if (rc == 0 && o->ranks_every_s > 86400.0)
+        rc = sp_flag_fail(d, flag, v, "seconds in [0, 86400]");
+      return rc;
     case O_HB:
       o->hb = v;
       return sp_flag_int(flag, v, 1, 3600000, &n, d);
@@ -513,6 +523,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"checkpoint-dir", required_argument, NULL, O_CKDIR},
       {"checkpoint", required_argument, NULL, O_CK},
       {"log-every", required_argument, NULL, O_LOG},
+      {"ranks-every", required_argument, NULL, O_RANKS},
       {"heartbeat-timeout-ms", required_argument, NULL, O_HB},
       {"device", required_argument, NULL, O_DEVICE},
       {"load", required_argument, NULL, O_LOAD},
@@ -537,6 +548,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
   o->batch = "24";
   o->lr = "0.05";
   o->log_every = "1";
+  o->ranks_every_s = 10;
   o->hb = "5000";
   int ret = SP_EXIT_USAGE, c, index = -1;
   optind = 1;
@@ -1081,12 +1093,36 @@ static void stop_when_due(run_procs *p, run_watch *w, long long n) {
  * dies (naming the rank; the others are given GRACE_S to stop and say
  * why), the coordinator dies, or a signal arrives. Returns the exit
  * code. */
+/* Where the ranks are, in a line like the workers' ("[ranks]: ..."). The
+ * call blocks the output passing for its length, a millisecond or so on
+ * loopback; a coordinator that does not answer within 500 ms is skipped
+ * (its own restart, or a failure, is reported elsewhere). */
+static void tell_ranks(const run_procs *p) {
+  char line[512];
+  if (!sp_run_ranks_line(p->addr, p->j->creds.admin_token, 500, line,
+                         sizeof line))
+    return;
+  struct timespec ts;
+  struct tm tm;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  localtime_r(&ts.tv_sec, &tm);
+  printf("%02d:%02d:%02d.%03ld [ranks]: %s\n", tm.tm_hour, tm.tm_min,
+         tm.tm_sec, ts.tv_nsec / 1000000, line);
+  fflush(stdout);
+}
+
 static int supervise(const run_opts *o, run_procs *p) {
   run_watch w = {.ret = SP_EXIT_OK, .term_at = -1, .kill_at = -1, .p = p};
   double drained_by = -1; /* every worker gone: the pipes' last words */
+  double ranks_at = sp_clock_s() + o->ranks_every_s;
   for (;;) {
     size_t open = pass_output(p->streams, p->n_streams, 20);
     reap(o, p, &w);
+    if (o->ranks_every_s > 0 && sp_clock_s() >= ranks_at && p->live > 0 &&
+        !w.terminated && w.ret == SP_EXIT_OK) {
+      tell_ranks(p);
+      ranks_at = sp_clock_s() + o->ranks_every_s;
+    }
     int sig = g_signal;
     g_signal = 0;
     if (sig && !w.interrupted && w.ret == SP_EXIT_OK) {

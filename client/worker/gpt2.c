@@ -537,10 +537,7 @@ int sp_gpt2_embed_forward(const sp_gpt2 *g, const sp_gpt2_io *io,
   if (rc == 0) rc = load(g, io, g->wpe, wpe, NULL, d);
   if (rc != 0) return rc;
   float *x = a->res[0];
-  for (size_t i = 0; i < N; i++) {
-    const float *te = a->w + (size_t)a->tok[i] * C, *pe = wpe + (i % T) * C;
-    for (size_t c = 0; c < C; c++) x[i * C + c] = te[c] + pe[c];
-  }
+  sp_gpt2k_embed_fwd(x, a->tok, a->w, wpe, (int)N, (int)T, (int)C);
   sp_gpt2k_round(x, N * C, pd);
   return 0;
 }
@@ -584,7 +581,7 @@ int sp_gpt2_block_forward(const sp_gpt2 *g, size_t l, const sp_gpt2_io *io,
   if (rc != 0) return rc;
   sp_gpt2k_matmul_fwd(tmp, a->atty[l], w, a->gb, N, C, C);
   sp_gpt2k_round(tmp, NC, pd);
-  for (size_t i = 0; i < NC; i++) a->res2[l][i] = x[i] + tmp[i];
+  sp_gpt2k_add(a->res2[l], x, tmp, NC);
   sp_gpt2k_round(a->res2[l], NC, pd);
   /* MLP */
   rc = load(g, io, b->ln2_w, a->lnw, NULL, d);
@@ -606,7 +603,7 @@ int sp_gpt2_block_forward(const sp_gpt2 *g, size_t l, const sp_gpt2_io *io,
   sp_gpt2k_matmul_fwd(tmp, a->fch_gelu[l], w, a->gb, N, 4 * C, C);
   sp_gpt2k_round(tmp, NC, pd);
   float *y = a->res[l + 1];
-  for (size_t i = 0; i < NC; i++) y[i] = a->res2[l][i] + tmp[i];
+  sp_gpt2k_add(y, a->res2[l], tmp, NC);
   sp_gpt2k_round(y, NC, pd);
   return 0;
 }
@@ -765,19 +762,9 @@ int sp_gpt2_embed_backward(const sp_gpt2 *g, const sp_gpt2_io *io,
   if (rc != 0) return rc;
   size_t C = (size_t)g->C, T = a->T, N = a->B * a->T;
   /* wte: rows by token, tokens in order */
-  memset(a->gw, 0, (size_t)(g->V * g->C) * sizeof *a->gw);
-  for (size_t i = 0; i < N; i++) {
-    float *r = a->gw + (size_t)a->tok[i] * C;
-    const float *gr = a->dres + i * C;
-    for (size_t c = 0; c < C; c++) r[c] += gr[c];
-  }
+  sp_gpt2k_wte_bwd(a->gw, a->dres, a->tok, (int)N, (int)C, (int)g->V);
   rc = add_grad(g, io, g->wte, a->gw, d);
   if (rc != 0) return rc;
-  memset(a->gw, 0, (size_t)(g->ctx * g->C) * sizeof *a->gw);
-  for (size_t i = 0; i < N; i++) {
-    float *r = a->gw + (i % T) * C;
-    const float *gr = a->dres + i * C;
-    for (size_t c = 0; c < C; c++) r[c] += gr[c];
-  }
+  sp_gpt2k_wpe_bwd(a->gw, a->dres, (int)N, (int)T, (int)C, (int)g->ctx);
   return add_grad(g, io, g->wpe, a->gw, d);
 }

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cast/cast_scalar.h"
+#include "gpt2_elem.h"
 
 void sp_gpt2k_matmul_fwd(float *out, const float *inp, const float *w,
                          const float *b, int N, int IC, int OC) {
@@ -62,9 +63,9 @@ void sp_gpt2k_layernorm_fwd(float *out, float *mean, float *rstd,
     float v = 0.0f;
     for (int c = 0; c < C; c++) v += (x[c] - m) * (x[c] - m);
     v /= (float)C;
-    float s = 1.0f / sqrtf(v + 1e-5f);
+    float s = sp_gpt2e_ln_rstd(v);
     float *o = out + (size_t)i * C;
-    for (int c = 0; c < C; c++) o[c] = (x[c] - m) * s * w[c] + b[c];
+    for (int c = 0; c < C; c++) o[c] = sp_gpt2e_ln_out(x[c], m, s, w[c], b[c]);
     mean[i] = m;
     rstd[i] = s;
   }
@@ -89,10 +90,10 @@ void sp_gpt2k_layernorm_bwd(float *dinp, float *dw, float *db,
     gm /= (float)C;
     gnm /= (float)C;
     for (int c = 0; c < C; c++) {
-      float xh = (x[c] - m) * s, gw = g[c] * w[c];
+      float xh = (x[c] - m) * s;
       db[c] += g[c];
       dw[c] += xh * g[c];
-      dx[c] += (gw - gm - xh * gnm) * s;
+      dx[c] += sp_gpt2e_ln_dx(g[c], w[c], x[c], m, s, gm, gnm);
     }
   }
 }
@@ -152,7 +153,8 @@ void sp_gpt2k_attention_bwd(float *dqkv, float *datt, const float *dout,
         float *g = datt + (size_t)t * T;
         float dot = 0.0f;
         for (int u = 0; u <= t; u++) dot += p[u] * g[u];
-        for (int u = 0; u < T; u++) g[u] = u <= t ? p[u] * (g[u] - dot) : 0.0f;
+        for (int u = 0; u < T; u++)
+          g[u] = sp_gpt2e_softmax_bwd(p[u], g[u], dot, u <= t);
       }
       /* dq = scale ds k; dk = scale ds^T q */
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, scale,
@@ -162,63 +164,14 @@ void sp_gpt2k_attention_bwd(float *dqkv, float *datt, const float *dout,
     }
 }
 
-/* sqrt(2 / pi) */
-#define GELU_S 0.7978845608028654f
-
-/* exp(x) in float32 arithmetic only, so that the loops below vectorize
- * (a call to expf does not): x = n ln2 + r with |r| <= ln2 / 2 (n rounded
- * by the 1.5 * 2^23 trick, ln2 split in two for an exact n ln2), e^r by its
- * Taylor series to r^6 (truncation below 1.2e-7 relative, about one ulp),
- * 2^n assembled in the exponent bits. x is clamped to [-87, 88], where
- * 2^n stays a normal float: GELU and tanh only need the limits there. */
-static inline float vexp(float x) {
-  /* two selects, which vectorize (a nested one does not); written so that
-   * a NaN becomes 88, whose integer conversion below is defined (GELU's
-   * result is still NaN: it multiplies by the NaN input) */
-  x = x <= 88.0f ? x : 88.0f;
-  x = x >= -87.0f ? x : -87.0f;
-  float t = x * 1.44269504088896341f;
-  float n = (t + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-/* tanh(u) = 1 - 2 / (exp(2u) + 1): tanhf (an expm1f and branches) was a
- * quarter of gpt2-mini's step on one core. Near 0 the subtraction cancels,
- * but GELU (0.5 x (1 + tanh)) needs only the absolute error, within ~1e-7. */
-static inline float fast_tanh(float u) {
-  return 1.0f - 2.0f / (vexp(2.0f * u) + 1.0f);
-}
-
 void sp_gpt2k_gelu_fwd(float *restrict out, const float *restrict inp,
                        size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    float x = inp[i];
-    out[i] =
-        0.5f * x * (1.0f + fast_tanh(GELU_S * (x + 0.044715f * x * x * x)));
-  }
+  for (size_t i = 0; i < n; i++) out[i] = sp_gpt2e_gelu(inp[i]);
 }
 
 void sp_gpt2k_gelu_bwd(float *dinp, const float *inp, const float *dout,
                        size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    float x = inp[i];
-    float th = fast_tanh(GELU_S * (x + 0.044715f * x * x * x));
-    float sech2 = 1.0f - th * th;
-    float g = 0.5f * (1.0f + th) +
-              0.5f * x * sech2 * GELU_S * (1.0f + 3.0f * 0.044715f * x * x);
-    dinp[i] = g * dout[i];
-  }
+  for (size_t i = 0; i < n; i++) dinp[i] = sp_gpt2e_gelu_bwd(inp[i], dout[i]);
 }
 
 double sp_gpt2k_softmax_xent_fwd(float *probs, const int32_t *tgt, int N,
@@ -242,9 +195,41 @@ void sp_gpt2k_softmax_xent_bwd(float *probs, const int32_t *tgt, int N,
                                int V, float scale) {
   for (int i = 0; i < N; i++) {
     float *r = probs + (size_t)i * V;
-    r[tgt[i]] -= 1.0f;
-    for (int j = 0; j < V; j++) r[j] *= scale;
+    for (int j = 0; j < V; j++) r[j] = sp_gpt2e_xent_bwd(r[j], j == tgt[i], scale);
   }
+}
+
+void sp_gpt2k_embed_fwd(float *x, const int32_t *tok, const float *wte,
+                        const float *wpe, int N, int T, int C) {
+  for (int i = 0; i < N; i++) {
+    const float *te = wte + (size_t)tok[i] * C, *pe = wpe + (size_t)(i % T) * C;
+    float *o = x + (size_t)i * C;
+    for (int c = 0; c < C; c++) o[c] = te[c] + pe[c];
+  }
+}
+
+void sp_gpt2k_wte_bwd(float *dwte, const float *dx, const int32_t *tok, int N,
+                      int C, int V) {
+  memset(dwte, 0, (size_t)V * (size_t)C * sizeof *dwte);
+  for (int i = 0; i < N; i++) {
+    float *r = dwte + (size_t)tok[i] * C;
+    const float *g = dx + (size_t)i * C;
+    for (int c = 0; c < C; c++) r[c] += g[c];
+  }
+}
+
+void sp_gpt2k_wpe_bwd(float *dwpe, const float *dx, int N, int T, int C,
+                      int ctx) {
+  memset(dwpe, 0, (size_t)ctx * (size_t)C * sizeof *dwpe);
+  for (int i = 0; i < N; i++) {
+    float *r = dwpe + (size_t)(i % T) * C;
+    const float *g = dx + (size_t)i * C;
+    for (int c = 0; c < C; c++) r[c] += g[c];
+  }
+}
+
+void sp_gpt2k_add(float *y, const float *a, const float *b, size_t n) {
+  for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
 }
 
 void sp_gpt2k_round(float *v, size_t n, sp_dtype dt) {

@@ -63,6 +63,19 @@ double sp_gpt2k_softmax_xent_fwd(float *probs, const int32_t *tgt, int N,
 /* probs becomes dlogits = (probs - onehot(tgt)) * scale, in place. */
 void sp_gpt2k_softmax_xent_bwd(float *probs, const int32_t *tgt, int N,
                                int V, float scale);
+/* The embeddings: x[i] = wte[tok[i]] + wpe[i mod T] (N = B*T rows of C;
+ * tokens < V, checked by the caller). */
+void sp_gpt2k_embed_fwd(float *x, const int32_t *tok, const float *wte,
+                        const float *wpe, int N, int T, int C);
+/* dwte [V, C] overwritten: row tok[i] sums dx[i], tokens in index order. */
+void sp_gpt2k_wte_bwd(float *dwte, const float *dx, const int32_t *tok, int N,
+                      int C, int V);
+/* dwpe [ctx, C] overwritten: row t sums dx[i] of i mod T == t, in index
+ * order; rows from T on are zero. */
+void sp_gpt2k_wpe_bwd(float *dwpe, const float *dx, int N, int T, int C,
+                      int ctx);
+/* y = a + b (the residual; y may be a or b). */
+void sp_gpt2k_add(float *y, const float *a, const float *b, size_t n);
 /* Rounds every value to dt (bfloat16, float16) in place; other dtypes
  * hold every float32, so nothing changes. */
 void sp_gpt2k_round(float *v, size_t n, sp_dtype dt);

@@ -7,6 +7,7 @@
 
 #include "base/clock.h"
 #include "fsdp/plan.h"
+#include "gpt2_cuda.h"
 
 struct sp_gpt2_trainer {
   const sp_gpt2 *g;
@@ -16,7 +17,9 @@ struct sp_gpt2_trainer {
   const sp_mlp_train_cfg *cfg;
   const sp_train_flags *flags;
   sp_gpt2_data *data;
-  sp_gpt2_acts *acts;
+  sp_gpt2_acts *acts; /* on the CPU */
+  sp_gpt2_cuda *gpu;  /* on a GPU (the runtime's storage on a device) */
+  int32_t *tok, *tgt; /* the micro-batch's host arrays, of acts or gpu */
   uint32_t *block_unit; /* per block: its unit, or 0 (the root's) */
   uint32_t head_unit;   /* lm_head's unit (empty: the head is tied), or 0 */
   size_t B, T;          /* a micro-batch's sequences on this rank, tokens */
@@ -120,11 +123,22 @@ int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
     rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   if (rc == 0) rc = check_plan(tr, d);
   if (rc == 0) rc = sp_gpt2_data_open(flags->data, tr->T, &tr->data, d);
-  if (rc == 0) {
+  if (rc == 0 && sp_fsdp_on_device(f)) {
+    rc = sp_gpt2_cuda_new(g, tr->B, tr->T, sp_fsdp_cuda_stream(f), &tr->gpu,
+                          d);
+    if (rc == 0) {
+      tr->tok = sp_gpt2_cuda_tokens(tr->gpu);
+      tr->tgt = sp_gpt2_cuda_targets(tr->gpu);
+    }
+  } else if (rc == 0) {
     rc = sp_gpt2_acts_new(g, tr->B, tr->T, &tr->acts);
     if (rc != 0)
       sp_diag_set(d, rc, "activations of %zu x %zu tokens: %s", tr->B, tr->T,
                   sp_strerror(rc));
+    else {
+      tr->tok = tr->acts->tok;
+      tr->tgt = tr->acts->tgt;
+    }
   }
   if (rc != 0) {
     sp_gpt2_trainer_free(tr);
@@ -139,6 +153,7 @@ int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
 void sp_gpt2_trainer_free(sp_gpt2_trainer *tr) {
   if (tr == NULL) return;
   sp_gpt2_acts_free(tr->acts);
+  sp_gpt2_cuda_free(tr->gpu);
   sp_gpt2_data_free(tr->data);
   free(tr->block_unit);
   free(tr);
@@ -152,31 +167,83 @@ uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr) {
   return (uint64_t)tr->cfg->global_batch * tr->T;
 }
 
+uint64_t sp_gpt2_trainer_eval_tokens(const sp_gpt2_trainer *tr) {
+  return (uint64_t)tr->flags->eval_batches * tr->B * tr->T * tr->world;
+}
+
 const char *sp_gpt2_trainer_data_source(const sp_gpt2_trainer *tr) {
   return tr->data->source;
 }
 
-/* The forward of the micro-batch in acts: *loss its local loss over
- * denom tokens. */
+/* The model's pieces on the CPU or, when the runtime is on a GPU, there. */
+static int embed_forward(sp_gpt2_trainer *tr, const sp_gpt2_io *io,
+                         sp_diag *d) {
+  if (tr->gpu) return sp_gpt2_cuda_embed_forward(tr->gpu, io, d);
+  return sp_gpt2_embed_forward(tr->g, io, tr->acts, d);
+}
+static int block_forward(sp_gpt2_trainer *tr, size_t l, const sp_gpt2_io *io,
+                         sp_diag *d) {
+  if (tr->gpu) return sp_gpt2_cuda_block_forward(tr->gpu, l, io, d);
+  return sp_gpt2_block_forward(tr->g, l, io, tr->acts, d);
+}
+static int head_forward(sp_gpt2_trainer *tr, const sp_gpt2_io *io,
+                        double denom, double *loss, sp_diag *d) {
+  if (tr->gpu) return sp_gpt2_cuda_head_forward(tr->gpu, io, denom, loss, d);
+  return sp_gpt2_head_forward(tr->g, io, tr->acts, denom, loss, d);
+}
+static int head_backward(sp_gpt2_trainer *tr, const sp_gpt2_io *io,
+                         double denom, sp_diag *d) {
+  if (tr->gpu) return sp_gpt2_cuda_head_backward(tr->gpu, io, denom, d);
+  return sp_gpt2_head_backward(tr->g, io, tr->acts, denom, d);
+}
+static int block_backward(sp_gpt2_trainer *tr, size_t l,
+                          const sp_gpt2_io *io, sp_diag *d) {
+  if (tr->gpu) return sp_gpt2_cuda_block_backward(tr->gpu, l, io, d);
+  return sp_gpt2_block_backward(tr->g, l, io, tr->acts, d);
+}
+static int embed_backward(sp_gpt2_trainer *tr, const sp_gpt2_io *io,
+                          sp_diag *d) {
+  if (tr->gpu) return sp_gpt2_cuda_embed_backward(tr->gpu, io, d);
+  return sp_gpt2_embed_backward(tr->g, io, tr->acts, d);
+}
+
+/* The micro-batch's tokens, written into tr->tok / tgt, to the device. */
+static int upload(sp_gpt2_trainer *tr, sp_diag *d) {
+  return tr->gpu ? sp_gpt2_cuda_upload(tr->gpu, d) : 0;
+}
+
+/* A sum over the ranks of one double: on a GPU the runtime reduces device
+ * memory. */
+static int all_reduce_sum(sp_gpt2_trainer *tr, double *v, sp_diag *d) {
+  if (!tr->gpu) return sp_fsdp_all_reduce(tr->f, v, 1, SP_FLOAT64, d);
+  int rc = sp_gpt2_cuda_set_scalar(tr->gpu, *v, d);
+  if (rc == 0)
+    rc = sp_fsdp_all_reduce(tr->f, sp_gpt2_cuda_scalar(tr->gpu), 1,
+                            SP_FLOAT64, d);
+  if (rc == 0) rc = sp_gpt2_cuda_get_scalar(tr->gpu, v, d);
+  return rc;
+}
+
+/* The forward of the micro-batch in tr->tok / tgt: *loss its local loss
+ * over denom tokens. */
 static int forward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
                    double *loss, sp_diag *d) {
   sp_fsdp *f = tr->f;
   const sp_gpt2 *g = tr->g;
-  sp_gpt2_acts *a = tr->acts;
-  int rc;
-  TIMED(wait_s, sp_fsdp_root_pre_forward(f, d));
-  if (rc == 0) TIMED(compute_s, sp_gpt2_embed_forward(g, io, a, d));
+  int rc = upload(tr, d);
+  if (rc == 0) TIMED(wait_s, sp_fsdp_root_pre_forward(f, d));
+  if (rc == 0) TIMED(compute_s, embed_forward(tr, io, d));
   for (int64_t l = 0; rc == 0 && l < g->n_layer; l++) {
     uint32_t u = tr->block_unit[l];
     if (u) TIMED(wait_s, sp_fsdp_pre_forward(f, u, d));
     if (rc == 0)
-      TIMED(compute_s, sp_gpt2_block_forward(g, (size_t)l, io, a, d));
+      TIMED(compute_s, block_forward(tr, (size_t)l, io, d));
     if (rc == 0 && u) TIMED(wait_s, sp_fsdp_post_forward(f, u, d));
   }
   if (rc == 0 && tr->head_unit)
     TIMED(wait_s, sp_fsdp_pre_forward(f, tr->head_unit, d));
   if (rc == 0)
-    TIMED(compute_s, sp_gpt2_head_forward(g, io, a, denom, loss, d));
+    TIMED(compute_s, head_forward(tr, io, denom, loss, d));
   if (rc == 0 && tr->head_unit)
     TIMED(wait_s, sp_fsdp_post_forward(f, tr->head_unit, d));
   if (rc == 0) TIMED(wait_s, sp_fsdp_root_post_forward(f, d));
@@ -187,22 +254,21 @@ static int backward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
                     sp_diag *d) {
   sp_fsdp *f = tr->f;
   const sp_gpt2 *g = tr->g;
-  sp_gpt2_acts *a = tr->acts;
   int rc;
   TIMED(wait_s, sp_fsdp_root_pre_backward(f, d));
   if (rc == 0 && tr->head_unit)
     TIMED(wait_s, sp_fsdp_pre_backward(f, tr->head_unit, d));
-  if (rc == 0) TIMED(compute_s, sp_gpt2_head_backward(g, io, a, denom, d));
+  if (rc == 0) TIMED(compute_s, head_backward(tr, io, denom, d));
   if (rc == 0 && tr->head_unit)
     TIMED(wait_s, sp_fsdp_post_backward(f, tr->head_unit, d));
   for (int64_t l = g->n_layer; rc == 0 && l-- > 0;) {
     uint32_t u = tr->block_unit[l];
     if (u) TIMED(wait_s, sp_fsdp_pre_backward(f, u, d));
     if (rc == 0)
-      TIMED(compute_s, sp_gpt2_block_backward(g, (size_t)l, io, a, d));
+      TIMED(compute_s, block_backward(tr, (size_t)l, io, d));
     if (rc == 0 && u) TIMED(wait_s, sp_fsdp_post_backward(f, u, d));
   }
-  if (rc == 0) TIMED(compute_s, sp_gpt2_embed_backward(g, io, a, d));
+  if (rc == 0) TIMED(compute_s, embed_backward(tr, io, d));
   if (rc == 0) TIMED(wait_s, sp_fsdp_post_backward(f, 0, d));
   if (rc == 0) TIMED(wait_s, sp_fsdp_finish_backward(f, d));
   return rc;
@@ -224,7 +290,7 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
   for (uint32_t j = 0; rc == 0 && j < k; j++) {
     /* samples [j*m + r*B, j*m + (r+1)*B) of the step (gpt2_data.h) */
     sp_gpt2_data_train(tr->data, step, j * micro + (uint64_t)tr->rank * tr->B,
-                       tr->B, tr->T, tr->acts->tok, tr->acts->tgt);
+                       tr->B, tr->T, tr->tok, tr->tgt);
     if (cfg->no_sync)
       rc = sp_fsdp_set_requires_gradient_sync(tr->f, j + 1 == k, d);
     double part = 0;
@@ -238,7 +304,7 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
   if (rc == 0) TIMED(optim_s, sp_fsdp_optim_step(tr->f, NULL, d));
   /* the global loss: local means weighted equally (equal shares) */
   double sum = local;
-  if (rc == 0) rc = sp_fsdp_all_reduce(tr->f, &sum, 1, SP_FLOAT64, d);
+  if (rc == 0) rc = all_reduce_sum(tr, &sum, d);
   *loss = sum / tr->world;
   sp_fsdp_get_stats(tr->f, &st1);
   tr->times.comm_s = st1.comm_busy_s - st0.comm_busy_s;
@@ -254,14 +320,14 @@ int sp_gpt2_trainer_eval(sp_gpt2_trainer *tr, double *loss, sp_diag *d) {
   for (uint32_t e = 0; rc == 0 && e < tr->flags->eval_batches; e++) {
     for (size_t q = 0; q < tr->B; q++) {
       uint64_t v = (((uint64_t)e * tr->world + tr->rank) * tr->B + q) % count;
-      sp_gpt2_data_val(tr->data, v, tr->T, tr->acts->tok + q * tr->T,
-                       tr->acts->tgt + q * tr->T);
+      sp_gpt2_data_val(tr->data, v, tr->T, tr->tok + q * tr->T,
+                       tr->tgt + q * tr->T);
     }
     double part = 0;
     rc = forward(tr, &io, denom, &part, d);
     sum += part;
   }
-  if (rc == 0) rc = sp_fsdp_all_reduce(tr->f, &sum, 1, SP_FLOAT64, d);
+  if (rc == 0) rc = all_reduce_sum(tr, &sum, d);
   *loss = sum / ((double)tr->world * tr->flags->eval_batches);
   return rc;
 }

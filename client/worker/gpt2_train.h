@@ -13,7 +13,11 @@
  * Loss scaling (as the MLP trainer's): each rank computes the mean over
  * its own tokens of a micro-batch, divided by the micro-batches of the
  * step; the runtime's reduction averages over the ranks, so the gradient
- * is that of the global mean (all ranks hold equal shares). */
+ * is that of the global mean (all ranks hold equal shares).
+ *
+ * On a GPU (the runtime's storage on a device, --device cuda:N) the same
+ * schedule runs gpt2_cuda.h's pieces on the runtime's compute stream, on
+ * the same data; the loss is reduced in device memory. */
 #ifndef SP_GPT2_TRAIN_H
 #define SP_GPT2_TRAIN_H
 
@@ -57,13 +61,18 @@ int sp_gpt2_trainer_eval(sp_gpt2_trainer *tr, double *loss, sp_diag *d);
  * them compute did not hide); in clipping and the optimizer. comm_s: what
  * the runtime's communication thread was busy meanwhile (collectives,
  * waiting for the peers included, and their casts: sp_fsdp_stats.
- * comm_busy_s), overlapping the rest. */
+ * comm_busy_s), overlapping the rest. On a GPU the kernels run
+ * asynchronously: compute_s is the time to enqueue them, except that each
+ * micro-batch's forward waits for its loss, and the step's end for the
+ * reduced loss. */
 typedef struct sp_gpt2_times {
   double compute_s, wait_s, optim_s, comm_s;
 } sp_gpt2_times;
 sp_gpt2_times sp_gpt2_trainer_times(const sp_gpt2_trainer *tr);
 /* Tokens a step trains over every rank (global_batch * seq_len). */
 uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr);
+/* Tokens one sp_gpt2_trainer_eval reads over every rank. */
+uint64_t sp_gpt2_trainer_eval_tokens(const sp_gpt2_trainer *tr);
 /* Where the data came from, for the first progress line. */
 const char *sp_gpt2_trainer_data_source(const sp_gpt2_trainer *tr);
 

@@ -389,8 +389,9 @@ static void usage(FILE *f) {
       "                           $SLURM_PROCID; one of them is required)\n"
       SP_CRED_OPTIONS_HELP
       "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
-      "                           gradients and buffers on GPU N, the MLP on\n"
-      "                           cuBLAS, collectives over NCCL (GPU build)\n"
+      "                           gradients and buffers on GPU N, GPT-2 and\n"
+      "                           the MLP on cuBLAS, collectives over NCCL\n"
+      "                           (GPU build)\n"
       "  --steps N                train up to step N in all (default 20): a\n"
       "                           run resumed from a checkpoint of step K\n"
       "                           trains steps K+1..N\n"
@@ -928,6 +929,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   sp_gpt2 *gpt = NULL;
   sp_gpt2_trainer *gtr = NULL;
   double eval_s = 0; /* time in validation, left out of tokens/s */
+  double eval_all_s = 0; /* and in all of the run's validations */
+  uint64_t eval_tokens = 0;
   trainer tr;
   bool have_tr = false;
   double *losses = NULL, *step_s = NULL;
@@ -987,9 +990,6 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
    * state registered before a load, which fills them with the step count */
   if (rc == 0 && (is_mlp || is_gpt2))
     rc = sp_fsdp_optim_init(f, &cfg.optim, d);
-  if (rc == 0 && is_gpt2 && sp_fsdp_on_device(f))
-    rc = sp_diag_set(d, SP_EUNSUPPORTED, "the GPT-2 models train on the CPU "
-                     "only (--device cpu)");
   if (rc == 0 && o->test_state)
     rc = sp_test_state_new(f, o->test_state, &ts, d);
   /* --steps counts all steps: a resumed run starts after the
@@ -1079,6 +1079,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
       double te = sp_clock_s();
       rc = sp_gpt2_trainer_eval(gtr, &val, d);
       eval_s += sp_clock_s() - te;
+      eval_all_s += sp_clock_s() - te;
+      eval_tokens += sp_gpt2_trainer_eval_tokens(gtr);
     }
     if (rc == 0 && step == first) {
       sp_fsdp_stats st;
@@ -1121,6 +1123,13 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     printf("stopping after step %u of %u: %s\n", step, o->steps,
            *stopped > 0 ? strsignal(*stopped)
                         : "another rank was signalled");
+    fflush(stdout);
+  }
+  /* the forward-only rate beside the training's (bench/gpu_check.sh
+   * compares them): validation is the model's forward alone */
+  if (rc == 0 && rank == 0 && eval_tokens > 0 && eval_all_s > 0) {
+    printf("validation: %llu tokens forward only, %.0f tokens/s\n",
+           (unsigned long long)eval_tokens, (double)eval_tokens / eval_all_s);
     fflush(stdout);
   }
   if (rc == 0 && rank == 0 && o->losses_path && (is_mlp || is_gpt2) &&

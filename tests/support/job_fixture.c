@@ -97,6 +97,11 @@ void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
                                "--token-file",
                                j->auth.file[SP_ROLE_WORKER]};
     add_flags(wa, 10, wflags);
+    /* "cuda:%r": each rank its own GPU (NCCL refuses two on one) */
+    char dev[24];
+    snprintf(dev, sizeof dev, "cuda:%d", r);
+    for (size_t i = 10; wa[i]; i++)
+      if (strcmp(wa[i], SP_TJOB_RANK_GPU) == 0) wa[i] = dev;
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     char errpath[4096];

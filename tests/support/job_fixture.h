@@ -18,6 +18,8 @@
 #include "safetensors/safetensors.h"
 
 #define SP_TJOB_MAX_RANKS 8
+/* a worker flag value that becomes rank r's "cuda:r" */
+#define SP_TJOB_RANK_GPU "cuda:%r"
 
 /* One coordinator and n worker processes. */
 typedef struct sp_tjob {
@@ -36,8 +38,8 @@ typedef struct sp_tjob {
 /* Starts a coordinator for `model` (--listen 127.0.0.1:0 --world-size n
  * --quiet --insecure --token-file, then cflags) and n workers attached to
  * it (--rank r --log-every 0 --insecure and the worker token, then
- * wflags); cflags and wflags are NULL-terminated, or
- * NULL for none. errdir: when given, worker r's stderr goes to
+ * wflags, where SP_TJOB_RANK_GPU stands for "cuda:r"); cflags and wflags
+ * are NULL-terminated, or NULL for none. errdir: when given, worker r's stderr goes to
  * errdir/rank-r.err; otherwise it stays the test's. */
 void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
                    int n, const char *const *wflags, const char *errdir);

@@ -107,9 +107,33 @@ void sp_test_rmtree(const char *dir) {
   nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
+char *sp_test_dir;
+
+int sp_test_dir_setup(void **state) {
+  (void)state;
+  sp_test_dir = sp_test_mkdtemp();
+  return 0;
+}
+
+int sp_test_dir_teardown(void **state) {
+  (void)state;
+  sp_test_rmtree(sp_test_dir);
+  free(sp_test_dir);
+  sp_test_dir = NULL;
+  return 0;
+}
+
 void sp_test_sleep_ms(unsigned ms) {
   struct timespec ts = {.tv_sec = ms / 1000,
                         .tv_nsec = (long)(ms % 1000) * 1000000L};
   while (nanosleep(&ts, &ts) != 0) {
   }
+}
+
+void sp_test_same_f32(const char *what, const float *got, const float *want,
+                      size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (memcmp(&got[i], &want[i], 4) != 0)
+      fail_msg("%s: element %zu of %zu: GPU %.9g, CPU %.9g (bit-exact "
+               "expected)", what, i, n, (double)got[i], (double)want[i]);
 }

@@ -49,9 +49,21 @@ char *sp_test_read_file(const char *path);
 void sp_test_write_file(const char *path, const void *data, size_t len);
 /* Removes a directory tree created by sp_test_mkdtemp (best effort). */
 void sp_test_rmtree(const char *dir);
+/* cmocka group fixtures for a test program whose tests share one fresh
+ * directory: setup makes it (sp_test_mkdtemp) into sp_test_dir, teardown
+ * removes it and frees the path. */
+extern char *sp_test_dir;
+int sp_test_dir_setup(void **state);
+int sp_test_dir_teardown(void **state);
 
 /* Sleeps ms milliseconds (the whole time, across signals). Time is read
  * with sp_clock_s() (common/clock.h). */
 void sp_test_sleep_ms(unsigned ms);
+
+/* Fails the test unless got and want (n float32 each, a GPU's and the
+ * CPU's) hold the same bits, NaNs included, naming `what` and the first
+ * element that differs. */
+void sp_test_same_f32(const char *what, const float *got, const float *want,
+                      size_t n);
 
 #endif
