@@ -208,14 +208,16 @@ static int child_stop(child *ch) { return sp_proc_stop(ch, 10000); }
 
 static long read_rss_kib(pid_t pid);
 
-/* VmRSS of a coordinator of one rank on the same model, idle: what is not
- * the ranks'. -1 if it cannot be measured. */
-static long base_rss_kib(const bench_opts *o, const char *model) {
+/* VmRSS of a coordinator of one rank on the same model (and a state dir
+ * of its own when state_dir is given: SQLite's cache is no rank's), idle:
+ * what is not the ranks'. -1 if it cannot be measured. */
+static long base_rss_kib(const bench_opts *o, const char *model,
+                         const char *state_dir) {
   bench_opts one = *o;
   one.ranks = 1;
   child ch;
   sp_diag d = {""};
-  if (child_start(&ch, &one, model, NULL, &d) != 0) return -1;
+  if (child_start(&ch, &one, model, state_dir, &d) != 0) return -1;
   usleep(200 * 1000);
   long kib = read_rss_kib(ch.pid);
   child_stop(&ch);
@@ -1676,9 +1678,17 @@ int main(int argc, char **argv) {
   for (int s = 0; s < o.n_sizes; s++) {
     bench_opts os = o;
     os.ranks = o.sizes[s];
-    long base_kib = base_rss_kib(&os, model);
-    printf("\n%u ranks, %u connections (a coordinator of 1 rank: %.1f MiB)\n",
-           os.ranks, n_agents(&os), (double)base_kib / 1024);
+    long base_kib = base_rss_kib(&os, model, NULL), base_dur_kib = -1;
+    if (!o.no_state_dir) {
+      char bstate[600];
+      snprintf(bstate, sizeof bstate, "%s/state-base-%d", dir, s);
+      base_dur_kib = base_rss_kib(&os, model, bstate);
+      remove_state_dir(bstate);
+    }
+    printf("\n%u ranks, %u connections (a coordinator of 1 rank: %.1f MiB, "
+           "%.1f MiB with a state dir)\n",
+           os.ranks, n_agents(&os), (double)base_kib / 1024,
+           (double)base_dur_kib / 1024);
     fflush(stdout);
     for (int i = 0; i < o.runs; i++) {
       for (int k = 0; k < (o.no_state_dir ? 1 : 2); k++) {
@@ -1692,9 +1702,10 @@ int main(int argc, char **argv) {
           failed++;
         }
         if (k) remove_state_dir(state);
-        if (base_kib > 0 && r->ok)
+        long base1 = k ? base_dur_kib : base_kib;
+        if (base1 > 0 && r->ok)
           r->total_kib_per_rank =
-              (double)(r->rss_after_kib - base_kib) / (double)os.ranks;
+              (double)(r->rss_after_kib - base1) / (double)os.ranks;
         print_run(i, r, k);
         fflush(stdout);
       }
