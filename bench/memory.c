@@ -49,10 +49,8 @@
 
 #include "base/clock.h"
 #include "base/proc.h"
-#include "fsdp/job.h"
 #include "fsdp/memory.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "predict.h"
 
 extern char **environ;
 
@@ -98,27 +96,21 @@ typedef struct row {
 
 static int predict(const bench_opts *o, row *r) {
   sp_diag d = {{0}};
-  sp_model *m = NULL;
-  sp_plan *pl = NULL;
-  sp_job job;
-  sp_job_init(&job);
   char ws[16];
   snprintf(ws, sizeof ws, "%d", r->world);
-  int rc = sp_model_load_file(o->model, &m, &d);
-  if (rc == 0) rc = sp_job_apply_flag(&job, "world-size", ws, &d);
-  if (rc == 0) rc = sp_job_apply_flag(&job, "strategy", r->strategy, &d);
-  if (rc == 0) rc = sp_job_apply_flag(&job, "wrap-type", o->wrap, &d);
-  if (rc == 0 && strcmp(r->strategy, "HYBRID_SHARD") == 0)
-    rc = sp_job_apply_flag(&job, "shard-group-size", "2", &d);
-  if (rc == 0 && strcmp(r->dtype, "float32") != 0)
-    rc = sp_job_apply_flag(&job, "param-dtype", r->dtype, &d);
-  if (rc == 0) rc = sp_plan_build(m, &job, &pl, &d);
+  const char *flags[11];
+  size_t k = 0;
+  flags[k++] = "world-size", flags[k++] = ws;
+  flags[k++] = "strategy", flags[k++] = r->strategy;
+  flags[k++] = "wrap-type", flags[k++] = o->wrap;
+  if (strcmp(r->strategy, "HYBRID_SHARD") == 0)
+    flags[k++] = "shard-group-size", flags[k++] = "2";
+  if (strcmp(r->dtype, "float32") != 0)
+    flags[k++] = "param-dtype", flags[k++] = r->dtype;
+  flags[k] = NULL;
   /* what shardplane-worker runs: SGD, limiter 2, BACKWARD_PRE prefetch */
-  if (rc == 0) rc = sp_mem_estimate_plan(pl, NULL, &r->e, &d);
+  int rc = sp_bench_predict(o->model, flags, NULL, &r->e, &d);
   if (rc < 0) fprintf(stderr, "bench/memory: %s\n", d.msg);
-  sp_plan_free(pl);
-  sp_model_free(m);
-  sp_job_clear(&job);
   return rc;
 }
 

@@ -15,6 +15,14 @@
  * loop in a thread of this process. Latency is measured with one caller
  * (one outstanding call); throughput with 1, 8 and 64 callers.
  *
+ * Batching is allowed to both alike: the floor writes its N messages at
+ * once, and our calls that start while a read is handled (each completion
+ * starts the next call) leave in one write per read, as do the server's
+ * answers to one read; the N calls a slice starts from outside the loop go
+ * as one write and then one more. The goals (ours / floor calls/s >= 0.75,
+ * 0.5, 0.25 at 1, 8, 64 callers; ours / gRPC C++ >= 3) are judged on the
+ * median over the runs of each run's own ratio.
+ *
  * Unpinned threads on a small VM flip between two regimes: the two ends of
  * a ping-pong on one CPU (a round trip of a few us) or on two (each wake-up
  * crosses CPUs, tens of us). So no figure is measured in one block: every
@@ -64,6 +72,10 @@ static const int k_callers[N_CALLERS] = {1, 8, 64};
 /* the goals of the issue that asked for this benchmark */
 #define GOAL_P50_VS_FLOOR 2.5
 #define GOAL_TPUT_VS_GRPCPP 3.0
+/* calls/s against the floor's with 1, 8, 64 callers: the floor batches N
+ * messages into one write and pays nothing per call, so the share an RPC
+ * stack can reach shrinks as the floor's per-call cost does */
+static const double k_goal_vs_floor[N_CALLERS] = {0.75, 0.5, 0.25};
 
 typedef struct bench_opts {
   double seconds; /* per figure, after warm-up */
@@ -794,6 +806,25 @@ static void print_run(int run, const result r[N_CONTENDERS]) {
   }
 }
 
+/* The median, lowest and highest over the runs of contender a's calls/s
+ * over b's with k_callers[i] callers; false when no run measured both. */
+static bool run_ratios(result runs[][N_CONTENDERS], int n, int a, int b,
+                       int i, double *med_x, double *lo, double *hi) {
+  double v[64];
+  int k = 0;
+  for (int r = 0; r < n && r < 64; r++)
+    if (runs[r][a].ok && runs[r][b].ok && runs[r][b].tput[i] > 0)
+      v[k++] = runs[r][a].tput[i] / runs[r][b].tput[i];
+  if (k == 0) return false;
+  *med_x = median(v, k);
+  *lo = *hi = v[0];
+  for (int j = 1; j < k; j++) {
+    if (v[j] < *lo) *lo = v[j];
+    if (v[j] > *hi) *hi = v[j];
+  }
+  return true;
+}
+
 static int report(const bench_opts *o, result runs[][N_CONTENDERS],
                   size_t req_len, const conn_cost *cc) {
   result m[N_CONTENDERS];
@@ -940,35 +971,52 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
            GOAL_P50_VS_FLOOR);
     fails++;
   }
-  if (o->grpcpp_server == NULL) {
-    printf("  throughput >= %.0fx gRPC C++ at 1/8/64 callers: not measured "
-           "(--no-grpcpp given)\n",
-           GOAL_TPUT_VS_GRPCPP);
-  } else if (us->ok && gp->ok) {
-    bool pass = true;
-    printf("  throughput >= %.0fx gRPC C++ at 1/8/64 callers:",
-           GOAL_TPUT_VS_GRPCPP);
-    for (int i = 0; i < N_CALLERS; i++) {
-      double x = us->tput[i] / gp->tput[i];
-      pass = pass && x >= GOAL_TPUT_VS_GRPCPP;
-      printf(" %.2fx%s", x, i + 1 < N_CALLERS ? " /" : "");
+  /* Throughput goals, per caller count: the ratio of each run (its
+   * contenders took their slices in turns, so they saw the same machine),
+   * then the median of those ratios and their spread over the runs. */
+  printf("  throughput, median of the runs' own ratios [lowest, highest]:\n");
+  for (int i = 0; i < N_CALLERS; i++) {
+    double x, lo, hi;
+    if (run_ratios(runs, o->runs, OURS, FLOOR, i, &x, &lo, &hi)) {
+      bool pass = x >= k_goal_vs_floor[i];
+      fails += !pass;
+      printf("    %2d caller%s ours / floor    %5.2fx [%.2f, %.2f] (goal >= "
+             "%.2fx; %.0f vs %.0f calls/s)  %s\n",
+             k_callers[i], k_callers[i] == 1 ? " " : "s", x, lo, hi,
+             k_goal_vs_floor[i], us->tput[i], fl->tput[i],
+             pass ? "PASS" : "FAIL");
+    } else {
+      fails++;
+      printf("    %2d caller%s ours / floor    not measured  FAIL\n",
+             k_callers[i], k_callers[i] == 1 ? " " : "s");
     }
-    printf("  %s\n", pass ? "PASS" : "FAIL");
-    fails += !pass;
-    /* no server beats the floor, which bounds the ratio reachable */
-    if (fl->ok) {
-      printf("  (the ceiling: the floor's own rate is");
-      for (int i = 0; i < N_CALLERS; i++)
-        printf(" %.2fx%s", fl->tput[i] / gp->tput[i],
-               i + 1 < N_CALLERS ? " /" : "");
-      printf(" gRPC C++'s)\n");
+    if (o->grpcpp_server == NULL) {
+      printf("    %2d caller%s ours / gRPC C++ not measured (--no-grpcpp "
+             "given)\n",
+             k_callers[i], k_callers[i] == 1 ? " " : "s");
+    } else if (run_ratios(runs, o->runs, OURS, GRPCPP, i, &x, &lo, &hi)) {
+      bool pass = x >= GOAL_TPUT_VS_GRPCPP;
+      fails += !pass;
+      printf("    %2d caller%s ours / gRPC C++ %5.2fx [%.2f, %.2f] (goal >= "
+             "%.2fx; %.0f vs %.0f calls/s)  %s\n",
+             k_callers[i], k_callers[i] == 1 ? " " : "s", x, lo, hi,
+             GOAL_TPUT_VS_GRPCPP, us->tput[i], gp->tput[i],
+             pass ? "PASS" : "FAIL");
+    } else {
+      fails++;
+      printf("    %2d caller%s ours / gRPC C++ not measured  FAIL\n",
+             k_callers[i], k_callers[i] == 1 ? " " : "s");
     }
-  } else {
-    printf("  throughput >= %.0fx gRPC C++ at 1/8/64 callers: not measured  "
-           "FAIL\n",
-           GOAL_TPUT_VS_GRPCPP);
-    fails++;
   }
+  /* no server beats the floor, which bounds the ratio to gRPC C++ */
+  if (fl->ok && gp->ok) {
+    printf("  (the ceiling: the floor's own rate is");
+    for (int i = 0; i < N_CALLERS; i++)
+      printf(" %.2fx%s", fl->tput[i] / gp->tput[i],
+             i + 1 < N_CALLERS ? " /" : "");
+    printf(" gRPC C++'s)\n");
+  }
+  printf("%s\n", fails ? "goals: FAIL" : "goals: PASS");
   return fails;
 }
 
@@ -1000,9 +1048,13 @@ static void usage(FILE *f) {
           "server, both measured\n"
           "in the same run; the same client (ours) drives both servers. "
           "Reports the ratios and\n"
-          "PASS/FAIL for the goals: p50 <= %.1fx the TCP floor, throughput >= "
-          "%.0fx gRPC C++.\n",
-          GOAL_P50_VS_FLOOR, GOAL_TPUT_VS_GRPCPP);
+          "PASS/FAIL for the goals: p50 <= %.1fx the TCP floor; calls/s >= "
+          "%.2f / %.2f / %.2f of the\n"
+          "floor's and >= %.0fx gRPC C++'s at 1 / 8 / 64 callers (each the "
+          "median of the runs' own\n"
+          "ratios).\n",
+          GOAL_P50_VS_FLOOR, k_goal_vs_floor[0], k_goal_vs_floor[1],
+          k_goal_vs_floor[2], GOAL_TPUT_VS_GRPCPP);
 }
 
 static int parse_args(int argc, char **argv, bench_opts *o) {

@@ -5,15 +5,28 @@ the same batch shape with torch.optim.AdamW and the same threads.
 
   train_torch.py SPEC STEPS BATCH SEQ THREADS
 
-prints {"step_seconds": [...]}: each step is zero_grad, forward, backward
-and the optimizer step. Exit 3 when torch is missing (bench/train then
-fails: a benchmark without its peer measures nothing).
+prints {"step_seconds": [...], "busy_threads": N}: each step is zero_grad,
+forward, backward and the optimizer step; busy_threads counts this
+process's threads that ran for more than 5 % of the steps' time (the
+check that it computed on THREADS cores, not more). Exit 3 when torch is
+missing (bench/train then fails: a benchmark without its peer measures
+nothing).
+
+Debian's torch does its float32 products in the system BLAS, OpenBLAS's
+pthreads build, whose own thread pool torch.set_num_threads does not
+size: unset, it computed on every core (2 busy threads on a 2-core
+machine at THREADS = 1). OPENBLAS_NUM_THREADS, read when OpenBLAS loads,
+holds it to THREADS, as the worker's --threads does.
 """
 import importlib.util
 import json
 import os
 import sys
 import time
+
+if len(sys.argv) == 6:
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        os.environ[var] = sys.argv[5]
 
 try:
     import torch
@@ -45,13 +58,29 @@ def main():
     tok = torch.randint(0, V, (batch, seq))
     tgt = torch.randint(0, V, (batch, seq))
     secs = []
+    cpu0 = thread_cpu()
     for _ in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad()
         m(tok, tgt).backward()
         opt.step()
         secs.append(time.perf_counter() - t0)
-    print(json.dumps({"step_seconds": secs}))
+    cpu1 = thread_cpu()
+    busy = sum(1 for t, c in cpu1.items() if c - cpu0.get(t, 0) > 0.05 * sum(secs))
+    print(json.dumps({"step_seconds": secs, "busy_threads": busy}))
+
+
+def thread_cpu():
+    """CPU seconds (user + system) of each thread of this process."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open("/proc/self/task/%s/stat" % t) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[t] = (int(fields[11]) + int(fields[12])) / tick
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
 
 
 if __name__ == "__main__":

@@ -290,6 +290,98 @@ static void test_gelu(void **state) {
   free(g);
 }
 
+/* Causal attention in the kernels' query tiles (a sequence of 150: two
+ * whole tiles and a partial one), with and without a mask that also drops
+ * some keys below the diagonal, against the formula in double: the
+ * probabilities, the output and dq, dk, dv. The kernels only leave out
+ * masked terms, so the differences are float32 rounding (about 1e-7 of
+ * each tensor's largest element; the bound is 1e-5). */
+static double att_err(const float *got, const double *want, size_t n) {
+  double worst = 0, top = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (fabs(want[i]) > top) top = fabs(want[i]);
+    if (fabs(got[i] - want[i]) > worst) worst = fabs(got[i] - want[i]);
+  }
+  return worst / (top > 0 ? top : 1);
+}
+
+static void test_attention(void **state) {
+  (void)state;
+  enum { B = 2, T = 150, C = 32, NH = 2, HS = C / NH, C3 = 3 * C };
+  size_t nqkv = (size_t)B * T * C3, ny = (size_t)B * T * C;
+  size_t natt = (size_t)B * NH * T * T;
+  float *qkv = malloc(nqkv * 4), *dy = malloc(ny * 4), *y = malloc(ny * 4);
+  /* not zeroed: the kernel writes every probability, the masked 0s too */
+  float *att = malloc(natt * 4), *datt = malloc((size_t)T * T * 4);
+  float *dqkv = malloc(nqkv * 4);
+  double *ry = malloc(ny * 8), *ratt = malloc(natt * 8);
+  double *rd = malloc(nqkv * 8), *dp = malloc((size_t)T * 8);
+  uint8_t *allow = malloc((size_t)T * T);
+  assert_true(qkv && dy && y && att && datt && dqkv && ry && ratt && rd &&
+              dp && allow);
+  sp_test_rng rng = {7};
+  for (size_t i = 0; i < nqkv; i++)
+    qkv[i] = (float)((double)sp_test_rng_below(&rng, 2001) / 1000.0 - 1.0);
+  for (size_t i = 0; i < ny; i++)
+    dy[i] = (float)((double)sp_test_rng_below(&rng, 2001) / 1000.0 - 1.0);
+  for (size_t i = 0; i < (size_t)T * T; i++)
+    allow[i] = sp_test_rng_below(&rng, 5) != 0 || i % (T + 1) == 0;
+  double scale = 1.0 / sqrt((double)HS);
+  for (int masked = 0; masked < 2; masked++) {
+    const uint8_t *al = masked ? allow : NULL;
+    memset(rd, 0, nqkv * 8);
+    for (int b = 0; b < B; b++)
+      for (int h = 0; h < NH; h++)
+        for (int t = 0; t < T; t++) {
+          const float *base = qkv + (size_t)b * T * C3 + (size_t)h * HS;
+          const float *q = base + (size_t)t * C3;
+          double *p = ratt + (((size_t)b * NH + h) * T + t) * T, mx = -1e300;
+          for (int u = 0; u < T; u++) {
+            bool on = u <= t && (!al || al[(size_t)t * T + u]);
+            double sc = 0;
+            for (int c = 0; on && c < HS; c++)
+              sc += (double)q[c] * base[(size_t)u * C3 + C + c];
+            p[u] = on ? sc * scale : -INFINITY;
+            if (on && p[u] > mx) mx = p[u];
+          }
+          double sum = 0;
+          for (int u = 0; u < T; u++) sum += p[u] = exp(p[u] - mx);
+          for (int u = 0; u < T; u++) p[u] /= sum;
+          const float *g = dy + ((size_t)b * T + t) * C + (size_t)h * HS;
+          double *o = ry + ((size_t)b * T + t) * C + (size_t)h * HS, dot = 0;
+          for (int c = 0; c < HS; c++) o[c] = 0;
+          for (int u = 0; u < T; u++) {
+            const float *v = base + (size_t)u * C3 + 2 * C;
+            dp[u] = 0;
+            for (int c = 0; c < HS; c++) {
+              o[c] += p[u] * v[c];
+              dp[u] += (double)g[c] * v[c];
+            }
+            dot += p[u] * dp[u];
+          }
+          double *dq = rd + (size_t)b * T * C3 + (size_t)h * HS;
+          for (int u = 0; u < T; u++) {
+            double ds = p[u] * (dp[u] - dot) * scale;
+            for (int c = 0; c < HS; c++) {
+              dq[(size_t)t * C3 + c] += ds * base[(size_t)u * C3 + C + c];
+              dq[(size_t)u * C3 + C + c] += ds * q[c];
+              dq[(size_t)u * C3 + 2 * C + c] += p[u] * g[c];
+            }
+          }
+        }
+    sp_gpt2k_attention_fwd(y, att, qkv, al, B, T, C, NH);
+    sp_gpt2k_attention_bwd(dqkv, datt, dy, qkv, att, B, T, C, NH);
+    double e_att = att_err(att, ratt, natt), e_y = att_err(y, ry, ny);
+    double e_d = att_err(dqkv, rd, nqkv);
+    printf("attention (T %d, %s): probabilities %.3g, output %.3g, "
+           "dqkv %.3g of the largest\n", T, masked ? "mask" : "causal",
+           e_att, e_y, e_d);
+    assert_true(e_att <= 1e-5 && e_y <= 1e-5 && e_d <= 1e-5);
+  }
+  free(qkv), free(dy), free(y), free(att), free(datt), free(dqkv);
+  free(ry), free(ratt), free(rd), free(dp), free(allow);
+}
+
 /* ---- against PyTorch ---- */
 
 static bool have_torch(void) {
@@ -406,6 +498,7 @@ int main(void) {
       cmocka_unit_test(test_init),
       cmocka_unit_test(test_data),
       cmocka_unit_test(test_gelu),
+      cmocka_unit_test(test_attention),
   };
   int rc = cmocka_run_group_tests(tests, sp_test_dir_setup,
                                   sp_test_dir_teardown);

@@ -905,6 +905,71 @@ static void test_bug_mixed_requires_grad(void **state) {
 
 /* ---- the kernels against their CPU references ---- */
 
+/* n values of dt: magnitudes from 1e-6 to 1e2, both signs, some zeros */
+static void *random_values(sp_test_rng *r, sp_dtype dt, size_t n) {
+  double *v = calloc(n + 1, sizeof *v);
+  void *out = calloc(n + 1, sp_dtype_size(dt));
+  assert_true(v && out);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t x = sp_test_rng_next(r);
+    double mag = pow(10.0, (double)(x % 8000) / 1000.0 - 6.0);
+    v[i] = (x >> 20) % 17 == 0 ? 0.0 : ((x >> 40) & 1 ? -mag : mag);
+  }
+  assert_int_equal(sp_cast(out, dt, v, SP_FLOAT64, n), 0);
+  free(v);
+  return out;
+}
+
+/* The host AdamW and gradient accumulation have a loop of their own for
+ * float32 (fsdp_mem_host.c, vectorized); it must give the bits of the
+ * general loop, which the same values take when one dtype is float64
+ * (exact for float32 values): float64 gradients for AdamW, a float64
+ * source for the accumulation. */
+static void test_host_float32_paths(void **state) {
+  (void)state;
+  enum { N = 70001 };
+  sp_test_rng rng = {9};
+  struct sp_fsdp fake = {.mem = &sp_fsdp_host_ops};
+  const sp_fsdp_mem_ops *h = &sp_fsdp_host_ops;
+  sp_diag d = {""};
+  float *p = random_values(&rng, SP_FLOAT32, N);
+  float *g = random_values(&rng, SP_FLOAT32, N);
+  float *m = random_values(&rng, SP_FLOAT32, N);
+  float *v = random_values(&rng, SP_FLOAT32, N);
+  float *src = random_values(&rng, SP_FLOAT32, N);
+  for (size_t i = 0; i < N; i++) v[i] = fabsf(v[i]);
+  float *p2 = malloc(N * 4), *m2 = malloc(N * 4), *v2 = malloc(N * 4);
+  double *g64 = malloc(N * 8), *src64 = malloc(N * 8);
+  assert_true(p2 && m2 && v2 && g64 && src64);
+  memcpy(p2, p, N * 4), memcpy(m2, m, N * 4), memcpy(v2, v, N * 4);
+  assert_int_equal(sp_cast(g64, SP_FLOAT64, g, SP_FLOAT32, N), 0);
+  sp_fsdp_adamw_args aa = {.lr = 1e-3, .lrwd = 1e-5, .beta1 = 0.9,
+                           .omb1 = 0.1, .beta2 = 0.999, .omb2 = 1e-3,
+                           .bc1 = 1 - pow(0.9, 3), .bc2 = 1 - pow(0.999, 3),
+                           .eps = 1e-8};
+  assert_int_equal(h->adamw(&fake, p, SP_FLOAT32, g, SP_FLOAT32, m, v, N, &aa,
+                            &d), 0);
+  assert_int_equal(h->adamw(&fake, p2, SP_FLOAT32, g64, SP_FLOAT64, m2, v2, N,
+                            &aa, &d), 0);
+  assert_memory_equal(p, p2, N * 4);
+  assert_memory_equal(m, m2, N * 4);
+  assert_memory_equal(v, v2, N * 4);
+  for (int k = 0; k < 2; k++) {
+    double div = k ? 1.5 : 1.0; /* 1: the divide is skipped */
+    assert_int_equal(sp_cast(src64, SP_FLOAT64, src, SP_FLOAT32, N), 0);
+    assert_int_equal(h->acc_div(&fake, SP_LANE_COMM, p, SP_FLOAT32, src,
+                                SP_FLOAT32, N, div, &d), 0);
+    assert_int_equal(h->acc_div(&fake, SP_LANE_COMM, p2, SP_FLOAT32, src64,
+                                SP_FLOAT64, N, div, &d), 0);
+    assert_memory_equal(p, p2, N * 4);
+  }
+  printf("  host AdamW and accumulation: the float32 loops give the general "
+         "loop's bits (%d elements)\n", N);
+  free(p), free(g), free(m), free(v), free(src), free(p2), free(m2), free(v2);
+  free(g64), free(src64);
+}
+
+
 #if SHARDPLANE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -929,21 +994,6 @@ static void same_bits(const void *dev, const void *host, size_t bytes,
     fail_msg("%s: GPU and CPU differ at byte %zu", what, i);
   }
   free(back);
-}
-
-/* n values of dt: magnitudes from 1e-6 to 1e2, both signs, some zeros */
-static void *random_values(sp_test_rng *r, sp_dtype dt, size_t n) {
-  double *v = calloc(n + 1, sizeof *v);
-  void *out = calloc(n + 1, sp_dtype_size(dt));
-  assert_true(v && out);
-  for (size_t i = 0; i < n; i++) {
-    uint64_t x = sp_test_rng_next(r);
-    double mag = pow(10.0, (double)(x % 8000) / 1000.0 - 6.0);
-    v[i] = (x >> 20) % 17 == 0 ? 0.0 : ((x >> 40) & 1 ? -mag : mag);
-  }
-  assert_int_equal(sp_cast(out, dt, v, SP_FLOAT64, n), 0);
-  free(v);
-  return out;
 }
 
 static void test_kernels_match_cpu(void **state) {
@@ -1108,6 +1158,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_memory_model),
       cmocka_unit_test(test_bug_own_update_seen),
       cmocka_unit_test(test_bug_mixed_requires_grad),
+      cmocka_unit_test(test_host_float32_paths),
       cmocka_unit_test(test_kernels_match_cpu),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

@@ -273,6 +273,9 @@ struct sp_fsdp {
   /* the communication thread: a FIFO of work with increasing tickets */
   pthread_t thread;
   bool thread_started;
+  /* no thread: sp_fsdp_enqueue runs the work itself (a world of one on
+   * host storage, sp_fsdp_comm_start) */
+  bool inline_comm;
   pthread_mutex_t mu;
   pthread_cond_t cv;
   sp_fsdp_work *queue; /* ring of queue_cap */

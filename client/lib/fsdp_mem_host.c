@@ -127,6 +127,15 @@ static int host_acc_div(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
                        sp_dtype_name(st), sp_dtype_name(dt));
   int rc = host_scale_div(f, l, src, st, n, div, d);
   if (rc < 0) return rc;
+  if (dt == SP_FLOAT32 && st == SP_FLOAT32) {
+    /* the loop below for float32 (round_to is the identity), with the
+     * hardware's conversions, which round as the helpers do: through the
+     * helpers this was 4 % of a gpt2-mini step at W = 1 */
+    float *restrict o = dst;
+    const float *restrict s = src;
+    for (size_t i = 0; i < n; i++) o[i] = (float)((double)o[i] + (double)s[i]);
+    return 0;
+  }
   for (size_t i = 0; i < n; i++) {
     double v = round_to(sp_elem_load_f64(src, st, i), dt);
     sp_elem_store_f64(dst, dt, i, sp_elem_load_f64(dst, dt, i) + v);
@@ -197,6 +206,30 @@ static int host_sgd(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
   return 0;
 }
 
+/* host_adamw's loop for float32 parameters and gradients: the same double
+ * operations in the same order, with the hardware's float/double
+ * conversions (IEEE round-to-nearest-even, as the helpers round: the same
+ * bits for every value but a NaN's payload) and the arguments in locals,
+ * so that it vectorizes. Through the helpers, element by element, AdamW
+ * was 8 % of a gpt2-mini step at W = 1 (0.2 s of 2.4). */
+static void adamw_f32(float *restrict p, const float *restrict g,
+                      float *restrict m, float *restrict v, size_t n,
+                      const sp_fsdp_adamw_args *a) {
+  const double lrwd = a->lrwd, beta1 = a->beta1, omb1 = a->omb1,
+               beta2 = a->beta2, omb2 = a->omb2, bc1 = a->bc1, bc2 = a->bc2,
+               lr = a->lr, eps = a->eps;
+  for (size_t i = 0; i < n; i++) {
+    double pv = (double)p[i], gv = (double)g[i];
+    pv = pv - lrwd * pv;
+    float mi = (float)(beta1 * (double)m[i] + omb1 * gv);
+    float vi = (float)(beta2 * (double)v[i] + omb2 * (gv * gv));
+    m[i] = mi;
+    v[i] = vi;
+    double mh = (double)mi / bc1, vh = (double)vi / bc2;
+    p[i] = (float)(pv - (lr * mh) / (sqrt(vh) + eps));
+  }
+}
+
 static int host_adamw(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
                       sp_dtype gdt, float *m, float *v, size_t n,
                       const sp_fsdp_adamw_args *a, sp_diag *d) {
@@ -204,6 +237,10 @@ static int host_adamw(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
   if (!floating(pdt) || !floating(gdt))
     return sp_diag_set(d, SP_EINVAL, "AdamW on %s with %s gradients",
                        sp_dtype_name(pdt), sp_dtype_name(gdt));
+  if (pdt == SP_FLOAT32 && gdt == SP_FLOAT32) {
+    adamw_f32(p, g, m, v, n, a);
+    return 0;
+  }
   for (size_t i = 0; i < n; i++) {
     double pv = sp_elem_load_f64(p, pdt, i);
     double gv = sp_elem_load_f64(g, gdt, i);

@@ -288,15 +288,18 @@ void sp_gpt2_init_buffer(void *user, const sp_model *m, int32_t buffer,
 /* activations                                                         */
 /* ------------------------------------------------------------------ */
 
-/* n * k floats, or NULL with *rc set (SP_ETOOBIG past MAX_ELEMS). */
-static float *floats(int64_t n, int64_t k, int *rc) {
+/* n * k floats counted into a->bytes, or NULL with *rc set (SP_ETOOBIG
+ * past MAX_ELEMS). */
+static float *floats(sp_gpt2_acts *a, int64_t n, int64_t k, int *rc) {
   if (*rc != 0) return NULL;
   if (n < 0 || k < 0 || (k > 0 && n > MAX_ELEMS / k)) {
     *rc = SP_ETOOBIG;
     return NULL;
   }
-  float *p = calloc((size_t)(n * k > 0 ? n * k : 1), sizeof(float));
+  size_t count = (size_t)(n * k > 0 ? n * k : 1);
+  float *p = calloc(count, sizeof(float));
   if (p == NULL) *rc = SP_ENOMEM;
+  else a->bytes += count * sizeof(float);
   return p;
 }
 
@@ -328,45 +331,46 @@ int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T,
   for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++)
     *lists[i] = per_layer((size_t)L + 2, &rc); /* NULL-terminated */
   for (int64_t l = 0; l < L && rc == 0; l++) {
-    a->res[l] = floats(N, C, &rc);
-    a->ln1[l] = floats(N, C, &rc);
-    a->ln1_mean[l] = floats(N, 1, &rc);
-    a->ln1_rstd[l] = floats(N, 1, &rc);
-    a->qkv[l] = floats(N, 3 * C, &rc);
-    a->att[l] = floats(NHTT * (int64_t)T, (int64_t)T, &rc);
-    a->atty[l] = floats(N, C, &rc);
-    a->res2[l] = floats(N, C, &rc);
-    a->ln2[l] = floats(N, C, &rc);
-    a->ln2_mean[l] = floats(N, 1, &rc);
-    a->ln2_rstd[l] = floats(N, 1, &rc);
-    a->fch[l] = floats(N, 4 * C, &rc);
-    a->fch_gelu[l] = floats(N, 4 * C, &rc);
+    a->res[l] = floats(a, N, C, &rc);
+    a->ln1[l] = floats(a, N, C, &rc);
+    a->ln1_mean[l] = floats(a, N, 1, &rc);
+    a->ln1_rstd[l] = floats(a, N, 1, &rc);
+    a->qkv[l] = floats(a, N, 3 * C, &rc);
+    a->att[l] = floats(a, NHTT * (int64_t)T, (int64_t)T, &rc);
+    a->atty[l] = floats(a, N, C, &rc);
+    a->res2[l] = floats(a, N, C, &rc);
+    a->ln2[l] = floats(a, N, C, &rc);
+    a->ln2_mean[l] = floats(a, N, 1, &rc);
+    a->ln2_rstd[l] = floats(a, N, 1, &rc);
+    a->fch[l] = floats(a, N, 4 * C, &rc);
+    a->fch_gelu[l] = floats(a, N, 4 * C, &rc);
   }
-  if (rc == 0) a->res[L] = floats(N, C, &rc);
-  a->lnf = floats(N, C, &rc);
-  a->lnf_mean = floats(N, 1, &rc);
-  a->lnf_rstd = floats(N, 1, &rc);
-  a->probs = floats(N, g->V, &rc);
-  a->dres = floats(N, C, &rc);
-  a->dbuf = floats(N, C, &rc);
-  a->dbig = floats(N, 4 * C, &rc);
-  a->dqkv = floats(N, 3 * C, &rc);
-  a->datt = floats((int64_t)T, (int64_t)T, &rc);
+  if (rc == 0) a->res[L] = floats(a, N, C, &rc);
+  a->lnf = floats(a, N, C, &rc);
+  a->lnf_mean = floats(a, N, 1, &rc);
+  a->lnf_rstd = floats(a, N, 1, &rc);
+  a->probs = floats(a, N, g->V, &rc);
+  a->dres = floats(a, N, C, &rc);
+  a->dbuf = floats(a, N, C, &rc);
+  a->dbig = floats(a, N, 4 * C, &rc);
+  a->dqkv = floats(a, N, 3 * C, &rc);
+  a->datt = floats(a, (int64_t)T, (int64_t)T, &rc);
   /* the largest param: wte [V, C], wpe [ctx, C] or a [4C, C] matrix */
   int64_t wmax = g->V * C;
   if (g->ctx * C > wmax) wmax = g->ctx * C;
   if (4 * C * C > wmax) wmax = 4 * C * C;
-  a->w = floats(wmax, 1, &rc);
-  a->gw = floats(wmax, 1, &rc);
-  a->lnw = floats(C, 1, &rc);
-  a->lnb = floats(C, 1, &rc);
-  a->gb = floats(4 * C, 1, &rc);
-  a->gb2 = floats(4 * C, 1, &rc);
+  a->w = floats(a, wmax, 1, &rc);
+  a->gw = floats(a, wmax, 1, &rc);
+  a->lnw = floats(a, C, 1, &rc);
+  a->lnb = floats(a, C, 1, &rc);
+  a->gb = floats(a, 4 * C, 1, &rc);
+  a->gb2 = floats(a, 4 * C, 1, &rc);
   if (rc == 0) {
     a->tok = calloc((size_t)N, sizeof *a->tok);
     a->tgt = calloc((size_t)N, sizeof *a->tgt);
     a->allow = calloc(T * T, 1);
     if (!a->tok || !a->tgt || !a->allow) rc = SP_ENOMEM;
+    a->bytes += 2 * (uint64_t)N * sizeof *a->tok + T * T;
   }
   if (rc != 0) {
     sp_gpt2_acts_free(a);

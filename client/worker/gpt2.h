@@ -114,6 +114,8 @@ typedef struct sp_gpt2_acts {
   float *dres, *dbuf, *dbig, *dqkv, *datt;
   uint8_t *allow;
   float *w, *gw, *lnw, *lnb, *gb, *gb2;
+  uint64_t bytes; /* all of the above, as allocated (bench/train adds them
+                     to the runtime's predicted memory) */
 } sp_gpt2_acts;
 
 /* 0, SP_EINVAL (T 0 or over ctx, B 0), SP_ETOOBIG (sizes overflow or over

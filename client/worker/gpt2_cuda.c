@@ -473,7 +473,7 @@ int sp_gpt2_cuda_head_backward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
 static int conv_bwd(sp_gpt2_cuda *c, const sp_gpt2_io *io, int32_t w,
                     int32_t b, float *dinp, const float *dout,
                     const float *inp, int N, int IC, int OC, sp_diag *d) {
-  const float *wv;
+  const float *wv = NULL; /* -O3 cannot see view() set it */
   K(view(c, io, w, c->w, &wv, NULL, d));
   float *gw = grad_f32(io, w), *gbv = grad_f32(io, b);
   if (gw && gbv)
@@ -490,7 +490,7 @@ static int ln_bwd(sp_gpt2_cuda *c, const sp_gpt2_io *io, int32_t w,
                   int32_t b, float *dinp, const float *dout, const float *inp,
                   const float *mean, const float *rstd, int N, int C,
                   sp_diag *d) {
-  const float *lw;
+  const float *lw = NULL; /* -O3 cannot see view() set it */
   K(view(c, io, w, c->lnw, &lw, NULL, d));
   K(sp_gpt2kc_layernorm_bwd(c->k, dinp, c->gb, c->gb2, dout, inp, lw, mean,
                             rstd, N, C, d));

@@ -40,7 +40,8 @@ void sp_gpt2k_layernorm_bwd(float *dinp, float *dw, float *db,
                             const float *rstd, int N, int C);
 /* Causal self-attention of B sequences of T, NH heads over C = NH * hs:
  * qkv [B*T, 3C] (q, k, v side by side), att [B, NH, T, T] the softmax
- * probabilities (zero where masked), out [B*T, C]. allow [T, T] (row t,
+ * probabilities (zero where masked), out [B*T, C]; query rows go in tiles
+ * of 64, each over the keys up to its last row. allow [T, T] (row t,
  * column t2): nonzero where t may attend t2, ANDed with t2 <= t; NULL: the
  * causal mask alone. A row with nothing allowed is all zero. */
 void sp_gpt2k_attention_fwd(float *out, float *att, const float *qkv,

@@ -167,6 +167,10 @@ uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr) {
   return (uint64_t)tr->cfg->global_batch * tr->T;
 }
 
+uint64_t sp_gpt2_trainer_act_bytes(const sp_gpt2_trainer *tr) {
+  return tr->acts->bytes;
+}
+
 uint64_t sp_gpt2_trainer_eval_tokens(const sp_gpt2_trainer *tr) {
   return (uint64_t)tr->flags->eval_batches * tr->B * tr->T * tr->world;
 }

@@ -418,9 +418,10 @@ static void usage(FILE *f) {
       "  --losses FILE            rank 0 writes the loss of every step it\n"
       "                           trains (JSON)\n"
       "  --stats FILE             rank 0 writes every step's duration in s,\n"
-      "                           whether it was reported, and the runtime's\n"
-      "                           counted memory and the process's RSS in\n"
-      "                           training and in the checkpoints (JSON)\n"
+      "                           whether it was reported, the runtime's\n"
+      "                           counted memory, a GPT-2's activation\n"
+      "                           bytes and the process's RSS in training\n"
+      "                           and in the checkpoints (JSON)\n"
       "  --log-every N            rank 0 prints progress every N steps "
       "(default 1)\n"
       "  --comm-timeout-ms N      rendezvous and collective timeout "
@@ -800,6 +801,7 @@ typedef struct mem_phase {
 typedef struct mem_report {
   long long rss_before; /* before sp_fsdp_new */
   uint64_t allocs_after_first_step;
+  uint64_t activations; /* a GPT-2's activations and scratch, else 0 */
   mem_phase train, ckpt;
 } mem_report;
 
@@ -859,8 +861,9 @@ static int write_stats(const worker_opts *o, const double *step_s,
     fprintf(fp, "%s%s", k ? ", " : "", on ? "true" : "false");
   }
   fprintf(fp, "], \"memory\": {\"rss_before\": %lld, "
-          "\"allocs_after_first_step\": %llu",
-          m->rss_before, (unsigned long long)m->allocs_after_first_step);
+          "\"allocs_after_first_step\": %llu, \"activations\": %llu",
+          m->rss_before, (unsigned long long)m->allocs_after_first_step,
+          (unsigned long long)m->activations);
   if (m->train.have) put_phase(fp, "train", &m->train);
   if (m->ckpt.have) put_phase(fp, "checkpoint", &m->ckpt);
   fputs("}}\n", fp);
@@ -1138,6 +1141,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   if (rc == 0) {
     sp_fsdp_stats st;
     sp_fsdp_get_stats(f, &st);
+    if (gtr) mem.activations = sp_gpt2_trainer_act_bytes(gtr);
     mem.train = (mem_phase){.have = true, .rss_start = mem.rss_before,
                             .rss_hwm = proc_status_bytes("VmHWM:"),
                             .counted = st.mem};

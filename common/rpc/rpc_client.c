@@ -7,6 +7,7 @@
 #include "rpc.h"
 #include "rpc_conn.h"
 #include "rpc_internal.h"
+#include "rpc_mem.h"
 #include "rpc_tls.h"
 #include "rpc_wire.h"
 #include "base/strmap.h"
@@ -23,7 +24,7 @@ struct sp_rpc_ccall {
   sp_rpc_client *cl;
   cconn *conn; /* NULL while waiting for a connection */
   int32_t stream_id;
-  char *path;
+  char *path; /* from cl->mem */
   sp_rpc_mdlist md;
   uint64_t timeout_ms;
   sp_rpc_ccall_cbs cbs;
@@ -61,6 +62,8 @@ struct sp_rpc_client {
   char *tls_name;
   sp_rpc_ccall *waiting; /* calls with no connection yet */
   size_t open_handles;
+  /* nghttp2's blocks and the calls (rpc_mem.h) */
+  sp_rpc_mem mem;
   void (*close_done)(void *);
   void *close_arg;
 };
@@ -106,8 +109,8 @@ static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
   sp_rpc_deframer_free(&call->df);
   sp_rpc_mdlist_clear(&call->md);
   sp_rpc_mdlist_clear(&call->resp_md);
-  free(call->path);
-  free(call);
+  sp_rpc_mem_free(&call->cl->mem, call->path);
+  sp_rpc_mem_free(&call->cl->mem, call);
 }
 
 /* The outcome once the stream is gone: the status from the trailers (or
@@ -271,6 +274,7 @@ static void client_free(sp_rpc_client *cl) {
   SSL_CTX_free(cl->tls);
   free(cl->tls_name);
   free(cl->authorization);
+  sp_rpc_mem_release(&cl->mem);
   free(cl);
 }
 
@@ -342,7 +346,7 @@ static int session_new(cconn *cc) {
   nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, cb_data_chunk);
   nghttp2_session_callbacks_set_on_frame_recv_callback(cb, cb_frame_recv);
   nghttp2_session_callbacks_set_on_stream_close_callback(cb, cb_stream_close);
-  int rv = nghttp2_session_client_new(&cc->io.h2, cb, cc);
+  int rv = nghttp2_session_client_new3(&cc->io.h2, cb, cc, NULL, &cc->cl->mem.nv);
   nghttp2_session_callbacks_del(cb);
   if (rv != 0) return SP_ENOMEM;
   /* nghttp2 writes the preface; the SETTINGS are ours to send */
@@ -350,8 +354,10 @@ static int session_new(cconn *cc) {
       {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
       {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 1u << 20},
       {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, 2 * SP_RPC_DEFAULT_MAX_METADATA},
+      /* as the server's (rpc_server.c, session_new) */
+      {NGHTTP2_SETTINGS_NO_RFC7540_PRIORITIES, 1},
   };
-  nghttp2_submit_settings(cc->io.h2, NGHTTP2_FLAG_NONE, iv, 3);
+  nghttp2_submit_settings(cc->io.h2, NGHTTP2_FLAG_NONE, iv, 4);
   nghttp2_session_set_local_window_size(cc->io.h2, NGHTTP2_FLAG_NONE, 0,
                                         16u << 20);
   return 0;
@@ -538,7 +544,8 @@ static void submit_call(sp_rpc_ccall *call) {
   nv[n++] = (nghttp2_nv)NV(":authority", cl->addr, strlen(cl->addr));
   nv[n++] = (nghttp2_nv)NV("te", "trailers", 8);
   nv[n++] = (nghttp2_nv)NV("content-type", "application/grpc", 16);
-  nv[n++] = (nghttp2_nv)NV("grpc-accept-encoding", "identity", 8);
+  /* no grpc-accept-encoding: without it servers send identity, the only
+   * codec we take (see rpc_server.c, submit_headers) */
   nv[n++] = (nghttp2_nv)NV("user-agent", "shardplane/0.1", 14);
   if (cl->authorization != NULL)
     nv[n++] = (nghttp2_nv){(uint8_t *)"authorization",
@@ -629,6 +636,7 @@ int sp_rpc_client_open(uv_loop_t *loop, const char *addr,
     return rc;
   }
   cl->loop = loop;
+  sp_rpc_mem_init(&cl->mem);
   snprintf(cl->addr, sizeof cl->addr, "%s", addr);
   if (opts) cl->opts = *opts;
   if (cl->opts.token != NULL) {
@@ -692,17 +700,20 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
   if (cl == NULL || path == NULL || path[0] != '/' || cbs == NULL)
     return SP_EINVAL;
   if (cl->closing) return SP_ESTATE;
-  sp_rpc_ccall *call = calloc(1, sizeof *call);
+  sp_rpc_ccall *call = sp_rpc_mem_calloc(&cl->mem, 1, sizeof *call);
   if (call == NULL) return SP_ENOMEM;
   call->cl = cl;
-  call->path = sp_strdup(path);
+  call->md.mem = call->resp_md.mem = call->q.mem = &cl->mem;
+  size_t plen = strlen(path);
+  call->path = sp_rpc_mem_alloc(&cl->mem, plen + 1);
+  if (call->path != NULL) memcpy(call->path, path, plen + 1);
   call->cbs = *cbs;
   call->user = user;
   call->timeout_ms = timeout_ms;
   call->local_code = -1;
   sp_rpc_deframer_init(&call->df, cl->opts.max_message);
   if (call->path == NULL) {
-    free(call);
+    sp_rpc_mem_free(&cl->mem, call);
     return SP_ENOMEM;
   }
   for (size_t i = 0; i < n_md; i++) {
@@ -716,8 +727,8 @@ int sp_rpc_client_start(sp_rpc_client *cl, const char *path,
     if (rc != 0) {
       sp_rpc_mdlist_clear(&call->md);
       sp_rpc_deframer_free(&call->df);
-      free(call->path);
-      free(call);
+      sp_rpc_mem_free(&cl->mem, call->path);
+      sp_rpc_mem_free(&cl->mem, call);
       return rc;
     }
   }

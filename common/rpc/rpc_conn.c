@@ -213,8 +213,7 @@ static bool preempted_since(long *mark) {
  * context switch during the early write; after one, SP_H2_EARLY_BACKOFF
  * reads answer in one batch before an early answer is tried again (which
  * leaves that case within 4% of batching alone). */
-void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
-  if (c->h2 == NULL) return;
+static void recv_pieces(sp_h2conn *c, const uint8_t *data, size_t len) {
   if (c->bytes_in == 0) {
     if (nghttp2_session_check_server_session(c->h2))
       c->rx_left = NGHTTP2_CLIENT_MAGIC_LEN; /* the preface is no frame */
@@ -259,6 +258,26 @@ void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
     }
     sp_h2conn_flush(c);
   }
+}
+
+/* Flushes until nothing is held back (see `hold`). */
+static void release_hold(sp_h2conn *c) {
+  while (c->hold && !c->closing) {
+    c->hold = false;
+    sp_h2conn_flush(c);
+  }
+}
+
+void sp_h2conn_recv(sp_h2conn *c, const uint8_t *data, size_t len) {
+  if (c->h2 == NULL) return;
+  if (c->direct) {
+    recv_pieces(c, data, len);
+    return;
+  }
+  c->direct = true;
+  recv_pieces(c, data, len);
+  release_hold(c);
+  c->direct = false;
 }
 
 /* Ciphertext a peer that does not read may make us queue (answers to its
@@ -373,7 +392,13 @@ static void on_written(uv_write_t *req, int status) {
     sp_h2conn_close(c);
     return;
   }
+  /* what queued up behind the write goes out at once, as one write */
+  bool outer = !c->direct;
+  c->direct = true;
   sp_h2conn_flush(c);
+  if (!outer) return;
+  release_hold(c);
+  c->direct = false;
 }
 
 static void flush_once(sp_h2conn *c);
@@ -503,32 +528,58 @@ again:
     }
     goto again;
   }
+  if (c->wlen > 0 && c->hold) return; /* release_hold writes it */
   if (c->wlen > 0) {
-    if (c->shared != NULL && c->wlen <= SP_H2_COPY_MAX && c->wfly == NULL) {
+    /* The answers to a read, and what queued up behind a write, are
+     * written at once: on loopback the write nearly always completes, and
+     * then no write request, no copy of the bytes and no callback on a
+     * later loop iteration are needed (bench/rpc, 1 caller: a uv_write was
+     * a malloc, a memcpy and a free per flush on a server). Only what the
+     * socket did not take waits in a uv_write. Elsewhere (calls started or
+     * finished outside a read) the uv_write stays: the flushes that follow
+     * it in the same loop turn then leave together once it completes,
+     * where each would otherwise be a write of its own. */
+    uv_buf_t b = uv_buf_init((char *)c->wbuf->data, (unsigned)c->wlen);
+    int w = c->direct ? uv_try_write((uv_stream_t *)&c->tcp, &b, 1)
+                       : UV_EAGAIN;
+    if (w < 0 && w != UV_EAGAIN) {
+      sp_h2conn_close(c);
+      return;
+    }
+    size_t off = w > 0 ? (size_t)w : 0;
+    c->bytes_out += off;
+    if (off == c->wlen) {
+      c->wlen = 0;
+      c->hold = true;
+      goto again;
+    }
+    size_t left = c->wlen - off;
+    if (c->shared != NULL && left <= SP_H2_COPY_MAX && c->wfly == NULL) {
       /* The bytes stay pinned until libuv calls back, on a later loop
        * iteration. A server answering a thousand connections in one
        * iteration would pin a thousand fill buffers of 2 KiB or more,
        * freed only after the heap had grown for them; a copy of just the
        * bytes leaves the shared fill buffer to the next connection
        * (bench/coordinator: 2 KiB less RSS per connection). */
-      sp_h2wbuf *fly = malloc(sizeof *fly + c->wlen);
+      sp_h2wbuf *fly = malloc(sizeof *fly + left);
       if (fly == NULL) {
         sp_h2conn_close(c);
         return;
       }
-      fly->cap = c->wlen;
-      memcpy(fly->data, c->wbuf->data, c->wlen);
+      fly->cap = left;
+      memcpy(fly->data, c->wbuf->data + off, left);
       c->wfly = fly;
       c->wfly_copy = true;
       wbuf_put(c, &c->wbuf);
+      off = 0;
     } else {
       /* swap so the next flush can fill while this one is in flight */
       sp_h2wbuf *fly = c->wbuf;
       c->wbuf = c->wfly;
       c->wfly = fly;
     }
-    uv_buf_t b = uv_buf_init((char *)c->wfly->data, (unsigned)c->wlen);
-    c->bytes_out += c->wlen;
+    b = uv_buf_init((char *)c->wfly->data + off, (unsigned)left);
+    c->bytes_out += left;
     c->wlen = 0;
     c->wfly->req.data = c;
     if (uv_write(&c->wfly->req, (uv_stream_t *)&c->tcp, &b, 1, on_written) !=

@@ -2,7 +2,9 @@
  * nghttp2 and writes what it produces, one uv_write at a time. Shared by
  * the server and the client so the I/O rules live in one place:
  * - mem_send output is copied into a connection-owned buffer (its pointer is
- *   only valid until the next call) and sent with one uv_write per flush;
+ *   only valid until the next call) and sent with one write per flush,
+ *   tried at once (uv_try_write) and queued with uv_write only for what the
+ *   socket did not take;
  * - while a write is in flight nothing more is pulled from nghttp2, so a
  *   peer that does not read stops the data providers (backpressure);
  * - the first answer a small read makes is written as soon as it is ready,
@@ -68,6 +70,12 @@ struct sp_h2conn {
   /* Something to send was queued inside a nghttp2 callback (see
    * sp_h2conn_recv, which parses input up to the first answer). */
   bool want_flush;
+  /* direct: inside a read or a write's completion, where a flush writes
+   * at once (uv_try_write). hold: such a write went out whole, so what
+   * the rest of that read or completion produces waits and leaves in one
+   * write when it returns (as it waited for the callback of the one
+   * uv_write in flight before). */
+  bool direct, hold;
   uint8_t early_off; /* reads left that answer in one batch only */
   /* Where input frames end: header bytes seen of the frame being read
    * (0: none, or its payload is being read), then what is left of the

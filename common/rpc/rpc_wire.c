@@ -245,13 +245,13 @@ int sp_rpc_mdlist_add(sp_rpc_mdlist *l, const char *key, size_t klen,
     /* Most calls carry one or two entries (a user-agent), and a request's
      * list lives as long as its call: start small. */
     size_t cap = l->cap ? l->cap * 2 : 2;
-    struct sp_rpc_mdent *e = realloc(l->e, cap * sizeof *e);
+    struct sp_rpc_mdent *e = sp_rpc_mem_realloc(l->mem, l->e, cap * sizeof *e);
     if (e == NULL) return SP_ENOMEM;
     l->e = e;
     l->cap = cap;
   }
   /* key and value share one allocation, owned through the key */
-  char *k = malloc(klen + 1 + vlen + 1);
+  char *k = sp_rpc_mem_alloc(l->mem, klen + 1 + vlen + 1);
   if (k == NULL) return SP_ENOMEM;
   uint8_t *val = (uint8_t *)k + klen + 1;
   memcpy(k, key, klen);
@@ -275,9 +275,11 @@ const uint8_t *sp_rpc_mdlist_get(const sp_rpc_mdlist *l, const char *key,
 }
 
 void sp_rpc_mdlist_clear(sp_rpc_mdlist *l) {
-  for (size_t i = 0; i < l->n; i++) free(l->e[i].key); /* value too */
-  free(l->e);
+  sp_rpc_mem *mem = l->mem;
+  for (size_t i = 0; i < l->n; i++) sp_rpc_mem_free(mem, l->e[i].key);
+  sp_rpc_mem_free(mem, l->e);
   memset(l, 0, sizeof *l);
+  l->mem = mem;
 }
 
 void sp_rpc_deframer_init(sp_rpc_deframer *d, size_t max) {
@@ -396,7 +398,8 @@ struct sp_rpc_outmsg {
 
 int sp_rpc_outq_push(sp_rpc_outq *q, const ProtobufCMessage *msg,
                      const uint8_t *data, size_t len) {
-  struct sp_rpc_outmsg *m = malloc(sizeof *m + len + 5);
+  if (len > SIZE_MAX - sizeof(struct sp_rpc_outmsg) - 5) return SP_ENOMEM;
+  struct sp_rpc_outmsg *m = sp_rpc_mem_alloc(q->mem, sizeof *m + len + 5);
   if (m == NULL) return SP_ENOMEM;
   m->next = NULL;
   m->len = len + 5;
@@ -428,7 +431,7 @@ size_t sp_rpc_outq_pull(sp_rpc_outq *q, uint8_t *buf, size_t cap) {
       q->head = m->next;
       if (q->head == NULL) q->tail = NULL;
       q->bytes -= m->len;
-      free(m);
+      sp_rpc_mem_free(q->mem, m);
     }
   }
   return out;
@@ -439,7 +442,7 @@ bool sp_rpc_outq_empty(const sp_rpc_outq *q) { return q->head == NULL; }
 void sp_rpc_outq_clear(sp_rpc_outq *q) {
   for (struct sp_rpc_outmsg *m = q->head; m;) {
     struct sp_rpc_outmsg *n = m->next;
-    free(m);
+    sp_rpc_mem_free(q->mem, m);
     m = n;
   }
   q->head = q->tail = NULL;

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "rpc.h"
+#include "rpc_mem.h"
 
 /* Percent-encodes a grpc-message (bytes 0x20-0x7E except '%' stay). Writes
  * at most cap-1 bytes plus NUL, truncating only between escapes. Returns the
@@ -48,8 +49,10 @@ typedef struct sp_rpc_mdlist {
     size_t len;
   } *e;
   size_t n, cap, bytes;
+  sp_rpc_mem *mem; /* where entries come from; NULL: malloc */
 } sp_rpc_mdlist;
-/* SP_ETOOBIG when the budget would be exceeded, SP_ENOMEM. */
+/* SP_ETOOBIG when the budget would be exceeded, SP_ENOMEM. Clearing keeps
+ * l->mem. */
 int sp_rpc_mdlist_add(sp_rpc_mdlist *l, const char *key, size_t klen,
                       const uint8_t *v, size_t vlen, size_t budget);
 const uint8_t *sp_rpc_mdlist_get(const sp_rpc_mdlist *l, const char *key,
@@ -106,6 +109,7 @@ bool sp_rpc_deframer_partial(const sp_rpc_deframer *d);
 typedef struct sp_rpc_outq {
   struct sp_rpc_outmsg *head, *tail;
   size_t bytes;
+  sp_rpc_mem *mem; /* where messages come from; NULL: malloc */
 } sp_rpc_outq;
 
 /* Frames one message: packed from msg when given, else copied from data.

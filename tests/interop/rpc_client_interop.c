@@ -727,7 +727,8 @@ out:
 }
 
 /* grpcio 1.51 compresses when the handler asks for gzip even though the
- * engine sent "grpc-accept-encoding: identity": the engine must fail that
+ * engine advertised no codec but identity (it sends no
+ * grpc-accept-encoding): the engine must fail that
  * call cleanly (INTERNAL, with a message, no garbage delivered) and keep
  * the connection usable. */
 static bool case_async_compressed_response(void) {
