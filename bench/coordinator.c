@@ -1685,10 +1685,11 @@ int main(int argc, char **argv) {
       base_dur_kib = base_rss_kib(&os, model, bstate);
       remove_state_dir(bstate);
     }
-    printf("\n%u ranks, %u connections (a coordinator of 1 rank: %.1f MiB, "
-           "%.1f MiB with a state dir)\n",
-           os.ranks, n_agents(&os), (double)base_kib / 1024,
-           (double)base_dur_kib / 1024);
+    printf("\n%u ranks, %u connections (a coordinator of 1 rank: %.1f MiB",
+           os.ranks, n_agents(&os), (double)base_kib / 1024);
+    if (base_dur_kib > 0)
+      printf(", %.1f MiB with a state dir", (double)base_dur_kib / 1024);
+    printf(")\n");
     fflush(stdout);
     for (int i = 0; i < o.runs; i++) {
       for (int k = 0; k < (o.no_state_dir ? 1 : 2); k++) {
