@@ -89,6 +89,8 @@ typedef struct sp_coord {
   uint64_t started_ms; /* uv_now at start */
   /* ranks (coord_ranks.c) */
   sp_coord_rank *ranks; /* world_size entries */
+  /* how many ranks have each status (Shardplane__V1__RankStatus) */
+  uint32_t n_by_status[4];
   uv_timer_t heartbeat_timer;
   bool heartbeat_started;
   /* The loop's own pauses, seen as the heartbeat check firing late
@@ -259,6 +261,8 @@ typedef struct sp_coord_rank_view {
 } sp_coord_rank_view;
 void sp_coord_rank_get(const sp_coord *c, uint32_t rank, sp_coord_rank_view *v);
 int sp_coord_rank_status(const sp_coord *c, uint32_t rank);
+/* How many ranks have that status now (kept as they change: O(1)). */
+uint32_t sp_coord_ranks_with_status(const sp_coord *c, int status);
 uint64_t sp_coord_rank_step(const sp_coord *c, uint32_t rank);
 /* Publishes an event to the Watch streams whose filters match. */
 void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,

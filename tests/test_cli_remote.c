@@ -418,6 +418,28 @@ static void test_buffers(void **state) {
   assert_int_equal(WEXITSTATUS(stop), 0);
 }
 
+/* A world of more than one ListRanks page (4,096 ranks) is read page by
+ * page: every rank once, in order, so that the table folds them into one
+ * range. (Ranks that never attached are small: 10,000 of them also fit in
+ * one answer, as an old coordinator would give them.) */
+static void test_ranks_in_pages(void **state) {
+  (void)state;
+  char addr[64];
+  char *extra[] = {"--model", MODEL("gpt2"), "--world-size", "10000",
+                   "--wrap-type", "GPT2Block", NULL};
+  pid_t pid = start_coordinator(extra, addr, sizeof addr);
+  result r = run("ranks", "--unit-states", "--coordinator", addr, NULL);
+  int code = r.code;
+  bool one_range = strstr(r.out, "\n0-9999 ") != NULL;
+  if (code != 0 || !one_range) printf("%s%s", r.out, r.err);
+  done(&r);
+  int stop = stop_coordinator(pid);
+  assert_int_equal(code, 0);
+  assert_true(one_range);
+  assert_true(stop >= 0 && WIFEXITED(stop));
+  assert_int_equal(WEXITSTATUS(stop), 0);
+}
+
 static void test_store(void **state) {
   (void)state;
   result r = run("store", "set", "cli/greeting", "hello world", NULL);
@@ -1005,6 +1027,7 @@ int main(void) {
       cmocka_unit_test(test_plan_matches_offline),
       cmocka_unit_test(test_where),
       cmocka_unit_test(test_buffers),
+      cmocka_unit_test(test_ranks_in_pages),
       cmocka_unit_test(test_store),
       cmocka_unit_test(test_unreachable_and_usage),
       cmocka_unit_test(test_watch),

@@ -394,6 +394,36 @@ static Shardplane__V1__Event *next_event(sp_rpc_sync_stream *w,
   return (Shardplane__V1__Event *)m;
 }
 
+/* One training step of transitions (2 + 5 units) into tv/tp. */
+static size_t step_transitions(Shardplane__V1__Transition *tv,
+                               Shardplane__V1__Transition **tp,
+                               uint32_t n_units, uint64_t step) {
+  size_t k = 0;
+#define AG_T(m, u, to)                                                         \
+  do {                                                                         \
+    shardplane__v1__transition__init(&tv[k]);                                  \
+    tv[k].machine = (Shardplane__V1__Machine)(m);                              \
+    tv[k].unit = (u);                                                          \
+    tv[k].state = (to);                                                        \
+    tv[k].step = step;                                                         \
+    tp[k] = &tv[k];                                                            \
+    k++;                                                                       \
+  } while (0)
+  AG_T(ROOT, 0, SP_ROOT_FORWARD_BACKWARD);
+  for (uint32_t u = 0; u < n_units; u++) {
+    AG_T(HANDLE, u, SP_HANDLE_FORWARD);
+    AG_T(HANDLE, u, SP_HANDLE_IDLE);
+  }
+  for (uint32_t u = n_units; u-- > 0;) {
+    AG_T(HANDLE, u, SP_HANDLE_BACKWARD_PRE);
+    AG_T(HANDLE, u, SP_HANDLE_BACKWARD_POST);
+    AG_T(HANDLE, u, SP_HANDLE_IDLE);
+  }
+  AG_T(ROOT, 0, SP_ROOT_IDLE);
+#undef AG_T
+  return k;
+}
+
 static void test_session_stream_and_loss(void **state) {
   (void)state;
   const char *flags[] = {"world-size", "2", "wrap-type", "Block", NULL};
@@ -437,28 +467,7 @@ static void test_session_stream_and_loss(void **state) {
   size_t n = 2 + 5 * n_units;
   Shardplane__V1__Transition *tv = calloc(n + 1, sizeof *tv);
   Shardplane__V1__Transition **tp = calloc(n + 1, sizeof *tp);
-  size_t k = 0;
-#define T(m, u, to)                                                             \
-  do {                                                                         \
-    shardplane__v1__transition__init(&tv[k]);                                  \
-    tv[k].machine = (Shardplane__V1__Machine)(m);                                                     \
-    tv[k].unit = (u);                                                          \
-    tv[k].state = (to);                                                        \
-    tv[k].step = 7;                                                            \
-    tp[k] = &tv[k];                                                            \
-    k++;                                                                       \
-  } while (0)
-  T(ROOT, 0, SP_ROOT_FORWARD_BACKWARD);
-  for (uint32_t u = 0; u < n_units; u++) {
-    T(HANDLE, u, SP_HANDLE_FORWARD);
-    T(HANDLE, u, SP_HANDLE_IDLE);
-  }
-  for (uint32_t u = n_units; u-- > 0;) {
-    T(HANDLE, u, SP_HANDLE_BACKWARD_PRE);
-    T(HANDLE, u, SP_HANDLE_BACKWARD_POST);
-    T(HANDLE, u, SP_HANDLE_IDLE);
-  }
-  T(ROOT, 0, SP_ROOT_IDLE);
+  size_t k = step_transitions(tv, tp, n_units, 7);
   Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
   up.rank = 0;
   up.session_id = s0;
@@ -474,8 +483,11 @@ static void test_session_stream_and_loss(void **state) {
   assert_int_equal(down->acked_seq, 1);
   assert_int_equal(down->n_rejections, 0);
   free_msg(down);
-  k = 0;
-  T(HANDLE, 0, SP_HANDLE_BACKWARD_POST);
+  shardplane__v1__transition__init(&tv[0]);
+  tv[0].machine = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE;
+  tv[0].unit = 0;
+  tv[0].state = SP_HANDLE_BACKWARD_POST;
+  tv[0].step = 7;
   up.seq = 2;
   up.n_transitions = 1;
   up.session_id = ""; /* later messages need not repeat it */
@@ -565,6 +577,210 @@ static void test_session_stream_and_loss(void **state) {
   stop(&fx);
 }
 
+/* ---------------- agents: many ranks on one connection ---------------- */
+
+#define AG_WORLD 64u
+#define AG_PER 8u
+#define AG_N (AG_WORLD / AG_PER)
+
+static void get_conns(sp_coord *c, void *arg) {
+  sp_rpc_server_stats st;
+  sp_rpc_server_get_stats(c->srv, &st);
+  *(uint64_t *)arg = st.connections_open;
+}
+
+static void get_waiters(sp_coord *c, void *arg) {
+  sp_store_stats st;
+  sp_store_get_stats(c->store, &st);
+  *(size_t *)arg = st.waiters;
+}
+
+/* 64 ranks on 8 connections, as 8 hosts' agents carry them: each
+ * connection has its 8 ranks' store waits and Session streams open at
+ * once; every rank attaches, is released from one rendezvous, reports a
+ * step, is listed (in pages) with its own state and detaches. */
+static void test_agents_share_connections(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "64", "wrap-type", "Block", NULL};
+  fixture fx;
+  start(&fx, SP_TEST_DATA "/same_name_buffers.json", flags, 60000);
+  Shardplane__V1__GetJobResponse *j = get_job(&fx);
+  char version[32];
+  snprintf(version, sizeof version, "%s", j->plan_version);
+  uint32_t n_units = j->n_units;
+  free_msg(j);
+  sp_rpc_sync *ag[AG_N];
+  for (uint32_t a = 0; a < AG_N; a++)
+    assert_int_equal(sp_rpc_sync_open(fx.addr, 2000, &ag[a]), 0);
+  static char sid[AG_WORLD][64];
+  sp_rpc_status st;
+  ProtobufCMessage *m;
+
+  /* attach, and the rendezvous: every rank adds, then waits for "go" */
+  int64_t last = -1;
+  for (uint32_t r = 0; r < AG_WORLD; r++) {
+    Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
+    q.rank = r;
+    q.world_size = AG_WORLD;
+    q.host = "agenthost";
+    q.pid = 1000 + r;
+    q.device = "cpu";
+    q.plan_version = version;
+    Shardplane__V1__AttachResponse *ar =
+        (Shardplane__V1__AttachResponse *)sp_test_unary(
+            ag[r / AG_PER], PATH("Attach"), &q.base,
+            &shardplane__v1__attach_response__descriptor, 5000, &st);
+    if (ar == NULL) fail_msg("rank %u: Attach: %s", r, st.message);
+    snprintf(sid[r], sizeof sid[r], "%s", ar->session_id);
+    free_msg(ar);
+    Shardplane__V1__StoreAddRequest aq = SHARDPLANE__V1__STORE_ADD_REQUEST__INIT;
+    aq.key = "rdzv";
+    aq.delta = 1;
+    Shardplane__V1__StoreAddResponse *sr =
+        (Shardplane__V1__StoreAddResponse *)sp_test_unary(
+            ag[r / AG_PER], PATH("StoreAdd"), &aq.base,
+            &shardplane__v1__store_add_response__descriptor, 5000, &st);
+    assert_non_null(sr);
+    assert_int_equal(sr->value, (int64_t)r + 1);
+    if (sr->value == AG_WORLD) last = r;
+    free_msg(sr);
+  }
+  assert_int_equal(last, AG_WORLD - 1);
+  sp_rpc_sync_stream *wait[AG_WORLD];
+  Shardplane__V1__StoreGetRequest gq = SHARDPLANE__V1__STORE_GET_REQUEST__INIT;
+  gq.key = "go";
+  gq.wait = true;
+  for (uint32_t r = 0; r < AG_WORLD; r++) {
+    assert_int_equal(sp_rpc_sync_stream_open(ag[r / AG_PER], PATH("StoreGet"),
+                                             10000, NULL, 0, &wait[r]),
+                     0);
+    assert_int_equal(sp_rpc_sync_stream_send(wait[r], &gq.base), 0);
+    assert_int_equal(sp_rpc_sync_stream_close_send(wait[r]), 0);
+  }
+  /* each agent's loop writes its 8 waits out; then all 64 wait at once */
+  size_t waiters = 0;
+  for (int i = 0; i < 200 && waiters < AG_WORLD; i++) {
+    for (uint32_t a = 0; a < AG_N; a++)
+      assert_int_equal(sp_rpc_sync_stream_recv(wait[a * AG_PER], NULL, 5, &m,
+                                               &st),
+                       SP_ETIMEDOUT);
+    sp_coord_fixture_run(&fx, get_waiters, &waiters);
+  }
+  assert_int_equal(waiters, AG_WORLD);
+  uint64_t conns = 0;
+  sp_coord_fixture_run(&fx, get_conns, &conns);
+  assert_int_equal(conns, AG_N + 1); /* and the fixture's own client */
+  Shardplane__V1__StoreSetRequest setq = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
+  setq.key = "go";
+  setq.value.data = (uint8_t *)"1";
+  setq.value.len = 1;
+  free_msg(sp_test_unary(ag[last / AG_PER], PATH("StoreSet"), &setq.base,
+                         &shardplane__v1__store_set_response__descriptor, 5000,
+                         &st));
+  assert_int_equal(st.code, SP_RPC_OK);
+  for (uint32_t r = 0; r < AG_WORLD; r++) {
+    assert_int_equal(sp_rpc_sync_stream_recv(
+                         wait[r], &shardplane__v1__store_get_response__descriptor,
+                         5000, &m, &st),
+                     0);
+    Shardplane__V1__StoreGetResponse *g = (Shardplane__V1__StoreGetResponse *)m;
+    assert_true(g->found);
+    assert_int_equal(g->value.len, 1);
+    free_msg(g);
+    sp_rpc_sync_stream_close(wait[r]);
+  }
+
+  /* every rank's Session stream on its agent's connection, a step each */
+  size_t per_step = 2 + 5 * (size_t)n_units;
+  Shardplane__V1__Transition *tv = calloc(per_step, sizeof *tv);
+  Shardplane__V1__Transition **tp = calloc(per_step, sizeof *tp);
+  assert_non_null(tv);
+  assert_non_null(tp);
+  sp_rpc_sync_stream *sess[AG_WORLD];
+  for (uint32_t r = 0; r < AG_WORLD; r++) {
+    assert_int_equal(sp_rpc_sync_stream_open(ag[r / AG_PER], PATH("Session"),
+                                             0, NULL, 0, &sess[r]),
+                     0);
+    Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+    up.rank = r;
+    up.session_id = sid[r];
+    up.seq = 1;
+    /* rank r is at step r + 1: each rank's own state is checked below */
+    up.step = r + 1;
+    up.n_transitions = step_transitions(tv, tp, n_units, r + 1);
+    up.transitions = tp;
+    assert_int_equal(sp_rpc_sync_stream_send(sess[r], &up.base), 0);
+  }
+  for (uint32_t r = 0; r < AG_WORLD; r++) {
+    assert_int_equal(sp_rpc_sync_stream_recv(
+                         sess[r], &shardplane__v1__session_down__descriptor,
+                         5000, &m, &st),
+                     0);
+    Shardplane__V1__SessionDown *d = (Shardplane__V1__SessionDown *)m;
+    assert_int_equal(d->acked_seq, 1);
+    assert_int_equal(d->n_rejections, 0);
+    free_msg(d);
+  }
+  free(tv);
+  free(tp);
+
+  /* ListRanks in pages of 24: 0-23, 24-47, 48-63, then none */
+  for (uint32_t first = 0; first <= AG_WORLD; first += 24) {
+    Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+    lq.with_unit_states = true;
+    lq.first_rank = first;
+    lq.max_ranks = 24;
+    Shardplane__V1__ListRanksResponse *l =
+        (Shardplane__V1__ListRanksResponse *)call(
+            &fx, PATH("ListRanks"), &lq.base,
+            &shardplane__v1__list_ranks_response__descriptor, &st);
+    assert_non_null(l);
+    size_t want = first >= AG_WORLD ? 0 : AG_WORLD - first < 24 ? AG_WORLD - first : 24;
+    assert_int_equal(l->n_ranks, want);
+    for (size_t i = 0; i < l->n_ranks; i++) {
+      const Shardplane__V1__RankInfo *k = l->ranks[i];
+      assert_int_equal(k->rank, first + i);
+      assert_int_equal(k->status, SHARDPLANE__V1__RANK_STATUS__ATTACHED);
+      assert_int_equal(k->pid, 1000 + k->rank);
+      assert_int_equal(k->transitions, per_step);
+      assert_int_equal(k->step, k->rank + 1);
+      assert_int_equal(k->root_state, SP_ROOT_IDLE);
+      assert_int_equal(k->alerts, 0);
+      assert_int_equal(k->n_unit_states, n_units);
+      for (size_t u = 0; u < k->n_unit_states; u++)
+        assert_int_equal(k->unit_states[u], SP_HANDLE_IDLE);
+    }
+    free_msg(l);
+  }
+  j = get_job(&fx);
+  assert_int_equal(j->ranks->attached, AG_WORLD);
+  assert_int_equal(j->state, SHARDPLANE__V1__JOB_STATE__JOB_RUNNING);
+  free_msg(j);
+
+  /* detach: each rank's stream ends OK, and the job is complete */
+  for (uint32_t r = 0; r < AG_WORLD; r++) {
+    Shardplane__V1__DetachRequest dq = SHARDPLANE__V1__DETACH_REQUEST__INIT;
+    dq.rank = r;
+    dq.session_id = sid[r];
+    free_msg(sp_test_unary(ag[r / AG_PER], PATH("Detach"), &dq.base,
+                           &shardplane__v1__detach_response__descriptor, 5000,
+                           &st));
+    assert_int_equal(st.code, SP_RPC_OK);
+  }
+  for (uint32_t r = 0; r < AG_WORLD; r++) {
+    assert_int_equal(sp_rpc_sync_stream_recv(sess[r], NULL, 5000, &m, &st),
+                     SP_ENOENT);
+    assert_int_equal(st.code, SP_RPC_OK);
+    sp_rpc_sync_stream_close(sess[r]);
+  }
+  j = get_job(&fx);
+  assert_int_equal(j->ranks->detached, AG_WORLD);
+  assert_int_equal(j->state, SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED);
+  free_msg(j);
+  for (uint32_t a = 0; a < AG_N; a++) sp_rpc_sync_close(ag[a]);
+  stop(&fx);
+}
+
 /* ---------------- bad input ---------------- */
 
 static void test_bad_input_is_harmless(void **state) {
@@ -642,6 +858,7 @@ int main(void) {
       cmocka_unit_test(test_attach_rules),
       cmocka_unit_test(test_transitions_per_strategy),
       cmocka_unit_test(test_session_stream_and_loss),
+      cmocka_unit_test(test_agents_share_connections),
       cmocka_unit_test(test_bad_input_is_harmless),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -203,6 +203,9 @@ static void print_unit_states(const Shardplane__V1__RankInfo *k,
   printf("\n");
 }
 
+/* Ranks per ListRanks call: with 100 units' states about 0.9 MB. */
+#define RANKS_PAGE 4096u
+
 static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
                         bool unit_states) {
   size_t max_units = 0;
@@ -313,19 +316,66 @@ int sp_cmd_ranks(int argc, char **argv) {
   int ec = sp_remote_parse_args(&r, &k_ranks, argc, argv, own, 1, ranks_opt,
                       &unit_states, &first, &n);
   if (ec != PROCEED) return ec;
-  Shardplane__V1__ListRanksRequest q = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
-  q.with_unit_states = unit_states;
-  ProtobufCMessage *m;
-  ec = sp_remote_call(&r, SP_COORD_PATH("ListRanks"), &q.base,
-            &shardplane__v1__list_ranks_response__descriptor, &m);
-  if (ec == SP_EXIT_OK) {
-    const Shardplane__V1__ListRanksResponse *l =
-        (const Shardplane__V1__ListRanksResponse *)m;
-    if (r.json)
-      ec = ranks_json(l, unit_states);
-    else
-      print_ranks(l, unit_states);
-    sp_remote_free_msg(m);
+  /* Page by page: 100,000 attached ranks with 100 units' states are about
+   * 16 MB in one answer, over the 8 MiB a coordinator sends. A
+   * coordinator that does not page answers every rank at once, which ends
+   * the loop too. */
+  Shardplane__V1__ListRanksResponse **pages = NULL;
+  size_t n_pages = 0, total = 0;
+  uint32_t next = 0;
+  for (;;) {
+    Shardplane__V1__ListRanksRequest q =
+        SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+    q.with_unit_states = unit_states;
+    q.first_rank = next;
+    q.max_ranks = RANKS_PAGE;
+    ProtobufCMessage *m;
+    ec = sp_remote_call(&r, SP_COORD_PATH("ListRanks"), &q.base,
+                        &shardplane__v1__list_ranks_response__descriptor, &m);
+    if (ec != SP_EXIT_OK) break;
+    Shardplane__V1__ListRanksResponse *l =
+        (Shardplane__V1__ListRanksResponse *)m;
+    if (l->n_ranks > 0 && l->ranks[0]->rank != next) {
+      /* not the page asked for: a coordinator that does not page said
+       * it all in the first answer */
+      sp_remote_free_msg(m);
+      break;
+    }
+    void *grown = realloc(pages, (n_pages + 1) * sizeof *pages);
+    if (grown == NULL) {
+      sp_remote_free_msg(m);
+      fprintf(stderr, "shardplane ranks: out of memory\n");
+      ec = SP_EXIT_FAILURE;
+      break;
+    }
+    pages = grown;
+    pages[n_pages++] = l;
+    total += l->n_ranks;
+    if (l->n_ranks != RANKS_PAGE) break; /* the last page, or all at once */
+    next += RANKS_PAGE;
   }
+  Shardplane__V1__RankInfo **all =
+      ec == SP_EXIT_OK ? calloc(total + 1, sizeof *all) : NULL;
+  if (ec == SP_EXIT_OK && all == NULL) {
+    fprintf(stderr, "shardplane ranks: out of memory\n");
+    ec = SP_EXIT_FAILURE;
+  }
+  if (ec == SP_EXIT_OK) {
+    size_t k = 0;
+    for (size_t p = 0; p < n_pages; p++)
+      for (size_t i = 0; i < pages[p]->n_ranks; i++)
+        all[k++] = pages[p]->ranks[i];
+    Shardplane__V1__ListRanksResponse l =
+        SHARDPLANE__V1__LIST_RANKS_RESPONSE__INIT;
+    l.n_ranks = total;
+    l.ranks = all;
+    if (r.json)
+      ec = ranks_json(&l, unit_states);
+    else
+      print_ranks(&l, unit_states);
+  }
+  free(all);
+  for (size_t p = 0; p < n_pages; p++) sp_remote_free_msg(pages[p]);
+  free(pages);
   return sp_remote_finish(&r, ec);
 }
