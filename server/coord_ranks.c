@@ -849,7 +849,7 @@ void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why) {
       k->session = NULL;
       session_finish(s, SP_RPC_ABORTED, why);
     }
-    k->status = SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED;
+    set_status(c, k, SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED);
     k->session_id[0] = '\0';
     k->step = 0;
     for (size_t u = 0; u < k->st.n_units; u++) k->st.units[u] = SP_HANDLE_IDLE;
