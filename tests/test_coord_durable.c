@@ -429,16 +429,7 @@ static pid_t start_run(const char *dir, const char *ck) {
                         "--steps", "400", "--log-every", "20",
                         "--checkpoint-dir", ck, "--coordinator-grace", "30",
                         NULL};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out, O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err, O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  pid_t pid;
-  assert_int_equal(
-      posix_spawn(&pid, argv[0], &fa, NULL, (char *const *)argv, environ), 0);
-  posix_spawn_file_actions_destroy(&fa);
+  pid_t pid = sp_test_spawn_logged(out, err, (char *const *)argv);
   track(pid);
   free(out);
   free(err);
