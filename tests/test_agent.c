@@ -682,6 +682,41 @@ static void test_agent_restart(void **state) {
   free(ck);
 }
 
+/* An agent whose workers have not failed when the stop comes (a slow
+ * host's, still training when the coordinator heard of the death) waits
+ * for the next incarnation rather than taking its workers' end for the
+ * job's: it once exited there, and the other hosts' workers of the next
+ * incarnation waited for its ranks until their rendezvous timed out. The
+ * trainer is a script: in incarnation 0 rank 3 fails and the others would
+ * run on, rank 2 deaf to SIGTERM (so node 1 takes 3 s to stop, and node 0
+ * has long stopped when the next incarnation begins); in incarnation 1
+ * every rank ends at once. */
+static void test_agent_waits_after_stop(void **state) {
+  fx *f = *state;
+  const char *trainer[] = {
+      "/bin/sh", "-c",
+      "if [ \"$SHARDPLANE_INCARNATION\" != 0 ]; then exit 0; fi; "
+      "if [ \"$RANK\" = 3 ]; then sleep 0.3; exit 3; fi; "
+      "if [ \"$RANK\" = 2 ]; then trap '' TERM; fi; exec sleep 30",
+      NULL};
+  const char *restarts[] = {"--max-restarts", "1", NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, restarts, trainer);
+  int st[2], max_conns;
+  wait_agents(a, st, f->coord.port, 60, &max_conns);
+  char *err0 = slurp(f->dir, "agent0.err"), *err1 = slurp(f->dir, "agent1.err");
+  printf("agent 0:\n%s\nagent 1:\n%s\n", err0, err1);
+  assert_int_equal(st[0], 0);
+  assert_int_equal(st[1], 0);
+  assert_non_null(strstr(err0, "incarnation 0 ended (rank 3 exited with "
+                               "status 3)"));
+  assert_non_null(strstr(err0, "incarnation 1: starting the workers again"));
+  assert_non_null(strstr(err1, "incarnation 1: starting the workers again"));
+  free(err0);
+  free(err1);
+}
+
 /* The coordinator's side of supervision, spoken to directly: a death
  * with a restart left stops every agent, the next incarnation begins only
  * once every agent stopped, and it cannot read the last one's store; a
@@ -841,6 +876,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_agent_worker_killed, fx_setup,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_restart, fx_setup,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_waits_after_stop, fx_setup,
                                       fx_teardown),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);

@@ -106,6 +106,10 @@ typedef struct agent {
   struct sp_rpc_sync_stream *ctl_st;
   uint64_t incarnation;
   uint32_t failed; /* workers of this incarnation that failed */
+  /* told AGENT_STOP: its workers stopped, it waits for AGENT_START or
+   * AGENT_END (its own workers may not have failed: a slow host's are
+   * still running when the stop comes) */
+  bool stopped;
   uint32_t world;       /* the job's world size */
   char worker_coord[PATH_MAX + 8]; /* what the workers connect to */
   char gloo_host[64];   /* "" when the environment sets it */
@@ -540,6 +544,7 @@ static void on_command(agent *a, watch *w, const Shardplane__V1__AgentDown *d) {
               a->live == 1 ? "" : "s");
       sp_workers_stop(a->pids, (uint32_t)a->nproc, (int)(TERM_S * 1000));
       a->live = 0;
+      a->stopped = true;
       drain_all(a);
       Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
       up.stopped = true;
@@ -551,6 +556,7 @@ static void on_command(agent *a, watch *w, const Shardplane__V1__AgentDown *d) {
       if (d->incarnation <= a->incarnation) return;
       a->incarnation = d->incarnation;
       a->failed = 0;
+      a->stopped = false;
       fprintf(stderr, "shardplane agent: incarnation %llu: starting the "
               "workers again\n", (unsigned long long)a->incarnation);
       if (start_workers(a) != PROCEED && w->ret == SP_EXIT_OK) {
@@ -638,7 +644,7 @@ static int supervise(agent *a) {
      * when they are all gone */
     bool waiting = a->max_restarts > 0 && a->ctl_st != NULL && !w.done &&
                    !w.interrupted && w.ret == SP_EXIT_OK && a->live == 0 &&
-                   a->failed > 0;
+                   (a->failed > 0 || a->stopped);
     if (a->live == 0 && !waiting) {
       if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
       if (open == 0 || sp_clock_s() > drained_by) break;
