@@ -969,13 +969,7 @@ static void tell_ranks(const run_procs *p) {
   if (!sp_run_ranks_line(p->addr, p->j->creds.admin_token, 500, line,
                          sizeof line))
     return;
-  struct timespec ts;
-  struct tm tm;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  localtime_r(&ts.tv_sec, &tm);
-  printf("%02d:%02d:%02d.%03ld [ranks]: %s\n", tm.tm_hour, tm.tm_min,
-         tm.tm_sec, ts.tv_nsec / 1000000, line);
-  fflush(stdout);
+  sp_workers_print_line(stdout, "ranks", line, strlen(line));
 }
 
 static int supervise(const run_opts *o, run_procs *p) {

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -16,16 +17,22 @@
 
 extern char **environ;
 
-static void emit_line(const sp_out_stream *s) {
+void sp_workers_print_line(FILE *to, const char *who, const char *text,
+                           size_t len) {
   struct timespec ts;
   struct tm tm;
   clock_gettime(CLOCK_REALTIME, &ts);
   localtime_r(&ts.tv_sec, &tm);
   /* one write per line (stderr is unbuffered, stdout is flushed) */
-  fprintf(s->to, "%02d:%02d:%02d.%03ld [rank%d]: %.*s\n", tm.tm_hour,
-          tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, s->rank, (int)s->len,
-          s->line);
-  fflush(s->to);
+  fprintf(to, "%02d:%02d:%02d.%03ld [%s]: %.*s\n", tm.tm_hour, tm.tm_min,
+          tm.tm_sec, ts.tv_nsec / 1000000, who, (int)len, text);
+  fflush(to);
+}
+
+static void emit_line(const sp_out_stream *s) {
+  char who[24];
+  snprintf(who, sizeof who, "rank%d", s->rank);
+  sp_workers_print_line(s->to, who, s->line, s->len);
 }
 
 /* Reads what the pipe has and passes on every whole line; at the end of

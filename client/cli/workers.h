@@ -29,6 +29,10 @@ typedef struct sp_out_stream {
 size_t sp_workers_pass_output(sp_out_stream *st, size_t n, int timeout_ms);
 /* Closes the read ends left open (st may be NULL). */
 void sp_workers_close_streams(sp_out_stream *st, size_t n);
+/* One output line as the workers' are shown: the time, [who], text (len
+ * bytes, no newline), in one write, flushed. */
+void sp_workers_print_line(FILE *to, const char *who, const char *text,
+                           size_t len);
 
 /* Starts argv[0] with environment envp (NULL: this process's) in its own
  * process group (Ctrl-C reaches the launcher, which stops the workers in
