@@ -62,11 +62,14 @@ typedef struct rank_comm {
   fprint ring[RANK_RING];
 } rank_comm;
 
+/* One per rank of the world, allocated at start: the flags share words
+ * with the fields of 4 bytes (240 bytes a rank with them apart, 224). */
 typedef struct diag_rank {
-  bool active; /* sent any event since it attached */
   uint64_t last_event_ms;
+  bool active; /* sent any event since it attached */
   /* its last transition, for "rank 3's last event: ..." */
   uint8_t last_machine, last_state;
+  bool has_loss; /* loss below holds one */
   uint32_t last_unit;
   uint64_t last_step;
   /* the kinds the strategy has (sp_coord_diag.n_kinds): the world's,
@@ -79,15 +82,14 @@ typedef struct diag_rank {
   uint64_t step_start_us, cur_step, wait_us;
   float step_ms[SP_DIAG_STEP_WINDOW], busy_ms[SP_DIAG_STEP_WINDOW];
   uint8_t n_steps, next;
+  bool straggling;
+  bool victim; /* of victim_of, below */
   float score, busy_med;
   float busy_lo; /* its 25th percentile: how fast its faster steps are */
   /* the rank's step when it first crossed the straggler bar (0: it has
    * not): one slow window is not a straggler, a slow stretch is */
   uint64_t over_since;
-  bool straggling;
-  bool victim;
   uint32_t victim_of;
-  bool has_loss;
   double loss;
 } diag_rank;
 

@@ -11,11 +11,17 @@
 
 #define SESSION_ID_LEN 32
 
+/* One per rank of the world, allocated at start: the small fields share
+ * the words around session_id (216 bytes a rank with them apart, 192
+ * packed). */
 struct sp_coord_rank {
   uint8_t status; /* Shardplane__V1__RankStatus */
   char session_id[SESSION_ID_LEN + 1];
-  char *host, *device;
+  /* durability: restored from a state dir and not reattached yet (lost
+   * after reattach_by_ms) */
+  bool awaiting;
   uint32_t pid;
+  char *host, *device;
   uint64_t step;
   sp_state_tracker st;
   struct {
@@ -26,15 +32,13 @@ struct sp_coord_rank {
   } last_coll;
   uint64_t last_heard_ms;
   uint32_t alerts;
+  uint32_t snap_alerts; /* what the last written snapshot held, as below */
   char *last_alert;
   uint64_t transitions;
   sp_rpc_call *session; /* the open Session stream, if any */
-  /* durability: restored from a state dir and not reattached yet (lost
-   * after reattach_by_ms); what the last written snapshot held */
-  bool awaiting;
   uint64_t reattach_by_ms;
+  /* what the last written snapshot held */
   uint64_t snap_transitions, snap_step, gap_events;
-  uint32_t snap_alerts;
   /* The token that attached the rank (NULL without authentication): only
    * it may speak for the rank's session. */
   const sp_rpc_principal *owner;

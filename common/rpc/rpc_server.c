@@ -24,50 +24,56 @@
 
 typedef struct srv_conn srv_conn;
 
+/* Its fields of 4 bytes and less are packed together at the end (the
+ * flags as bits): a Session stream lives as long as its rank, and
+ * scattered, they padded the struct from 400 bytes to 448. */
 struct sp_rpc_call {
   srv_conn *conn;
-  int32_t stream_id;
   const sp_rpc_method *method;
-  /* Request headers. The path is looked up as it arrives, so the call keeps
-   * the method's index rather than a copy: a call lives as long as its
-   * stream, and a 256-byte path buffer was nearly half of every open
-   * stream's sp_rpc_call. Only a path no method has is copied, for the
-   * error that names it. */
-  int32_t route;      /* index in srv->methods; -1: unknown or none */
-  char *unknown_path; /* owned; NULL unless the path is unknown */
-  bool is_post, grpc_content_type, bad_encoding, md_overflow;
+  char *unknown_path; /* owned; NULL unless the path is unknown (route) */
   int64_t timeout_ms;
   sp_rpc_mdlist req_md;
   sp_rpc_deframer df;
-  uint32_t n_requests;
   uint8_t *unary_req;
   size_t unary_len, unary_charged; /* charged: to srv->buffered */
   size_t unary_cap; /* the deframer's buffer of this size; 0: srv->mem's */
   /* response */
   sp_rpc_mdlist resp_md;
-  bool headers_sent, finished, released, deferred, remote_closed;
-  int status;
   char *status_msg;
   sp_rpc_outq q; /* q.bytes: what the call has queued */
   void (*on_writable)(sp_rpc_call *);
-  bool want_writable, conn_blocked, notify_queued;
   uv_timer_t *timer;
   uint64_t deadline; /* uv_now() ms */
-  /* The timer runs for the server's request timeout (the request must
-   * complete first), not for the client's deadline. */
-  bool timer_is_request;
   /* On its connection's list of calls whose request timer is armed only
    * if the request is still incomplete once the read is parsed. */
-  bool arm_listed;
   sp_rpc_call *arm_next;
-  /* Requests waiting for the handler (see dispatch below), in order, and
-   * whether the half-close follows them; queued while on the ready list. */
+  /* Requests waiting for the handler (see dispatch below), in order;
+   * queued while on the ready list. */
   struct rq_item *rq_head, *rq_tail;
-  bool rq_half_close, ready;
   sp_rpc_call *ready_next, *ready_prev;
   void *user;
   const sp_rpc_principal *principal; /* borrowed from the authorize hook */
   sp_rpc_call *next, *prev, *notify_next;
+  int32_t stream_id;
+  /* Request headers. The path is looked up as it arrives, so the call keeps
+   * the method's index rather than a copy: a call lives as long as its
+   * stream, and a 256-byte path buffer was nearly half of every open
+   * stream's sp_rpc_call. Only a path no method has is copied, for the
+   * error that names it. */
+  int32_t route; /* index in srv->methods; -1: unknown or none */
+  uint32_t n_requests;
+  int status;
+  bool is_post : 1, grpc_content_type : 1, bad_encoding : 1, md_overflow : 1;
+  bool headers_sent : 1, finished : 1, released : 1, deferred : 1;
+  bool remote_closed : 1;
+  bool want_writable : 1, conn_blocked : 1, notify_queued : 1;
+  /* The timer runs for the server's request timeout (the request must
+   * complete first), not for the client's deadline. */
+  bool timer_is_request : 1;
+  bool arm_listed : 1; /* see arm_next */
+  /* whether the half-close follows the queued requests (rq_head) */
+  bool rq_half_close : 1;
+  bool ready : 1;
 };
 
 struct srv_conn {

@@ -62,10 +62,10 @@ void sp_rpc_mdlist_clear(sp_rpc_mdlist *l);
 /* Length-prefixed message reassembly across DATA frames. */
 typedef struct sp_rpc_deframer {
   uint8_t hdr[5];
+  bool in_body; /* next to hdr: one per open stream on a server */
   size_t hdr_have;
   uint8_t *buf;
   size_t need, have, cap;
-  bool in_body;
   size_t max;
   /* Optional: a budget shared with other deframers (a server's, across
    * all its connections). Partial-message buffers are charged to *used
