@@ -102,10 +102,16 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
   uv_update_time(loop); /* the loop may not have run for a while */
   c->started_ms = uv_now(loop);
   /* One long-lived connection per rank, with few calls on each: memory
-   * per connection counts more than header bytes per call. */
+   * per connection counts more than header bytes per call. The start of
+   * a job is a burst of calls (every rank's Attach and rendezvous) whose
+   * memory is freed under the Session streams that follow: the sweep
+   * gives it back (SP_COORD_TRIM_BYTES). */
   sp_rpc_server_opts opts = {.max_message = SP_COORD_MAX_MESSAGE,
                              .max_pending = 2 * SP_COORD_MAX_MESSAGE,
                              .no_header_tables = true,
+                             .trim_heap_bytes = SP_COORD_TRIM_BYTES,
+                             /* read by sp_auth_authorize, by no handler */
+                             .metadata_to_authorize = true,
                              .max_connections = cfg->max_connections,
                              .preface_timeout_ms = cfg->preface_timeout_ms,
                              .idle_timeout_ms = cfg->idle_timeout_ms,

@@ -179,19 +179,6 @@ static double probe_work_ms(const probe *p) {
   return (double)p->max_cpu_gap_ns / 1e6;
 }
 
-static uint64_t proc_status_kib(const char *key) {
-  FILE *f = fopen("/proc/self/status", "r");
-  assert_non_null(f);
-  char line[256];
-  uint64_t v = 0;
-  size_t kl = strlen(key);
-  while (fgets(line, sizeof line, f) != NULL)
-    if (strncmp(line, key, kl) == 0 && line[kl] == ':')
-      v = strtoull(line + kl + 1, NULL, 10);
-  fclose(f);
-  return v;
-}
-
 /* ---------------- the attacker: an HTTP/2 client of its own ---------------- */
 
 /* nghttp2 keeps to the coordinator's flow-control windows; the request
@@ -383,14 +370,15 @@ static void test_unknown_field_attack(void **state) {
   job_start(&j, HB_TIMEOUT_MS);
   sp_test_sleep_ms(300); /* the sessions' streams are up and beating */
   probe p = {0};
-  uint64_t hwm0 = proc_status_kib("VmHWM"), rss0 = proc_status_kib("VmRSS");
+  uint64_t hwm0 = sp_test_proc_status_kib("VmHWM"),
+           rss0 = sp_test_proc_status_kib("VmRSS");
   sp_coord_fixture_run(&j.fx, probe_start, &p);
   uint64_t t0 = now_ms();
   attack_run(j.fx.addr);
   uint64_t took = now_ms() - t0;
   sp_test_sleep_ms(2 * HB_TIMEOUT_MS); /* a lost rank would show by now */
   sp_coord_fixture_run(&j.fx, probe_stop, &p);
-  uint64_t hwm = proc_status_kib("VmHWM");
+  uint64_t hwm = sp_test_proc_status_kib("VmHWM");
   double pause = probe_pause_ms(&p), work = probe_work_ms(&p);
   char why[512] = "";
   bool alive = job_alive(&j, why, sizeof why);

@@ -15,6 +15,7 @@
 #include "rpc/rpc.h"
 #include "support/coord_fixture.h"
 #include "support/rpc_fixture.h"
+#include "rpc/rpc_mem.h"
 #include "rpc/rpc_wire.h"
 #include "support/testutil.h"
 
@@ -683,6 +684,90 @@ static void test_authorize_hook(void **state) {
   }
 }
 
+/* With metadata_to_authorize the hook reads the token and the handler
+ * sees no metadata at all; without it the handler sees the token too. */
+static void test_metadata_to_authorize(void **state) {
+  (void)state;
+  for (int drop = 0; drop < 2; drop++) {
+    sp_test_server ts;
+    sp_rpc_server_opts so = {.authorize = check_bearer,
+                             .metadata_to_authorize = drop == 1};
+    sp_test_server_start(&ts, &so);
+    sp_rpc_client_opts co = {.connect_timeout_ms = 5000, .token = "good"};
+    sp_rpc_sync *c;
+    assert_int_equal(sp_rpc_sync_open_opts(ts.addr, &co, &c), 0);
+    EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+    req.text = "__authorization__";
+    ProtobufCMessage *resp = NULL;
+    sp_rpc_status st;
+    int before = g_hook_calls;
+    assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base,
+                                       &shardplane__testing__echo_reply__descriptor,
+                                       2000, &resp, &st), 0);
+    sp_test_expect_status(&st, SP_RPC_OK, NULL); /* the hook saw the token */
+    assert_int_equal(g_hook_calls, before + 1);
+    assert_string_equal(((EchoReply *)resp)->text, drop ? "" : "Bearer good");
+    protobuf_c_message_free_unpacked(resp, NULL);
+    sp_rpc_sync_close(c);
+    sp_test_server_stop(&ts, 1000);
+  }
+}
+
+/* A burst's memory freed below a block still in use stays resident
+ * (glibc trims only the top of its heap): with trim_heap_bytes the
+ * server's sweep gives it back. 32 MiB freed under a pin must mostly
+ * leave the process's RSS within a few sweeps (every 500 ms here). */
+static void test_heap_trim(void **state) {
+  (void)state;
+  if (!sp_rpc_mem_trim_supported()) {
+    print_message("SKIPPED: no glibc heap to trim (a sanitizer's "
+                  "allocator, or not glibc 2.33+)\n");
+    skip();
+  }
+  sp_test_server ts;
+  sp_rpc_server_opts so = {.trim_heap_bytes = 8u << 20};
+  sp_test_server_start(&ts, &so);
+  sp_rpc_sync *c; /* a connection starts the sweep */
+  assert_int_equal(sp_rpc_sync_open(ts.addr, 5000, &c), 0);
+  Grpc__Health__V1__HealthCheckRequest hq =
+      GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status st;
+  assert_int_equal(sp_rpc_sync_unary(c, "/grpc.health.v1.Health/Check",
+                                     &hq.base,
+                                     &grpc__health__v1__health_check_response__descriptor,
+                                     2000, &resp, &st), 0);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  enum { N = 8192, SIZE = 4096 };
+  char **blocks = malloc(N * sizeof *blocks);
+  assert_non_null(blocks);
+  for (int i = 0; i < N; i++) {
+    blocks[i] = malloc(SIZE);
+    assert_non_null(blocks[i]);
+    memset(blocks[i], 1, SIZE);
+  }
+  /* The highest block stays: the heap's top is in use, so the rest is
+   * freed below it (a small block might come from a hole lower down). */
+  int pin = 0;
+  for (int i = 1; i < N; i++)
+    if ((uintptr_t)blocks[i] > (uintptr_t)blocks[pin]) pin = i;
+  uint64_t rss_full = sp_test_proc_status_kib("VmRSS");
+  for (int i = 0; i < N; i++)
+    if (i != pin) free(blocks[i]);
+  uint64_t rss = rss_full;
+  for (int i = 0; i < 20 && rss + 16384 > rss_full; i++) {
+    sp_test_sleep_ms(250);
+    rss = sp_test_proc_status_kib("VmRSS");
+  }
+  assert_true(rss + 16384 <= rss_full); /* at least half of it went back */
+  sp_rpc_server_stats stats = sp_test_server_stats(&ts);
+  assert_true(stats.heap_trims >= 1);
+  free(blocks[pin]);
+  free(blocks);
+  sp_rpc_sync_close(c);
+  sp_test_server_stop(&ts, 1000);
+}
+
 int main(void) {
   const struct CMUnitTest wire[] = {
       cmocka_unit_test(test_percent_encoding),
@@ -691,6 +776,7 @@ int main(void) {
       cmocka_unit_test(test_deframer),
       cmocka_unit_test(test_addresses),
       cmocka_unit_test(test_authorize_hook),
+      cmocka_unit_test(test_metadata_to_authorize),
   };
   const struct CMUnitTest live[] = {
       cmocka_unit_test(test_unary_and_errors),
@@ -704,6 +790,7 @@ int main(void) {
   const struct CMUnitTest conn[] = {
       cmocka_unit_test(test_connect_failure_and_retry),
       cmocka_unit_test(test_graceful_shutdown_finishes_calls),
+      cmocka_unit_test(test_heap_trim),
       cmocka_unit_test(test_deadline_after_idle_loop),
   };
   int rc = cmocka_run_group_tests_name("wire", wire, NULL, NULL);

@@ -190,6 +190,13 @@ typedef struct sp_rpc_server_opts {
    * long-lived connections that make few calls each, like the coordinator.
    * Clients must follow RFC 7541 §4.2 (nghttp2 and gRPC do). */
   bool no_header_tables;
+  /* Heap free bytes that, once a burst of calls has freed that many more
+   * since the last time, make the connection sweep (about once a second)
+   * return the heap's free pages to the system: glibc keeps what is freed
+   * below memory still in use (rpc_mem.h, sp_rpc_mem_trim). Process-wide,
+   * so for a server that owns its process, like the coordinator. 0: never;
+   * nothing without glibc or under a sanitizer. */
+  size_t trim_heap_bytes;
   /* NULL: cleartext HTTP/2 (h2c). The struct and its strings need only
    * live until sp_rpc_server_listen returns. */
   const sp_rpc_tls_server_opts *tls;
@@ -213,6 +220,13 @@ typedef struct sp_rpc_server_opts {
   /* NULL: every call proceeds. */
   sp_rpc_authorize_fn authorize;
   void *authorize_arg;
+  /* Request metadata are for the authorize hook alone: freed as soon as
+   * the request headers are dealt with, so that handlers see none
+   * (sp_rpc_call_metadata returns NULL). A call otherwise keeps them as
+   * long as it lives: for a server of long-lived streams whose handlers
+   * never read them, like the coordinator's Session streams (96 B a
+   * stream for a user-agent alone, more with a token). */
+  bool metadata_to_authorize;
 } sp_rpc_server_opts;
 
 /* Creates a server on `loop` with grpc.health.v1.Health registered ("" is
@@ -273,6 +287,7 @@ typedef struct sp_rpc_server_stats {
    * not counted. */
   uint64_t body_bytes;
   uint64_t calls_refused; /* by the authorize hook */
+  uint64_t heap_trims;    /* free pages returned (trim_heap_bytes) */
 } sp_rpc_server_stats;
 void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s);
 
@@ -311,7 +326,8 @@ int sp_rpc_call_add_metadata(sp_rpc_call *call, const char *key,
                              const uint8_t *value, size_t len);
 
 /* A request metadata value (decoded for -bin keys), or NULL. The pointer is
- * valid while the call is. */
+ * valid while the call is; with metadata_to_authorize, only inside the
+ * authorize hook (NULL in handlers). */
 const uint8_t *sp_rpc_call_metadata(const sp_rpc_call *call, const char *key,
                                     size_t *len);
 

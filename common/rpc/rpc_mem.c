@@ -12,10 +12,22 @@
 #endif
 #if !defined(SP_RPC_MEM_CACHE) && defined(__GLIBC__)
 #define SP_RPC_MEM_CACHE 1
-#include <malloc.h>
 #endif
 #ifndef SP_RPC_MEM_CACHE
 #define SP_RPC_MEM_CACHE 0
+#endif
+/* glibc's own heap is the one in use (not a sanitizer's): its statistics
+ * and malloc_trim mean something */
+#if SP_RPC_MEM_CACHE
+#if __GLIBC_PREREQ(2, 33)
+#define SP_RPC_MEM_TRIM 1
+#endif
+#endif
+#ifndef SP_RPC_MEM_TRIM
+#define SP_RPC_MEM_TRIM 0
+#endif
+#if SP_RPC_MEM_CACHE
+#include <malloc.h>
 #endif
 
 /* usable bytes of a class's blocks */
@@ -93,3 +105,26 @@ void *sp_rpc_mem_realloc(sp_rpc_mem *m, void *p, size_t size) {
   if (p == NULL) return sp_rpc_mem_alloc(m, size);
   return realloc(p, size); /* every block is malloc's */
 }
+
+bool sp_rpc_mem_trim(sp_rpc_mem_trimmer *t) {
+#if SP_RPC_MEM_TRIM
+  if (t->threshold == 0) return false;
+  struct mallinfo2 mi = mallinfo2();
+  /* free chunks, less the top one (glibc trims that itself past
+   * M_TRIM_THRESHOLD) */
+  size_t free_bytes = mi.fordblks > mi.keepcost ? mi.fordblks - mi.keepcost : 0;
+  /* Reused since: its pages are resident again, and the next growth is
+   * counted from here. */
+  if (free_bytes < t->base) t->base = free_bytes;
+  if (free_bytes - t->base < t->threshold) return false;
+  malloc_trim(0);
+  t->base = free_bytes; /* trimmed chunks still count as free */
+  t->trims++;
+  return true;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+bool sp_rpc_mem_trim_supported(void) { return SP_RPC_MEM_TRIM; }

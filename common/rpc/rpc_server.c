@@ -131,6 +131,7 @@ struct sp_rpc_server {
   sp_h2shared shared; /* the I/O buffers all connections share */
   /* nghttp2's blocks and the calls, for all connections (rpc_mem.h) */
   sp_rpc_mem mem;
+  sp_rpc_mem_trimmer trim; /* opts.trim_heap_bytes, on the sweep */
   ProtobufCAllocator pb_mem; /* srv->mem for the decoded requests */
   SSL_CTX *tls; /* NULL: cleartext; built by the first listen */
   /* Request and response bytes buffered across all connections, against
@@ -684,6 +685,7 @@ static void request_headers_done(sp_rpc_call *call) {
       return;
     }
   }
+  if (srv->opts.metadata_to_authorize) sp_rpc_mdlist_clear(&call->req_md);
   /* from now: the loop's clock is as old as this iteration */
   if (call->timeout_ms >= 0)
     call->deadline = loop_now(srv) + (uint64_t)call->timeout_ms;
@@ -1394,6 +1396,7 @@ static void on_sweep(uv_timer_t *t) {
   char why[96];
   /* the free blocks go back to malloc between bursts (rpc_mem.h) */
   sp_rpc_mem_release(&srv->mem);
+  if (sp_rpc_mem_trim(&srv->trim)) srv->stats.heap_trims++;
   for (srv_conn *c = srv->conns, *next; c != NULL; c = next) {
     next = c->next;
     if (c->io.closing || c->io.sink != NULL) continue;
@@ -1698,6 +1701,7 @@ int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
   if (!srv->opts.request_timeout_ms)
     srv->opts.request_timeout_ms = SP_RPC_DEFAULT_REQUEST_TIMEOUT_MS;
   if (!srv->opts.max_buffered) srv->opts.max_buffered = SP_RPC_DEFAULT_MAX_BUFFERED;
+  srv->trim.threshold = srv->opts.trim_heap_bytes;
   srv->paths = sp_strmap_new(32);
   if (srv->paths == NULL) {
     free(srv);

@@ -89,6 +89,12 @@ static void finish_unary(sp_rpc_call *call, const EchoRequest *req) {
     EchoReply r = SHARDPLANE__TESTING__ECHO_REPLY__INIT;
     r.text = text;
     sp_rpc_call_send(call, &r.base);
+  } else if (strcmp(req->text, "__authorization__") == 0) {
+    size_t len = 0;
+    const uint8_t *v = sp_rpc_call_metadata(call, "authorization", &len);
+    EchoReply r = SHARDPLANE__TESTING__ECHO_REPLY__INIT;
+    r.text = v != NULL ? (char *)v : "";
+    sp_rpc_call_send(call, &r.base);
   } else {
     reply(call, req, 0);
   }

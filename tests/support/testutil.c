@@ -171,3 +171,16 @@ int sp_test_wait_exit(int pid, double timeout_s) {
   waitpid(pid, NULL, 0);
   return -1;
 }
+
+uint64_t sp_test_proc_status_kib(const char *key) {
+  FILE *f = fopen("/proc/self/status", "r");
+  assert_non_null(f);
+  char line[256];
+  uint64_t v = 0;
+  size_t kl = strlen(key);
+  while (fgets(line, sizeof line, f) != NULL)
+    if (strncmp(line, key, kl) == 0 && line[kl] == ':')
+      v = strtoull(line + kl + 1, NULL, 10);
+  fclose(f);
+  return v;
+}

@@ -64,6 +64,10 @@ int sp_test_spawn_logged(const char *out, const char *err, char *const *argv);
  * after timeout_s (then it is SIGKILLed and reaped). */
 int sp_test_wait_exit(int pid, double timeout_s);
 
+/* A "Key:  N kB" line of /proc/self/status (VmRSS, VmHWM): N, or 0 when
+ * there is none. */
+uint64_t sp_test_proc_status_kib(const char *key);
+
 /* Sleeps ms milliseconds (the whole time, across signals). Time is read
  * with sp_clock_s() (common/clock.h). */
 void sp_test_sleep_ms(unsigned ms);
