@@ -17,6 +17,10 @@ typedef struct cconn {
   sp_h2conn io;
   sp_rpc_client *cl;
   sp_rpc_ccall *calls; /* submitted on this connection */
+  /* The call of the stream nghttp2 last called back for, as the server's
+   * cur_call (rpc_server.c); cleared when that call completes. */
+  int32_t cur_id;
+  sp_rpc_ccall *cur_call;
   bool ready, goaway;
   bool handshaking; /* TLS: connected, the handshake not done yet */
 } cconn;
@@ -94,6 +98,7 @@ static void timer_free(uv_handle_t *h) { free(h); }
 static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
   if (call->closed) return;
   call->closed = true;
+  if (call->conn && call->conn->cur_call == call) call->conn->cur_call = NULL;
   if (call->conn) list_remove(&call->conn->calls, call);
   else list_remove(&call->cl->waiting, call);
   if (call->timer) {
@@ -174,13 +179,23 @@ static ssize_t read_request(nghttp2_session *s, int32_t id, uint8_t *buf,
   return NGHTTP2_ERR_DEFERRED;
 }
 
+/* The call of stream id (see cur_call); NULL: none, or it is gone. */
+static sp_rpc_ccall *stream_call(cconn *cc, nghttp2_session *s, int32_t id) {
+  if (cc->cur_call != NULL && cc->cur_id == id) return cc->cur_call;
+  sp_rpc_ccall *call = nghttp2_session_get_stream_user_data(s, id);
+  if (call != NULL) {
+    cc->cur_id = id;
+    cc->cur_call = call;
+  }
+  return call;
+}
+
 static int cb_header(nghttp2_session *s, const nghttp2_frame *f,
                      const uint8_t *name, size_t nlen, const uint8_t *value,
                      size_t vlen, uint8_t flags, void *ud) {
   (void)flags;
-  (void)ud;
   if (f->hd.type != NGHTTP2_HEADERS) return 0;
-  sp_rpc_ccall *call = nghttp2_session_get_stream_user_data(s, f->hd.stream_id);
+  sp_rpc_ccall *call = stream_call(ud, s, f->hd.stream_id);
   if (call == NULL) return 0;
   if (nlen == 7 && memcmp(name, ":status", 7) == 0) {
     int st = 0;
@@ -222,8 +237,7 @@ static int deliver_message(void *ud, const uint8_t *msg, size_t len) {
 static int cb_data_chunk(nghttp2_session *s, uint8_t flags, int32_t id,
                          const uint8_t *data, size_t len, void *ud) {
   (void)flags;
-  (void)ud;
-  sp_rpc_ccall *call = nghttp2_session_get_stream_user_data(s, id);
+  sp_rpc_ccall *call = stream_call(ud, s, id);
   if (call == NULL || call->local_code >= 0) return 0;
   uint64_t announced = 0;
   int rc = sp_rpc_deframer_feed(&call->df, data, len, deliver_message, call,
@@ -253,8 +267,7 @@ static int cb_frame_recv(nghttp2_session *s, const nghttp2_frame *f,
 
 static int cb_stream_close(nghttp2_session *s, int32_t id, uint32_t err,
                            void *ud) {
-  (void)ud;
-  sp_rpc_ccall *call = nghttp2_session_get_stream_user_data(s, id);
+  sp_rpc_ccall *call = stream_call(ud, s, id);
   if (call == NULL) return 0;
   nghttp2_session_set_stream_user_data(s, id, NULL);
   call_finish_from_stream(call, err);

@@ -79,6 +79,13 @@ struct srv_conn {
   sp_rpc_call *notify; /* calls whose on_writable must run */
   sp_rpc_call *arm;    /* see arm_listed */
   int32_t last_route;  /* the method of its last known :path; -1: none */
+  /* The call of the stream nghttp2 last called back for, so the callbacks
+   * of one frame (a request's HEADERS: one per field, then the frame's
+   * end) do not each look the stream up in nghttp2's map: 10 lookups per
+   * unary call, 2% of the server's instructions (callgrind, bench/rpc).
+   * Cleared when that call is freed. */
+  int32_t cur_id;
+  sp_rpc_call *cur_call;
   size_t pending;      /* bytes queued by all its calls */
   bool any_blocked;    /* a call waits for `pending` to drain */
   /* For the limits (uv_now() ms): accepted, and last seen with no open
@@ -200,6 +207,7 @@ static void call_release(sp_rpc_call *call, int code) {
 
 static void call_free(sp_rpc_call *call) {
   srv_conn *c = call->conn;
+  if (c->cur_call == call) c->cur_call = NULL;
   if (call->prev) call->prev->next = call->next;
   else c->calls = call->next;
   if (call->next) call->next->prev = call->prev;
@@ -1042,6 +1050,17 @@ static void request_half_closed(sp_rpc_call *call) {
   submit_half_close(call);
 }
 
+/* The call of stream id (see cur_call); NULL: none, or it is gone. */
+static sp_rpc_call *stream_call(srv_conn *c, nghttp2_session *s, int32_t id) {
+  if (c->cur_call != NULL && c->cur_id == id) return c->cur_call;
+  sp_rpc_call *call = nghttp2_session_get_stream_user_data(s, id);
+  if (call != NULL) {
+    c->cur_id = id;
+    c->cur_call = call;
+  }
+  return call;
+}
+
 static int cb_begin_headers(nghttp2_session *s, const nghttp2_frame *f,
                             void *ud) {
   srv_conn *c = ud;
@@ -1063,6 +1082,8 @@ static int cb_begin_headers(nghttp2_session *s, const nghttp2_frame *f,
   c->srv->stats.calls_open++;
   c->srv->stats.calls_total++;
   nghttp2_session_set_stream_user_data(s, f->hd.stream_id, call);
+  c->cur_id = f->hd.stream_id;
+  c->cur_call = call;
   return 0;
 }
 
@@ -1075,10 +1096,9 @@ static int cb_header(nghttp2_session *s, const nghttp2_frame *f,
                      const uint8_t *name, size_t nlen, const uint8_t *value,
                      size_t vlen, uint8_t flags, void *ud) {
   (void)flags;
-  (void)ud;
   if (f->hd.type != NGHTTP2_HEADERS || f->headers.cat != NGHTTP2_HCAT_REQUEST)
     return 0; /* request trailers are ignored */
-  sp_rpc_call *call = nghttp2_session_get_stream_user_data(s, f->hd.stream_id);
+  sp_rpc_call *call = stream_call(ud, s, f->hd.stream_id);
   if (call == NULL) return 0;
   if (nlen > 0 && name[0] == ':') {
     if (nlen == 5 && memcmp(name, ":path", 5) == 0) {
@@ -1155,7 +1175,7 @@ static int cb_data_chunk(nghttp2_session *s, uint8_t flags, int32_t id,
   (void)flags;
   srv_conn *c = ud;
   c->srv->stats.bytes_in += len;
-  sp_rpc_call *call = nghttp2_session_get_stream_user_data(s, id);
+  sp_rpc_call *call = stream_call(c, s, id);
   if (call == NULL || call->finished || call->method == NULL) return 0;
   c->srv->stats.body_bytes += len;
   uint64_t announced = 0;
@@ -1183,10 +1203,9 @@ static int cb_data_chunk(nghttp2_session *s, uint8_t flags, int32_t id,
 
 static int cb_frame_recv(nghttp2_session *s, const nghttp2_frame *f,
                          void *ud) {
-  (void)ud;
   if (f->hd.type != NGHTTP2_HEADERS && f->hd.type != NGHTTP2_DATA) return 0;
   /* the stream may already be closed: fetch and check again */
-  sp_rpc_call *call = nghttp2_session_get_stream_user_data(s, f->hd.stream_id);
+  sp_rpc_call *call = stream_call(ud, s, f->hd.stream_id);
   if (call == NULL) return 0;
   if (f->hd.type == NGHTTP2_HEADERS &&
       f->headers.cat == NGHTTP2_HCAT_REQUEST)
@@ -1211,8 +1230,7 @@ static int cb_frame_send(nghttp2_session *s, const nghttp2_frame *f,
 
 static int cb_stream_close(nghttp2_session *s, int32_t id, uint32_t err,
                            void *ud) {
-  (void)ud;
-  sp_rpc_call *call = nghttp2_session_get_stream_user_data(s, id);
+  sp_rpc_call *call = stream_call(ud, s, id);
   if (call == NULL) return 0;
   nghttp2_session_set_stream_user_data(s, id, NULL);
   /* the only place stream state is freed: nghttp2 may still call back for
