@@ -1087,7 +1087,9 @@ static void usage(FILE *f) {
           "%.2f / %.2f / %.2f of the\n"
           "floor's and >= %.0fx gRPC C++'s at 1 / 8 / 64 callers (each the "
           "median of the runs' own\n"
-          "ratios).\n",
+          "ratios). CPU per call is also compared with that of bare nghttp2 "
+          "exchanging the same\n"
+          "calls in memory: the least an engine on nghttp2 can spend.\n",
           GOAL_P50_VS_FLOOR, k_goal_vs_floor[0], k_goal_vs_floor[1],
           k_goal_vs_floor[2], GOAL_TPUT_VS_GRPCPP);
 }
