@@ -536,9 +536,6 @@ static void client_connect(sp_rpc_client *cl) {
 
 /* ---------------- calls ---------------- */
 
-#define NV(n, v, vl)                                                           \
-  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl), NGHTTP2_NV_FLAG_NONE}
-
 static void submit_call(sp_rpc_ccall *call) {
   sp_rpc_client *cl = call->cl;
   cconn *cc = cl->conn;
@@ -560,23 +557,23 @@ static void submit_call(sp_rpc_ccall *call) {
   }
   size_t n = 0;
   char timeout[16];
-  nv[n++] = (nghttp2_nv)NV(":method", "POST", 4);
+  nv[n++] = (nghttp2_nv)SP_NV_STATIC(":method", "POST", 4);
   if (cl->use_tls)
-    nv[n++] = (nghttp2_nv)NV(":scheme", "https", 5);
+    nv[n++] = (nghttp2_nv)SP_NV_STATIC(":scheme", "https", 5);
   else
-    nv[n++] = (nghttp2_nv)NV(":scheme", "http", 4);
-  nv[n++] = (nghttp2_nv)NV(":path", call->path, strlen(call->path));
+    nv[n++] = (nghttp2_nv)SP_NV_STATIC(":scheme", "http", 4);
+  nv[n++] = (nghttp2_nv)SP_NV(":path", call->path, strlen(call->path));
   /* a path is no authority (nghttp2 refuses its '/'); gRPC names a Unix
    * socket's "localhost" too */
   if (cl->sa.ss_family == AF_UNIX)
-    nv[n++] = (nghttp2_nv)NV(":authority", "localhost", 9);
+    nv[n++] = (nghttp2_nv)SP_NV_STATIC(":authority", "localhost", 9);
   else
-    nv[n++] = (nghttp2_nv)NV(":authority", cl->addr, strlen(cl->addr));
-  nv[n++] = (nghttp2_nv)NV("te", "trailers", 8);
-  nv[n++] = (nghttp2_nv)NV("content-type", "application/grpc", 16);
+    nv[n++] = (nghttp2_nv)SP_NV(":authority", cl->addr, strlen(cl->addr));
+  nv[n++] = (nghttp2_nv)SP_NV_STATIC("te", "trailers", 8);
+  nv[n++] = (nghttp2_nv)SP_NV_STATIC("content-type", "application/grpc", 16);
   /* no grpc-accept-encoding: without it servers send identity, the only
    * codec we take (see rpc_server.c, submit_headers) */
-  nv[n++] = (nghttp2_nv)NV("user-agent", "shardplane/0.1", 14);
+  nv[n++] = (nghttp2_nv)SP_NV_STATIC("user-agent", "shardplane/0.1", 14);
   if (cl->authorization != NULL)
     nv[n++] = (nghttp2_nv){(uint8_t *)"authorization",
                            (uint8_t *)cl->authorization, 13,
@@ -585,7 +582,7 @@ static void submit_call(sp_rpc_ccall *call) {
     /* what is left of the deadline, since the call may have waited */
     uint64_t left = call->timer ? uv_timer_get_due_in(call->timer) : 0;
     sp_rpc_timeout_format(left ? left : 1, timeout);
-    nv[n++] = (nghttp2_nv)NV("grpc-timeout", timeout, strlen(timeout));
+    nv[n++] = (nghttp2_nv)SP_NV("grpc-timeout", timeout, strlen(timeout));
   }
   for (size_t i = 0; i < call->md.n; i++) {
     struct sp_rpc_mdent *e = &call->md.e[i];

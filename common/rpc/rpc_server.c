@@ -244,9 +244,6 @@ static void call_free(sp_rpc_call *call) {
 
 /* ---------------- sending ---------------- */
 
-#define NV(n, v, vl)                                                           \
-  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl), NGHTTP2_NV_FLAG_NONE}
-
 /* Response metadata as header fields; -bin values in base64. */
 static size_t md_to_nv(const sp_rpc_mdlist *l, nghttp2_nv *nv, char **b64) {
   size_t n = 0;
@@ -288,10 +285,13 @@ static size_t status_fields(sp_rpc_call *call, status_nv *s, nghttp2_nv *nv) {
     code = k_code[call->status];
   else
     snprintf(s->code, sizeof s->code, "%d", call->status);
-  nv[n++] = (nghttp2_nv)NV("grpc-status", code, strlen(code));
+  if (code == s->code) /* on the stack */
+    nv[n++] = (nghttp2_nv)SP_NV("grpc-status", code, strlen(code));
+  else
+    nv[n++] = (nghttp2_nv)SP_NV_STATIC("grpc-status", code, strlen(code));
   if (call->status_msg != NULL && call->status_msg[0] != '\0') {
     size_t l = sp_rpc_pct_encode(call->status_msg, s->msg, sizeof s->msg);
-    nv[n++] = (nghttp2_nv)NV("grpc-message", s->msg, l);
+    nv[n++] = (nghttp2_nv)SP_NV("grpc-message", s->msg, l);
   }
   return n;
 }
@@ -315,8 +315,8 @@ static int submit_headers(sp_rpc_call *call) {
     return SP_ENOMEM;
   }
   size_t n = 0;
-  nv[n++] = (nghttp2_nv)NV(":status", "200", 3);
-  nv[n++] = (nghttp2_nv)NV("content-type", "application/grpc", 16);
+  nv[n++] = (nghttp2_nv)SP_NV_STATIC(":status", "200", 3);
+  nv[n++] = (nghttp2_nv)SP_NV_STATIC("content-type", "application/grpc", 16);
   n += md_to_nv(&call->resp_md, nv + n, b64);
   status_nv st;
   int rv;
@@ -325,7 +325,7 @@ static int submit_headers(sp_rpc_call *call) {
      * grpc-encoding is answered): a client that sent none assumes
      * identity, and on every OK answer the field cost both ends 7% of
      * their instructions per unary call (callgrind over bench/rpc). */
-    nv[n++] = (nghttp2_nv)NV("grpc-accept-encoding", "identity", 8);
+    nv[n++] = (nghttp2_nv)SP_NV_STATIC("grpc-accept-encoding", "identity", 8);
     n += status_fields(call, &st, nv + n);
     rv = nghttp2_submit_response(h2, call->stream_id, nv, n, NULL);
   } else {
@@ -607,10 +607,10 @@ static void http_error(sp_rpc_call *call, const char *status, int code,
   nghttp2_nv nv[4];
   char c[12];
   snprintf(c, sizeof c, "%d", code);
-  nv[0] = (nghttp2_nv)NV(":status", status, strlen(status));
-  nv[1] = (nghttp2_nv)NV("content-type", "application/grpc", 16);
-  nv[2] = (nghttp2_nv)NV("grpc-status", c, strlen(c));
-  nv[3] = (nghttp2_nv)NV("grpc-message", msg, strlen(msg));
+  nv[0] = (nghttp2_nv)SP_NV(":status", status, strlen(status));
+  nv[1] = (nghttp2_nv)SP_NV_STATIC("content-type", "application/grpc", 16);
+  nv[2] = (nghttp2_nv)SP_NV("grpc-status", c, strlen(c));
+  nv[3] = (nghttp2_nv)SP_NV("grpc-message", msg, strlen(msg));
   nghttp2_submit_response(call->conn->io.h2, call->stream_id, nv, 4, NULL);
   call->headers_sent = call->finished = call->released = true;
 }
