@@ -26,8 +26,11 @@ struct sp_h2_floor {
   bool failed;
 };
 
+/* Names and values that outlive the frames, as nghttp2 is told: it
+ * copies none of them (as ours, rpc_internal.h, SP_NV_STATIC). */
 #define NV(n, v, vl)                                                           \
-  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl), NGHTTP2_NV_FLAG_NONE}
+  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl),                        \
+   NGHTTP2_NV_FLAG_NO_COPY_NAME | NGHTTP2_NV_FLAG_NO_COPY_VALUE}
 
 static size_t ring(int32_t id) { return (size_t)(id >> 1) % RING; }
 
