@@ -992,7 +992,7 @@ static void test_run_admin_token(void **state) {
   free(dir);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
       cmocka_unit_test(test_run_training_flags),
@@ -1008,5 +1008,6 @@ int main(void) {
       cmocka_unit_test(test_run_keeps_other_checkpoints),
       cmocka_unit_test(test_run_admin_token),
   };
+  if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
