@@ -191,11 +191,13 @@ typedef struct sp_rpc_server_opts {
    * Clients must follow RFC 7541 §4.2 (nghttp2 and gRPC do). */
   bool no_header_tables;
   /* Heap free bytes that, once a burst of calls has freed that many more
-   * since the last time, make the connection sweep (about once a second)
-   * return the heap's free pages to the system: glibc keeps what is freed
-   * below memory still in use (rpc_mem.h, sp_rpc_mem_trim). Process-wide,
-   * so for a server that owns its process, like the coordinator. 0: never;
-   * nothing without glibc or under a sanitizer. */
+   * since the last time, make the connection sweep (at most a second
+   * apart) return the heap's free pages to the system: glibc keeps what
+   * is freed below memory still in use (rpc_mem.h, sp_rpc_mem_trim). The
+   * sweep looks at the heap only after threshold / 1 KiB calls ended
+   * since it last did. Process-wide, so for a server that owns its
+   * process, like the coordinator. 0: never; nothing without glibc or
+   * under a sanitizer. */
   size_t trim_heap_bytes;
   /* NULL: cleartext HTTP/2 (h2c). The struct and its strings need only
    * live until sp_rpc_server_listen returns. */
