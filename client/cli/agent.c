@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "agent_ctl.h"
 #include "agent_proxy.h"
 #include "base/clock.h"
 #include "base/flag.h"
@@ -65,7 +66,17 @@ static void usage(FILE *f) {
         "  --load-on-restart DIR        on a restart, TRAINER gets --load DIR\n"
         "                               when DIR holds a checkpoint (the\n"
         "                               trainer's --checkpoint-dir, written\n"
-        "                               with --checkpoint-every N)\n",
+        "                               with --checkpoint-every N)\n"
+        "  --coordinator-grace S        ride out a coordinator outage of up\n"
+        "                               to S seconds (default 60; passed on\n"
+        "                               to the workers as\n"
+        "                               SHARDPLANE_COORDINATOR_GRACE): a\n"
+        "                               coordinator with --state-dir that is\n"
+        "                               restarted on its address finds the\n"
+        "                               agent registered again as the same\n"
+        "                               node, its workers still training;\n"
+        "                               after S the agent stops them and\n"
+        "                               exits 4\n",
         f);
   fputs(SP_REMOTE_OPTIONS_HELP, f);
   fputs("                               (the agent's --timeout-ms defaults\n"
@@ -87,7 +98,9 @@ static void usage(FILE *f) {
         "\n"
         "exit codes: 0 every worker exited 0, 1 a worker failed or died (the\n"
         "message names its rank, and the signal or status), 2 bad usage,\n"
-        "4 no coordinator answered, 130 / 143 stopped by SIGINT / SIGTERM\n",
+        "4 no coordinator answered, or it went away for longer than\n"
+        "--coordinator-grace (or keeping no state dir) while the workers\n"
+        "ran (no rank is blamed), 130 / 143 stopped by SIGINT / SIGTERM\n",
         f);
 }
 
@@ -101,9 +114,10 @@ typedef struct agent {
   char **trainer;       /* argv of the trainer, NULL-terminated */
   size_t n_trainer;
   /* the agent's stream to the coordinator (AgentSession), over its own
-   * proxy: the one connection carries it too */
-  struct sp_rpc_sync *ctl;
-  struct sp_rpc_sync_stream *ctl_st;
+   * proxy: the one connection carries it too; it outlives the
+   * coordinator's outages of up to grace_ms (agent_ctl.h) */
+  sp_agent_ctl *ctl;
+  uint64_t grace_ms;    /* --coordinator-grace */
   uint64_t incarnation;
   uint32_t failed; /* workers of this incarnation that failed */
   /* told AGENT_STOP: its workers stopped, it waits for AGENT_START or
@@ -117,10 +131,25 @@ typedef struct agent {
   pid_t pids[SP_WORKERS_MAX];
   uint32_t live;
   sp_out_stream *streams; /* local rank i's stdout at 2i, stderr 2i + 1 */
+  /* workers that ended unasked while the coordinator was away: judged
+   * once it is back (reported, or the job stopped naming the rank), never
+   * if it does not come back (a worker that could not reach it either is
+   * not to blame) */
+  struct worker_end {
+    long long local;
+    int status;
+    uint64_t incarnation;
+  } held[SP_WORKERS_MAX];
+  uint32_t n_held;
+  /* the deaths of this incarnation reported: sent again after an outage,
+   * since a coordinator that died within its decision window lost them
+   * (it ignores those of an incarnation that has ended) */
+  struct worker_end reported[SP_WORKERS_MAX];
+  uint32_t n_reported;
 } agent;
 
 enum { A_NPROC = 1, A_NODE_RANK, A_NNODES, A_NO_PROXY, A_MAX_RESTARTS,
-       A_RESTART_LOAD, A_HELP };
+       A_RESTART_LOAD, A_GRACE, A_HELP };
 
 #define PROCEED (-1)
 
@@ -152,11 +181,22 @@ static int parse_args(agent *a, int argc, char **argv) {
       {"no-proxy", no_argument, NULL, A_NO_PROXY},
       {"max-restarts", required_argument, NULL, A_MAX_RESTARTS},
       {"load-on-restart", required_argument, NULL, A_RESTART_LOAD},
+      {"coordinator-grace", required_argument, NULL, A_GRACE},
       {"help", no_argument, NULL, A_HELP},
       SP_REMOTE_OPTIONS,
       {NULL, 0, NULL, 0}};
   a->nproc = a->node_rank = a->nnodes = -1;
   a->r.timeout_ms = 30000; /* agents may start before their coordinator */
+  /* as its workers: the flag, else the variable, else the default */
+  a->grace_ms = SP_COORDINATOR_GRACE_DEFAULT_MS;
+  const char *grace = getenv(SP_COORDINATOR_GRACE_ENV);
+  sp_diag ed = {{0}};
+  if (grace != NULL && grace[0] != '\0' &&
+      sp_coordinator_grace_parse("$" SP_COORDINATOR_GRACE_ENV, grace,
+                                 &a->grace_ms, &ed) != 0) {
+    sp_cli_error(AGENT, "%s", ed.msg);
+    return SP_EXIT_USAGE;
+  }
   int c;
   optind = 1;
   /* "+": the trainer's arguments after "--" (or its name) are its own */
@@ -187,6 +227,10 @@ static int parse_args(agent *a, int argc, char **argv) {
         a->restart_load = optarg;
         rc = sp_flag_text("--load-on-restart", optarg, "a checkpoint "
                           "directory", &d);
+        break;
+      case A_GRACE:
+        rc = sp_coordinator_grace_parse("--coordinator-grace", optarg,
+                                        &a->grace_ms, &d);
         break;
       case '?': usage(stderr); return SP_EXIT_USAGE;
       default: {
@@ -300,7 +344,8 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
   static const char *const set[] = {
       "RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=",
       "GROUP_RANK=", "NODE_RANK=", SP_COORDINATOR_ENV "=",
-      SP_GLOO_HOST_ENV "=", "SHARDPLANE_INCARNATION="};
+      SP_GLOO_HOST_ENV "=", "SHARDPLANE_INCARNATION=",
+      SP_COORDINATOR_GRACE_ENV "="};
   size_t n = 0, k = 0;
   snprintf(vars[k++], sizeof vars[0], "RANK=%lld", a->node_rank * a->nproc + i);
   snprintf(vars[k++], sizeof vars[0], "LOCAL_RANK=%lld", i);
@@ -312,6 +357,10 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
            a->worker_coord);
   snprintf(vars[k++], sizeof vars[0], "SHARDPLANE_INCARNATION=%llu",
            (unsigned long long)a->incarnation);
+  /* the workers ride out what the agent does */
+  snprintf(vars[k++], sizeof vars[0], SP_COORDINATOR_GRACE_ENV "=%llu.%03llu",
+           (unsigned long long)(a->grace_ms / 1000),
+           (unsigned long long)(a->grace_ms % 1000));
   if (a->gloo_host[0])
     snprintf(vars[k++], sizeof vars[0], SP_GLOO_HOST_ENV "=%s", a->gloo_host);
   if (k > nvars) return -1;
@@ -328,7 +377,7 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
   return 0;
 }
 
-#define N_VARS 10 /* the variables worker_env sets, at most */
+#define N_VARS 11 /* the variables worker_env sets, at most */
 
 /* The streams of the workers' output, once for every incarnation. */
 static int alloc_streams(agent *a) {
@@ -408,108 +457,58 @@ static int start_workers(agent *a) {
   return ec;
 }
 
-/* ---- the agent's stream to the coordinator ---- */
-
-#define AGENT_PATH "/shardplane.v1.Coordinator/AgentSession"
-
-static int ctl_send(agent *a, const Shardplane__V1__AgentUp *up) {
-  if (a->ctl_st == NULL) return SP_ESTATE;
-  return sp_rpc_sync_stream_send(a->ctl_st, &up->base);
-}
-
-/* Waits up to wait_ms for a command. Returns 1 with *out set (the caller
- * frees it), 0 when none came, -1 when the stream ended (said why). */
-static int ctl_recv(agent *a, uint64_t wait_ms,
-                    Shardplane__V1__AgentDown **out) {
-  if (a->ctl_st == NULL) return -1;
-  ProtobufCMessage *m = NULL;
-  sp_rpc_status st;
-  int rc = sp_rpc_sync_stream_recv(a->ctl_st,
-                                   &shardplane__v1__agent_down__descriptor,
-                                   wait_ms, &m, &st);
-  if (rc == 0) {
-    *out = (Shardplane__V1__AgentDown *)m;
-    return 1;
-  }
-  if (rc == SP_ETIMEDOUT) return 0;
-  sp_cli_error(AGENT, "the coordinator ended the agent's stream: %s%s%s",
-               rc == SP_ENOENT ? sp_rpc_code_name(st.code) : sp_strerror(rc),
-               rc == SP_ENOENT && st.message[0] ? ": " : "",
-               rc == SP_ENOENT ? st.message : "");
-  sp_rpc_sync_stream_close(a->ctl_st);
-  a->ctl_st = NULL;
-  return -1;
-}
+/* ---- the agent's stream to the coordinator (agent_ctl.h) ---- */
 
 /* Opens AgentSession (through the proxy when there is one), registers the
  * node and waits for the coordinator's first word: the incarnation to
  * start. Returns PROCEED or the exit code. */
 static int ctl_open(agent *a) {
-  sp_rpc_client_opts co = {.connect_timeout_ms = a->r.timeout_ms};
-  if (a->proxy == NULL) sp_cred_client_opts(&a->r.cred, &co);
-  int rc = sp_rpc_sync_open_opts(a->worker_coord, &co, &a->ctl);
-  if (rc == 0)
-    rc = sp_rpc_sync_stream_open(a->ctl, AGENT_PATH, 0, NULL, 0, &a->ctl_st);
-  char host[256];
-  if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
-  host[sizeof host - 1] = '\0';
-  Shardplane__V1__AgentRegister reg = SHARDPLANE__V1__AGENT_REGISTER__INIT;
-  reg.node_rank = (uint32_t)a->node_rank;
-  reg.nproc = (uint32_t)a->nproc;
-  reg.max_restarts = (uint32_t)a->max_restarts;
-  reg.host = host;
-  reg.pid = (uint32_t)getpid();
-  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
-  up.register_ = &reg;
-  if (rc == 0) rc = ctl_send(a, &up);
-  if (rc != 0) {
-    sp_cli_error(AGENT, "cannot open the agent's stream to %s: %s", a->r.addr,
-                 sp_strerror(rc));
+  sp_agent_ctl_opts o = {
+      .target = a->worker_coord, .coordinator = a->r.addr,
+      .client = {.connect_timeout_ms = a->r.timeout_ms},
+      .grace_ms = a->grace_ms, .node_rank = (uint32_t)a->node_rank,
+      .nproc = (uint32_t)a->nproc, .max_restarts = (uint32_t)a->max_restarts};
+  if (a->proxy == NULL) sp_cred_client_opts(&a->r.cred, &o.client);
+  sp_diag d = {{0}};
+  if (sp_agent_ctl_open(&o, &a->ctl, &d) != 0) {
+    sp_cli_error(AGENT, "%s", d.msg);
     return SP_EXIT_UNREACHABLE;
   }
-  Shardplane__V1__AgentDown *d = NULL;
-  int got = ctl_recv(a, a->r.timeout_ms, &d);
+  Shardplane__V1__AgentDown *cmd = NULL;
+  int got = sp_agent_ctl_next(a->ctl, a->r.timeout_ms, 0, false, &cmd, &d);
   if (got <= 0) {
     if (got == 0)
       sp_cli_error(AGENT, "the coordinator did not answer the agent's "
                    "registration within %llu ms",
                    (unsigned long long)a->r.timeout_ms);
+    else
+      sp_cli_error(AGENT, "%s", d.msg);
     return SP_EXIT_FAILURE;
   }
   int ec = PROCEED;
-  if (d->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
-    a->incarnation = d->incarnation;
+  if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
+    a->incarnation = cmd->incarnation;
   } else {
     sp_cli_error(AGENT, "the job %s: %s",
-                 d->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END
+                 cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END
                      ? "ended"
                      : "is restarting",
-                 d->reason);
+                 cmd->reason);
     ec = SP_EXIT_FAILURE;
   }
-  protobuf_c_message_free_unpacked(&d->base, NULL);
+  protobuf_c_message_free_unpacked(&cmd->base, NULL);
   return ec;
 }
 
-static void ctl_close(agent *a) {
-  if (a->ctl_st) {
-    sp_rpc_sync_stream_close_send(a->ctl_st);
-    sp_rpc_sync_stream_close(a->ctl_st);
-  }
-  a->ctl_st = NULL;
-  if (a->ctl) sp_rpc_sync_close(a->ctl);
-  a->ctl = NULL;
-}
-
-static void report_exit(agent *a, long long i, int st) {
+static void report_exit(agent *a, long long i, int st, uint64_t incarnation) {
   Shardplane__V1__WorkerExit w = SHARDPLANE__V1__WORKER_EXIT__INIT;
-  w.incarnation = a->incarnation;
+  w.incarnation = incarnation;
   w.rank = (uint32_t)(a->node_rank * a->nproc + i);
   w.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : 0;
   w.signal = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
   Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
   up.worker_exit = &w;
-  ctl_send(a, &up);
+  sp_agent_ctl_send(a->ctl, &up);
 }
 
 /* After a failure the other workers get this long to stop by themselves
@@ -522,6 +521,7 @@ static void report_exit(agent *a, long long i, int st) {
 typedef struct watch {
   int ret, interrupted;
   bool terminated, done;
+  bool coord_gone; /* past the grace, or lost without a state dir */
   double term_at, kill_at;
 } watch;
 
@@ -534,10 +534,22 @@ static void drain_all(agent *a) {
   sp_workers_close_streams(a->streams, ns);
 }
 
+static void send_stopped(agent *a) {
+  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
+  up.stopped = true;
+  up.incarnation = a->incarnation;
+  sp_agent_ctl_send(a->ctl, &up);
+}
+
 /* A command from the coordinator. */
 static void on_command(agent *a, watch *w, const Shardplane__V1__AgentDown *d) {
   switch (d->command) {
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP: {
+      if (a->stopped && d->incarnation == a->incarnation && a->live == 0) {
+        /* the answer to registering again, stopped: say so again */
+        send_stopped(a);
+        return;
+      }
       fprintf(stderr, "shardplane agent: incarnation %llu ended (%s); "
               "stopping the %u worker%s of this host for a restart\n",
               (unsigned long long)d->incarnation, d->reason, a->live,
@@ -546,16 +558,28 @@ static void on_command(agent *a, watch *w, const Shardplane__V1__AgentDown *d) {
       a->live = 0;
       a->stopped = true;
       drain_all(a);
-      Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
-      up.stopped = true;
-      up.incarnation = d->incarnation;
-      ctl_send(a, &up);
+      a->incarnation = d->incarnation;
+      send_stopped(a);
       return;
     }
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_START:
       if (d->incarnation <= a->incarnation) return;
+      if (a->live > 0) {
+        /* the coordinator moved on while the agent was away from it,
+         * before it could say stop: no worker of the last incarnation
+         * may live on beside the next one's */
+        fprintf(stderr, "shardplane agent: incarnation %llu began while "
+                "the agent was away; stopping the %u worker%s of "
+                "incarnation %llu\n", (unsigned long long)d->incarnation,
+                a->live, a->live == 1 ? "" : "s",
+                (unsigned long long)a->incarnation);
+        sp_workers_stop(a->pids, (uint32_t)a->nproc, (int)(TERM_S * 1000));
+        a->live = 0;
+        drain_all(a);
+      }
       a->incarnation = d->incarnation;
       a->failed = 0;
+      a->n_reported = 0;
       a->stopped = false;
       fprintf(stderr, "shardplane agent: incarnation %llu: starting the "
               "workers again\n", (unsigned long long)a->incarnation);
@@ -574,19 +598,20 @@ static void on_command(agent *a, watch *w, const Shardplane__V1__AgentDown *d) {
   }
 }
 
-/* A worker ended. With restarts the coordinator decides what follows (it
- * hears of the death); without, the agent stops the others itself. */
-static void on_exit_status(agent *a, watch *w, long long i, int st) {
-  bool asked = w->interrupted && WIFEXITED(st) &&
-               (WEXITSTATUS(st) == 128 + w->interrupted ||
-                WEXITSTATUS(st) == 128 + SIGTERM);
-  if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || w->terminated || asked)
-    return;
+/* A worker that ended unasked, of `incarnation`. With restarts the
+ * coordinator decides what follows (it hears of the death); without, the
+ * agent stops the others itself. */
+static void judge_exit(agent *a, watch *w, long long i, int st,
+                       uint64_t incarnation) {
   char how[96];
   sp_workers_describe(st, how, sizeof how);
-  report_exit(a, i, st);
+  report_exit(a, i, st, incarnation);
+  if (a->n_reported < SP_WORKERS_MAX)
+    a->reported[a->n_reported++] =
+        (struct worker_end){.local = i, .status = st,
+                           .incarnation = incarnation};
   a->failed++;
-  bool supervised = a->max_restarts > 0 && a->ctl_st != NULL;
+  bool supervised = a->max_restarts > 0 && sp_agent_ctl_up(a->ctl);
   bool first = w->ret == SP_EXIT_OK;
   sp_cli_error(AGENT, "rank %lld (local rank %lld on node %lld) %s%s",
                a->node_rank * a->nproc + i, i, a->node_rank, how,
@@ -596,6 +621,93 @@ static void on_exit_status(agent *a, watch *w, long long i, int st) {
   if (supervised || !first) return;
   w->ret = SP_EXIT_FAILURE;
   w->term_at = sp_clock_s() + GRACE_S;
+}
+
+/* A worker ended: judged now, or held while the coordinator is away. */
+static void on_exit_status(agent *a, watch *w, long long i, int st) {
+  bool asked = w->interrupted && WIFEXITED(st) &&
+               (WEXITSTATUS(st) == 128 + w->interrupted ||
+                WEXITSTATUS(st) == 128 + SIGTERM);
+  if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || w->terminated || asked ||
+      w->coord_gone)
+    return;
+  if (sp_agent_ctl_away(a->ctl) && a->n_held < SP_WORKERS_MAX) {
+    char how[96];
+    sp_workers_describe(st, how, sizeof how);
+    fprintf(stderr, "shardplane agent: rank %lld (local rank %lld on node "
+            "%lld) %s while the coordinator is away; judged when it is "
+            "back\n", a->node_rank * a->nproc + i, i, a->node_rank, how);
+    a->held[a->n_held++] =
+        (struct worker_end){.local = i, .status = st,
+                           .incarnation = a->incarnation};
+    return;
+  }
+  judge_exit(a, w, i, st, a->incarnation);
+}
+
+/* The exits held through an outage, once the coordinator is back (or the
+ * agent goes on alone): those of an incarnation that has since ended
+ * went with it. */
+static void judge_held(agent *a, watch *w) {
+  for (uint32_t k = 0; k < a->n_held; k++)
+    if (a->held[k].incarnation == a->incarnation && !w->terminated &&
+        !w->coord_gone)
+      judge_exit(a, w, a->held[k].local, a->held[k].status,
+                 a->held[k].incarnation);
+  a->n_held = 0;
+}
+
+/* The stream ended for good (rc from sp_agent_ctl_next, msg its reason).
+ * A coordinator gone past the grace, or lost without a state dir, ends
+ * the job on this host with SP_EXIT_UNREACHABLE and blames no rank (the
+ * workers could not reach it either); one that ended or refused the
+ * stream leaves the agent supervising alone. */
+static void on_ctl_end(agent *a, watch *w, int rc, const char *msg) {
+  if (rc == SP_ENOENT) {
+    sp_cli_error(AGENT, "%s", msg);
+    judge_held(a, w);
+    return;
+  }
+  bool busy = a->live > 0 || a->n_held > 0 || a->failed > 0 || a->stopped;
+  if (!busy || w->ret != SP_EXIT_OK) {
+    fprintf(stderr, "shardplane agent: %s\n", msg);
+    return;
+  }
+  char held[96] = "";
+  if (a->n_held > 0)
+    snprintf(held, sizeof held, " (%u had exited meanwhile)", a->n_held);
+  sp_cli_error(AGENT, "%s; stopping the %u worker%s of this host%s", msg,
+               a->live, a->live == 1 ? "" : "s", held);
+  a->n_held = 0;
+  w->coord_gone = true;
+  w->ret = SP_EXIT_UNREACHABLE;
+  if (w->term_at < 0 && !w->terminated) w->term_at = sp_clock_s();
+}
+
+/* The coordinator's commands, the stream's end, and once it is back
+ * after an outage the deaths reported before it (again) and those held
+ * meanwhile. */
+static void poll_ctl(agent *a, watch *w) {
+  bool was_away = sp_agent_ctl_away(a->ctl);
+  for (;;) {
+    Shardplane__V1__AgentDown *d = NULL;
+    sp_diag dg = {{0}};
+    int got = sp_agent_ctl_next(a->ctl, 1, a->incarnation, a->stopped, &d,
+                                &dg);
+    if (got == 0 || got == SP_ESTATE) break;
+    if (got < 0) {
+      on_ctl_end(a, w, got, dg.msg);
+      break;
+    }
+    on_command(a, w, d);
+    protobuf_c_message_free_unpacked(&d->base, NULL);
+  }
+  if (!sp_agent_ctl_up(a->ctl)) return;
+  if (was_away)
+    for (uint32_t k = 0; k < a->n_reported; k++)
+      report_exit(a, a->reported[k].local, a->reported[k].status,
+                  a->reported[k].incarnation);
+  if (a->n_held > 0) judge_held(a, w);
 }
 
 static void on_signal_seen(agent *a, watch *w, int sig) {
@@ -621,6 +733,10 @@ static int supervise(agent *a) {
   size_t ns = 2 * (size_t)a->nproc;
   for (;;) {
     size_t open = sp_workers_pass_output(a->streams, ns, 20);
+    /* the stream before the exits: when the coordinator goes, the agent's
+     * stream ends as its workers' do, and their exits (which follow) are
+     * then seen as of a coordinator away or gone */
+    poll_ctl(a, &w);
     int st;
     pid_t pid;
     while ((pid = waitpid(-1, &st, WNOHANG)) > 0)
@@ -630,21 +746,20 @@ static int supervise(agent *a) {
           a->live--;
           on_exit_status(a, &w, i, st);
         }
-    Shardplane__V1__AgentDown *d = NULL;
-    while (a->ctl_st != NULL && ctl_recv(a, 1, &d) == 1) {
-      on_command(a, &w, d);
-      protobuf_c_message_free_unpacked(&d->base, NULL);
-      d = NULL;
-    }
     int sig = g_signal;
     g_signal = 0;
     if (sig) on_signal_seen(a, &w, sig);
     /* with restarts, workers that failed leave the agent waiting for the
      * coordinator's word; without (or once it ended the job) it is done
-     * when they are all gone */
-    bool waiting = a->max_restarts > 0 && a->ctl_st != NULL && !w.done &&
-                   !w.interrupted && w.ret == SP_EXIT_OK && a->live == 0 &&
-                   (a->failed > 0 || a->stopped);
+     * when they are all gone. Exits held through an outage wait for the
+     * coordinator too. */
+    bool away = sp_agent_ctl_away(a->ctl);
+    bool listening = sp_agent_ctl_up(a->ctl) || away;
+    bool waiting = !w.done && !w.interrupted && w.ret == SP_EXIT_OK &&
+                   a->live == 0 &&
+                   ((a->max_restarts > 0 && listening &&
+                     (a->failed > 0 || a->stopped)) ||
+                    (away && a->n_held > 0));
     if (a->live == 0 && !waiting) {
       if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
       if (open == 0 || sp_clock_s() > drained_by) break;
@@ -696,7 +811,16 @@ int sp_cmd_agent(int argc, char **argv) {
   if (ret == PROCEED) ret = supervise(&a);
   sp_workers_stop(a.pids, (uint32_t)a.nproc, (int)(TERM_S * 1000));
 out:
-  ctl_close(&a);
+  if (a.ctl) {
+    uint32_t n;
+    double longest;
+    sp_agent_ctl_outages(a.ctl, &n, &longest);
+    if (n > 0)
+      fprintf(stderr, "shardplane agent: rode out %u outage%s of the "
+              "coordinator (the longest %.1f s)\n", n, n == 1 ? "" : "s",
+              longest);
+  }
+  sp_agent_ctl_close(a.ctl);
   if (a.streams) sp_workers_close_streams(a.streams, 2 * (size_t)a.nproc);
   free(a.streams);
   if (a.proxy) {

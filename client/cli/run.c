@@ -309,12 +309,11 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
     case O_HB:
       o->hb = v;
       return sp_flag_int(flag, v, 1, 3600000, &n, d);
-    case O_GRACE:
+    case O_GRACE: {
+      uint64_t ms;
       o->grace = v;
-      rc = sp_flag_number(flag, v, 0.001, &x, d);
-      if (rc == 0 && x > 604800.0)
-        rc = sp_flag_fail(d, flag, v, "seconds in [0.001, 604800]");
-      return rc;
+      return sp_coordinator_grace_parse(flag, v, &ms, d);
+    }
     case O_LR:
       o->lr = v;
       return sp_flag_number(flag, v, 0, &x, d);
