@@ -8,6 +8,7 @@
 
 #include "base/backoff.h"
 #include "base/clock.h"
+#include "cli.h"
 
 #define AGENT_PATH "/shardplane.v1.Coordinator/AgentSession"
 
@@ -23,8 +24,9 @@ enum { OPENING, UP, AWAY, DONE };
 struct sp_agent_ctl {
   sp_rpc_sync *rpc;
   sp_rpc_sync_stream *st; /* NULL between attempts and after the end */
-  char *coordinator;
+  char *who, *coordinator;
   uint64_t grace_ms;
+  uint64_t incarnation; /* as the last attempt said, for messages */
   uint32_t node_rank, nproc, max_restarts;
   char host[256];
   int state;
@@ -72,6 +74,7 @@ int sp_agent_ctl_open(const sp_agent_ctl_opts *o, sp_agent_ctl **out,
                       sp_diag *d) {
   sp_agent_ctl *c = calloc(1, sizeof *c);
   if (c == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
+  c->who = strdup(o->who);
   c->coordinator = strdup(o->coordinator);
   c->grace_ms = o->grace_ms;
   c->node_rank = o->node_rank;
@@ -81,13 +84,13 @@ int sp_agent_ctl_open(const sp_agent_ctl_opts *o, sp_agent_ctl **out,
   if (gethostname(c->host, sizeof c->host) != 0)
     snprintf(c->host, sizeof c->host, "?");
   c->host[sizeof c->host - 1] = '\0';
-  int rc = c->coordinator ? 0 : SP_ENOMEM;
+  int rc = c->coordinator && c->who ? 0 : SP_ENOMEM;
   if (rc == 0) rc = sp_rpc_sync_open_opts(o->target, &o->client, &c->rpc);
   if (rc == 0) rc = start_stream(c, false, 0, false);
   if (rc != 0) {
     sp_agent_ctl_close(c);
-    return sp_diag_set(d, rc, "cannot open the agent's stream to %s: %s",
-                       o->coordinator, sp_strerror(rc));
+    return sp_diag_set(d, rc, "cannot open the %s's stream to %s: %s",
+                       o->who, o->coordinator, sp_strerror(rc));
   }
   c->state = OPENING;
   *out = c;
@@ -112,19 +115,20 @@ static void outage_begin(sp_agent_ctl *c, const char *why) {
   c->away_since = sp_clock_s();
   c->backoff_ms = 0;
   schedule_retry(c);
-  fprintf(stderr, "shardplane agent: lost the coordinator at %s (%s); its "
-          "workers go on, and the agent registers again when it is back "
-          "(for up to %.3g s, --coordinator-grace)\n", c->coordinator, why,
-          (double)c->grace_ms / 1000.0);
+  sp_cli_error(c->who, "lost the coordinator at %s (%s); the workers go "
+               "on, and this node registers again when it is back (for up "
+               "to %.3g s, --coordinator-grace)", c->coordinator, why,
+               (double)c->grace_ms / 1000.0);
 }
 
 static void outage_end(sp_agent_ctl *c) {
   double s = sp_clock_s() - c->away_since;
   c->outages++;
   if (s > c->longest_s) c->longest_s = s;
-  fprintf(stderr, "shardplane agent: the coordinator at %s is back after "
-          "%.1f s; node %u registered again\n", c->coordinator, s,
-          c->node_rank);
+  sp_cli_error(c->who, "the coordinator at %s is back after %.1f s; "
+               "registered again (node %u, incarnation %llu)",
+               c->coordinator, s, c->node_rank,
+               (unsigned long long)c->incarnation);
 }
 
 /* The stream ended as `what` says: an outage begins (or goes on), or the
@@ -148,10 +152,10 @@ static int stream_ended(sp_agent_ctl *c, const char *what, bool unavailable,
                        "outlive it", c->coordinator, what);
   if (was == AWAY)
     return sp_diag_set(d, SP_ENOENT, "the coordinator at %s refused the "
-                       "agent's registration after its outage: %s",
-                       c->coordinator, what);
-  return sp_diag_set(d, SP_ENOENT, "the coordinator ended the agent's "
-                     "stream: %s", what);
+                       "%s's registration after its outage: %s",
+                       c->coordinator, c->who, what);
+  return sp_diag_set(d, SP_ENOENT, "the coordinator ended the %s's stream: "
+                     "%s", c->who, what);
 }
 
 int sp_agent_ctl_next(sp_agent_ctl *c, uint64_t wait_ms, uint64_t incarnation,
@@ -170,6 +174,7 @@ int sp_agent_ctl_next(sp_agent_ctl *c, uint64_t wait_ms, uint64_t incarnation,
     }
     if (c->st == NULL) {
       if (now < c->retry_at) return 0;
+      c->incarnation = incarnation;
       if (start_stream(c, true, incarnation, stopped) != 0) {
         schedule_retry(c);
         return 0;
@@ -226,5 +231,6 @@ void sp_agent_ctl_close(sp_agent_ctl *c) {
   close_stream(c);
   if (c->rpc) sp_rpc_sync_close(c->rpc);
   free(c->coordinator);
+  free(c->who);
   free(c);
 }

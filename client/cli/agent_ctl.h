@@ -1,7 +1,7 @@
-/* The agent's AgentSession stream to the coordinator, over which it
- * registers its node, reports its workers' deaths and takes the
- * coordinator's commands (agent.c), and how that stream outlives the
- * coordinator's outages.
+/* A host's AgentSession stream to the coordinator, over which the agent
+ * (or `shardplane run`) registers its node, reports its workers' deaths
+ * and takes the coordinator's commands (supervise.c), and how that stream
+ * outlives the coordinator's outages.
  *
  * A stream that was answered and then ends UNAVAILABLE (the coordinator
  * died or restarts, the connection was lost) while the coordinator keeps
@@ -15,7 +15,7 @@
  * restarted one would not know the job), each with a message naming the
  * coordinator's address. Any other end (a refusal) is final too.
  *
- * Threads: one, the agent's main thread; each call blocks at most for the
+ * Threads: one, the command's main thread; each call blocks at most for the
  * wait it is given (sp_agent_ctl_open not at all). */
 #ifndef SP_CLI_AGENT_CTL_H
 #define SP_CLI_AGENT_CTL_H
@@ -30,13 +30,15 @@
 typedef struct sp_agent_ctl sp_agent_ctl;
 
 typedef struct sp_agent_ctl_opts {
+  /* The command, for messages ("shardplane WHO: ..."). */
+  const char *who;
   /* What the stream connects to: the proxy's "unix:PATH", or the
    * coordinator itself. */
   const char *target;
   /* The coordinator's "host:port", for messages. */
   const char *coordinator;
   /* The connection's options (credentials when target is the
-   * coordinator); copied. */
+   * coordinator), read by sp_agent_ctl_open only. */
   sp_rpc_client_opts client;
   /* Outages ridden out up to this long; 0: none. */
   uint64_t grace_ms;

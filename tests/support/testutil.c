@@ -17,10 +17,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "base/clock.h"
+
 #if SHARDPLANE_HAVE_CUDA
 #include "cast/cast_cuda.h"
 #include "base/sp_error.h"
-#include "base/clock.h"
 
 extern char **environ;
 #endif

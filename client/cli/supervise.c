@@ -1,0 +1,457 @@
+/* The supervision of one host's workers (supervise.h). */
+#include "supervise.h"
+
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "cli.h"
+#include "shardplane/v1/coordinator.pb-c.h"
+
+static volatile sig_atomic_t g_signal;
+static void on_signal(int sig) { g_signal = sig; }
+
+void sp_sup_catch_signals(void) {
+  struct sigaction sa = {.sa_handler = on_signal};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+}
+
+int sp_sup_alloc_streams(sp_sup *s) {
+  size_t ns = 2 * (size_t)s->n;
+  s->streams = calloc(ns, sizeof *s->streams);
+  if (s->streams == NULL) {
+    sp_cli_error(s->who, "out of memory");
+    return SP_EXIT_FAILURE;
+  }
+  for (size_t i = 0; i < ns; i++)
+    s->streams[i] = (sp_out_stream){.fd = -1,
+                                    .rank = (int)(s->first_rank + i / 2),
+                                    .to = i % 2 ? stderr : stdout};
+  return SP_SUP_PROCEED;
+}
+
+/* ---- the stream to the coordinator (agent_ctl.h) ---- */
+
+int sp_sup_open_session(sp_sup *s, const char *addr,
+                        const sp_rpc_client_opts *opts, const char *shown,
+                        uint32_t node_rank, uint64_t timeout_ms) {
+  sp_agent_ctl_opts o = {.who = s->who, .target = addr, .coordinator = shown,
+                         .client = *opts, .grace_ms = s->grace_ms,
+                         .node_rank = node_rank, .nproc = s->n,
+                         .max_restarts = s->max_restarts};
+  sp_diag d = {{0}};
+  if (sp_agent_ctl_open(&o, &s->ctl, &d) != 0) {
+    sp_cli_error(s->who, "%s", d.msg);
+    return SP_EXIT_UNREACHABLE;
+  }
+  Shardplane__V1__AgentDown *cmd = NULL;
+  int got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
+  if (got <= 0) {
+    if (got == 0)
+      sp_cli_error(s->who, "the coordinator did not answer the %s's "
+                   "registration within %llu ms", s->who,
+                   (unsigned long long)timeout_ms);
+    else
+      sp_cli_error(s->who, "%s", d.msg);
+    return SP_EXIT_FAILURE;
+  }
+  int ec = SP_SUP_PROCEED;
+  if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
+    s->incarnation = cmd->incarnation;
+  } else {
+    sp_cli_error(s->who, "the job %s: %s",
+                 cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END
+                     ? "ended"
+                     : "is restarting",
+                 cmd->reason);
+    ec = SP_EXIT_FAILURE;
+  }
+  protobuf_c_message_free_unpacked(&cmd->base, NULL);
+  return ec;
+}
+
+void sp_sup_close_session(sp_sup *s) {
+  if (s->ctl == NULL) return;
+  uint32_t n;
+  double longest;
+  sp_agent_ctl_outages(s->ctl, &n, &longest);
+  if (n > 0)
+    sp_cli_error(s->who, "rode out %u outage%s of the coordinator (the "
+                 "longest %.1f s)", n, n == 1 ? "" : "s", longest);
+  sp_agent_ctl_close(s->ctl);
+  s->ctl = NULL;
+}
+
+static void report_exit(sp_sup *s, const struct sp_sup_end *e) {
+  Shardplane__V1__WorkerExit w = SHARDPLANE__V1__WORKER_EXIT__INIT;
+  w.incarnation = e->incarnation;
+  w.rank = s->first_rank + e->local;
+  w.exit_code = WIFEXITED(e->status) ? WEXITSTATUS(e->status) : 0;
+  w.signal = WIFSIGNALED(e->status) ? WTERMSIG(e->status) : 0;
+  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
+  up.worker_exit = &w;
+  sp_agent_ctl_send(s->ctl, &up);
+}
+
+static void send_stopped(sp_sup *s) {
+  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
+  up.stopped = true;
+  up.incarnation = s->incarnation;
+  sp_agent_ctl_send(s->ctl, &up);
+}
+
+/* ---- the loop ---- */
+
+void sp_sup_fail(sp_sup *s, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  bool first = s->ret == SP_EXIT_OK;
+  if (s->ops->failure)
+    s->ops->failure(s, msg, first);
+  else
+    sp_cli_error(s->who, "%s%s", msg, first ? "; stopping the workers" : "");
+  if (first) {
+    s->ret = SP_EXIT_FAILURE;
+    s->term_at = sp_clock_s() + SP_SUP_GRACE_S;
+  }
+}
+
+/* The workers' output, drained for up to 1 s once they are all gone. */
+static void drain_all(sp_sup *s) {
+  size_t ns = 2 * (size_t)s->n;
+  double end = sp_clock_s() + 1.0;
+  while (sp_workers_pass_output(s->streams, ns, 20) > 0 && sp_clock_s() < end)
+    ;
+  sp_workers_close_streams(s->streams, ns);
+}
+
+/* A command from the coordinator. */
+static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
+  switch (d->command) {
+    case SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP: {
+      if (s->stopped && d->incarnation == s->incarnation && s->live == 0) {
+        /* the answer to registering again, stopped: say so again */
+        send_stopped(s);
+        return;
+      }
+      sp_cli_error(s->who, "incarnation %llu ended (%s); stopping the %u "
+                   "worker%s of this host for a restart",
+                   (unsigned long long)d->incarnation, d->reason, s->live,
+                   s->live == 1 ? "" : "s");
+      sp_workers_stop(s->pids, s->n, (int)(SP_SUP_TERM_S * 1000));
+      s->live = 0;
+      s->stopped = true;
+      drain_all(s);
+      s->incarnation = d->incarnation;
+      send_stopped(s);
+      return;
+    }
+    case SHARDPLANE__V1__AGENT_COMMAND__AGENT_START:
+      if (d->incarnation <= s->incarnation) return;
+      if (s->live > 0) {
+        /* the coordinator moved on while this host was away from it,
+         * before it could say stop: no worker of the last incarnation may
+         * live on beside the next one's */
+        sp_cli_error(s->who, "incarnation %llu began while the coordinator "
+                     "was away; stopping the %u worker%s of incarnation "
+                     "%llu", (unsigned long long)d->incarnation, s->live,
+                     s->live == 1 ? "" : "s",
+                     (unsigned long long)s->incarnation);
+        sp_workers_stop(s->pids, s->n, (int)(SP_SUP_TERM_S * 1000));
+        s->live = 0;
+        drain_all(s);
+      }
+      s->incarnation = d->incarnation;
+      s->failed = 0;
+      s->n_reported = 0;
+      s->stopped = false;
+      sp_cli_error(s->who, "incarnation %llu: starting the workers again",
+                   (unsigned long long)s->incarnation);
+      if (s->ops->start(s) != SP_SUP_PROCEED && s->ret == SP_EXIT_OK) {
+        s->ret = SP_EXIT_FAILURE;
+        s->term_at = sp_clock_s();
+      }
+      return;
+    case SHARDPLANE__V1__AGENT_COMMAND__AGENT_END:
+      sp_cli_error(s->who, "the job ended: %s", d->reason);
+      if (s->ret == SP_EXIT_OK) s->ret = SP_EXIT_FAILURE;
+      if (s->term_at < 0 && !s->terminated) s->term_at = sp_clock_s();
+      s->done = true;
+      return;
+    default: return;
+  }
+}
+
+/* A worker that ended unasked. With restarts the coordinator decides
+ * what follows (it hears of the death); without, the others are stopped
+ * here. */
+static void judge_end(sp_sup *s, const struct sp_sup_end *e) {
+  char how[96], who[160];
+  sp_workers_describe(e->status, how, sizeof how);
+  s->ops->name(s, e->local, who, sizeof who);
+  report_exit(s, e);
+  if (s->n_reported < SP_WORKERS_MAX) s->reported[s->n_reported++] = *e;
+  s->failed++;
+  if (s->max_restarts > 0 && sp_agent_ctl_up(s->ctl)) {
+    sp_cli_error(s->who, "%s %s; the coordinator decides on a restart", who,
+                 how);
+    return;
+  }
+  sp_sup_fail(s, "%s %s", who, how);
+}
+
+/* A worker ended: judged now, or held while the coordinator is away (it
+ * may have given up on the coordinator itself). */
+static void on_worker_end(sp_sup *s, uint32_t i, int st) {
+  /* after a signal passed on a worker ends 128 + it, or 143 when it
+   * stopped for another rank's */
+  bool asked = s->interrupted && WIFEXITED(st) &&
+               (WEXITSTATUS(st) == 128 + s->interrupted ||
+                WEXITSTATUS(st) == 128 + SIGTERM);
+  if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || s->terminated || asked ||
+      s->coord_gone)
+    return;
+  struct sp_sup_end e = {.local = i, .status = st,
+                         .incarnation = s->incarnation};
+  if (sp_agent_ctl_away(s->ctl) && s->n_held < SP_WORKERS_MAX) {
+    char how[96], who[160];
+    sp_workers_describe(st, how, sizeof how);
+    s->ops->name(s, i, who, sizeof who);
+    sp_cli_error(s->who, "%s %s while the coordinator is away; judged when "
+                 "it is back", who, how);
+    s->held[s->n_held++] = e;
+    return;
+  }
+  judge_end(s, &e);
+}
+
+/* The ends held through an outage, once the coordinator is back (or the
+ * stream ended and the host goes on alone): those of an incarnation that
+ * has ended since went with it. */
+static void judge_held(sp_sup *s) {
+  for (uint32_t k = 0; k < s->n_held; k++)
+    if (s->held[k].incarnation == s->incarnation && !s->terminated &&
+        !s->coord_gone)
+      judge_end(s, &s->held[k]);
+  s->n_held = 0;
+}
+
+/* The stream ended for good (rc from sp_agent_ctl_next, msg its reason).
+ * A coordinator gone past the grace, or lost keeping no state dir, ends
+ * the job on this host with SP_EXIT_UNREACHABLE and blames no rank (the
+ * workers could not reach it either); one that ended or refused the
+ * stream leaves the host supervising alone, without restarts. */
+static void on_ctl_end(sp_sup *s, int rc, const char *msg) {
+  if (rc == SP_ENOENT) {
+    sp_cli_error(s->who, "%s", msg);
+    judge_held(s);
+    return;
+  }
+  bool busy = s->live > 0 || s->n_held > 0 || s->failed > 0 || s->stopped;
+  if (!busy || s->ret != SP_EXIT_OK) {
+    sp_cli_error(s->who, "%s", msg);
+    return;
+  }
+  char held[64] = "";
+  if (s->n_held > 0)
+    snprintf(held, sizeof held, " (%u had exited meanwhile)", s->n_held);
+  sp_cli_error(s->who, "%s; stopping the %u worker%s of this host%s", msg,
+               s->live, s->live == 1 ? "" : "s", held);
+  s->n_held = 0;
+  s->coord_gone = true;
+  s->ret = SP_EXIT_UNREACHABLE;
+  if (s->term_at < 0 && !s->terminated) s->term_at = sp_clock_s();
+}
+
+/* The coordinator's commands, the stream's end, and once it is back after
+ * an outage the deaths reported before it (again) and those held
+ * meanwhile. */
+static void poll_ctl(sp_sup *s) {
+  if (s->ctl == NULL) return;
+  bool was_away = sp_agent_ctl_away(s->ctl);
+  for (;;) {
+    Shardplane__V1__AgentDown *d = NULL;
+    sp_diag dg = {{0}};
+    int got = sp_agent_ctl_next(s->ctl, 1, s->incarnation, s->stopped, &d,
+                                &dg);
+    if (got == 0 || got == SP_ESTATE) break;
+    if (got < 0) {
+      on_ctl_end(s, got, dg.msg);
+      break;
+    }
+    on_command(s, d);
+    protobuf_c_message_free_unpacked(&d->base, NULL);
+  }
+  if (!sp_agent_ctl_up(s->ctl)) return;
+  if (was_away)
+    for (uint32_t k = 0; k < s->n_reported; k++)
+      report_exit(s, &s->reported[k]);
+  if (s->n_held > 0) judge_held(s);
+}
+
+static void reap(sp_sup *s) {
+  int st;
+  pid_t pid;
+  while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+    bool ours = false;
+    for (uint32_t i = 0; i < s->n; i++)
+      if (s->pids[i] == pid) {
+        s->pids[i] = 0;
+        s->live--;
+        ours = true;
+        on_worker_end(s, i, st);
+      }
+    if (!ours && s->ops->reaped) s->ops->reaped(s, pid, st);
+  }
+}
+
+static void signal_workers(const sp_sup *s, int sig) {
+  for (uint32_t i = 0; i < s->n; i++)
+    if (s->pids[i] > 0) kill(s->pids[i], sig);
+}
+
+static void on_signal_seen(sp_sup *s, int sig) {
+  if (!s->interrupted && s->ret == SP_EXIT_OK) {
+    s->interrupted = sig;
+    s->ret = 128 + sig;
+    sp_cli_error(s->who, "interrupted (%s); passed on to the %u worker%s%s "
+                 "(a second signal stops them at once)", strsignal(sig),
+                 s->live, s->live == 1 ? "" : "s",
+                 s->on_signal ? s->on_signal : "");
+    signal_workers(s, sig);
+    return;
+  }
+  /* again, or while stopping after a failure: at once */
+  sp_cli_error(s->who, "interrupted (%s); stopping the %u worker%s now",
+               strsignal(sig), s->live, s->live == 1 ? "" : "s");
+  if (s->ret == SP_EXIT_OK || s->interrupted) s->ret = 128 + sig;
+  s->terminated = true;
+  s->term_at = -1;
+  s->kill_at = sp_clock_s();
+}
+
+/* SIGTERM to the workers left when due, SIGKILL SP_SUP_TERM_S after it. */
+static void stop_when_due(sp_sup *s) {
+  double now = sp_clock_s();
+  int sig = 0;
+  if (s->term_at >= 0 && now >= s->term_at) {
+    sig = SIGTERM;
+    s->term_at = -1;
+    s->kill_at = now + SP_SUP_TERM_S;
+    s->terminated = true;
+  } else if (s->kill_at >= 0 && now >= s->kill_at) {
+    sig = SIGKILL;
+    s->kill_at = -1;
+  }
+  if (sig) signal_workers(s, sig);
+}
+
+int sp_sup_run(sp_sup *s) {
+  s->ret = SP_EXIT_OK;
+  s->term_at = s->kill_at = -1;
+  double drained_by = -1; /* every worker gone: the pipes' last words */
+  size_t ns = 2 * (size_t)s->n;
+  for (;;) {
+    size_t open = sp_workers_pass_output(s->streams, ns, 20);
+    /* the stream before the ends: when the coordinator goes, this host's
+     * stream ends as its workers' do, and their exits (which follow) are
+     * then seen as of a coordinator away or gone */
+    poll_ctl(s);
+    reap(s);
+    if (s->ops->tick) s->ops->tick(s);
+    int sig = g_signal;
+    g_signal = 0;
+    if (sig) on_signal_seen(s, sig);
+    /* with restarts, workers that failed leave the host waiting for the
+     * coordinator's word; without (or once it ended the job) it is done
+     * when they are all gone. Ends held through an outage wait for the
+     * coordinator too. */
+    bool away = sp_agent_ctl_away(s->ctl);
+    bool listening = sp_agent_ctl_up(s->ctl) || away;
+    bool waiting = !s->done && !s->interrupted && s->ret == SP_EXIT_OK &&
+                   s->live == 0 &&
+                   ((s->max_restarts > 0 && listening &&
+                     (s->failed > 0 || s->stopped)) ||
+                    (away && s->n_held > 0));
+    if (s->live == 0 && !waiting) {
+      if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
+      /* counted again: workers started by a command of this turn (and
+       * reaped already) have pipes the count above did not see */
+      open = sp_workers_pass_output(s->streams, ns, 0);
+      if (open == 0 || sp_clock_s() > drained_by) break;
+      continue;
+    }
+    stop_when_due(s);
+  }
+  sp_workers_close_streams(s->streams, ns);
+  return s->ret;
+}
+
+void sp_sup_stop(sp_sup *s) {
+  sp_workers_stop(s->pids, s->n, (int)(SP_SUP_TERM_S * 1000));
+  s->live = 0;
+}
+
+/* ---- what a restart loads ---- */
+
+static bool same_folder(const sp_sup_ckpt_seen *seen, int k,
+                        const struct stat *sb) {
+  return seen->present[k] && seen->dev[k] == sb->st_dev &&
+         seen->ino[k] == sb->st_ino &&
+         seen->mtime[k].tv_sec == sb->st_mtim.tv_sec &&
+         seen->mtime[k].tv_nsec == sb->st_mtim.tv_nsec;
+}
+
+void sp_sup_ckpt_note(const char *dir, sp_sup_ckpt_seen *seen) {
+  memset(seen, 0, sizeof *seen);
+  sp_ckpt_found f;
+  if (dir == NULL || sp_ckpt_find(dir, &f) == 0) return;
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
+    struct stat sb;
+    if (!f.present[k] || stat(f.dir[k], &sb) != 0) continue;
+    seen->present[k] = true;
+    seen->dev[k] = sb.st_dev;
+    seen->ino[k] = sb.st_ino;
+    seen->mtime[k] = sb.st_mtim;
+  }
+}
+
+bool sp_sup_restart_ckpt(const sp_sup *s, const char *dir,
+                         const sp_sup_ckpt_seen *seen, const char *first_load,
+                         char *out, size_t cap, sp_ckpt_kind *kind) {
+  unsigned long long inc = (unsigned long long)s->incarnation;
+  sp_ckpt_found f;
+  sp_ckpt_find(dir, &f);
+  /* a checkpoint is published by renaming a new folder over the old one:
+   * one that is still the folder noted at the start is an earlier job's */
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
+    struct stat sb;
+    if (!f.present[k] || stat(f.dir[k], &sb) != 0 ||
+        same_folder(seen, k, &sb))
+      continue;
+    if (snprintf(out, cap, "%s", f.dir[k]) >= (int)cap) continue;
+    *kind = (sp_ckpt_kind)k;
+    sp_cli_error(s->who, "incarnation %llu loads %s (%s, after step %llu)",
+                 inc, out, sp_ckpt_kind_name(*kind),
+                 (unsigned long long)f.steps[k]);
+    return true;
+  }
+  if (first_load)
+    sp_cli_error(s->who, "incarnation %llu starts from %s, as incarnation 0 "
+                 "did: no checkpoint written in %s since the job began",
+                 inc, first_load, dir);
+  else
+    sp_cli_error(s->who, "incarnation %llu starts afresh from step 0: no "
+                 "checkpoint written in %s since the job began", inc, dir);
+  return false;
+}
