@@ -17,13 +17,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #if SHARDPLANE_HAVE_CUDA
 #include "cast/cast_cuda.h"
 #include "base/sp_error.h"
-#include "base/clock.h"
+#endif
 
 extern char **environ;
-#endif
 
 int sp_test_skip(const char *why) {
   printf("SKIPPED: %s\n", why);
