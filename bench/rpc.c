@@ -33,6 +33,12 @@
  * latencies are also split by regime (fast/slow, see SPLIT_X), and when the
  * floor shows both, the latency goal compares each with the floor's own.
  *
+ * A third figure is no contender: the CPU per call of bare nghttp2
+ * (bench/h2_floor.h), one client and one server session exchanging the
+ * same calls in memory on one thread, with no engine around them. Taken in
+ * the same round-robin, it is the floor of CPU per call for any engine on
+ * nghttp2, and "ours / bare nghttp2" says how much of ours is our own.
+ *
  * TLS: a second server of ours serves TLS 1.3 (certificates made for the
  * run by tests/support/make_test_certs.sh) and takes its slices in the same
  * round-robin, so "TLS / cleartext" compares like with like; and the cost
@@ -58,6 +64,7 @@
 #include <unistd.h>
 
 #include "echo.pb-c.h"
+#include "h2_floor.h"
 #include "support/echo_service.h"
 #include "support/test_certs.h"
 #include "support/testutil.h"
@@ -825,8 +832,11 @@ static bool run_ratios(result runs[][N_CONTENDERS], int n, int a, int b,
   return true;
 }
 
+/* h2_cpu: bare nghttp2's CPU per call (us) of each run and caller count,
+ * or NULL (h2_why says why) */
 static int report(const bench_opts *o, result runs[][N_CONTENDERS],
-                  size_t req_len, const conn_cost *cc) {
+                  size_t req_len, const conn_cost *cc,
+                  const double (*h2_cpu)[N_CALLERS], const char *h2_why) {
   result m[N_CONTENDERS];
   result col[64];
   for (int c = 0; c < N_CONTENDERS; c++) {
@@ -916,6 +926,31 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
       else
         printf(" %10s", "?");
     printf("\n");
+  }
+  if (h2_cpu != NULL) {
+    double h2[N_CALLERS];
+    for (int i = 0; i < N_CALLERS; i++) {
+      double v[64];
+      for (int r = 0; r < o->runs; r++) v[r] = h2_cpu[r][i];
+      h2[i] = median(v, o->runs);
+    }
+    printf("%-27s", "bare nghttp2, in memory");
+    for (int i = 0; i < N_CALLERS; i++) printf(" %10.2f", h2[i]);
+    printf("\n");
+    if (us->ok) {
+      printf("%-27s", "ours / bare nghttp2");
+      for (int i = 0; i < N_CALLERS; i++)
+        if (us->cpu_us[i] > 0 && h2[i] > 0)
+          printf(" %9.2fx", us->cpu_us[i] / h2[i]);
+        else
+          printf(" %10s", "?");
+      printf("\n");
+    }
+    printf("(bare nghttp2: both sessions on one thread, the same headers, "
+           "SETTINGS and message,\n no sockets, loop or protobuf: the least "
+           "CPU per call an engine on nghttp2 can spend)\n");
+  } else {
+    printf("%-27s %s\n", "bare nghttp2, in memory", h2_why);
   }
 
   if (cc->ok)
@@ -1052,7 +1087,9 @@ static void usage(FILE *f) {
           "%.2f / %.2f / %.2f of the\n"
           "floor's and >= %.0fx gRPC C++'s at 1 / 8 / 64 callers (each the "
           "median of the runs' own\n"
-          "ratios).\n",
+          "ratios). CPU per call is also compared with that of bare nghttp2 "
+          "exchanging the same\n"
+          "calls in memory: the least an engine on nghttp2 can spend.\n",
           GOAL_P50_VS_FLOOR, k_goal_vs_floor[0], k_goal_vs_floor[1],
           k_goal_vs_floor[2], GOAL_TPUT_VS_GRPCPP);
 }
@@ -1238,12 +1275,29 @@ int main(int argc, char **argv) {
     for (int c = 0; c < N_CONTENDERS; c++) free(w[c].lat.v);
   }
 
+  /* bare nghttp2, with the :authority our client sends */
+  sp_h2_floor *h2 = NULL;
+  char h2_why[96] = "";
+  {
+    char authority[32];
+    snprintf(authority, sizeof authority, "127.0.0.1:%d", os.port);
+    int h2rc = sp_h2_floor_new(req, req_len, authority, &h2);
+    uint64_t ns = 0, n = 0;
+    if (h2rc == 0) h2rc = sp_h2_floor_slice(h2, 8, 0.05, &ns, &n);
+    if (h2rc != 0)
+      snprintf(h2_why, sizeof h2_why, "not measured (%s%s)", sp_strerror(h2rc),
+               h2rc == SP_EINVAL ? ": a message over 16 KiB" : "");
+  }
+  double h2_cpu[64][N_CALLERS];
+  memset(h2_cpu, 0, sizeof h2_cpu);
+
   result runs[64][N_CONTENDERS];
   memset(runs, 0, sizeof runs);
   slice_plan sp = plan_slices(&o);
   for (int i = 0; i < o.runs && rc == 0; i++) {
     accum acc[N_CONTENDERS][N_CALLERS];
     memset(acc, 0, sizeof acc);
+    uint64_t h2_ns[N_CALLERS] = {0}, h2_calls[N_CALLERS] = {0};
     /* round-robin over every figure, one slice at a time */
     for (int k = 0; k < sp.n && rc == 0; k++) {
       for (int j = 0; j < N_CALLERS && rc == 0; j++) {
@@ -1257,6 +1311,13 @@ int main(int argc, char **argv) {
               drive(drv[c], k_callers[j], sp.warm_s, sp.meas_s,
                     &acc[c][j]) != 0)
             rc = 1;
+        /* a CPU figure only, steady well within a quarter slice */
+        if (h2 != NULL && rc == 0 &&
+            sp_h2_floor_slice(h2, k_callers[j], sp.meas_s / 4, &h2_ns[j],
+                              &h2_calls[j]) != 0) {
+          fprintf(stderr, "rpc: the bare nghttp2 exchange failed\n");
+          rc = 1;
+        }
       }
     }
     if (rc == 0) {
@@ -1269,6 +1330,9 @@ int main(int argc, char **argv) {
       for (int c = OURS; c < N_CONTENDERS; c++)
         if (drv[c] != NULL)
           runs[i][c] = accum_result(acc[c], N_CALLERS, split);
+      for (int j = 0; j < N_CALLERS; j++)
+        h2_cpu[i][j] = h2_calls[j] ? (double)h2_ns[j] / 1e3 / (double)h2_calls[j]
+                                   : 0;
       print_run(i, runs[i]);
       fflush(stdout);
     }
@@ -1285,7 +1349,11 @@ int main(int argc, char **argv) {
       rc = 1;
     }
   }
-  if (rc == 0) report(&o, runs, req_len, &cc);
+  if (rc == 0)
+    report(&o, runs, req_len, &cc, h2 != NULL ? (const double(*)[N_CALLERS])h2_cpu
+                                              : NULL,
+           h2_why);
+  sp_h2_floor_free(h2);
 
   close(floor_fd);
   driver_close(&ours);

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -717,6 +718,50 @@ static void test_agent_waits_after_stop(void **state) {
   free(err1);
 }
 
+/* A restart loads only a checkpoint the job wrote: one an earlier job
+ * left in the --load-on-restart directory is not passed to the trainer
+ * (the agent once passed it, and a job that died before its first save
+ * resumed from another job's last step), and the agent says the
+ * incarnation starts afresh. The trainer is a script: in incarnation 0
+ * rank 3 fails; in incarnation 1 every rank prints its arguments. */
+static void test_agent_restart_skips_old_checkpoint(void **state) {
+  fx *f = *state;
+  char *ck = sp_test_path(f->dir, "ck"), *full = sp_test_path(ck, "full");
+  char *model = sp_test_path(full, "model.safetensors");
+  assert_int_equal(mkdir(ck, 0777), 0);
+  assert_int_equal(mkdir(full, 0777), 0);
+  FILE *fp = fopen(model, "w");
+  assert_non_null(fp);
+  fputs("an earlier job's", fp);
+  fclose(fp);
+  const char *trainer[] = {
+      "/bin/sh", "-c",
+      "if [ \"$SHARDPLANE_INCARNATION\" != 0 ]; then echo \"args [$*]\"; "
+      "exit 0; fi; if [ \"$RANK\" = 3 ]; then sleep 0.3; exit 3; fi; "
+      "exec sleep 30",
+      "trainer", NULL};
+  const char *restarts[] = {"--max-restarts", "1", "--load-on-restart", ck,
+                            NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, restarts, trainer);
+  int st[2], max_conns;
+  wait_agents(a, st, f->coord.port, 60, &max_conns);
+  char *out0 = slurp(f->dir, "agent0.out"), *err0 = slurp(f->dir, "agent0.err");
+  printf("agent 0:\n%s%s\n", out0, err0);
+  assert_int_equal(st[0], 0);
+  assert_int_equal(st[1], 0);
+  assert_non_null(strstr(err0, "incarnation 1 starts afresh from step 0: no "
+                               "checkpoint written in "));
+  assert_non_null(strstr(out0, "[rank0]: args []"));
+  assert_null(strstr(out0, "--load"));
+  free(out0);
+  free(err0);
+  free(model);
+  free(full);
+  free(ck);
+}
+
 /* The coordinator's side of supervision, spoken to directly: a death
  * with a restart left stops every agent, the next incarnation begins only
  * once every agent stopped, and it cannot read the last one's store; a
@@ -879,6 +924,8 @@ int main(int argc, char **argv) {
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_waits_after_stop, fx_setup,
                                       fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_restart_skips_old_checkpoint,
+                                      fx_setup, fx_teardown),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);

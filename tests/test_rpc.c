@@ -416,6 +416,69 @@ static void test_metadata_roundtrip(void **state) {
       SP_EINVAL);
 }
 
+/* What the async client's call sees of the response headers. */
+typedef struct md_probe {
+  bool done, replied;
+  int code;
+  char echo[16];   /* x-echo, as received */
+  bool has_ctype;  /* content-type listed as metadata */
+} md_probe;
+
+static void probe_msg(sp_rpc_ccall *call, const uint8_t *d, size_t n,
+                      void *user) {
+  (void)call;
+  (void)d;
+  (void)n;
+  ((md_probe *)user)->replied = true;
+}
+
+static void probe_close(sp_rpc_ccall *call, const sp_rpc_status *st,
+                        void *user) {
+  md_probe *p = user;
+  p->done = true;
+  p->code = st->code;
+  size_t len = 0;
+  const uint8_t *v = sp_rpc_ccall_metadata(call, "x-echo", &len);
+  if (v != NULL && len < sizeof p->echo) memcpy(p->echo, v, len);
+  p->has_ctype = sp_rpc_ccall_metadata(call, "content-type", NULL) != NULL;
+}
+
+static void probe_client_closed(void *arg) { *(bool *)arg = true; }
+
+/* The async client lists the server's metadata (x-echo, echoed by the
+ * Echo service) among a response's headers, and not content-type, which
+ * is the protocol's (as the server keeps it out of a request's). */
+static void test_response_metadata(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  sp_rpc_client *cl;
+  assert_int_equal(sp_rpc_client_open(&loop, g_srv.addr, NULL, &cl), 0);
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "md";
+  uint8_t buf[64];
+  size_t n = shardplane__testing__echo_request__pack(&req, buf);
+  sp_rpc_md md[] = {{"x-echo", (const uint8_t *)"trace-8", 7}};
+  static const sp_rpc_ccall_cbs cbs = {.on_message = probe_msg,
+                                       .on_close = probe_close};
+  md_probe p = {0};
+  sp_rpc_ccall *call;
+  assert_int_equal(sp_rpc_client_start(cl, EPATH("Unary"), md, 1, 5000, &cbs,
+                                       &p, &call),
+                   0);
+  assert_int_equal(sp_rpc_ccall_send(call, buf, n), 0);
+  assert_int_equal(sp_rpc_ccall_close_send(call), 0);
+  while (!p.done) uv_run(&loop, UV_RUN_ONCE);
+  assert_int_equal(p.code, SP_RPC_OK);
+  assert_true(p.replied);
+  assert_string_equal(p.echo, "trace-8");
+  assert_false(p.has_ctype);
+  bool closed = false;
+  sp_rpc_client_close(cl, probe_client_closed, &closed);
+  while (!closed) uv_run(&loop, UV_RUN_ONCE);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 static void test_health(void **state) {
   (void)state;
   Grpc__Health__V1__HealthCheckRequest req =
@@ -698,6 +761,7 @@ int main(void) {
       cmocka_unit_test(test_server_stream_and_cancel),
       cmocka_unit_test(test_client_stream_and_bidi),
       cmocka_unit_test(test_metadata_roundtrip),
+      cmocka_unit_test(test_response_metadata),
       cmocka_unit_test(test_health),
       cmocka_unit_test(test_many_concurrent_streams),
   };

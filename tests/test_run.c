@@ -1,6 +1,7 @@
 /* `shardplane run`, the README's main-job command, as a user runs it: a
  * whole job to its checkpoint, the training flags passed to the workers,
- * bad usage, a worker killed mid-run, Ctrl-C.
+ * bad usage, a worker killed mid-run (and, with --max-restarts, the job
+ * restarted from its last checkpoint), Ctrl-C.
  */
 #include <dirent.h>
 #include <fcntl.h>
@@ -25,6 +26,11 @@
 #include "base/clock.h"
 #include "fsdp/model.h"
 #include "base/proc.h"
+#include "lib/shardplane.h"
+#include "rpc/rpc.h"
+#include "rpc/rpc_cred.h"
+#include "shardplane/v1/coordinator.pb-c.h"
+#include "support/job_fixture.h"
 #include "support/testutil.h"
 #include "worker/mlp.h"
 #include "worker/train_flags.h"
@@ -340,6 +346,180 @@ static void test_run_worker_killed(void **state) {
   assert_non_null(strstr(err, "[rank2]: shardplane-worker: rank 2: "));
   assert_true(every_line_attributed(err));
   for (int r = 0; r < 3; r++) assert_false(alive(w[r]));
+  free(err);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* The coordinator's record of the job's incarnations, asked with the
+ * admin token at the address a running `shardplane run` printed in
+ * dir/out. */
+static Shardplane__V1__ListIncarnationsResponse *run_incarnations(
+    const char *dir) {
+  char *out = slurp(dir, "out");
+  const char *at = strstr(out, "coordinator on ");
+  const char *tok = strstr(out, "admin token in ");
+  assert_non_null(at);
+  assert_non_null(tok);
+  char addr[64], file[4096], token[512];
+  snprintf(addr, sizeof addr, "%.*s", (int)strcspn(at + 15, "\n"), at + 15);
+  snprintf(file, sizeof file, "%.*s", (int)strcspn(tok + 15, " \n"),
+           tok + 15);
+  free(out);
+  sp_diag d = {{0}};
+  assert_int_equal(sp_cred_read_token_file(file, token, sizeof token, &d), 0);
+  sp_rpc_client_opts o = {.connect_timeout_ms = 5000, .token = token};
+  sp_rpc_sync *c = NULL;
+  assert_int_equal(sp_rpc_sync_open_opts(addr, &o, &c), 0);
+  Shardplane__V1__ListIncarnationsRequest q =
+      SHARDPLANE__V1__LIST_INCARNATIONS_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status st;
+  assert_int_equal(
+      sp_rpc_sync_unary(c, "/shardplane.v1.Coordinator/ListIncarnations",
+                        &q.base,
+                        &shardplane__v1__list_incarnations_response__descriptor,
+                        5000, &resp, &st),
+      0);
+  if (st.code != SP_RPC_OK) fail_msg("ListIncarnations: %s", st.message);
+  sp_rpc_sync_close(c);
+  return (Shardplane__V1__ListIncarnationsResponse *)resp;
+}
+
+/* A worker killed mid-training with --max-restarts 1: run names the rank
+ * and the signal, the coordinator records that they ended incarnation 0,
+ * every rank starts again from the last checkpoint the job wrote (its
+ * step said), and the job ends with the parameters of an undisturbed run,
+ * byte for byte (a resumed run continues bit-exactly). */
+static void test_run_restart(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck"), *ref = sp_test_path(dir, "ref");
+  /* rank 0 a straggler (4x its step), for time to kill mid-run; the
+   * numbers do not change */
+  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps", "12",
+                        "--checkpoint-dir", ck, "--checkpoint-every", "2",
+                        "--inject", "slow:rank=0,factor=4", "--max-restarts",
+                        "1", "--ranks-every", "0", NULL};
+  pid_t run = start_run(dir, args);
+  wait_for_output(dir, "out", "checkpoint (FULL) of step 4:", 60);
+  pid_t w[2] = {0};
+  assert_int_equal(find_workers(run, w, 2), 2);
+  assert_int_equal(kill(w[1], SIGKILL), 0);
+  /* asked while incarnation 1 trains: run's coordinator ends with it */
+  wait_for_output(dir, "err", "incarnation 1: starting the workers again",
+                  30);
+  Shardplane__V1__ListIncarnationsResponse *li = run_incarnations(dir);
+  int st = wait_run(run, 120);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s", err);
+  assert_int_equal(st, 0);
+  assert_non_null(strstr(err, "rank 1 was killed by signal 9 (Killed); "
+                              "the coordinator decides on a restart"));
+  assert_non_null(strstr(err, "incarnation 0 ended (rank 1 was killed by "
+                              "signal 9 (Killed))"));
+  /* the step incarnation 1 starts from, said by run and by rank 0 */
+  const char *loads = strstr(err, "incarnation 1 loads ");
+  assert_non_null(loads);
+  const char *after = strstr(loads, "after step ");
+  assert_non_null(after);
+  long k = atol(after + 11);
+  assert_true(k >= 4 && k < 12);
+  char want[96];
+  snprintf(want, sizeof want, "[rank0]: resuming after step %ld of 12", k);
+  assert_non_null(strstr(out, want));
+  assert_non_null(strstr(out, "[rank0]: step 12/12"));
+  assert_true(every_line_attributed(out));
+  assert_int_equal(li->current, 1);
+  assert_int_equal(li->restarts, 1);
+  assert_int_equal(li->max_restarts, 1);
+  assert_int_equal(li->n_incarnations, 2);
+  assert_true(li->incarnations[0]->ended);
+  assert_true(li->incarnations[0]->has_rank);
+  assert_int_equal(li->incarnations[0]->rank, 1);
+  assert_int_equal(li->incarnations[0]->signal, SIGKILL);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  free(out);
+  free(err);
+
+  const char *undisturbed[] = {"--nproc", "2", "--model", MLP, "--steps",
+                               "12", "--checkpoint-dir", ref, "--ranks-every",
+                               "0", NULL};
+  assert_int_equal(wait_run(start_run(dir, undisturbed), 120), 0);
+  char *fa = sp_test_path(ck, "full"), *fr = sp_test_path(ref, "full");
+  sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
+  free(fa);
+  free(fr);
+  free(ck);
+  free(ref);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* Waits until dir/name holds needle n times. */
+static void wait_for_count(const char *dir, const char *name,
+                           const char *needle, int n, double timeout_s) {
+  double end = sp_clock_s() + timeout_s;
+  while (sp_clock_s() < end) {
+    char *s = slurp(dir, name);
+    int k = 0;
+    for (const char *at = strstr(s, needle); at; at = strstr(at + 1, needle))
+      k++;
+    free(s);
+    if (k >= n) return;
+    usleep(20000);
+  }
+  fail_msg("no %d \"%s\" in %s within %.0f s", n, needle, name, timeout_s);
+}
+
+/* Restarts outlive a restart of run's coordinator (run registers again)
+ * and, used up, end the job with exit 1, naming the rank and the signal.
+ * A restart with no checkpoint the job wrote starts from step 0 and says
+ * so, though the directory holds an earlier job's. */
+static void test_run_restarts_used_up(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *before[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
+                          "--checkpoint-dir", ck, "--ranks-every", "0",
+                          NULL};
+  assert_int_equal(wait_run(start_run(dir, before), 120), 0);
+  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
+                        "100000000", "--log-every", "10", "--checkpoint-dir",
+                        ck, "--max-restarts", "1", "--ranks-every", "0",
+                        NULL};
+  pid_t run = start_run(dir, args);
+  /* rank 1 of incarnation 0, then rank 0 of incarnation 1, at step 10;
+   * before the first, the coordinator (its pid is in its state dir's lock
+   * file) */
+  for (int inc = 0; inc < 2; inc++) {
+    wait_for_count(dir, "out", "[rank0]: step 10/", inc + 1, 60);
+    if (inc == 0) {
+      char *lock = sp_test_path(ck, "coordinator-state/coordinator.lock");
+      char *coord = sp_test_read_file(lock);
+      assert_true(atol(coord) > 0);
+      assert_int_equal(kill((pid_t)atol(coord), SIGKILL), 0);
+      wait_for_output(dir, "err", "registered again with the restarted "
+                      "coordinator (incarnation 0)", 30);
+      free(coord);
+      free(lock);
+    }
+    pid_t w[2] = {0};
+    assert_int_equal(find_workers(run, w, 2), 2);
+    assert_int_equal(kill(w[1 - inc], SIGKILL), 0);
+  }
+  int st = wait_run(run, 30);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s", err);
+  assert_int_equal(st, 1);
+  assert_non_null(strstr(err, "incarnation 1 starts afresh from step 0: no "
+                              "checkpoint written in "));
+  assert_null(strstr(out, "resuming after step"));
+  assert_non_null(strstr(err, "the job ended: rank 0 was killed by signal 9 "
+                              "(Killed); no restarts left (--max-restarts "
+                              "1)"));
+  free(out);
   free(err);
   free(ck);
   sp_test_rmtree(dir);
@@ -667,6 +847,11 @@ static void test_run_checkpoint_loads(void **state) {
   char *load_sharded = printed_load(out, "sharded");
   assert_non_null(load_sharded);
   free(out);
+  /* each kind's step, from its header or index (what a restart says) */
+  sp_ckpt_found found;
+  assert_int_equal(sp_ckpt_find(ck2, &found), 2);
+  assert_int_equal(found.steps[SP_CKPT_FULL], 1);
+  assert_int_equal(found.steps[SP_CKPT_SHARDED], 1);
 
   /* the printed folder, and the run's directory, to the worker */
   assert_int_equal(load_alone(dir, load, "full"), 0);
@@ -807,13 +992,15 @@ static void test_run_admin_token(void **state) {
   free(dir);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_run_to_checkpoint),
       cmocka_unit_test(test_run_training_flags),
       cmocka_unit_test(test_run_load_params_only),
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_worker_killed),
+      cmocka_unit_test(test_run_restart),
+      cmocka_unit_test(test_run_restarts_used_up),
       cmocka_unit_test(test_run_stall_named),
       cmocka_unit_test(test_run_interrupted),
       cmocka_unit_test(test_run_same_plan_as_coordinator),
@@ -821,5 +1008,6 @@ int main(void) {
       cmocka_unit_test(test_run_keeps_other_checkpoints),
       cmocka_unit_test(test_run_admin_token),
   };
+  if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

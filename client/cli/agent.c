@@ -22,14 +22,12 @@
 #include "base/flag.h"
 #include "cli.h"
 #include "remote.h"
+#include "supervise.h"
 #include "workers.h"
 
 #define AGENT "agent"
 
 extern char **environ;
-
-static volatile sig_atomic_t g_signal;
-static void on_signal(int sig) { g_signal = sig; }
 
 static void usage(FILE *f) {
   fputs("usage: shardplane agent --coordinator HOST:PORT --nproc-per-node N "
@@ -62,10 +60,11 @@ static void usage(FILE *f) {
         "                               as a new incarnation (default 0: the\n"
         "                               job ends naming the rank); every\n"
         "                               agent of the job must give the same K\n"
-        "  --load-on-restart DIR        on a restart, TRAINER gets --load DIR\n"
-        "                               when DIR holds a checkpoint (the\n"
-        "                               trainer's --checkpoint-dir, written\n"
-        "                               with --checkpoint-every N)\n",
+        "  --load-on-restart DIR        on a restart, TRAINER gets --load of\n"
+        "                               the last checkpoint the job wrote in\n"
+        "                               DIR (the trainer's --checkpoint-dir,\n"
+        "                               written with --checkpoint-every N;\n"
+        "                               not one an earlier job left there)\n",
         f);
   fputs(SP_REMOTE_OPTIONS_HELP, f);
   fputs("                               (the agent's --timeout-ms defaults\n"
@@ -98,31 +97,21 @@ typedef struct agent {
   bool no_proxy;
   long long max_restarts;     /* --max-restarts */
   const char *restart_load;   /* --load-on-restart DIR, or NULL */
+  sp_sup_ckpt_seen restart_seen; /* what restart_load held at the start */
   char **trainer;       /* argv of the trainer, NULL-terminated */
   size_t n_trainer;
-  /* the agent's stream to the coordinator (AgentSession), over its own
-   * proxy: the one connection carries it too */
-  struct sp_rpc_sync *ctl;
-  struct sp_rpc_sync_stream *ctl_st;
-  uint64_t incarnation;
-  uint32_t failed; /* workers of this incarnation that failed */
-  /* told AGENT_STOP: its workers stopped, it waits for AGENT_START or
-   * AGENT_END (its own workers may not have failed: a slow host's are
-   * still running when the stop comes) */
-  bool stopped;
+  /* the workers, their incarnations and the agent's stream to the
+   * coordinator (AgentSession), over its own proxy: the one connection
+   * carries it too */
+  sp_sup sup;
   uint32_t world;       /* the job's world size */
   char worker_coord[PATH_MAX + 8]; /* what the workers connect to */
   char gloo_host[64];   /* "" when the environment sets it */
   sp_agent_proxy *proxy;
-  pid_t pids[SP_WORKERS_MAX];
-  uint32_t live;
-  sp_out_stream *streams; /* local rank i's stdout at 2i, stderr 2i + 1 */
 } agent;
 
 enum { A_NPROC = 1, A_NODE_RANK, A_NNODES, A_NO_PROXY, A_MAX_RESTARTS,
        A_RESTART_LOAD, A_HELP };
-
-#define PROCEED (-1)
 
 /* --node-rank from the environment when the flag did not give it. */
 static int node_rank_from_env(agent *a) {
@@ -311,7 +300,7 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
   snprintf(vars[k++], sizeof vars[0], SP_COORDINATOR_ENV "=%s",
            a->worker_coord);
   snprintf(vars[k++], sizeof vars[0], "SHARDPLANE_INCARNATION=%llu",
-           (unsigned long long)a->incarnation);
+           (unsigned long long)a->sup.incarnation);
   if (a->gloo_host[0])
     snprintf(vars[k++], sizeof vars[0], SP_GLOO_HOST_ENV "=%s", a->gloo_host);
   if (k > nvars) return -1;
@@ -330,48 +319,25 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
 
 #define N_VARS 10 /* the variables worker_env sets, at most */
 
-/* The streams of the workers' output, once for every incarnation. */
-static int alloc_streams(agent *a) {
-  size_t ns = 2 * (size_t)a->nproc;
-  a->streams = calloc(ns, sizeof *a->streams);
-  if (a->streams == NULL) {
-    sp_cli_error(AGENT, "out of memory");
-    return SP_EXIT_FAILURE;
-  }
-  for (size_t i = 0; i < ns; i++)
-    a->streams[i] = (sp_out_stream){
-        .fd = -1, .rank = (int)(a->node_rank * a->nproc + (long long)i / 2),
-        .to = i % 2 ? stderr : stdout};
-  return PROCEED;
-}
-
 /* The trainer's argv for this incarnation: after a restart, with --load
- * of the last checkpoint (when --load-on-restart names one that holds
- * one). argv has n_trainer + 3 entries. */
+ * of the last checkpoint (when --load-on-restart names a directory that
+ * holds one this job wrote). argv has n_trainer + 3 entries. */
 static void trainer_argv(agent *a, char **argv, char *load, size_t cap) {
   size_t k = 0;
   for (size_t i = 0; i < a->n_trainer; i++) argv[k++] = a->trainer[i];
-  if (a->incarnation > 0 && a->restart_load) {
-    sp_diag d = {{0}};
-    sp_ckpt_kind kind;
-    int rc = sp_ckpt_resolve(a->restart_load, 0, load, cap, &kind, &d);
-    if (rc == SP_EINVAL)
-      rc = sp_ckpt_resolve(a->restart_load, SP_CKPT_FULL, load, cap, &kind,
-                           &d);
-    if (rc == 0) {
-      argv[k++] = "--load";
-      argv[k++] = load;
-      fprintf(stderr, "shardplane agent: incarnation %llu loads %s\n",
-              (unsigned long long)a->incarnation, load);
-    } else {
-      fprintf(stderr, "shardplane agent: incarnation %llu starts afresh: "
-              "%s\n", (unsigned long long)a->incarnation, d.msg);
-    }
+  sp_ckpt_kind kind;
+  if (a->sup.incarnation > 0 && a->restart_load &&
+      sp_sup_restart_ckpt(&a->sup, a->restart_load, &a->restart_seen, NULL,
+                          load, cap, &kind)) {
+    argv[k++] = "--load";
+    argv[k++] = load;
   }
   argv[k] = NULL;
 }
 
-static int start_workers(agent *a) {
+/* Every worker of the current incarnation (sp_sup_ops.start). */
+static int start_workers(sp_sup *s) {
+  agent *a = s->user;
   size_t cap = N_VARS;
   for (char **e = environ; *e; e++) cap++;
   char **envp = calloc(cap + 1, sizeof *envp);
@@ -390,16 +356,16 @@ static int start_workers(agent *a) {
       ec = SP_EXIT_FAILURE;
       break;
     }
-    a->pids[i] = sp_workers_spawn(argv, envp, &a->streams[2 * i],
-                                  &a->streams[2 * i + 1]);
-    if (a->pids[i] < 0) {
-      a->pids[i] = 0;
+    s->pids[i] = sp_workers_spawn(argv, envp, &s->streams[2 * i],
+                                  &s->streams[2 * i + 1]);
+    if (s->pids[i] < 0) {
+      s->pids[i] = 0;
       sp_cli_error(AGENT, "cannot start %s for rank %lld: %s", a->trainer[0],
                    a->node_rank * a->nproc + i, strerror(errno));
       ec = SP_EXIT_FAILURE;
       break;
     }
-    a->live++;
+    s->live++;
   }
   free(envp);
   free(vars);
@@ -408,263 +374,36 @@ static int start_workers(agent *a) {
   return ec;
 }
 
-/* ---- the agent's stream to the coordinator ---- */
-
-#define AGENT_PATH "/shardplane.v1.Coordinator/AgentSession"
-
-static int ctl_send(agent *a, const Shardplane__V1__AgentUp *up) {
-  if (a->ctl_st == NULL) return SP_ESTATE;
-  return sp_rpc_sync_stream_send(a->ctl_st, &up->base);
+/* "rank 3 (local rank 1 on node 1)" (sp_sup_ops.name). */
+static void name_worker(const sp_sup *s, uint32_t i, char *out, size_t cap) {
+  const agent *a = s->user;
+  snprintf(out, cap, "rank %lld (local rank %u on node %lld)",
+           a->node_rank * a->nproc + i, i, a->node_rank);
 }
 
-/* Waits up to wait_ms for a command. Returns 1 with *out set (the caller
- * frees it), 0 when none came, -1 when the stream ended (said why). */
-static int ctl_recv(agent *a, uint64_t wait_ms,
-                    Shardplane__V1__AgentDown **out) {
-  if (a->ctl_st == NULL) return -1;
-  ProtobufCMessage *m = NULL;
-  sp_rpc_status st;
-  int rc = sp_rpc_sync_stream_recv(a->ctl_st,
-                                   &shardplane__v1__agent_down__descriptor,
-                                   wait_ms, &m, &st);
-  if (rc == 0) {
-    *out = (Shardplane__V1__AgentDown *)m;
-    return 1;
-  }
-  if (rc == SP_ETIMEDOUT) return 0;
-  sp_cli_error(AGENT, "the coordinator ended the agent's stream: %s%s%s",
-               rc == SP_ENOENT ? sp_rpc_code_name(st.code) : sp_strerror(rc),
-               rc == SP_ENOENT && st.message[0] ? ": " : "",
-               rc == SP_ENOENT ? st.message : "");
-  sp_rpc_sync_stream_close(a->ctl_st);
-  a->ctl_st = NULL;
-  return -1;
-}
+static const sp_sup_ops k_ops = {.start = start_workers,
+                                 .name = name_worker};
 
-/* Opens AgentSession (through the proxy when there is one), registers the
- * node and waits for the coordinator's first word: the incarnation to
- * start. Returns PROCEED or the exit code. */
+/* Opens AgentSession through the proxy when there is one (which adds the
+ * agent's token), else straight to the coordinator with the agent's
+ * credentials. Returns PROCEED or the exit code. */
 static int ctl_open(agent *a) {
   sp_rpc_client_opts co = {.connect_timeout_ms = a->r.timeout_ms};
   if (a->proxy == NULL) sp_cred_client_opts(&a->r.cred, &co);
-  int rc = sp_rpc_sync_open_opts(a->worker_coord, &co, &a->ctl);
-  if (rc == 0)
-    rc = sp_rpc_sync_stream_open(a->ctl, AGENT_PATH, 0, NULL, 0, &a->ctl_st);
-  char host[256];
-  if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
-  host[sizeof host - 1] = '\0';
-  Shardplane__V1__AgentRegister reg = SHARDPLANE__V1__AGENT_REGISTER__INIT;
-  reg.node_rank = (uint32_t)a->node_rank;
-  reg.nproc = (uint32_t)a->nproc;
-  reg.max_restarts = (uint32_t)a->max_restarts;
-  reg.host = host;
-  reg.pid = (uint32_t)getpid();
-  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
-  up.register_ = &reg;
-  if (rc == 0) rc = ctl_send(a, &up);
-  if (rc != 0) {
-    sp_cli_error(AGENT, "cannot open the agent's stream to %s: %s", a->r.addr,
-                 sp_strerror(rc));
-    return SP_EXIT_UNREACHABLE;
-  }
-  Shardplane__V1__AgentDown *d = NULL;
-  int got = ctl_recv(a, a->r.timeout_ms, &d);
-  if (got <= 0) {
-    if (got == 0)
-      sp_cli_error(AGENT, "the coordinator did not answer the agent's "
-                   "registration within %llu ms",
-                   (unsigned long long)a->r.timeout_ms);
-    return SP_EXIT_FAILURE;
-  }
-  int ec = PROCEED;
-  if (d->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
-    a->incarnation = d->incarnation;
-  } else {
-    sp_cli_error(AGENT, "the job %s: %s",
-                 d->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END
-                     ? "ended"
-                     : "is restarting",
-                 d->reason);
-    ec = SP_EXIT_FAILURE;
-  }
-  protobuf_c_message_free_unpacked(&d->base, NULL);
-  return ec;
+  return sp_sup_open_session(&a->sup, a->worker_coord, &co, a->r.addr,
+                             (uint32_t)a->node_rank, a->r.timeout_ms);
 }
 
-static void ctl_close(agent *a) {
-  if (a->ctl_st) {
-    sp_rpc_sync_stream_close_send(a->ctl_st);
-    sp_rpc_sync_stream_close(a->ctl_st);
-  }
-  a->ctl_st = NULL;
-  if (a->ctl) sp_rpc_sync_close(a->ctl);
-  a->ctl = NULL;
-}
-
-static void report_exit(agent *a, long long i, int st) {
-  Shardplane__V1__WorkerExit w = SHARDPLANE__V1__WORKER_EXIT__INIT;
-  w.incarnation = a->incarnation;
-  w.rank = (uint32_t)(a->node_rank * a->nproc + i);
-  w.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : 0;
-  w.signal = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
-  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
-  up.worker_exit = &w;
-  ctl_send(a, &up);
-}
-
-/* After a failure the other workers get this long to stop by themselves
- * (the coordinator aborts them when it notices the lost rank) and say
- * why; then SIGTERM, and SIGKILL TERM_S after it. As `shardplane run`. */
-#define GRACE_S 0.5
-#define TERM_S 3.0
-
-/* Where supervise stands. */
-typedef struct watch {
-  int ret, interrupted;
-  bool terminated, done;
-  double term_at, kill_at;
-} watch;
-
-/* The workers' output, drained for up to 1 s once they are all gone. */
-static void drain_all(agent *a) {
-  size_t ns = 2 * (size_t)a->nproc;
-  double end = sp_clock_s() + 1.0;
-  while (sp_workers_pass_output(a->streams, ns, 20) > 0 && sp_clock_s() < end)
-    ;
-  sp_workers_close_streams(a->streams, ns);
-}
-
-/* A command from the coordinator. */
-static void on_command(agent *a, watch *w, const Shardplane__V1__AgentDown *d) {
-  switch (d->command) {
-    case SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP: {
-      fprintf(stderr, "shardplane agent: incarnation %llu ended (%s); "
-              "stopping the %u worker%s of this host for a restart\n",
-              (unsigned long long)d->incarnation, d->reason, a->live,
-              a->live == 1 ? "" : "s");
-      sp_workers_stop(a->pids, (uint32_t)a->nproc, (int)(TERM_S * 1000));
-      a->live = 0;
-      a->stopped = true;
-      drain_all(a);
-      Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
-      up.stopped = true;
-      up.incarnation = d->incarnation;
-      ctl_send(a, &up);
-      return;
-    }
-    case SHARDPLANE__V1__AGENT_COMMAND__AGENT_START:
-      if (d->incarnation <= a->incarnation) return;
-      a->incarnation = d->incarnation;
-      a->failed = 0;
-      a->stopped = false;
-      fprintf(stderr, "shardplane agent: incarnation %llu: starting the "
-              "workers again\n", (unsigned long long)a->incarnation);
-      if (start_workers(a) != PROCEED && w->ret == SP_EXIT_OK) {
-        w->ret = SP_EXIT_FAILURE;
-        w->term_at = sp_clock_s();
-      }
-      return;
-    case SHARDPLANE__V1__AGENT_COMMAND__AGENT_END:
-      sp_cli_error(AGENT, "the job ended: %s", d->reason);
-      if (w->ret == SP_EXIT_OK) w->ret = SP_EXIT_FAILURE;
-      if (w->term_at < 0 && !w->terminated) w->term_at = sp_clock_s();
-      w->done = true;
-      return;
-    default: return;
-  }
-}
-
-/* A worker ended. With restarts the coordinator decides what follows (it
- * hears of the death); without, the agent stops the others itself. */
-static void on_exit_status(agent *a, watch *w, long long i, int st) {
-  bool asked = w->interrupted && WIFEXITED(st) &&
-               (WEXITSTATUS(st) == 128 + w->interrupted ||
-                WEXITSTATUS(st) == 128 + SIGTERM);
-  if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || w->terminated || asked)
-    return;
-  char how[96];
-  sp_workers_describe(st, how, sizeof how);
-  report_exit(a, i, st);
-  a->failed++;
-  bool supervised = a->max_restarts > 0 && a->ctl_st != NULL;
-  bool first = w->ret == SP_EXIT_OK;
-  sp_cli_error(AGENT, "rank %lld (local rank %lld on node %lld) %s%s",
-               a->node_rank * a->nproc + i, i, a->node_rank, how,
-               supervised ? "; the coordinator decides on a restart"
-               : first    ? "; stopping the workers"
-                          : "");
-  if (supervised || !first) return;
-  w->ret = SP_EXIT_FAILURE;
-  w->term_at = sp_clock_s() + GRACE_S;
-}
-
-static void on_signal_seen(agent *a, watch *w, int sig) {
-  if (!w->interrupted && w->ret == SP_EXIT_OK) {
-    w->interrupted = sig;
-    w->ret = 128 + sig;
-    fprintf(stderr, "shardplane agent: interrupted (%s); passed on to the "
-                    "%u worker%s (a second signal stops them at once)\n",
-            strsignal(sig), a->live, a->live == 1 ? "" : "s");
-    for (long long i = 0; i < a->nproc; i++)
-      if (a->pids[i] > 0) kill(a->pids[i], sig);
-    return;
-  }
-  if (w->ret == SP_EXIT_OK || w->interrupted) w->ret = 128 + sig;
-  w->terminated = true;
-  w->term_at = -1;
-  w->kill_at = sp_clock_s();
-}
-
-static int supervise(agent *a) {
-  watch w = {.ret = SP_EXIT_OK, .term_at = -1, .kill_at = -1};
-  double drained_by = -1;
-  size_t ns = 2 * (size_t)a->nproc;
-  for (;;) {
-    size_t open = sp_workers_pass_output(a->streams, ns, 20);
-    int st;
-    pid_t pid;
-    while ((pid = waitpid(-1, &st, WNOHANG)) > 0)
-      for (long long i = 0; i < a->nproc; i++)
-        if (a->pids[i] == pid) {
-          a->pids[i] = 0;
-          a->live--;
-          on_exit_status(a, &w, i, st);
-        }
-    Shardplane__V1__AgentDown *d = NULL;
-    while (a->ctl_st != NULL && ctl_recv(a, 1, &d) == 1) {
-      on_command(a, &w, d);
-      protobuf_c_message_free_unpacked(&d->base, NULL);
-      d = NULL;
-    }
-    int sig = g_signal;
-    g_signal = 0;
-    if (sig) on_signal_seen(a, &w, sig);
-    /* with restarts, workers that failed leave the agent waiting for the
-     * coordinator's word; without (or once it ended the job) it is done
-     * when they are all gone */
-    bool waiting = a->max_restarts > 0 && a->ctl_st != NULL && !w.done &&
-                   !w.interrupted && w.ret == SP_EXIT_OK && a->live == 0 &&
-                   (a->failed > 0 || a->stopped);
-    if (a->live == 0 && !waiting) {
-      if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
-      if (open == 0 || sp_clock_s() > drained_by) break;
-      continue;
-    }
-    double now = sp_clock_s();
-    int to_send = 0;
-    if (w.term_at >= 0 && now >= w.term_at) {
-      to_send = SIGTERM;
-      w.term_at = -1;
-      w.kill_at = now + TERM_S;
-      w.terminated = true;
-    } else if (w.kill_at >= 0 && now >= w.kill_at) {
-      to_send = SIGKILL;
-      w.kill_at = -1;
-    }
-    for (long long i = 0; to_send && i < a->nproc; i++)
-      if (a->pids[i] > 0) kill(a->pids[i], to_send);
-  }
-  return w.ret;
+/* The supervision's settings, once the node is known. */
+static void setup_sup(agent *a) {
+  a->sup.who = AGENT;
+  a->sup.ops = &k_ops;
+  a->sup.user = a;
+  a->sup.n = (uint32_t)a->nproc;
+  a->sup.first_rank = (uint32_t)(a->node_rank * a->nproc);
+  a->sup.max_restarts = (uint32_t)a->max_restarts;
+  /* a restart loads only a checkpoint this job wrote */
+  sp_sup_ckpt_note(a->restart_load, &a->restart_seen);
 }
 
 int sp_cmd_agent(int argc, char **argv) {
@@ -678,27 +417,25 @@ int sp_cmd_agent(int argc, char **argv) {
   /* its connection goes: the proxy's is the one the agent keeps */
   if (a.r.rpc) sp_remote_finish(&a.r, SP_EXIT_OK);
   a.r.rpc = NULL;
+  if (ret == PROCEED) setup_sup(&a);
   if (ret == PROCEED) ret = start_proxy(&a);
   if (ret == PROCEED) ret = ctl_open(&a);
-  if (ret == PROCEED) ret = alloc_streams(&a);
+  if (ret == PROCEED) ret = sp_sup_alloc_streams(&a.sup);
   if (ret != PROCEED) goto out;
-  struct sigaction sa = {.sa_handler = on_signal};
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
+  sp_sup_catch_signals();
   fprintf(stderr, "shardplane agent: node %lld of %lld, ranks %lld-%lld of "
                   "%u, incarnation %llu; coordinator %s%s%s\n", a.node_rank,
           a.nnodes, a.node_rank * a.nproc,
           a.node_rank * a.nproc + a.nproc - 1, a.world,
-          (unsigned long long)a.incarnation, a.r.addr,
+          (unsigned long long)a.sup.incarnation, a.r.addr,
           a.proxy ? ", proxied from " : "", a.proxy ? a.worker_coord : "");
-  ret = start_workers(&a);
-  if (ret == PROCEED) ret = supervise(&a);
-  sp_workers_stop(a.pids, (uint32_t)a.nproc, (int)(TERM_S * 1000));
+  ret = start_workers(&a.sup);
+  if (ret == PROCEED) ret = sp_sup_run(&a.sup);
+  sp_sup_stop(&a.sup);
 out:
-  ctl_close(&a);
-  if (a.streams) sp_workers_close_streams(a.streams, 2 * (size_t)a.nproc);
-  free(a.streams);
+  sp_sup_close_session(&a.sup);
+  if (a.sup.streams) sp_workers_close_streams(a.sup.streams, 2 * (size_t)a.nproc);
+  free(a.sup.streams);
   if (a.proxy) {
     sp_agent_proxy_stop(a.proxy);
     sp_agent_proxy_stats st;

@@ -36,16 +36,13 @@
 #include "run_auth.h"
 #include "agent_proxy.h"
 #include "run_verdict.h"
+#include "supervise.h"
 #include "workers.h"
 
 extern char **environ;
 
 #define RUN "run"
 #define MAX_NPROC SP_WORKERS_MAX
-
-static volatile sig_atomic_t g_signal;
-
-static void on_signal(int sig) { g_signal = sig; }
 
 static void usage(FILE *f) {
   fputs("usage: shardplane run --nproc N --model M.json [--job J.json] "
@@ -116,6 +113,17 @@ static void usage(FILE *f) {
         "the\n"
         "                             checkpoint directory), and the job goes "
         "on\n"
+        "  --max-restarts K           when a worker dies, restart the job up "
+        "to K\n"
+        "                             times as a new incarnation: every rank\n"
+        "                             stopped, the store emptied, the ranks\n"
+        "                             started again from the last checkpoint "
+        "the\n"
+        "                             job wrote in its checkpoint directory\n"
+        "                             (--checkpoint-every N: at most N steps\n"
+        "                             lost), else from --load or step 0\n"
+        "                             (default 0: the job ends naming the "
+        "rank)\n"
         "training flags, checked here and passed to every worker:\n",
         f);
   sp_train_flags_help(f, 29);
@@ -150,10 +158,15 @@ static void usage(FILE *f) {
         "after the same step, write the checkpoints and exit; a second signal\n"
         "stops them at once, without a checkpoint.\n"
         "\n"
-        "exit codes: 0 done, 1 the job failed (a worker died or failed: the\n"
-        "message names the culprit the coordinator's verdict gives, else the\n"
-        "rank), 2 bad usage, 130 / 143 stopped by SIGINT /\n"
-        "SIGTERM (after the checkpoint)\n",
+        "Restarts: run says which rank died and how, and from which step\n"
+        "each incarnation starts; the workers get SHARDPLANE_INCARNATION (0,\n"
+        "then one more per restart), and the coordinator records each\n"
+        "incarnation and what ended it (ListIncarnations).\n"
+        "\n"
+        "exit codes: 0 done, 1 the job failed (a worker died or failed, with\n"
+        "no restart left: the message names the culprit the coordinator's\n"
+        "verdict gives, else the rank), 2 bad usage, 130 / 143 stopped by\n"
+        "SIGINT / SIGTERM (after the checkpoint)\n",
         f);
 }
 
@@ -209,6 +222,7 @@ typedef struct run_opts {
   const char *inject[32];
   size_t n_inject;
   const char *stall_ms, *on_stall, *straggler;
+  long long max_restarts; /* --max-restarts; 0: none */
 } run_opts;
 
 /* What was checked before anything starts. */
@@ -237,14 +251,15 @@ typedef struct run_procs {
   char addr[64];
   /* the workers' calls go through it, as under an agent (agent_proxy.h) */
   sp_agent_proxy *proxy;
-  pid_t pids[MAX_NPROC];
-  uint32_t live;
-  sp_out_stream *streams; /* rank r's stdout at 2r, its stderr at 2r + 1 */
-  size_t n_streams;
+  /* the workers, supervised as an agent's (and with --max-restarts
+   * restarted as the coordinator decides) */
+  sp_sup sup;
+  sp_sup_ckpt_seen ckpt_seen; /* the checkpoint dir when the job began */
+  double ranks_at; /* when the next line on the ranks is due */
   bool verdict_told; /* the coordinator's verdict on a failure was printed */
 } run_procs;
 
-#define PROCEED (-1)
+#define PROCEED SP_SUP_PROCEED
 
 /* A job flag (getopt's c >= SP_JOB_OPT_BASE), recorded for the
  * coordinator. 0, or -1 (message printed). */
@@ -260,7 +275,7 @@ static int job_flag(run_opts *o, int c, const char *value) {
 
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
        O_LOG, O_RANKS, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_GRACE,
-       O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_HELP };
+       O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_RESTARTS, O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
@@ -358,6 +373,8 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       o->straggler = v;
       rc = sp_flag_number(flag, v, 1.0, &x, d);
       return rc;
+    case O_RESTARTS:
+      return sp_flag_int(flag, v, 0, 1000, &o->max_restarts, d);
   }
   return SP_ENOENT;
 }
@@ -386,6 +403,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"stall-timeout-ms", required_argument, NULL, O_STALL},
       {"on-stall", required_argument, NULL, O_ONSTALL},
       {"straggler-ratio", required_argument, NULL, O_STRAGGLER},
+      {"max-restarts", required_argument, NULL, O_RESTARTS},
       {"help", no_argument, NULL, O_HELP}};
   /* run's own options, the training flags, then the job flags */
   struct option mine[64];
@@ -660,11 +678,20 @@ static int start_coordinator(const run_opts *o, const run_job *j,
   return PROCEED;
 }
 
+/* What the workers of an incarnation load: --load, or after a restart
+ * the last checkpoint the job wrote. */
+typedef struct run_load {
+  const char *dir; /* NULL: nothing */
+  sp_ckpt_kind kind;
+  bool params_only;
+  char buf[4096];
+} run_load;
+
 /* The command line of rank r's worker into wa; rank_s and device_s (24
- * bytes each) hold strings it points to. */
+ * bytes each) hold strings it points to, and so does ld. */
 static void worker_args(const run_opts *o, const run_job *j,
-                        const run_procs *p, long long r, argvec *wa,
-                        char *rank_s, char *device_s) {
+                        const run_procs *p, const run_load *ld, long long r,
+                        argvec *wa, char *rank_s, char *device_s) {
   snprintf(rank_s, 24, "%lld", r);
   push(wa, j->worker_bin);
   push(wa, "--coordinator");
@@ -715,12 +742,37 @@ static void worker_args(const run_opts *o, const run_job *j,
     push(wa, "--checkpoint-every");
     push(wa, o->ckpt_every);
   }
-  if (o->load_dir) {
+  if (ld->dir) {
     push(wa, "--load");
-    push(wa, j->load_from);
+    push(wa, ld->dir);
     push(wa, "--load-kind");
-    push(wa, sp_ckpt_kind_dir(j->load_kind));
-    if (o->load_params_only) push(wa, "--load-params-only");
+    push(wa, sp_ckpt_kind_dir(ld->kind));
+    if (ld->params_only) push(wa, "--load-params-only");
+  }
+}
+
+/* Incarnation 0 loads --load; a restart the last checkpoint the job wrote
+ * in its checkpoint directory, else what incarnation 0 loaded (--load, or
+ * nothing: step 0). */
+static void what_to_load(const run_opts *o, const run_job *j, run_procs *p,
+                         run_load *ld) {
+  *ld = (run_load){0};
+  if (p->sup.incarnation > 0 && o->any_kind &&
+      sp_sup_restart_ckpt(&p->sup, j->ckdir, &p->ckpt_seen,
+                          o->load_dir ? j->load_from : NULL, ld->buf,
+                          sizeof ld->buf, &ld->kind)) {
+    ld->dir = ld->buf;
+    return;
+  }
+  if (p->sup.incarnation > 0 && !o->any_kind)
+    sp_cli_error(RUN, "incarnation %llu starts from %s: no checkpoints "
+                 "(--checkpoint none)",
+                 (unsigned long long)p->sup.incarnation,
+                 o->load_dir ? j->load_from : "step 0");
+  if (o->load_dir) {
+    ld->dir = j->load_from;
+    ld->kind = j->load_kind;
+    ld->params_only = o->load_params_only;
   }
 }
 
@@ -740,78 +792,50 @@ static int start_proxy(run_procs *p) {
   return PROCEED;
 }
 
-/* Starts the N workers. Returns PROCEED or the exit code (p->pids holds
- * the ones started). */
-static int start_workers(const run_opts *o, const run_job *j,
-                         run_procs *p) {
-  p->streams = calloc(2 * (size_t)o->nproc, sizeof *p->streams);
-  if (!p->streams) {
-    sp_cli_error(RUN, "out of memory");
-    return SP_EXIT_FAILURE;
-  }
-  p->n_streams = 2 * (size_t)o->nproc;
-  for (size_t i = 0; i < p->n_streams; i++)
-    p->streams[i] = (sp_out_stream){.fd = -1, .rank = (int)(i / 2),
-                                 .to = i % 2 ? stderr : stdout};
+/* Starts the N workers of the current incarnation (sp_sup_ops.start).
+ * Returns PROCEED or the exit code (s->pids holds the ones started). */
+static int start_workers(sp_sup *s) {
+  run_procs *p = s->user;
+  const run_opts *o = p->o;
+  run_load ld;
+  what_to_load(o, p->j, p, &ld);
+  /* as an agent's workers: which start of the job they are */
+  char inc[24];
+  snprintf(inc, sizeof inc, "%llu", (unsigned long long)s->incarnation);
+  setenv("SHARDPLANE_INCARNATION", inc, 1);
   for (long long r = 0; r < o->nproc; r++) {
     char rank_s[24], device_s[24];
     argvec wa = {0};
-    worker_args(o, j, p, r, &wa, rank_s, device_s);
-    p->pids[r] = sp_workers_spawn(wa.v, NULL, &p->streams[2 * r],
-                              &p->streams[2 * r + 1]);
-    if (p->pids[r] < 0) {
-      p->pids[r] = 0;
+    worker_args(o, p->j, p, &ld, r, &wa, rank_s, device_s);
+    s->pids[r] = sp_workers_spawn(wa.v, NULL, &s->streams[2 * r],
+                                  &s->streams[2 * r + 1]);
+    if (s->pids[r] < 0) {
+      s->pids[r] = 0;
       sp_cli_error(RUN, "cannot start rank %lld: %s", r, strerror(errno));
       return SP_EXIT_FAILURE;
     }
-    p->live++;
+    s->live++;
   }
   return PROCEED;
 }
 
-/* After a failure, the other ranks get this long to stop by themselves
- * (the coordinator aborts them at once) and to say why, before SIGTERM;
- * SIGKILL follows SIGTERM after TERM_S. */
-#define GRACE_S 0.5
-#define TERM_S 3.0
 /* How long a failing run waits for the coordinator's verdict. */
 #define VERDICT_MS 2000
 
-/* Where supervise stands. */
-typedef struct run_watch {
-  int ret;          /* the exit code so far */
-  double term_at;   /* when to SIGTERM the workers left; < 0: not yet due */
-  double kill_at;   /* when to SIGKILL them; < 0: not yet due */
-  bool terminated;  /* SIGTERM sent: the ends that follow are ours */
-  int interrupted;  /* the signal that arrived and was forwarded, or 0 */
-  run_procs *p;     /* whose coordinator to ask for the verdict */
-} run_watch;
-
-/* A failure: the first one names what happened and stops the job; later
- * ones (other ranks failing before they are stopped) are named too. */
-static void failed(run_watch *w, double grace_s, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void failed(run_watch *w, double grace_s, const char *fmt, ...) {
-  char msg[256];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  bool first = w->ret == SP_EXIT_OK;
+/* A failure that stops the job (sp_sup_ops.failure): the first one
+ * names the culprit the coordinator gives, which saw every rank (a victim
+ * of a stall exits like its culprit); later ones (other ranks failing
+ * before they are stopped) are named too. */
+static void tell_failure(sp_sup *s, const char *msg, bool first) {
+  run_procs *p = s->user;
   char verdict[512];
-  /* a victim of a stall exits like its culprit: the coordinator, which
-   * saw every rank, names the one at fault */
-  if (first && w->p != NULL && w->p->coord.pid > 0 &&
-      sp_run_verdict(w->p->addr, w->p->j->creds.admin_token, VERDICT_MS,
-                     verdict, sizeof verdict)) {
-    w->p->verdict_told = true;
+  if (first && p->coord.pid > 0 &&
+      sp_run_verdict(p->addr, p->j->creds.admin_token, VERDICT_MS, verdict,
+                     sizeof verdict)) {
+    p->verdict_told = true;
     sp_cli_error(RUN, "%s (%s); stopping the job", verdict, msg);
   } else {
     sp_cli_error(RUN, "%s%s", msg, first ? "; stopping the job" : "");
-  }
-  if (first) {
-    w->ret = SP_EXIT_FAILURE;
-    w->term_at = sp_clock_s() + grace_s;
   }
 }
 
@@ -908,114 +932,77 @@ static bool restart_coordinator(run_procs *p, const char *how) {
   return true;
 }
 
-/* Reaps every child that ended: the coordinator or a worker. */
-static void reap(const run_opts *o, run_procs *p, run_watch *w) {
-  int st;
-  pid_t pid;
-  while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
-    char how[96];
-    sp_workers_describe(st, how, sizeof how);
-    if (pid == p->coord.pid) {
-      p->coord.pid = 0;
-      if (w->ret == SP_EXIT_OK && !w->interrupted && p->live > 0 &&
-          restart_coordinator(p, how))
-        continue;
-      failed(w, GRACE_S, "the coordinator %s", how);
-      continue;
-    }
-    for (long long r = 0; r < o->nproc; r++) {
-      if (p->pids[r] != pid) continue;
-      p->pids[r] = 0;
-      p->live--;
-      /* after a forwarded signal a rank ends 128 + it, or 143 when it
-       * stopped for another rank's */
-      bool asked = w->interrupted && WIFEXITED(st) &&
-                   (WEXITSTATUS(st) == 128 + w->interrupted ||
-                    WEXITSTATUS(st) == 128 + SIGTERM);
-      if ((!WIFEXITED(st) || WEXITSTATUS(st) != 0) && !w->terminated &&
-          !asked)
-        failed(w, GRACE_S, "rank %lld %s", r, how);
-    }
+/* With --max-restarts: run's stream to the coordinator (AgentSession), as
+ * an agent's for a host of N ranks, through the proxy with the workers'
+ * token. Returns PROCEED or the exit code. */
+static int open_session(run_procs *p) {
+  sp_cred cred = {.insecure = true, .token_file = p->j->creds.worker_token};
+  sp_diag d = {{0}};
+  if (sp_cred_finish(&cred, &d) != 0) {
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_FAILURE;
   }
+  sp_rpc_client_opts co = {.connect_timeout_ms = 20000};
+  sp_cred_client_opts(&cred, &co);
+  return sp_sup_open_session(&p->sup, sp_agent_proxy_address(p->proxy), &co,
+                             p->addr, 0, 20000);
 }
 
-/* Signals to the workers left, when due. */
-static void stop_when_due(run_procs *p, run_watch *w, long long n) {
-  double now = sp_clock_s();
-  int sig = 0;
-  if (w->term_at >= 0 && now >= w->term_at) {
-    sig = SIGTERM;
-    w->term_at = -1;
-    w->kill_at = now + TERM_S;
-    w->terminated = true;
-  } else if (w->kill_at >= 0 && now >= w->kill_at) {
-    sig = SIGKILL;
-    w->kill_at = -1;
+/* A child that is not a worker ended: the coordinator
+ * (sp_sup_ops.reaped). */
+static void reaped(sp_sup *s, pid_t pid, int st) {
+  run_procs *p = s->user;
+  if (pid != p->coord.pid) return;
+  char how[96];
+  sp_workers_describe(st, how, sizeof how);
+  p->coord.pid = 0;
+  if (s->ret == SP_EXIT_OK && !s->interrupted && s->live > 0 &&
+      restart_coordinator(p, how)) {
+    /* the stream went with the old one; the new one knows the job's
+     * incarnations from the state dir */
+    sp_sup_close_session(s);
+    if (p->o->max_restarts == 0) return;
+    if (open_session(p) == PROCEED) {
+      sp_cli_error(RUN, "registered again with the restarted coordinator "
+                   "(incarnation %llu); restarts go on",
+                   (unsigned long long)s->incarnation);
+    } else {
+      sp_sup_close_session(s);
+      sp_cli_error(RUN, "without its stream to the coordinator, a worker's "
+                   "death ends the job (no restarts)");
+    }
+    return;
   }
-  for (long long r = 0; sig && r < n; r++)
-    if (p->pids[r] > 0) kill(p->pids[r], sig);
+  sp_sup_fail(s, "the coordinator %s", how);
 }
 
-/* Passes the workers' output on until every worker is done, one fails or
- * dies (naming the rank; the others are given GRACE_S to stop and say
- * why), the coordinator dies, or a signal arrives. Returns the exit
- * code. */
-/* Where the ranks are, in a line like the workers' ("[ranks]: ..."). The
- * call blocks the output passing for its length, a millisecond or so on
+/* rank r as messages name it (sp_sup_ops.name). */
+static void name_rank(const sp_sup *s, uint32_t i, char *out, size_t cap) {
+  snprintf(out, cap, "rank %u", s->first_rank + i);
+}
+
+/* Where the ranks are, in a line like the workers' ("[ranks]: ..."), every
+ * --ranks-every seconds while they train (sp_sup_ops.tick). The call
+ * blocks the output passing for its length, a millisecond or so on
  * loopback; a coordinator that does not answer within 500 ms is skipped
  * (its own restart, or a failure, is reported elsewhere). */
-static void tell_ranks(const run_procs *p) {
-  char line[512];
-  if (!sp_run_ranks_line(p->addr, p->j->creds.admin_token, 500, line,
-                         sizeof line))
+static void tell_ranks(sp_sup *s) {
+  run_procs *p = s->user;
+  if (p->o->ranks_every_s <= 0 || sp_clock_s() < p->ranks_at ||
+      s->live == 0 || s->terminated || s->ret != SP_EXIT_OK)
     return;
-  sp_workers_print_line(stdout, "ranks", line, strlen(line));
+  char line[512];
+  if (sp_run_ranks_line(p->addr, p->j->creds.admin_token, 500, line,
+                        sizeof line))
+    sp_workers_print_line(stdout, "ranks", line, strlen(line));
+  p->ranks_at = sp_clock_s() + p->o->ranks_every_s;
 }
 
-static int supervise(const run_opts *o, run_procs *p) {
-  run_watch w = {.ret = SP_EXIT_OK, .term_at = -1, .kill_at = -1, .p = p};
-  double drained_by = -1; /* every worker gone: the pipes' last words */
-  double ranks_at = sp_clock_s() + o->ranks_every_s;
-  for (;;) {
-    size_t open = sp_workers_pass_output(p->streams, p->n_streams, 20);
-    reap(o, p, &w);
-    if (o->ranks_every_s > 0 && sp_clock_s() >= ranks_at && p->live > 0 &&
-        !w.terminated && w.ret == SP_EXIT_OK) {
-      tell_ranks(p);
-      ranks_at = sp_clock_s() + o->ranks_every_s;
-    }
-    int sig = g_signal;
-    g_signal = 0;
-    if (sig && !w.interrupted && w.ret == SP_EXIT_OK) {
-      /* the workers agree on a step, checkpoint there and stop */
-      w.interrupted = sig;
-      w.ret = 128 + sig;
-      fprintf(stderr, "shardplane run: interrupted (%s); the %u worker%s "
-                      "checkpoint after the current step and stop (a "
-                      "second signal stops them at once)\n", strsignal(sig),
-              p->live, p->live == 1 ? "" : "s");
-      for (long long r = 0; r < o->nproc; r++)
-        if (p->pids[r] > 0) kill(p->pids[r], sig);
-    } else if (sig) {
-      /* again, or while stopping after a failure: at once */
-      fprintf(stderr, "shardplane run: interrupted; stopping %u worker%s "
-                      "and the coordinator now\n", p->live,
-              p->live == 1 ? "" : "s");
-      if (w.ret == SP_EXIT_OK || w.interrupted) w.ret = 128 + sig;
-      w.terminated = true;
-      w.term_at = -1;
-      w.kill_at = sp_clock_s();
-    }
-    if (p->live == 0) {
-      if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
-      if (open == 0 || sp_clock_s() > drained_by) break;
-      continue;
-    }
-    stop_when_due(p, &w, o->nproc);
-  }
-  sp_workers_close_streams(p->streams, p->n_streams);
-  return w.ret;
-}
+static const sp_sup_ops k_ops = {.start = start_workers,
+                                 .name = name_rank,
+                                 .failure = tell_failure,
+                                 .reaped = reaped,
+                                 .tick = tell_ranks};
 
 /* The last lines: where the checkpoints are, and the flags that start a
  * job from each (shardplane run or shardplane-worker). After a stop by a
@@ -1061,10 +1048,7 @@ int sp_cmd_run(int argc, char **argv) {
   if (ret == PROCEED) ret = check_job(&o, &j);
   if (ret != PROCEED) goto out;
 
-  struct sigaction sa = {.sa_handler = on_signal};
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
+  sp_sup_catch_signals();
   signal(SIGPIPE, SIG_IGN); /* the proxy's sockets say EPIPE instead */
 
   if (sp_run_creds_make("shardplane-run", &j.creds) != 0) {
@@ -1073,6 +1057,15 @@ int sp_cmd_run(int argc, char **argv) {
   }
   p.o = &o;
   p.j = &j;
+  p.sup = (sp_sup){.who = RUN,
+                   .on_signal = ", which checkpoint after the current step "
+                                "and stop",
+                   .ops = &k_ops,
+                   .user = &p,
+                   .n = (uint32_t)o.nproc,
+                   .max_restarts = (uint32_t)o.max_restarts};
+  /* a restart loads only a checkpoint this job wrote */
+  sp_sup_ckpt_note(j.ckdir, &p.ckpt_seen);
   ret = prepare_state_dir(&j, &p);
   if (ret == PROCEED) ret = prepare_dump_dir(&j);
   if (ret == PROCEED) ret = start_coordinator(&o, &j, &p);
@@ -1086,13 +1079,17 @@ int sp_cmd_run(int argc, char **argv) {
          j.creds.admin_token, p.addr, j.creds.admin_token);
   fflush(stdout);
   double t0 = sp_clock_s();
+  p.ranks_at = t0 + o.ranks_every_s;
   ret = start_proxy(&p);
-  if (ret == PROCEED) ret = start_workers(&o, &j, &p);
-  if (ret == PROCEED) ret = supervise(&o, &p);
-  sp_workers_stop(p.pids, (uint32_t)o.nproc, 3000);
+  if (ret == PROCEED && o.max_restarts > 0) ret = open_session(&p);
+  if (ret == PROCEED) ret = sp_sup_alloc_streams(&p.sup);
+  if (ret == PROCEED) ret = start_workers(&p.sup);
+  if (ret == PROCEED) ret = sp_sup_run(&p.sup);
+  sp_sup_stop(&p.sup);
+  sp_sup_close_session(&p.sup);
   sp_agent_proxy_free(p.proxy);
-  sp_workers_close_streams(p.streams, p.n_streams);
-  free(p.streams);
+  sp_workers_close_streams(p.sup.streams, 2 * (size_t)o.nproc);
+  free(p.sup.streams);
   char verdict[512];
   /* the verdict may have come after the first failure was reported (a
    * lost rank is noticed when its stream breaks) */

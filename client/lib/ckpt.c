@@ -83,10 +83,25 @@ const char *sp_ckpt_kind_dir(sp_ckpt_kind k) {
 
 /* ---- what a directory holds ---- */
 
-/* A safetensors file's shardplane.plan_version, from its header alone
- * (the tensors after it may be large); "" when there is none. */
-static void header_plan_version(const char *path, char *out, size_t cap) {
+/* A step count as the metadata writes it (decimal digits): whether s is
+ * one, the count in *out. */
+static bool step_count(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long long v = s && *s >= '0' && *s <= '9' ? strtoull(s, &end, 10)
+                                                     : 0;
+  if (!s || *s < '0' || *s > '9' || *end || errno == ERANGE) return false;
+  *out = v;
+  return true;
+}
+
+/* A safetensors file's shardplane.plan_version ("" when there is none) and
+ * step count (0), from its header alone (the tensors after it may be
+ * large). */
+static void header_meta(const char *path, char *out, size_t cap,
+                        uint64_t *steps) {
   out[0] = '\0';
+  *steps = 0;
   FILE *fp = fopen(path, "rb");
   if (!fp) return;
   uint8_t len8[8];
@@ -97,9 +112,14 @@ static void header_plan_version(const char *path, char *out, size_t cap) {
   json_t *root = NULL;
   if (hdr && fread(hdr, 1, (size_t)n, fp) == n)
     root = json_loadb(hdr, (size_t)n, 0, NULL);
-  const char *v = json_string_value(json_object_get(
-      json_object_get(root, "__metadata__"), "shardplane.plan_version"));
+  json_t *meta = json_object_get(root, "__metadata__");
+  const char *v = json_string_value(json_object_get(meta,
+                                                    "shardplane.plan_version"));
   if (v) snprintf(out, cap, "%s", v);
+  /* only to describe the checkpoint: sp_ckpt_load checks it */
+  if (!step_count(json_string_value(json_object_get(meta, META_STEPS)),
+                  steps))
+    *steps = 0;
   json_decref(root);
   free(hdr);
   fclose(fp);
@@ -117,10 +137,11 @@ static void find_in(const char *folder, sp_ckpt_found *out) {
     if (out->present[k]) continue;
     char *ver = out->plan_version[k];
     size_t vcap = sizeof out->plan_version[k];
+    uint64_t *steps = &out->steps[k];
     if (k == SP_CKPT_FULL) {
       snprintf(path, sizeof path, "%s/%s", folder, SP_CKPT_FULL_FILE);
       if (!is_file(path)) continue;
-      header_plan_version(path, ver, vcap);
+      header_meta(path, ver, vcap, steps);
     } else if (k == SP_CKPT_SHARDED) {
       snprintf(path, sizeof path, "%s/%s", folder, SP_CKPT_INDEX);
       if (!is_file(path)) continue;
@@ -128,6 +149,10 @@ static void find_in(const char *folder, sp_ckpt_found *out) {
       const char *v = json_string_value(json_object_get(index,
                                                         "plan_version"));
       snprintf(ver, vcap, "%s", v ? v : "");
+      json_t *st = json_object_get(index, "optim_steps");
+      *steps = json_is_integer(st) && json_integer_value(st) > 0
+                   ? (uint64_t)json_integer_value(st)
+                   : 0;
       json_decref(index);
     } else {
       DIR *dd = opendir(folder);
@@ -142,7 +167,7 @@ static void find_in(const char *folder, sp_ckpt_found *out) {
       if (dd) closedir(dd);
       if (!found) continue;
       snprintf(path, sizeof path, "%s/local-0-of-%u.safetensors", folder, w);
-      header_plan_version(path, ver, vcap);
+      header_meta(path, ver, vcap, steps);
     }
     out->present[k] = true;
     snprintf(out->dir[k], sizeof out->dir[k], "%s", folder);
@@ -164,6 +189,7 @@ int sp_ckpt_find(const char *dir, sp_ckpt_found *out) {
     memcpy(out->dir[k], in_sub.dir[k], sizeof out->dir[k]);
     memcpy(out->plan_version[k], in_sub.plan_version[k],
            sizeof out->plan_version[k]);
+    out->steps[k] = in_sub.steps[k];
   }
   int n = 0;
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) n += out->present[k];
@@ -1186,14 +1212,9 @@ typedef struct ckpt_optim {
 
 static int parse_steps(const char *s, uint64_t *out, const char *where,
                        sp_diag *d) {
-  char *end;
-  errno = 0;
-  unsigned long long v = s && *s >= '0' && *s <= '9' ? strtoull(s, &end, 10)
-                                                     : 0;
-  if (!s || *s < '0' || *s > '9' || *end || errno == ERANGE)
+  if (!step_count(s, out))
     return sp_diag_set(d, SP_EFORMAT, "%s: %s is \"%.32s\", not a step "
                        "count", where, META_STEPS, s ? s : "");
-  *out = v;
   return 0;
 }
 

@@ -829,6 +829,9 @@ typedef struct sp_ckpt_found {
   bool present[4];         /* by sp_ckpt_kind */
   char dir[4][4096];       /* the folder of each present kind */
   char plan_version[4][24]; /* the plan it was written with; "" unknown */
+  uint64_t steps[4];       /* its step count (the optimizer steps it holds,
+                              the step a load resumes after); 0 also when
+                              not recorded */
 } sp_ckpt_found;
 /* Fills *out, reading only file headers; returns how many kinds are
  * present (0 also when dir does not exist). */

@@ -176,6 +176,16 @@ static size_t walk_frame(sp_h2conn *c, const uint8_t *data, size_t len) {
       if (c->rx_left == 0) return off;
       continue;
     }
+    if (c->rx_hdr_have == 0 && len - off >= 9) {
+      /* a whole frame header here: read at once (a byte at a time, the
+       * walk cost 330 of a client's 12,300 instructions per unary call and
+       * 210 of a server's 17,300: callgrind, 8 callers) */
+      c->rx_left = (uint32_t)data[off] << 16 | (uint32_t)data[off + 1] << 8 |
+                   data[off + 2];
+      off += 9;
+      if (c->rx_left == 0) return off;
+      continue;
+    }
     /* a frame header: a 24-bit payload length, then 6 bytes we skip */
     if (c->rx_hdr_have < 3) c->rx_left = c->rx_left << 8 | data[off];
     off++;

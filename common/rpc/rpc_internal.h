@@ -2,9 +2,24 @@
 #ifndef SP_RPC_INTERNAL_H
 #define SP_RPC_INTERNAL_H
 
+#include <nghttp2/nghttp2.h>
 #include <sys/socket.h>
 
 #include "rpc.h"
+
+/* A header field to submit: the name a lowercase string literal, which
+ * nghttp2 then neither copies nor lowercases; the value copied. Copying
+ * and lowercasing every field of the header blocks cost a client 980 of
+ * its 11,600 instructions per unary call and a server 570; with these, 290
+ * and 200 (callgrind over bench/rpc's calls, 8 in flight). */
+#define SP_NV(n, v, vl)                                                        \
+  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl),                        \
+   NGHTTP2_NV_FLAG_NO_COPY_NAME}
+/* The same with a value in static storage: not copied either (nghttp2
+ * reads it until the frame is sent; its header table keeps copies). */
+#define SP_NV_STATIC(n, v, vl)                                                 \
+  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl),                        \
+   NGHTTP2_NV_FLAG_NO_COPY_NAME | NGHTTP2_NV_FLAG_NO_COPY_VALUE}
 
 /* Health service state, embedded in the server. */
 typedef struct sp_rpc_health_state {

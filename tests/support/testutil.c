@@ -18,12 +18,13 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+
 #if SHARDPLANE_HAVE_CUDA
 #include "cast/cast_cuda.h"
 #include "base/sp_error.h"
-#endif
 
 extern char **environ;
+#endif
 
 int sp_test_skip(const char *why) {
   printf("SKIPPED: %s\n", why);

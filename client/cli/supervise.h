@@ -1,0 +1,153 @@
+/* The supervision of one host's workers, one loop for `shardplane agent`
+ * and `shardplane run`:
+ *   - their output is passed on (workers.h) until every one has ended;
+ *   - a worker that fails or dies is named with its rank and the signal or
+ *     status; the others get SP_SUP_GRACE_S to stop by themselves (the
+ *     coordinator aborts them once it notices the lost rank) and say why,
+ *     then SIGTERM, and SIGKILL SP_SUP_TERM_S after it;
+ *   - SIGINT or SIGTERM is passed on to every worker; a second one stops
+ *     them at once;
+ *   - with restarts (max_restarts > 0 and the session to the coordinator
+ *     open), a worker's death is reported over AgentSession and the
+ *     coordinator decides what follows: AGENT_STOP (this host's workers
+ *     stop, and it says so), AGENT_START of the next incarnation (they
+ *     start again, loading the last checkpoint) or AGENT_END (the job
+ *     ends, naming the rank).
+ * The command fills the sp_sup and its hooks; the loop calls them.
+ *
+ * Threads: one thread (the command's main thread) uses all of it; the
+ * signal handler only sets a flag. */
+#ifndef SP_CLI_SUPERVISE_H
+#define SP_CLI_SUPERVISE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+
+#include "lib/shardplane.h"
+#include "rpc/rpc.h"
+#include "workers.h"
+
+/* What a setup step returns when the command goes on (an exit code
+ * otherwise, >= 0); the same as remote.h's PROCEED. */
+#define SP_SUP_PROCEED (-1)
+
+/* After a failure the other workers get this long to stop by themselves
+ * and say why; then SIGTERM, and SIGKILL SP_SUP_TERM_S after it. */
+#define SP_SUP_GRACE_S 0.5
+#define SP_SUP_TERM_S 3.0
+
+typedef struct sp_sup sp_sup;
+
+typedef struct sp_sup_ops {
+  /* Starts every local worker of s->incarnation: s->pids[i] and s->live
+   * (pids of the ones started even on failure). SP_SUP_PROCEED, or an exit
+   * code with the message printed. Required. */
+  int (*start)(sp_sup *s);
+  /* A local worker as messages name it ("rank 3 (local rank 1 on node
+   * 1)"). Required. */
+  void (*name)(const sp_sup *s, uint32_t i, char *out, size_t cap);
+  /* Tells of a failure that stops the job (first: the first one). NULL:
+   * "shardplane WHO: MSG; stopping the workers" (later ones without the
+   * tail). */
+  void (*failure)(sp_sup *s, const char *msg, bool first);
+  /* A child that is none of the workers ended (run's coordinator). */
+  void (*reaped)(sp_sup *s, pid_t pid, int status);
+  /* Once a turn, about every 20 ms. */
+  void (*tick)(sp_sup *s);
+} sp_sup_ops;
+
+struct sp_sup {
+  /* set by the command before sp_sup_alloc_streams */
+  const char *who;      /* "agent", "run": "shardplane WHO: ..." */
+  /* what the workers do with a signal passed on, for the message (", which
+   * checkpoint after the current step and stop"); "" or NULL: nothing said */
+  const char *on_signal;
+  const sp_sup_ops *ops;
+  void *user;            /* the command's */
+  uint32_t n;            /* local workers, at most SP_WORKERS_MAX */
+  uint32_t first_rank;   /* the job's rank of local worker 0 */
+  uint32_t max_restarts; /* --max-restarts; 0: none */
+
+  /* the workers of the current incarnation */
+  pid_t pids[SP_WORKERS_MAX];
+  uint32_t live;
+  sp_out_stream *streams; /* local worker i's stdout at 2i, stderr 2i + 1 */
+  uint64_t incarnation;
+  uint32_t failed;        /* workers of this incarnation that failed */
+  /* told AGENT_STOP: its workers stopped, it waits for AGENT_START or
+   * AGENT_END (its own workers may not have failed: a slow host's are
+   * still running when the stop comes) */
+  bool stopped;
+  /* the stream to the coordinator (AgentSession); NULL: none, or ended */
+  struct sp_rpc_sync *ctl;
+  struct sp_rpc_sync_stream *ctl_st;
+
+  /* where the supervision stands */
+  int ret;          /* the exit code so far */
+  int interrupted;  /* the signal that arrived and was passed on, or 0 */
+  bool terminated;  /* SIGTERM or SIGKILL sent: the ends that follow are ours */
+  bool done;        /* the coordinator ended the job */
+  double term_at;   /* when to SIGTERM the workers left; < 0: not due */
+  double kill_at;   /* when to SIGKILL them; < 0: not due */
+};
+
+/* SIGINT and SIGTERM set the flag the loop reads (once per process). */
+void sp_sup_catch_signals(void);
+
+/* The output streams, once for every incarnation (labelled with the job's
+ * ranks). SP_SUP_PROCEED or an exit code (message printed). */
+int sp_sup_alloc_streams(sp_sup *s);
+
+/* Opens AgentSession at addr (opts: its credentials; shown: the
+ * coordinator as messages name it), registers node_rank with s->n workers
+ * and s->max_restarts, and waits up to timeout_ms for the coordinator's
+ * first word: the incarnation to start (s->incarnation). SP_SUP_PROCEED, or
+ * SP_EXIT_UNREACHABLE / SP_EXIT_FAILURE with the message printed. */
+int sp_sup_open_session(sp_sup *s, const char *addr,
+                        const sp_rpc_client_opts *opts, const char *shown,
+                        uint32_t node_rank, uint64_t timeout_ms);
+/* Half-closes and closes the session (none open: nothing). */
+void sp_sup_close_session(sp_sup *s);
+
+/* A failure that stops the job: told (ops->failure), and the first one
+ * sets the exit code 1 and stops the workers after SP_SUP_GRACE_S. */
+void sp_sup_fail(sp_sup *s, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Supervises the workers started until the job is over for this host (see
+ * the top). Returns the exit code: 0 every worker finished, 1 a worker
+ * failed (or the coordinator ended the job), 128 + the signal that
+ * stopped them. The streams are closed at the end. */
+int sp_sup_run(sp_sup *s);
+
+/* Stops the workers left: SIGTERM, SIGKILL SP_SUP_TERM_S later; reaped. */
+void sp_sup_stop(sp_sup *s);
+
+/* ---- what a restart loads ---- */
+
+/* The checkpoints a directory held when the job began: a restart loads
+ * only one the job wrote itself, not one of an earlier job left there. */
+typedef struct sp_sup_ckpt_seen {
+  bool present[4]; /* by sp_ckpt_kind */
+  dev_t dev[4];
+  ino_t ino[4];
+  struct timespec mtime[4];
+} sp_sup_ckpt_seen;
+
+/* Notes what dir holds now (dir NULL or without checkpoints: nothing). */
+void sp_sup_ckpt_note(const char *dir, sp_sup_ckpt_seen *seen);
+
+/* For incarnation s->incarnation (> 0): the last checkpoint in dir written
+ * since seen was noted, FULL when dir holds several kinds. Returns true
+ * with its folder in out (cap bytes) and its kind in *kind, saying
+ * "incarnation N loads DIR (after step K)"; false when there is none,
+ * saying from where the incarnation starts instead: first_load, the
+ * checkpoint incarnation 0 loaded, when given, else step 0. */
+bool sp_sup_restart_ckpt(const sp_sup *s, const char *dir,
+                         const sp_sup_ckpt_seen *seen, const char *first_load,
+                         char *out, size_t cap, sp_ckpt_kind *kind);
+
+#endif
