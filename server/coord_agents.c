@@ -13,6 +13,13 @@
  * AGENT_START, its workers loading the last checkpoint. Without restarts
  * left, AGENT_END names the rank and the signal.
  *
+ * A coordinator with a state dir outlives its own restart: the records
+ * are read back, and each agent, its stream broken, registers again
+ * (rejoin) with the incarnation its workers run and whether it stopped
+ * them. Until every node is back, a restart's barrier counts the missing
+ * ones as still running: one that had not yet been told to stop must not
+ * find the next incarnation begun while its workers of the last one live.
+ *
  * Everything runs on the coordinator's loop. */
 #include <signal.h>
 #include <stdio.h>
@@ -39,7 +46,8 @@
 
 typedef struct agent_conn {
   sp_rpc_call *call;
-  uint32_t node_rank, nproc;
+  uint32_t node_rank, nproc, pid;
+  char host[SP_COORD_MAX_HOST + 1];
   bool registered, stopped;
   struct agent_conn *prev, *next;
 } agent_conn;
@@ -68,6 +76,10 @@ struct sp_coord_agents {
   bool decide_init;
   inc_record *rec;
   size_t n_rec;
+  /* read back from the state dir: the agents have yet to register again,
+   * and the barrier waits for every node (cleared once they cover the
+   * world) */
+  bool rejoining;
 };
 
 static sp_coord *coord_of(sp_rpc_call *call) {
@@ -109,6 +121,15 @@ static void persist_rec(sp_coord *c, const inc_record *r) {
   sp_coord_persist_incarnation(c, &x);
 }
 
+/* What AGENT_END says when the death `how` left no restart (malloc'd;
+ * NULL when out of memory, which send_cmd sends as ""). */
+static char *end_reason_of(const char *how, uint32_t max_restarts) {
+  char end[320];
+  snprintf(end, sizeof end, "%s; no restarts left (--max-restarts %u)", how,
+           max_restarts);
+  return strdup(end);
+}
+
 int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
   struct sp_coord_agents *a = agents_of(c);
   if (a == NULL) return SP_ENOMEM;
@@ -137,11 +158,17 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
   a->restarts = (uint32_t)x->number;
   a->max_restarts = x->max_restarts;
   a->max_set = true;
+  a->rejoining = true;
   a->phase = PHASE_RUNNING;
-  if (x->ended) { /* the coordinator stopped after the job's end */
+  free(a->end_reason);
+  a->end_reason = NULL;
+  if (x->ended && a->restarts < a->max_restarts) {
+    /* it stopped between a death and the next incarnation: the agents
+     * stop their workers (again) and the restart goes on */
+    a->phase = PHASE_STOPPING;
+  } else if (x->ended) { /* it stopped after the job's end */
     a->phase = PHASE_ENDED;
-    free(a->end_reason);
-    a->end_reason = strdup(x->reason ? x->reason : "");
+    a->end_reason = end_reason_of(x->reason ? x->reason : "", a->max_restarts);
   }
   return 0;
 }
@@ -152,10 +179,12 @@ static int send_cmd(sp_rpc_call *call, int cmd, uint64_t inc,
   d.command = (Shardplane__V1__AgentCommand)cmd;
   d.incarnation = inc;
   d.reason = (char *)(reason ? reason : "");
+  d.durable = sp_coord_durable(coord_of(call));
   return sp_rpc_call_send(call, &d.base);
 }
 
-static void send_all(struct sp_coord_agents *a, int cmd, const char *reason) {
+static void send_all(sp_coord *c, int cmd, const char *reason) {
+  struct sp_coord_agents *a = c->agents;
   for (agent_conn *g = a->list; g; g = g->next)
     if (g->registered) send_cmd(g->call, cmd, a->current, reason);
 }
@@ -164,6 +193,24 @@ static void unlink_agent(struct sp_coord_agents *a, agent_conn *g) {
   if (g->prev) g->prev->next = g->next;
   else a->list = g->next;
   if (g->next) g->next->prev = g->prev;
+}
+
+/* Ends an agent's stream from this side and forgets it. */
+static void drop_agent(struct sp_coord_agents *a, agent_conn *g, int code,
+                       const char *why) {
+  unlink_agent(a, g);
+  sp_rpc_call_set_user(g->call, NULL);
+  sp_rpc_call_finish(g->call, code, why);
+  free(g);
+}
+
+/* A registration again from the agent already registered for the node:
+ * the same process on the same host, as it says (a worker token could say
+ * anything, but it could as well register a node that has no agent). */
+static bool same_agent(const agent_conn *o,
+                       const Shardplane__V1__AgentRegister *q) {
+  return q->rejoin && q->pid == o->pid &&
+         strcmp(q->host ? q->host : "", o->host) == 0;
 }
 
 /* The store's keys, gathered as they go so that their removal is written
@@ -240,7 +287,20 @@ static void next_incarnation(sp_coord *c) {
   sp_coord_log(c, "incarnation %llu begins (restart %u of %u)",
                (unsigned long long)a->current, a->restarts, a->max_restarts);
   for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
-  send_all(a, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, NULL);
+  send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, NULL);
+}
+
+/* After a restart of the coordinator: whether the agents registered
+ * again hold every rank of the world (clears `rejoining` once they do). */
+static bool every_node_back(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  if (!a->rejoining) return true;
+  uint64_t ranks = 0;
+  for (agent_conn *g = a->list; g; g = g->next)
+    if (g->registered) ranks += g->nproc;
+  if (ranks < c->plan->world_size) return false;
+  a->rejoining = false;
+  return true;
 }
 
 static void maybe_all_stopped(sp_coord *c) {
@@ -248,6 +308,7 @@ static void maybe_all_stopped(sp_coord *c) {
   if (a->phase != PHASE_STOPPING) return;
   for (agent_conn *g = a->list; g; g = g->next)
     if (g->registered && !g->stopped) return;
+  if (!every_node_back(c)) return;
   next_incarnation(c);
 }
 
@@ -294,19 +355,16 @@ static void decide(uv_timer_t *t) {
                  "restarts used)", (unsigned long long)a->current, how,
                  a->restarts, a->max_restarts);
     for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
-    send_all(a, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, how);
+    send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, how);
     maybe_all_stopped(c);
     return;
   }
   a->phase = PHASE_ENDED;
-  char end[320];
-  snprintf(end, sizeof end, "%s; no restarts left (--max-restarts %u)", how,
-           a->max_restarts);
   free(a->end_reason);
-  a->end_reason = strdup(end);
+  a->end_reason = end_reason_of(how, a->max_restarts);
   sp_coord_log(c, "incarnation %llu ended: %s", (unsigned long long)a->current,
-               end);
-  send_all(a, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, end);
+               a->end_reason ? a->end_reason : how);
+  send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->end_reason);
 }
 
 /* A worker died on its own: the end of the current incarnation, decided
@@ -355,11 +413,27 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
                         "first agent gave", q->max_restarts, a->max_restarts);
     return false;
   }
+  if (q->rejoin && q->incarnation > a->current) {
+    sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
+                        "node %u's agent runs incarnation %llu; this "
+                        "coordinator's job is at incarnation %llu (is its "
+                        "--state-dir the job's?)", q->node_rank,
+                        (unsigned long long)q->incarnation,
+                        (unsigned long long)a->current);
+    return false;
+  }
   for (agent_conn *o = a->list; o; o = o->next)
     if (o->registered && o->node_rank == q->node_rank) {
-      sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
-                          "node %u already has an agent", q->node_rank);
-      return false;
+      if (!same_agent(o, q)) {
+        sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
+                            "node %u already has an agent", q->node_rank);
+        return false;
+      }
+      /* its old stream broke without the coordinator noticing yet: the
+       * new one takes its place */
+      drop_agent(a, o, SP_RPC_UNAVAILABLE,
+                 "the agent registered again on a new stream");
+      break;
     }
   if (!a->max_set) { /* the job's first agent: the record starts here */
     a->max_set = true;
@@ -369,8 +443,19 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
   g->registered = true;
   g->node_rank = q->node_rank;
   g->nproc = q->nproc;
-  sp_coord_log(c, "agent of node %u (%u workers) from %s pid %u",
-               q->node_rank, q->nproc, q->host ? q->host : "?", q->pid);
+  g->pid = q->pid;
+  snprintf(g->host, sizeof g->host, "%s", q->host ? q->host : "");
+  /* a stop it already made counts for the barrier */
+  g->stopped = q->rejoin && q->stopped && q->incarnation == a->current;
+  if (q->rejoin)
+    sp_coord_log(c, "agent of node %u (%u workers) from %s pid %u registered "
+                 "again, at incarnation %llu%s", q->node_rank, q->nproc,
+                 q->host ? q->host : "?", q->pid,
+                 (unsigned long long)q->incarnation,
+                 q->stopped ? ", its workers stopped" : "");
+  else
+    sp_coord_log(c, "agent of node %u (%u workers) from %s pid %u",
+                 q->node_rank, q->nproc, q->host ? q->host : "?", q->pid);
   if (a->phase == PHASE_ENDED)
     send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->current,
              a->end_reason);
@@ -415,14 +500,14 @@ static void on_agent_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     if (a->list) a->list->prev = g;
     a->list = g;
     sp_rpc_call_set_user(call, g);
+    (void)every_node_back(c);
+    /* an agent back with its workers stopped may complete a restart */
+    if (g->stopped) maybe_all_stopped(c);
     return;
   }
   if (q->register_ != NULL) {
-    sp_rpc_call_finish(call, SP_RPC_INVALID_ARGUMENT,
-                       "register comes in the first AgentUp only");
-    unlink_agent(a, g);
-    sp_rpc_call_set_user(call, NULL);
-    free(g);
+    drop_agent(a, g, SP_RPC_INVALID_ARGUMENT,
+               "register comes in the first AgentUp only");
     maybe_all_stopped(c);
     return;
   }
@@ -546,14 +631,8 @@ void sp_coord_agents_shutdown(sp_coord *c) {
     c->stopping++; /* the coordinator's stop waits for the handle */
     uv_close((uv_handle_t *)&a->decide, decide_closed);
   }
-  while (a->list) {
-    agent_conn *g = a->list;
-    unlink_agent(a, g);
-    sp_rpc_call_set_user(g->call, NULL);
-    sp_rpc_call_finish(g->call, SP_RPC_UNAVAILABLE,
-                       "coordinator shutting down");
-    free(g);
-  }
+  while (a->list)
+    drop_agent(a, a->list, SP_RPC_UNAVAILABLE, "coordinator shutting down");
 }
 
 void sp_coord_agents_free(sp_coord *c) {

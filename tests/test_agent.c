@@ -3,7 +3,9 @@
  * run --nproc 4` writes, their workers' control traffic carried over one
  * connection per agent; the launcher's variables, prefixes and exit
  * codes; a worker killed mid-training named with its rank and signal;
- * bad usage named by its flag. */
+ * agents that ride out their coordinator's SIGKILL and restart, and one
+ * that gives up on a coordinator that never comes back; bad usage named
+ * by its flag. */
 #include <dirent.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -132,6 +134,14 @@ static void stop_coord(fx *f) {
   f->coord.pid = 0;
 }
 
+/* SIGKILL, as a crash: nothing written on the way out. */
+static void kill9_coord(fx *f) {
+  assert_true(f->coord.pid > 0);
+  assert_int_equal(kill(f->coord.pid, SIGKILL), 0);
+  waitpid(f->coord.pid, NULL, 0);
+  f->coord.pid = 0;
+}
+
 static int fx_teardown(void **state) {
   fx *f = *state;
   stop_coord(f);
@@ -230,22 +240,40 @@ static bool store_has(const char *addr, const sp_tauth *auth, const char *key) {
 
 /* ---- the agents' protocol, spoken by the test ---- */
 
-static sp_rpc_sync_stream *agent_open(sp_rpc_sync *c, uint32_t node,
-                                      uint32_t nproc, uint32_t max_restarts) {
+/* An AgentSession registered as reg says. */
+static sp_rpc_sync_stream *agent_open_reg(
+    sp_rpc_sync *c, const Shardplane__V1__AgentRegister *reg) {
   sp_rpc_sync_stream *st = NULL;
   assert_int_equal(sp_rpc_sync_stream_open(
                        c, "/shardplane.v1.Coordinator/AgentSession", 0, NULL,
                        0, &st),
                    0);
+  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
+  up.register_ = (Shardplane__V1__AgentRegister *)reg;
+  assert_int_equal(sp_rpc_sync_stream_send(st, &up.base), 0);
+  return st;
+}
+
+/* An agent of host "test", pid 0: registering (inc < 0) or, from inc,
+ * registering again after its stream broke. */
+static sp_rpc_sync_stream *agent_open_as(sp_rpc_sync *c, uint32_t node,
+                                         uint32_t nproc, uint32_t max_restarts,
+                                         int inc, bool stopped, uint32_t pid) {
   Shardplane__V1__AgentRegister reg = SHARDPLANE__V1__AGENT_REGISTER__INIT;
   reg.node_rank = node;
   reg.nproc = nproc;
   reg.max_restarts = max_restarts;
   reg.host = "test";
-  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
-  up.register_ = &reg;
-  assert_int_equal(sp_rpc_sync_stream_send(st, &up.base), 0);
-  return st;
+  reg.pid = pid;
+  reg.rejoin = inc >= 0;
+  reg.incarnation = inc >= 0 ? (uint64_t)inc : 0;
+  reg.stopped = stopped;
+  return agent_open_reg(c, &reg);
+}
+
+static sp_rpc_sync_stream *agent_open(sp_rpc_sync *c, uint32_t node,
+                                      uint32_t nproc, uint32_t max_restarts) {
+  return agent_open_as(c, node, nproc, max_restarts, -1, false, 0);
 }
 
 /* The next command, which must be `cmd` for incarnation `inc`; its reason
@@ -262,6 +290,19 @@ static void expect_cmd(sp_rpc_sync_stream *st, int cmd, uint64_t inc,
   assert_int_equal(d->incarnation, inc);
   if (why) snprintf(why, cap, "%s", d->reason);
   protobuf_c_message_free_unpacked(m, NULL);
+}
+
+/* The stream's end, which must be `code`; its message copied to why. */
+static void expect_end(sp_rpc_sync_stream *st, int code, char *why,
+                       size_t cap) {
+  ProtobufCMessage *m = NULL;
+  sp_rpc_status status;
+  assert_int_equal(sp_rpc_sync_stream_recv(
+                       st, &shardplane__v1__agent_down__descriptor, 10000, &m,
+                       &status),
+                   SP_ENOENT);
+  assert_int_equal(status.code, code);
+  snprintf(why, cap, "%s", status.message);
 }
 
 /* A worker's death (rank >= 0) or, with rank < 0, "stopped". */
@@ -476,12 +517,16 @@ static void test_agent_env_and_exit_codes(void **state) {
   const char *show[] = {"/bin/sh", "-c",
                         "echo \"env $RANK $LOCAL_RANK $WORLD_SIZE "
                         "$LOCAL_WORLD_SIZE $GROUP_RANK $NODE_RANK "
-                        "$SHARDPLANE_COORDINATOR\"; echo oops >&2; "
+                        "$SHARDPLANE_COORDINATOR\"; "
+                        "echo \"grace $SHARDPLANE_COORDINATOR_GRACE\"; "
+                        "echo oops >&2; "
                         "[ $LOCAL_RANK = 1 ] && exit 3; exit 0",
                         NULL};
-  /* the node rank from the environment, as torchrun's launchers set it */
+  /* the node rank from the environment, as torchrun's launchers set it;
+   * the agent's grace is its workers' */
   setenv("NODE_RANK", "1", 1);
-  pid_t pid = start_agent(f->dir, f->addr, &f->auth, -1, NULL, show);
+  const char *grace[] = {"--coordinator-grace", "2.5", NULL};
+  pid_t pid = start_agent(f->dir, f->addr, &f->auth, -1, grace, show);
   unsetenv("NODE_RANK");
   int st = sp_test_wait_exit(pid, 60);
   char *out = slurp(f->dir, "agent9.out"), *err = slurp(f->dir, "agent9.err");
@@ -489,6 +534,7 @@ static void test_agent_env_and_exit_codes(void **state) {
   assert_int_equal(st, 1);
   assert_non_null(strstr(out, "[rank2]: env 2 0 4 2 1 1 unix:/"));
   assert_non_null(strstr(out, "[rank3]: env 3 1 4 2 1 1 unix:/"));
+  assert_non_null(strstr(out, "[rank3]: grace 2.500\n"));
   assert_non_null(strstr(err, "[rank3]: oops"));
   assert_non_null(strstr(err, "rank 3 (local rank 1 on node 1) exited with "
                               "status 3"));
@@ -512,6 +558,13 @@ static void test_agent_env_and_exit_codes(void **state) {
   printf("%s", out);
   assert_int_equal(st, 0);
   assert_non_null(strstr(out, want));
+  /* $SHARDPLANE_COORDINATOR_GRACE unset: the workers' default, 60 s */
+  st = sp_test_wait_exit(start_agent(f->dir, f->addr, &f->auth, 0, noproxy,
+                                     show), 60);
+  free(out);
+  out = slurp(f->dir, "agent0.out");
+  assert_int_equal(st, 1);
+  assert_non_null(strstr(out, "[rank0]: grace 60.000\n"));
   free(out);
   stop_coord(f);
 }
@@ -766,6 +819,119 @@ static void test_agent_restart_skips_old_checkpoint(void **state) {
   free(ck);
 }
 
+/* The coordinator SIGKILLed mid-training and started again on its port
+ * and state dir: each agent registers again as the same node and
+ * incarnation while its workers train on (their Session streams
+ * reattached through the proxy, whose one connection comes back), and
+ * supervision works after it: a worker killed then restarts the job
+ * (--max-restarts 1), which ends with the parameters of an undisturbed
+ * run. The agents once kept their broken stream: the death after the
+ * outage ended the job (exit 1) instead of restarting it. */
+static void test_agents_ride_out_coordinator_restart(void **state) {
+  fx *f = *state;
+  char *sd = sp_test_path(f->dir, "state"), *ck = sp_test_path(f->dir, "ck");
+  start_coord_at(&f->coord, &f->auth, 4, "127.0.0.1:0", sd, f->addr,
+                 sizeof f->addr);
+  /* rank 0 a straggler, as in test_agent_restart: time for the outage and
+   * the kill before the end */
+  const char *trainer[] = {WORKER, "--insecure", "--steps", "24",
+                           "--global-batch", "24", "--lr", "0.05",
+                           "--log-every", "1", "--checkpoint-dir", ck,
+                           "--checkpoint-every", "4", "--inject",
+                           "slow:rank=0,factor=4", NULL};
+  const char *restarts[] = {"--max-restarts", "1", "--load-on-restart", ck,
+                            NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, restarts, trainer);
+  wait_for(f->dir, "agent0.out", "[rank0]: step 2/", 60);
+  kill9_coord(f);
+  double t_kill = sp_clock_s();
+  sp_test_sleep_ms(500);
+  char listen[64];
+  snprintf(listen, sizeof listen, "%s", f->addr);
+  start_coord_at(&f->coord, &f->auth, 4, listen, sd, f->addr, sizeof f->addr);
+  /* a checkpoint written after the restart: the kill below lands in
+   * training, whether or not the agents are back yet (a death while the
+   * coordinator is away waits for it) */
+  wait_for(f->dir, "agent0.out", "checkpoint (FULL) of step 12:", 60);
+  pid_t victim = child_with_rank(a[1], 3);
+  assert_true(victim > 0);
+  assert_int_equal(kill(victim, SIGKILL), 0);
+  int st[2], max_conns;
+  wait_agents(a, st, f->coord.port, 120, &max_conns);
+  double took = sp_clock_s() - t_kill;
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
+  stop_coord(f);
+  char *out0 = slurp(f->dir, "agent0.out"), *err0 = slurp(f->dir, "agent0.err"),
+       *err1 = slurp(f->dir, "agent1.err");
+  printf("agent 0:\n%s\nagent 1:\n%s\nconnections to the coordinator after "
+         "its restart: at most %d; %.1f s from the coordinator's kill to the "
+         "job's end\n", err0, err1, max_conns, took);
+  assert_int_equal(st[0], 0);
+  assert_int_equal(st[1], 0);
+  for (int i = 0; i < 2; i++) {
+    const char *e = i ? err1 : err0;
+    assert_non_null(strstr(e, "lost the coordinator at "));
+    assert_non_null(strstr(e, "registered again"));
+    assert_non_null(strstr(e, "rode out 1 outage of the coordinator"));
+  }
+  /* the death after the outage restarted the job, as one before it */
+  assert_non_null(strstr(err0, "incarnation 0 ended (rank 3 was killed by "
+                               "signal 9 (Killed))"));
+  assert_non_null(strstr(out0, "[rank0]: step 24/24"));
+  expect_restarted_after_rank3(li);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  /* each agent came back on one connection: no second one beside it */
+  assert_int_equal(max_conns, 2);
+
+  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "24"), 120),
+                   0);
+  same_as_reference(f->dir, ck);
+  free(out0);
+  free(err0);
+  free(err1);
+  free(ck);
+  free(sd);
+}
+
+/* A coordinator that never comes back: past --coordinator-grace the agent
+ * stops its workers and exits 4, naming the coordinator's address and the
+ * flag, and blames no rank (its workers, given the same grace, could not
+ * reach it either). */
+static void test_agent_gives_up_after_grace(void **state) {
+  fx *f = *state;
+  char *sd = sp_test_path(f->dir, "state");
+  start_coord_at(&f->coord, &f->auth, 2, "127.0.0.1:0", sd, f->addr,
+                 sizeof f->addr);
+  const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
+                           "--log-every", "1", "--checkpoint", "none", NULL};
+  const char *grace[] = {"--coordinator-grace", "1", NULL};
+  pid_t a = start_agent(f->dir, f->addr, &f->auth, 0, grace, trainer);
+  wait_for(f->dir, "agent0.out", "[rank0]: step 3/", 60);
+  kill9_coord(f);
+  double t0 = sp_clock_s();
+  int st = sp_test_wait_exit(a, 30);
+  double took = sp_clock_s() - t0;
+  char *err = slurp(f->dir, "agent0.err");
+  printf("%s\nexit %d, %.2f s after the coordinator's kill (grace 1 s)\n",
+         err, st, took);
+  assert_int_equal(st, 4);
+  char want[256];
+  snprintf(want, sizeof want, "the coordinator at %s was unreachable for "
+           "longer than the grace period of 1 s (--coordinator-grace)",
+           f->addr);
+  assert_non_null(strstr(err, want));
+  assert_null(strstr(err, "; stopping the workers"));
+  assert_null(strstr(err, "decides on a restart"));
+  /* the grace, the workers' own end (they had the same grace) and the
+   * agent's stop of any left: SIGTERM, SIGKILL 3 s later */
+  assert_true(took < 1 + 5);
+  free(err);
+  free(sd);
+}
+
 /* The coordinator's side of supervision, spoken to directly: a death
  * with a restart left stops every agent, the next incarnation begins only
  * once every agent stopped, and it cannot read the last one's store; a
@@ -861,6 +1027,92 @@ static void test_incarnations_protocol(void **state) {
   free(sd);
 }
 
+/* Agents registering again, spoken to directly: one whose stream broke
+ * while the coordinator lived takes its old stream's place (another
+ * process for the node is still refused); a coordinator SIGKILLed between
+ * a death and the next incarnation, restarted on its state dir, goes on
+ * with the restart (it once took the ended incarnation for the job's end)
+ * and begins the next incarnation only once every node is back and
+ * stopped; an agent ahead of the coordinator's record is refused, naming
+ * the state dir. */
+static void test_incarnations_rejoin(void **state) {
+  fx *f = *state;
+  char *sd = sp_test_path(f->dir, "state");
+  char addr[64], why[512];
+  start_coord_at(&f->coord, &f->auth, 4, "127.0.0.1:0", sd, addr, sizeof addr);
+  sp_rpc_sync *c[4];
+  for (int i = 0; i < 4; i++) c[i] = client(addr, &f->auth, SP_ROLE_WORKER);
+  sp_rpc_sync_stream *g0 = agent_open(c[0], 0, 2, 1);
+  expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 0, NULL, 0);
+  sp_rpc_sync_stream *g1 = agent_open(c[1], 1, 2, 1);
+  expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 0, NULL, 0);
+  /* node 0's agent again, on a new stream: it replaces the old one */
+  sp_rpc_sync_stream *g0b = agent_open_as(c[2], 0, 2, 1, 0, false, 0);
+  expect_cmd(g0b, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 0, NULL, 0);
+  expect_end(g0, SP_RPC_UNAVAILABLE, why, sizeof why);
+  printf("the old stream: %s\n", why);
+  sp_rpc_sync_stream_close(g0);
+  /* another process for node 0: refused */
+  sp_rpc_sync_stream *other = agent_open_as(c[3], 0, 2, 1, 0, false, 7);
+  expect_end(other, SP_RPC_ALREADY_EXISTS, why, sizeof why);
+  sp_rpc_sync_stream_close(other);
+
+  /* rank 3 dies; node 0 stops, then the coordinator is killed */
+  agent_send(g1, 0, 3, 0, SIGKILL);
+  expect_cmd(g0b, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, NULL, 0);
+  expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, NULL, 0);
+  agent_send(g0b, 0, -1, 0, 0);
+  sp_test_sleep_ms(100);
+  kill9_coord(f);
+  sp_rpc_sync_stream_close(g0b);
+  sp_rpc_sync_stream_close(g1);
+  for (int i = 0; i < 4; i++) sp_rpc_sync_close(c[i]);
+  char listen[64];
+  snprintf(listen, sizeof listen, "%s", addr);
+  start_coord_at(&f->coord, &f->auth, 4, listen, sd, addr, sizeof addr);
+  for (int i = 0; i < 3; i++) c[i] = client(addr, &f->auth, SP_ROLE_WORKER);
+  /* node 0 back, stopped: told to stop (the restart goes on), and the
+   * next incarnation waits for node 1 */
+  g0 = agent_open_as(c[0], 0, 2, 1, 0, true, 0);
+  ProtobufCMessage *m = NULL;
+  sp_rpc_status status;
+  assert_int_equal(sp_rpc_sync_stream_recv(
+                       g0, &shardplane__v1__agent_down__descriptor, 10000, &m,
+                       &status),
+                   0);
+  Shardplane__V1__AgentDown *d = (Shardplane__V1__AgentDown *)m;
+  printf("node 0 after the restart: command %d, incarnation %llu (%s), "
+         "durable %d\n", d->command, (unsigned long long)d->incarnation,
+         d->reason, d->durable);
+  assert_int_equal(d->command, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP);
+  assert_int_equal(d->incarnation, 0);
+  assert_true(d->durable);
+  protobuf_c_message_free_unpacked(m, NULL);
+  agent_send(g0, 0, -1, 0, 0);
+  sp_test_sleep_ms(100);
+  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, &f->auth);
+  assert_int_equal(li->current, 0);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  /* node 1 back, its workers not yet stopped: it stops them, and then
+   * incarnation 1 begins for both */
+  g1 = agent_open_as(c[1], 1, 2, 1, 0, false, 0);
+  expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, NULL, 0);
+  agent_send(g1, 0, -1, 0, 0);
+  expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 1, NULL, 0);
+  expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, 1, NULL, 0);
+  /* an agent that runs an incarnation the record does not have */
+  other = agent_open_as(c[2], 1, 2, 1, 5, false, 0);
+  expect_end(other, SP_RPC_FAILED_PRECONDITION, why, sizeof why);
+  printf("an agent at incarnation 5: %s\n", why);
+  assert_non_null(strstr(why, "--state-dir"));
+  sp_rpc_sync_stream_close(other);
+  sp_rpc_sync_stream_close(g0);
+  sp_rpc_sync_stream_close(g1);
+  for (int i = 0; i < 3; i++) sp_rpc_sync_close(c[i]);
+  stop_coord(f);
+  free(sd);
+}
+
 /* Bad usage is named by its flag, and exits 2. */
 static void test_agent_bad_usage(void **state) {
   fx *f = *state;
@@ -886,6 +1138,9 @@ static void test_agent_bad_usage(void **state) {
       {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2",
         "--node-rank", "2", "--", "/bin/true", NULL}, 2,
        "--node-rank 2: the job has 2 hosts (0 to 1)"},
+      {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2",
+        "--coordinator-grace", "0", "--", "/bin/true", NULL}, 2,
+       "--coordinator-grace \"0\""},
       {{"--help", NULL}, 0, NULL},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -918,6 +1173,8 @@ int main(int argc, char **argv) {
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_incarnations_protocol, fx_setup_bare,
                                       fx_teardown),
+      cmocka_unit_test_setup_teardown(test_incarnations_rejoin, fx_setup_bare,
+                                      fx_teardown),
       cmocka_unit_test_setup_teardown(test_agents_train_as_run, fx_setup,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agents_two_namespaces, fx_setup_bare,
@@ -930,6 +1187,10 @@ int main(int argc, char **argv) {
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_restart_skips_old_checkpoint,
                                       fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agents_ride_out_coordinator_restart,
+                                      fx_setup_bare, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_gives_up_after_grace,
+                                      fx_setup_bare, fx_teardown),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -28,8 +28,6 @@
 #include "base/proc.h"
 #include "lib/shardplane.h"
 #include "rpc/rpc.h"
-#include "rpc/rpc_cred.h"
-#include "shardplane/v1/coordinator.pb-c.h"
 #include "support/job_fixture.h"
 #include "support/testutil.h"
 #include "worker/mlp.h"
@@ -352,39 +350,38 @@ static void test_run_worker_killed(void **state) {
   free(dir);
 }
 
-/* The coordinator's record of the job's incarnations, asked with the
- * admin token at the address a running `shardplane run` printed in
- * dir/out. */
-static Shardplane__V1__ListIncarnationsResponse *run_incarnations(
-    const char *dir) {
+static char *command_output(const char *cmd) {
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t cap = 1 << 16, len = 0, n;
+  char *out = malloc(cap);
+  while ((n = fread(out + len, 1, cap - len - 1, p)) > 0) {
+    len += n;
+    if (len + 1 == cap) out = realloc(out, cap *= 2);
+  }
+  out[len] = '\0';
+  int st = pclose(p);
+  if (st != 0) fail_msg("%s: status %d: %s", cmd, st, out);
+  return out;
+}
+
+/* `shardplane incarnations` asked, with the admin token, of the
+ * coordinator whose address a running `shardplane run` printed in dir/out
+ * (text, or JSON with --json as flags). */
+static char *run_incarnations(const char *dir, const char *flags) {
   char *out = slurp(dir, "out");
   const char *at = strstr(out, "coordinator on ");
   const char *tok = strstr(out, "admin token in ");
   assert_non_null(at);
   assert_non_null(tok);
-  char addr[64], file[4096], token[512];
-  snprintf(addr, sizeof addr, "%.*s", (int)strcspn(at + 15, "\n"), at + 15);
-  snprintf(file, sizeof file, "%.*s", (int)strcspn(tok + 15, " \n"),
-           tok + 15);
+  char cmd[8192];
+  snprintf(cmd, sizeof cmd,
+           "%s incarnations --insecure --coordinator %.*s --token-file %.*s "
+           "%s",
+           SHARDPLANE, (int)strcspn(at + 15, "\n"), at + 15,
+           (int)strcspn(tok + 15, " \n"), tok + 15, flags);
   free(out);
-  sp_diag d = {{0}};
-  assert_int_equal(sp_cred_read_token_file(file, token, sizeof token, &d), 0);
-  sp_rpc_client_opts o = {.connect_timeout_ms = 5000, .token = token};
-  sp_rpc_sync *c = NULL;
-  assert_int_equal(sp_rpc_sync_open_opts(addr, &o, &c), 0);
-  Shardplane__V1__ListIncarnationsRequest q =
-      SHARDPLANE__V1__LIST_INCARNATIONS_REQUEST__INIT;
-  ProtobufCMessage *resp = NULL;
-  sp_rpc_status st;
-  assert_int_equal(
-      sp_rpc_sync_unary(c, "/shardplane.v1.Coordinator/ListIncarnations",
-                        &q.base,
-                        &shardplane__v1__list_incarnations_response__descriptor,
-                        5000, &resp, &st),
-      0);
-  if (st.code != SP_RPC_OK) fail_msg("ListIncarnations: %s", st.message);
-  sp_rpc_sync_close(c);
-  return (Shardplane__V1__ListIncarnationsResponse *)resp;
+  return command_output(cmd);
 }
 
 /* A worker killed mid-training with --max-restarts 1: run names the rank
@@ -410,7 +407,8 @@ static void test_run_restart(void **state) {
   /* asked while incarnation 1 trains: run's coordinator ends with it */
   wait_for_output(dir, "err", "incarnation 1: starting the workers again",
                   30);
-  Shardplane__V1__ListIncarnationsResponse *li = run_incarnations(dir);
+  char *table = run_incarnations(dir, "");
+  char *js = run_incarnations(dir, "--json");
   int st = wait_run(run, 120);
   char *out = slurp(dir, "out"), *err = slurp(dir, "err");
   printf("%s", err);
@@ -431,15 +429,35 @@ static void test_run_restart(void **state) {
   assert_non_null(strstr(out, want));
   assert_non_null(strstr(out, "[rank0]: step 12/12"));
   assert_true(every_line_attributed(out));
-  assert_int_equal(li->current, 1);
-  assert_int_equal(li->restarts, 1);
-  assert_int_equal(li->max_restarts, 1);
-  assert_int_equal(li->n_incarnations, 2);
-  assert_true(li->incarnations[0]->ended);
-  assert_true(li->incarnations[0]->has_rank);
-  assert_int_equal(li->incarnations[0]->rank, 1);
-  assert_int_equal(li->incarnations[0]->signal, SIGKILL);
-  protobuf_c_message_free_unpacked(&li->base, NULL);
+  /* the operator's view of the same record, in words and in JSON */
+  printf("%s%s\n", table, js);
+  assert_non_null(strstr(table, "incarnation 1 is current; 1 of 1 restart "
+                                "used\n"));
+  assert_non_null(strstr(table, "rank 1 was killed by signal 9 (Killed)"));
+  assert_non_null(strstr(table, "running"));
+  json_error_t je;
+  json_t *li = json_loads(js, 0, &je);
+  assert_non_null(li);
+  json_int_t cur, restarts, maxr, rank, sig;
+  int ended;
+  json_t *incs;
+  assert_int_equal(json_unpack(li, "{s:I,s:I,s:I,s:o}", "current", &cur,
+                               "restarts", &restarts, "max_restarts", &maxr,
+                               "incarnations", &incs),
+                   0);
+  assert_int_equal(cur, 1);
+  assert_int_equal(restarts, 1);
+  assert_int_equal(maxr, 1);
+  assert_int_equal(json_array_size(incs), 2);
+  assert_int_equal(json_unpack(json_array_get(incs, 0), "{s:b,s:I,s:I}",
+                               "ended", &ended, "rank", &rank, "signal", &sig),
+                   0);
+  assert_true(ended);
+  assert_int_equal(rank, 1);
+  assert_int_equal(sig, SIGKILL);
+  json_decref(li);
+  free(table);
+  free(js);
   free(out);
   free(err);
 
@@ -500,8 +518,8 @@ static void test_run_restarts_used_up(void **state) {
       char *coord = sp_test_read_file(lock);
       assert_true(atol(coord) > 0);
       assert_int_equal(kill((pid_t)atol(coord), SIGKILL), 0);
-      wait_for_output(dir, "err", "registered again with the restarted "
-                      "coordinator (incarnation 0)", 30);
+      wait_for_output(dir, "err", "registered again (node 0, incarnation "
+                      "0)", 30);
       free(coord);
       free(lock);
     }
@@ -685,20 +703,6 @@ static void start_coordinator(sp_proc *c, const char *model,
 }
 
 /* stdout of a shell command line, which must exit 0; malloc'd. */
-static char *command_output(const char *cmd) {
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  size_t cap = 1 << 16, len = 0, n;
-  char *out = malloc(cap);
-  while ((n = fread(out + len, 1, cap - len - 1, p)) > 0) {
-    len += n;
-    if (len + 1 == cap) out = realloc(out, cap *= 2);
-  }
-  out[len] = '\0';
-  int st = pclose(p);
-  if (st != 0) fail_msg("%s: status %d: %s", cmd, st, out);
-  return out;
-}
 
 /* The plan a hand-started coordinator serves for examples/mlp.json, the
  * one `shardplane plan --model` computes and the one `shardplane run`

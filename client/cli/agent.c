@@ -64,7 +64,17 @@ static void usage(FILE *f) {
         "                               the last checkpoint the job wrote in\n"
         "                               DIR (the trainer's --checkpoint-dir,\n"
         "                               written with --checkpoint-every N;\n"
-        "                               not one an earlier job left there)\n",
+        "                               not one an earlier job left there)\n"
+        "  --coordinator-grace S        ride out a coordinator outage of up\n"
+        "                               to S seconds (default 60; passed on\n"
+        "                               to the workers as\n"
+        "                               SHARDPLANE_COORDINATOR_GRACE): a\n"
+        "                               coordinator with --state-dir that is\n"
+        "                               restarted on its address finds the\n"
+        "                               agent registered again as the same\n"
+        "                               node, its workers still training;\n"
+        "                               after S the agent stops them and\n"
+        "                               exits 4\n",
         f);
   fputs(SP_REMOTE_OPTIONS_HELP, f);
   fputs("                               (the agent's --timeout-ms defaults\n"
@@ -86,7 +96,9 @@ static void usage(FILE *f) {
         "\n"
         "exit codes: 0 every worker exited 0, 1 a worker failed or died (the\n"
         "message names its rank, and the signal or status), 2 bad usage,\n"
-        "4 no coordinator answered, 130 / 143 stopped by SIGINT / SIGTERM\n",
+        "4 no coordinator answered, or it went away for longer than\n"
+        "--coordinator-grace (or keeping no state dir) while the workers\n"
+        "ran (no rank is blamed), 130 / 143 stopped by SIGINT / SIGTERM\n",
         f);
 }
 
@@ -98,6 +110,7 @@ typedef struct agent {
   long long max_restarts;     /* --max-restarts */
   const char *restart_load;   /* --load-on-restart DIR, or NULL */
   sp_sup_ckpt_seen restart_seen; /* what restart_load held at the start */
+  uint64_t grace_ms;          /* --coordinator-grace */
   char **trainer;       /* argv of the trainer, NULL-terminated */
   size_t n_trainer;
   /* the workers, their incarnations and the agent's stream to the
@@ -111,7 +124,7 @@ typedef struct agent {
 } agent;
 
 enum { A_NPROC = 1, A_NODE_RANK, A_NNODES, A_NO_PROXY, A_MAX_RESTARTS,
-       A_RESTART_LOAD, A_HELP };
+       A_RESTART_LOAD, A_GRACE, A_HELP };
 
 /* --node-rank from the environment when the flag did not give it. */
 static int node_rank_from_env(agent *a) {
@@ -141,11 +154,22 @@ static int parse_args(agent *a, int argc, char **argv) {
       {"no-proxy", no_argument, NULL, A_NO_PROXY},
       {"max-restarts", required_argument, NULL, A_MAX_RESTARTS},
       {"load-on-restart", required_argument, NULL, A_RESTART_LOAD},
+      {"coordinator-grace", required_argument, NULL, A_GRACE},
       {"help", no_argument, NULL, A_HELP},
       SP_REMOTE_OPTIONS,
       {NULL, 0, NULL, 0}};
   a->nproc = a->node_rank = a->nnodes = -1;
   a->r.timeout_ms = 30000; /* agents may start before their coordinator */
+  /* as its workers: the flag, else the variable, else the default */
+  a->grace_ms = SP_COORDINATOR_GRACE_DEFAULT_MS;
+  const char *grace = getenv(SP_COORDINATOR_GRACE_ENV);
+  sp_diag ed = {{0}};
+  if (grace != NULL && grace[0] != '\0' &&
+      sp_coordinator_grace_parse("$" SP_COORDINATOR_GRACE_ENV, grace,
+                                 &a->grace_ms, &ed) != 0) {
+    sp_cli_error(AGENT, "%s", ed.msg);
+    return SP_EXIT_USAGE;
+  }
   int c;
   optind = 1;
   /* "+": the trainer's arguments after "--" (or its name) are its own */
@@ -176,6 +200,10 @@ static int parse_args(agent *a, int argc, char **argv) {
         a->restart_load = optarg;
         rc = sp_flag_text("--load-on-restart", optarg, "a checkpoint "
                           "directory", &d);
+        break;
+      case A_GRACE:
+        rc = sp_coordinator_grace_parse("--coordinator-grace", optarg,
+                                        &a->grace_ms, &d);
         break;
       case '?': usage(stderr); return SP_EXIT_USAGE;
       default: {
@@ -289,7 +317,8 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
   static const char *const set[] = {
       "RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=",
       "GROUP_RANK=", "NODE_RANK=", SP_COORDINATOR_ENV "=",
-      SP_GLOO_HOST_ENV "=", "SHARDPLANE_INCARNATION="};
+      SP_GLOO_HOST_ENV "=", "SHARDPLANE_INCARNATION=",
+      SP_COORDINATOR_GRACE_ENV "="};
   size_t n = 0, k = 0;
   snprintf(vars[k++], sizeof vars[0], "RANK=%lld", a->node_rank * a->nproc + i);
   snprintf(vars[k++], sizeof vars[0], "LOCAL_RANK=%lld", i);
@@ -301,6 +330,10 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
            a->worker_coord);
   snprintf(vars[k++], sizeof vars[0], "SHARDPLANE_INCARNATION=%llu",
            (unsigned long long)a->sup.incarnation);
+  /* the workers ride out what the agent does */
+  snprintf(vars[k++], sizeof vars[0], SP_COORDINATOR_GRACE_ENV "=%llu.%03llu",
+           (unsigned long long)(a->grace_ms / 1000),
+           (unsigned long long)(a->grace_ms % 1000));
   if (a->gloo_host[0])
     snprintf(vars[k++], sizeof vars[0], SP_GLOO_HOST_ENV "=%s", a->gloo_host);
   if (k > nvars) return -1;
@@ -317,7 +350,7 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
   return 0;
 }
 
-#define N_VARS 10 /* the variables worker_env sets, at most */
+#define N_VARS 11 /* the variables worker_env sets, at most */
 
 /* The trainer's argv for this incarnation: after a restart, with --load
  * of the last checkpoint (when --load-on-restart names a directory that
@@ -402,6 +435,7 @@ static void setup_sup(agent *a) {
   a->sup.n = (uint32_t)a->nproc;
   a->sup.first_rank = (uint32_t)(a->node_rank * a->nproc);
   a->sup.max_restarts = (uint32_t)a->max_restarts;
+  a->sup.grace_ms = a->grace_ms;
   /* a restart loads only a checkpoint this job wrote */
   sp_sup_ckpt_note(a->restart_load, &a->restart_seen);
 }

@@ -35,6 +35,8 @@ int sp_cmd_where(int argc, char **argv);
 int sp_cmd_buffers(int argc, char **argv);
 int sp_cmd_watch(int argc, char **argv);
 int sp_cmd_store(int argc, char **argv);
+/* incarnations.c: the job's incarnations (restarts) and what ended each */
+int sp_cmd_incarnations(int argc, char **argv);
 /* Hang diagnosis: why.c, trace.c, analyze.c */
 int sp_cmd_why(int argc, char **argv);
 int sp_cmd_trace(int argc, char **argv);

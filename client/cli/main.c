@@ -28,6 +28,8 @@ static const struct {
     {"trace", sp_cmd_trace, "a rank's recent events, from its flight recorder"},
     {"analyze", sp_cmd_analyze,
      "the first divergence in a dump (a file, or a live one)"},
+    {"incarnations", sp_cmd_incarnations,
+     "the job's incarnations: when each began, ended, and what ended it"},
     {"store", sp_cmd_store, "get, set, add, delete, cas in the store"},
     {"token", sp_cmd_token,
      "token create: a bearer token for a coordinator's token file"},

@@ -103,10 +103,10 @@ static void usage(FILE *f) {
         "                             NCCL; one GPU per rank\n"
         "  --heartbeat-timeout-ms N   a silent rank is lost after N ms "
         "(default 5000)\n"
-        "  --coordinator-grace S      workers ride out a coordinator outage "
-        "of up\n"
-        "                             to S seconds (default 60); a "
-        "coordinator\n"
+        "  --coordinator-grace S      workers (and run's own stream to it,\n"
+        "                             with --max-restarts) ride out a\n"
+        "                             coordinator outage of up to S seconds\n"
+        "                             (default 60); a coordinator\n"
         "                             that dies is restarted on the same port "
         "and\n"
         "                             its state dir (DIR/coordinator-state of "
@@ -200,6 +200,7 @@ typedef struct run_opts {
   const char *steps, *batch, *lr, *log_every, *hb;
   double ranks_every_s; /* --ranks-every; 0: no ranks lines */
   const char *grace; /* --coordinator-grace, or NULL */
+  uint64_t grace_ms; /* the same in ms; 0: not given */
   const char *ckpt_every; /* --checkpoint-every, or NULL */
   bool cuda;
   bool kinds[4]; /* by sp_ckpt_kind: the checkpoints written */
@@ -326,10 +327,7 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       return sp_flag_int(flag, v, 1, 3600000, &n, d);
     case O_GRACE:
       o->grace = v;
-      rc = sp_flag_number(flag, v, 0.001, &x, d);
-      if (rc == 0 && x > 604800.0)
-        rc = sp_flag_fail(d, flag, v, "seconds in [0.001, 604800]");
-      return rc;
+      return sp_coordinator_grace_parse(flag, v, &o->grace_ms, d);
     case O_LR:
       o->lr = v;
       return sp_flag_number(flag, v, 0, &x, d);
@@ -956,23 +954,12 @@ static void reaped(sp_sup *s, pid_t pid, int st) {
   char how[96];
   sp_workers_describe(st, how, sizeof how);
   p->coord.pid = 0;
+  /* the stream (with --max-restarts) rides the outage out as an agent's
+   * does and registers again: the new coordinator knows the job's
+   * incarnations from the state dir */
   if (s->ret == SP_EXIT_OK && !s->interrupted && s->live > 0 &&
-      restart_coordinator(p, how)) {
-    /* the stream went with the old one; the new one knows the job's
-     * incarnations from the state dir */
-    sp_sup_close_session(s);
-    if (p->o->max_restarts == 0) return;
-    if (open_session(p) == PROCEED) {
-      sp_cli_error(RUN, "registered again with the restarted coordinator "
-                   "(incarnation %llu); restarts go on",
-                   (unsigned long long)s->incarnation);
-    } else {
-      sp_sup_close_session(s);
-      sp_cli_error(RUN, "without its stream to the coordinator, a worker's "
-                   "death ends the job (no restarts)");
-    }
+      restart_coordinator(p, how))
     return;
-  }
   sp_sup_fail(s, "the coordinator %s", how);
 }
 
@@ -1063,7 +1050,9 @@ int sp_cmd_run(int argc, char **argv) {
                    .ops = &k_ops,
                    .user = &p,
                    .n = (uint32_t)o.nproc,
-                   .max_restarts = (uint32_t)o.max_restarts};
+                   .max_restarts = (uint32_t)o.max_restarts,
+                   .grace_ms = o.grace_ms ? o.grace_ms
+                                          : SP_COORDINATOR_GRACE_DEFAULT_MS};
   /* a restart loads only a checkpoint this job wrote */
   sp_sup_ckpt_note(j.ckdir, &p.ckpt_seen);
   ret = prepare_state_dir(&j, &p);

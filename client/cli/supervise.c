@@ -37,106 +37,74 @@ int sp_sup_alloc_streams(sp_sup *s) {
   return SP_SUP_PROCEED;
 }
 
-/* ---- the stream to the coordinator ---- */
-
-#define AGENT_PATH "/shardplane.v1.Coordinator/AgentSession"
-
-static int ctl_send(sp_sup *s, const Shardplane__V1__AgentUp *up) {
-  if (s->ctl_st == NULL) return SP_ESTATE;
-  return sp_rpc_sync_stream_send(s->ctl_st, &up->base);
-}
-
-/* Waits up to wait_ms for a command. Returns 1 with *out set (the caller
- * frees it), 0 when none came, -1 when the stream ended (said why). */
-static int ctl_recv(sp_sup *s, uint64_t wait_ms,
-                    Shardplane__V1__AgentDown **out) {
-  if (s->ctl_st == NULL) return -1;
-  ProtobufCMessage *m = NULL;
-  sp_rpc_status st;
-  int rc = sp_rpc_sync_stream_recv(s->ctl_st,
-                                   &shardplane__v1__agent_down__descriptor,
-                                   wait_ms, &m, &st);
-  if (rc == 0) {
-    *out = (Shardplane__V1__AgentDown *)m;
-    return 1;
-  }
-  if (rc == SP_ETIMEDOUT) return 0;
-  sp_cli_error(s->who, "the coordinator ended the %s's stream: %s%s%s",
-               s->who,
-               rc == SP_ENOENT ? sp_rpc_code_name(st.code) : sp_strerror(rc),
-               rc == SP_ENOENT && st.message[0] ? ": " : "",
-               rc == SP_ENOENT ? st.message : "");
-  sp_rpc_sync_stream_close(s->ctl_st);
-  s->ctl_st = NULL;
-  return -1;
-}
+/* ---- the stream to the coordinator (agent_ctl.h) ---- */
 
 int sp_sup_open_session(sp_sup *s, const char *addr,
                         const sp_rpc_client_opts *opts, const char *shown,
                         uint32_t node_rank, uint64_t timeout_ms) {
-  int rc = sp_rpc_sync_open_opts(addr, opts, &s->ctl);
-  if (rc == 0)
-    rc = sp_rpc_sync_stream_open(s->ctl, AGENT_PATH, 0, NULL, 0, &s->ctl_st);
-  char host[256];
-  if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
-  host[sizeof host - 1] = '\0';
-  Shardplane__V1__AgentRegister reg = SHARDPLANE__V1__AGENT_REGISTER__INIT;
-  reg.node_rank = node_rank;
-  reg.nproc = s->n;
-  reg.max_restarts = s->max_restarts;
-  reg.host = host;
-  reg.pid = (uint32_t)getpid();
-  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
-  up.register_ = &reg;
-  if (rc == 0) rc = ctl_send(s, &up);
-  if (rc != 0) {
-    sp_cli_error(s->who, "cannot open the %s's stream to %s: %s", s->who,
-                 shown, sp_strerror(rc));
+  sp_agent_ctl_opts o = {.who = s->who, .target = addr, .coordinator = shown,
+                         .client = *opts, .grace_ms = s->grace_ms,
+                         .node_rank = node_rank, .nproc = s->n,
+                         .max_restarts = s->max_restarts};
+  sp_diag d = {{0}};
+  if (sp_agent_ctl_open(&o, &s->ctl, &d) != 0) {
+    sp_cli_error(s->who, "%s", d.msg);
     return SP_EXIT_UNREACHABLE;
   }
-  Shardplane__V1__AgentDown *d = NULL;
-  int got = ctl_recv(s, timeout_ms, &d);
+  Shardplane__V1__AgentDown *cmd = NULL;
+  int got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
   if (got <= 0) {
     if (got == 0)
       sp_cli_error(s->who, "the coordinator did not answer the %s's "
                    "registration within %llu ms", s->who,
                    (unsigned long long)timeout_ms);
+    else
+      sp_cli_error(s->who, "%s", d.msg);
     return SP_EXIT_FAILURE;
   }
   int ec = SP_SUP_PROCEED;
-  if (d->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
-    s->incarnation = d->incarnation;
+  if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
+    s->incarnation = cmd->incarnation;
   } else {
     sp_cli_error(s->who, "the job %s: %s",
-                 d->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END
+                 cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END
                      ? "ended"
                      : "is restarting",
-                 d->reason);
+                 cmd->reason);
     ec = SP_EXIT_FAILURE;
   }
-  protobuf_c_message_free_unpacked(&d->base, NULL);
+  protobuf_c_message_free_unpacked(&cmd->base, NULL);
   return ec;
 }
 
 void sp_sup_close_session(sp_sup *s) {
-  if (s->ctl_st) {
-    sp_rpc_sync_stream_close_send(s->ctl_st);
-    sp_rpc_sync_stream_close(s->ctl_st);
-  }
-  s->ctl_st = NULL;
-  if (s->ctl) sp_rpc_sync_close(s->ctl);
+  if (s->ctl == NULL) return;
+  uint32_t n;
+  double longest;
+  sp_agent_ctl_outages(s->ctl, &n, &longest);
+  if (n > 0)
+    sp_cli_error(s->who, "rode out %u outage%s of the coordinator (the "
+                 "longest %.1f s)", n, n == 1 ? "" : "s", longest);
+  sp_agent_ctl_close(s->ctl);
   s->ctl = NULL;
 }
 
-static void report_exit(sp_sup *s, uint32_t i, int st) {
+static void report_exit(sp_sup *s, const struct sp_sup_end *e) {
   Shardplane__V1__WorkerExit w = SHARDPLANE__V1__WORKER_EXIT__INIT;
-  w.incarnation = s->incarnation;
-  w.rank = s->first_rank + i;
-  w.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : 0;
-  w.signal = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
+  w.incarnation = e->incarnation;
+  w.rank = s->first_rank + e->local;
+  w.exit_code = WIFEXITED(e->status) ? WEXITSTATUS(e->status) : 0;
+  w.signal = WIFSIGNALED(e->status) ? WTERMSIG(e->status) : 0;
   Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
   up.worker_exit = &w;
-  ctl_send(s, &up);
+  sp_agent_ctl_send(s->ctl, &up);
+}
+
+static void send_stopped(sp_sup *s) {
+  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
+  up.stopped = true;
+  up.incarnation = s->incarnation;
+  sp_agent_ctl_send(s->ctl, &up);
 }
 
 /* ---- the loop ---- */
@@ -171,6 +139,11 @@ static void drain_all(sp_sup *s) {
 static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
   switch (d->command) {
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP: {
+      if (s->stopped && d->incarnation == s->incarnation && s->live == 0) {
+        /* the answer to registering again, stopped: say so again */
+        send_stopped(s);
+        return;
+      }
       sp_cli_error(s->who, "incarnation %llu ended (%s); stopping the %u "
                    "worker%s of this host for a restart",
                    (unsigned long long)d->incarnation, d->reason, s->live,
@@ -179,16 +152,28 @@ static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
       s->live = 0;
       s->stopped = true;
       drain_all(s);
-      Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
-      up.stopped = true;
-      up.incarnation = d->incarnation;
-      ctl_send(s, &up);
+      s->incarnation = d->incarnation;
+      send_stopped(s);
       return;
     }
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_START:
       if (d->incarnation <= s->incarnation) return;
+      if (s->live > 0) {
+        /* the coordinator moved on while this host was away from it,
+         * before it could say stop: no worker of the last incarnation may
+         * live on beside the next one's */
+        sp_cli_error(s->who, "incarnation %llu began while the coordinator "
+                     "was away; stopping the %u worker%s of incarnation "
+                     "%llu", (unsigned long long)d->incarnation, s->live,
+                     s->live == 1 ? "" : "s",
+                     (unsigned long long)s->incarnation);
+        sp_workers_stop(s->pids, s->n, (int)(SP_SUP_TERM_S * 1000));
+        s->live = 0;
+        drain_all(s);
+      }
       s->incarnation = d->incarnation;
       s->failed = 0;
+      s->n_reported = 0;
       s->stopped = false;
       sp_cli_error(s->who, "incarnation %llu: starting the workers again",
                    (unsigned long long)s->incarnation);
@@ -207,27 +192,111 @@ static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
   }
 }
 
-/* A worker ended. With restarts the coordinator decides what follows (it
- * hears of the death); without, the others are stopped here. */
+/* A worker that ended unasked. With restarts the coordinator decides
+ * what follows (it hears of the death); without, the others are stopped
+ * here. */
+static void judge_end(sp_sup *s, const struct sp_sup_end *e) {
+  char how[96], who[160];
+  sp_workers_describe(e->status, how, sizeof how);
+  s->ops->name(s, e->local, who, sizeof who);
+  report_exit(s, e);
+  if (s->n_reported < SP_WORKERS_MAX) s->reported[s->n_reported++] = *e;
+  s->failed++;
+  if (s->max_restarts > 0 && sp_agent_ctl_up(s->ctl)) {
+    sp_cli_error(s->who, "%s %s; the coordinator decides on a restart", who,
+                 how);
+    return;
+  }
+  sp_sup_fail(s, "%s %s", who, how);
+}
+
+/* A worker ended: judged now, or held while the coordinator is away (it
+ * may have given up on the coordinator itself). */
 static void on_worker_end(sp_sup *s, uint32_t i, int st) {
   /* after a signal passed on a worker ends 128 + it, or 143 when it
    * stopped for another rank's */
   bool asked = s->interrupted && WIFEXITED(st) &&
                (WEXITSTATUS(st) == 128 + s->interrupted ||
                 WEXITSTATUS(st) == 128 + SIGTERM);
-  if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || s->terminated || asked)
+  if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || s->terminated || asked ||
+      s->coord_gone)
     return;
-  char how[96], who[160];
-  sp_workers_describe(st, how, sizeof how);
-  s->ops->name(s, i, who, sizeof who);
-  report_exit(s, i, st);
-  s->failed++;
-  if (s->max_restarts > 0 && s->ctl_st != NULL) {
-    sp_cli_error(s->who, "%s %s; the coordinator decides on a restart", who,
-                 how);
+  struct sp_sup_end e = {.local = i, .status = st,
+                         .incarnation = s->incarnation};
+  if (sp_agent_ctl_away(s->ctl) && s->n_held < SP_WORKERS_MAX) {
+    char how[96], who[160];
+    sp_workers_describe(st, how, sizeof how);
+    s->ops->name(s, i, who, sizeof who);
+    sp_cli_error(s->who, "%s %s while the coordinator is away; judged when "
+                 "it is back", who, how);
+    s->held[s->n_held++] = e;
     return;
   }
-  sp_sup_fail(s, "%s %s", who, how);
+  judge_end(s, &e);
+}
+
+/* The ends held through an outage, once the coordinator is back (or the
+ * stream ended and the host goes on alone): those of an incarnation that
+ * has ended since went with it. */
+static void judge_held(sp_sup *s) {
+  for (uint32_t k = 0; k < s->n_held; k++)
+    if (s->held[k].incarnation == s->incarnation && !s->terminated &&
+        !s->coord_gone)
+      judge_end(s, &s->held[k]);
+  s->n_held = 0;
+}
+
+/* The stream ended for good (rc from sp_agent_ctl_next, msg its reason).
+ * A coordinator gone past the grace, or lost keeping no state dir, ends
+ * the job on this host with SP_EXIT_UNREACHABLE and blames no rank (the
+ * workers could not reach it either); one that ended or refused the
+ * stream leaves the host supervising alone, without restarts. */
+static void on_ctl_end(sp_sup *s, int rc, const char *msg) {
+  if (rc == SP_ENOENT) {
+    sp_cli_error(s->who, "%s", msg);
+    judge_held(s);
+    return;
+  }
+  bool busy = s->live > 0 || s->n_held > 0 || s->failed > 0 || s->stopped;
+  if (!busy || s->ret != SP_EXIT_OK) {
+    sp_cli_error(s->who, "%s", msg);
+    return;
+  }
+  char held[64] = "";
+  if (s->n_held > 0)
+    snprintf(held, sizeof held, " (%u had exited meanwhile)", s->n_held);
+  sp_cli_error(s->who, "%s; stopping the %u worker%s of this host%s", msg,
+               s->live, s->live == 1 ? "" : "s", held);
+  s->n_held = 0;
+  s->coord_gone = true;
+  s->ret = SP_EXIT_UNREACHABLE;
+  if (s->term_at < 0 && !s->terminated) s->term_at = sp_clock_s();
+}
+
+/* The coordinator's commands, the stream's end, and once it is back after
+ * an outage the deaths reported before it (again) and those held
+ * meanwhile. */
+static void poll_ctl(sp_sup *s) {
+  if (s->ctl == NULL) return;
+  bool was_away = sp_agent_ctl_away(s->ctl);
+  for (;;) {
+    Shardplane__V1__AgentDown *d = NULL;
+    sp_diag dg = {{0}};
+    int got = sp_agent_ctl_next(s->ctl, 1, s->incarnation, s->stopped, &d,
+                                &dg);
+    if (got == 0 || got == SP_ESTATE) break;
+    if (got < 0) {
+      on_ctl_end(s, got, dg.msg);
+      break;
+    }
+    on_command(s, d);
+    protobuf_c_message_free_unpacked(&d->base, NULL);
+  }
+  if (!sp_agent_ctl_up(s->ctl)) return;
+  if (was_away)
+    for (uint32_t k = 0; k < s->n_reported; k++)
+      report_exit(s, &s->reported[k]);
+  if (s->n_held > 0) judge_held(s);
 }
 
 static void reap(sp_sup *s) {
@@ -294,25 +363,31 @@ int sp_sup_run(sp_sup *s) {
   size_t ns = 2 * (size_t)s->n;
   for (;;) {
     size_t open = sp_workers_pass_output(s->streams, ns, 20);
+    /* the stream before the ends: when the coordinator goes, this host's
+     * stream ends as its workers' do, and their exits (which follow) are
+     * then seen as of a coordinator away or gone */
+    poll_ctl(s);
     reap(s);
     if (s->ops->tick) s->ops->tick(s);
-    Shardplane__V1__AgentDown *d = NULL;
-    while (s->ctl_st != NULL && ctl_recv(s, 1, &d) == 1) {
-      on_command(s, d);
-      protobuf_c_message_free_unpacked(&d->base, NULL);
-      d = NULL;
-    }
     int sig = g_signal;
     g_signal = 0;
     if (sig) on_signal_seen(s, sig);
     /* with restarts, workers that failed leave the host waiting for the
      * coordinator's word; without (or once it ended the job) it is done
-     * when they are all gone */
-    bool waiting = s->max_restarts > 0 && s->ctl_st != NULL && !s->done &&
-                   !s->interrupted && s->ret == SP_EXIT_OK && s->live == 0 &&
-                   (s->failed > 0 || s->stopped);
+     * when they are all gone. Ends held through an outage wait for the
+     * coordinator too. */
+    bool away = sp_agent_ctl_away(s->ctl);
+    bool listening = sp_agent_ctl_up(s->ctl) || away;
+    bool waiting = !s->done && !s->interrupted && s->ret == SP_EXIT_OK &&
+                   s->live == 0 &&
+                   ((s->max_restarts > 0 && listening &&
+                     (s->failed > 0 || s->stopped)) ||
+                    (away && s->n_held > 0));
     if (s->live == 0 && !waiting) {
       if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
+      /* counted again: workers started by a command of this turn (and
+       * reaped already) have pipes the count above did not see */
+      open = sp_workers_pass_output(s->streams, ns, 0);
       if (open == 0 || sp_clock_s() > drained_by) break;
       continue;
     }

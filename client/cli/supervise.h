@@ -12,7 +12,12 @@
  *     coordinator decides what follows: AGENT_STOP (this host's workers
  *     stop, and it says so), AGENT_START of the next incarnation (they
  *     start again, loading the last checkpoint) or AGENT_END (the job
- *     ends, naming the rank).
+ *     ends, naming the rank);
+ *   - the stream outlives the coordinator's outages of up to grace_ms
+ *     (agent_ctl.h): a worker that ends while the coordinator is away is
+ *     judged once it is back, never blamed for an outage it could not
+ *     ride out either; past the grace the workers are stopped and the
+ *     exit code is SP_EXIT_UNREACHABLE.
  * The command fills the sp_sup and its hooks; the loop calls them.
  *
  * Threads: one thread (the command's main thread) uses all of it; the
@@ -26,6 +31,7 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 
+#include "agent_ctl.h"
 #include "lib/shardplane.h"
 #include "rpc/rpc.h"
 #include "workers.h"
@@ -70,6 +76,9 @@ struct sp_sup {
   uint32_t n;            /* local workers, at most SP_WORKERS_MAX */
   uint32_t first_rank;   /* the job's rank of local worker 0 */
   uint32_t max_restarts; /* --max-restarts; 0: none */
+  /* the coordinator's outages the stream rides out (--coordinator-grace);
+   * 0: none */
+  uint64_t grace_ms;
 
   /* the workers of the current incarnation */
   pid_t pids[SP_WORKERS_MAX];
@@ -81,15 +90,25 @@ struct sp_sup {
    * AGENT_END (its own workers may not have failed: a slow host's are
    * still running when the stop comes) */
   bool stopped;
-  /* the stream to the coordinator (AgentSession); NULL: none, or ended */
-  struct sp_rpc_sync *ctl;
-  struct sp_rpc_sync_stream *ctl_st;
+  /* the stream to the coordinator (AgentSession); NULL: none */
+  sp_agent_ctl *ctl;
+  /* workers that ended unasked while the coordinator was away, judged
+   * once it is back; and the deaths of this incarnation reported, sent
+   * again after an outage (a coordinator that died within its decision
+   * window lost them; it ignores those of an ended incarnation) */
+  struct sp_sup_end {
+    uint32_t local;
+    int status;
+    uint64_t incarnation;
+  } held[SP_WORKERS_MAX], reported[SP_WORKERS_MAX];
+  uint32_t n_held, n_reported;
 
   /* where the supervision stands */
   int ret;          /* the exit code so far */
   int interrupted;  /* the signal that arrived and was passed on, or 0 */
   bool terminated;  /* SIGTERM or SIGKILL sent: the ends that follow are ours */
   bool done;        /* the coordinator ended the job */
+  bool coord_gone;  /* past the grace, or lost keeping no state dir */
   double term_at;   /* when to SIGTERM the workers left; < 0: not due */
   double kill_at;   /* when to SIGKILL them; < 0: not due */
 };
@@ -104,12 +123,14 @@ int sp_sup_alloc_streams(sp_sup *s);
 /* Opens AgentSession at addr (opts: its credentials; shown: the
  * coordinator as messages name it), registers node_rank with s->n workers
  * and s->max_restarts, and waits up to timeout_ms for the coordinator's
- * first word: the incarnation to start (s->incarnation). SP_SUP_PROCEED, or
- * SP_EXIT_UNREACHABLE / SP_EXIT_FAILURE with the message printed. */
+ * first word: the incarnation to start (s->incarnation). The stream rides
+ * out outages of s->grace_ms. SP_SUP_PROCEED, or SP_EXIT_UNREACHABLE /
+ * SP_EXIT_FAILURE with the message printed. */
 int sp_sup_open_session(sp_sup *s, const char *addr,
                         const sp_rpc_client_opts *opts, const char *shown,
                         uint32_t node_rank, uint64_t timeout_ms);
-/* Half-closes and closes the session (none open: nothing). */
+/* Says how many outages the session rode out, half-closes and closes it
+ * (none open: nothing). */
 void sp_sup_close_session(sp_sup *s);
 
 /* A failure that stops the job: told (ops->failure), and the first one
@@ -119,8 +140,9 @@ void sp_sup_fail(sp_sup *s, const char *fmt, ...)
 
 /* Supervises the workers started until the job is over for this host (see
  * the top). Returns the exit code: 0 every worker finished, 1 a worker
- * failed (or the coordinator ended the job), 128 + the signal that
- * stopped them. The streams are closed at the end. */
+ * failed (or the coordinator ended the job), SP_EXIT_UNREACHABLE the
+ * coordinator stayed away past the grace (or went keeping no state dir),
+ * 128 + the signal that stopped them. The streams are closed at the end. */
 int sp_sup_run(sp_sup *s);
 
 /* Stops the workers left: SIGTERM, SIGKILL SP_SUP_TERM_S later; reaped. */

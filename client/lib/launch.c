@@ -71,6 +71,21 @@ int sp_launch_env_read(sp_launch_env *e, sp_diag *d) {
                        e->world_size_var, e->world_size);
   const char *coord = getenv(SP_COORDINATOR_ENV);
   e->coordinator = coord != NULL && coord[0] != '\0' ? coord : NULL;
+  const char *grace = getenv(SP_COORDINATOR_GRACE_ENV);
+  if (grace != NULL && grace[0] != '\0')
+    return sp_coordinator_grace_parse("$" SP_COORDINATOR_GRACE_ENV, grace,
+                                      &e->coordinator_grace_ms, d);
+  return 0;
+}
+
+int sp_coordinator_grace_parse(const char *what, const char *value,
+                               uint64_t *ms, sp_diag *d) {
+  double sec;
+  int rc = sp_flag_number(what, value, 0.001, &sec, d);
+  if (rc == 0 && sec > 604800.0)
+    rc = sp_flag_fail(d, what, value, "seconds in [0.001, 604800]");
+  if (rc != 0) return rc;
+  *ms = (uint64_t)(sec * 1000.0 + 0.5);
   return 0;
 }
 

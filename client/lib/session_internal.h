@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "base/backoff.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "shardplane.h"
@@ -43,14 +44,16 @@
 #define SP_SESSION_STORE_MAX_KEY (8u << 10)
 /* Riding out a coordinator outage: how long by default, and the backoff
  * between attempts to reach it again (doubling, jittered by +-50 %). */
-#define SP_SESSION_GRACE_DEFAULT_MS 60000u
+#define SP_SESSION_GRACE_DEFAULT_MS SP_COORDINATOR_GRACE_DEFAULT_MS
 #define SP_SESSION_BACKOFF_MIN_MS 50u
 #define SP_SESSION_BACKOFF_MAX_MS 2000u
 
-/* Advances *base (0: the first attempt) and returns the delay before the
- * next attempt, base jittered by +-50 %; *state is the caller's random
- * state (any value to start). */
-uint64_t sp_session_backoff(uint64_t *base, uint64_t *state);
+/* The delay before the next attempt (base/backoff.h, with the bounds
+ * above); *base 0 at the first attempt, *state the caller's. */
+static inline uint64_t sp_session_backoff(uint64_t *base, uint64_t *state) {
+  return sp_backoff_next(base, SP_SESSION_BACKOFF_MIN_MS,
+                         SP_SESSION_BACKOFF_MAX_MS, state);
+}
 
 /* SP_ESTATE naming both versions unless they are equal (and non-empty). */
 int sp_session_check_plan_version(const char *local, const char *coordinator,

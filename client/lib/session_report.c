@@ -477,19 +477,6 @@ static void stream_fail(sp_session *s, const char *why) {
  * and the gap (events drained while away, or sent and never
  * acknowledged). The grace timer, armed once per outage, gives up. */
 
-uint64_t sp_session_backoff(uint64_t *base, uint64_t *state) {
-  uint64_t b = *base == 0 ? SP_SESSION_BACKOFF_MIN_MS : 2 * *base;
-  if (b > SP_SESSION_BACKOFF_MAX_MS) b = SP_SESSION_BACKOFF_MAX_MS;
-  *base = b;
-  /* xorshift64: no lock, no global state, good enough for jitter */
-  uint64_t x = *state ? *state : 0x9E3779B97F4A7C15ull;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  *state = x;
-  return b / 2 + x % (b + 1);
-}
-
 static void on_retry(uv_timer_t *t) {
   sp_session *s = t->data;
   if (s->gave_up || atomic_load(&s->stop) || s->call != NULL) return;

@@ -176,10 +176,24 @@ int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
 /* Overrides the address the Gloo backend binds and advertises to its peers
  * (sp_comm_opts.host). */
 #define SP_GLOO_HOST_ENV "SHARDPLANE_GLOO_HOST"
+/* The grace period of coordinator outages (sp_session_opts
+ * .coordinator_grace_ms), in seconds as --coordinator-grace takes it,
+ * when no flag gives it: `shardplane agent` sets it for its workers. */
+#define SP_COORDINATOR_GRACE_ENV "SHARDPLANE_COORDINATOR_GRACE"
+/* The grace period when neither says. */
+#define SP_COORDINATOR_GRACE_DEFAULT_MS 60000u
+
+/* A grace period in seconds (--coordinator-grace S or the variable above),
+ * in [0.001, 604800] (a week: beyond it the job has surely ended), into
+ * *ms, rounded. SP_EINVAL naming `what` (the flag, or "$VAR") and the
+ * value. Any thread. */
+int sp_coordinator_grace_parse(const char *what, const char *value,
+                               uint64_t *ms, sp_diag *d);
 
 typedef struct sp_launch_env {
   long rank, local_rank, world_size, local_world_size; /* -1: not set */
   const char *coordinator; /* $SHARDPLANE_COORDINATOR; NULL: not set */
+  uint64_t coordinator_grace_ms; /* $SHARDPLANE_COORDINATOR_GRACE; 0: not set */
   /* The variable each number came from (for messages); NULL: not set.
    * Static strings. */
   const char *rank_var, *local_rank_var, *world_size_var,

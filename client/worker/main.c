@@ -472,7 +472,9 @@ static void usage(FILE *f) {
       "\n"
       "Environment, as launchers set it (flags win): RANK or SLURM_PROCID\n"
       "(the rank), WORLD_SIZE or SLURM_NTASKS (must equal the job's world\n"
-      "size), SHARDPLANE_COORDINATOR (the address). Gloo binds and\n"
+      "size), SHARDPLANE_COORDINATOR (the address),\n"
+      "SHARDPLANE_COORDINATOR_GRACE (as --coordinator-grace; `shardplane\n"
+      "agent` sets it). Gloo binds and\n"
       "advertises the address of the interface that reaches the\n"
       "coordinator; SHARDPLANE_GLOO_HOST=ADDR overrides it.\n"
       "\n"
@@ -555,15 +557,8 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       rc = sp_flag_int(flag, v, 1, 86400000, &n, d);
       o->call_timeout_ms = (uint64_t)n;
       return rc;
-    case O_GRACE: {
-      double sec;
-      /* a week at most: beyond that the job has surely ended */
-      rc = sp_flag_number(flag, v, 0.001, &sec, d);
-      if (rc == 0 && sec > 604800.0)
-        rc = sp_flag_fail(d, flag, v, "seconds in [0.001, 604800]");
-      o->coordinator_grace_ms = rc == 0 ? (uint64_t)(sec * 1000.0 + 0.5) : 0;
-      return rc;
-    }
+    case O_GRACE:
+      return sp_coordinator_grace_parse(flag, v, &o->coordinator_grace_ms, d);
     case O_TOGGLE:
       rc = sp_flag_int(flag, v, 1, 1000000000, &n, d);
       o->report_toggle = (uint32_t)n;
@@ -654,6 +649,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     return 2;
   }
   o->coordinator = o->env.coordinator ? o->env.coordinator : "127.0.0.1:7700";
+  o->coordinator_grace_ms = o->env.coordinator_grace_ms;
   o->rank = o->env.rank;
   o->device = "cpu";
   o->steps = 20;
