@@ -364,12 +364,16 @@ static void wait_agents(pid_t a[2], int st[2], int port, double timeout_s,
 
 /* `shardplane run --nproc 4` of the same training (steps, global batch 24,
  * lr 0.05), its checkpoint in dir/run, its output in dir/run.out and
- * .err. */
+ * .err. No [ranks] lines: each is a call of run's own to its coordinator,
+ * a second connection test_agents_train_as_run would count whenever the
+ * run outlasts the first 10 s (a busy machine, the suite's long tests
+ * beside it). */
 static pid_t start_reference(const char *dir, const char *steps) {
   char *ck = sp_test_path(dir, "run");
   char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
                   "--steps", (char *)steps, "--global-batch", "24", "--lr",
-                  "0.05", "--checkpoint-dir", ck, NULL};
+                  "0.05", "--checkpoint-dir", ck, "--ranks-every", "0",
+                  NULL};
   char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
   pid_t pid = sp_test_spawn_logged(out, err, argv);
   free(out);

@@ -117,31 +117,48 @@ void sp_tjob_start(sp_tjob *j, const char *model, const char *const *cflags,
   }
 }
 
-int sp_tjob_wait(sp_tjob *j, double timeout_s) {
-  double end = sp_clock_s() + timeout_s;
-  int ok = 0, left = j->n;
-  for (int r = 0; r < j->n; r++) j->status[r] = -2;
-  while (left > 0 && sp_clock_s() < end) {
-    for (int r = 0; r < j->n; r++) {
-      if (j->status[r] != -2) continue;
-      int st;
-      if (waitpid(j->w[r], &st, WNOHANG) == j->w[r]) {
-        j->status[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-        ok += j->status[r] == 0;
-        left--;
-      }
-    }
-    sp_test_sleep_ms(5);
+/* Waiting for a job's workers, in steps: wait_begin once, wait_reap until
+ * it says none is left (or a deadline passes), then wait_end. */
+static void wait_begin(sp_tjob *j) {
+  for (int r = 0; r < j->n; r++) j->status[r] = -2; /* still running */
+}
+
+/* Reaps the workers that have exited; returns how many are still running. */
+static int wait_reap(sp_tjob *j) {
+  int left = 0;
+  for (int r = 0; r < j->n; r++) {
+    if (j->status[r] != -2) continue;
+    int st;
+    if (waitpid(j->w[r], &st, WNOHANG) == j->w[r])
+      j->status[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    else
+      left++;
   }
-  for (int r = 0; r < j->n; r++)
+  return left;
+}
+
+/* Kills the workers still running, stops the coordinator; returns how many
+ * workers exited 0. */
+static int wait_end(sp_tjob *j) {
+  int ok = 0;
+  for (int r = 0; r < j->n; r++) {
     if (j->status[r] == -2) {
       kill(j->w[r], SIGKILL);
       waitpid(j->w[r], NULL, 0);
       j->status[r] = -1;
     }
+    ok += j->status[r] == 0;
+  }
   sp_proc_stop(&j->coord, 5000);
   sp_tauth_free(&j->auth);
   return ok;
+}
+
+int sp_tjob_wait(sp_tjob *j, double timeout_s) {
+  double end = sp_clock_s() + timeout_s;
+  wait_begin(j);
+  while (wait_reap(j) > 0 && sp_clock_s() < end) sp_test_sleep_ms(5);
+  return wait_end(j);
 }
 
 void sp_tjob_run(const char *model, const char *const *cflags, int n,
@@ -388,6 +405,9 @@ static void check_parity(const char *label, const char *model, bool mp,
 /* One parity job between its start and its check. */
 typedef struct parity_run {
   sp_tjob j;
+  double end; /* sp_clock_s deadline of its workers */
+  bool done;  /* its processes are gone (wait_end) */
+  int ok;     /* workers that exited 0 */
   char *dir, *losses;
   char steps[16], batch[16], group[16];
   const char *cflags[MAXARGS], *wflags[MAXARGS];
@@ -423,12 +443,6 @@ static void parity_start(parity_run *r, const sp_tjob_parity_cfg *c) {
   sp_tjob_start(&r->j, c->model, r->cflags, c->n, r->wflags, NULL);
 }
 
-/* Waits for the job's processes (all of them stopped after it): before
- * any check may fail, so a failure leaves no job of a batch running. */
-static int parity_wait(parity_run *r, const sp_tjob_parity_cfg *c) {
-  return sp_tjob_wait(&r->j, c->timeout_s);
-}
-
 static void parity_check(parity_run *r, int ok, const char *label,
                          const sp_tjob_parity_cfg *c) {
   if (ok != c->n) {
@@ -450,29 +464,46 @@ static void parity_free(parity_run *r) {
 }
 
 void sp_tjob_parity(const char *label, const sp_tjob_parity_cfg *c) {
-  parity_run r;
-  parity_start(&r, c);
-  int ok = parity_wait(&r, c);
-  parity_check(&r, ok, label, c);
-  parity_free(&r);
+  sp_tjob_parity_many(c, &label, 1, 1);
 }
 
+/* A pool, not batches: the next job starts as soon as any one ends, so a
+ * slow job (4 ranks, or a sanitizer build's start-up) holds up one slot
+ * rather than the rest of its batch. Every job's processes are gone before
+ * the first check, which may fail the test, so a failure leaves nothing
+ * running. */
 void sp_tjob_parity_many(const sp_tjob_parity_cfg *cs,
                          const char *const *labels, size_t n,
                          size_t parallel) {
   if (parallel < 1) parallel = 1;
   if (parallel > 8) parallel = 8;
-  parity_run runs[8];
-  int ok[8];
-  for (size_t first = 0; first < n; first += parallel) {
-    size_t m = n - first < parallel ? n - first : parallel;
-    for (size_t i = 0; i < m; i++) parity_start(&runs[i], &cs[first + i]);
-    for (size_t i = 0; i < m; i++) ok[i] = parity_wait(&runs[i], &cs[first + i]);
-    for (size_t i = 0; i < m; i++) {
-      parity_check(&runs[i], ok[i], labels[first + i], &cs[first + i]);
-      parity_free(&runs[i]);
+  parity_run *runs = calloc(n ? n : 1, sizeof *runs);
+  assert_non_null(runs);
+  size_t started = 0, live = 0;
+  while (started < n || live > 0) {
+    for (; live < parallel && started < n; started++, live++) {
+      parity_run *r = &runs[started];
+      parity_start(r, &cs[started]);
+      wait_begin(&r->j);
+      r->end = sp_clock_s() + cs[started].timeout_s;
     }
+    bool ended = false;
+    for (size_t i = 0; i < started; i++) {
+      parity_run *r = &runs[i];
+      if (r->done) continue;
+      if (wait_reap(&r->j) > 0 && sp_clock_s() < r->end) continue;
+      r->ok = wait_end(&r->j);
+      r->done = true;
+      live--;
+      ended = true;
+    }
+    if (!ended) sp_test_sleep_ms(5);
   }
+  for (size_t i = 0; i < n; i++) {
+    parity_check(&runs[i], runs[i].ok, labels[i], &cs[i]);
+    parity_free(&runs[i]);
+  }
+  free(runs);
 }
 
 void sp_tjob_check_buffers(const char *model, uint32_t world, uint32_t steps,

@@ -117,7 +117,9 @@ extern sp_tjob_errors *g_parity_worst;
 void sp_tjob_parity(const char *label, const sp_tjob_parity_cfg *c);
 /* sp_tjob_parity of n configurations, `parallel` jobs at a time (a job
  * spends most of its time waiting on its rendezvous and timers, so a few
- * at once cost little more than one); labels[i] names cs[i]. */
+ * at once cost little more than one), each next one starting as soon as
+ * one ends; the checks, in order, once every job has ended (their
+ * directories stay until then); labels[i] names cs[i]. */
 void sp_tjob_parity_many(const sp_tjob_parity_cfg *cs,
                          const char *const *labels, size_t n,
                          size_t parallel);

@@ -35,7 +35,8 @@ int sp_test_skip(const char *why) {
 int sp_test_need_cuda_device(void) {
 #if !SHARDPLANE_HAVE_CUDA
   return sp_test_skip("built without CUDA (no CUDA toolkit at configure "
-                      "time)");
+                      "time, or -DSHARDPLANE_CUDA=OFF as in ./dev test's "
+                      "sanitizer build)");
 #else
   int n = 0;
   int rc = sp_cuda_device_count(&n);
