@@ -6,7 +6,6 @@
  * agents that ride out their coordinator's SIGKILL and restart, and one
  * that gives up on a coordinator that never comes back; bad usage named
  * by its flag. */
-#include <dirent.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -573,36 +572,15 @@ static void test_agent_env_and_exit_codes(void **state) {
 static pid_t child_with_rank(pid_t parent, int rank) {
   char want[32];
   snprintf(want, sizeof want, "RANK=%d", rank);
-  DIR *d = opendir("/proc");
-  assert_non_null(d);
-  struct dirent *e;
-  pid_t found = 0;
-  while (!found && (e = readdir(d)) != NULL) {
-    pid_t pid = (pid_t)atoi(e->d_name);
-    if (pid <= 0) continue;
-    char path[64], buf[65536];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (!f) continue;
-    size_t len = fread(buf, 1, 4095, f);
-    fclose(f);
-    buf[len] = '\0';
-    char *cp = strrchr(buf, ')');
-    int ppid = 0;
-    char s;
-    if (!cp || sscanf(cp + 2, "%c %d", &s, &ppid) != 2 || ppid != parent)
-      continue;
-    snprintf(path, sizeof path, "/proc/%d/environ", (int)pid);
-    f = fopen(path, "r");
-    if (!f) continue;
-    len = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[len] = '\0';
-    for (size_t i = 0; i < len; i += strlen(buf + i) + 1)
-      if (strcmp(buf + i, want) == 0) found = pid;
+  int kids[256];
+  size_t n = sp_test_children(parent, kids, 256);
+  for (size_t k = 0; k < n; k++) {
+    char buf[65536];
+    long len = sp_test_proc_file(kids[k], "environ", buf, sizeof buf);
+    for (long i = 0; i < len; i += (long)strlen(buf + i) + 1)
+      if (strcmp(buf + i, want) == 0) return kids[k];
   }
-  closedir(d);
-  return found;
+  return 0;
 }
 
 /* A worker killed mid-training without restarts: its agent names its

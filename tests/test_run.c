@@ -88,47 +88,26 @@ static void wait_for_output(const char *dir, const char *name,
 
 /* The worker processes `run` started: children of parent, by rank. */
 static int find_workers(pid_t parent, pid_t *pids, int cap) {
-  int n = 0;
-  DIR *d = opendir("/proc");
-  assert_non_null(d);
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL) {
-    pid_t pid = (pid_t)atoi(e->d_name);
-    if (pid <= 0) continue;
-    char path[64], buf[4096];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (!f) continue;
-    size_t len = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[len] = '\0';
-    char *close_paren = strrchr(buf, ')');
-    int ppid = 0;
-    char st;
-    if (!close_paren || sscanf(close_paren + 2, "%c %d", &st, &ppid) != 2 ||
-        ppid != parent)
-      continue;
+  int n = 0, kids[256];
+  size_t nk = sp_test_children(parent, kids, 256);
+  for (size_t k = 0; k < nk; k++) {
+    char buf[4096];
+    long len = sp_test_proc_file(kids[k], "cmdline", buf, sizeof buf);
+    if (len < 0) continue;
     /* by its program, not its name in stat: the worker names its
      * training thread, the main one */
-    snprintf(path, sizeof path, "/proc/%d/cmdline", (int)pid);
-    f = fopen(path, "r");
-    if (!f) continue;
-    len = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[len] = '\0';
     size_t n0 = strlen(buf);
     if (n0 < 17 || strcmp(buf + n0 - 17, "shardplane-worker") != 0) continue;
-    for (size_t i = 0; i + 7 < len; i++)
+    for (long i = 0; i + 7 < len; i++)
       if (strcmp(buf + i, "--rank") == 0) {
         int r = atoi(buf + i + 7);
         if (r >= 0 && r < cap) {
-          pids[r] = pid;
+          pids[r] = kids[k];
           n++;
         }
         break;
       }
   }
-  closedir(d);
   return n;
 }
 

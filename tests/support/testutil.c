@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include <cmocka.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <signal.h>
@@ -172,6 +173,38 @@ int sp_test_wait_exit(int pid, double timeout_s) {
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
   return -1;
+}
+
+long sp_test_proc_file(int pid, const char *what, char *buf, size_t cap) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/%s", pid, what);
+  FILE *f = fopen(path, "r");
+  if (f == NULL) return -1;
+  size_t len = fread(buf, 1, cap - 1, f);
+  fclose(f);
+  buf[len] = '\0';
+  return (long)len;
+}
+
+size_t sp_test_children(int parent, int *out, size_t cap) {
+  DIR *d = opendir("/proc");
+  assert_non_null(d);
+  struct dirent *e;
+  size_t n = 0;
+  while (n < cap && (e = readdir(d)) != NULL) {
+    int pid = atoi(e->d_name);
+    char buf[1024];
+    if (pid <= 0 || sp_test_proc_file(pid, "stat", buf, sizeof buf) < 0)
+      continue;
+    /* the name in parentheses may hold spaces and parentheses itself */
+    char *cp = strrchr(buf, ')');
+    int ppid = 0;
+    char st;
+    if (cp && sscanf(cp + 2, "%c %d", &st, &ppid) == 2 && ppid == parent)
+      out[n++] = pid;
+  }
+  closedir(d);
+  return n;
 }
 
 uint64_t sp_test_proc_status_kib(const char *key) {

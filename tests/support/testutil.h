@@ -68,6 +68,14 @@ int sp_test_wait_exit(int pid, double timeout_s);
  * there is none. */
 uint64_t sp_test_proc_status_kib(const char *key);
 
+/* /proc/PID/WHAT ("cmdline", "environ": NUL-separated) read into buf
+ * (cap bytes, NUL-terminated): its length, or -1 when it cannot be read
+ * (the process is gone). */
+long sp_test_proc_file(int pid, const char *what, char *buf, size_t cap);
+/* The pids of parent's children alive now, at most cap of them in out
+ * (/proc order); their count. */
+size_t sp_test_children(int parent, int *out, size_t cap);
+
 /* Sleeps ms milliseconds (the whole time, across signals). Time is read
  * with sp_clock_s() (common/clock.h). */
 void sp_test_sleep_ms(unsigned ms);
