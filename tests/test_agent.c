@@ -1091,6 +1091,37 @@ static void test_incarnations_rejoin(void **state) {
   free(sd);
 }
 
+/* SIGTERM to an agent whose workers wait in the rendezvous for a host
+ * that never comes: they reach no step boundary, so within the default
+ * --stop-grace (10 s, not the rendezvous' own timeout) the agent stops
+ * them, names them and exits 143. */
+static void test_agent_stop_in_rendezvous(void **state) {
+  fx *f = *state;
+  const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
+                           "--checkpoint", "none", NULL};
+  pid_t a = start_agent(f->dir, f->addr, &f->auth, 0, NULL, trainer);
+  pid_t w[2] = {0};
+  for (double end = sp_clock_s() + 30; (w[0] <= 0 || w[1] <= 0);) {
+    if (sp_clock_s() > end) fail_msg("the agent started no workers");
+    w[0] = child_with_rank(a, 0);
+    w[1] = child_with_rank(a, 1);
+    usleep(20000);
+  }
+  sp_test_sleep_ms(1000); /* in the rendezvous by now */
+  double t0 = sp_clock_s();
+  assert_int_equal(kill(a, SIGTERM), 0);
+  int st = sp_test_wait_exit(a, 40);
+  double took = sp_clock_s() - t0;
+  char *err = slurp(f->dir, "agent0.err");
+  printf("%s\nexit %d, %.2f s after SIGTERM\n", err, st, took);
+  assert_int_equal(st, 128 + SIGTERM);
+  assert_true(took < 10 + 3);
+  assert_non_null(strstr(err, "ranks 0, 1 have not reached a step boundary "
+                              "within the 10 s of --stop-grace"));
+  for (int r = 0; r < 2; r++) assert_false(kill(w[r], 0) == 0);
+  free(err);
+}
+
 /* Bad usage is named by its flag, and exits 2. */
 static void test_agent_bad_usage(void **state) {
   fx *f = *state;
@@ -1169,6 +1200,8 @@ int main(int argc, char **argv) {
                                       fx_setup_bare, fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_gives_up_after_grace,
                                       fx_setup_bare, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_stop_in_rendezvous, fx_setup,
+                                      fx_teardown),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);

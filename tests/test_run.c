@@ -663,6 +663,48 @@ static void test_run_interrupted(void **state) {
   free(dir);
 }
 
+/* Ctrl-C on a job with a stalled rank: the other ranks wait in a
+ * collective on it, so none reaches the step boundary where they would
+ * checkpoint. run ends within the default --stop-grace (10 s, not the
+ * collective library's 60 s timeout), stops every rank, and its one last
+ * line says no checkpoint was written and which ranks were stopped. */
+static void test_run_interrupted_stalled(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *args[] = {"--nproc", "3", "--model", MLP, "--steps", "100000",
+                        "--inject", "stall:rank=1,step=5", "--log-every",
+                        "50", "--checkpoint-dir", ck, NULL};
+  pid_t run = start_run(dir, args);
+  wait_for_output(dir, "err", "--inject stall: blocking", 60);
+  pid_t w[3] = {0};
+  assert_int_equal(find_workers(run, w, 3), 3);
+  double t0 = sp_clock_s();
+  kill(run, SIGINT);
+  int st = wait_run(run, 40);
+  double took = sp_clock_s() - t0;
+  char *err = slurp(dir, "err"), *out = slurp(dir, "out");
+  printf("  exit %d %.1f s after SIGINT:\n%s%s", st, took, err, out);
+  assert_int_equal(st, 128 + SIGINT);
+  assert_true(took < 10 + 3);
+  for (int r = 0; r < 3; r++) assert_false(alive(w[r]));
+  assert_non_null(strstr(err, "ranks 0, 1, 2 have not reached a step "
+                              "boundary within the 10 s of --stop-grace"));
+  /* one last line, and it is true: no checkpoint, and why */
+  const char *last = strstr(out, "shardplane run: stopped by SIGINT after ");
+  assert_non_null(last);
+  assert_non_null(strstr(last, "without a checkpoint: ranks 0, 1, 2 had not "
+                               "reached a step boundary"));
+  assert_null(strstr(out, "checkpoint in"));
+  assert_null(strstr(err, "no FULL checkpoint"));
+  assert_int_equal(ckpt_step(ck), -1);
+  free(err);
+  free(out);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* A coordinator started by hand, as a user does, for model (plus the
  * NULL-terminated flags); its address goes to addr. */
 static void start_coordinator(sp_proc *c, const char *model,
@@ -986,6 +1028,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_restarts_used_up),
       cmocka_unit_test(test_run_stall_named),
       cmocka_unit_test(test_run_interrupted),
+      cmocka_unit_test(test_run_interrupted_stalled),
       cmocka_unit_test(test_run_same_plan_as_coordinator),
       cmocka_unit_test(test_run_checkpoint_loads),
       cmocka_unit_test(test_run_keeps_other_checkpoints),

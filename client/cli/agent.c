@@ -74,7 +74,13 @@ static void usage(FILE *f) {
         "                               agent registered again as the same\n"
         "                               node, its workers still training;\n"
         "                               after S the agent stops them and\n"
-        "                               exits 4\n",
+        "                               exits 4\n"
+        "  --stop-grace S               after Ctrl-C or SIGTERM, the workers\n"
+        "                               have S seconds to stop by themselves\n"
+        "                               (shardplane-worker checkpoints at the\n"
+        "                               next step boundary); those still\n"
+        "                               running then get SIGTERM, and SIGKILL\n"
+        "                               3 s later (default 10)\n",
         f);
   fputs(SP_REMOTE_OPTIONS_HELP, f);
   fputs("                               (the agent's --timeout-ms defaults\n"
@@ -91,8 +97,9 @@ static void usage(FILE *f) {
         "restart). The coordinator records each incarnation and what ended\n"
         "it (ListIncarnations); the store is emptied between them.\n"
         "\n"
-        "Ctrl-C (SIGINT) or SIGTERM is forwarded to every worker; a second\n"
-        "one stops them at once.\n"
+        "Ctrl-C (SIGINT) or SIGTERM is forwarded to every worker; those\n"
+        "still running after --stop-grace are stopped (and named), and a\n"
+        "second signal stops them at once.\n"
         "\n"
         "exit codes: 0 every worker exited 0, 1 a worker failed or died (the\n"
         "message names its rank, and the signal or status), 2 bad usage,\n"
@@ -111,6 +118,7 @@ typedef struct agent {
   const char *restart_load;   /* --load-on-restart DIR, or NULL */
   sp_sup_ckpt_seen restart_seen; /* what restart_load held at the start */
   uint64_t grace_ms;          /* --coordinator-grace */
+  double stop_grace_s;        /* --stop-grace; 0: the default */
   char **trainer;       /* argv of the trainer, NULL-terminated */
   size_t n_trainer;
   /* the workers, their incarnations and the agent's stream to the
@@ -124,7 +132,7 @@ typedef struct agent {
 } agent;
 
 enum { A_NPROC = 1, A_NODE_RANK, A_NNODES, A_NO_PROXY, A_MAX_RESTARTS,
-       A_RESTART_LOAD, A_GRACE, A_HELP };
+       A_RESTART_LOAD, A_GRACE, A_STOP_GRACE, A_HELP };
 
 /* --node-rank from the environment when the flag did not give it. */
 static int node_rank_from_env(agent *a) {
@@ -155,6 +163,7 @@ static int parse_args(agent *a, int argc, char **argv) {
       {"max-restarts", required_argument, NULL, A_MAX_RESTARTS},
       {"load-on-restart", required_argument, NULL, A_RESTART_LOAD},
       {"coordinator-grace", required_argument, NULL, A_GRACE},
+      {"stop-grace", required_argument, NULL, A_STOP_GRACE},
       {"help", no_argument, NULL, A_HELP},
       SP_REMOTE_OPTIONS,
       {NULL, 0, NULL, 0}};
@@ -204,6 +213,10 @@ static int parse_args(agent *a, int argc, char **argv) {
       case A_GRACE:
         rc = sp_coordinator_grace_parse("--coordinator-grace", optarg,
                                         &a->grace_ms, &d);
+        break;
+      case A_STOP_GRACE:
+        rc = sp_sup_stop_grace_parse("--stop-grace", optarg,
+                                     &a->stop_grace_s, &d);
         break;
       case '?': usage(stderr); return SP_EXIT_USAGE;
       default: {
@@ -436,6 +449,7 @@ static void setup_sup(agent *a) {
   a->sup.first_rank = (uint32_t)(a->node_rank * a->nproc);
   a->sup.max_restarts = (uint32_t)a->max_restarts;
   a->sup.grace_ms = a->grace_ms;
+  a->sup.stop_grace_s = a->stop_grace_s;
   /* a restart loads only a checkpoint this job wrote */
   sp_sup_ckpt_note(a->restart_load, &a->restart_seen);
 }

@@ -124,6 +124,11 @@ static void usage(FILE *f) {
         "                             lost), else from --load or step 0\n"
         "                             (default 0: the job ends naming the "
         "rank)\n"
+        "  --stop-grace S             after Ctrl-C or SIGTERM, the ranks have\n"
+        "                             S seconds to reach a step boundary,\n"
+        "                             checkpoint and stop; those still\n"
+        "                             running then are stopped without one\n"
+        "                             (default 10)\n"
         "training flags, checked here and passed to every worker:\n",
         f);
   sp_train_flags_help(f, 29);
@@ -155,8 +160,10 @@ static void usage(FILE *f) {
         "job ends.\n"
         "\n"
         "Ctrl-C (SIGINT) or SIGTERM: forwarded to every worker; the ranks stop\n"
-        "after the same step, write the checkpoints and exit; a second signal\n"
-        "stops them at once, without a checkpoint.\n"
+        "after the same step, write the checkpoints and exit. Ranks that have\n"
+        "not done so within --stop-grace (a stalled rank, and those waiting\n"
+        "on it in a collective) are stopped then, without a checkpoint, and\n"
+        "the last line says which; a second signal stops them at once.\n"
         "\n"
         "Restarts: run says which rank died and how, and from which step\n"
         "each incarnation starts; the workers get SHARDPLANE_INCARNATION (0,\n"
@@ -166,7 +173,8 @@ static void usage(FILE *f) {
         "exit codes: 0 done, 1 the job failed (a worker died or failed, with\n"
         "no restart left: the message names the culprit the coordinator's\n"
         "verdict gives, else the rank), 2 bad usage, 130 / 143 stopped by\n"
-        "SIGINT / SIGTERM (after the checkpoint)\n",
+        "SIGINT / SIGTERM (the last line says whether a checkpoint was\n"
+        "written)\n",
         f);
 }
 
@@ -200,6 +208,7 @@ typedef struct run_opts {
   const char *steps, *batch, *lr, *log_every, *hb;
   double ranks_every_s; /* --ranks-every; 0: no ranks lines */
   const char *grace; /* --coordinator-grace, or NULL */
+  double stop_grace_s; /* --stop-grace; 0: the default */
   uint64_t grace_ms; /* the same in ms; 0: not given */
   const char *ckpt_every; /* --checkpoint-every, or NULL */
   bool cuda;
@@ -276,7 +285,8 @@ static int job_flag(run_opts *o, int c, const char *value) {
 
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
        O_LOG, O_RANKS, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_GRACE,
-       O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_RESTARTS, O_HELP };
+       O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_RESTARTS, O_STOP_GRACE,
+       O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
@@ -373,6 +383,8 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       return rc;
     case O_RESTARTS:
       return sp_flag_int(flag, v, 0, 1000, &o->max_restarts, d);
+    case O_STOP_GRACE:
+      return sp_sup_stop_grace_parse(flag, v, &o->stop_grace_s, d);
   }
   return SP_ENOENT;
 }
@@ -402,6 +414,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"on-stall", required_argument, NULL, O_ONSTALL},
       {"straggler-ratio", required_argument, NULL, O_STRAGGLER},
       {"max-restarts", required_argument, NULL, O_RESTARTS},
+      {"stop-grace", required_argument, NULL, O_STOP_GRACE},
       {"help", no_argument, NULL, O_HELP}};
   /* run's own options, the training flags, then the job flags */
   struct option mine[64];
@@ -976,7 +989,7 @@ static void name_rank(const sp_sup *s, uint32_t i, char *out, size_t cap) {
 static void tell_ranks(sp_sup *s) {
   run_procs *p = s->user;
   if (p->o->ranks_every_s <= 0 || sp_clock_s() < p->ranks_at ||
-      s->live == 0 || s->terminated || s->ret != SP_EXIT_OK)
+      s->live == 0 || s->terminated || s->failing)
     return;
   char line[512];
   if (sp_run_ranks_line(p->addr, p->j->creds.admin_token, 500, line,
@@ -993,37 +1006,59 @@ static const sp_sup_ops k_ops = {.start = start_workers,
 
 /* The last lines: where the checkpoints are, and the flags that start a
  * job from each (shardplane run or shardplane-worker). After a stop by a
- * signal the same, as far as the checkpoints were written. Returns the
- * exit code. */
-static int report_done(const run_opts *o, const run_job *j, double took_s,
-                       int stopped) {
-  const char *how = stopped ? "stopped" : "done";
+ * signal the same when the ranks wrote them; when they did not (a rank
+ * stopped past --stop-grace, or before its first step), one line says so,
+ * and why. Only checkpoints this run wrote count: the directory may hold
+ * an earlier run's. Returns the exit code. */
+static int report_done(const run_opts *o, const run_job *j,
+                       const run_procs *p, double took_s, int ret) {
+  int sig = ret > 128 ? ret - 128 : 0;
+  char how[96];
+  if (sig)
+    snprintf(how, sizeof how, "stopped by %s after %.1f s",
+             sig == SIGINT ? "SIGINT" : "SIGTERM", took_s);
+  else
+    snprintf(how, sizeof how, "done after %.1f s", took_s);
   if (!o->any_kind) {
-    printf("shardplane run: %s after %.1f s; no checkpoint (--checkpoint "
-           "none)\n", how, took_s);
-    return stopped;
+    printf("shardplane run: %s; no checkpoint (--checkpoint none)\n", how);
+    return ret;
   }
-  printf("shardplane run: %s after %.1f s; checkpoint in %s\n", how, took_s,
-         j->ckdir);
   sp_ckpt_found f;
   sp_ckpt_find(j->ckdir, &f);
-  int n = 0;
-  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) n += o->kinds[k];
+  int n = 0, written = 0, last = SP_CKPT_FULL;
+  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
+    if (!o->kinds[k]) continue;
+    n++;
+    if (sp_sup_ckpt_new(&p->ckpt_seen, &f, (sp_ckpt_kind)k)) {
+      written++;
+      last = k;
+    }
+  }
+  if (sig && written == 0) {
+    if (p->sup.overdue[0])
+      printf("shardplane run: %s without a checkpoint: %s had not reached a "
+             "step boundary within --stop-grace\n", how, p->sup.overdue);
+    else
+      printf("shardplane run: %s without a checkpoint: the ranks stopped "
+             "before their first step ended\n", how);
+    return ret;
+  }
+  printf("shardplane run: %s at step %llu; checkpoint in %s\n", how,
+         (unsigned long long)f.steps[last], j->ckdir);
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
     if (!o->kinds[k]) continue;
     const char *name = sp_ckpt_kind_name((sp_ckpt_kind)k);
-    if (!f.present[k]) {
-      /* a stop before the first step writes none */
-      sp_cli_error(RUN, "no %s checkpoint in %s", name, j->ckdir);
-      return stopped ? stopped : SP_EXIT_FAILURE;
+    if (!sp_sup_ckpt_new(&p->ckpt_seen, &f, (sp_ckpt_kind)k)) {
+      sp_cli_error(RUN, "no %s checkpoint written in %s", name, j->ckdir);
+      return sig ? ret : SP_EXIT_FAILURE;
     }
     char which[32] = "it";
     if (n > 1) snprintf(which, sizeof which, "the %s one", name);
     printf("shardplane run: %s from %s with --load %s --load-kind %s\n",
-           stopped ? "continue" : "start", which, f.dir[k],
+           sig ? "continue" : "start", which, f.dir[k],
            sp_ckpt_kind_dir((sp_ckpt_kind)k));
   }
-  return stopped;
+  return ret;
 }
 
 int sp_cmd_run(int argc, char **argv) {
@@ -1051,6 +1086,7 @@ int sp_cmd_run(int argc, char **argv) {
                    .user = &p,
                    .n = (uint32_t)o.nproc,
                    .max_restarts = (uint32_t)o.max_restarts,
+                   .stop_grace_s = o.stop_grace_s,
                    .grace_ms = o.grace_ms ? o.grace_ms
                                           : SP_COORDINATOR_GRACE_DEFAULT_MS};
   /* a restart loads only a checkpoint this job wrote */
@@ -1088,7 +1124,7 @@ int sp_cmd_run(int argc, char **argv) {
     sp_cli_error(RUN, "the coordinator's verdict: %s", verdict);
   if (p.coord.pid > 0) sp_proc_stop(&p.coord, 5000);
   if (ret == SP_EXIT_OK || ret == 128 + SIGINT || ret == 128 + SIGTERM)
-    ret = report_done(&o, &j, sp_clock_s() - t0, ret);
+    ret = report_done(&o, &j, &p, sp_clock_s() - t0, ret);
 out:
   sp_run_creds_remove(&j.creds);
   sp_plan_free(j.plan);

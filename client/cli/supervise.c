@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/flag.h"
 #include "cli.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 
@@ -21,6 +22,13 @@ void sp_sup_catch_signals(void) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
+}
+
+int sp_sup_stop_grace_parse(const char *flag, const char *value, double *s,
+                            sp_diag *d) {
+  if (sp_flag_number(flag, value, 0, s, d) != 0 || *s <= 0 || *s > 86400)
+    return sp_flag_fail(d, flag, value, "seconds in (0, 86400]");
+  return 0;
 }
 
 int sp_sup_alloc_streams(sp_sup *s) {
@@ -115,15 +123,19 @@ void sp_sup_fail(sp_sup *s, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  bool first = s->ret == SP_EXIT_OK;
+  /* a failure while stopping for a signal is the first too: the others
+   * (waiting on the one that failed) get the short grace, not the rest of
+   * the signal's */
+  bool first = !s->failing && (s->ret == SP_EXIT_OK || s->interrupted);
   if (s->ops->failure)
     s->ops->failure(s, msg, first);
   else
     sp_cli_error(s->who, "%s%s", msg, first ? "; stopping the workers" : "");
-  if (first) {
-    s->ret = SP_EXIT_FAILURE;
-    s->term_at = sp_clock_s() + SP_SUP_GRACE_S;
-  }
+  if (!first) return;
+  s->failing = true;
+  if (s->ret == SP_EXIT_OK) s->ret = SP_EXIT_FAILURE;
+  double at = sp_clock_s() + SP_SUP_GRACE_S;
+  if (!s->terminated && (s->term_at < 0 || at < s->term_at)) s->term_at = at;
 }
 
 /* The workers' output, drained for up to 1 s once they are all gone. */
@@ -320,15 +332,23 @@ static void signal_workers(const sp_sup *s, int sig) {
     if (s->pids[i] > 0) kill(s->pids[i], sig);
 }
 
+static double stop_grace(const sp_sup *s) {
+  return s->stop_grace_s > 0 ? s->stop_grace_s : SP_SUP_STOP_GRACE_DEFAULT_S;
+}
+
 static void on_signal_seen(sp_sup *s, int sig) {
   if (!s->interrupted && s->ret == SP_EXIT_OK) {
     s->interrupted = sig;
     s->ret = 128 + sig;
-    sp_cli_error(s->who, "interrupted (%s); passed on to the %u worker%s%s "
-                 "(a second signal stops them at once)", strsignal(sig),
-                 s->live, s->live == 1 ? "" : "s",
-                 s->on_signal ? s->on_signal : "");
+    sp_cli_error(s->who, "interrupted (%s); passed on to the %u worker%s%s, "
+                 "within %.0f s (--stop-grace; a second signal stops them at "
+                 "once)", strsignal(sig), s->live, s->live == 1 ? "" : "s",
+                 s->on_signal ? s->on_signal : "", stop_grace(s));
     signal_workers(s, sig);
+    /* a rank that cannot reach a step boundary (stalled, or waiting in a
+     * collective on one that is) must not hold the stop up until the
+     * collective library's own timeout */
+    s->term_at = sp_clock_s() + stop_grace(s);
     return;
   }
   /* again, or while stopping after a failure: at once */
@@ -340,11 +360,34 @@ static void on_signal_seen(sp_sup *s, int sig) {
   s->kill_at = sp_clock_s();
 }
 
+/* The grace after a signal ended: the workers still running are named,
+ * once, and stopped without a checkpoint. */
+static void note_overdue(sp_sup *s) {
+  char list[sizeof s->overdue] = "";
+  size_t used = 0;
+  uint32_t k = 0;
+  for (uint32_t i = 0; i < s->n; i++) {
+    if (s->pids[i] <= 0) continue;
+    k++;
+    int w = snprintf(list + used, sizeof list - used, "%s%u",
+                     used ? ", " : "", s->first_rank + i);
+    if (w < 0 || (size_t)w >= sizeof list - used) break;
+    used += (size_t)w;
+  }
+  snprintf(s->overdue, sizeof s->overdue, "rank%s %s", k == 1 ? "" : "s",
+           list);
+  sp_cli_error(s->who, "%s %s not reached a step boundary within the %.0f s "
+               "of --stop-grace; stopping %s",
+               s->overdue, k == 1 ? "has" : "have", stop_grace(s),
+               k == 1 ? "it" : "them");
+}
+
 /* SIGTERM to the workers left when due, SIGKILL SP_SUP_TERM_S after it. */
 static void stop_when_due(sp_sup *s) {
   double now = sp_clock_s();
   int sig = 0;
   if (s->term_at >= 0 && now >= s->term_at) {
+    if (s->interrupted && !s->failing && s->live > 0) note_overdue(s);
     sig = SIGTERM;
     s->term_at = -1;
     s->kill_at = now + SP_SUP_TERM_S;
@@ -426,19 +469,23 @@ void sp_sup_ckpt_note(const char *dir, sp_sup_ckpt_seen *seen) {
   }
 }
 
+bool sp_sup_ckpt_new(const sp_sup_ckpt_seen *seen, const sp_ckpt_found *f,
+                     sp_ckpt_kind k) {
+  /* a checkpoint is published by renaming a new folder over the old one:
+   * one that is still the folder noted at the start is an earlier job's */
+  struct stat sb;
+  return f->present[k] && stat(f->dir[k], &sb) == 0 &&
+         !same_folder(seen, k, &sb);
+}
+
 bool sp_sup_restart_ckpt(const sp_sup *s, const char *dir,
                          const sp_sup_ckpt_seen *seen, const char *first_load,
                          char *out, size_t cap, sp_ckpt_kind *kind) {
   unsigned long long inc = (unsigned long long)s->incarnation;
   sp_ckpt_found f;
   sp_ckpt_find(dir, &f);
-  /* a checkpoint is published by renaming a new folder over the old one:
-   * one that is still the folder noted at the start is an earlier job's */
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
-    struct stat sb;
-    if (!f.present[k] || stat(f.dir[k], &sb) != 0 ||
-        same_folder(seen, k, &sb))
-      continue;
+    if (!sp_sup_ckpt_new(seen, &f, (sp_ckpt_kind)k)) continue;
     if (snprintf(out, cap, "%s", f.dir[k]) >= (int)cap) continue;
     *kind = (sp_ckpt_kind)k;
     sp_cli_error(s->who, "incarnation %llu loads %s (%s, after step %llu)",

@@ -5,8 +5,10 @@
  *     status; the others get SP_SUP_GRACE_S to stop by themselves (the
  *     coordinator aborts them once it notices the lost rank) and say why,
  *     then SIGTERM, and SIGKILL SP_SUP_TERM_S after it;
- *   - SIGINT or SIGTERM is passed on to every worker; a second one stops
- *     them at once;
+ *   - SIGINT or SIGTERM is passed on to every worker, which checkpoint at
+ *     the next step boundary and stop; those still running stop_grace_s
+ *     later (a stalled rank, or the ranks waiting on it, reach no
+ *     boundary) are stopped then, and a second signal stops them at once;
  *   - with restarts (max_restarts > 0 and the session to the coordinator
  *     open), a worker's death is reported over AgentSession and the
  *     coordinator decides what follows: AGENT_STOP (this host's workers
@@ -44,6 +46,10 @@
  * and say why; then SIGTERM, and SIGKILL SP_SUP_TERM_S after it. */
 #define SP_SUP_GRACE_S 0.5
 #define SP_SUP_TERM_S 3.0
+/* After SIGINT or SIGTERM, how long the workers have to reach a step
+ * boundary, checkpoint and stop (--stop-grace; a GPT-2 124M FULL
+ * checkpoint is written in well under 2 s). */
+#define SP_SUP_STOP_GRACE_DEFAULT_S 10.0
 
 typedef struct sp_sup sp_sup;
 
@@ -79,6 +85,8 @@ struct sp_sup {
   /* the coordinator's outages the stream rides out (--coordinator-grace);
    * 0: none */
   uint64_t grace_ms;
+  /* --stop-grace; 0: SP_SUP_STOP_GRACE_DEFAULT_S */
+  double stop_grace_s;
 
   /* the workers of the current incarnation */
   pid_t pids[SP_WORKERS_MAX];
@@ -106,6 +114,11 @@ struct sp_sup {
   /* where the supervision stands */
   int ret;          /* the exit code so far */
   int interrupted;  /* the signal that arrived and was passed on, or 0 */
+  /* after a signal: the workers still running when stop_grace_s ended
+   * ("ranks 0, 1 and 2"), stopped without reaching a step boundary; "":
+   * every one stopped in time */
+  char overdue[160];
+  bool failing;     /* a failure that stops the job was told */
   bool terminated;  /* SIGTERM or SIGKILL sent: the ends that follow are ours */
   bool done;        /* the coordinator ended the job */
   bool coord_gone;  /* past the grace, or lost keeping no state dir */
@@ -115,6 +128,11 @@ struct sp_sup {
 
 /* SIGINT and SIGTERM set the flag the loop reads (once per process). */
 void sp_sup_catch_signals(void);
+
+/* --stop-grace S: seconds in (0, 86400]. 0, or SP_EINVAL with the flag, the
+ * value and what is allowed in d. */
+int sp_sup_stop_grace_parse(const char *flag, const char *value, double *s,
+                            sp_diag *d);
 
 /* The output streams, once for every incarnation (labelled with the job's
  * ranks). SP_SUP_PROCEED or an exit code (message printed). */
@@ -134,7 +152,8 @@ int sp_sup_open_session(sp_sup *s, const char *addr,
 void sp_sup_close_session(sp_sup *s);
 
 /* A failure that stops the job: told (ops->failure), and the first one
- * sets the exit code 1 and stops the workers after SP_SUP_GRACE_S. */
+ * sets the exit code 1 (unless a signal already set it) and stops the
+ * workers after SP_SUP_GRACE_S. */
 void sp_sup_fail(sp_sup *s, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
@@ -161,6 +180,11 @@ typedef struct sp_sup_ckpt_seen {
 
 /* Notes what dir holds now (dir NULL or without checkpoints: nothing). */
 void sp_sup_ckpt_note(const char *dir, sp_sup_ckpt_seen *seen);
+
+/* Whether f (sp_ckpt_find of the directory seen noted) holds a checkpoint
+ * of kind k written since seen was noted. */
+bool sp_sup_ckpt_new(const sp_sup_ckpt_seen *seen, const sp_ckpt_found *f,
+                     sp_ckpt_kind k);
 
 /* For incarnation s->incarnation (> 0): the last checkpoint in dir written
  * since seen was noted, FULL when dir holds several kinds. Returns true
