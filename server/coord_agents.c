@@ -55,6 +55,7 @@ typedef struct agent_conn {
 typedef struct inc_record {
   uint64_t number, started_ms, ended_ms;
   bool ended, has_rank;
+  bool completed; /* ended by the job's completion */
   uint32_t rank;
   int32_t exit_code, signal;
   char *reason;
@@ -117,7 +118,8 @@ static void persist_rec(sp_coord *c, const inc_record *r) {
       .number = r->number, .started_ms = r->started_ms,
       .ended_ms = r->ended_ms, .ended = r->ended, .has_rank = r->has_rank,
       .rank = r->rank, .max_restarts = c->agents->max_restarts,
-      .exit_code = r->exit_code, .signal = r->signal, .reason = r->reason};
+      .exit_code = r->exit_code, .signal = r->signal, .reason = r->reason,
+      .completed = r->completed};
   sp_coord_persist_incarnation(c, &x);
 }
 
@@ -151,6 +153,7 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
   *r = (inc_record){.number = x->number, .started_ms = x->started_ms,
                     .ended = x->ended, .ended_ms = x->ended_ms,
                     .has_rank = x->has_rank, .rank = x->rank,
+                    .completed = x->completed,
                     .exit_code = x->exit_code, .signal = x->signal,
                     .reason = x->reason && x->reason[0] ? strdup(x->reason)
                                                         : NULL};
@@ -162,7 +165,11 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
   a->phase = PHASE_RUNNING;
   free(a->end_reason);
   a->end_reason = NULL;
-  if (x->ended && a->restarts < a->max_restarts) {
+  if (x->completed) { /* a finished job's record never changes */
+    a->phase = PHASE_ENDED;
+    a->end_reason = x->reason ? strdup(x->reason) : NULL;
+    sp_coord_diag_restore_completed(c);
+  } else if (x->ended && a->restarts < a->max_restarts) {
     /* it stopped between a death and the next incarnation: the agents
      * stop their workers (again) and the restart goes on */
     a->phase = PHASE_STOPPING;
@@ -179,7 +186,10 @@ static int send_cmd(sp_rpc_call *call, int cmd, uint64_t inc,
   d.command = (Shardplane__V1__AgentCommand)cmd;
   d.incarnation = inc;
   d.reason = (char *)(reason ? reason : "");
-  d.durable = sp_coord_durable(coord_of(call));
+  sp_coord *c = coord_of(call);
+  d.durable = sp_coord_durable(c);
+  d.completed = cmd == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
+                current_rec(c->agents)->completed;
   return sp_rpc_call_send(call, &d.base);
 }
 
@@ -250,6 +260,37 @@ static void clear_store(sp_coord *c) {
   }
   free(l.k);
   free(l.len);
+}
+
+void sp_coord_agents_alert(sp_coord *c, const Shardplane__V1__Alert *alert) {
+  struct sp_coord_agents *a = c->agents;
+  if (a == NULL) return;
+  Shardplane__V1__AgentDown d = SHARDPLANE__V1__AGENT_DOWN__INIT;
+  d.command = SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT;
+  d.incarnation = a->current;
+  d.durable = sp_coord_durable(c);
+  d.alert = (Shardplane__V1__Alert *)alert;
+  for (agent_conn *g = a->list; g; g = g->next)
+    if (g->registered) sp_rpc_call_send(g->call, &d.base);
+}
+
+void sp_coord_agents_completed(sp_coord *c, uint64_t step) {
+  struct sp_coord_agents *a = agents_of(c);
+  if (a == NULL || a->phase == PHASE_ENDED) return;
+  inc_record *r = current_rec(a);
+  char why[128];
+  snprintf(why, sizeof why, "completed: all %u ranks finished at step %llu",
+           c->plan->world_size, (unsigned long long)step);
+  r->ended = true;
+  r->completed = true;
+  r->ended_ms = unix_ms();
+  free(r->reason);
+  r->reason = strdup(why);
+  persist_rec(c, r);
+  a->phase = PHASE_ENDED;
+  free(a->end_reason);
+  a->end_reason = strdup(why);
+  a->n_cand = 0;
 }
 
 /* Every agent stopped its workers: the next incarnation begins. */
@@ -407,7 +448,9 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
                             q->nproc - 1, world);
     return false;
   }
-  if (a->max_set && q->max_restarts != a->max_restarts) {
+  /* a late agent of a completed job is told so, whatever it asks */
+  if (a->max_set && q->max_restarts != a->max_restarts &&
+      !current_rec(a)->completed) {
     sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
                         "--max-restarts %u differs from the %u the job's "
                         "first agent gave", q->max_restarts, a->max_restarts);
@@ -590,6 +633,7 @@ static void on_list_incarnations(sp_rpc_call *call, const ProtobufCMessage *msg,
     x->rank = e->rank;
     x->exit_code = e->exit_code;
     x->signal = e->signal;
+    x->completed = e->completed;
     x->reason = e->reason ? e->reason : "";
     ptrs[i] = x;
   }

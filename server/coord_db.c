@@ -61,7 +61,8 @@ static const char *const k_sql[ST_N] = {
     [ST_PUT_INCARNATION] =
         "INSERT OR REPLACE INTO incarnations(number, started_ms, ended, "
         "ended_ms, has_rank, rank, exit_code, signal, reason, "
-        "max_restarts) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+        "max_restarts, completed) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, "
+        "?9, ?10, ?11)",
 };
 
 static const char k_schema[] =
@@ -80,7 +81,7 @@ static const char k_schema[] =
     "CREATE TABLE IF NOT EXISTS incarnations(number INTEGER PRIMARY KEY, "
     "started_ms INTEGER, ended INTEGER, ended_ms INTEGER, has_rank INTEGER, "
     "rank INTEGER, exit_code INTEGER, signal INTEGER, reason TEXT, "
-    "max_restarts INTEGER);";
+    "max_restarts INTEGER, completed INTEGER NOT NULL DEFAULT 0);";
 
 struct sp_coord_db {
   sqlite3 *h;
@@ -354,6 +355,11 @@ int sp_coord_db_open(const char *dir, const sp_coord_db_job *job,
   sqlite3_exec(db->h,
                "ALTER TABLE alerts ADD COLUMN kind INTEGER NOT NULL DEFAULT 0",
                NULL, NULL, NULL);
+  /* and incarnations before a completed job was recorded as such */
+  sqlite3_exec(db->h,
+               "ALTER TABLE incarnations ADD COLUMN completed INTEGER NOT "
+               "NULL DEFAULT 0",
+               NULL, NULL, NULL);
   for (int i = 0; i < ST_N; i++)
     if ((rc = CHECK(db, sqlite3_prepare_v3(db->h, k_sql[i], -1,
                                            SQLITE_PREPARE_PERSISTENT,
@@ -512,6 +518,7 @@ int sp_coord_db_put_incarnation(sp_coord_db *db,
   BIND(bound, sqlite3_bind_text(s, 9, r->reason ? r->reason : "", -1,
                                 SQLITE_STATIC));
   BIND(bound, sqlite3_bind_int64(s, 10, r->max_restarts));
+  BIND(bound, sqlite3_bind_int(s, 11, r->completed));
   return step_done(db, s, bound, "write an incarnation");
 }
 
@@ -635,8 +642,8 @@ int sp_coord_db_each_incarnation(
   sqlite3_stmt *s;
   int rc = prepare(db,
                    "SELECT number, started_ms, ended, ended_ms, has_rank, "
-                   "rank, exit_code, signal, reason, max_restarts FROM "
-                   "incarnations ORDER BY number",
+                   "rank, exit_code, signal, reason, max_restarts, "
+                   "completed FROM incarnations ORDER BY number",
                    &s, d);
   if (rc != 0) return rc;
   int r;
@@ -651,7 +658,8 @@ int sp_coord_db_each_incarnation(
         .exit_code = sqlite3_column_int(s, 6),
         .signal = sqlite3_column_int(s, 7),
         .reason = col_text(s, 8),
-        .max_restarts = (uint32_t)col_u64(s, 9)};
+        .max_restarts = (uint32_t)col_u64(s, 9),
+        .completed = sqlite3_column_int(s, 10) != 0};
     if ((rc = fn(arg, &k)) != 0) break;
   }
   if (rc == 0) rc = CHECK(db, r, "read the incarnations", d);

@@ -106,6 +106,7 @@ int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
 typedef struct sp_coord_db_incarnation {
   uint64_t number, started_ms, ended_ms;
   bool ended, has_rank;
+  bool completed; /* ended by the job's completion, not a death */
   uint32_t rank, max_restarts;
   int32_t exit_code, signal;
   const char *reason;

@@ -97,6 +97,11 @@ typedef struct open_alert {
   Shardplane__V1__Alert a;
   Shardplane__V1__Collective col;
   char *msg;
+  /* an alert that says how long something has lasted ("waiting in it for
+   * 10 s") keeps its text with AGE_MARK where the seconds go, and since
+   * when, so that it is current whenever it is read (NULL: no age) */
+  char *tmpl;
+  uint64_t since_ms;
   uint32_t *culprits, *victims;
 } open_alert;
 
@@ -123,6 +128,7 @@ struct sp_coord_diag {
   uint64_t rate_t0_ms, rate_step0;
   double steps_per_s;
   uint64_t last_min_step;
+  uint64_t end_ms;      /* when the job FAILED or COMPLETED: ages stop */
   /* the median of the ranks' own step times, from the last tick (0: not
    * yet known), that each rank's step close is judged against */
   float job_med;
@@ -322,6 +328,7 @@ int sp_coord_diag_init(sp_coord *c) {
 
 static void free_open(open_alert *o) {
   free(o->msg);
+  free(o->tmpl);
   free(o->culprits);
   free(o->victims);
   memset(o, 0, sizeof *o);
@@ -445,11 +452,42 @@ static void collective_msg(Shardplane__V1__Collective *m, const fprint *f,
   m->comm_index = index;
 }
 
+/* Where an aged alert's seconds go (open_alert.tmpl). */
+#define AGE_MARK "\x1f"
+
+/* tmpl with its AGE_MARK replaced by secs, into out. */
+static void render_age(const char *tmpl, double secs, char *out, size_t cap) {
+  const char *at = strstr(tmpl, AGE_MARK);
+  if (at == NULL) {
+    snprintf(out, cap, "%s", tmpl);
+    return;
+  }
+  snprintf(out, cap, "%.*s%.0f%s", (int)(at - tmpl), tmpl, secs, at + 1);
+}
+
+static void raise_alert_aged(sp_coord *c, Shardplane__V1__AlertKind kind,
+                             const uint32_t *cul, size_t nc,
+                             const uint32_t *vic, size_t nv,
+                             const Shardplane__V1__Collective *col,
+                             const char *msg, const char *tmpl,
+                             uint64_t since_ms);
+
 /* Raises an alert and keeps it open (GetVerdict) until closed. */
 static void raise_alert(sp_coord *c, Shardplane__V1__AlertKind kind,
                         const uint32_t *cul, size_t nc, const uint32_t *vic,
                         size_t nv, const Shardplane__V1__Collective *col,
                         const char *msg) {
+  raise_alert_aged(c, kind, cul, nc, vic, nv, col, msg, NULL, 0);
+}
+
+/* The same, msg being tmpl rendered with the seconds since since_ms: its
+ * text is rendered again whenever it is read. */
+static void raise_alert_aged(sp_coord *c, Shardplane__V1__AlertKind kind,
+                             const uint32_t *cul, size_t nc,
+                             const uint32_t *vic, size_t nv,
+                             const Shardplane__V1__Collective *col,
+                             const char *msg, const char *tmpl,
+                             uint64_t since_ms) {
   sp_coord_diag *d = c->diag;
   sp_coord_alert_info info = {.kind = kind,
                               .culprits = cul,
@@ -467,10 +505,12 @@ static void raise_alert(sp_coord *c, Shardplane__V1__AlertKind kind,
   open_alert *o = &d->open[d->n_open];
   shardplane__v1__alert__init(&o->a);
   o->msg = sp_strdup(msg);
+  o->tmpl = tmpl ? sp_strdup(tmpl) : NULL;
+  o->since_ms = since_ms;
   o->culprits = nc ? malloc(nc * sizeof *cul) : NULL;
   o->victims = nv ? malloc(nv * sizeof *vic) : NULL;
   if ((nc && o->culprits == NULL) || (nv && o->victims == NULL) ||
-      o->msg == NULL) {
+      o->msg == NULL || (tmpl && o->tmpl == NULL)) {
     free_open(o);
     return;
   }
@@ -511,8 +551,32 @@ static void close_alerts(sp_coord *c, Shardplane__V1__AlertKind kind,
   d->n_open = j;
 }
 
+/* The open alerts' ages as of now, or as of the job's end (a rank that
+ * exited waits no longer). */
+static void refresh_ages(sp_coord *c) {
+  sp_coord_diag *d = c->diag;
+  bool ended = d->state == SHARDPLANE__V1__JOB_STATE__JOB_FAILED ||
+               d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
+  uint64_t now = ended ? d->end_ms : sp_coord_now_ms(c);
+  for (size_t i = 0; i < d->n_open; i++) {
+    open_alert *o = &d->open[i];
+    if (o->tmpl == NULL) continue;
+    char msg[SP_DIAG_MAX];
+    render_age(o->tmpl, now > o->since_ms ? (double)(now - o->since_ms) / 1e3
+                                          : 0,
+               msg, sizeof msg);
+    if (strcmp(msg, o->msg) == 0) continue;
+    char *m = sp_strdup(msg);
+    if (m == NULL) continue;
+    free(o->msg);
+    o->msg = m;
+    o->a.message = m;
+  }
+}
+
 size_t sp_coord_diag_open_alerts(sp_coord *c, Shardplane__V1__Alert **out,
                                  size_t cap) {
+  refresh_ages(c);
   size_t n = 0;
   for (size_t i = 0; i < c->diag->n_open && n < cap; i++)
     out[n++] = &c->diag->open[i].a;
@@ -526,6 +590,7 @@ static void job_failed(sp_coord *c, const char *verdict) {
       d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED)
     return;
   d->state = SHARDPLANE__V1__JOB_STATE__JOB_FAILED;
+  d->end_ms = sp_coord_now_ms(c);
   free(d->verdict);
   d->verdict = sp_strdup(verdict);
   d->end_step = d->last_min_step;
@@ -791,7 +856,20 @@ void sp_coord_diag_detached(sp_coord *c, uint32_t rank) {
     if (sp_coord_rank_step(c, r) > step) step = sp_coord_rank_step(c, r);
   d->state = SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
   d->end_step = step;
+  d->end_ms = sp_coord_now_ms(c);
   sp_coord_log(c, "job COMPLETED at step %" PRIu64, step);
+  sp_coord_agents_completed(c, step);
+}
+
+void sp_coord_diag_restore_completed(sp_coord *c) {
+  sp_coord_diag *d = c->diag;
+  uint64_t step = 0;
+  for (uint32_t r = 0; r < d->world; r++)
+    if (sp_coord_rank_step(c, r) > step) step = sp_coord_rank_step(c, r);
+  d->state = SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
+  d->ever_running = true;
+  d->end_step = step;
+  d->end_ms = sp_coord_now_ms(c);
 }
 
 void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
@@ -960,7 +1038,8 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
   int kind = 0;
   uint32_t index = 0;
   fprint f = {0};
-  char msg[SP_DIAG_MAX], lw[1200], lm[1200], words[200], comm[48], ev[160];
+  char msg[SP_DIAG_MAX], tmpl[SP_DIAG_MAX], lw[1200], lm[1200], words[200],
+      comm[48], ev[160];
   if (find_waited(c, &kind, &index, &f)) {
     uint64_t since =
         classify(c, kind, index, &f, now, waiting, &nw, missing, &nmiss);
@@ -987,6 +1066,7 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     }
     if (since == now) since = now - thr;
     double secs = (double)(now - since) / 1000.0;
+    /* the seconds are rendered as of each reading (refresh_ages) */
     comm_label(kind, index, comm, sizeof comm);
     fmt_ranks(waiting, nw, lw, sizeof lw);
     Shardplane__V1__Collective col;
@@ -1000,24 +1080,26 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
                          : st == SHARDPLANE__V1__RANK_STATUS__LOST
                              ? " (then it was lost)"
                              : "";
-      say(msg, sizeof msg,
-               "%s %s not issued %s #%" PRIu64 " of unit %u (%s) on %s; %s "
-               "%s been waiting in it for %.0f s; rank %u's last event: %s%s",
-               lm, nmiss == 1 ? "has" : "have", op_name(f.op), f.seq, f.unit,
-               unit_name(c, f.unit), comm, lw, nw == 1 ? "has" : "have", secs,
-               missing[0], ev, then);
-      raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss,
-                  waiting, nw, &col, msg);
+      say(tmpl, sizeof tmpl,
+          "%s %s not issued %s #%" PRIu64 " of unit %u (%s) on %s; %s %s "
+          "been waiting in it for %s s; rank %u's last event: %s%s",
+          lm, nmiss == 1 ? "has" : "have", op_name(f.op), f.seq, f.unit,
+          unit_name(c, f.unit), comm, lw, nw == 1 ? "has" : "have", AGE_MARK,
+          missing[0], ev, then);
+      render_age(tmpl, secs, msg, sizeof msg);
+      raise_alert_aged(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss,
+                       waiting, nw, &col, msg, tmpl, since);
       after_verdict(c, msg, true, missing[0], true);
     } else {
       fp_words(c, &f, words, sizeof words);
-      say(msg, sizeof msg,
-               "every member of %s (%s) issued %s, collective #%" PRIu64
-               ", and none has completed it for %.0f s: the network or the "
-               "collective library, not a rank",
-               comm, lw, words, f.seq, secs);
-      raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STALL, NULL, 0, waiting, nw,
-                  &col, msg);
+      say(tmpl, sizeof tmpl,
+          "every member of %s (%s) issued %s, collective #%" PRIu64
+          ", and none has completed it for %s s: the network or the "
+          "collective library, not a rank",
+          comm, lw, words, f.seq, AGE_MARK);
+      render_age(tmpl, secs, msg, sizeof msg);
+      raise_alert_aged(c, SHARDPLANE__V1__ALERT_KIND__STALL, NULL, 0, waiting,
+                       nw, &col, msg, tmpl, since);
       after_verdict(c, msg, false, 0, true);
     }
   } else {
@@ -1032,14 +1114,15 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     }
     fmt_ranks(missing, nmiss, lm, sizeof lm);
     sp_coord_diag_last_event(c, missing[0], ev, sizeof ev);
-    say(msg, sizeof msg,
-             "%s made no progress for %.0f s while heartbeating, in no "
-             "collective; rank %u's last event: %s",
-             lm, (double)(now - d->r[missing[0]].last_event_ms) / 1000.0,
-             missing[0], ev);
+    uint64_t since = d->r[missing[0]].last_event_ms;
+    say(tmpl, sizeof tmpl,
+        "%s made no progress for %s s while heartbeating, in no "
+        "collective; rank %u's last event: %s",
+        lm, AGE_MARK, missing[0], ev);
+    render_age(tmpl, (double)(now - since) / 1000.0, msg, sizeof msg);
     nw = others(c, missing, nmiss, waiting);
-    raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss, waiting,
-                nw, NULL, msg);
+    raise_alert_aged(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss,
+                     waiting, nw, NULL, msg, tmpl, since);
     after_verdict(c, msg, true, missing[0], true);
   }
   free(waiting);
@@ -1322,9 +1405,36 @@ void sp_coord_diag_rank_info(const sp_coord *c, uint32_t rank,
   x->victim_of = k->victim_of;
 }
 
+/* Since when the rank heard from longest ago (of those the stall detector
+ * weighs: attached and active) has been silent; false when there is
+ * none. */
+static bool quietest(sp_coord *c, uint64_t *since_ms) {
+  sp_coord_diag *d = c->diag;
+  bool any = false;
+  for (uint32_t r = 0; r < d->world; r++) {
+    if (!attached(c, r) || !d->r[r].active) continue;
+    if (!any || d->r[r].last_event_ms < *since_ms) {
+      *since_ms = d->r[r].last_event_ms;
+      any = true;
+    }
+  }
+  return any;
+}
+
+/* How long a rank may be silent before the headline says so (ms): a few of
+ * the job's median steps, at least 2 s. Well before a stall alert opens,
+ * an operator asking `why` of a job that stopped moving must not read
+ * "healthy". */
+static uint64_t quiet_ms(const sp_coord_diag *d) {
+  uint64_t q = (uint64_t)(3.0f * d->job_med);
+  return q > 2000 ? q : 2000;
+}
+
 bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
                            char *text, size_t tcap) {
   sp_coord_diag *d = c->diag;
+  refresh_ages(c);
+  uint64_t now = sp_coord_now_ms(c), since = now;
   uint32_t n_att = 0;
   for (uint32_t r = 0; r < d->world; r++) n_att += attached(c, r);
   text[0] = '\0';
@@ -1339,6 +1449,16 @@ bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
   } else if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
     snprintf(headline, hcap, "waiting: %u of %u ranks attached", n_att,
              d->world);
+  } else if (d->n_open == 0 && quietest(c, &since) &&
+             now - since > quiet_ms(d)) {
+    /* not naming the quiet rank: in a collective the waiting ranks fall
+     * silent too, and may have done so first; the stall verdict tells
+     * them apart */
+    snprintf(headline, hcap, "no progress for %.0f s: the slowest of the %u "
+             "ranks is at step %" PRIu64 " and one has reported nothing "
+             "since (a stall alert naming the culprit opens after %.0f s)",
+             (double)(now - since) / 1e3, d->world, d->last_min_step,
+             (double)sp_coord_diag_stall_threshold(c) / 1e3);
   } else if (d->n_open == 0) {
     bool has;
     double loss = job_loss(c, &has);

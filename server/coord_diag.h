@@ -70,6 +70,9 @@ void sp_coord_diag_detached(struct sp_coord *c, uint32_t rank);
  * naming the culprit) and *culprit. */
 void sp_coord_diag_lost(struct sp_coord *c, uint32_t rank, const char *why,
                         char *reason, size_t cap, uint32_t *culprit);
+/* Read back from a state dir (coord_agents.c): the job had COMPLETED, at
+ * the restored ranks' last step; it stays so. */
+void sp_coord_diag_restore_completed(struct sp_coord *c);
 /* Abort (the RPC): the job FAILED with this verdict. */
 void sp_coord_diag_aborted(struct sp_coord *c, const char *reason);
 

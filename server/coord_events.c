@@ -72,6 +72,7 @@ void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
 
 void sp_coord_publish_alert(sp_coord *c, const Shardplane__V1__Alert *a) {
   publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, a->rank, a->message, NULL, a);
+  sp_coord_agents_alert(c, a);
 }
 
 static void on_watch(sp_rpc_call *call, const ProtobufCMessage *msg,

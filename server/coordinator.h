@@ -187,6 +187,13 @@ void sp_coord_store_shutdown(sp_coord *c);
 int sp_coord_agents_register(sp_coord *c);
 void sp_coord_agents_shutdown(sp_coord *c);
 void sp_coord_agents_free(sp_coord *c);
+/* An alert opened: every registered agent is told (AGENT_ALERT), to print
+ * it beside its workers' output. */
+void sp_coord_agents_alert(sp_coord *c, const Shardplane__V1__Alert *a);
+/* The job completed at step (every rank finished): the current
+ * incarnation's record says so, for good, and an agent that registers
+ * later is told AGENT_END, completed. */
+void sp_coord_agents_completed(sp_coord *c, uint64_t step);
 /* An incarnation's record read back from a state dir, in order of
  * number (SP_EFORMAT for one out of order or bounds). */
 struct sp_coord_db_incarnation;

@@ -702,9 +702,12 @@ static void test_agent_restart(void **state) {
   assert_non_null(resumed);
   printf("%.60s\n", resumed);
   assert_non_null(strstr(out0, "[rank0]: step 24/24"));
-  /* the record: incarnation 0 ended by rank 3's SIGKILL, 1 ran to the end */
+  /* the record: incarnation 0 ended by rank 3's SIGKILL, 1 by the job's
+   * completion */
   expect_restarted_after_rank3(li);
-  assert_false(li->incarnations[1]->ended);
+  assert_true(li->incarnations[1]->ended);
+  assert_true(li->incarnations[1]->completed);
+  assert_false(li->incarnations[1]->has_rank);
   protobuf_c_message_free_unpacked(&li->base, NULL);
   /* incarnation 1 could not read incarnation 0's key */
   assert_false(leaked);
@@ -1091,6 +1094,77 @@ static void test_incarnations_rejoin(void **state) {
   free(sd);
 }
 
+/* The record of a job that completed: incarnation 0 ended by the
+ * completion, kept so across the coordinator's restart; a late agent is
+ * told the job completed and exits 0 at once, starting no worker and
+ * changing no record. */
+static void expect_completed(const char *addr, const sp_tauth *auth) {
+  Shardplane__V1__ListIncarnationsResponse *li = incarnations(addr, auth);
+  assert_int_equal(li->current, 0);
+  assert_int_equal(li->n_incarnations, 1);
+  const Shardplane__V1__Incarnation *x = li->incarnations[0];
+  printf("incarnation 0: ended %d completed %d: %s\n", x->ended, x->completed,
+         x->reason);
+  assert_true(x->ended);
+  assert_true(x->completed);
+  assert_false(x->has_rank);
+  assert_non_null(strstr(x->reason, "completed: all 2 ranks finished at "
+                                    "step 3"));
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  /* and the verdict agrees */
+  sp_rpc_sync *c = client(addr, auth, SP_ROLE_READER);
+  Shardplane__V1__GetVerdictRequest q =
+      SHARDPLANE__V1__GET_VERDICT_REQUEST__INIT;
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status st;
+  assert_int_equal(sp_rpc_sync_unary(c, "/shardplane.v1.Coordinator/GetVerdict",
+                                     &q.base,
+                                     &shardplane__v1__verdict__descriptor,
+                                     5000, &resp, &st),
+                   0);
+  assert_int_equal(st.code, SP_RPC_OK);
+  const Shardplane__V1__Verdict *v = (const Shardplane__V1__Verdict *)resp;
+  printf("verdict: %s\n", v->headline);
+  assert_int_equal(v->state, SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  sp_rpc_sync_close(c);
+}
+
+static void test_agent_on_completed_job(void **state) {
+  fx *f = *state;
+  char *sd = sp_test_path(f->dir, "state");
+  start_coord_at(&f->coord, &f->auth, 2, "127.0.0.1:0", sd, f->addr,
+                 sizeof f->addr);
+  const char *trainer[] = {WORKER, "--insecure", "--steps", "3",
+                           "--checkpoint", "none", NULL};
+  pid_t a = start_agent(f->dir, f->addr, &f->auth, 0, NULL, trainer);
+  assert_int_equal(sp_test_wait_exit(a, 60), 0);
+  expect_completed(f->addr, &f->auth);
+  /* the record survives the coordinator's restart as it was */
+  stop_coord(f);
+  start_coord_at(&f->coord, &f->auth, 2, "127.0.0.1:0", sd, f->addr,
+                 sizeof f->addr);
+  expect_completed(f->addr, &f->auth);
+  double t0 = sp_clock_s();
+  const char *restarts[] = {"--max-restarts", "2", NULL};
+  a = start_agent(f->dir, f->addr, &f->auth, 0, restarts, trainer);
+  int st = sp_test_wait_exit(a, 30);
+  double took = sp_clock_s() - t0;
+  char *err = slurp(f->dir, "agent0.err"), *out = slurp(f->dir, "agent0.out");
+  printf("late agent: exit %d after %.2f s:\n%s", st, took, err);
+  assert_int_equal(st, 0);
+  assert_true(took < 10);
+  assert_non_null(strstr(err, "the job already completed: all 2 ranks "
+                              "finished at step 3; nothing to start"));
+  assert_null(strstr(err, "[rank"));
+  assert_null(strstr(out, "[rank"));
+  assert_null(strstr(err, "incarnation 1"));
+  expect_completed(f->addr, &f->auth);
+  free(err);
+  free(out);
+  free(sd);
+}
+
 /* SIGTERM to an agent whose workers wait in the rendezvous for a host
  * that never comes: they reach no step boundary, so within the default
  * --stop-grace (10 s, not the rendezvous' own timeout) the agent stops
@@ -1202,6 +1276,8 @@ int main(int argc, char **argv) {
                                       fx_setup_bare, fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_stop_in_rendezvous, fx_setup,
                                       fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_on_completed_job,
+                                      fx_setup_bare, fx_teardown),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);

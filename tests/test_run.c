@@ -114,14 +114,16 @@ static int find_workers(pid_t parent, pid_t *pids, int cap) {
 static bool alive(pid_t pid) { return kill(pid, 0) == 0; }
 
 /* Whether every line of a run's output is whole and says who wrote it:
- * run's own ("shardplane run: ...") or a worker's, prefixed with the time
- * and the rank ("12:03:04.567 [rank1]: ..."). Prints the first that is
- * not. */
+ * run's own ("shardplane run: ..."), a worker's, prefixed with the time
+ * and the rank ("12:03:04.567 [rank1]: ..."), or the coordinator's alert
+ * ("12:03:04.567 [alert]: LOST: ..."). Prints the first that is not. */
 static bool every_line_attributed(const char *text) {
   for (const char *l = text; *l;) {
     size_t n = strcspn(l, "\n");
-    int h, m, sec, ms, rank, end = 0;
+    int h, m, sec, ms, rank, end = 0, alert = 0;
+    sscanf(l, "%2d:%2d:%2d.%3d [alert]: %n", &h, &m, &sec, &ms, &alert);
     bool ok = strncmp(l, "shardplane run: ", 16) == 0 ||
+              (alert > 0 && (size_t)alert <= n) ||
               (sscanf(l, "%2d:%2d:%2d.%3d [rank%d]: %n", &h, &m, &sec, &ms,
                       &rank, &end) == 5 && end > 0 && (size_t)end <= n);
     if (!ok) {
@@ -705,6 +707,84 @@ static void test_run_interrupted_stalled(void **state) {
   free(dir);
 }
 
+/* `shardplane why` of the job run started (its address and admin token
+ * read from run's first lines in dir/out): its stdout, malloc'd. */
+static char *ask_why(const char *dir) {
+  char *out = slurp(dir, "out");
+  char addr[64] = "", token[512] = "";
+  const char *a = strstr(out, "coordinator on "), *t = strstr(out,
+                                                              "token in ");
+  if (a) sscanf(a + strlen("coordinator on "), "%63s", addr);
+  if (t) sscanf(t + strlen("token in "), "%511s", token);
+  free(out);
+  if (!addr[0] || !token[0]) fail_msg("run printed no address or token");
+  char *wd = sp_test_path(dir, "why");
+  mkdir(wd, 0700);
+  char *argv[] = {SHARDPLANE, "why", "--coordinator", addr, "--insecure",
+                  "--token-file", token, NULL};
+  int st = wait_run(start_cmd(wd, argv), 20);
+  char *said = slurp(wd, "out");
+  printf("  why: exit %d: %s", st, said);
+  free(wd);
+  return said;
+}
+
+/* The time of day of the line of text holding needle ("12:03:04.567
+ * [rank1]: ..."), in seconds; fails when there is none. */
+static double line_time(const char *text, const char *needle) {
+  const char *at = strstr(text, needle);
+  if (!at) fail_msg("no \"%s\" in:\n%s", needle, text);
+  while (at > text && at[-1] != '\n') at--;
+  int h, m, sec, ms;
+  if (sscanf(at, "%2d:%2d:%2d.%3d", &h, &m, &sec, &ms) != 4)
+    fail_msg("no time on the line of \"%s\"", needle);
+  return h * 3600.0 + m * 60.0 + sec + ms / 1000.0;
+}
+
+/* A stall as run's user sees it: before the threshold `why` says there
+ * has been no progress (not "healthy"); once the coordinator opens the
+ * alert, run prints it at once (within the threshold + 1 s of the stall's
+ * start), naming the rank; the alert's age is current whenever it is read,
+ * not the age it had when it opened. */
+static void test_run_stall_told(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *args[] = {"--nproc", "3", "--model", MLP, "--steps", "100000",
+                        "--inject", "stall:rank=1,step=5", "--log-every",
+                        "50", "--stall-timeout-ms", "6000", "--stop-grace",
+                        "1", "--checkpoint", "none", "--checkpoint-dir", ck,
+                        NULL};
+  pid_t run = start_run(dir, args);
+  wait_for_output(dir, "err", "--inject stall: blocking", 60);
+  sp_test_sleep_ms(3000);
+  char *why = ask_why(dir);
+  assert_non_null(strstr(why, "no progress for "));
+  assert_non_null(strstr(why, "is at step 5"));
+  assert_null(strstr(why, "healthy"));
+  free(why);
+  wait_for_output(dir, "err", "[alert]: STALL: rank 1 has not issued", 20);
+  char *err = slurp(dir, "err");
+  double late = line_time(err, "[alert]: STALL:") -
+                line_time(err, "--inject stall: blocking");
+  printf("  the alert line came %.2f s after the stall began (threshold "
+         "6 s)\n", late);
+  assert_true(late > 5.5 && late < 6 + 1);
+  free(err);
+  sp_test_sleep_ms(3000);
+  why = ask_why(dir);
+  const char *age = strstr(why, "waiting in it for ");
+  assert_non_null(age);
+  int secs = atoi(age + strlen("waiting in it for "));
+  assert_true(secs >= 8);
+  free(why);
+  kill(run, SIGINT);
+  assert_int_equal(wait_run(run, 30), 128 + SIGINT);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* A coordinator started by hand, as a user does, for model (plus the
  * NULL-terminated flags); its address goes to addr. */
 static void start_coordinator(sp_proc *c, const char *model,
@@ -1029,6 +1109,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_stall_named),
       cmocka_unit_test(test_run_interrupted),
       cmocka_unit_test(test_run_interrupted_stalled),
+      cmocka_unit_test(test_run_stall_told),
       cmocka_unit_test(test_run_same_plan_as_coordinator),
       cmocka_unit_test(test_run_checkpoint_loads),
       cmocka_unit_test(test_run_keeps_other_checkpoints),

@@ -16,8 +16,9 @@
 static const subcmd k_incarnations = {
     "incarnations [options]",
     "The job's incarnations (0 first, one more per restart, as agents and\n"
-    "`shardplane run` with --max-restarts make them): when each began and\n"
-    "ended, in UTC, and what ended it (the rank, its exit code or signal).\n"
+    "`shardplane run` make them): when each began and ended, in UTC, and\n"
+    "what ended it (the rank, its exit code or signal, or the job's\n"
+    "completion).\n"
     "The first line says which incarnation is current and how many of the\n"
     "job's --max-restarts are used. A job without restarts has only\n"
     "incarnation 0. With --state-dir the record survives the coordinator's\n"
@@ -72,6 +73,7 @@ static json_t *incarnation_json(const Shardplane__V1__Incarnation *x) {
     json_object_set_new(o, "exit_code", json_integer(x->exit_code));
     json_object_set_new(o, "signal", json_integer(x->signal));
   }
+  json_object_set_new(o, "completed", json_boolean(x->completed));
   json_object_set_new(o, "reason", json_string(x->reason));
   return o;
 }

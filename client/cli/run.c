@@ -103,8 +103,8 @@ static void usage(FILE *f) {
         "                             NCCL; one GPU per rank\n"
         "  --heartbeat-timeout-ms N   a silent rank is lost after N ms "
         "(default 5000)\n"
-        "  --coordinator-grace S      workers (and run's own stream to it,\n"
-        "                             with --max-restarts) ride out a\n"
+        "  --coordinator-grace S      workers (and run's own stream to it)\n"
+        "                             ride out a\n"
         "                             coordinator outage of up to S seconds\n"
         "                             (default 60); a coordinator\n"
         "                             that dies is restarted on the same port "
@@ -943,9 +943,11 @@ static bool restart_coordinator(run_procs *p, const char *how) {
   return true;
 }
 
-/* With --max-restarts: run's stream to the coordinator (AgentSession), as
- * an agent's for a host of N ranks, through the proxy with the workers'
- * token. Returns PROCEED or the exit code. */
+/* run's stream to the coordinator (AgentSession), as an agent's for a
+ * host of N ranks, through the proxy with the workers' token: the
+ * coordinator's alerts come over it the moment they open, and with
+ * --max-restarts its decisions on a death. Returns PROCEED or the exit
+ * code. */
 static int open_session(run_procs *p) {
   sp_cred cred = {.insecure = true, .token_file = p->j->creds.worker_token};
   sp_diag d = {{0}};
@@ -967,7 +969,7 @@ static void reaped(sp_sup *s, pid_t pid, int st) {
   char how[96];
   sp_workers_describe(st, how, sizeof how);
   p->coord.pid = 0;
-  /* the stream (with --max-restarts) rides the outage out as an agent's
+  /* the stream rides the outage out as an agent's
    * does and registers again: the new coordinator knows the job's
    * incarnations from the state dir */
   if (s->ret == SP_EXIT_OK && !s->interrupted && s->live > 0 &&
@@ -1106,7 +1108,7 @@ int sp_cmd_run(int argc, char **argv) {
   double t0 = sp_clock_s();
   p.ranks_at = t0 + o.ranks_every_s;
   ret = start_proxy(&p);
-  if (ret == PROCEED && o.max_restarts > 0) ret = open_session(&p);
+  if (ret == PROCEED) ret = open_session(&p);
   if (ret == PROCEED) ret = sp_sup_alloc_streams(&p.sup);
   if (ret == PROCEED) ret = start_workers(&p.sup);
   if (ret == PROCEED) ret = sp_sup_run(&p.sup);

@@ -12,6 +12,7 @@
 #include "base/clock.h"
 #include "base/flag.h"
 #include "cli.h"
+#include "remote.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 
 static volatile sig_atomic_t g_signal;
@@ -73,6 +74,13 @@ int sp_sup_open_session(sp_sup *s, const char *addr,
   int ec = SP_SUP_PROCEED;
   if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
     s->incarnation = cmd->incarnation;
+  } else if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
+             cmd->completed) {
+    /* nothing to run, and nothing failed: a finished job is never
+     * started again (its record stays as it ended) */
+    sp_cli_error(s->who, "the job already %s; nothing to start (a new job "
+                 "needs a new coordinator)", cmd->reason);
+    ec = SP_EXIT_OK;
   } else {
     sp_cli_error(s->who, "the job %s: %s",
                  cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END
@@ -147,9 +155,25 @@ static void drain_all(sp_sup *s) {
   sp_workers_close_streams(s->streams, ns);
 }
 
+/* An alert the coordinator opened, in a line like the workers' ("12:03:04.567
+ * [alert]: STALL: ..."), the moment it comes. */
+static void print_alert(const Shardplane__V1__Alert *a) {
+  char *line = NULL;
+  size_t len = 0;
+  FILE *m = open_memstream(&line, &len);
+  if (m == NULL) return;
+  sp_remote_print_alert(m, a);
+  if (fclose(m) == 0) sp_workers_print_line(stderr, "alert", line, len);
+  free(line);
+}
+
 /* A command from the coordinator. */
 static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
   switch (d->command) {
+    case SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT:
+      /* not those of the workers this host stopped (a rank lost) */
+      if (d->alert && !s->terminated) print_alert(d->alert);
+      return;
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP: {
       if (s->stopped && d->incarnation == s->incarnation && s->live == 0) {
         /* the answer to registering again, stopped: say so again */
@@ -195,7 +219,12 @@ static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
       }
       return;
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_END:
-      sp_cli_error(s->who, "the job ended: %s", d->reason);
+      if (d->completed) { /* its workers finish by themselves */
+        s->done = true;
+        return;
+      }
+      /* a failure told here already is not told again */
+      if (!s->failing) sp_cli_error(s->who, "the job ended: %s", d->reason);
       if (s->ret == SP_EXIT_OK) s->ret = SP_EXIT_FAILURE;
       if (s->term_at < 0 && !s->terminated) s->term_at = sp_clock_s();
       s->done = true;
