@@ -1373,6 +1373,22 @@ static double job_loss(const sp_coord *c, bool *has) {
   return 0;
 }
 
+/* Since when the rank heard from longest ago (of those the stall detector
+ * weighs: attached and active) has been silent; false when there is
+ * none. */
+static bool quietest(sp_coord *c, uint64_t *since_ms) {
+  sp_coord_diag *d = c->diag;
+  bool any = false;
+  for (uint32_t r = 0; r < d->world; r++) {
+    if (!attached(c, r) || !d->r[r].active) continue;
+    if (!any || d->r[r].last_event_ms < *since_ms) {
+      *since_ms = d->r[r].last_event_ms;
+      any = true;
+    }
+  }
+  return any;
+}
+
 void sp_coord_diag_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
                        Shardplane__V1__Progress *p) {
   sp_coord_diag *d = c->diag;
@@ -1392,6 +1408,11 @@ void sp_coord_diag_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
                  ? (double)(d->total_steps - p->step) / d->steps_per_s
                  : (d->total_steps && d->total_steps <= p->step ? 0 : -1);
   r->progress = p;
+  uint64_t since, now = sp_coord_now_ms(c);
+  if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING &&
+      quietest(c, &since))
+    r->quiet_ms = now > since ? now - since : 0;
+  r->stall_threshold_ms = sp_coord_diag_stall_threshold(c);
 }
 
 void sp_coord_diag_rank_info(const sp_coord *c, uint32_t rank,
@@ -1403,22 +1424,6 @@ void sp_coord_diag_rank_info(const sp_coord *c, uint32_t rank,
   x->straggler_score = k->n_steps ? k->score : 0;
   x->victim = k->victim;
   x->victim_of = k->victim_of;
-}
-
-/* Since when the rank heard from longest ago (of those the stall detector
- * weighs: attached and active) has been silent; false when there is
- * none. */
-static bool quietest(sp_coord *c, uint64_t *since_ms) {
-  sp_coord_diag *d = c->diag;
-  bool any = false;
-  for (uint32_t r = 0; r < d->world; r++) {
-    if (!attached(c, r) || !d->r[r].active) continue;
-    if (!any || d->r[r].last_event_ms < *since_ms) {
-      *since_ms = d->r[r].last_event_ms;
-      any = true;
-    }
-  }
-  return any;
 }
 
 /* How long a rank may be silent before the headline says so (ms): a few of

@@ -707,6 +707,42 @@ static void test_run_interrupted_stalled(void **state) {
   free(dir);
 }
 
+/* Ctrl-C in a step longer than --stop-grace (a GPT-2 of 6 blocks, about
+ * 2 s a step here): the coordinator still hears from every rank, so the
+ * ranks get past the grace to their step boundary and checkpoint there,
+ * rather than being stopped mid-step without one. */
+static void test_run_interrupted_long_step(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *args[] = {"--nproc", "2", "--model",
+                        SP_EXAMPLES "/models/gpt2-mini.json", "--wrap-type",
+                        "GPT2Block", "--global-batch", "16", "--steps",
+                        "1000", "--stop-grace", "0.5", "--checkpoint-dir", ck,
+                        NULL};
+  pid_t run = start_run(dir, args);
+  wait_for_output(dir, "out", "[rank0]: step 1/1000", 120);
+  double t0 = sp_clock_s();
+  kill(run, SIGINT);
+  int st = wait_run(run, 120);
+  double took = sp_clock_s() - t0;
+  char *err = slurp(dir, "err"), *out = slurp(dir, "out");
+  printf("  exit %d %.1f s after SIGINT:\n%s%s", st, took, err, out);
+  assert_int_equal(st, 128 + SIGINT);
+  assert_non_null(strstr(err, "the ranks are still moving"));
+  assert_null(strstr(err, "not reached a step boundary"));
+  long k = ckpt_step(ck);
+  assert_true(k >= 1);
+  char want[96];
+  snprintf(want, sizeof want, "at step %ld; checkpoint in ", k);
+  assert_non_null(strstr(out, want));
+  free(err);
+  free(out);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* `shardplane why` of the job run started (its address and admin token
  * read from run's first lines in dir/out): its stdout, malloc'd. */
 static char *ask_why(const char *dir) {
@@ -1110,6 +1146,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_interrupted),
       cmocka_unit_test(test_run_interrupted_stalled),
       cmocka_unit_test(test_run_stall_told),
+      cmocka_unit_test(test_run_interrupted_long_step),
       cmocka_unit_test(test_run_same_plan_as_coordinator),
       cmocka_unit_test(test_run_checkpoint_loads),
       cmocka_unit_test(test_run_keeps_other_checkpoints),

@@ -78,9 +78,11 @@ static void usage(FILE *f) {
         "  --stop-grace S               after Ctrl-C or SIGTERM, the workers\n"
         "                               have S seconds to stop by themselves\n"
         "                               (shardplane-worker checkpoints at the\n"
-        "                               next step boundary); those still\n"
-        "                               running then get SIGTERM, and SIGKILL\n"
-        "                               3 s later (default 10)\n",
+        "                               next step boundary; default 10); then\n"
+        "                               they get more time only while the\n"
+        "                               coordinator hears from every rank (a\n"
+        "                               long step), else they get SIGTERM,\n"
+        "                               and SIGKILL 3 s later\n",
         f);
   fputs(SP_REMOTE_OPTIONS_HELP, f);
   fputs("                               (the agent's --timeout-ms defaults\n"

@@ -211,6 +211,25 @@ int sp_agent_ctl_send(sp_agent_ctl *c, const Shardplane__V1__AgentUp *up) {
   return sp_rpc_sync_stream_send(c->st, &up->base);
 }
 
+int sp_agent_ctl_get_job(sp_agent_ctl *c, uint64_t timeout_ms,
+                         Shardplane__V1__GetJobResponse **out) {
+  *out = NULL;
+  if (!sp_agent_ctl_up(c)) return SP_ESTATE;
+  Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  ProtobufCMessage *m = NULL;
+  sp_rpc_status st;
+  int rc = sp_rpc_sync_unary(c->rpc, "/shardplane.v1.Coordinator/GetJob",
+                             &q.base,
+                             &shardplane__v1__get_job_response__descriptor,
+                             timeout_ms, &m, &st);
+  if (rc == 0 && st.code == SP_RPC_OK && m != NULL) {
+    *out = (Shardplane__V1__GetJobResponse *)m;
+    return 0;
+  }
+  if (m != NULL) protobuf_c_message_free_unpacked(m, NULL);
+  return rc != 0 ? rc : SP_EIO;
+}
+
 bool sp_agent_ctl_up(const sp_agent_ctl *c) {
   return c != NULL && c->state == UP;
 }

@@ -68,6 +68,13 @@ int sp_agent_ctl_next(sp_agent_ctl *c, uint64_t wait_ms, uint64_t incarnation,
  * end); the caller keeps what it could not send for after the outage. */
 int sp_agent_ctl_send(sp_agent_ctl *c, const Shardplane__V1__AgentUp *up);
 
+/* GetJob on the stream's connection (a worker's token may call it), within
+ * timeout_ms: 0 with *out set (the caller frees it with
+ * protobuf_c_message_free_unpacked), SP_ESTATE unless the stream is up,
+ * another negative code when the call failed. */
+int sp_agent_ctl_get_job(sp_agent_ctl *c, uint64_t timeout_ms,
+                         Shardplane__V1__GetJobResponse **out);
+
 /* The stream is registered and answered. */
 bool sp_agent_ctl_up(const sp_agent_ctl *c);
 /* An outage is being ridden out. */

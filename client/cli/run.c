@@ -126,9 +126,11 @@ static void usage(FILE *f) {
         "rank)\n"
         "  --stop-grace S             after Ctrl-C or SIGTERM, the ranks have\n"
         "                             S seconds to reach a step boundary,\n"
-        "                             checkpoint and stop; those still\n"
-        "                             running then are stopped without one\n"
-        "                             (default 10)\n"
+        "                             checkpoint and stop (default 10); then\n"
+        "                             they get more time only while the\n"
+        "                             coordinator hears from every one (a\n"
+        "                             long step), else they are stopped\n"
+        "                             without a checkpoint\n"
         "training flags, checked here and passed to every worker:\n",
         f);
   sp_train_flags_help(f, 29);

@@ -370,7 +370,7 @@ static void on_signal_seen(sp_sup *s, int sig) {
     s->interrupted = sig;
     s->ret = 128 + sig;
     sp_cli_error(s->who, "interrupted (%s); passed on to the %u worker%s%s, "
-                 "within %.0f s (--stop-grace; a second signal stops them at "
+                 "within %.3g s (--stop-grace; a second signal stops them at "
                  "once)", strsignal(sig), s->live, s->live == 1 ? "" : "s",
                  s->on_signal ? s->on_signal : "", stop_grace(s));
     signal_workers(s, sig);
@@ -405,10 +405,32 @@ static void note_overdue(sp_sup *s) {
   }
   snprintf(s->overdue, sizeof s->overdue, "rank%s %s", k == 1 ? "" : "s",
            list);
-  sp_cli_error(s->who, "%s %s not reached a step boundary within the %.0f s "
+  sp_cli_error(s->who, "%s %s not reached a step boundary within the %.3g s "
                "of --stop-grace; stopping %s",
                s->overdue, k == 1 ? "has" : "have", stop_grace(s),
                k == 1 ? "it" : "them");
+}
+
+/* After a signal, once the grace is over: whether the coordinator sees the
+ * job still moving (every rank heard from within its stall threshold),
+ * so that ranks in a long step reach its boundary and checkpoint. A job
+ * not yet RUNNING (ranks in the rendezvous), a stalled one, or a
+ * coordinator that cannot be asked is not moving. */
+static bool still_moving(sp_sup *s) {
+  Shardplane__V1__GetJobResponse *j = NULL;
+  if (sp_agent_ctl_get_job(s->ctl, 500, &j) != 0) return false;
+  bool moving = j->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING &&
+                j->quiet_ms < j->stall_threshold_ms;
+  if (moving && !s->extended) {
+    s->extended = true;
+    sp_cli_error(s->who, "the ranks are still moving (each heard from "
+                 "within the last %.1f s; %.0f s of silence is a stall): "
+                 "waiting past --stop-grace for their step boundary",
+                 (double)j->quiet_ms / 1e3,
+                 (double)j->stall_threshold_ms / 1e3);
+  }
+  protobuf_c_message_free_unpacked(&j->base, NULL);
+  return moving;
 }
 
 /* SIGTERM to the workers left when due, SIGKILL SP_SUP_TERM_S after it. */
@@ -416,7 +438,12 @@ static void stop_when_due(sp_sup *s) {
   double now = sp_clock_s();
   int sig = 0;
   if (s->term_at >= 0 && now >= s->term_at) {
-    if (s->interrupted && !s->failing && s->live > 0) note_overdue(s);
+    bool told = s->interrupted && !s->failing && s->live > 0;
+    if (told && still_moving(s)) {
+      s->term_at = sp_clock_s() + 1.0; /* asked again then */
+      return;
+    }
+    if (told) note_overdue(s);
     sig = SIGTERM;
     s->term_at = -1;
     s->kill_at = now + SP_SUP_TERM_S;

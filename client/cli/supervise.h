@@ -8,7 +8,9 @@
  *   - SIGINT or SIGTERM is passed on to every worker, which checkpoint at
  *     the next step boundary and stop; those still running stop_grace_s
  *     later (a stalled rank, or the ranks waiting on it, reach no
- *     boundary) are stopped then, and a second signal stops them at once;
+ *     boundary) are stopped then, unless the coordinator still hears from
+ *     every rank (a long step: they get more time); a second signal stops
+ *     them at once;
  *   - with restarts (max_restarts > 0 and the session to the coordinator
  *     open), a worker's death is reported over AgentSession and the
  *     coordinator decides what follows: AGENT_STOP (this host's workers
@@ -47,8 +49,9 @@
 #define SP_SUP_GRACE_S 0.5
 #define SP_SUP_TERM_S 3.0
 /* After SIGINT or SIGTERM, how long the workers have to reach a step
- * boundary, checkpoint and stop (--stop-grace; a GPT-2 124M FULL
- * checkpoint is written in well under 2 s). */
+ * boundary, checkpoint and stop (--stop-grace); past it they get more
+ * time only while the coordinator hears from every rank within its stall
+ * threshold (a long step), never when a rank is silent. */
 #define SP_SUP_STOP_GRACE_DEFAULT_S 10.0
 
 typedef struct sp_sup sp_sup;
@@ -118,6 +121,7 @@ struct sp_sup {
    * ("ranks 0, 1 and 2"), stopped without reaching a step boundary; "":
    * every one stopped in time */
   char overdue[160];
+  bool extended;    /* the grace was extended: the ranks were moving */
   bool failing;     /* a failure that stops the job was told */
   bool terminated;  /* SIGTERM or SIGKILL sent: the ends that follow are ours */
   bool done;        /* the coordinator ended the job */
