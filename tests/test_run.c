@@ -337,6 +337,7 @@ static void test_run_untrainable_spec(void **state) {
   double took = sp_clock_s() - t0;
   char *err = slurp(dir, "err");
   printf("  refused in %.2f s: %s", took, err);
+  assert_true(took < 10.0);
   assert_non_null(
       strstr(err, "not a sequential MLP: Linear \"layers.0\": bias shape"));
   assert_non_null(strstr(err, "--synthetic"));
@@ -398,6 +399,7 @@ static void test_run_checked_before_start(void **state) {
     char *err = slurp(dir, "err");
     printf("  exit %d in %.2f s: %s", st, took, err);
     assert_int_equal(st, 2);
+    assert_true(took < 10.0); /* nothing to wait for: no process started */
     if (strstr(err, cases[i].msg) == NULL)
       fail_msg("case %zu: no \"%s\" in \"%s\"", i, cases[i].msg, err);
     free(err);
