@@ -66,6 +66,7 @@ typedef struct bench_opts {
   int ncpu;
   long events;
   const char *model;
+  bool synthetic; /* --synthetic, passed to the workers */
 } bench_opts;
 
 /* A coordinator for world size `world` on a free port; addr receives
@@ -109,7 +110,8 @@ static int run_job(const bench_opts *o, const char *tmpdir, double *ratio,
                   "--insecure", "--rank", rs, "--steps", steps,
                   "--global-batch", batch,
                   "--log-every", "0", "--checkpoint", "none",
-                  "--report-toggle", block, "--stats", stats, NULL};
+                  "--report-toggle", block, "--stats", stats,
+                  o->synthetic ? "--synthetic" : NULL, NULL};
     if (posix_spawn(&w[r], wa[0], NULL, NULL, wa, environ) != 0) {
       w[r] = 0;
       failed = 1;
@@ -275,10 +277,13 @@ static int step_overhead(const bench_opts *o, const char *tmp) {
 
 static void usage(FILE *f) {
   fputs("usage: bench/step [--nproc N] [--steps N] [--global-batch N] "
-        "[--repeats N] [--block K] [--events N] [--model PATH] [--no-pin]\n"
+        "[--repeats N] [--block K] [--events N] [--model PATH] "
+        "[--synthetic] [--no-pin]\n"
         "Step time of the reference run with reporting on vs off (1 and 2\n"
         "ranks unless --nproc is given), and the per-event cost of\n"
-        "reporting on the training thread.\n", f);
+        "reporting on the training thread. A spec the workers cannot train\n"
+        "(neither a GPT-2 nor a sequential MLP) needs --synthetic: its\n"
+        "steps are then the synthetic-gradient cycle's.\n", f);
 }
 
 int main(int argc, char **argv) {
@@ -297,6 +302,7 @@ int main(int argc, char **argv) {
       {"events", required_argument, NULL, 'e'},
       {"model", required_argument, NULL, 'm'},
       {"no-pin", no_argument, NULL, 'p'},
+      {"synthetic", no_argument, NULL, 'y'},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
   int c;
@@ -314,6 +320,7 @@ int main(int argc, char **argv) {
       case 'e': o.events = atol(optarg); break;
       case 'm': o.model = optarg; break;
       case 'p': o.pin = false; break;
+      case 'y': o.synthetic = true; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }

@@ -213,6 +213,67 @@ static void test_job_file_and_override(void **state) {
   done(&r);
 }
 
+/* A misspelt key of a job file is an error naming the key, the file and
+ * the nearest known key, from every program that reads job files, before
+ * anything starts; the example job files still load. */
+static void test_job_file_unknown_keys(void **state) {
+  (void)state;
+  char path[1024], args[2048];
+  snprintf(path, sizeof path, "%s/J.json", g_dir);
+  const char *job = "{\"format\":\"shardplane.job/v1\",\"world_size\":2,"
+                    "\"stratgy\":\"NO_SHARD\",\"mixed_precison\":{"
+                    "\"param_dtype\":\"bfloat16\"}}";
+  sp_test_write_file(path, job, strlen(job));
+  char want[1100];
+  snprintf(want, sizeof want,
+           "%s: unknown key \"stratgy\" (did you mean \"strategy\"?)", path);
+  snprintf(args, sizeof args, "plan --model %s --job %s", MODEL("resnet50"),
+           path);
+  result r = run(args);
+  assert_int_equal(r.code, 1);
+  if (strstr(r.err, want) == NULL)
+    fail_msg("plan --job: \"%s\", want \"%s\"", r.err, want);
+  done(&r);
+  snprintf(args, sizeof args,
+           "run --nproc 2 --model %s --job %s --checkpoint none",
+           SP_EXAMPLES "/mlp.json", path);
+  r = run(args);
+  assert_int_equal(r.code, 1);
+  if (strstr(r.err, want) == NULL)
+    fail_msg("run --job: \"%s\", want \"%s\"", r.err, want);
+  assert_null(strstr(r.out, "[rank"));
+  done(&r);
+  snprintf(args, sizeof args,
+           "--model %s --job %s --listen 127.0.0.1:0 --insecure",
+           SP_EXAMPLES "/mlp.json", path);
+  r = run_prog("shardplane-coordinator", args);
+  assert_int_equal(r.code, 1);
+  if (strstr(r.err, want) == NULL)
+    fail_msg("shardplane-coordinator --job: \"%s\", want \"%s\"", r.err,
+             want);
+  done(&r);
+  /* a key nested in "wrap" or "mixed_precision" too */
+  job = "{\"wrap\":{\"type\":[\"Bottleneck\"]}}";
+  sp_test_write_file(path, job, strlen(job));
+  snprintf(args, sizeof args, "plan --model %s --job %s", MODEL("resnet50"),
+           path);
+  r = run(args);
+  assert_int_equal(r.code, 1);
+  assert_non_null(strstr(r.err, "unknown key \"type\" in wrap (did you mean "
+                                "\"types\"?)"));
+  done(&r);
+  static const char *const k_examples[][2] = {
+      {"llama2_7b_fsdp8", "llama2_7b"}, {"resnet50_hybrid", "resnet50"}};
+  for (size_t i = 0; i < 2; i++) {
+    snprintf(args, sizeof args, "plan --model %s/models/%s.json --job "
+             "%s/jobs/%s.json", SP_EXAMPLES, k_examples[i][1], SP_EXAMPLES,
+             k_examples[i][0]);
+    r = run(args);
+    if (r.code != 0) fail_msg("%s: exit %d: %s", args, r.code, r.err);
+    done(&r);
+  }
+}
+
 static void test_human_output(void **state) {
   (void)state;
   result r = run("plan --model " MODEL("gpt2") " --world-size 3 "
@@ -461,6 +522,7 @@ int main(void) {
       cmocka_unit_test(test_failures_name_the_cause),
       cmocka_unit_test(test_json_plan_llama70b),
       cmocka_unit_test(test_job_file_and_override),
+      cmocka_unit_test(test_job_file_unknown_keys),
       cmocka_unit_test(test_human_output),
       cmocka_unit_test(test_flag_errors),
       cmocka_unit_test(test_plan_memory),

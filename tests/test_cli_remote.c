@@ -707,11 +707,13 @@ static void test_watch(void **state) {
 /* ---- what `ranks` says after a job ---- */
 
 /* A coordinator for model (plus extra, NULL-terminated) and world
- * shardplane-worker processes training steps steps; returns once every
- * worker exited 0, with the coordinator still serving (stop it). Rank 0's
- * stdout goes to g_dir/rank0.out. */
+ * shardplane-worker processes training steps steps (the synthetic-
+ * gradient cycle with `synthetic`); returns once every worker exited 0,
+ * with the coordinator still serving (stop it). Rank 0's stdout goes to
+ * g_dir/rank0.out. */
 static pid_t job_to_the_end(const char *model, char *const extra[], int world,
-                            const char *steps, char *addr, size_t cap) {
+                            const char *steps, bool synthetic, char *addr,
+                            size_t cap) {
   char *argv[32] = {"--model", (char *)model};
   size_t n = 2;
   for (size_t i = 0; extra[i] != NULL && n < 31; i++) argv[n++] = extra[i];
@@ -724,7 +726,8 @@ static pid_t job_to_the_end(const char *model, char *const extra[], int world,
     snprintf(rank, sizeof rank, "%d", r);
     char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
                   "--insecure", "--rank", rank, "--steps", (char *)steps,
-                  "--checkpoint", "none", NULL};
+                  "--checkpoint", "none", synthetic ? "--synthetic" : NULL,
+                  NULL};
     snprintf(out, sizeof out, "%s/rank%d.out", g_dir, r);
     snprintf(err, sizeof err, "%s/rank%d.err", g_dir, r);
     w[r] = spawn(wa, out, err, NULL);
@@ -750,7 +753,7 @@ static void test_ranks_after_a_job(void **state) {
   char addr[64];
   char *mlp_flags[] = {"--world-size", "3", NULL};
   pid_t coord = job_to_the_end(SP_EXAMPLES "/mlp.json", mlp_flags, 3, "3",
-                               addr, sizeof addr);
+                               false, addr, sizeof addr);
   char path[1024];
   snprintf(path, sizeof path, "%s/rank0.out", g_dir);
   char *progress = sp_test_read_file(path);
@@ -771,8 +774,8 @@ static void test_ranks_after_a_job(void **state) {
   json_decref(j);
   done(&r);
 
-  /* a spec the worker cannot compute: the synthetic cycle ends each step
-   * with the root unit's reduce-scatter */
+  /* a spec the worker cannot compute, with --synthetic: the synthetic
+   * cycle ends each step with the root unit's reduce-scatter */
   const char *tiny =
       "{\"format\":\"shardplane.model/v1\",\"name\":\"tiny\",\"modules\":"
       "[{\"fqn\":\"\",\"type\":\"Net\"},{\"fqn\":\"a\",\"type\":"
@@ -782,7 +785,7 @@ static void test_ranks_after_a_job(void **state) {
   snprintf(path, sizeof path, "%s/tiny.json", g_dir);
   sp_test_write_file(path, tiny, strlen(tiny));
   char *tiny_flags[] = {"--world-size", "3", "--wrap-type", "Block", NULL};
-  coord = job_to_the_end(path, tiny_flags, 3, "2", addr, sizeof addr);
+  coord = job_to_the_end(path, tiny_flags, 3, "2", true, addr, sizeof addr);
   r = run("ranks", "--coordinator", addr, "--json", NULL);
   result text = run("ranks", "--coordinator", addr, NULL);
   assert_true(stop_coordinator(coord) >= 0);

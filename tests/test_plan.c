@@ -727,6 +727,19 @@ static void test_job_file(void **state) {
       {"{\"wrap\":[]}", "wrap: expected an object"},
       {"{\"format\":\"shardplane.model/v1\"}", "format"},
       {"{\"world_size\":2,", "invalid JSON"},
+      /* a misspelt key, at any level, is an error naming the nearest one */
+      {"{\"stratgy\":\"NO_SHARD\"}",
+       "job.json: unknown key \"stratgy\" (did you mean \"strategy\"?)"},
+      {"{\"mixed_precison\":{\"param_dtype\":\"bfloat16\"}}",
+       "unknown key \"mixed_precison\" (did you mean \"mixed_precision\"?)"},
+      {"{\"wrap\":{\"type\":[\"Block\"]}}",
+       "unknown key \"type\" in wrap (did you mean \"types\"?)"},
+      {"{\"mixed_precision\":{\"param_dtype\":\"bfloat16\","
+       "\"reduce_dtpye\":\"float32\"}}",
+       "unknown key \"reduce_dtpye\" in mixed_precision (did you mean "
+       "\"reduce_dtype\"?)"},
+      {"{\"colour\":\"blue\"}",
+       "unknown key \"colour\" (expected format, world_size, strategy,"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     sp_job_init(&j);

@@ -37,6 +37,7 @@ extern char **environ;
 
 #define SHARDPLANE SP_BIN_DIR "/shardplane"
 #define MLP SP_EXAMPLES "/mlp.json"
+#define GPT2_TINY SP_EXAMPLES "/models/gpt2-tiny.json"
 
 /* Starts argv (NULL-terminated) with stdout and stderr in dir/out,
  * dir/err. */
@@ -284,6 +285,130 @@ static void test_run_bad_usage(void **state) {
   char *out = slurp(dir, "out");
   assert_non_null(strstr(out, "--nproc"));
   free(out);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* A copy of the spec `from` in dir/name with parameter fqn's dimension
+ * `dim` set to `size`; the caller frees the path. */
+static char *spec_with_shape(const char *dir, const char *name,
+                             const char *from, const char *fqn, size_t dim,
+                             json_int_t size) {
+  json_error_t je;
+  json_t *m = json_load_file(from, 0, &je);
+  assert_non_null(m);
+  size_t i;
+  json_t *p;
+  bool found = false;
+  json_array_foreach(json_object_get(m, "params"), i, p) {
+    if (strcmp(json_string_value(json_object_get(p, "fqn")), fqn) != 0)
+      continue;
+    json_array_set_new(json_object_get(p, "shape"), dim, json_integer(size));
+    found = true;
+  }
+  assert_true(found);
+  char *path = sp_test_path(dir, name);
+  assert_int_equal(json_dump_file(m, path, 0), 0);
+  json_decref(m);
+  return path;
+}
+
+/* Whether the run started nothing: no coordinator, no worker line. */
+static void assert_nothing_started(const char *dir) {
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  if (strstr(out, "[rank") || strstr(err, "[rank") ||
+      strstr(out, "coordinator on") || strstr(err, "coordinator on"))
+    fail_msg("the run started processes:\n%s%s", out, err);
+  free(out);
+  free(err);
+}
+
+/* A spec the workers cannot train (an MLP with one bias of the wrong
+ * shape) is refused before any process starts, exit 1 (a bad spec),
+ * naming why and --synthetic; with --synthetic the workers run the
+ * synthetic-gradient cycle on it. */
+static void test_run_untrainable_spec(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *spec = spec_with_shape(dir, "broken.json", MLP, "layers.0.bias", 0,
+                               65);
+  const char *args[] = {"--nproc", "2", "--model", spec, "--steps", "2",
+                        "--checkpoint", "none", NULL, NULL};
+  double t0 = sp_clock_s();
+  assert_int_equal(wait_run(start_run(dir, args), 30), 1);
+  double took = sp_clock_s() - t0;
+  char *err = slurp(dir, "err");
+  printf("  refused in %.2f s: %s", took, err);
+  assert_true(took < 10.0);
+  assert_non_null(
+      strstr(err, "not a sequential MLP: Linear \"layers.0\": bias shape"));
+  assert_non_null(strstr(err, "--synthetic"));
+  assert_non_null(strstr(err, spec));
+  free(err);
+  assert_nothing_started(dir);
+  args[8] = "--synthetic";
+  assert_int_equal(wait_run(start_run(dir, args), 60), 0);
+  char *out = slurp(dir, "out");
+  assert_non_null(strstr(out, "step 2/2"));
+  assert_non_null(strstr(out, "(synthetic gradients)"));
+  free(out);
+  free(spec);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* What the workers would refuse only after their rendezvous, though no
+ * worker is needed to see it, is refused before anything starts: exit 2,
+ * naming the flag that fixes it. */
+static void test_run_checked_before_start(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  /* a GPT-2 of 128 tokens, and a text with a byte past them */
+  char *small_vocab = spec_with_shape(dir, "vocab128.json", GPT2_TINY,
+                                      "transformer.wte.weight", 0, 128);
+  char *text = sp_test_path(dir, "text.bin");
+  char bytes[400];
+  memset(bytes, 'a', sizeof bytes);
+  bytes[123] = (char)200;
+  sp_test_write_file(text, bytes, sizeof bytes);
+  struct {
+    const char *args[16];
+    const char *msg;
+  } cases[] = {
+      {{"--model", GPT2_TINY, NULL}, "--wrap-type GPT2Block"},
+      {{"--model", GPT2_TINY, "--wrap-type", "GPT2Block", "--global-batch",
+        "3", NULL},
+       "--global-batch \"3\": expected a multiple of --nproc 2"},
+      {{"--model", GPT2_TINY, "--wrap-type", "GPT2Block", "--seq-len", "65",
+        NULL},
+       "--seq-len 65: at most the model's context, 64"},
+      {{"--model", GPT2_TINY, "--wrap-type", "GPT2Block", "--data",
+        "/nonexistent/corpus.txt", NULL},
+       "--data /nonexistent/corpus.txt"},
+      {{"--model", small_vocab, "--wrap-type", "GPT2Block", "--seq-len", "8",
+        "--data", text, NULL},
+       "byte 200 at offset 123 is outside the model's vocabulary of 128"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const char *args[24] = {"--nproc", "2", "--steps", "1", "--checkpoint",
+                            "none"};
+    size_t k = 6;
+    for (size_t a = 0; cases[i].args[a]; a++) args[k++] = cases[i].args[a];
+    args[k] = NULL;
+    double t0 = sp_clock_s();
+    int st = wait_run(start_run(dir, args), 30);
+    double took = sp_clock_s() - t0;
+    char *err = slurp(dir, "err");
+    printf("  exit %d in %.2f s: %s", st, took, err);
+    assert_int_equal(st, 2);
+    assert_true(took < 10.0); /* nothing to wait for: no process started */
+    if (strstr(err, cases[i].msg) == NULL)
+      fail_msg("case %zu: no \"%s\" in \"%s\"", i, cases[i].msg, err);
+    free(err);
+    assert_nothing_started(dir);
+  }
+  free(text);
+  free(small_vocab);
   sp_test_rmtree(dir);
   free(dir);
 }
@@ -1139,6 +1264,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_training_flags),
       cmocka_unit_test(test_run_load_params_only),
       cmocka_unit_test(test_run_bad_usage),
+      cmocka_unit_test(test_run_untrainable_spec),
+      cmocka_unit_test(test_run_checked_before_start),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_restart),
       cmocka_unit_test(test_run_restarts_used_up),

@@ -573,15 +573,17 @@ static void test_killed_worker(void **state) {
 }
 
 /* A spec the worker cannot compute (ResNet-50: convolutions, BatchNorm
- * kept in full precision under bf16 mixed precision) runs the synthetic-
- * gradient cycle: the same unshard / reduce / cast schedule, and a FULL
- * checkpoint with every FQN in its original dtype. */
+ * kept in full precision under bf16 mixed precision) runs, with
+ * --synthetic, the synthetic-gradient cycle: the same unshard / reduce /
+ * cast schedule, and a FULL checkpoint with every FQN in its original
+ * dtype. */
 static void test_synthetic_resnet50(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   const char *cflags[] = {"--wrap-type", "Bottleneck", "--param-dtype",
                           "bfloat16", NULL};
-  const char *wflags[] = {"--steps", "2", "--checkpoint-dir", dir, NULL};
+  const char *wflags[] = {"--steps", "2", "--checkpoint-dir", dir,
+                          "--synthetic", NULL};
   sp_tjob_run(SP_EXAMPLES "/models/resnet50.json", cflags, 2, wflags,
               JOB_TIMEOUT_S);
   sp_model *m;
@@ -617,18 +619,64 @@ static void test_synthetic_resnet50(void **state) {
   free(dir);
 }
 
+/* A spec that is neither a GPT-2 nor a sequential MLP (examples/mlp.json
+ * with a bias of the wrong shape) is refused by every worker without
+ * --synthetic, before the rendezvous: exit 1, naming why and the flag;
+ * nothing is trained and no checkpoint written. */
+static void test_untrainable_spec_refused(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  json_error_t je;
+  json_t *m = json_load_file(MLP, 0, &je);
+  assert_non_null(m);
+  size_t i;
+  json_t *p;
+  json_array_foreach(json_object_get(m, "params"), i, p) {
+    if (strcmp(json_string_value(json_object_get(p, "fqn")),
+               "layers.0.bias") == 0)
+      json_array_set_new(json_object_get(p, "shape"), 0, json_integer(65));
+  }
+  char *spec = sp_test_path(dir, "broken.json");
+  assert_int_equal(json_dump_file(m, spec, 0), 0);
+  json_decref(m);
+  char *ck = sp_test_path(dir, "ck");
+  const char *cflags[] = {"--wrap-type", "Linear", NULL};
+  const char *wflags[] = {"--steps", "2", "--checkpoint-dir", ck, NULL};
+  sp_tjob j;
+  sp_tjob_start(&j, spec, cflags, 2, wflags, dir);
+  assert_int_equal(sp_tjob_wait(&j, JOB_TIMEOUT_S), 0);
+  for (int r = 0; r < 2; r++) {
+    assert_int_equal(j.status[r], 1);
+    char name[32];
+    snprintf(name, sizeof name, "rank-%d.err", r);
+    char *path = sp_test_path(dir, name);
+    char *err = sp_test_read_file(path);
+    if (r == 0) printf("  %s", err);
+    assert_non_null(
+        strstr(err, "not a sequential MLP: Linear \"layers.0\": bias shape"));
+    assert_non_null(strstr(err, "--synthetic"));
+    free(err);
+    free(path);
+  }
+  assert_int_equal(access(ck, F_OK), -1);
+  free(ck);
+  free(spec);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* --stats memory: what rank 0's runtime counted in a real job equals the
  * memory model's prediction for the coordinator's plan, category by
  * category, and the second step allocated nothing; its RSS grew. The MLP
  * trains for real (its trainer leaves the root's layers to the root unit);
- * ResNet-50 (the synthetic cycle) has units of many sizes and full-precision
- * BatchNorm units under bfloat16. */
+ * ResNet-50 (the synthetic cycle, `synthetic`) has units of many sizes and
+ * full-precision BatchNorm units under bfloat16. */
 static void check_memory_stats(const char *model, const char *const *cflags,
-                               int n, const char *label) {
+                               int n, bool synthetic, const char *label) {
   char *dir = sp_test_mkdtemp();
   char *stats = sp_test_path(dir, "stats.json");
   const char *wflags[] = {"--steps", "2", "--checkpoint", "none", "--stats",
-                          stats, NULL};
+                          stats, synthetic ? "--synthetic" : NULL, NULL};
   sp_tjob_run(model, cflags, n, wflags, JOB_TIMEOUT_S);
   sp_model *m;
   sp_plan *pl;
@@ -689,10 +737,10 @@ static void test_memory_stats(void **state) {
   (void)state;
   const char *mlp[] = {"--wrap-type", "Linear", "--strategy", "SHARD_GRAD_OP",
                        "--param-dtype", "bfloat16", NULL};
-  check_memory_stats(MLP, mlp, 3, "mlp SHARD_GRAD_OP bfloat16");
+  check_memory_stats(MLP, mlp, 3, false, "mlp SHARD_GRAD_OP bfloat16");
   const char *resnet[] = {"--wrap-type", "Bottleneck", "--param-dtype",
                           "bfloat16", "--reduce-dtype", "float32", NULL};
-  check_memory_stats(SP_EXAMPLES "/models/resnet50.json", resnet, 2,
+  check_memory_stats(SP_EXAMPLES "/models/resnet50.json", resnet, 2, true,
                      "resnet50 FULL_SHARD bfloat16/float32");
 }
 
@@ -709,6 +757,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_device_errors),
       cmocka_unit_test(test_killed_worker),
       cmocka_unit_test(test_synthetic_resnet50),
+      cmocka_unit_test(test_untrainable_spec_refused),
       cmocka_unit_test(test_memory_stats),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

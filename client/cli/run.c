@@ -28,8 +28,8 @@
 #include "cli.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
-#include "worker/mlp.h"
 #include "worker/train_flags.h"
+#include "worker/train_model.h"
 #include "fsdp/plan.h"
 #include "base/proc.h"
 #include "lib/shardplane.h"
@@ -59,8 +59,12 @@ static void usage(FILE *f) {
         "  --model PATH               model spec (examples/models/gpt2-*.json\n"
         "                             train a GPT-2, with --wrap-type\n"
         "                             GPT2Block; examples/mlp.json the\n"
-        "                             reference MLP; other specs run the\n"
-        "                             synthetic-gradient cycle)\n"
+        "                             reference MLP; any other spec is\n"
+        "                             refused, exit 1, unless --synthetic)\n"
+        "  --synthetic                run the synthetic-gradient cycle on the\n"
+        "                             spec instead of training (the runtime's\n"
+        "                             schedule and memory on any spec, for\n"
+        "                             benchmarks)\n"
         "  --job PATH                 job config; the flags below override it\n"
         "                             (without a wrap policy every Linear "
         "module\n"
@@ -163,20 +167,26 @@ static void usage(FILE *f) {
         "\n"
         "Ctrl-C (SIGINT) or SIGTERM: forwarded to every worker; the ranks stop\n"
         "after the same step, write the checkpoints and exit. Ranks that have\n"
-        "not done so within --stop-grace (a stalled rank, and those waiting\n"
-        "on it in a collective) are stopped then, without a checkpoint, and\n"
-        "the last line says which; a second signal stops them at once.\n"
+        "not done so within --stop-grace, and that the coordinator no longer\n"
+        "hears from (a stalled rank, and those waiting on it in a\n"
+        "collective), are stopped then, without a checkpoint, and the last\n"
+        "line says which; a second signal stops them at once.\n"
         "\n"
         "Restarts: run says which rank died and how, and from which step\n"
         "each incarnation starts; the workers get SHARDPLANE_INCARNATION (0,\n"
         "then one more per restart), and the coordinator records each\n"
         "incarnation and what ended it (ListIncarnations).\n"
         "\n"
-        "exit codes: 0 done, 1 the job failed (a worker died or failed, with\n"
-        "no restart left: the message names the culprit the coordinator's\n"
-        "verdict gives, else the rank), 2 bad usage, 130 / 143 stopped by\n"
-        "SIGINT / SIGTERM (the last line says whether a checkpoint was\n"
-        "written)\n",
+        "Before anything starts, run checks the job as the workers will: a\n"
+        "spec they cannot train (exit 1, naming why and --synthetic), a plan\n"
+        "or flags their trainer refuses (exit 2, naming the flag: a GPT-2\n"
+        "needs --wrap-type GPT2Block).\n"
+        "\n"
+        "exit codes: 0 done, 1 a bad spec or job file, or the job failed (a\n"
+        "worker died or failed, with no restart left: the message names the\n"
+        "culprit the coordinator's verdict gives, else the rank), 2 bad\n"
+        "usage, 130 / 143 stopped by SIGINT / SIGTERM (the last line says\n"
+        "whether a checkpoint was written)\n",
         f);
 }
 
@@ -214,6 +224,7 @@ typedef struct run_opts {
   uint64_t grace_ms; /* the same in ms; 0: not given */
   const char *ckpt_every; /* --checkpoint-every, or NULL */
   bool cuda;
+  bool synthetic; /* --synthetic: the workers' synthetic-gradient cycle */
   bool kinds[4]; /* by sp_ckpt_kind: the checkpoints written */
   bool no_checkpoint; /* --checkpoint none given */
   bool any_kind;      /* after parse_args: kinds[] holds one at least */
@@ -288,6 +299,7 @@ static int job_flag(run_opts *o, int c, const char *value) {
 enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
        O_LOG, O_RANKS, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_GRACE,
        O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_RESTARTS, O_STOP_GRACE,
+       O_SYNTH,
        O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
@@ -363,6 +375,7 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
       return rc;
     case O_LOADP: o->load_params_only = true; return 0;
+    case O_SYNTH: o->synthetic = true; return 0;
     case O_CKEVERY:
       o->ckpt_every = v;
       return sp_flag_int(flag, v, 1, 1000000000, &n, d);
@@ -417,6 +430,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"straggler-ratio", required_argument, NULL, O_STRAGGLER},
       {"max-restarts", required_argument, NULL, O_RESTARTS},
       {"stop-grace", required_argument, NULL, O_STOP_GRACE},
+      {"synthetic", no_argument, NULL, O_SYNTH},
       {"help", no_argument, NULL, O_HELP}};
   /* run's own options, the training flags, then the job flags */
   struct option mine[64];
@@ -510,22 +524,26 @@ static int check_backend(const run_opts *o, const run_job *j) {
   return SP_EXIT_USAGE;
 }
 
-/* The training flags together, as every worker will check them: the
- * reference MLP splits each micro-batch evenly over the ranks (the
- * synthetic cycle has no batch). Returns PROCEED or the exit code. */
+/* What the workers will train, and the job as its trainer will take it,
+ * by the workers' own checks (train_model.h): a spec they cannot train
+ * is a bad spec (1), a plan or flags the trainer refuses bad usage (2).
+ * Returns PROCEED or the exit code. */
 static int check_training(const run_opts *o, const run_job *j) {
-  sp_mlp *mlp = NULL;
+  sp_train_model tm;
   sp_diag d = {{0}};
-  bool is_mlp = sp_mlp_new(j->model, &mlp, &d) == 0;
-  sp_mlp_free(mlp);
+  if (sp_train_model_pick(j->model, o->synthetic, &tm, &d) < 0) {
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_FAILURE;
+  }
   sp_mlp_train_cfg cfg;
-  if (sp_train_flags_finish(&o->train, (uint32_t)atoll(o->steps),
-                            strtod(o->lr, NULL),
-                            is_mlp ? (uint32_t)atoll(o->batch) : 0,
-                            (uint32_t)o->nproc, "--nproc", &cfg, &d) == 0)
-    return PROCEED;
+  int rc = sp_train_model_check(&tm, j->plan, &o->train,
+                                (uint32_t)atoll(o->steps), strtod(o->lr, NULL),
+                                (uint32_t)atoll(o->batch), (uint32_t)o->nproc,
+                                "--nproc", &cfg, &d);
+  sp_train_model_clear(&tm);
+  if (rc == 0) return PROCEED;
   sp_cli_error(RUN, "%s", d.msg);
-  return SP_EXIT_USAGE;
+  return rc == SP_ENOMEM ? SP_EXIT_FAILURE : SP_EXIT_USAGE;
 }
 
 /* The spec, the job and its plan. Returns PROCEED or the exit code. */
@@ -730,6 +748,7 @@ static void worker_args(const run_opts *o, const run_job *j,
     push(wa, "--coordinator-grace");
     push(wa, o->grace);
   }
+  if (o->synthetic) push(wa, "--synthetic");
   for (size_t i = 0; i < o->n_tflags; i++) {
     push(wa, o->tflags[i].flag);
     if (o->tflags[i].value) push(wa, o->tflags[i].value);

@@ -1,8 +1,8 @@
 /* shardplane-worker: one rank of a job. Attaches to the coordinator, takes
  * the job and model from it, and trains a GPT-2-family transformer
  * (gpt2_train.h) or the reference MLP (mlp.h) with the FSDP runtime, or,
- * for a spec it cannot compute (ResNet, Llama), runs the same unshard /
- * reduce / cast cycle on synthetic gradients. */
+ * asked with --synthetic, runs the same unshard / reduce / cast cycle on
+ * synthetic gradients (train_model.h: any other spec is refused). */
 #include <cblas.h>
 #include <getopt.h>
 #include <math.h>
@@ -29,6 +29,7 @@
 #include "lib/shardplane.h"
 #include "test_state.h"
 #include "train_flags.h"
+#include "train_model.h"
 
 typedef struct worker_opts {
   sp_cred cred; /* --insecure, --tls-*, --token-file, $SHARDPLANE_TOKEN */
@@ -378,9 +379,11 @@ static void usage(FILE *f) {
       "\n"
       "One rank of a shardplane job: takes the job and model from the\n"
       "coordinator, trains a GPT-2-family transformer (blocks wrapped as\n"
-      "units: --wrap-type GPT2Block) or the reference MLP (or runs the\n"
-      "synthetic-gradient cycle for other specs) with sharded parameters,\n"
-      "and reports every training-state transition.\n"
+      "units: --wrap-type GPT2Block) or the reference MLP (a sequential\n"
+      "MLP) with sharded parameters, and reports every training-state\n"
+      "transition. Any other spec is refused (exit 1) before the\n"
+      "rendezvous, as is a job its trainer cannot take; --synthetic runs\n"
+      "the synthetic-gradient cycle on it instead.\n"
       "\n"
       "  --coordinator HOST:PORT  coordinator (default $SHARDPLANE_COORDINATOR"
       ",\n"
@@ -449,8 +452,11 @@ static void usage(FILE *f) {
       "      slow:rank=R,factor=F every step F times slower (a straggler)\n"
       "      exit:rank=R,step=S   die (_exit(1)) as step S begins\n"
       "  --synthetic              run the synthetic-gradient cycle whatever\n"
-      "                           the spec (the runtime's memory and\n"
-      "                           collectives without a model: bench/memory)\n"
+      "                           the spec, instead of training (the\n"
+      "                           runtime's memory and collectives without a\n"
+      "                           model: bench/memory); the only way to run\n"
+      "                           a spec that is neither a GPT-2 nor a\n"
+      "                           sequential MLP\n"
       "  --no-report              check transitions locally, send none\n"
       "  --report-toggle K        switch reporting off and on every K steps\n"
       "                           (starting on; for bench/step)\n"
@@ -483,8 +489,10 @@ static void usage(FILE *f) {
       "signal (143 on a rank stopped by another's); a second signal ends\n"
       "the process at once.\n"
       "\n"
-      "exit codes: 0 done, 1 failed (message names the rank), 2 bad usage,\n"
-      "130 / 143 stopped by SIGINT / SIGTERM after the checkpoint\n",
+      "exit codes: 0 done, 1 failed (message names the rank; also a spec\n"
+      "it cannot train without --synthetic, or a job its trainer refuses,\n"
+      "before the rendezvous), 2 bad usage, 130 / 143 stopped by SIGINT /\n"
+      "SIGTERM after the checkpoint\n",
       f);
 }
 
@@ -928,8 +936,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   sp_comm *world = NULL, *shard = NULL, *replica = NULL;
   sp_fsdp *f = NULL;
   sp_test_state *ts = NULL;
-  sp_mlp *mlp = NULL;
-  sp_gpt2 *gpt = NULL;
+  sp_train_model tm = {0};
   sp_gpt2_trainer *gtr = NULL;
   double eval_s = 0; /* time in validation, left out of tokens/s */
   double eval_all_s = 0; /* and in all of the run's validations */
@@ -954,6 +961,19 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                 o->ckpt_kinds[SP_CKPT_LOCAL];
   if (rc == 0 && o->ckpt_dir && writes)
     rc = sp_ckpt_check_dir(o->ckpt_dir, sp_session_plan(s)->version_hex, d);
+  /* what to train, and the job as its trainer takes it, checked as
+   * shardplane run checks them before starting the workers; every rank
+   * takes an equal share of every micro-batch */
+  sp_mlp_train_cfg cfg;
+  if (rc == 0)
+    rc = sp_train_model_pick(sp_session_model(s), o->synthetic, &tm, d);
+  if (rc == 0)
+    rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train, o->steps,
+                              o->lr, o->global_batch, w, "the world size",
+                              &cfg, d);
+  sp_gpt2 *gpt = tm.gpt;
+  sp_mlp *mlp = tm.mlp;
+  bool is_gpt2 = gpt != NULL, is_mlp = mlp != NULL;
   if (rc == 0)
     rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica,
                             d);
@@ -969,25 +989,10 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     fo.inject_user = &g_inject;
   }
   mem_report mem = {.rss_before = proc_status_bytes("VmRSS:")};
-  sp_diag md = {{0}};
-  sp_diag gd = {{0}};
-  bool is_gpt2 = rc == 0 && !o->synthetic &&
-                 sp_gpt2_new(sp_session_model(s), &gpt, &gd) == 0;
-  bool is_mlp = rc == 0 && !is_gpt2 && !o->synthetic &&
-                sp_mlp_new(sp_session_model(s), &mlp, &md) == 0;
-  if (o->synthetic) {
-    snprintf(gd.msg, sizeof gd.msg, "--synthetic");
-    snprintf(md.msg, sizeof md.msg, "any spec");
-  }
   if (is_gpt2) {
     fo.init_param = sp_gpt2_init_param;
     fo.init_buffer = sp_gpt2_init_buffer;
   }
-  /* every rank takes an equal share of every micro-batch */
-  sp_mlp_train_cfg cfg;
-  if (rc == 0 && (is_mlp || is_gpt2))
-    rc = sp_train_flags_finish(&o->train, o->steps, o->lr, o->global_batch,
-                               w, "the world size", &cfg, d);
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
   /* the optimizer (the synthetic cycle runs plain SGD) and any stand-in
    * state registered before a load, which fills them with the step count */
@@ -1028,8 +1033,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     fflush(stdout);
   }
   if (rc == 0 && rank == 0 && !is_mlp && !is_gpt2)
-    printf("rank 0: %s; %s; running the synthetic-gradient cycle\n", gd.msg,
-           md.msg);
+    printf("rank 0: --synthetic: running the synthetic-gradient cycle\n");
   uint32_t todo = o->steps - first;
   losses = calloc(todo ? todo : 1, sizeof *losses);
   step_s = calloc(todo ? todo : 1, sizeof *step_s);
@@ -1174,11 +1178,10 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   }
   if (have_tr) trainer_free(&tr);
   sp_gpt2_trainer_free(gtr);
-  sp_gpt2_free(gpt);
+  sp_train_model_clear(&tm);
   free(losses);
   free(step_s);
   free(gtimes);
-  sp_mlp_free(mlp);
   /* the state's storage is the runtime's: it goes first */
   sp_test_state_free(ts);
   sp_fsdp_free(f);

@@ -68,8 +68,9 @@ typedef struct sp_mlp {
 } sp_mlp;
 
 /* Reads the layer chain from the spec. SP_EUNSUPPORTED (naming the module
- * or tensor) when the spec is not such an MLP: shardplane-worker then runs
- * the synthetic-gradient cycle instead. */
+ * or tensor) when the spec is not such an MLP: shardplane-worker then
+ * refuses it unless asked for the synthetic-gradient cycle
+ * (train_model.h). */
 int sp_mlp_new(const sp_model *m, sp_mlp **out, sp_diag *d);
 void sp_mlp_free(sp_mlp *mlp);
 

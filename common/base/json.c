@@ -7,6 +7,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "suggest.h"
+
 int sp_json_fail(const sp_json_reader *r, int err, const char *fmt, ...) {
   if (r->diag == NULL) return err;
   char what[SP_DIAG_MAX];
@@ -151,5 +153,35 @@ int sp_json_array(const sp_json_reader *r, json_t *obj, const char *key,
     return sp_json_fail(r, SP_ETOOBIG, "%s: %zu entries, over the limit of %zu",
                         join(path, key).s, json_array_size(v), max_n);
   *out = v;
+  return 0;
+}
+
+int sp_json_known_keys(const sp_json_reader *r, json_t *obj, const char *path,
+                       const char *const *known, size_t n) {
+  const char *key;
+  json_t *v;
+  json_object_foreach(obj, key, v) {
+    bool found = false;
+    for (size_t i = 0; i < n && !found; i++) found = strcmp(key, known[i]) == 0;
+    if (found) continue;
+    char where[300] = "";
+    if (path[0] != '\0') snprintf(where, sizeof where, " in %.256s", path);
+    const char *near = sp_suggest(key, known, n);
+    if (near != NULL)
+      return sp_json_fail(r, SP_EFORMAT,
+                          "unknown key \"%.200s\"%s (did you mean \"%s\"?)",
+                          key, where, near);
+    char list[512];
+    size_t len = 0;
+    list[0] = '\0';
+    for (size_t i = 0; i < n && len < sizeof list; i++) {
+      int w = snprintf(list + len, sizeof list - len, "%s%s", i ? ", " : "",
+                       known[i]);
+      if (w < 0) break;
+      len += (size_t)w;
+    }
+    return sp_json_fail(r, SP_EFORMAT, "unknown key \"%.200s\"%s (expected %s)",
+                        key, where, list);
+  }
   return 0;
 }

@@ -46,4 +46,11 @@ int sp_json_int(const sp_json_reader *r, json_t *obj, const char *key,
 int sp_json_array(const sp_json_reader *r, json_t *obj, const char *key,
                   const char *path, bool required, size_t max_n, json_t **out);
 
+/* Every key of obj one of known[0..n): a misspelt key must be an error,
+ * not a setting silently left at its default. Otherwise SP_EFORMAT with
+ * `<origin>: unknown key "K" (did you mean "N"?)` (` in PATH` after the
+ * key below the top level), or the keys allowed when none is near. */
+int sp_json_known_keys(const sp_json_reader *r, json_t *obj, const char *path,
+                       const char *const *known, size_t n);
+
 #endif

@@ -12,6 +12,8 @@
 #define SP_JOB_FORMAT "shardplane.job/v1"
 #define SP_JOB_MAX_FILE_BYTES (16u << 20)
 
+#define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
 static const char *const k_strategies[] = {
     [SP_FULL_SHARD] = "FULL_SHARD",
     [SP_SHARD_GRAD_OP] = "SHARD_GRAD_OP",
@@ -23,6 +25,16 @@ static const char *const k_backends[] = {
     [SP_BACKEND_GLOO] = "gloo",
     [SP_BACKEND_NCCL] = "nccl",
 };
+
+/* The keys of each object of a job file: any other is refused, naming
+ * the nearest of these. */
+static const char *const k_root_keys[] = {
+    "format", "world_size",      "strategy", "shard_group_size",
+    "wrap",   "mixed_precision", "backend",  "use_orig_params"};
+static const char *const k_wrap_keys[] = {"modules", "types"};
+static const char *const k_mp_keys[] = {
+    "param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_grads",
+    "full_precision_types"};
 
 /* FSDP's default _module_classes_to_ignore is (_BatchNorm,). */
 static const char *const k_default_full_precision[] = {
@@ -80,8 +92,6 @@ static int parse_name(const char *s, const char *const *names, int n,
   }
   return SP_EINVAL;
 }
-
-#define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 int sp_strategy_parse(const char *s, sp_strategy *out) {
   int v;
@@ -173,8 +183,10 @@ static int load_mp(const sp_json_reader *r, json_t *mp,
   if (!json_is_object(mp))
     return sp_json_fail(r, SP_EFORMAT, "mixed_precision: expected an object");
   out->enabled = true;
-  int rc;
-  if ((rc = read_dtype(r, mp, "param_dtype", &out->param_dtype)) != 0 ||
+  int rc = sp_json_known_keys(r, mp, "mixed_precision", k_mp_keys,
+                              (size_t)COUNT(k_mp_keys));
+  if (rc != 0 ||
+      (rc = read_dtype(r, mp, "param_dtype", &out->param_dtype)) != 0 ||
       (rc = read_dtype(r, mp, "reduce_dtype", &out->reduce_dtype)) != 0 ||
       (rc = read_dtype(r, mp, "buffer_dtype", &out->buffer_dtype)) != 0 ||
       (rc = sp_json_bool(r, mp, "keep_low_precision_grads", "mixed_precision",
@@ -189,13 +201,16 @@ static int load_root(const sp_json_reader *r, json_t *root, sp_job *job) {
   if (!json_is_object(root))
     return sp_json_fail(r, SP_EFORMAT,
                         "expected a JSON object at the top level");
+  int rc =
+      sp_json_known_keys(r, root, "", k_root_keys, (size_t)COUNT(k_root_keys));
+  if (rc != 0) return rc;
   json_t *fmt = json_object_get(root, "format");
   if (fmt != NULL && (!json_is_string(fmt) ||
                       strcmp(json_string_value(fmt), SP_JOB_FORMAT) != 0))
     return sp_json_fail(r, SP_EFORMAT, "format: expected \"%s\"",
                         SP_JOB_FORMAT);
   long long v;
-  int rc = 0, e;
+  int e;
   v = job->world_size;
   if ((rc = sp_json_int(r, root, "world_size", "", false, 1, SP_JOB_MAX_WORLD,
                         &v)) != 0)
@@ -224,7 +239,9 @@ static int load_root(const sp_json_reader *r, json_t *root, sp_job *job) {
   if (wrap != NULL) {
     if (!json_is_object(wrap))
       return sp_json_fail(r, SP_EFORMAT, "wrap: expected an object");
-    if ((rc = read_strlist(r, wrap, "modules", "wrap", &job->wrap_modules,
+    if ((rc = sp_json_known_keys(r, wrap, "wrap", k_wrap_keys,
+                                 (size_t)COUNT(k_wrap_keys))) != 0 ||
+        (rc = read_strlist(r, wrap, "modules", "wrap", &job->wrap_modules,
                            NULL)) != 0 ||
         (rc = read_strlist(r, wrap, "types", "wrap", &job->wrap_types, NULL)) !=
             0)

@@ -83,7 +83,9 @@ void sp_job_clear(sp_job *job);
 
 /* Fills `job` (which the caller initialised) from JSON; fields absent from the
  * file keep their current values. Errors: SP_EIO, SP_ETOOBIG, SP_EFORMAT,
- * SP_ENOMEM with "<file>: <json path>: <problem>" in diag. */
+ * SP_ENOMEM with "<file>: <json path>: <problem>" in diag. A key the format
+ * does not have, in any of its objects, is SP_EFORMAT naming the nearest
+ * one: `J.json: unknown key "stratgy" (did you mean "strategy"?)`. */
 int sp_job_load_file(const char *path, sp_job *job, sp_diag *diag);
 int sp_job_load_string(const char *json, size_t len, const char *origin,
                        sp_job *job, sp_diag *diag);
