@@ -271,6 +271,13 @@ static void test_run_bad_usage(void **state) {
        "SIDEWAYS"},
       {{"--nproc", "2", "--model", MLP, "--wrap-module", "no.such", NULL}, 2,
        "no.such"},
+      /* faults are checked before a worker starts, as they will check them */
+      {{"--nproc", "2", "--model", MLP, "--inject", "bogus", NULL}, 2,
+       "--inject \"bogus\": expected KIND:KEY=VALUE"},
+      {{"--nproc", "2", "--model", MLP, "--inject", "stall:rank=5,step=2",
+        NULL}, 2, "rank 5 is not one of the job's 2 ranks"},
+      {{"--nproc", "2", "--model", MLP, "--stop-grace", "0", NULL}, 2,
+       "--stop-grace \"0\""},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     int st = wait_run(start_run(dir, cases[i].args), 30);

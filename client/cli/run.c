@@ -28,6 +28,7 @@
 #include "cli.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
+#include "worker/inject.h"
 #include "worker/train_flags.h"
 #include "worker/train_model.h"
 #include "fsdp/plan.h"
@@ -244,6 +245,7 @@ typedef struct run_opts {
    * the coordinator (NULL: its defaults) */
   const char *inject[32];
   size_t n_inject;
+  sp_inject faults; /* the same, parsed as every worker will */
   const char *stall_ms, *on_stall, *straggler;
   long long max_restarts; /* --max-restarts; 0: none */
 } run_opts;
@@ -380,12 +382,11 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       o->ckpt_every = v;
       return sp_flag_int(flag, v, 1, 1000000000, &n, d);
     case O_INJECT:
-      /* the worker checks the spec itself: run passes it as given */
+      /* checked as the workers will, before any starts; passed as given */
       if (o->n_inject == sizeof o->inject / sizeof o->inject[0])
         return sp_flag_fail(d, flag, v, "at most 32 --inject flags");
       o->inject[o->n_inject++] = v;
-      return sp_flag_text(flag, v, "a fault to inject (KIND:KEY=VALUE,...)",
-                          d);
+      return sp_inject_parse(&o->faults, v, d);
     case O_STALL:
       o->stall_ms = v;
       return sp_flag_int(flag, v, 0, 86400000, &n, d);
@@ -482,6 +483,13 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     usage(stderr);
     goto out;
   }
+  for (size_t i = 0; i < o->faults.n; i++)
+    if (o->faults.faults[i].rank >= o->nproc) {
+      sp_cli_error(RUN, "--inject \"%s\": rank %u is not one of the job's "
+                   "%lld ranks (0 to %lld)", o->inject[i],
+                   o->faults.faults[i].rank, o->nproc, o->nproc - 1);
+      goto out;
+    }
   if ((o->load_kind || o->load_params_only) && !o->load_dir) {
     sp_cli_error(RUN, "%s needs --load DIR",
                  o->load_kind ? "--load-kind" : "--load-params-only");
