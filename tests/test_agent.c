@@ -1165,6 +1165,41 @@ static void test_agent_on_completed_job(void **state) {
   free(sd);
 }
 
+/* A stall on one host is printed by every host's agent the moment the
+ * coordinator opens the alert, naming the rank, beside its own workers'
+ * lines: the operator of host 0 learns that rank 3, on host 1, stalls. */
+static void test_agents_print_alerts(void **state) {
+  fx *f = *state;
+  char *argv[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
+                  "127.0.0.1:0", "--model", MLP, "--world-size", "4",
+                  "--insecure", "--token-file", f->auth.token_file, "--quiet",
+                  "--stall-timeout-ms", "2000", NULL};
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(&f->coord, argv, false, true, "listening on 127.0.0.1:%d",
+                    &d))
+    fail_msg("coordinator: %s", d.msg);
+  snprintf(f->addr, sizeof f->addr, "127.0.0.1:%d", f->coord.port);
+  const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
+                           "--checkpoint", "none", "--inject",
+                           "stall:rank=3,step=3", NULL};
+  const char *grace[] = {"--stop-grace", "1", NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, grace, trainer);
+  for (int i = 0; i < 2; i++)
+    wait_for(f->dir, i ? "agent1.err" : "agent0.err",
+             "[alert]: STALL: rank 3 has not issued", 60);
+  for (int i = 0; i < 2; i++) kill(a[i], SIGTERM);
+  int st[2], max_conns;
+  wait_agents(a, st, f->coord.port, 30, &max_conns);
+  char *err0 = slurp(f->dir, "agent0.err");
+  printf("agent 0:\n%s\n", err0);
+  assert_non_null(strstr(err0, "(culprit rank 3; victims 0-2)"));
+  assert_int_equal(st[0], 128 + SIGTERM);
+  assert_int_equal(st[1], 128 + SIGTERM);
+  free(err0);
+}
+
 /* SIGTERM to an agent whose workers wait in the rendezvous for a host
  * that never comes: they reach no step boundary, so within the default
  * --stop-grace (10 s, not the rendezvous' own timeout) the agent stops
@@ -1278,6 +1313,8 @@ int main(int argc, char **argv) {
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_on_completed_job,
                                       fx_setup_bare, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agents_print_alerts, fx_setup_bare,
+                                      fx_teardown),
   };
   if (argc > 1) cmocka_set_test_filter(argv[1]);
   return cmocka_run_group_tests(tests, NULL, NULL);
