@@ -820,6 +820,33 @@ static void test_ranks_after_a_job(void **state) {
   done(&text);
 }
 
+/* Four ranks of the same work on one machine score about 1.00, the
+ * median rank's score, as `ranks --help` says: not 2 and more. */
+static void test_ranks_scores_of_equal_ranks(void **state) {
+  (void)state;
+  char addr[64];
+  char *flags[] = {"--world-size", "4", "--wrap-type", "GPT2Block", NULL};
+  pid_t coord =
+      job_to_the_end(MODEL("gpt2-tiny"), flags, 4, "40", addr, sizeof addr);
+  result r = run("ranks", "--coordinator", addr, "--json", NULL);
+  result text = run("ranks", "--coordinator", addr, NULL);
+  assert_true(stop_coordinator(coord) >= 0);
+  printf("%s", text.out);
+  assert_int_equal(r.code, 0);
+  json_t *j = parse(&r);
+  json_t *ranks = json_object_get(j, "ranks");
+  assert_int_equal(json_array_size(ranks), 4);
+  for (size_t i = 0; i < 4; i++) {
+    double score = json_real_value(
+        json_object_get(json_array_get(ranks, i), "straggler_score"));
+    if (!(score >= 0.5 && score <= 2.0))
+      fail_msg("rank %zu of 4 equal ranks scores %.2f", i, score);
+  }
+  json_decref(j);
+  done(&r);
+  done(&text);
+}
+
 /* The hang-diagnosis commands on a live job of 2 MLP ranks: why, status,
  * ranks, trace, watch and a live analyze, text and JSON. Timing-dependent
  * verdicts (a loaded machine makes stragglers) are checked for agreement
@@ -1032,6 +1059,7 @@ int main(void) {
       cmocka_unit_test(test_unreachable_and_usage),
       cmocka_unit_test(test_watch),
       cmocka_unit_test(test_ranks_after_a_job),
+      cmocka_unit_test(test_ranks_scores_of_equal_ranks),
       cmocka_unit_test(test_diagnosis_waiting),
       cmocka_unit_test(test_diagnosis_live),
       cmocka_unit_test(test_coordinator_stops),
