@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli.h"
 #include "flight_fmt.h"
@@ -325,6 +326,16 @@ void sp_remote_format_duration(uint64_t ms, char *buf, size_t len) {
              (unsigned)(ms / 60000 % 60));
 }
 
+uint64_t sp_remote_coord_start_us(uint64_t uptime_ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t now_us = (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
+  return now_us - uptime_ms * 1000;
+}
+
+uint64_t sp_remote_coord_wall_us(uint64_t start_us, uint64_t time_ms) {
+  return start_us + time_ms * 1000;
+}
 
 json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c) {
   if (c == NULL) return json_null();
