@@ -55,6 +55,10 @@ int sp_cmd_token(int argc, char **argv);
 void sp_cli_error(const char *cmd, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
+/* After a usage error's line: "try 'shardplane <cmd> --help'" (cmd NULL:
+ * "try 'shardplane --help'"). */
+void sp_cli_try_help(const char *cmd);
+
 /* A decimal in [0, max]; -1 for anything else. */
 int sp_cli_parse_uint(const char *s, long long max, long long *out);
 

@@ -272,7 +272,7 @@ int sp_cmd_plan(int argc, char **argv) {
         if (sp_job_cli_record(&a.flags, c, optarg) != 0) goto out;
         break;
       }
-      plan_help(stderr);
+      sp_cli_try_help("plan"); /* getopt said what */
       goto out;
     }
     continue;
@@ -282,6 +282,7 @@ int sp_cmd_plan(int argc, char **argv) {
   }
   if (optind < argc) {
     sp_cli_error("plan", "unexpected argument \"%s\"", argv[optind]);
+    sp_cli_try_help("plan");
     goto out;
   }
   if (a.mem_flag != NULL && !a.memory) {

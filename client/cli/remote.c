@@ -260,7 +260,7 @@ static int parse_one(sp_remote *r, const subcmd *sc, int c,
   if (c != '?' && on_opt != NULL && on_opt(ctx, c, optarg) == 0)
     return PROCEED;
   if (c == '?') /* getopt said what */
-    fprintf(stderr, "usage: shardplane %s (--help for more)\n", sc->synopsis);
+    sp_cli_try_help(r->cmd);
   return SP_EXIT_USAGE;
 }
 
@@ -300,11 +300,11 @@ int sp_remote_parse_args(sp_remote *r, const subcmd *sc, int argc, char **argv,
   *n = (size_t)(argc - optind);
   if (*n < sc->min_args || *n > sc->max_args) {
     if (*n < sc->min_args)
-      sp_cli_error(r->cmd, "missing argument");
+      sp_cli_error(r->cmd, "missing argument: shardplane %s", sc->synopsis);
     else
       sp_cli_error(r->cmd, "unexpected argument \"%s\"",
                    argv[optind + (int)sc->max_args]);
-    fprintf(stderr, "usage: shardplane %s (--help for more)\n", sc->synopsis);
+    sp_cli_try_help(r->cmd);
     return SP_EXIT_USAGE;
   }
   return PROCEED;

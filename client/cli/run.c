@@ -430,7 +430,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       continue;
     }
     if (c == '?' || index < 0) { /* getopt said what */
-      usage(stderr);
+      sp_cli_try_help(RUN);
       goto out;
     }
     char flag[64];
@@ -444,13 +444,13 @@ static int parse_args(int argc, char **argv, run_opts *o) {
   }
   if (optind < argc) {
     sp_cli_error(RUN, "unexpected argument \"%s\"", argv[optind]);
-    usage(stderr);
+    sp_cli_try_help(RUN);
     goto out;
   }
   if (!o->model_path || o->nproc < 1) {
     sp_cli_error(RUN, "%s", !o->model_path ? "--model is required"
                                            : "--nproc is required");
-    usage(stderr);
+    sp_cli_try_help(RUN);
     goto out;
   }
   if ((o->load_kind || o->load_params_only) && !o->load_dir) {

@@ -217,9 +217,8 @@ int sp_cmd_trace(int argc, char **argv) {
                                 &t, &first, &n);
   if (ec != PROCEED) return ec;
   if (t.rank < 0) {
-    sp_cli_error(r.cmd, "--rank: missing (which rank's recorder?)");
-    fprintf(stderr, "usage: shardplane %s (--help for more)\n",
-            k_trace.synopsis);
+    sp_cli_error(r.cmd, "missing --rank R (which rank's recorder?)");
+    sp_cli_try_help(r.cmd);
     return SP_EXIT_USAGE;
   }
   Shardplane__V1__Plan *pl = fetch_plan(&r);

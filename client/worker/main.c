@@ -665,7 +665,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       return 1;
     }
     if (c == '?' || index < 0) { /* getopt said what */
-      usage(stderr);
+      sp_flag_try_help("shardplane-worker");
       return 2;
     }
     char flag[64];
@@ -698,7 +698,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     else
       fprintf(stderr, "shardplane-worker: --rank is required (or $RANK or "
               "$SLURM_PROCID, as launchers set them)\n");
-    usage(stderr);
+    sp_flag_try_help("shardplane-worker");
     return 2;
   }
   char host[256];
