@@ -466,6 +466,33 @@ static void test_store(void **state) {
   r = run("store", "get", "cli/counter", NULL);
   assert_string_equal(r.out, "3\n");
   done(&r);
+  /* the options before the operation, as README's order has it */
+  r = run("store", "--coordinator", g_addr, "add", "cli/counter", "--", "-1",
+          NULL);
+  assert_int_equal(r.code, 0);
+  assert_string_equal(r.out, "2\n");
+  done(&r);
+  r = run("store", "--insecure", "get", "cli/counter", NULL);
+  assert_int_equal(r.code, 0);
+  assert_string_equal(r.out, "2\n");
+  done(&r);
+  /* after "--" an option is a word: one line says so, and where they go */
+  r = run("store", "add", "cli/counter", "--", "-1", "--coordinator", g_addr,
+          NULL);
+  assert_int_equal(r.code, 2);
+  assert_string_equal(r.err, "shardplane store: add: unexpected argument "
+                             "\"--coordinator\": after \"--\" every word is an "
+                             "argument; options go before \"--\"\n"
+                             "try 'shardplane store --help'\n");
+  done(&r);
+  r = run("store", "add", "cli/counter", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "add: missing DELTA (store add KEY DELTA)"));
+  done(&r);
+  r = run("store", "--json", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "missing the operation"));
+  done(&r);
   r = run("store", "delete", "cli/counter", NULL);
   assert_int_equal(r.code, 0);
   done(&r);
