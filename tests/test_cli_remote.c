@@ -1158,6 +1158,12 @@ static void test_diagnosis_waiting(void **state) {
   assert_int_equal(r.code, 2);
   assert_non_null(strstr(r.err, "--rank"));
   done(&r);
+  /* a rank the world does not have is not found (3), as plan --rank 9 */
+  r = run("trace", "--rank", "5", NULL);
+  assert_int_equal(r.code, 3);
+  assert_string_equal(r.err,
+                      "shardplane trace: --rank 5: the world has ranks 0-3\n");
+  done(&r);
   r = run("analyze", "--last", "-1", NULL);
   assert_int_equal(r.code, 2);
   assert_non_null(strstr(r.err, "--last"));

@@ -57,6 +57,12 @@ void sp_cli_try_help(const char *cmd) {
   sp_flag_try_help(prog);
 }
 
+int sp_cli_check_rank(const char *cmd, long long rank, uint32_t world) {
+  if (rank < (long long)world) return SP_EXIT_OK;
+  sp_cli_error(cmd, "--rank %lld: the world has ranks 0-%u", rank, world - 1);
+  return SP_EXIT_NOT_FOUND;
+}
+
 int sp_cli_parse_uint(const char *s, long long max, long long *out) {
   char *end;
   errno = 0;

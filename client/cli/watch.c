@@ -297,11 +297,7 @@ int sp_cmd_watch(int argc, char **argv) {
     if (ec == SP_EXIT_OK)
       coord_start_us = sp_remote_coord_start_us(j->uptime_ms);
     for (size_t i = 0; ec == SP_EXIT_OK && i < w->n_ranks; i++)
-      if (w->ranks[i] >= job.world_size) {
-        sp_cli_error(r.cmd, "--rank %u: the world has ranks 0-%u", w->ranks[i],
-                     job.world_size - 1);
-        ec = SP_EXIT_NOT_FOUND;
-      }
+      ec = sp_cli_check_rank(r.cmd, w->ranks[i], job.world_size);
     world = job.world_size;
     sp_job_clear(&job);
   }
