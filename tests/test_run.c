@@ -148,12 +148,85 @@ static void test_run_to_checkpoint(void **state) {
   assert_true(every_line_attributed(out));
   assert_non_null(strstr(out, "checkpoint in"));
   assert_non_null(strstr(out, ck));
+  assert_null(strstr(out, "--generate")); /* the MLP makes no text */
   char *model = sp_test_path(ck, "full/model.safetensors");
   struct stat sb;
   assert_int_equal(stat(model, &sb), 0);
   assert_true(sb.st_size > 0);
   free(model);
   free(out);
+  free(err);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* A GPT-2 run's last line is the command that samples text from its
+ * checkpoint, and it works; --temperature 0 samples greedily (the same
+ * text whatever the seed), and the flag's errors say so. */
+static void test_run_gpt2_says_how_to_sample(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *model = SP_EXAMPLES "/models/gpt2-tiny.json";
+  const char *args[] = {"--nproc",     "2",         "--model",          model,
+                        "--wrap-type", "GPT2Block", "--steps",          "3",
+                        "--log-every", "0",         "--checkpoint-dir", ck,
+                        NULL};
+  int st = wait_run(start_run(dir, args), 120);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s%s", out, err);
+  assert_int_equal(st, 0);
+  char want[4096];
+  snprintf(want, sizeof want,
+           "shardplane run: sample text from it with "
+           "shardplane-worker --generate --load %s/full --model %s --prompt "
+           "\"The \" --tokens 300\n",
+           ck, model);
+  const char *at = strstr(out, want);
+  assert_non_null(at);
+  assert_int_equal(at[strlen(want)], '\0'); /* the last line */
+  free(out);
+  free(err);
+  char load[1024], *text[2] = {NULL, NULL};
+  snprintf(load, sizeof load, "%s/full", ck);
+  for (int i = 0; i < 2; i++) {
+    char *gen[] = {SP_BIN_DIR "/shardplane-worker",
+                   "--generate",
+                   "--load",
+                   load,
+                   "--model",
+                   (char *)model,
+                   "--prompt",
+                   "The ",
+                   "--tokens",
+                   "20",
+                   "--temperature",
+                   "0",
+                   "--seed",
+                   i ? "7" : "0",
+                   NULL};
+    assert_int_equal(sp_test_wait_exit(start_cmd(dir, gen), 60), 0);
+    text[i] = slurp(dir, "out");
+    assert_int_equal(strncmp(text[i], "The ", 4), 0);
+    assert_int_equal(strlen(text[i]), 4 + 20 + 1);
+  }
+  assert_string_equal(text[0], text[1]);
+  free(text[0]);
+  free(text[1]);
+  char *bad[] = {SP_BIN_DIR "/shardplane-worker",
+                 "--generate",
+                 "--load",
+                 load,
+                 "--model",
+                 (char *)model,
+                 "--temperature",
+                 "-1",
+                 NULL};
+  assert_int_equal(sp_test_wait_exit(start_cmd(dir, bad), 60), 2);
+  err = slurp(dir, "err");
+  assert_string_equal(err, "shardplane-worker: --temperature \"-1\": expected "
+                           "a finite number >= 0 (0: greedy)\n");
   free(err);
   free(ck);
   sp_test_rmtree(dir);
@@ -981,6 +1054,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_training_flags),
       cmocka_unit_test(test_run_load_params_only),
       cmocka_unit_test(test_run_bad_usage),
+      cmocka_unit_test(test_run_gpt2_says_how_to_sample),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_restart),
       cmocka_unit_test(test_run_restarts_used_up),

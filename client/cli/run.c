@@ -28,6 +28,7 @@
 #include "cli.h"
 #include "fsdp/job_cli.h"
 #include "base/flag.h"
+#include "worker/gpt2.h"
 #include "worker/mlp.h"
 #include "worker/train_flags.h"
 #include "fsdp/plan.h"
@@ -239,6 +240,7 @@ typedef struct run_job {
   char dump_dir[PATH_MAX]; /* the coordinator's --dump-dir */
   sp_ckpt_kind load_kind; /* and the kind of its checkpoint */
   sp_run_creds creds; /* the job's tokens (run_auth.c) */
+  bool gpt2; /* the workers train a GPT-2: its FULL checkpoint samples text */
 } run_job;
 
 /* The running processes. */
@@ -528,6 +530,11 @@ static int build_plan(run_opts *o, run_job *j) {
   }
   j->job.world_size = (uint32_t)o->nproc;
   if ((rc = check_backend(o, j)) != PROCEED) return rc;
+  /* as the worker decides it */
+  sp_gpt2 *g = NULL;
+  sp_diag gd = {{0}};
+  j->gpt2 = sp_gpt2_new(j->model, &g, &gd) == 0;
+  sp_gpt2_free(g);
   /* the coordinator applies the same default to the same job */
   if (sp_job_default_wrap(&j->job, j->model, NULL) < 0) {
     sp_cli_error(RUN, "out of memory");
@@ -1023,6 +1030,11 @@ static int report_done(const run_opts *o, const run_job *j, double took_s,
            stopped ? "continue" : "start", which, f.dir[k],
            sp_ckpt_kind_dir((sp_ckpt_kind)k));
   }
+  /* as ./dev run samples its checkpoint */
+  if (j->gpt2 && o->kinds[SP_CKPT_FULL])
+    printf("shardplane run: sample text from it with shardplane-worker "
+           "--generate --load %s --model %s --prompt \"The \" --tokens 300\n",
+           f.dir[SP_CKPT_FULL], o->model_path);
   return stopped;
 }
 
