@@ -233,6 +233,48 @@ static void test_run_gpt2_says_how_to_sample(void **state) {
   free(dir);
 }
 
+/* --checkpoint-dir naming a file is bad usage named by its flag before
+ * anything starts; a failure inside the directory later names the flag
+ * too (the coordinator's state dir, where a file is in the way). */
+static void test_run_checkpoint_dir_not_a_directory(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *file = sp_test_path(dir, "afile");
+  sp_test_write_file(file, "x", 1);
+  const char *args[] = {"--nproc",          "2",  "--model", MLP,
+                        "--checkpoint-dir", file, NULL};
+  assert_int_equal(wait_run(start_run(dir, args), 60), 2);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s%s", out, err);
+  char want[2048];
+  snprintf(want, sizeof want,
+           "shardplane run: --checkpoint-dir \"%s\": "
+           "expected a directory: it is a file\n",
+           file);
+  assert_string_equal(err, want);
+  assert_string_equal(out, ""); /* no coordinator, no worker */
+  free(out);
+  free(err);
+
+  char *ck = sp_test_path(dir, "ck");
+  assert_int_equal(mkdir(ck, 0700), 0);
+  char *in_the_way = sp_test_path(ck, "coordinator-state");
+  sp_test_write_file(in_the_way, "x", 1);
+  const char *later[] = {"--nproc",          "2", "--model", MLP,
+                         "--checkpoint-dir", ck,  NULL};
+  assert_int_equal(wait_run(start_run(dir, later), 60), 1);
+  err = slurp(dir, "err");
+  printf("%s", err);
+  snprintf(want, sizeof want, " in --checkpoint-dir %s: ", ck);
+  assert_non_null(strstr(err, want));
+  free(err);
+  free(in_the_way);
+  free(ck);
+  free(file);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* A checkpoint of one optimizer resumed with another: refused, naming
  * the state and the flag that loads anyway; with --load-params-only the
  * job continues after the checkpoint's step with a fresh optimizer. */
@@ -1055,6 +1097,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_load_params_only),
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_gpt2_says_how_to_sample),
+      cmocka_unit_test(test_run_checkpoint_dir_not_a_directory),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_restart),
       cmocka_unit_test(test_run_restarts_used_up),
