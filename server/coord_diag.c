@@ -90,6 +90,9 @@ typedef struct diag_rank {
    * not): one slow window is not a straggler, a slow stretch is */
   uint64_t over_since;
   uint32_t victim_of;
+  /* a step closed in the message being read: judged once its waits,
+   * which the message carries after its transitions, are taken off */
+  bool judge_due;
   double loss;
 } diag_rank;
 
@@ -197,19 +200,31 @@ static bool time_transition(diag_rank *k, const Shardplane__V1__Transition *t) {
 
 /* A completion's wait belongs to the step it ended in. A message carries
  * transitions and collectives apart, so one that ended before the
- * current step began (its step is closed) is taken off that step. */
+ * current step began (its step is closed) is taken off that step: the
+ * steps are back to back, each ending where the next began, so walking
+ * back from the current step's start by their lengths finds it. A message
+ * that holds several steps has waits of each: taken all off the last
+ * closed one, they left that one at 0 and the others whole. A wait older
+ * than the window belongs to none of its steps. */
 static void time_wait(diag_rank *k, const Shardplane__V1__Collective *q) {
   if (q->waited_us == 0) return;
   if (k->step_start_us == 0 || q->time_us >= k->step_start_us) {
     k->wait_us += q->waited_us;
     return;
   }
-  if (k->n_steps == 0) return;
-  size_t last = (k->next + SP_DIAG_STEP_WINDOW - 1) % SP_DIAG_STEP_WINDOW;
-  float own = k->busy_ms[last] - (float)q->waited_us / 1000.0f;
-  k->busy_ms[last] = own > 0 ? own : 0;
-  k->busy_med = median_of(k->busy_ms, k->n_steps);
-  k->busy_lo = pct_of(k->busy_ms, k->n_steps, 0.25);
+  double end_us = (double)k->step_start_us;
+  for (size_t i = 1; i <= k->n_steps; i++) {
+    size_t s = (k->next + SP_DIAG_STEP_WINDOW - i) % SP_DIAG_STEP_WINDOW;
+    double start_us = end_us - (double)k->step_ms[s] * 1000.0;
+    if ((double)q->time_us >= start_us) {
+      float own = k->busy_ms[s] - (float)q->waited_us / 1000.0f;
+      k->busy_ms[s] = own > 0 ? own : 0;
+      k->busy_med = median_of(k->busy_ms, k->n_steps);
+      k->busy_lo = pct_of(k->busy_ms, k->n_steps, 0.25);
+      return;
+    }
+    end_us = start_us;
+  }
 }
 
 /* ---- names ---- */
@@ -797,7 +812,7 @@ void sp_coord_diag_transition(sp_coord *c, uint32_t rank,
   k->last_state = (uint8_t)t->state;
   k->last_unit = t->unit;
   if (t->step > k->last_step) k->last_step = t->step;
-  if (time_transition(k, t)) judge_straggler(c, rank);
+  if (time_transition(k, t)) k->judge_due = true;
 }
 
 void sp_coord_diag_session_up(sp_coord *c, uint32_t rank,
@@ -817,6 +832,12 @@ void sp_coord_diag_session_up(sp_coord *c, uint32_t rank,
       ingest_collective(c, rank, q->collectives[i], now);
   }
   if (q->flight != NULL) sp_coord_dump_flight(c, rank, q->flight);
+  /* judged before its waits were taken off, a step counted them as the
+   * rank's own time: every rank scored above the median it is part of */
+  if (k->judge_due) {
+    k->judge_due = false;
+    judge_straggler(c, rank);
+  }
 }
 
 void sp_coord_diag_attached(sp_coord *c, uint32_t rank) {
@@ -1193,7 +1214,8 @@ static float select_median(float *v, size_t n) {
   return (lo + hi) / 2;
 }
 
-/* Judged at each of the rank's step closes, against the job's median of
+/* Judged at each of the rank's step closes (once the message that closed
+ * it was read: sp_coord_diag_session_up), against the job's median of
  * the last tick, so that the 4 steps it must stay over the bar are steps,
  * not ticks: judged on the 200 ms tick alone, a job of 20 ms steps moved
  * 10 steps between judgements and a 1.5x slow rank was flagged at step

@@ -429,19 +429,19 @@ int main(int argc, char **argv) {
         exit_code = 1;
         goto out;
       }
-      usage(stderr); /* getopt said what */
+      sp_flag_try_help("shardplane-coordinator"); /* getopt said what */
       goto out;
     }
   }
   if (optind < argc) {
     fprintf(stderr, "shardplane-coordinator: unexpected argument \"%s\"\n",
             argv[optind]);
-    usage(stderr);
+    sp_flag_try_help("shardplane-coordinator");
     goto out;
   }
   if (cfg.model_path == NULL) {
     fprintf(stderr, "shardplane-coordinator: --model is required\n");
-    usage(stderr);
+    sp_flag_try_help("shardplane-coordinator");
     goto out;
   }
   sp_diag diag = {""};
@@ -457,7 +457,7 @@ int main(int argc, char **argv) {
                         cfg.model_path);
   if (exit_code != 0) goto out;
   if (check_security(&sec, &cfg) != 0) {
-    usage(stderr);
+    sp_flag_try_help("shardplane-coordinator");
     exit_code = 2;
     goto out;
   }

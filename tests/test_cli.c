@@ -97,6 +97,56 @@ static void test_usage_and_help(void **state) {
   done(&r);
 }
 
+/* A usage error is its line and "try 'PROG --help'", exit 2: the whole
+ * help (149 lines for run, 90 for the coordinator) buried that line. */
+static void test_usage_errors_are_short(void **state) {
+  (void)state;
+  static const struct {
+    const char *prog, *args, *says, *try;
+  } cases[] = {
+      {"shardplane", "run --bogus", "'--bogus'", "shardplane run"},
+      {"shardplane", "run --nproc 2", "--model is required", "shardplane run"},
+      {"shardplane", "run --nproc 2 --model " MODEL("gpt2-tiny") " extra",
+       "\"extra\"", "shardplane run"},
+      {"shardplane", "plan --model " MODEL("gpt2") " --bogus", "'--bogus'",
+       "shardplane plan"},
+      {"shardplane", "agent --bogus", "'--bogus'", "shardplane agent"},
+      {"shardplane", "agent --coordinator 127.0.0.1:1 -- true",
+       "--nproc-per-node", "shardplane agent"},
+      {"shardplane", "token", "missing subcommand", "shardplane token"},
+      {"shardplane", "token create --bogus", "'--bogus'", "shardplane token"},
+      {"shardplane", "token create --role admin", "--token-file",
+       "shardplane token"},
+      {"shardplane", "status --bogus", "'--bogus'", "shardplane status"},
+      {"shardplane", "store", "missing the operation", "shardplane store"},
+      {"shardplane", "frobnicate", "\"frobnicate\"", "shardplane"},
+      {"shardplane-coordinator", "--model " MODEL("gpt2-tiny"),
+       "choose the transport", "shardplane-coordinator"},
+      {"shardplane-coordinator", "--model " MODEL("gpt2-tiny") " --insecure",
+       "--token-file", "shardplane-coordinator"},
+      {"shardplane-coordinator", "--bogus", "'--bogus'",
+       "shardplane-coordinator"},
+      {"shardplane-coordinator", "--insecure --no-auth", "--model",
+       "shardplane-coordinator"},
+      {"shardplane-worker", "--bogus", "'--bogus'", "shardplane-worker"},
+      {"shardplane-worker", "--steps 3", "--rank is required",
+       "shardplane-worker"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    result r = run_prog(cases[i].prog, cases[i].args);
+    size_t lines = 0;
+    for (const char *c = r.err; *c; c++) lines += *c == '\n';
+    char want[128];
+    snprintf(want, sizeof want, "try '%s --help'\n", cases[i].try);
+    const char *at = strstr(r.err, want);
+    if (r.code != 2 || lines > 3 || strstr(r.err, cases[i].says) == NULL ||
+        at == NULL || at[strlen(want)] != '\0')
+      fail_msg("%s %s: exit %d, %zu lines on stderr:\n%s", cases[i].prog,
+               cases[i].args, r.code, lines, r.err);
+    done(&r);
+  }
+}
+
 static void test_failures_name_the_cause(void **state) {
   (void)state;
   result r = run("plan --model /nonexistent/spec.json");
@@ -519,6 +569,7 @@ int main(void) {
   g_dir = sp_test_mkdtemp();
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_usage_and_help),
+      cmocka_unit_test(test_usage_errors_are_short),
       cmocka_unit_test(test_failures_name_the_cause),
       cmocka_unit_test(test_json_plan_llama70b),
       cmocka_unit_test(test_job_file_and_override),

@@ -466,6 +466,33 @@ static void test_store(void **state) {
   r = run("store", "get", "cli/counter", NULL);
   assert_string_equal(r.out, "3\n");
   done(&r);
+  /* the options before the operation, as README's order has it */
+  r = run("store", "--coordinator", g_addr, "add", "cli/counter", "--", "-1",
+          NULL);
+  assert_int_equal(r.code, 0);
+  assert_string_equal(r.out, "2\n");
+  done(&r);
+  r = run("store", "--insecure", "get", "cli/counter", NULL);
+  assert_int_equal(r.code, 0);
+  assert_string_equal(r.out, "2\n");
+  done(&r);
+  /* after "--" an option is a word: one line says so, and where they go */
+  r = run("store", "add", "cli/counter", "--", "-1", "--coordinator", g_addr,
+          NULL);
+  assert_int_equal(r.code, 2);
+  assert_string_equal(r.err, "shardplane store: add: unexpected argument "
+                             "\"--coordinator\": after \"--\" every word is an "
+                             "argument; options go before \"--\"\n"
+                             "try 'shardplane store --help'\n");
+  done(&r);
+  r = run("store", "add", "cli/counter", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "add: missing DELTA (store add KEY DELTA)"));
+  done(&r);
+  r = run("store", "--json", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "missing the operation"));
+  done(&r);
   r = run("store", "delete", "cli/counter", NULL);
   assert_int_equal(r.code, 0);
   done(&r);
@@ -704,6 +731,110 @@ static void test_watch(void **state) {
   sp_rpc_sync_close(c);
 }
 
+/* A healthy job has no events for a long time: watch says at once what
+ * it watches and that it waits, rather than printing nothing. */
+static void test_watch_says_it_waits(void **state) {
+  (void)state;
+  char out[1024], err[1100];
+  snprintf(out, sizeof out, "%s/watch-idle", g_dir);
+  snprintf(err, sizeof err, "%s.err", out);
+  char *argv[] = {CLI_BIN, "watch", "--insecure", NULL};
+  pid_t pid = spawn(argv, out, err, NULL);
+  char *text = NULL;
+  int64_t end = now_ms() + CHILD_TIMEOUT_MS;
+  while (now_ms() < end) {
+    free(text);
+    text = access(out, F_OK) == 0 ? sp_test_read_file(out) : NULL;
+    if (text != NULL && strstr(text, "Ctrl-C stops\n") != NULL) break;
+    sp_test_sleep_ms(20);
+  }
+  kill(pid, SIGINT);
+  int st = wait_child(pid, CHILD_TIMEOUT_MS);
+  printf("%s", text ? text : "(nothing)\n");
+  assert_non_null(text);
+  char head[256];
+  snprintf(head, sizeof head, "coordinator %s, job WAITING: step ", g_addr);
+  assert_non_null(strstr(text, head));
+  assert_non_null(strstr(text, ", 0 of 4 ranks attached\n"));
+  assert_non_null(strstr(text, "waiting for events (attached, lost, "
+                               "detached, alert of every rank); times UTC"));
+  free(text);
+  assert_true(st >= 0 && WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 0);
+}
+
+/* An alert's time in status is on the wall clock (UTC, as watch prints
+ * it), not the coordinator's uptime at the alert. */
+static void test_status_alert_times(void **state) {
+  (void)state;
+  char addr[64];
+  char *extra[] = {"--model", MODEL("gpt2"), "--world-size",
+                   "4",       "--wrap-type", "GPT2Block",
+                   NULL};
+  pid_t coord = start_coordinator(extra, addr, sizeof addr);
+  sp_rpc_sync *c;
+  assert_int_equal(sp_rpc_sync_open(addr, 5000, &c), 0);
+  Shardplane__V1__GetJobRequest gq = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  Shardplane__V1__GetJobResponse *job = (Shardplane__V1__GetJobResponse *)unary(
+      c, METHOD("GetJob"), &gq.base,
+      &shardplane__v1__get_job_response__descriptor);
+  char *session = attach(c, job->plan_version);
+  /* unit 0 from IDLE straight to BACKWARD_POST: an ILLEGAL_TRANSITION
+   * alert */
+  Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
+  t.machine = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE;
+  t.state = 4;
+  t.step = 1;
+  Shardplane__V1__ReportTransitionRequest q =
+      SHARDPLANE__V1__REPORT_TRANSITION_REQUEST__INIT;
+  q.session_id = session;
+  q.transition = &t;
+  ProtobufCMessage *resp = NULL;
+  sp_rpc_status rst;
+  assert_int_equal(
+      sp_rpc_sync_unary(c, METHOD("ReportTransition"), &q.base,
+                        &shardplane__v1__report_transition_response__descriptor,
+                        5000, &resp, &rst),
+      0);
+  if (resp != NULL) protobuf_c_message_free_unpacked(resp, NULL);
+  int64_t now_s = (int64_t)time(NULL);
+  result r = run("status", "--coordinator", addr, NULL);
+  result rj = run("status", "--coordinator", addr, "--json", NULL);
+  detach(c, session);
+  free(session);
+  protobuf_c_message_free_unpacked(&job->base, NULL);
+  sp_rpc_sync_close(c);
+  assert_true(stop_coordinator(coord) >= 0);
+  printf("%s", r.out);
+  assert_int_equal(rst.code, SP_RPC_FAILED_PRECONDITION);
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "alerts      1 (the last 1 below, times "
+                                "UTC)\n"));
+  const char *line = strstr(r.out, "UTC)\n");
+  unsigned hh, mm, ss, us, rank;
+  assert_int_equal(sscanf(line + 5, "  %2u:%2u:%2u.%6u  rank %u ", &hh, &mm,
+                          &ss, &us, &rank),
+                   5);
+  assert_int_equal(rank, 0);
+  int64_t at = hh * 3600 + mm * 60 + ss, day = now_s % 86400;
+  int64_t off = llabs((long long)(at - day));
+  if (off > 43200) off = 86400 - off; /* across midnight */
+  if (off > 60)
+    fail_msg("alert at %02u:%02u:%02u UTC, now %lld s into the "
+             "day",
+             hh, mm, ss, (long long)day);
+  assert_int_equal(rj.code, 0);
+  json_t *j = parse(&rj);
+  json_t *a = json_array_get(json_object_get(j, "recent_alerts"), 0);
+  assert_non_null(a);
+  json_int_t t_us = jint(a, "time_us");
+  if (llabs((long long)(t_us / 1000000 - now_s)) > 60)
+    fail_msg("time_us %lld, now %lld s", (long long)t_us, (long long)now_s);
+  json_decref(j);
+  done(&r);
+  done(&rj);
+}
+
 /* ---- what `ranks` says after a job ---- */
 
 /* A coordinator for model (plus extra, NULL-terminated) and world
@@ -818,6 +949,33 @@ static void test_ranks_after_a_job(void **state) {
   snprintf(want, sizeof want, "REDUCE_SCATTER unit 0 float32 count %lld",
            (long long)shard);
   assert_non_null(strstr(text.out, want));
+  json_decref(j);
+  done(&r);
+  done(&text);
+}
+
+/* Four ranks of the same work on one machine score about 1.00, the
+ * median rank's score, as `ranks --help` says: not 2 and more. */
+static void test_ranks_scores_of_equal_ranks(void **state) {
+  (void)state;
+  char addr[64];
+  char *flags[] = {"--world-size", "4", "--wrap-type", "GPT2Block", NULL};
+  pid_t coord =
+      job_to_the_end(MODEL("gpt2-tiny"), flags, 4, "40", false, addr, sizeof addr);
+  result r = run("ranks", "--coordinator", addr, "--json", NULL);
+  result text = run("ranks", "--coordinator", addr, NULL);
+  assert_true(stop_coordinator(coord) >= 0);
+  printf("%s", text.out);
+  assert_int_equal(r.code, 0);
+  json_t *j = parse(&r);
+  json_t *ranks = json_object_get(j, "ranks");
+  assert_int_equal(json_array_size(ranks), 4);
+  for (size_t i = 0; i < 4; i++) {
+    double score = json_real_value(
+        json_object_get(json_array_get(ranks, i), "straggler_score"));
+    if (!(score >= 0.5 && score <= 2.0))
+      fail_msg("rank %zu of 4 equal ranks scores %.2f", i, score);
+  }
   json_decref(j);
   done(&r);
   done(&text);
@@ -1003,6 +1161,12 @@ static void test_diagnosis_waiting(void **state) {
   assert_int_equal(r.code, 2);
   assert_non_null(strstr(r.err, "--rank"));
   done(&r);
+  /* a rank the world does not have is not found (3), as plan --rank 9 */
+  r = run("trace", "--rank", "5", NULL);
+  assert_int_equal(r.code, 3);
+  assert_string_equal(r.err,
+                      "shardplane trace: --rank 5: the world has ranks 0-3\n");
+  done(&r);
   r = run("analyze", "--last", "-1", NULL);
   assert_int_equal(r.code, 2);
   assert_non_null(strstr(r.err, "--last"));
@@ -1034,7 +1198,10 @@ int main(void) {
       cmocka_unit_test(test_store),
       cmocka_unit_test(test_unreachable_and_usage),
       cmocka_unit_test(test_watch),
+      cmocka_unit_test(test_watch_says_it_waits),
+      cmocka_unit_test(test_status_alert_times),
       cmocka_unit_test(test_ranks_after_a_job),
+      cmocka_unit_test(test_ranks_scores_of_equal_ranks),
       cmocka_unit_test(test_diagnosis_waiting),
       cmocka_unit_test(test_diagnosis_live),
       cmocka_unit_test(test_coordinator_stops),

@@ -687,6 +687,110 @@ static void test_straggler_between_ticks(void **state) {
   job_stop(&j);
 }
 
+/* As a real worker sends them: n steps (first..first+n-1) of every rank
+ * in one message each, the transitions first and the collectives after,
+ * so a step closes before the message's completions say what of it was
+ * waiting. Timings as sync_step's. */
+static void batched_steps(job *j, int first, int n, uint32_t slow,
+                          uint64_t slow_us) {
+  enum { MAX_STEPS = 4, T_PER_STEP = 7 };
+  assert_true(n <= MAX_STEPS);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    Shardplane__V1__Transition t[MAX_STEPS * T_PER_STEP];
+    Shardplane__V1__Transition *tp[MAX_STEPS * T_PER_STEP];
+    Shardplane__V1__Collective k[MAX_STEPS * 2];
+    Shardplane__V1__Collective *kp[MAX_STEPS * 2];
+    size_t nt = 0, nk = 0;
+    uint64_t busy = r == slow ? slow_us : 40000u;
+    for (int s = first; s < first + n; s++) {
+      uint64_t t0 = 1700000000000000ull + (uint64_t)s * 100000u;
+      const struct {
+        int machine, state;
+        uint64_t at;
+      } ev[T_PER_STEP] = {
+          {ROOT, SP_ROOT_FORWARD_BACKWARD, t0},
+          {HANDLE, SP_HANDLE_FORWARD, t0 + 1000},
+          {HANDLE, SP_HANDLE_IDLE, t0 + 1000 + busy / 2},
+          {HANDLE, SP_HANDLE_BACKWARD_PRE, t0 + 50000},
+          {HANDLE, SP_HANDLE_BACKWARD_POST, t0 + 50000 + busy / 2},
+          {HANDLE, SP_HANDLE_IDLE, t0 + 99000},
+          {ROOT, SP_ROOT_IDLE, t0 + 100000},
+      };
+      for (int e = 0; e < T_PER_STEP; e++, nt++) {
+        shardplane__v1__transition__init(&t[nt]);
+        t[nt].machine = (Shardplane__V1__Machine)ev[e].machine;
+        t[nt].unit = ev[e].machine == HANDLE ? 1 : 0;
+        t[nt].state = ev[e].state;
+        t[nt].step = (uint64_t)s;
+        t[nt].time_us = ev[e].at;
+        tp[nt] = &t[nt];
+      }
+      for (int i = 0; i < 2; i++, nk++) {
+        shardplane__v1__collective__init(&k[nk]);
+        k[nk].comm = SHARDPLANE__V1__COMM_KIND__COMM_WORLD;
+        k[nk].seq = (uint64_t)s;
+        k[nk].op = SHARDPLANE__V1__COLLECTIVE_OP__ALL_REDUCE;
+        k[nk].dtype = SHARDPLANE__V1__DTYPE__FLOAT32;
+        k[nk].count = 1;
+        k[nk].completed = i == 1;
+        k[nk].step = (uint64_t)s;
+        k[nk].time_us = t0 + 99500;
+        k[nk].waited_us = i == 1 ? 100000u - busy : 0;
+        kp[nk] = &k[nk];
+      }
+    }
+    Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
+    up.step = (uint64_t)(first + n - 1);
+    up.n_transitions = nt;
+    up.transitions = tp;
+    up.n_collectives = nk;
+    up.collectives = kp;
+    send_up(&j->f[r], &up);
+  }
+}
+
+static void expect_scores(job *j, const double *want, const char *when) {
+  Shardplane__V1__ListRanksRequest lq =
+      SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+  sp_rpc_status st;
+  Shardplane__V1__ListRanksResponse *lr =
+      (Shardplane__V1__ListRanksResponse *)sp_coord_fixture_call(
+          &j->fx, PATH("ListRanks"), &lq.base,
+          &shardplane__v1__list_ranks_response__descriptor, &st);
+  assert_non_null(lr);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    double got = lr->ranks[r]->straggler_score;
+    printf("%s: rank %u scores %.3f (want %.2f)\n", when, r, got, want[r]);
+    if (got < want[r] - 0.01 || got > want[r] + 0.01)
+      fail_msg("%s: rank %u scores %.3f, want %.2f", when, r, got, want[r]);
+  }
+  sp_test_free_msg(lr);
+}
+
+/* The score of a rank as fast as the others is 1.00, also when a
+ * message brings several steps at once (as workers batch them): the
+ * waits the message carries after its transitions are taken off the
+ * steps they ended in before the rank is judged. Judged at the step's
+ * close, equal ranks scored 1.43 here (2.1 to 2.8 in a real job); with
+ * the waits of 3 steps taken all off the last one, a 1.5x slow rank
+ * scored 1.14. */
+static void test_straggler_score_of_batched_steps(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  job_start(&j, flags, 60000);
+  for (int s = 1; s <= 24; s += 4) batched_steps(&j, s, 4, 1, 40000u);
+  /* a tick takes the job's median */
+  sp_test_sleep_ms(2 * SP_DIAG_TICK_MS);
+  batched_steps(&j, 25, 4, 1, 40000u);
+  expect_scores(&j, (const double[]){1, 1, 1, 1}, "equal ranks");
+  /* rank 1 turns 1.5x slow: a window of its slow steps */
+  for (int s = 29; s <= 48; s += 4) batched_steps(&j, s, 4, 1, 60000u);
+  sp_test_sleep_ms(2 * SP_DIAG_TICK_MS);
+  expect_scores(&j, (const double[]){1, 1.5, 1, 1}, "rank 1 1.5x slow");
+  job_stop(&j);
+}
+
 /* ---------------- job state and progress ---------------- */
 
 static void test_job_completes_and_refuses_attach(void **state) {
@@ -915,6 +1019,7 @@ int main(void) {
       cmocka_unit_test(test_stall_after_a_rank_left),
       cmocka_unit_test(test_straggler_within_20_steps),
       cmocka_unit_test(test_straggler_between_ticks),
+      cmocka_unit_test(test_straggler_score_of_batched_steps),
       cmocka_unit_test(test_job_completes_and_refuses_attach),
       cmocka_unit_test(test_trace_and_dump),
   };

@@ -151,6 +151,7 @@ static void test_run_to_checkpoint(void **state) {
   assert_true(every_line_attributed(out));
   assert_non_null(strstr(out, "checkpoint in"));
   assert_non_null(strstr(out, ck));
+  assert_null(strstr(out, "--generate")); /* the MLP makes no text */
   char *model = sp_test_path(ck, "full/model.safetensors");
   struct stat sb;
   assert_int_equal(stat(model, &sb), 0);
@@ -159,6 +160,120 @@ static void test_run_to_checkpoint(void **state) {
   free(out);
   free(err);
   free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* A GPT-2 run's last line is the command that samples text from its
+ * checkpoint, and it works; --temperature 0 samples greedily (the same
+ * text whatever the seed), and the flag's errors say so. */
+static void test_run_gpt2_says_how_to_sample(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *model = SP_EXAMPLES "/models/gpt2-tiny.json";
+  const char *args[] = {"--nproc",     "2",         "--model",          model,
+                        "--wrap-type", "GPT2Block", "--steps",          "3",
+                        "--log-every", "0",         "--checkpoint-dir", ck,
+                        NULL};
+  int st = wait_run(start_run(dir, args), 120);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s%s", out, err);
+  assert_int_equal(st, 0);
+  char want[4096];
+  snprintf(want, sizeof want,
+           "shardplane run: sample text from it with "
+           "shardplane-worker --generate --load %s/full --model %s --prompt "
+           "\"The \" --tokens 300\n",
+           ck, model);
+  const char *at = strstr(out, want);
+  assert_non_null(at);
+  assert_int_equal(at[strlen(want)], '\0'); /* the last line */
+  free(out);
+  free(err);
+  char load[1024], *text[2] = {NULL, NULL};
+  snprintf(load, sizeof load, "%s/full", ck);
+  for (int i = 0; i < 2; i++) {
+    char *gen[] = {SP_BIN_DIR "/shardplane-worker",
+                   "--generate",
+                   "--load",
+                   load,
+                   "--model",
+                   (char *)model,
+                   "--prompt",
+                   "The ",
+                   "--tokens",
+                   "20",
+                   "--temperature",
+                   "0",
+                   "--seed",
+                   i ? "7" : "0",
+                   NULL};
+    assert_int_equal(sp_test_wait_exit(start_cmd(dir, gen), 60), 0);
+    text[i] = slurp(dir, "out");
+    assert_int_equal(strncmp(text[i], "The ", 4), 0);
+    assert_int_equal(strlen(text[i]), 4 + 20 + 1);
+  }
+  assert_string_equal(text[0], text[1]);
+  free(text[0]);
+  free(text[1]);
+  char *bad[] = {SP_BIN_DIR "/shardplane-worker",
+                 "--generate",
+                 "--load",
+                 load,
+                 "--model",
+                 (char *)model,
+                 "--temperature",
+                 "-1",
+                 NULL};
+  assert_int_equal(sp_test_wait_exit(start_cmd(dir, bad), 60), 2);
+  err = slurp(dir, "err");
+  assert_string_equal(err, "shardplane-worker: --temperature \"-1\": expected "
+                           "a finite number >= 0 (0: greedy)\n");
+  free(err);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
+/* --checkpoint-dir naming a file is bad usage named by its flag before
+ * anything starts; a failure inside the directory later names the flag
+ * too (the coordinator's state dir, where a file is in the way). */
+static void test_run_checkpoint_dir_not_a_directory(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *file = sp_test_path(dir, "afile");
+  sp_test_write_file(file, "x", 1);
+  const char *args[] = {"--nproc",          "2",  "--model", MLP,
+                        "--checkpoint-dir", file, NULL};
+  assert_int_equal(wait_run(start_run(dir, args), 60), 2);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s%s", out, err);
+  char want[2048];
+  snprintf(want, sizeof want,
+           "shardplane run: --checkpoint-dir \"%s\": "
+           "expected a directory: it is a file\n",
+           file);
+  assert_string_equal(err, want);
+  assert_string_equal(out, ""); /* no coordinator, no worker */
+  free(out);
+  free(err);
+
+  char *ck = sp_test_path(dir, "ck");
+  assert_int_equal(mkdir(ck, 0700), 0);
+  char *in_the_way = sp_test_path(ck, "coordinator-state");
+  sp_test_write_file(in_the_way, "x", 1);
+  const char *later[] = {"--nproc",          "2", "--model", MLP,
+                         "--checkpoint-dir", ck,  NULL};
+  assert_int_equal(wait_run(start_run(dir, later), 60), 1);
+  err = slurp(dir, "err");
+  printf("%s", err);
+  snprintf(want, sizeof want, " in --checkpoint-dir %s: ", ck);
+  assert_non_null(strstr(err, want));
+  free(err);
+  free(in_the_way);
+  free(ck);
+  free(file);
   sp_test_rmtree(dir);
   free(dir);
 }
@@ -1273,6 +1388,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_untrainable_spec),
       cmocka_unit_test(test_run_checked_before_start),
+      cmocka_unit_test(test_run_gpt2_says_how_to_sample),
+      cmocka_unit_test(test_run_checkpoint_dir_not_a_directory),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_restart),
       cmocka_unit_test(test_run_restarts_used_up),

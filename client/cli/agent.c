@@ -220,12 +220,12 @@ static int parse_args(agent *a, int argc, char **argv) {
         rc = sp_sup_stop_grace_parse("--stop-grace", optarg,
                                      &a->stop_grace_s, &d);
         break;
-      case '?': usage(stderr); return SP_EXIT_USAGE;
+      case '?': sp_cli_try_help(AGENT); return SP_EXIT_USAGE;
       default: {
         int k = sp_remote_option(&a->r, c, optarg);
         if (k < 0) return SP_EXIT_USAGE;
         if (k == 0) {
-          usage(stderr);
+          sp_cli_try_help(AGENT);
           return SP_EXIT_USAGE;
         }
       }
@@ -237,7 +237,7 @@ static int parse_args(agent *a, int argc, char **argv) {
   }
   if (a->nproc < 0) {
     sp_cli_error(AGENT, "--nproc-per-node is required");
-    usage(stderr);
+    sp_cli_try_help(AGENT);
     return SP_EXIT_USAGE;
   }
   if (optind >= argc) {

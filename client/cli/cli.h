@@ -55,6 +55,15 @@ int sp_cmd_token(int argc, char **argv);
 void sp_cli_error(const char *cmd, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
+/* After a usage error's line: "try 'shardplane <cmd> --help'" (cmd NULL:
+ * "try 'shardplane --help'"). */
+void sp_cli_try_help(const char *cmd);
+
+/* --rank R of a world of `world` ranks: SP_EXIT_OK, or SP_EXIT_NOT_FOUND
+ * after "--rank R: the world has ranks 0-N" (the coordinator says
+ * INVALID_ARGUMENT, but to the user it is a rank that is not there). */
+int sp_cli_check_rank(const char *cmd, long long rank, uint32_t world);
+
 /* A decimal in [0, max]; -1 for anything else. */
 int sp_cli_parse_uint(const char *s, long long max, long long *out);
 

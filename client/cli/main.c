@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/flag.h"
 #include "cli.h"
 
 #define SP_VERSION "0.1.0"
@@ -48,6 +49,18 @@ void sp_cli_error(const char *cmd, const char *fmt, ...) {
   /* one write: stderr is unbuffered, and other processes (the workers of
    * `run`, a coordinator) may write to it between the pieces of a line */
   fprintf(stderr, "shardplane %s: %s\n", cmd, msg);
+}
+
+void sp_cli_try_help(const char *cmd) {
+  char prog[64];
+  snprintf(prog, sizeof prog, "shardplane%s%s", cmd ? " " : "", cmd ? cmd : "");
+  sp_flag_try_help(prog);
+}
+
+int sp_cli_check_rank(const char *cmd, long long rank, uint32_t world) {
+  if (rank < (long long)world) return SP_EXIT_OK;
+  sp_cli_error(cmd, "--rank %lld: the world has ranks 0-%u", rank, world - 1);
+  return SP_EXIT_NOT_FOUND;
 }
 
 int sp_cli_parse_uint(const char *s, long long max, long long *out) {
@@ -96,6 +109,6 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, k_commands[i].name) == 0)
       return k_commands[i].fn(argc - 1, argv + 1);
   fprintf(stderr, "shardplane: unknown command \"%s\"\n", cmd);
-  usage(stderr);
+  sp_cli_try_help(NULL);
   return SP_EXIT_USAGE;
 }

@@ -155,9 +155,7 @@ static int run_plan(const plan_args *a) {
                         .build_ms = (sp_clock_s() * 1e3) - t0};
   for (size_t i = 0; i < model->n_params; i++)
     src.elements += model->params[i].numel;
-  if (a->rank >= (long long)plan->world_size) {
-    sp_cli_error("plan", "--rank %lld: the world has ranks 0-%u", a->rank,
-                 plan->world_size - 1);
+  if (sp_cli_check_rank("plan", a->rank, plan->world_size) != SP_EXIT_OK) {
     exit_code = SP_EXIT_NOT_FOUND;
     goto out;
   }
@@ -272,7 +270,7 @@ int sp_cmd_plan(int argc, char **argv) {
         if (sp_job_cli_record(&a.flags, c, optarg) != 0) goto out;
         break;
       }
-      plan_help(stderr);
+      sp_cli_try_help("plan"); /* getopt said what */
       goto out;
     }
     continue;
@@ -282,6 +280,7 @@ int sp_cmd_plan(int argc, char **argv) {
   }
   if (optind < argc) {
     sp_cli_error("plan", "unexpected argument \"%s\"", argv[optind]);
+    sp_cli_try_help("plan");
     goto out;
   }
   if (a.mem_flag != NULL && !a.memory) {
@@ -353,12 +352,8 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
     goto out;
   }
   const sp_plan *pl = &wp->plan;
-  if (rank >= (long long)pl->world_size) {
-    sp_cli_error(r->cmd, "--rank %lld: the world has ranks 0-%u", rank,
-                 pl->world_size - 1);
-    ec = SP_EXIT_NOT_FOUND;
+  if ((ec = sp_cli_check_rank(r->cmd, rank, pl->world_size)) != SP_EXIT_OK)
     goto out;
-  }
   long u = -1;
   if (unit != NULL && (u = sp_plan_find_unit(pl, unit)) < 0) {
     sp_cli_error(r->cmd, "--unit %s: no such unit (%zu units)", unit,

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli.h"
 #include "flight_fmt.h"
@@ -259,7 +260,7 @@ static int parse_one(sp_remote *r, const subcmd *sc, int c,
   if (c != '?' && on_opt != NULL && on_opt(ctx, c, optarg) == 0)
     return PROCEED;
   if (c == '?') /* getopt said what */
-    fprintf(stderr, "usage: shardplane %s (--help for more)\n", sc->synopsis);
+    sp_cli_try_help(r->cmd);
   return SP_EXIT_USAGE;
 }
 
@@ -299,11 +300,11 @@ int sp_remote_parse_args(sp_remote *r, const subcmd *sc, int argc, char **argv,
   *n = (size_t)(argc - optind);
   if (*n < sc->min_args || *n > sc->max_args) {
     if (*n < sc->min_args)
-      sp_cli_error(r->cmd, "missing argument");
+      sp_cli_error(r->cmd, "missing argument: shardplane %s", sc->synopsis);
     else
       sp_cli_error(r->cmd, "unexpected argument \"%s\"",
                    argv[optind + (int)sc->max_args]);
-    fprintf(stderr, "usage: shardplane %s (--help for more)\n", sc->synopsis);
+    sp_cli_try_help(r->cmd);
     return SP_EXIT_USAGE;
   }
   return PROCEED;
@@ -325,6 +326,16 @@ void sp_remote_format_duration(uint64_t ms, char *buf, size_t len) {
              (unsigned)(ms / 60000 % 60));
 }
 
+uint64_t sp_remote_coord_start_us(uint64_t uptime_ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t now_us = (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
+  return now_us - uptime_ms * 1000;
+}
+
+uint64_t sp_remote_coord_wall_us(uint64_t start_us, uint64_t time_ms) {
+  return start_us + time_ms * 1000;
+}
 
 json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c) {
   if (c == NULL) return json_null();

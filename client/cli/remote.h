@@ -61,6 +61,14 @@ void sp_remote_free_msg(void *m);
 const char *sp_remote_enum_name(const ProtobufCEnumDescriptor *d, int v);
 /* "12.3s", "4m 05s", "2h 07m" */
 void sp_remote_format_duration(uint64_t ms, char *buf, size_t len);
+/* The coordinator stamps its events and alerts in ms since it started
+ * (time_ms); its uptime (GetJob) says when that was on the wall clock:
+ * start_us, in microseconds since the epoch. */
+uint64_t sp_remote_coord_start_us(uint64_t uptime_ms);
+/* A coordinator's time_ms on the wall clock (microseconds since the
+ * epoch), which sp_flight_time prints as watch and trace print the
+ * workers' own stamps: "12:03:41.123456" (UTC). */
+uint64_t sp_remote_coord_wall_us(uint64_t start_us, uint64_t time_ms);
 json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c);
 /* Hang diagnosis (the words status, why and watch share). */
 const char *sp_remote_job_state_name(int v);   /* "RUNNING" */

@@ -263,6 +263,7 @@ typedef struct run_job {
   char dump_dir[PATH_MAX]; /* the coordinator's --dump-dir */
   sp_ckpt_kind load_kind; /* and the kind of its checkpoint */
   sp_run_creds creds; /* the job's tokens (run_auth.c) */
+  bool gpt2; /* the workers train a GPT-2: its FULL checkpoint samples text */
 } run_job;
 
 /* The running processes. */
@@ -460,7 +461,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       continue;
     }
     if (c == '?' || index < 0) { /* getopt said what */
-      usage(stderr);
+      sp_cli_try_help(RUN);
       goto out;
     }
     char flag[64];
@@ -474,13 +475,13 @@ static int parse_args(int argc, char **argv, run_opts *o) {
   }
   if (optind < argc) {
     sp_cli_error(RUN, "unexpected argument \"%s\"", argv[optind]);
-    usage(stderr);
+    sp_cli_try_help(RUN);
     goto out;
   }
   if (!o->model_path || o->nproc < 1) {
     sp_cli_error(RUN, "%s", !o->model_path ? "--model is required"
                                            : "--nproc is required");
-    usage(stderr);
+    sp_cli_try_help(RUN);
     goto out;
   }
   for (size_t i = 0; i < o->faults.n; i++)
@@ -536,13 +537,14 @@ static int check_backend(const run_opts *o, const run_job *j) {
  * by the workers' own checks (train_model.h): a spec they cannot train
  * is a bad spec (1), a plan or flags the trainer refuses bad usage (2).
  * Returns PROCEED or the exit code. */
-static int check_training(const run_opts *o, const run_job *j) {
+static int check_training(const run_opts *o, run_job *j) {
   sp_train_model tm;
   sp_diag d = {{0}};
   if (sp_train_model_pick(j->model, o->synthetic, &tm, &d) < 0) {
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_FAILURE;
   }
+  j->gpt2 = tm.gpt != NULL;
   sp_mlp_train_cfg cfg;
   int rc = sp_train_model_check(&tm, j->plan, &o->train,
                                 (uint32_t)atoll(o->steps), strtod(o->lr, NULL),
@@ -611,6 +613,17 @@ static int check_gpus(const run_opts *o, run_job *j) {
  * configuration loses nothing. Returns PROCEED or the exit code. */
 static int check_checkpoints(const run_opts *o, run_job *j) {
   sp_diag d = {{0}};
+  /* a file there is told now, naming the flag, rather than as a state
+   * dir that cannot be made once the job starts */
+  struct stat sb;
+  int src = o->ckdir ? stat(o->ckdir, &sb) : -1;
+  if (o->ckdir &&
+      ((src == 0 && !S_ISDIR(sb.st_mode)) || (src != 0 && errno == ENOTDIR))) {
+    sp_flag_fail(&d, "--checkpoint-dir", o->ckdir, "a directory: %s",
+                 src == 0 ? "it is a file" : "a part of its path is a file");
+    sp_cli_error(RUN, "%s", d.msg);
+    return SP_EXIT_USAGE;
+  }
   if (o->load_dir &&
       sp_ckpt_resolve(o->load_dir, o->load_kind, j->load_from,
                       sizeof j->load_from, &j->load_kind, &d) < 0) {
@@ -902,6 +915,17 @@ static int make_dirs(const char *dir) {
   return mkdir(path, 0777) != 0 && errno != EEXIST ? -1 : 0;
 }
 
+/* "--checkpoint-dir DIR", or how the default one is chosen: what a
+ * failure in the checkpoint directory names, so that the user knows which
+ * path to change. */
+static void ckdir_words(const run_procs *p, char *buf, size_t cap) {
+  if (p->o->ckdir)
+    snprintf(buf, cap, "--checkpoint-dir %s", p->j->ckdir);
+  else
+    snprintf(buf, cap, "the checkpoint directory %s (--checkpoint-dir "
+             "chooses another)", p->j->ckdir);
+}
+
 /* DIR/coordinator-state of the checkpoint directory, emptied: each run is
  * a new job, whose store must not hold the last one's rendezvous keys.
  * Left alone while another coordinator holds it (that one then refuses
@@ -909,16 +933,18 @@ static int make_dirs(const char *dir) {
 static int prepare_state_dir(const run_job *j, run_procs *p) {
   int n = snprintf(p->state_dir, sizeof p->state_dir, "%s/coordinator-state",
                    j->ckdir);
+  char in[PATH_MAX + 64];
+  ckdir_words(p, in, sizeof in);
   if (n <= 0 || (size_t)n >= sizeof p->state_dir || make_dirs(p->state_dir)) {
-    sp_cli_error(RUN, "cannot create the coordinator's state dir %s: %s",
-                 p->state_dir, strerror(errno));
+    sp_cli_error(RUN, "cannot create the coordinator's state dir %s in "
+                 "%s: %s", p->state_dir, in, strerror(errno));
     return SP_EXIT_FAILURE;
   }
   char path[PATH_MAX + 32];
   snprintf(path, sizeof path, "%s/coordinator.lock", p->state_dir);
   int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) {
-    sp_cli_error(RUN, "cannot open %s: %s", path, strerror(errno));
+    sp_cli_error(RUN, "cannot open %s in %s: %s", path, in, strerror(errno));
     return SP_EXIT_FAILURE;
   }
   if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
@@ -927,7 +953,8 @@ static int prepare_state_dir(const run_job *j, run_procs *p) {
     for (size_t i = 0; i < 3; i++) {
       snprintf(path, sizeof path, "%s/%s", p->state_dir, files[i]);
       if (unlink(path) != 0 && errno != ENOENT) {
-        sp_cli_error(RUN, "cannot remove %s: %s", path, strerror(errno));
+        sp_cli_error(RUN, "cannot remove %s in %s: %s", path, in,
+                     strerror(errno));
         close(fd);
         return SP_EXIT_FAILURE;
       }
@@ -940,11 +967,14 @@ static int prepare_state_dir(const run_job *j, run_procs *p) {
 /* DIR/dumps of the checkpoint directory, for the coordinator's dumps
  * (kept across runs: each file is named by its time). Returns PROCEED or
  * the exit code. */
-static int prepare_dump_dir(run_job *j) {
+static int prepare_dump_dir(run_job *j, const run_procs *p) {
   int n = snprintf(j->dump_dir, sizeof j->dump_dir, "%s/dumps", j->ckdir);
   if (n <= 0 || (size_t)n >= sizeof j->dump_dir || make_dirs(j->dump_dir)) {
-    sp_cli_error(RUN, "cannot create the dump dir %s: %s", j->dump_dir,
-                 strerror(errno));
+    int e = errno;
+    char in[PATH_MAX + 64];
+    ckdir_words(p, in, sizeof in);
+    sp_cli_error(RUN, "cannot create the dump dir %s in %s: %s", j->dump_dir,
+                 in, strerror(e));
     return SP_EXIT_FAILURE;
   }
   return PROCEED;
@@ -1089,6 +1119,11 @@ static int report_done(const run_opts *o, const run_job *j,
            sig ? "continue" : "start", which, f.dir[k],
            sp_ckpt_kind_dir((sp_ckpt_kind)k));
   }
+  /* as ./dev run samples its checkpoint */
+  if (j->gpt2 && o->kinds[SP_CKPT_FULL])
+    printf("shardplane run: sample text from it with shardplane-worker "
+           "--generate --load %s --model %s --prompt \"The \" --tokens 300\n",
+           f.dir[SP_CKPT_FULL], o->model_path);
   return ret;
 }
 
@@ -1123,7 +1158,7 @@ int sp_cmd_run(int argc, char **argv) {
   /* a restart loads only a checkpoint this job wrote */
   sp_sup_ckpt_note(j.ckdir, &p.ckpt_seen);
   ret = prepare_state_dir(&j, &p);
-  if (ret == PROCEED) ret = prepare_dump_dir(&j);
+  if (ret == PROCEED) ret = prepare_dump_dir(&j, &p);
   if (ret == PROCEED) ret = start_coordinator(&o, &j, &p);
   if (ret != PROCEED) goto out;
   printf("shardplane run: %s, %lld ranks, %s, plan %s (%zu units); "

@@ -23,8 +23,8 @@ static const subcmd k_status = {
     "The job at a glance: model, job, plan version, the job's state and\n"
     "progress (step of total, steps/s, loss, time left), its verdict when\n"
     "it failed, how many ranks are in each state, and the alerts raised so\n"
-    "far, each with its kind, culprits and victims (shardplane why: the\n"
-    "verdict in full).\n\n",
+    "far, each with its time (UTC, as watch prints it), kind, culprits\n"
+    "and victims (shardplane why: the verdict in full).\n\n",
     0, 0};
 
 /* GetJob, with the job converted for the shared job renderer. */
@@ -94,11 +94,15 @@ static void print_status(const sp_remote *r,
          s->lost, s->detached, s->never_attached);
   printf("alerts      %u", j->alerts);
   if (j->n_recent_alerts > 0)
-    printf(" (the last %zu below)", j->n_recent_alerts);
+    printf(" (the last %zu below, times UTC)", j->n_recent_alerts);
   printf("\n");
+  uint64_t start_us = sp_remote_coord_start_us(j->uptime_ms);
   for (size_t i = 0; i < j->n_recent_alerts; i++) {
     const Shardplane__V1__Alert *a = j->recent_alerts[i];
-    printf("  %10.3fs  rank %u ", (double)a->time_ms / 1000.0, a->rank);
+    char when[32];
+    sp_flight_time(sp_remote_coord_wall_us(start_us, a->time_ms), when,
+                   sizeof when);
+    printf("  %s  rank %u ", when, a->rank);
     sp_remote_print_alert(stdout, a);
     putchar('\n');
   }
@@ -108,8 +112,16 @@ static int status_json(const sp_remote *r,
                        const Shardplane__V1__GetJobResponse *j,
                        const sp_job *job) {
   json_t *alerts = json_array();
-  for (size_t i = 0; i < j->n_recent_alerts; i++)
-    json_array_append_new(alerts, sp_remote_alert_json(j->recent_alerts[i]));
+  uint64_t start_us = sp_remote_coord_start_us(j->uptime_ms);
+  for (size_t i = 0; i < j->n_recent_alerts; i++) {
+    const Shardplane__V1__Alert *a = j->recent_alerts[i];
+    json_t *o = sp_remote_alert_json(a);
+    /* as watch's time_us: on the wall clock */
+    json_object_set_new(o, "time_us",
+                        json_integer((json_int_t)sp_remote_coord_wall_us(
+                            start_us, a->time_ms)));
+    json_array_append_new(alerts, o);
+  }
   json_t *root =
       json_pack("{s:s,s:I,s:{s:s,s:i,s:i,s:i,s:I},s:s,s:i,s:o,s:o,s:i,s:o}",
                 "coordinator", r->addr, "uptime_ms", (json_int_t)j->uptime_ms,

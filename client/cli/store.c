@@ -37,8 +37,10 @@ static const subcmd k_store = {
     "  cas KEY EXPECTED DESIRED     store DESIRED if KEY holds EXPECTED\n"
     "    --absent                   ... if KEY does not exist (then: cas\n"
     "                               --absent KEY DESIRED); exit 1 when the\n"
-    "                               value was not swapped\n",
-    1, 3};
+    "                               value was not swapped\n"
+    "The options go anywhere before \"--\": store --coordinator ADDR add\n"
+    "KEY -- -1.\n\n",
+    0, 64};
 
 enum { OPT_S_WAIT = 256, OPT_S_ABSENT };
 
@@ -237,55 +239,92 @@ static int store_cas(sp_remote *r, const char *key, const char *expected,
   return ec;
 }
 
+/* The operations and the words each takes after it. */
+static const struct store_op {
+  const char *name;
+  const char *args[3];
+} k_ops[] = {{"get", {"KEY"}},
+             {"set", {"KEY", "VALUE"}},
+             {"add", {"KEY", "DELTA"}},
+             {"delete", {"KEY"}},
+             {"cas", {"KEY", "EXPECTED", "DESIRED"}}};
+
+/* The operation's words checked against what it takes, each fault in a
+ * line naming it. Returns PROCEED or the exit code. */
+static int check_op(const sp_remote *r, const struct store_op *op,
+                    const store_args *a, char **args, size_t n) {
+  static const char *const absent_args[3] = {"KEY", "DESIRED"};
+  bool cas = strcmp(op->name, "cas") == 0;
+  const char *const *want = cas && a->absent ? absent_args : op->args;
+  size_t n_want = 0;
+  char usage[64];
+  int len = snprintf(usage, sizeof usage, "store %s%s", op->name,
+                     cas && a->absent ? " --absent" : "");
+  for (; n_want < 3 && want[n_want] != NULL; n_want++)
+    len +=
+        snprintf(usage + len, sizeof usage - (size_t)len, " %s", want[n_want]);
+  if (a->wait && strcmp(op->name, "get") != 0)
+    sp_cli_error(r->cmd, "%s: --wait is an option of get", op->name);
+  else if (a->absent && !cas)
+    sp_cli_error(r->cmd, "%s: --absent is an option of cas", op->name);
+  else if (n < n_want)
+    sp_cli_error(r->cmd, "%s: missing %s (%s)", op->name, want[n], usage);
+  else if (n > n_want && strncmp(args[n_want], "--", 2) == 0)
+    /* getopt left it a word: it came after "--" */
+    sp_cli_error(r->cmd,
+                 "%s: unexpected argument \"%s\": after \"--\" "
+                 "every word is an argument; options go before \"--\"",
+                 op->name, args[n_want]);
+  else if (n > n_want)
+    sp_cli_error(r->cmd, "%s: unexpected argument \"%s\" (%s)", op->name,
+                 args[n_want], usage);
+  else
+    return PROCEED;
+  sp_cli_try_help(r->cmd);
+  return SP_EXIT_USAGE;
+}
+
 int sp_cmd_store(int argc, char **argv) {
   sp_remote r;
   sp_remote_init(&r, "store");
-  if (argc < 2 || argv[1][0] == '-') {
-    bool help = argc >= 2 && (strcmp(argv[1], "--help") == 0 ||
-                              strcmp(argv[1], "-h") == 0);
-    sp_remote_subcmd_help(help ? stdout : stderr, &k_store);
-    return help ? SP_EXIT_OK : SP_EXIT_USAGE;
-  }
-  static const struct {
-    const char *name;
-    size_t min, max;
-  } ops[] = {{"get", 1, 1}, {"set", 2, 2}, {"add", 2, 2},
-             {"delete", 1, 1}, {"cas", 2, 3}};
-  const char *op = argv[1];
-  size_t i = 0, n_ops = sizeof ops / sizeof ops[0];
-  while (i < n_ops && strcmp(ops[i].name, op) != 0) i++;
-  if (i == n_ops) {
-    sp_cli_error(r.cmd, "unknown operation \"%s\" (get, set, add, delete, cas)",
-                 op);
-    return SP_EXIT_USAGE;
-  }
   store_args a = {false, false};
   const struct option own[] = {{"wait", no_argument, NULL, OPT_S_WAIT},
                                {"absent", no_argument, NULL, OPT_S_ABSENT}};
   int first;
   size_t n;
-  /* argv[1] (the operation) is getopt's argv[0] */
-  int ec = sp_remote_parse_args(&r, &k_store, argc - 1, argv + 1, own, 2, store_opt, &a,
-                      &first, &n);
+  /* the options anywhere before "--", before the operation too (store
+   * --coordinator ADDR add KEY -- -1) */
+  int ec = sp_remote_parse_args(&r, &k_store, argc, argv, own, 2, store_opt, &a,
+                                &first, &n);
   if (ec != PROCEED) return ec;
-  char **args = argv + 1 + first;
-  /* cas takes EXPECTED unless --absent */
-  size_t want_min = ops[i].min, want_max = ops[i].max;
-  if (strcmp(op, "cas") == 0) want_min = want_max = a.absent ? 2 : 3;
-  if (n < want_min || n > want_max || (a.wait && strcmp(op, "get") != 0) ||
-      (a.absent && strcmp(op, "cas") != 0)) {
-    sp_cli_error(r.cmd, "%s: wrong arguments", op);
-    fprintf(stderr, "usage: shardplane %s (--help for more)\n",
-            k_store.synopsis);
+  if (n == 0) {
+    sp_cli_error(r.cmd, "missing the operation: get, set, add, delete or "
+                        "cas");
+    sp_cli_try_help(r.cmd);
     return SP_EXIT_USAGE;
   }
-  if (strcmp(op, "get") == 0)
+  const char *name = argv[first];
+  const struct store_op *op = NULL;
+  for (size_t i = 0; i < sizeof k_ops / sizeof k_ops[0]; i++)
+    if (strcmp(k_ops[i].name, name) == 0) op = &k_ops[i];
+  if (op == NULL) {
+    sp_cli_error(r.cmd,
+                 "unknown operation \"%s\" (get, set, add, delete, "
+                 "cas)",
+                 name);
+    sp_cli_try_help(r.cmd);
+    return SP_EXIT_USAGE;
+  }
+  char **args = argv + first + 1;
+  n--;
+  if ((ec = check_op(&r, op, &a, args, n)) != PROCEED) return ec;
+  if (strcmp(name, "get") == 0)
     ec = store_get(&r, args[0], a.wait);
-  else if (strcmp(op, "set") == 0)
+  else if (strcmp(name, "set") == 0)
     ec = store_set(&r, args[0], args[1]);
-  else if (strcmp(op, "add") == 0)
+  else if (strcmp(name, "add") == 0)
     ec = store_add(&r, args[0], args[1]);
-  else if (strcmp(op, "delete") == 0)
+  else if (strcmp(name, "delete") == 0)
     ec = store_delete(&r, args[0]);
   else
     ec = store_cas(&r, args[0], a.absent ? NULL : args[1], args[n - 1]);

@@ -48,7 +48,7 @@ int sp_cmd_token(int argc, char **argv) {
     }
     sp_cli_error(TOKEN, "%s", argc < 2 ? "missing subcommand (create)"
                                        : "unknown subcommand; expected create");
-    usage(stderr);
+    sp_cli_try_help(TOKEN);
     return SP_EXIT_USAGE;
   }
   static const struct option opts[] = {
@@ -84,7 +84,7 @@ int sp_cmd_token(int argc, char **argv) {
       break;
     case OPT_NAME: name = optarg; break;
     case OPT_HELP: usage(stdout); return SP_EXIT_OK;
-    default: usage(stderr); return SP_EXIT_USAGE;
+    default: sp_cli_try_help(TOKEN); return SP_EXIT_USAGE;
     }
   }
   if (optind < argc || role == 0 || file == NULL) {
@@ -93,7 +93,7 @@ int sp_cmd_token(int argc, char **argv) {
     else
       sp_cli_error(TOKEN, "%s is required",
                    role == 0 ? "--role" : "--token-file");
-    usage(stderr);
+    sp_cli_try_help(TOKEN);
     return SP_EXIT_USAGE;
   }
   char token[SP_AUTH_TOKEN_LEN + 1], def_name[SP_AUTH_NAME_MAX + 1];

@@ -217,12 +217,19 @@ int sp_cmd_trace(int argc, char **argv) {
                                 &t, &first, &n);
   if (ec != PROCEED) return ec;
   if (t.rank < 0) {
-    sp_cli_error(r.cmd, "--rank: missing (which rank's recorder?)");
-    fprintf(stderr, "usage: shardplane %s (--help for more)\n",
-            k_trace.synopsis);
+    sp_cli_error(r.cmd, "missing --rank R (which rank's recorder?)");
+    sp_cli_try_help(r.cmd);
     return SP_EXIT_USAGE;
   }
   Shardplane__V1__Plan *pl = fetch_plan(&r);
+  /* not found, as with plan --rank, before the coordinator's
+   * INVALID_ARGUMENT */
+  if (pl != NULL && pl->job != NULL &&
+      (ec = sp_cli_check_rank(r.cmd, t.rank, pl->job->world_size)) !=
+          SP_EXIT_OK) {
+    sp_remote_free_msg(pl);
+    return sp_remote_finish(&r, ec);
+  }
   Shardplane__V1__GetTraceRequest q = SHARDPLANE__V1__GET_TRACE_REQUEST__INIT;
   q.rank = (uint32_t)t.rank;
   q.last_n = (uint32_t)t.last;

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cli.h"
 #include "flight_fmt.h"
@@ -28,7 +27,8 @@ static const subcmd k_watch = {
     "Lines with --json), until Ctrl-C, the end of the stream, or --count\n"
     "events. By default: ranks attached, lost and detached, and alerts\n"
     "(with their kind: DESYNC, STALL, STRAGGLER, LOST, ILLEGAL_TRANSITION,\n"
-    "culprits and victims).\n"
+    "culprits and victims). As text it first says where the job is and\n"
+    "what it waits for: a healthy job may have no event for a long time.\n"
     "The first column is the time of the event (UTC): the worker's own\n"
     "clock for a transition, which it stamps when it happens (a step's\n"
     "events reach the coordinator in batches), else the coordinator's.\n\n"
@@ -143,7 +143,7 @@ static uint64_t event_time_us(const Shardplane__V1__Event *ev,
     *worker = true;
     return ev->transition->time_us;
   }
-  return coord_start_us + ev->time_ms * 1000;
+  return sp_remote_coord_wall_us(coord_start_us, ev->time_ms);
 }
 
 /* One line per event; -1 when stdout is gone. */
@@ -191,6 +191,38 @@ static int print_event(const Shardplane__V1__Event *ev, bool json,
   }
   /* a pipe reader sees each event as it happens */
   return fflush(stdout) == 0 ? 0 : -1;
+}
+
+/* The first lines of a text watch: the job as it is now, and what is
+ * watched. A healthy job has no events for as long as it runs, and a
+ * watch that printed nothing looked like one that does not work. */
+static void print_header(const sp_remote *r,
+                         const Shardplane__V1__GetJobResponse *j,
+                         uint32_t world, const watch_args *w, uint32_t kinds) {
+  char prog[256];
+  sp_remote_progress_words(j->progress, prog, sizeof prog);
+  printf("coordinator %s, job %s: %s, %u of %u ranks attached\n", r->addr,
+         sp_remote_job_state_name(j->state), prog,
+         j->ranks != NULL ? j->ranks->attached : 0, world);
+  printf("waiting for events (");
+  const char *sep = "";
+  for (int k = 1; k <= SHARDPLANE__V1__EVENT_KIND__ALERT; k++)
+    if (kinds & (1u << k)) {
+      const char *name =
+          sp_remote_enum_name(&shardplane__v1__event_kind__descriptor, k);
+      if (strncmp(name, "RANK_", 5) == 0) name += 5;
+      printf("%s", sep);
+      for (const char *c = name; *c; c++) putchar(tolower((unsigned char)*c));
+      sep = ", ";
+    }
+  if (w->n_ranks > 0) {
+    printf(" of rank%s ", w->n_ranks > 1 ? "s" : "");
+    for (size_t i = 0; i < w->n_ranks; i++)
+      printf("%s%u", i ? "," : "", w->ranks[i]);
+  } else {
+    printf(" of every rank");
+  }
+  printf("); times UTC; Ctrl-C stops\n");
 }
 
 /* Reads events until the stream ends, a signal, or the count is reached. */
@@ -254,26 +286,19 @@ int sp_cmd_watch(int argc, char **argv) {
   }
   sp_rpc_sync_stream *st = NULL;
   uint64_t coord_start_us = 0;
+  Shardplane__V1__GetJobResponse *j = NULL;
+  uint32_t world = 0;
   {
     /* an unknown rank is "not found" here, as in `plan --rank`; the
      * uptime places the coordinator's event times on the wall clock */
-    Shardplane__V1__GetJobResponse *j = NULL;
     sp_job job;
     sp_job_init(&job);
     ec = sp_remote_get_job(&r, &j, &job);
-    if (ec == SP_EXIT_OK) {
-      struct timespec ts;
-      clock_gettime(CLOCK_REALTIME, &ts);
-      uint64_t now_us = (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
-      coord_start_us = now_us - j->uptime_ms * 1000;
-    }
+    if (ec == SP_EXIT_OK)
+      coord_start_us = sp_remote_coord_start_us(j->uptime_ms);
     for (size_t i = 0; ec == SP_EXIT_OK && i < w->n_ranks; i++)
-      if (w->ranks[i] >= job.world_size) {
-        sp_cli_error(r.cmd, "--rank %u: the world has ranks 0-%u", w->ranks[i],
-                     job.world_size - 1);
-        ec = SP_EXIT_NOT_FOUND;
-      }
-    sp_remote_free_msg(j);
+      ec = sp_cli_check_rank(r.cmd, w->ranks[i], job.world_size);
+    world = job.world_size;
     sp_job_clear(&job);
   }
   if (ec != SP_EXIT_OK) goto out;
@@ -287,6 +312,7 @@ int sp_cmd_watch(int argc, char **argv) {
   if (w->transitions)
     kinds = (kinds ? kinds : all_but_transitions) |
             (1u << SHARDPLANE__V1__EVENT_KIND__TRANSITION);
+  uint32_t shown = kinds ? kinds : all_but_transitions;
   Shardplane__V1__EventKind kind_list[8];
   Shardplane__V1__WatchRequest q = SHARDPLANE__V1__WATCH_REQUEST__INIT;
   for (int k = 1; k <= SHARDPLANE__V1__EVENT_KIND__ALERT; k++)
@@ -304,10 +330,18 @@ int sp_cmd_watch(int argc, char **argv) {
     ec = SP_EXIT_FAILURE;
     goto out;
   }
+  if (!r.json) {
+    print_header(&r, j, world, w, shown);
+    if (fflush(stdout) != 0) {
+      ec = SP_EXIT_FAILURE; /* the reader went away */
+      goto out;
+    }
+  }
   /* SP_ESTATE: the call already ended; the loop reads its status */
   ec = watch_loop(&r, st, w->count, coord_start_us);
 out:
   sp_rpc_sync_stream_close(st);
+  sp_remote_free_msg(j);
   free(w);
   return sp_remote_finish(&r, ec);
 }

@@ -100,8 +100,10 @@ static void put(FILE *out, int c) {
 }
 
 int sp_gpt2_generate(const sp_gpt2_gen_opts *o, FILE *out, sp_diag *d) {
-  if (o == NULL || out == NULL || !(o->temperature > 0))
-    return sp_diag_set(d, SP_EINVAL, "--temperature must be > 0");
+  if (o == NULL || out == NULL || !(o->temperature >= 0) ||
+      !isfinite(o->temperature))
+    return sp_diag_set(d, SP_EINVAL,
+                       "--temperature: expected " SP_GPT2_TEMPERATURE_RULE);
   sp_model *m = NULL;
   sp_gpt2 *g = NULL;
   sp_gpt2_acts *a = NULL;
@@ -139,19 +141,25 @@ int sp_gpt2_generate(const sp_gpt2_gen_opts *o, FILE *out, sp_diag *d) {
     if (rc == 0) rc = sp_gpt2_head_forward(g, &io, a, 1.0, &loss, d);
     if (rc != 0) break;
     sp_gpt2_last_logprobs(g, a, 0, lp);
-    /* softmax(logprobs / temperature), then the inverse CDF */
     double mx = -INFINITY, sum = 0;
+    int32_t pick = 0;
     for (int64_t j = 0; j < g->V; j++)
-      if (lp[j] > mx) mx = lp[j];
-    for (int64_t j = 0; j < g->V; j++)
-      sum += exp(((double)lp[j] - mx) / o->temperature);
-    double u = (double)(next(&seed) >> 11) * 0x1p-53 * sum, acc = 0;
-    int32_t pick = (int32_t)g->V - 1;
-    for (int64_t j = 0; j < g->V; j++) {
-      acc += exp(((double)lp[j] - mx) / o->temperature);
-      if (u < acc) {
+      if (lp[j] > mx) {
+        mx = lp[j];
         pick = (int32_t)j;
-        break;
+      }
+    if (o->temperature > 0) {
+      /* softmax(logprobs / temperature), then the inverse CDF */
+      for (int64_t j = 0; j < g->V; j++)
+        sum += exp(((double)lp[j] - mx) / o->temperature);
+      double u = (double)(next(&seed) >> 11) * 0x1p-53 * sum, acc = 0;
+      pick = (int32_t)g->V - 1;
+      for (int64_t j = 0; j < g->V; j++) {
+        acc += exp(((double)lp[j] - mx) / o->temperature);
+        if (u < acc) {
+          pick = (int32_t)j;
+          break;
+        }
       }
     }
     text[len] = pick;

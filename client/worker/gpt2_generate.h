@@ -11,12 +11,16 @@
 
 #include "base/sp_error.h"
 
+/* What --temperature takes, in the words of its errors. */
+#define SP_GPT2_TEMPERATURE_RULE "a finite number >= 0 (0: greedy)"
+
 typedef struct sp_gpt2_gen_opts {
   const char *model_path; /* the spec the checkpoint was trained from */
   const char *ckpt_file;  /* a FULL checkpoint's model.safetensors */
   const char *prompt;     /* the bytes to continue; "" or NULL: "\n" */
   uint32_t tokens;        /* bytes to generate */
-  double temperature;     /* > 0; logits divided by it */
+  double temperature;     /* logits divided by it; 0: greedy (the
+                             likeliest byte every time) */
   uint64_t seed;          /* of the sampling */
 } sp_gpt2_gen_opts;
 

@@ -473,8 +473,8 @@ static void usage(FILE *f) {
       "    [--tokens N] [--temperature X] [--seed N]\n"
       "  text from a GPT-2 checkpoint, without a job: DIR's FULL checkpoint\n"
       "  and the spec it was trained from continue TEXT (default a newline)\n"
-      "  by N bytes (default 400), sampled at temperature X (default 0.8)\n"
-      "  with seed N (default 0)\n"
+      "  by N bytes (default 400), sampled at temperature X (default 0.8;\n"
+      "  0: greedy, the likeliest byte every time) with seed N (default 0)\n"
       "\n"
       "Environment, as launchers set it (flags win): RANK or SLURM_PROCID\n"
       "(the rank), WORLD_SIZE or SLURM_NTASKS (must equal the job's world\n"
@@ -595,10 +595,9 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       o->gen.tokens = (uint32_t)n;
       return rc;
     case O_TEMP:
-      rc = sp_flag_number(flag, v, 0, &o->gen.temperature, d);
-      if (rc == 0 && !(o->gen.temperature > 0))
-        rc = sp_flag_fail(d, flag, v, "a number > 0");
-      return rc;
+      if (sp_flag_number(flag, v, 0, &o->gen.temperature, d) != 0)
+        return sp_flag_fail(d, flag, v, SP_GPT2_TEMPERATURE_RULE);
+      return 0;
     case O_SEED:
       rc = sp_flag_int(flag, v, 0, INT64_MAX, &n, d);
       o->gen.seed = (uint64_t)n;
@@ -673,7 +672,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       return 1;
     }
     if (c == '?' || index < 0) { /* getopt said what */
-      usage(stderr);
+      sp_flag_try_help("shardplane-worker");
       return 2;
     }
     char flag[64];
@@ -706,7 +705,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     else
       fprintf(stderr, "shardplane-worker: --rank is required (or $RANK or "
               "$SLURM_PROCID, as launchers set them)\n");
-    usage(stderr);
+    sp_flag_try_help("shardplane-worker");
     return 2;
   }
   char host[256];

@@ -75,3 +75,7 @@ int sp_flag_text(const char *flag, const char *value, const char *what,
     return sp_flag_fail(diag, flag, value, "%s", what);
   return 0;
 }
+
+void sp_flag_try_help(const char *prog) {
+  fprintf(stderr, "try '%s --help'\n", prog);
+}

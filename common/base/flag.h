@@ -27,4 +27,9 @@ int sp_flag_choice(const char *flag, const char *value,
 int sp_flag_text(const char *flag, const char *value, const char *what,
                  sp_diag *diag);
 
+/* After the one line that says what is wrong with a command line: "try
+ * 'PROG --help'" to stderr (prog: "shardplane run"). The whole help
+ * there buried that line under a hundred others. */
+void sp_flag_try_help(const char *prog);
+
 #endif
