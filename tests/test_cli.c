@@ -141,6 +141,11 @@ static void test_usage_errors_are_short(void **state) {
        "--nproc-per-node", "shardplane agent"},
       {"shardplane", "token", "missing subcommand", "shardplane token"},
       {"shardplane", "token create --bogus", "'--bogus'", "shardplane token"},
+      /* getopt's line names the command, not "create:" */
+      {"shardplane", "token create --json", "shardplane token: unrecognized "
+       "option '--json'", "shardplane token"},
+      {"shardplane", "token frob", "unknown subcommand \"frob\"",
+       "shardplane token"},
       {"shardplane", "token create --role admin", "--token-file",
        "shardplane token"},
       {"shardplane", "status --bogus", "'--bogus'", "shardplane status"},
