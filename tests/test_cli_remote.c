@@ -949,6 +949,13 @@ static void test_ranks_after_a_job(void **state) {
   snprintf(want, sizeof want, "REDUCE_SCATTER unit 0 float32 count %lld",
            (long long)shard);
   assert_non_null(strstr(text.out, want));
+  /* a long last collective widens its column: every row ends where the
+   * header does (SCORE is right-aligned), the columns after it aligned */
+  size_t header = strcspn(text.out, "\n");
+  for (const char *l = text.out + header + 1; *l; l += strcspn(l, "\n") + 1)
+    if (strcspn(l, "\n") != header)
+      fail_msg("a row of %zu columns under a header of %zu:\n%s",
+               strcspn(l, "\n"), header, text.out);
   json_decref(j);
   done(&r);
   done(&text);
