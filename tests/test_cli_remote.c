@@ -552,6 +552,21 @@ static void test_unreachable_and_usage(void **state) {
                usage[i][1] ? usage[i][1] : "", r.code);
     done(&r);
   }
+  /* watch's flag errors read as every other: the flag, the value, what
+   * is allowed */
+  static const char *const watch_flags[][3] = {
+      {"--kind", "nope", "--kind \"nope\": expected one of attached, lost, "
+                         "detached, transition, alert"},
+      {"--count", "0", "--count \"0\": expected a positive integer"},
+      {"--rank", "x", "--rank \"x\": expected an integer in [0, "},
+  };
+  for (size_t i = 0; i < sizeof watch_flags / sizeof watch_flags[0]; i++) {
+    r = run("watch", watch_flags[i][0], watch_flags[i][1], NULL);
+    if (r.code != 2 || strstr(r.err, watch_flags[i][2]) == NULL)
+      fail_msg("watch %s %s: exit %d: %s", watch_flags[i][0],
+               watch_flags[i][1], r.code, r.err);
+    done(&r);
+  }
   /* a rank outside the world is not found, as with `plan --rank` */
   r = run("watch", "--rank", "9", NULL);
   assert_int_equal(r.code, 3);
