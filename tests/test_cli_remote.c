@@ -531,6 +531,23 @@ static void test_unreachable_and_usage(void **state) {
           "--timeout-ms", "300", NULL);
   assert_int_equal(r.code, 4); /* not 3: nobody answered at all */
   done(&r);
+  /* every remote command: 4 and one line saying so (trace, which asks
+   * for the plan first, said it twice and exited 1) */
+  static const char *const cmds[][3] = {
+      {"trace", "--rank", "0"}, {"analyze", NULL, NULL},
+      {"why", NULL, NULL},      {"incarnations", NULL, NULL},
+      {"ranks", NULL, NULL},    {"where", "x", NULL},
+  };
+  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+    r = run(cmds[i][0], "--coordinator", closed, "--timeout-ms", "300",
+            cmds[i][1], cmds[i][2], NULL);
+    size_t lines = 0;
+    for (const char *c = r.err; *c; c++) lines += *c == '\n';
+    if (r.code != 4 || lines != 1)
+      fail_msg("%s against a closed port: exit %d:\n%s", cmds[i][0], r.code,
+               r.err);
+    done(&r);
+  }
 
   const char *usage[][6] = {
       {"where", NULL},
@@ -1192,6 +1209,27 @@ static void test_diagnosis_waiting(void **state) {
   r = run("analyze", "--last", "-1", NULL);
   assert_int_equal(r.code, 2);
   assert_non_null(strstr(r.err, "--last"));
+  done(&r);
+  /* --last 0 is not "all of them", the coordinator's meaning of 0 */
+  r = run("analyze", "--last", "0", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--last \"0\""));
+  done(&r);
+  r = run("trace", "--rank", "0", "--last", "0", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--last \"0\""));
+  done(&r);
+  /* a dump file is what the coordinator wrote: --last cannot apply */
+  r = run("analyze", "dump.json", "--last", "3", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--last is for a live dump"));
+  assert_non_null(strstr(r.err, "try 'shardplane analyze --help'"));
+  done(&r);
+  /* a rank that never attached has no recorder to read: the coordinator
+   * answered, so a failure (1), not 4, "no coordinator answered" */
+  r = run("trace", "--rank", "0", NULL);
+  assert_int_equal(r.code, 1);
+  assert_non_null(strstr(r.err, "rank 0 has no open session stream"));
   done(&r);
   r = run("why", "--help", NULL);
   assert_int_equal(r.code, 0);
