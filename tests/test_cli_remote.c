@@ -1235,6 +1235,8 @@ static void test_diagnosis_waiting(void **state) {
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "--token-file"));
   assert_non_null(strstr(r.out, "exit code 5"));
+  /* $SHARDPLANE_TOKEN holds the token, not a file's name */
+  assert_non_null(strstr(r.out, "(default: the token itself in\n"));
   done(&r);
 }
 
