@@ -49,6 +49,15 @@ static void done(result *r) {
 
 #define MODEL(name) SP_EXAMPLES "/models/" name ".json"
 
+/* Fails unless every line of text fits in 80 columns. */
+static void assert_fits_80(const char *text, const char *what) {
+  for (const char *l = text; *l;) {
+    size_t n = strcspn(l, "\n");
+    if (n > 80) fail_msg("%s: a line of %zu columns: %.*s", what, n, (int)n, l);
+    l += n + (l[n] == '\n');
+  }
+}
+
 static void test_usage_and_help(void **state) {
   (void)state;
   result r = run("");
@@ -58,6 +67,23 @@ static void test_usage_and_help(void **state) {
   r = run("--help");
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "plan"));
+  assert_fits_80(r.out, "shardplane --help");
+  /* every command's summary starts in the same column, "incarnations"
+   * (the longest name) included */
+  const char *list = strstr(r.out, "commands:\n");
+  assert_non_null(list);
+  size_t col = 0, rows = 0;
+  for (const char *l = list + 10; l[0] == ' ' && l[1] == ' ';) {
+    size_t name = 2 + strcspn(l + 2, " ");
+    size_t at = name + strspn(l + name, " ");
+    if (col == 0) col = at;
+    if (at != col)
+      fail_msg("summary at column %zu, not %zu: %.*s", at, col,
+               (int)strcspn(l, "\n"), l);
+    rows++;
+    l += strcspn(l, "\n") + 1;
+  }
+  assert_int_equal(rows, 14);
   done(&r);
   r = run("frobnicate");
   assert_int_equal(r.code, 2);
@@ -115,6 +141,11 @@ static void test_usage_errors_are_short(void **state) {
        "--nproc-per-node", "shardplane agent"},
       {"shardplane", "token", "missing subcommand", "shardplane token"},
       {"shardplane", "token create --bogus", "'--bogus'", "shardplane token"},
+      /* getopt's line names the command, not "create:" */
+      {"shardplane", "token create --json", "shardplane token: unrecognized "
+       "option '--json'", "shardplane token"},
+      {"shardplane", "token frob", "unknown subcommand \"frob\"",
+       "shardplane token"},
       {"shardplane", "token create --role admin", "--token-file",
        "shardplane token"},
       {"shardplane", "status --bogus", "'--bogus'", "shardplane status"},

@@ -531,6 +531,23 @@ static void test_unreachable_and_usage(void **state) {
           "--timeout-ms", "300", NULL);
   assert_int_equal(r.code, 4); /* not 3: nobody answered at all */
   done(&r);
+  /* every remote command: 4 and one line saying so (trace, which asks
+   * for the plan first, said it twice and exited 1) */
+  static const char *const cmds[][3] = {
+      {"trace", "--rank", "0"}, {"analyze", NULL, NULL},
+      {"why", NULL, NULL},      {"incarnations", NULL, NULL},
+      {"ranks", NULL, NULL},    {"where", "x", NULL},
+  };
+  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+    r = run(cmds[i][0], "--coordinator", closed, "--timeout-ms", "300",
+            cmds[i][1], cmds[i][2], NULL);
+    size_t lines = 0;
+    for (const char *c = r.err; *c; c++) lines += *c == '\n';
+    if (r.code != 4 || lines != 1)
+      fail_msg("%s against a closed port: exit %d:\n%s", cmds[i][0], r.code,
+               r.err);
+    done(&r);
+  }
 
   const char *usage[][6] = {
       {"where", NULL},
@@ -550,6 +567,21 @@ static void test_unreachable_and_usage(void **state) {
     if (r.code != 2)
       fail_msg("shardplane %s %s: exit %d, want 2", usage[i][0],
                usage[i][1] ? usage[i][1] : "", r.code);
+    done(&r);
+  }
+  /* watch's flag errors read as every other: the flag, the value, what
+   * is allowed */
+  static const char *const watch_flags[][3] = {
+      {"--kind", "nope", "--kind \"nope\": expected one of attached, lost, "
+                         "detached, transition, alert"},
+      {"--count", "0", "--count \"0\": expected a positive integer"},
+      {"--rank", "x", "--rank \"x\": expected an integer in [0, "},
+  };
+  for (size_t i = 0; i < sizeof watch_flags / sizeof watch_flags[0]; i++) {
+    r = run("watch", watch_flags[i][0], watch_flags[i][1], NULL);
+    if (r.code != 2 || strstr(r.err, watch_flags[i][2]) == NULL)
+      fail_msg("watch %s %s: exit %d: %s", watch_flags[i][0],
+               watch_flags[i][1], r.code, r.err);
     done(&r);
   }
   /* a rank outside the world is not found, as with `plan --rank` */
@@ -949,6 +981,13 @@ static void test_ranks_after_a_job(void **state) {
   snprintf(want, sizeof want, "REDUCE_SCATTER unit 0 float32 count %lld",
            (long long)shard);
   assert_non_null(strstr(text.out, want));
+  /* a long last collective widens its column: every row ends where the
+   * header does (SCORE is right-aligned), the columns after it aligned */
+  size_t header = strcspn(text.out, "\n");
+  for (const char *l = text.out + header + 1; *l; l += strcspn(l, "\n") + 1)
+    if (strcspn(l, "\n") != header)
+      fail_msg("a row of %zu columns under a header of %zu:\n%s",
+               strcspn(l, "\n"), header, text.out);
   json_decref(j);
   done(&r);
   done(&text);
@@ -1171,10 +1210,33 @@ static void test_diagnosis_waiting(void **state) {
   assert_int_equal(r.code, 2);
   assert_non_null(strstr(r.err, "--last"));
   done(&r);
+  /* --last 0 is not "all of them", the coordinator's meaning of 0 */
+  r = run("analyze", "--last", "0", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--last \"0\""));
+  done(&r);
+  r = run("trace", "--rank", "0", "--last", "0", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--last \"0\""));
+  done(&r);
+  /* a dump file is what the coordinator wrote: --last cannot apply */
+  r = run("analyze", "dump.json", "--last", "3", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--last is for a live dump"));
+  assert_non_null(strstr(r.err, "try 'shardplane analyze --help'"));
+  done(&r);
+  /* a rank that never attached has no recorder to read: the coordinator
+   * answered, so a failure (1), not 4, "no coordinator answered" */
+  r = run("trace", "--rank", "0", NULL);
+  assert_int_equal(r.code, 1);
+  assert_non_null(strstr(r.err, "rank 0 has no open session stream"));
+  done(&r);
   r = run("why", "--help", NULL);
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "--token-file"));
   assert_non_null(strstr(r.out, "exit code 5"));
+  /* $SHARDPLANE_TOKEN holds the token, not a file's name */
+  assert_non_null(strstr(r.out, "(default: the token itself in\n"));
   done(&r);
 }
 

@@ -624,7 +624,23 @@ static void test_token_create_and_use(void **state) {
            SP_BIN_DIR, fx.addr);
   assert_int_equal(shell(cmd, &out), 1);
   assert_non_null(strstr(out, "UNAUTHENTICATED"));
+  /* the refusal says that no token went, and how to send one */
+  assert_non_null(strstr(out, "no token sent (--token-file FILE"));
   free(out);
+  /* ... or which token it was refused */
+  char *wrong = sp_test_path(dir, "wrong.token");
+  assert_int_equal(sp_auth_token_write(wrong, "spt_not-a-token-of-this-job",
+                                       &d), 0);
+  snprintf(cmd, sizeof cmd,
+           "%s/shardplane status --coordinator %s --insecure --token-file %s "
+           "2>&1", SP_BIN_DIR, fx.addr, wrong);
+  assert_int_equal(shell(cmd, &out), 1);
+  char want[1200];
+  snprintf(want, sizeof want, "(UNAUTHENTICATED): the token of --token-file %s",
+           wrong);
+  if (strstr(out, want) == NULL) fail_msg("%s", out);
+  free(out);
+  free(wrong);
   /* a reader may not write the store */
   snprintf(cmd, sizeof cmd,
            "%s/shardplane store set k v --coordinator %s --insecure "

@@ -39,7 +39,8 @@ static int analyze_opt(void *ctx, int c, const char *arg) {
   analyze_args *a = ctx;
   sp_diag d = {{0}};
   if (c != OPT_A_LAST) return -1;
-  if (sp_flag_int("--last", arg, 0, UINT32_MAX, &a->last, &d) != 0) {
+  /* 0 would be the coordinator's "all": not what --last 0 says */
+  if (sp_flag_int("--last", arg, 1, UINT32_MAX, &a->last, &d) != 0) {
     sp_cli_error(a->cmd, "%s", d.msg);
     return -1;
   }
@@ -76,6 +77,13 @@ int sp_cmd_analyze(int argc, char **argv) {
   int ec = sp_remote_parse_args(&r, &k_analyze, argc, argv, own, 1,
                                 analyze_opt, &a, &first, &n);
   if (ec != PROCEED) return ec;
+  if (n == 1 && a.last > 0) {
+    /* a file holds what the coordinator wrote: --last cannot trim it */
+    sp_cli_error(r.cmd, "--last is for a live dump, not the file %s",
+                 argv[first]);
+    sp_cli_try_help(r.cmd);
+    return SP_EXIT_USAGE;
+  }
   if (n == 1) {
     const char *path = argv[first];
     char *buf = NULL;

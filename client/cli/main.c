@@ -24,13 +24,12 @@ static const struct {
     {"where", sp_cmd_where, "which ranks hold which slices of a parameter"},
     {"buffers", sp_cmd_buffers, "original and compute dtype of each buffer"},
     {"watch", sp_cmd_watch, "print events as they happen"},
-    {"why", sp_cmd_why,
-     "the verdict in plain words: healthy, or who is stuck where and why"},
+    {"why", sp_cmd_why, "the verdict: healthy, or who is stuck where and why"},
     {"trace", sp_cmd_trace, "a rank's recent events, from its flight recorder"},
     {"analyze", sp_cmd_analyze,
      "the first divergence in a dump (a file, or a live one)"},
     {"incarnations", sp_cmd_incarnations,
-     "the job's incarnations: when each began, ended, and what ended it"},
+     "restarts: when each incarnation began, ended, and what ended it"},
     {"store", sp_cmd_store, "get, set, add, delete, cas in the store"},
     {"token", sp_cmd_token,
      "token create: a bearer token for a coordinator's token file"},
@@ -74,16 +73,17 @@ int sp_cli_parse_uint(const char *s, long long max, long long *out) {
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: shardplane <command> [options]   (shardplane <command> "
-          "--help for its options)\n\ncommands:\n");
+          "usage: shardplane <command> [options]\n"
+          "       (shardplane <command> --help for its options)\n"
+          "\ncommands:\n");
   for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
-    fprintf(f, "  %-10s %s\n", k_commands[i].name, k_commands[i].summary);
+    fprintf(f, "  %-12s %s\n", k_commands[i].name, k_commands[i].summary);
   fprintf(f,
           "\nThe remote commands ask the coordinator at --coordinator "
           "HOST:PORT,\nelse $" SP_COORDINATOR_ENV ", else "
           SP_DEFAULT_COORDINATOR "; all take --json.\n"
-          "\nexit codes: 0 ok, 1 failure, 2 bad usage, 3 not found, "
-          "4 coordinator unreachable,\n"
+          "\nexit codes: 0 ok, 1 failure, 2 bad usage, 3 not found,\n"
+          "            4 coordinator unreachable,\n"
           "            5 (why, analyze) an open alert or a divergence\n");
 }
 

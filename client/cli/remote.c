@@ -92,8 +92,21 @@ static int exit_code_of(int code) {
 
 /* Prints the server's message and its status name; returns the exit code. */
 int sp_remote_fail_status(const sp_remote *r, const sp_rpc_status *st) {
-  sp_cli_error(r->cmd, "%s (%s)", st->message[0] ? st->message : "call failed",
-               sp_rpc_code_name(st->code));
+  /* a refused token: say which one was sent, or that none was */
+  char whose[1200] = "";
+  if (st->code == SP_RPC_UNAUTHENTICATED) {
+    if (r->cred.token_file != NULL)
+      snprintf(whose, sizeof whose, ": the token of --token-file %s",
+               r->cred.token_file);
+    else if (r->cred.has_token)
+      snprintf(whose, sizeof whose, ": the token in $" SP_TOKEN_ENV);
+    else
+      snprintf(whose, sizeof whose, ": no token sent (--token-file FILE, "
+               "or $" SP_TOKEN_ENV ")");
+  }
+  sp_cli_error(r->cmd, "%s (%s)%s",
+               st->message[0] ? st->message : "call failed",
+               sp_rpc_code_name(st->code), whose);
   return exit_code_of(st->code);
 }
 

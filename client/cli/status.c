@@ -4,6 +4,7 @@
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cli.h"
 #include "flight_fmt.h"
@@ -218,6 +219,20 @@ static void print_unit_states(const Shardplane__V1__RankInfo *k,
 /* Ranks per ListRanks call: with 100 units' states about 0.9 MB. */
 #define RANKS_PAGE 4096u
 
+/* "#SEQ OP unit U DTYPE count C", or "-" before the first collective. */
+static void format_collective(const Shardplane__V1__RankInfo *k, char *buf,
+                              size_t len) {
+  const Shardplane__V1__Collective *c = k->last_collective;
+  if (c == NULL) {
+    snprintf(buf, len, "-");
+    return;
+  }
+  snprintf(buf, len, "#%" PRIu64 " %s unit %u %s count %" PRIu64, c->seq,
+           sp_remote_enum_name(&shardplane__v1__collective_op__descriptor,
+                               c->op),
+           c->unit, sp_dtype_name(sp_wire_dtype(c->dtype)), c->count);
+}
+
 static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
                         bool unit_states) {
   size_t max_units = 0;
@@ -225,8 +240,16 @@ static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
     if (l->ranks[i]->n_unit_states > max_units)
       max_units = l->ranks[i]->n_unit_states;
   uint32_t *scratch = calloc(max_units + 1, sizeof *scratch);
-  printf("%-9s %-14s %-20s %8s %-8s %8s %-18s %-40s %9s %6s %8s %8s %8s %6s\n",
-         "RANK", "STATUS", "HOST", "PID", "DEVICE", "STEP", "STATE",
+  /* as wide as the longest (a reduce-scatter's, deep into a job, is
+   * wider than 40), so that the columns after it stay aligned */
+  int coll_w = 40;
+  for (size_t i = 0; i < l->n_ranks; i++) {
+    char coll[128];
+    format_collective(l->ranks[i], coll, sizeof coll);
+    if ((int)strlen(coll) > coll_w) coll_w = (int)strlen(coll);
+  }
+  printf("%-9s %-14s %-20s %8s %-8s %8s %-18s %-*s %9s %6s %8s %8s %8s %6s\n",
+         "RANK", "STATUS", "HOST", "PID", "DEVICE", "STEP", "STATE", coll_w,
          "LAST COLLECTIVE", "HEARD", "ALERTS", "P50", "P90", "P99", "SCORE");
   for (size_t i = 0; i < l->n_ranks;) {
     const Shardplane__V1__RankInfo *k = l->ranks[i];
@@ -247,13 +270,8 @@ static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
       i = j + 1;
       continue;
     }
-    char coll[128] = "-", heard[32];
-    const Shardplane__V1__Collective *c = k->last_collective;
-    if (c != NULL)
-      snprintf(coll, sizeof coll,
-               "#%" PRIu64 " %s unit %u %s count %" PRIu64, c->seq,
-               sp_remote_enum_name(&shardplane__v1__collective_op__descriptor, c->op),
-               c->unit, sp_dtype_name(sp_wire_dtype(c->dtype)), c->count);
+    char coll[128], heard[32];
+    format_collective(k, coll, sizeof coll);
     sp_remote_format_duration(k->last_heard_ms_ago, heard, sizeof heard);
     char p50[16] = "-", p90[16] = "-", p99[16] = "-", score[16] = "-";
     /* no step timed yet: nothing to show, not zeros */
@@ -265,10 +283,10 @@ static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
     if (k->straggler_score > 0)
       snprintf(score, sizeof score, "%.2f", k->straggler_score);
     printf("%-9u %-14s %-20s %8u %-8s %8" PRIu64
-           " %-18s %-40s %9s %6u %8s %8s %8s %6s\n",
+           " %-18s %-*s %9s %6u %8s %8s %8s %6s\n",
            k->rank, rank_status_name(k->status), k->host[0] ? k->host : "-",
            k->pid, k->device[0] ? k->device : "-", k->step,
-           sp_state_name(SP_MACHINE_ROOT, k->root_state), coll, heard,
+           sp_state_name(SP_MACHINE_ROOT, k->root_state), coll_w, coll, heard,
            k->alerts, p50, p90, p99, score);
     if (k->victim) printf("      victim of rank %u\n", k->victim_of);
     if (k->last_alert[0] != '\0')

@@ -46,8 +46,11 @@ int sp_cmd_token(int argc, char **argv) {
       usage(stdout);
       return SP_EXIT_OK;
     }
-    sp_cli_error(TOKEN, "%s", argc < 2 ? "missing subcommand (create)"
-                                       : "unknown subcommand; expected create");
+    if (argc < 2)
+      sp_cli_error(TOKEN, "missing subcommand (create)");
+    else
+      sp_cli_error(TOKEN, "unknown subcommand \"%s\" (expected create)",
+                   argv[1]);
     sp_cli_try_help(TOKEN);
     return SP_EXIT_USAGE;
   }
@@ -63,6 +66,10 @@ int sp_cmd_token(int argc, char **argv) {
   optind = 1;
   argv++;
   argc--;
+  /* getopt names argv[0] in its messages: "shardplane token", not
+   * "create" */
+  char prog[] = "shardplane " TOKEN, *argv0 = argv[0];
+  argv[0] = prog;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
     case OPT_ROLE: {
@@ -87,6 +94,7 @@ int sp_cmd_token(int argc, char **argv) {
     default: sp_cli_try_help(TOKEN); return SP_EXIT_USAGE;
     }
   }
+  argv[0] = argv0;
   if (optind < argc || role == 0 || file == NULL) {
     if (optind < argc)
       sp_cli_error(TOKEN, "unexpected argument \"%s\"", argv[optind]);

@@ -49,7 +49,8 @@ static int trace_opt(void *ctx, int c, const char *arg) {
   if (c == OPT_T_RANK)
     rc = sp_flag_int("--rank", arg, 0, UINT32_MAX, &t->rank, &d);
   else if (c == OPT_T_LAST)
-    rc = sp_flag_int("--last", arg, 0, UINT32_MAX, &t->last, &d);
+    /* 0 would be the coordinator's "all": not what --last 0 says */
+    rc = sp_flag_int("--last", arg, 1, UINT32_MAX, &t->last, &d);
   else
     return -1;
   if (rc != 0) sp_cli_error(t->cmd, "%s", d.msg);
@@ -65,15 +66,16 @@ static const char *comm_name(int k) {
 }
 
 /* The units' module FQNs, from the plan; NULL (no names) when the plan
- * cannot be had: a trace is still worth printing without them. */
-static Shardplane__V1__Plan *fetch_plan(sp_remote *r) {
+ * cannot be had: a trace is still worth printing without them. *ec is
+ * PROCEED, or the exit code of a connection that failed (printed). */
+static Shardplane__V1__Plan *fetch_plan(sp_remote *r, int *ec) {
   Shardplane__V1__GetPlanRequest q = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;
-  int ec = sp_remote_call_status(r, SP_COORD_PATH("GetPlan"), &q.base,
-                                 &shardplane__v1__plan__descriptor,
-                                 r->timeout_ms, &m, &st);
-  if (ec != PROCEED) return NULL;
+  *ec = sp_remote_call_status(r, SP_COORD_PATH("GetPlan"), &q.base,
+                              &shardplane__v1__plan__descriptor, r->timeout_ms,
+                              &m, &st);
+  if (*ec != PROCEED) return NULL;
   if (st.code != SP_RPC_OK) {
     sp_remote_free_msg(m);
     return NULL;
@@ -221,7 +223,10 @@ int sp_cmd_trace(int argc, char **argv) {
     sp_cli_try_help(r.cmd);
     return SP_EXIT_USAGE;
   }
-  Shardplane__V1__Plan *pl = fetch_plan(&r);
+  Shardplane__V1__Plan *pl = fetch_plan(&r, &ec);
+  /* no coordinator, or a bad token file: said once, not again by the
+   * GetTrace call */
+  if (ec != PROCEED) return sp_remote_finish(&r, ec);
   /* not found, as with plan --rank, before the coordinator's
    * INVALID_ARGUMENT */
   if (pl != NULL && pl->job != NULL &&
@@ -234,8 +239,18 @@ int sp_cmd_trace(int argc, char **argv) {
   q.rank = (uint32_t)t.rank;
   q.last_n = (uint32_t)t.last;
   ProtobufCMessage *m;
-  ec = sp_remote_call(&r, SP_COORD_PATH("GetTrace"), &q.base,
-                      &shardplane__v1__flight_record__descriptor, &m);
+  sp_rpc_status st;
+  ec = sp_remote_call_status(&r, SP_COORD_PATH("GetTrace"), &q.base,
+                             &shardplane__v1__flight_record__descriptor,
+                             r.timeout_ms, &m, &st);
+  if (ec == PROCEED) {
+    ec = st.code == SP_RPC_OK ? SP_EXIT_OK : sp_remote_fail_status(&r, &st);
+    /* the coordinator answered (its probe did): UNAVAILABLE is the rank's
+     * ("rank 3 has no open session stream (LOST)"), a failure, not 4, "no
+     * coordinator answered"; its own shutdown stays 4 */
+    if (st.code == SP_RPC_UNAVAILABLE && strncmp(st.message, "rank ", 5) == 0)
+      ec = SP_EXIT_FAILURE;
+  }
   if (ec == SP_EXIT_OK) {
     ec = print_trace(&r, (const Shardplane__V1__FlightRecord *)m, pl);
     sp_remote_free_msg(m);

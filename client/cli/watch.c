@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/flag.h"
 #include "cli.h"
 #include "flight_fmt.h"
 #include "fsdp/state.h"
@@ -77,12 +78,10 @@ static int watch_opt(void *ctx, int c, const char *arg) {
   watch_args *w = ctx;
   long long v;
   int kind;
+  sp_diag d = {{0}};
   switch (c) {
   case OPT_W_RANK:
-    if (sp_cli_parse_uint(arg, UINT32_MAX, &v) != 0) {
-      sp_cli_error(w->cmd, "--rank: expected a rank number, got \"%s\"", arg);
-      return -1;
-    }
+    if (sp_flag_int("--rank", arg, 0, UINT32_MAX, &v, &d) != 0) break;
     if (w->n_ranks == WATCH_MAX_RANKS) {
       sp_cli_error(w->cmd, "at most %d --rank filters", WATCH_MAX_RANKS);
       return -1;
@@ -91,9 +90,9 @@ static int watch_opt(void *ctx, int c, const char *arg) {
     return 0;
   case OPT_W_KIND:
     if (parse_kind(arg, &kind) != 0) {
-      sp_cli_error(w->cmd, "--kind: \"%s\" is not attached, lost, detached, "
-                           "transition or alert", arg);
-      return -1;
+      sp_flag_fail(&d, "--kind", arg, "one of attached, lost, detached, "
+                   "transition, alert");
+      break;
     }
     w->kinds |= 1u << kind;
     return 0;
@@ -102,15 +101,17 @@ static int watch_opt(void *ctx, int c, const char *arg) {
     return 0;
   case OPT_W_COUNT:
     if (sp_cli_parse_uint(arg, INT64_MAX, &v) != 0 || v == 0) {
-      sp_cli_error(w->cmd, "--count: expected a positive number, got \"%s\"",
-                   arg);
-      return -1;
+      sp_flag_fail(&d, "--count", arg, "a positive integer");
+      break;
     }
     w->count = v;
     return 0;
   default:
     return -1;
   }
+  /* the flag, the value and what is allowed, as every flag error */
+  sp_cli_error(w->cmd, "%s", d.msg);
+  return -1;
 }
 
 static volatile sig_atomic_t g_watch_stop;

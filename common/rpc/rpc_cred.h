@@ -60,7 +60,8 @@ enum {
   "  --tls-server-name NAME       name the certificate must carry (default:\n"\
   "                               the coordinator's host)\n"                  \
   "  --token-file FILE            bearer token, in a file only its owner may\n"\
-  "                               read (default: $" SP_TOKEN_ENV ")\n"
+  "                               read (default: the token itself in\n"       \
+  "                               $" SP_TOKEN_ENV ")\n"
 
 typedef struct sp_cred {
   bool insecure;
