@@ -93,6 +93,19 @@ static void test_usage_and_help(void **state) {
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "--world-size"));
   done(&r);
+  /* the exit codes line of a command that exits 5 says so; others' do not */
+  r = run("why --help");
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "4 coordinator unreachable,\n"
+                                "            5 an open alert, or the job "
+                                "failed\n"));
+  done(&r);
+  r = run("analyze --help");
+  assert_non_null(strstr(r.out, "5 the dump shows a divergence\n"));
+  done(&r);
+  r = run("status --help");
+  assert_null(strstr(r.out, "            5 "));
+  done(&r);
   /* without --model, plan asks a coordinator (test_cli_remote); job
    * options then are bad usage */
   r = run("plan --world-size 2");

@@ -26,7 +26,7 @@ static const subcmd k_analyze = {
     "dump now (GetDump; --last N events per rank, default all).\n\n"
     "  --last N                     a live dump: the last N events per rank\n"
     "\nexit code 5: the dump shows a divergence (0: none).\n\n",
-    0, 1};
+    0, 1, "the dump shows a divergence"};
 
 enum { OPT_A_LAST = 256 };
 

@@ -23,7 +23,7 @@ static const subcmd k_incarnations = {
     "job's --max-restarts are used. A job without restarts has only\n"
     "incarnation 0. With --state-dir the record survives the coordinator's\n"
     "restart.\n\n",
-    0, 0};
+    0, 0, NULL};
 
 /* "2026-12-01 21:03:04.123Z" */
 static void format_utc(uint64_t unix_ms, char *buf, size_t cap) {

@@ -402,7 +402,7 @@ static const subcmd k_where = {
     "parameter, and per shard the slice of it and the ranks that hold it\n"
     "(with HYBRID_SHARD, shard s is held by ranks s, s+G, s+2G, ... for\n"
     "shard groups of G). A tied name resolves to the tensor it shares.\n\n",
-    1, 1};
+    1, 1, NULL};
 
 /* The ranks holding shard index s: s + k*shard_world (FULL_SHARD and
  * SHARD_GRAD_OP: rank s alone; NO_SHARD, shard_world 1: every rank). */
@@ -520,7 +520,7 @@ static const subcmd k_buffers = {
     "Every buffer by FQN: shape, original dtype, the dtype it is computed\n"
     "in, owner unit, persistent. Exit 3 when --prefix matches none.\n\n"
     "  --prefix P                   only FQNs that start with P\n",
-    0, 0};
+    0, 0, NULL};
 
 enum { OPT_PREFIX = 256 };
 

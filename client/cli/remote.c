@@ -252,8 +252,10 @@ void sp_remote_subcmd_help(FILE *f, const subcmd *sc) {
         "  --json                       machine-readable output\n"
         "  --help                       this text\n"
         "\nexit codes: 0 ok, 1 failure, 2 bad usage, 3 not found, "
-        "4 coordinator unreachable\n",
+        "4 coordinator unreachable",
         f);
+  if (sc->exit5) fprintf(f, ",\n            5 %s", sc->exit5);
+  fputc('\n', f);
 }
 
 /* One option of parse_args. */

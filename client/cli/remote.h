@@ -20,6 +20,9 @@ typedef struct subcmd {
   const char *synopsis; /* after "usage: shardplane " */
   const char *help;     /* what it does, then its own options */
   size_t min_args, max_args;
+  /* what exit code 5 means for it, for the exit codes line; NULL: the
+   * command has none */
+  const char *exit5;
 } subcmd;
 
 enum { SP_ROPT_JSON = 950, SP_ROPT_HELP };

@@ -26,7 +26,7 @@ static const subcmd k_status = {
     "it failed, how many ranks are in each state, and the alerts raised so\n"
     "far, each with its time (UTC, as watch prints it), kind, culprits\n"
     "and victims (shardplane why: the verdict in full).\n\n",
-    0, 0};
+    0, 0, NULL};
 
 /* GetJob, with the job converted for the shared job renderer. */
 int sp_remote_get_job(sp_remote *r, Shardplane__V1__GetJobResponse **out,
@@ -184,7 +184,7 @@ static const subcmd k_ranks = {
     "(1.00: as fast; a straggler scores high). A rank that failed because\n"
     "a peer did is marked \"victim of rank R\".\n\n"
     "  --unit-states                also each unit's training state\n",
-    0, 0};
+    0, 0, NULL};
 
 enum { OPT_UNIT_STATES = 256 };
 

@@ -40,7 +40,7 @@ static const subcmd k_store = {
     "                               value was not swapped\n"
     "The options go anywhere before \"--\": store --coordinator ADDR add\n"
     "KEY -- -1.\n\n",
-    0, 64};
+    0, 64, NULL};
 
 enum { OPT_S_WAIT = 256, OPT_S_ABSENT };
 

@@ -33,7 +33,7 @@ static const subcmd k_trace = {
     "  --rank R                     the rank (required)\n"
     "  --last N                     only its last N events (default: all\n"
     "                               the recorder keeps)\n",
-    0, 0};
+    0, 0, NULL};
 
 enum { OPT_T_RANK = 256, OPT_T_LAST };
 

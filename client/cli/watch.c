@@ -41,7 +41,7 @@ static const subcmd k_watch = {
     "  --count N                    stop after N events\n"
     "(--timeout-ms bounds connecting; the stream itself has no deadline)\n"
     "\n",
-    0, 0};
+    0, 0, NULL};
 
 /* The coordinator refuses longer rank filters. */
 #define WATCH_MAX_RANKS 4096

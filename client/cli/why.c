@@ -18,7 +18,7 @@ static const subcmd k_why = {
     "alert with its culprits and victims.\n"
     "\nexit code 5: the job has an open alert or failed (0: healthy or\n"
     "still starting).\n\n",
-    0, 0};
+    0, 0, "an open alert, or the job failed"};
 
 static bool has_trouble(const Shardplane__V1__Verdict *v) {
   return v->n_open_alerts > 0 ||
