@@ -432,7 +432,7 @@ static void on_get_dump(sp_rpc_call *call, const ProtobufCMessage *msg,
   size_t n;
   uint32_t *v = attached_ranks(c, &n);
   if (v == NULL ||
-      gather(c, call, false, false, v, n, q->last_n, "requested (GetDump)") != 0)
+      gather(c, call, false, false, v, n, q->last_n, "asked for by GetDump") != 0)
     sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
 }
 
