@@ -80,6 +80,12 @@ typedef struct diag_rank {
    * less the time its training thread was blocked waiting for collectives
    * (the completions' waited_us), that is for its peers */
   uint64_t step_start_us, cur_step, wait_us;
+  /* the longest silence between its transitions (its clock): in the
+   * step under way, and the most of its recent steps (decaying by a tenth
+   * a step, so that a slow start is forgotten); what "still moving" is
+   * judged against */
+  uint64_t last_t_us;
+  float gap_cur_ms, gap_max_ms;
   float step_ms[SP_DIAG_STEP_WINDOW], busy_ms[SP_DIAG_STEP_WINDOW];
   uint8_t n_steps, next;
   bool straggling;
@@ -186,9 +192,19 @@ static void close_step(diag_rank *k, uint64_t t_us) {
 static bool time_transition(diag_rank *k, const Shardplane__V1__Transition *t) {
   uint64_t us = t->time_us;
   if (us == 0) return false; /* a worker without timestamps */
+  if (k->last_t_us != 0 && us > k->last_t_us) {
+    float gap = (float)(us - k->last_t_us) / 1000.0f;
+    if (gap > k->gap_cur_ms) k->gap_cur_ms = gap;
+  }
+  k->last_t_us = us;
   if (t->machine == SHARDPLANE__V1__MACHINE__MACHINE_ROOT &&
       t->state == SP_ROOT_FORWARD_BACKWARD &&
       (t->step != k->cur_step || k->step_start_us == 0)) {
+    if (k->step_start_us != 0) { /* a step closes */
+      float decayed = 0.9f * k->gap_max_ms;
+      k->gap_max_ms = k->gap_cur_ms > decayed ? k->gap_cur_ms : decayed;
+    }
+    k->gap_cur_ms = 0;
     close_step(k, us);
     k->step_start_us = us;
     k->cur_step = t->step;
@@ -1395,16 +1411,39 @@ static double job_loss(const sp_coord *c, bool *has) {
   return 0;
 }
 
-/* Since when the rank heard from longest ago (of those the stall detector
- * weighs: attached and active) has been silent; false when there is
- * none. */
-static bool quietest(sp_coord *c, uint64_t *since_ms) {
+/* The longest silence rank r shows while it moves (ms): twice the
+ * longest gap between its transitions in its recent steps and the one
+ * under way, at least 2 s, at most the stall threshold. A GPT-2 124M step
+ * of 30 s on a CPU has gaps of a few seconds: a rank silent for much
+ * longer is stuck, well before the threshold (five of the slowest steps)
+ * calls it a stall. */
+static uint64_t silence_limit_ms(sp_coord *c, uint32_t r) {
+  const diag_rank *k = &c->diag->r[r];
+  uint64_t thr = sp_coord_diag_stall_threshold(c);
+  float gap = k->gap_max_ms > k->gap_cur_ms ? k->gap_max_ms : k->gap_cur_ms;
+  uint64_t lim = (uint64_t)(2.0f * gap);
+  if (lim < 2000) lim = 2000;
+  return lim < thr ? lim : thr;
+}
+
+/* Of the ranks the stall detector weighs (attached and active), the one
+ * furthest past its silence limit (or nearest to it): its silence and
+ * limit. False when there is none. */
+static bool most_silent(sp_coord *c, uint64_t now, uint64_t *quiet,
+                        uint64_t *limit) {
   sp_coord_diag *d = c->diag;
   bool any = false;
+  double worst = 0;
   for (uint32_t r = 0; r < d->world; r++) {
     if (!attached(c, r) || !d->r[r].active) continue;
-    if (!any || d->r[r].last_event_ms < *since_ms) {
-      *since_ms = d->r[r].last_event_ms;
+    uint64_t q = now > d->r[r].last_event_ms ? now - d->r[r].last_event_ms
+                                             : 0;
+    uint64_t l = silence_limit_ms(c, r);
+    double over = (double)q / (double)l;
+    if (!any || over > worst) {
+      worst = over;
+      *quiet = q;
+      *limit = l;
       any = true;
     }
   }
@@ -1430,10 +1469,12 @@ void sp_coord_diag_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
                  ? (double)(d->total_steps - p->step) / d->steps_per_s
                  : (d->total_steps && d->total_steps <= p->step ? 0 : -1);
   r->progress = p;
-  uint64_t since, now = sp_coord_now_ms(c);
+  uint64_t quiet, limit;
   if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING &&
-      quietest(c, &since))
-    r->quiet_ms = now > since ? now - since : 0;
+      most_silent(c, sp_coord_now_ms(c), &quiet, &limit)) {
+    r->quiet_ms = quiet;
+    r->quiet_limit_ms = limit;
+  }
   r->stall_threshold_ms = sp_coord_diag_stall_threshold(c);
 }
 
@@ -1448,20 +1489,11 @@ void sp_coord_diag_rank_info(const sp_coord *c, uint32_t rank,
   x->victim_of = k->victim_of;
 }
 
-/* How long a rank may be silent before the headline says so (ms): a few of
- * the job's median steps, at least 2 s. Well before a stall alert opens,
- * an operator asking `why` of a job that stopped moving must not read
- * "healthy". */
-static uint64_t quiet_ms(const sp_coord_diag *d) {
-  uint64_t q = (uint64_t)(3.0f * d->job_med);
-  return q > 2000 ? q : 2000;
-}
-
 bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
                            char *text, size_t tcap) {
   sp_coord_diag *d = c->diag;
   refresh_ages(c);
-  uint64_t now = sp_coord_now_ms(c), since = now;
+  uint64_t now = sp_coord_now_ms(c), quiet, limit;
   uint32_t n_att = 0;
   for (uint32_t r = 0; r < d->world; r++) n_att += attached(c, r);
   text[0] = '\0';
@@ -1476,15 +1508,16 @@ bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
   } else if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
     snprintf(headline, hcap, "waiting: %u of %u ranks attached", n_att,
              d->world);
-  } else if (d->n_open == 0 && quietest(c, &since) &&
-             now - since > quiet_ms(d)) {
-    /* not naming the quiet rank: in a collective the waiting ranks fall
-     * silent too, and may have done so first; the stall verdict tells
-     * them apart */
+  } else if (d->n_open == 0 && most_silent(c, now, &quiet, &limit) &&
+             quiet > limit) {
+    /* well before a stall alert opens, an operator asking `why` of a job
+     * that stopped moving must not read "healthy"; not naming the quiet
+     * rank: in a collective the waiting ranks fall silent too, and may
+     * have done so first; the stall verdict tells them apart */
     snprintf(headline, hcap, "no progress for %.0f s: the slowest of the %u "
              "ranks is at step %" PRIu64 " and one has reported nothing "
              "since (a stall alert naming the culprit opens after %.0f s)",
-             (double)(now - since) / 1e3, d->world, d->last_min_step,
+             (double)quiet / 1e3, d->world, d->last_min_step,
              (double)sp_coord_diag_stall_threshold(c) / 1e3);
   } else if (d->n_open == 0) {
     bool has;

@@ -990,6 +990,36 @@ static void test_run_interrupted_long_step(void **state) {
   free(dir);
 }
 
+/* The same where the stall threshold is long (as a job of long steps has
+ * it: five of its slowest steps): a stalled rank is told from a moving one
+ * by its own silences, not by the threshold, so the stop still comes soon
+ * after the grace rather than a minute later. */
+static void test_run_interrupted_stalled_long_threshold(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  char *ck = sp_test_path(dir, "ck");
+  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps", "100000",
+                        "--inject", "stall:rank=1,step=5", "--log-every",
+                        "50", "--stall-timeout-ms", "60000", "--stop-grace",
+                        "2", "--checkpoint-dir", ck, NULL};
+  pid_t run = start_run(dir, args);
+  wait_for_output(dir, "err", "--inject stall: blocking", 60);
+  double t0 = sp_clock_s();
+  kill(run, SIGINT);
+  int st = wait_run(run, 90);
+  double took = sp_clock_s() - t0;
+  char *err = slurp(dir, "err");
+  printf("  exit %d %.1f s after SIGINT (threshold 60 s):\n%s", st, took,
+         err);
+  assert_int_equal(st, 128 + SIGINT);
+  assert_true(took < 2 + 6);
+  assert_non_null(strstr(err, "not reached a step boundary"));
+  free(err);
+  free(ck);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* `shardplane why` of the job run started (its address and admin token
  * read from run's first lines in dir/out): its stdout, malloc'd. */
 static char *ask_why(const char *dir) {
@@ -1396,6 +1426,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_stall_named),
       cmocka_unit_test(test_run_interrupted),
       cmocka_unit_test(test_run_interrupted_stalled),
+      cmocka_unit_test(test_run_interrupted_stalled_long_threshold),
       cmocka_unit_test(test_run_stall_told),
       cmocka_unit_test(test_run_interrupted_long_step),
       cmocka_unit_test(test_run_same_plan_as_coordinator),

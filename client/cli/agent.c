@@ -80,8 +80,8 @@ static void usage(FILE *f) {
         "                               (shardplane-worker checkpoints at the\n"
         "                               next step boundary; default 10); then\n"
         "                               they get more time only while the\n"
-        "                               coordinator hears from every rank (a\n"
-        "                               long step), else they get SIGTERM,\n"
+        "                               coordinator sees every rank moving\n"
+        "                               (a long step), else they get SIGTERM,\n"
         "                               and SIGKILL 3 s later\n",
         f);
   fputs(SP_REMOTE_OPTIONS_HELP, f);

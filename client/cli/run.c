@@ -133,9 +133,10 @@ static void usage(FILE *f) {
         "                             S seconds to reach a step boundary,\n"
         "                             checkpoint and stop (default 10); then\n"
         "                             they get more time only while the\n"
-        "                             coordinator hears from every one (a\n"
-        "                             long step), else they are stopped\n"
-        "                             without a checkpoint\n"
+        "                             coordinator sees every one moving (a\n"
+        "                             long step: none silent for longer\n"
+        "                             than it is in its steps), else they\n"
+        "                             are stopped without a checkpoint\n"
         "training flags, checked here and passed to every worker:\n",
         f);
   sp_train_flags_help(f, 29);
@@ -169,7 +170,7 @@ static void usage(FILE *f) {
         "Ctrl-C (SIGINT) or SIGTERM: forwarded to every worker; the ranks stop\n"
         "after the same step, write the checkpoints and exit. Ranks that have\n"
         "not done so within --stop-grace, and that the coordinator no longer\n"
-        "hears from (a stalled rank, and those waiting on it in a\n"
+        "sees moving (a stalled rank, and those waiting on it in a\n"
         "collective), are stopped then, without a checkpoint, and the last\n"
         "line says which; a second signal stops them at once.\n"
         "\n"

@@ -412,22 +412,22 @@ static void note_overdue(sp_sup *s) {
 }
 
 /* After a signal, once the grace is over: whether the coordinator sees the
- * job still moving (every rank heard from within its stall threshold),
+ * job still moving (no rank silent for longer than it is while it moves),
  * so that ranks in a long step reach its boundary and checkpoint. A job
- * not yet RUNNING (ranks in the rendezvous), a stalled one, or a
+ * not yet RUNNING (ranks in the rendezvous), a stuck one, or a
  * coordinator that cannot be asked is not moving. */
 static bool still_moving(sp_sup *s) {
   Shardplane__V1__GetJobResponse *j = NULL;
   if (sp_agent_ctl_get_job(s->ctl, 500, &j) != 0) return false;
   bool moving = j->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING &&
-                j->quiet_ms < j->stall_threshold_ms;
+                j->quiet_ms <= j->quiet_limit_ms;
   if (moving && !s->extended) {
     s->extended = true;
-    sp_cli_error(s->who, "the ranks are still moving (each heard from "
-                 "within the last %.1f s; %.0f s of silence is a stall): "
-                 "waiting past --stop-grace for their step boundary",
-                 (double)j->quiet_ms / 1e3,
-                 (double)j->stall_threshold_ms / 1e3);
+    sp_cli_error(s->who, "the ranks are still moving (the quietest was "
+                 "heard from %.1f s ago, within the %.1f s it can be silent "
+                 "while it moves): waiting past --stop-grace for their step "
+                 "boundary", (double)j->quiet_ms / 1e3,
+                 (double)j->quiet_limit_ms / 1e3);
   }
   protobuf_c_message_free_unpacked(&j->base, NULL);
   return moving;

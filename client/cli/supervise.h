@@ -8,9 +8,9 @@
  *   - SIGINT or SIGTERM is passed on to every worker, which checkpoint at
  *     the next step boundary and stop; those still running stop_grace_s
  *     later (a stalled rank, or the ranks waiting on it, reach no
- *     boundary) are stopped then, unless the coordinator still hears from
- *     every rank (a long step: they get more time); a second signal stops
- *     them at once;
+ *     boundary) are stopped then, unless the coordinator sees every rank
+ *     still moving (a long step: they get more time); a second signal
+ *     stops them at once;
  *   - with restarts (max_restarts > 0 and the session to the coordinator
  *     open), a worker's death is reported over AgentSession and the
  *     coordinator decides what follows: AGENT_STOP (this host's workers
@@ -50,8 +50,8 @@
 #define SP_SUP_TERM_S 3.0
 /* After SIGINT or SIGTERM, how long the workers have to reach a step
  * boundary, checkpoint and stop (--stop-grace); past it they get more
- * time only while the coordinator hears from every rank within its stall
- * threshold (a long step), never when a rank is silent. */
+ * time only while the coordinator sees every rank moving (GetJob's
+ * quiet_ms within quiet_limit_ms: a long step), never when one is stuck. */
 #define SP_SUP_STOP_GRACE_DEFAULT_S 10.0
 
 typedef struct sp_sup sp_sup;
