@@ -1411,26 +1411,36 @@ static double job_loss(const sp_coord *c, bool *has) {
   return 0;
 }
 
-/* The longest silence rank r shows while it moves (ms): twice the
- * longest gap between its transitions in its recent steps and the one
- * under way, at least 2 s, at most the stall threshold. A GPT-2 124M step
- * of 30 s on a CPU has gaps of a few seconds: a rank silent for much
- * longer is stuck, well before the threshold (five of the slowest steps)
- * calls it a stall. */
-static uint64_t silence_limit_ms(sp_coord *c, uint32_t r) {
+/* How long rank r may be silent (ms) before it is worth saying that it
+ * makes no progress (`why`: NOTICE), and before it counts as stuck rather
+ * than in a long stretch of its step (GetJob's quiet_limit_ms, which
+ * decides whether a stop on a signal waits for the ranks: STUCK, with the
+ * margin a loaded machine's slower steps need): a multiple of the longest
+ * gap between its transitions in its recent steps and the one under way,
+ * at least a floor, at most the stall threshold. A GPT-2 124M step of 30 s
+ * on a CPU has gaps of up to 5 s: a rank silent for much longer is stuck,
+ * well before the threshold (five of the slowest steps) calls it a
+ * stall. */
+#define NOTICE_FACTOR 2.0f
+#define NOTICE_FLOOR_MS 2000u
+#define STUCK_FACTOR 3.0f
+#define STUCK_FLOOR_MS 5000u
+
+static uint64_t silence_limit_ms(sp_coord *c, uint32_t r, float factor,
+                                 uint64_t floor_ms) {
   const diag_rank *k = &c->diag->r[r];
   uint64_t thr = sp_coord_diag_stall_threshold(c);
   float gap = k->gap_max_ms > k->gap_cur_ms ? k->gap_max_ms : k->gap_cur_ms;
-  uint64_t lim = (uint64_t)(2.0f * gap);
-  if (lim < 2000) lim = 2000;
+  uint64_t lim = (uint64_t)(factor * gap);
+  if (lim < floor_ms) lim = floor_ms;
   return lim < thr ? lim : thr;
 }
 
 /* Of the ranks the stall detector weighs (attached and active), the one
  * furthest past its silence limit (or nearest to it): its silence and
  * limit. False when there is none. */
-static bool most_silent(sp_coord *c, uint64_t now, uint64_t *quiet,
-                        uint64_t *limit) {
+static bool most_silent(sp_coord *c, uint64_t now, float factor,
+                        uint64_t floor_ms, uint64_t *quiet, uint64_t *limit) {
   sp_coord_diag *d = c->diag;
   bool any = false;
   double worst = 0;
@@ -1438,7 +1448,7 @@ static bool most_silent(sp_coord *c, uint64_t now, uint64_t *quiet,
     if (!attached(c, r) || !d->r[r].active) continue;
     uint64_t q = now > d->r[r].last_event_ms ? now - d->r[r].last_event_ms
                                              : 0;
-    uint64_t l = silence_limit_ms(c, r);
+    uint64_t l = silence_limit_ms(c, r, factor, floor_ms);
     double over = (double)q / (double)l;
     if (!any || over > worst) {
       worst = over;
@@ -1471,7 +1481,8 @@ void sp_coord_diag_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
   r->progress = p;
   uint64_t quiet, limit;
   if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING &&
-      most_silent(c, sp_coord_now_ms(c), &quiet, &limit)) {
+      most_silent(c, sp_coord_now_ms(c), STUCK_FACTOR, STUCK_FLOOR_MS, &quiet,
+                  &limit)) {
     r->quiet_ms = quiet;
     r->quiet_limit_ms = limit;
   }
@@ -1508,7 +1519,9 @@ bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
   } else if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
     snprintf(headline, hcap, "waiting: %u of %u ranks attached", n_att,
              d->world);
-  } else if (d->n_open == 0 && most_silent(c, now, &quiet, &limit) &&
+  } else if (d->n_open == 0 &&
+             most_silent(c, now, NOTICE_FACTOR, NOTICE_FLOOR_MS, &quiet,
+                         &limit) &&
              quiet > limit) {
     /* well before a stall alert opens, an operator asking `why` of a job
      * that stopped moving must not read "healthy"; not naming the quiet

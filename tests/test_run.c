@@ -1012,7 +1012,8 @@ static void test_run_interrupted_stalled_long_threshold(void **state) {
   printf("  exit %d %.1f s after SIGINT (threshold 60 s):\n%s", st, took,
          err);
   assert_int_equal(st, 128 + SIGINT);
-  assert_true(took < 2 + 6);
+  /* the grace, then the silence limit's floor of 5 s at the most */
+  assert_true(took < 2 + 8);
   assert_non_null(strstr(err, "not reached a step boundary"));
   free(err);
   free(ck);
