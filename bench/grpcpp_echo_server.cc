@@ -1,7 +1,7 @@
 // The reference server for bench/rpc: gRPC C++ serving the same
 // tests/proto/echo.proto as our engine's Echo service. Only Echo.Unary does
 // work (the other methods answer UNIMPLEMENTED); it echoes text and payload
-// back like tests/echo_service.c does.
+// back like tests/support/echo_service.c does.
 //
 //   grpcpp_echo_server [--listen host:port] [--threads N]
 //

@@ -250,8 +250,9 @@ static void test_bf16_vectors(void **state) {
 
 static void test_f16_vectors(void **state) {
   (void)state;
-  /* The reference doc's decimal vectors; 0x477FEFFF, in the table below, is
-   * the last float before 65520. */
+  /* Decimal vectors: >= 65520 overflows to infinity (docs/fsdp.md, "Cast
+   * rules"), 2^-24 is the least subnormal; 0x477FEFFF, in the table below,
+   * is the last float before 65520. */
   assert_int_equal(sp_f32_to_f16_bits(f32_bits(65519.99f)), 0x7BFF);
   assert_int_equal(sp_f32_to_f16_bits(f32_bits(65520.0f)), 0x7C00);
   assert_int_equal(sp_f32_to_f16_bits(f32_bits(0x1p-24f)), 0x0001);

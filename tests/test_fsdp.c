@@ -2,22 +2,24 @@
  * mechanics. W = 1..4 ranks run as threads of this process, each with its
  * own session against one in-process coordinator, its own Gloo
  * communicators (sp_fsdp_comms_open) and its own runtime, driven in the
- * order client/worker.c uses, but with synthetic gradients whose reduced
+ * order client/worker/main.c uses, but with synthetic gradients whose reduced
  * values are known exactly, so every check is an equality:
  *  - unshard: every rank's views hold the whole parameter in param_dtype,
  *    for FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, with float32
- *    and bfloat16 (reference §4.4);
- *  - reshard: views freed or kept as each strategy says (§5);
+ *    and bfloat16 (docs/fsdp.md, "Mixed precision");
+ *  - reshard: views freed or kept as each strategy says (docs/fsdp.md,
+ *    "Sharding strategies");
  *  - reduction: the shard gradient is the mean over ranks, through
  *    reduce_dtype, with FSDP's divide factors (float16 values that
  *    overflow without the pre-divide and vanish with too large a one);
- *    keep_low_precision_grads leaves it in param_dtype (§2);
+ *    keep_low_precision_grads leaves it in param_dtype ("Mixed precision");
  *  - SGD on the shard; sp_fsdp_gather_param;
- *  - backward prefetch and the all-gather limiter (§6);
+ *  - backward prefetch and the all-gather limiter ("Prefetch and the
+ *    all-gather limiter");
  *  - illegal schedules refused with SP_ESTATE, before any collective;
  *  - a unit prefetched but skipped in backward is not reused stale;
  *  - the coordinator sees every transition and collective (ListRanks);
- *  - lazy init casts buffers once, to their compute dtype (§1.4).
+ *  - lazy init casts buffers once, to their compute dtype ("Buffers").
  *
  * cmocka's assertions longjmp, which is only valid on the test's own
  * thread, so rank threads record their first failure (and abort every
@@ -222,7 +224,8 @@ static int64_t shard_elems(const rank_ctx *c, uint32_t u) {
   return (n + c->shard_world - 1) / c->shard_world;
 }
 
-/* [start, end) of the flat parameter in this rank's shard (§4.2). */
+/* [start, end) of the flat parameter in this rank's shard (docs/fsdp.md,
+ * "Shard math"). */
 static void shard_range(const rank_ctx *c, uint32_t u, int64_t *start,
                         int64_t *end) {
   int64_t n = unit_numel(c, u), cc = shard_elems(c, u);
@@ -429,7 +432,7 @@ static int sgd(rank_ctx *c, double lr, uint32_t skip, const grad_fn *gf) {
   return 0;
 }
 
-/* ---- the schedule, as client/worker.c runs it ---- */
+/* ---- the schedule, as client/worker/main.c runs it ---- */
 
 static int forward(rank_ctx *c, bool check) {
   SCHED(c, 2, sp_fsdp_root_pre_forward(c->f, &D));

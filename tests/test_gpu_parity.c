@@ -1,6 +1,6 @@
 /* The GPU paths against the CPU, on one GPU (cuda:0):
- *  - layers: every layer of the reference MLP on the GPU (client/
- *    mlp_cuda.cu) fed the CPU's exact inputs (client/mlp.c), layer by
+ *  - layers: every layer of the reference MLP on the GPU (client/worker/
+ *    mlp_cuda.cu) fed the CPU's exact inputs (client/worker/mlp.c), layer by
  *    layer, forward, loss and backward: the elementwise kernels, column
  *    sums, norm updates and counters must give the CPU's bits; GEMM
  *    results (cuBLAS's summation order) must be within a stated bound;

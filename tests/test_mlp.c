@@ -1,4 +1,4 @@
-/* The reference MLP (client/mlp.h): spec reading, deterministic data and
+/* The reference MLP (client/worker/mlp.h): spec reading, deterministic data and
  * init, a finite-difference check of backward, batch-split invariance with
  * emulated ranks, low-precision rounding, buffer updates and the unsharded
  * reference run. */

@@ -221,7 +221,7 @@ static void test_n10_w4(void **state) {
   assert_int_equal(pl->n_units, 1);
   assert_int_equal(pl->units[0].numel, 10);
   assert_int_equal(pl->units[0].shard_numel, 3);
-  /* the table of §4.3: (offset_in_shard, numel, intra range) */
+  /* docs/fsdp.md, "Shard math": (offset_in_shard, numel, intra range) */
   const expect_sp r0[] = {{"p0", 0, 3, 0, 2}};
   const expect_sp r1[] = {{"p0", 0, 1, 3, 3}, {"p1", 1, 2, 0, 1}};
   const expect_sp r2[] = {{"p1", 0, 3, 2, 4}};
@@ -309,7 +309,7 @@ static void test_alignment_padding(void **state) {
   sp_job j = job_w(4);
   j.use_orig_params = true;
   sp_plan *pl = plan_of(m, &j);
-  /* §4.1: [p0 3, pad 1, p1 5, pad 3], N = 12 */
+  /* docs/fsdp.md, "Flatten order": [p0 3, pad 1, p1 5, pad 3], N = 12 */
   const sp_unit *u = &pl->units[0];
   assert_int_equal(u->n_entries, 4);
   const int64_t want[4][3] = {{0, 0, 3}, {-1, 3, 1}, {1, 4, 5}, {-1, 9, 3}};

@@ -2,7 +2,7 @@
  * frames, huge length prefixes, thousands of reset streams, a client that
  * never reads, oversized metadata and non-gRPC requests. The server runs
  * in-process with the Echo service on its own loop thread; the hostile
- * clients are raw sockets speaking hand-built HTTP/2 (tests/h2_raw.h).
+ * clients are raw sockets speaking hand-built HTTP/2 (tests/support/h2_raw.h).
  * After each case the server must still answer a normal Unary call, and its
  * counters must show no call or connection left behind.
  *

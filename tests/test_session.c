@@ -1,4 +1,4 @@
-/* The session of libshardplane (client/session.c) against a real
+/* The session of libshardplane (client/lib/session.c) against a real
  * coordinator in-process: open (job, spec, plan, version, attach), the
  * store from several threads, a whole training step reported and seen by
  * ListRanks, local refusal of illegal transitions, queue overflow,

@@ -1,4 +1,4 @@
-/* Tests for the coordinator's key-value store (common/store.c): every
+/* Tests for the coordinator's key-value store (server/store.c): every
  * operation, versions, limits, waits (several keys, many waiters, cancel,
  * re-entrant callbacks), random sequences against a reference model, and a
  * leak check under AddressSanitizer. */

@@ -42,7 +42,7 @@ int sp_cmd_why(int argc, char **argv);
 int sp_cmd_trace(int argc, char **argv);
 int sp_cmd_analyze(int argc, char **argv);
 
-/* `shardplane run` (run_cmd.c): a coordinator and N workers on this
+/* `shardplane run` (run.c): a coordinator and N workers on this
  * machine. */
 int sp_cmd_run(int argc, char **argv);
 /* `shardplane agent` (agent.c): one host's workers of a job, launched and

@@ -1,8 +1,8 @@
 /* Tables and JSON of the `shardplane` command. The offline plan and the
  * remote subcommands print through these functions, so each table and each
  * JSON object is written once: a plan fetched from a coordinator is rebuilt
- * into the structs of common/plan.h (plan_wire.c) and printed exactly as a
- * plan computed here. Everything prints to stdout. */
+ * into the structs of common/fsdp/plan.h (plan_wire.c) and printed exactly
+ * as a plan computed here. Everything prints to stdout. */
 #ifndef SP_RENDER_H
 #define SP_RENDER_H
 

@@ -22,7 +22,7 @@ int sp_comm_dtype_summable(sp_dtype dt);
 
 /* dst[k] = blocks[0][k] + blocks[1][k] + ... + blocks[n-1][k], added in that
  * order, for k < count. bfloat16/float16 are widened exactly to float32,
- * summed in float32 and rounded once to nearest even (common/cast_scalar.h);
+ * summed in float32 and rounded once to nearest even (common/cast/cast_scalar.h);
  * integers wrap modulo 2^bits. A NaN sum is stored as the default quiet
  * NaN (positive, payload 0): which input's payload an addition keeps is up
  * to the compiler's operand order, so it could not be promised. dst may be the

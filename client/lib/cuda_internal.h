@@ -4,7 +4,7 @@
  * (fsdp_cuda_kernels.cu). Includable from C without CUDA headers; only
  * built with CUDA (SHARDPLANE_HAVE_CUDA).
  *
- * common/cast_cuda.h's SP_CUDA_CHECK logs to stderr and returns SP_ECUDA;
+ * common/cast/cast_cuda.h's SP_CUDA_CHECK logs to stderr and returns SP_ECUDA;
  * these variants fill the caller's sp_diag instead, so the message reaches
  * whoever reports the failure (a worker prints it naming its rank). Neither
  * exits: library code returns errors. */

@@ -1,14 +1,14 @@
 /* The FSDP runtime's small kernels (cuda_internal.h), each beside the CPU
  * code it must agree with bit for bit (fsdp_mem_host.c: scale_div,
  * host_acc_div, host_scale, sp_fsdp_sqsum_ref, host_sgd, host_adamw).
- * Element loads and stores are common/cast_scalar.h's, as the CPU's are;
+ * Element loads and stores are common/cast/cast_scalar.h's, as the CPU's are;
  * arithmetic uses the explicitly rounded intrinsics (__ddiv_rn, __dmul_rn,
  * __dadd_rn, __dsub_rn, __dsqrt_rn, __double2float_rn) so that nvcc cannot
  * contract a multiply and an add into an FMA, which the ISO C build of the
  * host code never does either. Only NaN payloads may differ (GPU arithmetic returns the
  * canonical NaN); a NaN stays a NaN.
  *
- * Written in the C subset of CUDA C++, like common/cast_cuda.cu. */
+ * Written in the C subset of CUDA C++, like common/cast/cast_cuda.cu. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <string.h>

@@ -1,5 +1,5 @@
 /* A coordinator's plan, rebuilt from its shardplane.v1.Plan answer into the
- * structs of common/plan.h, so the command prints it with the offline
+ * structs of common/fsdp/plan.h, so the command prints it with the offline
  * renderer and answers shard questions with the plan math in common/ (the
  * functions the coordinator itself runs). */
 #ifndef SP_PLAN_WIRE_H

@@ -1,12 +1,12 @@
 /* The reference MLP on a GPU (mlp_cuda.h), each kernel beside the CPU code
- * of client/mlp.c it reproduces. Written in the C subset of CUDA C++, like
- * common/cast_cuda.cu.
+ * of client/worker/mlp.c it reproduces. Written in the C subset of CUDA
+ * C++, like common/cast/cast_cuda.cu.
  *
  * Float arithmetic in kernels uses __fadd_rn / __fsub_rn / __fmul_rn /
  * __fdiv_rn (and their double forms): nvcc contracts a * b + c into an FMA
  * by default, the ISO C build of mlp.c never does, and the intrinsics are
  * never contracted. Rounding to a dtype and loading from one go through
- * common/cast_scalar.h, as sp_cast does. */
+ * common/cast/cast_scalar.h, as sp_cast does. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <limits.h>

@@ -8,7 +8,7 @@
  *   - a NaN stays NaN: sign kept, top payload bits kept, quiet bit set
  *     (for float32 -> bfloat16 that is (u >> 16) | 0x0040).
  *
- * Paths: a scalar reference (common/cast_scalar.h, also compiled for CUDA) and
+ * Paths: a scalar reference (common/cast/cast_scalar.h, also compiled for CUDA) and
  * SIMD paths (AVX2+F16C, AVX-512) picked at run time from CPU features. Every
  * path gives the same bits as the scalar reference on every input; the tests
  * prove it over all 2^32 float32 inputs.

@@ -8,8 +8,8 @@
 /* Paths below are relative to torch/distributed/fsdp/ in pytorch/pytorch
  * (2023 and later layout).
  *
- * The reference documents some transitions as "from any state" because the
- * Python code assigns without checking. Those rows are listed here only from
+ * Some transitions are "from any state" because PyTorch's Python code
+ * assigns without checking. Those rows are listed here only from
  * the states the real code path can be in when it runs; anything else in a
  * report means a desynchronised or buggy rank, which is what the coordinator
  * exists to catch.

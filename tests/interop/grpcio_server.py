@@ -11,7 +11,7 @@ signed by ca.pem.
 Prints "PORT <n>" once listening. Stops (grace 1 s) on SIGTERM/SIGINT or when
 stdin reaches EOF, so it never outlives the driver that started it.
 
-Semantics follow tests/echo_service.c: text/payload echo, index, repeat,
+Semantics follow tests/support/echo_service.c: text/payload echo, index, repeat,
 delay_ms, fail_code/fail_message, x-echo and x-echo-bin copied into the
 response headers. Also:
   - trailing metadata "x-trailer: done" on every OK call;

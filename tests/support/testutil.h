@@ -77,7 +77,7 @@ long sp_test_proc_file(int pid, const char *what, char *buf, size_t cap);
 size_t sp_test_children(int parent, int *out, size_t cap);
 
 /* Sleeps ms milliseconds (the whole time, across signals). Time is read
- * with sp_clock_s() (common/clock.h). */
+ * with sp_clock_s() (common/base/clock.h). */
 void sp_test_sleep_ms(unsigned ms);
 
 /* Fails the test unless got and want (n float32 each, a GPU's and the
