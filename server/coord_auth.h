@@ -1,18 +1,9 @@
-/* Bearer tokens with roles: the token file, the coordinator's check of
- * every call, the per-token store quota, and the making of new tokens
- * (`shardplane token create`, `shardplane run`). docs/security.md has the
- * roles, the methods each may call and the file format.
- *
- * A token is 256 random bits shown as "spt_" and 43 base64url characters.
- * The token file holds only SHA-256 hashes of tokens, one line each:
- *
- *     sha256:<64 lower-case hex> <role> <name>
- *
- * role is worker, reader or admin; name is 1-64 of [A-Za-z0-9._-]; blank
- * lines and lines starting with '#' are ignored.
+/* The coordinator's side of bearer tokens: the token file loaded into a
+ * table, the check of every call, and the per-token store quota. Tokens,
+ * roles and the file's format are auth/token.h's.
  *
  * Threads: an sp_auth table is used from the coordinator's loop thread
- * only; the token functions are safe from any thread.
+ * only.
  * Errors: 0 or a negative SP_E* code with one line in diag naming the file
  * (and line) at fault. */
 #ifndef SP_COORD_AUTH_H
@@ -22,42 +13,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "auth/token.h"
 #include "base/sp_error.h"
 #include "rpc/rpc.h"
 
-/* Roles, in sp_rpc_principal.role. */
-enum { SP_ROLE_WORKER = 1, SP_ROLE_READER = 2, SP_ROLE_ADMIN = 3 };
-
-/* "worker", "reader", "admin"; "?" for anything else. */
-const char *sp_auth_role_name(int role);
-/* The role named s, or 0 when s names none. */
-int sp_auth_role_parse(const char *s);
-
-#define SP_AUTH_TOKEN_PREFIX "spt_"
-/* A token's length: the prefix and 43 base64url characters (32 bytes). */
-#define SP_AUTH_TOKEN_LEN 47
-#define SP_AUTH_NAME_MAX 64
 /* Default per-token store quota; the coordinator's --store-quota-* flags. */
 #define SP_AUTH_QUOTA_BYTES (256ull << 20)
 #define SP_AUTH_QUOTA_KEYS 65536ull
 /* The most a token file may hold. */
 #define SP_AUTH_FILE_MAX (1u << 20)
-
-/* A fresh token (NUL-terminated) into out[SP_AUTH_TOKEN_LEN + 1], from
- * OpenSSL's RAND_bytes. SP_EIO when it has no entropy. */
-int sp_auth_token_new(char out[SP_AUTH_TOKEN_LEN + 1], sp_diag *d);
-
-/* Appends "sha256:<hash of token> <role> <name>\n" to the token file at
- * path, creating it with mode 0600. Refuses (SP_ESTATE) a file that is not
- * a regular file or that group or others may read or write: a token file
- * others can change could grant them admin. SP_EINVAL for a bad role or
- * name. */
-int sp_auth_file_add(const char *path, const char *token, int role,
-                     const char *name, sp_diag *d);
-
-/* Writes token and a newline to a new file at path, mode 0600 (SP_EEXIST
- * when it exists): the form `--token-file` reads. */
-int sp_auth_token_write(const char *path, const char *token, sp_diag *d);
 
 typedef struct sp_auth sp_auth;
 

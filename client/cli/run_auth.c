@@ -8,9 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "auth/token.h"
 #include "cli.h"
 #include "run_auth.h"
-#include "server/coord_auth.h"
 
 #define RUN "run"
 

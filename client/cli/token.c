@@ -1,13 +1,13 @@
 /* `shardplane token create`: a fresh bearer token for a coordinator's
- * token file (server/coord_auth.h). The token goes to stdout, once; the
+ * token file (auth/token.h). The token goes to stdout, once; the
  * file gets only its hash. */
 #include <getopt.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "auth/token.h"
 #include "base/flag.h"
 #include "cli.h"
-#include "server/coord_auth.h"
 
 #define TOKEN "token"
 
