@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include "base/flag.h"
-#include "rpc/rpc_internal.h"
+#include "rpc/rpc.h"
 #include "shardplane.h"
 
 /* The first of names that is set and not empty; its value in *val. */

@@ -16,6 +16,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <uv.h>
 
 #include "base/sp_error.h"
@@ -92,6 +93,11 @@ typedef struct sp_rpc_md {
   const uint8_t *value;
   size_t len;
 } sp_rpc_md;
+
+/* Resolves "host:port" (numeric, or a name through getaddrinfo; blocking,
+ * so only at start-up). SP_EINVAL with the reason in diag. */
+int sp_rpc_resolve(const char *addr, struct sockaddr_storage *out,
+                   sp_diag *diag);
 
 /* ------------------------------------------------------------------ */
 /* Server                                                              */

@@ -58,10 +58,6 @@ int sp_rpc_server_feed_bytes(sp_rpc_server *srv, const uint8_t *data,
                                          size_t n),
                              void *arg);
 
-/* Resolves "host:port" (numeric, or a name through getaddrinfo; blocking,
- * so only at start-up). SP_EINVAL with the reason in diag. */
-int sp_rpc_resolve(const char *addr, struct sockaddr_storage *out,
-                   sp_diag *diag);
 /* "1.2.3.4:5" or "[::1]:5". */
 void sp_rpc_format_sockaddr(const struct sockaddr *sa, char *out, size_t cap);
 
