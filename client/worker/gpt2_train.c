@@ -16,7 +16,7 @@ struct sp_gpt2_trainer {
   const sp_plan *plan;
   const sp_mlp_train_cfg *cfg;
   const sp_train_flags *flags;
-  sp_gpt2_data *data;
+  const sp_gpt2_data *data; /* sp_gpt2_trainer_check's, borrowed */
   sp_gpt2_acts *acts; /* on the CPU */
   sp_gpt2_cuda *gpu;  /* on a GPU (the runtime's storage on a device) */
   int32_t *tok, *tgt; /* the micro-batch's host arrays, of acts or gpu */
@@ -115,7 +115,9 @@ static int check_job(const sp_gpt2 *g, const sp_plan *pl,
 }
 
 int sp_gpt2_trainer_check(const sp_gpt2 *g, const sp_plan *pl,
-                          const sp_train_flags *flags, sp_diag *d) {
+                          const sp_train_flags *flags, sp_gpt2_data **keep,
+                          sp_diag *d) {
+  if (keep != NULL) *keep = NULL;
   int rc = check_job(g, pl, flags, NULL, NULL, d);
   sp_gpt2_data *data = NULL;
   if (rc == 0) rc = sp_gpt2_data_open(flags->data, seq_len(g, flags), &data, d);
@@ -127,15 +129,19 @@ int sp_gpt2_trainer_check(const sp_gpt2 *g, const sp_plan *pl,
       rc = sp_diag_set(d, SP_EINVAL, "--data %s: byte %u at offset %zu is "
                        "outside the model's vocabulary of %lld", data->source,
                        data->bytes[i], i, (long long)g->V);
-  sp_gpt2_data_free(data);
+  if (rc == 0 && keep != NULL)
+    *keep = data;
+  else
+    sp_gpt2_data_free(data);
   return rc;
 }
 
 int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
                         const sp_mlp_train_cfg *cfg,
-                        const sp_train_flags *flags, sp_gpt2_trainer **out,
-                        sp_diag *d) {
+                        const sp_train_flags *flags, const sp_gpt2_data *data,
+                        sp_gpt2_trainer **out, sp_diag *d) {
   *out = NULL;
+  if (data == NULL) return sp_diag_set(d, SP_EINVAL, "no data");
   sp_gpt2_trainer *tr = calloc(1, sizeof *tr);
   if (tr == NULL) return sp_diag_set(d, SP_ENOMEM, "no memory");
   tr->g = g;
@@ -144,6 +150,7 @@ int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
   tr->plan = sp_session_plan(s);
   tr->cfg = cfg;
   tr->flags = flags;
+  tr->data = data;
   tr->rank = sp_session_rank(s);
   tr->world = sp_session_world(s);
   tr->T = seq_len(g, flags);
@@ -153,7 +160,6 @@ int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
   if (tr->block_unit == NULL) rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   if (rc == 0)
     rc = check_job(g, tr->plan, flags, tr->block_unit, &tr->head_unit, d);
-  if (rc == 0) rc = sp_gpt2_data_open(flags->data, tr->T, &tr->data, d);
   if (rc == 0 && sp_fsdp_on_device(f)) {
     rc = sp_gpt2_cuda_new(g, tr->B, tr->T, sp_fsdp_cuda_stream(f), &tr->gpu,
                           d);
@@ -185,7 +191,6 @@ void sp_gpt2_trainer_free(sp_gpt2_trainer *tr) {
   if (tr == NULL) return;
   sp_gpt2_acts_free(tr->acts);
   sp_gpt2_cuda_free(tr->gpu);
-  sp_gpt2_data_free(tr->data);
   free(tr->block_unit);
   free(tr);
 }

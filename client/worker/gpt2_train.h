@@ -36,21 +36,26 @@ typedef struct sp_gpt2_trainer sp_gpt2_trainer;
  * the plan (SP_EUNSUPPORTED naming a parameter and --wrap-type
  * GPT2Block), --seq-len over the context (SP_EINVAL), the data (the
  * errors of sp_gpt2_data_open, naming --data; SP_EINVAL when it holds a
- * byte outside the vocabulary). Reads the data once. */
+ * byte outside the vocabulary). Reads the data once: with keep, the
+ * data checked goes to *keep (the caller frees it with
+ * sp_gpt2_data_free), for sp_gpt2_trainer_new, so that a worker reads
+ * it once in all; NULL on failure. */
 int sp_gpt2_trainer_check(const sp_gpt2 *g, const sp_plan *pl,
-                          const sp_train_flags *flags, sp_diag *d);
+                          const sp_train_flags *flags, sp_gpt2_data **keep,
+                          sp_diag *d);
 
 /* Sets up the trainer of rank sp_session_rank(s): cfg->global_batch
  * sequences a step over every rank and micro-batch, of flags->seq_len
- * tokens (0: the context), from flags->data (NULL: the default corpus);
- * sets the BLAS threads to flags->threads. g, f, s, cfg and flags are
- * borrowed. Errors: SP_EUNSUPPORTED (the plan, naming a parameter and
- * the wrap type to use), SP_EINVAL (--seq-len over the context), the
- * data's (naming --data), SP_ENOMEM, SP_ETOOBIG. */
+ * tokens (0: the context), from data (what sp_gpt2_trainer_check kept of
+ * flags->data); sets the BLAS threads to flags->threads. g, f, s, cfg,
+ * flags and data are borrowed, for the trainer's life. Errors:
+ * SP_EUNSUPPORTED (the plan, naming a parameter and the wrap type to
+ * use), SP_EINVAL (--seq-len over the context, or no data), SP_ENOMEM,
+ * SP_ETOOBIG. */
 int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
                         const sp_mlp_train_cfg *cfg,
-                        const sp_train_flags *flags, sp_gpt2_trainer **out,
-                        sp_diag *d);
+                        const sp_train_flags *flags, const sp_gpt2_data *data,
+                        sp_gpt2_trainer **out, sp_diag *d);
 void sp_gpt2_trainer_free(sp_gpt2_trainer *tr);
 
 /* One optimizer step (index step, 0-based): the micro-batches' forward and

@@ -1022,7 +1022,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     have_tr = true;
   }
   if (rc == 0 && is_gpt2)
-    rc = sp_gpt2_trainer_new(gpt, f, s, &cfg, &o->train, &gtr, d);
+    rc = sp_gpt2_trainer_new(gpt, f, s, &cfg, &o->train, tm.data, &gtr, d);
   if (rc == 0 && rank == 0 && is_gpt2) {
     printf("rank 0: GPT-2, %lld layers, d_model %lld, %lld heads, context "
            "%lld; %llu tokens a step; data %s\n", (long long)gpt->n_layer,

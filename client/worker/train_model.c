@@ -27,10 +27,11 @@ int sp_train_model_pick(const sp_model *m, bool synthetic, sp_train_model *out,
 void sp_train_model_clear(sp_train_model *t) {
   sp_gpt2_free(t->gpt);
   sp_mlp_free(t->mlp);
+  sp_gpt2_data_free(t->data);
   memset(t, 0, sizeof *t);
 }
 
-int sp_train_model_check(const sp_train_model *t, const sp_plan *plan,
+int sp_train_model_check(sp_train_model *t, const sp_plan *plan,
                          const sp_train_flags *flags, uint32_t steps, double lr,
                          uint32_t global_batch, uint32_t world,
                          const char *world_name, sp_mlp_train_cfg *cfg,
@@ -39,6 +40,6 @@ int sp_train_model_check(const sp_train_model *t, const sp_plan *plan,
   int rc = sp_train_flags_finish(flags, steps, lr, synthetic ? 0 : global_batch,
                                  world, world_name, cfg, d);
   if (rc == 0 && t->gpt != NULL)
-    rc = sp_gpt2_trainer_check(t->gpt, plan, flags, d);
+    rc = sp_gpt2_trainer_check(t->gpt, plan, flags, &t->data, d);
   return rc;
 }

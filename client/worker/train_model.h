@@ -19,6 +19,7 @@
 #include "fsdp/model.h"
 #include "fsdp/plan.h"
 #include "gpt2.h"
+#include "gpt2_data.h"
 #include "mlp.h"
 #include "train_flags.h"
 
@@ -26,6 +27,8 @@
 typedef struct sp_train_model {
   sp_gpt2 *gpt;
   sp_mlp *mlp;
+  /* a GPT-2's data, read by sp_train_model_check for its trainer */
+  sp_gpt2_data *data;
 } sp_train_model;
 
 /* The model of spec m (borrowed until sp_train_model_clear): with
@@ -45,8 +48,9 @@ void sp_train_model_clear(sp_train_model *t);
  * sp_gpt2_trainer_check of the plan, --seq-len and --data. cfg receives
  * the trainer's configuration. SP_EINVAL naming the flag, SP_EUNSUPPORTED
  * naming the wrap that fixes the plan (--wrap-type GPT2Block), the
- * data's errors. */
-int sp_train_model_check(const sp_train_model *t, const sp_plan *plan,
+ * data's errors. A GPT-2's data, read for the check, stays in t->data
+ * for its trainer (freed by sp_train_model_clear). */
+int sp_train_model_check(sp_train_model *t, const sp_plan *plan,
                          const sp_train_flags *flags, uint32_t steps, double lr,
                          uint32_t global_batch, uint32_t world,
                          const char *world_name, sp_mlp_train_cfg *cfg,
