@@ -167,22 +167,29 @@ static sp_rpc_sync *client(const char *addr, const sp_tauth *auth, int role) {
   return c;
 }
 
-static Shardplane__V1__ListIncarnationsResponse *incarnations(
-    const char *addr, const sp_tauth *auth) {
+/* One call with a reader's token, which must succeed: the answer (the
+ * caller frees it). */
+static ProtobufCMessage *ask(const char *addr, const sp_tauth *auth,
+                             const char *method, const ProtobufCMessage *q,
+                             const ProtobufCMessageDescriptor *reply) {
   sp_rpc_sync *c = client(addr, auth, SP_ROLE_READER);
-  Shardplane__V1__ListIncarnationsRequest q =
-      SHARDPLANE__V1__LIST_INCARNATIONS_REQUEST__INIT;
+  char path[128];
+  snprintf(path, sizeof path, "/shardplane.v1.Coordinator/%s", method);
   ProtobufCMessage *resp = NULL;
   sp_rpc_status st;
-  assert_int_equal(
-      sp_rpc_sync_unary(c, "/shardplane.v1.Coordinator/ListIncarnations",
-                        &q.base,
-                        &shardplane__v1__list_incarnations_response__descriptor,
-                        5000, &resp, &st),
-      0);
-  if (st.code != SP_RPC_OK) fail_msg("ListIncarnations: %s", st.message);
+  assert_int_equal(sp_rpc_sync_unary(c, path, q, reply, 5000, &resp, &st), 0);
+  if (st.code != SP_RPC_OK) fail_msg("%s: %s", method, st.message);
   sp_rpc_sync_close(c);
-  return (Shardplane__V1__ListIncarnationsResponse *)resp;
+  return resp;
+}
+
+static Shardplane__V1__ListIncarnationsResponse *incarnations(
+    const char *addr, const sp_tauth *auth) {
+  Shardplane__V1__ListIncarnationsRequest q =
+      SHARDPLANE__V1__LIST_INCARNATIONS_REQUEST__INIT;
+  return (Shardplane__V1__ListIncarnationsResponse *)ask(
+      addr, auth, "ListIncarnations", &q.base,
+      &shardplane__v1__list_incarnations_response__descriptor);
 }
 
 /* A job restarted once (of --max-restarts 1), incarnation 0 ended by
@@ -1112,22 +1119,13 @@ static void expect_completed(const char *addr, const sp_tauth *auth) {
                                     "step 3"));
   protobuf_c_message_free_unpacked(&li->base, NULL);
   /* and the verdict agrees */
-  sp_rpc_sync *c = client(addr, auth, SP_ROLE_READER);
   Shardplane__V1__GetVerdictRequest q =
       SHARDPLANE__V1__GET_VERDICT_REQUEST__INIT;
-  ProtobufCMessage *resp = NULL;
-  sp_rpc_status st;
-  assert_int_equal(sp_rpc_sync_unary(c, "/shardplane.v1.Coordinator/GetVerdict",
-                                     &q.base,
-                                     &shardplane__v1__verdict__descriptor,
-                                     5000, &resp, &st),
-                   0);
-  assert_int_equal(st.code, SP_RPC_OK);
-  const Shardplane__V1__Verdict *v = (const Shardplane__V1__Verdict *)resp;
+  Shardplane__V1__Verdict *v = (Shardplane__V1__Verdict *)ask(
+      addr, auth, "GetVerdict", &q.base, &shardplane__v1__verdict__descriptor);
   printf("verdict: %s\n", v->headline);
   assert_int_equal(v->state, SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED);
-  protobuf_c_message_free_unpacked(resp, NULL);
-  sp_rpc_sync_close(c);
+  protobuf_c_message_free_unpacked(&v->base, NULL);
 }
 
 static void test_agent_on_completed_job(void **state) {

@@ -9,6 +9,7 @@
 #include "base/backoff.h"
 #include "base/clock.h"
 #include "cli.h"
+#include "rpc/coord_service.h"
 
 #define AGENT_PATH "/shardplane.v1.Coordinator/AgentSession"
 
@@ -218,7 +219,7 @@ int sp_agent_ctl_get_job(sp_agent_ctl *c, uint64_t timeout_ms,
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;
-  int rc = sp_rpc_sync_unary(c->rpc, "/shardplane.v1.Coordinator/GetJob",
+  int rc = sp_rpc_sync_unary(c->rpc, SP_COORD_PATH("GetJob"),
                              &q.base,
                              &shardplane__v1__get_job_response__descriptor,
                              timeout_ms, &m, &st);

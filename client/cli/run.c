@@ -1088,10 +1088,12 @@ static int report_done(const run_opts *o, const run_job *j,
   sp_ckpt_found f;
   sp_ckpt_find(j->ckdir, &f);
   int n = 0, written = 0, last = SP_CKPT_FULL;
+  bool fresh[4] = {false};
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
     if (!o->kinds[k]) continue;
     n++;
-    if (sp_sup_ckpt_new(&p->ckpt_seen, &f, (sp_ckpt_kind)k)) {
+    fresh[k] = sp_sup_ckpt_new(&p->ckpt_seen, &f, (sp_ckpt_kind)k);
+    if (fresh[k]) {
       written++;
       last = k;
     }
@@ -1110,7 +1112,7 @@ static int report_done(const run_opts *o, const run_job *j,
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
     if (!o->kinds[k]) continue;
     const char *name = sp_ckpt_kind_name((sp_ckpt_kind)k);
-    if (!sp_sup_ckpt_new(&p->ckpt_seen, &f, (sp_ckpt_kind)k)) {
+    if (!fresh[k]) {
       sp_cli_error(RUN, "no %s checkpoint written in %s", name, j->ckdir);
       return sig ? ret : SP_EXIT_FAILURE;
     }
