@@ -229,10 +229,6 @@ static void print_header(const sp_remote *r,
 /* Reads events until the stream ends, a signal, or the count is reached. */
 static int watch_loop(sp_remote *r, sp_rpc_sync_stream *st, long long count,
                       uint64_t coord_start_us) {
-  struct sigaction sa = {.sa_handler = on_stop_signal}, old_int, old_term;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
   int ec = SP_EXIT_OK;
   long long seen = 0;
   while (!g_watch_stop && (count == 0 || seen < count)) {
@@ -260,8 +256,6 @@ static int watch_loop(sp_remote *r, sp_rpc_sync_stream *st, long long count,
     }
     seen++;
   }
-  sigaction(SIGINT, &old_int, NULL);
-  sigaction(SIGTERM, &old_term, NULL);
   return ec;
 }
 
@@ -331,15 +325,20 @@ int sp_cmd_watch(int argc, char **argv) {
     ec = SP_EXIT_FAILURE;
     goto out;
   }
+  /* Ctrl-C stops the watch cleanly from here on: a user who sees the
+   * header may press it at once */
+  struct sigaction sa = {.sa_handler = on_stop_signal}, old_int, old_term;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
   if (!r.json) {
     print_header(&r, j, world, w, shown);
-    if (fflush(stdout) != 0) {
-      ec = SP_EXIT_FAILURE; /* the reader went away */
-      goto out;
-    }
+    if (fflush(stdout) != 0) ec = SP_EXIT_FAILURE; /* the reader went away */
   }
   /* SP_ESTATE: the call already ended; the loop reads its status */
-  ec = watch_loop(&r, st, w->count, coord_start_us);
+  if (ec == SP_EXIT_OK) ec = watch_loop(&r, st, w->count, coord_start_us);
+  sigaction(SIGINT, &old_int, NULL);
+  sigaction(SIGTERM, &old_term, NULL);
 out:
   sp_rpc_sync_stream_close(st);
   sp_remote_free_msg(j);
