@@ -92,8 +92,8 @@
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "base/sp_error.h"
-#include "fsdp/job.h"
-#include "fsdp/state.h"
+#include "plan/job.h"
+#include "plan/state.h"
 
 extern char **environ;
 

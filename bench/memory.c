@@ -49,7 +49,7 @@
 
 #include "base/clock.h"
 #include "base/proc.h"
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 #include "predict.h"
 
 extern char **environ;

@@ -3,9 +3,9 @@
 
 #include <stddef.h>
 
-#include "fsdp/job.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "plan/job.h"
+#include "plan/model.h"
+#include "plan/plan.h"
 
 int sp_bench_predict(const char *model_path, const char *const *flags,
                      const sp_mem_opts *opts, sp_mem_estimate *out,

@@ -4,7 +4,7 @@
 #define SP_BENCH_PREDICT_H
 
 #include "base/sp_error.h"
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 
 /* Loads the spec at model_path, applies flags (pairs name, value, ...,
  * ended by a NULL name: the coordinator's flag names without "--"; NULL:

@@ -46,7 +46,7 @@
 #include <unistd.h>
 
 #include "base/proc.h"
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 #include "predict.h"
 
 extern char **environ;

@@ -6,16 +6,16 @@ include(CMakePackageConfigHelpers)
 
 # The public headers, as the installed tree has them: shardplane.h and the
 # common/ headers it includes, with their quoted folder-qualified includes
-# ("fsdp/plan.h") turned into <shardplane/fsdp/plan.h>, so an installed
+# ("plan/plan.h") turned into <shardplane/plan/plan.h>, so an installed
 # header pulls in only installed headers and no bare "plan.h" can collide
 # with another project's.
 set(SP_PUBLIC_HEADERS client/lib/shardplane.h common/base/sp_error.h
-    common/cast/dtype.h common/fsdp/job.h common/fsdp/model.h
-    common/fsdp/plan.h common/fsdp/state.h common/fsdp/memory.h)
+    common/cast/dtype.h common/plan/job.h common/plan/model.h
+    common/plan/plan.h common/plan/state.h common/plan/memory.h)
 set(SP_STAGED ${SP_STAGED_INCLUDE}/shardplane)
 foreach(h ${SP_PUBLIC_HEADERS})
   file(READ ${PROJECT_SOURCE_DIR}/${h} text)
-  string(REGEX REPLACE "#include \"(base|cast|fsdp|shardplane)/([a-z_]+\\.h)\""
+  string(REGEX REPLACE "#include \"(base|cast|plan|shardplane)/([a-z_]+\\.h)\""
          "#include <shardplane/\\1/\\2>" text "${text}")
   string(REPLACE "<shardplane/shardplane/" "<shardplane/" text "${text}")
   string(REGEX REPLACE "^(client/lib|common)/" "" rel ${h})

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "coordinator.h"
-#include "fsdp/job_cli.h"
+#include "plan/job_cli.h"
 #include "base/flag.h"
 
 static void usage(FILE *f) {

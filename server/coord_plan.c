@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "coordinator.h"
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 
 typedef Shardplane__V1__DType PDType;
 

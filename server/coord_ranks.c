@@ -1,6 +1,6 @@
 /* Ranks: Attach, Detach, the Session stream, ReportTransition, ListRanks,
  * heartbeat timeouts and alerts. Every reported transition is checked
- * against the FSDP state tables (common/fsdp/state.h). */
+ * against the FSDP state tables (common/plan/state.h). */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -8,13 +8,13 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "fsdp/job.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "plan/job.h"
+#include "plan/model.h"
+#include "plan/plan.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
-#include "fsdp/state.h"
+#include "plan/state.h"
 #include "coord_auth.h"
 #include "store.h"
 #include "base/strmap.h"

@@ -19,7 +19,7 @@
 
 #include <cmocka.h>
 
-#include "fsdp/state.h"
+#include "plan/state.h"
 #include "server/coordinator.h"
 #include "support/coord_fixture.h"
 #include "support/testutil.h"

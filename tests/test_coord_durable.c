@@ -39,7 +39,7 @@
 
 #include "base/clock.h"
 #include "base/proc.h"
-#include "fsdp/state.h"
+#include "plan/state.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"

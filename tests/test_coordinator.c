@@ -12,7 +12,7 @@
 
 #include <cmocka.h>
 
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 
 #include "support/coord_fixture.h"
 #include "server/coordinator.h"

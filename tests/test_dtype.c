@@ -9,7 +9,7 @@
 #include <cmocka.h>
 
 #include "cast/dtype.h"
-#include "fsdp/job.h"
+#include "plan/job.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "base/sp_error.h"
 #include "base/strmap.h"

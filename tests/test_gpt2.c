@@ -22,7 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "fsdp/model.h"
+#include "plan/model.h"
 #include "safetensors/safetensors.h"
 #include "support/testutil.h"
 #include "worker/gpt2.h"

@@ -23,7 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "fsdp/model.h"
+#include "plan/model.h"
 #include "support/job_fixture.h"
 #include "support/testutil.h"
 

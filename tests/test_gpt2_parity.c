@@ -54,7 +54,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "fsdp/model.h"
+#include "plan/model.h"
 #include "safetensors/safetensors.h"
 #include "support/gpt2_fixture.h"
 #include "support/job_fixture.h"

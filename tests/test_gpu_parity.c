@@ -33,7 +33,7 @@
 #include "support/job_fixture.h"
 #include "worker/mlp.h"
 #include "worker/mlp_cuda.h"
-#include "fsdp/plan.h"
+#include "plan/plan.h"
 #include "safetensors/safetensors.h"
 #include "lib/shardplane.h"
 #include "support/testutil.h"

@@ -1,4 +1,4 @@
-/* The memory model and the caching pool (common/fsdp/memory.c) on cases
+/* The memory model and the caching pool (common/plan/memory.c) on cases
  * computed by hand from the rules of docs/fsdp.md ("Memory"), written out
  * event by event below, not derived from the model's code:
  *  - the reference MLP (examples/mlp.json, every Linear a unit) at W = 4
@@ -22,10 +22,10 @@
 
 #include <cmocka.h>
 
-#include "fsdp/job.h"
-#include "fsdp/memory.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "plan/job.h"
+#include "plan/memory.h"
+#include "plan/model.h"
+#include "plan/plan.h"
 
 #define MLP SP_EXAMPLES "/mlp.json"
 #define GPT2 SP_EXAMPLES "/models/gpt2.json"

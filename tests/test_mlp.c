@@ -16,10 +16,10 @@
 
 #include "cast/cast.h"
 #include "cast/cast_scalar.h"
-#include "fsdp/job.h"
+#include "plan/job.h"
 #include "worker/mlp.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "plan/model.h"
+#include "plan/plan.h"
 #include "support/testutil.h"
 
 #define MLP_JSON SP_EXAMPLES "/mlp.json"

@@ -10,8 +10,8 @@
 
 #include <cmocka.h>
 
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "plan/model.h"
+#include "plan/plan.h"
 #include "support/testutil.h"
 
 static const char *const k_specs[] = {

@@ -33,7 +33,7 @@
 #include <cmocka.h>
 
 #include "cast/cast.h"
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 #include "lib/fsdp_internal.h"
 #include "lib/shardplane.h"
 #include "support/coord_fixture.h"
@@ -728,7 +728,7 @@ static void test_grad_accumulation(void **state) {
 /* ---- the memory model: AdamW's moments and no_sync's held gradients ----
  * Two steps of two micro-batches without sync for the first, AdamW: every
  * counter of sp_fsdp_stats.mem equals what sp_mem_estimate_plan predicts
- * with optimizer adamw and no_sync (common/fsdp/memory.c), category by
+ * with optimizer adamw and no_sync (common/plan/memory.c), category by
  * category, peak and current, in use and reserved, and the allocations. */
 static int body_memory(rank_ctx *c, void *arg) {
   (void)arg;

@@ -13,9 +13,9 @@
 #include <jansson.h>
 
 #include "base/clock.h"
-#include "fsdp/job.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "plan/job.h"
+#include "plan/model.h"
+#include "plan/plan.h"
 #include "support/testutil.h"
 
 /* ---- building specs ---- */

@@ -34,7 +34,7 @@
 #include <cmocka.h>
 
 #include "base/clock.h"
-#include "fsdp/model.h"
+#include "plan/model.h"
 #include "safetensors/safetensors.h"
 #include "support/job_fixture.h"
 #include "support/testutil.h"

@@ -24,7 +24,7 @@
 #include <jansson.h>
 
 #include "base/clock.h"
-#include "fsdp/model.h"
+#include "plan/model.h"
 #include "base/proc.h"
 #include "lib/shardplane.h"
 #include "rpc/rpc.h"

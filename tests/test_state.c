@@ -8,7 +8,7 @@
 
 #include <cmocka.h>
 
-#include "fsdp/state.h"
+#include "plan/state.h"
 #include "support/testutil.h"
 
 enum { N_UNITS = 4 };

@@ -36,7 +36,7 @@
 #include "base/clock.h"
 #include "support/job_fixture.h"
 #include "worker/mlp.h"
-#include "fsdp/plan.h"
+#include "plan/plan.h"
 #include "base/proc.h"
 #include "safetensors/safetensors.h"
 #include "lib/shardplane.h"

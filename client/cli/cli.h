@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 #include "rpc/rpc_cred.h"
 #include "lib/shardplane.h"
 

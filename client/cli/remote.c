@@ -20,7 +20,7 @@
 
 #include "cli.h"
 #include "flight_fmt.h"
-#include "fsdp/job_cli.h"
+#include "plan/job_cli.h"
 #include "base/flag.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "lib/plan_wire.h"

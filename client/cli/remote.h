@@ -8,7 +8,7 @@
 #include <stdio.h>
 
 #include "cli.h"
-#include "fsdp/job.h"
+#include "plan/job.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 

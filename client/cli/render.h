@@ -1,7 +1,7 @@
 /* Tables and JSON of the `shardplane` command. The offline plan and the
  * remote subcommands print through these functions, so each table and each
  * JSON object is written once: a plan fetched from a coordinator is rebuilt
- * into the structs of common/fsdp/plan.h (plan_wire.c) and printed exactly
+ * into the structs of common/plan/plan.h (plan_wire.c) and printed exactly
  * as a plan computed here. Everything prints to stdout. */
 #ifndef SP_RENDER_H
 #define SP_RENDER_H
@@ -12,9 +12,9 @@
 #include <stdint.h>
 
 #include "cast/dtype.h"
-#include "fsdp/job.h"
-#include "fsdp/memory.h"
-#include "fsdp/plan.h"
+#include "plan/job.h"
+#include "plan/memory.h"
+#include "plan/plan.h"
 
 /* What the plan header says beyond the plan itself. */
 typedef struct sp_plan_source {

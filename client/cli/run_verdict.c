@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "fsdp/state.h"
+#include "plan/state.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "rpc/rpc_cred.h"

@@ -8,7 +8,7 @@
 
 #include "cli.h"
 #include "flight_fmt.h"
-#include "fsdp/state.h"
+#include "plan/state.h"
 #include "lib/plan_wire.h"
 #include "remote.h"
 #include "render.h"

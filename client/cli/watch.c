@@ -11,7 +11,7 @@
 #include "base/flag.h"
 #include "cli.h"
 #include "flight_fmt.h"
-#include "fsdp/state.h"
+#include "plan/state.h"
 #include "remote.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"

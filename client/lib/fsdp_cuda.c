@@ -1,7 +1,7 @@
 /* The FSDP runtime's device storage (fsdp_internal.h, sp_fsdp_mem_ops):
  * cudaMalloc'd shards, views, gradients and buffers, two streams (compute
  * and comm) ordered with one event per work-ring slot, and device names.
- * Every allocation comes through the runtime's pool (fsdp/memory.h), which
+ * Every allocation comes through the runtime's pool (plan/memory.h), which
  * keeps the unsharded slots' blocks cached from the first step to
  * sp_fsdp_free: no cudaMalloc or cudaFree in a later step.
  *

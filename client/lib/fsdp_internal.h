@@ -8,7 +8,7 @@
 
 #include <pthread.h>
 
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 #include "shardplane.h"
 
 /* also included by the runtime's CUDA kernels (C++) */
@@ -391,7 +391,7 @@ int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *stage, bool keep,
                           sp_diag *d);
 
 /* The runtime's storage, host or device (f->mem), counted in f->pool by
- * category (fsdp/memory.h); every block of it goes through these, on the
+ * category (plan/memory.h); every block of it goes through these, on the
  * training thread.
  * _alloc: a block of its own, zero-filled, for state that lives until
  *   released (shards, optimizer state, buffers). SP_ETOOBIG when n * esize

@@ -125,7 +125,7 @@ static void reshard(sp_fsdp *f, uint32_t ui) {
  * pool (NO_SHARD keeps its gradient). Retiring only when the limit forces
  * it or at finish_backward, never because a ticket happens to be done
  * already, makes what is held at every point a function of the schedule
- * alone, so the memory model (fsdp/memory.c) predicts it exactly. */
+ * alone, so the memory model (plan/memory.c) predicts it exactly. */
 
 static int retire_oldest(sp_fsdp *f, sp_diag *d) {
   uint32_t ui = f->reducing[0];

@@ -3,7 +3,7 @@
  * Why rebuild instead of printing the message directly: the offline plan
  * already has its tables and JSON written against sp_plan, and the shard
  * questions (a rank's range of a unit, the parameters in a rank's shard)
- * have exactly one implementation, common/fsdp/plan.c, which the coordinator
+ * have exactly one implementation, common/plan/plan.c, which the coordinator
  * runs too. Those functions read only the units, entries, strategy,
  * shard_world and world_size, all of which the message carries, so a
  * rebuilt plan answers them as the coordinator's own plan does.

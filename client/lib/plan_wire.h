@@ -1,14 +1,14 @@
 /* A coordinator's plan, rebuilt from its shardplane.v1.Plan answer into the
- * structs of common/fsdp/plan.h, so the command prints it with the offline
+ * structs of common/plan/plan.h, so the command prints it with the offline
  * renderer and answers shard questions with the plan math in common/ (the
  * functions the coordinator itself runs). */
 #ifndef SP_PLAN_WIRE_H
 #define SP_PLAN_WIRE_H
 
-#include "fsdp/job.h"
-#include "fsdp/memory.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "plan/job.h"
+#include "plan/memory.h"
+#include "plan/model.h"
+#include "plan/plan.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 
 /* The model holds only what a Plan message carries: one module per unit,

@@ -31,11 +31,11 @@
 
 #include "base/sp_error.h"
 #include "cast/dtype.h"
-#include "fsdp/job.h"
-#include "fsdp/memory.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
-#include "fsdp/state.h"
+#include "plan/job.h"
+#include "plan/memory.h"
+#include "plan/model.h"
+#include "plan/plan.h"
+#include "plan/state.h"
 #include "shardplane/config.h"
 
 #ifdef __cplusplus
@@ -519,7 +519,7 @@ void sp_fsdp_free(sp_fsdp *f);
  * SHARD_GRAD_OP every unit's parameters from forward until its
  * post_backward; under FULL_SHARD and HYBRID_SHARD the root unit's from
  * root_pre_forward until post_backward(0) (it is not resharded after
- * forward). sp_fsdp_stats.mem counts every block by category (fsdp/
+ * forward). sp_fsdp_stats.mem counts every block by category (plan/
  * memory.h); sp_mem_estimate_plan predicts those counts from the plan.
  *
  * The schedule, in FSDP's order. Every call checks and reports its

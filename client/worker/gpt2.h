@@ -40,7 +40,7 @@
 
 #include "base/sp_error.h"
 #include "cast/dtype.h"
-#include "fsdp/model.h"
+#include "plan/model.h"
 
 #ifdef __cplusplus
 extern "C" {

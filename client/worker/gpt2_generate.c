@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "cast/cast.h"
-#include "fsdp/model.h"
+#include "plan/model.h"
 #include "gpt2.h"
 #include "safetensors/safetensors.h"
 

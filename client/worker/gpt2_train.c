@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "base/clock.h"
-#include "fsdp/plan.h"
+#include "plan/plan.h"
 #include "gpt2_cuda.h"
 
 struct sp_gpt2_trainer {

@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
-#include "fsdp/job_cli.h"
+#include "plan/job_cli.h"
 #include "base/flag.h"
 #include "gpt2.h"
 #include "gpt2_generate.h"

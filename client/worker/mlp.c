@@ -25,7 +25,7 @@
 
 #include "cast/cast.h"
 #include "cast/cast_scalar.h"
-#include "fsdp/plan.h"
+#include "plan/plan.h"
 
 /* ------------------------------------------------------------------ */
 /* element helpers (conversions: cast_scalar.h)                       */

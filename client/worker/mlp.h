@@ -34,8 +34,8 @@
 #include <stdint.h>
 
 #include "cast/dtype.h"
-#include "fsdp/job.h"
-#include "fsdp/model.h"
+#include "plan/job.h"
+#include "plan/model.h"
 #include "base/sp_error.h"
 #include "lib/shardplane.h"
 

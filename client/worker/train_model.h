@@ -16,8 +16,8 @@
 #include <stdint.h>
 
 #include "base/sp_error.h"
-#include "fsdp/model.h"
-#include "fsdp/plan.h"
+#include "plan/model.h"
+#include "plan/plan.h"
 #include "gpt2.h"
 #include "gpt2_data.h"
 #include "mlp.h"

@@ -6,7 +6,7 @@
 
 #include <stddef.h>
 
-#include "fsdp/model.h"
+#include "plan/model.h"
 #include "safetensors/safetensors.h"
 
 /* 64 KiB of words and spaces (a fixed seed): the same text for every run,

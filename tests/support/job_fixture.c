@@ -15,10 +15,10 @@
 
 #include "cast/cast.h"
 #include "base/clock.h"
-#include "fsdp/job.h"
+#include "plan/job.h"
 #include "worker/mlp.h"
 #include "worker/train_flags.h"
-#include "fsdp/plan.h"
+#include "plan/plan.h"
 #include "testutil.h"
 
 extern char **environ;

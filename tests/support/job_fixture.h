@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "fsdp/model.h"
+#include "plan/model.h"
 #include "auth_fixture.h"
 #include "base/proc.h"
 #include "safetensors/safetensors.h"

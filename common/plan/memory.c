@@ -1,7 +1,7 @@
 /* The FSDP runtime's memory: categories, the caching pool, and the memory
  * model that replays the runtime's schedule through a pool of tokens
  * (memory.h; the rules: docs/fsdp.md, "Memory"). */
-#include "fsdp/memory.h"
+#include "plan/memory.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #include "base/sp_error.h"
-#include "fsdp/plan.h"
+#include "plan/plan.h"
 
 #ifdef __cplusplus
 extern "C" {
