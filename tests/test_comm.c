@@ -1,4 +1,4 @@
-/* Tests for communicators (client/lib/comm.c, client/lib/comm_gloo.cc): groups of 1
+/* Tests for communicators (client/lib/comm/comm.c, comm_gloo.cc): groups of 1
  * to 4 members, each a thread of this process with its own sp_comm over
  * Gloo on loopback, bootstrapped through an in-memory store. Every op and
  * dtype is checked bit for bit against a reference computed here, including

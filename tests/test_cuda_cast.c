@@ -4,7 +4,7 @@
  * a head, the element and the byte kernels); the fused forms
  * (sp_cuda_cast_at into a slot, sp_cuda_cast_div with FSDP's post-divide)
  * on random data with every special value, against a CPU reference that
- * computes what client/lib/fsdp_mem_host.c computes. The 2^32 float32
+ * computes what client/lib/fsdp/fsdp_mem_host.c computes. The 2^32 float32
  * inputs are in test_cuda_cast_exhaustive.c. Skips, with the reason, when
  * CUDA was not built or no device is present. */
 #include <math.h>
@@ -288,7 +288,7 @@ static void fill_specials(void *buf, sp_dtype dt, size_t n, sp_test_rng *rng) {
   }
 }
 
-/* What client/lib/fsdp_mem_host.c computes for one element: scale_div in
+/* What client/lib/fsdp/fsdp_mem_host.c computes for one element: scale_div in
  * the reduce dtype (hardware double division; 16-bit through float32 with
  * sp_cast's conversions, whose every path equals cast_scalar.h), then the
  * cast to the gradient dtype. div == 1 skips the division, as the runtime

@@ -2,7 +2,7 @@
  * (cast_scalar.h):
  *   - all 2^32 float32 inputs to bfloat16 and to float16 (sp_cuda_cast);
  *   - all 2^32 float32 inputs through sp_cuda_cast_div(float32 -> float32,
- *     div 3), against what client/lib/fsdp_mem_host.c computes
+ *     div 3), against what client/lib/fsdp/fsdp_mem_host.c computes
  *     ((float)((double)x / 3));
  *   - all 2^16 inputs of each 16-bit format through sp_cuda_cast_div (div 3)
  *     to every floating dtype.

@@ -44,7 +44,7 @@
 #include "support/coord_fixture.h"
 #include "server/coordinator.h"
 #include "worker/mlp.h"
-#include "lib/session_internal.h"
+#include "lib/session/session_internal.h"
 #include "lib/shardplane.h"
 #include "support/testutil.h"
 

@@ -1,5 +1,5 @@
 /* The optimizer, clipping and gradient accumulation of the FSDP runtime
- * (client/lib/optim.c, fsdp_schedule.c), in isolation:
+ * (client/lib/fsdp/optim.c, fsdp_schedule.c), in isolation:
  *  - AdamW and SGD with momentum on hand-computed values (weight decay on
  *    2-D parameters only, bias correction, float32 moments);
  *  - the learning-rate schedule and the weight-decay mask;
@@ -34,7 +34,7 @@
 
 #include "cast/cast.h"
 #include "plan/memory.h"
-#include "lib/fsdp_internal.h"
+#include "lib/fsdp/fsdp_internal.h"
 #include "lib/shardplane.h"
 #include "support/coord_fixture.h"
 #include "support/testutil.h"
@@ -974,7 +974,7 @@ static void test_host_float32_paths(void **state) {
 #include <cuda_runtime_api.h>
 
 #include "cast/cast_cuda.h"
-#include "lib/cuda_internal.h"
+#include "lib/fsdp/cuda_internal.h"
 
 static void *dev_copy(const void *h, size_t bytes) {
   void *p = NULL;

@@ -1,4 +1,4 @@
-/* The session of libshardplane (client/lib/session.c) against a real
+/* The session of libshardplane (client/lib/session/session.c) against a real
  * coordinator in-process: open (job, spec, plan, version, attach), the
  * store from several threads, a whole training step reported and seen by
  * ListRanks, local refusal of illegal transitions, queue overflow,
@@ -18,8 +18,8 @@
 #include "support/auth_fixture.h"
 #include "support/coord_fixture.h"
 #include "server/coordinator.h"
-#include "lib/plan_wire.h"
-#include "lib/session_internal.h"
+#include "lib/session/plan_wire.h"
+#include "lib/session/session_internal.h"
 #include "lib/shardplane.h"
 #include "support/testutil.h"
 

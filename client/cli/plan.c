@@ -17,7 +17,7 @@
 #include "plan/memory.h"
 #include "plan/model.h"
 #include "plan/plan.h"
-#include "lib/plan_wire.h"
+#include "lib/session/plan_wire.h"
 #include "remote.h"
 #include "render.h"
 #include "rpc/coord_service.h"

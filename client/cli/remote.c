@@ -23,7 +23,7 @@
 #include "plan/job_cli.h"
 #include "base/flag.h"
 #include "grpc/health/v1/health.pb-c.h"
-#include "lib/plan_wire.h"
+#include "lib/session/plan_wire.h"
 #include "remote.h"
 #include "render.h"
 #include "rpc/coord_service.h"

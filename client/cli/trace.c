@@ -11,7 +11,7 @@
 #include "cli.h"
 #include "flight_fmt.h"
 #include "plan/state.h"
-#include "lib/plan_wire.h"
+#include "lib/session/plan_wire.h"
 #include "remote.h"
 #include "render.h"
 #include "rpc/coord_service.h"

@@ -13,7 +13,7 @@
 
 #include "cast/cast_cuda.h"
 #include "gpt2_layers_cuda.h"
-#include "lib/cuda_internal.h"
+#include "lib/fsdp/cuda_internal.h"
 
 /* per tensor, as gpt2.c: the kernels index with int */
 #define MAX_ELEMS ((int64_t)INT_MAX)

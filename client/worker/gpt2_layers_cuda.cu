@@ -21,7 +21,7 @@
 #include "cast/cuda_launch.h"
 #include "gpt2_elem.h"
 #include "gpt2_layers_cuda.h"
-#include "lib/cuda_internal.h"
+#include "lib/fsdp/cuda_internal.h"
 
 /* a power of two (the tree halves it); 256 keeps a 768-wide LayerNorm row
  * at 3 elements a thread and a 1024-token softmax row at 4 */

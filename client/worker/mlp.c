@@ -975,7 +975,7 @@ static double ref_round(double v, sp_dtype dt) {
 
 /* ---- the optimizer, written out for one process ----
  * torch.optim's formulas on whole tensors, independently of the runtime's
- * sharded implementation (client/lib/optim.c), in the documented order of
+ * sharded implementation (client/lib/fsdp/optim.c), in the documented order of
  * double operations, so that one rank's run agrees with it bit for bit and
  * a sharded one within its summation-order differences. */
 

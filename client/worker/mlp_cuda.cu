@@ -17,7 +17,7 @@
 #include "cast/cast_cuda.h"
 #include "cast/cast_scalar.h"
 #include "cast/cuda_launch.h"
-#include "lib/cuda_internal.h"
+#include "lib/fsdp/cuda_internal.h"
 #include "mlp_cuda.h"
 
 extern "C" int sp_cublas_diag(sp_diag *d, int status, const char *expr,

@@ -1,5 +1,5 @@
 /* The worker's --test-state (test_state.h). It reaches into the runtime's
- * internal registration (lib/fsdp_internal.h) as the optimizer in the
+ * internal registration (lib/fsdp/fsdp_internal.h) as the optimizer in the
  * library does; a trainer outside the build tree has no such access. */
 #include "test_state.h"
 
@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "cast/cast.h"
-#include "lib/fsdp_internal.h"
+#include "lib/fsdp/fsdp_internal.h"
 
 struct sp_test_state {
   sp_fsdp *f;

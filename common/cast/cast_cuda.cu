@@ -62,7 +62,7 @@ SP_CUDA_PLAIN_OP(bf16_to_f16, uint16_t, uint16_t, sp_bf16_to_f16_bits)
 SP_CUDA_PLAIN_OP(f16_to_bf16, uint16_t, uint16_t, sp_f16_to_bf16_bits)
 
 /* The quotient x / k in x's own dtype, exactly as
- * client/lib/fsdp_mem_host.c's scale_div computes it on the CPU (see
+ * client/lib/fsdp/fsdp_mem_host.c's scale_div computes it on the CPU (see
  * sp_cuda_cast_div in cast_cuda.h).
  * Widening and narrowing use the integer cast_scalar.h functions, so the
  * only floating-point instruction is the IEEE double division, correctly

@@ -51,7 +51,7 @@ int sp_cuda_cast_at(void *dst, size_t dst_off, sp_dtype dst_t, const void *src,
 
 /* Casts a reduced gradient shard back to the master dtype, dividing by
  * `div` (FSDP's post-divide factor) on the way: the fused form of
- * client/lib/fsdp_mem_host.c's "scale_div(red_out, reduce dtype, post)
+ * client/lib/fsdp/fsdp_mem_host.c's "scale_div(red_out, reduce dtype, post)
  * then sp_cast to the gradient dtype", with exactly its bits, so the GPU
  * and CPU runtimes agree. src_t is the reduce dtype, dst_t the master
  * (shard) dtype; any of

@@ -210,7 +210,7 @@ void sp_mem_opts_default(sp_mem_opts *o) {
 }
 
 /* ---- the model: the runtime's schedule, replayed through a pool ----
- * Every function below mirrors the one of client/lib/fsdp_schedule.c (or
+ * Every function below mirrors the one of client/lib/fsdp/fsdp_schedule.c (or
  * fsdp.c) named in its comment, taking and releasing the same blocks in
  * the same order; test_memory_model_exact (tests/test_fsdp.c) checks that
  * the runtime's counters equal the prediction on every strategy. */

@@ -39,7 +39,7 @@
 #include <unistd.h>
 
 #include "cast/cast.h"
-#include "fsdp_internal.h"
+#include "lib/fsdp/fsdp_internal.h"
 #include "base/json.h"
 #include "safetensors/safetensors.h"
 

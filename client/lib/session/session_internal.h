@@ -12,7 +12,7 @@
 #include "base/backoff.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"
-#include "shardplane.h"
+#include "lib/shardplane.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 
 /* Events per SessionUp message: ~25 bytes each on the wire, so a full

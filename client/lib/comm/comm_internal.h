@@ -19,7 +19,7 @@
 #include <stdint.h>
 
 #include "cast/dtype.h"
-#include "shardplane.h"
+#include "lib/shardplane.h"
 #include "base/sp_error.h"
 
 #ifdef __cplusplus

@@ -9,7 +9,7 @@
 #include <pthread.h>
 
 #include "plan/memory.h"
-#include "shardplane.h"
+#include "lib/shardplane.h"
 
 /* also included by the runtime's CUDA kernels (C++) */
 #ifdef __cplusplus

@@ -11,7 +11,7 @@
 
 #include "base/flag.h"
 #include "rpc/rpc.h"
-#include "shardplane.h"
+#include "lib/shardplane.h"
 
 /* The first of names that is set and not empty; its value in *val. */
 static const char *first_set(const char *const *names, size_t n,
