@@ -533,7 +533,8 @@ static int parse_steps(const char *s, uint64_t *out, const char *where,
 
 static int add_state_name(sp_ckpt_optim *o, const char *s, size_t len,
                           const char *where, sp_diag *d) {
-  if (o->n_states == SP_CKPT_MAX_STATES || len == 0 || len >= sizeof o->states[0])
+  if (o->n_states == SP_CKPT_MAX_STATES || len == 0 ||
+      len >= sizeof o->states[0])
     return sp_diag_set(d, SP_EFORMAT, "%s: bad optimizer state list", where);
   memcpy(o->states[o->n_states], s, len);
   o->states[o->n_states++][len] = '\0';
@@ -670,7 +671,8 @@ int sp_ckpt_sharded_range(void *vctx, const char *name,
       rc = sp_safetensors_get(st, name, &t, d);
       if (rc < 0) sp_diag_prefix(d, rc, "%s", fn);
     }
-    if (rc == 0) rc = sp_ckpt_check_shape(t, spec, spec->ndim ? rows : -1, fn, d);
+    if (rc == 0)
+      rc = sp_ckpt_check_shape(t, spec, spec->ndim ? rows : -1, fn, d);
     if (rc == 0)
       rc = sp_ckpt_read_elems(st, t, lo - ca, hi - lo,
                       (uint8_t *)dst + (size_t)(lo - a) * esz, dt, fn, d);

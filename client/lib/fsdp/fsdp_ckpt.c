@@ -344,8 +344,8 @@ static int put_unit(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf, uint32_t u,
     const sp_tensor_spec *t = &m->params[p];
     const sp_flat_entry *e = &f->plan->entries[f->plan->param_entry[p]];
     int64_t first = 0, last = t->ndim ? t->shape[0] : 1;
-    if (kind == SP_CKPT_SHARDED) sp_ckpt_chunk_rows(t, f->world, f->rank, &first,
-                                            &last);
+    if (kind == SP_CKPT_SHARDED)
+      sp_ckpt_chunk_rows(t, f->world, f->rank, &first, &last);
     int64_t rn = sp_ckpt_row_numel(t);
     const uint8_t *src = full + (size_t)(e->offset + first * rn) * es;
     int rc = sp_safetensors_writer_put(sf->w, (size_t)slot, 0, src,
@@ -620,7 +620,8 @@ static int load_buffers(sp_fsdp *f, const sp_safetensors_file *st,
     /* the buffer itself on the CPU, a host image uploaded on a GPU */
     uint8_t *dst = sp_fsdp_buffer_stage(f, (int32_t)b, d);
     if (!dst) return SP_ENOMEM;
-    rc = sp_ckpt_read_elems(st, t, 0, spec->numel, dst, f->buffer_dtype[b], file, d);
+    rc = sp_ckpt_read_elems(st, t, 0, spec->numel, dst, f->buffer_dtype[b],
+                            file, d);
     int crc = sp_fsdp_buffer_commit(f, (int32_t)b, dst, rc == 0, d);
     if (rc == 0) rc = crc;
     if (rc < 0) return rc;
@@ -739,7 +740,8 @@ static int load_sharded(sp_fsdp *f, const char *dir, bool params_only,
   rc = sp_json_parse(&r, buf, len, SP_CKPT_MAX_INDEX, &root);
   free(buf);
   if (rc < 0) return rc;
-  sp_ckpt_sharded_ctx c = {.dir = dir, .tensors = json_object_get(root, "tensors")};
+  sp_ckpt_sharded_ctx c = {.dir = dir,
+                           .tensors = json_object_get(root, "tensors")};
   const char *bufs = json_string_value(json_object_get(root, "buffers_file"));
   if (!json_is_object(c.tensors) || !bufs)
     rc = sp_json_fail(&r, SP_EFORMAT, "not a shardplane.sharded/v1 index");
