@@ -1,7 +1,7 @@
 /* What the subcommands that ask a running coordinator share: the
  * connection (with its health probe), unary calls with their exit codes,
  * the command-line parser and a few formatting helpers. The subcommands
- * themselves: status.c (status, ranks), plan.c (plan without --model,
+ * themselves: status.c (status, ranks), plan_cmd.c (plan without --model,
  * where, buffers), watch.c, store.c. Each is one or two blocking gRPC
  * calls; the tables and JSON shared with the offline plan live in
  * render.c.

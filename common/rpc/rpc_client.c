@@ -6,7 +6,7 @@
 #include <sys/un.h>
 
 #include "rpc.h"
-#include "rpc_conn.h"
+#include "h2conn.h"
 #include "rpc_internal.h"
 #include "rpc_mem.h"
 #include "rpc_tls.h"

@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "rpc.h"
-#include "rpc_conn.h"
+#include "h2conn.h"
 #include "rpc_internal.h"
 #include "rpc_mem.h"
 #include "rpc_pbcheck.h"

@@ -1,7 +1,7 @@
 /* TLS under the gRPC engine (OpenSSL 3), internal to common/rpc: contexts
  * built from the public option structs, and one connection's TLS state
  * over a pair of memory BIOs. The TLS layer never touches a socket:
- * rpc_conn.c feeds it the ciphertext it read and writes out the
+ * h2conn.c feeds it the ciphertext it read and writes out the
  * ciphertext it produces, so libuv keeps the I/O and nghttp2 sees only
  * plaintext. All functions run on the loop thread of their connection.
  *

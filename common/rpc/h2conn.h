@@ -9,15 +9,15 @@
  * - while a write is in flight nothing more is pulled from nghttp2, so a
  *   peer that does not read stops the data providers (backpressure);
  * - the first answer a small read makes is written as soon as it is ready,
- *   the rest together after it (see sp_h2conn_recv in rpc_conn.c);
+ *   the rest together after it (see sp_h2conn_recv in h2conn.c);
  * - the connection closes once nghttp2 wants neither to read nor to write
  *   and the last write completed;
  * - with TLS (c->tls), ciphertext read goes to OpenSSL and its plaintext to
  *   nghttp2; what nghttp2 produces is encrypted at each flush and the
  *   ciphertext written, with the same one-write-in-flight rule. Nothing of
  *   HTTP/2 is sent or parsed before the handshake completed with ALPN h2. */
-#ifndef SP_RPC_CONN_H
-#define SP_RPC_CONN_H
+#ifndef SP_H2CONN_H
+#define SP_H2CONN_H
 
 #include <nghttp2/nghttp2.h>
 #include <stdbool.h>

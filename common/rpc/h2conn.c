@@ -1,4 +1,4 @@
-#include "rpc_conn.h"
+#include "h2conn.h"
 
 #include "rpc_tls.h"
 
@@ -98,7 +98,7 @@ static void on_shutdown_done(uv_shutdown_t *req, int status) {
   linger_unref(l);
 }
 
-/* The orderly end: see `lingering` in rpc_conn.h. */
+/* The orderly end: see `lingering` in h2conn.h. */
 static void linger(sp_h2conn *c) {
   if (c->lingering || c->closing) return;
   if (c->sink != NULL || !c->reading) {
