@@ -48,7 +48,7 @@ int sp_cmd_run(int argc, char **argv);
 /* `shardplane agent` (agent.c): one host's workers of a job, launched and
  * supervised, their control traffic proxied over one connection. */
 int sp_cmd_agent(int argc, char **argv);
-/* token.c */
+/* `shardplane token create` (token_cmd.c) */
 int sp_cmd_token(int argc, char **argv);
 
 /* Prints "shardplane <cmd>: <message>" to stderr. */
