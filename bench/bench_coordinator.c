@@ -94,6 +94,8 @@
 #include "base/sp_error.h"
 #include "plan/job.h"
 #include "plan/state.h"
+#include "support/stats.h"
+#include "support/tmpdir.h"
 
 extern char **environ;
 
@@ -1241,17 +1243,6 @@ close_clients:
 /* Output                                                              */
 /* ------------------------------------------------------------------ */
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  if (n <= 0) return 0;
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 static void print_run(int i, const result *r, bool durable) {
   printf("  run %d%s: attached %.3f s, released %.3f s (wake-up %.3f s), "
          "bound %.3f s, %.0f store writes/s, %.2f M transitions/s (%.1f s), "
@@ -1283,7 +1274,7 @@ static double median_field(const result *runs, int n, size_t off) {
   int k = 0;
   for (int i = 0; i < n; i++)
     if (runs[i].ok) v[k++] = *(const double *)((const char *)&runs[i] + off);
-  return median(v, k);
+  return sp_test_median(v, (size_t)k);
 }
 
 #define MED(f) median_field(runs, n, offsetof(result, f))
@@ -1633,11 +1624,8 @@ int main(int argc, char **argv) {
     return 2;
   }
 
-  const char *tmp = getenv("TMPDIR");
   char dir[512];
-  snprintf(dir, sizeof dir, "%s/sp-bench-coordinator-XXXXXX",
-           tmp && *tmp ? tmp : "/tmp");
-  if (mkdtemp(dir) == NULL) {
+  if (sp_test_tmpdir(NULL, "sp-bench-coordinator", dir, sizeof dir) != 0) {
     fprintf(stderr, "coordinator: mkdtemp: %s\n", strerror(errno));
     free(coord);
     return 1;

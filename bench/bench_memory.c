@@ -35,7 +35,6 @@
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <math.h>
@@ -51,6 +50,7 @@
 #include "base/proc.h"
 #include "plan/memory.h"
 #include "predict.h"
+#include "support/tmpdir.h"
 
 extern char **environ;
 
@@ -125,12 +125,6 @@ static long long mem_available(void) {
     if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
   fclose(fp);
   return kb < 0 ? -1 : kb * 1024;
-}
-
-static int rm_entry(const char *p, const struct stat *st, int flag,
-                    struct FTW *f) {
-  (void)st, (void)flag, (void)f;
-  return remove(p);
 }
 
 static uint64_t jbytes(json_t *acct, const char *what, const char *field) {
@@ -258,7 +252,7 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
   }
   r->wall_s = sp_clock_s() - t0;
   sp_proc_stop(&coord, 5000);
-  nftw(ckdir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+  sp_test_rmtree(ckdir);
   if (failed) {
     snprintf(r->why, sizeof r->why, "worker %d failed (status 0x%x)",
              bad_rank, bad_status);
@@ -382,12 +376,8 @@ int main(int argc, char **argv) {
   }
   signal(SIGPIPE, SIG_IGN);
   /* under $TMPDIR, as the tests and bench/coordinator put theirs */
-  const char *tmpdir = getenv("TMPDIR");
-  char tmpl[512];
-  snprintf(tmpl, sizeof tmpl, "%s/shardplane-bench-memory-XXXXXX",
-           tmpdir && *tmpdir ? tmpdir : "/tmp");
-  char *tmp = mkdtemp(tmpl);
-  if (!tmp) {
+  char tmp[512];
+  if (sp_test_tmpdir(NULL, "shardplane-bench-memory", tmp, sizeof tmp) != 0) {
     perror("bench/memory: mkdtemp");
     return 1;
   }

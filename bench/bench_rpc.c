@@ -67,7 +67,8 @@
 #include "h2_floor.h"
 #include "support/echo_service.h"
 #include "support/test_certs.h"
-#include "support/testutil.h"
+#include "support/stats.h"
+#include "support/tmpdir.h"
 #include "base/proc.h"
 #include "rpc/rpc.h"
 
@@ -168,20 +169,6 @@ static double percentile_us(samples *s, double p) {
   qsort(s->v, s->n, sizeof *s->v, cmp_u64);
   size_t i = (size_t)(p * (double)(s->n - 1) + 0.5);
   return (double)s->v[i] / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(const double *v, int n) {
-  double t[64];
-  if (n <= 0) return 0;
-  if (n > 64) n = 64;
-  memcpy(t, v, (size_t)n * sizeof *t);
-  qsort(t, (size_t)n, sizeof *t, cmp_double);
-  return n % 2 ? t[n / 2] : (t[n / 2 - 1] + t[n / 2]) / 2;
 }
 
 /* One contender's figures for one run. */
@@ -742,8 +729,10 @@ static conn_cost measure_connections(uv_loop_t *loop, int port, int tls_port,
     sec[i] = (double)b / 1e3;
   }
   if (c.ok) {
-    c.clear_us = median(clear, n);
-    c.tls_us = median(sec, n);
+    /* of the first 64, as this figure has always been taken */
+    size_t k = n < 64 ? (size_t)n : 64;
+    c.clear_us = sp_test_median(clear, k);
+    c.tls_us = sp_test_median(sec, k);
   }
   free(clear);
   free(sec);
@@ -763,36 +752,36 @@ static result med(const result *runs, int n) {
     if (runs[i].ok) v[k++] = runs[i].p50_us;
   if (k == 0) return m;
   m.ok = true;
-  m.p50_us = median(v, k);
+  m.p50_us = sp_test_median(v, (size_t)k);
   k = 0;
   for (int i = 0; i < n; i++)
     if (runs[i].ok) v[k++] = runs[i].p99_us;
-  m.p99_us = median(v, k);
+  m.p99_us = sp_test_median(v, (size_t)k);
   k = 0;
   for (int i = 0; i < n; i++)
     if (runs[i].ok) v[k++] = runs[i].fast_share;
-  m.fast_share = median(v, k);
+  m.fast_share = sp_test_median(v, (size_t)k);
   k = 0;
   for (int i = 0; i < n; i++)
     if (runs[i].ok && runs[i].p50_fast_us > 0) v[k++] = runs[i].p50_fast_us;
-  m.p50_fast_us = median(v, k);
+  m.p50_fast_us = sp_test_median(v, (size_t)k);
   k = 0;
   for (int i = 0; i < n; i++)
     if (runs[i].ok && runs[i].p50_slow_us > 0) v[k++] = runs[i].p50_slow_us;
-  m.p50_slow_us = median(v, k);
+  m.p50_slow_us = sp_test_median(v, (size_t)k);
   k = 0;
   for (int i = 0; i < n; i++)
     if (runs[i].ok) v[k++] = runs[i].split_us;
-  m.split_us = median(v, k);
+  m.split_us = sp_test_median(v, (size_t)k);
   for (int c = 0; c < N_CALLERS; c++) {
     k = 0;
     for (int i = 0; i < n; i++)
       if (runs[i].ok) v[k++] = runs[i].tput[c];
-    m.tput[c] = median(v, k);
+    m.tput[c] = sp_test_median(v, (size_t)k);
     k = 0;
     for (int i = 0; i < n; i++)
       if (runs[i].ok) v[k++] = runs[i].cpu_us[c];
-    m.cpu_us[c] = median(v, k);
+    m.cpu_us[c] = sp_test_median(v, (size_t)k);
   }
   return m;
 }
@@ -823,7 +812,7 @@ static bool run_ratios(result runs[][N_CONTENDERS], int n, int a, int b,
     if (runs[r][a].ok && runs[r][b].ok && runs[r][b].tput[i] > 0)
       v[k++] = runs[r][a].tput[i] / runs[r][b].tput[i];
   if (k == 0) return false;
-  *med_x = median(v, k);
+  *med_x = sp_test_median(v, (size_t)k);
   *lo = *hi = v[0];
   for (int j = 1; j < k; j++) {
     if (v[j] < *lo) *lo = v[j];
@@ -932,7 +921,7 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
     for (int i = 0; i < N_CALLERS; i++) {
       double v[64];
       for (int r = 0; r < o->runs; r++) v[r] = h2_cpu[r][i];
-      h2[i] = median(v, o->runs);
+      h2[i] = sp_test_median(v, (size_t)o->runs);
     }
     printf("%-27s", "bare nghttp2, in memory");
     for (int i = 0; i < N_CALLERS; i++) printf(" %10.2f", h2[i]);
@@ -1174,10 +1163,8 @@ int main(int argc, char **argv) {
   char certs_dir[4096] = "";
   sp_test_certs certs;
   {
-    const char *tmp = getenv("TMPDIR");
-    snprintf(certs_dir, sizeof certs_dir, "%s/shardplane-bench-rpc-XXXXXX",
-             tmp != NULL && tmp[0] != '\0' ? tmp : "/tmp");
-    if (mkdtemp(certs_dir) == NULL) {
+    if (sp_test_tmpdir(NULL, "shardplane-bench-rpc", certs_dir,
+                       sizeof certs_dir) != 0) {
       certs_dir[0] = '\0';
       o.no_tls_why = "cannot make a scratch directory for certificates";
     } else {

@@ -35,6 +35,8 @@
 #include "base/clock.h"
 #include "base/proc.h"
 #include "lib/shardplane.h"
+#include "support/stats.h"
+#include "support/tmpdir.h"
 
 extern char **environ;
 
@@ -44,16 +46,6 @@ extern char **environ;
 #ifndef SP_EXAMPLES
 #define SP_EXAMPLES "examples"
 #endif
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, size_t n) {
-  qsort(v, n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 typedef struct bench_opts {
   int nproc;
@@ -158,8 +150,8 @@ static int run_job(const bench_opts *o, const char *tmpdir, double *ratio,
   json_decref(root);
   int rc = -1;
   if (n_on && n_off) {
-    *on_s = median(on, n_on);
-    *off_s = median(off, n_off);
+    *on_s = sp_test_median(on, n_on);
+    *off_s = sp_test_median(off, n_off);
     *ratio = *on_s / *off_s;
     rc = 0;
   }
@@ -265,7 +257,7 @@ static int step_overhead(const bench_opts *o, const char *tmp) {
            over[r] * 100);
     fflush(stdout);
   }
-  double m = median(over, (size_t)n);
+  double m = sp_test_median(over, (size_t)n);
   printf("reporting on vs off, %d rank%s: median %+.2f%% over %d runs "
          "(spread %+.2f%% .. %+.2f%%)  (goal: under 1%% difference) %s\n\n",
          o->nproc, o->nproc == 1 ? "" : "s", m * 100, n, lo * 100, hi * 100,
@@ -332,9 +324,8 @@ int main(int argc, char **argv) {
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);
-  char tmpl[] = "/tmp/shardplane-bench-step-XXXXXX";
-  char *tmp = mkdtemp(tmpl);
-  if (!tmp) {
+  char tmp[64];
+  if (sp_test_tmpdir("/tmp", "shardplane-bench-step", tmp, sizeof tmp) != 0) {
     perror("mkdtemp");
     return 1;
   }

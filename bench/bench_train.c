@@ -48,6 +48,9 @@
 #include "base/proc.h"
 #include "plan/memory.h"
 #include "predict.h"
+#include "support/capture.h"
+#include "support/stats.h"
+#include "support/tmpdir.h"
 
 extern char **environ;
 
@@ -70,16 +73,6 @@ typedef struct opts {
   int steps, warmup, batch, seq, threads, rounds;
 } opts;
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, size_t n) {
-  qsort(v, n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 /* The median after the warm-up of the array `key` of a stats object. */
 static int med_of(json_t *root, const char *key, const opts *o, double *out) {
   json_t *a = json_object_get(root, key);
@@ -88,7 +81,7 @@ static int med_of(json_t *root, const char *key, const opts *o, double *out) {
   size_t n = 0;
   for (int i = o->warmup; i < o->steps && n < 1024; i++)
     v[n++] = json_number_value(json_array_get(a, (size_t)i));
-  *out = median(v, n);
+  *out = sp_test_median(v, n);
   return 0;
 }
 
@@ -208,16 +201,13 @@ static int run_torch(const opts *o, double *step_s, int *busy) {
   snprintf(cmd, sizeof cmd, "'%s' '%s/train_torch.py' '%s' %d %d %d %d",
            PYTHON, SP_BENCH_DIR, o->model, o->steps, o->batch, o->seq,
            o->threads);
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  char buf[1 << 16];
-  size_t n = fread(buf, 1, sizeof buf - 1, p);
-  buf[n] = '\0';
-  int st = pclose(p);
-  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+  char *buf;
+  int st;
+  if (sp_test_capture(cmd, &buf, &st) != 0) return -1;
+  if (st != 0) {
     fprintf(stderr, "bench/train: the PyTorch peer failed (exit %d): %s "
-            "needs python3-torch (scripts/deps.sh installs it)\n",
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1, PYTHON);
+            "needs python3-torch (scripts/deps.sh installs it)\n", st, PYTHON);
+    free(buf);
     return -1;
   }
   json_error_t je;
@@ -226,6 +216,7 @@ static int run_torch(const opts *o, double *step_s, int *busy) {
   *busy = (int)json_integer_value(json_object_get(root, "busy_threads"));
   json_decref(root);
   if (rc < 0) fprintf(stderr, "bench/train: the PyTorch peer said: %s\n", buf);
+  free(buf);
   return rc;
 }
 
@@ -282,7 +273,7 @@ static void print_split(int world, const job_result *r) {
 static size_t median_at(const double *v, size_t n) {
   double s[MAX_ROUNDS];
   memcpy(s, v, n * sizeof *v);
-  double m = median(s, n);
+  double m = sp_test_median(s, n);
   size_t at = 0;
   for (size_t i = 0; i < n; i++)
     if (fabs(v[i] - m) < fabs(v[at] - m)) at = i;
@@ -352,10 +343,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   blas_kernels();
-  char tmpl[] = "/tmp/sp-bench-train-XXXXXX";
-  char *tmp = mkdtemp(tmpl);
-  if (!tmp) {
-    fprintf(stderr, "bench/train: mkdtemp %s: %s\n", tmpl, strerror(errno));
+  char tmp[64];
+  if (sp_test_tmpdir("/tmp", "sp-bench-train", tmp, sizeof tmp) != 0) {
+    fprintf(stderr, "bench/train: mkdtemp %s: %s\n", tmp, strerror(errno));
     return 1;
   }
   double tokens = (double)o.batch * o.seq;
@@ -393,7 +383,8 @@ int main(int argc, char **argv) {
       steps1[i] = one[i].step_s;
       steps_t[i] = torch_s[i];
     }
-    double m1 = median(steps1, (size_t)n), mt = median(steps_t, (size_t)n);
+    double m1 = sp_test_median(steps1, (size_t)n);
+    double mt = sp_test_median(steps_t, (size_t)n);
     printf("  W=1 shardplane %8.0f tokens/s (median %.3f s/step; %d BLAS "
            "thread%s; the runtime's collectives, copies at W=1, %.3f s a "
            "step on the training thread)\n",

@@ -16,7 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -27,35 +26,12 @@
 #define BENCH_RPC SP_BIN_DIR "/../bench/rpc"
 #define GRPCPP_SERVER SP_BIN_DIR "/../bench/grpcpp_echo_server"
 
-/* Runs a shell command; its stdout (and stderr, when the command says
- * 2>&1) as a malloc'd string, and its exit status (-1: no normal exit). */
-static char *run(const char *cmd, int *status) {
-  FILE *p = popen(cmd, "r");
-  if (p == NULL) fail_msg("cannot run %s", cmd);
-  size_t cap = 4096, len = 0;
-  char *out = malloc(cap);
-  assert_non_null(out);
-  size_t n;
-  while ((n = fread(out + len, 1, cap - len - 1, p)) > 0) {
-    len += n;
-    if (cap - len < 1024) {
-      cap *= 2;
-      out = realloc(out, cap);
-      assert_non_null(out);
-    }
-  }
-  out[len] = '\0';
-  int st = pclose(p);
-  *status = st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return out;
-}
-
 /* The package dpkg says owns path (malloc'd), or NULL. */
 static char *owner_of(const char *path) {
   char cmd[4200];
   snprintf(cmd, sizeof cmd, "dpkg -S '%s' 2>/dev/null", path);
-  int st;
-  char *out = run(cmd, &st);
+  char *out;
+  int st = sp_test_shell(cmd, &out);
   char *colon = strchr(out, ':');
   if (st != 0 || colon == NULL || strncmp(out, "diversion", 9) == 0) {
     free(out);
@@ -74,8 +50,8 @@ static char *requirement_path(const char *what, bool module) {
              what);
   else
     snprintf(cmd, sizeof cmd, "command -v '%s' 2>/dev/null", what);
-  int st;
-  char *out = run(cmd, &st);
+  char *out;
+  int st = sp_test_shell(cmd, &out);
   out[strcspn(out, "\n")] = '\0';
   if (st != 0 || out[0] == '\0') {
     free(out);
@@ -103,8 +79,8 @@ static bool listed(const char *list, const char *pkg) {
 
 static void test_deps_cover_bench(void **state) {
   (void)state;
-  int st;
-  char *list = run("SHARDPLANE_DEPS_BENCH=1 '" DEPS "' --list", &st);
+  char *list;
+  int st = sp_test_shell("SHARDPLANE_DEPS_BENCH=1 '" DEPS "' --list", &list);
   assert_int_equal(st, 0);
   if (!listed(list, "libgrpc++-dev"))
     fail_msg("scripts/deps.sh --list with SHARDPLANE_DEPS_BENCH=1 does not "
@@ -161,8 +137,8 @@ static void expect_row(const char *out, const char *prefix, const char *bad) {
 static void test_rpc_bench_peer(void **state) {
   (void)state;
   if (access(BENCH_RPC, X_OK) != 0) fail_msg("%s was not built", BENCH_RPC);
-  int st;
-  char *out = run("'" BENCH_RPC "' --seconds 0.01 --runs 1 2>&1", &st);
+  char *out;
+  int st = sp_test_shell("'" BENCH_RPC "' --seconds 0.01 --runs 1 2>&1", &out);
   if (access(GRPCPP_SERVER, X_OK) == 0) {
     if (st != 0) fail_msg("bench/rpc exited %d:\n%s", st, out);
     expect_row(out, "gRPC C++ server", "failed");
@@ -175,7 +151,8 @@ static void test_rpc_bench_peer(void **state) {
                out);
   }
   free(out);
-  out = run("'" BENCH_RPC "' --no-grpcpp --seconds 0.01 --runs 1 2>&1", &st);
+  st = sp_test_shell("'" BENCH_RPC "' --no-grpcpp --seconds 0.01 --runs 1 2>&1",
+                     &out);
   if (st != 0) fail_msg("bench/rpc --no-grpcpp exited %d:\n%s", st, out);
   if (strstr(out, "skipped") != NULL || strstr(out, "SKIPPED") != NULL)
     fail_msg("bench/rpc --no-grpcpp reports a skip:\n%s", out);

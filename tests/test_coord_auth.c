@@ -543,32 +543,16 @@ static void test_token_file(void **state) {
   snprintf(cmd, sizeof cmd,
            "%s/shardplane-coordinator --model %s --listen 127.0.0.1:0 "
            "--insecure --token-file %s 2>&1", SP_BIN_DIR, MLP, bad);
-  FILE *p = popen(cmd, "r");
-  char out[2048] = "";
-  size_t got = fread(out, 1, sizeof out - 1, p);
-  out[got] = '\0';
-  int st = pclose(p);
-  assert_true(WIFEXITED(st));
-  assert_int_equal(WEXITSTATUS(st), 1);
+  char *out;
+  assert_int_equal(sp_test_shell(cmd, &out), 1);
   if (strstr(out, where) == NULL) fail_msg("no %s in: %s", where, out);
+  free(out);
   /* a token file others may change is refused */
   chmod(a.token_file, 0620);
   assert_int_equal(sp_auth_load(a.token_file, NULL, &t, &d), SP_ESTATE);
   assert_non_null(strstr(d.msg, "chmod 600"));
   free(bad);
   sp_tauth_free(&a);
-}
-
-/* Runs a shell command line; its exit status, its output in *out. */
-static int shell(const char *cmd, char **out) {
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  char buf[4096];
-  size_t got = fread(buf, 1, sizeof buf - 1, p);
-  buf[got] = '\0';
-  int st = pclose(p);
-  *out = strdup(buf);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
 /* `shardplane token create` prints a fresh token and appends only its
@@ -582,7 +566,7 @@ static void test_token_create_and_use(void **state) {
   snprintf(cmd, sizeof cmd,
            "%s/shardplane token create --role reader --token-file %s "
            "--name ops 2>/dev/null", SP_BIN_DIR, tf);
-  assert_int_equal(shell(cmd, &out), 0);
+  assert_int_equal(sp_test_shell(cmd, &out), 0);
   assert_int_equal(strncmp(out, "spt_", 4), 0);
   assert_int_equal(strlen(out), SP_AUTH_TOKEN_LEN + 1);
   out[SP_AUTH_TOKEN_LEN] = '\0';
@@ -595,11 +579,11 @@ static void test_token_create_and_use(void **state) {
   snprintf(cmd, sizeof cmd,
            "%s/shardplane token create --role root --token-file %s 2>&1",
            SP_BIN_DIR, tf);
-  assert_int_equal(shell(cmd, &out), 2);
+  assert_int_equal(sp_test_shell(cmd, &out), 2);
   assert_non_null(strstr(out, "--role \"root\""));
   free(out);
   snprintf(cmd, sizeof cmd, "%s/shardplane token create --help", SP_BIN_DIR);
-  assert_int_equal(shell(cmd, &out), 0);
+  assert_int_equal(sp_test_shell(cmd, &out), 0);
   assert_non_null(strstr(out, "--token-file FILE"));
   free(out);
 
@@ -611,18 +595,18 @@ static void test_token_create_and_use(void **state) {
   snprintf(cmd, sizeof cmd,
            "%s/shardplane status --coordinator %s --insecure --token-file %s "
            "--json 2>&1", SP_BIN_DIR, fx.addr, mine);
-  assert_int_equal(shell(cmd, &out), 0);
+  assert_int_equal(sp_test_shell(cmd, &out), 0);
   assert_non_null(strstr(out, "\"plan_version\""));
   free(out);
   snprintf(cmd, sizeof cmd,
            "SHARDPLANE_TOKEN=%s %s/shardplane ranks --coordinator %s "
            "--insecure 2>&1", token, SP_BIN_DIR, fx.addr);
-  assert_int_equal(shell(cmd, &out), 0);
+  assert_int_equal(sp_test_shell(cmd, &out), 0);
   free(out);
   snprintf(cmd, sizeof cmd,
            "%s/shardplane status --coordinator %s --insecure 2>&1",
            SP_BIN_DIR, fx.addr);
-  assert_int_equal(shell(cmd, &out), 1);
+  assert_int_equal(sp_test_shell(cmd, &out), 1);
   assert_non_null(strstr(out, "UNAUTHENTICATED"));
   /* the refusal says that no token went, and how to send one */
   assert_non_null(strstr(out, "no token sent (--token-file FILE"));
@@ -634,7 +618,7 @@ static void test_token_create_and_use(void **state) {
   snprintf(cmd, sizeof cmd,
            "%s/shardplane status --coordinator %s --insecure --token-file %s "
            "2>&1", SP_BIN_DIR, fx.addr, wrong);
-  assert_int_equal(shell(cmd, &out), 1);
+  assert_int_equal(sp_test_shell(cmd, &out), 1);
   char want[1200];
   snprintf(want, sizeof want, "(UNAUTHENTICATED): the token of --token-file %s",
            wrong);
@@ -645,14 +629,14 @@ static void test_token_create_and_use(void **state) {
   snprintf(cmd, sizeof cmd,
            "%s/shardplane store set k v --coordinator %s --insecure "
            "--token-file %s 2>&1", SP_BIN_DIR, fx.addr, mine);
-  assert_int_equal(shell(cmd, &out), 1);
+  assert_int_equal(sp_test_shell(cmd, &out), 1);
   assert_non_null(strstr(out, "PERMISSION_DENIED"));
   free(out);
   chmod(mine, 0644);
   snprintf(cmd, sizeof cmd,
            "%s/shardplane status --coordinator %s --insecure --token-file %s "
            "2>&1", SP_BIN_DIR, fx.addr, mine);
-  assert_int_equal(shell(cmd, &out), 2);
+  assert_int_equal(sp_test_shell(cmd, &out), 2);
   assert_non_null(strstr(out, "chmod 600"));
   free(out);
   sp_coord_fixture_stop(&fx);
@@ -682,7 +666,7 @@ static void test_coordinator_flags(void **state) {
     snprintf(cmd, sizeof cmd,
              "%s/shardplane-coordinator --model %s --listen 127.0.0.1:0 %s "
              "2>&1", SP_BIN_DIR, MLP, cases[i].flags);
-    assert_int_equal(shell(cmd, &out), 2);
+    assert_int_equal(sp_test_shell(cmd, &out), 2);
     if (strstr(out, cases[i].says) == NULL)
       fail_msg("%s: no \"%s\" in: %s", cases[i].flags, cases[i].says, out);
     free(out);
@@ -692,7 +676,7 @@ static void test_coordinator_flags(void **state) {
            "%s/shardplane-coordinator --model %s --listen 0.0.0.0:0 --quiet "
            "--insecure --no-auth 2>&1 >/dev/null & p=$!; sleep 0.5; kill $p; "
            "wait $p", SP_BIN_DIR, MLP);
-  assert_int_equal(shell(cmd, &out), 0);
+  assert_int_equal(sp_test_shell(cmd, &out), 0);
   if (strstr(out, "warning: listening in cleartext on 0.0.0.0:0") == NULL ||
       strstr(out, "warning: --no-auth") == NULL)
     fail_msg("no warnings in: %s", out);
@@ -702,7 +686,7 @@ static void test_coordinator_flags(void **state) {
            "%s/shardplane-coordinator --model %s --listen 127.0.0.1:0 --quiet "
            "--insecure --no-auth 2>&1 >/dev/null & p=$!; sleep 0.5; kill $p; "
            "wait $p", SP_BIN_DIR, MLP);
-  assert_int_equal(shell(cmd, &out), 0);
+  assert_int_equal(sp_test_shell(cmd, &out), 0);
   assert_null(strstr(out, "cleartext"));
   assert_non_null(strstr(out, "warning: --no-auth"));
   free(out);
@@ -774,7 +758,7 @@ static void test_tls_and_tokens(void **state) {
              "%s/shardplane ranks --coordinator %s --tls-ca %s%s "
              "--token-file %s 2>&1", SP_BIN_DIR, addr, certs.ca, certflags,
              a.file[SP_ROLE_READER]);
-    assert_int_equal(shell(cmd, &out), 0);
+    assert_int_equal(sp_test_shell(cmd, &out), 0);
     if (!mutual && strstr(out, "DETACHED") == NULL)
       fail_msg("the TLS job's ranks: %s", out);
     free(out);
@@ -783,13 +767,13 @@ static void test_tls_and_tokens(void **state) {
              "%s/shardplane status --coordinator %s --insecure --token-file "
              "%s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
              a.file[SP_ROLE_READER]);
-    assert_true(shell(cmd, &out) != 0);
+    assert_true(sp_test_shell(cmd, &out) != 0);
     free(out);
     snprintf(cmd, sizeof cmd,
              "%s/shardplane status --coordinator %s --tls-ca %s%s "
              "--token-file %s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
              certs.other_ca, certflags, a.file[SP_ROLE_READER]);
-    assert_true(shell(cmd, &out) != 0);
+    assert_true(sp_test_shell(cmd, &out) != 0);
     free(out);
     if (mutual) {
       /* without a client certificate the handshake fails */
@@ -797,7 +781,7 @@ static void test_tls_and_tokens(void **state) {
                "%s/shardplane status --coordinator %s --tls-ca %s "
                "--token-file %s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
                certs.ca, a.file[SP_ROLE_READER]);
-      assert_true(shell(cmd, &out) != 0);
+      assert_true(sp_test_shell(cmd, &out) != 0);
       free(out);
     }
     sp_proc_stop(&coord, 5000);

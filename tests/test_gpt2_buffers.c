@@ -20,7 +20,6 @@
 
 #include <cmocka.h>
 #include <jansson.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "plan/model.h"
@@ -37,24 +36,9 @@ static json_t *read_back(const char *path) {
   char cmd[8192];
   snprintf(cmd, sizeof cmd, "'%s' '%s' '%s' --hex-limit 0", PYTHON, ST_READER,
            path);
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  size_t len = 0, cap = 1 << 20;
-  char *buf = malloc(cap);
-  assert_non_null(buf);
-  size_t n;
-  while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
-    len += n;
-    if (cap - len < 2) {
-      cap *= 2;
-      buf = realloc(buf, cap);
-      assert_non_null(buf);
-    }
-  }
-  buf[len] = '\0';
-  int st = pclose(p);
-  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
-    fail_msg("%s: the reader failed (status %d)", path, st);
+  char *buf;
+  int st = sp_test_shell(cmd, &buf);
+  if (st != 0) fail_msg("%s: the reader failed (status %d)", path, st);
   json_error_t je;
   json_t *j = json_loads(buf, 0, &je);
   if (j == NULL) fail_msg("%s: reader output: %s", path, je.text);

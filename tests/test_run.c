@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -578,17 +577,10 @@ static void test_run_worker_killed(void **state) {
   free(dir);
 }
 
+/* cmd's stdout; fails the test unless cmd exits 0 */
 static char *command_output(const char *cmd) {
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  size_t cap = 1 << 16, len = 0, n;
-  char *out = malloc(cap);
-  while ((n = fread(out + len, 1, cap - len - 1, p)) > 0) {
-    len += n;
-    if (len + 1 == cap) out = realloc(out, cap *= 2);
-  }
-  out[len] = '\0';
-  int st = pclose(p);
+  char *out;
+  int st = sp_test_shell(cmd, &out);
   if (st != 0) fail_msg("%s: status %d: %s", cmd, st, out);
   return out;
 }

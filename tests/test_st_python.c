@@ -14,7 +14,6 @@
 #include <cmocka.h>
 #include <jansson.h>
 #include <math.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cast/cast_scalar.h"
@@ -35,23 +34,8 @@ static int run_reader(const char *path, json_t **out, char **err) {
   char *cmd = malloc(cap);
   assert_non_null(cmd);
   snprintf(cmd, cap, "'%s' '%s' '%s' 2>'%s'", PYTHON, ST_READER, path, errf);
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  size_t len = 0, bufcap = 1 << 16;
-  char *buf = malloc(bufcap);
-  assert_non_null(buf);
-  size_t n;
-  while ((n = fread(buf + len, 1, bufcap - len - 1, p)) > 0) {
-    len += n;
-    if (bufcap - len < 2) {
-      bufcap *= 2;
-      buf = realloc(buf, bufcap);
-      assert_non_null(buf);
-    }
-  }
-  buf[len] = '\0';
-  int st = pclose(p);
-  int rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+  char *buf;
+  int rc = sp_test_shell(cmd, &buf);
   *err = sp_test_read_file(errf);
   *out = NULL;
   if (rc == 0) {

@@ -264,17 +264,8 @@ static void check_with_python(const char *path) {
   char cmd[4096];
   snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s '%s' --hex-limit 100000000",
            ST_READER, path);
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  size_t cap = 1 << 20, len = 0;
-  char *out = malloc(cap);
-  size_t n;
-  while ((n = fread(out + len, 1, cap - len - 1, p)) > 0) {
-    len += n;
-    if (len + 1 == cap) out = realloc(out, cap *= 2);
-  }
-  out[len] = '\0';
-  int st = pclose(p);
+  char *out;
+  int st = sp_test_shell(cmd, &out);
   if (st != 0) fail_msg("st_reader.py %s: status %d", path, st);
   json_error_t err;
   json_t *root = json_loads(out, 0, &err);

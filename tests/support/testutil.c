@@ -12,13 +12,13 @@
 #include <cmocka.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "capture.h"
 
 #if SHARDPLANE_HAVE_CUDA
 #include "cast/cast_cuda.h"
@@ -64,11 +64,12 @@ uint64_t sp_test_rng_below(sp_test_rng *r, uint64_t n) {
 }
 
 char *sp_test_mkdtemp(void) {
-  const char *base = getenv("TMPDIR");
-  if (base == NULL || base[0] == '\0') base = "/tmp";
-  char *path = sp_test_path(base, "shardplane-test-XXXXXX");
-  assert_non_null(mkdtemp(path));
-  return path;
+  char path[4096];
+  assert_int_equal(sp_test_tmpdir(NULL, "shardplane-test", path, sizeof path),
+                   0);
+  char *p = strdup(path);
+  assert_non_null(p);
+  return p;
 }
 
 char *sp_test_path(const char *dir, const char *name) {
@@ -105,16 +106,10 @@ void sp_test_write_file(const char *path, const void *data, size_t len) {
   assert_int_equal(fclose(f), 0);
 }
 
-static int rm_entry(const char *p, const struct stat *sb, int flag,
-                    struct FTW *ftw) {
-  (void)sb;
-  (void)flag;
-  (void)ftw;
-  return remove(p);
-}
-
-void sp_test_rmtree(const char *dir) {
-  nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+int sp_test_shell(const char *cmd, char **out) {
+  int status;
+  if (sp_test_capture(cmd, out, &status) != 0) fail_msg("cannot run %s", cmd);
+  return status;
 }
 
 char *sp_test_dir;

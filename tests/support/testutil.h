@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "shardplane/config.h"
+#include "tmpdir.h"
 
 /* Exit status that ctest (SKIP_RETURN_CODE) reports as "skipped". */
 #define SP_TEST_SKIP_RC 77
@@ -38,7 +39,8 @@ uint64_t sp_test_rng_next(sp_test_rng *r);
 uint64_t sp_test_rng_below(sp_test_rng *r, uint64_t n);
 
 /* Creates a fresh directory under $TMPDIR (or /tmp); returns a malloc'd path
- * the caller frees. Aborts the test on failure. */
+ * the caller frees (and removes with sp_test_rmtree, tmpdir.h). Aborts the
+ * test on failure. */
 char *sp_test_mkdtemp(void);
 /* Joins dir and name into a malloc'd path. */
 char *sp_test_path(const char *dir, const char *name);
@@ -47,14 +49,17 @@ char *sp_test_path(const char *dir, const char *name);
 char *sp_test_read_file(const char *path);
 /* Writes len bytes to path, replacing it. Aborts the test on failure. */
 void sp_test_write_file(const char *path, const void *data, size_t len);
-/* Removes a directory tree created by sp_test_mkdtemp (best effort). */
-void sp_test_rmtree(const char *dir);
 /* cmocka group fixtures for a test program whose tests share one fresh
  * directory: setup makes it (sp_test_mkdtemp) into sp_test_dir, teardown
  * removes it and frees the path. */
 extern char *sp_test_dir;
 int sp_test_dir_setup(void **state);
 int sp_test_dir_teardown(void **state);
+
+/* Runs cmd with /bin/sh: its exit status (-1 when it did not exit
+ * normally) and its whole stdout in *out (malloc'd; the caller frees).
+ * Aborts the test when cmd cannot be run (sp_test_capture, capture.h). */
+int sp_test_shell(const char *cmd, char **out);
 
 /* Starts argv (NULL-terminated; argv[0] a path) with stdout and stderr
  * in the files out and err (created or truncated). Aborts the test if it
