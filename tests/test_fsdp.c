@@ -22,11 +22,10 @@
  *  - lazy init casts buffers once, to their compute dtype ("Buffers").
  *
  * cmocka's assertions longjmp, which is only valid on the test's own
- * thread, so rank threads record their first failure (and abort every
- * rank's communicators so nobody waits for a timeout); the main thread
- * asserts after joining them. */
+ * thread, so rank threads (support/rank_threads.h) record their first
+ * failure (and abort every rank's communicators so nobody waits for a
+ * timeout); the main thread asserts after joining them. */
 #include <math.h>
-#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -46,6 +45,7 @@
 #include "worker/mlp.h"
 #include "lib/session/session_internal.h"
 #include "lib/shardplane.h"
+#include "support/rank_threads.h"
 #include "support/testutil.h"
 
 #define MAX_W 4
@@ -76,10 +76,9 @@ typedef struct job_cfg {
 typedef struct harness harness;
 
 typedef struct rank_ctx {
+  sp_test_rank t; /* first: the harness's callbacks cast back */
   harness *h;
-  uint32_t rank;
   sp_session *s;
-  sp_comm *world, *shard, *replica; /* under h->mu: abort_all reads them */
   sp_fsdp *f;
   const sp_plan *plan;
   const sp_model *model;
@@ -93,9 +92,6 @@ typedef struct rank_ctx {
   uint64_t transitions; /* legal transitions made: the coordinator's count */
   uint64_t summons;     /* sp_fsdp_gather_param calls (one all-gather each) */
   sp_fsdp_stats stats;  /* at the end of the body */
-  bool failed;
-  uint32_t fail_order; /* 1 for the first rank to fail, 2 next, ... */
-  char msg[1024];
 } rank_ctx;
 
 typedef int (*rank_body)(rank_ctx *c, void *arg);
@@ -106,65 +102,13 @@ struct harness {
   rank_body body;
   void *arg;
   rank_ctx ranks[MAX_W];
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  bool aborted;      /* a rank failed: comms registered later are aborted */
-  uint32_t failures; /* ranks failed so far */
-  uint32_t arrived;  /* ranks done with body and flush */
-  bool released;     /* the main thread has read ListRanks */
+  sp_test_ranks job;
 };
 
-/* Aborts every rank's communicators, so that peers blocked in a collective
- * fail at once instead of after the timeout. */
-static void abort_all(harness *h) {
-  pthread_mutex_lock(&h->mu);
-  h->aborted = true;
-  for (uint32_t r = 0; r < h->cfg.world; r++) {
-    rank_ctx *c = &h->ranks[r];
-    if (c->world) sp_comm_abort(c->world);
-    if (c->shard) sp_comm_abort(c->shard);
-    if (c->replica) sp_comm_abort(c->replica);
-  }
-  pthread_mutex_unlock(&h->mu);
-}
-
-static int rank_fail(rank_ctx *c, const char *file, int line,
-                     const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static int rank_fail(rank_ctx *c, const char *file, int line,
-                     const char *fmt, ...) {
-  if (!c->failed) {
-    c->failed = true;
-    pthread_mutex_lock(&c->h->mu);
-    c->fail_order = ++c->h->failures;
-    pthread_mutex_unlock(&c->h->mu);
-    int n = snprintf(c->msg, sizeof c->msg, "rank %u: %s:%d: ", c->rank,
-                     file, line);
-    if (n < 0 || (size_t)n >= sizeof c->msg) n = 0;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(c->msg + n, sizeof c->msg - (size_t)n, fmt, ap);
-    va_end(ap);
-  }
-  abort_all(c->h);
-  return -1;
-}
-
-#define CHECK(c, cond, ...)                                                    \
-  do {                                                                         \
-    if (!(cond)) return rank_fail((c), __FILE__, __LINE__, __VA_ARGS__);      \
-  } while (0)
-
+#define CHECK(c, ...) SP_RANK_CHECK(&(c)->t, __VA_ARGS__)
 /* A call that must succeed; `expr` passes &D as its diag. */
-#define CALL(c, expr)                                                          \
-  do {                                                                         \
-    sp_diag D = {""};                                                          \
-    int rc_ = (expr);                                                          \
-    if (rc_ != 0)                                                              \
-      return rank_fail((c), __FILE__, __LINE__, "%s: %s: %s", #expr,           \
-                       sp_err_name(rc_), D.msg);                               \
-  } while (0)
+#define CALL(c, expr) SP_RANK_CALL(&(c)->t, expr)
+#define TRY(expr) SP_RANK_TRY(expr)
 
 /* A schedule call that must succeed and makes k transitions. */
 #define SCHED(c, k, expr)                                                      \
@@ -178,11 +122,12 @@ static int rank_fail(rank_ctx *c, const char *file, int line,
 static int refused(rank_ctx *c, const char *file, int line, const char *expr,
                    int rc, const sp_diag *d, int code, const char *what) {
   if (rc != code)
-    return rank_fail(c, file, line, "%s: %s (%s), want %s", expr,
-                     sp_err_name(rc), d->msg, sp_err_name(code));
+    return sp_test_rank_fail(&c->t, file, line, "%s: %s (%s), want %s", expr,
+                             sp_err_name(rc), d->msg, sp_err_name(code));
   if (what != NULL && strstr(d->msg, what) == NULL)
-    return rank_fail(c, file, line, "%s: message \"%s\" does not say \"%s\"",
-                     expr, d->msg, what);
+    return sp_test_rank_fail(&c->t, file, line,
+                             "%s: message \"%s\" does not say \"%s\"", expr,
+                             d->msg, what);
   return 0;
 }
 
@@ -192,11 +137,6 @@ static int refused(rank_ctx *c, const char *file, int line, const char *expr,
     int rc_ = (expr);                                                          \
     if (refused((c), __FILE__, __LINE__, #expr, rc_, &D, (code), (what)))      \
       return -1;                                                               \
-  } while (0)
-
-#define TRY(expr)                                                              \
-  do {                                                                         \
-    if ((expr) != 0) return -1;                                                \
   } while (0)
 
 static uint32_t n_units(const rank_ctx *c) {
@@ -230,8 +170,8 @@ static void shard_range(const rank_ctx *c, uint32_t u, int64_t *start,
                         int64_t *end) {
   int64_t n = unit_numel(c, u), cc = shard_elems(c, u);
   uint32_t idx = !is_sharded(c) ? 0
-                 : c->strategy == SP_HYBRID_SHARD ? c->rank % c->shard_world
-                                                  : c->rank;
+                 : c->strategy == SP_HYBRID_SHARD ? c->t.rank % c->shard_world
+                                                  : c->t.rank;
   int64_t s = (int64_t)idx * cc;
   *start = s < n ? s : n;
   *end = s + cc < n ? s + cc : n;
@@ -248,7 +188,7 @@ static bool param_in_unit(const rank_ctx *c, size_t p, uint32_t u) {
 /* ---- synthetic gradients ---- */
 
 typedef struct grad_fn {
-  /* what rank c->rank writes at flat index j of unit u */
+  /* what rank c->t.rank writes at flat index j of unit u */
   double (*value)(const rank_ctx *c, uint32_t u, int64_t j);
   /* the reduced gradient there: the mean over ranks */
   double (*mean)(const rank_ctx *c, uint32_t u, int64_t j);
@@ -263,7 +203,7 @@ static double grad_base(uint32_t u, int64_t j) {
 }
 
 static double rank_grad(const rank_ctx *c, uint32_t u, int64_t j) {
-  return (c->rank + 1) * grad_base(u, j);
+  return (c->t.rank + 1) * grad_base(u, j);
 }
 
 /* mean over r of (r+1) * base = base * (W+1)/2 */
@@ -499,28 +439,13 @@ static int run_step(rank_ctx *c, const step_opts *so) {
 
 static int rank_setup(rank_ctx *c) {
   harness *h = c->h;
-  sp_session_opts so = {.coordinator = h->fx.addr, .rank = c->rank,
-                        .connect_timeout_ms = 10000};
-  CALL(c, sp_session_open(&so, &c->s, &D));
+  TRY(sp_test_rank_attach(&c->t, h->fx.addr, &c->s));
   c->plan = sp_session_plan(c->s);
   c->model = sp_session_model(c->s);
-  sp_comm *w = NULL, *sh = NULL, *rp = NULL;
-  CALL(c, sp_fsdp_comms_open(c->s, 20000, &w, &sh, &rp, &D));
-  pthread_mutex_lock(&h->mu);
-  c->world = w;
-  c->shard = sh;
-  c->replica = rp;
-  /* a peer that failed before these existed could not abort them */
-  if (h->aborted) {
-    sp_comm_abort(w);
-    if (sh) sp_comm_abort(sh);
-    if (rp) sp_comm_abort(rp);
-  }
-  pthread_mutex_unlock(&h->mu);
   sp_fsdp_opts fo = {.session = c->s,
-                     .world = w,
-                     .shard_group = sh,
-                     .replica_group = rp,
+                     .world = c->t.comm[0],
+                     .shard_group = c->t.comm[1],
+                     .replica_group = c->t.comm[2],
                      .backward_prefetch = h->cfg.prefetch,
                      .max_inflight_gathers = h->cfg.max_inflight,
                      .init_param = sp_mlp_init_param,
@@ -544,47 +469,25 @@ static int rank_setup(rank_ctx *c) {
   return 0;
 }
 
-static void rank_teardown(rank_ctx *c) {
-  harness *h = c->h;
-  sp_diag d = {""};
+/* Once the main thread has read ListRanks: the job holds the ranks till
+ * then. */
+static void rank_teardown(sp_test_rank *t) {
+  rank_ctx *c = (rank_ctx *)t;
   sp_fsdp_free(c->f);
-  /* leave together: a member that closed while a peer still finished the
-   * last collective would fail it (0 at once when aborted) */
-  sp_comm *cs[3] = {c->world, c->shard, c->replica};
-  for (int i = 0; i < 3; i++)
-    if (cs[i] && sp_comm_leave(cs[i], &d) != 0)
-      rank_fail(c, __FILE__, __LINE__, "sp_comm_leave: %s", d.msg);
-  pthread_mutex_lock(&h->mu);
-  c->world = c->shard = c->replica = NULL;
-  pthread_mutex_unlock(&h->mu);
-  for (int i = 3; i-- > 0;) sp_comm_free(cs[i]);
   if (c->flat)
     for (uint32_t u = 0; u < n_units(c); u++) free(c->flat[u]);
   free(c->flat);
-  if (c->s && sp_session_close(c->s, 5000, &d) != 0 && !c->failed)
-    rank_fail(c, __FILE__, __LINE__, "sp_session_close: %s", d.msg);
+  sp_test_rank_detach(&c->t, c->s);
 }
 
-static int rank_run(rank_ctx *c) {
+static int rank_run(sp_test_rank *t) {
+  rank_ctx *c = (rank_ctx *)t;
   TRY(rank_setup(c));
   TRY(c->h->body(c, c->h->arg));
   sp_fsdp_get_stats(c->f, &c->stats);
   /* everything queued reaches the coordinator before it is asked */
   CALL(c, sp_session_flush(c->s, 10000, &D));
   return 0;
-}
-
-static void *rank_main(void *arg) {
-  rank_ctx *c = arg;
-  harness *h = c->h;
-  (void)rank_run(c);
-  pthread_mutex_lock(&h->mu);
-  h->arrived++;
-  pthread_cond_broadcast(&h->cv);
-  while (!h->released) pthread_cond_wait(&h->cv, &h->mu);
-  pthread_mutex_unlock(&h->mu);
-  rank_teardown(c);
-  return NULL;
 }
 
 #define free_msg sp_test_free_msg
@@ -673,8 +576,6 @@ static void run_job(const job_cfg *cfg, rank_body body, void *arg) {
   h->cfg = *cfg;
   h->body = body;
   h->arg = arg;
-  pthread_mutex_init(&h->mu, NULL);
-  pthread_cond_init(&h->cv, NULL);
   char ws[16], gs[16];
   snprintf(ws, sizeof ws, "%u", cfg->world);
   snprintf(gs, sizeof gs, "%u", cfg->group);
@@ -711,43 +612,28 @@ static void run_job(const job_cfg *cfg, rank_body body, void *arg) {
 
   sp_strategy eff = cfg->world == 1 ? SP_NO_SHARD : cfg->strategy;
   sp_dtype pdt = cfg->param_dtype ? cfg->param_dtype : SP_FLOAT32;
-  pthread_t th[MAX_W];
+  h->job.world = cfg->world;
+  h->job.run = rank_run;
+  h->job.finish = rank_teardown;
+  h->job.hold = true;
   for (uint32_t r = 0; r < cfg->world; r++) {
     rank_ctx *c = &h->ranks[r];
     c->h = h;
-    c->rank = r;
     c->strategy = eff;
     c->shard_world = eff == SP_NO_SHARD       ? 1
                      : eff == SP_HYBRID_SHARD ? cfg->group
                                               : cfg->world;
     c->pdt = pdt;
     c->gdt = cfg->keep_low ? pdt : SP_FLOAT32;
-    assert_int_equal(pthread_create(&th[r], NULL, rank_main, c), 0);
+    h->job.rank[r] = &c->t;
   }
-  pthread_mutex_lock(&h->mu);
-  while (h->arrived < cfg->world) pthread_cond_wait(&h->cv, &h->mu);
-  bool failed = h->aborted;
-  pthread_mutex_unlock(&h->mu);
+  sp_test_ranks_start(&h->job);
+  bool failed = sp_test_ranks_wait(&h->job);
   char coord_err[512] = "";
   if (!failed) check_coordinator(h, coord_err, sizeof coord_err);
-  pthread_mutex_lock(&h->mu);
-  h->released = true;
-  pthread_cond_broadcast(&h->cv);
-  pthread_mutex_unlock(&h->mu);
-  for (uint32_t r = 0; r < cfg->world; r++) pthread_join(th[r], NULL);
+  char first[1024];
+  sp_test_ranks_join(&h->job, first, sizeof first);
   sp_coord_fixture_stop(&h->fx);
-
-  /* the first failure is the cause; later ones are mostly peers whose
-   * collectives it aborted */
-  char first[1024] = "";
-  for (uint32_t r = 0; r < cfg->world; r++)
-    if (h->ranks[r].failed) {
-      fprintf(stderr, "%s\n", h->ranks[r].msg);
-      if (h->ranks[r].fail_order == 1)
-        snprintf(first, sizeof first, "%s", h->ranks[r].msg);
-    }
-  pthread_mutex_destroy(&h->mu);
-  pthread_cond_destroy(&h->cv);
   free(h);
   double dt = sp_clock_s() - t0;
   printf("  %s W=%u %s%s%s%s%s: %.2f s\n",
@@ -899,7 +785,7 @@ static double split_sign(int64_t j) { return (double)(j % 3 - 1); }
 
 static double split_grad(const rank_ctx *c, uint32_t u, int64_t j) {
   (void)u;
-  return split_sign(j) * (c->rank == 0 ? 1.0 : ldexp(1.0, -8));
+  return split_sign(j) * (c->t.rank == 0 ? 1.0 : ldexp(1.0, -8));
 }
 
 static double split_grad_mean(const rank_ctx *c, uint32_t u, int64_t j) {
@@ -960,7 +846,7 @@ static int body_limiter(rank_ctx *c, void *arg) {
   const uint32_t jump = 3;
   uint32_t nu = n_units(c);
   TRY(forward(c, true));
-  if (c->rank == 1) sp_test_sleep_ms(200);
+  if (c->t.rank == 1) sp_test_sleep_ms(200);
   SCHED(c, 2, sp_fsdp_root_pre_backward(c->f, &D));
   TRY(write_grads(c, 0, &k_rank_grads));
   for (uint32_t i = 0; i < nu - 1; i++) {
@@ -984,7 +870,7 @@ static int body_limiter(rank_ctx *c, void *arg) {
         (unsigned long long)(2 * (uint64_t)nu - 1));
   CHECK(c, st.max_inflight <= limit, "max_inflight %llu over the limit %llu",
         (unsigned long long)st.max_inflight, (unsigned long long)limit);
-  if (c->rank == 0)
+  if (c->t.rank == 0)
     CHECK(c, st.max_inflight == limit,
           "rank 0 had at most %llu all-gathers in flight, the schedule "
           "wanted 2 and the limit is %llu",

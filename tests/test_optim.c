@@ -16,13 +16,10 @@
  *    never reduced nor stepped);
  *  - with a GPU: every optimizer kernel against its CPU reference, bit for
  *    bit.
- * Ranks are threads of this process against one in-process coordinator,
- * as in test_fsdp.c; a rank thread records its first failure and the main
- * thread asserts (cmocka's longjmp is only valid on its own thread). */
+ * Ranks are threads of this process against one in-process coordinator
+ * (support/rank_threads.h), as in test_fsdp.c. */
 #include <math.h>
-#include <pthread.h>
 #include <setjmp.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -37,6 +34,7 @@
 #include "lib/fsdp/fsdp_internal.h"
 #include "lib/shardplane.h"
 #include "support/coord_fixture.h"
+#include "support/rank_threads.h"
 #include "support/testutil.h"
 
 #define MAX_W 4
@@ -62,15 +60,12 @@ static bool is_tiny(const job_cfg *cfg) { return cfg->model == g_tiny; }
 typedef struct harness harness;
 
 typedef struct rank_ctx {
+  sp_test_rank t; /* first: the harness's callbacks cast back */
   harness *h;
-  uint32_t rank;
   sp_session *s;
-  sp_comm *world, *shard, *replica;
   sp_fsdp *f;
   const sp_plan *plan;
   const sp_model *model;
-  bool failed;
-  char msg[1024];
 } rank_ctx;
 
 typedef int (*rank_body)(rank_ctx *c, void *arg);
@@ -81,66 +76,23 @@ struct harness {
   rank_body body;
   void *arg;
   rank_ctx ranks[MAX_W];
-  pthread_mutex_t mu;
-  bool aborted;
+  sp_test_ranks job;
 };
 
-static void abort_all(harness *h) {
-  pthread_mutex_lock(&h->mu);
-  h->aborted = true;
-  for (uint32_t r = 0; r < h->cfg.world; r++) {
-    rank_ctx *c = &h->ranks[r];
-    if (c->world) sp_comm_abort(c->world);
-    if (c->shard) sp_comm_abort(c->shard);
-    if (c->replica) sp_comm_abort(c->replica);
-  }
-  pthread_mutex_unlock(&h->mu);
-}
-
-static int rank_fail(rank_ctx *c, int line, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int rank_fail(rank_ctx *c, int line, const char *fmt, ...) {
-  if (!c->failed) {
-    c->failed = true;
-    int n = snprintf(c->msg, sizeof c->msg, "rank %u: line %d: ", c->rank,
-                     line);
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(c->msg + n, sizeof c->msg - (size_t)n, fmt, ap);
-    va_end(ap);
-  }
-  abort_all(c->h);
-  return -1;
-}
-
-#define CHECK(c, cond, ...)                                                    \
-  do {                                                                         \
-    if (!(cond)) return rank_fail((c), __LINE__, __VA_ARGS__);                \
-  } while (0)
-
-#define CALL(c, expr)                                                          \
-  do {                                                                         \
-    sp_diag D = {""};                                                          \
-    int rc_ = (expr);                                                          \
-    if (rc_ != 0)                                                              \
-      return rank_fail((c), __LINE__, "%s: %s: %s", #expr, sp_err_name(rc_),  \
-                       D.msg);                                                 \
-  } while (0)
+#define FAIL(c, ...) sp_test_rank_fail(&(c)->t, __FILE__, __LINE__, __VA_ARGS__)
+#define CHECK(c, ...) SP_RANK_CHECK(&(c)->t, __VA_ARGS__)
+#define CALL(c, expr) SP_RANK_CALL(&(c)->t, expr)
+#define TRY(expr) SP_RANK_TRY(expr)
 
 #define REFUSED(c, code, what, expr)                                           \
   do {                                                                         \
     sp_diag D = {""};                                                          \
     int rc_ = (expr);                                                          \
     if (rc_ != (code) || strstr(D.msg, (what)) == NULL)                        \
-      return rank_fail((c), __LINE__, "%s: %s \"%s\", want %s saying \"%s\"", \
-                       #expr, sp_err_name(rc_), D.msg, sp_err_name(code),      \
-                       (what));                                                \
-  } while (0)
-
-#define TRY(expr)                                                              \
-  do {                                                                         \
-    if ((expr) != 0) return -1;                                                \
+      return sp_test_rank_fail(&(c)->t, __FILE__, __LINE__,                   \
+                               "%s: %s \"%s\", want %s saying \"%s\"", #expr,  \
+                               sp_err_name(rc_), D.msg, sp_err_name(code),     \
+                               (what));                                        \
   } while (0)
 
 /* Master values: a hash of (param, element) on a 2^-10 grid in [-1, 1),
@@ -162,27 +114,15 @@ static void init_param(void *user, const sp_model *m, int32_t param,
     out[k] = h->cfg.init_zero ? 0.0f : (float)init_value(param, start + k);
 }
 
-static int rank_run(rank_ctx *c) {
+static int rank_run(sp_test_rank *t) {
+  rank_ctx *c = (rank_ctx *)t;
   harness *h = c->h;
-  sp_session_opts so = {.coordinator = h->fx.addr, .rank = c->rank,
-                        .connect_timeout_ms = 10000};
-  CALL(c, sp_session_open(&so, &c->s, &D));
+  TRY(sp_test_rank_attach(&c->t, h->fx.addr, &c->s));
   c->plan = sp_session_plan(c->s);
   c->model = sp_session_model(c->s);
-  sp_comm *w = NULL, *sh = NULL, *rp = NULL;
-  CALL(c, sp_fsdp_comms_open(c->s, 20000, &w, &sh, &rp, &D));
-  pthread_mutex_lock(&h->mu);
-  c->world = w;
-  c->shard = sh;
-  c->replica = rp;
-  if (h->aborted) {
-    sp_comm_abort(w);
-    if (sh) sp_comm_abort(sh);
-    if (rp) sp_comm_abort(rp);
-  }
-  pthread_mutex_unlock(&h->mu);
-  sp_fsdp_opts fo = {.session = c->s, .world = w, .shard_group = sh,
-                     .replica_group = rp, .backward_prefetch = true,
+  sp_fsdp_opts fo = {.session = c->s, .world = c->t.comm[0],
+                     .shard_group = c->t.comm[1],
+                     .replica_group = c->t.comm[2], .backward_prefetch = true,
                      .init_param = init_param, .user = h};
   CALL(c, sp_fsdp_new(&fo, &c->f, &D));
   TRY(h->body(c, h->arg));
@@ -190,23 +130,10 @@ static int rank_run(rank_ctx *c) {
   return 0;
 }
 
-static void *rank_main(void *arg) {
-  rank_ctx *c = arg;
-  harness *h = c->h;
-  (void)rank_run(c);
-  sp_diag d = {""};
+static void rank_finish(sp_test_rank *t) {
+  rank_ctx *c = (rank_ctx *)t;
   sp_fsdp_free(c->f);
-  sp_comm *cs[3] = {c->world, c->shard, c->replica};
-  for (int i = 0; i < 3; i++)
-    if (cs[i] && sp_comm_leave(cs[i], &d) != 0 && !c->failed)
-      rank_fail(c, __LINE__, "sp_comm_leave: %s", d.msg);
-  pthread_mutex_lock(&h->mu);
-  c->world = c->shard = c->replica = NULL;
-  pthread_mutex_unlock(&h->mu);
-  for (int i = 3; i-- > 0;) sp_comm_free(cs[i]);
-  if (c->s && sp_session_close(c->s, 5000, &d) != 0 && !c->failed)
-    rank_fail(c, __LINE__, "sp_session_close: %s", d.msg);
-  return NULL;
+  sp_test_rank_detach(&c->t, c->s);
 }
 
 static void run_job(const job_cfg *cfg, rank_body body, void *arg) {
@@ -216,7 +143,6 @@ static void run_job(const job_cfg *cfg, rank_body body, void *arg) {
   h->cfg = *cfg;
   h->body = body;
   h->arg = arg;
-  pthread_mutex_init(&h->mu, NULL);
   char ws[16], gs[16];
   snprintf(ws, sizeof ws, "%u", cfg->world);
   snprintf(gs, sizeof gs, "%u", cfg->group);
@@ -240,22 +166,17 @@ static void run_job(const job_cfg *cfg, rank_body body, void *arg) {
   }
   flags[k] = NULL;
   sp_coord_fixture_start(&h->fx, cfg->model, flags, 0);
-  pthread_t th[MAX_W];
+  h->job.world = cfg->world;
+  h->job.run = rank_run;
+  h->job.finish = rank_finish;
   for (uint32_t r = 0; r < cfg->world; r++) {
     h->ranks[r].h = h;
-    h->ranks[r].rank = r;
-    assert_int_equal(pthread_create(&th[r], NULL, rank_main, &h->ranks[r]),
-                     0);
+    h->job.rank[r] = &h->ranks[r].t;
   }
-  for (uint32_t r = 0; r < cfg->world; r++) pthread_join(th[r], NULL);
+  sp_test_ranks_start(&h->job);
+  char first[1024];
+  sp_test_ranks_join(&h->job, first, sizeof first);
   sp_coord_fixture_stop(&h->fx);
-  char first[1024] = "";
-  for (uint32_t r = 0; r < cfg->world; r++)
-    if (h->ranks[r].failed) {
-      fprintf(stderr, "%s\n", h->ranks[r].msg);
-      if (!first[0]) snprintf(first, sizeof first, "%s", h->ranks[r].msg);
-    }
-  pthread_mutex_destroy(&h->mu);
   free(h);
   if (first[0]) fail_msg("%s", first);
 }
@@ -280,7 +201,7 @@ static int add_grads(rank_ctx *c, uint32_t u, uint32_t j, grad_fn g) {
     }
     CHECK(c, buf != NULL, "%s has no gradient buffer", m->params[p].fqn);
     for (int64_t i = 0; i < m->params[p].numel; i++)
-      buf[i] = (float)((double)buf[i] + g(c->rank, j, (int32_t)p, i));
+      buf[i] = (float)((double)buf[i] + g(c->t.rank, j, (int32_t)p, i));
   }
   return 0;
 }
@@ -314,7 +235,7 @@ static float *shard_elem(rank_ctx *c, bool grad, int32_t p, int64_t i) {
   int64_t start, end, pad, c_n;
   float *base = sp_fsdp_shard(c->f, u, &c_n);
   if (grad) base = sp_fsdp_shard_grad(c->f, u);
-  if (!base || sp_plan_rank_range(c->plan, u, c->rank, &start, &end, &pad))
+  if (!base || sp_plan_rank_range(c->plan, u, c->t.rank, &start, &end, &pad))
     return NULL;
   int64_t flat = c->plan->entries[c->plan->param_entry[p]].offset + i;
   return flat >= start && flat < end ? base + (flat - start) : NULL;
@@ -611,7 +532,7 @@ static int body_clip(rank_ctx *c, void *arg) {
     int64_t start, end, pad, n;
     const float *g = sp_fsdp_shard_grad(c->f, u);
     if (!sp_fsdp_shard(c->f, u, &n)) continue;
-    CHECK(c, sp_plan_rank_range(c->plan, u, c->rank, &start, &end, &pad) == 0,
+    CHECK(c, sp_plan_rank_range(c->plan, u, c->t.rank, &start, &end, &pad) == 0,
           "range");
     for (int64_t k = end - start; k < n; k++)
       CHECK(c, g[k] == 0, "unit %u padding gradient %g", u, (double)g[k]);
@@ -630,7 +551,7 @@ static int body_clip(rank_ctx *c, void *arg) {
   REFUSED(c, SP_ESTATE, "between steps",
           sp_fsdp_clip_grad_norm(c->f, 1, NULL, &D));
   CALL(c, sp_fsdp_root_post_forward(c->f, &D));
-  if (c->rank == 0)
+  if (c->t.rank == 0)
     printf("    norm %.12g = unsharded %.12g (rel. %.1e)\n", got, want,
            fabs(got - want) / want);
   return 0;
@@ -697,7 +618,7 @@ static int body_accum(rank_ctx *c, void *arg) {
       }
     CHECK(c, err <= 1e-6 * scale, "accumulated gradient off by %.3g (max "
           "%.3g)", err, scale);
-    if (c->rank == 0 && step == 0)
+    if (c->t.rank == 0 && step == 0)
       printf("    %u micro-batches%s: max rel. error vs one batch %.1e\n",
              a->k, a->no_sync ? " (no_sync)" : "", err / scale);
     CALL(c, sp_fsdp_zero_grad(c->f, &D));
@@ -770,7 +691,7 @@ static int body_memory(rank_ctx *c, void *arg) {
         (unsigned long long)want->total.peak,
         (unsigned long long)want->reserved.peak,
         (unsigned long long)want->allocs);
-  if (c->rank == 0)
+  if (c->t.rank == 0)
     printf("    counted = predicted: optimizer state %llu bytes, unsharded "
            "gradients' peak %llu\n",
            (unsigned long long)got->cat[SP_MEM_OPTIMIZER].peak,
@@ -802,7 +723,7 @@ static int body_own_update(rank_ctx *c, void *arg) {
   TRY(fwd_bwd(c, 0, tiny_grad));
   int64_t n, start, end, pad;
   float *sh = sp_fsdp_shard(c->f, 0, &n);
-  CHECK(c, sp_plan_rank_range(c->plan, 0, c->rank, &start, &end, &pad) == 0,
+  CHECK(c, sp_plan_rank_range(c->plan, 0, c->t.rank, &start, &end, &pad) == 0,
         "range");
   for (int64_t k = 0; k < end - start; k++) sh[k] = 100.0f * (start + k + 1);
   CALL(c, sp_fsdp_shards_changed(c->f, &D));
@@ -873,16 +794,15 @@ static int body_frozen(rank_ctx *c, void *arg) {
     CHECK(c, after, "no memory");
     sp_diag d = {""};
     rc = sp_fsdp_gather_param(c->f, p, after, &d);
-    if (rc) rc = rank_fail(c, __LINE__, "gather: %s", d.msg);
+    if (rc) rc = FAIL(c, "gather: %s", d.msg);
     size_t changed = 0;
     for (size_t i = 0; rc == 0 && i < n; i++) changed += after[i] != before[p][i];
     if (rc == 0 && !m->params[p].flag && changed)
-      rc = rank_fail(c, __LINE__, "frozen %s changed in %zu of %zu elements",
-                     m->params[p].fqn, changed, n);
+      rc = FAIL(c, "frozen %s changed in %zu of %zu elements",
+                m->params[p].fqn, changed, n);
     if (rc == 0 && m->params[p].flag && changed != n)
-      rc = rank_fail(c, __LINE__, "trainable %s after frozen %s: %zu of %zu "
-                     "elements stepped", m->params[p].fqn, m->params[0].fqn,
-                     changed, n);
+      rc = FAIL(c, "trainable %s after frozen %s: %zu of %zu elements stepped",
+                m->params[p].fqn, m->params[0].fqn, changed, n);
     free(after);
   }
   for (int p = 0; p < 3; p++) free(before[p]);
