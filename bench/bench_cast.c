@@ -13,6 +13,8 @@
  * device-to-device of the same bytes, timed with CUDA events.
  */
 #include <errno.h>
+#include <getopt.h>
+#include <limits.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -22,6 +24,7 @@
 #include <time.h>
 
 #include "base/clock.h"
+#include "base/flag.h"
 #include "cast/cast.h"
 #include "base/sp_error.h"
 #include "shardplane/config.h"
@@ -95,42 +98,52 @@ static int parse_size(const char *s, size_t *out) {
   return 0;
 }
 
-static int bad_value(const char *opt, const char *v) {
-  fprintf(stderr, "cast: bad value for %s: %s\n", opt, v);
-  return SP_EINVAL;
-}
-
 static int parse_args(int argc, char **argv, bench_opts *o) {
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      usage(stdout);
-      exit(0);
-    } else if (strcmp(a, "--size") == 0 && v) {
-      if (parse_size(v, &o->size) != 0 || o->size == 0) return bad_value(a, v);
-      i++;
-    } else if (strcmp(a, "--cache-size") == 0 && v) {
-      if (parse_size(v, &o->cache_size) != 0) return bad_value(a, v);
-      i++;
-    } else if (strcmp(a, "--reps") == 0 && v) {
-      o->reps = atoi(v);
-      if (o->reps <= 0) return bad_value(a, v);
-      i++;
-    } else if (strcmp(a, "--hugepages") == 0) {
-      o->hugepages = true;
-    } else if (strcmp(a, "--device") == 0 && v) {
-      if (strcmp(v, "cuda") == 0)
-        o->cuda = true;
-      else if (strcmp(v, "cpu") == 0)
-        o->cuda = false;
-      else
-        return bad_value(a, v);
-      i++;
-    } else {
-      fprintf(stderr, "cast: unknown option or missing value: %s\n", a);
-      return SP_EINVAL;
+  static const struct option opts[] = {
+      {"size", required_argument, NULL, 's'},
+      {"cache-size", required_argument, NULL, 'c'},
+      {"reps", required_argument, NULL, 'r'},
+      {"hugepages", no_argument, NULL, 'H'},
+      {"device", required_argument, NULL, 'd'},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0}};
+  static const char *const devices[] = {"cpu", "cuda"};
+  sp_diag d = {""};
+  long long x = 0;
+  size_t i = 0;
+  int c, rc = 0;
+  while (rc == 0 && (c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+      case 's':
+        if (parse_size(optarg, &o->size) != 0 || o->size == 0)
+          rc = sp_flag_fail(&d, "--size", optarg, "a count of elements > 0 "
+                            "(K, M, G: binary)");
+        break;
+      case 'c':
+        if (parse_size(optarg, &o->cache_size) != 0)
+          rc = sp_flag_fail(&d, "--cache-size", optarg, "a count of elements "
+                            "(K, M, G: binary)");
+        break;
+      case 'r':
+        rc = sp_flag_int("--reps", optarg, 1, INT_MAX, &x, &d);
+        if (rc == 0) o->reps = (int)x;
+        break;
+      case 'H': o->hugepages = true; break;
+      case 'd':
+        rc = sp_flag_choice("--device", optarg, devices, 2, &i, &d);
+        if (rc == 0) o->cuda = i == 1;
+        break;
+      case 'h': usage(stdout); exit(0);
+      default: return SP_EINVAL;
     }
+  }
+  if (rc != 0) {
+    fprintf(stderr, "cast: %s\n", d.msg);
+    return rc;
+  }
+  if (optind < argc) {
+    fprintf(stderr, "cast: unexpected argument \"%s\"\n", argv[optind]);
+    return SP_EINVAL;
   }
   return 0;
 }

@@ -72,6 +72,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <getopt.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -88,6 +89,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/flag.h"
 #include "base/proc.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
@@ -1487,77 +1489,92 @@ static void usage(FILE *f) {
           goal_kib_per_rank(1));
 }
 
-static int parse_u32(const char *v, uint32_t lo, uint32_t hi, uint32_t *out) {
-  char *end = NULL;
-  errno = 0;
-  unsigned long x = strtoul(v, &end, 10);
-  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi)
-    return SP_EINVAL;
-  *out = (uint32_t)x;
-  return 0;
+/* flag's value v into *out: an integer in [lo, hi] */
+static int u32_flag(const char *flag, const char *v, uint32_t lo, uint32_t hi,
+                    uint32_t *out, sp_diag *d) {
+  long long x = 0;
+  int rc = sp_flag_int(flag, v, lo, hi, &x, d);
+  if (rc == 0) *out = (uint32_t)x;
+  return rc;
 }
 
 /* "1024,16384,100000" into o->sizes. */
-static int parse_sizes(const char *v, bench_opts *o) {
+static int parse_sizes(const char *v, bench_opts *o, sp_diag *d) {
   char buf[256];
-  if (strlen(v) >= sizeof buf) return SP_EINVAL;
+  if (strlen(v) >= sizeof buf) goto bad;
   snprintf(buf, sizeof buf, "%s", v);
   o->n_sizes = 0;
   char *save = NULL;
   for (char *t = strtok_r(buf, ",", &save); t != NULL;
        t = strtok_r(NULL, ",", &save)) {
     if (o->n_sizes == MAX_SIZES ||
-        parse_u32(t, 1, SP_JOB_MAX_WORLD, &o->sizes[o->n_sizes]) != 0)
-      return SP_EINVAL;
+        u32_flag("--ranks", t, 1, SP_JOB_MAX_WORLD, &o->sizes[o->n_sizes],
+                 NULL) != 0)
+      goto bad;
     o->n_sizes++;
   }
-  return o->n_sizes > 0 ? 0 : SP_EINVAL;
+  if (o->n_sizes > 0) return 0;
+bad:
+  return sp_flag_fail(d, "--ranks", v, "at most %d rank counts in [1, %u], "
+                      "comma-separated", MAX_SIZES, SP_JOB_MAX_WORLD);
 }
 
 static int parse_args(int argc, char **argv, bench_opts *o) {
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    uint32_t x = 0;
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      usage(stdout);
-      exit(0);
+  static const struct option opts[] = {
+      {"ranks", required_argument, NULL, 'r'},
+      {"ranks-per-agent", required_argument, NULL, 'a'},
+      {"units", required_argument, NULL, 'u'},
+      {"steps", required_argument, NULL, 's'},
+      {"batch", required_argument, NULL, 'b'},
+      {"window", required_argument, NULL, 'w'},
+      {"runs", required_argument, NULL, 'n'},
+      {"store-writes", required_argument, NULL, 'W'},
+      {"no-state-dir", no_argument, NULL, 'S'},
+      {"coordinator", required_argument, NULL, 'c'},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0}};
+  sp_diag d = {""};
+  uint32_t runs = 0;
+  int c, rc = 0;
+  while (rc == 0 && (c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'r': rc = parse_sizes(optarg, o, &d); break;
+      case 'a':
+        rc = u32_flag("--ranks-per-agent", optarg, 1, 64, &o->ranks_per_agent,
+                      &d);
+        break;
+      case 'u':
+        rc = u32_flag("--units", optarg, 1, 100000, &o->units, &d);
+        break;
+      case 's':
+        rc = u32_flag("--steps", optarg, 1, 1000000, &o->steps, &d);
+        break;
+      case 'b':
+        rc = u32_flag("--batch", optarg, 1, 65536, &o->batch, &d);
+        break;
+      case 'w':
+        rc = u32_flag("--window", optarg, 1, 1024, &o->window, &d);
+        break;
+      case 'n':
+        rc = u32_flag("--runs", optarg, 1, MAX_RUNS, &runs, &d);
+        if (rc == 0) o->runs = (int)runs;
+        break;
+      case 'W':
+        rc = u32_flag("--store-writes", optarg, 0, 1000000, &o->store_writes,
+                      &d);
+        break;
+      case 'S': o->no_state_dir = true; break;
+      case 'c': o->coordinator = optarg; break;
+      case 'h': usage(stdout); exit(0);
+      default: usage(stderr); return SP_EINVAL;
     }
-    if (strcmp(a, "--no-state-dir") == 0) {
-      o->no_state_dir = true;
-      continue;
-    }
-    if (v == NULL) {
-      usage(stderr);
-      return SP_EINVAL;
-    }
-    if (strcmp(a, "--coordinator") == 0) {
-      o->coordinator = v;
-    } else if (strcmp(a, "--ranks") == 0) {
-      if (parse_sizes(v, o) != 0) goto bad;
-    } else if (strcmp(a, "--ranks-per-agent") == 0) {
-      if (parse_u32(v, 1, 64, &o->ranks_per_agent) != 0) goto bad;
-    } else if (strcmp(a, "--units") == 0) {
-      if (parse_u32(v, 1, 100000, &o->units) != 0) goto bad;
-    } else if (strcmp(a, "--steps") == 0) {
-      if (parse_u32(v, 1, 1000000, &o->steps) != 0) goto bad;
-    } else if (strcmp(a, "--batch") == 0) {
-      if (parse_u32(v, 1, 65536, &o->batch) != 0) goto bad;
-    } else if (strcmp(a, "--store-writes") == 0) {
-      if (parse_u32(v, 0, 1000000, &o->store_writes) != 0) goto bad;
-    } else if (strcmp(a, "--window") == 0) {
-      if (parse_u32(v, 1, 1024, &o->window) != 0) goto bad;
-    } else if (strcmp(a, "--runs") == 0) {
-      if (parse_u32(v, 1, MAX_RUNS, &x) != 0) goto bad;
-      o->runs = (int)x;
-    } else {
-      usage(stderr);
-      return SP_EINVAL;
-    }
-    i++;
-    continue;
-  bad:
-    fprintf(stderr, "coordinator: bad value for %s: %s\n", a, v);
+  }
+  if (rc != 0) {
+    fprintf(stderr, "coordinator: %s\n", d.msg);
+    return rc;
+  }
+  if (optind < argc) {
+    usage(stderr);
     return SP_EINVAL;
   }
   return 0;

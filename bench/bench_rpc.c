@@ -47,6 +47,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <getopt.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -69,6 +70,7 @@
 #include "support/test_certs.h"
 #include "support/stats.h"
 #include "support/tmpdir.h"
+#include "base/flag.h"
 #include "base/proc.h"
 #include "rpc/rpc.h"
 
@@ -1084,39 +1086,48 @@ static void usage(FILE *f) {
 }
 
 static int parse_args(int argc, char **argv, bench_opts *o) {
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    char *end = NULL;
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      usage(stdout);
-      exit(0);
-    } else if (strcmp(a, "--seconds") == 0 && v) {
-      o->seconds = strtod(v, &end);
-      if (*end != '\0' || !(o->seconds >= 0.01 && o->seconds <= 3600))
-        goto bad;
-    } else if (strcmp(a, "--runs") == 0 && v) {
-      o->runs = (int)strtol(v, &end, 10);
-      if (*end != '\0' || o->runs < 1 || o->runs > 64) goto bad;
-    } else if (strcmp(a, "--payload") == 0 && v) {
-      unsigned long n = strtoul(v, &end, 10);
-      if (*end != '\0' || n > (1u << 20)) goto bad;
-      o->payload = n;
-    } else if (strcmp(a, "--no-grpcpp") == 0) {
-      o->no_grpcpp = true;
-      continue;
-    } else if (strcmp(a, "--grpcpp-threads") == 0 && v) {
-      o->grpcpp_threads = (int)strtol(v, &end, 10);
-      if (*end != '\0' || o->grpcpp_threads < 1 || o->grpcpp_threads > 256)
-        goto bad;
-    } else {
-      usage(stderr);
-      return SP_EINVAL;
+  static const struct option opts[] = {
+      {"seconds", required_argument, NULL, 's'},
+      {"runs", required_argument, NULL, 'r'},
+      {"payload", required_argument, NULL, 'p'},
+      {"grpcpp-threads", required_argument, NULL, 't'},
+      {"no-grpcpp", no_argument, NULL, 'n'},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0}};
+  sp_diag d = {""};
+  long long x = 0;
+  int c, rc = 0;
+  while (rc == 0 && (c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+      case 's':
+        if (sp_flag_number("--seconds", optarg, 0.01, &o->seconds, NULL) != 0 ||
+            o->seconds > 3600)
+          rc = sp_flag_fail(&d, "--seconds", optarg, "a number in [0.01, "
+                            "3600]");
+        break;
+      case 'r':
+        rc = sp_flag_int("--runs", optarg, 1, 64, &x, &d);
+        if (rc == 0) o->runs = (int)x;
+        break;
+      case 'p':
+        rc = sp_flag_int("--payload", optarg, 0, 1 << 20, &x, &d);
+        if (rc == 0) o->payload = (size_t)x;
+        break;
+      case 't':
+        rc = sp_flag_int("--grpcpp-threads", optarg, 1, 256, &x, &d);
+        if (rc == 0) o->grpcpp_threads = (int)x;
+        break;
+      case 'n': o->no_grpcpp = true; break;
+      case 'h': usage(stdout); exit(0);
+      default: usage(stderr); return SP_EINVAL;
     }
-    i++;
-    continue;
-  bad:
-    fprintf(stderr, "rpc: bad value for %s: %s\n", a, v);
+  }
+  if (rc != 0) {
+    fprintf(stderr, "rpc: %s\n", d.msg);
+    return rc;
+  }
+  if (optind < argc) {
+    usage(stderr);
     return SP_EINVAL;
   }
   return 0;
