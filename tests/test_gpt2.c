@@ -27,7 +27,7 @@
 #include "support/testutil.h"
 #include "worker/gpt2.h"
 #include "worker/gpt2_data.h"
-#include "worker/gpt2_layers.h"
+#include "worker/gpt2_cpu.h"
 
 #define PYTHON "/usr/bin/python3"
 #define TORCH_SCRIPT SP_TEST_DATA "/../support/gpt2_torch.py"
@@ -242,7 +242,7 @@ static void test_data(void **state) {
   }
 }
 
-/* GELU (tanh approximation) with gpt2_layers.c's float exp against the
+/* GELU (tanh approximation) with gpt2_cpu.c's float exp against the
  * formula in double, on a fine grid of [-30, 30]: within 2e-7 of
  * max(1, |x|) (measured 1.1e-7), its derivative within 1e-6 (measured
  * 4e-7: its second term multiplies tanh's error by x (1 + 0.134 x^2)

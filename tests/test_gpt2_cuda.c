@@ -1,7 +1,7 @@
 /* GPT-2 on the GPU against the CPU, on cuda:0 (and cuda:1 where present):
  *
- *  - kernels: every kernel of client/worker/gpt2_layers_cuda.cu against
- *    the CPU function of gpt2_layers.c it reproduces, on the same random
+ *  - kernels: every kernel of client/worker/gpt2_gpu.cu against
+ *    the CPU function of gpt2_cpu.c it reproduces, on the same random
  *    inputs, several shapes each (odd sizes, a single element, rows longer
  *    than a thread block). Bit for bit where the math is elementwise or a
  *    column sum in row order (the same gpt2_elem.h definitions, no FMA
@@ -45,14 +45,14 @@
 #include "support/testutil.h"
 #include "cast/cast.h"
 #include "worker/gpt2.h"
-#include "worker/gpt2_layers.h"
+#include "worker/gpt2_cpu.h"
 
 #if SHARDPLANE_HAVE_CUDA
 #define SP_GPU_TESTS 1
 #include <cuda_runtime_api.h>
 
 #include "worker/gpt2_cuda.h"
-#include "worker/gpt2_layers_cuda.h"
+#include "worker/gpt2_gpu.h"
 #endif
 
 #ifdef SP_GPU_TESTS

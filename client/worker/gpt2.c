@@ -1,6 +1,6 @@
 /* The GPT-2 model of shardplane-worker (gpt2.h): spec reader,
  * initialisation, and forward / backward through the runtime's views.
- * The kernels are gpt2_layers.c's. */
+ * The kernels are gpt2_cpu.c's. */
 #include "gpt2.h"
 
 #include <math.h>
@@ -12,7 +12,7 @@
 
 #include "cast/cast.h"
 #include "cast/cast_scalar.h"
-#include "gpt2_layers.h"
+#include "gpt2_cpu.h"
 #include "mlp.h"
 
 /* cblas takes int sizes: every tensor and every activation stays below. */

@@ -1,8 +1,8 @@
 /* The GPT-2 model on a GPU (gpt2_cuda.h): gpt2.c's step pieces with device
- * activations and the kernels of gpt2_layers_cuda.h. Each function follows
+ * activations and the kernels of gpt2_gpu.h. Each function follows
  * its gpt2.c twin statement for statement, so that a change to one shows
  * in the other. Plain C over the CUDA runtime API; the kernels are in
- * gpt2_layers_cuda.cu. */
+ * gpt2_gpu.cu. */
 #include "gpt2_cuda.h"
 
 #include <cuda_runtime_api.h>
@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "cast/cast_cuda.h"
-#include "gpt2_layers_cuda.h"
+#include "gpt2_gpu.h"
 #include "lib/cuda_internal.h"
 
 /* per tensor, as gpt2.c: the kernels index with int */

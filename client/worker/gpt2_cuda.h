@@ -3,7 +3,7 @@
  * shardplane-worker --device cuda:N (gpt2_train.c).
  *
  * Each piece is its gpt2.c twin line for line, with the kernels of
- * gpt2_layers_cuda.h in place of gpt2_layers.h's: a 16-bit param dtype
+ * gpt2_gpu.h in place of gpt2_cpu.h's: a 16-bit param dtype
  * rounds the same activations at the same places, a float32 weight view is
  * read in place, any other is cast to float32 first (sp_cuda_cast, exact),
  * gradients are added to the views as gpt2.c's add_grad does (the products

@@ -1,5 +1,5 @@
 /* The elementwise math of the GPT-2 kernels, one definition for the CPU
- * (gpt2_layers.c) and the GPU (gpt2_layers_cuda.cu), as cast_scalar.h is
+ * (gpt2_cpu.c) and the GPU (gpt2_gpu.cu), as cast_scalar.h is
  * for the casts: GELU and its derivative, LayerNorm's output and input
  * gradient, the softmax's backward and the cross-entropy's gradient, each
  * per element.

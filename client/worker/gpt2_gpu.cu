@@ -1,5 +1,5 @@
-/* The GPT-2 kernels on a GPU (gpt2_layers_cuda.h), each beside the CPU
- * function of gpt2_layers.c it reproduces, named in its comment. Written
+/* The GPT-2 kernels on a GPU (gpt2_gpu.h), each beside the CPU
+ * function of gpt2_cpu.c it reproduces, named in its comment. Written
  * in the C subset of CUDA C++, like mlp_cuda.cu. Compiled with
  * --fmad=false (CMakeLists.txt): the shared element definitions of
  * gpt2_elem.h then round as the ISO C build does.
@@ -20,7 +20,7 @@
 #include "cast/cast_scalar.h"
 #include "cast/cuda_launch.h"
 #include "gpt2_elem.h"
-#include "gpt2_layers_cuda.h"
+#include "gpt2_gpu.h"
 #include "lib/cuda_internal.h"
 
 /* a power of two (the tree halves it); 256 keeps a 768-wide LayerNorm row

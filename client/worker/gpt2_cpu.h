@@ -3,8 +3,8 @@
  * backward. Row-major float32; products are cblas_sgemm, every other sum
  * runs over rows in index order (deterministic). Sizes are the caller's to
  * check: every count here fits an int (gpt2.c bounds them at 2^31). */
-#ifndef SP_GPT2_LAYERS_H
-#define SP_GPT2_LAYERS_H
+#ifndef SP_GPT2_CPU_H
+#define SP_GPT2_CPU_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,6 +1,6 @@
-/* CPU kernels of the GPT-2 model (gpt2_layers.h). The structure follows
+/* CPU kernels of the GPT-2 model (gpt2_cpu.h). The structure follows
  * llm.c's reference layers; the products go to the BLAS. */
-#include "gpt2_layers.h"
+#include "gpt2_cpu.h"
 
 #include <cblas.h>
 #include <stdbool.h>

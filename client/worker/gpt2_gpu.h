@@ -1,4 +1,4 @@
-/* The GPT-2 kernels of gpt2_layers.h on a GPU: each function here is the
+/* The GPT-2 kernels of gpt2_cpu.h on a GPU: each function here is the
  * CPU function of the same name (sp_gpt2k_X -> sp_gpt2kc_X) on device
  * arrays, enqueued on the stream of its sp_gpt2kc context, and returns 0 or
  * SP_ECUDA (the failing call, file and line in d) at once: nothing waits for
@@ -21,8 +21,8 @@
  * Only in a CUDA build (gpt2_cuda.h is what the trainer uses; it has a
  * stub). Sizes are the caller's to check, as for the CPU functions: every
  * count fits an int. */
-#ifndef SP_GPT2_LAYERS_CUDA_H
-#define SP_GPT2_LAYERS_CUDA_H
+#ifndef SP_GPT2_GPU_H
+#define SP_GPT2_GPU_H
 
 #include <stddef.h>
 #include <stdint.h>
