@@ -541,8 +541,8 @@ int sp_gpt2_embed_forward(const sp_gpt2 *g, const sp_gpt2_io *io,
   if (rc == 0) rc = load(g, io, g->wpe, wpe, NULL, d);
   if (rc != 0) return rc;
   float *x = a->res[0];
-  sp_gpt2k_embed_fwd(x, a->tok, a->w, wpe, (int)N, (int)T, (int)C);
-  sp_gpt2k_round(x, N * C, pd);
+  sp_gpt2_cpu_embed_fwd(x, a->tok, a->w, wpe, (int)N, (int)T, (int)C);
+  sp_gpt2_cpu_round(x, N * C, pd);
   return 0;
 }
 
@@ -565,50 +565,50 @@ int sp_gpt2_block_forward(const sp_gpt2 *g, size_t l, const sp_gpt2_io *io,
   rc = load(g, io, b->ln1_w, a->lnw, &pd, d);
   if (rc == 0) rc = load(g, io, b->ln1_b, a->lnb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_round(x, NC, pd);
-  sp_gpt2k_layernorm_fwd(a->ln1[l], a->ln1_mean[l], a->ln1_rstd[l], x, a->lnw,
-                         a->lnb, N, C);
-  sp_gpt2k_round(a->ln1[l], NC, pd);
+  sp_gpt2_cpu_round(x, NC, pd);
+  sp_gpt2_cpu_layernorm_fwd(a->ln1[l], a->ln1_mean[l], a->ln1_rstd[l], x,
+                            a->lnw, a->lnb, N, C);
+  sp_gpt2_cpu_round(a->ln1[l], NC, pd);
   /* attention */
   const float *w;
   rc = view_f32(g, io, b->attn_w, a->w, &w, d);
   if (rc == 0) rc = load(g, io, b->attn_b, a->gb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(a->qkv[l], a->ln1[l], w, a->gb, N, C, 3 * C);
-  sp_gpt2k_round(a->qkv[l], 3 * NC, pd);
-  sp_gpt2k_attention_fwd(a->atty[l], a->att[l], a->qkv[l],
-                         have_mask ? a->allow : NULL, (int)a->B, (int)a->T, C,
-                         NH);
-  sp_gpt2k_round(a->atty[l], NC, pd);
+  sp_gpt2_cpu_matmul_fwd(a->qkv[l], a->ln1[l], w, a->gb, N, C, 3 * C);
+  sp_gpt2_cpu_round(a->qkv[l], 3 * NC, pd);
+  sp_gpt2_cpu_attention_fwd(a->atty[l], a->att[l], a->qkv[l],
+                            have_mask ? a->allow : NULL, (int)a->B, (int)a->T,
+                            C, NH);
+  sp_gpt2_cpu_round(a->atty[l], NC, pd);
   rc = view_f32(g, io, b->proj_w, a->w, &w, d);
   if (rc == 0) rc = load(g, io, b->proj_b, a->gb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(tmp, a->atty[l], w, a->gb, N, C, C);
-  sp_gpt2k_round(tmp, NC, pd);
-  sp_gpt2k_add(a->res2[l], x, tmp, NC);
-  sp_gpt2k_round(a->res2[l], NC, pd);
+  sp_gpt2_cpu_matmul_fwd(tmp, a->atty[l], w, a->gb, N, C, C);
+  sp_gpt2_cpu_round(tmp, NC, pd);
+  sp_gpt2_cpu_add(a->res2[l], x, tmp, NC);
+  sp_gpt2_cpu_round(a->res2[l], NC, pd);
   /* MLP */
   rc = load(g, io, b->ln2_w, a->lnw, NULL, d);
   if (rc == 0) rc = load(g, io, b->ln2_b, a->lnb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_layernorm_fwd(a->ln2[l], a->ln2_mean[l], a->ln2_rstd[l],
-                         a->res2[l], a->lnw, a->lnb, N, C);
-  sp_gpt2k_round(a->ln2[l], NC, pd);
+  sp_gpt2_cpu_layernorm_fwd(a->ln2[l], a->ln2_mean[l], a->ln2_rstd[l],
+                            a->res2[l], a->lnw, a->lnb, N, C);
+  sp_gpt2_cpu_round(a->ln2[l], NC, pd);
   rc = view_f32(g, io, b->fc_w, a->w, &w, d);
   if (rc == 0) rc = load(g, io, b->fc_b, a->gb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(a->fch[l], a->ln2[l], w, a->gb, N, C, 4 * C);
-  sp_gpt2k_round(a->fch[l], 4 * NC, pd);
-  sp_gpt2k_gelu_fwd(a->fch_gelu[l], a->fch[l], 4 * NC);
-  sp_gpt2k_round(a->fch_gelu[l], 4 * NC, pd);
+  sp_gpt2_cpu_matmul_fwd(a->fch[l], a->ln2[l], w, a->gb, N, C, 4 * C);
+  sp_gpt2_cpu_round(a->fch[l], 4 * NC, pd);
+  sp_gpt2_cpu_gelu_fwd(a->fch_gelu[l], a->fch[l], 4 * NC);
+  sp_gpt2_cpu_round(a->fch_gelu[l], 4 * NC, pd);
   rc = view_f32(g, io, b->fcproj_w, a->w, &w, d);
   if (rc == 0) rc = load(g, io, b->fcproj_b, a->gb, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(tmp, a->fch_gelu[l], w, a->gb, N, 4 * C, C);
-  sp_gpt2k_round(tmp, NC, pd);
+  sp_gpt2_cpu_matmul_fwd(tmp, a->fch_gelu[l], w, a->gb, N, 4 * C, C);
+  sp_gpt2_cpu_round(tmp, NC, pd);
   float *y = a->res[l + 1];
-  sp_gpt2k_add(y, a->res2[l], tmp, NC);
-  sp_gpt2k_round(y, NC, pd);
+  sp_gpt2_cpu_add(y, a->res2[l], tmp, NC);
+  sp_gpt2_cpu_round(y, NC, pd);
   return 0;
 }
 
@@ -630,13 +630,13 @@ int sp_gpt2_head_forward(const sp_gpt2 *g, const sp_gpt2_io *io,
   if (rc != 0) return rc;
   float *x = a->res[g->n_layer];
   size_t NC = (size_t)N * (size_t)C;
-  sp_gpt2k_round(x, NC, pd);
-  sp_gpt2k_layernorm_fwd(a->lnf, a->lnf_mean, a->lnf_rstd, x, a->lnw, a->lnb,
-                         N, C);
-  sp_gpt2k_round(a->lnf, NC, pd);
-  sp_gpt2k_logits_fwd(a->probs, a->lnf, a->w, N, C, V);
-  sp_gpt2k_round(a->probs, (size_t)N * (size_t)V, pd);
-  double sum = sp_gpt2k_softmax_xent_fwd(a->probs, a->tgt, N, V);
+  sp_gpt2_cpu_round(x, NC, pd);
+  sp_gpt2_cpu_layernorm_fwd(a->lnf, a->lnf_mean, a->lnf_rstd, x, a->lnw, a->lnb,
+                            N, C);
+  sp_gpt2_cpu_round(a->lnf, NC, pd);
+  sp_gpt2_cpu_logits_fwd(a->probs, a->lnf, a->w, N, C, V);
+  sp_gpt2_cpu_round(a->probs, (size_t)N * (size_t)V, pd);
+  double sum = sp_gpt2_cpu_softmax_xent_fwd(a->probs, a->tgt, N, V);
   if (loss) *loss = sum / denom;
   return 0;
 }
@@ -664,17 +664,17 @@ int sp_gpt2_head_backward(const sp_gpt2 *g, const sp_gpt2_io *io,
   if (rc == 0) rc = load(g, io, g->lnf_w, a->lnw, NULL, d);
   if (rc != 0) return rc;
   size_t NC = (size_t)N * (size_t)C;
-  sp_gpt2k_softmax_xent_bwd(a->probs, a->tgt, N, V, (float)(1.0 / denom));
-  sp_gpt2k_round(a->probs, (size_t)N * (size_t)V, pd);
+  sp_gpt2_cpu_softmax_xent_bwd(a->probs, a->tgt, N, V, (float)(1.0 / denom));
+  sp_gpt2_cpu_round(a->probs, (size_t)N * (size_t)V, pd);
   /* dlnf = dlogits wte; dwte = dlogits^T lnf */
-  sp_gpt2k_logits_bwd(a->dbuf, a->gw, a->probs, a->lnf, a->w, N, C, V);
-  sp_gpt2k_round(a->dbuf, NC, pd);
+  sp_gpt2_cpu_logits_bwd(a->dbuf, a->gw, a->probs, a->lnf, a->w, N, C, V);
+  sp_gpt2_cpu_round(a->dbuf, NC, pd);
   rc = add_grad(g, io, g->wte, a->gw, d);
   if (rc != 0) return rc;
   memset(a->dres, 0, NC * sizeof *a->dres);
-  sp_gpt2k_layernorm_bwd(a->dres, a->gb, a->gb2, a->dbuf, a->res[g->n_layer],
-                         a->lnw, a->lnf_mean, a->lnf_rstd, N, C);
-  sp_gpt2k_round(a->dres, NC, pd);
+  sp_gpt2_cpu_layernorm_bwd(a->dres, a->gb, a->gb2, a->dbuf, a->res[g->n_layer],
+                            a->lnw, a->lnf_mean, a->lnf_rstd, N, C);
+  sp_gpt2_cpu_round(a->dres, NC, pd);
   rc = add_grad(g, io, g->lnf_w, a->gb, d);
   if (rc == 0) rc = add_grad(g, io, g->lnf_b, a->gb2, d);
   return rc;
@@ -692,10 +692,10 @@ static int conv_bwd(const sp_gpt2 *g, const sp_gpt2_io *io, sp_gpt2_acts *a,
    * them); others through the scratch, rounded once by add_grad */
   float *gw = grad_f32(io, w), *gbv = grad_f32(io, b);
   if (gw && gbv) {
-    sp_gpt2k_matmul_bwd(dinp, gw, gbv, dout, inp, wv, N, IC, OC, 1);
+    sp_gpt2_cpu_matmul_bwd(dinp, gw, gbv, dout, inp, wv, N, IC, OC, 1);
     return 0;
   }
-  sp_gpt2k_matmul_bwd(dinp, a->gw, a->gb, dout, inp, wv, N, IC, OC, 0);
+  sp_gpt2_cpu_matmul_bwd(dinp, a->gw, a->gb, dout, inp, wv, N, IC, OC, 0);
   rc = add_grad(g, io, w, a->gw, d);
   if (rc == 0) rc = add_grad(g, io, b, a->gb, d);
   return rc;
@@ -707,8 +707,8 @@ static int ln_bwd(const sp_gpt2 *g, const sp_gpt2_io *io, sp_gpt2_acts *a,
                   int N, int C, sp_diag *d) {
   int rc = load(g, io, w, a->lnw, NULL, d);
   if (rc != 0) return rc;
-  sp_gpt2k_layernorm_bwd(dinp, a->gb, a->gb2, dout, inp, a->lnw, mean, rstd,
-                         N, C);
+  sp_gpt2_cpu_layernorm_bwd(dinp, a->gb, a->gb2, dout, inp, a->lnw, mean, rstd,
+                            N, C);
   rc = add_grad(g, io, w, a->gb, d);
   if (rc == 0) rc = add_grad(g, io, b, a->gb2, d);
   return rc;
@@ -730,33 +730,33 @@ int sp_gpt2_block_backward(const sp_gpt2 *g, size_t l, const sp_gpt2_io *io,
   rc = conv_bwd(g, io, a, b->fcproj_w, b->fcproj_b, a->dbig, a->dres,
                 a->fch_gelu[l], N, 4 * C, C, d);
   if (rc != 0) return rc;
-  sp_gpt2k_round(a->dbig, 4 * NC, pd);
-  sp_gpt2k_gelu_bwd(a->dbig, a->fch[l], a->dbig, 4 * NC);
-  sp_gpt2k_round(a->dbig, 4 * NC, pd);
+  sp_gpt2_cpu_round(a->dbig, 4 * NC, pd);
+  sp_gpt2_cpu_gelu_bwd(a->dbig, a->fch[l], a->dbig, 4 * NC);
+  sp_gpt2_cpu_round(a->dbig, 4 * NC, pd);
   rc = conv_bwd(g, io, a, b->fc_w, b->fc_b, a->dbuf, a->dbig, a->ln2[l], N, C,
                 4 * C, d);
   if (rc != 0) return rc;
-  sp_gpt2k_round(a->dbuf, NC, pd);
+  sp_gpt2_cpu_round(a->dbuf, NC, pd);
   rc = ln_bwd(g, io, a, b->ln2_w, b->ln2_b, a->dres, a->dbuf, a->res2[l],
               a->ln2_mean[l], a->ln2_rstd[l], N, C, d);
   if (rc != 0) return rc;
-  sp_gpt2k_round(a->dres, NC, pd);
+  sp_gpt2_cpu_round(a->dres, NC, pd);
   /* attention branch */
   rc = conv_bwd(g, io, a, b->proj_w, b->proj_b, a->dbuf, a->dres, a->atty[l],
                 N, C, C, d);
   if (rc != 0) return rc;
-  sp_gpt2k_round(a->dbuf, NC, pd);
-  sp_gpt2k_attention_bwd(a->dqkv, a->datt, a->dbuf, a->qkv[l], a->att[l],
-                         (int)a->B, (int)a->T, C, NH);
-  sp_gpt2k_round(a->dqkv, 3 * NC, pd);
+  sp_gpt2_cpu_round(a->dbuf, NC, pd);
+  sp_gpt2_cpu_attention_bwd(a->dqkv, a->datt, a->dbuf, a->qkv[l], a->att[l],
+                            (int)a->B, (int)a->T, C, NH);
+  sp_gpt2_cpu_round(a->dqkv, 3 * NC, pd);
   rc = conv_bwd(g, io, a, b->attn_w, b->attn_b, a->dbuf, a->dqkv, a->ln1[l],
                 N, C, 3 * C, d);
   if (rc != 0) return rc;
-  sp_gpt2k_round(a->dbuf, NC, pd);
+  sp_gpt2_cpu_round(a->dbuf, NC, pd);
   rc = ln_bwd(g, io, a, b->ln1_w, b->ln1_b, a->dres, a->dbuf, a->res[l],
               a->ln1_mean[l], a->ln1_rstd[l], N, C, d);
   if (rc != 0) return rc;
-  sp_gpt2k_round(a->dres, NC, pd);
+  sp_gpt2_cpu_round(a->dres, NC, pd);
   return 0;
 }
 
@@ -766,9 +766,9 @@ int sp_gpt2_embed_backward(const sp_gpt2 *g, const sp_gpt2_io *io,
   if (rc != 0) return rc;
   size_t C = (size_t)g->C, T = a->T, N = a->B * a->T;
   /* wte: rows by token, tokens in order */
-  sp_gpt2k_wte_bwd(a->gw, a->dres, a->tok, (int)N, (int)C, (int)g->V);
+  sp_gpt2_cpu_wte_bwd(a->gw, a->dres, a->tok, (int)N, (int)C, (int)g->V);
   rc = add_grad(g, io, g->wte, a->gw, d);
   if (rc != 0) return rc;
-  sp_gpt2k_wpe_bwd(a->gw, a->dres, (int)N, (int)T, (int)C, (int)g->ctx);
+  sp_gpt2_cpu_wpe_bwd(a->gw, a->dres, (int)N, (int)T, (int)C, (int)g->ctx);
   return add_grad(g, io, g->wpe, a->gw, d);
 }

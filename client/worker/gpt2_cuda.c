@@ -22,7 +22,7 @@ struct sp_gpt2_cuda {
   const sp_gpt2 *g;
   size_t B, T;
   cudaStream_t st;
-  sp_gpt2kc *k;
+  sp_gpt2_dev *k;
   /* device: sp_gpt2_acts' arrays, per layer [n_layer] (res: n_layer + 1) */
   float **res, **ln1, **ln1_mean, **ln1_rstd, **qkv, **att, **atty, **res2;
   float **ln2, **ln2_mean, **ln2_rstd, **fch, **fch_gelu;
@@ -97,7 +97,7 @@ void sp_gpt2_cuda_free(sp_gpt2_cuda *c) {
                     c->rows, c->total, c->scalar};
   for (size_t i = 0; i < sizeof single / sizeof single[0]; i++)
     (void)cudaFree(single[i]);
-  sp_gpt2kc_free(c->k);
+  sp_gpt2_gpu_free(c->k);
   free(c->htok);
   free(c->htgt);
   free(c);
@@ -160,7 +160,7 @@ static int cuda_new(sp_gpt2_cuda *c, sp_diag *d) {
   c->htok = calloc((size_t)N, sizeof *c->htok);
   c->htgt = calloc((size_t)N, sizeof *c->htgt);
   if (!c->htok || !c->htgt) return sp_diag_set(d, SP_ENOMEM, "no memory");
-  rc = sp_gpt2kc_new(c->st, &c->k, d);
+  rc = sp_gpt2_gpu_new(c->st, &c->k, d);
   if (rc != 0) return rc;
   /* device memory starts undefined; the uploads and the forward write
    * everything before it is read, but a mistake then reads zeros */
@@ -282,8 +282,8 @@ static int add_grad(sp_gpt2_cuda *c, const sp_gpt2_io *io, int32_t p,
   void *dst = io->grad ? io->grad(io->user, p) : NULL;
   if (dst == NULL) return 0;
   sp_dtype pd = io->param_dtype(io->user, p);
-  int rc = sp_gpt2kc_grad_add(c->k, dst, pd, gr,
-                              (size_t)c->g->model->params[p].numel, d);
+  int rc = sp_gpt2_gpu_grad_add(c->k, dst, pd, gr,
+                                (size_t)c->g->model->params[p].numel, d);
   return rc ? sp_diag_prefix(d, rc, "%s", fqn_of(c->g, p)) : 0;
 }
 
@@ -314,7 +314,7 @@ static int block_mask(sp_gpt2_cuda *c, const sp_gpt2_block *b,
                        g->model->buffers[b->mask].fqn);
   sp_dtype dt = io->buffer_dtype ? io->buffer_dtype(io->user, b->mask)
                                  : g->model->buffers[b->mask].dtype;
-  int rc = sp_gpt2kc_mask(c->k, c->allow, v, dt, (int)c->T, (int)g->ctx, d);
+  int rc = sp_gpt2_gpu_mask(c->k, c->allow, v, dt, (int)c->T, (int)g->ctx, d);
   if (rc != 0) return rc;
   *have = true;
   return 0;
@@ -340,8 +340,8 @@ int sp_gpt2_cuda_embed_forward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   const float *wte, *wpe;
   K(view(c, io, g->wte, c->w, &wte, &pd, d));
   K(view(c, io, g->wpe, c->w2, &wpe, NULL, d));
-  K(sp_gpt2kc_embed_fwd(c->k, c->res[0], c->tok, wte, wpe, N, T, C, d));
-  K(sp_gpt2kc_round(c->k, c->res[0], (size_t)N * C, pd, d));
+  K(sp_gpt2_gpu_embed_fwd(c->k, c->res[0], c->tok, wte, wpe, N, T, C, d));
+  K(sp_gpt2_gpu_round(c->k, c->res[0], (size_t)N * C, pd, d));
   return 0;
 }
 
@@ -350,7 +350,7 @@ int sp_gpt2_cuda_block_forward(sp_gpt2_cuda *c, size_t l,
   K(check_block(c, l, io, d));
   const sp_gpt2 *g = c->g;
   const sp_gpt2_block *b = &g->blocks[l];
-  sp_gpt2kc *k = c->k;
+  sp_gpt2_dev *k = c->k;
   int N = (int)(c->B * c->T), C = (int)g->C, NH = (int)g->n_head;
   size_t NC = (size_t)N * (size_t)C;
   sp_dtype pd = SP_FLOAT32;
@@ -361,44 +361,44 @@ int sp_gpt2_cuda_block_forward(sp_gpt2_cuda *c, size_t l,
   /* the unit's input cast (FSDP casts a unit's inputs to param_dtype) */
   K(view(c, io, b->ln1_w, c->lnw, &lw, &pd, d));
   K(view(c, io, b->ln1_b, c->lnb, &lb, NULL, d));
-  K(sp_gpt2kc_round(k, x, NC, pd, d));
-  K(sp_gpt2kc_layernorm_fwd(k, c->ln1[l], c->ln1_mean[l], c->ln1_rstd[l], x,
-                            lw, lb, N, C, d));
-  K(sp_gpt2kc_round(k, c->ln1[l], NC, pd, d));
+  K(sp_gpt2_gpu_round(k, x, NC, pd, d));
+  K(sp_gpt2_gpu_layernorm_fwd(k, c->ln1[l], c->ln1_mean[l], c->ln1_rstd[l], x,
+                              lw, lb, N, C, d));
+  K(sp_gpt2_gpu_round(k, c->ln1[l], NC, pd, d));
   /* attention */
   K(view(c, io, b->attn_w, c->w, &w, NULL, d));
   K(view(c, io, b->attn_b, c->gb, &bias, NULL, d));
-  K(sp_gpt2kc_matmul_fwd(k, c->qkv[l], c->ln1[l], w, bias, N, C, 3 * C, d));
-  K(sp_gpt2kc_round(k, c->qkv[l], 3 * NC, pd, d));
-  K(sp_gpt2kc_attention_fwd(k, c->atty[l], c->att[l], c->qkv[l],
-                            have_mask ? c->allow : NULL, (int)c->B,
-                            (int)c->T, C, NH, d));
-  K(sp_gpt2kc_round(k, c->atty[l], NC, pd, d));
+  K(sp_gpt2_gpu_matmul_fwd(k, c->qkv[l], c->ln1[l], w, bias, N, C, 3 * C, d));
+  K(sp_gpt2_gpu_round(k, c->qkv[l], 3 * NC, pd, d));
+  K(sp_gpt2_gpu_attention_fwd(k, c->atty[l], c->att[l], c->qkv[l],
+                              have_mask ? c->allow : NULL, (int)c->B, (int)c->T,
+                              C, NH, d));
+  K(sp_gpt2_gpu_round(k, c->atty[l], NC, pd, d));
   K(view(c, io, b->proj_w, c->w, &w, NULL, d));
   K(view(c, io, b->proj_b, c->gb, &bias, NULL, d));
-  K(sp_gpt2kc_matmul_fwd(k, tmp, c->atty[l], w, bias, N, C, C, d));
-  K(sp_gpt2kc_round(k, tmp, NC, pd, d));
-  K(sp_gpt2kc_add(k, c->res2[l], x, tmp, NC, d));
-  K(sp_gpt2kc_round(k, c->res2[l], NC, pd, d));
+  K(sp_gpt2_gpu_matmul_fwd(k, tmp, c->atty[l], w, bias, N, C, C, d));
+  K(sp_gpt2_gpu_round(k, tmp, NC, pd, d));
+  K(sp_gpt2_gpu_add(k, c->res2[l], x, tmp, NC, d));
+  K(sp_gpt2_gpu_round(k, c->res2[l], NC, pd, d));
   /* MLP */
   K(view(c, io, b->ln2_w, c->lnw, &lw, NULL, d));
   K(view(c, io, b->ln2_b, c->lnb, &lb, NULL, d));
-  K(sp_gpt2kc_layernorm_fwd(k, c->ln2[l], c->ln2_mean[l], c->ln2_rstd[l],
-                            c->res2[l], lw, lb, N, C, d));
-  K(sp_gpt2kc_round(k, c->ln2[l], NC, pd, d));
+  K(sp_gpt2_gpu_layernorm_fwd(k, c->ln2[l], c->ln2_mean[l], c->ln2_rstd[l],
+                              c->res2[l], lw, lb, N, C, d));
+  K(sp_gpt2_gpu_round(k, c->ln2[l], NC, pd, d));
   K(view(c, io, b->fc_w, c->w, &w, NULL, d));
   K(view(c, io, b->fc_b, c->gb, &bias, NULL, d));
-  K(sp_gpt2kc_matmul_fwd(k, c->fch[l], c->ln2[l], w, bias, N, C, 4 * C, d));
-  K(sp_gpt2kc_round(k, c->fch[l], 4 * NC, pd, d));
-  K(sp_gpt2kc_gelu_fwd(k, c->fch_gelu[l], c->fch[l], 4 * NC, d));
-  K(sp_gpt2kc_round(k, c->fch_gelu[l], 4 * NC, pd, d));
+  K(sp_gpt2_gpu_matmul_fwd(k, c->fch[l], c->ln2[l], w, bias, N, C, 4 * C, d));
+  K(sp_gpt2_gpu_round(k, c->fch[l], 4 * NC, pd, d));
+  K(sp_gpt2_gpu_gelu_fwd(k, c->fch_gelu[l], c->fch[l], 4 * NC, d));
+  K(sp_gpt2_gpu_round(k, c->fch_gelu[l], 4 * NC, pd, d));
   K(view(c, io, b->fcproj_w, c->w, &w, NULL, d));
   K(view(c, io, b->fcproj_b, c->gb, &bias, NULL, d));
-  K(sp_gpt2kc_matmul_fwd(k, tmp, c->fch_gelu[l], w, bias, N, 4 * C, C, d));
-  K(sp_gpt2kc_round(k, tmp, NC, pd, d));
+  K(sp_gpt2_gpu_matmul_fwd(k, tmp, c->fch_gelu[l], w, bias, N, 4 * C, C, d));
+  K(sp_gpt2_gpu_round(k, tmp, NC, pd, d));
   float *y = c->res[l + 1];
-  K(sp_gpt2kc_add(k, y, c->res2[l], tmp, NC, d));
-  K(sp_gpt2kc_round(k, y, NC, pd, d));
+  K(sp_gpt2_gpu_add(k, y, c->res2[l], tmp, NC, d));
+  K(sp_gpt2_gpu_round(k, y, NC, pd, d));
   return 0;
 }
 
@@ -408,7 +408,7 @@ int sp_gpt2_cuda_head_forward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   if (!(denom >= 1.0))
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2: loss denominator %g", denom);
   const sp_gpt2 *g = c->g;
-  sp_gpt2kc *k = c->k;
+  sp_gpt2_dev *k = c->k;
   int N = (int)(c->B * c->T), C = (int)g->C, V = (int)g->V;
   sp_dtype pd = SP_FLOAT32;
   const float *lw, *lb, *wte;
@@ -417,14 +417,14 @@ int sp_gpt2_cuda_head_forward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   K(view(c, io, g->wte, c->w, &wte, NULL, d));
   float *x = c->res[g->n_layer];
   size_t NC = (size_t)N * (size_t)C;
-  K(sp_gpt2kc_round(k, x, NC, pd, d));
-  K(sp_gpt2kc_layernorm_fwd(k, c->lnf, c->lnf_mean, c->lnf_rstd, x, lw, lb, N,
-                            C, d));
-  K(sp_gpt2kc_round(k, c->lnf, NC, pd, d));
-  K(sp_gpt2kc_logits_fwd(k, c->probs, c->lnf, wte, N, C, V, d));
-  K(sp_gpt2kc_round(k, c->probs, (size_t)N * (size_t)V, pd, d));
-  K(sp_gpt2kc_softmax_xent_fwd(k, c->probs, c->tgt, N, V, c->rows, c->total,
-                               d));
+  K(sp_gpt2_gpu_round(k, x, NC, pd, d));
+  K(sp_gpt2_gpu_layernorm_fwd(k, c->lnf, c->lnf_mean, c->lnf_rstd, x, lw, lb, N,
+                              C, d));
+  K(sp_gpt2_gpu_round(k, c->lnf, NC, pd, d));
+  K(sp_gpt2_gpu_logits_fwd(k, c->probs, c->lnf, wte, N, C, V, d));
+  K(sp_gpt2_gpu_round(k, c->probs, (size_t)N * (size_t)V, pd, d));
+  K(sp_gpt2_gpu_softmax_xent_fwd(k, c->probs, c->tgt, N, V, c->rows, c->total,
+                                 d));
   double sum = 0;
   SP_CUDA_CHECK_D(d, cudaMemcpyAsync(&c->hscalar, c->total, sizeof sum,
                                      cudaMemcpyDeviceToHost, c->st));
@@ -444,26 +444,26 @@ int sp_gpt2_cuda_head_backward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   if (!(denom >= 1.0))
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2: loss denominator %g", denom);
   const sp_gpt2 *g = c->g;
-  sp_gpt2kc *k = c->k;
+  sp_gpt2_dev *k = c->k;
   int N = (int)(c->B * c->T), C = (int)g->C, V = (int)g->V;
   sp_dtype pd = SP_FLOAT32;
   const float *wte, *lw;
   K(view(c, io, g->wte, c->w, &wte, &pd, d));
   K(view(c, io, g->lnf_w, c->lnw, &lw, NULL, d));
   size_t NC = (size_t)N * (size_t)C;
-  K(sp_gpt2kc_softmax_xent_bwd(k, c->probs, c->tgt, N, V,
-                               (float)(1.0 / denom), d));
-  K(sp_gpt2kc_round(k, c->probs, (size_t)N * (size_t)V, pd, d));
+  K(sp_gpt2_gpu_softmax_xent_bwd(k, c->probs, c->tgt, N, V,
+                                 (float)(1.0 / denom), d));
+  K(sp_gpt2_gpu_round(k, c->probs, (size_t)N * (size_t)V, pd, d));
   /* dlnf = dlogits wte; dwte = dlogits^T lnf */
-  K(sp_gpt2kc_logits_bwd(k, c->dbuf, c->gw, c->probs, c->lnf, wte, N, C, V,
-                         d));
-  K(sp_gpt2kc_round(k, c->dbuf, NC, pd, d));
+  K(sp_gpt2_gpu_logits_bwd(k, c->dbuf, c->gw, c->probs, c->lnf, wte, N, C, V,
+                           d));
+  K(sp_gpt2_gpu_round(k, c->dbuf, NC, pd, d));
   K(add_grad(c, io, g->wte, c->gw, d));
   SP_CUDA_CHECK_D(d, cudaMemsetAsync(c->dres, 0, NC * sizeof(float), c->st));
-  K(sp_gpt2kc_layernorm_bwd(k, c->dres, c->gb, c->gb2, c->dbuf,
-                            c->res[g->n_layer], lw, c->lnf_mean, c->lnf_rstd,
-                            N, C, d));
-  K(sp_gpt2kc_round(k, c->dres, NC, pd, d));
+  K(sp_gpt2_gpu_layernorm_bwd(k, c->dres, c->gb, c->gb2, c->dbuf,
+                              c->res[g->n_layer], lw, c->lnf_mean, c->lnf_rstd,
+                              N, C, d));
+  K(sp_gpt2_gpu_round(k, c->dres, NC, pd, d));
   K(add_grad(c, io, g->lnf_w, c->gb, d));
   K(add_grad(c, io, g->lnf_b, c->gb2, d));
   return 0;
@@ -477,10 +477,10 @@ static int conv_bwd(sp_gpt2_cuda *c, const sp_gpt2_io *io, int32_t w,
   K(view(c, io, w, c->w, &wv, NULL, d));
   float *gw = grad_f32(io, w), *gbv = grad_f32(io, b);
   if (gw && gbv)
-    return sp_gpt2kc_matmul_bwd(c->k, dinp, gw, gbv, dout, inp, wv, N, IC, OC,
-                                1, d);
-  K(sp_gpt2kc_matmul_bwd(c->k, dinp, c->gw, c->gb, dout, inp, wv, N, IC, OC,
-                         0, d));
+    return sp_gpt2_gpu_matmul_bwd(c->k, dinp, gw, gbv, dout, inp, wv, N, IC, OC,
+                                  1, d);
+  K(sp_gpt2_gpu_matmul_bwd(c->k, dinp, c->gw, c->gb, dout, inp, wv, N, IC, OC,
+                           0, d));
   K(add_grad(c, io, w, c->gw, d));
   return add_grad(c, io, b, c->gb, d);
 }
@@ -492,8 +492,8 @@ static int ln_bwd(sp_gpt2_cuda *c, const sp_gpt2_io *io, int32_t w,
                   sp_diag *d) {
   const float *lw = NULL; /* -O3 cannot see view() set it */
   K(view(c, io, w, c->lnw, &lw, NULL, d));
-  K(sp_gpt2kc_layernorm_bwd(c->k, dinp, c->gb, c->gb2, dout, inp, lw, mean,
-                            rstd, N, C, d));
+  K(sp_gpt2_gpu_layernorm_bwd(c->k, dinp, c->gb, c->gb2, dout, inp, lw, mean,
+                              rstd, N, C, d));
   K(add_grad(c, io, w, c->gb, d));
   return add_grad(c, io, b, c->gb2, d);
 }
@@ -503,7 +503,7 @@ int sp_gpt2_cuda_block_backward(sp_gpt2_cuda *c, size_t l,
   K(check_block(c, l, io, d));
   const sp_gpt2 *g = c->g;
   const sp_gpt2_block *b = &g->blocks[l];
-  sp_gpt2kc *k = c->k;
+  sp_gpt2_dev *k = c->k;
   int N = (int)(c->B * c->T), C = (int)g->C, NH = (int)g->n_head;
   size_t NC = (size_t)N * (size_t)C;
   sp_dtype pd = io->param_dtype(io->user, b->attn_w);
@@ -511,28 +511,28 @@ int sp_gpt2_cuda_block_backward(sp_gpt2_cuda *c, size_t l,
    * passes on unchanged; each branch adds its input gradient to it */
   K(conv_bwd(c, io, b->fcproj_w, b->fcproj_b, c->dbig, c->dres,
              c->fch_gelu[l], N, 4 * C, C, d));
-  K(sp_gpt2kc_round(k, c->dbig, 4 * NC, pd, d));
-  K(sp_gpt2kc_gelu_bwd(k, c->dbig, c->fch[l], c->dbig, 4 * NC, d));
-  K(sp_gpt2kc_round(k, c->dbig, 4 * NC, pd, d));
+  K(sp_gpt2_gpu_round(k, c->dbig, 4 * NC, pd, d));
+  K(sp_gpt2_gpu_gelu_bwd(k, c->dbig, c->fch[l], c->dbig, 4 * NC, d));
+  K(sp_gpt2_gpu_round(k, c->dbig, 4 * NC, pd, d));
   K(conv_bwd(c, io, b->fc_w, b->fc_b, c->dbuf, c->dbig, c->ln2[l], N, C,
              4 * C, d));
-  K(sp_gpt2kc_round(k, c->dbuf, NC, pd, d));
+  K(sp_gpt2_gpu_round(k, c->dbuf, NC, pd, d));
   K(ln_bwd(c, io, b->ln2_w, b->ln2_b, c->dres, c->dbuf, c->res2[l],
            c->ln2_mean[l], c->ln2_rstd[l], N, C, d));
-  K(sp_gpt2kc_round(k, c->dres, NC, pd, d));
+  K(sp_gpt2_gpu_round(k, c->dres, NC, pd, d));
   /* attention branch */
   K(conv_bwd(c, io, b->proj_w, b->proj_b, c->dbuf, c->dres, c->atty[l], N, C,
              C, d));
-  K(sp_gpt2kc_round(k, c->dbuf, NC, pd, d));
-  K(sp_gpt2kc_attention_bwd(k, c->dqkv, c->datt, c->dbuf, c->qkv[l],
-                            c->att[l], (int)c->B, (int)c->T, C, NH, d));
-  K(sp_gpt2kc_round(k, c->dqkv, 3 * NC, pd, d));
+  K(sp_gpt2_gpu_round(k, c->dbuf, NC, pd, d));
+  K(sp_gpt2_gpu_attention_bwd(k, c->dqkv, c->datt, c->dbuf, c->qkv[l],
+                              c->att[l], (int)c->B, (int)c->T, C, NH, d));
+  K(sp_gpt2_gpu_round(k, c->dqkv, 3 * NC, pd, d));
   K(conv_bwd(c, io, b->attn_w, b->attn_b, c->dbuf, c->dqkv, c->ln1[l], N, C,
              3 * C, d));
-  K(sp_gpt2kc_round(k, c->dbuf, NC, pd, d));
+  K(sp_gpt2_gpu_round(k, c->dbuf, NC, pd, d));
   K(ln_bwd(c, io, b->ln1_w, b->ln1_b, c->dres, c->dbuf, c->res[l],
            c->ln1_mean[l], c->ln1_rstd[l], N, C, d));
-  K(sp_gpt2kc_round(k, c->dres, NC, pd, d));
+  K(sp_gpt2_gpu_round(k, c->dres, NC, pd, d));
   return 0;
 }
 
@@ -542,8 +542,8 @@ int sp_gpt2_cuda_embed_backward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   const sp_gpt2 *g = c->g;
   int C = (int)g->C, T = (int)c->T, N = (int)(c->B * c->T);
   /* wte: rows by token, tokens in order */
-  K(sp_gpt2kc_wte_bwd(c->k, c->gw, c->dres, c->tok, N, C, (int)g->V, d));
+  K(sp_gpt2_gpu_wte_bwd(c->k, c->gw, c->dres, c->tok, N, C, (int)g->V, d));
   K(add_grad(c, io, g->wte, c->gw, d));
-  K(sp_gpt2kc_wpe_bwd(c->k, c->gw, c->dres, N, T, C, (int)g->ctx, d));
+  K(sp_gpt2_gpu_wpe_bwd(c->k, c->gw, c->dres, N, T, C, (int)g->ctx, d));
   return add_grad(c, io, g->wpe, c->gw, d);
 }

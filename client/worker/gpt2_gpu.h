@@ -1,6 +1,6 @@
 /* The GPT-2 kernels of gpt2_cpu.h on a GPU: each function here is the
- * CPU function of the same name (sp_gpt2k_X -> sp_gpt2kc_X) on device
- * arrays, enqueued on the stream of its sp_gpt2kc context, and returns 0 or
+ * CPU function of the same name (sp_gpt2_cpu_X -> sp_gpt2_gpu_X) on device
+ * arrays, enqueued on the stream of its sp_gpt2_dev context, and returns 0 or
  * SP_ECUDA (the failing call, file and line in d) at once: nothing waits for
  * the kernels. Row-major float32, the CPU's argument order and meaning,
  * except where said.
@@ -36,73 +36,74 @@ extern "C" {
 
 /* A stream (cudaStream_t; NULL: the legacy default stream) and a cuBLAS
  * handle bound to it, on the calling thread's current device. */
-typedef struct sp_gpt2kc sp_gpt2kc;
-int sp_gpt2kc_new(void *stream, sp_gpt2kc **out, sp_diag *d);
+typedef struct sp_gpt2_dev sp_gpt2_dev;
+int sp_gpt2_gpu_new(void *stream, sp_gpt2_dev **out, sp_diag *d);
 /* Waits for the stream, then frees. NULL is fine. */
-void sp_gpt2kc_free(sp_gpt2kc *k);
-void *sp_gpt2kc_stream(const sp_gpt2kc *k);
+void sp_gpt2_gpu_free(sp_gpt2_dev *k);
+void *sp_gpt2_gpu_stream(const sp_gpt2_dev *k);
 
-int sp_gpt2kc_matmul_fwd(sp_gpt2kc *k, float *out, const float *inp,
-                         const float *w, const float *b, int N, int IC, int OC,
-                         sp_diag *d);
-int sp_gpt2kc_matmul_bwd(sp_gpt2kc *k, float *dinp, float *dw, float *db,
-                         const float *dout, const float *inp, const float *w,
-                         int N, int IC, int OC, int acc, sp_diag *d);
-int sp_gpt2kc_logits_fwd(sp_gpt2kc *k, float *logits, const float *x,
-                         const float *wte, int N, int C, int V, sp_diag *d);
-int sp_gpt2kc_logits_bwd(sp_gpt2kc *k, float *dx, float *dwte,
-                         const float *dlogits, const float *x,
-                         const float *wte, int N, int C, int V, sp_diag *d);
-int sp_gpt2kc_layernorm_fwd(sp_gpt2kc *k, float *out, float *mean,
-                            float *rstd, const float *inp, const float *w,
-                            const float *b, int N, int C, sp_diag *d);
-int sp_gpt2kc_layernorm_bwd(sp_gpt2kc *k, float *dinp, float *dw, float *db,
-                            const float *dout, const float *inp,
-                            const float *w, const float *mean,
-                            const float *rstd, int N, int C, sp_diag *d);
+int sp_gpt2_gpu_matmul_fwd(sp_gpt2_dev *k, float *out, const float *inp,
+                           const float *w, const float *b, int N, int IC,
+                           int OC, sp_diag *d);
+int sp_gpt2_gpu_matmul_bwd(sp_gpt2_dev *k, float *dinp, float *dw, float *db,
+                           const float *dout, const float *inp, const float *w,
+                           int N, int IC, int OC, int acc, sp_diag *d);
+int sp_gpt2_gpu_logits_fwd(sp_gpt2_dev *k, float *logits, const float *x,
+                           const float *wte, int N, int C, int V, sp_diag *d);
+int sp_gpt2_gpu_logits_bwd(sp_gpt2_dev *k, float *dx, float *dwte,
+                           const float *dlogits, const float *x,
+                           const float *wte, int N, int C, int V, sp_diag *d);
+int sp_gpt2_gpu_layernorm_fwd(sp_gpt2_dev *k, float *out, float *mean,
+                              float *rstd, const float *inp, const float *w,
+                              const float *b, int N, int C, sp_diag *d);
+int sp_gpt2_gpu_layernorm_bwd(sp_gpt2_dev *k, float *dinp, float *dw, float *db,
+                              const float *dout, const float *inp,
+                              const float *w, const float *mean,
+                              const float *rstd, int N, int C, sp_diag *d);
 /* As the CPU's; att [B, NH, T, T]; allow [T, T] or NULL. */
-int sp_gpt2kc_attention_fwd(sp_gpt2kc *k, float *out, float *att,
-                            const float *qkv, const uint8_t *allow, int B,
-                            int T, int C, int NH, sp_diag *d);
+int sp_gpt2_gpu_attention_fwd(sp_gpt2_dev *k, float *out, float *att,
+                              const float *qkv, const uint8_t *allow, int B,
+                              int T, int C, int NH, sp_diag *d);
 /* datt: NH*T*T floats of scratch (the CPU's takes T*T: the GPU does one
  * sequence's heads at once). */
-int sp_gpt2kc_attention_bwd(sp_gpt2kc *k, float *dqkv, float *datt,
-                            const float *dout, const float *qkv,
-                            const float *att, int B, int T, int C, int NH,
-                            sp_diag *d);
-int sp_gpt2kc_gelu_fwd(sp_gpt2kc *k, float *out, const float *inp, size_t n,
-                       sp_diag *d);
-int sp_gpt2kc_gelu_bwd(sp_gpt2kc *k, float *dinp, const float *inp,
-                       const float *dout, size_t n, sp_diag *d);
+int sp_gpt2_gpu_attention_bwd(sp_gpt2_dev *k, float *dqkv, float *datt,
+                              const float *dout, const float *qkv,
+                              const float *att, int B, int T, int C, int NH,
+                              sp_diag *d);
+int sp_gpt2_gpu_gelu_fwd(sp_gpt2_dev *k, float *out, const float *inp, size_t n,
+                         sp_diag *d);
+int sp_gpt2_gpu_gelu_bwd(sp_gpt2_dev *k, float *dinp, const float *inp,
+                         const float *dout, size_t n, sp_diag *d);
 /* As the CPU's, but the sum stays on the device: rows[i] gets row i's
  * -log softmax[tgt] (double), total[0] their sum in row order (one
  * thread, so it does not depend on the launch). */
-int sp_gpt2kc_softmax_xent_fwd(sp_gpt2kc *k, float *probs, const int32_t *tgt,
-                               int N, int V, double *rows, double *total,
-                               sp_diag *d);
-int sp_gpt2kc_softmax_xent_bwd(sp_gpt2kc *k, float *probs, const int32_t *tgt,
-                               int N, int V, float scale, sp_diag *d);
-int sp_gpt2kc_embed_fwd(sp_gpt2kc *k, float *x, const int32_t *tok,
-                        const float *wte, const float *wpe, int N, int T,
-                        int C, sp_diag *d);
-int sp_gpt2kc_wte_bwd(sp_gpt2kc *k, float *dwte, const float *dx,
-                      const int32_t *tok, int N, int C, int V, sp_diag *d);
-int sp_gpt2kc_wpe_bwd(sp_gpt2kc *k, float *dwpe, const float *dx, int N,
-                      int T, int C, int ctx, sp_diag *d);
-int sp_gpt2kc_add(sp_gpt2kc *k, float *y, const float *a, const float *b,
-                  size_t n, sp_diag *d);
-int sp_gpt2kc_round(sp_gpt2kc *k, float *v, size_t n, sp_dtype dt,
-                    sp_diag *d);
+int sp_gpt2_gpu_softmax_xent_fwd(sp_gpt2_dev *k, float *probs,
+                                 const int32_t *tgt, int N, int V, double *rows,
+                                 double *total, sp_diag *d);
+int sp_gpt2_gpu_softmax_xent_bwd(sp_gpt2_dev *k, float *probs,
+                                 const int32_t *tgt, int N, int V, float scale,
+                                 sp_diag *d);
+int sp_gpt2_gpu_embed_fwd(sp_gpt2_dev *k, float *x, const int32_t *tok,
+                          const float *wte, const float *wpe, int N, int T,
+                          int C, sp_diag *d);
+int sp_gpt2_gpu_wte_bwd(sp_gpt2_dev *k, float *dwte, const float *dx,
+                        const int32_t *tok, int N, int C, int V, sp_diag *d);
+int sp_gpt2_gpu_wpe_bwd(sp_gpt2_dev *k, float *dwpe, const float *dx, int N,
+                        int T, int C, int ctx, sp_diag *d);
+int sp_gpt2_gpu_add(sp_gpt2_dev *k, float *y, const float *a, const float *b,
+                    size_t n, sp_diag *d);
+int sp_gpt2_gpu_round(sp_gpt2_dev *k, float *v, size_t n, sp_dtype dt,
+                      sp_diag *d);
 
 /* gpt2.c's add_grad: dst (n elements of dt, a floating dtype) += g, the
  * sum in double rounded once to dt. */
-int sp_gpt2kc_grad_add(sp_gpt2kc *k, void *dst, sp_dtype dt, const float *g,
-                       size_t n, sp_diag *d);
+int sp_gpt2_gpu_grad_add(sp_gpt2_dev *k, void *dst, sp_dtype dt, const float *g,
+                         size_t n, sp_diag *d);
 /* gpt2.c's block_mask: allow[t * T + u] = element t * ctx + u of the
  * attn.bias buffer (dtype dt) is nonzero (floating: != 0.0; otherwise any
  * nonzero byte), for t, u < T. */
-int sp_gpt2kc_mask(sp_gpt2kc *k, uint8_t *allow, const void *buf, sp_dtype dt,
-                   int T, int ctx, sp_diag *d);
+int sp_gpt2_gpu_mask(sp_gpt2_dev *k, uint8_t *allow, const void *buf,
+                     sp_dtype dt, int T, int ctx, sp_diag *d);
 
 #ifdef __cplusplus
 }
