@@ -13,7 +13,8 @@
  *    within 2 gamma_K of that sum of magnitudes, computed here from the
  *    inputs. Each bound is stated beside its check;
  *  - model: one forward and backward of gpt2-tiny through gpt2_cuda.c
- *    against gpt2.c, the same parameters and tokens, float32 and
+ *    against gpt2.c (gpt2_step.c over the GPU's and the CPU's kernel
+ *    table), the same parameters and tokens, float32 and
  *    bfloat16 (bounds at model_case);
  *  - training: shardplane-worker --device cuda:0 trains gpt2-tiny (AdamW
  *    with warmup and cosine, clipping) for 10 steps at W = 1, float32 and
@@ -604,7 +605,7 @@ static void test_embeddings(void **state) {
   }
 }
 
-/* gpt2.c's add_grad (the sum in double, rounded once) and block_mask */
+/* gpt2.c's host_grad_add (the sum in double, rounded once) and host_mask */
 static void test_grad_add_and_mask(void **state) {
   (void)state;
   const sp_dtype dts[] = {SP_FLOAT32, SP_FLOAT64, SP_BFLOAT16, SP_FLOAT16};

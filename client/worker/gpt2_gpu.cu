@@ -603,7 +603,7 @@ extern "C" int sp_gpt2_gpu_wpe_bwd(sp_gpt2_dev *k, float *dwpe, const float *dx,
 }
 
 /* ------------------------------------------------------------------ */
-/* gpt2.c's add_grad and block_mask                                    */
+/* gpt2.c's host_grad_add and host_mask                               */
 /* ------------------------------------------------------------------ */
 
 __global__ void k_gpt2_grad_add(void *dst, int dt, const float *g, size_t n) {

@@ -18,9 +18,11 @@
  *     a row in a tree over one thread block instead of in index order
  *     (CUDA's expf is within 2 ulp where glibc's is correctly rounded).
  *
- * Only in a CUDA build (gpt2_cuda.h is what the trainer uses; it has a
- * stub). Sizes are the caller's to check, as for the CPU functions: every
- * count fits an int. */
+ * gpt2_cuda.c's kernel table (gpt2_step.h) holds these functions as they
+ * are, but for the cross-entropy's forward, whose sum it reads back. Only
+ * in a CUDA build (gpt2_cuda.h is what the trainer uses; it has a stub).
+ * Sizes are the caller's to check, as for the CPU functions: every count
+ * fits an int. */
 #ifndef SP_GPT2_GPU_H
 #define SP_GPT2_GPU_H
 
@@ -34,8 +36,10 @@
 extern "C" {
 #endif
 
-/* A stream (cudaStream_t; NULL: the legacy default stream) and a cuBLAS
- * handle bound to it, on the calling thread's current device. */
+/* The kernel table's state (gpt2_step.h) on a GPU: a stream (cudaStream_t;
+ * NULL: the legacy default stream) and a cuBLAS handle bound to it, on the
+ * calling thread's current device. Declared again here, as C11 allows, so
+ * that the kernels need not see the driver. */
 typedef struct sp_gpt2_dev sp_gpt2_dev;
 int sp_gpt2_gpu_new(void *stream, sp_gpt2_dev **out, sp_diag *d);
 /* Waits for the stream, then frees. NULL is fine. */
@@ -95,11 +99,11 @@ int sp_gpt2_gpu_add(sp_gpt2_dev *k, float *y, const float *a, const float *b,
 int sp_gpt2_gpu_round(sp_gpt2_dev *k, float *v, size_t n, sp_dtype dt,
                       sp_diag *d);
 
-/* gpt2.c's add_grad: dst (n elements of dt, a floating dtype) += g, the
+/* gpt2.c's host_grad_add: dst (n elements of dt, a floating dtype) += g, the
  * sum in double rounded once to dt. */
 int sp_gpt2_gpu_grad_add(sp_gpt2_dev *k, void *dst, sp_dtype dt, const float *g,
                          size_t n, sp_diag *d);
-/* gpt2.c's block_mask: allow[t * T + u] = element t * ctx + u of the
+/* gpt2.c's host_mask: allow[t * T + u] = element t * ctx + u of the
  * attn.bias buffer (dtype dt) is nonzero (floating: != 0.0; otherwise any
  * nonzero byte), for t, u < T. */
 int sp_gpt2_gpu_mask(sp_gpt2_dev *k, uint8_t *allow, const void *buf,
