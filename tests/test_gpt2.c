@@ -27,7 +27,7 @@
 #include "support/testutil.h"
 #include "worker/gpt2.h"
 #include "worker/gpt2_data.h"
-#include "worker/gpt2_layers.h"
+#include "worker/gpt2_cpu.h"
 
 #define PYTHON "/usr/bin/python3"
 #define TORCH_SCRIPT SP_TEST_DATA "/../support/gpt2_torch.py"
@@ -242,7 +242,7 @@ static void test_data(void **state) {
   }
 }
 
-/* GELU (tanh approximation) with gpt2_layers.c's float exp against the
+/* GELU (tanh approximation) with gpt2_cpu.c's float exp against the
  * formula in double, on a fine grid of [-30, 30]: within 2e-7 of
  * max(1, |x|) (measured 1.1e-7), its derivative within 1e-6 (measured
  * 4e-7: its second term multiplies tanh's error by x (1 + 0.134 x^2)
@@ -261,8 +261,8 @@ static void test_gelu(void **state) {
     x[i] = -30.0f + 60.0f * (float)i / (N - 1);
     one[i] = 1.0f;
   }
-  sp_gpt2k_gelu_fwd(y, x, N);
-  sp_gpt2k_gelu_bwd(g, x, one, N);
+  sp_gpt2_cpu_gelu_fwd(y, x, N);
+  sp_gpt2_cpu_gelu_bwd(g, x, one, N);
   double worst = 0, worst_g = 0;
   for (int i = 0; i < N; i++) {
     double v = x[i], s = 0.7978845608028654;
@@ -280,7 +280,7 @@ static void test_gelu(void **state) {
   assert_true(worst <= 2e-7);
   assert_true(worst_g <= 1e-6);
   float sp[3] = {NAN, INFINITY, -INFINITY}, so[3];
-  sp_gpt2k_gelu_fwd(so, sp, 3);
+  sp_gpt2_cpu_gelu_fwd(so, sp, 3);
   assert_true(isnan(so[0]));
   assert_true(so[1] == INFINITY);
   assert_true(so[2] == 0.0f || isnan(so[2])); /* -inf * 0 in the formula */
@@ -369,8 +369,8 @@ static void test_attention(void **state) {
             }
           }
         }
-    sp_gpt2k_attention_fwd(y, att, qkv, al, B, T, C, NH);
-    sp_gpt2k_attention_bwd(dqkv, datt, dy, qkv, att, B, T, C, NH);
+    sp_gpt2_cpu_attention_fwd(y, att, qkv, al, B, T, C, NH);
+    sp_gpt2_cpu_attention_bwd(dqkv, datt, dy, qkv, att, B, T, C, NH);
     double e_att = att_err(att, ratt, natt), e_y = att_err(y, ry, ny);
     double e_d = att_err(dqkv, rd, nqkv);
     printf("attention (T %d, %s): probabilities %.3g, output %.3g, "

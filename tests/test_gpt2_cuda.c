@@ -1,7 +1,7 @@
 /* GPT-2 on the GPU against the CPU, on cuda:0 (and cuda:1 where present):
  *
- *  - kernels: every kernel of client/worker/gpt2_layers_cuda.cu against
- *    the CPU function of gpt2_layers.c it reproduces, on the same random
+ *  - kernels: every kernel of client/worker/gpt2_gpu.cu against
+ *    the CPU function of gpt2_cpu.c it reproduces, on the same random
  *    inputs, several shapes each (odd sizes, a single element, rows longer
  *    than a thread block). Bit for bit where the math is elementwise or a
  *    column sum in row order (the same gpt2_elem.h definitions, no FMA
@@ -13,7 +13,8 @@
  *    within 2 gamma_K of that sum of magnitudes, computed here from the
  *    inputs. Each bound is stated beside its check;
  *  - model: one forward and backward of gpt2-tiny through gpt2_cuda.c
- *    against gpt2.c, the same parameters and tokens, float32 and
+ *    against gpt2.c (gpt2_step.c over the GPU's and the CPU's kernel
+ *    table), the same parameters and tokens, float32 and
  *    bfloat16 (bounds at model_case);
  *  - training: shardplane-worker --device cuda:0 trains gpt2-tiny (AdamW
  *    with warmup and cosine, clipping) for 10 steps at W = 1, float32 and
@@ -45,21 +46,21 @@
 #include "support/testutil.h"
 #include "cast/cast.h"
 #include "worker/gpt2.h"
-#include "worker/gpt2_layers.h"
+#include "worker/gpt2_cpu.h"
 
 #if SHARDPLANE_HAVE_CUDA
 #define SP_GPU_TESTS 1
 #include <cuda_runtime_api.h>
 
 #include "worker/gpt2_cuda.h"
-#include "worker/gpt2_layers_cuda.h"
+#include "worker/gpt2_gpu.h"
 #endif
 
 #ifdef SP_GPU_TESTS
 
 #define U 0x1p-24 /* float32's unit roundoff */
 
-static sp_gpt2kc *g_k;
+static sp_gpt2_dev *g_k;
 static sp_test_rng g_rng = {7};
 
 #define OK(call)                                                               \
@@ -169,10 +170,10 @@ static void test_matmul(void **state) {
     float *dd = upf(dout, no);
     /* forward: K = IC */
     float *out = malloc(no * 4 + 1), *mag = malloc(no * 4 + 1);
-    sp_gpt2k_matmul_fwd(out, inp, w, b, N, IC, OC);
-    sp_gpt2k_matmul_fwd(mag, ai, aw, ab, N, IC, OC);
+    sp_gpt2_cpu_matmul_fwd(out, inp, w, b, N, IC, OC);
+    sp_gpt2_cpu_matmul_fwd(mag, ai, aw, ab, N, IC, OC);
     float *dout_dev = upf(NULL, no);
-    OK(sp_gpt2kc_matmul_fwd(g_k, dout_dev, di, dw_, db_, N, IC, OC, &d_));
+    OK(sp_gpt2_gpu_matmul_fwd(g_k, dout_dev, di, dw_, db_, N, IC, OC, &d_));
     float *got = fetch(dout_dev, no);
     double *bd = gemm_bound(mag, no, IC);
     within("matmul_fwd out (K = IC)", got, out, bd, no);
@@ -183,13 +184,13 @@ static void test_matmul(void **state) {
       float *gw0 = rnd(nw, -1, 1), *gb0 = rnd(OC, -1, 1);
       float *dinp = malloc(ni * 4 + 1), *gw = copy_of(gw0, nw);
       float *gb = copy_of(gb0, OC);
-      sp_gpt2k_matmul_bwd(dinp, gw, gb, dout, inp, w, N, IC, OC, acc);
+      sp_gpt2_cpu_matmul_bwd(dinp, gw, gb, dout, inp, w, N, IC, OC, acc);
       float *mi = malloc(ni * 4 + 1), *mw = abs_of(gw0, nw);
       float *mb = abs_of(gb0, OC);
-      sp_gpt2k_matmul_bwd(mi, mw, mb, ad, ai, aw, N, IC, OC, acc);
+      sp_gpt2_cpu_matmul_bwd(mi, mw, mb, ad, ai, aw, N, IC, OC, acc);
       float *ddi = upf(NULL, ni), *dgw = upf(gw0, nw), *dgb = upf(gb0, OC);
-      OK(sp_gpt2kc_matmul_bwd(g_k, ddi, dgw, dgb, dd, di, dw_, N, IC, OC, acc,
-                              &d_));
+      OK(sp_gpt2_gpu_matmul_bwd(g_k, ddi, dgw, dgb, dd, di, dw_, N, IC, OC, acc,
+                                &d_));
       float *g1 = fetch(ddi, ni), *g2 = fetch(dgw, nw), *g3 = fetch(dgb, OC);
       double *b1 = gemm_bound(mi, ni, OC), *b2 = gemm_bound(mw, nw, N);
       within(acc ? "matmul_bwd dinp (K = OC), acc" : "matmul_bwd dinp (K = OC)",
@@ -221,20 +222,20 @@ static void test_logits(void **state) {
     float *ax = abs_of(x, nx), *aw = abs_of(wte, nw), *adl = abs_of(dl, nl);
     float *dx_ = upf(x, nx), *dw_ = upf(wte, nw), *ddl = upf(dl, nl);
     float *lg = malloc(nl * 4 + 1), *mg = malloc(nl * 4 + 1);
-    sp_gpt2k_logits_fwd(lg, x, wte, N, C, V);
-    sp_gpt2k_logits_fwd(mg, ax, aw, N, C, V);
+    sp_gpt2_cpu_logits_fwd(lg, x, wte, N, C, V);
+    sp_gpt2_cpu_logits_fwd(mg, ax, aw, N, C, V);
     float *dlg = upf(NULL, nl);
-    OK(sp_gpt2kc_logits_fwd(g_k, dlg, dx_, dw_, N, C, V, &d_));
+    OK(sp_gpt2_gpu_logits_fwd(g_k, dlg, dx_, dw_, N, C, V, &d_));
     float *got = fetch(dlg, nl);
     double *bd = gemm_bound(mg, nl, C);
     within("logits_fwd (K = C)", got, lg, bd, nl);
     free(got), free(bd);
     float *gx = malloc(nx * 4 + 1), *gw = malloc(nw * 4 + 1);
     float *mx = malloc(nx * 4 + 1), *mw = malloc(nw * 4 + 1);
-    sp_gpt2k_logits_bwd(gx, gw, dl, x, wte, N, C, V);
-    sp_gpt2k_logits_bwd(mx, mw, adl, ax, aw, N, C, V);
+    sp_gpt2_cpu_logits_bwd(gx, gw, dl, x, wte, N, C, V);
+    sp_gpt2_cpu_logits_bwd(mx, mw, adl, ax, aw, N, C, V);
     float *dgx = upf(NULL, nx), *dgw = upf(NULL, nw);
-    OK(sp_gpt2kc_logits_bwd(g_k, dgx, dgw, ddl, dx_, dw_, N, C, V, &d_));
+    OK(sp_gpt2_gpu_logits_bwd(g_k, dgx, dgw, ddl, dx_, dw_, N, C, V, &d_));
     float *g1 = fetch(dgx, nx), *g2 = fetch(dgw, nw);
     double *b1 = gemm_bound(mx, nx, V), *b2 = gemm_bound(mw, nw, N);
     within("logits_bwd dx (K = V)", g1, gx, b1, nx);
@@ -262,10 +263,10 @@ static void test_layernorm(void **state) {
     float *b = rnd(C, -0.5f, 0.5f);
     float *out = malloc(n * 4 + 1), *mean = malloc(N * 4 + 1);
     float *rstd = malloc(N * 4 + 1);
-    sp_gpt2k_layernorm_fwd(out, mean, rstd, x, w, b, N, C);
+    sp_gpt2_cpu_layernorm_fwd(out, mean, rstd, x, w, b, N, C);
     float *dx_ = upf(x, n), *dw_ = upf(w, C), *db_ = upf(b, C);
     float *dout_ = upf(NULL, n), *dm = upf(NULL, N), *ds = upf(NULL, N);
-    OK(sp_gpt2kc_layernorm_fwd(g_k, dout_, dm, ds, dx_, dw_, db_, N, C, &d_));
+    OK(sp_gpt2_gpu_layernorm_fwd(g_k, dout_, dm, ds, dx_, dw_, db_, N, C, &d_));
     float *go = fetch(dout_, n), *gm = fetch(dm, N), *gs = fetch(ds, N);
     /* mean: a sum of C terms and a division, each side within
      * (C + 1) u mean|x|. rstd: the variance's sum of C squares is within
@@ -298,11 +299,11 @@ static void test_layernorm(void **state) {
     float *g = rnd(n, -1, 1), *dinp0 = rnd(n, -1, 1);
     float *dinp = copy_of(dinp0, n), *gw = malloc(C * 4 + 1);
     float *gb = malloc(C * 4 + 1);
-    sp_gpt2k_layernorm_bwd(dinp, gw, gb, g, x, w, mean, rstd, N, C);
+    sp_gpt2_cpu_layernorm_bwd(dinp, gw, gb, g, x, w, mean, rstd, N, C);
     float *dg = upf(g, n), *ddi = upf(dinp0, n), *dgw = upf(NULL, C);
     float *dgb = upf(NULL, C), *dmean = upf(mean, N), *drstd = upf(rstd, N);
-    OK(sp_gpt2kc_layernorm_bwd(g_k, ddi, dgw, dgb, dg, dx_, dw_, dmean, drstd,
-                               N, C, &d_));
+    OK(sp_gpt2_gpu_layernorm_bwd(g_k, ddi, dgw, dgb, dg, dx_, dw_, dmean, drstd,
+                                 N, C, &d_));
     float *g1 = fetch(ddi, n), *g2 = fetch(dgw, C), *g3 = fetch(dgb, C);
     /* dw, db: column sums in row order on both sides */
     sp_test_same_f32("layernorm_bwd dw", g2, gw, C);
@@ -362,10 +363,10 @@ static void attention_case(int B, int T, int C, int NH, bool masked) {
     for (int u = 0; u < T; u++) allow[(size_t)(T - 1) * T + u] = 0;
   }
   float *out = malloc(no * 4 + 1), *att = malloc(na * 4 + 1);
-  sp_gpt2k_attention_fwd(out, att, qkv, allow, B, T, C, NH);
+  sp_gpt2_cpu_attention_fwd(out, att, qkv, allow, B, T, C, NH);
   float *dq = upf(qkv, nq), *dout_ = upf(NULL, no), *datt = upf(NULL, na);
   uint8_t *dal = allow ? up(allow, (size_t)T * T) : NULL;
-  OK(sp_gpt2kc_attention_fwd(g_k, dout_, datt, dq, dal, B, T, C, NH, &d_));
+  OK(sp_gpt2_gpu_attention_fwd(g_k, dout_, datt, dq, dal, B, T, C, NH, &d_));
   float *go = fetch(dout_, no), *ga = fetch(datt, na);
   /* Scores z = scale q.k: two sums of hs terms, within
    * dz = 2 (hs + 2) u scale sum |q_i k_i|. A softmax whose inputs move by
@@ -419,10 +420,10 @@ static void attention_case(int B, int T, int C, int NH, bool masked) {
    * tensor's largest |CPU value|; real errors grow as sqrt(K) u. */
   float *dy = rnd(no, -1, 1), *dqkv = malloc(nq * 4 + 1);
   float *scratch = malloc((size_t)T * T * 4 + 1);
-  sp_gpt2k_attention_bwd(dqkv, scratch, dy, qkv, att, B, T, C, NH);
+  sp_gpt2_cpu_attention_bwd(dqkv, scratch, dy, qkv, att, B, T, C, NH);
   float *ddy = upf(dy, no), *dca = upf(att, na), *ddq = upf(NULL, nq);
   float *dsc = upf(NULL, (size_t)NH * T * T);
-  OK(sp_gpt2kc_attention_bwd(g_k, ddq, dsc, ddy, dq, dca, B, T, C, NH, &d_));
+  OK(sp_gpt2_gpu_attention_bwd(g_k, ddq, dsc, ddy, dq, dca, B, T, C, NH, &d_));
   float *gq = fetch(ddq, nq);
   double big = 0;
   for (size_t i = 0; i < nq; i++)
@@ -465,11 +466,11 @@ static void test_softmax_xent(void **state) {
     int32_t *tgt = malloc(N * sizeof *tgt + 1);
     for (int i = 0; i < N; i++) tgt[i] = (int32_t)sp_test_rng_below(&g_rng, V);
     float *probs = copy_of(lg, n);
-    double total = sp_gpt2k_softmax_xent_fwd(probs, tgt, N, V);
+    double total = sp_gpt2_cpu_softmax_xent_fwd(probs, tgt, N, V);
     float *dp = upf(lg, n);
     int32_t *dt = up(tgt, N * sizeof *tgt);
     double *rows = up(NULL, N * sizeof(double)), *dtot = up(NULL, 8);
-    OK(sp_gpt2kc_softmax_xent_fwd(g_k, dp, dt, N, V, rows, dtot, &d_));
+    OK(sp_gpt2_gpu_softmax_xent_fwd(g_k, dp, dt, N, V, rows, dtot, &d_));
     float *gp = fetch(dp, n);
     double gt = 0;
     down(&gt, dtot, sizeof gt);
@@ -491,9 +492,9 @@ static void test_softmax_xent(void **state) {
     /* backward on the CPU's probabilities: elementwise, the same bits */
     float *dl = copy_of(probs, n);
     float scale = 1.0f / (float)(N * 3);
-    sp_gpt2k_softmax_xent_bwd(dl, tgt, N, V, scale);
+    sp_gpt2_cpu_softmax_xent_bwd(dl, tgt, N, V, scale);
     SP_TEST_CU(cudaMemcpy(dp, probs, n * 4, cudaMemcpyHostToDevice));
-    OK(sp_gpt2kc_softmax_xent_bwd(g_k, dp, dt, N, V, scale, &d_));
+    OK(sp_gpt2_gpu_softmax_xent_bwd(g_k, dp, dt, N, V, scale, &d_));
     float *gd = fetch(dp, n);
     sp_test_same_f32("softmax_xent_bwd", gd, dl, n);
     free(gd), free(dl), free(bp), free(gp), free(lg), free(tgt), free(probs);
@@ -522,33 +523,33 @@ static void test_elementwise(void **state) {
       x[i] = special[i];
     float *dx = upf(x, n), *dy = upf(y, n), *dz = upf(NULL, n);
     float *want = malloc(n * 4 + 1);
-    sp_gpt2k_gelu_fwd(want, x, n);
-    OK(sp_gpt2kc_gelu_fwd(g_k, dz, dx, n, &d_));
+    sp_gpt2_cpu_gelu_fwd(want, x, n);
+    OK(sp_gpt2_gpu_gelu_fwd(g_k, dz, dx, n, &d_));
     float *got = fetch(dz, n);
     sp_test_same_f32("gelu_fwd", got, want, n);
     free(got);
-    sp_gpt2k_gelu_bwd(want, x, y, n);
-    OK(sp_gpt2kc_gelu_bwd(g_k, dz, dx, dy, n, &d_));
+    sp_gpt2_cpu_gelu_bwd(want, x, y, n);
+    OK(sp_gpt2_gpu_gelu_bwd(g_k, dz, dx, dy, n, &d_));
     got = fetch(dz, n);
     sp_test_same_f32("gelu_bwd", got, want, n);
     free(got);
     /* in place, as the block's backward runs it */
     SP_TEST_CU(cudaMemcpy(dz, y, n * 4, cudaMemcpyHostToDevice));
-    OK(sp_gpt2kc_gelu_bwd(g_k, dz, dx, dz, n, &d_));
+    OK(sp_gpt2_gpu_gelu_bwd(g_k, dz, dx, dz, n, &d_));
     got = fetch(dz, n);
     sp_test_same_f32("gelu_bwd in place", got, want, n);
     free(got);
-    sp_gpt2k_add(want, x, y, n);
-    OK(sp_gpt2kc_add(g_k, dz, dx, dy, n, &d_));
+    sp_gpt2_cpu_add(want, x, y, n);
+    OK(sp_gpt2_gpu_add(g_k, dz, dx, dy, n, &d_));
     got = fetch(dz, n);
     sp_test_same_f32("add", got, want, n);
     free(got);
     const sp_dtype dts[] = {SP_BFLOAT16, SP_FLOAT16, SP_FLOAT32};
     for (size_t k = 0; k < 3; k++) {
       memcpy(want, x, n * 4);
-      sp_gpt2k_round(want, n, dts[k]);
+      sp_gpt2_cpu_round(want, n, dts[k]);
       SP_TEST_CU(cudaMemcpy(dz, x, n * 4, cudaMemcpyHostToDevice));
-      OK(sp_gpt2kc_round(g_k, dz, n, dts[k], &d_));
+      OK(sp_gpt2_gpu_round(g_k, dz, n, dts[k], &d_));
       got = fetch(dz, n);
       char what[64];
       snprintf(what, sizeof what, "round to %s", sp_dtype_name(dts[k]));
@@ -579,22 +580,22 @@ static void test_embeddings(void **state) {
     size_t nx = (size_t)N * C, nte = (size_t)V * C, npe = (size_t)ctx * C;
     float *wte = rnd(nte, -1, 1), *wpe = rnd(npe, -1, 1), *g = rnd(nx, -1, 1);
     float *x = malloc(nx * 4 + 1);
-    sp_gpt2k_embed_fwd(x, tok, wte, wpe, N, T, C);
+    sp_gpt2_cpu_embed_fwd(x, tok, wte, wpe, N, T, C);
     int32_t *dt = up(tok, N * sizeof *tok);
     float *dte = upf(wte, nte), *dpe = upf(wpe, npe), *dx = upf(NULL, nx);
     float *dg = upf(g, nx);
-    OK(sp_gpt2kc_embed_fwd(g_k, dx, dt, dte, dpe, N, T, C, &d_));
+    OK(sp_gpt2_gpu_embed_fwd(g_k, dx, dt, dte, dpe, N, T, C, &d_));
     float *got = fetch(dx, nx);
     sp_test_same_f32("embed_fwd", got, x, nx);
     free(got);
     float *gte = malloc(nte * 4 + 1), *gpe = malloc(npe * 4 + 1);
-    sp_gpt2k_wte_bwd(gte, g, tok, N, C, V);
-    sp_gpt2k_wpe_bwd(gpe, g, N, T, C, ctx);
+    sp_gpt2_cpu_wte_bwd(gte, g, tok, N, C, V);
+    sp_gpt2_cpu_wpe_bwd(gpe, g, N, T, C, ctx);
     /* the device gradients start as garbage: the kernels zero them */
     SP_TEST_CU(cudaMemset(dte, 0x7f, nte * 4));
     SP_TEST_CU(cudaMemset(dpe, 0x7f, npe * 4));
-    OK(sp_gpt2kc_wte_bwd(g_k, dte, dg, dt, N, C, V, &d_));
-    OK(sp_gpt2kc_wpe_bwd(g_k, dpe, dg, N, T, C, ctx, &d_));
+    OK(sp_gpt2_gpu_wte_bwd(g_k, dte, dg, dt, N, C, V, &d_));
+    OK(sp_gpt2_gpu_wpe_bwd(g_k, dpe, dg, N, T, C, ctx, &d_));
     float *g1 = fetch(dte, nte), *g2 = fetch(dpe, npe);
     sp_test_same_f32("wte_bwd", g1, gte, nte);
     sp_test_same_f32("wpe_bwd", g2, gpe, npe);
@@ -604,7 +605,7 @@ static void test_embeddings(void **state) {
   }
 }
 
-/* gpt2.c's add_grad (the sum in double, rounded once) and block_mask */
+/* gpt2.c's host_grad_add (the sum in double, rounded once) and host_mask */
 static void test_grad_add_and_mask(void **state) {
   (void)state;
   const sp_dtype dts[] = {SP_FLOAT32, SP_FLOAT64, SP_BFLOAT16, SP_FLOAT16};
@@ -619,7 +620,7 @@ static void test_grad_add_and_mask(void **state) {
     float *dg = upf(g, n);
     for (size_t i = 0; i < n; i++)
       sp_elem_store_f64(h, dt, i, sp_elem_load_f64(h, dt, i) + (double)g[i]);
-    OK(sp_gpt2kc_grad_add(g_k, dd, dt, dg, n, &d_));
+    OK(sp_gpt2_gpu_grad_add(g_k, dd, dt, dg, n, &d_));
     unsigned char *got = malloc(n * es + 1);
     down(got, dd, n * es);
     if (memcmp(got, h, n * es) != 0)
@@ -652,7 +653,7 @@ static void test_grad_add_and_mask(void **state) {
       }
     void *db = up(buf, nb * es);
     uint8_t *dal = up(NULL, (size_t)T * T);
-    OK(sp_gpt2kc_mask(g_k, dal, db, dt, T, ctx, &d_));
+    OK(sp_gpt2_gpu_mask(g_k, dal, db, dt, T, ctx, &d_));
     uint8_t *got = malloc((size_t)T * T);
     down(got, dal, (size_t)T * T);
     if (memcmp(got, want, (size_t)T * T) != 0)
@@ -1028,8 +1029,8 @@ int main(void) {
     return 1;
   }
   sp_diag d = {{0}};
-  if (sp_gpt2kc_new(NULL, &g_k, &d) != 0) {
-    fprintf(stderr, "sp_gpt2kc_new: %s\n", d.msg);
+  if (sp_gpt2_gpu_new(NULL, &g_k, &d) != 0) {
+    fprintf(stderr, "sp_gpt2_gpu_new: %s\n", d.msg);
     return 1;
   }
   const struct CMUnitTest tests[] = {
@@ -1040,7 +1041,7 @@ int main(void) {
       cmocka_unit_test(test_model_step),  cmocka_unit_test(test_train),
   };
   rc = cmocka_run_group_tests(tests, NULL, NULL);
-  sp_gpt2kc_free(g_k);
+  sp_gpt2_gpu_free(g_k);
   return rc;
 #endif
 }

@@ -1,6 +1,7 @@
 /* The GPT-2 model of shardplane-worker (gpt2.h): spec reader,
- * initialisation, and forward / backward through the runtime's views.
- * The kernels are gpt2_layers.c's. */
+ * initialisation, and on the CPU the step of gpt2_step.c through the
+ * runtime's views, over a kernel table of host memory and gpt2_cpu.c's
+ * kernels. */
 #include "gpt2.h"
 
 #include <math.h>
@@ -12,7 +13,8 @@
 
 #include "cast/cast.h"
 #include "cast/cast_scalar.h"
-#include "gpt2_layers.h"
+#include "gpt2_cpu.h"
+#include "gpt2_step.h"
 #include "mlp.h"
 
 /* cblas takes int sizes: every tensor and every activation stays below. */
@@ -285,188 +287,37 @@ void sp_gpt2_init_buffer(void *user, const sp_model *m, int32_t buffer,
 }
 
 /* ------------------------------------------------------------------ */
-/* activations                                                         */
+/* the CPU's kernel table: host memory, gpt2_cpu.c's kernels           */
 /* ------------------------------------------------------------------ */
 
-/* n * k floats counted into a->bytes, or NULL with *rc set (SP_ETOOBIG
- * past MAX_ELEMS). */
-static float *floats(sp_gpt2_acts *a, int64_t n, int64_t k, int *rc) {
-  if (*rc != 0) return NULL;
-  if (n < 0 || k < 0 || (k > 0 && n > MAX_ELEMS / k)) {
-    *rc = SP_ETOOBIG;
-    return NULL;
-  }
-  size_t count = (size_t)(n * k > 0 ? n * k : 1);
-  float *p = calloc(count, sizeof(float));
-  if (p == NULL) *rc = SP_ENOMEM;
-  else a->bytes += count * sizeof(float);
-  return p;
+static int host_alloc(size_t bytes, void **out, sp_diag *d) {
+  *out = calloc(1, bytes);
+  return *out ? 0 : sp_diag_set(d, SP_ENOMEM, "no memory");
 }
 
-static float **per_layer(size_t n, int *rc) {
-  if (*rc != 0) return NULL;
-  float **p = calloc(n, sizeof *p);
-  if (p == NULL) *rc = SP_ENOMEM;
-  return p;
-}
-
-int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T,
-                     sp_gpt2_acts **out) {
-  if (g == NULL || out == NULL || B == 0 || T == 0 || T > (size_t)g->ctx)
-    return SP_EINVAL;
-  *out = NULL;
-  if (B > (size_t)(MAX_ELEMS / (int64_t)T)) return SP_ETOOBIG;
-  sp_gpt2_acts *a = calloc(1, sizeof *a);
-  if (a == NULL) return SP_ENOMEM;
-  a->B = B;
-  a->T = T;
-  int64_t N = (int64_t)(B * T), C = g->C, L = g->n_layer;
-  int64_t NHTT = (int64_t)B * g->n_head; /* times T * T below */
-  int rc = 0;
-  if (NHTT > MAX_ELEMS / (int64_t)T / (int64_t)T) rc = SP_ETOOBIG;
-  float ***lists[] = {&a->res,  &a->ln1,      &a->ln1_mean, &a->ln1_rstd,
-                      &a->qkv,  &a->att,      &a->atty,     &a->res2,
-                      &a->ln2,  &a->ln2_mean, &a->ln2_rstd, &a->fch,
-                      &a->fch_gelu};
-  for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++)
-    *lists[i] = per_layer((size_t)L + 2, &rc); /* NULL-terminated */
-  for (int64_t l = 0; l < L && rc == 0; l++) {
-    a->res[l] = floats(a, N, C, &rc);
-    a->ln1[l] = floats(a, N, C, &rc);
-    a->ln1_mean[l] = floats(a, N, 1, &rc);
-    a->ln1_rstd[l] = floats(a, N, 1, &rc);
-    a->qkv[l] = floats(a, N, 3 * C, &rc);
-    a->att[l] = floats(a, NHTT * (int64_t)T, (int64_t)T, &rc);
-    a->atty[l] = floats(a, N, C, &rc);
-    a->res2[l] = floats(a, N, C, &rc);
-    a->ln2[l] = floats(a, N, C, &rc);
-    a->ln2_mean[l] = floats(a, N, 1, &rc);
-    a->ln2_rstd[l] = floats(a, N, 1, &rc);
-    a->fch[l] = floats(a, N, 4 * C, &rc);
-    a->fch_gelu[l] = floats(a, N, 4 * C, &rc);
-  }
-  if (rc == 0) a->res[L] = floats(a, N, C, &rc);
-  a->lnf = floats(a, N, C, &rc);
-  a->lnf_mean = floats(a, N, 1, &rc);
-  a->lnf_rstd = floats(a, N, 1, &rc);
-  a->probs = floats(a, N, g->V, &rc);
-  a->dres = floats(a, N, C, &rc);
-  a->dbuf = floats(a, N, C, &rc);
-  a->dbig = floats(a, N, 4 * C, &rc);
-  a->dqkv = floats(a, N, 3 * C, &rc);
-  a->datt = floats(a, (int64_t)T, (int64_t)T, &rc);
-  /* the largest param: wte [V, C], wpe [ctx, C] or a [4C, C] matrix */
-  int64_t wmax = g->V * C;
-  if (g->ctx * C > wmax) wmax = g->ctx * C;
-  if (4 * C * C > wmax) wmax = 4 * C * C;
-  a->w = floats(a, wmax, 1, &rc);
-  a->gw = floats(a, wmax, 1, &rc);
-  a->lnw = floats(a, C, 1, &rc);
-  a->lnb = floats(a, C, 1, &rc);
-  a->gb = floats(a, 4 * C, 1, &rc);
-  a->gb2 = floats(a, 4 * C, 1, &rc);
-  if (rc == 0) {
-    a->tok = calloc((size_t)N, sizeof *a->tok);
-    a->tgt = calloc((size_t)N, sizeof *a->tgt);
-    a->allow = calloc(T * T, 1);
-    if (!a->tok || !a->tgt || !a->allow) rc = SP_ENOMEM;
-    a->bytes += 2 * (uint64_t)N * sizeof *a->tok + T * T;
-  }
-  if (rc != 0) {
-    sp_gpt2_acts_free(a);
-    return rc;
-  }
-  /* the activations know their layer count through res[L + 1] == NULL */
-  *out = a;
+static int host_zero(sp_gpt2_dev *k, void *p, size_t bytes, sp_diag *d) {
+  (void)k, (void)d;
+  memset(p, 0, bytes);
   return 0;
 }
 
-void sp_gpt2_acts_free(sp_gpt2_acts *a) {
-  if (a == NULL) return;
-  float **lists[] = {a->res, a->ln1,  a->ln1_mean, a->ln1_rstd, a->qkv,
-                     a->att, a->atty, a->res2,     a->ln2,      a->ln2_mean,
-                     a->ln2_rstd, a->fch, a->fch_gelu};
-  for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
-    for (size_t l = 0; lists[i] && lists[i][l]; l++) free(lists[i][l]);
-    free(lists[i]);
-  }
-  float *single[] = {a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->dres,
-                     a->dbuf, a->dbig, a->dqkv, a->datt, a->w, a->gw,
-                     a->lnw, a->lnb, a->gb, a->gb2};
-  for (size_t i = 0; i < sizeof single / sizeof single[0]; i++)
-    free(single[i]);
-  free(a->tok);
-  free(a->tgt);
-  free(a->allow);
-  free(a);
-}
-
-/* ------------------------------------------------------------------ */
-/* views                                                               */
-/* ------------------------------------------------------------------ */
-
-static const char *fqn_of(const sp_gpt2 *g, int32_t p) {
-  return g->model->params[p].fqn;
-}
-
-/* A param's view as float32 into dst (numel floats), and its dtype. */
-static int load(const sp_gpt2 *g, const sp_gpt2_io *io, int32_t p, float *dst,
-                sp_dtype *dt, sp_diag *d) {
-  const sp_tensor_spec *t = &g->model->params[p];
-  sp_dtype pd = io->param_dtype(io->user, p);
-  if (!sp_dtype_is_floating(pd))
-    return sp_diag_set(d, SP_EINVAL, "%s: param dtype %s is not floating",
-                       t->fqn, sp_dtype_name(pd));
-  const void *v = io->param(io->user, p);
-  if (v == NULL)
-    return sp_diag_set(d, SP_EINVAL, "%s: no parameter view (unit sharded?)",
-                       t->fqn);
-  int rc = sp_cast(dst, SP_FLOAT32, v, pd, (size_t)t->numel);
+static int host_to_f32(sp_gpt2_dev *k, float *dst, const void *src,
+                       sp_dtype st, size_t n, const char *fqn, sp_diag *d) {
+  (void)k;
+  int rc = sp_cast(dst, SP_FLOAT32, src, st, n);
   if (rc != 0)
-    return sp_diag_set(d, rc, "%s: cast from %s failed", t->fqn,
-                       sp_dtype_name(pd));
-  if (dt) *dt = pd;
+    return sp_diag_set(d, rc, "%s: cast from %s failed", fqn,
+                       sp_dtype_name(st));
   return 0;
 }
 
-/* A float32 parameter's view itself when it is aligned for floats (the
- * runtime's flat parameters are), else a float32 copy in scratch: the
- * products read the weights in place, a copy per product cost a pass over
- * every weight twice a step. */
-static int view_f32(const sp_gpt2 *g, const sp_gpt2_io *io, int32_t p,
-                    float *scratch, const float **out, sp_diag *d) {
-  void *v = io->param(io->user, p);
-  if (v && io->param_dtype(io->user, p) == SP_FLOAT32 &&
-      (uintptr_t)v % _Alignof(float) == 0) {
-    *out = v;
-    return 0;
-  }
-  *out = scratch;
-  return load(g, io, p, scratch, NULL, d);
-}
-
-/* The gradient view as float32 to add to in place (aligned, float32), or
- * NULL: then the gradient goes through a scratch and add_grad. */
-static float *grad_f32(const sp_gpt2_io *io, int32_t p) {
-  void *v = io->grad ? io->grad(io->user, p) : NULL;
-  return v && io->param_dtype(io->user, p) == SP_FLOAT32 &&
-                 (uintptr_t)v % _Alignof(float) == 0
-             ? v
-             : NULL;
-}
-
-/* grad view += g, the sum in double rounded once to the view's dtype (as
- * autograd accumulates into .grad). */
-static int add_grad(const sp_gpt2 *g, const sp_gpt2_io *io, int32_t p,
-                    const float *gr, sp_diag *d) {
-  void *dst = io->grad ? io->grad(io->user, p) : NULL;
-  if (dst == NULL) return 0;
-  sp_dtype pd = io->param_dtype(io->user, p);
-  if (!sp_dtype_is_floating(pd))
-    return sp_diag_set(d, SP_EINVAL, "%s: gradient dtype %s is not floating",
-                       fqn_of(g, p), sp_dtype_name(pd));
-  size_t n = (size_t)g->model->params[p].numel;
-  if (pd == SP_FLOAT32) {
+static int host_grad_add(sp_gpt2_dev *k, void *dst, sp_dtype dt,
+                         const float *gr, size_t n, sp_diag *d) {
+  (void)k;
+  if (!sp_dtype_is_floating(dt))
+    return sp_diag_set(d, SP_EINVAL, "gradient dtype %s is not floating",
+                       sp_dtype_name(dt));
+  if (dt == SP_FLOAT32) {
     /* float32 + float32 rounded once is the double sum rounded once */
     unsigned char *b = dst;
     for (size_t i = 0; i < n; i++) {
@@ -478,167 +329,205 @@ static int add_grad(const sp_gpt2 *g, const sp_gpt2_io *io, int32_t p,
     return 0;
   }
   for (size_t i = 0; i < n; i++)
-    sp_elem_store_f64(dst, pd, i, sp_elem_load_f64(dst, pd, i) + (double)gr[i]);
+    sp_elem_store_f64(dst, dt, i, sp_elem_load_f64(dst, dt, i) + (double)gr[i]);
   return 0;
 }
 
-static int check(const sp_gpt2 *g, const sp_gpt2_io *io,
-                 const sp_gpt2_acts *a, sp_diag *d) {
+static int host_mask(sp_gpt2_dev *k, uint8_t *allow, const void *buf,
+                     sp_dtype dt, int T, int ctx, sp_diag *d) {
+  (void)k, (void)d;
+  size_t es = sp_dtype_size(dt), n = (size_t)T, stride = (size_t)ctx;
+  for (size_t t = 0; t < n; t++)
+    for (size_t u = 0; u < n; u++) {
+      size_t i = t * stride + u;
+      bool on;
+      if (sp_dtype_is_floating(dt)) {
+        on = sp_elem_load_f64(buf, dt, i) != 0.0;
+      } else {
+        on = false;
+        for (size_t b = 0; b < es; b++)
+          on |= ((const unsigned char *)buf)[i * es + b] != 0;
+      }
+      allow[t * n + u] = on;
+    }
+  return 0;
+}
+
+/* The CPU's kernels cannot fail and need no state: each entry of the
+ * table runs its kernel and returns 0. */
+#define UNPAREN(...) __VA_ARGS__
+#define CPU_KERNEL(name, params, args)                                      \
+  static int cpu_##name(sp_gpt2_dev *k, UNPAREN params, sp_diag *d) {       \
+    (void)k, (void)d;                                                       \
+    sp_gpt2_cpu_##name args;                                                \
+    return 0;                                                               \
+  }
+CPU_KERNEL(embed_fwd,
+           (float *x, const int32_t *tok, const float *wte, const float *wpe,
+            int N, int T, int C),
+           (x, tok, wte, wpe, N, T, C))
+CPU_KERNEL(layernorm_fwd,
+           (float *out, float *mean, float *rstd, const float *inp,
+            const float *w, const float *b, int N, int C),
+           (out, mean, rstd, inp, w, b, N, C))
+CPU_KERNEL(matmul_fwd,
+           (float *out, const float *inp, const float *w, const float *b,
+            int N, int IC, int OC),
+           (out, inp, w, b, N, IC, OC))
+CPU_KERNEL(attention_fwd,
+           (float *out, float *att, const float *qkv, const uint8_t *allow,
+            int B, int T, int C, int NH),
+           (out, att, qkv, allow, B, T, C, NH))
+CPU_KERNEL(gelu_fwd, (float *out, const float *inp, size_t n), (out, inp, n))
+CPU_KERNEL(add, (float *y, const float *a, const float *b, size_t n),
+           (y, a, b, n))
+CPU_KERNEL(round, (float *v, size_t n, sp_dtype dt), (v, n, dt))
+CPU_KERNEL(logits_fwd,
+           (float *logits, const float *x, const float *wte, int N, int C,
+            int V),
+           (logits, x, wte, N, C, V))
+CPU_KERNEL(softmax_xent_bwd,
+           (float *probs, const int32_t *tgt, int N, int V, float scale),
+           (probs, tgt, N, V, scale))
+CPU_KERNEL(logits_bwd,
+           (float *dx, float *dwte, const float *dlogits, const float *x,
+            const float *wte, int N, int C, int V),
+           (dx, dwte, dlogits, x, wte, N, C, V))
+CPU_KERNEL(layernorm_bwd,
+           (float *dinp, float *dw, float *db, const float *dout,
+            const float *inp, const float *w, const float *mean,
+            const float *rstd, int N, int C),
+           (dinp, dw, db, dout, inp, w, mean, rstd, N, C))
+CPU_KERNEL(matmul_bwd,
+           (float *dinp, float *dw, float *db, const float *dout,
+            const float *inp, const float *w, int N, int IC, int OC, int acc),
+           (dinp, dw, db, dout, inp, w, N, IC, OC, acc))
+CPU_KERNEL(attention_bwd,
+           (float *dqkv, float *datt, const float *dout, const float *qkv,
+            const float *att, int B, int T, int C, int NH),
+           (dqkv, datt, dout, qkv, att, B, T, C, NH))
+CPU_KERNEL(gelu_bwd,
+           (float *dinp, const float *inp, const float *dout, size_t n),
+           (dinp, inp, dout, n))
+CPU_KERNEL(wte_bwd,
+           (float *dwte, const float *dx, const int32_t *tok, int N, int C,
+            int V),
+           (dwte, dx, tok, N, C, V))
+CPU_KERNEL(wpe_bwd,
+           (float *dwpe, const float *dx, int N, int T, int C, int ctx),
+           (dwpe, dx, N, T, C, ctx))
+
+/* The loss sums in double on the host: no scratch to keep it in. */
+static int cpu_softmax_xent_fwd(sp_gpt2_dev *k, float *probs,
+                                const int32_t *tgt, int N, int V,
+                                double *rows, double *total, double *sum,
+                                sp_diag *d) {
+  (void)k, (void)rows, (void)total, (void)d;
+  *sum = sp_gpt2_cpu_softmax_xent_fwd(probs, tgt, N, V);
+  return 0;
+}
+
+static const sp_gpt2_ops cpu_ops = {
+    .name = "sp_gpt2",
+    .max_elems = MAX_ELEMS,
+    .datt_all_heads = false,
+    .copy_params = true,
+    .alloc = host_alloc,
+    .release = free,
+    .zero = host_zero,
+    .to_f32 = host_to_f32,
+    .grad_add = host_grad_add,
+    .mask = host_mask,
+    .embed_fwd = cpu_embed_fwd,
+    .layernorm_fwd = cpu_layernorm_fwd,
+    .matmul_fwd = cpu_matmul_fwd,
+    .attention_fwd = cpu_attention_fwd,
+    .gelu_fwd = cpu_gelu_fwd,
+    .add = cpu_add,
+    .round = cpu_round,
+    .logits_fwd = cpu_logits_fwd,
+    .softmax_xent_fwd = cpu_softmax_xent_fwd,
+    .softmax_xent_bwd = cpu_softmax_xent_bwd,
+    .logits_bwd = cpu_logits_bwd,
+    .layernorm_bwd = cpu_layernorm_bwd,
+    .matmul_bwd = cpu_matmul_bwd,
+    .attention_bwd = cpu_attention_bwd,
+    .gelu_bwd = cpu_gelu_bwd,
+    .wte_bwd = cpu_wte_bwd,
+    .wpe_bwd = cpu_wpe_bwd,
+};
+
+/* ------------------------------------------------------------------ */
+/* activations and the step's pieces (gpt2_step.c's, on the CPU)       */
+/* ------------------------------------------------------------------ */
+
+int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T,
+                     sp_gpt2_acts **out) {
+  if (g == NULL || out == NULL || B == 0 || T == 0 || T > (size_t)g->ctx)
+    return SP_EINVAL;
+  *out = NULL;
+  sp_gpt2_acts *a = calloc(1, sizeof *a);
+  if (a == NULL) return SP_ENOMEM;
+  int rc = sp_gpt2_step_acts_alloc(&cpu_ops, g, B, T, a, NULL);
+  if (rc != 0) {
+    sp_gpt2_acts_free(a);
+    return rc;
+  }
+  /* the activations know their layer count through res[L + 1] == NULL */
+  *out = a;
+  return 0;
+}
+
+void sp_gpt2_acts_free(sp_gpt2_acts *a) {
+  if (a == NULL) return;
+  sp_gpt2_step_acts_release(&cpu_ops, a);
+  free(a);
+}
+
+/* The checks every piece starts with, then the step over the CPU's table.
+ * The forward does not need the gradient scratch: wpe's copy goes there. */
+static int cpu_step(const sp_gpt2 *g, const sp_gpt2_io *io, sp_gpt2_acts *a,
+                    sp_gpt2_step *s, sp_diag *d) {
   if (g == NULL || io == NULL || a == NULL || io->param == NULL ||
       io->param_dtype == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2: NULL argument or callback");
   if (a->res[g->n_layer] == NULL || a->res[g->n_layer + 1] != NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2: activations of another model");
+  *s = (sp_gpt2_step){g, &cpu_ops, NULL, a, a->gw, NULL, NULL};
   return 0;
 }
-
-/* The block's mask from its attn.bias buffer (its last T x T corner's top
- * left, as HF slices bias[:, :, :T, :T]); false when it has none. */
-static int block_mask(const sp_gpt2 *g, const sp_gpt2_block *b,
-                      const sp_gpt2_io *io, sp_gpt2_acts *a, bool *have,
-                      sp_diag *d) {
-  *have = false;
-  if (b->mask < 0 || io->buffer == NULL) return 0;
-  const void *v = io->buffer(io->user, b->mask);
-  if (v == NULL)
-    return sp_diag_set(d, SP_EINVAL, "%s: no buffer storage",
-                       g->model->buffers[b->mask].fqn);
-  sp_dtype dt = io->buffer_dtype ? io->buffer_dtype(io->user, b->mask)
-                                 : g->model->buffers[b->mask].dtype;
-  size_t es = sp_dtype_size(dt), T = a->T, ctx = (size_t)g->ctx;
-  for (size_t t = 0; t < T; t++)
-    for (size_t u = 0; u < T; u++) {
-      size_t i = t * ctx + u;
-      bool on;
-      if (sp_dtype_is_floating(dt)) {
-        on = sp_elem_load_f64(v, dt, i) != 0.0;
-      } else {
-        on = false;
-        for (size_t k = 0; k < es; k++)
-          on |= ((const unsigned char *)v)[i * es + k] != 0;
-      }
-      a->allow[t * T + u] = on;
-    }
-  *have = true;
-  return 0;
-}
-
-/* ------------------------------------------------------------------ */
-/* forward                                                             */
-/* ------------------------------------------------------------------ */
 
 int sp_gpt2_embed_forward(const sp_gpt2 *g, const sp_gpt2_io *io,
                           sp_gpt2_acts *a, sp_diag *d) {
-  int rc = check(g, io, a, d);
-  size_t C = (size_t)g->C, T = a->T, N = a->B * a->T;
+  sp_gpt2_step s;
+  int rc = cpu_step(g, io, a, &s, d);
+  size_t N = rc == 0 ? a->B * a->T : 0;
   for (size_t i = 0; rc == 0 && i < N; i++)
     if (a->tok[i] < 0 || a->tok[i] >= g->V)
       rc = sp_diag_set(d, SP_ERANGE, "token %d at %zu: vocabulary of %lld",
                        a->tok[i], i, (long long)g->V);
-  sp_dtype pd = SP_FLOAT32;
-  float *wpe = a->gw; /* the forward does not need the gradient scratch */
-  if (rc == 0) rc = load(g, io, g->wte, a->w, &pd, d);
-  if (rc == 0) rc = load(g, io, g->wpe, wpe, NULL, d);
-  if (rc != 0) return rc;
-  float *x = a->res[0];
-  sp_gpt2k_embed_fwd(x, a->tok, a->w, wpe, (int)N, (int)T, (int)C);
-  sp_gpt2k_round(x, N * C, pd);
-  return 0;
+  return rc ? rc : sp_gpt2_step_embed_forward(&s, io, d);
 }
 
 int sp_gpt2_block_forward(const sp_gpt2 *g, size_t l, const sp_gpt2_io *io,
                           sp_gpt2_acts *a, sp_diag *d) {
-  int rc = check(g, io, a, d);
-  if (rc == 0 && l >= (size_t)g->n_layer)
-    rc = sp_diag_set(d, SP_ERANGE, "sp_gpt2: block %zu of %lld", l,
-                     (long long)g->n_layer);
-  if (rc != 0) return rc;
-  const sp_gpt2_block *b = &g->blocks[l];
-  int N = (int)(a->B * a->T), C = (int)g->C, NH = (int)g->n_head;
-  size_t NC = (size_t)N * (size_t)C;
-  sp_dtype pd = SP_FLOAT32;
-  bool have_mask = false;
-  rc = block_mask(g, b, io, a, &have_mask, d);
-  if (rc != 0) return rc;
-  float *x = a->res[l], *tmp = a->dbuf;
-  /* the unit's input cast (FSDP casts a unit's inputs to param_dtype) */
-  rc = load(g, io, b->ln1_w, a->lnw, &pd, d);
-  if (rc == 0) rc = load(g, io, b->ln1_b, a->lnb, NULL, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_round(x, NC, pd);
-  sp_gpt2k_layernorm_fwd(a->ln1[l], a->ln1_mean[l], a->ln1_rstd[l], x, a->lnw,
-                         a->lnb, N, C);
-  sp_gpt2k_round(a->ln1[l], NC, pd);
-  /* attention */
-  const float *w;
-  rc = view_f32(g, io, b->attn_w, a->w, &w, d);
-  if (rc == 0) rc = load(g, io, b->attn_b, a->gb, NULL, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(a->qkv[l], a->ln1[l], w, a->gb, N, C, 3 * C);
-  sp_gpt2k_round(a->qkv[l], 3 * NC, pd);
-  sp_gpt2k_attention_fwd(a->atty[l], a->att[l], a->qkv[l],
-                         have_mask ? a->allow : NULL, (int)a->B, (int)a->T, C,
-                         NH);
-  sp_gpt2k_round(a->atty[l], NC, pd);
-  rc = view_f32(g, io, b->proj_w, a->w, &w, d);
-  if (rc == 0) rc = load(g, io, b->proj_b, a->gb, NULL, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(tmp, a->atty[l], w, a->gb, N, C, C);
-  sp_gpt2k_round(tmp, NC, pd);
-  sp_gpt2k_add(a->res2[l], x, tmp, NC);
-  sp_gpt2k_round(a->res2[l], NC, pd);
-  /* MLP */
-  rc = load(g, io, b->ln2_w, a->lnw, NULL, d);
-  if (rc == 0) rc = load(g, io, b->ln2_b, a->lnb, NULL, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_layernorm_fwd(a->ln2[l], a->ln2_mean[l], a->ln2_rstd[l],
-                         a->res2[l], a->lnw, a->lnb, N, C);
-  sp_gpt2k_round(a->ln2[l], NC, pd);
-  rc = view_f32(g, io, b->fc_w, a->w, &w, d);
-  if (rc == 0) rc = load(g, io, b->fc_b, a->gb, NULL, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(a->fch[l], a->ln2[l], w, a->gb, N, C, 4 * C);
-  sp_gpt2k_round(a->fch[l], 4 * NC, pd);
-  sp_gpt2k_gelu_fwd(a->fch_gelu[l], a->fch[l], 4 * NC);
-  sp_gpt2k_round(a->fch_gelu[l], 4 * NC, pd);
-  rc = view_f32(g, io, b->fcproj_w, a->w, &w, d);
-  if (rc == 0) rc = load(g, io, b->fcproj_b, a->gb, NULL, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_matmul_fwd(tmp, a->fch_gelu[l], w, a->gb, N, 4 * C, C);
-  sp_gpt2k_round(tmp, NC, pd);
-  float *y = a->res[l + 1];
-  sp_gpt2k_add(y, a->res2[l], tmp, NC);
-  sp_gpt2k_round(y, NC, pd);
-  return 0;
+  sp_gpt2_step s;
+  int rc = cpu_step(g, io, a, &s, d);
+  return rc ? rc : sp_gpt2_step_block_forward(&s, l, io, d);
 }
 
 int sp_gpt2_head_forward(const sp_gpt2 *g, const sp_gpt2_io *io,
                          sp_gpt2_acts *a, double denom, double *loss,
                          sp_diag *d) {
-  int rc = check(g, io, a, d);
-  if (rc == 0 && !(denom >= 1.0))
-    rc = sp_diag_set(d, SP_EINVAL, "sp_gpt2: loss denominator %g", denom);
-  int N = (int)(a->B * a->T), C = (int)g->C, V = (int)g->V;
+  sp_gpt2_step s;
+  int rc = cpu_step(g, io, a, &s, d);
+  if (rc == 0) rc = sp_gpt2_step_check_denom(denom, d);
+  int N = rc == 0 ? (int)(a->B * a->T) : 0, V = (int)(g ? g->V : 0);
   for (int i = 0; rc == 0 && i < N; i++)
     if (a->tgt[i] < 0 || a->tgt[i] >= V)
       rc = sp_diag_set(d, SP_ERANGE, "target %d at %d: vocabulary of %d",
                        a->tgt[i], i, V);
-  sp_dtype pd = SP_FLOAT32;
-  if (rc == 0) rc = load(g, io, g->lnf_w, a->lnw, &pd, d);
-  if (rc == 0) rc = load(g, io, g->lnf_b, a->lnb, NULL, d);
-  if (rc == 0) rc = load(g, io, g->wte, a->w, NULL, d);
-  if (rc != 0) return rc;
-  float *x = a->res[g->n_layer];
-  size_t NC = (size_t)N * (size_t)C;
-  sp_gpt2k_round(x, NC, pd);
-  sp_gpt2k_layernorm_fwd(a->lnf, a->lnf_mean, a->lnf_rstd, x, a->lnw, a->lnb,
-                         N, C);
-  sp_gpt2k_round(a->lnf, NC, pd);
-  sp_gpt2k_logits_fwd(a->probs, a->lnf, a->w, N, C, V);
-  sp_gpt2k_round(a->probs, (size_t)N * (size_t)V, pd);
-  double sum = sp_gpt2k_softmax_xent_fwd(a->probs, a->tgt, N, V);
-  if (loss) *loss = sum / denom;
-  return 0;
+  return rc ? rc : sp_gpt2_step_head_forward(&s, io, denom, loss, d);
 }
 
 void sp_gpt2_last_logprobs(const sp_gpt2 *g, const sp_gpt2_acts *a, size_t b,
@@ -649,126 +538,24 @@ void sp_gpt2_last_logprobs(const sp_gpt2 *g, const sp_gpt2_acts *a, size_t b,
     out[j] = p[j] > 0.0f ? logf(p[j]) : -INFINITY;
 }
 
-/* ------------------------------------------------------------------ */
-/* backward                                                            */
-/* ------------------------------------------------------------------ */
-
 int sp_gpt2_head_backward(const sp_gpt2 *g, const sp_gpt2_io *io,
                           sp_gpt2_acts *a, double denom, sp_diag *d) {
-  int rc = check(g, io, a, d);
-  if (rc == 0 && !(denom >= 1.0))
-    rc = sp_diag_set(d, SP_EINVAL, "sp_gpt2: loss denominator %g", denom);
-  int N = (int)(a->B * a->T), C = (int)g->C, V = (int)g->V;
-  sp_dtype pd = SP_FLOAT32;
-  if (rc == 0) rc = load(g, io, g->wte, a->w, &pd, d);
-  if (rc == 0) rc = load(g, io, g->lnf_w, a->lnw, NULL, d);
-  if (rc != 0) return rc;
-  size_t NC = (size_t)N * (size_t)C;
-  sp_gpt2k_softmax_xent_bwd(a->probs, a->tgt, N, V, (float)(1.0 / denom));
-  sp_gpt2k_round(a->probs, (size_t)N * (size_t)V, pd);
-  /* dlnf = dlogits wte; dwte = dlogits^T lnf */
-  sp_gpt2k_logits_bwd(a->dbuf, a->gw, a->probs, a->lnf, a->w, N, C, V);
-  sp_gpt2k_round(a->dbuf, NC, pd);
-  rc = add_grad(g, io, g->wte, a->gw, d);
-  if (rc != 0) return rc;
-  memset(a->dres, 0, NC * sizeof *a->dres);
-  sp_gpt2k_layernorm_bwd(a->dres, a->gb, a->gb2, a->dbuf, a->res[g->n_layer],
-                         a->lnw, a->lnf_mean, a->lnf_rstd, N, C);
-  sp_gpt2k_round(a->dres, NC, pd);
-  rc = add_grad(g, io, g->lnf_w, a->gb, d);
-  if (rc == 0) rc = add_grad(g, io, g->lnf_b, a->gb2, d);
-  return rc;
-}
-
-/* A Conv1D's backward: dinp (may be NULL) = dout W^T, and W's and b's
- * gradients added to their views. */
-static int conv_bwd(const sp_gpt2 *g, const sp_gpt2_io *io, sp_gpt2_acts *a,
-                    int32_t w, int32_t b, float *dinp, const float *dout,
-                    const float *inp, int N, int IC, int OC, sp_diag *d) {
-  const float *wv;
-  int rc = view_f32(g, io, w, a->w, &wv, d);
-  if (rc != 0) return rc;
-  /* float32 views take the products' sums in place (the BLAS adds to
-   * them); others through the scratch, rounded once by add_grad */
-  float *gw = grad_f32(io, w), *gbv = grad_f32(io, b);
-  if (gw && gbv) {
-    sp_gpt2k_matmul_bwd(dinp, gw, gbv, dout, inp, wv, N, IC, OC, 1);
-    return 0;
-  }
-  sp_gpt2k_matmul_bwd(dinp, a->gw, a->gb, dout, inp, wv, N, IC, OC, 0);
-  rc = add_grad(g, io, w, a->gw, d);
-  if (rc == 0) rc = add_grad(g, io, b, a->gb, d);
-  return rc;
-}
-
-static int ln_bwd(const sp_gpt2 *g, const sp_gpt2_io *io, sp_gpt2_acts *a,
-                  int32_t w, int32_t b, float *dinp, const float *dout,
-                  const float *inp, const float *mean, const float *rstd,
-                  int N, int C, sp_diag *d) {
-  int rc = load(g, io, w, a->lnw, NULL, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_layernorm_bwd(dinp, a->gb, a->gb2, dout, inp, a->lnw, mean, rstd,
-                         N, C);
-  rc = add_grad(g, io, w, a->gb, d);
-  if (rc == 0) rc = add_grad(g, io, b, a->gb2, d);
-  return rc;
+  sp_gpt2_step s;
+  int rc = cpu_step(g, io, a, &s, d);
+  if (rc == 0) rc = sp_gpt2_step_check_denom(denom, d);
+  return rc ? rc : sp_gpt2_step_head_backward(&s, io, denom, d);
 }
 
 int sp_gpt2_block_backward(const sp_gpt2 *g, size_t l, const sp_gpt2_io *io,
                            sp_gpt2_acts *a, sp_diag *d) {
-  int rc = check(g, io, a, d);
-  if (rc == 0 && l >= (size_t)g->n_layer)
-    rc = sp_diag_set(d, SP_ERANGE, "sp_gpt2: block %zu of %lld", l,
-                     (long long)g->n_layer);
-  if (rc != 0) return rc;
-  const sp_gpt2_block *b = &g->blocks[l];
-  int N = (int)(a->B * a->T), C = (int)g->C, NH = (int)g->n_head;
-  size_t NC = (size_t)N * (size_t)C;
-  sp_dtype pd = io->param_dtype(io->user, b->attn_w);
-  /* a->dres: the gradient of the block's output, which the residual
-   * passes on unchanged; each branch adds its input gradient to it */
-  rc = conv_bwd(g, io, a, b->fcproj_w, b->fcproj_b, a->dbig, a->dres,
-                a->fch_gelu[l], N, 4 * C, C, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_round(a->dbig, 4 * NC, pd);
-  sp_gpt2k_gelu_bwd(a->dbig, a->fch[l], a->dbig, 4 * NC);
-  sp_gpt2k_round(a->dbig, 4 * NC, pd);
-  rc = conv_bwd(g, io, a, b->fc_w, b->fc_b, a->dbuf, a->dbig, a->ln2[l], N, C,
-                4 * C, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_round(a->dbuf, NC, pd);
-  rc = ln_bwd(g, io, a, b->ln2_w, b->ln2_b, a->dres, a->dbuf, a->res2[l],
-              a->ln2_mean[l], a->ln2_rstd[l], N, C, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_round(a->dres, NC, pd);
-  /* attention branch */
-  rc = conv_bwd(g, io, a, b->proj_w, b->proj_b, a->dbuf, a->dres, a->atty[l],
-                N, C, C, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_round(a->dbuf, NC, pd);
-  sp_gpt2k_attention_bwd(a->dqkv, a->datt, a->dbuf, a->qkv[l], a->att[l],
-                         (int)a->B, (int)a->T, C, NH);
-  sp_gpt2k_round(a->dqkv, 3 * NC, pd);
-  rc = conv_bwd(g, io, a, b->attn_w, b->attn_b, a->dbuf, a->dqkv, a->ln1[l],
-                N, C, 3 * C, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_round(a->dbuf, NC, pd);
-  rc = ln_bwd(g, io, a, b->ln1_w, b->ln1_b, a->dres, a->dbuf, a->res[l],
-              a->ln1_mean[l], a->ln1_rstd[l], N, C, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_round(a->dres, NC, pd);
-  return 0;
+  sp_gpt2_step s;
+  int rc = cpu_step(g, io, a, &s, d);
+  return rc ? rc : sp_gpt2_step_block_backward(&s, l, io, d);
 }
 
 int sp_gpt2_embed_backward(const sp_gpt2 *g, const sp_gpt2_io *io,
                            sp_gpt2_acts *a, sp_diag *d) {
-  int rc = check(g, io, a, d);
-  if (rc != 0) return rc;
-  size_t C = (size_t)g->C, T = a->T, N = a->B * a->T;
-  /* wte: rows by token, tokens in order */
-  sp_gpt2k_wte_bwd(a->gw, a->dres, a->tok, (int)N, (int)C, (int)g->V);
-  rc = add_grad(g, io, g->wte, a->gw, d);
-  if (rc != 0) return rc;
-  sp_gpt2k_wpe_bwd(a->gw, a->dres, (int)N, (int)T, (int)C, (int)g->ctx);
-  return add_grad(g, io, g->wpe, a->gw, d);
+  sp_gpt2_step s;
+  int rc = cpu_step(g, io, a, &s, d);
+  return rc ? rc : sp_gpt2_step_embed_backward(&s, io, d);
 }

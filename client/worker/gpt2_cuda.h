@@ -2,12 +2,13 @@
  * order and with the same numerics, on device activations, for
  * shardplane-worker --device cuda:N (gpt2_train.c).
  *
- * Each piece is its gpt2.c twin line for line, with the kernels of
- * gpt2_layers_cuda.h in place of gpt2_layers.h's: a 16-bit param dtype
- * rounds the same activations at the same places, a float32 weight view is
- * read in place, any other is cast to float32 first (sp_cuda_cast, exact),
- * gradients are added to the views as gpt2.c's add_grad does (the products
- * of a float32 view accumulate into it in float32). Products are cuBLAS
+ * The pieces are the CPU's, gpt2_step.c's, over the GPU's kernel table
+ * (gpt2_cuda.c), the kernels of gpt2_gpu.h in place of gpt2_cpu.h's: a
+ * 16-bit param dtype rounds the same activations at the same places, a
+ * float32 view is read in place, any other is cast to float32 first
+ * (sp_cuda_cast, exact), gradients are added to the views as on the CPU
+ * (the products of a float32 view accumulate into it in float32; any other
+ * gets the sum in double, rounded once). Products are cuBLAS
  * float32 GEMMs and the row reductions of LayerNorm, softmax and the loss
  * are trees, so a run matches the CPU's within a bound, not bit for bit
  * (tests/test_gpt2_cuda.c, docs/gpt2.md).

@@ -1,8 +1,8 @@
 /* The elementwise math of the GPT-2 kernels, one definition for the CPU
- * (gpt2_layers.c) and the GPU (gpt2_layers_cuda.cu), as cast_scalar.h is
+ * (gpt2_cpu.c) and the GPU (gpt2_gpu.cu), as cast_scalar.h is
  * for the casts: GELU and its derivative, LayerNorm's output and input
  * gradient, the softmax's backward and the cross-entropy's gradient, each
- * per element.
+ * per element (sp_gpt2_elem_X).
  *
  * The GPU file is compiled with --fmad=false (nvcc would otherwise fuse a
  * * b + c into one rounding, which the ISO C build never does), and CUDA's
@@ -27,7 +27,7 @@
  * Taylor series to r^6 (truncation below 1.2e-7 relative, about one ulp),
  * 2^n assembled in the exponent bits. x is clamped to [-87, 88], where
  * 2^n stays a normal float: GELU and tanh only need the limits there. */
-SP_HD static inline float sp_gpt2e_exp(float x) {
+SP_HD static inline float sp_gpt2_elem_exp(float x) {
   /* two selects, which vectorize (a nested one does not); written so that
    * a NaN becomes 88, whose integer conversion below is defined (GELU's
    * result is still NaN: it multiplies by the NaN input) */
@@ -50,19 +50,20 @@ SP_HD static inline float sp_gpt2e_exp(float x) {
 /* tanh(u) = 1 - 2 / (exp(2u) + 1): tanhf (an expm1f and branches) was a
  * quarter of gpt2-mini's step on one core. Near 0 the subtraction cancels,
  * but GELU (0.5 x (1 + tanh)) needs only the absolute error, within ~1e-7. */
-SP_HD static inline float sp_gpt2e_tanh(float u) {
-  return 1.0f - 2.0f / (sp_gpt2e_exp(2.0f * u) + 1.0f);
+SP_HD static inline float sp_gpt2_elem_tanh(float u) {
+  return 1.0f - 2.0f / (sp_gpt2_elem_exp(2.0f * u) + 1.0f);
 }
 
 /* GELU, tanh approximation (Hugging Face gelu_new). */
-SP_HD static inline float sp_gpt2e_gelu(float x) {
+SP_HD static inline float sp_gpt2_elem_gelu(float x) {
   return 0.5f * x *
-         (1.0f + sp_gpt2e_tanh(SP_GPT2_GELU_S * (x + 0.044715f * x * x * x)));
+         (1.0f +
+          sp_gpt2_elem_tanh(SP_GPT2_GELU_S * (x + 0.044715f * x * x * x)));
 }
 
 /* dout * gelu'(x) */
-SP_HD static inline float sp_gpt2e_gelu_bwd(float x, float dout) {
-  float th = sp_gpt2e_tanh(SP_GPT2_GELU_S * (x + 0.044715f * x * x * x));
+SP_HD static inline float sp_gpt2_elem_gelu_bwd(float x, float dout) {
+  float th = sp_gpt2_elem_tanh(SP_GPT2_GELU_S * (x + 0.044715f * x * x * x));
   float sech2 = 1.0f - th * th;
   float g = 0.5f * (1.0f + th) +
             0.5f * x * sech2 * SP_GPT2_GELU_S * (1.0f + 3.0f * 0.044715f * x * x);
@@ -70,33 +71,34 @@ SP_HD static inline float sp_gpt2e_gelu_bwd(float x, float dout) {
 }
 
 /* LayerNorm's output of x given the row's mean m and 1/std s. */
-SP_HD static inline float sp_gpt2e_ln_out(float x, float m, float s, float w,
-                                          float b) {
+SP_HD static inline float sp_gpt2_elem_ln_out(float x, float m, float s,
+                                              float w, float b) {
   return (x - m) * s * w + b;
 }
 
 /* 1 / sqrt(var + eps) from the row's biased variance. */
-SP_HD static inline float sp_gpt2e_ln_rstd(float var) {
+SP_HD static inline float sp_gpt2_elem_ln_rstd(float var) {
   return 1.0f / sqrtf(var + SP_GPT2_LN_EPS);
 }
 
 /* LayerNorm's input gradient of one element: g the output gradient, gm and
  * gnm the row's means of g*w and g*w*xhat. */
-SP_HD static inline float sp_gpt2e_ln_dx(float g, float w, float x, float m,
-                                         float s, float gm, float gnm) {
+SP_HD static inline float sp_gpt2_elem_ln_dx(float g, float w, float x, float m,
+                                             float s, float gm, float gnm) {
   float xh = (x - m) * s, gw = g * w;
   return (gw - gm - xh * gnm) * s;
 }
 
 /* The softmax's backward: p (g - sum(p g)) where t2 <= t, else 0. */
-SP_HD static inline float sp_gpt2e_softmax_bwd(float p, float g, float dot,
-                                               int on) {
+SP_HD static inline float sp_gpt2_elem_softmax_bwd(float p, float g, float dot,
+                                                   int on) {
   return on ? p * (g - dot) : 0.0f;
 }
 
 /* dlogits of one element: (p - [j is the target]) * scale, as the CPU's
  * in-place `r[tgt] -= 1; r[j] *= scale`. */
-SP_HD static inline float sp_gpt2e_xent_bwd(float p, int is_tgt, float scale) {
+SP_HD static inline float sp_gpt2_elem_xent_bwd(float p, int is_tgt,
+                                                float scale) {
   return (is_tgt ? p - 1.0f : p) * scale;
 }
 

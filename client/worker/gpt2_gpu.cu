@@ -1,8 +1,9 @@
-/* The GPT-2 kernels on a GPU (gpt2_layers_cuda.h), each beside the CPU
- * function of gpt2_layers.c it reproduces, named in its comment. Written
- * in the C subset of CUDA C++, like mlp_cuda.cu. Compiled with
- * --fmad=false (CMakeLists.txt): the shared element definitions of
- * gpt2_elem.h then round as the ISO C build does.
+/* The GPT-2 kernels on a GPU (gpt2_gpu.h), each beside the CPU function
+ * of gpt2_cpu.c it reproduces, named in its comment: the host launchers
+ * are sp_gpt2_gpu_X (the CPU's sp_gpt2_cpu_X), the __global__ kernels they
+ * launch k_gpt2_Y. Written in the C subset of CUDA C++, like mlp_cuda.cu.
+ * Compiled with --fmad=false (CMakeLists.txt): the shared element
+ * definitions of gpt2_elem.h then round as the ISO C build does.
  *
  * Products are cuBLAS's: cblas_sgemm's row-major calls become column-major
  * ones on the transposes (row-major X is column-major X^T), so
@@ -20,24 +21,24 @@
 #include "cast/cast_scalar.h"
 #include "cast/cuda_launch.h"
 #include "gpt2_elem.h"
-#include "gpt2_layers_cuda.h"
+#include "gpt2_gpu.h"
 #include "lib/fsdp/cuda_internal.h"
 
 /* a power of two (the tree halves it); 256 keeps a 768-wide LayerNorm row
  * at 3 elements a thread and a 1024-token softmax row at 4 */
 #define ROW_THREADS 256
 
-struct sp_gpt2kc {
+struct sp_gpt2_dev {
   cudaStream_t st;
   cublasHandle_t blas;
 };
 
 #define LAUNCHED(d) SP_CUDA_CHECK_D(d, cudaGetLastError())
 
-extern "C" int sp_gpt2kc_new(void *stream, sp_gpt2kc **out, sp_diag *d) {
-  if (!out) return sp_diag_set(d, SP_EINVAL, "sp_gpt2kc_new: NULL");
+extern "C" int sp_gpt2_gpu_new(void *stream, sp_gpt2_dev **out, sp_diag *d) {
+  if (!out) return sp_diag_set(d, SP_EINVAL, "sp_gpt2_gpu_new: NULL");
   *out = NULL;
-  sp_gpt2kc *k = (sp_gpt2kc *)calloc(1, sizeof *k);
+  sp_gpt2_dev *k = (sp_gpt2_dev *)calloc(1, sizeof *k);
   if (!k) return sp_diag_set(d, SP_ENOMEM, "no memory");
   k->st = (cudaStream_t)stream;
   int rc = 0;
@@ -53,30 +54,30 @@ extern "C" int sp_gpt2kc_new(void *stream, sp_gpt2kc **out, sp_diag *d) {
                      CUBLAS_STATUS_SUCCESS)
     rc = sp_cublas_diag(d, (int)s, "cublasSetMathMode", __FILE__, __LINE__);
   if (rc < 0) {
-    sp_gpt2kc_free(k);
+    sp_gpt2_gpu_free(k);
     return rc;
   }
   *out = k;
   return 0;
 }
 
-extern "C" void sp_gpt2kc_free(sp_gpt2kc *k) {
+extern "C" void sp_gpt2_gpu_free(sp_gpt2_dev *k) {
   if (!k) return;
   (void)cudaStreamSynchronize(k->st);
   if (k->blas) (void)cublasDestroy(k->blas);
   free(k);
 }
 
-extern "C" void *sp_gpt2kc_stream(const sp_gpt2kc *k) {
+extern "C" void *sp_gpt2_gpu_stream(const sp_gpt2_dev *k) {
   return k ? (void *)k->st : NULL;
 }
 
 /* cblas_sgemm(CblasRowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta,
  * C, ldc), `batch` times with the element strides sA, sB, sC. */
-static int rm_gemm(sp_gpt2kc *k, bool ta, bool tb, int M, int N, int K,
+static int rm_gemm(sp_gpt2_dev *k, bool ta, bool tb, int M, int N, int K,
                    float alpha, const float *A, int lda, long long sA,
-                   const float *B, int ldb, long long sB, float beta,
-                   float *C, int ldc, long long sC, int batch, sp_diag *d) {
+                   const float *B, int ldb, long long sB, float beta, float *C,
+                   int ldc, long long sC, int batch, sp_diag *d) {
   if (M == 0 || N == 0 || batch == 0) return 0;
   cublasOperation_t oa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t ob = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -123,18 +124,18 @@ static __device__ float block_max(float v, float *sh) {
 }
 
 /* ------------------------------------------------------------------ */
-/* products: sp_gpt2k_matmul_fwd / _bwd, sp_gpt2k_logits_fwd / _bwd    */
+/* products: sp_gpt2_cpu_{matmul,logits}_fwd / _bwd                   */
 /* ------------------------------------------------------------------ */
 
 /* matmul_fwd's `o[j] += b[j]` */
-__global__ void sp_gk_bias(float *out, const float *b, size_t n, int OC) {
+__global__ void k_gpt2_bias(float *out, const float *b, size_t n, int OC) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
     out[i] = out[i] + b[i % (size_t)OC];
 }
 
 /* matmul_bwd's db: column sums of dout in row order, from db (acc) or 0 */
-__global__ void sp_gk_colsum(float *db, const float *dout, int N, int OC,
-                             int acc) {
+__global__ void k_gpt2_colsum(float *db, const float *dout, int N, int OC,
+                              int acc) {
   for (size_t c = SP_K_TID(); c < (size_t)OC; c += SP_K_STRIDE()) {
     float a = acc ? db[c] : 0.0f;
 #pragma unroll 8
@@ -143,22 +144,23 @@ __global__ void sp_gk_colsum(float *db, const float *dout, int N, int OC,
   }
 }
 
-extern "C" int sp_gpt2kc_matmul_fwd(sp_gpt2kc *k, float *out, const float *inp,
-                                    const float *w, const float *b, int N,
-                                    int IC, int OC, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_matmul_fwd(sp_gpt2_dev *k, float *out,
+                                      const float *inp, const float *w,
+                                      const float *b, int N, int IC, int OC,
+                                      sp_diag *d) {
   int rc = rm_gemm(k, false, false, N, OC, IC, 1.0f, inp, IC, 0, w, OC, 0,
                    0.0f, out, OC, 0, 1, d);
   if (rc < 0 || b == NULL) return rc;
   size_t n = (size_t)N * (size_t)OC;
-  sp_gk_bias<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(out, b, n, OC);
+  k_gpt2_bias<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(out, b, n, OC);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_matmul_bwd(sp_gpt2kc *k, float *dinp, float *dw,
-                                    float *db, const float *dout,
-                                    const float *inp, const float *w, int N,
-                                    int IC, int OC, int acc, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_matmul_bwd(sp_gpt2_dev *k, float *dinp, float *dw,
+                                      float *db, const float *dout,
+                                      const float *inp, const float *w, int N,
+                                      int IC, int OC, int acc, sp_diag *d) {
   int rc = 0;
   if (dinp)
     rc = rm_gemm(k, false, true, N, IC, OC, 1.0f, dout, OC, 0, w, OC, 0, 0.0f,
@@ -167,23 +169,23 @@ extern "C" int sp_gpt2kc_matmul_bwd(sp_gpt2kc *k, float *dinp, float *dw,
     rc = rm_gemm(k, true, false, IC, OC, N, 1.0f, inp, IC, 0, dout, OC, 0,
                  acc ? 1.0f : 0.0f, dw, OC, 0, 1, d);
   if (rc < 0 || db == NULL) return rc;
-  sp_gk_colsum<<<sp_k_blocks((size_t)OC), SP_K_THREADS, 0, k->st>>>(
+  k_gpt2_colsum<<<sp_k_blocks((size_t)OC), SP_K_THREADS, 0, k->st>>>(
       db, dout, N, OC, acc);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_logits_fwd(sp_gpt2kc *k, float *logits,
-                                    const float *x, const float *wte, int N,
-                                    int C, int V, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_logits_fwd(sp_gpt2_dev *k, float *logits,
+                                      const float *x, const float *wte, int N,
+                                      int C, int V, sp_diag *d) {
   return rm_gemm(k, false, true, N, V, C, 1.0f, x, C, 0, wte, C, 0, 0.0f,
                  logits, V, 0, 1, d);
 }
 
-extern "C" int sp_gpt2kc_logits_bwd(sp_gpt2kc *k, float *dx, float *dwte,
-                                    const float *dlogits, const float *x,
-                                    const float *wte, int N, int C, int V,
-                                    sp_diag *d) {
+extern "C" int sp_gpt2_gpu_logits_bwd(sp_gpt2_dev *k, float *dx, float *dwte,
+                                      const float *dlogits, const float *x,
+                                      const float *wte, int N, int C, int V,
+                                      sp_diag *d) {
   int rc = rm_gemm(k, false, false, N, C, V, 1.0f, dlogits, V, 0, wte, C, 0,
                    0.0f, dx, C, 0, 1, d);
   if (rc == 0)
@@ -193,13 +195,13 @@ extern "C" int sp_gpt2kc_logits_bwd(sp_gpt2kc *k, float *dx, float *dwte,
 }
 
 /* ------------------------------------------------------------------ */
-/* sp_gpt2k_layernorm_fwd / _bwd                                       */
+/* sp_gpt2_cpu_layernorm_fwd / _bwd                                   */
 /* ------------------------------------------------------------------ */
 
 /* one block a row: mean, biased variance, output */
-__global__ void sp_gk_ln_fwd(float *out, float *mean, float *rstd,
-                             const float *inp, const float *w, const float *b,
-                             int C) {
+__global__ void k_gpt2_ln_fwd(float *out, float *mean, float *rstd,
+                              const float *inp, const float *w, const float *b,
+                              int C) {
   __shared__ float sh[ROW_THREADS];
   size_t row = blockIdx.x;
   const float *x = inp + row * (size_t)C;
@@ -212,10 +214,10 @@ __global__ void sp_gk_ln_fwd(float *out, float *mean, float *rstd,
     acc = acc + dx * dx;
   }
   float v = block_sum(acc, sh) / (float)C;
-  float s = sp_gpt2e_ln_rstd(v);
+  float s = sp_gpt2_elem_ln_rstd(v);
   float *o = out + row * (size_t)C;
   for (int c = threadIdx.x; c < C; c += blockDim.x)
-    o[c] = sp_gpt2e_ln_out(x[c], m, s, w[c], b[c]);
+    o[c] = sp_gpt2_elem_ln_out(x[c], m, s, w[c], b[c]);
   if (threadIdx.x == 0) {
     mean[row] = m;
     rstd[row] = s;
@@ -223,9 +225,9 @@ __global__ void sp_gk_ln_fwd(float *out, float *mean, float *rstd,
 }
 
 /* one block a row: the means of g*w and g*w*xhat, then dinp += */
-__global__ void sp_gk_ln_bwd_dx(float *dinp, const float *dout,
-                                const float *inp, const float *w,
-                                const float *mean, const float *rstd, int C) {
+__global__ void k_gpt2_ln_bwd_dx(float *dinp, const float *dout,
+                                 const float *inp, const float *w,
+                                 const float *mean, const float *rstd, int C) {
   __shared__ float sh[ROW_THREADS];
   size_t row = blockIdx.x;
   const float *g = dout + row * (size_t)C, *x = inp + row * (size_t)C;
@@ -240,13 +242,13 @@ __global__ void sp_gk_ln_bwd_dx(float *dinp, const float *dout,
   float gm = block_sum(a, sh) / (float)C;
   float gnm = block_sum(bn, sh) / (float)C;
   for (int c = threadIdx.x; c < C; c += blockDim.x)
-    dx[c] = dx[c] + sp_gpt2e_ln_dx(g[c], w[c], x[c], m, s, gm, gnm);
+    dx[c] = dx[c] + sp_gpt2_elem_ln_dx(g[c], w[c], x[c], m, s, gm, gnm);
 }
 
 /* dw, db: one thread a column, rows in order (the CPU's bits) */
-__global__ void sp_gk_ln_bwd_params(float *dw, float *db, const float *dout,
-                                    const float *inp, const float *mean,
-                                    const float *rstd, int N, int C) {
+__global__ void k_gpt2_ln_bwd_params(float *dw, float *db, const float *dout,
+                                     const float *inp, const float *mean,
+                                     const float *rstd, int N, int C) {
   for (size_t c = SP_K_TID(); c < (size_t)C; c += SP_K_STRIDE()) {
     float aw = 0.0f, ab = 0.0f;
 #pragma unroll 8
@@ -261,41 +263,42 @@ __global__ void sp_gk_ln_bwd_params(float *dw, float *db, const float *dout,
   }
 }
 
-extern "C" int sp_gpt2kc_layernorm_fwd(sp_gpt2kc *k, float *out, float *mean,
-                                       float *rstd, const float *inp,
-                                       const float *w, const float *b, int N,
-                                       int C, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_layernorm_fwd(sp_gpt2_dev *k, float *out,
+                                         float *mean, float *rstd,
+                                         const float *inp, const float *w,
+                                         const float *b, int N, int C,
+                                         sp_diag *d) {
   if (N == 0) return 0;
-  sp_gk_ln_fwd<<<(unsigned)N, ROW_THREADS, 0, k->st>>>(out, mean, rstd, inp,
-                                                      w, b, C);
+  k_gpt2_ln_fwd<<<(unsigned)N, ROW_THREADS, 0, k->st>>>(out, mean, rstd, inp, w,
+                                                        b, C);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_layernorm_bwd(sp_gpt2kc *k, float *dinp, float *dw,
-                                       float *db, const float *dout,
-                                       const float *inp, const float *w,
-                                       const float *mean, const float *rstd,
-                                       int N, int C, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_layernorm_bwd(sp_gpt2_dev *k, float *dinp, float *dw,
+                                         float *db, const float *dout,
+                                         const float *inp, const float *w,
+                                         const float *mean, const float *rstd,
+                                         int N, int C, sp_diag *d) {
   if (N > 0) {
-    sp_gk_ln_bwd_dx<<<(unsigned)N, ROW_THREADS, 0, k->st>>>(dinp, dout, inp, w,
-                                                           mean, rstd, C);
+    k_gpt2_ln_bwd_dx<<<(unsigned)N, ROW_THREADS, 0, k->st>>>(dinp, dout, inp, w,
+                                                             mean, rstd, C);
     LAUNCHED(d);
   }
-  sp_gk_ln_bwd_params<<<sp_k_blocks((size_t)C), SP_K_THREADS, 0, k->st>>>(
+  k_gpt2_ln_bwd_params<<<sp_k_blocks((size_t)C), SP_K_THREADS, 0, k->st>>>(
       dw, db, dout, inp, mean, rstd, N, C);
   LAUNCHED(d);
   return 0;
 }
 
 /* ------------------------------------------------------------------ */
-/* sp_gpt2k_attention_fwd / _bwd                                       */
+/* sp_gpt2_cpu_attention_fwd / _bwd                                   */
 /* ------------------------------------------------------------------ */
 
 /* The causal softmax of one row t of a T x T score matrix per block (rows
  * of all sequences and heads: row index r, t = r mod T), in place:
  * probabilities where u <= t and allowed, 0 elsewhere. */
-__global__ void sp_gk_att_softmax(float *att, const uint8_t *allow, int T) {
+__global__ void k_gpt2_att_softmax(float *att, const uint8_t *allow, int T) {
   __shared__ float sh[ROW_THREADS];
   size_t row = blockIdx.x;
   int t = (int)(row % (size_t)T);
@@ -318,7 +321,7 @@ __global__ void sp_gk_att_softmax(float *att, const uint8_t *allow, int T) {
 }
 
 /* through the softmax, one row per block: g = p (g - sum_{u<=t} p g) */
-__global__ void sp_gk_att_softmax_bwd(float *datt, const float *att, int T) {
+__global__ void k_gpt2_att_softmax_bwd(float *datt, const float *att, int T) {
   __shared__ float sh[ROW_THREADS];
   size_t row = blockIdx.x;
   int t = (int)(row % (size_t)T);
@@ -328,13 +331,13 @@ __global__ void sp_gk_att_softmax_bwd(float *datt, const float *att, int T) {
   for (int u = threadIdx.x; u <= t; u += blockDim.x) dot = dot + p[u] * g[u];
   dot = block_sum(dot, sh);
   for (int u = threadIdx.x; u < T; u += blockDim.x)
-    g[u] = sp_gpt2e_softmax_bwd(p[u], g[u], dot, u <= t);
+    g[u] = sp_gpt2_elem_softmax_bwd(p[u], g[u], dot, u <= t);
 }
 
-extern "C" int sp_gpt2kc_attention_fwd(sp_gpt2kc *k, float *out, float *att,
-                                       const float *qkv, const uint8_t *allow,
-                                       int B, int T, int C, int NH,
-                                       sp_diag *d) {
+extern "C" int sp_gpt2_gpu_attention_fwd(sp_gpt2_dev *k, float *out, float *att,
+                                         const float *qkv, const uint8_t *allow,
+                                         int B, int T, int C, int NH,
+                                         sp_diag *d) {
   int hs = C / NH, C3 = 3 * C;
   float scale = 1.0f / sqrtf((float)hs);
   long long TT = (long long)T * T;
@@ -349,8 +352,8 @@ extern "C" int sp_gpt2kc_attention_fwd(sp_gpt2kc *k, float *out, float *att,
   if (rc < 0) return rc;
   size_t rows = (size_t)B * NH * T;
   if (rows) {
-    sp_gk_att_softmax<<<(unsigned)rows, ROW_THREADS, 0, k->st>>>(att, allow,
-                                                                T);
+    k_gpt2_att_softmax<<<(unsigned)rows, ROW_THREADS, 0, k->st>>>(att, allow,
+                                                                  T);
     LAUNCHED(d);
   }
   for (int b = 0; rc == 0 && b < B; b++) {
@@ -361,10 +364,11 @@ extern "C" int sp_gpt2kc_attention_fwd(sp_gpt2kc *k, float *out, float *att,
   return rc;
 }
 
-extern "C" int sp_gpt2kc_attention_bwd(sp_gpt2kc *k, float *dqkv, float *datt,
-                                       const float *dout, const float *qkv,
-                                       const float *att, int B, int T, int C,
-                                       int NH, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_attention_bwd(sp_gpt2_dev *k, float *dqkv,
+                                         float *datt, const float *dout,
+                                         const float *qkv, const float *att,
+                                         int B, int T, int C, int NH,
+                                         sp_diag *d) {
   int hs = C / NH, C3 = 3 * C;
   float scale = 1.0f / sqrtf((float)hs);
   long long TT = (long long)T * T;
@@ -384,8 +388,8 @@ extern "C" int sp_gpt2kc_attention_bwd(sp_gpt2kc *k, float *dqkv, float *datt,
     if (rc < 0) return rc;
     size_t rows = (size_t)NH * T;
     if (rows) {
-      sp_gk_att_softmax_bwd<<<(unsigned)rows, ROW_THREADS, 0, k->st>>>(datt,
-                                                                      s, T);
+      k_gpt2_att_softmax_bwd<<<(unsigned)rows, ROW_THREADS, 0, k->st>>>(datt, s,
+                                                                        T);
       LAUNCHED(d);
     }
     /* dq = scale ds k; dk = scale ds^T q */
@@ -399,73 +403,73 @@ extern "C" int sp_gpt2kc_attention_bwd(sp_gpt2kc *k, float *dqkv, float *datt,
 }
 
 /* ------------------------------------------------------------------ */
-/* sp_gpt2k_gelu_fwd / _bwd, sp_gpt2k_add, sp_gpt2k_round              */
+/* sp_gpt2_cpu_gelu_fwd / _bwd, sp_gpt2_cpu_add, sp_gpt2_cpu_round    */
 /* ------------------------------------------------------------------ */
 
-__global__ void sp_gk_gelu_fwd(float *out, const float *inp, size_t n) {
+__global__ void k_gpt2_gelu_fwd(float *out, const float *inp, size_t n) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
-    out[i] = sp_gpt2e_gelu(inp[i]);
+    out[i] = sp_gpt2_elem_gelu(inp[i]);
 }
 
-__global__ void sp_gk_gelu_bwd(float *dinp, const float *inp,
-                               const float *dout, size_t n) {
+__global__ void k_gpt2_gelu_bwd(float *dinp, const float *inp,
+                                const float *dout, size_t n) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
-    dinp[i] = sp_gpt2e_gelu_bwd(inp[i], dout[i]);
+    dinp[i] = sp_gpt2_elem_gelu_bwd(inp[i], dout[i]);
 }
 
-__global__ void sp_gk_add(float *y, const float *a, const float *b,
-                          size_t n) {
+__global__ void k_gpt2_add(float *y, const float *a, const float *b, size_t n) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) y[i] = a[i] + b[i];
 }
 
-__global__ void sp_gk_round(float *v, size_t n, int dt) {
+__global__ void k_gpt2_round(float *v, size_t n, int dt) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
     v[i] = dt == SP_BFLOAT16 ? sp_f32_round_bf16(v[i])
                              : sp_f32_round_f16(v[i]);
 }
 
-extern "C" int sp_gpt2kc_gelu_fwd(sp_gpt2kc *k, float *out, const float *inp,
-                                  size_t n, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_gelu_fwd(sp_gpt2_dev *k, float *out,
+                                    const float *inp, size_t n, sp_diag *d) {
   if (n == 0) return 0;
-  sp_gk_gelu_fwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(out, inp, n);
+  k_gpt2_gelu_fwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(out, inp, n);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_gelu_bwd(sp_gpt2kc *k, float *dinp, const float *inp,
-                                  const float *dout, size_t n, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_gelu_bwd(sp_gpt2_dev *k, float *dinp,
+                                    const float *inp, const float *dout,
+                                    size_t n, sp_diag *d) {
   if (n == 0) return 0;
-  sp_gk_gelu_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dinp, inp, dout,
-                                                            n);
+  k_gpt2_gelu_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dinp, inp, dout,
+                                                              n);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_add(sp_gpt2kc *k, float *y, const float *a,
-                             const float *b, size_t n, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_add(sp_gpt2_dev *k, float *y, const float *a,
+                               const float *b, size_t n, sp_diag *d) {
   if (n == 0) return 0;
-  sp_gk_add<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(y, a, b, n);
+  k_gpt2_add<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(y, a, b, n);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_round(sp_gpt2kc *k, float *v, size_t n, sp_dtype dt,
-                               sp_diag *d) {
+extern "C" int sp_gpt2_gpu_round(sp_gpt2_dev *k, float *v, size_t n,
+                                 sp_dtype dt, sp_diag *d) {
   /* other dtypes hold every float32: nothing to do, as on the CPU */
   if (n == 0 || (dt != SP_BFLOAT16 && dt != SP_FLOAT16)) return 0;
-  sp_gk_round<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(v, n, (int)dt);
+  k_gpt2_round<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(v, n, (int)dt);
   LAUNCHED(d);
   return 0;
 }
 
 /* ------------------------------------------------------------------ */
-/* sp_gpt2k_softmax_xent_fwd / _bwd                                    */
+/* sp_gpt2_cpu_softmax_xent_fwd / _bwd                                */
 /* ------------------------------------------------------------------ */
 
 /* one block a row: the largest logit, the sum of exp in double, the row's
  * loss and its probabilities */
-__global__ void sp_gk_xent_fwd(float *probs, const int32_t *tgt, int V,
-                               double *rows) {
+__global__ void k_gpt2_xent_fwd(float *probs, const int32_t *tgt, int V,
+                                double *rows) {
   __shared__ float sh[ROW_THREADS];
   __shared__ double shd[ROW_THREADS];
   size_t row = blockIdx.x;
@@ -486,53 +490,52 @@ __global__ void sp_gk_xent_fwd(float *probs, const int32_t *tgt, int V,
 }
 
 /* the rows' losses summed in row order */
-__global__ void sp_gk_sum_rows(const double *rows, int N, double *total) {
+__global__ void k_gpt2_sum_rows(const double *rows, int N, double *total) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   double acc = 0.0;
   for (int i = 0; i < N; i++) acc = acc + rows[i];
   total[0] = acc;
 }
 
-__global__ void sp_gk_xent_bwd(float *probs, const int32_t *tgt, size_t n,
-                               int V, float scale) {
+__global__ void k_gpt2_xent_bwd(float *probs, const int32_t *tgt, size_t n,
+                                int V, float scale) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
     size_t row = i / (size_t)V, j = i % (size_t)V;
-    probs[i] = sp_gpt2e_xent_bwd(probs[i], (size_t)tgt[row] == j, scale);
+    probs[i] = sp_gpt2_elem_xent_bwd(probs[i], (size_t)tgt[row] == j, scale);
   }
 }
 
-extern "C" int sp_gpt2kc_softmax_xent_fwd(sp_gpt2kc *k, float *probs,
-                                          const int32_t *tgt, int N, int V,
-                                          double *rows, double *total,
-                                          sp_diag *d) {
+extern "C" int sp_gpt2_gpu_softmax_xent_fwd(sp_gpt2_dev *k, float *probs,
+                                            const int32_t *tgt, int N, int V,
+                                            double *rows, double *total,
+                                            sp_diag *d) {
   if (N > 0) {
-    sp_gk_xent_fwd<<<(unsigned)N, ROW_THREADS, 0, k->st>>>(probs, tgt, V,
-                                                          rows);
+    k_gpt2_xent_fwd<<<(unsigned)N, ROW_THREADS, 0, k->st>>>(probs, tgt, V,
+                                                            rows);
     LAUNCHED(d);
   }
-  sp_gk_sum_rows<<<1, 1, 0, k->st>>>(rows, N, total);
+  k_gpt2_sum_rows<<<1, 1, 0, k->st>>>(rows, N, total);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_softmax_xent_bwd(sp_gpt2kc *k, float *probs,
-                                          const int32_t *tgt, int N, int V,
-                                          float scale, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_softmax_xent_bwd(sp_gpt2_dev *k, float *probs,
+                                            const int32_t *tgt, int N, int V,
+                                            float scale, sp_diag *d) {
   size_t n = (size_t)N * (size_t)V;
   if (n == 0) return 0;
-  sp_gk_xent_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(probs, tgt, n, V,
-                                                            scale);
+  k_gpt2_xent_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(probs, tgt, n, V,
+                                                              scale);
   LAUNCHED(d);
   return 0;
 }
 
 /* ------------------------------------------------------------------ */
-/* sp_gpt2k_embed_fwd, sp_gpt2k_wte_bwd, sp_gpt2k_wpe_bwd              */
+/* sp_gpt2_cpu_embed_fwd, sp_gpt2_cpu_wte_bwd, sp_gpt2_cpu_wpe_bwd    */
 /* ------------------------------------------------------------------ */
 
-__global__ void sp_gk_embed_fwd(float *x, const int32_t *tok,
-                                const float *wte, const float *wpe, size_t n,
-                                int T, int C) {
+__global__ void k_gpt2_embed_fwd(float *x, const int32_t *tok, const float *wte,
+                                 const float *wpe, size_t n, int T, int C) {
   for (size_t e = SP_K_TID(); e < n; e += SP_K_STRIDE()) {
     size_t i = e / (size_t)C, c = e % (size_t)C;
     x[e] = wte[(size_t)tok[i] * C + c] + wpe[(i % (size_t)T) * C + c];
@@ -541,8 +544,8 @@ __global__ void sp_gk_embed_fwd(float *x, const int32_t *tok,
 
 /* one thread a column, the tokens in index order (the CPU's bits); the
  * rows start zeroed */
-__global__ void sp_gk_wte_bwd(float *dwte, const float *dx,
-                              const int32_t *tok, int N, int C) {
+__global__ void k_gpt2_wte_bwd(float *dwte, const float *dx, const int32_t *tok,
+                               int N, int C) {
   for (size_t c = SP_K_TID(); c < (size_t)C; c += SP_K_STRIDE())
     for (int i = 0; i < N; i++) {
       float *r = dwte + (size_t)tok[i] * C + c;
@@ -551,8 +554,8 @@ __global__ void sp_gk_wte_bwd(float *dwte, const float *dx,
 }
 
 /* one thread an element of rows [0, T), positions t, t + T, ... in order */
-__global__ void sp_gk_wpe_bwd(float *dwpe, const float *dx, int N, int T,
-                              int C) {
+__global__ void k_gpt2_wpe_bwd(float *dwpe, const float *dx, int N, int T,
+                               int C) {
   size_t n = (size_t)T * C;
   for (size_t e = SP_K_TID(); e < n; e += SP_K_STRIDE()) {
     size_t t = e / (size_t)C, c = e % (size_t)C;
@@ -563,52 +566,53 @@ __global__ void sp_gk_wpe_bwd(float *dwpe, const float *dx, int N, int T,
   }
 }
 
-extern "C" int sp_gpt2kc_embed_fwd(sp_gpt2kc *k, float *x, const int32_t *tok,
-                                   const float *wte, const float *wpe, int N,
-                                   int T, int C, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_embed_fwd(sp_gpt2_dev *k, float *x,
+                                     const int32_t *tok, const float *wte,
+                                     const float *wpe, int N, int T, int C,
+                                     sp_diag *d) {
   size_t n = (size_t)N * (size_t)C;
   if (n == 0) return 0;
-  sp_gk_embed_fwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(x, tok, wte, wpe,
-                                                             n, T, C);
+  k_gpt2_embed_fwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(x, tok, wte, wpe,
+                                                               n, T, C);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_wte_bwd(sp_gpt2kc *k, float *dwte, const float *dx,
-                                 const int32_t *tok, int N, int C, int V,
-                                 sp_diag *d) {
+extern "C" int sp_gpt2_gpu_wte_bwd(sp_gpt2_dev *k, float *dwte, const float *dx,
+                                   const int32_t *tok, int N, int C, int V,
+                                   sp_diag *d) {
   SP_CUDA_CHECK_D(d, cudaMemsetAsync(dwte, 0,
                                      (size_t)V * (size_t)C * sizeof(float),
                                      k->st));
-  sp_gk_wte_bwd<<<sp_k_blocks((size_t)C), SP_K_THREADS, 0, k->st>>>(dwte, dx,
-                                                                   tok, N, C);
+  k_gpt2_wte_bwd<<<sp_k_blocks((size_t)C), SP_K_THREADS, 0, k->st>>>(dwte, dx,
+                                                                     tok, N, C);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_wpe_bwd(sp_gpt2kc *k, float *dwpe, const float *dx,
-                                 int N, int T, int C, int ctx, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_wpe_bwd(sp_gpt2_dev *k, float *dwpe, const float *dx,
+                                   int N, int T, int C, int ctx, sp_diag *d) {
   SP_CUDA_CHECK_D(d, cudaMemsetAsync(dwpe, 0,
                                      (size_t)ctx * (size_t)C * sizeof(float),
                                      k->st));
   size_t n = (size_t)T * (size_t)C;
   if (n == 0) return 0;
-  sp_gk_wpe_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dwpe, dx, N, T, C);
+  k_gpt2_wpe_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dwpe, dx, N, T, C);
   LAUNCHED(d);
   return 0;
 }
 
 /* ------------------------------------------------------------------ */
-/* gpt2.c's add_grad and block_mask                                    */
+/* gpt2.c's host_grad_add and host_mask                               */
 /* ------------------------------------------------------------------ */
 
-__global__ void sp_gk_grad_add(void *dst, int dt, const float *g, size_t n) {
+__global__ void k_gpt2_grad_add(void *dst, int dt, const float *g, size_t n) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
     sp_elem_store_f64(dst, dt, i, sp_elem_load_f64(dst, dt, i) + (double)g[i]);
 }
 
-__global__ void sp_gk_mask(uint8_t *allow, const void *buf, int dt,
-                           int floating, size_t es, int T, int ctx) {
+__global__ void k_gpt2_mask(uint8_t *allow, const void *buf, int dt,
+                            int floating, size_t es, int T, int ctx) {
   size_t n = (size_t)T * T;
   for (size_t e = SP_K_TID(); e < n; e += SP_K_STRIDE()) {
     size_t i = (e / (size_t)T) * (size_t)ctx + e % (size_t)T;
@@ -623,25 +627,25 @@ __global__ void sp_gk_mask(uint8_t *allow, const void *buf, int dt,
   }
 }
 
-extern "C" int sp_gpt2kc_grad_add(sp_gpt2kc *k, void *dst, sp_dtype dt,
-                                  const float *g, size_t n, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_grad_add(sp_gpt2_dev *k, void *dst, sp_dtype dt,
+                                    const float *g, size_t n, sp_diag *d) {
   if (!sp_dtype_is_floating(dt))
     return sp_diag_set(d, SP_EINVAL, "gradient dtype %s is not floating",
                        sp_dtype_name(dt));
   if (n == 0) return 0;
-  sp_gk_grad_add<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dst, (int)dt, g,
-                                                            n);
+  k_gpt2_grad_add<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dst, (int)dt, g,
+                                                              n);
   LAUNCHED(d);
   return 0;
 }
 
-extern "C" int sp_gpt2kc_mask(sp_gpt2kc *k, uint8_t *allow, const void *buf,
-                              sp_dtype dt, int T, int ctx, sp_diag *d) {
+extern "C" int sp_gpt2_gpu_mask(sp_gpt2_dev *k, uint8_t *allow, const void *buf,
+                                sp_dtype dt, int T, int ctx, sp_diag *d) {
   size_t n = (size_t)T * (size_t)T;
   if (n == 0) return 0;
-  sp_gk_mask<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(
-      allow, buf, (int)dt, sp_dtype_is_floating(dt) ? 1 : 0,
-      sp_dtype_size(dt), T, ctx);
+  k_gpt2_mask<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(
+      allow, buf, (int)dt, sp_dtype_is_floating(dt) ? 1 : 0, sp_dtype_size(dt),
+      T, ctx);
   LAUNCHED(d);
   return 0;
 }

@@ -1,6 +1,8 @@
-/* CPU kernels of the GPT-2 model (gpt2_layers.h). The structure follows
- * llm.c's reference layers; the products go to the BLAS. */
-#include "gpt2_layers.h"
+/* CPU kernels of the GPT-2 model (gpt2_cpu.h), sp_gpt2_cpu_X, each the
+ * reference its GPU twin sp_gpt2_gpu_X (gpt2_gpu.cu) is tested against.
+ * The structure follows llm.c's reference layers; the products go to the
+ * BLAS. */
+#include "gpt2_cpu.h"
 
 #include <cblas.h>
 #include <stdbool.h>
@@ -69,8 +71,8 @@ static void fill_rows(float *restrict out, const float *restrict b, int N,
   for (int i = 0; i < N; i++) memcpy(out + (size_t)i * OC, b, (size_t)OC * 4);
 }
 
-void sp_gpt2k_matmul_fwd(float *out, const float *inp, const float *w,
-                         const float *b, int N, int IC, int OC) {
+void sp_gpt2_cpu_matmul_fwd(float *out, const float *inp, const float *w,
+                            const float *b, int N, int IC, int OC) {
   if (b) fill_rows(out, b, N, OC);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, OC, IC, 1.0f, inp,
               IC, w, OC, b ? 1.0f : 0.0f, out, OC);
@@ -85,9 +87,9 @@ static void col_sums(float *restrict db, const float *restrict dout, int N,
   }
 }
 
-void sp_gpt2k_matmul_bwd(float *dinp, float *dw, float *db, const float *dout,
-                         const float *inp, const float *w, int N, int IC,
-                         int OC, int acc) {
+void sp_gpt2_cpu_matmul_bwd(float *dinp, float *dw, float *db,
+                            const float *dout, const float *inp, const float *w,
+                            int N, int IC, int OC, int acc) {
   if (dinp)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, IC, OC, 1.0f,
                 dout, OC, w, OC, 0.0f, dinp, IC);
@@ -98,15 +100,15 @@ void sp_gpt2k_matmul_bwd(float *dinp, float *dw, float *db, const float *dout,
   col_sums(db, dout, N, OC);
 }
 
-void sp_gpt2k_logits_fwd(float *logits, const float *x, const float *wte,
-                         int N, int C, int V) {
+void sp_gpt2_cpu_logits_fwd(float *logits, const float *x, const float *wte,
+                            int N, int C, int V) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, x, C,
               wte, C, 0.0f, logits, V);
 }
 
-void sp_gpt2k_logits_bwd(float *dx, float *dwte, const float *dlogits,
-                         const float *x, const float *wte, int N, int C,
-                         int V) {
+void sp_gpt2_cpu_logits_bwd(float *dx, float *dwte, const float *dlogits,
+                            const float *x, const float *wte, int N, int C,
+                            int V) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, V, 1.0f,
               dlogits, V, wte, C, 0.0f, dx, C);
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, dlogits,
@@ -122,15 +124,16 @@ static void layernorm_row(float *restrict o, float *mean, float *rstd,
   m /= (float)C;
   LANE_SUM(v, C, c, (x[c] - m) * (x[c] - m));
   v /= (float)C;
-  float s = sp_gpt2e_ln_rstd(v);
-  for (int c = 0; c < C; c++) o[c] = sp_gpt2e_ln_out(x[c], m, s, w[c], b[c]);
+  float s = sp_gpt2_elem_ln_rstd(v);
+  for (int c = 0; c < C; c++)
+    o[c] = sp_gpt2_elem_ln_out(x[c], m, s, w[c], b[c]);
   *mean = m;
   *rstd = s;
 }
 
-void sp_gpt2k_layernorm_fwd(float *out, float *mean, float *rstd,
-                            const float *inp, const float *w, const float *b,
-                            int N, int C) {
+void sp_gpt2_cpu_layernorm_fwd(float *out, float *mean, float *rstd,
+                               const float *inp, const float *w, const float *b,
+                               int N, int C) {
   for (int i = 0; i < N; i++)
     layernorm_row(out + (size_t)i * C, mean + i, rstd + i,
                   inp + (size_t)i * C, w, b, C);
@@ -151,14 +154,14 @@ static void layernorm_row_bwd(float *restrict dx, float *restrict dw,
     float xh = (x[c] - m) * s;
     db[c] += g[c];
     dw[c] += xh * g[c];
-    dx[c] += sp_gpt2e_ln_dx(g[c], w[c], x[c], m, s, gm, gnm);
+    dx[c] += sp_gpt2_elem_ln_dx(g[c], w[c], x[c], m, s, gm, gnm);
   }
 }
 
-void sp_gpt2k_layernorm_bwd(float *dinp, float *dw, float *db,
-                            const float *dout, const float *inp,
-                            const float *w, const float *mean,
-                            const float *rstd, int N, int C) {
+void sp_gpt2_cpu_layernorm_bwd(float *dinp, float *dw, float *db,
+                               const float *dout, const float *inp,
+                               const float *w, const float *mean,
+                               const float *rstd, int N, int C) {
   memset(dw, 0, (size_t)C * sizeof *dw);
   memset(db, 0, (size_t)C * sizeof *db);
   for (int i = 0; i < N; i++)
@@ -167,19 +170,20 @@ void sp_gpt2k_layernorm_bwd(float *dinp, float *dw, float *db,
 }
 
 VEC_CLONES
-void sp_gpt2k_gelu_fwd(float *restrict out, const float *restrict inp,
-                       size_t n) {
-  for (size_t i = 0; i < n; i++) out[i] = sp_gpt2e_gelu(inp[i]);
+void sp_gpt2_cpu_gelu_fwd(float *restrict out, const float *restrict inp,
+                          size_t n) {
+  for (size_t i = 0; i < n; i++) out[i] = sp_gpt2_elem_gelu(inp[i]);
 }
 
 VEC_CLONES
-void sp_gpt2k_gelu_bwd(float *dinp, const float *inp, const float *dout,
-                       size_t n) {
-  for (size_t i = 0; i < n; i++) dinp[i] = sp_gpt2e_gelu_bwd(inp[i], dout[i]);
+void sp_gpt2_cpu_gelu_bwd(float *dinp, const float *inp, const float *dout,
+                          size_t n) {
+  for (size_t i = 0; i < n; i++)
+    dinp[i] = sp_gpt2_elem_gelu_bwd(inp[i], dout[i]);
 }
 
 /* One row of causal softmax in place: r[0..t] (where al allows) become
- * the probabilities, r(t..T) 0. exp is sp_gpt2e_exp (about one ulp from
+ * the probabilities, r(t..T) 0. exp is sp_gpt2_elem_exp (about one ulp from
  * expf) so that the row vectorizes: the libm call per score was most of
  * the attention's own time. */
 VEC_CLONES
@@ -189,16 +193,16 @@ static void softmax_row(float *restrict r, const uint8_t *restrict al, int t,
   float m, sum;
   LANE_FOLD(m, n, u, (!al || al[u]) ? r[u] : -INFINITY, -INFINITY, MAX_OP);
   for (int u = 0; u < n; u++)
-    r[u] = (!al || al[u]) ? sp_gpt2e_exp(r[u] - m) : 0.0f;
+    r[u] = (!al || al[u]) ? sp_gpt2_elem_exp(r[u] - m) : 0.0f;
   LANE_SUM(sum, n, u, r[u]);
   float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   for (int u = 0; u < n; u++) r[u] *= inv;
   for (int u = n; u < T; u++) r[u] = 0.0f;
 }
 
-void sp_gpt2k_attention_fwd(float *out, float *att, const float *qkv,
-                            const uint8_t *allow, int B, int T, int C,
-                            int NH) {
+void sp_gpt2_cpu_attention_fwd(float *out, float *att, const float *qkv,
+                               const uint8_t *allow, int B, int T, int C,
+                               int NH) {
   int hs = C / NH, C3 = 3 * C;
   float scale = 1.0f / sqrtf((float)hs);
   for (int b = 0; b < B; b++)
@@ -230,13 +234,14 @@ static void softmax_row_bwd(float *restrict g, const float *restrict p, int t,
                             int end) {
   float dot;
   LANE_SUM(dot, t + 1, u, p[u] * g[u]);
-  for (int u = 0; u <= t; u++) g[u] = sp_gpt2e_softmax_bwd(p[u], g[u], dot, 1);
+  for (int u = 0; u <= t; u++)
+    g[u] = sp_gpt2_elem_softmax_bwd(p[u], g[u], dot, 1);
   for (int u = t + 1; u < end; u++) g[u] = 0.0f;
 }
 
-void sp_gpt2k_attention_bwd(float *dqkv, float *datt, const float *dout,
-                            const float *qkv, const float *att, int B, int T,
-                            int C, int NH) {
+void sp_gpt2_cpu_attention_bwd(float *dqkv, float *datt, const float *dout,
+                               const float *qkv, const float *att, int B, int T,
+                               int C, int NH) {
   int hs = C / NH, C3 = 3 * C;
   float scale = 1.0f / sqrtf((float)hs);
   for (int b = 0; b < B; b++)
@@ -276,8 +281,8 @@ void sp_gpt2k_attention_bwd(float *dqkv, float *datt, const float *dout,
     }
 }
 
-double sp_gpt2k_softmax_xent_fwd(float *probs, const int32_t *tgt, int N,
-                                 int V) {
+double sp_gpt2_cpu_softmax_xent_fwd(float *probs, const int32_t *tgt, int N,
+                                    int V) {
   double total = 0.0;
   for (int i = 0; i < N; i++) {
     float *r = probs + (size_t)i * V;
@@ -293,16 +298,17 @@ double sp_gpt2k_softmax_xent_fwd(float *probs, const int32_t *tgt, int N,
   return total;
 }
 
-void sp_gpt2k_softmax_xent_bwd(float *probs, const int32_t *tgt, int N,
-                               int V, float scale) {
+void sp_gpt2_cpu_softmax_xent_bwd(float *probs, const int32_t *tgt, int N,
+                                  int V, float scale) {
   for (int i = 0; i < N; i++) {
     float *r = probs + (size_t)i * V;
-    for (int j = 0; j < V; j++) r[j] = sp_gpt2e_xent_bwd(r[j], j == tgt[i], scale);
+    for (int j = 0; j < V; j++)
+      r[j] = sp_gpt2_elem_xent_bwd(r[j], j == tgt[i], scale);
   }
 }
 
-void sp_gpt2k_embed_fwd(float *x, const int32_t *tok, const float *wte,
-                        const float *wpe, int N, int T, int C) {
+void sp_gpt2_cpu_embed_fwd(float *x, const int32_t *tok, const float *wte,
+                           const float *wpe, int N, int T, int C) {
   for (int i = 0; i < N; i++) {
     const float *te = wte + (size_t)tok[i] * C, *pe = wpe + (size_t)(i % T) * C;
     float *o = x + (size_t)i * C;
@@ -310,8 +316,8 @@ void sp_gpt2k_embed_fwd(float *x, const int32_t *tok, const float *wte,
   }
 }
 
-void sp_gpt2k_wte_bwd(float *dwte, const float *dx, const int32_t *tok, int N,
-                      int C, int V) {
+void sp_gpt2_cpu_wte_bwd(float *dwte, const float *dx, const int32_t *tok,
+                         int N, int C, int V) {
   memset(dwte, 0, (size_t)V * (size_t)C * sizeof *dwte);
   for (int i = 0; i < N; i++) {
     float *r = dwte + (size_t)tok[i] * C;
@@ -320,8 +326,8 @@ void sp_gpt2k_wte_bwd(float *dwte, const float *dx, const int32_t *tok, int N,
   }
 }
 
-void sp_gpt2k_wpe_bwd(float *dwpe, const float *dx, int N, int T, int C,
-                      int ctx) {
+void sp_gpt2_cpu_wpe_bwd(float *dwpe, const float *dx, int N, int T, int C,
+                         int ctx) {
   memset(dwpe, 0, (size_t)ctx * (size_t)C * sizeof *dwpe);
   for (int i = 0; i < N; i++) {
     float *r = dwpe + (size_t)(i % T) * C;
@@ -330,11 +336,11 @@ void sp_gpt2k_wpe_bwd(float *dwpe, const float *dx, int N, int T, int C,
   }
 }
 
-void sp_gpt2k_add(float *y, const float *a, const float *b, size_t n) {
+void sp_gpt2_cpu_add(float *y, const float *a, const float *b, size_t n) {
   for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
 }
 
-void sp_gpt2k_round(float *v, size_t n, sp_dtype dt) {
+void sp_gpt2_cpu_round(float *v, size_t n, sp_dtype dt) {
   if (dt == SP_BFLOAT16)
     for (size_t i = 0; i < n; i++) v[i] = sp_f32_round_bf16(v[i]);
   else if (dt == SP_FLOAT16)

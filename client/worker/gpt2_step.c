@@ -1,0 +1,439 @@
+/* The GPT-2 step driver (gpt2_step.h): the forward and backward of gpt2.h
+ * over the kernel table of the CPU or a GPU, and the activations' layout. */
+#include "gpt2_step.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+
+/* every table call below: return on failure */
+#define K(call)                   \
+  do {                            \
+    int rc_ = (call);             \
+    if (rc_ != 0) return rc_;     \
+  } while (0)
+
+/* ------------------------------------------------------------------ */
+/* activations                                                         */
+/* ------------------------------------------------------------------ */
+
+int sp_gpt2_step_alloc(const sp_gpt2_ops *ops, int64_t n, int64_t m,
+                       size_t es, void **out, sp_diag *d) {
+  *out = NULL;
+  if (n < 0 || m < 0 || (m > 0 && n > ops->max_elems / m))
+    return sp_diag_set(d, SP_ETOOBIG, "%lld x %lld elements: over 2^31 a "
+                       "tensor", (long long)n, (long long)m);
+  return ops->alloc((size_t)(n * m > 0 ? n * m : 1) * es, out, d);
+}
+
+/* n x m elements of es bytes counted into a->bytes, or NULL with *rc set
+ * (nothing done when it is set already). */
+static void *array(const sp_gpt2_ops *ops, sp_gpt2_acts *a, int64_t n,
+                   int64_t m, size_t es, int *rc, sp_diag *d) {
+  void *p = NULL;
+  if (*rc != 0) return NULL;
+  *rc = sp_gpt2_step_alloc(ops, n, m, es, &p, d);
+  if (*rc == 0) a->bytes += (uint64_t)(n * m > 0 ? n * m : 1) * es;
+  return p;
+}
+
+static float *floats(const sp_gpt2_ops *ops, sp_gpt2_acts *a, int64_t n,
+                     int64_t m, int *rc, sp_diag *d) {
+  return array(ops, a, n, m, sizeof(float), rc, d);
+}
+
+/* the per-layer lists, for allocation and release alike */
+#define N_LISTS 13
+static float ***list(sp_gpt2_acts *a, size_t i) {
+  float ***all[N_LISTS] = {&a->res,      &a->ln1,  &a->ln1_mean, &a->ln1_rstd,
+                           &a->qkv,      &a->att,  &a->atty,     &a->res2,
+                           &a->ln2,      &a->ln2_mean, &a->ln2_rstd, &a->fch,
+                           &a->fch_gelu};
+  return all[i];
+}
+
+int sp_gpt2_step_acts_alloc(const sp_gpt2_ops *ops, const sp_gpt2 *g,
+                            size_t B, size_t T, sp_gpt2_acts *a, sp_diag *d) {
+  int64_t max = ops->max_elems, Ti = (int64_t)T;
+  if (B > (size_t)(max / Ti) || (int64_t)B * g->n_head > max / Ti / Ti)
+    return sp_diag_set(d, SP_ETOOBIG, "activations of %zu x %zu tokens: "
+                       "over 2^31 elements", B, T);
+  a->B = B;
+  a->T = T;
+  int64_t N = (int64_t)(B * T), C = g->C, L = g->n_layer, NH = g->n_head;
+  int rc = 0;
+  for (size_t i = 0; i < N_LISTS && rc == 0; i++) {
+    *list(a, i) = calloc((size_t)L + 2, sizeof(float *)); /* NULL-ended */
+    if (*list(a, i) == NULL) rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  }
+  for (int64_t l = 0; l < L && rc == 0; l++) {
+    a->res[l] = floats(ops, a, N, C, &rc, d);
+    a->ln1[l] = floats(ops, a, N, C, &rc, d);
+    a->ln1_mean[l] = floats(ops, a, N, 1, &rc, d);
+    a->ln1_rstd[l] = floats(ops, a, N, 1, &rc, d);
+    a->qkv[l] = floats(ops, a, N, 3 * C, &rc, d);
+    a->att[l] = floats(ops, a, (int64_t)B * NH * Ti, Ti, &rc, d);
+    a->atty[l] = floats(ops, a, N, C, &rc, d);
+    a->res2[l] = floats(ops, a, N, C, &rc, d);
+    a->ln2[l] = floats(ops, a, N, C, &rc, d);
+    a->ln2_mean[l] = floats(ops, a, N, 1, &rc, d);
+    a->ln2_rstd[l] = floats(ops, a, N, 1, &rc, d);
+    a->fch[l] = floats(ops, a, N, 4 * C, &rc, d);
+    a->fch_gelu[l] = floats(ops, a, N, 4 * C, &rc, d);
+  }
+  if (rc == 0) a->res[L] = floats(ops, a, N, C, &rc, d);
+  a->lnf = floats(ops, a, N, C, &rc, d);
+  a->lnf_mean = floats(ops, a, N, 1, &rc, d);
+  a->lnf_rstd = floats(ops, a, N, 1, &rc, d);
+  a->probs = floats(ops, a, N, g->V, &rc, d);
+  a->dres = floats(ops, a, N, C, &rc, d);
+  a->dbuf = floats(ops, a, N, C, &rc, d);
+  a->dbig = floats(ops, a, N, 4 * C, &rc, d);
+  a->dqkv = floats(ops, a, N, 3 * C, &rc, d);
+  a->datt = floats(ops, a, ops->datt_all_heads ? NH * Ti : Ti, Ti, &rc, d);
+  /* the largest param: wte [V, C], wpe [ctx, C] or a [4C, C] matrix */
+  int64_t wmax = g->V * C;
+  if (g->ctx * C > wmax) wmax = g->ctx * C;
+  if (4 * C * C > wmax) wmax = 4 * C * C;
+  a->w = floats(ops, a, wmax, 1, &rc, d);
+  a->gw = floats(ops, a, wmax, 1, &rc, d);
+  a->lnw = floats(ops, a, C, 1, &rc, d);
+  a->lnb = floats(ops, a, C, 1, &rc, d);
+  a->gb = floats(ops, a, 4 * C, 1, &rc, d);
+  a->gb2 = floats(ops, a, 4 * C, 1, &rc, d);
+  a->tok = array(ops, a, N, 1, sizeof *a->tok, &rc, d);
+  a->tgt = array(ops, a, N, 1, sizeof *a->tgt, &rc, d);
+  a->allow = array(ops, a, Ti, Ti, 1, &rc, d);
+  return rc;
+}
+
+void sp_gpt2_step_acts_release(const sp_gpt2_ops *ops, sp_gpt2_acts *a) {
+  for (size_t i = 0; i < N_LISTS; i++) {
+    float **l = *list(a, i);
+    for (size_t j = 0; l && l[j]; j++) ops->release(l[j]);
+    free(l);
+  }
+  void *single[] = {a->lnf,  a->lnf_mean, a->lnf_rstd, a->probs, a->dres,
+                    a->dbuf, a->dbig,     a->dqkv,     a->datt,  a->w,
+                    a->gw,   a->lnw,      a->lnb,      a->gb,    a->gb2,
+                    a->tok,  a->tgt,      a->allow};
+  for (size_t i = 0; i < sizeof single / sizeof single[0]; i++)
+    ops->release(single[i]);
+}
+
+/* ------------------------------------------------------------------ */
+/* views                                                               */
+/* ------------------------------------------------------------------ */
+
+static const char *fqn_of(const sp_gpt2 *g, int32_t p) {
+  return g->model->params[p].fqn;
+}
+
+/* A param's view as float32: the view itself when it is float32 and
+ * aligned for floats (the runtime's flat parameters are) and `copy` is
+ * false, else a float32 copy in scratch; *dt its dtype. */
+static int view(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
+                float *scratch, bool copy, const float **out, sp_dtype *dt,
+                sp_diag *d) {
+  const sp_tensor_spec *t = &s->g->model->params[p];
+  sp_dtype pd = io->param_dtype(io->user, p);
+  if (!sp_dtype_is_floating(pd))
+    return sp_diag_set(d, SP_EINVAL, "%s: param dtype %s is not floating",
+                       t->fqn, sp_dtype_name(pd));
+  const void *v = io->param(io->user, p);
+  if (v == NULL)
+    return sp_diag_set(d, SP_EINVAL, "%s: no parameter view (unit sharded?)",
+                       t->fqn);
+  if (dt) *dt = pd;
+  if (!copy && pd == SP_FLOAT32 && (uintptr_t)v % _Alignof(float) == 0) {
+    *out = v;
+    return 0;
+  }
+  *out = scratch;
+  return s->ops->to_f32(s->k, scratch, v, pd, (size_t)t->numel, t->fqn, d);
+}
+
+/* A param read outside the block products, copied where ops say so. */
+static int param(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
+                 float *scratch, const float **out, sp_dtype *dt,
+                 sp_diag *d) {
+  return view(s, io, p, scratch, s->ops->copy_params, out, dt, d);
+}
+
+/* A block product's weight, read in place where it can be: a copy per
+ * product cost a pass over every weight twice a step. */
+static int weight(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
+                  float *scratch, const float **out, sp_diag *d) {
+  return view(s, io, p, scratch, false, out, NULL, d);
+}
+
+/* The gradient view as float32 to add to in place (aligned, float32), or
+ * NULL: then the gradient goes through a scratch and add_grad. */
+static float *grad_f32(const sp_gpt2_io *io, int32_t p) {
+  void *v = io->grad ? io->grad(io->user, p) : NULL;
+  return v && io->param_dtype(io->user, p) == SP_FLOAT32 &&
+                 (uintptr_t)v % _Alignof(float) == 0
+             ? v
+             : NULL;
+}
+
+/* grad view += gr, the sum in double rounded once to the view's dtype;
+ * nothing when the param takes no gradient. */
+static int add_grad(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
+                    const float *gr, sp_diag *d) {
+  void *dst = io->grad ? io->grad(io->user, p) : NULL;
+  if (dst == NULL) return 0;
+  sp_dtype pd = io->param_dtype(io->user, p);
+  int rc = s->ops->grad_add(s->k, dst, pd, gr,
+                            (size_t)s->g->model->params[p].numel, d);
+  return rc ? sp_diag_prefix(d, rc, "%s", fqn_of(s->g, p)) : 0;
+}
+
+/* The block's mask from its attn.bias buffer (its last T x T corner's top
+ * left, as HF slices bias[:, :, :T, :T]); false when it has none. */
+static int block_mask(const sp_gpt2_step *s, const sp_gpt2_block *b,
+                      const sp_gpt2_io *io, bool *have, sp_diag *d) {
+  const sp_gpt2 *g = s->g;
+  *have = false;
+  if (b->mask < 0 || io->buffer == NULL) return 0;
+  const void *v = io->buffer(io->user, b->mask);
+  if (v == NULL)
+    return sp_diag_set(d, SP_EINVAL, "%s: no buffer storage",
+                       g->model->buffers[b->mask].fqn);
+  sp_dtype dt = io->buffer_dtype ? io->buffer_dtype(io->user, b->mask)
+                                 : g->model->buffers[b->mask].dtype;
+  K(s->ops->mask(s->k, s->a->allow, v, dt, (int)s->a->T, (int)g->ctx, d));
+  *have = true;
+  return 0;
+}
+
+static int check_block(const sp_gpt2_step *s, size_t l, sp_diag *d) {
+  if (l >= (size_t)s->g->n_layer)
+    return sp_diag_set(d, SP_ERANGE, "%s: block %zu of %lld", s->ops->name,
+                       l, (long long)s->g->n_layer);
+  return 0;
+}
+
+int sp_gpt2_step_check_denom(double denom, sp_diag *d) {
+  if (!(denom >= 1.0))
+    return sp_diag_set(d, SP_EINVAL, "sp_gpt2: loss denominator %g", denom);
+  return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* forward                                                             */
+/* ------------------------------------------------------------------ */
+
+int sp_gpt2_step_embed_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
+                               sp_diag *d) {
+  const sp_gpt2 *g = s->g;
+  sp_gpt2_acts *a = s->a;
+  int C = (int)g->C, T = (int)a->T, N = (int)(a->B * a->T);
+  sp_dtype pd = SP_FLOAT32;
+  const float *wte, *wpe;
+  K(param(s, io, g->wte, a->w, &wte, &pd, d));
+  K(param(s, io, g->wpe, s->wpe, &wpe, NULL, d));
+  K(s->ops->embed_fwd(s->k, a->res[0], a->tok, wte, wpe, N, T, C, d));
+  K(s->ops->round(s->k, a->res[0], (size_t)N * (size_t)C, pd, d));
+  return 0;
+}
+
+int sp_gpt2_step_block_forward(const sp_gpt2_step *s, size_t l,
+                               const sp_gpt2_io *io, sp_diag *d) {
+  K(check_block(s, l, d));
+  const sp_gpt2 *g = s->g;
+  const sp_gpt2_ops *o = s->ops;
+  sp_gpt2_dev *k = s->k;
+  sp_gpt2_acts *a = s->a;
+  const sp_gpt2_block *b = &g->blocks[l];
+  int N = (int)(a->B * a->T), C = (int)g->C, NH = (int)g->n_head;
+  size_t NC = (size_t)N * (size_t)C;
+  sp_dtype pd = SP_FLOAT32;
+  bool have_mask = false;
+  K(block_mask(s, b, io, &have_mask, d));
+  float *x = a->res[l], *tmp = a->dbuf;
+  const float *w, *bias, *lw, *lb;
+  /* the unit's input cast (FSDP casts a unit's inputs to param_dtype) */
+  K(param(s, io, b->ln1_w, a->lnw, &lw, &pd, d));
+  K(param(s, io, b->ln1_b, a->lnb, &lb, NULL, d));
+  K(o->round(k, x, NC, pd, d));
+  K(o->layernorm_fwd(k, a->ln1[l], a->ln1_mean[l], a->ln1_rstd[l], x, lw, lb,
+                     N, C, d));
+  K(o->round(k, a->ln1[l], NC, pd, d));
+  /* attention */
+  K(weight(s, io, b->attn_w, a->w, &w, d));
+  K(param(s, io, b->attn_b, a->gb, &bias, NULL, d));
+  K(o->matmul_fwd(k, a->qkv[l], a->ln1[l], w, bias, N, C, 3 * C, d));
+  K(o->round(k, a->qkv[l], 3 * NC, pd, d));
+  K(o->attention_fwd(k, a->atty[l], a->att[l], a->qkv[l],
+                     have_mask ? a->allow : NULL, (int)a->B, (int)a->T, C, NH,
+                     d));
+  K(o->round(k, a->atty[l], NC, pd, d));
+  K(weight(s, io, b->proj_w, a->w, &w, d));
+  K(param(s, io, b->proj_b, a->gb, &bias, NULL, d));
+  K(o->matmul_fwd(k, tmp, a->atty[l], w, bias, N, C, C, d));
+  K(o->round(k, tmp, NC, pd, d));
+  K(o->add(k, a->res2[l], x, tmp, NC, d));
+  K(o->round(k, a->res2[l], NC, pd, d));
+  /* MLP */
+  K(param(s, io, b->ln2_w, a->lnw, &lw, NULL, d));
+  K(param(s, io, b->ln2_b, a->lnb, &lb, NULL, d));
+  K(o->layernorm_fwd(k, a->ln2[l], a->ln2_mean[l], a->ln2_rstd[l],
+                     a->res2[l], lw, lb, N, C, d));
+  K(o->round(k, a->ln2[l], NC, pd, d));
+  K(weight(s, io, b->fc_w, a->w, &w, d));
+  K(param(s, io, b->fc_b, a->gb, &bias, NULL, d));
+  K(o->matmul_fwd(k, a->fch[l], a->ln2[l], w, bias, N, C, 4 * C, d));
+  K(o->round(k, a->fch[l], 4 * NC, pd, d));
+  K(o->gelu_fwd(k, a->fch_gelu[l], a->fch[l], 4 * NC, d));
+  K(o->round(k, a->fch_gelu[l], 4 * NC, pd, d));
+  K(weight(s, io, b->fcproj_w, a->w, &w, d));
+  K(param(s, io, b->fcproj_b, a->gb, &bias, NULL, d));
+  K(o->matmul_fwd(k, tmp, a->fch_gelu[l], w, bias, N, 4 * C, C, d));
+  K(o->round(k, tmp, NC, pd, d));
+  float *y = a->res[l + 1];
+  K(o->add(k, y, a->res2[l], tmp, NC, d));
+  K(o->round(k, y, NC, pd, d));
+  return 0;
+}
+
+int sp_gpt2_step_head_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
+                              double denom, double *loss, sp_diag *d) {
+  const sp_gpt2 *g = s->g;
+  const sp_gpt2_ops *o = s->ops;
+  sp_gpt2_dev *k = s->k;
+  sp_gpt2_acts *a = s->a;
+  int N = (int)(a->B * a->T), C = (int)g->C, V = (int)g->V;
+  sp_dtype pd = SP_FLOAT32;
+  const float *lw, *lb, *wte;
+  K(param(s, io, g->lnf_w, a->lnw, &lw, &pd, d));
+  K(param(s, io, g->lnf_b, a->lnb, &lb, NULL, d));
+  K(param(s, io, g->wte, a->w, &wte, NULL, d));
+  float *x = a->res[g->n_layer];
+  size_t NC = (size_t)N * (size_t)C;
+  K(o->round(k, x, NC, pd, d));
+  K(o->layernorm_fwd(k, a->lnf, a->lnf_mean, a->lnf_rstd, x, lw, lb, N, C,
+                     d));
+  K(o->round(k, a->lnf, NC, pd, d));
+  K(o->logits_fwd(k, a->probs, a->lnf, wte, N, C, V, d));
+  K(o->round(k, a->probs, (size_t)N * (size_t)V, pd, d));
+  double sum = 0;
+  K(o->softmax_xent_fwd(k, a->probs, a->tgt, N, V, s->rows, s->total, &sum,
+                        d));
+  if (loss) *loss = sum / denom;
+  return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* backward                                                            */
+/* ------------------------------------------------------------------ */
+
+int sp_gpt2_step_head_backward(const sp_gpt2_step *s, const sp_gpt2_io *io,
+                               double denom, sp_diag *d) {
+  const sp_gpt2 *g = s->g;
+  const sp_gpt2_ops *o = s->ops;
+  sp_gpt2_dev *k = s->k;
+  sp_gpt2_acts *a = s->a;
+  int N = (int)(a->B * a->T), C = (int)g->C, V = (int)g->V;
+  sp_dtype pd = SP_FLOAT32;
+  const float *wte, *lw;
+  K(param(s, io, g->wte, a->w, &wte, &pd, d));
+  K(param(s, io, g->lnf_w, a->lnw, &lw, NULL, d));
+  size_t NC = (size_t)N * (size_t)C;
+  K(o->softmax_xent_bwd(k, a->probs, a->tgt, N, V, (float)(1.0 / denom), d));
+  K(o->round(k, a->probs, (size_t)N * (size_t)V, pd, d));
+  /* dlnf = dlogits wte; dwte = dlogits^T lnf */
+  K(o->logits_bwd(k, a->dbuf, a->gw, a->probs, a->lnf, wte, N, C, V, d));
+  K(o->round(k, a->dbuf, NC, pd, d));
+  K(add_grad(s, io, g->wte, a->gw, d));
+  K(o->zero(k, a->dres, NC * sizeof *a->dres, d));
+  K(o->layernorm_bwd(k, a->dres, a->gb, a->gb2, a->dbuf, a->res[g->n_layer],
+                     lw, a->lnf_mean, a->lnf_rstd, N, C, d));
+  K(o->round(k, a->dres, NC, pd, d));
+  K(add_grad(s, io, g->lnf_w, a->gb, d));
+  return add_grad(s, io, g->lnf_b, a->gb2, d);
+}
+
+/* A Conv1D's backward: dinp (may be NULL) = dout W^T, and W's and b's
+ * gradients added to their views. */
+static int conv_bwd(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t w,
+                    int32_t b, float *dinp, const float *dout,
+                    const float *inp, int N, int IC, int OC, sp_diag *d) {
+  sp_gpt2_acts *a = s->a;
+  const float *wv = NULL; /* -O3 cannot see view() set it */
+  K(weight(s, io, w, a->w, &wv, d));
+  /* float32 views take the products' sums in place (the products add to
+   * them); others through the scratch, rounded once by add_grad */
+  float *gw = grad_f32(io, w), *gbv = grad_f32(io, b);
+  if (gw && gbv)
+    return s->ops->matmul_bwd(s->k, dinp, gw, gbv, dout, inp, wv, N, IC, OC,
+                              1, d);
+  K(s->ops->matmul_bwd(s->k, dinp, a->gw, a->gb, dout, inp, wv, N, IC, OC, 0,
+                       d));
+  K(add_grad(s, io, w, a->gw, d));
+  return add_grad(s, io, b, a->gb, d);
+}
+
+static int ln_bwd(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t w,
+                  int32_t b, float *dinp, const float *dout, const float *inp,
+                  const float *mean, const float *rstd, int N, int C,
+                  sp_diag *d) {
+  sp_gpt2_acts *a = s->a;
+  const float *lw = NULL; /* -O3 cannot see view() set it */
+  K(param(s, io, w, a->lnw, &lw, NULL, d));
+  K(s->ops->layernorm_bwd(s->k, dinp, a->gb, a->gb2, dout, inp, lw, mean,
+                          rstd, N, C, d));
+  K(add_grad(s, io, w, a->gb, d));
+  return add_grad(s, io, b, a->gb2, d);
+}
+
+int sp_gpt2_step_block_backward(const sp_gpt2_step *s, size_t l,
+                                const sp_gpt2_io *io, sp_diag *d) {
+  K(check_block(s, l, d));
+  const sp_gpt2 *g = s->g;
+  const sp_gpt2_ops *o = s->ops;
+  sp_gpt2_dev *k = s->k;
+  sp_gpt2_acts *a = s->a;
+  const sp_gpt2_block *b = &g->blocks[l];
+  int N = (int)(a->B * a->T), C = (int)g->C, NH = (int)g->n_head;
+  size_t NC = (size_t)N * (size_t)C;
+  sp_dtype pd = io->param_dtype(io->user, b->attn_w);
+  /* a->dres: the gradient of the block's output, which the residual
+   * passes on unchanged; each branch adds its input gradient to it */
+  K(conv_bwd(s, io, b->fcproj_w, b->fcproj_b, a->dbig, a->dres,
+             a->fch_gelu[l], N, 4 * C, C, d));
+  K(o->round(k, a->dbig, 4 * NC, pd, d));
+  K(o->gelu_bwd(k, a->dbig, a->fch[l], a->dbig, 4 * NC, d));
+  K(o->round(k, a->dbig, 4 * NC, pd, d));
+  K(conv_bwd(s, io, b->fc_w, b->fc_b, a->dbuf, a->dbig, a->ln2[l], N, C,
+             4 * C, d));
+  K(o->round(k, a->dbuf, NC, pd, d));
+  K(ln_bwd(s, io, b->ln2_w, b->ln2_b, a->dres, a->dbuf, a->res2[l],
+           a->ln2_mean[l], a->ln2_rstd[l], N, C, d));
+  K(o->round(k, a->dres, NC, pd, d));
+  /* attention branch */
+  K(conv_bwd(s, io, b->proj_w, b->proj_b, a->dbuf, a->dres, a->atty[l], N, C,
+             C, d));
+  K(o->round(k, a->dbuf, NC, pd, d));
+  K(o->attention_bwd(k, a->dqkv, a->datt, a->dbuf, a->qkv[l], a->att[l],
+                     (int)a->B, (int)a->T, C, NH, d));
+  K(o->round(k, a->dqkv, 3 * NC, pd, d));
+  K(conv_bwd(s, io, b->attn_w, b->attn_b, a->dbuf, a->dqkv, a->ln1[l], N, C,
+             3 * C, d));
+  K(o->round(k, a->dbuf, NC, pd, d));
+  K(ln_bwd(s, io, b->ln1_w, b->ln1_b, a->dres, a->dbuf, a->res[l],
+           a->ln1_mean[l], a->ln1_rstd[l], N, C, d));
+  K(o->round(k, a->dres, NC, pd, d));
+  return 0;
+}
+
+int sp_gpt2_step_embed_backward(const sp_gpt2_step *s, const sp_gpt2_io *io,
+                                sp_diag *d) {
+  const sp_gpt2 *g = s->g;
+  sp_gpt2_acts *a = s->a;
+  int C = (int)g->C, T = (int)a->T, N = (int)(a->B * a->T);
+  /* wte: rows by token, tokens in order */
+  K(s->ops->wte_bwd(s->k, a->gw, a->dres, a->tok, N, C, (int)g->V, d));
+  K(add_grad(s, io, g->wte, a->gw, d));
+  K(s->ops->wpe_bwd(s->k, a->gw, a->dres, N, T, C, (int)g->ctx, d));
+  return add_grad(s, io, g->wpe, a->gw, d);
+}
