@@ -31,7 +31,7 @@
  * figure's baseline. Both peers get the same OpenBLAS kernels: on a
  * virtual CPU that hides its model OpenBLAS falls back to Prescott's, and
  * the worker then runs itself with OPENBLAS_CORETYPE set
- * (client/worker/main.c); so does torch here. */
+ * (client/worker/worker_main.c); so does torch here. */
 #include <cblas.h>
 #include <errno.h>
 #include <getopt.h>
@@ -289,8 +289,8 @@ static size_t median_at(const double *v, size_t n) {
   return at;
 }
 
-/* What client/worker/main.c does for itself: the kernels OpenBLAS would
- * pick on real hardware, for both peers. */
+/* What client/worker/worker_main.c does for itself: the kernels OpenBLAS
+ * would pick on real hardware, for both peers. */
 static void blas_kernels(void) {
   const char *core = openblas_get_corename();
   if (getenv("OPENBLAS_CORETYPE") || !core || strcasecmp(core, "prescott"))

@@ -1,7 +1,8 @@
-/* The worker's --test-state (test_state.h). It reaches into the runtime's
- * internal registration (lib/fsdp/fsdp_internal.h) as the optimizer in the
- * library does; a trainer outside the build tree has no such access. */
-#include "test_state.h"
+/* The worker's --test-state (worker_test_state.h). It reaches into the
+ * runtime's internal registration (lib/fsdp/fsdp_internal.h) as the
+ * optimizer in the library does; a trainer outside the build tree has no
+ * such access. */
+#include "worker_test_state.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -27,7 +27,7 @@
 #include "rpc/rpc.h"
 #include "rpc/rpc_cred.h"
 #include "lib/shardplane.h"
-#include "test_state.h"
+#include "worker_test_state.h"
 #include "train_flags.h"
 #include "train_model.h"
 
