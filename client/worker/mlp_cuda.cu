@@ -16,7 +16,7 @@
 
 #include "cast/cast_cuda.h"
 #include "cast/cast_scalar.h"
-#include "cast/cuda_launch.h"
+#include "cuda/cuda_launch.h"
 #include "lib/fsdp/cuda_internal.h"
 #include "mlp_cuda.h"
 

@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "cast/cast_scalar.h"
-#include "cast/cuda_launch.h"
+#include "cuda/cuda_launch.h"
 #include "cuda_internal.h"
 #include "fsdp_internal.h"
 
