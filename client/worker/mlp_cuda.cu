@@ -16,17 +16,10 @@
 
 #include "cast/cast_cuda.h"
 #include "cast/cast_scalar.h"
+#include "cublas_check.h"
+#include "cuda/cuda_check.h"
 #include "cuda/cuda_launch.h"
-#include "lib/fsdp/cuda_internal.h"
 #include "mlp_cuda.h"
-
-extern "C" int sp_cublas_diag(sp_diag *d, int status, const char *expr,
-                              const char *file, int line) {
-  cublasStatus_t s = (cublasStatus_t)status;
-  return sp_diag_set(d, SP_ECUDA, "%s:%d: %s: cuBLAS error %s (%s)", file,
-                     line, expr, cublasGetStatusName(s),
-                     cublasGetStatusString(s));
-}
 
 /* ------------------------------------------------------------------ */
 /* device helpers: mlp.c's round_f32, load_f32, store_f32              */
@@ -291,7 +284,7 @@ static int dmalloc(void **p, size_t count, size_t esize, sp_diag *d) {
     return sp_diag_set(d, SP_ENOMEM, "cudaMalloc of %zu bytes: out of device "
                        "memory", bytes);
   }
-  SP_CUDA_CHECK_D(d, e);
+  SP_CUDA_CHECK(d, e);
   return 0;
 }
 
@@ -353,15 +346,15 @@ static int cuda_new(sp_mlp_cuda *g, sp_diag *d) {
     rc = sp_diag_set(d, SP_ETOOBIG, "batch too large");
   if (rc == 0) rc = dmalloc((void **)&g->loss, n + 1, sizeof(double), d);
   if (rc < 0) return rc;
-  SP_CUBLAS_CHECK_D(d, cublasCreate(&g->blas));
-  SP_CUBLAS_CHECK_D(d, cublasSetStream(g->blas, g->st));
+  SP_CUBLAS_CHECK(d, cublasCreate(&g->blas));
+  SP_CUBLAS_CHECK(d, cublasSetStream(g->blas, g->st));
   /* CUBLAS_COMPUTE_32F already excludes TF32; the default math mode also
    * keeps cuBLAS from choosing reduced-precision paths on its own */
-  SP_CUBLAS_CHECK_D(d, cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH));
+  SP_CUBLAS_CHECK(d, cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH));
   /* device memory starts undefined; targets and losses are read before a
    * first set_batch / loss only by mistake, but then as zeros */
-  SP_CUDA_CHECK_D(d, cudaMemsetAsync(g->loss, 0, (n + 1) * sizeof(double),
-                                     g->st));
+  SP_CUDA_CHECK(d, cudaMemsetAsync(g->loss, 0, (n + 1) * sizeof(double),
+                                   g->st));
   g->dy_dt = SP_FLOAT32;
   return 0;
 }
@@ -390,15 +383,15 @@ extern "C" int sp_mlp_cuda_set_batch(sp_mlp_cuda *g, const float *x,
   if (!g) return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_set_batch: NULL");
   const sp_mlp *mlp = g->mlp;
   if (x && g->n)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(g->x[0], x,
-                                       g->n * (size_t)mlp->in_dim * 4,
-                                       cudaMemcpyHostToDevice, g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->x[0], x,
+                                     g->n * (size_t)mlp->in_dim * 4,
+                                     cudaMemcpyHostToDevice, g->st));
   if (t && g->n)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(g->t, t,
-                                       g->n * (size_t)mlp->out_dim * 4,
-                                       cudaMemcpyHostToDevice, g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->t, t,
+                                     g->n * (size_t)mlp->out_dim * 4,
+                                     cudaMemcpyHostToDevice, g->st));
   /* the host arrays are reused for the next batch: wait for the copies */
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -451,7 +444,7 @@ static int write_grad(sp_mlp_cuda *g, const sp_mlp_io *io, int32_t p,
   if (n == 0) return 0;
   sp_mk_grad_add<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(dst, (int)pd,
                                                              src, n);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -531,7 +524,7 @@ static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
   if (m == 0 || n == 0) return 0;
   if (k == 0) {
     /* an empty sum: cuBLAS may leave C alone */
-    SP_CUDA_CHECK_D(d, cudaMemsetAsync(C, 0, m * n * sizeof(float), g->st));
+    SP_CUDA_CHECK(d, cudaMemsetAsync(C, 0, m * n * sizeof(float), g->st));
     return 0;
   }
   if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX ||
@@ -540,10 +533,10 @@ static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
                        "int", m, n, k);
   const float alpha = 1.0f, beta = 0.0f;
   cudaDataType_t ty = cuda_type(dt);
-  SP_CUBLAS_CHECK_D(d, cublasGemmEx(g->blas, ta, tb, (int)m, (int)n, (int)k,
-                                    &alpha, A, ty, (int)lda, B, ty, (int)ldb,
-                                    &beta, C, CUDA_R_32F, (int)m,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  SP_CUBLAS_CHECK(d, cublasGemmEx(g->blas, ta, tb, (int)m, (int)n, (int)k,
+                                  &alpha, A, ty, (int)lda, B, ty, (int)ldb,
+                                  &beta, C, CUDA_R_32F, (int)m,
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return 0;
 }
 
@@ -554,7 +547,7 @@ static int round_inplace(sp_mlp_cuda *g, float *x, size_t count, sp_dtype dt,
   if (count == 0 || (dt != SP_BFLOAT16 && dt != SP_FLOAT16)) return 0;
   sp_mk_round<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(x, count,
                                                              (int)dt);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -582,7 +575,7 @@ static int linear_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (n * out != 0) {
     sp_mk_bias_round<<<sp_k_blocks(n * out), SP_K_THREADS, 0, g->st>>>(
         y, g->acc, b, (int)bd, n, out, (int)pd);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   return 0;
 }
@@ -612,7 +605,7 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
     if (out) {
       sp_mk_colsum<<<sp_k_blocks(out), SP_K_THREADS, 0, g->st>>>(g->dy, n, out,
                                                                g->vec_a);
-      SP_CUDA_CHECK_D(d, cudaGetLastError());
+      SP_CUDA_CHECK(d, cudaGetLastError());
     }
     rc = write_grad(g, io, L->bias, g->vec_a, d);
   }
@@ -627,7 +620,7 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (n * in != 0) {
     sp_mk_bias_round<<<sp_k_blocks(n * in), SP_K_THREADS, 0, g->st>>>(
         g->dx, g->acc, NULL, (int)SP_FLOAT32, n, in, (int)pd);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   return 0;
 }
@@ -652,7 +645,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (h) {
     sp_mk_colsum<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(x, n, h,
                                                             g->vec_a);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   /* every rank calls the collective, also one whose local batch is empty;
    * the sums were enqueued on the stream the runtime orders against */
@@ -663,7 +656,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (h) {
     sp_mk_norm_update<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
         rm, (int)rd, g->vec_a, h, (float)global_n, g->vec_b);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   void *nbt = NULL, *seen = NULL;
   sp_dtype nbt_dt = SP_INT64, seen_dt = SP_BOOL;
@@ -675,12 +668,12 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (nbt || seen) {
     sp_mk_counters<<<1, 1, 0, g->st>>>(nbt, (int)nbt_dt,
                                        (unsigned char *)seen);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   if (n * h != 0) {
     sp_mk_norm_out<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
         x, g->vec_b, w, b, (int)pd, n, h, y);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   return 0;
 }
@@ -698,10 +691,10 @@ static int norm_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
     /* the stored running mean as float32: the constant the forward used */
     sp_mk_load<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(rm, (int)rd, h,
                                                           g->vec_b);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
     sp_mk_norm_grads<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
         g->x[l], g->dy, g->vec_b, n, h, g->vec_a, g->acc);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   rc = write_grad(g, io, L->weight, g->vec_a, d);
   if (rc == 0) rc = write_grad(g, io, L->bias, g->acc, d);
@@ -709,7 +702,7 @@ static int norm_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (n * h != 0) {
     sp_mk_norm_dx<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
         g->dy, w, (int)pd, n, h, g->dx);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   return 0;
 }
@@ -738,7 +731,7 @@ extern "C" int sp_mlp_cuda_forward(sp_mlp_cuda *g, size_t l,
     if (count) {
       sp_mk_relu<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
           g->x[l], g->x[l + 1], count);
-      SP_CUDA_CHECK_D(d, cudaGetLastError());
+      SP_CUDA_CHECK(d, cudaGetLastError());
     }
     break;
   }
@@ -764,11 +757,11 @@ extern "C" int sp_mlp_cuda_loss_over(sp_mlp_cuda *g, sp_dtype out_dtype,
     sp_mk_loss_rows<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(
         g->x[g->mlp->n_layers], g->t, n, out, (float)denom, (int)out_dtype,
         g->dy, g->loss + 1);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   sp_mk_loss_total<<<1, 1, 0, g->st>>>(g->loss + 1, n, (double)denom,
                                        add ? 1 : 0, g->loss);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   g->dy_dt = out_dtype;
   return 0;
 }
@@ -793,7 +786,7 @@ extern "C" int sp_mlp_cuda_backward(sp_mlp_cuda *g, size_t l,
     if (l > 0 && count) {
       sp_mk_relu_back<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
           g->x[l], g->dy, g->dx, count);
-      SP_CUDA_CHECK_D(d, cudaGetLastError());
+      SP_CUDA_CHECK(d, cudaGetLastError());
     }
     break;
   }
@@ -820,7 +813,7 @@ extern "C" int sp_mlp_cuda_count_step(sp_mlp_cuda *g, const sp_mlp_io *io,
   int rc = buffer_view(g, io, g->mlp->step_buffer, &p, &dt, d);
   if (rc < 0) return rc;
   sp_mk_counters<<<1, 1, 0, g->st>>>(p, (int)dt, NULL);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -832,9 +825,9 @@ extern "C" int sp_mlp_cuda_read_loss(sp_mlp_cuda *g, double *loss,
                                      sp_diag *d) {
   if (!g || !loss)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_read_loss: NULL");
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(loss, g->loss, sizeof *loss,
-                                     cudaMemcpyDeviceToHost, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(loss, g->loss, sizeof *loss,
+                                   cudaMemcpyDeviceToHost, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -844,9 +837,9 @@ extern "C" int sp_mlp_cuda_read_act(sp_mlp_cuda *g, size_t l, float *host,
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_read_act: bad argument");
   size_t dim = (size_t)(l == 0 ? g->mlp->in_dim : g->mlp->layers[l - 1].out);
   if (g->n * dim != 0)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(host, g->x[l], g->n * dim * 4,
-                                       cudaMemcpyDeviceToHost, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(host, g->x[l], g->n * dim * 4,
+                                     cudaMemcpyDeviceToHost, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -855,9 +848,9 @@ extern "C" int sp_mlp_cuda_read_dy(sp_mlp_cuda *g, float *host, size_t count,
   if (!g || (!host && count) || count > g->act_numel)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_read_dy: bad argument");
   if (count)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(host, g->dy, count * 4,
-                                       cudaMemcpyDeviceToHost, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(host, g->dy, count * 4,
+                                     cudaMemcpyDeviceToHost, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -867,9 +860,9 @@ extern "C" int sp_mlp_cuda_write_act(sp_mlp_cuda *g, size_t l,
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_write_act: bad argument");
   size_t dim = (size_t)(l == 0 ? g->mlp->in_dim : g->mlp->layers[l - 1].out);
   if (g->n * dim != 0)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(g->x[l], host, g->n * dim * 4,
-                                       cudaMemcpyHostToDevice, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->x[l], host, g->n * dim * 4,
+                                     cudaMemcpyHostToDevice, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -879,9 +872,9 @@ extern "C" int sp_mlp_cuda_write_dy(sp_mlp_cuda *g, const float *host,
       !sp_dtype_is_floating(dt))
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_write_dy: bad argument");
   if (count)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(g->dy, host, count * 4,
-                                       cudaMemcpyHostToDevice, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->dy, host, count * 4,
+                                     cudaMemcpyHostToDevice, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   g->dy_dt = dt;
   return 0;
 }
