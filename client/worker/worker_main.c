@@ -30,6 +30,7 @@
 #include "worker_test_state.h"
 #include "train_flags.h"
 #include "train_model.h"
+#include "worker_flags.h"
 
 typedef struct worker_opts {
   sp_cred cred; /* --insecure, --tls-*, --token-file, $SHARDPLANE_TOKEN */
@@ -38,21 +39,14 @@ typedef struct worker_opts {
   long rank;
   sp_launch_env env; /* RANK, WORLD_SIZE, ... as a launcher set them */
   const char *device;
-  uint32_t steps;
-  uint32_t global_batch;
-  double lr;
-  const char *ckpt_dir;
-  bool ckpt_kinds[4];
-  uint32_t ckpt_every; /* also every N steps; 0: only at the end */
+  /* --steps, --global-batch, --lr, --log-every, the checkpoints written
+   * (also every --checkpoint-every N steps; 0: only at the end) and
+   * loaded */
+  sp_worker_flags wf;
   const char *test_state; /* --test-state NAME */
-  bool any_kind; /* --checkpoint given (none included) */
-  const char *load_dir;    /* as given */
-  sp_ckpt_kind load_kind;  /* 0: the only kind load_dir holds */
-  bool load_params_only;   /* --load-params-only */
-  char load_from[4096];    /* the checkpoint folder load_dir names */
+  char load_from[4096];    /* the checkpoint folder wf.load_dir names */
   const char *losses_path;
   const char *stats_path;
-  uint32_t log_every;
   bool no_report;
   uint32_t report_toggle;
   uint64_t comm_timeout_ms;
@@ -496,19 +490,18 @@ static void usage(FILE *f) {
       f);
 }
 
-enum { O_COORD = 256, O_RANK, O_DEVICE, O_STEPS, O_BATCH, O_LR, O_CKDIR,
-       O_CK, O_LOAD, O_LOADK, O_LOADP, O_LOSSES, O_STATS, O_LOG, O_CTO, O_CALLTO, O_GRACE, O_NOREP,
-       O_TOGGLE, O_CKEVERY, O_TSTATE, O_FLIGHT, O_INJECT, O_GEN, O_GMODEL,
-       O_PROMPT, O_TOKENS, O_TEMP, O_SEED, O_SYNTH, O_HELP };
+enum { O_COORD = 256, O_RANK, O_DEVICE, O_LOSSES, O_STATS, O_CTO, O_CALLTO,
+       O_GRACE, O_NOREP, O_TOGGLE, O_TSTATE, O_FLIGHT, O_INJECT, O_GEN,
+       O_GMODEL, O_PROMPT, O_TOKENS, O_TEMP, O_SEED, O_SYNTH, O_HELP };
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
  * what is allowed in d. */
 static int parse_option(worker_opts *o, int c, const char *flag,
                         const char *v, sp_diag *d) {
-  static const char *const kinds[] = {"none", "full", "sharded", "local"};
   long long n = 0;
-  size_t k;
   int rc;
+  if (c >= SP_WORKER_OPT_BASE && c < SP_WORKER_OPT_END)
+    return sp_worker_flag(&o->wf, c, flag, v, d);
   if (c >= SP_TRAIN_OPT_BASE) return sp_train_flag(&o->train, c, v, d);
   switch (c) {
     case O_COORD:
@@ -522,41 +515,12 @@ static int parse_option(worker_opts *o, int c, const char *flag,
     case O_DEVICE:
       o->device = v;
       return sp_flag_text(flag, v, "cpu or cuda:N", d);
-    case O_STEPS:
-      rc = sp_flag_int(flag, v, 0, 1000000000, &n, d);
-      o->steps = (uint32_t)n;
-      return rc;
-    case O_BATCH:
-      rc = sp_flag_int(flag, v, 1, 1 << 20, &n, d);
-      o->global_batch = (uint32_t)n;
-      return rc;
-    case O_LR: return sp_flag_number(flag, v, 0, &o->lr, d);
-    case O_CKDIR:
-      o->ckpt_dir = v;
-      return sp_flag_text(flag, v, "a directory", d);
-    case O_CK:
-      rc = sp_flag_choice(flag, v, kinds, 4, &k, d);
-      if (rc == 0 && k > 0) o->ckpt_kinds[k] = true;
-      if (rc == 0) o->any_kind = true;
-      return rc;
-    case O_LOAD:
-      o->load_dir = v;
-      return sp_flag_text(flag, v, "a checkpoint directory", d);
-    case O_LOADK:
-      rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
-      if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
-      return rc;
-    case O_LOADP: o->load_params_only = true; return 0;
     case O_LOSSES:
       o->losses_path = v;
       return sp_flag_text(flag, v, "a file name", d);
     case O_STATS:
       o->stats_path = v;
       return sp_flag_text(flag, v, "a file name", d);
-    case O_LOG:
-      rc = sp_flag_int(flag, v, 0, 1000000000, &n, d);
-      o->log_every = (uint32_t)n;
-      return rc;
     case O_CTO:
       rc = sp_flag_int(flag, v, 1, 86400000, &n, d);
       o->comm_timeout_ms = (uint64_t)n;
@@ -572,10 +536,6 @@ static int parse_option(worker_opts *o, int c, const char *flag,
       o->report_toggle = (uint32_t)n;
       return rc;
     case O_NOREP: o->no_report = true; return 0;
-    case O_CKEVERY:
-      rc = sp_flag_int(flag, v, 1, 1000000000, &n, d);
-      o->ckpt_every = (uint32_t)n;
-      return rc;
     case O_TSTATE:
       o->test_state = v;
       return sp_flag_text(flag, v, "a state name", d);
@@ -612,23 +572,17 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
       {"coordinator", required_argument, NULL, O_COORD},
       {"rank", required_argument, NULL, O_RANK},
       {"device", required_argument, NULL, O_DEVICE},
-      {"steps", required_argument, NULL, O_STEPS},
-      {"global-batch", required_argument, NULL, O_BATCH},
-      {"lr", required_argument, NULL, O_LR},
-      {"checkpoint-dir", required_argument, NULL, O_CKDIR},
-      {"checkpoint", required_argument, NULL, O_CK},
-      {"load", required_argument, NULL, O_LOAD},
-      {"load-kind", required_argument, NULL, O_LOADK},
-      {"load-params-only", no_argument, NULL, O_LOADP},
+      SP_WORKER_OPTIONS_RUN_AND_SAVE,
+      SP_WORKER_OPTIONS_LOAD,
       {"losses", required_argument, NULL, O_LOSSES},
       {"stats", required_argument, NULL, O_STATS},
-      {"log-every", required_argument, NULL, O_LOG},
+      SP_WORKER_OPTION_LOG_EVERY,
       {"comm-timeout-ms", required_argument, NULL, O_CTO},
       {"call-timeout-ms", required_argument, NULL, O_CALLTO},
       {"coordinator-grace", required_argument, NULL, O_GRACE},
       {"no-report", no_argument, NULL, O_NOREP},
       {"report-toggle", required_argument, NULL, O_TOGGLE},
-      {"checkpoint-every", required_argument, NULL, O_CKEVERY},
+      SP_WORKER_OPTION_CKPT_EVERY,
       {"test-state", required_argument, NULL, O_TSTATE},
       {"flight-events", required_argument, NULL, O_FLIGHT},
       {"inject", required_argument, NULL, O_INJECT},
@@ -659,10 +613,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
   o->coordinator_grace_ms = o->env.coordinator_grace_ms;
   o->rank = o->env.rank;
   o->device = "cpu";
-  o->steps = 20;
-  o->global_batch = 24;
-  o->lr = 0.05;
-  o->log_every = 1;
+  sp_worker_flags_init(&o->wf, 0);
   o->gen.tokens = 400;
   o->gen.temperature = 0.8;
   int c, index = -1;
@@ -690,7 +641,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     index = -1;
   }
   if (o->generate) { /* no job: the checkpoint and its spec */
-    if (optind < argc || !o->load_dir || !o->gen.model_path) {
+    if (optind < argc || !o->wf.load_dir || !o->gen.model_path) {
       fprintf(stderr, "shardplane-worker: --generate needs --load DIR (a "
               "FULL checkpoint) and --model SPEC (the spec it was trained "
               "from)\n");
@@ -729,26 +680,23 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
     fprintf(stderr, "shardplane-worker: %s\n", cd.msg);
     return 2;
   }
-  if ((o->load_kind || o->load_params_only) && !o->load_dir) {
-    fprintf(stderr, "shardplane-worker: %s needs --load DIR\n",
-            o->load_kind ? "--load-kind" : "--load-params-only");
+  sp_diag fd = {{0}};
+  if (sp_worker_flags_finish(&o->wf, &fd) < 0) {
+    fprintf(stderr, "shardplane-worker: %s\n", fd.msg);
     return 2;
   }
-  if (!o->any_kind) o->ckpt_kinds[SP_CKPT_FULL] = true;
-  bool writes = o->ckpt_kinds[SP_CKPT_FULL] ||
-                o->ckpt_kinds[SP_CKPT_SHARDED] || o->ckpt_kinds[SP_CKPT_LOCAL];
-  if (o->ckpt_every && (!o->ckpt_dir || !writes)) {
+  if (o->wf.ckpt_every && (!o->wf.ckpt_dir || !o->wf.any_kind)) {
     fprintf(stderr, "shardplane-worker: --checkpoint-every %u needs "
             "--checkpoint-dir DIR and a --checkpoint kind other than none\n",
-            o->ckpt_every);
+            o->wf.ckpt_every);
     return 2;
   }
   /* the flags that combine (the world size's share of the batch is
    * checked once the job says it) */
   sp_diag d = {{0}};
   sp_mlp_train_cfg cfg;
-  if (sp_train_flags_finish(&o->train, o->steps, o->lr, o->global_batch, 0,
-                            NULL, &cfg, &d) < 0) {
+  if (sp_train_flags_finish(&o->train, o->wf.steps, o->wf.lr,
+                            o->wf.global_batch, 0, NULL, &cfg, &d) < 0) {
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
   }
@@ -881,10 +829,10 @@ static int write_stats(const worker_opts *o, const double *step_s,
  * previous one of its kind only once complete (sp_ckpt_save). */
 static int save_checkpoints(const worker_opts *o, sp_fsdp *f, uint32_t rank,
                             uint64_t step, sp_diag *d) {
-  for (int k = SP_CKPT_FULL; o->ckpt_dir && k <= SP_CKPT_LOCAL; k++) {
-    if (!o->ckpt_kinds[k]) continue;
+  for (int k = SP_CKPT_FULL; o->wf.ckpt_dir && k <= SP_CKPT_LOCAL; k++) {
+    if (!o->wf.kinds[k]) continue;
     char dir[4096];
-    snprintf(dir, sizeof dir, "%s/%s", o->ckpt_dir,
+    snprintf(dir, sizeof dir, "%s/%s", o->wf.ckpt_dir,
              sp_ckpt_kind_dir((sp_ckpt_kind)k));
     int rc = sp_ckpt_save(f, (sp_ckpt_kind)k, dir, d);
     if (rc < 0) return rc;
@@ -902,9 +850,9 @@ static int save_checkpoints(const worker_opts *o, sp_fsdp *f, uint32_t rank,
  * step; a state mismatch names the flag that loads anyway. */
 static int load(const worker_opts *o, sp_fsdp *f, sp_ckpt_info *info,
                 sp_diag *d) {
-  sp_ckpt_load_opts lo = {.params_only = o->load_params_only};
-  int rc = sp_ckpt_load_with(f, o->load_kind, o->load_from, &lo, info, d);
-  if (rc == SP_ESTATE && !o->load_params_only &&
+  sp_ckpt_load_opts lo = {.params_only = o->wf.load_params_only};
+  int rc = sp_ckpt_load_with(f, o->wf.load_kind, o->load_from, &lo, info, d);
+  if (rc == SP_ESTATE && !o->wf.load_params_only &&
       strstr(d->msg, "state \"")) {
     sp_diag why = *d; /* the message is formatted into d */
     sp_diag_set(d, rc, "%.900s; --load-params-only starts the optimizer "
@@ -956,10 +904,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
                      "size %u", rank, o->env.world_size_var,
                      o->env.world_size, w);
   /* every rank checks before the rendezvous, so before any rank writes */
-  bool writes = o->ckpt_kinds[SP_CKPT_FULL] || o->ckpt_kinds[SP_CKPT_SHARDED] ||
-                o->ckpt_kinds[SP_CKPT_LOCAL];
-  if (rc == 0 && o->ckpt_dir && writes)
-    rc = sp_ckpt_check_dir(o->ckpt_dir, sp_session_plan(s)->version_hex, d);
+  if (rc == 0 && o->wf.ckpt_dir && o->wf.any_kind)
+    rc = sp_ckpt_check_dir(o->wf.ckpt_dir, sp_session_plan(s)->version_hex, d);
   /* what to train, and the job as its trainer takes it, checked as
    * shardplane run checks them before starting the workers; every rank
    * takes an equal share of every micro-batch */
@@ -967,8 +913,8 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   if (rc == 0)
     rc = sp_train_model_pick(sp_session_model(s), o->synthetic, &tm, d);
   if (rc == 0)
-    rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train, o->steps,
-                              o->lr, o->global_batch, w, "the world size",
+    rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train, o->wf.steps,
+                              o->wf.lr, o->wf.global_batch, w, "the world size",
                               &cfg, d);
   sp_gpt2 *gpt = tm.gpt;
   sp_mlp *mlp = tm.mlp;
@@ -1003,18 +949,18 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
    * checkpoint's, with its data and schedule (both by step index) */
   uint32_t first = 0;
   sp_ckpt_info info = {0};
-  if (rc == 0 && o->load_dir)
+  if (rc == 0 && o->wf.load_dir)
     rc = load(o, f, &info, d);
-  if (rc == 0 && o->load_dir) {
-    first = info.optim_steps < o->steps ? (uint32_t)info.optim_steps
-                                        : o->steps;
-    if (rank == 0 && first < o->steps)
+  if (rc == 0 && o->wf.load_dir) {
+    first = info.optim_steps < o->wf.steps ? (uint32_t)info.optim_steps
+                                        : o->wf.steps;
+    if (rank == 0 && first < o->wf.steps)
       printf("resuming after step %llu of %u (%s)\n",
-             (unsigned long long)info.optim_steps, o->steps, o->load_from);
+             (unsigned long long)info.optim_steps, o->wf.steps, o->load_from);
     else if (rank == 0)
       printf("loaded the checkpoint of step %llu (%s): nothing to train up "
              "to --steps %u\n", (unsigned long long)info.optim_steps,
-             o->load_from, o->steps);
+             o->load_from, o->wf.steps);
     fflush(stdout);
   }
   if (rc == 0 && is_mlp) {
@@ -1033,7 +979,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   }
   if (rc == 0 && rank == 0 && !is_mlp && !is_gpt2)
     printf("rank 0: --synthetic: running the synthetic-gradient cycle\n");
-  uint32_t todo = o->steps - first;
+  uint32_t todo = o->wf.steps - first;
   losses = calloc(todo ? todo : 1, sizeof *losses);
   step_s = calloc(todo ? todo : 1, sizeof *step_s);
   gtimes = calloc(todo ? todo : 1, sizeof *gtimes);
@@ -1047,7 +993,7 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
   uint32_t logged = first; /* steps up to the last progress line */
   uint32_t step = first;
   uint64_t saved = UINT64_MAX; /* the step of the last checkpoint written */
-  for (; rc == 0 && step < o->steps; step++) {
+  for (; rc == 0 && step < o->wf.steps; step++) {
     sp_inject_step(&g_inject, step + 1);
     /* every rank asks, so all stop after the same step, whichever got
      * the signal */
@@ -1070,18 +1016,18 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
     else if (is_mlp)
       rc = trainer_step(&tr, step, loss, d);
     else
-      rc = synthetic_step(f, s, step, o->lr, d);
+      rc = synthetic_step(f, s, step, o->wf.lr, d);
     if (rc == 0 && ts) rc = sp_test_state_step(ts, d);
     /* a slowed rank's sleep is part of its step, as slow compute is */
     if (rc == 0) sp_inject_after_step(&g_inject, sp_clock_s() - ts0);
     step_s[step - first] = sp_clock_s() - ts0;
     if (rc == 0 && is_gpt2) gtimes[step - first] = sp_gpt2_trainer_times(gtr);
     if (rc == 0)
-      sp_session_set_progress(s, is_mlp || is_gpt2 ? *loss : NAN, o->steps);
+      sp_session_set_progress(s, is_mlp || is_gpt2 ? *loss : NAN, o->wf.steps);
     /* the held-out loss every --eval-every steps and after the last */
     double val = NAN;
     if (rc == 0 && is_gpt2 && o->train.eval_every &&
-        ((step + 1) % o->train.eval_every == 0 || step + 1 == o->steps)) {
+        ((step + 1) % o->train.eval_every == 0 || step + 1 == o->wf.steps)) {
       double te = sp_clock_s();
       rc = sp_gpt2_trainer_eval(gtr, &val, d);
       eval_s += sp_clock_s() - te;
@@ -1093,10 +1039,10 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
       sp_fsdp_get_stats(f, &st);
       mem.allocs_after_first_step = st.mem.allocs;
     }
-    if (rc == 0 && rank == 0 && o->log_every &&
-        ((step + 1) % o->log_every == 0 || step + 1 == o->steps)) {
+    if (rc == 0 && rank == 0 && o->wf.log_every &&
+        ((step + 1) % o->wf.log_every == 0 || step + 1 == o->wf.steps)) {
       double t = sp_clock_s();
-      double per_s = (step + 1 - logged) * (double)o->global_batch /
+      double per_s = (step + 1 - logged) * (double)o->wf.global_batch /
                      (t - tlast);
       double tok_s = is_gpt2 ? (step + 1 - logged) *
                                    (double)sp_gpt2_trainer_tokens_per_step(gtr) /
@@ -1109,24 +1055,24 @@ static int run(const worker_opts *o, int *stopped, sp_diag *d) {
         char vs[48] = "";
         if (!isnan(val)) snprintf(vs, sizeof vs, "  val loss %.4f", val);
         printf("step %u/%u  loss %.4f%s  %.0f tokens/s\n", step + 1,
-               o->steps, *loss, vs, tok_s);
+               o->wf.steps, *loss, vs, tok_s);
       } else if (is_mlp)
-        printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->steps,
+        printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->wf.steps,
                *loss, per_s);
       else
         printf("step %u/%u  %.0f samples/s (synthetic gradients)\n",
-               step + 1, o->steps, per_s);
+               step + 1, o->wf.steps, per_s);
       fflush(stdout);
     }
-    if (rc == 0 && o->ckpt_every && (step + 1) % o->ckpt_every == 0 &&
-        step + 1 < o->steps) {
+    if (rc == 0 && o->wf.ckpt_every && (step + 1) % o->wf.ckpt_every == 0 &&
+        step + 1 < o->wf.steps) {
       rc = save_checkpoints(o, f, rank, step + 1, d);
       saved = step + 1;
     }
   }
   uint32_t ran = step - first;
   if (rc == 0 && *stopped && rank == 0) {
-    printf("stopping after step %u of %u: %s\n", step, o->steps,
+    printf("stopping after step %u of %u: %s\n", step, o->wf.steps,
            *stopped > 0 ? strsignal(*stopped)
                         : "another rank was signalled");
     fflush(stdout);
@@ -1244,19 +1190,19 @@ int main(int argc, char **argv) {
   if (prc) return prc == 1 ? 0 : prc;
   sp_diag d = {{0}};
   /* generation reads a FULL checkpoint, whatever else DIR holds */
-  if (o.generate && !o.load_kind) o.load_kind = SP_CKPT_FULL;
+  if (o.generate && !o.wf.load_kind) o.wf.load_kind = SP_CKPT_FULL;
   /* --load DIR may also be the folder shardplane run wrote (its full/,
    * sharded/ or local/ subfolder is found) */
-  if (o.load_dir &&
-      sp_ckpt_resolve(o.load_dir, o.load_kind, o.load_from,
-                      sizeof o.load_from, &o.load_kind, &d) < 0) {
+  if (o.wf.load_dir &&
+      sp_ckpt_resolve(o.wf.load_dir, o.wf.load_kind, o.load_from,
+                      sizeof o.load_from, &o.wf.load_kind, &d) < 0) {
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
   }
   if (o.generate) {
-    if (o.load_kind != SP_CKPT_FULL) {
+    if (o.wf.load_kind != SP_CKPT_FULL) {
       fprintf(stderr, "shardplane-worker: --generate: %s holds no FULL "
-              "checkpoint\n", o.load_dir);
+              "checkpoint\n", o.wf.load_dir);
       return 2;
     }
     char file[4200];
