@@ -1,16 +1,15 @@
 /* shardplane-worker: one rank of a job (worker_run.h), or text from a
  * GPT-2 checkpoint (--generate, gpt2_generate.h). This file is the
  * program: its command line, and what is checked before attaching. */
-#include <cblas.h>
 #include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <unistd.h>
 
 #include "base/flag.h"
+#include "blas_kernels.h"
 #include "gpt2_generate.h"
 #include "inject.h"
 #include "lib/shardplane.h"
@@ -357,23 +356,10 @@ static int parse_args(int argc, char **argv, sp_worker_opts *o) {
   return 0;
 }
 
-/* Debian's OpenBLAS picks its kernels from the CPU's cpuid family and
- * model; a virtual CPU that hides them falls back to the Prescott (SSE3)
- * kernels, whatever AVX it has: on a 2-core VM reporting "Intel Xeon
- * Processor" gpt2-mini's step took 6.5 s instead of 2.7 s with the
- * SkylakeX kernels. The library reads OPENBLAS_CORETYPE once, as it is
- * loaded, so the fix is to run again with it set. Nothing happens when
- * the variable is set already (the user's choice), or the detection was
- * not the fallback. */
+/* Runs this program again with OPENBLAS_CORETYPE set when OpenBLAS took
+ * the slow fallback kernels (blas_kernels.h). */
 static void blas_kernels(char **argv) {
-  const char *core = openblas_get_corename();
-  if (getenv("OPENBLAS_CORETYPE") || !core || strcasecmp(core, "prescott"))
-    return;
-  __builtin_cpu_init();
-  const char *want = __builtin_cpu_supports("avx512f")  ? "SkylakeX"
-                     : __builtin_cpu_supports("avx2")   ? "Haswell"
-                     : __builtin_cpu_supports("avx")    ? "Sandybridge"
-                                                        : NULL;
+  const char *want = sp_blas_coretype_wanted();
   if (!want) return;
   /* by its own path, not /proc/self/exe: the process's name (ps, pgrep,
    * the thread names tests check) is the file's */
