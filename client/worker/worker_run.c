@@ -187,7 +187,7 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   if (rc == 0 && (is_mlp || is_gpt2))
     rc = sp_fsdp_optim_init(f, &cfg.optim, d);
   if (rc == 0 && o->test_state)
-    rc = sp_test_state_new(f, o->test_state, &ts, d);
+    rc = sp_test_state_new(f, sp_session_plan(s), o->test_state, &ts, d);
   /* --steps counts all steps: a resumed run starts after the
    * checkpoint's, with its data and schedule (both by step index) */
   uint32_t first = 0;
