@@ -889,13 +889,3 @@ void sp_mlp_count_step(const sp_mlp *mlp, const sp_mlp_io *io) {
   if (p != NULL)
     int_increment(p, dt);
 }
-
-void sp_mlp_train_cfg_init(sp_mlp_train_cfg *cfg, uint32_t steps,
-                           uint32_t global_batch, double lr) {
-  memset(cfg, 0, sizeof *cfg);
-  cfg->steps = steps;
-  cfg->global_batch = global_batch;
-  cfg->grad_accum = 1;
-  sp_optim_opts_init(&cfg->optim, SP_OPTIM_SGD);
-  cfg->optim.lr = lr;
-}

@@ -154,35 +154,6 @@ int sp_mlp_backward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
                     sp_mlp_acts *a, sp_diag *d);
 /* Increments the root "step" buffer (any integer dtype) if there is one. */
 void sp_mlp_count_step(const sp_mlp *mlp, const sp_mlp_io *io);
-/* What a trainer runs: the worker's (train_flags.h makes it from the
- * flags) and the tests' reference run (tests/support/mlp_reference.h). */
-typedef struct sp_mlp_train_cfg {
-  uint32_t steps; /* optimizer steps */
-  /* samples per optimizer step, over all micro-batches (and ranks, for a
-   * sharded trainer); 1..2^24, a multiple of grad_accum */
-  uint32_t global_batch;
-  /* micro-batches per step, 0 or 1: none. Micro-batch j of step s is
-   * samples [j*m, (j+1)*m) of sp_mlp_batch(step = s), m = global_batch / k
-   * (a sharded rank r of W takes [j*m + r*m/W, j*m + (r+1)*m/W)); its
-   * forward uses global_n = m, its loss sp_mlp_loss_over(denom = m * k for
-   * one process, m / W * k for a rank), and sp_mlp_count_step follows
-   * each micro-batch's backward. */
-  uint32_t grad_accum;
-  /* how the micro-batches' gradients add up (mlp.h's reduction emulation):
-   * false: each is cast to reduce_dtype and on to the gradient dtype and
-   * added there (FSDP2's reduce per micro-batch); true: they add up in
-   * the views' param_dtype and are cast once (no_sync) */
-  bool no_sync;
-  /* optimizer, schedule (total_steps set by the caller) and decay mask */
-  sp_optim_opts optim;
-  double clip_grad_norm; /* > 0: clip_grad_norm_ before each step; 0 off */
-} sp_mlp_train_cfg;
-
-/* steps and global batch, SGD at lr with no momentum, decay, clipping or
- * accumulation: what sp_mlp_reference_run trains. */
-void sp_mlp_train_cfg_init(sp_mlp_train_cfg *cfg, uint32_t steps,
-                           uint32_t global_batch, double lr);
-
 #ifdef __cplusplus
 }
 #endif

@@ -18,6 +18,7 @@
 
 #include "lib/shardplane.h"
 #include "mlp.h"
+#include "train_flags.h"
 
 typedef struct sp_mlp_trainer sp_mlp_trainer;
 

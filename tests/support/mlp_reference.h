@@ -12,6 +12,7 @@
 #include "plan/job.h"
 #include "plan/model.h"
 #include "worker/mlp.h"
+#include "worker/train_flags.h"
 
 /* The compute dtype of the network output, for sp_mlp_loss: the param
  * dtype of the last layer with parameters (float32 when none). */
