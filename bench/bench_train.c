@@ -31,7 +31,7 @@
  * figure's baseline. Both peers get the same OpenBLAS kernels: on a
  * virtual CPU that hides its model OpenBLAS falls back to Prescott's, and
  * the worker then runs itself with OPENBLAS_CORETYPE set
- * (client/worker/main.c); so does torch here. */
+ * (client/worker/blas_kernels.h); so does torch here. */
 #include <cblas.h>
 #include <errno.h>
 #include <getopt.h>
@@ -41,7 +41,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -51,6 +50,7 @@
 #include "support/capture.h"
 #include "support/stats.h"
 #include "support/tmpdir.h"
+#include "worker/blas_kernels.h"
 
 extern char **environ;
 
@@ -280,20 +280,6 @@ static size_t median_at(const double *v, size_t n) {
   return at;
 }
 
-/* What client/worker/main.c does for itself: the kernels OpenBLAS would
- * pick on real hardware, for both peers. */
-static void blas_kernels(void) {
-  const char *core = openblas_get_corename();
-  if (getenv("OPENBLAS_CORETYPE") || !core || strcasecmp(core, "prescott"))
-    return;
-  __builtin_cpu_init();
-  const char *want = __builtin_cpu_supports("avx512f")  ? "SkylakeX"
-                     : __builtin_cpu_supports("avx2")   ? "Haswell"
-                     : __builtin_cpu_supports("avx")    ? "Sandybridge"
-                                                        : NULL;
-  if (want) setenv("OPENBLAS_CORETYPE", want, 1);
-}
-
 int main(int argc, char **argv) {
   /* 7 measured steps: an odd count has a median step */
   opts o = {SP_EXAMPLES "/models/gpt2-mini.json", 9, 2, 8, 256, 1, 3};
@@ -342,7 +328,9 @@ int main(int argc, char **argv) {
             "(python3-torch)\n", PYTHON);
     return 1;
   }
-  blas_kernels();
+  /* the kernels OpenBLAS would pick on real hardware, for both peers */
+  const char *want = sp_blas_coretype_wanted();
+  if (want) setenv("OPENBLAS_CORETYPE", want, 1);
   char tmp[64];
   if (sp_test_tmpdir("/tmp", "sp-bench-train", tmp, sizeof tmp) != 0) {
     fprintf(stderr, "bench/train: mkdtemp %s: %s\n", tmp, strerror(errno));

@@ -2,8 +2,8 @@
  * mechanics. W = 1..4 ranks run as threads of this process, each with its
  * own session against one in-process coordinator, its own Gloo
  * communicators (sp_fsdp_comms_open) and its own runtime, driven in the
- * order client/worker/main.c uses, but with synthetic gradients whose reduced
- * values are known exactly, so every check is an equality:
+ * order the worker's trainers use (client/worker/mlp_train.c), but with
+ * synthetic gradients whose reduced values are known exactly, so every check is an equality:
  *  - unshard: every rank's views hold the whole parameter in param_dtype,
  *    for FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, with float32
  *    and bfloat16 (docs/fsdp.md, "Mixed precision");
@@ -372,7 +372,7 @@ static int sgd(rank_ctx *c, double lr, uint32_t skip, const grad_fn *gf) {
   return 0;
 }
 
-/* ---- the schedule, as client/worker/main.c runs it ---- */
+/* ---- the schedule, as client/worker/mlp_train.c runs it ---- */
 
 static int forward(rank_ctx *c, bool check) {
   SCHED(c, 2, sp_fsdp_root_pre_forward(c->f, &D));

@@ -31,6 +31,7 @@
 
 #include "cast/cast.h"
 #include "support/job_fixture.h"
+#include "support/mlp_reference.h"
 #include "worker/mlp.h"
 #include "worker/mlp_cuda.h"
 #include "plan/plan.h"

@@ -20,6 +20,7 @@
 #include "worker/mlp.h"
 #include "plan/model.h"
 #include "plan/plan.h"
+#include "support/mlp_reference.h"
 #include "support/testutil.h"
 
 #define MLP_JSON SP_EXAMPLES "/mlp.json"

@@ -28,6 +28,7 @@
 #include "lib/shardplane.h"
 #include "rpc/rpc.h"
 #include "support/job_fixture.h"
+#include "support/mlp_reference.h"
 #include "support/testutil.h"
 #include "worker/mlp.h"
 #include "worker/train_flags.h"

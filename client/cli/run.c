@@ -30,6 +30,7 @@
 #include "base/flag.h"
 #include "worker/inject.h"
 #include "worker/train_flags.h"
+#include "worker/worker_flags.h"
 #include "worker/train_model.h"
 #include "plan/plan.h"
 #include "base/proc.h"
@@ -218,21 +219,16 @@ static void push(argvec *a, const char *s) {
 /* What the command line asked for. */
 typedef struct run_opts {
   long long nproc;
-  const char *model_path, *job_path, *ckdir;
-  const char *steps, *batch, *lr, *log_every, *hb;
+  const char *model_path, *job_path, *hb;
   double ranks_every_s; /* --ranks-every; 0: no ranks lines */
   const char *grace; /* --coordinator-grace, or NULL */
   double stop_grace_s; /* --stop-grace; 0: the default */
   uint64_t grace_ms; /* the same in ms; 0: not given */
-  const char *ckpt_every; /* --checkpoint-every, or NULL */
   bool cuda;
   bool synthetic; /* --synthetic: the workers' synthetic-gradient cycle */
-  bool kinds[4]; /* by sp_ckpt_kind: the checkpoints written */
-  bool no_checkpoint; /* --checkpoint none given */
-  bool any_kind;      /* after parse_args: kinds[] holds one at least */
-  const char *load_dir; /* --load */
-  sp_ckpt_kind load_kind; /* --load-kind; 0: the only kind there */
-  bool load_params_only;  /* --load-params-only */
+  /* --steps, --global-batch, --lr, --log-every and the checkpoints
+   * written and loaded, as every worker reads them; passed on as given */
+  sp_worker_flags wf;
   sp_job_cli jcli; /* job flags, applied after --job */
   /* the training flags, checked here and passed to every worker as
    * given, in order */
@@ -300,23 +296,22 @@ static int job_flag(run_opts *o, int c, const char *value) {
   return sp_job_cli_record(&o->jcli, c, value) < 0 ? -1 : 0;
 }
 
-enum { O_NPROC = 1, O_MODEL, O_JOB, O_STEPS, O_BATCH, O_LR, O_CKDIR, O_CK,
-       O_LOG, O_RANKS, O_HB, O_DEVICE, O_LOAD, O_LOADK, O_LOADP, O_CKEVERY, O_GRACE,
+enum { O_NPROC = 1, O_MODEL, O_JOB, O_RANKS, O_HB, O_DEVICE, O_GRACE,
        O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_RESTARTS, O_STOP_GRACE,
-       O_SYNTH,
-       O_HELP };
+       O_SYNTH, O_HELP };
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
 static int own_option(run_opts *o, int c, const char *flag, const char *v,
                       sp_diag *d) {
-  static const char *const kinds[] = {"none", "full", "sharded", "local"};
   static const char *const devices[] = {"cpu", "cuda"};
   static const char *const on_stall[] = {"alert", "abort"};
   long long n;
   double x;
   size_t k;
   int rc = 0;
+  if (c >= SP_WORKER_OPT_BASE && c < SP_WORKER_OPT_END)
+    return sp_worker_flag(&o->wf, c, flag, v, d);
   if (c >= SP_TRAIN_OPT_BASE) {
     rc = sp_train_flag(&o->train, c, v, d);
     if (rc == 0 && o->n_tflags < sizeof o->tflags / sizeof o->tflags[0]) {
@@ -336,15 +331,6 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
     case O_JOB:
       o->job_path = v;
       return sp_flag_text(flag, v, "a job config (JSON file)", d);
-    case O_STEPS:
-      o->steps = v;
-      return sp_flag_int(flag, v, 1, 1000000000, &n, d);
-    case O_BATCH:
-      o->batch = v;
-      return sp_flag_int(flag, v, 1, 1 << 20, &n, d);
-    case O_LOG:
-      o->log_every = v;
-      return sp_flag_int(flag, v, 0, 1000000000, &n, d);
     case O_RANKS:
       rc = sp_flag_number(flag, v, 0, &o->ranks_every_s, d);
       if (rc == 0 && o->ranks_every_s > 86400.0)
@@ -356,33 +342,11 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
     case O_GRACE:
       o->grace = v;
       return sp_coordinator_grace_parse(flag, v, &o->grace_ms, d);
-    case O_LR:
-      o->lr = v;
-      return sp_flag_number(flag, v, 0, &x, d);
     case O_DEVICE:
       rc = sp_flag_choice(flag, v, devices, 2, &k, d);
       o->cuda = rc == 0 && k == 1;
       return rc;
-    case O_CKDIR:
-      o->ckdir = v;
-      return sp_flag_text(flag, v, "a directory", d);
-    case O_CK:
-      rc = sp_flag_choice(flag, v, kinds, 4, &k, d);
-      if (rc == 0 && k == 0) o->no_checkpoint = true;
-      if (rc == 0 && k > 0) o->kinds[k] = true;
-      return rc;
-    case O_LOAD:
-      o->load_dir = v;
-      return sp_flag_text(flag, v, "a checkpoint directory", d);
-    case O_LOADK:
-      rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
-      if (rc == 0) o->load_kind = (sp_ckpt_kind)(k + 1);
-      return rc;
-    case O_LOADP: o->load_params_only = true; return 0;
     case O_SYNTH: o->synthetic = true; return 0;
-    case O_CKEVERY:
-      o->ckpt_every = v;
-      return sp_flag_int(flag, v, 1, 1000000000, &n, d);
     case O_INJECT:
       /* checked as the workers will, before any starts; passed as given */
       if (o->n_inject == sizeof o->inject / sizeof o->inject[0])
@@ -413,19 +377,13 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"nproc", required_argument, NULL, O_NPROC},
       {"model", required_argument, NULL, O_MODEL},
       {"job", required_argument, NULL, O_JOB},
-      {"steps", required_argument, NULL, O_STEPS},
-      {"global-batch", required_argument, NULL, O_BATCH},
-      {"lr", required_argument, NULL, O_LR},
-      {"checkpoint-dir", required_argument, NULL, O_CKDIR},
-      {"checkpoint", required_argument, NULL, O_CK},
-      {"log-every", required_argument, NULL, O_LOG},
+      SP_WORKER_OPTIONS_RUN_AND_SAVE,
+      SP_WORKER_OPTION_LOG_EVERY,
       {"ranks-every", required_argument, NULL, O_RANKS},
       {"heartbeat-timeout-ms", required_argument, NULL, O_HB},
       {"device", required_argument, NULL, O_DEVICE},
-      {"load", required_argument, NULL, O_LOAD},
-      {"load-kind", required_argument, NULL, O_LOADK},
-      {"load-params-only", no_argument, NULL, O_LOADP},
-      {"checkpoint-every", required_argument, NULL, O_CKEVERY},
+      SP_WORKER_OPTIONS_LOAD,
+      SP_WORKER_OPTION_CKPT_EVERY,
       {"coordinator-grace", required_argument, NULL, O_GRACE},
       {"inject", required_argument, NULL, O_INJECT},
       {"stall-timeout-ms", required_argument, NULL, O_STALL},
@@ -443,10 +401,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
   struct option *opts = sp_job_cli_options(mine, n_own + n_train);
   if (!opts) return SP_EXIT_FAILURE;
   sp_train_flags_init(&o->train);
-  o->steps = "20";
-  o->batch = "24";
-  o->lr = "0.05";
-  o->log_every = "1";
+  sp_worker_flags_init(&o->wf, 1);
   o->ranks_every_s = 10;
   o->hb = "5000";
   int ret = SP_EXIT_USAGE, c, index = -1;
@@ -492,20 +447,14 @@ static int parse_args(int argc, char **argv, run_opts *o) {
                    o->faults.faults[i].rank, o->nproc, o->nproc - 1);
       goto out;
     }
-  if ((o->load_kind || o->load_params_only) && !o->load_dir) {
-    sp_cli_error(RUN, "%s needs --load DIR",
-                 o->load_kind ? "--load-kind" : "--load-params-only");
+  sp_diag fd = {{0}};
+  if (sp_worker_flags_finish(&o->wf, &fd) < 0) {
+    sp_cli_error(RUN, "%s", fd.msg);
     goto out;
   }
-  /* as the worker: FULL unless --checkpoint says otherwise */
-  if (!o->no_checkpoint && !o->kinds[SP_CKPT_SHARDED] &&
-      !o->kinds[SP_CKPT_LOCAL])
-    o->kinds[SP_CKPT_FULL] = true;
-  for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
-    o->any_kind |= o->kinds[k];
-  if (o->ckpt_every && !o->any_kind) {
+  if (o->wf.ckpt_every_arg && !o->wf.any_kind) {
     sp_cli_error(RUN, "--checkpoint-every %s: nothing to write with "
-                 "--checkpoint none", o->ckpt_every);
+                 "--checkpoint none", o->wf.ckpt_every_arg);
     goto out;
   }
   ret = PROCEED;
@@ -547,10 +496,9 @@ static int check_training(const run_opts *o, run_job *j) {
   }
   j->gpt2 = tm.gpt != NULL;
   sp_mlp_train_cfg cfg;
-  int rc = sp_train_model_check(&tm, j->plan, &o->train,
-                                (uint32_t)atoll(o->steps), strtod(o->lr, NULL),
-                                (uint32_t)atoll(o->batch), (uint32_t)o->nproc,
-                                "--nproc", &cfg, &d);
+  int rc = sp_train_model_check(&tm, j->plan, &o->train, o->wf.steps,
+                                o->wf.lr, o->wf.global_batch,
+                                (uint32_t)o->nproc, "--nproc", &cfg, &d);
   sp_train_model_clear(&tm);
   if (rc == 0) return PROCEED;
   sp_cli_error(RUN, "%s", d.msg);
@@ -617,21 +565,21 @@ static int check_checkpoints(const run_opts *o, run_job *j) {
   /* a file there is told now, naming the flag, rather than as a state
    * dir that cannot be made once the job starts */
   struct stat sb;
-  int src = o->ckdir ? stat(o->ckdir, &sb) : -1;
-  if (o->ckdir &&
+  int src = o->wf.ckpt_dir ? stat(o->wf.ckpt_dir, &sb) : -1;
+  if (o->wf.ckpt_dir &&
       ((src == 0 && !S_ISDIR(sb.st_mode)) || (src != 0 && errno == ENOTDIR))) {
-    sp_flag_fail(&d, "--checkpoint-dir", o->ckdir, "a directory: %s",
+    sp_flag_fail(&d, "--checkpoint-dir", o->wf.ckpt_dir, "a directory: %s",
                  src == 0 ? "it is a file" : "a part of its path is a file");
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
-  if (o->load_dir &&
-      sp_ckpt_resolve(o->load_dir, o->load_kind, j->load_from,
+  if (o->wf.load_dir &&
+      sp_ckpt_resolve(o->wf.load_dir, o->wf.load_kind, j->load_from,
                       sizeof j->load_from, &j->load_kind, &d) < 0) {
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
-  j->ckdir = o->ckdir;
+  j->ckdir = o->wf.ckpt_dir;
   if (!j->ckdir) {
     snprintf(j->default_dir, sizeof j->default_dir,
              "shardplane-run/%s-w%lld-%.8s",
@@ -639,7 +587,7 @@ static int check_checkpoints(const run_opts *o, run_job *j) {
              o->nproc, j->plan->version_hex);
     j->ckdir = j->default_dir;
   }
-  if (o->any_kind && sp_ckpt_check_dir(j->ckdir, j->plan->version_hex,
+  if (o->wf.any_kind && sp_ckpt_check_dir(j->ckdir, j->plan->version_hex,
                                        &d) < 0) {
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_USAGE;
@@ -755,13 +703,13 @@ static void worker_args(const run_opts *o, const run_job *j,
   push(wa, "--rank");
   push(wa, rank_s);
   push(wa, "--steps");
-  push(wa, o->steps);
+  push(wa, o->wf.steps_arg);
   push(wa, "--global-batch");
-  push(wa, o->batch);
+  push(wa, o->wf.batch_arg);
   push(wa, "--lr");
-  push(wa, o->lr);
+  push(wa, o->wf.lr_arg);
   push(wa, "--log-every");
-  push(wa, o->log_every);
+  push(wa, o->wf.log_every_arg);
   for (size_t i = 0; i < o->n_inject; i++) {
     push(wa, "--inject");
     push(wa, o->inject[i]);
@@ -780,7 +728,7 @@ static void worker_args(const run_opts *o, const run_job *j,
     push(wa, "--device");
     push(wa, device_s);
   }
-  if (!o->any_kind) {
+  if (!o->wf.any_kind) {
     push(wa, "--checkpoint");
     push(wa, "none");
   } else {
@@ -788,13 +736,13 @@ static void worker_args(const run_opts *o, const run_job *j,
     push(wa, j->ckdir);
   }
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
-    if (o->kinds[k]) {
+    if (o->wf.kinds[k]) {
       push(wa, "--checkpoint");
       push(wa, sp_ckpt_kind_dir((sp_ckpt_kind)k));
     }
-  if (o->ckpt_every) {
+  if (o->wf.ckpt_every_arg) {
     push(wa, "--checkpoint-every");
-    push(wa, o->ckpt_every);
+    push(wa, o->wf.ckpt_every_arg);
   }
   if (ld->dir) {
     push(wa, "--load");
@@ -811,22 +759,22 @@ static void worker_args(const run_opts *o, const run_job *j,
 static void what_to_load(const run_opts *o, const run_job *j, run_procs *p,
                          run_load *ld) {
   *ld = (run_load){0};
-  if (p->sup.incarnation > 0 && o->any_kind &&
+  if (p->sup.incarnation > 0 && o->wf.any_kind &&
       sp_sup_restart_ckpt(&p->sup, j->ckdir, &p->ckpt_seen,
-                          o->load_dir ? j->load_from : NULL, ld->buf,
+                          o->wf.load_dir ? j->load_from : NULL, ld->buf,
                           sizeof ld->buf, &ld->kind)) {
     ld->dir = ld->buf;
     return;
   }
-  if (p->sup.incarnation > 0 && !o->any_kind)
+  if (p->sup.incarnation > 0 && !o->wf.any_kind)
     sp_cli_error(RUN, "incarnation %llu starts from %s: no checkpoints "
                  "(--checkpoint none)",
                  (unsigned long long)p->sup.incarnation,
-                 o->load_dir ? j->load_from : "step 0");
-  if (o->load_dir) {
+                 o->wf.load_dir ? j->load_from : "step 0");
+  if (o->wf.load_dir) {
     ld->dir = j->load_from;
     ld->kind = j->load_kind;
-    ld->params_only = o->load_params_only;
+    ld->params_only = o->wf.load_params_only;
   }
 }
 
@@ -920,7 +868,7 @@ static int make_dirs(const char *dir) {
  * failure in the checkpoint directory names, so that the user knows which
  * path to change. */
 static void ckdir_words(const run_procs *p, char *buf, size_t cap) {
-  if (p->o->ckdir)
+  if (p->o->wf.ckpt_dir)
     snprintf(buf, cap, "--checkpoint-dir %s", p->j->ckdir);
   else
     snprintf(buf, cap, "the checkpoint directory %s (--checkpoint-dir "
@@ -1081,7 +1029,7 @@ static int report_done(const run_opts *o, const run_job *j,
              sig == SIGINT ? "SIGINT" : "SIGTERM", took_s);
   else
     snprintf(how, sizeof how, "done after %.1f s", took_s);
-  if (!o->any_kind) {
+  if (!o->wf.any_kind) {
     printf("shardplane run: %s; no checkpoint (--checkpoint none)\n", how);
     return ret;
   }
@@ -1090,7 +1038,7 @@ static int report_done(const run_opts *o, const run_job *j,
   int n = 0, written = 0, last = SP_CKPT_FULL;
   bool fresh[4] = {false};
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
-    if (!o->kinds[k]) continue;
+    if (!o->wf.kinds[k]) continue;
     n++;
     fresh[k] = sp_sup_ckpt_new(&p->ckpt_seen, &f, (sp_ckpt_kind)k);
     if (fresh[k]) {
@@ -1110,7 +1058,7 @@ static int report_done(const run_opts *o, const run_job *j,
   printf("shardplane run: %s at step %llu; checkpoint in %s\n", how,
          (unsigned long long)f.steps[last], j->ckdir);
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
-    if (!o->kinds[k]) continue;
+    if (!o->wf.kinds[k]) continue;
     const char *name = sp_ckpt_kind_name((sp_ckpt_kind)k);
     if (!fresh[k]) {
       sp_cli_error(RUN, "no %s checkpoint written in %s", name, j->ckdir);
@@ -1123,7 +1071,7 @@ static int report_done(const run_opts *o, const run_job *j,
            sp_ckpt_kind_dir((sp_ckpt_kind)k));
   }
   /* as ./dev run samples its checkpoint */
-  if (j->gpt2 && o->kinds[SP_CKPT_FULL])
+  if (j->gpt2 && o->wf.kinds[SP_CKPT_FULL])
     printf("shardplane run: sample text from it with shardplane-worker "
            "--generate --load %s --model %s --prompt \"The \" --tokens 300\n",
            f.dir[SP_CKPT_FULL], o->model_path);

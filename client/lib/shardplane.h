@@ -785,6 +785,24 @@ int sp_fsdp_copy(sp_fsdp *f, void *dst, const void *src, size_t bytes,
 /* Waits until the compute stream's work has finished (0 at once on the
  * CPU): for timing a step, or before the host reads results. */
 int sp_fsdp_synchronize(sp_fsdp *f, sp_diag *d);
+/* Whether the runtime's storage is plain host memory that a trainer reads
+ * and writes directly ("cpu"): false on a GPU, and for "cpu-staged",
+ * whose host memory the runtime reaches only through a device's paths. */
+bool sp_fsdp_host_storage(const sp_fsdp *f);
+
+/* A state tensor of the caller's, sharded exactly like the master shards,
+ * that checkpoints save and load as an optimizer's state
+ * ("optim.<name>.<fqn>" in FULL and SHARDED checkpoints,
+ * "<unit>.optim.<name>" in LOCAL ones): a trainer with an optimizer of its
+ * own registers its moments so. per_unit[u] holds, for every unit u with
+ * a master shard, sp_fsdp_shard's numel elements of dtype (padding
+ * included, zero there) in the runtime's storage (device memory on a
+ * GPU), NULL for a unit without one; the caller keeps the storage, which
+ * must outlive the runtime's use of it (until sp_fsdp_free). Names are
+ * unique (SP_EEXIST), at most 8 (SP_ERANGE); SP_EINVAL for a bad name or
+ * no storage. */
+int sp_fsdp_register_shard_state(sp_fsdp *f, const char *name, sp_dtype dt,
+                                 uint8_t **per_unit, sp_diag *d);
 
 /* Parses a device name: "cpu" (and the test mode "cpu-staged",
  * sp_fsdp_opts.device) gives *cuda_ordinal = -1; "cuda:N" gives N

@@ -1,6 +1,7 @@
 /* The reference model of shardplane-worker: a sequential MLP read from a
- * model spec, its deterministic data and initialisation, its CPU forward and
- * backward, and an unsharded single-process trainer to compare against.
+ * model spec, its deterministic data and initialisation, and its CPU
+ * forward and backward. The unsharded single-process trainer the tests
+ * compare against is tests/support/mlp_reference.h.
  *
  * The spec (examples/mlp.json): the root module (any type) holds an int64
  * scalar buffer "step"; its children "layers.0", "layers.1", ... run in
@@ -153,82 +154,6 @@ int sp_mlp_backward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
                     sp_mlp_acts *a, sp_diag *d);
 /* Increments the root "step" buffer (any integer dtype) if there is one. */
 void sp_mlp_count_step(const sp_mlp *mlp, const sp_mlp_io *io);
-/* The compute dtype of the network output, for sp_mlp_loss: the param
- * dtype of the last layer with parameters (float32 when none). */
-sp_dtype sp_mlp_out_dtype(const sp_mlp *mlp, const sp_mlp_io *io);
-
-/* What sp_mlp_reference_train runs. */
-typedef struct sp_mlp_train_cfg {
-  uint32_t steps; /* optimizer steps */
-  /* samples per optimizer step, over all micro-batches (and ranks, for a
-   * sharded trainer); 1..2^24, a multiple of grad_accum */
-  uint32_t global_batch;
-  /* micro-batches per step, 0 or 1: none. Micro-batch j of step s is
-   * samples [j*m, (j+1)*m) of sp_mlp_batch(step = s), m = global_batch / k
-   * (a sharded rank r of W takes [j*m + r*m/W, j*m + (r+1)*m/W)); its
-   * forward uses global_n = m, its loss sp_mlp_loss_over(denom = m * k for
-   * one process, m / W * k for a rank), and sp_mlp_count_step follows
-   * each micro-batch's backward. */
-  uint32_t grad_accum;
-  /* how the micro-batches' gradients add up (mlp.h's reduction emulation):
-   * false: each is cast to reduce_dtype and on to the gradient dtype and
-   * added there (FSDP2's reduce per micro-batch); true: they add up in
-   * the views' param_dtype and are cast once (no_sync) */
-  bool no_sync;
-  /* optimizer, schedule (total_steps set by the caller) and decay mask */
-  sp_optim_opts optim;
-  double clip_grad_norm; /* > 0: clip_grad_norm_ before each step; 0 off */
-} sp_mlp_train_cfg;
-
-/* steps and global batch, SGD at lr with no momentum, decay, clipping or
- * accumulation: what sp_mlp_reference_run trains. */
-void sp_mlp_train_cfg_init(sp_mlp_train_cfg *cfg, uint32_t steps,
-                           uint32_t global_batch, double lr);
-
-/* The unsharded single-process run: sp_mlp_reference_train with
- * sp_mlp_train_cfg_init(steps, global_batch, lr).
- *
- * sp_mlp_reference_train: full float32 (master dtype) parameters; per
- * micro-batch, params cast to each unit's param_dtype, buffers cast once
- * to their compute dtype, forward, backward, gradients cast to
- * reduce_dtype and back (unless keep_low_precision_grads) and summed over
- * the micro-batches; then clipping and the optimizer (cfg). Units and dtypes come from the plan of (model, job) with
- * world size 1. losses[s] receives the loss of step s (may be NULL). On
- * return *params holds every model param (model order, each in its dtype,
- * concatenated; caller frees) and *buffers every buffer in its compute
- * dtype (concatenated, caller frees); either may be NULL.
- *
- * Exactly, so that a sharded trainer can follow it: params start from
- * sp_mlp_init_param, buffers from sp_mlp_init_buffer, then floating buffers
- * are sp_cast to their compute dtype. Micro-batch j of step s (0-based) as
- * sp_mlp_train_cfg says; forward of every layer; loss with
- * sp_mlp_out_dtype (losses[s]: the sum of the micro-batches' scaled
- * losses, the step's mean); backward from the last layer;
- * sp_mlp_count_step. Per param p with requires_grad, in its unit's
- * dtypes: g = sp_cast(grad, param_dtype -> reduce_dtype), then to the
- * param's own dtype, or to param_dtype with keep_low_precision_grads
- * (FSDP's cast_grad_to_param_dtype_if_needed), added to the step's
- * gradient (the sum rounded to that dtype). Clipping: the 2-norm of every
- * trainable gradient (squares summed in double), coef = max /
- * (norm + 1e-6), g = rne(g * coef) when coef < 1. The optimizer at
- * lr(step) (warmup-cosine as sp_optim_lr), on trainable params only, the
- * decay mask as sp_optim_decays, the formulas of sp_fsdp_optim_step in
- * its order of double operations (ISO C, no FMA contraction), moments
- * rounded to float32 and params once (RNE) to their dtype. Written on its
- * own (not through the runtime's optimizer), so the parity tests compare
- * two implementations. With SGD, no momentum and no decay this is
- * p = rne((double)p - lr * (double)g), as sp_fsdp_sgd_step.
- * Errors: SP_EINVAL (NULL, global_batch 0, over 2^24 or not a multiple of
- * grad_accum, a bad optimizer option or clip norm), SP_EUNSUPPORTED (not
- * an MLP spec), plan errors, SP_ENOMEM, SP_ETOOBIG. */
-int sp_mlp_reference_run(const sp_model *m, const sp_job *job,
-                         uint32_t steps, uint32_t global_batch, double lr,
-                         double *losses, void **params, void **buffers,
-                         sp_diag *d);
-int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
-                           const sp_mlp_train_cfg *cfg, double *losses,
-                           void **params, void **buffers, sp_diag *d);
-
 #ifdef __cplusplus
 }
 #endif

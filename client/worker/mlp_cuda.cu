@@ -16,17 +16,10 @@
 
 #include "cast/cast_cuda.h"
 #include "cast/cast_scalar.h"
-#include "cast/cuda_launch.h"
-#include "lib/fsdp/cuda_internal.h"
+#include "cublas_check.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_launch.h"
 #include "mlp_cuda.h"
-
-extern "C" int sp_cublas_diag(sp_diag *d, int status, const char *expr,
-                              const char *file, int line) {
-  cublasStatus_t s = (cublasStatus_t)status;
-  return sp_diag_set(d, SP_ECUDA, "%s:%d: %s: cuBLAS error %s (%s)", file,
-                     line, expr, cublasGetStatusName(s),
-                     cublasGetStatusString(s));
-}
 
 /* ------------------------------------------------------------------ */
 /* device helpers: mlp.c's round_f32, load_f32, store_f32              */
@@ -85,14 +78,17 @@ static __device__ void store_dt(void *p, int dt, size_t i, float v) {
 /* kernels                                                             */
 /* ------------------------------------------------------------------ */
 
+/* k_mlp_*: the MLP's kernels, each launched by the sp_mlp_cuda_* code
+ * below (launch geometry: cuda/cuda_launch.h). */
+
 /* mlp.c round_array: the GEMM consumes its input in the compute dtype */
-__global__ void sp_mk_round(float *x, size_t n, int dt) {
+__global__ void k_mlp_round(float *x, size_t n, int dt) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
     x[i] = round_dt(x[i], dt);
 }
 
 /* linear_forward's epilogue: acc (+ b[j]) rounded to pd */
-__global__ void sp_mk_bias_round(float *y, const float *acc, const void *b,
+__global__ void k_mlp_bias_round(float *y, const float *acc, const void *b,
                                  int bdt, size_t n, size_t out, int pd) {
   size_t count = n * out;
   for (size_t i = SP_K_TID(); i < count; i += SP_K_STRIDE()) {
@@ -105,7 +101,7 @@ __global__ void sp_mk_bias_round(float *y, const float *acc, const void *b,
 /* Column sums of an n x h row-major array in sample order from +0.0f, one
  * thread per column: the CPU's loop `sum[k] += x[s * h + k]` exactly
  * (norm_forward's batch sum, linear_backward's bias gradient). */
-__global__ void sp_mk_colsum(const float *x, size_t n, size_t h, float *sum) {
+__global__ void k_mlp_colsum(const float *x, size_t n, size_t h, float *sum) {
   for (size_t k = SP_K_TID(); k < h; k += SP_K_STRIDE()) {
     float acc = 0.0f;
     for (size_t s = 0; s < n; s++) acc = __fadd_rn(acc, x[s * h + k]);
@@ -116,7 +112,7 @@ __global__ void sp_mk_colsum(const float *x, size_t n, size_t h, float *sum) {
 /* norm_forward after the all-reduce: running_mean <- 0.9 rm + 0.1 mean in
  * float32, stored in rm's dtype; mean_out gets the stored (rounded) value,
  * which is what the output uses. */
-__global__ void sp_mk_norm_update(void *rm, int rd, const float *sum,
+__global__ void k_mlp_norm_update(void *rm, int rd, const float *sum,
                                   size_t h, float gn, float *mean_out) {
   for (size_t k = SP_K_TID(); k < h; k += SP_K_STRIDE()) {
     float mean = __fdiv_rn(sum[k], gn);
@@ -128,7 +124,7 @@ __global__ void sp_mk_norm_update(void *rm, int rd, const float *sum,
 }
 
 /* mlp.c int_increment (wrapping, any integer width) and `seen = true` */
-__global__ void sp_mk_counters(void *nbt, int nbt_dt, unsigned char *seen) {
+__global__ void k_mlp_counters(void *nbt, int nbt_dt, unsigned char *seen) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   if (nbt) {
     switch (nbt_dt) {
@@ -153,7 +149,7 @@ __global__ void sp_mk_counters(void *nbt, int nbt_dt, unsigned char *seen) {
 }
 
 /* y = (x - mean) * w + b, rounded to pd */
-__global__ void sp_mk_norm_out(const float *x, const float *mean,
+__global__ void k_mlp_norm_out(const float *x, const float *mean,
                                const void *w, const void *b, int pd, size_t n,
                                size_t h, float *y) {
   size_t count = n * h;
@@ -168,7 +164,7 @@ __global__ void sp_mk_norm_out(const float *x, const float *mean,
 
 /* norm_backward's parameter gradients, per column in sample order:
  * gw += dy * (x - mean), gb += dy */
-__global__ void sp_mk_norm_grads(const float *x, const float *dy,
+__global__ void k_mlp_norm_grads(const float *x, const float *dy,
                                  const float *mean, size_t n, size_t h,
                                  float *gw, float *gb) {
   for (size_t k = SP_K_TID(); k < h; k += SP_K_STRIDE()) {
@@ -185,7 +181,7 @@ __global__ void sp_mk_norm_grads(const float *x, const float *dy,
 }
 
 /* norm_backward's input gradient: dy * w rounded to pd */
-__global__ void sp_mk_norm_dx(const float *dy, const void *w, int pd,
+__global__ void k_mlp_norm_dx(const float *dy, const void *w, int pd,
                               size_t n, size_t h, float *dx) {
   size_t count = n * h;
   for (size_t i = SP_K_TID(); i < count; i += SP_K_STRIDE())
@@ -193,14 +189,14 @@ __global__ void sp_mk_norm_dx(const float *dy, const void *w, int pd,
 }
 
 /* torch.relu: NaN passes through */
-__global__ void sp_mk_relu(const float *x, float *y, size_t n) {
+__global__ void k_mlp_relu(const float *x, float *y, size_t n) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
     float v = x[i];
     y[i] = v > 0.0f ? v : (v != v ? v : 0.0f);
   }
 }
 
-__global__ void sp_mk_relu_back(const float *x, const float *dy, float *dx,
+__global__ void k_mlp_relu_back(const float *x, const float *dy, float *dx,
                                 size_t n) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
     dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
@@ -208,7 +204,7 @@ __global__ void sp_mk_relu_back(const float *x, const float *dy, float *dx,
 
 /* sp_mlp_loss_over, per sample: r = y - t, the sample's sum of 0.5 r^2 in
  * double (in feature order), dy = r / fn rounded to the output dtype */
-__global__ void sp_mk_loss_rows(const float *y, const float *t, size_t n,
+__global__ void k_mlp_loss_rows(const float *y, const float *t, size_t n,
                                 size_t out, float fn, int out_dt, float *dy,
                                 double *partial) {
   for (size_t s = SP_K_TID(); s < n; s += SP_K_STRIDE()) {
@@ -226,7 +222,7 @@ __global__ void sp_mk_loss_rows(const float *y, const float *t, size_t n,
 /* the sample sums in sample order, divided by denom (n, or n * k for a
  * micro-batch of k), set or added to loss[0]: one thread, so the result
  * does not depend on the launch */
-__global__ void sp_mk_loss_total(const double *partial, size_t n,
+__global__ void k_mlp_loss_total(const double *partial, size_t n,
                                  double denom, int add, double *loss) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   double acc = 0.0;
@@ -236,14 +232,14 @@ __global__ void sp_mk_loss_total(const double *partial, size_t n,
 }
 
 /* mlp.c write_grad: dst = rne_pd(dst + g), the sum in double */
-__global__ void sp_mk_grad_add(void *dst, int pd, const float *g, size_t n) {
+__global__ void k_mlp_grad_add(void *dst, int pd, const float *g, size_t n) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
     sp_elem_store_f64(dst, pd, i,
                       __dadd_rn(sp_elem_load_f64(dst, pd, i), (double)g[i]));
 }
 
 /* a buffer (any floating dtype) as float32 */
-__global__ void sp_mk_load(const void *p, int dt, size_t n, float *out) {
+__global__ void k_mlp_load(const void *p, int dt, size_t n, float *out) {
   for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
     out[i] = load_dt(p, dt, i);
 }
@@ -291,7 +287,7 @@ static int dmalloc(void **p, size_t count, size_t esize, sp_diag *d) {
     return sp_diag_set(d, SP_ENOMEM, "cudaMalloc of %zu bytes: out of device "
                        "memory", bytes);
   }
-  SP_CUDA_CHECK_D(d, e);
+  SP_CUDA_CHECK(d, e);
   return 0;
 }
 
@@ -353,15 +349,15 @@ static int cuda_new(sp_mlp_cuda *g, sp_diag *d) {
     rc = sp_diag_set(d, SP_ETOOBIG, "batch too large");
   if (rc == 0) rc = dmalloc((void **)&g->loss, n + 1, sizeof(double), d);
   if (rc < 0) return rc;
-  SP_CUBLAS_CHECK_D(d, cublasCreate(&g->blas));
-  SP_CUBLAS_CHECK_D(d, cublasSetStream(g->blas, g->st));
+  SP_CUBLAS_CHECK(d, cublasCreate(&g->blas));
+  SP_CUBLAS_CHECK(d, cublasSetStream(g->blas, g->st));
   /* CUBLAS_COMPUTE_32F already excludes TF32; the default math mode also
    * keeps cuBLAS from choosing reduced-precision paths on its own */
-  SP_CUBLAS_CHECK_D(d, cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH));
+  SP_CUBLAS_CHECK(d, cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH));
   /* device memory starts undefined; targets and losses are read before a
    * first set_batch / loss only by mistake, but then as zeros */
-  SP_CUDA_CHECK_D(d, cudaMemsetAsync(g->loss, 0, (n + 1) * sizeof(double),
-                                     g->st));
+  SP_CUDA_CHECK(d, cudaMemsetAsync(g->loss, 0, (n + 1) * sizeof(double),
+                                   g->st));
   g->dy_dt = SP_FLOAT32;
   return 0;
 }
@@ -390,15 +386,15 @@ extern "C" int sp_mlp_cuda_set_batch(sp_mlp_cuda *g, const float *x,
   if (!g) return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_set_batch: NULL");
   const sp_mlp *mlp = g->mlp;
   if (x && g->n)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(g->x[0], x,
-                                       g->n * (size_t)mlp->in_dim * 4,
-                                       cudaMemcpyHostToDevice, g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->x[0], x,
+                                     g->n * (size_t)mlp->in_dim * 4,
+                                     cudaMemcpyHostToDevice, g->st));
   if (t && g->n)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(g->t, t,
-                                       g->n * (size_t)mlp->out_dim * 4,
-                                       cudaMemcpyHostToDevice, g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->t, t,
+                                     g->n * (size_t)mlp->out_dim * 4,
+                                     cudaMemcpyHostToDevice, g->st));
   /* the host arrays are reused for the next batch: wait for the copies */
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -449,9 +445,9 @@ static int write_grad(sp_mlp_cuda *g, const sp_mlp_io *io, int32_t p,
                        "element-aligned expected)", t->fqn, dst,
                        sp_dtype_name(pd));
   if (n == 0) return 0;
-  sp_mk_grad_add<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(dst, (int)pd,
+  k_mlp_grad_add<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(dst, (int)pd,
                                                              src, n);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -531,7 +527,7 @@ static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
   if (m == 0 || n == 0) return 0;
   if (k == 0) {
     /* an empty sum: cuBLAS may leave C alone */
-    SP_CUDA_CHECK_D(d, cudaMemsetAsync(C, 0, m * n * sizeof(float), g->st));
+    SP_CUDA_CHECK(d, cudaMemsetAsync(C, 0, m * n * sizeof(float), g->st));
     return 0;
   }
   if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX ||
@@ -540,10 +536,10 @@ static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
                        "int", m, n, k);
   const float alpha = 1.0f, beta = 0.0f;
   cudaDataType_t ty = cuda_type(dt);
-  SP_CUBLAS_CHECK_D(d, cublasGemmEx(g->blas, ta, tb, (int)m, (int)n, (int)k,
-                                    &alpha, A, ty, (int)lda, B, ty, (int)ldb,
-                                    &beta, C, CUDA_R_32F, (int)m,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  SP_CUBLAS_CHECK(d, cublasGemmEx(g->blas, ta, tb, (int)m, (int)n, (int)k,
+                                  &alpha, A, ty, (int)lda, B, ty, (int)ldb,
+                                  &beta, C, CUDA_R_32F, (int)m,
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return 0;
 }
 
@@ -552,9 +548,9 @@ static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
 static int round_inplace(sp_mlp_cuda *g, float *x, size_t count, sp_dtype dt,
                          sp_diag *d) {
   if (count == 0 || (dt != SP_BFLOAT16 && dt != SP_FLOAT16)) return 0;
-  sp_mk_round<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(x, count,
+  k_mlp_round<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(x, count,
                                                              (int)dt);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -580,9 +576,9 @@ static int linear_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
               g->acc, d);
   if (rc < 0) return rc;
   if (n * out != 0) {
-    sp_mk_bias_round<<<sp_k_blocks(n * out), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_bias_round<<<sp_k_blocks(n * out), SP_K_THREADS, 0, g->st>>>(
         y, g->acc, b, (int)bd, n, out, (int)pd);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   return 0;
 }
@@ -610,9 +606,9 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc == 0) rc = write_grad(g, io, L->weight, g->acc, d);
   if (rc == 0 && L->bias >= 0) {
     if (out) {
-      sp_mk_colsum<<<sp_k_blocks(out), SP_K_THREADS, 0, g->st>>>(g->dy, n, out,
+      k_mlp_colsum<<<sp_k_blocks(out), SP_K_THREADS, 0, g->st>>>(g->dy, n, out,
                                                                g->vec_a);
-      SP_CUDA_CHECK_D(d, cudaGetLastError());
+      SP_CUDA_CHECK(d, cudaGetLastError());
     }
     rc = write_grad(g, io, L->bias, g->vec_a, d);
   }
@@ -625,9 +621,9 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
               g->acc, d);
   if (rc < 0) return rc;
   if (n * in != 0) {
-    sp_mk_bias_round<<<sp_k_blocks(n * in), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_bias_round<<<sp_k_blocks(n * in), SP_K_THREADS, 0, g->st>>>(
         g->dx, g->acc, NULL, (int)SP_FLOAT32, n, in, (int)pd);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   return 0;
 }
@@ -650,9 +646,9 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   rc = round_inplace(g, x, n * h, pd, d);
   if (rc < 0) return rc;
   if (h) {
-    sp_mk_colsum<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(x, n, h,
+    k_mlp_colsum<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(x, n, h,
                                                             g->vec_a);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   /* every rank calls the collective, also one whose local batch is empty;
    * the sums were enqueued on the stream the runtime orders against */
@@ -661,9 +657,9 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
     if (rc < 0) return sp_diag_prefix(d, rc, "all-reduce of the batch sum");
   }
   if (h) {
-    sp_mk_norm_update<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_norm_update<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
         rm, (int)rd, g->vec_a, h, (float)global_n, g->vec_b);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   void *nbt = NULL, *seen = NULL;
   sp_dtype nbt_dt = SP_INT64, seen_dt = SP_BOOL;
@@ -673,14 +669,14 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
                                                 &seen_dt, d);
   if (rc < 0) return rc;
   if (nbt || seen) {
-    sp_mk_counters<<<1, 1, 0, g->st>>>(nbt, (int)nbt_dt,
+    k_mlp_counters<<<1, 1, 0, g->st>>>(nbt, (int)nbt_dt,
                                        (unsigned char *)seen);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   if (n * h != 0) {
-    sp_mk_norm_out<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_norm_out<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
         x, g->vec_b, w, b, (int)pd, n, h, y);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   return 0;
 }
@@ -696,20 +692,20 @@ static int norm_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc < 0) return rc;
   if (h) {
     /* the stored running mean as float32: the constant the forward used */
-    sp_mk_load<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(rm, (int)rd, h,
+    k_mlp_load<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(rm, (int)rd, h,
                                                           g->vec_b);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
-    sp_mk_norm_grads<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
+    SP_CUDA_CHECK(d, cudaGetLastError());
+    k_mlp_norm_grads<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
         g->x[l], g->dy, g->vec_b, n, h, g->vec_a, g->acc);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   rc = write_grad(g, io, L->weight, g->vec_a, d);
   if (rc == 0) rc = write_grad(g, io, L->bias, g->acc, d);
   if (rc < 0 || l == 0) return rc;
   if (n * h != 0) {
-    sp_mk_norm_dx<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_norm_dx<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
         g->dy, w, (int)pd, n, h, g->dx);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   return 0;
 }
@@ -736,9 +732,9 @@ extern "C" int sp_mlp_cuda_forward(sp_mlp_cuda *g, size_t l,
   case SP_MLP_RELU: {
     size_t count = g->n * (size_t)L->in;
     if (count) {
-      sp_mk_relu<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
+      k_mlp_relu<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
           g->x[l], g->x[l + 1], count);
-      SP_CUDA_CHECK_D(d, cudaGetLastError());
+      SP_CUDA_CHECK(d, cudaGetLastError());
     }
     break;
   }
@@ -761,14 +757,14 @@ extern "C" int sp_mlp_cuda_loss_over(sp_mlp_cuda *g, sp_dtype out_dtype,
                        "denominator");
   size_t n = g->n, out = (size_t)g->mlp->out_dim;
   if (n) {
-    sp_mk_loss_rows<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_loss_rows<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(
         g->x[g->mlp->n_layers], g->t, n, out, (float)denom, (int)out_dtype,
         g->dy, g->loss + 1);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
-  sp_mk_loss_total<<<1, 1, 0, g->st>>>(g->loss + 1, n, (double)denom,
+  k_mlp_loss_total<<<1, 1, 0, g->st>>>(g->loss + 1, n, (double)denom,
                                        add ? 1 : 0, g->loss);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   g->dy_dt = out_dtype;
   return 0;
 }
@@ -791,9 +787,9 @@ extern "C" int sp_mlp_cuda_backward(sp_mlp_cuda *g, size_t l,
   case SP_MLP_RELU: {
     size_t count = g->n * (size_t)L->in;
     if (l > 0 && count) {
-      sp_mk_relu_back<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
+      k_mlp_relu_back<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
           g->x[l], g->dy, g->dx, count);
-      SP_CUDA_CHECK_D(d, cudaGetLastError());
+      SP_CUDA_CHECK(d, cudaGetLastError());
     }
     break;
   }
@@ -819,8 +815,8 @@ extern "C" int sp_mlp_cuda_count_step(sp_mlp_cuda *g, const sp_mlp_io *io,
   sp_dtype dt;
   int rc = buffer_view(g, io, g->mlp->step_buffer, &p, &dt, d);
   if (rc < 0) return rc;
-  sp_mk_counters<<<1, 1, 0, g->st>>>(p, (int)dt, NULL);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  k_mlp_counters<<<1, 1, 0, g->st>>>(p, (int)dt, NULL);
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -832,9 +828,9 @@ extern "C" int sp_mlp_cuda_read_loss(sp_mlp_cuda *g, double *loss,
                                      sp_diag *d) {
   if (!g || !loss)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_read_loss: NULL");
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(loss, g->loss, sizeof *loss,
-                                     cudaMemcpyDeviceToHost, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(loss, g->loss, sizeof *loss,
+                                   cudaMemcpyDeviceToHost, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -844,9 +840,9 @@ extern "C" int sp_mlp_cuda_read_act(sp_mlp_cuda *g, size_t l, float *host,
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_read_act: bad argument");
   size_t dim = (size_t)(l == 0 ? g->mlp->in_dim : g->mlp->layers[l - 1].out);
   if (g->n * dim != 0)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(host, g->x[l], g->n * dim * 4,
-                                       cudaMemcpyDeviceToHost, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(host, g->x[l], g->n * dim * 4,
+                                     cudaMemcpyDeviceToHost, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -855,9 +851,9 @@ extern "C" int sp_mlp_cuda_read_dy(sp_mlp_cuda *g, float *host, size_t count,
   if (!g || (!host && count) || count > g->act_numel)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_read_dy: bad argument");
   if (count)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(host, g->dy, count * 4,
-                                       cudaMemcpyDeviceToHost, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(host, g->dy, count * 4,
+                                     cudaMemcpyDeviceToHost, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -867,9 +863,9 @@ extern "C" int sp_mlp_cuda_write_act(sp_mlp_cuda *g, size_t l,
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_write_act: bad argument");
   size_t dim = (size_t)(l == 0 ? g->mlp->in_dim : g->mlp->layers[l - 1].out);
   if (g->n * dim != 0)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(g->x[l], host, g->n * dim * 4,
-                                       cudaMemcpyHostToDevice, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->x[l], host, g->n * dim * 4,
+                                     cudaMemcpyHostToDevice, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   return 0;
 }
 
@@ -879,9 +875,9 @@ extern "C" int sp_mlp_cuda_write_dy(sp_mlp_cuda *g, const float *host,
       !sp_dtype_is_floating(dt))
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_write_dy: bad argument");
   if (count)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(g->dy, host, count * 4,
-                                       cudaMemcpyHostToDevice, g->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(g->st));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->dy, host, count * 4,
+                                     cudaMemcpyHostToDevice, g->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
   g->dy_dt = dt;
   return 0;
 }

@@ -104,6 +104,16 @@ bool sp_train_flag_has_arg(int c) {
   return i >= 0 && i < F_COUNT && k_flags[i].arg != NULL;
 }
 
+void sp_mlp_train_cfg_init(sp_mlp_train_cfg *cfg, uint32_t steps,
+                           uint32_t global_batch, double lr) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->steps = steps;
+  cfg->global_batch = global_batch;
+  cfg->grad_accum = 1;
+  sp_optim_opts_init(&cfg->optim, SP_OPTIM_SGD);
+  cfg->optim.lr = lr;
+}
+
 /* "B1,B2", each in [0, 1) */
 static int parse_betas(sp_train_flags *t, const char *flag, const char *v,
                        sp_diag *d) {

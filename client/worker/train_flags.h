@@ -15,7 +15,38 @@
 
 #include "base/sp_error.h"
 #include "lib/shardplane.h"
-#include "mlp.h"
+
+/* What a trainer runs, made from the flags by sp_train_flags_finish: the
+ * worker's trainers' and the tests' reference run's
+ * (tests/support/mlp_reference.h). Named for the MLP it first served; the
+ * GPT-2 trainer takes the same (gpt2_train.h). */
+typedef struct sp_mlp_train_cfg {
+  uint32_t steps; /* optimizer steps */
+  /* samples per optimizer step, over all micro-batches (and ranks, for a
+   * sharded trainer); 1..2^24, a multiple of grad_accum */
+  uint32_t global_batch;
+  /* micro-batches per step, 0 or 1: none. Micro-batch j of step s is
+   * samples [j*m, (j+1)*m) of sp_mlp_batch(step = s), m = global_batch / k
+   * (a sharded rank r of W takes [j*m + r*m/W, j*m + (r+1)*m/W)); its
+   * forward uses global_n = m, its loss sp_mlp_loss_over(denom = m * k for
+   * one process, m / W * k for a rank), and sp_mlp_count_step follows
+   * each micro-batch's backward. */
+  uint32_t grad_accum;
+  /* how the micro-batches' gradients add up (the reference run's
+   * reduction emulation):
+   * false: each is cast to reduce_dtype and on to the gradient dtype and
+   * added there (FSDP2's reduce per micro-batch); true: they add up in
+   * the views' param_dtype and are cast once (no_sync) */
+  bool no_sync;
+  /* optimizer, schedule (total_steps set by the caller) and decay mask */
+  sp_optim_opts optim;
+  double clip_grad_norm; /* > 0: clip_grad_norm_ before each step; 0 off */
+} sp_mlp_train_cfg;
+
+/* steps and global batch, SGD at lr with no momentum, decay, clipping or
+ * accumulation: what sp_mlp_reference_run trains. */
+void sp_mlp_train_cfg_init(sp_mlp_train_cfg *cfg, uint32_t steps,
+                           uint32_t global_batch, double lr);
 
 /* getopt_long returns SP_TRAIN_OPT_BASE + i for the i-th training flag. */
 #define SP_TRAIN_OPT_BASE 2000

@@ -25,12 +25,12 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "cast_cuda.h"
 #include "cast_scalar.h"
-#include "cuda_launch.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_launch.h"
 
 #define SP_CUDA_VEC 8 /* elements per thread in the vec kernels */
 
@@ -314,14 +314,7 @@ static const sp_cuda_launch_fn k_div[4][4] = {
      sp_cuda_launch_div_bf16_f16, sp_cuda_launch_div_bf16_bf16},
 };
 
-/* ---- errors -------------------------------------------------------------- */
-
-int sp_cuda_report(int err, const char *expr, const char *file, int line) {
-  cudaError_t e = (cudaError_t)err;
-  fprintf(stderr, "%s:%d: %s: CUDA error %s (%s)\n", file, line, expr,
-          cudaGetErrorName(e), cudaGetErrorString(e));
-  return SP_ECUDA;
-}
+/* ---- devices ------------------------------------------------------------- */
 
 int sp_cuda_device_count(int *n) {
   if (n == NULL) return SP_EINVAL;
@@ -341,7 +334,7 @@ int sp_cuda_device_count(int *n) {
   case cudaErrorStubLibrary:        /* linked against the toolkit's stub */
     return 0;
   default:
-    return sp_cuda_report(e, "cudaGetDeviceCount", __FILE__, __LINE__);
+    return sp_cuda_diag(NULL, e, "cudaGetDeviceCount", __FILE__, __LINE__);
   }
 }
 
@@ -351,9 +344,9 @@ int sp_cuda_device_count(int *n) {
  * loop does the rest with fewer block launches. */
 static int sp_cuda_max_blocks(unsigned *out) {
   int dev = 0, sms = 0;
-  SP_CUDA_CHECK(cudaGetDevice(&dev));
-  SP_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  SP_CUDA_CHECK(NULL, cudaGetDevice(&dev));
+  SP_CUDA_CHECK(NULL, cudaDeviceGetAttribute(
+                          &sms, cudaDevAttrMultiProcessorCount, dev));
   *out = (unsigned)(sms > 0 ? sms : 1) * 8u;
   return 0;
 }
@@ -369,8 +362,9 @@ int sp_cuda_cast(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
   cudaStream_t st = (cudaStream_t)stream;
   if (src_t == dst_t) {
     if (dst != src)
-      SP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sp_dtype_size(src_t),
-                                    cudaMemcpyDeviceToDevice, st));
+      SP_CUDA_CHECK(NULL, cudaMemcpyAsync(dst, src,
+                                          n * sp_dtype_size(src_t),
+                                          cudaMemcpyDeviceToDevice, st));
     return 0;
   }
   /* In place works element by element only when elements line up. */
@@ -381,7 +375,7 @@ int sp_cuda_cast(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
   if (rc < 0) return rc;
   if (k_plain[si][di](dst, src, n, 1.0, max_blocks, st) != 0)
     k_plain_byte[si][di](dst, src, n, max_blocks, st);
-  SP_CUDA_CHECK(cudaGetLastError());
+  SP_CUDA_CHECK(NULL, cudaGetLastError());
   return 0;
 }
 
@@ -418,6 +412,6 @@ int sp_cuda_cast_div(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
   if (rc < 0) return rc;
   if (k_div[si][di](dst, src, n, div, max_blocks, (cudaStream_t)stream) != 0)
     return SP_EINVAL; /* unreachable: alignment was checked above */
-  SP_CUDA_CHECK(cudaGetLastError());
+  SP_CUDA_CHECK(NULL, cudaGetLastError());
   return 0;
 }

@@ -1,4 +1,4 @@
-/* CUDA dtype casts on device memory, and the CUDA error-checking macro.
+/* CUDA dtype casts on device memory.
  *
  * Built only when CMake finds a CUDA toolkit (target sp_cast_cuda;
  * shardplane/config.h says SHARDPLANE_HAVE_CUDA), except
@@ -90,20 +90,6 @@ int sp_cuda_cast_div(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
  * Errors: SP_EINVAL (n NULL), SP_ECUDA (the driver reported something other
  * than "no device"; *n = 0). */
 int sp_cuda_device_count(int *n);
-
-/* Logs "file:line: expr: CUDA error NAME (description)" to stderr and
- * returns SP_ECUDA; used by SP_CUDA_CHECK. `err` is a cudaError_t. */
-int sp_cuda_report(int err, const char *expr, const char *file, int line);
-
-/* Evaluates a CUDA runtime call; on failure logs where and returns
- * SP_ECUDA from the enclosing function (which must return int). Never
- * exits: a worker decides for itself how to fail. */
-#define SP_CUDA_CHECK(call)                                                    \
-  do {                                                                         \
-    int sp_cuda_check_err_ = (int)(call);                                      \
-    if (sp_cuda_check_err_ != 0)                                               \
-      return sp_cuda_report(sp_cuda_check_err_, #call, __FILE__, __LINE__);    \
-  } while (0)
 
 #ifdef __cplusplus
 }

@@ -17,6 +17,7 @@
 #include "base/clock.h"
 #include "plan/job.h"
 #include "worker/mlp.h"
+#include "mlp_reference.h"
 #include "worker/train_flags.h"
 #include "plan/plan.h"
 #include "testutil.h"

@@ -395,6 +395,8 @@ sp_dtype sp_fsdp_shard_grad_dtype(const sp_fsdp *f, uint32_t ui) {
  * caller may use directly */
 bool sp_fsdp_on_device(const sp_fsdp *f) { return f && f->dev != NULL; }
 
+bool sp_fsdp_host_storage(const sp_fsdp *f) { return f && !f->mem->device; }
+
 int sp_fsdp_copy(sp_fsdp *f, void *dst, const void *src, size_t bytes,
                  sp_diag *d) {
   if (!f || (bytes && (!dst || !src)))

@@ -51,17 +51,8 @@ static long cuda_ordinal(const char *s) {
 #include <cuda_runtime_api.h>
 
 #include "cast/cast_cuda.h"
+#include "cuda/cuda_check.h"
 #include "cuda_internal.h"
-
-int sp_cuda_diag(sp_diag *d, int err, const char *expr, const char *file,
-                 int line) {
-  cudaError_t e = (cudaError_t)err;
-  /* clears a non-sticky error from the runtime's last-error slot; a sticky
-   * one (a kernel fault) stays and fails every later call, as it must */
-  (void)cudaGetLastError();
-  return sp_diag_set(d, SP_ECUDA, "%s:%d: %s: CUDA error %s (%s)", file, line,
-                     expr, cudaGetErrorName(e), cudaGetErrorString(e));
-}
 
 /* ---- the device memory ops ---- */
 
@@ -95,7 +86,7 @@ static int cu_alloc(sp_fsdp *f, size_t n, size_t esize, void **out,
     return sp_diag_set(d, SP_ENOMEM, "cudaMalloc of %zu bytes on cuda:%d: "
                        "out of device memory", bytes, state(f)->device);
   }
-  SP_CUDA_CHECK_D(d, e);
+  SP_CUDA_CHECK(d, e);
   e = cudaMemsetAsync(p, 0, bytes, state(f)->compute);
   if (e != cudaSuccess) {
     cudaFree(p);
@@ -115,15 +106,15 @@ static void cu_release(sp_fsdp *f, void *p) {
 
 static int cu_zero(sp_fsdp *f, sp_fsdp_lane l, void *p, size_t bytes,
                    sp_diag *d) {
-  if (bytes) SP_CUDA_CHECK_D(d, cudaMemsetAsync(p, 0, bytes, lane(f, l)));
+  if (bytes) SP_CUDA_CHECK(d, cudaMemsetAsync(p, 0, bytes, lane(f, l)));
   return 0;
 }
 
 static int cu_copy(sp_fsdp *f, sp_fsdp_lane l, void *dst, const void *src,
                    size_t bytes, sp_diag *d) {
   if (bytes && dst != src)
-    SP_CUDA_CHECK_D(d, cudaMemcpyAsync(dst, src, bytes,
-                                       cudaMemcpyDeviceToDevice, lane(f, l)));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(dst, src, bytes,
+                                     cudaMemcpyDeviceToDevice, lane(f, l)));
   return 0;
 }
 
@@ -184,9 +175,9 @@ static int cu_to_host(sp_fsdp *f, void *host, const void *src, size_t bytes,
                       sp_diag *d) {
   if (!bytes) return 0;
   cudaStream_t s = state(f)->compute;
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost,
-                                     s));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(s));
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost,
+                                   s));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(s));
   return 0;
 }
 
@@ -194,10 +185,10 @@ static int cu_from_host(sp_fsdp *f, void *dst, const void *host, size_t bytes,
                         sp_diag *d) {
   if (!bytes) return 0;
   cudaStream_t s = state(f)->compute;
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice,
-                                     s));
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice,
+                                   s));
   /* the caller frees or reuses host memory on return */
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(s));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(s));
   return 0;
 }
 
@@ -206,7 +197,7 @@ static int cu_mark(sp_fsdp *f, size_t slot, sp_diag *d) {
   if (slot >= cs->n_marks)
     return sp_diag_set(d, SP_ERANGE, "work slot %zu of %zu", slot,
                        cs->n_marks);
-  SP_CUDA_CHECK_D(d, cudaEventRecord(cs->marks[slot], cs->compute));
+  SP_CUDA_CHECK(d, cudaEventRecord(cs->marks[slot], cs->compute));
   return 0;
 }
 
@@ -215,12 +206,12 @@ static int cu_wait_mark(sp_fsdp *f, size_t slot, sp_diag *d) {
   if (slot >= cs->n_marks)
     return sp_diag_set(d, SP_ERANGE, "work slot %zu of %zu", slot,
                        cs->n_marks);
-  SP_CUDA_CHECK_D(d, cudaStreamWaitEvent(cs->comm, cs->marks[slot], 0));
+  SP_CUDA_CHECK(d, cudaStreamWaitEvent(cs->comm, cs->marks[slot], 0));
   return 0;
 }
 
 static int cu_drain(sp_fsdp *f, sp_fsdp_lane l, sp_diag *d) {
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(lane(f, l)));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(lane(f, l)));
   return 0;
 }
 
@@ -228,14 +219,14 @@ static int cu_handoff(sp_fsdp *f, void *stream, sp_diag *d) {
   cuda_state *cs = state(f);
   /* one event suffices: only the comm thread hands off, one collective at
    * a time, and a wait captures the event's state when it is enqueued */
-  SP_CUDA_CHECK_D(d, cudaEventRecord(cs->handoff, cs->comm));
-  SP_CUDA_CHECK_D(d, cudaStreamWaitEvent((cudaStream_t)stream, cs->handoff,
-                                         0));
+  SP_CUDA_CHECK(d, cudaEventRecord(cs->handoff, cs->comm));
+  SP_CUDA_CHECK(d, cudaStreamWaitEvent((cudaStream_t)stream, cs->handoff,
+                                       0));
   return 0;
 }
 
 static int cu_thread_init(sp_fsdp *f, sp_diag *d) {
-  SP_CUDA_CHECK_D(d, cudaSetDevice(state(f)->device));
+  SP_CUDA_CHECK(d, cudaSetDevice(state(f)->device));
   return 0;
 }
 
@@ -280,20 +271,20 @@ static const sp_fsdp_mem_ops k_cuda_ops = {
 };
 
 static int attach(cuda_state *cs, size_t n_marks, sp_diag *d) {
-  SP_CUDA_CHECK_D(d, cudaSetDevice(cs->device));
-  SP_CUDA_CHECK_D(d, cudaStreamCreateWithFlags(&cs->compute,
-                                               cudaStreamNonBlocking));
-  SP_CUDA_CHECK_D(d, cudaStreamCreateWithFlags(&cs->comm,
-                                               cudaStreamNonBlocking));
+  SP_CUDA_CHECK(d, cudaSetDevice(cs->device));
+  SP_CUDA_CHECK(d, cudaStreamCreateWithFlags(&cs->compute,
+                                             cudaStreamNonBlocking));
+  SP_CUDA_CHECK(d, cudaStreamCreateWithFlags(&cs->comm,
+                                             cudaStreamNonBlocking));
   cs->marks = calloc(n_marks, sizeof *cs->marks);
   if (!cs->marks) return sp_diag_set(d, SP_ENOMEM, "no memory");
   cs->n_marks = n_marks;
   /* no timing: the cheapest events, used only for ordering */
   for (size_t i = 0; i < n_marks; i++)
-    SP_CUDA_CHECK_D(d, cudaEventCreateWithFlags(&cs->marks[i],
-                                                cudaEventDisableTiming));
-  SP_CUDA_CHECK_D(d, cudaEventCreateWithFlags(&cs->handoff,
+    SP_CUDA_CHECK(d, cudaEventCreateWithFlags(&cs->marks[i],
                                               cudaEventDisableTiming));
+  SP_CUDA_CHECK(d, cudaEventCreateWithFlags(&cs->handoff,
+                                            cudaEventDisableTiming));
   return 0;
 }
 

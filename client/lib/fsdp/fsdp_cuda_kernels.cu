@@ -14,7 +14,8 @@
 #include <string.h>
 
 #include "cast/cast_scalar.h"
-#include "cast/cuda_launch.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_launch.h"
 #include "cuda_internal.h"
 #include "fsdp_internal.h"
 
@@ -163,7 +164,7 @@ extern "C" int sp_fsdp_cuda_scale_div(void *buf, sp_dtype dt, size_t n,
                        "element-aligned expected)", sp_dtype_name(dt), buf);
   sp_k_scale_div<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
       buf, (int)dt, n, div);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -185,7 +186,7 @@ extern "C" int sp_fsdp_cuda_acc(void *dst, sp_dtype dt, const void *src,
   if (rc < 0) return rc;
   sp_k_acc<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
       dst, (int)dt, src, (int)st, n);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -196,7 +197,7 @@ extern "C" int sp_fsdp_cuda_scale(void *g, sp_dtype gdt, size_t n, double k,
   if (rc < 0) return rc;
   sp_k_scale<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
       g, (int)gdt, n, k);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -215,10 +216,10 @@ extern "C" int sp_fsdp_cuda_sqsum(const void *g, sp_dtype gdt, size_t n,
                                                : SP_K_MAX_BLOCKS;
     sp_k_sqsum_chunks<<<blocks, SP_FSDP_SQ_LANES, 0, s>>>(g, (int)gdt, n,
                                                         partial);
-    SP_CUDA_CHECK_D(d, cudaGetLastError());
+    SP_CUDA_CHECK(d, cudaGetLastError());
   }
   sp_k_sqsum_total<<<1, 1, 0, s>>>(partial, chunks, out);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -231,7 +232,7 @@ extern "C" int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, const void *g,
   if (rc < 0) return rc;
   sp_k_sgd<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
       p, (int)pdt, g, (int)gdt, buf, n, lr, momentum, wd);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
 
@@ -246,6 +247,6 @@ extern "C" int sp_fsdp_cuda_adamw(void *p, sp_dtype pdt, const void *g,
     return sp_diag_set(d, SP_EINVAL, "AdamW: no moments");
   sp_k_adamw<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
       p, (int)pdt, g, (int)gdt, m, v, n, *a);
-  SP_CUDA_CHECK_D(d, cudaGetLastError());
+  SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }

@@ -310,11 +310,7 @@ struct sp_fsdp_shard_state {
   sp_dtype dtype;
   uint8_t **per_unit; /* n_units pointers; NULL for a unit without data */
 };
-/* Adds a state; names are unique (SP_EEXIST), at most 8 (SP_ERANGE).
- * per_unit is borrowed: it must outlive the runtime's use of it (until
- * sp_fsdp_free, or a new registration under the same runtime). */
-int sp_fsdp_register_shard_state(sp_fsdp *f, const char *name, sp_dtype dt,
-                                 uint8_t **per_unit, sp_diag *d);
+/* States are added by sp_fsdp_register_shard_state (shardplane.h). */
 
 /* Frees the optimizer's state (optim.c); from sp_fsdp_free, before the
  * storage goes. NULL optimizer: nothing. */
