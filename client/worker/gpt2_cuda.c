@@ -10,8 +10,8 @@
 
 #include "cast/cast_cuda.h"
 #include "gpt2_gpu.h"
+#include "cuda/cuda_check.h"
 #include "gpt2_step.h"
-#include "lib/fsdp/cuda_internal.h"
 
 struct sp_gpt2_cuda {
   sp_gpt2_acts a; /* device arrays, tokens and targets included */
@@ -50,7 +50,7 @@ static cudaStream_t stream_of(sp_gpt2_dev *k) {
 }
 
 static int dev_zero(sp_gpt2_dev *k, void *p, size_t bytes, sp_diag *d) {
-  SP_CUDA_CHECK_D(d, cudaMemsetAsync(p, 0, bytes, stream_of(k)));
+  SP_CUDA_CHECK(d, cudaMemsetAsync(p, 0, bytes, stream_of(k)));
   return 0;
 }
 
@@ -71,9 +71,9 @@ static int dev_softmax_xent_fwd(sp_gpt2_dev *k, float *probs,
                                 sp_diag *d) {
   int rc = sp_gpt2_gpu_softmax_xent_fwd(k, probs, tgt, N, V, rows, total, d);
   if (rc != 0) return rc;
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(sum, total, sizeof *sum,
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(sum, total, sizeof *sum,
                                      cudaMemcpyDeviceToHost, stream_of(k)));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(stream_of(k)));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(stream_of(k)));
   return 0;
 }
 
@@ -152,8 +152,8 @@ static int cuda_new(sp_gpt2_cuda *c, const sp_gpt2 *g, size_t B, size_t T,
                            c->total};
   /* device memory starts undefined; the uploads and the forward write
    * everything before it is read, but a mistake then reads zeros */
-  SP_CUDA_CHECK_D(d, cudaMemsetAsync(c->a.tok, 0, (size_t)N * 4, c->st));
-  SP_CUDA_CHECK_D(d, cudaMemsetAsync(c->a.tgt, 0, (size_t)N * 4, c->st));
+  SP_CUDA_CHECK(d, cudaMemsetAsync(c->a.tok, 0, (size_t)N * 4, c->st));
+  SP_CUDA_CHECK(d, cudaMemsetAsync(c->a.tgt, 0, (size_t)N * 4, c->st));
   return 0;
 }
 
@@ -191,12 +191,12 @@ int sp_gpt2_cuda_upload(sp_gpt2_cuda *c, sp_diag *d) {
       return sp_diag_set(d, SP_ERANGE, "target %d at %zu: vocabulary of %lld",
                          c->htgt[i], i, (long long)g->V);
   }
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(c->a.tok, c->htok, N * 4,
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(c->a.tok, c->htok, N * 4,
                                      cudaMemcpyHostToDevice, c->st));
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(c->a.tgt, c->htgt, N * 4,
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(c->a.tgt, c->htgt, N * 4,
                                      cudaMemcpyHostToDevice, c->st));
   /* the host arrays take the next micro-batch right after */
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(c->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(c->st));
   return 0;
 }
 
@@ -205,7 +205,7 @@ double *sp_gpt2_cuda_scalar(sp_gpt2_cuda *c) { return c ? c->scalar : NULL; }
 int sp_gpt2_cuda_set_scalar(sp_gpt2_cuda *c, double v, sp_diag *d) {
   if (c == NULL) return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda: NULL");
   c->hscalar = v;
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(c->scalar, &c->hscalar, sizeof v,
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(c->scalar, &c->hscalar, sizeof v,
                                      cudaMemcpyHostToDevice, c->st));
   return 0;
 }
@@ -213,9 +213,9 @@ int sp_gpt2_cuda_set_scalar(sp_gpt2_cuda *c, double v, sp_diag *d) {
 int sp_gpt2_cuda_get_scalar(sp_gpt2_cuda *c, double *v, sp_diag *d) {
   if (c == NULL || v == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda: NULL");
-  SP_CUDA_CHECK_D(d, cudaMemcpyAsync(&c->hscalar, c->scalar, sizeof *v,
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(&c->hscalar, c->scalar, sizeof *v,
                                      cudaMemcpyDeviceToHost, c->st));
-  SP_CUDA_CHECK_D(d, cudaStreamSynchronize(c->st));
+  SP_CUDA_CHECK(d, cudaStreamSynchronize(c->st));
   *v = c->hscalar;
   return 0;
 }

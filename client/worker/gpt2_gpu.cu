@@ -19,10 +19,11 @@
 #include <stdlib.h>
 
 #include "cast/cast_scalar.h"
-#include "cast/cuda_launch.h"
+#include "cublas_check.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_launch.h"
 #include "gpt2_elem.h"
 #include "gpt2_gpu.h"
-#include "lib/fsdp/cuda_internal.h"
 
 /* a power of two (the tree halves it); 256 keeps a 768-wide LayerNorm row
  * at 3 elements a thread and a 1024-token softmax row at 4 */
@@ -33,7 +34,7 @@ struct sp_gpt2_dev {
   cublasHandle_t blas;
 };
 
-#define LAUNCHED(d) SP_CUDA_CHECK_D(d, cudaGetLastError())
+#define LAUNCHED(d) SP_CUDA_CHECK(d, cudaGetLastError())
 
 extern "C" int sp_gpt2_gpu_new(void *stream, sp_gpt2_dev **out, sp_diag *d) {
   if (!out) return sp_diag_set(d, SP_EINVAL, "sp_gpt2_gpu_new: NULL");
@@ -82,10 +83,10 @@ static int rm_gemm(sp_gpt2_dev *k, bool ta, bool tb, int M, int N, int K,
   cublasOperation_t oa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t ob = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (batch == 1)
-    SP_CUBLAS_CHECK_D(d, cublasSgemm(k->blas, ob, oa, N, M, K, &alpha, B, ldb,
+    SP_CUBLAS_CHECK(d, cublasSgemm(k->blas, ob, oa, N, M, K, &alpha, B, ldb,
                                      A, lda, &beta, C, ldc));
   else
-    SP_CUBLAS_CHECK_D(d, cublasSgemmStridedBatched(
+    SP_CUBLAS_CHECK(d, cublasSgemmStridedBatched(
                              k->blas, ob, oa, N, M, K, &alpha, B, ldb, sB, A,
                              lda, sA, &beta, C, ldc, sC, batch));
   return 0;
@@ -581,7 +582,7 @@ extern "C" int sp_gpt2_gpu_embed_fwd(sp_gpt2_dev *k, float *x,
 extern "C" int sp_gpt2_gpu_wte_bwd(sp_gpt2_dev *k, float *dwte, const float *dx,
                                    const int32_t *tok, int N, int C, int V,
                                    sp_diag *d) {
-  SP_CUDA_CHECK_D(d, cudaMemsetAsync(dwte, 0,
+  SP_CUDA_CHECK(d, cudaMemsetAsync(dwte, 0,
                                      (size_t)V * (size_t)C * sizeof(float),
                                      k->st));
   k_gpt2_wte_bwd<<<sp_k_blocks((size_t)C), SP_K_THREADS, 0, k->st>>>(dwte, dx,
@@ -592,7 +593,7 @@ extern "C" int sp_gpt2_gpu_wte_bwd(sp_gpt2_dev *k, float *dwte, const float *dx,
 
 extern "C" int sp_gpt2_gpu_wpe_bwd(sp_gpt2_dev *k, float *dwpe, const float *dx,
                                    int N, int T, int C, int ctx, sp_diag *d) {
-  SP_CUDA_CHECK_D(d, cudaMemsetAsync(dwpe, 0,
+  SP_CUDA_CHECK(d, cudaMemsetAsync(dwpe, 0,
                                      (size_t)ctx * (size_t)C * sizeof(float),
                                      k->st));
   size_t n = (size_t)T * (size_t)C;

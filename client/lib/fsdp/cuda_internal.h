@@ -12,15 +12,6 @@
 #include "base/sp_error.h"
 #include "shardplane/config.h"
 
-/* The check macros' old names, for GPT-2's CUDA files
- * (client/worker/gpt2_cuda.c, gpt2_layers_cuda.cu), which still include
- * this header: to be removed once GPT-2 is converted to
- * common/cuda/cuda_check.h and the worker's cublas_check.h. */
-#include "cuda/cuda_check.h"
-#include "worker/cublas_check.h"
-#define SP_CUDA_CHECK_D(d, call) SP_CUDA_CHECK(d, call)
-#define SP_CUBLAS_CHECK_D(d, call) SP_CUBLAS_CHECK(d, call)
-
 #ifdef __cplusplus
 extern "C" {
 #endif
