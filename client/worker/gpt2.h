@@ -46,6 +46,10 @@
 extern "C" {
 #endif
 
+/* cblas takes int sizes: every tensor and every activation stays below
+ * (sp_gpt2_new refuses a spec whose sizes could reach it). */
+#define SP_GPT2_MAX_ELEMS (INT64_C(1) << 31)
+
 /* Model indices of one block's tensors (-1: absent buffer). */
 typedef struct sp_gpt2_block {
   int32_t module; /* transformer.h.L */

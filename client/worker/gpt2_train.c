@@ -8,6 +8,7 @@
 #include "base/clock.h"
 #include "plan/plan.h"
 #include "gpt2_cuda.h"
+#include "gpt2_trainer_check.h"
 
 struct sp_gpt2_trainer {
   const sp_gpt2 *g;
@@ -45,97 +46,6 @@ static sp_dtype io_buffer_dtype(void *u, int32_t b) {
   return sp_fsdp_buffer_dtype(u, b);
 }
 
-/* The unit whose module is `module`, or 0. */
-static uint32_t unit_of_module(const sp_plan *pl, int32_t module) {
-  for (uint32_t u = 1; u < pl->n_units; u++)
-    if (pl->units[u].module == module) return u;
-  return 0;
-}
-
-/* Every parameter in the root or in its own block's unit; any other unit
- * is empty (lm_head, when Linear is wrapped). block_unit (n_layer
- * entries) and head_unit receive the units, when not NULL. */
-static int check_plan(const sp_gpt2 *g, const sp_plan *pl,
-                      uint32_t *block_unit, uint32_t *head_unit, sp_diag *d) {
-  const sp_model *m = g->model;
-  for (int64_t l = 0; block_unit != NULL && l < g->n_layer; l++)
-    block_unit[l] = unit_of_module(pl, g->blocks[l].module);
-  uint32_t head =
-      g->lm_head_module >= 0 ? unit_of_module(pl, g->lm_head_module) : 0;
-  if (head_unit != NULL) *head_unit = head;
-  for (size_t p = 0; p < m->n_params; p++) {
-    uint32_t u = (uint32_t)pl->param_unit[p];
-    if (u == 0) continue;
-    bool ok = false;
-    for (int64_t l = 0; l < g->n_layer && !ok; l++) {
-      const sp_module *bm = &m->modules[g->blocks[l].module];
-      ok = u == unit_of_module(pl, g->blocks[l].module) &&
-           (uint32_t)m->params[p].module >= (uint32_t)g->blocks[l].module &&
-           (uint32_t)m->params[p].module < bm->subtree_end;
-    }
-    if (!ok)
-      return sp_diag_set(d, SP_EUNSUPPORTED,
-                         "%s: in unit %u (%s), which is not its block: the "
-                         "GPT-2 trainer needs the blocks as units (--wrap-"
-                         "type GPT2Block)", m->params[p].fqn, u,
-                         m->modules[pl->units[u].module].fqn);
-  }
-  for (uint32_t u = 1; u < pl->n_units; u++) {
-    bool known = u == head;
-    for (int64_t l = 0; l < g->n_layer && !known; l++)
-      known = u == unit_of_module(pl, g->blocks[l].module);
-    if (!known && pl->units[u].numel > 0)
-      return sp_diag_set(d, SP_EUNSUPPORTED,
-                         "unit %u (%s) is not a block: the GPT-2 trainer "
-                         "needs the blocks as units (--wrap-type GPT2Block)",
-                         u, m->modules[pl->units[u].module].fqn);
-    if (!known)
-      return sp_diag_set(d, SP_EUNSUPPORTED,
-                         "unit %u (%s) is neither a block nor lm_head (use "
-                         "--wrap-type GPT2Block)", u,
-                         m->modules[pl->units[u].module].fqn);
-  }
-  return 0;
-}
-
-/* The tokens of a sequence: --seq-len, else the context. */
-static size_t seq_len(const sp_gpt2 *g, const sp_train_flags *flags) {
-  return flags->seq_len ? flags->seq_len : (size_t)g->ctx;
-}
-
-/* --seq-len and the plan (check_plan's outputs as there). */
-static int check_job(const sp_gpt2 *g, const sp_plan *pl,
-                     const sp_train_flags *flags, uint32_t *block_unit,
-                     uint32_t *head_unit, sp_diag *d) {
-  size_t T = seq_len(g, flags);
-  if (T > (size_t)g->ctx)
-    return sp_diag_set(d, SP_EINVAL, "--seq-len %zu: at most the model's "
-                       "context, %lld", T, (long long)g->ctx);
-  return check_plan(g, pl, block_unit, head_unit, d);
-}
-
-int sp_gpt2_trainer_check(const sp_gpt2 *g, const sp_plan *pl,
-                          const sp_train_flags *flags, sp_gpt2_data **keep,
-                          sp_diag *d) {
-  if (keep != NULL) *keep = NULL;
-  int rc = check_job(g, pl, flags, NULL, NULL, d);
-  sp_gpt2_data *data = NULL;
-  if (rc == 0) rc = sp_gpt2_data_open(flags->data, seq_len(g, flags), &data, d);
-  /* the tokens are the data's bytes: a byte the vocabulary lacks would
-   * stop training at the first window that holds it (none can with 256
-   * tokens or more, and the scan is skipped) */
-  for (size_t i = 0; rc == 0 && g->V < 256 && i < data->n; i++)
-    if (data->bytes[i] >= g->V)
-      rc = sp_diag_set(d, SP_EINVAL, "--data %s: byte %u at offset %zu is "
-                       "outside the model's vocabulary of %lld", data->source,
-                       data->bytes[i], i, (long long)g->V);
-  if (rc == 0 && keep != NULL)
-    *keep = data;
-  else
-    sp_gpt2_data_free(data);
-  return rc;
-}
-
 int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
                         const sp_mlp_train_cfg *cfg,
                         const sp_train_flags *flags, const sp_gpt2_data *data,
@@ -153,13 +63,14 @@ int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
   tr->data = data;
   tr->rank = sp_session_rank(s);
   tr->world = sp_session_world(s);
-  tr->T = seq_len(g, flags);
+  tr->T = sp_gpt2_trainer_seq_len(g, flags);
   tr->B = cfg->global_batch / cfg->grad_accum / tr->world;
   int rc = 0;
   tr->block_unit = calloc((size_t)g->n_layer, sizeof *tr->block_unit);
   if (tr->block_unit == NULL) rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   if (rc == 0)
-    rc = check_job(g, tr->plan, flags, tr->block_unit, &tr->head_unit, d);
+    rc = sp_gpt2_trainer_check_job(g, tr->plan, flags, tr->block_unit,
+                                   &tr->head_unit, d);
   if (rc == 0 && sp_fsdp_on_device(f)) {
     rc = sp_gpt2_cuda_new(g, tr->B, tr->T, sp_fsdp_cuda_stream(f), &tr->gpu,
                           d);

@@ -27,22 +27,10 @@
 #include "gpt2_data.h"
 #include "lib/shardplane.h"
 #include "mlp.h"
+#include "gpt2_trainer_check.h"
 #include "train_flags.h"
 
 typedef struct sp_gpt2_trainer sp_gpt2_trainer;
-
-/* What sp_gpt2_trainer_new would refuse of this plan and these flags,
- * checked without a runtime (train_model.h, before any worker starts):
- * the plan (SP_EUNSUPPORTED naming a parameter and --wrap-type
- * GPT2Block), --seq-len over the context (SP_EINVAL), the data (the
- * errors of sp_gpt2_data_open, naming --data; SP_EINVAL when it holds a
- * byte outside the vocabulary). Reads the data once: with keep, the
- * data checked goes to *keep (the caller frees it with
- * sp_gpt2_data_free), for sp_gpt2_trainer_new, so that a worker reads
- * it once in all; NULL on failure. */
-int sp_gpt2_trainer_check(const sp_gpt2 *g, const sp_plan *pl,
-                          const sp_train_flags *flags, sp_gpt2_data **keep,
-                          sp_diag *d);
 
 /* Sets up the trainer of rank sp_session_rank(s): cfg->global_batch
  * sequences a step over every rank and micro-batch, of flags->seq_len

@@ -3,7 +3,7 @@
 
 #include <string.h>
 
-#include "gpt2_train.h"
+#include "gpt2_trainer_check.h"
 
 int sp_train_model_pick(const sp_model *m, bool synthetic, sp_train_model *out,
                         sp_diag *d) {

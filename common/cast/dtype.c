@@ -57,6 +57,11 @@ bool sp_dtype_is_floating(sp_dtype t) {
   return sp_dtype_valid(t) && k_dtypes[t].is_floating;
 }
 
+bool sp_dtype_is_integer(sp_dtype t) {
+  return t == SP_INT64 || t == SP_INT32 || t == SP_INT16 || t == SP_INT8 ||
+         t == SP_UINT8;
+}
+
 int sp_dtype_parse(const char *name, sp_dtype *out) {
   if (name == NULL || out == NULL) return SP_EINVAL;
   if (strncmp(name, "torch.", 6) == 0) name += 6;

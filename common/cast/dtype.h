@@ -46,6 +46,8 @@ const char *sp_dtype_st_name(sp_dtype t);
 /* 0 for invalid values. */
 size_t sp_dtype_size(sp_dtype t);
 bool sp_dtype_is_floating(sp_dtype t);
+/* int64, int32, int16, int8 and uint8 (bool is neither). */
+bool sp_dtype_is_integer(sp_dtype t);
 
 /* Parses a PyTorch dtype name. Accepts the canonical names, the "torch."
  * prefix, and PyTorch's aliases (float, double, half, long, int, short).
