@@ -118,7 +118,7 @@ typedef struct agent {
   bool no_proxy;
   long long max_restarts;     /* --max-restarts */
   const char *restart_load;   /* --load-on-restart DIR, or NULL */
-  sp_sup_ckpt_seen restart_seen; /* what restart_load held at the start */
+  sp_supervise_ckpt_seen restart_seen; /* what restart_load held at the start */
   uint64_t grace_ms;          /* --coordinator-grace */
   double stop_grace_s;        /* --stop-grace; 0: the default */
   char **trainer;       /* argv of the trainer, NULL-terminated */
@@ -126,7 +126,7 @@ typedef struct agent {
   /* the workers, their incarnations and the agent's stream to the
    * coordinator (AgentSession), over its own proxy: the one connection
    * carries it too */
-  sp_sup sup;
+  sp_supervise sup;
   uint32_t world;       /* the job's world size */
   char worker_coord[PATH_MAX + 8]; /* what the workers connect to */
   char gloo_host[64];   /* "" when the environment sets it */
@@ -217,7 +217,7 @@ static int parse_args(agent *a, int argc, char **argv) {
                                         &a->grace_ms, &d);
         break;
       case A_STOP_GRACE:
-        rc = sp_sup_stop_grace_parse("--stop-grace", optarg,
+        rc = sp_supervise_stop_grace_parse("--stop-grace", optarg,
                                      &a->stop_grace_s, &d);
         break;
       case '?': sp_cli_try_help(AGENT); return SP_EXIT_USAGE;
@@ -375,7 +375,7 @@ static void trainer_argv(agent *a, char **argv, char *load, size_t cap) {
   for (size_t i = 0; i < a->n_trainer; i++) argv[k++] = a->trainer[i];
   sp_ckpt_kind kind;
   if (a->sup.incarnation > 0 && a->restart_load &&
-      sp_sup_restart_ckpt(&a->sup, a->restart_load, &a->restart_seen, NULL,
+      sp_supervise_restart_ckpt(&a->sup, a->restart_load, &a->restart_seen, NULL,
                           load, cap, &kind)) {
     argv[k++] = "--load";
     argv[k++] = load;
@@ -383,8 +383,8 @@ static void trainer_argv(agent *a, char **argv, char *load, size_t cap) {
   argv[k] = NULL;
 }
 
-/* Every worker of the current incarnation (sp_sup_ops.start). */
-static int start_workers(sp_sup *s) {
+/* Every worker of the current incarnation (sp_supervise_ops.start). */
+static int start_workers(sp_supervise *s) {
   agent *a = s->user;
   size_t cap = N_VARS;
   for (char **e = environ; *e; e++) cap++;
@@ -422,14 +422,14 @@ static int start_workers(sp_sup *s) {
   return ec;
 }
 
-/* "rank 3 (local rank 1 on node 1)" (sp_sup_ops.name). */
-static void name_worker(const sp_sup *s, uint32_t i, char *out, size_t cap) {
+/* "rank 3 (local rank 1 on node 1)" (sp_supervise_ops.name). */
+static void name_worker(const sp_supervise *s, uint32_t i, char *out, size_t cap) {
   const agent *a = s->user;
   snprintf(out, cap, "rank %lld (local rank %u on node %lld)",
            a->node_rank * a->nproc + i, i, a->node_rank);
 }
 
-static const sp_sup_ops k_ops = {.start = start_workers,
+static const sp_supervise_ops k_ops = {.start = start_workers,
                                  .name = name_worker};
 
 /* Opens AgentSession through the proxy when there is one (which adds the
@@ -438,7 +438,7 @@ static const sp_sup_ops k_ops = {.start = start_workers,
 static int ctl_open(agent *a) {
   sp_rpc_client_opts co = {.connect_timeout_ms = a->r.timeout_ms};
   if (a->proxy == NULL) sp_cred_client_opts(&a->r.cred, &co);
-  return sp_sup_open_session(&a->sup, a->worker_coord, &co, a->r.addr,
+  return sp_supervise_open_session(&a->sup, a->worker_coord, &co, a->r.addr,
                              (uint32_t)a->node_rank, a->r.timeout_ms);
 }
 
@@ -453,7 +453,7 @@ static void setup_sup(agent *a) {
   a->sup.grace_ms = a->grace_ms;
   a->sup.stop_grace_s = a->stop_grace_s;
   /* a restart loads only a checkpoint this job wrote */
-  sp_sup_ckpt_note(a->restart_load, &a->restart_seen);
+  sp_supervise_ckpt_note(a->restart_load, &a->restart_seen);
 }
 
 int sp_cmd_agent(int argc, char **argv) {
@@ -470,9 +470,9 @@ int sp_cmd_agent(int argc, char **argv) {
   if (ret == PROCEED) setup_sup(&a);
   if (ret == PROCEED) ret = start_proxy(&a);
   if (ret == PROCEED) ret = ctl_open(&a);
-  if (ret == PROCEED) ret = sp_sup_alloc_streams(&a.sup);
+  if (ret == PROCEED) ret = sp_supervise_alloc_streams(&a.sup);
   if (ret != PROCEED) goto out;
-  sp_sup_catch_signals();
+  sp_supervise_catch_signals();
   fprintf(stderr, "shardplane agent: node %lld of %lld, ranks %lld-%lld of "
                   "%u, incarnation %llu; coordinator %s%s%s\n", a.node_rank,
           a.nnodes, a.node_rank * a.nproc,
@@ -480,10 +480,10 @@ int sp_cmd_agent(int argc, char **argv) {
           (unsigned long long)a.sup.incarnation, a.r.addr,
           a.proxy ? ", proxied from " : "", a.proxy ? a.worker_coord : "");
   ret = start_workers(&a.sup);
-  if (ret == PROCEED) ret = sp_sup_run(&a.sup);
-  sp_sup_stop(&a.sup);
+  if (ret == PROCEED) ret = sp_supervise_run(&a.sup);
+  sp_supervise_stop(&a.sup);
 out:
-  sp_sup_close_session(&a.sup);
+  sp_supervise_close_session(&a.sup);
   if (a.sup.streams) sp_workers_close_streams(a.sup.streams, 2 * (size_t)a.nproc);
   free(a.sup.streams);
   if (a.proxy) {

@@ -276,13 +276,13 @@ typedef struct run_procs {
   sp_agent_proxy *proxy;
   /* the workers, supervised as an agent's (and with --max-restarts
    * restarted as the coordinator decides) */
-  sp_sup sup;
-  sp_sup_ckpt_seen ckpt_seen; /* the checkpoint dir when the job began */
+  sp_supervise sup;
+  sp_supervise_ckpt_seen ckpt_seen; /* the checkpoint dir when the job began */
   double ranks_at; /* when the next line on the ranks is due */
   bool verdict_told; /* the coordinator's verdict on a failure was printed */
 } run_procs;
 
-#define PROCEED SP_SUP_PROCEED
+#define PROCEED SP_SUPERVISE_PROCEED
 
 /* A job flag (getopt's c >= SP_JOB_OPT_BASE), recorded for the
  * coordinator. 0, or -1 (message printed). */
@@ -366,7 +366,7 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
     case O_RESTARTS:
       return sp_flag_int(flag, v, 0, 1000, &o->max_restarts, d);
     case O_STOP_GRACE:
-      return sp_sup_stop_grace_parse(flag, v, &o->stop_grace_s, d);
+      return sp_supervise_stop_grace_parse(flag, v, &o->stop_grace_s, d);
   }
   return SP_ENOENT;
 }
@@ -760,7 +760,7 @@ static void what_to_load(const run_opts *o, const run_job *j, run_procs *p,
                          run_load *ld) {
   *ld = (run_load){0};
   if (p->sup.incarnation > 0 && o->wf.any_kind &&
-      sp_sup_restart_ckpt(&p->sup, j->ckdir, &p->ckpt_seen,
+      sp_supervise_restart_ckpt(&p->sup, j->ckdir, &p->ckpt_seen,
                           o->wf.load_dir ? j->load_from : NULL, ld->buf,
                           sizeof ld->buf, &ld->kind)) {
     ld->dir = ld->buf;
@@ -794,9 +794,9 @@ static int start_proxy(run_procs *p) {
   return PROCEED;
 }
 
-/* Starts the N workers of the current incarnation (sp_sup_ops.start).
+/* Starts the N workers of the current incarnation (sp_supervise_ops.start).
  * Returns PROCEED or the exit code (s->pids holds the ones started). */
-static int start_workers(sp_sup *s) {
+static int start_workers(sp_supervise *s) {
   run_procs *p = s->user;
   const run_opts *o = p->o;
   run_load ld;
@@ -824,11 +824,11 @@ static int start_workers(sp_sup *s) {
 /* How long a failing run waits for the coordinator's verdict. */
 #define VERDICT_MS 2000
 
-/* A failure that stops the job (sp_sup_ops.failure): the first one
+/* A failure that stops the job (sp_supervise_ops.failure): the first one
  * names the culprit the coordinator gives, which saw every rank (a victim
  * of a stall exits like its culprit); later ones (other ranks failing
  * before they are stopped) are named too. */
-static void tell_failure(sp_sup *s, const char *msg, bool first) {
+static void tell_failure(sp_supervise *s, const char *msg, bool first) {
   run_procs *p = s->user;
   char verdict[512];
   if (first && p->coord.pid > 0 &&
@@ -965,13 +965,13 @@ static int open_session(run_procs *p) {
   }
   sp_rpc_client_opts co = {.connect_timeout_ms = 20000};
   sp_cred_client_opts(&cred, &co);
-  return sp_sup_open_session(&p->sup, sp_agent_proxy_address(p->proxy), &co,
+  return sp_supervise_open_session(&p->sup, sp_agent_proxy_address(p->proxy), &co,
                              p->addr, 0, 20000);
 }
 
 /* A child that is not a worker ended: the coordinator
- * (sp_sup_ops.reaped). */
-static void reaped(sp_sup *s, pid_t pid, int st) {
+ * (sp_supervise_ops.reaped). */
+static void reaped(sp_supervise *s, pid_t pid, int st) {
   run_procs *p = s->user;
   if (pid != p->coord.pid) return;
   char how[96];
@@ -983,20 +983,20 @@ static void reaped(sp_sup *s, pid_t pid, int st) {
   if (s->ret == SP_EXIT_OK && !s->interrupted && s->live > 0 &&
       restart_coordinator(p, how))
     return;
-  sp_sup_fail(s, "the coordinator %s", how);
+  sp_supervise_fail(s, "the coordinator %s", how);
 }
 
-/* rank r as messages name it (sp_sup_ops.name). */
-static void name_rank(const sp_sup *s, uint32_t i, char *out, size_t cap) {
+/* rank r as messages name it (sp_supervise_ops.name). */
+static void name_rank(const sp_supervise *s, uint32_t i, char *out, size_t cap) {
   snprintf(out, cap, "rank %u", s->first_rank + i);
 }
 
 /* Where the ranks are, in a line like the workers' ("[ranks]: ..."), every
- * --ranks-every seconds while they train (sp_sup_ops.tick). The call
+ * --ranks-every seconds while they train (sp_supervise_ops.tick). The call
  * blocks the output passing for its length, a millisecond or so on
  * loopback; a coordinator that does not answer within 500 ms is skipped
  * (its own restart, or a failure, is reported elsewhere). */
-static void tell_ranks(sp_sup *s) {
+static void tell_ranks(sp_supervise *s) {
   run_procs *p = s->user;
   if (p->o->ranks_every_s <= 0 || sp_clock_s() < p->ranks_at ||
       s->live == 0 || s->terminated || s->failing)
@@ -1008,7 +1008,7 @@ static void tell_ranks(sp_sup *s) {
   p->ranks_at = sp_clock_s() + p->o->ranks_every_s;
 }
 
-static const sp_sup_ops k_ops = {.start = start_workers,
+static const sp_supervise_ops k_ops = {.start = start_workers,
                                  .name = name_rank,
                                  .failure = tell_failure,
                                  .reaped = reaped,
@@ -1040,7 +1040,7 @@ static int report_done(const run_opts *o, const run_job *j,
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
     if (!o->wf.kinds[k]) continue;
     n++;
-    fresh[k] = sp_sup_ckpt_new(&p->ckpt_seen, &f, (sp_ckpt_kind)k);
+    fresh[k] = sp_supervise_ckpt_new(&p->ckpt_seen, &f, (sp_ckpt_kind)k);
     if (fresh[k]) {
       written++;
       last = k;
@@ -1087,7 +1087,7 @@ int sp_cmd_run(int argc, char **argv) {
   if (ret == PROCEED) ret = check_job(&o, &j);
   if (ret != PROCEED) goto out;
 
-  sp_sup_catch_signals();
+  sp_supervise_catch_signals();
   signal(SIGPIPE, SIG_IGN); /* the proxy's sockets say EPIPE instead */
 
   if (sp_run_creds_make("shardplane-run", &j.creds) != 0) {
@@ -1096,7 +1096,7 @@ int sp_cmd_run(int argc, char **argv) {
   }
   p.o = &o;
   p.j = &j;
-  p.sup = (sp_sup){.who = RUN,
+  p.sup = (sp_supervise){.who = RUN,
                    .on_signal = ", which checkpoint after the current step "
                                 "and stop",
                    .ops = &k_ops,
@@ -1107,7 +1107,7 @@ int sp_cmd_run(int argc, char **argv) {
                    .grace_ms = o.grace_ms ? o.grace_ms
                                           : SP_COORDINATOR_GRACE_DEFAULT_MS};
   /* a restart loads only a checkpoint this job wrote */
-  sp_sup_ckpt_note(j.ckdir, &p.ckpt_seen);
+  sp_supervise_ckpt_note(j.ckdir, &p.ckpt_seen);
   ret = prepare_state_dir(&j, &p);
   if (ret == PROCEED) ret = prepare_dump_dir(&j, &p);
   if (ret == PROCEED) ret = start_coordinator(&o, &j, &p);
@@ -1124,11 +1124,11 @@ int sp_cmd_run(int argc, char **argv) {
   p.ranks_at = t0 + o.ranks_every_s;
   ret = start_proxy(&p);
   if (ret == PROCEED) ret = open_session(&p);
-  if (ret == PROCEED) ret = sp_sup_alloc_streams(&p.sup);
+  if (ret == PROCEED) ret = sp_supervise_alloc_streams(&p.sup);
   if (ret == PROCEED) ret = start_workers(&p.sup);
-  if (ret == PROCEED) ret = sp_sup_run(&p.sup);
-  sp_sup_stop(&p.sup);
-  sp_sup_close_session(&p.sup);
+  if (ret == PROCEED) ret = sp_supervise_run(&p.sup);
+  sp_supervise_stop(&p.sup);
+  sp_supervise_close_session(&p.sup);
   sp_agent_proxy_free(p.proxy);
   sp_workers_close_streams(p.sup.streams, 2 * (size_t)o.nproc);
   free(p.sup.streams);

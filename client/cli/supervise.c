@@ -18,21 +18,21 @@
 static volatile sig_atomic_t g_signal;
 static void on_signal(int sig) { g_signal = sig; }
 
-void sp_sup_catch_signals(void) {
+void sp_supervise_catch_signals(void) {
   struct sigaction sa = {.sa_handler = on_signal};
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
 }
 
-int sp_sup_stop_grace_parse(const char *flag, const char *value, double *s,
+int sp_supervise_stop_grace_parse(const char *flag, const char *value, double *s,
                             sp_diag *d) {
   if (sp_flag_number(flag, value, 0, s, d) != 0 || *s <= 0 || *s > 86400)
     return sp_flag_fail(d, flag, value, "seconds in (0, 86400]");
   return 0;
 }
 
-int sp_sup_alloc_streams(sp_sup *s) {
+int sp_supervise_alloc_streams(sp_supervise *s) {
   size_t ns = 2 * (size_t)s->n;
   s->streams = calloc(ns, sizeof *s->streams);
   if (s->streams == NULL) {
@@ -43,12 +43,12 @@ int sp_sup_alloc_streams(sp_sup *s) {
     s->streams[i] = (sp_out_stream){.fd = -1,
                                     .rank = (int)(s->first_rank + i / 2),
                                     .to = i % 2 ? stderr : stdout};
-  return SP_SUP_PROCEED;
+  return SP_SUPERVISE_PROCEED;
 }
 
 /* ---- the stream to the coordinator (agent_ctl.h) ---- */
 
-int sp_sup_open_session(sp_sup *s, const char *addr,
+int sp_supervise_open_session(sp_supervise *s, const char *addr,
                         const sp_rpc_client_opts *opts, const char *shown,
                         uint32_t node_rank, uint64_t timeout_ms) {
   sp_agent_ctl_opts o = {.who = s->who, .target = addr, .coordinator = shown,
@@ -71,7 +71,7 @@ int sp_sup_open_session(sp_sup *s, const char *addr,
       sp_cli_error(s->who, "%s", d.msg);
     return SP_EXIT_FAILURE;
   }
-  int ec = SP_SUP_PROCEED;
+  int ec = SP_SUPERVISE_PROCEED;
   if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
     s->incarnation = cmd->incarnation;
   } else if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
@@ -93,7 +93,7 @@ int sp_sup_open_session(sp_sup *s, const char *addr,
   return ec;
 }
 
-void sp_sup_close_session(sp_sup *s) {
+void sp_supervise_close_session(sp_supervise *s) {
   if (s->ctl == NULL) return;
   uint32_t n;
   double longest;
@@ -105,7 +105,7 @@ void sp_sup_close_session(sp_sup *s) {
   s->ctl = NULL;
 }
 
-static void report_exit(sp_sup *s, const struct sp_sup_end *e) {
+static void report_exit(sp_supervise *s, const struct sp_supervise_end *e) {
   Shardplane__V1__WorkerExit w = SHARDPLANE__V1__WORKER_EXIT__INIT;
   w.incarnation = e->incarnation;
   w.rank = s->first_rank + e->local;
@@ -116,7 +116,7 @@ static void report_exit(sp_sup *s, const struct sp_sup_end *e) {
   sp_agent_ctl_send(s->ctl, &up);
 }
 
-static void send_stopped(sp_sup *s) {
+static void send_stopped(sp_supervise *s) {
   Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
   up.stopped = true;
   up.incarnation = s->incarnation;
@@ -125,7 +125,7 @@ static void send_stopped(sp_sup *s) {
 
 /* ---- the loop ---- */
 
-void sp_sup_fail(sp_sup *s, const char *fmt, ...) {
+void sp_supervise_fail(sp_supervise *s, const char *fmt, ...) {
   char msg[512];
   va_list ap;
   va_start(ap, fmt);
@@ -142,12 +142,12 @@ void sp_sup_fail(sp_sup *s, const char *fmt, ...) {
   if (!first) return;
   s->failing = true;
   if (s->ret == SP_EXIT_OK) s->ret = SP_EXIT_FAILURE;
-  double at = sp_clock_s() + SP_SUP_GRACE_S;
+  double at = sp_clock_s() + SP_SUPERVISE_GRACE_S;
   if (!s->terminated && (s->term_at < 0 || at < s->term_at)) s->term_at = at;
 }
 
 /* The workers' output, drained for up to 1 s once they are all gone. */
-static void drain_all(sp_sup *s) {
+static void drain_all(sp_supervise *s) {
   size_t ns = 2 * (size_t)s->n;
   double end = sp_clock_s() + 1.0;
   while (sp_workers_pass_output(s->streams, ns, 20) > 0 && sp_clock_s() < end)
@@ -168,7 +168,7 @@ static void print_alert(const Shardplane__V1__Alert *a) {
 }
 
 /* A command from the coordinator. */
-static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
+static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
   switch (d->command) {
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT:
       /* not those of the workers this host stopped (a rank lost) */
@@ -184,7 +184,7 @@ static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
                    "worker%s of this host for a restart",
                    (unsigned long long)d->incarnation, d->reason, s->live,
                    s->live == 1 ? "" : "s");
-      sp_workers_stop(s->pids, s->n, (int)(SP_SUP_TERM_S * 1000));
+      sp_workers_stop(s->pids, s->n, (int)(SP_SUPERVISE_TERM_S * 1000));
       s->live = 0;
       s->stopped = true;
       drain_all(s);
@@ -203,7 +203,7 @@ static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
                      "%llu", (unsigned long long)d->incarnation, s->live,
                      s->live == 1 ? "" : "s",
                      (unsigned long long)s->incarnation);
-        sp_workers_stop(s->pids, s->n, (int)(SP_SUP_TERM_S * 1000));
+        sp_workers_stop(s->pids, s->n, (int)(SP_SUPERVISE_TERM_S * 1000));
         s->live = 0;
         drain_all(s);
       }
@@ -213,7 +213,7 @@ static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
       s->stopped = false;
       sp_cli_error(s->who, "incarnation %llu: starting the workers again",
                    (unsigned long long)s->incarnation);
-      if (s->ops->start(s) != SP_SUP_PROCEED && s->ret == SP_EXIT_OK) {
+      if (s->ops->start(s) != SP_SUPERVISE_PROCEED && s->ret == SP_EXIT_OK) {
         s->ret = SP_EXIT_FAILURE;
         s->term_at = sp_clock_s();
       }
@@ -236,7 +236,7 @@ static void on_command(sp_sup *s, const Shardplane__V1__AgentDown *d) {
 /* A worker that ended unasked. With restarts the coordinator decides
  * what follows (it hears of the death); without, the others are stopped
  * here. */
-static void judge_end(sp_sup *s, const struct sp_sup_end *e) {
+static void judge_end(sp_supervise *s, const struct sp_supervise_end *e) {
   char how[96], who[160];
   sp_workers_describe(e->status, how, sizeof how);
   s->ops->name(s, e->local, who, sizeof who);
@@ -248,12 +248,12 @@ static void judge_end(sp_sup *s, const struct sp_sup_end *e) {
                  how);
     return;
   }
-  sp_sup_fail(s, "%s %s", who, how);
+  sp_supervise_fail(s, "%s %s", who, how);
 }
 
 /* A worker ended: judged now, or held while the coordinator is away (it
  * may have given up on the coordinator itself). */
-static void on_worker_end(sp_sup *s, uint32_t i, int st) {
+static void on_worker_end(sp_supervise *s, uint32_t i, int st) {
   /* after a signal passed on a worker ends 128 + it, or 143 when it
    * stopped for another rank's */
   bool asked = s->interrupted && WIFEXITED(st) &&
@@ -262,7 +262,7 @@ static void on_worker_end(sp_sup *s, uint32_t i, int st) {
   if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || s->terminated || asked ||
       s->coord_gone)
     return;
-  struct sp_sup_end e = {.local = i, .status = st,
+  struct sp_supervise_end e = {.local = i, .status = st,
                          .incarnation = s->incarnation};
   if (sp_agent_ctl_away(s->ctl) && s->n_held < SP_WORKERS_MAX) {
     char how[96], who[160];
@@ -279,7 +279,7 @@ static void on_worker_end(sp_sup *s, uint32_t i, int st) {
 /* The ends held through an outage, once the coordinator is back (or the
  * stream ended and the host goes on alone): those of an incarnation that
  * has ended since went with it. */
-static void judge_held(sp_sup *s) {
+static void judge_held(sp_supervise *s) {
   for (uint32_t k = 0; k < s->n_held; k++)
     if (s->held[k].incarnation == s->incarnation && !s->terminated &&
         !s->coord_gone)
@@ -292,7 +292,7 @@ static void judge_held(sp_sup *s) {
  * the job on this host with SP_EXIT_UNREACHABLE and blames no rank (the
  * workers could not reach it either); one that ended or refused the
  * stream leaves the host supervising alone, without restarts. */
-static void on_ctl_end(sp_sup *s, int rc, const char *msg) {
+static void on_ctl_end(sp_supervise *s, int rc, const char *msg) {
   if (rc == SP_ENOENT) {
     sp_cli_error(s->who, "%s", msg);
     judge_held(s);
@@ -317,7 +317,7 @@ static void on_ctl_end(sp_sup *s, int rc, const char *msg) {
 /* The coordinator's commands, the stream's end, and once it is back after
  * an outage the deaths reported before it (again) and those held
  * meanwhile. */
-static void poll_ctl(sp_sup *s) {
+static void poll_ctl(sp_supervise *s) {
   if (s->ctl == NULL) return;
   bool was_away = sp_agent_ctl_away(s->ctl);
   for (;;) {
@@ -340,7 +340,7 @@ static void poll_ctl(sp_sup *s) {
   if (s->n_held > 0) judge_held(s);
 }
 
-static void reap(sp_sup *s) {
+static void reap(sp_supervise *s) {
   int st;
   pid_t pid;
   while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
@@ -356,16 +356,16 @@ static void reap(sp_sup *s) {
   }
 }
 
-static void signal_workers(const sp_sup *s, int sig) {
+static void signal_workers(const sp_supervise *s, int sig) {
   for (uint32_t i = 0; i < s->n; i++)
     if (s->pids[i] > 0) kill(s->pids[i], sig);
 }
 
-static double stop_grace(const sp_sup *s) {
-  return s->stop_grace_s > 0 ? s->stop_grace_s : SP_SUP_STOP_GRACE_DEFAULT_S;
+static double stop_grace(const sp_supervise *s) {
+  return s->stop_grace_s > 0 ? s->stop_grace_s : SP_SUPERVISE_STOP_GRACE_DEFAULT_S;
 }
 
-static void on_signal_seen(sp_sup *s, int sig) {
+static void on_signal_seen(sp_supervise *s, int sig) {
   if (!s->interrupted && s->ret == SP_EXIT_OK) {
     s->interrupted = sig;
     s->ret = 128 + sig;
@@ -391,7 +391,7 @@ static void on_signal_seen(sp_sup *s, int sig) {
 
 /* The grace after a signal ended: the workers still running are named,
  * once, and stopped without a checkpoint. */
-static void note_overdue(sp_sup *s) {
+static void note_overdue(sp_supervise *s) {
   char list[sizeof s->overdue] = "";
   size_t used = 0;
   uint32_t k = 0;
@@ -416,7 +416,7 @@ static void note_overdue(sp_sup *s) {
  * so that ranks in a long step reach its boundary and checkpoint. A job
  * not yet RUNNING (ranks in the rendezvous), a stuck one, or a
  * coordinator that cannot be asked is not moving. */
-static bool still_moving(sp_sup *s) {
+static bool still_moving(sp_supervise *s) {
   Shardplane__V1__GetJobResponse *j = NULL;
   if (sp_agent_ctl_get_job(s->ctl, 500, &j) != 0) return false;
   bool moving = j->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING &&
@@ -433,8 +433,9 @@ static bool still_moving(sp_sup *s) {
   return moving;
 }
 
-/* SIGTERM to the workers left when due, SIGKILL SP_SUP_TERM_S after it. */
-static void stop_when_due(sp_sup *s) {
+/* SIGTERM to the workers left when due, SIGKILL SP_SUPERVISE_TERM_S
+ * after it. */
+static void stop_when_due(sp_supervise *s) {
   double now = sp_clock_s();
   int sig = 0;
   if (s->term_at >= 0 && now >= s->term_at) {
@@ -446,7 +447,7 @@ static void stop_when_due(sp_sup *s) {
     if (told) note_overdue(s);
     sig = SIGTERM;
     s->term_at = -1;
-    s->kill_at = now + SP_SUP_TERM_S;
+    s->kill_at = now + SP_SUPERVISE_TERM_S;
     s->terminated = true;
   } else if (s->kill_at >= 0 && now >= s->kill_at) {
     sig = SIGKILL;
@@ -455,7 +456,7 @@ static void stop_when_due(sp_sup *s) {
   if (sig) signal_workers(s, sig);
 }
 
-int sp_sup_run(sp_sup *s) {
+int sp_supervise_run(sp_supervise *s) {
   s->ret = SP_EXIT_OK;
   s->term_at = s->kill_at = -1;
   double drained_by = -1; /* every worker gone: the pipes' last words */
@@ -496,14 +497,14 @@ int sp_sup_run(sp_sup *s) {
   return s->ret;
 }
 
-void sp_sup_stop(sp_sup *s) {
-  sp_workers_stop(s->pids, s->n, (int)(SP_SUP_TERM_S * 1000));
+void sp_supervise_stop(sp_supervise *s) {
+  sp_workers_stop(s->pids, s->n, (int)(SP_SUPERVISE_TERM_S * 1000));
   s->live = 0;
 }
 
 /* ---- what a restart loads ---- */
 
-static bool same_folder(const sp_sup_ckpt_seen *seen, int k,
+static bool same_folder(const sp_supervise_ckpt_seen *seen, int k,
                         const struct stat *sb) {
   return seen->present[k] && seen->dev[k] == sb->st_dev &&
          seen->ino[k] == sb->st_ino &&
@@ -511,7 +512,7 @@ static bool same_folder(const sp_sup_ckpt_seen *seen, int k,
          seen->mtime[k].tv_nsec == sb->st_mtim.tv_nsec;
 }
 
-void sp_sup_ckpt_note(const char *dir, sp_sup_ckpt_seen *seen) {
+void sp_supervise_ckpt_note(const char *dir, sp_supervise_ckpt_seen *seen) {
   memset(seen, 0, sizeof *seen);
   sp_ckpt_found f;
   if (dir == NULL || sp_ckpt_find(dir, &f) == 0) return;
@@ -525,7 +526,7 @@ void sp_sup_ckpt_note(const char *dir, sp_sup_ckpt_seen *seen) {
   }
 }
 
-bool sp_sup_ckpt_new(const sp_sup_ckpt_seen *seen, const sp_ckpt_found *f,
+bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen, const sp_ckpt_found *f,
                      sp_ckpt_kind k) {
   /* a checkpoint is published by renaming a new folder over the old one:
    * one that is still the folder noted at the start is an earlier job's */
@@ -534,14 +535,14 @@ bool sp_sup_ckpt_new(const sp_sup_ckpt_seen *seen, const sp_ckpt_found *f,
          !same_folder(seen, k, &sb);
 }
 
-bool sp_sup_restart_ckpt(const sp_sup *s, const char *dir,
-                         const sp_sup_ckpt_seen *seen, const char *first_load,
+bool sp_supervise_restart_ckpt(const sp_supervise *s, const char *dir,
+                         const sp_supervise_ckpt_seen *seen, const char *first_load,
                          char *out, size_t cap, sp_ckpt_kind *kind) {
   unsigned long long inc = (unsigned long long)s->incarnation;
   sp_ckpt_found f;
   sp_ckpt_find(dir, &f);
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
-    if (!sp_sup_ckpt_new(seen, &f, (sp_ckpt_kind)k)) continue;
+    if (!sp_supervise_ckpt_new(seen, &f, (sp_ckpt_kind)k)) continue;
     if (snprintf(out, cap, "%s", f.dir[k]) >= (int)cap) continue;
     *kind = (sp_ckpt_kind)k;
     sp_cli_error(s->who, "incarnation %llu loads %s (%s, after step %llu)",

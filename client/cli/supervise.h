@@ -2,9 +2,9 @@
  * and `shardplane run`:
  *   - their output is passed on (workers.h) until every one has ended;
  *   - a worker that fails or dies is named with its rank and the signal or
- *     status; the others get SP_SUP_GRACE_S to stop by themselves (the
+ *     status; the others get SP_SUPERVISE_GRACE_S to stop by themselves (the
  *     coordinator aborts them once it notices the lost rank) and say why,
- *     then SIGTERM, and SIGKILL SP_SUP_TERM_S after it;
+ *     then SIGTERM, and SIGKILL SP_SUPERVISE_TERM_S after it;
  *   - SIGINT or SIGTERM is passed on to every worker, which checkpoint at
  *     the next step boundary and stop; those still running stop_grace_s
  *     later (a stalled rank, or the ranks waiting on it, reach no
@@ -22,7 +22,7 @@
  *     judged once it is back, never blamed for an outage it could not
  *     ride out either; past the grace the workers are stopped and the
  *     exit code is SP_EXIT_UNREACHABLE.
- * The command fills the sp_sup and its hooks; the loop calls them.
+ * The command fills the sp_supervise and its hooks; the loop calls them.
  *
  * Threads: one thread (the command's main thread) uses all of it; the
  * signal handler only sets a flag. */
@@ -42,45 +42,45 @@
 
 /* What a setup step returns when the command goes on (an exit code
  * otherwise, >= 0); the same as remote.h's PROCEED. */
-#define SP_SUP_PROCEED (-1)
+#define SP_SUPERVISE_PROCEED (-1)
 
 /* After a failure the other workers get this long to stop by themselves
- * and say why; then SIGTERM, and SIGKILL SP_SUP_TERM_S after it. */
-#define SP_SUP_GRACE_S 0.5
-#define SP_SUP_TERM_S 3.0
+ * and say why; then SIGTERM, and SIGKILL SP_SUPERVISE_TERM_S after it. */
+#define SP_SUPERVISE_GRACE_S 0.5
+#define SP_SUPERVISE_TERM_S 3.0
 /* After SIGINT or SIGTERM, how long the workers have to reach a step
  * boundary, checkpoint and stop (--stop-grace); past it they get more
  * time only while the coordinator sees every rank moving (GetJob's
  * quiet_ms within quiet_limit_ms: a long step), never when one is stuck. */
-#define SP_SUP_STOP_GRACE_DEFAULT_S 10.0
+#define SP_SUPERVISE_STOP_GRACE_DEFAULT_S 10.0
 
-typedef struct sp_sup sp_sup;
+typedef struct sp_supervise sp_supervise;
 
-typedef struct sp_sup_ops {
+typedef struct sp_supervise_ops {
   /* Starts every local worker of s->incarnation: s->pids[i] and s->live
-   * (pids of the ones started even on failure). SP_SUP_PROCEED, or an exit
-   * code with the message printed. Required. */
-  int (*start)(sp_sup *s);
+   * (pids of the ones started even on failure). SP_SUPERVISE_PROCEED, or
+   * an exit code with the message printed. Required. */
+  int (*start)(sp_supervise *s);
   /* A local worker as messages name it ("rank 3 (local rank 1 on node
    * 1)"). Required. */
-  void (*name)(const sp_sup *s, uint32_t i, char *out, size_t cap);
+  void (*name)(const sp_supervise *s, uint32_t i, char *out, size_t cap);
   /* Tells of a failure that stops the job (first: the first one). NULL:
    * "shardplane WHO: MSG; stopping the workers" (later ones without the
    * tail). */
-  void (*failure)(sp_sup *s, const char *msg, bool first);
+  void (*failure)(sp_supervise *s, const char *msg, bool first);
   /* A child that is none of the workers ended (run's coordinator). */
-  void (*reaped)(sp_sup *s, pid_t pid, int status);
+  void (*reaped)(sp_supervise *s, pid_t pid, int status);
   /* Once a turn, about every 20 ms. */
-  void (*tick)(sp_sup *s);
-} sp_sup_ops;
+  void (*tick)(sp_supervise *s);
+} sp_supervise_ops;
 
-struct sp_sup {
-  /* set by the command before sp_sup_alloc_streams */
+struct sp_supervise {
+  /* set by the command before sp_supervise_alloc_streams */
   const char *who;      /* "agent", "run": "shardplane WHO: ..." */
   /* what the workers do with a signal passed on, for the message (", which
    * checkpoint after the current step and stop"); "" or NULL: nothing said */
   const char *on_signal;
-  const sp_sup_ops *ops;
+  const sp_supervise_ops *ops;
   void *user;            /* the command's */
   uint32_t n;            /* local workers, at most SP_WORKERS_MAX */
   uint32_t first_rank;   /* the job's rank of local worker 0 */
@@ -88,7 +88,7 @@ struct sp_sup {
   /* the coordinator's outages the stream rides out (--coordinator-grace);
    * 0: none */
   uint64_t grace_ms;
-  /* --stop-grace; 0: SP_SUP_STOP_GRACE_DEFAULT_S */
+  /* --stop-grace; 0: SP_SUPERVISE_STOP_GRACE_DEFAULT_S */
   double stop_grace_s;
 
   /* the workers of the current incarnation */
@@ -107,7 +107,7 @@ struct sp_sup {
    * once it is back; and the deaths of this incarnation reported, sent
    * again after an outage (a coordinator that died within its decision
    * window lost them; it ignores those of an ended incarnation) */
-  struct sp_sup_end {
+  struct sp_supervise_end {
     uint32_t local;
     int status;
     uint64_t incarnation;
@@ -131,34 +131,34 @@ struct sp_sup {
 };
 
 /* SIGINT and SIGTERM set the flag the loop reads (once per process). */
-void sp_sup_catch_signals(void);
+void sp_supervise_catch_signals(void);
 
 /* --stop-grace S: seconds in (0, 86400]. 0, or SP_EINVAL with the flag, the
  * value and what is allowed in d. */
-int sp_sup_stop_grace_parse(const char *flag, const char *value, double *s,
+int sp_supervise_stop_grace_parse(const char *flag, const char *value, double *s,
                             sp_diag *d);
 
 /* The output streams, once for every incarnation (labelled with the job's
- * ranks). SP_SUP_PROCEED or an exit code (message printed). */
-int sp_sup_alloc_streams(sp_sup *s);
+ * ranks). SP_SUPERVISE_PROCEED or an exit code (message printed). */
+int sp_supervise_alloc_streams(sp_supervise *s);
 
 /* Opens AgentSession at addr (opts: its credentials; shown: the
  * coordinator as messages name it), registers node_rank with s->n workers
  * and s->max_restarts, and waits up to timeout_ms for the coordinator's
  * first word: the incarnation to start (s->incarnation). The stream rides
- * out outages of s->grace_ms. SP_SUP_PROCEED, or SP_EXIT_UNREACHABLE /
+ * out outages of s->grace_ms. SP_SUPERVISE_PROCEED, or SP_EXIT_UNREACHABLE /
  * SP_EXIT_FAILURE with the message printed. */
-int sp_sup_open_session(sp_sup *s, const char *addr,
+int sp_supervise_open_session(sp_supervise *s, const char *addr,
                         const sp_rpc_client_opts *opts, const char *shown,
                         uint32_t node_rank, uint64_t timeout_ms);
 /* Says how many outages the session rode out, half-closes and closes it
  * (none open: nothing). */
-void sp_sup_close_session(sp_sup *s);
+void sp_supervise_close_session(sp_supervise *s);
 
 /* A failure that stops the job: told (ops->failure), and the first one
  * sets the exit code 1 (unless a signal already set it) and stops the
- * workers after SP_SUP_GRACE_S. */
-void sp_sup_fail(sp_sup *s, const char *fmt, ...)
+ * workers after SP_SUPERVISE_GRACE_S. */
+void sp_supervise_fail(sp_supervise *s, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
 /* Supervises the workers started until the job is over for this host (see
@@ -166,28 +166,29 @@ void sp_sup_fail(sp_sup *s, const char *fmt, ...)
  * failed (or the coordinator ended the job), SP_EXIT_UNREACHABLE the
  * coordinator stayed away past the grace (or went keeping no state dir),
  * 128 + the signal that stopped them. The streams are closed at the end. */
-int sp_sup_run(sp_sup *s);
+int sp_supervise_run(sp_supervise *s);
 
-/* Stops the workers left: SIGTERM, SIGKILL SP_SUP_TERM_S later; reaped. */
-void sp_sup_stop(sp_sup *s);
+/* Stops the workers left: SIGTERM, SIGKILL SP_SUPERVISE_TERM_S later;
+ * reaped. */
+void sp_supervise_stop(sp_supervise *s);
 
 /* ---- what a restart loads ---- */
 
 /* The checkpoints a directory held when the job began: a restart loads
  * only one the job wrote itself, not one of an earlier job left there. */
-typedef struct sp_sup_ckpt_seen {
+typedef struct sp_supervise_ckpt_seen {
   bool present[4]; /* by sp_ckpt_kind */
   dev_t dev[4];
   ino_t ino[4];
   struct timespec mtime[4];
-} sp_sup_ckpt_seen;
+} sp_supervise_ckpt_seen;
 
 /* Notes what dir holds now (dir NULL or without checkpoints: nothing). */
-void sp_sup_ckpt_note(const char *dir, sp_sup_ckpt_seen *seen);
+void sp_supervise_ckpt_note(const char *dir, sp_supervise_ckpt_seen *seen);
 
 /* Whether f (sp_ckpt_find of the directory seen noted) holds a checkpoint
  * of kind k written since seen was noted. */
-bool sp_sup_ckpt_new(const sp_sup_ckpt_seen *seen, const sp_ckpt_found *f,
+bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen, const sp_ckpt_found *f,
                      sp_ckpt_kind k);
 
 /* For incarnation s->incarnation (> 0): the last checkpoint in dir written
@@ -196,8 +197,8 @@ bool sp_sup_ckpt_new(const sp_sup_ckpt_seen *seen, const sp_ckpt_found *f,
  * "incarnation N loads DIR (after step K)"; false when there is none,
  * saying from where the incarnation starts instead: first_load, the
  * checkpoint incarnation 0 loaded, when given, else step 0. */
-bool sp_sup_restart_ckpt(const sp_sup *s, const char *dir,
-                         const sp_sup_ckpt_seen *seen, const char *first_load,
+bool sp_supervise_restart_ckpt(const sp_supervise *s, const char *dir,
+                         const sp_supervise_ckpt_seen *seen, const char *first_load,
                          char *out, size_t cap, sp_ckpt_kind *kind);
 
 #endif
