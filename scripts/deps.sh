@@ -35,6 +35,11 @@ if [ "${SHARDPLANE_DEPS_BENCH:-0}" = 1 ]; then
   PACKAGES+=(libgrpc++-dev libprotobuf-dev protobuf-compiler
              protobuf-compiler-grpc)
 fi
+# `./dev format` needs the formatter the committed .clang-format is
+# written for (Debian 12's clang-format is version 14)
+if [ "${SHARDPLANE_DEPS_FORMAT:-0}" = 1 ]; then
+  PACKAGES+=(clang-format-14)
+fi
 
 # --list: print the packages a run makes sure of, one a line, and stop
 if [ "${1:-}" = --list ]; then
