@@ -21,7 +21,7 @@
 #include "cast/cast_scalar.h"
 #include "cublas_check.h"
 #include "cuda/cuda_check.h"
-#include "cuda/cuda_launch.h"
+#include "cuda/cuda_grid.h"
 #include "gpt2_elem.h"
 #include "gpt2_gpu.h"
 

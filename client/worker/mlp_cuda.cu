@@ -18,7 +18,7 @@
 #include "cast/cast_scalar.h"
 #include "cublas_check.h"
 #include "cuda/cuda_check.h"
-#include "cuda/cuda_launch.h"
+#include "cuda/cuda_grid.h"
 #include "mlp_cuda.h"
 
 /* ------------------------------------------------------------------ */
@@ -79,7 +79,7 @@ static __device__ void store_dt(void *p, int dt, size_t i, float v) {
 /* ------------------------------------------------------------------ */
 
 /* k_mlp_*: the MLP's kernels, each launched by the sp_mlp_cuda_* code
- * below (launch geometry: cuda/cuda_launch.h). */
+ * below (launch geometry: cuda/cuda_grid.h). */
 
 /* mlp.c round_array: the GEMM consumes its input in the compute dtype */
 __global__ void k_mlp_round(float *x, size_t n, int dt) {

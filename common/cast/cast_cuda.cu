@@ -30,7 +30,7 @@
 #include "cast_cuda.h"
 #include "cast_scalar.h"
 #include "cuda/cuda_check.h"
-#include "cuda/cuda_launch.h"
+#include "cuda/cuda_grid.h"
 
 #define SP_CUDA_VEC 8 /* elements per thread in the vec kernels */
 

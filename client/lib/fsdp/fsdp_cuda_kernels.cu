@@ -15,7 +15,7 @@
 
 #include "cast/cast_scalar.h"
 #include "cuda/cuda_check.h"
-#include "cuda/cuda_launch.h"
+#include "cuda/cuda_grid.h"
 #include "cuda_internal.h"
 #include "fsdp_internal.h"
 

@@ -4,8 +4,8 @@
  * blocks, so one launch covers any n and a memory-bound kernel keeps every
  * SM busy without paying for a block per 256 elements. Only meaningful to
  * nvcc: a C file that includes it sees nothing. */
-#ifndef SP_CUDA_LAUNCH_H
-#define SP_CUDA_LAUNCH_H
+#ifndef SP_CUDA_GRID_H
+#define SP_CUDA_GRID_H
 
 #ifdef __CUDACC__
 #include <stddef.h>
