@@ -130,14 +130,14 @@ static __device__ float block_max(float v, float *sh) {
 
 /* matmul_fwd's `o[j] += b[j]` */
 __global__ void k_gpt2_bias(float *out, const float *b, size_t n, int OC) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     out[i] = out[i] + b[i % (size_t)OC];
 }
 
 /* matmul_bwd's db: column sums of dout in row order, from db (acc) or 0 */
 __global__ void k_gpt2_colsum(float *db, const float *dout, int N, int OC,
                               int acc) {
-  for (size_t c = SP_K_TID(); c < (size_t)OC; c += SP_K_STRIDE()) {
+  for (size_t c = SP_GRID_TID(); c < (size_t)OC; c += SP_GRID_STRIDE()) {
     float a = acc ? db[c] : 0.0f;
 #pragma unroll 8
     for (int i = 0; i < N; i++) a = a + dout[(size_t)i * OC + c];
@@ -153,7 +153,7 @@ extern "C" int sp_gpt2_gpu_matmul_fwd(sp_gpt2_dev *k, float *out,
                    0.0f, out, OC, 0, 1, d);
   if (rc < 0 || b == NULL) return rc;
   size_t n = (size_t)N * (size_t)OC;
-  k_gpt2_bias<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(out, b, n, OC);
+  k_gpt2_bias<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(out, b, n, OC);
   LAUNCHED(d);
   return 0;
 }
@@ -170,7 +170,7 @@ extern "C" int sp_gpt2_gpu_matmul_bwd(sp_gpt2_dev *k, float *dinp, float *dw,
     rc = rm_gemm(k, true, false, IC, OC, N, 1.0f, inp, IC, 0, dout, OC, 0,
                  acc ? 1.0f : 0.0f, dw, OC, 0, 1, d);
   if (rc < 0 || db == NULL) return rc;
-  k_gpt2_colsum<<<sp_k_blocks((size_t)OC), SP_K_THREADS, 0, k->st>>>(
+  k_gpt2_colsum<<<sp_grid_blocks((size_t)OC), SP_GRID_THREADS, 0, k->st>>>(
       db, dout, N, OC, acc);
   LAUNCHED(d);
   return 0;
@@ -250,7 +250,7 @@ __global__ void k_gpt2_ln_bwd_dx(float *dinp, const float *dout,
 __global__ void k_gpt2_ln_bwd_params(float *dw, float *db, const float *dout,
                                      const float *inp, const float *mean,
                                      const float *rstd, int N, int C) {
-  for (size_t c = SP_K_TID(); c < (size_t)C; c += SP_K_STRIDE()) {
+  for (size_t c = SP_GRID_TID(); c < (size_t)C; c += SP_GRID_STRIDE()) {
     float aw = 0.0f, ab = 0.0f;
 #pragma unroll 8
     for (int i = 0; i < N; i++) {
@@ -286,7 +286,7 @@ extern "C" int sp_gpt2_gpu_layernorm_bwd(sp_gpt2_dev *k, float *dinp, float *dw,
                                                              mean, rstd, C);
     LAUNCHED(d);
   }
-  k_gpt2_ln_bwd_params<<<sp_k_blocks((size_t)C), SP_K_THREADS, 0, k->st>>>(
+  k_gpt2_ln_bwd_params<<<sp_grid_blocks((size_t)C), SP_GRID_THREADS, 0, k->st>>>(
       dw, db, dout, inp, mean, rstd, N, C);
   LAUNCHED(d);
   return 0;
@@ -408,22 +408,22 @@ extern "C" int sp_gpt2_gpu_attention_bwd(sp_gpt2_dev *k, float *dqkv,
 /* ------------------------------------------------------------------ */
 
 __global__ void k_gpt2_gelu_fwd(float *out, const float *inp, size_t n) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     out[i] = sp_gpt2_elem_gelu(inp[i]);
 }
 
 __global__ void k_gpt2_gelu_bwd(float *dinp, const float *inp,
                                 const float *dout, size_t n) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     dinp[i] = sp_gpt2_elem_gelu_bwd(inp[i], dout[i]);
 }
 
 __global__ void k_gpt2_add(float *y, const float *a, const float *b, size_t n) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) y[i] = a[i] + b[i];
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) y[i] = a[i] + b[i];
 }
 
 __global__ void k_gpt2_round(float *v, size_t n, int dt) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     v[i] = dt == SP_BFLOAT16 ? sp_f32_round_bf16(v[i])
                              : sp_f32_round_f16(v[i]);
 }
@@ -431,7 +431,7 @@ __global__ void k_gpt2_round(float *v, size_t n, int dt) {
 extern "C" int sp_gpt2_gpu_gelu_fwd(sp_gpt2_dev *k, float *out,
                                     const float *inp, size_t n, sp_diag *d) {
   if (n == 0) return 0;
-  k_gpt2_gelu_fwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(out, inp, n);
+  k_gpt2_gelu_fwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(out, inp, n);
   LAUNCHED(d);
   return 0;
 }
@@ -440,7 +440,7 @@ extern "C" int sp_gpt2_gpu_gelu_bwd(sp_gpt2_dev *k, float *dinp,
                                     const float *inp, const float *dout,
                                     size_t n, sp_diag *d) {
   if (n == 0) return 0;
-  k_gpt2_gelu_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dinp, inp, dout,
+  k_gpt2_gelu_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(dinp, inp, dout,
                                                               n);
   LAUNCHED(d);
   return 0;
@@ -449,7 +449,7 @@ extern "C" int sp_gpt2_gpu_gelu_bwd(sp_gpt2_dev *k, float *dinp,
 extern "C" int sp_gpt2_gpu_add(sp_gpt2_dev *k, float *y, const float *a,
                                const float *b, size_t n, sp_diag *d) {
   if (n == 0) return 0;
-  k_gpt2_add<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(y, a, b, n);
+  k_gpt2_add<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(y, a, b, n);
   LAUNCHED(d);
   return 0;
 }
@@ -458,7 +458,7 @@ extern "C" int sp_gpt2_gpu_round(sp_gpt2_dev *k, float *v, size_t n,
                                  sp_dtype dt, sp_diag *d) {
   /* other dtypes hold every float32: nothing to do, as on the CPU */
   if (n == 0 || (dt != SP_BFLOAT16 && dt != SP_FLOAT16)) return 0;
-  k_gpt2_round<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(v, n, (int)dt);
+  k_gpt2_round<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(v, n, (int)dt);
   LAUNCHED(d);
   return 0;
 }
@@ -500,7 +500,7 @@ __global__ void k_gpt2_sum_rows(const double *rows, int N, double *total) {
 
 __global__ void k_gpt2_xent_bwd(float *probs, const int32_t *tgt, size_t n,
                                 int V, float scale) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     size_t row = i / (size_t)V, j = i % (size_t)V;
     probs[i] = sp_gpt2_elem_xent_bwd(probs[i], (size_t)tgt[row] == j, scale);
   }
@@ -525,7 +525,7 @@ extern "C" int sp_gpt2_gpu_softmax_xent_bwd(sp_gpt2_dev *k, float *probs,
                                             float scale, sp_diag *d) {
   size_t n = (size_t)N * (size_t)V;
   if (n == 0) return 0;
-  k_gpt2_xent_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(probs, tgt, n, V,
+  k_gpt2_xent_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(probs, tgt, n, V,
                                                               scale);
   LAUNCHED(d);
   return 0;
@@ -537,7 +537,7 @@ extern "C" int sp_gpt2_gpu_softmax_xent_bwd(sp_gpt2_dev *k, float *probs,
 
 __global__ void k_gpt2_embed_fwd(float *x, const int32_t *tok, const float *wte,
                                  const float *wpe, size_t n, int T, int C) {
-  for (size_t e = SP_K_TID(); e < n; e += SP_K_STRIDE()) {
+  for (size_t e = SP_GRID_TID(); e < n; e += SP_GRID_STRIDE()) {
     size_t i = e / (size_t)C, c = e % (size_t)C;
     x[e] = wte[(size_t)tok[i] * C + c] + wpe[(i % (size_t)T) * C + c];
   }
@@ -547,7 +547,7 @@ __global__ void k_gpt2_embed_fwd(float *x, const int32_t *tok, const float *wte,
  * rows start zeroed */
 __global__ void k_gpt2_wte_bwd(float *dwte, const float *dx, const int32_t *tok,
                                int N, int C) {
-  for (size_t c = SP_K_TID(); c < (size_t)C; c += SP_K_STRIDE())
+  for (size_t c = SP_GRID_TID(); c < (size_t)C; c += SP_GRID_STRIDE())
     for (int i = 0; i < N; i++) {
       float *r = dwte + (size_t)tok[i] * C + c;
       *r = *r + dx[(size_t)i * C + c];
@@ -558,7 +558,7 @@ __global__ void k_gpt2_wte_bwd(float *dwte, const float *dx, const int32_t *tok,
 __global__ void k_gpt2_wpe_bwd(float *dwpe, const float *dx, int N, int T,
                                int C) {
   size_t n = (size_t)T * C;
-  for (size_t e = SP_K_TID(); e < n; e += SP_K_STRIDE()) {
+  for (size_t e = SP_GRID_TID(); e < n; e += SP_GRID_STRIDE()) {
     size_t t = e / (size_t)C, c = e % (size_t)C;
     float a = 0.0f;
     for (size_t i = t; i < (size_t)N; i += (size_t)T)
@@ -573,7 +573,7 @@ extern "C" int sp_gpt2_gpu_embed_fwd(sp_gpt2_dev *k, float *x,
                                      sp_diag *d) {
   size_t n = (size_t)N * (size_t)C;
   if (n == 0) return 0;
-  k_gpt2_embed_fwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(x, tok, wte, wpe,
+  k_gpt2_embed_fwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(x, tok, wte, wpe,
                                                                n, T, C);
   LAUNCHED(d);
   return 0;
@@ -585,7 +585,7 @@ extern "C" int sp_gpt2_gpu_wte_bwd(sp_gpt2_dev *k, float *dwte, const float *dx,
   SP_CUDA_CHECK(d, cudaMemsetAsync(dwte, 0,
                                      (size_t)V * (size_t)C * sizeof(float),
                                      k->st));
-  k_gpt2_wte_bwd<<<sp_k_blocks((size_t)C), SP_K_THREADS, 0, k->st>>>(dwte, dx,
+  k_gpt2_wte_bwd<<<sp_grid_blocks((size_t)C), SP_GRID_THREADS, 0, k->st>>>(dwte, dx,
                                                                      tok, N, C);
   LAUNCHED(d);
   return 0;
@@ -598,7 +598,7 @@ extern "C" int sp_gpt2_gpu_wpe_bwd(sp_gpt2_dev *k, float *dwpe, const float *dx,
                                      k->st));
   size_t n = (size_t)T * (size_t)C;
   if (n == 0) return 0;
-  k_gpt2_wpe_bwd<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dwpe, dx, N, T, C);
+  k_gpt2_wpe_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(dwpe, dx, N, T, C);
   LAUNCHED(d);
   return 0;
 }
@@ -608,14 +608,14 @@ extern "C" int sp_gpt2_gpu_wpe_bwd(sp_gpt2_dev *k, float *dwpe, const float *dx,
 /* ------------------------------------------------------------------ */
 
 __global__ void k_gpt2_grad_add(void *dst, int dt, const float *g, size_t n) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     sp_elem_store_f64(dst, dt, i, sp_elem_load_f64(dst, dt, i) + (double)g[i]);
 }
 
 __global__ void k_gpt2_mask(uint8_t *allow, const void *buf, int dt,
                             int floating, size_t es, int T, int ctx) {
   size_t n = (size_t)T * T;
-  for (size_t e = SP_K_TID(); e < n; e += SP_K_STRIDE()) {
+  for (size_t e = SP_GRID_TID(); e < n; e += SP_GRID_STRIDE()) {
     size_t i = (e / (size_t)T) * (size_t)ctx + e % (size_t)T;
     bool on = false;
     if (floating) {
@@ -634,7 +634,7 @@ extern "C" int sp_gpt2_gpu_grad_add(sp_gpt2_dev *k, void *dst, sp_dtype dt,
     return sp_diag_set(d, SP_EINVAL, "gradient dtype %s is not floating",
                        sp_dtype_name(dt));
   if (n == 0) return 0;
-  k_gpt2_grad_add<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(dst, (int)dt, g,
+  k_gpt2_grad_add<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(dst, (int)dt, g,
                                                               n);
   LAUNCHED(d);
   return 0;
@@ -644,7 +644,7 @@ extern "C" int sp_gpt2_gpu_mask(sp_gpt2_dev *k, uint8_t *allow, const void *buf,
                                 sp_dtype dt, int T, int ctx, sp_diag *d) {
   size_t n = (size_t)T * (size_t)T;
   if (n == 0) return 0;
-  k_gpt2_mask<<<sp_k_blocks(n), SP_K_THREADS, 0, k->st>>>(
+  k_gpt2_mask<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(
       allow, buf, (int)dt, sp_dtype_is_floating(dt) ? 1 : 0, sp_dtype_size(dt),
       T, ctx);
   LAUNCHED(d);

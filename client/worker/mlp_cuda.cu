@@ -83,7 +83,7 @@ static __device__ void store_dt(void *p, int dt, size_t i, float v) {
 
 /* mlp.c round_array: the GEMM consumes its input in the compute dtype */
 __global__ void k_mlp_round(float *x, size_t n, int dt) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     x[i] = round_dt(x[i], dt);
 }
 
@@ -91,7 +91,7 @@ __global__ void k_mlp_round(float *x, size_t n, int dt) {
 __global__ void k_mlp_bias_round(float *y, const float *acc, const void *b,
                                  int bdt, size_t n, size_t out, int pd) {
   size_t count = n * out;
-  for (size_t i = SP_K_TID(); i < count; i += SP_K_STRIDE()) {
+  for (size_t i = SP_GRID_TID(); i < count; i += SP_GRID_STRIDE()) {
     float a = acc[i];
     if (b) a = __fadd_rn(a, load_dt(b, bdt, i % out));
     y[i] = round_dt(a, pd);
@@ -102,7 +102,7 @@ __global__ void k_mlp_bias_round(float *y, const float *acc, const void *b,
  * thread per column: the CPU's loop `sum[k] += x[s * h + k]` exactly
  * (norm_forward's batch sum, linear_backward's bias gradient). */
 __global__ void k_mlp_colsum(const float *x, size_t n, size_t h, float *sum) {
-  for (size_t k = SP_K_TID(); k < h; k += SP_K_STRIDE()) {
+  for (size_t k = SP_GRID_TID(); k < h; k += SP_GRID_STRIDE()) {
     float acc = 0.0f;
     for (size_t s = 0; s < n; s++) acc = __fadd_rn(acc, x[s * h + k]);
     sum[k] = acc;
@@ -114,7 +114,7 @@ __global__ void k_mlp_colsum(const float *x, size_t n, size_t h, float *sum) {
  * which is what the output uses. */
 __global__ void k_mlp_norm_update(void *rm, int rd, const float *sum,
                                   size_t h, float gn, float *mean_out) {
-  for (size_t k = SP_K_TID(); k < h; k += SP_K_STRIDE()) {
+  for (size_t k = SP_GRID_TID(); k < h; k += SP_GRID_STRIDE()) {
     float mean = __fdiv_rn(sum[k], gn);
     float old = load_dt(rm, rd, k);
     store_dt(rm, rd, k,
@@ -153,7 +153,7 @@ __global__ void k_mlp_norm_out(const float *x, const float *mean,
                                const void *w, const void *b, int pd, size_t n,
                                size_t h, float *y) {
   size_t count = n * h;
-  for (size_t i = SP_K_TID(); i < count; i += SP_K_STRIDE()) {
+  for (size_t i = SP_GRID_TID(); i < count; i += SP_GRID_STRIDE()) {
     size_t k = i % h;
     float c = __fsub_rn(x[i], mean[k]);
     y[i] = round_dt(__fadd_rn(__fmul_rn(c, load_dt(w, pd, k)),
@@ -167,7 +167,7 @@ __global__ void k_mlp_norm_out(const float *x, const float *mean,
 __global__ void k_mlp_norm_grads(const float *x, const float *dy,
                                  const float *mean, size_t n, size_t h,
                                  float *gw, float *gb) {
-  for (size_t k = SP_K_TID(); k < h; k += SP_K_STRIDE()) {
+  for (size_t k = SP_GRID_TID(); k < h; k += SP_GRID_STRIDE()) {
     float aw = 0.0f, ab = 0.0f;
     for (size_t s = 0; s < n; s++) {
       float g = dy[s * h + k];
@@ -184,13 +184,13 @@ __global__ void k_mlp_norm_grads(const float *x, const float *dy,
 __global__ void k_mlp_norm_dx(const float *dy, const void *w, int pd,
                               size_t n, size_t h, float *dx) {
   size_t count = n * h;
-  for (size_t i = SP_K_TID(); i < count; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < count; i += SP_GRID_STRIDE())
     dx[i] = round_dt(__fmul_rn(dy[i], load_dt(w, pd, i % h)), pd);
 }
 
 /* torch.relu: NaN passes through */
 __global__ void k_mlp_relu(const float *x, float *y, size_t n) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     float v = x[i];
     y[i] = v > 0.0f ? v : (v != v ? v : 0.0f);
   }
@@ -198,7 +198,7 @@ __global__ void k_mlp_relu(const float *x, float *y, size_t n) {
 
 __global__ void k_mlp_relu_back(const float *x, const float *dy, float *dx,
                                 size_t n) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
 }
 
@@ -207,7 +207,7 @@ __global__ void k_mlp_relu_back(const float *x, const float *dy, float *dx,
 __global__ void k_mlp_loss_rows(const float *y, const float *t, size_t n,
                                 size_t out, float fn, int out_dt, float *dy,
                                 double *partial) {
-  for (size_t s = SP_K_TID(); s < n; s += SP_K_STRIDE()) {
+  for (size_t s = SP_GRID_TID(); s < n; s += SP_GRID_STRIDE()) {
     double acc = 0.0;
     for (size_t j = 0; j < out; j++) {
       size_t i = s * out + j;
@@ -233,14 +233,14 @@ __global__ void k_mlp_loss_total(const double *partial, size_t n,
 
 /* mlp.c write_grad: dst = rne_pd(dst + g), the sum in double */
 __global__ void k_mlp_grad_add(void *dst, int pd, const float *g, size_t n) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     sp_elem_store_f64(dst, pd, i,
                       __dadd_rn(sp_elem_load_f64(dst, pd, i), (double)g[i]));
 }
 
 /* a buffer (any floating dtype) as float32 */
 __global__ void k_mlp_load(const void *p, int dt, size_t n, float *out) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     out[i] = load_dt(p, dt, i);
 }
 
@@ -445,7 +445,7 @@ static int write_grad(sp_mlp_cuda *g, const sp_mlp_io *io, int32_t p,
                        "element-aligned expected)", t->fqn, dst,
                        sp_dtype_name(pd));
   if (n == 0) return 0;
-  k_mlp_grad_add<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(dst, (int)pd,
+  k_mlp_grad_add<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, g->st>>>(dst, (int)pd,
                                                              src, n);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
@@ -548,7 +548,7 @@ static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
 static int round_inplace(sp_mlp_cuda *g, float *x, size_t count, sp_dtype dt,
                          sp_diag *d) {
   if (count == 0 || (dt != SP_BFLOAT16 && dt != SP_FLOAT16)) return 0;
-  k_mlp_round<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(x, count,
+  k_mlp_round<<<sp_grid_blocks(count), SP_GRID_THREADS, 0, g->st>>>(x, count,
                                                              (int)dt);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
@@ -576,7 +576,7 @@ static int linear_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
               g->acc, d);
   if (rc < 0) return rc;
   if (n * out != 0) {
-    k_mlp_bias_round<<<sp_k_blocks(n * out), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_bias_round<<<sp_grid_blocks(n * out), SP_GRID_THREADS, 0, g->st>>>(
         y, g->acc, b, (int)bd, n, out, (int)pd);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
@@ -606,7 +606,7 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc == 0) rc = write_grad(g, io, L->weight, g->acc, d);
   if (rc == 0 && L->bias >= 0) {
     if (out) {
-      k_mlp_colsum<<<sp_k_blocks(out), SP_K_THREADS, 0, g->st>>>(g->dy, n, out,
+      k_mlp_colsum<<<sp_grid_blocks(out), SP_GRID_THREADS, 0, g->st>>>(g->dy, n, out,
                                                                g->vec_a);
       SP_CUDA_CHECK(d, cudaGetLastError());
     }
@@ -621,7 +621,7 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
               g->acc, d);
   if (rc < 0) return rc;
   if (n * in != 0) {
-    k_mlp_bias_round<<<sp_k_blocks(n * in), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_bias_round<<<sp_grid_blocks(n * in), SP_GRID_THREADS, 0, g->st>>>(
         g->dx, g->acc, NULL, (int)SP_FLOAT32, n, in, (int)pd);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
@@ -646,7 +646,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   rc = round_inplace(g, x, n * h, pd, d);
   if (rc < 0) return rc;
   if (h) {
-    k_mlp_colsum<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(x, n, h,
+    k_mlp_colsum<<<sp_grid_blocks(h), SP_GRID_THREADS, 0, g->st>>>(x, n, h,
                                                             g->vec_a);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
@@ -657,7 +657,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
     if (rc < 0) return sp_diag_prefix(d, rc, "all-reduce of the batch sum");
   }
   if (h) {
-    k_mlp_norm_update<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_norm_update<<<sp_grid_blocks(h), SP_GRID_THREADS, 0, g->st>>>(
         rm, (int)rd, g->vec_a, h, (float)global_n, g->vec_b);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
@@ -674,7 +674,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
   if (n * h != 0) {
-    k_mlp_norm_out<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_norm_out<<<sp_grid_blocks(n * h), SP_GRID_THREADS, 0, g->st>>>(
         x, g->vec_b, w, b, (int)pd, n, h, y);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
@@ -692,10 +692,10 @@ static int norm_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc < 0) return rc;
   if (h) {
     /* the stored running mean as float32: the constant the forward used */
-    k_mlp_load<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(rm, (int)rd, h,
+    k_mlp_load<<<sp_grid_blocks(h), SP_GRID_THREADS, 0, g->st>>>(rm, (int)rd, h,
                                                           g->vec_b);
     SP_CUDA_CHECK(d, cudaGetLastError());
-    k_mlp_norm_grads<<<sp_k_blocks(h), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_norm_grads<<<sp_grid_blocks(h), SP_GRID_THREADS, 0, g->st>>>(
         g->x[l], g->dy, g->vec_b, n, h, g->vec_a, g->acc);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
@@ -703,7 +703,7 @@ static int norm_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc == 0) rc = write_grad(g, io, L->bias, g->acc, d);
   if (rc < 0 || l == 0) return rc;
   if (n * h != 0) {
-    k_mlp_norm_dx<<<sp_k_blocks(n * h), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_norm_dx<<<sp_grid_blocks(n * h), SP_GRID_THREADS, 0, g->st>>>(
         g->dy, w, (int)pd, n, h, g->dx);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
@@ -732,7 +732,7 @@ extern "C" int sp_mlp_cuda_forward(sp_mlp_cuda *g, size_t l,
   case SP_MLP_RELU: {
     size_t count = g->n * (size_t)L->in;
     if (count) {
-      k_mlp_relu<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
+      k_mlp_relu<<<sp_grid_blocks(count), SP_GRID_THREADS, 0, g->st>>>(
           g->x[l], g->x[l + 1], count);
       SP_CUDA_CHECK(d, cudaGetLastError());
     }
@@ -757,7 +757,7 @@ extern "C" int sp_mlp_cuda_loss_over(sp_mlp_cuda *g, sp_dtype out_dtype,
                        "denominator");
   size_t n = g->n, out = (size_t)g->mlp->out_dim;
   if (n) {
-    k_mlp_loss_rows<<<sp_k_blocks(n), SP_K_THREADS, 0, g->st>>>(
+    k_mlp_loss_rows<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, g->st>>>(
         g->x[g->mlp->n_layers], g->t, n, out, (float)denom, (int)out_dtype,
         g->dy, g->loss + 1);
     SP_CUDA_CHECK(d, cudaGetLastError());
@@ -787,7 +787,7 @@ extern "C" int sp_mlp_cuda_backward(sp_mlp_cuda *g, size_t l,
   case SP_MLP_RELU: {
     size_t count = g->n * (size_t)L->in;
     if (l > 0 && count) {
-      k_mlp_relu_back<<<sp_k_blocks(count), SP_K_THREADS, 0, g->st>>>(
+      k_mlp_relu_back<<<sp_grid_blocks(count), SP_GRID_THREADS, 0, g->st>>>(
           g->x[l], g->dy, g->dx, count);
       SP_CUDA_CHECK(d, cudaGetLastError());
     }

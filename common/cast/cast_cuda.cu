@@ -140,7 +140,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
     };                                                                         \
     const ST *vs = src + head;                                                 \
     DT *vd = dst + head;                                                       \
-    for (size_t v = SP_K_TID(); v < nvec; v += SP_K_STRIDE()) {                \
+    for (size_t v = SP_GRID_TID(); v < nvec; v += SP_GRID_STRIDE()) {                \
       union {                                                                  \
         uint4 q[SQ];                                                           \
         ST e[SP_CUDA_VEC];                                                     \
@@ -156,7 +156,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
           sp_op_##name(in.e[j], k);                                            \
       _Pragma("unroll") for (int j = 0; j < DQ; j++) __stcs(d + j, out.q[j]);  \
     }                                                                          \
-    size_t t = SP_K_TID();                                                     \
+    size_t t = SP_GRID_TID();                                                     \
     if (t < head) dst[t] = sp_op_##name(src[t], k);                            \
     if (t < tail) {                                                            \
       size_t i = head + nvec * SP_CUDA_VEC + t;                                \
@@ -165,7 +165,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
   }                                                                            \
   __global__ void sp_cuda_k_elem_##name(DT *dst, const ST *src, size_t n,      \
                                         double k) {                            \
-    for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())                     \
+    for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())                     \
       dst[i] = sp_op_##name(src[i], k);                                        \
   }                                                                            \
   static int sp_cuda_launch_##name(void *dst, const void *src, size_t n,       \
@@ -195,12 +195,12 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
     } else {                                                                   \
       work = n;                                                                \
     }                                                                          \
-    unsigned blocks = sp_k_blocks_cap(work, max_blocks);                       \
+    unsigned blocks = sp_grid_blocks_cap(work, max_blocks);                       \
     if (vec)                                                                   \
-      sp_cuda_k_vec_##name<<<blocks, SP_K_THREADS, 0, st>>>(                   \
+      sp_cuda_k_vec_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(                   \
           (DT *)dst, (const ST *)src, head, nvec, tail, k);                    \
     else                                                                       \
-      sp_cuda_k_elem_##name<<<blocks, SP_K_THREADS, 0, st>>>(                  \
+      sp_cuda_k_elem_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(                  \
           (DT *)dst, (const ST *)src, n, k);                                   \
     return 0;                                                                  \
   }
@@ -210,7 +210,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
 #define SP_CUDA_BYTE_KERNEL(name, ST, DT)                                      \
   __global__ void sp_cuda_k_byte_##name(unsigned char *dst,                    \
                                         const unsigned char *src, size_t n) {  \
-    for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {                   \
+    for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {                   \
       ST x;                                                                    \
       memcpy(&x, src + i * sizeof(ST), sizeof(ST));                            \
       DT y = sp_op_##name(x, 1.0);                                             \
@@ -220,8 +220,8 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
   static void sp_cuda_launch_byte_##name(void *dst, const void *src, size_t n, \
                                          unsigned max_blocks,                  \
                                          cudaStream_t st) {                    \
-    unsigned blocks = sp_k_blocks_cap(n, max_blocks);                          \
-    sp_cuda_k_byte_##name<<<blocks, SP_K_THREADS, 0, st>>>(                    \
+    unsigned blocks = sp_grid_blocks_cap(n, max_blocks);                          \
+    sp_cuda_k_byte_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(                    \
         (unsigned char *)dst, (const unsigned char *)src, n);                  \
   }
 

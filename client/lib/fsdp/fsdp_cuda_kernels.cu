@@ -22,8 +22,8 @@
 /* fsdp_mem_host.c scale_div: float32 (float)((double)x / div); float64 x / div;
  * bfloat16/float16 widened to float32, the same float32 step, rounded back
  * with sp_cast's RNE. */
-__global__ void sp_k_scale_div(void *buf, int dt, size_t n, double div) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
+__global__ void k_fsdp_scale_div(void *buf, int dt, size_t n, double div) {
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     switch (dt) {
     case SP_FLOAT64: {
       double *p = (double *)buf;
@@ -53,11 +53,11 @@ __global__ void sp_k_scale_div(void *buf, int dt, size_t n, double div) {
   }
 }
 
-/* fsdp_mem_host.c host_acc_div, after the quotient (sp_k_scale_div):
+/* fsdp_mem_host.c host_acc_div, after the quotient (k_fsdp_scale_div):
  * dst = rne_dt(dst + rne_dt(src)) */
-__global__ void sp_k_acc(void *dst, int dt, const void *src, int st,
+__global__ void k_fsdp_acc(void *dst, int dt, const void *src, int st,
                          size_t n) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     uint64_t tmp;
     sp_elem_store_f64(&tmp, dt, 0, sp_elem_load_f64(src, st, i));
     double v = sp_elem_load_f64(&tmp, dt, 0);
@@ -66,14 +66,14 @@ __global__ void sp_k_acc(void *dst, int dt, const void *src, int st,
 }
 
 /* fsdp_mem_host.c host_scale: g = rne(g * k) */
-__global__ void sp_k_scale(void *g, int gdt, size_t n, double k) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE())
+__global__ void k_fsdp_scale(void *g, int gdt, size_t n, double k) {
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
     sp_elem_store_f64(g, gdt, i, __dmul_rn(sp_elem_load_f64(g, gdt, i), k));
 }
 
 /* sp_fsdp_sqsum_ref's order: block b takes chunks b, b + grid, ...;
  * thread t sums its lane in order, then the shared-memory tree */
-__global__ void sp_k_sqsum_chunks(const void *g, int gdt, size_t n,
+__global__ void k_fsdp_sqsum_chunks(const void *g, int gdt, size_t n,
                                   double *partial) {
   __shared__ double lane[SP_FSDP_SQ_LANES];
   size_t chunks = n / SP_FSDP_SQ_CHUNK + (n % SP_FSDP_SQ_CHUNK != 0);
@@ -100,7 +100,7 @@ __global__ void sp_k_sqsum_chunks(const void *g, int gdt, size_t n,
 }
 
 /* the chunk sums in chunk order: one thread */
-__global__ void sp_k_sqsum_total(const double *partial, size_t chunks,
+__global__ void k_fsdp_sqsum_total(const double *partial, size_t chunks,
                                  double *out) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   double acc = 0.0;
@@ -109,10 +109,10 @@ __global__ void sp_k_sqsum_total(const double *partial, size_t chunks,
 }
 
 /* fsdp_mem_host.c host_sgd */
-__global__ void sp_k_sgd(void *p, int pdt, const void *g, int gdt,
+__global__ void k_fsdp_sgd(void *p, int pdt, const void *g, int gdt,
                          float *buf, size_t n, double lr, double momentum,
                          double wd) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     double pv = sp_elem_load_f64(p, pdt, i);
     double gv = sp_elem_load_f64(g, gdt, i);
     if (wd != 0) gv = __dadd_rn(gv, __dmul_rn(wd, pv));
@@ -126,10 +126,10 @@ __global__ void sp_k_sgd(void *p, int pdt, const void *g, int gdt,
 }
 
 /* fsdp_mem_host.c host_adamw */
-__global__ void sp_k_adamw(void *p, int pdt, const void *g, int gdt,
+__global__ void k_fsdp_adamw(void *p, int pdt, const void *g, int gdt,
                            float *m, float *v, size_t n,
                            sp_fsdp_adamw_args a) {
-  for (size_t i = SP_K_TID(); i < n; i += SP_K_STRIDE()) {
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     double pv = sp_elem_load_f64(p, pdt, i);
     double gv = sp_elem_load_f64(g, gdt, i);
     pv = __dsub_rn(pv, __dmul_rn(a.lrwd, pv));
@@ -162,7 +162,7 @@ extern "C" int sp_fsdp_cuda_scale_div(void *buf, sp_dtype dt, size_t n,
   if (!buf || !float_dtype(dt) || !aligned(buf, dt))
     return sp_diag_set(d, SP_EINVAL, "scale_div: %s buffer %p (floating, "
                        "element-aligned expected)", sp_dtype_name(dt), buf);
-  sp_k_scale_div<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
+  k_fsdp_scale_div<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, (cudaStream_t)stream>>>(
       buf, (int)dt, n, div);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
@@ -184,7 +184,7 @@ extern "C" int sp_fsdp_cuda_acc(void *dst, sp_dtype dt, const void *src,
   if (n == 0) return 0;
   int rc = check_floats("gradient accumulation", dst, dt, src, st, d);
   if (rc < 0) return rc;
-  sp_k_acc<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
+  k_fsdp_acc<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, (cudaStream_t)stream>>>(
       dst, (int)dt, src, (int)st, n);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
@@ -195,7 +195,7 @@ extern "C" int sp_fsdp_cuda_scale(void *g, sp_dtype gdt, size_t n, double k,
   if (n == 0) return 0;
   int rc = check_floats("gradient scaling", g, gdt, NULL, gdt, d);
   if (rc < 0) return rc;
-  sp_k_scale<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
+  k_fsdp_scale<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, (cudaStream_t)stream>>>(
       g, (int)gdt, n, k);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
@@ -212,13 +212,13 @@ extern "C" int sp_fsdp_cuda_sqsum(const void *g, sp_dtype gdt, size_t n,
   cudaStream_t s = (cudaStream_t)stream;
   if (chunks) {
     /* one block a chunk, up to the cap (blocks loop over the rest) */
-    unsigned blocks = chunks < SP_K_MAX_BLOCKS ? (unsigned)chunks
-                                               : SP_K_MAX_BLOCKS;
-    sp_k_sqsum_chunks<<<blocks, SP_FSDP_SQ_LANES, 0, s>>>(g, (int)gdt, n,
+    unsigned blocks = chunks < SP_GRID_MAX_BLOCKS ? (unsigned)chunks
+                                               : SP_GRID_MAX_BLOCKS;
+    k_fsdp_sqsum_chunks<<<blocks, SP_FSDP_SQ_LANES, 0, s>>>(g, (int)gdt, n,
                                                         partial);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
-  sp_k_sqsum_total<<<1, 1, 0, s>>>(partial, chunks, out);
+  k_fsdp_sqsum_total<<<1, 1, 0, s>>>(partial, chunks, out);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
@@ -230,7 +230,7 @@ extern "C" int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, const void *g,
   if (n == 0) return 0;
   int rc = check_floats("SGD", p, pdt, g, gdt, d);
   if (rc < 0) return rc;
-  sp_k_sgd<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
+  k_fsdp_sgd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, (cudaStream_t)stream>>>(
       p, (int)pdt, g, (int)gdt, buf, n, lr, momentum, wd);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
@@ -245,7 +245,7 @@ extern "C" int sp_fsdp_cuda_adamw(void *p, sp_dtype pdt, const void *g,
   if (rc < 0) return rc;
   if (!m || !v || !a)
     return sp_diag_set(d, SP_EINVAL, "AdamW: no moments");
-  sp_k_adamw<<<sp_k_blocks(n), SP_K_THREADS, 0, (cudaStream_t)stream>>>(
+  k_fsdp_adamw<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, (cudaStream_t)stream>>>(
       p, (int)pdt, g, (int)gdt, m, v, n, *a);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
