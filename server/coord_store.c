@@ -1,5 +1,5 @@
 /* Store service: StoreSet, StoreGet, StoreAdd, StoreCompareSet,
- * StoreDelete, StoreWait, over server/store.c.
+ * StoreDelete, StoreWait, over server/kvstore.c.
  *
  * Status codes (validation in Redis's order: a malformed request first,
  * then the limits, then the store's own answer):

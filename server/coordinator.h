@@ -16,7 +16,7 @@
 #include "shardplane/v1/coordinator.pb-c.h"
 #include "plan/state.h"
 #include "coord_auth.h"
-#include "store.h"
+#include "kvstore.h"
 #include "base/strmap.h"
 #include "coord_diag.h"
 

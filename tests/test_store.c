@@ -1,4 +1,4 @@
-/* Tests for the coordinator's key-value store (server/store.c): every
+/* Tests for the coordinator's key-value store (server/kvstore.c): every
  * operation, versions, limits, waits (several keys, many waiters, cancel,
  * re-entrant callbacks), random sequences against a reference model, and a
  * leak check under AddressSanitizer. */
@@ -12,7 +12,7 @@
 
 #include <cmocka.h>
 
-#include "server/store.h"
+#include "server/kvstore.h"
 #include "support/testutil.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -61,7 +61,7 @@ static void check_value(const sp_store *s, const char *k, const char *v,
   assert_int_equal(sp_store_get(s, K(k), &p, &n, &got), 0);
   assert_int_equal(n, strlen(v));
   assert_memory_equal(p, v, n);
-  assert_int_equal(p[n], 0); /* NUL-terminated, as store.h promises */
+  assert_int_equal(p[n], 0); /* NUL-terminated, as kvstore.h promises */
   assert_int_equal(got, ver);
 }
 

@@ -1,4 +1,4 @@
-/* The coordinator's key-value store (see store.h for the contract).
+/* The coordinator's key-value store (see kvstore.h for the contract).
  *
  * Layout: a chained hash table of entries. An entry is either a present key
  * (with its value and version) or a *placeholder*: an absent key that at
@@ -14,7 +14,7 @@
  * links may point at them directly, and callbacks that insert keys cannot
  * invalidate anything a wake pass holds.
  */
-#include "store.h"
+#include "kvstore.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -256,7 +256,7 @@ static int put(sp_store *s, uint64_t h, const void *key, size_t klen,
   } else if (!fits(s, vlen, e->present ? e->vlen : 0)) {
     return SP_ETOOBIG;
   }
-  /* One spare byte so values are NUL-terminated (store.h promises it;
+  /* One spare byte so values are NUL-terminated (kvstore.h promises it;
    * ADD parses in place). */
   uint8_t *v = malloc(vlen + 1);
   if (v == NULL) return SP_ENOMEM;
