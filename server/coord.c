@@ -135,7 +135,7 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
   }
   opts.tls = cfg->tls;
   if ((rc = sp_rpc_server_new(loop, &opts, &c->srv)) != 0 ||
-      (rc = sp_store_new(NULL, &c->store)) != 0) {
+      (rc = sp_kvstore_new(NULL, &c->store)) != 0) {
     sp_diag_set(diag, rc, "coordinator: %s", sp_strerror(rc));
     goto fail;
   }
@@ -227,7 +227,7 @@ void sp_coord_free(sp_coord *c) {
     free(c->recent_msg[i]);
     free(c->recent_ranks[i]);
   }
-  sp_store_free(c->store);
+  sp_kvstore_free(c->store);
   sp_auth_free(c->auth);
   free(c->abort_reason);
   sp_plan_free(c->plan);

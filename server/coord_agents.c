@@ -251,7 +251,7 @@ static void note_key(void *arg, const void *key, size_t klen) {
 
 static void clear_store(sp_coord *c) {
   key_list l = {0};
-  if (sp_store_clear(c->store, note_key, &l) != 0)
+  if (sp_kvstore_clear(c->store, note_key, &l) != 0)
     sp_coord_log(c, "cannot empty the store for the new incarnation: out "
                     "of memory");
   for (size_t i = 0; i < l.n; i++) {

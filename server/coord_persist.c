@@ -148,7 +148,7 @@ int sp_coord_persist_key(sp_coord *c, const char *key, size_t klen) {
   const uint8_t *v;
   size_t n;
   uint64_t ver;
-  int rc = sp_store_get(c->store, key, klen, &v, &n, &ver) == 0
+  int rc = sp_kvstore_get(c->store, key, klen, &v, &n, &ver) == 0
                ? sp_coord_db_put_key(db, key, klen, v, n, ver)
                : sp_coord_db_del_key(db, key, klen);
   return rc != 0 ? write_failed(c, rc) : 0;
@@ -250,7 +250,7 @@ static int restore_key(void *arg, const uint8_t *k, size_t kl,
   if (kl > SP_COORD_MAX_KEY || vl > SP_COORD_MAX_VALUE || ver == 0 ||
       memchr(k, 0, kl) != NULL)
     return SP_EFORMAT;
-  return sp_store_restore(c->store, k, kl, v, vl, ver);
+  return sp_kvstore_restore(c->store, k, kl, v, vl, ver);
 }
 
 static int restore_rank(void *arg, const sp_coord_db_rank *r) {
@@ -325,8 +325,8 @@ int sp_coord_persist_open(sp_coord *c, sp_diag *d) {
   c->persist = p;
   if (!fresh) {
     if ((rc = restore(c, d)) != 0) return rc;
-    sp_store_stats st;
-    sp_store_get_stats(c->store, &st);
+    sp_kvstore_stats st;
+    sp_kvstore_get_stats(c->store, &st);
     sp_coord_log(c,
                  "continuing the job from state dir %s: %zu store keys, "
                  "%" PRIu64 " alerts",

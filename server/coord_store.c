@@ -50,7 +50,7 @@ typedef struct sp_coord_store_wait store_wait;
 struct sp_coord_store_wait {
   sp_coord *c;
   sp_rpc_call *call;
-  sp_store_waiter *w; /* NULL while its callback runs */
+  sp_kvstore_waiter *w; /* NULL while its callback runs */
   store_wait *prev, *next;
   size_t klen; /* StoreGet: the key to answer with; 0 for StoreWait */
   char key[];
@@ -197,8 +197,8 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__StoreSetResponse r = SHARDPLANE__V1__STORE_SET_RESPONSE__INIT;
   /* Waiting calls released by this set are answered inside it. */
   sp_coord *c = coord_of(call);
-  int rc = sp_store_set(c->store, q->key, klen, q->value.data, q->value.len,
-                        &r.version);
+  int rc = sp_kvstore_set(c->store, q->key, klen, q->value.data, q->value.len,
+                          &r.version);
   if (rc == 0) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
@@ -222,16 +222,16 @@ static void answer_get(sp_coord *c, sp_rpc_call *call, const uint8_t *v,
 
 static void get_ready(void *arg) {
   store_wait *r = arg;
-  sp_store *st = r->c->store;
+  sp_kvstore *st = r->c->store;
   r->w = NULL; /* the store frees it when this returns */
   const uint8_t *v;
   size_t n;
   uint64_t ver;
-  if (sp_store_get(st, r->key, r->klen, &v, &n, &ver) != 0) {
+  if (sp_kvstore_get(st, r->key, r->klen, &v, &n, &ver) != 0) {
     /* A callback earlier in the same pass deleted it again: a GET that
      * waits answers with a value, so wait for the next one. */
     const void *k = r->key;
-    int rc = sp_store_wait(st, &k, &r->klen, 1, get_ready, r, &r->w);
+    int rc = sp_kvstore_wait(st, &k, &r->klen, 1, get_ready, r, &r->w);
     if (rc == 0) return;
     waits_remove(r);
     sp_rpc_call_set_user(r->call, NULL);
@@ -261,7 +261,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   const uint8_t *v;
   size_t n;
   uint64_t ver;
-  int rc = sp_store_get(c->store, q->key, klen, &v, &n, &ver);
+  int rc = sp_kvstore_get(c->store, q->key, klen, &v, &n, &ver);
   if (rc == 0) {
     answer_get(c, call, v, n, ver);
     return;
@@ -285,7 +285,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   *r = (store_wait){.c = c, .call = call, .klen = klen};
   memcpy(r->key, q->key, klen + 1);
   const void *k = r->key;
-  rc = sp_store_wait(c->store, &k, &r->klen, 1, get_ready, r, &r->w);
+  rc = sp_kvstore_wait(c->store, &k, &r->klen, 1, get_ready, r, &r->w);
   if (rc != 0) {
     /* 1 cannot happen (the key was just absent and nothing ran since) */
     if (rc == 1)
@@ -353,7 +353,8 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (c->shutting_down) {
     /* No new waiter now: answer only if there is nothing to wait for. */
     for (size_t i = 0; i < n; i++)
-      if (sp_store_get(c->store, q->keys[i], klens[i], NULL, NULL, NULL) != 0) {
+      if (sp_kvstore_get(c->store, q->keys[i], klens[i], NULL, NULL,
+                         NULL) != 0) {
         free(klens);
         refuse_if_stopping(call);
         return;
@@ -370,8 +371,8 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   *r = (store_wait){.c = c, .call = call};
   /* The store copies what it keeps, so the request's strings will do. */
-  int rc = sp_store_wait(c->store, (const void *const *)q->keys, klens, n,
-                         wait_ready, r, &r->w);
+  int rc = sp_kvstore_wait(c->store, (const void *const *)q->keys, klens, n,
+                           wait_ready, r, &r->w);
   free(klens);
   if (rc == 1) { /* all there already */
     free(r);
@@ -397,7 +398,7 @@ static void on_cancel(sp_rpc_call *call, int code) {
   sp_rpc_call_set_user(call, NULL);
   /* r->w may be NULL if this runs from inside r's own callback (a reply
    * that fails synchronously); the store then frees it itself. */
-  if (r->w != NULL) sp_store_cancel_wait(r->c->store, r->w);
+  if (r->w != NULL) sp_kvstore_cancel_wait(r->c->store, r->w);
   waits_remove(r);
   free(r);
 }
@@ -418,8 +419,8 @@ static void on_add(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord *c = coord_of(call);
   if (sp_coord_persist_replay(c, call, q->request_id)) return;
   Shardplane__V1__StoreAddResponse r = SHARDPLANE__V1__STORE_ADD_RESPONSE__INIT;
-  int rc = sp_store_add(c->store, q->key, klen, q->delta, &r.value,
-                        &r.version);
+  int rc =
+      sp_kvstore_add(c->store, q->key, klen, q->delta, &r.value, &r.version);
   if (rc == 0) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
@@ -458,10 +459,10 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   const uint8_t *v = NULL;
   size_t n = 0;
   bool swapped, found; /* protobuf_c_boolean is an int */
-  int rc = sp_store_compare_set(
-      c->store, q->key, klen, q->expected.data, q->expected.len,
-      q->expect_absent, q->desired.data, q->desired.len, &swapped, &v, &n,
-      &found, &r.version);
+  int rc = sp_kvstore_compare_set(c->store, q->key, klen, q->expected.data,
+                                  q->expected.len, q->expect_absent,
+                                  q->desired.data, q->desired.len, &swapped, &v,
+                                  &n, &found, &r.version);
   if (rc != 0) {
     fail(call, rc, q->key);
     return;
@@ -494,7 +495,7 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
       SHARDPLANE__V1__STORE_DELETE_RESPONSE__INIT;
   bool deleted;
   sp_coord *c = coord_of(call);
-  int rc = sp_store_delete(c->store, q->key, klen, &deleted);
+  int rc = sp_kvstore_delete(c->store, q->key, klen, &deleted);
   if (rc == 0 && deleted) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
@@ -536,7 +537,7 @@ void sp_coord_store_shutdown(sp_coord *c) {
   if (c == NULL) return;
   store_wait *r;
   while ((r = waits_take(c)) != NULL) {
-    if (r->w != NULL) sp_store_cancel_wait(c->store, r->w);
+    if (r->w != NULL) sp_kvstore_cancel_wait(c->store, r->w);
     sp_rpc_call_set_user(r->call, NULL);
     sp_rpc_call_finish(r->call, SP_RPC_UNAVAILABLE,
                        "coordinator shutting down");

@@ -120,7 +120,7 @@ typedef struct sp_coord {
   /* Watch streams (coord_events.c) */
   sp_coord_watch *watchers;
   /* store (coord_store.c) */
-  sp_store *store;
+  sp_kvstore *store;
   struct sp_coord_store_wait *store_waits; /* calls waiting on keys */
   sp_coord_persist *persist; /* NULL without a state dir */
   /* the hosts' agents and the job's incarnations (coord_agents.c) */
