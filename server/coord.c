@@ -110,7 +110,7 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
                              .max_pending = 2 * SP_COORD_MAX_MESSAGE,
                              .no_header_tables = true,
                              .trim_heap_bytes = SP_COORD_TRIM_BYTES,
-                             /* read by sp_auth_authorize, by no handler */
+                             /* read by sp_coord_auth_authorize, no handler */
                              .metadata_to_authorize = true,
                              .max_connections = cfg->max_connections,
                              .preface_timeout_ms = cfg->preface_timeout_ms,
@@ -128,9 +128,9 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       (rc = sp_plan_build(c->model, &c->job, &c->plan, diag)) != 0)
     goto fail;
   if (cfg->token_file != NULL) {
-    rc = sp_auth_load(cfg->token_file, &cfg->store_quota, &c->auth, diag);
+    rc = sp_coord_auth_load(cfg->token_file, &cfg->store_quota, &c->auth, diag);
     if (rc != 0) goto fail;
-    opts.authorize = sp_auth_authorize;
+    opts.authorize = sp_coord_auth_authorize;
     opts.authorize_arg = c->auth;
   }
   opts.tls = cfg->tls;
@@ -228,7 +228,7 @@ void sp_coord_free(sp_coord *c) {
     free(c->recent_ranks[i]);
   }
   sp_kvstore_free(c->store);
-  sp_auth_free(c->auth);
+  sp_coord_auth_free(c->auth);
   free(c->abort_reason);
   sp_plan_free(c->plan);
   sp_model_free(c->model);

@@ -159,10 +159,10 @@ static bool write_refused(sp_rpc_call *call, const char *key, size_t klen,
   const sp_rpc_principal *p = sp_rpc_call_principal(call);
   if (p == NULL) return false;
   char msg[SP_RPC_STATUS_MESSAGE_MAX];
-  int code = sp_auth_store_may_write(p, key, msg, sizeof msg);
+  int code = sp_coord_auth_store_may_write(p, key, msg, sizeof msg);
   if (code == SP_RPC_OK && vlen != SIZE_MAX)
-    code = sp_auth_quota_check(coord_of(call)->auth, p, key, klen, vlen, msg,
-                               sizeof msg);
+    code = sp_coord_auth_quota_check(coord_of(call)->auth, p, key, klen, vlen,
+                                     msg, sizeof msg);
   if (code == SP_RPC_OK) return false;
   sp_rpc_call_finish(call, code, msg);
   return true;
@@ -172,8 +172,8 @@ static bool write_refused(sp_rpc_call *call, const char *key, size_t klen,
  * memory here only leaves the key unaccounted; the write itself stands. */
 static void wrote(sp_rpc_call *call, const char *key, size_t klen,
                   size_t vlen) {
-  (void)sp_auth_quota_wrote(coord_of(call)->auth, sp_rpc_call_principal(call),
-                            key, klen, vlen);
+  (void)sp_coord_auth_quota_wrote(coord_of(call)->auth,
+                                  sp_rpc_call_principal(call), key, klen, vlen);
 }
 
 static ProtobufCBinaryData bytes_of(const uint8_t *p, size_t n) {
@@ -501,7 +501,7 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
     fail(call, rc, q->key);
     return;
   }
-  if (deleted) sp_auth_quota_deleted(coord_of(call)->auth, q->key, klen);
+  if (deleted) sp_coord_auth_quota_deleted(coord_of(call)->auth, q->key, klen);
   r.deleted = deleted;
   sp_coord_reply(c, call, &r.base);
 }

@@ -70,7 +70,7 @@ typedef struct sp_coord_config {
   /* The token file (coord_auth.h); NULL: no authentication, every call is
    * served (in-process test fixtures, benchmarks). Read by sp_coord_new. */
   const char *token_file;
-  sp_auth_quota store_quota; /* per token; zeros: the defaults */
+  sp_coord_auth_quota store_quota; /* per token; zeros: the defaults */
   /* NULL: cleartext. Needs to live only until sp_coord_listen returns. */
   const sp_rpc_tls_server_opts *tls;
   /* Hang diagnosis (coord_diag.h): thresholds, --on-stall, --dump-dir. */
@@ -125,7 +125,7 @@ typedef struct sp_coord {
   sp_coord_persist *persist; /* NULL without a state dir */
   /* the hosts' agents and the job's incarnations (coord_agents.c) */
   struct sp_coord_agents *agents;
-  sp_auth *auth; /* NULL without a token file */
+  sp_coord_auth *auth; /* NULL without a token file */
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
   char *abort_reason;
