@@ -4,48 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coordinator.h"
 #include "base/json.h"
-
-bool sp_coord_text_ok(sp_rpc_call *call, const char *msg_name,
-                      const char *field, const char *v, size_t max) {
-  /* bounded: the engine refused messages over its limit */
-  size_t n = v != NULL ? strlen(v) : 0;
-  if (n <= max) return true;
-  sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
-                      "shardplane.v1.%s.%s: %zu bytes, at most %zu", msg_name,
-                      field, n, max);
-  return false;
-}
-
-uint64_t sp_coord_now_ms(const sp_coord *c) {
-  /* current, not as old as the loop iteration (only the loop's thread
-   * calls this) */
-  uv_update_time(c->loop);
-  return uv_now(c->loop) - c->started_ms;
-}
-
-void sp_coord_log(const sp_coord *c, const char *fmt, ...) {
-  if (c->cfg.quiet) return;
-  char msg[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  /* one write, so that no other process's output lands inside the line */
-  fprintf(stderr, "coordinator: %s\n", msg);
-}
-
-int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n) {
-  if (c->n_method_tables >= sizeof c->methods / sizeof c->methods[0])
-    return SP_ETOOBIG;
-  sp_rpc_method *m = malloc(n * sizeof *m);
-  if (m == NULL) return SP_ENOMEM;
-  memcpy(m, tmpl, n * sizeof *m);
-  for (size_t i = 0; i < n; i++) m[i].user = c;
-  c->methods[c->n_method_tables++] = m;
-  return sp_rpc_server_add_methods(c->srv, m, n);
-}
+#include "coord_base.h"
+#include "coordinator.h"
 
 /* The job file first, then the flags on top of it. */
 static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
@@ -172,30 +133,30 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
   int ignored;
   if (sp_rpc_split_addr(addr, host, sizeof host, &ignored) != 0)
     snprintf(host, sizeof host, "?");
-  sp_coord_log(c, "serving %s (plan %s, %u ranks, %zu units) on %s%s%s:%d",
-               c->model->name, c->plan->version_hex, c->plan->world_size,
-               c->plan->n_units, strchr(host, ':') ? "[" : "", host,
-               strchr(host, ':') ? "]" : "", bound);
+  sp_coord_base_log(c, "serving %s (plan %s, %u ranks, %zu units) on %s%s%s:%d",
+                    c->model->name, c->plan->version_hex, c->plan->world_size,
+                    c->plan->n_units, strchr(host, ':') ? "[" : "", host,
+                    strchr(host, ':') ? "]" : "", bound);
   return 0;
 }
 
-/* Shutdown has two asynchronous steps (the server, the heartbeat timer);
- * the caller hears about it when both are done. */
-void sp_coord_stop_step_done(sp_coord *c) {
+/* Shutdown has asynchronous steps (the server, the heartbeat and
+ * diagnosis timers, and those an area adds: c->stopping counts them); the
+ * caller hears about it when all are done. */
+static void stop_step_done(sp_coord *c) {
   if (--c->stopping > 0) return;
   if (c->stop_done) c->stop_done(c, c->stop_arg);
 }
 
 static void server_stopped(sp_rpc_server *srv, void *arg) {
   (void)srv;
-  sp_coord_stop_step_done(arg);
+  stop_step_done(arg);
 }
 
-static void heartbeat_closed(uv_handle_t *h) { sp_coord_stop_step_done(h->data); }
+/* A handle whose data is the coordinator was released. */
+static void handle_closed(uv_handle_t *h) { stop_step_done(h->data); }
 
-static void persist_closed(uv_handle_t *h) { sp_coord_stop_step_done(h->data); }
-
-static void diag_closed(void *c) { sp_coord_stop_step_done(c); }
+static void diag_closed(void *c) { stop_step_done(c); }
 
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg) {
@@ -204,15 +165,15 @@ void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
   c->stop_done = done;
   c->stop_arg = arg;
   c->stopping = 3;
-  sp_coord_log(c, "shutting down");
+  sp_coord_base_log(c, "shutting down");
   c->heartbeat_timer.data = c;
   sp_coord_store_shutdown(c);
-  sp_coord_agents_shutdown(c);
+  if (sp_coord_agents_shutdown(c, handle_closed)) c->stopping++;
   sp_coord_events_shutdown(c);
   sp_coord_diag_shutdown(c, diag_closed);
-  sp_coord_ranks_shutdown(c, heartbeat_closed);
+  sp_coord_ranks_shutdown(c, handle_closed);
   /* after the ranks' last words, before the server goes */
-  if (sp_coord_persist_shutdown(c, persist_closed)) c->stopping++;
+  if (sp_coord_persist_shutdown(c, handle_closed)) c->stopping++;
   sp_rpc_server_shutdown(c->srv, 2000, server_stopped, c);
 }
 

@@ -27,6 +27,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "coord_base.h"
 #include "coord_db.h"
 #include "coordinator.h"
 
@@ -75,6 +76,7 @@ struct sp_coord_agents {
   size_t n_cand;
   uv_timer_t decide;
   bool decide_init;
+  uv_close_cb closed; /* the hub's, once shutdown closes decide */
   inc_record *rec;
   size_t n_rec;
   /* read back from the state dir: the agents have yet to register again,
@@ -252,8 +254,9 @@ static void note_key(void *arg, const void *key, size_t klen) {
 static void clear_store(sp_coord *c) {
   key_list l = {0};
   if (sp_kvstore_clear(c->store, note_key, &l) != 0)
-    sp_coord_log(c, "cannot empty the store for the new incarnation: out "
-                    "of memory");
+    sp_coord_base_log(c,
+                      "cannot empty the store for the new incarnation: out "
+                      "of memory");
   for (size_t i = 0; i < l.n; i++) {
     sp_coord_persist_key(c, l.k[i], l.len[i]);
     free(l.k[i]);
@@ -306,9 +309,9 @@ static void next_incarnation(sp_coord *c) {
     }
   }
   if (!appended) { /* the last record makes way (logged) */
-    sp_coord_log(c, "incarnation %llu replaces the record of %llu",
-                 (unsigned long long)a->current + 1,
-                 (unsigned long long)a->current);
+    sp_coord_base_log(c, "incarnation %llu replaces the record of %llu",
+                      (unsigned long long)a->current + 1,
+                      (unsigned long long)a->current);
     free(current_rec(a)->reason);
   }
   a->current++;
@@ -323,10 +326,12 @@ static void next_incarnation(sp_coord *c) {
            (unsigned long long)a->current);
   sp_coord_ranks_new_incarnation(c, why);
   if (sp_coord_diag_new_incarnation(c) != 0)
-    sp_coord_log(c, "hang diagnosis: out of memory for the new incarnation");
+    sp_coord_base_log(c,
+                      "hang diagnosis: out of memory for the new incarnation");
   clear_store(c);
-  sp_coord_log(c, "incarnation %llu begins (restart %u of %u)",
-               (unsigned long long)a->current, a->restarts, a->max_restarts);
+  sp_coord_base_log(c, "incarnation %llu begins (restart %u of %u)",
+                    (unsigned long long)a->current, a->restarts,
+                    a->max_restarts);
   for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
   send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, NULL);
 }
@@ -392,9 +397,11 @@ static void decide(uv_timer_t *t) {
   a->n_cand = 0;
   if (a->restarts < a->max_restarts) {
     a->phase = PHASE_STOPPING;
-    sp_coord_log(c, "incarnation %llu ended: %s; restarting (%u of %u "
-                 "restarts used)", (unsigned long long)a->current, how,
-                 a->restarts, a->max_restarts);
+    sp_coord_base_log(c,
+                      "incarnation %llu ended: %s; restarting (%u of %u "
+                      "restarts used)",
+                      (unsigned long long)a->current, how, a->restarts,
+                      a->max_restarts);
     for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
     send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, how);
     maybe_all_stopped(c);
@@ -403,8 +410,9 @@ static void decide(uv_timer_t *t) {
   a->phase = PHASE_ENDED;
   free(a->end_reason);
   a->end_reason = end_reason_of(how, a->max_restarts);
-  sp_coord_log(c, "incarnation %llu ended: %s", (unsigned long long)a->current,
-               a->end_reason ? a->end_reason : how);
+  sp_coord_base_log(c, "incarnation %llu ended: %s",
+                    (unsigned long long)a->current,
+                    a->end_reason ? a->end_reason : how);
   send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->end_reason);
 }
 
@@ -435,8 +443,8 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
                            const Shardplane__V1__AgentRegister *q) {
   struct sp_coord_agents *a = c->agents;
   uint32_t world = c->plan->world_size;
-  if (!sp_coord_text_ok(call, "AgentRegister", "host", q->host,
-                        SP_COORD_MAX_HOST))
+  if (!sp_coord_base_text_ok(call, "AgentRegister", "host", q->host,
+                             SP_COORD_MAX_HOST))
     return false;
   if (q->nproc == 0 || q->nproc > world ||
       (uint64_t)q->node_rank * q->nproc + q->nproc > world) {
@@ -491,14 +499,15 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
   /* a stop it already made counts for the barrier */
   g->stopped = q->rejoin && q->stopped && q->incarnation == a->current;
   if (q->rejoin)
-    sp_coord_log(c, "agent of node %u (%u workers) from %s pid %u registered "
-                 "again, at incarnation %llu%s", q->node_rank, q->nproc,
-                 q->host ? q->host : "?", q->pid,
-                 (unsigned long long)q->incarnation,
-                 q->stopped ? ", its workers stopped" : "");
+    sp_coord_base_log(c,
+                      "agent of node %u (%u workers) from %s pid %u registered "
+                      "again, at incarnation %llu%s",
+                      q->node_rank, q->nproc, q->host ? q->host : "?", q->pid,
+                      (unsigned long long)q->incarnation,
+                      q->stopped ? ", its workers stopped" : "");
   else
-    sp_coord_log(c, "agent of node %u (%u workers) from %s pid %u",
-                 q->node_rank, q->nproc, q->host ? q->host : "?", q->pid);
+    sp_coord_base_log(c, "agent of node %u (%u workers) from %s pid %u",
+                      q->node_rank, q->nproc, q->host ? q->host : "?", q->pid);
   if (a->phase == PHASE_ENDED)
     send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->current,
              a->end_reason);
@@ -658,25 +667,27 @@ static const sp_rpc_method k_methods[] = {
 static void decide_closed(uv_handle_t *h) {
   sp_coord *c = h->data;
   c->agents->decide_init = false;
-  sp_coord_stop_step_done(c);
+  c->agents->closed(h);
 }
 
 int sp_coord_agents_register(sp_coord *c) {
   if (agents_of(c) == NULL) return SP_ENOMEM;
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }
 
-void sp_coord_agents_shutdown(sp_coord *c) {
+bool sp_coord_agents_shutdown(sp_coord *c, uv_close_cb closed) {
   struct sp_coord_agents *a = c->agents;
-  if (a == NULL) return;
-  if (a->decide_init) {
+  if (a == NULL) return false;
+  bool closing = a->decide_init;
+  if (closing) {
     uv_timer_stop(&a->decide);
-    c->stopping++; /* the coordinator's stop waits for the handle */
+    a->closed = closed;
     uv_close((uv_handle_t *)&a->decide, decide_closed);
   }
   while (a->list)
     drop_agent(a, a->list, SP_RPC_UNAVAILABLE, "coordinator shutting down");
+  return closing;
 }
 
 void sp_coord_agents_free(sp_coord *c) {

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cast/dtype.h"
+#include "coord_base.h"
 #include "coordinator.h"
 
 #define N_KINDS 3
@@ -551,7 +552,7 @@ static void raise_alert_aged(sp_coord *c, Shardplane__V1__AlertKind kind,
   o->a.kind = kind;
   o->a.rank = nc ? cul[0] : UINT32_MAX;
   o->a.message = o->msg;
-  o->a.time_ms = sp_coord_now_ms(c);
+  o->a.time_ms = sp_coord_base_now_ms(c);
   o->a.culprits = o->culprits;
   o->a.n_culprits = nc;
   o->a.victims = o->victims;
@@ -588,7 +589,7 @@ static void refresh_ages(sp_coord *c) {
   sp_coord_diag *d = c->diag;
   bool ended = d->state == SHARDPLANE__V1__JOB_STATE__JOB_FAILED ||
                d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
-  uint64_t now = ended ? d->end_ms : sp_coord_now_ms(c);
+  uint64_t now = ended ? d->end_ms : sp_coord_base_now_ms(c);
   for (size_t i = 0; i < d->n_open; i++) {
     open_alert *o = &d->open[i];
     if (o->tmpl == NULL) continue;
@@ -621,11 +622,11 @@ static void job_failed(sp_coord *c, const char *verdict) {
       d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED)
     return;
   d->state = SHARDPLANE__V1__JOB_STATE__JOB_FAILED;
-  d->end_ms = sp_coord_now_ms(c);
+  d->end_ms = sp_coord_base_now_ms(c);
   free(d->verdict);
   d->verdict = sp_strdup(verdict);
   d->end_step = d->last_min_step;
-  sp_coord_log(c, "job FAILED: %s", verdict);
+  sp_coord_base_log(c, "job FAILED: %s", verdict);
 }
 
 static void name_culprit(sp_coord *c, uint32_t rank, const char *msg) {
@@ -823,7 +824,7 @@ void sp_coord_diag_transition(sp_coord *c, uint32_t rank,
                               const Shardplane__V1__Transition *t) {
   diag_rank *k = &c->diag->r[rank];
   k->active = true;
-  k->last_event_ms = sp_coord_now_ms(c);
+  k->last_event_ms = sp_coord_base_now_ms(c);
   k->last_machine = (uint8_t)t->machine;
   k->last_state = (uint8_t)t->state;
   k->last_unit = t->unit;
@@ -841,7 +842,7 @@ void sp_coord_diag_session_up(sp_coord *c, uint32_t rank,
   }
   if (q->total_steps > d->total_steps) d->total_steps = q->total_steps;
   if (q->n_collectives > 0) {
-    uint64_t now = sp_coord_now_ms(c);
+    uint64_t now = sp_coord_base_now_ms(c);
     k->active = true;
     k->last_event_ms = now;
     for (size_t i = 0; i < q->n_collectives; i++)
@@ -867,16 +868,16 @@ void sp_coord_diag_attached(sp_coord *c, uint32_t rank) {
   k->comm = comm;
   k->victim = victim;
   k->victim_of = of;
-  k->last_event_ms = sp_coord_now_ms(c);
+  k->last_event_ms = sp_coord_base_now_ms(c);
   if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
     if (sp_coord_ranks_with_status(c, SHARDPLANE__V1__RANK_STATUS__ATTACHED) <
         d->world)
       return;
     d->state = SHARDPLANE__V1__JOB_STATE__JOB_RUNNING;
     d->ever_running = true;
-    d->rate_t0_ms = sp_coord_now_ms(c);
+    d->rate_t0_ms = sp_coord_base_now_ms(c);
     d->rate_step0 = 0;
-    sp_coord_log(c, "job RUNNING: all %u ranks attached", d->world);
+    sp_coord_base_log(c, "job RUNNING: all %u ranks attached", d->world);
   }
 }
 
@@ -893,8 +894,8 @@ void sp_coord_diag_detached(sp_coord *c, uint32_t rank) {
     if (sp_coord_rank_step(c, r) > step) step = sp_coord_rank_step(c, r);
   d->state = SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
   d->end_step = step;
-  d->end_ms = sp_coord_now_ms(c);
-  sp_coord_log(c, "job COMPLETED at step %" PRIu64, step);
+  d->end_ms = sp_coord_base_now_ms(c);
+  sp_coord_base_log(c, "job COMPLETED at step %" PRIu64, step);
   sp_coord_agents_completed(c, step);
 }
 
@@ -906,7 +907,7 @@ void sp_coord_diag_restore_completed(sp_coord *c) {
   d->state = SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
   d->ever_running = true;
   d->end_step = step;
-  d->end_ms = sp_coord_now_ms(c);
+  d->end_ms = sp_coord_base_now_ms(c);
 }
 
 void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
@@ -915,8 +916,8 @@ void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
   if (d->has_culprit && d->culprit != rank) {
     d->r[rank].victim = true;
     d->r[rank].victim_of = d->culprit;
-    sp_coord_log(c, "rank %u lost after rank %u's fault (a victim): %s", rank,
-                 d->culprit, why);
+    sp_coord_base_log(c, "rank %u lost after rank %u's fault (a victim): %s",
+                      rank, d->culprit, why);
     snprintf(reason, cap, "%s",
              d->verdict ? d->verdict
                         : d->culprit_msg ? d->culprit_msg : "a peer failed");
@@ -1179,7 +1180,7 @@ static void check_stall(sp_coord *c, uint64_t now) {
     if (d->stall_open) {
       d->stall_open = false;
       close_alerts(c, SHARDPLANE__V1__ALERT_KIND__STALL, true, 0);
-      sp_coord_log(c, "the stall is over: every rank moves again");
+      sp_coord_base_log(c, "the stall is over: every rank moves again");
     }
     return;
   }
@@ -1362,7 +1363,7 @@ static void forgive_pause(sp_coord *c, uint64_t now) {
 static void on_tick(uv_timer_t *t) {
   sp_coord *c = t->data;
   uv_update_time(c->loop);
-  uint64_t now = sp_coord_now_ms(c);
+  uint64_t now = sp_coord_base_now_ms(c);
   forgive_pause(c, now);
   settle_ties(c, now);
   update_progress(c, now);
@@ -1377,7 +1378,7 @@ void sp_coord_diag_start(sp_coord *c) {
   d->timer.data = c;
   d->timer_started = true;
   uv_update_time(c->loop);
-  d->last_tick_ms = sp_coord_now_ms(c);
+  d->last_tick_ms = sp_coord_base_now_ms(c);
   uv_timer_start(&d->timer, on_tick, SP_DIAG_TICK_MS, SP_DIAG_TICK_MS);
 }
 
@@ -1481,8 +1482,8 @@ void sp_coord_diag_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
   r->progress = p;
   uint64_t quiet, limit;
   if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING &&
-      most_silent(c, sp_coord_now_ms(c), STUCK_FACTOR, STUCK_FLOOR_MS, &quiet,
-                  &limit)) {
+      most_silent(c, sp_coord_base_now_ms(c), STUCK_FACTOR, STUCK_FLOOR_MS,
+                  &quiet, &limit)) {
     r->quiet_ms = quiet;
     r->quiet_limit_ms = limit;
   }
@@ -1504,7 +1505,7 @@ bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
                            char *text, size_t tcap) {
   sp_coord_diag *d = c->diag;
   refresh_ages(c);
-  uint64_t now = sp_coord_now_ms(c), quiet, limit;
+  uint64_t now = sp_coord_base_now_ms(c), quiet, limit;
   uint32_t n_att = 0;
   for (uint32_t r = 0; r < d->world; r++) n_att += attached(c, r);
   text[0] = '\0';

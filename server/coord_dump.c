@@ -11,6 +11,7 @@
 #include <sys/time.h>
 
 #include "cast/dtype.h"
+#include "coord_base.h"
 #include "coordinator.h"
 
 /* One gathering of recorders: a GetTrace (one rank), a GetDump or a dump
@@ -153,7 +154,7 @@ static json_t *dump_json(sp_coord *c, const trace_req *q) {
                           "message", a->message ? a->message : ""));
   }
   json_t *ranks = json_array();
-  uint64_t now = sp_coord_now_ms(c);
+  uint64_t now = sp_coord_base_now_ms(c);
   for (size_t i = 0; i < q->n_ranks; i++) {
     sp_coord_rank_view v;
     sp_coord_rank_get(c, q->ranks[i], &v);
@@ -187,17 +188,17 @@ static void write_file(sp_coord *c, const char *text) {
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   FILE *f = fopen(tmp, "w");
   if (f == NULL) {
-    sp_coord_log(c, "cannot write the dump %s: %s", tmp, strerror(errno));
+    sp_coord_base_log(c, "cannot write the dump %s: %s", tmp, strerror(errno));
     return;
   }
   bool ok = fputs(text, f) >= 0;
   ok = fclose(f) == 0 && ok;
   if (!ok || rename(tmp, path) != 0) {
-    sp_coord_log(c, "cannot write the dump %s: %s", path, strerror(errno));
+    sp_coord_base_log(c, "cannot write the dump %s: %s", path, strerror(errno));
     remove(tmp);
     return;
   }
-  sp_coord_log(c, "dump written to %s", path);
+  sp_coord_base_log(c, "dump written to %s", path);
 }
 
 static void req_done(trace_req *q) {
@@ -447,6 +448,6 @@ static const sp_rpc_method k_methods[] = {
 };
 
 int sp_coord_dump_register(sp_coord *c) {
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }

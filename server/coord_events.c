@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_base.h"
 #include "coordinator.h"
 
 #define MAX_FILTER 4096
@@ -46,7 +47,7 @@ static void publish(sp_coord *c, Shardplane__V1__EventKind kind,
   Shardplane__V1__Event ev = SHARDPLANE__V1__EVENT__INIT;
   ev.kind = kind;
   ev.rank = rank;
-  ev.time_ms = sp_coord_now_ms(c);
+  ev.time_ms = sp_coord_base_now_ms(c);
   ev.message = (char *)(message ? message : "");
   ev.transition = (Shardplane__V1__Transition *)t;
   ev.alert = (Shardplane__V1__Alert *)a;
@@ -146,7 +147,7 @@ static const sp_rpc_method k_methods[] = {
 };
 
 int sp_coord_events_register(sp_coord *c) {
-  return sp_coord_add_methods(c, k_methods, 1);
+  return sp_coord_base_add_methods(c, k_methods, 1);
 }
 
 void sp_coord_events_shutdown(sp_coord *c) {

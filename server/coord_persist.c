@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_base.h"
 #include "coord_db.h"
 #include "coordinator.h"
 
@@ -86,7 +87,7 @@ static void commit_now(sp_coord *c) {
       sp_coord_db_rollback(p->db);
       code = SP_RPC_UNAVAILABLE;
       snprintf(msg, sizeof msg, "%s", d.msg);
-      sp_coord_log(c, "%s", d.msg);
+      sp_coord_base_log(c, "%s", d.msg);
     } else {
       p->commits++;
     }
@@ -137,7 +138,7 @@ void sp_coord_persist_forget(sp_coord *c, sp_rpc_call *call) {
 
 /* A write that could not be written down: the caller answers INTERNAL. */
 static int write_failed(sp_coord *c, int rc) {
-  sp_coord_log(c, "%s", sp_coord_db_error(c->persist->db));
+  sp_coord_base_log(c, "%s", sp_coord_db_error(c->persist->db));
   return rc;
 }
 
@@ -168,7 +169,7 @@ int sp_coord_persist_replay(sp_coord *c, sp_rpc_call *call, const char *id) {
     }
     return 0;
   }
-  sp_coord_log(c, "request %.80s answered again from the state dir", id);
+  sp_coord_base_log(c, "request %.80s answered again from the state dir", id);
   /* it may have been written in this very iteration: answer after commit */
   sp_coord_persist *p = c->persist;
   if (sp_coord_db_in_txn(db)) {
@@ -327,12 +328,12 @@ int sp_coord_persist_open(sp_coord *c, sp_diag *d) {
     if ((rc = restore(c, d)) != 0) return rc;
     sp_kvstore_stats st;
     sp_kvstore_get_stats(c->store, &st);
-    sp_coord_log(c,
-                 "continuing the job from state dir %s: %zu store keys, "
-                 "%" PRIu64 " alerts",
-                 c->cfg.state_dir, st.keys, c->n_alerts);
+    sp_coord_base_log(c,
+                      "continuing the job from state dir %s: %zu store keys, "
+                      "%" PRIu64 " alerts",
+                      c->cfg.state_dir, st.keys, c->n_alerts);
   } else {
-    sp_coord_log(c, "new state dir %s", c->cfg.state_dir);
+    sp_coord_base_log(c, "new state dir %s", c->cfg.state_dir);
   }
   return 0;
 }
@@ -366,9 +367,9 @@ bool sp_coord_persist_shutdown(sp_coord *c, uv_close_cb closed) {
   /* the last snapshot and every answer still kept go out now */
   sp_coord_ranks_snapshot(c);
   commit_now(c);
-  sp_coord_log(c, "state dir %s: %" PRIu64 " store writes in %" PRIu64
-               " commits",
-               sp_coord_db_dir(p->db), p->writes, p->commits);
+  sp_coord_base_log(
+      c, "state dir %s: %" PRIu64 " store writes in %" PRIu64 " commits",
+      sp_coord_db_dir(p->db), p->writes, p->commits);
   if (!p->started) return false;
   p->closed = closed;
   uv_prepare_stop(&p->commit);
@@ -381,7 +382,7 @@ void sp_coord_persist_free(sp_coord *c) {
   sp_coord_persist *p = c->persist;
   if (p == NULL) return;
   if (sp_coord_db_in_txn(p->db) && sp_coord_db_commit(p->db, NULL) != 0)
-    sp_coord_log(c, "%s", sp_coord_db_error(p->db));
+    sp_coord_base_log(c, "%s", sp_coord_db_error(p->db));
   /* answers never sent: their calls went with the server */
   for (size_t i = 0; i < p->n; i++) free(p->q[i].data);
   free(p->q);

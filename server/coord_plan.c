@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_base.h"
 #include "coordinator.h"
 #include "plan/memory.h"
 
@@ -130,7 +131,7 @@ static void on_get_job(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   r.n_recent_alerts = n;
   r.recent_alerts = recent;
-  r.uptime_ms = sp_coord_now_ms(c);
+  r.uptime_ms = sp_coord_base_now_ms(c);
   Shardplane__V1__Progress progress;
   sp_coord_diag_job(c, &r, &progress);
   reply(call, &a, &r.base);
@@ -312,8 +313,8 @@ static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
   const sp_plan *pl = c->plan;
   const Shardplane__V1__GetPlanRequest *q =
       (const Shardplane__V1__GetPlanRequest *)msg;
-  if (!sp_coord_text_ok(call, "GetPlanRequest", "unit_fqn", q->unit_fqn,
-                        SP_COORD_MAX_NAME))
+  if (!sp_coord_base_text_ok(call, "GetPlanRequest", "unit_fqn", q->unit_fqn,
+                             SP_COORD_MAX_NAME))
     return;
   if (q->by_rank && q->rank >= pl->world_size) {
     sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
@@ -393,8 +394,8 @@ static void on_locate(sp_rpc_call *call, const ProtobufCMessage *msg,
   const sp_plan *pl = c->plan;
   const Shardplane__V1__LocateParamRequest *q =
       (const Shardplane__V1__LocateParamRequest *)msg;
-  if (!sp_coord_text_ok(call, "LocateParamRequest", "fqn", q->fqn,
-                        SP_COORD_MAX_NAME))
+  if (!sp_coord_base_text_ok(call, "LocateParamRequest", "fqn", q->fqn,
+                             SP_COORD_MAX_NAME))
     return;
   sp_param_location loc;
   if (sp_plan_locate(pl, q->fqn, &loc) != 0) {
@@ -472,10 +473,10 @@ static void on_list_modules(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__ListModulesRequest *q =
       (const Shardplane__V1__ListModulesRequest *)msg;
   size_t start, count;
-  if (!sp_coord_text_ok(call, "ListModulesRequest", "prefix", q->prefix,
-                        SP_COORD_MAX_NAME) ||
-      !sp_coord_text_ok(call, "ListModulesRequest", "page_token", q->page_token,
-                        SP_COORD_MAX_PAGE_TOKEN))
+  if (!sp_coord_base_text_ok(call, "ListModulesRequest", "prefix", q->prefix,
+                             SP_COORD_MAX_NAME) ||
+      !sp_coord_base_text_ok(call, "ListModulesRequest", "page_token",
+                             q->page_token, SP_COORD_MAX_PAGE_TOKEN))
     return;
   if (parse_page(call, q->page_token, q->page_size, m->n_modules, &start,
                  &count) != 0)
@@ -532,10 +533,10 @@ static void on_list_buffers(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__ListBuffersRequest *q =
       (const Shardplane__V1__ListBuffersRequest *)msg;
   size_t start, count;
-  if (!sp_coord_text_ok(call, "ListBuffersRequest", "prefix", q->prefix,
-                        SP_COORD_MAX_NAME) ||
-      !sp_coord_text_ok(call, "ListBuffersRequest", "page_token", q->page_token,
-                        SP_COORD_MAX_PAGE_TOKEN))
+  if (!sp_coord_base_text_ok(call, "ListBuffersRequest", "prefix", q->prefix,
+                             SP_COORD_MAX_NAME) ||
+      !sp_coord_base_text_ok(call, "ListBuffersRequest", "page_token",
+                             q->page_token, SP_COORD_MAX_PAGE_TOKEN))
     return;
   if (parse_page(call, q->page_token, q->page_size, pl->n_buffers, &start,
                  &count) != 0)
@@ -610,6 +611,6 @@ static const sp_rpc_method k_methods[] = {
 };
 
 int sp_coord_plan_register(sp_coord *c) {
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }

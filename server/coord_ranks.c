@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_base.h"
 #include "coord_db.h"
 #include "coordinator.h"
 
@@ -127,7 +128,7 @@ void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *in,
   shardplane__v1__alert__init(a);
   a->rank = in->n_culprits ? in->culprits[0] : UINT32_MAX;
   a->message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
-  a->time_ms = sp_coord_now_ms(c);
+  a->time_ms = sp_coord_base_now_ms(c);
   a->kind = in->kind;
   if (c->recent_ranks[i] != NULL) {
     if (in->n_culprits) /* no culprit (a stall in the network): NULL */
@@ -154,9 +155,10 @@ void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *in,
   const ProtobufCEnumValue *kn = protobuf_c_enum_descriptor_get_value(
       &shardplane__v1__alert_kind__descriptor, in->kind);
   if (a->rank == UINT32_MAX)
-    sp_coord_log(c, "alert %s: %s", kn ? kn->name : "?", msg);
+    sp_coord_base_log(c, "alert %s: %s", kn ? kn->name : "?", msg);
   else
-    sp_coord_log(c, "alert %s: rank %u: %s", kn ? kn->name : "?", a->rank, msg);
+    sp_coord_base_log(c, "alert %s: rank %u: %s", kn ? kn->name : "?", a->rank,
+                      msg);
   sp_coord_publish_alert(c, a);
 }
 
@@ -282,7 +284,7 @@ int sp_coord_ranks_restore(sp_coord *c, const sp_coord_db_rank *r) {
   memcpy(k->st.units, r->units, r->n_units);
   k->alerts = k->snap_alerts = r->alerts;
   k->transitions = k->snap_transitions = r->transitions;
-  uint64_t now = sp_coord_now_ms(c);
+  uint64_t now = sp_coord_base_now_ms(c);
   k->last_heard_ms = now;
   if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
     uint32_t grace = c->cfg.reattach_grace_ms ? c->cfg.reattach_grace_ms : 60000;
@@ -303,7 +305,7 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
   set_status(c, k, SHARDPLANE__V1__RANK_STATUS__LOST);
   k->awaiting = false;
   persist_rank(c, rank);
-  sp_coord_log(c, "rank %u lost: %s", rank, why);
+  sp_coord_base_log(c, "rank %u lost: %s", rank, why);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_LOST, rank, why, NULL);
   if (k->session != NULL) {
     sp_rpc_call *s = k->session;
@@ -348,7 +350,7 @@ static void discount_loop_pause(sp_coord *c, uint64_t now) {
 
 static void on_heartbeat_check(uv_timer_t *t) {
   sp_coord *c = t->data;
-  uint64_t now = sp_coord_now_ms(c);
+  uint64_t now = sp_coord_base_now_ms(c);
   discount_loop_pause(c, now);
 
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
@@ -471,14 +473,14 @@ static bool attach_retried(const sp_coord *c, const sp_coord_rank *k,
 /* What a rank registers is kept and shown: sizes checked, not cut. */
 static bool attach_fields_ok(sp_rpc_call *call,
                              const Shardplane__V1__AttachRequest *q) {
-  return sp_coord_text_ok(call, "AttachRequest", "host", q->host,
-                          SP_COORD_MAX_HOST) &&
-         sp_coord_text_ok(call, "AttachRequest", "device", q->device,
-                          SP_COORD_MAX_DEVICE) &&
-         sp_coord_text_ok(call, "AttachRequest", "plan_version",
-                          q->plan_version, SP_COORD_MAX_VERSION) &&
-         sp_coord_text_ok(call, "AttachRequest", "session_id", q->session_id,
-                          SP_COORD_MAX_SESSION_ID);
+  return sp_coord_base_text_ok(call, "AttachRequest", "host", q->host,
+                               SP_COORD_MAX_HOST) &&
+         sp_coord_base_text_ok(call, "AttachRequest", "device", q->device,
+                               SP_COORD_MAX_DEVICE) &&
+         sp_coord_base_text_ok(call, "AttachRequest", "plan_version",
+                               q->plan_version, SP_COORD_MAX_VERSION) &&
+         sp_coord_base_text_ok(call, "AttachRequest", "session_id",
+                               q->session_id, SP_COORD_MAX_SESSION_ID);
 }
 
 static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -555,7 +557,7 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   replace_str(&k->host, q->host, SP_COORD_MAX_HOST);
   replace_str(&k->device, q->device, SP_COORD_MAX_DEVICE);
   k->pid = q->pid;
-  k->last_heard_ms = sp_coord_now_ms(c);
+  k->last_heard_ms = sp_coord_base_now_ms(c);
   /* the session id must be on disk before the worker may use it */
   persist_rank(c, q->rank);
   Shardplane__V1__AttachResponse r = SHARDPLANE__V1__ATTACH_RESPONSE__INIT;
@@ -568,7 +570,7 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   char what[400];
   snprintf(what, sizeof what, "%s from %s pid %u device %s",
            reattach ? "reattached" : "attached", k->host, k->pid, k->device);
-  sp_coord_log(c, "rank %u %s", q->rank, what);
+  sp_coord_base_log(c, "rank %u %s", q->rank, what);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, q->rank, what,
                    NULL);
   if (!reattach) sp_coord_diag_attached(c, q->rank);
@@ -606,9 +608,10 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   Shardplane__V1__DetachResponse r = SHARDPLANE__V1__DETACH_RESPONSE__INIT;
   sp_coord_reply(c, call, &r.base);
-  if (forced) sp_coord_log(c, "rank %u detached by token \"%s\"", q->rank,
-                           p->name);
-  else sp_coord_log(c, "rank %u detached", q->rank);
+  if (forced)
+    sp_coord_base_log(c, "rank %u detached by token \"%s\"", q->rank, p->name);
+  else
+    sp_coord_base_log(c, "rank %u detached", q->rank);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
                    "detached", NULL);
   sp_coord_diag_detached(c, q->rank);
@@ -628,7 +631,7 @@ static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
     snprintf(err, sizeof err, "transition is required");
   }
   if (code == SP_RPC_OK) {
-    c->ranks[q->rank].last_heard_ms = sp_coord_now_ms(c);
+    c->ranks[q->rank].last_heard_ms = sp_coord_base_now_ms(c);
     code = apply_transition(c, q->rank, q->transition, err, sizeof err);
   }
   if (code != SP_RPC_OK) {
@@ -674,7 +677,7 @@ static int resync(sp_coord *c, uint32_t rank, const Shardplane__V1__SessionUp *q
            "reattached its session at step %llu (%llu events not delivered "
            "while away)",
            (unsigned long long)q->step, (unsigned long long)q->gap);
-  sp_coord_log(c, "rank %u %s", rank, what);
+  sp_coord_base_log(c, "rank %u %s", rank, what);
   sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, rank, what,
                    NULL);
   persist_rank(c, rank);
@@ -720,7 +723,7 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   if (!ctx->bound) return; /* the rank was marked lost or detached */
   sp_coord_rank *k = &c->ranks[ctx->rank];
-  k->last_heard_ms = sp_coord_now_ms(c);
+  k->last_heard_ms = sp_coord_base_now_ms(c);
   if (q->step > k->step) k->step = q->step;
   Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
   Shardplane__V1__Rejection rej[8];
@@ -799,7 +802,7 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
       (q->with_unit_states && states == NULL)) {
     sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
   } else {
-    uint64_t now = sp_coord_now_ms(c);
+    uint64_t now = sp_coord_base_now_ms(c);
     for (uint32_t i = 0; i < w; i++) {
       const sp_coord_rank *k = &c->ranks[first + i];
       Shardplane__V1__RankInfo *x = &infos[i];
@@ -897,7 +900,7 @@ static void on_abort(sp_rpc_call *call, const ProtobufCMessage *msg,
   snprintf(reason, sizeof reason, "job aborted%s%s%s%s%.200s",
            p ? " by token \"" : "", p ? p->name : "", p ? "\"" : "",
            q->reason && q->reason[0] ? ": " : "", q->reason ? q->reason : "");
-  sp_coord_log(c, "%s", reason);
+  sp_coord_base_log(c, "%s", reason);
   Shardplane__V1__AbortResponse r = SHARDPLANE__V1__ABORT_RESPONSE__INIT;
   r.sessions = sp_coord_abort_all(c, reason, false, 0);
   sp_coord_alert(c, UINT32_MAX, "%s", reason);
@@ -923,8 +926,8 @@ static const sp_rpc_method k_methods[] = {
 };
 
 int sp_coord_ranks_register(sp_coord *c) {
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }
 
 int sp_coord_ranks_init(sp_coord *c) {
@@ -945,7 +948,7 @@ void sp_coord_ranks_start(sp_coord *c) {
   c->heartbeat_started = true;
   uint64_t every = heartbeat_period_ms(c);
   uv_update_time(c->loop); /* listen may come long after the loop ran */
-  c->hb_last_check_ms = sp_coord_now_ms(c);
+  c->hb_last_check_ms = sp_coord_base_now_ms(c);
   uv_timer_start(&c->heartbeat_timer, on_heartbeat_check, every, every);
 }
 

@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_base.h"
 #include "coordinator.h"
 
 /* TCPStore's cap on keys per multi-key command. */
@@ -526,8 +527,8 @@ static const sp_rpc_method k_methods[] = {
 
 int sp_coord_store_register(sp_coord *c) {
   if (c == NULL || c->store == NULL) return SP_EINVAL;
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }
 
 /* Finishes every waiting call of c with UNAVAILABLE, one at a time: a

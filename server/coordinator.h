@@ -101,7 +101,7 @@ typedef struct sp_coord {
   uv_timer_t heartbeat_timer;
   bool heartbeat_started;
   /* The loop's own pauses, seen as the heartbeat check firing late
-   * (coord_ranks.c): when it last ran (sp_coord_now_ms), the longest pause
+   * (coord_ranks.c): when it last ran (sp_coord_base_now_ms), the longest pause
    * and their total, in ms. Not counted against any rank. */
   uint64_t hb_last_check_ms, loop_pause_max_ms, loop_pause_total_ms;
   uint64_t session_counter;
@@ -149,24 +149,6 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag);
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg);
 void sp_coord_free(sp_coord *c);
-/* One asynchronous step of the shutdown is done (a handle released); an
- * area whose shutdown adds one counts it in c->stopping first. */
-void sp_coord_stop_step_done(sp_coord *c);
-
-/* Milliseconds since start. */
-uint64_t sp_coord_now_ms(const sp_coord *c);
-/* One log line (unless quiet): "coordinator: ...". */
-void sp_coord_log(const sp_coord *c, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-
-/* Whether a request's string field is at most max bytes; if not, finishes
- * the call with INVALID_ARGUMENT naming the field ("AttachRequest.host: 4194304
- * bytes, at most 255") and returns false. NULL is an empty string. */
-bool sp_coord_text_ok(sp_rpc_call *call, const char *msg_name,
-                      const char *field, const char *v, size_t max);
-
-/* Copies a method template, points each entry's user at c, registers it. */
-int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n);
 
 /* Per-area registration (one file each). */
 int sp_coord_plan_register(sp_coord *c);
@@ -185,7 +167,9 @@ void sp_coord_store_shutdown(sp_coord *c);
 /* Agents and incarnations (coord_agents.c): AgentSession and
  * ListIncarnations. */
 int sp_coord_agents_register(sp_coord *c);
-void sp_coord_agents_shutdown(sp_coord *c);
+/* Ends the agents' streams; returns true if `closed` will run (once, when
+ * the decision timer is released). */
+bool sp_coord_agents_shutdown(sp_coord *c, uv_close_cb closed);
 void sp_coord_agents_free(sp_coord *c);
 /* An alert opened: every registered agent is told (AGENT_ALERT), to print
  * it beside its workers' output. */
