@@ -5,7 +5,10 @@
 #include <string.h>
 
 #include "base/json.h"
+#include "coord_alerts.h"
 #include "coord_base.h"
+#include "coord_bus.h"
+#include "coord_events.h"
 #include "coordinator.h"
 
 /* The job file first, then the flags on top of it. */
@@ -42,6 +45,22 @@ static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
       if (rc != 0) return sp_diag_set(diag, rc, "job: too many names");
     }
   if (f->mp.full_precision_types_set) job->mp.full_precision_types_set = true;
+  return 0;
+}
+
+/* Who hears what the areas announce, in the order they act on it. */
+static int wire(sp_coord *c) {
+  static const struct {
+    sp_coord_event_kind kind;
+    sp_coord_event_fn fn;
+  } subs[] = {
+      {SP_COORD_EV_ALERT_LOGGED, sp_coord_ranks_alert_logged},
+      {SP_COORD_EV_ALERT, sp_coord_agents_alert},
+  };
+  for (size_t i = 0; i < sizeof subs / sizeof subs[0]; i++) {
+    int rc = sp_coord_bus_subscribe(c, subs[i].kind, subs[i].fn, NULL);
+    if (rc != 0) return rc;
+  }
   return 0;
 }
 
@@ -100,7 +119,8 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     sp_diag_set(diag, rc, "coordinator: %s", sp_strerror(rc));
     goto fail;
   }
-  if ((rc = sp_coord_ranks_init(c)) != 0 ||
+  if ((rc = sp_coord_alerts_init(c)) != 0 || (rc = wire(c)) != 0 ||
+      (rc = sp_coord_ranks_init(c)) != 0 ||
       (rc = sp_coord_plan_register(c)) != 0 ||
       (rc = sp_coord_ranks_register(c)) != 0 ||
       (rc = sp_coord_events_register(c)) != 0 ||
@@ -184,10 +204,7 @@ void sp_coord_free(sp_coord *c) {
   sp_coord_ranks_free(c);
   sp_coord_agents_free(c);
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
-  for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) {
-    free(c->recent_msg[i]);
-    free(c->recent_ranks[i]);
-  }
+  sp_coord_alerts_free(c);
   sp_kvstore_free(c->store);
   sp_coord_auth_free(c->auth);
   free(c->abort_reason);

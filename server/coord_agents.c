@@ -265,16 +265,18 @@ static void clear_store(sp_coord *c) {
   free(l.len);
 }
 
-void sp_coord_agents_alert(sp_coord *c, const Shardplane__V1__Alert *alert) {
+int sp_coord_agents_alert(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
   struct sp_coord_agents *a = c->agents;
-  if (a == NULL) return;
+  if (a == NULL) return 0;
   Shardplane__V1__AgentDown d = SHARDPLANE__V1__AGENT_DOWN__INIT;
   d.command = SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT;
   d.incarnation = a->current;
   d.durable = sp_coord_durable(c);
-  d.alert = (Shardplane__V1__Alert *)alert;
+  d.alert = (Shardplane__V1__Alert *)e->alert;
   for (agent_conn *g = a->list; g; g = g->next)
     if (g->registered) sp_rpc_call_send(g->call, &d.base);
+  return 0;
 }
 
 void sp_coord_agents_completed(sp_coord *c, uint64_t step) {

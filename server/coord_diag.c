@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cast/dtype.h"
+#include "coord_alerts.h"
 #include "coord_base.h"
 #include "coordinator.h"
 
@@ -23,7 +24,6 @@
 /* Issued collectives a rank remembers per communicator kind, to say which
  * side of a desync it is on. */
 #define RANK_RING 4u
-#define MAX_OPEN 16u
 /* How long a tied desync waits for a member to break the tie (well within
  * the second the verdict is due in). */
 #define DESYNC_TIE_MS 400u
@@ -103,18 +103,6 @@ typedef struct diag_rank {
   double loss;
 } diag_rank;
 
-typedef struct open_alert {
-  Shardplane__V1__Alert a;
-  Shardplane__V1__Collective col;
-  char *msg;
-  /* an alert that says how long something has lasted ("waiting in it for
-   * 10 s") keeps its text with AGE_MARK where the seconds go, and since
-   * when, so that it is current whenever it is read (NULL: no age) */
-  char *tmpl;
-  uint64_t since_ms;
-  uint32_t *culprits, *victims;
-} open_alert;
-
 struct sp_coord_diag {
   uv_timer_t timer;
   bool timer_started;
@@ -142,8 +130,6 @@ struct sp_coord_diag {
   /* the median of the ranks' own step times, from the last tick (0: not
    * yet known), that each rank's step close is judged against */
   float job_med;
-  open_alert open[MAX_OPEN];
-  size_t n_open;
   char last_event_buf[160];
   void (*closed)(void *);
 };
@@ -358,14 +344,6 @@ int sp_coord_diag_init(sp_coord *c) {
   return diag_alloc(c, d);
 }
 
-static void free_open(open_alert *o) {
-  free(o->msg);
-  free(o->tmpl);
-  free(o->culprits);
-  free(o->victims);
-  memset(o, 0, sizeof *o);
-}
-
 static void diag_clear(sp_coord_diag *d) {
   free(d->world_t.slots);
   for (uint32_t i = 0; d->shard_t && i < d->n_shard; i++)
@@ -374,7 +352,6 @@ static void diag_clear(sp_coord_diag *d) {
     free(d->replica_t[i].slots);
   free(d->shard_t);
   free(d->replica_t);
-  for (size_t i = 0; i < d->n_open; i++) free_open(&d->open[i]);
   free(d->verdict);
   free(d->culprit_msg);
   free(d->comms);
@@ -400,6 +377,7 @@ int sp_coord_diag_new_incarnation(sp_coord *c) {
   memset(&d->r, 0, sizeof *d - offsetof(sp_coord_diag, r));
   d->forgiven_ms = forgiven;
   d->closed = closed;
+  sp_coord_alerts_close_all(c);
   return diag_alloc(c, d);
 }
 
@@ -484,135 +462,18 @@ static void collective_msg(Shardplane__V1__Collective *m, const fprint *f,
   m->comm_index = index;
 }
 
-/* Where an aged alert's seconds go (open_alert.tmpl). */
-#define AGE_MARK "\x1f"
-
-/* tmpl with its AGE_MARK replaced by secs, into out. */
-static void render_age(const char *tmpl, double secs, char *out, size_t cap) {
-  const char *at = strstr(tmpl, AGE_MARK);
-  if (at == NULL) {
-    snprintf(out, cap, "%s", tmpl);
-    return;
-  }
-  snprintf(out, cap, "%.*s%.0f%s", (int)(at - tmpl), tmpl, secs, at + 1);
-}
-
-static void raise_alert_aged(sp_coord *c, Shardplane__V1__AlertKind kind,
-                             const uint32_t *cul, size_t nc,
-                             const uint32_t *vic, size_t nv,
-                             const Shardplane__V1__Collective *col,
-                             const char *msg, const char *tmpl,
-                             uint64_t since_ms);
-
-/* Raises an alert and keeps it open (GetVerdict) until closed. */
-static void raise_alert(sp_coord *c, Shardplane__V1__AlertKind kind,
-                        const uint32_t *cul, size_t nc, const uint32_t *vic,
-                        size_t nv, const Shardplane__V1__Collective *col,
-                        const char *msg) {
-  raise_alert_aged(c, kind, cul, nc, vic, nv, col, msg, NULL, 0);
-}
-
-/* The same, msg being tmpl rendered with the seconds since since_ms: its
- * text is rendered again whenever it is read. */
-static void raise_alert_aged(sp_coord *c, Shardplane__V1__AlertKind kind,
-                             const uint32_t *cul, size_t nc,
-                             const uint32_t *vic, size_t nv,
-                             const Shardplane__V1__Collective *col,
-                             const char *msg, const char *tmpl,
-                             uint64_t since_ms) {
-  sp_coord_diag *d = c->diag;
-  sp_coord_alert_info info = {.kind = kind,
-                              .culprits = cul,
-                              .n_culprits = nc,
-                              .victims = vic,
-                              .n_victims = nv,
-                              .collective = col};
-  sp_coord_alert_ex(c, &info, msg);
-  if (d->n_open == MAX_OPEN) {
-    free_open(&d->open[0]);
-    memmove(&d->open[0], &d->open[1], (MAX_OPEN - 1) * sizeof d->open[0]);
-    memset(&d->open[MAX_OPEN - 1], 0, sizeof d->open[0]);
-    d->n_open--;
-  }
-  open_alert *o = &d->open[d->n_open];
-  shardplane__v1__alert__init(&o->a);
-  o->msg = sp_strdup(msg);
-  o->tmpl = tmpl ? sp_strdup(tmpl) : NULL;
-  o->since_ms = since_ms;
-  o->culprits = nc ? malloc(nc * sizeof *cul) : NULL;
-  o->victims = nv ? malloc(nv * sizeof *vic) : NULL;
-  if ((nc && o->culprits == NULL) || (nv && o->victims == NULL) ||
-      o->msg == NULL || (tmpl && o->tmpl == NULL)) {
-    free_open(o);
-    return;
-  }
-  d->n_open++;
-  if (nc) memcpy(o->culprits, cul, nc * sizeof *cul);
-  if (nv) memcpy(o->victims, vic, nv * sizeof *vic);
-  o->a.kind = kind;
-  o->a.rank = nc ? cul[0] : UINT32_MAX;
-  o->a.message = o->msg;
-  o->a.time_ms = sp_coord_base_now_ms(c);
-  o->a.culprits = o->culprits;
-  o->a.n_culprits = nc;
-  o->a.victims = o->victims;
-  o->a.n_victims = nv;
-  if (col) {
-    o->col = *col;
-    o->a.collective = &o->col;
-  }
-}
-
-static void close_alerts(sp_coord *c, Shardplane__V1__AlertKind kind,
-                         bool any_rank, uint32_t rank) {
-  sp_coord_diag *d = c->diag;
-  size_t j = 0;
-  for (size_t i = 0; i < d->n_open; i++) {
-    open_alert *o = &d->open[i];
-    if (o->a.kind == kind && (any_rank || o->a.rank == rank)) {
-      free_open(o);
-      continue;
-    }
-    if (j != i) {
-      d->open[j] = *o;
-      if (d->open[j].a.collective) d->open[j].a.collective = &d->open[j].col;
-      memset(o, 0, sizeof *o);
-    }
-    j++;
-  }
-  d->n_open = j;
-}
-
-/* The open alerts' ages as of now, or as of the job's end (a rank that
- * exited waits no longer). */
-static void refresh_ages(sp_coord *c) {
+/* When the open alerts' ages are read as of: now, or the job's end (a rank
+ * that exited waits no longer). */
+static uint64_t ages_as_of(sp_coord *c) {
   sp_coord_diag *d = c->diag;
   bool ended = d->state == SHARDPLANE__V1__JOB_STATE__JOB_FAILED ||
                d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
-  uint64_t now = ended ? d->end_ms : sp_coord_base_now_ms(c);
-  for (size_t i = 0; i < d->n_open; i++) {
-    open_alert *o = &d->open[i];
-    if (o->tmpl == NULL) continue;
-    char msg[SP_DIAG_MAX];
-    render_age(o->tmpl, now > o->since_ms ? (double)(now - o->since_ms) / 1e3
-                                          : 0,
-               msg, sizeof msg);
-    if (strcmp(msg, o->msg) == 0) continue;
-    char *m = sp_strdup(msg);
-    if (m == NULL) continue;
-    free(o->msg);
-    o->msg = m;
-    o->a.message = m;
-  }
+  return ended ? d->end_ms : sp_coord_base_now_ms(c);
 }
 
 size_t sp_coord_diag_open_alerts(sp_coord *c, Shardplane__V1__Alert **out,
                                  size_t cap) {
-  refresh_ages(c);
-  size_t n = 0;
-  for (size_t i = 0; i < c->diag->n_open && n < cap; i++)
-    out[n++] = &c->diag->open[i].a;
-  return n;
+  return sp_coord_alerts_list_open(c, ages_as_of(c), out, cap);
 }
 
 /* The job failed: the first verdict stays. */
@@ -732,9 +593,13 @@ static bool desync_alert(sp_coord *c, int kind, uint32_t index,
   bool b_culprit = na != nb ? nb < na : vote >= 0;
   Shardplane__V1__Collective col;
   collective_msg(&col, b_culprit ? f : &ref->f, kind, index);
-  raise_alert(c, SHARDPLANE__V1__ALERT_KIND__DESYNC, b_culprit ? b : a,
-              b_culprit ? nb : na, b_culprit ? a : b, b_culprit ? na : nb,
-              &col, msg);
+  sp_coord_alerts_info in = {.kind = SHARDPLANE__V1__ALERT_KIND__DESYNC,
+                             .culprits = b_culprit ? b : a,
+                             .n_culprits = b_culprit ? nb : na,
+                             .victims = b_culprit ? a : b,
+                             .n_victims = b_culprit ? na : nb,
+                             .collective = &col};
+  sp_coord_alerts_open(c, &in, msg);
   after_verdict(c, msg, true, b_culprit ? b[0] : a[0], false);
   free(a);
   return true;
@@ -931,7 +796,12 @@ void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
   name_culprit(c, rank, msg);
   uint32_t *v = malloc((size_t)d->world * sizeof *v);
   size_t nv = v ? others(c, &rank, 1, v) : 0;
-  raise_alert(c, SHARDPLANE__V1__ALERT_KIND__ALERT_LOST, &rank, 1, v, nv, NULL, msg);
+  sp_coord_alerts_info in = {.kind = SHARDPLANE__V1__ALERT_KIND__ALERT_LOST,
+                             .culprits = &rank,
+                             .n_culprits = 1,
+                             .victims = v,
+                             .n_victims = nv};
+  sp_coord_alerts_open(c, &in, msg);
   free(v);
   snprintf(reason, cap, "%s", msg);
   if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING) job_failed(c, msg);
@@ -1104,7 +974,8 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     }
     if (since == now) since = now - thr;
     double secs = (double)(now - since) / 1000.0;
-    /* the seconds are rendered as of each reading (refresh_ages) */
+    /* the seconds are rendered as of each reading
+     * (sp_coord_alerts_list_open) */
     comm_label(kind, index, comm, sizeof comm);
     fmt_ranks(waiting, nw, lw, sizeof lw);
     Shardplane__V1__Collective col;
@@ -1119,14 +990,22 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
                              ? " (then it was lost)"
                              : "";
       say(tmpl, sizeof tmpl,
-          "%s %s not issued %s #%" PRIu64 " of unit %u (%s) on %s; %s %s "
+          "%s %s not issued %s #%" PRIu64
+          " of unit %u (%s) on %s; %s %s "
           "been waiting in it for %s s; rank %u's last event: %s%s",
           lm, nmiss == 1 ? "has" : "have", op_name(f.op), f.seq, f.unit,
-          unit_name(c, f.unit), comm, lw, nw == 1 ? "has" : "have", AGE_MARK,
-          missing[0], ev, then);
-      render_age(tmpl, secs, msg, sizeof msg);
-      raise_alert_aged(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss,
-                       waiting, nw, &col, msg, tmpl, since);
+          unit_name(c, f.unit), comm, lw, nw == 1 ? "has" : "have",
+          SP_COORD_ALERTS_AGE, missing[0], ev, then);
+      sp_coord_alerts_render_age(tmpl, secs, msg, sizeof msg);
+      sp_coord_alerts_info in = {.kind = SHARDPLANE__V1__ALERT_KIND__STALL,
+                                 .culprits = missing,
+                                 .n_culprits = nmiss,
+                                 .victims = waiting,
+                                 .n_victims = nw,
+                                 .collective = &col,
+                                 .tmpl = tmpl,
+                                 .since_ms = since};
+      sp_coord_alerts_open(c, &in, msg);
       after_verdict(c, msg, true, missing[0], true);
     } else {
       fp_words(c, &f, words, sizeof words);
@@ -1134,10 +1013,15 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
           "every member of %s (%s) issued %s, collective #%" PRIu64
           ", and none has completed it for %s s: the network or the "
           "collective library, not a rank",
-          comm, lw, words, f.seq, AGE_MARK);
-      render_age(tmpl, secs, msg, sizeof msg);
-      raise_alert_aged(c, SHARDPLANE__V1__ALERT_KIND__STALL, NULL, 0, waiting,
-                       nw, &col, msg, tmpl, since);
+          comm, lw, words, f.seq, SP_COORD_ALERTS_AGE);
+      sp_coord_alerts_render_age(tmpl, secs, msg, sizeof msg);
+      sp_coord_alerts_info in = {.kind = SHARDPLANE__V1__ALERT_KIND__STALL,
+                                 .victims = waiting,
+                                 .n_victims = nw,
+                                 .collective = &col,
+                                 .tmpl = tmpl,
+                                 .since_ms = since};
+      sp_coord_alerts_open(c, &in, msg);
       after_verdict(c, msg, false, 0, true);
     }
   } else {
@@ -1156,11 +1040,18 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     say(tmpl, sizeof tmpl,
         "%s made no progress for %s s while heartbeating, in no "
         "collective; rank %u's last event: %s",
-        lm, AGE_MARK, missing[0], ev);
-    render_age(tmpl, (double)(now - since) / 1000.0, msg, sizeof msg);
+        lm, SP_COORD_ALERTS_AGE, missing[0], ev);
+    sp_coord_alerts_render_age(tmpl, (double)(now - since) / 1000.0, msg,
+                               sizeof msg);
     nw = others(c, missing, nmiss, waiting);
-    raise_alert_aged(c, SHARDPLANE__V1__ALERT_KIND__STALL, missing, nmiss,
-                     waiting, nw, NULL, msg, tmpl, since);
+    sp_coord_alerts_info in = {.kind = SHARDPLANE__V1__ALERT_KIND__STALL,
+                               .culprits = missing,
+                               .n_culprits = nmiss,
+                               .victims = waiting,
+                               .n_victims = nw,
+                               .tmpl = tmpl,
+                               .since_ms = since};
+    sp_coord_alerts_open(c, &in, msg);
     after_verdict(c, msg, true, missing[0], true);
   }
   free(waiting);
@@ -1179,7 +1070,7 @@ static void check_stall(sp_coord *c, uint64_t now) {
   if (!any) {
     if (d->stall_open) {
       d->stall_open = false;
-      close_alerts(c, SHARDPLANE__V1__ALERT_KIND__STALL, true, 0);
+      sp_coord_alerts_close(c, SHARDPLANE__V1__ALERT_KIND__STALL, true, 0);
       sp_coord_base_log(c, "the stall is over: every rank moves again");
     }
     return;
@@ -1280,12 +1171,16 @@ static void judge_straggler(sp_coord *c, uint32_t r) {
         (double)k->busy_lo, (double)step, (double)excess, r);
     uint32_t *v = malloc((size_t)d->world * sizeof *v);
     size_t nv = v ? others(c, &r, 1, v) : 0;
-    raise_alert(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, &r, 1, v, nv, NULL,
-                msg);
+    sp_coord_alerts_info in = {.kind = SHARDPLANE__V1__ALERT_KIND__STRAGGLER,
+                               .culprits = &r,
+                               .n_culprits = 1,
+                               .victims = v,
+                               .n_victims = nv};
+    sp_coord_alerts_open(c, &in, msg);
     free(v);
   } else if (k->straggling && k->score < (ratio + 1.0) / 2) {
     k->straggling = false;
-    close_alerts(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, false, r);
+    sp_coord_alerts_close(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, false, r);
   }
 }
 
@@ -1504,7 +1399,9 @@ void sp_coord_diag_rank_info(const sp_coord *c, uint32_t rank,
 bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
                            char *text, size_t tcap) {
   sp_coord_diag *d = c->diag;
-  refresh_ages(c);
+  Shardplane__V1__Alert *open[SP_COORD_ALERTS_MAX_OPEN];
+  size_t n_open = sp_coord_alerts_list_open(c, ages_as_of(c), open,
+                                            SP_COORD_ALERTS_MAX_OPEN);
   uint64_t now = sp_coord_base_now_ms(c), quiet, limit;
   uint32_t n_att = 0;
   for (uint32_t r = 0; r < d->world; r++) n_att += attached(c, r);
@@ -1520,7 +1417,7 @@ bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
   } else if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
     snprintf(headline, hcap, "waiting: %u of %u ranks attached", n_att,
              d->world);
-  } else if (d->n_open == 0 &&
+  } else if (n_open == 0 &&
              most_silent(c, now, NOTICE_FACTOR, NOTICE_FLOOR_MS, &quiet,
                          &limit) &&
              quiet > limit) {
@@ -1533,7 +1430,7 @@ bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
              "since (a stall alert naming the culprit opens after %.0f s)",
              (double)quiet / 1e3, d->world, d->last_min_step,
              (double)sp_coord_diag_stall_threshold(c) / 1e3);
-  } else if (d->n_open == 0) {
+  } else if (n_open == 0) {
     bool has;
     double loss = job_loss(c, &has);
     char tail[64] = "";
@@ -1542,17 +1439,17 @@ bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
              ", %.1f steps/s%s", d->world, d->last_min_step, d->steps_per_s,
              tail);
   } else {
-    snprintf(headline, hcap, "%s", d->open[d->n_open - 1].msg);
+    snprintf(headline, hcap, "%s", open[n_open - 1]->message);
   }
   size_t used = 0;
-  for (size_t i = 0; i < d->n_open && used + 1 < tcap; i++) {
+  for (size_t i = 0; i < n_open && used + 1 < tcap; i++) {
     const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(
-        &shardplane__v1__alert_kind__descriptor, d->open[i].a.kind);
+        &shardplane__v1__alert_kind__descriptor, open[i]->kind);
     int w = snprintf(text + used, tcap - used, "%s%s: %s", used ? "\n" : "",
-                     v ? v->name : "?", d->open[i].msg);
+                     v ? v->name : "?", open[i]->message);
     if (w < 0) break;
     used += (size_t)w < tcap - used ? (size_t)w : tcap - used - 1;
   }
   if (used == 0) snprintf(text, tcap, "%s", headline);
-  return d->state != SHARDPLANE__V1__JOB_STATE__JOB_FAILED && d->n_open == 0;
+  return d->state != SHARDPLANE__V1__JOB_STATE__JOB_FAILED && n_open == 0;
 }

@@ -11,6 +11,7 @@
 #include <sys/time.h>
 
 #include "cast/dtype.h"
+#include "coord_alerts.h"
 #include "coord_base.h"
 #include "coordinator.h"
 
@@ -133,12 +134,10 @@ static json_t *dump_json(sp_coord *c, const trace_req *q) {
       enum_name(&shardplane__v1__job_state__descriptor, jr.state) + 4,
       "verdict", jr.verdict);
   json_t *alerts = json_array();
-  size_t n = c->n_alerts < SP_COORD_RECENT_ALERTS ? (size_t)c->n_alerts
-                                                  : SP_COORD_RECENT_ALERTS;
+  Shardplane__V1__Alert *recent[SP_COORD_ALERTS_RECENT];
+  size_t n = sp_coord_alerts_recent(c, recent, SP_COORD_ALERTS_RECENT);
   for (size_t i = 0; i < n; i++) {
-    const Shardplane__V1__Alert *a =
-        &c->recent[(c->recent_next + SP_COORD_RECENT_ALERTS - n + i) %
-                   SP_COORD_RECENT_ALERTS];
+    const Shardplane__V1__Alert *a = recent[i];
     json_t *cu = json_array(), *vi = json_array();
     for (size_t k = 0; k < a->n_culprits; k++)
       json_array_append_new(cu, json_integer(a->culprits[k]));

@@ -1,6 +1,8 @@
 /* Watch: a server stream of events (attached, lost, detached, alerts and,
  * when asked for, transitions), filtered by rank and kind. A watcher that
  * cannot keep up is ended rather than buffered without bound. */
+#include "coord_events.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -65,15 +67,15 @@ static void publish(sp_coord *c, Shardplane__V1__EventKind kind,
   }
 }
 
-void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
-                      uint32_t rank, const char *message,
-                      const Shardplane__V1__Transition *t) {
+void sp_coord_events_publish(sp_coord *c, Shardplane__V1__EventKind kind,
+                             uint32_t rank, const char *message,
+                             const Shardplane__V1__Transition *t) {
   publish(c, kind, rank, message, t, NULL);
 }
 
-void sp_coord_publish_alert(sp_coord *c, const Shardplane__V1__Alert *a) {
+void sp_coord_events_publish_alert(sp_coord *c,
+                                   const Shardplane__V1__Alert *a) {
   publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, a->rank, a->message, NULL, a);
-  sp_coord_agents_alert(c, a);
 }
 
 static void on_watch(sp_rpc_call *call, const ProtobufCMessage *msg,

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_alerts.h"
 #include "coord_base.h"
 #include "coord_db.h"
 #include "coordinator.h"
@@ -260,22 +261,7 @@ static int restore_rank(void *arg, const sp_coord_db_rank *r) {
 
 static int restore_alert(void *arg, uint32_t rank, int kind, const char *msg,
                          size_t len, uint64_t time_ms) {
-  sp_coord *c = arg;
-  if (len > SP_DIAG_MAX) return SP_EFORMAT;
-  size_t i = c->recent_next;
-  free(c->recent_msg[i]);
-  c->recent_msg[i] = sp_strdup(msg);
-  shardplane__v1__alert__init(&c->recent[i]);
-  c->recent[i].rank = rank;
-  c->recent[i].message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
-  c->recent[i].time_ms = time_ms;
-  /* a kind this build does not know reads as unknown */
-  c->recent[i].kind = protobuf_c_enum_descriptor_get_value(
-                          &shardplane__v1__alert_kind__descriptor, kind)
-                          ? (Shardplane__V1__AlertKind)kind
-                          : SHARDPLANE__V1__ALERT_KIND__ALERT_KIND_UNKNOWN;
-  c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
-  return 0;
+  return sp_coord_alerts_restore(arg, rank, kind, msg, len, time_ms);
 }
 
 static int restore_incarnation(void *arg, const sp_coord_db_incarnation *r) {
@@ -295,8 +281,10 @@ static int restore(sp_coord *c, sp_diag *d) {
                   sp_coord_db_dir(db));
     return rc;
   }
-  rc = sp_coord_db_each_alert(db, SP_COORD_RECENT_ALERTS, restore_alert, c,
-                              &c->n_alerts, d);
+  uint64_t n_alerts = 0;
+  rc = sp_coord_db_each_alert(db, SP_COORD_ALERTS_RECENT, restore_alert, c,
+                              &n_alerts, d);
+  sp_coord_alerts_restored(c, n_alerts);
   if (rc == SP_EFORMAT)
     sp_diag_set(d, rc, "state dir %s: an alert row out of bounds",
                 sp_coord_db_dir(db));
@@ -331,7 +319,7 @@ int sp_coord_persist_open(sp_coord *c, sp_diag *d) {
     sp_coord_base_log(c,
                       "continuing the job from state dir %s: %zu store keys, "
                       "%" PRIu64 " alerts",
-                      c->cfg.state_dir, st.keys, c->n_alerts);
+                      c->cfg.state_dir, st.keys, sp_coord_alerts_total(c));
   } else {
     sp_coord_base_log(c, "new state dir %s", c->cfg.state_dir);
   }

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_alerts.h"
 #include "coord_base.h"
 #include "coordinator.h"
 #include "plan/memory.h"
@@ -119,17 +120,9 @@ static void on_get_job(sp_rpc_call *call, const ProtobufCMessage *msg,
   for (size_t i = 0; i < c->model->n_params; i++)
     r.total_numel += c->model->params[i].numel;
   r.ranks = &rs;
-  r.alerts = (uint32_t)c->n_alerts;
-  Shardplane__V1__Alert *recent[SP_COORD_RECENT_ALERTS];
-  size_t n = c->n_alerts < SP_COORD_RECENT_ALERTS ? (size_t)c->n_alerts
-                                                  : SP_COORD_RECENT_ALERTS;
-  for (size_t i = 0; i < n; i++) {
-    /* oldest first */
-    size_t idx = (c->recent_next + SP_COORD_RECENT_ALERTS - n + i) %
-                 SP_COORD_RECENT_ALERTS;
-    recent[i] = &c->recent[idx];
-  }
-  r.n_recent_alerts = n;
+  r.alerts = (uint32_t)sp_coord_alerts_total(c);
+  Shardplane__V1__Alert *recent[SP_COORD_ALERTS_RECENT];
+  r.n_recent_alerts = sp_coord_alerts_recent(c, recent, SP_COORD_ALERTS_RECENT);
   r.recent_alerts = recent;
   r.uptime_ms = sp_coord_base_now_ms(c);
   Shardplane__V1__Progress progress;

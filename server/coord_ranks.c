@@ -6,8 +6,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_alerts.h"
 #include "coord_base.h"
+#include "coord_bus.h"
 #include "coord_db.h"
+#include "coord_events.h"
 #include "coordinator.h"
 
 #define SESSION_ID_LEN 32
@@ -107,74 +110,21 @@ void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
 
 static void persist_rank(sp_coord *c, uint32_t rank);
 
-void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *in,
-                       const char *msg) {
-  c->n_alerts++;
-  for (size_t j = 0; j < in->n_culprits; j++) {
-    uint32_t r = in->culprits[j];
+int sp_coord_ranks_alert_logged(sp_coord *c, void *user,
+                                const sp_coord_event *e) {
+  (void)user;
+  for (size_t j = 0; j < e->n_culprits; j++) {
+    uint32_t r = e->culprits[j];
     if (r >= c->plan->world_size) continue;
     sp_coord_rank *k = &c->ranks[r];
     k->alerts++;
     free(k->last_alert);
-    k->last_alert = sp_strdup(msg);
+    k->last_alert = sp_strdup(e->text);
   }
-  size_t i = c->recent_next;
-  free(c->recent_msg[i]);
-  free(c->recent_ranks[i]);
-  c->recent_msg[i] = sp_strdup(msg);
-  size_t nr = in->n_culprits + in->n_victims;
-  c->recent_ranks[i] = nr ? malloc(nr * sizeof(uint32_t)) : NULL;
-  Shardplane__V1__Alert *a = &c->recent[i];
-  shardplane__v1__alert__init(a);
-  a->rank = in->n_culprits ? in->culprits[0] : UINT32_MAX;
-  a->message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
-  a->time_ms = sp_coord_base_now_ms(c);
-  a->kind = in->kind;
-  if (c->recent_ranks[i] != NULL) {
-    if (in->n_culprits) /* no culprit (a stall in the network): NULL */
-      memcpy(c->recent_ranks[i], in->culprits,
-             in->n_culprits * sizeof(uint32_t));
-    if (in->n_victims)
-      memcpy(c->recent_ranks[i] + in->n_culprits, in->victims,
-             in->n_victims * sizeof(uint32_t));
-    a->culprits = c->recent_ranks[i];
-    a->n_culprits = in->n_culprits;
-    a->victims = c->recent_ranks[i] + in->n_culprits;
-    a->n_victims = in->n_victims;
-  }
-  if (in->collective) {
-    c->recent_col[i] = *in->collective;
-    a->collective = &c->recent_col[i];
-  }
-  c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
-  sp_coord_persist_alert(c, a->rank, in->kind, msg, a->time_ms);
-  /* the ranks' counts go with the log entry, in the same transaction */
-  for (size_t j = 0; j < in->n_culprits; j++)
-    if (in->culprits[j] < c->plan->world_size)
-      persist_rank(c, in->culprits[j]);
-  const ProtobufCEnumValue *kn = protobuf_c_enum_descriptor_get_value(
-      &shardplane__v1__alert_kind__descriptor, in->kind);
-  if (a->rank == UINT32_MAX)
-    sp_coord_base_log(c, "alert %s: %s", kn ? kn->name : "?", msg);
-  else
-    sp_coord_base_log(c, "alert %s: rank %u: %s", kn ? kn->name : "?", a->rank,
-                      msg);
-  sp_coord_publish_alert(c, a);
-}
-
-void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
-  char msg[SP_DIAG_MAX];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  bool one = rank < c->plan->world_size;
-  sp_coord_alert_info in = {
-      .kind = one ? SHARDPLANE__V1__ALERT_KIND__ILLEGAL_TRANSITION
-                  : SHARDPLANE__V1__ALERT_KIND__ALERT_KIND_UNKNOWN,
-      .culprits = one ? &rank : NULL,
-      .n_culprits = one ? 1 : 0};
-  sp_coord_alert_ex(c, &in, msg);
+  /* the counts go with the log entry, in the same transaction */
+  for (size_t j = 0; j < e->n_culprits; j++)
+    if (e->culprits[j] < c->plan->world_size) persist_rank(c, e->culprits[j]);
+  return 0;
 }
 
 void sp_coord_rank_get(const sp_coord *c, uint32_t rank,
@@ -306,7 +256,8 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
   k->awaiting = false;
   persist_rank(c, rank);
   sp_coord_base_log(c, "rank %u lost: %s", rank, why);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_LOST, rank, why, NULL);
+  sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_LOST, rank, why,
+                          NULL);
   if (k->session != NULL) {
     sp_rpc_call *s = k->session;
     k->session = NULL;
@@ -407,14 +358,15 @@ static int apply_transition(sp_coord *c, uint32_t rank,
                                   t->state, &d);
   if (rc != 0) {
     snprintf(msg, cap, "rank %u: %s", rank, d.msg);
-    sp_coord_alert(c, rank, "%s", d.msg);
+    sp_coord_alerts_raisef(c, rank, "%s", d.msg);
     return SP_RPC_FAILED_PRECONDITION;
   }
   k->transitions++;
   if (t->step > k->step) k->step = t->step;
   sp_coord_diag_transition(c, rank, t);
   if (c->watchers != NULL)
-    sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__TRANSITION, rank, NULL, t);
+    sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__TRANSITION, rank,
+                            NULL, t);
   return SP_RPC_OK;
 }
 
@@ -571,8 +523,8 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   snprintf(what, sizeof what, "%s from %s pid %u device %s",
            reattach ? "reattached" : "attached", k->host, k->pid, k->device);
   sp_coord_base_log(c, "rank %u %s", q->rank, what);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, q->rank, what,
-                   NULL);
+  sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, q->rank,
+                          what, NULL);
   if (!reattach) sp_coord_diag_attached(c, q->rank);
 }
 
@@ -612,8 +564,8 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
     sp_coord_base_log(c, "rank %u detached by token \"%s\"", q->rank, p->name);
   else
     sp_coord_base_log(c, "rank %u detached", q->rank);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
-                   "detached", NULL);
+  sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
+                          "detached", NULL);
   sp_coord_diag_detached(c, q->rank);
 }
 
@@ -678,8 +630,8 @@ static int resync(sp_coord *c, uint32_t rank, const Shardplane__V1__SessionUp *q
            "while away)",
            (unsigned long long)q->step, (unsigned long long)q->gap);
   sp_coord_base_log(c, "rank %u %s", rank, what);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, rank, what,
-                   NULL);
+  sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, rank,
+                          what, NULL);
   persist_rank(c, rank);
   return SP_RPC_OK;
 }
@@ -903,7 +855,7 @@ static void on_abort(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord_base_log(c, "%s", reason);
   Shardplane__V1__AbortResponse r = SHARDPLANE__V1__ABORT_RESPONSE__INIT;
   r.sessions = sp_coord_abort_all(c, reason, false, 0);
-  sp_coord_alert(c, UINT32_MAX, "%s", reason);
+  sp_coord_alerts_raisef(c, UINT32_MAX, "%s", reason);
   sp_coord_diag_aborted(c, reason);
   sp_coord_dump_write(c, reason);
   sp_rpc_call_reply(call, &r.base);

@@ -8,18 +8,18 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "base/strmap.h"
+#include "coord_auth.h"
+#include "coord_bus.h"
+#include "coord_diag.h"
+#include "kvstore.h"
 #include "plan/job.h"
 #include "plan/model.h"
 #include "plan/plan.h"
+#include "plan/state.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
-#include "plan/state.h"
-#include "coord_auth.h"
-#include "kvstore.h"
-#include "base/strmap.h"
-#include "coord_diag.h"
-
 
 /* Store limits (PyTorch TCPStore's), checked before allocating. */
 #define SP_COORD_MAX_KEY (8u << 10)
@@ -30,8 +30,6 @@
  * (below gRPC's customary 4 MiB receive limit, whatever the client). */
 #define SP_COORD_SPEC_CHUNK (1u << 20)
 #define SP_COORD_SPEC_CHUNK_MAX ((4u << 20) - (64u << 10))
-/* Alerts kept for status; older ones are only counted. */
-#define SP_COORD_RECENT_ALERTS 32
 /* Sizes of request strings, checked before anything is kept
  * (INVALID_ARGUMENT naming the field): a rank's host and device, the plan
  * version and session id, and the FQNs, prefixes and page tokens of the
@@ -94,6 +92,7 @@ typedef struct sp_coord {
   sp_plan *plan;
   sp_coord_config cfg;
   uint64_t started_ms; /* uv_now at start */
+  sp_coord_bus bus;    /* the hub's wiring (coord_bus.h) */
   /* ranks (coord_ranks.c) */
   sp_coord_rank *ranks; /* world_size entries */
   /* how many ranks have each status (Shardplane__V1__RankStatus) */
@@ -105,13 +104,7 @@ typedef struct sp_coord {
    * and their total, in ms. Not counted against any rank. */
   uint64_t hb_last_check_ms, loop_pause_max_ms, loop_pause_total_ms;
   uint64_t session_counter;
-  /* alerts */
-  uint64_t n_alerts;
-  Shardplane__V1__Alert recent[SP_COORD_RECENT_ALERTS];
-  char *recent_msg[SP_COORD_RECENT_ALERTS];
-  uint32_t *recent_ranks[SP_COORD_RECENT_ALERTS]; /* culprits, victims */
-  Shardplane__V1__Collective recent_col[SP_COORD_RECENT_ALERTS];
-  size_t recent_next;
+  struct sp_coord_alerts *alerts; /* coord_alerts.c */
   /* hang diagnosis (coord_diag.c) and the recorders being gathered
    * (coord_dump.c) */
   sp_coord_diag *diag;
@@ -153,7 +146,6 @@ void sp_coord_free(sp_coord *c);
 /* Per-area registration (one file each). */
 int sp_coord_plan_register(sp_coord *c);
 int sp_coord_ranks_register(sp_coord *c);
-int sp_coord_events_register(sp_coord *c);
 int sp_coord_store_register(sp_coord *c);
 int sp_coord_ranks_init(sp_coord *c);
 /* Starts the heartbeat check (from sp_coord_listen). */
@@ -162,7 +154,6 @@ void sp_coord_ranks_start(sp_coord *c);
  * timer handle is released. */
 void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed);
 void sp_coord_ranks_free(sp_coord *c);
-void sp_coord_events_shutdown(sp_coord *c);
 void sp_coord_store_shutdown(sp_coord *c);
 /* Agents and incarnations (coord_agents.c): AgentSession and
  * ListIncarnations. */
@@ -171,9 +162,10 @@ int sp_coord_agents_register(sp_coord *c);
  * the decision timer is released). */
 bool sp_coord_agents_shutdown(sp_coord *c, uv_close_cb closed);
 void sp_coord_agents_free(sp_coord *c);
-/* An alert opened: every registered agent is told (AGENT_ALERT), to print
- * it beside its workers' output. */
-void sp_coord_agents_alert(sp_coord *c, const Shardplane__V1__Alert *a);
+/* An alert was published (SP_COORD_EV_ALERT): every registered agent is
+ * told (AGENT_ALERT), to print it beside its workers' output. */
+int sp_coord_agents_alert(sp_coord *c, void *user,
+                          const struct sp_coord_event *e);
 /* The job completed at step (every rank finished): the current
  * incarnation's record says so, for good, and an agent that registers
  * later is told AGENT_END, completed. */
@@ -226,21 +218,11 @@ void sp_coord_persist_alert(sp_coord *c, uint32_t rank, int kind,
 void sp_coord_ranks_snapshot(sp_coord *c);
 int sp_coord_ranks_restore(sp_coord *c, const struct sp_coord_db_rank *r);
 
-/* Records an alert on a rank, logs it and publishes an ALERT event: an
- * illegal transition (a rank given) or an operator's abort (UINT32_MAX). */
-void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-/* An alert of a kind with its culprits (the first is Alert.rank) and
- * victims: counted on each culprit, kept in the recent ring and the alert
- * log, logged, published with Event.alert. The arrays are copied. */
-typedef struct sp_coord_alert_info {
-  Shardplane__V1__AlertKind kind;
-  const uint32_t *culprits, *victims;
-  size_t n_culprits, n_victims;
-  const Shardplane__V1__Collective *collective; /* may be NULL */
-} sp_coord_alert_info;
-void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *a,
-                       const char *msg);
+/* An alert was written to the log (SP_COORD_EV_ALERT_LOGGED): each culprit
+ * counts it, and its snapshot goes with the log entry. */
+struct sp_coord_event;
+int sp_coord_ranks_alert_logged(sp_coord *c, void *user,
+                                const struct sp_coord_event *e);
 /* ABORT down every open Session stream with the reason and, when known,
  * the culprit; streams that bind later get it too and no rank attaches
  * any more. */
@@ -262,11 +244,4 @@ int sp_coord_rank_status(const sp_coord *c, uint32_t rank);
 /* How many ranks have that status now (kept as they change: O(1)). */
 uint32_t sp_coord_ranks_with_status(const sp_coord *c, int status);
 uint64_t sp_coord_rank_step(const sp_coord *c, uint32_t rank);
-/* Publishes an event to the Watch streams whose filters match. */
-void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
-                      uint32_t rank, const char *message,
-                      const Shardplane__V1__Transition *t);
-/* An ALERT event carrying the alert itself (Event.alert). */
-void sp_coord_publish_alert(sp_coord *c, const Shardplane__V1__Alert *a);
-
 #endif
