@@ -9,6 +9,7 @@
 #include "coord_base.h"
 #include "coord_bus.h"
 #include "coord_events.h"
+#include "coord_persist.h"
 #include "coordinator.h"
 
 /* The job file first, then the flags on top of it. */
@@ -132,7 +133,13 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     goto fail;
   }
   /* last: the restored ranks need the rank table */
-  if ((rc = sp_coord_persist_open(c, diag)) != 0) goto fail;
+  static const sp_coord_persist_hooks hooks = {
+      .rank = sp_coord_ranks_restore,
+      .alert = sp_coord_alerts_restore,
+      .alerts_counted = sp_coord_alerts_restored,
+      .incarnation = sp_coord_agents_restore,
+      .snapshot = sp_coord_ranks_snapshot};
+  if ((rc = sp_coord_persist_open(c, &hooks, diag)) != 0) goto fail;
   sp_rpc_server_set_health(c->srv, SP_COORD_SERVICE, SP_HEALTH_SERVING);
   *out = c;
   return 0;

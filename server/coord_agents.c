@@ -29,6 +29,7 @@
 
 #include "coord_base.h"
 #include "coord_db.h"
+#include "coord_persist.h"
 #include "coordinator.h"
 
 /* Deaths reported within this long of the first one are weighed together
@@ -189,7 +190,7 @@ static int send_cmd(sp_rpc_call *call, int cmd, uint64_t inc,
   d.incarnation = inc;
   d.reason = (char *)(reason ? reason : "");
   sp_coord *c = coord_of(call);
-  d.durable = sp_coord_durable(c);
+  d.durable = sp_coord_persist_durable(c);
   d.completed = cmd == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
                 current_rec(c->agents)->completed;
   return sp_rpc_call_send(call, &d.base);
@@ -272,7 +273,7 @@ int sp_coord_agents_alert(sp_coord *c, void *user, const sp_coord_event *e) {
   Shardplane__V1__AgentDown d = SHARDPLANE__V1__AGENT_DOWN__INIT;
   d.command = SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT;
   d.incarnation = a->current;
-  d.durable = sp_coord_durable(c);
+  d.durable = sp_coord_persist_durable(c);
   d.alert = (Shardplane__V1__Alert *)e->alert;
   for (agent_conn *g = a->list; g; g = g->next)
     if (g->registered) sp_rpc_call_send(g->call, &d.base);

@@ -10,6 +10,7 @@
 #include "coord_base.h"
 #include "coord_bus.h"
 #include "coord_events.h"
+#include "coord_persist.h"
 
 typedef struct open_alert {
   Shardplane__V1__Alert a;

@@ -19,15 +19,16 @@
  * Without a state dir every function here is a pass-through: answers go
  * out at once and nothing is recorded.
  */
+#include "coord_persist.h"
+
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord_alerts.h"
+#include "coord_alerts.h" /* how many alerts are read back */
 #include "coord_base.h"
 #include "coord_db.h"
-#include "coordinator.h"
 
 /* Rank snapshots (step, states) are written on this period, not per
  * transition: ingest must not pay a database row per event. */
@@ -46,6 +47,7 @@ struct sp_coord_persist {
   pending *q;
   size_t n, cap;
   uv_close_cb closed;
+  sp_coord_persist_hooks hooks;
   bool started; /* the handles exist (from listen on) */
   uint64_t commits, writes; /* for the log at shutdown */
 };
@@ -54,7 +56,7 @@ static sp_coord_db *db_of(const sp_coord *c) {
   return c->persist != NULL ? c->persist->db : NULL;
 }
 
-bool sp_coord_durable(const sp_coord *c) { return db_of(c) != NULL; }
+bool sp_coord_persist_durable(const sp_coord *c) { return db_of(c) != NULL; }
 
 /* Sends (or fails) every kept answer, in the order they were made. */
 static void flush_answers(sp_coord_persist *p, int code, const char *msg) {
@@ -100,10 +102,11 @@ static void on_commit(uv_prepare_t *h) { commit_now(h->data); }
 
 static void on_snapshot(uv_timer_t *t) {
   sp_coord *c = t->data;
-  sp_coord_ranks_snapshot(c);
+  c->persist->hooks.snapshot(c);
 }
 
-int sp_coord_reply(sp_coord *c, sp_rpc_call *call, const ProtobufCMessage *m) {
+int sp_coord_persist_reply(sp_coord *c, sp_rpc_call *call,
+                           const ProtobufCMessage *m) {
   sp_coord_persist *p = c->persist;
   if (p == NULL || !sp_coord_db_in_txn(p->db))
     return sp_rpc_call_reply(call, m);
@@ -216,7 +219,7 @@ int sp_coord_persist_answer(sp_coord *c, sp_rpc_call *call, const char *id,
       return rc;
     }
   }
-  return sp_coord_reply(c, call, m);
+  return sp_coord_persist_reply(c, call, m);
 }
 
 int sp_coord_persist_rank(sp_coord *c, const sp_coord_db_rank *r) {
@@ -256,19 +259,23 @@ static int restore_key(void *arg, const uint8_t *k, size_t kl,
 }
 
 static int restore_rank(void *arg, const sp_coord_db_rank *r) {
-  return sp_coord_ranks_restore(arg, r);
+  sp_coord *c = arg;
+  return c->persist->hooks.rank(c, r);
 }
 
 static int restore_alert(void *arg, uint32_t rank, int kind, const char *msg,
                          size_t len, uint64_t time_ms) {
-  return sp_coord_alerts_restore(arg, rank, kind, msg, len, time_ms);
+  sp_coord *c = arg;
+  return c->persist->hooks.alert(c, rank, kind, msg, len, time_ms);
 }
 
 static int restore_incarnation(void *arg, const sp_coord_db_incarnation *r) {
-  return sp_coord_agents_restore(arg, r);
+  sp_coord *c = arg;
+  return c->persist->hooks.incarnation(c, r);
 }
 
-static int restore(sp_coord *c, sp_diag *d) {
+/* Fills *n_alerts with the count of every alert logged. */
+static int restore(sp_coord *c, uint64_t *n_alerts, sp_diag *d) {
   sp_coord_db *db = c->persist->db;
   int rc = sp_coord_db_each_key(db, restore_key, c, d);
   if (rc == SP_EFORMAT || rc == SP_ETOOBIG)
@@ -281,10 +288,9 @@ static int restore(sp_coord *c, sp_diag *d) {
                   sp_coord_db_dir(db));
     return rc;
   }
-  uint64_t n_alerts = 0;
   rc = sp_coord_db_each_alert(db, SP_COORD_ALERTS_RECENT, restore_alert, c,
-                              &n_alerts, d);
-  sp_coord_alerts_restored(c, n_alerts);
+                              n_alerts, d);
+  c->persist->hooks.alerts_counted(c, *n_alerts);
   if (rc == SP_EFORMAT)
     sp_diag_set(d, rc, "state dir %s: an alert row out of bounds",
                 sp_coord_db_dir(db));
@@ -296,7 +302,8 @@ static int restore(sp_coord *c, sp_diag *d) {
   return rc;
 }
 
-int sp_coord_persist_open(sp_coord *c, sp_diag *d) {
+int sp_coord_persist_open(sp_coord *c, const sp_coord_persist_hooks *h,
+                          sp_diag *d) {
   if (c->cfg.state_dir == NULL) return 0;
   sp_coord_persist *p = calloc(1, sizeof *p);
   if (p == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
@@ -311,15 +318,17 @@ int sp_coord_persist_open(sp_coord *c, sp_diag *d) {
     free(p);
     return rc;
   }
+  p->hooks = *h;
   c->persist = p;
   if (!fresh) {
-    if ((rc = restore(c, d)) != 0) return rc;
+    uint64_t n_alerts = 0;
+    if ((rc = restore(c, &n_alerts, d)) != 0) return rc;
     sp_kvstore_stats st;
     sp_kvstore_get_stats(c->store, &st);
     sp_coord_base_log(c,
                       "continuing the job from state dir %s: %zu store keys, "
                       "%" PRIu64 " alerts",
-                      c->cfg.state_dir, st.keys, sp_coord_alerts_total(c));
+                      c->cfg.state_dir, st.keys, n_alerts);
   } else {
     sp_coord_base_log(c, "new state dir %s", c->cfg.state_dir);
   }
@@ -353,7 +362,7 @@ bool sp_coord_persist_shutdown(sp_coord *c, uv_close_cb closed) {
   sp_coord_persist *p = c->persist;
   if (p == NULL) return false;
   /* the last snapshot and every answer still kept go out now */
-  sp_coord_ranks_snapshot(c);
+  p->hooks.snapshot(c);
   commit_now(c);
   sp_coord_base_log(
       c, "state dir %s: %" PRIu64 " store writes in %" PRIu64 " commits",

@@ -11,6 +11,7 @@
 #include "coord_bus.h"
 #include "coord_db.h"
 #include "coord_events.h"
+#include "coord_persist.h"
 #include "coordinator.h"
 
 #define SESSION_ID_LEN 32
@@ -183,7 +184,7 @@ static void session_finish(sp_rpc_call *s, int code, const char *msg) {
 /* Writes one rank's registration and snapshot down (a no-op without a
  * state dir); a failure is logged by the persist side. */
 static void persist_rank(sp_coord *c, uint32_t rank) {
-  if (!sp_coord_durable(c)) return;
+  if (!sp_coord_persist_durable(c)) return;
   sp_coord_rank *k = &c->ranks[rank];
   sp_coord_db_rank r = {.rank = rank,
                         .status = k->status,
@@ -416,7 +417,7 @@ static int check_session(sp_coord *c, const sp_rpc_call *call, uint32_t rank,
  * answer outlives the coordinator, and a second Attach is refused. */
 static bool attach_retried(const sp_coord *c, const sp_coord_rank *k,
                            const Shardplane__V1__AttachRequest *q) {
-  return sp_coord_durable(c) &&
+  return sp_coord_persist_durable(c) &&
          (q->session_id == NULL || q->session_id[0] == '\0') &&
          k->session == NULL && k->pid == q->pid && k->host != NULL &&
          q->host != NULL && strcmp(k->host, q->host) == 0;
@@ -517,8 +518,8 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.plan_version = (char *)pl->version_hex;
   r.heartbeat_interval_ms = c->cfg.heartbeat_interval_ms;
   r.heartbeat_timeout_ms = c->cfg.heartbeat_timeout_ms;
-  r.durable = sp_coord_durable(c);
-  sp_coord_reply(c, call, &r.base);
+  r.durable = sp_coord_persist_durable(c);
+  sp_coord_persist_reply(c, call, &r.base);
   char what[400];
   snprintf(what, sizeof what, "%s from %s pid %u device %s",
            reattach ? "reattached" : "attached", k->host, k->pid, k->device);
@@ -559,7 +560,7 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
     session_finish(s, SP_RPC_OK, "detached");
   }
   Shardplane__V1__DetachResponse r = SHARDPLANE__V1__DETACH_RESPONSE__INIT;
-  sp_coord_reply(c, call, &r.base);
+  sp_coord_persist_reply(c, call, &r.base);
   if (forced)
     sp_coord_base_log(c, "rank %u detached by token \"%s\"", q->rank, p->name);
   else

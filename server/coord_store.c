@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "coord_base.h"
+#include "coord_persist.h"
 #include "coordinator.h"
 
 /* TCPStore's cap on keys per multi-key command. */
@@ -206,7 +207,7 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
     return;
   }
   wrote(call, q->key, klen, q->value.len);
-  sp_coord_reply(c, call, &r.base);
+  sp_coord_persist_reply(c, call, &r.base);
 }
 
 /* ---- StoreGet --------------------------------------------------------- */
@@ -218,7 +219,7 @@ static void answer_get(sp_coord *c, sp_rpc_call *call, const uint8_t *v,
   r.found = true;
   r.value = bytes_of(v, n);
   r.version = version;
-  sp_coord_reply(c, call, &r.base);
+  sp_coord_persist_reply(c, call, &r.base);
 }
 
 static void get_ready(void *arg) {
@@ -274,7 +275,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (!q->wait) {
     Shardplane__V1__StoreGetResponse r =
         SHARDPLANE__V1__STORE_GET_RESPONSE__INIT;
-    sp_coord_reply(c, call, &r.base);
+    sp_coord_persist_reply(c, call, &r.base);
     return;
   }
   if (refuse_if_stopping(call)) return;
@@ -309,7 +310,7 @@ static void wait_ready(void *arg) {
   sp_rpc_call_set_user(r->call, NULL);
   Shardplane__V1__StoreWaitResponse resp =
       SHARDPLANE__V1__STORE_WAIT_RESPONSE__INIT;
-  sp_coord_reply(r->c, r->call, &resp.base);
+  sp_coord_persist_reply(r->c, r->call, &resp.base);
   free(r);
 }
 
@@ -335,7 +336,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__StoreWaitResponse resp =
       SHARDPLANE__V1__STORE_WAIT_RESPONSE__INIT;
   if (n == 0) { /* every one of no keys exists */
-    sp_coord_reply(c, call, &resp.base);
+    sp_coord_persist_reply(c, call, &resp.base);
     return;
   }
   size_t *klens = malloc(n * sizeof *klens);
@@ -361,7 +362,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
         return;
       }
     free(klens);
-    sp_coord_reply(c, call, &resp.base);
+    sp_coord_persist_reply(c, call, &resp.base);
     return;
   }
   store_wait *r = malloc(sizeof *r);
@@ -377,7 +378,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(klens);
   if (rc == 1) { /* all there already */
     free(r);
-    sp_coord_reply(c, call, &resp.base);
+    sp_coord_persist_reply(c, call, &resp.base);
     return;
   }
   if (rc != 0) {
@@ -504,7 +505,7 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   if (deleted) sp_coord_auth_quota_deleted(coord_of(call)->auth, q->key, klen);
   r.deleted = deleted;
-  sp_coord_reply(c, call, &r.base);
+  sp_coord_persist_reply(c, call, &r.base);
 }
 
 /* ---- registration ----------------------------------------------------- */

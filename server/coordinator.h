@@ -175,8 +175,6 @@ void sp_coord_agents_completed(sp_coord *c, uint64_t step);
 struct sp_coord_db_incarnation;
 int sp_coord_agents_restore(sp_coord *c,
                             const struct sp_coord_db_incarnation *r);
-void sp_coord_persist_incarnation(sp_coord *c,
-                                  const struct sp_coord_db_incarnation *r);
 /* coord_ranks.c: a new incarnation: every rank's Session stream of the
  * last one is ended (ABORTED, why), every rank is to attach afresh, and
  * the last incarnation's abort is forgotten. */
@@ -186,34 +184,6 @@ void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why);
 void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
                            uint32_t *by_state, size_t n_states);
 
-/* ---- durability (coord_persist.c) ----
- * Opens the state dir and restores the store, the ranks and the alerts
- * (from sp_coord_new); errors name the dir and what is wrong with it. */
-int sp_coord_persist_open(sp_coord *c, sp_diag *d);
-/* The per-iteration commit and the rank snapshots (from sp_coord_listen). */
-void sp_coord_persist_start(sp_coord *c);
-/* Commits, answers what waits for it; returns true if `closed` will run
- * (once, when the handles are released). */
-bool sp_coord_persist_shutdown(sp_coord *c, uv_close_cb closed);
-void sp_coord_persist_free(sp_coord *c);
-bool sp_coord_durable(const sp_coord *c);
-/* Answers a call once this iteration's writes are committed (at once
- * without a state dir, or when nothing was written). Like
- * sp_rpc_call_reply, the call is the engine's afterwards. */
-int sp_coord_reply(sp_coord *c, sp_rpc_call *call, const ProtobufCMessage *m);
-/* The call went away (on_cancel): its kept answer is dropped. */
-void sp_coord_persist_forget(sp_coord *c, sp_rpc_call *call);
-/* Writes the key's current value (or its absence) down. */
-int sp_coord_persist_key(sp_coord *c, const char *key, size_t klen);
-/* 1 when the request id is known and the call was answered (or failed)
- * from the record; 0 when the call is new. */
-int sp_coord_persist_replay(sp_coord *c, sp_rpc_call *call, const char *id);
-/* Records m under the request id (when given) and answers with it. */
-int sp_coord_persist_answer(sp_coord *c, sp_rpc_call *call, const char *id,
-                            const ProtobufCMessage *m);
-int sp_coord_persist_rank(sp_coord *c, const struct sp_coord_db_rank *r);
-void sp_coord_persist_alert(sp_coord *c, uint32_t rank, int kind,
-                            const char *msg, uint64_t time_ms);
 /* coord_ranks.c: writes the ranks whose snapshot changed; restores one. */
 void sp_coord_ranks_snapshot(sp_coord *c);
 int sp_coord_ranks_restore(sp_coord *c, const struct sp_coord_db_rank *r);
