@@ -1,15 +1,20 @@
-/* Coordinator lifetime: load, plan, serve, shut down. */
-#include <stdarg.h>
+/* The hub: load, plan, wire the areas together, serve, shut down. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/json.h"
+#include "coord_agents.h"
 #include "coord_alerts.h"
 #include "coord_base.h"
 #include "coord_bus.h"
+#include "coord_diag.h"
+#include "coord_dump.h"
 #include "coord_events.h"
 #include "coord_persist.h"
+#include "coord_plan.h"
+#include "coord_ranks.h"
+#include "coord_store.h"
 #include "coordinator.h"
 
 /* The job file first, then the flags on top of it. */
@@ -55,8 +60,26 @@ static int wire(sp_coord *c) {
     sp_coord_event_kind kind;
     sp_coord_event_fn fn;
   } subs[] = {
+      {SP_COORD_EV_ATTACHING, sp_coord_diag_refuse_attach},
+      {SP_COORD_EV_ATTACHED, sp_coord_diag_attached},
+      {SP_COORD_EV_DETACHED, sp_coord_diag_detached},
+      {SP_COORD_EV_LOST, sp_coord_diag_lost},
+      {SP_COORD_EV_TRANSITION, sp_coord_diag_transition},
+      {SP_COORD_EV_SESSION_UP, sp_coord_diag_session_up},
+      {SP_COORD_EV_COLLECTIVE, sp_coord_diag_collective},
+      /* the flight record before the step is judged: a straggler alert
+       * the step raises is not in a dump the record completes */
+      {SP_COORD_EV_SESSION_UP_DONE, sp_coord_dump_flight},
+      {SP_COORD_EV_SESSION_UP_DONE, sp_coord_diag_session_up_done},
+      {SP_COORD_EV_ABORTED, sp_coord_diag_aborted},
+      {SP_COORD_EV_ABORTED, sp_coord_dump_write},
+      {SP_COORD_EV_RANK_INFO, sp_coord_diag_rank_info},
+      {SP_COORD_EV_INCARNATION, sp_coord_ranks_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_diag_new_incarnation},
       {SP_COORD_EV_ALERT_LOGGED, sp_coord_ranks_alert_logged},
       {SP_COORD_EV_ALERT, sp_coord_agents_alert},
+      {SP_COORD_EV_FAULT, sp_coord_dump_write},
+      {SP_COORD_EV_COMPLETED, sp_coord_agents_completed},
   };
   for (size_t i = 0; i < sizeof subs / sizeof subs[0]; i++) {
     int rc = sp_coord_bus_subscribe(c, subs[i].kind, subs[i].fn, NULL);
@@ -121,11 +144,12 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     goto fail;
   }
   if ((rc = sp_coord_alerts_init(c)) != 0 || (rc = wire(c)) != 0 ||
-      (rc = sp_coord_ranks_init(c)) != 0 ||
+      (rc = sp_coord_ranks_init(c)) != 0 || (rc = sp_coord_diag_init(c)) != 0 ||
       (rc = sp_coord_plan_register(c)) != 0 ||
       (rc = sp_coord_ranks_register(c)) != 0 ||
       (rc = sp_coord_events_register(c)) != 0 ||
       (rc = sp_coord_store_register(c)) != 0 ||
+      (rc = sp_coord_diag_register(c)) != 0 ||
       (rc = sp_coord_dump_register(c)) != 0 ||
       (rc = sp_coord_agents_register(c)) != 0) {
     sp_diag_set(diag, rc, "coordinator: cannot register the service: %s",
@@ -197,6 +221,7 @@ void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
   sp_coord_store_shutdown(c);
   if (sp_coord_agents_shutdown(c, handle_closed)) c->stopping++;
   sp_coord_events_shutdown(c);
+  sp_coord_dump_shutdown(c);
   sp_coord_diag_shutdown(c, diag_closed);
   sp_coord_ranks_shutdown(c, handle_closed);
   /* after the ranks' last words, before the server goes */
@@ -208,6 +233,7 @@ void sp_coord_free(sp_coord *c) {
   if (c == NULL) return;
   sp_rpc_server_free(c->srv);
   sp_coord_persist_free(c);
+  sp_coord_diag_free(c);
   sp_coord_ranks_free(c);
   sp_coord_agents_free(c);
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);

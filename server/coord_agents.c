@@ -21,6 +21,8 @@
  * find the next incarnation begun while its workers of the last one live.
  *
  * Everything runs on the coordinator's loop. */
+#include "coord_agents.h"
+
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,9 +30,8 @@
 #include <time.h>
 
 #include "coord_base.h"
-#include "coord_db.h"
+#include "coord_diag.h"
 #include "coord_persist.h"
-#include "coordinator.h"
 
 /* Deaths reported within this long of the first one are weighed together
  * before one is named as what ended the incarnation: a victim (a rank the
@@ -280,9 +281,12 @@ int sp_coord_agents_alert(sp_coord *c, void *user, const sp_coord_event *e) {
   return 0;
 }
 
-void sp_coord_agents_completed(sp_coord *c, uint64_t step) {
+int sp_coord_agents_completed(sp_coord *c, void *user,
+                              const sp_coord_event *e) {
+  (void)user;
+  uint64_t step = e->step;
   struct sp_coord_agents *a = agents_of(c);
-  if (a == NULL || a->phase == PHASE_ENDED) return;
+  if (a == NULL || a->phase == PHASE_ENDED) return 0;
   inc_record *r = current_rec(a);
   char why[128];
   snprintf(why, sizeof why, "completed: all %u ranks finished at step %llu",
@@ -297,6 +301,7 @@ void sp_coord_agents_completed(sp_coord *c, uint64_t step) {
   free(a->end_reason);
   a->end_reason = strdup(why);
   a->n_cand = 0;
+  return 0;
 }
 
 /* Every agent stopped its workers: the next incarnation begins. */
@@ -327,8 +332,8 @@ static void next_incarnation(sp_coord *c) {
   snprintf(why, sizeof why, "incarnation %llu ended; incarnation %llu begins",
            (unsigned long long)a->current - 1,
            (unsigned long long)a->current);
-  sp_coord_ranks_new_incarnation(c, why);
-  if (sp_coord_diag_new_incarnation(c) != 0)
+  sp_coord_event e = {.kind = SP_COORD_EV_INCARNATION, .text = why};
+  if (sp_coord_bus_announce(c, &e) != 0)
     sp_coord_base_log(c,
                       "hang diagnosis: out of memory for the new incarnation");
   clear_store(c);

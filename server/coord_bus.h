@@ -17,10 +17,35 @@
 struct sp_coord;
 
 typedef enum sp_coord_event_kind {
+  /* coord_ranks.c */
+  SP_COORD_EV_ATTACHING,       /* rank asks to attach: a subscriber that
+                                * refuses it returns non-zero with the reason
+                                * in out (cap bytes) */
+  SP_COORD_EV_ATTACHED,        /* rank attached afresh (not a reattach) */
+  SP_COORD_EV_DETACHED,        /* rank detached */
+  SP_COORD_EV_LOST,            /* rank was lost, text saying why: the
+                                * subscribers write the ABORT the other ranks
+                                * get in out (cap bytes) and the rank it names
+                                * in *culprit (preset to rank) */
+  SP_COORD_EV_TRANSITION,      /* rank applied transition, a legal one */
+  SP_COORD_EV_SESSION_UP,      /* rank's SessionUp up, after its transitions */
+  SP_COORD_EV_COLLECTIVE,      /* one of up's collectives, in order, read at
+                                * now_ms */
+  SP_COORD_EV_SESSION_UP_DONE, /* up, after its collectives */
+  SP_COORD_EV_ABORTED,         /* text: the reason of an operator's Abort */
+  SP_COORD_EV_RANK_INFO,       /* rank's ListRanks entry info: the subscribers
+                                * fill in their fields */
+  /* coord_agents.c */
+  SP_COORD_EV_INCARNATION, /* a new incarnation begins, text saying so:
+                            * everything of the last one starts afresh;
+                            * non-zero: out of memory */
   /* coord_alerts.c */
   SP_COORD_EV_ALERT_LOGGED, /* text written to the alert log, naming
                              * culprits: their counts go with it */
   SP_COORD_EV_ALERT,        /* alert published to the Watch streams */
+  /* coord_diag.c */
+  SP_COORD_EV_FAULT,     /* a verdict named a fault, text: the dump */
+  SP_COORD_EV_COMPLETED, /* every rank finished, at step */
   SP_COORD_EV_N
 } sp_coord_event_kind;
 
@@ -28,10 +53,18 @@ typedef enum sp_coord_event_kind {
 typedef struct sp_coord_event {
   sp_coord_event_kind kind;
   uint32_t rank;
+  uint64_t now_ms, step;
   const char *text;
   const uint32_t *culprits;
   size_t n_culprits;
+  const Shardplane__V1__Transition *transition;
+  const Shardplane__V1__SessionUp *up;
+  const Shardplane__V1__Collective *collective;
   const Shardplane__V1__Alert *alert;
+  Shardplane__V1__RankInfo *info;
+  char *out;
+  size_t cap;
+  uint32_t *culprit;
 } sp_coord_event;
 
 /* Returns 0, or what the kind says a non-zero return means. */

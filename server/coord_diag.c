@@ -15,7 +15,7 @@
 #include "cast/dtype.h"
 #include "coord_alerts.h"
 #include "coord_base.h"
-#include "coordinator.h"
+#include "coord_ranks.h"
 
 #define N_KINDS 3
 /* Fingerprints a communicator remembers: more than a rank can be ahead of
@@ -366,7 +366,10 @@ void sp_coord_diag_free(sp_coord *c) {
   c->diag = NULL;
 }
 
-int sp_coord_diag_new_incarnation(sp_coord *c) {
+int sp_coord_diag_new_incarnation(sp_coord *c, void *user,
+                                  const sp_coord_event *e) {
+  (void)user;
+  (void)e;
   sp_coord_diag *d = c->diag;
   diag_clear(d);
   /* everything after the timer fields starts afresh: the next
@@ -516,10 +519,11 @@ static void after_verdict(sp_coord *c, const char *msg, bool culprit_known,
                           uint32_t culprit, bool stall) {
   if (culprit_known) name_culprit(c, culprit, msg);
   if (stall && c->cfg.diag.abort_on_stall) {
-    sp_coord_abort_all(c, msg, culprit_known, culprit);
+    sp_coord_ranks_abort_all(c, msg, culprit_known, culprit);
     job_failed(c, msg);
   }
-  sp_coord_dump_write(c, msg);
+  sp_coord_event e = {.kind = SP_COORD_EV_FAULT, .text = msg};
+  sp_coord_bus_announce(c, &e);
 }
 
 /* ---- desync ---- */
@@ -682,12 +686,13 @@ static void settle_ties(sp_coord *c, uint64_t now) {
 /* ---- ingest ---- */
 
 static bool attached(const sp_coord *c, uint32_t rank) {
-  return sp_coord_rank_status(c, rank) == SHARDPLANE__V1__RANK_STATUS__ATTACHED;
+  return sp_coord_ranks_attached(c, rank);
 }
 
-void sp_coord_diag_transition(sp_coord *c, uint32_t rank,
-                              const Shardplane__V1__Transition *t) {
-  diag_rank *k = &c->diag->r[rank];
+int sp_coord_diag_transition(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
+  const Shardplane__V1__Transition *t = e->transition;
+  diag_rank *k = &c->diag->r[e->rank];
   k->active = true;
   k->last_event_ms = sp_coord_base_now_ms(c);
   k->last_machine = (uint8_t)t->machine;
@@ -695,36 +700,48 @@ void sp_coord_diag_transition(sp_coord *c, uint32_t rank,
   k->last_unit = t->unit;
   if (t->step > k->last_step) k->last_step = t->step;
   if (time_transition(k, t)) k->judge_due = true;
+  return 0;
 }
 
-void sp_coord_diag_session_up(sp_coord *c, uint32_t rank,
-                              const Shardplane__V1__SessionUp *q) {
+int sp_coord_diag_session_up(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
   sp_coord_diag *d = c->diag;
-  diag_rank *k = &d->r[rank];
+  const Shardplane__V1__SessionUp *q = e->up;
+  diag_rank *k = &d->r[e->rank];
   if (q->has_loss && isfinite(q->loss)) {
     k->has_loss = true;
     k->loss = q->loss;
   }
   if (q->total_steps > d->total_steps) d->total_steps = q->total_steps;
-  if (q->n_collectives > 0) {
-    uint64_t now = sp_coord_base_now_ms(c);
-    k->active = true;
-    k->last_event_ms = now;
-    for (size_t i = 0; i < q->n_collectives; i++)
-      ingest_collective(c, rank, q->collectives[i], now);
-  }
-  if (q->flight != NULL) sp_coord_dump_flight(c, rank, q->flight);
+  return 0;
+}
+
+int sp_coord_diag_collective(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
+  diag_rank *k = &c->diag->r[e->rank];
+  k->active = true;
+  k->last_event_ms = e->now_ms;
+  ingest_collective(c, e->rank, e->collective, e->now_ms);
+  return 0;
+}
+
+int sp_coord_diag_session_up_done(sp_coord *c, void *user,
+                                  const sp_coord_event *e) {
+  (void)user;
+  diag_rank *k = &c->diag->r[e->rank];
   /* judged before its waits were taken off, a step counted them as the
    * rank's own time: every rank scored above the median it is part of */
   if (k->judge_due) {
     k->judge_due = false;
-    judge_straggler(c, rank);
+    judge_straggler(c, e->rank);
   }
+  return 0;
 }
 
-void sp_coord_diag_attached(sp_coord *c, uint32_t rank) {
+int sp_coord_diag_attached(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
   sp_coord_diag *d = c->diag;
-  diag_rank *k = &d->r[rank];
+  diag_rank *k = &d->r[e->rank];
   bool victim = k->victim;
   uint32_t of = k->victim_of;
   rank_comm *comm = k->comm;
@@ -737,47 +754,56 @@ void sp_coord_diag_attached(sp_coord *c, uint32_t rank) {
   if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
     if (sp_coord_ranks_with_status(c, SHARDPLANE__V1__RANK_STATUS__ATTACHED) <
         d->world)
-      return;
+      return 0;
     d->state = SHARDPLANE__V1__JOB_STATE__JOB_RUNNING;
     d->ever_running = true;
     d->rate_t0_ms = sp_coord_base_now_ms(c);
     d->rate_step0 = 0;
     sp_coord_base_log(c, "job RUNNING: all %u ranks attached", d->world);
   }
+  return 0;
 }
 
-void sp_coord_diag_detached(sp_coord *c, uint32_t rank) {
-  (void)rank;
+int sp_coord_diag_detached(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
+  (void)e;
   sp_coord_diag *d = c->diag;
   if (d->state != SHARDPLANE__V1__JOB_STATE__JOB_RUNNING ||
       sp_coord_ranks_with_status(c, SHARDPLANE__V1__RANK_STATUS__DETACHED) <
           d->world)
-    return;
+    return 0;
   /* once, when the last rank detached */
   uint64_t step = 0;
   for (uint32_t r = 0; r < d->world; r++)
-    if (sp_coord_rank_step(c, r) > step) step = sp_coord_rank_step(c, r);
+    if (sp_coord_ranks_step(c, r) > step) step = sp_coord_ranks_step(c, r);
   d->state = SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
   d->end_step = step;
   d->end_ms = sp_coord_base_now_ms(c);
   sp_coord_base_log(c, "job COMPLETED at step %" PRIu64, step);
-  sp_coord_agents_completed(c, step);
+  sp_coord_event done = {.kind = SP_COORD_EV_COMPLETED, .step = step};
+  sp_coord_bus_announce(c, &done);
+  return 0;
 }
 
 void sp_coord_diag_restore_completed(sp_coord *c) {
   sp_coord_diag *d = c->diag;
   uint64_t step = 0;
   for (uint32_t r = 0; r < d->world; r++)
-    if (sp_coord_rank_step(c, r) > step) step = sp_coord_rank_step(c, r);
+    if (sp_coord_ranks_step(c, r) > step) step = sp_coord_ranks_step(c, r);
   d->state = SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
   d->ever_running = true;
   d->end_step = step;
   d->end_ms = sp_coord_base_now_ms(c);
 }
 
-void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
-                        char *reason, size_t cap, uint32_t *culprit) {
+int sp_coord_diag_lost(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
   sp_coord_diag *d = c->diag;
+  uint32_t rank = e->rank;
+  const char *why = e->text;
+  char *reason = e->out;
+  size_t cap = e->cap;
+  uint32_t *culprit = e->culprit;
   if (d->has_culprit && d->culprit != rank) {
     d->r[rank].victim = true;
     d->r[rank].victim_of = d->culprit;
@@ -788,7 +814,7 @@ void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
                         : d->culprit_msg ? d->culprit_msg : "a peer failed");
     *culprit = d->culprit;
     job_failed(c, reason);
-    return;
+    return 0;
   }
   *culprit = rank;
   char msg[SP_DIAG_MAX];
@@ -805,24 +831,34 @@ void sp_coord_diag_lost(sp_coord *c, uint32_t rank, const char *why,
   free(v);
   snprintf(reason, cap, "%s", msg);
   if (d->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING) job_failed(c, msg);
-  if (!c->shutting_down) sp_coord_dump_write(c, msg);
+  if (!c->shutting_down) {
+    sp_coord_event fault = {.kind = SP_COORD_EV_FAULT, .text = msg};
+    sp_coord_bus_announce(c, &fault);
+  }
+  return 0;
 }
 
-void sp_coord_diag_aborted(sp_coord *c, const char *reason) {
-  job_failed(c, reason);
+int sp_coord_diag_aborted(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
+  job_failed(c, e->text);
+  return 0;
 }
 
-bool sp_coord_diag_refuse_attach(const sp_coord *c, char *msg, size_t cap) {
+int sp_coord_diag_refuse_attach(sp_coord *c, void *user,
+                                const sp_coord_event *e) {
+  (void)user;
   const sp_coord_diag *d = c->diag;
+  char *msg = e->out;
+  size_t cap = e->cap;
   if (d->state != SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED &&
       d->state != SHARDPLANE__V1__JOB_STATE__JOB_FAILED)
-    return false;
+    return 0;
   bool ok = d->state == SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
   snprintf(msg, cap, "the job ended (%s at step %" PRIu64 "%s%.300s); start "
            "a new coordinator",
            ok ? "COMPLETED" : "FAILED", d->end_step, ok ? "" : ": ",
            ok ? "" : (d->verdict ? d->verdict : ""));
-  return true;
+  return SP_ESTATE;
 }
 
 /* ---- stall ---- */
@@ -859,7 +895,8 @@ static bool waits_on_a_root(const sp_coord *c, int kind, uint32_t index,
     uint32_t r = member(d, kind, index, i);
     const diag_rank *k = &d->r[r];
     if (k->comm[kind].issued.seq >= f->seq) continue;
-    if (sp_coord_rank_status(c, r) == SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
+    if (sp_coord_ranks_status(c, r) ==
+        SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
       continue;
     if (attached(c, r) && in_collective(d, k)) return false;
     any = true;
@@ -916,7 +953,7 @@ static uint64_t classify(const sp_coord *c, int kind, uint32_t index,
       /* a member that left (detached after fewer steps, say) never
        * issues it: it is the one the others wait for */
       if (k->comm[kind].issued.seq < fp->seq &&
-          sp_coord_rank_status(c, r) !=
+          sp_coord_ranks_status(c, r) !=
               SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
         missing[nmiss++] = r;
       continue;
@@ -958,7 +995,7 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     uint64_t lo = UINT64_MAX, hi = 0;
     for (uint32_t i = 0; i < n_members(d, kind); i++) {
       uint32_t r = member(d, kind, index, i);
-      if (sp_coord_rank_status(c, r) ==
+      if (sp_coord_ranks_status(c, r) ==
           SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED)
         continue;
       uint64_t q = d->r[r].comm[kind].issued.seq;
@@ -983,7 +1020,7 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     if (nmiss > 0) {
       fmt_ranks(missing, nmiss, lm, sizeof lm);
       sp_coord_diag_last_event(c, missing[0], ev, sizeof ev);
-      int st = sp_coord_rank_status(c, missing[0]);
+      int st = sp_coord_ranks_status(c, missing[0]);
       const char *then = st == SHARDPLANE__V1__RANK_STATUS__DETACHED
                              ? " (then it detached)"
                          : st == SHARDPLANE__V1__RANK_STATUS__LOST
@@ -1211,7 +1248,7 @@ static void update_progress(sp_coord *c, uint64_t now) {
   uint64_t min_step = UINT64_MAX;
   for (uint32_t r = 0; r < d->world; r++)
     if (attached(c, r)) {
-      uint64_t s = sp_coord_rank_step(c, r);
+      uint64_t s = sp_coord_ranks_step(c, r);
       if (s < min_step) min_step = s;
     }
   if (min_step == UINT64_MAX) return;
@@ -1284,7 +1321,6 @@ static void timer_closed(uv_handle_t *h) {
 
 void sp_coord_diag_shutdown(sp_coord *c, void (*closed)(void *)) {
   sp_coord_diag *d = c->diag;
-  sp_coord_dump_shutdown(c);
   if (d == NULL || !d->timer_started) {
     closed(c);
     return;
@@ -1385,15 +1421,17 @@ void sp_coord_diag_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
   r->stall_threshold_ms = sp_coord_diag_stall_threshold(c);
 }
 
-void sp_coord_diag_rank_info(const sp_coord *c, uint32_t rank,
-                             Shardplane__V1__RankInfo *x) {
-  const diag_rank *k = &c->diag->r[rank];
+int sp_coord_diag_rank_info(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
+  Shardplane__V1__RankInfo *x = e->info;
+  const diag_rank *k = &c->diag->r[e->rank];
   x->step_p50_ms = pct_of(k->step_ms, k->n_steps, 0.50);
   x->step_p90_ms = pct_of(k->step_ms, k->n_steps, 0.90);
   x->step_p99_ms = pct_of(k->step_ms, k->n_steps, 0.99);
   x->straggler_score = k->n_steps ? k->score : 0;
   x->victim = k->victim;
   x->victim_of = k->victim_of;
+  return 0;
 }
 
 bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
@@ -1452,4 +1490,41 @@ bool sp_coord_diag_verdict(sp_coord *c, char *headline, size_t hcap,
   }
   if (used == 0) snprintf(text, tcap, "%s", headline);
   return d->state != SHARDPLANE__V1__JOB_STATE__JOB_FAILED && n_open == 0;
+}
+
+static sp_coord *coord_of(sp_rpc_call *call) {
+  return sp_rpc_call_method_user(call);
+}
+
+static void on_get_verdict(sp_rpc_call *call, const ProtobufCMessage *msg,
+                           const uint8_t *raw, size_t len) {
+  (void)msg;
+  (void)raw;
+  (void)len;
+  sp_coord *c = coord_of(call);
+  char headline[SP_DIAG_MAX], text[8192];
+  Shardplane__V1__Verdict v = SHARDPLANE__V1__VERDICT__INIT;
+  v.healthy =
+      sp_coord_diag_verdict(c, headline, sizeof headline, text, sizeof text);
+  v.headline = headline;
+  v.text = text;
+  Shardplane__V1__Alert *open[32];
+  v.n_open_alerts = sp_coord_diag_open_alerts(c, open, 32);
+  v.open_alerts = open;
+  Shardplane__V1__GetJobResponse jr = SHARDPLANE__V1__GET_JOB_RESPONSE__INIT;
+  Shardplane__V1__Progress p;
+  sp_coord_diag_job(c, &jr, &p);
+  v.state = jr.state;
+  v.progress = &p;
+  sp_rpc_call_reply(call, &v.base);
+}
+
+static const sp_rpc_method k_methods[] = {
+    {SP_COORD_PATH("GetVerdict"), SP_RPC_UNARY,
+     &shardplane__v1__get_verdict_request__descriptor, on_get_verdict, NULL,
+     NULL, NULL},
+};
+
+int sp_coord_diag_register(sp_coord *c) {
+  return sp_coord_base_add_methods(c, k_methods, 1);
 }

@@ -11,6 +11,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "coord_bus.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 
 struct sp_coord;
@@ -45,47 +46,51 @@ typedef struct sp_coord_diag_config {
 
 /* From sp_coord_new / sp_coord_listen / sp_coord_free. Errors: SP_ENOMEM. */
 int sp_coord_diag_init(struct sp_coord *c);
+int sp_coord_diag_register(struct sp_coord *c);
 void sp_coord_diag_start(struct sp_coord *c);
 /* Closes the timer; `closed` runs once it is released (the handle's data
- * is the coordinator). Pending trace calls are answered UNAVAILABLE. */
+ * is the coordinator). */
 void sp_coord_diag_shutdown(struct sp_coord *c, void (*closed)(void *));
 void sp_coord_diag_free(struct sp_coord *c);
-/* A new incarnation of the job (coord_agents.c): every table, verdict and
- * rank figure starts afresh, the job WAITING again. SP_ENOMEM. */
-int sp_coord_diag_new_incarnation(struct sp_coord *c);
 /* The rank the first fault named (a stall's, a desync's, the first rank
  * lost): true with *rank set, false while there is none. */
 bool sp_coord_diag_culprit(const struct sp_coord *c, uint32_t *rank);
-
-/* Ingest (coord_ranks.c). q is the decoded SessionUp of an attached,
- * bound rank; the transitions were applied before. */
-void sp_coord_diag_session_up(struct sp_coord *c, uint32_t rank,
-                              const Shardplane__V1__SessionUp *q);
-void sp_coord_diag_transition(struct sp_coord *c, uint32_t rank,
-                              const Shardplane__V1__Transition *t);
-void sp_coord_diag_attached(struct sp_coord *c, uint32_t rank);
-void sp_coord_diag_detached(struct sp_coord *c, uint32_t rank);
-/* A rank is lost: decides whether it is the culprit (a LOST alert) or a
- * victim of an earlier fault, and fills reason (the ABORT the others get,
- * naming the culprit) and *culprit. */
-void sp_coord_diag_lost(struct sp_coord *c, uint32_t rank, const char *why,
-                        char *reason, size_t cap, uint32_t *culprit);
 /* Read back from a state dir (coord_agents.c): the job had COMPLETED, at
  * the restored ranks' last step; it stays so. */
 void sp_coord_diag_restore_completed(struct sp_coord *c);
-/* Abort (the RPC): the job FAILED with this verdict. */
-void sp_coord_diag_aborted(struct sp_coord *c, const char *reason);
 
-/* Attach after the job ended: true, with msg filled ("the job ended
- * (COMPLETED at step 20); start a new coordinator"). */
-bool sp_coord_diag_refuse_attach(const struct sp_coord *c, char *msg,
-                                 size_t cap);
+/* Subscribers (coord_bus.h), of the ranks' events (ATTACHING: refused
+ * after the job ended, "the job ended (COMPLETED at step 20); start a new
+ * coordinator"; LOST: decides whether the rank is the culprit, a LOST
+ * alert, or a victim of an earlier fault, and names the culprit to the
+ * others; the rest as they say) and of a new incarnation (every table,
+ * verdict and rank figure starts afresh, the job WAITING again;
+ * SP_ENOMEM). */
+int sp_coord_diag_refuse_attach(struct sp_coord *c, void *user,
+                                const sp_coord_event *e);
+int sp_coord_diag_attached(struct sp_coord *c, void *user,
+                           const sp_coord_event *e);
+int sp_coord_diag_detached(struct sp_coord *c, void *user,
+                           const sp_coord_event *e);
+int sp_coord_diag_lost(struct sp_coord *c, void *user, const sp_coord_event *e);
+int sp_coord_diag_transition(struct sp_coord *c, void *user,
+                             const sp_coord_event *e);
+int sp_coord_diag_session_up(struct sp_coord *c, void *user,
+                             const sp_coord_event *e);
+int sp_coord_diag_collective(struct sp_coord *c, void *user,
+                             const sp_coord_event *e);
+int sp_coord_diag_session_up_done(struct sp_coord *c, void *user,
+                                  const sp_coord_event *e);
+int sp_coord_diag_aborted(struct sp_coord *c, void *user,
+                          const sp_coord_event *e);
+int sp_coord_diag_rank_info(struct sp_coord *c, void *user,
+                            const sp_coord_event *e);
+int sp_coord_diag_new_incarnation(struct sp_coord *c, void *user,
+                                  const sp_coord_event *e);
+
 /* GetJob's state, verdict and progress; the strings live in c. */
 void sp_coord_diag_job(struct sp_coord *c, Shardplane__V1__GetJobResponse *r,
                        Shardplane__V1__Progress *p);
-/* ListRanks' diagnosis fields for one rank. */
-void sp_coord_diag_rank_info(const struct sp_coord *c, uint32_t rank,
-                             Shardplane__V1__RankInfo *x);
 /* The stall threshold in force now, ms. */
 uint64_t sp_coord_diag_stall_threshold(const struct sp_coord *c);
 /* The silence forgiven every rank because the coordinator's loop paused
@@ -93,17 +98,6 @@ uint64_t sp_coord_diag_stall_threshold(const struct sp_coord *c);
 uint64_t sp_coord_diag_forgiven_ms(const struct sp_coord *c);
 /* Bytes the diagnosis keeps per rank and per communicator (the bench). */
 size_t sp_coord_diag_bytes(const struct sp_coord *c);
-
-/* ---- the recorders (coord_dump.c) ---- */
-/* GetVerdict, GetTrace, GetDump. */
-int sp_coord_dump_register(struct sp_coord *c);
-/* A FlightRecord a rank sent up (untrusted: capped). */
-void sp_coord_dump_flight(struct sp_coord *c, uint32_t rank,
-                          const Shardplane__V1__FlightRecord *f);
-/* Gathers every attached rank's recorder and writes the dump to the dump
- * dir (when one is set), naming the reason. Asynchronous. */
-void sp_coord_dump_write(struct sp_coord *c, const char *reason);
-void sp_coord_dump_shutdown(struct sp_coord *c);
 /* The verdict (GetVerdict): headline and text in the caller's buffers. */
 bool sp_coord_diag_verdict(struct sp_coord *c, char *headline, size_t hcap,
                            char *text, size_t tcap);

@@ -1,13 +1,16 @@
 /* Plan and model queries: GetJob, GetPlan, LocateParam, ListModules,
  * ListBuffers, GetModelSpec. All answers come from the immutable plan, so handlers are
  * plain functions of the request. */
+#include "coord_plan.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "coord_alerts.h"
 #include "coord_base.h"
-#include "coordinator.h"
+#include "coord_diag.h"
+#include "coord_ranks.h"
 #include "plan/memory.h"
 
 typedef Shardplane__V1__DType PDType;
@@ -108,7 +111,7 @@ static void on_get_job(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__GetJobResponse r = SHARDPLANE__V1__GET_JOB_RESPONSE__INIT;
   Shardplane__V1__RankSummary rs = SHARDPLANE__V1__RANK_SUMMARY__INIT;
   uint32_t by_state[SP_STATE_MAX + 1] = {0};
-  sp_coord_rank_summary(c, &rs, by_state, SP_ROOT_SUMMON_FULL_PARAMS + 1);
+  sp_coord_ranks_summary(c, &rs, by_state, SP_ROOT_SUMMON_FULL_PARAMS + 1);
   r.model_name = c->model->name;
   r.plan_version = (char *)pl->version_hex;
   r.job = job_msg(&a, &c->job);

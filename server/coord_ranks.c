@@ -1,18 +1,15 @@
 /* Ranks: Attach, Detach, the Session stream, ReportTransition, ListRanks,
- * heartbeat timeouts and alerts. Every reported transition is checked
- * against the FSDP state tables (common/plan/state.h). */
-#include <stdarg.h>
+ * Abort and the heartbeat timeouts. */
+#include "coord_ranks.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "coord_alerts.h"
 #include "coord_base.h"
-#include "coord_bus.h"
-#include "coord_db.h"
 #include "coord_events.h"
 #include "coord_persist.h"
-#include "coordinator.h"
 
 #define SESSION_ID_LEN 32
 
@@ -91,8 +88,8 @@ static void new_session_id(sp_coord *c, char *out) {
   for (size_t i = 0; i < sizeof r; i++) snprintf(out + 2 * i, 3, "%02x", r[i]);
 }
 
-void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
-                           uint32_t *by_state, size_t n_states) {
+void sp_coord_ranks_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
+                            uint32_t *by_state, size_t n_states) {
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     const sp_coord_rank *k = &c->ranks[r];
     switch (k->status) {
@@ -128,8 +125,8 @@ int sp_coord_ranks_alert_logged(sp_coord *c, void *user,
   return 0;
 }
 
-void sp_coord_rank_get(const sp_coord *c, uint32_t rank,
-                       sp_coord_rank_view *v) {
+void sp_coord_ranks_get(const sp_coord *c, uint32_t rank,
+                        sp_coord_rank_view *v) {
   const sp_coord_rank *k = &c->ranks[rank];
   v->status = k->status;
   v->host = k->host;
@@ -140,11 +137,15 @@ void sp_coord_rank_get(const sp_coord *c, uint32_t rank,
   v->session = k->session;
 }
 
-int sp_coord_rank_status(const sp_coord *c, uint32_t rank) {
+int sp_coord_ranks_status(const sp_coord *c, uint32_t rank) {
   return c->ranks[rank].status;
 }
 
-uint64_t sp_coord_rank_step(const sp_coord *c, uint32_t rank) {
+bool sp_coord_ranks_attached(const sp_coord *c, uint32_t rank) {
+  return c->ranks[rank].status == SHARDPLANE__V1__RANK_STATUS__ATTACHED;
+}
+
+uint64_t sp_coord_ranks_step(const sp_coord *c, uint32_t rank) {
   return c->ranks[rank].step;
 }
 
@@ -267,9 +268,15 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
     session_finish(s, SP_RPC_ABORTED, msg);
   }
   if (c->shutting_down) return;
-  char reason[SP_DIAG_MAX];
+  char reason[SP_DIAG_MAX] = "";
   uint32_t culprit = rank;
-  sp_coord_diag_lost(c, rank, why, reason, sizeof reason, &culprit);
+  sp_coord_event e = {.kind = SP_COORD_EV_LOST,
+                      .rank = rank,
+                      .text = why,
+                      .out = reason,
+                      .cap = sizeof reason,
+                      .culprit = &culprit};
+  sp_coord_bus_announce(c, &e);
   broadcast_abort(c, rank, reason, culprit);
 }
 
@@ -364,7 +371,9 @@ static int apply_transition(sp_coord *c, uint32_t rank,
   }
   k->transitions++;
   if (t->step > k->step) k->step = t->step;
-  sp_coord_diag_transition(c, rank, t);
+  sp_coord_event e = {
+      .kind = SP_COORD_EV_TRANSITION, .rank = rank, .transition = t};
+  sp_coord_bus_announce(c, &e);
   if (c->watchers != NULL)
     sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__TRANSITION, rank,
                             NULL, t);
@@ -475,7 +484,11 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
     return;
   }
   char ended[SP_DIAG_MAX];
-  if (sp_coord_diag_refuse_attach(c, ended, sizeof ended)) {
+  sp_coord_event may = {.kind = SP_COORD_EV_ATTACHING,
+                        .rank = q->rank,
+                        .out = ended,
+                        .cap = sizeof ended};
+  if (sp_coord_bus_announce(c, &may) != 0) {
     sp_rpc_call_finish(call, SP_RPC_FAILED_PRECONDITION, ended);
     return;
   }
@@ -526,7 +539,10 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord_base_log(c, "rank %u %s", q->rank, what);
   sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, q->rank,
                           what, NULL);
-  if (!reattach) sp_coord_diag_attached(c, q->rank);
+  if (!reattach) {
+    sp_coord_event e = {.kind = SP_COORD_EV_ATTACHED, .rank = q->rank};
+    sp_coord_bus_announce(c, &e);
+  }
 }
 
 static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -567,7 +583,8 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
     sp_coord_base_log(c, "rank %u detached", q->rank);
   sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
                           "detached", NULL);
-  sp_coord_diag_detached(c, q->rank);
+  sp_coord_event e = {.kind = SP_COORD_EV_DETACHED, .rank = q->rank};
+  sp_coord_bus_announce(c, &e);
 }
 
 static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -637,6 +654,27 @@ static int resync(sp_coord *c, uint32_t rank, const Shardplane__V1__SessionUp *q
   return SP_RPC_OK;
 }
 
+/* A message read, in the order the diagnosis reads it: its figures, each
+ * collective (all read at one instant), then what comes after them (the
+ * flight record it may carry, the step it may have closed). */
+static void announce_up(sp_coord *c, uint32_t rank,
+                        const Shardplane__V1__SessionUp *q) {
+  sp_coord_event e = {.kind = SP_COORD_EV_SESSION_UP, .rank = rank, .up = q};
+  sp_coord_bus_announce(c, &e);
+  if (q->n_collectives > 0) {
+    sp_coord_event x = {.kind = SP_COORD_EV_COLLECTIVE,
+                        .rank = rank,
+                        .up = q,
+                        .now_ms = sp_coord_base_now_ms(c)};
+    for (size_t i = 0; i < q->n_collectives; i++) {
+      x.collective = q->collectives[i];
+      sp_coord_bus_announce(c, &x);
+    }
+  }
+  e.kind = SP_COORD_EV_SESSION_UP_DONE;
+  sp_coord_bus_announce(c, &e);
+}
+
 static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
                            const uint8_t *raw, size_t len) {
   (void)raw;
@@ -704,7 +742,7 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     k->last_coll.dtype = (uint8_t)col->dtype;
     k->last_coll.set = true;
   }
-  sp_coord_diag_session_up(c, ctx->rank, q);
+  announce_up(c, ctx->rank, q);
   if (!ctx->bound) return; /* a verdict ended the session meanwhile */
   d.acked_seq = q->seq;
   /* acknowledge every message: the worker bounds what it has in flight */
@@ -788,7 +826,9 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
       x->alerts = k->alerts;
       x->last_alert = k->last_alert ? k->last_alert : (char *)"";
       x->transitions = k->transitions;
-      sp_coord_diag_rank_info(c, first + i, x);
+      sp_coord_event e = {
+          .kind = SP_COORD_EV_RANK_INFO, .rank = first + i, .info = x};
+      sp_coord_bus_announce(c, &e);
       ptrs[i] = x;
     }
     r.n_ranks = w;
@@ -801,7 +841,10 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(states);
 }
 
-void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why) {
+int sp_coord_ranks_new_incarnation(sp_coord *c, void *user,
+                                   const sp_coord_event *e) {
+  (void)user;
+  const char *why = e->text;
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];
     if (k->session != NULL) { /* a worker of the ended incarnation */
@@ -823,10 +866,11 @@ void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why) {
   free(c->abort_reason);
   c->abort_reason = NULL;
   c->abort_has_culprit = false;
+  return 0;
 }
 
-uint32_t sp_coord_abort_all(sp_coord *c, const char *reason, bool has_culprit,
-                            uint32_t culprit) {
+uint32_t sp_coord_ranks_abort_all(sp_coord *c, const char *reason,
+                                  bool has_culprit, uint32_t culprit) {
   if (c->abort_reason == NULL) {
     c->abort_reason = sp_strdup(reason);
     c->abort_has_culprit = has_culprit;
@@ -855,10 +899,10 @@ static void on_abort(sp_rpc_call *call, const ProtobufCMessage *msg,
            q->reason && q->reason[0] ? ": " : "", q->reason ? q->reason : "");
   sp_coord_base_log(c, "%s", reason);
   Shardplane__V1__AbortResponse r = SHARDPLANE__V1__ABORT_RESPONSE__INIT;
-  r.sessions = sp_coord_abort_all(c, reason, false, 0);
+  r.sessions = sp_coord_ranks_abort_all(c, reason, false, 0);
   sp_coord_alerts_raisef(c, UINT32_MAX, "%s", reason);
-  sp_coord_diag_aborted(c, reason);
-  sp_coord_dump_write(c, reason);
+  sp_coord_event e = {.kind = SP_COORD_EV_ABORTED, .text = reason};
+  sp_coord_bus_announce(c, &e);
   sp_rpc_call_reply(call, &r.base);
 }
 
@@ -892,7 +936,7 @@ int sp_coord_ranks_init(sp_coord *c) {
     int rc = sp_state_tracker_init(&c->ranks[r].st, c->plan->n_units, NULL);
     if (rc != 0) return rc;
   }
-  return sp_coord_diag_init(c);
+  return 0;
 }
 
 void sp_coord_ranks_start(sp_coord *c) {
@@ -923,7 +967,6 @@ void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed) {
 }
 
 void sp_coord_ranks_free(sp_coord *c) {
-  sp_coord_diag_free(c);
   if (c->ranks == NULL) return;
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];

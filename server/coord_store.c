@@ -32,6 +32,8 @@
  * loop iteration's transaction committed; StoreAdd and StoreCompareSet
  * with a request id already seen are answered from the record.
  */
+#include "coord_store.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -78,7 +78,6 @@ typedef struct sp_coord_config {
 typedef struct sp_coord_rank sp_coord_rank;
 typedef struct sp_coord_watch sp_coord_watch;
 typedef struct sp_coord_persist sp_coord_persist;
-struct sp_coord_db_rank;
 
 typedef struct sp_coord {
   uv_loop_t *loop;
@@ -143,75 +142,4 @@ void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg);
 void sp_coord_free(sp_coord *c);
 
-/* Per-area registration (one file each). */
-int sp_coord_plan_register(sp_coord *c);
-int sp_coord_ranks_register(sp_coord *c);
-int sp_coord_store_register(sp_coord *c);
-int sp_coord_ranks_init(sp_coord *c);
-/* Starts the heartbeat check (from sp_coord_listen). */
-void sp_coord_ranks_start(sp_coord *c);
-/* Ends the sessions and closes the heartbeat timer; `closed` runs once the
- * timer handle is released. */
-void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed);
-void sp_coord_ranks_free(sp_coord *c);
-void sp_coord_store_shutdown(sp_coord *c);
-/* Agents and incarnations (coord_agents.c): AgentSession and
- * ListIncarnations. */
-int sp_coord_agents_register(sp_coord *c);
-/* Ends the agents' streams; returns true if `closed` will run (once, when
- * the decision timer is released). */
-bool sp_coord_agents_shutdown(sp_coord *c, uv_close_cb closed);
-void sp_coord_agents_free(sp_coord *c);
-/* An alert was published (SP_COORD_EV_ALERT): every registered agent is
- * told (AGENT_ALERT), to print it beside its workers' output. */
-int sp_coord_agents_alert(sp_coord *c, void *user,
-                          const struct sp_coord_event *e);
-/* The job completed at step (every rank finished): the current
- * incarnation's record says so, for good, and an agent that registers
- * later is told AGENT_END, completed. */
-void sp_coord_agents_completed(sp_coord *c, uint64_t step);
-/* An incarnation's record read back from a state dir, in order of
- * number (SP_EFORMAT for one out of order or bounds). */
-struct sp_coord_db_incarnation;
-int sp_coord_agents_restore(sp_coord *c,
-                            const struct sp_coord_db_incarnation *r);
-/* coord_ranks.c: a new incarnation: every rank's Session stream of the
- * last one is ended (ABORTED, why), every rank is to attach afresh, and
- * the last incarnation's abort is forgotten. */
-void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why);
-
-/* Summary counts for GetJob / status. */
-void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
-                           uint32_t *by_state, size_t n_states);
-
-/* coord_ranks.c: writes the ranks whose snapshot changed; restores one. */
-void sp_coord_ranks_snapshot(sp_coord *c);
-int sp_coord_ranks_restore(sp_coord *c, const struct sp_coord_db_rank *r);
-
-/* An alert was written to the log (SP_COORD_EV_ALERT_LOGGED): each culprit
- * counts it, and its snapshot goes with the log entry. */
-struct sp_coord_event;
-int sp_coord_ranks_alert_logged(sp_coord *c, void *user,
-                                const struct sp_coord_event *e);
-/* ABORT down every open Session stream with the reason and, when known,
- * the culprit; streams that bind later get it too and no rank attaches
- * any more. */
-uint32_t sp_coord_abort_all(sp_coord *c, const char *reason, bool has_culprit,
-                            uint32_t culprit);
-
-/* What coord_diag.c and coord_dump.c read of a rank (coord_ranks.c owns
- * it); the strings are borrowed until the rank changes. */
-typedef struct sp_coord_rank_view {
-  int status; /* Shardplane__V1__RankStatus */
-  const char *host;
-  uint32_t pid;
-  uint64_t step, last_heard_ms;
-  int root;
-  sp_rpc_call *session; /* NULL: no open stream */
-} sp_coord_rank_view;
-void sp_coord_rank_get(const sp_coord *c, uint32_t rank, sp_coord_rank_view *v);
-int sp_coord_rank_status(const sp_coord *c, uint32_t rank);
-/* How many ranks have that status now (kept as they change: O(1)). */
-uint32_t sp_coord_ranks_with_status(const sp_coord *c, int status);
-uint64_t sp_coord_rank_step(const sp_coord *c, uint32_t rank);
 #endif
