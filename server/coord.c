@@ -8,13 +8,17 @@
 #include "coord_alerts.h"
 #include "coord_base.h"
 #include "coord_bus.h"
+#include "coord_desync.h"
 #include "coord_diag.h"
 #include "coord_dump.h"
 #include "coord_events.h"
 #include "coord_persist.h"
 #include "coord_plan.h"
 #include "coord_ranks.h"
+#include "coord_stall.h"
 #include "coord_store.h"
+#include "coord_straggler.h"
+#include "coord_verdict.h"
 #include "coordinator.h"
 
 /* The job file first, then the flags on top of it. */
@@ -54,30 +58,48 @@ static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
   return 0;
 }
 
-/* Who hears what the areas announce, in the order they act on it. */
+/* Who hears what the areas announce, in the order they act on it: the
+ * record the detectors read before the detectors, the dump of a
+ * message's flight record before the step it closed is judged (a
+ * straggler alert the step raises is not in a dump the record
+ * completes), the detectors on the tick in the order they were written
+ * in (ties, progress, stall, stragglers). */
 static int wire(sp_coord *c) {
   static const struct {
     sp_coord_event_kind kind;
     sp_coord_event_fn fn;
   } subs[] = {
-      {SP_COORD_EV_ATTACHING, sp_coord_diag_refuse_attach},
+      {SP_COORD_EV_ATTACHING, sp_coord_verdict_refuse_attach},
       {SP_COORD_EV_ATTACHED, sp_coord_diag_attached},
-      {SP_COORD_EV_DETACHED, sp_coord_diag_detached},
-      {SP_COORD_EV_LOST, sp_coord_diag_lost},
+      {SP_COORD_EV_ATTACHED, sp_coord_straggler_attached},
+      {SP_COORD_EV_ATTACHED, sp_coord_verdict_attached},
+      {SP_COORD_EV_DETACHED, sp_coord_verdict_detached},
+      {SP_COORD_EV_LOST, sp_coord_verdict_lost},
       {SP_COORD_EV_TRANSITION, sp_coord_diag_transition},
-      {SP_COORD_EV_SESSION_UP, sp_coord_diag_session_up},
+      {SP_COORD_EV_SESSION_UP, sp_coord_verdict_session_up},
       {SP_COORD_EV_COLLECTIVE, sp_coord_diag_collective},
-      /* the flight record before the step is judged: a straggler alert
-       * the step raises is not in a dump the record completes */
+      {SP_COORD_EV_COLLECTIVE, sp_coord_desync_collective},
       {SP_COORD_EV_SESSION_UP_DONE, sp_coord_dump_flight},
       {SP_COORD_EV_SESSION_UP_DONE, sp_coord_diag_session_up_done},
-      {SP_COORD_EV_ABORTED, sp_coord_diag_aborted},
+      {SP_COORD_EV_ABORTED, sp_coord_verdict_aborted},
       {SP_COORD_EV_ABORTED, sp_coord_dump_write},
       {SP_COORD_EV_RANK_INFO, sp_coord_diag_rank_info},
+      {SP_COORD_EV_RANK_INFO, sp_coord_straggler_rank_info},
+      {SP_COORD_EV_RANK_INFO, sp_coord_verdict_rank_info},
       {SP_COORD_EV_INCARNATION, sp_coord_ranks_new_incarnation},
       {SP_COORD_EV_INCARNATION, sp_coord_diag_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_desync_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_stall_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_straggler_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_verdict_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_alerts_new_incarnation},
       {SP_COORD_EV_ALERT_LOGGED, sp_coord_ranks_alert_logged},
       {SP_COORD_EV_ALERT, sp_coord_agents_alert},
+      {SP_COORD_EV_TICK, sp_coord_desync_tick},
+      {SP_COORD_EV_TICK, sp_coord_verdict_tick},
+      {SP_COORD_EV_TICK, sp_coord_stall_tick},
+      {SP_COORD_EV_TICK, sp_coord_straggler_tick},
+      {SP_COORD_EV_STEP, sp_coord_straggler_step},
       {SP_COORD_EV_FAULT, sp_coord_dump_write},
       {SP_COORD_EV_COMPLETED, sp_coord_agents_completed},
   };
@@ -143,13 +165,19 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     sp_diag_set(diag, rc, "coordinator: %s", sp_strerror(rc));
     goto fail;
   }
-  if ((rc = sp_coord_alerts_init(c)) != 0 || (rc = wire(c)) != 0 ||
-      (rc = sp_coord_ranks_init(c)) != 0 || (rc = sp_coord_diag_init(c)) != 0 ||
+  if ((rc = wire(c)) != 0 ||
+      (rc = sp_coord_alerts_init(c)) != 0 ||
+      (rc = sp_coord_ranks_init(c)) != 0 ||
+      (rc = sp_coord_diag_init(c)) != 0 ||
+      (rc = sp_coord_desync_init(c)) != 0 ||
+      (rc = sp_coord_stall_init(c)) != 0 ||
+      (rc = sp_coord_straggler_init(c)) != 0 ||
+      (rc = sp_coord_verdict_init(c)) != 0 ||
       (rc = sp_coord_plan_register(c)) != 0 ||
       (rc = sp_coord_ranks_register(c)) != 0 ||
       (rc = sp_coord_events_register(c)) != 0 ||
       (rc = sp_coord_store_register(c)) != 0 ||
-      (rc = sp_coord_diag_register(c)) != 0 ||
+      (rc = sp_coord_verdict_register(c)) != 0 ||
       (rc = sp_coord_dump_register(c)) != 0 ||
       (rc = sp_coord_agents_register(c)) != 0) {
     sp_diag_set(diag, rc, "coordinator: cannot register the service: %s",
@@ -233,6 +261,10 @@ void sp_coord_free(sp_coord *c) {
   if (c == NULL) return;
   sp_rpc_server_free(c->srv);
   sp_coord_persist_free(c);
+  sp_coord_verdict_free(c);
+  sp_coord_straggler_free(c);
+  sp_coord_stall_free(c);
+  sp_coord_desync_free(c); /* before the membership it was made for */
   sp_coord_diag_free(c);
   sp_coord_ranks_free(c);
   sp_coord_agents_free(c);

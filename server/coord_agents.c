@@ -30,8 +30,8 @@
 #include <time.h>
 
 #include "coord_base.h"
-#include "coord_diag.h"
 #include "coord_persist.h"
+#include "coord_verdict.h"
 
 /* Deaths reported within this long of the first one are weighed together
  * before one is named as what ended the incarnation: a victim (a rank the
@@ -172,7 +172,7 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
   if (x->completed) { /* a finished job's record never changes */
     a->phase = PHASE_ENDED;
     a->end_reason = x->reason ? strdup(x->reason) : NULL;
-    sp_coord_diag_restore_completed(c);
+    sp_coord_verdict_restore_completed(c);
   } else if (x->ended && a->restarts < a->max_restarts) {
     /* it stopped between a death and the next incarnation: the agents
      * stop their workers (again) and the restart goes on */
@@ -372,7 +372,7 @@ static void maybe_all_stopped(sp_coord *c) {
 static const Shardplane__V1__WorkerExit *pick(sp_coord *c) {
   struct sp_coord_agents *a = c->agents;
   uint32_t culprit;
-  if (sp_coord_diag_culprit(c, &culprit))
+  if (sp_coord_verdict_culprit(c, &culprit))
     for (size_t i = 0; i < a->n_cand; i++)
       if (a->cand[i].rank == culprit) return &a->cand[i];
   for (size_t i = 0; i < a->n_cand; i++)

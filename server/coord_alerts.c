@@ -191,10 +191,14 @@ void sp_coord_alerts_close(sp_coord *c, Shardplane__V1__AlertKind kind,
   s->n_open = j;
 }
 
-void sp_coord_alerts_close_all(sp_coord *c) {
+int sp_coord_alerts_new_incarnation(sp_coord *c, void *user,
+                                    const sp_coord_event *e) {
+  (void)user;
+  (void)e;
   sp_coord_alerts *s = c->alerts;
   for (size_t i = 0; i < s->n_open; i++) free_open(&s->open[i]);
   s->n_open = 0;
+  return 0;
 }
 
 void sp_coord_alerts_render_age(const char *tmpl, double secs, char *out,

@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "coord_bus.h"
 #include "coordinator.h"
 
 /* Alerts kept for status; older ones are only counted. */
@@ -60,8 +61,10 @@ void sp_coord_alerts_open(sp_coord *c, const sp_coord_alerts_info *in,
 /* Closes the open alerts of kind: all of them, or those of rank. */
 void sp_coord_alerts_close(sp_coord *c, Shardplane__V1__AlertKind kind,
                            bool any_rank, uint32_t rank);
-/* Closes every open alert (a new incarnation's are its own). */
-void sp_coord_alerts_close_all(sp_coord *c);
+/* A subscriber of SP_COORD_EV_INCARNATION (coord_bus.h): every open
+ * alert closes (a new incarnation's are its own). */
+int sp_coord_alerts_new_incarnation(sp_coord *c, void *user,
+                                    const sp_coord_event *e);
 /* The open alerts (oldest first), their ages as of as_of_ms; borrowed
  * until the next alert or listing. */
 size_t sp_coord_alerts_list_open(sp_coord *c, uint64_t as_of_ms,

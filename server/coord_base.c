@@ -1,11 +1,11 @@
 /* What every area of the coordinator uses: its clock, its log line, the
  * registration of its methods and the size check of request strings. */
+#include "coord_base.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include "coord_base.h"
 
 bool sp_coord_base_text_ok(sp_rpc_call *call, const char *msg_name,
                            const char *field, const char *v, size_t max) {

@@ -17,35 +17,43 @@
 struct sp_coord;
 
 typedef enum sp_coord_event_kind {
-  /* coord_ranks.c */
-  SP_COORD_EV_ATTACHING,       /* rank asks to attach: a subscriber that
-                                * refuses it returns non-zero with the reason
-                                * in out (cap bytes) */
-  SP_COORD_EV_ATTACHED,        /* rank attached afresh (not a reattach) */
-  SP_COORD_EV_DETACHED,        /* rank detached */
-  SP_COORD_EV_LOST,            /* rank was lost, text saying why: the
-                                * subscribers write the ABORT the other ranks
-                                * get in out (cap bytes) and the rank it names
-                                * in *culprit (preset to rank) */
-  SP_COORD_EV_TRANSITION,      /* rank applied transition, a legal one */
-  SP_COORD_EV_SESSION_UP,      /* rank's SessionUp up, after its transitions */
-  SP_COORD_EV_COLLECTIVE,      /* one of up's collectives, in order, read at
-                                * now_ms */
-  SP_COORD_EV_SESSION_UP_DONE, /* up, after its collectives */
-  SP_COORD_EV_ABORTED,         /* text: the reason of an operator's Abort */
-  SP_COORD_EV_RANK_INFO,       /* rank's ListRanks entry info: the subscribers
-                                * fill in their fields */
-  /* coord_agents.c */
-  SP_COORD_EV_INCARNATION, /* a new incarnation begins, text saying so:
-                            * everything of the last one starts afresh;
-                            * non-zero: out of memory */
-  /* coord_alerts.c */
-  SP_COORD_EV_ALERT_LOGGED, /* text written to the alert log, naming
-                             * culprits: their counts go with it */
-  SP_COORD_EV_ALERT,        /* alert published to the Watch streams */
-  /* coord_diag.c */
-  SP_COORD_EV_FAULT,     /* a verdict named a fault, text: the dump */
-  SP_COORD_EV_COMPLETED, /* every rank finished, at step */
+  /* coord_ranks.c. A rank asks to attach: a subscriber that refuses it
+   * returns non-zero with the reason in out (cap bytes). */
+  SP_COORD_EV_ATTACHING,
+  /* rank attached afresh (not a reattach); rank detached */
+  SP_COORD_EV_ATTACHED,
+  SP_COORD_EV_DETACHED,
+  /* rank was lost, text saying why: the subscribers write the ABORT the
+   * other ranks get in out (cap bytes) and the rank it names in *culprit
+   * (preset to rank) */
+  SP_COORD_EV_LOST,
+  /* rank applied transition, a legal one */
+  SP_COORD_EV_TRANSITION,
+  /* rank's SessionUp up: after its transitions, then each of its
+   * collectives (collective, all read at now_ms), then after them */
+  SP_COORD_EV_SESSION_UP,
+  SP_COORD_EV_COLLECTIVE,
+  SP_COORD_EV_SESSION_UP_DONE,
+  /* an operator's Abort, text its reason */
+  SP_COORD_EV_ABORTED,
+  /* rank's ListRanks entry info: the subscribers fill in their fields */
+  SP_COORD_EV_RANK_INFO,
+  /* coord_agents.c. A new incarnation begins, text saying so: everything
+   * of the last one starts afresh; non-zero: out of memory. */
+  SP_COORD_EV_INCARNATION,
+  /* coord_alerts.c. text was written to the alert log, naming culprits
+   * (their counts go with it); then alert was published on the Watch
+   * streams. */
+  SP_COORD_EV_ALERT_LOGGED,
+  SP_COORD_EV_ALERT,
+  /* coord_diag.c. The detectors' period, at now_ms; rank closed a step,
+   * its waits taken off. */
+  SP_COORD_EV_TICK,
+  SP_COORD_EV_STEP,
+  /* coord_verdict.c. A verdict named a fault, text; every rank finished,
+   * at step. */
+  SP_COORD_EV_FAULT,
+  SP_COORD_EV_COMPLETED,
   SP_COORD_EV_N
 } sp_coord_event_kind;
 

@@ -14,6 +14,7 @@
 #include "coord_base.h"
 #include "coord_diag.h"
 #include "coord_ranks.h"
+#include "coord_verdict.h"
 
 /* One gathering of recorders: a GetTrace (one rank), a GetDump or a dump
  * to the dump dir (every attached rank). */
@@ -126,7 +127,7 @@ static json_t *flight_json(const Shardplane__V1__FlightRecord *f) {
 static json_t *dump_json(sp_coord *c, const trace_req *q) {
   Shardplane__V1__GetJobResponse jr = SHARDPLANE__V1__GET_JOB_RESPONSE__INIT;
   Shardplane__V1__Progress prog;
-  sp_coord_diag_job(c, &jr, &prog);
+  sp_coord_verdict_job(c, &jr, &prog);
   json_t *job = json_pack(
       "{ss ss sI ss ss ss}", "model", c->model->name, "plan_version",
       c->plan->version_hex, "world_size", (json_int_t)c->plan->world_size,

@@ -7,7 +7,6 @@
 #include <string.h>
 
 #include "coord_base.h"
-#include "coordinator.h"
 
 #define MAX_FILTER 4096
 

@@ -9,8 +9,8 @@
 
 #include "coord_alerts.h"
 #include "coord_base.h"
-#include "coord_diag.h"
 #include "coord_ranks.h"
+#include "coord_verdict.h"
 #include "plan/memory.h"
 
 typedef Shardplane__V1__DType PDType;
@@ -129,7 +129,7 @@ static void on_get_job(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.recent_alerts = recent;
   r.uptime_ms = sp_coord_base_now_ms(c);
   Shardplane__V1__Progress progress;
-  sp_coord_diag_job(c, &r, &progress);
+  sp_coord_verdict_job(c, &r, &progress);
   reply(call, &a, &r.base);
   arena_free(&a);
 }

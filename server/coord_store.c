@@ -40,7 +40,6 @@
 
 #include "coord_base.h"
 #include "coord_persist.h"
-#include "coordinator.h"
 
 /* TCPStore's cap on keys per multi-key command. */
 #define SP_COORD_STORE_MAX_WAIT_KEYS (128u << 10)

@@ -1,6 +1,13 @@
 /* shardplane-coordinator: the job's single authority. One libuv loop runs
  * the gRPC server and every handler; other threads reach it only through
- * uv_async_send. This header is shared by the files of server/. */
+ * uv_async_send.
+ *
+ * This is the hub's header: the configuration, the coordinator's struct,
+ * which holds every area's state (each area's own header, coord_*.h, says
+ * what it owns), and the coordinator's lifetime. The hub (coord.c) sets
+ * the areas up and wires them together on its bus (coord_bus.h): an area
+ * announces what happened and the hub subscribed the areas that act on
+ * it, so that no two areas call each other. */
 #ifndef SP_COORDINATOR_H
 #define SP_COORDINATOR_H
 
@@ -99,14 +106,20 @@ typedef struct sp_coord {
   uv_timer_t heartbeat_timer;
   bool heartbeat_started;
   /* The loop's own pauses, seen as the heartbeat check firing late
-   * (coord_ranks.c): when it last ran (sp_coord_base_now_ms), the longest pause
-   * and their total, in ms. Not counted against any rank. */
+   * (coord_ranks.c): when it last ran (sp_coord_base_now_ms), the longest
+   * pause and their total, in ms. Not counted against any rank. */
   uint64_t hb_last_check_ms, loop_pause_max_ms, loop_pause_total_ms;
   uint64_t session_counter;
   struct sp_coord_alerts *alerts; /* coord_alerts.c */
-  /* hang diagnosis (coord_diag.c) and the recorders being gathered
+  /* hang diagnosis (coord_diag.h): the record the detectors share, the
+   * detectors (coord_desync.c, coord_stall.c, coord_straggler.c), the job's
+   * state and verdict (coord_verdict.c); the recorders being gathered
    * (coord_dump.c) */
   sp_coord_diag *diag;
+  struct sp_coord_desync *desync;
+  struct sp_coord_stall *stall;
+  struct sp_coord_straggler *straggler;
+  struct sp_coord_verdict *verdict;
   struct trace_req *traces;
   uint64_t trace_counter;
   /* Watch streams (coord_events.c) */
