@@ -1,51 +1,25 @@
-/* Coordinator lifetime: load, plan, serve, shut down. */
-#include <stdarg.h>
+/* The hub: load, plan, wire the areas together, serve, shut down. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "coordinator.h"
 #include "base/json.h"
-
-bool sp_coord_text_ok(sp_rpc_call *call, const char *msg_name,
-                      const char *field, const char *v, size_t max) {
-  /* bounded: the engine refused messages over its limit */
-  size_t n = v != NULL ? strlen(v) : 0;
-  if (n <= max) return true;
-  sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
-                      "shardplane.v1.%s.%s: %zu bytes, at most %zu", msg_name,
-                      field, n, max);
-  return false;
-}
-
-uint64_t sp_coord_now_ms(const sp_coord *c) {
-  /* current, not as old as the loop iteration (only the loop's thread
-   * calls this) */
-  uv_update_time(c->loop);
-  return uv_now(c->loop) - c->started_ms;
-}
-
-void sp_coord_log(const sp_coord *c, const char *fmt, ...) {
-  if (c->cfg.quiet) return;
-  char msg[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  /* one write, so that no other process's output lands inside the line */
-  fprintf(stderr, "coordinator: %s\n", msg);
-}
-
-int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n) {
-  if (c->n_method_tables >= sizeof c->methods / sizeof c->methods[0])
-    return SP_ETOOBIG;
-  sp_rpc_method *m = malloc(n * sizeof *m);
-  if (m == NULL) return SP_ENOMEM;
-  memcpy(m, tmpl, n * sizeof *m);
-  for (size_t i = 0; i < n; i++) m[i].user = c;
-  c->methods[c->n_method_tables++] = m;
-  return sp_rpc_server_add_methods(c->srv, m, n);
-}
+#include "coord_agents.h"
+#include "coord_alerts.h"
+#include "coord_base.h"
+#include "coord_bus.h"
+#include "coord_desync.h"
+#include "coord_diag.h"
+#include "coord_dump.h"
+#include "coord_events.h"
+#include "coord_persist.h"
+#include "coord_plan.h"
+#include "coord_ranks.h"
+#include "coord_stall.h"
+#include "coord_store.h"
+#include "coord_straggler.h"
+#include "coord_verdict.h"
+#include "coordinator.h"
 
 /* The job file first, then the flags on top of it. */
 static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
@@ -84,6 +58,58 @@ static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
   return 0;
 }
 
+/* Who hears what the areas announce, in the order they act on it: the
+ * record the detectors read before the detectors, the dump of a
+ * message's flight record before the step it closed is judged (a
+ * straggler alert the step raises is not in a dump the record
+ * completes), the detectors on the tick in the order they were written
+ * in (ties, progress, stall, stragglers). */
+static int wire(sp_coord *c) {
+  static const struct {
+    sp_coord_event_kind kind;
+    sp_coord_event_fn fn;
+  } subs[] = {
+      {SP_COORD_EV_ATTACHING, sp_coord_verdict_refuse_attach},
+      {SP_COORD_EV_ATTACHED, sp_coord_diag_attached},
+      {SP_COORD_EV_ATTACHED, sp_coord_straggler_attached},
+      {SP_COORD_EV_ATTACHED, sp_coord_verdict_attached},
+      {SP_COORD_EV_DETACHED, sp_coord_verdict_detached},
+      {SP_COORD_EV_LOST, sp_coord_verdict_lost},
+      {SP_COORD_EV_TRANSITION, sp_coord_diag_transition},
+      {SP_COORD_EV_SESSION_UP, sp_coord_verdict_session_up},
+      {SP_COORD_EV_COLLECTIVE, sp_coord_diag_collective},
+      {SP_COORD_EV_COLLECTIVE, sp_coord_desync_collective},
+      {SP_COORD_EV_SESSION_UP_DONE, sp_coord_dump_flight},
+      {SP_COORD_EV_SESSION_UP_DONE, sp_coord_diag_session_up_done},
+      {SP_COORD_EV_ABORTED, sp_coord_verdict_aborted},
+      {SP_COORD_EV_ABORTED, sp_coord_dump_write},
+      {SP_COORD_EV_RANK_INFO, sp_coord_diag_rank_info},
+      {SP_COORD_EV_RANK_INFO, sp_coord_straggler_rank_info},
+      {SP_COORD_EV_RANK_INFO, sp_coord_verdict_rank_info},
+      {SP_COORD_EV_INCARNATION, sp_coord_ranks_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_diag_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_desync_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_stall_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_straggler_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_verdict_new_incarnation},
+      {SP_COORD_EV_INCARNATION, sp_coord_alerts_new_incarnation},
+      {SP_COORD_EV_ALERT_LOGGED, sp_coord_ranks_alert_logged},
+      {SP_COORD_EV_ALERT, sp_coord_agents_alert},
+      {SP_COORD_EV_TICK, sp_coord_desync_tick},
+      {SP_COORD_EV_TICK, sp_coord_verdict_tick},
+      {SP_COORD_EV_TICK, sp_coord_stall_tick},
+      {SP_COORD_EV_TICK, sp_coord_straggler_tick},
+      {SP_COORD_EV_STEP, sp_coord_straggler_step},
+      {SP_COORD_EV_FAULT, sp_coord_dump_write},
+      {SP_COORD_EV_COMPLETED, sp_coord_agents_completed},
+  };
+  for (size_t i = 0; i < sizeof subs / sizeof subs[0]; i++) {
+    int rc = sp_coord_bus_subscribe(c, subs[i].kind, subs[i].fn, NULL);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
 int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
                  sp_diag *diag) {
   if (loop == NULL || cfg == NULL || cfg->model_path == NULL || out == NULL)
@@ -110,7 +136,7 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
                              .max_pending = 2 * SP_COORD_MAX_MESSAGE,
                              .no_header_tables = true,
                              .trim_heap_bytes = SP_COORD_TRIM_BYTES,
-                             /* read by sp_auth_authorize, by no handler */
+                             /* read by sp_coord_auth_authorize, no handler */
                              .metadata_to_authorize = true,
                              .max_connections = cfg->max_connections,
                              .preface_timeout_ms = cfg->preface_timeout_ms,
@@ -128,22 +154,30 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       (rc = sp_plan_build(c->model, &c->job, &c->plan, diag)) != 0)
     goto fail;
   if (cfg->token_file != NULL) {
-    rc = sp_auth_load(cfg->token_file, &cfg->store_quota, &c->auth, diag);
+    rc = sp_coord_auth_load(cfg->token_file, &cfg->store_quota, &c->auth, diag);
     if (rc != 0) goto fail;
-    opts.authorize = sp_auth_authorize;
+    opts.authorize = sp_coord_auth_authorize;
     opts.authorize_arg = c->auth;
   }
   opts.tls = cfg->tls;
   if ((rc = sp_rpc_server_new(loop, &opts, &c->srv)) != 0 ||
-      (rc = sp_store_new(NULL, &c->store)) != 0) {
+      (rc = sp_kvstore_new(NULL, &c->store)) != 0) {
     sp_diag_set(diag, rc, "coordinator: %s", sp_strerror(rc));
     goto fail;
   }
-  if ((rc = sp_coord_ranks_init(c)) != 0 ||
+  if ((rc = wire(c)) != 0 ||
+      (rc = sp_coord_alerts_init(c)) != 0 ||
+      (rc = sp_coord_ranks_init(c)) != 0 ||
+      (rc = sp_coord_diag_init(c)) != 0 ||
+      (rc = sp_coord_desync_init(c)) != 0 ||
+      (rc = sp_coord_stall_init(c)) != 0 ||
+      (rc = sp_coord_straggler_init(c)) != 0 ||
+      (rc = sp_coord_verdict_init(c)) != 0 ||
       (rc = sp_coord_plan_register(c)) != 0 ||
       (rc = sp_coord_ranks_register(c)) != 0 ||
       (rc = sp_coord_events_register(c)) != 0 ||
       (rc = sp_coord_store_register(c)) != 0 ||
+      (rc = sp_coord_verdict_register(c)) != 0 ||
       (rc = sp_coord_dump_register(c)) != 0 ||
       (rc = sp_coord_agents_register(c)) != 0) {
     sp_diag_set(diag, rc, "coordinator: cannot register the service: %s",
@@ -151,7 +185,13 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     goto fail;
   }
   /* last: the restored ranks need the rank table */
-  if ((rc = sp_coord_persist_open(c, diag)) != 0) goto fail;
+  static const sp_coord_persist_hooks hooks = {
+      .rank = sp_coord_ranks_restore,
+      .alert = sp_coord_alerts_restore,
+      .alerts_counted = sp_coord_alerts_restored,
+      .incarnation = sp_coord_agents_restore,
+      .snapshot = sp_coord_ranks_snapshot};
+  if ((rc = sp_coord_persist_open(c, &hooks, diag)) != 0) goto fail;
   sp_rpc_server_set_health(c->srv, SP_COORD_SERVICE, SP_HEALTH_SERVING);
   *out = c;
   return 0;
@@ -172,30 +212,30 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
   int ignored;
   if (sp_rpc_split_addr(addr, host, sizeof host, &ignored) != 0)
     snprintf(host, sizeof host, "?");
-  sp_coord_log(c, "serving %s (plan %s, %u ranks, %zu units) on %s%s%s:%d",
-               c->model->name, c->plan->version_hex, c->plan->world_size,
-               c->plan->n_units, strchr(host, ':') ? "[" : "", host,
-               strchr(host, ':') ? "]" : "", bound);
+  sp_coord_base_log(c, "serving %s (plan %s, %u ranks, %zu units) on %s%s%s:%d",
+                    c->model->name, c->plan->version_hex, c->plan->world_size,
+                    c->plan->n_units, strchr(host, ':') ? "[" : "", host,
+                    strchr(host, ':') ? "]" : "", bound);
   return 0;
 }
 
-/* Shutdown has two asynchronous steps (the server, the heartbeat timer);
- * the caller hears about it when both are done. */
-void sp_coord_stop_step_done(sp_coord *c) {
+/* Shutdown has asynchronous steps (the server, the heartbeat and
+ * diagnosis timers, and those an area adds: c->stopping counts them); the
+ * caller hears about it when all are done. */
+static void stop_step_done(sp_coord *c) {
   if (--c->stopping > 0) return;
   if (c->stop_done) c->stop_done(c, c->stop_arg);
 }
 
 static void server_stopped(sp_rpc_server *srv, void *arg) {
   (void)srv;
-  sp_coord_stop_step_done(arg);
+  stop_step_done(arg);
 }
 
-static void heartbeat_closed(uv_handle_t *h) { sp_coord_stop_step_done(h->data); }
+/* A handle whose data is the coordinator was released. */
+static void handle_closed(uv_handle_t *h) { stop_step_done(h->data); }
 
-static void persist_closed(uv_handle_t *h) { sp_coord_stop_step_done(h->data); }
-
-static void diag_closed(void *c) { sp_coord_stop_step_done(c); }
+static void diag_closed(void *c) { stop_step_done(c); }
 
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg) {
@@ -204,15 +244,16 @@ void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
   c->stop_done = done;
   c->stop_arg = arg;
   c->stopping = 3;
-  sp_coord_log(c, "shutting down");
+  sp_coord_base_log(c, "shutting down");
   c->heartbeat_timer.data = c;
   sp_coord_store_shutdown(c);
-  sp_coord_agents_shutdown(c);
+  if (sp_coord_agents_shutdown(c, handle_closed)) c->stopping++;
   sp_coord_events_shutdown(c);
+  sp_coord_dump_shutdown(c);
   sp_coord_diag_shutdown(c, diag_closed);
-  sp_coord_ranks_shutdown(c, heartbeat_closed);
+  sp_coord_ranks_shutdown(c, handle_closed);
   /* after the ranks' last words, before the server goes */
-  if (sp_coord_persist_shutdown(c, persist_closed)) c->stopping++;
+  if (sp_coord_persist_shutdown(c, handle_closed)) c->stopping++;
   sp_rpc_server_shutdown(c->srv, 2000, server_stopped, c);
 }
 
@@ -220,15 +261,17 @@ void sp_coord_free(sp_coord *c) {
   if (c == NULL) return;
   sp_rpc_server_free(c->srv);
   sp_coord_persist_free(c);
+  sp_coord_verdict_free(c);
+  sp_coord_straggler_free(c);
+  sp_coord_stall_free(c);
+  sp_coord_desync_free(c); /* before the membership it was made for */
+  sp_coord_diag_free(c);
   sp_coord_ranks_free(c);
   sp_coord_agents_free(c);
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
-  for (size_t i = 0; i < SP_COORD_RECENT_ALERTS; i++) {
-    free(c->recent_msg[i]);
-    free(c->recent_ranks[i]);
-  }
-  sp_store_free(c->store);
-  sp_auth_free(c->auth);
+  sp_coord_alerts_free(c);
+  sp_kvstore_free(c->store);
+  sp_coord_auth_free(c->auth);
   free(c->abort_reason);
   sp_plan_free(c->plan);
   sp_model_free(c->model);

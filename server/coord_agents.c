@@ -21,14 +21,17 @@
  * find the next incarnation begun while its workers of the last one live.
  *
  * Everything runs on the coordinator's loop. */
+#include "coord_agents.h"
+
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "coord_db.h"
-#include "coordinator.h"
+#include "coord_base.h"
+#include "coord_persist.h"
+#include "coord_verdict.h"
 
 /* Deaths reported within this long of the first one are weighed together
  * before one is named as what ended the incarnation: a victim (a rank the
@@ -75,6 +78,7 @@ struct sp_coord_agents {
   size_t n_cand;
   uv_timer_t decide;
   bool decide_init;
+  uv_close_cb closed; /* the hub's, once shutdown closes decide */
   inc_record *rec;
   size_t n_rec;
   /* read back from the state dir: the agents have yet to register again,
@@ -168,7 +172,7 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
   if (x->completed) { /* a finished job's record never changes */
     a->phase = PHASE_ENDED;
     a->end_reason = x->reason ? strdup(x->reason) : NULL;
-    sp_coord_diag_restore_completed(c);
+    sp_coord_verdict_restore_completed(c);
   } else if (x->ended && a->restarts < a->max_restarts) {
     /* it stopped between a death and the next incarnation: the agents
      * stop their workers (again) and the restart goes on */
@@ -187,7 +191,7 @@ static int send_cmd(sp_rpc_call *call, int cmd, uint64_t inc,
   d.incarnation = inc;
   d.reason = (char *)(reason ? reason : "");
   sp_coord *c = coord_of(call);
-  d.durable = sp_coord_durable(c);
+  d.durable = sp_coord_persist_durable(c);
   d.completed = cmd == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
                 current_rec(c->agents)->completed;
   return sp_rpc_call_send(call, &d.base);
@@ -251,9 +255,10 @@ static void note_key(void *arg, const void *key, size_t klen) {
 
 static void clear_store(sp_coord *c) {
   key_list l = {0};
-  if (sp_store_clear(c->store, note_key, &l) != 0)
-    sp_coord_log(c, "cannot empty the store for the new incarnation: out "
-                    "of memory");
+  if (sp_kvstore_clear(c->store, note_key, &l) != 0)
+    sp_coord_base_log(c,
+                      "cannot empty the store for the new incarnation: out "
+                      "of memory");
   for (size_t i = 0; i < l.n; i++) {
     sp_coord_persist_key(c, l.k[i], l.len[i]);
     free(l.k[i]);
@@ -262,21 +267,26 @@ static void clear_store(sp_coord *c) {
   free(l.len);
 }
 
-void sp_coord_agents_alert(sp_coord *c, const Shardplane__V1__Alert *alert) {
+int sp_coord_agents_alert(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
   struct sp_coord_agents *a = c->agents;
-  if (a == NULL) return;
+  if (a == NULL) return 0;
   Shardplane__V1__AgentDown d = SHARDPLANE__V1__AGENT_DOWN__INIT;
   d.command = SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT;
   d.incarnation = a->current;
-  d.durable = sp_coord_durable(c);
-  d.alert = (Shardplane__V1__Alert *)alert;
+  d.durable = sp_coord_persist_durable(c);
+  d.alert = (Shardplane__V1__Alert *)e->alert;
   for (agent_conn *g = a->list; g; g = g->next)
     if (g->registered) sp_rpc_call_send(g->call, &d.base);
+  return 0;
 }
 
-void sp_coord_agents_completed(sp_coord *c, uint64_t step) {
+int sp_coord_agents_completed(sp_coord *c, void *user,
+                              const sp_coord_event *e) {
+  (void)user;
+  uint64_t step = e->step;
   struct sp_coord_agents *a = agents_of(c);
-  if (a == NULL || a->phase == PHASE_ENDED) return;
+  if (a == NULL || a->phase == PHASE_ENDED) return 0;
   inc_record *r = current_rec(a);
   char why[128];
   snprintf(why, sizeof why, "completed: all %u ranks finished at step %llu",
@@ -291,6 +301,7 @@ void sp_coord_agents_completed(sp_coord *c, uint64_t step) {
   free(a->end_reason);
   a->end_reason = strdup(why);
   a->n_cand = 0;
+  return 0;
 }
 
 /* Every agent stopped its workers: the next incarnation begins. */
@@ -306,9 +317,9 @@ static void next_incarnation(sp_coord *c) {
     }
   }
   if (!appended) { /* the last record makes way (logged) */
-    sp_coord_log(c, "incarnation %llu replaces the record of %llu",
-                 (unsigned long long)a->current + 1,
-                 (unsigned long long)a->current);
+    sp_coord_base_log(c, "incarnation %llu replaces the record of %llu",
+                      (unsigned long long)a->current + 1,
+                      (unsigned long long)a->current);
     free(current_rec(a)->reason);
   }
   a->current++;
@@ -321,12 +332,14 @@ static void next_incarnation(sp_coord *c) {
   snprintf(why, sizeof why, "incarnation %llu ended; incarnation %llu begins",
            (unsigned long long)a->current - 1,
            (unsigned long long)a->current);
-  sp_coord_ranks_new_incarnation(c, why);
-  if (sp_coord_diag_new_incarnation(c) != 0)
-    sp_coord_log(c, "hang diagnosis: out of memory for the new incarnation");
+  sp_coord_event e = {.kind = SP_COORD_EV_INCARNATION, .text = why};
+  if (sp_coord_bus_announce(c, &e) != 0)
+    sp_coord_base_log(c,
+                      "hang diagnosis: out of memory for the new incarnation");
   clear_store(c);
-  sp_coord_log(c, "incarnation %llu begins (restart %u of %u)",
-               (unsigned long long)a->current, a->restarts, a->max_restarts);
+  sp_coord_base_log(c, "incarnation %llu begins (restart %u of %u)",
+                    (unsigned long long)a->current, a->restarts,
+                    a->max_restarts);
   for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
   send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, NULL);
 }
@@ -359,7 +372,7 @@ static void maybe_all_stopped(sp_coord *c) {
 static const Shardplane__V1__WorkerExit *pick(sp_coord *c) {
   struct sp_coord_agents *a = c->agents;
   uint32_t culprit;
-  if (sp_coord_diag_culprit(c, &culprit))
+  if (sp_coord_verdict_culprit(c, &culprit))
     for (size_t i = 0; i < a->n_cand; i++)
       if (a->cand[i].rank == culprit) return &a->cand[i];
   for (size_t i = 0; i < a->n_cand; i++)
@@ -392,9 +405,11 @@ static void decide(uv_timer_t *t) {
   a->n_cand = 0;
   if (a->restarts < a->max_restarts) {
     a->phase = PHASE_STOPPING;
-    sp_coord_log(c, "incarnation %llu ended: %s; restarting (%u of %u "
-                 "restarts used)", (unsigned long long)a->current, how,
-                 a->restarts, a->max_restarts);
+    sp_coord_base_log(c,
+                      "incarnation %llu ended: %s; restarting (%u of %u "
+                      "restarts used)",
+                      (unsigned long long)a->current, how, a->restarts,
+                      a->max_restarts);
     for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
     send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, how);
     maybe_all_stopped(c);
@@ -403,8 +418,9 @@ static void decide(uv_timer_t *t) {
   a->phase = PHASE_ENDED;
   free(a->end_reason);
   a->end_reason = end_reason_of(how, a->max_restarts);
-  sp_coord_log(c, "incarnation %llu ended: %s", (unsigned long long)a->current,
-               a->end_reason ? a->end_reason : how);
+  sp_coord_base_log(c, "incarnation %llu ended: %s",
+                    (unsigned long long)a->current,
+                    a->end_reason ? a->end_reason : how);
   send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->end_reason);
 }
 
@@ -435,8 +451,8 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
                            const Shardplane__V1__AgentRegister *q) {
   struct sp_coord_agents *a = c->agents;
   uint32_t world = c->plan->world_size;
-  if (!sp_coord_text_ok(call, "AgentRegister", "host", q->host,
-                        SP_COORD_MAX_HOST))
+  if (!sp_coord_base_text_ok(call, "AgentRegister", "host", q->host,
+                             SP_COORD_MAX_HOST))
     return false;
   if (q->nproc == 0 || q->nproc > world ||
       (uint64_t)q->node_rank * q->nproc + q->nproc > world) {
@@ -491,14 +507,15 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
   /* a stop it already made counts for the barrier */
   g->stopped = q->rejoin && q->stopped && q->incarnation == a->current;
   if (q->rejoin)
-    sp_coord_log(c, "agent of node %u (%u workers) from %s pid %u registered "
-                 "again, at incarnation %llu%s", q->node_rank, q->nproc,
-                 q->host ? q->host : "?", q->pid,
-                 (unsigned long long)q->incarnation,
-                 q->stopped ? ", its workers stopped" : "");
+    sp_coord_base_log(c,
+                      "agent of node %u (%u workers) from %s pid %u registered "
+                      "again, at incarnation %llu%s",
+                      q->node_rank, q->nproc, q->host ? q->host : "?", q->pid,
+                      (unsigned long long)q->incarnation,
+                      q->stopped ? ", its workers stopped" : "");
   else
-    sp_coord_log(c, "agent of node %u (%u workers) from %s pid %u",
-                 q->node_rank, q->nproc, q->host ? q->host : "?", q->pid);
+    sp_coord_base_log(c, "agent of node %u (%u workers) from %s pid %u",
+                      q->node_rank, q->nproc, q->host ? q->host : "?", q->pid);
   if (a->phase == PHASE_ENDED)
     send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->current,
              a->end_reason);
@@ -658,25 +675,27 @@ static const sp_rpc_method k_methods[] = {
 static void decide_closed(uv_handle_t *h) {
   sp_coord *c = h->data;
   c->agents->decide_init = false;
-  sp_coord_stop_step_done(c);
+  c->agents->closed(h);
 }
 
 int sp_coord_agents_register(sp_coord *c) {
   if (agents_of(c) == NULL) return SP_ENOMEM;
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }
 
-void sp_coord_agents_shutdown(sp_coord *c) {
+bool sp_coord_agents_shutdown(sp_coord *c, uv_close_cb closed) {
   struct sp_coord_agents *a = c->agents;
-  if (a == NULL) return;
-  if (a->decide_init) {
+  if (a == NULL) return false;
+  bool closing = a->decide_init;
+  if (closing) {
     uv_timer_stop(&a->decide);
-    c->stopping++; /* the coordinator's stop waits for the handle */
+    a->closed = closed;
     uv_close((uv_handle_t *)&a->decide, decide_closed);
   }
   while (a->list)
     drop_agent(a, a->list, SP_RPC_UNAVAILABLE, "coordinator shutting down");
+  return closing;
 }
 
 void sp_coord_agents_free(sp_coord *c) {

@@ -38,16 +38,16 @@ typedef struct owned_key {
 static char k_tomb;
 #define TOMB (&k_tomb)
 
-struct sp_auth {
+struct sp_coord_auth {
   auth_entry *e;
   size_t n;
-  sp_auth_quota quota;
+  sp_coord_auth_quota quota;
   owned_key *slots;
   size_t cap, used; /* used counts tombstones too */
   size_t keys_live;
 };
 
-size_t sp_auth_count(const sp_auth *a) { return a ? a->n : 0; }
+size_t sp_coord_auth_count(const sp_coord_auth *a) { return a ? a->n : 0; }
 
 static int hexval(char c) {
   if (c >= '0' && c <= '9') return c - '0';
@@ -93,7 +93,7 @@ static int parse_line(char *line, auth_entry *e, const char *path, size_t ln,
   return 0;
 }
 
-static int parse_file(sp_auth *a, char *buf, size_t len, const char *path,
+static int parse_file(sp_coord_auth *a, char *buf, size_t len, const char *path,
                       sp_diag *d) {
   size_t lines = 1;
   for (size_t i = 0; i < len; i++) lines += buf[i] == '\n';
@@ -127,8 +127,8 @@ static int parse_file(sp_auth *a, char *buf, size_t len, const char *path,
   return 0;
 }
 
-int sp_auth_load(const char *path, const sp_auth_quota *q, sp_auth **out,
-                 sp_diag *d) {
+int sp_coord_auth_load(const char *path, const sp_coord_auth_quota *q,
+                       sp_coord_auth **out, sp_diag *d) {
   if (path == NULL || out == NULL)
     return sp_diag_set(d, SP_EINVAL, "token file: no path");
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -144,17 +144,17 @@ int sp_auth_load(const char *path, const sp_auth_quota *q, sp_auth **out,
     rc = sp_diag_set(d, SP_ESTATE,
                      "token file %s: mode %03o lets others add tokens; chmod "
                      "600 it", path, (unsigned)(st.st_mode & 0777));
-  else if (st.st_size > SP_AUTH_FILE_MAX)
+  else if (st.st_size > SP_COORD_AUTH_FILE_MAX)
     rc = sp_diag_set(d, SP_ETOOBIG,
                      "token file %s: %lld bytes, over the %u-byte limit", path,
-                     (long long)st.st_size, SP_AUTH_FILE_MAX);
+                     (long long)st.st_size, SP_COORD_AUTH_FILE_MAX);
   if (rc != 0) {
     close(fd);
     return rc;
   }
   size_t len = (size_t)st.st_size;
   char *buf = malloc(len + 1);
-  sp_auth *a = calloc(1, sizeof *a);
+  sp_coord_auth *a = calloc(1, sizeof *a);
   if (buf == NULL || a == NULL) {
     close(fd);
     free(buf);
@@ -174,16 +174,16 @@ int sp_auth_load(const char *path, const sp_auth_quota *q, sp_auth **out,
   OPENSSL_cleanse(buf, got);
   free(buf);
   if (rc != 0) {
-    sp_auth_free(a);
+    sp_coord_auth_free(a);
     return rc;
   }
-  a->quota.bytes = q && q->bytes ? q->bytes : SP_AUTH_QUOTA_BYTES;
-  a->quota.keys = q && q->keys ? q->keys : SP_AUTH_QUOTA_KEYS;
+  a->quota.bytes = q && q->bytes ? q->bytes : SP_COORD_AUTH_QUOTA_BYTES;
+  a->quota.keys = q && q->keys ? q->keys : SP_COORD_AUTH_QUOTA_KEYS;
   *out = a;
   return 0;
 }
 
-void sp_auth_free(sp_auth *a) {
+void sp_coord_auth_free(sp_coord_auth *a) {
   if (a == NULL) return;
   for (size_t i = 0; i < a->cap; i++)
     if (a->slots[i].key != NULL && a->slots[i].key != TOMB)
@@ -193,8 +193,8 @@ void sp_auth_free(sp_auth *a) {
   free(a);
 }
 
-const sp_rpc_principal *sp_auth_lookup(const sp_auth *a, const char *token,
-                                       size_t len) {
+const sp_rpc_principal *sp_coord_auth_lookup(const sp_coord_auth *a,
+                                             const char *token, size_t len) {
   if (a == NULL || token == NULL) return NULL;
   uint8_t h[32];
   if (sp_auth_token_hash(token, len, h, NULL) != 0) return NULL;
@@ -253,12 +253,13 @@ static const char *bearer(const uint8_t *v, size_t n, size_t *len) {
   return (const char *)v + i;
 }
 
-int sp_auth_authorize(sp_rpc_call *call, void *arg, char *msg, size_t cap) {
-  const sp_auth *a = arg;
+int sp_coord_auth_authorize(sp_rpc_call *call, void *arg, char *msg,
+                            size_t cap) {
+  const sp_coord_auth *a = arg;
   size_t n = 0, tlen = 0;
   const uint8_t *v = sp_rpc_call_metadata(call, "authorization", &n);
   const char *tok = bearer(v, n, &tlen);
-  const sp_rpc_principal *p = tok ? sp_auth_lookup(a, tok, tlen) : NULL;
+  const sp_rpc_principal *p = tok ? sp_coord_auth_lookup(a, tok, tlen) : NULL;
   if (p == NULL) {
     snprintf(msg, cap, "missing or invalid bearer token");
     return SP_RPC_UNAUTHENTICATED;
@@ -276,8 +277,8 @@ int sp_auth_authorize(sp_rpc_call *call, void *arg, char *msg, size_t cap) {
 
 #define WORKER_PREFIX "comm/"
 
-int sp_auth_store_may_write(const sp_rpc_principal *p, const char *key,
-                            char *msg, size_t cap) {
+int sp_coord_auth_store_may_write(const sp_rpc_principal *p, const char *key,
+                                  char *msg, size_t cap) {
   if (p == NULL || p->role == SP_ROLE_ADMIN) return SP_RPC_OK;
   if (p->role == SP_ROLE_WORKER &&
       strncmp(key, WORKER_PREFIX, sizeof WORKER_PREFIX - 1) == 0)
@@ -300,8 +301,8 @@ static uint64_t key_hash(const char *k, size_t n) {
   return h;
 }
 
-static owned_key *slot_find(const sp_auth *a, const char *key, size_t klen,
-                            uint64_t h) {
+static owned_key *slot_find(const sp_coord_auth *a, const char *key,
+                            size_t klen, uint64_t h) {
   if (a->cap == 0) return NULL;
   for (size_t i = h & (a->cap - 1), probes = 0; probes < a->cap;
        i = (i + 1) & (a->cap - 1), probes++) {
@@ -314,7 +315,7 @@ static owned_key *slot_find(const sp_auth *a, const char *key, size_t klen,
   return NULL;
 }
 
-static int slots_grow(sp_auth *a) {
+static int slots_grow(sp_coord_auth *a) {
   size_t cap = a->cap ? a->cap * 2 : 64;
   /* only tombstones made it full: rebuild at the same size */
   if (a->cap && (a->used - a->keys_live) * 2 > a->cap) cap = a->cap;
@@ -338,8 +339,9 @@ static auth_entry *entry_of(const sp_rpc_principal *p) {
   return (auth_entry *)(uintptr_t)p;
 }
 
-int sp_auth_quota_check(sp_auth *a, const sp_rpc_principal *p, const char *key,
-                        size_t klen, size_t vlen, char *msg, size_t cap) {
+int sp_coord_auth_quota_check(sp_coord_auth *a, const sp_rpc_principal *p,
+                              const char *key, size_t klen, size_t vlen,
+                              char *msg, size_t cap) {
   if (a == NULL || p == NULL) return SP_RPC_OK;
   const auth_entry *e = entry_of(p);
   const owned_key *s = slot_find(a, key, klen, key_hash(key, klen));
@@ -367,8 +369,8 @@ int sp_auth_quota_check(sp_auth *a, const sp_rpc_principal *p, const char *key,
   return SP_RPC_OK;
 }
 
-int sp_auth_quota_wrote(sp_auth *a, const sp_rpc_principal *p, const char *key,
-                        size_t klen, size_t vlen) {
+int sp_coord_auth_quota_wrote(sp_coord_auth *a, const sp_rpc_principal *p,
+                              const char *key, size_t klen, size_t vlen) {
   if (a == NULL || p == NULL) return 0;
   auth_entry *e = entry_of(p);
   uint64_t h = key_hash(key, klen);
@@ -400,7 +402,8 @@ int sp_auth_quota_wrote(sp_auth *a, const sp_rpc_principal *p, const char *key,
   return 0;
 }
 
-void sp_auth_quota_deleted(sp_auth *a, const char *key, size_t klen) {
+void sp_coord_auth_quota_deleted(sp_coord_auth *a, const char *key,
+                                 size_t klen) {
   if (a == NULL) return;
   owned_key *s = slot_find(a, key, klen, key_hash(key, klen));
   if (s == NULL) return;
@@ -411,8 +414,9 @@ void sp_auth_quota_deleted(sp_auth *a, const char *key, size_t klen) {
   a->keys_live--;
 }
 
-void sp_auth_quota_usage(const sp_auth *a, const sp_rpc_principal *p,
-                         uint64_t *bytes, uint64_t *keys) {
+void sp_coord_auth_quota_usage(const sp_coord_auth *a,
+                               const sp_rpc_principal *p, uint64_t *bytes,
+                               uint64_t *keys) {
   const auth_entry *e = a && p ? entry_of(p) : NULL;
   if (bytes) *bytes = e ? e->bytes : 0;
   if (keys) *keys = e ? e->keys : 0;

@@ -1,7 +1,6 @@
-/* GetVerdict, GetTrace and GetDump, and the dump written on abort or
- * stall: the ranks' flight recorders pulled down their Session streams
- * (FLIGHT_DUMP) and put together with the coordinator's view as one JSON
- * document (format shardplane.dump/v1, docs/wire-protocol.md). */
+/* GetTrace and GetDump, and the dump written on a fault or an abort. */
+#include "coord_dump.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -11,7 +10,11 @@
 #include <sys/time.h>
 
 #include "cast/dtype.h"
-#include "coordinator.h"
+#include "coord_alerts.h"
+#include "coord_base.h"
+#include "coord_diag.h"
+#include "coord_ranks.h"
+#include "coord_verdict.h"
 
 /* One gathering of recorders: a GetTrace (one rank), a GetDump or a dump
  * to the dump dir (every attached rank). */
@@ -124,7 +127,7 @@ static json_t *flight_json(const Shardplane__V1__FlightRecord *f) {
 static json_t *dump_json(sp_coord *c, const trace_req *q) {
   Shardplane__V1__GetJobResponse jr = SHARDPLANE__V1__GET_JOB_RESPONSE__INIT;
   Shardplane__V1__Progress prog;
-  sp_coord_diag_job(c, &jr, &prog);
+  sp_coord_verdict_job(c, &jr, &prog);
   json_t *job = json_pack(
       "{ss ss sI ss ss ss}", "model", c->model->name, "plan_version",
       c->plan->version_hex, "world_size", (json_int_t)c->plan->world_size,
@@ -132,12 +135,10 @@ static json_t *dump_json(sp_coord *c, const trace_req *q) {
       enum_name(&shardplane__v1__job_state__descriptor, jr.state) + 4,
       "verdict", jr.verdict);
   json_t *alerts = json_array();
-  size_t n = c->n_alerts < SP_COORD_RECENT_ALERTS ? (size_t)c->n_alerts
-                                                  : SP_COORD_RECENT_ALERTS;
+  Shardplane__V1__Alert *recent[SP_COORD_ALERTS_RECENT];
+  size_t n = sp_coord_alerts_recent(c, recent, SP_COORD_ALERTS_RECENT);
   for (size_t i = 0; i < n; i++) {
-    const Shardplane__V1__Alert *a =
-        &c->recent[(c->recent_next + SP_COORD_RECENT_ALERTS - n + i) %
-                   SP_COORD_RECENT_ALERTS];
+    const Shardplane__V1__Alert *a = recent[i];
     json_t *cu = json_array(), *vi = json_array();
     for (size_t k = 0; k < a->n_culprits; k++)
       json_array_append_new(cu, json_integer(a->culprits[k]));
@@ -153,10 +154,10 @@ static json_t *dump_json(sp_coord *c, const trace_req *q) {
                           "message", a->message ? a->message : ""));
   }
   json_t *ranks = json_array();
-  uint64_t now = sp_coord_now_ms(c);
+  uint64_t now = sp_coord_base_now_ms(c);
   for (size_t i = 0; i < q->n_ranks; i++) {
     sp_coord_rank_view v;
-    sp_coord_rank_get(c, q->ranks[i], &v);
+    sp_coord_ranks_get(c, q->ranks[i], &v);
     json_t *r = json_pack(
         "{sI ss ss sI sI ss sI}", "rank", (json_int_t)q->ranks[i], "status",
         enum_name(&shardplane__v1__rank_status__descriptor, v.status), "host",
@@ -187,17 +188,17 @@ static void write_file(sp_coord *c, const char *text) {
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   FILE *f = fopen(tmp, "w");
   if (f == NULL) {
-    sp_coord_log(c, "cannot write the dump %s: %s", tmp, strerror(errno));
+    sp_coord_base_log(c, "cannot write the dump %s: %s", tmp, strerror(errno));
     return;
   }
   bool ok = fputs(text, f) >= 0;
   ok = fclose(f) == 0 && ok;
   if (!ok || rename(tmp, path) != 0) {
-    sp_coord_log(c, "cannot write the dump %s: %s", path, strerror(errno));
+    sp_coord_base_log(c, "cannot write the dump %s: %s", path, strerror(errno));
     remove(tmp);
     return;
   }
-  sp_coord_log(c, "dump written to %s", path);
+  sp_coord_base_log(c, "dump written to %s", path);
 }
 
 static void req_done(trace_req *q) {
@@ -281,7 +282,7 @@ static int gather(sp_coord *c, sp_rpc_call *call, bool single, bool to_file,
   d.last_n = last_n;
   for (size_t i = 0; i < n; i++) {
     sp_coord_rank_view v;
-    sp_coord_rank_get(c, ranks[i], &v);
+    sp_coord_ranks_get(c, ranks[i], &v);
     if (v.session == NULL || sp_rpc_call_send(v.session, &d.base) != 0) {
       char msg[160];
       snprintf(msg, sizeof msg, "rank %u has no open session stream (%s)",
@@ -335,8 +336,11 @@ static Shardplane__V1__FlightRecord *copy_capped(
   return out;
 }
 
-void sp_coord_dump_flight(sp_coord *c, uint32_t rank,
-                          const Shardplane__V1__FlightRecord *f) {
+int sp_coord_dump_flight(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
+  const Shardplane__V1__FlightRecord *f = e->up->flight;
+  uint32_t rank = e->rank;
+  if (f == NULL) return 0;
   for (trace_req *q = c->traces; q; q = q->next) {
     if (q->id != f->request_id) continue;
     for (size_t i = 0; i < q->n_ranks; i++) {
@@ -345,17 +349,20 @@ void sp_coord_dump_flight(sp_coord *c, uint32_t rank,
       if (q->recs[i]) q->recs[i]->rank = rank; /* the rank is the stream's */
       else q->errs[i] = sp_strdup("out of memory");
       if (--q->waiting == 0) req_done(q);
-      return;
+      return 0;
     }
-    return;
+    return 0;
   }
+  return 0;
 }
 
-void sp_coord_dump_write(sp_coord *c, const char *reason) {
-  if (c->cfg.diag.dump_dir == NULL || c->shutting_down) return;
+int sp_coord_dump_write(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
+  if (c->cfg.diag.dump_dir == NULL || c->shutting_down) return 0;
   size_t n;
   uint32_t *v = attached_ranks(c, &n);
-  if (v != NULL) gather(c, NULL, false, true, v, n, 0, reason);
+  if (v != NULL) gather(c, NULL, false, true, v, n, 0, e->text);
+  return 0;
 }
 
 void sp_coord_dump_shutdown(sp_coord *c) {
@@ -380,29 +387,6 @@ static void on_cancel(sp_rpc_call *call, int code) {
   trace_req *q = sp_rpc_call_user(call);
   if (q) q->call = NULL;
   sp_rpc_call_set_user(call, NULL);
-}
-
-static void on_get_verdict(sp_rpc_call *call, const ProtobufCMessage *msg,
-                           const uint8_t *raw, size_t len) {
-  (void)msg;
-  (void)raw;
-  (void)len;
-  sp_coord *c = coord_of(call);
-  char headline[SP_DIAG_MAX], text[8192];
-  Shardplane__V1__Verdict v = SHARDPLANE__V1__VERDICT__INIT;
-  v.healthy = sp_coord_diag_verdict(c, headline, sizeof headline, text,
-                                    sizeof text);
-  v.headline = headline;
-  v.text = text;
-  Shardplane__V1__Alert *open[32];
-  v.n_open_alerts = sp_coord_diag_open_alerts(c, open, 32);
-  v.open_alerts = open;
-  Shardplane__V1__GetJobResponse jr = SHARDPLANE__V1__GET_JOB_RESPONSE__INIT;
-  Shardplane__V1__Progress p;
-  sp_coord_diag_job(c, &jr, &p);
-  v.state = jr.state;
-  v.progress = &p;
-  sp_rpc_call_reply(call, &v.base);
 }
 
 static void on_get_trace(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -441,12 +425,11 @@ static void on_get_dump(sp_rpc_call *call, const ProtobufCMessage *msg,
    fn, NULL, cancel, NULL}
 
 static const sp_rpc_method k_methods[] = {
-    M("GetVerdict", get_verdict_request, on_get_verdict, NULL),
     M("GetTrace", get_trace_request, on_get_trace, on_cancel),
     M("GetDump", get_dump_request, on_get_dump, on_cancel),
 };
 
 int sp_coord_dump_register(sp_coord *c) {
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }

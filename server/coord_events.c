@@ -1,10 +1,12 @@
 /* Watch: a server stream of events (attached, lost, detached, alerts and,
  * when asked for, transitions), filtered by rank and kind. A watcher that
  * cannot keep up is ended rather than buffered without bound. */
+#include "coord_events.h"
+
 #include <stdlib.h>
 #include <string.h>
 
-#include "coordinator.h"
+#include "coord_base.h"
 
 #define MAX_FILTER 4096
 
@@ -46,7 +48,7 @@ static void publish(sp_coord *c, Shardplane__V1__EventKind kind,
   Shardplane__V1__Event ev = SHARDPLANE__V1__EVENT__INIT;
   ev.kind = kind;
   ev.rank = rank;
-  ev.time_ms = sp_coord_now_ms(c);
+  ev.time_ms = sp_coord_base_now_ms(c);
   ev.message = (char *)(message ? message : "");
   ev.transition = (Shardplane__V1__Transition *)t;
   ev.alert = (Shardplane__V1__Alert *)a;
@@ -64,15 +66,15 @@ static void publish(sp_coord *c, Shardplane__V1__EventKind kind,
   }
 }
 
-void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
-                      uint32_t rank, const char *message,
-                      const Shardplane__V1__Transition *t) {
+void sp_coord_events_publish(sp_coord *c, Shardplane__V1__EventKind kind,
+                             uint32_t rank, const char *message,
+                             const Shardplane__V1__Transition *t) {
   publish(c, kind, rank, message, t, NULL);
 }
 
-void sp_coord_publish_alert(sp_coord *c, const Shardplane__V1__Alert *a) {
+void sp_coord_events_publish_alert(sp_coord *c,
+                                   const Shardplane__V1__Alert *a) {
   publish(c, SHARDPLANE__V1__EVENT_KIND__ALERT, a->rank, a->message, NULL, a);
-  sp_coord_agents_alert(c, a);
 }
 
 static void on_watch(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -146,7 +148,7 @@ static const sp_rpc_method k_methods[] = {
 };
 
 int sp_coord_events_register(sp_coord *c) {
-  return sp_coord_add_methods(c, k_methods, 1);
+  return sp_coord_base_add_methods(c, k_methods, 1);
 }
 
 void sp_coord_events_shutdown(sp_coord *c) {

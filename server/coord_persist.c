@@ -19,13 +19,16 @@
  * Without a state dir every function here is a pass-through: answers go
  * out at once and nothing is recorded.
  */
+#include "coord_persist.h"
+
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_alerts.h" /* how many alerts are read back */
+#include "coord_base.h"
 #include "coord_db.h"
-#include "coordinator.h"
 
 /* Rank snapshots (step, states) are written on this period, not per
  * transition: ingest must not pay a database row per event. */
@@ -44,6 +47,7 @@ struct sp_coord_persist {
   pending *q;
   size_t n, cap;
   uv_close_cb closed;
+  sp_coord_persist_hooks hooks;
   bool started; /* the handles exist (from listen on) */
   uint64_t commits, writes; /* for the log at shutdown */
 };
@@ -52,7 +56,7 @@ static sp_coord_db *db_of(const sp_coord *c) {
   return c->persist != NULL ? c->persist->db : NULL;
 }
 
-bool sp_coord_durable(const sp_coord *c) { return db_of(c) != NULL; }
+bool sp_coord_persist_durable(const sp_coord *c) { return db_of(c) != NULL; }
 
 /* Sends (or fails) every kept answer, in the order they were made. */
 static void flush_answers(sp_coord_persist *p, int code, const char *msg) {
@@ -86,7 +90,7 @@ static void commit_now(sp_coord *c) {
       sp_coord_db_rollback(p->db);
       code = SP_RPC_UNAVAILABLE;
       snprintf(msg, sizeof msg, "%s", d.msg);
-      sp_coord_log(c, "%s", d.msg);
+      sp_coord_base_log(c, "%s", d.msg);
     } else {
       p->commits++;
     }
@@ -98,10 +102,11 @@ static void on_commit(uv_prepare_t *h) { commit_now(h->data); }
 
 static void on_snapshot(uv_timer_t *t) {
   sp_coord *c = t->data;
-  sp_coord_ranks_snapshot(c);
+  c->persist->hooks.snapshot(c);
 }
 
-int sp_coord_reply(sp_coord *c, sp_rpc_call *call, const ProtobufCMessage *m) {
+int sp_coord_persist_reply(sp_coord *c, sp_rpc_call *call,
+                           const ProtobufCMessage *m) {
   sp_coord_persist *p = c->persist;
   if (p == NULL || !sp_coord_db_in_txn(p->db))
     return sp_rpc_call_reply(call, m);
@@ -137,7 +142,7 @@ void sp_coord_persist_forget(sp_coord *c, sp_rpc_call *call) {
 
 /* A write that could not be written down: the caller answers INTERNAL. */
 static int write_failed(sp_coord *c, int rc) {
-  sp_coord_log(c, "%s", sp_coord_db_error(c->persist->db));
+  sp_coord_base_log(c, "%s", sp_coord_db_error(c->persist->db));
   return rc;
 }
 
@@ -148,7 +153,7 @@ int sp_coord_persist_key(sp_coord *c, const char *key, size_t klen) {
   const uint8_t *v;
   size_t n;
   uint64_t ver;
-  int rc = sp_store_get(c->store, key, klen, &v, &n, &ver) == 0
+  int rc = sp_kvstore_get(c->store, key, klen, &v, &n, &ver) == 0
                ? sp_coord_db_put_key(db, key, klen, v, n, ver)
                : sp_coord_db_del_key(db, key, klen);
   return rc != 0 ? write_failed(c, rc) : 0;
@@ -168,7 +173,7 @@ int sp_coord_persist_replay(sp_coord *c, sp_rpc_call *call, const char *id) {
     }
     return 0;
   }
-  sp_coord_log(c, "request %.80s answered again from the state dir", id);
+  sp_coord_base_log(c, "request %.80s answered again from the state dir", id);
   /* it may have been written in this very iteration: answer after commit */
   sp_coord_persist *p = c->persist;
   if (sp_coord_db_in_txn(db)) {
@@ -214,7 +219,7 @@ int sp_coord_persist_answer(sp_coord *c, sp_rpc_call *call, const char *id,
       return rc;
     }
   }
-  return sp_coord_reply(c, call, m);
+  return sp_coord_persist_reply(c, call, m);
 }
 
 int sp_coord_persist_rank(sp_coord *c, const sp_coord_db_rank *r) {
@@ -250,38 +255,27 @@ static int restore_key(void *arg, const uint8_t *k, size_t kl,
   if (kl > SP_COORD_MAX_KEY || vl > SP_COORD_MAX_VALUE || ver == 0 ||
       memchr(k, 0, kl) != NULL)
     return SP_EFORMAT;
-  return sp_store_restore(c->store, k, kl, v, vl, ver);
+  return sp_kvstore_restore(c->store, k, kl, v, vl, ver);
 }
 
 static int restore_rank(void *arg, const sp_coord_db_rank *r) {
-  return sp_coord_ranks_restore(arg, r);
+  sp_coord *c = arg;
+  return c->persist->hooks.rank(c, r);
 }
 
 static int restore_alert(void *arg, uint32_t rank, int kind, const char *msg,
                          size_t len, uint64_t time_ms) {
   sp_coord *c = arg;
-  if (len > SP_DIAG_MAX) return SP_EFORMAT;
-  size_t i = c->recent_next;
-  free(c->recent_msg[i]);
-  c->recent_msg[i] = sp_strdup(msg);
-  shardplane__v1__alert__init(&c->recent[i]);
-  c->recent[i].rank = rank;
-  c->recent[i].message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
-  c->recent[i].time_ms = time_ms;
-  /* a kind this build does not know reads as unknown */
-  c->recent[i].kind = protobuf_c_enum_descriptor_get_value(
-                          &shardplane__v1__alert_kind__descriptor, kind)
-                          ? (Shardplane__V1__AlertKind)kind
-                          : SHARDPLANE__V1__ALERT_KIND__ALERT_KIND_UNKNOWN;
-  c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
-  return 0;
+  return c->persist->hooks.alert(c, rank, kind, msg, len, time_ms);
 }
 
 static int restore_incarnation(void *arg, const sp_coord_db_incarnation *r) {
-  return sp_coord_agents_restore(arg, r);
+  sp_coord *c = arg;
+  return c->persist->hooks.incarnation(c, r);
 }
 
-static int restore(sp_coord *c, sp_diag *d) {
+/* Fills *n_alerts with the count of every alert logged. */
+static int restore(sp_coord *c, uint64_t *n_alerts, sp_diag *d) {
   sp_coord_db *db = c->persist->db;
   int rc = sp_coord_db_each_key(db, restore_key, c, d);
   if (rc == SP_EFORMAT || rc == SP_ETOOBIG)
@@ -294,8 +288,9 @@ static int restore(sp_coord *c, sp_diag *d) {
                   sp_coord_db_dir(db));
     return rc;
   }
-  rc = sp_coord_db_each_alert(db, SP_COORD_RECENT_ALERTS, restore_alert, c,
-                              &c->n_alerts, d);
+  rc = sp_coord_db_each_alert(db, SP_COORD_ALERTS_RECENT, restore_alert, c,
+                              n_alerts, d);
+  c->persist->hooks.alerts_counted(c, *n_alerts);
   if (rc == SP_EFORMAT)
     sp_diag_set(d, rc, "state dir %s: an alert row out of bounds",
                 sp_coord_db_dir(db));
@@ -307,7 +302,8 @@ static int restore(sp_coord *c, sp_diag *d) {
   return rc;
 }
 
-int sp_coord_persist_open(sp_coord *c, sp_diag *d) {
+int sp_coord_persist_open(sp_coord *c, const sp_coord_persist_hooks *h,
+                          sp_diag *d) {
   if (c->cfg.state_dir == NULL) return 0;
   sp_coord_persist *p = calloc(1, sizeof *p);
   if (p == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
@@ -322,17 +318,19 @@ int sp_coord_persist_open(sp_coord *c, sp_diag *d) {
     free(p);
     return rc;
   }
+  p->hooks = *h;
   c->persist = p;
   if (!fresh) {
-    if ((rc = restore(c, d)) != 0) return rc;
-    sp_store_stats st;
-    sp_store_get_stats(c->store, &st);
-    sp_coord_log(c,
-                 "continuing the job from state dir %s: %zu store keys, "
-                 "%" PRIu64 " alerts",
-                 c->cfg.state_dir, st.keys, c->n_alerts);
+    uint64_t n_alerts = 0;
+    if ((rc = restore(c, &n_alerts, d)) != 0) return rc;
+    sp_kvstore_stats st;
+    sp_kvstore_get_stats(c->store, &st);
+    sp_coord_base_log(c,
+                      "continuing the job from state dir %s: %zu store keys, "
+                      "%" PRIu64 " alerts",
+                      c->cfg.state_dir, st.keys, n_alerts);
   } else {
-    sp_coord_log(c, "new state dir %s", c->cfg.state_dir);
+    sp_coord_base_log(c, "new state dir %s", c->cfg.state_dir);
   }
   return 0;
 }
@@ -364,11 +362,11 @@ bool sp_coord_persist_shutdown(sp_coord *c, uv_close_cb closed) {
   sp_coord_persist *p = c->persist;
   if (p == NULL) return false;
   /* the last snapshot and every answer still kept go out now */
-  sp_coord_ranks_snapshot(c);
+  p->hooks.snapshot(c);
   commit_now(c);
-  sp_coord_log(c, "state dir %s: %" PRIu64 " store writes in %" PRIu64
-               " commits",
-               sp_coord_db_dir(p->db), p->writes, p->commits);
+  sp_coord_base_log(
+      c, "state dir %s: %" PRIu64 " store writes in %" PRIu64 " commits",
+      sp_coord_db_dir(p->db), p->writes, p->commits);
   if (!p->started) return false;
   p->closed = closed;
   uv_prepare_stop(&p->commit);
@@ -381,7 +379,7 @@ void sp_coord_persist_free(sp_coord *c) {
   sp_coord_persist *p = c->persist;
   if (p == NULL) return;
   if (sp_coord_db_in_txn(p->db) && sp_coord_db_commit(p->db, NULL) != 0)
-    sp_coord_log(c, "%s", sp_coord_db_error(p->db));
+    sp_coord_base_log(c, "%s", sp_coord_db_error(p->db));
   /* answers never sent: their calls went with the server */
   for (size_t i = 0; i < p->n; i++) free(p->q[i].data);
   free(p->q);

@@ -1,11 +1,16 @@
 /* Plan and model queries: GetJob, GetPlan, LocateParam, ListModules,
  * ListBuffers, GetModelSpec. All answers come from the immutable plan, so handlers are
  * plain functions of the request. */
+#include "coord_plan.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "coordinator.h"
+#include "coord_alerts.h"
+#include "coord_base.h"
+#include "coord_ranks.h"
+#include "coord_verdict.h"
 #include "plan/memory.h"
 
 typedef Shardplane__V1__DType PDType;
@@ -106,7 +111,7 @@ static void on_get_job(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__GetJobResponse r = SHARDPLANE__V1__GET_JOB_RESPONSE__INIT;
   Shardplane__V1__RankSummary rs = SHARDPLANE__V1__RANK_SUMMARY__INIT;
   uint32_t by_state[SP_STATE_MAX + 1] = {0};
-  sp_coord_rank_summary(c, &rs, by_state, SP_ROOT_SUMMON_FULL_PARAMS + 1);
+  sp_coord_ranks_summary(c, &rs, by_state, SP_ROOT_SUMMON_FULL_PARAMS + 1);
   r.model_name = c->model->name;
   r.plan_version = (char *)pl->version_hex;
   r.job = job_msg(&a, &c->job);
@@ -118,21 +123,13 @@ static void on_get_job(sp_rpc_call *call, const ProtobufCMessage *msg,
   for (size_t i = 0; i < c->model->n_params; i++)
     r.total_numel += c->model->params[i].numel;
   r.ranks = &rs;
-  r.alerts = (uint32_t)c->n_alerts;
-  Shardplane__V1__Alert *recent[SP_COORD_RECENT_ALERTS];
-  size_t n = c->n_alerts < SP_COORD_RECENT_ALERTS ? (size_t)c->n_alerts
-                                                  : SP_COORD_RECENT_ALERTS;
-  for (size_t i = 0; i < n; i++) {
-    /* oldest first */
-    size_t idx = (c->recent_next + SP_COORD_RECENT_ALERTS - n + i) %
-                 SP_COORD_RECENT_ALERTS;
-    recent[i] = &c->recent[idx];
-  }
-  r.n_recent_alerts = n;
+  r.alerts = (uint32_t)sp_coord_alerts_total(c);
+  Shardplane__V1__Alert *recent[SP_COORD_ALERTS_RECENT];
+  r.n_recent_alerts = sp_coord_alerts_recent(c, recent, SP_COORD_ALERTS_RECENT);
   r.recent_alerts = recent;
-  r.uptime_ms = sp_coord_now_ms(c);
+  r.uptime_ms = sp_coord_base_now_ms(c);
   Shardplane__V1__Progress progress;
-  sp_coord_diag_job(c, &r, &progress);
+  sp_coord_verdict_job(c, &r, &progress);
   reply(call, &a, &r.base);
   arena_free(&a);
 }
@@ -312,8 +309,8 @@ static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
   const sp_plan *pl = c->plan;
   const Shardplane__V1__GetPlanRequest *q =
       (const Shardplane__V1__GetPlanRequest *)msg;
-  if (!sp_coord_text_ok(call, "GetPlanRequest", "unit_fqn", q->unit_fqn,
-                        SP_COORD_MAX_NAME))
+  if (!sp_coord_base_text_ok(call, "GetPlanRequest", "unit_fqn", q->unit_fqn,
+                             SP_COORD_MAX_NAME))
     return;
   if (q->by_rank && q->rank >= pl->world_size) {
     sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
@@ -393,8 +390,8 @@ static void on_locate(sp_rpc_call *call, const ProtobufCMessage *msg,
   const sp_plan *pl = c->plan;
   const Shardplane__V1__LocateParamRequest *q =
       (const Shardplane__V1__LocateParamRequest *)msg;
-  if (!sp_coord_text_ok(call, "LocateParamRequest", "fqn", q->fqn,
-                        SP_COORD_MAX_NAME))
+  if (!sp_coord_base_text_ok(call, "LocateParamRequest", "fqn", q->fqn,
+                             SP_COORD_MAX_NAME))
     return;
   sp_param_location loc;
   if (sp_plan_locate(pl, q->fqn, &loc) != 0) {
@@ -472,10 +469,10 @@ static void on_list_modules(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__ListModulesRequest *q =
       (const Shardplane__V1__ListModulesRequest *)msg;
   size_t start, count;
-  if (!sp_coord_text_ok(call, "ListModulesRequest", "prefix", q->prefix,
-                        SP_COORD_MAX_NAME) ||
-      !sp_coord_text_ok(call, "ListModulesRequest", "page_token", q->page_token,
-                        SP_COORD_MAX_PAGE_TOKEN))
+  if (!sp_coord_base_text_ok(call, "ListModulesRequest", "prefix", q->prefix,
+                             SP_COORD_MAX_NAME) ||
+      !sp_coord_base_text_ok(call, "ListModulesRequest", "page_token",
+                             q->page_token, SP_COORD_MAX_PAGE_TOKEN))
     return;
   if (parse_page(call, q->page_token, q->page_size, m->n_modules, &start,
                  &count) != 0)
@@ -532,10 +529,10 @@ static void on_list_buffers(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__ListBuffersRequest *q =
       (const Shardplane__V1__ListBuffersRequest *)msg;
   size_t start, count;
-  if (!sp_coord_text_ok(call, "ListBuffersRequest", "prefix", q->prefix,
-                        SP_COORD_MAX_NAME) ||
-      !sp_coord_text_ok(call, "ListBuffersRequest", "page_token", q->page_token,
-                        SP_COORD_MAX_PAGE_TOKEN))
+  if (!sp_coord_base_text_ok(call, "ListBuffersRequest", "prefix", q->prefix,
+                             SP_COORD_MAX_NAME) ||
+      !sp_coord_base_text_ok(call, "ListBuffersRequest", "page_token",
+                             q->page_token, SP_COORD_MAX_PAGE_TOKEN))
     return;
   if (parse_page(call, q->page_token, q->page_size, pl->n_buffers, &start,
                  &count) != 0)
@@ -610,6 +607,6 @@ static const sp_rpc_method k_methods[] = {
 };
 
 int sp_coord_plan_register(sp_coord *c) {
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }

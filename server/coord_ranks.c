@@ -1,13 +1,15 @@
 /* Ranks: Attach, Detach, the Session stream, ReportTransition, ListRanks,
- * heartbeat timeouts and alerts. Every reported transition is checked
- * against the FSDP state tables (common/plan/state.h). */
-#include <stdarg.h>
+ * Abort and the heartbeat timeouts. */
+#include "coord_ranks.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord_db.h"
-#include "coordinator.h"
+#include "coord_alerts.h"
+#include "coord_base.h"
+#include "coord_events.h"
+#include "coord_persist.h"
 
 #define SESSION_ID_LEN 32
 
@@ -86,8 +88,8 @@ static void new_session_id(sp_coord *c, char *out) {
   for (size_t i = 0; i < sizeof r; i++) snprintf(out + 2 * i, 3, "%02x", r[i]);
 }
 
-void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
-                           uint32_t *by_state, size_t n_states) {
+void sp_coord_ranks_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
+                            uint32_t *by_state, size_t n_states) {
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     const sp_coord_rank *k = &c->ranks[r];
     switch (k->status) {
@@ -106,77 +108,25 @@ void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
 
 static void persist_rank(sp_coord *c, uint32_t rank);
 
-void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *in,
-                       const char *msg) {
-  c->n_alerts++;
-  for (size_t j = 0; j < in->n_culprits; j++) {
-    uint32_t r = in->culprits[j];
+int sp_coord_ranks_alert_logged(sp_coord *c, void *user,
+                                const sp_coord_event *e) {
+  (void)user;
+  for (size_t j = 0; j < e->n_culprits; j++) {
+    uint32_t r = e->culprits[j];
     if (r >= c->plan->world_size) continue;
     sp_coord_rank *k = &c->ranks[r];
     k->alerts++;
     free(k->last_alert);
-    k->last_alert = sp_strdup(msg);
+    k->last_alert = sp_strdup(e->text);
   }
-  size_t i = c->recent_next;
-  free(c->recent_msg[i]);
-  free(c->recent_ranks[i]);
-  c->recent_msg[i] = sp_strdup(msg);
-  size_t nr = in->n_culprits + in->n_victims;
-  c->recent_ranks[i] = nr ? malloc(nr * sizeof(uint32_t)) : NULL;
-  Shardplane__V1__Alert *a = &c->recent[i];
-  shardplane__v1__alert__init(a);
-  a->rank = in->n_culprits ? in->culprits[0] : UINT32_MAX;
-  a->message = c->recent_msg[i] ? c->recent_msg[i] : (char *)"";
-  a->time_ms = sp_coord_now_ms(c);
-  a->kind = in->kind;
-  if (c->recent_ranks[i] != NULL) {
-    if (in->n_culprits) /* no culprit (a stall in the network): NULL */
-      memcpy(c->recent_ranks[i], in->culprits,
-             in->n_culprits * sizeof(uint32_t));
-    if (in->n_victims)
-      memcpy(c->recent_ranks[i] + in->n_culprits, in->victims,
-             in->n_victims * sizeof(uint32_t));
-    a->culprits = c->recent_ranks[i];
-    a->n_culprits = in->n_culprits;
-    a->victims = c->recent_ranks[i] + in->n_culprits;
-    a->n_victims = in->n_victims;
-  }
-  if (in->collective) {
-    c->recent_col[i] = *in->collective;
-    a->collective = &c->recent_col[i];
-  }
-  c->recent_next = (i + 1) % SP_COORD_RECENT_ALERTS;
-  sp_coord_persist_alert(c, a->rank, in->kind, msg, a->time_ms);
-  /* the ranks' counts go with the log entry, in the same transaction */
-  for (size_t j = 0; j < in->n_culprits; j++)
-    if (in->culprits[j] < c->plan->world_size)
-      persist_rank(c, in->culprits[j]);
-  const ProtobufCEnumValue *kn = protobuf_c_enum_descriptor_get_value(
-      &shardplane__v1__alert_kind__descriptor, in->kind);
-  if (a->rank == UINT32_MAX)
-    sp_coord_log(c, "alert %s: %s", kn ? kn->name : "?", msg);
-  else
-    sp_coord_log(c, "alert %s: rank %u: %s", kn ? kn->name : "?", a->rank, msg);
-  sp_coord_publish_alert(c, a);
+  /* the counts go with the log entry, in the same transaction */
+  for (size_t j = 0; j < e->n_culprits; j++)
+    if (e->culprits[j] < c->plan->world_size) persist_rank(c, e->culprits[j]);
+  return 0;
 }
 
-void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...) {
-  char msg[SP_DIAG_MAX];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  bool one = rank < c->plan->world_size;
-  sp_coord_alert_info in = {
-      .kind = one ? SHARDPLANE__V1__ALERT_KIND__ILLEGAL_TRANSITION
-                  : SHARDPLANE__V1__ALERT_KIND__ALERT_KIND_UNKNOWN,
-      .culprits = one ? &rank : NULL,
-      .n_culprits = one ? 1 : 0};
-  sp_coord_alert_ex(c, &in, msg);
-}
-
-void sp_coord_rank_get(const sp_coord *c, uint32_t rank,
-                       sp_coord_rank_view *v) {
+void sp_coord_ranks_get(const sp_coord *c, uint32_t rank,
+                        sp_coord_rank_view *v) {
   const sp_coord_rank *k = &c->ranks[rank];
   v->status = k->status;
   v->host = k->host;
@@ -187,11 +137,15 @@ void sp_coord_rank_get(const sp_coord *c, uint32_t rank,
   v->session = k->session;
 }
 
-int sp_coord_rank_status(const sp_coord *c, uint32_t rank) {
+int sp_coord_ranks_status(const sp_coord *c, uint32_t rank) {
   return c->ranks[rank].status;
 }
 
-uint64_t sp_coord_rank_step(const sp_coord *c, uint32_t rank) {
+bool sp_coord_ranks_attached(const sp_coord *c, uint32_t rank) {
+  return c->ranks[rank].status == SHARDPLANE__V1__RANK_STATUS__ATTACHED;
+}
+
+uint64_t sp_coord_ranks_step(const sp_coord *c, uint32_t rank) {
   return c->ranks[rank].step;
 }
 
@@ -231,7 +185,7 @@ static void session_finish(sp_rpc_call *s, int code, const char *msg) {
 /* Writes one rank's registration and snapshot down (a no-op without a
  * state dir); a failure is logged by the persist side. */
 static void persist_rank(sp_coord *c, uint32_t rank) {
-  if (!sp_coord_durable(c)) return;
+  if (!sp_coord_persist_durable(c)) return;
   sp_coord_rank *k = &c->ranks[rank];
   sp_coord_db_rank r = {.rank = rank,
                         .status = k->status,
@@ -282,7 +236,7 @@ int sp_coord_ranks_restore(sp_coord *c, const sp_coord_db_rank *r) {
   memcpy(k->st.units, r->units, r->n_units);
   k->alerts = k->snap_alerts = r->alerts;
   k->transitions = k->snap_transitions = r->transitions;
-  uint64_t now = sp_coord_now_ms(c);
+  uint64_t now = sp_coord_base_now_ms(c);
   k->last_heard_ms = now;
   if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
     uint32_t grace = c->cfg.reattach_grace_ms ? c->cfg.reattach_grace_ms : 60000;
@@ -303,8 +257,9 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
   set_status(c, k, SHARDPLANE__V1__RANK_STATUS__LOST);
   k->awaiting = false;
   persist_rank(c, rank);
-  sp_coord_log(c, "rank %u lost: %s", rank, why);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_LOST, rank, why, NULL);
+  sp_coord_base_log(c, "rank %u lost: %s", rank, why);
+  sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_LOST, rank, why,
+                          NULL);
   if (k->session != NULL) {
     sp_rpc_call *s = k->session;
     k->session = NULL;
@@ -313,9 +268,15 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
     session_finish(s, SP_RPC_ABORTED, msg);
   }
   if (c->shutting_down) return;
-  char reason[SP_DIAG_MAX];
+  char reason[SP_DIAG_MAX] = "";
   uint32_t culprit = rank;
-  sp_coord_diag_lost(c, rank, why, reason, sizeof reason, &culprit);
+  sp_coord_event e = {.kind = SP_COORD_EV_LOST,
+                      .rank = rank,
+                      .text = why,
+                      .out = reason,
+                      .cap = sizeof reason,
+                      .culprit = &culprit};
+  sp_coord_bus_announce(c, &e);
   broadcast_abort(c, rank, reason, culprit);
 }
 
@@ -348,7 +309,7 @@ static void discount_loop_pause(sp_coord *c, uint64_t now) {
 
 static void on_heartbeat_check(uv_timer_t *t) {
   sp_coord *c = t->data;
-  uint64_t now = sp_coord_now_ms(c);
+  uint64_t now = sp_coord_base_now_ms(c);
   discount_loop_pause(c, now);
 
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
@@ -405,14 +366,17 @@ static int apply_transition(sp_coord *c, uint32_t rank,
                                   t->state, &d);
   if (rc != 0) {
     snprintf(msg, cap, "rank %u: %s", rank, d.msg);
-    sp_coord_alert(c, rank, "%s", d.msg);
+    sp_coord_alerts_raisef(c, rank, "%s", d.msg);
     return SP_RPC_FAILED_PRECONDITION;
   }
   k->transitions++;
   if (t->step > k->step) k->step = t->step;
-  sp_coord_diag_transition(c, rank, t);
+  sp_coord_event e = {
+      .kind = SP_COORD_EV_TRANSITION, .rank = rank, .transition = t};
+  sp_coord_bus_announce(c, &e);
   if (c->watchers != NULL)
-    sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__TRANSITION, rank, NULL, t);
+    sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__TRANSITION, rank,
+                            NULL, t);
   return SP_RPC_OK;
 }
 
@@ -462,7 +426,7 @@ static int check_session(sp_coord *c, const sp_rpc_call *call, uint32_t rank,
  * answer outlives the coordinator, and a second Attach is refused. */
 static bool attach_retried(const sp_coord *c, const sp_coord_rank *k,
                            const Shardplane__V1__AttachRequest *q) {
-  return sp_coord_durable(c) &&
+  return sp_coord_persist_durable(c) &&
          (q->session_id == NULL || q->session_id[0] == '\0') &&
          k->session == NULL && k->pid == q->pid && k->host != NULL &&
          q->host != NULL && strcmp(k->host, q->host) == 0;
@@ -471,14 +435,14 @@ static bool attach_retried(const sp_coord *c, const sp_coord_rank *k,
 /* What a rank registers is kept and shown: sizes checked, not cut. */
 static bool attach_fields_ok(sp_rpc_call *call,
                              const Shardplane__V1__AttachRequest *q) {
-  return sp_coord_text_ok(call, "AttachRequest", "host", q->host,
-                          SP_COORD_MAX_HOST) &&
-         sp_coord_text_ok(call, "AttachRequest", "device", q->device,
-                          SP_COORD_MAX_DEVICE) &&
-         sp_coord_text_ok(call, "AttachRequest", "plan_version",
-                          q->plan_version, SP_COORD_MAX_VERSION) &&
-         sp_coord_text_ok(call, "AttachRequest", "session_id", q->session_id,
-                          SP_COORD_MAX_SESSION_ID);
+  return sp_coord_base_text_ok(call, "AttachRequest", "host", q->host,
+                               SP_COORD_MAX_HOST) &&
+         sp_coord_base_text_ok(call, "AttachRequest", "device", q->device,
+                               SP_COORD_MAX_DEVICE) &&
+         sp_coord_base_text_ok(call, "AttachRequest", "plan_version",
+                               q->plan_version, SP_COORD_MAX_VERSION) &&
+         sp_coord_base_text_ok(call, "AttachRequest", "session_id",
+                               q->session_id, SP_COORD_MAX_SESSION_ID);
 }
 
 static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -520,7 +484,11 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
     return;
   }
   char ended[SP_DIAG_MAX];
-  if (sp_coord_diag_refuse_attach(c, ended, sizeof ended)) {
+  sp_coord_event may = {.kind = SP_COORD_EV_ATTACHING,
+                        .rank = q->rank,
+                        .out = ended,
+                        .cap = sizeof ended};
+  if (sp_coord_bus_announce(c, &may) != 0) {
     sp_rpc_call_finish(call, SP_RPC_FAILED_PRECONDITION, ended);
     return;
   }
@@ -555,7 +523,7 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   replace_str(&k->host, q->host, SP_COORD_MAX_HOST);
   replace_str(&k->device, q->device, SP_COORD_MAX_DEVICE);
   k->pid = q->pid;
-  k->last_heard_ms = sp_coord_now_ms(c);
+  k->last_heard_ms = sp_coord_base_now_ms(c);
   /* the session id must be on disk before the worker may use it */
   persist_rank(c, q->rank);
   Shardplane__V1__AttachResponse r = SHARDPLANE__V1__ATTACH_RESPONSE__INIT;
@@ -563,15 +531,18 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.plan_version = (char *)pl->version_hex;
   r.heartbeat_interval_ms = c->cfg.heartbeat_interval_ms;
   r.heartbeat_timeout_ms = c->cfg.heartbeat_timeout_ms;
-  r.durable = sp_coord_durable(c);
-  sp_coord_reply(c, call, &r.base);
+  r.durable = sp_coord_persist_durable(c);
+  sp_coord_persist_reply(c, call, &r.base);
   char what[400];
   snprintf(what, sizeof what, "%s from %s pid %u device %s",
            reattach ? "reattached" : "attached", k->host, k->pid, k->device);
-  sp_coord_log(c, "rank %u %s", q->rank, what);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, q->rank, what,
-                   NULL);
-  if (!reattach) sp_coord_diag_attached(c, q->rank);
+  sp_coord_base_log(c, "rank %u %s", q->rank, what);
+  sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, q->rank,
+                          what, NULL);
+  if (!reattach) {
+    sp_coord_event e = {.kind = SP_COORD_EV_ATTACHED, .rank = q->rank};
+    sp_coord_bus_announce(c, &e);
+  }
 }
 
 static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -605,13 +576,15 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
     session_finish(s, SP_RPC_OK, "detached");
   }
   Shardplane__V1__DetachResponse r = SHARDPLANE__V1__DETACH_RESPONSE__INIT;
-  sp_coord_reply(c, call, &r.base);
-  if (forced) sp_coord_log(c, "rank %u detached by token \"%s\"", q->rank,
-                           p->name);
-  else sp_coord_log(c, "rank %u detached", q->rank);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
-                   "detached", NULL);
-  sp_coord_diag_detached(c, q->rank);
+  sp_coord_persist_reply(c, call, &r.base);
+  if (forced)
+    sp_coord_base_log(c, "rank %u detached by token \"%s\"", q->rank, p->name);
+  else
+    sp_coord_base_log(c, "rank %u detached", q->rank);
+  sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_DETACHED, q->rank,
+                          "detached", NULL);
+  sp_coord_event e = {.kind = SP_COORD_EV_DETACHED, .rank = q->rank};
+  sp_coord_bus_announce(c, &e);
 }
 
 static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -628,7 +601,7 @@ static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
     snprintf(err, sizeof err, "transition is required");
   }
   if (code == SP_RPC_OK) {
-    c->ranks[q->rank].last_heard_ms = sp_coord_now_ms(c);
+    c->ranks[q->rank].last_heard_ms = sp_coord_base_now_ms(c);
     code = apply_transition(c, q->rank, q->transition, err, sizeof err);
   }
   if (code != SP_RPC_OK) {
@@ -674,11 +647,32 @@ static int resync(sp_coord *c, uint32_t rank, const Shardplane__V1__SessionUp *q
            "reattached its session at step %llu (%llu events not delivered "
            "while away)",
            (unsigned long long)q->step, (unsigned long long)q->gap);
-  sp_coord_log(c, "rank %u %s", rank, what);
-  sp_coord_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, rank, what,
-                   NULL);
+  sp_coord_base_log(c, "rank %u %s", rank, what);
+  sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_ATTACHED, rank,
+                          what, NULL);
   persist_rank(c, rank);
   return SP_RPC_OK;
+}
+
+/* A message read, in the order the diagnosis reads it: its figures, each
+ * collective (all read at one instant), then what comes after them (the
+ * flight record it may carry, the step it may have closed). */
+static void announce_up(sp_coord *c, uint32_t rank,
+                        const Shardplane__V1__SessionUp *q) {
+  sp_coord_event e = {.kind = SP_COORD_EV_SESSION_UP, .rank = rank, .up = q};
+  sp_coord_bus_announce(c, &e);
+  if (q->n_collectives > 0) {
+    sp_coord_event x = {.kind = SP_COORD_EV_COLLECTIVE,
+                        .rank = rank,
+                        .up = q,
+                        .now_ms = sp_coord_base_now_ms(c)};
+    for (size_t i = 0; i < q->n_collectives; i++) {
+      x.collective = q->collectives[i];
+      sp_coord_bus_announce(c, &x);
+    }
+  }
+  e.kind = SP_COORD_EV_SESSION_UP_DONE;
+  sp_coord_bus_announce(c, &e);
 }
 
 static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -720,7 +714,7 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   if (!ctx->bound) return; /* the rank was marked lost or detached */
   sp_coord_rank *k = &c->ranks[ctx->rank];
-  k->last_heard_ms = sp_coord_now_ms(c);
+  k->last_heard_ms = sp_coord_base_now_ms(c);
   if (q->step > k->step) k->step = q->step;
   Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
   Shardplane__V1__Rejection rej[8];
@@ -748,7 +742,7 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     k->last_coll.dtype = (uint8_t)col->dtype;
     k->last_coll.set = true;
   }
-  sp_coord_diag_session_up(c, ctx->rank, q);
+  announce_up(c, ctx->rank, q);
   if (!ctx->bound) return; /* a verdict ended the session meanwhile */
   d.acked_seq = q->seq;
   /* acknowledge every message: the worker bounds what it has in flight */
@@ -799,7 +793,7 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
       (q->with_unit_states && states == NULL)) {
     sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
   } else {
-    uint64_t now = sp_coord_now_ms(c);
+    uint64_t now = sp_coord_base_now_ms(c);
     for (uint32_t i = 0; i < w; i++) {
       const sp_coord_rank *k = &c->ranks[first + i];
       Shardplane__V1__RankInfo *x = &infos[i];
@@ -832,7 +826,9 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
       x->alerts = k->alerts;
       x->last_alert = k->last_alert ? k->last_alert : (char *)"";
       x->transitions = k->transitions;
-      sp_coord_diag_rank_info(c, first + i, x);
+      sp_coord_event e = {
+          .kind = SP_COORD_EV_RANK_INFO, .rank = first + i, .info = x};
+      sp_coord_bus_announce(c, &e);
       ptrs[i] = x;
     }
     r.n_ranks = w;
@@ -845,7 +841,10 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(states);
 }
 
-void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why) {
+int sp_coord_ranks_new_incarnation(sp_coord *c, void *user,
+                                   const sp_coord_event *e) {
+  (void)user;
+  const char *why = e->text;
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];
     if (k->session != NULL) { /* a worker of the ended incarnation */
@@ -867,10 +866,11 @@ void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why) {
   free(c->abort_reason);
   c->abort_reason = NULL;
   c->abort_has_culprit = false;
+  return 0;
 }
 
-uint32_t sp_coord_abort_all(sp_coord *c, const char *reason, bool has_culprit,
-                            uint32_t culprit) {
+uint32_t sp_coord_ranks_abort_all(sp_coord *c, const char *reason,
+                                  bool has_culprit, uint32_t culprit) {
   if (c->abort_reason == NULL) {
     c->abort_reason = sp_strdup(reason);
     c->abort_has_culprit = has_culprit;
@@ -897,12 +897,12 @@ static void on_abort(sp_rpc_call *call, const ProtobufCMessage *msg,
   snprintf(reason, sizeof reason, "job aborted%s%s%s%s%.200s",
            p ? " by token \"" : "", p ? p->name : "", p ? "\"" : "",
            q->reason && q->reason[0] ? ": " : "", q->reason ? q->reason : "");
-  sp_coord_log(c, "%s", reason);
+  sp_coord_base_log(c, "%s", reason);
   Shardplane__V1__AbortResponse r = SHARDPLANE__V1__ABORT_RESPONSE__INIT;
-  r.sessions = sp_coord_abort_all(c, reason, false, 0);
-  sp_coord_alert(c, UINT32_MAX, "%s", reason);
-  sp_coord_diag_aborted(c, reason);
-  sp_coord_dump_write(c, reason);
+  r.sessions = sp_coord_ranks_abort_all(c, reason, false, 0);
+  sp_coord_alerts_raisef(c, UINT32_MAX, "%s", reason);
+  sp_coord_event e = {.kind = SP_COORD_EV_ABORTED, .text = reason};
+  sp_coord_bus_announce(c, &e);
   sp_rpc_call_reply(call, &r.base);
 }
 
@@ -923,8 +923,8 @@ static const sp_rpc_method k_methods[] = {
 };
 
 int sp_coord_ranks_register(sp_coord *c) {
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }
 
 int sp_coord_ranks_init(sp_coord *c) {
@@ -936,7 +936,7 @@ int sp_coord_ranks_init(sp_coord *c) {
     int rc = sp_state_tracker_init(&c->ranks[r].st, c->plan->n_units, NULL);
     if (rc != 0) return rc;
   }
-  return sp_coord_diag_init(c);
+  return 0;
 }
 
 void sp_coord_ranks_start(sp_coord *c) {
@@ -945,7 +945,7 @@ void sp_coord_ranks_start(sp_coord *c) {
   c->heartbeat_started = true;
   uint64_t every = heartbeat_period_ms(c);
   uv_update_time(c->loop); /* listen may come long after the loop ran */
-  c->hb_last_check_ms = sp_coord_now_ms(c);
+  c->hb_last_check_ms = sp_coord_base_now_ms(c);
   uv_timer_start(&c->heartbeat_timer, on_heartbeat_check, every, every);
 }
 
@@ -967,7 +967,6 @@ void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed) {
 }
 
 void sp_coord_ranks_free(sp_coord *c) {
-  sp_coord_diag_free(c);
   if (c->ranks == NULL) return;
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];

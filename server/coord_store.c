@@ -1,5 +1,5 @@
 /* Store service: StoreSet, StoreGet, StoreAdd, StoreCompareSet,
- * StoreDelete, StoreWait, over server/store.c.
+ * StoreDelete, StoreWait, over server/kvstore.c.
  *
  * Status codes (validation in Redis's order: a malformed request first,
  * then the limits, then the store's own answer):
@@ -32,11 +32,14 @@
  * loop iteration's transaction committed; StoreAdd and StoreCompareSet
  * with a request id already seen are answered from the record.
  */
+#include "coord_store.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "coordinator.h"
+#include "coord_base.h"
+#include "coord_persist.h"
 
 /* TCPStore's cap on keys per multi-key command. */
 #define SP_COORD_STORE_MAX_WAIT_KEYS (128u << 10)
@@ -50,7 +53,7 @@ typedef struct sp_coord_store_wait store_wait;
 struct sp_coord_store_wait {
   sp_coord *c;
   sp_rpc_call *call;
-  sp_store_waiter *w; /* NULL while its callback runs */
+  sp_kvstore_waiter *w; /* NULL while its callback runs */
   store_wait *prev, *next;
   size_t klen; /* StoreGet: the key to answer with; 0 for StoreWait */
   char key[];
@@ -159,10 +162,10 @@ static bool write_refused(sp_rpc_call *call, const char *key, size_t klen,
   const sp_rpc_principal *p = sp_rpc_call_principal(call);
   if (p == NULL) return false;
   char msg[SP_RPC_STATUS_MESSAGE_MAX];
-  int code = sp_auth_store_may_write(p, key, msg, sizeof msg);
+  int code = sp_coord_auth_store_may_write(p, key, msg, sizeof msg);
   if (code == SP_RPC_OK && vlen != SIZE_MAX)
-    code = sp_auth_quota_check(coord_of(call)->auth, p, key, klen, vlen, msg,
-                               sizeof msg);
+    code = sp_coord_auth_quota_check(coord_of(call)->auth, p, key, klen, vlen,
+                                     msg, sizeof msg);
   if (code == SP_RPC_OK) return false;
   sp_rpc_call_finish(call, code, msg);
   return true;
@@ -172,8 +175,8 @@ static bool write_refused(sp_rpc_call *call, const char *key, size_t klen,
  * memory here only leaves the key unaccounted; the write itself stands. */
 static void wrote(sp_rpc_call *call, const char *key, size_t klen,
                   size_t vlen) {
-  (void)sp_auth_quota_wrote(coord_of(call)->auth, sp_rpc_call_principal(call),
-                            key, klen, vlen);
+  (void)sp_coord_auth_quota_wrote(coord_of(call)->auth,
+                                  sp_rpc_call_principal(call), key, klen, vlen);
 }
 
 static ProtobufCBinaryData bytes_of(const uint8_t *p, size_t n) {
@@ -197,15 +200,15 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__StoreSetResponse r = SHARDPLANE__V1__STORE_SET_RESPONSE__INIT;
   /* Waiting calls released by this set are answered inside it. */
   sp_coord *c = coord_of(call);
-  int rc = sp_store_set(c->store, q->key, klen, q->value.data, q->value.len,
-                        &r.version);
+  int rc = sp_kvstore_set(c->store, q->key, klen, q->value.data, q->value.len,
+                          &r.version);
   if (rc == 0) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
     return;
   }
   wrote(call, q->key, klen, q->value.len);
-  sp_coord_reply(c, call, &r.base);
+  sp_coord_persist_reply(c, call, &r.base);
 }
 
 /* ---- StoreGet --------------------------------------------------------- */
@@ -217,21 +220,21 @@ static void answer_get(sp_coord *c, sp_rpc_call *call, const uint8_t *v,
   r.found = true;
   r.value = bytes_of(v, n);
   r.version = version;
-  sp_coord_reply(c, call, &r.base);
+  sp_coord_persist_reply(c, call, &r.base);
 }
 
 static void get_ready(void *arg) {
   store_wait *r = arg;
-  sp_store *st = r->c->store;
+  sp_kvstore *st = r->c->store;
   r->w = NULL; /* the store frees it when this returns */
   const uint8_t *v;
   size_t n;
   uint64_t ver;
-  if (sp_store_get(st, r->key, r->klen, &v, &n, &ver) != 0) {
+  if (sp_kvstore_get(st, r->key, r->klen, &v, &n, &ver) != 0) {
     /* A callback earlier in the same pass deleted it again: a GET that
      * waits answers with a value, so wait for the next one. */
     const void *k = r->key;
-    int rc = sp_store_wait(st, &k, &r->klen, 1, get_ready, r, &r->w);
+    int rc = sp_kvstore_wait(st, &k, &r->klen, 1, get_ready, r, &r->w);
     if (rc == 0) return;
     waits_remove(r);
     sp_rpc_call_set_user(r->call, NULL);
@@ -261,7 +264,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   const uint8_t *v;
   size_t n;
   uint64_t ver;
-  int rc = sp_store_get(c->store, q->key, klen, &v, &n, &ver);
+  int rc = sp_kvstore_get(c->store, q->key, klen, &v, &n, &ver);
   if (rc == 0) {
     answer_get(c, call, v, n, ver);
     return;
@@ -273,7 +276,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (!q->wait) {
     Shardplane__V1__StoreGetResponse r =
         SHARDPLANE__V1__STORE_GET_RESPONSE__INIT;
-    sp_coord_reply(c, call, &r.base);
+    sp_coord_persist_reply(c, call, &r.base);
     return;
   }
   if (refuse_if_stopping(call)) return;
@@ -285,7 +288,7 @@ static void on_get(sp_rpc_call *call, const ProtobufCMessage *msg,
   *r = (store_wait){.c = c, .call = call, .klen = klen};
   memcpy(r->key, q->key, klen + 1);
   const void *k = r->key;
-  rc = sp_store_wait(c->store, &k, &r->klen, 1, get_ready, r, &r->w);
+  rc = sp_kvstore_wait(c->store, &k, &r->klen, 1, get_ready, r, &r->w);
   if (rc != 0) {
     /* 1 cannot happen (the key was just absent and nothing ran since) */
     if (rc == 1)
@@ -308,7 +311,7 @@ static void wait_ready(void *arg) {
   sp_rpc_call_set_user(r->call, NULL);
   Shardplane__V1__StoreWaitResponse resp =
       SHARDPLANE__V1__STORE_WAIT_RESPONSE__INIT;
-  sp_coord_reply(r->c, r->call, &resp.base);
+  sp_coord_persist_reply(r->c, r->call, &resp.base);
   free(r);
 }
 
@@ -334,7 +337,7 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__StoreWaitResponse resp =
       SHARDPLANE__V1__STORE_WAIT_RESPONSE__INIT;
   if (n == 0) { /* every one of no keys exists */
-    sp_coord_reply(c, call, &resp.base);
+    sp_coord_persist_reply(c, call, &resp.base);
     return;
   }
   size_t *klens = malloc(n * sizeof *klens);
@@ -353,13 +356,14 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (c->shutting_down) {
     /* No new waiter now: answer only if there is nothing to wait for. */
     for (size_t i = 0; i < n; i++)
-      if (sp_store_get(c->store, q->keys[i], klens[i], NULL, NULL, NULL) != 0) {
+      if (sp_kvstore_get(c->store, q->keys[i], klens[i], NULL, NULL,
+                         NULL) != 0) {
         free(klens);
         refuse_if_stopping(call);
         return;
       }
     free(klens);
-    sp_coord_reply(c, call, &resp.base);
+    sp_coord_persist_reply(c, call, &resp.base);
     return;
   }
   store_wait *r = malloc(sizeof *r);
@@ -370,12 +374,12 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   *r = (store_wait){.c = c, .call = call};
   /* The store copies what it keeps, so the request's strings will do. */
-  int rc = sp_store_wait(c->store, (const void *const *)q->keys, klens, n,
-                         wait_ready, r, &r->w);
+  int rc = sp_kvstore_wait(c->store, (const void *const *)q->keys, klens, n,
+                           wait_ready, r, &r->w);
   free(klens);
   if (rc == 1) { /* all there already */
     free(r);
-    sp_coord_reply(c, call, &resp.base);
+    sp_coord_persist_reply(c, call, &resp.base);
     return;
   }
   if (rc != 0) {
@@ -397,7 +401,7 @@ static void on_cancel(sp_rpc_call *call, int code) {
   sp_rpc_call_set_user(call, NULL);
   /* r->w may be NULL if this runs from inside r's own callback (a reply
    * that fails synchronously); the store then frees it itself. */
-  if (r->w != NULL) sp_store_cancel_wait(r->c->store, r->w);
+  if (r->w != NULL) sp_kvstore_cancel_wait(r->c->store, r->w);
   waits_remove(r);
   free(r);
 }
@@ -418,8 +422,8 @@ static void on_add(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord *c = coord_of(call);
   if (sp_coord_persist_replay(c, call, q->request_id)) return;
   Shardplane__V1__StoreAddResponse r = SHARDPLANE__V1__STORE_ADD_RESPONSE__INIT;
-  int rc = sp_store_add(c->store, q->key, klen, q->delta, &r.value,
-                        &r.version);
+  int rc =
+      sp_kvstore_add(c->store, q->key, klen, q->delta, &r.value, &r.version);
   if (rc == 0) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
@@ -458,10 +462,10 @@ static void on_compare_set(sp_rpc_call *call, const ProtobufCMessage *msg,
   const uint8_t *v = NULL;
   size_t n = 0;
   bool swapped, found; /* protobuf_c_boolean is an int */
-  int rc = sp_store_compare_set(
-      c->store, q->key, klen, q->expected.data, q->expected.len,
-      q->expect_absent, q->desired.data, q->desired.len, &swapped, &v, &n,
-      &found, &r.version);
+  int rc = sp_kvstore_compare_set(c->store, q->key, klen, q->expected.data,
+                                  q->expected.len, q->expect_absent,
+                                  q->desired.data, q->desired.len, &swapped, &v,
+                                  &n, &found, &r.version);
   if (rc != 0) {
     fail(call, rc, q->key);
     return;
@@ -494,15 +498,15 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
       SHARDPLANE__V1__STORE_DELETE_RESPONSE__INIT;
   bool deleted;
   sp_coord *c = coord_of(call);
-  int rc = sp_store_delete(c->store, q->key, klen, &deleted);
+  int rc = sp_kvstore_delete(c->store, q->key, klen, &deleted);
   if (rc == 0 && deleted) rc = sp_coord_persist_key(c, q->key, klen);
   if (rc != 0) {
     fail(call, rc, q->key);
     return;
   }
-  if (deleted) sp_auth_quota_deleted(coord_of(call)->auth, q->key, klen);
+  if (deleted) sp_coord_auth_quota_deleted(coord_of(call)->auth, q->key, klen);
   r.deleted = deleted;
-  sp_coord_reply(c, call, &r.base);
+  sp_coord_persist_reply(c, call, &r.base);
 }
 
 /* ---- registration ----------------------------------------------------- */
@@ -525,8 +529,8 @@ static const sp_rpc_method k_methods[] = {
 
 int sp_coord_store_register(sp_coord *c) {
   if (c == NULL || c->store == NULL) return SP_EINVAL;
-  return sp_coord_add_methods(c, k_methods,
-                              sizeof k_methods / sizeof k_methods[0]);
+  return sp_coord_base_add_methods(c, k_methods,
+                                   sizeof k_methods / sizeof k_methods[0]);
 }
 
 /* Finishes every waiting call of c with UNAVAILABLE, one at a time: a
@@ -536,7 +540,7 @@ void sp_coord_store_shutdown(sp_coord *c) {
   if (c == NULL) return;
   store_wait *r;
   while ((r = waits_take(c)) != NULL) {
-    if (r->w != NULL) sp_store_cancel_wait(c->store, r->w);
+    if (r->w != NULL) sp_kvstore_cancel_wait(c->store, r->w);
     sp_rpc_call_set_user(r->call, NULL);
     sp_rpc_call_finish(r->call, SP_RPC_UNAVAILABLE,
                        "coordinator shutting down");

@@ -1,6 +1,13 @@
 /* shardplane-coordinator: the job's single authority. One libuv loop runs
  * the gRPC server and every handler; other threads reach it only through
- * uv_async_send. This header is shared by the files of server/. */
+ * uv_async_send.
+ *
+ * This is the hub's header: the configuration, the coordinator's struct,
+ * which holds every area's state (each area's own header, coord_*.h, says
+ * what it owns), and the coordinator's lifetime. The hub (coord.c) sets
+ * the areas up and wires them together on its bus (coord_bus.h): an area
+ * announces what happened and the hub subscribed the areas that act on
+ * it, so that no two areas call each other. */
 #ifndef SP_COORDINATOR_H
 #define SP_COORDINATOR_H
 
@@ -8,18 +15,18 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "base/strmap.h"
+#include "coord_auth.h"
+#include "coord_bus.h"
+#include "coord_diag.h"
+#include "kvstore.h"
 #include "plan/job.h"
 #include "plan/model.h"
 #include "plan/plan.h"
+#include "plan/state.h"
 #include "rpc/coord_service.h"
 #include "rpc/rpc.h"
 #include "shardplane/v1/coordinator.pb-c.h"
-#include "plan/state.h"
-#include "coord_auth.h"
-#include "store.h"
-#include "base/strmap.h"
-#include "coord_diag.h"
-
 
 /* Store limits (PyTorch TCPStore's), checked before allocating. */
 #define SP_COORD_MAX_KEY (8u << 10)
@@ -30,8 +37,6 @@
  * (below gRPC's customary 4 MiB receive limit, whatever the client). */
 #define SP_COORD_SPEC_CHUNK (1u << 20)
 #define SP_COORD_SPEC_CHUNK_MAX ((4u << 20) - (64u << 10))
-/* Alerts kept for status; older ones are only counted. */
-#define SP_COORD_RECENT_ALERTS 32
 /* Sizes of request strings, checked before anything is kept
  * (INVALID_ARGUMENT naming the field): a rank's host and device, the plan
  * version and session id, and the FQNs, prefixes and page tokens of the
@@ -70,7 +75,7 @@ typedef struct sp_coord_config {
   /* The token file (coord_auth.h); NULL: no authentication, every call is
    * served (in-process test fixtures, benchmarks). Read by sp_coord_new. */
   const char *token_file;
-  sp_auth_quota store_quota; /* per token; zeros: the defaults */
+  sp_coord_auth_quota store_quota; /* per token; zeros: the defaults */
   /* NULL: cleartext. Needs to live only until sp_coord_listen returns. */
   const sp_rpc_tls_server_opts *tls;
   /* Hang diagnosis (coord_diag.h): thresholds, --on-stall, --dump-dir. */
@@ -80,7 +85,6 @@ typedef struct sp_coord_config {
 typedef struct sp_coord_rank sp_coord_rank;
 typedef struct sp_coord_watch sp_coord_watch;
 typedef struct sp_coord_persist sp_coord_persist;
-struct sp_coord_db_rank;
 
 typedef struct sp_coord {
   uv_loop_t *loop;
@@ -94,6 +98,7 @@ typedef struct sp_coord {
   sp_plan *plan;
   sp_coord_config cfg;
   uint64_t started_ms; /* uv_now at start */
+  sp_coord_bus bus;    /* the hub's wiring (coord_bus.h) */
   /* ranks (coord_ranks.c) */
   sp_coord_rank *ranks; /* world_size entries */
   /* how many ranks have each status (Shardplane__V1__RankStatus) */
@@ -101,31 +106,31 @@ typedef struct sp_coord {
   uv_timer_t heartbeat_timer;
   bool heartbeat_started;
   /* The loop's own pauses, seen as the heartbeat check firing late
-   * (coord_ranks.c): when it last ran (sp_coord_now_ms), the longest pause
-   * and their total, in ms. Not counted against any rank. */
+   * (coord_ranks.c): when it last ran (sp_coord_base_now_ms), the longest
+   * pause and their total, in ms. Not counted against any rank. */
   uint64_t hb_last_check_ms, loop_pause_max_ms, loop_pause_total_ms;
   uint64_t session_counter;
-  /* alerts */
-  uint64_t n_alerts;
-  Shardplane__V1__Alert recent[SP_COORD_RECENT_ALERTS];
-  char *recent_msg[SP_COORD_RECENT_ALERTS];
-  uint32_t *recent_ranks[SP_COORD_RECENT_ALERTS]; /* culprits, victims */
-  Shardplane__V1__Collective recent_col[SP_COORD_RECENT_ALERTS];
-  size_t recent_next;
-  /* hang diagnosis (coord_diag.c) and the recorders being gathered
+  struct sp_coord_alerts *alerts; /* coord_alerts.c */
+  /* hang diagnosis (coord_diag.h): the record the detectors share, the
+   * detectors (coord_desync.c, coord_stall.c, coord_straggler.c), the job's
+   * state and verdict (coord_verdict.c); the recorders being gathered
    * (coord_dump.c) */
   sp_coord_diag *diag;
+  struct sp_coord_desync *desync;
+  struct sp_coord_stall *stall;
+  struct sp_coord_straggler *straggler;
+  struct sp_coord_verdict *verdict;
   struct trace_req *traces;
   uint64_t trace_counter;
   /* Watch streams (coord_events.c) */
   sp_coord_watch *watchers;
   /* store (coord_store.c) */
-  sp_store *store;
+  sp_kvstore *store;
   struct sp_coord_store_wait *store_waits; /* calls waiting on keys */
   sp_coord_persist *persist; /* NULL without a state dir */
   /* the hosts' agents and the job's incarnations (coord_agents.c) */
   struct sp_coord_agents *agents;
-  sp_auth *auth; /* NULL without a token file */
+  sp_coord_auth *auth; /* NULL without a token file */
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
   char *abort_reason;
@@ -149,140 +154,5 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag);
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg);
 void sp_coord_free(sp_coord *c);
-/* One asynchronous step of the shutdown is done (a handle released); an
- * area whose shutdown adds one counts it in c->stopping first. */
-void sp_coord_stop_step_done(sp_coord *c);
-
-/* Milliseconds since start. */
-uint64_t sp_coord_now_ms(const sp_coord *c);
-/* One log line (unless quiet): "coordinator: ...". */
-void sp_coord_log(const sp_coord *c, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-
-/* Whether a request's string field is at most max bytes; if not, finishes
- * the call with INVALID_ARGUMENT naming the field ("AttachRequest.host: 4194304
- * bytes, at most 255") and returns false. NULL is an empty string. */
-bool sp_coord_text_ok(sp_rpc_call *call, const char *msg_name,
-                      const char *field, const char *v, size_t max);
-
-/* Copies a method template, points each entry's user at c, registers it. */
-int sp_coord_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n);
-
-/* Per-area registration (one file each). */
-int sp_coord_plan_register(sp_coord *c);
-int sp_coord_ranks_register(sp_coord *c);
-int sp_coord_events_register(sp_coord *c);
-int sp_coord_store_register(sp_coord *c);
-int sp_coord_ranks_init(sp_coord *c);
-/* Starts the heartbeat check (from sp_coord_listen). */
-void sp_coord_ranks_start(sp_coord *c);
-/* Ends the sessions and closes the heartbeat timer; `closed` runs once the
- * timer handle is released. */
-void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed);
-void sp_coord_ranks_free(sp_coord *c);
-void sp_coord_events_shutdown(sp_coord *c);
-void sp_coord_store_shutdown(sp_coord *c);
-/* Agents and incarnations (coord_agents.c): AgentSession and
- * ListIncarnations. */
-int sp_coord_agents_register(sp_coord *c);
-void sp_coord_agents_shutdown(sp_coord *c);
-void sp_coord_agents_free(sp_coord *c);
-/* An alert opened: every registered agent is told (AGENT_ALERT), to print
- * it beside its workers' output. */
-void sp_coord_agents_alert(sp_coord *c, const Shardplane__V1__Alert *a);
-/* The job completed at step (every rank finished): the current
- * incarnation's record says so, for good, and an agent that registers
- * later is told AGENT_END, completed. */
-void sp_coord_agents_completed(sp_coord *c, uint64_t step);
-/* An incarnation's record read back from a state dir, in order of
- * number (SP_EFORMAT for one out of order or bounds). */
-struct sp_coord_db_incarnation;
-int sp_coord_agents_restore(sp_coord *c,
-                            const struct sp_coord_db_incarnation *r);
-void sp_coord_persist_incarnation(sp_coord *c,
-                                  const struct sp_coord_db_incarnation *r);
-/* coord_ranks.c: a new incarnation: every rank's Session stream of the
- * last one is ended (ABORTED, why), every rank is to attach afresh, and
- * the last incarnation's abort is forgotten. */
-void sp_coord_ranks_new_incarnation(sp_coord *c, const char *why);
-
-/* Summary counts for GetJob / status. */
-void sp_coord_rank_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
-                           uint32_t *by_state, size_t n_states);
-
-/* ---- durability (coord_persist.c) ----
- * Opens the state dir and restores the store, the ranks and the alerts
- * (from sp_coord_new); errors name the dir and what is wrong with it. */
-int sp_coord_persist_open(sp_coord *c, sp_diag *d);
-/* The per-iteration commit and the rank snapshots (from sp_coord_listen). */
-void sp_coord_persist_start(sp_coord *c);
-/* Commits, answers what waits for it; returns true if `closed` will run
- * (once, when the handles are released). */
-bool sp_coord_persist_shutdown(sp_coord *c, uv_close_cb closed);
-void sp_coord_persist_free(sp_coord *c);
-bool sp_coord_durable(const sp_coord *c);
-/* Answers a call once this iteration's writes are committed (at once
- * without a state dir, or when nothing was written). Like
- * sp_rpc_call_reply, the call is the engine's afterwards. */
-int sp_coord_reply(sp_coord *c, sp_rpc_call *call, const ProtobufCMessage *m);
-/* The call went away (on_cancel): its kept answer is dropped. */
-void sp_coord_persist_forget(sp_coord *c, sp_rpc_call *call);
-/* Writes the key's current value (or its absence) down. */
-int sp_coord_persist_key(sp_coord *c, const char *key, size_t klen);
-/* 1 when the request id is known and the call was answered (or failed)
- * from the record; 0 when the call is new. */
-int sp_coord_persist_replay(sp_coord *c, sp_rpc_call *call, const char *id);
-/* Records m under the request id (when given) and answers with it. */
-int sp_coord_persist_answer(sp_coord *c, sp_rpc_call *call, const char *id,
-                            const ProtobufCMessage *m);
-int sp_coord_persist_rank(sp_coord *c, const struct sp_coord_db_rank *r);
-void sp_coord_persist_alert(sp_coord *c, uint32_t rank, int kind,
-                            const char *msg, uint64_t time_ms);
-/* coord_ranks.c: writes the ranks whose snapshot changed; restores one. */
-void sp_coord_ranks_snapshot(sp_coord *c);
-int sp_coord_ranks_restore(sp_coord *c, const struct sp_coord_db_rank *r);
-
-/* Records an alert on a rank, logs it and publishes an ALERT event: an
- * illegal transition (a rank given) or an operator's abort (UINT32_MAX). */
-void sp_coord_alert(sp_coord *c, uint32_t rank, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-/* An alert of a kind with its culprits (the first is Alert.rank) and
- * victims: counted on each culprit, kept in the recent ring and the alert
- * log, logged, published with Event.alert. The arrays are copied. */
-typedef struct sp_coord_alert_info {
-  Shardplane__V1__AlertKind kind;
-  const uint32_t *culprits, *victims;
-  size_t n_culprits, n_victims;
-  const Shardplane__V1__Collective *collective; /* may be NULL */
-} sp_coord_alert_info;
-void sp_coord_alert_ex(sp_coord *c, const sp_coord_alert_info *a,
-                       const char *msg);
-/* ABORT down every open Session stream with the reason and, when known,
- * the culprit; streams that bind later get it too and no rank attaches
- * any more. */
-uint32_t sp_coord_abort_all(sp_coord *c, const char *reason, bool has_culprit,
-                            uint32_t culprit);
-
-/* What coord_diag.c and coord_dump.c read of a rank (coord_ranks.c owns
- * it); the strings are borrowed until the rank changes. */
-typedef struct sp_coord_rank_view {
-  int status; /* Shardplane__V1__RankStatus */
-  const char *host;
-  uint32_t pid;
-  uint64_t step, last_heard_ms;
-  int root;
-  sp_rpc_call *session; /* NULL: no open stream */
-} sp_coord_rank_view;
-void sp_coord_rank_get(const sp_coord *c, uint32_t rank, sp_coord_rank_view *v);
-int sp_coord_rank_status(const sp_coord *c, uint32_t rank);
-/* How many ranks have that status now (kept as they change: O(1)). */
-uint32_t sp_coord_ranks_with_status(const sp_coord *c, int status);
-uint64_t sp_coord_rank_step(const sp_coord *c, uint32_t rank);
-/* Publishes an event to the Watch streams whose filters match. */
-void sp_coord_publish(sp_coord *c, Shardplane__V1__EventKind kind,
-                      uint32_t rank, const char *message,
-                      const Shardplane__V1__Transition *t);
-/* An ALERT event carrying the alert itself (Event.alert). */
-void sp_coord_publish_alert(sp_coord *c, const Shardplane__V1__Alert *a);
 
 #endif

@@ -451,7 +451,7 @@ static void test_store_quota(void **state) {
   sp_tauth a;
   sp_tauth_make(&a);
   sp_coord_fixture fx;
-  sp_auth_quota q = {.keys = 2, .bytes = 64};
+  sp_coord_auth_quota q = {.keys = 2, .bytes = 64};
   sp_coord_fixture_start_auth(&fx, MLP, k_world2, 0, a.token_file, &q);
   sp_rpc_sync *w = client(&fx, a.token[SP_ROLE_WORKER]);
   Shardplane__V1__StoreSetRequest sq = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
@@ -531,9 +531,9 @@ static void test_token_file(void **state) {
                      "0000000000000000g reader r1\n";
   sp_test_write_file(bad, body, strlen(body));
   chmod(bad, 0600);
-  sp_auth *t = NULL;
+  sp_coord_auth *t = NULL;
   sp_diag d = {{0}};
-  assert_int_equal(sp_auth_load(bad, NULL, &t, &d), SP_EFORMAT);
+  assert_int_equal(sp_coord_auth_load(bad, NULL, &t, &d), SP_EFORMAT);
   char where[1100];
   snprintf(where, sizeof where, "%s:3:", bad);
   if (strstr(d.msg, where) == NULL) fail_msg("no %s in: %s", where, d.msg);
@@ -549,7 +549,7 @@ static void test_token_file(void **state) {
   free(out);
   /* a token file others may change is refused */
   chmod(a.token_file, 0620);
-  assert_int_equal(sp_auth_load(a.token_file, NULL, &t, &d), SP_ESTATE);
+  assert_int_equal(sp_coord_auth_load(a.token_file, NULL, &t, &d), SP_ESTATE);
   assert_non_null(strstr(d.msg, "chmod 600"));
   free(bad);
   sp_tauth_free(&a);

@@ -30,11 +30,11 @@ static void start(fixture *fx) {
 static void stop(fixture *fx) { sp_coord_fixture_stop(fx); }
 
 static void read_store_stats(sp_coord *c, void *arg) {
-  sp_store_get_stats(c->store, arg);
+  sp_kvstore_get_stats(c->store, arg);
 }
 
-static sp_store_stats store_stats(fixture *fx) {
-  sp_store_stats st;
+static sp_kvstore_stats store_stats(fixture *fx) {
+  sp_kvstore_stats st;
   sp_coord_fixture_run(fx, read_store_stats, &st);
   return st;
 }
@@ -297,7 +297,7 @@ static void test_set_get_delete(void **state) {
   expect_code(&st, SP_RPC_OK, NULL);
   expect_get(&fx, "a", NULL, 0);
   assert_int_equal(set_ok(&fx, "a", "again"), 1);
-  sp_store_stats ss = store_stats(&fx);
+  sp_kvstore_stats ss = store_stats(&fx);
   assert_int_equal(ss.keys, 3);
   assert_int_equal(ss.waiters, 0);
   stop(&fx);
@@ -605,7 +605,7 @@ static void test_limits_and_bad_requests(void **state) {
 
   /* The coordinator still answers, and its store is as it was: the 8 KiB
    * key, "big" and "half". */
-  sp_store_stats ss = store_stats(&fx);
+  sp_kvstore_stats ss = store_stats(&fx);
   assert_int_equal(ss.keys, 3);
   assert_int_equal(ss.waiters, 0);
   assert_int_equal(set_ok(&fx, "after", "ok"), 1);

@@ -590,8 +590,8 @@ static void get_conns(sp_coord *c, void *arg) {
 }
 
 static void get_waiters(sp_coord *c, void *arg) {
-  sp_store_stats st;
-  sp_store_get_stats(c->store, &st);
+  sp_kvstore_stats st;
+  sp_kvstore_get_stats(c->store, &st);
   *(size_t *)arg = st.waiters;
 }
 

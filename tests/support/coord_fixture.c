@@ -44,7 +44,7 @@ void sp_coord_fixture_start_auth(sp_coord_fixture *fx, const char *model,
                                  const char *const *flags,
                                  uint32_t heartbeat_timeout_ms,
                                  const char *token_file,
-                                 const sp_auth_quota *quota) {
+                                 const sp_coord_auth_quota *quota) {
   memset(fx, 0, sizeof *fx);
   assert_int_equal(uv_loop_init(&fx->loop), 0);
   sp_coord_config cfg = {.model_path = model,

@@ -36,7 +36,7 @@ void sp_coord_fixture_start_auth(sp_coord_fixture *fx, const char *model,
                                  const char *const *flags,
                                  uint32_t heartbeat_timeout_ms,
                                  const char *token_file,
-                                 const sp_auth_quota *quota);
+                                 const sp_coord_auth_quota *quota);
 /* Graceful shutdown (finishing calls still open), join, free. */
 void sp_coord_fixture_stop(sp_coord_fixture *fx);
 /* Runs fn(c, arg) on the loop thread and waits for it: the coordinator's

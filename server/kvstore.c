@@ -1,4 +1,4 @@
-/* The coordinator's key-value store (see store.h for the contract).
+/* The coordinator's key-value store (see kvstore.h for the contract).
  *
  * Layout: a chained hash table of entries. An entry is either a present key
  * (with its value and version) or a *placeholder*: an absent key that at
@@ -14,7 +14,7 @@
  * links may point at them directly, and callbacks that insert keys cannot
  * invalidate anything a wake pass holds.
  */
-#include "store.h"
+#include "kvstore.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -37,7 +37,7 @@ typedef struct wlink wlink;
 
 /* One key a waiter is still missing. */
 struct wlink {
-  sp_store_waiter *w;
+  sp_kvstore_waiter *w;
   entry *e;           /* the placeholder it waits on; NULL once it appeared */
   wlink *prev, *next; /* on e->waiters */
 };
@@ -56,19 +56,19 @@ struct entry {
 
 enum { W_WAITING, W_FIRING, W_CANCELLED };
 
-struct sp_store_waiter {
-  sp_store_wake_fn fn;
+struct sp_kvstore_waiter {
+  sp_kvstore_wake_fn fn;
   void *arg;
-  sp_store_waiter *prev, *next; /* s->waiters, while W_WAITING */
-  sp_store_waiter *fire_next;   /* the wake pass's list, once firing */
+  sp_kvstore_waiter *prev, *next; /* s->waiters, while W_WAITING */
+  sp_kvstore_waiter *fire_next;   /* the wake pass's list, once firing */
   size_t n;                     /* links used */
   size_t missing;               /* links still attached to a placeholder */
   int state;
   wlink links[];
 };
 
-struct sp_store {
-  sp_store_limits lim;
+struct sp_kvstore {
+  sp_kvstore_limits lim;
   entry **buckets;
   size_t nbuckets;  /* power of two */
   size_t n_entries; /* present keys + placeholders: what max_keys bounds */
@@ -76,7 +76,7 @@ struct sp_store {
   size_t bytes;     /* present keys + values */
   size_t reserved;  /* placeholder key bytes, also charged to max_bytes */
   size_t n_waiters;
-  sp_store_waiter *waiters;
+  sp_kvstore_waiter *waiters;
   uint64_t sets, wakes;
   uint64_t k0, k1; /* hash key */
 };
@@ -131,11 +131,11 @@ static uint64_t siphash13(uint64_t k0, uint64_t k1, const uint8_t *p,
   return v0 ^ v1 ^ v2 ^ v3;
 }
 
-static uint64_t hash_of(const sp_store *s, const void *key, size_t klen) {
+static uint64_t hash_of(const sp_kvstore *s, const void *key, size_t klen) {
   return siphash13(s->k0, s->k1, key, klen);
 }
 
-static void seed(sp_store *s) {
+static void seed(sp_kvstore *s) {
   uint64_t k[2] = {0, 0};
   if (getrandom(k, sizeof k, GRND_NONBLOCK) != (ssize_t)sizeof k) {
     /* Early boot or a seccomp filter: a weaker seed still beats none. */
@@ -152,7 +152,7 @@ static void seed(sp_store *s) {
 
 /* The pointer that points at the entry for key (or at the NULL that ends
  * its chain), so callers can insert or unlink in place. */
-static entry **find_slot(const sp_store *s, uint64_t h, const void *key,
+static entry **find_slot(const sp_kvstore *s, uint64_t h, const void *key,
                          size_t klen) {
   entry **slot = &s->buckets[h & (s->nbuckets - 1)];
   while (*slot != NULL) {
@@ -164,13 +164,13 @@ static entry **find_slot(const sp_store *s, uint64_t h, const void *key,
   return slot;
 }
 
-static entry *find_present(const sp_store *s, const void *key, size_t klen) {
+static entry *find_present(const sp_kvstore *s, const void *key, size_t klen) {
   entry *e = *find_slot(s, hash_of(s, key, klen), key, klen);
   return e != NULL && e->present ? e : NULL;
 }
 
 /* Best effort: on ENOMEM the table keeps its size and only gets slower. */
-static void resize(sp_store *s, size_t nb) {
+static void resize(sp_kvstore *s, size_t nb) {
   entry **b = calloc(nb, sizeof *b);
   if (b == NULL) return;
   for (size_t i = 0; i < s->nbuckets; i++) {
@@ -188,7 +188,7 @@ static void resize(sp_store *s, size_t nb) {
   s->nbuckets = nb;
 }
 
-static void maybe_grow(sp_store *s) {
+static void maybe_grow(sp_kvstore *s) {
   if (s->n_entries > s->nbuckets &&
       s->nbuckets <= SIZE_MAX / 2 / sizeof(entry *))
     resize(s, s->nbuckets * 2);
@@ -196,14 +196,14 @@ static void maybe_grow(sp_store *s) {
 
 /* Shrinks with hysteresis (1/8 full) so a key set and deleted in a loop at
  * the boundary does not rehash every time. */
-static void maybe_shrink(sp_store *s) {
+static void maybe_shrink(sp_kvstore *s) {
   if (s->nbuckets > MIN_BUCKETS && s->n_entries < s->nbuckets / 8)
     resize(s, s->nbuckets / 2);
 }
 
 /* Unlinks and frees an entry, present or placeholder (whose waiter list the
  * caller has emptied). */
-static void remove_entry(sp_store *s, entry *e) {
+static void remove_entry(sp_kvstore *s, entry *e) {
   entry **slot = &s->buckets[e->hash & (s->nbuckets - 1)];
   while (*slot != e) slot = &(*slot)->next;
   *slot = e->next;
@@ -220,12 +220,12 @@ static void remove_entry(sp_store *s, entry *e) {
 }
 
 /* Whether `add` more bytes fit once `sub` are released. */
-static bool fits(const sp_store *s, size_t add, size_t sub) {
+static bool fits(const sp_kvstore *s, size_t add, size_t sub) {
   size_t used = s->bytes + s->reserved - sub;
   return add <= s->lim.max_bytes - used;
 }
 
-static int check_key(const sp_store *s, const void *key, size_t klen) {
+static int check_key(const sp_kvstore *s, const void *key, size_t klen) {
   if (key == NULL || klen == 0) return SP_EINVAL;
   if (klen > s->lim.max_key) return SP_ETOOBIG;
   return 0;
@@ -245,7 +245,7 @@ static entry *new_entry(uint64_t h, const void *key, size_t klen) {
  * checked before anything is allocated, and on failure nothing changed.
  * The caller wakes the entry's waiters (wake_if_any) once its outputs are
  * written: callbacks may change the key again. */
-static int put(sp_store *s, uint64_t h, const void *key, size_t klen,
+static int put(sp_kvstore *s, uint64_t h, const void *key, size_t klen,
                const void *value, size_t vlen, entry **out) {
   if (vlen > s->lim.max_value) return SP_ETOOBIG;
   entry **slot = find_slot(s, h, key, klen);
@@ -256,7 +256,7 @@ static int put(sp_store *s, uint64_t h, const void *key, size_t klen,
   } else if (!fits(s, vlen, e->present ? e->vlen : 0)) {
     return SP_ETOOBIG;
   }
-  /* One spare byte so values are NUL-terminated (store.h promises it;
+  /* One spare byte so values are NUL-terminated (kvstore.h promises it;
    * ADD parses in place). */
   uint8_t *v = malloc(vlen + 1);
   if (v == NULL) return SP_ENOMEM;
@@ -297,7 +297,7 @@ static int put(sp_store *s, uint64_t h, const void *key, size_t klen,
 
 /* ---- waiters ---------------------------------------------------------- */
 
-static void waiter_unlist(sp_store *s, sp_store_waiter *w) {
+static void waiter_unlist(sp_kvstore *s, sp_kvstore_waiter *w) {
   if (w->prev != NULL)
     w->prev->next = w->next;
   else
@@ -309,7 +309,7 @@ static void waiter_unlist(sp_store *s, sp_store_waiter *w) {
 
 /* Detaches every link still on a placeholder; a placeholder left with no
  * waiter has no reason to exist. */
-static void drop_links(sp_store *s, sp_store_waiter *w) {
+static void drop_links(sp_kvstore *s, sp_kvstore_waiter *w) {
   for (size_t i = 0; i < w->n; i++) {
     wlink *l = &w->links[i];
     entry *e = l->e;
@@ -334,14 +334,14 @@ static void drop_links(sp_store *s, sp_store_waiter *w) {
  * of every store structure. A callback that cancels a waiter later in the
  * list only marks it (W_CANCELLED); this loop frees it without running it.
  */
-static void wake_if_any(sp_store *s, entry *e) {
+static void wake_if_any(sp_kvstore *s, entry *e) {
   if (e->waiters == NULL) return;
-  sp_store_waiter *fire = NULL;
+  sp_kvstore_waiter *fire = NULL;
   wlink *l = e->waiters;
   e->waiters = NULL;
   while (l != NULL) {
     wlink *next = l->next;
-    sp_store_waiter *w = l->w;
+    sp_kvstore_waiter *w = l->w;
     l->e = NULL;
     l->prev = l->next = NULL;
     if (--w->missing == 0) {
@@ -355,7 +355,7 @@ static void wake_if_any(sp_store *s, entry *e) {
     l = next;
   }
   while (fire != NULL) {
-    sp_store_waiter *w = fire;
+    sp_kvstore_waiter *w = fire;
     fire = w->fire_next;
     if (w->state == W_FIRING) {
       s->wakes++;
@@ -367,12 +367,12 @@ static void wake_if_any(sp_store *s, entry *e) {
 
 /* ---- public ----------------------------------------------------------- */
 
-int sp_store_new(const sp_store_limits *limits, sp_store **out) {
+int sp_kvstore_new(const sp_kvstore_limits *limits, sp_kvstore **out) {
   if (out == NULL) return SP_EINVAL;
   *out = NULL;
-  sp_store *s = calloc(1, sizeof *s);
+  sp_kvstore *s = calloc(1, sizeof *s);
   if (s == NULL) return SP_ENOMEM;
-  sp_store_limits l = limits != NULL ? *limits : (sp_store_limits){0};
+  sp_kvstore_limits l = limits != NULL ? *limits : (sp_kvstore_limits){0};
   if (l.max_key == 0) l.max_key = DEFAULT_MAX_KEY;
   if (l.max_value == 0) l.max_value = DEFAULT_MAX_VALUE;
   if (l.max_keys == 0) l.max_keys = DEFAULT_MAX_KEYS;
@@ -392,13 +392,13 @@ int sp_store_new(const sp_store_limits *limits, sp_store **out) {
   return 0;
 }
 
-void sp_store_free(sp_store *s) {
+void sp_kvstore_free(sp_kvstore *s) {
   if (s == NULL) return;
   /* Waiters first: their links point into entries, but nothing is read
    * through them here. */
-  sp_store_waiter *w = s->waiters;
+  sp_kvstore_waiter *w = s->waiters;
   while (w != NULL) {
-    sp_store_waiter *next = w->next;
+    sp_kvstore_waiter *next = w->next;
     free(w);
     w = next;
   }
@@ -415,8 +415,8 @@ void sp_store_free(sp_store *s) {
   free(s);
 }
 
-int sp_store_set(sp_store *s, const void *key, size_t klen, const void *value,
-                 size_t vlen, uint64_t *version) {
+int sp_kvstore_set(sp_kvstore *s, const void *key, size_t klen,
+                   const void *value, size_t vlen, uint64_t *version) {
   if (s == NULL || (value == NULL && vlen > 0)) return SP_EINVAL;
   int rc = check_key(s, key, klen);
   if (rc != 0) return rc;
@@ -429,8 +429,8 @@ int sp_store_set(sp_store *s, const void *key, size_t klen, const void *value,
   return 0;
 }
 
-int sp_store_restore(sp_store *s, const void *key, size_t klen,
-                     const void *value, size_t vlen, uint64_t version) {
+int sp_kvstore_restore(sp_kvstore *s, const void *key, size_t klen,
+                       const void *value, size_t vlen, uint64_t version) {
   if (s == NULL || (value == NULL && vlen > 0) || version == 0)
     return SP_EINVAL;
   int rc = check_key(s, key, klen);
@@ -446,8 +446,8 @@ int sp_store_restore(sp_store *s, const void *key, size_t klen,
   return 0;
 }
 
-int sp_store_get(const sp_store *s, const void *key, size_t klen,
-                 const uint8_t **value, size_t *vlen, uint64_t *version) {
+int sp_kvstore_get(const sp_kvstore *s, const void *key, size_t klen,
+                   const uint8_t **value, size_t *vlen, uint64_t *version) {
   if (s == NULL) return SP_EINVAL;
   int rc = check_key(s, key, klen);
   if (rc != 0) return rc;
@@ -506,8 +506,8 @@ static size_t format_i64(int64_t v, char buf[24]) {
   return len;
 }
 
-int sp_store_add(sp_store *s, const void *key, size_t klen, int64_t delta,
-                 int64_t *result, uint64_t *version) {
+int sp_kvstore_add(sp_kvstore *s, const void *key, size_t klen, int64_t delta,
+                   int64_t *result, uint64_t *version) {
   if (s == NULL) return SP_EINVAL;
   int rc = check_key(s, key, klen);
   if (rc != 0) return rc;
@@ -527,11 +527,11 @@ int sp_store_add(sp_store *s, const void *key, size_t klen, int64_t delta,
   return 0;
 }
 
-int sp_store_compare_set(sp_store *s, const void *key, size_t klen,
-                         const void *expected, size_t elen, bool expect_absent,
-                         const void *desired, size_t dlen, bool *swapped,
-                         const uint8_t **value, size_t *vlen, bool *found,
-                         uint64_t *version) {
+int sp_kvstore_compare_set(sp_kvstore *s, const void *key, size_t klen,
+                           const void *expected, size_t elen,
+                           bool expect_absent, const void *desired, size_t dlen,
+                           bool *swapped, const uint8_t **value, size_t *vlen,
+                           bool *found, uint64_t *version) {
   if (s == NULL || (desired == NULL && dlen > 0) ||
       (!expect_absent && expected == NULL && elen > 0))
     return SP_EINVAL;
@@ -566,7 +566,8 @@ int sp_store_compare_set(sp_store *s, const void *key, size_t klen,
   return 0;
 }
 
-int sp_store_delete(sp_store *s, const void *key, size_t klen, bool *deleted) {
+int sp_kvstore_delete(sp_kvstore *s, const void *key, size_t klen,
+                      bool *deleted) {
   if (s == NULL) return SP_EINVAL;
   int rc = check_key(s, key, klen);
   if (rc != 0) return rc;
@@ -577,9 +578,9 @@ int sp_store_delete(sp_store *s, const void *key, size_t klen, bool *deleted) {
   return 0;
 }
 
-int sp_store_clear(sp_store *s,
-                   void (*each)(void *arg, const void *key, size_t klen),
-                   void *arg) {
+int sp_kvstore_clear(sp_kvstore *s,
+                     void (*each)(void *arg, const void *key, size_t klen),
+                     void *arg) {
   if (s == NULL) return SP_EINVAL;
   if (s->n_keys == 0) return 0;
   /* gathered first: removing shrinks and rehashes the table */
@@ -597,9 +598,9 @@ int sp_store_clear(sp_store *s,
   return 0;
 }
 
-int sp_store_wait(sp_store *s, const void *const *keys, const size_t *klens,
-                  size_t n, sp_store_wake_fn fn, void *arg,
-                  sp_store_waiter **out) {
+int sp_kvstore_wait(sp_kvstore *s, const void *const *keys, const size_t *klens,
+                    size_t n, sp_kvstore_wake_fn fn, void *arg,
+                    sp_kvstore_waiter **out) {
   if (out != NULL) *out = NULL;
   if (s == NULL || fn == NULL || (n > 0 && (keys == NULL || klens == NULL)))
     return SP_EINVAL;
@@ -615,9 +616,9 @@ int sp_store_wait(sp_store *s, const void *const *keys, const size_t *klens,
   /* A wait may not name more keys than the store may hold: it bounds the
    * links one waiter allocates even when a key is repeated. */
   if (s->n_waiters >= s->lim.max_waiters || n > s->lim.max_keys ||
-      missing > (SIZE_MAX - sizeof(sp_store_waiter)) / sizeof(wlink))
+      missing > (SIZE_MAX - sizeof(sp_kvstore_waiter)) / sizeof(wlink))
     return SP_ETOOBIG;
-  sp_store_waiter *w = malloc(sizeof *w + missing * sizeof(wlink));
+  sp_kvstore_waiter *w = malloc(sizeof *w + missing * sizeof(wlink));
   if (w == NULL) return SP_ENOMEM;
   memset(w, 0, sizeof *w);
   w->fn = fn;
@@ -668,7 +669,7 @@ int sp_store_wait(sp_store *s, const void *const *keys, const size_t *klens,
   return 0;
 }
 
-void sp_store_cancel_wait(sp_store *s, sp_store_waiter *w) {
+void sp_kvstore_cancel_wait(sp_kvstore *s, sp_kvstore_waiter *w) {
   if (s == NULL || w == NULL) return;
   if (w->state != W_WAITING) {
     /* Already taken by a wake pass that has not reached it (or is running
@@ -681,7 +682,7 @@ void sp_store_cancel_wait(sp_store *s, sp_store_waiter *w) {
   free(w);
 }
 
-void sp_store_get_stats(const sp_store *s, sp_store_stats *st) {
+void sp_kvstore_get_stats(const sp_kvstore *s, sp_kvstore_stats *st) {
   if (st == NULL) return;
   memset(st, 0, sizeof *st);
   if (s == NULL) return;
