@@ -358,7 +358,7 @@ static int apply_transition(sp_coord *c, uint32_t rank,
     return SP_RPC_INVALID_ARGUMENT;
   }
   if (!sp_state_valid(m, t->state)) {
-    snprintf(msg, cap, "%d is not a %s state", t->state, sp_machine_name(m));
+    snprintf(msg, cap, "%d is not a %s state", t->state, sp_state_machine_name(m));
     return SP_RPC_INVALID_ARGUMENT;
   }
   sp_diag d;

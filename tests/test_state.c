@@ -319,9 +319,9 @@ static void test_names_round_trip(void **state) {
   assert_int_equal(sp_state_parse(SP_MACHINE_ROOT, "", &out), SP_EINVAL);
   assert_int_equal(sp_state_parse(SP_MACHINE_ROOT, NULL, &out), SP_EINVAL);
   assert_int_equal(out, 42);
-  assert_string_equal(sp_machine_name(SP_MACHINE_ROOT), "root");
-  assert_string_equal(sp_machine_name(SP_MACHINE_HANDLE), "handle");
-  assert_string_equal(sp_machine_name((sp_machine)5), "invalid");
+  assert_string_equal(sp_state_machine_name(SP_MACHINE_ROOT), "root");
+  assert_string_equal(sp_state_machine_name(SP_MACHINE_HANDLE), "handle");
+  assert_string_equal(sp_state_machine_name((sp_machine)5), "invalid");
 }
 
 static void test_table_consistency(void **state) {
@@ -331,7 +331,7 @@ static void test_table_consistency(void **state) {
   assert_non_null(tab);
   assert_true(n > 0);
   for (size_t i = 0; i < n; i++) {
-    assert_true(sp_machine_valid(tab[i].machine));
+    assert_true(sp_state_machine_valid(tab[i].machine));
     assert_true(sp_state_valid(tab[i].machine, tab[i].from));
     assert_true(sp_state_valid(tab[i].machine, tab[i].to));
     assert_non_null(tab[i].event);

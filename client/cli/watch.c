@@ -126,7 +126,7 @@ static json_t *transition_json(const Shardplane__V1__Transition *t) {
   sp_machine m = t->machine == SHARDPLANE__V1__MACHINE__MACHINE_HANDLE
                      ? SP_MACHINE_HANDLE
                      : SP_MACHINE_ROOT;
-  json_t *o = json_pack("{s:s,s:s,s:I}", "machine", sp_machine_name(m),
+  json_t *o = json_pack("{s:s,s:s,s:I}", "machine", sp_state_machine_name(m),
                         "state", sp_state_name(m, t->state), "step",
                         (json_int_t)t->step);
   if (o != NULL && m == SP_MACHINE_HANDLE)

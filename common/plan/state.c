@@ -114,11 +114,11 @@ _Static_assert(sizeof k_handle_names / sizeof k_handle_names[0] ==
                    SP_STATE_MAX + 1,
                "SP_STATE_MAX must be the largest state value");
 
-bool sp_machine_valid(sp_machine m) {
+bool sp_state_machine_valid(sp_machine m) {
   return m == SP_MACHINE_ROOT || m == SP_MACHINE_HANDLE;
 }
 
-const char *sp_machine_name(sp_machine m) {
+const char *sp_state_machine_name(sp_machine m) {
   switch (m) {
   case SP_MACHINE_ROOT:
     return "root";
@@ -148,7 +148,7 @@ const char *sp_state_name(sp_machine m, int state) {
 }
 
 int sp_state_parse(sp_machine m, const char *name, int *out) {
-  if (name == NULL || out == NULL || !sp_machine_valid(m)) return SP_EINVAL;
+  if (name == NULL || out == NULL || !sp_state_machine_valid(m)) return SP_EINVAL;
   const char *cls =
       m == SP_MACHINE_ROOT ? "TrainingState." : "HandleTrainingState.";
   size_t cls_len = strlen(cls);
@@ -221,7 +221,7 @@ int sp_state_transition_error(sp_diag *d, sp_machine m, int from, int to) {
 
   return sp_diag_set(d, SP_ESTATE,
                      "illegal %s transition %s -> %s; legal from %s: %s",
-                     sp_machine_name(m), fname, tname, fname, legal);
+                     sp_state_machine_name(m), fname, tname, fname, legal);
 }
 
 /* ---- tracker ------------------------------------------------------------ */
@@ -265,7 +265,7 @@ int sp_state_tracker_get(const sp_state_tracker *t, sp_machine m,
 int sp_state_tracker_apply(sp_state_tracker *t, sp_machine m, size_t unit,
                            int to, sp_diag *d) {
   if (t == NULL) return sp_diag_set(d, SP_EINVAL, "state tracker is NULL");
-  if (!sp_machine_valid(m)) {
+  if (!sp_state_machine_valid(m)) {
     return sp_diag_set(d, SP_EINVAL, "invalid state machine %d", (int)m);
   }
   if (m == SP_MACHINE_HANDLE && unit >= t->n_units) {
@@ -273,7 +273,7 @@ int sp_state_tracker_apply(sp_state_tracker *t, sp_machine m, size_t unit,
                        unit, t->n_units);
   }
   if (!sp_state_valid(m, to)) {
-    return sp_diag_set(d, SP_EINVAL, "invalid %s state %d", sp_machine_name(m),
+    return sp_diag_set(d, SP_EINVAL, "invalid %s state %d", sp_state_machine_name(m),
                        to);
   }
   int from = m == SP_MACHINE_ROOT ? t->root : t->units[unit];

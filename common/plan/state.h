@@ -60,9 +60,9 @@ typedef struct sp_state_transition {
 } sp_state_transition;
 
 /* "root" / "handle"; "invalid" for other values. Never NULL. */
-const char *sp_machine_name(sp_machine m);
+const char *sp_state_machine_name(sp_machine m);
 
-bool sp_machine_valid(sp_machine m);
+bool sp_state_machine_valid(sp_machine m);
 
 /* Highest state value of machine m (3 for root, 5 for handle); 0 if m is
  * invalid. */
