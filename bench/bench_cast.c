@@ -61,21 +61,22 @@ typedef struct bench_opts {
 } bench_opts;
 
 static void usage(FILE *f) {
-  fprintf(f, "usage: cast [--size N] [--cache-size N] [--reps N] [--hugepages] "
-             "[--device cpu|cuda] [--help]\n"
-             "  --size N        elements for the DRAM-resident run "
-             "(default 64Mi; K/M/G suffixes are binary)\n"
-             "  --cache-size N  elements for the cache-resident run "
-             "(default 128Ki; 0 skips it)\n"
-             "  --reps N        repetitions, best one counts (default 10)\n"
-             "  --device D      cpu (default) or cuda\n"
-             "  --hugepages     ask for transparent huge pages on the CPU "
-             "buffers (both\n"
-             "                  cast and memcpy use them); default: ordinary "
-             "pages\n"
-             "Prints, per cast and path, bandwidth (bytes read + written per "
-             "second) and its ratio to memcpy of the same bytes in the same "
-             "run.\n");
+  fprintf(f,
+          "usage: cast [--size N] [--cache-size N] [--reps N] [--hugepages] "
+          "[--device cpu|cuda] [--help]\n"
+          "  --size N        elements for the DRAM-resident run "
+          "(default 64Mi; K/M/G suffixes are binary)\n"
+          "  --cache-size N  elements for the cache-resident run "
+          "(default 128Ki; 0 skips it)\n"
+          "  --reps N        repetitions, best one counts (default 10)\n"
+          "  --device D      cpu (default) or cuda\n"
+          "  --hugepages     ask for transparent huge pages on the CPU "
+          "buffers (both\n"
+          "                  cast and memcpy use them); default: ordinary "
+          "pages\n"
+          "Prints, per cast and path, bandwidth (bytes read + written per "
+          "second) and its ratio to memcpy of the same bytes in the same "
+          "run.\n");
 }
 
 static int parse_size(const char *s, size_t *out) {
@@ -116,12 +117,14 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
     switch (c) {
       case 's':
         if (parse_size(optarg, &o->size) != 0 || o->size == 0)
-          rc = sp_flag_fail(&d, "--size", optarg, "a count of elements > 0 "
+          rc = sp_flag_fail(&d, "--size", optarg,
+                            "a count of elements > 0 "
                             "(K, M, G: binary)");
         break;
       case 'c':
         if (parse_size(optarg, &o->cache_size) != 0)
-          rc = sp_flag_fail(&d, "--cache-size", optarg, "a count of elements "
+          rc = sp_flag_fail(&d, "--cache-size", optarg,
+                            "a count of elements "
                             "(K, M, G: binary)");
         break;
       case 'r':
@@ -267,8 +270,9 @@ static int bench_cpu(const bench_opts *o) {
   printf("CPU casts, 1 thread, best of %d, %s; best path here: %s\n", o->reps,
          o->hugepages ? "huge pages requested" : "ordinary pages",
          sp_cast_path_name(sp_cast_path_best()));
-  printf("baseline: memcpy of the same bytes (read + written) in the same "
-         "run; ratio = cast GB/s / memcpy GB/s\n");
+  printf(
+      "baseline: memcpy of the same bytes (read + written) in the same "
+      "run; ratio = cast GB/s / memcpy GB/s\n");
   print_header("memcpy GB/s");
   int rc = bench_cpu_size(o, o->size, src, dst);
   if (rc == 0 && o->cache_size > 0)
@@ -281,13 +285,13 @@ static int bench_cpu(const bench_opts *o) {
 /* ---- CUDA -------------------------------------------------------------- */
 
 #if SHARDPLANE_HAVE_CUDA
-#define BENCH_CUDA(call)                                                       \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess) {                                                   \
-      fprintf(stderr, "cast: %s: %s\n", #call, cudaGetErrorString(e_));        \
-      goto out;                                                                \
-    }                                                                          \
+#define BENCH_CUDA(call)                                                \
+  do {                                                                  \
+    cudaError_t e_ = (call);                                            \
+    if (e_ != cudaSuccess) {                                            \
+      fprintf(stderr, "cast: %s: %s\n", #call, cudaGetErrorString(e_)); \
+      goto out;                                                         \
+    }                                                                   \
   } while (0)
 
 static int bench_cuda(const bench_opts *o) {
@@ -310,8 +314,9 @@ static int bench_cuda(const bench_opts *o) {
   BENCH_CUDA(cudaEventCreate(&e1));
   BENCH_CUDA(cudaEventCreate(&e2));
   printf("CUDA casts on %s, best of %d\n", prop.name, o->reps);
-  printf("baseline: cudaMemcpy device-to-device of the same bytes (read + "
-         "written) in the same run\n");
+  printf(
+      "baseline: cudaMemcpy device-to-device of the same bytes (read + "
+      "written) in the same run\n");
   print_header("d2d GB/s");
   for (size_t c = 0; c < N_CASTS; c++) {
     const bench_cast *bc = &k_casts[c];

@@ -159,25 +159,29 @@ typedef sp_proc child;
 static int write_model(const char *path, uint32_t units) {
   FILE *f = fopen(path, "w");
   if (f == NULL) return SP_EIO;
-  fprintf(f, "{\"format\": \"shardplane.model/v1\", \"name\": \"bench%u\",\n"
-             " \"modules\": [{\"fqn\": \"\", \"type\": \"BenchNet\"},\n"
-             "  {\"fqn\": \"head\", \"type\": \"Linear\"},\n"
-             "  {\"fqn\": \"blocks\", \"type\": \"ModuleList\"}",
+  fprintf(f,
+          "{\"format\": \"shardplane.model/v1\", \"name\": \"bench%u\",\n"
+          " \"modules\": [{\"fqn\": \"\", \"type\": \"BenchNet\"},\n"
+          "  {\"fqn\": \"head\", \"type\": \"Linear\"},\n"
+          "  {\"fqn\": \"blocks\", \"type\": \"ModuleList\"}",
           units);
   for (uint32_t i = 0; i + 1 < units; i++)
-    fprintf(f, ",\n  {\"fqn\": \"blocks.%u\", \"type\": \"Block\"},"
-               " {\"fqn\": \"blocks.%u.fc\", \"type\": \"Linear\"}",
+    fprintf(f,
+            ",\n  {\"fqn\": \"blocks.%u\", \"type\": \"Block\"},"
+            " {\"fqn\": \"blocks.%u.fc\", \"type\": \"Linear\"}",
             i, i);
-  fprintf(f, "],\n \"params\": [\n"
-             "  {\"fqn\": \"head.weight\", \"shape\": [256, 256], \"dtype\": "
-             "\"float32\", \"requires_grad\": true},\n"
-             "  {\"fqn\": \"head.bias\", \"shape\": [256], \"dtype\": "
-             "\"float32\", \"requires_grad\": true}");
+  fprintf(f,
+          "],\n \"params\": [\n"
+          "  {\"fqn\": \"head.weight\", \"shape\": [256, 256], \"dtype\": "
+          "\"float32\", \"requires_grad\": true},\n"
+          "  {\"fqn\": \"head.bias\", \"shape\": [256], \"dtype\": "
+          "\"float32\", \"requires_grad\": true}");
   for (uint32_t i = 0; i + 1 < units; i++)
-    fprintf(f, ",\n  {\"fqn\": \"blocks.%u.fc.weight\", \"shape\": [1024, "
-               "1024], \"dtype\": \"float32\", \"requires_grad\": true},"
-               " {\"fqn\": \"blocks.%u.fc.bias\", \"shape\": [1024], "
-               "\"dtype\": \"float32\", \"requires_grad\": true}",
+    fprintf(f,
+            ",\n  {\"fqn\": \"blocks.%u.fc.weight\", \"shape\": [1024, "
+            "1024], \"dtype\": \"float32\", \"requires_grad\": true},"
+            " {\"fqn\": \"blocks.%u.fc.bias\", \"shape\": [1024], "
+            "\"dtype\": \"float32\", \"requires_grad\": true}",
             i, i);
   fprintf(f, "]}\n");
   return fclose(f) == 0 ? 0 : SP_EIO;
@@ -187,17 +191,13 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
                        const char *state_dir, sp_diag *d) {
   char world[16];
   snprintf(world, sizeof world, "%u", o->ranks);
-  char *argv[] = {(char *)o->coordinator,
-                  "--model", (char *)model,
-                  "--listen", "127.0.0.1:0",
-                  "--world-size", world,
-                  "--wrap-type", "Block",
+  char *argv[] = {(char *)o->coordinator, "--model", (char *)model, "--listen",
+                  "127.0.0.1:0", "--world-size", world, "--wrap-type", "Block",
                   /* the load process may starve the rank sessions of CPU;
                    * nobody must be declared lost for it */
                   "--heartbeat-timeout-ms", "3600000",
                   /* the simulated ranks are this machine's own clients */
-                  "--insecure", "--no-auth",
-                  "--quiet", NULL, NULL, NULL};
+                  "--insecure", "--no-auth", "--quiet", NULL, NULL, NULL};
   if (state_dir != NULL) { /* into the two NULLs after the first */
     size_t k = 0;
     while (argv[k] != NULL) k++;
@@ -254,8 +254,10 @@ static double read_cpu_s(pid_t pid) {
   unsigned long ut, st;
   /* after the name: state ppid pgrp session tty tpgid flags minflt cminflt
    * majflt cmajflt utime stime */
-  if (s == NULL || sscanf(s + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u "
-                                 "%*u %lu %lu", &ut, &st) != 2)
+  if (s == NULL || sscanf(s + 2,
+                          "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u "
+                          "%*u %lu %lu",
+                          &ut, &st) != 2)
     return -1;
   return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
 }
@@ -277,7 +279,7 @@ typedef struct workload {
   uint32_t n_batches;
   uint8_t **bytes;
   size_t *len;
-  uint64_t *cum; /* cum[k]: events in batches 0..k-1; n_batches+1 */
+  uint64_t *cum;        /* cum[k]: events in batches 0..k-1; n_batches+1 */
   uint64_t per_rank;    /* events: transitions and collectives */
   uint64_t tr_per_rank; /* transitions alone (ListRanks counts these) */
   size_t max_len;
@@ -304,7 +306,8 @@ static int workload_build(workload *w, const bench_opts *o, uint32_t units) {
   Shardplane__V1__Transition *t = calloc(total, sizeof *t);
   Shardplane__V1__Transition **tp = calloc(o->batch, sizeof *tp);
   Shardplane__V1__Collective *col = calloc(n_coll + 1, sizeof *col);
-  Shardplane__V1__Collective **cp = calloc(2 * (size_t)o->batch + 2, sizeof *cp);
+  Shardplane__V1__Collective **cp =
+      calloc(2 * (size_t)o->batch + 2, sizeof *cp);
   /* the collectives reported with transition k: col[first_col[k]..] */
   uint64_t *first_col = calloc(total + 1, sizeof *first_col);
   w->n_batches = (uint32_t)((total + o->batch - 1) / o->batch);
@@ -324,30 +327,30 @@ static int workload_build(workload *w, const bench_opts *o, uint32_t units) {
   }
   size_t k = 0, kc = 0;
   uint64_t seq = 0;
-#define ADD(mach, u, s, st)                                                    \
-  do {                                                                         \
-    first_col[k] = kc;                                                         \
-    shardplane__v1__transition__init(&t[k]);                                   \
-    t[k].machine = (mach);                                                     \
-    t[k].unit = (u);                                                           \
-    t[k].state = (s);                                                          \
-    t[k].step = (st);                                                          \
-    k++;                                                                       \
+#define ADD(mach, u, s, st)                  \
+  do {                                       \
+    first_col[k] = kc;                       \
+    shardplane__v1__transition__init(&t[k]); \
+    t[k].machine = (mach);                   \
+    t[k].unit = (u);                         \
+    t[k].state = (s);                        \
+    t[k].step = (st);                        \
+    k++;                                     \
   } while (0)
-#define COLL(o_, u, st)                                                        \
-  do {                                                                         \
-    seq++;                                                                     \
-    for (int done_ = 0; done_ < 2; done_++) {                                  \
-      shardplane__v1__collective__init(&col[kc]);                              \
-      col[kc].seq = seq;                                                       \
-      col[kc].op = (o_);                                                       \
-      col[kc].unit = (u);                                                      \
-      col[kc].dtype = SHARDPLANE__V1__DTYPE__FLOAT32;                          \
-      col[kc].count = 1024;                                                    \
-      col[kc].completed = done_;                                               \
-      col[kc].step = (st);                                                     \
-      kc++;                                                                    \
-    }                                                                          \
+#define COLL(o_, u, st)                               \
+  do {                                                \
+    seq++;                                            \
+    for (int done_ = 0; done_ < 2; done_++) {         \
+      shardplane__v1__collective__init(&col[kc]);     \
+      col[kc].seq = seq;                              \
+      col[kc].op = (o_);                              \
+      col[kc].unit = (u);                             \
+      col[kc].dtype = SHARDPLANE__V1__DTYPE__FLOAT32; \
+      col[kc].count = 1024;                           \
+      col[kc].completed = done_;                      \
+      col[kc].step = (st);                            \
+      kc++;                                           \
+    }                                                 \
   } while (0)
   const Shardplane__V1__Machine R = SHARDPLANE__V1__MACHINE__MACHINE_ROOT;
   const Shardplane__V1__Machine H = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE;
@@ -453,7 +456,8 @@ static double baseline_tps(const workload *w, uint32_t units) {
           sp_diag d;
           if (!sp_state_valid(m, t->state) ||
               (m == SP_MACHINE_HANDLE && t->unit >= units) ||
-              sp_state_tracker_apply(&st, m, m == SP_MACHINE_HANDLE ? t->unit : 0,
+              sp_state_tracker_apply(&st, m,
+                                     m == SP_MACHINE_HANDLE ? t->unit : 0,
                                      t->state, &d) != 0) {
             bad = true;
             break;
@@ -501,7 +505,7 @@ typedef struct rank_s {
 } rank_s;
 
 typedef struct result {
-  bool ok;       /* every phase completed and the checks passed */
+  bool ok; /* every phase completed and the checks passed */
   double attach_s, release_s, tps, stream_s, writes_s;
   /* the phases apart: the last StoreAdd answered to the last rank released
    * (the rendezvous wake-up), sessions bound, checks, detach */
@@ -705,8 +709,8 @@ static void on_added(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
     q.value.data = (uint8_t *)"1";
     q.value.len = 1;
     b->pending++;
-    if (unary_start(r, PATH("StoreSet"), &q.base, CALL_TIMEOUT_MS,
-                    on_go_set) != 0) {
+    if (unary_start(r, PATH("StoreSet"), &q.base, CALL_TIMEOUT_MS, on_go_set) !=
+        0) {
       failf(b, "rank %u: cannot start StoreSet", r->id);
       item_done(b);
     }
@@ -714,8 +718,8 @@ static void on_added(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
   Shardplane__V1__StoreGetRequest q = SHARDPLANE__V1__STORE_GET_REQUEST__INIT;
   q.key = (char *)"go";
   q.wait = true;
-  if (unary_start(r, PATH("StoreGet"), &q.base, CALL_TIMEOUT_MS,
-                  on_released) != 0) {
+  if (unary_start(r, PATH("StoreGet"), &q.base, CALL_TIMEOUT_MS, on_released) !=
+      0) {
     failf(b, "rank %u: cannot start StoreGet", r->id);
     item_done(b);
   }
@@ -792,8 +796,8 @@ static void start_write(rank_s *r) {
   q.key = key;
   q.value.data = (uint8_t *)val;
   q.value.len = sizeof val;
-  if (unary_start(r, PATH("StoreSet"), &q.base, CALL_TIMEOUT_MS,
-                  on_written) != 0) {
+  if (unary_start(r, PATH("StoreSet"), &q.base, CALL_TIMEOUT_MS, on_written) !=
+      0) {
     failf(r->b, "rank %u: cannot start StoreSet", r->id);
     item_done(r->b);
   }
@@ -918,8 +922,8 @@ static void start_session(rank_s *r) {
 
 static int start_list_page(bench *b);
 
-static void on_list_ranks(rank_s *r, const sp_rpc_status *st,
-                          const uint8_t *d, size_t n) {
+static void on_list_ranks(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
+                          size_t n) {
   bench *b = r->b;
   uint32_t first = b->next_page;
   uint32_t want = b->n - first < LIST_PAGE ? b->n - first : LIST_PAGE;
@@ -995,8 +999,7 @@ static void on_get_job(rank_s *r, const sp_rpc_status *st, const uint8_t *d,
       b->verified = false;
       snprintf(b->verify_msg, sizeof b->verify_msg,
                "GetJob: %u attached, %u alerts (expected %u, 0)",
-               j && j->ranks ? j->ranks->attached : 0, j ? j->alerts : 0,
-               b->n);
+               j && j->ranks ? j->ranks->attached : 0, j ? j->alerts : 0, b->n);
     }
     if (j) shardplane__v1__get_job_response__free_unpacked(j, NULL);
   } else {
@@ -1024,8 +1027,8 @@ static void client_closed(void *arg) {
 /* ------------------------------------------------------------------ */
 
 /* GetJob over a blocking client of its own, closed before the clock starts. */
-static int get_job(const char *addr, char *version, size_t cap,
-                   uint32_t *units, uint32_t *world, sp_diag *d) {
+static int get_job(const char *addr, char *version, size_t cap, uint32_t *units,
+                   uint32_t *world, sp_diag *d) {
   sp_rpc_sync *s;
   int rc = sp_rpc_sync_open(addr, 10000, &s);
   if (rc != 0) return sp_diag_set(d, rc, "cannot open a client to %s", addr);
@@ -1037,8 +1040,8 @@ static int get_job(const char *addr, char *version, size_t cap,
                          &resp, &st);
   sp_rpc_sync_close(s);
   if (rc != 0 || st.code != SP_RPC_OK)
-    return sp_diag_set(d, SP_EIO, "GetJob: %s: %s",
-                       sp_rpc_code_name(st.code), st.message);
+    return sp_diag_set(d, SP_EIO, "GetJob: %s: %s", sp_rpc_code_name(st.code),
+                       st.message);
   Shardplane__V1__GetJobResponse *j = (Shardplane__V1__GetJobResponse *)resp;
   snprintf(version, cap, "%s", j->plan_version);
   *units = j->n_units;
@@ -1198,8 +1201,8 @@ static int run_once(const bench_opts *o, const char *model, uint32_t units,
     Shardplane__V1__DetachRequest q = SHARDPLANE__V1__DETACH_REQUEST__INIT;
     q.rank = r->id;
     q.session_id = r->session_id;
-    if (unary_start(r, PATH("Detach"), &q.base, CALL_TIMEOUT_MS,
-                    on_detached) != 0) {
+    if (unary_start(r, PATH("Detach"), &q.base, CALL_TIMEOUT_MS, on_detached) !=
+        0) {
       failf(b, "rank %u: cannot start Detach", r->id);
       item_done(b);
     }
@@ -1246,23 +1249,23 @@ close_clients:
 /* ------------------------------------------------------------------ */
 
 static void print_run(int i, const result *r, bool durable) {
-  printf("  run %d%s: attached %.3f s, released %.3f s (wake-up %.3f s), "
-         "bound %.3f s, %.0f store writes/s, %.2f M transitions/s (%.1f s), "
-         "checks %.2f s, detach %.2f s; CPU over attach: coordinator %.1f "
-         "us/rank, load %.1f us/rank; %.0f ns/transition; memory %.2f "
-         "KiB/rank (%.2f after streaming; %.2f all of it), %s\n",
-         i + 1, durable ? " --state-dir" : "", r->attach_s, r->release_s,
-         r->fanout_s, r->bind_s, r->writes_s, r->tps / 1e6, r->stream_s,
-         r->check_s, r->detach_s, r->coord_us_per_rank, r->load_us_per_rank,
-         r->coord_ns_per_tr, r->kib_per_rank, r->kib_per_rank_streamed,
-         r->total_kib_per_rank, r->ok ? "verified" : "FAILED");
+  printf(
+      "  run %d%s: attached %.3f s, released %.3f s (wake-up %.3f s), "
+      "bound %.3f s, %.0f store writes/s, %.2f M transitions/s (%.1f s), "
+      "checks %.2f s, detach %.2f s; CPU over attach: coordinator %.1f "
+      "us/rank, load %.1f us/rank; %.0f ns/transition; memory %.2f "
+      "KiB/rank (%.2f after streaming; %.2f all of it), %s\n",
+      i + 1, durable ? " --state-dir" : "", r->attach_s, r->release_s,
+      r->fanout_s, r->bind_s, r->writes_s, r->tps / 1e6, r->stream_s,
+      r->check_s, r->detach_s, r->coord_us_per_rank, r->load_us_per_rank,
+      r->coord_ns_per_tr, r->kib_per_rank, r->kib_per_rank_streamed,
+      r->total_kib_per_rank, r->ok ? "verified" : "FAILED");
 }
 
 /* A state dir's files, then the dir. */
 static void remove_state_dir(const char *dir) {
   static const char *const files[] = {"coordinator.db", "coordinator.db-wal",
-                                      "coordinator.db-shm",
-                                      "coordinator.lock"};
+                                      "coordinator.db-shm", "coordinator.lock"};
   char path[700];
   for (size_t i = 0; i < 4; i++) {
     snprintf(path, sizeof path, "%s/%s", dir, files[i]);
@@ -1344,37 +1347,43 @@ static int report(const bench_opts *o, const result *runs, int n,
   printf("  %-48s %10.2f KiB  (RSS before any rank: %.1f MiB)\n",
          "coordinator memory per attached rank", kib, (double)before / 1024);
   printf("  %-48s %10.2f KiB\n", "  the same after streaming", kib2);
-  printf("  %-48s %10.2f KiB  (the world's tables too: over a coordinator "
-         "of 1 rank)\n",
-         "coordinator memory per rank, all of it", tkib);
+  printf(
+      "  %-48s %10.2f KiB  (the world's tables too: over a coordinator "
+      "of 1 rank)\n",
+      "coordinator memory per rank, all of it", tkib);
   if (o->store_writes > 0)
-    printf("  %-48s %10.2f KiB  (%u keys of 64 B a rank, %.0f B a key; not "
-           "counted above)\n",
-           "  the job's store data, per rank", MED(store_kib_per_rank),
-           o->store_writes,
-           MED(store_kib_per_rank) * 1024.0 / (double)o->store_writes);
+    printf(
+        "  %-48s %10.2f KiB  (%u keys of 64 B a rank, %.0f B a key; not "
+        "counted above)\n",
+        "  the job's store data, per rank", MED(store_kib_per_rank),
+        o->store_writes,
+        MED(store_kib_per_rank) * 1024.0 / (double)o->store_writes);
 
   int fails = 0;
   printf("\ngoals\n");
-  double gr = goal_release_s(o->ranks), gk = goal_kib_per_rank(o->ranks_per_agent);
+  double gr = goal_release_s(o->ranks),
+         gk = goal_kib_per_rank(o->ranks_per_agent);
   bool p = release < gr;
   fails += !p;
-  printf("  %u ranks attached and released in < %.0f s: %.3f s  %s\n",
-         o->ranks, gr, release, p ? "PASS" : "FAIL");
+  printf("  %u ranks attached and released in < %.0f s: %.3f s  %s\n", o->ranks,
+         gr, release, p ? "PASS" : "FAIL");
   p = tps >= GOAL_TPS;
   fails += !p;
-  printf("  >= %.0f M events/s (detection on) through batched Session "
-         "streams: %.2f M/s"
-         "  %s\n",
-         GOAL_TPS / 1e6, tps / 1e6, p ? "PASS" : "FAIL");
+  printf(
+      "  >= %.0f M events/s (detection on) through batched Session "
+      "streams: %.2f M/s"
+      "  %s\n",
+      GOAL_TPS / 1e6, tps / 1e6, p ? "PASS" : "FAIL");
   p = tkib <= gk;
   fails += !p;
-  printf("  <= %.0f KiB coordinator memory per rank, all of it (%u a "
-         "connection): %.2f KiB  %s\n",
-         gk, o->ranks_per_agent, tkib, p ? "PASS" : "FAIL");
-  printf("  correctness (every rank's count, IDLE states, no alerts, clean "
-         "exit): %d/%d runs  %s\n",
-         ok, n, ok == n ? "PASS" : "FAIL");
+  printf(
+      "  <= %.0f KiB coordinator memory per rank, all of it (%u a "
+      "connection): %.2f KiB  %s\n",
+      gk, o->ranks_per_agent, tkib, p ? "PASS" : "FAIL");
+  printf(
+      "  correctness (every rank's count, IDLE states, no alerts, clean "
+      "exit): %d/%d runs  %s\n",
+      ok, n, ok == n ? "PASS" : "FAIL");
   fails += ok != n;
   sum->fails = fails;
   return fails;
@@ -1388,20 +1397,20 @@ static int report_durable(const result *plain, const result *dur, int n) {
   double w1 = MED(writes_s), t1 = MED(tps);
   int ok = 0;
   for (int i = 0; i < n; i++) ok += dur[i].ok;
-  printf("\ndurability: the same runs with --state-dir (median of %d, %d "
-         "verified)\n", n, ok);
+  printf(
+      "\ndurability: the same runs with --state-dir (median of %d, %d "
+      "verified)\n",
+      n, ok);
   printf("  %-48s %10.0f /s  without: %.0f /s  (%.2fx)\n",
-         "store writes (StoreSet, acknowledged)", w1, w0,
-         w0 > 0 ? w1 / w0 : 0);
+         "store writes (StoreSet, acknowledged)", w1, w0, w0 > 0 ? w1 / w0 : 0);
   printf("  %-48s %10.2f M/s without: %.2f M/s (%.2fx)\n",
          "transitions ingested", t1 / 1e6, t0 / 1e6, t0 > 0 ? t1 / t0 : 0);
-  printf("  %-48s %10.3f s   without: %.3f s   (%.2fx)\n",
-         "time to all released", MED(release_s),
-         median_field(plain, n, offsetof(result, release_s)),
-         median_field(plain, n, offsetof(result, release_s)) > 0
-             ? MED(release_s) /
-                   median_field(plain, n, offsetof(result, release_s))
-             : 0);
+  printf(
+      "  %-48s %10.3f s   without: %.3f s   (%.2fx)\n", "time to all released",
+      MED(release_s), median_field(plain, n, offsetof(result, release_s)),
+      median_field(plain, n, offsetof(result, release_s)) > 0
+          ? MED(release_s) / median_field(plain, n, offsetof(result, release_s))
+          : 0);
   bool p = ok == n && t1 >= GOAL_TPS;
   printf("  >= %.0f M transitions/s with --state-dir: %.2f M/s  %s\n",
          GOAL_TPS / 1e6, t1 / 1e6, p ? "PASS" : "FAIL");
@@ -1410,11 +1419,13 @@ static int report_durable(const result *plain, const result *dur, int n) {
 
 /* The sizes side by side: the cost per rank must not grow with the job. */
 static void report_sizes(const bench_opts *o, const size_summary *s, int n) {
-  printf("\nsizes (%u ranks a connection; medians; ratios to the first "
-         "size)\n", o->ranks_per_agent);
-  printf("  %8s %7s %9s %9s %9s %8s %9s %9s %8s %8s  %s\n", "ranks",
-         "conns", "attach s", "release s", "us/rank", "ratio", "coord us",
-         "ratio", "KiB/rank", "M ev/s", "goals");
+  printf(
+      "\nsizes (%u ranks a connection; medians; ratios to the first "
+      "size)\n",
+      o->ranks_per_agent);
+  printf("  %8s %7s %9s %9s %9s %8s %9s %9s %8s %8s  %s\n", "ranks", "conns",
+         "attach s", "release s", "us/rank", "ratio", "coord us", "ratio",
+         "KiB/rank", "M ev/s", "goals");
   double base_us = s[0].ok ? s[0].release * 1e6 / s[0].ranks : 0;
   double base_cpu = s[0].ok ? s[0].coord_us : 0;
   for (int i = 0; i < n; i++) {
@@ -1507,16 +1518,17 @@ static int parse_sizes(const char *v, bench_opts *o, sp_diag *d) {
   char *save = NULL;
   for (char *t = strtok_r(buf, ",", &save); t != NULL;
        t = strtok_r(NULL, ",", &save)) {
-    if (o->n_sizes == MAX_SIZES ||
-        u32_flag("--ranks", t, 1, SP_JOB_MAX_WORLD, &o->sizes[o->n_sizes],
-                 NULL) != 0)
+    if (o->n_sizes == MAX_SIZES || u32_flag("--ranks", t, 1, SP_JOB_MAX_WORLD,
+                                            &o->sizes[o->n_sizes], NULL) != 0)
       goto bad;
     o->n_sizes++;
   }
   if (o->n_sizes > 0) return 0;
 bad:
-  return sp_flag_fail(d, "--ranks", v, "at most %d rank counts in [1, %u], "
-                      "comma-separated", MAX_SIZES, SP_JOB_MAX_WORLD);
+  return sp_flag_fail(d, "--ranks", v,
+                      "at most %d rank counts in [1, %u], "
+                      "comma-separated",
+                      MAX_SIZES, SP_JOB_MAX_WORLD);
 }
 
 static int parse_args(int argc, char **argv, bench_opts *o) {
@@ -1612,14 +1624,22 @@ static int raise_fd_limit(uint32_t conns, rlim_t *now) {
 }
 
 int main(int argc, char **argv) {
-  bench_opts o = {.ranks = 1024, .units = 100, .steps = 50, .batch = 256,
-                  .window = 4, .runs = 1, .store_writes = 20,
-                  .ranks_per_agent = 8, .sizes = {1024}, .n_sizes = 1};
+  bench_opts o = {.ranks = 1024,
+                  .units = 100,
+                  .steps = 50,
+                  .batch = 256,
+                  .window = 4,
+                  .runs = 1,
+                  .store_writes = 20,
+                  .ranks_per_agent = 8,
+                  .sizes = {1024},
+                  .n_sizes = 1};
   if (parse_args(argc, argv, &o) != 0) return 2;
   char *coord = o.coordinator ? strdup(o.coordinator) : default_coordinator();
   if (coord == NULL || access(coord, X_OK) != 0) {
-    fprintf(stderr, "coordinator: no shardplane-coordinator program at %s; "
-                    "build it or pass --coordinator\n",
+    fprintf(stderr,
+            "coordinator: no shardplane-coordinator program at %s; "
+            "build it or pass --coordinator\n",
             coord ? coord : "(unknown)");
     return 2;
   }
@@ -1632,9 +1652,10 @@ int main(int argc, char **argv) {
   o.ranks = most;
   rlim_t fds = 0;
   if (raise_fd_limit(n_agents(&o), &fds) != 0) {
-    fprintf(stderr, "coordinator: %u ranks at %u a connection need %u file "
-                    "descriptors; the limit is %llu (ulimit -n); pass a "
-                    "larger --ranks-per-agent\n",
+    fprintf(stderr,
+            "coordinator: %u ranks at %u a connection need %u file "
+            "descriptors; the limit is %llu (ulimit -n); pass a "
+            "larger --ranks-per-agent\n",
             most, o.ranks_per_agent, n_agents(&o) + 256,
             (unsigned long long)fds);
     free(coord);
@@ -1662,18 +1683,22 @@ int main(int argc, char **argv) {
   }
 
   uint64_t per_step = 2 + 5 * (uint64_t)o.units;
-  printf("coordinator: %u units (root + %u Block), %u steps x %llu "
-         "transitions per rank\n",
-         o.units, o.units - 1, o.steps, (unsigned long long)per_step);
-  printf("  %u SessionUp messages of <= %u transitions per rank, <= %u "
-         "unacknowledged; %ld CPUs online\n",
-         w.n_batches, o.batch, o.window, sysconf(_SC_NPROCESSORS_ONLN));
-  printf("  coordinator: child process, --quiet, heartbeat timeout 1 h; "
-         "file descriptor limit %llu (both processes)\n",
-         (unsigned long long)fds);
-  printf("  load: this process, one libuv loop, one sp_rpc client (HTTP/2 "
-         "connection) per agent of %u rank%s\n",
-         o.ranks_per_agent, o.ranks_per_agent == 1 ? "" : "s");
+  printf(
+      "coordinator: %u units (root + %u Block), %u steps x %llu "
+      "transitions per rank\n",
+      o.units, o.units - 1, o.steps, (unsigned long long)per_step);
+  printf(
+      "  %u SessionUp messages of <= %u transitions per rank, <= %u "
+      "unacknowledged; %ld CPUs online\n",
+      w.n_batches, o.batch, o.window, sysconf(_SC_NPROCESSORS_ONLN));
+  printf(
+      "  coordinator: child process, --quiet, heartbeat timeout 1 h; "
+      "file descriptor limit %llu (both processes)\n",
+      (unsigned long long)fds);
+  printf(
+      "  load: this process, one libuv loop, one sp_rpc client (HTTP/2 "
+      "connection) per agent of %u rank%s\n",
+      o.ranks_per_agent, o.ranks_per_agent == 1 ? "" : "s");
   fflush(stdout);
 
   double base = baseline_tps(&w, o.units);

@@ -80,7 +80,7 @@ typedef struct bench_opts {
 typedef struct row {
   int world;
   const char *strategy, *dtype;
-  bool ckpt;  /* also save a SHARDED checkpoint */
+  bool ckpt; /* also save a SHARDED checkpoint */
   /* predicted */
   sp_mem_estimate e;
   /* measured */
@@ -176,14 +176,15 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
   /* W copies of the prediction, a process's baseline (about 160 MB: the
    * session, Gloo, the spec) each, and a margin: refuse rather than push a
    * shared machine into swapping or the OOM killer */
-  double need = (double)r->world * ((double)r->e.acct.reserved.peak +
-                                    200 * MIB) * 1.1;
+  double need =
+      (double)r->world * ((double)r->e.acct.reserved.peak + 200 * MIB) * 1.1;
   if (r->ckpt) need += (double)r->world * 600 * MIB;
   long long avail = mem_available();
   if (avail > 0 && need > (double)avail) {
-    snprintf(r->why, sizeof r->why, "needs about %.1f GiB for %d ranks, "
-             "MemAvailable is %.1f GiB", need / (1024 * MIB), r->world,
-             (double)avail / (1024 * MIB));
+    snprintf(r->why, sizeof r->why,
+             "needs about %.1f GiB for %d ranks, "
+             "MemAvailable is %.1f GiB",
+             need / (1024 * MIB), r->world, (double)avail / (1024 * MIB));
     return -1;
   }
   char ws[16], steps[16], stats[4096], ckdir[4096];
@@ -192,10 +193,20 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
   snprintf(stats, sizeof stats, "%s/stats.json", tmp);
   snprintf(ckdir, sizeof ckdir, "%s/ckpt", tmp);
   unlink(stats);
-  char *ca[24] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                  "127.0.0.1:0", "--model", (char *)o->model, "--world-size",
-                  ws, "--strategy", (char *)r->strategy, "--wrap-type",
-                  (char *)o->wrap, "--quiet", "--insecure", "--no-auth"};
+  char *ca[24] = {SP_BIN_DIR "/shardplane-coordinator",
+                  "--listen",
+                  "127.0.0.1:0",
+                  "--model",
+                  (char *)o->model,
+                  "--world-size",
+                  ws,
+                  "--strategy",
+                  (char *)r->strategy,
+                  "--wrap-type",
+                  (char *)o->wrap,
+                  "--quiet",
+                  "--insecure",
+                  "--no-auth"};
   int k = 14;
   if (strcmp(r->strategy, "HYBRID_SHARD") == 0) {
     ca[k++] = "--shard-group-size";
@@ -208,8 +219,8 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
   ca[k] = NULL;
   sp_proc coord;
   sp_diag d = {{0}};
-  if (sp_proc_spawn(&coord, ca, false, false, "listening on 127.0.0.1:%d",
-                    &d) < 0) {
+  if (sp_proc_spawn(&coord, ca, false, false, "listening on 127.0.0.1:%d", &d) <
+      0) {
     snprintf(r->why, sizeof r->why, "coordinator: %s", d.msg);
     return -1;
   }
@@ -226,11 +237,23 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
     char rs[16];
     snprintf(rs, sizeof rs, "%d", rk);
     /* --synthetic: the GPT-2 specs train for real otherwise */
-    char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
+    char *wa[] = {SP_BIN_DIR "/shardplane-worker",
+                  "--coordinator",
+                  addr,
                   "--synthetic",
-                  "--insecure", "--rank", rs, "--steps", steps, "--log-every",
-                  "0", "--stats", stats, "--checkpoint",
-                  r->ckpt ? "sharded" : "none", "--checkpoint-dir", ckdir,
+                  "--insecure",
+                  "--rank",
+                  rs,
+                  "--steps",
+                  steps,
+                  "--log-every",
+                  "0",
+                  "--stats",
+                  stats,
+                  "--checkpoint",
+                  r->ckpt ? "sharded" : "none",
+                  "--checkpoint-dir",
+                  ckdir,
                   NULL};
     if (posix_spawn(&w[rk], wa[0], &fa, NULL, wa, environ) != 0) {
       w[rk] = 0;
@@ -254,8 +277,8 @@ static int run_row(const bench_opts *o, const char *tmp, row *r) {
   sp_proc_stop(&coord, 5000);
   sp_test_rmtree(ckdir);
   if (failed) {
-    snprintf(r->why, sizeof r->why, "worker %d failed (status 0x%x)",
-             bad_rank, bad_status);
+    snprintf(r->why, sizeof r->why, "worker %d failed (status 0x%x)", bad_rank,
+             bad_status);
     return -1;
   }
   int rc = read_stats(stats, r);
@@ -286,8 +309,8 @@ static void print_header(void) {
   printf("%-3s %-14s %-9s %12s %12s %12s %8s %12s %7s %7s %s\n", "W",
          "strategy", "params", "predicted", "counted", "RSS", "RSS/pred",
          "in use pred", "allocs", "wall s", "goal 1");
-  printf("%-3s %-14s %-9s %12s %12s %12s %8s %12s %7s %7s\n", "", "", "",
-         "MiB", "MiB", "MiB", "", "MiB", "1st/all", "");
+  printf("%-3s %-14s %-9s %12s %12s %12s %8s %12s %7s %7s\n", "", "", "", "MiB",
+         "MiB", "MiB", "", "MiB", "1st/all", "");
 }
 
 /* W = 1 runs once for every strategy: FSDP makes each NO_SHARD */
@@ -297,16 +320,16 @@ static const char *shown_strategy(const row *r) {
 
 static void print_row(const row *r) {
   if (!r->ran) {
-    printf("%-3d %-14s %-9s %12.1f %12s %12s %8s %12.1f %7s %7s FAIL (not "
-           "run: %s)\n", r->world, shown_strategy(r), r->dtype,
-           mib(r->e.acct.reserved.peak), "-", "-", "-",
-           mib(r->e.acct.total.peak), "-", "-", r->why);
+    printf(
+        "%-3d %-14s %-9s %12.1f %12s %12s %8s %12.1f %7s %7s FAIL (not "
+        "run: %s)\n",
+        r->world, shown_strategy(r), r->dtype, mib(r->e.acct.reserved.peak),
+        "-", "-", "-", mib(r->e.acct.total.peak), "-", "-", r->why);
     return;
   }
   char allocs[32];
   snprintf(allocs, sizeof allocs, "%llu/%llu",
-           (unsigned long long)r->allocs_step1,
-           (unsigned long long)r->allocs);
+           (unsigned long long)r->allocs_step1, (unsigned long long)r->allocs);
   printf("%-3d %-14s %-9s %12.1f %12.1f %12.1f %8.3f %12.1f %7s %7.1f %s\n",
          r->world, shown_strategy(r), r->dtype, mib(r->e.acct.reserved.peak),
          mib(r->counted_reserved), rss_delta(r) / MIB,
@@ -316,11 +339,13 @@ static void print_row(const row *r) {
 }
 
 static void usage(FILE *f) {
-  fputs("usage: bench/memory [--worlds 1,2,4,8] [--steps N] [--model PATH "
-        "--wrap-type T] [--no-checkpoint]\n"
-        "Peak memory per rank of real GPT-2 jobs (synthetic gradients) on\n"
-        "every strategy, float32 and bfloat16 parameters, against the memory\n"
-        "model; prints PASS/FAIL per goal and exits 1 on any FAIL.\n", f);
+  fputs(
+      "usage: bench/memory [--worlds 1,2,4,8] [--steps N] [--model PATH "
+      "--wrap-type T] [--no-checkpoint]\n"
+      "Peak memory per rank of real GPT-2 jobs (synthetic gradients) on\n"
+      "every strategy, float32 and bfloat16 parameters, against the memory\n"
+      "model; prints PASS/FAIL per goal and exits 1 on any FAIL.\n",
+      f);
 }
 
 static int parse_worlds(const char *s, bench_opts *o) {
@@ -338,7 +363,9 @@ static int parse_worlds(const char *s, bench_opts *o) {
 
 int main(int argc, char **argv) {
   bench_opts o = {.model = SP_EXAMPLES "/models/gpt2.json",
-                  .wrap = "GPT2Block", .worlds = {1, 2, 4, 8}, .n_worlds = 4,
+                  .wrap = "GPT2Block",
+                  .worlds = {1, 2, 4, 8},
+                  .n_worlds = 4,
                   .steps = 2};
   static const struct option opts[] = {
       {"worlds", required_argument, NULL, 'w'},
@@ -353,15 +380,18 @@ int main(int argc, char **argv) {
     switch (c) {
       case 'w':
         if (parse_worlds(optarg, &o) < 0) {
-          fprintf(stderr, "bench/memory: --worlds \"%s\": expected a comma "
-                  "list of world sizes from 1 to %d\n", optarg, MAX_W);
+          fprintf(stderr,
+                  "bench/memory: --worlds \"%s\": expected a comma "
+                  "list of world sizes from 1 to %d\n",
+                  optarg, MAX_W);
           return 2;
         }
         break;
       case 's':
         o.steps = atoi(optarg);
         if (o.steps < 2) {
-          fprintf(stderr, "bench/memory: --steps \"%s\": at least 2 (the "
+          fprintf(stderr,
+                  "bench/memory: --steps \"%s\": at least 2 (the "
                   "second proves no step after the first allocates)\n",
                   optarg);
           return 2;
@@ -391,15 +421,16 @@ int main(int argc, char **argv) {
          * needs shard groups of 2 */
         if (w == 1 && si > 0) continue;
         if (si == 3 && w < 2) continue;
-        rows[n] = (row){.world = w, .strategy = k_strategies[si],
-                        .dtype = k_dtypes[di]};
+        rows[n] = (row){
+            .world = w, .strategy = k_strategies[si], .dtype = k_dtypes[di]};
         rows[n].ckpt = !o.no_ckpt && si == 0 && di == 0;
         n++;
       }
-  printf("bench/memory: %s (wrap %s), %d steps of the synthetic-gradient "
-         "cycle per job, SGD, limiter 2, backward prefetch; rank 0's peak "
-         "per rank\n(W = 1: every strategy is NO_SHARD, one run)\n\n",
-         o.model, o.wrap, o.steps);
+  printf(
+      "bench/memory: %s (wrap %s), %d steps of the synthetic-gradient "
+      "cycle per job, SGD, limiter 2, backward prefetch; rank 0's peak "
+      "per rank\n(W = 1: every strategy is NO_SHARD, one run)\n\n",
+      o.model, o.wrap, o.steps);
   print_header();
   double t_all = sp_clock_s();
   int fails = 0;
@@ -410,16 +441,17 @@ int main(int argc, char **argv) {
     print_row(r);
     if (!row_ok(r)) fails++;
   }
-  printf("\ngoal 1 (RSS within 10 %% of predicted; counted == predicted; no "
-         "allocation after step 1): %d of %d rows %s\n", n - fails, n,
-         verdict(fails == 0));
+  printf(
+      "\ngoal 1 (RSS within 10 %% of predicted; counted == predicted; no "
+      "allocation after step 1): %d of %d rows %s\n",
+      n - fails, n, verdict(fails == 0));
 
   /* FULL_SHARD: the floor and 1/W */
-  printf("\nFULL_SHARD against the floor (S: sharded state, falls as 1/W; F: "
-         "in-flight floor)\n");
-  printf("%-3s %-9s %12s %12s %12s %12s %10s %14s\n", "W", "params",
-         "RSS MiB", "S MiB", "F MiB", "S+F MiB", "RSS/(S+F)",
-         "(RSS-F)W/base");
+  printf(
+      "\nFULL_SHARD against the floor (S: sharded state, falls as 1/W; F: "
+      "in-flight floor)\n");
+  printf("%-3s %-9s %12s %12s %12s %12s %10s %14s\n", "W", "params", "RSS MiB",
+         "S MiB", "F MiB", "S+F MiB", "RSS/(S+F)", "(RSS-F)W/base");
   bool g2 = false, g2_seen = false, g3 = true;
   int g3_seen = 0;
   for (int di = 0; di < 2; di++) {
@@ -442,9 +474,8 @@ int main(int argc, char **argv) {
         printf("%-3d %-9s not run: %s\n", r->world, r->dtype, r->why);
       } else {
         printf("%-3d %-9s %12.1f %12.1f %12.1f %12.1f %10.3f %14.3f\n",
-               r->world, r->dtype, rss_delta(r) / MIB,
-               mib(r->e.sharded_state), mib(r->e.in_flight_floor), sf / MIB,
-               rss_delta(r) / sf, scal);
+               r->world, r->dtype, rss_delta(r) / MIB, mib(r->e.sharded_state),
+               mib(r->e.in_flight_floor), sf / MIB, rss_delta(r) / sf, scal);
       }
       if (r->world == 8) {
         bool ok = r->ran && rss_delta(r) <= 1.15 * sf;
@@ -464,16 +495,19 @@ int main(int argc, char **argv) {
   }
   printf("goal 2 (FULL_SHARD at W=8: RSS <= 1.15 x (S + F)): %s\n",
          g2_seen ? verdict(g2) : "FAIL (no W=8 row)");
-  printf("goal 3 (FULL_SHARD falls as 1/W to the floor: (RSS-F)*W within "
-         "15 %% of W=2's): %s\n", g3_seen ? verdict(g3) : "FAIL (no W>2 row)");
+  printf(
+      "goal 3 (FULL_SHARD falls as 1/W to the floor: (RSS-F)*W within "
+      "15 %% of W=2's): %s\n",
+      g3_seen ? verdict(g3) : "FAIL (no W>2 row)");
   if (!g2_seen || !g2) fails++;
   if (!g3_seen || !g3) fails++;
 
   if (!o.no_ckpt) {
-    printf("\nSHARDED checkpoint save after training (FULL_SHARD float32; "
-           "peaks of the save alone, from what training left held)\n");
-    printf("%-3s %14s %14s %14s %14s %12s\n", "W", "RSS MiB",
-           "RSS/train", "counted MiB", "in use MiB", "train RSS");
+    printf(
+        "\nSHARDED checkpoint save after training (FULL_SHARD float32; "
+        "peaks of the save alone, from what training left held)\n");
+    printf("%-3s %14s %14s %14s %14s %12s\n", "W", "RSS MiB", "RSS/train",
+           "counted MiB", "in use MiB", "train RSS");
     for (int i = 0; i < n; i++) {
       const row *r = &rows[i];
       if (!r->ckpt || !r->ran) continue;
@@ -482,9 +516,10 @@ int main(int argc, char **argv) {
              ck / rss_delta(r), mib(r->ck_reserved), mib(r->ck_total),
              rss_delta(r) / MIB);
     }
-    printf("(RSS: VmHWM during the save minus VmRSS before the runtime; "
-           "counted: the runtime's reserved peak, which excludes the host "
-           "copies ckpt.c gathers)\n");
+    printf(
+        "(RSS: VmHWM during the save minus VmRSS before the runtime; "
+        "counted: the runtime's reserved peak, which excludes the host "
+        "copies ckpt.c gathers)\n");
   }
   printf("\nbench/memory: %d rows in %.0f s: %s\n", n, sp_clock_s() - t_all,
          fails ? "FAIL" : "PASS");

@@ -188,9 +188,9 @@ typedef struct result {
 
 /* What the slices of one figure add up to. */
 typedef struct accum {
-  samples lat;          /* 1 caller: every call's latency */
-  uint64_t done;        /* calls completed inside the measuring windows */
-  double secs;          /* the measuring windows' total length */
+  samples lat;            /* 1 caller: every call's latency */
+  uint64_t done;          /* calls completed inside the measuring windows */
+  double secs;            /* the measuring windows' total length */
   uint64_t cpu_ns, calls; /* CPU time and calls of whole slices */
   bool cpu_unknown;
 } accum;
@@ -336,8 +336,8 @@ static int tcp_floor_connect(const tcp_floor *t) {
 /* One slice of round trips on connection fd: each writes `batch` messages
  * of t->msg bytes at once and reads them back, the best any server could
  * do with `batch` calls in flight. */
-static int tcp_floor_slice(const tcp_floor *t, int fd, int batch,
-                           double warm_s, double meas_s, accum *a) {
+static int tcp_floor_slice(const tcp_floor *t, int fd, int batch, double warm_s,
+                           double meas_s, accum *a) {
   size_t len = (size_t)batch * t->msg;
   uint8_t *buf = calloc(1, len);
   if (buf == NULL) return SP_ENOMEM;
@@ -464,10 +464,10 @@ struct driver {
   uint64_t t_measure, t_end;
   int active;
   uint64_t done, errors;
-  uint64_t total;  /* completed calls, warm-up and drain included */
+  uint64_t total; /* completed calls, warm-up and drain included */
   const char *who;
   pid_t server_pid; /* the server's process when it is not this one */
-  samples *lat; /* 1 caller: every call's latency */
+  samples *lat;     /* 1 caller: every call's latency */
   char error[SP_RPC_STATUS_MESSAGE_MAX + 64];
   uv_timer_t watchdog;
 };
@@ -484,8 +484,8 @@ static void slot_start(slot *s) {
   s->replied = false;
   s->t0 = now_ns();
   s->call = NULL;
-  int rc = sp_rpc_client_start(d->cl, ECHO_UNARY, NULL, 0, 0, &k_cbs, s,
-                               &s->call);
+  int rc =
+      sp_rpc_client_start(d->cl, ECHO_UNARY, NULL, 0, 0, &k_cbs, s, &s->call);
   if (rc == 0 && s->call == NULL) return; /* it failed at once: on_close ran */
   if (rc == 0) rc = sp_rpc_ccall_send(s->call, d->req, d->req_len);
   if (rc == 0) rc = sp_rpc_ccall_close_send(s->call);
@@ -559,8 +559,8 @@ static int drive(driver *d, int callers, double warm_s, double meas_s,
   d->lat = callers == 1 ? &a->lat : NULL;
   for (int i = 0; i < callers; i++) slots[i] = (slot){.d = d};
   for (int i = 0; i < callers && d->errors == 0; i++) slot_start(&slots[i]);
-  uv_timer_start(&d->watchdog, on_watchdog,
-                 (d->t_end - t0) / 1000000u + 10000u, 0);
+  uv_timer_start(&d->watchdog, on_watchdog, (d->t_end - t0) / 1000000u + 10000u,
+                 0);
   if (d->active > 0) uv_run(d->loop, UV_RUN_DEFAULT);
   uv_timer_stop(&d->watchdog);
   if (d->active > 0) { /* the watchdog fired: cancel what is left */
@@ -620,8 +620,8 @@ static result accum_result(accum a[N_CALLERS], int n_callers,
 
 static void client_closed(void *arg) { *(bool *)arg = true; }
 
-static int driver_open(driver *d, uv_loop_t *loop, int port,
-                       const uint8_t *req, size_t len, const char *who,
+static int driver_open(driver *d, uv_loop_t *loop, int port, const uint8_t *req,
+                       size_t len, const char *who,
                        const sp_rpc_tls_client_opts *tls) {
   memset(d, 0, sizeof *d);
   d->loop = loop;
@@ -667,8 +667,7 @@ static void fc_reply(sp_rpc_ccall *call, const uint8_t *data, size_t len,
   f->replied = len == f->len && memcmp(data, f->req, len) == 0;
 }
 
-static void fc_close(sp_rpc_ccall *call, const sp_rpc_status *st,
-                     void *user) {
+static void fc_close(sp_rpc_ccall *call, const sp_rpc_status *st, void *user) {
   (void)call;
   first_call *f = user;
   f->done = true;
@@ -792,22 +791,22 @@ static void print_run(int run, const result r[N_CONTENDERS]) {
   printf("  run %d:\n", run + 1);
   for (int c = 0; c < N_CONTENDERS; c++) {
     if (!r[c].ok) continue;
-    printf("    %-8s p50 %6.1f  p99 %6.1f us (%3.0f%% fast)  %7.0f %7.0f "
-           "%7.0f calls/s\n",
-           c == FLOOR      ? "floor"
-           : c == OURS     ? "ours"
-           : c == OURS_TLS ? "ours TLS"
-                           : "gRPC C++",
-           r[c].p50_us,
-           r[c].p99_us, 100 * r[c].fast_share, r[c].tput[0], r[c].tput[1],
-           r[c].tput[2]);
+    printf(
+        "    %-8s p50 %6.1f  p99 %6.1f us (%3.0f%% fast)  %7.0f %7.0f "
+        "%7.0f calls/s\n",
+        c == FLOOR      ? "floor"
+        : c == OURS     ? "ours"
+        : c == OURS_TLS ? "ours TLS"
+                        : "gRPC C++",
+        r[c].p50_us, r[c].p99_us, 100 * r[c].fast_share, r[c].tput[0],
+        r[c].tput[1], r[c].tput[2]);
   }
 }
 
 /* The median, lowest and highest over the runs of contender a's calls/s
  * over b's with k_callers[i] callers; false when no run measured both. */
-static bool run_ratios(result runs[][N_CONTENDERS], int n, int a, int b,
-                       int i, double *med_x, double *lo, double *hi) {
+static bool run_ratios(result runs[][N_CONTENDERS], int n, int a, int b, int i,
+                       double *med_x, double *lo, double *hi) {
   double v[64];
   int k = 0;
   for (int r = 0; r < n && r < 64; r++)
@@ -835,9 +834,10 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
     m[c] = med(col, o->runs);
   }
   const result *fl = &m[FLOOR], *us = &m[OURS], *gp = &m[GRPCPP];
-  printf("\nmedian of %d run%s; latency: 1 caller; throughput: N calls in "
-         "flight on one connection\n",
-         o->runs, o->runs == 1 ? "" : "s");
+  printf(
+      "\nmedian of %d run%s; latency: 1 caller; throughput: N calls in "
+      "flight on one connection\n",
+      o->runs, o->runs == 1 ? "" : "s");
   printf("%-27s %9s %9s %9s %9s %10s %10s %10s\n", "", "p50 us", "p99 us",
          "p50/floor", "p99/floor", "1 caller", "8 callers", "64 callers");
   for (int c = 0; c < N_CONTENDERS; c++) {
@@ -877,17 +877,19 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
     printf("\n%-27s %8.2fx %8.2fx\n", "TLS / cleartext latency",
            tl->p50_us / us->p50_us, tl->p99_us / us->p99_us);
   }
-  printf("(request and reply: %zu-byte Echo message; the floor sends as many "
-         "bytes per call,\n N calls as one N-message write and reads them "
-         "back: what no server can beat)\n",
-         req_len);
+  printf(
+      "(request and reply: %zu-byte Echo message; the floor sends as many "
+      "bytes per call,\n N calls as one N-message write and reads them "
+      "back: what no server can beat)\n",
+      req_len);
 
-  printf("\n1-caller round trips by placement: fast = under %.1f us (%.0fx the "
-         "floor's fastest:\nboth ends ran on one CPU), slow = a wake-up "
-         "crossed CPUs\n",
-         fl->split_us, SPLIT_X);
-  printf("%-27s %10s %9s %9s %9s %9s\n", "", "fast share", "fast p50",
-         "/floor", "slow p50", "/floor");
+  printf(
+      "\n1-caller round trips by placement: fast = under %.1f us (%.0fx the "
+      "floor's fastest:\nboth ends ran on one CPU), slow = a wake-up "
+      "crossed CPUs\n",
+      fl->split_us, SPLIT_X);
+  printf("%-27s %10s %9s %9s %9s %9s\n", "", "fast share", "fast p50", "/floor",
+         "slow p50", "/floor");
   for (int c = 0; c < N_CONTENDERS; c++) {
     const result *r = &m[c];
     if (!r->ok) continue;
@@ -905,8 +907,9 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
     else
       printf(" %9s %9s\n", "-", "-");
   }
-  printf("\nCPU per call, client + server (us; the RPC client is ours in "
-         "both RPC rows)\n");
+  printf(
+      "\nCPU per call, client + server (us; the RPC client is ours in "
+      "both RPC rows)\n");
   printf("%-27s %10s %10s %10s\n", "", "1 caller", "8 callers", "64 callers");
   for (int c = 0; c < N_CONTENDERS; c++) {
     if (!m[c].ok) continue;
@@ -937,35 +940,36 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
           printf(" %10s", "?");
       printf("\n");
     }
-    printf("(bare nghttp2: both sessions on one thread, the same headers, "
-           "SETTINGS and message,\n no sockets, loop or protobuf: the least "
-           "CPU per call an engine on nghttp2 can spend)\n");
+    printf(
+        "(bare nghttp2: both sessions on one thread, the same headers, "
+        "SETTINGS and message,\n no sockets, loop or protobuf: the least "
+        "CPU per call an engine on nghttp2 can spend)\n");
   } else {
     printf("%-27s %s\n", "bare nghttp2, in memory", h2_why);
   }
 
   if (cc->ok)
-    printf("\nconnection cost, median of %d fresh connections each (first "
-           "call's start to its reply):\n  cleartext connect + first call "
-           "%.0f us; TLS 1.3 connect + handshake + first call %.0f us: "
-           "%.2fx\n",
-           cc->n, cc->clear_us, cc->tls_us, cc->tls_us / cc->clear_us);
+    printf(
+        "\nconnection cost, median of %d fresh connections each (first "
+        "call's start to its reply):\n  cleartext connect + first call "
+        "%.0f us; TLS 1.3 connect + handshake + first call %.0f us: "
+        "%.2fx\n",
+        cc->n, cc->clear_us, cc->tls_us, cc->tls_us / cc->clear_us);
   else
     printf("\nconnection cost: %s\n",
            o->certs == NULL ? o->no_tls_why : "failed");
 
   int fails = 0;
   printf("\ngoals\n");
-  if (fl->ok && us->ok &&
-      (fl->fast_share < 0.1 || fl->fast_share > 0.9)) {
+  if (fl->ok && us->ok && (fl->fast_share < 0.1 || fl->fast_share > 0.9)) {
     /* one placement dominates: the plain p50s compare like with like */
     double x = us->p50_us / fl->p50_us;
     bool pass = x <= GOAL_P50_VS_FLOOR;
     fails += !pass;
-    printf("  p50 latency <= %.1fx the raw TCP round trip: %.2fx (%.1f vs "
-           "%.1f us)  %s\n",
-           GOAL_P50_VS_FLOOR, x, us->p50_us, fl->p50_us,
-           pass ? "PASS" : "FAIL");
+    printf(
+        "  p50 latency <= %.1fx the raw TCP round trip: %.2fx (%.1f vs "
+        "%.1f us)  %s\n",
+        GOAL_P50_VS_FLOOR, x, us->p50_us, fl->p50_us, pass ? "PASS" : "FAIL");
   } else if (fl->ok && us->ok) {
     /* both placements are common, so a p50 lands in either: compare each
      * kind with the floor's of the same kind */
@@ -992,9 +996,10 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
     printf("  (plain p50s, a mixture of both: %.2fx, %.1f vs %.1f us)\n",
            us->p50_us / fl->p50_us, us->p50_us, fl->p50_us);
   } else {
-    printf("  p50 latency <= %.1fx the raw TCP round trip: not measured  "
-           "FAIL\n",
-           GOAL_P50_VS_FLOOR);
+    printf(
+        "  p50 latency <= %.1fx the raw TCP round trip: not measured  "
+        "FAIL\n",
+        GOAL_P50_VS_FLOOR);
     fails++;
   }
   /* Throughput goals, per caller count: the ratio of each run (its
@@ -1006,28 +1011,30 @@ static int report(const bench_opts *o, result runs[][N_CONTENDERS],
     if (run_ratios(runs, o->runs, OURS, FLOOR, i, &x, &lo, &hi)) {
       bool pass = x >= k_goal_vs_floor[i];
       fails += !pass;
-      printf("    %2d caller%s ours / floor    %5.2fx [%.2f, %.2f] (goal >= "
-             "%.2fx; %.0f vs %.0f calls/s)  %s\n",
-             k_callers[i], k_callers[i] == 1 ? " " : "s", x, lo, hi,
-             k_goal_vs_floor[i], us->tput[i], fl->tput[i],
-             pass ? "PASS" : "FAIL");
+      printf(
+          "    %2d caller%s ours / floor    %5.2fx [%.2f, %.2f] (goal >= "
+          "%.2fx; %.0f vs %.0f calls/s)  %s\n",
+          k_callers[i], k_callers[i] == 1 ? " " : "s", x, lo, hi,
+          k_goal_vs_floor[i], us->tput[i], fl->tput[i], pass ? "PASS" : "FAIL");
     } else {
       fails++;
       printf("    %2d caller%s ours / floor    not measured  FAIL\n",
              k_callers[i], k_callers[i] == 1 ? " " : "s");
     }
     if (o->grpcpp_server == NULL) {
-      printf("    %2d caller%s ours / gRPC C++ not measured (--no-grpcpp "
-             "given)\n",
-             k_callers[i], k_callers[i] == 1 ? " " : "s");
+      printf(
+          "    %2d caller%s ours / gRPC C++ not measured (--no-grpcpp "
+          "given)\n",
+          k_callers[i], k_callers[i] == 1 ? " " : "s");
     } else if (run_ratios(runs, o->runs, OURS, GRPCPP, i, &x, &lo, &hi)) {
       bool pass = x >= GOAL_TPUT_VS_GRPCPP;
       fails += !pass;
-      printf("    %2d caller%s ours / gRPC C++ %5.2fx [%.2f, %.2f] (goal >= "
-             "%.2fx; %.0f vs %.0f calls/s)  %s\n",
-             k_callers[i], k_callers[i] == 1 ? " " : "s", x, lo, hi,
-             GOAL_TPUT_VS_GRPCPP, us->tput[i], gp->tput[i],
-             pass ? "PASS" : "FAIL");
+      printf(
+          "    %2d caller%s ours / gRPC C++ %5.2fx [%.2f, %.2f] (goal >= "
+          "%.2fx; %.0f vs %.0f calls/s)  %s\n",
+          k_callers[i], k_callers[i] == 1 ? " " : "s", x, lo, hi,
+          GOAL_TPUT_VS_GRPCPP, us->tput[i], gp->tput[i],
+          pass ? "PASS" : "FAIL");
     } else {
       fails++;
       printf("    %2d caller%s ours / gRPC C++ not measured  FAIL\n",
@@ -1102,7 +1109,8 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
       case 's':
         if (sp_flag_number("--seconds", optarg, 0.01, &o->seconds, NULL) != 0 ||
             o->seconds > 3600)
-          rc = sp_flag_fail(&d, "--seconds", optarg, "a number in [0.01, "
+          rc = sp_flag_fail(&d, "--seconds", optarg,
+                            "a number in [0.01, "
                             "3600]");
         break;
       case 'r':
@@ -1191,17 +1199,19 @@ int main(int argc, char **argv) {
   sp_rpc_tls_client_opts ctls = {0};
   if (o.certs != NULL) ctls.ca_file = o.certs->ca;
 
-  printf("rpc: unary Echo.Unary on loopback, %ld CPUs online, %.2f s per "
-         "figure, %d run%s\n",
-         sysconf(_SC_NPROCESSORS_ONLN), o.seconds, o.runs,
-         o.runs == 1 ? "" : "s");
-  printf("  floor: blocking TCP ping-pong between two threads, TCP_NODELAY, "
-         "%zu-byte messages\n         (N callers: N messages per write)\n",
-         req_len);
+  printf(
+      "rpc: unary Echo.Unary on loopback, %ld CPUs online, %.2f s per "
+      "figure, %d run%s\n",
+      sysconf(_SC_NPROCESSORS_ONLN), o.seconds, o.runs, o.runs == 1 ? "" : "s");
+  printf(
+      "  floor: blocking TCP ping-pong between two threads, TCP_NODELAY, "
+      "%zu-byte messages\n         (N callers: N messages per write)\n",
+      req_len);
   printf("  ours: sp_rpc Echo server on its own loop in a thread\n");
   if (o.certs != NULL)
-    printf("  ours over TLS: a second one serving TLS (P-256 certificate), "
-           "the client verifying it\n");
+    printf(
+        "  ours over TLS: a second one serving TLS (P-256 certificate), "
+        "the client verifying it\n");
   else
     printf("  ours over TLS: left out (%s)\n", o.no_tls_why);
   if (o.grpcpp_server != NULL)
@@ -1210,8 +1220,9 @@ int main(int argc, char **argv) {
                             : "one completion-queue thread per CPU");
   else
     printf("  gRPC C++: left out (--no-grpcpp)\n");
-  printf("  client for both RPC servers: sp_rpc async client, one "
-         "connection, one loop\n");
+  printf(
+      "  client for both RPC servers: sp_rpc async client, one "
+      "connection, one loop\n");
   fflush(stdout);
 
   sp_diag d = {""};
@@ -1243,8 +1254,8 @@ int main(int argc, char **argv) {
   driver ours, theirs, ours_tls;
   if (driver_open(&ours, &loop, os.port, req, req_len, "ours", NULL) != 0 ||
       (o.grpcpp_server != NULL &&
-       driver_open(&theirs, &loop, gs.port, req, req_len, "gRPC C++",
-                   NULL) != 0) ||
+       driver_open(&theirs, &loop, gs.port, req, req_len, "gRPC C++", NULL) !=
+           0) ||
       (o.certs != NULL && driver_open(&ours_tls, &loop, ots.port, req, req_len,
                                       "ours TLS", &ctls) != 0)) {
     fprintf(stderr, "rpc: cannot create the client\n");
@@ -1305,9 +1316,8 @@ int main(int argc, char **argv) {
           rc = 1;
         }
         for (int c = OURS; c < N_CONTENDERS && rc == 0; c++)
-          if (drv[c] != NULL &&
-              drive(drv[c], k_callers[j], sp.warm_s, sp.meas_s,
-                    &acc[c][j]) != 0)
+          if (drv[c] != NULL && drive(drv[c], k_callers[j], sp.warm_s,
+                                      sp.meas_s, &acc[c][j]) != 0)
             rc = 1;
         /* a CPU figure only, steady well within a quarter slice */
         if (h2 != NULL && rc == 0 &&
@@ -1326,11 +1336,10 @@ int main(int argc, char **argv) {
                            : UINT64_MAX;
       runs[i][FLOOR] = accum_result(acc[FLOOR], N_CALLERS, split);
       for (int c = OURS; c < N_CONTENDERS; c++)
-        if (drv[c] != NULL)
-          runs[i][c] = accum_result(acc[c], N_CALLERS, split);
+        if (drv[c] != NULL) runs[i][c] = accum_result(acc[c], N_CALLERS, split);
       for (int j = 0; j < N_CALLERS; j++)
-        h2_cpu[i][j] = h2_calls[j] ? (double)h2_ns[j] / 1e3 / (double)h2_calls[j]
-                                   : 0;
+        h2_cpu[i][j] =
+            h2_calls[j] ? (double)h2_ns[j] / 1e3 / (double)h2_calls[j] : 0;
       print_run(i, runs[i]);
       fflush(stdout);
     }
@@ -1341,16 +1350,17 @@ int main(int argc, char **argv) {
   if (rc == 0 && o.certs != NULL) {
     int n = (int)(200 * o.seconds);
     cc = measure_connections(&loop, os.port, ots.port, &ctls, req, req_len,
-                             n < 10 ? 10 : n > 2000 ? 2000 : n);
+                             n < 10     ? 10
+                             : n > 2000 ? 2000
+                                        : n);
     if (!cc.ok) {
       fprintf(stderr, "rpc: a fresh connection's first call failed\n");
       rc = 1;
     }
   }
   if (rc == 0)
-    report(&o, runs, req_len, &cc, h2 != NULL ? (const double(*)[N_CALLERS])h2_cpu
-                                              : NULL,
-           h2_why);
+    report(&o, runs, req_len, &cc,
+           h2 != NULL ? (const double(*)[N_CALLERS])h2_cpu : NULL, h2_why);
   sp_h2_floor_free(h2);
 
   close(floor_fd);

@@ -67,13 +67,22 @@ static int start_coordinator(const bench_opts *o, int world, sp_proc *coord,
                              char *addr, size_t cap) {
   char ws[16];
   snprintf(ws, sizeof ws, "%d", world);
-  char *ca[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                "127.0.0.1:0", "--model", (char *)o->model, "--world-size", ws,
-                "--wrap-type", "Linear", "--quiet", "--insecure", "--no-auth",
+  char *ca[] = {SP_BIN_DIR "/shardplane-coordinator",
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                (char *)o->model,
+                "--world-size",
+                ws,
+                "--wrap-type",
+                "Linear",
+                "--quiet",
+                "--insecure",
+                "--no-auth",
                 NULL};
   sp_diag d = {{0}};
-  if (sp_proc_spawn(coord, ca, false, false, "listening on 127.0.0.1:%d",
-                    &d) < 0) {
+  if (sp_proc_spawn(coord, ca, false, false, "listening on 127.0.0.1:%d", &d) <
+      0) {
     fprintf(stderr, "bench/step: %s\n", d.msg);
     return -1;
   }
@@ -91,19 +100,32 @@ static int run_job(const bench_opts *o, const char *tmpdir, double *ratio,
   snprintf(block, sizeof block, "%d", o->block);
   snprintf(stats, sizeof stats, "%s/stats.json", tmpdir);
   sp_proc coord;
-  if (start_coordinator(o, o->nproc, &coord, addr, sizeof addr) < 0)
-    return -1;
+  if (start_coordinator(o, o->nproc, &coord, addr, sizeof addr) < 0) return -1;
   pid_t w[64];
   int failed = 0;
   for (int r = 0; r < o->nproc; r++) {
     char rs[16];
     snprintf(rs, sizeof rs, "%d", r);
-    char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
-                  "--insecure", "--rank", rs, "--steps", steps,
-                  "--global-batch", batch,
-                  "--log-every", "0", "--checkpoint", "none",
-                  "--report-toggle", block, "--stats", stats,
-                  o->synthetic ? "--synthetic" : NULL, NULL};
+    char *wa[] = {SP_BIN_DIR "/shardplane-worker",
+                  "--coordinator",
+                  addr,
+                  "--insecure",
+                  "--rank",
+                  rs,
+                  "--steps",
+                  steps,
+                  "--global-batch",
+                  batch,
+                  "--log-every",
+                  "0",
+                  "--checkpoint",
+                  "none",
+                  "--report-toggle",
+                  block,
+                  "--stats",
+                  stats,
+                  o->synthetic ? "--synthetic" : NULL,
+                  NULL};
     if (posix_spawn(&w[r], wa[0], NULL, NULL, wa, environ) != 0) {
       w[r] = 0;
       failed = 1;
@@ -193,8 +215,8 @@ static int event_cost(const bench_opts *o, double *ns_session,
   char addr[64];
   if (start_coordinator(o, 1, &coord, addr, sizeof addr) < 0) return -1;
   sp_diag d = {{0}};
-  sp_session_opts so = {.coordinator = addr, .rank = 0,
-                        .queue_events = 1 << 16};
+  sp_session_opts so = {
+      .coordinator = addr, .rank = 0, .queue_events = 1 << 16};
   sp_session *s = NULL;
   int rc = sp_session_open(&so, &s, &d);
   if (rc < 0) {
@@ -239,10 +261,12 @@ static int event_cost(const bench_opts *o, double *ns_session,
 
 /* Part 1 for one rank count: prints every run and the verdict. */
 static int step_overhead(const bench_opts *o, const char *tmp) {
-  printf("bench/step: %s, %d rank%s, %d steps of %d samples, reporting "
-         "switched every %d steps (medians after %d warm-up steps), %d "
-         "runs\n", o->model, o->nproc, o->nproc == 1 ? "" : "s", o->steps,
-         o->batch, o->block, o->warmup, o->repeats);
+  printf(
+      "bench/step: %s, %d rank%s, %d steps of %d samples, reporting "
+      "switched every %d steps (medians after %d warm-up steps), %d "
+      "runs\n",
+      o->model, o->nproc, o->nproc == 1 ? "" : "s", o->steps, o->batch,
+      o->block, o->warmup, o->repeats);
   printf("%-8s %14s %14s %10s\n", "run", "on ms/step", "off ms/step",
          "on/off-1");
   double over[64], lo = INFINITY, hi = -INFINITY;
@@ -258,29 +282,37 @@ static int step_overhead(const bench_opts *o, const char *tmp) {
     fflush(stdout);
   }
   double m = sp_test_median(over, (size_t)n);
-  printf("reporting on vs off, %d rank%s: median %+.2f%% over %d runs "
-         "(spread %+.2f%% .. %+.2f%%)  (goal: under 1%% difference) %s\n\n",
-         o->nproc, o->nproc == 1 ? "" : "s", m * 100, n, lo * 100, hi * 100,
-         fabs(m) < 0.01 ? "PASS"
-         : hi - lo > 0.02 ? "UNRESOLVED (runs spread wider than the goal)"
-                          : "FAIL");
+  printf(
+      "reporting on vs off, %d rank%s: median %+.2f%% over %d runs "
+      "(spread %+.2f%% .. %+.2f%%)  (goal: under 1%% difference) %s\n\n",
+      o->nproc, o->nproc == 1 ? "" : "s", m * 100, n, lo * 100, hi * 100,
+      fabs(m) < 0.01   ? "PASS"
+      : hi - lo > 0.02 ? "UNRESOLVED (runs spread wider than the goal)"
+                       : "FAIL");
   return 0;
 }
 
 static void usage(FILE *f) {
-  fputs("usage: bench/step [--nproc N] [--steps N] [--global-batch N] "
-        "[--repeats N] [--block K] [--events N] [--model PATH] "
-        "[--synthetic] [--no-pin]\n"
-        "Step time of the reference run with reporting on vs off (1 and 2\n"
-        "ranks unless --nproc is given), and the per-event cost of\n"
-        "reporting on the training thread. A spec the workers cannot train\n"
-        "(neither a GPT-2 nor a sequential MLP) needs --synthetic: its\n"
-        "steps are then the synthetic-gradient cycle's.\n", f);
+  fputs(
+      "usage: bench/step [--nproc N] [--steps N] [--global-batch N] "
+      "[--repeats N] [--block K] [--events N] [--model PATH] "
+      "[--synthetic] [--no-pin]\n"
+      "Step time of the reference run with reporting on vs off (1 and 2\n"
+      "ranks unless --nproc is given), and the per-event cost of\n"
+      "reporting on the training thread. A spec the workers cannot train\n"
+      "(neither a GPT-2 nor a sequential MLP) needs --synthetic: its\n"
+      "steps are then the synthetic-gradient cycle's.\n",
+      f);
 }
 
 int main(int argc, char **argv) {
-  bench_opts o = {.nproc = 1, .steps = 1200, .warmup = 40, .batch = 256,
-                  .repeats = 5, .block = 40, .events = 20000000,
+  bench_opts o = {.nproc = 1,
+                  .steps = 1200,
+                  .warmup = 40,
+                  .batch = 256,
+                  .repeats = 5,
+                  .block = 40,
+                  .events = 20000000,
                   .model = SP_EXAMPLES "/mlp.json"};
   o.ncpu = (int)sysconf(_SC_NPROCESSORS_ONLN);
   if (o.ncpu < 1) o.ncpu = 1;
@@ -345,11 +377,11 @@ int main(int argc, char **argv) {
   double ns_sess = 0, ns_track = 0;
   if (ret == 0 && event_cost(&o, &ns_sess, &ns_track) < 0) ret = 1;
   if (ret == 0)
-    printf("per-event cost on the training thread: %.1f ns "
-           "(sp_session_transition), baseline %.1f ns (bare state "
-           "tracker), ratio %.2f  (goal: under 100 ns) %s\n",
-           ns_sess, ns_track, ns_sess / ns_track,
-           ns_sess < 100 ? "PASS" : "FAIL");
+    printf(
+        "per-event cost on the training thread: %.1f ns "
+        "(sp_session_transition), baseline %.1f ns (bare state "
+        "tracker), ratio %.2f  (goal: under 100 ns) %s\n",
+        ns_sess, ns_track, ns_sess / ns_track, ns_sess < 100 ? "PASS" : "FAIL");
   rmdir(tmp);
   return ret;
 }

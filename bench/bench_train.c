@@ -108,9 +108,8 @@ static int read_memory(json_t *root, job_result *res) {
       (uint64_t)json_integer_value(json_object_get(mem, "activations"));
   res->counted_reserved =
       jbytes(json_object_get(train, "counted"), "reserved", "peak");
-  return res->rss_before > 0 && res->rss_hwm > 0 && res->activations > 0
-             ? 0
-             : -1;
+  return res->rss_before > 0 && res->rss_hwm > 0 && res->activations > 0 ? 0
+                                                                         : -1;
 }
 
 /* A job of `world` ranks, `threads` BLAS threads each. */
@@ -123,14 +122,23 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
   snprintf(seq, sizeof seq, "%d", o->seq);
   snprintf(th, sizeof th, "%d", threads);
   snprintf(stats, sizeof stats, "%s/stats.json", tmp);
-  char *ca[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                "127.0.0.1:0", "--model", (char *)o->model, "--world-size", ws,
-                "--wrap-type", "GPT2Block", "--quiet", "--insecure",
-                "--no-auth", NULL};
+  char *ca[] = {SP_BIN_DIR "/shardplane-coordinator",
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                (char *)o->model,
+                "--world-size",
+                ws,
+                "--wrap-type",
+                "GPT2Block",
+                "--quiet",
+                "--insecure",
+                "--no-auth",
+                NULL};
   sp_proc coord;
   sp_diag d = {{0}};
-  if (sp_proc_spawn(&coord, ca, false, false, "listening on 127.0.0.1:%d",
-                    &d) < 0) {
+  if (sp_proc_spawn(&coord, ca, false, false, "listening on 127.0.0.1:%d", &d) <
+      0) {
     fprintf(stderr, "bench/train: %s\n", d.msg);
     return -1;
   }
@@ -141,11 +149,32 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
   for (int r = 0; r < world; r++) {
     char rs[16];
     snprintf(rs, sizeof rs, "%d", r);
-    char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
-                  "--insecure", "--rank", rs, "--steps", steps,
-                  "--global-batch", batch, "--seq-len", seq, "--threads", th,
-                  "--optimizer", "adamw", "--lr", "1e-3", "--eval-every", "0",
-                  "--log-every", "0", "--checkpoint", "none", "--stats", stats,
+    char *wa[] = {SP_BIN_DIR "/shardplane-worker",
+                  "--coordinator",
+                  addr,
+                  "--insecure",
+                  "--rank",
+                  rs,
+                  "--steps",
+                  steps,
+                  "--global-batch",
+                  batch,
+                  "--seq-len",
+                  seq,
+                  "--threads",
+                  th,
+                  "--optimizer",
+                  "adamw",
+                  "--lr",
+                  "1e-3",
+                  "--eval-every",
+                  "0",
+                  "--log-every",
+                  "0",
+                  "--checkpoint",
+                  "none",
+                  "--stats",
+                  stats,
                   NULL};
     if (posix_spawn(&w[r], wa[0], NULL, NULL, wa, environ) != 0) failed = 1;
   }
@@ -157,8 +186,7 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
   }
   sp_proc_stop(&coord, 5000);
   if (failed) {
-    fprintf(stderr, "bench/train: a worker of the %d-rank job failed\n",
-            world);
+    fprintf(stderr, "bench/train: a worker of the %d-rank job failed\n", world);
     return -1;
   }
   json_error_t je;
@@ -177,8 +205,7 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
   for (size_t i = (size_t)o->warmup; rc == 0 && i < (size_t)o->steps; i++)
     if (json_number_value(json_array_get(steps_a, i)) == res->step_s ||
         fabs(json_number_value(json_array_get(steps_a, i)) - res->step_s) <
-            fabs(json_number_value(json_array_get(steps_a, at)) -
-                 res->step_s))
+            fabs(json_number_value(json_array_get(steps_a, at)) - res->step_s))
       at = i;
   for (int k = 0; rc == 0 && k < 4; k++) {
     json_t *a = json_object_get(root, keys[k]);
@@ -189,8 +216,11 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
   }
   if (rc == 0) res->step_s = json_number_value(json_array_get(steps_a, at));
   if (rc == 0) rc = read_memory(root, res);
-  if (rc < 0) fprintf(stderr, "bench/train: %s: not the stats of %d GPT-2 "
-                      "steps\n", stats, o->steps);
+  if (rc < 0)
+    fprintf(stderr,
+            "bench/train: %s: not the stats of %d GPT-2 "
+            "steps\n",
+            stats, o->steps);
   json_decref(root);
   return rc;
 }
@@ -198,15 +228,16 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
 /* PyTorch's median step time and its busy threads. */
 static int run_torch(const opts *o, double *step_s, int *busy) {
   char cmd[8192];
-  snprintf(cmd, sizeof cmd, "'%s' '%s/train_torch.py' '%s' %d %d %d %d",
-           PYTHON, SP_BENCH_DIR, o->model, o->steps, o->batch, o->seq,
-           o->threads);
+  snprintf(cmd, sizeof cmd, "'%s' '%s/train_torch.py' '%s' %d %d %d %d", PYTHON,
+           SP_BENCH_DIR, o->model, o->steps, o->batch, o->seq, o->threads);
   char *buf;
   int st;
   if (sp_test_capture(cmd, &buf, &st) != 0) return -1;
   if (st != 0) {
-    fprintf(stderr, "bench/train: the PyTorch peer failed (exit %d): %s "
-            "needs python3-torch (scripts/deps.sh installs it)\n", st, PYTHON);
+    fprintf(stderr,
+            "bench/train: the PyTorch peer failed (exit %d): %s "
+            "needs python3-torch (scripts/deps.sh installs it)\n",
+            st, PYTHON);
     free(buf);
     return -1;
   }
@@ -246,12 +277,13 @@ static bool memory_row(const opts *o, int world, const job_result *r) {
   double want = (double)pred + (double)r->activations;
   bool exact = r->counted_reserved == pred;
   bool rss_ok = fabs(grown / want - 1) <= 0.10;
-  printf("  memory W=%d rank 0: runtime counted %.1f MiB, model %.1f MiB "
-         "(%s: equal); RSS grew %.1f MiB = %.3f x (model + activations "
-         "%.1f MiB = %.1f MiB) (%s: within 10 %%)\n", world,
-         (double)r->counted_reserved / MIB, (double)pred / MIB,
-         exact ? "PASS" : "FAIL", grown / MIB, grown / want,
-         (double)r->activations / MIB, want / MIB, rss_ok ? "PASS" : "FAIL");
+  printf(
+      "  memory W=%d rank 0: runtime counted %.1f MiB, model %.1f MiB "
+      "(%s: equal); RSS grew %.1f MiB = %.3f x (model + activations "
+      "%.1f MiB = %.1f MiB) (%s: within 10 %%)\n",
+      world, (double)r->counted_reserved / MIB, (double)pred / MIB,
+      exact ? "PASS" : "FAIL", grown / MIB, grown / want,
+      (double)r->activations / MIB, want / MIB, rss_ok ? "PASS" : "FAIL");
   return exact && rss_ok;
 }
 
@@ -259,14 +291,15 @@ static bool memory_row(const opts *o, int world, const job_result *r) {
  * runs in the schedule calls, so it is part of the waiting. */
 static void print_split(int world, const job_result *r) {
   double other = r->step_s - r->compute_s - r->wait_s - r->optim_s;
-  printf("  W=%d rank 0: step %.3f s = compute %.3f + %s %.3f + "
-         "clip/optimizer %.3f + other %.3f; %s %.3f%s\n", world, r->step_s,
-         r->compute_s,
-         world == 1 ? "the runtime's calls (its copies included)"
-                    : "waiting in the runtime (collectives not hidden)",
-         r->wait_s, r->optim_s, other,
-         world == 1 ? "of which collectives" : "communication thread busy",
-         r->comm_s, world == 1 ? "" : " (overlapping)");
+  printf(
+      "  W=%d rank 0: step %.3f s = compute %.3f + %s %.3f + "
+      "clip/optimizer %.3f + other %.3f; %s %.3f%s\n",
+      world, r->step_s, r->compute_s,
+      world == 1 ? "the runtime's calls (its copies included)"
+                 : "waiting in the runtime (collectives not hidden)",
+      r->wait_s, r->optim_s, other,
+      world == 1 ? "of which collectives" : "communication thread busy",
+      r->comm_s, world == 1 ? "" : " (overlapping)");
 }
 
 /* The index of v's median (the lower one of an even count). */
@@ -283,49 +316,52 @@ static size_t median_at(const double *v, size_t n) {
 int main(int argc, char **argv) {
   /* 7 measured steps: an odd count has a median step */
   opts o = {SP_EXAMPLES "/models/gpt2-mini.json", 9, 2, 8, 256, 1, 3};
-  static const struct option lo[] = {
-      {"model", required_argument, NULL, 'm'},
-      {"steps", required_argument, NULL, 's'},
-      {"warmup", required_argument, NULL, 'w'},
-      {"batch", required_argument, NULL, 'b'},
-      {"seq-len", required_argument, NULL, 'T'},
-      {"threads", required_argument, NULL, 't'},
-      {"rounds", required_argument, NULL, 'r'},
-      {"help", no_argument, NULL, 'h'},
-      {NULL, 0, NULL, 0}};
+  static const struct option lo[] = {{"model", required_argument, NULL, 'm'},
+                                     {"steps", required_argument, NULL, 's'},
+                                     {"warmup", required_argument, NULL, 'w'},
+                                     {"batch", required_argument, NULL, 'b'},
+                                     {"seq-len", required_argument, NULL, 'T'},
+                                     {"threads", required_argument, NULL, 't'},
+                                     {"rounds", required_argument, NULL, 'r'},
+                                     {"help", no_argument, NULL, 'h'},
+                                     {NULL, 0, NULL, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
     switch (c) {
-    case 'm': o.model = optarg; break;
-    case 's': o.steps = atoi(optarg); break;
-    case 'w': o.warmup = atoi(optarg); break;
-    case 'b': o.batch = atoi(optarg); break;
-    case 'T': o.seq = atoi(optarg); break;
-    case 't': o.threads = atoi(optarg); break;
-    case 'r': o.rounds = atoi(optarg); break;
-    default:
-      fprintf(c == 'h' ? stdout : stderr,
-              "usage: bench/train [--model SPEC] [--steps N] [--warmup N] "
-              "[--batch B] [--seq-len T] [--threads N] [--rounds R]\n"
-              "defaults: gpt2-mini, 9 steps of which the first 2 warm up "
-              "(medians of the rest), batch 8, 256 tokens, 1 BLAS thread, "
-              "3 rounds of the peers in turn (medians of the rounds)\n"
-              "exit 0: every check passed; 1: a check failed or a peer "
-              "did not run; 2: bad usage\n");
-      return c == 'h' ? 0 : 2;
+      case 'm': o.model = optarg; break;
+      case 's': o.steps = atoi(optarg); break;
+      case 'w': o.warmup = atoi(optarg); break;
+      case 'b': o.batch = atoi(optarg); break;
+      case 'T': o.seq = atoi(optarg); break;
+      case 't': o.threads = atoi(optarg); break;
+      case 'r': o.rounds = atoi(optarg); break;
+      default:
+        fprintf(c == 'h' ? stdout : stderr,
+                "usage: bench/train [--model SPEC] [--steps N] [--warmup N] "
+                "[--batch B] [--seq-len T] [--threads N] [--rounds R]\n"
+                "defaults: gpt2-mini, 9 steps of which the first 2 warm up "
+                "(medians of the rest), batch 8, 256 tokens, 1 BLAS thread, "
+                "3 rounds of the peers in turn (medians of the rounds)\n"
+                "exit 0: every check passed; 1: a check failed or a peer "
+                "did not run; 2: bad usage\n");
+        return c == 'h' ? 0 : 2;
     }
   }
-  if (o.steps < 1 || o.steps > 1000 || o.warmup < 0 ||
-      o.warmup >= o.steps || o.batch < 2 || o.batch % 2 || o.seq < 1 ||
-      o.threads < 1 || o.rounds < 1 || o.rounds > MAX_ROUNDS) {
-    fprintf(stderr, "bench/train: --steps in [1, 1000] above --warmup, an "
+  if (o.steps < 1 || o.steps > 1000 || o.warmup < 0 || o.warmup >= o.steps ||
+      o.batch < 2 || o.batch % 2 || o.seq < 1 || o.threads < 1 ||
+      o.rounds < 1 || o.rounds > MAX_ROUNDS) {
+    fprintf(stderr,
+            "bench/train: --steps in [1, 1000] above --warmup, an "
             "even --batch, --seq-len and --threads >= 1, --rounds in "
-            "[1, %d]\n", MAX_ROUNDS);
+            "[1, %d]\n",
+            MAX_ROUNDS);
     return 2;
   }
   if (access(PYTHON, X_OK) != 0) {
-    fprintf(stderr, "bench/train: no %s: the PyTorch peer needs it "
-            "(python3-torch)\n", PYTHON);
+    fprintf(stderr,
+            "bench/train: no %s: the PyTorch peer needs it "
+            "(python3-torch)\n",
+            PYTHON);
     return 1;
   }
   /* the kernels OpenBLAS would pick on real hardware, for both peers */
@@ -337,13 +373,14 @@ int main(int argc, char **argv) {
     return 1;
   }
   double tokens = (double)o.batch * o.seq;
-  printf("bench/train: %s, batch %d x %d tokens, AdamW, %d BLAS thread%s, "
-         "%d round%s (W=1, PyTorch, W=2 in turn), medians of steps %d..%d "
-         "(OpenBLAS kernels: %s)\n", o.model, o.batch, o.seq, o.threads,
-         o.threads == 1 ? "" : "s", o.rounds, o.rounds == 1 ? "" : "s",
-         o.warmup + 1, o.steps,
-         getenv("OPENBLAS_CORETYPE") ? getenv("OPENBLAS_CORETYPE")
-                                     : openblas_get_corename());
+  printf(
+      "bench/train: %s, batch %d x %d tokens, AdamW, %d BLAS thread%s, "
+      "%d round%s (W=1, PyTorch, W=2 in turn), medians of steps %d..%d "
+      "(OpenBLAS kernels: %s)\n",
+      o.model, o.batch, o.seq, o.threads, o.threads == 1 ? "" : "s", o.rounds,
+      o.rounds == 1 ? "" : "s", o.warmup + 1, o.steps,
+      getenv("OPENBLAS_CORETYPE") ? getenv("OPENBLAS_CORETYPE")
+                                  : openblas_get_corename());
   fflush(stdout); /* before the children's lines */
   job_result one[MAX_ROUNDS], two[MAX_ROUNDS], base[MAX_ROUNDS];
   double torch_s[MAX_ROUNDS], ratio[MAX_ROUNDS], speedup[MAX_ROUNDS];
@@ -357,10 +394,11 @@ int main(int argc, char **argv) {
     if (rc != 0) break;
     ratio[n] = torch_s[n] / one[n].step_s;
     speedup[n] = base[n].step_s / two[n].step_s;
-    printf("  round %d: W=1 %.0f tokens/s, PyTorch %.0f (ratio %.2f); "
-           "W=2 %.0f (speed-up %.2f)\n", n + 1, tokens / one[n].step_s,
-           tokens / torch_s[n], ratio[n], tokens / two[n].step_s,
-           speedup[n]);
+    printf(
+        "  round %d: W=1 %.0f tokens/s, PyTorch %.0f (ratio %.2f); "
+        "W=2 %.0f (speed-up %.2f)\n",
+        n + 1, tokens / one[n].step_s, tokens / torch_s[n], ratio[n],
+        tokens / two[n].step_s, speedup[n]);
     fflush(stdout);
   }
   bool pass = rc == 0;
@@ -373,23 +411,26 @@ int main(int argc, char **argv) {
     }
     double m1 = sp_test_median(steps1, (size_t)n);
     double mt = sp_test_median(steps_t, (size_t)n);
-    printf("  W=1 shardplane %8.0f tokens/s (median %.3f s/step; %d BLAS "
-           "thread%s; the runtime's collectives, copies at W=1, %.3f s a "
-           "step on the training thread)\n",
-           tokens / m1, m1, o.threads, o.threads == 1 ? "" : "s",
-           one[r1].comm_s);
-    printf("  PyTorch 1.13   %8.0f tokens/s (median %.3f s/step; "
-           "torch.set_num_threads(%d), OPENBLAS_NUM_THREADS=%d: %d busy "
-           "thread%s measured)\n", tokens / mt, mt, o.threads, o.threads,
-           busy, busy == 1 ? "" : "s");
+    printf(
+        "  W=1 shardplane %8.0f tokens/s (median %.3f s/step; %d BLAS "
+        "thread%s; the runtime's collectives, copies at W=1, %.3f s a "
+        "step on the training thread)\n",
+        tokens / m1, m1, o.threads, o.threads == 1 ? "" : "s", one[r1].comm_s);
+    printf(
+        "  PyTorch 1.13   %8.0f tokens/s (median %.3f s/step; "
+        "torch.set_num_threads(%d), OPENBLAS_NUM_THREADS=%d: %d busy "
+        "thread%s measured)\n",
+        tokens / mt, mt, o.threads, o.threads, busy, busy == 1 ? "" : "s");
     bool met = ratio[r1] >= GOAL;
     printf("  ratio %.2f, the median of %d round%s (goal >= %.1f: %s)\n",
            ratio[r1], n, n == 1 ? "" : "s", GOAL, met ? "PASS" : "FAIL");
     pass = pass && met;
-    printf("  W=2 vs W=1 (1 BLAS thread a rank, the same cores): %.0f vs "
-           "%.0f tokens/s, speed-up %.2f (the median of %d round%s; the "
-           "split below is that round's)\n", tokens / two[r2].step_s,
-           tokens / base[r2].step_s, speedup[r2], n, n == 1 ? "" : "s");
+    printf(
+        "  W=2 vs W=1 (1 BLAS thread a rank, the same cores): %.0f vs "
+        "%.0f tokens/s, speed-up %.2f (the median of %d round%s; the "
+        "split below is that round's)\n",
+        tokens / two[r2].step_s, tokens / base[r2].step_s, speedup[r2], n,
+        n == 1 ? "" : "s");
     print_split(1, &base[r2]);
     print_split(2, &two[r2]);
     bool m_ok = memory_row(&o, 1, &one[n - 1]);

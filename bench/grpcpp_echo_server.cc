@@ -80,8 +80,9 @@ std::atomic<bool> g_stop{false};
 void on_signal(int) { g_stop = true; }
 
 void usage(std::FILE *f) {
-  std::fprintf(f, "usage: grpcpp_echo_server [--listen host:port] "
-                  "[--threads N]\n");
+  std::fprintf(f,
+               "usage: grpcpp_echo_server [--listen host:port] "
+               "[--threads N]\n");
 }
 
 void serve(Echo::AsyncService *svc, grpc::ServerCompletionQueue *cq) {
@@ -118,7 +119,8 @@ int main(int argc, char **argv) {
   builder.AddListeningPort(addr, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs;
-  for (long i = 0; i < threads; i++) cqs.push_back(builder.AddCompletionQueue());
+  for (long i = 0; i < threads; i++)
+    cqs.push_back(builder.AddCompletionQueue());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     std::fprintf(stderr, "grpcpp_echo_server: cannot listen on %s\n",

@@ -28,9 +28,11 @@ struct sp_h2_floor {
 
 /* Names and values that outlive the frames, as nghttp2 is told: it
  * copies none of them (as ours, rpc_internal.h, SP_NV_STATIC). */
-#define NV(n, v, vl)                                                           \
-  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl),                        \
-   NGHTTP2_NV_FLAG_NO_COPY_NAME | NGHTTP2_NV_FLAG_NO_COPY_VALUE}
+#define NV(n, v, vl)                                                 \
+  {                                                                  \
+    (uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, (vl),             \
+        NGHTTP2_NV_FLAG_NO_COPY_NAME | NGHTTP2_NV_FLAG_NO_COPY_VALUE \
+  }
 
 static size_t ring(int32_t id) { return (size_t)(id >> 1) % RING; }
 
@@ -58,8 +60,8 @@ static ssize_t read_request(nghttp2_session *s, int32_t id, uint8_t *buf,
 }
 
 static ssize_t read_reply(nghttp2_session *s, int32_t id, uint8_t *buf,
-                          size_t len, uint32_t *flags,
-                          nghttp2_data_source *src, void *ud) {
+                          size_t len, uint32_t *flags, nghttp2_data_source *src,
+                          void *ud) {
   (void)src;
   sp_h2_floor *f = ud;
   size_t *off = &f->s_off[ring(id)];

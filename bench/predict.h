@@ -13,7 +13,6 @@
  * 0, or the first failure's negative SP_E* code with d saying which step
  * failed and why. Nothing is kept: the spec and the plan are freed. */
 int sp_bench_predict(const char *model_path, const char *const *flags,
-                     const sp_mem_opts *opts, sp_mem_estimate *out,
-                     sp_diag *d);
+                     const sp_mem_opts *opts, sp_mem_estimate *out, sp_diag *d);
 
 #endif

@@ -165,10 +165,8 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     sp_diag_set(diag, rc, "coordinator: %s", sp_strerror(rc));
     goto fail;
   }
-  if ((rc = wire(c)) != 0 ||
-      (rc = sp_coord_alerts_init(c)) != 0 ||
-      (rc = sp_coord_ranks_init(c)) != 0 ||
-      (rc = sp_coord_diag_init(c)) != 0 ||
+  if ((rc = wire(c)) != 0 || (rc = sp_coord_alerts_init(c)) != 0 ||
+      (rc = sp_coord_ranks_init(c)) != 0 || (rc = sp_coord_diag_init(c)) != 0 ||
       (rc = sp_coord_desync_init(c)) != 0 ||
       (rc = sp_coord_stall_init(c)) != 0 ||
       (rc = sp_coord_straggler_init(c)) != 0 ||

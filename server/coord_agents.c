@@ -118,12 +118,17 @@ static inc_record *current_rec(struct sp_coord_agents *a) {
 
 /* Writes a record down (a no-op without a state dir). */
 static void persist_rec(sp_coord *c, const inc_record *r) {
-  sp_coord_db_incarnation x = {
-      .number = r->number, .started_ms = r->started_ms,
-      .ended_ms = r->ended_ms, .ended = r->ended, .has_rank = r->has_rank,
-      .rank = r->rank, .max_restarts = c->agents->max_restarts,
-      .exit_code = r->exit_code, .signal = r->signal, .reason = r->reason,
-      .completed = r->completed};
+  sp_coord_db_incarnation x = {.number = r->number,
+                               .started_ms = r->started_ms,
+                               .ended_ms = r->ended_ms,
+                               .ended = r->ended,
+                               .has_rank = r->has_rank,
+                               .rank = r->rank,
+                               .max_restarts = c->agents->max_restarts,
+                               .exit_code = r->exit_code,
+                               .signal = r->signal,
+                               .reason = r->reason,
+                               .completed = r->completed};
   sp_coord_persist_incarnation(c, &x);
 }
 
@@ -154,13 +159,17 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
   }
   inc_record *r = current_rec(a);
   free(r->reason);
-  *r = (inc_record){.number = x->number, .started_ms = x->started_ms,
-                    .ended = x->ended, .ended_ms = x->ended_ms,
-                    .has_rank = x->has_rank, .rank = x->rank,
-                    .completed = x->completed,
-                    .exit_code = x->exit_code, .signal = x->signal,
-                    .reason = x->reason && x->reason[0] ? strdup(x->reason)
-                                                        : NULL};
+  *r = (inc_record){
+      .number = x->number,
+      .started_ms = x->started_ms,
+      .ended = x->ended,
+      .ended_ms = x->ended_ms,
+      .has_rank = x->has_rank,
+      .rank = x->rank,
+      .completed = x->completed,
+      .exit_code = x->exit_code,
+      .signal = x->signal,
+      .reason = x->reason && x->reason[0] ? strdup(x->reason) : NULL};
   a->current = x->number;
   a->restarts = (uint32_t)x->number;
   a->max_restarts = x->max_restarts;
@@ -204,8 +213,10 @@ static void send_all(sp_coord *c, int cmd, const char *reason) {
 }
 
 static void unlink_agent(struct sp_coord_agents *a, agent_conn *g) {
-  if (g->prev) g->prev->next = g->next;
-  else a->list = g->next;
+  if (g->prev)
+    g->prev->next = g->next;
+  else
+    a->list = g->next;
   if (g->next) g->next->prev = g->prev;
 }
 
@@ -324,14 +335,12 @@ static void next_incarnation(sp_coord *c) {
   }
   a->current++;
   a->restarts++;
-  *current_rec(a) = (inc_record){.number = a->current,
-                                 .started_ms = unix_ms()};
+  *current_rec(a) = (inc_record){.number = a->current, .started_ms = unix_ms()};
   a->phase = PHASE_RUNNING;
   persist_rec(c, current_rec(a));
   char why[96];
   snprintf(why, sizeof why, "incarnation %llu ended; incarnation %llu begins",
-           (unsigned long long)a->current - 1,
-           (unsigned long long)a->current);
+           (unsigned long long)a->current - 1, (unsigned long long)a->current);
   sp_coord_event e = {.kind = SP_COORD_EV_INCARNATION, .text = why};
   if (sp_coord_bus_announce(c, &e) != 0)
     sp_coord_base_log(c,
@@ -456,12 +465,12 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
     return false;
   if (q->nproc == 0 || q->nproc > world ||
       (uint64_t)q->node_rank * q->nproc + q->nproc > world) {
-    sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
-                        "node %u with %u workers: ranks %llu-%llu are not "
-                        "all in the job's world of %u", q->node_rank,
-                        q->nproc, (unsigned long long)q->node_rank * q->nproc,
-                        (unsigned long long)q->node_rank * q->nproc +
-                            q->nproc - 1, world);
+    sp_rpc_call_finishf(
+        call, SP_RPC_INVALID_ARGUMENT,
+        "node %u with %u workers: ranks %llu-%llu are not "
+        "all in the job's world of %u",
+        q->node_rank, q->nproc, (unsigned long long)q->node_rank * q->nproc,
+        (unsigned long long)q->node_rank * q->nproc + q->nproc - 1, world);
     return false;
   }
   /* a late agent of a completed job is told so, whatever it asks */
@@ -469,15 +478,16 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
       !current_rec(a)->completed) {
     sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
                         "--max-restarts %u differs from the %u the job's "
-                        "first agent gave", q->max_restarts, a->max_restarts);
+                        "first agent gave",
+                        q->max_restarts, a->max_restarts);
     return false;
   }
   if (q->rejoin && q->incarnation > a->current) {
     sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
                         "node %u's agent runs incarnation %llu; this "
                         "coordinator's job is at incarnation %llu (is its "
-                        "--state-dir the job's?)", q->node_rank,
-                        (unsigned long long)q->incarnation,
+                        "--state-dir the job's?)",
+                        q->node_rank, (unsigned long long)q->incarnation,
                         (unsigned long long)a->current);
     return false;
   }
@@ -662,8 +672,10 @@ static void on_list_incarnations(sp_rpc_call *call, const ProtobufCMessage *msg,
 }
 
 #define M(name, kind, req, fn, half, cancel)                                   \
-  {SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, half,  \
-   cancel, NULL}
+  {                                                                            \
+    SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, half, \
+        cancel, NULL                                                           \
+  }
 
 static const sp_rpc_method k_methods[] = {
     M("AgentSession", SP_RPC_BIDI_STREAMING, agent_up, on_agent_msg,

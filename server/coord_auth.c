@@ -77,18 +77,21 @@ static int parse_line(char *line, auth_entry *e, const char *path, size_t ln,
     if (hi < 0 || lo < 0)
       return sp_diag_set(d, SP_EFORMAT,
                          "%s:%zu: the hash must be sha256: and 64 lower-case "
-                         "hex digits", path, ln);
+                         "hex digits",
+                         path, ln);
     e->hash[i] = (uint8_t)(hi << 4 | lo);
   }
   e->p.role = sp_auth_role_parse(role);
   if (e->p.role == 0)
     return sp_diag_set(d, SP_EFORMAT,
                        "%s:%zu: role \"%.32s\": expected worker, reader or "
-                       "admin", path, ln, role);
+                       "admin",
+                       path, ln, role);
   if (!sp_auth_name_valid(name))
     return sp_diag_set(d, SP_EFORMAT,
                        "%s:%zu: name \"%.64s\": expected 1-%d of A-Z a-z 0-9 "
-                       ". _ -", path, ln, name, SP_AUTH_NAME_MAX);
+                       ". _ -",
+                       path, ln, name, SP_AUTH_NAME_MAX);
   snprintf(e->name, sizeof e->name, "%s", name);
   return 0;
 }
@@ -143,7 +146,8 @@ int sp_coord_auth_load(const char *path, const sp_coord_auth_quota *q,
   else if (st.st_mode & 022)
     rc = sp_diag_set(d, SP_ESTATE,
                      "token file %s: mode %03o lets others add tokens; chmod "
-                     "600 it", path, (unsigned)(st.st_mode & 0777));
+                     "600 it",
+                     path, (unsigned)(st.st_mode & 0777));
   else if (st.st_size > SP_COORD_AUTH_FILE_MAX)
     rc = sp_diag_set(d, SP_ETOOBIG,
                      "token file %s: %lld bytes, over the %u-byte limit", path,
@@ -214,20 +218,31 @@ static const struct {
   const char *method;
   unsigned roles;
 } k_policy[] = {
-    {"GetJob", W | R},        {"GetPlan", W | R},
-    {"GetModelSpec", W | R},  {"LocateParam", R},
-    {"ListModules", R},       {"ListBuffers", R},
-    {"ListRanks", R},         {"Watch", R},
-    {"Attach", W},            {"Detach", W},
-    {"Session", W},           {"ReportTransition", W},
-    {"StoreSet", W},          {"StoreAdd", W},
-    {"StoreCompareSet", W},   {"StoreDelete", W},
-    {"StoreGet", W | R},      {"StoreWait", W | R},
+    {"GetJob", W | R},
+    {"GetPlan", W | R},
+    {"GetModelSpec", W | R},
+    {"LocateParam", R},
+    {"ListModules", R},
+    {"ListBuffers", R},
+    {"ListRanks", R},
+    {"Watch", R},
+    {"Attach", W},
+    {"Detach", W},
+    {"Session", W},
+    {"ReportTransition", W},
+    {"StoreSet", W},
+    {"StoreAdd", W},
+    {"StoreCompareSet", W},
+    {"StoreDelete", W},
+    {"StoreGet", W | R},
+    {"StoreWait", W | R},
     /* hang diagnosis: an operator's questions, not a worker's */
-    {"GetVerdict", R},        {"GetTrace", R},
+    {"GetVerdict", R},
+    {"GetTrace", R},
     {"GetDump", R},
     /* a host's agent holds a worker token */
-    {"AgentSession", W},      {"ListIncarnations", W | R},
+    {"AgentSession", W},
+    {"ListIncarnations", W | R},
 };
 
 static bool role_may_call(int role, const char *path) {
@@ -283,9 +298,8 @@ int sp_coord_auth_store_may_write(const sp_rpc_principal *p, const char *key,
   if (p->role == SP_ROLE_WORKER &&
       strncmp(key, WORKER_PREFIX, sizeof WORKER_PREFIX - 1) == 0)
     return SP_RPC_OK;
-  snprintf(msg, cap,
-           "token \"%s\" has role %s, which may %s (key \"%.64s\")", p->name,
-           sp_auth_role_name(p->role),
+  snprintf(msg, cap, "token \"%s\" has role %s, which may %s (key \"%.64s\")",
+           p->name, sp_auth_role_name(p->role),
            p->role == SP_ROLE_WORKER
                ? "write only store keys under \"" WORKER_PREFIX "\""
                : "not write the store",
@@ -354,15 +368,17 @@ int sp_coord_auth_quota_check(sp_coord_auth *a, const sp_rpc_principal *p,
     bytes += size;
   }
   if (keys > a->quota.keys) {
-    snprintf(msg, cap, "store quota of token \"%s\": at most %llu keys "
-             "(--store-quota-keys)", e->name,
-             (unsigned long long)a->quota.keys);
+    snprintf(msg, cap,
+             "store quota of token \"%s\": at most %llu keys "
+             "(--store-quota-keys)",
+             e->name, (unsigned long long)a->quota.keys);
     return SP_RPC_RESOURCE_EXHAUSTED;
   }
   if (bytes > a->quota.bytes) {
-    snprintf(msg, cap, "store quota of token \"%s\": at most %llu bytes of "
-             "keys and values, %llu held (--store-quota-bytes)", e->name,
-             (unsigned long long)a->quota.bytes,
+    snprintf(msg, cap,
+             "store quota of token \"%s\": at most %llu bytes of "
+             "keys and values, %llu held (--store-quota-bytes)",
+             e->name, (unsigned long long)a->quota.bytes,
              (unsigned long long)e->bytes);
     return SP_RPC_RESOURCE_EXHAUSTED;
   }

@@ -27,7 +27,6 @@ bool sp_coord_base_text_ok(sp_rpc_call *call, const char *msg_name,
 
 /* Copies a method template, points each entry's user at c, registers it.
  * SP_ETOOBIG past the hub's table of tables, SP_ENOMEM. */
-int sp_coord_base_add_methods(sp_coord *c, const sp_rpc_method *tmpl,
-                              size_t n);
+int sp_coord_base_add_methods(sp_coord *c, const sp_rpc_method *tmpl, size_t n);
 
 #endif

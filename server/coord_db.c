@@ -45,19 +45,23 @@ enum {
 };
 
 static const char *const k_sql[ST_N] = {
-    [ST_PUT_KEY] = "INSERT OR REPLACE INTO store(key, value, version) "
-                   "VALUES (?1, ?2, ?3)",
+    [ST_PUT_KEY] =
+        "INSERT OR REPLACE INTO store(key, value, version) "
+        "VALUES (?1, ?2, ?3)",
     [ST_DEL_KEY] = "DELETE FROM store WHERE key = ?1",
-    [ST_PUT_REQ] = "INSERT OR REPLACE INTO requests(id, response) "
-                   "VALUES (?1, ?2)",
+    [ST_PUT_REQ] =
+        "INSERT OR REPLACE INTO requests(id, response) "
+        "VALUES (?1, ?2)",
     [ST_GET_REQ] = "SELECT response FROM requests WHERE id = ?1",
     [ST_PRUNE_REQ] = "DELETE FROM requests WHERE rowid <= ?1",
-    [ST_PUT_RANK] = "INSERT OR REPLACE INTO ranks(rank, status, session_id, "
-                    "host, device, pid, step, root, units, alerts, "
-                    "transitions) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
-                    "?10, ?11)",
-    [ST_ADD_ALERT] = "INSERT INTO alerts(rank, message, time_ms, kind) "
-                     "VALUES (?1, ?2, ?3, ?4)",
+    [ST_PUT_RANK] =
+        "INSERT OR REPLACE INTO ranks(rank, status, session_id, "
+        "host, device, pid, step, root, units, alerts, "
+        "transitions) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
+        "?10, ?11)",
+    [ST_ADD_ALERT] =
+        "INSERT INTO alerts(rank, message, time_ms, kind) "
+        "VALUES (?1, ?2, ?3, ?4)",
     [ST_PUT_INCARNATION] =
         "INSERT OR REPLACE INTO incarnations(number, started_ms, ended, "
         "ended_ms, has_rank, rank, exit_code, signal, reason, "
@@ -96,8 +100,8 @@ struct sp_coord_db {
 /* The check of every SQLite result: each goes through it. SQLITE_OK,
  * SQLITE_ROW and SQLITE_DONE pass; anything else becomes SP_EIO with
  * SQLite's message and where in this file it happened. */
-static int db_check(sp_coord_db *db, int rc, const char *what,
-                    const char *file, int line, sp_diag *d) {
+static int db_check(sp_coord_db *db, int rc, const char *what, const char *file,
+                    int line, sp_diag *d) {
   if (rc == SQLITE_OK || rc == SQLITE_ROW || rc == SQLITE_DONE) return 0;
   const char *base = strrchr(file, '/');
   sp_diag_set(&db->err, SP_EIO, "state dir %s: %s: %s (%s:%d)", db->dir, what,
@@ -106,12 +110,13 @@ static int db_check(sp_coord_db *db, int rc, const char *what,
   if (d != NULL) *d = db->err;
   return SP_EIO;
 }
-#define CHECK(db, rc, what, d) db_check((db), (rc), (what), __FILE__, __LINE__, (d))
+#define CHECK(db, rc, what, d) \
+  db_check((db), (rc), (what), __FILE__, __LINE__, (d))
 /* Keeps the first failing bind's code in acc, for one CHECK after them. */
-#define BIND(acc, call)                                                        \
-  do {                                                                         \
-    int b_ = (call);                                                           \
-    if ((acc) == SQLITE_OK) (acc) = b_;                                        \
+#define BIND(acc, call)                 \
+  do {                                  \
+    int b_ = (call);                    \
+    if ((acc) == SQLITE_OK) (acc) = b_; \
   } while (0)
 
 const char *sp_coord_db_dir(const sp_coord_db *db) { return db->dir; }
@@ -181,16 +186,16 @@ static int lock_dir(sp_coord_db *db, sp_diag *d) {
     close(db->lock_fd);
     db->lock_fd = -1;
     if (e == EWOULDBLOCK)
-      return sp_diag_set(d, SP_EEXIST,
-                         "state dir %s is in use by another coordinator%s%s%s",
-                         db->dir, pid[0] ? " (pid " : "", pid,
-                         pid[0] ? ")" : "");
+      return sp_diag_set(
+          d, SP_EEXIST, "state dir %s is in use by another coordinator%s%s%s",
+          db->dir, pid[0] ? " (pid " : "", pid, pid[0] ? ")" : "");
     return sp_diag_set(d, SP_EIO, "state dir %s: cannot lock %s: %s", db->dir,
                        LOCK_FILE, strerror(e));
   }
   char pid[32];
   int n = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
-  if (ftruncate(db->lock_fd, 0) != 0 || pwrite(db->lock_fd, pid, (size_t)n, 0) != n) {
+  if (ftruncate(db->lock_fd, 0) != 0 ||
+      pwrite(db->lock_fd, pid, (size_t)n, 0) != n) {
     /* the pid is only for the message above; the lock is what counts */
   }
   return 0;
@@ -199,11 +204,11 @@ static int lock_dir(sp_coord_db *db, sp_diag *d) {
 static int meta_get(sp_coord_db *db, const char *name, char *out, size_t cap,
                     bool *found, sp_diag *d) {
   sqlite3_stmt *s = NULL;
-  int rc = CHECK(db,
-                 sqlite3_prepare_v2(db->h,
-                                    "SELECT value FROM meta WHERE name = ?1",
-                                    -1, &s, NULL),
-                 "read the job identity", d);
+  int rc =
+      CHECK(db,
+            sqlite3_prepare_v2(db->h, "SELECT value FROM meta WHERE name = ?1",
+                               -1, &s, NULL),
+            "read the job identity", d);
   if (rc != 0) return rc;
   int r = sqlite3_bind_text(s, 1, name, -1, SQLITE_STATIC);
   if (r == SQLITE_OK) r = sqlite3_step(s);
@@ -271,11 +276,14 @@ static int check_job(sp_coord_db *db, const sp_coord_db_job *job, bool *fresh,
     if ((rc = meta_get(db, f[i].name, have, sizeof have, &found, d)) != 0)
       return rc;
     if (found && strcmp(have, f[i].value) == 0) continue;
-    int n = snprintf(diff + used, sizeof diff - used, "%sits %s is %s, this "
-                     "job's is %s", used ? "; " : "", f[i].what,
-                     found ? have : "(none)", f[i].value);
-    if (n > 0) used += (size_t)n < sizeof diff - used ? (size_t)n
-                                                      : sizeof diff - used - 1;
+    int n = snprintf(diff + used, sizeof diff - used,
+                     "%sits %s is %s, this "
+                     "job's is %s",
+                     used ? "; " : "", f[i].what, found ? have : "(none)",
+                     f[i].value);
+    if (n > 0)
+      used +=
+          (size_t)n < sizeof diff - used ? (size_t)n : sizeof diff - used - 1;
   }
   if (used > 0)
     return sp_diag_set(d, SP_EMISMATCH,
@@ -289,10 +297,9 @@ static int check_job(sp_coord_db *db, const sp_coord_db_job *job, bool *fresh,
  * could set rather than failing (some file systems cannot do WAL). */
 static int set_wal(sp_coord_db *db, sp_diag *d) {
   sqlite3_stmt *s;
-  int rc = CHECK(db,
-                 sqlite3_prepare_v2(db->h, "PRAGMA journal_mode=WAL", -1, &s,
-                                    NULL),
-                 "set WAL mode", d);
+  int rc = CHECK(
+      db, sqlite3_prepare_v2(db->h, "PRAGMA journal_mode=WAL", -1, &s, NULL),
+      "set WAL mode", d);
   if (rc != 0) return rc;
   int r = sqlite3_step(s);
   if (r == SQLITE_ROW) {
@@ -361,10 +368,11 @@ int sp_coord_db_open(const char *dir, const sp_coord_db_job *job,
                "NULL DEFAULT 0",
                NULL, NULL, NULL);
   for (int i = 0; i < ST_N; i++)
-    if ((rc = CHECK(db, sqlite3_prepare_v3(db->h, k_sql[i], -1,
-                                           SQLITE_PREPARE_PERSISTENT,
-                                           &db->st[i], NULL),
-                    k_sql[i], d)) != 0)
+    if ((rc = CHECK(
+             db,
+             sqlite3_prepare_v3(db->h, k_sql[i], -1, SQLITE_PREPARE_PERSISTENT,
+                                &db->st[i], NULL),
+             k_sql[i], d)) != 0)
       goto fail;
   *out = db;
   return 0;
@@ -473,16 +481,19 @@ int sp_coord_db_put_rank(sp_coord_db *db, const sp_coord_db_rank *r) {
   BIND(bound, sqlite3_bind_int64(s, 1, r->rank));
   BIND(bound, sqlite3_bind_int(s, 2, r->status));
   BIND(bound, sqlite3_bind_text(s, 3, r->session_id ? r->session_id : "", -1,
-                    SQLITE_STATIC));
-  BIND(bound, sqlite3_bind_text(s, 4, r->host ? r->host : "", -1, SQLITE_STATIC));
-  BIND(bound, sqlite3_bind_text(s, 5, r->device ? r->device : "", -1, SQLITE_STATIC));
+                                SQLITE_STATIC));
+  BIND(bound,
+       sqlite3_bind_text(s, 4, r->host ? r->host : "", -1, SQLITE_STATIC));
+  BIND(bound,
+       sqlite3_bind_text(s, 5, r->device ? r->device : "", -1, SQLITE_STATIC));
   BIND(bound, sqlite3_bind_int64(s, 6, r->pid));
   BIND(bound, sqlite3_bind_int64(s, 7, (sqlite3_int64)r->step));
   BIND(bound, sqlite3_bind_int(s, 8, r->root));
   if (r->n_units == 0)
     BIND(bound, sqlite3_bind_zeroblob(s, 9, 0));
   else
-    BIND(bound, sqlite3_bind_blob(s, 9, r->units, (int)r->n_units, SQLITE_STATIC));
+    BIND(bound,
+         sqlite3_bind_blob(s, 9, r->units, (int)r->n_units, SQLITE_STATIC));
   BIND(bound, sqlite3_bind_int64(s, 10, r->alerts));
   BIND(bound, sqlite3_bind_int64(s, 11, (sqlite3_int64)r->transitions));
   return step_done(db, s, bound, "write a rank");
@@ -515,8 +526,8 @@ int sp_coord_db_put_incarnation(sp_coord_db *db,
   BIND(bound, sqlite3_bind_int64(s, 6, r->rank));
   BIND(bound, sqlite3_bind_int(s, 7, r->exit_code));
   BIND(bound, sqlite3_bind_int(s, 8, r->signal));
-  BIND(bound, sqlite3_bind_text(s, 9, r->reason ? r->reason : "", -1,
-                                SQLITE_STATIC));
+  BIND(bound,
+       sqlite3_bind_text(s, 9, r->reason ? r->reason : "", -1, SQLITE_STATIC));
   BIND(bound, sqlite3_bind_int64(s, 10, r->max_restarts));
   BIND(bound, sqlite3_bind_int(s, 11, r->completed));
   return step_done(db, s, bound, "write an incarnation");
@@ -627,8 +638,7 @@ int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
   while (r == SQLITE_OK && (r = sqlite3_step(s)) == SQLITE_ROW) {
     int n = sqlite3_column_bytes(s, 1);
     if ((rc = fn(arg, (uint32_t)col_u64(s, 0), sqlite3_column_int(s, 3),
-                 col_text(s, 1),
-                 n > 0 ? (size_t)n : 0, col_u64(s, 2))) != 0)
+                 col_text(s, 1), n > 0 ? (size_t)n : 0, col_u64(s, 2))) != 0)
       break;
   }
   if (rc == 0) rc = CHECK(db, r, "read the alerts", d);
@@ -636,9 +646,10 @@ int sp_coord_db_each_alert(sp_coord_db *db, size_t last,
   return rc;
 }
 
-int sp_coord_db_each_incarnation(
-    sp_coord_db *db, int (*fn)(void *arg, const sp_coord_db_incarnation *r),
-    void *arg, sp_diag *d) {
+int sp_coord_db_each_incarnation(sp_coord_db *db,
+                                 int (*fn)(void *arg,
+                                           const sp_coord_db_incarnation *r),
+                                 void *arg, sp_diag *d) {
   sqlite3_stmt *s;
   int rc = prepare(db,
                    "SELECT number, started_ms, ended, ended_ms, has_rank, "
@@ -648,18 +659,17 @@ int sp_coord_db_each_incarnation(
   if (rc != 0) return rc;
   int r;
   while ((r = sqlite3_step(s)) == SQLITE_ROW) {
-    sp_coord_db_incarnation k = {
-        .number = col_u64(s, 0),
-        .started_ms = col_u64(s, 1),
-        .ended = sqlite3_column_int(s, 2) != 0,
-        .ended_ms = col_u64(s, 3),
-        .has_rank = sqlite3_column_int(s, 4) != 0,
-        .rank = (uint32_t)col_u64(s, 5),
-        .exit_code = sqlite3_column_int(s, 6),
-        .signal = sqlite3_column_int(s, 7),
-        .reason = col_text(s, 8),
-        .max_restarts = (uint32_t)col_u64(s, 9),
-        .completed = sqlite3_column_int(s, 10) != 0};
+    sp_coord_db_incarnation k = {.number = col_u64(s, 0),
+                                 .started_ms = col_u64(s, 1),
+                                 .ended = sqlite3_column_int(s, 2) != 0,
+                                 .ended_ms = col_u64(s, 3),
+                                 .has_rank = sqlite3_column_int(s, 4) != 0,
+                                 .rank = (uint32_t)col_u64(s, 5),
+                                 .exit_code = sqlite3_column_int(s, 6),
+                                 .signal = sqlite3_column_int(s, 7),
+                                 .reason = col_text(s, 8),
+                                 .max_restarts = (uint32_t)col_u64(s, 9),
+                                 .completed = sqlite3_column_int(s, 10) != 0};
     if ((rc = fn(arg, &k)) != 0) break;
   }
   if (rc == 0) rc = CHECK(db, r, "read the incarnations", d);

@@ -115,9 +115,10 @@ typedef struct sp_coord_db_incarnation {
 int sp_coord_db_put_incarnation(sp_coord_db *db,
                                 const sp_coord_db_incarnation *r);
 /* Every record, by number. */
-int sp_coord_db_each_incarnation(
-    sp_coord_db *db, int (*fn)(void *arg, const sp_coord_db_incarnation *r),
-    void *arg, sp_diag *d);
+int sp_coord_db_each_incarnation(sp_coord_db *db,
+                                 int (*fn)(void *arg,
+                                           const sp_coord_db_incarnation *r),
+                                 void *arg, sp_diag *d);
 
 /* FNV-1a, 64 bits: the spec hash a state dir is checked against. */
 uint64_t sp_coord_db_hash(const void *p, size_t n);

@@ -85,13 +85,13 @@ static comm_table *table_of(struct sp_coord_desync *s,
                             const sp_coord_diag_topo *t, int kind,
                             uint32_t index) {
   switch (kind) {
-  case SHARDPLANE__V1__COMM_KIND__COMM_WORLD:
-    return index == 0 ? &s->world_t : NULL;
-  case SHARDPLANE__V1__COMM_KIND__COMM_SHARD:
-    return s->shard_t && index < t->n_shard ? &s->shard_t[index] : NULL;
-  case SHARDPLANE__V1__COMM_KIND__COMM_REPLICA:
-    return s->replica_t && index < t->n_replica ? &s->replica_t[index] : NULL;
-  default: return NULL;
+    case SHARDPLANE__V1__COMM_KIND__COMM_WORLD:
+      return index == 0 ? &s->world_t : NULL;
+    case SHARDPLANE__V1__COMM_KIND__COMM_SHARD:
+      return s->shard_t && index < t->n_shard ? &s->shard_t[index] : NULL;
+    case SHARDPLANE__V1__COMM_KIND__COMM_REPLICA:
+      return s->replica_t && index < t->n_replica ? &s->replica_t[index] : NULL;
+    default: return NULL;
   }
 }
 

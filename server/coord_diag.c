@@ -295,11 +295,11 @@ bool sp_coord_diag_counts(const sp_coord *c, uint32_t rank,
   uint32_t index = q->comm_index;
   if (kind < 0 || kind >= t->n_kinds || q->seq == 0) return false;
   switch (kind) {
-  case SHARDPLANE__V1__COMM_KIND__COMM_SHARD:
-    return index < t->n_shard && rank / t->shard_world == index;
-  case SHARDPLANE__V1__COMM_KIND__COMM_REPLICA:
-    return index < t->n_replica && rank % t->shard_world == index;
-  default: return index == 0;
+    case SHARDPLANE__V1__COMM_KIND__COMM_SHARD:
+      return index < t->n_shard && rank / t->shard_world == index;
+    case SHARDPLANE__V1__COMM_KIND__COMM_REPLICA:
+      return index < t->n_replica && rank % t->shard_world == index;
+    default: return index == 0;
   }
 }
 

@@ -49,7 +49,8 @@ static const char *enum_name(const ProtobufCEnumDescriptor *d, int v) {
 
 static void req_free(trace_req *q) {
   for (size_t i = 0; i < q->n_ranks; i++) {
-    if (q->recs[i]) shardplane__v1__flight_record__free_unpacked(q->recs[i], NULL);
+    if (q->recs[i])
+      shardplane__v1__flight_record__free_unpacked(q->recs[i], NULL);
     free(q->errs[i]);
   }
   free(q->recs);
@@ -100,22 +101,21 @@ static json_t *flight_json(const Shardplane__V1__FlightRecord *f) {
                         "step", (json_int_t)t->step));
       i++;
     } else {
-      const char *comm = k->comm == SHARDPLANE__V1__COMM_KIND__COMM_SHARD
-                             ? "shard"
-                         : k->comm == SHARDPLANE__V1__COMM_KIND__COMM_REPLICA
-                             ? "replica"
-                             : "world";
+      const char *comm =
+          k->comm == SHARDPLANE__V1__COMM_KIND__COMM_SHARD     ? "shard"
+          : k->comm == SHARDPLANE__V1__COMM_KIND__COMM_REPLICA ? "replica"
+                                                               : "world";
       json_array_append_new(
-          ev, json_pack("{sI ss ss sI sI ss sI ss sI sb sI}", "t_us",
-                        (json_int_t)k->time_us, "type", "collective", "comm",
-                        comm, "comm_index", (json_int_t)k->comm_index, "seq",
-                        (json_int_t)k->seq, "op",
-                        enum_name(&shardplane__v1__collective_op__descriptor,
-                                  k->op),
-                        "unit", (json_int_t)k->unit, "dtype",
-                        sp_dtype_name((sp_dtype)k->dtype), "count",
-                        (json_int_t)k->count, "completed", (int)k->completed,
-                        "step", (json_int_t)k->step));
+          ev,
+          json_pack(
+              "{sI ss ss sI sI ss sI ss sI sb sI}", "t_us",
+              (json_int_t)k->time_us, "type", "collective", "comm", comm,
+              "comm_index", (json_int_t)k->comm_index, "seq",
+              (json_int_t)k->seq, "op",
+              enum_name(&shardplane__v1__collective_op__descriptor, k->op),
+              "unit", (json_int_t)k->unit, "dtype",
+              sp_dtype_name((sp_dtype)k->dtype), "count", (json_int_t)k->count,
+              "completed", (int)k->completed, "step", (json_int_t)k->step));
       j++;
     }
   }
@@ -144,10 +144,10 @@ static json_t *dump_json(sp_coord *c, const trace_req *q) {
       json_array_append_new(cu, json_integer(a->culprits[k]));
     for (size_t k = 0; k < a->n_victims; k++)
       json_array_append_new(vi, json_integer(a->victims[k]));
-    const char *kind = a->kind == SHARDPLANE__V1__ALERT_KIND__ALERT_LOST
-                           ? "LOST"
-                           : enum_name(&shardplane__v1__alert_kind__descriptor,
-                                       a->kind);
+    const char *kind =
+        a->kind == SHARDPLANE__V1__ALERT_KIND__ALERT_LOST
+            ? "LOST"
+            : enum_name(&shardplane__v1__alert_kind__descriptor, a->kind);
     json_array_append_new(
         alerts, json_pack("{ss sI so so ss}", "kind", kind, "time_ms",
                           (json_int_t)a->time_ms, "culprits", cu, "victims", vi,
@@ -162,16 +162,15 @@ static json_t *dump_json(sp_coord *c, const trace_req *q) {
         "{sI ss ss sI sI ss sI}", "rank", (json_int_t)q->ranks[i], "status",
         enum_name(&shardplane__v1__rank_status__descriptor, v.status), "host",
         v.host ? v.host : "", "pid", (json_int_t)v.pid, "step",
-        (json_int_t)v.step, "root_state", sp_state_name(SP_MACHINE_ROOT, v.root),
-        "last_heard_ms_ago",
+        (json_int_t)v.step, "root_state",
+        sp_state_name(SP_MACHINE_ROOT, v.root), "last_heard_ms_ago",
         (json_int_t)(now > v.last_heard_ms ? now - v.last_heard_ms : 0));
     if (q->recs[i]) {
       json_object_set_new(r, "flight", flight_json(q->recs[i]));
     } else {
       json_object_set_new(r, "flight", json_null());
       json_object_set_new(r, "flight_error",
-                          json_string(q->errs[i] ? q->errs[i]
-                                                 : "no answer"));
+                          json_string(q->errs[i] ? q->errs[i] : "no answer"));
     }
     json_array_append_new(ranks, r);
   }
@@ -223,7 +222,8 @@ static void req_done(trace_req *q) {
       if (text == NULL) {
         sp_rpc_call_finish(q->call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
       } else {
-        Shardplane__V1__GetDumpResponse r = SHARDPLANE__V1__GET_DUMP_RESPONSE__INIT;
+        Shardplane__V1__GetDumpResponse r =
+            SHARDPLANE__V1__GET_DUMP_RESPONSE__INIT;
         r.json.data = (uint8_t *)text;
         r.json.len = strlen(text);
         sp_rpc_call_reply(q->call, &r.base);
@@ -346,8 +346,10 @@ int sp_coord_dump_flight(sp_coord *c, void *user, const sp_coord_event *e) {
     for (size_t i = 0; i < q->n_ranks; i++) {
       if (q->ranks[i] != rank || q->recs[i] || q->errs[i]) continue;
       q->recs[i] = copy_capped(f);
-      if (q->recs[i]) q->recs[i]->rank = rank; /* the rank is the stream's */
-      else q->errs[i] = sp_strdup("out of memory");
+      if (q->recs[i])
+        q->recs[i]->rank = rank; /* the rank is the stream's */
+      else
+        q->errs[i] = sp_strdup("out of memory");
       if (--q->waiting == 0) req_done(q);
       return 0;
     }
@@ -415,14 +417,16 @@ static void on_get_dump(sp_rpc_call *call, const ProtobufCMessage *msg,
   const Shardplane__V1__GetDumpRequest *q = (const void *)msg;
   size_t n;
   uint32_t *v = attached_ranks(c, &n);
-  if (v == NULL ||
-      gather(c, call, false, false, v, n, q->last_n, "asked for by GetDump") != 0)
+  if (v == NULL || gather(c, call, false, false, v, n, q->last_n,
+                          "asked for by GetDump") != 0)
     sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
 }
 
-#define M(name, req, fn, cancel)                                               \
-  {SP_COORD_PATH(name), SP_RPC_UNARY, &shardplane__v1__##req##__descriptor,    \
-   fn, NULL, cancel, NULL}
+#define M(name, req, fn, cancel)                                             \
+  {                                                                          \
+    SP_COORD_PATH(name), SP_RPC_UNARY, &shardplane__v1__##req##__descriptor, \
+        fn, NULL, cancel, NULL                                               \
+  }
 
 static const sp_rpc_method k_methods[] = {
     M("GetTrace", get_trace_request, on_get_trace, on_cancel),

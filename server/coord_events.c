@@ -40,9 +40,8 @@ static void drop(sp_coord *c, sp_coord_watch *w) {
   free(w);
 }
 
-static void publish(sp_coord *c, Shardplane__V1__EventKind kind,
-                    uint32_t rank, const char *message,
-                    const Shardplane__V1__Transition *t,
+static void publish(sp_coord *c, Shardplane__V1__EventKind kind, uint32_t rank,
+                    const char *message, const Shardplane__V1__Transition *t,
                     const Shardplane__V1__Alert *a) {
   if (c->watchers == NULL) return;
   Shardplane__V1__Event ev = SHARDPLANE__V1__EVENT__INIT;
@@ -116,8 +115,8 @@ static void on_watch(sp_rpc_call *call, const ProtobufCMessage *msg,
         q->kinds[i] > SHARDPLANE__V1__EVENT_KIND__ALERT) {
       free(w->ranks);
       free(w);
-      sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT, "unknown event kind %d",
-                          (int)q->kinds[i]);
+      sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                          "unknown event kind %d", (int)q->kinds[i]);
       return;
     }
     w->kinds |= 1u << q->kinds[i];

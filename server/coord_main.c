@@ -10,116 +10,140 @@
 #include "base/flag.h"
 
 static void usage(FILE *f) {
-  fputs("usage: shardplane-coordinator --model M.json [--job J.json] "
-        "[--listen HOST:PORT] [options]\n"
-        "\n"
-        "Serves shardplane.v1.Coordinator and grpc.health.v1.Health for one\n"
-        "job: the sharding plan, the ranks' training state, and the store\n"
-        "workers bootstrap their collectives through.\n"
-        "\n"
-        "  --listen HOST:PORT           address (default 127.0.0.1:7700; port\n"
-        "                               0 picks a free one and prints it)\n"
-        "  --model PATH                 model spec (shardplane.model/v1)\n"
-        "  --job PATH                   job config; the flags below override "
-        "it\n"
-        "                               (without a wrap policy every Linear\n"
-        "                               module becomes a unit, as in "
-        "shardplane run)\n",
-        f);
+  fputs(
+      "usage: shardplane-coordinator --model M.json [--job J.json] "
+      "[--listen HOST:PORT] [options]\n"
+      "\n"
+      "Serves shardplane.v1.Coordinator and grpc.health.v1.Health for one\n"
+      "job: the sharding plan, the ranks' training state, and the store\n"
+      "workers bootstrap their collectives through.\n"
+      "\n"
+      "  --listen HOST:PORT           address (default 127.0.0.1:7700; port\n"
+      "                               0 picks a free one and prints it)\n"
+      "  --model PATH                 model spec (shardplane.model/v1)\n"
+      "  --job PATH                   job config; the flags below override "
+      "it\n"
+      "                               (without a wrap policy every Linear\n"
+      "                               module becomes a unit, as in "
+      "shardplane run)\n",
+      f);
   sp_job_flags_print_help(f);
-  fputs("  --heartbeat-timeout-ms N     mark a silent rank lost (default "
-        "5000)\n"
-        "  --heartbeat-interval-ms N    interval asked of workers (default "
-        "1000,\n"
-        "                               or a third of a shorter timeout)\n"
-        "  --state-dir DIR              keep the store, the ranks and the "
-        "alerts in\n"
-        "                               DIR (SQLite, created if absent): a "
-        "coordinator\n"
-        "                               restarted on DIR continues the job. "
-        "One\n"
-        "                               coordinator per DIR; a DIR of another "
-        "job is\n"
-        "                               refused\n"
-        "  --reattach-grace-ms N        after such a restart, how long a rank "
-        "may take\n"
-        "                               to reattach before it is lost "
-        "(default 60000)\n"
-        "Hang diagnosis (docs/architecture.md):\n"
-        "  --stall-timeout-ms N         a rank with no event for N ms while "
-        "it\n"
-        "                               heartbeats is stalled (default: "
-        "adaptive,\n"
-        "                               max(10000, 5 x the job's p99 step "
-        "time))\n"
-        "  --on-stall alert|abort       what a stall verdict does (default "
-        "alert;\n"
-        "                               abort sends it to every rank as the "
-        "abort\n"
-        "                               reason)\n"
-        "  --straggler-ratio X          a rank whose compute per step is X "
-        "times the\n"
-        "                               job's median is a straggler (default "
-        "1.3)\n"
-        "  --dump-dir DIR               on abort or stall, write every "
-        "rank's flight\n"
-        "                               recorder and the coordinator's view "
-        "to DIR\n"
-        "                               (shardplane.dump/v1; default: none)\n"
-        "\n"
-        "Limits against clients that hold resources (over one: the call ends\n"
-        "with RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED, or the connection gets\n"
-        "GOAWAY with the reason):\n"
-        "  --max-connections N          open connections; when all are taken\n"
-        "                               the longest idle one (no open call)\n"
-        "                               is closed to admit a new one (default:\n"
-        "                               the fd limit less 64, at most 65536)\n"
-        "  --preface-timeout-ms N       from connecting to the first request's\n"
-        "                               headers (default 10000)\n"
-        "  --idle-timeout-ms N          close a connection with no open call\n"
-        "                               after this long (default 300000)\n"
-        "  --request-timeout-ms N       a unary request must be complete (the\n"
-        "                               client half-closed) within this, even\n"
-        "                               without a deadline (default 30000)\n"
-        "  --max-buffered-mib N         request and response bytes buffered,\n"
-        "                               all connections (default 256)\n"
-        "\n"
-        "Security (docs/security.md): one of --tls-cert/--tls-key or\n"
-        "--insecure, and one of --token-file or --no-auth, are required.\n"
-        "  --tls-cert FILE              serve TLS with this certificate "
-        "chain (PEM)\n"
-        "  --tls-key FILE               ... and its private key (PEM)\n"
-        "  --tls-client-ca FILE         mutual TLS: clients must present a\n"
-        "                               certificate from this CA bundle\n"
-        "  --insecure                   cleartext HTTP/2 (a warning when the\n"
-        "                               address is not loopback)\n"
-        "  --token-file FILE            bearer tokens and their roles, as\n"
-        "                               SHA-256 hashes (shardplane token "
-        "create)\n"
-        "  --no-auth                    serve every call to anyone (warns)\n"
-        "  --store-quota-bytes N        store bytes (keys and values) one "
-        "token's\n"
-        "                               keys may hold (default 268435456)\n"
-        "  --store-quota-keys N         store keys one token may hold "
-        "(default\n"
-        "                               65536)\n"
-        "  --quiet                      no log lines\n"
-        "  --help                       this text\n"
-        "\n"
-        "Prints \"listening on HOST:PORT\" once serving; SIGINT or SIGTERM "
-        "shut it down gracefully.\n"
-        "exit codes: 0 clean shutdown, 1 cannot start (bad spec or job, "
-        "address in use,\n"
-        "state dir in use or of another job), 2 bad usage\n",
-        f);
+  fputs(
+      "  --heartbeat-timeout-ms N     mark a silent rank lost (default "
+      "5000)\n"
+      "  --heartbeat-interval-ms N    interval asked of workers (default "
+      "1000,\n"
+      "                               or a third of a shorter timeout)\n"
+      "  --state-dir DIR              keep the store, the ranks and the "
+      "alerts in\n"
+      "                               DIR (SQLite, created if absent): a "
+      "coordinator\n"
+      "                               restarted on DIR continues the job. "
+      "One\n"
+      "                               coordinator per DIR; a DIR of another "
+      "job is\n"
+      "                               refused\n"
+      "  --reattach-grace-ms N        after such a restart, how long a rank "
+      "may take\n"
+      "                               to reattach before it is lost "
+      "(default 60000)\n"
+      "Hang diagnosis (docs/architecture.md):\n"
+      "  --stall-timeout-ms N         a rank with no event for N ms while "
+      "it\n"
+      "                               heartbeats is stalled (default: "
+      "adaptive,\n"
+      "                               max(10000, 5 x the job's p99 step "
+      "time))\n"
+      "  --on-stall alert|abort       what a stall verdict does (default "
+      "alert;\n"
+      "                               abort sends it to every rank as the "
+      "abort\n"
+      "                               reason)\n"
+      "  --straggler-ratio X          a rank whose compute per step is X "
+      "times the\n"
+      "                               job's median is a straggler (default "
+      "1.3)\n"
+      "  --dump-dir DIR               on abort or stall, write every "
+      "rank's flight\n"
+      "                               recorder and the coordinator's view "
+      "to DIR\n"
+      "                               (shardplane.dump/v1; default: none)\n"
+      "\n"
+      "Limits against clients that hold resources (over one: the call ends\n"
+      "with RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED, or the connection gets\n"
+      "GOAWAY with the reason):\n"
+      "  --max-connections N          open connections; when all are taken\n"
+      "                               the longest idle one (no open call)\n"
+      "                               is closed to admit a new one (default:\n"
+      "                               the fd limit less 64, at most 65536)\n"
+      "  --preface-timeout-ms N       from connecting to the first request's\n"
+      "                               headers (default 10000)\n"
+      "  --idle-timeout-ms N          close a connection with no open call\n"
+      "                               after this long (default 300000)\n"
+      "  --request-timeout-ms N       a unary request must be complete (the\n"
+      "                               client half-closed) within this, even\n"
+      "                               without a deadline (default 30000)\n"
+      "  --max-buffered-mib N         request and response bytes buffered,\n"
+      "                               all connections (default 256)\n"
+      "\n"
+      "Security (docs/security.md): one of --tls-cert/--tls-key or\n"
+      "--insecure, and one of --token-file or --no-auth, are required.\n"
+      "  --tls-cert FILE              serve TLS with this certificate "
+      "chain (PEM)\n"
+      "  --tls-key FILE               ... and its private key (PEM)\n"
+      "  --tls-client-ca FILE         mutual TLS: clients must present a\n"
+      "                               certificate from this CA bundle\n"
+      "  --insecure                   cleartext HTTP/2 (a warning when the\n"
+      "                               address is not loopback)\n"
+      "  --token-file FILE            bearer tokens and their roles, as\n"
+      "                               SHA-256 hashes (shardplane token "
+      "create)\n"
+      "  --no-auth                    serve every call to anyone (warns)\n"
+      "  --store-quota-bytes N        store bytes (keys and values) one "
+      "token's\n"
+      "                               keys may hold (default 268435456)\n"
+      "  --store-quota-keys N         store keys one token may hold "
+      "(default\n"
+      "                               65536)\n"
+      "  --quiet                      no log lines\n"
+      "  --help                       this text\n"
+      "\n"
+      "Prints \"listening on HOST:PORT\" once serving; SIGINT or SIGTERM "
+      "shut it down gracefully.\n"
+      "exit codes: 0 clean shutdown, 1 cannot start (bad spec or job, "
+      "address in use,\n"
+      "state dir in use or of another job), 2 bad usage\n",
+      f);
 }
 
-enum { OPT_LISTEN = 256, OPT_MODEL, OPT_JOB, OPT_HB_TIMEOUT, OPT_HB_INTERVAL,
-       OPT_QUIET, OPT_HELP, OPT_TLS_CERT, OPT_TLS_KEY, OPT_TLS_CLIENT_CA,
-       OPT_INSECURE, OPT_TOKEN_FILE, OPT_NO_AUTH, OPT_QUOTA_BYTES,
-       OPT_QUOTA_KEYS, OPT_MAX_CONNS, OPT_PREFACE_MS, OPT_IDLE_MS,
-       OPT_REQUEST_MS, OPT_MAX_BUFFERED, OPT_STATE_DIR, OPT_REATTACH,
-       OPT_STALL_MS, OPT_ON_STALL, OPT_STRAGGLER, OPT_DUMP_DIR };
+enum {
+  OPT_LISTEN = 256,
+  OPT_MODEL,
+  OPT_JOB,
+  OPT_HB_TIMEOUT,
+  OPT_HB_INTERVAL,
+  OPT_QUIET,
+  OPT_HELP,
+  OPT_TLS_CERT,
+  OPT_TLS_KEY,
+  OPT_TLS_CLIENT_CA,
+  OPT_INSECURE,
+  OPT_TOKEN_FILE,
+  OPT_NO_AUTH,
+  OPT_QUOTA_BYTES,
+  OPT_QUOTA_KEYS,
+  OPT_MAX_CONNS,
+  OPT_PREFACE_MS,
+  OPT_IDLE_MS,
+  OPT_REQUEST_MS,
+  OPT_MAX_BUFFERED,
+  OPT_STATE_DIR,
+  OPT_REATTACH,
+  OPT_STALL_MS,
+  OPT_ON_STALL,
+  OPT_STRAGGLER,
+  OPT_DUMP_DIR
+};
 
 static const struct option k_opts[] = {
     {"listen", required_argument, NULL, OPT_LISTEN},
@@ -199,11 +223,11 @@ static int parse_limit(int c, const char *v, sp_coord_config *cfg) {
       return -1;
     }
     switch (c) {
-    case OPT_MAX_CONNS: cfg->max_connections = (uint32_t)x; break;
-    case OPT_PREFACE_MS: cfg->preface_timeout_ms = (uint64_t)x; break;
-    case OPT_IDLE_MS: cfg->idle_timeout_ms = (uint64_t)x; break;
-    case OPT_REQUEST_MS: cfg->request_timeout_ms = (uint64_t)x; break;
-    default: cfg->max_buffered = (size_t)x << 20; break;
+      case OPT_MAX_CONNS: cfg->max_connections = (uint32_t)x; break;
+      case OPT_PREFACE_MS: cfg->preface_timeout_ms = (uint64_t)x; break;
+      case OPT_IDLE_MS: cfg->idle_timeout_ms = (uint64_t)x; break;
+      case OPT_REQUEST_MS: cfg->request_timeout_ms = (uint64_t)x; break;
+      default: cfg->max_buffered = (size_t)x << 20; break;
     }
     return 0;
   }
@@ -224,7 +248,8 @@ static int parse_listen(const char *v) {
   int port;
   if (sp_rpc_split_addr(v, host, sizeof host, &port) == 0) return 0;
   sp_diag d = {{0}};
-  sp_flag_fail(&d, "--listen", v, "HOST:PORT or [v6]:PORT, port in [0, "
+  sp_flag_fail(&d, "--listen", v,
+               "HOST:PORT or [v6]:PORT, port in [0, "
                "65535] (0: a free one)");
   fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
   return -1;
@@ -254,8 +279,9 @@ static int check_security(const security *s, const sp_coord_config *cfg) {
   if (s->insecure && any_tls)
     err = "--insecure and --tls-* exclude each other";
   else if (!s->insecure && !any_tls)
-    err = "choose the transport: --tls-cert FILE --tls-key FILE, or "
-          "--insecure for cleartext";
+    err =
+        "choose the transport: --tls-cert FILE --tls-key FILE, or "
+        "--insecure for cleartext";
   else if (any_tls && (s->tls.cert_file == NULL || s->tls.key_file == NULL))
     err = "--tls-cert and --tls-key go together";
   else if (s->no_auth && cfg->token_file != NULL)
@@ -275,15 +301,20 @@ static bool loopback(const char *host) {
 static void warn_open(const security *s, const char *listen) {
   char host[256];
   int port;
-  if (s->insecure && (sp_rpc_split_addr(listen, host, sizeof host, &port) != 0
-                      || !loopback(host)))
-    fprintf(stderr, "shardplane-coordinator: warning: listening in cleartext "
+  if (s->insecure &&
+      (sp_rpc_split_addr(listen, host, sizeof host, &port) != 0 ||
+       !loopback(host)))
+    fprintf(stderr,
+            "shardplane-coordinator: warning: listening in cleartext "
             "on %s: tokens and store values cross the network unencrypted "
-            "(use --tls-cert/--tls-key)\n", listen);
+            "(use --tls-cert/--tls-key)\n",
+            listen);
   if (s->no_auth)
-    fprintf(stderr, "shardplane-coordinator: warning: --no-auth: anyone who "
+    fprintf(stderr,
+            "shardplane-coordinator: warning: --no-auth: anyone who "
             "reaches %s may call every method, abort the job and write the "
-            "store\n", listen);
+            "store\n",
+            listen);
 }
 
 /* The job against the model: a wrap target it does not have is a flag
@@ -325,112 +356,116 @@ int main(int argc, char **argv) {
   int c;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
-    case OPT_LISTEN:
-      listen = optarg;
-      if (parse_listen(optarg) != 0) goto out;
-      break;
-    case OPT_MODEL:
-      cfg.model_path = optarg;
-      if (parse_text("--model", optarg, "a model spec (JSON file)") != 0)
-        goto out;
-      break;
-    case OPT_JOB:
-      cfg.job_path = optarg;
-      if (parse_text("--job", optarg, "a job config (JSON file)") != 0)
-        goto out;
-      break;
-    case OPT_QUIET: cfg.quiet = true; break;
-    case OPT_STATE_DIR:
-      cfg.state_dir = optarg;
-      if (parse_text("--state-dir", optarg, "a directory") != 0) goto out;
-      break;
-    case OPT_REATTACH:
-      if (parse_ms("--reattach-grace-ms", optarg, &cfg.reattach_grace_ms) != 0)
-        goto out;
-      break;
-    case OPT_STALL_MS:
-      if (parse_ms("--stall-timeout-ms", optarg, &cfg.diag.stall_timeout_ms))
-        goto out;
-      break;
-    case OPT_ON_STALL: {
-      static const char *const names[] = {"alert", "abort"};
-      size_t i;
-      sp_diag d = {{0}};
-      if (sp_flag_choice("--on-stall", optarg, names, 2, &i, &d) != 0) {
-        fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
-        goto out;
+      case OPT_LISTEN:
+        listen = optarg;
+        if (parse_listen(optarg) != 0) goto out;
+        break;
+      case OPT_MODEL:
+        cfg.model_path = optarg;
+        if (parse_text("--model", optarg, "a model spec (JSON file)") != 0)
+          goto out;
+        break;
+      case OPT_JOB:
+        cfg.job_path = optarg;
+        if (parse_text("--job", optarg, "a job config (JSON file)") != 0)
+          goto out;
+        break;
+      case OPT_QUIET: cfg.quiet = true; break;
+      case OPT_STATE_DIR:
+        cfg.state_dir = optarg;
+        if (parse_text("--state-dir", optarg, "a directory") != 0) goto out;
+        break;
+      case OPT_REATTACH:
+        if (parse_ms("--reattach-grace-ms", optarg, &cfg.reattach_grace_ms) !=
+            0)
+          goto out;
+        break;
+      case OPT_STALL_MS:
+        if (parse_ms("--stall-timeout-ms", optarg, &cfg.diag.stall_timeout_ms))
+          goto out;
+        break;
+      case OPT_ON_STALL: {
+        static const char *const names[] = {"alert", "abort"};
+        size_t i;
+        sp_diag d = {{0}};
+        if (sp_flag_choice("--on-stall", optarg, names, 2, &i, &d) != 0) {
+          fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
+          goto out;
+        }
+        cfg.diag.abort_on_stall = i == 1;
+        break;
       }
-      cfg.diag.abort_on_stall = i == 1;
-      break;
-    }
-    case OPT_STRAGGLER: {
-      sp_diag d = {{0}};
-      if (sp_flag_number("--straggler-ratio", optarg, 1.01,
-                         &cfg.diag.straggler_ratio, &d) != 0) {
-        fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
-        goto out;
+      case OPT_STRAGGLER: {
+        sp_diag d = {{0}};
+        if (sp_flag_number("--straggler-ratio", optarg, 1.01,
+                           &cfg.diag.straggler_ratio, &d) != 0) {
+          fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
+          goto out;
+        }
+        break;
       }
-      break;
-    }
-    case OPT_DUMP_DIR:
-      cfg.diag.dump_dir = optarg;
-      if (parse_text("--dump-dir", optarg, "a directory") != 0) goto out;
-      break;
-    case OPT_HB_TIMEOUT:
-      if (parse_ms("--heartbeat-timeout-ms", optarg,
-                   &cfg.heartbeat_timeout_ms) != 0)
-        goto out;
-      break;
-    case OPT_HB_INTERVAL:
-      if (parse_ms("--heartbeat-interval-ms", optarg,
-                   &cfg.heartbeat_interval_ms) != 0)
-        goto out;
-      break;
-    case OPT_TLS_CERT:
-    case OPT_TLS_KEY:
-    case OPT_TLS_CLIENT_CA:
-    case OPT_TOKEN_FILE: {
-      static const char *const names[] = {"--tls-cert", "--tls-key",
-                                          "--tls-client-ca", NULL,
-                                          "--token-file"};
-      if (parse_text(names[c - OPT_TLS_CERT], optarg, "a file") != 0)
-        goto out;
-      if (c == OPT_TLS_CERT) sec.tls.cert_file = optarg;
-      else if (c == OPT_TLS_KEY) sec.tls.key_file = optarg;
-      else if (c == OPT_TLS_CLIENT_CA) sec.tls.client_ca_file = optarg;
-      else cfg.token_file = optarg;
-      break;
-    }
-    case OPT_INSECURE: sec.insecure = true; break;
-    case OPT_NO_AUTH: sec.no_auth = true; break;
-    case OPT_QUOTA_BYTES:
-      if (parse_quota("--store-quota-bytes", optarg, &cfg.store_quota.bytes))
-        goto out;
-      break;
-    case OPT_QUOTA_KEYS:
-      if (parse_quota("--store-quota-keys", optarg, &cfg.store_quota.keys))
-        goto out;
-      break;
-    case OPT_HELP:
-      usage(stdout);
-      exit_code = 0;
-      goto out;
-    case OPT_MAX_CONNS:
-    case OPT_PREFACE_MS:
-    case OPT_IDLE_MS:
-    case OPT_REQUEST_MS:
-    case OPT_MAX_BUFFERED:
-      if (parse_limit(c, optarg, &cfg) != 0) goto out;
-      break;
-    default:
-      if (c >= SP_JOB_OPT_BASE) {
-        if (sp_job_cli_record(&flags, c, optarg) == 0) break;
-        fprintf(stderr, "shardplane-coordinator: out of memory\n");
-        exit_code = 1;
-        goto out;
+      case OPT_DUMP_DIR:
+        cfg.diag.dump_dir = optarg;
+        if (parse_text("--dump-dir", optarg, "a directory") != 0) goto out;
+        break;
+      case OPT_HB_TIMEOUT:
+        if (parse_ms("--heartbeat-timeout-ms", optarg,
+                     &cfg.heartbeat_timeout_ms) != 0)
+          goto out;
+        break;
+      case OPT_HB_INTERVAL:
+        if (parse_ms("--heartbeat-interval-ms", optarg,
+                     &cfg.heartbeat_interval_ms) != 0)
+          goto out;
+        break;
+      case OPT_TLS_CERT:
+      case OPT_TLS_KEY:
+      case OPT_TLS_CLIENT_CA:
+      case OPT_TOKEN_FILE: {
+        static const char *const names[] = {
+            "--tls-cert", "--tls-key", "--tls-client-ca", NULL, "--token-file"};
+        if (parse_text(names[c - OPT_TLS_CERT], optarg, "a file") != 0)
+          goto out;
+        if (c == OPT_TLS_CERT)
+          sec.tls.cert_file = optarg;
+        else if (c == OPT_TLS_KEY)
+          sec.tls.key_file = optarg;
+        else if (c == OPT_TLS_CLIENT_CA)
+          sec.tls.client_ca_file = optarg;
+        else
+          cfg.token_file = optarg;
+        break;
       }
-      sp_flag_try_help("shardplane-coordinator"); /* getopt said what */
-      goto out;
+      case OPT_INSECURE: sec.insecure = true; break;
+      case OPT_NO_AUTH: sec.no_auth = true; break;
+      case OPT_QUOTA_BYTES:
+        if (parse_quota("--store-quota-bytes", optarg, &cfg.store_quota.bytes))
+          goto out;
+        break;
+      case OPT_QUOTA_KEYS:
+        if (parse_quota("--store-quota-keys", optarg, &cfg.store_quota.keys))
+          goto out;
+        break;
+      case OPT_HELP:
+        usage(stdout);
+        exit_code = 0;
+        goto out;
+      case OPT_MAX_CONNS:
+      case OPT_PREFACE_MS:
+      case OPT_IDLE_MS:
+      case OPT_REQUEST_MS:
+      case OPT_MAX_BUFFERED:
+        if (parse_limit(c, optarg, &cfg) != 0) goto out;
+        break;
+      default:
+        if (c >= SP_JOB_OPT_BASE) {
+          if (sp_job_cli_record(&flags, c, optarg) == 0) break;
+          fprintf(stderr, "shardplane-coordinator: out of memory\n");
+          exit_code = 1;
+          goto out;
+        }
+        sp_flag_try_help("shardplane-coordinator"); /* getopt said what */
+        goto out;
     }
   }
   if (optind < argc) {
@@ -453,8 +488,7 @@ int main(int argc, char **argv) {
     exit_code = rc == SP_EINVAL ? 2 : 1;
     goto out;
   }
-  exit_code = check_job(&flags, &cfg.job, cfg.job_path != NULL,
-                        cfg.model_path);
+  exit_code = check_job(&flags, &cfg.job, cfg.job_path != NULL, cfg.model_path);
   if (exit_code != 0) goto out;
   if (check_security(&sec, &cfg) != 0) {
     sp_flag_try_help("shardplane-coordinator");

@@ -48,7 +48,7 @@ struct sp_coord_persist {
   size_t n, cap;
   uv_close_cb closed;
   sp_coord_persist_hooks hooks;
-  bool started; /* the handles exist (from listen on) */
+  bool started;             /* the handles exist (from listen on) */
   uint64_t commits, writes; /* for the log at shutdown */
 };
 
@@ -247,8 +247,8 @@ void sp_coord_persist_incarnation(sp_coord *c,
 
 /* ---- restore ---- */
 
-static int restore_key(void *arg, const uint8_t *k, size_t kl,
-                       const uint8_t *v, size_t vl, uint64_t ver) {
+static int restore_key(void *arg, const uint8_t *k, size_t kl, const uint8_t *v,
+                       size_t vl, uint64_t ver) {
   sp_coord *c = arg;
   /* the database is input like any other: a key must be one the RPCs
    * could have made (no NUL: keys are proto3 strings) */
@@ -297,8 +297,10 @@ static int restore(sp_coord *c, uint64_t *n_alerts, sp_diag *d) {
   if (rc != 0) return rc;
   rc = sp_coord_db_each_incarnation(db, restore_incarnation, c, d);
   if (rc == SP_EFORMAT)
-    sp_diag_set(d, rc, "state dir %s: an incarnation row out of order or "
-                "bounds", sp_coord_db_dir(db));
+    sp_diag_set(d, rc,
+                "state dir %s: an incarnation row out of order or "
+                "bounds",
+                sp_coord_db_dir(db));
   return rc;
 }
 
@@ -307,11 +309,11 @@ int sp_coord_persist_open(sp_coord *c, const sp_coord_persist_hooks *h,
   if (c->cfg.state_dir == NULL) return 0;
   sp_coord_persist *p = calloc(1, sizeof *p);
   if (p == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
-  sp_coord_db_job job = {.plan_version = c->plan->version_hex,
-                         .model_name = c->model->name,
-                         .spec_hash = sp_coord_db_hash(c->spec_json,
-                                                       c->spec_len),
-                         .world_size = c->plan->world_size};
+  sp_coord_db_job job = {
+      .plan_version = c->plan->version_hex,
+      .model_name = c->model->name,
+      .spec_hash = sp_coord_db_hash(c->spec_json, c->spec_len),
+      .world_size = c->plan->world_size};
   bool fresh;
   int rc = sp_coord_db_open(c->cfg.state_dir, &job, &p->db, &fresh, d);
   if (rc != 0) {

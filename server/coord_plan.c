@@ -204,7 +204,8 @@ static int rank_shards(arena *a, const sp_plan *pl, uint32_t rank,
     sp_shard_param *sp = ANEW(a, sp_shard_param, n + 1);
     Shardplane__V1__RankShard *rs = ANEW(a, Shardplane__V1__RankShard, 1);
     Shardplane__V1__ShardParam *pv = ANEW(a, Shardplane__V1__ShardParam, n + 1);
-    Shardplane__V1__ShardParam **pp = ANEW(a, Shardplane__V1__ShardParam *, n + 1);
+    Shardplane__V1__ShardParam **pp =
+        ANEW(a, Shardplane__V1__ShardParam *, n + 1);
     if (sp == NULL || rs == NULL || pv == NULL || pp == NULL) return SP_ENOMEM;
     sp_plan_shard_params(pl, u, rank, sp, n, &n);
     shardplane__v1__rank_shard__init(rs);
@@ -227,7 +228,8 @@ static int rank_shards(arena *a, const sp_plan *pl, uint32_t rank,
   return 0;
 }
 
-static long find_unit(const sp_plan *pl, const Shardplane__V1__GetPlanRequest *q) {
+static long find_unit(const sp_plan *pl,
+                      const Shardplane__V1__GetPlanRequest *q) {
   if (q->unit_fqn != NULL && q->unit_fqn[0] != '\0') {
     for (uint32_t u = 0; u < pl->n_units; u++)
       if (strcmp(sp_plan_unit_fqn(pl, u), q->unit_fqn) == 0) return (long)u;
@@ -246,9 +248,11 @@ static int memory_opts(const Shardplane__V1__MemoryOptions *m, sp_mem_opts *o,
   if (m == NULL) return 0;
   int opt = (int)m->optimizer;
   if (opt != 0 && (opt < SP_MEM_OPT_NONE || opt > SP_MEM_OPT_ADAMW)) {
-    snprintf(err, cap, "memory.optimizer %d: expected OPTIMIZER_NONE (1), "
+    snprintf(err, cap,
+             "memory.optimizer %d: expected OPTIMIZER_NONE (1), "
              "OPTIMIZER_SGD (2), OPTIMIZER_SGD_MOMENTUM (3) or "
-             "OPTIMIZER_ADAMW (4)", opt);
+             "OPTIMIZER_ADAMW (4)",
+             opt);
     return -1;
   }
   if (m->max_inflight_gathers > SP_MEM_MAX_INFLIGHT) {
@@ -276,7 +280,8 @@ static Shardplane__V1__MemoryBytes *mem_bytes(arena *a, const char *cat,
 
 static Shardplane__V1__MemoryEstimate *memory_msg(arena *a,
                                                   const sp_mem_estimate *e) {
-  Shardplane__V1__MemoryEstimate *m = ANEW(a, Shardplane__V1__MemoryEstimate, 1);
+  Shardplane__V1__MemoryEstimate *m =
+      ANEW(a, Shardplane__V1__MemoryEstimate, 1);
   Shardplane__V1__MemoryOptions *o = ANEW(a, Shardplane__V1__MemoryOptions, 1);
   Shardplane__V1__MemoryBytes **cats =
       ANEW(a, Shardplane__V1__MemoryBytes *, SP_MEM_N_CATS);
@@ -321,8 +326,8 @@ static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
   long unit = -1;
   if (q->by_unit && (unit = find_unit(pl, q)) < 0) {
     if (q->unit_fqn != NULL && q->unit_fqn[0] != '\0')
-      sp_rpc_call_finishf(call, SP_RPC_NOT_FOUND, "no unit wraps module \"%.200s\"",
-                          q->unit_fqn);
+      sp_rpc_call_finishf(call, SP_RPC_NOT_FOUND,
+                          "no unit wraps module \"%.200s\"", q->unit_fqn);
     else
       sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
                           "unit %u is out of range: the plan has units 0-%zu",
@@ -340,9 +345,10 @@ static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
     sp_diag d = {""};
     int rc = sp_mem_estimate_plan(pl, &mo, &mem, &d);
     if (rc < 0) {
-      sp_rpc_call_finishf(call, rc == SP_ENOMEM ? SP_RPC_RESOURCE_EXHAUSTED
-                                                : SP_RPC_INVALID_ARGUMENT,
-                          "memory model: %.300s", d.msg);
+      sp_rpc_call_finishf(
+          call,
+          rc == SP_ENOMEM ? SP_RPC_RESOURCE_EXHAUSTED : SP_RPC_INVALID_ARGUMENT,
+          "memory model: %.300s", d.msg);
       return;
     }
   }
@@ -358,7 +364,8 @@ static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
   p.units = ANEW(&a, Shardplane__V1__Unit *, pl->n_units);
   if (p.units != NULL) {
     for (uint32_t u = 0; u < pl->n_units; u++)
-      if (unit < 0 || (long)u == unit) p.units[p.n_units++] = unit_msg(&a, pl, u);
+      if (unit < 0 || (long)u == unit)
+        p.units[p.n_units++] = unit_msg(&a, pl, u);
   }
   if (!q->by_unit && !q->by_rank) {
     /* the whole plan: buffers and aliases too */
@@ -367,7 +374,8 @@ static void on_get_plan(sp_rpc_call *call, const ProtobufCMessage *msg,
       for (size_t i = 0; i < pl->n_buffers; i++)
         p.buffers[p.n_buffers++] = buffer_msg(&a, pl, i);
     p.aliases = ANEW(&a, Shardplane__V1__Alias *, pl->n_aliases + 1);
-    Shardplane__V1__Alias *av = ANEW(&a, Shardplane__V1__Alias, pl->n_aliases + 1);
+    Shardplane__V1__Alias *av =
+        ANEW(&a, Shardplane__V1__Alias, pl->n_aliases + 1);
     if (p.aliases != NULL && av != NULL)
       for (size_t i = 0; i < pl->n_aliases; i++) {
         shardplane__v1__alias__init(&av[i]);
@@ -417,7 +425,8 @@ static void on_locate(sp_rpc_call *call, const ProtobufCMessage *msg,
   size_t n = loc.last_shard - loc.first_shard + 1;
   r.slices = ANEW(&a, Shardplane__V1__ParamSlice *, n);
   Shardplane__V1__ParamSlice *sv = ANEW(&a, Shardplane__V1__ParamSlice, n);
-  sp_shard_param *sp = ANEW(&a, sp_shard_param, pl->units[loc.unit].n_entries + 1);
+  sp_shard_param *sp =
+      ANEW(&a, sp_shard_param, pl->units[loc.unit].n_entries + 1);
   if (r.slices != NULL && sv != NULL && sp != NULL) {
     /* the slice of this param in each shard index that holds part of it */
     for (uint32_t s = loc.first_shard; s <= loc.last_shard; s++) {
@@ -594,8 +603,10 @@ static void on_get_model_spec(sp_rpc_call *call, const ProtobufCMessage *msg,
 }
 
 #define M(name, kind, req, fn)                                                 \
-  {SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, NULL,  \
-   NULL, NULL}
+  {                                                                            \
+    SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, NULL, \
+        NULL, NULL                                                             \
+  }
 
 static const sp_rpc_method k_methods[] = {
     M("GetJob", SP_RPC_UNARY, get_job_request, on_get_job),

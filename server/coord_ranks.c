@@ -93,13 +93,13 @@ void sp_coord_ranks_summary(const sp_coord *c, Shardplane__V1__RankSummary *s,
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     const sp_coord_rank *k = &c->ranks[r];
     switch (k->status) {
-    case SHARDPLANE__V1__RANK_STATUS__ATTACHED:
-      s->attached++;
-      if ((size_t)k->st.root < n_states) by_state[k->st.root]++;
-      break;
-    case SHARDPLANE__V1__RANK_STATUS__LOST: s->lost++; break;
-    case SHARDPLANE__V1__RANK_STATUS__DETACHED: s->detached++; break;
-    default: s->never_attached++; break;
+      case SHARDPLANE__V1__RANK_STATUS__ATTACHED:
+        s->attached++;
+        if ((size_t)k->st.root < n_states) by_state[k->st.root]++;
+        break;
+      case SHARDPLANE__V1__RANK_STATUS__LOST: s->lost++; break;
+      case SHARDPLANE__V1__RANK_STATUS__DETACHED: s->detached++; break;
+      default: s->never_attached++; break;
     }
   }
   s->n_by_root_state = n_states;
@@ -239,7 +239,8 @@ int sp_coord_ranks_restore(sp_coord *c, const sp_coord_db_rank *r) {
   uint64_t now = sp_coord_base_now_ms(c);
   k->last_heard_ms = now;
   if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
-    uint32_t grace = c->cfg.reattach_grace_ms ? c->cfg.reattach_grace_ms : 60000;
+    uint32_t grace =
+        c->cfg.reattach_grace_ms ? c->cfg.reattach_grace_ms : 60000;
     k->awaiting = true;
     k->reattach_by_ms = now + grace;
   }
@@ -358,12 +359,13 @@ static int apply_transition(sp_coord *c, uint32_t rank,
     return SP_RPC_INVALID_ARGUMENT;
   }
   if (!sp_state_valid(m, t->state)) {
-    snprintf(msg, cap, "%d is not a %s state", t->state, sp_state_machine_name(m));
+    snprintf(msg, cap, "%d is not a %s state", t->state,
+             sp_state_machine_name(m));
     return SP_RPC_INVALID_ARGUMENT;
   }
   sp_diag d;
-  int rc = sp_state_tracker_apply(&k->st, m, m == SP_MACHINE_HANDLE ? t->unit : 0,
-                                  t->state, &d);
+  int rc = sp_state_tracker_apply(
+      &k->st, m, m == SP_MACHINE_HANDLE ? t->unit : 0, t->state, &d);
   if (rc != 0) {
     snprintf(msg, cap, "rank %u: %s", rank, d.msg);
     sp_coord_alerts_raisef(c, rank, "%s", d.msg);
@@ -558,10 +560,9 @@ static void on_detach(sp_rpc_call *call, const ProtobufCMessage *msg,
   bool forced = p != NULL && p->role == SP_ROLE_ADMIN &&
                 (q->session_id == NULL || q->session_id[0] == '\0') &&
                 q->rank < c->plan->world_size;
-  int code = check_session(c, call, q->rank,
-                           forced ? c->ranks[q->rank].session_id
-                                  : q->session_id,
-                           err, sizeof err);
+  int code = check_session(
+      c, call, q->rank, forced ? c->ranks[q->rank].session_id : q->session_id,
+      err, sizeof err);
   if (code != SP_RPC_OK) {
     sp_rpc_call_finish(call, code, err);
     return;
@@ -618,8 +619,8 @@ static void on_report(sp_rpc_call *call, const ProtobufCMessage *msg,
 /* A worker back after a coordinator outage: its states as of the events
  * that follow replace the snapshot this coordinator restored (or kept),
  * and the events lost meanwhile are counted, not judged. */
-static int resync(sp_coord *c, uint32_t rank, const Shardplane__V1__SessionUp *q,
-                  char *msg, size_t cap) {
+static int resync(sp_coord *c, uint32_t rank,
+                  const Shardplane__V1__SessionUp *q, char *msg, size_t cap) {
   sp_coord_rank *k = &c->ranks[rank];
   if (q->n_unit_states != k->st.n_units) {
     snprintf(msg, cap, "resync with %zu unit states; the plan has %zu units",
@@ -723,7 +724,8 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
   d.rejections = rp;
   for (size_t i = 0; i < q->n_transitions; i++) {
     char err[SP_DIAG_MAX + 64];
-    int code = apply_transition(c, ctx->rank, q->transitions[i], err, sizeof err);
+    int code =
+        apply_transition(c, ctx->rank, q->transitions[i], err, sizeof err);
     if (code != SP_RPC_OK && d.n_rejections < 8) {
       size_t j = d.n_rejections++;
       shardplane__v1__rejection__init(&rej[j]);
@@ -734,7 +736,8 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     }
   }
   if (q->n_collectives > 0) {
-    const Shardplane__V1__Collective *col = q->collectives[q->n_collectives - 1];
+    const Shardplane__V1__Collective *col =
+        q->collectives[q->n_collectives - 1];
     k->last_coll.seq = col->seq;
     k->last_coll.count = col->count;
     k->last_coll.unit = col->unit;
@@ -778,17 +781,18 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord *c = coord_of(call);
   const Shardplane__V1__ListRanksRequest *q =
       (const Shardplane__V1__ListRanksRequest *)msg;
-  uint32_t first = q->first_rank < c->plan->world_size ? q->first_rank
-                                                        : c->plan->world_size;
+  uint32_t first =
+      q->first_rank < c->plan->world_size ? q->first_rank : c->plan->world_size;
   uint32_t w = c->plan->world_size - first;
   if (q->max_ranks != 0 && q->max_ranks < w) w = q->max_ranks;
   size_t nu = c->plan->n_units;
-  Shardplane__V1__ListRanksResponse r = SHARDPLANE__V1__LIST_RANKS_RESPONSE__INIT;
+  Shardplane__V1__ListRanksResponse r =
+      SHARDPLANE__V1__LIST_RANKS_RESPONSE__INIT;
   Shardplane__V1__RankInfo *infos = calloc((size_t)w + 1, sizeof *infos);
   Shardplane__V1__RankInfo **ptrs = calloc((size_t)w + 1, sizeof *ptrs);
   Shardplane__V1__Collective *cols = calloc((size_t)w + 1, sizeof *cols);
-  int32_t *states = q->with_unit_states ? calloc((size_t)w * nu + 1, sizeof *states)
-                                        : NULL;
+  int32_t *states =
+      q->with_unit_states ? calloc((size_t)w * nu + 1, sizeof *states) : NULL;
   if (infos == NULL || ptrs == NULL || cols == NULL ||
       (q->with_unit_states && states == NULL)) {
     sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
@@ -907,8 +911,10 @@ static void on_abort(sp_rpc_call *call, const ProtobufCMessage *msg,
 }
 
 #define M(name, kind, req, fn, half, cancel)                                   \
-  {SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, half,  \
-   cancel, NULL}
+  {                                                                            \
+    SP_COORD_PATH(name), kind, &shardplane__v1__##req##__descriptor, fn, half, \
+        cancel, NULL                                                           \
+  }
 
 static const sp_rpc_method k_methods[] = {
     M("Attach", SP_RPC_UNARY, attach_request, on_attach, NULL, NULL),
@@ -917,8 +923,7 @@ static const sp_rpc_method k_methods[] = {
       on_session_half_close, on_session_cancel),
     M("ReportTransition", SP_RPC_UNARY, report_transition_request, on_report,
       NULL, NULL),
-    M("ListRanks", SP_RPC_UNARY, list_ranks_request, on_list_ranks, NULL,
-      NULL),
+    M("ListRanks", SP_RPC_UNARY, list_ranks_request, on_list_ranks, NULL, NULL),
     M("Abort", SP_RPC_UNARY, abort_request, on_abort, NULL, NULL),
 };
 

@@ -93,29 +93,30 @@ static sp_coord *coord_of(sp_rpc_call *call) {
  * the store as a whole is full). */
 static void fail(sp_rpc_call *call, int rc, const char *key) {
   switch (rc) {
-  case SP_EINVAL:
-    sp_rpc_call_finish(call, SP_RPC_INVALID_ARGUMENT, "invalid store request");
-    break;
-  case SP_ETOOBIG:
-    sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED,
-                       "store full (keys, bytes or waiters at the limit)");
-    break;
-  case SP_ENOMEM:
-    sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
-    break;
-  case SP_EFORMAT:
-    sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
-                        "value of key '%.*s' is not a decimal integer",
-                        KEY_SHOWN, key);
-    break;
-  case SP_ERANGE:
-    sp_rpc_call_finishf(call, SP_RPC_OUT_OF_RANGE,
-                        "value of key '%.*s' would overflow int64", KEY_SHOWN,
-                        key);
-    break;
-  default:
-    sp_rpc_call_finishf(call, SP_RPC_INTERNAL, "store: %s", sp_strerror(rc));
-    break;
+    case SP_EINVAL:
+      sp_rpc_call_finish(call, SP_RPC_INVALID_ARGUMENT,
+                         "invalid store request");
+      break;
+    case SP_ETOOBIG:
+      sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED,
+                         "store full (keys, bytes or waiters at the limit)");
+      break;
+    case SP_ENOMEM:
+      sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
+      break;
+    case SP_EFORMAT:
+      sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
+                          "value of key '%.*s' is not a decimal integer",
+                          KEY_SHOWN, key);
+      break;
+    case SP_ERANGE:
+      sp_rpc_call_finishf(call, SP_RPC_OUT_OF_RANGE,
+                          "value of key '%.*s' would overflow int64", KEY_SHOWN,
+                          key);
+      break;
+    default:
+      sp_rpc_call_finishf(call, SP_RPC_INTERNAL, "store: %s", sp_strerror(rc));
+      break;
   }
 }
 
@@ -356,8 +357,8 @@ static void on_wait(sp_rpc_call *call, const ProtobufCMessage *msg,
   if (c->shutting_down) {
     /* No new waiter now: answer only if there is nothing to wait for. */
     for (size_t i = 0; i < n; i++)
-      if (sp_kvstore_get(c->store, q->keys[i], klens[i], NULL, NULL,
-                         NULL) != 0) {
+      if (sp_kvstore_get(c->store, q->keys[i], klens[i], NULL, NULL, NULL) !=
+          0) {
         free(klens);
         refuse_if_stopping(call);
         return;
@@ -511,7 +512,7 @@ static void on_delete(sp_rpc_call *call, const ProtobufCMessage *msg,
 
 /* ---- registration ----------------------------------------------------- */
 
-#define METHOD(name, desc, fn)                                                 \
+#define METHOD(name, desc, fn) \
   { SP_COORD_PATH(name), SP_RPC_UNARY, &desc, fn, NULL, on_cancel, NULL }
 
 static const sp_rpc_method k_methods[] = {

@@ -127,7 +127,7 @@ typedef struct sp_coord {
   /* store (coord_store.c) */
   sp_kvstore *store;
   struct sp_coord_store_wait *store_waits; /* calls waiting on keys */
-  sp_coord_persist *persist; /* NULL without a state dir */
+  sp_coord_persist *persist;               /* NULL without a state dir */
   /* the hosts' agents and the job's incarnations (coord_agents.c) */
   struct sp_coord_agents *agents;
   sp_coord_auth *auth; /* NULL without a token file */
@@ -140,7 +140,7 @@ typedef struct sp_coord {
   sp_rpc_method *methods[8];
   size_t n_method_tables;
   bool shutting_down;
-  int stopping;  /* shutdown steps still running */
+  int stopping; /* shutdown steps still running */
   void (*stop_done)(struct sp_coord *, void *);
   void *stop_arg;
 } sp_coord;

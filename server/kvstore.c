@@ -24,7 +24,7 @@
 #define DEFAULT_MAX_KEY ((size_t)8 << 10)
 #define DEFAULT_MAX_VALUE ((size_t)8 << 20)
 #define DEFAULT_MAX_KEYS ((size_t)1000000)
-#define DEFAULT_MAX_BYTES                                                      \
+#define DEFAULT_MAX_BYTES \
   ((size_t)(UINT64_C(4) << 30 > SIZE_MAX ? SIZE_MAX : UINT64_C(4) << 30))
 #define DEFAULT_MAX_WAITERS ((size_t)1000000)
 /* Per-entry sizes are kept far below SIZE_MAX so that len + 1 and
@@ -61,8 +61,8 @@ struct sp_kvstore_waiter {
   void *arg;
   sp_kvstore_waiter *prev, *next; /* s->waiters, while W_WAITING */
   sp_kvstore_waiter *fire_next;   /* the wake pass's list, once firing */
-  size_t n;                     /* links used */
-  size_t missing;               /* links still attached to a placeholder */
+  size_t n;                       /* links used */
+  size_t missing;                 /* links still attached to a placeholder */
   int state;
   wlink links[];
 };
@@ -87,22 +87,22 @@ struct sp_kvstore {
  * keys come from the network, and a fixed hash would let one client pile
  * every key into one chain. */
 #define ROTL(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
-#define SIPROUND                                                               \
-  do {                                                                         \
-    v0 += v1;                                                                  \
-    v1 = ROTL(v1, 13);                                                         \
-    v1 ^= v0;                                                                  \
-    v0 = ROTL(v0, 32);                                                         \
-    v2 += v3;                                                                  \
-    v3 = ROTL(v3, 16);                                                         \
-    v3 ^= v2;                                                                  \
-    v0 += v3;                                                                  \
-    v3 = ROTL(v3, 21);                                                         \
-    v3 ^= v0;                                                                  \
-    v2 += v1;                                                                  \
-    v1 = ROTL(v1, 17);                                                         \
-    v1 ^= v2;                                                                  \
-    v2 = ROTL(v2, 32);                                                         \
+#define SIPROUND       \
+  do {                 \
+    v0 += v1;          \
+    v1 = ROTL(v1, 13); \
+    v1 ^= v0;          \
+    v0 = ROTL(v0, 32); \
+    v2 += v3;          \
+    v3 = ROTL(v3, 16); \
+    v3 ^= v2;          \
+    v0 += v3;          \
+    v3 = ROTL(v3, 21); \
+    v3 ^= v0;          \
+    v2 += v1;          \
+    v1 = ROTL(v1, 17); \
+    v1 ^= v2;          \
+    v2 = ROTL(v2, 32); \
   } while (0)
 
 static uint64_t siphash13(uint64_t k0, uint64_t k1, const uint8_t *p,

@@ -42,9 +42,17 @@ static void start_coord_at(sp_proc *c, sp_tauth *auth, int world,
                            char *addr, size_t cap) {
   char ws[16];
   snprintf(ws, sizeof ws, "%d", world);
-  char *argv[16] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                    (char *)listen, "--model", MLP, "--world-size", ws,
-                    "--insecure", "--token-file", auth->token_file, "--quiet",
+  char *argv[16] = {SP_BIN_DIR "/shardplane-coordinator",
+                    "--listen",
+                    (char *)listen,
+                    "--model",
+                    MLP,
+                    "--world-size",
+                    ws,
+                    "--insecure",
+                    "--token-file",
+                    auth->token_file,
+                    "--quiet",
                     NULL};
   if (state_dir) {
     argv[11] = "--state-dir";
@@ -67,8 +75,7 @@ static void start_coord(sp_proc *c, sp_tauth *auth, int world, char *addr,
  * dir/agentNODE.out and .err. node < 0: no --node-rank. */
 static pid_t start_agent(const char *dir, const char *addr,
                          const sp_tauth *auth, int node,
-                         const char *const *extra,
-                         const char *const *trainer) {
+                         const char *const *extra, const char *const *trainer) {
   char *argv[64], ns[16], name[32];
   size_t k = 0;
   argv[k++] = SHARDPLANE;
@@ -216,11 +223,11 @@ static void store_set(const char *addr, const sp_tauth *auth, const char *key,
   q.value.len = strlen(value);
   ProtobufCMessage *resp = NULL;
   sp_rpc_status st;
-  assert_int_equal(sp_rpc_sync_unary(
-                       c, "/shardplane.v1.Coordinator/StoreSet", &q.base,
-                       &shardplane__v1__store_set_response__descriptor, 5000,
-                       &resp, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(c, "/shardplane.v1.Coordinator/StoreSet", &q.base,
+                        &shardplane__v1__store_set_response__descriptor, 5000,
+                        &resp, &st),
+      0);
   assert_int_equal(st.code, SP_RPC_OK);
   protobuf_c_message_free_unpacked(resp, NULL);
   sp_rpc_sync_close(c);
@@ -232,13 +239,13 @@ static bool store_has(const char *addr, const sp_tauth *auth, const char *key) {
   q.key = (char *)key;
   ProtobufCMessage *resp = NULL;
   sp_rpc_status st;
-  assert_int_equal(sp_rpc_sync_unary(
-                       c, "/shardplane.v1.Coordinator/StoreGet", &q.base,
-                       &shardplane__v1__store_get_response__descriptor, 5000,
-                       &resp, &st),
-                   0);
-  bool found = st.code == SP_RPC_OK &&
-               ((Shardplane__V1__StoreGetResponse *)resp)->found;
+  assert_int_equal(
+      sp_rpc_sync_unary(c, "/shardplane.v1.Coordinator/StoreGet", &q.base,
+                        &shardplane__v1__store_get_response__descriptor, 5000,
+                        &resp, &st),
+      0);
+  bool found =
+      st.code == SP_RPC_OK && ((Shardplane__V1__StoreGetResponse *)resp)->found;
   if (resp) protobuf_c_message_free_unpacked(resp, NULL);
   sp_rpc_sync_close(c);
   return found;
@@ -250,10 +257,10 @@ static bool store_has(const char *addr, const sp_tauth *auth, const char *key) {
 static sp_rpc_sync_stream *agent_open_reg(
     sp_rpc_sync *c, const Shardplane__V1__AgentRegister *reg) {
   sp_rpc_sync_stream *st = NULL;
-  assert_int_equal(sp_rpc_sync_stream_open(
-                       c, "/shardplane.v1.Coordinator/AgentSession", 0, NULL,
-                       0, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_open(c, "/shardplane.v1.Coordinator/AgentSession", 0,
+                              NULL, 0, &st),
+      0);
   Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
   up.register_ = (Shardplane__V1__AgentRegister *)reg;
   assert_int_equal(sp_rpc_sync_stream_send(st, &up.base), 0);
@@ -284,8 +291,8 @@ static sp_rpc_sync_stream *agent_open(sp_rpc_sync *c, uint32_t node,
 
 /* The next command, which must be `cmd` for incarnation `inc`; its reason
  * is copied to why (when given). */
-static void expect_cmd(sp_rpc_sync_stream *st, int cmd, uint64_t inc,
-                       char *why, size_t cap) {
+static void expect_cmd(sp_rpc_sync_stream *st, int cmd, uint64_t inc, char *why,
+                       size_t cap) {
   ProtobufCMessage *m = NULL;
   sp_rpc_status status;
   int rc = sp_rpc_sync_stream_recv(st, &shardplane__v1__agent_down__descriptor,
@@ -303,10 +310,10 @@ static void expect_end(sp_rpc_sync_stream *st, int code, char *why,
                        size_t cap) {
   ProtobufCMessage *m = NULL;
   sp_rpc_status status;
-  assert_int_equal(sp_rpc_sync_stream_recv(
-                       st, &shardplane__v1__agent_down__descriptor, 10000, &m,
-                       &status),
-                   SP_ENOENT);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(st, &shardplane__v1__agent_down__descriptor,
+                              10000, &m, &status),
+      SP_ENOENT);
   assert_int_equal(status.code, code);
   snprintf(why, cap, "%s", status.message);
 }
@@ -376,9 +383,22 @@ static void wait_agents(pid_t a[2], int st[2], int port, double timeout_s,
  * beside it). */
 static pid_t start_reference(const char *dir, const char *steps) {
   char *ck = sp_test_path(dir, "run");
-  char *argv[] = {SHARDPLANE, "run", "--nproc", "4", "--model", MLP,
-                  "--steps", (char *)steps, "--global-batch", "24", "--lr",
-                  "0.05", "--checkpoint-dir", ck, "--ranks-every", "0",
+  char *argv[] = {SHARDPLANE,
+                  "run",
+                  "--nproc",
+                  "4",
+                  "--model",
+                  MLP,
+                  "--steps",
+                  (char *)steps,
+                  "--global-batch",
+                  "24",
+                  "--lr",
+                  "0.05",
+                  "--checkpoint-dir",
+                  ck,
+                  "--ranks-every",
+                  "0",
                   NULL};
   char *out = sp_test_path(dir, "run.out"), *err = sp_test_path(dir, "run.err");
   pid_t pid = sp_test_spawn_logged(out, err, argv);
@@ -404,9 +424,10 @@ static void same_as_reference(const char *dir, const char *ck) {
 static void test_agents_train_as_run(void **state) {
   fx *f = *state;
   char *cka = sp_test_path(f->dir, "agents");
-  const char *trainer[] = {WORKER, "--insecure", "--steps", "6",
-                           "--global-batch", "24", "--lr", "0.05",
-                           "--log-every", "1", "--checkpoint-dir", cka, NULL};
+  const char *trainer[] = {
+      WORKER, "--insecure", "--steps",     "6", "--global-batch",   "24",
+      "--lr", "0.05",       "--log-every", "1", "--checkpoint-dir", cka,
+      NULL};
   pid_t a[2];
   for (int i = 0; i < 2; i++)
     a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
@@ -415,8 +436,10 @@ static void test_agents_train_as_run(void **state) {
   stop_coord(f);
   char *out0 = slurp(f->dir, "agent0.out"), *err0 = slurp(f->dir, "agent0.err"),
        *err1 = slurp(f->dir, "agent1.err");
-  printf("agent 0:\n%s%s\nagent 1:\n%s\nconnections to the coordinator: at "
-         "most %d\n", out0, err0, err1, max_conns);
+  printf(
+      "agent 0:\n%s%s\nagent 1:\n%s\nconnections to the coordinator: at "
+      "most %d\n",
+      out0, err0, err1, max_conns);
   assert_int_equal(st[0], 0);
   assert_int_equal(st[1], 0);
   /* rank 0's progress, with its prefix */
@@ -451,8 +474,10 @@ static void test_agents_train_as_run(void **state) {
     usleep(5000);
   }
   if (rst == -2) rst = sp_test_wait_exit(run, 0);
-  printf("shardplane run --nproc 4: exit %d, at most %d connection(s) to "
-         "its coordinator\n", rst, run_conns);
+  printf(
+      "shardplane run --nproc 4: exit %d, at most %d connection(s) to "
+      "its coordinator\n",
+      rst, run_conns);
   assert_int_equal(rst, 0);
   assert_int_equal(run_conns, 1);
   same_as_reference(f->dir, cka);
@@ -469,18 +494,32 @@ static void test_agents_two_namespaces(void **state) {
   sp_tnet net = {0};
   char why[256];
   if (sp_tnet_up(&net, why, sizeof why) != 0) {
-    printf("SKIPPED: two agents in network namespaces: %s (the loopback "
-           "variant runs)\n", why);
+    printf(
+        "SKIPPED: two agents in network namespaces: %s (the loopback "
+        "variant runs)\n",
+        why);
     skip();
   }
   char *cka = sp_test_path(f->dir, "agents");
   char listen[64], fmt[64], addr[64];
   snprintf(listen, sizeof listen, "%s:0", net.addr[0]);
   snprintf(fmt, sizeof fmt, "listening on %s:%%d", net.addr[0]);
-  char *cargv[] = {net.ip, "netns", "exec", net.ns[0],
-                   SP_BIN_DIR "/shardplane-coordinator", "--listen", listen,
-                   "--model", MLP, "--world-size", "4", "--insecure",
-                   "--token-file", f->auth.token_file, "--quiet", NULL};
+  char *cargv[] = {net.ip,
+                   "netns",
+                   "exec",
+                   net.ns[0],
+                   SP_BIN_DIR "/shardplane-coordinator",
+                   "--listen",
+                   listen,
+                   "--model",
+                   MLP,
+                   "--world-size",
+                   "4",
+                   "--insecure",
+                   "--token-file",
+                   f->auth.token_file,
+                   "--quiet",
+                   NULL};
   sp_diag d = {{0}};
   if (sp_proc_spawn(&f->coord, cargv, false, true, fmt, &d) != 0)
     fail_msg("coordinator: %s", d.msg);
@@ -489,12 +528,35 @@ static void test_agents_two_namespaces(void **state) {
   for (int i = 0; i < 2; i++) {
     char ns[16], out[32], err[32];
     snprintf(ns, sizeof ns, "%d", i);
-    char *argv[] = {net.ip, "netns", "exec", net.ns[i], SHARDPLANE, "agent",
-                    "--coordinator", addr, "--insecure", "--token-file",
-                    f->auth.file[SP_ROLE_WORKER], "--nproc-per-node", "2",
-                    "--node-rank", ns, "--", WORKER, "--insecure", "--steps",
-                    "6", "--global-batch", "24", "--lr", "0.05",
-                    "--log-every", "1", "--checkpoint-dir", cka, NULL};
+    char *argv[] = {net.ip,
+                    "netns",
+                    "exec",
+                    net.ns[i],
+                    SHARDPLANE,
+                    "agent",
+                    "--coordinator",
+                    addr,
+                    "--insecure",
+                    "--token-file",
+                    f->auth.file[SP_ROLE_WORKER],
+                    "--nproc-per-node",
+                    "2",
+                    "--node-rank",
+                    ns,
+                    "--",
+                    WORKER,
+                    "--insecure",
+                    "--steps",
+                    "6",
+                    "--global-batch",
+                    "24",
+                    "--lr",
+                    "0.05",
+                    "--log-every",
+                    "1",
+                    "--checkpoint-dir",
+                    cka,
+                    NULL};
     snprintf(out, sizeof out, "ns%d.out", i);
     snprintf(err, sizeof err, "ns%d.err", i);
     char *po = sp_test_path(f->dir, out), *pe = sp_test_path(f->dir, err);
@@ -510,8 +572,7 @@ static void test_agents_two_namespaces(void **state) {
   assert_int_equal(st0, 0);
   assert_int_equal(st1, 0);
   free(err1);
-  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "6"), 120),
-                   0);
+  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "6"), 120), 0);
   same_as_reference(f->dir, cka);
   free(cka);
 }
@@ -542,8 +603,9 @@ static void test_agent_env_and_exit_codes(void **state) {
   assert_non_null(strstr(out, "[rank3]: env 3 1 4 2 1 1 unix:/"));
   assert_non_null(strstr(out, "[rank3]: grace 2.500\n"));
   assert_non_null(strstr(err, "[rank3]: oops"));
-  assert_non_null(strstr(err, "rank 3 (local rank 1 on node 1) exited with "
-                              "status 3"));
+  assert_non_null(strstr(err,
+                         "rank 3 (local rank 1 on node 1) exited with "
+                         "status 3"));
   assert_null(strstr(err, "rank 2 (local rank 0"));
   free(out);
   free(err);
@@ -556,8 +618,8 @@ static void test_agent_env_and_exit_codes(void **state) {
   const char *noproxy[] = {"--no-proxy", NULL};
   const char *ok[] = {"/bin/sh", "-c", "echo \"at $SHARDPLANE_COORDINATOR\"",
                       NULL};
-  st = sp_test_wait_exit(
-      start_agent(f->dir, f->addr, &f->auth, 0, noproxy, ok), 60);
+  st = sp_test_wait_exit(start_agent(f->dir, f->addr, &f->auth, 0, noproxy, ok),
+                         60);
   out = slurp(f->dir, "agent0.out");
   char want[96];
   snprintf(want, sizeof want, "[rank1]: at %s\n", f->addr);
@@ -565,8 +627,8 @@ static void test_agent_env_and_exit_codes(void **state) {
   assert_int_equal(st, 0);
   assert_non_null(strstr(out, want));
   /* $SHARDPLANE_COORDINATOR_GRACE unset: the workers' default, 60 s */
-  st = sp_test_wait_exit(start_agent(f->dir, f->addr, &f->auth, 0, noproxy,
-                                     show), 60);
+  st = sp_test_wait_exit(
+      start_agent(f->dir, f->addr, &f->auth, 0, noproxy, show), 60);
   free(out);
   out = slurp(f->dir, "agent0.out");
   assert_int_equal(st, 1);
@@ -595,8 +657,9 @@ static pid_t child_with_rank(pid_t parent, int rank) {
  * coordinator and their agent exits 1 too. Nothing is left running. */
 static void test_agent_worker_killed(void **state) {
   fx *f = *state;
-  const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
-                           "--log-every", "1", "--checkpoint", "none", NULL};
+  const char *trainer[] = {WORKER,         "--insecure",  "--steps",
+                           "100000",       "--log-every", "1",
+                           "--checkpoint", "none",        NULL};
   pid_t a[2];
   for (int i = 0; i < 2; i++)
     a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
@@ -639,8 +702,9 @@ static void test_agent_worker_killed(void **state) {
   printf("agent 0:\n%s\nagent 1:\n%s\nended %.2f s after the kill\n", err0,
          err1, took);
   assert_int_equal(st[1], 1);
-  assert_non_null(strstr(err1, "rank 3 (local rank 1 on node 1) was killed "
-                               "by signal 9"));
+  assert_non_null(strstr(err1,
+                         "rank 3 (local rank 1 on node 1) was killed "
+                         "by signal 9"));
   assert_int_equal(st[0], 1);
   /* lost by its broken stream, not by a heartbeat timeout */
   assert_true(took < 15);
@@ -673,11 +737,23 @@ static void test_agent_restart(void **state) {
   char *ck = sp_test_path(f->dir, "ck");
   /* rank 0 a straggler (4x its step), for time to kill mid-run; the
    * numbers do not change */
-  const char *trainer[] = {WORKER, "--insecure", "--steps", "24",
-                           "--global-batch", "24", "--lr", "0.05",
-                           "--log-every", "1", "--checkpoint-dir", ck,
-                           "--checkpoint-every", "4", "--inject",
-                           "slow:rank=0,factor=4", NULL};
+  const char *trainer[] = {WORKER,
+                           "--insecure",
+                           "--steps",
+                           "24",
+                           "--global-batch",
+                           "24",
+                           "--lr",
+                           "0.05",
+                           "--log-every",
+                           "1",
+                           "--checkpoint-dir",
+                           ck,
+                           "--checkpoint-every",
+                           "4",
+                           "--inject",
+                           "slow:rank=0,factor=4",
+                           NULL};
   const char *restarts[] = {"--max-restarts", "1", "--load-on-restart", ck,
                             NULL};
   pid_t a[2];
@@ -700,10 +776,12 @@ static void test_agent_restart(void **state) {
   printf("agent 0:\n%s\nagent 1:\n%s\n", err0, err1);
   assert_int_equal(st[0], 0);
   assert_int_equal(st[1], 0);
-  assert_non_null(strstr(err1, "rank 3 (local rank 1 on node 1) was killed "
-                               "by signal 9"));
-  assert_non_null(strstr(err0, "incarnation 0 ended (rank 3 was killed by "
-                               "signal 9 (Killed))"));
+  assert_non_null(strstr(err1,
+                         "rank 3 (local rank 1 on node 1) was killed "
+                         "by signal 9"));
+  assert_non_null(strstr(err0,
+                         "incarnation 0 ended (rank 3 was killed by "
+                         "signal 9 (Killed))"));
   assert_non_null(strstr(err0, "incarnation 1 loads "));
   const char *resumed = strstr(out0, "resuming after step ");
   assert_non_null(resumed);
@@ -719,8 +797,7 @@ static void test_agent_restart(void **state) {
   /* incarnation 1 could not read incarnation 0's key */
   assert_false(leaked);
 
-  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "24"), 120),
-                   0);
+  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "24"), 120), 0);
   same_as_reference(f->dir, ck);
   free(out0);
   free(err0);
@@ -755,8 +832,9 @@ static void test_agent_waits_after_stop(void **state) {
   printf("agent 0:\n%s\nagent 1:\n%s\n", err0, err1);
   assert_int_equal(st[0], 0);
   assert_int_equal(st[1], 0);
-  assert_non_null(strstr(err0, "incarnation 0 ended (rank 3 exited with "
-                               "status 3)"));
+  assert_non_null(strstr(err0,
+                         "incarnation 0 ended (rank 3 exited with "
+                         "status 3)"));
   assert_non_null(strstr(err0, "incarnation 1: starting the workers again"));
   assert_non_null(strstr(err1, "incarnation 1: starting the workers again"));
   free(err0);
@@ -796,8 +874,9 @@ static void test_agent_restart_skips_old_checkpoint(void **state) {
   printf("agent 0:\n%s%s\n", out0, err0);
   assert_int_equal(st[0], 0);
   assert_int_equal(st[1], 0);
-  assert_non_null(strstr(err0, "incarnation 1 starts afresh from step 0: no "
-                               "checkpoint written in "));
+  assert_non_null(strstr(err0,
+                         "incarnation 1 starts afresh from step 0: no "
+                         "checkpoint written in "));
   assert_non_null(strstr(out0, "[rank0]: args []"));
   assert_null(strstr(out0, "--load"));
   free(out0);
@@ -822,11 +901,23 @@ static void test_agents_ride_out_coordinator_restart(void **state) {
                  sizeof f->addr);
   /* rank 0 a straggler, as in test_agent_restart: time for the outage and
    * the kill before the end */
-  const char *trainer[] = {WORKER, "--insecure", "--steps", "24",
-                           "--global-batch", "24", "--lr", "0.05",
-                           "--log-every", "1", "--checkpoint-dir", ck,
-                           "--checkpoint-every", "4", "--inject",
-                           "slow:rank=0,factor=4", NULL};
+  const char *trainer[] = {WORKER,
+                           "--insecure",
+                           "--steps",
+                           "24",
+                           "--global-batch",
+                           "24",
+                           "--lr",
+                           "0.05",
+                           "--log-every",
+                           "1",
+                           "--checkpoint-dir",
+                           ck,
+                           "--checkpoint-every",
+                           "4",
+                           "--inject",
+                           "slow:rank=0,factor=4",
+                           NULL};
   const char *restarts[] = {"--max-restarts", "1", "--load-on-restart", ck,
                             NULL};
   pid_t a[2];
@@ -854,9 +945,11 @@ static void test_agents_ride_out_coordinator_restart(void **state) {
   stop_coord(f);
   char *out0 = slurp(f->dir, "agent0.out"), *err0 = slurp(f->dir, "agent0.err"),
        *err1 = slurp(f->dir, "agent1.err");
-  printf("agent 0:\n%s\nagent 1:\n%s\nconnections to the coordinator after "
-         "its restart: at most %d; %.1f s from the coordinator's kill to the "
-         "job's end\n", err0, err1, max_conns, took);
+  printf(
+      "agent 0:\n%s\nagent 1:\n%s\nconnections to the coordinator after "
+      "its restart: at most %d; %.1f s from the coordinator's kill to the "
+      "job's end\n",
+      err0, err1, max_conns, took);
   assert_int_equal(st[0], 0);
   assert_int_equal(st[1], 0);
   for (int i = 0; i < 2; i++) {
@@ -866,16 +959,16 @@ static void test_agents_ride_out_coordinator_restart(void **state) {
     assert_non_null(strstr(e, "rode out 1 outage of the coordinator"));
   }
   /* the death after the outage restarted the job, as one before it */
-  assert_non_null(strstr(err0, "incarnation 0 ended (rank 3 was killed by "
-                               "signal 9 (Killed))"));
+  assert_non_null(strstr(err0,
+                         "incarnation 0 ended (rank 3 was killed by "
+                         "signal 9 (Killed))"));
   assert_non_null(strstr(out0, "[rank0]: step 24/24"));
   expect_restarted_after_rank3(li);
   protobuf_c_message_free_unpacked(&li->base, NULL);
   /* each agent came back on one connection: no second one beside it */
   assert_int_equal(max_conns, 2);
 
-  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "24"), 120),
-                   0);
+  assert_int_equal(sp_test_wait_exit(start_reference(f->dir, "24"), 120), 0);
   same_as_reference(f->dir, ck);
   free(out0);
   free(err0);
@@ -893,8 +986,9 @@ static void test_agent_gives_up_after_grace(void **state) {
   char *sd = sp_test_path(f->dir, "state");
   start_coord_at(&f->coord, &f->auth, 2, "127.0.0.1:0", sd, f->addr,
                  sizeof f->addr);
-  const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
-                           "--log-every", "1", "--checkpoint", "none", NULL};
+  const char *trainer[] = {WORKER,         "--insecure",  "--steps",
+                           "100000",       "--log-every", "1",
+                           "--checkpoint", "none",        NULL};
   const char *grace[] = {"--coordinator-grace", "1", NULL};
   pid_t a = start_agent(f->dir, f->addr, &f->auth, 0, grace, trainer);
   wait_for(f->dir, "agent0.out", "[rank0]: step 3/", 60);
@@ -903,11 +997,12 @@ static void test_agent_gives_up_after_grace(void **state) {
   int st = sp_test_wait_exit(a, 30);
   double took = sp_clock_s() - t0;
   char *err = slurp(f->dir, "agent0.err");
-  printf("%s\nexit %d, %.2f s after the coordinator's kill (grace 1 s)\n",
-         err, st, took);
+  printf("%s\nexit %d, %.2f s after the coordinator's kill (grace 1 s)\n", err,
+         st, took);
   assert_int_equal(st, 4);
   char want[256];
-  snprintf(want, sizeof want, "the coordinator at %s was unreachable for "
+  snprintf(want, sizeof want,
+           "the coordinator at %s was unreachable for "
            "longer than the grace period of 1 s (--coordinator-grace)",
            f->addr);
   assert_non_null(strstr(err, want));
@@ -943,10 +1038,10 @@ static void test_incarnations_protocol(void **state) {
   sp_rpc_sync_stream *bad = agent_open(c2, 1, 2, 5);
   ProtobufCMessage *m = NULL;
   sp_rpc_status status;
-  assert_int_equal(sp_rpc_sync_stream_recv(
-                       bad, &shardplane__v1__agent_down__descriptor, 10000, &m,
-                       &status),
-                   SP_ENOENT);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(bad, &shardplane__v1__agent_down__descriptor,
+                              10000, &m, &status),
+      SP_ENOENT);
   printf("a third agent: %s\n", status.message);
   assert_int_equal(status.code, SP_RPC_FAILED_PRECONDITION);
   assert_non_null(strstr(status.message, "--max-restarts 5"));
@@ -955,8 +1050,7 @@ static void test_incarnations_protocol(void **state) {
   store_set(addr, &f->auth, "comm/incarnation-0", "x");
   /* rank 3 of node 1 killed: both agents are told to stop */
   agent_send(g1, 0, 3, 0, SIGKILL);
-  expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, why,
-             sizeof why);
+  expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, why, sizeof why);
   expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, 0, NULL, 0);
   printf("stop: %s\n", why);
   assert_string_equal(why, "rank 3 was killed by signal 9 (Killed)");
@@ -982,14 +1076,15 @@ static void test_incarnations_protocol(void **state) {
   expect_cmd(g0, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, 1, why, sizeof why);
   expect_cmd(g1, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, 1, NULL, 0);
   printf("end: %s\n", why);
-  assert_string_equal(why, "rank 0 exited with status 1; no restarts left "
-                           "(--max-restarts 1)");
+  assert_string_equal(why,
+                      "rank 0 exited with status 1; no restarts left "
+                      "(--max-restarts 1)");
   /* a rank that is not the agent's node's: refused */
   agent_send(g1, 1, 0, 1, 0);
-  assert_int_equal(sp_rpc_sync_stream_recv(
-                       g1, &shardplane__v1__agent_down__descriptor, 10000, &m,
-                       &status),
-                   SP_ENOENT);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(g1, &shardplane__v1__agent_down__descriptor,
+                              10000, &m, &status),
+      SP_ENOENT);
   assert_int_equal(status.code, SP_RPC_INVALID_ARGUMENT);
   printf("node 1 reporting rank 0: %s\n", status.message);
   sp_rpc_sync_stream_close(g0);
@@ -1064,14 +1159,15 @@ static void test_incarnations_rejoin(void **state) {
   g0 = agent_open_as(c[0], 0, 2, 1, 0, true, 0);
   ProtobufCMessage *m = NULL;
   sp_rpc_status status;
-  assert_int_equal(sp_rpc_sync_stream_recv(
-                       g0, &shardplane__v1__agent_down__descriptor, 10000, &m,
-                       &status),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(g0, &shardplane__v1__agent_down__descriptor,
+                              10000, &m, &status),
+      0);
   Shardplane__V1__AgentDown *d = (Shardplane__V1__AgentDown *)m;
-  printf("node 0 after the restart: command %d, incarnation %llu (%s), "
-         "durable %d\n", d->command, (unsigned long long)d->incarnation,
-         d->reason, d->durable);
+  printf(
+      "node 0 after the restart: command %d, incarnation %llu (%s), "
+      "durable %d\n",
+      d->command, (unsigned long long)d->incarnation, d->reason, d->durable);
   assert_int_equal(d->command, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP);
   assert_int_equal(d->incarnation, 0);
   assert_true(d->durable);
@@ -1115,8 +1211,9 @@ static void expect_completed(const char *addr, const sp_tauth *auth) {
   assert_true(x->ended);
   assert_true(x->completed);
   assert_false(x->has_rank);
-  assert_non_null(strstr(x->reason, "completed: all 2 ranks finished at "
-                                    "step 3"));
+  assert_non_null(strstr(x->reason,
+                         "completed: all 2 ranks finished at "
+                         "step 3"));
   protobuf_c_message_free_unpacked(&li->base, NULL);
   /* and the verdict agrees */
   Shardplane__V1__GetVerdictRequest q =
@@ -1133,8 +1230,8 @@ static void test_agent_on_completed_job(void **state) {
   char *sd = sp_test_path(f->dir, "state");
   start_coord_at(&f->coord, &f->auth, 2, "127.0.0.1:0", sd, f->addr,
                  sizeof f->addr);
-  const char *trainer[] = {WORKER, "--insecure", "--steps", "3",
-                           "--checkpoint", "none", NULL};
+  const char *trainer[] = {WORKER,         "--insecure", "--steps", "3",
+                           "--checkpoint", "none",       NULL};
   pid_t a = start_agent(f->dir, f->addr, &f->auth, 0, NULL, trainer);
   assert_int_equal(sp_test_wait_exit(a, 60), 0);
   expect_completed(f->addr, &f->auth);
@@ -1152,8 +1249,9 @@ static void test_agent_on_completed_job(void **state) {
   printf("late agent: exit %d after %.2f s:\n%s", st, took, err);
   assert_int_equal(st, 0);
   assert_true(took < 10);
-  assert_non_null(strstr(err, "the job already completed: all 2 ranks "
-                              "finished at step 3; nothing to start"));
+  assert_non_null(strstr(err,
+                         "the job already completed: all 2 ranks "
+                         "finished at step 3; nothing to start"));
   assert_null(strstr(err, "[rank"));
   assert_null(strstr(out, "[rank"));
   assert_null(strstr(err, "incarnation 1"));
@@ -1168,18 +1266,28 @@ static void test_agent_on_completed_job(void **state) {
  * lines: the operator of host 0 learns that rank 3, on host 1, stalls. */
 static void test_agents_print_alerts(void **state) {
   fx *f = *state;
-  char *argv[] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                  "127.0.0.1:0", "--model", MLP, "--world-size", "4",
-                  "--insecure", "--token-file", f->auth.token_file, "--quiet",
-                  "--stall-timeout-ms", "2000", NULL};
+  char *argv[] = {SP_BIN_DIR "/shardplane-coordinator",
+                  "--listen",
+                  "127.0.0.1:0",
+                  "--model",
+                  MLP,
+                  "--world-size",
+                  "4",
+                  "--insecure",
+                  "--token-file",
+                  f->auth.token_file,
+                  "--quiet",
+                  "--stall-timeout-ms",
+                  "2000",
+                  NULL};
   sp_diag d = {{0}};
   if (sp_proc_spawn(&f->coord, argv, false, true, "listening on 127.0.0.1:%d",
                     &d))
     fail_msg("coordinator: %s", d.msg);
   snprintf(f->addr, sizeof f->addr, "127.0.0.1:%d", f->coord.port);
-  const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
-                           "--checkpoint", "none", "--inject",
-                           "stall:rank=3,step=3", NULL};
+  const char *trainer[] = {WORKER,     "--insecure",          "--steps",
+                           "100000",   "--checkpoint",        "none",
+                           "--inject", "stall:rank=3,step=3", NULL};
   const char *grace[] = {"--stop-grace", "1", NULL};
   pid_t a[2];
   for (int i = 0; i < 2; i++)
@@ -1204,8 +1312,8 @@ static void test_agents_print_alerts(void **state) {
  * them, names them and exits 143. */
 static void test_agent_stop_in_rendezvous(void **state) {
   fx *f = *state;
-  const char *trainer[] = {WORKER, "--insecure", "--steps", "100000",
-                           "--checkpoint", "none", NULL};
+  const char *trainer[] = {WORKER,         "--insecure", "--steps", "100000",
+                           "--checkpoint", "none",       NULL};
   pid_t a = start_agent(f->dir, f->addr, &f->auth, 0, NULL, trainer);
   pid_t w[2] = {0};
   for (double end = sp_clock_s() + 30; (w[0] <= 0 || w[1] <= 0);) {
@@ -1223,8 +1331,9 @@ static void test_agent_stop_in_rendezvous(void **state) {
   printf("%s\nexit %d, %.2f s after SIGTERM\n", err, st, took);
   assert_int_equal(st, 128 + SIGTERM);
   assert_true(took < 10 + 3);
-  assert_non_null(strstr(err, "ranks 0, 1 have not reached a step boundary "
-                              "within the 10 s of --stop-grace"));
+  assert_non_null(strstr(err,
+                         "ranks 0, 1 have not reached a step boundary "
+                         "within the 10 s of --stop-grace"));
   for (int r = 0; r < 2; r++) assert_false(kill(w[r], 0) == 0);
   free(err);
 }
@@ -1238,24 +1347,35 @@ static void test_agent_bad_usage(void **state) {
     int code;
     const char *says;
   } cases[] = {
-      {{"--coordinator", f->addr, "--insecure", "--", "/bin/true", NULL}, 2,
+      {{"--coordinator", f->addr, "--insecure", "--", "/bin/true", NULL},
+       2,
        "--nproc-per-node is required"},
       {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2", NULL},
-       2, "no trainer"},
+       2,
+       "no trainer"},
       {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "0", "--",
-        "/bin/true", NULL}, 2, "--nproc-per-node"},
+        "/bin/true", NULL},
+       2,
+       "--nproc-per-node"},
       {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "3", "--",
-        "/bin/true", NULL}, 2, "world size 4 is not a multiple"},
+        "/bin/true", NULL},
+       2,
+       "world size 4 is not a multiple"},
       {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2",
-        "--nnodes", "3", "--", "/bin/true", NULL}, 2,
+        "--nnodes", "3", "--", "/bin/true", NULL},
+       2,
        "--nnodes 3 x --nproc-per-node 2 is 6 ranks; the job has 4"},
       {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2", "--",
-        "/bin/true", NULL}, 2, "--node-rank is required with 2 hosts"},
+        "/bin/true", NULL},
+       2,
+       "--node-rank is required with 2 hosts"},
       {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2",
-        "--node-rank", "2", "--", "/bin/true", NULL}, 2,
+        "--node-rank", "2", "--", "/bin/true", NULL},
+       2,
        "--node-rank 2: the job has 2 hosts (0 to 1)"},
       {{"--coordinator", f->addr, "--insecure", "--nproc-per-node", "2",
-        "--coordinator-grace", "0", "--", "/bin/true", NULL}, 2,
+        "--coordinator-grace", "0", "--", "/bin/true", NULL},
+       2,
        "--coordinator-grace \"0\""},
       {{"--help", NULL}, 0, NULL},
   };
@@ -1271,8 +1391,10 @@ static void test_agent_bad_usage(void **state) {
     char *e = sp_test_read_file(err), *o = sp_test_read_file(out);
     printf("case %zu: exit %d: %s", i, st, e);
     assert_int_equal(st, cases[i].code);
-    if (cases[i].says) assert_non_null(strstr(e, cases[i].says));
-    else assert_non_null(strstr(o, "usage: shardplane agent"));
+    if (cases[i].says)
+      assert_non_null(strstr(e, cases[i].says));
+    else
+      assert_non_null(strstr(o, "usage: shardplane agent"));
     free(e);
     free(o);
   }

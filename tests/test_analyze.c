@@ -33,12 +33,11 @@ static json_t *dump_new(int world) {
   for (int r = 0; r < world; r++)
     json_array_append_new(
         ranks,
-        json_pack("{s:i,s:s,s:s,s:i,s:i,s:s,s:i,s:{s:i,s:i,s:I,s:[]}}",
-                  "rank", r, "status", "ATTACHED", "host", "h0", "pid",
-                  1000 + r, "step", 3, "root_state", "FORWARD_BACKWARD",
-                  "last_heard_ms_ago", 10, "flight", "recorded", 0,
-                  "capacity", 1024, "time_us", (json_int_t)(T0 + 9000000),
-                  "events"));
+        json_pack("{s:i,s:s,s:s,s:i,s:i,s:s,s:i,s:{s:i,s:i,s:I,s:[]}}", "rank",
+                  r, "status", "ATTACHED", "host", "h0", "pid", 1000 + r,
+                  "step", 3, "root_state", "FORWARD_BACKWARD",
+                  "last_heard_ms_ago", 10, "flight", "recorded", 0, "capacity",
+                  1024, "time_us", (json_int_t)(T0 + 9000000), "events"));
   return json_pack("{s:s,s:I,s:s,s:{s:s,s:s,s:i,s:s,s:s,s:s},s:[],s:o}",
                    "format", "shardplane.dump/v1", "taken_unix_ms",
                    (json_int_t)(T0 / 1000 + 10000), "reason", "stall", "job",
@@ -56,12 +55,13 @@ static json_t *events_of(json_t *d, int rank) {
 static void coll(json_t *d, int rank, const char *comm, int index, int seq,
                  const char *op, int unit, int count, bool completed,
                  int t_ms) {
-  json_t *e = json_pack(
-      "{s:I,s:s,s:s,s:i,s:i,s:s,s:i,s:s,s:i,s:b,s:i}", "t_us",
-      (json_int_t)(T0 + (uint64_t)t_ms * 1000), "type", "collective", "comm",
-      comm, "comm_index", index, "seq", seq, "op", op, "unit", unit, "dtype",
-      "bfloat16", "count", count, "completed", completed, "step", 3);
-  json_object_set_new(e, "fqn", json_string(unit == 0 ? "" : "transformer.h.6"));
+  json_t *e = json_pack("{s:I,s:s,s:s,s:i,s:i,s:s,s:i,s:s,s:i,s:b,s:i}", "t_us",
+                        (json_int_t)(T0 + (uint64_t)t_ms * 1000), "type",
+                        "collective", "comm", comm, "comm_index", index, "seq",
+                        seq, "op", op, "unit", unit, "dtype", "bfloat16",
+                        "count", count, "completed", completed, "step", 3);
+  json_object_set_new(e, "fqn",
+                      json_string(unit == 0 ? "" : "transformer.h.6"));
   json_array_append_new(events_of(d, rank), e);
 }
 
@@ -130,8 +130,8 @@ static void test_desync(void **state) {
   for (int r = 0; r < 4; r++) {
     done_coll(d, r, 1, "ALL_GATHER", 1, 10);
     /* rank 2 runs a reduce-scatter where the others all-gather */
-    coll(d, r, "world", 0, 2, r == 2 ? "REDUCE_SCATTER" : "ALL_GATHER", 7,
-         1024, false, 20);
+    coll(d, r, "world", 0, 2, r == 2 ? "REDUCE_SCATTER" : "ALL_GATHER", 7, 1024,
+         false, 20);
   }
   sp_analysis a;
   sp_diag diag = {{0}};
@@ -143,8 +143,9 @@ static void test_desync(void **state) {
   assert_int_equal(f->seq, 2);
   assert_int_equal(f->n_culprits, 1);
   assert_int_equal(f->culprits[0], 2);
-  assert_non_null(strstr(f->text, "ranks 0-1,3: all-gather #2 world unit 7 "
-                                  "(transformer.h.6) bfloat16 x 1024"));
+  assert_non_null(strstr(f->text,
+                         "ranks 0-1,3: all-gather #2 world unit 7 "
+                         "(transformer.h.6) bfloat16 x 1024"));
   assert_non_null(strstr(f->text, "rank 2: reduce-scatter #2"));
   char *t = printed(&a);
   assert_non_null(strstr(t, "world #2 (DESYNC)"));
@@ -153,9 +154,9 @@ static void test_desync(void **state) {
   assert_true(json_is_true(json_object_get(j, "diverged")));
   json_t *jf = json_array_get(json_object_get(j, "findings"), 0);
   assert_string_equal(json_string_value(json_object_get(jf, "kind")), "DESYNC");
-  assert_int_equal(json_integer_value(
-                       json_array_get(json_object_get(jf, "culprits"), 0)),
-                   2);
+  assert_int_equal(
+      json_integer_value(json_array_get(json_object_get(jf, "culprits"), 0)),
+      2);
   json_decref(j);
   sp_analysis_free(&a);
   json_decref(d);
@@ -182,8 +183,9 @@ static void test_rank_missing_a_collective(void **state) {
   assert_int_equal(f->seq, 3);
   assert_int_equal(f->n_culprits, 1);
   assert_int_equal(f->culprits[0], 2);
-  assert_non_null(strstr(f->text, "ranks 0-1,3 issued all-gather #3 world "
-                                  "unit 7 (transformer.h.6)"));
+  assert_non_null(strstr(f->text,
+                         "ranks 0-1,3 issued all-gather #3 world "
+                         "unit 7 (transformer.h.6)"));
   assert_non_null(strstr(f->text, "rank 2 did not"));
   /* where the culprit's communicator stopped for it */
   assert_non_null(strstr(f->text, "rank 2's last on world: all-gather #2"));
@@ -350,8 +352,9 @@ static void test_malformed(void **state) {
   sp_diag diag = {{0}};
   /* truncated */
   const char *cut = "{\"format\":\"shardplane.dump/v1\",\"ranks\":[{\"ra";
-  assert_int_equal(sp_analyze(cut, strlen(cut), "dump.json", NULL, 0, &a, &diag),
-                   SP_EFORMAT);
+  assert_int_equal(
+      sp_analyze(cut, strlen(cut), "dump.json", NULL, 0, &a, &diag),
+      SP_EFORMAT);
   assert_non_null(strstr(diag.msg, "dump.json:1:"));
   json_t *d = dump_new(2);
   json_object_set_new(d, "format", json_string("shardplane.dump/v9"));

@@ -46,8 +46,8 @@ static char *owner_of(const char *path) {
 static char *requirement_path(const char *what, bool module) {
   char cmd[256];
   if (module)
-    snprintf(cmd, sizeof cmd, "pkg-config --variable=pcfiledir '%s' 2>/dev/null",
-             what);
+    snprintf(cmd, sizeof cmd,
+             "pkg-config --variable=pcfiledir '%s' 2>/dev/null", what);
   else
     snprintf(cmd, sizeof cmd, "command -v '%s' 2>/dev/null", what);
   char *out;
@@ -83,9 +83,10 @@ static void test_deps_cover_bench(void **state) {
   int st = sp_test_shell("SHARDPLANE_DEPS_BENCH=1 '" DEPS "' --list", &list);
   assert_int_equal(st, 0);
   if (!listed(list, "libgrpc++-dev"))
-    fail_msg("scripts/deps.sh --list with SHARDPLANE_DEPS_BENCH=1 does not "
-             "list libgrpc++-dev; it printed:\n%s",
-             list);
+    fail_msg(
+        "scripts/deps.sh --list with SHARDPLANE_DEPS_BENCH=1 does not "
+        "list libgrpc++-dev; it printed:\n%s",
+        list);
   static const struct {
     const char *what;
     bool module;
@@ -105,9 +106,10 @@ static void test_deps_cover_bench(void **state) {
              reqs[i].module ? "pkg-config module" : "program", reqs[i].what,
              path, pkg);
       if (!listed(list, pkg))
-        fail_msg("bench/CMakeLists.txt needs %s (%s, in package %s), which "
-                 "scripts/deps.sh does not install for ./dev bench",
-                 reqs[i].what, path, pkg);
+        fail_msg(
+            "bench/CMakeLists.txt needs %s (%s, in package %s), which "
+            "scripts/deps.sh does not install for ./dev bench",
+            reqs[i].what, path, pkg);
       checked++;
     }
     free(pkg);
@@ -147,8 +149,7 @@ static void test_rpc_bench_peer(void **state) {
     printf("  without gRPC C++: %s", out);
     if (st == 0 || strstr(out, "install") == NULL ||
         strstr(out, "skipped") != NULL)
-      fail_msg("bench/rpc without its gRPC C++ server exited %d:\n%s", st,
-               out);
+      fail_msg("bench/rpc without its gRPC C++ server exited %d:\n%s", st, out);
   }
   free(out);
   st = sp_test_shell("'" BENCH_RPC "' --no-grpcpp --seconds 0.01 --runs 1 2>&1",

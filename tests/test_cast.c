@@ -60,28 +60,27 @@ static double bits_f64(uint64_t u) {
 static uint64_t ref_one(uint64_t x, sp_dtype st, sp_dtype dt) {
   if (st == dt) return x;
   switch (st) {
-  case SP_FLOAT32:
-    if (dt == SP_FLOAT64) return sp_f32_to_f64_bits((uint32_t)x);
-    if (dt == SP_FLOAT16) return sp_f32_to_f16_bits((uint32_t)x);
-    if (dt == SP_BFLOAT16) return sp_f32_to_bf16_bits((uint32_t)x);
-    break;
-  case SP_FLOAT64:
-    if (dt == SP_FLOAT32) return sp_f64_to_f32_bits(x);
-    if (dt == SP_FLOAT16) return sp_f64_to_f16_bits(x);
-    if (dt == SP_BFLOAT16) return sp_f64_to_bf16_bits(x);
-    break;
-  case SP_FLOAT16:
-    if (dt == SP_FLOAT32) return sp_f16_to_f32_bits((uint16_t)x);
-    if (dt == SP_FLOAT64) return sp_f16_to_f64_bits((uint16_t)x);
-    if (dt == SP_BFLOAT16) return sp_f16_to_bf16_bits((uint16_t)x);
-    break;
-  case SP_BFLOAT16:
-    if (dt == SP_FLOAT32) return sp_bf16_to_f32_bits((uint16_t)x);
-    if (dt == SP_FLOAT64) return sp_bf16_to_f64_bits((uint16_t)x);
-    if (dt == SP_FLOAT16) return sp_bf16_to_f16_bits((uint16_t)x);
-    break;
-  default:
-    break;
+    case SP_FLOAT32:
+      if (dt == SP_FLOAT64) return sp_f32_to_f64_bits((uint32_t)x);
+      if (dt == SP_FLOAT16) return sp_f32_to_f16_bits((uint32_t)x);
+      if (dt == SP_BFLOAT16) return sp_f32_to_bf16_bits((uint32_t)x);
+      break;
+    case SP_FLOAT64:
+      if (dt == SP_FLOAT32) return sp_f64_to_f32_bits(x);
+      if (dt == SP_FLOAT16) return sp_f64_to_f16_bits(x);
+      if (dt == SP_BFLOAT16) return sp_f64_to_bf16_bits(x);
+      break;
+    case SP_FLOAT16:
+      if (dt == SP_FLOAT32) return sp_f16_to_f32_bits((uint16_t)x);
+      if (dt == SP_FLOAT64) return sp_f16_to_f64_bits((uint16_t)x);
+      if (dt == SP_BFLOAT16) return sp_f16_to_bf16_bits((uint16_t)x);
+      break;
+    case SP_BFLOAT16:
+      if (dt == SP_FLOAT32) return sp_bf16_to_f32_bits((uint16_t)x);
+      if (dt == SP_FLOAT64) return sp_bf16_to_f64_bits((uint16_t)x);
+      if (dt == SP_FLOAT16) return sp_bf16_to_f16_bits((uint16_t)x);
+      break;
+    default: break;
   }
   fail_msg("no reference for %s -> %s", sp_dtype_name(st), sp_dtype_name(dt));
   return 0;
@@ -113,22 +112,17 @@ static uint32_t gen_f32(sp_test_rng *r) {
   uint32_t u = (uint32_t)(k >> 32);
   uint32_t sign = u & 0x80000000u;
   switch (k & 7) {
-  case 0:
-    return u;
-  case 1:
-    return sign | (u & 0x007FFFFFu); /* zero / subnormal */
-  case 2:
-    return (u & 0xFFFF0000u) | 0x8000u; /* bfloat16 tie */
-  case 3:
-    return (u & 0xFFFFE000u) | 0x1000u; /* float16 tie */
-  case 4: /* float16 subnormal..overflow range: exponents 100..145 */
-    return sign | ((100u + (uint32_t)(k >> 8) % 46u) << 23) | (u & 0x007FFFFFu);
-  case 5:
-    return sign | 0x7F800000u | (u & 0x007FFFFFu); /* NaN / inf */
-  case 6: /* near the top of the range */
-    return sign | 0x7F000000u | (u & 0x00FFFFFFu);
-  default:
-    return u & 0x807FFFFFu ? u : u | 1u;
+    case 0: return u;
+    case 1: return sign | (u & 0x007FFFFFu);    /* zero / subnormal */
+    case 2: return (u & 0xFFFF0000u) | 0x8000u; /* bfloat16 tie */
+    case 3: return (u & 0xFFFFE000u) | 0x1000u; /* float16 tie */
+    case 4: /* float16 subnormal..overflow range: exponents 100..145 */
+      return sign | ((100u + (uint32_t)(k >> 8) % 46u) << 23) |
+             (u & 0x007FFFFFu);
+    case 5: return sign | 0x7F800000u | (u & 0x007FFFFFu); /* NaN / inf */
+    case 6: /* near the top of the range */
+      return sign | 0x7F000000u | (u & 0x00FFFFFFu);
+    default: return u & 0x807FFFFFu ? u : u | 1u;
   }
 }
 
@@ -141,27 +135,24 @@ static uint64_t gen_f64(sp_test_rng *r) {
   uint64_t man = u & 0x000FFFFFFFFFFFFFull;
   static const unsigned tie_bits[] = {28, 44, 41}; /* f32, bf16, f16 */
   switch (k & 7) {
-  case 0:
-    return u;
-  case 1: { /* exact tie, or one ulp either side, for one of the formats */
-    unsigned b = tie_bits[(k >> 8) % 3];
-    uint64_t base = (u & ~((1ull << (b + 1)) - 1)) | (1ull << b);
-    int delta = (int)((k >> 16) % 3) - 1;
-    return base + (uint64_t)(int64_t)delta;
-  }
-  case 2: /* float32 range edges: exponents 860..900 and 1140..1160 */
-    if (k & 0x100) return sign | ((uint64_t)(860 + (k >> 9) % 41) << 52) | man;
-    return sign | ((uint64_t)(1140 + (k >> 9) % 21) << 52) | man;
-  case 3: /* bfloat16 subnormal range: exponents 880..900 */
-    return sign | ((uint64_t)(880 + (k >> 9) % 21) << 52) | man;
-  case 4: /* float16 range: exponents 990..1040 */
-    return sign | ((uint64_t)(990 + (k >> 9) % 51) << 52) | man;
-  case 5:
-    return sign | 0x7FF0000000000000ull | man; /* NaN / inf */
-  case 6:
-    return sign | (man >> (k >> 9) % 53); /* subnormal / zero */
-  default:
-    return sign | (u & 0x7FFFFFFFFFFFFFFFull);
+    case 0: return u;
+    case 1: { /* exact tie, or one ulp either side, for one of the formats */
+      unsigned b = tie_bits[(k >> 8) % 3];
+      uint64_t base = (u & ~((1ull << (b + 1)) - 1)) | (1ull << b);
+      int delta = (int)((k >> 16) % 3) - 1;
+      return base + (uint64_t)(int64_t)delta;
+    }
+    case 2: /* float32 range edges: exponents 860..900 and 1140..1160 */
+      if (k & 0x100)
+        return sign | ((uint64_t)(860 + (k >> 9) % 41) << 52) | man;
+      return sign | ((uint64_t)(1140 + (k >> 9) % 21) << 52) | man;
+    case 3: /* bfloat16 subnormal range: exponents 880..900 */
+      return sign | ((uint64_t)(880 + (k >> 9) % 21) << 52) | man;
+    case 4: /* float16 range: exponents 990..1040 */
+      return sign | ((uint64_t)(990 + (k >> 9) % 51) << 52) | man;
+    case 5: return sign | 0x7FF0000000000000ull | man; /* NaN / inf */
+    case 6: return sign | (man >> (k >> 9) % 53);      /* subnormal / zero */
+    default: return sign | (u & 0x7FFFFFFFFFFFFFFFull);
   }
 }
 
@@ -482,9 +473,10 @@ static void test_f64_oracles(void **state) {
     volatile double d = (double)f;
     assert_true(sp_f32_to_f64_bits(u) == f64_bits(d));
   }
-  printf("f64 oracles: %zu vs hardware, %zu vs round-to-odd, %zu vs "
-         "_Float16\n",
-         n_hw, n_bf16, n_f16);
+  printf(
+      "f64 oracles: %zu vs hardware, %zu vs round-to-odd, %zu vs "
+      "_Float16\n",
+      n_hw, n_bf16, n_f16);
 }
 
 /* ---- 16-bit inputs: all of them, every path -------------------------------
@@ -603,15 +595,16 @@ static void check_sample(sp_dtype st, sp_dtype dt, const void *in, size_t n) {
       run_variant(&v[k], got, in, n, nt != 0);
       for (size_t i = 0; i < n; i++) {
         if (memcmp(got + i * ds, want + i * ds, ds) != 0)
-          fail_msg("%s -> %s on %s%s, element %zu: input 0x%llx gave 0x%llx, "
-                   "scalar 0x%llx",
-                   sp_dtype_name(st), sp_dtype_name(dt), v[k].name,
-                   nt ? " (streaming)" : "", i,
-                   (unsigned long long)load_elem((const unsigned char *)in +
-                                                     i * sp_dtype_size(st),
-                                                 sp_dtype_size(st)),
-                   (unsigned long long)load_elem(got + i * ds, ds),
-                   (unsigned long long)load_elem(want + i * ds, ds));
+          fail_msg(
+              "%s -> %s on %s%s, element %zu: input 0x%llx gave 0x%llx, "
+              "scalar 0x%llx",
+              sp_dtype_name(st), sp_dtype_name(dt), v[k].name,
+              nt ? " (streaming)" : "", i,
+              (unsigned long long)load_elem(
+                  (const unsigned char *)in + i * sp_dtype_size(st),
+                  sp_dtype_size(st)),
+              (unsigned long long)load_elem(got + i * ds, ds),
+              (unsigned long long)load_elem(want + i * ds, ds));
       }
     }
   }
@@ -766,10 +759,10 @@ static int nt_kernels(nt_kernel *out) {
                            SP_FLOAT32, SP_BFLOAT16};
     out[n++] = (nt_kernel){"avx2 bf16->f32", sp_cast_avx2_bf16_to_f32,
                            SP_BFLOAT16, SP_FLOAT32};
-    out[n++] = (nt_kernel){"avx2 f32->f16", sp_cast_avx2_f32_to_f16,
-                           SP_FLOAT32, SP_FLOAT16};
-    out[n++] = (nt_kernel){"avx2 f16->f32", sp_cast_avx2_f16_to_f32,
-                           SP_FLOAT16, SP_FLOAT32};
+    out[n++] = (nt_kernel){"avx2 f32->f16", sp_cast_avx2_f32_to_f16, SP_FLOAT32,
+                           SP_FLOAT16};
+    out[n++] = (nt_kernel){"avx2 f16->f32", sp_cast_avx2_f16_to_f32, SP_FLOAT16,
+                           SP_FLOAT32};
   }
   if (sp_cast_path_available(SP_CAST_PATH_AVX512)) {
     out[n++] = (nt_kernel){"avx512 f32->bf16", sp_cast_avx512_f32_to_bf16,

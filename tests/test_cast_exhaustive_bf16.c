@@ -60,8 +60,8 @@ typedef struct run {
 } run;
 
 #if HAVE_NATIVE_ORACLE
-__attribute__((target("avx512bf16,avx512f"))) static void
-native_f32_to_bf16(uint16_t *dst, const uint32_t *src, size_t n) {
+__attribute__((target("avx512bf16,avx512f"))) static void native_f32_to_bf16(
+    uint16_t *dst, const uint32_t *src, size_t n) {
   for (size_t i = 0; i < n; i += 16) {
     __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps((const float *)(src + i)));
     _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)h);
@@ -165,12 +165,13 @@ static void test_all_f32_to_bf16(void **state) {
            r.k[k].name, (unsigned long long)atomic_load(&r.checked[k]),
            (unsigned long long)atomic_load(&r.bad[k]));
   if (r.native)
-    printf("  %-40s %llu inputs checked, differs on %llu float32 subnormals "
-           "(flushed) and %llu others\n",
-           "hardware VCVTNEPS2BF16 oracle",
-           (unsigned long long)atomic_load(&r.native_checked),
-           (unsigned long long)atomic_load(&r.native_sub),
-           (unsigned long long)atomic_load(&r.native_other));
+    printf(
+        "  %-40s %llu inputs checked, differs on %llu float32 subnormals "
+        "(flushed) and %llu others\n",
+        "hardware VCVTNEPS2BF16 oracle",
+        (unsigned long long)atomic_load(&r.native_checked),
+        (unsigned long long)atomic_load(&r.native_sub),
+        (unsigned long long)atomic_load(&r.native_other));
   fflush(stdout);
 
   for (int k = 0; k < r.nk; k++) {
@@ -185,9 +186,10 @@ static void test_all_f32_to_bf16(void **state) {
   if (r.native) {
     assert_true(atomic_load(&r.native_checked) == (1ull << 32));
     if (atomic_load(&r.native_other) != 0)
-      fail_msg("VCVTNEPS2BF16 disagrees with the policy on a non-subnormal "
-               "input, first 0x%08x",
-               atomic_load(&r.native_first_other));
+      fail_msg(
+          "VCVTNEPS2BF16 disagrees with the policy on a non-subnormal "
+          "input, first 0x%08x",
+          atomic_load(&r.native_first_other));
     assert_true(atomic_load(&r.native_sub) == 16711678ull);
   }
 }
@@ -195,8 +197,9 @@ static void test_all_f32_to_bf16(void **state) {
 int main(void) {
   if (!sp_cast_path_available(SP_CAST_PATH_AVX2) &&
       !sp_cast_path_available(SP_CAST_PATH_AVX512))
-    return sp_test_skip("no SIMD cast path on this CPU; the scalar "
-                        "reference is covered by test_cast");
+    return sp_test_skip(
+        "no SIMD cast path on this CPU; the scalar "
+        "reference is covered by test_cast");
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_all_f32_to_bf16),
   };

@@ -40,7 +40,7 @@
 #else
 #define HAVE_FLOAT16 0
 #endif
-#if HAVE_FLOAT16 && defined(__x86_64__) &&                                     \
+#if HAVE_FLOAT16 && defined(__x86_64__) && \
     ((defined(__GNUC__) && __GNUC__ >= 12) || defined(__clang__))
 #define HAVE_FP16_HW 1
 #else
@@ -213,8 +213,9 @@ static void test_all_f32_to_f16(void **state) {
 int main(void) {
   if (!sp_cast_path_available(SP_CAST_PATH_AVX2) &&
       !sp_cast_path_available(SP_CAST_PATH_AVX512) && !HAVE_FLOAT16)
-    return sp_test_skip("no SIMD cast path and no _Float16 oracle: nothing "
-                        "to compare the scalar reference with");
+    return sp_test_skip(
+        "no SIMD cast path and no _Float16 oracle: nothing "
+        "to compare the scalar reference with");
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_all_f32_to_f16),
   };

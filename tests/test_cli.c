@@ -21,13 +21,12 @@ typedef struct result {
   char *out, *err;
 } result;
 
-
 /* Runs `PROG ARGS` (PROG one of the programs the build makes, ARGS a
  * shell fragment; killed after 30 s) and captures both streams. */
 static result run_prog(const char *prog, const char *args) {
   char cmd[4096];
-  snprintf(cmd, sizeof cmd, "timeout 30 %s/%s %s >%s/out 2>%s/err",
-           SP_BIN_DIR, prog, args, g_dir, g_dir);
+  snprintf(cmd, sizeof cmd, "timeout 30 %s/%s %s >%s/out 2>%s/err", SP_BIN_DIR,
+           prog, args, g_dir, g_dir);
   int st = system(cmd);
   assert_true(WIFEXITED(st));
   char p[1024];
@@ -96,9 +95,10 @@ static void test_usage_and_help(void **state) {
   /* the exit codes line of a command that exits 5 says so; others' do not */
   r = run("why --help");
   assert_int_equal(r.code, 0);
-  assert_non_null(strstr(r.out, "4 coordinator unreachable,\n"
-                                "            5 an open alert, or the job "
-                                "failed\n"));
+  assert_non_null(strstr(r.out,
+                         "4 coordinator unreachable,\n"
+                         "            5 an open alert, or the job "
+                         "failed\n"));
   done(&r);
   r = run("analyze --help");
   assert_non_null(strstr(r.out, "5 the dump shows a divergence\n"));
@@ -155,8 +155,10 @@ static void test_usage_errors_are_short(void **state) {
       {"shardplane", "token", "missing subcommand", "shardplane token"},
       {"shardplane", "token create --bogus", "'--bogus'", "shardplane token"},
       /* getopt's line names the command, not "create:" */
-      {"shardplane", "token create --json", "shardplane token: unrecognized "
-       "option '--json'", "shardplane token"},
+      {"shardplane", "token create --json",
+       "shardplane token: unrecognized "
+       "option '--json'",
+       "shardplane token"},
       {"shardplane", "token frob", "unknown subcommand \"frob\"",
        "shardplane token"},
       {"shardplane", "token create --role admin", "--token-file",
@@ -199,9 +201,10 @@ static void test_failures_name_the_cause(void **state) {
   done(&r);
   char path[1024];
   snprintf(path, sizeof path, "%s/bad.json", g_dir);
-  const char *bad = "{\"format\":\"shardplane.model/v1\",\"modules\":[{\"fqn\":"
-                    "\"\",\"type\":\"N\"}],\"params\":[{\"fqn\":\"w\","
-                    "\"shape\":[2,-1],\"dtype\":\"float32\"}]}";
+  const char *bad =
+      "{\"format\":\"shardplane.model/v1\",\"modules\":[{\"fqn\":"
+      "\"\",\"type\":\"N\"}],\"params\":[{\"fqn\":\"w\","
+      "\"shape\":[2,-1],\"dtype\":\"float32\"}]}";
   sp_test_write_file(path, bad, strlen(bad));
   char args[2048];
   snprintf(args, sizeof args, "plan --model %s", path);
@@ -226,9 +229,10 @@ static void test_failures_name_the_cause(void **state) {
 
 static void test_json_plan_llama70b(void **state) {
   (void)state;
-  result r = run("plan --model " MODEL("llama2_70b") " --world-size 1024 "
-                 "--wrap-type LlamaDecoderLayer --param-dtype bfloat16 "
-                 "--reduce-dtype float32 --rank 1023 --json");
+  result r = run("plan --model " MODEL(
+      "llama2_70b") " --world-size 1024 "
+                    "--wrap-type LlamaDecoderLayer --param-dtype bfloat16 "
+                    "--reduce-dtype float32 --rank 1023 --json");
   assert_int_equal(r.code, 0);
   json_error_t e;
   json_t *j = json_loads(r.out, 0, &e);
@@ -261,14 +265,14 @@ static void test_job_file_and_override(void **state) {
   (void)state;
   char path[1024], args[2048];
   snprintf(path, sizeof path, "%s/job.json", g_dir);
-  const char *job = "{\"format\":\"shardplane.job/v1\",\"world_size\":4,"
-                    "\"wrap\":{\"types\":[\"Bottleneck\"]},"
-                    "\"mixed_precision\":{\"param_dtype\":\"bfloat16\","
-                    "\"buffer_dtype\":\"bfloat16\"}}";
+  const char *job =
+      "{\"format\":\"shardplane.job/v1\",\"world_size\":4,"
+      "\"wrap\":{\"types\":[\"Bottleneck\"]},"
+      "\"mixed_precision\":{\"param_dtype\":\"bfloat16\","
+      "\"buffer_dtype\":\"bfloat16\"}}";
   sp_test_write_file(path, job, strlen(job));
-  snprintf(args, sizeof args,
-           "plan --model %s --job %s --world-size 6 --json", MODEL("resnet50"),
-           path);
+  snprintf(args, sizeof args, "plan --model %s --job %s --world-size 6 --json",
+           MODEL("resnet50"), path);
   result r = run(args);
   assert_int_equal(r.code, 0);
   json_t *j = json_loads(r.out, 0, NULL);
@@ -283,8 +287,7 @@ static void test_job_file_and_override(void **state) {
   int checked = 0;
   json_array_foreach(bufs, i, b) {
     const char *fqn = json_string_value(json_object_get(b, "fqn"));
-    const char *orig =
-        json_string_value(json_object_get(b, "original_dtype"));
+    const char *orig = json_string_value(json_object_get(b, "original_dtype"));
     const char *comp = json_string_value(json_object_get(b, "compute_dtype"));
     if (strstr(fqn, "num_batches_tracked")) {
       assert_string_equal(orig, "int64");
@@ -314,9 +317,10 @@ static void test_job_file_unknown_keys(void **state) {
   (void)state;
   char path[1024], args[2048];
   snprintf(path, sizeof path, "%s/J.json", g_dir);
-  const char *job = "{\"format\":\"shardplane.job/v1\",\"world_size\":2,"
-                    "\"stratgy\":\"NO_SHARD\",\"mixed_precison\":{"
-                    "\"param_dtype\":\"bfloat16\"}}";
+  const char *job =
+      "{\"format\":\"shardplane.job/v1\",\"world_size\":2,"
+      "\"stratgy\":\"NO_SHARD\",\"mixed_precison\":{"
+      "\"param_dtype\":\"bfloat16\"}}";
   sp_test_write_file(path, job, strlen(job));
   char want[1100];
   snprintf(want, sizeof want,
@@ -343,8 +347,7 @@ static void test_job_file_unknown_keys(void **state) {
   r = run_prog("shardplane-coordinator", args);
   assert_int_equal(r.code, 1);
   if (strstr(r.err, want) == NULL)
-    fail_msg("shardplane-coordinator --job: \"%s\", want \"%s\"", r.err,
-             want);
+    fail_msg("shardplane-coordinator --job: \"%s\", want \"%s\"", r.err, want);
   done(&r);
   /* a key nested in "wrap" or "mixed_precision" too */
   job = "{\"wrap\":{\"type\":[\"Bottleneck\"]}}";
@@ -353,15 +356,17 @@ static void test_job_file_unknown_keys(void **state) {
            path);
   r = run(args);
   assert_int_equal(r.code, 1);
-  assert_non_null(strstr(r.err, "unknown key \"type\" in wrap (did you mean "
-                                "\"types\"?)"));
+  assert_non_null(strstr(r.err,
+                         "unknown key \"type\" in wrap (did you mean "
+                         "\"types\"?)"));
   done(&r);
-  static const char *const k_examples[][2] = {
-      {"llama2_7b_fsdp8", "llama2_7b"}, {"resnet50_hybrid", "resnet50"}};
+  static const char *const k_examples[][2] = {{"llama2_7b_fsdp8", "llama2_7b"},
+                                              {"resnet50_hybrid", "resnet50"}};
   for (size_t i = 0; i < 2; i++) {
-    snprintf(args, sizeof args, "plan --model %s/models/%s.json --job "
-             "%s/jobs/%s.json", SP_EXAMPLES, k_examples[i][1], SP_EXAMPLES,
-             k_examples[i][0]);
+    snprintf(args, sizeof args,
+             "plan --model %s/models/%s.json --job "
+             "%s/jobs/%s.json",
+             SP_EXAMPLES, k_examples[i][1], SP_EXAMPLES, k_examples[i][0]);
     r = run(args);
     if (r.code != 0) fail_msg("%s: exit %d: %s", args, r.code, r.err);
     done(&r);
@@ -370,8 +375,9 @@ static void test_job_file_unknown_keys(void **state) {
 
 static void test_human_output(void **state) {
   (void)state;
-  result r = run("plan --model " MODEL("gpt2") " --world-size 3 "
-                 "--wrap-type GPT2Block --unit transformer.h.0 --rank 2");
+  result r = run("plan --model " MODEL(
+      "gpt2") " --world-size 3 "
+              "--wrap-type GPT2Block --unit transformer.h.0 --rank 2");
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "version"));
   assert_non_null(strstr(r.out, "transformer.h.0.attn.bias"));
@@ -558,8 +564,9 @@ static void test_flag_errors(void **state) {
  * options refused with the flag, the value and what is allowed. */
 static void test_plan_memory(void **state) {
   (void)state;
-  result r = run("plan --model " MODEL("gpt2") " --wrap-type GPT2Block "
-                 "--world-size 8 --memory --optimizer adamw --json");
+  result r = run("plan --model " MODEL(
+      "gpt2") " --wrap-type GPT2Block "
+              "--world-size 8 --memory --optimizer adamw --json");
   assert_int_equal(r.code, 0);
   json_error_t je;
   json_t *j = json_loads(r.out, 0, &je);
@@ -581,8 +588,9 @@ static void test_plan_memory(void **state) {
       572599344 + 124439808);
   json_decref(j);
   done(&r);
-  r = run("plan --model " MODEL("gpt2") " --wrap-type GPT2Block "
-          "--world-size 8 --memory");
+  r = run("plan --model " MODEL(
+      "gpt2") " --wrap-type GPT2Block "
+              "--world-size 8 --memory");
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "unsharded grads"));
   assert_non_null(strstr(r.out, "572599344"));

@@ -76,8 +76,8 @@ static pid_t spawn(char *const argv[], const char *out_path,
   pid_t pid = fork();
   assert_true(pid >= 0);
   if (pid == 0) {
-    int out = out_path ? open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600)
-                       : pfd[1];
+    int out =
+        out_path ? open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600) : pfd[1];
     int err = open(err_path ? err_path : "/dev/null",
                    O_WRONLY | O_CREAT | O_TRUNC, 0600);
     if (out < 0 || err < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0) _exit(127);
@@ -96,8 +96,8 @@ static pid_t spawn(char *const argv[], const char *out_path,
 static pid_t start_coordinator(char *const extra[], char *addr, size_t cap) {
   /* the command's credentials are test_coord_auth's and test_run's
    * subject; here the coordinator serves anyone, in cleartext */
-  char *argv[32] = {COORD_BIN, "--listen", "127.0.0.1:0", "--quiet",
-                    "--insecure", "--no-auth"};
+  char *argv[32] = {COORD_BIN, "--listen",   "127.0.0.1:0",
+                    "--quiet", "--insecure", "--no-auth"};
   size_t n = 6;
   for (size_t i = 0; extra[i] != NULL && n < 31; i++) argv[n++] = extra[i];
   argv[n] = NULL;
@@ -138,7 +138,6 @@ typedef struct result {
   int64_t ms;
 } result;
 
-
 /* Runs `shardplane ARGS...` (NULL-terminated), bounded in time. The
  * coordinators here are cleartext: a remote subcommand gets --insecure
  * last (an offline plan, with --model, takes no connection flags). */
@@ -168,7 +167,8 @@ static result run(const char *arg, ...) {
   int64_t t0 = now_ms();
   pid_t pid = spawn(argv, out, err, NULL);
   int st = wait_child(pid, CHILD_TIMEOUT_MS);
-  result r = {-1, sp_test_read_file(out), sp_test_read_file(err), now_ms() - t0};
+  result r = {-1, sp_test_read_file(out), sp_test_read_file(err),
+              now_ms() - t0};
   if (st < 0) fail_msg("shardplane %s did not finish", arg);
   assert_true(WIFEXITED(st));
   r.code = WEXITSTATUS(st);
@@ -204,9 +204,17 @@ static json_int_t jint(json_t *o, const char *key) {
 static int setup(void **state) {
   (void)state;
   g_dir = sp_test_mkdtemp();
-  char *extra[] = {"--model", MODEL("gpt2"), "--world-size", "4",
-                   "--strategy", "HYBRID_SHARD", "--shard-group-size", "2",
-                   "--wrap-type", "GPT2Block", NULL};
+  char *extra[] = {"--model",
+                   MODEL("gpt2"),
+                   "--world-size",
+                   "4",
+                   "--strategy",
+                   "HYBRID_SHARD",
+                   "--shard-group-size",
+                   "2",
+                   "--wrap-type",
+                   "GPT2Block",
+                   NULL};
   g_coord = start_coordinator(extra, g_addr, sizeof g_addr);
   /* the default address every command below uses */
   setenv("SHARDPLANE_COORDINATOR", g_addr, 1);
@@ -258,8 +266,8 @@ static void test_plan_matches_offline(void **state) {
   json_t *remote = parse(&r);
   done(&r);
   r = run("plan", "--model", MODEL("gpt2"), "--world-size", "4", "--strategy",
-          "HYBRID_SHARD", "--shard-group-size", "2", "--wrap-type",
-          "GPT2Block", "--rank", "1", "--json", NULL);
+          "HYBRID_SHARD", "--shard-group-size", "2", "--wrap-type", "GPT2Block",
+          "--rank", "1", "--json", NULL);
   assert_int_equal(r.code, 0);
   json_t *offline = parse(&r);
   done(&r);
@@ -288,9 +296,9 @@ static void test_plan_matches_offline(void **state) {
   remote = parse(&r);
   done(&r);
   r = run("plan", "--model", MODEL("gpt2"), "--world-size", "4", "--strategy",
-          "HYBRID_SHARD", "--shard-group-size", "2", "--wrap-type",
-          "GPT2Block", "--memory", "--optimizer", "sgd-momentum",
-          "--no-sync", "--json", NULL);
+          "HYBRID_SHARD", "--shard-group-size", "2", "--wrap-type", "GPT2Block",
+          "--memory", "--optimizer", "sgd-momentum", "--no-sync", "--json",
+          NULL);
   assert_int_equal(r.code, 0);
   offline = parse(&r);
   done(&r);
@@ -369,8 +377,9 @@ static void test_where(void **state) {
 
   r = run("where", "foo", NULL);
   assert_int_equal(r.code, 3);
-  assert_non_null(strstr(r.err, "shardplane where: no parameter \"foo\" "
-                                "(NOT_FOUND)"));
+  assert_non_null(strstr(r.err,
+                         "shardplane where: no parameter \"foo\" "
+                         "(NOT_FOUND)"));
   done(&r);
 }
 
@@ -379,9 +388,9 @@ static void test_where(void **state) {
 static void test_buffers(void **state) {
   (void)state;
   char addr[64];
-  char *extra[] = {"--model", MODEL("resnet50"), "--world-size", "2",
-                   "--param-dtype", "bfloat16", "--buffer-dtype", "bfloat16",
-                   NULL};
+  char *extra[] = {
+      "--model",  MODEL("resnet50"), "--world-size", "2", "--param-dtype",
+      "bfloat16", "--buffer-dtype",  "bfloat16",     NULL};
   pid_t pid = start_coordinator(extra, addr, sizeof addr);
   result r = run("buffers", "--json", "--coordinator", addr, NULL);
   int code = r.code;
@@ -425,8 +434,9 @@ static void test_buffers(void **state) {
 static void test_ranks_in_pages(void **state) {
   (void)state;
   char addr[64];
-  char *extra[] = {"--model", MODEL("gpt2"), "--world-size", "10000",
-                   "--wrap-type", "GPT2Block", NULL};
+  char *extra[] = {"--model", MODEL("gpt2"), "--world-size",
+                   "10000",   "--wrap-type", "GPT2Block",
+                   NULL};
   pid_t pid = start_coordinator(extra, addr, sizeof addr);
   result r = run("ranks", "--unit-states", "--coordinator", addr, NULL);
   int code = r.code;
@@ -480,10 +490,11 @@ static void test_store(void **state) {
   r = run("store", "add", "cli/counter", "--", "-1", "--coordinator", g_addr,
           NULL);
   assert_int_equal(r.code, 2);
-  assert_string_equal(r.err, "shardplane store: add: unexpected argument "
-                             "\"--coordinator\": after \"--\" every word is an "
-                             "argument; options go before \"--\"\n"
-                             "try 'shardplane store --help'\n");
+  assert_string_equal(r.err,
+                      "shardplane store: add: unexpected argument "
+                      "\"--coordinator\": after \"--\" every word is an "
+                      "argument; options go before \"--\"\n"
+                      "try 'shardplane store --help'\n");
   done(&r);
   r = run("store", "add", "cli/counter", NULL);
   assert_int_equal(r.code, 2);
@@ -522,8 +533,8 @@ static void test_unreachable_and_usage(void **state) {
   close(s);
   char closed[64];
   snprintf(closed, sizeof closed, "127.0.0.1:%u", ntohs(sa.sin_port));
-  result r = run("status", "--coordinator", closed, "--timeout-ms", "300",
-                 NULL);
+  result r =
+      run("status", "--coordinator", closed, "--timeout-ms", "300", NULL);
   assert_int_equal(r.code, 4);
   assert_non_null(strstr(r.err, closed));
   done(&r);
@@ -572,16 +583,17 @@ static void test_unreachable_and_usage(void **state) {
   /* watch's flag errors read as every other: the flag, the value, what
    * is allowed */
   static const char *const watch_flags[][3] = {
-      {"--kind", "nope", "--kind \"nope\": expected one of attached, lost, "
-                         "detached, transition, alert"},
+      {"--kind", "nope",
+       "--kind \"nope\": expected one of attached, lost, "
+       "detached, transition, alert"},
       {"--count", "0", "--count \"0\": expected a positive integer"},
       {"--rank", "x", "--rank \"x\": expected an integer in [0, "},
   };
   for (size_t i = 0; i < sizeof watch_flags / sizeof watch_flags[0]; i++) {
     r = run("watch", watch_flags[i][0], watch_flags[i][1], NULL);
     if (r.code != 2 || strstr(r.err, watch_flags[i][2]) == NULL)
-      fail_msg("watch %s %s: exit %d: %s", watch_flags[i][0],
-               watch_flags[i][1], r.code, r.err);
+      fail_msg("watch %s %s: exit %d: %s", watch_flags[i][0], watch_flags[i][1],
+               r.code, r.err);
     done(&r);
   }
   /* a rank outside the world is not found, as with `plan --rank` */
@@ -616,10 +628,9 @@ static char *attach(sp_rpc_sync *c, const char *version) {
   q.pid = (uint32_t)getpid();
   q.device = "cpu";
   q.plan_version = (char *)version;
-  Shardplane__V1__AttachResponse *a =
-      (Shardplane__V1__AttachResponse *)unary(
-          c, METHOD("Attach"), &q.base,
-          &shardplane__v1__attach_response__descriptor);
+  Shardplane__V1__AttachResponse *a = (Shardplane__V1__AttachResponse *)unary(
+      c, METHOD("Attach"), &q.base,
+      &shardplane__v1__attach_response__descriptor);
   char *id = strdup(a->session_id);
   protobuf_c_message_free_unpacked(&a->base, NULL);
   return id;
@@ -707,16 +718,15 @@ static void test_watch(void **state) {
   sp_rpc_sync *c;
   assert_int_equal(sp_rpc_sync_open(g_addr, 5000, &c), 0);
   Shardplane__V1__GetJobRequest gq = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
-  Shardplane__V1__GetJobResponse *job =
-      (Shardplane__V1__GetJobResponse *)unary(
-          c, METHOD("GetJob"), &gq.base,
-          &shardplane__v1__get_job_response__descriptor);
+  Shardplane__V1__GetJobResponse *job = (Shardplane__V1__GetJobResponse *)unary(
+      c, METHOD("GetJob"), &gq.base,
+      &shardplane__v1__get_job_response__descriptor);
   worker w = {job->plan_version, NULL, 2};
 
   char out[1024];
   snprintf(out, sizeof out, "%s/watch", g_dir);
-  char *argv[] = {CLI_BIN, "watch", "--insecure", "--count", "1", "--kind",
-                  "attached", "--json", NULL};
+  char *argv[] = {CLI_BIN,  "watch",    "--insecure", "--count", "1",
+                  "--kind", "attached", "--json",     NULL};
   int st = watch_one(argv, out, kick_attach, c, &w);
   expect_watch_ok(st, out);
   char *text = sp_test_read_file(out);
@@ -732,9 +742,9 @@ static void test_watch(void **state) {
   free(text);
 
   /* the human line of a transition, filtered to rank 0 */
-  char *targv[] = {CLI_BIN, "watch", "--insecure", "--transitions", "--kind",
-                   "transition",
-                   "--rank", "0", "--count", "1", NULL};
+  char *targv[] = {CLI_BIN,   "watch",      "--insecure", "--transitions",
+                   "--kind",  "transition", "--rank",     "0",
+                   "--count", "1",          NULL};
   st = watch_one(targv, out, kick_transition, c, &w);
   expect_watch_ok(st, out);
   text = sp_test_read_file(out);
@@ -753,7 +763,7 @@ static void test_watch(void **state) {
   r = run("ranks", "--unit-states", NULL);
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "testhost"));
-  assert_non_null(strstr(r.out, "1-3"));     /* the ranks never attached */
+  assert_non_null(strstr(r.out, "1-3"));       /* the ranks never attached */
   assert_non_null(strstr(r.out, "IDLE 0-12")); /* every unit idle */
   done(&r);
 
@@ -788,8 +798,9 @@ static void test_watch_says_it_waits(void **state) {
   snprintf(head, sizeof head, "coordinator %s, job WAITING: step ", g_addr);
   assert_non_null(strstr(text, head));
   assert_non_null(strstr(text, ", 0 of 4 ranks attached\n"));
-  assert_non_null(strstr(text, "waiting for events (attached, lost, "
-                               "detached, alert of every rank); times UTC"));
+  assert_non_null(strstr(text,
+                         "waiting for events (attached, lost, "
+                         "detached, alert of every rank); times UTC"));
   free(text);
   assert_true(st >= 0 && WIFEXITED(st));
   assert_int_equal(WEXITSTATUS(st), 0);
@@ -840,8 +851,9 @@ static void test_status_alert_times(void **state) {
   printf("%s", r.out);
   assert_int_equal(rst.code, SP_RPC_FAILED_PRECONDITION);
   assert_int_equal(r.code, 0);
-  assert_non_null(strstr(r.out, "alerts      1 (the last 1 below, times "
-                                "UTC)\n"));
+  assert_non_null(strstr(r.out,
+                         "alerts      1 (the last 1 below, times "
+                         "UTC)\n"));
   const char *line = strstr(r.out, "UTC)\n");
   unsigned hh, mm, ss, us, rank;
   assert_int_equal(sscanf(line + 5, "  %2u:%2u:%2u.%6u  rank %u ", &hh, &mm,
@@ -852,9 +864,10 @@ static void test_status_alert_times(void **state) {
   int64_t off = llabs((long long)(at - day));
   if (off > 43200) off = 86400 - off; /* across midnight */
   if (off > 60)
-    fail_msg("alert at %02u:%02u:%02u UTC, now %lld s into the "
-             "day",
-             hh, mm, ss, (long long)day);
+    fail_msg(
+        "alert at %02u:%02u:%02u UTC, now %lld s into the "
+        "day",
+        hh, mm, ss, (long long)day);
   assert_int_equal(rj.code, 0);
   json_t *j = parse(&rj);
   json_t *a = json_array_get(json_object_get(j, "recent_alerts"), 0);
@@ -887,9 +900,17 @@ static pid_t job_to_the_end(const char *model, char *const extra[], int world,
   for (int r = 0; r < world; r++) {
     char rank[8];
     snprintf(rank, sizeof rank, "%d", r);
-    char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
-                  "--insecure", "--rank", rank, "--steps", (char *)steps,
-                  "--checkpoint", "none", synthetic ? "--synthetic" : NULL,
+    char *wa[] = {SP_BIN_DIR "/shardplane-worker",
+                  "--coordinator",
+                  addr,
+                  "--insecure",
+                  "--rank",
+                  rank,
+                  "--steps",
+                  (char *)steps,
+                  "--checkpoint",
+                  "none",
+                  synthetic ? "--synthetic" : NULL,
                   NULL};
     snprintf(out, sizeof out, "%s/rank%d.out", g_dir, r);
     snprintf(err, sizeof err, "%s/rank%d.err", g_dir, r);
@@ -931,8 +952,8 @@ static void test_ranks_after_a_job(void **state) {
   assert_int_equal(json_array_size(ranks), 3);
   for (size_t i = 0; i < 3; i++) {
     json_int_t step = jint(json_array_get(ranks, i), "step");
-    if (step != 3) fail_msg("rank %zu: STEP %lld after 3 steps", i,
-                            (long long)step);
+    if (step != 3)
+      fail_msg("rank %zu: STEP %lld after 3 steps", i, (long long)step);
   }
   json_decref(j);
   done(&r);
@@ -952,14 +973,14 @@ static void test_ranks_after_a_job(void **state) {
   r = run("ranks", "--coordinator", addr, "--json", NULL);
   result text = run("ranks", "--coordinator", addr, NULL);
   assert_true(stop_coordinator(coord) >= 0);
-  result plan = run("plan", "--model", path, "--world-size", "3",
-                    "--wrap-type", "Block", "--json", NULL);
+  result plan = run("plan", "--model", path, "--world-size", "3", "--wrap-type",
+                    "Block", "--json", NULL);
   assert_int_equal(plan.code, 0);
   json_t *pj = parse(&plan);
-  json_int_t shard = jint(json_array_get(json_object_get(pj, "units"), 0),
-                          "shard_numel");
-  json_int_t numel = jint(json_array_get(json_object_get(pj, "units"), 0),
-                          "numel");
+  json_int_t shard =
+      jint(json_array_get(json_object_get(pj, "units"), 0), "shard_numel");
+  json_int_t numel =
+      jint(json_array_get(json_object_get(pj, "units"), 0), "numel");
   json_decref(pj);
   done(&plan);
   assert_int_equal(r.code, 0);
@@ -973,9 +994,10 @@ static void test_ranks_after_a_job(void **state) {
     assert_string_equal(jstr(c, "op"), "REDUCE_SCATTER");
     assert_int_equal(jint(c, "unit"), 0);
     if (jint(c, "count") != shard)
-      fail_msg("rank %zu: count %lld; the root unit has %lld elements, %lld "
-               "per rank", i, (long long)jint(c, "count"), (long long)numel,
-               (long long)shard);
+      fail_msg(
+          "rank %zu: count %lld; the root unit has %lld elements, %lld "
+          "per rank",
+          i, (long long)jint(c, "count"), (long long)numel, (long long)shard);
   }
   char want[64];
   snprintf(want, sizeof want, "REDUCE_SCATTER unit 0 float32 count %lld",
@@ -999,8 +1021,8 @@ static void test_ranks_scores_of_equal_ranks(void **state) {
   (void)state;
   char addr[64];
   char *flags[] = {"--world-size", "4", "--wrap-type", "GPT2Block", NULL};
-  pid_t coord =
-      job_to_the_end(MODEL("gpt2-tiny"), flags, 4, "40", false, addr, sizeof addr);
+  pid_t coord = job_to_the_end(MODEL("gpt2-tiny"), flags, 4, "40", false, addr,
+                               sizeof addr);
   result r = run("ranks", "--coordinator", addr, "--json", NULL);
   result text = run("ranks", "--coordinator", addr, NULL);
   assert_true(stop_coordinator(coord) >= 0);
@@ -1048,9 +1070,19 @@ static void test_diagnosis_live(void **state) {
     char rank[8], out[1024];
     snprintf(rank, sizeof rank, "%d", k);
     snprintf(out, sizeof out, "%s/live%d.out", g_dir, k);
-    char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
-                  "--insecure", "--rank", rank, "--steps", "1000000",
-                  "--checkpoint", "none", "--log-every", "0", NULL};
+    char *wa[] = {SP_BIN_DIR "/shardplane-worker",
+                  "--coordinator",
+                  addr,
+                  "--insecure",
+                  "--rank",
+                  rank,
+                  "--steps",
+                  "1000000",
+                  "--checkpoint",
+                  "none",
+                  "--log-every",
+                  "0",
+                  NULL};
     w[k] = spawn(wa, out, "/dev/null", NULL);
   }
   /* both ranks past the straggler window (16 steps): step times and
@@ -1080,7 +1112,9 @@ static void test_diagnosis_live(void **state) {
   size_t open = json_array_size(json_object_get(j, "open_alerts"));
   assert_string_equal(jstr(j, "state"), "RUNNING");
   assert_int_equal(r.code, open > 0 ? 5 : 0);
-  if (healthy) assert_non_null(strstr(jstr(j, "headline"), "healthy: all 2 ranks at step"));
+  if (healthy)
+    assert_non_null(
+        strstr(jstr(j, "headline"), "healthy: all 2 ranks at step"));
   json_decref(j);
   done(&r);
   r = run("why", "--coordinator", addr, NULL);
@@ -1143,7 +1177,8 @@ static void test_diagnosis_live(void **state) {
   char *line = strchr(r.out, '\n');
   assert_non_null(line);
   unsigned hh, mm, ss, us;
-  assert_int_equal(sscanf(line + 1, "%2u:%2u:%2u.%6u step ", &hh, &mm, &ss, &us), 4);
+  assert_int_equal(
+      sscanf(line + 1, "%2u:%2u:%2u.%6u step ", &hh, &mm, &ss, &us), 4);
   assert_non_null(strstr(r.out, " world unit "));
   assert_non_null(strstr(r.out, " float32 x "));
   done(&r);
@@ -1162,7 +1197,8 @@ static void test_diagnosis_live(void **state) {
     assert_true(json_is_true(json_object_get(e, "worker_time")));
     json_int_t t = jint(e, "time_us");
     if (llabs((long long)(t - now_us)) > 60000000LL)
-      fail_msg("watch: time_us %lld, now %lld", (long long)t, (long long)now_us);
+      fail_msg("watch: time_us %lld, now %lld", (long long)t,
+               (long long)now_us);
     json_decref(e);
     l = strchr(l, '\n');
     if (l) l++;
@@ -1176,9 +1212,8 @@ static void test_diagnosis_live(void **state) {
                    json_is_true(json_object_get(j, "diverged")) ? 5 : 0);
   assert_int_equal(json_array_size(json_object_get(j, "ranks")), 2);
   for (size_t i = 0; i < 2; i++)
-    assert_true(json_is_true(
-        json_object_get(json_array_get(json_object_get(j, "ranks"), i),
-                        "answered")));
+    assert_true(json_is_true(json_object_get(
+        json_array_get(json_object_get(j, "ranks"), i), "answered")));
   assert_true(jint(j, "collective_events") > 0);
   json_decref(j);
   done(&r);

@@ -98,12 +98,12 @@ static void member_fail(member *m, int line, const char *fmt, ...) {
   }
 }
 
-#define MCHECK(m, cond, ...)                                                   \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      member_fail((m), __LINE__, __VA_ARGS__);                                 \
-      return;                                                                  \
-    }                                                                          \
+#define MCHECK(m, cond, ...)                   \
+  do {                                         \
+    if (!(cond)) {                             \
+      member_fail((m), __LINE__, __VA_ARGS__); \
+      return;                                  \
+    }                                          \
   } while (0)
 
 #define MCHECK_RC(m, expr, diag)                                               \
@@ -195,22 +195,17 @@ static uint32_t bits_of(float f) {
 static double gen_real(sp_test_rng *r, int emin, int emax) {
   uint64_t x = sp_test_rng_next(r);
   switch (x & 127) {
-  case 0:
-    return -0.0;
-  case 1:
-    return 0.0;
-  case 2:
-    return ldexp(1.0, emin - 3) * (double)((x >> 8) & 7); /* tiny */
-  case 3:
-    return (x >> 8) & 1 ? INFINITY : -INFINITY;
-  case 4: {
-    double nan;
-    uint64_t nb = 0x7FF8000000000000ull | ((x >> 8) & 0xFFFFFull) << 29;
-    memcpy(&nan, &nb, sizeof nan);
-    return nan;
-  }
-  default:
-    break;
+    case 0: return -0.0;
+    case 1: return 0.0;
+    case 2: return ldexp(1.0, emin - 3) * (double)((x >> 8) & 7); /* tiny */
+    case 3: return (x >> 8) & 1 ? INFINITY : -INFINITY;
+    case 4: {
+      double nan;
+      uint64_t nb = 0x7FF8000000000000ull | ((x >> 8) & 0xFFFFFull) << 29;
+      memcpy(&nan, &nb, sizeof nan);
+      return nan;
+    }
+    default: break;
   }
   double mant = (double)(x >> 11) / 9007199254740992.0 - 0.5;
   int e = emin + (int)((x >> 3) % (uint64_t)(emax - emin + 1));
@@ -222,41 +217,38 @@ static void gen(void *buf, sp_dtype dt, size_t n, uint64_t seed) {
   unsigned char *p = buf;
   for (size_t i = 0; i < n; i++) {
     switch (dt) {
-    case SP_FLOAT32: {
-      float v = (float)gen_real(&r, -20, 20);
-      memcpy(p + i * 4, &v, 4);
-      break;
-    }
-    case SP_FLOAT64: {
-      double v = gen_real(&r, -40, 40);
-      memcpy(p + i * 8, &v, 8);
-      break;
-    }
-    case SP_BFLOAT16: {
-      uint16_t h = sp_f32_to_bf16_bits(bits_of((float)gen_real(&r, -20, 20)));
-      memcpy(p + i * 2, &h, 2);
-      break;
-    }
-    case SP_FLOAT16: {
-      uint16_t h = sp_f32_to_f16_bits(bits_of((float)gen_real(&r, -12, 12)));
-      memcpy(p + i * 2, &h, 2);
-      break;
-    }
-    case SP_INT64:
-    case SP_INT32:
-    case SP_INT16:
-    case SP_INT8:
-    case SP_UINT8: {
-      size_t esz = sp_dtype_size(dt);
-      uint64_t v = sp_test_rng_next(&r);
-      memcpy(p + i * esz, &v, esz);
-      break;
-    }
-    case SP_BOOL:
-      p[i] = (unsigned char)(sp_test_rng_next(&r) & 1);
-      break;
-    default:
-      break;
+      case SP_FLOAT32: {
+        float v = (float)gen_real(&r, -20, 20);
+        memcpy(p + i * 4, &v, 4);
+        break;
+      }
+      case SP_FLOAT64: {
+        double v = gen_real(&r, -40, 40);
+        memcpy(p + i * 8, &v, 8);
+        break;
+      }
+      case SP_BFLOAT16: {
+        uint16_t h = sp_f32_to_bf16_bits(bits_of((float)gen_real(&r, -20, 20)));
+        memcpy(p + i * 2, &h, 2);
+        break;
+      }
+      case SP_FLOAT16: {
+        uint16_t h = sp_f32_to_f16_bits(bits_of((float)gen_real(&r, -12, 12)));
+        memcpy(p + i * 2, &h, 2);
+        break;
+      }
+      case SP_INT64:
+      case SP_INT32:
+      case SP_INT16:
+      case SP_INT8:
+      case SP_UINT8: {
+        size_t esz = sp_dtype_size(dt);
+        uint64_t v = sp_test_rng_next(&r);
+        memcpy(p + i * esz, &v, esz);
+        break;
+      }
+      case SP_BOOL: p[i] = (unsigned char)(sp_test_rng_next(&r) & 1); break;
+      default: break;
     }
   }
 }
@@ -269,67 +261,66 @@ static void ref_sum(void *out, sp_dtype dt, const void *const *in, uint32_t w,
   unsigned char *o = out;
   for (size_t k = 0; k < count; k++) {
     switch (dt) {
-    case SP_FLOAT32: {
-      float acc, v;
-      memcpy(&acc, (const unsigned char *)in[0] + k * 4, 4);
-      for (uint32_t i = 1; i < w; i++) {
-        memcpy(&v, (const unsigned char *)in[i] + k * 4, 4);
-        acc += v;
+      case SP_FLOAT32: {
+        float acc, v;
+        memcpy(&acc, (const unsigned char *)in[0] + k * 4, 4);
+        for (uint32_t i = 1; i < w; i++) {
+          memcpy(&v, (const unsigned char *)in[i] + k * 4, 4);
+          acc += v;
+        }
+        if (isnan(acc)) acc = f32_of(0x7FC00000u);
+        memcpy(o + k * 4, &acc, 4);
+        break;
       }
-      if (isnan(acc)) acc = f32_of(0x7FC00000u);
-      memcpy(o + k * 4, &acc, 4);
-      break;
-    }
-    case SP_FLOAT64: {
-      double acc, v;
-      memcpy(&acc, (const unsigned char *)in[0] + k * 8, 8);
-      for (uint32_t i = 1; i < w; i++) {
-        memcpy(&v, (const unsigned char *)in[i] + k * 8, 8);
-        acc += v;
+      case SP_FLOAT64: {
+        double acc, v;
+        memcpy(&acc, (const unsigned char *)in[0] + k * 8, 8);
+        for (uint32_t i = 1; i < w; i++) {
+          memcpy(&v, (const unsigned char *)in[i] + k * 8, 8);
+          acc += v;
+        }
+        if (isnan(acc)) {
+          uint64_t q = 0x7FF8000000000000ull;
+          memcpy(&acc, &q, 8);
+        }
+        memcpy(o + k * 8, &acc, 8);
+        break;
       }
-      if (isnan(acc)) {
-        uint64_t q = 0x7FF8000000000000ull;
-        memcpy(&acc, &q, 8);
+      case SP_BFLOAT16:
+      case SP_FLOAT16: {
+        float acc = 0;
+        for (uint32_t i = 0; i < w; i++) {
+          uint16_t h;
+          memcpy(&h, (const unsigned char *)in[i] + k * 2, 2);
+          float v = f32_of(dt == SP_BFLOAT16 ? sp_bf16_to_f32_bits(h)
+                                             : sp_f16_to_f32_bits(h));
+          acc = i == 0 ? v : acc + v;
+        }
+        uint16_t h = dt == SP_BFLOAT16 ? sp_f32_to_bf16_bits(bits_of(acc))
+                                       : sp_f32_to_f16_bits(bits_of(acc));
+        if (isnan(acc)) h = dt == SP_BFLOAT16 ? 0x7FC0 : 0x7E00;
+        memcpy(o + k * 2, &h, 2);
+        break;
       }
-      memcpy(o + k * 8, &acc, 8);
-      break;
-    }
-    case SP_BFLOAT16:
-    case SP_FLOAT16: {
-      float acc = 0;
-      for (uint32_t i = 0; i < w; i++) {
-        uint16_t h;
-        memcpy(&h, (const unsigned char *)in[i] + k * 2, 2);
-        float v = f32_of(dt == SP_BFLOAT16 ? sp_bf16_to_f32_bits(h)
-                                           : sp_f16_to_f32_bits(h));
-        acc = i == 0 ? v : acc + v;
+      case SP_INT64: {
+        uint64_t acc = 0, v;
+        for (uint32_t i = 0; i < w; i++) {
+          memcpy(&v, (const unsigned char *)in[i] + k * 8, 8);
+          acc += v;
+        }
+        memcpy(o + k * 8, &acc, 8);
+        break;
       }
-      uint16_t h = dt == SP_BFLOAT16 ? sp_f32_to_bf16_bits(bits_of(acc))
-                                     : sp_f32_to_f16_bits(bits_of(acc));
-      if (isnan(acc)) h = dt == SP_BFLOAT16 ? 0x7FC0 : 0x7E00;
-      memcpy(o + k * 2, &h, 2);
-      break;
-    }
-    case SP_INT64: {
-      uint64_t acc = 0, v;
-      for (uint32_t i = 0; i < w; i++) {
-        memcpy(&v, (const unsigned char *)in[i] + k * 8, 8);
-        acc += v;
+      case SP_INT32: {
+        uint32_t acc = 0, v;
+        for (uint32_t i = 0; i < w; i++) {
+          memcpy(&v, (const unsigned char *)in[i] + k * 4, 4);
+          acc += v;
+        }
+        memcpy(o + k * 4, &acc, 4);
+        break;
       }
-      memcpy(o + k * 8, &acc, 8);
-      break;
-    }
-    case SP_INT32: {
-      uint32_t acc = 0, v;
-      for (uint32_t i = 0; i < w; i++) {
-        memcpy(&v, (const unsigned char *)in[i] + k * 4, 4);
-        acc += v;
-      }
-      memcpy(o + k * 4, &acc, 4);
-      break;
-    }
-    default:
-      break;
+      default: break;
     }
   }
 }
@@ -759,16 +750,12 @@ static void storm_member(member *m) {
   for (int i = 0; i < 100000 && rc == 0; i++) {
     for (int k = 0; k < 20000; k++) buf[k] = (float)(k + i);
     switch (i % 3) {
-    case 0:
-      rc = sp_comm_all_reduce(m->c, buf, 20000, SP_FLOAT32, &d);
-      break;
-    case 1:
-      rc = sp_comm_all_gather(m->c, buf + m->rank * 5000, buf, 5000, SP_FLOAT32,
-                              &d);
-      break;
-    default:
-      rc = sp_comm_barrier(m->c, &d);
-      break;
+      case 0: rc = sp_comm_all_reduce(m->c, buf, 20000, SP_FLOAT32, &d); break;
+      case 1:
+        rc = sp_comm_all_gather(m->c, buf + m->rank * 5000, buf, 5000,
+                                SP_FLOAT32, &d);
+        break;
+      default: rc = sp_comm_barrier(m->c, &d); break;
     }
   }
   m->t[0] = sp_clock_s();
@@ -794,10 +781,11 @@ static void test_abort_storm(void **state) {
       if (i == s.victim) assert_int_equal(g.m[i].rc[0], SP_ECANCELED);
       double late = g.m[i].t[0] - s.abort_at;
       if (late > 2.0)
-        fail_msg("round %d (victim %u, abort after %u us): rank %u ended "
-                 "%.3f s after the abort: %s; others: [%s] [%s] [%s]",
-                 round, s.victim, s.delay_us, i, late, g.m[i].diag[0].msg,
-                 g.m[0].diag[0].msg, g.m[1].diag[0].msg, g.m[2].diag[0].msg);
+        fail_msg(
+            "round %d (victim %u, abort after %u us): rank %u ended "
+            "%.3f s after the abort: %s; others: [%s] [%s] [%s]",
+            round, s.victim, s.delay_us, i, late, g.m[i].diag[0].msg,
+            g.m[0].diag[0].msg, g.m[1].diag[0].msg, g.m[2].diag[0].msg);
     }
     group_done(&g);
   }
@@ -1157,9 +1145,10 @@ static void check_record(const uint8_t *rec, size_t len, uint32_t r,
     }
     for (size_t i = used; i < sizeof ss; i++)
       if (p[i] != 0)
-        fail_msg("%s run: rank %u, entry %zu: byte %zu of the socket address "
-                 "(past its %zu bytes) is 0x%02x, not 0",
-                 run, r, e, i, used, p[i]);
+        fail_msg(
+            "%s run: rank %u, entry %zu: byte %zu of the socket address "
+            "(past its %zu bytes) is 0x%02x, not 0",
+            run, r, e, i, used, p[i]);
   }
 }
 
@@ -1182,8 +1171,8 @@ static void test_rendezvous_record_clean(void **state) {
     }
     for (size_t i = 0; i < la[r]; i++)
       if (a[r][i] != b[r][i])
-        fail_msg("rank %u's records differ at byte %zu: 0x%02x, then 0x%02x",
-                 r, i, a[r][i], b[r][i]);
+        fail_msg("rank %u's records differ at byte %zu: 0x%02x, then 0x%02x", r,
+                 i, a[r][i], b[r][i]);
     free(a[r]);
     free(b[r]);
   }
@@ -1216,9 +1205,10 @@ static void test_op_timeout(void **state) {
   assert_true(m0->t[0] >= 0.25 && m0->t[0] < 2.0);
   assert_non_null(strstr(m0->diag[0].msg, "all_reduce(int64, count 3)"));
   /* Gloo says whose data never came: the member that did not take part */
-  assert_non_null(strstr(m0->diag[0].msg, "member 1 of this 2-member "
-                                          "communicator (this rank is "
-                                          "member 0) did not take part"));
+  assert_non_null(strstr(m0->diag[0].msg,
+                         "member 1 of this 2-member "
+                         "communicator (this rank is "
+                         "member 0) did not take part"));
   assert_int_equal(m0->rc[1], SP_ETIMEDOUT);
   assert_true(m0->t[1] < 0.05);
   assert_non_null(strstr(m0->diag[1].msg, "earlier failure"));
@@ -1253,12 +1243,11 @@ static void test_bad_arguments(void **state) {
   sp_diag d = {{0}};
   sp_mstore st;
   sp_mstore_init(&st);
-  sp_comm_opts o = {
-      .backend = SP_BACKEND_GLOO,
-      .store = sp_mstore_comm_store(&st),
-      .prefix = "bad",
-      .rank = 0,
-      .size = 1};
+  sp_comm_opts o = {.backend = SP_BACKEND_GLOO,
+                    .store = sp_mstore_comm_store(&st),
+                    .prefix = "bad",
+                    .rank = 0,
+                    .size = 1};
   assert_int_equal(sp_comm_new(NULL, &c, &d), SP_EINVAL);
   assert_null(c);
   assert_int_equal(sp_comm_new(&o, NULL, &d), SP_EINVAL);
@@ -1350,14 +1339,13 @@ static void two_comms_member(member *m) {
   sp_comm *c2 = NULL;
   char prefix[80];
   snprintf(prefix, sizeof prefix, "%s/second", m->g->prefix);
-  sp_comm_opts o = {
-      .backend = SP_BACKEND_GLOO,
-      .store = sp_mstore_comm_store(&m->g->store),
-      .prefix = prefix,
-      /* reversed ranks: a different group order */
-      .rank = m->g->size - 1 - m->rank,
-      .size = m->g->size,
-      .timeout_ms = 20000};
+  sp_comm_opts o = {.backend = SP_BACKEND_GLOO,
+                    .store = sp_mstore_comm_store(&m->g->store),
+                    .prefix = prefix,
+                    /* reversed ranks: a different group order */
+                    .rank = m->g->size - 1 - m->rank,
+                    .size = m->g->size,
+                    .timeout_ms = 20000};
   MCHECK_RC(m, sp_comm_new(&o, &c2, &d), d);
   for (int i = 0; i < 20; i++) {
     int64_t a = (int64_t)m->rank + i, b = (int64_t)m->rank * 10 + i;

@@ -46,8 +46,8 @@
 #include "cast/cast_cuda.h"
 #endif
 
-static sp_comm_opts nccl_opts(sp_mstore *st, const char *prefix,
-                              uint32_t rank, uint32_t size, const char *device,
+static sp_comm_opts nccl_opts(sp_mstore *st, const char *prefix, uint32_t rank,
+                              uint32_t size, const char *device,
                               uint64_t timeout_ms) {
   sp_comm_opts o = {.backend = SP_BACKEND_NCCL,
                     .prefix = prefix,
@@ -148,20 +148,20 @@ static void test_missing_device(void **state) {
 
 #if SHARDPLANE_HAVE_NCCL && SHARDPLANE_HAVE_CUDA
 
-#define SP_OK(call, d)                                                         \
-  do {                                                                         \
-    int rc_ = (call);                                                          \
-    if (rc_ != 0)                                                              \
-      fail_msg("%s:%d: %s: %s: %s", __FILE__, __LINE__, #call,                 \
-               sp_err_name(rc_), (d)->msg);                                    \
+#define SP_OK(call, d)                                         \
+  do {                                                         \
+    int rc_ = (call);                                          \
+    if (rc_ != 0)                                              \
+      fail_msg("%s:%d: %s: %s: %s", __FILE__, __LINE__, #call, \
+               sp_err_name(rc_), (d)->msg);                    \
   } while (0)
 
-#define SP_WANT(want, call, d)                                                 \
-  do {                                                                         \
-    int rc_ = (call);                                                          \
-    if (rc_ != (want))                                                         \
-      fail_msg("%s:%d: %s: got %s, want %s (%s)", __FILE__, __LINE__, #call,   \
-               sp_err_name(rc_), sp_err_name(want), (d)->msg);                 \
+#define SP_WANT(want, call, d)                                               \
+  do {                                                                       \
+    int rc_ = (call);                                                        \
+    if (rc_ != (want))                                                       \
+      fail_msg("%s:%d: %s: got %s, want %s (%s)", __FILE__, __LINE__, #call, \
+               sp_err_name(rc_), sp_err_name(want), (d)->msg);               \
   } while (0)
 
 /* Each test may take at most this long; SIGALRM's default action ends the
@@ -177,8 +177,7 @@ static int watchdog_off(void **state) {
   return 0;
 }
 
-static sp_comm *new_n1(sp_mstore *st, const char *prefix,
-                       uint64_t timeout_ms) {
+static sp_comm *new_n1(sp_mstore *st, const char *prefix, uint64_t timeout_ms) {
   sp_comm *c = NULL;
   sp_diag d = {{0}};
   sp_comm_opts o = nccl_opts(st, prefix, 0, 1, "cuda:0", timeout_ms);
@@ -207,41 +206,40 @@ static void fill_random(void *buf, sp_dtype dt, size_t count,
   for (size_t i = 0; i < count; i++) {
     uint64_t x = sp_test_rng_next(rng);
     switch (dt) {
-    case SP_FLOAT32: {
-      static const uint32_t sp[] = {0x00000000u, 0x80000000u, 0x7F800000u,
-                                    0xFF800000u, 0x00000001u, 0x7F7FFFFFu};
-      uint32_t u = i < 6 ? sp[i] : (uint32_t)x;
-      if ((u & 0x7F800000u) == 0x7F800000u && i >= 6) u ^= 0x00800000u;
-      memcpy(p + i * esz, &u, esz);
-      break;
-    }
-    case SP_FLOAT64: {
-      static const uint64_t sp[] = {0,
-                                    0x8000000000000000ull,
-                                    0x7FF0000000000000ull,
-                                    0xFFF0000000000000ull,
-                                    1,
-                                    0x7FEFFFFFFFFFFFFFull};
-      uint64_t u = i < 6 ? sp[i] : x;
-      if ((u & 0x7FF0000000000000ull) == 0x7FF0000000000000ull && i >= 6)
-        u ^= 0x0010000000000000ull;
-      memcpy(p + i * esz, &u, esz);
-      break;
-    }
-    case SP_FLOAT16:
-    case SP_BFLOAT16: {
-      uint16_t inf = dt == SP_FLOAT16 ? 0x7C00 : 0x7F80;
-      uint16_t sp[] = {
-          0, 0x8000, inf, (uint16_t)(inf | 0x8000), 1, (uint16_t)(inf - 1)};
-      uint16_t u = i < 6 ? sp[i] : (uint16_t)x;
-      uint16_t emask = dt == SP_FLOAT16 ? 0x7C00 : 0x7F80;
-      uint16_t elow = dt == SP_FLOAT16 ? 0x0400 : 0x0080;
-      if ((u & emask) == emask && i >= 6) u ^= elow;
-      memcpy(p + i * esz, &u, esz);
-      break;
-    }
-    default:
-      memcpy(p + i * esz, &x, esz);
+      case SP_FLOAT32: {
+        static const uint32_t sp[] = {0x00000000u, 0x80000000u, 0x7F800000u,
+                                      0xFF800000u, 0x00000001u, 0x7F7FFFFFu};
+        uint32_t u = i < 6 ? sp[i] : (uint32_t)x;
+        if ((u & 0x7F800000u) == 0x7F800000u && i >= 6) u ^= 0x00800000u;
+        memcpy(p + i * esz, &u, esz);
+        break;
+      }
+      case SP_FLOAT64: {
+        static const uint64_t sp[] = {0,
+                                      0x8000000000000000ull,
+                                      0x7FF0000000000000ull,
+                                      0xFFF0000000000000ull,
+                                      1,
+                                      0x7FEFFFFFFFFFFFFFull};
+        uint64_t u = i < 6 ? sp[i] : x;
+        if ((u & 0x7FF0000000000000ull) == 0x7FF0000000000000ull && i >= 6)
+          u ^= 0x0010000000000000ull;
+        memcpy(p + i * esz, &u, esz);
+        break;
+      }
+      case SP_FLOAT16:
+      case SP_BFLOAT16: {
+        uint16_t inf = dt == SP_FLOAT16 ? 0x7C00 : 0x7F80;
+        uint16_t sp[] = {
+            0, 0x8000, inf, (uint16_t)(inf | 0x8000), 1, (uint16_t)(inf - 1)};
+        uint16_t u = i < 6 ? sp[i] : (uint16_t)x;
+        uint16_t emask = dt == SP_FLOAT16 ? 0x7C00 : 0x7F80;
+        uint16_t elow = dt == SP_FLOAT16 ? 0x0400 : 0x0080;
+        if ((u & emask) == emask && i >= 6) u ^= elow;
+        memcpy(p + i * esz, &u, esz);
+        break;
+      }
+      default: memcpy(p + i * esz, &x, esz);
     }
   }
 }
@@ -280,10 +278,11 @@ static void check_device(const void *dev, const void *want, size_t bytes,
   if (memcmp(got, want, bytes) != 0) {
     size_t k = 0;
     while (k < bytes && got[k] == ((const unsigned char *)want)[k]) k++;
-    fail_msg("%s %s count %zu: first differing byte %zu (got 0x%02x, want "
-             "0x%02x)",
-             what, sp_dtype_name(dt), count, k, got[k],
-             ((const unsigned char *)want)[k]);
+    fail_msg(
+        "%s %s count %zu: first differing byte %zu (got 0x%02x, want "
+        "0x%02x)",
+        what, sp_dtype_name(dt), count, k, got[k],
+        ((const unsigned char *)want)[k]);
   }
   for (size_t k = 0; k < GUARD; k++)
     if (got[bytes + k] != 0xA5)
@@ -381,9 +380,10 @@ static void test_ops_single_member(void **state) {
   SP_OK(sp_comm_barrier(c, &d), &d);
   /* One member leaves at once, without needing the store's add. */
   SP_OK(sp_comm_leave(c, &d), &d);
-  printf("NCCL single member: %zu dtype x count combinations, every op, "
-         "bit-identical to the host reference\n",
-         checked);
+  printf(
+      "NCCL single member: %zu dtype x count combinations, every op, "
+      "bit-identical to the host reference\n",
+      checked);
   double t0 = sp_clock_s();
   sp_comm_free(c); /* ncclCommFinalize + ncclCommDestroy */
   double t_free = sp_clock_s() - t0;
@@ -525,8 +525,7 @@ typedef struct held {
 static void CUDART_CB gate_fn(void *arg) {
   held *h = arg;
   /* 30 s safety valve: never hold the GPU forever, whatever the test does */
-  for (int i = 0; i < 30000 && !atomic_load(&h->open); i++)
-    sp_test_sleep_ms(1);
+  for (int i = 0; i < 30000 && !atomic_load(&h->open); i++) sp_test_sleep_ms(1);
 }
 
 static void *opener_thread(void *arg) {
@@ -593,8 +592,8 @@ static void test_op_timeout(void **state) {
   held_start(&h, "op_timeout", 300, 0, 1000);
   sp_diag d = {{0}};
   double t0 = sp_clock_s();
-  int rc = sp_comm_all_gather(h.c, h.dv, (char *)h.dv + 2048, 512, SP_FLOAT32,
-                              &d);
+  int rc =
+      sp_comm_all_gather(h.c, h.dv, (char *)h.dv + 2048, 512, SP_FLOAT32, &d);
   double dt = sp_clock_s() - t0;
   held_join(&h);
   printf("blocked all_gather returned %s after %.0f ms: %s\n", sp_err_name(rc),
@@ -606,9 +605,10 @@ static void test_op_timeout(void **state) {
   assert_true(dt < 10.0);
   rc = sp_comm_barrier(h.c, &d);
   if (rc != SP_ETIMEDOUT || strstr(d.msg, "broken") == NULL)
-    fail_msg("after a timeout: got %s (%s), want the broken communicator's "
-             "SP_ETIMEDOUT",
-             sp_err_name(rc), d.msg);
+    fail_msg(
+        "after a timeout: got %s (%s), want the broken communicator's "
+        "SP_ETIMEDOUT",
+        sp_err_name(rc), d.msg);
   held_free(&h);
 }
 
@@ -704,10 +704,10 @@ typedef struct rank_arg {
   char fail[SP_DIAG_MAX + 128];
 } rank_arg;
 
-#define RFAIL(a, ...)                                                          \
-  do {                                                                         \
-    snprintf((a)->fail, sizeof(a)->fail, __VA_ARGS__);                         \
-    goto out;                                                                  \
+#define RFAIL(a, ...)                                  \
+  do {                                                 \
+    snprintf((a)->fail, sizeof(a)->fail, __VA_ARGS__); \
+    goto out;                                          \
   } while (0)
 
 /* Values are small integers, exact in every dtype used and in any sum
@@ -791,9 +791,10 @@ out:
 static void test_multi_gpu(void **state) {
   (void)state;
   if (g_ndev < 2) {
-    printf("multi-GPU run skipped: %d CUDA device (NCCL needs one GPU per "
-           "rank)\n",
-           g_ndev);
+    printf(
+        "multi-GPU run skipped: %d CUDA device (NCCL needs one GPU per "
+        "rank)\n",
+        g_ndev);
     skip();
   }
   uint32_t W = g_ndev < MAX_RANKS ? (uint32_t)g_ndev : MAX_RANKS;
@@ -808,9 +809,10 @@ static void test_multi_gpu(void **state) {
   for (uint32_t r = 0; r < W; r++) pthread_join(th[r], NULL);
   for (uint32_t r = 0; r < W; r++)
     if (args[r].fail[0] != '\0') fail_msg("%s", args[r].fail);
-  printf("NCCL across %u GPUs: all_gather, reduce_scatter, broadcast, "
-         "barrier agree\n",
-         W);
+  printf(
+      "NCCL across %u GPUs: all_gather, reduce_scatter, broadcast, "
+      "barrier agree\n",
+      W);
   sp_mstore_destroy(&st);
 }
 
@@ -824,24 +826,26 @@ int main(void) {
 #endif
   g_ndev = n;
   const struct CMUnitTest nodev[] = {
-      cmocka_unit_test(test_gloo_has_no_stream),
+    cmocka_unit_test(test_gloo_has_no_stream),
 #if SHARDPLANE_HAVE_NCCL
-      cmocka_unit_test(test_bad_device_strings),
-      cmocka_unit_test(test_missing_device),
+    cmocka_unit_test(test_bad_device_strings),
+    cmocka_unit_test(test_missing_device),
 #else
-      cmocka_unit_test(test_not_built),
+    cmocka_unit_test(test_not_built),
 #endif
   };
   int rc = cmocka_run_group_tests_name("without a device", nodev, NULL, NULL);
   if (rc != 0) return rc;
 #if !SHARDPLANE_HAVE_NCCL
-  return sp_test_skip("libshardplane was built without the NCCL backend (it "
-                      "needs CUDA and NCCL >= 2.14 at configure time); the "
-                      "SP_EUNSUPPORTED answer was checked");
+  return sp_test_skip(
+      "libshardplane was built without the NCCL backend (it "
+      "needs CUDA and NCCL >= 2.14 at configure time); the "
+      "SP_EUNSUPPORTED answer was checked");
 #else
   if (n == 0)
-    return sp_test_skip("no CUDA device (or no driver) present; the device "
-                        "string checks and SP_ENODEV were checked");
+    return sp_test_skip(
+        "no CUDA device (or no driver) present; the device "
+        "string checks and SP_ENODEV were checked");
   const struct CMUnitTest gpu[] = {
       GPU_TEST(test_ops_single_member),
       GPU_TEST(test_single_member_without_store),

@@ -79,10 +79,21 @@ static pid_t start_worker(const sp_coord_fixture *fx, int r,
   char rs[16], err[1024];
   snprintf(rs, sizeof rs, "%d", r);
   snprintf(err, sizeof err, "%s/rank-%d.err", dir, r);
-  const char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                        fx->addr, "--insecure", "--token-file", token_file,
-                        "--rank", rs, "--steps", steps, "--log-every", "0",
-                        "--checkpoint", "none", NULL};
+  const char *argv[] = {SP_BIN_DIR "/shardplane-worker",
+                        "--coordinator",
+                        fx->addr,
+                        "--insecure",
+                        "--token-file",
+                        token_file,
+                        "--rank",
+                        rs,
+                        "--steps",
+                        steps,
+                        "--log-every",
+                        "0",
+                        "--checkpoint",
+                        "none",
+                        NULL};
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 2, err, O_WRONLY | O_CREAT | O_TRUNC,
@@ -135,7 +146,8 @@ static void test_attacks_leave_the_job_running(void **state) {
   sp_coord_fixture fx;
   sp_coord_fixture_start_auth(&fx, MLP, k_world2, 0, a.token_file, NULL);
   sp_rpc_sync *anon = client(&fx, NULL);
-  sp_rpc_sync *forged = client(&fx, "spt_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA");
+  sp_rpc_sync *forged =
+      client(&fx, "spt_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA");
   sp_rpc_sync *reader = client(&fx, a.token[SP_ROLE_READER]);
   sp_rpc_sync *worker = client(&fx, a.token[SP_ROLE_WORKER]);
 
@@ -148,13 +160,15 @@ static void test_attacks_leave_the_job_running(void **state) {
       anon, "/grpc.health.v1.Health/Check", &hq.base,
       &grpc__health__v1__health_check_response__descriptor, 5000, &st);
   sp_test_expect_status(&st, SP_RPC_OK, NULL);
-  assert_int_equal(h->status,
-                   GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING);
+  assert_int_equal(
+      h->status,
+      GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING);
   sp_test_free_msg(h);
 
   /* anonymous and forged queries */
   Shardplane__V1__GetPlanRequest pq = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
-  Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+  Shardplane__V1__ListRanksRequest lq =
+      SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
   Shardplane__V1__StoreGetRequest gq = SHARDPLANE__V1__STORE_GET_REQUEST__INIT;
   gq.key = "comm/world/0";
   sp_rpc_sync *outsiders[] = {anon, forged};
@@ -187,8 +201,8 @@ static void test_attacks_leave_the_job_running(void **state) {
          BAD_TOKEN);
   /* ... or by a reader: the role may not */
   expect(reader, M("Attach"), &aq.base,
-         &shardplane__v1__attach_response__descriptor,
-         SP_RPC_PERMISSION_DENIED, "role reader, which may not call Attach");
+         &shardplane__v1__attach_response__descriptor, SP_RPC_PERMISSION_DENIED,
+         "role reader, which may not call Attach");
   assert_int_equal(attached(reader), 0);
 
   /* ... and the real workers then attach and train */
@@ -218,19 +232,19 @@ static void test_attacks_leave_the_job_running(void **state) {
   Shardplane__V1__AbortRequest abq = SHARDPLANE__V1__ABORT_REQUEST__INIT;
   abq.reason = "attack";
   expect(reader, M("Abort"), &abq.base,
-         &shardplane__v1__abort_response__descriptor,
-         SP_RPC_PERMISSION_DENIED, "role reader, which may not call Abort");
+         &shardplane__v1__abort_response__descriptor, SP_RPC_PERMISSION_DENIED,
+         "role reader, which may not call Abort");
   /* a worker token neither aborts nor detaches a rank whose session it
    * does not hold, nor writes outside the communicators' keys */
   expect(worker, M("Abort"), &abq.base,
-         &shardplane__v1__abort_response__descriptor,
-         SP_RPC_PERMISSION_DENIED, "role worker, which may not call Abort");
+         &shardplane__v1__abort_response__descriptor, SP_RPC_PERMISSION_DENIED,
+         "role worker, which may not call Abort");
   Shardplane__V1__DetachRequest dq = SHARDPLANE__V1__DETACH_REQUEST__INIT;
   dq.rank = 1;
   dq.session_id = "";
   expect(worker, M("Detach"), &dq.base,
-         &shardplane__v1__detach_response__descriptor,
-         SP_RPC_PERMISSION_DENIED, "wrong session id for rank 1");
+         &shardplane__v1__detach_response__descriptor, SP_RPC_PERMISSION_DENIED,
+         "wrong session id for rank 1");
   Shardplane__V1__StoreSetRequest oq = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
   oq.key = "job/config";
   expect(worker, M("StoreSet"), &oq.base,
@@ -239,8 +253,9 @@ static void test_attacks_leave_the_job_running(void **state) {
   /* the attacks ran while the job did */
   assert_int_equal(attached(reader), 2);
   for (int r = 0; r < 2; r++) expect_exit(w[r], 0, dir, r);
-  printf("  anonymous, forged, reader and worker attacks refused; the job "
-         "of 2 ranks finished\n");
+  printf(
+      "  anonymous, forged, reader and worker attacks refused; the job "
+      "of 2 ranks finished\n");
 
   sp_test_free_msg(job);
   sp_rpc_sync_close(anon);
@@ -272,8 +287,8 @@ static void test_admin_aborts(void **state) {
   sp_rpc_status st;
   double t0 = sp_clock_s();
   Shardplane__V1__AbortResponse *ar = (void *)sp_test_unary(
-      admin, M("Abort"), &abq.base,
-      &shardplane__v1__abort_response__descriptor, 5000, &st);
+      admin, M("Abort"), &abq.base, &shardplane__v1__abort_response__descriptor,
+      5000, &st);
   sp_test_expect_status(&st, SP_RPC_OK, NULL);
   /* attached ranks whose Session stream is not bound yet (a loaded
    * machine) get the ABORT when it binds: 0 to 2 at once */
@@ -287,8 +302,7 @@ static void test_admin_aborts(void **state) {
     for (double end = sp_clock_s() + 20; sp_clock_s() < end;) {
       free(e);
       e = sp_test_read_file(path);
-      if (strstr(e, "job aborted by token \"test-admin\": maintenance"))
-        break;
+      if (strstr(e, "job aborted by token \"test-admin\": maintenance")) break;
       sp_test_sleep_ms(20);
     }
     if (strstr(e, "job aborted by token \"test-admin\": maintenance") == NULL)
@@ -335,8 +349,9 @@ static void test_rank_belongs_to_its_token(void **state) {
   char other[SP_AUTH_TOKEN_LEN + 1];
   sp_diag d = {{0}};
   assert_int_equal(sp_auth_token_new(other, &d), 0);
-  assert_int_equal(sp_auth_file_add(a.token_file, other, SP_ROLE_WORKER,
-                                    "other-worker", &d), 0);
+  assert_int_equal(
+      sp_auth_file_add(a.token_file, other, SP_ROLE_WORKER, "other-worker", &d),
+      0);
   sp_coord_fixture fx;
   sp_coord_fixture_start_auth(&fx, MLP, k_world2, 0, a.token_file, NULL);
   sp_rpc_sync *mine = client(&fx, a.token[SP_ROLE_WORKER]);
@@ -353,20 +368,20 @@ static void test_rank_belongs_to_its_token(void **state) {
   aq.world_size = 2;
   aq.plan_version = job->plan_version;
   Shardplane__V1__AttachResponse *ar = (void *)sp_test_unary(
-      mine, M("Attach"), &aq.base,
-      &shardplane__v1__attach_response__descriptor, 5000, &st);
+      mine, M("Attach"), &aq.base, &shardplane__v1__attach_response__descriptor,
+      5000, &st);
   sp_test_expect_status(&st, SP_RPC_OK, NULL);
   /* even knowing the session id, another token does not own the rank */
   Shardplane__V1__DetachRequest dq = SHARDPLANE__V1__DETACH_REQUEST__INIT;
   dq.rank = 0;
   dq.session_id = ar->session_id;
   expect(theirs, M("Detach"), &dq.base,
-         &shardplane__v1__detach_response__descriptor,
-         SP_RPC_PERMISSION_DENIED, "attached with another token");
+         &shardplane__v1__detach_response__descriptor, SP_RPC_PERMISSION_DENIED,
+         "attached with another token");
   aq.session_id = ar->session_id;
   expect(theirs, M("Attach"), &aq.base,
-         &shardplane__v1__attach_response__descriptor,
-         SP_RPC_PERMISSION_DENIED, "attached with another token");
+         &shardplane__v1__attach_response__descriptor, SP_RPC_PERMISSION_DENIED,
+         "attached with another token");
   Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
   t.state = 2;
   Shardplane__V1__ReportTransitionRequest rq =
@@ -424,10 +439,11 @@ static void test_refused_before_the_body(void **state) {
          &shardplane__v1__store_set_response__descriptor,
          SP_RPC_UNAUTHENTICATED, BAD_TOKEN);
   sp_coord_fixture_run(&fx, count_body, &after);
-  printf("  refused 8 MiB StoreSet: %llu body bytes kept, %llu bytes "
-         "arrived\n",
-         (unsigned long long)(after.body_bytes - before.body_bytes),
-         (unsigned long long)(after.bytes_in - before.bytes_in));
+  printf(
+      "  refused 8 MiB StoreSet: %llu body bytes kept, %llu bytes "
+      "arrived\n",
+      (unsigned long long)(after.body_bytes - before.body_bytes),
+      (unsigned long long)(after.bytes_in - before.bytes_in));
   assert_int_equal(after.body_bytes, before.body_bytes);
   assert_int_equal(after.calls_refused, before.calls_refused + 1);
   /* an authenticated one goes through whole (the quota holds 8 MiB) */
@@ -474,7 +490,8 @@ static void test_store_quota(void **state) {
          SP_RPC_RESOURCE_EXHAUSTED, "store quota of token \"test-worker\"");
   /* replacing a key's value within the byte quota is fine; past it not */
   sq.key = "comm/a";
-  sq.value = (ProtobufCBinaryData){40, (uint8_t *)"0123456789012345678901234567890123456789"};
+  sq.value = (ProtobufCBinaryData){
+      40, (uint8_t *)"0123456789012345678901234567890123456789"};
   expect(w, M("StoreSet"), &sq.base,
          &shardplane__v1__store_set_response__descriptor, SP_RPC_OK, NULL);
   sq.value.len = 60;
@@ -524,11 +541,12 @@ static void test_token_file(void **state) {
   free(text);
 
   char *bad = sp_test_path(a.dir, "bad-tokens");
-  const char *body = "# two good lines, then a bad hash\n"
-                     "sha256:0000000000000000000000000000000000000000000000"
-                     "000000000000000000 worker w1\n"
-                     "sha256:00000000000000000000000000000000000000000000000"
-                     "0000000000000000g reader r1\n";
+  const char *body =
+      "# two good lines, then a bad hash\n"
+      "sha256:0000000000000000000000000000000000000000000000"
+      "000000000000000000 worker w1\n"
+      "sha256:00000000000000000000000000000000000000000000000"
+      "0000000000000000g reader r1\n";
   sp_test_write_file(bad, body, strlen(body));
   chmod(bad, 0600);
   sp_coord_auth *t = NULL;
@@ -542,7 +560,8 @@ static void test_token_file(void **state) {
   char cmd[4096];
   snprintf(cmd, sizeof cmd,
            "%s/shardplane-coordinator --model %s --listen 127.0.0.1:0 "
-           "--insecure --token-file %s 2>&1", SP_BIN_DIR, MLP, bad);
+           "--insecure --token-file %s 2>&1",
+           SP_BIN_DIR, MLP, bad);
   char *out;
   assert_int_equal(sp_test_shell(cmd, &out), 1);
   if (strstr(out, where) == NULL) fail_msg("no %s in: %s", where, out);
@@ -565,7 +584,8 @@ static void test_token_create_and_use(void **state) {
   char cmd[4096], *out;
   snprintf(cmd, sizeof cmd,
            "%s/shardplane token create --role reader --token-file %s "
-           "--name ops 2>/dev/null", SP_BIN_DIR, tf);
+           "--name ops 2>/dev/null",
+           SP_BIN_DIR, tf);
   assert_int_equal(sp_test_shell(cmd, &out), 0);
   assert_int_equal(strncmp(out, "spt_", 4), 0);
   assert_int_equal(strlen(out), SP_AUTH_TOKEN_LEN + 1);
@@ -594,18 +614,20 @@ static void test_token_create_and_use(void **state) {
   assert_int_equal(sp_auth_token_write(mine, token, &d), 0);
   snprintf(cmd, sizeof cmd,
            "%s/shardplane status --coordinator %s --insecure --token-file %s "
-           "--json 2>&1", SP_BIN_DIR, fx.addr, mine);
+           "--json 2>&1",
+           SP_BIN_DIR, fx.addr, mine);
   assert_int_equal(sp_test_shell(cmd, &out), 0);
   assert_non_null(strstr(out, "\"plan_version\""));
   free(out);
   snprintf(cmd, sizeof cmd,
            "SHARDPLANE_TOKEN=%s %s/shardplane ranks --coordinator %s "
-           "--insecure 2>&1", token, SP_BIN_DIR, fx.addr);
+           "--insecure 2>&1",
+           token, SP_BIN_DIR, fx.addr);
   assert_int_equal(sp_test_shell(cmd, &out), 0);
   free(out);
   snprintf(cmd, sizeof cmd,
-           "%s/shardplane status --coordinator %s --insecure 2>&1",
-           SP_BIN_DIR, fx.addr);
+           "%s/shardplane status --coordinator %s --insecure 2>&1", SP_BIN_DIR,
+           fx.addr);
   assert_int_equal(sp_test_shell(cmd, &out), 1);
   assert_non_null(strstr(out, "UNAUTHENTICATED"));
   /* the refusal says that no token went, and how to send one */
@@ -613,11 +635,12 @@ static void test_token_create_and_use(void **state) {
   free(out);
   /* ... or which token it was refused */
   char *wrong = sp_test_path(dir, "wrong.token");
-  assert_int_equal(sp_auth_token_write(wrong, "spt_not-a-token-of-this-job",
-                                       &d), 0);
+  assert_int_equal(
+      sp_auth_token_write(wrong, "spt_not-a-token-of-this-job", &d), 0);
   snprintf(cmd, sizeof cmd,
            "%s/shardplane status --coordinator %s --insecure --token-file %s "
-           "2>&1", SP_BIN_DIR, fx.addr, wrong);
+           "2>&1",
+           SP_BIN_DIR, fx.addr, wrong);
   assert_int_equal(sp_test_shell(cmd, &out), 1);
   char want[1200];
   snprintf(want, sizeof want, "(UNAUTHENTICATED): the token of --token-file %s",
@@ -628,14 +651,16 @@ static void test_token_create_and_use(void **state) {
   /* a reader may not write the store */
   snprintf(cmd, sizeof cmd,
            "%s/shardplane store set k v --coordinator %s --insecure "
-           "--token-file %s 2>&1", SP_BIN_DIR, fx.addr, mine);
+           "--token-file %s 2>&1",
+           SP_BIN_DIR, fx.addr, mine);
   assert_int_equal(sp_test_shell(cmd, &out), 1);
   assert_non_null(strstr(out, "PERMISSION_DENIED"));
   free(out);
   chmod(mine, 0644);
   snprintf(cmd, sizeof cmd,
            "%s/shardplane status --coordinator %s --insecure --token-file %s "
-           "2>&1", SP_BIN_DIR, fx.addr, mine);
+           "2>&1",
+           SP_BIN_DIR, fx.addr, mine);
   assert_int_equal(sp_test_shell(cmd, &out), 2);
   assert_non_null(strstr(out, "chmod 600"));
   free(out);
@@ -665,7 +690,8 @@ static void test_coordinator_flags(void **state) {
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     snprintf(cmd, sizeof cmd,
              "%s/shardplane-coordinator --model %s --listen 127.0.0.1:0 %s "
-             "2>&1", SP_BIN_DIR, MLP, cases[i].flags);
+             "2>&1",
+             SP_BIN_DIR, MLP, cases[i].flags);
     assert_int_equal(sp_test_shell(cmd, &out), 2);
     if (strstr(out, cases[i].says) == NULL)
       fail_msg("%s: no \"%s\" in: %s", cases[i].flags, cases[i].says, out);
@@ -675,7 +701,8 @@ static void test_coordinator_flags(void **state) {
   snprintf(cmd, sizeof cmd,
            "%s/shardplane-coordinator --model %s --listen 0.0.0.0:0 --quiet "
            "--insecure --no-auth 2>&1 >/dev/null & p=$!; sleep 0.5; kill $p; "
-           "wait $p", SP_BIN_DIR, MLP);
+           "wait $p",
+           SP_BIN_DIR, MLP);
   assert_int_equal(sp_test_shell(cmd, &out), 0);
   if (strstr(out, "warning: listening in cleartext on 0.0.0.0:0") == NULL ||
       strstr(out, "warning: --no-auth") == NULL)
@@ -685,7 +712,8 @@ static void test_coordinator_flags(void **state) {
   snprintf(cmd, sizeof cmd,
            "%s/shardplane-coordinator --model %s --listen 127.0.0.1:0 --quiet "
            "--insecure --no-auth 2>&1 >/dev/null & p=$!; sleep 0.5; kill $p; "
-           "wait $p", SP_BIN_DIR, MLP);
+           "wait $p",
+           SP_BIN_DIR, MLP);
   assert_int_equal(sp_test_shell(cmd, &out), 0);
   assert_null(strstr(out, "cleartext"));
   assert_non_null(strstr(out, "warning: --no-auth"));
@@ -710,11 +738,21 @@ static void test_tls_and_tokens(void **state) {
   sp_tauth a;
   sp_tauth_make(&a);
   for (int mutual = 0; mutual < 2; mutual++) {
-    const char *ca[24] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                          "127.0.0.1:0", "--model", MLP, "--world-size", "2",
-                          "--quiet", "--tls-cert", certs.server_cert,
-                          "--tls-key", certs.server_key, "--token-file",
-                          a.token_file, NULL};
+    const char *ca[24] = {SP_BIN_DIR "/shardplane-coordinator",
+                          "--listen",
+                          "127.0.0.1:0",
+                          "--model",
+                          MLP,
+                          "--world-size",
+                          "2",
+                          "--quiet",
+                          "--tls-cert",
+                          certs.server_cert,
+                          "--tls-key",
+                          certs.server_key,
+                          "--token-file",
+                          a.token_file,
+                          NULL};
     if (mutual) {
       ca[14] = "--tls-client-ca";
       ca[15] = certs.ca;
@@ -738,17 +776,29 @@ static void test_tls_and_tokens(void **state) {
         char rs[4], err[1024];
         snprintf(rs, sizeof rs, "%d", r);
         snprintf(err, sizeof err, "%s/rank-%d.err", dir, r);
-        const char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                            addr, "--tls-ca", certs.ca, "--token-file",
-                            a.file[SP_ROLE_WORKER], "--rank", rs, "--steps",
-                            "3", "--log-every", "0", "--checkpoint", "none",
+        const char *wa[] = {SP_BIN_DIR "/shardplane-worker",
+                            "--coordinator",
+                            addr,
+                            "--tls-ca",
+                            certs.ca,
+                            "--token-file",
+                            a.file[SP_ROLE_WORKER],
+                            "--rank",
+                            rs,
+                            "--steps",
+                            "3",
+                            "--log-every",
+                            "0",
+                            "--checkpoint",
+                            "none",
                             NULL};
         posix_spawn_file_actions_t fa;
         posix_spawn_file_actions_init(&fa);
         posix_spawn_file_actions_addopen(&fa, 2, err,
                                          O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        assert_int_equal(posix_spawn(&w[r], wa[0], &fa, NULL,
-                                     (char *const *)wa, environ), 0);
+        assert_int_equal(
+            posix_spawn(&w[r], wa[0], &fa, NULL, (char *const *)wa, environ),
+            0);
         posix_spawn_file_actions_destroy(&fa);
       }
       for (int r = 0; r < 2; r++) expect_exit(w[r], 0, dir, r);
@@ -756,8 +806,8 @@ static void test_tls_and_tokens(void **state) {
     char cmd[8192], *out;
     snprintf(cmd, sizeof cmd,
              "%s/shardplane ranks --coordinator %s --tls-ca %s%s "
-             "--token-file %s 2>&1", SP_BIN_DIR, addr, certs.ca, certflags,
-             a.file[SP_ROLE_READER]);
+             "--token-file %s 2>&1",
+             SP_BIN_DIR, addr, certs.ca, certflags, a.file[SP_ROLE_READER]);
     assert_int_equal(sp_test_shell(cmd, &out), 0);
     if (!mutual && strstr(out, "DETACHED") == NULL)
       fail_msg("the TLS job's ranks: %s", out);
@@ -765,29 +815,31 @@ static void test_tls_and_tokens(void **state) {
     /* cleartext to a TLS coordinator, and a CA it does not use */
     snprintf(cmd, sizeof cmd,
              "%s/shardplane status --coordinator %s --insecure --token-file "
-             "%s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
-             a.file[SP_ROLE_READER]);
+             "%s --timeout-ms 1000 2>&1",
+             SP_BIN_DIR, addr, a.file[SP_ROLE_READER]);
     assert_true(sp_test_shell(cmd, &out) != 0);
     free(out);
     snprintf(cmd, sizeof cmd,
              "%s/shardplane status --coordinator %s --tls-ca %s%s "
-             "--token-file %s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
-             certs.other_ca, certflags, a.file[SP_ROLE_READER]);
+             "--token-file %s --timeout-ms 1000 2>&1",
+             SP_BIN_DIR, addr, certs.other_ca, certflags,
+             a.file[SP_ROLE_READER]);
     assert_true(sp_test_shell(cmd, &out) != 0);
     free(out);
     if (mutual) {
       /* without a client certificate the handshake fails */
       snprintf(cmd, sizeof cmd,
                "%s/shardplane status --coordinator %s --tls-ca %s "
-               "--token-file %s --timeout-ms 1000 2>&1", SP_BIN_DIR, addr,
-               certs.ca, a.file[SP_ROLE_READER]);
+               "--token-file %s --timeout-ms 1000 2>&1",
+               SP_BIN_DIR, addr, certs.ca, a.file[SP_ROLE_READER]);
       assert_true(sp_test_shell(cmd, &out) != 0);
       free(out);
     }
     sp_proc_stop(&coord, 5000);
   }
-  printf("  TLS and mutual TLS with tokens: a 2-rank job trained, the "
-         "command read it; cleartext and a foreign CA refused\n");
+  printf(
+      "  TLS and mutual TLS with tokens: a 2-rank job trained, the "
+      "command read it; cleartext and a foreign CA refused\n");
   sp_tauth_free(&a);
   sp_test_certs_free(&certs);
   sp_test_rmtree(dir);

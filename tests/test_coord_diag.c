@@ -126,7 +126,8 @@ static void drain(fake *f, uint64_t wait_ms) {
   ProtobufCMessage *m;
   sp_rpc_status st;
   if (wait_ms == 0) wait_ms = 1;
-  while (sp_rpc_sync_stream_recv(f->s, &shardplane__v1__session_down__descriptor,
+  while (sp_rpc_sync_stream_recv(f->s,
+                                 &shardplane__v1__session_down__descriptor,
                                  wait_ms, &m, &st) == 0) {
     take(f, (Shardplane__V1__SessionDown *)m);
     sp_test_free_msg(m);
@@ -145,8 +146,8 @@ static void send_up(fake *f, Shardplane__V1__SessionUp *up) {
   for (;;) {
     ProtobufCMessage *m;
     sp_rpc_status st;
-    rc = sp_rpc_sync_stream_recv(f->s, &shardplane__v1__session_down__descriptor,
-                                 5000, &m, &st);
+    rc = sp_rpc_sync_stream_recv(
+        f->s, &shardplane__v1__session_down__descriptor, 5000, &m, &st);
     if (rc != 0)
       fail_msg("rank %u: no ack of %llu: %s (%s)", f->rank,
                (unsigned long long)f->seq, sp_strerror(rc), st.message);
@@ -179,8 +180,8 @@ static void transition(fake *f, int machine, uint32_t unit, int state,
   send_up(f, &up);
 }
 
-static void collective(fake *f, int comm, uint32_t index, uint64_t seq,
-                       int op, uint32_t unit, uint64_t count, bool done,
+static void collective(fake *f, int comm, uint32_t index, uint64_t seq, int op,
+                       uint32_t unit, uint64_t count, bool done,
                        uint64_t step) {
   Shardplane__V1__Collective k = SHARDPLANE__V1__COLLECTIVE__INIT;
   k.comm = (Shardplane__V1__CommKind)comm;
@@ -287,7 +288,8 @@ static Shardplane__V1__Event *next_alert(job *j, uint64_t wait_ms) {
 }
 
 static Shardplane__V1__Verdict *get_verdict(job *j) {
-  Shardplane__V1__GetVerdictRequest q = SHARDPLANE__V1__GET_VERDICT_REQUEST__INIT;
+  Shardplane__V1__GetVerdictRequest q =
+      SHARDPLANE__V1__GET_VERDICT_REQUEST__INIT;
   sp_rpc_status st;
   Shardplane__V1__Verdict *v = (Shardplane__V1__Verdict *)sp_coord_fixture_call(
       &j->fx, PATH("GetVerdict"), &q.base, &shardplane__v1__verdict__descriptor,
@@ -340,8 +342,8 @@ static void test_desync_world(void **state) {
            g_unit1, g_unit1);
   assert_string_equal(ev->alert->message, want);
   expect_ranks(ev->alert->culprits, ev->alert->n_culprits, (uint32_t[]){3}, 1);
-  expect_ranks(ev->alert->victims, ev->alert->n_victims,
-               (uint32_t[]){0, 1, 2}, 3);
+  expect_ranks(ev->alert->victims, ev->alert->n_victims, (uint32_t[]){0, 1, 2},
+               3);
   assert_non_null(ev->alert->collective);
   assert_int_equal(ev->alert->collective->seq, 1);
   assert_int_equal(ev->alert->collective->op, RS);
@@ -356,8 +358,9 @@ static void test_desync_world(void **state) {
 
 static void test_desync_shard_group(void **state) {
   (void)state;
-  const char *flags[] = {"world-size", "4", "wrap-type", "Block", "strategy",
-                         "HYBRID_SHARD", "shard-group-size", "2", NULL};
+  const char *flags[] = {
+      "world-size",       "4", "wrap-type", "Block", "strategy", "HYBRID_SHARD",
+      "shard-group-size", "2", NULL};
   job j;
   job_start(&j, flags, 60000);
   int shard = SHARDPLANE__V1__COMM_KIND__COMM_SHARD;
@@ -422,14 +425,15 @@ static void test_stall_names_the_rank_and_its_victims(void **state) {
            "rank 2 has not issued ALL_GATHER #5 of unit 1 (%s) on world; "
            "ranks 0, 1, 3 have been waiting in it for ",
            g_unit1);
-  snprintf(tail, sizeof tail, " s; rank 2's last event: FORWARD of unit 0, "
-                              "step 4");
+  snprintf(tail, sizeof tail,
+           " s; rank 2's last event: FORWARD of unit 0, "
+           "step 4");
   const char *msg = ev->alert->message;
   assert_memory_equal(msg, head, strlen(head));
   assert_string_equal(msg + strlen(msg) - strlen(tail), tail);
   expect_ranks(ev->alert->culprits, ev->alert->n_culprits, (uint32_t[]){2}, 1);
-  expect_ranks(ev->alert->victims, ev->alert->n_victims,
-               (uint32_t[]){0, 1, 3}, 3);
+  expect_ranks(ev->alert->victims, ev->alert->n_victims, (uint32_t[]){0, 1, 3},
+               3);
   assert_int_equal(ev->alert->collective->seq, 5);
   sp_test_free_msg(ev);
 
@@ -452,7 +456,8 @@ static void test_stall_names_the_rank_and_its_victims(void **state) {
     assert_int_equal(j.f[r].culprit, 2);
     assert_non_null(strstr(j.f[r].reason, "rank 2 has not issued"));
   }
-  Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+  Shardplane__V1__ListRanksRequest lq =
+      SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
   sp_rpc_status st;
   Shardplane__V1__ListRanksResponse *lr =
       (Shardplane__V1__ListRanksResponse *)sp_coord_fixture_call(
@@ -479,9 +484,9 @@ static void test_stall_names_the_rank_and_its_victims(void **state) {
   q.world_size = WORLD;
   q.host = "testhost";
   q.plan_version = j.version;
-  void *a = sp_coord_fixture_call(&j.fx, PATH("Attach"), &q.base,
-                                  &shardplane__v1__attach_response__descriptor,
-                                  &st);
+  void *a =
+      sp_coord_fixture_call(&j.fx, PATH("Attach"), &q.base,
+                            &shardplane__v1__attach_response__descriptor, &st);
   assert_null(a);
   sp_test_expect_status(&st, SP_RPC_FAILED_PRECONDITION,
                         "the job ended (FAILED at step 4: rank 2 has not");
@@ -557,9 +562,9 @@ static void test_stall_after_a_rank_left(void **state) {
   q.rank = 2;
   q.session_id = j.f[2].session;
   sp_rpc_status st;
-  void *m = sp_coord_fixture_call(&j.fx, PATH("Detach"), &q.base,
-                                  &shardplane__v1__detach_response__descriptor,
-                                  &st);
+  void *m =
+      sp_coord_fixture_call(&j.fx, PATH("Detach"), &q.base,
+                            &shardplane__v1__detach_response__descriptor, &st);
   assert_non_null(m);
   sp_test_free_msg(m);
   sp_rpc_sync_stream_close(j.f[2].s);
@@ -626,8 +631,8 @@ static void test_straggler_within_20_steps(void **state) {
     Shardplane__V1__Event *ev = next_alert(&j, SP_DIAG_TICK_MS + 50);
     if (ev != NULL) {
       assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__STRAGGLER);
-      expect_ranks(ev->alert->culprits, ev->alert->n_culprits,
-                   (uint32_t[]){1}, 1);
+      expect_ranks(ev->alert->culprits, ev->alert->n_culprits, (uint32_t[]){1},
+                   1);
       assert_memory_equal(ev->alert->message,
                           "rank 1 is a straggler: its own time (the step less "
                           "its waits on peers) is 1.50x the job's median, "
@@ -639,7 +644,8 @@ static void test_straggler_within_20_steps(void **state) {
   }
   printf("straggler (1.5x): flagged after step %d (bound 20)\n", flagged_at);
   assert_true(flagged_at > 0 && flagged_at <= 20);
-  Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+  Shardplane__V1__ListRanksRequest lq =
+      SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
   sp_rpc_status st;
   Shardplane__V1__ListRanksResponse *lr =
       (Shardplane__V1__ListRanksResponse *)sp_coord_fixture_call(
@@ -826,9 +832,9 @@ static void test_job_completes_and_refuses_attach(void **state) {
     q.rank = r;
     q.session_id = j.f[r].session;
     sp_rpc_status st;
-    void *m = sp_coord_fixture_call(&j.fx, PATH("Detach"), &q.base,
-                                    &shardplane__v1__detach_response__descriptor,
-                                    &st);
+    void *m = sp_coord_fixture_call(
+        &j.fx, PATH("Detach"), &q.base,
+        &shardplane__v1__detach_response__descriptor, &st);
     assert_non_null(m);
     sp_test_free_msg(m);
     Shardplane__V1__GetJobResponse *g = sp_coord_fixture_get_job(&j.fx);
@@ -847,13 +853,14 @@ static void test_job_completes_and_refuses_attach(void **state) {
   q.host = "testhost";
   q.plan_version = j.version;
   sp_rpc_status st;
-  void *a = sp_coord_fixture_call(&j.fx, PATH("Attach"), &q.base,
-                                  &shardplane__v1__attach_response__descriptor,
-                                  &st);
+  void *a =
+      sp_coord_fixture_call(&j.fx, PATH("Attach"), &q.base,
+                            &shardplane__v1__attach_response__descriptor, &st);
   assert_null(a);
   sp_test_expect_status(&st, SP_RPC_FAILED_PRECONDITION, NULL);
-  assert_string_equal(st.message, "the job ended (COMPLETED at step 20); "
-                                  "start a new coordinator");
+  assert_string_equal(st.message,
+                      "the job ended (COMPLETED at step 20); "
+                      "start a new coordinator");
   Shardplane__V1__Verdict *v = get_verdict(&j);
   assert_string_equal(v->headline,
                       "completed: all 4 ranks finished at step 20");
@@ -972,9 +979,9 @@ static void test_trace_and_dump(void **state) {
   json_t *alerts = json_object_get(doc, "alerts");
   json_t *last = json_array_get(alerts, json_array_size(alerts) - 1);
   assert_string_equal(json_string_value(json_object_get(last, "kind")), "LOST");
-  assert_int_equal(json_integer_value(
-                       json_array_get(json_object_get(last, "culprits"), 0)),
-                   3);
+  assert_int_equal(
+      json_integer_value(json_array_get(json_object_get(last, "culprits"), 0)),
+      3);
   json_t *ranks = json_object_get(doc, "ranks");
   assert_int_equal(json_array_size(ranks), 4);
   json_t *r1 = json_array_get(ranks, 1);

@@ -90,9 +90,10 @@ static void coord_start(sp_proc *p, const char *state, int world, int port) {
   char ws[16], listen[64];
   snprintf(ws, sizeof ws, "%d", world);
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-  const char *argv[] = {COORD,         "--listen", listen,  "--model", MLP,
-                        "--world-size", ws,        "--state-dir", state,
-                        "--insecure",   "--no-auth", "--quiet", NULL};
+  const char *argv[] = {COORD, "--listen",     listen,      "--model",
+                        MLP,   "--world-size", ws,          "--state-dir",
+                        state, "--insecure",   "--no-auth", "--quiet",
+                        NULL};
   sp_diag d = {{0}};
   if (sp_proc_spawn(p, (char *const *)argv, false, false,
                     "listening on 127.0.0.1:%d", &d) < 0)
@@ -182,12 +183,11 @@ static int64_t add(sp_rpc_sync *cli, const char *key, int64_t delta,
   q.delta = delta;
   q.request_id = (char *)id;
   sp_rpc_status st;
-  Shardplane__V1__StoreAddResponse *r = (void *)call(
-      cli, SP_COORD_PATH("StoreAdd"), &q.base,
-      &shardplane__v1__store_add_response__descriptor, &st);
+  Shardplane__V1__StoreAddResponse *r =
+      (void *)call(cli, SP_COORD_PATH("StoreAdd"), &q.base,
+                   &shardplane__v1__store_add_response__descriptor, &st);
   if (st.code != SP_RPC_OK || r == NULL)
-    fail_msg("StoreAdd %s: %s: %s", key, sp_rpc_code_name(st.code),
-             st.message);
+    fail_msg("StoreAdd %s: %s: %s", key, sp_rpc_code_name(st.code), st.message);
   int64_t v = r->value;
   sp_test_free_msg(r);
   return v;
@@ -198,12 +198,11 @@ static char *get(sp_rpc_sync *cli, const char *key) {
   Shardplane__V1__StoreGetRequest q = SHARDPLANE__V1__STORE_GET_REQUEST__INIT;
   q.key = (char *)key;
   sp_rpc_status st;
-  Shardplane__V1__StoreGetResponse *r = (void *)call(
-      cli, SP_COORD_PATH("StoreGet"), &q.base,
-      &shardplane__v1__store_get_response__descriptor, &st);
+  Shardplane__V1__StoreGetResponse *r =
+      (void *)call(cli, SP_COORD_PATH("StoreGet"), &q.base,
+                   &shardplane__v1__store_get_response__descriptor, &st);
   if (st.code != SP_RPC_OK || r == NULL)
-    fail_msg("StoreGet %s: %s: %s", key, sp_rpc_code_name(st.code),
-             st.message);
+    fail_msg("StoreGet %s: %s: %s", key, sp_rpc_code_name(st.code), st.message);
   char *v = NULL;
   if (r->found) {
     v = malloc(r->value.len + 1);
@@ -235,15 +234,14 @@ static void write_keys(void *arg) {
     char key[32], val[32];
     snprintf(key, sizeof key, "w%d/%d", w->id, i);
     snprintf(val, sizeof val, "value %d of writer %d", i, w->id);
-    Shardplane__V1__StoreSetRequest q =
-        SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
+    Shardplane__V1__StoreSetRequest q = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
     q.key = key;
     q.value.data = (uint8_t *)val;
     q.value.len = strlen(val);
     sp_rpc_status st;
-    ProtobufCMessage *r = call(cli, SP_COORD_PATH("StoreSet"), &q.base,
-                               &shardplane__v1__store_set_response__descriptor,
-                               &st);
+    ProtobufCMessage *r =
+        call(cli, SP_COORD_PATH("StoreSet"), &q.base,
+             &shardplane__v1__store_set_response__descriptor, &st);
     sp_test_free_msg(r);
     if (st.code != SP_RPC_OK) break; /* the coordinator is gone */
     w->acked[i] = true;
@@ -275,8 +273,7 @@ static void test_acked_writes_survive_kill(void **state) {
     assert_int_equal(uv_thread_create(&th[t], write_keys, &ws[t]), 0);
   }
   double end = sp_clock_s() + 60;
-  while (atomic_load(&n_acked) < kill_after && sp_clock_s() < end)
-    usleep(200);
+  while (atomic_load(&n_acked) < kill_after && sp_clock_s() < end) usleep(200);
   int at_kill = atomic_load(&n_acked);
   kill9(&co.pid);
   for (int t = 0; t < WRITERS; t++) uv_thread_join(&th[t]);
@@ -306,10 +303,11 @@ static void test_acked_writes_survive_kill(void **state) {
       }
       free(v);
     }
-  printf("  kill -9 after %d acknowledged writes (target %d): all %d "
-         "acknowledged of 2000 present after the restart (%d more committed "
-         "unanswered)\n",
-         at_kill, kill_after, present, extra);
+  printf(
+      "  kill -9 after %d acknowledged writes (target %d): all %d "
+      "acknowledged of 2000 present after the restart (%d more committed "
+      "unanswered)\n",
+      at_kill, kill_after, present, extra);
 
   /* a retried StoreAdd (same request id) is applied once, across a
    * restart too */
@@ -326,8 +324,9 @@ static void test_acked_writes_survive_kill(void **state) {
   assert_non_null(v);
   assert_string_equal(v, "10");
   free(v);
-  printf("  StoreAdd retried with its request id, before and after a "
-         "kill -9: applied once\n");
+  printf(
+      "  StoreAdd retried with its request id, before and after a "
+      "kill -9: applied once\n");
   sp_rpc_sync_close(cli);
   sp_proc_stop(&co, 5000);
   sp_test_rmtree(dir);
@@ -340,10 +339,18 @@ static void test_acked_writes_survive_kill(void **state) {
 #define STEPS "60"
 
 static void job_flags(const char **f, const char *ck) {
-  const char *v[] = {"--steps",          STEPS, "--global-batch",
-                     "24",               "--checkpoint-dir", ck,
-                     "--checkpoint",     "full", "--checkpoint-every",
-                     "20",               "--coordinator-grace", "30",
+  const char *v[] = {"--steps",
+                     STEPS,
+                     "--global-batch",
+                     "24",
+                     "--checkpoint-dir",
+                     ck,
+                     "--checkpoint",
+                     "full",
+                     "--checkpoint-every",
+                     "20",
+                     "--coordinator-grace",
+                     "30",
                      NULL};
   memcpy(f, v, sizeof v);
 }
@@ -362,8 +369,7 @@ static int live_workers(sp_tjob *j, const char *dir) {
       char name[32];
       snprintf(name, sizeof name, "rank-%d.err", r);
       char *path = sp_test_path(dir, name), *err = sp_test_read_file(path);
-      fail_msg("rank %d ended (status %d) before the job did: %s", r, st,
-               err);
+      fail_msg("rank %d ended (status %d) before the job did: %s", r, st, err);
     }
   }
   return live;
@@ -393,8 +399,9 @@ static void test_training_rides_out_kills(void **state) {
     printf("  kill -9 of the coordinator %u ms after %s (%d ranks running)\n",
            delay, k == 0 ? "the workers started" : "its restart", live);
     if (k == 0 && live != 4)
-      fail_msg("the job ended before the first kill: the test needs more "
-               "steps");
+      fail_msg(
+          "the job ended before the first kill: the test needs more "
+          "steps");
     sp_tjob_restart_coord(&j, MLP, cf);
     track(j.coord.pid);
   }
@@ -411,9 +418,10 @@ static void test_training_rides_out_kills(void **state) {
   assert_int_equal(ok, 4);
   sp_tjob_same_tensors(ref, "full/model.safetensors", ck,
                        "full/model.safetensors");
-  printf("  4 ranks, %s steps, 2 coordinator kills: the final checkpoint "
-         "equals the undisturbed run's, bit for bit\n",
-         STEPS);
+  printf(
+      "  4 ranks, %s steps, 2 coordinator kills: the final checkpoint "
+      "equals the undisturbed run's, bit for bit\n",
+      STEPS);
   sp_test_rmtree(dir);
   free(st_dir);
   free(ck);
@@ -425,9 +433,20 @@ static void test_training_rides_out_kills(void **state) {
 
 static pid_t start_run(const char *dir, const char *ck) {
   char *out = sp_test_path(dir, "out"), *err = sp_test_path(dir, "err");
-  const char *argv[] = {SHARDPLANE, "run", "--nproc", "2", "--model", MLP,
-                        "--steps", "400", "--log-every", "20",
-                        "--checkpoint-dir", ck, "--coordinator-grace", "30",
+  const char *argv[] = {SHARDPLANE,
+                        "run",
+                        "--nproc",
+                        "2",
+                        "--model",
+                        MLP,
+                        "--steps",
+                        "400",
+                        "--log-every",
+                        "20",
+                        "--checkpoint-dir",
+                        ck,
+                        "--coordinator-grace",
+                        "30",
                         NULL};
   pid_t pid = sp_test_spawn_logged(out, err, (char *const *)argv);
   track(pid);
@@ -481,8 +500,9 @@ static void test_run_restarts_its_coordinator(void **state) {
   expect_in_file(err, "restarted it on 127.0.0.1:");
   sp_tjob_same_tensors(a, "full/model.safetensors", b,
                        "full/model.safetensors");
-  printf("  shardplane run restarted it and finished with the undisturbed "
-         "run's checkpoint\n");
+  printf(
+      "  shardplane run restarted it and finished with the undisturbed "
+      "run's checkpoint\n");
   free(pid_s);
   free(lock);
   free(out);
@@ -504,19 +524,17 @@ static void test_state_dir_refusals(void **state) {
   char *err = sp_test_path(dir, "err");
   sp_proc co;
   coord_start(&co, st_dir, 2, 0);
-  const char *second[] = {COORD,          "--listen",    "127.0.0.1:0",
-                          "--model",      MLP,           "--world-size",
-                          "2",            "--state-dir", st_dir,
-                          "--insecure",   "--no-auth",   NULL};
+  const char *second[] = {COORD,  "--listen",     "127.0.0.1:0", "--model",
+                          MLP,    "--world-size", "2",           "--state-dir",
+                          st_dir, "--insecure",   "--no-auth",   NULL};
   assert_int_equal(run_to_end((char *const *)second, err, 30), 1);
   expect_in_file(err, st_dir);
   expect_in_file(err, "in use by another coordinator");
   sp_proc_stop(&co, 5000);
 
-  const char *other[] = {COORD,          "--listen",    "127.0.0.1:0",
-                         "--model",      MLP,           "--world-size",
-                         "3",            "--state-dir", st_dir,
-                         "--insecure",   "--no-auth",   NULL};
+  const char *other[] = {COORD,  "--listen",     "127.0.0.1:0", "--model",
+                         MLP,    "--world-size", "3",           "--state-dir",
+                         st_dir, "--insecure",   "--no-auth",   NULL};
   assert_int_equal(run_to_end((char *const *)other, err, 30), 1);
   expect_in_file(err, st_dir);
   expect_in_file(err, "belongs to another job");
@@ -527,33 +545,41 @@ static void test_state_dir_refusals(void **state) {
   /* a file is no state dir */
   char *file = sp_test_path(dir, "file");
   sp_test_write_file(file, "x", 1);
-  const char *on_file[] = {COORD, "--listen", "127.0.0.1:0", "--model", MLP,
-                           "--world-size", "2", "--state-dir", file,
-                           "--insecure", "--no-auth", NULL};
+  const char *on_file[] = {COORD, "--listen",     "127.0.0.1:0", "--model",
+                           MLP,   "--world-size", "2",           "--state-dir",
+                           file,  "--insecure",   "--no-auth",   NULL};
   assert_int_equal(run_to_end((char *const *)on_file, err, 30), 1);
   expect_in_file(err, "is not a directory");
   free(file);
   /* bad usage: exit 2, naming the flag */
-  const char *empty[] = {COORD, "--model", MLP, "--insecure", "--no-auth",
-                         "--state-dir", "", NULL};
+  const char *empty[] = {COORD,       "--model",     MLP, "--insecure",
+                         "--no-auth", "--state-dir", "",  NULL};
   assert_int_equal(run_to_end((char *const *)empty, err, 30), 2);
   expect_in_file(err, "--state-dir");
-  const char *zero[] = {COORD, "--model", MLP, "--insecure", "--no-auth",
-                        "--reattach-grace-ms", "0", NULL};
+  const char *zero[] = {COORD,        "--model",   MLP,
+                        "--insecure", "--no-auth", "--reattach-grace-ms",
+                        "0",          NULL};
   assert_int_equal(run_to_end((char *const *)zero, err, 30), 2);
   expect_in_file(err, "--reattach-grace-ms");
-  const char *wgrace[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                          "127.0.0.1:1", "--rank", "0", "--coordinator-grace",
-                          "soon", NULL};
+  const char *wgrace[] = {SP_BIN_DIR "/shardplane-worker",
+                          "--coordinator",
+                          "127.0.0.1:1",
+                          "--rank",
+                          "0",
+                          "--coordinator-grace",
+                          "soon",
+                          NULL};
   assert_int_equal(run_to_end((char *const *)wgrace, err, 30), 2);
   expect_in_file(err, "--coordinator-grace");
-  const char *rgrace[] = {SHARDPLANE, "run", "--nproc", "2", "--model", MLP,
-                          "--coordinator-grace", "0", NULL};
+  const char *rgrace[] = {
+      SHARDPLANE, "run", "--nproc", "2", "--model", MLP, "--coordinator-grace",
+      "0",        NULL};
   assert_int_equal(run_to_end((char *const *)rgrace, err, 30), 2);
   expect_in_file(err, "--coordinator-grace");
-  printf("  a second coordinator on a state dir and one of another job are "
-         "refused, naming the dir; so is a file; bad values of --state-dir, "
-         "--reattach-grace-ms and --coordinator-grace are bad usage\n");
+  printf(
+      "  a second coordinator on a state dir and one of another job are "
+      "refused, naming the dir; so is a file; bad values of --state-dir, "
+      "--reattach-grace-ms and --coordinator-grace are bad usage\n");
   free(err);
   sp_test_rmtree(dir);
   free(st_dir);
@@ -567,8 +593,14 @@ static void test_worker_gives_up_after_grace(void **state) {
   char *dir = sp_test_mkdtemp();
   char *st_dir = sp_test_path(dir, "state");
   const char *cf[] = {"--state-dir", st_dir, NULL};
-  const char *wf[] = {"--steps", "1000000", "--global-batch", "24",
-                      "--checkpoint", "none", "--coordinator-grace", "1",
+  const char *wf[] = {"--steps",
+                      "1000000",
+                      "--global-batch",
+                      "24",
+                      "--checkpoint",
+                      "none",
+                      "--coordinator-grace",
+                      "1",
                       NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP, cf, 2, wf, dir);
@@ -592,9 +624,10 @@ static void test_worker_gives_up_after_grace(void **state) {
   }
   /* 1 s of grace; the rest is the abort and the process's end */
   assert_true(took >= 1.0);
-  printf("  coordinator gone for good: both workers failed %.1f s later "
-         "naming %s\n",
-         took, j.addr);
+  printf(
+      "  coordinator gone for good: both workers failed %.1f s later "
+      "naming %s\n",
+      took, j.addr);
   sp_test_rmtree(dir);
   free(st_dir);
   free(dir);
@@ -607,11 +640,21 @@ static void coord_start_flags(sp_proc *p, const char *state, int world,
                               const char *grace_ms) {
   char ws[16];
   snprintf(ws, sizeof ws, "%d", world);
-  const char *argv[] = {COORD,          "--listen",      "127.0.0.1:0",
-                        "--model",      MLP,             "--world-size",
-                        ws,             "--state-dir",   state,
-                        "--reattach-grace-ms", grace_ms, "--quiet",
-                        "--insecure",   "--no-auth",     NULL};
+  const char *argv[] = {COORD,
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--model",
+                        MLP,
+                        "--world-size",
+                        ws,
+                        "--state-dir",
+                        state,
+                        "--reattach-grace-ms",
+                        grace_ms,
+                        "--quiet",
+                        "--insecure",
+                        "--no-auth",
+                        NULL};
   sp_diag d = {{0}};
   if (sp_proc_spawn(p, (char *const *)argv, false, false,
                     "listening on 127.0.0.1:%d", &d) < 0)
@@ -719,8 +762,9 @@ static void test_ranks_and_alerts_survive(void **state) {
     usleep(50000);
   }
   assert_int_equal(status, SHARDPLANE__V1__RANK_STATUS__LOST);
-  printf("  rank registration, session id and alert log restored; a rank "
-         "that did not reattach within 400 ms was declared lost\n");
+  printf(
+      "  rank registration, session id and alert log restored; a rank "
+      "that did not reattach within 400 ms was declared lost\n");
   sp_rpc_sync_close(cli);
   sp_proc_stop(&co, 5000);
 
@@ -728,16 +772,14 @@ static void test_ranks_and_alerts_survive(void **state) {
   char *db_path = sp_test_path(st_dir, "coordinator.db");
   sqlite3 *db;
   assert_int_equal(sqlite3_open(db_path, &db), SQLITE_OK);
-  assert_int_equal(sqlite3_exec(db,
-                                "UPDATE ranks SET rank = 7 WHERE rank = 1",
+  assert_int_equal(sqlite3_exec(db, "UPDATE ranks SET rank = 7 WHERE rank = 1",
                                 NULL, NULL, NULL),
                    SQLITE_OK);
   sqlite3_close(db);
   char *err = sp_test_path(dir, "err");
-  const char *argv[] = {COORD,         "--listen",    "127.0.0.1:0",
-                        "--model",     MLP,           "--world-size",
-                        "2",           "--state-dir", st_dir,
-                        "--insecure",  "--no-auth",   NULL};
+  const char *argv[] = {COORD,  "--listen",     "127.0.0.1:0", "--model",
+                        MLP,    "--world-size", "2",           "--state-dir",
+                        st_dir, "--insecure",   "--no-auth",   NULL};
   assert_int_equal(run_to_end((char *const *)argv, err, 30), 1);
   expect_in_file(err, "a rank row out of bounds");
   printf("  a state dir with a rank the job does not have is refused\n");

@@ -76,8 +76,8 @@ static void job_start(job *j, uint32_t hb_timeout_ms) {
   const char *flags[] = {"world-size", "2", NULL};
   sp_coord_fixture_start(&j->fx, MODEL("gpt2"), flags, hb_timeout_ms);
   for (uint32_t r = 0; r < WORLD; r++) {
-    sp_session_opts o = {.coordinator = j->fx.addr, .rank = r,
-                         .connect_timeout_ms = 5000};
+    sp_session_opts o = {
+        .coordinator = j->fx.addr, .rank = r, .connect_timeout_ms = 5000};
     sp_diag d = {""};
     if (sp_session_open(&o, &j->s[r], &d) != 0)
       fail_msg("rank %u: sp_session_open: %s", r, d.msg);
@@ -101,8 +101,10 @@ static bool job_alive(job *j, char *why, size_t cap) {
   bool ok = true;
   for (uint32_t r = 0; r < WORLD && ok; r++)
     if (l->ranks[r]->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) {
-      snprintf(why, cap, "rank %u is %d, not attached (last heard %llu ms "
-               "ago)", r, (int)l->ranks[r]->status,
+      snprintf(why, cap,
+               "rank %u is %d, not attached (last heard %llu ms "
+               "ago)",
+               r, (int)l->ranks[r]->status,
                (unsigned long long)l->ranks[r]->last_heard_ms_ago);
       ok = false;
     }
@@ -253,8 +255,7 @@ static int atk_header(nghttp2_session *s, const nghttp2_frame *f,
   return 0;
 }
 
-static int atk_closed(nghttp2_session *s, int32_t sid, uint32_t err,
-                      void *ud) {
+static int atk_closed(nghttp2_session *s, int32_t sid, uint32_t err, void *ud) {
   (void)s;
   (void)err;
   attack *a = ud;
@@ -280,8 +281,10 @@ static void atk_flush(attack *a, bool gather) {
     ssize_t n = nghttp2_session_mem_send(a->h2, &d);
     assert_true(n >= 0);
     if (n == 0) break;
-    if (gather) sp_h2buf_put(&all, d, (size_t)n);
-    else atk_send_all(a->fd, d, (size_t)n);
+    if (gather)
+      sp_h2buf_put(&all, d, (size_t)n);
+    else
+      atk_send_all(a->fd, d, (size_t)n);
   }
   if (all.len > 0) atk_send_all(a->fd, all.p, all.len);
   sp_h2buf_free(&all);
@@ -313,10 +316,11 @@ static void attack_run(const char *addr) {
   nghttp2_session_callbacks_del(cb);
   nghttp2_settings_entry iv[1] = {{NGHTTP2_SETTINGS_ENABLE_PUSH, 0}};
   nghttp2_submit_settings(a->h2, NGHTTP2_FLAG_NONE, iv, 1);
-#define NVL(n, v)                                                              \
-  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, strlen(v),                  \
+#define NVL(n, v)                                            \
+  {(uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, strlen(v), \
    NGHTTP2_NV_FLAG_NONE}
-  nghttp2_nv nv[] = {NVL(":method", "POST"), NVL(":scheme", "http"),
+  nghttp2_nv nv[] = {NVL(":method", "POST"),
+                     NVL(":scheme", "http"),
                      NVL(":path", PATH("StoreSet")),
                      NVL(":authority", "coordinator"),
                      NVL("content-type", "application/grpc"),
@@ -385,14 +389,15 @@ static void test_unknown_field_attack(void **state) {
   job_stop(&j);
   if (!alive) fail_msg("after the unknown-field attack: %s", why);
   uint64_t peak_mib = (hwm > rss0 ? hwm - rss0 : 0) / 1024;
-  printf("unknown-field attack, %d streams x %u MiB of 2-byte unknown "
-         "fields: %llu ms; coordinator loop's longest pause %.1f ms of its "
-         "own work (%.1f ms wall, with the CPU shared); peak RSS %llu MiB "
-         "above the start (VmHWM before %llu MiB); %d ranks heartbeating "
-         "every %u ms with a %u ms timeout: none lost\n",
-         ATK_STREAMS, ATK_BODY >> 20, (unsigned long long)took, work, pause,
-         (unsigned long long)peak_mib, (unsigned long long)(hwm0 / 1024),
-         WORLD, HB_TIMEOUT_MS / 3, HB_TIMEOUT_MS);
+  printf(
+      "unknown-field attack, %d streams x %u MiB of 2-byte unknown "
+      "fields: %llu ms; coordinator loop's longest pause %.1f ms of its "
+      "own work (%.1f ms wall, with the CPU shared); peak RSS %llu MiB "
+      "above the start (VmHWM before %llu MiB); %d ranks heartbeating "
+      "every %u ms with a %u ms timeout: none lost\n",
+      ATK_STREAMS, ATK_BODY >> 20, (unsigned long long)took, work, pause,
+      (unsigned long long)peak_mib, (unsigned long long)(hwm0 / 1024), WORLD,
+      HB_TIMEOUT_MS / 3, HB_TIMEOUT_MS);
 #ifdef SP_ASAN
   /* ASan makes every byte scanned several times dearer */
   const double bound = 500;
@@ -402,8 +407,10 @@ static void test_unknown_field_attack(void **state) {
   const double bound = 50;
 #endif
   if (work > bound)
-    fail_msg("the coordinator loop worked %.1f ms without running its timers "
-             "(bound %.0f ms)", work, bound);
+    fail_msg(
+        "the coordinator loop worked %.1f ms without running its timers "
+        "(bound %.0f ms)",
+        work, bound);
   /* the 128 MiB of requests are buffered once each: nowhere near the 44x
    * of decoding them with their unknown fields */
   assert_true(peak_mib < 512);
@@ -435,9 +442,10 @@ static void test_loop_pause_blames_no_rank(void **state) {
   sp_coord_fixture_run(&j.fx, read_pause, &seen);
   job_stop(&j);
   if (!alive) fail_msg("after a loop pause of %u ms: %s", ms, why);
-  printf("coordinator loop blocked %u ms (heartbeat timeout %u ms): pause "
-         "seen %llu ms, discounted, no rank lost\n",
-         ms, HB_TIMEOUT_MS, (unsigned long long)seen);
+  printf(
+      "coordinator loop blocked %u ms (heartbeat timeout %u ms): pause "
+      "seen %llu ms, discounted, no rank lost\n",
+      ms, HB_TIMEOUT_MS, (unsigned long long)seen);
   /* the pause began somewhere in a check period */
   assert_true(seen + HB_TIMEOUT_MS / 4 + 100 >= ms);
 }
@@ -499,9 +507,9 @@ static void test_request_fields(void **state) {
   memset(host, 'h', big);
   host[big] = '\0';
   a.host = host;
-  ProtobufCMessage *r = sp_coord_fixture_call(
-      &fx, PATH("Attach"), &a.base,
-      &shardplane__v1__attach_response__descriptor, &st);
+  ProtobufCMessage *r =
+      sp_coord_fixture_call(&fx, PATH("Attach"), &a.base,
+                            &shardplane__v1__attach_response__descriptor, &st);
   assert_null(r);
   sp_test_expect_status(&st, SP_RPC_INVALID_ARGUMENT,
                         "shardplane.v1.AttachRequest.host: 4194304 bytes, at "
@@ -556,9 +564,16 @@ static void test_attach_at_fd_limit(void **state) {
   low.rlim_cur = FD_LIMIT;
   assert_int_equal(setrlimit(RLIMIT_NOFILE, &low), 0);
   const char *argv[] = {SP_BIN_DIR "/shardplane-coordinator",
-                        "--model", MODEL("gpt2"), "--world-size", "2",
-                        "--listen", "127.0.0.1:0", "--insecure", "--no-auth",
-                        "--quiet", NULL};
+                        "--model",
+                        MODEL("gpt2"),
+                        "--world-size",
+                        "2",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--insecure",
+                        "--no-auth",
+                        "--quiet",
+                        NULL};
   sp_proc co;
   sp_diag d = {""};
   int rc = sp_proc_spawn(&co, (char *const *)argv, false, false,
@@ -584,9 +599,10 @@ static void test_attach_at_fd_limit(void **state) {
   assert_int_equal(sp_rpc_sync_open(addr, 5000, &cli), 0);
   sp_rpc_status st;
   Shardplane__V1__GetJobRequest gq = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
-  Shardplane__V1__GetJobResponse *g = (Shardplane__V1__GetJobResponse *)
-      sp_test_unary(cli, PATH("GetJob"), &gq.base,
-                    &shardplane__v1__get_job_response__descriptor, 5000, &st);
+  Shardplane__V1__GetJobResponse *g =
+      (Shardplane__V1__GetJobResponse *)sp_test_unary(
+          cli, PATH("GetJob"), &gq.base,
+          &shardplane__v1__get_job_response__descriptor, 5000, &st);
   if (g == NULL)
     fail_msg("GetJob with every slot held by idle clients: %s %s",
              sp_rpc_code_name(st.code), st.message);
@@ -595,9 +611,9 @@ static void test_attach_at_fd_limit(void **state) {
   a.world_size = 2;
   a.plan_version = g->plan_version;
   a.host = "worker-host";
-  ProtobufCMessage *r = sp_test_unary(
-      cli, PATH("Attach"), &a.base,
-      &shardplane__v1__attach_response__descriptor, 5000, &st);
+  ProtobufCMessage *r =
+      sp_test_unary(cli, PATH("Attach"), &a.base,
+                    &shardplane__v1__attach_response__descriptor, 5000, &st);
   if (r == NULL)
     fail_msg("Attach with every slot held by idle clients: %s %s",
              sp_rpc_code_name(st.code), st.message);
@@ -614,9 +630,10 @@ static void test_attach_at_fd_limit(void **state) {
     if (n == 0) closed++;
     close(fd[i]);
   }
-  printf("coordinator with RLIMIT_NOFILE %d and %d idle clients: Attach "
-         "succeeded; %d idle connections had been closed for newer ones\n",
-         FD_LIMIT, N_IDLE, closed);
+  printf(
+      "coordinator with RLIMIT_NOFILE %d and %d idle clients: Attach "
+      "succeeded; %d idle connections had been closed for newer ones\n",
+      FD_LIMIT, N_IDLE, closed);
   sp_test_free_msg(r);
   sp_test_free_msg(g);
   sp_rpc_sync_close(cli);

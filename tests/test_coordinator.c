@@ -37,8 +37,10 @@ static void test_plans_of_real_specs(void **state) {
   const struct {
     const char *spec, *wrap, *world;
   } cases[] = {
-      {"resnet50", "Bottleneck", "8"},   {"mobilenet_v3_small", NULL, "3"},
-      {"vit_b_16", "EncoderBlock", "16"}, {"gpt2", "GPT2Block", "7"},
+      {"resnet50", "Bottleneck", "8"},
+      {"mobilenet_v3_small", NULL, "3"},
+      {"vit_b_16", "EncoderBlock", "16"},
+      {"gpt2", "GPT2Block", "7"},
       {"llama2_7b", "LlamaDecoderLayer", "64"},
       {"llama2_70b", "LlamaDecoderLayer", "1024"},
   };
@@ -46,9 +48,13 @@ static void test_plans_of_real_specs(void **state) {
     char model[512];
     snprintf(model, sizeof model, "%s/models/%s.json", SP_EXAMPLES,
              cases[i].spec);
-    const char *flags[] = {"world-size", cases[i].world, "param-dtype",
-                           "bfloat16", cases[i].wrap ? "wrap-type" : NULL,
-                           cases[i].wrap, NULL};
+    const char *flags[] = {"world-size",
+                           cases[i].world,
+                           "param-dtype",
+                           "bfloat16",
+                           cases[i].wrap ? "wrap-type" : NULL,
+                           cases[i].wrap,
+                           NULL};
     fixture fx;
     start(&fx, model, flags, 0);
     /* the coordinator's plan is the one this process computes */
@@ -173,8 +179,9 @@ static void test_buffer_dtypes_by_fqn(void **state) {
   static const char *const orig[] = {"float64", "float16", "bfloat16", "int64",
                                      "bool"};
   for (int with = 0; with < 2; with++) {
-    const char *flags[] = {"world-size", "2", "wrap-type", "Block",
-                           with ? "buffer-dtype" : NULL, "float16", NULL};
+    const char *flags[] = {
+        "world-size", "2", "wrap-type", "Block", with ? "buffer-dtype" : NULL,
+        "float16",    NULL};
     fixture fx;
     start(&fx, SP_TEST_DATA "/same_name_buffers.json", flags, 0);
     Shardplane__V1__ListBuffersRequest q =
@@ -298,23 +305,31 @@ static int report(fixture *fx, uint32_t rank, const char *session, int machine,
   return st->code;
 }
 
-enum { ROOT = SHARDPLANE__V1__MACHINE__MACHINE_ROOT,
-       HANDLE = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE };
+enum {
+  ROOT = SHARDPLANE__V1__MACHINE__MACHINE_ROOT,
+  HANDLE = SHARDPLANE__V1__MACHINE__MACHINE_HANDLE
+};
 
 /* One training step as FSDP1 runs it: root forward, units forward in
  * order, backward in reverse, final callback. */
 static void normal_step(fixture *fx, uint32_t rank, const char *session,
                         uint32_t n_units) {
   sp_rpc_status st;
-  assert_int_equal(report(fx, rank, session, ROOT, 0, SP_ROOT_FORWARD_BACKWARD, &st), 0);
+  assert_int_equal(
+      report(fx, rank, session, ROOT, 0, SP_ROOT_FORWARD_BACKWARD, &st), 0);
   for (uint32_t u = 0; u < n_units; u++) {
-    assert_int_equal(report(fx, rank, session, HANDLE, u, SP_HANDLE_FORWARD, &st), 0);
-    assert_int_equal(report(fx, rank, session, HANDLE, u, SP_HANDLE_IDLE, &st), 0);
+    assert_int_equal(
+        report(fx, rank, session, HANDLE, u, SP_HANDLE_FORWARD, &st), 0);
+    assert_int_equal(report(fx, rank, session, HANDLE, u, SP_HANDLE_IDLE, &st),
+                     0);
   }
   for (uint32_t u = n_units; u-- > 0;) {
-    assert_int_equal(report(fx, rank, session, HANDLE, u, SP_HANDLE_BACKWARD_PRE, &st), 0);
-    assert_int_equal(report(fx, rank, session, HANDLE, u, SP_HANDLE_BACKWARD_POST, &st), 0);
-    assert_int_equal(report(fx, rank, session, HANDLE, u, SP_HANDLE_IDLE, &st), 0);
+    assert_int_equal(
+        report(fx, rank, session, HANDLE, u, SP_HANDLE_BACKWARD_PRE, &st), 0);
+    assert_int_equal(
+        report(fx, rank, session, HANDLE, u, SP_HANDLE_BACKWARD_POST, &st), 0);
+    assert_int_equal(report(fx, rank, session, HANDLE, u, SP_HANDLE_IDLE, &st),
+                     0);
   }
   assert_int_equal(report(fx, rank, session, ROOT, 0, SP_ROOT_IDLE, &st), 0);
 }
@@ -324,9 +339,10 @@ static void test_transitions_per_strategy(void **state) {
   const char *strategies[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
                               "HYBRID_SHARD"};
   for (int s = 0; s < 4; s++) {
-    const char *flags[] = {"world-size", "4", "wrap-type", "Block",
-                           "strategy", strategies[s], "shard-group-size", "2",
-                           NULL};
+    const char *flags[] = {
+        "world-size", "4",           "wrap-type",        "Block",
+        "strategy",   strategies[s], "shard-group-size", "2",
+        NULL};
     fixture fx;
     start(&fx, SP_TEST_DATA "/same_name_buffers.json", flags, 0);
     Shardplane__V1__GetJobResponse *j = get_job(&fx);
@@ -339,14 +355,16 @@ static void test_transitions_per_strategy(void **state) {
     normal_step(&fx, 1, sess, n_units);
     normal_step(&fx, 1, sess, n_units);
     /* illegal: a post-backward without a pre-backward */
-    assert_int_equal(report(&fx, 1, sess, HANDLE, 2, SP_HANDLE_BACKWARD_POST, &st),
-                     SP_RPC_FAILED_PRECONDITION);
+    assert_int_equal(
+        report(&fx, 1, sess, HANDLE, 2, SP_HANDLE_BACKWARD_POST, &st),
+        SP_RPC_FAILED_PRECONDITION);
     assert_non_null(strstr(st.message, "IDLE -> BACKWARD_POST"));
     assert_non_null(strstr(st.message, "legal from IDLE"));
     /* summon during forward/backward is refused too */
     report(&fx, 1, sess, ROOT, 0, SP_ROOT_FORWARD_BACKWARD, &st);
-    assert_int_equal(report(&fx, 1, sess, ROOT, 0, SP_ROOT_SUMMON_FULL_PARAMS, &st),
-                     SP_RPC_FAILED_PRECONDITION);
+    assert_int_equal(
+        report(&fx, 1, sess, ROOT, 0, SP_ROOT_SUMMON_FULL_PARAMS, &st),
+        SP_RPC_FAILED_PRECONDITION);
     /* bad values */
     assert_int_equal(report(&fx, 1, sess, HANDLE, 99, SP_HANDLE_IDLE, &st),
                      SP_RPC_INVALID_ARGUMENT);
@@ -362,7 +380,8 @@ static void test_transitions_per_strategy(void **state) {
     assert_int_equal(j->n_recent_alerts, 2);
     assert_int_equal(j->recent_alerts[0]->rank, 1);
     free_msg(j);
-    Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+    Shardplane__V1__ListRanksRequest lq =
+        SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
     lq.with_unit_states = true;
     Shardplane__V1__ListRanksResponse *lr =
         (Shardplane__V1__ListRanksResponse *)call(
@@ -399,15 +418,15 @@ static size_t step_transitions(Shardplane__V1__Transition *tv,
                                Shardplane__V1__Transition **tp,
                                uint32_t n_units, uint64_t step) {
   size_t k = 0;
-#define AG_T(m, u, to)                                                         \
-  do {                                                                         \
-    shardplane__v1__transition__init(&tv[k]);                                  \
-    tv[k].machine = (Shardplane__V1__Machine)(m);                              \
-    tv[k].unit = (u);                                                          \
-    tv[k].state = (to);                                                        \
-    tv[k].step = step;                                                         \
-    tp[k] = &tv[k];                                                            \
-    k++;                                                                       \
+#define AG_T(m, u, to)                            \
+  do {                                            \
+    shardplane__v1__transition__init(&tv[k]);     \
+    tv[k].machine = (Shardplane__V1__Machine)(m); \
+    tv[k].unit = (u);                             \
+    tv[k].state = (to);                           \
+    tv[k].step = step;                            \
+    tp[k] = &tv[k];                               \
+    k++;                                          \
   } while (0)
   AG_T(ROOT, 0, SP_ROOT_FORWARD_BACKWARD);
   for (uint32_t u = 0; u < n_units; u++) {
@@ -438,7 +457,8 @@ static void test_session_stream_and_loss(void **state) {
   sp_rpc_sync *wcli;
   assert_int_equal(sp_rpc_sync_open(fx.addr, 2000, &wcli), 0);
   sp_rpc_sync_stream *w;
-  assert_int_equal(sp_rpc_sync_stream_open(wcli, PATH("Watch"), 0, NULL, 0, &w), 0);
+  assert_int_equal(sp_rpc_sync_stream_open(wcli, PATH("Watch"), 0, NULL, 0, &w),
+                   0);
   Shardplane__V1__WatchRequest wq = SHARDPLANE__V1__WATCH_REQUEST__INIT;
   sp_rpc_sync_stream_send(w, &wq.base);
   sp_rpc_sync_stream_close_send(w);
@@ -463,7 +483,8 @@ static void test_session_stream_and_loss(void **state) {
 
   /* rank 0 streams a whole step in one batch, then an illegal one */
   sp_rpc_sync_stream *s;
-  assert_int_equal(sp_rpc_sync_stream_open(fx.cli, PATH("Session"), 0, NULL, 0, &s), 0);
+  assert_int_equal(
+      sp_rpc_sync_stream_open(fx.cli, PATH("Session"), 0, NULL, 0, &s), 0);
   size_t n = 2 + 5 * n_units;
   Shardplane__V1__Transition *tv = calloc(n + 1, sizeof *tv);
   Shardplane__V1__Transition **tp = calloc(n + 1, sizeof *tp);
@@ -477,8 +498,10 @@ static void test_session_stream_and_loss(void **state) {
   up.transitions = tp;
   assert_int_equal(sp_rpc_sync_stream_send(s, &up.base), 0);
   ProtobufCMessage *m;
-  assert_int_equal(sp_rpc_sync_stream_recv(s, &shardplane__v1__session_down__descriptor,
-                                           2000, &m, &st), 0);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(s, &shardplane__v1__session_down__descriptor,
+                              2000, &m, &st),
+      0);
   Shardplane__V1__SessionDown *down = (Shardplane__V1__SessionDown *)m;
   assert_int_equal(down->acked_seq, 1);
   assert_int_equal(down->n_rejections, 0);
@@ -492,8 +515,10 @@ static void test_session_stream_and_loss(void **state) {
   up.n_transitions = 1;
   up.session_id = ""; /* later messages need not repeat it */
   assert_int_equal(sp_rpc_sync_stream_send(s, &up.base), 0);
-  assert_int_equal(sp_rpc_sync_stream_recv(s, &shardplane__v1__session_down__descriptor,
-                                           2000, &m, &st), 0);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(s, &shardplane__v1__session_down__descriptor,
+                              2000, &m, &st),
+      0);
   down = (Shardplane__V1__SessionDown *)m;
   assert_int_equal(down->acked_seq, 2);
   assert_int_equal(down->n_rejections, 1);
@@ -633,7 +658,8 @@ static void test_agents_share_connections(void **state) {
     if (ar == NULL) fail_msg("rank %u: Attach: %s", r, st.message);
     snprintf(sid[r], sizeof sid[r], "%s", ar->session_id);
     free_msg(ar);
-    Shardplane__V1__StoreAddRequest aq = SHARDPLANE__V1__STORE_ADD_REQUEST__INIT;
+    Shardplane__V1__StoreAddRequest aq =
+        SHARDPLANE__V1__STORE_ADD_REQUEST__INIT;
     aq.key = "rdzv";
     aq.delta = 1;
     Shardplane__V1__StoreAddResponse *sr =
@@ -661,16 +687,17 @@ static void test_agents_share_connections(void **state) {
   size_t waiters = 0;
   for (int i = 0; i < 200 && waiters < AG_WORLD; i++) {
     for (uint32_t a = 0; a < AG_N; a++)
-      assert_int_equal(sp_rpc_sync_stream_recv(wait[a * AG_PER], NULL, 5, &m,
-                                               &st),
-                       SP_ETIMEDOUT);
+      assert_int_equal(
+          sp_rpc_sync_stream_recv(wait[a * AG_PER], NULL, 5, &m, &st),
+          SP_ETIMEDOUT);
     sp_coord_fixture_run(&fx, get_waiters, &waiters);
   }
   assert_int_equal(waiters, AG_WORLD);
   uint64_t conns = 0;
   sp_coord_fixture_run(&fx, get_conns, &conns);
   assert_int_equal(conns, AG_N + 1); /* and the fixture's own client */
-  Shardplane__V1__StoreSetRequest setq = SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
+  Shardplane__V1__StoreSetRequest setq =
+      SHARDPLANE__V1__STORE_SET_REQUEST__INIT;
   setq.key = "go";
   setq.value.data = (uint8_t *)"1";
   setq.value.len = 1;
@@ -679,10 +706,11 @@ static void test_agents_share_connections(void **state) {
                          &st));
   assert_int_equal(st.code, SP_RPC_OK);
   for (uint32_t r = 0; r < AG_WORLD; r++) {
-    assert_int_equal(sp_rpc_sync_stream_recv(
-                         wait[r], &shardplane__v1__store_get_response__descriptor,
-                         5000, &m, &st),
-                     0);
+    assert_int_equal(
+        sp_rpc_sync_stream_recv(wait[r],
+                                &shardplane__v1__store_get_response__descriptor,
+                                5000, &m, &st),
+        0);
     Shardplane__V1__StoreGetResponse *g = (Shardplane__V1__StoreGetResponse *)m;
     assert_true(g->found);
     assert_int_equal(g->value.len, 1);
@@ -698,8 +726,8 @@ static void test_agents_share_connections(void **state) {
   assert_non_null(tp);
   sp_rpc_sync_stream *sess[AG_WORLD];
   for (uint32_t r = 0; r < AG_WORLD; r++) {
-    assert_int_equal(sp_rpc_sync_stream_open(ag[r / AG_PER], PATH("Session"),
-                                             0, NULL, 0, &sess[r]),
+    assert_int_equal(sp_rpc_sync_stream_open(ag[r / AG_PER], PATH("Session"), 0,
+                                             NULL, 0, &sess[r]),
                      0);
     Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
     up.rank = r;
@@ -712,10 +740,10 @@ static void test_agents_share_connections(void **state) {
     assert_int_equal(sp_rpc_sync_stream_send(sess[r], &up.base), 0);
   }
   for (uint32_t r = 0; r < AG_WORLD; r++) {
-    assert_int_equal(sp_rpc_sync_stream_recv(
-                         sess[r], &shardplane__v1__session_down__descriptor,
-                         5000, &m, &st),
-                     0);
+    assert_int_equal(
+        sp_rpc_sync_stream_recv(
+            sess[r], &shardplane__v1__session_down__descriptor, 5000, &m, &st),
+        0);
     Shardplane__V1__SessionDown *d = (Shardplane__V1__SessionDown *)m;
     assert_int_equal(d->acked_seq, 1);
     assert_int_equal(d->n_rejections, 0);
@@ -726,7 +754,8 @@ static void test_agents_share_connections(void **state) {
 
   /* ListRanks in pages of 24: 0-23, 24-47, 48-63, then none */
   for (uint32_t first = 0; first <= AG_WORLD; first += 24) {
-    Shardplane__V1__ListRanksRequest lq = SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
+    Shardplane__V1__ListRanksRequest lq =
+        SHARDPLANE__V1__LIST_RANKS_REQUEST__INIT;
     lq.with_unit_states = true;
     lq.first_rank = first;
     lq.max_ranks = 24;
@@ -735,7 +764,9 @@ static void test_agents_share_connections(void **state) {
             &fx, PATH("ListRanks"), &lq.base,
             &shardplane__v1__list_ranks_response__descriptor, &st);
     assert_non_null(l);
-    size_t want = first >= AG_WORLD ? 0 : AG_WORLD - first < 24 ? AG_WORLD - first : 24;
+    size_t want = first >= AG_WORLD       ? 0
+                  : AG_WORLD - first < 24 ? AG_WORLD - first
+                                          : 24;
     assert_int_equal(l->n_ranks, want);
     for (size_t i = 0; i < l->n_ranks; i++) {
       const Shardplane__V1__RankInfo *k = l->ranks[i];
@@ -804,15 +835,18 @@ static void test_bad_input_is_harmless(void **state) {
   /* out-of-range rank and unit */
   q.by_rank = true;
   q.rank = 8;
-  assert_null(call(&fx, PATH("GetPlan"), &q.base, &shardplane__v1__plan__descriptor, &st));
+  assert_null(call(&fx, PATH("GetPlan"), &q.base,
+                   &shardplane__v1__plan__descriptor, &st));
   expect_code(&st, SP_RPC_INVALID_ARGUMENT, "ranks 0-7");
   q.by_rank = false;
   q.by_unit = true;
   q.unit = 100000;
-  assert_null(call(&fx, PATH("GetPlan"), &q.base, &shardplane__v1__plan__descriptor, &st));
+  assert_null(call(&fx, PATH("GetPlan"), &q.base,
+                   &shardplane__v1__plan__descriptor, &st));
   expect_code(&st, SP_RPC_INVALID_ARGUMENT, NULL);
   q.unit_fqn = "layer9";
-  assert_null(call(&fx, PATH("GetPlan"), &q.base, &shardplane__v1__plan__descriptor, &st));
+  assert_null(call(&fx, PATH("GetPlan"), &q.base,
+                   &shardplane__v1__plan__descriptor, &st));
   expect_code(&st, SP_RPC_NOT_FOUND, "layer9");
   /* memory model options out of range: the field and the value */
   Shardplane__V1__GetPlanRequest mq = SHARDPLANE__V1__GET_PLAN_REQUEST__INIT;
@@ -820,12 +854,15 @@ static void test_bad_input_is_harmless(void **state) {
   mq.with_memory = true;
   mq.memory = &mo;
   mo.optimizer = (Shardplane__V1__Optimizer)7;
-  assert_null(call(&fx, PATH("GetPlan"), &mq.base, &shardplane__v1__plan__descriptor, &st));
+  assert_null(call(&fx, PATH("GetPlan"), &mq.base,
+                   &shardplane__v1__plan__descriptor, &st));
   expect_code(&st, SP_RPC_INVALID_ARGUMENT, "memory.optimizer 7");
   mo.optimizer = SHARDPLANE__V1__OPTIMIZER__OPTIMIZER_ADAMW;
   mo.max_inflight_gathers = 1u << 20;
-  assert_null(call(&fx, PATH("GetPlan"), &mq.base, &shardplane__v1__plan__descriptor, &st));
-  expect_code(&st, SP_RPC_INVALID_ARGUMENT, "memory.max_inflight_gathers 1048576");
+  assert_null(call(&fx, PATH("GetPlan"), &mq.base,
+                   &shardplane__v1__plan__descriptor, &st));
+  expect_code(&st, SP_RPC_INVALID_ARGUMENT,
+              "memory.max_inflight_gathers 1048576");
   /* and in range: the estimate, AdamW's moments included */
   mo.max_inflight_gathers = 0;
   Shardplane__V1__Plan *mp = (Shardplane__V1__Plan *)call(
@@ -838,7 +875,8 @@ static void test_bad_input_is_harmless(void **state) {
   assert_true(mp->memory->categories[SP_MEM_OPTIMIZER]->peak > 0);
   assert_int_equal(mp->memory->options->max_inflight_gathers, 2);
   free_msg(mp);
-  Shardplane__V1__ListBuffersRequest lb = SHARDPLANE__V1__LIST_BUFFERS_REQUEST__INIT;
+  Shardplane__V1__ListBuffersRequest lb =
+      SHARDPLANE__V1__LIST_BUFFERS_REQUEST__INIT;
   lb.page_token = "x7";
   assert_null(call(&fx, PATH("ListBuffers"), &lb.base,
                    &shardplane__v1__list_buffers_response__descriptor, &st));

@@ -34,22 +34,22 @@ static const sp_dtype k_float_types[] = {SP_FLOAT32, SP_FLOAT64, SP_FLOAT16,
 static uint64_t ref_one(uint64_t x, sp_dtype st, sp_dtype dt) {
   if (st == dt) return x;
   switch (st) {
-  case SP_FLOAT32:
-    if (dt == SP_FLOAT64) return sp_f32_to_f64_bits((uint32_t)x);
-    if (dt == SP_FLOAT16) return sp_f32_to_f16_bits((uint32_t)x);
-    return sp_f32_to_bf16_bits((uint32_t)x);
-  case SP_FLOAT64:
-    if (dt == SP_FLOAT32) return sp_f64_to_f32_bits(x);
-    if (dt == SP_FLOAT16) return sp_f64_to_f16_bits(x);
-    return sp_f64_to_bf16_bits(x);
-  case SP_FLOAT16:
-    if (dt == SP_FLOAT32) return sp_f16_to_f32_bits((uint16_t)x);
-    if (dt == SP_FLOAT64) return sp_f16_to_f64_bits((uint16_t)x);
-    return sp_f16_to_bf16_bits((uint16_t)x);
-  default:
-    if (dt == SP_FLOAT32) return sp_bf16_to_f32_bits((uint16_t)x);
-    if (dt == SP_FLOAT64) return sp_bf16_to_f64_bits((uint16_t)x);
-    return sp_bf16_to_f16_bits((uint16_t)x);
+    case SP_FLOAT32:
+      if (dt == SP_FLOAT64) return sp_f32_to_f64_bits((uint32_t)x);
+      if (dt == SP_FLOAT16) return sp_f32_to_f16_bits((uint32_t)x);
+      return sp_f32_to_bf16_bits((uint32_t)x);
+    case SP_FLOAT64:
+      if (dt == SP_FLOAT32) return sp_f64_to_f32_bits(x);
+      if (dt == SP_FLOAT16) return sp_f64_to_f16_bits(x);
+      return sp_f64_to_bf16_bits(x);
+    case SP_FLOAT16:
+      if (dt == SP_FLOAT32) return sp_f16_to_f32_bits((uint16_t)x);
+      if (dt == SP_FLOAT64) return sp_f16_to_f64_bits((uint16_t)x);
+      return sp_f16_to_bf16_bits((uint16_t)x);
+    default:
+      if (dt == SP_FLOAT32) return sp_bf16_to_f32_bits((uint16_t)x);
+      if (dt == SP_FLOAT64) return sp_bf16_to_f64_bits((uint16_t)x);
+      return sp_bf16_to_f16_bits((uint16_t)x);
   }
 }
 
@@ -271,18 +271,18 @@ static void fill_specials(void *buf, sp_dtype dt, size_t n, sp_test_rng *rng) {
     bool special = sp_test_rng_below(rng, 8) == 0;
     size_t k = (size_t)sp_test_rng_below(rng, 12);
     switch (dt) {
-    case SP_FLOAT64:
-      if (special) x = f64s[k];
-      break;
-    case SP_FLOAT32:
-      if (special) x = f32s[k];
-      break;
-    case SP_FLOAT16:
-      if (special) x = f16s[k];
-      break;
-    default:
-      if (special) x = bf16s[k];
-      break;
+      case SP_FLOAT64:
+        if (special) x = f64s[k];
+        break;
+      case SP_FLOAT32:
+        if (special) x = f32s[k];
+        break;
+      case SP_FLOAT16:
+        if (special) x = f16s[k];
+        break;
+      default:
+        if (special) x = bf16s[k];
+        break;
     }
     memcpy((unsigned char *)buf + i * esz, &x, esz);
   }
@@ -297,32 +297,32 @@ static uint64_t ref_div_one(uint64_t x, sp_dtype st, sp_dtype dt, double div) {
   uint64_t q = x;
   if (div != 1.0) {
     switch (st) {
-    case SP_FLOAT64: {
-      double v;
-      memcpy(&v, &x, sizeof v);
-      v /= div;
-      memcpy(&q, &v, sizeof v);
-      break;
-    }
-    case SP_FLOAT32: {
-      uint32_t u = (uint32_t)x;
-      float f;
-      memcpy(&f, &u, sizeof f);
-      f = (float)((double)f / div);
-      memcpy(&u, &f, sizeof u);
-      q = u;
-      break;
-    }
-    default: {
-      uint32_t w = st == SP_FLOAT16 ? sp_f16_to_f32_bits((uint16_t)x)
-                                    : sp_bf16_to_f32_bits((uint16_t)x);
-      float f;
-      memcpy(&f, &w, sizeof f);
-      f = (float)((double)f / div);
-      memcpy(&w, &f, sizeof w);
-      q = st == SP_FLOAT16 ? sp_f32_to_f16_bits(w) : sp_f32_to_bf16_bits(w);
-      break;
-    }
+      case SP_FLOAT64: {
+        double v;
+        memcpy(&v, &x, sizeof v);
+        v /= div;
+        memcpy(&q, &v, sizeof v);
+        break;
+      }
+      case SP_FLOAT32: {
+        uint32_t u = (uint32_t)x;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        f = (float)((double)f / div);
+        memcpy(&u, &f, sizeof u);
+        q = u;
+        break;
+      }
+      default: {
+        uint32_t w = st == SP_FLOAT16 ? sp_f16_to_f32_bits((uint16_t)x)
+                                      : sp_bf16_to_f32_bits((uint16_t)x);
+        float f;
+        memcpy(&f, &w, sizeof f);
+        f = (float)((double)f / div);
+        memcpy(&w, &f, sizeof w);
+        q = st == SP_FLOAT16 ? sp_f32_to_f16_bits(w) : sp_f32_to_bf16_bits(w);
+        break;
+      }
     }
   }
   return ref_one(q, st, dt);
@@ -351,11 +351,11 @@ static void compare_elems(const void *got, const void *want, const void *in,
     memcpy(&w, (const unsigned char *)want + i * ds, ds);
     memcpy(&x, (const unsigned char *)in + i * ss, ss);
     if (g != w)
-      fail_msg("%s %s -> %s, n=%zu: element %zu, input 0x%llx: got 0x%llx, "
-               "want 0x%llx",
-               what, sp_dtype_name(st), sp_dtype_name(dt), n, i,
-               (unsigned long long)x, (unsigned long long)g,
-               (unsigned long long)w);
+      fail_msg(
+          "%s %s -> %s, n=%zu: element %zu, input 0x%llx: got 0x%llx, "
+          "want 0x%llx",
+          what, sp_dtype_name(st), sp_dtype_name(dt), n, i,
+          (unsigned long long)x, (unsigned long long)g, (unsigned long long)w);
   }
 }
 
@@ -475,9 +475,10 @@ static void test_cast_div(void **state) {
       }
     }
   }
-  printf("GPU sp_cuda_cast_div: %zu casts checked against fsdp.c's "
-         "scale_div + sp_cast\n",
-         checked);
+  printf(
+      "GPU sp_cuda_cast_div: %zu casts checked against fsdp.c's "
+      "scale_div + sp_cast\n",
+      checked);
   bufs_free(&io);
 }
 

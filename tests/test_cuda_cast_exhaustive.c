@@ -35,10 +35,10 @@
 
 #include "cast/cast_cuda.h"
 
-#define SP_OK(call)                                                            \
-  do {                                                                         \
-    int rc_ = (call);                                                          \
-    if (rc_ != 0) fail_msg("%s: %s", #call, sp_strerror(rc_));                 \
+#define SP_OK(call)                                            \
+  do {                                                         \
+    int rc_ = (call);                                          \
+    if (rc_ != 0) fail_msg("%s: %s", #call, sp_strerror(rc_)); \
   } while (0)
 
 /* fsdp_mem_host.c's float32 post-divide (hardware double division, one
@@ -162,14 +162,11 @@ static uint64_t ref_div3_16(uint16_t x, sp_dtype st, sp_dtype dt) {
   uint32_t q32 =
       st == SP_FLOAT16 ? sp_f16_to_f32_bits(q) : sp_bf16_to_f32_bits(q);
   switch (dt) {
-  case SP_FLOAT32:
-    return q32;
-  case SP_FLOAT64:
-    return sp_f32_to_f64_bits(q32); /* widening is exact either way */
-  case SP_FLOAT16:
-    return st == SP_FLOAT16 ? q : sp_bf16_to_f16_bits(q);
-  default:
-    return st == SP_BFLOAT16 ? q : sp_f16_to_bf16_bits(q);
+    case SP_FLOAT32: return q32;
+    case SP_FLOAT64:
+      return sp_f32_to_f64_bits(q32); /* widening is exact either way */
+    case SP_FLOAT16: return st == SP_FLOAT16 ? q : sp_bf16_to_f16_bits(q);
+    default: return st == SP_BFLOAT16 ? q : sp_f16_to_bf16_bits(q);
   }
 }
 

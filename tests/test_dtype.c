@@ -21,11 +21,11 @@ static void test_table(void **state) {
     size_t size;
     bool fp;
   } want[] = {
-      {"float32", "F32", 4, true},   {"bfloat16", "BF16", 2, true},
-      {"float16", "F16", 2, true},   {"float64", "F64", 8, true},
-      {"int64", "I64", 8, false},    {"int32", "I32", 4, false},
-      {"int16", "I16", 2, false},    {"int8", "I8", 1, false},
-      {"uint8", "U8", 1, false},     {"bool", "BOOL", 1, false},
+      {"float32", "F32", 4, true}, {"bfloat16", "BF16", 2, true},
+      {"float16", "F16", 2, true}, {"float64", "F64", 8, true},
+      {"int64", "I64", 8, false},  {"int32", "I32", 4, false},
+      {"int16", "I16", 2, false},  {"int8", "I8", 1, false},
+      {"uint8", "U8", 1, false},   {"bool", "BOOL", 1, false},
   };
   for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
     sp_dtype t = SP_DTYPE_INVALID, t2 = SP_DTYPE_INVALID;

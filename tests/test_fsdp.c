@@ -111,10 +111,10 @@ struct harness {
 #define TRY(expr) SP_RANK_TRY(expr)
 
 /* A schedule call that must succeed and makes k transitions. */
-#define SCHED(c, k, expr)                                                      \
-  do {                                                                         \
-    CALL(c, expr);                                                             \
-    (c)->transitions += (k);                                                   \
+#define SCHED(c, k, expr)    \
+  do {                       \
+    CALL(c, expr);           \
+    (c)->transitions += (k); \
   } while (0)
 
 /* A call that must be refused with `code` and a message holding `what`
@@ -131,21 +131,19 @@ static int refused(rank_ctx *c, const char *file, int line, const char *expr,
   return 0;
 }
 
-#define REFUSED(c, code, what, expr)                                           \
-  do {                                                                         \
-    sp_diag D = {""};                                                          \
-    int rc_ = (expr);                                                          \
-    if (refused((c), __FILE__, __LINE__, #expr, rc_, &D, (code), (what)))      \
-      return -1;                                                               \
+#define REFUSED(c, code, what, expr)                                      \
+  do {                                                                    \
+    sp_diag D = {""};                                                     \
+    int rc_ = (expr);                                                     \
+    if (refused((c), __FILE__, __LINE__, #expr, rc_, &D, (code), (what))) \
+      return -1;                                                          \
   } while (0)
 
 static uint32_t n_units(const rank_ctx *c) {
   return (uint32_t)c->plan->n_units;
 }
 
-static bool is_sharded(const rank_ctx *c) {
-  return c->strategy != SP_NO_SHARD;
-}
+static bool is_sharded(const rank_ctx *c) { return c->strategy != SP_NO_SHARD; }
 
 /* FULL_SHARD and HYBRID_SHARD free after forward, but not the root unit. */
 static bool frees_after_forward(const rank_ctx *c, uint32_t u) {
@@ -169,7 +167,7 @@ static int64_t shard_elems(const rank_ctx *c, uint32_t u) {
 static void shard_range(const rank_ctx *c, uint32_t u, int64_t *start,
                         int64_t *end) {
   int64_t n = unit_numel(c, u), cc = shard_elems(c, u);
-  uint32_t idx = !is_sharded(c) ? 0
+  uint32_t idx = !is_sharded(c)                   ? 0
                  : c->strategy == SP_HYBRID_SHARD ? c->t.rank % c->shard_world
                                                   : c->t.rank;
   int64_t s = (int64_t)idx * cc;
@@ -231,14 +229,16 @@ static int check_views(rank_ctx *c, uint32_t u, const char *when) {
     size_t n = (size_t)m->params[p].numel;
     uint8_t *want = malloc(n * ps);
     CHECK(c, want != NULL, "no memory");
-    sp_cast(want, c->pdt, c->flat[u] + param_offset(c, (int32_t)p),
-            SP_FLOAT32, n);
+    sp_cast(want, c->pdt, c->flat[u] + param_offset(c, (int32_t)p), SP_FLOAT32,
+            n);
     size_t bad = n;
     for (size_t i = 0; i < n && bad == n; i++)
       if (memcmp(v + i * ps, want + i * ps, ps) != 0) bad = i;
     free(want);
-    CHECK(c, bad == n, "%s: %s element %zu of the view differs from the "
-          "full parameter", when, m->params[p].fqn, bad);
+    CHECK(c, bad == n,
+          "%s: %s element %zu of the view differs from the "
+          "full parameter",
+          when, m->params[p].fqn, bad);
   }
   return 0;
 }
@@ -253,8 +253,7 @@ static int check_no_views(rank_ctx *c, uint32_t u, const char *when) {
 
 /* After a reshard: sharded strategies free, NO_SHARD keeps. */
 static int check_resharded(rank_ctx *c, uint32_t u, const char *when) {
-  return is_sharded(c) ? check_no_views(c, u, when)
-                       : check_views(c, u, when);
+  return is_sharded(c) ? check_no_views(c, u, when) : check_views(c, u, when);
 }
 
 static int write_grads(rank_ctx *c, uint32_t u, const grad_fn *gf) {
@@ -302,8 +301,10 @@ static int check_shard_grad(rank_ctx *c, uint32_t u, const grad_fn *gf) {
   }
   float gotv = bad >= 0 ? got[bad] : 0;
   free(got);
-  CHECK(c, bad < 0, "unit %u shard gradient[%lld] (flat %lld) = %.9g, want "
-        "%.9g", u, (long long)bad, (long long)(start + bad), (double)gotv,
+  CHECK(c, bad < 0,
+        "unit %u shard gradient[%lld] (flat %lld) = %.9g, want "
+        "%.9g",
+        u, (long long)bad, (long long)(start + bad), (double)gotv,
         (double)want);
   return 0;
 }
@@ -393,8 +394,7 @@ static int forward(rank_ctx *c, bool check) {
 
 /* Backward in reverse unit order, writing gradients; skip (not 0): a unit
  * whose backward does not run (its outputs needed no gradient). */
-static int backward(rank_ctx *c, bool check, uint32_t skip,
-                    const grad_fn *gf) {
+static int backward(rank_ctx *c, bool check, uint32_t skip, const grad_fn *gf) {
   SCHED(c, 2, sp_fsdp_root_pre_backward(c->f, &D));
   if (check) TRY(check_views(c, 0, "after root_pre_backward"));
   TRY(write_grads(c, 0, gf));
@@ -419,9 +419,9 @@ static int backward(rank_ctx *c, bool check, uint32_t skip,
 
 typedef struct step_opts {
   uint64_t step;
-  double lr;        /* 0: no SGD */
-  uint32_t skip;    /* a non-root unit whose backward does not run */
-  bool resync;      /* take the master from gather_param, not check it */
+  double lr;     /* 0: no SGD */
+  uint32_t skip; /* a non-root unit whose backward does not run */
+  bool resync;   /* take the master from gather_param, not check it */
   const grad_fn *gf;
 } step_opts;
 
@@ -540,20 +540,24 @@ static void check_coordinator(harness *h, char *err, size_t cap) {
     else if (ri->n_unit_states != c->plan->n_units)
       snprintf(err, cap, "rank %u: %zu unit states", r, ri->n_unit_states);
     else if (ri->transitions != c->transitions)
-      snprintf(err, cap, "rank %u: coordinator counted %llu transitions, "
-               "the rank made %llu", r, (unsigned long long)ri->transitions,
+      snprintf(err, cap,
+               "rank %u: coordinator counted %llu transitions, "
+               "the rank made %llu",
+               r, (unsigned long long)ri->transitions,
                (unsigned long long)c->transitions);
     else if (ri->alerts != 0)
       snprintf(err, cap, "rank %u: %u alerts: %s", r, ri->alerts,
                ri->last_alert);
     else if (sum != colls)
-      snprintf(err, cap, "rank %u: %llu collectives reported, the runtime "
-               "issued %llu", r, (unsigned long long)sum,
-               (unsigned long long)colls);
+      snprintf(err, cap,
+               "rank %u: %llu collectives reported, the runtime "
+               "issued %llu",
+               r, (unsigned long long)sum, (unsigned long long)colls);
     else if (sum > 0 && !last_seen)
-      snprintf(err, cap, "rank %u: last collective #%llu, the runtime's "
-               "last were %llu, %llu, %llu", r, (unsigned long long)seq,
-               (unsigned long long)per_comm[0],
+      snprintf(err, cap,
+               "rank %u: last collective #%llu, the runtime's "
+               "last were %llu, %llu, %llu",
+               r, (unsigned long long)seq, (unsigned long long)per_comm[0],
                (unsigned long long)per_comm[1],
                (unsigned long long)per_comm[2]);
     for (size_t u = 0; !err[0] && u < ri->n_unit_states; u++)
@@ -710,11 +714,14 @@ static void test_full_shard_mlp_w1_to_w4(void **state) {
 static void test_strategies(void **state) {
   (void)state;
   job_cfg cfgs[] = {
-      cfg_of(g_synth, 3, SP_FULL_SHARD),    cfg_of(g_synth, 4, SP_FULL_SHARD),
+      cfg_of(g_synth, 3, SP_FULL_SHARD),
+      cfg_of(g_synth, 4, SP_FULL_SHARD),
       cfg_of(g_synth, 2, SP_SHARD_GRAD_OP),
       cfg_of(g_synth, 3, SP_SHARD_GRAD_OP),
-      cfg_of(g_synth, 2, SP_NO_SHARD),      cfg_of(g_synth, 3, SP_NO_SHARD),
-      cfg_of(g_synth, 4, SP_HYBRID_SHARD),  cfg_of(MLP, 2, SP_SHARD_GRAD_OP),
+      cfg_of(g_synth, 2, SP_NO_SHARD),
+      cfg_of(g_synth, 3, SP_NO_SHARD),
+      cfg_of(g_synth, 4, SP_HYBRID_SHARD),
+      cfg_of(MLP, 2, SP_SHARD_GRAD_OP),
   };
   cfgs[6].group = 2;
   for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++)
@@ -858,15 +865,16 @@ static int body_limiter(rank_ctx *c, void *arg) {
   }
   SCHED(c, 1, sp_fsdp_post_backward(c->f, 0, &D));
   SCHED(c, nu + 1, sp_fsdp_finish_backward(c->f, &D));
-  for (uint32_t u = 0; u < nu; u++)
-    TRY(check_shard_grad(c, u, &k_rank_grads));
+  for (uint32_t u = 0; u < nu; u++) TRY(check_shard_grad(c, u, &k_rank_grads));
   sp_fsdp_stats st;
   sp_fsdp_get_stats(c->f, &st);
   uint64_t limit = c->h->cfg.max_inflight;
   /* every unit once in forward, every unit but the root once in backward:
    * a unit whose backward already ran is not prefetched again */
-  CHECK(c, st.all_gathers == 2 * (uint64_t)nu - 1, "all_gathers %llu, want "
-        "%llu", (unsigned long long)st.all_gathers,
+  CHECK(c, st.all_gathers == 2 * (uint64_t)nu - 1,
+        "all_gathers %llu, want "
+        "%llu",
+        (unsigned long long)st.all_gathers,
         (unsigned long long)(2 * (uint64_t)nu - 1));
   CHECK(c, st.max_inflight <= limit, "max_inflight %llu over the limit %llu",
         (unsigned long long)st.max_inflight, (unsigned long long)limit);
@@ -958,9 +966,10 @@ static int body_illegal(rank_ctx *c, void *arg) {
   /* post_forward in backward: the table's BACKWARD_PRE -> IDLE belongs to
    * finish_backward, not to post_forward */
   REFUSED(c, SP_ESTATE, ul, sp_fsdp_post_forward(f, last, &D));
-  CHECK(c, sp_session_state(c->s, SP_MACHINE_HANDLE, last) ==
-               SP_HANDLE_BACKWARD_PRE,
-        "refused post_forward moved the last unit");
+  CHECK(
+      c,
+      sp_session_state(c->s, SP_MACHINE_HANDLE, last) == SP_HANDLE_BACKWARD_PRE,
+      "refused post_forward moved the last unit");
   TRY(check_views(c, last, "after a refused post_forward"));
   TRY(write_grads(c, last, &k_rank_grads));
   SCHED(c, 1, sp_fsdp_post_backward(f, last, &D));
@@ -969,8 +978,9 @@ static int body_illegal(rank_ctx *c, void *arg) {
   sp_fsdp_get_stats(f, &s0);
   SCHED(c, 1, sp_fsdp_post_backward(f, last, &D));
   sp_fsdp_get_stats(f, &s1);
-  CHECK(c, s1.reduce_scatters == s0.reduce_scatters &&
-               s1.all_reduces == s0.all_reduces,
+  CHECK(c,
+        s1.reduce_scatters == s0.reduce_scatters &&
+            s1.all_reduces == s0.all_reduces,
         "a second post_backward reduced again");
 
   /* unsharding again after post_backward: refused before the all-gather */
@@ -1132,8 +1142,9 @@ static int body_lazy_init(rank_ctx *c, void *arg) {
     bool fl = sp_dtype_is_floating(t->dtype);
     CHECK(c, sp_fsdp_buffer(f, (int32_t)b) == ptr[b],
           "%s was reallocated by a later forward", t->fqn);
-    CHECK(c, sp_fsdp_buffer_dtype(f, (int32_t)b) ==
-                 (fl ? c->h->cfg.buffer_dtype : t->dtype),
+    CHECK(c,
+          sp_fsdp_buffer_dtype(f, (int32_t)b) ==
+              (fl ? c->h->cfg.buffer_dtype : t->dtype),
           "%s changed dtype", t->fqn);
     if (fl) {
       double v0;
@@ -1198,24 +1209,29 @@ static int body_memory(rank_ctx *c, void *arg) {
         "total peak %llu bytes, the model says %llu",
         (unsigned long long)got->total.peak,
         (unsigned long long)want->total.peak);
-  CHECK(c, got->reserved.peak == want->reserved.peak &&
-               got->reserved.current == want->reserved.current,
+  CHECK(c,
+        got->reserved.peak == want->reserved.peak &&
+            got->reserved.current == want->reserved.current,
         "reserved %llu bytes (peak %llu), the model says %llu (%llu)",
         (unsigned long long)got->reserved.current,
         (unsigned long long)got->reserved.peak,
         (unsigned long long)want->reserved.current,
         (unsigned long long)want->reserved.peak);
-  CHECK(c, got->allocs == want->allocs, "%llu allocations, the model says "
-        "%llu", (unsigned long long)got->allocs,
-        (unsigned long long)want->allocs);
-  CHECK(c, got->allocs == allocs_step1, "the second step allocated %llu "
-        "blocks", (unsigned long long)(got->allocs - allocs_step1));
+  CHECK(c, got->allocs == want->allocs,
+        "%llu allocations, the model says "
+        "%llu",
+        (unsigned long long)got->allocs, (unsigned long long)want->allocs);
+  CHECK(c, got->allocs == allocs_step1,
+        "the second step allocated %llu "
+        "blocks",
+        (unsigned long long)(got->allocs - allocs_step1));
   /* and the pool held the unsharded state only in flight: after the
    * steps, only NO_SHARD keeps any */
   if (is_sharded(c))
-    CHECK(c, got->cat[SP_MEM_PARAMS].current == 0 &&
-                 got->cat[SP_MEM_GRADS].current == 0 &&
-                 got->cat[SP_MEM_REDUCE].current == 0,
+    CHECK(c,
+          got->cat[SP_MEM_PARAMS].current == 0 &&
+              got->cat[SP_MEM_GRADS].current == 0 &&
+              got->cat[SP_MEM_REDUCE].current == 0,
           "unsharded storage still in use after the steps: params %llu, "
           "grads %llu, reduce %llu",
           (unsigned long long)got->cat[SP_MEM_PARAMS].current,
@@ -1287,14 +1303,16 @@ static int setup(void **state) {
   static char spec[8192];
   spec[0] = '\0';
   size_t cap = sizeof spec;
-  append(spec, cap, "{\"format\": \"shardplane.model/v1\", \"name\": "
-                    "\"synthetic\",\n \"modules\": [{\"fqn\": \"\", \"type\": "
-                    "\"Net\"}, {\"fqn\": \"layers\", \"type\": "
-                    "\"Sequential\"}");
+  append(spec, cap,
+         "{\"format\": \"shardplane.model/v1\", \"name\": "
+         "\"synthetic\",\n \"modules\": [{\"fqn\": \"\", \"type\": "
+         "\"Net\"}, {\"fqn\": \"layers\", \"type\": "
+         "\"Sequential\"}");
   for (int i = 0; i <= 6; i++)
     append(spec, cap, ", {\"fqn\": \"layers.%d\", \"type\": \"Linear\"}", i);
-  append(spec, cap, ", {\"fqn\": \"norm\", \"type\": \"Norm\"}],\n "
-                    "\"params\": [");
+  append(spec, cap,
+         ", {\"fqn\": \"norm\", \"type\": \"Norm\"}],\n "
+         "\"params\": [");
   for (int i = 0; i < 6; i++)
     append(spec, cap,
            "{\"fqn\": \"layers.%d.weight\", \"shape\": [%d, 6], \"dtype\": "

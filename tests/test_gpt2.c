@@ -32,7 +32,6 @@
 #define PYTHON "/usr/bin/python3"
 #define TORCH_SCRIPT SP_TEST_DATA "/../support/gpt2_torch.py"
 
-
 static sp_model *load_spec(const char *name) {
   char path[512];
   snprintf(path, sizeof path, "%s/models/%s.json", SP_EXAMPLES, name);
@@ -268,15 +267,15 @@ static void test_gelu(void **state) {
     double v = x[i], s = 0.7978845608028654;
     double th = tanh(s * (v + 0.044715 * v * v * v));
     double ref = 0.5 * v * (1 + th);
-    double dref = 0.5 * (1 + th) + 0.5 * v * (1 - th * th) * s *
-                                       (1 + 3 * 0.044715 * v * v);
+    double dref = 0.5 * (1 + th) +
+                  0.5 * v * (1 - th * th) * s * (1 + 3 * 0.044715 * v * v);
     double scale = fabs(v) > 1 ? fabs(v) : 1;
     if (fabs(y[i] - ref) / scale > worst) worst = fabs(y[i] - ref) / scale;
     if (fabs(g[i] - dref) / scale > worst_g)
       worst_g = fabs(g[i] - dref) / scale;
   }
-  printf("gelu: largest error %.3g, derivative %.3g (of max(1, |x|))\n",
-         worst, worst_g);
+  printf("gelu: largest error %.3g, derivative %.3g (of max(1, |x|))\n", worst,
+         worst_g);
   assert_true(worst <= 2e-7);
   assert_true(worst_g <= 1e-6);
   float sp[3] = {NAN, INFINITY, -INFINITY}, so[3];
@@ -317,8 +316,8 @@ static void test_attention(void **state) {
   double *ry = malloc(ny * 8), *ratt = malloc(natt * 8);
   double *rd = malloc(nqkv * 8), *dp = malloc((size_t)T * 8);
   uint8_t *allow = malloc((size_t)T * T);
-  assert_true(qkv && dy && y && att && datt && dqkv && ry && ratt && rd &&
-              dp && allow);
+  assert_true(qkv && dy && y && att && datt && dqkv && ry && ratt && rd && dp &&
+              allow);
   sp_test_rng rng = {7};
   for (size_t i = 0; i < nqkv; i++)
     qkv[i] = (float)((double)sp_test_rng_below(&rng, 2001) / 1000.0 - 1.0);
@@ -373,9 +372,10 @@ static void test_attention(void **state) {
     sp_gpt2_cpu_attention_bwd(dqkv, datt, dy, qkv, att, B, T, C, NH);
     double e_att = att_err(att, ratt, natt), e_y = att_err(y, ry, ny);
     double e_d = att_err(dqkv, rd, nqkv);
-    printf("attention (T %d, %s): probabilities %.3g, output %.3g, "
-           "dqkv %.3g of the largest\n", T, masked ? "mask" : "causal",
-           e_att, e_y, e_d);
+    printf(
+        "attention (T %d, %s): probabilities %.3g, output %.3g, "
+        "dqkv %.3g of the largest\n",
+        T, masked ? "mask" : "causal", e_att, e_y, e_d);
     assert_true(e_att <= 1e-5 && e_y <= 1e-5 && e_d <= 1e-5);
   }
   free(qkv), free(dy), free(y), free(att), free(datt), free(dqkv);
@@ -431,15 +431,23 @@ static void test_grad_vs_torch(void **state) {
   size_t n = 0;
   for (size_t i = 0; i < m->n_params; i++) {
     const sp_tensor_spec *t = &m->params[i];
-    e[n] = (sp_safetensors_entry){.name = t->fqn, .dtype = SP_FLOAT32,
-                                  .ndim = (size_t)t->ndim, .data = pl.p[i]};
+    e[n] = (sp_safetensors_entry){.name = t->fqn,
+                                  .dtype = SP_FLOAT32,
+                                  .ndim = (size_t)t->ndim,
+                                  .data = pl.p[i]};
     for (int k = 0; k < t->ndim; k++) e[n].shape[k] = (uint64_t)t->shape[k];
     n++;
   }
-  e[n++] = (sp_safetensors_entry){.name = "tokens", .dtype = SP_INT32,
-                                  .ndim = 2, .shape = {B, T}, .data = a->tok};
-  e[n++] = (sp_safetensors_entry){.name = "targets", .dtype = SP_INT32,
-                                  .ndim = 2, .shape = {B, T}, .data = a->tgt};
+  e[n++] = (sp_safetensors_entry){.name = "tokens",
+                                  .dtype = SP_INT32,
+                                  .ndim = 2,
+                                  .shape = {B, T},
+                                  .data = a->tok};
+  e[n++] = (sp_safetensors_entry){.name = "targets",
+                                  .dtype = SP_INT32,
+                                  .ndim = 2,
+                                  .shape = {B, T},
+                                  .data = a->tgt};
   char *in = sp_test_path(sp_test_dir, "in.safetensors");
   char *out = sp_test_path(sp_test_dir, "out.safetensors");
   if (sp_safetensors_write(in, e, n, NULL, 0, &d) != 0) fail_msg("%s", d.msg);
@@ -494,18 +502,17 @@ static void test_grad_vs_torch(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_spec_reader),
-      cmocka_unit_test(test_init),
-      cmocka_unit_test(test_data),
-      cmocka_unit_test(test_gelu),
+      cmocka_unit_test(test_spec_reader), cmocka_unit_test(test_init),
+      cmocka_unit_test(test_data),        cmocka_unit_test(test_gelu),
       cmocka_unit_test(test_attention),
   };
-  int rc = cmocka_run_group_tests(tests, sp_test_dir_setup,
-                                  sp_test_dir_teardown);
+  int rc =
+      cmocka_run_group_tests(tests, sp_test_dir_setup, sp_test_dir_teardown);
   if (rc != 0) return rc;
   if (!have_torch())
-    return sp_test_skip("the comparison with PyTorch: torch is not "
-                        "available to " PYTHON " (Debian: python3-torch)");
+    return sp_test_skip(
+        "the comparison with PyTorch: torch is not "
+        "available to " PYTHON " (Debian: python3-torch)");
   const struct CMUnitTest torch_tests[] = {
       cmocka_unit_test(test_grad_vs_torch),
   };

@@ -30,7 +30,6 @@
 #define ST_READER SP_TEST_DATA "/../interop/st_reader.py"
 #define MODEL SP_TEST_DATA "/gpt2_buffers.json"
 
-
 /* The reader's view of a file: {"tensors": {name: {"dtype", "values"}}} */
 static json_t *read_back(const char *path) {
   char cmd[8192];
@@ -52,11 +51,11 @@ static json_t *read_back(const char *path) {
 
 static const char *st_dtype(sp_dtype dt) {
   switch (dt) {
-  case SP_BOOL: return "BOOL";
-  case SP_FLOAT32: return "F32";
-  case SP_FLOAT16: return "F16";
-  case SP_FLOAT64: return "F64";
-  default: return "?";
+    case SP_BOOL: return "BOOL";
+    case SP_FLOAT32: return "F32";
+    case SP_FLOAT16: return "F16";
+    case SP_FLOAT64: return "F64";
+    default: return "?";
   }
 }
 
@@ -115,13 +114,28 @@ static void test_buffers(void **state) {
   for (size_t i = 0; i < sizeof text; i++)
     text[i] = "the unit gathers its shards\n"[i % 28];
   sp_test_write_file(corpus, text, sizeof text);
-  const char *cf[] = {"--wrap-type", "GPT2Block", "--param-dtype", "bfloat16",
-                      "--reduce-dtype", "float32", "--buffer-dtype",
-                      "bfloat16", NULL};
-  const char *wf[] = {"--steps", "3", "--global-batch", "4", "--optimizer",
-                      "adamw", "--lr", "1e-3", "--eval-every", "0",
-                      "--checkpoint", "full", "--checkpoint", "sharded",
-                      "--checkpoint-dir", dir, "--data", corpus, NULL};
+  const char *cf[] = {"--wrap-type",    "GPT2Block",      "--param-dtype",
+                      "bfloat16",       "--reduce-dtype", "float32",
+                      "--buffer-dtype", "bfloat16",       NULL};
+  const char *wf[] = {"--steps",
+                      "3",
+                      "--global-batch",
+                      "4",
+                      "--optimizer",
+                      "adamw",
+                      "--lr",
+                      "1e-3",
+                      "--eval-every",
+                      "0",
+                      "--checkpoint",
+                      "full",
+                      "--checkpoint",
+                      "sharded",
+                      "--checkpoint-dir",
+                      dir,
+                      "--data",
+                      corpus,
+                      NULL};
   sp_tjob_run(MODEL, cf, 2, wf, 120);
   char path[4096];
   snprintf(path, sizeof path, "%s/full/model.safetensors", dir);
@@ -154,6 +168,5 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_buffers),
   };
-  return cmocka_run_group_tests(tests, sp_test_dir_setup,
-                                sp_test_dir_teardown);
+  return cmocka_run_group_tests(tests, sp_test_dir_setup, sp_test_dir_teardown);
 }

@@ -63,11 +63,11 @@
 static sp_gpt2_dev *g_k;
 static sp_test_rng g_rng = {7};
 
-#define OK(call)                                                               \
-  do {                                                                         \
-    sp_diag d_ = {{0}};                                                        \
-    int rc_ = (call);                                                          \
-    if (rc_ != 0) fail_msg("%s: %s", #call, d_.msg);                           \
+#define OK(call)                                     \
+  do {                                               \
+    sp_diag d_ = {{0}};                              \
+    int rc_ = (call);                                \
+    if (rc_ != 0) fail_msg("%s: %s", #call, d_.msg); \
   } while (0)
 
 /* ---- host and device arrays ---- */
@@ -128,13 +128,13 @@ static void within(const char *what, const float *got, const float *want,
   for (size_t i = 0; i < n; i++) {
     double e = fabs((double)got[i] - (double)want[i]);
     if (!(e <= bound[i]))
-      fail_msg("%s: element %zu of %zu: GPU %.9g, CPU %.9g, error %.3g over "
-               "the bound %.3g", what, i, n, (double)got[i], (double)want[i],
-               e, bound[i]);
+      fail_msg(
+          "%s: element %zu of %zu: GPU %.9g, CPU %.9g, error %.3g over "
+          "the bound %.3g",
+          what, i, n, (double)got[i], (double)want[i], e, bound[i]);
     if (bound[i] > 0 && e / bound[i] > worst) worst = e / bound[i];
   }
-  printf("    %-44s %8zu elements, worst %.2g of the bound\n", what, n,
-         worst);
+  printf("    %-44s %8zu elements, worst %.2g of the bound\n", what, n, worst);
 }
 
 /* The bound of a product computed both ways: 2 (K + 2) u times the CPU
@@ -156,8 +156,8 @@ static double *gemm_bound(const float *mag, size_t n, int K) {
 
 static void test_matmul(void **state) {
   (void)state;
-  static const int shapes[][3] = {{1, 1, 1},    {7, 13, 5},   {33, 64, 192},
-                                  {64, 96, 384}, {130, 48, 144}};
+  static const int shapes[][3] = {
+      {1, 1, 1}, {7, 13, 5}, {33, 64, 192}, {64, 96, 384}, {130, 48, 144}};
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
     int N = shapes[s][0], IC = shapes[s][1], OC = shapes[s][2];
     size_t ni = (size_t)N * IC, nw = (size_t)IC * OC, no = (size_t)N * OC;
@@ -200,8 +200,8 @@ static void test_matmul(void **state) {
       /* the bias gradient: column sums in row order on both sides */
       sp_test_same_f32("matmul_bwd db", g3, gb, OC);
       free(g1), free(g2), free(g3), free(b1), free(b2);
-      free(gw0), free(gb0), free(dinp), free(gw), free(gb), free(mi),
-          free(mw), free(mb);
+      free(gw0), free(gb0), free(dinp), free(gw), free(gb), free(mi), free(mw),
+          free(mb);
       dfree(ddi), dfree(dgw), dfree(dgb);
     }
     free(inp), free(w), free(b), free(dout), free(ai), free(aw), free(ab),
@@ -212,8 +212,8 @@ static void test_matmul(void **state) {
 
 static void test_logits(void **state) {
   (void)state;
-  static const int shapes[][3] = {{1, 1, 1}, {5, 16, 257}, {33, 64, 256},
-                                  {3, 48, 50257}};
+  static const int shapes[][3] = {
+      {1, 1, 1}, {5, 16, 257}, {33, 64, 256}, {3, 48, 50257}};
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
     int N = shapes[s][0], C = shapes[s][1], V = shapes[s][2];
     size_t nx = (size_t)N * C, nw = (size_t)V * C, nl = (size_t)N * V;
@@ -253,8 +253,7 @@ static void test_logits(void **state) {
 
 static void test_layernorm(void **state) {
   (void)state;
-  static const int shapes[][2] = {{1, 1}, {3, 7}, {17, 64}, {9, 300},
-                                  {4, 768}};
+  static const int shapes[][2] = {{1, 1}, {3, 7}, {17, 64}, {9, 300}, {4, 768}};
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
     int N = shapes[s][0], C = shapes[s][1];
     size_t n = (size_t)N * C;
@@ -330,8 +329,7 @@ static void test_layernorm(void **state) {
         double xh = fabs(((double)x[e] - mean[i]) * rstd[i]);
         double gwv = fabs((double)g[e] * w[c]);
         bd[e] = 2 * rstd[i] * ((C + 2) * U * A + xh * (C + 5) * U * B) +
-                2 * (4 * U * rstd[i] * (gwv + A + xh * B) +
-                     U * fabs(dinp[e]));
+                2 * (4 * U * rstd[i] * (gwv + A + xh * B) + U * fabs(dinp[e]));
       }
     }
     within("layernorm_bwd dinp (K = C)", g1, dinp, bd, n);
@@ -395,8 +393,8 @@ static void attention_case(int B, int T, int C, int NH, bool masked) {
           if (dz > Z) Z = dz;
           if (fabs(z * scale) > zmax) zmax = fabs(z * scale);
         }
-        double rel = 2.01 * Z + 2 * U * 2 * zmax + 6 * U + 2.0 * (T + 1) * U +
-                     4 * U;
+        double rel =
+            2.01 * Z + 2 * U * 2 * zmax + 6 * U + 2.0 * (T + 1) * U + 4 * U;
         const float *p = att + (((size_t)b * NH + h) * T + t) * T;
         double *bp = ba + (((size_t)b * NH + h) * T + t) * T;
         for (int u = 0; u < T; u++) bp[u] = rel * p[u];
@@ -441,13 +439,14 @@ static void attention_case(int B, int T, int C, int NH, bool masked) {
 
 static void test_attention(void **state) {
   (void)state;
-  static const int shapes[][4] = {{1, 1, 4, 1},  {2, 7, 12, 3},
-                                  {1, 33, 64, 4}, {2, 64, 32, 2},
+  static const int shapes[][4] = {{1, 1, 4, 1},
+                                  {2, 7, 12, 3},
+                                  {1, 33, 64, 4},
+                                  {2, 64, 32, 2},
                                   {1, 300, 16, 2}};
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
     for (int m = 0; m <= 1; m++)
-      attention_case(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
-                     m);
+      attention_case(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3], m);
 }
 
 /* ================================================================== */
@@ -456,8 +455,8 @@ static void test_attention(void **state) {
 
 static void test_softmax_xent(void **state) {
   (void)state;
-  static const int shapes[][2] = {{1, 1}, {3, 7}, {16, 256}, {5, 1000},
-                                  {2, 50257}};
+  static const int shapes[][2] = {
+      {1, 1}, {3, 7}, {16, 256}, {5, 1000}, {2, 50257}};
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
     int N = shapes[s][0], V = shapes[s][1];
     size_t n = (size_t)N * V;
@@ -512,9 +511,9 @@ static void test_elementwise(void **state) {
   /* the clamps of the exp (|2u| > 87), tiny and signed zero inputs; not
    * an overflowing x^3, whose 0 * inf NaN has the CPU's and the GPU's own
    * bits */
-  static const float special[] = {0.0f,   -0.0f, 1e-30f,  -1e-30f, 3.0f,
-                                  -3.0f,  20.0f, -20.0f,  100.0f,  -100.0f,
-                                  44.0f,  -44.0f};
+  static const float special[] = {0.0f,   -0.0f,   1e-30f, -1e-30f,
+                                  3.0f,   -3.0f,   20.0f,  -20.0f,
+                                  100.0f, -100.0f, 44.0f,  -44.0f};
   for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
     size_t n = sizes[s];
     printf("  elementwise n=%zu\n", n);
@@ -575,8 +574,8 @@ static void test_embeddings(void **state) {
     int32_t *tok = malloc(N * sizeof *tok + 1);
     /* few distinct tokens, so rows of wte sum many positions */
     for (int i = 0; i < N; i++)
-      tok[i] = (int32_t)sp_test_rng_below(&g_rng, V < 5 ? V : 5) * (V / 5 + 1) %
-               V;
+      tok[i] =
+          (int32_t)sp_test_rng_below(&g_rng, V < 5 ? V : 5) * (V / 5 + 1) % V;
     size_t nx = (size_t)N * C, nte = (size_t)V * C, npe = (size_t)ctx * C;
     float *wte = rnd(nte, -1, 1), *wpe = rnd(npe, -1, 1), *g = rnd(nx, -1, 1);
     float *x = malloc(nx * 4 + 1);
@@ -720,8 +719,8 @@ static void mstate_init(mstate *s, const sp_model *m, sp_dtype pd) {
     void *master = calloc((size_t)t->numel + 1, sp_dtype_size(t->dtype));
     assert_non_null(master);
     sp_gpt2_init_param(NULL, m, (int32_t)p, 0, t->numel, master);
-    assert_int_equal(sp_cast(s->hp + s->off[p], pd, master, t->dtype,
-                             (size_t)t->numel), 0);
+    assert_int_equal(
+        sp_cast(s->hp + s->off[p], pd, master, t->dtype, (size_t)t->numel), 0);
     free(master);
   }
   s->dp = up(s->hp, s->bytes);
@@ -729,8 +728,8 @@ static void mstate_init(mstate *s, const sp_model *m, sp_dtype pd) {
   s->hb = calloc(m->n_buffers + 1, sizeof *s->hb);
   s->db = calloc(m->n_buffers + 1, sizeof *s->db);
   for (size_t b = 0; b < m->n_buffers; b++) {
-    size_t bytes = (size_t)m->buffers[b].numel *
-                   sp_dtype_size(m->buffers[b].dtype);
+    size_t bytes =
+        (size_t)m->buffers[b].numel * sp_dtype_size(m->buffers[b].dtype);
     s->hb[b] = calloc(bytes + 1, 1);
     assert_non_null(s->hb[b]);
     sp_gpt2_init_buffer(NULL, m, (int32_t)b, s->hb[b]);
@@ -770,10 +769,10 @@ static void model_case(const sp_gpt2 *g, sp_dtype pd, size_t B, size_t T) {
   mstate hs = s, ds = s;
   hs.device = false;
   ds.device = true;
-  sp_gpt2_io hio = {mio_param, mio_grad, mio_param_dtype, mio_buffer,
-                    mio_buffer_dtype, &hs};
-  sp_gpt2_io dio = {mio_param, mio_grad, mio_param_dtype, mio_buffer,
-                    mio_buffer_dtype, &ds};
+  sp_gpt2_io hio = {mio_param,  mio_grad,         mio_param_dtype,
+                    mio_buffer, mio_buffer_dtype, &hs};
+  sp_gpt2_io dio = {mio_param,  mio_grad,         mio_param_dtype,
+                    mio_buffer, mio_buffer_dtype, &ds};
   sp_gpt2_acts *a = NULL;
   assert_int_equal(sp_gpt2_acts_new(g, B, T, &a), 0);
   sp_gpt2_cuda *c = NULL;
@@ -831,14 +830,15 @@ static void model_case(const sp_gpt2 *g, sp_dtype pd, size_t B, size_t T) {
     free(x), free(y);
   }
   double rms = sqrt(d2 / r2);
-  printf("    loss CPU %.9g GPU %.9g (%.3g); gradients: worst %.3g of the "
-         "tensor's largest (%s), whole %.3g\n", lc, lg, lerr, worst, wname,
-         rms);
+  printf(
+      "    loss CPU %.9g GPU %.9g (%.3g); gradients: worst %.3g of the "
+      "tensor's largest (%s), whole %.3g\n",
+      lc, lg, lerr, worst, wname, rms);
   if (!(lerr <= (f32 ? 1e-5 : 1e-3)))
     fail_msg("%s loss %.3g from the CPU's", sp_dtype_name(pd), lerr);
   if (f32 && !(worst <= 1e-4))
-    fail_msg("float32 gradient of %s %.3g from the CPU's (bound 1e-4)",
-             wname, worst);
+    fail_msg("float32 gradient of %s %.3g from the CPU's (bound 1e-4)", wname,
+             worst);
   if (!f32 && !(rms <= 2e-2))
     fail_msg("%s gradients %.3g from the CPU's as a whole (bound 2e-2)",
              sp_dtype_name(pd), rms);
@@ -870,10 +870,10 @@ static void test_model_step(void **state) {
 #define STEPS 10
 #define STEPS_S "10"
 #define JOB_TIMEOUT_S 180
-#define TRAIN_FLAGS                                                          \
-  "--optimizer", "adamw", "--lr", "1e-3", "--betas", "0.9,0.95",             \
-      "--weight-decay", "0.1", "--lr-schedule", "cosine", "--warmup-steps",  \
-      "3", "--min-lr", "1e-4", "--clip-grad-norm", "1.0", "--global-batch",  \
+#define TRAIN_FLAGS                                                         \
+  "--optimizer", "adamw", "--lr", "1e-3", "--betas", "0.9,0.95",            \
+      "--weight-decay", "0.1", "--lr-schedule", "cosine", "--warmup-steps", \
+      "3", "--min-lr", "1e-4", "--clip-grad-norm", "1.0", "--global-batch", \
       "8", "--eval-every", "0"
 
 typedef struct run {
@@ -900,10 +900,12 @@ static void start(run *r, const char *top, const char *name, int n, bool gpu,
     cf[k++] = "float32";
   }
   cf[k] = NULL;
-  const char *wf[40] = {"--device", gpu ? SP_TJOB_RANK_GPU : "cpu",
-                        "--steps", STEPS_S, "--data", corpus,
-                        "--checkpoint-dir", r->dir, "--losses", r->losses,
-                        TRAIN_FLAGS, NULL};
+  const char *wf[40] = {"--device",         gpu ? SP_TJOB_RANK_GPU : "cpu",
+                        "--steps",          STEPS_S,
+                        "--data",           corpus,
+                        "--checkpoint-dir", r->dir,
+                        "--losses",         r->losses,
+                        TRAIN_FLAGS,        NULL};
   sp_tjob_start(&r->job, MODEL, cf, n, wf, NULL);
 }
 
@@ -940,10 +942,11 @@ static void check(run *r, int ok, int n, const run *ref, int ok_ref,
   sp_tgpt2_errors e;
   sp_tgpt2_compare(m, l, lr, STEPS, a, b, &e);
   double adam = 2 * sp_tgpt2_lr_sum(STEPS, 1e-3, 3, 1e-4);
-  printf("%-22s loss %.4f -> %.4f (CPU %.4f -> %.4f): loss %.3g (step %zu), "
-         "params %.3g (%s), whole %.3g, key biases %.3g abs\n", label, l[0],
-         l[STEPS - 1], lr[0], lr[STEPS - 1], e.loss, e.loss_at + 1, e.params,
-         e.worst, e.rms, e.key_bias);
+  printf(
+      "%-22s loss %.4f -> %.4f (CPU %.4f -> %.4f): loss %.3g (step %zu), "
+      "params %.3g (%s), whole %.3g, key biases %.3g abs\n",
+      label, l[0], l[STEPS - 1], lr[0], lr[STEPS - 1], e.loss, e.loss_at + 1,
+      e.params, e.worst, e.rms, e.key_bias);
   double lt = bf16 ? 2e-2 : 1e-5;
   if (!(e.loss <= lt))
     fail_msg("%s: loss curve %.3g from the CPU's (bound %g)", label, e.loss,
@@ -952,11 +955,15 @@ static void check(run *r, int ok, int n, const run *ref, int ok_ref,
     fail_msg("%s: %s %.3g from the CPU's (bound 1e-4)", label, e.worst,
              e.params);
   if (bf16 && !(e.abs <= adam && e.rms <= 1e-2))
-    fail_msg("%s: parameters %.3g from the CPU's (bound %.3g), the whole "
-             "%.3g (bound 1e-2)", label, e.abs, adam, e.rms);
+    fail_msg(
+        "%s: parameters %.3g from the CPU's (bound %.3g), the whole "
+        "%.3g (bound 1e-2)",
+        label, e.abs, adam, e.rms);
   if (!(e.key_bias <= adam))
-    fail_msg("%s: key biases %.3g from the CPU's, more than Adam can move "
-             "them (%.3g)", label, e.key_bias, adam);
+    fail_msg(
+        "%s: key biases %.3g from the CPU's, more than Adam can move "
+        "them (%.3g)",
+        label, e.key_bias, adam);
   sp_safetensors_close(a);
   sp_safetensors_close(b);
   free(l);
@@ -993,8 +1000,7 @@ static void test_train(void **state) {
   int og[NC], oc[NC];
   size_t todo = gpus >= 2 ? NC : NC - 1;
   if (gpus < 2)
-    printf("W=2: skipped, %d CUDA device(s) (NCCL needs one per rank)\n",
-           gpus);
+    printf("W=2: skipped, %d CUDA device(s) (NCCL needs one per rank)\n", gpus);
   /* all jobs at once: a job mostly waits on its rendezvous */
   for (size_t i = 0; i < todo; i++) {
     start(&g[i], top, cs[i].gpu, cs[i].n, true, cs[i].bf16, corpus);
@@ -1034,11 +1040,16 @@ int main(void) {
     return 1;
   }
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_matmul),      cmocka_unit_test(test_logits),
-      cmocka_unit_test(test_layernorm),   cmocka_unit_test(test_attention),
-      cmocka_unit_test(test_softmax_xent), cmocka_unit_test(test_elementwise),
-      cmocka_unit_test(test_embeddings),  cmocka_unit_test(test_grad_add_and_mask),
-      cmocka_unit_test(test_model_step),  cmocka_unit_test(test_train),
+      cmocka_unit_test(test_matmul),
+      cmocka_unit_test(test_logits),
+      cmocka_unit_test(test_layernorm),
+      cmocka_unit_test(test_attention),
+      cmocka_unit_test(test_softmax_xent),
+      cmocka_unit_test(test_elementwise),
+      cmocka_unit_test(test_embeddings),
+      cmocka_unit_test(test_grad_add_and_mask),
+      cmocka_unit_test(test_model_step),
+      cmocka_unit_test(test_train),
   };
   rc = cmocka_run_group_tests(tests, NULL, NULL);
   sp_gpt2_gpu_free(g_k);

@@ -70,13 +70,14 @@ static char *g_dir;
 static char *g_corpus;
 
 /* The training flags of every job, and the same for torch. */
-#define TRAIN_FLAGS                                                          \
-  "--optimizer", "adamw", "--lr", "1e-3", "--betas", "0.9,0.95",             \
-      "--weight-decay", "0.1", "--lr-schedule", "cosine", "--warmup-steps",  \
-      "5", "--min-lr", "1e-4", "--clip-grad-norm", "1.0", "--global-batch",  \
+#define TRAIN_FLAGS                                                         \
+  "--optimizer", "adamw", "--lr", "1e-3", "--betas", "0.9,0.95",            \
+      "--weight-decay", "0.1", "--lr-schedule", "cosine", "--warmup-steps", \
+      "5", "--min-lr", "1e-4", "--clip-grad-norm", "1.0", "--global-batch", \
       "8", "--eval-every", "0"
-#define TORCH_KEYS                                                           \
-  "steps=" STEPS_S " batch=8 seq=64 lr=1e-3 beta1=0.9 beta2=0.95 eps=1e-8 "  \
+#define TORCH_KEYS                                         \
+  "steps=" STEPS_S                                         \
+  " batch=8 seq=64 lr=1e-3 beta1=0.9 beta2=0.95 eps=1e-8 " \
   "wd=0.1 clip=1.0 schedule=cosine warmup=5 min_lr=1e-4"
 
 /* The sum of the schedule's learning rates over the run (warmup 5,
@@ -101,8 +102,7 @@ static void start(run *r, const cfg *c, size_t i) {
   r->dir = sp_test_path(g_dir, name);
   snprintf(name, sizeof name, "losses%zu.json", i);
   r->losses = sp_test_path(g_dir, name);
-  const char *cf[16] = {"--wrap-type", "GPT2Block", "--strategy",
-                        c->strategy};
+  const char *cf[16] = {"--wrap-type", "GPT2Block", "--strategy", c->strategy};
   size_t k = 4;
   if (c->group) {
     cf[k++] = "--shard-group-size";
@@ -115,8 +115,8 @@ static void start(run *r, const cfg *c, size_t i) {
     cf[k++] = "float32";
   }
   cf[k] = NULL;
-  const char *wf[40] = {"--steps", STEPS_S, "--data", g_corpus,
-                        "--checkpoint-dir", r->dir, "--losses", r->losses,
+  const char *wf[40] = {"--steps",          STEPS_S, "--data",   g_corpus,
+                        "--checkpoint-dir", r->dir,  "--losses", r->losses,
                         TRAIN_FLAGS};
   k = 0;
   while (wf[k]) k++;
@@ -143,19 +143,21 @@ static void check(run *r, int ok, const cfg *c, const sp_model *m,
   double loss_err = e.loss, par_err = e.params, abs_err = e.abs;
   double rms = e.rms, kb_err = e.key_bias;
   const char *worst = e.worst;
-  printf("%-26s loss %.3g (step %zu, first %.3g)  params %.3g (%s), "
-         "whole %.3g, key biases %.3g abs\n", c->label, loss_err,
-         e.loss_at + 1, e.first, par_err, worst, rms, kb_err);
+  printf(
+      "%-26s loss %.3g (step %zu, first %.3g)  params %.3g (%s), "
+      "whole %.3g, key biases %.3g abs\n",
+      c->label, loss_err, e.loss_at + 1, e.first, par_err, worst, rms, kb_err);
   double lt = c->bf16 ? 2e-2 : 1e-5;
   if (!(loss_err <= lt))
-    fail_msg("%s: loss curve %.3g from torch's (bound %g)", c->label,
-             loss_err, lt);
+    fail_msg("%s: loss curve %.3g from torch's (bound %g)", c->label, loss_err,
+             lt);
   if (!c->bf16 && !(par_err <= 1e-4))
-    fail_msg("%s: %s %.3g from torch's (bound 1e-4)", c->label, worst,
-             par_err);
+    fail_msg("%s: %s %.3g from torch's (bound 1e-4)", c->label, worst, par_err);
   if (c->bf16 && !(abs_err <= 2 * lr_sum() && rms <= 1e-2))
-    fail_msg("%s: parameters %.3g from torch's (bound %.3g), the whole "
-             "%.3g (bound 1e-2)", c->label, abs_err, 2 * lr_sum(), rms);
+    fail_msg(
+        "%s: parameters %.3g from torch's (bound %.3g), the whole "
+        "%.3g (bound 1e-2)",
+        c->label, abs_err, 2 * lr_sum(), rms);
   if (!(kb_err <= 2 * lr_sum()))
     fail_msg("%s: key biases moved %.3g from torch's, more than Adam can",
              c->label, kb_err);
@@ -173,17 +175,18 @@ static void test_parity(void **state) {
   /* the step-0 checkpoint: the initialisation every job starts from */
   char *init = sp_test_path(g_dir, "init");
   const char *cf[] = {"--wrap-type", "GPT2Block", NULL};
-  const char *wf[] = {"--steps", "0", "--data", g_corpus, "--checkpoint-dir",
-                      init, NULL};
+  const char *wf[] = {"--steps",          "0",  "--data", g_corpus,
+                      "--checkpoint-dir", init, NULL};
   sp_tjob_run(MODEL, cf, 1, wf, 60);
   /* torch from there */
   char *ref = sp_test_path(g_dir, "torch.safetensors");
   int64_t heads = 0;
   assert_int_equal(sp_model_config_int(m, "n_head", &heads), 0);
   char cmd[8192];
-  snprintf(cmd, sizeof cmd, "'%s' '%s' train '%s/full/model.safetensors' "
-           "'%s' '%s' %lld " TORCH_KEYS, PYTHON, TORCH_SCRIPT, init,
-           g_corpus, ref, (long long)heads);
+  snprintf(cmd, sizeof cmd,
+           "'%s' '%s' train '%s/full/model.safetensors' "
+           "'%s' '%s' %lld " TORCH_KEYS,
+           PYTHON, TORCH_SCRIPT, init, g_corpus, ref, (long long)heads);
   int st = system(cmd);
   assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
   sp_safetensors_file *tp = NULL;
@@ -232,16 +235,16 @@ static void test_resume_bit_exact(void **state) {
   char *la = sp_test_path(g_dir, "la.json");
   char *lb = sp_test_path(g_dir, "lb.json");
   char *load = sp_test_path(b, "full");
-#define RESUME_FLAGS                                                         \
-  "--data", g_corpus, "--optimizer", "adamw", "--lr", "1e-3",                \
+#define RESUME_FLAGS                                          \
+  "--data", g_corpus, "--optimizer", "adamw", "--lr", "1e-3", \
       "--clip-grad-norm", "1.0", "--global-batch", "8", "--eval-every", "0"
   const char *cf[] = {"--wrap-type", "GPT2Block", NULL};
-  const char *wa[] = {"--steps", "20", "--checkpoint-dir", a, "--losses", la,
-                      RESUME_FLAGS, NULL};
-  const char *w1[] = {"--steps", "10", "--checkpoint-dir", b, RESUME_FLAGS,
-                      NULL};
-  const char *w2[] = {"--steps", "20", "--checkpoint-dir", b, "--load", load,
-                      "--losses", lb, RESUME_FLAGS, NULL};
+  const char *wa[] = {"--steps",  "20", "--checkpoint-dir", a,
+                      "--losses", la,   RESUME_FLAGS,       NULL};
+  const char *w1[] = {"--steps", "10",         "--checkpoint-dir",
+                      b,         RESUME_FLAGS, NULL};
+  const char *w2[] = {"--steps",  "20", "--checkpoint-dir", b,   "--load", load,
+                      "--losses", lb,   RESUME_FLAGS,       NULL};
   sp_tjob_run(MODEL, cf, 2, wa, 60);
   sp_tjob_run(MODEL, cf, 2, w1, 60);
   sp_tjob_run(MODEL, cf, 2, w2, 60);
@@ -288,8 +291,9 @@ int main(void) {
   if (rc != 0) return rc;
   if (access(PYTHON, X_OK) != 0 ||
       system("'" PYTHON "' -c 'import torch, numpy' >/dev/null 2>&1") != 0)
-    return sp_test_skip("the comparison with PyTorch: torch is not "
-                        "available to " PYTHON " (Debian: python3-torch)");
+    return sp_test_skip(
+        "the comparison with PyTorch: torch is not "
+        "available to " PYTHON " (Debian: python3-torch)");
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_parity),
   };

@@ -53,12 +53,12 @@
 
 #ifdef SP_GPU_TESTS
 
-#define OK(call)                                                               \
-  do {                                                                         \
-    sp_diag d_ = {{0}};                                                        \
-    (void)d_;                                                                  \
-    int rc_ = (call);                                                          \
-    if (rc_ != 0) fail_msg("%s: %s", #call, d_.msg);                           \
+#define OK(call)                                     \
+  do {                                               \
+    sp_diag d_ = {{0}};                              \
+    (void)d_;                                        \
+    int rc_ = (call);                                \
+    if (rc_ != 0) fail_msg("%s: %s", #call, d_.msg); \
   } while (0)
 
 /* ================================================================== */
@@ -119,10 +119,10 @@ static void tensors_init(tensors *t, const sp_model *m, sp_dtype pd,
   }
   for (size_t b = 0; b < m->n_buffers; b++) {
     const sp_tensor_spec *bs = &m->buffers[b];
-    t->bdt[b] = sp_dtype_is_floating(bs->dtype) &&
-                        buffer_dtype != SP_DTYPE_INVALID
-                    ? buffer_dtype
-                    : bs->dtype;
+    t->bdt[b] =
+        sp_dtype_is_floating(bs->dtype) && buffer_dtype != SP_DTYPE_INVALID
+            ? buffer_dtype
+            : bs->dtype;
     t->bbytes = (t->bbytes + 15) & ~(size_t)15;
     t->boff[b] = t->bbytes;
     t->bbytes += (size_t)bs->numel * sp_dtype_size(t->bdt[b]);
@@ -138,9 +138,9 @@ static void tensors_init(tensors *t, const sp_model *m, sp_dtype pd,
     const sp_tensor_spec *ps = &m->params[p];
     uint8_t *master = calloc((size_t)ps->numel, sp_dtype_size(ps->dtype));
     sp_mlp_init_param(NULL, m, (int32_t)p, 0, ps->numel, master);
-    assert_int_equal(sp_cast(t->hp + t->poff[p], pd, master, ps->dtype,
-                             (size_t)ps->numel),
-                     0);
+    assert_int_equal(
+        sp_cast(t->hp + t->poff[p], pd, master, ps->dtype, (size_t)ps->numel),
+        0);
     free(master);
   }
   for (size_t b = 0; b < m->n_buffers; b++) {
@@ -151,8 +151,8 @@ static void tensors_init(tensors *t, const sp_model *m, sp_dtype pd,
       memcpy(t->hb + t->boff[b], orig,
              (size_t)bs->numel * sp_dtype_size(bs->dtype));
     else
-      assert_int_equal(sp_cast(t->hb + t->boff[b], t->bdt[b], orig,
-                               bs->dtype, (size_t)bs->numel),
+      assert_int_equal(sp_cast(t->hb + t->boff[b], t->bdt[b], orig, bs->dtype,
+                               (size_t)bs->numel),
                        0);
     free(orig);
   }
@@ -200,9 +200,10 @@ static size_t near(const char *what, const float *got, const float *want,
     double e = fabs((double)got[i] - (double)want[i]);
     if (e > 0) differ++;
     if (!(e <= rel * fabs((double)want[i]) + abs_frac * scale))
-      fail_msg("%s: element %zu of %zu: GPU %.9g, CPU %.9g (bound %.3g "
-               "relative + %.3g of the largest %.3g)", what, i, n,
-               (double)got[i], (double)want[i], rel, abs_frac, scale);
+      fail_msg(
+          "%s: element %zu of %zu: GPU %.9g, CPU %.9g (bound %.3g "
+          "relative + %.3g of the largest %.3g)",
+          what, i, n, (double)got[i], (double)want[i], rel, abs_frac, scale);
   }
   return differ;
 }
@@ -225,9 +226,7 @@ typedef struct layer_case {
  * another order (float32 eps 6e-8: 1e-5 of the tensor's largest value is
  * two orders above what that can move); 16-bit outputs may in addition
  * round to the neighbouring value (one ulp, <= 2^-7 relative). */
-static double gemm_rel(sp_dtype pd) {
-  return pd == SP_FLOAT32 ? 0 : 0x1p-7;
-}
+static double gemm_rel(sp_dtype pd) { return pd == SP_FLOAT32 ? 0 : 0x1p-7; }
 #define GEMM_ABS 1e-5
 
 static void compare_buffers(const tensors *t, const char *after) {
@@ -247,8 +246,8 @@ static void compare_grad(const tensors *t, int32_t p, bool exact,
   const sp_tensor_spec *ps = &t->m->params[p];
   size_t n = (size_t)ps->numel, bytes = n * sp_dtype_size(t->pd);
   uint8_t *dg = download(t->dg + t->poff[p], bytes);
-  float *got = as_f32(dg, t->pd, n), *want = as_f32(t->hg + t->poff[p],
-                                                    t->pd, n);
+  float *got = as_f32(dg, t->pd, n),
+        *want = as_f32(t->hg + t->poff[p], t->pd, n);
   char what[160];
   snprintf(what, sizeof what, "gradient of %s (%s)", ps->fqn,
            sp_dtype_name(t->pd));
@@ -271,10 +270,10 @@ static void layer_case_run(const layer_case *lc) {
   tensors t;
   tensors_init(&t, m, lc->pd, lc->buffer_dtype);
   io_ctx hc = {&t, false}, dc = {&t, true};
-  sp_mlp_io hio = {io_param, io_grad, io_param_dtype, io_buffer,
-                   io_buffer_dtype, NULL, &hc};
-  sp_mlp_io dio = {io_param, io_grad, io_param_dtype, io_buffer,
-                   io_buffer_dtype, NULL, &dc};
+  sp_mlp_io hio = {
+      io_param, io_grad, io_param_dtype, io_buffer, io_buffer_dtype, NULL, &hc};
+  sp_mlp_io dio = {
+      io_param, io_grad, io_param_dtype, io_buffer, io_buffer_dtype, NULL, &dc};
   size_t n = lc->n;
   sp_mlp_acts *acts;
   assert_int_equal(sp_mlp_acts_new(mlp, n, &acts), 0);
@@ -321,8 +320,8 @@ static void layer_case_run(const layer_case *lc) {
     OK(sp_mlp_cuda_loss(g, out_dt, &d_));
     OK(sp_mlp_cuda_read_loss(g, &gl, &d_));
     if (!(fabs(gl - loss) <= 1e-12 * fabs(loss)))
-      fail_msg("step %llu loss: GPU %.17g, CPU %.17g",
-               (unsigned long long)step, gl, loss);
+      fail_msg("step %llu loss: GPU %.17g, CPU %.17g", (unsigned long long)step,
+               gl, loss);
     size_t count = n * (size_t)mlp->out_dim;
     OK(sp_mlp_cuda_read_dy(g, dev, count, &d_));
     sp_test_same_f32("loss gradient", dev, acts->dy, count);
@@ -348,8 +347,8 @@ static void layer_case_run(const layer_case *lc) {
                (unsigned long long)step, fqn);
       OK(sp_mlp_cuda_read_dy(g, dev, n * in, &d_));
       if (linear) {
-        gemm_differ += near(what, dev, acts->dy, n * in, gemm_rel(lc->pd),
-                            GEMM_ABS);
+        gemm_differ +=
+            near(what, dev, acts->dy, n * in, gemm_rel(lc->pd), GEMM_ABS);
         gemm_total += n * in;
       } else {
         sp_test_same_f32(what, dev, acts->dy, n * in);
@@ -360,10 +359,11 @@ static void layer_case_run(const layer_case *lc) {
     sp_mlp_count_step(mlp, &hio);
     compare_buffers(&t, "count_step");
   }
-  printf("  %-40s %-8s batch %2zu: elementwise bit-exact; GEMM outputs "
-         "differing from the CPU's sums in %zu of %zu elements (in bound)\n",
-         strrchr(lc->model, '/') + 1, sp_dtype_name(lc->pd), n,
-         gemm_differ, gemm_total);
+  printf(
+      "  %-40s %-8s batch %2zu: elementwise bit-exact; GEMM outputs "
+      "differing from the CPU's sums in %zu of %zu elements (in bound)\n",
+      strrchr(lc->model, '/') + 1, sp_dtype_name(lc->pd), n, gemm_differ,
+      gemm_total);
   free(target);
   free(dev);
   sp_mlp_cuda_free(g);
@@ -451,18 +451,37 @@ static void test_parity(void **state) {
 
 /* ---- checkpoints ---- */
 
-static const char *const k_buffer_job[] = {
-    "--wrap-type", "Linear", "--param-dtype", "bfloat16", "--reduce-dtype",
-    "float32", "--buffer-dtype", "bfloat16", "--backend", "nccl", NULL};
+static const char *const k_buffer_job[] = {"--wrap-type",
+                                           "Linear",
+                                           "--param-dtype",
+                                           "bfloat16",
+                                           "--reduce-dtype",
+                                           "float32",
+                                           "--buffer-dtype",
+                                           "bfloat16",
+                                           "--backend",
+                                           "nccl",
+                                           NULL};
 
 static void test_checkpoints(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *src = sp_test_path(dir, "gpu");
-  const char *wflags[] = {"--device", "cuda:0", "--steps", "4",
-                          "--global-batch", "24", "--checkpoint-dir", src,
-                          "--checkpoint", "full", "--checkpoint", "sharded",
-                          "--checkpoint", "local", NULL};
+  const char *wflags[] = {"--device",
+                          "cuda:0",
+                          "--steps",
+                          "4",
+                          "--global-batch",
+                          "24",
+                          "--checkpoint-dir",
+                          src,
+                          "--checkpoint",
+                          "full",
+                          "--checkpoint",
+                          "sharded",
+                          "--checkpoint",
+                          "local",
+                          NULL};
   sp_tjob_run(MLP_BUFFERS, k_buffer_job, 1, wflags, JOB_TIMEOUT_S);
 
   sp_tjob_check_buffers(MLP_BUFFERS, 1, 4, 24, 0.05, src,
@@ -474,8 +493,9 @@ static void test_checkpoints(void **state) {
    * buffers, flat shards) into the GPU again: each saved as FULL without
    * training, every tensor equal to the GPU's FULL checkpoint */
   static const char *const cpu_job[] = {
-      "--wrap-type", "Linear", "--param-dtype", "bfloat16", "--reduce-dtype",
-      "float32", "--buffer-dtype", "bfloat16", NULL};
+      "--wrap-type",    "Linear",         "--param-dtype",
+      "bfloat16",       "--reduce-dtype", "float32",
+      "--buffer-dtype", "bfloat16",       NULL};
   const struct {
     const char *from, *kind; /* under dir */
     const char *device;
@@ -487,9 +507,10 @@ static void test_checkpoints(void **state) {
   for (size_t i = 0; i < sizeof loads / sizeof loads[0]; i++) {
     char *from = sp_test_path(dir, loads[i].from);
     char *dst = sp_test_path(dir, loads[i].dst);
-    const char *lf[] = {"--device", loads[i].device, "--steps", "0", "--load",
-                        from, "--load-kind", loads[i].kind,
-                        "--checkpoint-dir", dst, "--checkpoint", "full",
+    const char *lf[] = {"--device",    loads[i].device, "--steps",
+                        "0",           "--load",        from,
+                        "--load-kind", loads[i].kind,   "--checkpoint-dir",
+                        dst,           "--checkpoint",  "full",
                         NULL};
     sp_tjob_run(MLP_BUFFERS, loads[i].job, 1, lf, JOB_TIMEOUT_S);
     sp_tjob_same_tensors(src, "full/model.safetensors", dst,
@@ -497,8 +518,9 @@ static void test_checkpoints(void **state) {
     free(from);
     free(dst);
   }
-  printf("  GPU FULL -> CPU -> GPU and GPU LOCAL -> GPU: every tensor "
-         "equal\n");
+  printf(
+      "  GPU FULL -> CPU -> GPU and GPU LOCAL -> GPU: every tensor "
+      "equal\n");
   free(src);
   sp_test_rmtree(dir);
   free(dir);
@@ -507,8 +529,12 @@ static void test_checkpoints(void **state) {
 /* Whether this library's NCCL backend works here: a communicator of one
  * member on cuda:0 (no store needed). */
 static int nccl_probe(char *why, size_t cap) {
-  sp_comm_opts o = {.backend = SP_BACKEND_NCCL, .prefix = "probe", .rank = 0,
-                    .size = 1, .timeout_ms = 30000, .device = "cuda:0"};
+  sp_comm_opts o = {.backend = SP_BACKEND_NCCL,
+                    .prefix = "probe",
+                    .rank = 0,
+                    .size = 1,
+                    .timeout_ms = 30000,
+                    .device = "cuda:0"};
   sp_comm *c = NULL;
   sp_diag d = {{0}};
   int rc = sp_comm_new(&o, &c, &d);

@@ -61,11 +61,11 @@ typedef struct fault_case {
   const char *strategy;
   const char *group; /* --shard-group-size, or NULL */
   const char *inject;
-  int kind;          /* the alert expected */
+  int kind; /* the alert expected */
   uint32_t culprit;
-  int op;            /* the collective's op, or 0: not fixed by the fault */
-  int comm;          /* its communicator kind */
-  int64_t unit;      /* its unit, or -1: not fixed by the fault */
+  int op;              /* the collective's op, or 0: not fixed by the fault */
+  int comm;            /* its communicator kind */
+  int64_t unit;        /* its unit, or -1: not fixed by the fault */
   const char *want[4]; /* phrases the verdict must contain */
 } fault_case;
 
@@ -103,9 +103,9 @@ static void wait_verdict(sp_rpc_sync *cli, int kind, double timeout_s,
     Shardplane__V1__GetVerdictRequest q =
         SHARDPLANE__V1__GET_VERDICT_REQUEST__INIT;
     sp_rpc_status st;
-    Shardplane__V1__Verdict *v = (void *)sp_test_unary(
-        cli, SP_COORD_PATH("GetVerdict"), &q.base,
-        &shardplane__v1__verdict__descriptor, 2000, &st);
+    Shardplane__V1__Verdict *v =
+        (void *)sp_test_unary(cli, SP_COORD_PATH("GetVerdict"), &q.base,
+                              &shardplane__v1__verdict__descriptor, 2000, &st);
     if (v != NULL) {
       for (size_t i = 0; i < v->n_open_alerts && out->alert == NULL; i++) {
         if ((int)v->open_alerts[i]->kind != kind) continue;
@@ -144,8 +144,8 @@ static uint64_t last_event_us(const Shardplane__V1__FlightRecord *r) {
 
 /* The record of `seq` on communicator kind `comm` (issued, not its
  * completion), or NULL. */
-static const Shardplane__V1__Collective *
-issued(const Shardplane__V1__FlightRecord *r, int comm, uint64_t seq) {
+static const Shardplane__V1__Collective *issued(
+    const Shardplane__V1__FlightRecord *r, int comm, uint64_t seq) {
   for (size_t i = 0; i < r->n_collectives; i++) {
     const Shardplane__V1__Collective *c = r->collectives[i];
     if ((int)c->comm == comm && c->seq == seq && !c->completed) return c;
@@ -155,8 +155,8 @@ issued(const Shardplane__V1__FlightRecord *r, int comm, uint64_t seq) {
 
 /* The collective a rank waits in on `comm`: the first it issued and has
  * not completed (a communicator runs them in order). */
-static const Shardplane__V1__Collective *
-pending(const Shardplane__V1__FlightRecord *r, int comm) {
+static const Shardplane__V1__Collective *pending(
+    const Shardplane__V1__FlightRecord *r, int comm) {
   const Shardplane__V1__Collective *best = NULL;
   for (size_t i = 0; i < r->n_collectives; i++) {
     const Shardplane__V1__Collective *c = r->collectives[i];
@@ -197,9 +197,11 @@ static double check_against_traces(sp_rpc_sync *cli, const fault_case *fc,
       const Shardplane__V1__Collective *p = pending(rec[r], (int)col->comm);
       if (p == NULL || p->comm_index != col->comm_index) continue;
       if (p->seq != col->seq || !same_fingerprint(p, col))
-        fail_msg("rank %u waits in #%llu of unit %u, the verdict names "
-                 "#%llu of unit %u", r, (unsigned long long)p->seq, p->unit,
-                 (unsigned long long)col->seq, col->unit);
+        fail_msg(
+            "rank %u waits in #%llu of unit %u, the verdict names "
+            "#%llu of unit %u",
+            r, (unsigned long long)p->seq, p->unit,
+            (unsigned long long)col->seq, col->unit);
       waiting++;
     }
     assert_true(waiting > 0);
@@ -247,12 +249,18 @@ static void run_case(const fault_case *fc) {
   char *dir = sp_test_mkdtemp();
   char stall[16];
   snprintf(stall, sizeof stall, "%d", STALL_MS);
-  const char *cflags[] = {"--wrap-type", "Linear", "--strategy",
-                          fc->strategy, "--stall-timeout-ms", stall,
-                          fc->group ? "--shard-group-size" : NULL, fc->group,
+  const char *cflags[] = {"--wrap-type",
+                          "Linear",
+                          "--strategy",
+                          fc->strategy,
+                          "--stall-timeout-ms",
+                          stall,
+                          fc->group ? "--shard-group-size" : NULL,
+                          fc->group,
                           NULL};
-  const char *wflags[] = {"--steps", "100000", "--checkpoint", "none",
-                          "--inject", fc->inject, NULL};
+  const char *wflags[] = {"--steps", "100000",   "--checkpoint",
+                          "none",    "--inject", fc->inject,
+                          NULL};
   sp_tjob *j = &g_job;
   double t0 = (double)sp_session_time_us() / 1e6;
   sp_tjob_start(j, MLP, cflags, WORLD, wflags, dir);
@@ -276,8 +284,7 @@ static void run_case(const fault_case *fc) {
     char n[64];
     snprintf(n, sizeof n, "#%llu", (unsigned long long)a->collective->seq);
     if (strstr(a->message, n) == NULL)
-      fail_msg("the verdict \"%s\" does not name collective %s", a->message,
-               n);
+      fail_msg("the verdict \"%s\" does not name collective %s", a->message, n);
   }
   if (fc->kind == SHARDPLANE__V1__ALERT_KIND__ALERT_LOST) {
     /* the others are its victims, never culprits */
@@ -313,108 +320,174 @@ static void run_case(const fault_case *fc) {
 static void test_stall_full_shard(void **state) {
   (void)state;
   run_case(&(fault_case){
-      "FULL_SHARD", NULL, "stall:rank=2,step=3,unit=1,phase=forward", STALL,
-      2, AG, C_WORLD, 1,
+      "FULL_SHARD",
+      NULL,
+      "stall:rank=2,step=3,unit=1,phase=forward",
+      STALL,
+      2,
+      AG,
+      C_WORLD,
+      1,
       {"rank 2 has not issued ALL_GATHER #", "of unit 1 (layers.0) on world",
        "ranks 0, 1, 3 have been waiting", "step 3"}});
 }
 
 static void test_stall_full_shard_backward(void **state) {
   (void)state;
-  run_case(&(fault_case){
-      "FULL_SHARD", NULL, "stall:rank=0,step=3,unit=2,phase=backward", STALL,
-      0, 0, C_WORLD, 2,
-      {"rank 0 has not issued ", "of unit 2 ", "ranks 1-3 have been waiting",
-       NULL}});
+  run_case(&(fault_case){"FULL_SHARD",
+                         NULL,
+                         "stall:rank=0,step=3,unit=2,phase=backward",
+                         STALL,
+                         0,
+                         0,
+                         C_WORLD,
+                         2,
+                         {"rank 0 has not issued ", "of unit 2 ",
+                          "ranks 1-3 have been waiting", NULL}});
 }
 
 static void test_stall_shard_grad_op(void **state) {
   (void)state;
-  run_case(&(fault_case){
-      "SHARD_GRAD_OP", NULL, "stall:rank=1,step=3,unit=2,phase=backward",
-      STALL, 1, RS, C_WORLD, 2,
-      {"rank 1 has not issued REDUCE_SCATTER #", "of unit 2 ", "on world",
-       NULL}});
+  run_case(&(fault_case){"SHARD_GRAD_OP",
+                         NULL,
+                         "stall:rank=1,step=3,unit=2,phase=backward",
+                         STALL,
+                         1,
+                         RS,
+                         C_WORLD,
+                         2,
+                         {"rank 1 has not issued REDUCE_SCATTER #",
+                          "of unit 2 ", "on world", NULL}});
 }
 
 static void test_stall_no_shard(void **state) {
   (void)state;
-  run_case(&(fault_case){
-      "NO_SHARD", NULL, "stall:rank=3,step=3,unit=1,phase=backward", STALL,
-      3, AR, C_WORLD, 1,
-      {"rank 3 has not issued ALL_REDUCE #", "of unit 1 ",
-       "ranks 0-2 have been waiting", NULL}});
+  run_case(&(fault_case){"NO_SHARD",
+                         NULL,
+                         "stall:rank=3,step=3,unit=1,phase=backward",
+                         STALL,
+                         3,
+                         AR,
+                         C_WORLD,
+                         1,
+                         {"rank 3 has not issued ALL_REDUCE #", "of unit 1 ",
+                          "ranks 0-2 have been waiting", NULL}});
 }
 
 static void test_stall_hybrid_shard(void **state) {
   (void)state;
-  run_case(&(fault_case){
-      "HYBRID_SHARD", "2", "stall:rank=3,step=3,unit=1,phase=forward", STALL,
-      3, AG, C_SHARD, 1,
-      {"rank 3 has not issued ALL_GATHER #", "of unit 1 ", "on shard group 1",
-       "rank 2 has been waiting"}});
+  run_case(&(fault_case){"HYBRID_SHARD",
+                         "2",
+                         "stall:rank=3,step=3,unit=1,phase=forward",
+                         STALL,
+                         3,
+                         AG,
+                         C_SHARD,
+                         1,
+                         {"rank 3 has not issued ALL_GATHER #", "of unit 1 ",
+                          "on shard group 1", "rank 2 has been waiting"}});
 }
 
 /* one reduction with a different count */
 static void test_desync_wrong_count_full_shard(void **state) {
   (void)state;
-  run_case(&(fault_case){"FULL_SHARD", NULL, "wrong-count:rank=1,step=3",
-                         DESYNC, 1, RS, C_WORLD, -1,
-                         {"desync on world at collective #", "rank 1 issued",
-                          NULL}});
+  run_case(&(fault_case){
+      "FULL_SHARD",
+      NULL,
+      "wrong-count:rank=1,step=3",
+      DESYNC,
+      1,
+      RS,
+      C_WORLD,
+      -1,
+      {"desync on world at collective #", "rank 1 issued", NULL}});
 }
 
 static void test_desync_wrong_count_no_shard(void **state) {
   (void)state;
-  run_case(&(fault_case){"NO_SHARD", NULL, "wrong-count:rank=2,step=3",
-                         DESYNC, 2, AR, C_WORLD, -1,
-                         {"desync on world at collective #", "rank 2 issued",
-                          NULL}});
+  run_case(&(fault_case){
+      "NO_SHARD",
+      NULL,
+      "wrong-count:rank=2,step=3",
+      DESYNC,
+      2,
+      AR,
+      C_WORLD,
+      -1,
+      {"desync on world at collective #", "rank 2 issued", NULL}});
 }
 
 static void test_desync_wrong_count_hybrid(void **state) {
   (void)state;
-  run_case(&(fault_case){"HYBRID_SHARD", "2", "wrong-count:rank=0,step=3",
-                         DESYNC, 0, RS, C_SHARD, -1,
-                         {"desync on shard group 0 at collective #",
-                          "rank 0 issued", NULL}});
+  run_case(&(fault_case){
+      "HYBRID_SHARD",
+      "2",
+      "wrong-count:rank=0,step=3",
+      DESYNC,
+      0,
+      RS,
+      C_SHARD,
+      -1,
+      {"desync on shard group 0 at collective #", "rank 0 issued", NULL}});
 }
 
 /* one all-gather skipped: the culprit's next collective meets its peers'
  * skipped one at the same sequence number */
 static void test_desync_skip_full_shard(void **state) {
   (void)state;
-  run_case(&(fault_case){"FULL_SHARD", NULL,
-                         "skip-collective:rank=3,step=3,unit=2", DESYNC, 3,
-                         0, C_WORLD, -1,
-                         {"desync on world at collective #",
-                          "issued ALL_GATHER of unit 2 ", "rank 3 issued",
-                          NULL}});
+  run_case(
+      &(fault_case){"FULL_SHARD",
+                    NULL,
+                    "skip-collective:rank=3,step=3,unit=2",
+                    DESYNC,
+                    3,
+                    0,
+                    C_WORLD,
+                    -1,
+                    {"desync on world at collective #",
+                     "issued ALL_GATHER of unit 2 ", "rank 3 issued", NULL}});
 }
 
 static void test_desync_skip_shard_grad_op(void **state) {
   (void)state;
-  run_case(&(fault_case){"SHARD_GRAD_OP", NULL,
-                         "skip-collective:rank=2,step=3,unit=1", DESYNC, 2,
-                         0, C_WORLD, -1,
-                         {"desync on world at collective #",
-                          "issued ALL_GATHER of unit 1 ", "rank 2 issued",
-                          NULL}});
+  run_case(
+      &(fault_case){"SHARD_GRAD_OP",
+                    NULL,
+                    "skip-collective:rank=2,step=3,unit=1",
+                    DESYNC,
+                    2,
+                    0,
+                    C_WORLD,
+                    -1,
+                    {"desync on world at collective #",
+                     "issued ALL_GATHER of unit 1 ", "rank 2 issued", NULL}});
 }
 
 /* (c) a rank whose process is gone */
 static void test_lost_exit(void **state) {
   (void)state;
-  run_case(&(fault_case){"FULL_SHARD", NULL, "exit:rank=1,step=3",
-                         SHARDPLANE__V1__ALERT_KIND__ALERT_LOST, 1, 0, 0, -1,
+  run_case(&(fault_case){"FULL_SHARD",
+                         NULL,
+                         "exit:rank=1,step=3",
+                         SHARDPLANE__V1__ALERT_KIND__ALERT_LOST,
+                         1,
+                         0,
+                         0,
+                         -1,
                          {"rank 1", NULL}});
 }
 
 /* a rank whose compute is 1.5x slower */
 static void test_straggler(void **state) {
   (void)state;
-  run_case(&(fault_case){"FULL_SHARD", NULL, "slow:rank=2,factor=1.5",
-                         SHARDPLANE__V1__ALERT_KIND__STRAGGLER, 2, 0, 0, -1,
+  run_case(&(fault_case){"FULL_SHARD",
+                         NULL,
+                         "slow:rank=2,factor=1.5",
+                         SHARDPLANE__V1__ALERT_KIND__STRAGGLER,
+                         2,
+                         0,
+                         0,
+                         -1,
                          {"rank 2 is a straggler", NULL}});
 }
 

@@ -35,10 +35,16 @@ static void test_parse_good(void **state) {
   sp_inject in = {0};
   sp_diag d = {""};
   assert_int_equal(sp_inject_parse(&in, "stall:rank=2,step=5", &d), 0);
-  assert_int_equal(sp_inject_parse(&in, "stall:step=1,rank=0,unit=3,"
-                                   "phase=backward", &d), 0);
-  assert_int_equal(sp_inject_parse(&in, "skip-collective:rank=1,step=2,"
-                                   "unit=4", &d), 0);
+  assert_int_equal(sp_inject_parse(&in,
+                                   "stall:step=1,rank=0,unit=3,"
+                                   "phase=backward",
+                                   &d),
+                   0);
+  assert_int_equal(sp_inject_parse(&in,
+                                   "skip-collective:rank=1,step=2,"
+                                   "unit=4",
+                                   &d),
+                   0);
   assert_int_equal(sp_inject_parse(&in, "wrong-count:rank=3,step=7", &d), 0);
   assert_int_equal(sp_inject_parse(&in, "slow:rank=1,factor=2.5", &d), 0);
   assert_int_equal(sp_inject_parse(&in, "exit:rank=0,step=9", &d), 0);
@@ -64,11 +70,13 @@ static void test_parse_bad(void **state) {
   static const struct {
     const char *spec, *err;
   } cases[] = {
-      {"hang:rank=1,step=2", "--inject \"hang:rank=1,step=2\": expected "
-                             "KIND:KEY=VALUE,... with KIND one of stall, "
-                             "skip-collective, wrong-count, slow, exit"},
-      {"stall", "expected stall:rank=R,step=S[,unit=U,phase=forward|"
-                "backward]"},
+      {"hang:rank=1,step=2",
+       "--inject \"hang:rank=1,step=2\": expected "
+       "KIND:KEY=VALUE,... with KIND one of stall, "
+       "skip-collective, wrong-count, slow, exit"},
+      {"stall",
+       "expected stall:rank=R,step=S[,unit=U,phase=forward|"
+       "backward]"},
       {"stall:rank=1", "step is required"},
       {"exit:step=3", "rank is required"},
       {"slow:rank=1", "factor is required"},
@@ -99,8 +107,7 @@ static void test_parse_bad(void **state) {
   sp_diag d = {""};
   for (int i = 0; i < SP_INJECT_MAX; i++)
     assert_int_equal(sp_inject_parse(&in, "exit:rank=0,step=1", &d), 0);
-  assert_int_equal(sp_inject_parse(&in, "exit:rank=0,step=1", &d),
-                   SP_EINVAL);
+  assert_int_equal(sp_inject_parse(&in, "exit:rank=0,step=1", &d), SP_EINVAL);
   assert_non_null(strstr(d.msg, "at most 16 faults"));
 }
 
@@ -110,8 +117,11 @@ static void test_hook(void **state) {
   (void)state;
   sp_inject in = {0};
   sp_diag d = {""};
-  assert_int_equal(sp_inject_parse(&in, "skip-collective:rank=1,step=2,"
-                                   "unit=3", &d), 0);
+  assert_int_equal(sp_inject_parse(&in,
+                                   "skip-collective:rank=1,step=2,"
+                                   "unit=3",
+                                   &d),
+                   0);
   assert_int_equal(sp_inject_parse(&in, "wrong-count:rank=1,step=2", &d), 0);
   assert_int_equal(sp_inject_parse(&in, "exit:rank=0,step=1", &d), 0);
   sp_inject_start(&in, NULL, 1);
@@ -119,29 +129,45 @@ static void test_hook(void **state) {
   uint64_t n = 100;
   sp_inject_step(&in, 1); /* rank 0's exit is not this rank's */
   /* step 1: nothing */
-  assert_int_equal(sp_inject_before_collective(&in, SP_PHASE_FORWARD,
-                   SP_COMM_WORLD, SP_OP_ALL_GATHER, 3, &n), 0);
+  assert_int_equal(
+      sp_inject_before_collective(&in, SP_PHASE_FORWARD, SP_COMM_WORLD,
+                                  SP_OP_ALL_GATHER, 3, &n),
+      0);
   sp_inject_step(&in, 2);
   /* another unit's gather goes on; unit 3's is skipped, once */
-  assert_int_equal(sp_inject_before_collective(&in, SP_PHASE_FORWARD,
-                   SP_COMM_WORLD, SP_OP_ALL_GATHER, 2, &n), 0);
-  assert_int_equal(sp_inject_before_collective(&in, SP_PHASE_FORWARD,
-                   SP_COMM_WORLD, SP_OP_ALL_GATHER, 3, &n), 1);
-  assert_int_equal(sp_inject_before_collective(&in, SP_PHASE_BACKWARD,
-                   SP_COMM_WORLD, SP_OP_ALL_GATHER, 3, &n), 0);
+  assert_int_equal(
+      sp_inject_before_collective(&in, SP_PHASE_FORWARD, SP_COMM_WORLD,
+                                  SP_OP_ALL_GATHER, 2, &n),
+      0);
+  assert_int_equal(
+      sp_inject_before_collective(&in, SP_PHASE_FORWARD, SP_COMM_WORLD,
+                                  SP_OP_ALL_GATHER, 3, &n),
+      1);
+  assert_int_equal(
+      sp_inject_before_collective(&in, SP_PHASE_BACKWARD, SP_COMM_WORLD,
+                                  SP_OP_ALL_GATHER, 3, &n),
+      0);
   /* the first reduction of the step loses an element, once; a caller's
    * all-reduce between steps and the replica half are left alone */
-  assert_int_equal(sp_inject_before_collective(&in, SP_PHASE_OTHER,
-                   SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0, &n), 0);
+  assert_int_equal(
+      sp_inject_before_collective(&in, SP_PHASE_OTHER, SP_COMM_WORLD,
+                                  SP_OP_ALL_REDUCE, 0, &n),
+      0);
   assert_int_equal(n, 100);
-  assert_int_equal(sp_inject_before_collective(&in, SP_PHASE_BACKWARD,
-                   SP_COMM_REPLICA, SP_OP_ALL_REDUCE, 4, &n), 0);
+  assert_int_equal(
+      sp_inject_before_collective(&in, SP_PHASE_BACKWARD, SP_COMM_REPLICA,
+                                  SP_OP_ALL_REDUCE, 4, &n),
+      0);
   assert_int_equal(n, 100);
-  assert_int_equal(sp_inject_before_collective(&in, SP_PHASE_BACKWARD,
-                   SP_COMM_SHARD, SP_OP_REDUCE_SCATTER, 4, &n), 0);
+  assert_int_equal(
+      sp_inject_before_collective(&in, SP_PHASE_BACKWARD, SP_COMM_SHARD,
+                                  SP_OP_REDUCE_SCATTER, 4, &n),
+      0);
   assert_int_equal(n, 99);
-  assert_int_equal(sp_inject_before_collective(&in, SP_PHASE_BACKWARD,
-                   SP_COMM_SHARD, SP_OP_REDUCE_SCATTER, 3, &n), 0);
+  assert_int_equal(
+      sp_inject_before_collective(&in, SP_PHASE_BACKWARD, SP_COMM_SHARD,
+                                  SP_OP_REDUCE_SCATTER, 3, &n),
+      0);
   assert_int_equal(n, 99);
   /* a rank no fault names needs no hook */
   sp_inject other = in;
@@ -201,15 +227,15 @@ static bool has_thread(pid_t pid, const char *name) {
 }
 
 static const char *const k_cflags[] = {"--wrap-type", "Linear",
-                                       "--heartbeat-timeout-ms", "1000",
-                                       NULL};
+                                       "--heartbeat-timeout-ms", "1000", NULL};
 
 /* exit: rank 1 dies as step 3 begins; rank 0 fails (its peer is lost). */
 static void test_exit(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
-  const char *wflags[] = {"--steps", "100000", "--checkpoint", "none",
-                          "--inject", "exit:rank=1,step=3", NULL};
+  const char *wflags[] = {"--steps", "100000",   "--checkpoint",
+                          "none",    "--inject", "exit:rank=1,step=3",
+                          NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP, k_cflags, 2, wflags, dir);
   assert_int_equal(sp_tjob_wait(&j, 30), 0);
@@ -227,9 +253,15 @@ static void test_exit(void **state) {
 static void test_stall_keeps_heartbeats(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
-  const char *wflags[] = {"--steps", "100000", "--checkpoint", "none",
-                          "--comm-timeout-ms", "60000", "--inject",
-                          "stall:rank=1,step=2,phase=forward", NULL};
+  const char *wflags[] = {"--steps",
+                          "100000",
+                          "--checkpoint",
+                          "none",
+                          "--comm-timeout-ms",
+                          "60000",
+                          "--inject",
+                          "stall:rank=1,step=2,phase=forward",
+                          NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP, k_cflags, 2, wflags, dir);
   sp_rpc_sync *cli;
@@ -291,9 +323,9 @@ static void test_stall_keeps_heartbeats(void **state) {
  * what it did. */
 static void run_desync(const char *spec, int rank, const char *needle) {
   char *dir = sp_test_mkdtemp();
-  const char *wflags[] = {"--steps", "20", "--checkpoint", "none",
-                          "--comm-timeout-ms", "3000", "--inject", spec,
-                          NULL};
+  const char *wflags[] = {
+      "--steps", "20",       "--checkpoint", "none", "--comm-timeout-ms",
+      "3000",    "--inject", spec,           NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP, k_cflags, 2, wflags, dir);
   assert_int_equal(sp_tjob_wait(&j, 30), 0);
@@ -348,15 +380,24 @@ static void test_slow(void **state) {
   char *stats = sp_test_path(dir, "stats.json");
   double med[2];
   for (int k = 0; k < 2; k++) {
-    const char *wflags[] = {"--steps", "12", "--checkpoint", "none",
-                            "--global-batch", "2048", "--stats", stats,
-                            k ? "--inject" : NULL, "slow:rank=0,factor=4",
+    const char *wflags[] = {"--steps",
+                            "12",
+                            "--checkpoint",
+                            "none",
+                            "--global-batch",
+                            "2048",
+                            "--stats",
+                            stats,
+                            k ? "--inject" : NULL,
+                            "slow:rank=0,factor=4",
                             NULL};
     sp_tjob_run(MLP, k_cflags, 2, wflags, 60);
     med[k] = median_step(stats);
   }
-  printf("  median step of rank 0: %.2f ms, slowed 4x %.2f ms "
-         "(%.1fx)\n", med[0] * 1e3, med[1] * 1e3, med[1] / med[0]);
+  printf(
+      "  median step of rank 0: %.2f ms, slowed 4x %.2f ms "
+      "(%.1fx)\n",
+      med[0] * 1e3, med[1] * 1e3, med[1] / med[0]);
   assert_true(med[1] > 2 * med[0]);
   free(stats);
   sp_test_rmtree(dir);

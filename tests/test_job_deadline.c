@@ -67,24 +67,26 @@ static void test_training_longer_than_call_timeout(void **state) {
     snprintf(steps_s, sizeof steps_s, "%u", steps);
     snprintf(cto_s, sizeof cto_s, "%d", CALL_TIMEOUT_MS);
     const char *cflags[] = {"--wrap-type", "Linear", NULL};
-    const char *wflags[] = {"--steps", steps_s, "--checkpoint", "none",
-                            "--call-timeout-ms", cto_s, "--stats", stats,
-                            NULL};
+    const char *wflags[] = {
+        "--steps", steps_s,   "--checkpoint", "none", "--call-timeout-ms",
+        cto_s,     "--stats", stats,          NULL};
     remove(stats);
     sp_tjob j;
     sp_tjob_start(&j, MLP, cflags, RANKS, wflags, dir);
     int ok = sp_tjob_wait(&j, 120);
     double trained = training_seconds(stats);
-    printf("  %u steps: trained %.0f ms with a %d ms call deadline, %d of %d "
-           "ranks exited 0\n",
-           steps, trained * 1000, CALL_TIMEOUT_MS, ok, RANKS);
+    printf(
+        "  %u steps: trained %.0f ms with a %d ms call deadline, %d of %d "
+        "ranks exited 0\n",
+        steps, trained * 1000, CALL_TIMEOUT_MS, ok, RANKS);
     if (ok != RANKS) {
       for (int r = 0; r < RANKS; r++)
         fprintf(stderr, "  rank %d: status %d\n", r, j.status[r]);
       print_errors(dir);
-      fail_msg("a job of %u steps (%.0f ms of training) failed with a %d ms "
-               "call deadline",
-               steps, trained * 1000, CALL_TIMEOUT_MS);
+      fail_msg(
+          "a job of %u steps (%.0f ms of training) failed with a %d ms "
+          "call deadline",
+          steps, trained * 1000, CALL_TIMEOUT_MS);
     }
     if (trained < 0) fail_msg("rank 0 wrote no %s", stats);
     if (trained >= want_s) break;

@@ -23,8 +23,8 @@
 extern char **environ;
 
 static const char *const k_vars[] = {
-    "RANK",         "LOCAL_RANK",    "WORLD_SIZE",          "LOCAL_WORLD_SIZE",
-    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",        SP_COORDINATOR_ENV};
+    "RANK",         "LOCAL_RANK",    "WORLD_SIZE",   "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", SP_COORDINATOR_ENV};
 
 static int clear_env(void **state) {
   (void)state;
@@ -107,8 +107,7 @@ static void test_local_addr_loopback(void **state) {
   assert_string_equal(a, "127.0.0.1");
   assert_int_equal(sp_local_addr_toward("localhost:7700", a, sizeof a, &d), 0);
   assert_true(strcmp(a, "127.0.0.1") == 0 || strcmp(a, "::1") == 0);
-  assert_int_equal(sp_local_addr_toward("no port", a, sizeof a, &d),
-                   SP_EINVAL);
+  assert_int_equal(sp_local_addr_toward("no port", a, sizeof a, &d), SP_EINVAL);
 }
 
 /* Toward another host, the address is that of an interface that is not
@@ -132,12 +131,18 @@ static pid_t spawn_env_worker(const char *const *env_add, const char *err) {
   for (const char *const *p = env_add; *p; p++) envp[n++] = (char *)*p;
   for (char **e = environ; *e && n < 254; e++) envp[n++] = *e;
   envp[n] = NULL;
-  const char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--log-every", "0",
-                        "--steps", "2", "--insecure", NULL};
+  const char *argv[] = {SP_BIN_DIR "/shardplane-worker",
+                        "--log-every",
+                        "0",
+                        "--steps",
+                        "2",
+                        "--insecure",
+                        NULL};
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   if (err != NULL)
-    posix_spawn_file_actions_addopen(&fa, 2, err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&fa, 2, err, O_WRONLY | O_CREAT | O_TRUNC,
+                                     0644);
   pid_t pid;
   int rc = posix_spawn(&pid, argv[0], &fa, NULL, (char *const *)argv, envp);
   posix_spawn_file_actions_destroy(&fa);
@@ -174,7 +179,7 @@ static void test_worker_from_env(void **state) {
   snprintf(token, sizeof token, "SHARDPLANE_TOKEN=%s",
            j.auth.token[SP_ROLE_WORKER]);
   const char *const env[] = {"RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1",
-                             coord, token, NULL};
+                             coord,    token,          NULL};
   pid_t w1 = spawn_env_worker(env, NULL);
   int st1 = wait_exit(w1, 60);
   int ok = sp_tjob_wait(&j, 60);
@@ -202,8 +207,9 @@ static void test_world_size_mismatch(void **state) {
   sp_tjob_wait(&j, 0.5); /* rank 0 waits for a rank 1 that left: stop it */
   char *msg = sp_test_read_file(err);
   assert_int_equal(st1, 1);
-  assert_non_null(strstr(msg, "$WORLD_SIZE=3 but the coordinator's job has "
-                              "world size 2"));
+  assert_non_null(strstr(msg,
+                         "$WORLD_SIZE=3 but the coordinator's job has "
+                         "world size 2"));
   free(msg);
   free(err);
   sp_test_rmtree(dir);

@@ -92,8 +92,7 @@ static void expect(const sp_mem_estimate *e, const want *w, const char *what) {
              (unsigned long long)w->reserved);
   if (w->allocs && e->acct.allocs != w->allocs)
     fail_msg("%s: %llu allocations, want %llu", what,
-             (unsigned long long)e->acct.allocs,
-             (unsigned long long)w->allocs);
+             (unsigned long long)e->acct.allocs, (unsigned long long)w->allocs);
 }
 
 #define SHP SP_MEM_SHARD_PARAMS
@@ -140,9 +139,15 @@ static void test_mlp_full_shard(void **state) {
    * + 2112 + 1040 + 256 = 63952, plus 15672 persistent = 79624. Allocator
    * calls: 2 per unit + 5 buffers + 11 pool blocks = 24. */
   sp_mem_estimate e = estimate(&b, NULL);
-  want w = {.peak = {[SHP] = 7568, [SHG] = 7568, [PAR] = 26112,
-                     [GRD] = 26112, [RED] = 6272, [BUF] = MLP_BUFFERS},
-            .total = 68808, .reserved = 79624, .allocs = 24};
+  want w = {.peak = {[SHP] = 7568,
+                     [SHG] = 7568,
+                     [PAR] = 26112,
+                     [GRD] = 26112,
+                     [RED] = 6272,
+                     [BUF] = MLP_BUFFERS},
+            .total = 68808,
+            .reserved = 79624,
+            .allocs = 24};
   expect(&e, &w, "MLP FULL_SHARD W=4");
   /* after the steps only the sharded state is in use */
   assert_int_equal(e.acct.total.current, 15672);
@@ -168,9 +173,15 @@ static void test_mlp_shard_grad_op(void **state) {
    * Reserved: the same blocks: P1 and G1 are live together at pre_bw(1),
    * P2 and G2 at pre_bw(2): 79624. */
   sp_mem_estimate e = estimate(&b, NULL);
-  want w = {.peak = {[SHP] = 7568, [SHG] = 7568, [PAR] = 30272,
-                     [GRD] = 26112, [RED] = 6272, [BUF] = MLP_BUFFERS},
-            .total = 68808, .reserved = 79624, .allocs = 24};
+  want w = {.peak = {[SHP] = 7568,
+                     [SHG] = 7568,
+                     [PAR] = 30272,
+                     [GRD] = 26112,
+                     [RED] = 6272,
+                     [BUF] = MLP_BUFFERS},
+            .total = 68808,
+            .reserved = 79624,
+            .allocs = 24};
   expect(&e, &w, "MLP SHARD_GRAD_OP W=4");
   unbuild(&b);
 }
@@ -184,9 +195,15 @@ static void test_mlp_no_shard(void **state) {
    * in place, so no reduce buffer. Everything from sp_fsdp_new on:
    * 60544 * 2 + 536 = 121624; 4 blocks per unit + 5 buffers = 21. */
   sp_mem_estimate e = estimate(&b, NULL);
-  want w = {.peak = {[SHP] = 30272, [SHG] = 30272, [PAR] = 30272,
-                     [GRD] = 30272, [RED] = 0, [BUF] = MLP_BUFFERS},
-            .total = 121624, .reserved = 121624, .allocs = 21};
+  want w = {.peak = {[SHP] = 30272,
+                     [SHG] = 30272,
+                     [PAR] = 30272,
+                     [GRD] = 30272,
+                     [RED] = 0,
+                     [BUF] = MLP_BUFFERS},
+            .total = 121624,
+            .reserved = 121624,
+            .allocs = 21};
   expect(&e, &w, "MLP NO_SHARD W=4");
   assert_int_equal(e.acct.total.current, 121624);
   unbuild(&b);
@@ -207,17 +224,23 @@ static void test_mlp_hybrid(void **state) {
    * = 75680 (no reduce output shares a slot's size: 12 pool blocks,
    * 25 allocations), + 30808 = 106488. */
   sp_mem_estimate e = estimate(&b, NULL);
-  want w = {.peak = {[SHP] = 15136, [SHG] = 15136, [PAR] = 26112,
-                     [GRD] = 26112, [RED] = 12544, [BUF] = MLP_BUFFERS},
-            .total = 89144, .reserved = 106488, .allocs = 25};
+  want w = {.peak = {[SHP] = 15136,
+                     [SHG] = 15136,
+                     [PAR] = 26112,
+                     [GRD] = 26112,
+                     [RED] = 12544,
+                     [BUF] = MLP_BUFFERS},
+            .total = 89144,
+            .reserved = 106488,
+            .allocs = 25};
   expect(&e, &w, "MLP HYBRID_SHARD W=4 g=2");
   unbuild(&b);
 }
 
 static void test_mlp_bf16_params(void **state) {
   (void)state;
-  built b = build(MLP, "world-size", "4", "wrap-type", "Linear",
-                  "param-dtype", "bfloat16", NULL);
+  built b = build(MLP, "world-size", "4", "wrap-type", "Linear", "param-dtype",
+                  "bfloat16", NULL);
   /* master and gradient shards stay float32 (15136); the slots are
    * bfloat16: P = 512, 4224, 8320, 2080; reduce_dtype defaults to
    * param_dtype (FSDP1), so no red_in and R = c * 2 = 128, 1056, 2080,
@@ -230,9 +253,15 @@ static void test_mlp_bf16_params(void **state) {
    * Reserved: 2 * (512 + 4224 + 8320 + 2080) + 1056 + 520 + 128 = 31976
    * (2080 serves P3, G3 and R2), + 15672 = 47648. */
   sp_mem_estimate e = estimate(&b, NULL);
-  want w = {.peak = {[SHP] = 7568, [SHG] = 7568, [PAR] = 13056,
-                     [GRD] = 13056, [RED] = 3136, [BUF] = MLP_BUFFERS},
-            .total = 42240, .reserved = 47648, .allocs = 24};
+  want w = {.peak = {[SHP] = 7568,
+                     [SHG] = 7568,
+                     [PAR] = 13056,
+                     [GRD] = 13056,
+                     [RED] = 3136,
+                     [BUF] = MLP_BUFFERS},
+            .total = 42240,
+            .reserved = 47648,
+            .allocs = 24};
   expect(&e, &w, "MLP FULL_SHARD W=4 bfloat16");
   unbuild(&b);
 }
@@ -257,7 +286,7 @@ static void test_gpt2_full_shard(void **state) {
   for (int i = 0; i < 2; i++) {
     built b = build(GPT2, "world-size", "8", "wrap-type", "GPT2Block",
                     "param-dtype", k_dtypes[i], NULL);
-    uint64_t p = i == 0 ? 4 : 2; /* param and reduce dtype */
+    uint64_t p = i == 0 ? 4 : 2;         /* param and reduce dtype */
     uint64_t shard = 4 * (C0 + 12 * CB); /* master and grads: float32 */
     uint64_t P0 = p * N0, PB = p * NB, RB = p * CB, R0 = p * C0;
     /* In steady backward, at post_bw(u): params root + u + the prefetched
@@ -266,14 +295,17 @@ static void test_gpt2_full_shard(void **state) {
      * peak is R1 + R0 at post_bw(0); and of the total:
      *   2 shards + buffers + 2 (P0 + 2 PB) + 2 RB.
      * Reserved: two root-sized blocks, four block-sized, two RB, one R0. */
-    want w = {.peak = {[SHP] = shard, [SHG] = shard, [PAR] = P0 + 2 * PB,
-                       [GRD] = P0 + 2 * PB, [RED] = R0 + RB,
-                       [BUF] = GPT2_BUFFERS},
-              .total = 2 * shard + GPT2_BUFFERS + 2 * (P0 + 2 * PB) + 2 * RB,
-              .reserved = 2 * shard + GPT2_BUFFERS + 2 * P0 + 4 * PB +
-                          2 * RB + R0,
-              /* 2 per unit, 24 buffers, 9 pool blocks */
-              .allocs = 26 + 24 + 9};
+    want w = {
+        .peak = {[SHP] = shard,
+                 [SHG] = shard,
+                 [PAR] = P0 + 2 * PB,
+                 [GRD] = P0 + 2 * PB,
+                 [RED] = R0 + RB,
+                 [BUF] = GPT2_BUFFERS},
+        .total = 2 * shard + GPT2_BUFFERS + 2 * (P0 + 2 * PB) + 2 * RB,
+        .reserved = 2 * shard + GPT2_BUFFERS + 2 * P0 + 4 * PB + 2 * RB + R0,
+        /* 2 per unit, 24 buffers, 9 pool blocks */
+        .allocs = 26 + 24 + 9};
     sp_mem_estimate e = estimate(&b, NULL);
     expect(&e, &w, k_dtypes[i]);
     if (i == 0) {
@@ -302,9 +334,9 @@ static void test_gpt2_full_shard(void **state) {
 static void test_gpt2_shard_grad_op(void **state) {
   (void)state;
   for (int i = 0; i < 2; i++) {
-    built b = build(GPT2, "world-size", "8", "wrap-type", "GPT2Block",
-                    "strategy", "SHARD_GRAD_OP", "param-dtype", k_dtypes[i],
-                    NULL);
+    built b =
+        build(GPT2, "world-size", "8", "wrap-type", "GPT2Block", "strategy",
+              "SHARD_GRAD_OP", "param-dtype", k_dtypes[i], NULL);
     uint64_t p = i == 0 ? 4 : 2;
     uint64_t shard = 4 * (C0 + 12 * CB);
     uint64_t P0 = p * N0, PB = p * NB, RB = p * CB, R0 = p * C0;
@@ -314,8 +346,11 @@ static void test_gpt2_shard_grad_op(void **state) {
      * total peaks at post_bw(11): params all but block 12, grads root +
      * blocks 12 and 11, reduce 12 and 11:
      *   Pall - PB + P0 + 2 PB + 2 RB = Pall + P0 + PB + 2 RB. */
-    want w = {.peak = {[SHP] = shard, [SHG] = shard, [PAR] = Pall,
-                       [GRD] = P0 + 2 * PB, [RED] = R0 + RB,
+    want w = {.peak = {[SHP] = shard,
+                       [SHG] = shard,
+                       [PAR] = Pall,
+                       [GRD] = P0 + 2 * PB,
+                       [RED] = R0 + RB,
                        [BUF] = GPT2_BUFFERS},
               .total = 2 * shard + GPT2_BUFFERS + Pall + P0 + PB + 2 * RB};
     sp_mem_estimate e = estimate(&b, NULL);
@@ -335,10 +370,15 @@ static void test_gpt2_no_shard(void **state) {
      * elements (float32), the kept unsharded parameters and gradients in
      * param_dtype; the all-reduce in place needs nothing more */
     uint64_t all = 8 * NALL + 2 * p * NALL + GPT2_BUFFERS;
-    want w = {.peak = {[SHP] = 4 * NALL, [SHG] = 4 * NALL,
-                       [PAR] = p * NALL, [GRD] = p * NALL, [RED] = 0,
+    want w = {.peak = {[SHP] = 4 * NALL,
+                       [SHG] = 4 * NALL,
+                       [PAR] = p * NALL,
+                       [GRD] = p * NALL,
+                       [RED] = 0,
                        [BUF] = GPT2_BUFFERS},
-              .total = all, .reserved = all, .allocs = 4 * 13 + 24};
+              .total = all,
+              .reserved = all,
+              .allocs = 4 * 13 + 24};
     sp_mem_estimate e = estimate(&b, NULL);
     expect(&e, &w, k_dtypes[i]);
     assert_int_equal(e.acct.total.current, all);
@@ -358,8 +398,11 @@ static void test_gpt2_hybrid(void **state) {
      * in the reduce output itself */
     uint64_t shard = 4 * (N0 / 2 + 12 * (NB / 2));
     uint64_t P0 = p * N0, PB = p * NB, RB = p * (NB / 2), R0 = p * (N0 / 2);
-    want w = {.peak = {[SHP] = shard, [SHG] = shard, [PAR] = P0 + 2 * PB,
-                       [GRD] = P0 + 2 * PB, [RED] = R0 + RB,
+    want w = {.peak = {[SHP] = shard,
+                       [SHG] = shard,
+                       [PAR] = P0 + 2 * PB,
+                       [GRD] = P0 + 2 * PB,
+                       [RED] = R0 + RB,
                        [BUF] = GPT2_BUFFERS},
               .total = 2 * shard + GPT2_BUFFERS + 2 * (P0 + 2 * PB) + 2 * RB};
     sp_mem_estimate e = estimate(&b, NULL);
@@ -381,10 +424,14 @@ static void test_gpt2_no_sync(void **state) {
   sp_mem_opts_default(&o);
   o.no_sync = true;
   sp_mem_estimate e = estimate(&b, &o);
-  want w = {.peak = {[SHP] = shard, [SHG] = shard, [PAR] = P0 + 2 * PB,
-                     [GRD] = 4 * NALL, [RED] = R0 + RB, [BUF] = GPT2_BUFFERS},
-            .total = 2 * shard + GPT2_BUFFERS + 4 * NALL + P0 + 2 * PB +
-                     2 * RB};
+  want w = {
+      .peak = {[SHP] = shard,
+               [SHG] = shard,
+               [PAR] = P0 + 2 * PB,
+               [GRD] = 4 * NALL,
+               [RED] = R0 + RB,
+               [BUF] = GPT2_BUFFERS},
+      .total = 2 * shard + GPT2_BUFFERS + 4 * NALL + P0 + 2 * PB + 2 * RB};
   expect(&e, &w, "no_sync");
   unbuild(&b);
 }
@@ -471,9 +518,9 @@ static void test_pool(void **state) {
   assert_int_equal(sp_mem_pool_take(&p, PAR, SIZE_MAX / 2, 4, &a, &d),
                    SP_ETOOBIG);
   assert_non_null(strstr(d.msg, "unsharded params"));
-  assert_int_equal(sp_mem_pool_alloc(&p, (sp_mem_cat)SP_MEM_N_CATS, 1, 1, &a,
-                                     &d),
-                   SP_EINVAL);
+  assert_int_equal(
+      sp_mem_pool_alloc(&p, (sp_mem_cat)SP_MEM_N_CATS, 1, 1, &a, &d),
+      SP_EINVAL);
   sp_mem_pool_destroy(&p);
   assert_int_equal(g_live, 0);
 }

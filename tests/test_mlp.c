@@ -30,8 +30,7 @@
 static sp_model *load(const char *path) {
   sp_model *m = NULL;
   sp_diag d = {""};
-  if (sp_model_load_file(path, &m, &d) != 0)
-    fail_msg("%s: %s", path, d.msg);
+  if (sp_model_load_file(path, &m, &d) != 0) fail_msg("%s: %s", path, d.msg);
   return m;
 }
 
@@ -46,8 +45,7 @@ static sp_model *load_str(const char *json) {
 static sp_mlp *mlp_of(const sp_model *m) {
   sp_mlp *mlp = NULL;
   sp_diag d = {""};
-  if (sp_mlp_new(m, &mlp, &d) != 0)
-    fail_msg("sp_mlp_new: %s", d.msg);
+  if (sp_mlp_new(m, &mlp, &d) != 0) fail_msg("sp_mlp_new: %s", d.msg);
   return mlp;
 }
 
@@ -110,17 +108,14 @@ static int t_all_reduce(void *user, float *buf, size_t n, sp_diag *d) {
     return 0;
   }
   tgroup *g = t->grp;
-  if (g == NULL)
-    return 0;
+  if (g == NULL) return 0;
   float *sum = calloc(n ? n : 1, sizeof *sum);
-  if (sum == NULL)
-    return SP_ENOMEM;
+  if (sum == NULL) return SP_ENOMEM;
   g->slots[t->rank] = buf;
   pthread_barrier_wait(&g->bar);
   for (size_t i = 0; i < n; i++) {
     float acc = 0.0f;
-    for (int r = 0; r < g->size; r++)
-      acc += g->slots[r][i];
+    for (int r = 0; r < g->size; r++) acc += g->slots[r][i];
     sum[i] = acc;
   }
   /* nobody may overwrite its slot before every rank has read all of them */
@@ -185,8 +180,7 @@ static void tnet_free(tnet *t) {
     free(t->view[p]);
     free(t->grad[p]);
   }
-  for (size_t b = 0; b < t->m->n_buffers; b++)
-    free(t->buf[b]);
+  for (size_t b = 0; b < t->m->n_buffers; b++) free(t->buf[b]);
   free(t->view);
   free(t->grad);
   free(t->buf);
@@ -199,8 +193,7 @@ static int tnet_forward(tnet *t, sp_mlp_acts *a, uint64_t global_n,
   t->ncall = 0;
   for (size_t l = 0; l < t->mlp->n_layers; l++) {
     int rc = sp_mlp_forward(t->mlp, l, &t->io, a, global_n, d);
-    if (rc != 0)
-      return rc;
+    if (rc != 0) return rc;
   }
   return 0;
 }
@@ -208,8 +201,7 @@ static int tnet_forward(tnet *t, sp_mlp_acts *a, uint64_t global_n,
 static int tnet_backward(tnet *t, sp_mlp_acts *a, sp_diag *d) {
   for (size_t l = t->mlp->n_layers; l-- > 0;) {
     int rc = sp_mlp_backward(t->mlp, l, &t->io, a, d);
-    if (rc != 0)
-      return rc;
+    if (rc != 0) return rc;
   }
   return 0;
 }
@@ -292,9 +284,9 @@ static void test_new_specs(void **state) {
 
   assert_int_equal(sp_mlp_new(NULL, &mlp, NULL), SP_EINVAL);
 
-#define HEAD                                                                   \
-  "{\"format\":\"shardplane.model/v1\",\"name\":\"t\",\"modules\":["           \
-  "{\"fqn\":\"\",\"type\":\"MLP\"},{\"fqn\":\"layers\",\"type\":"              \
+#define HEAD                                                         \
+  "{\"format\":\"shardplane.model/v1\",\"name\":\"t\",\"modules\":[" \
+  "{\"fqn\":\"\",\"type\":\"MLP\"},{\"fqn\":\"layers\",\"type\":"    \
   "\"Sequential\"},"
   /* feature counts that do not chain */
   expect_unsupported(
@@ -305,20 +297,23 @@ static void test_new_specs(void **state) {
       "\"shape\":[2,5],\"dtype\":\"float32\"}],\"buffers\":[]}");
   /* an unknown layer type */
   expect_unsupported(
-      HEAD "{\"fqn\":\"layers.0\",\"type\":\"Conv2d\"}],\"params\":[],"
-           "\"buffers\":[]}");
+      HEAD
+      "{\"fqn\":\"layers.0\",\"type\":\"Conv2d\"}],\"params\":[],"
+      "\"buffers\":[]}");
   /* a norm without running_mean */
   expect_unsupported(
-      HEAD "{\"fqn\":\"layers.0\",\"type\":\"RunningNorm\"}],\"params\":["
-           "{\"fqn\":\"layers.0.weight\",\"shape\":[4],\"dtype\":\"float32\"},"
-           "{\"fqn\":\"layers.0.bias\",\"shape\":[4],\"dtype\":\"float32\"}],"
-           "\"buffers\":[]}");
+      HEAD
+      "{\"fqn\":\"layers.0\",\"type\":\"RunningNorm\"}],\"params\":["
+      "{\"fqn\":\"layers.0.weight\",\"shape\":[4],\"dtype\":\"float32\"},"
+      "{\"fqn\":\"layers.0.bias\",\"shape\":[4],\"dtype\":\"float32\"}],"
+      "\"buffers\":[]}");
   /* a floating step counter */
   expect_unsupported(
-      HEAD "{\"fqn\":\"layers.0\",\"type\":\"Linear\"}],\"params\":["
-           "{\"fqn\":\"layers.0.weight\",\"shape\":[4,3],\"dtype\":"
-           "\"float32\"}],\"buffers\":[{\"fqn\":\"step\",\"shape\":[],"
-           "\"dtype\":\"float32\"}]}");
+      HEAD
+      "{\"fqn\":\"layers.0\",\"type\":\"Linear\"}],\"params\":["
+      "{\"fqn\":\"layers.0.weight\",\"shape\":[4,3],\"dtype\":"
+      "\"float32\"}],\"buffers\":[{\"fqn\":\"step\",\"shape\":[],"
+      "\"dtype\":\"float32\"}]}");
   /* ReLU first: no input width */
   expect_unsupported(HEAD
                      "{\"fqn\":\"layers.0\",\"type\":\"ReLU\"}],\"params\":[],"
@@ -368,8 +363,7 @@ static void test_data_and_init_determinism(void **state) {
     sp_mlp_init_param(NULL, m, (int32_t)p, 0, s->numel, whole);
     for (size_t start = 0; start < n;) {
       size_t len = 1 + (start * 7 + p) % 37;
-      if (len > n - start)
-        len = n - start;
+      if (len > n - start) len = n - start;
       sp_mlp_init_param(NULL, m, (int32_t)p, (int64_t)start, (int64_t)len,
                         part + start);
       start += len;
@@ -384,8 +378,7 @@ static void test_data_and_init_determinism(void **state) {
         assert_true(fabsf(whole[i] - 1.0f) <= 0.011f);
       else
         assert_true(fabsf(whole[i]) <= 0.011f);
-      if (i > 0 && whole[i] != whole[0])
-        distinct = true;
+      if (i > 0 && whole[i] != whole[0]) distinct = true;
     }
     assert_true(distinct);
     free(whole);
@@ -408,13 +401,11 @@ static void test_data_and_init_determinism(void **state) {
   sp_mlp_init_param(NULL, mb, 0, 0, 50, wb2);
   assert_memory_equal(wb, wb2, sizeof wb);
   int nonzero = 0;
-  for (int i = 0; i < 128; i++)
-    nonzero += (wb[i] & 0x7FFF) != 0;
+  for (int i = 0; i < 128; i++) nonzero += (wb[i] & 0x7FFF) != 0;
   assert_true(nonzero > 120);
   double sb[3] = {1, 2, 3};
   sp_mlp_init_buffer(NULL, mb, 0, sb);
-  for (int i = 0; i < 3; i++)
-    assert_true(sb[i] == 0.0);
+  for (int i = 0; i < 3; i++) assert_true(sb[i] == 0.0);
   sp_model_free(mb);
 }
 
@@ -453,10 +444,8 @@ static double gc_loss(tnet *t, sp_mlp_acts *a, const float *x, const float *tg,
            (size_t)m->buffers[b].numel * sp_dtype_size(t->bdt[b]));
   memcpy(a->x[0], x, a->n * 5 * sizeof(float));
   sp_diag d = {""};
-  if (tnet_forward(t, a, a->n, &d) != 0)
-    fail_msg("forward: %s", d.msg);
-  for (size_t i = 0; i < a->n * 7; i++)
-    mask[i] = a->x[2][i] > 0.0f;
+  if (tnet_forward(t, a, a->n, &d) != 0) fail_msg("forward: %s", d.msg);
+  for (size_t i = 0; i < a->n * 7; i++) mask[i] = a->x[2][i] > 0.0f;
   return sp_mlp_loss(t->mlp, a, tg, SP_FLOAT32);
 }
 
@@ -471,15 +460,13 @@ static void test_gradcheck(void **state) {
   float x[N * 5], tg[N * 3];
   sp_mlp_batch(t.mlp, 3, 0, N, x, tg);
   /* spread the targets so the gradient is not dominated by one sign */
-  for (size_t i = 0; i < N * 3; i++)
-    tg[i] = 2.0f * tg[i] - 0.3f;
+  for (size_t i = 0; i < N * 3; i++) tg[i] = 2.0f * tg[i] - 0.3f;
   uint8_t mask0[N * 7], mask[N * 7];
 
   t.freeze = 1;
   double l0 = gc_loss(&t, a, x, tg, mask0);
   sp_diag d = {""};
-  if (tnet_backward(&t, a, &d) != 0)
-    fail_msg("backward: %s", d.msg);
+  if (tnet_backward(&t, a, &d) != 0) fail_msg("backward: %s", d.msg);
   assert_true(l0 > 0.01);
   t.freeze = 2;
 
@@ -510,14 +497,14 @@ static void test_gradcheck(void **state) {
       if (err > tol)
         fail_msg("%s[%lld]: analytic %.9g, finite difference %.9g",
                  m->params[p].fqn, (long long)i, an, fd);
-      if (err / (fabs(an) + 1e-3) > worst)
-        worst = err / (fabs(an) + 1e-3);
+      if (err / (fabs(an) + 1e-3) > worst) worst = err / (fabs(an) + 1e-3);
       checked++;
     }
   }
-  printf("gradcheck: %zu elements checked, %zu skipped at ReLU kinks, "
-         "worst relative error %.2e\n",
-         checked, skipped, worst);
+  printf(
+      "gradcheck: %zu elements checked, %zu skipped at ReLU kinks, "
+      "worst relative error %.2e\n",
+      checked, skipped, worst);
   assert_true(checked >= 70);
   sp_mlp_acts_free(a);
   tnet_free(&t);
@@ -589,17 +576,14 @@ static void test_batch_split(void **state) {
   assert_int_equal(first, N);
   for (int r = 0; r < K; r++)
     assert_int_equal(pthread_create(&th[r], NULL, rank_main, &jobs[r]), 0);
-  for (int r = 0; r < K; r++)
-    pthread_join(th[r], NULL);
+  for (int r = 0; r < K; r++) pthread_join(th[r], NULL);
   pthread_barrier_destroy(&g.bar);
   for (int r = 0; r < K; r++)
-    if (jobs[r].rc != 0)
-      fail_msg("rank %d: %s", r, jobs[r].d.msg);
+    if (jobs[r].rc != 0) fail_msg("rank %d: %s", r, jobs[r].d.msg);
 
   /* loss: the size-weighted mean of the parts */
   double wl = 0;
-  for (int r = 0; r < K; r++)
-    wl += jobs[r].loss * (double)parts[r] / N;
+  for (int r = 0; r < K; r++) wl += jobs[r].loss * (double)parts[r] / N;
   assert_true(fabs(wl - fj.loss) <= 1e-5 * fj.loss);
 
   /* every rank's outputs equal the full run's rows */
@@ -617,16 +601,14 @@ static void test_batch_split(void **state) {
     size_t n = (size_t)m->params[p].numel;
     const float *gf = (const float *)full.grad[p];
     float scale = 0;
-    for (size_t i = 0; i < n; i++)
-      scale = fmaxf(scale, fabsf(gf[i]));
+    for (size_t i = 0; i < n; i++) scale = fmaxf(scale, fabsf(gf[i]));
     assert_true(scale > 0);
     for (size_t i = 0; i < n; i++) {
       double s = 0;
       for (int r = 0; r < K; r++)
         s += (double)((const float *)rk[r].grad[p])[i] * parts[r] / N;
       double err = fabs(s - gf[i]) / scale;
-      if (err > worst)
-        worst = err;
+      if (err > worst) worst = err;
       if (err > 1e-5)
         fail_msg("%s[%zu]: split %.9g, full %.9g", m->params[p].fqn, i, s,
                  (double)gf[i]);
@@ -638,8 +620,7 @@ static void test_batch_split(void **state) {
   /* running means: the same bits on every rank, close to the full run */
   for (size_t l = 0; l < mlp->n_layers; l++) {
     int32_t b = mlp->layers[l].running_mean;
-    if (b < 0)
-      continue;
+    if (b < 0) continue;
     for (int r = 1; r < K; r++)
       assert_memory_equal(rk[r].buf[b], rk[0].buf[b], 64 * 4);
     const float *rf = (const float *)full.buf[b];
@@ -683,8 +664,7 @@ static void check_rounding(sp_dtype dt) {
     any_inexact |= !representable(a->x[0][i], dt);
   assert_true(any_inexact); /* the raw data is finer than dt */
   sp_diag d = {""};
-  if (tnet_forward(&t, a, N, &d) != 0)
-    fail_msg("%s", d.msg);
+  if (tnet_forward(&t, a, N, &d) != 0) fail_msg("%s", d.msg);
   /* every activation, the (cast) input included */
   for (size_t l = 0; l <= t.mlp->n_layers; l++) {
     size_t dim = l == 0 ? 32 : (size_t)t.mlp->layers[l - 1].out;
@@ -763,12 +743,10 @@ static void test_buffers(void **state) {
       }
       for (size_t l = 0; l < mlp->n_layers; l++) {
         assert_int_equal(sp_mlp_forward(mlp, l, &t.io, a, N, &d), 0);
-        if (l != 1)
-          continue;
+        if (l != 1) continue;
         for (int k = 0; k < 64; k++) {
           float sum = 0;
-          for (int i = 0; i < N; i++)
-            sum += a->x[1][i * 64 + k];
+          for (int i = 0; i < N; i++) sum += a->x[1][i * 64 + k];
           float want = 0.9f * before[k] + 0.1f * (sum / (float)N);
           if (t.bdt[L1->running_mean] == SP_FLOAT64) {
             double got;
@@ -787,8 +765,7 @@ static void test_buffers(void **state) {
     }
     for (size_t l = 0; l < mlp->n_layers; l++) {
       const sp_mlp_layer *L = &mlp->layers[l];
-      if (L->kind != SP_MLP_NORM)
-        continue;
+      if (L->kind != SP_MLP_NORM) continue;
       const sp_tensor_spec *rs = &m->buffers[L->running_mean];
       /* dtype kept (c == 0) or the compute dtype (c == 1) */
       sp_dtype want = c == 0 ? rs->dtype : SP_BFLOAT16;
@@ -840,15 +817,13 @@ static void run_ref(const sp_model *m, const sp_job *j, double *losses,
   sp_diag d = {""};
   int rc = sp_mlp_reference_run(m, j, REF_STEPS, REF_BATCH, REF_LR, losses,
                                 params, buffers, &d);
-  if (rc != 0)
-    fail_msg("reference run: %s (%s)", d.msg, sp_err_name(rc));
+  if (rc != 0) fail_msg("reference run: %s (%s)", d.msg, sp_err_name(rc));
 }
 
 static void expect_decrease(const char *what, const double *l) {
   printf("%-28s loss %.5f -> %.5f -> %.5f\n", what, l[0], l[REF_STEPS / 2],
          l[REF_STEPS - 1]);
-  for (int s = 0; s < REF_STEPS; s++)
-    assert_true(isfinite(l[s]));
+  for (int s = 0; s < REF_STEPS; s++) assert_true(isfinite(l[s]));
   double head = (l[0] + l[1] + l[2]) / 3;
   double tail = (l[REF_STEPS - 1] + l[REF_STEPS - 2] + l[REF_STEPS - 3]) / 3;
   assert_true(tail < 0.8 * head);
@@ -866,8 +841,7 @@ static void test_reference_run(void **state) {
   (void)state;
   sp_model *m = load(MLP_JSON);
   size_t np = 0;
-  for (size_t p = 0; p < m->n_params; p++)
-    np += (size_t)m->params[p].numel;
+  for (size_t p = 0; p < m->n_params; p++) np += (size_t)m->params[p].numel;
 
   double l32[REF_STEPS], l32b[REF_STEPS];
   void *p32 = NULL, *p32b = NULL, *b32 = NULL;
@@ -973,14 +947,12 @@ static void test_reference_run_buffers(void **state) {
     const sp_tensor_spec *s = &m->buffers[b];
     sp_dtype dt = pl->buffers[b].compute_dtype;
     assert_int_equal(pl->buffers[b].buffer, (int32_t)b);
-    if (sp_dtype_is_floating(s->dtype))
-      assert_int_equal(dt, SP_FLOAT16);
+    if (sp_dtype_is_floating(s->dtype)) assert_int_equal(dt, SP_FLOAT16);
     const unsigned char *p = (const unsigned char *)bufs + off;
     if (strcmp(s->local_name, "num_batches_tracked") == 0 ||
         strcmp(s->local_name, "step") == 0)
       assert_int_equal(read_int(p, dt), REF_STEPS);
-    if (strcmp(s->local_name, "seen") == 0)
-      assert_int_equal(p[0], 1);
+    if (strcmp(s->local_name, "seen") == 0) assert_int_equal(p[0], 1);
     off += (size_t)s->numel * sp_dtype_size(dt);
   }
   sp_plan_free(pl);
@@ -989,12 +961,12 @@ static void test_reference_run_buffers(void **state) {
   sp_model_free(m);
 }
 
-static int t_all_reduce_fails(void *user, float *buf, size_t n,
-                              sp_diag *d) {
+static int t_all_reduce_fails(void *user, float *buf, size_t n, sp_diag *d) {
   (void)user;
   (void)buf;
   (void)n;
-  return sp_diag_set(d, SP_EIO, "comm 'comm/world' rank 0/2 all_reduce: "
+  return sp_diag_set(d, SP_EIO,
+                     "comm 'comm/world' rank 0/2 all_reduce: "
                      "peer gone");
 }
 

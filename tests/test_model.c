@@ -15,8 +15,8 @@
 #include "support/testutil.h"
 
 static const char *const k_specs[] = {
-    "gpt2",     "gpt2-tiny", "gpt2-mini", "llama2_70b", "llama2_7b",
-    "mobilenet_v3_small", "resnet50", "vit_b_16"};
+    "gpt2",      "gpt2-tiny",          "gpt2-mini", "llama2_70b",
+    "llama2_7b", "mobilenet_v3_small", "resnet50",  "vit_b_16"};
 
 static sp_model *load_example(const char *name) {
   char path[512];
@@ -159,8 +159,7 @@ static void test_gpt2_family(void **state) {
   int64_t v = 0;
   assert_int_equal(sp_model_config_int(m, "n_head", &v), 0);
   assert_int_equal(v, 3);
-  assert_int_equal(sp_model_config_int(m, "layer_norm_epsilon", &v),
-                   SP_ENOENT);
+  assert_int_equal(sp_model_config_int(m, "layer_norm_epsilon", &v), SP_ENOENT);
   sp_model_free(m);
   static const char bad[] =
       "{\"format\":\"shardplane.model/v1\",\"name\":\"c\",\"modules\":"
@@ -178,11 +177,11 @@ typedef struct bad_case {
 } bad_case;
 
 #define HEAD "{\"format\":\"shardplane.model/v1\",\"name\":\"t\","
-#define MODS                                                                   \
-  "\"modules\":[{\"fqn\":\"\",\"type\":\"Net\"},{\"fqn\":\"a\",\"type\":"    \
+#define MODS                                                              \
+  "\"modules\":[{\"fqn\":\"\",\"type\":\"Net\"},{\"fqn\":\"a\",\"type\":" \
   "\"Linear\"}],"
-#define P(fqn, shape, dtype)                                                   \
-  "{\"fqn\":\"" fqn "\",\"shape\":" shape ",\"dtype\":\"" dtype                \
+#define P(fqn, shape, dtype)                                    \
+  "{\"fqn\":\"" fqn "\",\"shape\":" shape ",\"dtype\":\"" dtype \
   "\",\"requires_grad\":true}"
 
 static const bad_case k_bad[] = {
@@ -207,32 +206,38 @@ static const bad_case k_bad[] = {
           "\"type\":\"X\"},{\"fqn\":\"a\",\"type\":\"Y\"}],\"params\":[]}",
      SP_EFORMAT,
      {"modules[2].fqn", "duplicate FQN \"a\""}},
-    {HEAD "\"modules\":[{\"fqn\":\"\"}],\"params\":[]}", SP_EFORMAT,
+    {HEAD "\"modules\":[{\"fqn\":\"\"}],\"params\":[]}",
+     SP_EFORMAT,
      {"modules[0].type", "missing"}},
     {HEAD MODS "\"params\":[" P("a.w", "[2,3]", "float32") "," P(
          "a.b", "[3]", "float33") "]}",
      SP_EFORMAT,
      {"params[1].dtype", "unknown dtype \"float33\""}},
-    {HEAD MODS "\"params\":[" P("a.w", "[2,-3]", "float32") "]}", SP_EFORMAT,
+    {HEAD MODS "\"params\":[" P("a.w", "[2,-3]", "float32") "]}",
+     SP_EFORMAT,
      {"params[0].shape[1]", "negative"}},
-    {HEAD MODS "\"params\":[" P("a.w", "[2,1.5]", "float32") "]}", SP_EFORMAT,
+    {HEAD MODS "\"params\":[" P("a.w", "[2,1.5]", "float32") "]}",
+     SP_EFORMAT,
      {"params[0].shape[1]", "not an integer"}},
-    {HEAD MODS "\"params\":[" P("a.w", "\"2\"", "float32") "]}", SP_EFORMAT,
+    {HEAD MODS "\"params\":[" P("a.w", "\"2\"", "float32") "]}",
+     SP_EFORMAT,
      {"params[0].shape", "array"}},
     {HEAD MODS "\"params\":[" P("a.w", "[1,1,1,1,1,1,1,1,1]", "float32") "]}",
      SP_ETOOBIG,
      {"params[0].shape", "dimensions"}},
-    {HEAD MODS "\"params\":[" P("a.w", "[1099511627776,1099511627776]",
-                                "float32") "]}",
+    {HEAD MODS
+     "\"params\":[" P("a.w", "[1099511627776,1099511627776]", "float32") "]}",
      SP_ETOOBIG,
      {"params[0].shape", "elements"}},
-    {HEAD MODS "\"params\":[" P("a.w", "[2]", "float32") "," P(
-         "a.w", "[2]", "float32") "]}",
+    {HEAD MODS "\"params\":[" P("a.w", "[2]", "float32") "," P("a.w", "[2]",
+                                                               "float32") "]}",
      SP_EFORMAT,
      {"params[1].fqn", "duplicate FQN \"a.w\""}},
-    {HEAD MODS "\"params\":[" P("b.w", "[2]", "float32") "]}", SP_EFORMAT,
+    {HEAD MODS "\"params\":[" P("b.w", "[2]", "float32") "]}",
+     SP_EFORMAT,
      {"params[0].fqn", "module \"b\" of parameter \"b.w\" is not in modules"}},
-    {HEAD MODS "\"params\":[" P("a.steps", "[2]", "int64") "]}", SP_EFORMAT,
+    {HEAD MODS "\"params\":[" P("a.steps", "[2]", "int64") "]}",
+     SP_EFORMAT,
      {"params[0].dtype", "integer dtype int64", "cannot be flattened"}},
     {HEAD MODS "\"params\":[{\"fqn\":\"a.w\",\"shape\":[2],\"dtype\":"
                "\"float32\",\"requires_grad\":1}]}",
@@ -242,25 +247,31 @@ static const bad_case k_bad[] = {
                "\"dtype\":\"float32\"}]}",
      SP_EFORMAT,
      {"buffers[0].fqn", "module \"x\""}},
-    {HEAD MODS "\"params\":[" P("a.w", "[2]", "float32") "],\"buffers\":[{"
-               "\"fqn\":\"a.w\",\"shape\":[2],\"dtype\":\"float32\"}]}",
+    {HEAD MODS "\"params\":[" P(
+         "a.w", "[2]",
+         "float32") "],\"buffers\":[{"
+                    "\"fqn\":\"a.w\",\"shape\":[2],\"dtype\":\"float32\"}]}",
      SP_EFORMAT,
      {"buffers[0].fqn", "duplicate", "already a parameter"}},
     {HEAD MODS "\"params\":[],\"buffers\":[{\"fqn\":\"a.n\",\"shape\":[],"
                "\"dtype\":\"complex64\"}]}",
      SP_EFORMAT,
      {"buffers[0].dtype", "complex64"}},
-    {HEAD MODS "\"params\":[" P("a.w", "[2]", "float32") "],\"tied\":[{"
-               "\"fqn\":\"a.v\",\"to\":\"a.zz\"}]}",
+    {HEAD MODS "\"params\":[" P("a.w", "[2]",
+                                "float32") "],\"tied\":[{"
+                                           "\"fqn\":\"a.v\",\"to\":\"a.zz\"}]}",
      SP_EFORMAT,
      {"tied[0].to", "\"a.zz\" is not a parameter"}},
-    {HEAD MODS "\"params\":[" P("a.w", "[2]", "float32") "],\"tied\":[{"
-               "\"fqn\":\"q.v\",\"to\":\"a.w\"}]}",
+    {HEAD MODS "\"params\":[" P("a.w", "[2]",
+                                "float32") "],\"tied\":[{"
+                                           "\"fqn\":\"q.v\",\"to\":\"a.w\"}]}",
      SP_EFORMAT,
      {"tied[0].fqn", "module \"q\""}},
-    {HEAD MODS "\"params\":[" P("a.", "[2]", "float32") "]}", SP_EFORMAT,
+    {HEAD MODS "\"params\":[" P("a.", "[2]", "float32") "]}",
+     SP_EFORMAT,
      {"params[0].fqn", "ends with '.'"}},
-    {HEAD MODS "\"params\":[], \"params\":[]}", SP_EFORMAT,
+    {HEAD MODS "\"params\":[], \"params\":[]}",
+     SP_EFORMAT,
      {"invalid JSON", "duplicate"}},
 };
 
@@ -270,8 +281,8 @@ static void test_bad_specs(void **state) {
     const bad_case *c = &k_bad[i];
     sp_model *m = NULL;
     sp_diag d = {""};
-    int rc = sp_model_load_string(c->json, strlen(c->json), "spec.json", &m,
-                                  &d);
+    int rc =
+        sp_model_load_string(c->json, strlen(c->json), "spec.json", &m, &d);
     if (rc != c->err)
       fail_msg("case %zu: rc %s (%s), want %s", i, sp_err_name(rc), d.msg,
                sp_err_name(c->err));
@@ -287,10 +298,10 @@ static void test_bad_specs(void **state) {
 
 static void test_defaults_and_aliases(void **state) {
   (void)state;
-  const char *json =
-      HEAD MODS "\"params\":[{\"fqn\":\"a.w\",\"shape\":[],\"dtype\":"
-                "\"torch.half\"}],\"buffers\":[{\"fqn\":\"a.n\",\"shape\":"
-                "[0,4],\"dtype\":\"long\",\"persistent\":false}]}";
+  const char *json = HEAD MODS
+      "\"params\":[{\"fqn\":\"a.w\",\"shape\":[],\"dtype\":"
+      "\"torch.half\"}],\"buffers\":[{\"fqn\":\"a.n\",\"shape\":"
+      "[0,4],\"dtype\":\"long\",\"persistent\":false}]}";
   sp_model *m = NULL;
   sp_diag d = {""};
   assert_int_equal(sp_model_load_string(json, strlen(json), NULL, &m, &d), 0);

@@ -67,12 +67,15 @@ static void test_no_false_alerts(void **state) {
   int total = 0;
   for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++) {
     char *dir = sp_test_mkdtemp();
-    const char *cflags[] = {"--wrap-type", "Linear", "--strategy",
+    const char *cflags[] = {"--wrap-type",
+                            "Linear",
+                            "--strategy",
                             cfgs[i].strategy,
                             cfgs[i].mp ? "--param-dtype" : "--stall-timeout-ms",
                             cfgs[i].mp ? "bfloat16" : "10000",
                             cfgs[i].group ? "--shard-group-size" : NULL,
-                            cfgs[i].group, NULL};
+                            cfgs[i].group,
+                            NULL};
     const char *wflags[] = {"--steps", STR(JOB_STEPS), "--checkpoint", "none",
                             NULL};
     sp_tjob j;
@@ -100,8 +103,8 @@ static void test_no_false_alerts(void **state) {
              g->recent_alerts[k]->message);
     printf("%s%s: %llu steps in %.1f s, state %d, %u alerts\n",
            cfgs[i].strategy, cfgs[i].mp ? " (bfloat16)" : "",
-           (unsigned long long)g->progress->step, sp_clock_s() - t0,
-           g->state, g->alerts);
+           (unsigned long long)g->progress->step, sp_clock_s() - t0, g->state,
+           g->alerts);
     assert_int_equal(g->state, SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED);
     assert_int_equal(g->alerts, 0);
     total += (int)g->progress->step;
@@ -113,7 +116,6 @@ static void test_no_false_alerts(void **state) {
   printf("no false alert over %d steps\n", total);
   assert_int_equal(total, 4 * JOB_STEPS);
 }
-
 
 int main(void) {
   signal(SIGPIPE, SIG_IGN);

@@ -50,9 +50,9 @@ typedef struct job_cfg {
   const char *model;
   uint32_t world;
   sp_strategy strategy;
-  uint32_t group;        /* HYBRID_SHARD shard-group size */
+  uint32_t group; /* HYBRID_SHARD shard-group size */
   bool use_orig_params;
-  bool init_zero;        /* master shards start at zero */
+  bool init_zero; /* master shards start at zero */
 } job_cfg;
 
 static bool is_tiny(const job_cfg *cfg) { return cfg->model == g_tiny; }
@@ -89,10 +89,9 @@ struct harness {
     sp_diag D = {""};                                                          \
     int rc_ = (expr);                                                          \
     if (rc_ != (code) || strstr(D.msg, (what)) == NULL)                        \
-      return sp_test_rank_fail(&(c)->t, __FILE__, __LINE__,                   \
-                               "%s: %s \"%s\", want %s saying \"%s\"", #expr,  \
-                               sp_err_name(rc_), D.msg, sp_err_name(code),     \
-                               (what));                                        \
+      return sp_test_rank_fail(                                                \
+          &(c)->t, __FILE__, __LINE__, "%s: %s \"%s\", want %s saying \"%s\"", \
+          #expr, sp_err_name(rc_), D.msg, sp_err_name(code), (what));          \
   } while (0)
 
 /* Master values: a hash of (param, element) on a 2^-10 grid in [-1, 1),
@@ -120,10 +119,13 @@ static int rank_run(sp_test_rank *t) {
   TRY(sp_test_rank_attach(&c->t, h->fx.addr, &c->s));
   c->plan = sp_session_plan(c->s);
   c->model = sp_session_model(c->s);
-  sp_fsdp_opts fo = {.session = c->s, .world = c->t.comm[0],
+  sp_fsdp_opts fo = {.session = c->s,
+                     .world = c->t.comm[0],
                      .shard_group = c->t.comm[1],
-                     .replica_group = c->t.comm[2], .backward_prefetch = true,
-                     .init_param = init_param, .user = h};
+                     .replica_group = c->t.comm[2],
+                     .backward_prefetch = true,
+                     .init_param = init_param,
+                     .user = h};
   CALL(c, sp_fsdp_new(&fo, &c->f, &D));
   TRY(h->body(c, h->arg));
   CALL(c, sp_session_flush(c->s, 10000, &D));
@@ -250,8 +252,8 @@ static float *shard_elem(rank_ctx *c, bool grad, int32_t p, int64_t i) {
  * double, m, v and p rounded to float32), and the SGD ones from
  * torch.optim.SGD's (momentum 0.9, weight decay 0.1 as L2). */
 static const float k_tiny_init[6] = {0.5f, -0.25f, 1.0f, 2.0f, 0.125f, -1.0f};
-static const double k_tiny_grads[2][6] = {
-    {0.1, -0.2, 0.3, 0.0, 1.0, -0.5}, {0.05, 0.1, -0.3, 0.2, 0.5, 0.25}};
+static const double k_tiny_grads[2][6] = {{0.1, -0.2, 0.3, 0.0, 1.0, -0.5},
+                                          {0.05, 0.1, -0.3, 0.2, 0.5, 0.25}};
 static const float k_adamw_want[2][6] = {
     {0.395000011f, -0.147500008f, 0.889999986f, 1.98000002f, 0.0250000022f,
      -0.899999976f},
@@ -299,16 +301,18 @@ static int body_adamw_hand(rank_ctx *c, void *arg) {
     CHECK(c, lr == 0.1, "lr %g", lr);
     const float *sh = sp_fsdp_shard(c->f, 0, NULL);
     const float *m = (const float *)c->f->states[0].per_unit[0];
-    CHECK(c, strcmp(c->f->states[0].name, "exp_avg") == 0 &&
-                 strcmp(c->f->states[1].name, "exp_avg_sq") == 0,
+    CHECK(c,
+          strcmp(c->f->states[0].name, "exp_avg") == 0 &&
+              strcmp(c->f->states[1].name, "exp_avg_sq") == 0,
           "states %s, %s", c->f->states[0].name, c->f->states[1].name);
     for (int i = 0; i < 6; i++) {
       CHECK(c, sh[i] == k_adamw_want[step][i],
             "AdamW step %u element %d: %.9g, want %.9g", step + 1, i,
             (double)sh[i], (double)k_adamw_want[step][i]);
-      CHECK(c, m[i] == k_adamw_m[step][i], "exp_avg step %u [%d]: %.9g, "
-            "want %.9g", step + 1, i, (double)m[i],
-            (double)k_adamw_m[step][i]);
+      CHECK(c, m[i] == k_adamw_m[step][i],
+            "exp_avg step %u [%d]: %.9g, "
+            "want %.9g",
+            step + 1, i, (double)m[i], (double)k_adamw_m[step][i]);
     }
     const float *g = sp_fsdp_shard_grad(c->f, 0);
     for (int i = 0; i < 6; i++)
@@ -319,9 +323,10 @@ static int body_adamw_hand(rank_ctx *c, void *arg) {
   /* the next forward sees the stepped master */
   CALL(c, sp_fsdp_root_pre_forward(c->f, &D));
   const float *view = sp_fsdp_param(c->f, 0);
-  CHECK(c, view && view[0] == k_adamw_want[1][0], "view after the step: "
-        "%.9g, want %.9g", view ? (double)view[0] : -1.0,
-        (double)k_adamw_want[1][0]);
+  CHECK(c, view && view[0] == k_adamw_want[1][0],
+        "view after the step: "
+        "%.9g, want %.9g",
+        view ? (double)view[0] : -1.0, (double)k_adamw_want[1][0]);
   CALL(c, sp_fsdp_root_post_forward(c->f, &D));
   return 0;
 }
@@ -335,8 +340,9 @@ static int body_sgd_hand(rank_ctx *c, void *arg) {
   o.momentum = 0.9;
   o.weight_decay = 0.1;
   CALL(c, sp_fsdp_optim_init(c->f, &o, &D));
-  CHECK(c, c->f->n_states == 1 &&
-               strcmp(c->f->states[0].name, "momentum_buffer") == 0,
+  CHECK(c,
+        c->f->n_states == 1 &&
+            strcmp(c->f->states[0].name, "momentum_buffer") == 0,
         "SGD with momentum registers momentum_buffer");
   for (uint32_t step = 0; step < 2; step++) {
     TRY(fwd_bwd(c, step, tiny_grad));
@@ -354,16 +360,18 @@ static void test_adamw_by_hand(void **state) {
   (void)state;
   job_cfg cfg = {.model = g_tiny, .world = 1, .strategy = SP_FULL_SHARD};
   run_job(&cfg, body_adamw_hand, NULL);
-  printf("  AdamW: two steps equal the hand-computed parameters and "
-         "exp_avg\n");
+  printf(
+      "  AdamW: two steps equal the hand-computed parameters and "
+      "exp_avg\n");
 }
 
 static void test_sgd_momentum_by_hand(void **state) {
   (void)state;
   job_cfg cfg = {.model = g_tiny, .world = 1, .strategy = SP_FULL_SHARD};
   run_job(&cfg, body_sgd_hand, NULL);
-  printf("  SGD (momentum 0.9, weight decay 0.1): two steps equal the "
-         "hand-computed parameters\n");
+  printf(
+      "  SGD (momentum 0.9, weight decay 0.1): two steps equal the "
+      "hand-computed parameters\n");
 }
 
 /* ---- schedule, mask, options ---- */
@@ -384,7 +392,7 @@ static void test_lr_schedule(void **state) {
   assert_true(sp_optim_lr(&o, 3) == 1.0);
   /* decay: 0.1 + 0.45 (1 + cos(pi (t - 4) / 8)) */
   assert_true(sp_optim_lr(&o, 4) == 1.0);
-  assert_true(fabs(sp_optim_lr(&o, 8) - 0.55) < 1e-15);     /* cos(pi/2) */
+  assert_true(fabs(sp_optim_lr(&o, 8) - 0.55) < 1e-15); /* cos(pi/2) */
   assert_true(fabs(sp_optim_lr(&o, 6) - (0.1 + 0.45 * (1 + sqrt(0.5)))) <
               1e-15);
   assert_true(fabs(sp_optim_lr(&o, 11) -
@@ -394,8 +402,9 @@ static void test_lr_schedule(void **state) {
   /* no warmup */
   o.warmup_steps = 0;
   assert_true(sp_optim_lr(&o, 0) == 1.0);
-  printf("  lr schedule: constant; warmup 0.25, 0.5, .., 1; cosine 1 -> "
-         "0.55 -> 0.1; min_lr after total_steps\n");
+  printf(
+      "  lr schedule: constant; warmup 0.25, 0.5, .., 1; cosine 1 -> "
+      "0.55 -> 0.1; min_lr after total_steps\n");
 }
 
 static void test_decay_mask(void **state) {
@@ -427,8 +436,9 @@ static void test_decay_mask(void **state) {
   assert_true(sp_optim_decays(&o, m, b0));
   assert_true(sp_optim_decays(&o, m, nw));
   sp_model_free(m);
-  printf("  decay mask: weights decay, biases and norms do not; FQN globs "
-         "override, no_decay first\n");
+  printf(
+      "  decay mask: weights decay, biases and norms do not; FQN globs "
+      "override, no_decay first\n");
 }
 
 static void expect_bad(const sp_optim_opts *o, const char *what) {
@@ -468,8 +478,10 @@ static void test_options(void **state) {
 
 static double layer_grad(uint32_t r, uint32_t j, int32_t p, int64_t i) {
   /* on a 2^-6 grid, rank- and micro-batch-dependent */
-  return (double)(((int64_t)p * 13 + i * 7 + (int64_t)r * 5 +
-                   (int64_t)j * 3) % 23 - 11) / 64.0;
+  return (double)(((int64_t)p * 13 + i * 7 + (int64_t)r * 5 + (int64_t)j * 3) %
+                      23 -
+                  11) /
+         64.0;
 }
 
 /* The reduced gradient: the mean over ranks, summed over micro-batches. */
@@ -504,8 +516,8 @@ static int body_clip(rank_ctx *c, void *arg) {
   sp_fsdp_get_stats(c->f, &before);
   /* +inf: the norm only */
   CALL(c, sp_fsdp_clip_grad_norm(c->f, INFINITY, &got, &D));
-  CHECK(c, fabs(got - want) <= 1e-12 * want, "norm %.17g, unsharded %.17g",
-        got, want);
+  CHECK(c, fabs(got - want) <= 1e-12 * want, "norm %.17g, unsharded %.17g", got,
+        want);
   sp_fsdp_get_stats(c->f, &after);
   uint64_t colls = c->plan->strategy == SP_NO_SHARD ? 0 : 1;
   CHECK(c, after.all_reduces - before.all_reduces == colls,
@@ -515,15 +527,17 @@ static int body_clip(rank_ctx *c, void *arg) {
   /* clip to a quarter: every element becomes rne(g * coef) */
   double max = want / 4, total = 0;
   CALL(c, sp_fsdp_clip_grad_norm(c->f, max, &total, &D));
-  CHECK(c, total == got, "the second norm %.17g differs from the first "
-        "%.17g", total, got);
+  CHECK(c, total == got,
+        "the second norm %.17g differs from the first "
+        "%.17g",
+        total, got);
   double coef = max / (total + 1e-6);
   for (size_t p = 0; p < c->model->n_params; p++)
     for (int64_t i = 0; i < c->model->params[p].numel; i++) {
       float *g = shard_elem(c, true, (int32_t)p, i);
       if (!g) continue;
-      float w = (float)((double)(float)want_grad(world, 1, (int32_t)p, i) *
-                        coef);
+      float w =
+          (float)((double)(float)want_grad(world, 1, (int32_t)p, i) * coef);
       CHECK(c, *g == w, "%s[%lld] clipped to %.9g, want %.9g",
             c->model->params[p].fqn, (long long)i, (double)*g, (double)w);
     }
@@ -542,11 +556,13 @@ static int body_clip(rank_ctx *c, void *arg) {
    * gradients adds at most 2^-24 relative */
   double clipped = max * total / (total + 1e-6);
   CALL(c, sp_fsdp_clip_grad_norm(c->f, max, &total, &D));
-  CHECK(c, fabs(total - clipped) <= 1e-7 * clipped, "after clipping the "
-        "norm is %.9g, want %.9g", total, clipped);
+  CHECK(c, fabs(total - clipped) <= 1e-7 * clipped,
+        "after clipping the "
+        "norm is %.9g, want %.9g",
+        total, clipped);
   /* refused outside a step's end, and for a bad bound */
-  REFUSED(c, SP_EINVAL, "max norm 0", sp_fsdp_clip_grad_norm(c->f, 0, NULL,
-                                                             &D));
+  REFUSED(c, SP_EINVAL, "max norm 0",
+          sp_fsdp_clip_grad_norm(c->f, 0, NULL, &D));
   CALL(c, sp_fsdp_root_pre_forward(c->f, &D));
   REFUSED(c, SP_ESTATE, "between steps",
           sp_fsdp_clip_grad_norm(c->f, 1, NULL, &D));
@@ -570,11 +586,14 @@ static void test_clip_grad_norm(void **state) {
                {2, SP_HYBRID_SHARD, 1},  {4, SP_HYBRID_SHARD, 4}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     printf("  W=%u %s%s\n", cases[i].w, sp_strategy_name(cases[i].s),
-           cases[i].g ? (cases[i].g == 1 ? " (group 1)"
-                         : cases[i].g == 2 ? " (group 2)" : " (group 4)")
+           cases[i].g ? (cases[i].g == 1   ? " (group 1)"
+                         : cases[i].g == 2 ? " (group 2)"
+                                           : " (group 4)")
                       : "");
-    job_cfg cfg = {.model = g_layers, .world = cases[i].w,
-                   .strategy = cases[i].s, .group = cases[i].g};
+    job_cfg cfg = {.model = g_layers,
+                   .world = cases[i].w,
+                   .strategy = cases[i].s,
+                   .group = cases[i].g};
     run_job(&cfg, body_clip, NULL);
   }
 }
@@ -616,11 +635,13 @@ static int body_accum(rank_ctx *c, void *arg) {
         if (fabs(*g - w) > err) err = fabs(*g - w);
         if (fabs(w) > scale) scale = fabs(w);
       }
-    CHECK(c, err <= 1e-6 * scale, "accumulated gradient off by %.3g (max "
-          "%.3g)", err, scale);
+    CHECK(c, err <= 1e-6 * scale,
+          "accumulated gradient off by %.3g (max "
+          "%.3g)",
+          err, scale);
     if (c->t.rank == 0 && step == 0)
-      printf("    %u micro-batches%s: max rel. error vs one batch %.1e\n",
-             a->k, a->no_sync ? " (no_sync)" : "", err / scale);
+      printf("    %u micro-batches%s: max rel. error vs one batch %.1e\n", a->k,
+             a->no_sync ? " (no_sync)" : "", err / scale);
     CALL(c, sp_fsdp_zero_grad(c->f, &D));
   }
   /* the switch is refused during a step */
@@ -640,7 +661,9 @@ static void test_grad_accumulation(void **state) {
       for (uint32_t w = 1; w <= 4; w++) {
         printf("  W=%u %s\n", w, sp_strategy_name(ss[s]));
         accum_arg a = {3, ns == 1};
-        job_cfg cfg = {.model = g_layers, .world = w, .strategy = ss[s],
+        job_cfg cfg = {.model = g_layers,
+                       .world = w,
+                       .strategy = ss[s],
                        .group = w == 4 ? 2 : w};
         run_job(&cfg, body_accum, &a);
       }
@@ -673,29 +696,31 @@ static int body_memory(rank_ctx *c, void *arg) {
   CALL(c, sp_mem_estimate_plan(c->plan, &mo, &e, &D));
   const sp_mem_account *got = &st.mem, *want = &e.acct;
   for (int k = 0; k < SP_MEM_N_CATS; k++)
-    CHECK(c, got->cat[k].peak == want->cat[k].peak &&
-                 got->cat[k].current == want->cat[k].current,
+    CHECK(c,
+          got->cat[k].peak == want->cat[k].peak &&
+              got->cat[k].current == want->cat[k].current,
           "%s: peak %llu, now %llu bytes; the model says %llu, %llu",
-          sp_mem_cat_label((sp_mem_cat)k),
-          (unsigned long long)got->cat[k].peak,
+          sp_mem_cat_label((sp_mem_cat)k), (unsigned long long)got->cat[k].peak,
           (unsigned long long)got->cat[k].current,
           (unsigned long long)want->cat[k].peak,
           (unsigned long long)want->cat[k].current);
-  CHECK(c, got->total.peak == want->total.peak &&
-               got->reserved.peak == want->reserved.peak &&
-               got->allocs == want->allocs,
+  CHECK(c,
+        got->total.peak == want->total.peak &&
+            got->reserved.peak == want->reserved.peak &&
+            got->allocs == want->allocs,
         "total peak %llu, reserved %llu, %llu allocations; the model says "
-        "%llu, %llu, %llu", (unsigned long long)got->total.peak,
-        (unsigned long long)got->reserved.peak,
-        (unsigned long long)got->allocs,
+        "%llu, %llu, %llu",
+        (unsigned long long)got->total.peak,
+        (unsigned long long)got->reserved.peak, (unsigned long long)got->allocs,
         (unsigned long long)want->total.peak,
         (unsigned long long)want->reserved.peak,
         (unsigned long long)want->allocs);
   if (c->t.rank == 0)
-    printf("    counted = predicted: optimizer state %llu bytes, unsharded "
-           "gradients' peak %llu\n",
-           (unsigned long long)got->cat[SP_MEM_OPTIMIZER].peak,
-           (unsigned long long)got->cat[SP_MEM_GRADS].peak);
+    printf(
+        "    counted = predicted: optimizer state %llu bytes, unsharded "
+        "gradients' peak %llu\n",
+        (unsigned long long)got->cat[SP_MEM_OPTIMIZER].peak,
+        (unsigned long long)got->cat[SP_MEM_GRADS].peak);
   return 0;
 }
 
@@ -706,7 +731,9 @@ static void test_memory_model(void **state) {
   for (size_t s = 0; s < 4; s++)
     for (uint32_t w = 1; w <= 4; w += 3) {
       printf("  W=%u %s, AdamW, no_sync\n", w, sp_strategy_name(ss[s]));
-      job_cfg cfg = {.model = g_layers, .world = w, .strategy = ss[s],
+      job_cfg cfg = {.model = g_layers,
+                     .world = w,
+                     .strategy = ss[s],
                      .group = w == 4 ? 2 : w};
       run_job(&cfg, body_memory, NULL);
     }
@@ -732,7 +759,8 @@ static int body_own_update(rank_ctx *c, void *arg) {
   CHECK(c, w && b, "no views");
   float got[6] = {w[0], w[1], w[2], w[3], b[0], b[1]};
   for (int i = 0; i < 6; i++)
-    CHECK(c, got[i] == 100.0f * (i + 1), "forward after the trainer's own "
+    CHECK(c, got[i] == 100.0f * (i + 1),
+          "forward after the trainer's own "
           "update reads %g %g %g %g %g %g, the master holds 100 .. 600",
           (double)got[0], (double)got[1], (double)got[2], (double)got[3],
           (double)got[4], (double)got[5]);
@@ -744,17 +772,22 @@ static int body_own_update(rank_ctx *c, void *arg) {
 
 static void test_bug_own_update_seen(void **state) {
   (void)state;
-  job_cfg w1 = {.model = g_tiny, .world = 1, .strategy = SP_FULL_SHARD,
+  job_cfg w1 = {.model = g_tiny,
+                .world = 1,
+                .strategy = SP_FULL_SHARD,
                 .init_zero = true};
   run_job(&w1, body_own_update, NULL);
-  job_cfg w2 = {.model = g_tiny, .world = 2, .strategy = SP_NO_SHARD,
-                .init_zero = true};
+  job_cfg w2 = {
+      .model = g_tiny, .world = 2, .strategy = SP_NO_SHARD, .init_zero = true};
   run_job(&w2, body_own_update, NULL);
-  job_cfg w2f = {.model = g_tiny, .world = 2, .strategy = SP_SHARD_GRAD_OP,
+  job_cfg w2f = {.model = g_tiny,
+                 .world = 2,
+                 .strategy = SP_SHARD_GRAD_OP,
                  .init_zero = true};
   run_job(&w2f, body_own_update, NULL);
-  printf("  a trainer's own update of the master shards is what the next "
-         "forward reads (W=1, NO_SHARD, SHARD_GRAD_OP)\n");
+  printf(
+      "  a trainer's own update of the master shards is what the next "
+      "forward reads (W=1, NO_SHARD, SHARD_GRAD_OP)\n");
 }
 
 /* ---- bug: use_orig_params unit whose first parameter is frozen ---- */
@@ -772,8 +805,10 @@ static int body_frozen(rank_ctx *c, void *arg) {
   const frozen_arg *a = arg;
   const sp_model *m = c->model;
   uint32_t u = (uint32_t)c->plan->param_unit[0];
-  CHECK(c, c->plan->units[u].requires_grad, "unit %u: requires_grad false "
-        "although %s requires grad", u, m->params[1].fqn);
+  CHECK(c, c->plan->units[u].requires_grad,
+        "unit %u: requires_grad false "
+        "although %s requires grad",
+        u, m->params[1].fqn);
   sp_optim_opts o;
   sp_optim_opts_init(&o, a->adamw ? SP_OPTIM_ADAMW : SP_OPTIM_SGD);
   o.lr = 0.5;
@@ -796,10 +831,11 @@ static int body_frozen(rank_ctx *c, void *arg) {
     rc = sp_fsdp_gather_param(c->f, p, after, &d);
     if (rc) rc = FAIL(c, "gather: %s", d.msg);
     size_t changed = 0;
-    for (size_t i = 0; rc == 0 && i < n; i++) changed += after[i] != before[p][i];
+    for (size_t i = 0; rc == 0 && i < n; i++)
+      changed += after[i] != before[p][i];
     if (rc == 0 && !m->params[p].flag && changed)
-      rc = FAIL(c, "frozen %s changed in %zu of %zu elements",
-                m->params[p].fqn, changed, n);
+      rc = FAIL(c, "frozen %s changed in %zu of %zu elements", m->params[p].fqn,
+                changed, n);
     if (rc == 0 && m->params[p].flag && changed != n)
       rc = FAIL(c, "trainable %s after frozen %s: %zu of %zu elements stepped",
                 m->params[p].fqn, m->params[0].fqn, changed, n);
@@ -814,13 +850,16 @@ static void test_bug_mixed_requires_grad(void **state) {
   for (int adamw = 0; adamw <= 1; adamw++)
     for (uint32_t w = 1; w <= 2; w++) {
       frozen_arg a = {adamw == 1};
-      job_cfg cfg = {.model = g_frozen, .world = w,
-                     .strategy = SP_FULL_SHARD, .use_orig_params = true};
+      job_cfg cfg = {.model = g_frozen,
+                     .world = w,
+                     .strategy = SP_FULL_SHARD,
+                     .use_orig_params = true};
       run_job(&cfg, body_frozen, &a);
     }
-  printf("  use_orig_params, a frozen parameter first in its unit: the "
-         "trainable ones after it are reduced and stepped, it is not "
-         "(SGD and AdamW with weight decay, W = 1, 2)\n");
+  printf(
+      "  use_orig_params, a frozen parameter first in its unit: the "
+      "trainable ones after it are reduced and stepped, it is not "
+      "(SGD and AdamW with weight decay, W = 1, 2)\n");
 }
 
 /* ---- the kernels against their CPU references ---- */
@@ -863,14 +902,19 @@ static void test_host_float32_paths(void **state) {
   assert_true(p2 && m2 && v2 && g64 && src64);
   memcpy(p2, p, N * 4), memcpy(m2, m, N * 4), memcpy(v2, v, N * 4);
   assert_int_equal(sp_cast(g64, SP_FLOAT64, g, SP_FLOAT32, N), 0);
-  sp_fsdp_adamw_args aa = {.lr = 1e-3, .lrwd = 1e-5, .beta1 = 0.9,
-                           .omb1 = 0.1, .beta2 = 0.999, .omb2 = 1e-3,
-                           .bc1 = 1 - pow(0.9, 3), .bc2 = 1 - pow(0.999, 3),
+  sp_fsdp_adamw_args aa = {.lr = 1e-3,
+                           .lrwd = 1e-5,
+                           .beta1 = 0.9,
+                           .omb1 = 0.1,
+                           .beta2 = 0.999,
+                           .omb2 = 1e-3,
+                           .bc1 = 1 - pow(0.9, 3),
+                           .bc2 = 1 - pow(0.999, 3),
                            .eps = 1e-8};
-  assert_int_equal(h->adamw(&fake, p, SP_FLOAT32, g, SP_FLOAT32, m, v, N, &aa,
-                            &d), 0);
-  assert_int_equal(h->adamw(&fake, p2, SP_FLOAT32, g64, SP_FLOAT64, m2, v2, N,
-                            &aa, &d), 0);
+  assert_int_equal(
+      h->adamw(&fake, p, SP_FLOAT32, g, SP_FLOAT32, m, v, N, &aa, &d), 0);
+  assert_int_equal(
+      h->adamw(&fake, p2, SP_FLOAT32, g64, SP_FLOAT64, m2, v2, N, &aa, &d), 0);
   assert_memory_equal(p, p2, N * 4);
   assert_memory_equal(m, m2, N * 4);
   assert_memory_equal(v, v2, N * 4);
@@ -878,17 +922,20 @@ static void test_host_float32_paths(void **state) {
     double div = k ? 1.5 : 1.0; /* 1: the divide is skipped */
     assert_int_equal(sp_cast(src64, SP_FLOAT64, src, SP_FLOAT32, N), 0);
     assert_int_equal(h->acc_div(&fake, SP_LANE_COMM, p, SP_FLOAT32, src,
-                                SP_FLOAT32, N, div, &d), 0);
+                                SP_FLOAT32, N, div, &d),
+                     0);
     assert_int_equal(h->acc_div(&fake, SP_LANE_COMM, p2, SP_FLOAT32, src64,
-                                SP_FLOAT64, N, div, &d), 0);
+                                SP_FLOAT64, N, div, &d),
+                     0);
     assert_memory_equal(p, p2, N * 4);
   }
-  printf("  host AdamW and accumulation: the float32 loops give the general "
-         "loop's bits (%d elements)\n", N);
+  printf(
+      "  host AdamW and accumulation: the float32 loops give the general "
+      "loop's bits (%d elements)\n",
+      N);
   free(p), free(g), free(m), free(v), free(src), free(p2), free(m2), free(v2);
   free(g64), free(src64);
 }
-
 
 #if SHARDPLANE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -945,20 +992,26 @@ static void test_kernels_match_cpu(void **state) {
       for (size_t i = 0; i < n; i++) v[i] = fabsf(v[i]);
       void *dp = dev_copy(p, n * ps), *dg = dev_copy(g, n * ps);
       void *dm = dev_copy(m, n * 4), *dv = dev_copy(v, n * 4);
-      sp_fsdp_adamw_args aa = {.lr = 1e-3, .lrwd = 1e-5, .beta1 = 0.9,
-                               .omb1 = 0.1, .beta2 = 0.999, .omb2 = 1e-3,
-                               .bc1 = 1 - pow(0.9, 3), .bc2 = 1 - pow(0.999, 3),
+      sp_fsdp_adamw_args aa = {.lr = 1e-3,
+                               .lrwd = 1e-5,
+                               .beta1 = 0.9,
+                               .omb1 = 0.1,
+                               .beta2 = 0.999,
+                               .omb2 = 1e-3,
+                               .bc1 = 1 - pow(0.9, 3),
+                               .bc2 = 1 - pow(0.999, 3),
                                .eps = 1e-8};
       assert_int_equal(h->adamw(&fake, p, pdt, g, gdt, m, v, n, &aa, &d), 0);
-      assert_int_equal(sp_fsdp_cuda_adamw(dp, pdt, dg, gdt, dm, dv, n, &aa,
-                                          NULL, &d), 0);
+      assert_int_equal(
+          sp_fsdp_cuda_adamw(dp, pdt, dg, gdt, dm, dv, n, &aa, NULL, &d), 0);
       same_bits(dp, p, n * ps, "adamw p");
       same_bits(dm, m, n * 4, "adamw m");
       same_bits(dv, v, n * 4, "adamw v");
       assert_int_equal(h->sgd(&fake, p, pdt, g, gdt, m, n, 0.01, 0.9, 0.1, &d),
                        0);
-      assert_int_equal(sp_fsdp_cuda_sgd(dp, pdt, dg, gdt, dm, n, 0.01, 0.9,
-                                        0.1, NULL, &d), 0);
+      assert_int_equal(
+          sp_fsdp_cuda_sgd(dp, pdt, dg, gdt, dm, n, 0.01, 0.9, 0.1, NULL, &d),
+          0);
       same_bits(dp, p, n * ps, "sgd p");
       same_bits(dm, m, n * 4, "sgd momentum");
       assert_int_equal(h->scale(&fake, SP_LANE_COMPUTE, g, gdt, n, 0.3, &d), 0);
@@ -966,8 +1019,7 @@ static void test_kernels_match_cpu(void **state) {
       same_bits(dg, g, n * ps, "scale");
       double want = 0, *dpart = NULL, *dout = NULL, got = -1;
       assert_int_equal(h->sqsum(&fake, g, gdt, n, NULL, &want, &d), 0);
-      SP_TEST_CU(cudaMalloc((void **)&dpart,
-                            sp_fsdp_sqsum_chunks(n) * 8 + 8));
+      SP_TEST_CU(cudaMalloc((void **)&dpart, sp_fsdp_sqsum_chunks(n) * 8 + 8));
       SP_TEST_CU(cudaMalloc((void **)&dout, 8));
       assert_int_equal(sp_fsdp_cuda_sqsum(dg, gdt, n, dpart, dout, NULL, &d),
                        0);
@@ -977,20 +1029,22 @@ static void test_kernels_match_cpu(void **state) {
       /* the reduction's accumulation: float32 source into pdt */
       float *src = random_values(&rng, SP_FLOAT32, n);
       void *dsrc = dev_copy(src, n * 4);
-      assert_int_equal(h->acc_div(&fake, SP_LANE_COMM, p, pdt, src,
-                                  SP_FLOAT32, n, 1.5, &d), 0);
-      assert_int_equal(sp_fsdp_cuda_scale_div(dsrc, SP_FLOAT32, n, 1.5, NULL,
-                                              &d), 0);
-      assert_int_equal(sp_fsdp_cuda_acc(dp, pdt, dsrc, SP_FLOAT32, n, NULL,
-                                        &d), 0);
+      assert_int_equal(
+          h->acc_div(&fake, SP_LANE_COMM, p, pdt, src, SP_FLOAT32, n, 1.5, &d),
+          0);
+      assert_int_equal(
+          sp_fsdp_cuda_scale_div(dsrc, SP_FLOAT32, n, 1.5, NULL, &d), 0);
+      assert_int_equal(sp_fsdp_cuda_acc(dp, pdt, dsrc, SP_FLOAT32, n, NULL, &d),
+                       0);
       SP_TEST_CU(cudaDeviceSynchronize());
       same_bits(dp, p, n * ps, "acc_div");
       cudaFree(dp), cudaFree(dg), cudaFree(dm), cudaFree(dv), cudaFree(dsrc);
       cudaFree(dpart), cudaFree(dout);
       free(p), free(g), free(m), free(v), free(src);
     }
-  printf("  AdamW, SGD, scale, sum of squares and accumulation: GPU bits "
-         "equal the CPU's (float32, bfloat16; 1 .. 70001 elements)\n");
+  printf(
+      "  AdamW, SGD, scale, sum of squares and accumulation: GPU bits "
+      "equal the CPU's (float32, bfloat16; 1 .. 70001 elements)\n");
 }
 #else
 static void test_kernels_match_cpu(void **state) {

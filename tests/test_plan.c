@@ -51,10 +51,11 @@ static void add_module(json_t *spec, const char *fqn, const char *type) {
 static void add_tensor(json_t *spec, const char *key, const char *fqn,
                        const char *dtype, int nd, const int64_t *shape) {
   json_t *sh = json_array();
-  for (int i = 0; i < nd; i++) json_array_append_new(sh, json_integer(shape[i]));
-  json_array_append_new(json_object_get(spec, key),
-                        json_pack("{s:s,s:o,s:s}", "fqn", fqn, "shape", sh,
-                                  "dtype", dtype));
+  for (int i = 0; i < nd; i++)
+    json_array_append_new(sh, json_integer(shape[i]));
+  json_array_append_new(
+      json_object_get(spec, key),
+      json_pack("{s:s,s:o,s:s}", "fqn", fqn, "shape", sh, "dtype", dtype));
 }
 
 static void add_param(json_t *spec, const char *fqn, int64_t numel) {
@@ -189,9 +190,9 @@ typedef struct expect_sp {
   int64_t off, numel, lo, hi;
 } expect_sp;
 
-static void check_rank(const sp_plan *pl, uint32_t u, uint32_t r,
-                       int64_t start, int64_t end, int64_t pad,
-                       const expect_sp *want, size_t n_want) {
+static void check_rank(const sp_plan *pl, uint32_t u, uint32_t r, int64_t start,
+                       int64_t end, int64_t pad, const expect_sp *want,
+                       size_t n_want) {
   int64_t s, e, p;
   assert_int_equal(sp_plan_rank_range(pl, u, r, &s, &e, &p), 0);
   assert_int_equal(s, start);
@@ -805,7 +806,7 @@ static void random_subtree(json_t *spec, sp_test_rng *rng, const char *fqn,
       add_buffer(spec, name, sp_test_rng_below(rng, 2) ? "float32" : "int64");
     }
   }
-  for (int k = 0; k < kids && *budget > 0; k++) {
+  for (int k = 0; k<kids && * budget> 0; k++) {
     (*budget)--;
     char child[300]; /* depth <= 4: far below this */
     if (snprintf(child, sizeof child, "%s%sm%d", fqn, fqn[0] ? "." : "", k) < 0)
@@ -856,8 +857,8 @@ static void test_real_specs_plan(void **state) {
     const char *spec, *wrap;
     uint32_t world;
   } cases[] = {
-      {"resnet50", "Bottleneck", 8},       {"mobilenet_v3_small", NULL, 3},
-      {"vit_b_16", "EncoderBlock", 16},    {"gpt2", "GPT2Block", 7},
+      {"resnet50", "Bottleneck", 8},          {"mobilenet_v3_small", NULL, 3},
+      {"vit_b_16", "EncoderBlock", 16},       {"gpt2", "GPT2Block", 7},
       {"llama2_7b", "LlamaDecoderLayer", 64},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -909,9 +910,10 @@ static void test_llama70b_w1024_fast(void **state) {
       total += n;
     }
   double t3 = (sp_clock_s() * 1e3);
-  printf("llama2_70b W=1024: load %.2f ms, plan %.2f ms, all rank shard "
-         "lists %.2f ms (%zu entries), %zu units\n",
-         t1 - t0, t2 - t1, t3 - t2, total, pl->n_units);
+  printf(
+      "llama2_70b W=1024: load %.2f ms, plan %.2f ms, all rank shard "
+      "lists %.2f ms (%zu entries), %zu units\n",
+      t1 - t0, t2 - t1, t3 - t2, total, pl->n_units);
   assert_int_equal(pl->n_units, 81);
   assert_true(t2 - t0 < 1000.0);
   assert_true(total >= 723);

@@ -46,8 +46,9 @@
 
 /* mixed precision, buffers in bfloat16: every cast of a resume path */
 static const char *const k_mp_job[] = {
-    "--wrap-type", "Linear", "--param-dtype", "bfloat16", "--reduce-dtype",
-    "float32", "--buffer-dtype", "bfloat16", NULL};
+    "--wrap-type",    "Linear",         "--param-dtype",
+    "bfloat16",       "--reduce-dtype", "float32",
+    "--buffer-dtype", "bfloat16",       NULL};
 /* float32 throughout: what differs between world sizes is the order of
  * the float32 sums alone */
 static const char *const k_f32_job[] = {"--wrap-type", "Linear", NULL};
@@ -134,16 +135,15 @@ static size_t same_checkpoints(const char *a, const char *b, int w,
 
 /* tail: the last n losses of a (the one-go run) equal b's, bit for bit */
 static void same_losses(const char *a, const char *b, size_t from) {
-  char *pa = sp_test_path(a, "losses.json"), *pb = sp_test_path(b,
-                                                                "losses.json");
+  char *pa = sp_test_path(a, "losses.json"),
+       *pb = sp_test_path(b, "losses.json");
   size_t na, nb;
-  double *la = sp_tjob_read_losses(pa, &na), *lb = sp_tjob_read_losses(pb,
-                                                                       &nb);
+  double *la = sp_tjob_read_losses(pa, &na), *lb = sp_tjob_read_losses(pb, &nb);
   assert_int_equal(nb, na - from);
   for (size_t i = 0; i < nb; i++)
     if (memcmp(&la[from + i], &lb[i], sizeof(double)) != 0)
-      fail_msg("loss of step %zu: %.17g in one go, %.17g resumed",
-               from + i + 1, la[from + i], lb[i]);
+      fail_msg("loss of step %zu: %.17g in one go, %.17g resumed", from + i + 1,
+               la[from + i], lb[i]);
   free(la);
   free(lb);
   free(pa);
@@ -207,9 +207,10 @@ static void test_resume_bit_exact(void **state) {
     train(k_mp_job, 3, "10", to, from, kinds[k]);
     size_t files = same_checkpoints(one, to, 3, "10");
     same_losses(one, to, 5);
-    printf("  5 + 5 steps from the %s checkpoint == 10 in one go: %zu "
-           "checkpoint files, every tensor's bytes, the loss curve\n",
-           kinds[k], files);
+    printf(
+        "  5 + 5 steps from the %s checkpoint == 10 in one go: %zu "
+        "checkpoint files, every tensor's bytes, the loss curve\n",
+        kinds[k], files);
     free(from);
     free(to);
   }
@@ -223,10 +224,23 @@ static void test_resume_bit_exact(void **state) {
  * warmup-cosine schedule, clipping and two micro-batches a step; 6 steps
  * in one go equal 3, a checkpoint (its exp_avg, exp_avg_sq and step
  * count), new processes and 3 more, bit for bit, from FULL and LOCAL. */
-static const char *const k_adamw[] = {
-    "--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1",
-    "--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "0.001",
-    "--clip-grad-norm", "1", "--grad-accum", "2", NULL};
+static const char *const k_adamw[] = {"--optimizer",
+                                      "adamw",
+                                      "--lr",
+                                      "0.01",
+                                      "--weight-decay",
+                                      "0.1",
+                                      "--lr-schedule",
+                                      "cosine",
+                                      "--warmup-steps",
+                                      "2",
+                                      "--min-lr",
+                                      "0.001",
+                                      "--clip-grad-norm",
+                                      "1",
+                                      "--grad-accum",
+                                      "2",
+                                      NULL};
 
 static void train_adamw(const char *steps, const char *out, const char *load,
                         const char *load_kind) {
@@ -248,8 +262,8 @@ static void test_resume_adamw(void **state) {
   char *one = sp_test_path(dir, "one"), *half = sp_test_path(dir, "half");
   train_adamw("6", one, NULL, NULL);
   train_adamw("3", half, NULL, NULL);
-  char *states = meta_of(one, "full/model.safetensors",
-                         "shardplane.optim_states");
+  char *states =
+      meta_of(one, "full/model.safetensors", "shardplane.optim_states");
   assert_non_null(states);
   assert_string_equal(states, "exp_avg,exp_avg_sq");
   free(states);
@@ -266,9 +280,11 @@ static void test_resume_adamw(void **state) {
                          "local/local-1-of-2.safetensors");
     expect_steps(to, "full/model.safetensors", "6");
     same_losses(one, to, 3);
-    printf("  AdamW, cosine, clipping, 2 micro-batches: 3 + 3 steps from the "
-           "%s checkpoint == 6 in one go, moments and parameters bit for "
-           "bit\n", kinds[k]);
+    printf(
+        "  AdamW, cosine, clipping, 2 micro-batches: 3 + 3 steps from the "
+        "%s checkpoint == 6 in one go, moments and parameters bit for "
+        "bit\n",
+        kinds[k]);
     free(from);
     free(to);
   }
@@ -320,8 +336,7 @@ static void full_diff(const char *a, const char *b, diff_stats *ds) {
     double *err = optim ? &ds->optim_err : &ds->model_err;
     if (e > *err) {
       *err = e;
-      snprintf(optim ? ds->optim_worst : ds->model_worst, 256, "%s",
-               ta->name);
+      snprintf(optim ? ds->optim_worst : ds->model_worst, 256, "%s", ta->name);
     }
   }
   sp_safetensors_close(fa);
@@ -365,12 +380,13 @@ static void test_resume_other_world(void **state) {
     expect_steps(to, "full/model.safetensors", "10");
     diff_stats ds;
     full_diff(one, to, &ds);
-    printf("  %s of 3 ranks at step 5, reloaded into %d ranks: every tensor "
-           "equal; resumed to step 10, against the one-go run: parameters "
-           "and buffers within %.2e (%s), optimizer state within %.2e (%s); "
-           "%zu of %zu elements differ\n", cases[i].kind, cases[i].n,
-           ds.model_err, ds.model_worst, ds.optim_err, ds.optim_worst,
-           ds.differ, ds.elems);
+    printf(
+        "  %s of 3 ranks at step 5, reloaded into %d ranks: every tensor "
+        "equal; resumed to step 10, against the one-go run: parameters "
+        "and buffers within %.2e (%s), optimizer state within %.2e (%s); "
+        "%zu of %zu elements differ\n",
+        cases[i].kind, cases[i].n, ds.model_err, ds.model_worst, ds.optim_err,
+        ds.optim_worst, ds.differ, ds.elems);
     double err = fmax(ds.model_err, ds.optim_err);
     assert_true(err <= TOL_WORLD);
     worst_all = fmax(worst_all, err);
@@ -378,8 +394,10 @@ static void test_resume_other_world(void **state) {
     free(re);
     free(from);
   }
-  printf("  largest relative difference at another world size: %.2e "
-         "(bound %.0e)\n", worst_all, TOL_WORLD);
+  printf(
+      "  largest relative difference at another world size: %.2e "
+      "(bound %.0e)\n",
+      worst_all, TOL_WORLD);
   free(one);
   free(half);
   sp_test_rmtree(dir);
@@ -403,10 +421,21 @@ static void test_stop_and_resume(void **state) {
   char *dir = sp_test_mkdtemp();
   char *stop = sp_test_path(dir, "stop");
   mkdir(stop, 0777);
-  const char *wf[] = {"--steps", "1000000", "--test-state", STATE,
-                      "--checkpoint-dir", stop, "--checkpoint", "full",
-                      "--checkpoint", "sharded", "--checkpoint", "local",
-                      "--checkpoint-every", "7", NULL};
+  const char *wf[] = {"--steps",
+                      "1000000",
+                      "--test-state",
+                      STATE,
+                      "--checkpoint-dir",
+                      stop,
+                      "--checkpoint",
+                      "full",
+                      "--checkpoint",
+                      "sharded",
+                      "--checkpoint",
+                      "local",
+                      "--checkpoint-every",
+                      "7",
+                      NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP_BUFFERS, k_mp_job, 3, wf, dir);
   /* training is under way once the first periodic checkpoint is there */
@@ -442,9 +471,11 @@ static void test_stop_and_resume(void **state) {
   train(k_mp_job, 3, total, whole, NULL, NULL);
   size_t files = same_checkpoints(whole, resumed, 3, total);
   same_losses(whole, resumed, (size_t)steps);
-  printf("  SIGINT to rank 1: all 3 ranks stopped after step %s (exit 143, "
-         "130, 143) with a checkpoint; resumed to step %s it equals the "
-         "run never stopped (%zu files)\n", k, total, files);
+  printf(
+      "  SIGINT to rank 1: all 3 ranks stopped after step %s (exit 143, "
+      "130, 143) with a checkpoint; resumed to step %s it equals the "
+      "run never stopped (%zu files)\n",
+      k, total, files);
   free(k);
   free(whole);
   free(from);
@@ -468,20 +499,31 @@ static void test_failed_save_keeps_old(void **state) {
   assert_int_equal(mkdir(staging, 0777), 0);
   assert_int_equal(mkdir(sub, 0777), 0);
   char *from = sp_test_path(ck, "sharded");
-  const char *wf[] = {"--steps", "6", "--test-state", STATE, "--load", from,
-                      "--load-kind", "sharded", "--checkpoint-dir", ck,
-                      "--checkpoint", "sharded", NULL};
+  const char *wf[] = {"--steps",
+                      "6",
+                      "--test-state",
+                      STATE,
+                      "--load",
+                      from,
+                      "--load-kind",
+                      "sharded",
+                      "--checkpoint-dir",
+                      ck,
+                      "--checkpoint",
+                      "sharded",
+                      NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP_BUFFERS, k_f32_job, 2, wf, dir);
   assert_int_equal(sp_tjob_wait(&j, 60), 0);
   for (int r = 0; r < 2; r++) assert_int_equal(j.status[r], 1);
-  char *e0p = sp_test_path(dir, "rank-0.err"), *e1p = sp_test_path(
-                                                   dir, "rank-1.err");
+  char *e0p = sp_test_path(dir, "rank-0.err"),
+       *e1p = sp_test_path(dir, "rank-1.err");
   char *e0 = sp_test_read_file(e0p), *e1 = sp_test_read_file(e1p);
   printf("  rank 0: %s  rank 1: %s", e0, e1);
   assert_non_null(strstr(e0, "keep-me"));
-  assert_non_null(strstr(e1, "rank 0 failed preparing the checkpoint "
-                             "directory"));
+  assert_non_null(strstr(e1,
+                         "rank 0 failed preparing the checkpoint "
+                         "directory"));
   /* the old checkpoint is there, whole */
   expect_steps(ck, "sharded/rank-0-of-2.safetensors", "3");
   expect_steps(ck, "sharded/rank-1-of-2.safetensors", "3");
@@ -495,8 +537,9 @@ static void test_failed_save_keeps_old(void **state) {
   free(e0);
   e0 = sp_test_read_file(e0p);
   printf("  rank 0: %s", e0);
-  assert_non_null(strstr(e0, "holds not-a-checkpoint-file, which is not a "
-                             "checkpoint file"));
+  assert_non_null(strstr(e0,
+                         "holds not-a-checkpoint-file, which is not a "
+                         "checkpoint file"));
   expect_steps(ck, "sharded/rank-0-of-2.safetensors", "3");
   assert_int_equal(rmdir(mine), 0);
   free(mine);
@@ -506,14 +549,14 @@ static void test_failed_save_keeps_old(void **state) {
               (const char *const[]){"--steps", "6", "--test-state", STATE,
                                     "--load", from, "--load-kind", "sharded",
                                     "--checkpoint-dir", ck, "--checkpoint",
-                                    "sharded", "--checkpoint-every", "2",
-                                    NULL},
+                                    "sharded", "--checkpoint-every", "2", NULL},
               JOB_TIMEOUT_S);
   expect_steps(ck, "sharded/rank-1-of-2.safetensors", "6");
   assert_false(exists(ck, "sharded.tmp"));
-  printf("  a save refused on rank 0 failed on both ranks and kept the "
-         "step-3 checkpoint; the next one replaced it (step 6), no staging "
-         "left\n");
+  printf(
+      "  a save refused on rank 0 failed on both ranks and kept the "
+      "step-3 checkpoint; the next one replaced it (step 6), no staging "
+      "left\n");
   free(again);
   free(e0);
   free(e1);
@@ -534,16 +577,18 @@ static void test_state_mismatch(void **state) {
   char *with = sp_test_path(dir, "with");
   train(k_f32_job, 2, "2", with, NULL, NULL);
   char *plain = sp_test_path(dir, "plain");
-  const char *pf[] = {"--steps", "2", "--checkpoint-dir", plain,
-                      "--checkpoint", "full", NULL};
+  const char *pf[] = {"--steps", "2", "--checkpoint-dir", plain, "--checkpoint",
+                      "full",    NULL};
   sp_tjob_run(MLP_BUFFERS, k_f32_job, 2, pf, JOB_TIMEOUT_S);
   struct {
     const char *from, *state, *want;
   } cases[] = {
-      {with, NULL, "holds optimizer state \"" STATE "\", which this runtime "
-                   "has not registered"},
-      {plain, STATE, "optimizer state \"" STATE "\" of this runtime is not "
-                     "in the checkpoint"},
+      {with, NULL,
+       "holds optimizer state \"" STATE "\", which this runtime "
+       "has not registered"},
+      {plain, STATE,
+       "optimizer state \"" STATE "\" of this runtime is not "
+       "in the checkpoint"},
       {with, "other", "has not registered"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

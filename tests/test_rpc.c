@@ -202,10 +202,11 @@ static int teardown(void **state) {
 static EchoReply *unary(const EchoRequest *req, uint64_t timeout_ms,
                         sp_rpc_status *st) {
   ProtobufCMessage *resp = NULL;
-  assert_int_equal(sp_rpc_sync_unary(g_cli, EPATH("Unary"), &req->base,
-                                     &shardplane__testing__echo_reply__descriptor,
-                                     timeout_ms, &resp, st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(g_cli, EPATH("Unary"), &req->base,
+                        &shardplane__testing__echo_reply__descriptor,
+                        timeout_ms, &resp, st),
+      0);
   return (EchoReply *)resp;
 }
 
@@ -294,18 +295,18 @@ static void test_server_stream_and_cancel(void **state) {
   req.text = "s";
   req.repeat = 500;
   sp_rpc_sync_stream *s;
-  assert_int_equal(sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000,
-                                           NULL, 0, &s),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000, NULL, 0, &s),
+      0);
   assert_int_equal(sp_rpc_sync_stream_send(s, &req.base), 0);
   assert_int_equal(sp_rpc_sync_stream_close_send(s), 0);
   ProtobufCMessage *m;
   sp_rpc_status st;
   for (uint32_t i = 0; i < 500; i++) {
-    assert_int_equal(sp_rpc_sync_stream_recv(
-                         s, &shardplane__testing__echo_reply__descriptor, RECV_MS,
-                         &m, &st),
-                     0);
+    assert_int_equal(
+        sp_rpc_sync_stream_recv(s, &shardplane__testing__echo_reply__descriptor,
+                                RECV_MS, &m, &st),
+        0);
     assert_int_equal(((EchoReply *)m)->index, i);
     protobuf_c_message_free_unpacked(m, NULL);
   }
@@ -320,15 +321,15 @@ static void test_server_stream_and_cancel(void **state) {
   unsigned c0, a0, c1, a1;
   parse_stats(&c0, &a0);
   req.repeat = 1000000;
-  assert_int_equal(sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000,
-                                           NULL, 0, &s),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000, NULL, 0, &s),
+      0);
   sp_rpc_sync_stream_send(s, &req.base);
   sp_rpc_sync_stream_close_send(s);
-  assert_int_equal(sp_rpc_sync_stream_recv(
-                       s, &shardplane__testing__echo_reply__descriptor, RECV_MS,
-                       &m, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(s, &shardplane__testing__echo_reply__descriptor,
+                              RECV_MS, &m, &st),
+      0);
   protobuf_c_message_free_unpacked(m, NULL);
   sp_rpc_sync_stream_close(s); /* cancels */
   for (int i = 0; i < 50; i++) {
@@ -345,9 +346,9 @@ static void test_client_stream_and_bidi(void **state) {
   sp_rpc_sync_stream *s;
   sp_rpc_status st;
   ProtobufCMessage *m;
-  assert_int_equal(sp_rpc_sync_stream_open(g_cli, EPATH("ClientStream"), 5000,
-                                           NULL, 0, &s),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_open(g_cli, EPATH("ClientStream"), 5000, NULL, 0, &s),
+      0);
   const char *parts[] = {"ra", "nk", "-", "0"};
   for (int i = 0; i < 4; i++) {
     EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
@@ -355,10 +356,10 @@ static void test_client_stream_and_bidi(void **state) {
     assert_int_equal(sp_rpc_sync_stream_send(s, &req.base), 0);
   }
   sp_rpc_sync_stream_close_send(s);
-  assert_int_equal(sp_rpc_sync_stream_recv(
-                       s, &shardplane__testing__echo_reply__descriptor, 2000,
-                       &m, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(s, &shardplane__testing__echo_reply__descriptor,
+                              2000, &m, &st),
+      0);
   assert_string_equal(((EchoReply *)m)->text, "rank-0");
   protobuf_c_message_free_unpacked(m, NULL);
   sp_rpc_sync_stream_close(s);
@@ -372,10 +373,10 @@ static void test_client_stream_and_bidi(void **state) {
     EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
     req.text = text;
     assert_int_equal(sp_rpc_sync_stream_send(s, &req.base), 0);
-    assert_int_equal(sp_rpc_sync_stream_recv(
-                         s, &shardplane__testing__echo_reply__descriptor, 2000,
-                         &m, &st),
-                     0);
+    assert_int_equal(
+        sp_rpc_sync_stream_recv(s, &shardplane__testing__echo_reply__descriptor,
+                                2000, &m, &st),
+        0);
     assert_string_equal(((EchoReply *)m)->text, text);
     assert_int_equal(((EchoReply *)m)->index, i);
     protobuf_c_message_free_unpacked(m, NULL);
@@ -397,7 +398,8 @@ static void test_metadata_roundtrip(void **state) {
                     {"x-echo-bin", bin, sizeof bin}};
   sp_rpc_sync_stream *s;
   assert_int_equal(
-      sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000, md, 2, &s), 0);
+      sp_rpc_sync_stream_open(g_cli, EPATH("ServerStream"), 5000, md, 2, &s),
+      0);
   EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
   req.text = "md";
   req.repeat = 1;
@@ -424,8 +426,8 @@ static void test_metadata_roundtrip(void **state) {
 typedef struct md_probe {
   bool done, replied;
   int code;
-  char echo[16];   /* x-echo, as received */
-  bool has_ctype;  /* content-type listed as metadata */
+  char echo[16];  /* x-echo, as received */
+  bool has_ctype; /* content-type listed as metadata */
 } md_probe;
 
 static void probe_msg(sp_rpc_ccall *call, const uint8_t *d, size_t n,
@@ -467,9 +469,8 @@ static void test_response_metadata(void **state) {
                                        .on_close = probe_close};
   md_probe p = {0};
   sp_rpc_ccall *call;
-  assert_int_equal(sp_rpc_client_start(cl, EPATH("Unary"), md, 1, 5000, &cbs,
-                                       &p, &call),
-                   0);
+  assert_int_equal(
+      sp_rpc_client_start(cl, EPATH("Unary"), md, 1, 5000, &cbs, &p, &call), 0);
   assert_int_equal(sp_rpc_ccall_send(call, buf, n), 0);
   assert_int_equal(sp_rpc_ccall_close_send(call), 0);
   while (!p.done) uv_run(&loop, UV_RUN_ONCE);
@@ -514,7 +515,8 @@ static void test_many_concurrent_streams(void **state) {
   static sp_rpc_sync_stream *s[N];
   for (int i = 0; i < N; i++) {
     assert_int_equal(
-        sp_rpc_sync_stream_open(g_cli, EPATH("Bidi"), 10000, NULL, 0, &s[i]), 0);
+        sp_rpc_sync_stream_open(g_cli, EPATH("Bidi"), 10000, NULL, 0, &s[i]),
+        0);
     EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
     req.text = "x";
     sp_rpc_sync_stream_send(s[i], &req.base);
@@ -550,9 +552,8 @@ static void test_connect_failure_and_retry(void **state) {
   req.text = "x";
   sp_rpc_status st;
   uint64_t t0 = uv_hrtime();
-  assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 0,
-                                     NULL, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 0, NULL, &st), 0);
   uint64_t ms = (uv_hrtime() - t0) / 1000000;
   assert_int_equal(st.code, SP_RPC_UNAVAILABLE);
   assert_non_null(strstr(st.message, addr));
@@ -605,10 +606,10 @@ static void test_deadline_after_idle_loop(void **state) {
         0);
     uint64_t ms = (uv_hrtime() - t0) / 1000000;
     if (st.code != SP_RPC_OK)
-      fail_msg("call %d, after 400 ms idle, with a 200 ms deadline: %s: %s "
-               "(after %llu ms)",
-               i + 1, sp_rpc_code_name(st.code), st.message,
-               (unsigned long long)ms);
+      fail_msg(
+          "call %d, after 400 ms idle, with a 200 ms deadline: %s: %s "
+          "(after %llu ms)",
+          i + 1, sp_rpc_code_name(st.code), st.message, (unsigned long long)ms);
     assert_string_equal(((EchoReply *)resp)->text, "after idle");
     protobuf_c_message_free_unpacked(resp, NULL);
   }
@@ -624,9 +625,8 @@ static void test_deadline_after_idle_loop(void **state) {
   uv_sleep(800);
   sp_rpc_status st;
   uint64_t t0 = uv_hrtime();
-  assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 0,
-                                     NULL, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 0, NULL, &st), 0);
   uint64_t ms = (uv_hrtime() - t0) / 1000000;
   assert_int_equal(st.code, SP_RPC_UNAVAILABLE);
   if (ms < 400 || ms >= 3000)
@@ -645,8 +645,8 @@ static void test_graceful_shutdown_finishes_calls(void **state) {
   req.text = "in flight";
   req.delay_ms = 300;
   sp_rpc_sync_stream *s;
-  assert_int_equal(sp_rpc_sync_stream_open(c, EPATH("Unary"), 5000, NULL, 0, &s),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_open(c, EPATH("Unary"), 5000, NULL, 0, &s), 0);
   sp_rpc_sync_stream_send(s, &req.base);
   sp_rpc_sync_stream_close_send(s);
   ProtobufCMessage *m;
@@ -660,10 +660,10 @@ static void test_graceful_shutdown_finishes_calls(void **state) {
   sp_test_server_stop(&srv, 5000);
   uint64_t ms = (uv_hrtime() - t0) / 1000000;
   assert_true(ms >= 150 && ms < 3000);
-  assert_int_equal(sp_rpc_sync_stream_recv(
-                       s, &shardplane__testing__echo_reply__descriptor, 2000,
-                       &m, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(s, &shardplane__testing__echo_reply__descriptor,
+                              2000, &m, &st),
+      0);
   assert_string_equal(((EchoReply *)m)->text, "in flight");
   protobuf_c_message_free_unpacked(m, NULL);
   assert_int_equal(sp_rpc_sync_stream_recv(s, NULL, 2000, &m, &st), SP_ENOENT);
@@ -671,9 +671,8 @@ static void test_graceful_shutdown_finishes_calls(void **state) {
   sp_rpc_sync_stream_close(s);
   /* a new call now fails fast: nothing listens any more */
   req.delay_ms = 0;
-  assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 500,
-                                     NULL, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(c, EPATH("Unary"), &req.base, NULL, 500, NULL, &st), 0);
   assert_true(st.code == SP_RPC_UNAVAILABLE ||
               st.code == SP_RPC_DEADLINE_EXCEEDED);
   sp_rpc_sync_close(c);
@@ -712,9 +711,11 @@ static void test_authorize_hook(void **state) {
     assert_int_equal(sp_rpc_sync_open_opts(ts.addr, &co, &c), 0);
     ProtobufCMessage *resp = NULL;
     sp_rpc_status st;
-    assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base,
-                                       &shardplane__testing__echo_reply__descriptor,
-                                       2000, &resp, &st), 0);
+    assert_int_equal(
+        sp_rpc_sync_unary(c, EPATH("Unary"), &req.base,
+                          &shardplane__testing__echo_reply__descriptor, 2000,
+                          &resp, &st),
+        0);
     if (i < 2) {
       sp_test_expect_status(&st, SP_RPC_UNAUTHENTICATED, "bad token");
       assert_null(resp);
@@ -728,10 +729,11 @@ static void test_authorize_hook(void **state) {
     int before = g_hook_calls;
     Grpc__Health__V1__HealthCheckRequest hq =
         GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
-    assert_int_equal(sp_rpc_sync_unary(c, "/grpc.health.v1.Health/Check",
-                                       &hq.base,
-                                       &grpc__health__v1__health_check_response__descriptor,
-                                       2000, &resp, &st), 0);
+    assert_int_equal(
+        sp_rpc_sync_unary(c, "/grpc.health.v1.Health/Check", &hq.base,
+                          &grpc__health__v1__health_check_response__descriptor,
+                          2000, &resp, &st),
+        0);
     sp_test_expect_status(&st, SP_RPC_OK, NULL);
     protobuf_c_message_free_unpacked(resp, NULL);
     assert_int_equal(g_hook_calls, before);
@@ -745,8 +747,7 @@ static void test_authorize_hook(void **state) {
   for (int i = 0; i < 3; i++) {
     sp_rpc_client_opts co = {.token = bad[i]};
     sp_rpc_sync *c = NULL;
-    assert_int_equal(sp_rpc_sync_open_opts("127.0.0.1:1", &co, &c),
-                     SP_EINVAL);
+    assert_int_equal(sp_rpc_sync_open_opts("127.0.0.1:1", &co, &c), SP_EINVAL);
   }
 }
 
@@ -767,9 +768,11 @@ static void test_metadata_to_authorize(void **state) {
     ProtobufCMessage *resp = NULL;
     sp_rpc_status st;
     int before = g_hook_calls;
-    assert_int_equal(sp_rpc_sync_unary(c, EPATH("Unary"), &req.base,
-                                       &shardplane__testing__echo_reply__descriptor,
-                                       2000, &resp, &st), 0);
+    assert_int_equal(
+        sp_rpc_sync_unary(c, EPATH("Unary"), &req.base,
+                          &shardplane__testing__echo_reply__descriptor, 2000,
+                          &resp, &st),
+        0);
     sp_test_expect_status(&st, SP_RPC_OK, NULL); /* the hook saw the token */
     assert_int_equal(g_hook_calls, before + 1);
     assert_string_equal(((EchoReply *)resp)->text, drop ? "" : "Bearer good");
@@ -787,8 +790,9 @@ static void test_metadata_to_authorize(void **state) {
 static void test_heap_trim(void **state) {
   (void)state;
   if (!sp_rpc_mem_trim_supported()) {
-    print_message("SKIPPED: no glibc heap to trim (a sanitizer's "
-                  "allocator, or not glibc 2.33+)\n");
+    print_message(
+        "SKIPPED: no glibc heap to trim (a sanitizer's "
+        "allocator, or not glibc 2.33+)\n");
     skip();
   }
   sp_test_server ts;
@@ -800,10 +804,11 @@ static void test_heap_trim(void **state) {
       GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
   ProtobufCMessage *resp = NULL;
   sp_rpc_status st;
-  assert_int_equal(sp_rpc_sync_unary(c, "/grpc.health.v1.Health/Check",
-                                     &hq.base,
-                                     &grpc__health__v1__health_check_response__descriptor,
-                                     2000, &resp, &st), 0);
+  assert_int_equal(
+      sp_rpc_sync_unary(c, "/grpc.health.v1.Health/Check", &hq.base,
+                        &grpc__health__v1__health_check_response__descriptor,
+                        2000, &resp, &st),
+      0);
   protobuf_c_message_free_unpacked(resp, NULL);
   enum { N = 8192, SIZE = 4096 };
   char **blocks = malloc(N * sizeof *blocks);
@@ -824,10 +829,11 @@ static void test_heap_trim(void **state) {
   /* the sweep looks at the heap once calls freed the threshold (at 1 KiB
    * a call: 1,024 calls for 1 MiB) */
   for (int i = 0; i < 1100; i++) {
-    assert_int_equal(sp_rpc_sync_unary(c, "/grpc.health.v1.Health/Check",
-                                       &hq.base,
-                                       &grpc__health__v1__health_check_response__descriptor,
-                                       2000, &resp, &st), 0);
+    assert_int_equal(
+        sp_rpc_sync_unary(c, "/grpc.health.v1.Health/Check", &hq.base,
+                          &grpc__health__v1__health_check_response__descriptor,
+                          2000, &resp, &st),
+        0);
     protobuf_c_message_free_unpacked(resp, NULL);
   }
   uint64_t rss = rss_full;

@@ -125,20 +125,22 @@ static unsigned unary_ping(void) {
   req.text = "ping";
   ProtobufCMessage *resp = NULL;
   sp_rpc_status st;
-  assert_int_equal(sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
-                                     &shardplane__testing__echo_reply__descriptor,
-                                     IO_TIMEOUT_MS, &resp, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
+                        &shardplane__testing__echo_reply__descriptor,
+                        IO_TIMEOUT_MS, &resp, &st),
+      0);
   if (st.code != SP_RPC_OK)
     fail_msg("Unary after hostile input: %s %s", sp_rpc_code_name(st.code),
              st.message);
   assert_string_equal(((EchoReply *)resp)->text, "ping");
   protobuf_c_message_free_unpacked(resp, NULL);
   req.text = "__stats__";
-  assert_int_equal(sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
-                                     &shardplane__testing__echo_reply__descriptor,
-                                     IO_TIMEOUT_MS, &resp, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
+                        &shardplane__testing__echo_reply__descriptor,
+                        IO_TIMEOUT_MS, &resp, &st),
+      0);
   assert_int_equal(st.code, SP_RPC_OK);
   unsigned cancelled = 0, active = 0;
   assert_int_equal(sscanf(((EchoReply *)resp)->text, "cancelled=%u active=%u",
@@ -403,22 +405,25 @@ static void test_truncated_frames(void **state) {
         sp_h2buf_put(&b, half, sizeof half);
       } else if (variant == 2) {
         /* a HEADERS frame announcing 100 bytes, 10 sent */
-        static const uint8_t hdr[9] = {0, 0, 100, NGHTTP2_HEADERS, 0x4,
-                                       0, 0, 0,   1};
+        static const uint8_t hdr[9] = {0, 0, 100, NGHTTP2_HEADERS, 0x4, 0,
+                                       0, 0, 1};
         sp_h2buf_put(&b, hdr, sizeof hdr);
-        static const uint8_t part[10] = {0, 5, ':', 'p', 'a',
-                                         't', 'h', 1, '/', 0};
+        static const uint8_t part[10] = {0,   5,   ':', 'p', 'a',
+                                         't', 'h', 1,   '/', 0};
         sp_h2buf_put(&b, part, sizeof part);
       } else {
         /* a routed Unary call whose DATA frame (variant 3) or message
          * (variant 4) stops short: a call is open when the peer leaves */
         put_call(&b, 1, EPATH("Unary"), NULL, false);
         if (variant == 3) {
-          static const uint8_t data[9] = {0, 0, 50, NGHTTP2_DATA, 0,
-                                          0, 0, 0,  1};
+          static const uint8_t data[9] = {0, 0, 50, NGHTTP2_DATA, 0, 0,
+                                          0, 0, 1};
           sp_h2buf_put(&b, data, sizeof data);
           /* prefix announcing 45 bytes, then 15 of them */
-          sp_h2buf_put(&b, "\0\0\0\0\x2d" "0123456789abcde", 20);
+          sp_h2buf_put(&b,
+                       "\0\0\0\0\x2d"
+                       "0123456789abcde",
+                       20);
         } else {
           static const uint8_t msg[8] = {0, 0, 0, 0, 100, 1, 2, 3};
           sp_h2_data(&b, 1, msg, sizeof msg, false);
@@ -567,9 +572,10 @@ static void test_rapid_reset(void **state) {
     sp_h2_reader_free(&r);
     close(fd);
   }
-  print_message("rapid reset: %d streams taken over %d connections, "
-                "%d GOAWAYs\n",
-                taken, conns, goaways);
+  print_message(
+      "rapid reset: %d streams taken over %d connections, "
+      "%d GOAWAYs\n",
+      taken, conns, goaways);
   expect_server_healthy();
 }
 
@@ -617,9 +623,10 @@ static void never_reads(int n_streams) {
   assert_int_equal(st.calls_open, (uint64_t)n_streams);
   assert_true(last > (256u << 10)); /* it streamed until TCP pushed back */
   size_t grown = rss_growth(rss0);
-  print_message("never-reading client, %d streams: %llu bytes written, RSS "
-                "grew by %zu KiB\n",
-                n_streams, (unsigned long long)last, grown >> 10);
+  print_message(
+      "never-reading client, %d streams: %llu bytes written, RSS "
+      "grew by %zu KiB\n",
+      n_streams, (unsigned long long)last, grown >> 10);
   assert_true(grown < RSS_GROWTH_MAX);
 
   /* another client is served while the stream is stuck; the stuck call is

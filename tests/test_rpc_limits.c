@@ -84,10 +84,11 @@ static void unary_ok(void) {
   req.text = "ping";
   ProtobufCMessage *resp = NULL;
   sp_rpc_status st;
-  assert_int_equal(sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
-                                     &shardplane__testing__echo_reply__descriptor,
-                                     WAIT_MS, &resp, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
+                        &shardplane__testing__echo_reply__descriptor, WAIT_MS,
+                        &resp, &st),
+      0);
   if (st.code != SP_RPC_OK)
     fail_msg("Unary: %s %s", sp_rpc_code_name(st.code), st.message);
   assert_string_equal(((EchoReply *)resp)->text, "ping");
@@ -176,9 +177,11 @@ static void test_unary_never_half_closed(void **state) {
   assert_int_equal(rc, SP_ENOENT);
   assert_int_equal(status.code, SP_RPC_DEADLINE_EXCEEDED);
   assert_non_null(strstr(status.message, "request timeout"));
-  printf("unary request never half-closed: %s after %llu ms (limit %d ms): "
-         "%s\n", sp_rpc_code_name(status.code), (unsigned long long)took,
-         LIMIT_MS, status.message);
+  printf(
+      "unary request never half-closed: %s after %llu ms (limit %d ms): "
+      "%s\n",
+      sp_rpc_code_name(status.code), (unsigned long long)took, LIMIT_MS,
+      status.message);
   assert_true(took + 20 >= LIMIT_MS);
   sp_rpc_sync_stream_close(st);
   sp_rpc_sync_close(s);
@@ -205,10 +208,11 @@ static void test_unary_never_half_closed(void **state) {
   req.text = "late";
   req.delay_ms = 2 * LIMIT_MS;
   ProtobufCMessage *resp = NULL;
-  assert_int_equal(sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
-                                     &shardplane__testing__echo_reply__descriptor,
-                                     0, &resp, &status),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
+                        &shardplane__testing__echo_reply__descriptor, 0, &resp,
+                        &status),
+      0);
   assert_int_equal(status.code, SP_RPC_OK);
   protobuf_c_message_free_unpacked(resp, NULL);
   sp_rpc_sync_close(s);
@@ -242,8 +246,10 @@ static void test_preface_timeout(void **state) {
       fail_msg("connection %d still open %d ms after connecting", i, WAIT_MS);
     close(fd[i]);
   }
-  printf("%d idle and half-preface connections closed within %llu ms "
-         "(limit %d ms)\n", N, (unsigned long long)(now_ms() - t0), LIMIT_MS);
+  printf(
+      "%d idle and half-preface connections closed within %llu ms "
+      "(limit %d ms)\n",
+      N, (unsigned long long)(now_ms() - t0), LIMIT_MS);
   wait_idle("after the preface timeout");
   assert_int_equal(stats().connections_preface_closed, N);
   unary_ok();
@@ -334,9 +340,10 @@ static void test_max_connections(void **state) {
   unary_ok(); /* admitted: an idle one made room */
   sp_rpc_server_stats x = stats();
   assert_true(x.connections_idle_closed >= 1);
-  printf("%d slots held by idle clients: a new client's call succeeded, %llu "
-         "idle connection(s) closed for it\n", MAX,
-         (unsigned long long)x.connections_idle_closed);
+  printf(
+      "%d slots held by idle clients: a new client's call succeeded, %llu "
+      "idle connection(s) closed for it\n",
+      MAX, (unsigned long long)x.connections_idle_closed);
   for (int i = 0; i < MAX; i++) close(fd[i]);
   wait_idle("after the idle clients");
   /* every slot with an open call: the next connection is refused */
@@ -382,10 +389,11 @@ static void test_buffer_budget(void **state) {
   sp_rpc_status st;
   /* over the budget by itself */
   req.payload.len = 2u << 20;
-  assert_int_equal(sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
-                                     &shardplane__testing__echo_reply__descriptor,
-                                     WAIT_MS, &resp, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
+                        &shardplane__testing__echo_reply__descriptor, WAIT_MS,
+                        &resp, &st),
+      0);
   assert_int_equal(st.code, SP_RPC_RESOURCE_EXHAUSTED);
   assert_non_null(strstr(st.message, "buffers are full"));
   printf("2 MiB request, 1 MiB budget: %s: %s\n", sp_rpc_code_name(st.code),
@@ -395,8 +403,8 @@ static void test_buffer_budget(void **state) {
   for (int i = 0; i < 4; i++) {
     assert_int_equal(
         sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
-                          &shardplane__testing__echo_reply__descriptor,
-                          WAIT_MS, &resp, &st),
+                          &shardplane__testing__echo_reply__descriptor, WAIT_MS,
+                          &resp, &st),
         0);
     assert_int_equal(st.code, SP_RPC_OK);
     assert_int_equal(((EchoReply *)resp)->payload.len, 300u << 10);
@@ -408,10 +416,11 @@ static void test_buffer_budget(void **state) {
    * client reads as a unary call without an answer) */
   req.payload.len = 600u << 10;
   uint64_t refused = stats().calls_over_budget;
-  assert_int_equal(sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
-                                     &shardplane__testing__echo_reply__descriptor,
-                                     WAIT_MS, &resp, &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_unary(s, EPATH("Unary"), &req.base,
+                        &shardplane__testing__echo_reply__descriptor, WAIT_MS,
+                        &resp, &st),
+      0);
   assert_int_not_equal(st.code, SP_RPC_OK);
   assert_int_equal(stats().calls_over_budget, refused + 1);
   sp_rpc_sync_close(s);

@@ -57,7 +57,8 @@ static void expect_refused(const ProtobufCMessageDescriptor *d, bytes in,
   assert_int_equal(sp_rpc_pbcheck(d, in.p, in.n, 0, &out, &n, err, sizeof err),
                    SP_EFORMAT);
   assert_null(out);
-  if (strstr(err, want) == NULL) fail_msg("error \"%s\", wanted \"%s\"", err, want);
+  if (strstr(err, want) == NULL)
+    fail_msg("error \"%s\", wanted \"%s\"", err, want);
   free(in.p);
 }
 
@@ -105,8 +106,12 @@ static void test_unknown_fields_dropped(void **state) {
   bytes want = pack(&q.base);
   /* unknown varint, fixed64, fixed32 and length-delimited fields around
    * and between the known ones */
-  bytes in = cat(LIT("\x18\x05\x21" "12345678"), LIT("\x0a\x01k"));
-  in = cat(in, LIT("\x7d" "abcd" "\xfa\x01\x03xyz"));
+  bytes in = cat(LIT("\x18\x05\x21"
+                     "12345678"),
+                 LIT("\x0a\x01k"));
+  in = cat(in, LIT("\x7d"
+                   "abcd"
+                   "\xfa\x01\x03xyz"));
   in = cat(in, LIT("\x12\x02vv\x80\x80\x01\x00"));
   bytes got = checked(&shardplane__v1__store_set_request__descriptor, in, true);
   assert_int_equal(got.n, want.n);
@@ -153,8 +158,8 @@ static void test_nested_unknown_fields_dropped(void **state) {
   bytes got = checked(&shardplane__v1__session_up__descriptor, in, true);
   assert_int_equal(got.n, want.n);
   assert_memory_equal(got.p, want.p, want.n);
-  Shardplane__V1__SessionUp *m = shardplane__v1__session_up__unpack(
-      NULL, got.n, got.p);
+  Shardplane__V1__SessionUp *m =
+      shardplane__v1__session_up__unpack(NULL, got.n, got.p);
   assert_non_null(m);
   assert_int_equal(m->n_transitions, 2);
   assert_int_equal(m->transitions[0]->unit, 3);
@@ -168,23 +173,36 @@ static void test_strings_refused(void **state) {
   (void)state;
   const ProtobufCMessageDescriptor *d =
       &shardplane__v1__store_set_request__descriptor;
-  expect_refused(d, LIT("\x0a\x03" "a\0b"),
+  expect_refused(d,
+                 LIT("\x0a\x03"
+                     "a\0b"),
                  "shardplane.v1.StoreSetRequest.key: contains a NUL byte at "
                  "offset 1");
   /* overlong, surrogate, above U+10FFFF, truncated, lone continuation */
   expect_refused(d, LIT("\x0a\x02\xc0\x80"),
                  "shardplane.v1.StoreSetRequest.key: not valid UTF-8 at "
                  "offset 0");
-  expect_refused(d, LIT("\x0a\x04" "a\xed\xa0\x80"), "not valid UTF-8 at offset 1");
+  expect_refused(d,
+                 LIT("\x0a\x04"
+                     "a\xed\xa0\x80"),
+                 "not valid UTF-8 at offset 1");
   expect_refused(d, LIT("\x0a\x04\xf4\x90\x80\x80"), "not valid UTF-8");
-  expect_refused(d, LIT("\x0a\x03" "ab\xe2"), "not valid UTF-8 at offset 2");
-  expect_refused(d, LIT("\x0a\x02" "a\x80"), "not valid UTF-8 at offset 1");
+  expect_refused(d,
+                 LIT("\x0a\x03"
+                     "ab\xe2"),
+                 "not valid UTF-8 at offset 2");
+  expect_refused(d,
+                 LIT("\x0a\x02"
+                     "a\x80"),
+                 "not valid UTF-8 at offset 1");
   /* a bytes field may hold anything */
   bytes b = checked(d, LIT("\x12\x03\x00\xff\xc0"), false);
   free(b.p);
   /* inside a repeated string of a list, named by its own message */
   expect_refused(&shardplane__v1__store_wait_request__descriptor,
-                 LIT("\x0a\x01" "a\x0a\x02" "b\xff"),
+                 LIT("\x0a\x01"
+                     "a\x0a\x02"
+                     "b\xff"),
                  "shardplane.v1.StoreWaitRequest.keys: not valid UTF-8 at "
                  "offset 1");
   /* and inside a nested message */
@@ -192,7 +210,10 @@ static void test_strings_refused(void **state) {
                  LIT("\x0a\x04\x1a\x02h\x00"),
                  "shardplane.v1.RankInfo.host: contains a NUL byte");
   /* 1-4 byte forms that are fine, long enough for the 8-byte path */
-  b = checked(d, LIT("\x0a\x13" "abcdefgh\xc3\xbc\xe2\x82\xac\xf0\x9f\x98\x80" "ij"),
+  b = checked(d,
+              LIT("\x0a\x13"
+                  "abcdefgh\xc3\xbc\xe2\x82\xac\xf0\x9f\x98\x80"
+                  "ij"),
               false);
   free(b.p);
 }
@@ -202,7 +223,10 @@ static void test_malformed_refused(void **state) {
   const ProtobufCMessageDescriptor *d =
       &shardplane__v1__store_set_request__descriptor;
   expect_refused(d, LIT("\x0a"), "malformed wire data at byte 1 (length)");
-  expect_refused(d, LIT("\x0a\x05" "ab"), "(length)");
+  expect_refused(d,
+                 LIT("\x0a\x05"
+                     "ab"),
+                 "(length)");
   expect_refused(d, LIT("\x18\xff\xff"), "(varint)");
   expect_refused(d, LIT("\x19\x01\x02"), "(truncated)");
   expect_refused(d, LIT("\x1b"), "(wire type 3)");
@@ -242,9 +266,10 @@ static void test_unknown_field_flood(void **state) {
   double t0 = sp_clock_s();
   uint8_t *out = NULL;
   size_t out_n = 1;
-  assert_int_equal(sp_rpc_pbcheck(&shardplane__v1__store_set_request__descriptor,
-                                  in, n, n, &out, &out_n, NULL, 0),
-                   0);
+  assert_int_equal(
+      sp_rpc_pbcheck(&shardplane__v1__store_set_request__descriptor, in, n, n,
+                     &out, &out_n, NULL, 0),
+      0);
   double ms = (sp_clock_s() - t0) * 1e3;
   assert_non_null(out);
   assert_int_equal(out_n, 0);
@@ -252,8 +277,10 @@ static void test_unknown_field_flood(void **state) {
       &shardplane__v1__store_set_request__descriptor, NULL, out_n, out);
   assert_non_null(m);
   protobuf_c_message_free_unpacked(m, NULL);
-  printf("pre-scan of 8 MiB of 2-byte unknown fields: %.1f ms, 0 bytes "
-         "left to decode\n", ms);
+  printf(
+      "pre-scan of 8 MiB of 2-byte unknown fields: %.1f ms, 0 bytes "
+      "left to decode\n",
+      ms);
   free(out);
   free(in);
 }
@@ -274,11 +301,12 @@ static void test_decode_budget(void **state) {
   uint8_t *out = NULL;
   size_t out_n = 0;
   char err[256];
-  assert_int_equal(sp_rpc_pbcheck(d, in, n, 8u << 20, &out, &out_n, err,
-                                  sizeof err),
-                   SP_ETOOBIG);
-  assert_non_null(strstr(err, "shardplane.v1.SessionUp: decoding it would "
-                              "take more than 8388608 bytes"));
+  assert_int_equal(
+      sp_rpc_pbcheck(d, in, n, 8u << 20, &out, &out_n, err, sizeof err),
+      SP_ETOOBIG);
+  assert_non_null(strstr(err,
+                         "shardplane.v1.SessionUp: decoding it would "
+                         "take more than 8388608 bytes"));
   free(in);
   /* 4096 transitions, as the worker batches them, fit easily */
   Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
@@ -292,9 +320,8 @@ static void test_decode_budget(void **state) {
   up.n_transitions = 4096;
   up.transitions = tp;
   bytes b = pack(&up.base);
-  assert_int_equal(sp_rpc_pbcheck(d, b.p, b.n, 8u << 20, &out, &out_n, err,
-                                  sizeof err),
-                   0);
+  assert_int_equal(
+      sp_rpc_pbcheck(d, b.p, b.n, 8u << 20, &out, &out_n, err, sizeof err), 0);
   assert_null(out);
   free(b.p);
 }

@@ -79,8 +79,7 @@ static void expect_refused(sp_rpc_sync *s, const char *want) {
   double t0 = sp_clock_s();
   EchoReply *r = echo(s, "x", &st);
   double took = sp_clock_s() - t0;
-  if (r != NULL)
-    protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (r != NULL) protobuf_c_message_free_unpacked(&r->base, NULL);
   print_message("    -> %s: %s (%.0f ms)\n", sp_rpc_code_name(st.code),
                 st.message, took * 1000);
   assert_null(r);
@@ -187,8 +186,7 @@ static void test_large_message(void **state) {
   uint8_t *payload = malloc(big);
   assert_non_null(payload);
   sp_test_rng rng = {42};
-  for (size_t i = 0; i < big; i++)
-    payload[i] = (uint8_t)sp_test_rng_next(&rng);
+  for (size_t i = 0; i < big; i++) payload[i] = (uint8_t)sp_test_rng_next(&rng);
   EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
   req.text = "big";
   req.payload.data = payload;
@@ -378,9 +376,9 @@ static void test_mixed_cleartext_and_tls(void **state) {
 static bool goaway_ends_with_close_notify(SSL *ssl) {
   static const unsigned char out[] =
       "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-      "\x00\x00\x00\x04\x00\x00\x00\x00\x00"  /* SETTINGS */
-      "\x00\x00\x08\x07\x00\x00\x00\x00\x00"  /* GOAWAY, */
-      "\x00\x00\x00\x00\x00\x00\x00\x00"; /* last stream 0, NO_ERROR */
+      "\x00\x00\x00\x04\x00\x00\x00\x00\x00" /* SETTINGS */
+      "\x00\x00\x08\x07\x00\x00\x00\x00\x00" /* GOAWAY, */
+      "\x00\x00\x00\x00\x00\x00\x00\x00";    /* last stream 0, NO_ERROR */
   size_t done = 0;
   if (SSL_write_ex(ssl, out, sizeof out - 1, &done) != 1) return false;
   unsigned char buf[4096];
@@ -399,8 +397,7 @@ static bool raw_handshake_then(int port, int max_version,
   SSL_CTX_set_security_level(ctx, 0);
   SSL_CTX_set_min_proto_version(ctx, TLS1_VERSION);
   SSL_CTX_set_cipher_list(ctx, "ALL:@SECLEVEL=0");
-  if (max_version != 0)
-    SSL_CTX_set_max_proto_version(ctx, max_version);
+  if (max_version != 0) SSL_CTX_set_max_proto_version(ctx, max_version);
   if (alpn != NULL)
     assert_int_equal(SSL_CTX_set_alpn_protos(ctx, alpn, alpn_len), 0);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -416,10 +413,8 @@ static bool raw_handshake_then(int port, int max_version,
   ERR_clear_error();
   bool ok = SSL_connect(ssl) == 1;
   why[0] = '\0';
-  if (!ok)
-    ERR_error_string_n(ERR_get_error(), why, cap);
-  if (ok && then != NULL)
-    ok = then(ssl);
+  if (!ok) ERR_error_string_n(ERR_get_error(), why, cap);
+  if (ok && then != NULL) ok = then(ssl);
   ERR_clear_error();
   SSL_free(ssl);
   close(fd);

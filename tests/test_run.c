@@ -126,7 +126,8 @@ static bool every_line_attributed(const char *text) {
     bool ok = strncmp(l, "shardplane run: ", 16) == 0 ||
               (alert > 0 && (size_t)alert <= n) ||
               (sscanf(l, "%2d:%2d:%2d.%3d [rank%d]: %n", &h, &m, &sec, &ms,
-                      &rank, &end) == 5 && end > 0 && (size_t)end <= n);
+                      &rank, &end) == 5 &&
+               end > 0 && (size_t)end <= n);
     if (!ok) {
       printf("  not attributed: \"%.*s\"\n", (int)n, l);
       return false;
@@ -140,8 +141,8 @@ static void test_run_to_checkpoint(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps", "3",
-                        "--checkpoint-dir", ck, NULL};
+  const char *args[] = {"--nproc",          "2", "--model", MLP, "--steps", "3",
+                        "--checkpoint-dir", ck,  NULL};
   int st = wait_run(start_run(dir, args), 120);
   char *out = slurp(dir, "out"), *err = slurp(dir, "err");
   printf("%s%s", out, err);
@@ -228,8 +229,9 @@ static void test_run_gpt2_says_how_to_sample(void **state) {
                  NULL};
   assert_int_equal(sp_test_wait_exit(start_cmd(dir, bad), 60), 2);
   err = slurp(dir, "err");
-  assert_string_equal(err, "shardplane-worker: --temperature \"-1\": expected "
-                           "a finite number >= 0 (0: greedy)\n");
+  assert_string_equal(err,
+                      "shardplane-worker: --temperature \"-1\": expected "
+                      "a finite number >= 0 (0: greedy)\n");
   free(err);
   free(ck);
   sp_test_rmtree(dir);
@@ -285,12 +287,13 @@ static void test_run_load_params_only(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *sgd[] = {"--nproc", "2", "--model", MLP, "--steps", "3",
-                       "--checkpoint-dir", ck, NULL};
+  const char *sgd[] = {"--nproc",          "2", "--model", MLP, "--steps", "3",
+                       "--checkpoint-dir", ck,  NULL};
   assert_int_equal(wait_run(start_run(dir, sgd), 120), 0);
-  const char *adamw[] = {"--nproc", "2", "--model", MLP, "--steps", "5",
-                         "--load", ck, "--optimizer", "adamw", "--lr",
-                         "0.001", "--checkpoint", "none", NULL, NULL};
+  const char *adamw[] = {"--nproc",      "2",     "--model", MLP,
+                         "--steps",      "5",     "--load",  ck,
+                         "--optimizer",  "adamw", "--lr",    "0.001",
+                         "--checkpoint", "none",  NULL,      NULL};
   const size_t last = sizeof adamw / sizeof adamw[0] - 2;
   assert_int_equal(wait_run(start_run(dir, adamw), 120), 1);
   char *err = slurp(dir, "err");
@@ -318,12 +321,13 @@ static void test_run_load_params_only(void **state) {
 static void test_run_training_flags(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
-  const char *train[] = {"--optimizer", "adamw", "--weight-decay", "0.1",
-                         "--lr-schedule", "cosine", "--warmup-steps", "1",
-                         "--min-lr", "0.001", "--clip-grad-norm", "1",
-                         "--grad-accum", "2", "--no-sync", NULL};
-  const char *args[64] = {"--nproc", "2", "--model", MLP, "--steps", "4",
-                          "--lr", "0.01", "--checkpoint", "none"};
+  const char *train[] = {"--optimizer",   "adamw",  "--weight-decay",   "0.1",
+                         "--lr-schedule", "cosine", "--warmup-steps",   "1",
+                         "--min-lr",      "0.001",  "--clip-grad-norm", "1",
+                         "--grad-accum",  "2",      "--no-sync",        NULL};
+  const char *args[64] = {"--nproc",      "2",   "--model", MLP,
+                          "--steps",      "4",   "--lr",    "0.01",
+                          "--checkpoint", "none"};
   size_t k = 10;
   for (size_t i = 0; train[i]; i++) args[k++] = train[i];
   args[k] = NULL;
@@ -340,27 +344,29 @@ static void test_run_training_flags(void **state) {
   for (size_t i = 0; train[i]; i++)
     for (size_t o = 0; strncmp(train[i], "--", 2) == 0 && o < n; o++)
       if (strcmp(train[i] + 2, opts[o].name) == 0)
-        assert_int_equal(sp_train_flag(&t, opts[o].val,
-                                       opts[o].has_arg ? train[i + 1] : NULL,
-                                       &d), 0);
+        assert_int_equal(
+            sp_train_flag(&t, opts[o].val,
+                          opts[o].has_arg ? train[i + 1] : NULL, &d),
+            0);
   sp_mlp_train_cfg cfg;
-  assert_int_equal(sp_train_flags_finish(&t, 4, 0.01, 24, 2, "--nproc", &cfg,
-                                         &d), 0);
+  assert_int_equal(
+      sp_train_flags_finish(&t, 4, 0.01, 24, 2, "--nproc", &cfg, &d), 0);
   sp_model *m;
   assert_int_equal(sp_model_load_file(MLP, &m, &d), 0);
   sp_job job;
   sp_job_init(&job);
   sp_strlist_add(&job.wrap_types, "Linear");
   double losses[4];
-  assert_int_equal(sp_mlp_reference_train(m, &job, &cfg, losses, NULL, NULL,
-                                          &d), 0);
+  assert_int_equal(
+      sp_mlp_reference_train(m, &job, &cfg, losses, NULL, NULL, &d), 0);
   for (int s = 0; s < 4; s++) {
     char want[64];
     snprintf(want, sizeof want, "step %d/4  loss %.6f", s + 1, losses[s]);
     if (!strstr(out, want)) fail_msg("no \"%s\" in the run's output", want);
   }
-  printf("  the run's loss curve is the reference's with the same training "
-         "flags\n");
+  printf(
+      "  the run's loss curve is the reference's with the same training "
+      "flags\n");
   sp_job_clear(&job);
   sp_model_free(m);
   free(out);
@@ -380,18 +386,25 @@ static void test_run_bad_usage(void **state) {
       {{"--nproc", "2", NULL}, 2, "--model is required"},
       {{"--model", MLP, NULL}, 2, "--nproc is required"},
       {{"--nproc", "0", "--model", MLP, NULL}, 2, "--nproc"},
-      {{"--nproc", "2", "--model", "/nonexistent/m.json", NULL}, 1,
+      {{"--nproc", "2", "--model", "/nonexistent/m.json", NULL},
+       1,
        "/nonexistent/m.json"},
-      {{"--nproc", "2", "--model", MLP, "--strategy", "SIDEWAYS", NULL}, 2,
+      {{"--nproc", "2", "--model", MLP, "--strategy", "SIDEWAYS", NULL},
+       2,
        "SIDEWAYS"},
-      {{"--nproc", "2", "--model", MLP, "--wrap-module", "no.such", NULL}, 2,
+      {{"--nproc", "2", "--model", MLP, "--wrap-module", "no.such", NULL},
+       2,
        "no.such"},
       /* faults are checked before a worker starts, as they will check them */
-      {{"--nproc", "2", "--model", MLP, "--inject", "bogus", NULL}, 2,
+      {{"--nproc", "2", "--model", MLP, "--inject", "bogus", NULL},
+       2,
        "--inject \"bogus\": expected KIND:KEY=VALUE"},
       {{"--nproc", "2", "--model", MLP, "--inject", "stall:rank=5,step=2",
-        NULL}, 2, "rank 5 is not one of the job's 2 ranks"},
-      {{"--nproc", "2", "--model", MLP, "--stop-grace", "0", NULL}, 2,
+        NULL},
+       2,
+       "rank 5 is not one of the job's 2 ranks"},
+      {{"--nproc", "2", "--model", MLP, "--stop-grace", "0", NULL},
+       2,
        "--stop-grace \"0\""},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -452,10 +465,9 @@ static void assert_nothing_started(const char *dir) {
 static void test_run_untrainable_spec(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
-  char *spec = spec_with_shape(dir, "broken.json", MLP, "layers.0.bias", 0,
-                               65);
-  const char *args[] = {"--nproc", "2", "--model", spec, "--steps", "2",
-                        "--checkpoint", "none", NULL, NULL};
+  char *spec = spec_with_shape(dir, "broken.json", MLP, "layers.0.bias", 0, 65);
+  const char *args[] = {"--nproc",      "2",    "--model", spec, "--steps", "2",
+                        "--checkpoint", "none", NULL,      NULL};
   double t0 = sp_clock_s();
   assert_int_equal(wait_run(start_run(dir, args), 30), 1);
   double took = sp_clock_s() - t0;
@@ -498,8 +510,8 @@ static void test_run_checked_before_start(void **state) {
     const char *msg;
   } cases[] = {
       {{"--model", GPT2_TINY, NULL}, "--wrap-type GPT2Block"},
-      {{"--model", GPT2_TINY, "--wrap-type", "GPT2Block", "--global-batch",
-        "3", NULL},
+      {{"--model", GPT2_TINY, "--wrap-type", "GPT2Block", "--global-batch", "3",
+        NULL},
        "--global-batch \"3\": expected a multiple of --nproc 2"},
       {{"--model", GPT2_TINY, "--wrap-type", "GPT2Block", "--seq-len", "65",
         NULL},
@@ -512,8 +524,8 @@ static void test_run_checked_before_start(void **state) {
        "byte 200 at offset 123 is outside the model's vocabulary of 128"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    const char *args[24] = {"--nproc", "2", "--steps", "1", "--checkpoint",
-                            "none"};
+    const char *args[24] = {"--nproc",      "2",   "--steps", "1",
+                            "--checkpoint", "none"};
     size_t k = 6;
     for (size_t a = 0; cases[i].args[a]; a++) args[k++] = cases[i].args[a];
     args[k] = NULL;
@@ -550,9 +562,19 @@ static void test_run_worker_killed(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *args[] = {"--nproc", "3", "--model", MLP, "--steps",
-                        "100000000", "--heartbeat-timeout-ms", "1000",
-                        "--log-every", "50", "--checkpoint-dir", ck, NULL};
+  const char *args[] = {"--nproc",
+                        "3",
+                        "--model",
+                        MLP,
+                        "--steps",
+                        "100000000",
+                        "--heartbeat-timeout-ms",
+                        "1000",
+                        "--log-every",
+                        "50",
+                        "--checkpoint-dir",
+                        ck,
+                        NULL};
   pid_t run = start_run(dir, args);
   wait_for_output(dir, "out", "step 100/", 60);
   pid_t w[3] = {0};
@@ -616,28 +638,42 @@ static void test_run_restart(void **state) {
   char *ck = sp_test_path(dir, "ck"), *ref = sp_test_path(dir, "ref");
   /* rank 0 a straggler (4x its step), for time to kill mid-run; the
    * numbers do not change */
-  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps", "12",
-                        "--checkpoint-dir", ck, "--checkpoint-every", "2",
-                        "--inject", "slow:rank=0,factor=4", "--max-restarts",
-                        "1", "--ranks-every", "0", NULL};
+  const char *args[] = {"--nproc",
+                        "2",
+                        "--model",
+                        MLP,
+                        "--steps",
+                        "12",
+                        "--checkpoint-dir",
+                        ck,
+                        "--checkpoint-every",
+                        "2",
+                        "--inject",
+                        "slow:rank=0,factor=4",
+                        "--max-restarts",
+                        "1",
+                        "--ranks-every",
+                        "0",
+                        NULL};
   pid_t run = start_run(dir, args);
   wait_for_output(dir, "out", "checkpoint (FULL) of step 4:", 60);
   pid_t w[2] = {0};
   assert_int_equal(find_workers(run, w, 2), 2);
   assert_int_equal(kill(w[1], SIGKILL), 0);
   /* asked while incarnation 1 trains: run's coordinator ends with it */
-  wait_for_output(dir, "err", "incarnation 1: starting the workers again",
-                  30);
+  wait_for_output(dir, "err", "incarnation 1: starting the workers again", 30);
   char *table = run_incarnations(dir, "");
   char *js = run_incarnations(dir, "--json");
   int st = wait_run(run, 120);
   char *out = slurp(dir, "out"), *err = slurp(dir, "err");
   printf("%s", err);
   assert_int_equal(st, 0);
-  assert_non_null(strstr(err, "rank 1 was killed by signal 9 (Killed); "
-                              "the coordinator decides on a restart"));
-  assert_non_null(strstr(err, "incarnation 0 ended (rank 1 was killed by "
-                              "signal 9 (Killed))"));
+  assert_non_null(strstr(err,
+                         "rank 1 was killed by signal 9 (Killed); "
+                         "the coordinator decides on a restart"));
+  assert_non_null(strstr(err,
+                         "incarnation 0 ended (rank 1 was killed by "
+                         "signal 9 (Killed))"));
   /* the step incarnation 1 starts from, said by run and by rank 0 */
   const char *loads = strstr(err, "incarnation 1 loads ");
   assert_non_null(loads);
@@ -652,8 +688,9 @@ static void test_run_restart(void **state) {
   assert_true(every_line_attributed(out));
   /* the operator's view of the same record, in words and in JSON */
   printf("%s%s\n", table, js);
-  assert_non_null(strstr(table, "incarnation 1 is current; 1 of 1 restart "
-                                "used\n"));
+  assert_non_null(strstr(table,
+                         "incarnation 1 is current; 1 of 1 restart "
+                         "used\n"));
   assert_non_null(strstr(table, "rank 1 was killed by signal 9 (Killed)"));
   assert_non_null(strstr(table, "running"));
   json_error_t je;
@@ -662,10 +699,10 @@ static void test_run_restart(void **state) {
   json_int_t cur, restarts, maxr, rank, sig;
   int ended;
   json_t *incs;
-  assert_int_equal(json_unpack(li, "{s:I,s:I,s:I,s:o}", "current", &cur,
-                               "restarts", &restarts, "max_restarts", &maxr,
-                               "incarnations", &incs),
-                   0);
+  assert_int_equal(
+      json_unpack(li, "{s:I,s:I,s:I,s:o}", "current", &cur, "restarts",
+                  &restarts, "max_restarts", &maxr, "incarnations", &incs),
+      0);
   assert_int_equal(cur, 1);
   assert_int_equal(restarts, 1);
   assert_int_equal(maxr, 1);
@@ -682,9 +719,9 @@ static void test_run_restart(void **state) {
   free(out);
   free(err);
 
-  const char *undisturbed[] = {"--nproc", "2", "--model", MLP, "--steps",
-                               "12", "--checkpoint-dir", ref, "--ranks-every",
-                               "0", NULL};
+  const char *undisturbed[] = {
+      "--nproc",          "2", "--model",       MLP, "--steps", "12",
+      "--checkpoint-dir", ref, "--ranks-every", "0", NULL};
   assert_int_equal(wait_run(start_run(dir, undisturbed), 120), 0);
   char *fa = sp_test_path(ck, "full"), *fr = sp_test_path(ref, "full");
   sp_tjob_same_tensors(fa, "model.safetensors", fr, "model.safetensors");
@@ -720,13 +757,24 @@ static void test_run_restarts_used_up(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *before[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
-                          "--checkpoint-dir", ck, "--ranks-every", "0",
-                          NULL};
+  const char *before[] = {
+      "--nproc",          "2", "--model",       MLP, "--steps", "1",
+      "--checkpoint-dir", ck,  "--ranks-every", "0", NULL};
   assert_int_equal(wait_run(start_run(dir, before), 120), 0);
-  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
-                        "100000000", "--log-every", "10", "--checkpoint-dir",
-                        ck, "--max-restarts", "1", "--ranks-every", "0",
+  const char *args[] = {"--nproc",
+                        "2",
+                        "--model",
+                        MLP,
+                        "--steps",
+                        "100000000",
+                        "--log-every",
+                        "10",
+                        "--checkpoint-dir",
+                        ck,
+                        "--max-restarts",
+                        "1",
+                        "--ranks-every",
+                        "0",
                         NULL};
   pid_t run = start_run(dir, args);
   /* rank 1 of incarnation 0, then rank 0 of incarnation 1, at step 10;
@@ -739,8 +787,10 @@ static void test_run_restarts_used_up(void **state) {
       char *coord = sp_test_read_file(lock);
       assert_true(atol(coord) > 0);
       assert_int_equal(kill((pid_t)atol(coord), SIGKILL), 0);
-      wait_for_output(dir, "err", "registered again (node 0, incarnation "
-                      "0)", 30);
+      wait_for_output(dir, "err",
+                      "registered again (node 0, incarnation "
+                      "0)",
+                      30);
       free(coord);
       free(lock);
     }
@@ -752,12 +802,14 @@ static void test_run_restarts_used_up(void **state) {
   char *out = slurp(dir, "out"), *err = slurp(dir, "err");
   printf("%s", err);
   assert_int_equal(st, 1);
-  assert_non_null(strstr(err, "incarnation 1 starts afresh from step 0: no "
-                              "checkpoint written in "));
+  assert_non_null(strstr(err,
+                         "incarnation 1 starts afresh from step 0: no "
+                         "checkpoint written in "));
   assert_null(strstr(out, "resuming after step"));
-  assert_non_null(strstr(err, "the job ended: rank 0 was killed by signal 9 "
-                              "(Killed); no restarts left (--max-restarts "
-                              "1)"));
+  assert_non_null(strstr(err,
+                         "the job ended: rank 0 was killed by signal 9 "
+                         "(Killed); no restarts left (--max-restarts "
+                         "1)"));
   free(out);
   free(err);
   free(ck);
@@ -789,11 +841,25 @@ static void test_run_stall_named(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *args[] = {"--nproc", "3", "--model", MLP, "--steps", "1000",
-                        "--inject", "stall:rank=2,step=3",
-                        "--stall-timeout-ms", "2000", "--on-stall", "abort",
-                        "--checkpoint", "none", "--checkpoint-dir", ck,
-                        "--ranks-every", "0.5", NULL};
+  const char *args[] = {"--nproc",
+                        "3",
+                        "--model",
+                        MLP,
+                        "--steps",
+                        "1000",
+                        "--inject",
+                        "stall:rank=2,step=3",
+                        "--stall-timeout-ms",
+                        "2000",
+                        "--on-stall",
+                        "abort",
+                        "--checkpoint",
+                        "none",
+                        "--checkpoint-dir",
+                        ck,
+                        "--ranks-every",
+                        "0.5",
+                        NULL};
   pid_t run = start_run(dir, args);
   int st = wait_run(run, 90);
   char *err = slurp(dir, "err");
@@ -805,7 +871,8 @@ static void test_run_stall_named(void **state) {
   free(run_out);
   /* run's own line that stops the job */
   const char *line = strstr(err, "shardplane run: ");
-  while (line && !strstr(line, "stopping the job")) line = strstr(line + 1, "shardplane run: ");
+  while (line && !strstr(line, "stopping the job"))
+    line = strstr(line + 1, "shardplane run: ");
   assert_non_null(line);
   size_t n = strcspn(line, "\n");
   char *first = strndup(line, n);
@@ -855,9 +922,9 @@ static void test_run_interrupted(void **state) {
   char *ck = sp_test_path(dir, "ck");
   const int sigs[] = {SIGINT, SIGTERM};
   for (int i = 0; i < 2; i++) {
-    const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
-                          "100000000", "--log-every", "50",
-                          "--checkpoint-dir", ck, NULL};
+    const char *args[] = {"--nproc",          "2",         "--model",     MLP,
+                          "--steps",          "100000000", "--log-every", "50",
+                          "--checkpoint-dir", ck,          NULL};
     pid_t run = start_run(dir, args);
     wait_for_output(dir, "out", "step 50/", 60);
     pid_t w[2] = {0};
@@ -872,8 +939,10 @@ static void test_run_interrupted(void **state) {
     long k = ckpt_step(ck);
     assert_true(k >= 50);
     char want[128];
-    snprintf(want, sizeof want, "[rank0]: stopping after step %ld of "
-             "100000000", k);
+    snprintf(want, sizeof want,
+             "[rank0]: stopping after step %ld of "
+             "100000000",
+             k);
     assert_non_null(strstr(out, want));
     assert_non_null(strstr(out, "continue from it with --load"));
     free(err);
@@ -881,8 +950,9 @@ static void test_run_interrupted(void **state) {
     /* --steps counts all steps: K + 3 trains three more */
     char total[32];
     snprintf(total, sizeof total, "%ld", k + 3);
-    const char *more[] = {"--nproc", "2", "--model", MLP, "--steps", total,
-                          "--load", ck, "--checkpoint-dir", ck, NULL};
+    const char *more[] = {"--nproc",          "2",   "--model", MLP,
+                          "--steps",          total, "--load",  ck,
+                          "--checkpoint-dir", ck,    NULL};
     run = start_run(dir, more);
     assert_int_equal(wait_run(run, 60), 0);
     out = slurp(dir, "out");
@@ -894,9 +964,10 @@ static void test_run_interrupted(void **state) {
     snprintf(want, sizeof want, "step %ld/%ld", k, k + 3);
     assert_null(strstr(out, want));
     assert_int_equal(ckpt_step(ck), k + 3);
-    printf("  %s after step %ld: checkpoint there; --load %s --steps %ld "
-           "trained steps %ld..%ld\n", strsignal(sigs[i]), k, "ck", k + 3,
-           k + 1, k + 3);
+    printf(
+        "  %s after step %ld: checkpoint there; --load %s --steps %ld "
+        "trained steps %ld..%ld\n",
+        strsignal(sigs[i]), k, "ck", k + 3, k + 1, k + 3);
     free(out);
     sp_test_rmtree(ck);
   }
@@ -914,9 +985,11 @@ static void test_run_interrupted_stalled(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *args[] = {"--nproc", "3", "--model", MLP, "--steps", "100000",
-                        "--inject", "stall:rank=1,step=5", "--log-every",
-                        "50", "--checkpoint-dir", ck, NULL};
+  const char *args[] = {
+      "--nproc",     "3",      "--model",          MLP,
+      "--steps",     "100000", "--inject",         "stall:rank=1,step=5",
+      "--log-every", "50",     "--checkpoint-dir", ck,
+      NULL};
   pid_t run = start_run(dir, args);
   wait_for_output(dir, "err", "--inject stall: blocking", 60);
   pid_t w[3] = {0};
@@ -930,13 +1003,15 @@ static void test_run_interrupted_stalled(void **state) {
   assert_int_equal(st, 128 + SIGINT);
   assert_true(took < 10 + 3);
   for (int r = 0; r < 3; r++) assert_false(alive(w[r]));
-  assert_non_null(strstr(err, "ranks 0, 1, 2 have not reached a step "
-                              "boundary within the 10 s of --stop-grace"));
+  assert_non_null(strstr(err,
+                         "ranks 0, 1, 2 have not reached a step "
+                         "boundary within the 10 s of --stop-grace"));
   /* one last line, and it is true: no checkpoint, and why */
   const char *last = strstr(out, "shardplane run: stopped by SIGINT after ");
   assert_non_null(last);
-  assert_non_null(strstr(last, "without a checkpoint: ranks 0, 1, 2 had not "
-                               "reached a step boundary"));
+  assert_non_null(strstr(last,
+                         "without a checkpoint: ranks 0, 1, 2 had not "
+                         "reached a step boundary"));
   assert_null(strstr(out, "checkpoint in"));
   assert_null(strstr(err, "no FULL checkpoint"));
   assert_int_equal(ckpt_step(ck), -1);
@@ -955,10 +1030,20 @@ static void test_run_interrupted_long_step(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *args[] = {"--nproc", "2", "--model",
-                        SP_EXAMPLES "/models/gpt2-mini.json", "--wrap-type",
-                        "GPT2Block", "--global-batch", "16", "--steps",
-                        "1000", "--stop-grace", "0.5", "--checkpoint-dir", ck,
+  const char *args[] = {"--nproc",
+                        "2",
+                        "--model",
+                        SP_EXAMPLES "/models/gpt2-mini.json",
+                        "--wrap-type",
+                        "GPT2Block",
+                        "--global-batch",
+                        "16",
+                        "--steps",
+                        "1000",
+                        "--stop-grace",
+                        "0.5",
+                        "--checkpoint-dir",
+                        ck,
                         NULL};
   pid_t run = start_run(dir, args);
   wait_for_output(dir, "out", "[rank0]: step 1/1000", 120);
@@ -991,10 +1076,23 @@ static void test_run_interrupted_stalled_long_threshold(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps", "100000",
-                        "--inject", "stall:rank=1,step=5", "--log-every",
-                        "50", "--stall-timeout-ms", "60000", "--stop-grace",
-                        "2", "--checkpoint-dir", ck, NULL};
+  const char *args[] = {"--nproc",
+                        "2",
+                        "--model",
+                        MLP,
+                        "--steps",
+                        "100000",
+                        "--inject",
+                        "stall:rank=1,step=5",
+                        "--log-every",
+                        "50",
+                        "--stall-timeout-ms",
+                        "60000",
+                        "--stop-grace",
+                        "2",
+                        "--checkpoint-dir",
+                        ck,
+                        NULL};
   pid_t run = start_run(dir, args);
   wait_for_output(dir, "err", "--inject stall: blocking", 60);
   double t0 = sp_clock_s();
@@ -1002,8 +1100,7 @@ static void test_run_interrupted_stalled_long_threshold(void **state) {
   int st = wait_run(run, 90);
   double took = sp_clock_s() - t0;
   char *err = slurp(dir, "err");
-  printf("  exit %d %.1f s after SIGINT (threshold 60 s):\n%s", st, took,
-         err);
+  printf("  exit %d %.1f s after SIGINT (threshold 60 s):\n%s", st, took, err);
   assert_int_equal(st, 128 + SIGINT);
   /* the grace, then the silence limit's floor of 5 s at the most */
   assert_true(took < 2 + 8);
@@ -1019,16 +1116,15 @@ static void test_run_interrupted_stalled_long_threshold(void **state) {
 static char *ask_why(const char *dir) {
   char *out = slurp(dir, "out");
   char addr[64] = "", token[512] = "";
-  const char *a = strstr(out, "coordinator on "), *t = strstr(out,
-                                                              "token in ");
+  const char *a = strstr(out, "coordinator on "), *t = strstr(out, "token in ");
   if (a) sscanf(a + strlen("coordinator on "), "%63s", addr);
   if (t) sscanf(t + strlen("token in "), "%511s", token);
   free(out);
   if (!addr[0] || !token[0]) fail_msg("run printed no address or token");
   char *wd = sp_test_path(dir, "why");
   mkdir(wd, 0700);
-  char *argv[] = {SHARDPLANE, "why", "--coordinator", addr, "--insecure",
-                  "--token-file", token, NULL};
+  char *argv[] = {SHARDPLANE,   "why",          "--coordinator", addr,
+                  "--insecure", "--token-file", token,           NULL};
   int st = wait_run(start_cmd(wd, argv), 20);
   char *said = slurp(wd, "out");
   printf("  why: exit %d: %s", st, said);
@@ -1057,10 +1153,24 @@ static void test_run_stall_told(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck");
-  const char *args[] = {"--nproc", "3", "--model", MLP, "--steps", "100000",
-                        "--inject", "stall:rank=1,step=5", "--log-every",
-                        "50", "--stall-timeout-ms", "6000", "--stop-grace",
-                        "1", "--checkpoint", "none", "--checkpoint-dir", ck,
+  const char *args[] = {"--nproc",
+                        "3",
+                        "--model",
+                        MLP,
+                        "--steps",
+                        "100000",
+                        "--inject",
+                        "stall:rank=1,step=5",
+                        "--log-every",
+                        "50",
+                        "--stall-timeout-ms",
+                        "6000",
+                        "--stop-grace",
+                        "1",
+                        "--checkpoint",
+                        "none",
+                        "--checkpoint-dir",
+                        ck,
                         NULL};
   pid_t run = start_run(dir, args);
   wait_for_output(dir, "err", "--inject stall: blocking", 60);
@@ -1074,8 +1184,10 @@ static void test_run_stall_told(void **state) {
   char *err = slurp(dir, "err");
   double late = line_time(err, "[alert]: STALL:") -
                 line_time(err, "--inject stall: blocking");
-  printf("  the alert line came %.2f s after the stall began (threshold "
-         "6 s)\n", late);
+  printf(
+      "  the alert line came %.2f s after the stall began (threshold "
+      "6 s)\n",
+      late);
   assert_true(late > 5.5 && late < 6 + 1);
   free(err);
   sp_test_sleep_ms(3000);
@@ -1097,9 +1209,14 @@ static void test_run_stall_told(void **state) {
 static void start_coordinator(sp_proc *c, const char *model,
                               const char *const *flags, char *addr,
                               size_t cap) {
-  char *argv[32] = {SP_BIN_DIR "/shardplane-coordinator", "--listen",
-                    "127.0.0.1:0", "--quiet", "--model", (char *)model,
-                    "--insecure", "--no-auth"};
+  char *argv[32] = {SP_BIN_DIR "/shardplane-coordinator",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--quiet",
+                    "--model",
+                    (char *)model,
+                    "--insecure",
+                    "--no-auth"};
   size_t n = 8;
   for (size_t i = 0; flags && flags[i] && n < 31; i++)
     argv[n++] = (char *)flags[i];
@@ -1121,7 +1238,8 @@ static void test_run_same_plan_as_coordinator(void **state) {
   sp_proc coord;
   char addr[64], cmd[1024];
   start_coordinator(&coord, MLP, NULL, addr, sizeof addr);
-  snprintf(cmd, sizeof cmd, "%s/shardplane status --insecure --coordinator "
+  snprintf(cmd, sizeof cmd,
+           "%s/shardplane status --insecure --coordinator "
            "%s --json",
            SP_BIN_DIR, addr);
   char *status = command_output(cmd);
@@ -1133,13 +1251,13 @@ static void test_run_same_plan_as_coordinator(void **state) {
   assert_non_null(coord_version);
   json_int_t coord_units = json_integer_value(json_object_get(js, "units"));
 
-  char *offline_out = command_output(SP_BIN_DIR "/shardplane plan --model "
-                                     MLP " --json");
+  char *offline_out =
+      command_output(SP_BIN_DIR "/shardplane plan --model " MLP " --json");
   json_t *jo = json_loads(offline_out, 0, NULL);
   assert_non_null(jo);
 
   char *dir = sp_test_mkdtemp();
-  const char *args[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
+  const char *args[] = {"--nproc",      "1",    "--model", MLP, "--steps", "1",
                         "--checkpoint", "none", NULL};
   int st = wait_run(start_run(dir, args), 120);
   char *out = slurp(dir, "out");
@@ -1197,10 +1315,21 @@ static char *printed_dir(const char *out) {
  * checkpoint; its exit status, its stderr in dir/err. */
 static int worker_load(const char *dir, const char *addr, const char *load,
                        const char *kind) {
-  char *argv[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                  (char *)addr, "--insecure", "--rank", "0", "--steps", "0",
-                  "--checkpoint", "none", "--load", (char *)load,
-                  kind ? "--load-kind" : NULL, (char *)kind, NULL};
+  char *argv[] = {SP_BIN_DIR "/shardplane-worker",
+                  "--coordinator",
+                  (char *)addr,
+                  "--insecure",
+                  "--rank",
+                  "0",
+                  "--steps",
+                  "0",
+                  "--checkpoint",
+                  "none",
+                  "--load",
+                  (char *)load,
+                  kind ? "--load-kind" : NULL,
+                  (char *)kind,
+                  NULL};
   return wait_run(start_cmd(dir, argv), 60);
 }
 
@@ -1237,8 +1366,8 @@ static void test_run_checkpoint_loads(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *ck = sp_test_path(dir, "ck"), *ck2 = sp_test_path(dir, "ck2");
-  const char *args[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
-                        "--checkpoint-dir", ck, NULL};
+  const char *args[] = {"--nproc",          "1", "--model", MLP, "--steps", "1",
+                        "--checkpoint-dir", ck,  NULL};
   assert_int_equal(wait_run(start_run(dir, args), 120), 0);
   char *out = slurp(dir, "out");
   printf("%s", out);
@@ -1246,14 +1375,25 @@ static void test_run_checkpoint_loads(void **state) {
   assert_non_null(load);
   free(out);
   /* the printed flags, given to run */
-  const char *again[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
-                         "--load", load, "--load-kind", "full",
-                         "--checkpoint", "none", NULL};
+  const char *again[] = {"--nproc",     "1",    "--model",      MLP,
+                         "--steps",     "1",    "--load",       load,
+                         "--load-kind", "full", "--checkpoint", "none",
+                         NULL};
   assert_int_equal(wait_run(start_run(dir, again), 120), 0);
 
-  const char *both[] = {"--nproc", "1", "--model", MLP, "--steps", "1",
-                        "--checkpoint-dir", ck2, "--checkpoint", "full",
-                        "--checkpoint", "sharded", NULL};
+  const char *both[] = {"--nproc",
+                        "1",
+                        "--model",
+                        MLP,
+                        "--steps",
+                        "1",
+                        "--checkpoint-dir",
+                        ck2,
+                        "--checkpoint",
+                        "full",
+                        "--checkpoint",
+                        "sharded",
+                        NULL};
   assert_int_equal(wait_run(start_run(dir, both), 120), 0);
   out = slurp(dir, "out");
   char *load_sharded = printed_load(out, "sharded");
@@ -1300,8 +1440,8 @@ static void test_run_keeps_other_checkpoints(void **state) {
   assert_non_null(getcwd(cwd, sizeof cwd));
   assert_int_equal(chdir(dir), 0); /* the default directory is relative */
   const char *a[] = {"--nproc", "2", "--model", MLP, "--steps", "1", NULL};
-  const char *b[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
-                     "--strategy", "SHARD_GRAD_OP", NULL};
+  const char *b[] = {"--nproc", "2",          "--model",       MLP, "--steps",
+                     "1",       "--strategy", "SHARD_GRAD_OP", NULL};
   int st_a = wait_run(start_run(dir, a), 120);
   char *out_a = slurp(dir, "out");
   int st_b = wait_run(start_run(dir, b), 120);
@@ -1318,9 +1458,10 @@ static void test_run_keeps_other_checkpoints(void **state) {
   uint8_t *kept = file_bytes(model_a, &kept_len);
 
   /* configuration b into a's directory: refused */
-  const char *b_into_a[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
-                            "--strategy", "SHARD_GRAD_OP", "--checkpoint-dir",
-                            dir_a, NULL};
+  const char *b_into_a[] = {
+      "--nproc",          "2",   "--model",    MLP,
+      "--steps",          "1",   "--strategy", "SHARD_GRAD_OP",
+      "--checkpoint-dir", dir_a, NULL};
   int st = wait_run(start_run(dir, b_into_a), 120);
   char *err = slurp(dir, "err");
   printf("  exit %d: %s", st, err);
@@ -1332,8 +1473,9 @@ static void test_run_keeps_other_checkpoints(void **state) {
   assert_true(now_len == kept_len && memcmp(now, kept, now_len) == 0);
   free(now);
   /* the same configuration again: its own directory is rewritten */
-  const char *a_again[] = {"--nproc", "2", "--model", MLP, "--steps", "1",
-                           "--checkpoint-dir", dir_a, NULL};
+  const char *a_again[] = {"--nproc", "2", "--model",          MLP,
+                           "--steps", "1", "--checkpoint-dir", dir_a,
+                           NULL};
   assert_int_equal(wait_run(start_run(dir, a_again), 120), 0);
   free(err);
   free(ck_a);
@@ -1353,8 +1495,9 @@ static void test_run_keeps_other_checkpoints(void **state) {
 static void test_run_admin_token(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
-  const char *args[] = {"--nproc", "2", "--model", MLP, "--steps",
-                        "1000000", "--checkpoint", "none", NULL};
+  const char *args[] = {"--nproc", "2",       "--model",      MLP,
+                        "--steps", "1000000", "--checkpoint", "none",
+                        NULL};
   pid_t pid = start_run(dir, args);
   wait_for_output(dir, "out", "admin token in ", 30);
   char *out = slurp(dir, "out");
@@ -1385,7 +1528,8 @@ static void test_run_admin_token(void **state) {
   free(status);
   snprintf(cmd, sizeof cmd,
            "%s status --coordinator %s --insecure 2>&1 | grep -q "
-           "UNAUTHENTICATED", SHARDPLANE, addr);
+           "UNAUTHENTICATED",
+           SHARDPLANE, addr);
   assert_int_equal(system(cmd), 0);
   /* the token file the coordinator reads holds no token */
   char tokens[4096];

@@ -152,7 +152,7 @@ static void test_reference_vector(void **state) {
 
 static void test_empty_header(void **state) {
   (void)state;
-  const uint8_t img[16] = {8, 0, 0, 0, 0, 0, 0, 0,
+  const uint8_t img[16] = {8,   0,   0,   0,   0,   0,   0,   0,
                            '{', '}', ' ', ' ', ' ', ' ', ' ', ' '};
   sp_safetensors_file *f = NULL;
   assert_int_equal(sp_safetensors_parse(img, sizeof img, NULL, &f, NULL), 0);
@@ -295,22 +295,26 @@ static void test_reject_json(void **state) {
 
 static void test_reject_duplicates(void **state) {
   (void)state;
-  expect_bad("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
-             "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}",
-             2, SP_EFORMAT, "duplicate object key");
+  expect_bad(
+      "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}",
+      2, SP_EFORMAT, "duplicate object key");
   /* same key after unescaping */
-  expect_bad("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
-             "\"\\u0061\":{\"dtype\":\"U8\",\"shape\":[1],"
-             "\"data_offsets\":[1,2]}}",
-             2, SP_EFORMAT, "duplicate object key");
+  expect_bad(
+      "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+      "\"\\u0061\":{\"dtype\":\"U8\",\"shape\":[1],"
+      "\"data_offsets\":[1,2]}}",
+      2, SP_EFORMAT, "duplicate object key");
   expect_bad("{\"__metadata__\":{},\"__metadata__\":{}}", 0, SP_EFORMAT,
              "duplicate object key");
 }
 
 static void test_reject_entry_not_object(void **state) {
   (void)state;
-  expect_bad("{\"w\":[1]}", 0, SP_EFORMAT, "tensor 'w': entry is not an object");
-  expect_bad("{\"w\":null}", 0, SP_EFORMAT, "tensor 'w': entry is not an object");
+  expect_bad("{\"w\":[1]}", 0, SP_EFORMAT,
+             "tensor 'w': entry is not an object");
+  expect_bad("{\"w\":null}", 0, SP_EFORMAT,
+             "tensor 'w': entry is not an object");
 }
 
 static void test_reject_dtype(void **state) {
@@ -324,8 +328,8 @@ static void test_reject_dtype(void **state) {
   expect_bad("{\"w\":{\"shape\":[1],\"data_offsets\":[0,4]}}", 4, SP_EFORMAT,
              "\"dtype\" is missing");
   expect_bad(
-      "{\"w\":{\"dtype\":\"F8_E4M3\",\"shape\":[1],\"data_offsets\":[0,1]}}",
-      1, SP_EUNSUPPORTED, "tensor 'w': dtype F8_E4M3 is not supported");
+      "{\"w\":{\"dtype\":\"F8_E4M3\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
+      SP_EUNSUPPORTED, "tensor 'w': dtype F8_E4M3 is not supported");
   expect_bad("{\"w\":{\"dtype\":\"U64\",\"shape\":[1],\"data_offsets\":[0,8]}}",
              8, SP_EUNSUPPORTED, "dtype U64 is not supported");
 }
@@ -350,17 +354,20 @@ static void test_reject_shape(void **state) {
       "\"data_offsets\":[0,1]}}",
       1, SP_ETOOBIG, "9 dimensions exceed the limit of 8");
   /* 2^32 * 2^32 elements: the product wraps in 64 bits */
-  expect_bad("{\"w\":{\"dtype\":\"U8\",\"shape\":[4294967296,4294967296],"
-             "\"data_offsets\":[0,0]}}",
-             0, SP_EFORMAT, "shape overflows");
+  expect_bad(
+      "{\"w\":{\"dtype\":\"U8\",\"shape\":[4294967296,4294967296],"
+      "\"data_offsets\":[0,0]}}",
+      0, SP_EFORMAT, "shape overflows");
   /* 2^62 elements fit, 2^62 * 4 bytes do not */
-  expect_bad("{\"w\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904],"
-             "\"data_offsets\":[0,0]}}",
-             0, SP_EFORMAT, "shape overflows");
+  expect_bad(
+      "{\"w\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904],"
+      "\"data_offsets\":[0,0]}}",
+      0, SP_EFORMAT, "shape overflows");
   /* too big for jansson's integer: a JSON error */
-  expect_bad("{\"w\":{\"dtype\":\"U8\",\"shape\":[18446744073709551616],"
-             "\"data_offsets\":[0,0]}}",
-             0, SP_EFORMAT, "invalid JSON header");
+  expect_bad(
+      "{\"w\":{\"dtype\":\"U8\",\"shape\":[18446744073709551616],"
+      "\"data_offsets\":[0,0]}}",
+      0, SP_EFORMAT, "invalid JSON header");
 }
 
 static void test_reject_offsets(void **state) {
@@ -374,9 +381,8 @@ static void test_reject_offsets(void **state) {
       SP_EFORMAT, msg);
   expect_bad("{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,0]}}",
              1, SP_EFORMAT, msg);
-  expect_bad(
-      "{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[-1,0]}}", 1,
-      SP_EFORMAT, msg);
+  expect_bad("{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[-1,0]}}",
+             1, SP_EFORMAT, msg);
   expect_bad(
       "{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":{\"a\":1}}}", 1,
       SP_EFORMAT, msg);
@@ -502,9 +508,10 @@ static void test_write_reference_vector(void **state) {
   assert_int_equal(sp_safetensors_write(path, &e, 1, NULL, 0, &d), 0);
   size_t len;
   uint8_t *b = read_file(path, &len);
-  const char *want = "{\"__metadata__\":{\"format\":\"pt\"},\"attn.0\":{"
-                     "\"dtype\":\"F32\",\"shape\":[1,2,3],\"data_offsets\":[0,"
-                     "24]}}";
+  const char *want =
+      "{\"__metadata__\":{\"format\":\"pt\"},\"attn.0\":{"
+      "\"dtype\":\"F32\",\"shape\":[1,2,3],\"data_offsets\":[0,"
+      "24]}}";
   size_t wl = strlen(want);
   size_t padded = (wl + 7) / 8 * 8;
   assert_int_equal(len, 8 + padded + 24);
@@ -762,8 +769,8 @@ static void expect_write_err(const char *path, const sp_safetensors_entry *es,
   sp_diag d = {{0}};
   int rc = sp_safetensors_write(path, es, n, meta, n_meta, &d);
   if (rc != err || strstr(d.msg, part) == NULL) {
-    fail_msg("got %s \"%s\", want %s containing \"%s\"", sp_err_name(rc),
-             d.msg, sp_err_name(err), part);
+    fail_msg("got %s \"%s\", want %s containing \"%s\"", sp_err_name(rc), d.msg,
+             sp_err_name(err), part);
   }
 }
 
@@ -907,10 +914,12 @@ static void test_mutations_never_crash(void **state) {
       int flips = 1 + (int)sp_test_rng_below(&rng, 4);
       for (int k = 0; k < flips; k++) {
         /* bias towards the header, where the structure is */
-        size_t at = kind == 1 ? (size_t)sp_test_rng_below(&rng, len)
-                              : (size_t)sp_test_rng_below(&rng, len < 120 ? len : 120);
+        size_t at =
+            kind == 1 ? (size_t)sp_test_rng_below(&rng, len)
+                      : (size_t)sp_test_rng_below(&rng, len < 120 ? len : 120);
         if (kind == 4) {
-          m[at] = (uint8_t)"{}[],:\"0123456789-e. \\u"[sp_test_rng_below(&rng, 24)];
+          m[at] = (uint8_t) "{}[],:\"0123456789-e. \\u"[sp_test_rng_below(&rng,
+                                                                          24)];
         } else {
           m[at] ^= (uint8_t)(1u << sp_test_rng_below(&rng, 8));
         }

@@ -46,8 +46,8 @@ static Shardplane__V1__ListRanksResponse *list_ranks(fixture *fx) {
 }
 
 static sp_session_opts opts_for(const fixture *fx, uint32_t rank) {
-  sp_session_opts o = {.coordinator = fx->addr, .rank = rank,
-                       .connect_timeout_ms = 5000};
+  sp_session_opts o = {
+      .coordinator = fx->addr, .rank = rank, .connect_timeout_ms = 5000};
   return o;
 }
 
@@ -95,8 +95,7 @@ static void test_plan_version_check(void **state) {
                    SP_ETIMEDOUT);
   assert_int_equal(sp_session_rpc_error(SP_RPC_NOT_FOUND), SP_ENOENT);
   assert_int_equal(sp_session_rpc_error(SP_RPC_UNAVAILABLE), SP_EIO);
-  assert_int_equal(sp_session_rpc_error(SP_RPC_UNIMPLEMENTED),
-                   SP_EUNSUPPORTED);
+  assert_int_equal(sp_session_rpc_error(SP_RPC_UNIMPLEMENTED), SP_EUNSUPPORTED);
 }
 
 /* An explicit empty full-precision list must survive the wire, or a worker
@@ -180,8 +179,9 @@ static void test_get_model_spec(void **state) {
 
 static void test_open_builds_the_coordinators_plan(void **state) {
   (void)state;
-  const char *flags[] = {"world-size", "4", "wrap-type", "LlamaDecoderLayer",
-                         "param-dtype", "bfloat16", NULL};
+  const char *flags[] = {
+      "world-size",  "4",        "wrap-type", "LlamaDecoderLayer",
+      "param-dtype", "bfloat16", NULL};
   fixture fx;
   start(&fx, MODEL("llama2_7b"), flags, 0);
   sp_session_opts o = opts_for(&fx, 2);
@@ -359,17 +359,18 @@ static uint64_t run_step(sp_session *s, uint64_t step) {
   uint32_t nu = (uint32_t)pl->n_units;
   sp_diag d = {""};
   uint64_t n = 0;
-#define TR(m, u, to)                                                            \
-  do {                                                                         \
-    int rc_ = sp_session_transition(s, (m), (u), (to), &d);                    \
-    if (rc_ != 0) fail_msg("transition: %s", d.msg);                           \
-    n++;                                                                       \
+#define TR(m, u, to)                                        \
+  do {                                                      \
+    int rc_ = sp_session_transition(s, (m), (u), (to), &d); \
+    if (rc_ != 0) fail_msg("transition: %s", d.msg);        \
+    n++;                                                    \
   } while (0)
   sp_session_set_step(s, step);
   TR(SP_MACHINE_ROOT, 0, SP_ROOT_FORWARD_BACKWARD);
   for (uint32_t u = 0; u < nu; u++) {
     TR(SP_MACHINE_HANDLE, u, SP_HANDLE_FORWARD);
-    sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_GATHER, u, SP_FLOAT32, 1000 + u);
+    sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_GATHER, u, SP_FLOAT32,
+                          1000 + u);
     TR(SP_MACHINE_HANDLE, u, SP_HANDLE_IDLE);
   }
   for (uint32_t u = nu; u-- > 0;) {
@@ -398,9 +399,10 @@ static void test_training_step_reported(void **state) {
   /* mid-step: the coordinator sees the same states */
   sp_session_set_step(s, 1);
   assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0,
-                                         SP_ROOT_FORWARD_BACKWARD, &d), 0);
-  assert_int_equal(sp_session_transition(s, SP_MACHINE_HANDLE, 3,
-                                         SP_HANDLE_FORWARD, &d), 0);
+                                         SP_ROOT_FORWARD_BACKWARD, &d),
+                   0);
+  assert_int_equal(
+      sp_session_transition(s, SP_MACHINE_HANDLE, 3, SP_HANDLE_FORWARD, &d), 0);
   assert_int_equal(sp_session_state(s, SP_MACHINE_HANDLE, 3),
                    SP_HANDLE_FORWARD);
   flush_ok(s);
@@ -413,10 +415,10 @@ static void test_training_step_reported(void **state) {
   assert_int_equal(r->transitions, 2);
   assert_int_equal(r->step, 1);
   free_msg(l);
-  assert_int_equal(sp_session_transition(s, SP_MACHINE_HANDLE, 3,
-                                         SP_HANDLE_IDLE, &d), 0);
-  assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE,
-                                         &d), 0);
+  assert_int_equal(
+      sp_session_transition(s, SP_MACHINE_HANDLE, 3, SP_HANDLE_IDLE, &d), 0);
+  assert_int_equal(
+      sp_session_transition(s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, &d), 0);
 
   /* whole steps */
   uint64_t n = 2 + 2 + run_step(s, 2) + run_step(s, 3);
@@ -462,15 +464,15 @@ static void test_illegal_transition_refused_locally(void **state) {
   assert_non_null(strstr(d.msg, "unit 2"));
   assert_non_null(strstr(d.msg, "legal"));
   assert_int_equal(sp_session_state(s, SP_MACHINE_HANDLE, 2), SP_HANDLE_IDLE);
-  assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE,
-                                         &d),
-                   SP_ESTATE);
+  assert_int_equal(
+      sp_session_transition(s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, &d),
+      SP_ESTATE);
   /* not a state, not a unit */
   assert_int_equal(sp_session_transition(s, SP_MACHINE_HANDLE, 0, 9, &d),
                    SP_EINVAL);
-  assert_int_equal(sp_session_transition(s, SP_MACHINE_HANDLE, 999,
-                                         SP_HANDLE_FORWARD, &d),
-                   SP_EINVAL);
+  assert_int_equal(
+      sp_session_transition(s, SP_MACHINE_HANDLE, 999, SP_HANDLE_FORWARD, &d),
+      SP_EINVAL);
   assert_int_equal(sp_session_transition(s, (sp_machine)7, 0, 1, &d),
                    SP_EINVAL);
   /* nothing was queued */
@@ -494,7 +496,8 @@ static void test_queue_overflow_counted(void **state) {
   const uint64_t n = 200000;
   uint64_t last = 0;
   for (uint64_t i = 0; i < n; i++)
-    last = sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0, SP_FLOAT32, i);
+    last = sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0,
+                                 SP_FLOAT32, i);
   assert_int_equal(last, n); /* sequence numbers count every call */
   uint64_t dropped = sp_session_dropped(s);
   printf("queue of 8: %llu of %llu collectives dropped\n",
@@ -525,11 +528,10 @@ static void test_dropped_transition_rejected(void **state) {
   int i = 0;
   for (int round = 0; round < 20; round++) {
     for (int k = 0; k < 51; k++, i++)
-      assert_int_equal(
-          sp_session_transition(s, SP_MACHINE_ROOT, 0,
-                                i % 2 ? SP_ROOT_IDLE : SP_ROOT_FORWARD_BACKWARD,
-                                &d),
-          0);
+      assert_int_equal(sp_session_transition(
+                           s, SP_MACHINE_ROOT, 0,
+                           i % 2 ? SP_ROOT_IDLE : SP_ROOT_FORWARD_BACKWARD, &d),
+                       0);
     sp_test_sleep_ms(5);
   }
   if (sp_session_dropped(s) == 0) {
@@ -613,10 +615,10 @@ static void test_abort_when_a_peer_is_lost(void **state) {
   up.seq = 1;
   assert_int_equal(sp_rpc_sync_stream_send(ss, &up.base), 0);
   ProtobufCMessage *m;
-  assert_int_equal(sp_rpc_sync_stream_recv(
-                       ss, &shardplane__v1__session_down__descriptor, 2000, &m,
-                       &st),
-                   0);
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(ss, &shardplane__v1__session_down__descriptor,
+                              2000, &m, &st),
+      0);
   free_msg(m);
   assert_int_equal(atomic_load(&seen.calls), 0);
   sp_rpc_sync_stream_close(ss); /* cancels: rank 1 is lost */
@@ -634,7 +636,8 @@ static void test_abort_when_a_peer_is_lost(void **state) {
   /* the stream goes on: reports still arrive, the close is clean */
   sp_diag d;
   assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0,
-                                         SP_ROOT_FORWARD_BACKWARD, &d), 0);
+                                         SP_ROOT_FORWARD_BACKWARD, &d),
+                   0);
   flush_ok(s);
   close_ok(s);
   assert_int_equal(atomic_load(&seen.calls), 1);
@@ -642,7 +645,6 @@ static void test_abort_when_a_peer_is_lost(void **state) {
   free_msg(j);
   stop(&fx);
 }
-
 
 /* ---------------- hang diagnosis: fingerprints, recorder ---------------- */
 
@@ -693,9 +695,9 @@ static bool thread_named(const char *name) {
  * event has the worker's time (monotone here, one thread) and its step. */
 static void test_fingerprints_per_communicator(void **state) {
   (void)state;
-  const char *flags[] = {"world-size", "4", "wrap-type", "GPT2Block",
-                         "strategy", "HYBRID_SHARD", "shard-group-size", "2",
-                         NULL};
+  const char *flags[] = {"world-size",       "4",        "wrap-type",
+                         "GPT2Block",        "strategy", "HYBRID_SHARD",
+                         "shard-group-size", "2",        NULL};
   fixture fx;
   start(&fx, MODEL("gpt2"), flags, 0);
   sp_session_opts o = opts_for(&fx, 3);
@@ -704,15 +706,15 @@ static void test_fingerprints_per_communicator(void **state) {
   assert_true(thread_named("session"));
   uint64_t t0 = sp_session_time_us();
   sp_session_set_step(s, 1);
-  assert_int_equal(sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_REDUCE,
-                                         0, SP_FLOAT64, 1), 1);
+  assert_int_equal(sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0,
+                                         SP_FLOAT64, 1),
+                   1);
   uint64_t g1 = sp_session_collective(s, SP_COMM_SHARD, SP_OP_ALL_GATHER, 1,
                                       SP_FLOAT32, 10);
-  uint64_t g2 = sp_session_collective(s, SP_COMM_SHARD,
-                                      SP_OP_REDUCE_SCATTER, 1, SP_FLOAT32,
-                                      10);
-  uint64_t r1 = sp_session_collective(s, SP_COMM_REPLICA, SP_OP_ALL_REDUCE,
-                                      1, SP_FLOAT32, 10);
+  uint64_t g2 = sp_session_collective(s, SP_COMM_SHARD, SP_OP_REDUCE_SCATTER, 1,
+                                      SP_FLOAT32, 10);
+  uint64_t r1 = sp_session_collective(s, SP_COMM_REPLICA, SP_OP_ALL_REDUCE, 1,
+                                      SP_FLOAT32, 10);
   assert_int_equal(g1, 1);
   assert_int_equal(g2, 2);
   assert_int_equal(r1, 1);
@@ -725,8 +727,8 @@ static void test_fingerprints_per_communicator(void **state) {
   assert_int_equal(g3, 3);
   sp_session_collective_done(s, SP_COMM_SHARD, g3, 0, 0);
   /* an invalid communicator is refused, nothing queued */
-  assert_int_equal(sp_session_collective(s, (sp_comm_kind)7,
-                                         SP_OP_ALL_GATHER, 0, SP_FLOAT32, 1),
+  assert_int_equal(sp_session_collective(s, (sp_comm_kind)7, SP_OP_ALL_GATHER,
+                                         0, SP_FLOAT32, 1),
                    0);
   flush_ok(s);
   uint64_t t1 = sp_session_time_us();
@@ -771,8 +773,9 @@ static void test_fingerprints_per_communicator(void **state) {
     assert_int_equal(c->unit, want[i].unit);
     assert_int_equal(c->count, want[i].count);
     assert_int_equal(c->op, want[i].op);
-    assert_int_equal(c->dtype, i >= 7 ? SP_BFLOAT16
-                               : i == 0 ? SP_FLOAT64 : SP_FLOAT32);
+    assert_int_equal(c->dtype, i >= 7   ? SP_BFLOAT16
+                               : i == 0 ? SP_FLOAT64
+                                        : SP_FLOAT32);
     assert_true(c->time_us >= prev);
     assert_true(c->time_us <= t1);
     prev = c->time_us;
@@ -808,7 +811,8 @@ static void test_flight_recorder_keeps_the_last(void **state) {
     sp_session_collective(s, SP_COMM_WORLD, SP_OP_ALL_GATHER, 1, SP_FLOAT32,
                           (uint64_t)i);
   assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0,
-                                         SP_ROOT_FORWARD_BACKWARD, &d), 0);
+                                         SP_ROOT_FORWARD_BACKWARD, &d),
+                   0);
   flush_ok(s);
   Shardplane__V1__FlightRecord *fr = dump(s, 5, 0);
   assert_int_equal(fr->capacity, 5);
@@ -853,7 +857,8 @@ static void test_abort_names_the_culprit(void **state) {
   assert_int_equal(sp_session_test_down(s, &m), 0);
   wait_abort(&seen);
   assert_int_equal(atomic_load(&seen.calls), 1);
-  assert_string_equal(seen.reason, "aborted: rank 1 stalled before unit 3's "
+  assert_string_equal(seen.reason,
+                      "aborted: rank 1 stalled before unit 3's "
                       "all-gather at step 2, not this rank's fault");
   assert_true(sp_session_culprit(s, &who));
   assert_int_equal(who, 1);
@@ -898,7 +903,8 @@ static void test_no_report(void **state) {
   run_step(s, 5);
   sp_diag d = {""};
   assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0,
-                                         SP_ROOT_FORWARD_BACKWARD, &d), 0);
+                                         SP_ROOT_FORWARD_BACKWARD, &d),
+                   0);
   assert_int_equal(sp_session_state(s, SP_MACHINE_ROOT, 0),
                    SP_ROOT_FORWARD_BACKWARD);
   /* still checked locally */
@@ -937,11 +943,12 @@ static void test_set_report(void **state) {
   reported += run_step(s, 3);
   /* mid-step: the coordinator would fall behind the rank */
   assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0,
-                                         SP_ROOT_FORWARD_BACKWARD, &d), 0);
+                                         SP_ROOT_FORWARD_BACKWARD, &d),
+                   0);
   assert_int_equal(sp_session_set_report(s, false, &d), SP_ESTATE);
   assert_non_null(strstr(d.msg, "between steps"));
-  assert_int_equal(sp_session_transition(s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE,
-                                         &d), 0);
+  assert_int_equal(
+      sp_session_transition(s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, &d), 0);
   reported += 2;
   flush_ok(s);
   Shardplane__V1__ListRanksResponse *l = list_ranks(&fx);
@@ -982,15 +989,15 @@ static void test_per_event_cost(void **state) {
     }
     double ns_best = (double)best / per_round;
     double ns_mean = (double)sum / ((double)per_round * rounds);
-    printf("sp_session_transition%s: %.1f ns/event best round, %.1f mean; "
-           "%llu dropped\n",
-           nr ? " (no_report)" : "", ns_best, ns_mean,
-           (unsigned long long)sp_session_dropped(s));
+    printf(
+        "sp_session_transition%s: %.1f ns/event best round, %.1f mean; "
+        "%llu dropped\n",
+        nr ? " (no_report)" : "", ns_best, ns_mean,
+        (unsigned long long)sp_session_dropped(s));
     assert_true(ns_best < 2000.0);
     if (!nr) {
       Shardplane__V1__ListRanksResponse *l = list_ranks(&fx);
-      assert_int_equal(l->ranks[0]->transitions,
-                       (uint64_t)per_round * rounds);
+      assert_int_equal(l->ranks[0]->transitions, (uint64_t)per_round * rounds);
       free_msg(l);
     }
     close_ok(s);
@@ -1008,8 +1015,7 @@ static void test_token(void **state) {
   sp_tauth a;
   sp_tauth_make(&a);
   fixture fx;
-  sp_coord_fixture_start_auth(&fx, MODEL("gpt2"), NULL, 0, a.token_file,
-                              NULL);
+  sp_coord_fixture_start_auth(&fx, MODEL("gpt2"), NULL, 0, a.token_file, NULL);
   sp_session_opts o = opts_for(&fx, 0);
   sp_session *s = NULL;
   sp_diag d = {""};
@@ -1023,8 +1029,7 @@ static void test_token(void **state) {
   o.token = a.token[SP_ROLE_WORKER];
   s = open_ok(&o);
   assert_int_equal(sp_session_store_set(s, "comm/test/0", "x", 1, &d), 0);
-  assert_int_equal(sp_session_store_set(s, "elsewhere", "x", 1, &d),
-                   SP_ESTATE);
+  assert_int_equal(sp_session_store_set(s, "elsewhere", "x", 1, &d), SP_ESTATE);
   assert_non_null(strstr(d.msg, "under \"comm/\""));
   close_ok(s);
   stop(&fx);

@@ -24,7 +24,6 @@
 #define PYTHON "/usr/bin/python3"
 #define ST_READER SP_TEST_DATA "/../interop/st_reader.py"
 
-
 /* Runs the reader on path; returns its exit status and, on 0, its stdout
  * parsed as JSON (*out). stderr goes to a file whose text is in *err. */
 static int run_reader(const char *path, json_t **out, char **err) {
@@ -41,8 +40,7 @@ static int run_reader(const char *path, json_t **out, char **err) {
   if (rc == 0) {
     json_error_t je;
     *out = json_loads(buf, 0, &je);
-    if (*out == NULL)
-      fail_msg("reader output is not JSON: %s", je.text);
+    if (*out == NULL) fail_msg("reader output is not JSON: %s", je.text);
   }
   free(buf);
   free(cmd);
@@ -52,52 +50,49 @@ static int run_reader(const char *path, json_t **out, char **err) {
 
 static double value_as_f64(sp_dtype dt, const uint8_t *data, size_t i) {
   switch (dt) {
-  case SP_FLOAT64: {
-    double v;
-    memcpy(&v, data + 8 * i, 8);
-    return v;
-  }
-  case SP_FLOAT32: {
-    float v;
-    memcpy(&v, data + 4 * i, 4);
-    return (double)v;
-  }
-  case SP_FLOAT16:
-  case SP_BFLOAT16: {
-    uint16_t h;
-    memcpy(&h, data + 2 * i, 2);
-    uint32_t u =
-        dt == SP_FLOAT16 ? sp_f16_to_f32_bits(h) : sp_bf16_to_f32_bits(h);
-    float f;
-    memcpy(&f, &u, 4);
-    return (double)f;
-  }
-  default:
-    return 0;
+    case SP_FLOAT64: {
+      double v;
+      memcpy(&v, data + 8 * i, 8);
+      return v;
+    }
+    case SP_FLOAT32: {
+      float v;
+      memcpy(&v, data + 4 * i, 4);
+      return (double)v;
+    }
+    case SP_FLOAT16:
+    case SP_BFLOAT16: {
+      uint16_t h;
+      memcpy(&h, data + 2 * i, 2);
+      uint32_t u =
+          dt == SP_FLOAT16 ? sp_f16_to_f32_bits(h) : sp_bf16_to_f32_bits(h);
+      float f;
+      memcpy(&f, &u, 4);
+      return (double)f;
+    }
+    default: return 0;
   }
 }
 
 static long long value_as_int(sp_dtype dt, const uint8_t *data, size_t i) {
   switch (dt) {
-  case SP_INT64: {
-    int64_t v;
-    memcpy(&v, data + 8 * i, 8);
-    return v;
-  }
-  case SP_INT32: {
-    int32_t v;
-    memcpy(&v, data + 4 * i, 4);
-    return v;
-  }
-  case SP_INT16: {
-    int16_t v;
-    memcpy(&v, data + 2 * i, 2);
-    return v;
-  }
-  case SP_INT8:
-    return (int8_t)data[i];
-  default:
-    return data[i];
+    case SP_INT64: {
+      int64_t v;
+      memcpy(&v, data + 8 * i, 8);
+      return v;
+    }
+    case SP_INT32: {
+      int32_t v;
+      memcpy(&v, data + 4 * i, 4);
+      return v;
+    }
+    case SP_INT16: {
+      int16_t v;
+      memcpy(&v, data + 2 * i, 2);
+      return v;
+    }
+    case SP_INT8: return (int8_t)data[i];
+    default: return data[i];
   }
 }
 
@@ -243,8 +238,7 @@ static void test_every_dtype(void **state) {
   json_t *out = NULL;
   char *err = NULL;
   int rc = run_reader(path, &out, &err);
-  if (rc != 0)
-    fail_msg("st_reader.py exited %d: %s", rc, err);
+  if (rc != 0) fail_msg("st_reader.py exited %d: %s", rc, err);
   free(err);
 
   assert_int_equal(json_integer_value(json_object_get(out, "header_len")),
@@ -316,6 +310,5 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_dtype),
   };
-  return cmocka_run_group_tests(tests, sp_test_dir_setup,
-                                sp_test_dir_teardown);
+  return cmocka_run_group_tests(tests, sp_test_dir_setup, sp_test_dir_teardown);
 }

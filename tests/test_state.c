@@ -13,9 +13,9 @@
 
 enum { N_UNITS = 4 };
 
-static const char *const k_strategies[] = {
-    "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
-    "_HYBRID_SHARD_ZERO2"};
+static const char *const k_strategies[] = {"FULL_SHARD", "SHARD_GRAD_OP",
+                                           "NO_SHARD", "HYBRID_SHARD",
+                                           "_HYBRID_SHARD_ZERO2"};
 
 /* Names the scenario in failure messages. */
 static const char *g_ctx = "";
@@ -219,12 +219,13 @@ static void test_illegal_transitions(void **state) {
 static void test_error_format(void **state) {
   (void)state;
   sp_diag d = {{0}};
-  assert_int_equal(sp_state_transition_error(&d, SP_MACHINE_HANDLE,
-                                             SP_HANDLE_FORWARD,
-                                             SP_HANDLE_BACKWARD_POST),
-                   SP_ESTATE);
-  assert_string_equal(d.msg, "illegal handle transition FORWARD -> "
-                             "BACKWARD_POST; legal from FORWARD: IDLE");
+  assert_int_equal(
+      sp_state_transition_error(&d, SP_MACHINE_HANDLE, SP_HANDLE_FORWARD,
+                                SP_HANDLE_BACKWARD_POST),
+      SP_ESTATE);
+  assert_string_equal(d.msg,
+                      "illegal handle transition FORWARD -> "
+                      "BACKWARD_POST; legal from FORWARD: IDLE");
   assert_int_equal(sp_state_transition_error(NULL, SP_MACHINE_ROOT, 1, 1),
                    SP_ESTATE);
   /* values that are no state still give a readable line */
@@ -309,8 +310,7 @@ static void test_names_round_trip(void **state) {
   assert_string_equal(sp_state_name(SP_MACHINE_ROOT, 3), "SUMMON_FULL_PARAMS");
 
   int out = 42;
-  assert_int_equal(sp_state_parse(SP_MACHINE_ROOT, "FORWARD", &out),
-                   SP_EINVAL);
+  assert_int_equal(sp_state_parse(SP_MACHINE_ROOT, "FORWARD", &out), SP_EINVAL);
   assert_int_equal(sp_state_parse(SP_MACHINE_HANDLE, "FORWARD_BACKWARD", &out),
                    SP_EINVAL);
   assert_int_equal(
@@ -336,8 +336,8 @@ static void test_table_consistency(void **state) {
     assert_true(sp_state_valid(tab[i].machine, tab[i].to));
     assert_non_null(tab[i].event);
     assert_true(tab[i].event[0] != '\0');
-    assert_true(sp_state_transition_legal(tab[i].machine, tab[i].from,
-                                          tab[i].to));
+    assert_true(
+        sp_state_transition_legal(tab[i].machine, tab[i].from, tab[i].to));
     for (size_t j = i + 1; j < n; j++) {
       bool same = tab[i].machine == tab[j].machine &&
                   tab[i].from == tab[j].from && tab[i].to == tab[j].to &&
@@ -368,24 +368,22 @@ static void test_table_consistency(void **state) {
 
   /* legal_next: deduped, ascending, counts past cap */
   int next[SP_STATE_MAX];
-  assert_int_equal(sp_state_legal_next(SP_MACHINE_ROOT, SP_ROOT_IDLE, next,
-                                       SP_STATE_MAX),
-                   2);
+  assert_int_equal(
+      sp_state_legal_next(SP_MACHINE_ROOT, SP_ROOT_IDLE, next, SP_STATE_MAX),
+      2);
   assert_int_equal(next[0], SP_ROOT_FORWARD_BACKWARD);
   assert_int_equal(next[1], SP_ROOT_SUMMON_FULL_PARAMS);
   int one[1] = {0};
   assert_int_equal(
       sp_state_legal_next(SP_MACHINE_HANDLE, SP_HANDLE_IDLE, one, 1), 4);
   assert_int_equal(one[0], SP_HANDLE_IDLE);
-  assert_int_equal(sp_state_legal_next(SP_MACHINE_HANDLE, SP_HANDLE_IDLE,
-                                       NULL, 0),
-                   4);
+  assert_int_equal(
+      sp_state_legal_next(SP_MACHINE_HANDLE, SP_HANDLE_IDLE, NULL, 0), 4);
   assert_int_equal(sp_state_legal_next(SP_MACHINE_HANDLE, 0, next, 5), 0);
   assert_int_equal(sp_state_legal_next(SP_MACHINE_ROOT, 4, next, 5), 0);
 
-  const sp_state_transition *r =
-      sp_state_find(SP_MACHINE_HANDLE, SP_HANDLE_BACKWARD_POST,
-                    SP_HANDLE_BACKWARD_POST);
+  const sp_state_transition *r = sp_state_find(
+      SP_MACHINE_HANDLE, SP_HANDLE_BACKWARD_POST, SP_HANDLE_BACKWARD_POST);
   assert_non_null(r);
   assert_string_equal(r->event, "post_backward_hook");
   assert_null(sp_state_find(SP_MACHINE_ROOT, SP_ROOT_FORWARD_BACKWARD,

@@ -217,10 +217,10 @@ static void test_default_limits(void **state) {
                    SP_ETOOBIG);
   assert_int_equal(sp_kvstore_set(s, &one, SIZE_MAX, "v", 1, NULL), SP_ETOOBIG);
   bool sw = true;
-  assert_int_equal(sp_kvstore_compare_set(s, K("big"), "", 0, true, &one,
-                                          vmax + 1, &sw, NULL, NULL, NULL,
-                                          NULL),
-                   SP_ETOOBIG);
+  assert_int_equal(
+      sp_kvstore_compare_set(s, K("big"), "", 0, true, &one, vmax + 1, &sw,
+                             NULL, NULL, NULL, NULL),
+      SP_ETOOBIG);
   assert_int_equal(sp_kvstore_compare_set(s, K("big"), &one, vmax + 1, false,
                                           "", 0, &sw, NULL, NULL, NULL, NULL),
                    SP_ETOOBIG);
@@ -648,7 +648,7 @@ typedef struct reent {
   int fired;
   int action;
   sp_kvstore_waiter *other; /* for A_CANCEL_OTHER */
-  rec nested;             /* waiter registered from the callback */
+  rec nested;               /* waiter registered from the callback */
   sp_kvstore_waiter *self;
 } reent;
 
@@ -667,34 +667,29 @@ static void on_reent(void *arg) {
   reent *r = arg;
   r->fired++;
   switch (r->action) {
-  case A_SET_OTHER:
-    assert_int_equal(sp_kvstore_set(r->s, K("y"), "from-callback", 13, NULL),
-                     0);
-    break;
-  case A_WAIT: {
-    const char *k[] = {"later"};
-    assert_int_equal(wait_keys(r->s, k, 1, on_wake, &r->nested, NULL), 0);
-    break;
-  }
-  case A_CANCEL_OTHER:
-    sp_kvstore_cancel_wait(r->s, r->other);
-    break;
-  case A_CANCEL_SELF:
-    sp_kvstore_cancel_wait(r->s, r->self);
-    break;
-  case A_DELETE:
-    assert_int_equal(sp_kvstore_delete(r->s, K("x"), NULL), 0);
-    break;
-  case A_SET_SAME:
-    assert_int_equal(sp_kvstore_set(r->s, K("x"), "again", 5, NULL), 0);
-    break;
-  case A_WAIT_SAME: {
-    const char *k[] = {"x"};
-    assert_int_equal(wait_keys(r->s, k, 1, on_wake, &r->nested, NULL), 1);
-    break;
-  }
-  default:
-    break;
+    case A_SET_OTHER:
+      assert_int_equal(sp_kvstore_set(r->s, K("y"), "from-callback", 13, NULL),
+                       0);
+      break;
+    case A_WAIT: {
+      const char *k[] = {"later"};
+      assert_int_equal(wait_keys(r->s, k, 1, on_wake, &r->nested, NULL), 0);
+      break;
+    }
+    case A_CANCEL_OTHER: sp_kvstore_cancel_wait(r->s, r->other); break;
+    case A_CANCEL_SELF: sp_kvstore_cancel_wait(r->s, r->self); break;
+    case A_DELETE:
+      assert_int_equal(sp_kvstore_delete(r->s, K("x"), NULL), 0);
+      break;
+    case A_SET_SAME:
+      assert_int_equal(sp_kvstore_set(r->s, K("x"), "again", 5, NULL), 0);
+      break;
+    case A_WAIT_SAME: {
+      const char *k[] = {"x"};
+      assert_int_equal(wait_keys(r->s, k, 1, on_wake, &r->nested, NULL), 1);
+      break;
+    }
+    default: break;
   }
 }
 
@@ -847,118 +842,118 @@ static void test_random_vs_model(void **state) {
                               (unsigned)sp_test_rng_below(&rng, 3));
       int op = (int)sp_test_rng_below(&rng, 8);
       switch (op) {
-      case 0: { /* set */
-        uint64_t ver;
-        assert_int_equal(sp_kvstore_set(s, K(key), v, vn, &ver), 0);
-        model_write(m, ws, nw, k, v, vn);
-        assert_int_equal(ver, m[k].version);
-        break;
-      }
-      case 1: { /* add */
-        int64_t d = (int64_t)sp_test_rng_below(&rng, 7) - 3;
-        int64_t r;
-        uint64_t ver;
-        int rc = sp_kvstore_add(s, K(key), d, &r, &ver);
-        long long cur = 0;
-        bool num = true;
-        if (m[k].present) {
-          char buf[40];
-          memcpy(buf, m[k].value, m[k].vlen);
-          buf[m[k].vlen] = 0;
-          char *end;
-          cur = strtoll(buf, &end, 10);
-          num = m[k].vlen > 0 && *end == 0;
-        }
-        if (!num) {
-          assert_int_equal(rc, SP_EFORMAT);
+        case 0: { /* set */
+          uint64_t ver;
+          assert_int_equal(sp_kvstore_set(s, K(key), v, vn, &ver), 0);
+          model_write(m, ws, nw, k, v, vn);
+          assert_int_equal(ver, m[k].version);
           break;
         }
-        assert_int_equal(rc, 0);
-        assert_int_equal(r, cur + d);
-        char out[32];
-        size_t on = (size_t)snprintf(out, sizeof out, "%lld", cur + d);
-        model_write(m, ws, nw, k, out, on);
-        assert_int_equal(ver, m[k].version);
-        break;
-      }
-      case 2: { /* compare-and-set */
-        bool absent = sp_test_rng_below(&rng, 3) == 0;
-        const char *exp =
-            m[k].present && sp_test_rng_below(&rng, 2) ? m[k].value : v;
-        size_t en = exp == m[k].value ? m[k].vlen : vn;
-        char des[32];
-        size_t dn = (size_t)snprintf(des, sizeof des, "%d", step % 17);
-        bool sw, found;
-        const uint8_t *p;
-        size_t pn;
-        uint64_t ver;
-        bool match = absent ? !m[k].present
-                            : m[k].present && m[k].vlen == en &&
-                                  memcmp(m[k].value, exp, en) == 0;
-        char expcopy[32];
-        memcpy(expcopy, exp, en);
-        assert_int_equal(
-            sp_kvstore_compare_set(s, K(key), expcopy, en, absent, des, dn, &sw,
-                                   &p, &pn, &found, &ver),
-            0);
-        assert_int_equal(sw, match);
-        if (match) model_write(m, ws, nw, k, des, dn);
-        assert_int_equal(found, m[k].present);
-        if (found) {
-          assert_int_equal(pn, m[k].vlen);
-          assert_memory_equal(p, m[k].value, pn);
-          assert_int_equal(ver, m[k].version);
-        }
-        break;
-      }
-      case 3: { /* delete */
-        bool del;
-        assert_int_equal(sp_kvstore_delete(s, K(key), &del), 0);
-        assert_int_equal(del, m[k].present);
-        m[k].present = false;
-        break;
-      }
-      case 4:
-      case 5: { /* wait on 1..3 keys */
-        if (nw == M_MAXW) break;
-        mwaiter *mw = &ws[nw];
-        const char *names[3];
-        size_t n = 1 + (size_t)sp_test_rng_below(&rng, 3);
-        bool any = false;
-        for (size_t i = 0; i < n; i++) {
-          size_t kk = (size_t)sp_test_rng_below(&rng, M_KEYS);
-          names[i] = k_mkeys[kk];
-          if (!m[kk].present) {
-            mw->need[kk] = true;
-            any = true;
+        case 1: { /* add */
+          int64_t d = (int64_t)sp_test_rng_below(&rng, 7) - 3;
+          int64_t r;
+          uint64_t ver;
+          int rc = sp_kvstore_add(s, K(key), d, &r, &ver);
+          long long cur = 0;
+          bool num = true;
+          if (m[k].present) {
+            char buf[40];
+            memcpy(buf, m[k].value, m[k].vlen);
+            buf[m[k].vlen] = 0;
+            char *end;
+            cur = strtoll(buf, &end, 10);
+            num = m[k].vlen > 0 && *end == 0;
           }
+          if (!num) {
+            assert_int_equal(rc, SP_EFORMAT);
+            break;
+          }
+          assert_int_equal(rc, 0);
+          assert_int_equal(r, cur + d);
+          char out[32];
+          size_t on = (size_t)snprintf(out, sizeof out, "%lld", cur + d);
+          model_write(m, ws, nw, k, out, on);
+          assert_int_equal(ver, m[k].version);
+          break;
         }
-        int rc = wait_keys(s, names, n, on_model_wake, mw, &mw->w);
-        assert_int_equal(rc, any ? 0 : 1);
-        if (any) {
-          mw->live = true;
-          nw++;
-        } else {
-          memset(mw, 0, sizeof *mw);
+        case 2: { /* compare-and-set */
+          bool absent = sp_test_rng_below(&rng, 3) == 0;
+          const char *exp =
+              m[k].present && sp_test_rng_below(&rng, 2) ? m[k].value : v;
+          size_t en = exp == m[k].value ? m[k].vlen : vn;
+          char des[32];
+          size_t dn = (size_t)snprintf(des, sizeof des, "%d", step % 17);
+          bool sw, found;
+          const uint8_t *p;
+          size_t pn;
+          uint64_t ver;
+          bool match = absent ? !m[k].present
+                              : m[k].present && m[k].vlen == en &&
+                                    memcmp(m[k].value, exp, en) == 0;
+          char expcopy[32];
+          memcpy(expcopy, exp, en);
+          assert_int_equal(
+              sp_kvstore_compare_set(s, K(key), expcopy, en, absent, des, dn,
+                                     &sw, &p, &pn, &found, &ver),
+              0);
+          assert_int_equal(sw, match);
+          if (match) model_write(m, ws, nw, k, des, dn);
+          assert_int_equal(found, m[k].present);
+          if (found) {
+            assert_int_equal(pn, m[k].vlen);
+            assert_memory_equal(p, m[k].value, pn);
+            assert_int_equal(ver, m[k].version);
+          }
+          break;
         }
-        break;
-      }
-      case 6: { /* cancel a live waiter */
-        if (nw == 0) break;
-        size_t i = (size_t)sp_test_rng_below(&rng, nw);
-        if (!ws[i].live) break;
-        sp_kvstore_cancel_wait(s, ws[i].w);
-        ws[i].live = false;
-        break;
-      }
-      default: { /* get */
-        const uint8_t *p;
-        size_t n;
-        uint64_t ver;
-        int rc = sp_kvstore_get(s, K(key), &p, &n, &ver);
-        assert_int_equal(rc, m[k].present ? 0 : SP_ENOENT);
-        break;
-      }
+        case 3: { /* delete */
+          bool del;
+          assert_int_equal(sp_kvstore_delete(s, K(key), &del), 0);
+          assert_int_equal(del, m[k].present);
+          m[k].present = false;
+          break;
+        }
+        case 4:
+        case 5: { /* wait on 1..3 keys */
+          if (nw == M_MAXW) break;
+          mwaiter *mw = &ws[nw];
+          const char *names[3];
+          size_t n = 1 + (size_t)sp_test_rng_below(&rng, 3);
+          bool any = false;
+          for (size_t i = 0; i < n; i++) {
+            size_t kk = (size_t)sp_test_rng_below(&rng, M_KEYS);
+            names[i] = k_mkeys[kk];
+            if (!m[kk].present) {
+              mw->need[kk] = true;
+              any = true;
+            }
+          }
+          int rc = wait_keys(s, names, n, on_model_wake, mw, &mw->w);
+          assert_int_equal(rc, any ? 0 : 1);
+          if (any) {
+            mw->live = true;
+            nw++;
+          } else {
+            memset(mw, 0, sizeof *mw);
+          }
+          break;
+        }
+        case 6: { /* cancel a live waiter */
+          if (nw == 0) break;
+          size_t i = (size_t)sp_test_rng_below(&rng, nw);
+          if (!ws[i].live) break;
+          sp_kvstore_cancel_wait(s, ws[i].w);
+          ws[i].live = false;
+          break;
+        }
+        default: { /* get */
+          const uint8_t *p;
+          size_t n;
+          uint64_t ver;
+          int rc = sp_kvstore_get(s, K(key), &p, &n, &ver);
+          assert_int_equal(rc, m[k].present ? 0 : SP_ENOENT);
+          break;
+        }
       }
       check_model(s, m, ws, nw);
     }

@@ -33,10 +33,10 @@
 
 extern char **environ;
 
-static sp_tnet g_net;          /* the two hosts */
-static char *g_dir;            /* logs */
-static sp_test_certs g_certs;  /* the coordinator's certificate and its CA */
-static sp_tauth g_auth;        /* the job's tokens */
+static sp_tnet g_net;         /* the two hosts */
+static char *g_dir;           /* logs */
+static sp_test_certs g_certs; /* the coordinator's certificate and its CA */
+static sp_tauth g_auth;       /* the job's tokens */
 
 static void link_set(int host, const char *updown) {
   assert_int_equal(sp_tnet_sh("%s -n %s link set %s %s", g_net.ip,
@@ -114,13 +114,26 @@ static void job_start(job *j, int steps, int hb_timeout_ms) {
   snprintf(listen, sizeof listen, "%s:0", g_net.addr[0]);
   snprintf(st, sizeof st, "%d", steps);
   snprintf(hb, sizeof hb, "%d", hb_timeout_ms);
-  const char *ca[] = {g_net.ip, "netns", "exec", g_net.ns[0],
-                      SP_BIN_DIR "/shardplane-coordinator", "--listen", listen,
-                      "--model", SP_EXAMPLES "/mlp.json", "--world-size", "2",
-                      "--heartbeat-timeout-ms", hb,
-                      "--tls-cert", g_certs.server_cert,
-                      "--tls-key", g_certs.server_key,
-                      "--token-file", g_auth.token_file, NULL};
+  const char *ca[] = {g_net.ip,
+                      "netns",
+                      "exec",
+                      g_net.ns[0],
+                      SP_BIN_DIR "/shardplane-coordinator",
+                      "--listen",
+                      listen,
+                      "--model",
+                      SP_EXAMPLES "/mlp.json",
+                      "--world-size",
+                      "2",
+                      "--heartbeat-timeout-ms",
+                      hb,
+                      "--tls-cert",
+                      g_certs.server_cert,
+                      "--tls-key",
+                      g_certs.server_key,
+                      "--token-file",
+                      g_auth.token_file,
+                      NULL};
   char fmt[64];
   snprintf(fmt, sizeof fmt, "listening on %s:%%d", g_net.addr[0]);
   sp_diag d = {{0}};
@@ -133,12 +146,23 @@ static void job_start(job *j, int steps, int hb_timeout_ms) {
     snprintf(log, sizeof log, "rank-%d.err", r);
     /* the certificate names the coordinator "localhost": the name it is
      * verified against, whatever address reaches it */
-    const char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                        j->caddr, "--tls-ca", g_certs.ca,
-                        "--tls-server-name", "localhost", "--token-file",
-                        g_auth.file[SP_ROLE_WORKER], "--rank", rs, "--steps",
+    const char *wa[] = {SP_BIN_DIR "/shardplane-worker",
+                        "--coordinator",
+                        j->caddr,
+                        "--tls-ca",
+                        g_certs.ca,
+                        "--tls-server-name",
+                        "localhost",
+                        "--token-file",
+                        g_auth.file[SP_ROLE_WORKER],
+                        "--rank",
+                        rs,
+                        "--steps",
                         st,
-                        "--log-every", "10", "--comm-timeout-ms", "5000",
+                        "--log-every",
+                        "10",
+                        "--comm-timeout-ms",
+                        "5000",
                         NULL};
     j->w[r] = spawn_in(r, wa, r == 0 ? &j->progress : NULL, log);
   }
@@ -170,8 +194,8 @@ static void test_short_outage(void **state) {
   close(j.progress);
   if (s0 != 0 || s1 != 0) {
     char *e0 = log_of("rank-0.err"), *e1 = log_of("rank-1.err");
-    fail_msg("rank 0 exited %d, rank 1 %d\nrank 0: %s\nrank 1: %s", s0, s1,
-             e0, e1);
+    fail_msg("rank 0 exited %d, rank 1 %d\nrank 0: %s\nrank 1: %s", s0, s1, e0,
+             e1);
   }
   assert_int_equal(sc, 0);
 }
@@ -193,17 +217,17 @@ static void test_long_outage(void **state) {
   int sc = sp_proc_stop(&j.coord, 5000);
   close(j.progress);
   char *e0 = log_of("rank-0.err");
-  print_message("rank 0 ended %.1f s after the link went down: %d\n",
-                verdict_s, s0);
+  print_message("rank 0 ended %.1f s after the link went down: %d\n", verdict_s,
+                s0);
   assert_int_equal(s0, 1);
   assert_non_null(strstr(e0, "rank 1"));
   assert_true(s1 > 0); /* ended by itself, not still running */
   assert_int_equal(sc, 0);
   /* nothing of the job is left on either host */
   for (int h = 0; h < 2; h++)
-    assert_int_equal(sp_tnet_sh("test -z \"$(%s netns pids %s)\"", g_net.ip,
-                                g_net.ns[h]),
-                     0);
+    assert_int_equal(
+        sp_tnet_sh("test -z \"$(%s netns pids %s)\"", g_net.ip, g_net.ns[h]),
+        0);
   free(e0);
 }
 

@@ -54,7 +54,6 @@ extern char **environ;
 /* a job's workers must all be done within this */
 #define JOB_TIMEOUT_S 120
 
-
 static const char *const k_strategies[] = {"FULL_SHARD", "SHARD_GRAD_OP",
                                            "NO_SHARD", "HYBRID_SHARD"};
 
@@ -141,19 +140,19 @@ static void test_parity(void **state) {
 #define OPT_PARALLEL 3
 
 static const char *const k_opt_flags[2][20] = {
-    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule",
-     "cosine", "--warmup-steps", "2", "--min-lr", "0.001", "--clip-grad-norm",
-     "1", "--grad-accum", "2", NULL},
-    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule",
-     "cosine", "--warmup-steps", "2", "--min-lr", "0.001", "--clip-grad-norm",
-     "1", "--grad-accum", "2", "--no-sync", NULL}};
+    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule", "cosine",
+     "--warmup-steps", "2", "--min-lr", "0.001", "--clip-grad-norm", "1",
+     "--grad-accum", "2", NULL},
+    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule", "cosine",
+     "--warmup-steps", "2", "--min-lr", "0.001", "--clip-grad-norm", "1",
+     "--grad-accum", "2", "--no-sync", NULL}};
 static const char *const k_opt_flags20[2][20] = {
-    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule",
-     "cosine", "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm",
-     "1", "--grad-accum", "2", NULL},
-    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule",
-     "cosine", "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm",
-     "1", "--grad-accum", "2", "--no-sync", NULL}};
+    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule", "cosine",
+     "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm", "1",
+     "--grad-accum", "2", NULL},
+    {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule", "cosine",
+     "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm", "1",
+     "--grad-accum", "2", "--no-sync", NULL}};
 
 static const char *const k_sgd_flags[2][20] = {
     {"--momentum", "0.9", "--weight-decay", "0.01", "--clip-grad-norm", "1",
@@ -173,21 +172,28 @@ static void opt_add(opt_matrix *m, size_t s, bool mp, int n, int nosync,
                     uint32_t steps, bool sgd) {
   assert_true(m->n < 128);
   sp_tjob_parity_cfg *c = &m->c[m->n];
-  const char *const *flags = sgd ? k_sgd_flags[nosync]
-                             : steps == OPT_STEPS_SUBSET
-                                 ? k_opt_flags20[nosync]
-                                 : k_opt_flags[nosync];
+  const char *const *flags = sgd                         ? k_sgd_flags[nosync]
+                             : steps == OPT_STEPS_SUBSET ? k_opt_flags20[nosync]
+                                                         : k_opt_flags[nosync];
   double tol = sgd ? (mp ? TOL_BF16_MOMENTUM : 1e-6) : mp ? 0.1 : 1e-6;
-  *c = (sp_tjob_parity_cfg){
-      .model = MLP, .strategy = k_strategies[s], .group = hybrid_group(n),
-      .mp = mp, .n = n, .steps = steps, .batch = BATCH,
-      .lr = sgd ? LR : "0.01", .wflags = flags, .tol = tol,
-      .rms_tol = mp && !sgd ? 3e-2 : 0,
-      .loss_tol = sgd ? tol : mp ? 5e-3 : 1e-6, .timeout_s = JOB_TIMEOUT_S};
-  snprintf(m->label[m->n], sizeof m->label[0],
-           "%-13s %-4s N=%d %-7s %2u st %s", k_strategies[s],
-           mp ? "bf16" : "f32", n, nosync ? "no_sync" : "sync", steps,
-           sgd ? "SGD" : "AdamW");
+  *c = (sp_tjob_parity_cfg){.model = MLP,
+                            .strategy = k_strategies[s],
+                            .group = hybrid_group(n),
+                            .mp = mp,
+                            .n = n,
+                            .steps = steps,
+                            .batch = BATCH,
+                            .lr = sgd ? LR : "0.01",
+                            .wflags = flags,
+                            .tol = tol,
+                            .rms_tol = mp && !sgd ? 3e-2 : 0,
+                            .loss_tol = sgd  ? tol
+                                        : mp ? 5e-3
+                                             : 1e-6,
+                            .timeout_s = JOB_TIMEOUT_S};
+  snprintf(m->label[m->n], sizeof m->label[0], "%-13s %-4s N=%d %-7s %2u st %s",
+           k_strategies[s], mp ? "bf16" : "f32", n, nosync ? "no_sync" : "sync",
+           steps, sgd ? "SGD" : "AdamW");
   m->labels[m->n] = m->label[m->n];
   m->n++;
 }
@@ -208,10 +214,11 @@ static void opt_run(opt_matrix *m, const char *what) {
     g_parity_worst = NULL;
     free(part);
   }
-  printf("  %s: largest errors float32: params %.2e, loss %.2e; bfloat16: "
-         "params %.2e (rms %.2e), loss %.2e\n",
-         what, worst[0].params, worst[0].loss, worst[1].params, worst[1].rms,
-         worst[1].loss);
+  printf(
+      "  %s: largest errors float32: params %.2e, loss %.2e; bfloat16: "
+      "params %.2e (rms %.2e), loss %.2e\n",
+      what, worst[0].params, worst[0].loss, worst[1].params, worst[1].rms,
+      worst[1].loss);
 }
 
 /* Every strategy, W = 1..4, float32 and bfloat16, both accumulation
@@ -302,7 +309,8 @@ static void check_with_python(const char *path) {
     for (size_t k = 0; k < t->nbytes; k++) {
       unsigned v;
       sscanf(hex + 2 * k, "%2x", &v);
-      if (v != t->data[k]) fail_msg("%s: %s byte %zu differs", path, t->name, k);
+      if (v != t->data[k])
+        fail_msg("%s: %s byte %zu differs", path, t->name, k);
     }
   }
   sp_safetensors_close(f);
@@ -311,8 +319,9 @@ static void check_with_python(const char *path) {
 }
 
 static const char *const k_buffer_job[] = {
-    "--wrap-type", "Linear", "--param-dtype", "bfloat16", "--reduce-dtype",
-    "float32", "--buffer-dtype", "bfloat16", NULL};
+    "--wrap-type",    "Linear",         "--param-dtype",
+    "bfloat16",       "--reduce-dtype", "float32",
+    "--buffer-dtype", "bfloat16",       NULL};
 
 /* The buffer test of the seed: buffers named running_mean in float64,
  * float16 and bfloat16 submodules, counters in int64 and int32, bools;
@@ -325,16 +334,26 @@ static void test_buffers_and_checkpoints(void **state) {
   char *dir = sp_test_mkdtemp();
   /* with an optimizer state, so the Python reader sees its tensors and
    * the step count too */
-  const char *wflags[] = {"--steps", "4", "--global-batch", "24",
-                          "--checkpoint-dir", dir, "--checkpoint", "full",
-                          "--checkpoint", "sharded", "--checkpoint", "local",
-                          "--test-state", "exp_avg", NULL};
+  const char *wflags[] = {"--steps",
+                          "4",
+                          "--global-batch",
+                          "24",
+                          "--checkpoint-dir",
+                          dir,
+                          "--checkpoint",
+                          "full",
+                          "--checkpoint",
+                          "sharded",
+                          "--checkpoint",
+                          "local",
+                          "--test-state",
+                          "exp_avg",
+                          NULL};
   sp_tjob_run(MLP_BUFFERS, k_buffer_job, 3, wflags, JOB_TIMEOUT_S);
 
-  sp_tjob_check_buffers(MLP_BUFFERS, 3, 4, 24, 0.05, dir,
-                        "sharded/rank-0-of-3.safetensors",
-                        "local/local-1-of-3.safetensors",
-                        "sharded - single process");
+  sp_tjob_check_buffers(
+      MLP_BUFFERS, 3, 4, 24, 0.05, dir, "sharded/rank-0-of-3.safetensors",
+      "local/local-1-of-3.safetensors", "sharded - single process");
   /* SHARDED: rank 0 holds the buffers, the others only parameter chunks */
   sp_model *m;
   sp_diag d = {{0}};
@@ -347,13 +366,11 @@ static void test_buffers_and_checkpoints(void **state) {
   sp_model_free(m);
 
   if (have_numpy()) {
-    const char *files[] = {"full/model.safetensors",
-                           "sharded/rank-0-of-3.safetensors",
-                           "sharded/rank-1-of-3.safetensors",
-                           "sharded/rank-2-of-3.safetensors",
-                           "local/local-0-of-3.safetensors",
-                           "local/local-1-of-3.safetensors",
-                           "local/local-2-of-3.safetensors"};
+    const char *files[] = {
+        "full/model.safetensors",          "sharded/rank-0-of-3.safetensors",
+        "sharded/rank-1-of-3.safetensors", "sharded/rank-2-of-3.safetensors",
+        "local/local-0-of-3.safetensors",  "local/local-1-of-3.safetensors",
+        "local/local-2-of-3.safetensors"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
       char *path = sp_test_path(dir, files[i]);
       check_with_python(path);
@@ -370,9 +387,17 @@ static void test_checkpoint_reload(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
   char *src = sp_test_path(dir, "src");
-  const char *wflags[] = {"--steps", "3", "--checkpoint-dir", src,
-                          "--checkpoint", "full", "--checkpoint", "sharded",
-                          "--checkpoint", "local", NULL};
+  const char *wflags[] = {"--steps",
+                          "3",
+                          "--checkpoint-dir",
+                          src,
+                          "--checkpoint",
+                          "full",
+                          "--checkpoint",
+                          "sharded",
+                          "--checkpoint",
+                          "local",
+                          NULL};
   sp_tjob_run(MLP_BUFFERS, k_buffer_job, 2, wflags, JOB_TIMEOUT_S);
   struct {
     const char *kind;
@@ -383,14 +408,24 @@ static void test_checkpoint_reload(void **state) {
     snprintf(name, sizeof name, "%s-%d", cases[i].kind, cases[i].n);
     char *dst = sp_test_path(dir, name);
     char *from = sp_test_path(src, cases[i].kind);
-    const char *lf[] = {"--steps", "0", "--load", from, "--load-kind",
-                        cases[i].kind, "--checkpoint-dir", dst,
-                        "--checkpoint", "full", NULL};
+    const char *lf[] = {"--steps",
+                        "0",
+                        "--load",
+                        from,
+                        "--load-kind",
+                        cases[i].kind,
+                        "--checkpoint-dir",
+                        dst,
+                        "--checkpoint",
+                        "full",
+                        NULL};
     sp_tjob_run(MLP_BUFFERS, k_buffer_job, cases[i].n, lf, JOB_TIMEOUT_S);
     sp_tjob_same_tensors(src, "full/model.safetensors", dst,
                          "full/model.safetensors");
-    printf("  %s checkpoint of 2 ranks loaded into %d ranks: every tensor "
-           "equal\n", cases[i].kind, cases[i].n);
+    printf(
+        "  %s checkpoint of 2 ranks loaded into %d ranks: every tensor "
+        "equal\n",
+        cases[i].kind, cases[i].n);
     free(from);
     free(dst);
   }
@@ -398,8 +433,9 @@ static void test_checkpoint_reload(void **state) {
   {
     sp_tjob j;
     char *from = sp_test_path(src, "local");
-    const char *lf[] = {"--steps", "0", "--load", from, "--load-kind",
-                        "local", "--checkpoint", "none", NULL};
+    const char *lf[] = {"--steps",      "0",           "--load",
+                        from,           "--load-kind", "local",
+                        "--checkpoint", "none",        NULL};
     sp_tjob_start(&j, MLP_BUFFERS, k_buffer_job, 3, lf, NULL);
     assert_int_equal(sp_tjob_wait(&j, 60), 0);
     for (int r = 0; r < 3; r++) assert_int_equal(j.status[r], 1);
@@ -418,22 +454,38 @@ static void test_checkpoint_reload(void **state) {
 static void test_staged_storage(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
-  char *plain = sp_test_path(dir, "plain"), *staged = sp_test_path(dir,
-                                                                   "staged");
-  const char *wp[] = {"--steps", "3", "--checkpoint-dir", plain,
-                      "--checkpoint", "full", "--checkpoint", "sharded",
-                      "--checkpoint", "local", NULL};
+  char *plain = sp_test_path(dir, "plain"),
+       *staged = sp_test_path(dir, "staged");
+  const char *wp[] = {"--steps",
+                      "3",
+                      "--checkpoint-dir",
+                      plain,
+                      "--checkpoint",
+                      "full",
+                      "--checkpoint",
+                      "sharded",
+                      "--checkpoint",
+                      "local",
+                      NULL};
   sp_tjob_run(MLP_BUFFERS, k_buffer_job, 2, wp, JOB_TIMEOUT_S);
-  const char *ws[] = {"--device", "cpu-staged", "--steps", "3",
-                      "--checkpoint-dir", staged, "--checkpoint", "full",
-                      "--checkpoint", "sharded", "--checkpoint", "local",
+  const char *ws[] = {"--device",
+                      "cpu-staged",
+                      "--steps",
+                      "3",
+                      "--checkpoint-dir",
+                      staged,
+                      "--checkpoint",
+                      "full",
+                      "--checkpoint",
+                      "sharded",
+                      "--checkpoint",
+                      "local",
                       NULL};
   sp_tjob_run(MLP_BUFFERS, k_buffer_job, 2, ws, JOB_TIMEOUT_S);
-  const char *files[] = {"full/model.safetensors",
-                         "sharded/rank-0-of-2.safetensors",
-                         "sharded/rank-1-of-2.safetensors",
-                         "local/local-0-of-2.safetensors",
-                         "local/local-1-of-2.safetensors"};
+  const char *files[] = {
+      "full/model.safetensors", "sharded/rank-0-of-2.safetensors",
+      "sharded/rank-1-of-2.safetensors", "local/local-0-of-2.safetensors",
+      "local/local-1-of-2.safetensors"};
   for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
     sp_tjob_same_tensors(plain, files[i], staged, files[i]);
   /* loads into staged storage: FULL into 3 ranks, LOCAL into 2 */
@@ -441,14 +493,16 @@ static void test_staged_storage(void **state) {
     const char *kind;
     const char *n;
     int ranks;
-  } cases[] = {{"full", "full-3", 3}, {"sharded", "sharded-3", 3},
+  } cases[] = {{"full", "full-3", 3},
+               {"sharded", "sharded-3", 3},
                {"local", "local-2", 2}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char *from = sp_test_path(plain, cases[i].kind);
     char *dst = sp_test_path(dir, cases[i].n);
-    const char *lf[] = {"--device", "cpu-staged", "--steps", "0", "--load",
-                        from, "--load-kind", cases[i].kind,
-                        "--checkpoint-dir", dst, "--checkpoint", "full",
+    const char *lf[] = {"--device",    "cpu-staged",   "--steps",
+                        "0",           "--load",       from,
+                        "--load-kind", cases[i].kind,  "--checkpoint-dir",
+                        dst,           "--checkpoint", "full",
                         NULL};
     sp_tjob_run(MLP_BUFFERS, k_buffer_job, cases[i].ranks, lf, JOB_TIMEOUT_S);
     sp_tjob_same_tensors(plain, "full/model.safetensors", dst,
@@ -456,8 +510,9 @@ static void test_staged_storage(void **state) {
     free(from);
     free(dst);
   }
-  printf("  cpu-staged storage: checkpoints byte-equal to the plain CPU "
-         "run's; FULL, SHARDED and LOCAL loads round-trip\n");
+  printf(
+      "  cpu-staged storage: checkpoints byte-equal to the plain CPU "
+      "run's; FULL, SHARDED and LOCAL loads round-trip\n");
   free(plain);
   free(staged);
   sp_test_rmtree(dir);
@@ -492,27 +547,47 @@ static int run_capture(char *const argv[], char **err) {
 static void test_device_errors(void **state) {
   (void)state;
   char *err;
-  char *bad[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                 "127.0.0.1:1", "--rank", "0", "--device", "gpu0", NULL};
+  char *bad[] = {SP_BIN_DIR "/shardplane-worker",
+                 "--coordinator",
+                 "127.0.0.1:1",
+                 "--rank",
+                 "0",
+                 "--device",
+                 "gpu0",
+                 NULL};
   assert_int_equal(run_capture(bad, &err), 2);
   assert_non_null(strstr(err, "--device \"gpu0\": expected cpu or cuda:N"));
   free(err);
   int n = 0;
   assert_int_equal(sp_cuda_device_count(&n), 0);
   if (n > 0) {
-    printf("  (a CUDA device is present: the no-device messages are not "
-           "checked)\n");
+    printf(
+        "  (a CUDA device is present: the no-device messages are not "
+        "checked)\n");
     return;
   }
-  char *nodev[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator",
-                   "127.0.0.1:1", "--rank", "0", "--device", "cuda:0", NULL};
+  char *nodev[] = {SP_BIN_DIR "/shardplane-worker",
+                   "--coordinator",
+                   "127.0.0.1:1",
+                   "--rank",
+                   "0",
+                   "--device",
+                   "cuda:0",
+                   NULL};
   assert_int_equal(run_capture(nodev, &err), 1);
   printf("  %s", err);
   assert_true(strstr(err, "--device cuda:0: no CUDA device") ||
               strstr(err, "built without CUDA"));
   free(err);
-  char *run[] = {SP_BIN_DIR "/shardplane", "run", "--nproc", "1", "--model",
-                 MLP, "--device", "cuda", NULL};
+  char *run[] = {SP_BIN_DIR "/shardplane",
+                 "run",
+                 "--nproc",
+                 "1",
+                 "--model",
+                 MLP,
+                 "--device",
+                 "cuda",
+                 NULL};
   assert_int_equal(run_capture(run, &err), 1);
   printf("  %s", err);
   assert_non_null(strstr(err, "--device cuda: no CUDA device"));
@@ -526,8 +601,9 @@ static void test_killed_worker(void **state) {
   char *dir = sp_test_mkdtemp();
   const char *cflags[] = {"--wrap-type", "Linear", "--heartbeat-timeout-ms",
                           "1000", NULL};
-  const char *wflags[] = {"--steps", "100000000", "--checkpoint", "none",
-                          "--comm-timeout-ms", "30000", NULL};
+  const char *wflags[] = {"--steps", "100000000",         "--checkpoint",
+                          "none",    "--comm-timeout-ms", "30000",
+                          NULL};
   sp_tjob j;
   sp_tjob_start(&j, MLP, cflags, 3, wflags, dir);
   /* let them attach and train a while */
@@ -541,8 +617,10 @@ static void test_killed_worker(void **state) {
   kill(j.w[1], SIGKILL);
   int ok = sp_tjob_wait(&j, 10);
   double took = sp_clock_s() - t0;
-  printf("  rank 1 killed: the other ranks ended after %.0f ms (heartbeat "
-         "timeout 1000 ms)\n", took * 1000);
+  printf(
+      "  rank 1 killed: the other ranks ended after %.0f ms (heartbeat "
+      "timeout 1000 ms)\n",
+      took * 1000);
   assert_int_equal(ok, 0);
   assert_int_equal(j.status[1], 128 + SIGKILL);
   for (int r = 0; r < 3; r += 2) {
@@ -573,8 +651,8 @@ static void test_synthetic_resnet50(void **state) {
   char *dir = sp_test_mkdtemp();
   const char *cflags[] = {"--wrap-type", "Bottleneck", "--param-dtype",
                           "bfloat16", NULL};
-  const char *wflags[] = {"--steps", "2", "--checkpoint-dir", dir,
-                          "--synthetic", NULL};
+  const char *wflags[] = {"--steps", "2",           "--checkpoint-dir",
+                          dir,       "--synthetic", NULL};
   sp_tjob_run(SP_EXAMPLES "/models/resnet50.json", cflags, 2, wflags,
               JOB_TIMEOUT_S);
   sp_model *m;
@@ -602,8 +680,10 @@ static void test_synthetic_resnet50(void **state) {
     assert_non_null(t);
     assert_int_equal(t->dtype, m->buffers[b].dtype);
   }
-  printf("  resnet50, 2 ranks, synthetic gradients: %zu tensors in the FULL "
-         "checkpoint, each in its original dtype\n", want);
+  printf(
+      "  resnet50, 2 ranks, synthetic gradients: %zu tensors in the FULL "
+      "checkpoint, each in its original dtype\n",
+      want);
   sp_safetensors_close(full);
   sp_model_free(m);
   sp_test_rmtree(dir);
@@ -623,8 +703,8 @@ static void test_untrainable_spec_refused(void **state) {
   size_t i;
   json_t *p;
   json_array_foreach(json_object_get(m, "params"), i, p) {
-    if (strcmp(json_string_value(json_object_get(p, "fqn")),
-               "layers.0.bias") == 0)
+    if (strcmp(json_string_value(json_object_get(p, "fqn")), "layers.0.bias") ==
+        0)
       json_array_set_new(json_object_get(p, "shape"), 0, json_integer(65));
   }
   char *spec = sp_test_path(dir, "broken.json");
@@ -666,8 +746,14 @@ static void check_memory_stats(const char *model, const char *const *cflags,
                                int n, bool synthetic, const char *label) {
   char *dir = sp_test_mkdtemp();
   char *stats = sp_test_path(dir, "stats.json");
-  const char *wflags[] = {"--steps", "2", "--checkpoint", "none", "--stats",
-                          stats, synthetic ? "--synthetic" : NULL, NULL};
+  const char *wflags[] = {"--steps",
+                          "2",
+                          "--checkpoint",
+                          "none",
+                          "--stats",
+                          stats,
+                          synthetic ? "--synthetic" : NULL,
+                          NULL};
   sp_tjob_run(model, cflags, n, wflags, JOB_TIMEOUT_S);
   sp_model *m;
   sp_plan *pl;
@@ -704,17 +790,18 @@ static void check_memory_stats(const char *model, const char *const *cflags,
       json_object_get(json_object_get(c, "total"), "peak"));
   assert_int_equal(reserved, e.acct.reserved.peak);
   assert_int_equal(total, e.acct.total.peak);
-  assert_int_equal(json_integer_value(json_object_get(c, "allocs")),
-                   json_integer_value(
-                       json_object_get(mem, "allocs_after_first_step")));
+  assert_int_equal(
+      json_integer_value(json_object_get(c, "allocs")),
+      json_integer_value(json_object_get(mem, "allocs_after_first_step")));
   json_int_t before = json_integer_value(json_object_get(mem, "rss_before"));
   json_int_t hwm = json_integer_value(
       json_object_get(json_object_get(mem, "train"), "rss_hwm"));
   assert_true(before > 0 && hwm > before);
-  printf("  %s, %d ranks: counted = predicted, peak %llu bytes in use, %llu "
-         "reserved; RSS grew %.1f MiB\n", label, n,
-         (unsigned long long)total, (unsigned long long)reserved,
-         (double)(hwm - before) / (1024.0 * 1024.0));
+  printf(
+      "  %s, %d ranks: counted = predicted, peak %llu bytes in use, %llu "
+      "reserved; RSS grew %.1f MiB\n",
+      label, n, (unsigned long long)total, (unsigned long long)reserved,
+      (double)(hwm - before) / (1024.0 * 1024.0));
   json_decref(root);
   sp_plan_free(pl);
   sp_job_clear(&job);
@@ -726,11 +813,13 @@ static void check_memory_stats(const char *model, const char *const *cflags,
 
 static void test_memory_stats(void **state) {
   (void)state;
-  const char *mlp[] = {"--wrap-type", "Linear", "--strategy", "SHARD_GRAD_OP",
-                       "--param-dtype", "bfloat16", NULL};
+  const char *mlp[] = {
+      "--wrap-type",   "Linear",   "--strategy", "SHARD_GRAD_OP",
+      "--param-dtype", "bfloat16", NULL};
   check_memory_stats(MLP, mlp, 3, false, "mlp SHARD_GRAD_OP bfloat16");
-  const char *resnet[] = {"--wrap-type", "Bottleneck", "--param-dtype",
-                          "bfloat16", "--reduce-dtype", "float32", NULL};
+  const char *resnet[] = {"--wrap-type", "Bottleneck",     "--param-dtype",
+                          "bfloat16",    "--reduce-dtype", "float32",
+                          NULL};
   check_memory_stats(SP_EXAMPLES "/models/resnet50.json", resnet, 2, true,
                      "resnet50 FULL_SHARD bfloat16/float32");
 }

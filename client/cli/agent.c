@@ -30,124 +30,134 @@
 extern char **environ;
 
 static void usage(FILE *f) {
-  fputs("usage: shardplane agent --coordinator HOST:PORT --nproc-per-node N "
-        "[options] -- TRAINER [ARGS...]\n"
-        "\n"
-        "Starts N workers of TRAINER on this host (one agent per host, as\n"
-        "torchrun) and supervises them. Worker i of node R gets RANK=R*N+i,\n"
-        "LOCAL_RANK=i, WORLD_SIZE, LOCAL_WORLD_SIZE=N, GROUP_RANK=NODE_RANK=R\n"
-        "and SHARDPLANE_COORDINATOR in its environment, which\n"
-        "shardplane-worker and every program linking libshardplane read.\n"
-        "Their gRPC calls reach the coordinator over the agent's one\n"
-        "connection: the workers talk to the agent over a Unix socket in a\n"
-        "private directory (SHARDPLANE_COORDINATOR=unix:PATH). Every line a\n"
-        "worker writes is shown prefixed with the time and its rank.\n"
-        "\n"
-        "  --nproc-per-node N           workers on this host\n"
-        "  --node-rank R                this host's place among the hosts\n"
-        "                               (default $NODE_RANK, $GROUP_RANK or\n"
-        "                               $SLURM_NODEID; 0 with one host)\n"
-        "  --nnodes M                   hosts in the job (default: the job's\n"
-        "                               world size / N, asked of the\n"
-        "                               coordinator; given, it must agree)\n"
-        "  --no-proxy                   the workers connect to the\n"
-        "                               coordinator themselves\n"
-        "                               (SHARDPLANE_COORDINATOR is its\n"
-        "                               address; they need their own\n"
-        "                               credentials)\n"
-        "  --max-restarts K             when a worker dies, restart the job\n"
-        "                               (every host's workers) up to K times\n"
-        "                               as a new incarnation (default 0: the\n"
-        "                               job ends naming the rank); every\n"
-        "                               agent of the job must give the same K\n"
-        "  --load-on-restart DIR        on a restart, TRAINER gets --load of\n"
-        "                               the last checkpoint the job wrote in\n"
-        "                               DIR (the trainer's --checkpoint-dir,\n"
-        "                               written with --checkpoint-every N;\n"
-        "                               not one an earlier job left there)\n"
-        "  --coordinator-grace S        ride out a coordinator outage of up\n"
-        "                               to S seconds (default 60; passed on\n"
-        "                               to the workers as\n"
-        "                               SHARDPLANE_COORDINATOR_GRACE): a\n"
-        "                               coordinator with --state-dir that is\n"
-        "                               restarted on its address finds the\n"
-        "                               agent registered again as the same\n"
-        "                               node, its workers still training;\n"
-        "                               after S the agent stops them and\n"
-        "                               exits 4\n"
-        "  --stop-grace S               after Ctrl-C or SIGTERM, the workers\n"
-        "                               have S seconds to stop by themselves\n"
-        "                               (shardplane-worker checkpoints at the\n"
-        "                               next step boundary; default 10); then\n"
-        "                               they get more time only while the\n"
-        "                               coordinator sees every rank moving\n"
-        "                               (a long step), else they get SIGTERM,\n"
-        "                               and SIGKILL 3 s later\n",
-        f);
+  fputs(
+      "usage: shardplane agent --coordinator HOST:PORT --nproc-per-node N "
+      "[options] -- TRAINER [ARGS...]\n"
+      "\n"
+      "Starts N workers of TRAINER on this host (one agent per host, as\n"
+      "torchrun) and supervises them. Worker i of node R gets RANK=R*N+i,\n"
+      "LOCAL_RANK=i, WORLD_SIZE, LOCAL_WORLD_SIZE=N, GROUP_RANK=NODE_RANK=R\n"
+      "and SHARDPLANE_COORDINATOR in its environment, which\n"
+      "shardplane-worker and every program linking libshardplane read.\n"
+      "Their gRPC calls reach the coordinator over the agent's one\n"
+      "connection: the workers talk to the agent over a Unix socket in a\n"
+      "private directory (SHARDPLANE_COORDINATOR=unix:PATH). Every line a\n"
+      "worker writes is shown prefixed with the time and its rank.\n"
+      "\n"
+      "  --nproc-per-node N           workers on this host\n"
+      "  --node-rank R                this host's place among the hosts\n"
+      "                               (default $NODE_RANK, $GROUP_RANK or\n"
+      "                               $SLURM_NODEID; 0 with one host)\n"
+      "  --nnodes M                   hosts in the job (default: the job's\n"
+      "                               world size / N, asked of the\n"
+      "                               coordinator; given, it must agree)\n"
+      "  --no-proxy                   the workers connect to the\n"
+      "                               coordinator themselves\n"
+      "                               (SHARDPLANE_COORDINATOR is its\n"
+      "                               address; they need their own\n"
+      "                               credentials)\n"
+      "  --max-restarts K             when a worker dies, restart the job\n"
+      "                               (every host's workers) up to K times\n"
+      "                               as a new incarnation (default 0: the\n"
+      "                               job ends naming the rank); every\n"
+      "                               agent of the job must give the same K\n"
+      "  --load-on-restart DIR        on a restart, TRAINER gets --load of\n"
+      "                               the last checkpoint the job wrote in\n"
+      "                               DIR (the trainer's --checkpoint-dir,\n"
+      "                               written with --checkpoint-every N;\n"
+      "                               not one an earlier job left there)\n"
+      "  --coordinator-grace S        ride out a coordinator outage of up\n"
+      "                               to S seconds (default 60; passed on\n"
+      "                               to the workers as\n"
+      "                               SHARDPLANE_COORDINATOR_GRACE): a\n"
+      "                               coordinator with --state-dir that is\n"
+      "                               restarted on its address finds the\n"
+      "                               agent registered again as the same\n"
+      "                               node, its workers still training;\n"
+      "                               after S the agent stops them and\n"
+      "                               exits 4\n"
+      "  --stop-grace S               after Ctrl-C or SIGTERM, the workers\n"
+      "                               have S seconds to stop by themselves\n"
+      "                               (shardplane-worker checkpoints at the\n"
+      "                               next step boundary; default 10); then\n"
+      "                               they get more time only while the\n"
+      "                               coordinator sees every rank moving\n"
+      "                               (a long step), else they get SIGTERM,\n"
+      "                               and SIGKILL 3 s later\n",
+      f);
   fputs(SP_REMOTE_OPTIONS_HELP, f);
-  fputs("                               (the agent's --timeout-ms defaults\n"
-        "                               to 30000: agents may start before\n"
-        "                               their coordinator)\n"
-        "  --help                       this text\n"
-        "\n"
-        "The agent's credentials (TLS and token) are its connection's; a\n"
-        "worker's call that carries no token of its own gets the agent's.\n"
-        "Gloo binds the address of this host that reaches the coordinator\n"
-        "(SHARDPLANE_GLOO_HOST, unless set already).\n"
-        "\n"
-        "Workers also get SHARDPLANE_INCARNATION (0, then one more per\n"
-        "restart). The coordinator records each incarnation and what ended\n"
-        "it (ListIncarnations); the store is emptied between them.\n"
-        "\n"
-        "Ctrl-C (SIGINT) or SIGTERM is forwarded to every worker; those\n"
-        "still running after --stop-grace are stopped (and named), and a\n"
-        "second signal stops them at once.\n"
-        "\n"
-        "exit codes: 0 every worker exited 0, 1 a worker failed or died (the\n"
-        "message names its rank, and the signal or status), 2 bad usage,\n"
-        "4 no coordinator answered, or it went away for longer than\n"
-        "--coordinator-grace (or keeping no state dir) while the workers\n"
-        "ran (no rank is blamed), 130 / 143 stopped by SIGINT / SIGTERM\n",
-        f);
+  fputs(
+      "                               (the agent's --timeout-ms defaults\n"
+      "                               to 30000: agents may start before\n"
+      "                               their coordinator)\n"
+      "  --help                       this text\n"
+      "\n"
+      "The agent's credentials (TLS and token) are its connection's; a\n"
+      "worker's call that carries no token of its own gets the agent's.\n"
+      "Gloo binds the address of this host that reaches the coordinator\n"
+      "(SHARDPLANE_GLOO_HOST, unless set already).\n"
+      "\n"
+      "Workers also get SHARDPLANE_INCARNATION (0, then one more per\n"
+      "restart). The coordinator records each incarnation and what ended\n"
+      "it (ListIncarnations); the store is emptied between them.\n"
+      "\n"
+      "Ctrl-C (SIGINT) or SIGTERM is forwarded to every worker; those\n"
+      "still running after --stop-grace are stopped (and named), and a\n"
+      "second signal stops them at once.\n"
+      "\n"
+      "exit codes: 0 every worker exited 0, 1 a worker failed or died (the\n"
+      "message names its rank, and the signal or status), 2 bad usage,\n"
+      "4 no coordinator answered, or it went away for longer than\n"
+      "--coordinator-grace (or keeping no state dir) while the workers\n"
+      "ran (no rank is blamed), 130 / 143 stopped by SIGINT / SIGTERM\n",
+      f);
 }
 
 typedef struct agent {
-  sp_remote r;          /* the coordinator, its address and credentials */
+  sp_remote r; /* the coordinator, its address and credentials */
   long long nproc, node_rank, nnodes;
   const char *node_rank_var; /* where node_rank came from, for messages */
   bool no_proxy;
-  long long max_restarts;     /* --max-restarts */
-  const char *restart_load;   /* --load-on-restart DIR, or NULL */
+  long long max_restarts;              /* --max-restarts */
+  const char *restart_load;            /* --load-on-restart DIR, or NULL */
   sp_supervise_ckpt_seen restart_seen; /* what restart_load held at the start */
-  uint64_t grace_ms;          /* --coordinator-grace */
-  double stop_grace_s;        /* --stop-grace; 0: the default */
-  char **trainer;       /* argv of the trainer, NULL-terminated */
+  uint64_t grace_ms;                   /* --coordinator-grace */
+  double stop_grace_s;                 /* --stop-grace; 0: the default */
+  char **trainer; /* argv of the trainer, NULL-terminated */
   size_t n_trainer;
   /* the workers, their incarnations and the agent's stream to the
    * coordinator (AgentSession), over its own proxy: the one connection
    * carries it too */
   sp_supervise sup;
-  uint32_t world;       /* the job's world size */
+  uint32_t world;                  /* the job's world size */
   char worker_coord[PATH_MAX + 8]; /* what the workers connect to */
-  char gloo_host[64];   /* "" when the environment sets it */
+  char gloo_host[64];              /* "" when the environment sets it */
   sp_agent_proxy *proxy;
 } agent;
 
-enum { A_NPROC = 1, A_NODE_RANK, A_NNODES, A_NO_PROXY, A_MAX_RESTARTS,
-       A_RESTART_LOAD, A_GRACE, A_STOP_GRACE, A_HELP };
+enum {
+  A_NPROC = 1,
+  A_NODE_RANK,
+  A_NNODES,
+  A_NO_PROXY,
+  A_MAX_RESTARTS,
+  A_RESTART_LOAD,
+  A_GRACE,
+  A_STOP_GRACE,
+  A_HELP
+};
 
 /* --node-rank from the environment when the flag did not give it. */
 static int node_rank_from_env(agent *a) {
-  static const char *const vars[] = {"NODE_RANK", "GROUP_RANK",
-                                     "SLURM_NODEID"};
+  static const char *const vars[] = {"NODE_RANK", "GROUP_RANK", "SLURM_NODEID"};
   for (size_t i = 0; i < 3 && a->node_rank < 0; i++) {
     const char *v = getenv(vars[i]);
     if (v == NULL || v[0] == '\0') continue;
     char flag[32];
     snprintf(flag, sizeof flag, "$%s", vars[i]);
     sp_diag d = {{0}};
-    if (sp_flag_int(flag, v, 0, SP_WORKERS_MAX * 4096LL, &a->node_rank,
-                    &d) != 0) {
+    if (sp_flag_int(flag, v, 0, SP_WORKERS_MAX * 4096LL, &a->node_rank, &d) !=
+        0) {
       sp_cli_error(AGENT, "%s", d.msg);
       return SP_EXIT_USAGE;
     }
@@ -209,8 +219,10 @@ static int parse_args(agent *a, int argc, char **argv) {
         break;
       case A_RESTART_LOAD:
         a->restart_load = optarg;
-        rc = sp_flag_text("--load-on-restart", optarg, "a checkpoint "
-                          "directory", &d);
+        rc = sp_flag_text("--load-on-restart", optarg,
+                          "a checkpoint "
+                          "directory",
+                          &d);
         break;
       case A_GRACE:
         rc = sp_coordinator_grace_parse("--coordinator-grace", optarg,
@@ -218,7 +230,7 @@ static int parse_args(agent *a, int argc, char **argv) {
         break;
       case A_STOP_GRACE:
         rc = sp_supervise_stop_grace_parse("--stop-grace", optarg,
-                                     &a->stop_grace_s, &d);
+                                           &a->stop_grace_s, &d);
         break;
       case '?': sp_cli_try_help(AGENT); return SP_EXIT_USAGE;
       default: {
@@ -241,8 +253,9 @@ static int parse_args(agent *a, int argc, char **argv) {
     return SP_EXIT_USAGE;
   }
   if (optind >= argc) {
-    sp_cli_error(AGENT, "no trainer: give it after \"--\" (shardplane "
-                        "agent ... -- shardplane-worker --steps 20)");
+    sp_cli_error(AGENT,
+                 "no trainer: give it after \"--\" (shardplane "
+                 "agent ... -- shardplane-worker --steps 20)");
     return SP_EXIT_USAGE;
   }
   a->trainer = argv + optind;
@@ -262,29 +275,34 @@ static int check_world(agent *a) {
   if (ec != SP_EXIT_OK) return ec;
   Shardplane__V1__GetJobRequest req = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   Shardplane__V1__GetJobResponse *resp = NULL;
-  ec = sp_remote_call(&a->r, "/shardplane.v1.Coordinator/GetJob",
-                      &req.base, &shardplane__v1__get_job_response__descriptor,
+  ec = sp_remote_call(&a->r, "/shardplane.v1.Coordinator/GetJob", &req.base,
+                      &shardplane__v1__get_job_response__descriptor,
                       (ProtobufCMessage **)&resp);
   if (ec != SP_EXIT_OK) return ec;
   a->world = resp->job ? resp->job->world_size : 0;
   sp_remote_free_msg(resp);
   long long n = a->nproc;
   if (a->world == 0 || a->world % n != 0) {
-    sp_cli_error(AGENT, "--nproc-per-node %lld: the job's world size %u is "
-                 "not a multiple of it", n, a->world);
+    sp_cli_error(AGENT,
+                 "--nproc-per-node %lld: the job's world size %u is "
+                 "not a multiple of it",
+                 n, a->world);
     return SP_EXIT_USAGE;
   }
   if (a->nnodes < 0) a->nnodes = a->world / n;
   if (a->nnodes * n != a->world) {
-    sp_cli_error(AGENT, "--nnodes %lld x --nproc-per-node %lld is %lld "
-                 "ranks; the job has %u", a->nnodes, n, a->nnodes * n,
-                 a->world);
+    sp_cli_error(AGENT,
+                 "--nnodes %lld x --nproc-per-node %lld is %lld "
+                 "ranks; the job has %u",
+                 a->nnodes, n, a->nnodes * n, a->world);
     return SP_EXIT_USAGE;
   }
   if (a->node_rank < 0) {
     if (a->nnodes > 1) {
-      sp_cli_error(AGENT, "--node-rank is required with %lld hosts (or "
-                   "$NODE_RANK, $GROUP_RANK, $SLURM_NODEID)", a->nnodes);
+      sp_cli_error(AGENT,
+                   "--node-rank is required with %lld hosts (or "
+                   "$NODE_RANK, $GROUP_RANK, $SLURM_NODEID)",
+                   a->nnodes);
       return SP_EXIT_USAGE;
     }
     a->node_rank = 0;
@@ -303,8 +321,8 @@ static int check_world(agent *a) {
  * code. */
 static int start_proxy(agent *a) {
   sp_diag d = {{0}};
-  if (sp_local_addr_toward(a->r.addr, a->gloo_host, sizeof a->gloo_host,
-                           &d) != 0) {
+  if (sp_local_addr_toward(a->r.addr, a->gloo_host, sizeof a->gloo_host, &d) !=
+      0) {
     sp_cli_error(AGENT, "the coordinator %s: %s", a->r.addr, d.msg);
     return SP_EXIT_FAILURE;
   }
@@ -329,11 +347,16 @@ static int start_proxy(agent *a) {
  * agent sets, plus them. envp (cap entries) points into vars. */
 static int worker_env(const agent *a, long long i, char **envp, size_t cap,
                       char vars[][PATH_MAX + 40], size_t nvars) {
-  static const char *const set[] = {
-      "RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=",
-      "GROUP_RANK=", "NODE_RANK=", SP_COORDINATOR_ENV "=",
-      SP_GLOO_HOST_ENV "=", "SHARDPLANE_INCARNATION=",
-      SP_COORDINATOR_GRACE_ENV "="};
+  static const char *const set[] = {"RANK=",
+                                    "LOCAL_RANK=",
+                                    "WORLD_SIZE=",
+                                    "LOCAL_WORLD_SIZE=",
+                                    "GROUP_RANK=",
+                                    "NODE_RANK=",
+                                    SP_COORDINATOR_ENV "=",
+                                    SP_GLOO_HOST_ENV "=",
+                                    "SHARDPLANE_INCARNATION=",
+                                    SP_COORDINATOR_GRACE_ENV "="};
   size_t n = 0, k = 0;
   snprintf(vars[k++], sizeof vars[0], "RANK=%lld", a->node_rank * a->nproc + i);
   snprintf(vars[k++], sizeof vars[0], "LOCAL_RANK=%lld", i);
@@ -375,8 +398,8 @@ static void trainer_argv(agent *a, char **argv, char *load, size_t cap) {
   for (size_t i = 0; i < a->n_trainer; i++) argv[k++] = a->trainer[i];
   sp_ckpt_kind kind;
   if (a->sup.incarnation > 0 && a->restart_load &&
-      sp_supervise_restart_ckpt(&a->sup, a->restart_load, &a->restart_seen, NULL,
-                          load, cap, &kind)) {
+      sp_supervise_restart_ckpt(&a->sup, a->restart_load, &a->restart_seen,
+                                NULL, load, cap, &kind)) {
     argv[k++] = "--load";
     argv[k++] = load;
   }
@@ -423,14 +446,15 @@ static int start_workers(sp_supervise *s) {
 }
 
 /* "rank 3 (local rank 1 on node 1)" (sp_supervise_ops.name). */
-static void name_worker(const sp_supervise *s, uint32_t i, char *out, size_t cap) {
+static void name_worker(const sp_supervise *s, uint32_t i, char *out,
+                        size_t cap) {
   const agent *a = s->user;
   snprintf(out, cap, "rank %lld (local rank %u on node %lld)",
            a->node_rank * a->nproc + i, i, a->node_rank);
 }
 
 static const sp_supervise_ops k_ops = {.start = start_workers,
-                                 .name = name_worker};
+                                       .name = name_worker};
 
 /* Opens AgentSession through the proxy when there is one (which adds the
  * agent's token), else straight to the coordinator with the agent's
@@ -439,7 +463,7 @@ static int ctl_open(agent *a) {
   sp_rpc_client_opts co = {.connect_timeout_ms = a->r.timeout_ms};
   if (a->proxy == NULL) sp_cred_client_opts(&a->r.cred, &co);
   return sp_supervise_open_session(&a->sup, a->worker_coord, &co, a->r.addr,
-                             (uint32_t)a->node_rank, a->r.timeout_ms);
+                                   (uint32_t)a->node_rank, a->r.timeout_ms);
 }
 
 /* The supervision's settings, once the node is known. */
@@ -473,9 +497,10 @@ int sp_cmd_agent(int argc, char **argv) {
   if (ret == PROCEED) ret = sp_supervise_alloc_streams(&a.sup);
   if (ret != PROCEED) goto out;
   sp_supervise_catch_signals();
-  fprintf(stderr, "shardplane agent: node %lld of %lld, ranks %lld-%lld of "
-                  "%u, incarnation %llu; coordinator %s%s%s\n", a.node_rank,
-          a.nnodes, a.node_rank * a.nproc,
+  fprintf(stderr,
+          "shardplane agent: node %lld of %lld, ranks %lld-%lld of "
+          "%u, incarnation %llu; coordinator %s%s%s\n",
+          a.node_rank, a.nnodes, a.node_rank * a.nproc,
           a.node_rank * a.nproc + a.nproc - 1, a.world,
           (unsigned long long)a.sup.incarnation, a.r.addr,
           a.proxy ? ", proxied from " : "", a.proxy ? a.worker_coord : "");
@@ -484,16 +509,18 @@ int sp_cmd_agent(int argc, char **argv) {
   sp_supervise_stop(&a.sup);
 out:
   sp_supervise_close_session(&a.sup);
-  if (a.sup.streams) sp_workers_close_streams(a.sup.streams, 2 * (size_t)a.nproc);
+  if (a.sup.streams)
+    sp_workers_close_streams(a.sup.streams, 2 * (size_t)a.nproc);
   free(a.sup.streams);
   if (a.proxy) {
     sp_agent_proxy_stop(a.proxy);
     sp_agent_proxy_stats st;
     sp_agent_proxy_stats_get(a.proxy, &st);
-    fprintf(stderr, "shardplane agent: proxied %llu calls from %llu worker "
-                    "connections over its connection to %s\n",
-            (unsigned long long)st.calls,
-            (unsigned long long)st.local_conns, a.r.addr);
+    fprintf(stderr,
+            "shardplane agent: proxied %llu calls from %llu worker "
+            "connections over its connection to %s\n",
+            (unsigned long long)st.calls, (unsigned long long)st.local_conns,
+            a.r.addr);
     sp_agent_proxy_free(a.proxy);
   }
   return ret;

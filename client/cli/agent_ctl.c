@@ -90,8 +90,8 @@ int sp_agent_ctl_open(const sp_agent_ctl_opts *o, sp_agent_ctl **out,
   if (rc == 0) rc = start_stream(c, false, 0, false);
   if (rc != 0) {
     sp_agent_ctl_close(c);
-    return sp_diag_set(d, rc, "cannot open the %s's stream to %s: %s",
-                       o->who, o->coordinator, sp_strerror(rc));
+    return sp_diag_set(d, rc, "cannot open the %s's stream to %s: %s", o->who,
+                       o->coordinator, sp_strerror(rc));
   }
   c->state = OPENING;
   *out = c;
@@ -105,10 +105,10 @@ static void close_stream(sp_agent_ctl *c) {
 }
 
 static void schedule_retry(sp_agent_ctl *c) {
-  c->retry_at = sp_clock_s() +
-                (double)sp_backoff_next(&c->backoff_ms, BACKOFF_MIN_MS,
-                                        BACKOFF_MAX_MS, &c->jitter) /
-                    1000.0;
+  c->retry_at =
+      sp_clock_s() + (double)sp_backoff_next(&c->backoff_ms, BACKOFF_MIN_MS,
+                                             BACKOFF_MAX_MS, &c->jitter) /
+                         1000.0;
 }
 
 static void outage_begin(sp_agent_ctl *c, const char *why) {
@@ -116,17 +116,19 @@ static void outage_begin(sp_agent_ctl *c, const char *why) {
   c->away_since = sp_clock_s();
   c->backoff_ms = 0;
   schedule_retry(c);
-  sp_cli_error(c->who, "lost the coordinator at %s (%s); the workers go "
+  sp_cli_error(c->who,
+               "lost the coordinator at %s (%s); the workers go "
                "on, and this node registers again when it is back (for up "
-               "to %.3g s, --coordinator-grace)", c->coordinator, why,
-               (double)c->grace_ms / 1000.0);
+               "to %.3g s, --coordinator-grace)",
+               c->coordinator, why, (double)c->grace_ms / 1000.0);
 }
 
 static void outage_end(sp_agent_ctl *c) {
   double s = sp_clock_s() - c->away_since;
   c->outages++;
   if (s > c->longest_s) c->longest_s = s;
-  sp_cli_error(c->who, "the coordinator at %s is back after %.1f s; "
+  sp_cli_error(c->who,
+               "the coordinator at %s is back after %.1f s; "
                "registered again (node %u, incarnation %llu)",
                c->coordinator, s, c->node_rank,
                (unsigned long long)c->incarnation);
@@ -148,15 +150,20 @@ static int stream_ended(sp_agent_ctl *c, const char *what, bool unavailable,
   int was = c->state;
   c->state = DONE;
   if (was == UP && unavailable)
-    return sp_diag_set(d, SP_EIO, "lost the coordinator at %s (%s); it "
+    return sp_diag_set(d, SP_EIO,
+                       "lost the coordinator at %s (%s); it "
                        "keeps no state dir (--state-dir), so the job cannot "
-                       "outlive it", c->coordinator, what);
+                       "outlive it",
+                       c->coordinator, what);
   if (was == AWAY)
-    return sp_diag_set(d, SP_ENOENT, "the coordinator at %s refused the "
+    return sp_diag_set(d, SP_ENOENT,
+                       "the coordinator at %s refused the "
                        "%s's registration after its outage: %s",
                        c->coordinator, c->who, what);
-  return sp_diag_set(d, SP_ENOENT, "the coordinator ended the %s's stream: "
-                     "%s", c->who, what);
+  return sp_diag_set(d, SP_ENOENT,
+                     "the coordinator ended the %s's stream: "
+                     "%s",
+                     c->who, what);
 }
 
 int sp_agent_ctl_next(sp_agent_ctl *c, uint64_t wait_ms, uint64_t incarnation,
@@ -168,10 +175,11 @@ int sp_agent_ctl_next(sp_agent_ctl *c, uint64_t wait_ms, uint64_t incarnation,
     if ((now - c->away_since) * 1000.0 >= (double)c->grace_ms) {
       close_stream(c);
       c->state = DONE;
-      return sp_diag_set(d, SP_ETIMEDOUT, "the coordinator at %s was "
+      return sp_diag_set(d, SP_ETIMEDOUT,
+                         "the coordinator at %s was "
                          "unreachable for longer than the grace period of "
-                         "%.3g s (--coordinator-grace)", c->coordinator,
-                         (double)c->grace_ms / 1000.0);
+                         "%.3g s (--coordinator-grace)",
+                         c->coordinator, (double)c->grace_ms / 1000.0);
     }
     if (c->st == NULL) {
       if (now < c->retry_at) return 0;
@@ -219,8 +227,7 @@ int sp_agent_ctl_get_job(sp_agent_ctl *c, uint64_t timeout_ms,
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;
-  int rc = sp_rpc_sync_unary(c->rpc, SP_COORD_PATH("GetJob"),
-                             &q.base,
+  int rc = sp_rpc_sync_unary(c->rpc, SP_COORD_PATH("GetJob"), &q.base,
                              &shardplane__v1__get_job_response__descriptor,
                              timeout_ms, &m, &st);
   if (rc == 0 && st.code == SP_RPC_OK && m != NULL) {

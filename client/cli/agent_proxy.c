@@ -28,9 +28,9 @@ struct sp_agent_proxy {
   char (*paths)[PATH_CAP];
   size_t n_methods;
   char *bearer; /* "Bearer <token>" or NULL */
-  char dir[80];          /* private, 0700; sun_path holds 107 bytes */
+  char dir[80]; /* private, 0700; sun_path holds 107 bytes */
   char socket_path[108];
-  char address[116];     /* "unix:" socket_path */
+  char address[116]; /* "unix:" socket_path */
   bool stopping;
   /* written by the proxy thread, read after the join */
   sp_agent_proxy_stats stats;
@@ -40,8 +40,8 @@ struct sp_agent_proxy {
  * It is freed once both have ended. */
 typedef struct pcall {
   sp_agent_proxy *p;
-  sp_rpc_call *down;  /* NULL once finished or cancelled */
-  sp_rpc_ccall *up;   /* NULL once closed */
+  sp_rpc_call *down; /* NULL once finished or cancelled */
+  sp_rpc_ccall *up;  /* NULL once closed */
   /* inside a call that may close the upstream call at once (its on_close
    * then must not free what the caller still uses) */
   bool up_started, up_closed, busy;
@@ -61,8 +61,7 @@ static void up_on_message(sp_rpc_ccall *call, const uint8_t *data, size_t len,
   /* the worker does not read its answers: it loses the call, not the
    * agent its memory (8 MiB queued per call, the engine's limit) */
   sp_rpc_call_finishf(pc->down, SP_RPC_RESOURCE_EXHAUSTED,
-                      "agent: cannot pass a message on: %s",
-                      sp_strerror(rc));
+                      "agent: cannot pass a message on: %s", sp_strerror(rc));
   pc->down = NULL;
   sp_rpc_ccall_cancel(call);
 }
@@ -139,8 +138,7 @@ static void down_on_message(sp_rpc_call *down, const ProtobufCMessage *msg,
   int rc = sp_rpc_ccall_send(pc->up, raw, len);
   if (rc != 0 && pc->down != NULL) {
     sp_rpc_call_finishf(pc->down, SP_RPC_RESOURCE_EXHAUSTED,
-                        "agent: cannot pass a message on: %s",
-                        sp_strerror(rc));
+                        "agent: cannot pass a message on: %s", sp_strerror(rc));
     pc->down = NULL;
     sp_rpc_ccall_cancel(pc->up);
   }
@@ -217,10 +215,13 @@ static int build_methods(sp_agent_proxy *p) {
     if (n <= 0 || n >= PATH_CAP) return SP_ETOOBIG;
     /* every kind as a stream of raw messages: the proxy passes on what
      * comes, the coordinator judges it */
-    p->methods[i] = (sp_rpc_method){
-        .path = p->paths[i], .kind = SP_RPC_BIDI_STREAMING, .input = NULL,
-        .on_message = down_on_message, .on_half_close = down_on_half_close,
-        .on_cancel = down_on_cancel, .user = p};
+    p->methods[i] = (sp_rpc_method){.path = p->paths[i],
+                                    .kind = SP_RPC_BIDI_STREAMING,
+                                    .input = NULL,
+                                    .on_message = down_on_message,
+                                    .on_half_close = down_on_half_close,
+                                    .on_cancel = down_on_cancel,
+                                    .user = p};
   }
   return 0;
 }
@@ -269,8 +270,10 @@ int sp_agent_proxy_start(const char *upstream, const sp_rpc_client_opts *opts,
   if (rc == 0 && opts != NULL && opts->token != NULL) {
     size_t n = strlen(opts->token);
     p->bearer = malloc(n + 8);
-    if (p->bearer == NULL) rc = SP_ENOMEM;
-    else snprintf(p->bearer, n + 8, "Bearer %s", opts->token);
+    if (p->bearer == NULL)
+      rc = SP_ENOMEM;
+    else
+      snprintf(p->bearer, n + 8, "Bearer %s", opts->token);
   }
   if (rc != 0) {
     remove_dir(p);

@@ -38,12 +38,11 @@ int sp_agent_proxy_start(const char *upstream, const sp_rpc_client_opts *opts,
 const char *sp_agent_proxy_address(const sp_agent_proxy *p);
 
 typedef struct sp_agent_proxy_stats {
-  uint64_t calls;            /* calls proxied since the start */
-  uint64_t local_conns;      /* workers' connections accepted */
+  uint64_t calls;       /* calls proxied since the start */
+  uint64_t local_conns; /* workers' connections accepted */
 } sp_agent_proxy_stats;
 /* Counters, read once the proxy stopped (so the thread wrote its last). */
-void sp_agent_proxy_stats_get(const sp_agent_proxy *p,
-                              sp_agent_proxy_stats *s);
+void sp_agent_proxy_stats_get(const sp_agent_proxy *p, sp_agent_proxy_stats *s);
 
 /* Stops listening, cancels the calls in flight, closes the connection,
  * joins the thread and removes the socket and its directory; the counters stay

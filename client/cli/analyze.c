@@ -47,9 +47,8 @@ static int analyze_opt(void *ctx, int c, const char *arg) {
   return 0;
 }
 
-static int report(sp_remote *r, const char *buf, size_t len,
-                  const char *origin, const char *const *fqns,
-                  size_t n_fqns) {
+static int report(sp_remote *r, const char *buf, size_t len, const char *origin,
+                  const char *const *fqns, size_t n_fqns) {
   sp_analysis an;
   sp_diag d = {{0}};
   int rc = sp_analyze(buf, len, origin, fqns, n_fqns, &an, &d);
@@ -74,8 +73,8 @@ int sp_cmd_analyze(int argc, char **argv) {
   const struct option own[] = {{"last", required_argument, NULL, OPT_A_LAST}};
   int first;
   size_t n;
-  int ec = sp_remote_parse_args(&r, &k_analyze, argc, argv, own, 1,
-                                analyze_opt, &a, &first, &n);
+  int ec = sp_remote_parse_args(&r, &k_analyze, argc, argv, own, 1, analyze_opt,
+                                &a, &first, &n);
   if (ec != PROCEED) return ec;
   if (n == 1 && a.last > 0) {
     /* a file holds what the coordinator wrote: --last cannot trim it */

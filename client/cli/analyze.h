@@ -24,9 +24,9 @@
 #define SP_ANALYZE_SETTLE_US 1000000
 
 typedef enum sp_finding_kind {
-  SP_FINDING_DESYNC,    /* every member issued seq, not the same collective */
-  SP_FINDING_MISSING,   /* some members issued seq, others did not */
-  SP_FINDING_STUCK,     /* every member issued seq, not every one finished */
+  SP_FINDING_DESYNC,  /* every member issued seq, not the same collective */
+  SP_FINDING_MISSING, /* some members issued seq, others did not */
+  SP_FINDING_STUCK,   /* every member issued seq, not every one finished */
 } sp_finding_kind;
 
 /* The first divergence on one communicator. */
@@ -44,18 +44,18 @@ typedef struct sp_finding {
 
 typedef struct sp_rank_last {
   uint32_t rank;
-  bool answered;   /* its flight recorder is in the dump */
-  char *text;      /* "step 3 FORWARD ..." or why it did not answer */
+  bool answered; /* its flight recorder is in the dump */
+  char *text;    /* "step 3 FORWARD ..." or why it did not answer */
 } sp_rank_last;
 
 typedef struct sp_analysis {
-  char *header;   /* what the dump is: when, why, the job */
-  char *alerts;   /* the coordinator's alerts, one per line ("" none) */
+  char *header; /* what the dump is: when, why, the job */
+  char *alerts; /* the coordinator's alerts, one per line ("" none) */
   sp_finding *findings;
   size_t n_findings;
   sp_rank_last *ranks;
   size_t n_ranks;
-  size_t n_comms; /* communicators seen */
+  size_t n_comms;         /* communicators seen */
   uint64_t n_collectives; /* collective events read */
 } sp_analysis;
 
@@ -65,8 +65,8 @@ typedef struct sp_analysis {
  * dump: the coordinator's plan). SP_EFORMAT (or SP_ETOOBIG, SP_ENOMEM)
  * with a message in d naming origin, the JSON path and what is wrong. */
 int sp_analyze(const char *buf, size_t len, const char *origin,
-               const char *const *unit_fqns, size_t n_units,
-               sp_analysis *out, sp_diag *d);
+               const char *const *unit_fqns, size_t n_units, sp_analysis *out,
+               sp_diag *d);
 void sp_analysis_free(sp_analysis *a);
 
 /* The report, for a person. */

@@ -38,11 +38,11 @@ typedef struct coll_rec {
 
 typedef struct rank_in {
   uint32_t rank;
-  json_t *flight;     /* NULL: did not answer */
-  const char *error;  /* flight_error */
+  json_t *flight;    /* NULL: did not answer */
+  const char *error; /* flight_error */
   const char *status, *root_state;
   long long step;
-  json_t *last;       /* its latest event, NULL none */
+  json_t *last; /* its latest event, NULL none */
 } rank_in;
 
 typedef struct ctx {
@@ -106,7 +106,8 @@ static int read_event(ctx *c, json_t *ev, const char *path,
   const char *type;
   long long v;
   int rc = sp_json_string(&c->jr, ev, "type", path, true, &type);
-  if (rc == 0) rc = sp_json_int(&c->jr, ev, "t_us", path, true, 0, LLONG_MAX, &v);
+  if (rc == 0)
+    rc = sp_json_int(&c->jr, ev, "t_us", path, true, 0, LLONG_MAX, &v);
   if (rc != 0) return rc;
   e->t_us = (uint64_t)v;
   v = 0;
@@ -120,20 +121,22 @@ static int read_event(ctx *c, json_t *ev, const char *path,
   e->fqn = event_fqn(c, ev, path);
   if (strcmp(type, "transition") == 0) {
     rc = sp_json_string(&c->jr, ev, "machine", path, true, &e->machine);
-    if (rc == 0) rc = sp_json_string(&c->jr, ev, "state", path, true, &e->state);
+    if (rc == 0)
+      rc = sp_json_string(&c->jr, ev, "state", path, true, &e->state);
     return rc;
   }
   if (strcmp(type, "collective") != 0)
     return sp_json_fail(&c->jr, SP_EFORMAT,
-                        "%s.type: \"%s\" is not collective or transition",
-                        path, type);
+                        "%s.type: \"%s\" is not collective or transition", path,
+                        type);
   e->collective = true;
   rc = sp_json_string(&c->jr, ev, "comm", path, true, &e->comm);
   v = 0;
   if (rc == 0)
     rc = sp_json_int(&c->jr, ev, "comm_index", path, false, 0, UINT32_MAX, &v);
   e->comm_index = (uint32_t)v;
-  if (rc == 0) rc = sp_json_int(&c->jr, ev, "seq", path, true, 0, LLONG_MAX, &v);
+  if (rc == 0)
+    rc = sp_json_int(&c->jr, ev, "seq", path, true, 0, LLONG_MAX, &v);
   e->seq = (uint64_t)v;
   if (rc == 0) rc = sp_json_string(&c->jr, ev, "op", path, true, &e->op);
   if (rc == 0) rc = sp_json_string(&c->jr, ev, "dtype", path, true, &e->dtype);
@@ -157,12 +160,19 @@ static int add_rec(ctx *c, uint32_t rank, const sp_flight_event *e,
     c->recs = n;
     c->cap_recs = cap;
   }
-  c->recs[c->n_recs++] = (coll_rec){
-      .comm = comm, .rank = rank, .seq = e->seq, .op = e->op,
-      .dtype = e->dtype, .fqn = e->fqn, .unit = e->unit, .count = e->count,
-      .step = e->step, .issued = !e->completed, .completed = e->completed,
-      .issue_us = e->completed ? 0 : e->t_us,
-      .done_us = e->completed ? e->t_us : 0};
+  c->recs[c->n_recs++] = (coll_rec){.comm = comm,
+                                    .rank = rank,
+                                    .seq = e->seq,
+                                    .op = e->op,
+                                    .dtype = e->dtype,
+                                    .fqn = e->fqn,
+                                    .unit = e->unit,
+                                    .count = e->count,
+                                    .step = e->step,
+                                    .issued = !e->completed,
+                                    .completed = e->completed,
+                                    .issue_us = e->completed ? 0 : e->t_us,
+                                    .done_us = e->completed ? e->t_us : 0};
   return 0;
 }
 
@@ -191,8 +201,8 @@ static int read_rank(ctx *c, json_t *o, size_t i, rank_in *k) {
     return sp_json_fail(&c->jr, SP_EFORMAT, "%s: expected an object or null",
                         fpath);
   json_t *evs;
-  rc = sp_json_array(&c->jr, f, "events", fpath, true, SP_DUMP_MAX_EVENTS,
-                     &evs);
+  rc =
+      sp_json_array(&c->jr, f, "events", fpath, true, SP_DUMP_MAX_EVENTS, &evs);
   if (rc != 0) return rc;
   k->flight = f;
   uint64_t last_t = 0;
@@ -351,9 +361,9 @@ static size_t members_of(const ctx *c, uint32_t comm, size_t lo, size_t hi,
   return n;
 }
 
-static int add_finding(sp_analysis *a, sp_finding_kind kind,
-                       const comm_id *k, uint64_t seq, const uint32_t *culprits,
-                       size_t n, char *text) {
+static int add_finding(sp_analysis *a, sp_finding_kind kind, const comm_id *k,
+                       uint64_t seq, const uint32_t *culprits, size_t n,
+                       char *text) {
   sp_finding *nf = realloc(a->findings, (a->n_findings + 1) * sizeof *nf);
   uint32_t *cp = malloc((n ? n : 1) * sizeof *cp);
   if (nf == NULL || cp == NULL) {
@@ -365,8 +375,12 @@ static int add_finding(sp_analysis *a, sp_finding_kind kind,
   a->findings = nf;
   memcpy(cp, culprits, n * sizeof *cp);
   sp_finding *f = &a->findings[a->n_findings++];
-  *f = (sp_finding){.kind = kind, .comm_index = k->index, .seq = seq,
-                    .culprits = cp, .n_culprits = n, .text = text};
+  *f = (sp_finding){.kind = kind,
+                    .comm_index = k->index,
+                    .seq = seq,
+                    .culprits = cp,
+                    .n_culprits = n,
+                    .text = text};
   snprintf(f->comm, sizeof f->comm, "%s", k->name);
   return 0;
 }
@@ -440,7 +454,10 @@ static int analyze_comm(const ctx *c, uint32_t comm, size_t lo, size_t hi,
     bool settled = first_issue == UINT64_MAX ||
                    c->taken_us >= first_issue + SP_ANALYZE_SETTLE_US;
     if (n_missing > 0 && n_issued > 0 && settled) {
-      if ((f = open_memstream(&text, &tlen)) == NULL) { rc = SP_ENOMEM; break; }
+      if ((f = open_memstream(&text, &tlen)) == NULL) {
+        rc = SP_ENOMEM;
+        break;
+      }
       size_t ng = 0;
       const coll_rec *ex = NULL;
       for (size_t m = 0; m < nm; m++)
@@ -492,7 +509,10 @@ static int analyze_comm(const ctx *c, uint32_t comm, size_t lo, size_t hi,
       }
     }
     if (ref_n < n_issued) {
-      if ((f = open_memstream(&text, &tlen)) == NULL) { rc = SP_ENOMEM; break; }
+      if ((f = open_memstream(&text, &tlen)) == NULL) {
+        rc = SP_ENOMEM;
+        break;
+      }
       size_t nb = 0;
       fputs("the members disagree:", f);
       bool *shown = calloc(nm + 1, sizeof *shown);
@@ -518,7 +538,10 @@ static int analyze_comm(const ctx *c, uint32_t comm, size_t lo, size_t hi,
     }
     if ((n_missing > 0 || n_done < n_issued) && !settled) break;
     if (n_done < n_issued) {
-      if ((f = open_memstream(&text, &tlen)) == NULL) { rc = SP_ENOMEM; break; }
+      if ((f = open_memstream(&text, &tlen)) == NULL) {
+        rc = SP_ENOMEM;
+        break;
+      }
       size_t nb = 0, ng = 0;
       for (size_t m = 0; m < nm; m++) {
         if (at[m] == NULL) continue;
@@ -641,7 +664,8 @@ static int read_header(ctx *c, json_t *root, sp_analysis *a) {
   if (world >= 0) fprintf(f, ", world %lld", world);
   if (strategy != NULL) fprintf(f, ", %s", strategy);
   if (state != NULL) fprintf(f, ", job %s", state);
-  if (verdict != NULL && verdict[0] != '\0') fprintf(f, "\nverdict: %s", verdict);
+  if (verdict != NULL && verdict[0] != '\0')
+    fprintf(f, "\nverdict: %s", verdict);
   fclose(f);
   a->header = text;
   return 0;
@@ -666,7 +690,8 @@ static int rank_last_text(const ctx *c, const rank_in *k, char **out) {
         if (c->comms[i].index == e.comm_index &&
             strcmp(c->comms[i].name, e.comm) == 0) {
           const coll_rec *r = find_rec(c, (uint32_t)i, e.seq, k->rank);
-          if (r != NULL && e.completed && r->issued && r->done_us >= r->issue_us)
+          if (r != NULL && e.completed && r->issued &&
+              r->done_us >= r->issue_us)
             e.after_us = (int64_t)(r->done_us - r->issue_us);
         }
     }
@@ -682,8 +707,8 @@ static int rank_cmp(const void *pa, const void *pb) {
 }
 
 int sp_analyze(const char *buf, size_t len, const char *origin,
-               const char *const *unit_fqns, size_t n_units,
-               sp_analysis *out, sp_diag *d) {
+               const char *const *unit_fqns, size_t n_units, sp_analysis *out,
+               sp_diag *d) {
   memset(out, 0, sizeof *out);
   ctx c = {.jr = {origin, d}, .unit_fqns = unit_fqns, .n_units = n_units};
   json_t *root = NULL;
@@ -761,9 +786,9 @@ void sp_analysis_free(sp_analysis *a) {
 
 static const char *kind_name(sp_finding_kind k) {
   switch (k) {
-  case SP_FINDING_DESYNC: return "DESYNC";
-  case SP_FINDING_MISSING: return "MISSING";
-  default: return "STUCK";
+    case SP_FINDING_DESYNC: return "DESYNC";
+    case SP_FINDING_MISSING: return "MISSING";
+    default: return "STUCK";
   }
 }
 
@@ -779,9 +804,10 @@ void sp_analysis_print(const sp_analysis *a, FILE *f) {
   if (a->alerts != NULL && a->alerts[0] != '\0')
     fprintf(f, "alerts:\n%s", a->alerts);
   if (a->n_findings == 0) {
-    fprintf(f, "no divergence: on %zu communicator%s, every member issued the "
-               "same collectives, and none is stuck (%" PRIu64
-               " collective events)\n",
+    fprintf(f,
+            "no divergence: on %zu communicator%s, every member issued the "
+            "same collectives, and none is stuck (%" PRIu64
+            " collective events)\n",
             a->n_comms, a->n_comms == 1 ? "" : "s", a->n_collectives);
   } else {
     fprintf(f, "first divergence:\n");
@@ -806,16 +832,16 @@ json_t *sp_analysis_json(const sp_analysis *a) {
     for (size_t j = 0; j < x->n_culprits; j++)
       json_array_append_new(cul, json_integer(x->culprits[j]));
     json_array_append_new(
-        findings, json_pack("{s:s,s:s,s:i,s:I,s:o,s:s}", "kind",
-                            kind_name(x->kind), "comm", x->comm, "comm_index",
-                            (int)x->comm_index, "seq", (json_int_t)x->seq,
-                            "culprits", cul, "text", x->text));
+        findings,
+        json_pack("{s:s,s:s,s:i,s:I,s:o,s:s}", "kind", kind_name(x->kind),
+                  "comm", x->comm, "comm_index", (int)x->comm_index, "seq",
+                  (json_int_t)x->seq, "culprits", cul, "text", x->text));
   }
   for (size_t i = 0; i < a->n_ranks; i++)
     json_array_append_new(
-        ranks, json_pack("{s:i,s:b,s:s}", "rank", (int)a->ranks[i].rank,
-                         "answered", a->ranks[i].answered, "last",
-                         a->ranks[i].text));
+        ranks,
+        json_pack("{s:i,s:b,s:s}", "rank", (int)a->ranks[i].rank, "answered",
+                  a->ranks[i].answered, "last", a->ranks[i].text));
   return json_pack("{s:s,s:s,s:b,s:I,s:o,s:o}", "header",
                    a->header ? a->header : "", "alerts",
                    a->alerts ? a->alerts : "", "diverged", a->n_findings > 0,

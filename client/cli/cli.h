@@ -75,17 +75,18 @@ int sp_cli_parse_uint(const char *s, long long max, long long *out);
 /* getopt_long values of the options every remote subcommand takes; put
  * SP_REMOTE_OPTIONS in the subcommand's option table. */
 enum { SP_OPT_COORDINATOR = 900, SP_OPT_TIMEOUT };
-#define SP_REMOTE_OPTIONS                                                      \
-  {"coordinator", required_argument, NULL, SP_OPT_COORDINATOR},                \
+#define SP_REMOTE_OPTIONS                                       \
+  {"coordinator", required_argument, NULL, SP_OPT_COORDINATOR}, \
       {"timeout-ms", required_argument, NULL, SP_OPT_TIMEOUT}, SP_CRED_OPTIONS
-#define SP_REMOTE_OPTIONS_HELP                                                 \
-  "  --coordinator HOST:PORT      the coordinator (default "                  \
-  "$" SP_COORDINATOR_ENV ",\n"                                                 \
-  "                               then " SP_DEFAULT_COORDINATOR ")\n"          \
-  "  --timeout-ms N               deadline of each call, and how long to "   \
-  "keep\n"                                                                     \
-  "                               trying to connect (default 5000)\n"        \
-  SP_CRED_OPTIONS_HELP
+#define SP_REMOTE_OPTIONS_HELP                                             \
+  "  --coordinator HOST:PORT      the coordinator (default "               \
+  "$" SP_COORDINATOR_ENV                                                   \
+  ",\n"                                                                    \
+  "                               then " SP_DEFAULT_COORDINATOR            \
+  ")\n"                                                                    \
+  "  --timeout-ms N               deadline of each call, and how long to " \
+  "keep\n"                                                                 \
+  "                               trying to connect (default 5000)\n" SP_CRED_OPTIONS_HELP
 
 struct sp_rpc_sync;
 

@@ -83,10 +83,10 @@ static int incarnations_json(
   json_t *arr = json_array();
   for (size_t i = 0; i < l->n_incarnations; i++)
     json_array_append_new(arr, incarnation_json(l->incarnations[i]));
-  json_t *root = json_pack("{s:I,s:i,s:i,s:o}", "current",
-                           (json_int_t)l->current, "restarts",
-                           (int)l->restarts, "max_restarts",
-                           (int)l->max_restarts, "incarnations", arr);
+  json_t *root =
+      json_pack("{s:I,s:i,s:i,s:o}", "current", (json_int_t)l->current,
+                "restarts", (int)l->restarts, "max_restarts",
+                (int)l->max_restarts, "incarnations", arr);
   return sp_render_json_out(root) == 0 ? SP_EXIT_OK : SP_EXIT_FAILURE;
 }
 
@@ -95,8 +95,8 @@ int sp_cmd_incarnations(int argc, char **argv) {
   sp_remote_init(&r, "incarnations");
   int first;
   size_t n;
-  int ec = sp_remote_parse_args(&r, &k_incarnations, argc, argv, NULL, 0,
-                                NULL, NULL, &first, &n);
+  int ec = sp_remote_parse_args(&r, &k_incarnations, argc, argv, NULL, 0, NULL,
+                                NULL, &first, &n);
   if (ec != PROCEED) return ec;
   Shardplane__V1__ListIncarnationsRequest q =
       SHARDPLANE__V1__LIST_INCARNATIONS_REQUEST__INIT;

@@ -80,8 +80,9 @@ static void usage(FILE *f) {
     fprintf(f, "  %-12s %s\n", k_commands[i].name, k_commands[i].summary);
   fprintf(f,
           "\nThe remote commands ask the coordinator at --coordinator "
-          "HOST:PORT,\nelse $" SP_COORDINATOR_ENV ", else "
-          SP_DEFAULT_COORDINATOR "; all take --json.\n"
+          "HOST:PORT,\nelse $" SP_COORDINATOR_ENV
+          ", else " SP_DEFAULT_COORDINATOR
+          "; all take --json.\n"
           "\nexit codes: 0 ok, 1 failure, 2 bad usage, 3 not found,\n"
           "            4 coordinator unreachable,\n"
           "            5 (why, analyze) an open alert or a divergence\n");

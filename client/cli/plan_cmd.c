@@ -23,21 +23,22 @@
 #include "rpc/coord_service.h"
 
 static void plan_help(FILE *f) {
-  fputs("usage: shardplane plan --model M.json [job options] [options]\n"
-        "       shardplane plan [--coordinator HOST:PORT] [options]\n"
-        "\n"
-        "Prints the sharding plan: its units, per-rank shard sizes and the\n"
-        "buffer table (FQN, original and compute dtype), or with --memory\n"
-        "the bytes each rank holds. With --model it is computed here from\n"
-        "the spec and job; without, it is the running coordinator's plan.\n"
-        "\n"
-        "  --model PATH                 model spec (shardplane.model/v1)\n"
-        "  --job PATH                   job config (shardplane.job/v1); the\n"
-        "                               flags below override it (without a\n"
-        "                               wrap policy every Linear module\n"
-        "                               becomes a unit, as in shardplane "
-        "run)\n",
-        f);
+  fputs(
+      "usage: shardplane plan --model M.json [job options] [options]\n"
+      "       shardplane plan [--coordinator HOST:PORT] [options]\n"
+      "\n"
+      "Prints the sharding plan: its units, per-rank shard sizes and the\n"
+      "buffer table (FQN, original and compute dtype), or with --memory\n"
+      "the bytes each rank holds. With --model it is computed here from\n"
+      "the spec and job; without, it is the running coordinator's plan.\n"
+      "\n"
+      "  --model PATH                 model spec (shardplane.model/v1)\n"
+      "  --job PATH                   job config (shardplane.job/v1); the\n"
+      "                               flags below override it (without a\n"
+      "                               wrap policy every Linear module\n"
+      "                               becomes a unit, as in shardplane "
+      "run)\n",
+      f);
   sp_job_flags_print_help(f);
   fputs(SP_REMOTE_OPTIONS_HELP
         "  --rank R                     also list rank R's shard, param by "
@@ -110,8 +111,8 @@ typedef struct plan_args {
   sp_mem_opts mem;
   const char *mem_flag; /* a memory option given (for the error without
                            --memory) */
-  bool remote_opts; /* --coordinator or --timeout-ms given */
-  sp_job_cli flags; /* job flags, applied after --job */
+  bool remote_opts;     /* --coordinator or --timeout-ms given */
+  sp_job_cli flags;     /* job flags, applied after --job */
 } plan_args;
 
 static int run_plan(const plan_args *a) {
@@ -211,67 +212,70 @@ int sp_cmd_plan(int argc, char **argv) {
       continue;
     }
     switch (c) {
-    case OPT_MODEL:
-      a.model = optarg;
-      if (sp_flag_text("--model", optarg, "a model spec (JSON file)", &d))
-        goto bad;
-      break;
-    case OPT_JOB:
-      a.job = optarg;
-      if (sp_flag_text("--job", optarg, "a job config (JSON file)", &d))
-        goto bad;
-      break;
-    case OPT_UNIT:
-      a.unit = optarg;
-      if (sp_flag_text("--unit", optarg, "a unit index or module FQN", &d))
-        goto bad;
-      break;
-    case OPT_JSON: a.json = true; break;
-    case OPT_RANK:
-      if (sp_flag_int("--rank", optarg, 0, SP_JOB_MAX_WORLD - 1, &a.rank,
-                      &d) != 0)
-        goto bad;
-      break;
-    case OPT_HELP:
-      plan_help(stdout);
-      exit_code = SP_EXIT_OK;
-      goto out;
-    case OPT_MEMORY: a.memory = true; break;
-    case OPT_OPTIMIZER:
-      a.mem_flag = "--optimizer";
-      if (sp_mem_optimizer_parse(optarg, &a.mem.optimizer) != 0) {
-        sp_cli_error("plan", "--optimizer \"%s\": expected none, sgd, "
-                     "sgd-momentum or adamw", optarg);
+      case OPT_MODEL:
+        a.model = optarg;
+        if (sp_flag_text("--model", optarg, "a model spec (JSON file)", &d))
+          goto bad;
+        break;
+      case OPT_JOB:
+        a.job = optarg;
+        if (sp_flag_text("--job", optarg, "a job config (JSON file)", &d))
+          goto bad;
+        break;
+      case OPT_UNIT:
+        a.unit = optarg;
+        if (sp_flag_text("--unit", optarg, "a unit index or module FQN", &d))
+          goto bad;
+        break;
+      case OPT_JSON: a.json = true; break;
+      case OPT_RANK:
+        if (sp_flag_int("--rank", optarg, 0, SP_JOB_MAX_WORLD - 1, &a.rank,
+                        &d) != 0)
+          goto bad;
+        break;
+      case OPT_HELP:
+        plan_help(stdout);
+        exit_code = SP_EXIT_OK;
         goto out;
-      }
-      break;
-    case OPT_INFLIGHT: {
-      long long n;
-      a.mem_flag = "--max-inflight-gathers";
-      if (sp_cli_parse_uint(optarg, SP_MEM_MAX_INFLIGHT, &n) != 0 || n < 1) {
-        sp_cli_error("plan", "--max-inflight-gathers \"%s\": expected a "
-                     "whole number from 1 to %u", optarg,
-                     SP_MEM_MAX_INFLIGHT);
-        goto out;
-      }
-      a.mem.max_inflight = (uint32_t)n;
-      break;
-    }
-    case OPT_NO_PREFETCH:
-      a.mem_flag = "--no-backward-prefetch";
-      a.mem.backward_prefetch = false;
-      break;
-    case OPT_NO_SYNC:
-      a.mem_flag = "--no-sync";
-      a.mem.no_sync = true;
-      break;
-    default:
-      if (c >= SP_JOB_OPT_BASE) {
-        if (sp_job_cli_record(&a.flags, c, optarg) != 0) goto out;
+      case OPT_MEMORY: a.memory = true; break;
+      case OPT_OPTIMIZER:
+        a.mem_flag = "--optimizer";
+        if (sp_mem_optimizer_parse(optarg, &a.mem.optimizer) != 0) {
+          sp_cli_error("plan",
+                       "--optimizer \"%s\": expected none, sgd, "
+                       "sgd-momentum or adamw",
+                       optarg);
+          goto out;
+        }
+        break;
+      case OPT_INFLIGHT: {
+        long long n;
+        a.mem_flag = "--max-inflight-gathers";
+        if (sp_cli_parse_uint(optarg, SP_MEM_MAX_INFLIGHT, &n) != 0 || n < 1) {
+          sp_cli_error("plan",
+                       "--max-inflight-gathers \"%s\": expected a "
+                       "whole number from 1 to %u",
+                       optarg, SP_MEM_MAX_INFLIGHT);
+          goto out;
+        }
+        a.mem.max_inflight = (uint32_t)n;
         break;
       }
-      sp_cli_try_help("plan"); /* getopt said what */
-      goto out;
+      case OPT_NO_PREFETCH:
+        a.mem_flag = "--no-backward-prefetch";
+        a.mem.backward_prefetch = false;
+        break;
+      case OPT_NO_SYNC:
+        a.mem_flag = "--no-sync";
+        a.mem.no_sync = true;
+        break;
+      default:
+        if (c >= SP_JOB_OPT_BASE) {
+          if (sp_job_cli_record(&a.flags, c, optarg) != 0) goto out;
+          break;
+        }
+        sp_cli_try_help("plan"); /* getopt said what */
+        goto out;
     }
     continue;
   bad:
@@ -284,30 +288,35 @@ int sp_cmd_plan(int argc, char **argv) {
     goto out;
   }
   if (a.mem_flag != NULL && !a.memory) {
-    sp_cli_error("plan", "%s is an option of the memory model: it needs "
-                 "--memory", a.mem_flag);
+    sp_cli_error("plan",
+                 "%s is an option of the memory model: it needs "
+                 "--memory",
+                 a.mem_flag);
     goto out;
   }
   if (a.memory && (a.rank >= 0 || a.unit != NULL)) {
-    sp_cli_error("plan", "--memory prints what every rank holds (the same "
+    sp_cli_error("plan",
+                 "--memory prints what every rank holds (the same "
                  "on all); --rank and --unit are for the plan tables");
     goto out;
   }
   if (a.model != NULL) {
     if (a.remote_opts) {
-      sp_cli_error("plan", "--model computes the plan here; --coordinator and "
-                           "--timeout-ms are for asking a coordinator");
+      sp_cli_error("plan",
+                   "--model computes the plan here; --coordinator and "
+                   "--timeout-ms are for asking a coordinator");
       goto out;
     }
     exit_code = run_plan(&a);
   } else if (a.job != NULL || a.flags.n > 0) {
     /* a running job's plan is fixed: job options only make sense offline */
-    sp_cli_error("plan", "--job and job flags need --model (the "
-                         "coordinator's plan has its own job)");
+    sp_cli_error("plan",
+                 "--job and job flags need --model (the "
+                 "coordinator's plan has its own job)");
   } else {
     remote.json = a.json;
-    exit_code = sp_remote_plan(&remote, a.rank, a.unit,
-                               a.memory ? &a.mem : NULL);
+    exit_code =
+        sp_remote_plan(&remote, a.rank, a.unit, a.memory ? &a.mem : NULL);
   }
 out:
   sp_job_cli_free(&a.flags);
@@ -343,7 +352,8 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
   }
   ProtobufCMessage *m;
   if ((ec = sp_remote_call(r, SP_COORD_PATH("GetPlan"), &q.base,
-                 &shardplane__v1__plan__descriptor, &m)) != SP_EXIT_OK)
+                           &shardplane__v1__plan__descriptor, &m)) !=
+      SP_EXIT_OK)
     goto out;
   sp_diag diag = {""};
   if (sp_wire_plan_new((Shardplane__V1__Plan *)m, &wp, &diag) != 0) {
@@ -441,12 +451,12 @@ static int where_json(const Shardplane__V1__ParamLocation *p) {
       json_array_append_new(ranks,
                             json_integer(sl->shard + k * p->shard_world));
     json_array_append_new(
-        slices, json_pack("{s:i,s:o,s:I,s:I,s:I,s:I}", "shard", (int)sl->shard,
-                          "ranks", ranks, "offset_in_shard",
-                          (json_int_t)sl->offset_in_shard, "numel",
-                          (json_int_t)sl->numel, "intra_start",
-                          (json_int_t)sl->intra_start, "intra_end",
-                          (json_int_t)sl->intra_end));
+        slices,
+        json_pack("{s:i,s:o,s:I,s:I,s:I,s:I}", "shard", (int)sl->shard, "ranks",
+                  ranks, "offset_in_shard", (json_int_t)sl->offset_in_shard,
+                  "numel", (json_int_t)sl->numel, "intra_start",
+                  (json_int_t)sl->intra_start, "intra_end",
+                  (json_int_t)sl->intra_end));
   }
   json_t *root = json_pack(
       "{s:s,s:s,s:b,s:i,s:s,s:o,s:o,s:I,s:I,s:s,s:i,s:i,s:o}", "fqn", p->fqn,
@@ -490,15 +500,15 @@ int sp_cmd_where(int argc, char **argv) {
   sp_remote_init(&r, "where");
   int first;
   size_t n;
-  int ec = sp_remote_parse_args(&r, &k_where, argc, argv, NULL, 0, NULL, NULL, &first,
-                      &n);
+  int ec = sp_remote_parse_args(&r, &k_where, argc, argv, NULL, 0, NULL, NULL,
+                                &first, &n);
   if (ec != PROCEED) return ec;
   Shardplane__V1__LocateParamRequest q =
       SHARDPLANE__V1__LOCATE_PARAM_REQUEST__INIT;
   q.fqn = argv[first];
   ProtobufCMessage *m;
   ec = sp_remote_call(&r, SP_COORD_PATH("LocateParam"), &q.base,
-            &shardplane__v1__param_location__descriptor, &m);
+                      &shardplane__v1__param_location__descriptor, &m);
   if (ec == SP_EXIT_OK) {
     const Shardplane__V1__ParamLocation *p =
         (const Shardplane__V1__ParamLocation *)m;
@@ -538,7 +548,7 @@ int sp_cmd_buffers(int argc, char **argv) {
   int first;
   size_t n;
   int ec = sp_remote_parse_args(&r, &k_buffers, argc, argv, own, 1, buffers_opt,
-                      &prefix, &first, &n);
+                                &prefix, &first, &n);
   if (ec != PROCEED) return ec;
   json_t *rows = r.json ? json_array() : NULL;
   char *token = NULL;
@@ -551,8 +561,8 @@ int sp_cmd_buffers(int argc, char **argv) {
     q.page_token = token != NULL ? token : (char *)"";
     ProtobufCMessage *m;
     if ((ec = sp_remote_call(&r, SP_COORD_PATH("ListBuffers"), &q.base,
-                   &shardplane__v1__list_buffers_response__descriptor, &m)) !=
-        SP_EXIT_OK)
+                             &shardplane__v1__list_buffers_response__descriptor,
+                             &m)) != SP_EXIT_OK)
       break;
     const Shardplane__V1__ListBuffersResponse *l =
         (const Shardplane__V1__ListBuffersResponse *)m;
@@ -590,8 +600,8 @@ int sp_cmd_buffers(int argc, char **argv) {
   }
   if (rows != NULL) {
     if (ec == SP_EXIT_OK &&
-        sp_render_json_out(json_pack("{s:i,s:O}", "total", (int)seen,
-                                     "buffers", rows)) != 0)
+        sp_render_json_out(
+            json_pack("{s:i,s:O}", "total", (int)seen, "buffers", rows)) != 0)
       ec = SP_EXIT_FAILURE;
     json_decref(rows);
   }

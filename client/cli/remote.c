@@ -50,22 +50,22 @@ int sp_remote_option(sp_remote *r, int c, const char *arg) {
   long long v;
   sp_diag d = {{0}};
   switch (c) {
-  case SP_OPT_COORDINATOR:
-    r->addr = arg;
-    r->addr_from_env = false;
-    return 1;
-  case SP_OPT_TIMEOUT:
-    if (sp_flag_int("--timeout-ms", arg, 1, 86400000, &v, &d) != 0) {
-      sp_cli_error(r->cmd, "%s", d.msg);
-      return -1;
+    case SP_OPT_COORDINATOR:
+      r->addr = arg;
+      r->addr_from_env = false;
+      return 1;
+    case SP_OPT_TIMEOUT:
+      if (sp_flag_int("--timeout-ms", arg, 1, 86400000, &v, &d) != 0) {
+        sp_cli_error(r->cmd, "%s", d.msg);
+        return -1;
+      }
+      r->timeout_ms = (uint64_t)v;
+      return 1;
+    default: {
+      int rc = sp_cred_option(&r->cred, c, arg, &d);
+      if (rc < 0) sp_cli_error(r->cmd, "%s", d.msg);
+      return rc < 0 ? -1 : rc;
     }
-    r->timeout_ms = (uint64_t)v;
-    return 1;
-  default: {
-    int rc = sp_cred_option(&r->cred, c, arg, &d);
-    if (rc < 0) sp_cli_error(r->cmd, "%s", d.msg);
-    return rc < 0 ? -1 : rc;
-  }
   }
 }
 
@@ -82,11 +82,11 @@ static void remote_close(sp_remote *r) {
 
 static int exit_code_of(int code) {
   switch (code) {
-  case SP_RPC_OK: return SP_EXIT_OK;
-  case SP_RPC_INVALID_ARGUMENT: return SP_EXIT_USAGE;
-  case SP_RPC_NOT_FOUND: return SP_EXIT_NOT_FOUND;
-  case SP_RPC_UNAVAILABLE: return SP_EXIT_UNREACHABLE;
-  default: return SP_EXIT_FAILURE;
+    case SP_RPC_OK: return SP_EXIT_OK;
+    case SP_RPC_INVALID_ARGUMENT: return SP_EXIT_USAGE;
+    case SP_RPC_NOT_FOUND: return SP_EXIT_NOT_FOUND;
+    case SP_RPC_UNAVAILABLE: return SP_EXIT_UNREACHABLE;
+    default: return SP_EXIT_FAILURE;
   }
 }
 
@@ -101,7 +101,8 @@ int sp_remote_fail_status(const sp_remote *r, const sp_rpc_status *st) {
     else if (r->cred.has_token)
       snprintf(whose, sizeof whose, ": the token in $" SP_TOKEN_ENV);
     else
-      snprintf(whose, sizeof whose, ": no token sent (--token-file FILE, "
+      snprintf(whose, sizeof whose,
+               ": no token sent (--token-file FILE, "
                "or $" SP_TOKEN_ENV ")");
   }
   sp_cli_error(r->cmd, "%s (%s)%s",
@@ -120,8 +121,8 @@ int sp_remote_connect(sp_remote *r) {
   int port;
   if (sp_rpc_split_addr(r->addr, host, sizeof host, &port) != 0) {
     sp_diag d = {{0}};
-    sp_flag_fail(&d, r->addr_from_env ? "$" SP_COORDINATOR_ENV
-                                      : "--coordinator",
+    sp_flag_fail(&d,
+                 r->addr_from_env ? "$" SP_COORDINATOR_ENV : "--coordinator",
                  r->addr, "HOST:PORT or [v6]:PORT, port in [0, 65535]");
     sp_cli_error(r->cmd, "%s", d.msg);
     return SP_EXIT_USAGE;
@@ -138,9 +139,9 @@ int sp_remote_connect(sp_remote *r) {
   if (rc != 0) {
     /* the address parsed, so SP_EINVAL is a host name that does not
      * resolve */
-    sp_cli_error(r->cmd, "cannot reach the coordinator at %s: %s", r->addr,
-                 rc == SP_EINVAL ? "the host name does not resolve"
-                                 : sp_strerror(rc));
+    sp_cli_error(
+        r->cmd, "cannot reach the coordinator at %s: %s", r->addr,
+        rc == SP_EINVAL ? "the host name does not resolve" : sp_strerror(rc));
     return SP_EXIT_UNREACHABLE;
   }
   Grpc__Health__V1__HealthCheckRequest q =
@@ -164,30 +165,29 @@ int sp_remote_connect(sp_remote *r) {
     protobuf_c_message_free_unpacked(m, NULL);
   }
   switch (st.code) {
-  case SP_RPC_OK:
-    if (serving ==
-        GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING)
+    case SP_RPC_OK:
+      if (serving ==
+          GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING)
+        return SP_EXIT_OK;
+      sp_cli_error(
+          r->cmd, "the coordinator at %s is not serving (%s)", r->addr,
+          sp_remote_enum_name(
+              &grpc__health__v1__health_check_response__serving_status__descriptor,
+              serving));
+      return SP_EXIT_UNREACHABLE;
+    case SP_RPC_UNIMPLEMENTED:
+      /* a gRPC server without health checking: the real call will tell */
       return SP_EXIT_OK;
-    sp_cli_error(
-        r->cmd, "the coordinator at %s is not serving (%s)", r->addr,
-        sp_remote_enum_name(
-            &grpc__health__v1__health_check_response__serving_status__descriptor,
-            serving));
-    return SP_EXIT_UNREACHABLE;
-  case SP_RPC_UNIMPLEMENTED:
-    /* a gRPC server without health checking: the real call will tell */
-    return SP_EXIT_OK;
-  case SP_RPC_NOT_FOUND:
-    sp_cli_error(r->cmd, "%s answers, but does not serve %s (NOT_FOUND)",
-                 r->addr, SP_COORD_SERVICE);
-    return SP_EXIT_UNREACHABLE;
-  case SP_RPC_UNAVAILABLE:
-  case SP_RPC_DEADLINE_EXCEEDED:
-    sp_cli_error(r->cmd, "no coordinator answered at %s: %s (%s)", r->addr,
-                 st.message, sp_rpc_code_name(st.code));
-    return SP_EXIT_UNREACHABLE;
-  default:
-    return sp_remote_fail_status(r, &st);
+    case SP_RPC_NOT_FOUND:
+      sp_cli_error(r->cmd, "%s answers, but does not serve %s (NOT_FOUND)",
+                   r->addr, SP_COORD_SERVICE);
+      return SP_EXIT_UNREACHABLE;
+    case SP_RPC_UNAVAILABLE:
+    case SP_RPC_DEADLINE_EXCEEDED:
+      sp_cli_error(r->cmd, "no coordinator answered at %s: %s (%s)", r->addr,
+                   st.message, sp_rpc_code_name(st.code));
+      return SP_EXIT_UNREACHABLE;
+    default: return sp_remote_fail_status(r, &st);
   }
 }
 
@@ -195,17 +195,17 @@ int sp_remote_connect(sp_remote *r) {
  * *status set (the caller judges it; on OK *resp is the answer, which the
  * caller frees), or the exit code of a failure already printed. */
 int sp_remote_call_status(sp_remote *r, const char *method,
-                       const ProtobufCMessage *req,
-                       const ProtobufCMessageDescriptor *desc,
-                       uint64_t timeout_ms, ProtobufCMessage **resp,
-                       sp_rpc_status *status) {
+                          const ProtobufCMessage *req,
+                          const ProtobufCMessageDescriptor *desc,
+                          uint64_t timeout_ms, ProtobufCMessage **resp,
+                          sp_rpc_status *status) {
   *resp = NULL;
   if (r->rpc == NULL) {
     int ec = sp_remote_connect(r);
     if (ec != SP_EXIT_OK) return ec;
   }
-  int rc = sp_rpc_sync_unary(r->rpc, method, req, desc, timeout_ms, resp,
-                             status);
+  int rc =
+      sp_rpc_sync_unary(r->rpc, method, req, desc, timeout_ms, resp, status);
   if (rc != 0) {
     sp_cli_error(r->cmd, "cannot call %s: %s", method, sp_strerror(rc));
     return SP_EXIT_FAILURE;
@@ -215,11 +215,13 @@ int sp_remote_call_status(sp_remote *r, const char *method,
 
 /* One unary call with the session's deadline; a failure's message is
  * printed and its exit code returned. */
-int sp_remote_call(sp_remote *r, const char *method, const ProtobufCMessage *req,
-                const ProtobufCMessageDescriptor *desc,
-                ProtobufCMessage **resp) {
+int sp_remote_call(sp_remote *r, const char *method,
+                   const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *desc,
+                   ProtobufCMessage **resp) {
   sp_rpc_status st;
-  int ec = sp_remote_call_status(r, method, req, desc, r->timeout_ms, resp, &st);
+  int ec =
+      sp_remote_call_status(r, method, req, desc, r->timeout_ms, resp, &st);
   if (ec != PROCEED) return ec;
   return st.code == SP_RPC_OK ? SP_EXIT_OK : sp_remote_fail_status(r, &st);
 }
@@ -243,8 +245,6 @@ int sp_remote_finish(sp_remote *r, int exit_code) {
 /* ------------------------------------------------------------------ */
 /* Command lines                                                       */
 /* ------------------------------------------------------------------ */
-
-
 
 void sp_remote_subcmd_help(FILE *f, const subcmd *sc) {
   fprintf(f, "usage: shardplane %s\n\n%s", sc->synopsis, sc->help);
@@ -272,8 +272,7 @@ static int parse_one(sp_remote *r, const subcmd *sc, int c,
     sp_remote_subcmd_help(stdout, sc);
     return SP_EXIT_OK;
   }
-  if (c != '?' && on_opt != NULL && on_opt(ctx, c, optarg) == 0)
-    return PROCEED;
+  if (c != '?' && on_opt != NULL && on_opt(ctx, c, optarg) == 0) return PROCEED;
   if (c == '?') /* getopt said what */
     sp_cli_try_help(r->cmd);
   return SP_EXIT_USAGE;
@@ -285,9 +284,9 @@ static int parse_one(sp_remote *r, const subcmd *sc, int c,
  * (*first) and counted in *n. Returns PROCEED, or the exit code to stop
  * with (--help, bad usage). */
 int sp_remote_parse_args(sp_remote *r, const subcmd *sc, int argc, char **argv,
-                      const struct option *own, size_t n_own,
-                      int (*on_opt)(void *ctx, int c, const char *arg),
-                      void *ctx, int *first, size_t *n) {
+                         const struct option *own, size_t n_own,
+                         int (*on_opt)(void *ctx, int c, const char *arg),
+                         void *ctx, int *first, size_t *n) {
   struct option opts[32];
   const struct option common[] = {
       SP_REMOTE_OPTIONS,
@@ -354,11 +353,12 @@ uint64_t sp_remote_coord_wall_us(uint64_t start_us, uint64_t time_ms) {
 
 json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c) {
   if (c == NULL) return json_null();
-  return json_pack("{s:I,s:s,s:i,s:o,s:I}", "seq", (json_int_t)c->seq, "op",
-                   sp_remote_enum_name(&shardplane__v1__collective_op__descriptor, c->op),
-                   "unit", (int)c->unit, "dtype",
-                   sp_render_dtype_json(sp_wire_dtype(c->dtype)), "count",
-                   (json_int_t)c->count);
+  return json_pack(
+      "{s:I,s:s,s:i,s:o,s:I}", "seq", (json_int_t)c->seq, "op",
+      sp_remote_enum_name(&shardplane__v1__collective_op__descriptor, c->op),
+      "unit", (int)c->unit, "dtype",
+      sp_render_dtype_json(sp_wire_dtype(c->dtype)), "count",
+      (json_int_t)c->count);
 }
 
 /* ------------------------------------------------------------------ */
@@ -387,9 +387,9 @@ void sp_remote_progress_words(const Shardplane__V1__Progress *p, char *buf,
     return;
   }
   size_t n = 0;
-#define PUT(...)                                                               \
-  do {                                                                         \
-    if (n < len) n += (size_t)snprintf(buf + n, len - n, __VA_ARGS__);        \
+#define PUT(...)                                                       \
+  do {                                                                 \
+    if (n < len) n += (size_t)snprintf(buf + n, len - n, __VA_ARGS__); \
   } while (0)
   PUT("step %" PRIu64, p->step);
   if (p->total_steps > 0) PUT(" of %" PRIu64, p->total_steps);
@@ -405,14 +405,15 @@ void sp_remote_progress_words(const Shardplane__V1__Progress *p, char *buf,
 
 json_t *sp_remote_progress_json(const Shardplane__V1__Progress *p) {
   if (p == NULL) return json_null();
-  json_t *o = json_pack("{s:I,s:I,s:f}", "step", (json_int_t)p->step,
-                        "total_steps", (json_int_t)p->total_steps,
-                        "steps_per_s", p->steps_per_s);
+  json_t *o =
+      json_pack("{s:I,s:I,s:f}", "step", (json_int_t)p->step, "total_steps",
+                (json_int_t)p->total_steps, "steps_per_s", p->steps_per_s);
   if (o == NULL) return NULL;
-  json_object_set_new(o, "loss", p->has_loss ? json_real(p->loss) : json_null());
-  json_object_set_new(o, "eta_s", p->eta_s >= 0 && p->total_steps > 0
-                                      ? json_real(p->eta_s)
-                                      : json_null());
+  json_object_set_new(o, "loss",
+                      p->has_loss ? json_real(p->loss) : json_null());
+  json_object_set_new(
+      o, "eta_s",
+      p->eta_s >= 0 && p->total_steps > 0 ? json_real(p->eta_s) : json_null());
   return o;
 }
 

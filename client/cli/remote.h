@@ -34,8 +34,8 @@ void sp_remote_subcmd_help(FILE *f, const subcmd *sc);
  * the common ones. The positional arguments are left in argv[optind..]
  * (*first) and counted in *n. Returns PROCEED, or the exit code to stop
  * with (--help, bad usage). */
-int sp_remote_parse_args(sp_remote *r, const subcmd *sc, int argc,
-                         char **argv, const struct option *own, size_t n_own,
+int sp_remote_parse_args(sp_remote *r, const subcmd *sc, int argc, char **argv,
+                         const struct option *own, size_t n_own,
                          int (*on_opt)(void *ctx, int c, const char *arg),
                          void *ctx, int *first, size_t *n);
 /* Opens the connection and asks the standard health service whether the
@@ -74,8 +74,8 @@ uint64_t sp_remote_coord_start_us(uint64_t uptime_ms);
 uint64_t sp_remote_coord_wall_us(uint64_t start_us, uint64_t time_ms);
 json_t *sp_remote_collective_json(const Shardplane__V1__Collective *c);
 /* Hang diagnosis (the words status, why and watch share). */
-const char *sp_remote_job_state_name(int v);   /* "RUNNING" */
-const char *sp_remote_alert_kind_name(int v);  /* "STALL", "LOST" */
+const char *sp_remote_job_state_name(int v);  /* "RUNNING" */
+const char *sp_remote_alert_kind_name(int v); /* "STALL", "LOST" */
 /* "step 120 of 500, 3.1 steps/s, loss 2.41, about 40.0s left" */
 void sp_remote_progress_words(const Shardplane__V1__Progress *p, char *buf,
                               size_t len);

@@ -17,8 +17,7 @@ json_t *sp_render_dtype_json(sp_dtype t) {
   return t == SP_DTYPE_INVALID ? json_null() : json_string(sp_dtype_name(t));
 }
 
-void sp_render_shape(size_t ndim, const int64_t *shape, char *buf,
-                     size_t len) {
+void sp_render_shape(size_t ndim, const int64_t *shape, char *buf, size_t len) {
   size_t off = (size_t)snprintf(buf, len, "[");
   for (size_t d = 0; d < ndim && off < len; d++)
     off += (size_t)snprintf(buf + off, len - off, "%s%lld", d ? ", " : "",
@@ -81,13 +80,13 @@ json_t *sp_render_job_json(const sp_job *job, sp_strategy effective,
   json_t *j = json_pack(
       "{s:i,s:s,s:s,s:b,s:s,s:{s:b,s:o,s:o,s:o,s:b}}", "world_size",
       (int)job->world_size, "strategy", sp_strategy_name(effective),
-      "requested_strategy", sp_strategy_name(job->strategy),
-      "use_orig_params", job->use_orig_params, "backend",
-      sp_backend_name(job->backend), "mixed_precision", "enabled",
-      job->mp.enabled, "param_dtype", sp_render_dtype_json(job->mp.param_dtype),
-      "reduce_dtype", sp_render_dtype_json(job->mp.reduce_dtype),
-      "buffer_dtype", sp_render_dtype_json(job->mp.buffer_dtype),
-      "keep_low_precision_grads", job->mp.keep_low_precision_grads);
+      "requested_strategy", sp_strategy_name(job->strategy), "use_orig_params",
+      job->use_orig_params, "backend", sp_backend_name(job->backend),
+      "mixed_precision", "enabled", job->mp.enabled, "param_dtype",
+      sp_render_dtype_json(job->mp.param_dtype), "reduce_dtype",
+      sp_render_dtype_json(job->mp.reduce_dtype), "buffer_dtype",
+      sp_render_dtype_json(job->mp.buffer_dtype), "keep_low_precision_grads",
+      job->mp.keep_low_precision_grads);
   if (j != NULL && shard_world > 0)
     json_object_set_new(j, "shard_world", json_integer(shard_world));
   return j;
@@ -112,15 +111,15 @@ json_t *sp_render_buffer_json(const sp_buffer_row *b) {
   return json_pack("{s:s,s:o,s:s,s:s,s:I,s:b}", "fqn", b->fqn, "shape",
                    sp_render_shape_json(b->ndim, b->shape), "original_dtype",
                    sp_dtype_name(b->orig_dtype), "compute_dtype",
-                   sp_dtype_name(b->compute_dtype), "unit",
-                   (json_int_t)b->unit, "persistent", b->persistent);
+                   sp_dtype_name(b->compute_dtype), "unit", (json_int_t)b->unit,
+                   "persistent", b->persistent);
 }
 
 static sp_buffer_row plan_buffer_row(const sp_plan *pl, size_t i) {
   const sp_plan_buffer *b = &pl->buffers[i];
   const sp_tensor_spec *t = &pl->model->buffers[b->buffer];
-  return (sp_buffer_row){t->fqn,         (size_t)t->ndim, t->shape,
-                         b->orig_dtype,  b->compute_dtype, b->unit,
+  return (sp_buffer_row){t->fqn,        (size_t)t->ndim,  t->shape,
+                         b->orig_dtype, b->compute_dtype, b->unit,
                          b->persistent};
 }
 
@@ -137,8 +136,8 @@ static void rank_totals(const sp_plan *pl, uint32_t r, rank_row *row) {
     sp_plan_rank_range(pl, u, r, &s, &e, &pad);
     row->real += e - s;
     row->padding += pad;
-    row->bytes += pl->units[u].shard_numel *
-                  (int64_t)sp_dtype_size(pl->units[u].dtype);
+    row->bytes +=
+        pl->units[u].shard_numel * (int64_t)sp_dtype_size(pl->units[u].dtype);
   }
 }
 
@@ -148,8 +147,10 @@ static sp_shard_param *shard_params(const sp_plan *pl, uint32_t u,
                                     uint32_t rank, size_t *n) {
   sp_plan_shard_params(pl, u, rank, NULL, 0, n);
   sp_shard_param *sp = *n ? calloc(*n, sizeof *sp) : NULL;
-  if (sp == NULL) *n = 0;
-  else sp_plan_shard_params(pl, u, rank, sp, *n, n);
+  if (sp == NULL)
+    *n = 0;
+  else
+    sp_plan_shard_params(pl, u, rank, sp, *n, n);
   return sp;
 }
 
@@ -289,19 +290,19 @@ static void memory_row(const char *label, uint64_t peak, uint64_t current) {
   char hp[32], hc[32];
   human_bytes(peak, hp, sizeof hp);
   human_bytes(current, hc, sizeof hc);
-  printf("%-28s %16llu %12s %16llu %12s\n", label, (unsigned long long)peak,
-         hp, (unsigned long long)current, hc);
+  printf("%-28s %16llu %12s %16llu %12s\n", label, (unsigned long long)peak, hp,
+         (unsigned long long)current, hc);
 }
 
 void sp_render_memory_text(const sp_plan *pl, const sp_job *job,
                            const sp_plan_source *src,
                            const sp_mem_estimate *e) {
   plan_header(pl, job, src);
-  printf("memory  per rank (every rank holds c elements of every unit); "
-         "optimizer %s, limiter %u, backward prefetch %s, no_sync %s\n\n",
-         sp_mem_optimizer_name(e->opts.optimizer), e->opts.max_inflight,
-         e->opts.backward_prefetch ? "on" : "off",
-         e->opts.no_sync ? "on" : "off");
+  printf(
+      "memory  per rank (every rank holds c elements of every unit); "
+      "optimizer %s, limiter %u, backward prefetch %s, no_sync %s\n\n",
+      sp_mem_optimizer_name(e->opts.optimizer), e->opts.max_inflight,
+      e->opts.backward_prefetch ? "on" : "off", e->opts.no_sync ? "on" : "off");
   printf("%-28s %16s %12s %16s %12s\n", "CATEGORY", "PEAK BYTES", "PEAK",
          "AFTER STEP 2", "");
   for (int k = 0; k < SP_MEM_N_CATS; k++)
@@ -317,12 +318,13 @@ void sp_render_memory_text(const sp_plan *pl, const sp_job *job,
   human_bytes(e->in_flight_floor, h, sizeof h);
   printf("in-flight floor               %16llu %12s\n",
          (unsigned long long)e->in_flight_floor, h);
-  printf("\nEach category's peak is its own maximum; total is the peak of "
-         "the sum.\nreserved adds the blocks the pool keeps cached: what "
-         "the process holds.\nThe floor: buffers, the root unit's "
-         "parameters and gradient, and %u times\nthe largest other unit's "
-         "parameters, gradient and reduce buffers.\n",
-         e->opts.max_inflight);
+  printf(
+      "\nEach category's peak is its own maximum; total is the peak of "
+      "the sum.\nreserved adds the blocks the pool keeps cached: what "
+      "the process holds.\nThe floor: buffers, the root unit's "
+      "parameters and gradient, and %u times\nthe largest other unit's "
+      "parameters, gradient and reduce buffers.\n",
+      e->opts.max_inflight);
 }
 
 static json_t *mem_bytes_json(const sp_mem_bytes *b) {
@@ -331,8 +333,7 @@ static json_t *mem_bytes_json(const sp_mem_bytes *b) {
 }
 
 int sp_render_memory_json(const sp_plan *pl, const sp_job *job,
-                          const sp_plan_source *src,
-                          const sp_mem_estimate *e) {
+                          const sp_plan_source *src, const sp_mem_estimate *e) {
   json_t *cats = json_object();
   for (int k = 0; k < SP_MEM_N_CATS; k++)
     json_object_set_new(cats, sp_mem_cat_name((sp_mem_cat)k),
@@ -341,16 +342,15 @@ int sp_render_memory_json(const sp_plan *pl, const sp_job *job,
       "{s:s,s:I,s:b,s:b,s:o,s:o,s:o,s:I,s:I,s:I}", "optimizer",
       sp_mem_optimizer_name(e->opts.optimizer), "max_inflight",
       (json_int_t)e->opts.max_inflight, "backward_prefetch",
-      e->opts.backward_prefetch, "no_sync", e->opts.no_sync, "categories",
-      cats, "total", mem_bytes_json(&e->acct.total), "reserved",
-      mem_bytes_json(&e->acct.reserved), "allocs",
-      (json_int_t)e->acct.allocs, "sharded_state",
-      (json_int_t)e->sharded_state, "in_flight_floor",
+      e->opts.backward_prefetch, "no_sync", e->opts.no_sync, "categories", cats,
+      "total", mem_bytes_json(&e->acct.total), "reserved",
+      mem_bytes_json(&e->acct.reserved), "allocs", (json_int_t)e->acct.allocs,
+      "sharded_state", (json_int_t)e->sharded_state, "in_flight_floor",
       (json_int_t)e->in_flight_floor);
-  json_t *model = json_pack(
-      "{s:s,s:o,s:I}", "name", pl->model->name, "path",
-      src->model_path ? json_string(src->model_path) : json_null(),
-      "elements", (json_int_t)src->elements);
+  json_t *model =
+      json_pack("{s:s,s:o,s:I}", "name", pl->model->name, "path",
+                src->model_path ? json_string(src->model_path) : json_null(),
+                "elements", (json_int_t)src->elements);
   if (model != NULL && src->coordinator != NULL)
     json_object_set_new(model, "coordinator", json_string(src->coordinator));
   json_t *root = json_pack(
@@ -428,11 +428,10 @@ int sp_render_plan_json(const sp_plan *pl, const sp_job *job,
   for (uint32_t r = 0; r < pl->world_size; r++) {
     rank_row row;
     rank_totals(pl, r, &row);
-    json_array_append_new(
-        ranks, json_pack("{s:i,s:I,s:I,s:I}", "rank", (int)r, "real",
-                         (json_int_t)row.real, "padding",
-                         (json_int_t)row.padding, "bytes",
-                         (json_int_t)row.bytes));
+    json_array_append_new(ranks, json_pack("{s:i,s:I,s:I,s:I}", "rank", (int)r,
+                                           "real", (json_int_t)row.real,
+                                           "padding", (json_int_t)row.padding,
+                                           "bytes", (json_int_t)row.bytes));
   }
   for (size_t i = 0; i < pl->n_buffers; i++) {
     sp_buffer_row row = plan_buffer_row(pl, i);

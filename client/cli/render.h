@@ -38,13 +38,11 @@ int sp_render_plan_json(const sp_plan *pl, const sp_job *job,
  * prediction per rank by category (peak and after the steps), the total in
  * use and reserved, the sharded state and the in-flight floor. */
 void sp_render_memory_text(const sp_plan *pl, const sp_job *job,
-                           const sp_plan_source *src,
-                           const sp_mem_estimate *e);
+                           const sp_plan_source *src, const sp_mem_estimate *e);
 /* The same as JSON: {"version", "model", "job", "memory": {...}}; -1 when
  * it cannot be built or written. */
 int sp_render_memory_json(const sp_plan *pl, const sp_job *job,
-                          const sp_plan_source *src,
-                          const sp_mem_estimate *e);
+                          const sp_plan_source *src, const sp_mem_estimate *e);
 
 /* A unit by index or wrapped-module FQN ("" is the root); -1 when absent. */
 long sp_plan_find_unit(const sp_plan *pl, const char *s);

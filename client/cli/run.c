@@ -47,150 +47,154 @@ extern char **environ;
 #define MAX_NPROC SP_WORKERS_MAX
 
 static void usage(FILE *f) {
-  fputs("usage: shardplane run --nproc N --model M.json [--job J.json] "
-        "[options]\n"
-        "\n"
-        "Runs a whole job on this machine: a coordinator on a free loopback\n"
-        "port and N CPU workers (shardplane-worker) training the model with\n"
-        "sharded parameters over Gloo. Every line a worker writes is shown\n"
-        "prefixed with the time and its rank (\"[rank1]: \"); rank 0 prints\n"
-        "progress. At the end a checkpoint is written, and its place and\n"
-        "the flags that load it are printed.\n"
-        "\n"
-        "  --nproc N                  ranks (the job's world size)\n"
-        "  --model PATH               model spec (examples/models/gpt2-*.json\n"
-        "                             train a GPT-2, with --wrap-type\n"
-        "                             GPT2Block; examples/mlp.json the\n"
-        "                             reference MLP; any other spec is\n"
-        "                             refused, exit 1, unless --synthetic)\n"
-        "  --synthetic                run the synthetic-gradient cycle on the\n"
-        "                             spec instead of training (the runtime's\n"
-        "                             schedule and memory on any spec, for\n"
-        "                             benchmarks)\n"
-        "  --job PATH                 job config; the flags below override it\n"
-        "                             (without a wrap policy every Linear "
-        "module\n"
-        "                             becomes a unit)\n",
-        f);
+  fputs(
+      "usage: shardplane run --nproc N --model M.json [--job J.json] "
+      "[options]\n"
+      "\n"
+      "Runs a whole job on this machine: a coordinator on a free loopback\n"
+      "port and N CPU workers (shardplane-worker) training the model with\n"
+      "sharded parameters over Gloo. Every line a worker writes is shown\n"
+      "prefixed with the time and its rank (\"[rank1]: \"); rank 0 prints\n"
+      "progress. At the end a checkpoint is written, and its place and\n"
+      "the flags that load it are printed.\n"
+      "\n"
+      "  --nproc N                  ranks (the job's world size)\n"
+      "  --model PATH               model spec (examples/models/gpt2-*.json\n"
+      "                             train a GPT-2, with --wrap-type\n"
+      "                             GPT2Block; examples/mlp.json the\n"
+      "                             reference MLP; any other spec is\n"
+      "                             refused, exit 1, unless --synthetic)\n"
+      "  --synthetic                run the synthetic-gradient cycle on the\n"
+      "                             spec instead of training (the runtime's\n"
+      "                             schedule and memory on any spec, for\n"
+      "                             benchmarks)\n"
+      "  --job PATH                 job config; the flags below override it\n"
+      "                             (without a wrap policy every Linear "
+      "module\n"
+      "                             becomes a unit)\n",
+      f);
   sp_job_flags_print_help_except(f, "world-size");
-  fputs("  --steps N                  train up to step N in all (default 20);\n"
-        "                             resumed with --load from step K, the\n"
-        "                             job trains steps K+1..N\n"
-        "  --global-batch N           samples per step over all ranks and\n"
-        "                             micro-batches (default 24)\n"
-        "  --lr X                     learning rate, the peak of a schedule\n"
-        "                             (default 0.05)\n"
-        "  --checkpoint-dir DIR       where to write (default\n"
-        "                             shardplane-run/<model>-w<N>-<plan>, one\n"
-        "                             per configuration); a directory holding\n"
-        "                             a checkpoint of another plan is refused\n"
-        "  --checkpoint KIND          full, sharded, local or none; "
-        "repeatable\n"
-        "                             (default full)\n"
-        "  --checkpoint-every N       also after every N-th step; the last\n"
-        "                             one is kept until the new one is\n"
-        "                             complete\n"
-        "  --load DIR                 start from a checkpoint: DIR as printed\n"
-        "                             at the end of a run, or its folder; the\n"
-        "                             job continues after its step\n"
-        "  --load-kind KIND           full, sharded or local, when DIR holds\n"
-        "                             several\n"
-        "  --load-params-only         only its parameters and buffers: the\n"
-        "                             optimizer's state and schedule start\n"
-        "                             afresh (another optimizer than the\n"
-        "                             checkpoint's)\n"
-        "  --log-every N              progress every N steps (default 1)\n"
-        "  --ranks-every S            every S seconds a line saying where the\n"
-        "                             ranks are, from the coordinator (\"step\n"
-        "                             311: 3 in FORWARD, 1 in BACKWARD_PRE\");\n"
-        "                             0: never (default 10)\n"
-        "  --device cpu|cuda          where ranks train (default cpu); cuda:\n"
-        "                             rank r on GPU r % (GPUs present), over\n"
-        "                             NCCL; one GPU per rank\n"
-        "  --heartbeat-timeout-ms N   a silent rank is lost after N ms "
-        "(default 5000)\n"
-        "  --coordinator-grace S      workers (and run's own stream to it)\n"
-        "                             ride out a\n"
-        "                             coordinator outage of up to S seconds\n"
-        "                             (default 60); a coordinator\n"
-        "                             that dies is restarted on the same port "
-        "and\n"
-        "                             its state dir (DIR/coordinator-state of "
-        "the\n"
-        "                             checkpoint directory), and the job goes "
-        "on\n"
-        "  --max-restarts K           when a worker dies, restart the job up "
-        "to K\n"
-        "                             times as a new incarnation: every rank\n"
-        "                             stopped, the store emptied, the ranks\n"
-        "                             started again from the last checkpoint "
-        "the\n"
-        "                             job wrote in its checkpoint directory\n"
-        "                             (--checkpoint-every N: at most N steps\n"
-        "                             lost), else from --load or step 0\n"
-        "                             (default 0: the job ends naming the "
-        "rank)\n"
-        "  --stop-grace S             after Ctrl-C or SIGTERM, the ranks have\n"
-        "                             S seconds to reach a step boundary,\n"
-        "                             checkpoint and stop (default 10); then\n"
-        "                             they get more time only while the\n"
-        "                             coordinator sees every one moving (a\n"
-        "                             long step: none silent for longer\n"
-        "                             than it is in its steps), else they\n"
-        "                             are stopped without a checkpoint\n"
-        "training flags, checked here and passed to every worker:\n",
-        f);
+  fputs(
+      "  --steps N                  train up to step N in all (default 20);\n"
+      "                             resumed with --load from step K, the\n"
+      "                             job trains steps K+1..N\n"
+      "  --global-batch N           samples per step over all ranks and\n"
+      "                             micro-batches (default 24)\n"
+      "  --lr X                     learning rate, the peak of a schedule\n"
+      "                             (default 0.05)\n"
+      "  --checkpoint-dir DIR       where to write (default\n"
+      "                             shardplane-run/<model>-w<N>-<plan>, one\n"
+      "                             per configuration); a directory holding\n"
+      "                             a checkpoint of another plan is refused\n"
+      "  --checkpoint KIND          full, sharded, local or none; "
+      "repeatable\n"
+      "                             (default full)\n"
+      "  --checkpoint-every N       also after every N-th step; the last\n"
+      "                             one is kept until the new one is\n"
+      "                             complete\n"
+      "  --load DIR                 start from a checkpoint: DIR as printed\n"
+      "                             at the end of a run, or its folder; the\n"
+      "                             job continues after its step\n"
+      "  --load-kind KIND           full, sharded or local, when DIR holds\n"
+      "                             several\n"
+      "  --load-params-only         only its parameters and buffers: the\n"
+      "                             optimizer's state and schedule start\n"
+      "                             afresh (another optimizer than the\n"
+      "                             checkpoint's)\n"
+      "  --log-every N              progress every N steps (default 1)\n"
+      "  --ranks-every S            every S seconds a line saying where the\n"
+      "                             ranks are, from the coordinator (\"step\n"
+      "                             311: 3 in FORWARD, 1 in BACKWARD_PRE\");\n"
+      "                             0: never (default 10)\n"
+      "  --device cpu|cuda          where ranks train (default cpu); cuda:\n"
+      "                             rank r on GPU r % (GPUs present), over\n"
+      "                             NCCL; one GPU per rank\n"
+      "  --heartbeat-timeout-ms N   a silent rank is lost after N ms "
+      "(default 5000)\n"
+      "  --coordinator-grace S      workers (and run's own stream to it)\n"
+      "                             ride out a\n"
+      "                             coordinator outage of up to S seconds\n"
+      "                             (default 60); a coordinator\n"
+      "                             that dies is restarted on the same port "
+      "and\n"
+      "                             its state dir (DIR/coordinator-state of "
+      "the\n"
+      "                             checkpoint directory), and the job goes "
+      "on\n"
+      "  --max-restarts K           when a worker dies, restart the job up "
+      "to K\n"
+      "                             times as a new incarnation: every rank\n"
+      "                             stopped, the store emptied, the ranks\n"
+      "                             started again from the last checkpoint "
+      "the\n"
+      "                             job wrote in its checkpoint directory\n"
+      "                             (--checkpoint-every N: at most N steps\n"
+      "                             lost), else from --load or step 0\n"
+      "                             (default 0: the job ends naming the "
+      "rank)\n"
+      "  --stop-grace S             after Ctrl-C or SIGTERM, the ranks have\n"
+      "                             S seconds to reach a step boundary,\n"
+      "                             checkpoint and stop (default 10); then\n"
+      "                             they get more time only while the\n"
+      "                             coordinator sees every one moving (a\n"
+      "                             long step: none silent for longer\n"
+      "                             than it is in its steps), else they\n"
+      "                             are stopped without a checkpoint\n"
+      "training flags, checked here and passed to every worker:\n",
+      f);
   sp_train_flags_help(f, 29);
-  fputs("hang diagnosis:\n"
-        "  --inject SPEC              passed to every worker (repeatable): a\n"
-        "                             fault to inject, e.g. "
-        "stall:rank=2,step=3\n"
-        "                             (shardplane-worker --help)\n"
-        "  --stall-timeout-ms N       the coordinator calls a job stalled "
-        "when\n"
-        "                             no rank moves for N ms (default: "
-        "adaptive)\n"
-        "  --on-stall alert|abort     and then alerts, or aborts the job\n"
-        "  --straggler-ratio X        a rank whose steps take X times the\n"
-        "                             job's median is a straggler\n"
-        "The coordinator writes its dumps (on a stall or an abort) to\n"
-        "DIR/dumps of the checkpoint directory: shardplane analyze FILE\n"
-        "reads them. When the job fails, run asks the coordinator for its\n"
-        "verdict before stopping it and names the culprit it gives.\n",
-        f);
-  fputs("  --help                     this text\n"
-        "\n"
-        "Credentials: the coordinator listens on 127.0.0.1 in cleartext\n"
-        "(--insecure) and requires tokens: run makes a worker token for its\n"
-        "ranks and an admin token, under shardplane-run/auth-XXXXXX/ (mode\n"
-        "0700; the coordinator's token file holds only their hashes), and\n"
-        "prints where the admin token is, for shardplane status --insecure\n"
-        "--token-file FILE and the other commands. They are removed when the\n"
-        "job ends.\n"
-        "\n"
-        "Ctrl-C (SIGINT) or SIGTERM: forwarded to every worker; the ranks stop\n"
-        "after the same step, write the checkpoints and exit. Ranks that have\n"
-        "not done so within --stop-grace, and that the coordinator no longer\n"
-        "sees moving (a stalled rank, and those waiting on it in a\n"
-        "collective), are stopped then, without a checkpoint, and the last\n"
-        "line says which; a second signal stops them at once.\n"
-        "\n"
-        "Restarts: run says which rank died and how, and from which step\n"
-        "each incarnation starts; the workers get SHARDPLANE_INCARNATION (0,\n"
-        "then one more per restart), and the coordinator records each\n"
-        "incarnation and what ended it (ListIncarnations).\n"
-        "\n"
-        "Before anything starts, run checks the job as the workers will: a\n"
-        "spec they cannot train (exit 1, naming why and --synthetic), a plan\n"
-        "or flags their trainer refuses (exit 2, naming the flag: a GPT-2\n"
-        "needs --wrap-type GPT2Block).\n"
-        "\n"
-        "exit codes: 0 done, 1 a bad spec or job file, or the job failed (a\n"
-        "worker died or failed, with no restart left: the message names the\n"
-        "culprit the coordinator's verdict gives, else the rank), 2 bad\n"
-        "usage, 130 / 143 stopped by SIGINT / SIGTERM (the last line says\n"
-        "whether a checkpoint was written)\n",
-        f);
+  fputs(
+      "hang diagnosis:\n"
+      "  --inject SPEC              passed to every worker (repeatable): a\n"
+      "                             fault to inject, e.g. "
+      "stall:rank=2,step=3\n"
+      "                             (shardplane-worker --help)\n"
+      "  --stall-timeout-ms N       the coordinator calls a job stalled "
+      "when\n"
+      "                             no rank moves for N ms (default: "
+      "adaptive)\n"
+      "  --on-stall alert|abort     and then alerts, or aborts the job\n"
+      "  --straggler-ratio X        a rank whose steps take X times the\n"
+      "                             job's median is a straggler\n"
+      "The coordinator writes its dumps (on a stall or an abort) to\n"
+      "DIR/dumps of the checkpoint directory: shardplane analyze FILE\n"
+      "reads them. When the job fails, run asks the coordinator for its\n"
+      "verdict before stopping it and names the culprit it gives.\n",
+      f);
+  fputs(
+      "  --help                     this text\n"
+      "\n"
+      "Credentials: the coordinator listens on 127.0.0.1 in cleartext\n"
+      "(--insecure) and requires tokens: run makes a worker token for its\n"
+      "ranks and an admin token, under shardplane-run/auth-XXXXXX/ (mode\n"
+      "0700; the coordinator's token file holds only their hashes), and\n"
+      "prints where the admin token is, for shardplane status --insecure\n"
+      "--token-file FILE and the other commands. They are removed when the\n"
+      "job ends.\n"
+      "\n"
+      "Ctrl-C (SIGINT) or SIGTERM: forwarded to every worker; the ranks stop\n"
+      "after the same step, write the checkpoints and exit. Ranks that have\n"
+      "not done so within --stop-grace, and that the coordinator no longer\n"
+      "sees moving (a stalled rank, and those waiting on it in a\n"
+      "collective), are stopped then, without a checkpoint, and the last\n"
+      "line says which; a second signal stops them at once.\n"
+      "\n"
+      "Restarts: run says which rank died and how, and from which step\n"
+      "each incarnation starts; the workers get SHARDPLANE_INCARNATION (0,\n"
+      "then one more per restart), and the coordinator records each\n"
+      "incarnation and what ended it (ListIncarnations).\n"
+      "\n"
+      "Before anything starts, run checks the job as the workers will: a\n"
+      "spec they cannot train (exit 1, naming why and --synthetic), a plan\n"
+      "or flags their trainer refuses (exit 2, naming the flag: a GPT-2\n"
+      "needs --wrap-type GPT2Block).\n"
+      "\n"
+      "exit codes: 0 done, 1 a bad spec or job file, or the job failed (a\n"
+      "worker died or failed, with no restart left: the message names the\n"
+      "culprit the coordinator's verdict gives, else the rank), 2 bad\n"
+      "usage, 130 / 143 stopped by SIGINT / SIGTERM (the last line says\n"
+      "whether a checkpoint was written)\n",
+      f);
 }
 
 /* The directory of this executable: the other programs live beside it. */
@@ -221,9 +225,9 @@ typedef struct run_opts {
   long long nproc;
   const char *model_path, *job_path, *hb;
   double ranks_every_s; /* --ranks-every; 0: no ranks lines */
-  const char *grace; /* --coordinator-grace, or NULL */
-  double stop_grace_s; /* --stop-grace; 0: the default */
-  uint64_t grace_ms; /* the same in ms; 0: not given */
+  const char *grace;    /* --coordinator-grace, or NULL */
+  double stop_grace_s;  /* --stop-grace; 0: the default */
+  uint64_t grace_ms;    /* the same in ms; 0: not given */
   bool cuda;
   bool synthetic; /* --synthetic: the workers' synthetic-gradient cycle */
   /* --steps, --global-batch, --lr, --log-every and the checkpoints
@@ -234,7 +238,7 @@ typedef struct run_opts {
    * given, in order */
   sp_train_flags train;
   struct {
-    char flag[64]; /* "--name" */
+    char flag[64];     /* "--name" */
     const char *value; /* into argv; NULL for a flag without one */
   } tflags[64];
   size_t n_tflags;
@@ -256,10 +260,10 @@ typedef struct run_job {
   char coord_bin[PATH_MAX], worker_bin[PATH_MAX];
   char default_dir[PATH_MAX];
   const char *ckdir;
-  char load_from[4096]; /* the folder --load names */
+  char load_from[4096];    /* the folder --load names */
   char dump_dir[PATH_MAX]; /* the coordinator's --dump-dir */
-  sp_ckpt_kind load_kind; /* and the kind of its checkpoint */
-  sp_run_creds creds; /* the job's tokens (run_auth.c) */
+  sp_ckpt_kind load_kind;  /* and the kind of its checkpoint */
+  sp_run_creds creds;      /* the job's tokens (run_auth.c) */
   bool gpt2; /* the workers train a GPT-2: its FULL checkpoint samples text */
 } run_job;
 
@@ -278,7 +282,7 @@ typedef struct run_procs {
    * restarted as the coordinator decides) */
   sp_supervise sup;
   sp_supervise_ckpt_seen ckpt_seen; /* the checkpoint dir when the job began */
-  double ranks_at; /* when the next line on the ranks is due */
+  double ranks_at;                  /* when the next line on the ranks is due */
   bool verdict_told; /* the coordinator's verdict on a failure was printed */
 } run_procs;
 
@@ -289,16 +293,32 @@ typedef struct run_procs {
 static int job_flag(run_opts *o, int c, const char *value) {
   const char *name = sp_job_flags[c - SP_JOB_OPT_BASE].name;
   if (strcmp(name, "world-size") == 0) {
-    sp_cli_error(RUN, "--world-size \"%s\": not a flag of run, whose world "
-                 "size is --nproc N", value);
+    sp_cli_error(RUN,
+                 "--world-size \"%s\": not a flag of run, whose world "
+                 "size is --nproc N",
+                 value);
     return -1;
   }
   return sp_job_cli_record(&o->jcli, c, value) < 0 ? -1 : 0;
 }
 
-enum { O_NPROC = 1, O_MODEL, O_JOB, O_RANKS, O_HB, O_DEVICE, O_GRACE,
-       O_INJECT, O_STALL, O_ONSTALL, O_STRAGGLER, O_RESTARTS, O_STOP_GRACE,
-       O_SYNTH, O_HELP };
+enum {
+  O_NPROC = 1,
+  O_MODEL,
+  O_JOB,
+  O_RANKS,
+  O_HB,
+  O_DEVICE,
+  O_GRACE,
+  O_INJECT,
+  O_STALL,
+  O_ONSTALL,
+  O_STRAGGLER,
+  O_RESTARTS,
+  O_STOP_GRACE,
+  O_SYNTH,
+  O_HELP
+};
 
 /* One of run's own options with its value: 0, or SP_EINVAL with the
  * flag, the value and what is allowed in d. */
@@ -336,9 +356,7 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       if (rc == 0 && o->ranks_every_s > 86400.0)
         rc = sp_flag_fail(d, flag, v, "seconds in [0, 86400]");
       return rc;
-    case O_HB:
-      o->hb = v;
-      return sp_flag_int(flag, v, 1, 3600000, &n, d);
+    case O_HB: o->hb = v; return sp_flag_int(flag, v, 1, 3600000, &n, d);
     case O_GRACE:
       o->grace = v;
       return sp_coordinator_grace_parse(flag, v, &o->grace_ms, d);
@@ -363,8 +381,7 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
       o->straggler = v;
       rc = sp_flag_number(flag, v, 1.0, &x, d);
       return rc;
-    case O_RESTARTS:
-      return sp_flag_int(flag, v, 0, 1000, &o->max_restarts, d);
+    case O_RESTARTS: return sp_flag_int(flag, v, 0, 1000, &o->max_restarts, d);
     case O_STOP_GRACE:
       return sp_supervise_stop_grace_parse(flag, v, &o->stop_grace_s, d);
   }
@@ -435,16 +452,19 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     goto out;
   }
   if (!o->model_path || o->nproc < 1) {
-    sp_cli_error(RUN, "%s", !o->model_path ? "--model is required"
-                                           : "--nproc is required");
+    sp_cli_error(
+        RUN, "%s",
+        !o->model_path ? "--model is required" : "--nproc is required");
     sp_cli_try_help(RUN);
     goto out;
   }
   for (size_t i = 0; i < o->faults.n; i++)
     if (o->faults.faults[i].rank >= o->nproc) {
-      sp_cli_error(RUN, "--inject \"%s\": rank %u is not one of the job's "
-                   "%lld ranks (0 to %lld)", o->inject[i],
-                   o->faults.faults[i].rank, o->nproc, o->nproc - 1);
+      sp_cli_error(RUN,
+                   "--inject \"%s\": rank %u is not one of the job's "
+                   "%lld ranks (0 to %lld)",
+                   o->inject[i], o->faults.faults[i].rank, o->nproc,
+                   o->nproc - 1);
       goto out;
     }
   sp_diag fd = {{0}};
@@ -453,8 +473,10 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     goto out;
   }
   if (o->wf.ckpt_every_arg && !o->wf.any_kind) {
-    sp_cli_error(RUN, "--checkpoint-every %s: nothing to write with "
-                 "--checkpoint none", o->wf.ckpt_every_arg);
+    sp_cli_error(RUN,
+                 "--checkpoint-every %s: nothing to write with "
+                 "--checkpoint none",
+                 o->wf.ckpt_every_arg);
     goto out;
   }
   ret = PROCEED;
@@ -473,12 +495,14 @@ static int check_backend(const run_opts *o, const run_job *j) {
       flag = o->jcli.items[i].value;
   sp_diag d = {{0}};
   if (flag)
-    sp_flag_fail(&d, "--backend", flag, "gloo: CPU ranks use gloo "
+    sp_flag_fail(&d, "--backend", flag,
+                 "gloo: CPU ranks use gloo "
                  "(--device cuda trains over NCCL)");
   else
-    sp_diag_set(&d, SP_EINVAL, "%s: backend %s: CPU ranks use gloo "
-                "(--device cuda trains over NCCL)", o->job_path,
-                sp_backend_name(j->job.backend));
+    sp_diag_set(&d, SP_EINVAL,
+                "%s: backend %s: CPU ranks use gloo "
+                "(--device cuda trains over NCCL)",
+                o->job_path, sp_backend_name(j->job.backend));
   sp_cli_error(RUN, "%s", d.msg);
   return SP_EXIT_USAGE;
 }
@@ -496,9 +520,9 @@ static int check_training(const run_opts *o, run_job *j) {
   }
   j->gpt2 = tm.gpt != NULL;
   sp_mlp_train_cfg cfg;
-  int rc = sp_train_model_check(&tm, j->plan, &o->train, o->wf.steps,
-                                o->wf.lr, o->wf.global_batch,
-                                (uint32_t)o->nproc, "--nproc", &cfg, &d);
+  int rc = sp_train_model_check(&tm, j->plan, &o->train, o->wf.steps, o->wf.lr,
+                                o->wf.global_batch, (uint32_t)o->nproc,
+                                "--nproc", &cfg, &d);
   sp_train_model_clear(&tm);
   if (rc == 0) return PROCEED;
   sp_cli_error(RUN, "%s", d.msg);
@@ -538,19 +562,22 @@ static int build_plan(run_opts *o, run_job *j) {
  * or the exit code. */
 static int check_gpus(const run_opts *o, run_job *j) {
   if (sp_cuda_device_count(&j->n_gpus) < 0) {
-    sp_cli_error(RUN, "--device cuda: cannot count CUDA devices (the "
-                      "driver's error is logged above)");
+    sp_cli_error(RUN,
+                 "--device cuda: cannot count CUDA devices (the "
+                 "driver's error is logged above)");
     return SP_EXIT_FAILURE;
   }
   if (j->n_gpus == 0) {
-    sp_cli_error(RUN, "--device cuda: no CUDA device (or this build has "
-                      "no CUDA)");
+    sp_cli_error(RUN,
+                 "--device cuda: no CUDA device (or this build has "
+                 "no CUDA)");
     return SP_EXIT_FAILURE;
   }
   if (o->nproc > j->n_gpus) {
-    sp_cli_error(RUN, "--device cuda: %lld ranks but %d GPU%s; NCCL needs "
-                      "one GPU per rank", o->nproc, j->n_gpus,
-                 j->n_gpus == 1 ? "" : "s");
+    sp_cli_error(RUN,
+                 "--device cuda: %lld ranks but %d GPU%s; NCCL needs "
+                 "one GPU per rank",
+                 o->nproc, j->n_gpus, j->n_gpus == 1 ? "" : "s");
     return SP_EXIT_USAGE;
   }
   return PROCEED;
@@ -587,8 +614,8 @@ static int check_checkpoints(const run_opts *o, run_job *j) {
              o->nproc, j->plan->version_hex);
     j->ckdir = j->default_dir;
   }
-  if (o->wf.any_kind && sp_ckpt_check_dir(j->ckdir, j->plan->version_hex,
-                                       &d) < 0) {
+  if (o->wf.any_kind &&
+      sp_ckpt_check_dir(j->ckdir, j->plan->version_hex, &d) < 0) {
     sp_cli_error(RUN, "%s", d.msg);
     return SP_EXIT_USAGE;
   }
@@ -602,11 +629,12 @@ static int check_job(run_opts *o, run_job *j) {
   int ec = build_plan(o, j);
   if (ec == PROCEED && o->cuda) ec = check_gpus(o, j);
   if (ec != PROCEED) return ec;
-  if (bin_path("shardplane-coordinator", j->coord_bin,
-               sizeof j->coord_bin) < 0 ||
+  if (bin_path("shardplane-coordinator", j->coord_bin, sizeof j->coord_bin) <
+          0 ||
       bin_path("shardplane-worker", j->worker_bin, sizeof j->worker_bin) < 0) {
-    sp_cli_error(RUN, "shardplane-coordinator and shardplane-worker must be "
-                      "installed beside this program");
+    sp_cli_error(RUN,
+                 "shardplane-coordinator and shardplane-worker must be "
+                 "installed beside this program");
     return SP_EXIT_FAILURE;
   }
   return check_checkpoints(o, j);
@@ -619,7 +647,8 @@ static int start_coordinator(const run_opts *o, const run_job *j,
   char nproc_s[16], listen[32];
   snprintf(nproc_s, sizeof nproc_s, "%lld", o->nproc);
   /* a restart takes the port the workers know */
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", p->restarts ? p->coord.port : 0);
+  snprintf(listen, sizeof listen, "127.0.0.1:%d",
+           p->restarts ? p->coord.port : 0);
   argvec ca = {0};
   push(&ca, j->coord_bin);
   push(&ca, "--listen");
@@ -690,9 +719,9 @@ typedef struct run_load {
 
 /* The command line of rank r's worker into wa; rank_s and device_s (24
  * bytes each) hold strings it points to, and so does ld. */
-static void worker_args(const run_opts *o, const run_job *j,
-                        const run_procs *p, const run_load *ld, long long r,
-                        argvec *wa, char *rank_s, char *device_s) {
+static void worker_args(const run_opts *o, const run_job *j, const run_procs *p,
+                        const run_load *ld, long long r, argvec *wa,
+                        char *rank_s, char *device_s) {
   snprintf(rank_s, 24, "%lld", r);
   push(wa, j->worker_bin);
   push(wa, "--coordinator");
@@ -761,13 +790,14 @@ static void what_to_load(const run_opts *o, const run_job *j, run_procs *p,
   *ld = (run_load){0};
   if (p->sup.incarnation > 0 && o->wf.any_kind &&
       sp_supervise_restart_ckpt(&p->sup, j->ckdir, &p->ckpt_seen,
-                          o->wf.load_dir ? j->load_from : NULL, ld->buf,
-                          sizeof ld->buf, &ld->kind)) {
+                                o->wf.load_dir ? j->load_from : NULL, ld->buf,
+                                sizeof ld->buf, &ld->kind)) {
     ld->dir = ld->buf;
     return;
   }
   if (p->sup.incarnation > 0 && !o->wf.any_kind)
-    sp_cli_error(RUN, "incarnation %llu starts from %s: no checkpoints "
+    sp_cli_error(RUN,
+                 "incarnation %llu starts from %s: no checkpoints "
                  "(--checkpoint none)",
                  (unsigned long long)p->sup.incarnation,
                  o->wf.load_dir ? j->load_from : "step 0");
@@ -871,8 +901,10 @@ static void ckdir_words(const run_procs *p, char *buf, size_t cap) {
   if (p->o->wf.ckpt_dir)
     snprintf(buf, cap, "--checkpoint-dir %s", p->j->ckdir);
   else
-    snprintf(buf, cap, "the checkpoint directory %s (--checkpoint-dir "
-             "chooses another)", p->j->ckdir);
+    snprintf(buf, cap,
+             "the checkpoint directory %s (--checkpoint-dir "
+             "chooses another)",
+             p->j->ckdir);
 }
 
 /* DIR/coordinator-state of the checkpoint directory, emptied: each run is
@@ -885,8 +917,10 @@ static int prepare_state_dir(const run_job *j, run_procs *p) {
   char in[PATH_MAX + 64];
   ckdir_words(p, in, sizeof in);
   if (n <= 0 || (size_t)n >= sizeof p->state_dir || make_dirs(p->state_dir)) {
-    sp_cli_error(RUN, "cannot create the coordinator's state dir %s in "
-                 "%s: %s", p->state_dir, in, strerror(errno));
+    sp_cli_error(RUN,
+                 "cannot create the coordinator's state dir %s in "
+                 "%s: %s",
+                 p->state_dir, in, strerror(errno));
     return SP_EXIT_FAILURE;
   }
   char path[PATH_MAX + 32];
@@ -945,8 +979,9 @@ static bool restart_coordinator(run_procs *p, const char *how) {
                  p->coord.port, port);
     return false;
   }
-  fprintf(stderr, "shardplane run: the coordinator %s; restarted it on %s "
-                  "with state dir %s (restart %d); the job goes on\n",
+  fprintf(stderr,
+          "shardplane run: the coordinator %s; restarted it on %s "
+          "with state dir %s (restart %d); the job goes on\n",
           how, p->addr, p->state_dir, p->restarts);
   return true;
 }
@@ -965,8 +1000,8 @@ static int open_session(run_procs *p) {
   }
   sp_rpc_client_opts co = {.connect_timeout_ms = 20000};
   sp_cred_client_opts(&cred, &co);
-  return sp_supervise_open_session(&p->sup, sp_agent_proxy_address(p->proxy), &co,
-                             p->addr, 0, 20000);
+  return sp_supervise_open_session(&p->sup, sp_agent_proxy_address(p->proxy),
+                                   &co, p->addr, 0, 20000);
 }
 
 /* A child that is not a worker ended: the coordinator
@@ -987,7 +1022,8 @@ static void reaped(sp_supervise *s, pid_t pid, int st) {
 }
 
 /* rank r as messages name it (sp_supervise_ops.name). */
-static void name_rank(const sp_supervise *s, uint32_t i, char *out, size_t cap) {
+static void name_rank(const sp_supervise *s, uint32_t i, char *out,
+                      size_t cap) {
   snprintf(out, cap, "rank %u", s->first_rank + i);
 }
 
@@ -998,8 +1034,8 @@ static void name_rank(const sp_supervise *s, uint32_t i, char *out, size_t cap) 
  * (its own restart, or a failure, is reported elsewhere). */
 static void tell_ranks(sp_supervise *s) {
   run_procs *p = s->user;
-  if (p->o->ranks_every_s <= 0 || sp_clock_s() < p->ranks_at ||
-      s->live == 0 || s->terminated || s->failing)
+  if (p->o->ranks_every_s <= 0 || sp_clock_s() < p->ranks_at || s->live == 0 ||
+      s->terminated || s->failing)
     return;
   char line[512];
   if (sp_run_ranks_line(p->addr, p->j->creds.admin_token, 500, line,
@@ -1009,10 +1045,10 @@ static void tell_ranks(sp_supervise *s) {
 }
 
 static const sp_supervise_ops k_ops = {.start = start_workers,
-                                 .name = name_rank,
-                                 .failure = tell_failure,
-                                 .reaped = reaped,
-                                 .tick = tell_ranks};
+                                       .name = name_rank,
+                                       .failure = tell_failure,
+                                       .reaped = reaped,
+                                       .tick = tell_ranks};
 
 /* The last lines: where the checkpoints are, and the flags that start a
  * job from each (shardplane run or shardplane-worker). After a stop by a
@@ -1020,8 +1056,8 @@ static const sp_supervise_ops k_ops = {.start = start_workers,
  * stopped past --stop-grace, or before its first step), one line says so,
  * and why. Only checkpoints this run wrote count: the directory may hold
  * an earlier run's. Returns the exit code. */
-static int report_done(const run_opts *o, const run_job *j,
-                       const run_procs *p, double took_s, int ret) {
+static int report_done(const run_opts *o, const run_job *j, const run_procs *p,
+                       double took_s, int ret) {
   int sig = ret > 128 ? ret - 128 : 0;
   char how[96];
   if (sig)
@@ -1048,11 +1084,15 @@ static int report_done(const run_opts *o, const run_job *j,
   }
   if (sig && written == 0) {
     if (p->sup.overdue[0])
-      printf("shardplane run: %s without a checkpoint: %s had not reached a "
-             "step boundary within --stop-grace\n", how, p->sup.overdue);
+      printf(
+          "shardplane run: %s without a checkpoint: %s had not reached a "
+          "step boundary within --stop-grace\n",
+          how, p->sup.overdue);
     else
-      printf("shardplane run: %s without a checkpoint: the ranks stopped "
-             "before their first step ended\n", how);
+      printf(
+          "shardplane run: %s without a checkpoint: the ranks stopped "
+          "before their first step ended\n",
+          how);
     return ret;
   }
   printf("shardplane run: %s at step %llu; checkpoint in %s\n", how,
@@ -1072,9 +1112,10 @@ static int report_done(const run_opts *o, const run_job *j,
   }
   /* as ./dev run samples its checkpoint */
   if (j->gpt2 && o->wf.kinds[SP_CKPT_FULL])
-    printf("shardplane run: sample text from it with shardplane-worker "
-           "--generate --load %s --model %s --prompt \"The \" --tokens 300\n",
-           f.dir[SP_CKPT_FULL], o->model_path);
+    printf(
+        "shardplane run: sample text from it with shardplane-worker "
+        "--generate --load %s --model %s --prompt \"The \" --tokens 300\n",
+        f.dir[SP_CKPT_FULL], o->model_path);
   return ret;
 }
 
@@ -1096,29 +1137,32 @@ int sp_cmd_run(int argc, char **argv) {
   }
   p.o = &o;
   p.j = &j;
-  p.sup = (sp_supervise){.who = RUN,
-                   .on_signal = ", which checkpoint after the current step "
-                                "and stop",
-                   .ops = &k_ops,
-                   .user = &p,
-                   .n = (uint32_t)o.nproc,
-                   .max_restarts = (uint32_t)o.max_restarts,
-                   .stop_grace_s = o.stop_grace_s,
-                   .grace_ms = o.grace_ms ? o.grace_ms
-                                          : SP_COORDINATOR_GRACE_DEFAULT_MS};
+  p.sup = (sp_supervise){
+      .who = RUN,
+      .on_signal =
+          ", which checkpoint after the current step "
+          "and stop",
+      .ops = &k_ops,
+      .user = &p,
+      .n = (uint32_t)o.nproc,
+      .max_restarts = (uint32_t)o.max_restarts,
+      .stop_grace_s = o.stop_grace_s,
+      .grace_ms = o.grace_ms ? o.grace_ms : SP_COORDINATOR_GRACE_DEFAULT_MS};
   /* a restart loads only a checkpoint this job wrote */
   sp_supervise_ckpt_note(j.ckdir, &p.ckpt_seen);
   ret = prepare_state_dir(&j, &p);
   if (ret == PROCEED) ret = prepare_dump_dir(&j, &p);
   if (ret == PROCEED) ret = start_coordinator(&o, &j, &p);
   if (ret != PROCEED) goto out;
-  printf("shardplane run: %s, %lld ranks, %s, plan %s (%zu units); "
-         "coordinator on %s\n", j.model->name, o.nproc,
-         sp_strategy_name(j.plan->strategy), j.plan->version_hex,
-         j.plan->n_units, p.addr);
-  printf("shardplane run: admin token in %s (shardplane status "
-         "--coordinator %s --insecure --token-file %s)\n",
-         j.creds.admin_token, p.addr, j.creds.admin_token);
+  printf(
+      "shardplane run: %s, %lld ranks, %s, plan %s (%zu units); "
+      "coordinator on %s\n",
+      j.model->name, o.nproc, sp_strategy_name(j.plan->strategy),
+      j.plan->version_hex, j.plan->n_units, p.addr);
+  printf(
+      "shardplane run: admin token in %s (shardplane status "
+      "--coordinator %s --insecure --token-file %s)\n",
+      j.creds.admin_token, p.addr, j.creds.admin_token);
   fflush(stdout);
   double t0 = sp_clock_s();
   p.ranks_at = t0 + o.ranks_every_s;

@@ -77,7 +77,7 @@ bool sp_run_ranks_line(const char *addr, const char *token_file,
   /* the places in the order first seen, and how many ranks are there */
   const char *places[16];
   unsigned count[16], n_places = 0, attached = 0, lost = 0, detached = 0,
-           other = 0;
+                      other = 0;
   uint64_t lo = UINT64_MAX, hi = 0;
   for (size_t i = 0; i < l->n_ranks; i++) {
     const Shardplane__V1__RankInfo *k = l->ranks[i];
@@ -100,10 +100,10 @@ bool sp_run_ranks_line(const char *addr, const char *token_file,
       other++;
   }
   size_t w = 0;
-#define PUT(...)                                                   \
-  do {                                                             \
+#define PUT(...)                                                    \
+  do {                                                              \
     int n_ = snprintf(buf + w, w < len ? len - w : 0, __VA_ARGS__); \
-    if (n_ > 0) w += (size_t)n_;                                   \
+    if (n_ > 0) w += (size_t)n_;                                    \
   } while (0)
   if (attached == 0) {
     PUT("none of %zu attached", l->n_ranks);

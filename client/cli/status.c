@@ -30,11 +30,11 @@ static const subcmd k_status = {
 
 /* GetJob, with the job converted for the shared job renderer. */
 int sp_remote_get_job(sp_remote *r, Shardplane__V1__GetJobResponse **out,
-                   sp_job *job) {
+                      sp_job *job) {
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   ProtobufCMessage *m;
   int ec = sp_remote_call(r, SP_COORD_PATH("GetJob"), &q.base,
-                &shardplane__v1__get_job_response__descriptor, &m);
+                          &shardplane__v1__get_job_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   Shardplane__V1__GetJobResponse *j = (Shardplane__V1__GetJobResponse *)m;
   if (j->job == NULL || sp_wire_job(j->job, job) != 0) {
@@ -134,7 +134,8 @@ static int status_json(const sp_remote *r,
                 "ranks", rank_summary_json(rank_summary(j)), "alerts",
                 (int)j->alerts, "recent_alerts", alerts);
   if (root != NULL) {
-    json_object_set_new(root, "state", json_string(sp_remote_job_state_name(j->state)));
+    json_object_set_new(root, "state",
+                        json_string(sp_remote_job_state_name(j->state)));
     json_object_set_new(root, "verdict", json_string(j->verdict));
     json_object_set_new(root, "progress", sp_remote_progress_json(j->progress));
   }
@@ -146,8 +147,8 @@ int sp_cmd_status(int argc, char **argv) {
   sp_remote_init(&r, "status");
   int first;
   size_t n;
-  int ec = sp_remote_parse_args(&r, &k_status, argc, argv, NULL, 0, NULL, NULL, &first,
-                      &n);
+  int ec = sp_remote_parse_args(&r, &k_status, argc, argv, NULL, 0, NULL, NULL,
+                                &first, &n);
   if (ec != PROCEED) return ec;
   Shardplane__V1__GetJobResponse *j = NULL;
   sp_job job;
@@ -227,10 +228,10 @@ static void format_collective(const Shardplane__V1__RankInfo *k, char *buf,
     snprintf(buf, len, "-");
     return;
   }
-  snprintf(buf, len, "#%" PRIu64 " %s unit %u %s count %" PRIu64, c->seq,
-           sp_remote_enum_name(&shardplane__v1__collective_op__descriptor,
-                               c->op),
-           c->unit, sp_dtype_name(sp_wire_dtype(c->dtype)), c->count);
+  snprintf(
+      buf, len, "#%" PRIu64 " %s unit %u %s count %" PRIu64, c->seq,
+      sp_remote_enum_name(&shardplane__v1__collective_op__descriptor, c->op),
+      c->unit, sp_dtype_name(sp_wire_dtype(c->dtype)), c->count);
 }
 
 static void print_ranks(const Shardplane__V1__ListRanksResponse *l,
@@ -318,8 +319,8 @@ static int ranks_json(const Shardplane__V1__ListRanksResponse *l,
       json_object_set_new(o, "step_p99_ms", json_real(k->step_p99_ms));
       json_object_set_new(o, "straggler_score", json_real(k->straggler_score));
       json_object_set_new(o, "victim", json_boolean(k->victim));
-      json_object_set_new(o, "victim_of", k->victim ? json_integer(k->victim_of)
-                                                    : json_null());
+      json_object_set_new(o, "victim_of",
+                          k->victim ? json_integer(k->victim_of) : json_null());
     }
     if (o != NULL && unit_states) {
       json_t *us = json_array();
@@ -344,7 +345,7 @@ int sp_cmd_ranks(int argc, char **argv) {
   int first;
   size_t n;
   int ec = sp_remote_parse_args(&r, &k_ranks, argc, argv, own, 1, ranks_opt,
-                      &unit_states, &first, &n);
+                                &unit_states, &first, &n);
   if (ec != PROCEED) return ec;
   /* Page by page: 100,000 attached ranks with 100 units' states are about
    * 16 MB in one answer, over the 8 MiB a coordinator sends. A

@@ -51,9 +51,12 @@ typedef struct store_args {
 static int store_opt(void *ctx, int c, const char *arg) {
   (void)arg;
   store_args *a = ctx;
-  if (c == OPT_S_WAIT) a->wait = true;
-  else if (c == OPT_S_ABSENT) a->absent = true;
-  else return -1;
+  if (c == OPT_S_WAIT)
+    a->wait = true;
+  else if (c == OPT_S_ABSENT)
+    a->absent = true;
+  else
+    return -1;
   return 0;
 }
 
@@ -110,9 +113,9 @@ static int store_get(sp_remote *r, const char *key, bool wait) {
   q.wait = wait;
   ProtobufCMessage *m;
   sp_rpc_status st;
-  int ec = sp_remote_call_status(r, SP_COORD_PATH("StoreGet"), &q.base,
-                       &shardplane__v1__store_get_response__descriptor,
-                       r->timeout_ms, &m, &st);
+  int ec = sp_remote_call_status(
+      r, SP_COORD_PATH("StoreGet"), &q.base,
+      &shardplane__v1__store_get_response__descriptor, r->timeout_ms, &m, &st);
   if (ec != PROCEED) return ec;
   /* A wait that runs out means the key is not there: "not found", the
    * same answer as a get without --wait, so scripts test one code. */
@@ -128,8 +131,8 @@ static int store_get(sp_remote *r, const char *key, bool wait) {
     sp_cli_error(r->cmd, "no key \"%s\"", key);
     ec = SP_EXIT_NOT_FOUND;
   } else if (r->json) {
-    json_t *o = json_pack("{s:s,s:I}", "key", key, "version",
-                          (json_int_t)g->version);
+    json_t *o =
+        json_pack("{s:s,s:I}", "key", key, "version", (json_int_t)g->version);
     if (o != NULL) set_value_json(o, &g->value);
     ec = json_done(o, SP_EXIT_OK);
   } else {
@@ -146,14 +149,14 @@ static int store_set(sp_remote *r, const char *key, const char *value) {
   q.value = bytes_of(value);
   ProtobufCMessage *m;
   int ec = sp_remote_call(r, SP_COORD_PATH("StoreSet"), &q.base,
-                &shardplane__v1__store_set_response__descriptor, &m);
+                          &shardplane__v1__store_set_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   uint64_t version = ((Shardplane__V1__StoreSetResponse *)m)->version;
   sp_remote_free_msg(m);
   if (r->json)
-    return json_done(json_pack("{s:s,s:I}", "key", key, "version",
-                               (json_int_t)version),
-                     SP_EXIT_OK);
+    return json_done(
+        json_pack("{s:s,s:I}", "key", key, "version", (json_int_t)version),
+        SP_EXIT_OK);
   printf("stored \"%s\" (version %" PRIu64 ")\n", key, version);
   return SP_EXIT_OK;
 }
@@ -172,15 +175,15 @@ static int store_add(sp_remote *r, const char *key, const char *delta_s) {
   q.delta = delta;
   ProtobufCMessage *m;
   int ec = sp_remote_call(r, SP_COORD_PATH("StoreAdd"), &q.base,
-                &shardplane__v1__store_add_response__descriptor, &m);
+                          &shardplane__v1__store_add_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   const Shardplane__V1__StoreAddResponse *a =
       (const Shardplane__V1__StoreAddResponse *)m;
   if (r->json)
-    ec = json_done(json_pack("{s:s,s:I,s:I}", "key", key, "value",
-                             (json_int_t)a->value, "version",
-                             (json_int_t)a->version),
-                   SP_EXIT_OK);
+    ec = json_done(
+        json_pack("{s:s,s:I,s:I}", "key", key, "value", (json_int_t)a->value,
+                  "version", (json_int_t)a->version),
+        SP_EXIT_OK);
   else
     printf("%" PRId64 "\n", a->value); /* alone, for n=$(shardplane ...) */
   sp_remote_free_msg(m);
@@ -192,8 +195,9 @@ static int store_delete(sp_remote *r, const char *key) {
       SHARDPLANE__V1__STORE_DELETE_REQUEST__INIT;
   q.key = (char *)key;
   ProtobufCMessage *m;
-  int ec = sp_remote_call(r, SP_COORD_PATH("StoreDelete"), &q.base,
-                &shardplane__v1__store_delete_response__descriptor, &m);
+  int ec =
+      sp_remote_call(r, SP_COORD_PATH("StoreDelete"), &q.base,
+                     &shardplane__v1__store_delete_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   bool deleted = ((Shardplane__V1__StoreDeleteResponse *)m)->deleted;
   sp_remote_free_msg(m);
@@ -215,8 +219,9 @@ static int store_cas(sp_remote *r, const char *key, const char *expected,
   if (expected != NULL) q.expected = bytes_of(expected);
   q.desired = bytes_of(desired);
   ProtobufCMessage *m;
-  int ec = sp_remote_call(r, SP_COORD_PATH("StoreCompareSet"), &q.base,
-                &shardplane__v1__store_compare_set_response__descriptor, &m);
+  int ec = sp_remote_call(
+      r, SP_COORD_PATH("StoreCompareSet"), &q.base,
+      &shardplane__v1__store_compare_set_response__descriptor, &m);
   if (ec != SP_EXIT_OK) return ec;
   const Shardplane__V1__StoreCompareSetResponse *c =
       (const Shardplane__V1__StoreCompareSetResponse *)m;
@@ -225,9 +230,9 @@ static int store_cas(sp_remote *r, const char *key, const char *expected,
     sp_cli_error(r->cmd, "\"%s\" was not swapped: %s", key,
                  c->found ? "it holds another value" : "it does not exist");
   if (r->json) {
-    json_t *o = json_pack("{s:s,s:b,s:b,s:I}", "key", key, "swapped",
-                          c->swapped, "found", c->found, "version",
-                          (json_int_t)c->version);
+    json_t *o =
+        json_pack("{s:s,s:b,s:b,s:I}", "key", key, "swapped", c->swapped,
+                  "found", c->found, "version", (json_int_t)c->version);
     if (o != NULL && c->found) set_value_json(o, &c->value);
     ec = json_done(o, ec);
   } else if (c->swapped) {
@@ -298,8 +303,9 @@ int sp_cmd_store(int argc, char **argv) {
                                 &first, &n);
   if (ec != PROCEED) return ec;
   if (n == 0) {
-    sp_cli_error(r.cmd, "missing the operation: get, set, add, delete or "
-                        "cas");
+    sp_cli_error(r.cmd,
+                 "missing the operation: get, set, add, delete or "
+                 "cas");
     sp_cli_try_help(r.cmd);
     return SP_EXIT_USAGE;
   }

@@ -25,8 +25,8 @@ void sp_supervise_catch_signals(void) {
   sigaction(SIGTERM, &sa, NULL);
 }
 
-int sp_supervise_stop_grace_parse(const char *flag, const char *value, double *s,
-                            sp_diag *d) {
+int sp_supervise_stop_grace_parse(const char *flag, const char *value,
+                                  double *s, sp_diag *d) {
   if (sp_flag_number(flag, value, 0, s, d) != 0 || *s <= 0 || *s > 86400)
     return sp_flag_fail(d, flag, value, "seconds in (0, 86400]");
   return 0;
@@ -49,11 +49,15 @@ int sp_supervise_alloc_streams(sp_supervise *s) {
 /* ---- the stream to the coordinator (agent_ctl.h) ---- */
 
 int sp_supervise_open_session(sp_supervise *s, const char *addr,
-                        const sp_rpc_client_opts *opts, const char *shown,
-                        uint32_t node_rank, uint64_t timeout_ms) {
-  sp_agent_ctl_opts o = {.who = s->who, .target = addr, .coordinator = shown,
-                         .client = *opts, .grace_ms = s->grace_ms,
-                         .node_rank = node_rank, .nproc = s->n,
+                              const sp_rpc_client_opts *opts, const char *shown,
+                              uint32_t node_rank, uint64_t timeout_ms) {
+  sp_agent_ctl_opts o = {.who = s->who,
+                         .target = addr,
+                         .coordinator = shown,
+                         .client = *opts,
+                         .grace_ms = s->grace_ms,
+                         .node_rank = node_rank,
+                         .nproc = s->n,
                          .max_restarts = s->max_restarts};
   sp_diag d = {{0}};
   if (sp_agent_ctl_open(&o, &s->ctl, &d) != 0) {
@@ -64,9 +68,10 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
   int got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
   if (got <= 0) {
     if (got == 0)
-      sp_cli_error(s->who, "the coordinator did not answer the %s's "
-                   "registration within %llu ms", s->who,
-                   (unsigned long long)timeout_ms);
+      sp_cli_error(s->who,
+                   "the coordinator did not answer the %s's "
+                   "registration within %llu ms",
+                   s->who, (unsigned long long)timeout_ms);
     else
       sp_cli_error(s->who, "%s", d.msg);
     return SP_EXIT_FAILURE;
@@ -78,8 +83,10 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
              cmd->completed) {
     /* nothing to run, and nothing failed: a finished job is never
      * started again (its record stays as it ended) */
-    sp_cli_error(s->who, "the job already %s; nothing to start (a new job "
-                 "needs a new coordinator)", cmd->reason);
+    sp_cli_error(s->who,
+                 "the job already %s; nothing to start (a new job "
+                 "needs a new coordinator)",
+                 cmd->reason);
     ec = SP_EXIT_OK;
   } else {
     sp_cli_error(s->who, "the job %s: %s",
@@ -99,8 +106,10 @@ void sp_supervise_close_session(sp_supervise *s) {
   double longest;
   sp_agent_ctl_outages(s->ctl, &n, &longest);
   if (n > 0)
-    sp_cli_error(s->who, "rode out %u outage%s of the coordinator (the "
-                 "longest %.1f s)", n, n == 1 ? "" : "s", longest);
+    sp_cli_error(s->who,
+                 "rode out %u outage%s of the coordinator (the "
+                 "longest %.1f s)",
+                 n, n == 1 ? "" : "s", longest);
   sp_agent_ctl_close(s->ctl);
   s->ctl = NULL;
 }
@@ -180,7 +189,8 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
         send_stopped(s);
         return;
       }
-      sp_cli_error(s->who, "incarnation %llu ended (%s); stopping the %u "
+      sp_cli_error(s->who,
+                   "incarnation %llu ended (%s); stopping the %u "
                    "worker%s of this host for a restart",
                    (unsigned long long)d->incarnation, d->reason, s->live,
                    s->live == 1 ? "" : "s");
@@ -198,9 +208,11 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
         /* the coordinator moved on while this host was away from it,
          * before it could say stop: no worker of the last incarnation may
          * live on beside the next one's */
-        sp_cli_error(s->who, "incarnation %llu began while the coordinator "
+        sp_cli_error(s->who,
+                     "incarnation %llu began while the coordinator "
                      "was away; stopping the %u worker%s of incarnation "
-                     "%llu", (unsigned long long)d->incarnation, s->live,
+                     "%llu",
+                     (unsigned long long)d->incarnation, s->live,
                      s->live == 1 ? "" : "s",
                      (unsigned long long)s->incarnation);
         sp_workers_stop(s->pids, s->n, (int)(SP_SUPERVISE_TERM_S * 1000));
@@ -262,14 +274,16 @@ static void on_worker_end(sp_supervise *s, uint32_t i, int st) {
   if ((WIFEXITED(st) && WEXITSTATUS(st) == 0) || s->terminated || asked ||
       s->coord_gone)
     return;
-  struct sp_supervise_end e = {.local = i, .status = st,
-                         .incarnation = s->incarnation};
+  struct sp_supervise_end e = {
+      .local = i, .status = st, .incarnation = s->incarnation};
   if (sp_agent_ctl_away(s->ctl) && s->n_held < SP_WORKERS_MAX) {
     char how[96], who[160];
     sp_workers_describe(st, how, sizeof how);
     s->ops->name(s, i, who, sizeof who);
-    sp_cli_error(s->who, "%s %s while the coordinator is away; judged when "
-                 "it is back", who, how);
+    sp_cli_error(s->who,
+                 "%s %s while the coordinator is away; judged when "
+                 "it is back",
+                 who, how);
     s->held[s->n_held++] = e;
     return;
   }
@@ -323,8 +337,7 @@ static void poll_ctl(sp_supervise *s) {
   for (;;) {
     Shardplane__V1__AgentDown *d = NULL;
     sp_diag dg = {{0}};
-    int got = sp_agent_ctl_next(s->ctl, 1, s->incarnation, s->stopped, &d,
-                                &dg);
+    int got = sp_agent_ctl_next(s->ctl, 1, s->incarnation, s->stopped, &d, &dg);
     if (got == 0 || got == SP_ESTATE) break;
     if (got < 0) {
       on_ctl_end(s, got, dg.msg);
@@ -362,16 +375,19 @@ static void signal_workers(const sp_supervise *s, int sig) {
 }
 
 static double stop_grace(const sp_supervise *s) {
-  return s->stop_grace_s > 0 ? s->stop_grace_s : SP_SUPERVISE_STOP_GRACE_DEFAULT_S;
+  return s->stop_grace_s > 0 ? s->stop_grace_s
+                             : SP_SUPERVISE_STOP_GRACE_DEFAULT_S;
 }
 
 static void on_signal_seen(sp_supervise *s, int sig) {
   if (!s->interrupted && s->ret == SP_EXIT_OK) {
     s->interrupted = sig;
     s->ret = 128 + sig;
-    sp_cli_error(s->who, "interrupted (%s); passed on to the %u worker%s%s, "
+    sp_cli_error(s->who,
+                 "interrupted (%s); passed on to the %u worker%s%s, "
                  "within %.3g s (--stop-grace; a second signal stops them at "
-                 "once)", strsignal(sig), s->live, s->live == 1 ? "" : "s",
+                 "once)",
+                 strsignal(sig), s->live, s->live == 1 ? "" : "s",
                  s->on_signal ? s->on_signal : "", stop_grace(s));
     signal_workers(s, sig);
     /* a rank that cannot reach a step boundary (stalled, or waiting in a
@@ -398,14 +414,14 @@ static void note_overdue(sp_supervise *s) {
   for (uint32_t i = 0; i < s->n; i++) {
     if (s->pids[i] <= 0) continue;
     k++;
-    int w = snprintf(list + used, sizeof list - used, "%s%u",
-                     used ? ", " : "", s->first_rank + i);
+    int w = snprintf(list + used, sizeof list - used, "%s%u", used ? ", " : "",
+                     s->first_rank + i);
     if (w < 0 || (size_t)w >= sizeof list - used) break;
     used += (size_t)w;
   }
-  snprintf(s->overdue, sizeof s->overdue, "rank%s %s", k == 1 ? "" : "s",
-           list);
-  sp_cli_error(s->who, "%s %s not reached a step boundary within the %.3g s "
+  snprintf(s->overdue, sizeof s->overdue, "rank%s %s", k == 1 ? "" : "s", list);
+  sp_cli_error(s->who,
+               "%s %s not reached a step boundary within the %.3g s "
                "of --stop-grace; stopping %s",
                s->overdue, k == 1 ? "has" : "have", stop_grace(s),
                k == 1 ? "it" : "them");
@@ -423,11 +439,12 @@ static bool still_moving(sp_supervise *s) {
                 j->quiet_ms <= j->quiet_limit_ms;
   if (moving && !s->extended) {
     s->extended = true;
-    sp_cli_error(s->who, "the ranks are still moving (the quietest was "
+    sp_cli_error(s->who,
+                 "the ranks are still moving (the quietest was "
                  "heard from %.1f s ago, within the %.1f s it can be silent "
                  "while it moves): waiting past --stop-grace for their step "
-                 "boundary", (double)j->quiet_ms / 1e3,
-                 (double)j->quiet_limit_ms / 1e3);
+                 "boundary",
+                 (double)j->quiet_ms / 1e3, (double)j->quiet_limit_ms / 1e3);
   }
   protobuf_c_message_free_unpacked(&j->base, NULL);
   return moving;
@@ -478,11 +495,10 @@ int sp_supervise_run(sp_supervise *s) {
      * coordinator too. */
     bool away = sp_agent_ctl_away(s->ctl);
     bool listening = sp_agent_ctl_up(s->ctl) || away;
-    bool waiting = !s->done && !s->interrupted && s->ret == SP_EXIT_OK &&
-                   s->live == 0 &&
-                   ((s->max_restarts > 0 && listening &&
-                     (s->failed > 0 || s->stopped)) ||
-                    (away && s->n_held > 0));
+    bool waiting =
+        !s->done && !s->interrupted && s->ret == SP_EXIT_OK && s->live == 0 &&
+        ((s->max_restarts > 0 && listening && (s->failed > 0 || s->stopped)) ||
+         (away && s->n_held > 0));
     if (s->live == 0 && !waiting) {
       if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
       /* counted again: workers started by a command of this turn (and
@@ -526,8 +542,8 @@ void sp_supervise_ckpt_note(const char *dir, sp_supervise_ckpt_seen *seen) {
   }
 }
 
-bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen, const sp_ckpt_found *f,
-                     sp_ckpt_kind k) {
+bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen,
+                           const sp_ckpt_found *f, sp_ckpt_kind k) {
   /* a checkpoint is published by renaming a new folder over the old one:
    * one that is still the folder noted at the start is an earlier job's */
   struct stat sb;
@@ -536,8 +552,9 @@ bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen, const sp_ckpt_fou
 }
 
 bool sp_supervise_restart_ckpt(const sp_supervise *s, const char *dir,
-                         const sp_supervise_ckpt_seen *seen, const char *first_load,
-                         char *out, size_t cap, sp_ckpt_kind *kind) {
+                               const sp_supervise_ckpt_seen *seen,
+                               const char *first_load, char *out, size_t cap,
+                               sp_ckpt_kind *kind) {
   unsigned long long inc = (unsigned long long)s->incarnation;
   sp_ckpt_found f;
   sp_ckpt_find(dir, &f);
@@ -545,17 +562,19 @@ bool sp_supervise_restart_ckpt(const sp_supervise *s, const char *dir,
     if (!sp_supervise_ckpt_new(seen, &f, (sp_ckpt_kind)k)) continue;
     if (snprintf(out, cap, "%s", f.dir[k]) >= (int)cap) continue;
     *kind = (sp_ckpt_kind)k;
-    sp_cli_error(s->who, "incarnation %llu loads %s (%s, after step %llu)",
-                 inc, out, sp_ckpt_kind_name(*kind),
-                 (unsigned long long)f.steps[k]);
+    sp_cli_error(s->who, "incarnation %llu loads %s (%s, after step %llu)", inc,
+                 out, sp_ckpt_kind_name(*kind), (unsigned long long)f.steps[k]);
     return true;
   }
   if (first_load)
-    sp_cli_error(s->who, "incarnation %llu starts from %s, as incarnation 0 "
+    sp_cli_error(s->who,
+                 "incarnation %llu starts from %s, as incarnation 0 "
                  "did: no checkpoint written in %s since the job began",
                  inc, first_load, dir);
   else
-    sp_cli_error(s->who, "incarnation %llu starts afresh from step 0: no "
-                 "checkpoint written in %s since the job began", inc, dir);
+    sp_cli_error(s->who,
+                 "incarnation %llu starts afresh from step 0: no "
+                 "checkpoint written in %s since the job began",
+                 inc, dir);
   return false;
 }

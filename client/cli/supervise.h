@@ -76,7 +76,7 @@ typedef struct sp_supervise_ops {
 
 struct sp_supervise {
   /* set by the command before sp_supervise_alloc_streams */
-  const char *who;      /* "agent", "run": "shardplane WHO: ..." */
+  const char *who; /* "agent", "run": "shardplane WHO: ..." */
   /* what the workers do with a signal passed on, for the message (", which
    * checkpoint after the current step and stop"); "" or NULL: nothing said */
   const char *on_signal;
@@ -96,7 +96,7 @@ struct sp_supervise {
   uint32_t live;
   sp_out_stream *streams; /* local worker i's stdout at 2i, stderr 2i + 1 */
   uint64_t incarnation;
-  uint32_t failed;        /* workers of this incarnation that failed */
+  uint32_t failed; /* workers of this incarnation that failed */
   /* told AGENT_STOP: its workers stopped, it waits for AGENT_START or
    * AGENT_END (its own workers may not have failed: a slow host's are
    * still running when the stop comes) */
@@ -115,19 +115,19 @@ struct sp_supervise {
   uint32_t n_held, n_reported;
 
   /* where the supervision stands */
-  int ret;          /* the exit code so far */
-  int interrupted;  /* the signal that arrived and was passed on, or 0 */
+  int ret;         /* the exit code so far */
+  int interrupted; /* the signal that arrived and was passed on, or 0 */
   /* after a signal: the workers still running when stop_grace_s ended
    * ("ranks 0, 1 and 2"), stopped without reaching a step boundary; "":
    * every one stopped in time */
   char overdue[160];
-  bool extended;    /* the grace was extended: the ranks were moving */
-  bool failing;     /* a failure that stops the job was told */
-  bool terminated;  /* SIGTERM or SIGKILL sent: the ends that follow are ours */
-  bool done;        /* the coordinator ended the job */
-  bool coord_gone;  /* past the grace, or lost keeping no state dir */
-  double term_at;   /* when to SIGTERM the workers left; < 0: not due */
-  double kill_at;   /* when to SIGKILL them; < 0: not due */
+  bool extended;   /* the grace was extended: the ranks were moving */
+  bool failing;    /* a failure that stops the job was told */
+  bool terminated; /* SIGTERM or SIGKILL sent: the ends that follow are ours */
+  bool done;       /* the coordinator ended the job */
+  bool coord_gone; /* past the grace, or lost keeping no state dir */
+  double term_at;  /* when to SIGTERM the workers left; < 0: not due */
+  double kill_at;  /* when to SIGKILL them; < 0: not due */
 };
 
 /* SIGINT and SIGTERM set the flag the loop reads (once per process). */
@@ -135,8 +135,8 @@ void sp_supervise_catch_signals(void);
 
 /* --stop-grace S: seconds in (0, 86400]. 0, or SP_EINVAL with the flag, the
  * value and what is allowed in d. */
-int sp_supervise_stop_grace_parse(const char *flag, const char *value, double *s,
-                            sp_diag *d);
+int sp_supervise_stop_grace_parse(const char *flag, const char *value,
+                                  double *s, sp_diag *d);
 
 /* The output streams, once for every incarnation (labelled with the job's
  * ranks). SP_SUPERVISE_PROCEED or an exit code (message printed). */
@@ -149,8 +149,8 @@ int sp_supervise_alloc_streams(sp_supervise *s);
  * out outages of s->grace_ms. SP_SUPERVISE_PROCEED, or SP_EXIT_UNREACHABLE /
  * SP_EXIT_FAILURE with the message printed. */
 int sp_supervise_open_session(sp_supervise *s, const char *addr,
-                        const sp_rpc_client_opts *opts, const char *shown,
-                        uint32_t node_rank, uint64_t timeout_ms);
+                              const sp_rpc_client_opts *opts, const char *shown,
+                              uint32_t node_rank, uint64_t timeout_ms);
 /* Says how many outages the session rode out, half-closes and closes it
  * (none open: nothing). */
 void sp_supervise_close_session(sp_supervise *s);
@@ -188,8 +188,8 @@ void sp_supervise_ckpt_note(const char *dir, sp_supervise_ckpt_seen *seen);
 
 /* Whether f (sp_ckpt_find of the directory seen noted) holds a checkpoint
  * of kind k written since seen was noted. */
-bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen, const sp_ckpt_found *f,
-                     sp_ckpt_kind k);
+bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen,
+                           const sp_ckpt_found *f, sp_ckpt_kind k);
 
 /* For incarnation s->incarnation (> 0): the last checkpoint in dir written
  * since seen was noted, FULL when dir holds several kinds. Returns true
@@ -198,7 +198,8 @@ bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen, const sp_ckpt_fou
  * saying from where the incarnation starts instead: first_load, the
  * checkpoint incarnation 0 loaded, when given, else step 0. */
 bool sp_supervise_restart_ckpt(const sp_supervise *s, const char *dir,
-                         const sp_supervise_ckpt_seen *seen, const char *first_load,
-                         char *out, size_t cap, sp_ckpt_kind *kind);
+                               const sp_supervise_ckpt_seen *seen,
+                               const char *first_load, char *out, size_t cap,
+                               sp_ckpt_kind *kind);
 
 #endif

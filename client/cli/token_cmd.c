@@ -12,30 +12,31 @@
 #define TOKEN "token"
 
 static void usage(FILE *f) {
-  fputs("usage: shardplane token create --role ROLE --token-file FILE "
-        "[--name NAME]\n"
-        "\n"
-        "Makes a bearer token (256 random bits, shown as spt_...), prints it\n"
-        "on stdout and appends its SHA-256 hash, role and name to FILE, the\n"
-        "coordinator's --token-file (created with mode 0600; a file others\n"
-        "may read or write is refused). The token itself is stored nowhere:\n"
-        "keep what is printed, e.g. in a file of mode 0600 for --token-file\n"
-        "of shardplane-worker and the shardplane commands, or in\n"
-        "$SHARDPLANE_TOKEN. A coordinator reads its token file when it\n"
-        "starts.\n"
-        "\n"
-        "  --role ROLE                worker (attach ranks, report, the\n"
-        "                             store keys under comm/), reader\n"
-        "                             (queries, Watch, store reads) or\n"
-        "                             admin (everything)\n"
-        "  --token-file FILE          the coordinator's token file\n"
-        "  --name NAME                shown in logs and errors (default\n"
-        "                             ROLE-<8 random characters>); 1-64 of\n"
-        "                             A-Z a-z 0-9 . _ -\n"
-        "  --help                     this text\n"
-        "\n"
-        "exit codes: 0 done, 1 failure, 2 bad usage\n",
-        f);
+  fputs(
+      "usage: shardplane token create --role ROLE --token-file FILE "
+      "[--name NAME]\n"
+      "\n"
+      "Makes a bearer token (256 random bits, shown as spt_...), prints it\n"
+      "on stdout and appends its SHA-256 hash, role and name to FILE, the\n"
+      "coordinator's --token-file (created with mode 0600; a file others\n"
+      "may read or write is refused). The token itself is stored nowhere:\n"
+      "keep what is printed, e.g. in a file of mode 0600 for --token-file\n"
+      "of shardplane-worker and the shardplane commands, or in\n"
+      "$SHARDPLANE_TOKEN. A coordinator reads its token file when it\n"
+      "starts.\n"
+      "\n"
+      "  --role ROLE                worker (attach ranks, report, the\n"
+      "                             store keys under comm/), reader\n"
+      "                             (queries, Watch, store reads) or\n"
+      "                             admin (everything)\n"
+      "  --token-file FILE          the coordinator's token file\n"
+      "  --name NAME                shown in logs and errors (default\n"
+      "                             ROLE-<8 random characters>); 1-64 of\n"
+      "                             A-Z a-z 0-9 . _ -\n"
+      "  --help                     this text\n"
+      "\n"
+      "exit codes: 0 done, 1 failure, 2 bad usage\n",
+      f);
 }
 
 enum { OPT_ROLE = 1, OPT_FILE, OPT_NAME, OPT_HELP };
@@ -72,26 +73,26 @@ int sp_cmd_token(int argc, char **argv) {
   argv[0] = prog;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
-    case OPT_ROLE: {
-      static const char *const roles[] = {"worker", "reader", "admin"};
-      size_t i;
-      if (sp_flag_choice("--role", optarg, roles, 3, &i, &d) != 0) {
-        sp_cli_error(TOKEN, "%s", d.msg);
-        return SP_EXIT_USAGE;
+      case OPT_ROLE: {
+        static const char *const roles[] = {"worker", "reader", "admin"};
+        size_t i;
+        if (sp_flag_choice("--role", optarg, roles, 3, &i, &d) != 0) {
+          sp_cli_error(TOKEN, "%s", d.msg);
+          return SP_EXIT_USAGE;
+        }
+        role = sp_auth_role_parse(roles[i]);
+        break;
       }
-      role = sp_auth_role_parse(roles[i]);
-      break;
-    }
-    case OPT_FILE:
-      file = optarg;
-      if (sp_flag_text("--token-file", optarg, "a file", &d) != 0) {
-        sp_cli_error(TOKEN, "%s", d.msg);
-        return SP_EXIT_USAGE;
-      }
-      break;
-    case OPT_NAME: name = optarg; break;
-    case OPT_HELP: usage(stdout); return SP_EXIT_OK;
-    default: sp_cli_try_help(TOKEN); return SP_EXIT_USAGE;
+      case OPT_FILE:
+        file = optarg;
+        if (sp_flag_text("--token-file", optarg, "a file", &d) != 0) {
+          sp_cli_error(TOKEN, "%s", d.msg);
+          return SP_EXIT_USAGE;
+        }
+        break;
+      case OPT_NAME: name = optarg; break;
+      case OPT_HELP: usage(stdout); return SP_EXIT_OK;
+      default: sp_cli_try_help(TOKEN); return SP_EXIT_USAGE;
     }
   }
   argv[0] = argv0;

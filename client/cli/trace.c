@@ -59,9 +59,9 @@ static int trace_opt(void *ctx, int c, const char *arg) {
 
 static const char *comm_name(int k) {
   switch (k) {
-  case SHARDPLANE__V1__COMM_KIND__COMM_SHARD: return "shard";
-  case SHARDPLANE__V1__COMM_KIND__COMM_REPLICA: return "replica";
-  default: return "world";
+    case SHARDPLANE__V1__COMM_KIND__COMM_SHARD: return "shard";
+    case SHARDPLANE__V1__COMM_KIND__COMM_REPLICA: return "replica";
+    default: return "world";
   }
 }
 
@@ -126,8 +126,8 @@ static void to_event(const merged *e, const merged *all, size_t i,
   out->comm = comm_name(c->comm);
   out->comm_index = c->comm_index;
   out->seq = c->seq;
-  out->op = sp_remote_enum_name(&shardplane__v1__collective_op__descriptor,
-                                c->op);
+  out->op =
+      sp_remote_enum_name(&shardplane__v1__collective_op__descriptor, c->op);
   out->dtype = sp_dtype_name(sp_wire_dtype(c->dtype));
   out->count = c->count;
   out->unit = c->unit;
@@ -137,8 +137,8 @@ static void to_event(const merged *e, const merged *all, size_t i,
   if (!c->completed) return;
   for (size_t j = i; j-- > 0;) {
     const Shardplane__V1__Collective *p = all[j].c;
-    if (p != NULL && !p->completed && p->seq == c->seq &&
-        p->comm == c->comm && p->comm_index == c->comm_index) {
+    if (p != NULL && !p->completed && p->seq == c->seq && p->comm == c->comm &&
+        p->comm_index == c->comm_index) {
       if (c->time_us >= p->time_us)
         out->after_us = (int64_t)(c->time_us - p->time_us);
       break;
@@ -152,19 +152,21 @@ static json_t *event_json(const sp_flight_event *e) {
                      "type", "transition", "machine", e->machine, "unit",
                      (int)e->unit, "state", e->state, "step",
                      (json_int_t)e->step);
-  json_t *o = json_pack(
-      "{s:I,s:s,s:s,s:i,s:I,s:s,s:i,s:s,s:I,s:b,s:I}", "t_us",
-      (json_int_t)e->t_us, "type", "collective", "comm", e->comm,
-      "comm_index", (int)e->comm_index, "seq", (json_int_t)e->seq, "op", e->op,
-      "unit", (int)e->unit, "dtype", e->dtype, "count", (json_int_t)e->count,
-      "completed", e->completed, "step", (json_int_t)e->step);
-  if (o != NULL && e->fqn != NULL) json_object_set_new(o, "fqn", json_string(e->fqn));
+  json_t *o = json_pack("{s:I,s:s,s:s,s:i,s:I,s:s,s:i,s:s,s:I,s:b,s:I}", "t_us",
+                        (json_int_t)e->t_us, "type", "collective", "comm",
+                        e->comm, "comm_index", (int)e->comm_index, "seq",
+                        (json_int_t)e->seq, "op", e->op, "unit", (int)e->unit,
+                        "dtype", e->dtype, "count", (json_int_t)e->count,
+                        "completed", e->completed, "step", (json_int_t)e->step);
+  if (o != NULL && e->fqn != NULL)
+    json_object_set_new(o, "fqn", json_string(e->fqn));
   if (o != NULL && e->after_us >= 0)
     json_object_set_new(o, "after_us", json_integer(e->after_us));
   return o;
 }
 
-static int print_trace(const sp_remote *r, const Shardplane__V1__FlightRecord *f,
+static int print_trace(const sp_remote *r,
+                       const Shardplane__V1__FlightRecord *f,
                        const Shardplane__V1__Plan *pl) {
   size_t n = f->n_transitions + f->n_collectives;
   merged *all = calloc(n + 1, sizeof *all);
@@ -180,7 +182,8 @@ static int print_trace(const sp_remote *r, const Shardplane__V1__FlightRecord *f
   if (!r->json) {
     char t[32];
     sp_flight_time(f->time_us, t, sizeof t);
-    printf("rank %u: %zu events of %" PRIu64 " recorded (the recorder keeps "
+    printf("rank %u: %zu events of %" PRIu64
+           " recorded (the recorder keeps "
            "%u), taken %s\n",
            f->rank, n, f->recorded, f->capacity, t);
   }
@@ -195,11 +198,10 @@ static int print_trace(const sp_remote *r, const Shardplane__V1__FlightRecord *f
       printf("%s\n", line);
     }
   }
-  if (r->json &&
-      sp_render_json_out(json_pack(
-          "{s:i,s:I,s:i,s:I,s:o}", "rank", (int)f->rank, "recorded",
-          (json_int_t)f->recorded, "capacity", (int)f->capacity, "time_us",
-          (json_int_t)f->time_us, "events", events)) != 0)
+  if (r->json && sp_render_json_out(json_pack(
+                     "{s:i,s:I,s:i,s:I,s:o}", "rank", (int)f->rank, "recorded",
+                     (json_int_t)f->recorded, "capacity", (int)f->capacity,
+                     "time_us", (json_int_t)f->time_us, "events", events)) != 0)
     ec = SP_EXIT_FAILURE;
   free(all);
   return ec;
@@ -215,8 +217,8 @@ int sp_cmd_trace(int argc, char **argv) {
   };
   int first;
   size_t n;
-  int ec = sp_remote_parse_args(&r, &k_trace, argc, argv, own, 2, trace_opt,
-                                &t, &first, &n);
+  int ec = sp_remote_parse_args(&r, &k_trace, argc, argv, own, 2, trace_opt, &t,
+                                &first, &n);
   if (ec != PROCEED) return ec;
   if (t.rank < 0) {
     sp_cli_error(r.cmd, "missing --rank R (which rank's recorder?)");

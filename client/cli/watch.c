@@ -80,34 +80,32 @@ static int watch_opt(void *ctx, int c, const char *arg) {
   int kind;
   sp_diag d = {{0}};
   switch (c) {
-  case OPT_W_RANK:
-    if (sp_flag_int("--rank", arg, 0, UINT32_MAX, &v, &d) != 0) break;
-    if (w->n_ranks == WATCH_MAX_RANKS) {
-      sp_cli_error(w->cmd, "at most %d --rank filters", WATCH_MAX_RANKS);
-      return -1;
-    }
-    w->ranks[w->n_ranks++] = (uint32_t)v;
-    return 0;
-  case OPT_W_KIND:
-    if (parse_kind(arg, &kind) != 0) {
-      sp_flag_fail(&d, "--kind", arg, "one of attached, lost, detached, "
-                   "transition, alert");
-      break;
-    }
-    w->kinds |= 1u << kind;
-    return 0;
-  case OPT_W_TRANSITIONS:
-    w->transitions = true;
-    return 0;
-  case OPT_W_COUNT:
-    if (sp_cli_parse_uint(arg, INT64_MAX, &v) != 0 || v == 0) {
-      sp_flag_fail(&d, "--count", arg, "a positive integer");
-      break;
-    }
-    w->count = v;
-    return 0;
-  default:
-    return -1;
+    case OPT_W_RANK:
+      if (sp_flag_int("--rank", arg, 0, UINT32_MAX, &v, &d) != 0) break;
+      if (w->n_ranks == WATCH_MAX_RANKS) {
+        sp_cli_error(w->cmd, "at most %d --rank filters", WATCH_MAX_RANKS);
+        return -1;
+      }
+      w->ranks[w->n_ranks++] = (uint32_t)v;
+      return 0;
+    case OPT_W_KIND:
+      if (parse_kind(arg, &kind) != 0) {
+        sp_flag_fail(&d, "--kind", arg,
+                     "one of attached, lost, detached, "
+                     "transition, alert");
+        break;
+      }
+      w->kinds |= 1u << kind;
+      return 0;
+    case OPT_W_TRANSITIONS: w->transitions = true; return 0;
+    case OPT_W_COUNT:
+      if (sp_cli_parse_uint(arg, INT64_MAX, &v) != 0 || v == 0) {
+        sp_flag_fail(&d, "--count", arg, "a positive integer");
+        break;
+      }
+      w->count = v;
+      return 0;
+    default: return -1;
   }
   /* the flag, the value and what is allowed, as every flag error */
   sp_cli_error(w->cmd, "%s", d.msg);
@@ -126,9 +124,9 @@ static json_t *transition_json(const Shardplane__V1__Transition *t) {
   sp_machine m = t->machine == SHARDPLANE__V1__MACHINE__MACHINE_HANDLE
                      ? SP_MACHINE_HANDLE
                      : SP_MACHINE_ROOT;
-  json_t *o = json_pack("{s:s,s:s,s:I}", "machine", sp_state_machine_name(m),
-                        "state", sp_state_name(m, t->state), "step",
-                        (json_int_t)t->step);
+  json_t *o =
+      json_pack("{s:s,s:s,s:I}", "machine", sp_state_machine_name(m), "state",
+                sp_state_name(m, t->state), "step", (json_int_t)t->step);
   if (o != NULL && m == SP_MACHINE_HANDLE)
     json_object_set_new(o, "unit", json_integer(t->unit));
   return o;
@@ -155,15 +153,16 @@ static int print_event(const Shardplane__V1__Event *ev, bool json,
   const char *kind =
       sp_remote_enum_name(&shardplane__v1__event_kind__descriptor, ev->kind);
   if (json) {
-    json_t *o = json_pack("{s:s,s:i,s:I,s:s,s:o}", "kind", kind, "rank",
-                          (int)ev->rank, "time_ms", (json_int_t)ev->time_ms,
-                          "message", ev->message, "transition",
-                          transition_json(ev->transition));
+    json_t *o =
+        json_pack("{s:s,s:i,s:I,s:s,s:o}", "kind", kind, "rank", (int)ev->rank,
+                  "time_ms", (json_int_t)ev->time_ms, "message", ev->message,
+                  "transition", transition_json(ev->transition));
     if (o != NULL) {
       json_object_set_new(o, "time_us", json_integer((json_int_t)t_us));
       json_object_set_new(o, "worker_time", json_boolean(worker));
-      json_object_set_new(o, "alert", ev->alert ? sp_remote_alert_json(ev->alert)
-                                                : json_null());
+      json_object_set_new(
+          o, "alert",
+          ev->alert ? sp_remote_alert_json(ev->alert) : json_null());
     }
     int rc = o ? json_dumpf(o, stdout, JSON_COMPACT | JSON_PRESERVE_ORDER) : -1;
     json_decref(o);
@@ -247,8 +246,8 @@ static int watch_loop(sp_remote *r, sp_rpc_sync_stream *st, long long count,
       ec = SP_EXIT_FAILURE;
       break;
     }
-    int wrc = print_event((const Shardplane__V1__Event *)m, r->json,
-                          coord_start_us);
+    int wrc =
+        print_event((const Shardplane__V1__Event *)m, r->json, coord_start_us);
     sp_remote_free_msg(m);
     if (wrc != 0) {
       ec = SP_EXIT_FAILURE; /* the reader went away (e.g. `| head`) */
@@ -273,8 +272,8 @@ int sp_cmd_watch(int argc, char **argv) {
   };
   int first;
   size_t n;
-  int ec = sp_remote_parse_args(&r, &k_watch, argc, argv, own, 4, watch_opt, w, &first,
-                      &n);
+  int ec = sp_remote_parse_args(&r, &k_watch, argc, argv, own, 4, watch_opt, w,
+                                &first, &n);
   if (ec != PROCEED) {
     free(w);
     return ec;
@@ -317,7 +316,8 @@ int sp_cmd_watch(int argc, char **argv) {
   q.n_ranks = w->n_ranks;
   q.ranks = w->ranks;
   /* no deadline: a watch lasts until it is stopped */
-  int rc = sp_rpc_sync_stream_open(r.rpc, SP_COORD_PATH("Watch"), 0, NULL, 0, &st);
+  int rc =
+      sp_rpc_sync_stream_open(r.rpc, SP_COORD_PATH("Watch"), 0, NULL, 0, &st);
   if (rc == 0) rc = sp_rpc_sync_stream_send(st, &q.base);
   if (rc == 0) rc = sp_rpc_sync_stream_close_send(st);
   if (rc != 0 && rc != SP_ESTATE) {

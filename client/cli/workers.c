@@ -111,11 +111,10 @@ pid_t sp_workers_spawn(char *const argv[], char *const envp[],
   posix_spawnattr_setpgroup(&at, 0);
   pid_t pid;
   /* a trainer named without a slash is looked up on PATH, as torchrun */
-  int rc = strchr(argv[0], '/')
-               ? posix_spawn(&pid, argv[0], &fa, &at, argv,
-                             envp ? envp : environ)
-               : posix_spawnp(&pid, argv[0], &fa, &at, argv,
-                              envp ? envp : environ);
+  int rc =
+      strchr(argv[0], '/')
+          ? posix_spawn(&pid, argv[0], &fa, &at, argv, envp ? envp : environ)
+          : posix_spawnp(&pid, argv[0], &fa, &at, argv, envp ? envp : environ);
   posix_spawnattr_destroy(&at);
   posix_spawn_file_actions_destroy(&fa);
   close(po[1]);

@@ -135,8 +135,7 @@ typedef struct sp_session_opts {
  * SP_ETIMEDOUT (coordinator unreachable within connect_timeout_ms),
  * SP_ESTATE (plan version mismatch, naming both versions), SP_EEXIST (rank
  * already attached), SP_ENOMEM. The session owns the model, job and plan. */
-int sp_session_open(const sp_session_opts *opts, sp_session **out,
-                    sp_diag *d);
+int sp_session_open(const sp_session_opts *opts, sp_session **out, sp_diag *d);
 
 /* Flushes queued events (up to timeout_ms, 0: 5000), detaches, stops the
  * background thread and frees everything. Returns the first error seen by
@@ -192,12 +191,11 @@ int sp_coordinator_grace_parse(const char *what, const char *value,
 
 typedef struct sp_launch_env {
   long rank, local_rank, world_size, local_world_size; /* -1: not set */
-  const char *coordinator; /* $SHARDPLANE_COORDINATOR; NULL: not set */
+  const char *coordinator;       /* $SHARDPLANE_COORDINATOR; NULL: not set */
   uint64_t coordinator_grace_ms; /* $SHARDPLANE_COORDINATOR_GRACE; 0: not set */
   /* The variable each number came from (for messages); NULL: not set.
    * Static strings. */
-  const char *rank_var, *local_rank_var, *world_size_var,
-      *local_world_size_var;
+  const char *rank_var, *local_rank_var, *world_size_var, *local_world_size_var;
 } sp_launch_env;
 
 /* Reads the variables above. SP_EINVAL, naming the variable and its value,
@@ -211,8 +209,7 @@ int sp_launch_env_read(sp_launch_env *e, sp_diag *d);
  * network reach this host at. Sends nothing. SP_EINVAL for an address
  * that does not resolve, SP_EIO when there is no route. Blocking only for
  * a name to resolve. */
-int sp_local_addr_toward(const char *addr, char *out, size_t cap,
-                         sp_diag *d);
+int sp_local_addr_toward(const char *addr, char *out, size_t cap, sp_diag *d);
 
 /* ---- reporting: training thread only ----
  * Each call costs a table check and a store into a ring (no lock, no
@@ -237,9 +234,8 @@ int sp_session_state(const sp_session *s, sp_machine m, uint32_t unit);
  * reduced shard), an all-reduce's or a broadcast's whole buffer. Every
  * member of a communicator must issue the same fingerprints in the same
  * order; the coordinator compares them to name a desynchronised rank. */
-uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm,
-                               sp_coll_op op, uint32_t unit, sp_dtype dtype,
-                               uint64_t count);
+uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm, sp_coll_op op,
+                               uint32_t unit, sp_dtype dtype, uint64_t count);
 /* Queues the completion of collective `seq` of `comm` (as returned by
  * sp_session_collective), at time_us (CLOCK_REALTIME microseconds, as
  * sp_session_time_us gives; 0: now). A collective issued and never
@@ -248,17 +244,15 @@ uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm,
  * long the training thread was blocked waiting for it (0: not at all, or
  * not measured); the coordinator takes a step less its waits as the rank's
  * own time, the measure that names a straggler. */
-void sp_session_collective_done(sp_session *s, sp_comm_kind comm,
-                                uint64_t seq, uint64_t time_us,
-                                uint64_t waited_us);
+void sp_session_collective_done(sp_session *s, sp_comm_kind comm, uint64_t seq,
+                                uint64_t time_us, uint64_t waited_us);
 /* CLOCK_REALTIME in microseconds, the clock of every event. Any thread. */
 uint64_t sp_session_time_us(void);
 /* The trainer's progress, sent with the next message (and every later one,
  * until changed): the last loss (NaN: none) and the steps the run will
  * take in all (0: unknown). The coordinator shows them and estimates the
  * time left. */
-void sp_session_set_progress(sp_session *s, double loss,
-                             uint64_t total_steps);
+void sp_session_set_progress(sp_session *s, double loss, uint64_t total_steps);
 /* Switches queueing on or off (sp_session_opts.no_report) for measuring
  * what reporting costs within one run. Only between steps: SP_ESTATE unless
  * the root and every unit are IDLE. */
@@ -335,13 +329,13 @@ sp_comm_store sp_session_comm_store(sp_session *s);
 typedef struct sp_comm sp_comm;
 
 typedef struct sp_comm_opts {
-  sp_backend backend;     /* SP_BACKEND_GLOO, or SP_BACKEND_NCCL (GPU build) */
-  sp_comm_store store;    /* set and get; required for more than one member */
-  const char *prefix;     /* store key namespace, unique per communicator */
-  uint32_t rank;          /* rank within this communicator */
-  uint32_t size;          /* members */
-  uint64_t timeout_ms;    /* rendezvous and per-operation; 0: 60000 */
-  const char *device;     /* NCCL: "cuda:N" (required); Gloo: ignored */
+  sp_backend backend;  /* SP_BACKEND_GLOO, or SP_BACKEND_NCCL (GPU build) */
+  sp_comm_store store; /* set and get; required for more than one member */
+  const char *prefix;  /* store key namespace, unique per communicator */
+  uint32_t rank;       /* rank within this communicator */
+  uint32_t size;       /* members */
+  uint64_t timeout_ms; /* rendezvous and per-operation; 0: 60000 */
+  const char *device;  /* NCCL: "cuda:N" (required); Gloo: ignored */
   /* Gloo: the numeric address this member binds and advertises; NULL:
    * $SHARDPLANE_GLOO_HOST, else 127.0.0.1 (sp_fsdp_comms_open passes the
    * interface that reaches the coordinator). NCCL: ignored. Copied. */
@@ -448,7 +442,7 @@ typedef struct sp_fsdp_opts {
    * (ranks sharing r / g) and the replica group (ranks sharing r % g). The
    * runtime borrows them. NO_SHARD uses world for the all-reduce. */
   sp_comm *world, *shard_group, *replica_group;
-  bool backward_prefetch;      /* BACKWARD_PRE prefetch of the next unit */
+  bool backward_prefetch;        /* BACKWARD_PRE prefetch of the next unit */
   uint32_t max_inflight_gathers; /* all-gather limiter; 0: 2 */
   /* Called once per parameter to fill the master shard before training:
    * elements [start, start + n) of parameter `param` (model index) in the
@@ -456,8 +450,7 @@ typedef struct sp_fsdp_opts {
   void (*init_param)(void *user, const sp_model *m, int32_t param,
                      int64_t start, int64_t n, void *dst);
   /* Same for buffers (whole buffer, original dtype). */
-  void (*init_buffer)(void *user, const sp_model *m, int32_t buffer,
-                      void *dst);
+  void (*init_buffer)(void *user, const sp_model *m, int32_t buffer, void *dst);
   void *user;
   /* Fault injection (shardplane-worker --inject; tests). Called on the
    * training thread before the runtime issues each collective, with its
@@ -695,8 +688,8 @@ typedef enum sp_lr_schedule {
 
 typedef struct sp_optim_opts {
   sp_optim_kind kind;
-  double lr;           /* the peak learning rate; >= 0, finite */
-  double momentum;     /* SGD; 0: none (the buffer "momentum_buffer") */
+  double lr;       /* the peak learning rate; >= 0, finite */
+  double momentum; /* SGD; 0: none (the buffer "momentum_buffer") */
   /* AdamW: p -= lr * weight_decay * p before the update (decoupled);
    * SGD: g += weight_decay * p (L2). Only parameters the mask decays. */
   double weight_decay;
@@ -731,8 +724,7 @@ int sp_optim_opts_check(const sp_optim_opts *o, sp_diag *d);
  * Computed in double. */
 double sp_optim_lr(const sp_optim_opts *o, uint64_t t);
 /* Whether the mask decays parameter `param` of m. */
-bool sp_optim_decays(const sp_optim_opts *o, const sp_model *m,
-                     int32_t param);
+bool sp_optim_decays(const sp_optim_opts *o, const sp_model *m, int32_t param);
 
 /* Sets up the optimizer, once per runtime (SP_EEXIST after): checks o,
  * builds each unit's element ranges of trainable parameters in this
@@ -814,9 +806,9 @@ int sp_device_parse(const char *device, int *cuda_ordinal, sp_diag *d);
 
 /* Statistics for tests and benchmarks. */
 typedef struct sp_fsdp_stats {
-  uint64_t all_gathers;      /* issued */
-  uint64_t max_inflight;     /* most all-gathers in flight at once */
-  uint64_t prefetches;       /* backward prefetches issued */
+  uint64_t all_gathers;  /* issued */
+  uint64_t max_inflight; /* most all-gathers in flight at once */
+  uint64_t prefetches;   /* backward prefetches issued */
   uint64_t reduce_scatters;
   uint64_t all_reduces;
   /* Seconds the communication thread spent running its work since
@@ -858,10 +850,10 @@ const char *sp_ckpt_kind_dir(sp_ckpt_kind k);
  * (model.safetensors: FULL; index.json: SHARDED; local-R-of-W.safetensors:
  * LOCAL) or hold them in its full/, sharded/ and local/ folders. */
 typedef struct sp_ckpt_found {
-  bool present[4];         /* by sp_ckpt_kind */
-  char dir[4][4096];       /* the folder of each present kind */
+  bool present[4];          /* by sp_ckpt_kind */
+  char dir[4][4096];        /* the folder of each present kind */
   char plan_version[4][24]; /* the plan it was written with; "" unknown */
-  uint64_t steps[4];       /* its step count (the optimizer steps it holds,
+  uint64_t steps[4];        /* its step count (the optimizer steps it holds,
                               the step a load resumes after); 0 also when
                               not recorded */
 } sp_ckpt_found;
@@ -873,8 +865,8 @@ int sp_ckpt_find(const char *dir, sp_ckpt_found *out);
  * kind K or, when kind is 0, the only kind there. out receives the folder
  * to pass to sp_ckpt_load, *out_kind its kind. SP_ENOENT: no such
  * checkpoint there; SP_EINVAL: several kinds and kind 0. */
-int sp_ckpt_resolve(const char *dir, sp_ckpt_kind kind, char *out,
-                    size_t cap, sp_ckpt_kind *out_kind, sp_diag *d);
+int sp_ckpt_resolve(const char *dir, sp_ckpt_kind kind, char *out, size_t cap,
+                    sp_ckpt_kind *out_kind, sp_diag *d);
 /* Before writing checkpoints of the plan `plan_version` into dir:
  * SP_EEXIST, naming dir, the plans and the --checkpoint-dir flag, when dir
  * holds a checkpoint of another plan (another configuration), which

@@ -10,8 +10,8 @@ const char *sp_blas_coretype_wanted(void) {
   if (getenv("OPENBLAS_CORETYPE") || !core || strcasecmp(core, "prescott"))
     return NULL;
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f")  ? "SkylakeX"
-         : __builtin_cpu_supports("avx2")   ? "Haswell"
-         : __builtin_cpu_supports("avx")    ? "Sandybridge"
-                                            : NULL;
+  return __builtin_cpu_supports("avx512f") ? "SkylakeX"
+         : __builtin_cpu_supports("avx2")  ? "Haswell"
+         : __builtin_cpu_supports("avx")   ? "Sandybridge"
+                                           : NULL;
 }

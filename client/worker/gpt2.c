@@ -131,8 +131,8 @@ static int host_zero(sp_gpt2_dev *k, void *p, size_t bytes, sp_diag *d) {
   return 0;
 }
 
-static int host_to_f32(sp_gpt2_dev *k, float *dst, const void *src,
-                       sp_dtype st, size_t n, const char *fqn, sp_diag *d) {
+static int host_to_f32(sp_gpt2_dev *k, float *dst, const void *src, sp_dtype st,
+                       size_t n, const char *fqn, sp_diag *d) {
   (void)k;
   int rc = sp_cast(dst, SP_FLOAT32, src, st, n);
   if (rc != 0)
@@ -186,11 +186,11 @@ static int host_mask(sp_gpt2_dev *k, uint8_t *allow, const void *buf,
 /* The CPU's kernels cannot fail and need no state: each entry of the
  * table runs its kernel and returns 0. */
 #define UNPAREN(...) __VA_ARGS__
-#define CPU_KERNEL(name, params, args)                                      \
-  static int cpu_##name(sp_gpt2_dev *k, UNPAREN params, sp_diag *d) {       \
-    (void)k, (void)d;                                                       \
-    sp_gpt2_cpu_##name args;                                                \
-    return 0;                                                               \
+#define CPU_KERNEL(name, params, args)                                \
+  static int cpu_##name(sp_gpt2_dev *k, UNPAREN params, sp_diag *d) { \
+    (void)k, (void)d;                                                 \
+    sp_gpt2_cpu_##name args;                                          \
+    return 0;                                                         \
   }
 CPU_KERNEL(embed_fwd,
            (float *x, const int32_t *tok, const float *wte, const float *wpe,
@@ -201,8 +201,8 @@ CPU_KERNEL(layernorm_fwd,
             const float *w, const float *b, int N, int C),
            (out, mean, rstd, inp, w, b, N, C))
 CPU_KERNEL(matmul_fwd,
-           (float *out, const float *inp, const float *w, const float *b,
-            int N, int IC, int OC),
+           (float *out, const float *inp, const float *w, const float *b, int N,
+            int IC, int OC),
            (out, inp, w, b, N, IC, OC))
 CPU_KERNEL(attention_fwd,
            (float *out, float *att, const float *qkv, const uint8_t *allow,
@@ -249,9 +249,8 @@ CPU_KERNEL(wpe_bwd,
 
 /* The loss sums in double on the host: no scratch to keep it in. */
 static int cpu_softmax_xent_fwd(sp_gpt2_dev *k, float *probs,
-                                const int32_t *tgt, int N, int V,
-                                double *rows, double *total, double *sum,
-                                sp_diag *d) {
+                                const int32_t *tgt, int N, int V, double *rows,
+                                double *total, double *sum, sp_diag *d) {
   (void)k, (void)rows, (void)total, (void)d;
   *sum = sp_gpt2_cpu_softmax_xent_fwd(probs, tgt, N, V);
   return 0;
@@ -291,8 +290,7 @@ static const sp_gpt2_ops cpu_ops = {
 /* activations and the step's pieces (gpt2_step.c's, on the CPU)       */
 /* ------------------------------------------------------------------ */
 
-int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T,
-                     sp_gpt2_acts **out) {
+int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T, sp_gpt2_acts **out) {
   if (g == NULL || out == NULL || B == 0 || T == 0 || T > (size_t)g->ctx)
     return SP_EINVAL;
   *out = NULL;

@@ -124,8 +124,7 @@ typedef struct sp_gpt2_acts {
 
 /* 0, SP_EINVAL (T 0 or over ctx, B 0), SP_ETOOBIG (sizes overflow or over
  * 2^31 elements a tensor: cblas takes int), SP_ENOMEM. */
-int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T,
-                     sp_gpt2_acts **out);
+int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T, sp_gpt2_acts **out);
 void sp_gpt2_acts_free(sp_gpt2_acts *a);
 
 /* One step's pieces, in this order (the worker puts the runtime's

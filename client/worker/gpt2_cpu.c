@@ -37,24 +37,23 @@
 
 /* out = OP over k in [0, n) of expr (which reads k), from init, in lanes
  * combined pairwise. */
-#define LANE_FOLD(out, n, k, expr, init, OP)            \
-  do {                                                  \
-    float acc_[LANES];                                  \
-    for (int j_ = 0; j_ < LANES; j_++) acc_[j_] = init; \
-    int base_ = 0;                                      \
-    for (; base_ + LANES <= (n); base_ += LANES)        \
-      for (int j_ = 0; j_ < LANES; j_++) {              \
-        int k = base_ + j_;                             \
-        acc_[j_] = OP(acc_[j_], (expr));                \
-      }                                                 \
-    for (int j_ = 0; base_ + j_ < (n); j_++) {          \
-      int k = base_ + j_;                               \
-      acc_[j_] = OP(acc_[j_], (expr));                  \
-    }                                                   \
-    for (int s_ = LANES / 2; s_ > 0; s_ /= 2)           \
-      for (int j_ = 0; j_ < s_; j_++)                   \
-        acc_[j_] = OP(acc_[j_], acc_[j_ + s_]);         \
-    (out) = acc_[0];                                    \
+#define LANE_FOLD(out, n, k, expr, init, OP)                                  \
+  do {                                                                        \
+    float acc_[LANES];                                                        \
+    for (int j_ = 0; j_ < LANES; j_++) acc_[j_] = init;                       \
+    int base_ = 0;                                                            \
+    for (; base_ + LANES <= (n); base_ += LANES)                              \
+      for (int j_ = 0; j_ < LANES; j_++) {                                    \
+        int k = base_ + j_;                                                   \
+        acc_[j_] = OP(acc_[j_], (expr));                                      \
+      }                                                                       \
+    for (int j_ = 0; base_ + j_ < (n); j_++) {                                \
+      int k = base_ + j_;                                                     \
+      acc_[j_] = OP(acc_[j_], (expr));                                        \
+    }                                                                         \
+    for (int s_ = LANES / 2; s_ > 0; s_ /= 2)                                 \
+      for (int j_ = 0; j_ < s_; j_++) acc_[j_] = OP(acc_[j_], acc_[j_ + s_]); \
+    (out) = acc_[0];                                                          \
   } while (0)
 #define LANE_SUM(out, n, k, expr) LANE_FOLD(out, n, k, expr, 0.0f, ADD_OP)
 
@@ -91,10 +90,10 @@ void sp_gpt2_cpu_matmul_bwd(float *dinp, float *dw, float *db,
                             const float *dout, const float *inp, const float *w,
                             int N, int IC, int OC, int acc) {
   if (dinp)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, IC, OC, 1.0f,
-                dout, OC, w, OC, 0.0f, dinp, IC);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, IC, OC, N, 1.0f, inp,
-              IC, dout, OC, acc ? 1.0f : 0.0f, dw, OC);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, IC, OC, 1.0f, dout,
+                OC, w, OC, 0.0f, dinp, IC);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, IC, OC, N, 1.0f, inp, IC,
+              dout, OC, acc ? 1.0f : 0.0f, dw, OC);
   if (db == NULL) return;
   if (!acc) memset(db, 0, (size_t)OC * sizeof *db);
   col_sums(db, dout, N, OC);
@@ -102,15 +101,15 @@ void sp_gpt2_cpu_matmul_bwd(float *dinp, float *dw, float *db,
 
 void sp_gpt2_cpu_logits_fwd(float *logits, const float *x, const float *wte,
                             int N, int C, int V) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, x, C,
-              wte, C, 0.0f, logits, V);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, x, C, wte,
+              C, 0.0f, logits, V);
 }
 
 void sp_gpt2_cpu_logits_bwd(float *dx, float *dwte, const float *dlogits,
                             const float *x, const float *wte, int N, int C,
                             int V) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, V, 1.0f,
-              dlogits, V, wte, C, 0.0f, dx, C);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, V, 1.0f, dlogits,
+              V, wte, C, 0.0f, dx, C);
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, dlogits,
               V, x, C, 0.0f, dwte, C);
 }
@@ -135,16 +134,15 @@ void sp_gpt2_cpu_layernorm_fwd(float *out, float *mean, float *rstd,
                                const float *inp, const float *w, const float *b,
                                int N, int C) {
   for (int i = 0; i < N; i++)
-    layernorm_row(out + (size_t)i * C, mean + i, rstd + i,
-                  inp + (size_t)i * C, w, b, C);
+    layernorm_row(out + (size_t)i * C, mean + i, rstd + i, inp + (size_t)i * C,
+                  w, b, C);
 }
 
 VEC_CLONES
 static void layernorm_row_bwd(float *restrict dx, float *restrict dw,
                               float *restrict db, const float *restrict g,
-                              const float *restrict x,
-                              const float *restrict w, float m, float s,
-                              int C) {
+                              const float *restrict x, const float *restrict w,
+                              float m, float s, int C) {
   float gm, gnm; /* means of g*w and g*w*xhat */
   LANE_SUM(gm, C, c, g[c] * w[c]);
   LANE_SUM(gnm, C, c, g[c] * w[c] * ((x[c] - m) * s));
@@ -220,8 +218,8 @@ void sp_gpt2_cpu_attention_fwd(float *out, float *att, const float *qkv,
         for (int t = r0; t < r1; t++)
           softmax_row(s + (size_t)t * T, allow ? allow + (size_t)t * T : NULL,
                       t, T);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, hs,
-                    r1, 1.0f, s + (size_t)r0 * T, T, v, C3, 0.0f,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, hs, r1,
+                    1.0f, s + (size_t)r0 * T, T, v, C3, 0.0f,
                     y + (size_t)r0 * C, C);
       }
     }
@@ -258,8 +256,8 @@ void sp_gpt2_cpu_attention_bwd(float *dqkv, float *datt, const float *dout,
         int r1 = r0 + ATT_TILE < T ? r0 + ATT_TILE : T, m = r1 - r0;
         /* datt = dy v^T */
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, r1, hs, 1.0f,
-                    dy + (size_t)r0 * C, C, v, C3, 0.0f,
-                    datt + (size_t)r0 * T, T);
+                    dy + (size_t)r0 * C, C, v, C3, 0.0f, datt + (size_t)r0 * T,
+                    T);
         /* dv = att^T dy */
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, hs, T - r0,
                     1.0f, s + (size_t)r0 * T + r0, T, dy + (size_t)r0 * C, C,
@@ -267,9 +265,9 @@ void sp_gpt2_cpu_attention_bwd(float *dqkv, float *datt, const float *dout,
         for (int t = r0; t < r1; t++)
           softmax_row_bwd(datt + (size_t)t * T, s + (size_t)t * T, t, r1);
         /* dq = scale ds k */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hs, r1,
-                    scale, datt + (size_t)r0 * T, T, k, C3, 0.0f,
-                    dq + (size_t)r0 * C3, C3);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hs, r1, scale,
+                    datt + (size_t)r0 * T, T, k, C3, 0.0f, dq + (size_t)r0 * C3,
+                    C3);
       }
       /* dk = scale ds^T q, once every row of ds is done */
       for (int r0 = 0; r0 < T; r0 += ATT_TILE) {

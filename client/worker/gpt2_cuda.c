@@ -34,8 +34,10 @@ static int dev_alloc(size_t bytes, void **out, sp_diag *d) {
   cudaError_t e = cudaMalloc(&p, bytes);
   if (e == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    return sp_diag_set(d, SP_ENOMEM, "cudaMalloc of %zu bytes: out of device "
-                       "memory", bytes);
+    return sp_diag_set(d, SP_ENOMEM,
+                       "cudaMalloc of %zu bytes: out of device "
+                       "memory",
+                       bytes);
   }
   if (e != cudaSuccess)
     return sp_cuda_diag(d, (int)e, "cudaMalloc", __FILE__, __LINE__);
@@ -54,25 +56,25 @@ static int dev_zero(sp_gpt2_dev *k, void *p, size_t bytes, sp_diag *d) {
   return 0;
 }
 
-static int dev_to_f32(sp_gpt2_dev *k, float *dst, const void *src,
-                      sp_dtype st, size_t n, const char *fqn, sp_diag *d) {
+static int dev_to_f32(sp_gpt2_dev *k, float *dst, const void *src, sp_dtype st,
+                      size_t n, const char *fqn, sp_diag *d) {
   int rc = sp_cuda_cast(dst, SP_FLOAT32, src, st, n, stream_of(k));
   if (rc != 0)
-    return sp_diag_set(d, rc, "%s:%d: %s: cast from %s failed (the CUDA "
-                       "error is logged above)", __FILE__, __LINE__, fqn,
-                       sp_dtype_name(st));
+    return sp_diag_set(d, rc,
+                       "%s:%d: %s: cast from %s failed (the CUDA "
+                       "error is logged above)",
+                       __FILE__, __LINE__, fqn, sp_dtype_name(st));
   return 0;
 }
 
 /* The kernel leaves the sum on the device: it is read back here. */
 static int dev_softmax_xent_fwd(sp_gpt2_dev *k, float *probs,
-                                const int32_t *tgt, int N, int V,
-                                double *rows, double *total, double *sum,
-                                sp_diag *d) {
+                                const int32_t *tgt, int N, int V, double *rows,
+                                double *total, double *sum, sp_diag *d) {
   int rc = sp_gpt2_gpu_softmax_xent_fwd(k, probs, tgt, N, V, rows, total, d);
   if (rc != 0) return rc;
   SP_CUDA_CHECK(d, cudaMemcpyAsync(sum, total, sizeof *sum,
-                                     cudaMemcpyDeviceToHost, stream_of(k)));
+                                   cudaMemcpyDeviceToHost, stream_of(k)));
   SP_CUDA_CHECK(d, cudaStreamSynchronize(stream_of(k)));
   return 0;
 }
@@ -148,8 +150,7 @@ static int cuda_new(sp_gpt2_cuda *c, const sp_gpt2 *g, size_t B, size_t T,
   if (!c->htok || !c->htgt) return sp_diag_set(d, SP_ENOMEM, "no memory");
   rc = sp_gpt2_gpu_new(c->st, &c->k, d);
   if (rc != 0) return rc;
-  c->step = (sp_gpt2_step){g, &cuda_ops, c->k, &c->a, c->w2, c->rows,
-                           c->total};
+  c->step = (sp_gpt2_step){g, &cuda_ops, c->k, &c->a, c->w2, c->rows, c->total};
   /* device memory starts undefined; the uploads and the forward write
    * everything before it is read, but a mistake then reads zeros */
   SP_CUDA_CHECK(d, cudaMemsetAsync(c->a.tok, 0, (size_t)N * 4, c->st));
@@ -160,8 +161,10 @@ static int cuda_new(sp_gpt2_cuda *c, const sp_gpt2 *g, size_t B, size_t T,
 int sp_gpt2_cuda_new(const sp_gpt2 *g, size_t B, size_t T, void *stream,
                      sp_gpt2_cuda **out, sp_diag *d) {
   if (g == NULL || out == NULL || B == 0 || T == 0 || T > (size_t)g->ctx)
-    return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda_new: %zu x %zu tokens "
-                       "(context %lld)", B, T, g ? (long long)g->ctx : 0LL);
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_gpt2_cuda_new: %zu x %zu tokens "
+                       "(context %lld)",
+                       B, T, g ? (long long)g->ctx : 0LL);
   *out = NULL;
   sp_gpt2_cuda *c = calloc(1, sizeof *c);
   if (c == NULL) return sp_diag_set(d, SP_ENOMEM, "no memory");
@@ -192,9 +195,9 @@ int sp_gpt2_cuda_upload(sp_gpt2_cuda *c, sp_diag *d) {
                          c->htgt[i], i, (long long)g->V);
   }
   SP_CUDA_CHECK(d, cudaMemcpyAsync(c->a.tok, c->htok, N * 4,
-                                     cudaMemcpyHostToDevice, c->st));
+                                   cudaMemcpyHostToDevice, c->st));
   SP_CUDA_CHECK(d, cudaMemcpyAsync(c->a.tgt, c->htgt, N * 4,
-                                     cudaMemcpyHostToDevice, c->st));
+                                   cudaMemcpyHostToDevice, c->st));
   /* the host arrays take the next micro-batch right after */
   SP_CUDA_CHECK(d, cudaStreamSynchronize(c->st));
   return 0;
@@ -206,7 +209,7 @@ int sp_gpt2_cuda_set_scalar(sp_gpt2_cuda *c, double v, sp_diag *d) {
   if (c == NULL) return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda: NULL");
   c->hscalar = v;
   SP_CUDA_CHECK(d, cudaMemcpyAsync(c->scalar, &c->hscalar, sizeof v,
-                                     cudaMemcpyHostToDevice, c->st));
+                                   cudaMemcpyHostToDevice, c->st));
   return 0;
 }
 
@@ -214,7 +217,7 @@ int sp_gpt2_cuda_get_scalar(sp_gpt2_cuda *c, double *v, sp_diag *d) {
   if (c == NULL || v == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda: NULL");
   SP_CUDA_CHECK(d, cudaMemcpyAsync(&c->hscalar, c->scalar, sizeof *v,
-                                     cudaMemcpyDeviceToHost, c->st));
+                                   cudaMemcpyDeviceToHost, c->st));
   SP_CUDA_CHECK(d, cudaStreamSynchronize(c->st));
   *v = c->hscalar;
   return 0;
@@ -226,7 +229,8 @@ int sp_gpt2_cuda_get_scalar(sp_gpt2_cuda *c, double *v, sp_diag *d) {
 
 static int check(const sp_gpt2_cuda *c, const sp_gpt2_io *io, sp_diag *d) {
   if (c == NULL || io == NULL || io->param == NULL || io->param_dtype == NULL)
-    return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda: NULL argument or "
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_gpt2_cuda: NULL argument or "
                        "callback");
   return 0;
 }
@@ -237,8 +241,8 @@ int sp_gpt2_cuda_embed_forward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   return rc ? rc : sp_gpt2_step_embed_forward(&c->step, io, d);
 }
 
-int sp_gpt2_cuda_block_forward(sp_gpt2_cuda *c, size_t l,
-                               const sp_gpt2_io *io, sp_diag *d) {
+int sp_gpt2_cuda_block_forward(sp_gpt2_cuda *c, size_t l, const sp_gpt2_io *io,
+                               sp_diag *d) {
   int rc = check(c, io, d);
   return rc ? rc : sp_gpt2_step_block_forward(&c->step, l, io, d);
 }
@@ -257,8 +261,8 @@ int sp_gpt2_cuda_head_backward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   return rc ? rc : sp_gpt2_step_head_backward(&c->step, io, denom, d);
 }
 
-int sp_gpt2_cuda_block_backward(sp_gpt2_cuda *c, size_t l,
-                                const sp_gpt2_io *io, sp_diag *d) {
+int sp_gpt2_cuda_block_backward(sp_gpt2_cuda *c, size_t l, const sp_gpt2_io *io,
+                                sp_diag *d) {
   int rc = check(c, io, d);
   return rc ? rc : sp_gpt2_step_block_backward(&c->step, l, io, d);
 }

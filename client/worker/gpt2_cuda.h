@@ -57,14 +57,14 @@ int sp_gpt2_cuda_upload(sp_gpt2_cuda *c, sp_diag *d);
  * for the stream to return the loss in *loss. */
 int sp_gpt2_cuda_embed_forward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
                                sp_diag *d);
-int sp_gpt2_cuda_block_forward(sp_gpt2_cuda *c, size_t l,
-                               const sp_gpt2_io *io, sp_diag *d);
+int sp_gpt2_cuda_block_forward(sp_gpt2_cuda *c, size_t l, const sp_gpt2_io *io,
+                               sp_diag *d);
 int sp_gpt2_cuda_head_forward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
                               double denom, double *loss, sp_diag *d);
 int sp_gpt2_cuda_head_backward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
                                double denom, sp_diag *d);
-int sp_gpt2_cuda_block_backward(sp_gpt2_cuda *c, size_t l,
-                                const sp_gpt2_io *io, sp_diag *d);
+int sp_gpt2_cuda_block_backward(sp_gpt2_cuda *c, size_t l, const sp_gpt2_io *io,
+                                sp_diag *d);
 int sp_gpt2_cuda_embed_backward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
                                 sp_diag *d);
 

@@ -38,8 +38,8 @@ int sp_gpt2_cuda_embed_forward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   return unsupported(d);
 }
 
-int sp_gpt2_cuda_block_forward(sp_gpt2_cuda *c, size_t l,
-                               const sp_gpt2_io *io, sp_diag *d) {
+int sp_gpt2_cuda_block_forward(sp_gpt2_cuda *c, size_t l, const sp_gpt2_io *io,
+                               sp_diag *d) {
   (void)c, (void)l, (void)io;
   return unsupported(d);
 }
@@ -56,8 +56,8 @@ int sp_gpt2_cuda_head_backward(sp_gpt2_cuda *c, const sp_gpt2_io *io,
   return unsupported(d);
 }
 
-int sp_gpt2_cuda_block_backward(sp_gpt2_cuda *c, size_t l,
-                                const sp_gpt2_io *io, sp_diag *d) {
+int sp_gpt2_cuda_block_backward(sp_gpt2_cuda *c, size_t l, const sp_gpt2_io *io,
+                                sp_diag *d) {
   (void)c, (void)l, (void)io;
   return unsupported(d);
 }

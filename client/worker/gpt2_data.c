@@ -29,8 +29,8 @@ static int append_file(sp_gpt2_data *data, const char *path, size_t *cap,
   for (;;) {
     if (data->n == *cap) {
       if (*cap >= SP_GPT2_DATA_MAX_BYTES) {
-        rc = sp_diag_set(d, SP_ETOOBIG, "--data %s: more than %u bytes",
-                         path, SP_GPT2_DATA_MAX_BYTES);
+        rc = sp_diag_set(d, SP_ETOOBIG, "--data %s: more than %u bytes", path,
+                         SP_GPT2_DATA_MAX_BYTES);
         break;
       }
       size_t nc = *cap ? *cap * 2 : 1 << 16;
@@ -46,8 +46,7 @@ static int append_file(sp_gpt2_data *data, const char *path, size_t *cap,
     size_t got = fread(data->bytes + data->n, 1, *cap - data->n, f);
     data->n += got;
     if (got == 0) {
-      if (ferror(f))
-        rc = sp_diag_set(d, SP_EIO, "--data %s: read error", path);
+      if (ferror(f)) rc = sp_diag_set(d, SP_EIO, "--data %s: read error", path);
       break;
     }
   }
@@ -64,8 +63,10 @@ static int read_default(sp_gpt2_data *data, size_t *cap, sp_diag *d) {
   const char *dir = SP_GPT2_DEFAULT_CORPUS;
   DIR *dp = opendir(dir);
   if (dp == NULL)
-    return sp_diag_set(d, SP_ENOENT, "no default corpus (%s: %s): give a "
-                       "text file with --data FILE", dir, strerror(errno));
+    return sp_diag_set(d, SP_ENOENT,
+                       "no default corpus (%s: %s): give a "
+                       "text file with --data FILE",
+                       dir, strerror(errno));
   char **names = NULL;
   size_t n = 0, cap_n = 0;
   int rc = 0;
@@ -123,21 +124,21 @@ int sp_gpt2_data_open(const char *path, size_t T, sp_gpt2_data **out,
     else if (!S_ISREG(st.st_mode))
       rc = sp_diag_set(d, SP_EINVAL, "--data %s: not a regular file", path);
     else if ((uint64_t)st.st_size > SP_GPT2_DATA_MAX_BYTES)
-      rc = sp_diag_set(d, SP_ETOOBIG, "--data %s: %lld bytes, at most %u",
-                       path, (long long)st.st_size, SP_GPT2_DATA_MAX_BYTES);
+      rc = sp_diag_set(d, SP_ETOOBIG, "--data %s: %lld bytes, at most %u", path,
+                       (long long)st.st_size, SP_GPT2_DATA_MAX_BYTES);
     else
       rc = append_file(data, path, &cap, d);
     snprintf(data->source, sizeof data->source, "%s", path);
   } else {
     rc = read_default(data, &cap, d);
-    snprintf(data->source, sizeof data->source, "%s/*",
-             SP_GPT2_DEFAULT_CORPUS);
+    snprintf(data->source, sizeof data->source, "%s/*", SP_GPT2_DEFAULT_CORPUS);
   }
   if (rc == 0) {
     data->n_val = data->n / 10;
     data->n_train = data->n - data->n_val;
     if (data->n_train < T + 1 || data->n_val < T + 1)
-      rc = sp_diag_set(d, SP_EINVAL, "--data %s: %zu bytes; windows of %zu "
+      rc = sp_diag_set(d, SP_EINVAL,
+                       "--data %s: %zu bytes; windows of %zu "
                        "tokens need at least %zu (a tenth held out)",
                        data->source, data->n, T, 10 * (T + 1));
   }
@@ -163,9 +164,8 @@ static void window(const sp_gpt2_data *data, size_t start, size_t T,
   }
 }
 
-void sp_gpt2_data_train(const sp_gpt2_data *data, uint64_t step,
-                        uint64_t first, size_t n, size_t T, int32_t *tok,
-                        int32_t *tgt) {
+void sp_gpt2_data_train(const sp_gpt2_data *data, uint64_t step, uint64_t first,
+                        size_t n, size_t T, int32_t *tok, int32_t *tgt) {
   for (size_t k = 0; k < n; k++) {
     size_t start =
         (size_t)(sp_gpt2_window(step, first + k) % (data->n_train - T));

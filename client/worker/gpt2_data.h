@@ -48,9 +48,8 @@ uint64_t sp_gpt2_window(uint64_t step, uint64_t sample);
 
 /* n training samples [first, first + n) of step `step` into tok and tgt
  * (n x T each). */
-void sp_gpt2_data_train(const sp_gpt2_data *data, uint64_t step,
-                        uint64_t first, size_t n, size_t T, int32_t *tok,
-                        int32_t *tgt);
+void sp_gpt2_data_train(const sp_gpt2_data *data, uint64_t step, uint64_t first,
+                        size_t n, size_t T, int32_t *tok, int32_t *tgt);
 /* How many validation windows of T there are, and window v. */
 size_t sp_gpt2_data_val_count(const sp_gpt2_data *data, size_t T);
 void sp_gpt2_data_val(const sp_gpt2_data *data, uint64_t v, size_t T,

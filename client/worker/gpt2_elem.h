@@ -65,8 +65,8 @@ SP_HD static inline float sp_gpt2_elem_gelu(float x) {
 SP_HD static inline float sp_gpt2_elem_gelu_bwd(float x, float dout) {
   float th = sp_gpt2_elem_tanh(SP_GPT2_GELU_S * (x + 0.044715f * x * x * x));
   float sech2 = 1.0f - th * th;
-  float g = 0.5f * (1.0f + th) +
-            0.5f * x * sech2 * SP_GPT2_GELU_S * (1.0f + 3.0f * 0.044715f * x * x);
+  float g = 0.5f * (1.0f + th) + 0.5f * x * sech2 * SP_GPT2_GELU_S *
+                                     (1.0f + 3.0f * 0.044715f * x * x);
   return g * dout;
 }
 

@@ -28,14 +28,15 @@ static sp_dtype h_bdtype(void *u, int32_t i) { return ((held *)u)->bdt[i]; }
 
 /* Tensor `fqn` of the checkpoint, of the spec's shape, into dst as dt. */
 static int take(const sp_safetensors_file *f, const char *file,
-                const sp_tensor_spec *t, sp_dtype dt, void *dst,
-                sp_diag *d) {
+                const sp_tensor_spec *t, sp_dtype dt, void *dst, sp_diag *d) {
   const sp_safetensors_tensor *st = sp_safetensors_find(f, t->fqn);
   if (st == NULL)
     return sp_diag_set(d, SP_ENOENT, "%s: no tensor %s", file, t->fqn);
   if (st->numel != (uint64_t)t->numel)
-    return sp_diag_set(d, SP_EFORMAT, "%s: %s has %llu elements, the spec "
-                       "%lld", file, t->fqn, (unsigned long long)st->numel,
+    return sp_diag_set(d, SP_EFORMAT,
+                       "%s: %s has %llu elements, the spec "
+                       "%lld",
+                       file, t->fqn, (unsigned long long)st->numel,
                        (long long)t->numel);
   if (st->dtype == dt) {
     memcpy(dst, st->data, st->nbytes);
@@ -43,8 +44,7 @@ static int take(const sp_safetensors_file *f, const char *file,
   }
   int rc = sp_cast(dst, dt, st->data, st->dtype, (size_t)t->numel);
   return rc ? sp_diag_set(d, rc, "%s: %s: cannot convert %s to %s", file,
-                          t->fqn, sp_dtype_name(st->dtype),
-                          sp_dtype_name(dt))
+                          t->fqn, sp_dtype_name(st->dtype), sp_dtype_name(dt))
             : 0;
 }
 

@@ -83,29 +83,29 @@ static int rm_gemm(sp_gpt2_dev *k, bool ta, bool tb, int M, int N, int K,
   cublasOperation_t oa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t ob = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (batch == 1)
-    SP_CUBLAS_CHECK(d, cublasSgemm(k->blas, ob, oa, N, M, K, &alpha, B, ldb,
-                                     A, lda, &beta, C, ldc));
+    SP_CUBLAS_CHECK(d, cublasSgemm(k->blas, ob, oa, N, M, K, &alpha, B, ldb, A,
+                                   lda, &beta, C, ldc));
   else
-    SP_CUBLAS_CHECK(d, cublasSgemmStridedBatched(
-                             k->blas, ob, oa, N, M, K, &alpha, B, ldb, sB, A,
-                             lda, sA, &beta, C, ldc, sC, batch));
+    SP_CUBLAS_CHECK(
+        d, cublasSgemmStridedBatched(k->blas, ob, oa, N, M, K, &alpha, B, ldb,
+                                     sB, A, lda, sA, &beta, C, ldc, sC, batch));
   return 0;
 }
 
 /* ---- block reductions (blockDim.x == ROW_THREADS) ---- */
 
-#define SP_BLOCK_SUM(T, name)                                                  \
-  static __device__ T name(T v, T *sh) {                                       \
-    unsigned t = threadIdx.x;                                                  \
-    sh[t] = v;                                                                 \
-    __syncthreads();                                                           \
-    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {                        \
-      if (t < s) sh[t] = sh[t] + sh[t + s];                                    \
-      __syncthreads();                                                         \
-    }                                                                          \
-    T r = sh[0];                                                               \
-    __syncthreads(); /* sh is reused by the next reduction */                  \
-    return r;                                                                  \
+#define SP_BLOCK_SUM(T, name)                                 \
+  static __device__ T name(T v, T *sh) {                      \
+    unsigned t = threadIdx.x;                                 \
+    sh[t] = v;                                                \
+    __syncthreads();                                          \
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {       \
+      if (t < s) sh[t] = sh[t] + sh[t + s];                   \
+      __syncthreads();                                        \
+    }                                                         \
+    T r = sh[0];                                              \
+    __syncthreads(); /* sh is reused by the next reduction */ \
+    return r;                                                 \
   }
 SP_BLOCK_SUM(float, block_sum)
 SP_BLOCK_SUM(double, block_sum_d)
@@ -149,8 +149,8 @@ extern "C" int sp_gpt2_gpu_matmul_fwd(sp_gpt2_dev *k, float *out,
                                       const float *inp, const float *w,
                                       const float *b, int N, int IC, int OC,
                                       sp_diag *d) {
-  int rc = rm_gemm(k, false, false, N, OC, IC, 1.0f, inp, IC, 0, w, OC, 0,
-                   0.0f, out, OC, 0, 1, d);
+  int rc = rm_gemm(k, false, false, N, OC, IC, 1.0f, inp, IC, 0, w, OC, 0, 0.0f,
+                   out, OC, 0, 1, d);
   if (rc < 0 || b == NULL) return rc;
   size_t n = (size_t)N * (size_t)OC;
   k_gpt2_bias<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(out, b, n, OC);
@@ -286,8 +286,8 @@ extern "C" int sp_gpt2_gpu_layernorm_bwd(sp_gpt2_dev *k, float *dinp, float *dw,
                                                              mean, rstd, C);
     LAUNCHED(d);
   }
-  k_gpt2_ln_bwd_params<<<sp_grid_blocks((size_t)C), SP_GRID_THREADS, 0, k->st>>>(
-      dw, db, dout, inp, mean, rstd, N, C);
+  k_gpt2_ln_bwd_params<<<sp_grid_blocks((size_t)C), SP_GRID_THREADS, 0,
+                         k->st>>>(dw, db, dout, inp, mean, rstd, N, C);
   LAUNCHED(d);
   return 0;
 }
@@ -419,19 +419,20 @@ __global__ void k_gpt2_gelu_bwd(float *dinp, const float *inp,
 }
 
 __global__ void k_gpt2_add(float *y, const float *a, const float *b, size_t n) {
-  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) y[i] = a[i] + b[i];
+  for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
+    y[i] = a[i] + b[i];
 }
 
 __global__ void k_gpt2_round(float *v, size_t n, int dt) {
   for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())
-    v[i] = dt == SP_BFLOAT16 ? sp_f32_round_bf16(v[i])
-                             : sp_f32_round_f16(v[i]);
+    v[i] = dt == SP_BFLOAT16 ? sp_f32_round_bf16(v[i]) : sp_f32_round_f16(v[i]);
 }
 
 extern "C" int sp_gpt2_gpu_gelu_fwd(sp_gpt2_dev *k, float *out,
                                     const float *inp, size_t n, sp_diag *d) {
   if (n == 0) return 0;
-  k_gpt2_gelu_fwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(out, inp, n);
+  k_gpt2_gelu_fwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(out, inp,
+                                                                    n);
   LAUNCHED(d);
   return 0;
 }
@@ -440,8 +441,8 @@ extern "C" int sp_gpt2_gpu_gelu_bwd(sp_gpt2_dev *k, float *dinp,
                                     const float *inp, const float *dout,
                                     size_t n, sp_diag *d) {
   if (n == 0) return 0;
-  k_gpt2_gelu_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(dinp, inp, dout,
-                                                              n);
+  k_gpt2_gelu_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(dinp, inp,
+                                                                    dout, n);
   LAUNCHED(d);
   return 0;
 }
@@ -525,8 +526,8 @@ extern "C" int sp_gpt2_gpu_softmax_xent_bwd(sp_gpt2_dev *k, float *probs,
                                             float scale, sp_diag *d) {
   size_t n = (size_t)N * (size_t)V;
   if (n == 0) return 0;
-  k_gpt2_xent_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(probs, tgt, n, V,
-                                                              scale);
+  k_gpt2_xent_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(
+      probs, tgt, n, V, scale);
   LAUNCHED(d);
   return 0;
 }
@@ -561,8 +562,7 @@ __global__ void k_gpt2_wpe_bwd(float *dwpe, const float *dx, int N, int T,
   for (size_t e = SP_GRID_TID(); e < n; e += SP_GRID_STRIDE()) {
     size_t t = e / (size_t)C, c = e % (size_t)C;
     float a = 0.0f;
-    for (size_t i = t; i < (size_t)N; i += (size_t)T)
-      a = a + dx[i * C + c];
+    for (size_t i = t; i < (size_t)N; i += (size_t)T) a = a + dx[i * C + c];
     dwpe[e] = a;
   }
 }
@@ -573,8 +573,8 @@ extern "C" int sp_gpt2_gpu_embed_fwd(sp_gpt2_dev *k, float *x,
                                      sp_diag *d) {
   size_t n = (size_t)N * (size_t)C;
   if (n == 0) return 0;
-  k_gpt2_embed_fwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(x, tok, wte, wpe,
-                                                               n, T, C);
+  k_gpt2_embed_fwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(
+      x, tok, wte, wpe, n, T, C);
   LAUNCHED(d);
   return 0;
 }
@@ -582,23 +582,23 @@ extern "C" int sp_gpt2_gpu_embed_fwd(sp_gpt2_dev *k, float *x,
 extern "C" int sp_gpt2_gpu_wte_bwd(sp_gpt2_dev *k, float *dwte, const float *dx,
                                    const int32_t *tok, int N, int C, int V,
                                    sp_diag *d) {
-  SP_CUDA_CHECK(d, cudaMemsetAsync(dwte, 0,
-                                     (size_t)V * (size_t)C * sizeof(float),
-                                     k->st));
-  k_gpt2_wte_bwd<<<sp_grid_blocks((size_t)C), SP_GRID_THREADS, 0, k->st>>>(dwte, dx,
-                                                                     tok, N, C);
+  SP_CUDA_CHECK(d, cudaMemsetAsync(
+                       dwte, 0, (size_t)V * (size_t)C * sizeof(float), k->st));
+  k_gpt2_wte_bwd<<<sp_grid_blocks((size_t)C), SP_GRID_THREADS, 0, k->st>>>(
+      dwte, dx, tok, N, C);
   LAUNCHED(d);
   return 0;
 }
 
 extern "C" int sp_gpt2_gpu_wpe_bwd(sp_gpt2_dev *k, float *dwpe, const float *dx,
                                    int N, int T, int C, int ctx, sp_diag *d) {
-  SP_CUDA_CHECK(d, cudaMemsetAsync(dwpe, 0,
-                                     (size_t)ctx * (size_t)C * sizeof(float),
-                                     k->st));
+  SP_CUDA_CHECK(
+      d,
+      cudaMemsetAsync(dwpe, 0, (size_t)ctx * (size_t)C * sizeof(float), k->st));
   size_t n = (size_t)T * (size_t)C;
   if (n == 0) return 0;
-  k_gpt2_wpe_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(dwpe, dx, N, T, C);
+  k_gpt2_wpe_bwd<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(dwpe, dx, N,
+                                                                   T, C);
   LAUNCHED(d);
   return 0;
 }
@@ -634,8 +634,8 @@ extern "C" int sp_gpt2_gpu_grad_add(sp_gpt2_dev *k, void *dst, sp_dtype dt,
     return sp_diag_set(d, SP_EINVAL, "gradient dtype %s is not floating",
                        sp_dtype_name(dt));
   if (n == 0) return 0;
-  k_gpt2_grad_add<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(dst, (int)dt, g,
-                                                              n);
+  k_gpt2_grad_add<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, k->st>>>(
+      dst, (int)dt, g, n);
   LAUNCHED(d);
   return 0;
 }

@@ -49,8 +49,7 @@ static int32_t want(const sp_model *m, const char *fqn, int nd,
   return p;
 }
 
-static int read_block(const sp_model *m, sp_gpt2 *g, int64_t l,
-                      sp_diag *d) {
+static int read_block(const sp_model *m, sp_gpt2 *g, int64_t l, sp_diag *d) {
   sp_gpt2_block *b = &g->blocks[l];
   int64_t C = g->C;
   char fqn[256];
@@ -89,9 +88,11 @@ static int read_block(const sp_model *m, sp_gpt2 *g, int64_t l,
   if (b->mask >= 0) {
     const sp_tensor_spec *t = &m->buffers[b->mask];
     if (t->numel != g->ctx * g->ctx || t->shape[t->ndim - 1] != g->ctx)
-      return unsupported(d, m, "%s: %lld elements, expected a [1, 1, %lld, "
-                         "%lld] mask", fqn, (long long)t->numel,
-                         (long long)g->ctx, (long long)g->ctx);
+      return unsupported(d, m,
+                         "%s: %lld elements, expected a [1, 1, %lld, "
+                         "%lld] mask",
+                         fqn, (long long)t->numel, (long long)g->ctx,
+                         (long long)g->ctx);
   }
   return 0;
 }
@@ -102,9 +103,9 @@ int sp_gpt2_new(const sp_model *m, sp_gpt2 **out, sp_diag *d) {
   int32_t wte = sp_model_find_param(m, "transformer.wte.weight");
   int32_t wpe = sp_model_find_param(m, "transformer.wpe.weight");
   if (wte < 0 || wpe < 0)
-    return unsupported(d, m, "no parameter %s",
-                       wte < 0 ? "transformer.wte.weight"
-                               : "transformer.wpe.weight");
+    return unsupported(
+        d, m, "no parameter %s",
+        wte < 0 ? "transformer.wte.weight" : "transformer.wpe.weight");
   const sp_tensor_spec *te = &m->params[wte], *pe = &m->params[wpe];
   if (te->ndim != 2 || pe->ndim != 2 || te->shape[1] != pe->shape[1])
     return unsupported(d, m, "wte and wpe are not [V, C] and [ctx, C]");
@@ -128,7 +129,8 @@ int sp_gpt2_new(const sp_model *m, sp_gpt2 **out, sp_diag *d) {
   if (rc == 0 && sp_model_config_int(m, "n_head", &heads) != 0)
     heads = g->C % 64 == 0 ? g->C / 64 : 0;
   if (rc == 0 && (heads < 1 || g->C % heads != 0))
-    rc = unsupported(d, m, "config n_head %lld does not divide C = %lld "
+    rc = unsupported(d, m,
+                     "config n_head %lld does not divide C = %lld "
                      "(without config.n_head, heads of 64)",
                      (long long)heads, (long long)g->C);
   g->n_head = heads;
@@ -148,14 +150,15 @@ int sp_gpt2_new(const sp_model *m, sp_gpt2 **out, sp_diag *d) {
   for (int64_t l = 0; rc == 0 && l < g->n_layer; l++)
     rc = read_block(m, g, l, d);
   int64_t cdim[1] = {g->C};
-  if (rc == 0 && (g->lnf_w = want(m, "transformer.ln_f.weight", 1, cdim,
-                                  d)) < 0)
+  if (rc == 0 &&
+      (g->lnf_w = want(m, "transformer.ln_f.weight", 1, cdim, d)) < 0)
     rc = SP_EUNSUPPORTED;
   if (rc == 0 && (g->lnf_b = want(m, "transformer.ln_f.bias", 1, cdim, d)) < 0)
     rc = SP_EUNSUPPORTED;
   int32_t tied = rc == 0 ? sp_model_find_tied(m, "lm_head.weight") : -1;
   if (rc == 0 && (tied < 0 || m->tied[tied].target != wte))
-    rc = unsupported(d, m, "lm_head.weight is not tied to "
+    rc = unsupported(d, m,
+                     "lm_head.weight is not tied to "
                      "transformer.wte.weight");
   if (rc != 0) {
     sp_gpt2_free(g);

@@ -6,22 +6,24 @@
 #include <stdlib.h>
 
 /* every table call below: return on failure */
-#define K(call)                   \
-  do {                            \
-    int rc_ = (call);             \
-    if (rc_ != 0) return rc_;     \
+#define K(call)               \
+  do {                        \
+    int rc_ = (call);         \
+    if (rc_ != 0) return rc_; \
   } while (0)
 
 /* ------------------------------------------------------------------ */
 /* activations                                                         */
 /* ------------------------------------------------------------------ */
 
-int sp_gpt2_step_alloc(const sp_gpt2_ops *ops, int64_t n, int64_t m,
-                       size_t es, void **out, sp_diag *d) {
+int sp_gpt2_step_alloc(const sp_gpt2_ops *ops, int64_t n, int64_t m, size_t es,
+                       void **out, sp_diag *d) {
   *out = NULL;
   if (n < 0 || m < 0 || (m > 0 && n > ops->max_elems / m))
-    return sp_diag_set(d, SP_ETOOBIG, "%lld x %lld elements: over 2^31 a "
-                       "tensor", (long long)n, (long long)m);
+    return sp_diag_set(d, SP_ETOOBIG,
+                       "%lld x %lld elements: over 2^31 a "
+                       "tensor",
+                       (long long)n, (long long)m);
   return ops->alloc((size_t)(n * m > 0 ? n * m : 1) * es, out, d);
 }
 
@@ -44,19 +46,21 @@ static float *floats(const sp_gpt2_ops *ops, sp_gpt2_acts *a, int64_t n,
 /* the per-layer lists, for allocation and release alike */
 #define N_LISTS 13
 static float ***list(sp_gpt2_acts *a, size_t i) {
-  float ***all[N_LISTS] = {&a->res,      &a->ln1,  &a->ln1_mean, &a->ln1_rstd,
-                           &a->qkv,      &a->att,  &a->atty,     &a->res2,
-                           &a->ln2,      &a->ln2_mean, &a->ln2_rstd, &a->fch,
-                           &a->fch_gelu};
+  float ***all[N_LISTS] = {
+      &a->res,      &a->ln1,  &a->ln1_mean, &a->ln1_rstd, &a->qkv,
+      &a->att,      &a->atty, &a->res2,     &a->ln2,      &a->ln2_mean,
+      &a->ln2_rstd, &a->fch,  &a->fch_gelu};
   return all[i];
 }
 
-int sp_gpt2_step_acts_alloc(const sp_gpt2_ops *ops, const sp_gpt2 *g,
-                            size_t B, size_t T, sp_gpt2_acts *a, sp_diag *d) {
+int sp_gpt2_step_acts_alloc(const sp_gpt2_ops *ops, const sp_gpt2 *g, size_t B,
+                            size_t T, sp_gpt2_acts *a, sp_diag *d) {
   int64_t max = ops->max_elems, Ti = (int64_t)T;
   if (B > (size_t)(max / Ti) || (int64_t)B * g->n_head > max / Ti / Ti)
-    return sp_diag_set(d, SP_ETOOBIG, "activations of %zu x %zu tokens: "
-                       "over 2^31 elements", B, T);
+    return sp_diag_set(d, SP_ETOOBIG,
+                       "activations of %zu x %zu tokens: "
+                       "over 2^31 elements",
+                       B, T);
   a->B = B;
   a->T = T;
   int64_t N = (int64_t)(B * T), C = g->C, L = g->n_layer, NH = g->n_head;
@@ -154,8 +158,7 @@ static int view(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
 
 /* A param read outside the block products, copied where ops say so. */
 static int param(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
-                 float *scratch, const float **out, sp_dtype *dt,
-                 sp_diag *d) {
+                 float *scratch, const float **out, sp_dtype *dt, sp_diag *d) {
   return view(s, io, p, scratch, s->ops->copy_params, out, dt, d);
 }
 
@@ -208,8 +211,8 @@ static int block_mask(const sp_gpt2_step *s, const sp_gpt2_block *b,
 
 static int check_block(const sp_gpt2_step *s, size_t l, sp_diag *d) {
   if (l >= (size_t)s->g->n_layer)
-    return sp_diag_set(d, SP_ERANGE, "%s: block %zu of %lld", s->ops->name,
-                       l, (long long)s->g->n_layer);
+    return sp_diag_set(d, SP_ERANGE, "%s: block %zu of %lld", s->ops->name, l,
+                       (long long)s->g->n_layer);
   return 0;
 }
 
@@ -256,8 +259,8 @@ int sp_gpt2_step_block_forward(const sp_gpt2_step *s, size_t l,
   K(param(s, io, b->ln1_w, a->lnw, &lw, &pd, d));
   K(param(s, io, b->ln1_b, a->lnb, &lb, NULL, d));
   K(o->round(k, x, NC, pd, d));
-  K(o->layernorm_fwd(k, a->ln1[l], a->ln1_mean[l], a->ln1_rstd[l], x, lw, lb,
-                     N, C, d));
+  K(o->layernorm_fwd(k, a->ln1[l], a->ln1_mean[l], a->ln1_rstd[l], x, lw, lb, N,
+                     C, d));
   K(o->round(k, a->ln1[l], NC, pd, d));
   /* attention */
   K(weight(s, io, b->attn_w, a->w, &w, d));
@@ -277,8 +280,8 @@ int sp_gpt2_step_block_forward(const sp_gpt2_step *s, size_t l,
   /* MLP */
   K(param(s, io, b->ln2_w, a->lnw, &lw, NULL, d));
   K(param(s, io, b->ln2_b, a->lnb, &lb, NULL, d));
-  K(o->layernorm_fwd(k, a->ln2[l], a->ln2_mean[l], a->ln2_rstd[l],
-                     a->res2[l], lw, lb, N, C, d));
+  K(o->layernorm_fwd(k, a->ln2[l], a->ln2_mean[l], a->ln2_rstd[l], a->res2[l],
+                     lw, lb, N, C, d));
   K(o->round(k, a->ln2[l], NC, pd, d));
   K(weight(s, io, b->fc_w, a->w, &w, d));
   K(param(s, io, b->fc_b, a->gb, &bias, NULL, d));
@@ -311,14 +314,12 @@ int sp_gpt2_step_head_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   float *x = a->res[g->n_layer];
   size_t NC = (size_t)N * (size_t)C;
   K(o->round(k, x, NC, pd, d));
-  K(o->layernorm_fwd(k, a->lnf, a->lnf_mean, a->lnf_rstd, x, lw, lb, N, C,
-                     d));
+  K(o->layernorm_fwd(k, a->lnf, a->lnf_mean, a->lnf_rstd, x, lw, lb, N, C, d));
   K(o->round(k, a->lnf, NC, pd, d));
   K(o->logits_fwd(k, a->probs, a->lnf, wte, N, C, V, d));
   K(o->round(k, a->probs, (size_t)N * (size_t)V, pd, d));
   double sum = 0;
-  K(o->softmax_xent_fwd(k, a->probs, a->tgt, N, V, s->rows, s->total, &sum,
-                        d));
+  K(o->softmax_xent_fwd(k, a->probs, a->tgt, N, V, s->rows, s->total, &sum, d));
   if (loss) *loss = sum / denom;
   return 0;
 }
@@ -346,8 +347,8 @@ int sp_gpt2_step_head_backward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   K(o->round(k, a->dbuf, NC, pd, d));
   K(add_grad(s, io, g->wte, a->gw, d));
   K(o->zero(k, a->dres, NC * sizeof *a->dres, d));
-  K(o->layernorm_bwd(k, a->dres, a->gb, a->gb2, a->dbuf, a->res[g->n_layer],
-                     lw, a->lnf_mean, a->lnf_rstd, N, C, d));
+  K(o->layernorm_bwd(k, a->dres, a->gb, a->gb2, a->dbuf, a->res[g->n_layer], lw,
+                     a->lnf_mean, a->lnf_rstd, N, C, d));
   K(o->round(k, a->dres, NC, pd, d));
   K(add_grad(s, io, g->lnf_w, a->gb, d));
   return add_grad(s, io, g->lnf_b, a->gb2, d);
@@ -356,8 +357,8 @@ int sp_gpt2_step_head_backward(const sp_gpt2_step *s, const sp_gpt2_io *io,
 /* A Conv1D's backward: dinp (may be NULL) = dout W^T, and W's and b's
  * gradients added to their views. */
 static int conv_bwd(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t w,
-                    int32_t b, float *dinp, const float *dout,
-                    const float *inp, int N, int IC, int OC, sp_diag *d) {
+                    int32_t b, float *dinp, const float *dout, const float *inp,
+                    int N, int IC, int OC, sp_diag *d) {
   sp_gpt2_acts *a = s->a;
   const float *wv = NULL; /* -O3 cannot see view() set it */
   K(weight(s, io, w, a->w, &wv, d));
@@ -365,8 +366,8 @@ static int conv_bwd(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t w,
    * them); others through the scratch, rounded once by add_grad */
   float *gw = grad_f32(io, w), *gbv = grad_f32(io, b);
   if (gw && gbv)
-    return s->ops->matmul_bwd(s->k, dinp, gw, gbv, dout, inp, wv, N, IC, OC,
-                              1, d);
+    return s->ops->matmul_bwd(s->k, dinp, gw, gbv, dout, inp, wv, N, IC, OC, 1,
+                              d);
   K(s->ops->matmul_bwd(s->k, dinp, a->gw, a->gb, dout, inp, wv, N, IC, OC, 0,
                        d));
   K(add_grad(s, io, w, a->gw, d));
@@ -380,8 +381,8 @@ static int ln_bwd(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t w,
   sp_gpt2_acts *a = s->a;
   const float *lw = NULL; /* -O3 cannot see view() set it */
   K(param(s, io, w, a->lnw, &lw, NULL, d));
-  K(s->ops->layernorm_bwd(s->k, dinp, a->gb, a->gb2, dout, inp, lw, mean,
-                          rstd, N, C, d));
+  K(s->ops->layernorm_bwd(s->k, dinp, a->gb, a->gb2, dout, inp, lw, mean, rstd,
+                          N, C, d));
   K(add_grad(s, io, w, a->gb, d));
   return add_grad(s, io, b, a->gb2, d);
 }
@@ -399,20 +400,20 @@ int sp_gpt2_step_block_backward(const sp_gpt2_step *s, size_t l,
   sp_dtype pd = io->param_dtype(io->user, b->attn_w);
   /* a->dres: the gradient of the block's output, which the residual
    * passes on unchanged; each branch adds its input gradient to it */
-  K(conv_bwd(s, io, b->fcproj_w, b->fcproj_b, a->dbig, a->dres,
-             a->fch_gelu[l], N, 4 * C, C, d));
+  K(conv_bwd(s, io, b->fcproj_w, b->fcproj_b, a->dbig, a->dres, a->fch_gelu[l],
+             N, 4 * C, C, d));
   K(o->round(k, a->dbig, 4 * NC, pd, d));
   K(o->gelu_bwd(k, a->dbig, a->fch[l], a->dbig, 4 * NC, d));
   K(o->round(k, a->dbig, 4 * NC, pd, d));
-  K(conv_bwd(s, io, b->fc_w, b->fc_b, a->dbuf, a->dbig, a->ln2[l], N, C,
-             4 * C, d));
+  K(conv_bwd(s, io, b->fc_w, b->fc_b, a->dbuf, a->dbig, a->ln2[l], N, C, 4 * C,
+             d));
   K(o->round(k, a->dbuf, NC, pd, d));
   K(ln_bwd(s, io, b->ln2_w, b->ln2_b, a->dres, a->dbuf, a->res2[l],
            a->ln2_mean[l], a->ln2_rstd[l], N, C, d));
   K(o->round(k, a->dres, NC, pd, d));
   /* attention branch */
-  K(conv_bwd(s, io, b->proj_w, b->proj_b, a->dbuf, a->dres, a->atty[l], N, C,
-             C, d));
+  K(conv_bwd(s, io, b->proj_w, b->proj_b, a->dbuf, a->dres, a->atty[l], N, C, C,
+             d));
   K(o->round(k, a->dbuf, NC, pd, d));
   K(o->attention_bwd(k, a->dqkv, a->datt, a->dbuf, a->qkv[l], a->att[l],
                      (int)a->B, (int)a->T, C, NH, d));

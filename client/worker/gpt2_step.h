@@ -33,7 +33,7 @@ typedef struct sp_gpt2_dev sp_gpt2_dev;
  * gpt2_cpu.h's (arguments and meaning there), each returning 0 or an
  * error. */
 typedef struct sp_gpt2_ops {
-  const char *name; /* names the pieces in messages */
+  const char *name;  /* names the pieces in messages */
   int64_t max_elems; /* per array: the kernels index with int */
   /* The attention backward's scratch holds every head's T x T (the GPU
    * does a sequence's heads at once) instead of one head's. */
@@ -65,18 +65,18 @@ typedef struct sp_gpt2_ops {
                    const float *wte, const float *wpe, int N, int T, int C,
                    sp_diag *d);
   int (*layernorm_fwd)(sp_gpt2_dev *k, float *out, float *mean, float *rstd,
-                       const float *inp, const float *w, const float *b,
-                       int N, int C, sp_diag *d);
+                       const float *inp, const float *w, const float *b, int N,
+                       int C, sp_diag *d);
   int (*matmul_fwd)(sp_gpt2_dev *k, float *out, const float *inp,
                     const float *w, const float *b, int N, int IC, int OC,
                     sp_diag *d);
-  int (*attention_fwd)(sp_gpt2_dev *k, float *out, float *att,
-                       const float *qkv, const uint8_t *allow, int B, int T,
-                       int C, int NH, sp_diag *d);
+  int (*attention_fwd)(sp_gpt2_dev *k, float *out, float *att, const float *qkv,
+                       const uint8_t *allow, int B, int T, int C, int NH,
+                       sp_diag *d);
   int (*gelu_fwd)(sp_gpt2_dev *k, float *out, const float *inp, size_t n,
                   sp_diag *d);
-  int (*add)(sp_gpt2_dev *k, float *y, const float *a, const float *b,
-             size_t n, sp_diag *d);
+  int (*add)(sp_gpt2_dev *k, float *y, const float *a, const float *b, size_t n,
+             sp_diag *d);
   int (*round)(sp_gpt2_dev *k, float *v, size_t n, sp_dtype dt, sp_diag *d);
   int (*logits_fwd)(sp_gpt2_dev *k, float *logits, const float *x,
                     const float *wte, int N, int C, int V, sp_diag *d);
@@ -96,8 +96,8 @@ typedef struct sp_gpt2_ops {
                        const float *mean, const float *rstd, int N, int C,
                        sp_diag *d);
   int (*matmul_bwd)(sp_gpt2_dev *k, float *dinp, float *dw, float *db,
-                    const float *dout, const float *inp, const float *w,
-                    int N, int IC, int OC, int acc, sp_diag *d);
+                    const float *dout, const float *inp, const float *w, int N,
+                    int IC, int OC, int acc, sp_diag *d);
   /* datt: scratch of one head's T x T, or every head's (datt_all_heads) */
   int (*attention_bwd)(sp_gpt2_dev *k, float *dqkv, float *datt,
                        const float *dout, const float *qkv, const float *att,
@@ -146,15 +146,15 @@ int sp_gpt2_step_check_denom(double denom, sp_diag *d);
  * into a (zeroed by the caller), their bytes in a->bytes. SP_ETOOBIG when
  * an array would pass ops->max_elems, else alloc's errors. On failure the
  * caller releases what was allocated. */
-int sp_gpt2_step_acts_alloc(const sp_gpt2_ops *ops, const sp_gpt2 *g,
-                            size_t B, size_t T, sp_gpt2_acts *a, sp_diag *d);
+int sp_gpt2_step_acts_alloc(const sp_gpt2_ops *ops, const sp_gpt2 *g, size_t B,
+                            size_t T, sp_gpt2_acts *a, sp_diag *d);
 /* Releases a's arrays (not a itself); a from sp_gpt2_step_acts_alloc,
  * successful or not. */
 void sp_gpt2_step_acts_release(const sp_gpt2_ops *ops, sp_gpt2_acts *a);
 /* n x m elements of es bytes of ops' memory (at least one element), held
  * to ops->max_elems as the activations are. */
-int sp_gpt2_step_alloc(const sp_gpt2_ops *ops, int64_t n, int64_t m,
-                       size_t es, void **out, sp_diag *d);
+int sp_gpt2_step_alloc(const sp_gpt2_ops *ops, int64_t n, int64_t m, size_t es,
+                       void **out, sp_diag *d);
 
 #ifdef __cplusplus
 }

@@ -18,21 +18,21 @@ struct sp_gpt2_trainer {
   const sp_mlp_train_cfg *cfg;
   const sp_train_flags *flags;
   const sp_gpt2_data *data; /* sp_gpt2_trainer_check's, borrowed */
-  sp_gpt2_acts *acts; /* on the CPU */
-  sp_gpt2_cuda *gpu;  /* on a GPU (the runtime's storage on a device) */
-  int32_t *tok, *tgt; /* the micro-batch's host arrays, of acts or gpu */
-  uint32_t *block_unit; /* per block: its unit, or 0 (the root's) */
-  uint32_t head_unit;   /* lm_head's unit (empty: the head is tied), or 0 */
-  size_t B, T;          /* a micro-batch's sequences on this rank, tokens */
+  sp_gpt2_acts *acts;       /* on the CPU */
+  sp_gpt2_cuda *gpu;        /* on a GPU (the runtime's storage on a device) */
+  int32_t *tok, *tgt;       /* the micro-batch's host arrays, of acts or gpu */
+  uint32_t *block_unit;     /* per block: its unit, or 0 (the root's) */
+  uint32_t head_unit;       /* lm_head's unit (empty: the head is tied), or 0 */
+  size_t B, T;              /* a micro-batch's sequences on this rank, tokens */
   uint32_t rank, world;
   sp_gpt2_times times; /* of the step in progress */
 };
 
 /* Time of a call, added to one of the step's counters. */
-#define TIMED(counter, call)                \
-  do {                                      \
-    double t0_ = sp_clock_s();              \
-    rc = (call);                            \
+#define TIMED(counter, call)                 \
+  do {                                       \
+    double t0_ = sp_clock_s();               \
+    rc = (call);                             \
     tr->times.counter += sp_clock_s() - t0_; \
   } while (0)
 
@@ -72,8 +72,7 @@ int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
     rc = sp_gpt2_trainer_check_job(g, tr->plan, flags, tr->block_unit,
                                    &tr->head_unit, d);
   if (rc == 0 && sp_fsdp_on_device(f)) {
-    rc = sp_gpt2_cuda_new(g, tr->B, tr->T, sp_fsdp_cuda_stream(f), &tr->gpu,
-                          d);
+    rc = sp_gpt2_cuda_new(g, tr->B, tr->T, sp_fsdp_cuda_stream(f), &tr->gpu, d);
     if (rc == 0) {
       tr->tok = sp_gpt2_cuda_tokens(tr->gpu);
       tr->tgt = sp_gpt2_cuda_targets(tr->gpu);
@@ -137,8 +136,8 @@ static int block_forward(sp_gpt2_trainer *tr, size_t l, const sp_gpt2_io *io,
   if (tr->gpu) return sp_gpt2_cuda_block_forward(tr->gpu, l, io, d);
   return sp_gpt2_block_forward(tr->g, l, io, tr->acts, d);
 }
-static int head_forward(sp_gpt2_trainer *tr, const sp_gpt2_io *io,
-                        double denom, double *loss, sp_diag *d) {
+static int head_forward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
+                        double *loss, sp_diag *d) {
   if (tr->gpu) return sp_gpt2_cuda_head_forward(tr->gpu, io, denom, loss, d);
   return sp_gpt2_head_forward(tr->g, io, tr->acts, denom, loss, d);
 }
@@ -147,8 +146,8 @@ static int head_backward(sp_gpt2_trainer *tr, const sp_gpt2_io *io,
   if (tr->gpu) return sp_gpt2_cuda_head_backward(tr->gpu, io, denom, d);
   return sp_gpt2_head_backward(tr->g, io, tr->acts, denom, d);
 }
-static int block_backward(sp_gpt2_trainer *tr, size_t l,
-                          const sp_gpt2_io *io, sp_diag *d) {
+static int block_backward(sp_gpt2_trainer *tr, size_t l, const sp_gpt2_io *io,
+                          sp_diag *d) {
   if (tr->gpu) return sp_gpt2_cuda_block_backward(tr->gpu, l, io, d);
   return sp_gpt2_block_backward(tr->g, l, io, tr->acts, d);
 }
@@ -169,8 +168,8 @@ static int all_reduce_sum(sp_gpt2_trainer *tr, double *v, sp_diag *d) {
   if (!tr->gpu) return sp_fsdp_all_reduce(tr->f, v, 1, SP_FLOAT64, d);
   int rc = sp_gpt2_cuda_set_scalar(tr->gpu, *v, d);
   if (rc == 0)
-    rc = sp_fsdp_all_reduce(tr->f, sp_gpt2_cuda_scalar(tr->gpu), 1,
-                            SP_FLOAT64, d);
+    rc = sp_fsdp_all_reduce(tr->f, sp_gpt2_cuda_scalar(tr->gpu), 1, SP_FLOAT64,
+                            d);
   if (rc == 0) rc = sp_gpt2_cuda_get_scalar(tr->gpu, v, d);
   return rc;
 }
@@ -187,14 +186,12 @@ static int forward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
   for (int64_t l = 0; rc == 0 && l < g->n_layer; l++) {
     uint32_t u = tr->block_unit[l];
     if (u) TIMED(wait_s, sp_fsdp_pre_forward(f, u, d));
-    if (rc == 0)
-      TIMED(compute_s, block_forward(tr, (size_t)l, io, d));
+    if (rc == 0) TIMED(compute_s, block_forward(tr, (size_t)l, io, d));
     if (rc == 0 && u) TIMED(wait_s, sp_fsdp_post_forward(f, u, d));
   }
   if (rc == 0 && tr->head_unit)
     TIMED(wait_s, sp_fsdp_pre_forward(f, tr->head_unit, d));
-  if (rc == 0)
-    TIMED(compute_s, head_forward(tr, io, denom, loss, d));
+  if (rc == 0) TIMED(compute_s, head_forward(tr, io, denom, loss, d));
   if (rc == 0 && tr->head_unit)
     TIMED(wait_s, sp_fsdp_post_forward(f, tr->head_unit, d));
   if (rc == 0) TIMED(wait_s, sp_fsdp_root_post_forward(f, d));
@@ -215,8 +212,7 @@ static int backward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
   for (int64_t l = g->n_layer; rc == 0 && l-- > 0;) {
     uint32_t u = tr->block_unit[l];
     if (u) TIMED(wait_s, sp_fsdp_pre_backward(f, u, d));
-    if (rc == 0)
-      TIMED(compute_s, block_backward(tr, (size_t)l, io, d));
+    if (rc == 0) TIMED(compute_s, block_backward(tr, (size_t)l, io, d));
     if (rc == 0 && u) TIMED(wait_s, sp_fsdp_post_backward(f, u, d));
   }
   if (rc == 0) TIMED(compute_s, embed_backward(tr, io, d));
@@ -227,8 +223,8 @@ static int backward(sp_gpt2_trainer *tr, const sp_gpt2_io *io, double denom,
 
 int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
                          sp_diag *d) {
-  sp_gpt2_io io = {io_param, io_grad, io_param_dtype, io_buffer,
-                   io_buffer_dtype, tr->f};
+  sp_gpt2_io io = {io_param,  io_grad,         io_param_dtype,
+                   io_buffer, io_buffer_dtype, tr->f};
   const sp_mlp_train_cfg *cfg = tr->cfg;
   uint32_t k = cfg->grad_accum;
   uint64_t micro = cfg->global_batch / k;
@@ -250,8 +246,7 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
     local += part;
   }
   if (rc == 0 && cfg->clip_grad_norm > 0)
-    TIMED(optim_s,
-          sp_fsdp_clip_grad_norm(tr->f, cfg->clip_grad_norm, NULL, d));
+    TIMED(optim_s, sp_fsdp_clip_grad_norm(tr->f, cfg->clip_grad_norm, NULL, d));
   if (rc == 0) TIMED(optim_s, sp_fsdp_optim_step(tr->f, NULL, d));
   /* the global loss: local means weighted equally (equal shares) */
   double sum = local;
@@ -263,8 +258,8 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
 }
 
 int sp_gpt2_trainer_eval(sp_gpt2_trainer *tr, double *loss, sp_diag *d) {
-  sp_gpt2_io io = {io_param, io_grad, io_param_dtype, io_buffer,
-                   io_buffer_dtype, tr->f};
+  sp_gpt2_io io = {io_param,  io_grad,         io_param_dtype,
+                   io_buffer, io_buffer_dtype, tr->f};
   size_t count = sp_gpt2_data_val_count(tr->data, tr->T);
   double denom = (double)(tr->B * tr->T), sum = 0;
   int rc = 0;

@@ -15,8 +15,8 @@ static uint32_t unit_of_module(const sp_plan *pl, int32_t module) {
 /* Every parameter in the root or in its own block's unit; any other unit
  * is empty (lm_head, when Linear is wrapped). block_unit (n_layer
  * entries) and head_unit receive the units, when not NULL. */
-static int check_plan(const sp_gpt2 *g, const sp_plan *pl,
-                      uint32_t *block_unit, uint32_t *head_unit, sp_diag *d) {
+static int check_plan(const sp_gpt2 *g, const sp_plan *pl, uint32_t *block_unit,
+                      uint32_t *head_unit, sp_diag *d) {
   const sp_model *m = g->model;
   for (int64_t l = 0; block_unit != NULL && l < g->n_layer; l++)
     block_unit[l] = unit_of_module(pl, g->blocks[l].module);
@@ -37,7 +37,8 @@ static int check_plan(const sp_gpt2 *g, const sp_plan *pl,
       return sp_diag_set(d, SP_EUNSUPPORTED,
                          "%s: in unit %u (%s), which is not its block: the "
                          "GPT-2 trainer needs the blocks as units (--wrap-"
-                         "type GPT2Block)", m->params[p].fqn, u,
+                         "type GPT2Block)",
+                         m->params[p].fqn, u,
                          m->modules[pl->units[u].module].fqn);
   }
   for (uint32_t u = 1; u < pl->n_units; u++) {
@@ -52,8 +53,8 @@ static int check_plan(const sp_gpt2 *g, const sp_plan *pl,
     if (!known)
       return sp_diag_set(d, SP_EUNSUPPORTED,
                          "unit %u (%s) is neither a block nor lm_head (use "
-                         "--wrap-type GPT2Block)", u,
-                         m->modules[pl->units[u].module].fqn);
+                         "--wrap-type GPT2Block)",
+                         u, m->modules[pl->units[u].module].fqn);
   }
   return 0;
 }
@@ -63,13 +64,14 @@ size_t sp_gpt2_trainer_seq_len(const sp_gpt2 *g, const sp_train_flags *flags) {
 }
 
 int sp_gpt2_trainer_check_job(const sp_gpt2 *g, const sp_plan *pl,
-                              const sp_train_flags *flags,
-                              uint32_t *block_unit, uint32_t *head_unit,
-                              sp_diag *d) {
+                              const sp_train_flags *flags, uint32_t *block_unit,
+                              uint32_t *head_unit, sp_diag *d) {
   size_t T = sp_gpt2_trainer_seq_len(g, flags);
   if (T > (size_t)g->ctx)
-    return sp_diag_set(d, SP_EINVAL, "--seq-len %zu: at most the model's "
-                       "context, %lld", T, (long long)g->ctx);
+    return sp_diag_set(d, SP_EINVAL,
+                       "--seq-len %zu: at most the model's "
+                       "context, %lld",
+                       T, (long long)g->ctx);
   return check_plan(g, pl, block_unit, head_unit, d);
 }
 
@@ -87,9 +89,10 @@ int sp_gpt2_trainer_check(const sp_gpt2 *g, const sp_plan *pl,
    * tokens or more, and the scan is skipped) */
   for (size_t i = 0; rc == 0 && g->V < 256 && i < data->n; i++)
     if (data->bytes[i] >= g->V)
-      rc = sp_diag_set(d, SP_EINVAL, "--data %s: byte %u at offset %zu is "
-                       "outside the model's vocabulary of %lld", data->source,
-                       data->bytes[i], i, (long long)g->V);
+      rc = sp_diag_set(d, SP_EINVAL,
+                       "--data %s: byte %u at offset %zu is "
+                       "outside the model's vocabulary of %lld",
+                       data->source, data->bytes[i], i, (long long)g->V);
   if (rc == 0 && keep != NULL)
     *keep = data;
   else

@@ -34,8 +34,7 @@ size_t sp_gpt2_trainer_seq_len(const sp_gpt2 *g, const sp_train_flags *flags);
  * --wrap-type GPT2Block). block_unit (n_layer entries) and head_unit
  * receive each block's and lm_head's unit (0: the root's) when not NULL. */
 int sp_gpt2_trainer_check_job(const sp_gpt2 *g, const sp_plan *pl,
-                              const sp_train_flags *flags,
-                              uint32_t *block_unit, uint32_t *head_unit,
-                              sp_diag *d);
+                              const sp_train_flags *flags, uint32_t *block_unit,
+                              uint32_t *head_unit, sp_diag *d);
 
 #endif

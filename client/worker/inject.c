@@ -10,8 +10,8 @@
 
 #include "base/flag.h"
 
-static const char *const k_kinds[] = {"stall", "skip-collective",
-                                      "wrong-count", "slow", "exit"};
+static const char *const k_kinds[] = {"stall", "skip-collective", "wrong-count",
+                                      "slow", "exit"};
 
 /* Which keys each kind takes: required, then optional. */
 enum { K_RANK = 1, K_STEP = 2, K_UNIT = 4, K_PHASE = 8, K_FACTOR = 16 };
@@ -19,15 +19,14 @@ static const unsigned k_required[] = {K_RANK | K_STEP, K_RANK | K_STEP,
                                       K_RANK | K_STEP, K_RANK | K_FACTOR,
                                       K_RANK | K_STEP};
 static const unsigned k_optional[] = {K_UNIT | K_PHASE, K_UNIT, 0, 0, 0};
-static const char *const k_keys[] = {"rank", "step", "unit", "phase",
-                                     "factor"};
+static const char *const k_keys[] = {"rank", "step", "unit", "phase", "factor"};
 static const char *const k_usage[] = {
     "stall:rank=R,step=S[,unit=U,phase=forward|backward]",
     "skip-collective:rank=R,step=S[,unit=U]", "wrong-count:rank=R,step=S",
     "slow:rank=R,factor=F", "exit:rank=R,step=S"};
 
-static int fail(sp_diag *d, const char *spec, const char *fmt,
-                const char *a, const char *b) {
+static int fail(sp_diag *d, const char *spec, const char *fmt, const char *a,
+                const char *b) {
   char why[512];
   snprintf(why, sizeof why, fmt, a, b);
   return sp_flag_fail(d, "--inject", spec, "%s", why);
@@ -35,8 +34,7 @@ static int fail(sp_diag *d, const char *spec, const char *fmt,
 
 /* An integer in [min, max] for key, named in the error. */
 static int int_value(const char *spec, const char *key, const char *v,
-                     long long min, long long max, long long *out,
-                     sp_diag *d) {
+                     long long min, long long max, long long *out, sp_diag *d) {
   char *end;
   errno = 0;
   long long n = strtoll(v, &end, 10);
@@ -74,8 +72,9 @@ int sp_inject_parse(sp_inject *in, const char *spec, sp_diag *d) {
   for (char *kv = strtok_r(colon + 1, ",", &save); kv;
        kv = strtok_r(NULL, ",", &save)) {
     char *eq = strchr(kv, '=');
-    if (!eq) return fail(d, spec, "\"%s\": expected KEY=VALUE (%s)", kv,
-                         k_usage[kind]);
+    if (!eq)
+      return fail(d, spec, "\"%s\": expected KEY=VALUE (%s)", kv,
+                  k_usage[kind]);
     *eq = '\0';
     const char *v = eq + 1;
     unsigned key = 0;
@@ -107,20 +106,23 @@ int sp_inject_parse(sp_inject *in, const char *spec, sp_diag *d) {
         else if (strcmp(v, "backward") == 0)
           f.phase = SP_PHASE_BACKWARD;
         else
-          rc = fail(d, spec, "phase: expected forward or backward, got "
-                    "\"%s\"%s", v, "");
+          rc = fail(d, spec,
+                    "phase: expected forward or backward, got "
+                    "\"%s\"%s",
+                    v, "");
         break;
       case K_FACTOR: {
         char *end;
         double x = strtod(v, &end);
         if (*v == '\0' || *end != '\0' || !(x >= 1) || x > 1000)
-          rc = fail(d, spec, "factor: expected a number in [1, 1000], got "
-                    "\"%s\"%s", v, "");
+          rc = fail(d, spec,
+                    "factor: expected a number in [1, 1000], got "
+                    "\"%s\"%s",
+                    v, "");
         f.factor = x;
         break;
       }
-      default:
-        break;
+      default: break;
     }
     if (rc < 0) return rc;
   }
@@ -154,9 +156,10 @@ void sp_inject_step(sp_inject *in, uint64_t step) {
   for (size_t i = 0; i < in->n; i++) {
     const sp_inject_fault *f = &in->faults[i];
     if (f->rank == in->rank && f->kind == SP_INJECT_EXIT && f->step == step) {
-      fprintf(stderr, "shardplane-worker: rank %u: --inject exit: dying at "
-              "the start of step %llu\n", in->rank,
-              (unsigned long long)step);
+      fprintf(stderr,
+              "shardplane-worker: rank %u: --inject exit: dying at "
+              "the start of step %llu\n",
+              in->rank, (unsigned long long)step);
       fflush(stderr);
       _exit(1);
     }
@@ -178,17 +181,18 @@ void sp_inject_after_step(const sp_inject *in, double seconds) {
  * coordinator), while the session's thread keeps sending heartbeats: to
  * the coordinator this rank is alive but makes no progress. */
 static int stall(sp_inject *in, const sp_inject_fault *f, uint32_t unit) {
-  fprintf(stderr, "shardplane-worker: rank %u: --inject stall: blocking "
-          "before unit %u's collective at step %llu\n", in->rank, unit,
-          (unsigned long long)f->step);
+  fprintf(stderr,
+          "shardplane-worker: rank %u: --inject stall: blocking "
+          "before unit %u's collective at step %llu\n",
+          in->rank, unit, (unsigned long long)f->step);
   fflush(stderr);
   while (!sp_session_aborted(in->s, NULL, 0)) sleep_s(0.02);
   return SP_ECANCELED;
 }
 
 int sp_inject_before_collective(void *user, sp_fsdp_phase phase,
-                                sp_comm_kind comm, sp_coll_op op,
-                                uint32_t unit, uint64_t *count) {
+                                sp_comm_kind comm, sp_coll_op op, uint32_t unit,
+                                uint64_t *count) {
   sp_inject *in = user;
   for (size_t i = 0; i < in->n; i++) {
     sp_inject_fault *f = &in->faults[i];
@@ -206,9 +210,11 @@ int sp_inject_before_collective(void *user, sp_fsdp_phase phase,
       case SP_INJECT_SKIP:
         if (op != SP_OP_ALL_GATHER) break;
         f->fired = true;
-        fprintf(stderr, "shardplane-worker: rank %u: --inject "
+        fprintf(stderr,
+                "shardplane-worker: rank %u: --inject "
                 "skip-collective: skipping unit %u's all-gather at step "
-                "%llu\n", in->rank, unit, (unsigned long long)in->step);
+                "%llu\n",
+                in->rank, unit, (unsigned long long)in->step);
         return 1;
       case SP_INJECT_WRONG_COUNT:
         /* a unit's reduction, the one collective whose count the runtime
@@ -218,15 +224,15 @@ int sp_inject_before_collective(void *user, sp_fsdp_phase phase,
             *count < 2)
           break;
         f->fired = true;
-        fprintf(stderr, "shardplane-worker: rank %u: --inject wrong-count: "
+        fprintf(stderr,
+                "shardplane-worker: rank %u: --inject wrong-count: "
                 "unit %u's reduction at step %llu with %llu elements, not "
-                "%llu\n", in->rank, unit, (unsigned long long)in->step,
-                (unsigned long long)(*count - 1),
-                (unsigned long long)*count);
+                "%llu\n",
+                in->rank, unit, (unsigned long long)in->step,
+                (unsigned long long)(*count - 1), (unsigned long long)*count);
         *count -= 1;
         return 0;
-      default:
-        break;
+      default: break;
     }
   }
   return 0;

@@ -44,7 +44,7 @@ typedef enum sp_inject_kind {
 typedef struct sp_inject_fault {
   sp_inject_kind kind;
   uint32_t rank;
-  uint64_t step;   /* 0 for slow */
+  uint64_t step; /* 0 for slow */
   bool has_unit;
   uint32_t unit;
   sp_fsdp_phase phase; /* SP_PHASE_OTHER: any */
@@ -58,9 +58,9 @@ typedef struct sp_inject {
   /* set by sp_inject_start */
   sp_session *s;
   uint32_t rank;
-  uint64_t step;       /* the step being trained, from 1 */
-  bool hooks;          /* a fault of this rank acts on collectives */
-  double slow;         /* this rank's factor; 1: none */
+  uint64_t step; /* the step being trained, from 1 */
+  bool hooks;    /* a fault of this rank acts on collectives */
+  double slow;   /* this rank's factor; 1: none */
 } sp_inject;
 
 /* Adds the fault of one --inject value. SP_EINVAL with `--inject "SPEC":
@@ -78,8 +78,8 @@ void sp_inject_after_step(const sp_inject *in, double seconds);
 /* sp_fsdp_opts.before_collective, user an sp_inject (NULL hook when
  * sp_inject_wants_hook says no, so that no fault costs nothing). */
 int sp_inject_before_collective(void *user, sp_fsdp_phase phase,
-                                sp_comm_kind comm, sp_coll_op op,
-                                uint32_t unit, uint64_t *count);
+                                sp_comm_kind comm, sp_coll_op op, uint32_t unit,
+                                uint64_t *count);
 bool sp_inject_wants_hook(const sp_inject *in);
 
 #endif

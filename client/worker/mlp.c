@@ -35,20 +35,15 @@
  * float64 hold every float32 value, so only the 16-bit formats round. */
 static float round_f32(float v, sp_dtype dt) {
   switch (dt) {
-  case SP_BFLOAT16:
-    return sp_f32_round_bf16(v);
-  case SP_FLOAT16:
-    return sp_f32_round_f16(v);
-  default:
-    return v;
+    case SP_BFLOAT16: return sp_f32_round_bf16(v);
+    case SP_FLOAT16: return sp_f32_round_f16(v);
+    default: return v;
   }
 }
 
 static void round_array(float *v, size_t n, sp_dtype dt) {
-  if (dt != SP_BFLOAT16 && dt != SP_FLOAT16)
-    return;
-  for (size_t i = 0; i < n; i++)
-    v[i] = round_f32(v[i], dt);
+  if (dt != SP_BFLOAT16 && dt != SP_FLOAT16) return;
+  for (size_t i = 0; i < n; i++) v[i] = round_f32(v[i], dt);
 }
 
 /* A double rounded once (RNE) to float32 without the C conversion, whose
@@ -61,28 +56,27 @@ static float f64_to_f32(double v) {
 static float load_f32(const void *p, sp_dtype dt, size_t i) {
   const unsigned char *b = p;
   switch (dt) {
-  case SP_FLOAT32: {
-    float f;
-    memcpy(&f, b + i * 4, 4);
-    return f;
-  }
-  case SP_FLOAT64: {
-    uint64_t u;
-    memcpy(&u, b + i * 8, 8);
-    return sp_f32_from_bits(sp_f64_to_f32_bits(u));
-  }
-  case SP_BFLOAT16: {
-    uint16_t h;
-    memcpy(&h, b + i * 2, 2);
-    return sp_f32_from_bits(sp_bf16_to_f32_bits(h));
-  }
-  case SP_FLOAT16: {
-    uint16_t h;
-    memcpy(&h, b + i * 2, 2);
-    return sp_f32_from_bits(sp_f16_to_f32_bits(h));
-  }
-  default:
-    return 0.0f;
+    case SP_FLOAT32: {
+      float f;
+      memcpy(&f, b + i * 4, 4);
+      return f;
+    }
+    case SP_FLOAT64: {
+      uint64_t u;
+      memcpy(&u, b + i * 8, 8);
+      return sp_f32_from_bits(sp_f64_to_f32_bits(u));
+    }
+    case SP_BFLOAT16: {
+      uint16_t h;
+      memcpy(&h, b + i * 2, 2);
+      return sp_f32_from_bits(sp_bf16_to_f32_bits(h));
+    }
+    case SP_FLOAT16: {
+      uint16_t h;
+      memcpy(&h, b + i * 2, 2);
+      return sp_f32_from_bits(sp_f16_to_f32_bits(h));
+    }
+    default: return 0.0f;
   }
 }
 
@@ -119,8 +113,7 @@ static uint64_t hash3(uint64_t tag, uint64_t a, uint64_t b, uint64_t c) {
 
 static uint64_t hash_str(const char *s) {
   uint64_t h = 0xCBF29CE484222325ull; /* FNV-1a */
-  for (; *s; s++)
-    h = (h ^ (unsigned char)*s) * 0x100000001B3ull;
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001B3ull;
   return h;
 }
 
@@ -145,8 +138,7 @@ enum {
 
 void sp_mlp_batch(const sp_mlp *mlp, uint64_t step, uint64_t first, size_t n,
                   float *x, float *t) {
-  if (mlp == NULL)
-    return;
+  if (mlp == NULL) return;
   size_t in = (size_t)mlp->in_dim, out = (size_t)mlp->out_dim;
   /* t_j = c_j + sin(a_j . x): a fixed random projection whose 2/sqrt(in)
    * scale keeps sin's argument at a standard deviation near 0.7, where sin
@@ -158,8 +150,7 @@ void sp_mlp_batch(const sp_mlp *mlp, uint64_t step, uint64_t first, size_t n,
     if (x != NULL)
       for (size_t i = 0; i < in; i++)
         x[s * in + i] = unit_f32(hash3(TAG_X, step, sample, i));
-    if (t == NULL)
-      continue;
+    if (t == NULL) continue;
     for (size_t j = 0; j < out; j++) {
       double z = 0.0;
       for (size_t i = 0; i < in; i++) {
@@ -221,18 +212,15 @@ static float *alloc_floats(size_t n, int64_t dim, int *rc) {
   }
   size_t count = n * (size_t)dim;
   float *p = calloc(count ? count : 1, sizeof(float));
-  if (p == NULL)
-    *rc = SP_ENOMEM;
+  if (p == NULL) *rc = SP_ENOMEM;
   return p;
 }
 
 int sp_mlp_acts_new(const sp_mlp *mlp, size_t n, sp_mlp_acts **out) {
-  if (mlp == NULL || out == NULL)
-    return SP_EINVAL;
+  if (mlp == NULL || out == NULL) return SP_EINVAL;
   *out = NULL;
   sp_mlp_acts *a = calloc(1, sizeof *a);
-  if (a == NULL)
-    return SP_ENOMEM;
+  if (a == NULL) return SP_ENOMEM;
   a->n = n;
   /* NULL-terminated, so sp_mlp_acts_free and the model check below need no
    * layer count of their own */
@@ -242,10 +230,8 @@ int sp_mlp_acts_new(const sp_mlp *mlp, size_t n, sp_mlp_acts **out) {
     int64_t dim = l == 0 ? mlp->in_dim : mlp->layers[l - 1].out;
     a->x[l] = alloc_floats(n, dim, &rc);
   }
-  if (rc == 0)
-    a->dx = alloc_floats(n, mlp->max_dim, &rc);
-  if (rc == 0)
-    a->dy = alloc_floats(n, mlp->max_dim, &rc);
+  if (rc == 0) a->dx = alloc_floats(n, mlp->max_dim, &rc);
+  if (rc == 0) a->dy = alloc_floats(n, mlp->max_dim, &rc);
   if (rc != 0) {
     sp_mlp_acts_free(a);
     return rc;
@@ -255,11 +241,9 @@ int sp_mlp_acts_new(const sp_mlp *mlp, size_t n, sp_mlp_acts **out) {
 }
 
 void sp_mlp_acts_free(sp_mlp_acts *a) {
-  if (a == NULL)
-    return;
+  if (a == NULL) return;
   if (a->x != NULL)
-    for (size_t l = 0; a->x[l] != NULL; l++)
-      free(a->x[l]);
+    for (size_t l = 0; a->x[l] != NULL; l++) free(a->x[l]);
   free(a->x);
   free(a->dx);
   free(a->dy);
@@ -310,11 +294,9 @@ static int read_param(const sp_mlp *mlp, const sp_mlp_io *io, int32_t p,
  * gradient. */
 static int write_grad(const sp_mlp *mlp, const sp_mlp_io *io, int32_t p,
                       const float *g, sp_diag *d) {
-  if (io->grad == NULL)
-    return 0;
+  if (io->grad == NULL) return 0;
   void *dst = io->grad(io->user, p);
-  if (dst == NULL)
-    return 0;
+  if (dst == NULL) return 0;
   const sp_tensor_spec *t = &mlp->model->params[p];
   sp_dtype pd = io->param_dtype(io->user, p);
   if (!sp_dtype_is_floating(pd))
@@ -351,8 +333,7 @@ static int check_call(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
     return sp_diag_set(d, SP_ERANGE, "sp_mlp: layer %zu of %zu", l,
                        mlp->n_layers);
   size_t nx = 0;
-  while (a->x != NULL && a->x[nx] != NULL && nx <= mlp->n_layers)
-    nx++;
+  while (a->x != NULL && a->x[nx] != NULL && nx <= mlp->n_layers) nx++;
   if (nx != mlp->n_layers + 1 || a->x[nx] != NULL || a->dx == NULL ||
       a->dy == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp: activations of another model");
@@ -366,8 +347,7 @@ static int linear_forward(const sp_mlp *mlp, const sp_mlp_layer *L,
   float *w = NULL, *b = NULL;
   sp_dtype pd = SP_FLOAT32, bd = SP_FLOAT32;
   int rc = read_param(mlp, io, L->weight, &w, &pd, d);
-  if (rc == 0 && L->bias >= 0)
-    rc = read_param(mlp, io, L->bias, &b, &bd, d);
+  if (rc == 0 && L->bias >= 0) rc = read_param(mlp, io, L->bias, &b, &bd, d);
   if (rc == 0) {
     float *x = a->x[l], *y = a->x[l + 1];
     /* the GEMM consumes its input in the compute dtype */
@@ -376,10 +356,8 @@ static int linear_forward(const sp_mlp *mlp, const sp_mlp_layer *L,
       for (size_t j = 0; j < out; j++) {
         const float *xs = x + s * in, *wj = w + j * in;
         float acc = 0.0f;
-        for (size_t i = 0; i < in; i++)
-          acc += xs[i] * wj[i];
-        if (b)
-          acc += b[j];
+        for (size_t i = 0; i < in; i++) acc += xs[i] * wj[i];
+        if (b) acc += b[j];
         y[s * out + j] = round_f32(acc, pd);
       }
   }
@@ -397,8 +375,7 @@ static int linear_backward(const sp_mlp *mlp, const sp_mlp_layer *L,
   int rc = read_param(mlp, io, L->weight, &w, &pd, d);
   if (rc == 0) {
     gw = alloc_floats(out, L->in, &rc);
-    if (gw != NULL)
-      gb = alloc_floats(out, 1, &rc);
+    if (gw != NULL) gb = alloc_floats(out, 1, &rc);
     if (rc != 0)
       sp_diag_set(d, rc, "%s: gradient scratch", param_fqn(mlp, L->weight));
   }
@@ -410,13 +387,11 @@ static int linear_backward(const sp_mlp *mlp, const sp_mlp_layer *L,
         float g = dy[s * out + j];
         const float *xs = x + s * in;
         float *gwj = gw + j * in;
-        for (size_t i = 0; i < in; i++)
-          gwj[i] += g * xs[i];
+        for (size_t i = 0; i < in; i++) gwj[i] += g * xs[i];
         gb[j] += g;
       }
     rc = write_grad(mlp, io, L->weight, gw, d);
-    if (rc == 0 && L->bias >= 0)
-      rc = write_grad(mlp, io, L->bias, gb, d);
+    if (rc == 0 && L->bias >= 0) rc = write_grad(mlp, io, L->bias, gb, d);
   }
   if (rc == 0 && l > 0) {
     const float *dy = a->dy;
@@ -424,8 +399,7 @@ static int linear_backward(const sp_mlp *mlp, const sp_mlp_layer *L,
     for (size_t s = 0; s < n; s++)
       for (size_t i = 0; i < in; i++) {
         float acc = 0.0f;
-        for (size_t j = 0; j < out; j++)
-          acc += dy[s * out + j] * w[j * in + i];
+        for (size_t j = 0; j < out; j++) acc += dy[s * out + j] * w[j * in + i];
         dx[s * in + i] = round_f32(acc, pd);
       }
   }
@@ -443,20 +417,16 @@ static int norm_forward(const sp_mlp *mlp, const sp_mlp_layer *L,
   sp_dtype pd = SP_FLOAT32, bd = SP_FLOAT32, rd = SP_FLOAT32;
   void *rm = NULL;
   int rc = read_param(mlp, io, L->weight, &w, &pd, d);
-  if (rc == 0)
-    rc = read_param(mlp, io, L->bias, &b, &bd, d);
-  if (rc == 0)
-    rc = buffer_view(mlp, io, L->running_mean, &rm, &rd, d);
+  if (rc == 0) rc = read_param(mlp, io, L->bias, &b, &bd, d);
+  if (rc == 0) rc = buffer_view(mlp, io, L->running_mean, &rm, &rd, d);
   if (rc == 0 && (sum = alloc_floats(h, 1, &rc)) == NULL)
     sp_diag_set(d, rc, "%s: scratch", mlp->model->modules[L->module].fqn);
-  if (rc != 0)
-    goto out;
+  if (rc != 0) goto out;
 
   float *x = a->x[l], *y = a->x[l + 1];
   round_array(x, n * h, pd);
   for (size_t s = 0; s < n; s++)
-    for (size_t k = 0; k < h; k++)
-      sum[k] += x[s * h + k];
+    for (size_t k = 0; k < h; k++) sum[k] += x[s * h + k];
   /* Every rank calls the collective, also one whose local batch is empty. */
   if (io->all_reduce_sum != NULL) {
     rc = io->all_reduce_sum(io->user, sum, h, d);
@@ -482,13 +452,11 @@ static int norm_forward(const sp_mlp *mlp, const sp_mlp_layer *L,
   if (L->seen >= 0) {
     void *p;
     sp_dtype dt;
-    if ((rc = buffer_view(mlp, io, L->seen, &p, &dt, d)) != 0)
-      goto out;
+    if ((rc = buffer_view(mlp, io, L->seen, &p, &dt, d)) != 0) goto out;
     *(unsigned char *)p = 1;
   }
   /* the stored (rounded) running mean is what the output uses */
-  for (size_t k = 0; k < h; k++)
-    sum[k] = load_f32(rm, rd, k);
+  for (size_t k = 0; k < h; k++) sum[k] = load_f32(rm, rd, k);
   for (size_t s = 0; s < n; s++)
     for (size_t k = 0; k < h; k++) {
       float c = x[s * h + k] - sum[k];
@@ -509,18 +477,15 @@ static int norm_backward(const sp_mlp *mlp, const sp_mlp_layer *L,
   sp_dtype pd = SP_FLOAT32, rd = SP_FLOAT32;
   void *rm = NULL;
   int rc = read_param(mlp, io, L->weight, &w, &pd, d);
-  if (rc == 0)
-    rc = buffer_view(mlp, io, L->running_mean, &rm, &rd, d);
+  if (rc == 0) rc = buffer_view(mlp, io, L->running_mean, &rm, &rd, d);
   if (rc == 0) {
     if ((gw = alloc_floats(h, 1, &rc)) == NULL ||
         (gb = alloc_floats(h, 1, &rc)) == NULL ||
         (mean = alloc_floats(h, 1, &rc)) == NULL)
       sp_diag_set(d, rc, "%s: scratch", mlp->model->modules[L->module].fqn);
   }
-  if (rc != 0)
-    goto out;
-  for (size_t k = 0; k < h; k++)
-    mean[k] = load_f32(rm, rd, k);
+  if (rc != 0) goto out;
+  for (size_t k = 0; k < h; k++) mean[k] = load_f32(rm, rd, k);
   const float *x = a->x[l], *dy = a->dy;
   for (size_t s = 0; s < n; s++)
     for (size_t k = 0; k < h; k++) {
@@ -530,8 +495,7 @@ static int norm_backward(const sp_mlp *mlp, const sp_mlp_layer *L,
       gb[k] += g;
     }
   rc = write_grad(mlp, io, L->weight, gw, d);
-  if (rc == 0)
-    rc = write_grad(mlp, io, L->bias, gb, d);
+  if (rc == 0) rc = write_grad(mlp, io, L->bias, gb, d);
   if (rc == 0 && l > 0)
     for (size_t s = 0; s < n; s++)
       for (size_t k = 0; k < h; k++)
@@ -547,28 +511,26 @@ out:
 int sp_mlp_forward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
                    sp_mlp_acts *a, uint64_t global_n, sp_diag *d) {
   int rc = check_call(mlp, l, io, a, d);
-  if (rc != 0)
-    return rc;
+  if (rc != 0) return rc;
   const sp_mlp_layer *L = &mlp->layers[l];
   switch (L->kind) {
-  case SP_MLP_LINEAR:
-    return linear_forward(mlp, L, io, a, l, d);
-  case SP_MLP_NORM:
-    if (global_n == 0 || global_n < a->n || global_n > (UINT64_C(1) << 24))
-      return sp_diag_set(d, SP_EINVAL,
-                         "%s: global batch %llu (local %zu) out of range",
-                         mlp->model->modules[L->module].fqn,
-                         (unsigned long long)global_n, a->n);
-    return norm_forward(mlp, L, io, a, l, global_n, d);
-  case SP_MLP_RELU: {
-    size_t count = a->n * (size_t)L->in;
-    const float *x = a->x[l];
-    float *y = a->x[l + 1];
-    /* NaN passes through, as torch.relu, so a diverged run stays visible */
-    for (size_t i = 0; i < count; i++)
-      y[i] = x[i] > 0.0f ? x[i] : (x[i] != x[i] ? x[i] : 0.0f);
-    return 0;
-  }
+    case SP_MLP_LINEAR: return linear_forward(mlp, L, io, a, l, d);
+    case SP_MLP_NORM:
+      if (global_n == 0 || global_n < a->n || global_n > (UINT64_C(1) << 24))
+        return sp_diag_set(d, SP_EINVAL,
+                           "%s: global batch %llu (local %zu) out of range",
+                           mlp->model->modules[L->module].fqn,
+                           (unsigned long long)global_n, a->n);
+      return norm_forward(mlp, L, io, a, l, global_n, d);
+    case SP_MLP_RELU: {
+      size_t count = a->n * (size_t)L->in;
+      const float *x = a->x[l];
+      float *y = a->x[l + 1];
+      /* NaN passes through, as torch.relu, so a diverged run stays visible */
+      for (size_t i = 0; i < count; i++)
+        y[i] = x[i] > 0.0f ? x[i] : (x[i] != x[i] ? x[i] : 0.0f);
+      return 0;
+    }
   }
   return sp_diag_set(d, SP_EINVAL, "sp_mlp_forward: bad layer kind");
 }
@@ -599,26 +561,21 @@ double sp_mlp_loss_over(const sp_mlp *mlp, sp_mlp_acts *a, const float *t,
 int sp_mlp_backward(const sp_mlp *mlp, size_t l, const sp_mlp_io *io,
                     sp_mlp_acts *a, sp_diag *d) {
   int rc = check_call(mlp, l, io, a, d);
-  if (rc != 0)
-    return rc;
+  if (rc != 0) return rc;
   const sp_mlp_layer *L = &mlp->layers[l];
   switch (L->kind) {
-  case SP_MLP_LINEAR:
-    rc = linear_backward(mlp, L, io, a, l, d);
-    break;
-  case SP_MLP_NORM:
-    rc = norm_backward(mlp, L, io, a, l, d);
-    break;
-  case SP_MLP_RELU: {
-    size_t count = a->n * (size_t)L->in;
-    const float *x = a->x[l];
-    if (l > 0)
-      for (size_t i = 0; i < count; i++)
-        a->dx[i] = x[i] > 0.0f ? a->dy[i] : 0.0f;
-    break;
-  }
-  default:
-    return sp_diag_set(d, SP_EINVAL, "sp_mlp_backward: bad layer kind");
+    case SP_MLP_LINEAR: rc = linear_backward(mlp, L, io, a, l, d); break;
+    case SP_MLP_NORM: rc = norm_backward(mlp, L, io, a, l, d); break;
+    case SP_MLP_RELU: {
+      size_t count = a->n * (size_t)L->in;
+      const float *x = a->x[l];
+      if (l > 0)
+        for (size_t i = 0; i < count; i++)
+          a->dx[i] = x[i] > 0.0f ? a->dy[i] : 0.0f;
+      break;
+    }
+    default:
+      return sp_diag_set(d, SP_EINVAL, "sp_mlp_backward: bad layer kind");
   }
   if (rc == 0 && l > 0) {
     float *tmp = a->dx;
@@ -634,6 +591,5 @@ void sp_mlp_count_step(const sp_mlp *mlp, const sp_mlp_io *io) {
   void *p = io->buffer(io->user, mlp->step_buffer);
   sp_dtype dt = io->buffer_dtype ? io->buffer_dtype(io->user, mlp->step_buffer)
                                  : mlp->model->buffers[mlp->step_buffer].dtype;
-  if (p != NULL)
-    int_increment(p, dt);
+  if (p != NULL) int_increment(p, dt);
 }

@@ -52,12 +52,12 @@ typedef enum sp_mlp_kind {
 
 typedef struct sp_mlp_layer {
   sp_mlp_kind kind;
-  int32_t module;           /* model module index */
-  int32_t weight, bias;     /* model param indices; -1 when absent */
-  int32_t running_mean;     /* model buffer indices; -1 when absent */
+  int32_t module;       /* model module index */
+  int32_t weight, bias; /* model param indices; -1 when absent */
+  int32_t running_mean; /* model buffer indices; -1 when absent */
   int32_t num_batches_tracked;
   int32_t seen;
-  int64_t in, out;          /* features in and out */
+  int64_t in, out; /* features in and out */
 } sp_mlp_layer;
 
 typedef struct sp_mlp {
@@ -100,7 +100,7 @@ void sp_mlp_init_buffer(void *user, const sp_model *m, int32_t buffer,
  * Param views and gradients are in `pdtype` (the unit's param_dtype);
  * buffers in their own current dtype (bdtype per buffer via the callback). */
 typedef struct sp_mlp_io {
-  void *(*param)(void *user, int32_t param);      /* view, pdtype */
+  void *(*param)(void *user, int32_t param); /* view, pdtype */
   /* gradient, pdtype; NULL: the param takes no gradient */
   void *(*grad)(void *user, int32_t param);
   sp_dtype (*param_dtype)(void *user, int32_t param);
@@ -118,7 +118,7 @@ typedef struct sp_mlp_acts {
   /* x[l]: input of layer l (n x in); x[n_layers]: output; x[n_layers + 1]
    * is NULL */
   float **x;
-  float *dx, *dy;  /* scratch, n x max_dim */
+  float *dx, *dy; /* scratch, n x max_dim */
 } sp_mlp_acts;
 /* 0, SP_EINVAL (NULL), SP_ETOOBIG (n x width overflows), SP_ENOMEM. */
 int sp_mlp_acts_new(const sp_mlp *mlp, size_t n, sp_mlp_acts **out);

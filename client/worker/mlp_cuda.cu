@@ -27,28 +27,23 @@
 
 static __device__ float round_dt(float v, int dt) {
   switch (dt) {
-  case SP_BFLOAT16:
-    return sp_f32_round_bf16(v);
-  case SP_FLOAT16:
-    return sp_f32_round_f16(v);
-  default:
-    return v;
+    case SP_BFLOAT16: return sp_f32_round_bf16(v);
+    case SP_FLOAT16: return sp_f32_round_f16(v);
+    default: return v;
   }
 }
 
 static __device__ float load_dt(const void *p, int dt, size_t i) {
   switch (dt) {
-  case SP_FLOAT32:
-    return ((const float *)p)[i];
-  case SP_FLOAT64:
-    return sp_f32_from_bits(
-        sp_f64_to_f32_bits(sp_f64_to_bits(((const double *)p)[i])));
-  case SP_BFLOAT16:
-    return sp_f32_from_bits(sp_bf16_to_f32_bits(((const uint16_t *)p)[i]));
-  case SP_FLOAT16:
-    return sp_f32_from_bits(sp_f16_to_f32_bits(((const uint16_t *)p)[i]));
-  default:
-    return 0.0f;
+    case SP_FLOAT32: return ((const float *)p)[i];
+    case SP_FLOAT64:
+      return sp_f32_from_bits(
+          sp_f64_to_f32_bits(sp_f64_to_bits(((const double *)p)[i])));
+    case SP_BFLOAT16:
+      return sp_f32_from_bits(sp_bf16_to_f32_bits(((const uint16_t *)p)[i]));
+    case SP_FLOAT16:
+      return sp_f32_from_bits(sp_f16_to_f32_bits(((const uint16_t *)p)[i]));
+    default: return 0.0f;
   }
 }
 
@@ -57,20 +52,11 @@ static __device__ float load_dt(const void *p, int dt, size_t i) {
 static __device__ void store_dt(void *p, int dt, size_t i, float v) {
   uint64_t u = sp_f32_to_f64_bits(sp_f32_to_bits(v));
   switch (dt) {
-  case SP_FLOAT32:
-    ((uint32_t *)p)[i] = sp_f64_to_f32_bits(u);
-    break;
-  case SP_FLOAT64:
-    ((double *)p)[i] = sp_f64_from_bits(u);
-    break;
-  case SP_BFLOAT16:
-    ((uint16_t *)p)[i] = sp_f64_to_bf16_bits(u);
-    break;
-  case SP_FLOAT16:
-    ((uint16_t *)p)[i] = sp_f64_to_f16_bits(u);
-    break;
-  default:
-    break;
+    case SP_FLOAT32: ((uint32_t *)p)[i] = sp_f64_to_f32_bits(u); break;
+    case SP_FLOAT64: ((double *)p)[i] = sp_f64_from_bits(u); break;
+    case SP_BFLOAT16: ((uint16_t *)p)[i] = sp_f64_to_bf16_bits(u); break;
+    case SP_FLOAT16: ((uint16_t *)p)[i] = sp_f64_to_f16_bits(u); break;
+    default: break;
   }
 }
 
@@ -112,13 +98,12 @@ __global__ void k_mlp_colsum(const float *x, size_t n, size_t h, float *sum) {
 /* norm_forward after the all-reduce: running_mean <- 0.9 rm + 0.1 mean in
  * float32, stored in rm's dtype; mean_out gets the stored (rounded) value,
  * which is what the output uses. */
-__global__ void k_mlp_norm_update(void *rm, int rd, const float *sum,
-                                  size_t h, float gn, float *mean_out) {
+__global__ void k_mlp_norm_update(void *rm, int rd, const float *sum, size_t h,
+                                  float gn, float *mean_out) {
   for (size_t k = SP_GRID_TID(); k < h; k += SP_GRID_STRIDE()) {
     float mean = __fdiv_rn(sum[k], gn);
     float old = load_dt(rm, rd, k);
-    store_dt(rm, rd, k,
-             __fadd_rn(__fmul_rn(0.9f, old), __fmul_rn(0.1f, mean)));
+    store_dt(rm, rd, k, __fadd_rn(__fmul_rn(0.9f, old), __fmul_rn(0.1f, mean)));
     mean_out[k] = load_dt(rm, rd, k);
   }
 }
@@ -128,37 +113,31 @@ __global__ void k_mlp_counters(void *nbt, int nbt_dt, unsigned char *seen) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   if (nbt) {
     switch (nbt_dt) {
-    case SP_INT64:
-      ((unsigned long long *)nbt)[0] += 1ull;
-      break;
-    case SP_INT32:
-      ((uint32_t *)nbt)[0] += 1u;
-      break;
-    case SP_INT16:
-      ((uint16_t *)nbt)[0] = (uint16_t)(((uint16_t *)nbt)[0] + 1u);
-      break;
-    case SP_INT8:
-    case SP_UINT8:
-      ((uint8_t *)nbt)[0] = (uint8_t)(((uint8_t *)nbt)[0] + 1u);
-      break;
-    default:
-      break;
+      case SP_INT64: ((unsigned long long *)nbt)[0] += 1ull; break;
+      case SP_INT32: ((uint32_t *)nbt)[0] += 1u; break;
+      case SP_INT16:
+        ((uint16_t *)nbt)[0] = (uint16_t)(((uint16_t *)nbt)[0] + 1u);
+        break;
+      case SP_INT8:
+      case SP_UINT8:
+        ((uint8_t *)nbt)[0] = (uint8_t)(((uint8_t *)nbt)[0] + 1u);
+        break;
+      default: break;
     }
   }
   if (seen) seen[0] = 1;
 }
 
 /* y = (x - mean) * w + b, rounded to pd */
-__global__ void k_mlp_norm_out(const float *x, const float *mean,
-                               const void *w, const void *b, int pd, size_t n,
-                               size_t h, float *y) {
+__global__ void k_mlp_norm_out(const float *x, const float *mean, const void *w,
+                               const void *b, int pd, size_t n, size_t h,
+                               float *y) {
   size_t count = n * h;
   for (size_t i = SP_GRID_TID(); i < count; i += SP_GRID_STRIDE()) {
     size_t k = i % h;
     float c = __fsub_rn(x[i], mean[k]);
-    y[i] = round_dt(__fadd_rn(__fmul_rn(c, load_dt(w, pd, k)),
-                              load_dt(b, pd, k)),
-                    pd);
+    y[i] = round_dt(
+        __fadd_rn(__fmul_rn(c, load_dt(w, pd, k)), load_dt(b, pd, k)), pd);
   }
 }
 
@@ -181,8 +160,8 @@ __global__ void k_mlp_norm_grads(const float *x, const float *dy,
 }
 
 /* norm_backward's input gradient: dy * w rounded to pd */
-__global__ void k_mlp_norm_dx(const float *dy, const void *w, int pd,
-                              size_t n, size_t h, float *dx) {
+__global__ void k_mlp_norm_dx(const float *dy, const void *w, int pd, size_t n,
+                              size_t h, float *dx) {
   size_t count = n * h;
   for (size_t i = SP_GRID_TID(); i < count; i += SP_GRID_STRIDE())
     dx[i] = round_dt(__fmul_rn(dy[i], load_dt(w, pd, i % h)), pd);
@@ -222,8 +201,8 @@ __global__ void k_mlp_loss_rows(const float *y, const float *t, size_t n,
 /* the sample sums in sample order, divided by denom (n, or n * k for a
  * micro-batch of k), set or added to loss[0]: one thread, so the result
  * does not depend on the launch */
-__global__ void k_mlp_loss_total(const double *partial, size_t n,
-                                 double denom, int add, double *loss) {
+__global__ void k_mlp_loss_total(const double *partial, size_t n, double denom,
+                                 int add, double *loss) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   double acc = 0.0;
   for (size_t s = 0; s < n; s++) acc = __dadd_rn(acc, partial[s]);
@@ -253,15 +232,15 @@ struct sp_mlp_cuda {
   size_t n;
   cudaStream_t st;
   cublasHandle_t blas;
-  float **x;       /* n_layers + 1 device arrays */
-  float *dx, *dy;  /* n * max_dim */
-  sp_dtype dy_dt;  /* the dtype dy's values are rounded to */
-  float *t;        /* n * out_dim */
-  float *acc;      /* GEMM outputs: max(n * max_dim, max weight) */
+  float **x;            /* n_layers + 1 device arrays */
+  float *dx, *dy;       /* n * max_dim */
+  sp_dtype dy_dt;       /* the dtype dy's values are rounded to */
+  float *t;             /* n * out_dim */
+  float *acc;           /* GEMM outputs: max(n * max_dim, max weight) */
   float *vec_a, *vec_b; /* max_dim: sums, means, norm gradients */
-  void *wop;       /* weight operand: max weight elements, 4 bytes each */
-  void *aop, *bop; /* activation operands: n * max_dim, 4 bytes each */
-  double *loss;    /* [0] the loss, [1 .. n] per-sample sums */
+  void *wop;            /* weight operand: max weight elements, 4 bytes each */
+  void *aop, *bop;      /* activation operands: n * max_dim, 4 bytes each */
+  double *loss;         /* [0] the loss, [1 .. n] per-sample sums */
   size_t act_numel, w_numel;
 };
 
@@ -284,8 +263,10 @@ static int dmalloc(void **p, size_t count, size_t esize, sp_diag *d) {
   if (e == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
     *p = NULL;
-    return sp_diag_set(d, SP_ENOMEM, "cudaMalloc of %zu bytes: out of device "
-                       "memory", bytes);
+    return sp_diag_set(d, SP_ENOMEM,
+                       "cudaMalloc of %zu bytes: out of device "
+                       "memory",
+                       bytes);
   }
   SP_CUDA_CHECK(d, e);
   return 0;
@@ -317,8 +298,10 @@ static int cuda_new(sp_mlp_cuda *g, sp_diag *d) {
   size_t n = g->n, maxd = (size_t)mlp->max_dim;
   /* cuBLAS takes int dimensions and leading dimensions */
   if (n > INT_MAX || maxd > INT_MAX || (maxd && n > SIZE_MAX / maxd))
-    return sp_diag_set(d, SP_ETOOBIG, "batch %zu x width %zu too large for "
-                       "cuBLAS", n, maxd);
+    return sp_diag_set(d, SP_ETOOBIG,
+                       "batch %zu x width %zu too large for "
+                       "cuBLAS",
+                       n, maxd);
   g->act_numel = n * maxd;
   g->w_numel = 1;
   for (size_t l = 0; l < mlp->n_layers; l++) {
@@ -356,8 +339,8 @@ static int cuda_new(sp_mlp_cuda *g, sp_diag *d) {
   SP_CUBLAS_CHECK(d, cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH));
   /* device memory starts undefined; targets and losses are read before a
    * first set_batch / loss only by mistake, but then as zeros */
-  SP_CUDA_CHECK(d, cudaMemsetAsync(g->loss, 0, (n + 1) * sizeof(double),
-                                   g->st));
+  SP_CUDA_CHECK(d,
+                cudaMemsetAsync(g->loss, 0, (n + 1) * sizeof(double), g->st));
   g->dy_dt = SP_FLOAT32;
   return 0;
 }
@@ -386,12 +369,10 @@ extern "C" int sp_mlp_cuda_set_batch(sp_mlp_cuda *g, const float *x,
   if (!g) return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_set_batch: NULL");
   const sp_mlp *mlp = g->mlp;
   if (x && g->n)
-    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->x[0], x,
-                                     g->n * (size_t)mlp->in_dim * 4,
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->x[0], x, g->n * (size_t)mlp->in_dim * 4,
                                      cudaMemcpyHostToDevice, g->st));
   if (t && g->n)
-    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->t, t,
-                                     g->n * (size_t)mlp->out_dim * 4,
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(g->t, t, g->n * (size_t)mlp->out_dim * 4,
                                      cudaMemcpyHostToDevice, g->st));
   /* the host arrays are reused for the next batch: wait for the copies */
   SP_CUDA_CHECK(d, cudaStreamSynchronize(g->st));
@@ -423,8 +404,8 @@ static int buffer_view(const sp_mlp_cuda *g, const sp_mlp_io *io, int32_t b,
   bool ok = sp_dtype_is_floating(t->dtype) ? sp_dtype_is_floating(*dt)
                                            : *dt == t->dtype;
   if (!ok)
-    return sp_diag_set(d, SP_EINVAL, "%s: buffer dtype %s, original %s",
-                       t->fqn, sp_dtype_name(*dt), sp_dtype_name(t->dtype));
+    return sp_diag_set(d, SP_EINVAL, "%s: buffer dtype %s, original %s", t->fqn,
+                       sp_dtype_name(*dt), sp_dtype_name(t->dtype));
   return 0;
 }
 
@@ -439,14 +420,14 @@ static int write_grad(sp_mlp_cuda *g, const sp_mlp_io *io, int32_t p,
   const sp_tensor_spec *t = &g->mlp->model->params[p];
   sp_dtype pd = io->param_dtype(io->user, p);
   size_t n = (size_t)t->numel;
-  if (!sp_dtype_is_floating(pd) ||
-      (uintptr_t)dst % sp_dtype_size(pd) != 0)
-    return sp_diag_set(d, SP_EINVAL, "%s: gradient view %p of %s (floating, "
-                       "element-aligned expected)", t->fqn, dst,
-                       sp_dtype_name(pd));
+  if (!sp_dtype_is_floating(pd) || (uintptr_t)dst % sp_dtype_size(pd) != 0)
+    return sp_diag_set(d, SP_EINVAL,
+                       "%s: gradient view %p of %s (floating, "
+                       "element-aligned expected)",
+                       t->fqn, dst, sp_dtype_name(pd));
   if (n == 0) return 0;
   k_mlp_grad_add<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, g->st>>>(dst, (int)pd,
-                                                             src, n);
+                                                                   src, n);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
@@ -454,7 +435,8 @@ static int write_grad(sp_mlp_cuda *g, const sp_mlp_io *io, int32_t p,
 static int check_call(const sp_mlp_cuda *g, size_t l, const sp_mlp_io *io,
                       sp_diag *d) {
   if (!g || !io || !io->param || !io->param_dtype)
-    return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda: NULL argument or "
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_mlp_cuda: NULL argument or "
                        "callback");
   if (l >= g->mlp->n_layers)
     return sp_diag_set(d, SP_ERANGE, "sp_mlp_cuda: layer %zu of %zu", l,
@@ -479,8 +461,9 @@ static bool holds(sp_dtype in, sp_dtype have) {
 }
 
 static cudaDataType_t cuda_type(sp_dtype dt) {
-  return dt == SP_BFLOAT16 ? CUDA_R_16BF
-                           : dt == SP_FLOAT16 ? CUDA_R_16F : CUDA_R_32F;
+  return dt == SP_BFLOAT16  ? CUDA_R_16BF
+         : dt == SP_FLOAT16 ? CUDA_R_16F
+                            : CUDA_R_32F;
 }
 
 /* A float32 device array as a GEMM operand in dt: itself for float32, else
@@ -494,9 +477,10 @@ static int act_operand(sp_mlp_cuda *g, const float *x, size_t count,
   }
   int rc = sp_cuda_cast(scratch, dt, x, SP_FLOAT32, count, g->st);
   if (rc < 0)
-    return sp_diag_set(d, rc, "%s:%d: activation cast to %s failed (the CUDA "
-                       "error is logged above)", __FILE__, __LINE__,
-                       sp_dtype_name(dt));
+    return sp_diag_set(d, rc,
+                       "%s:%d: activation cast to %s failed (the CUDA "
+                       "error is logged above)",
+                       __FILE__, __LINE__, sp_dtype_name(dt));
   *out = scratch;
   return 0;
 }
@@ -511,9 +495,11 @@ static int weight_operand(sp_mlp_cuda *g, const void *view, sp_dtype pd,
   }
   int rc = sp_cuda_cast(g->wop, dt, view, pd, count, g->st);
   if (rc < 0)
-    return sp_diag_set(d, rc, "%s:%d: weight cast %s -> %s failed (the CUDA "
-                       "error is logged above)", __FILE__, __LINE__,
-                       sp_dtype_name(pd), sp_dtype_name(dt));
+    return sp_diag_set(d, rc,
+                       "%s:%d: weight cast %s -> %s failed (the CUDA "
+                       "error is logged above)",
+                       __FILE__, __LINE__, sp_dtype_name(pd),
+                       sp_dtype_name(dt));
   *out = g->wop;
   return 0;
 }
@@ -522,8 +508,7 @@ static int weight_operand(sp_mlp_cuda *g, const void *view, sp_dtype pd,
  * both of dtype dt, accumulated in float32 (CUBLAS_COMPUTE_32F). */
 static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
                 size_t m, size_t n, size_t k, const void *A, size_t lda,
-                const void *B, size_t ldb, sp_dtype dt, float *C,
-                sp_diag *d) {
+                const void *B, size_t ldb, sp_dtype dt, float *C, sp_diag *d) {
   if (m == 0 || n == 0) return 0;
   if (k == 0) {
     /* an empty sum: cuBLAS may leave C alone */
@@ -532,14 +517,16 @@ static int gemm(sp_mlp_cuda *g, cublasOperation_t ta, cublasOperation_t tb,
   }
   if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX ||
       ldb > INT_MAX)
-    return sp_diag_set(d, SP_ETOOBIG, "GEMM %zu x %zu x %zu beyond cuBLAS's "
-                       "int", m, n, k);
+    return sp_diag_set(d, SP_ETOOBIG,
+                       "GEMM %zu x %zu x %zu beyond cuBLAS's "
+                       "int",
+                       m, n, k);
   const float alpha = 1.0f, beta = 0.0f;
   cudaDataType_t ty = cuda_type(dt);
-  SP_CUBLAS_CHECK(d, cublasGemmEx(g->blas, ta, tb, (int)m, (int)n, (int)k,
-                                  &alpha, A, ty, (int)lda, B, ty, (int)ldb,
-                                  &beta, C, CUDA_R_32F, (int)m,
-                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  SP_CUBLAS_CHECK(
+      d, cublasGemmEx(g->blas, ta, tb, (int)m, (int)n, (int)k, &alpha, A, ty,
+                      (int)lda, B, ty, (int)ldb, &beta, C, CUDA_R_32F, (int)m,
+                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return 0;
 }
 
@@ -549,7 +536,7 @@ static int round_inplace(sp_mlp_cuda *g, float *x, size_t count, sp_dtype dt,
                          sp_diag *d) {
   if (count == 0 || (dt != SP_BFLOAT16 && dt != SP_FLOAT16)) return 0;
   k_mlp_round<<<sp_grid_blocks(count), SP_GRID_THREADS, 0, g->st>>>(x, count,
-                                                             (int)dt);
+                                                                    (int)dt);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
@@ -572,8 +559,8 @@ static int linear_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc == 0) rc = weight_operand(g, w, pd, out * in, gt, &A, d);
   if (rc == 0) rc = act_operand(g, x, n * in, gt, g->aop, &B, d);
   if (rc == 0)
-    rc = gemm(g, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, A, in, B, in, gt,
-              g->acc, d);
+    rc = gemm(g, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, A, in, B, in, gt, g->acc,
+              d);
   if (rc < 0) return rc;
   if (n * out != 0) {
     k_mlp_bias_round<<<sp_grid_blocks(n * out), SP_GRID_THREADS, 0, g->st>>>(
@@ -606,8 +593,8 @@ static int linear_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc == 0) rc = write_grad(g, io, L->weight, g->acc, d);
   if (rc == 0 && L->bias >= 0) {
     if (out) {
-      k_mlp_colsum<<<sp_grid_blocks(out), SP_GRID_THREADS, 0, g->st>>>(g->dy, n, out,
-                                                               g->vec_a);
+      k_mlp_colsum<<<sp_grid_blocks(out), SP_GRID_THREADS, 0, g->st>>>(
+          g->dy, n, out, g->vec_a);
       SP_CUDA_CHECK(d, cudaGetLastError());
     }
     rc = write_grad(g, io, L->bias, g->vec_a, d);
@@ -647,7 +634,7 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (rc < 0) return rc;
   if (h) {
     k_mlp_colsum<<<sp_grid_blocks(h), SP_GRID_THREADS, 0, g->st>>>(x, n, h,
-                                                            g->vec_a);
+                                                                   g->vec_a);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
   /* every rank calls the collective, also one whose local batch is empty;
@@ -665,12 +652,11 @@ static int norm_forward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   sp_dtype nbt_dt = SP_INT64, seen_dt = SP_BOOL;
   if (L->num_batches_tracked >= 0)
     rc = buffer_view(g, io, L->num_batches_tracked, &nbt, &nbt_dt, d);
-  if (rc == 0 && L->seen >= 0) rc = buffer_view(g, io, L->seen, &seen,
-                                                &seen_dt, d);
+  if (rc == 0 && L->seen >= 0)
+    rc = buffer_view(g, io, L->seen, &seen, &seen_dt, d);
   if (rc < 0) return rc;
   if (nbt || seen) {
-    k_mlp_counters<<<1, 1, 0, g->st>>>(nbt, (int)nbt_dt,
-                                       (unsigned char *)seen);
+    k_mlp_counters<<<1, 1, 0, g->st>>>(nbt, (int)nbt_dt, (unsigned char *)seen);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
   if (n * h != 0) {
@@ -693,7 +679,7 @@ static int norm_backward(sp_mlp_cuda *g, const sp_mlp_layer *L,
   if (h) {
     /* the stored running mean as float32: the constant the forward used */
     k_mlp_load<<<sp_grid_blocks(h), SP_GRID_THREADS, 0, g->st>>>(rm, (int)rd, h,
-                                                          g->vec_b);
+                                                                 g->vec_b);
     SP_CUDA_CHECK(d, cudaGetLastError());
     k_mlp_norm_grads<<<sp_grid_blocks(h), SP_GRID_THREADS, 0, g->st>>>(
         g->x[l], g->dy, g->vec_b, n, h, g->vec_a, g->acc);
@@ -717,29 +703,27 @@ extern "C" int sp_mlp_cuda_forward(sp_mlp_cuda *g, size_t l,
   if (rc < 0) return rc;
   const sp_mlp_layer *L = &g->mlp->layers[l];
   switch (L->kind) {
-  case SP_MLP_LINEAR:
-    rc = linear_forward(g, L, io, l, d);
-    break;
-  case SP_MLP_NORM:
-    /* the mean divides by global_n in float32: exact up to 2^24 */
-    if (global_n == 0 || global_n < g->n || global_n > (UINT64_C(1) << 24))
-      return sp_diag_set(d, SP_EINVAL,
-                         "%s: global batch %llu (local %zu) out of range",
-                         g->mlp->model->modules[L->module].fqn,
-                         (unsigned long long)global_n, g->n);
-    rc = norm_forward(g, L, io, l, global_n, d);
-    break;
-  case SP_MLP_RELU: {
-    size_t count = g->n * (size_t)L->in;
-    if (count) {
-      k_mlp_relu<<<sp_grid_blocks(count), SP_GRID_THREADS, 0, g->st>>>(
-          g->x[l], g->x[l + 1], count);
-      SP_CUDA_CHECK(d, cudaGetLastError());
+    case SP_MLP_LINEAR: rc = linear_forward(g, L, io, l, d); break;
+    case SP_MLP_NORM:
+      /* the mean divides by global_n in float32: exact up to 2^24 */
+      if (global_n == 0 || global_n < g->n || global_n > (UINT64_C(1) << 24))
+        return sp_diag_set(d, SP_EINVAL,
+                           "%s: global batch %llu (local %zu) out of range",
+                           g->mlp->model->modules[L->module].fqn,
+                           (unsigned long long)global_n, g->n);
+      rc = norm_forward(g, L, io, l, global_n, d);
+      break;
+    case SP_MLP_RELU: {
+      size_t count = g->n * (size_t)L->in;
+      if (count) {
+        k_mlp_relu<<<sp_grid_blocks(count), SP_GRID_THREADS, 0, g->st>>>(
+            g->x[l], g->x[l + 1], count);
+        SP_CUDA_CHECK(d, cudaGetLastError());
+      }
+      break;
     }
-    break;
-  }
-  default:
-    return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_forward: bad layer kind");
+    default:
+      return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_forward: bad layer kind");
   }
   return rc < 0 ? fail(d, rc, g->mlp, l, "forward") : 0;
 }
@@ -753,7 +737,8 @@ extern "C" int sp_mlp_cuda_loss(sp_mlp_cuda *g, sp_dtype out_dtype,
 extern "C" int sp_mlp_cuda_loss_over(sp_mlp_cuda *g, sp_dtype out_dtype,
                                      uint64_t denom, bool add, sp_diag *d) {
   if (!g || denom == 0)
-    return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_loss_over: NULL or a zero "
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_mlp_cuda_loss_over: NULL or a zero "
                        "denominator");
   size_t n = g->n, out = (size_t)g->mlp->out_dim;
   if (n) {
@@ -776,25 +761,25 @@ extern "C" int sp_mlp_cuda_backward(sp_mlp_cuda *g, size_t l,
   const sp_mlp_layer *L = &g->mlp->layers[l];
   sp_dtype next_dt = g->dy_dt;
   switch (L->kind) {
-  case SP_MLP_LINEAR:
-    rc = linear_backward(g, L, io, l, d);
-    if (rc == 0) next_dt = io->param_dtype(io->user, L->weight);
-    break;
-  case SP_MLP_NORM:
-    rc = norm_backward(g, L, io, l, d);
-    if (rc == 0) next_dt = io->param_dtype(io->user, L->weight);
-    break;
-  case SP_MLP_RELU: {
-    size_t count = g->n * (size_t)L->in;
-    if (l > 0 && count) {
-      k_mlp_relu_back<<<sp_grid_blocks(count), SP_GRID_THREADS, 0, g->st>>>(
-          g->x[l], g->dy, g->dx, count);
-      SP_CUDA_CHECK(d, cudaGetLastError());
+    case SP_MLP_LINEAR:
+      rc = linear_backward(g, L, io, l, d);
+      if (rc == 0) next_dt = io->param_dtype(io->user, L->weight);
+      break;
+    case SP_MLP_NORM:
+      rc = norm_backward(g, L, io, l, d);
+      if (rc == 0) next_dt = io->param_dtype(io->user, L->weight);
+      break;
+    case SP_MLP_RELU: {
+      size_t count = g->n * (size_t)L->in;
+      if (l > 0 && count) {
+        k_mlp_relu_back<<<sp_grid_blocks(count), SP_GRID_THREADS, 0, g->st>>>(
+            g->x[l], g->dy, g->dx, count);
+        SP_CUDA_CHECK(d, cudaGetLastError());
+      }
+      break;
     }
-    break;
-  }
-  default:
-    return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_backward: bad layer kind");
+    default:
+      return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_backward: bad layer kind");
   }
   if (rc < 0) return fail(d, rc, g->mlp, l, "backward");
   if (l > 0) {
@@ -824,8 +809,7 @@ extern "C" double *sp_mlp_cuda_loss_ptr(sp_mlp_cuda *g) {
   return g ? g->loss : NULL;
 }
 
-extern "C" int sp_mlp_cuda_read_loss(sp_mlp_cuda *g, double *loss,
-                                     sp_diag *d) {
+extern "C" int sp_mlp_cuda_read_loss(sp_mlp_cuda *g, double *loss, sp_diag *d) {
   if (!g || !loss)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_cuda_read_loss: NULL");
   SP_CUDA_CHECK(d, cudaMemcpyAsync(loss, g->loss, sizeof *loss,

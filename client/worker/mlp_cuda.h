@@ -96,8 +96,7 @@ int sp_mlp_cuda_read_loss(sp_mlp_cuda *g, double *loss, sp_diag *d);
 /* Synchronous reads for tests: x[l] (n x features of layer l's input;
  * l == n_layers is the output), and the current dy (count floats). */
 int sp_mlp_cuda_read_act(sp_mlp_cuda *g, size_t l, float *host, sp_diag *d);
-int sp_mlp_cuda_read_dy(sp_mlp_cuda *g, float *host, size_t count,
-                        sp_diag *d);
+int sp_mlp_cuda_read_dy(sp_mlp_cuda *g, float *host, size_t count, sp_diag *d);
 /* Synchronous writes for tests, so one layer can be checked on the CPU's
  * exact inputs: x[l], and dy (count floats whose values are rounded to
  * dt, as the layer after it left them). */

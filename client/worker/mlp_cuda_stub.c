@@ -67,8 +67,7 @@ int sp_mlp_cuda_read_act(sp_mlp_cuda *g, size_t l, float *host, sp_diag *d) {
   return unsupported(d);
 }
 
-int sp_mlp_cuda_read_dy(sp_mlp_cuda *g, float *host, size_t count,
-                        sp_diag *d) {
+int sp_mlp_cuda_read_dy(sp_mlp_cuda *g, float *host, size_t count, sp_diag *d) {
   (void)g, (void)host, (void)count;
   return unsupported(d);
 }

@@ -19,15 +19,12 @@ static int unsupported(sp_diag *d, const sp_model *m, const char *fmt,
 
 /* "layers.<k>" with k decimal and no leading zeros; -1 otherwise. */
 static long layer_index(const char *fqn) {
-  if (strncmp(fqn, "layers.", 7) != 0)
-    return -1;
+  if (strncmp(fqn, "layers.", 7) != 0) return -1;
   const char *s = fqn + 7;
-  if (*s < '0' || *s > '9' || (s[0] == '0' && s[1] != '\0'))
-    return -1;
+  if (*s < '0' || *s > '9' || (s[0] == '0' && s[1] != '\0')) return -1;
   long k = 0;
   for (; *s; s++) {
-    if (*s < '0' || *s > '9' || k > 100000000L)
-      return -1;
+    if (*s < '0' || *s > '9' || k > 100000000L) return -1;
     k = k * 10 + (*s - '0');
   }
   return k;
@@ -123,9 +120,8 @@ static int attach_buffers(const sp_model *m, sp_mlp *mlp,
                t->numel == 1) {
       L->seen = (int32_t)b;
     } else {
-      return unsupported(d, m,
-                         "unexpected buffer \"%s\" (name, dtype or shape)",
-                         t->fqn);
+      return unsupported(
+          d, m, "unexpected buffer \"%s\" (name, dtype or shape)", t->fqn);
     }
   }
   return 0;
@@ -139,38 +135,38 @@ static int layer_shape(const sp_model *m, sp_mlp_layer *L, int64_t prev,
   const sp_tensor_spec *w = L->weight >= 0 ? &m->params[L->weight] : NULL;
   const sp_tensor_spec *bi = L->bias >= 0 ? &m->params[L->bias] : NULL;
   switch (L->kind) {
-  case SP_MLP_LINEAR:
-    if (w == NULL || w->ndim != 2 || w->shape[0] <= 0 || w->shape[1] <= 0)
-      return unsupported(d, m, "Linear \"%s\" needs a weight [out, in]", fqn);
-    L->out = w->shape[0];
-    L->in = w->shape[1];
-    if (bi != NULL && (bi->ndim != 1 || bi->shape[0] != L->out))
-      return unsupported(d, m, "Linear \"%s\": bias shape", fqn);
-    if (bi != NULL && bi->dtype != w->dtype)
-      return unsupported(d, m, "Linear \"%s\": weight and bias dtypes", fqn);
-    return 0;
-  case SP_MLP_NORM: {
-    const sp_tensor_spec *rm =
-        L->running_mean >= 0 ? &m->buffers[L->running_mean] : NULL;
-    if (w == NULL || bi == NULL || rm == NULL || w->ndim != 1 ||
-        w->shape[0] <= 0)
-      return unsupported(d, m,
-                         "RunningNorm \"%s\" needs weight, bias and "
-                         "running_mean",
-                         fqn);
-    L->in = L->out = w->shape[0];
-    if (bi->ndim != 1 || bi->shape[0] != L->in || rm->shape[0] != L->in)
-      return unsupported(d, m, "RunningNorm \"%s\": shapes differ", fqn);
-    if (bi->dtype != w->dtype)
-      return unsupported(d, m, "RunningNorm \"%s\": weight and bias dtypes",
-                         fqn);
-    return 0;
-  }
-  case SP_MLP_RELU:
-    if (prev < 0)
-      return unsupported(d, m, "ReLU \"%s\" cannot come first", fqn);
-    L->in = L->out = prev;
-    return 0;
+    case SP_MLP_LINEAR:
+      if (w == NULL || w->ndim != 2 || w->shape[0] <= 0 || w->shape[1] <= 0)
+        return unsupported(d, m, "Linear \"%s\" needs a weight [out, in]", fqn);
+      L->out = w->shape[0];
+      L->in = w->shape[1];
+      if (bi != NULL && (bi->ndim != 1 || bi->shape[0] != L->out))
+        return unsupported(d, m, "Linear \"%s\": bias shape", fqn);
+      if (bi != NULL && bi->dtype != w->dtype)
+        return unsupported(d, m, "Linear \"%s\": weight and bias dtypes", fqn);
+      return 0;
+    case SP_MLP_NORM: {
+      const sp_tensor_spec *rm =
+          L->running_mean >= 0 ? &m->buffers[L->running_mean] : NULL;
+      if (w == NULL || bi == NULL || rm == NULL || w->ndim != 1 ||
+          w->shape[0] <= 0)
+        return unsupported(d, m,
+                           "RunningNorm \"%s\" needs weight, bias and "
+                           "running_mean",
+                           fqn);
+      L->in = L->out = w->shape[0];
+      if (bi->ndim != 1 || bi->shape[0] != L->in || rm->shape[0] != L->in)
+        return unsupported(d, m, "RunningNorm \"%s\": shapes differ", fqn);
+      if (bi->dtype != w->dtype)
+        return unsupported(d, m, "RunningNorm \"%s\": weight and bias dtypes",
+                           fqn);
+      return 0;
+    }
+    case SP_MLP_RELU:
+      if (prev < 0)
+        return unsupported(d, m, "ReLU \"%s\" cannot come first", fqn);
+      L->in = L->out = prev;
+      return 0;
   }
   return 0;
 }
@@ -181,20 +177,16 @@ static int chain_shapes(const sp_model *m, sp_mlp *mlp, sp_diag *d) {
   for (size_t l = 0; l < mlp->n_layers; l++) {
     sp_mlp_layer *L = &mlp->layers[l];
     int rc = layer_shape(m, L, prev, d);
-    if (rc != 0)
-      return rc;
+    if (rc != 0) return rc;
     if (prev >= 0 && L->in != prev)
       return unsupported(d, m,
                          "layer \"%s\": input features do not match the "
                          "previous layer's output",
                          m->modules[L->module].fqn);
     prev = L->out;
-    if (l == 0)
-      mlp->in_dim = L->in;
-    if (L->in > mlp->max_dim)
-      mlp->max_dim = L->in;
-    if (L->out > mlp->max_dim)
-      mlp->max_dim = L->out;
+    if (l == 0) mlp->in_dim = L->in;
+    if (L->in > mlp->max_dim) mlp->max_dim = L->in;
+    if (L->out > mlp->max_dim) mlp->max_dim = L->out;
   }
   mlp->out_dim = prev;
   return 0;
@@ -204,8 +196,7 @@ int sp_mlp_new(const sp_model *m, sp_mlp **out, sp_diag *d) {
   if (m == NULL || out == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_new: NULL argument");
   *out = NULL;
-  if (m->n_modules == 0)
-    return unsupported(d, m, "%s", "no modules");
+  if (m->n_modules == 0) return unsupported(d, m, "%s", "no modules");
   if (m->n_tied > 0)
     return unsupported(d, m, "tied parameter \"%s\"", m->tied[0].fqn);
 
@@ -227,16 +218,12 @@ int sp_mlp_new(const sp_model *m, sp_mlp **out, sp_diag *d) {
     sp_mlp_free(mlp);
     return sp_diag_set(d, SP_ENOMEM, "sp_mlp_new: out of memory");
   }
-  for (size_t i = 0; i < m->n_modules; i++)
-    layer_of[i] = -1;
+  for (size_t i = 0; i < m->n_modules; i++) layer_of[i] = -1;
 
   int rc = read_layers(m, mlp, layer_of, d);
-  if (rc == 0)
-    rc = attach_params(m, mlp, layer_of, d);
-  if (rc == 0)
-    rc = attach_buffers(m, mlp, layer_of, d);
-  if (rc == 0)
-    rc = chain_shapes(m, mlp, d);
+  if (rc == 0) rc = attach_params(m, mlp, layer_of, d);
+  if (rc == 0) rc = attach_buffers(m, mlp, layer_of, d);
+  if (rc == 0) rc = chain_shapes(m, mlp, d);
   free(layer_of);
   if (rc != 0) {
     sp_mlp_free(mlp);
@@ -247,8 +234,7 @@ int sp_mlp_new(const sp_model *m, sp_mlp **out, sp_diag *d) {
 }
 
 void sp_mlp_free(sp_mlp *mlp) {
-  if (mlp == NULL)
-    return;
+  if (mlp == NULL) return;
   free(mlp->layers);
   free(mlp);
 }

@@ -27,9 +27,13 @@ static int io_all_reduce(void *u, float *buf, size_t n, sp_diag *d) {
 /* The model's view of the runtime: its unsharded views and its
  * all-reduce. */
 static sp_mlp_io runtime_io(sp_fsdp *f) {
-  return (sp_mlp_io){sp_train_io_param, sp_train_io_grad,
-                     sp_train_io_param_dtype, sp_train_io_buffer,
-                     sp_train_io_buffer_dtype, io_all_reduce, f};
+  return (sp_mlp_io){sp_train_io_param,
+                     sp_train_io_grad,
+                     sp_train_io_param_dtype,
+                     sp_train_io_buffer,
+                     sp_train_io_buffer_dtype,
+                     io_all_reduce,
+                     f};
 }
 
 /* sp_mlp_trainer_new's work on a zeroed tr; on failure what it holds is freed
@@ -43,13 +47,11 @@ static int trainer_init(sp_mlp_trainer *tr, sp_fsdp *f, sp_session *s,
   tr->mlp = mlp;
   tr->cfg = cfg;
   tr->rank = sp_session_rank(s);
-  size_t local_n = cfg->global_batch / cfg->grad_accum /
-                   sp_session_world(s);
+  size_t local_n = cfg->global_batch / cfg->grad_accum / sp_session_world(s);
   tr->local_n = local_n;
   tr->layer_unit = calloc(mlp->n_layers, sizeof *tr->layer_unit);
   tr->t = calloc(local_n * (size_t)mlp->out_dim, sizeof *tr->t);
-  if (!tr->layer_unit || !tr->t)
-    return sp_diag_set(d, SP_ENOMEM, "no memory");
+  if (!tr->layer_unit || !tr->t) return sp_diag_set(d, SP_ENOMEM, "no memory");
   for (size_t l = 0; l < mlp->n_layers; l++)
     for (uint32_t u = 1; u < tr->plan->n_units; u++)
       if (tr->plan->units[u].module == mlp->layers[l].module)
@@ -108,8 +110,8 @@ static uint64_t micro_global(const sp_mlp_trainer *tr) {
 /* Sync off for every micro-batch but the last (no_sync). */
 static int set_sync(sp_mlp_trainer *tr, uint32_t j, sp_diag *d) {
   if (!tr->cfg->no_sync) return 0;
-  return sp_fsdp_set_requires_gradient_sync(tr->f,
-                                            j + 1 == tr->cfg->grad_accum, d);
+  return sp_fsdp_set_requires_gradient_sync(tr->f, j + 1 == tr->cfg->grad_accum,
+                                            d);
 }
 
 /* After the micro-batches: clipping, then the optimizer. */
@@ -168,8 +170,7 @@ static int step_gpu(sp_mlp_trainer *tr, uint64_t step, double *loss,
   if (rc == 0) rc = optimizer_step(tr, d);
   double sum = 0;
   if (rc == 0)
-    rc = sp_fsdp_all_reduce(f, sp_mlp_cuda_loss_ptr(tr->gpu), 1, SP_FLOAT64,
-                            d);
+    rc = sp_fsdp_all_reduce(f, sp_mlp_cuda_loss_ptr(tr->gpu), 1, SP_FLOAT64, d);
   if (rc == 0) rc = sp_mlp_cuda_read_loss(tr->gpu, &sum, d);
   *loss = sum / sp_session_world(tr->s);
   return rc;

@@ -72,8 +72,7 @@ static const struct {
     [F_EVAL_BATCHES] = {"eval-batches", "N",
                         "GPT-2 models: validation micro-batches (default "
                         "4)"},
-    [F_THREADS] = {"threads", "N",
-                   "BLAS threads of each rank (default 1)"},
+    [F_THREADS] = {"threads", "N", "BLAS threads of each rank (default 1)"},
 };
 
 void sp_train_flags_init(sp_train_flags *t) {
@@ -119,15 +118,16 @@ static int parse_betas(sp_train_flags *t, const char *flag, const char *v,
                        sp_diag *d) {
   const char *comma = v ? strchr(v, ',') : NULL;
   char a[64], b[64];
-  if (!comma || (size_t)(comma - v) >= sizeof a || strlen(comma + 1) >= sizeof b)
+  if (!comma || (size_t)(comma - v) >= sizeof a ||
+      strlen(comma + 1) >= sizeof b)
     return sp_flag_fail(d, flag, v, "two numbers B1,B2, each in [0, 1)");
   memcpy(a, v, (size_t)(comma - v));
   a[comma - v] = '\0';
   strcpy(b, comma + 1);
   sp_diag ignored = {{0}};
   if (sp_flag_number(flag, a, 0, &t->beta1, &ignored) < 0 ||
-      sp_flag_number(flag, b, 0, &t->beta2, &ignored) < 0 ||
-      !(t->beta1 < 1) || !(t->beta2 < 1))
+      sp_flag_number(flag, b, 0, &t->beta2, &ignored) < 0 || !(t->beta1 < 1) ||
+      !(t->beta2 < 1))
     return sp_flag_fail(d, flag, v, "two numbers B1,B2, each in [0, 1)");
   return 0;
 }
@@ -158,9 +158,7 @@ int sp_train_flag(sp_train_flags *t, int c, const char *v, sp_diag *d) {
       rc = sp_flag_choice(flag, v, kinds, 2, &k, d);
       t->kind = k == 1 ? SP_OPTIM_ADAMW : SP_OPTIM_SGD;
       break;
-    case F_MOMENTUM:
-      rc = sp_flag_number(flag, v, 0, &t->momentum, d);
-      break;
+    case F_MOMENTUM: rc = sp_flag_number(flag, v, 0, &t->momentum, d); break;
     case F_WEIGHT_DECAY:
       rc = sp_flag_number(flag, v, 0, &t->weight_decay, d);
       break;
@@ -189,9 +187,7 @@ int sp_train_flag(sp_train_flags *t, int c, const char *v, sp_diag *d) {
       t->grad_accum = (uint32_t)n;
       break;
     case F_NO_SYNC: t->no_sync = true; break;
-    case F_DECAY:
-      rc = add_pattern(t->decay, &t->n_decay, flag, v, d);
-      break;
+    case F_DECAY: rc = add_pattern(t->decay, &t->n_decay, flag, v, d); break;
     case F_NO_DECAY:
       rc = add_pattern(t->no_decay, &t->n_no_decay, flag, v, d);
       break;
@@ -227,8 +223,8 @@ static int only_with(const sp_train_flags *t, int i, const char *what,
   if (!k_flags[i].arg)
     return sp_diag_set(d, SP_EINVAL, "--%s: only with %s", k_flags[i].name,
                        what);
-  return sp_diag_set(d, SP_EINVAL, "--%s \"%s\": only with %s",
-                     k_flags[i].name, t->given[i], what);
+  return sp_diag_set(d, SP_EINVAL, "--%s \"%s\": only with %s", k_flags[i].name,
+                     t->given[i], what);
 }
 
 int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
@@ -238,8 +234,7 @@ int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
   bool adamw = t->kind == SP_OPTIM_ADAMW;
   bool cosine = t->schedule == SP_LR_COSINE;
   if (adamw && t->given[F_MOMENTUM])
-    return only_with(t, F_MOMENTUM, "--optimizer sgd (adamw has --betas)",
-                     d);
+    return only_with(t, F_MOMENTUM, "--optimizer sgd (adamw has --betas)", d);
   if (!adamw && t->given[F_BETAS])
     return only_with(t, F_BETAS, "--optimizer adamw", d);
   if (!adamw && t->given[F_EPS])
@@ -254,23 +249,27 @@ int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
     return sp_flag_fail(d, "--warmup-steps", t->given[F_WARMUP],
                         "at most --steps %u", steps);
   if (cosine && t->min_lr > lr)
-    return sp_flag_fail(d, "--min-lr", t->given[F_MIN_LR],
-                        "at most --lr %g", lr);
+    return sp_flag_fail(d, "--min-lr", t->given[F_MIN_LR], "at most --lr %g",
+                        lr);
   uint64_t split = (uint64_t)(world ? world : 1) * t->grad_accum;
   if (global_batch % split != 0) {
     char v[32];
     snprintf(v, sizeof v, "%u", global_batch);
     if (!world)
-      return sp_flag_fail(d, "--global-batch", v, "a multiple of "
-                          "--grad-accum %u", t->grad_accum);
+      return sp_flag_fail(d, "--global-batch", v,
+                          "a multiple of "
+                          "--grad-accum %u",
+                          t->grad_accum);
     if (t->grad_accum == 1)
-      return sp_flag_fail(d, "--global-batch", v, "a multiple of %s %u: "
-                          "every rank trains an equal share", world_name,
-                          world);
-    return sp_flag_fail(d, "--global-batch", v, "a multiple of %u: %s %u "
+      return sp_flag_fail(d, "--global-batch", v,
+                          "a multiple of %s %u: "
+                          "every rank trains an equal share",
+                          world_name, world);
+    return sp_flag_fail(d, "--global-batch", v,
+                        "a multiple of %u: %s %u "
                         "times --grad-accum %u, every rank an equal share "
-                        "of each micro-batch", (unsigned)split, world_name,
-                        world, t->grad_accum);
+                        "of each micro-batch",
+                        (unsigned)split, world_name, world, t->grad_accum);
   }
   sp_mlp_train_cfg_init(cfg, steps, global_batch, lr);
   sp_optim_opts *o = &cfg->optim;

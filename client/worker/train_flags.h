@@ -54,28 +54,28 @@ void sp_mlp_train_cfg_init(sp_mlp_train_cfg *cfg, uint32_t steps,
 #define SP_TRAIN_MAX_PATTERNS 16
 
 typedef struct sp_train_flags {
-  sp_optim_kind kind;           /* --optimizer (default sgd) */
-  double momentum;              /* --momentum (sgd) */
-  double weight_decay;          /* --weight-decay */
-  double beta1, beta2;          /* --betas B1,B2 (adamw) */
-  double eps;                   /* --eps (adamw) */
-  sp_lr_schedule schedule;      /* --lr-schedule */
-  uint64_t warmup_steps;        /* --warmup-steps (cosine) */
-  double min_lr;                /* --min-lr (cosine) */
-  double clip_grad_norm;        /* --clip-grad-norm; 0: off */
-  uint32_t grad_accum;          /* --grad-accum K, micro-batches a step */
-  bool no_sync;                 /* --no-sync */
+  sp_optim_kind kind;      /* --optimizer (default sgd) */
+  double momentum;         /* --momentum (sgd) */
+  double weight_decay;     /* --weight-decay */
+  double beta1, beta2;     /* --betas B1,B2 (adamw) */
+  double eps;              /* --eps (adamw) */
+  sp_lr_schedule schedule; /* --lr-schedule */
+  uint64_t warmup_steps;   /* --warmup-steps (cosine) */
+  double min_lr;           /* --min-lr (cosine) */
+  double clip_grad_norm;   /* --clip-grad-norm; 0: off */
+  uint32_t grad_accum;     /* --grad-accum K, micro-batches a step */
+  bool no_sync;            /* --no-sync */
   /* --decay / --no-decay globs, pointing into argv */
   const char *decay[SP_TRAIN_MAX_PATTERNS];
   size_t n_decay;
   const char *no_decay[SP_TRAIN_MAX_PATTERNS];
   size_t n_no_decay;
   /* GPT-2 models */
-  const char *data;             /* --data FILE; NULL: the default corpus */
-  uint32_t seq_len;             /* --seq-len; 0: the model's context */
-  uint32_t eval_every;          /* --eval-every (default 10; 0: never) */
-  uint32_t eval_batches;        /* --eval-batches (default 4) */
-  uint32_t threads;             /* --threads, BLAS threads (default 1) */
+  const char *data;      /* --data FILE; NULL: the default corpus */
+  uint32_t seq_len;      /* --seq-len; 0: the model's context */
+  uint32_t eval_every;   /* --eval-every (default 10; 0: never) */
+  uint32_t eval_batches; /* --eval-batches (default 4) */
+  uint32_t threads;      /* --threads, BLAS threads (default 1) */
   /* which were given, for the checks that combine flags: the value as
    * given (NULL: not given), by flag index */
   const char *given[32];

@@ -5,9 +5,7 @@
 
 void *sp_train_io_param(void *f, int32_t p) { return sp_fsdp_param(f, p); }
 
-void *sp_train_io_grad(void *f, int32_t p) {
-  return sp_fsdp_param_grad(f, p);
-}
+void *sp_train_io_grad(void *f, int32_t p) { return sp_fsdp_param_grad(f, p); }
 
 sp_dtype sp_train_io_param_dtype(void *f, int32_t p) {
   return sp_fsdp_param_dtype(f, p);

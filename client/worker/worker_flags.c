@@ -20,8 +20,7 @@ void sp_worker_flags_init(sp_worker_flags *f, uint32_t min_steps) {
 
 /* An integer flag in [min, max], kept as given and as a number. */
 static int count_flag(const char **arg, uint32_t *out, const char *flag,
-                      const char *v, long long min, long long max,
-                      sp_diag *d) {
+                      const char *v, long long min, long long max, sp_diag *d) {
   long long n = 0;
   *arg = v;
   int rc = sp_flag_int(flag, v, min, max, &n, d);
@@ -29,8 +28,8 @@ static int count_flag(const char **arg, uint32_t *out, const char *flag,
   return rc;
 }
 
-int sp_worker_flag(sp_worker_flags *f, int c, const char *flag,
-                   const char *v, sp_diag *d) {
+int sp_worker_flag(sp_worker_flags *f, int c, const char *flag, const char *v,
+                   sp_diag *d) {
   static const char *const kinds[] = {"none", "full", "sharded", "local"};
   size_t k = 0;
   int rc;
@@ -65,9 +64,7 @@ int sp_worker_flag(sp_worker_flags *f, int c, const char *flag,
       rc = sp_flag_choice(flag, v, kinds + 1, 3, &k, d);
       if (rc == 0) f->load_kind = (sp_ckpt_kind)(k + 1);
       return rc;
-    case SP_WORKER_OPT_LOAD_PARAMS:
-      f->load_params_only = true;
-      return 0;
+    case SP_WORKER_OPT_LOAD_PARAMS: f->load_params_only = true; return 0;
   }
   return SP_ENOENT;
 }

@@ -34,20 +34,22 @@ enum {
 
 /* Their getopt_long entries, spelled here once for both programs'
  * tables, in the groups both list together. */
-#define SP_WORKER_OPTIONS_RUN_AND_SAVE                                         \
-  {"steps", required_argument, NULL, SP_WORKER_OPT_STEPS},                     \
-  {"global-batch", required_argument, NULL, SP_WORKER_OPT_BATCH},              \
-  {"lr", required_argument, NULL, SP_WORKER_OPT_LR},                           \
-  {"checkpoint-dir", required_argument, NULL, SP_WORKER_OPT_CKPT_DIR},         \
-  {"checkpoint", required_argument, NULL, SP_WORKER_OPT_CKPT}
-#define SP_WORKER_OPTIONS_LOAD                                                 \
-  {"load", required_argument, NULL, SP_WORKER_OPT_LOAD},                       \
-  {"load-kind", required_argument, NULL, SP_WORKER_OPT_LOAD_KIND},             \
-  {"load-params-only", no_argument, NULL, SP_WORKER_OPT_LOAD_PARAMS}
-#define SP_WORKER_OPTION_LOG_EVERY                                             \
-  {"log-every", required_argument, NULL, SP_WORKER_OPT_LOG_EVERY}
-#define SP_WORKER_OPTION_CKPT_EVERY                                            \
-  {"checkpoint-every", required_argument, NULL, SP_WORKER_OPT_CKPT_EVERY}
+#define SP_WORKER_OPTIONS_RUN_AND_SAVE                                       \
+  {"steps", required_argument, NULL, SP_WORKER_OPT_STEPS},                   \
+      {"global-batch", required_argument, NULL, SP_WORKER_OPT_BATCH},        \
+      {"lr", required_argument, NULL, SP_WORKER_OPT_LR},                     \
+      {"checkpoint-dir", required_argument, NULL, SP_WORKER_OPT_CKPT_DIR}, { \
+    "checkpoint", required_argument, NULL, SP_WORKER_OPT_CKPT                \
+  }
+#define SP_WORKER_OPTIONS_LOAD                                           \
+  {"load", required_argument, NULL, SP_WORKER_OPT_LOAD},                 \
+      {"load-kind", required_argument, NULL, SP_WORKER_OPT_LOAD_KIND}, { \
+    "load-params-only", no_argument, NULL, SP_WORKER_OPT_LOAD_PARAMS     \
+  }
+#define SP_WORKER_OPTION_LOG_EVERY \
+  { "log-every", required_argument, NULL, SP_WORKER_OPT_LOG_EVERY }
+#define SP_WORKER_OPTION_CKPT_EVERY \
+  { "checkpoint-every", required_argument, NULL, SP_WORKER_OPT_CKPT_EVERY }
 
 typedef struct sp_worker_flags {
   /* each value as given (or the default's words), for passing on, and
@@ -61,14 +63,14 @@ typedef struct sp_worker_flags {
   /* --checkpoint, by sp_ckpt_kind: after sp_worker_flags_finish, FULL
    * unless --checkpoint was given */
   bool kinds[4];
-  bool any_kind;             /* after sp_worker_flags_finish: kinds[] has one */
-  bool kind_given;           /* some --checkpoint (none included) */
+  bool any_kind;   /* after sp_worker_flags_finish: kinds[] has one */
+  bool kind_given; /* some --checkpoint (none included) */
   const char *ckpt_every_arg; /* --checkpoint-every; NULL: not given */
   uint32_t ckpt_every;
-  const char *load_dir;    /* --load; NULL: not given */
-  sp_ckpt_kind load_kind;  /* --load-kind; 0: the only kind load_dir holds */
-  bool load_params_only;   /* --load-params-only */
-  uint32_t min_steps;      /* what --steps allows: min_steps and up */
+  const char *load_dir;   /* --load; NULL: not given */
+  sp_ckpt_kind load_kind; /* --load-kind; 0: the only kind load_dir holds */
+  bool load_params_only;  /* --load-params-only */
+  uint32_t min_steps;     /* what --steps allows: min_steps and up */
 } sp_worker_flags;
 
 /* The defaults; --steps takes min_steps and up (shardplane run trains at

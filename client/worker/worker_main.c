@@ -36,8 +36,7 @@ static void usage(FILE *f) {
       ",\n"
       "                           then 127.0.0.1:7700)\n"
       "  --rank R                 this rank (default $RANK, then\n"
-      "                           $SLURM_PROCID; one of them is required)\n"
-      SP_CRED_OPTIONS_HELP
+      "                           $SLURM_PROCID; one of them is required)\n" SP_CRED_OPTIONS_HELP
       "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
       "                           gradients and buffers on GPU N, GPT-2 and\n"
       "                           the MLP on cuBLAS, collectives over NCCL\n"
@@ -143,9 +142,29 @@ static void usage(FILE *f) {
       f);
 }
 
-enum { O_COORD = 256, O_RANK, O_DEVICE, O_LOSSES, O_STATS, O_CTO, O_CALLTO,
-       O_GRACE, O_NOREP, O_TOGGLE, O_TSTATE, O_FLIGHT, O_INJECT, O_GEN,
-       O_GMODEL, O_PROMPT, O_TOKENS, O_TEMP, O_SEED, O_SYNTH, O_HELP };
+enum {
+  O_COORD = 256,
+  O_RANK,
+  O_DEVICE,
+  O_LOSSES,
+  O_STATS,
+  O_CTO,
+  O_CALLTO,
+  O_GRACE,
+  O_NOREP,
+  O_TOGGLE,
+  O_TSTATE,
+  O_FLIGHT,
+  O_INJECT,
+  O_GEN,
+  O_GMODEL,
+  O_PROMPT,
+  O_TOKENS,
+  O_TEMP,
+  O_SEED,
+  O_SYNTH,
+  O_HELP
+};
 
 /* One option with its value: 0, or SP_EINVAL with the flag, the value and
  * what is allowed in d. */
@@ -295,7 +314,8 @@ static int parse_args(int argc, char **argv, sp_worker_opts *o) {
   }
   if (o->generate) { /* no job: the checkpoint and its spec */
     if (optind < argc || !o->wf.load_dir || !o->gen.model_path) {
-      fprintf(stderr, "shardplane-worker: --generate needs --load DIR (a "
+      fprintf(stderr,
+              "shardplane-worker: --generate needs --load DIR (a "
               "FULL checkpoint) and --model SPEC (the spec it was trained "
               "from)\n");
       return 2;
@@ -307,7 +327,8 @@ static int parse_args(int argc, char **argv, sp_worker_opts *o) {
       fprintf(stderr, "shardplane-worker: unexpected argument \"%s\"\n",
               argv[optind]);
     else
-      fprintf(stderr, "shardplane-worker: --rank is required (or $RANK or "
+      fprintf(stderr,
+              "shardplane-worker: --rank is required (or $RANK or "
               "$SLURM_PROCID, as launchers set them)\n");
     sp_flag_try_help("shardplane-worker");
     return 2;
@@ -321,10 +342,11 @@ static int parse_args(int argc, char **argv, sp_worker_opts *o) {
       (sp_rpc_split_addr(o->coordinator, host, sizeof host, &port) != 0 ||
        port == 0)) {
     sp_diag d = {{0}};
-    sp_flag_fail(&d, o->coordinator_flag ? "--coordinator"
-                                         : "$SHARDPLANE_COORDINATOR",
-                 o->coordinator, "HOST:PORT or [v6]:PORT, port in [1, "
-                 "65535], or unix:PATH");
+    sp_flag_fail(
+        &d, o->coordinator_flag ? "--coordinator" : "$SHARDPLANE_COORDINATOR",
+        o->coordinator,
+        "HOST:PORT or [v6]:PORT, port in [1, "
+        "65535], or unix:PATH");
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
   }
@@ -339,7 +361,8 @@ static int parse_args(int argc, char **argv, sp_worker_opts *o) {
     return 2;
   }
   if (o->wf.ckpt_every && (!o->wf.ckpt_dir || !o->wf.any_kind)) {
-    fprintf(stderr, "shardplane-worker: --checkpoint-every %u needs "
+    fprintf(stderr,
+            "shardplane-worker: --checkpoint-every %u needs "
             "--checkpoint-dir DIR and a --checkpoint kind other than none\n",
             o->wf.ckpt_every);
     return 2;
@@ -391,8 +414,10 @@ int main(int argc, char **argv) {
   }
   if (o.generate) {
     if (o.wf.load_kind != SP_CKPT_FULL) {
-      fprintf(stderr, "shardplane-worker: --generate: %s holds no FULL "
-              "checkpoint\n", o.wf.load_dir);
+      fprintf(stderr,
+              "shardplane-worker: --generate: %s holds no FULL "
+              "checkpoint\n",
+              o.wf.load_dir);
       return 2;
     }
     char file[4200];
@@ -409,8 +434,10 @@ int main(int argc, char **argv) {
   int ordinal;
   int drc = sp_device_parse(o.device, &ordinal, &d);
   if (drc == SP_EINVAL) {
-    fprintf(stderr, "shardplane-worker: --device \"%s\": expected cpu or "
-            "cuda:N\n", o.device);
+    fprintf(stderr,
+            "shardplane-worker: --device \"%s\": expected cpu or "
+            "cuda:N\n",
+            o.device);
     return 2;
   }
   if (drc < 0) {

@@ -72,8 +72,8 @@ static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
 
 /* Every kind asked for, into --checkpoint-dir/<kind>; each replaces the
  * previous one of its kind only once complete (sp_ckpt_save). */
-static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f,
-                            uint32_t rank, uint64_t step, sp_diag *d) {
+static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f, uint32_t rank,
+                            uint64_t step, sp_diag *d) {
   for (int k = SP_CKPT_FULL; o->wf.ckpt_dir && k <= SP_CKPT_LOCAL; k++) {
     if (!o->wf.kinds[k]) continue;
     char dir[4096];
@@ -83,8 +83,7 @@ static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f,
     if (rc < 0) return rc;
     if (rank == 0) {
       printf("checkpoint (%s) of step %llu: %s\n",
-             sp_ckpt_kind_name((sp_ckpt_kind)k), (unsigned long long)step,
-             dir);
+             sp_ckpt_kind_name((sp_ckpt_kind)k), (unsigned long long)step, dir);
       fflush(stdout);
     }
   }
@@ -100,8 +99,10 @@ static int load(const sp_worker_opts *o, sp_fsdp *f, sp_ckpt_info *info,
   if (rc == SP_ESTATE && !o->wf.load_params_only &&
       strstr(d->msg, "state \"")) {
     sp_diag why = *d; /* the message is formatted into d */
-    sp_diag_set(d, rc, "%.900s; --load-params-only starts the optimizer "
-                "afresh", why.msg);
+    sp_diag_set(d, rc,
+                "%.900s; --load-params-only starts the optimizer "
+                "afresh",
+                why.msg);
   }
   return rc;
 }
@@ -128,7 +129,7 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   sp_test_state *ts = NULL;
   sp_train_model tm = {0};
   sp_gpt2_trainer *gtr = NULL;
-  double eval_s = 0; /* time in validation, left out of tokens/s */
+  double eval_s = 0;     /* time in validation, left out of tokens/s */
   double eval_all_s = 0; /* and in all of the run's validations */
   uint64_t eval_tokens = 0;
   sp_mlp_trainer *mtr = NULL;
@@ -143,12 +144,11 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   if (o->env.world_size > 0 && (uint32_t)o->env.world_size != w)
     rc = sp_diag_set(d, SP_EINVAL,
                      "rank %u: $%s=%ld but the coordinator's job has world "
-                     "size %u", rank, o->env.world_size_var,
-                     o->env.world_size, w);
+                     "size %u",
+                     rank, o->env.world_size_var, o->env.world_size, w);
   /* every rank checks before the rendezvous, so before any rank writes */
   if (rc == 0 && o->wf.ckpt_dir && o->wf.any_kind)
-    rc = sp_ckpt_check_dir(o->wf.ckpt_dir, sp_session_plan(s)->version_hex,
-                           d);
+    rc = sp_ckpt_check_dir(o->wf.ckpt_dir, sp_session_plan(s)->version_hex, d);
   /* what to train, and the job as its trainer takes it, checked as
    * shardplane run checks them before starting the workers; every rank
    * takes an equal share of every micro-batch */
@@ -156,18 +156,20 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   if (rc == 0)
     rc = sp_train_model_pick(sp_session_model(s), o->synthetic, &tm, d);
   if (rc == 0)
-    rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train,
-                              o->wf.steps, o->wf.lr, o->wf.global_batch, w,
-                              "the world size", &cfg, d);
+    rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train, o->wf.steps,
+                              o->wf.lr, o->wf.global_batch, w, "the world size",
+                              &cfg, d);
   sp_gpt2 *gpt = tm.gpt;
   sp_mlp *mlp = tm.mlp;
   bool is_gpt2 = gpt != NULL, is_mlp = mlp != NULL;
   if (rc == 0)
-    rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica,
-                            d);
+    rc = sp_fsdp_comms_open(s, o->comm_timeout_ms, &world, &shard, &replica, d);
   set_comms(world, shard, replica);
-  sp_fsdp_opts fo = {.session = s, .world = world, .shard_group = shard,
-                     .replica_group = replica, .backward_prefetch = true,
+  sp_fsdp_opts fo = {.session = s,
+                     .world = world,
+                     .shard_group = shard,
+                     .replica_group = replica,
+                     .backward_prefetch = true,
                      .init_param = sp_mlp_init_param,
                      .init_buffer = sp_mlp_init_buffer,
                      .device = o->device};
@@ -184,16 +186,14 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   if (rc == 0) rc = sp_fsdp_new(&fo, &f, d);
   /* the optimizer (the synthetic cycle runs plain SGD) and any stand-in
    * state registered before a load, which fills them with the step count */
-  if (rc == 0 && (is_mlp || is_gpt2))
-    rc = sp_fsdp_optim_init(f, &cfg.optim, d);
+  if (rc == 0 && (is_mlp || is_gpt2)) rc = sp_fsdp_optim_init(f, &cfg.optim, d);
   if (rc == 0 && o->test_state)
     rc = sp_test_state_new(f, sp_session_plan(s), o->test_state, &ts, d);
   /* --steps counts all steps: a resumed run starts after the
    * checkpoint's, with its data and schedule (both by step index) */
   uint32_t first = 0;
   sp_ckpt_info info = {0};
-  if (rc == 0 && o->wf.load_dir)
-    rc = load(o, f, &info, d);
+  if (rc == 0 && o->wf.load_dir) rc = load(o, f, &info, d);
   if (rc == 0 && o->wf.load_dir) {
     first = info.optim_steps < o->wf.steps ? (uint32_t)info.optim_steps
                                            : o->wf.steps;
@@ -201,20 +201,23 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
       printf("resuming after step %llu of %u (%s)\n",
              (unsigned long long)info.optim_steps, o->wf.steps, o->load_from);
     else if (rank == 0)
-      printf("loaded the checkpoint of step %llu (%s): nothing to train up "
-             "to --steps %u\n", (unsigned long long)info.optim_steps,
-             o->load_from, o->wf.steps);
+      printf(
+          "loaded the checkpoint of step %llu (%s): nothing to train up "
+          "to --steps %u\n",
+          (unsigned long long)info.optim_steps, o->load_from, o->wf.steps);
     fflush(stdout);
   }
   if (rc == 0 && is_mlp) rc = sp_mlp_trainer_new(mlp, f, s, &cfg, &mtr, d);
   if (rc == 0 && is_gpt2)
     rc = sp_gpt2_trainer_new(gpt, f, s, &cfg, &o->train, tm.data, &gtr, d);
   if (rc == 0 && rank == 0 && is_gpt2) {
-    printf("rank 0: GPT-2, %lld layers, d_model %lld, %lld heads, context "
-           "%lld; %llu tokens a step; data %s\n", (long long)gpt->n_layer,
-           (long long)gpt->C, (long long)gpt->n_head, (long long)gpt->ctx,
-           (unsigned long long)sp_gpt2_trainer_tokens_per_step(gtr),
-           sp_gpt2_trainer_data_source(gtr));
+    printf(
+        "rank 0: GPT-2, %lld layers, d_model %lld, %lld heads, context "
+        "%lld; %llu tokens a step; data %s\n",
+        (long long)gpt->n_layer, (long long)gpt->C, (long long)gpt->n_head,
+        (long long)gpt->ctx,
+        (unsigned long long)sp_gpt2_trainer_tokens_per_step(gtr),
+        sp_gpt2_trainer_data_source(gtr));
     fflush(stdout);
   }
   if (rc == 0 && rank == 0 && !is_mlp && !is_gpt2)
@@ -280,13 +283,13 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
     if (rc == 0 && rank == 0 && o->wf.log_every &&
         ((step + 1) % o->wf.log_every == 0 || step + 1 == o->wf.steps)) {
       double t = sp_clock_s();
-      double per_s = (step + 1 - logged) * (double)o->wf.global_batch /
-                     (t - tlast);
-      double tok_s =
-          is_gpt2 ? (step + 1 - logged) *
-                        (double)sp_gpt2_trainer_tokens_per_step(gtr) /
-                        (t - tlast - eval_s)
-                  : 0;
+      double per_s =
+          (step + 1 - logged) * (double)o->wf.global_batch / (t - tlast);
+      double tok_s = is_gpt2
+                         ? (step + 1 - logged) *
+                               (double)sp_gpt2_trainer_tokens_per_step(gtr) /
+                               (t - tlast - eval_s)
+                         : 0;
       tlast = t;
       eval_s = 0;
       logged = step + 1;
@@ -299,8 +302,8 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
         printf("step %u/%u  loss %.6f  %.0f samples/s\n", step + 1, o->wf.steps,
                *loss, per_s);
       else
-        printf("step %u/%u  %.0f samples/s (synthetic gradients)\n",
-               step + 1, o->wf.steps, per_s);
+        printf("step %u/%u  %.0f samples/s (synthetic gradients)\n", step + 1,
+               o->wf.steps, per_s);
       fflush(stdout);
     }
     if (rc == 0 && o->wf.ckpt_every && (step + 1) % o->wf.ckpt_every == 0 &&
@@ -312,8 +315,7 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   uint32_t ran = step - first;
   if (rc == 0 && *stopped && rank == 0) {
     printf("stopping after step %u of %u: %s\n", step, o->wf.steps,
-           *stopped > 0 ? strsignal(*stopped)
-                        : "another rank was signalled");
+           *stopped > 0 ? strsignal(*stopped) : "another rank was signalled");
     fflush(stdout);
   }
   /* the forward-only rate beside the training's (bench/gpu_check.sh
@@ -330,9 +332,10 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
     sp_fsdp_stats st;
     sp_fsdp_get_stats(f, &st);
     if (gtr) mem.activations = sp_gpt2_trainer_act_bytes(gtr);
-    mem.train = (sp_worker_mem_phase){
-        .have = true, .rss_start = mem.rss_before,
-        .rss_hwm = sp_worker_proc_bytes("VmHWM:"), .counted = st.mem};
+    mem.train = (sp_worker_mem_phase){.have = true,
+                                      .rss_start = mem.rss_before,
+                                      .rss_hwm = sp_worker_proc_bytes("VmHWM:"),
+                                      .counted = st.mem};
   }
   /* the final checkpoint; a stop before any step trained here has
    * nothing new to keep (the loaded checkpoint, if any, stays) */

@@ -30,7 +30,7 @@ typedef struct sp_worker_opts {
    * loaded */
   sp_worker_flags wf;
   const char *test_state; /* --test-state NAME */
-  char load_from[4096];    /* the checkpoint folder wf.load_dir names */
+  char load_from[4096];   /* the checkpoint folder wf.load_dir names */
   const char *losses_path;
   const char *stats_path;
   bool no_report;

@@ -8,8 +8,7 @@
 /* A JSON array of doubles, exact (%.17g). */
 static void put_doubles(FILE *fp, const double *l, uint32_t n) {
   fputc('[', fp);
-  for (uint32_t i = 0; i < n; i++)
-    fprintf(fp, "%s%.17g", i ? ", " : "", l[i]);
+  for (uint32_t i = 0; i < n; i++) fprintf(fp, "%s%.17g", i ? ", " : "", l[i]);
   fputc(']', fp);
 }
 
@@ -50,20 +49,22 @@ static void put_account(FILE *fp, const sp_mem_account *a) {
             sp_mem_cat_name((sp_mem_cat)c),
             (unsigned long long)a->cat[c].current,
             (unsigned long long)a->cat[c].peak);
-  fprintf(fp, "\"total\": {\"current\": %llu, \"peak\": %llu}, "
+  fprintf(fp,
+          "\"total\": {\"current\": %llu, \"peak\": %llu}, "
           "\"reserved\": {\"current\": %llu, \"peak\": %llu}, "
           "\"allocs\": %llu}",
           (unsigned long long)a->total.current,
           (unsigned long long)a->total.peak,
           (unsigned long long)a->reserved.current,
-          (unsigned long long)a->reserved.peak,
-          (unsigned long long)a->allocs);
+          (unsigned long long)a->reserved.peak, (unsigned long long)a->allocs);
 }
 
 static void put_phase(FILE *fp, const char *name,
                       const sp_worker_mem_phase *p) {
-  fprintf(fp, ", \"%s\": {\"rss_start\": %lld, \"rss_hwm\": %lld, "
-          "\"counted\": ", name, p->rss_start, p->rss_hwm);
+  fprintf(fp,
+          ", \"%s\": {\"rss_start\": %lld, \"rss_hwm\": %lld, "
+          "\"counted\": ",
+          name, p->rss_start, p->rss_hwm);
   put_account(fp, &p->counted);
   fputc('}', fp);
 }
@@ -95,7 +96,8 @@ int sp_worker_write_stats(const char *path, const double *step_s,
     bool on = report_toggle ? (i / report_toggle) % 2 == 0 : !no_report;
     fprintf(fp, "%s%s", k ? ", " : "", on ? "true" : "false");
   }
-  fprintf(fp, "], \"memory\": {\"rss_before\": %lld, "
+  fprintf(fp,
+          "], \"memory\": {\"rss_before\": %lld, "
           "\"allocs_after_first_step\": %llu, \"activations\": %llu",
           m->rss_before, (unsigned long long)m->allocs_after_first_step,
           (unsigned long long)m->activations);

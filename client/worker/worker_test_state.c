@@ -19,8 +19,10 @@ int sp_test_state_new(sp_fsdp *f, const sp_plan *plan, const char *name,
                       sp_test_state **out, sp_diag *d) {
   *out = NULL;
   if (!sp_fsdp_host_storage(f))
-    return sp_diag_set(d, SP_EUNSUPPORTED, "--test-state \"%s\": only on "
-                       "host storage (--device cpu or cpu-staged)", name);
+    return sp_diag_set(d, SP_EUNSUPPORTED,
+                       "--test-state \"%s\": only on "
+                       "host storage (--device cpu or cpu-staged)",
+                       name);
   sp_test_state *ts = calloc(1, sizeof *ts);
   if (!ts) return sp_diag_set(d, SP_ENOMEM, "no memory");
   ts->f = f;
@@ -59,8 +61,7 @@ int sp_test_state_step(sp_test_state *ts, sp_diag *d) {
     const float *p = (const float *)shard;
     if (dt != SP_FLOAT32) {
       int rc = sp_cast(ts->tmp, SP_FLOAT32, shard, dt, n);
-      if (rc < 0)
-        return sp_diag_set(d, rc, "--test-state: unit %u: cast", u);
+      if (rc < 0) return sp_diag_set(d, rc, "--test-state: unit %u: cast", u);
       p = ts->tmp;
     }
     float *s = (float *)ts->per_unit[u];

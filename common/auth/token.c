@@ -87,7 +87,8 @@ static int check_private(int fd, const char *path, sp_diag *d) {
   if (st.st_mode & 077)
     return sp_diag_set(d, SP_ESTATE,
                        "%s: mode %03o lets others read or change tokens; "
-                       "chmod 600 it", path, (unsigned)(st.st_mode & 0777));
+                       "chmod 600 it",
+                       path, (unsigned)(st.st_mode & 0777));
   return 0;
 }
 
@@ -118,12 +119,12 @@ int sp_auth_file_add(const char *path, const char *token, int role,
   if (rc != 0) return rc;
   char line[16 + 64 + 16 + SP_AUTH_NAME_MAX];
   int n = snprintf(line, sizeof line, "sha256:");
-  for (int i = 0; i < 32; i++) n += snprintf(line + n, sizeof line - (size_t)n,
-                                             "%02x", h[i]);
+  for (int i = 0; i < 32; i++)
+    n += snprintf(line + n, sizeof line - (size_t)n, "%02x", h[i]);
   n += snprintf(line + n, sizeof line - (size_t)n, " %s %s\n",
                 sp_auth_role_name(role), name);
-  int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW,
-                0600);
+  int fd =
+      open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0)
     return sp_diag_set(d, SP_EIO, "token file %s: %s", path, strerror(errno));
   rc = check_private(fd, path, d);
@@ -137,8 +138,8 @@ int sp_auth_file_add(const char *path, const char *token, int role,
 int sp_auth_token_write(const char *path, const char *token, sp_diag *d) {
   int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0)
-    return sp_diag_set(d, errno == EEXIST ? SP_EEXIST : SP_EIO, "%s: %s",
-                       path, strerror(errno));
+    return sp_diag_set(d, errno == EEXIST ? SP_EEXIST : SP_EIO, "%s: %s", path,
+                       strerror(errno));
   int rc = write_all(fd, token, strlen(token), path, d);
   if (rc == 0) rc = write_all(fd, "\n", 1, path, d);
   close(fd);

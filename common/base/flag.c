@@ -17,8 +17,8 @@ int sp_flag_fail(sp_diag *diag, const char *flag, const char *value,
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
   /* truncation is fine for a diagnostic; using the result tells gcc so */
-  if (snprintf(diag->msg, sizeof diag->msg, "%s \"%.200s\": expected %s",
-               flag, value ? value : "", what) < 0)
+  if (snprintf(diag->msg, sizeof diag->msg, "%s \"%.200s\": expected %s", flag,
+               value ? value : "", what) < 0)
     diag->msg[0] = '\0';
   return SP_EINVAL;
 }
@@ -29,8 +29,8 @@ int sp_flag_int(const char *flag, const char *value, long long min,
   errno = 0;
   long long v = value ? strtoll(value, &end, 10) : 0;
   /* strtoll takes leading blanks and a '+': a flag value does not */
-  if (value == NULL || !(value[0] == '-' || (value[0] >= '0' &&
-                                             value[0] <= '9')) ||
+  if (value == NULL ||
+      !(value[0] == '-' || (value[0] >= '0' && value[0] <= '9')) ||
       *end != '\0' || errno != 0 || v < min || v > max)
     return sp_flag_fail(diag, flag, value, "an integer in [%lld, %lld]", min,
                         max);
@@ -38,8 +38,8 @@ int sp_flag_int(const char *flag, const char *value, long long min,
   return 0;
 }
 
-int sp_flag_number(const char *flag, const char *value, double min,
-                   double *out, sp_diag *diag) {
+int sp_flag_number(const char *flag, const char *value, double min, double *out,
+                   sp_diag *diag) {
   char *end;
   double v = value && *value && *value != ' ' ? strtod(value, &end) : NAN;
   if (isnan(v) || *end != '\0' || !isfinite(v) || v < min)

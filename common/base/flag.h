@@ -16,8 +16,8 @@ int sp_flag_fail(sp_diag *diag, const char *flag, const char *value,
 int sp_flag_int(const char *flag, const char *value, long long min,
                 long long max, long long *out, sp_diag *diag);
 /* A finite number >= min. */
-int sp_flag_number(const char *flag, const char *value, double min,
-                   double *out, sp_diag *diag);
+int sp_flag_number(const char *flag, const char *value, double min, double *out,
+                   sp_diag *diag);
 /* One of names[0..n) (case-insensitive; NULL entries are skipped):
  * *index is its index. */
 int sp_flag_choice(const char *flag, const char *value,

@@ -28,8 +28,8 @@ int sp_json_parse(const sp_json_reader *r, const char *buf, size_t len,
   json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES, &e);
   if (root == NULL) {
     if (r->diag != NULL)
-      sp_diag_set(r->diag, SP_EFORMAT, "%s:%d:%d: invalid JSON: %s",
-                  r->origin, e.line, e.column, e.text);
+      sp_diag_set(r->diag, SP_EFORMAT, "%s:%d:%d: invalid JSON: %s", r->origin,
+                  e.line, e.column, e.text);
     return SP_EFORMAT;
   }
   *out = root;
@@ -49,8 +49,9 @@ int sp_json_read_file(const char *path, size_t max_len, char **buf, size_t *len,
   }
   if ((unsigned long long)st.st_size > max_len) {
     fclose(f);
-    return sp_diag_set(diag, SP_ETOOBIG, "%s: %lld bytes, over the limit of %zu",
-                       path, (long long)st.st_size, max_len);
+    return sp_diag_set(diag, SP_ETOOBIG,
+                       "%s: %lld bytes, over the limit of %zu", path,
+                       (long long)st.st_size, max_len);
   }
   size_t n = (size_t)st.st_size;
   char *p = malloc(n ? n : 1);

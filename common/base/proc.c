@@ -73,8 +73,7 @@ int sp_proc_spawn(sp_proc *ch, char *const argv[], bool with_stdin,
     ch->to_child = -1;
     kill(ch->pid, SIGKILL);
     waitpid(ch->pid, NULL, 0);
-    return sp_diag_set(diag, SP_EIO, "%s did not report its port",
-                       argv[0]);
+    return sp_diag_set(diag, SP_EIO, "%s did not report its port", argv[0]);
   }
   return 0;
 }

@@ -7,9 +7,8 @@
 const char *sp_strerror(int err) {
   if (err == 0) return "success";
   switch (err) {
-#define SP_ERR_CASE(name, val, msg)                                            \
-  case (val):                                                                  \
-    return (msg);
+#define SP_ERR_CASE(name, val, msg) \
+  case (val): return (msg);
     SP_ERRNO_MAP(SP_ERR_CASE)
 #undef SP_ERR_CASE
   }
@@ -19,9 +18,8 @@ const char *sp_strerror(int err) {
 const char *sp_err_name(int err) {
   if (err == 0) return "OK";
   switch (err) {
-#define SP_ERR_NAME(name, val, msg)                                            \
-  case (val):                                                                  \
-    return "SP_" #name;
+#define SP_ERR_NAME(name, val, msg) \
+  case (val): return "SP_" #name;
     SP_ERRNO_MAP(SP_ERR_NAME)
 #undef SP_ERR_NAME
   }

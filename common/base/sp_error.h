@@ -15,23 +15,23 @@ extern "C" {
 #endif
 
 /* X-macro so the enum and sp_strerror()/sp_err_name() cannot drift apart. */
-#define SP_ERRNO_MAP(X)                                                        \
-  X(EINVAL, -1, "invalid argument")                                            \
-  X(ENOMEM, -2, "out of memory")                                               \
-  X(EIO, -3, "i/o error")                                                      \
-  X(ENOENT, -4, "not found")                                                   \
-  X(EEXIST, -5, "already exists")                                              \
-  X(ERANGE, -6, "value out of range")                                          \
-  X(EFORMAT, -7, "malformed input")                                            \
-  X(ETOOBIG, -8, "size limit exceeded")                                        \
-  X(ESTATE, -9, "illegal state transition")                                    \
-  X(EUNSUPPORTED, -10, "not supported")                                        \
-  X(ETIMEDOUT, -11, "timed out")                                               \
-  X(ECUDA, -12, "CUDA error")                                                  \
-  X(ENCCL, -13, "NCCL error")                                                  \
-  X(ENODEV, -14, "no such device")                                             \
-  X(EMISMATCH, -15, "mismatch")                                               \
-  X(EAGAIN, -16, "resource temporarily unavailable, try again")                \
+#define SP_ERRNO_MAP(X)                                         \
+  X(EINVAL, -1, "invalid argument")                             \
+  X(ENOMEM, -2, "out of memory")                                \
+  X(EIO, -3, "i/o error")                                       \
+  X(ENOENT, -4, "not found")                                    \
+  X(EEXIST, -5, "already exists")                               \
+  X(ERANGE, -6, "value out of range")                           \
+  X(EFORMAT, -7, "malformed input")                             \
+  X(ETOOBIG, -8, "size limit exceeded")                         \
+  X(ESTATE, -9, "illegal state transition")                     \
+  X(EUNSUPPORTED, -10, "not supported")                         \
+  X(ETIMEDOUT, -11, "timed out")                                \
+  X(ECUDA, -12, "CUDA error")                                   \
+  X(ENCCL, -13, "NCCL error")                                   \
+  X(ENODEV, -14, "no such device")                              \
+  X(EMISMATCH, -15, "mismatch")                                 \
+  X(EAGAIN, -16, "resource temporarily unavailable, try again") \
   X(ECANCELED, -17, "cancelled")
 
 typedef enum sp_errno {

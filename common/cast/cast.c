@@ -29,16 +29,11 @@ enum { SP_CI_F32, SP_CI_F64, SP_CI_F16, SP_CI_BF16, SP_CI_COUNT };
 
 static int sp_cast_index(sp_dtype t) {
   switch (t) {
-  case SP_FLOAT32:
-    return SP_CI_F32;
-  case SP_FLOAT64:
-    return SP_CI_F64;
-  case SP_FLOAT16:
-    return SP_CI_F16;
-  case SP_BFLOAT16:
-    return SP_CI_BF16;
-  default:
-    return -1;
+    case SP_FLOAT32: return SP_CI_F32;
+    case SP_FLOAT64: return SP_CI_F64;
+    case SP_FLOAT16: return SP_CI_F16;
+    case SP_BFLOAT16: return SP_CI_BF16;
+    default: return -1;
   }
 }
 
@@ -128,30 +123,21 @@ bool sp_cast_path_available(sp_cast_path path) {
   if ((unsigned)path < SP_CAST_PATH_COUNT && (g_cast_hidden >> path) & 1u)
     return false;
   switch (path) {
-  case SP_CAST_PATH_AUTO:
-  case SP_CAST_PATH_SCALAR:
-    return true;
-  case SP_CAST_PATH_AVX2:
-    return g_cast.avx2;
-  case SP_CAST_PATH_AVX512:
-    return g_cast.avx512;
-  default:
-    return false;
+    case SP_CAST_PATH_AUTO:
+    case SP_CAST_PATH_SCALAR: return true;
+    case SP_CAST_PATH_AVX2: return g_cast.avx2;
+    case SP_CAST_PATH_AVX512: return g_cast.avx512;
+    default: return false;
   }
 }
 
 const char *sp_cast_path_name(sp_cast_path path) {
   switch (path) {
-  case SP_CAST_PATH_AUTO:
-    return "auto";
-  case SP_CAST_PATH_SCALAR:
-    return "scalar";
-  case SP_CAST_PATH_AVX2:
-    return "avx2";
-  case SP_CAST_PATH_AVX512:
-    return "avx512";
-  default:
-    return "invalid";
+    case SP_CAST_PATH_AUTO: return "auto";
+    case SP_CAST_PATH_SCALAR: return "scalar";
+    case SP_CAST_PATH_AVX2: return "avx2";
+    case SP_CAST_PATH_AVX512: return "avx512";
+    default: return "invalid";
   }
 }
 

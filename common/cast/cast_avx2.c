@@ -64,13 +64,13 @@ static inline __m256i sp_avx2_vec_f16_to_f32(const unsigned char *s) {
 
 /* One iteration of the vector body: two vectors, one 64-byte line of
  * output. PF: prefetch the source; STORE: ordinary or streaming. */
-#define SP_AVX2_STEP(name, SB, DB, PER, PF, STORE)                             \
-  do {                                                                         \
-    if (PF) sp_cast_prefetch(s + i * (SB), 2 * (PER) * (SB));                  \
-    __m256i v0 = sp_avx2_vec_##name(s + i * (SB));                             \
-    __m256i v1 = sp_avx2_vec_##name(s + (i + (PER)) * (SB));                   \
-    STORE(d + i * (DB), v0);                                                   \
-    STORE(d + (i + (PER)) * (DB), v1);                                         \
+#define SP_AVX2_STEP(name, SB, DB, PER, PF, STORE)            \
+  do {                                                        \
+    if (PF) sp_cast_prefetch(s + i * (SB), 2 * (PER) * (SB)); \
+    __m256i v0 = sp_avx2_vec_##name(s + i * (SB));            \
+    __m256i v1 = sp_avx2_vec_##name(s + (i + (PER)) * (SB));  \
+    STORE(d + i * (DB), v0);                                  \
+    STORE(d + (i + (PER)) * (DB), v1);                        \
   } while (0)
 #define SP_AVX2_STREAM(p, v) _mm256_stream_si256((__m256i *)(p), (v))
 #define SP_AVX2_STOREU(p, v) _mm256_storeu_si256((__m256i *)(p), (v))
@@ -79,20 +79,20 @@ static inline __m256i sp_avx2_vec_f16_to_f32(const unsigned char *s) {
  * why), two vectors (one whole, aligned 64-byte output line) per part per
  * round. Each part is a whole number of lines, so every store stays aligned;
  * leaves i after the parts, for the single-stream loop to finish. */
-#define SP_AVX2_NT_STREAMS(name, SB, DB, PER)                                  \
-  do {                                                                         \
-    size_t part = n / (SP_CAST_NT_STREAMS * 2 * (PER)) * (2 * (PER));          \
-    for (size_t j = 0; j < part; j += 2 * (PER)) {                             \
-      for (size_t k = 0; k < SP_CAST_NT_STREAMS; k++) {                        \
-        size_t e = k * part + j;                                               \
-        sp_cast_prefetch_near(s + e * (SB), 2 * (PER) * (SB));                 \
-        __m256i v0 = sp_avx2_vec_##name(s + e * (SB));                         \
-        __m256i v1 = sp_avx2_vec_##name(s + (e + (PER)) * (SB));               \
-        SP_AVX2_STREAM(d + e * (DB), v0);                                      \
-        SP_AVX2_STREAM(d + (e + (PER)) * (DB), v1);                            \
-      }                                                                        \
-    }                                                                          \
-    i = SP_CAST_NT_STREAMS * part;                                             \
+#define SP_AVX2_NT_STREAMS(name, SB, DB, PER)                         \
+  do {                                                                \
+    size_t part = n / (SP_CAST_NT_STREAMS * 2 * (PER)) * (2 * (PER)); \
+    for (size_t j = 0; j < part; j += 2 * (PER)) {                    \
+      for (size_t k = 0; k < SP_CAST_NT_STREAMS; k++) {               \
+        size_t e = k * part + j;                                      \
+        sp_cast_prefetch_near(s + e * (SB), 2 * (PER) * (SB));        \
+        __m256i v0 = sp_avx2_vec_##name(s + e * (SB));                \
+        __m256i v1 = sp_avx2_vec_##name(s + (e + (PER)) * (SB));      \
+        SP_AVX2_STREAM(d + e * (DB), v0);                             \
+        SP_AVX2_STREAM(d + (e + (PER)) * (DB), v1);                   \
+      }                                                               \
+    }                                                                 \
+    i = SP_CAST_NT_STREAMS * part;                                    \
   } while (0)
 
 /* Scalar head up to a 64-byte aligned destination, vector body, scalar
@@ -101,36 +101,36 @@ static inline __m256i sp_avx2_vec_f16_to_f32(const unsigned char *s) {
  * software prefetch for sources beyond L2, where it keeps DRAM and L3
  * reads flowing; neither for cache-resident data, where the prefetch
  * instructions would only take load-port slots from a port-bound loop. */
-#define SP_AVX2_KERNEL(name, SB, DB, PER)                                      \
-  void sp_cast_avx2_##name(void *dst, const void *src, size_t n, bool nt) {    \
-    unsigned char *d = (unsigned char *)dst;                                   \
-    const unsigned char *s = (const unsigned char *)src;                       \
-    size_t head = sp_cast_head(d, (DB), 64);                                   \
-    if (head == SIZE_MAX) {                                                    \
-      head = 0;                                                                \
-      nt = false;                                                              \
-    }                                                                          \
-    if (head > n) head = n;                                                    \
-    sp_cast_loop_##name(d, s, head);                                           \
-    d += head * (DB);                                                          \
-    s += head * (SB);                                                          \
-    n -= head;                                                                 \
-    size_t i = 0;                                                              \
-    if (nt) {                                                                  \
-      SP_AVX2_NT_STREAMS(name, SB, DB, PER);                                   \
-      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
-        SP_AVX2_STEP(name, SB, DB, PER, 1, SP_AVX2_STREAM);                    \
-      _mm_sfence();                                                            \
-    } else if (n * (SB) >= SP_CAST_PF_MIN_SRC) {                               \
-      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
-        SP_AVX2_STEP(name, SB, DB, PER, 1, SP_AVX2_STOREU);                    \
-    } else {                                                                   \
-      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
-        SP_AVX2_STEP(name, SB, DB, PER, 0, SP_AVX2_STOREU);                    \
-    }                                                                          \
-    for (; i + (PER) <= n; i += (PER))                                         \
-      SP_AVX2_STOREU(d + i * (DB), sp_avx2_vec_##name(s + i * (SB)));          \
-    sp_cast_loop_##name(d + i * (DB), s + i * (SB), n - i);                    \
+#define SP_AVX2_KERNEL(name, SB, DB, PER)                                   \
+  void sp_cast_avx2_##name(void *dst, const void *src, size_t n, bool nt) { \
+    unsigned char *d = (unsigned char *)dst;                                \
+    const unsigned char *s = (const unsigned char *)src;                    \
+    size_t head = sp_cast_head(d, (DB), 64);                                \
+    if (head == SIZE_MAX) {                                                 \
+      head = 0;                                                             \
+      nt = false;                                                           \
+    }                                                                       \
+    if (head > n) head = n;                                                 \
+    sp_cast_loop_##name(d, s, head);                                        \
+    d += head * (DB);                                                       \
+    s += head * (SB);                                                       \
+    n -= head;                                                              \
+    size_t i = 0;                                                           \
+    if (nt) {                                                               \
+      SP_AVX2_NT_STREAMS(name, SB, DB, PER);                                \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                            \
+        SP_AVX2_STEP(name, SB, DB, PER, 1, SP_AVX2_STREAM);                 \
+      _mm_sfence();                                                         \
+    } else if (n * (SB) >= SP_CAST_PF_MIN_SRC) {                            \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                            \
+        SP_AVX2_STEP(name, SB, DB, PER, 1, SP_AVX2_STOREU);                 \
+    } else {                                                                \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                            \
+        SP_AVX2_STEP(name, SB, DB, PER, 0, SP_AVX2_STOREU);                 \
+    }                                                                       \
+    for (; i + (PER) <= n; i += (PER))                                      \
+      SP_AVX2_STOREU(d + i * (DB), sp_avx2_vec_##name(s + i * (SB)));       \
+    sp_cast_loop_##name(d + i * (DB), s + i * (SB), n - i);                 \
   }
 
 SP_AVX2_KERNEL(f32_to_bf16, 4, 2, 16)

@@ -109,13 +109,13 @@ static inline __m512i sp_avx512_vec_f16_to_f32(const unsigned char *s) {
 
 /* One iteration of the vector body: two vectors, one 64-byte line of
  * output. PF: prefetch the source; STORE: ordinary or streaming. */
-#define SP_AVX512_STEP(name, SB, DB, PER, PF, STORE)                           \
-  do {                                                                         \
-    if (PF) sp_cast_prefetch(s + i * (SB), 2 * (PER) * (SB));                  \
-    __m512i v0 = sp_avx512_vec_##name(s + i * (SB));                           \
-    __m512i v1 = sp_avx512_vec_##name(s + (i + (PER)) * (SB));                 \
-    STORE(d + i * (DB), v0);                                                   \
-    STORE(d + (i + (PER)) * (DB), v1);                                         \
+#define SP_AVX512_STEP(name, SB, DB, PER, PF, STORE)           \
+  do {                                                         \
+    if (PF) sp_cast_prefetch(s + i * (SB), 2 * (PER) * (SB));  \
+    __m512i v0 = sp_avx512_vec_##name(s + i * (SB));           \
+    __m512i v1 = sp_avx512_vec_##name(s + (i + (PER)) * (SB)); \
+    STORE(d + i * (DB), v0);                                   \
+    STORE(d + (i + (PER)) * (DB), v1);                         \
   } while (0)
 #define SP_AVX512_STREAM(p, v) _mm512_stream_si512((__m512i *)(p), (v))
 #define SP_AVX512_STOREU(p, v) _mm512_storeu_si512((void *)(p), (v))
@@ -124,17 +124,17 @@ static inline __m512i sp_avx512_vec_f16_to_f32(const unsigned char *s) {
  * why), one vector (one whole, aligned 64-byte output line) per part per
  * round. Each part is a whole number of lines, so every store stays aligned;
  * leaves i after the parts, for the single-stream loop to finish. */
-#define SP_AVX512_NT_STREAMS(name, SB, DB, PER)                                \
-  do {                                                                         \
-    size_t part = n / (SP_CAST_NT_STREAMS * (PER)) * (PER);                    \
-    for (size_t j = 0; j < part; j += (PER)) {                                 \
-      for (size_t k = 0; k < SP_CAST_NT_STREAMS; k++) {                        \
-        size_t e = k * part + j;                                               \
-        sp_cast_prefetch_near(s + e * (SB), (PER) * (SB));                     \
-        SP_AVX512_STREAM(d + e * (DB), sp_avx512_vec_##name(s + e * (SB)));   \
-      }                                                                        \
-    }                                                                          \
-    i = SP_CAST_NT_STREAMS * part;                                             \
+#define SP_AVX512_NT_STREAMS(name, SB, DB, PER)                             \
+  do {                                                                      \
+    size_t part = n / (SP_CAST_NT_STREAMS * (PER)) * (PER);                 \
+    for (size_t j = 0; j < part; j += (PER)) {                              \
+      for (size_t k = 0; k < SP_CAST_NT_STREAMS; k++) {                     \
+        size_t e = k * part + j;                                            \
+        sp_cast_prefetch_near(s + e * (SB), (PER) * (SB));                  \
+        SP_AVX512_STREAM(d + e * (DB), sp_avx512_vec_##name(s + e * (SB))); \
+      }                                                                     \
+    }                                                                       \
+    i = SP_CAST_NT_STREAMS * part;                                          \
   } while (0)
 
 /* Scalar head up to a 64-byte aligned destination, vector body, scalar
@@ -143,37 +143,37 @@ static inline __m512i sp_avx512_vec_f16_to_f32(const unsigned char *s) {
  * software prefetch for sources beyond L2, where it keeps DRAM and L3
  * reads flowing; neither for cache-resident data, where the prefetch
  * instructions would only take load-port slots from a port-bound loop. */
-#define SP_AVX512_KERNEL(name, loop, SB, DB, PER, ATTR)                        \
-  ATTR void sp_cast_avx512_##name(void *dst, const void *src, size_t n,        \
-                                  bool nt) {                                   \
-    unsigned char *d = (unsigned char *)dst;                                   \
-    const unsigned char *s = (const unsigned char *)src;                       \
-    size_t head = sp_cast_head(d, (DB), 64);                                   \
-    if (head == SIZE_MAX) {                                                    \
-      head = 0;                                                                \
-      nt = false;                                                              \
-    }                                                                          \
-    if (head > n) head = n;                                                    \
-    sp_cast_loop_##loop(d, s, head);                                           \
-    d += head * (DB);                                                          \
-    s += head * (SB);                                                          \
-    n -= head;                                                                 \
-    size_t i = 0;                                                              \
-    if (nt) {                                                                  \
-      SP_AVX512_NT_STREAMS(name, SB, DB, PER);                                 \
-      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
-        SP_AVX512_STEP(name, SB, DB, PER, 1, SP_AVX512_STREAM);                \
-      _mm_sfence();                                                            \
-    } else if (n * (SB) >= SP_CAST_PF_MIN_SRC) {                               \
-      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
-        SP_AVX512_STEP(name, SB, DB, PER, 1, SP_AVX512_STOREU);                \
-    } else {                                                                   \
-      for (; i + 2 * (PER) <= n; i += 2 * (PER))                               \
-        SP_AVX512_STEP(name, SB, DB, PER, 0, SP_AVX512_STOREU);                \
-    }                                                                          \
-    for (; i + (PER) <= n; i += (PER))                                         \
-      SP_AVX512_STOREU(d + i * (DB), sp_avx512_vec_##name(s + i * (SB)));      \
-    sp_cast_loop_##loop(d + i * (DB), s + i * (SB), n - i);                    \
+#define SP_AVX512_KERNEL(name, loop, SB, DB, PER, ATTR)                   \
+  ATTR void sp_cast_avx512_##name(void *dst, const void *src, size_t n,   \
+                                  bool nt) {                              \
+    unsigned char *d = (unsigned char *)dst;                              \
+    const unsigned char *s = (const unsigned char *)src;                  \
+    size_t head = sp_cast_head(d, (DB), 64);                              \
+    if (head == SIZE_MAX) {                                               \
+      head = 0;                                                           \
+      nt = false;                                                         \
+    }                                                                     \
+    if (head > n) head = n;                                               \
+    sp_cast_loop_##loop(d, s, head);                                      \
+    d += head * (DB);                                                     \
+    s += head * (SB);                                                     \
+    n -= head;                                                            \
+    size_t i = 0;                                                         \
+    if (nt) {                                                             \
+      SP_AVX512_NT_STREAMS(name, SB, DB, PER);                            \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                          \
+        SP_AVX512_STEP(name, SB, DB, PER, 1, SP_AVX512_STREAM);           \
+      _mm_sfence();                                                       \
+    } else if (n * (SB) >= SP_CAST_PF_MIN_SRC) {                          \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                          \
+        SP_AVX512_STEP(name, SB, DB, PER, 1, SP_AVX512_STOREU);           \
+    } else {                                                              \
+      for (; i + 2 * (PER) <= n; i += 2 * (PER))                          \
+        SP_AVX512_STEP(name, SB, DB, PER, 0, SP_AVX512_STOREU);           \
+    }                                                                     \
+    for (; i + (PER) <= n; i += (PER))                                    \
+      SP_AVX512_STOREU(d + i * (DB), sp_avx512_vec_##name(s + i * (SB))); \
+    sp_cast_loop_##loop(d + i * (DB), s + i * (SB), n - i);               \
   }
 
 #define SP_NO_ATTR

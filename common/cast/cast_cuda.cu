@@ -42,10 +42,10 @@ __device__ __forceinline__ uint16_t sp_id16(uint16_t x) { return x; }
 __device__ __forceinline__ uint32_t sp_id32(uint32_t x) { return x; }
 __device__ __forceinline__ uint64_t sp_id64(uint64_t x) { return x; }
 
-#define SP_CUDA_PLAIN_OP(name, ST, DT, FN)                                     \
-  __device__ __forceinline__ DT sp_op_##name(ST x, double k) {                 \
-    (void)k;                                                                   \
-    return FN(x);                                                              \
+#define SP_CUDA_PLAIN_OP(name, ST, DT, FN)                     \
+  __device__ __forceinline__ DT sp_op_##name(ST x, double k) { \
+    (void)k;                                                   \
+    return FN(x);                                              \
   }
 
 SP_CUDA_PLAIN_OP(f32_to_bf16, uint32_t, uint16_t, sp_f32_to_bf16_bits)
@@ -98,9 +98,9 @@ __device__ __forceinline__ uint16_t sp_div_f16(uint16_t x, double k) {
 }
 
 /* Divide in the source dtype, then cast to the destination dtype. */
-#define SP_CUDA_DIV_OP(name, ST, DT, DIV, CAST)                                \
-  __device__ __forceinline__ DT sp_op_##name(ST x, double k) {                 \
-    return CAST(DIV(x, k));                                                    \
+#define SP_CUDA_DIV_OP(name, ST, DT, DIV, CAST)                \
+  __device__ __forceinline__ DT sp_op_##name(ST x, double k) { \
+    return CAST(DIV(x, k));                                    \
   }
 
 SP_CUDA_DIV_OP(div_f64_f64, uint64_t, uint64_t, sp_div_f64, sp_id64)
@@ -140,7 +140,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
     };                                                                         \
     const ST *vs = src + head;                                                 \
     DT *vd = dst + head;                                                       \
-    for (size_t v = SP_GRID_TID(); v < nvec; v += SP_GRID_STRIDE()) {                \
+    for (size_t v = SP_GRID_TID(); v < nvec; v += SP_GRID_STRIDE()) {          \
       union {                                                                  \
         uint4 q[SQ];                                                           \
         ST e[SP_CUDA_VEC];                                                     \
@@ -156,7 +156,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
           sp_op_##name(in.e[j], k);                                            \
       _Pragma("unroll") for (int j = 0; j < DQ; j++) __stcs(d + j, out.q[j]);  \
     }                                                                          \
-    size_t t = SP_GRID_TID();                                                     \
+    size_t t = SP_GRID_TID();                                                  \
     if (t < head) dst[t] = sp_op_##name(src[t], k);                            \
     if (t < tail) {                                                            \
       size_t i = head + nvec * SP_CUDA_VEC + t;                                \
@@ -165,7 +165,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
   }                                                                            \
   __global__ void sp_cuda_k_elem_##name(DT *dst, const ST *src, size_t n,      \
                                         double k) {                            \
-    for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())                     \
+    for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE())               \
       dst[i] = sp_op_##name(src[i], k);                                        \
   }                                                                            \
   static int sp_cuda_launch_##name(void *dst, const void *src, size_t n,       \
@@ -195,12 +195,12 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
     } else {                                                                   \
       work = n;                                                                \
     }                                                                          \
-    unsigned blocks = sp_grid_blocks_cap(work, max_blocks);                       \
+    unsigned blocks = sp_grid_blocks_cap(work, max_blocks);                    \
     if (vec)                                                                   \
-      sp_cuda_k_vec_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(                   \
+      sp_cuda_k_vec_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(                \
           (DT *)dst, (const ST *)src, head, nvec, tail, k);                    \
     else                                                                       \
-      sp_cuda_k_elem_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(                  \
+      sp_cuda_k_elem_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(               \
           (DT *)dst, (const ST *)src, n, k);                                   \
     return 0;                                                                  \
   }
@@ -210,7 +210,7 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
 #define SP_CUDA_BYTE_KERNEL(name, ST, DT)                                      \
   __global__ void sp_cuda_k_byte_##name(unsigned char *dst,                    \
                                         const unsigned char *src, size_t n) {  \
-    for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {                   \
+    for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {             \
       ST x;                                                                    \
       memcpy(&x, src + i * sizeof(ST), sizeof(ST));                            \
       DT y = sp_op_##name(x, 1.0);                                             \
@@ -220,13 +220,13 @@ SP_CUDA_DIV_OP(div_bf16_bf16, uint16_t, uint16_t, sp_div_bf16, sp_id16)
   static void sp_cuda_launch_byte_##name(void *dst, const void *src, size_t n, \
                                          unsigned max_blocks,                  \
                                          cudaStream_t st) {                    \
-    unsigned blocks = sp_grid_blocks_cap(n, max_blocks);                          \
-    sp_cuda_k_byte_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(                    \
+    unsigned blocks = sp_grid_blocks_cap(n, max_blocks);                       \
+    sp_cuda_k_byte_##name<<<blocks, SP_GRID_THREADS, 0, st>>>(                 \
         (unsigned char *)dst, (const unsigned char *)src, n);                  \
   }
 
-#define SP_CUDA_PLAIN(name, ST, DT)                                            \
-  SP_CUDA_KERNELS(name, ST, DT)                                                \
+#define SP_CUDA_PLAIN(name, ST, DT) \
+  SP_CUDA_KERNELS(name, ST, DT)     \
   SP_CUDA_BYTE_KERNEL(name, ST, DT)
 
 SP_CUDA_PLAIN(f32_to_bf16, uint32_t, uint16_t)
@@ -269,16 +269,11 @@ typedef void (*sp_cuda_byte_fn)(void *dst, const void *src, size_t n,
 /* Row and column of the tables below; -1 for a non-floating dtype. */
 static int sp_cuda_index(sp_dtype t) {
   switch (t) {
-  case SP_FLOAT64:
-    return 0;
-  case SP_FLOAT32:
-    return 1;
-  case SP_FLOAT16:
-    return 2;
-  case SP_BFLOAT16:
-    return 3;
-  default:
-    return -1;
+    case SP_FLOAT64: return 0;
+    case SP_FLOAT32: return 1;
+    case SP_FLOAT16: return 2;
+    case SP_BFLOAT16: return 3;
+    default: return -1;
   }
 }
 
@@ -329,12 +324,11 @@ int sp_cuda_device_count(int *n) {
    * trip over this expected failure. */
   (void)cudaGetLastError();
   switch (e) {
-  case cudaErrorNoDevice:           /* driver loaded, no GPU */
-  case cudaErrorInsufficientDriver: /* no driver at all, or too old */
-  case cudaErrorStubLibrary:        /* linked against the toolkit's stub */
-    return 0;
-  default:
-    return sp_cuda_diag(NULL, e, "cudaGetDeviceCount", __FILE__, __LINE__);
+    case cudaErrorNoDevice:           /* driver loaded, no GPU */
+    case cudaErrorInsufficientDriver: /* no driver at all, or too old */
+    case cudaErrorStubLibrary: /* linked against the toolkit's stub */ return 0;
+    default:
+      return sp_cuda_diag(NULL, e, "cudaGetDeviceCount", __FILE__, __LINE__);
   }
 }
 
@@ -345,8 +339,8 @@ int sp_cuda_device_count(int *n) {
 static int sp_cuda_max_blocks(unsigned *out) {
   int dev = 0, sms = 0;
   SP_CUDA_CHECK(NULL, cudaGetDevice(&dev));
-  SP_CUDA_CHECK(NULL, cudaDeviceGetAttribute(
-                          &sms, cudaDevAttrMultiProcessorCount, dev));
+  SP_CUDA_CHECK(
+      NULL, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   *out = (unsigned)(sms > 0 ? sms : 1) * 8u;
   return 0;
 }
@@ -362,8 +356,7 @@ int sp_cuda_cast(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
   cudaStream_t st = (cudaStream_t)stream;
   if (src_t == dst_t) {
     if (dst != src)
-      SP_CUDA_CHECK(NULL, cudaMemcpyAsync(dst, src,
-                                          n * sp_dtype_size(src_t),
+      SP_CUDA_CHECK(NULL, cudaMemcpyAsync(dst, src, n * sp_dtype_size(src_t),
                                           cudaMemcpyDeviceToDevice, st));
     return 0;
   }

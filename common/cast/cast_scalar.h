@@ -306,9 +306,9 @@ SP_HD static inline float sp_f32_round_f16(float v) {
 #else
 #define SP_ELEM_GET(T, p, i, out) \
   memcpy(&(out), (const unsigned char *)(p) + (i) * sizeof(T), sizeof(T))
-#define SP_ELEM_PUT(T, p, i, v)                                            \
-  do {                                                                     \
-    T sp_elem_v_ = (v);                                                    \
+#define SP_ELEM_PUT(T, p, i, v)                                             \
+  do {                                                                      \
+    T sp_elem_v_ = (v);                                                     \
     memcpy((unsigned char *)(p) + (i) * sizeof(T), &sp_elem_v_, sizeof(T)); \
   } while (0)
 #endif
@@ -318,20 +318,19 @@ SP_HD static inline double sp_elem_load_f64(const void *p, int dt, size_t i) {
   uint32_t u32;
   uint16_t u16;
   switch (dt) {
-  case SP_FLOAT64:
-    SP_ELEM_GET(uint64_t, p, i, u64);
-    return sp_f64_from_bits(u64);
-  case SP_FLOAT32:
-    SP_ELEM_GET(uint32_t, p, i, u32);
-    return sp_f64_from_bits(sp_f32_to_f64_bits(u32));
-  case SP_BFLOAT16:
-    SP_ELEM_GET(uint16_t, p, i, u16);
-    return sp_f64_from_bits(sp_bf16_to_f64_bits(u16));
-  case SP_FLOAT16:
-    SP_ELEM_GET(uint16_t, p, i, u16);
-    return sp_f64_from_bits(sp_f16_to_f64_bits(u16));
-  default:
-    return 0.0;
+    case SP_FLOAT64:
+      SP_ELEM_GET(uint64_t, p, i, u64);
+      return sp_f64_from_bits(u64);
+    case SP_FLOAT32:
+      SP_ELEM_GET(uint32_t, p, i, u32);
+      return sp_f64_from_bits(sp_f32_to_f64_bits(u32));
+    case SP_BFLOAT16:
+      SP_ELEM_GET(uint16_t, p, i, u16);
+      return sp_f64_from_bits(sp_bf16_to_f64_bits(u16));
+    case SP_FLOAT16:
+      SP_ELEM_GET(uint16_t, p, i, u16);
+      return sp_f64_from_bits(sp_f16_to_f64_bits(u16));
+    default: return 0.0;
   }
 }
 
@@ -339,20 +338,13 @@ SP_HD static inline void sp_elem_store_f64(void *p, int dt, size_t i,
                                            double v) {
   uint64_t u = sp_f64_to_bits(v);
   switch (dt) {
-  case SP_FLOAT64:
-    SP_ELEM_PUT(uint64_t, p, i, u);
-    break;
-  case SP_FLOAT32:
-    SP_ELEM_PUT(uint32_t, p, i, sp_f64_to_f32_bits(u));
-    break;
-  case SP_BFLOAT16:
-    SP_ELEM_PUT(uint16_t, p, i, sp_f64_to_bf16_bits(u));
-    break;
-  case SP_FLOAT16:
-    SP_ELEM_PUT(uint16_t, p, i, sp_f64_to_f16_bits(u));
-    break;
-  default:
-    break;
+    case SP_FLOAT64: SP_ELEM_PUT(uint64_t, p, i, u); break;
+    case SP_FLOAT32: SP_ELEM_PUT(uint32_t, p, i, sp_f64_to_f32_bits(u)); break;
+    case SP_BFLOAT16:
+      SP_ELEM_PUT(uint16_t, p, i, sp_f64_to_bf16_bits(u));
+      break;
+    case SP_FLOAT16: SP_ELEM_PUT(uint16_t, p, i, sp_f64_to_f16_bits(u)); break;
+    default: break;
   }
 }
 

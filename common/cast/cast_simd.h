@@ -78,13 +78,13 @@ static inline void sp_cast_st64(unsigned char *p, uint64_t v) {
 /* Defines sp_cast_loop_<name>(dst, src, n). Each element is loaded before it
  * is stored, which keeps the in-place bfloat16 <-> float16 case (same
  * pointer, same element size) correct. */
-#define SP_CAST_DEFINE_LOOP(name, SBYTES, DBYTES, LD, ST, FN)                  \
-  static inline void sp_cast_loop_##name(void *dst, const void *src,           \
-                                         size_t n) {                           \
-    unsigned char *d = (unsigned char *)dst;                                   \
-    const unsigned char *s = (const unsigned char *)src;                       \
-    for (size_t i = 0; i < n; i++)                                             \
-      ST(d + i * (DBYTES), FN(LD(s + i * (SBYTES))));                          \
+#define SP_CAST_DEFINE_LOOP(name, SBYTES, DBYTES, LD, ST, FN)        \
+  static inline void sp_cast_loop_##name(void *dst, const void *src, \
+                                         size_t n) {                 \
+    unsigned char *d = (unsigned char *)dst;                         \
+    const unsigned char *s = (const unsigned char *)src;             \
+    for (size_t i = 0; i < n; i++)                                   \
+      ST(d + i * (DBYTES), FN(LD(s + i * (SBYTES))));                \
   }
 
 SP_CAST_DEFINE_LOOP(f32_to_bf16, 4, 2, sp_cast_ld32, sp_cast_st16,
@@ -154,11 +154,10 @@ static inline void sp_cast_prefetch(const unsigned char *s, size_t bytes) {
  * as the streams already keep L2 busy. */
 #define SP_CAST_NT_STREAMS 6u
 
-static inline void sp_cast_prefetch_near(const unsigned char *s,
-                                         size_t bytes) {
+static inline void sp_cast_prefetch_near(const unsigned char *s, size_t bytes) {
   for (size_t off = 0; off < bytes; off += 64)
-    __builtin_prefetch((const void *)((uintptr_t)s + off + SP_CAST_PF_NEAR),
-                       0, 3);
+    __builtin_prefetch((const void *)((uintptr_t)s + off + SP_CAST_PF_NEAR), 0,
+                       3);
 }
 
 /* Elements to convert one by one before dst is `align`-byte aligned, or

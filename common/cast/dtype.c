@@ -29,8 +29,8 @@ static const struct {
 
 /* safetensors dtypes that exist but that shardplane does not compute with. */
 static const char *const k_st_unsupported[] = {
-    "U16", "U32", "U64", "F8_E5M2", "F8_E4M3", "F8_E8M0",
-    "F4",  "F6_E2M3", "F6_E3M2", "C64",
+    "U16",     "U32", "U64",     "F8_E5M2", "F8_E4M3",
+    "F8_E8M0", "F4",  "F6_E2M3", "F6_E3M2", "C64",
 };
 
 bool sp_dtype_valid(sp_dtype t) {

@@ -30,11 +30,11 @@ int sp_cuda_diag(sp_diag *d, int err, const char *expr, const char *file,
 /* The same for a library of CUDA's whose calls return another status type
  * (0 for success), named by its own diag function of sp_cuda_diag's
  * signature: the worker's cuBLAS check is this over sp_cublas_diag. */
-#define SP_CUDA_CHECK_WITH(diag, d, call)                                      \
-  do {                                                                         \
-    int sp_cuda_err_ = (int)(call);                                            \
-    if (sp_cuda_err_ != 0)                                                     \
-      return diag((d), sp_cuda_err_, #call, __FILE__, __LINE__);               \
+#define SP_CUDA_CHECK_WITH(diag, d, call)                        \
+  do {                                                           \
+    int sp_cuda_err_ = (int)(call);                              \
+    if (sp_cuda_err_ != 0)                                       \
+      return diag((d), sp_cuda_err_, #call, __FILE__, __LINE__); \
   } while (0)
 
 /* After a kernel launch: SP_CUDA_CHECK(d, cudaGetLastError()) reports a

@@ -333,8 +333,7 @@ int sp_job_default_wrap(sp_job *job, const sp_model *model, bool *applied) {
   bool apply = job->wrap_modules.n == 0 && job->wrap_types.n == 0 &&
                model_has_type(model, SP_JOB_DEFAULT_WRAP_TYPE);
   if (applied != NULL) *applied = apply;
-  return apply ? sp_strlist_add(&job->wrap_types, SP_JOB_DEFAULT_WRAP_TYPE)
-               : 0;
+  return apply ? sp_strlist_add(&job->wrap_types, SP_JOB_DEFAULT_WRAP_TYPE) : 0;
 }
 
 bool sp_job_full_precision_type(const sp_job *job, const char *type) {
@@ -348,8 +347,7 @@ bool sp_job_full_precision_type(const sp_job *job, const char *type) {
 
 const sp_job_flag_def sp_job_flags[] = {
     {"world-size", true, "number of ranks (default 1)"},
-    {"strategy", true,
-     "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD"},
+    {"strategy", true, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD"},
     {"shard-group-size", true, "ranks per shard group (HYBRID_SHARD)"},
     {"wrap-type", true, "module type that becomes a unit (repeatable)"},
     {"wrap-module", true, "module FQN that becomes a unit (repeatable)"},
@@ -390,7 +388,8 @@ static int parse_u32_flag(const char *flag, const char *v, uint32_t *out,
 static int parse_fp_flag(const char *flag, const char *v, sp_dtype *out,
                          sp_diag *diag) {
   if (v == NULL || sp_dtype_parse(v, out) != 0 || !sp_dtype_is_floating(*out))
-    return sp_flag_fail(diag, flag, v, "a floating dtype: one of float32, "
+    return sp_flag_fail(diag, flag, v,
+                        "a floating dtype: one of float32, "
                         "bfloat16, float16, float64");
   return 0;
 }
@@ -406,8 +405,8 @@ int sp_job_apply_flag(sp_job *job, const char *name, const char *v,
   if (strcmp(name, "shard-group-size") == 0)
     return parse_u32_flag(flag, v, &job->shard_group_size, diag);
   if (strcmp(name, "strategy") == 0) {
-    int rc = sp_flag_choice(flag, v, k_strategies, COUNT(k_strategies), &k,
-                            diag);
+    int rc =
+        sp_flag_choice(flag, v, k_strategies, COUNT(k_strategies), &k, diag);
     if (rc == 0) job->strategy = (sp_strategy)k;
     return rc;
   }
@@ -439,9 +438,9 @@ int sp_job_apply_flag(sp_job *job, const char *name, const char *v,
                          ? &mp->full_precision_types
                          : NULL;
   if (list == NULL) return SP_ENOENT;
-  int rc = sp_flag_text(flag, v, list == &job->wrap_modules
-                                     ? "a module FQN"
-                                     : "a module type name", diag);
+  int rc = sp_flag_text(
+      flag, v,
+      list == &job->wrap_modules ? "a module FQN" : "a module type name", diag);
   if (rc != 0) return rc;
   rc = sp_strlist_add(list, v);
   if (rc != 0) return sp_diag_set(diag, rc, "%s: %s", flag, sp_strerror(rc));

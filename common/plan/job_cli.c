@@ -16,10 +16,10 @@ struct option *sp_job_cli_options(const struct option *own, size_t n_own) {
   if (o == NULL) return NULL;
   memcpy(o, own, n_own * sizeof *o);
   for (size_t i = 0; i < n_job; i++)
-    o[n_own + i] = (struct option){sp_job_flags[i].name,
-                                   sp_job_flags[i].has_arg ? required_argument
-                                                           : no_argument,
-                                   NULL, SP_JOB_OPT_BASE + (int)i};
+    o[n_own + i] = (struct option){
+        sp_job_flags[i].name,
+        sp_job_flags[i].has_arg ? required_argument : no_argument, NULL,
+        SP_JOB_OPT_BASE + (int)i};
   return o;
 }
 
@@ -58,8 +58,8 @@ void sp_job_cli_free(sp_job_cli *cli) {
 
 /* Up to `max` distinct module types (or FQNs) of the model, quoted and
  * comma-separated, "..." when there are more. */
-static void list_modules(const sp_model *m, bool types, size_t max,
-                         char *out, size_t cap) {
+static void list_modules(const sp_model *m, bool types, size_t max, char *out,
+                         size_t cap) {
   size_t len = 0, shown = 0;
   out[0] = '\0';
   for (size_t i = 0; i < m->n_modules && len < cap; i++) {
@@ -89,8 +89,8 @@ int sp_job_cli_check_model(const sp_job_cli *cli, const sp_model *model,
     if (!type && strcmp(name, "wrap-module") != 0) continue;
     bool found = false;
     for (size_t k = 0; k < model->n_modules && !found; k++)
-      found = strcmp(type ? model->modules[k].type : model->modules[k].fqn,
-                     v) == 0;
+      found =
+          strcmp(type ? model->modules[k].type : model->modules[k].fqn, v) == 0;
     if (found) continue;
     char list[512], flag[64];
     list_modules(model, type, 12, list, sizeof list);

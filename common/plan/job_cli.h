@@ -21,7 +21,7 @@ typedef struct sp_job_cli {
   struct {
     int flag;
     const char *value; /* points into argv */
-  } *items;
+  } * items;
   size_t n, cap;
 } sp_job_cli;
 

@@ -16,11 +16,11 @@ struct sp_mem_block {
 };
 
 static const char *const k_cat_names[SP_MEM_N_CATS] = {
-    "sharded_params", "sharded_grads", "optimizer", "unsharded_params",
-    "unsharded_grads", "reduce", "buffers"};
+    "sharded_params",  "sharded_grads", "optimizer", "unsharded_params",
+    "unsharded_grads", "reduce",        "buffers"};
 static const char *const k_cat_labels[SP_MEM_N_CATS] = {
-    "sharded params", "sharded grads", "optimizer state",
-    "unsharded params", "unsharded grads", "reduce buffers", "buffers"};
+    "sharded params",  "sharded grads",  "optimizer state", "unsharded params",
+    "unsharded grads", "reduce buffers", "buffers"};
 
 const char *sp_mem_cat_name(sp_mem_cat c) {
   return (unsigned)c < SP_MEM_N_CATS ? k_cat_names[c] : "invalid";
@@ -72,14 +72,18 @@ void sp_mem_pool_destroy(sp_mem_pool *p) {
   p->acct.total.current = p->acct.reserved.current = 0;
 }
 
-static int check_size(sp_mem_cat cat, size_t n, size_t esize,
-                      uint64_t *bytes, sp_diag *d) {
+static int check_size(sp_mem_cat cat, size_t n, size_t esize, uint64_t *bytes,
+                      sp_diag *d) {
   if ((unsigned)cat >= SP_MEM_N_CATS)
-    return sp_diag_set(d, SP_EINVAL, "memory category %d is not one of the "
-                       "%d", (int)cat, SP_MEM_N_CATS);
+    return sp_diag_set(d, SP_EINVAL,
+                       "memory category %d is not one of the "
+                       "%d",
+                       (int)cat, SP_MEM_N_CATS);
   if (esize && n > SIZE_MAX / esize)
-    return sp_diag_set(d, SP_ETOOBIG, "%s: %zu elements of %zu bytes "
-                       "overflow", sp_mem_cat_label(cat), n, esize);
+    return sp_diag_set(d, SP_ETOOBIG,
+                       "%s: %zu elements of %zu bytes "
+                       "overflow",
+                       sp_mem_cat_label(cat), n, esize);
   *bytes = (uint64_t)n * esize;
   return 0;
 }
@@ -96,8 +100,10 @@ static int new_block(sp_mem_pool *p, sp_mem_cat cat, size_t n, size_t esize,
                          sp_mem_cat_label(cat), p->cap_blocks);
     sp_mem_block *nb = realloc(p->blocks, cap * sizeof *nb);
     if (!nb)
-      return sp_diag_set(d, SP_ENOMEM, "%s: no memory for the block "
-                         "registry", sp_mem_cat_label(cat));
+      return sp_diag_set(d, SP_ENOMEM,
+                         "%s: no memory for the block "
+                         "registry",
+                         sp_mem_cat_label(cat));
     p->blocks = nb;
     p->cap_blocks = cap;
   }
@@ -107,8 +113,7 @@ static int new_block(sp_mem_pool *p, sp_mem_cat cat, size_t n, size_t esize,
     return sp_diag_prefix(d, rc, "%s (%zu elements of %zu bytes)",
                           sp_mem_cat_label(cat), n, esize);
   p->blocks[p->n_blocks++] = (sp_mem_block){
-      .ptr = ptr, .bytes = bytes, .cat = cat, .pooled = pooled,
-      .in_use = true};
+      .ptr = ptr, .bytes = bytes, .cat = cat, .pooled = pooled, .in_use = true};
   p->acct.allocs++;
   bump(&p->acct.reserved, bytes);
   use(&p->acct, cat, bytes);
@@ -145,8 +150,7 @@ int sp_mem_pool_take(sp_mem_pool *p, sp_mem_cat cat, size_t n, size_t esize,
   return new_block(p, cat, n, esize, bytes, true, out, d);
 }
 
-int sp_mem_pool_release(sp_mem_pool *p, sp_mem_cat cat, void *ptr,
-                        sp_diag *d) {
+int sp_mem_pool_release(sp_mem_pool *p, sp_mem_cat cat, void *ptr, sp_diag *d) {
   if (!ptr) return 0;
   for (size_t i = 0; i < p->n_blocks; i++) {
     sp_mem_block *b = &p->blocks[i];
@@ -168,8 +172,10 @@ int sp_mem_pool_release(sp_mem_pool *p, sp_mem_cat cat, void *ptr,
                          sp_mem_cat_label(was), sp_mem_cat_label(cat));
     return 0;
   }
-  return sp_diag_set(d, SP_EINVAL, "%s: released a block the pool does not "
-                     "hold", sp_mem_cat_label(cat));
+  return sp_diag_set(d, SP_EINVAL,
+                     "%s: released a block the pool does not "
+                     "hold",
+                     sp_mem_cat_label(cat));
 }
 
 void sp_mem_pool_reset_peaks(sp_mem_pool *p) {
@@ -217,10 +223,10 @@ void sp_mem_opts_default(sp_mem_opts *o) {
 
 typedef struct sim_unit {
   bool has_data, reduces;
-  size_t c, padded;      /* elements */
+  size_t c, padded; /* elements */
   size_t esize, psize, gsize, rsize;
-  bool red_in;           /* reduce_dtype differs from param_dtype */
-  size_t red_out_n;      /* c; 0 for NO_SHARD, which reduces in place */
+  bool red_in;      /* reduce_dtype differs from param_dtype */
+  size_t red_out_n; /* c; 0 for NO_SHARD, which reduces in place */
   void *full, *full_grad, *rin, *rout;
   bool unsharded, prefetched, gather_pending, idle;
   int32_t pf_index;
@@ -237,11 +243,11 @@ typedef struct sim {
   size_t n_order;
   uint32_t *pending; /* reductions in flight, oldest first */
   size_t n_pending;
-  void **buf;        /* per model buffer */
+  void **buf; /* per model buffer */
   sp_dtype *buf_dt;
   bool lazy_done;
-  bool accumulate;   /* a no_sync micro-batch: no reduction */
-  int rc;            /* first failure */
+  bool accumulate; /* a no_sync micro-batch: no reduction */
+  int rc;          /* first failure */
   sp_diag *d;
 } sim;
 
@@ -284,8 +290,8 @@ static void sim_new(sim *s) {
     su->padded = s->no_shard ? su->c : su->c * pl->shard_world;
     su->esize = sp_dtype_size(u->dtype);
     su->psize = sp_dtype_size(u->param_dtype);
-    su->gsize = sp_dtype_size(u->keep_low_precision_grads ? u->param_dtype
-                                                          : u->dtype);
+    su->gsize =
+        sp_dtype_size(u->keep_low_precision_grads ? u->param_dtype : u->dtype);
     su->rsize = sp_dtype_size(u->reduce_dtype);
     su->red_in = u->reduce_dtype != u->param_dtype;
     su->red_out_n = s->no_shard ? 0 : su->c;
@@ -482,14 +488,19 @@ int sp_mem_estimate_plan(const sp_plan *plan, const sp_mem_opts *opts,
   }
   if (o.optimizer == SP_MEM_OPT_INVALID) o.optimizer = SP_MEM_OPT_SGD;
   if (o.optimizer < SP_MEM_OPT_NONE || o.optimizer > SP_MEM_OPT_ADAMW)
-    return sp_diag_set(d, SP_EINVAL, "optimizer %d: expected none, sgd, "
-                       "sgd-momentum or adamw", (int)o.optimizer);
+    return sp_diag_set(d, SP_EINVAL,
+                       "optimizer %d: expected none, sgd, "
+                       "sgd-momentum or adamw",
+                       (int)o.optimizer);
   if (o.max_inflight == 0) o.max_inflight = 2;
   if (o.max_inflight > SP_MEM_MAX_INFLIGHT)
     return sp_diag_set(d, SP_EINVAL, "max_inflight %u: at most %u",
                        o.max_inflight, SP_MEM_MAX_INFLIGHT);
-  sim s = {.pl = plan, .o = o, .no_shard = plan->strategy == SP_NO_SHARD,
-           .n = plan->n_units, .d = d};
+  sim s = {.pl = plan,
+           .o = o,
+           .no_shard = plan->strategy == SP_NO_SHARD,
+           .n = plan->n_units,
+           .d = d};
   uintptr_t tokens = 0;
   sp_mem_pool_init(&s.pool, token_alloc, NULL, &tokens);
   size_t nb = plan->model->n_buffers;
@@ -499,8 +510,8 @@ int sp_mem_estimate_plan(const sp_plan *plan, const sp_mem_opts *opts,
   s.buf = calloc(nb ? nb : 1, sizeof *s.buf);
   s.buf_dt = calloc(nb ? nb : 1, sizeof *s.buf_dt);
   if (!s.u || !s.order || !s.pending || !s.buf || !s.buf_dt)
-    s.rc = sp_diag_set(d, SP_ENOMEM, "memory model: no memory for %zu units",
-                       s.n);
+    s.rc =
+        sp_diag_set(d, SP_ENOMEM, "memory model: no memory for %zu units", s.n);
   if (s.rc == 0) sim_new(&s);
   for (int step = 0; s.rc == 0 && step < 2; step++) {
     if (o.no_sync) {
@@ -530,8 +541,8 @@ int sp_mem_estimate_plan(const sp_plan *plan, const sp_mem_opts *opts,
       else if (slot > widest)
         widest = slot;
     }
-    out->in_flight_floor += widest * o.max_inflight +
-                            out->acct.cat[SP_MEM_BUFFERS].current;
+    out->in_flight_floor +=
+        widest * o.max_inflight + out->acct.cat[SP_MEM_BUFFERS].current;
   }
   sp_mem_pool_destroy(&s.pool);
   free(s.u);

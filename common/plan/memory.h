@@ -110,8 +110,7 @@ int sp_mem_pool_take(sp_mem_pool *p, sp_mem_cat cat, size_t n, size_t esize,
  * the allocator. NULL is fine. SP_EINVAL (d says which) when ptr is no
  * block of the pool or was counted in another category; the block is
  * released all the same. */
-int sp_mem_pool_release(sp_mem_pool *p, sp_mem_cat cat, void *ptr,
-                        sp_diag *d);
+int sp_mem_pool_release(sp_mem_pool *p, sp_mem_cat cat, void *ptr, sp_diag *d);
 /* Every peak to its current value (as torch.cuda.reset_peak_memory_stats),
  * to measure one phase, e.g. a checkpoint. */
 void sp_mem_pool_reset_peaks(sp_mem_pool *p);

@@ -71,8 +71,9 @@ static int load_modules(loader *L, json_t *arr) {
   sp_model *m = L->m;
   size_t n = json_array_size(arr);
   if (n == 0)
-    return fail(L, SP_EFORMAT, "modules: empty; the root module \"\" must be "
-                               "listed first");
+    return fail(L, SP_EFORMAT,
+                "modules: empty; the root module \"\" must be "
+                "listed first");
   m->modules = calloc(n, sizeof *m->modules);
   int32_t *stack = calloc(n, sizeof *stack);
   if (m->modules == NULL || stack == NULL) {
@@ -90,10 +91,8 @@ static int load_modules(loader *L, json_t *arr) {
       break;
     }
     const char *fqn, *type;
-    if ((rc = sp_json_string(&L->r, o, "fqn", path, true, &fqn)) != 0)
-      break;
-    if ((rc = sp_json_string(&L->r, o, "type", path, true, &type)) != 0)
-      break;
+    if ((rc = sp_json_string(&L->r, o, "fqn", path, true, &fqn)) != 0) break;
+    if ((rc = sp_json_string(&L->r, o, "type", path, true, &type)) != 0) break;
     if (type[0] == '\0') {
       rc = fail(L, SP_EFORMAT, "%s.type: empty module type", path);
       break;
@@ -118,8 +117,7 @@ static int load_modules(loader *L, json_t *arr) {
       stack[depth++] = 0;
     } else {
       if (fqn[0] == '\0') {
-        rc = fail(L, SP_EFORMAT, "%s.fqn: duplicate FQN \"\" (the root)",
-                  path);
+        rc = fail(L, SP_EFORMAT, "%s.fqn: duplicate FQN \"\" (the root)", path);
         break;
       }
       /* named_modules() is a pre-order walk: the parent of each module is
@@ -188,12 +186,11 @@ static int load_shape(loader *L, json_t *o, const char *path,
   if (shape == NULL)
     return fail(L, SP_EFORMAT, "%s: missing field \"shape\"", path);
   if (!json_is_array(shape))
-    return fail(L, SP_EFORMAT, "%s.shape: expected an array of integers",
-                path);
+    return fail(L, SP_EFORMAT, "%s.shape: expected an array of integers", path);
   size_t nd = json_array_size(shape);
   if (nd > SP_MAX_DIMS)
-    return fail(L, SP_ETOOBIG, "%s.shape: %zu dimensions, at most %d", path,
-                nd, SP_MAX_DIMS);
+    return fail(L, SP_ETOOBIG, "%s.shape: %zu dimensions, at most %d", path, nd,
+                SP_MAX_DIMS);
   int64_t numel = 1;
   for (size_t d = 0; d < nd; d++) {
     json_t *v = json_array_get(shape, d);
@@ -201,9 +198,10 @@ static int load_shape(loader *L, json_t *o, const char *path,
       return fail(L, SP_EFORMAT, "%s.shape[%zu]: not an integer", path, d);
     json_int_t dim = json_integer_value(v);
     if (dim < 0)
-      return fail(L, SP_EFORMAT, "%s.shape[%zu]: negative dimension %lld",
-                  path, d, (long long)dim);
-    if (dim > SP_MODEL_MAX_NUMEL || (dim > 0 && numel > SP_MODEL_MAX_NUMEL / dim))
+      return fail(L, SP_EFORMAT, "%s.shape[%zu]: negative dimension %lld", path,
+                  d, (long long)dim);
+    if (dim > SP_MODEL_MAX_NUMEL ||
+        (dim > 0 && numel > SP_MODEL_MAX_NUMEL / dim))
       return fail(L, SP_ETOOBIG, "%s.shape: more than 2^50 elements", path);
     t->shape[d] = dim;
     numel *= dim;
@@ -274,8 +272,7 @@ static int load_tied(loader *L, json_t *arr) {
     int rc;
     if ((rc = sp_json_string(&L->r, o, "fqn", path, true, &fqn)) != 0)
       return rc;
-    if ((rc = sp_json_string(&L->r, o, "to", path, true, &to)) != 0)
-      return rc;
+    if ((rc = sp_json_string(&L->r, o, "to", path, true, &to)) != 0) return rc;
     sp_tied *t = &m->tied[i];
     t->fqn = sp_strdup(fqn);
     m->n_tied = i + 1;

@@ -37,10 +37,10 @@ extern "C" {
 #define SP_MODEL_MAX_NUMEL (INT64_C(1) << 50)
 
 typedef struct sp_module {
-  const char *fqn;   /* "" for the root */
-  const char *type;  /* class name, e.g. "BatchNorm2d" */
-  int32_t parent;    /* index into modules; -1 for the root */
-  int32_t depth;     /* root 0 */
+  const char *fqn;      /* "" for the root */
+  const char *type;     /* class name, e.g. "BatchNorm2d" */
+  int32_t parent;       /* index into modules; -1 for the root */
+  int32_t depth;        /* root 0 */
   uint32_t subtree_end; /* modules [index, subtree_end) are this subtree */
 } sp_module;
 

@@ -32,8 +32,8 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
   return 0;
 }
 
-static int add_entry(builder *b, int32_t param, const char *fqn,
-                     int64_t offset, int64_t numel) {
+static int add_entry(builder *b, int32_t param, const char *fqn, int64_t offset,
+                     int64_t numel) {
   sp_plan *pl = b->plan;
   if (grow((void **)&pl->entries, &b->cap_entries, pl->n_entries + 1,
            sizeof *pl->entries) != 0)
@@ -64,7 +64,8 @@ static int group_by_module(size_t n_modules, size_t count,
   uint32_t *fill = malloc((n_modules + 1) * sizeof *fill);
   if (fill == NULL) return SP_ENOMEM;
   memcpy(fill, *start, (n_modules + 1) * sizeof *fill);
-  for (size_t i = 0; i < count; i++) (*items)[fill[module_of(m, i)]++] = (int32_t)i;
+  for (size_t i = 0; i < count; i++)
+    (*items)[fill[module_of(m, i)]++] = (int32_t)i;
   free(fill);
   return 0;
 }
@@ -89,8 +90,8 @@ static void resolve_mixed_precision(const sp_job *job, sp_unit *u) {
   }
   /* FSDP1 (_init_param_reduce_dtypes): an unset reduce_dtype follows
    * param_dtype when that is set, else the original dtype. */
-  u->param_dtype = mp->param_dtype != SP_DTYPE_INVALID ? mp->param_dtype
-                                                        : u->dtype;
+  u->param_dtype =
+      mp->param_dtype != SP_DTYPE_INVALID ? mp->param_dtype : u->dtype;
   if (mp->reduce_dtype != SP_DTYPE_INVALID)
     u->reduce_dtype = mp->reduce_dtype;
   else
@@ -177,8 +178,7 @@ static int flatten_unit(builder *b, uint32_t u, int32_t *claimed,
       int rc = flatten_param(b, u, p, m->params[p].fqn, claimed, &total);
       if (rc != 0) return rc;
     }
-    for (uint32_t k = b->mod_tied_start[j]; k < b->mod_tied_start[j + 1];
-         k++) {
+    for (uint32_t k = b->mod_tied_start[j]; k < b->mod_tied_start[j + 1]; k++) {
       const sp_tied *t = &m->tied[b->mod_tied[k]];
       int rc = flatten_param(b, u, t->target, t->fqn, claimed, &total);
       if (rc != 0) return rc;
@@ -299,7 +299,8 @@ static int build_units(builder *b) {
       sp_unit *u = &pl->units[pl->n_units++];
       u->module = (int32_t)i;
       u->parent = i == 0 ? -1 : b->module_unit[m->modules[i].parent];
-      u->full_precision = sp_job_full_precision_type(b->job, m->modules[i].type);
+      u->full_precision =
+          sp_job_full_precision_type(b->job, m->modules[i].type);
     }
     b->module_unit[i] =
         unit ? b->unit_of[i] : b->module_unit[m->modules[i].parent];
@@ -354,10 +355,9 @@ static int build_buffers(builder *b) {
     pb->persistent = t->flag;
     sp_dtype want = pl->units[pb->unit].buffer_dtype;
     /* integer and bool buffers never change dtype */
-    pb->compute_dtype = sp_dtype_is_floating(t->dtype) &&
-                                want != SP_DTYPE_INVALID
-                            ? want
-                            : t->dtype;
+    pb->compute_dtype =
+        sp_dtype_is_floating(t->dtype) && want != SP_DTYPE_INVALID ? want
+                                                                   : t->dtype;
   }
   return 0;
 }
@@ -376,9 +376,9 @@ int sp_plan_build(const sp_model *model, const sp_job *job, sp_plan **out,
   /* FSDP switches every strategy to NO_SHARD when the world is one rank */
   if (job->world_size == 1) pl->strategy = SP_NO_SHARD;
   switch (pl->strategy) {
-  case SP_NO_SHARD: pl->shard_world = 1; break;
-  case SP_HYBRID_SHARD: pl->shard_world = job->shard_group_size; break;
-  default: pl->shard_world = job->world_size; break;
+    case SP_NO_SHARD: pl->shard_world = 1; break;
+    case SP_HYBRID_SHARD: pl->shard_world = job->shard_group_size; break;
+    default: pl->shard_world = job->world_size; break;
   }
   builder b = {.m = model, .job = job, .plan = pl, .diag = diag};
   if ((rc = build_units(&b)) == 0 && (rc = build_flat_params(&b)) == 0 &&
@@ -472,8 +472,7 @@ int sp_plan_shard_params(const sp_plan *pl, uint32_t unit, uint32_t rank,
   return 0;
 }
 
-int sp_plan_locate(const sp_plan *pl, const char *fqn,
-                   sp_param_location *out) {
+int sp_plan_locate(const sp_plan *pl, const char *fqn, sp_param_location *out) {
   if (pl == NULL || fqn == NULL || out == NULL) return SP_EINVAL;
   int32_t p = sp_model_find_param(pl->model, fqn);
   if (p < 0) {
@@ -495,7 +494,8 @@ int sp_plan_locate(const sp_plan *pl, const char *fqn,
     int64_t last = fe->numel > 0 ? fe->offset + fe->numel - 1 : fe->offset;
     out->first_shard = (uint32_t)(fe->offset / u->shard_numel);
     out->last_shard = (uint32_t)(last / u->shard_numel);
-    if (out->last_shard >= pl->shard_world) out->last_shard = pl->shard_world - 1;
+    if (out->last_shard >= pl->shard_world)
+      out->last_shard = pl->shard_world - 1;
     if (out->first_shard > out->last_shard) out->first_shard = out->last_shard;
   }
   return 0;

@@ -47,12 +47,12 @@ typedef struct sp_flat_entry {
 } sp_flat_entry;
 
 typedef struct sp_unit {
-  int32_t module;      /* model module index of the wrapped module */
-  int32_t parent;      /* enclosing unit, -1 for the root unit */
-  size_t first_entry;  /* entries [first_entry, first_entry + n_entries) */
+  int32_t module;     /* model module index of the wrapped module */
+  int32_t parent;     /* enclosing unit, -1 for the root unit */
+  size_t first_entry; /* entries [first_entry, first_entry + n_entries) */
   size_t n_entries;
-  size_t n_params;     /* real (non-padding) entries */
-  sp_dtype dtype;      /* dtype of the flat parameter; INVALID when empty */
+  size_t n_params; /* real (non-padding) entries */
+  sp_dtype dtype;  /* dtype of the flat parameter; INVALID when empty */
   /* any of its parameters requires grad (they all agree unless
    * use_orig_params, which allows frozen and trainable ones together) */
   bool requires_grad;
@@ -60,8 +60,8 @@ typedef struct sp_unit {
   int64_t shard_numel; /* c: elements every rank holds, padding included */
   /* Mixed precision as this unit applies it (resolved, never INVALID for a
    * non-empty unit except buffer_dtype, where INVALID means "keep"). */
-  bool full_precision;  /* a module type kept out of mixed precision */
-  bool mixed_precision; /* false: policy off, or a full-precision unit */
+  bool full_precision;   /* a module type kept out of mixed precision */
+  bool mixed_precision;  /* false: policy off, or a full-precision unit */
   sp_dtype param_dtype;  /* unsharded / all-gather dtype */
   sp_dtype reduce_dtype; /* gradient collective dtype */
   sp_dtype buffer_dtype; /* INVALID: buffers keep their dtype */
@@ -85,10 +85,10 @@ typedef struct sp_plan_alias {
 typedef struct sp_plan {
   const sp_model *model; /* borrowed */
   uint32_t world_size;
-  sp_strategy strategy;   /* effective: FULL_SHARD at W=1 becomes NO_SHARD */
-  uint32_t shard_world;   /* ranks a flat parameter is split over */
+  sp_strategy strategy; /* effective: FULL_SHARD at W=1 becomes NO_SHARD */
+  uint32_t shard_world; /* ranks a flat parameter is split over */
   bool use_orig_params;
-  sp_unit *units;         /* index 0 is the root unit */
+  sp_unit *units; /* index 0 is the root unit */
   size_t n_units;
   sp_flat_entry *entries;
   size_t n_entries;
@@ -137,10 +137,10 @@ int sp_plan_shard_params(const sp_plan *plan, uint32_t unit, uint32_t rank,
 
 /* Where a parameter lives. Aliases resolve to the flattened tensor. */
 typedef struct sp_param_location {
-  int32_t param;     /* model param index */
+  int32_t param; /* model param index */
   int32_t unit;
   size_t entry;
-  int64_t offset;    /* in the unit's flat parameter */
+  int64_t offset; /* in the unit's flat parameter */
   int64_t numel;
   uint32_t first_shard; /* shard indices holding a part of it, inclusive */
   uint32_t last_shard;

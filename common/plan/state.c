@@ -104,8 +104,8 @@ static const sp_state_transition k_table[] = {
 #define K_TABLE_LEN (sizeof k_table / sizeof k_table[0])
 
 /* Indexed by state value; slot 0 is unused because PyTorch numbers from 1. */
-static const char *const k_root_names[] = {
-    NULL, "IDLE", "FORWARD_BACKWARD", "SUMMON_FULL_PARAMS"};
+static const char *const k_root_names[] = {NULL, "IDLE", "FORWARD_BACKWARD",
+                                           "SUMMON_FULL_PARAMS"};
 static const char *const k_handle_names[] = {
     NULL,           "IDLE",          "FORWARD",
     "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS"};
@@ -120,20 +120,16 @@ bool sp_state_machine_valid(sp_machine m) {
 
 const char *sp_state_machine_name(sp_machine m) {
   switch (m) {
-  case SP_MACHINE_ROOT:
-    return "root";
-  case SP_MACHINE_HANDLE:
-    return "handle";
+    case SP_MACHINE_ROOT: return "root";
+    case SP_MACHINE_HANDLE: return "handle";
   }
   return "invalid";
 }
 
 int sp_state_max(sp_machine m) {
   switch (m) {
-  case SP_MACHINE_ROOT:
-    return SP_ROOT_SUMMON_FULL_PARAMS;
-  case SP_MACHINE_HANDLE:
-    return SP_HANDLE_SUMMON_FULL_PARAMS;
+    case SP_MACHINE_ROOT: return SP_ROOT_SUMMON_FULL_PARAMS;
+    case SP_MACHINE_HANDLE: return SP_HANDLE_SUMMON_FULL_PARAMS;
   }
   return 0;
 }
@@ -148,7 +144,8 @@ const char *sp_state_name(sp_machine m, int state) {
 }
 
 int sp_state_parse(sp_machine m, const char *name, int *out) {
-  if (name == NULL || out == NULL || !sp_state_machine_valid(m)) return SP_EINVAL;
+  if (name == NULL || out == NULL || !sp_state_machine_valid(m))
+    return SP_EINVAL;
   const char *cls =
       m == SP_MACHINE_ROOT ? "TrainingState." : "HandleTrainingState.";
   size_t cls_len = strlen(cls);
@@ -254,8 +251,7 @@ void sp_state_tracker_free(sp_state_tracker *t) {
   t->n_units = 0;
 }
 
-int sp_state_tracker_get(const sp_state_tracker *t, sp_machine m,
-                         size_t unit) {
+int sp_state_tracker_get(const sp_state_tracker *t, sp_machine m, size_t unit) {
   if (t == NULL) return 0;
   if (m == SP_MACHINE_ROOT) return t->root;
   if (m == SP_MACHINE_HANDLE && unit < t->n_units) return t->units[unit];
@@ -269,12 +265,12 @@ int sp_state_tracker_apply(sp_state_tracker *t, sp_machine m, size_t unit,
     return sp_diag_set(d, SP_EINVAL, "invalid state machine %d", (int)m);
   }
   if (m == SP_MACHINE_HANDLE && unit >= t->n_units) {
-    return sp_diag_set(d, SP_EINVAL, "unit %zu out of range (%zu units)",
-                       unit, t->n_units);
+    return sp_diag_set(d, SP_EINVAL, "unit %zu out of range (%zu units)", unit,
+                       t->n_units);
   }
   if (!sp_state_valid(m, to)) {
-    return sp_diag_set(d, SP_EINVAL, "invalid %s state %d", sp_state_machine_name(m),
-                       to);
+    return sp_diag_set(d, SP_EINVAL, "invalid %s state %d",
+                       sp_state_machine_name(m), to);
   }
   int from = m == SP_MACHINE_ROOT ? t->root : t->units[unit];
   if (!sp_state_transition_legal(m, from, to)) {

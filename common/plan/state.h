@@ -113,7 +113,7 @@ int sp_state_transition_error(sp_diag *d, sp_machine m, int from, int to);
 #define SP_STATE_MAX_UNITS (1u << 20)
 
 typedef struct sp_state_tracker {
-  int root;      /* sp_root_state */
+  int root; /* sp_root_state */
   size_t n_units;
   /* n_units sp_handle_state values (one byte each: a coordinator keeps one
    * tracker per rank, thousands of them); NULL when n_units is 0 */

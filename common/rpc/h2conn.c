@@ -559,8 +559,7 @@ again:
      * it in the same loop turn then leave together once it completes,
      * where each would otherwise be a write of its own. */
     uv_buf_t b = uv_buf_init((char *)c->wbuf->data, (unsigned)c->wlen);
-    int w = c->direct ? uv_try_write((uv_stream_t *)&c->tcp, &b, 1)
-                       : UV_EAGAIN;
+    int w = c->direct ? uv_try_write((uv_stream_t *)&c->tcp, &b, 1) : UV_EAGAIN;
     if (w < 0 && w != UV_EAGAIN) {
       sp_h2conn_close(c);
       return;

@@ -48,8 +48,7 @@ typedef enum sp_rpc_code {
 
 /* Splits "host:port" or "[v6]:port"; host gets a NUL-terminated copy.
  * SP_EINVAL if malformed or the port is not 0-65535. */
-int sp_rpc_split_addr(const char *addr, char *host, size_t host_cap,
-                      int *port);
+int sp_rpc_split_addr(const char *addr, char *host, size_t host_cap, int *port);
 
 /* "unix:PATH" names a Unix-domain socket instead of host:port: clients
  * connect to it and servers listen on it. The connection is always
@@ -148,8 +147,8 @@ typedef struct sp_rpc_method {
 /* TLS for a server (OpenSSL): PEM files, read when the server starts to
  * listen; errors name the file. TLS 1.2 or later, ALPN "h2" only. */
 typedef struct sp_rpc_tls_server_opts {
-  const char *cert_file;      /* certificate chain (PEM); required */
-  const char *key_file;       /* its private key (PEM); required */
+  const char *cert_file; /* certificate chain (PEM); required */
+  const char *key_file;  /* its private key (PEM); required */
   /* Non-NULL: mutual TLS; every client must present a certificate that
    * chains to this CA bundle (PEM), or the handshake fails. */
   const char *client_ca_file;
@@ -257,8 +256,8 @@ int sp_rpc_server_add_methods(sp_rpc_server *srv, const sp_rpc_method *m,
  * another uid than the server is closed at once (SO_PEERCRED). *port_out, if given, gets the bound port.
  * SP_EINVAL for a malformed address, SP_EIO (with the reason in diag)
  * when it cannot bind, e.g. the port is in use. */
-int sp_rpc_server_listen(sp_rpc_server *srv, const char *addr,
-                         int *port_out, sp_diag *diag);
+int sp_rpc_server_listen(sp_rpc_server *srv, const char *addr, int *port_out,
+                         sp_diag *diag);
 
 /* Graceful shutdown: stop accepting, GOAWAY every connection, let calls in
  * flight finish (handlers still running after grace_ms are cancelled with
@@ -373,9 +372,10 @@ typedef struct sp_rpc_ccall sp_rpc_ccall;
 /* TLS for a client (OpenSSL): the server's certificate is verified
  * against ca_file and its name against server_name. */
 typedef struct sp_rpc_tls_client_opts {
-  const char *ca_file;   /* CA bundle (PEM); NULL: the system's trust store */
-  const char *cert_file; /* client certificate (PEM) for mutual TLS; NULL: none */
-  const char *key_file;  /* its private key; required with cert_file */
+  const char *ca_file; /* CA bundle (PEM); NULL: the system's trust store */
+  const char
+      *cert_file; /* client certificate (PEM) for mutual TLS; NULL: none */
+  const char *key_file; /* its private key; required with cert_file */
   /* The name the certificate must carry (DNS name or IP address), also
    * sent as SNI; NULL: the host part of the address. */
   const char *server_name;
@@ -417,14 +417,13 @@ typedef struct sp_rpc_ccall_cbs {
   void (*on_message)(sp_rpc_ccall *call, const uint8_t *data, size_t len,
                      void *user);
   /* Exactly once per call; the call is freed after it returns. */
-  void (*on_close)(sp_rpc_ccall *call, const sp_rpc_status *status,
-                   void *user);
+  void (*on_close)(sp_rpc_ccall *call, const sp_rpc_status *status, void *user);
 } sp_rpc_ccall_cbs;
 
 /* Starts a call. timeout_ms 0 means no deadline. md may be NULL. The call
  * is alive until on_close returns. */
-int sp_rpc_client_start(sp_rpc_client *c, const char *path,
-                        const sp_rpc_md *md, size_t n_md, uint64_t timeout_ms,
+int sp_rpc_client_start(sp_rpc_client *c, const char *path, const sp_rpc_md *md,
+                        size_t n_md, uint64_t timeout_ms,
                         const sp_rpc_ccall_cbs *cbs, void *user,
                         sp_rpc_ccall **out);
 /* Queues one request message (already packed). SP_ETOOBIG over the limit,
@@ -436,8 +435,8 @@ int sp_rpc_ccall_close_send(sp_rpc_ccall *call);
 /* Cancels (RST_STREAM CANCEL); on_close follows with CANCELLED. */
 void sp_rpc_ccall_cancel(sp_rpc_ccall *call);
 /* Response header or trailer metadata received so far, or NULL. */
-const uint8_t *sp_rpc_ccall_metadata(const sp_rpc_ccall *call,
-                                     const char *key, size_t *len);
+const uint8_t *sp_rpc_ccall_metadata(const sp_rpc_ccall *call, const char *key,
+                                     size_t *len);
 
 /* ------------------------------------------------------------------ */
 /* Blocking wrapper                                                    */

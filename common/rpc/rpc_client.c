@@ -52,7 +52,7 @@ struct sp_rpc_client {
   struct sockaddr_storage sa;
   sp_rpc_client_opts opts;
   char *authorization; /* "Bearer <token>", owned; NULL: none */
-  cconn *conn;          /* current connection, if any */
+  cconn *conn;         /* current connection, if any */
   bool connecting, closing;
   uv_connect_t creq;
   uv_timer_t retry;
@@ -79,8 +79,10 @@ static void submit_call(sp_rpc_ccall *call);
 /* ---------------- call completion ---------------- */
 
 static void list_remove(sp_rpc_ccall **head, sp_rpc_ccall *call) {
-  if (call->prev) call->prev->next = call->next;
-  else if (*head == call) *head = call->next;
+  if (call->prev)
+    call->prev->next = call->next;
+  else if (*head == call)
+    *head = call->next;
   if (call->next) call->next->prev = call->prev;
   call->next = call->prev = NULL;
 }
@@ -99,8 +101,10 @@ static void call_complete(sp_rpc_ccall *call, int code, const char *msg) {
   if (call->closed) return;
   call->closed = true;
   if (call->conn && call->conn->cur_call == call) call->conn->cur_call = NULL;
-  if (call->conn) list_remove(&call->conn->calls, call);
-  else list_remove(&call->cl->waiting, call);
+  if (call->conn)
+    list_remove(&call->conn->calls, call);
+  else
+    list_remove(&call->cl->waiting, call);
   if (call->timer) {
     uv_timer_stop(call->timer);
     uv_close((uv_handle_t *)call->timer, timer_free);
@@ -205,7 +209,8 @@ static int cb_header(nghttp2_session *s, const nghttp2_frame *f,
   } else if (nlen == 11 && memcmp(name, "grpc-status", 11) == 0) {
     int code = 0;
     for (size_t i = 0; i < vlen && i < 3; i++)
-      code = code * 10 + (value[i] >= '0' && value[i] <= '9' ? value[i] - '0' : 0);
+      code =
+          code * 10 + (value[i] >= '0' && value[i] <= '9' ? value[i] - '0' : 0);
     call->status.code = code > 16 ? SP_RPC_UNKNOWN : code;
     call->has_grpc_status = true;
   } else if (nlen == 12 && memcmp(name, "grpc-message", 12) == 0) {
@@ -257,8 +262,7 @@ static int cb_data_chunk(nghttp2_session *s, uint8_t flags, int32_t id,
   return 0;
 }
 
-static int cb_frame_recv(nghttp2_session *s, const nghttp2_frame *f,
-                         void *ud) {
+static int cb_frame_recv(nghttp2_session *s, const nghttp2_frame *f, void *ud) {
   (void)s;
   cconn *cc = ud;
   if (f->hd.type == NGHTTP2_GOAWAY) {
@@ -282,9 +286,9 @@ static int cb_stream_close(nghttp2_session *s, int32_t id, uint32_t err,
 
 /* Messages that name the address: a long one truncates them, which is
  * acceptable (checking the result tells the compiler so). */
-#define MSGF(buf, cap, ...)                                                    \
-  do {                                                                         \
-    if (snprintf((buf), (cap), __VA_ARGS__) < 0) (buf)[0] = '\0';              \
+#define MSGF(buf, cap, ...)                                       \
+  do {                                                            \
+    if (snprintf((buf), (cap), __VA_ARGS__) < 0) (buf)[0] = '\0'; \
   } while (0)
 
 static void client_free(sp_rpc_client *cl) {
@@ -303,13 +307,12 @@ static void connect_failed(sp_rpc_client *cl, bool final);
 static void lost_message(cconn *cc, char *msg, size_t cap) {
   const sp_tls_conn *t = cc->io.tls;
   if (t != NULL && t->err[0] != '\0')
-    MSGF(msg, cap, "TLS connection to %s failed: %s", cc->cl->addr,
-             t->err);
+    MSGF(msg, cap, "TLS connection to %s failed: %s", cc->cl->addr, t->err);
   else if (cc->io.peer_tls)
     MSGF(msg, cap,
-             "connection to the server lost: %s answered with TLS, and this "
-             "client speaks cleartext HTTP/2",
-             cc->cl->addr);
+         "connection to the server lost: %s answered with TLS, and this "
+         "client speaks cleartext HTTP/2",
+         cc->cl->addr);
   else if (cc->io.tls == NULL && cc->io.bytes_in == 0)
     /* what a TLS server does with a cleartext client's preface */
     MSGF(msg, cap,
@@ -338,8 +341,8 @@ static void conn_closed(sp_h2conn *io) {
     const sp_tls_conn *t = io->tls;
     final = t != NULL && t->final;
     MSGF(cl->last_error, sizeof cl->last_error,
-             "TLS handshake with %s failed: %s", cl->addr,
-             t != NULL && t->err[0] ? t->err : "the connection closed");
+         "TLS handshake with %s failed: %s", cl->addr,
+         t != NULL && t->err[0] ? t->err : "the connection closed");
   }
   if (cl->conn == cc) cl->conn = NULL;
   free(cc);
@@ -364,7 +367,8 @@ static int session_new(cconn *cc) {
   nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, cb_data_chunk);
   nghttp2_session_callbacks_set_on_frame_recv_callback(cb, cb_frame_recv);
   nghttp2_session_callbacks_set_on_stream_close_callback(cb, cb_stream_close);
-  int rv = nghttp2_session_client_new3(&cc->io.h2, cb, cc, NULL, &cc->cl->mem.nv);
+  int rv =
+      nghttp2_session_client_new3(&cc->io.h2, cb, cc, NULL, &cc->cl->mem.nv);
   nghttp2_session_callbacks_del(cb);
   if (rv != 0) return SP_ENOMEM;
   /* nghttp2 writes the preface; the SETTINGS are ours to send */
@@ -486,7 +490,7 @@ static void on_connect(uv_connect_t *req, int status) {
     return;
   }
   MSGF(cl->last_error, sizeof cl->last_error, "cannot connect to %s: %s",
-           cl->addr, status ? uv_strerror(status) : "setup failed");
+       cl->addr, status ? uv_strerror(status) : "setup failed");
   sp_h2conn_close(&cc->io);
   connect_failed(cl, false);
 }
@@ -511,7 +515,7 @@ static void client_connect(sp_rpc_client *cl) {
                                : sp_h2conn_init(&cc->io, cl->loop, cc)) != 0) {
     free(cc);
     MSGF(cl->last_error, sizeof cl->last_error,
-             "cannot connect to %s: out of memory", cl->addr);
+         "cannot connect to %s: out of memory", cl->addr);
     cl->connecting = false;
     fail_waiting(cl);
     return;
@@ -547,8 +551,8 @@ static void submit_call(sp_rpc_ccall *call) {
   nghttp2_nv nv_st[16];
   char *b64_st[8] = {NULL};
   nghttp2_nv *nv = cap <= 16 ? nv_st : calloc(cap, sizeof *nv);
-  char **b64 = call->md.n + 1 <= 8 ? b64_st
-                                   : calloc(call->md.n + 1, sizeof *b64);
+  char **b64 =
+      call->md.n + 1 <= 8 ? b64_st : calloc(call->md.n + 1, sizeof *b64);
   if (nv == NULL || b64 == NULL) {
     if (nv != nv_st) free(nv);
     if (b64 != b64_st) free(b64);
@@ -575,9 +579,9 @@ static void submit_call(sp_rpc_ccall *call) {
    * codec we take (see rpc_server.c, submit_headers) */
   nv[n++] = (nghttp2_nv)SP_NV_STATIC("user-agent", "shardplane/0.1", 14);
   if (cl->authorization != NULL)
-    nv[n++] = (nghttp2_nv){(uint8_t *)"authorization",
-                           (uint8_t *)cl->authorization, 13,
-                           strlen(cl->authorization), NGHTTP2_NV_FLAG_NO_INDEX};
+    nv[n++] =
+        (nghttp2_nv){(uint8_t *)"authorization", (uint8_t *)cl->authorization,
+                     13, strlen(cl->authorization), NGHTTP2_NV_FLAG_NO_INDEX};
   if (call->timeout_ms > 0) {
     /* what is left of the deadline, since the call may have waited */
     uint64_t left = call->timer ? uv_timer_get_due_in(call->timer) : 0;
@@ -598,7 +602,8 @@ static void submit_call(sp_rpc_ccall *call) {
     nv[n++] = (nghttp2_nv){(uint8_t *)e->key, (uint8_t *)v, kl, vl,
                            NGHTTP2_NV_FLAG_NONE};
   }
-  nghttp2_data_provider prd = {.source.ptr = call, .read_callback = read_request};
+  nghttp2_data_provider prd = {.source.ptr = call,
+                               .read_callback = read_request};
   int32_t id = nghttp2_submit_request(cc->io.h2, NULL, nv, n, &prd, call);
   for (size_t i = 0; i < call->md.n; i++) free(b64[i]);
   if (b64 != b64_st) free(b64);
@@ -707,7 +712,8 @@ void sp_rpc_client_close(sp_rpc_client *cl, void (*done)(void *), void *arg) {
   cl->closing = true;
   cl->close_done = done;
   cl->close_arg = arg;
-  while (cl->waiting) call_complete(cl->waiting, SP_RPC_CANCELLED, "client closed");
+  while (cl->waiting)
+    call_complete(cl->waiting, SP_RPC_CANCELLED, "client closed");
   cconn *cur = cl->conn;
   if (cur != NULL) {
     for (sp_rpc_ccall *c = cur->calls; c; c = c->next)
@@ -823,10 +829,11 @@ int sp_rpc_ccall_close_send(sp_rpc_ccall *call) {
 }
 
 void sp_rpc_ccall_cancel(sp_rpc_ccall *call) {
-  if (call != NULL) call_abort(call, SP_RPC_CANCELLED, "cancelled by the client");
+  if (call != NULL)
+    call_abort(call, SP_RPC_CANCELLED, "cancelled by the client");
 }
 
-const uint8_t *sp_rpc_ccall_metadata(const sp_rpc_ccall *call,
-                                     const char *key, size_t *len) {
+const uint8_t *sp_rpc_ccall_metadata(const sp_rpc_ccall *call, const char *key,
+                                     size_t *len) {
   return sp_rpc_mdlist_get(&call->resp_md, key, len);
 }

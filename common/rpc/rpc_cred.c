@@ -10,26 +10,25 @@
 #include "rpc_cred.h"
 
 int sp_cred_option(sp_cred *c, int opt, const char *arg, sp_diag *d) {
-  static const char *const flags[] = {"--insecure", "--tls-ca", "--tls-cert",
-                                      "--tls-key", "--tls-server-name",
-                                      "--token-file"};
+  static const char *const flags[] = {"--insecure",        "--tls-ca",
+                                      "--tls-cert",        "--tls-key",
+                                      "--tls-server-name", "--token-file"};
   if (opt < SP_CRED_OPT_INSECURE || opt > SP_CRED_OPT_TOKEN_FILE) return 0;
   if (opt == SP_CRED_OPT_INSECURE) {
     c->insecure = true;
     return 1;
   }
   const char *flag = flags[opt - SP_CRED_OPT_INSECURE];
-  int rc = sp_flag_text(flag, arg,
-                        opt == SP_CRED_OPT_TLS_SERVER_NAME ? "a host name"
-                                                           : "a file",
-                        d);
+  int rc = sp_flag_text(
+      flag, arg, opt == SP_CRED_OPT_TLS_SERVER_NAME ? "a host name" : "a file",
+      d);
   if (rc != 0) return rc;
   switch (opt) {
-  case SP_CRED_OPT_TLS_CA: c->tls.ca_file = arg; break;
-  case SP_CRED_OPT_TLS_CERT: c->tls.cert_file = arg; break;
-  case SP_CRED_OPT_TLS_KEY: c->tls.key_file = arg; break;
-  case SP_CRED_OPT_TLS_SERVER_NAME: c->tls.server_name = arg; break;
-  default: c->token_file = arg; break;
+    case SP_CRED_OPT_TLS_CA: c->tls.ca_file = arg; break;
+    case SP_CRED_OPT_TLS_CERT: c->tls.cert_file = arg; break;
+    case SP_CRED_OPT_TLS_KEY: c->tls.key_file = arg; break;
+    case SP_CRED_OPT_TLS_SERVER_NAME: c->tls.server_name = arg; break;
+    default: c->token_file = arg; break;
   }
   c->ready = false;
   return 1;
@@ -47,19 +46,19 @@ int sp_cred_read_token_file(const char *path, char *out, size_t cap,
                             sp_diag *d) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
-    return sp_diag_set(d, SP_EIO, "--token-file %s: %s", path,
-                       strerror(errno));
+    return sp_diag_set(d, SP_EIO, "--token-file %s: %s", path, strerror(errno));
   struct stat st;
   int rc = 0;
   if (fstat(fd, &st) != 0)
     rc = sp_diag_set(d, SP_EIO, "--token-file %s: %s", path, strerror(errno));
   else if (!S_ISREG(st.st_mode))
-    rc = sp_diag_set(d, SP_EFORMAT, "--token-file %s: not a regular file",
-                     path);
+    rc =
+        sp_diag_set(d, SP_EFORMAT, "--token-file %s: not a regular file", path);
   else if (st.st_mode & 077)
     rc = sp_diag_set(d, SP_ESTATE,
                      "--token-file %s: mode %03o lets others read the token; "
-                     "chmod 600 it", path, (unsigned)(st.st_mode & 0777));
+                     "chmod 600 it",
+                     path, (unsigned)(st.st_mode & 0777));
   if (rc != 0) {
     close(fd);
     return rc;
@@ -83,7 +82,8 @@ int sp_cred_read_token_file(const char *path, char *out, size_t cap,
   if (n == 0 || n >= cap || n > SP_CRED_TOKEN_MAX || !token_ok(p))
     rc = sp_diag_set(d, SP_EFORMAT,
                      "--token-file %s: expected a token (1-%d printable "
-                     "characters) on the first line", path, SP_CRED_TOKEN_MAX);
+                     "characters) on the first line",
+                     path, SP_CRED_TOKEN_MAX);
   else
     memcpy(out, p, n + 1);
   memset(buf, 0, sizeof buf);
@@ -101,8 +101,8 @@ int sp_cred_finish(sp_cred *c, sp_diag *d) {
     return sp_diag_set(d, SP_EINVAL, "--tls-cert and --tls-key go together");
   c->has_token = false;
   if (c->token_file != NULL) {
-    int rc = sp_cred_read_token_file(c->token_file, c->token,
-                                     sizeof c->token, d);
+    int rc =
+        sp_cred_read_token_file(c->token_file, c->token, sizeof c->token, d);
     if (rc != 0) return rc;
     c->has_token = true;
   } else {
@@ -110,8 +110,10 @@ int sp_cred_finish(sp_cred *c, sp_diag *d) {
     if (env != NULL && env[0] != '\0') {
       if (strlen(env) > SP_CRED_TOKEN_MAX || !token_ok(env))
         return sp_diag_set(d, SP_EFORMAT,
-                           "$" SP_TOKEN_ENV ": expected a token (1-%d "
-                           "printable characters)", SP_CRED_TOKEN_MAX);
+                           "$" SP_TOKEN_ENV
+                           ": expected a token (1-%d "
+                           "printable characters)",
+                           SP_CRED_TOKEN_MAX);
       snprintf(c->token, sizeof c->token, "%s", env);
       c->has_token = true;
     }

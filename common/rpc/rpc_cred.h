@@ -41,26 +41,28 @@ enum {
 };
 
 /* Entries for a getopt_long table (comma-separated, no trailing comma). */
-#define SP_CRED_OPTIONS                                                        \
-  {"insecure", no_argument, NULL, SP_CRED_OPT_INSECURE},                       \
-      {"tls-ca", required_argument, NULL, SP_CRED_OPT_TLS_CA},                 \
-      {"tls-cert", required_argument, NULL, SP_CRED_OPT_TLS_CERT},             \
-      {"tls-key", required_argument, NULL, SP_CRED_OPT_TLS_KEY},               \
-      {"tls-server-name", required_argument, NULL,                             \
-       SP_CRED_OPT_TLS_SERVER_NAME},                                           \
-      {"token-file", required_argument, NULL, SP_CRED_OPT_TOKEN_FILE}
+#define SP_CRED_OPTIONS                                            \
+  {"insecure", no_argument, NULL, SP_CRED_OPT_INSECURE},           \
+      {"tls-ca", required_argument, NULL, SP_CRED_OPT_TLS_CA},     \
+      {"tls-cert", required_argument, NULL, SP_CRED_OPT_TLS_CERT}, \
+      {"tls-key", required_argument, NULL, SP_CRED_OPT_TLS_KEY},   \
+      {"tls-server-name", required_argument, NULL,                 \
+       SP_CRED_OPT_TLS_SERVER_NAME},                               \
+  {                                                                \
+    "token-file", required_argument, NULL, SP_CRED_OPT_TOKEN_FILE  \
+  }
 #define SP_CRED_N_OPTIONS 6
 
-#define SP_CRED_OPTIONS_HELP                                                   \
-  "  --insecure                   cleartext HTTP/2 (default: TLS)\n"          \
-  "  --tls-ca FILE                CA bundle the coordinator's certificate\n"  \
-  "                               must chain to (default: system store)\n"    \
-  "  --tls-cert FILE              client certificate for mutual TLS\n"        \
-  "  --tls-key FILE               its private key\n"                          \
-  "  --tls-server-name NAME       name the certificate must carry (default:\n"\
-  "                               the coordinator's host)\n"                  \
-  "  --token-file FILE            bearer token, in a file only its owner may\n"\
-  "                               read (default: the token itself in\n"       \
+#define SP_CRED_OPTIONS_HELP                                                    \
+  "  --insecure                   cleartext HTTP/2 (default: TLS)\n"            \
+  "  --tls-ca FILE                CA bundle the coordinator's certificate\n"    \
+  "                               must chain to (default: system store)\n"      \
+  "  --tls-cert FILE              client certificate for mutual TLS\n"          \
+  "  --tls-key FILE               its private key\n"                            \
+  "  --tls-server-name NAME       name the certificate must carry (default:\n"  \
+  "                               the coordinator's host)\n"                    \
+  "  --token-file FILE            bearer token, in a file only its owner may\n" \
+  "                               read (default: the token itself in\n"         \
   "                               $" SP_TOKEN_ENV ")\n"
 
 typedef struct sp_cred {

@@ -93,14 +93,22 @@ static void on_watch_cancel(sp_rpc_call *call, int code) {
 
 int sp_rpc_health_init(sp_rpc_server *srv, sp_rpc_health_state *h) {
   memset(h, 0, sizeof *h);
-  h->methods[0] = (sp_rpc_method){
-      "/grpc.health.v1.Health/Check", SP_RPC_UNARY,
-      &grpc__health__v1__health_check_request__descriptor, on_check, NULL,
-      NULL, h};
-  h->methods[1] = (sp_rpc_method){
-      "/grpc.health.v1.Health/Watch", SP_RPC_SERVER_STREAMING,
-      &grpc__health__v1__health_check_request__descriptor, on_watch, NULL,
-      on_watch_cancel, h};
+  h->methods[0] =
+      (sp_rpc_method){"/grpc.health.v1.Health/Check",
+                      SP_RPC_UNARY,
+                      &grpc__health__v1__health_check_request__descriptor,
+                      on_check,
+                      NULL,
+                      NULL,
+                      h};
+  h->methods[1] =
+      (sp_rpc_method){"/grpc.health.v1.Health/Watch",
+                      SP_RPC_SERVER_STREAMING,
+                      &grpc__health__v1__health_check_request__descriptor,
+                      on_watch,
+                      NULL,
+                      on_watch_cancel,
+                      h};
   int rc = sp_rpc_server_add_methods(srv, h->methods, 2);
   if (rc == 0) rc = sp_rpc_health_set(h, "", SP_HEALTH_SERVING);
   return rc;

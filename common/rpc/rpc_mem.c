@@ -36,7 +36,9 @@
 _Static_assert(CLASS_BYTES(SP_RPC_MEM_CLASSES - 1) == SP_RPC_MEM_MAX,
                "the last class holds SP_RPC_MEM_MAX bytes");
 
-static void *nv_malloc(size_t size, void *m) { return sp_rpc_mem_alloc(m, size); }
+static void *nv_malloc(size_t size, void *m) {
+  return sp_rpc_mem_alloc(m, size);
+}
 static void nv_free(void *p, void *m) { sp_rpc_mem_free(m, p); }
 static void *nv_calloc(size_t n, size_t size, void *m) {
   return sp_rpc_mem_calloc(m, n, size);

@@ -26,10 +26,14 @@ int sp_rpc_utf8_valid(const uint8_t *s, size_t n, size_t *bad) {
     }
     size_t k;
     uint32_t cp, min;
-    if (c >= 0xC2 && c <= 0xDF) k = 1, cp = c & 0x1F, min = 0x80;
-    else if (c >= 0xE0 && c <= 0xEF) k = 2, cp = c & 0x0F, min = 0x800;
-    else if (c >= 0xF0 && c <= 0xF4) k = 3, cp = c & 0x07, min = 0x10000;
-    else goto fail; /* continuation byte, C0/C1 overlong lead, or > F4 */
+    if (c >= 0xC2 && c <= 0xDF)
+      k = 1, cp = c & 0x1F, min = 0x80;
+    else if (c >= 0xE0 && c <= 0xEF)
+      k = 2, cp = c & 0x0F, min = 0x800;
+    else if (c >= 0xF0 && c <= 0xF4)
+      k = 3, cp = c & 0x07, min = 0x10000;
+    else
+      goto fail; /* continuation byte, C0/C1 overlong lead, or > F4 */
     if (n - i <= k) goto fail;
     for (size_t j = 1; j <= k; j++) {
       if ((s[i + j] & 0xC0) != 0x80) goto fail;
@@ -112,16 +116,16 @@ static size_t put_varint(uint8_t *dst, uint64_t v) {
 /* The wire type protobuf-c reads a field of this type with. */
 static unsigned natural_wire_type(ProtobufCType t) {
   switch (t) {
-  case PROTOBUF_C_TYPE_SFIXED32:
-  case PROTOBUF_C_TYPE_FIXED32:
-  case PROTOBUF_C_TYPE_FLOAT: return 5;
-  case PROTOBUF_C_TYPE_SFIXED64:
-  case PROTOBUF_C_TYPE_FIXED64:
-  case PROTOBUF_C_TYPE_DOUBLE: return 1;
-  case PROTOBUF_C_TYPE_STRING:
-  case PROTOBUF_C_TYPE_BYTES:
-  case PROTOBUF_C_TYPE_MESSAGE: return 2;
-  default: return 0; /* the varint types, bool and enum */
+    case PROTOBUF_C_TYPE_SFIXED32:
+    case PROTOBUF_C_TYPE_FIXED32:
+    case PROTOBUF_C_TYPE_FLOAT: return 5;
+    case PROTOBUF_C_TYPE_SFIXED64:
+    case PROTOBUF_C_TYPE_FIXED64:
+    case PROTOBUF_C_TYPE_DOUBLE: return 1;
+    case PROTOBUF_C_TYPE_STRING:
+    case PROTOBUF_C_TYPE_BYTES:
+    case PROTOBUF_C_TYPE_MESSAGE: return 2;
+    default: return 0; /* the varint types, bool and enum */
   }
 }
 
@@ -222,7 +226,8 @@ static int check_msg(pbscan *sc, const ProtobufCMessageDescriptor *d,
                      SP_PBCHECK_MAX_DEPTH);
   size_t off = 0, kept = 0;
   bool any = false;
-  if (!charge(sc, d->sizeof_message + ALLOC_OVERHEAD)) return over_budget(sc, d);
+  if (!charge(sc, d->sizeof_message + ALLOC_OVERHEAD))
+    return over_budget(sc, d);
   fieldmap fm;
   fieldmap_init(&fm, d);
   skip2 sk;
@@ -247,32 +252,33 @@ static int check_msg(pbscan *sc, const ProtobufCMessageDescriptor *d,
     size_t vstart = off, plen = 0;
     uint64_t v;
     switch (wt) {
-    case 0:
-      if (!get_varint(p, n, &off, &v))
-        return scan_fail(sc, "%s: malformed wire data at byte %zu (varint)",
-                         d->name, base + vstart);
-      break;
-    case 1:
-    case 5: {
-      size_t w = wt == 1 ? 8 : 4;
-      if (n - off < w)
-        return scan_fail(sc, "%s: malformed wire data at byte %zu (truncated)",
-                         d->name, base + vstart);
-      off += w;
-      break;
-    }
-    case 2:
-      if (!get_varint(p, n, &off, &v) || v > n - off)
-        return scan_fail(sc, "%s: malformed wire data at byte %zu (length)",
-                         d->name, base + vstart);
-      vstart = off;
-      plen = (size_t)v;
-      off += plen;
-      break;
-    default:
-      return scan_fail(sc,
-                       "%s: malformed wire data at byte %zu (wire type %u)",
-                       d->name, base + start, wt);
+      case 0:
+        if (!get_varint(p, n, &off, &v))
+          return scan_fail(sc, "%s: malformed wire data at byte %zu (varint)",
+                           d->name, base + vstart);
+        break;
+      case 1:
+      case 5: {
+        size_t w = wt == 1 ? 8 : 4;
+        if (n - off < w)
+          return scan_fail(sc,
+                           "%s: malformed wire data at byte %zu (truncated)",
+                           d->name, base + vstart);
+        off += w;
+        break;
+      }
+      case 2:
+        if (!get_varint(p, n, &off, &v) || v > n - off)
+          return scan_fail(sc, "%s: malformed wire data at byte %zu (length)",
+                           d->name, base + vstart);
+        vstart = off;
+        plen = (size_t)v;
+        off += plen;
+        break;
+      default:
+        return scan_fail(sc,
+                         "%s: malformed wire data at byte %zu (wire type %u)",
+                         d->name, base + start, wt);
     }
     const ProtobufCFieldDescriptor *f = fieldmap_get(&fm, num);
     if (f == NULL) { /* unknown: dropped */
@@ -287,8 +293,8 @@ static int check_msg(pbscan *sc, const ProtobufCMessageDescriptor *d,
     size_t sz = off - start;
     size_t elems = 1;
     if (packed && !packed_ok(want, p + vstart, plen, &elems))
-      return scan_fail(sc, "%s.%s: malformed packed field at byte %zu",
-                       d->name, f->name, base + vstart);
+      return scan_fail(sc, "%s.%s: malformed packed field at byte %zu", d->name,
+                       f->name, base + vstart);
     /* protobuf-c's allocations: an array slot per repeated element, a copy
      * of each string and non-empty bytes, each nested message */
     size_t cost = 0;
@@ -347,9 +353,12 @@ static size_t write_msg(const ProtobufCMessageDescriptor *d, const uint8_t *p,
     size_t tag_end = off;
     unsigned wt = (unsigned)(tag & 7);
     size_t vstart = off, plen = 0;
-    if (wt == 0) get_varint(p, n, &off, &v);
-    else if (wt == 1) off += 8;
-    else if (wt == 5) off += 4;
+    if (wt == 0)
+      get_varint(p, n, &off, &v);
+    else if (wt == 1)
+      off += 8;
+    else if (wt == 5)
+      off += 4;
     else {
       get_varint(p, n, &off, &v);
       vstart = off;

@@ -92,8 +92,8 @@ struct srv_conn {
    * Cleared when that call is freed. */
   int32_t cur_id;
   sp_rpc_call *cur_call;
-  size_t pending;      /* bytes queued by all its calls */
-  bool any_blocked;    /* a call waits for `pending` to drain */
+  size_t pending;   /* bytes queued by all its calls */
+  bool any_blocked; /* a call waits for `pending` to drain */
   /* For the limits (uv_now() ms): accepted, and last seen with no open
    * call; whether complete request headers ever came; when an evicted or
    * timed-out connection, told by GOAWAY, is closed if still there. */
@@ -138,10 +138,10 @@ struct sp_rpc_server {
   sp_h2shared shared; /* the I/O buffers all connections share */
   /* nghttp2's blocks and the calls, for all connections (rpc_mem.h) */
   sp_rpc_mem mem;
-  sp_rpc_mem_trimmer trim; /* opts.trim_heap_bytes, on the sweep */
-  uint64_t trim_ended;      /* calls ended when the sweep last looked */
+  sp_rpc_mem_trimmer trim;   /* opts.trim_heap_bytes, on the sweep */
+  uint64_t trim_ended;       /* calls ended when the sweep last looked */
   ProtobufCAllocator pb_mem; /* srv->mem for the decoded requests */
-  SSL_CTX *tls; /* NULL: cleartext; built by the first listen */
+  SSL_CTX *tls;              /* NULL: cleartext; built by the first listen */
   /* Request and response bytes buffered across all connections, against
    * opts.max_buffered. */
   size_t buffered;
@@ -216,8 +216,10 @@ static void call_release(sp_rpc_call *call, int code) {
 static void call_free(sp_rpc_call *call) {
   srv_conn *c = call->conn;
   if (c->cur_call == call) c->cur_call = NULL;
-  if (call->prev) call->prev->next = call->next;
-  else c->calls = call->next;
+  if (call->prev)
+    call->prev->next = call->next;
+  else
+    c->calls = call->next;
   if (call->next) call->next->prev = call->prev;
   if (call->arm_listed)
     for (sp_rpc_call **pp = &c->arm; *pp; pp = &(*pp)->arm_next)
@@ -266,8 +268,8 @@ static size_t md_to_nv(const sp_rpc_mdlist *l, nghttp2_nv *nv, char **b64) {
       vlen = sp_rpc_b64_encode(e->value, e->len, b64[i]);
       v = (uint8_t *)b64[i];
     }
-    nv[n++] = (nghttp2_nv){(uint8_t *)e->key, v, klen, vlen,
-                           NGHTTP2_NV_FLAG_NONE};
+    nv[n++] =
+        (nghttp2_nv){(uint8_t *)e->key, v, klen, vlen, NGHTTP2_NV_FLAG_NONE};
   }
   return n;
 }
@@ -371,8 +373,7 @@ static void notify_drained(sp_rpc_call *call) {
     for (sp_rpc_call *x = c->calls; x; x = x->next) {
       if (!x->conn_blocked) continue;
       x->conn_blocked = false;
-      if (x->want_writable && x->q.bytes <= o->max_pending / 2)
-        queue_notify(x);
+      if (x->want_writable && x->q.bytes <= o->max_pending / 2) queue_notify(x);
     }
   }
 }
@@ -425,8 +426,9 @@ static int call_end(sp_rpc_call *call, int code, const char *msg) {
   unary_req_free(call);
   int rc = call->headers_sent ? 0 : submit_headers(call);
   call_kick(call);
-  if (rc != 0) nghttp2_submit_rst_stream(call->conn->io.h2, NGHTTP2_FLAG_NONE,
-                                         call->stream_id, NGHTTP2_INTERNAL_ERROR);
+  if (rc != 0)
+    nghttp2_submit_rst_stream(call->conn->io.h2, NGHTTP2_FLAG_NONE,
+                              call->stream_id, NGHTTP2_INTERNAL_ERROR);
   conn_flush_soon(call->conn);
   return 0;
 }
@@ -457,10 +459,10 @@ static int queue_bytes(sp_rpc_call *call, const uint8_t *data, size_t len,
    * not read cannot pin more than max_conn_pending however many streams it
    * opens. An empty queue always takes one message. */
   srv_conn *c = call->conn;
-  bool call_full = call->q.bytes > 0 &&
-                   call->q.bytes + len + 5 > srv->opts.max_pending;
-  bool conn_full = c->pending > 0 &&
-                   c->pending + len + 5 > srv->opts.max_conn_pending;
+  bool call_full =
+      call->q.bytes > 0 && call->q.bytes + len + 5 > srv->opts.max_pending;
+  bool conn_full =
+      c->pending > 0 && c->pending + len + 5 > srv->opts.max_conn_pending;
   if (call_full || conn_full) {
     call->want_writable = call->on_writable != NULL;
     if (conn_full) {
@@ -681,8 +683,8 @@ static void request_headers_done(sp_rpc_call *call) {
   call->method = srv->methods[idx];
   if (srv->opts.authorize != NULL && !is_health(call->method->path)) {
     char msg[SP_RPC_STATUS_MESSAGE_MAX] = "";
-    int code = srv->opts.authorize(call, srv->opts.authorize_arg, msg,
-                                   sizeof msg);
+    int code =
+        srv->opts.authorize(call, srv->opts.authorize_arg, msg, sizeof msg);
     if (code != SP_RPC_OK) {
       /* The handler never saw the call, so it must not hear of its end;
        * finished makes cb_data_chunk drop the body unread, and the
@@ -794,7 +796,7 @@ typedef struct rq_item {
 
 /* The loop handles the server keeps once it has connections. */
 struct srv_handles {
-  uv_idle_t idle;   /* runs the ready list; active only while it has calls */
+  uv_idle_t idle; /* runs the ready list; active only while it has calls */
   /* writes the queued flushes; while active, the loop does not block */
   uv_idle_t flush;
   uv_check_t check; /* ends an iteration's budget */
@@ -822,8 +824,10 @@ static void ready_push(sp_rpc_server *srv, sp_rpc_call *call) {
   call->ready = true;
   call->ready_next = NULL;
   call->ready_prev = srv->ready_tail;
-  if (srv->ready_tail) srv->ready_tail->ready_next = call;
-  else srv->ready_head = call;
+  if (srv->ready_tail)
+    srv->ready_tail->ready_next = call;
+  else
+    srv->ready_head = call;
   srv->ready_tail = call;
   if (srv->h != NULL && !uv_is_active((uv_handle_t *)&srv->h->idle))
     uv_idle_start(&srv->h->idle, on_dispatch);
@@ -832,10 +836,14 @@ static void ready_push(sp_rpc_server *srv, sp_rpc_call *call) {
 static void ready_remove(sp_rpc_server *srv, sp_rpc_call *call) {
   if (!call->ready) return;
   call->ready = false;
-  if (call->ready_prev) call->ready_prev->ready_next = call->ready_next;
-  else srv->ready_head = call->ready_next;
-  if (call->ready_next) call->ready_next->ready_prev = call->ready_prev;
-  else srv->ready_tail = call->ready_prev;
+  if (call->ready_prev)
+    call->ready_prev->ready_next = call->ready_next;
+  else
+    srv->ready_head = call->ready_next;
+  if (call->ready_next)
+    call->ready_next->ready_prev = call->ready_prev;
+  else
+    srv->ready_tail = call->ready_prev;
   call->ready_next = call->ready_prev = NULL;
 }
 
@@ -886,7 +894,8 @@ static int rq_push(sp_rpc_call *call, const uint8_t *data, size_t len) {
     srv->stats.calls_over_budget++;
     call_fail(call, SP_RPC_RESOURCE_EXHAUSTED,
               "request of %zu bytes: the server's buffers are full (limit "
-              "%zu bytes)", len, srv->opts.max_buffered);
+              "%zu bytes)",
+              len, srv->opts.max_buffered);
     return SP_ENOMEM;
   }
   rq_item *it = malloc(sizeof *it);
@@ -902,8 +911,10 @@ static int rq_push(sp_rpc_call *call, const uint8_t *data, size_t len) {
   it->len = len;
   it->data = copy;
   buffered_add(srv, len);
-  if (call->rq_tail) call->rq_tail->next = it;
-  else call->rq_head = it;
+  if (call->rq_tail)
+    call->rq_tail->next = it;
+  else
+    call->rq_head = it;
   call->rq_tail = it;
   srv->stats.deliveries_deferred++;
   ready_push(srv, call);
@@ -928,8 +939,10 @@ static void dispatch_one(sp_rpc_server *srv, sp_rpc_call *call) {
   if (call->rq_head != NULL || call->rq_half_close) ready_push(srv, call);
   bool was_in_h2 = c->io.in_h2;
   c->io.in_h2 = true;
-  if (it != NULL && !call->finished) deliver(call, it->data, it->len);
-  else if (half) half_close_now(call);
+  if (it != NULL && !call->finished)
+    deliver(call, it->data, it->len);
+  else if (half)
+    half_close_now(call);
   c->io.in_h2 = was_in_h2;
   if (it != NULL) rq_item_free(srv, it);
   if (!was_in_h2 && c->io.want_flush) {
@@ -945,7 +958,7 @@ static void on_dispatch(uv_idle_t *h) {
   while (srv->ready_head != NULL) {
     sp_rpc_call *call = srv->ready_head;
     /* a unary call's half-close delivers its request */
-    size_t len = call->rq_head != NULL           ? call->rq_head->len
+    size_t len = call->rq_head != NULL         ? call->rq_head->len
                  : unary_request(call->method) ? call->unary_len
                                                : 0;
     if (!budget_allows(srv, len)) break;
@@ -1015,7 +1028,8 @@ static int on_request_message(void *ud, const uint8_t *data, size_t len) {
       srv->stats.calls_over_budget++;
       call_fail(call, SP_RPC_RESOURCE_EXHAUSTED,
                 "request of %zu bytes: the server's buffers are full (limit "
-                "%zu bytes)", len, srv->opts.max_buffered);
+                "%zu bytes)",
+                len, srv->opts.max_buffered);
       return 0;
     }
     call->unary_req = sp_rpc_mem_alloc(&srv->mem, len ? len : 1);
@@ -1167,15 +1181,17 @@ static int cb_header(nghttp2_session *s, const nghttp2_frame *f,
     if (raw == NULL) return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
     long n = sp_rpc_b64_decode((const char *)value, vlen, raw);
     rc = n < 0 ? 0 /* undecodable: drop the entry */
-               : sp_rpc_mdlist_add(&call->req_md, (const char *)name, nlen,
-                                   raw, (size_t)n, budget);
+               : sp_rpc_mdlist_add(&call->req_md, (const char *)name, nlen, raw,
+                                   (size_t)n, budget);
     free(raw);
   } else {
-    rc = sp_rpc_mdlist_add(&call->req_md, (const char *)name, nlen, value,
-                           vlen, budget);
+    rc = sp_rpc_mdlist_add(&call->req_md, (const char *)name, nlen, value, vlen,
+                           budget);
   }
-  if (rc == SP_ETOOBIG) call->md_overflow = true;
-  else if (rc != 0) return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
+  if (rc == SP_ETOOBIG)
+    call->md_overflow = true;
+  else if (rc != 0)
+    return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
   return 0;
 }
 
@@ -1210,27 +1226,25 @@ static int cb_data_chunk(nghttp2_session *s, uint8_t flags, int32_t id,
   return 0;
 }
 
-static int cb_frame_recv(nghttp2_session *s, const nghttp2_frame *f,
-                         void *ud) {
+static int cb_frame_recv(nghttp2_session *s, const nghttp2_frame *f, void *ud) {
   if (f->hd.type != NGHTTP2_HEADERS && f->hd.type != NGHTTP2_DATA) return 0;
   /* the stream may already be closed: fetch and check again */
   sp_rpc_call *call = stream_call(ud, s, f->hd.stream_id);
   if (call == NULL) return 0;
-  if (f->hd.type == NGHTTP2_HEADERS &&
-      f->headers.cat == NGHTTP2_HCAT_REQUEST)
+  if (f->hd.type == NGHTTP2_HEADERS && f->headers.cat == NGHTTP2_HCAT_REQUEST)
     request_headers_done(call);
   if (f->hd.flags & NGHTTP2_FLAG_END_STREAM) request_half_closed(call);
   return 0;
 }
 
-static int cb_frame_send(nghttp2_session *s, const nghttp2_frame *f,
-                         void *ud) {
+static int cb_frame_send(nghttp2_session *s, const nghttp2_frame *f, void *ud) {
   (void)ud;
   /* Trailers went out before the client finished sending: follow them with
    * RST_STREAM(NO_ERROR), as gRPC's Java and Go servers do, so the client
    * stops sending without treating the call as failed. Submitting it earlier would drop
    * the queued trailers. */
-  if (f->hd.type == NGHTTP2_HEADERS && (f->hd.flags & NGHTTP2_FLAG_END_STREAM) &&
+  if (f->hd.type == NGHTTP2_HEADERS &&
+      (f->hd.flags & NGHTTP2_FLAG_END_STREAM) &&
       nghttp2_session_get_stream_remote_close(s, f->hd.stream_id) == 0)
     nghttp2_submit_rst_stream(s, NGHTTP2_FLAG_NONE, f->hd.stream_id,
                               NGHTTP2_NO_ERROR);
@@ -1283,8 +1297,10 @@ static void conn_flush(srv_conn *c) { sp_h2conn_flush(&c->io); }
 static void flush_unlist(srv_conn *c) {
   if (!c->flush_queued) return;
   c->flush_queued = false;
-  if (c->flush_prev) c->flush_prev->flush_next = c->flush_next;
-  else c->srv->flush_head = c->flush_next;
+  if (c->flush_prev)
+    c->flush_prev->flush_next = c->flush_next;
+  else
+    c->srv->flush_head = c->flush_next;
   if (c->flush_next) c->flush_next->flush_prev = c->flush_prev;
   c->flush_next = c->flush_prev = NULL;
 }
@@ -1496,13 +1512,15 @@ static void conn_closed(sp_h2conn *io) {
   /* nghttp2_session_del does not report stream closes: end them here */
   while (c->calls != NULL) {
     sp_rpc_call *call = c->calls;
-    call_release(call, srv->shutting_down ? SP_RPC_UNAVAILABLE
-                                          : SP_RPC_CANCELLED);
+    call_release(call,
+                 srv->shutting_down ? SP_RPC_UNAVAILABLE : SP_RPC_CANCELLED);
     call_free(call);
   }
   flush_unlist(c);
-  if (c->prev) c->prev->next = c->next;
-  else srv->conns = c->next;
+  if (c->prev)
+    c->prev->next = c->next;
+  else
+    srv->conns = c->next;
   if (c->next) c->next->prev = c->prev;
   srv->stats.connections_open--;
   if (!c->evicting) srv->live_conns--;
@@ -1612,9 +1630,8 @@ static void on_connection(uv_stream_t *server, int status) {
   if (status < 0) return;
   srv_conn *c = conn_new(srv, l->is_pipe);
   if (c == NULL) return;
-  if (uv_accept(server, (uv_stream_t *)&c->io.tcp) != 0 ||
-      srv->shutting_down || (l->is_pipe && !pipe_peer_ok(c)) ||
-      session_new(c) != 0) {
+  if (uv_accept(server, (uv_stream_t *)&c->io.tcp) != 0 || srv->shutting_down ||
+      (l->is_pipe && !pipe_peer_ok(c)) || session_new(c) != 0) {
     sp_h2conn_close(&c->io);
     return;
   }
@@ -1626,8 +1643,8 @@ static void on_connection(uv_stream_t *server, int status) {
     }
     sp_h2conn_tls(&c->io, t);
   }
-  bool refuse = srv->live_conns > srv->opts.max_connections &&
-                !evict_idle(srv, c);
+  bool refuse =
+      srv->live_conns > srv->opts.max_connections && !evict_idle(srv, c);
   sweep_start(srv);
   struct sockaddr_storage ss;
   int len = sizeof ss;
@@ -1656,11 +1673,9 @@ static int feed_sink(sp_h2conn *io, const uint8_t *data, size_t len) {
   return c->feed_sink != NULL ? c->feed_sink(c->feed_arg, data, len) : 0;
 }
 
-int sp_rpc_server_feed_bytes(sp_rpc_server *srv, const uint8_t *data,
-                             size_t len, size_t chunk,
-                             int (*sink)(void *arg, const uint8_t *out,
-                                         size_t n),
-                             void *arg) {
+int sp_rpc_server_feed_bytes(
+    sp_rpc_server *srv, const uint8_t *data, size_t len, size_t chunk,
+    int (*sink)(void *arg, const uint8_t *out, size_t n), void *arg) {
   if (srv == NULL || (data == NULL && len > 0)) return SP_EINVAL;
   if (srv->shutting_down) return SP_ESTATE;
   srv_conn *c = conn_new(srv, false);
@@ -1686,9 +1701,8 @@ int sp_rpc_server_feed_bytes(sp_rpc_server *srv, const uint8_t *data,
     for (int i = 0; i < 4 && !gone && !c->io.closing; i++)
       uv_run(srv->loop, UV_RUN_NOWAIT);
     /* requests left on the ready list get their iterations */
-    for (int i = 0; i < 100000 && !gone && !c->io.closing &&
-                    srv->ready_head != NULL;
-         i++)
+    for (int i = 0;
+         i < 100000 && !gone && !c->io.closing && srv->ready_head != NULL; i++)
       uv_run(srv->loop, UV_RUN_NOWAIT);
   }
   if (!gone) sp_h2conn_close(&c->io);
@@ -1714,11 +1728,14 @@ int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
   sp_rpc_mem_init(&srv->mem);
   srv->pb_mem = (ProtobufCAllocator){pb_alloc, pb_free, &srv->mem};
   if (opts) srv->opts = *opts;
-  if (!srv->opts.max_message) srv->opts.max_message = SP_RPC_DEFAULT_MAX_MESSAGE;
+  if (!srv->opts.max_message)
+    srv->opts.max_message = SP_RPC_DEFAULT_MAX_MESSAGE;
   if (!srv->opts.max_metadata)
     srv->opts.max_metadata = SP_RPC_DEFAULT_MAX_METADATA;
-  if (!srv->opts.max_streams) srv->opts.max_streams = SP_RPC_DEFAULT_MAX_STREAMS;
-  if (!srv->opts.max_pending) srv->opts.max_pending = SP_RPC_DEFAULT_MAX_PENDING;
+  if (!srv->opts.max_streams)
+    srv->opts.max_streams = SP_RPC_DEFAULT_MAX_STREAMS;
+  if (!srv->opts.max_pending)
+    srv->opts.max_pending = SP_RPC_DEFAULT_MAX_PENDING;
   if (!srv->opts.max_conn_pending)
     srv->opts.max_conn_pending = SP_RPC_DEFAULT_MAX_CONN_PENDING;
   if (!srv->opts.max_connections)
@@ -1729,7 +1746,8 @@ int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
     srv->opts.idle_timeout_ms = SP_RPC_DEFAULT_IDLE_TIMEOUT_MS;
   if (!srv->opts.request_timeout_ms)
     srv->opts.request_timeout_ms = SP_RPC_DEFAULT_REQUEST_TIMEOUT_MS;
-  if (!srv->opts.max_buffered) srv->opts.max_buffered = SP_RPC_DEFAULT_MAX_BUFFERED;
+  if (!srv->opts.max_buffered)
+    srv->opts.max_buffered = SP_RPC_DEFAULT_MAX_BUFFERED;
   srv->trim.threshold = srv->opts.trim_heap_bytes;
   srv->paths = sp_strmap_new(32);
   if (srv->paths == NULL) {
@@ -1811,9 +1829,9 @@ int sp_rpc_server_listen(sp_rpc_server *srv, const char *addr, int *port_out,
     struct sockaddr_storage b;
     int len = sizeof b;
     uv_tcp_getsockname(&l->tcp, (struct sockaddr *)&b, &len);
-    *port_out = ntohs(b.ss_family == AF_INET6
-                          ? ((struct sockaddr_in6 *)&b)->sin6_port
-                          : ((struct sockaddr_in *)&b)->sin_port);
+    *port_out =
+        ntohs(b.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&b)->sin6_port
+                                      : ((struct sockaddr_in *)&b)->sin_port);
   }
   l->next = srv->listeners;
   srv->listeners = l;

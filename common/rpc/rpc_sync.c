@@ -80,8 +80,10 @@ static void st_on_message(sp_rpc_ccall *call, const uint8_t *data, size_t len,
   m->next = NULL;
   m->len = len;
   memcpy(m->data, data, len);
-  if (st->tail) st->tail->next = m;
-  else st->head = m;
+  if (st->tail)
+    st->tail->next = m;
+  else
+    st->head = m;
   st->tail = m;
   st->count++;
   wake_waiter(&st->s->loop);
@@ -106,8 +108,8 @@ int sp_rpc_sync_stream_open(sp_rpc_sync *s, const char *path,
   sp_rpc_sync_stream *st = calloc(1, sizeof *st);
   if (st == NULL) return SP_ENOMEM;
   st->s = s;
-  int rc = sp_rpc_client_start(s->cl, path, md, n_md, timeout_ms,
-                               &k_stream_cbs, st, &st->call);
+  int rc = sp_rpc_client_start(s->cl, path, md, n_md, timeout_ms, &k_stream_cbs,
+                               st, &st->call);
   if (rc != 0) {
     free(st);
     return rc;
@@ -214,8 +216,8 @@ int sp_rpc_sync_unary(sp_rpc_sync *s, const char *path,
   while (!st->done) uv_run(&s->loop, UV_RUN_ONCE);
   *status = st->status;
   if (send_rc != 0 && send_rc != SP_ESTATE) {
-    status->code = send_rc == SP_ETOOBIG ? SP_RPC_RESOURCE_EXHAUSTED
-                                         : SP_RPC_INTERNAL;
+    status->code =
+        send_rc == SP_ETOOBIG ? SP_RPC_RESOURCE_EXHAUSTED : SP_RPC_INTERNAL;
     snprintf(status->message, sizeof status->message,
              "cannot send the request: %s", sp_strerror(send_rc));
   }

@@ -23,29 +23,24 @@ static void queue_reasons(char *out, size_t cap) {
   while ((e = ERR_get_error_all(NULL, NULL, NULL, &data, &flags)) != 0) {
     const char *r = ERR_reason_error_string(e);
     char one[160];
-    if (r == NULL)
-      r = "unknown error";
+    if (r == NULL) r = "unknown error";
     if ((flags & ERR_TXT_STRING) && data != NULL && data[0] != '\0')
       snprintf(one, sizeof one, "%s (%s)", r, data);
     else
       snprintf(one, sizeof one, "%s", r);
     /* the same reason raised at several levels reads once */
-    if (strstr(out, one) != NULL)
-      continue;
+    if (strstr(out, one) != NULL) continue;
     int n = snprintf(out + len, cap - len, "%s%s", len ? ": " : "", one);
-    if (n < 0 || (size_t)n >= cap - len)
-      break;
+    if (n < 0 || (size_t)n >= cap - len) break;
     len += (size_t)n;
   }
-  if (out[0] == '\0')
-    snprintf(out, cap, "unknown OpenSSL error");
+  if (out[0] == '\0') snprintf(out, cap, "unknown OpenSSL error");
   ERR_clear_error();
 }
 
 int sp_tls_check_(int ok, sp_diag *d, int err, const char *file, int line,
                   const char *fmt, ...) {
-  if (ok)
-    return 0;
+  if (ok) return 0;
   char what[256], why[256];
   va_list ap;
   va_start(ap, fmt);
@@ -93,15 +88,13 @@ static int client_hello(SSL *s, int *al, void *arg) {
 static int ctx_policy(SSL_CTX *ctx, sp_diag *d) {
   int rc = SP_TLS_CHECK(SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION), d,
                         SP_EIO, "TLS: cannot require TLS 1.2");
-  if (rc != 0)
-    return rc;
+  if (rc != 0) return rc;
   SSL_CTX_set_options(ctx, SSL_OP_NO_RENEGOTIATION | SSL_OP_NO_COMPRESSION);
   /* RFC 7540 §9.2.2: TLS 1.2 only with ephemeral key exchange and AEAD
    * (TLS 1.3's suites all are) */
   rc = SP_TLS_CHECK(SSL_CTX_set_cipher_list(ctx, "ECDHE+AESGCM:ECDHE+CHACHA20"),
                     d, SP_EIO, "TLS: cannot set the TLS 1.2 ciphers");
-  if (rc != 0)
-    return rc;
+  if (rc != 0) return rc;
   /* An idle connection gives its 16 KiB record buffers back: the
    * coordinator holds thousands of mostly idle connections. */
   SSL_CTX_set_mode(ctx, SSL_MODE_RELEASE_BUFFERS);
@@ -123,8 +116,7 @@ static int readable(const char *path, const char *what, sp_diag *d) {
 static int ctx_identity(SSL_CTX *ctx, const char *cert, const char *key,
                         sp_diag *d) {
   int rc = readable(cert, "certificate chain", d);
-  if (rc == 0)
-    rc = readable(key, "private key", d);
+  if (rc == 0) rc = readable(key, "private key", d);
   if (rc == 0)
     rc =
         SP_TLS_CHECK(SSL_CTX_use_certificate_chain_file(ctx, cert) == 1, d,
@@ -144,17 +136,14 @@ static int ctx_identity(SSL_CTX *ctx, const char *cert, const char *key,
 
 int sp_tls_server_ctx_new(const sp_rpc_tls_server_opts *o, SSL_CTX **out,
                           sp_diag *d) {
-  if (o == NULL || out == NULL)
-    return SP_EINVAL;
+  if (o == NULL || out == NULL) return SP_EINVAL;
   if (o->cert_file == NULL || o->key_file == NULL)
     return sp_diag_set(d, SP_EINVAL,
                        "TLS: a server needs a certificate and a key file");
   SSL_CTX *ctx = SSL_CTX_new(TLS_server_method());
   int rc = SP_TLS_CHECK(ctx != NULL, d, SP_ENOMEM, "TLS: no server context");
-  if (rc == 0)
-    rc = ctx_policy(ctx, d);
-  if (rc == 0)
-    rc = ctx_identity(ctx, o->cert_file, o->key_file, d);
+  if (rc == 0) rc = ctx_policy(ctx, d);
+  if (rc == 0) rc = ctx_identity(ctx, o->cert_file, o->key_file, d);
   if (rc == 0 && o->client_ca_file != NULL) {
     rc = readable(o->client_ca_file, "client CA bundle", d);
     if (rc == 0)
@@ -168,8 +157,7 @@ int sp_tls_server_ctx_new(const sp_rpc_tls_server_opts *o, SSL_CTX **out,
       rc = SP_TLS_CHECK(names != NULL, d, SP_EIO,
                         "TLS: no CA certificate in the client CA bundle %s",
                         o->client_ca_file);
-      if (rc == 0)
-        SSL_CTX_set_client_CA_list(ctx, names);
+      if (rc == 0) SSL_CTX_set_client_CA_list(ctx, names);
     }
     SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT,
                        NULL);
@@ -190,18 +178,15 @@ int sp_tls_server_ctx_new(const sp_rpc_tls_server_opts *o, SSL_CTX **out,
 
 int sp_tls_client_ctx_new(const sp_rpc_tls_client_opts *o, SSL_CTX **out,
                           sp_diag *d) {
-  if (o == NULL || out == NULL)
-    return SP_EINVAL;
+  if (o == NULL || out == NULL) return SP_EINVAL;
   if ((o->cert_file == NULL) != (o->key_file == NULL))
     return sp_diag_set(d, SP_EINVAL,
                        "TLS: a client certificate needs its key file and a "
                        "key file its certificate");
   SSL_CTX *ctx = SSL_CTX_new(TLS_client_method());
   int rc = SP_TLS_CHECK(ctx != NULL, d, SP_ENOMEM, "TLS: no client context");
-  if (rc == 0)
-    rc = ctx_policy(ctx, d);
-  if (rc == 0 && o->ca_file != NULL)
-    rc = readable(o->ca_file, "CA bundle", d);
+  if (rc == 0) rc = ctx_policy(ctx, d);
+  if (rc == 0 && o->ca_file != NULL) rc = readable(o->ca_file, "CA bundle", d);
   if (rc == 0 && o->ca_file != NULL)
     rc = SP_TLS_CHECK(SSL_CTX_load_verify_locations(ctx, o->ca_file, NULL) == 1,
                       d, SP_EIO, "TLS: cannot load the CA bundle %s",
@@ -235,11 +220,9 @@ static bool is_ip(const char *name) {
 
 int sp_tls_conn_new(SSL_CTX *ctx, bool server, const char *name,
                     sp_tls_conn **out) {
-  if (ctx == NULL || out == NULL || (!server && name == NULL))
-    return SP_EINVAL;
+  if (ctx == NULL || out == NULL || (!server && name == NULL)) return SP_EINVAL;
   sp_tls_conn *t = calloc(1, sizeof *t);
-  if (t == NULL)
-    return SP_ENOMEM;
+  if (t == NULL) return SP_ENOMEM;
   ERR_clear_error();
   t->ssl = SSL_new(ctx);
   t->in = BIO_new(BIO_s_mem());
@@ -283,8 +266,7 @@ int sp_tls_conn_new(SSL_CTX *ctx, bool server, const char *name,
 }
 
 void sp_tls_conn_free(sp_tls_conn *t) {
-  if (t == NULL)
-    return;
+  if (t == NULL) return;
   SSL_free(t->ssl);
   free(t);
 }
@@ -314,10 +296,8 @@ static void conn_fail(sp_tls_conn *t, int ssl_err) {
 }
 
 int sp_tls_conn_feed(sp_tls_conn *t, const void *data, size_t len) {
-  if (len > INT_MAX)
-    return SP_ETOOBIG;
-  if (len == 0)
-    return 0;
+  if (len > INT_MAX) return SP_ETOOBIG;
+  if (len == 0) return 0;
   if (BIO_write(t->in, data, (int)len) != (int)len) {
     ERR_clear_error();
     t->failed = true;
@@ -328,10 +308,8 @@ int sp_tls_conn_feed(sp_tls_conn *t, const void *data, size_t len) {
 }
 
 int sp_tls_conn_handshake(sp_tls_conn *t) {
-  if (t->ready)
-    return 1;
-  if (t->failed)
-    return SP_EIO;
+  if (t->ready) return 1;
+  if (t->failed) return SP_EIO;
   ERR_clear_error();
   int r = SSL_do_handshake(t->ssl);
   if (r == 1) {
@@ -348,43 +326,35 @@ int sp_tls_conn_handshake(sp_tls_conn *t) {
     return 1;
   }
   int e = SSL_get_error(t->ssl, r);
-  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE)
-    return 0;
+  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
   conn_fail(t, e);
   return SP_EIO;
 }
 
 long sp_tls_conn_read(sp_tls_conn *t, void *buf, size_t cap) {
-  if (t->failed)
-    return SP_EIO;
+  if (t->failed) return SP_EIO;
   size_t got = 0;
   ERR_clear_error();
-  if (SSL_read_ex(t->ssl, buf, cap, &got) == 1)
-    return (long)got;
+  if (SSL_read_ex(t->ssl, buf, cap, &got) == 1) return (long)got;
   int e = SSL_get_error(t->ssl, 0);
-  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE)
-    return 0;
-  if (e == SSL_ERROR_ZERO_RETURN)
-    return SP_ENOENT;
+  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
+  if (e == SSL_ERROR_ZERO_RETURN) return SP_ENOENT;
   conn_fail(t, e);
   return SP_EIO;
 }
 
 int sp_tls_conn_write(sp_tls_conn *t, const void *data, size_t len) {
-  if (t->failed)
-    return SP_EIO;
+  if (t->failed) return SP_EIO;
   size_t done = 0;
   ERR_clear_error();
   /* memory BIOs take everything: one call writes it all */
-  if (SSL_write_ex(t->ssl, data, len, &done) == 1 && done == len)
-    return 0;
+  if (SSL_write_ex(t->ssl, data, len, &done) == 1 && done == len) return 0;
   conn_fail(t, SSL_get_error(t->ssl, 0));
   return SP_EIO;
 }
 
 void sp_tls_conn_shutdown(sp_tls_conn *t) {
-  if (t->shutdown_sent || !t->ready || t->failed)
-    return;
+  if (t->shutdown_sent || !t->ready || t->failed) return;
   t->shutdown_sent = true;
   ERR_clear_error();
   SSL_shutdown(t->ssl); /* 0: sent, the peer's is not awaited */
@@ -396,8 +366,7 @@ size_t sp_tls_conn_pending(const sp_tls_conn *t) {
 }
 
 size_t sp_tls_conn_take(sp_tls_conn *t, void *buf, size_t cap) {
-  if (cap > INT_MAX)
-    cap = INT_MAX;
+  if (cap > INT_MAX) cap = INT_MAX;
   int n = BIO_read(t->out, buf, (int)cap);
   return n > 0 ? (size_t)n : 0;
 }

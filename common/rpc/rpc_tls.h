@@ -20,7 +20,7 @@
 /* Fails with the OpenSSL error queue (which it clears) turned into one
  * line in d: "<what>: <OpenSSL's reasons> (rpc_tls.c:LINE)". Returns 0
  * when ok is true, otherwise err. */
-#define SP_TLS_CHECK(ok, d, err, ...)                                          \
+#define SP_TLS_CHECK(ok, d, err, ...) \
   sp_tls_check_((ok), (d), (err), __FILE__, __LINE__, __VA_ARGS__)
 int sp_tls_check_(int ok, sp_diag *d, int err, const char *file, int line,
                   const char *fmt, ...) __attribute__((format(printf, 6, 7)));

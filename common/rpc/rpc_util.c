@@ -18,8 +18,8 @@ int sp_rpc_resolve(const char *addr, struct sockaddr_storage *out,
     if (n == 0 || n >= sizeof un->sun_path)
       return sp_diag_set(diag, SP_EINVAL,
                          "bad address \"%s\": a Unix socket path of 1 to "
-                         "%zu bytes after unix:", addr,
-                         sizeof un->sun_path - 1);
+                         "%zu bytes after unix:",
+                         addr, sizeof un->sun_path - 1);
     memset(out, 0, sizeof *out);
     un->sun_family = AF_UNIX;
     memcpy(un->sun_path, addr + 5, n + 1);

@@ -39,8 +39,10 @@ static uint8_t *buf_grow(uint8_t *b, size_t cap, size_t new_cap) {
 
 void sp_rpc_deframer_buf_free(uint8_t *buf, size_t cap) {
   if (buf == NULL) return;
-  if (cap < SP_RPC_DEFRAME_MAP) free(buf);
-  else munmap(buf, cap);
+  if (cap < SP_RPC_DEFRAME_MAP)
+    free(buf);
+  else
+    munmap(buf, cap);
 }
 
 static const char *const k_codes[] = {
@@ -120,13 +122,13 @@ int64_t sp_rpc_timeout_parse(const char *v, size_t len) {
   }
   /* convert to ms, rounding up so a deadline never fires early */
   switch (v[len - 1]) {
-  case 'H': return (int64_t)(n * 3600000u);
-  case 'M': return (int64_t)(n * 60000u);
-  case 'S': return (int64_t)(n * 1000u);
-  case 'm': return (int64_t)n;
-  case 'u': return (int64_t)((n + 999) / 1000);
-  case 'n': return (int64_t)((n + 999999) / 1000000);
-  default: return -1;
+    case 'H': return (int64_t)(n * 3600000u);
+    case 'M': return (int64_t)(n * 60000u);
+    case 'S': return (int64_t)(n * 1000u);
+    case 'm': return (int64_t)n;
+    case 'u': return (int64_t)((n + 999) / 1000);
+    case 'n': return (int64_t)((n + 999999) / 1000000);
+    default: return -1;
   }
 }
 
@@ -308,7 +310,7 @@ static void deframer_release(sp_rpc_deframer *d) {
 void sp_rpc_deframer_free(sp_rpc_deframer *d) { deframer_release(d); }
 
 uint8_t *sp_rpc_deframer_take(sp_rpc_deframer *d, size_t *charged,
-                               size_t *cap) {
+                              size_t *cap) {
   uint8_t *b = d->buf;
   *charged = b != NULL ? d->charged : 0;
   *cap = b != NULL ? d->cap : 0;
@@ -459,22 +461,26 @@ void sp_rpc_frame_prefix(uint8_t out[5], uint32_t len) {
 
 int sp_rpc_code_from_rst(uint32_t e) {
   switch (e) {
-  case 0x7: return SP_RPC_UNAVAILABLE;          /* REFUSED_STREAM */
-  case 0x8: return SP_RPC_CANCELLED;            /* CANCEL */
-  case 0xb: return SP_RPC_RESOURCE_EXHAUSTED;   /* ENHANCE_YOUR_CALM */
-  case 0xc: return SP_RPC_PERMISSION_DENIED;    /* INADEQUATE_SECURITY */
-  default: return SP_RPC_INTERNAL;
+    case 0x7: return SP_RPC_UNAVAILABLE;        /* REFUSED_STREAM */
+    case 0x8: return SP_RPC_CANCELLED;          /* CANCEL */
+    case 0xb: return SP_RPC_RESOURCE_EXHAUSTED; /* ENHANCE_YOUR_CALM */
+    case 0xc: return SP_RPC_PERMISSION_DENIED;  /* INADEQUATE_SECURITY */
+    default: return SP_RPC_INTERNAL;
   }
 }
 
 int sp_rpc_code_from_http(int s) {
   switch (s) {
-  case 400: case 431: return SP_RPC_INTERNAL;
-  case 401: return SP_RPC_UNAUTHENTICATED;
-  case 403: return SP_RPC_PERMISSION_DENIED;
-  case 404: return SP_RPC_UNIMPLEMENTED;
-  case 429: case 502: case 503: case 504: return SP_RPC_UNAVAILABLE;
-  default: return SP_RPC_UNKNOWN;
+    case 400:
+    case 431: return SP_RPC_INTERNAL;
+    case 401: return SP_RPC_UNAUTHENTICATED;
+    case 403: return SP_RPC_PERMISSION_DENIED;
+    case 404: return SP_RPC_UNIMPLEMENTED;
+    case 429:
+    case 502:
+    case 503:
+    case 504: return SP_RPC_UNAVAILABLE;
+    default: return SP_RPC_UNKNOWN;
   }
 }
 

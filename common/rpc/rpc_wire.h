@@ -47,7 +47,7 @@ typedef struct sp_rpc_mdlist {
     char *key;      /* one allocation holds the key and the value */
     uint8_t *value; /* NUL-terminated, inside key's allocation */
     size_t len;
-  } *e;
+  } * e;
   size_t n, cap, bytes;
   sp_rpc_mem *mem; /* where entries come from; NULL: malloc */
 } sp_rpc_mdlist;
@@ -95,8 +95,7 @@ int sp_rpc_deframer_feed(sp_rpc_deframer *d, const uint8_t *data, size_t len,
  * the input as fed (it is then at most one feed's bytes). With a shared
  * budget the buffer stays charged: *charged gets the amount, which the
  * caller releases when it frees the buffer. */
-uint8_t *sp_rpc_deframer_take(sp_rpc_deframer *d, size_t *charged,
-                               size_t *cap);
+uint8_t *sp_rpc_deframer_take(sp_rpc_deframer *d, size_t *charged, size_t *cap);
 /* Frees a buffer sp_rpc_deframer_take handed over (large ones are
  * mappings); cap 0 frees a malloc'd one. */
 void sp_rpc_deframer_buf_free(uint8_t *buf, size_t cap);
@@ -129,6 +128,5 @@ void sp_rpc_frame_prefix(uint8_t out[5], uint32_t len);
 int sp_rpc_code_from_rst(uint32_t h2_error);
 /* Maps a non-200 HTTP status to a gRPC status. */
 int sp_rpc_code_from_http(int http_status);
-
 
 #endif

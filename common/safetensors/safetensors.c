@@ -33,8 +33,8 @@ struct sp_safetensors_file {
   const uint8_t
       *data; /* NULL for sp_safetensors_open_header: the bytes are on disk */
   size_t data_len;
-  int fd;              /* sp_safetensors_open_header's file, else -1 */
-  char *path;          /* its name, for messages */
+  int fd;     /* sp_safetensors_open_header's file, else -1 */
+  char *path; /* its name, for messages */
   size_t n_tensors;
   sp_safetensors_tensor *tensors;        /* data order */
   const sp_safetensors_tensor **by_name; /* strcmp order, for bsearch */
@@ -147,28 +147,17 @@ static bool mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
  * the reference writer does. */
 static int dtype_rank(sp_dtype t) {
   switch (t) {
-  case SP_BOOL:
-    return 0;
-  case SP_UINT8:
-    return 1;
-  case SP_INT8:
-    return 2;
-  case SP_INT16:
-    return 5;
-  case SP_FLOAT16:
-    return 7;
-  case SP_BFLOAT16:
-    return 8;
-  case SP_INT32:
-    return 9;
-  case SP_FLOAT32:
-    return 11;
-  case SP_FLOAT64:
-    return 12;
-  case SP_INT64:
-    return 13;
-  default:
-    return -1;
+    case SP_BOOL: return 0;
+    case SP_UINT8: return 1;
+    case SP_INT8: return 2;
+    case SP_INT16: return 5;
+    case SP_FLOAT16: return 7;
+    case SP_BFLOAT16: return 8;
+    case SP_INT32: return 9;
+    case SP_FLOAT32: return 11;
+    case SP_FLOAT64: return 12;
+    case SP_INT64: return 13;
+    default: return -1;
   }
 }
 
@@ -366,8 +355,7 @@ static int parse_image(const uint8_t *buf, uint64_t total_len, bool data,
   /* Newer reference readers require this too (InvalidHeaderStart); it also
    * rules out a header that is only padding. */
   if (hlen == 0 || hdr[0] != '{') {
-    return st_fail(diag, SP_EFORMAT, "%s: header does not start with '{'",
-                   src);
+    return st_fail(diag, SP_EFORMAT, "%s: header does not start with '{'", src);
   }
 
   json_error_t jerr;
@@ -534,8 +522,8 @@ static int read_full(int fd, uint8_t *dst, size_t len, off_t off,
  * allocate anything: a regular file whose 8-byte header length fits its
  * real size. On success *fd is open (the caller closes it), *size is the
  * file's size and *n the header length; on error nothing stays open. */
-static int open_checked(const char *path, int *fd, uint64_t *size,
-                        uint64_t *n, sp_diag *diag) {
+static int open_checked(const char *path, int *fd, uint64_t *size, uint64_t *n,
+                        sp_diag *diag) {
   *fd = open(path, O_RDONLY | O_CLOEXEC);
   if (*fd < 0) {
     int e = errno;
@@ -551,8 +539,7 @@ static int open_checked(const char *path, int *fd, uint64_t *size,
   uint8_t prefix[8];
   if (rc == 0) {
     *size = (uint64_t)st.st_size;
-    rc = read_full(*fd, prefix, *size < 8 ? (size_t)*size : 8, 0, path,
-                   diag);
+    rc = read_full(*fd, prefix, *size < 8 ? (size_t)*size : 8, 0, path, diag);
   }
   if (rc == 0) rc = check_prefix(prefix, *size, path, n, diag);
   if (rc != 0) {
@@ -659,8 +646,7 @@ int sp_safetensors_read_range(const sp_safetensors_file *f,
   if (offset > t->nbytes || len > t->nbytes - offset) {
     return st_fail(diag, SP_ERANGE,
                    "tensor '%.*s': bytes [%llu, +%zu) are outside its %zu",
-                   NAME_Q, t->name, (unsigned long long)offset, len,
-                   t->nbytes);
+                   NAME_Q, t->name, (unsigned long long)offset, len, t->nbytes);
   }
   if (len == 0) return 0;
   if (f->data != NULL) {
@@ -684,8 +670,8 @@ size_t sp_safetensors_tensor_count(const sp_safetensors_file *f) {
   return f != NULL ? f->n_tensors : 0;
 }
 
-const sp_safetensors_tensor *
-sp_safetensors_tensor_at(const sp_safetensors_file *f, size_t i) {
+const sp_safetensors_tensor *sp_safetensors_tensor_at(
+    const sp_safetensors_file *f, size_t i) {
   return f != NULL && i < f->n_tensors ? &f->tensors[i] : NULL;
 }
 
@@ -727,8 +713,8 @@ size_t sp_safetensors_metadata_count(const sp_safetensors_file *f) {
   return f != NULL ? f->n_meta : 0;
 }
 
-const sp_safetensors_kv *
-sp_safetensors_metadata_at(const sp_safetensors_file *f, size_t i) {
+const sp_safetensors_kv *sp_safetensors_metadata_at(
+    const sp_safetensors_file *f, size_t i) {
   return f != NULL && i < f->n_meta ? &f->meta[i] : NULL;
 }
 
@@ -781,8 +767,8 @@ static int entry_nbytes(const sp_safetensors_entry *e, uint64_t *out,
   }
   if (!mul_u64(numel, sp_dtype_size(e->dtype), out) ||
       *out > (uint64_t)INT64_MAX) {
-    return st_fail(d, SP_ETOOBIG, "tensor '%.*s': byte size overflows",
-                   NAME_Q, e->name);
+    return st_fail(d, SP_ETOOBIG, "tensor '%.*s': byte size overflows", NAME_Q,
+                   e->name);
   }
   return 0;
 }
@@ -808,7 +794,8 @@ static int check_write_args(const sp_safetensors_entry *entries, size_t n,
   }
   for (size_t i = 0; i < n; i++) {
     const sp_safetensors_entry *e = &entries[i];
-    if (e->name == NULL) return st_fail(d, SP_EINVAL, "tensor %zu: NULL name", i);
+    if (e->name == NULL)
+      return st_fail(d, SP_EINVAL, "tensor %zu: NULL name", i);
     size_t len = strnlen(e->name, SP_SAFETENSORS_MAX_NAME + 1);
     if (len == 0) return st_fail(d, SP_EINVAL, "tensor %zu: empty name", i);
     if (len > SP_SAFETENSORS_MAX_NAME) {
@@ -1039,9 +1026,9 @@ struct sp_safetensors_writer {
   uint64_t data_start; /* 8 + N */
   uint64_t *begin;     /* per entry index: offset in the data section */
   uint64_t *nbytes;
-  uint64_t *written;   /* bytes put so far, from the tensor's start */
-  size_t *order;       /* entry indices in layout (file) order */
-  char **names;        /* copies, for messages after open returns */
+  uint64_t *written; /* bytes put so far, from the tensor's start */
+  size_t *order;     /* entry indices in layout (file) order */
+  char **names;      /* copies, for messages after open returns */
 };
 
 static void writer_free(sp_safetensors_writer *w) {
@@ -1072,8 +1059,8 @@ int sp_safetensors_writer_open(const char *path,
   uint8_t *hdr = NULL;
   size_t hdr_len = 0;
   const sp_safetensors_entry **order = NULL;
-  int rc = build_header(entries, n, meta, n_meta, false, &hdr, &hdr_len,
-                        &order, diag);
+  int rc = build_header(entries, n, meta, n_meta, false, &hdr, &hdr_len, &order,
+                        diag);
   if (rc != 0) return sp_diag_prefix(diag, rc, "%s", path);
 
   sp_safetensors_writer *w = calloc(1, sizeof *w);
@@ -1115,8 +1102,8 @@ int sp_safetensors_writer_open(const char *path,
   /* O_EXCL with a name unique per process and call: concurrent writers of
    * the same path never share a temporary file. */
   for (int attempt = 0; attempt < 100 && w->fd < 0; attempt++) {
-    snprintf(w->tmp, strlen(path) + 64, "%s.tmp.%ld.%u", path,
-             (long)getpid(), atomic_fetch_add(&counter, 1u));
+    snprintf(w->tmp, strlen(path) + 64, "%s.tmp.%ld.%u", path, (long)getpid(),
+             atomic_fetch_add(&counter, 1u));
     w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (w->fd < 0 && errno != EEXIST) break;
   }
@@ -1148,8 +1135,7 @@ int sp_safetensors_writer_put(sp_safetensors_writer *w, size_t i,
     return st_fail(diag, SP_EINVAL, "sp_safetensors_writer_put: NULL argument");
   }
   if (i >= w->n) {
-    return st_fail(diag, SP_ERANGE, "%s: tensor %zu of %zu", w->path, i,
-                   w->n);
+    return st_fail(diag, SP_ERANGE, "%s: tensor %zu of %zu", w->path, i, w->n);
   }
   if (offset != w->written[i] || len > w->nbytes[i] - offset) {
     return st_fail(diag, SP_ERANGE,
@@ -1185,28 +1171,25 @@ int sp_safetensors_writer_commit(sp_safetensors_writer *w, sp_diag *diag) {
   for (size_t i = 0; i < w->n; i++) {
     if (w->written[i] != w->nbytes[i]) {
       rc = st_fail(diag, SP_EINVAL,
-                   "%s: tensor '%.*s': %llu of its %llu bytes written",
-                   w->path, NAME_Q, w->names[i],
-                   (unsigned long long)w->written[i],
+                   "%s: tensor '%.*s': %llu of its %llu bytes written", w->path,
+                   NAME_Q, w->names[i], (unsigned long long)w->written[i],
                    (unsigned long long)w->nbytes[i]);
       break;
     }
   }
   if (rc == 0 && fsync(w->fd) != 0) {
-    rc = st_fail(diag, SP_EIO, "%s: fsync failed: %s", w->tmp,
-                 strerror(errno));
+    rc = st_fail(diag, SP_EIO, "%s: fsync failed: %s", w->tmp, strerror(errno));
   }
   /* close can report a deferred write error (NFS); only a clean close
    * counts. */
   int fd = w->fd;
   w->fd = -1;
   if (close(fd) != 0 && rc == 0) {
-    rc = st_fail(diag, SP_EIO, "%s: close failed: %s", w->tmp,
-                 strerror(errno));
+    rc = st_fail(diag, SP_EIO, "%s: close failed: %s", w->tmp, strerror(errno));
   }
   if (rc == 0 && rename(w->tmp, w->path) != 0) {
-    rc = st_fail(diag, SP_EIO, "%s: cannot rename temporary file: %s",
-                 w->path, strerror(errno));
+    rc = st_fail(diag, SP_EIO, "%s: cannot rename temporary file: %s", w->path,
+                 strerror(errno));
   }
   if (rc == 0) {
     free(w->tmp); /* renamed: nothing left to unlink */

@@ -72,14 +72,14 @@ typedef struct sp_safetensors_kv {
  * sp_safetensors_file and valid until sp_safetensors_close (and, for
  * sp_safetensors_parse, while the caller's buffer lives). */
 typedef struct sp_safetensors_tensor {
-  const char *name;               /* NUL-terminated UTF-8 */
+  const char *name; /* NUL-terminated UTF-8 */
   sp_dtype dtype;
-  size_t ndim;                    /* 0 for a scalar */
+  size_t ndim;                             /* 0 for a scalar */
   uint64_t shape[SP_SAFETENSORS_MAX_NDIM]; /* shape[ndim..] are 0 */
-  uint64_t numel;                 /* product of shape; 1 for a scalar */
-  uint64_t begin, end;            /* data_offsets, relative to the data */
-  const uint8_t *data;            /* end-begin bytes; see Alignment above */
-  size_t nbytes;                  /* end - begin */
+  uint64_t numel;      /* product of shape; 1 for a scalar */
+  uint64_t begin, end; /* data_offsets, relative to the data */
+  const uint8_t *data; /* end-begin bytes; see Alignment above */
+  size_t nbytes;       /* end - begin */
 } sp_safetensors_tensor;
 
 /* A parsed file. Opaque; release with sp_safetensors_close. */
@@ -133,8 +133,8 @@ void sp_safetensors_close(sp_safetensors_file *f);
 /* Tensors in data order (ascending data_offsets). Index i < count, else
  * NULL. */
 size_t sp_safetensors_tensor_count(const sp_safetensors_file *f);
-const sp_safetensors_tensor *
-sp_safetensors_tensor_at(const sp_safetensors_file *f, size_t i);
+const sp_safetensors_tensor *sp_safetensors_tensor_at(
+    const sp_safetensors_file *f, size_t i);
 
 /* The tensor called name (exact bytes), or NULL. O(log n). */
 const sp_safetensors_tensor *sp_safetensors_find(const sp_safetensors_file *f,
@@ -154,8 +154,8 @@ int sp_safetensors_tensor_read(const sp_safetensors_tensor *t, void *dst,
 
 /* "__metadata__" entries in file order; the value of key, or NULL. */
 size_t sp_safetensors_metadata_count(const sp_safetensors_file *f);
-const sp_safetensors_kv *
-sp_safetensors_metadata_at(const sp_safetensors_file *f, size_t i);
+const sp_safetensors_kv *sp_safetensors_metadata_at(
+    const sp_safetensors_file *f, size_t i);
 const char *sp_safetensors_metadata_get(const sp_safetensors_file *f,
                                         const char *key);
 

@@ -18,13 +18,13 @@
 #include "rpc/rpc.h"
 #include "rpc/rpc_internal.h"
 
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "fuzz_rpc_server: check failed: %s (%s:%d)\n", #cond,  \
-              __FILE__, __LINE__);                                             \
-      abort();                                                                 \
-    }                                                                          \
+#define CHECK(cond)                                                         \
+  do {                                                                      \
+    if (!(cond)) {                                                          \
+      fprintf(stderr, "fuzz_rpc_server: check failed: %s (%s:%d)\n", #cond, \
+              __FILE__, __LINE__);                                          \
+      abort();                                                              \
+    }                                                                       \
   } while (0)
 
 /* A request may ask the Echo service for billions of replies and open the
@@ -79,8 +79,7 @@ static int on_output(void *arg, const uint8_t *out, size_t n) {
 }
 
 int sp_fuzz_rpc_server_run(const uint8_t *data, size_t size,
-                           int (*sink)(void *arg, const uint8_t *out,
-                                       size_t n),
+                           int (*sink)(void *arg, const uint8_t *out, size_t n),
                            void *arg) {
   if (g_srv == NULL) setup();
   if (size == 0) return 0;
@@ -95,7 +94,8 @@ int sp_fuzz_rpc_server_run(const uint8_t *data, size_t size,
     n += NGHTTP2_CLIENT_MAGIC_LEN;
   }
   if (mode & SP_FUZZ_SETTINGS) {
-    static const uint8_t settings[9] = {0, 0, 0, NGHTTP2_SETTINGS, 0, 0, 0, 0, 0};
+    static const uint8_t settings[9] = {0, 0, 0, NGHTTP2_SETTINGS, 0, 0,
+                                        0, 0, 0};
     memcpy(buf + n, settings, sizeof settings);
     n += sizeof settings;
   }

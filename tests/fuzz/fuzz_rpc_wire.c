@@ -14,13 +14,13 @@
 #include "rpc/rpc_wire.h"
 #include "shardplane/v1/coordinator.pb-c.h"
 
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "fuzz_rpc_wire: check failed: %s (%s:%d)\n", #cond,    \
-              __FILE__, __LINE__);                                             \
-      abort();                                                                 \
-    }                                                                          \
+#define CHECK(cond)                                                       \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      fprintf(stderr, "fuzz_rpc_wire: check failed: %s (%s:%d)\n", #cond, \
+              __FILE__, __LINE__);                                        \
+      abort();                                                            \
+    }                                                                     \
   } while (0)
 
 typedef struct deframe_state {

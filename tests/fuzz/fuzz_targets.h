@@ -21,8 +21,7 @@
 /* Runs one input; everything the server writes is also handed to sink
  * (may be NULL). Returns what sp_rpc_server_feed_bytes returned. */
 int sp_fuzz_rpc_server_run(const uint8_t *data, size_t size,
-                           int (*sink)(void *arg, const uint8_t *out,
-                                       size_t n),
+                           int (*sink)(void *arg, const uint8_t *out, size_t n),
                            void *arg);
 int sp_fuzz_rpc_server_one(const uint8_t *data, size_t size);
 /* Frees the server and loop the harness keeps between inputs. */

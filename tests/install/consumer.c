@@ -23,13 +23,15 @@ int main(int argc, char **argv) {
     return 1;
   }
   const sp_plan *p = sp_session_plan(s);
-  const char *last = sp_session_model(s)->modules[p->units[p->n_units - 1].module].fqn;
-  printf("shardplane %s cuda %d nccl %d: rank %u of %u, %zu units, plan %s, "
-         "last unit %s (c = %lld)\n",
-         SHARDPLANE_VERSION, SHARDPLANE_HAVE_CUDA, SHARDPLANE_HAVE_NCCL,
-         sp_session_rank(s), sp_session_world(s), p->n_units, p->version_hex,
-         last[0] ? last : "(root)",
-         (long long)p->units[p->n_units - 1].shard_numel);
+  const char *last =
+      sp_session_model(s)->modules[p->units[p->n_units - 1].module].fqn;
+  printf(
+      "shardplane %s cuda %d nccl %d: rank %u of %u, %zu units, plan %s, "
+      "last unit %s (c = %lld)\n",
+      SHARDPLANE_VERSION, SHARDPLANE_HAVE_CUDA, SHARDPLANE_HAVE_NCCL,
+      sp_session_rank(s), sp_session_world(s), p->n_units, p->version_hex,
+      last[0] ? last : "(root)",
+      (long long)p->units[p->n_units - 1].shard_numel);
   rc = sp_session_close(s, 5000, &d);
   if (rc != 0) {
     fprintf(stderr, "consumer: close: %s: %s\n", sp_strerror(rc), d.msg);

@@ -46,25 +46,25 @@ static bool sp_ix_failf(int line, const char *fmt, ...) {
   return false;
 }
 
-#define CHECK(cond, ...)                                                       \
-  do {                                                                         \
-    if (!(cond)) return sp_ix_failf(__LINE__, __VA_ARGS__);                    \
+#define CHECK(cond, ...)                                    \
+  do {                                                      \
+    if (!(cond)) return sp_ix_failf(__LINE__, __VA_ARGS__); \
   } while (0)
 /* In a case with cleanup: record, then jump to its out: label. */
-#define EXPECT(cond, ...)                                                      \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      sp_ix_failf(__LINE__, __VA_ARGS__);                                      \
-      goto out;                                                                \
-    }                                                                          \
+#define EXPECT(cond, ...)                 \
+  do {                                    \
+    if (!(cond)) {                        \
+      sp_ix_failf(__LINE__, __VA_ARGS__); \
+      goto out;                           \
+    }                                     \
   } while (0)
-#define EXPECT_CODE(st, want)                                                  \
-  EXPECT((st).code == (want), "status %s (%d) \"%s\", want %s",             \
-         sp_rpc_code_name((st).code), (st).code, (st).message,                \
+#define EXPECT_CODE(st, want)                                   \
+  EXPECT((st).code == (want), "status %s (%d) \"%s\", want %s", \
+         sp_rpc_code_name((st).code), (st).code, (st).message,  \
          sp_rpc_code_name(want))
-#define CHECK_CODE(st, want)                                                   \
-  CHECK((st).code == (want), "status %s (%d) \"%s\", want %s",               \
-        sp_rpc_code_name((st).code), (st).code, (st).message,                 \
+#define CHECK_CODE(st, want)                                   \
+  CHECK((st).code == (want), "status %s (%d) \"%s\", want %s", \
+        sp_rpc_code_name((st).code), (st).code, (st).message,  \
         sp_rpc_code_name(want))
 
 static uint64_t sp_ix_now_ms(void) { return uv_hrtime() / 1000000u; }
@@ -139,9 +139,8 @@ static bool sp_ix_run_until(uv_loop_t *loop, const bool *flag,
 static bool sp_ix_open(sp_ix *ix, size_t max_message) {
   memset(ix, 0, sizeof *ix);
   CHECK(uv_loop_init(&ix->loop) == 0, "uv_loop_init");
-  sp_rpc_client_opts o = {.connect_timeout_ms = 5000,
-                          .max_message = max_message,
-                          .tls = g_tls};
+  sp_rpc_client_opts o = {
+      .connect_timeout_ms = 5000, .max_message = max_message, .tls = g_tls};
   int rc = sp_rpc_client_open(&ix->loop, g_addr, &o, &ix->cl);
   CHECK(rc == 0, "sp_rpc_client_open: %s", sp_strerror(rc));
   return true;
@@ -225,8 +224,7 @@ static void on_ix_close(sp_rpc_ccall *call, const sp_rpc_status *st,
   c->st = *st;
   c->done = true;
   c->t_end = sp_ix_now_ms();
-  sp_ix_copy_md(call, "x-echo", c->md_echo, sizeof c->md_echo,
-                &c->md_echo_len);
+  sp_ix_copy_md(call, "x-echo", c->md_echo, sizeof c->md_echo, &c->md_echo_len);
   sp_ix_copy_md(call, "x-echo-bin", c->md_bin, sizeof c->md_bin,
                 &c->md_bin_len);
   sp_ix_copy_md(call, "x-trailer", c->md_trailer, sizeof c->md_trailer,
@@ -237,9 +235,8 @@ static void on_ix_close(sp_rpc_ccall *call, const sp_rpc_status *st,
 static const sp_rpc_ccall_cbs k_ix_cbs = {on_ix_message, on_ix_close};
 
 /* Starts a call; lockstep_left is -2 (not lock-step) by default. */
-static sp_ix_call *sp_ix_start(sp_ix *ix, const char *path,
-                               const sp_rpc_md *md, size_t n_md,
-                               uint64_t timeout_ms) {
+static sp_ix_call *sp_ix_start(sp_ix *ix, const char *path, const sp_rpc_md *md,
+                               size_t n_md, uint64_t timeout_ms) {
   sp_ix_call *c = calloc(1, sizeof *c);
   if (c == NULL) return NULL;
   c->ix = ix;
@@ -255,9 +252,9 @@ static sp_ix_call *sp_ix_start(sp_ix *ix, const char *path,
 }
 
 /* Starts a call with one request and half-closes. */
-static sp_ix_call *sp_ix_unary(sp_ix *ix, const char *path,
-                               const sp_ix_req *q, const sp_rpc_md *md,
-                               size_t n_md, uint64_t timeout_ms) {
+static sp_ix_call *sp_ix_unary(sp_ix *ix, const char *path, const sp_ix_req *q,
+                               const sp_rpc_md *md, size_t n_md,
+                               uint64_t timeout_ms) {
   sp_ix_call *c = sp_ix_start(ix, path, md, n_md, timeout_ms);
   if (c == NULL) return NULL;
   if (sp_rpc_ccall_send_msg(c->call, &q->base) != 0 ||
@@ -285,8 +282,8 @@ static bool sp_ix_stats(unsigned *cancelled, unsigned *active) {
   q.text = "__stats__";
   ProtobufCMessage *resp = NULL;
   sp_rpc_status st;
-  int rc = sp_rpc_sync_unary(s, P_UNARY, &q.base, SP_IX_REPLY_DESC, 5000,
-                             &resp, &st);
+  int rc = sp_rpc_sync_unary(s, P_UNARY, &q.base, SP_IX_REPLY_DESC, 5000, &resp,
+                             &st);
   sp_rpc_sync_close(s);
   CHECK(rc == 0 && st.code == SP_RPC_OK && resp != NULL,
         "__stats__: rc %d status %d %s", rc, st.code, st.message);
@@ -391,8 +388,7 @@ static bool case_async_server_stream(void) {
   EXPECT_CODE(c->st, SP_RPC_OK);
   EXPECT(c->n == 500 && c->n_bad == 0, "%zu replies", c->n);
   for (size_t i = 0; i < c->n; i++)
-    EXPECT(c->replies[i]->index == i &&
-               strcmp(c->replies[i]->text, "s") == 0 &&
+    EXPECT(c->replies[i]->index == i && strcmp(c->replies[i]->text, "s") == 0 &&
                c->replies[i]->payload.len == sizeof payload,
            "reply %zu: index %u", i, c->replies[i]->index);
   EXPECT(c->md_trailer_len == 4, "x-trailer missing");
@@ -503,8 +499,8 @@ static bool case_async_deadline(void) {
   if (!sp_ix_wait(&ix, c)) goto out;
   EXPECT_CODE(c->st, SP_RPC_DEADLINE_EXCEEDED);
   /* the client's timer or grpcio's ("Deadline Exceeded") may end it */
-  EXPECT(strcasecmp(c->st.message, "deadline exceeded") == 0,
-         "message \"%s\"", c->st.message);
+  EXPECT(strcasecmp(c->st.message, "deadline exceeded") == 0, "message \"%s\"",
+         c->st.message);
   uint64_t took = c->t_end - c->t_start;
   EXPECT(took >= 250 && took < 1500, "ended after %llu ms",
          (unsigned long long)took);
@@ -552,14 +548,14 @@ static bool case_async_status_error(void) {
     ok = sp_ix_expect_error(&ix, P_UNARY, SP_RPC_FAILED_PRECONDITION,
                             k_messages[i], false);
   /* Trailers-Only from a server stream; trailers after data from bidi */
-  ok = ok && sp_ix_expect_error(&ix, P_SSTREAM, SP_RPC_ABORTED,
-                                k_messages[2], false);
-  ok = ok && sp_ix_expect_error(&ix, P_BIDI, SP_RPC_OUT_OF_RANGE,
-                                k_messages[1], true);
-  ok = ok && sp_ix_expect_error(&ix, P_CSTREAM, SP_RPC_DATA_LOSS,
-                                k_messages[3], true);
-  ok = ok && sp_ix_expect_error(&ix, P_UNARY, SP_RPC_UNAUTHENTICATED, "",
-                                false);
+  ok = ok &&
+       sp_ix_expect_error(&ix, P_SSTREAM, SP_RPC_ABORTED, k_messages[2], false);
+  ok = ok && sp_ix_expect_error(&ix, P_BIDI, SP_RPC_OUT_OF_RANGE, k_messages[1],
+                                true);
+  ok = ok && sp_ix_expect_error(&ix, P_CSTREAM, SP_RPC_DATA_LOSS, k_messages[3],
+                                true);
+  ok =
+      ok && sp_ix_expect_error(&ix, P_UNARY, SP_RPC_UNAUTHENTICATED, "", false);
   return sp_ix_close(&ix) && ok;
 }
 
@@ -574,8 +570,8 @@ static bool case_async_unknown_method(void) {
     sp_ix_req q = SP_IX_REQ_INIT;
     c = sp_ix_unary(&ix, paths[i], &q, NULL, 0, 5000);
     if (!sp_ix_wait(&ix, c)) goto out;
-    EXPECT(c->st.code == SP_RPC_UNIMPLEMENTED, "%s: status %s \"%s\"",
-           paths[i], sp_rpc_code_name(c->st.code), c->st.message);
+    EXPECT(c->st.code == SP_RPC_UNIMPLEMENTED, "%s: status %s \"%s\"", paths[i],
+           sp_rpc_code_name(c->st.code), c->st.message);
     /* grpcio 1.51 answers "Method not found!" */
     EXPECT(c->st.message[0] != '\0', "%s: no grpc-message", paths[i]);
     sp_ix_call_free(c);
@@ -783,8 +779,8 @@ static bool case_async_request_too_big(void) {
   c = sp_ix_unary(&ix, P_UNARY, &q2, NULL, 0, 10000);
   if (!sp_ix_wait(&ix, c)) goto out;
   EXPECT_CODE(c->st, SP_RPC_OK);
-  EXPECT(c->n == 1 && strcmp(c->replies[0]->text, "after") == 0,
-         "%zu replies", c->n);
+  EXPECT(c->n == 1 && strcmp(c->replies[0]->text, "after") == 0, "%zu replies",
+         c->n);
   ok = true;
 out:
   free(p);
@@ -811,8 +807,8 @@ static bool sync_unary_cases(sp_rpc_sync *s) {
   q.payload.len = 3;
   ProtobufCMessage *resp = NULL;
   sp_rpc_status st;
-  int rc = sp_rpc_sync_unary(s, P_UNARY, &q.base, SP_IX_REPLY_DESC, 5000,
-                             &resp, &st);
+  int rc = sp_rpc_sync_unary(s, P_UNARY, &q.base, SP_IX_REPLY_DESC, 5000, &resp,
+                             &st);
   CHECK(rc == 0, "rc %d", rc);
   CHECK_CODE(st, SP_RPC_OK);
   sp_ix_reply *r = (sp_ix_reply *)resp;
@@ -851,8 +847,8 @@ static bool sync_errors(sp_rpc_sync *s) {
   q.delay_ms = 3000;
   sp_rpc_status st;
   uint64_t t0 = sp_ix_now_ms();
-  int rc = sp_rpc_sync_unary(s, P_UNARY, &q.base, SP_IX_REPLY_DESC, 300, NULL,
-                             &st);
+  int rc =
+      sp_rpc_sync_unary(s, P_UNARY, &q.base, SP_IX_REPLY_DESC, 300, NULL, &st);
   uint64_t took = sp_ix_now_ms() - t0;
   CHECK(rc == 0, "rc %d", rc);
   CHECK_CODE(st, SP_RPC_DEADLINE_EXCEEDED);
@@ -924,8 +920,8 @@ static bool sync_streams(sp_rpc_sync *s) {
   }
   ok = ok && sp_rpc_sync_stream_close_send(st) == 0;
   ProtobufCMessage *m = NULL;
-  int rc = ok ? sp_rpc_sync_stream_recv(st, SP_IX_REPLY_DESC, 5000, &m, NULL)
-              : -1;
+  int rc =
+      ok ? sp_rpc_sync_stream_recv(st, SP_IX_REPLY_DESC, 5000, &m, NULL) : -1;
   bool text_ok = rc == 0 && strcmp(((sp_ix_reply *)m)->text, "a\xc3\xa9z") == 0;
   if (m) protobuf_c_message_free_unpacked(m, NULL);
   ok = ok && text_ok && sync_drain(st, &n, NULL, &status) && n == 0;
@@ -1065,8 +1061,9 @@ int main(int argc, char **argv) {
     i++;
   }
   if (g_addr == NULL) {
-    fprintf(stderr, "usage: rpc_client_interop HOST:PORT [--tls-ca PEM "
-                    "[--tls-cert PEM --tls-key PEM] [--tls-server-name N]]\n");
+    fprintf(stderr,
+            "usage: rpc_client_interop HOST:PORT [--tls-ca PEM "
+            "[--tls-cert PEM --tls-key PEM] [--tls-server-name N]]\n");
     return 2;
   }
   if (g_tls_opts.ca_file != NULL) g_tls = &g_tls_opts;

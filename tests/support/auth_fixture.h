@@ -11,7 +11,7 @@ typedef struct sp_tauth {
   char *dir;
   char *token_file; /* the coordinator's --token-file (hashes) */
   /* indexed by role: SP_ROLE_WORKER, SP_ROLE_READER, SP_ROLE_ADMIN */
-  char *file[4];                      /* a client's --token-file */
+  char *file[4];                        /* a client's --token-file */
   char token[4][SP_AUTH_TOKEN_LEN + 1]; /* the tokens themselves */
 } sp_tauth;
 

@@ -71,8 +71,8 @@ void sp_coord_fixture_start_auth(sp_coord_fixture *fx, const char *model,
   assert_int_equal(sp_rpc_sync_open(fx->addr, 5000, &fx->cli), 0);
 }
 
-void sp_coord_fixture_run(sp_coord_fixture *fx,
-                          void (*fn)(sp_coord *, void *), void *arg) {
+void sp_coord_fixture_run(sp_coord_fixture *fx, void (*fn)(sp_coord *, void *),
+                          void *arg) {
   uv_mutex_lock(&fx->lock);
   fx->job = fn;
   fx->job_arg = arg;
@@ -108,8 +108,7 @@ ProtobufCMessage *sp_test_unary(sp_rpc_sync *cli, const char *method,
                                 uint64_t timeout_ms, sp_rpc_status *st) {
   ProtobufCMessage *resp = NULL;
   assert_int_equal(
-      sp_rpc_sync_unary(cli, method, req, resp_desc, timeout_ms, &resp, st),
-      0);
+      sp_rpc_sync_unary(cli, method, req, resp_desc, timeout_ms, &resp, st), 0);
   return resp;
 }
 
@@ -119,8 +118,7 @@ ProtobufCMessage *sp_coord_fixture_call(
   return sp_test_unary(fx->cli, method, req, resp_desc, 5000, st);
 }
 
-Shardplane__V1__GetJobResponse *sp_coord_fixture_get_job(
-    sp_coord_fixture *fx) {
+Shardplane__V1__GetJobResponse *sp_coord_fixture_get_job(sp_coord_fixture *fx) {
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   sp_rpc_status st;
   ProtobufCMessage *r =

@@ -41,8 +41,8 @@ void sp_coord_fixture_start_auth(sp_coord_fixture *fx, const char *model,
 void sp_coord_fixture_stop(sp_coord_fixture *fx);
 /* Runs fn(c, arg) on the loop thread and waits for it: the coordinator's
  * state belongs to its loop. */
-void sp_coord_fixture_run(sp_coord_fixture *fx,
-                          void (*fn)(sp_coord *, void *), void *arg);
+void sp_coord_fixture_run(sp_coord_fixture *fx, void (*fn)(sp_coord *, void *),
+                          void *arg);
 
 /* One unary call on cli, waiting up to timeout_ms: the decoded response,
  * or NULL with *st set. Fails the test when the call cannot be made. */
@@ -55,8 +55,7 @@ ProtobufCMessage *sp_coord_fixture_call(
     sp_coord_fixture *fx, const char *method, const ProtobufCMessage *req,
     const ProtobufCMessageDescriptor *resp_desc, sp_rpc_status *st);
 /* GetJob, which must succeed; free with sp_test_free_msg. */
-Shardplane__V1__GetJobResponse *sp_coord_fixture_get_job(
-    sp_coord_fixture *fx);
+Shardplane__V1__GetJobResponse *sp_coord_fixture_get_job(sp_coord_fixture *fx);
 /* Frees a decoded message; NULL is fine. */
 void sp_test_free_msg(void *m);
 

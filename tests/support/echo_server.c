@@ -37,9 +37,10 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[i], "--tls-client-ca") == 0 && i + 1 < argc)
       tls.client_ca_file = argv[++i];
     else {
-      fprintf(stderr, "usage: echo_server [--listen host:port] "
-                      "[--max-message bytes] [--tls-cert PEM --tls-key PEM "
-                      "[--tls-client-ca PEM]]\n");
+      fprintf(stderr,
+              "usage: echo_server [--listen host:port] "
+              "[--max-message bytes] [--tls-cert PEM --tls-key PEM "
+              "[--tls-client-ca PEM]]\n");
       return 2;
     }
   }

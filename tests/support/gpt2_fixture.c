@@ -18,9 +18,10 @@ void sp_tgpt2_write_corpus(const char *path) {
   char *buf = malloc(n);
   assert_non_null(buf);
   static const char *const words[] = {
-      "shard", "plane", "the", "gradient", "of", "a", "rank", "gathers",
-      "every", "unit", "before", "its", "forward", "and", "reduces", "after",
-      "backward", "while", "optimizer", "steps", "on", "master", "copies"};
+      "shard",     "plane",   "the",     "gradient", "of",       "a",
+      "rank",      "gathers", "every",   "unit",     "before",   "its",
+      "forward",   "and",     "reduces", "after",    "backward", "while",
+      "optimizer", "steps",   "on",      "master",   "copies"};
   sp_test_rng rng = {2024};
   while (len + 16 < n) {
     const char *w = words[sp_test_rng_below(&rng, 23)];
@@ -36,24 +37,23 @@ void sp_tgpt2_write_corpus(const char *path) {
 double sp_tgpt2_lr_sum(int steps, double lr, int warmup, double min_lr) {
   double s = 0;
   for (int t = 0; t < steps; t++)
-    s += t < warmup ? lr * (t + 1) / warmup
-                    : min_lr + 0.5 * (lr - min_lr) *
-                                   (1 + cos(M_PI * (t - warmup) /
-                                            (steps - warmup)));
+    s += t < warmup
+             ? lr * (t + 1) / warmup
+             : min_lr + 0.5 * (lr - min_lr) *
+                            (1 + cos(M_PI * (t - warmup) / (steps - warmup)));
   return s;
 }
 
-static void read_f32(const sp_safetensors_file *f, const char *name,
-                     float *dst, size_t n) {
+static void read_f32(const sp_safetensors_file *f, const char *name, float *dst,
+                     size_t n) {
   const sp_safetensors_tensor *t = sp_safetensors_find(f, name);
   if (t == NULL) fail_msg("%s: not in the file", name);
   assert_int_equal(t->dtype, SP_FLOAT32);
   assert_int_equal(sp_safetensors_tensor_read(t, dst, n * sizeof *dst), 0);
 }
 
-void sp_tgpt2_compare(const sp_model *m, const double *loss,
-                      const double *ref, size_t steps,
-                      const sp_safetensors_file *a,
+void sp_tgpt2_compare(const sp_model *m, const double *loss, const double *ref,
+                      size_t steps, const sp_safetensors_file *a,
                       const sp_safetensors_file *b, sp_tgpt2_errors *e) {
   memset(e, 0, sizeof *e);
   e->worst = "";

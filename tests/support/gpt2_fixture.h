@@ -37,9 +37,8 @@ typedef struct sp_tgpt2_errors {
 
 /* loss[steps] and the float32 FULL checkpoint a against ref[steps] and b,
  * every parameter of m. */
-void sp_tgpt2_compare(const sp_model *m, const double *loss,
-                      const double *ref, size_t steps,
-                      const sp_safetensors_file *a,
+void sp_tgpt2_compare(const sp_model *m, const double *loss, const double *ref,
+                      size_t steps, const sp_safetensors_file *a,
                       const sp_safetensors_file *b, sp_tgpt2_errors *e);
 
 #endif

@@ -47,7 +47,9 @@ void sp_h2_preface(sp_h2buf *b) {
 
 void sp_h2_frame(sp_h2buf *b, uint8_t type, uint8_t flags, uint32_t sid,
                  const void *payload, size_t len) {
-  uint8_t h[9] = {(uint8_t)(len >> 16), (uint8_t)(len >> 8), (uint8_t)len,
+  uint8_t h[9] = {(uint8_t)(len >> 16),
+                  (uint8_t)(len >> 8),
+                  (uint8_t)len,
                   type,
                   flags,
                   (uint8_t)((sid >> 24) & 0x7f),
@@ -112,7 +114,7 @@ static void hpack_int(sp_h2buf *b, uint8_t first, int nbits, size_t v) {
 void sp_h2_hpack_lit(sp_h2buf *blk, const char *name, const void *value,
                      size_t vlen) {
   size_t nlen = strlen(name);
-  put_u8(blk, 0x00); /* literal without indexing, new name */
+  put_u8(blk, 0x00);             /* literal without indexing, new name */
   hpack_int(blk, 0x00, 7, nlen); /* no Huffman */
   sp_h2buf_put(blk, name, nlen);
   hpack_int(blk, 0x00, 7, vlen);
@@ -156,12 +158,12 @@ void sp_h2_headers(sp_h2buf *b, uint32_t sid, const sp_h2buf *blk,
 
 void sp_h2_data(sp_h2buf *b, uint32_t sid, const void *d, size_t len,
                 bool end_stream) {
-  sp_h2_frame(b, NGHTTP2_DATA, end_stream ? NGHTTP2_FLAG_END_STREAM : 0, sid,
-              d, len);
+  sp_h2_frame(b, NGHTTP2_DATA, end_stream ? NGHTTP2_FLAG_END_STREAM : 0, sid, d,
+              len);
 }
 
-void sp_h2_grpc_message(sp_h2buf *b, uint32_t sid, const void *msg,
-                        size_t len, bool end_stream) {
+void sp_h2_grpc_message(sp_h2buf *b, uint32_t sid, const void *msg, size_t len,
+                        bool end_stream) {
   sp_h2buf p = {0};
   put_u8(&p, 0);
   put_u32(&p, (uint32_t)len);
@@ -278,76 +280,75 @@ static uint32_t get_u32(const uint8_t *p) {
 }
 
 /* One complete frame. */
-static void on_frame(sp_h2_reader *r, uint8_t type, uint8_t flags,
-                     uint32_t sid, const uint8_t *p, size_t len) {
+static void on_frame(sp_h2_reader *r, uint8_t type, uint8_t flags, uint32_t sid,
+                     const uint8_t *p, size_t len) {
   r->frames++;
   if (r->in_block && type != NGHTTP2_CONTINUATION) {
     r->error = true; /* CONTINUATION must follow directly */
     return;
   }
   switch (type) {
-  case NGHTTP2_DATA: {
-    sp_h2_stream *s = stream_get(r, sid);
-    size_t pad = 0;
-    if (flags & NGHTTP2_FLAG_PADDED) {
-      if (len < 1) goto bad;
-      pad = (size_t)p[0] + 1;
+    case NGHTTP2_DATA: {
+      sp_h2_stream *s = stream_get(r, sid);
+      size_t pad = 0;
+      if (flags & NGHTTP2_FLAG_PADDED) {
+        if (len < 1) goto bad;
+        pad = (size_t)p[0] + 1;
+      }
+      if (pad > len) goto bad;
+      s->data_bytes += len - pad;
+      if (flags & NGHTTP2_FLAG_END_STREAM) s->ended = true;
+      return;
     }
-    if (pad > len) goto bad;
-    s->data_bytes += len - pad;
-    if (flags & NGHTTP2_FLAG_END_STREAM) s->ended = true;
-    return;
-  }
-  case NGHTTP2_HEADERS: {
-    size_t off = 0, pad = 0;
-    if (flags & NGHTTP2_FLAG_PADDED) {
-      if (len < 1) goto bad;
-      pad = p[0];
-      off = 1;
+    case NGHTTP2_HEADERS: {
+      size_t off = 0, pad = 0;
+      if (flags & NGHTTP2_FLAG_PADDED) {
+        if (len < 1) goto bad;
+        pad = p[0];
+        off = 1;
+      }
+      if (flags & NGHTTP2_FLAG_PRIORITY) off += 5;
+      if (off + pad > len) goto bad;
+      r->block.len = 0;
+      sp_h2buf_put(&r->block, p + off, len - off - pad);
+      r->block_sid = sid;
+      r->block_es = (flags & NGHTTP2_FLAG_END_STREAM) != 0;
+      r->in_block = true;
+      if (flags & NGHTTP2_FLAG_END_HEADERS) decode_block(r);
+      return;
     }
-    if (flags & NGHTTP2_FLAG_PRIORITY) off += 5;
-    if (off + pad > len) goto bad;
-    r->block.len = 0;
-    sp_h2buf_put(&r->block, p + off, len - off - pad);
-    r->block_sid = sid;
-    r->block_es = (flags & NGHTTP2_FLAG_END_STREAM) != 0;
-    r->in_block = true;
-    if (flags & NGHTTP2_FLAG_END_HEADERS) decode_block(r);
-    return;
-  }
-  case NGHTTP2_CONTINUATION:
-    if (!r->in_block || sid != r->block_sid) goto bad;
-    sp_h2buf_put(&r->block, p, len);
-    if (flags & NGHTTP2_FLAG_END_HEADERS) decode_block(r);
-    return;
-  case NGHTTP2_RST_STREAM: {
-    if (len != 4) goto bad;
-    sp_h2_stream *s = stream_get(r, sid);
-    s->reset = true;
-    s->rst_code = get_u32(p);
-    return;
-  }
-  case NGHTTP2_SETTINGS:
-    if (flags & NGHTTP2_FLAG_ACK) return;
-    if (len % 6 != 0) goto bad;
-    for (size_t i = 0; i < len; i += 6) {
-      uint32_t id = (uint32_t)p[i] << 8 | p[i + 1];
-      if (id == NGHTTP2_SETTINGS_HEADER_TABLE_SIZE)
-        r->header_table_size = get_u32(p + i + 2);
+    case NGHTTP2_CONTINUATION:
+      if (!r->in_block || sid != r->block_sid) goto bad;
+      sp_h2buf_put(&r->block, p, len);
+      if (flags & NGHTTP2_FLAG_END_HEADERS) decode_block(r);
+      return;
+    case NGHTTP2_RST_STREAM: {
+      if (len != 4) goto bad;
+      sp_h2_stream *s = stream_get(r, sid);
+      s->reset = true;
+      s->rst_code = get_u32(p);
+      return;
     }
-    r->settings++;
-    return;
-  case NGHTTP2_PING:
-    if (flags & NGHTTP2_FLAG_ACK) r->pings_acked++;
-    return;
-  case NGHTTP2_GOAWAY:
-    if (len < 8) goto bad;
-    r->goaway = true;
-    r->goaway_last = get_u32(p) & 0x7fffffffu;
-    r->goaway_code = get_u32(p + 4);
-    return;
-  default:
-    return; /* WINDOW_UPDATE, PRIORITY, unknown: nothing to record */
+    case NGHTTP2_SETTINGS:
+      if (flags & NGHTTP2_FLAG_ACK) return;
+      if (len % 6 != 0) goto bad;
+      for (size_t i = 0; i < len; i += 6) {
+        uint32_t id = (uint32_t)p[i] << 8 | p[i + 1];
+        if (id == NGHTTP2_SETTINGS_HEADER_TABLE_SIZE)
+          r->header_table_size = get_u32(p + i + 2);
+      }
+      r->settings++;
+      return;
+    case NGHTTP2_PING:
+      if (flags & NGHTTP2_FLAG_ACK) r->pings_acked++;
+      return;
+    case NGHTTP2_GOAWAY:
+      if (len < 8) goto bad;
+      r->goaway = true;
+      r->goaway_last = get_u32(p) & 0x7fffffffu;
+      r->goaway_code = get_u32(p + 4);
+      return;
+    default: return; /* WINDOW_UPDATE, PRIORITY, unknown: nothing to record */
   }
 bad:
   r->error = true;

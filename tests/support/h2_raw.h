@@ -61,35 +61,35 @@ void sp_h2_headers(sp_h2buf *b, uint32_t sid, const sp_h2buf *blk,
 void sp_h2_data(sp_h2buf *b, uint32_t sid, const void *d, size_t len,
                 bool end_stream);
 /* A DATA frame carrying one gRPC message (5-byte prefix + msg). */
-void sp_h2_grpc_message(sp_h2buf *b, uint32_t sid, const void *msg,
-                        size_t len, bool end_stream);
+void sp_h2_grpc_message(sp_h2buf *b, uint32_t sid, const void *msg, size_t len,
+                        bool end_stream);
 
 /* What the server said on one stream. */
 typedef struct sp_h2_stream {
   uint32_t sid;
-  int http_status;  /* :status, 0 if none yet */
-  int grpc_status;  /* -1 if none yet */
+  int http_status; /* :status, 0 if none yet */
+  int grpc_status; /* -1 if none yet */
   char grpc_message[256];
   size_t data_bytes;
-  bool ended;       /* END_STREAM received */
-  bool reset;       /* RST_STREAM received */
+  bool ended; /* END_STREAM received */
+  bool reset; /* RST_STREAM received */
   uint32_t rst_code;
 } sp_h2_stream;
 
 /* Parses a server's byte stream frame by frame. */
 typedef struct sp_h2_reader {
   nghttp2_hd_inflater *inf;
-  sp_h2buf in;     /* bytes not yet parsed */
-  sp_h2buf block;  /* header block being assembled */
+  sp_h2buf in;    /* bytes not yet parsed */
+  sp_h2buf block; /* header block being assembled */
   uint32_t block_sid;
   bool block_es;
   bool in_block;
   sp_h2_stream *st;
   size_t n_st, cap_st;
-  size_t settings;     /* non-ACK SETTINGS frames seen */
+  size_t settings;            /* non-ACK SETTINGS frames seen */
   uint32_t header_table_size; /* the server's SETTINGS_HEADER_TABLE_SIZE */
-  size_t settings_acked; /* how many of them the caller has ACKed */
-  size_t pings_acked;  /* PING frames with ACK seen */
+  size_t settings_acked;      /* how many of them the caller has ACKed */
+  size_t pings_acked;         /* PING frames with ACK seen */
   size_t frames;
   bool goaway;
   uint32_t goaway_code, goaway_last;

@@ -198,8 +198,7 @@ sp_safetensors_file *sp_tjob_open_st(const char *dir, const char *name) {
   char *path = sp_test_path(dir, name);
   sp_safetensors_file *st;
   sp_diag d = {{0}};
-  if (sp_safetensors_open(path, &st, &d) < 0)
-    fail_msg("%s", d.msg);
+  if (sp_safetensors_open(path, &st, &d) < 0) fail_msg("%s", d.msg);
   free(path);
   return st;
 }
@@ -239,8 +238,8 @@ void sp_tjob_same_tensors(const char *a_dir, const char *a, const char *b_dir,
     assert_int_equal(ta->dtype, tb->dtype);
     assert_int_equal(ta->nbytes, tb->nbytes);
     if (memcmp(ta->data, tb->data, ta->nbytes) != 0)
-      fail_msg("%s differs between %s/%s and %s/%s", ta->name, a_dir, a,
-               b_dir, b);
+      fail_msg("%s differs between %s/%s and %s/%s", ta->name, a_dir, a, b_dir,
+               b);
   }
   sp_safetensors_close(fa);
   sp_safetensors_close(fb);
@@ -381,13 +380,13 @@ static void check_parity(const char *label, const char *model, bool mp,
   double *rp = ref_params_f64(m, ref_params);
   double param_err = rel_err(gp, rp, total_numel(m));
   double param_rms = rms_err(gp, rp, total_numel(m));
-  printf("  %s: loss %.6f -> %.6f, rel. error loss %.2e params %.2e "
-         "(rms %.2e; bound %.0e)\n",
-         label, got[0], got[steps - 1], loss_err, param_err, param_rms, tol);
+  printf(
+      "  %s: loss %.6f -> %.6f, rel. error loss %.2e params %.2e "
+      "(rms %.2e; bound %.0e)\n",
+      label, got[0], got[steps - 1], loss_err, param_err, param_rms, tol);
   if (g_parity_worst) {
     if (loss_err > g_parity_worst->loss) g_parity_worst->loss = loss_err;
-    if (param_err > g_parity_worst->params)
-      g_parity_worst->params = param_err;
+    if (param_err > g_parity_worst->params) g_parity_worst->params = param_err;
     if (param_rms > g_parity_worst->rms) g_parity_worst->rms = param_rms;
   }
   assert_true(got[steps - 1] < got[0]);
@@ -437,8 +436,9 @@ static void parity_start(parity_run *r, const sp_tjob_parity_cfg *c) {
     r->cflags[k++] = "float32";
   }
   add_flags(r->cflags, k, c->cflags);
-  const char *w[] = {"--steps", r->steps, "--global-batch", r->batch, "--lr",
-                     c->lr, "--losses", r->losses, "--checkpoint-dir", r->dir};
+  const char *w[] = {
+      "--steps", r->steps,   "--global-batch", r->batch,           "--lr",
+      c->lr,     "--losses", r->losses,        "--checkpoint-dir", r->dir};
   memcpy(r->wflags, w, sizeof w);
   add_flags(r->wflags, sizeof w / sizeof w[0], c->wflags);
   sp_tjob_start(&r->j, c->model, r->cflags, c->n, r->wflags, NULL);
@@ -453,8 +453,8 @@ static void parity_check(parity_run *r, int ok, const char *label,
   }
   sp_mlp_train_cfg cfg;
   reference_cfg(c->wflags, c->steps, c->batch, atof(c->lr), &cfg);
-  check_parity(label, c->model, c->mp, &cfg, c->tol, c->loss_tol,
-               c->rms_tol, r->losses, r->dir);
+  check_parity(label, c->model, c->mp, &cfg, c->tol, c->loss_tol, c->rms_tol,
+               r->losses, r->dir);
 }
 
 static void parity_free(parity_run *r) {
@@ -474,8 +474,7 @@ void sp_tjob_parity(const char *label, const sp_tjob_parity_cfg *c) {
  * the first check, which may fail the test, so a failure leaves nothing
  * running. */
 void sp_tjob_parity_many(const sp_tjob_parity_cfg *cs,
-                         const char *const *labels, size_t n,
-                         size_t parallel) {
+                         const char *const *labels, size_t n, size_t parallel) {
   if (parallel < 1) parallel = 1;
   if (parallel > 8) parallel = 8;
   parity_run *runs = calloc(n ? n : 1, sizeof *runs);
@@ -534,12 +533,13 @@ void sp_tjob_check_buffers(const char *model, uint32_t world, uint32_t steps,
     const sp_safetensors_tensor *tf = sp_safetensors_find(full, bs->fqn);
     const sp_safetensors_tensor *ts = sp_safetensors_find(sh, bs->fqn);
     const sp_safetensors_tensor *tl = sp_safetensors_find(loc, bs->fqn);
-    printf("  %-30s original %-8s compute %-8s FULL %-8s SHARDED %-8s "
-           "LOCAL %s\n",
-           bs->fqn, sp_dtype_name(bs->dtype), sp_dtype_name(compute),
-           tf ? sp_dtype_name(tf->dtype) : "-",
-           ts ? sp_dtype_name(ts->dtype) : "-",
-           tl ? sp_dtype_name(tl->dtype) : "-");
+    printf(
+        "  %-30s original %-8s compute %-8s FULL %-8s SHARDED %-8s "
+        "LOCAL %s\n",
+        bs->fqn, sp_dtype_name(bs->dtype), sp_dtype_name(compute),
+        tf ? sp_dtype_name(tf->dtype) : "-",
+        ts ? sp_dtype_name(ts->dtype) : "-",
+        tl ? sp_dtype_name(tl->dtype) : "-");
     size_t n = (size_t)bs->numel;
     const uint8_t *rb = ref;
     ref += n * sp_dtype_size(compute);
@@ -585,8 +585,8 @@ void sp_tjob_check_buffers(const char *model, uint32_t world, uint32_t steps,
      * that differ at the parity bound (bf16 gradients rounded per rank, or
      * GEMM sums in another order on a GPU), then rounded to bf16: within
      * one bf16 step (2^-8 relative) of the tensor's largest value, twice */
-    printf("  %-30s max |%s| = %.3g (%.2g of its largest value)\n", bs->fqn,
-           vs, diff, scale > 0 ? diff / scale : 0);
+    printf("  %-30s max |%s| = %.3g (%.2g of its largest value)\n", bs->fqn, vs,
+           diff, scale > 0 ? diff / scale : 0);
     assert_true(diff <= 0x1p-7 * scale);
   }
   sp_safetensors_close(full);

@@ -121,8 +121,7 @@ void sp_tjob_parity(const char *label, const sp_tjob_parity_cfg *c);
  * one ends; the checks, in order, once every job has ended (their
  * directories stay until then); labels[i] names cs[i]. */
 void sp_tjob_parity_many(const sp_tjob_parity_cfg *cs,
-                         const char *const *labels, size_t n,
-                         size_t parallel);
+                         const char *const *labels, size_t n, size_t parallel);
 
 /* The buffer test (SP_TEST_DATA/mlp_buffers.json: running means in
  * float64, float16 and bfloat16 submodules, step counters in int64 and

@@ -79,8 +79,8 @@ int sp_mstore_set(void *user, const char *key, const void *val, size_t len,
   return 0;
 }
 
-int sp_mstore_get(void *user, const char *key, uint64_t wait_ms,
-                  uint8_t **val, size_t *len, sp_diag *d) {
+int sp_mstore_get(void *user, const char *key, uint64_t wait_ms, uint8_t **val,
+                  size_t *len, sp_diag *d) {
   sp_mstore *s = user;
   struct timespec dl;
   clock_gettime(CLOCK_MONOTONIC, &dl);

@@ -29,8 +29,8 @@ void sp_mstore_destroy(sp_mstore *s);
  * wait_ms passed without it. */
 int sp_mstore_set(void *user, const char *key, const void *val, size_t len,
                   sp_diag *d);
-int sp_mstore_get(void *user, const char *key, uint64_t wait_ms,
-                  uint8_t **val, size_t *len, sp_diag *d);
+int sp_mstore_get(void *user, const char *key, uint64_t wait_ms, uint8_t **val,
+                  size_t *len, sp_diag *d);
 
 /* The store as a communicator's (set and get; no add). */
 sp_comm_store sp_mstore_comm_store(sp_mstore *s);

@@ -12,8 +12,7 @@
 #include "plan/plan.h"
 
 sp_dtype sp_mlp_out_dtype(const sp_mlp *mlp, const sp_mlp_io *io) {
-  if (mlp == NULL || io == NULL || io->param_dtype == NULL)
-    return SP_FLOAT32;
+  if (mlp == NULL || io == NULL || io->param_dtype == NULL) return SP_FLOAT32;
   for (size_t l = mlp->n_layers; l-- > 0;)
     if (mlp->layers[l].weight >= 0)
       return io->param_dtype(io->user, mlp->layers[l].weight);
@@ -69,8 +68,7 @@ static int layout(const sp_tensor_spec *ts, const sp_dtype *dt, size_t n,
     /* packed, as the caller receives them; every access goes through
      * memcpy or sp_cast, so alignment does not matter */
     size_t bytes = (size_t)ts[i].numel * es;
-    if (acc > SIZE_MAX - bytes)
-      return SP_ETOOBIG;
+    if (acc > SIZE_MAX - bytes) return SP_ETOOBIG;
     off[i] = acc;
     acc += bytes;
   }
@@ -96,32 +94,25 @@ static double ref_round(double v, sp_dtype dt) {
  * a sharded one within its summation-order differences. */
 
 static double ref_lr(const sp_optim_opts *o, uint32_t step) {
-  if (o->schedule != SP_LR_COSINE)
-    return o->lr;
+  if (o->schedule != SP_LR_COSINE) return o->lr;
   double t = step, w = (double)o->warmup_steps, total = (double)o->total_steps;
-  if (t < w)
-    return o->lr * (t + 1) / w;
-  if (t >= total)
-    return o->min_lr;
+  if (t < w) return o->lr * (t + 1) / w;
+  if (t >= total) return o->min_lr;
   const double pi = 3.14159265358979323846;
   return o->min_lr +
          0.5 * (o->lr - o->min_lr) * (1.0 + cos(pi * (t - w) / (total - w)));
 }
 
-static bool ref_any_match(const char *const *pats, size_t n,
-                          const char *fqn) {
+static bool ref_any_match(const char *const *pats, size_t n, const char *fqn) {
   for (size_t i = 0; i < n; i++)
-    if (fnmatch(pats[i], fqn, 0) == 0)
-      return true;
+    if (fnmatch(pats[i], fqn, 0) == 0) return true;
   return false;
 }
 
 /* no_decay patterns, then decay patterns, then: weights (2-D and up) */
 static bool ref_decays(const sp_optim_opts *o, const sp_tensor_spec *t) {
-  if (ref_any_match(o->no_decay, o->n_no_decay, t->fqn))
-    return false;
-  if (ref_any_match(o->decay, o->n_decay, t->fqn))
-    return true;
+  if (ref_any_match(o->no_decay, o->n_no_decay, t->fqn)) return false;
+  if (ref_any_match(o->decay, o->n_decay, t->fqn)) return true;
   return t->ndim >= 2;
 }
 
@@ -133,14 +124,11 @@ static int ref_reduce(ref_ctx *c, int32_t p, unsigned char *tmp_a,
   const sp_tensor_spec *t = &c->m->params[p];
   size_t n = (size_t)t->numel;
   int rc = sp_cast(tmp_a, c->rdt[p], c->grad + c->view_off[p], c->pdt[p], n);
-  if (rc == 0)
-    rc = sp_cast(tmp_b, c->gdt[p], tmp_a, c->rdt[p], n);
-  if (rc != 0)
-    return sp_diag_set(d, rc, "%s: gradient cast failed", t->fqn);
+  if (rc == 0) rc = sp_cast(tmp_b, c->gdt[p], tmp_a, c->rdt[p], n);
+  if (rc != 0) return sp_diag_set(d, rc, "%s: gradient cast failed", t->fqn);
   double *g = c->g + c->elem_off[p];
   for (size_t i = 0; i < n; i++)
-    g[i] = ref_round(g[i] + sp_elem_load_f64(tmp_b, c->gdt[p], i),
-                     c->gdt[p]);
+    g[i] = ref_round(g[i] + sp_elem_load_f64(tmp_b, c->gdt[p], i), c->gdt[p]);
   return 0;
 }
 
@@ -149,18 +137,14 @@ static void ref_clip(ref_ctx *c, double max_norm) {
   const sp_model *m = c->m;
   double sq = 0;
   for (size_t p = 0; p < m->n_params; p++) {
-    if (!m->params[p].flag)
-      continue;
+    if (!m->params[p].flag) continue;
     const double *g = c->g + c->elem_off[p];
-    for (int64_t i = 0; i < m->params[p].numel; i++)
-      sq += g[i] * g[i];
+    for (int64_t i = 0; i < m->params[p].numel; i++) sq += g[i] * g[i];
   }
   double coef = max_norm / (sqrt(sq) + 1e-6);
-  if (!(coef < 1.0))
-    return;
+  if (!(coef < 1.0)) return;
   for (size_t p = 0; p < m->n_params; p++) {
-    if (!m->params[p].flag)
-      continue;
+    if (!m->params[p].flag) continue;
     double *g = c->g + c->elem_off[p];
     for (int64_t i = 0; i < m->params[p].numel; i++)
       g[i] = ref_round(g[i] * coef, c->gdt[p]);
@@ -174,8 +158,7 @@ static void ref_update(ref_ctx *c, const sp_optim_opts *o, uint32_t step) {
   double bc1 = 1.0 - pow(o->beta1, t), bc2 = 1.0 - pow(o->beta2, t);
   for (size_t p = 0; p < m->n_params; p++) {
     const sp_tensor_spec *ts = &m->params[p];
-    if (!ts->flag)
-      continue;
+    if (!ts->flag) continue;
     void *mp = c->master + c->master_off[p];
     const double *g = c->g + c->elem_off[p];
     double *m1 = c->m1 + c->elem_off[p], *m2 = c->m2 + c->elem_off[p];
@@ -184,14 +167,12 @@ static void ref_update(ref_ctx *c, const sp_optim_opts *o, uint32_t step) {
       double pv = sp_elem_load_f64(mp, ts->dtype, (size_t)i), gv = g[i];
       if (o->kind == SP_OPTIM_ADAMW) {
         pv = pv - lr * wd * pv;
-        m1[i] = ref_round(o->beta1 * m1[i] + (1.0 - o->beta1) * gv,
-                          SP_FLOAT32);
+        m1[i] = ref_round(o->beta1 * m1[i] + (1.0 - o->beta1) * gv, SP_FLOAT32);
         m2[i] = ref_round(o->beta2 * m2[i] + (1.0 - o->beta2) * (gv * gv),
                           SP_FLOAT32);
         pv = pv - lr * (m1[i] / bc1) / (sqrt(m2[i] / bc2) + o->eps);
       } else {
-        if (wd != 0)
-          gv = gv + wd * pv;
+        if (wd != 0) gv = gv + wd * pv;
         if (o->momentum != 0) {
           m1[i] = ref_round(o->momentum * m1[i] + gv, SP_FLOAT32);
           gv = m1[i];
@@ -220,30 +201,27 @@ static int ref_check(const sp_mlp_train_cfg *cfg, sp_diag *d) {
                        "sp_mlp_reference_run: global batch %u not in 1..%u",
                        cfg->global_batch, SP_MLP_MAX_BATCH);
   if (cfg->global_batch % k != 0)
-    return sp_diag_set(d, SP_EINVAL, "sp_mlp_reference_run: global batch %u "
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_mlp_reference_run: global batch %u "
                        "is not a multiple of %u micro-batches",
                        cfg->global_batch, k);
   if (cfg->clip_grad_norm < 0 || !isfinite(cfg->clip_grad_norm))
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_reference_run: clip norm %g",
                        cfg->clip_grad_norm);
   int rc = sp_optim_opts_check(&cfg->optim, d);
-  if (rc != 0)
-    return sp_diag_prefix(d, rc, "sp_mlp_reference_run");
+  if (rc != 0) return sp_diag_prefix(d, rc, "sp_mlp_reference_run");
   return 0;
 }
 
 int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
                            const sp_mlp_train_cfg *cfg, double *losses,
                            void **params, void **buffers, sp_diag *d) {
-  if (params)
-    *params = NULL;
-  if (buffers)
-    *buffers = NULL;
+  if (params) *params = NULL;
+  if (buffers) *buffers = NULL;
   if (m == NULL || job == NULL || cfg == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_mlp_reference_run: NULL argument");
   int rc = ref_check(cfg, d);
-  if (rc != 0)
-    return rc;
+  if (rc != 0) return rc;
   uint32_t k = cfg->grad_accum ? cfg->grad_accum : 1;
   uint32_t micro = cfg->global_batch / k;
 
@@ -254,19 +232,16 @@ int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
   unsigned char *tmp_a = NULL, *tmp_b = NULL;
   ref_ctx c = {.m = m};
   rc = sp_mlp_new(m, &mlp, d);
-  if (rc != 0)
-    return rc;
+  if (rc != 0) return rc;
 
   /* Same units and dtypes as the sharded job; only the world differs. The
    * plan's dtypes do not depend on strategy, and HYBRID_SHARD's group size
    * would not divide a world of 1. */
   sp_job one = *job;
   one.world_size = 1;
-  if (one.strategy == SP_HYBRID_SHARD)
-    one.strategy = SP_FULL_SHARD;
+  if (one.strategy == SP_HYBRID_SHARD) one.strategy = SP_FULL_SHARD;
   one.shard_group_size = 0;
-  if ((rc = sp_plan_build(m, &one, &plan, d)) != 0)
-    goto out;
+  if ((rc = sp_plan_build(m, &one, &plan, d)) != 0) goto out;
 
   size_t np = m->n_params, nb = m->n_buffers;
   c.master_off = calloc(np + 1, sizeof *c.master_off);
@@ -295,26 +270,21 @@ int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
      * sum at world size 1), then back to the flat parameter's dtype, or,
      * with keep_low_precision_grads, to param_dtype
      * (cast_grad_to_param_dtype_if_needed). */
-    c.rdt[p] = u->reduce_dtype != SP_DTYPE_INVALID ? u->reduce_dtype
-                                                   : c.pdt[p];
+    c.rdt[p] = u->reduce_dtype != SP_DTYPE_INVALID ? u->reduce_dtype : c.pdt[p];
     c.gdt[p] = u->keep_low_precision_grads ? c.pdt[p] : mdt[p];
     c.decays[p] = ref_decays(&cfg->optim, &m->params[p]);
     c.elem_off[p] = elems;
     elems += (size_t)m->params[p].numel;
-    if (m->params[p].numel > max_numel)
-      max_numel = m->params[p].numel;
+    if (m->params[p].numel > max_numel) max_numel = m->params[p].numel;
   }
   for (size_t b = 0; b < nb; b++)
-    if (m->buffers[b].numel > max_numel)
-      max_numel = m->buffers[b].numel;
+    if (m->buffers[b].numel > max_numel) max_numel = m->buffers[b].numel;
   for (size_t i = 0; i < plan->n_buffers; i++)
     c.bdt[plan->buffers[i].buffer] = plan->buffers[i].compute_dtype;
   size_t master_bytes = 0, view_bytes = 0, buf_bytes = 0;
   rc = layout(m->params, mdt, np, c.master_off, &master_bytes);
-  if (rc == 0)
-    rc = layout(m->params, c.pdt, np, c.view_off, &view_bytes);
-  if (rc == 0)
-    rc = layout(m->buffers, c.bdt, nb, c.buf_off, &buf_bytes);
+  if (rc == 0) rc = layout(m->params, c.pdt, np, c.view_off, &view_bytes);
+  if (rc == 0) rc = layout(m->buffers, c.bdt, nb, c.buf_off, &buf_bytes);
   free(mdt);
   if (rc != 0) {
     rc = sp_diag_set(d, rc, "sp_mlp_reference_run: model too large");
@@ -380,8 +350,7 @@ int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
 
   for (uint32_t step = 0; step < cfg->steps; step++) {
     memset(c.g, 0, elems * sizeof *c.g);
-    if (losses)
-      losses[step] = 0;
+    if (losses) losses[step] = 0;
     for (uint32_t j = 0; j < k; j++) {
       for (size_t p = 0; p < np; p++) {
         rc = sp_cast(c.view + c.view_off[p], c.pdt[p],
@@ -396,28 +365,23 @@ int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
       /* without sync the view gradients add up over the micro-batches
        * and are reduced once, at the last */
       bool sync = !cfg->no_sync || j + 1 == k;
-      if (!cfg->no_sync || j == 0)
-        memset(c.grad, 0, view_bytes);
+      if (!cfg->no_sync || j == 0) memset(c.grad, 0, view_bytes);
       sp_mlp_batch(mlp, step, (uint64_t)j * micro, micro, acts->x[0], target);
       for (size_t l = 0; l < mlp->n_layers; l++)
-        if ((rc = sp_mlp_forward(mlp, l, &io, acts, micro, d)) != 0)
-          goto out;
+        if ((rc = sp_mlp_forward(mlp, l, &io, acts, micro, d)) != 0) goto out;
       /* each micro-batch's loss scaled by 1/k: the mean over the step */
-      double loss = sp_mlp_loss_over(mlp, acts, target, out_dt,
-                                     (uint64_t)micro * k);
-      if (losses)
-        losses[step] += loss;
+      double loss =
+          sp_mlp_loss_over(mlp, acts, target, out_dt, (uint64_t)micro * k);
+      if (losses) losses[step] += loss;
       for (size_t l = mlp->n_layers; l-- > 0;)
-        if ((rc = sp_mlp_backward(mlp, l, &io, acts, d)) != 0)
-          goto out;
+        if ((rc = sp_mlp_backward(mlp, l, &io, acts, d)) != 0) goto out;
       sp_mlp_count_step(mlp, &io);
       for (size_t p = 0; sync && p < np; p++)
         if (m->params[p].flag &&
             (rc = ref_reduce(&c, (int32_t)p, tmp_a, tmp_b, d)) != 0)
           goto out;
     }
-    if (cfg->clip_grad_norm > 0)
-      ref_clip(&c, cfg->clip_grad_norm);
+    if (cfg->clip_grad_norm > 0) ref_clip(&c, cfg->clip_grad_norm);
     ref_update(&c, &cfg->optim, step);
   }
 

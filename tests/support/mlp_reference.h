@@ -54,10 +54,9 @@ sp_dtype sp_mlp_out_dtype(const sp_mlp *mlp, const sp_mlp_io *io);
  * Errors: SP_EINVAL (NULL, global_batch 0, over 2^24 or not a multiple of
  * grad_accum, a bad optimizer option or clip norm), SP_EUNSUPPORTED (not
  * an MLP spec), plan errors, SP_ENOMEM, SP_ETOOBIG. */
-int sp_mlp_reference_run(const sp_model *m, const sp_job *job,
-                         uint32_t steps, uint32_t global_batch, double lr,
-                         double *losses, void **params, void **buffers,
-                         sp_diag *d);
+int sp_mlp_reference_run(const sp_model *m, const sp_job *job, uint32_t steps,
+                         uint32_t global_batch, double lr, double *losses,
+                         void **params, void **buffers, sp_diag *d);
 int sp_mlp_reference_train(const sp_model *m, const sp_job *job,
                            const sp_mlp_train_cfg *cfg, double *losses,
                            void **params, void **buffers, sp_diag *d);

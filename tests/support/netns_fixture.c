@@ -20,8 +20,7 @@ int sp_tnet_sh(const char *fmt, ...) {
 
 void sp_tnet_down(sp_tnet *n) {
   for (int i = 0; i < 2; i++)
-    if (n->ns[i][0])
-      sp_tnet_sh("%s netns del %s 2>/dev/null", n->ip, n->ns[i]);
+    if (n->ns[i][0]) sp_tnet_sh("%s netns del %s 2>/dev/null", n->ip, n->ns[i]);
 }
 
 int sp_tnet_up(sp_tnet *n, char *why, size_t cap) {
@@ -41,18 +40,22 @@ int sp_tnet_up(sp_tnet *n, char *why, size_t cap) {
   }
   if (sp_tnet_sh("%s netns add %s 2>/dev/null", n->ip, n->ns[0]) != 0) {
     n->ns[0][0] = n->ns[1][0] = '\0';
-    return snprintf(why, cap, "cannot make a network namespace (%s netns "
-                    "add: not permitted in this container?)", n->ip), -1;
+    return snprintf(why, cap,
+                    "cannot make a network namespace (%s netns "
+                    "add: not permitted in this container?)",
+                    n->ip),
+           -1;
   }
   int rc = sp_tnet_sh("%s netns add %s", n->ip, n->ns[1]);
   if (rc == 0)
     rc = sp_tnet_sh("%s link add %s netns %s type veth peer name %s netns %s",
                     n->ip, n->veth[0], n->ns[0], n->veth[1], n->ns[1]);
   for (int i = 0; rc == 0 && i < 2; i++)
-    rc = sp_tnet_sh("%s -n %s addr add %s/24 dev %s && %s -n %s link set %s "
-                    "up && %s -n %s link set lo up", n->ip, n->ns[i],
-                    n->addr[i], n->veth[i], n->ip, n->ns[i], n->veth[i], n->ip,
-                    n->ns[i]);
+    rc = sp_tnet_sh(
+        "%s -n %s addr add %s/24 dev %s && %s -n %s link set %s "
+        "up && %s -n %s link set lo up",
+        n->ip, n->ns[i], n->addr[i], n->veth[i], n->ip, n->ns[i], n->veth[i],
+        n->ip, n->ns[i]);
   if (rc != 0) {
     sp_tnet_down(n);
     return snprintf(why, cap, "cannot join the namespaces with a veth pair"),
@@ -60,4 +63,3 @@ int sp_tnet_up(sp_tnet *n, char *why, size_t cap) {
   }
   return 0;
 }
-

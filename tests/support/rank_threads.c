@@ -23,8 +23,8 @@ int sp_test_rank_fail(sp_test_rank *r, const char *file, int line,
     pthread_mutex_lock(&r->job->mu);
     r->fail_order = ++r->job->failures;
     pthread_mutex_unlock(&r->job->mu);
-    int n = snprintf(r->msg, sizeof r->msg, "rank %u: %s:%d: ", r->rank,
-                     file, line);
+    int n = snprintf(r->msg, sizeof r->msg, "rank %u: %s:%d: ", r->rank, file,
+                     line);
     if (n < 0 || (size_t)n >= sizeof r->msg) n = 0;
     va_list ap;
     va_start(ap, fmt);
@@ -35,10 +35,9 @@ int sp_test_rank_fail(sp_test_rank *r, const char *file, int line,
   return -1;
 }
 
-int sp_test_rank_attach(sp_test_rank *r, const char *address,
-                        sp_session **s) {
-  sp_session_opts so = {.coordinator = address, .rank = r->rank,
-                        .connect_timeout_ms = 10000};
+int sp_test_rank_attach(sp_test_rank *r, const char *address, sp_session **s) {
+  sp_session_opts so = {
+      .coordinator = address, .rank = r->rank, .connect_timeout_ms = 10000};
   SP_RANK_CALL(r, sp_session_open(&so, s, &D));
   sp_comm *cs[3] = {NULL, NULL, NULL};
   SP_RANK_CALL(r, sp_fsdp_comms_open(*s, 20000, &cs[0], &cs[1], &cs[2], &D));

@@ -74,33 +74,32 @@ int sp_test_rank_fail(sp_test_rank *r, const char *file, int line,
 /* Opens rank r's session with the coordinator at address (*s, the caller's
  * to close with sp_test_rank_detach) and its communicators (r->comm).
  * Returns 0, or -1 with the failure recorded. */
-int sp_test_rank_attach(sp_test_rank *r, const char *address,
-                        sp_session **s);
+int sp_test_rank_attach(sp_test_rank *r, const char *address, sp_session **s);
 /* Leaves and frees r's communicators, then closes s (NULL: none); a
  * failure is recorded unless r has one already. */
 void sp_test_rank_detach(sp_test_rank *r, sp_session *s);
 
 /* Fails rank r (an sp_test_rank *) unless cond holds. */
-#define SP_RANK_CHECK(r, cond, ...)                                            \
-  do {                                                                         \
-    if (!(cond))                                                               \
-      return sp_test_rank_fail((r), __FILE__, __LINE__, __VA_ARGS__);          \
+#define SP_RANK_CHECK(r, cond, ...)                                   \
+  do {                                                                \
+    if (!(cond))                                                      \
+      return sp_test_rank_fail((r), __FILE__, __LINE__, __VA_ARGS__); \
   } while (0)
 
 /* A call that must return 0; `expr` passes &D as its diag. */
-#define SP_RANK_CALL(r, expr)                                                  \
-  do {                                                                         \
-    sp_diag D = {""};                                                          \
-    int rc_ = (expr);                                                          \
-    if (rc_ != 0)                                                              \
-      return sp_test_rank_fail((r), __FILE__, __LINE__, "%s: %s: %s", #expr,   \
-                               sp_err_name(rc_), D.msg);                       \
+#define SP_RANK_CALL(r, expr)                                                \
+  do {                                                                       \
+    sp_diag D = {""};                                                        \
+    int rc_ = (expr);                                                        \
+    if (rc_ != 0)                                                            \
+      return sp_test_rank_fail((r), __FILE__, __LINE__, "%s: %s: %s", #expr, \
+                               sp_err_name(rc_), D.msg);                     \
   } while (0)
 
 /* Passes a failure already recorded up to the rank's run. */
-#define SP_RANK_TRY(expr)                                                      \
-  do {                                                                         \
-    if ((expr) != 0) return -1;                                                \
+#define SP_RANK_TRY(expr)       \
+  do {                          \
+    if ((expr) != 0) return -1; \
   } while (0)
 
 #endif

@@ -10,16 +10,14 @@
 
 int sp_test_certs_make(const char *dir, sp_test_certs *out) {
   memset(out, 0, sizeof *out);
-  if (system("openssl version >/dev/null 2>&1") != 0)
-    return SP_EUNSUPPORTED;
+  if (system("openssl version >/dev/null 2>&1") != 0) return SP_EUNSUPPORTED;
   char cmd[4096];
   /* the directory comes from sp_test_mkdtemp: no quotes in it */
   if (snprintf(cmd, sizeof cmd, "sh '%s' '%s'", SP_TEST_CERTS_SCRIPT, dir) >=
       (int)sizeof cmd)
     return SP_EINVAL;
   int st = system(cmd);
-  if (st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
-    return SP_EIO;
+  if (st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) return SP_EIO;
   out->ca = sp_test_path(dir, "ca.pem");
   out->ca_key = sp_test_path(dir, "ca.key");
   out->server_cert = sp_test_path(dir, "server.pem");

@@ -35,9 +35,10 @@ int sp_test_skip(const char *why) {
 
 int sp_test_need_cuda_device(void) {
 #if !SHARDPLANE_HAVE_CUDA
-  return sp_test_skip("built without CUDA (no CUDA toolkit at configure "
-                      "time, or -DSHARDPLANE_CUDA=OFF as in ./dev test's "
-                      "sanitizer build)");
+  return sp_test_skip(
+      "built without CUDA (no CUDA toolkit at configure "
+      "time, or -DSHARDPLANE_CUDA=OFF as in ./dev test's "
+      "sanitizer build)");
 #else
   int n = 0;
   int rc = sp_cuda_device_count(&n);
@@ -139,8 +140,10 @@ void sp_test_same_f32(const char *what, const float *got, const float *want,
                       size_t n) {
   for (size_t i = 0; i < n; i++)
     if (memcmp(&got[i], &want[i], 4) != 0)
-      fail_msg("%s: element %zu of %zu: GPU %.9g, CPU %.9g (bit-exact "
-               "expected)", what, i, n, (double)got[i], (double)want[i]);
+      fail_msg(
+          "%s: element %zu of %zu: GPU %.9g, CPU %.9g (bit-exact "
+          "expected)",
+          what, i, n, (double)got[i], (double)want[i]);
 }
 
 int sp_test_spawn_logged(const char *out, const char *err, char *const *argv) {

@@ -22,12 +22,12 @@ int sp_test_need_cuda_device(void);
 
 /* In a file that includes <cuda_runtime_api.h>: fails the test, naming the
  * call and CUDA's error, unless the CUDA runtime call succeeds. */
-#define SP_TEST_CU(call)                                                       \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess)                                                     \
-      fail_msg("%s:%d: %s: %s", __FILE__, __LINE__, #call,                     \
-               cudaGetErrorString(e_));                                        \
+#define SP_TEST_CU(call)                                   \
+  do {                                                     \
+    cudaError_t e_ = (call);                               \
+    if (e_ != cudaSuccess)                                 \
+      fail_msg("%s:%d: %s: %s", __FILE__, __LINE__, #call, \
+               cudaGetErrorString(e_));                    \
   } while (0)
 
 /* Deterministic generator (splitmix64) so failures reproduce. */

@@ -10,8 +10,7 @@
  * out; SP_EIO when mkdtemp failed, errno saying why (out then holds the
  * name it tried last). The directory is the caller's to remove
  * (sp_test_rmtree). */
-int sp_test_tmpdir(const char *base, const char *prefix, char *out,
-                   size_t cap);
+int sp_test_tmpdir(const char *base, const char *prefix, char *out, size_t cap);
 
 /* Removes dir and everything under it, following no link; best effort:
  * what cannot be removed stays. */

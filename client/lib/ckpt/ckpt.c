@@ -74,8 +74,8 @@ const char *sp_ckpt_kind_dir(sp_ckpt_kind k) {
 static bool step_count(const char *s, uint64_t *out) {
   char *end;
   errno = 0;
-  unsigned long long v = s && *s >= '0' && *s <= '9' ? strtoull(s, &end, 10)
-                                                     : 0;
+  unsigned long long v =
+      s && *s >= '0' && *s <= '9' ? strtoull(s, &end, 10) : 0;
   if (!s || *s < '0' || *s > '9' || *end || errno == ERANGE) return false;
   *out = v;
   return true;
@@ -99,8 +99,8 @@ static void header_meta(const char *path, char *out, size_t cap,
   if (hdr && fread(hdr, 1, (size_t)n, fp) == n)
     root = json_loadb(hdr, (size_t)n, 0, NULL);
   json_t *meta = json_object_get(root, "__metadata__");
-  const char *v = json_string_value(json_object_get(meta,
-                                                    "shardplane.plan_version"));
+  const char *v =
+      json_string_value(json_object_get(meta, "shardplane.plan_version"));
   if (v) snprintf(out, cap, "%s", v);
   /* only to describe the checkpoint: sp_ckpt_load checks it */
   if (!step_count(json_string_value(json_object_get(meta, SP_CKPT_META_STEPS)),
@@ -132,8 +132,7 @@ static void find_in(const char *folder, sp_ckpt_found *out) {
       snprintf(path, sizeof path, "%s/%s", folder, SP_CKPT_INDEX);
       if (!is_file(path)) continue;
       json_t *index = json_load_file(path, 0, NULL);
-      const char *v = json_string_value(json_object_get(index,
-                                                        "plan_version"));
+      const char *v = json_string_value(json_object_get(index, "plan_version"));
       snprintf(ver, vcap, "%s", v ? v : "");
       json_t *st = json_object_get(index, "optim_steps");
       *steps = json_is_integer(st) && json_integer_value(st) > 0
@@ -147,8 +146,9 @@ static void find_in(const char *folder, sp_ckpt_found *out) {
       bool found = false;
       while (dd && !found && (e = readdir(dd)) != NULL) {
         int end = 0;
-        found = sscanf(e->d_name, "local-0-of-%u.safetensors%n", &w,
-                       &end) == 1 && end > 0 && e->d_name[end] == '\0';
+        found =
+            sscanf(e->d_name, "local-0-of-%u.safetensors%n", &w, &end) == 1 &&
+            end > 0 && e->d_name[end] == '\0';
       }
       if (dd) closedir(dd);
       if (!found) continue;
@@ -191,25 +191,29 @@ static void list_found(const sp_ckpt_found *f, char *out, size_t cap) {
     if (!f->present[k]) continue;
     n++;
     int w = snprintf(out + len, cap - len, "%s%s (%s)",
-                     n == 1 ? "" : n == total ? " and " : ", ",
+                     n == 1       ? ""
+                     : n == total ? " and "
+                                  : ", ",
                      sp_ckpt_kind_name((sp_ckpt_kind)k), f->dir[k]);
     if (w < 0) return;
     len += (size_t)w;
   }
 }
 
-int sp_ckpt_resolve(const char *dir, sp_ckpt_kind kind, char *out,
-                    size_t cap, sp_ckpt_kind *out_kind, sp_diag *d) {
+int sp_ckpt_resolve(const char *dir, sp_ckpt_kind kind, char *out, size_t cap,
+                    sp_ckpt_kind *out_kind, sp_diag *d) {
   sp_ckpt_found f;
   int n = sp_ckpt_find(dir, &f);
   char list[3 * 4200];
   list_found(&f, list, sizeof list);
   if (n == 0)
-    return sp_diag_set(d, SP_ENOENT, "--load \"%s\": expected a checkpoint "
+    return sp_diag_set(d, SP_ENOENT,
+                       "--load \"%s\": expected a checkpoint "
                        "directory: model.safetensors (FULL), index.json "
                        "(SHARDED) or local-R-of-W.safetensors (LOCAL), there "
                        "or in its full/, sharded/ or local/ folder; found "
-                       "none", dir ? dir : "");
+                       "none",
+                       dir ? dir : "");
   if (kind == 0 && n > 1) {
     char choices[64] = "";
     for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++)
@@ -217,14 +221,18 @@ int sp_ckpt_resolve(const char *dir, sp_ckpt_kind kind, char *out,
         snprintf(choices + strlen(choices), sizeof choices - strlen(choices),
                  "%s%s", choices[0] ? " or " : "",
                  sp_ckpt_kind_dir((sp_ckpt_kind)k));
-    return sp_diag_set(d, SP_EINVAL, "--load \"%s\" holds %s checkpoints: "
-                       "choose one with --load-kind %s", dir, list, choices);
+    return sp_diag_set(d, SP_EINVAL,
+                       "--load \"%s\" holds %s checkpoints: "
+                       "choose one with --load-kind %s",
+                       dir, list, choices);
   }
-  if (kind != 0 && (kind < SP_CKPT_FULL || kind > SP_CKPT_LOCAL ||
-                    !f.present[kind]))
-    return sp_diag_set(d, SP_ENOENT, "--load \"%s\" --load-kind %s: no %s "
-                       "checkpoint there; it holds %s", dir,
-                       sp_ckpt_kind_dir(kind), sp_ckpt_kind_name(kind), list);
+  if (kind != 0 &&
+      (kind < SP_CKPT_FULL || kind > SP_CKPT_LOCAL || !f.present[kind]))
+    return sp_diag_set(d, SP_ENOENT,
+                       "--load \"%s\" --load-kind %s: no %s "
+                       "checkpoint there; it holds %s",
+                       dir, sp_ckpt_kind_dir(kind), sp_ckpt_kind_name(kind),
+                       list);
   for (int k = SP_CKPT_FULL; kind == 0 && k <= SP_CKPT_LOCAL; k++)
     if (f.present[k]) kind = (sp_ckpt_kind)k;
   if (snprintf(out, cap, "%s", f.dir[kind]) >= (int)cap)
@@ -237,13 +245,13 @@ int sp_ckpt_check_dir(const char *dir, const char *plan_version, sp_diag *d) {
   sp_ckpt_found f;
   sp_ckpt_find(dir, &f);
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
-    if (!f.present[k] || strcmp(f.plan_version[k], plan_version) == 0)
-      continue;
-    return sp_diag_set(d, SP_EEXIST, "%s holds a %s checkpoint of another "
+    if (!f.present[k] || strcmp(f.plan_version[k], plan_version) == 0) continue;
+    return sp_diag_set(d, SP_EEXIST,
+                       "%s holds a %s checkpoint of another "
                        "configuration (plan %s; this job's plan is %s), "
                        "which is kept: choose another directory with "
-                       "--checkpoint-dir", dir,
-                       sp_ckpt_kind_name((sp_ckpt_kind)k),
+                       "--checkpoint-dir",
+                       dir, sp_ckpt_kind_name((sp_ckpt_kind)k),
                        f.plan_version[k][0] ? f.plan_version[k] : "unknown",
                        plan_version);
   }
@@ -277,8 +285,8 @@ static int each_entry(const char *dir,
   DIR *dp = opendir(dir);
   if (!dp)
     return errno == ENOENT ? 0
-                           : sp_diag_set(d, SP_EIO, "%s: cannot open: %s",
-                                         dir, strerror(errno));
+                           : sp_diag_set(d, SP_EIO, "%s: cannot open: %s", dir,
+                                         strerror(errno));
   int rc = 0;
   struct dirent *e;
   while (rc == 0 && (e = readdir(dp)) != NULL)
@@ -288,12 +296,12 @@ static int each_entry(const char *dir,
   return rc;
 }
 
-static int remove_file(const char *dir, int dfd, const char *name,
-                       sp_diag *d) {
+static int remove_file(const char *dir, int dfd, const char *name, sp_diag *d) {
   if (unlinkat(dfd, name, 0) == 0) return 0;
-  return sp_diag_set(d, SP_EIO, "%s/%s: cannot remove: %s (a checkpoint "
-                     "directory holds only files)", dir, name,
-                     strerror(errno));
+  return sp_diag_set(d, SP_EIO,
+                     "%s/%s: cannot remove: %s (a checkpoint "
+                     "directory holds only files)",
+                     dir, name, strerror(errno));
 }
 
 /* Removes a checkpoint directory: its files, then itself. A checkpoint
@@ -302,16 +310,14 @@ static int remove_file(const char *dir, int dfd, const char *name,
 static int remove_ckpt_dir(const char *path, sp_diag *d) {
   int rc = each_entry(path, remove_file, d);
   if (rc == 0 && rmdir(path) != 0 && errno != ENOENT)
-    rc = sp_diag_set(d, SP_EIO, "%s: cannot remove: %s", path,
-                     strerror(errno));
+    rc = sp_diag_set(d, SP_EIO, "%s: cannot remove: %s", path, strerror(errno));
   return rc;
 }
 
 static int sync_path(const char *path, sp_diag *d) {
   int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0)
-    return sp_diag_set(d, SP_EIO, "%s: cannot open: %s", path,
-                       strerror(errno));
+    return sp_diag_set(d, SP_EIO, "%s: cannot open: %s", path, strerror(errno));
   /* some file systems cannot sync a directory; the files are synced */
   int rc = 0;
   if (fsync(fd) != 0 && errno != EINVAL && errno != ENOTSUP)
@@ -331,10 +337,12 @@ int sp_ckpt_paths_of(const char *dir, sp_ckpt_paths *p, sp_diag *d) {
   base = base ? base + 1 : p->dir;
   /* the swap renames dir itself, which needs a name of its own */
   if (!*base || strcmp(base, ".") == 0 || strcmp(base, "..") == 0)
-    return sp_diag_set(d, SP_EINVAL, "%s: a checkpoint directory needs a "
-                       "name of its own (not /, . or ..)", dir);
-  int sn = snprintf(p->staging, sizeof p->staging, "%s%s", p->dir,
-                    SP_CKPT_STAGING);
+    return sp_diag_set(d, SP_EINVAL,
+                       "%s: a checkpoint directory needs a "
+                       "name of its own (not /, . or ..)",
+                       dir);
+  int sn =
+      snprintf(p->staging, sizeof p->staging, "%s%s", p->dir, SP_CKPT_STAGING);
   if (sn < 0 || (size_t)sn >= sizeof p->staging)
     return sp_diag_set(d, SP_ETOOBIG, "%s: path too long", dir);
   if (base == p->dir) {
@@ -352,9 +360,11 @@ static int regular_file(const char *dir, int dfd, const char *name,
   struct stat sb;
   if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(sb.st_mode))
     return 0;
-  return sp_diag_set(d, SP_EEXIST, "%s holds %s, which is not a checkpoint "
+  return sp_diag_set(d, SP_EEXIST,
+                     "%s holds %s, which is not a checkpoint "
                      "file: a save replaces the whole folder, so choose "
-                     "another", dir, name);
+                     "another",
+                     dir, name);
 }
 
 /* The folder a save will replace holds only files (an earlier
@@ -384,21 +394,20 @@ int sp_ckpt_prepare_staging(const sp_ckpt_paths *p, sp_diag *d) {
 int sp_ckpt_publish(const sp_ckpt_paths *p, sp_diag *d) {
   int rc = sync_path(p->staging, d);
   if (rc < 0) return rc;
-  if (renameat2(AT_FDCWD, p->staging, AT_FDCWD, p->dir, RENAME_EXCHANGE) ==
-      0) {
+  if (renameat2(AT_FDCWD, p->staging, AT_FDCWD, p->dir, RENAME_EXCHANGE) == 0) {
     rc = sync_path(p->parent, d);
     return rc < 0 ? rc : remove_ckpt_dir(p->staging, d);
   }
   int e = errno;
   if (e == ENOENT) {
     if (rename(p->staging, p->dir) != 0)
-      return sp_diag_set(d, SP_EIO, "%s: cannot rename to %s: %s",
-                         p->staging, p->dir, strerror(errno));
+      return sp_diag_set(d, SP_EIO, "%s: cannot rename to %s: %s", p->staging,
+                         p->dir, strerror(errno));
     return sync_path(p->parent, d);
   }
   if (e != EINVAL && e != ENOSYS && e != ENOTSUP)
-    return sp_diag_set(d, SP_EIO, "%s: cannot exchange with %s: %s",
-                       p->staging, p->dir, strerror(e));
+    return sp_diag_set(d, SP_EIO, "%s: cannot exchange with %s: %s", p->staging,
+                       p->dir, strerror(e));
   char old[PATH_MAX + 8];
   snprintf(old, sizeof old, "%s.old", p->staging);
   rc = remove_ckpt_dir(old, d);
@@ -415,14 +424,14 @@ int sp_ckpt_publish(const sp_ckpt_paths *p, sp_diag *d) {
 /* ---- names and shapes ---- */
 
 void sp_ckpt_file_name(char *out, size_t cap, const char *stem, uint32_t r,
-                      uint32_t w) {
+                       uint32_t w) {
   snprintf(out, cap, "%s-%u-of-%u.safetensors", stem, r, w);
 }
 
 /* dir/name into out; a path that does not fit is an error, never a
  * shorter path. */
 int sp_ckpt_join(char *out, size_t cap, const char *dir, const char *name,
-                sp_diag *d) {
+                 sp_diag *d) {
   int n = snprintf(out, cap, "%s/%s", dir, name);
   if (n < 0 || (size_t)n >= cap)
     return sp_diag_set(d, SP_ETOOBIG, "%s/%s: path too long", dir, name);
@@ -438,7 +447,7 @@ void sp_ckpt_tensor_shape(const sp_tensor_spec *t, sp_safetensors_entry *e) {
  * is small; a scalar is one row, rank 0's. Rows [*first, *last) are rank
  * r's, empty when *first == *last. */
 void sp_ckpt_chunk_rows(const sp_tensor_spec *t, uint32_t w, uint32_t r,
-                       int64_t *first, int64_t *last) {
+                        int64_t *first, int64_t *last) {
   int64_t d0 = t->ndim ? t->shape[0] : 1;
   int64_t rows = (d0 + w - 1) / w;
   int64_t a = rows * r, b = a + rows;
@@ -464,16 +473,16 @@ int sp_ckpt_write_synced(const char *path, const char *text, sp_diag *d) {
   while (rc == 0 && done < len) {
     ssize_t w = write(fd, text + done, len - done);
     if (w < 0 && errno == EINTR) continue;
-    if (w < 0) rc = sp_diag_set(d, SP_EIO, "%s: write failed: %s", path,
-                                strerror(errno));
-    else done += (size_t)w;
+    if (w < 0)
+      rc =
+          sp_diag_set(d, SP_EIO, "%s: write failed: %s", path, strerror(errno));
+    else
+      done += (size_t)w;
   }
   if (rc == 0 && fsync(fd) != 0)
-    rc = sp_diag_set(d, SP_EIO, "%s: fsync failed: %s", path,
-                     strerror(errno));
+    rc = sp_diag_set(d, SP_EIO, "%s: fsync failed: %s", path, strerror(errno));
   if (close(fd) != 0 && rc == 0)
-    rc = sp_diag_set(d, SP_EIO, "%s: close failed: %s", path,
-                     strerror(errno));
+    rc = sp_diag_set(d, SP_EIO, "%s: close failed: %s", path, strerror(errno));
   return rc;
 }
 /* ---- loading ---- */
@@ -481,13 +490,15 @@ int sp_ckpt_write_synced(const char *path, const char *text, sp_diag *d) {
 /* Reads elements [a, a + n) of tensor t (of file st) into dst in dtype
  * dt: the bytes themselves for equal dtypes, cast for floating ones. */
 int sp_ckpt_read_elems(const sp_safetensors_file *st,
-                      const sp_safetensors_tensor *t, int64_t a, int64_t n,
-                      void *dst, sp_dtype dt, const char *file, sp_diag *d) {
+                       const sp_safetensors_tensor *t, int64_t a, int64_t n,
+                       void *dst, sp_dtype dt, const char *file, sp_diag *d) {
   size_t ses = sp_dtype_size(t->dtype);
   if (a < 0 || n < 0 || (uint64_t)(a + n) > t->numel)
-    return sp_diag_set(d, SP_EFORMAT, "%s: tensor %s: elements [%lld, %lld) "
-                       "beyond its %llu", file, t->name, (long long)a,
-                       (long long)(a + n), (unsigned long long)t->numel);
+    return sp_diag_set(d, SP_EFORMAT,
+                       "%s: tensor %s: elements [%lld, %lld) "
+                       "beyond its %llu",
+                       file, t->name, (long long)a, (long long)(a + n),
+                       (unsigned long long)t->numel);
   int rc;
   if (t->dtype == dt) {
     rc = sp_safetensors_read_range(st, t, (uint64_t)a * ses, dst,
@@ -512,22 +523,26 @@ int sp_ckpt_read_elems(const sp_safetensors_file *st,
 }
 
 int sp_ckpt_check_shape(const sp_safetensors_tensor *t,
-                       const sp_tensor_spec *spec, int64_t rows,
-                       const char *file, sp_diag *d) {
+                        const sp_tensor_spec *spec, int64_t rows,
+                        const char *file, sp_diag *d) {
   bool ok = (int)t->ndim == spec->ndim;
   for (int i = 0; ok && i < spec->ndim; i++)
     ok = (int64_t)t->shape[i] == (i == 0 && rows >= 0 ? rows : spec->shape[i]);
   if (!ok)
-    return sp_diag_set(d, SP_EFORMAT, "%s: tensor %s: shape does not match "
-                       "the model", file, t->name);
+    return sp_diag_set(d, SP_EFORMAT,
+                       "%s: tensor %s: shape does not match "
+                       "the model",
+                       file, t->name);
   return 0;
 }
 
 static int parse_steps(const char *s, uint64_t *out, const char *where,
                        sp_diag *d) {
   if (!step_count(s, out))
-    return sp_diag_set(d, SP_EFORMAT, "%s: %s is \"%.32s\", not a step "
-                       "count", where, SP_CKPT_META_STEPS, s ? s : "");
+    return sp_diag_set(d, SP_EFORMAT,
+                       "%s: %s is \"%.32s\", not a step "
+                       "count",
+                       where, SP_CKPT_META_STEPS, s ? s : "");
   return 0;
 }
 
@@ -542,7 +557,7 @@ static int add_state_name(sp_ckpt_optim *o, const char *s, size_t len,
 }
 
 int sp_ckpt_optim_from_meta(const sp_safetensors_file *st, const char *where,
-                           sp_ckpt_optim *o, sp_diag *d) {
+                            sp_ckpt_optim *o, sp_diag *d) {
   memset(o, 0, sizeof *o);
   const char *steps = sp_safetensors_metadata_get(st, SP_CKPT_META_STEPS);
   const char *states = sp_safetensors_metadata_get(st, SP_CKPT_META_STATES);
@@ -557,7 +572,7 @@ int sp_ckpt_optim_from_meta(const sp_safetensors_file *st, const char *where,
 }
 
 int sp_ckpt_optim_from_index(json_t *root, const char *where, sp_ckpt_optim *o,
-                            sp_diag *d) {
+                             sp_diag *d) {
   memset(o, 0, sizeof *o);
   json_t *steps = json_object_get(root, "optim_steps");
   json_t *states = json_object_get(root, "optim_states");
@@ -566,16 +581,17 @@ int sp_ckpt_optim_from_index(json_t *root, const char *where, sp_ckpt_optim *o,
                        where);
   if (steps) o->steps = (uint64_t)json_integer_value(steps);
   if (states && !json_is_array(states))
-    return sp_diag_set(d, SP_EFORMAT, "%s: optim_states is not a list",
-                       where);
+    return sp_diag_set(d, SP_EFORMAT, "%s: optim_states is not a list", where);
   size_t i;
   json_t *v;
   json_array_foreach(states, i, v) {
     if (!json_is_string(v))
-      return sp_diag_set(d, SP_EFORMAT, "%s: optim_states[%zu] is not a "
-                         "name", where, i);
-    int rc = add_state_name(o, json_string_value(v),
-                            json_string_length(v), where, d);
+      return sp_diag_set(d, SP_EFORMAT,
+                         "%s: optim_states[%zu] is not a "
+                         "name",
+                         where, i);
+    int rc = add_state_name(o, json_string_value(v), json_string_length(v),
+                            where, d);
     if (rc < 0) return rc;
   }
   return 0;
@@ -586,9 +602,9 @@ uint32_t sp_ckpt_meta_world(const sp_safetensors_file *st) {
   return w ? (uint32_t)strtoul(w, NULL, 10) : 0;
 }
 
-int sp_ckpt_full_range(void *vctx, const char *name,
-                      const sp_tensor_spec *spec, int64_t a, int64_t n,
-                      void *dst, sp_dtype dt, sp_diag *d) {
+int sp_ckpt_full_range(void *vctx, const char *name, const sp_tensor_spec *spec,
+                       int64_t a, int64_t n, void *dst, sp_dtype dt,
+                       sp_diag *d) {
   sp_ckpt_full_ctx *c = vctx;
   const sp_safetensors_tensor *t;
   int rc = sp_safetensors_get(c->st, name, &t, d);
@@ -597,7 +613,7 @@ int sp_ckpt_full_range(void *vctx, const char *name,
   return rc < 0 ? rc : sp_ckpt_read_elems(c->st, t, a, n, dst, dt, c->file, d);
 }
 int sp_ckpt_sharded_file(sp_ckpt_sharded_ctx *c, const char *name,
-                        const sp_safetensors_file **out, sp_diag *d) {
+                         const sp_safetensors_file **out, sp_diag *d) {
   for (size_t i = 0; i < c->n_files; i++)
     if (strcmp(c->names[i], name) == 0) {
       *out = c->files[i];
@@ -606,8 +622,8 @@ int sp_ckpt_sharded_file(sp_ckpt_sharded_ctx *c, const char *name,
   /* names come from an untrusted index: plain file names only */
   if (!*name || strchr(name, '/') || strcmp(name, "..") == 0 ||
       strcmp(name, ".") == 0)
-    return sp_diag_set(d, SP_EFORMAT, "%s/%s: bad file name \"%.64s\"",
-                       c->dir, SP_CKPT_INDEX, name);
+    return sp_diag_set(d, SP_EFORMAT, "%s/%s: bad file name \"%.64s\"", c->dir,
+                       SP_CKPT_INDEX, name);
   if (c->n_files == c->cap_files) {
     size_t cap = c->cap_files ? 2 * c->cap_files : 8;
     char **nn = realloc(c->names, cap * sizeof *nn);
@@ -623,8 +639,7 @@ int sp_ckpt_sharded_file(sp_ckpt_sharded_ctx *c, const char *name,
   /* only the header: the bytes are read range by range */
   sp_safetensors_file *st;
   int rc = sp_ckpt_join(path, sizeof path, c->dir, name, d);
-  if (rc == 0)
-    rc = sp_safetensors_open_header(path, &st, d);
+  if (rc == 0) rc = sp_safetensors_open_header(path, &st, d);
   if (rc < 0) {
     free(copy);
     return rc;
@@ -636,8 +651,8 @@ int sp_ckpt_sharded_file(sp_ckpt_sharded_ctx *c, const char *name,
 }
 
 int sp_ckpt_sharded_range(void *vctx, const char *name,
-                         const sp_tensor_spec *spec, int64_t a, int64_t n,
-                         void *dst, sp_dtype dt, sp_diag *d) {
+                          const sp_tensor_spec *spec, int64_t a, int64_t n,
+                          void *dst, sp_dtype dt, sp_diag *d) {
   sp_ckpt_sharded_ctx *c = vctx;
   json_t *info = json_object_get(c->tensors, name);
   json_t *chunks = info ? json_object_get(info, "chunks") : NULL;
@@ -658,8 +673,10 @@ int sp_ckpt_sharded_range(void *vctx, const char *name,
                          SP_CKPT_INDEX, name, i);
     int64_t row = json_integer_value(jr), rows = json_integer_value(jn);
     if (row < 0 || rows <= 0 || row > d0 || rows > d0 - row)
-      return sp_diag_set(d, SP_EFORMAT, "%s/%s: %s: chunk %zu rows out of "
-                         "range", c->dir, SP_CKPT_INDEX, name, i);
+      return sp_diag_set(d, SP_EFORMAT,
+                         "%s/%s: %s: chunk %zu rows out of "
+                         "range",
+                         c->dir, SP_CKPT_INDEX, name, i);
     int64_t ca = row * rn, cb = (row + rows) * rn;
     int64_t lo = a > ca ? a : ca, hi = a + n < cb ? a + n : cb;
     if (lo >= hi) continue;
@@ -675,13 +692,16 @@ int sp_ckpt_sharded_range(void *vctx, const char *name,
       rc = sp_ckpt_check_shape(t, spec, spec->ndim ? rows : -1, fn, d);
     if (rc == 0)
       rc = sp_ckpt_read_elems(st, t, lo - ca, hi - lo,
-                      (uint8_t *)dst + (size_t)(lo - a) * esz, dt, fn, d);
+                              (uint8_t *)dst + (size_t)(lo - a) * esz, dt, fn,
+                              d);
     if (rc < 0) return rc;
     covered += hi - lo;
   }
   if (covered != n)
-    return sp_diag_set(d, SP_EFORMAT, "%s/%s: chunks of %s do not cover "
-                       "elements [%lld, %lld)", c->dir, SP_CKPT_INDEX, name,
-                       (long long)a, (long long)(a + n));
+    return sp_diag_set(d, SP_EFORMAT,
+                       "%s/%s: chunks of %s do not cover "
+                       "elements [%lld, %lld)",
+                       c->dir, SP_CKPT_INDEX, name, (long long)a,
+                       (long long)(a + n));
   return 0;
 }

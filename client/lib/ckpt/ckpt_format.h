@@ -94,8 +94,8 @@ typedef struct sp_ckpt_optim {
 int sp_ckpt_optim_from_meta(const sp_safetensors_file *st, const char *where,
                             sp_ckpt_optim *o, sp_diag *d);
 /* From a SHARDED index (root borrowed). */
-int sp_ckpt_optim_from_index(json_t *root, const char *where,
-                             sp_ckpt_optim *o, sp_diag *d);
+int sp_ckpt_optim_from_index(json_t *root, const char *where, sp_ckpt_optim *o,
+                             sp_diag *d);
 /* The world size a file was written by, 0 when it does not say. */
 uint32_t sp_ckpt_meta_world(const sp_safetensors_file *st);
 
@@ -103,17 +103,16 @@ uint32_t sp_ckpt_meta_world(const sp_safetensors_file *st);
  * holds, from a source that can read any range of the flattened tensor. */
 typedef int (*sp_ckpt_range_fn)(void *ctx, const char *name,
                                 const sp_tensor_spec *spec, int64_t a,
-                                int64_t n, void *dst, sp_dtype dt,
-                                sp_diag *d);
+                                int64_t n, void *dst, sp_dtype dt, sp_diag *d);
 
 /* A FULL file as a range source (sp_ckpt_full_range); both borrowed. */
 typedef struct sp_ckpt_full_ctx {
   const sp_safetensors_file *st;
   const char *file;
 } sp_ckpt_full_ctx;
-int sp_ckpt_full_range(void *vctx, const char *name,
-                       const sp_tensor_spec *spec, int64_t a, int64_t n,
-                       void *dst, sp_dtype dt, sp_diag *d);
+int sp_ckpt_full_range(void *vctx, const char *name, const sp_tensor_spec *spec,
+                       int64_t a, int64_t n, void *dst, sp_dtype dt,
+                       sp_diag *d);
 
 /* SHARDED: the index names, per tensor, the files holding row ranges.
  * dir and tensors are borrowed; the files opened on the way are the

@@ -59,21 +59,19 @@ int sp_comm_new(const sp_comm_opts *opts, sp_comm **out, sp_diag *d) {
                        opts->rank, opts->size);
   const sp_comm_backend *be = NULL;
   switch (opts->backend) {
-  case SP_BACKEND_GLOO:
-    be = sp_comm_gloo_backend();
-    break;
-  case SP_BACKEND_NCCL:
+    case SP_BACKEND_GLOO: be = sp_comm_gloo_backend(); break;
+    case SP_BACKEND_NCCL:
 #if SHARDPLANE_HAVE_NCCL
-    be = sp_comm_nccl_backend();
-    break;
+      be = sp_comm_nccl_backend();
+      break;
 #else
-    return sp_diag_set(d, SP_EUNSUPPORTED,
-                       "sp_comm_new: the NCCL backend is not built into this "
-                       "library (it needs CUDA and NCCL at configure time)");
+      return sp_diag_set(d, SP_EUNSUPPORTED,
+                         "sp_comm_new: the NCCL backend is not built into this "
+                         "library (it needs CUDA and NCCL at configure time)");
 #endif
-  default:
-    return sp_diag_set(d, SP_EINVAL, "sp_comm_new: unknown backend %d",
-                       (int)opts->backend);
+    default:
+      return sp_diag_set(d, SP_EINVAL, "sp_comm_new: unknown backend %d",
+                         (int)opts->backend);
   }
   /* A single member never talks to anyone, so it needs neither a store nor
    * a namespace in it (an NCCL one publishes its id only if there is a
@@ -159,17 +157,21 @@ int sp_comm_leave(sp_comm *c, sp_diag *d) {
   if (n == (int64_t)c->size) return c->store.set(c->store.user, key, "1", 1, d);
   for (uint64_t waited = 0; waited < c->timeout_ms; waited += 100) {
     if (atomic_load(&c->aborted))
-      return sp_diag_set(d, SP_ECANCELED, "comm '%s' rank %u/%u: aborted "
-                         "while leaving", c->prefix, c->rank, c->size);
+      return sp_diag_set(d, SP_ECANCELED,
+                         "comm '%s' rank %u/%u: aborted "
+                         "while leaving",
+                         c->prefix, c->rank, c->size);
     uint8_t *v = NULL;
     size_t len = 0;
     rc = c->store.get(c->store.user, key, 100, &v, &len, d);
     free(v);
     if (rc != SP_ETIMEDOUT) return rc;
   }
-  return sp_diag_set(d, SP_ETIMEDOUT, "comm '%s' rank %u/%u: the other "
-                     "members did not all leave within %llu ms", c->prefix,
-                     c->rank, c->size, (unsigned long long)c->timeout_ms);
+  return sp_diag_set(d, SP_ETIMEDOUT,
+                     "comm '%s' rank %u/%u: the other "
+                     "members did not all leave within %llu ms",
+                     c->prefix, c->rank, c->size,
+                     (unsigned long long)c->timeout_ms);
 }
 
 void sp_comm_free(sp_comm *c) {
@@ -200,16 +202,11 @@ void sp_comm_abort(sp_comm *c) {
 
 static const char *op_name(sp_coll_op op) {
   switch (op) {
-  case SP_OP_ALL_GATHER:
-    return "all_gather";
-  case SP_OP_REDUCE_SCATTER:
-    return "reduce_scatter";
-  case SP_OP_ALL_REDUCE:
-    return "all_reduce";
-  case SP_OP_BROADCAST:
-    return "broadcast";
-  case SP_OP_BARRIER:
-    return "barrier";
+    case SP_OP_ALL_GATHER: return "all_gather";
+    case SP_OP_REDUCE_SCATTER: return "reduce_scatter";
+    case SP_OP_ALL_REDUCE: return "all_reduce";
+    case SP_OP_BROADCAST: return "broadcast";
+    case SP_OP_BARRIER: return "barrier";
   }
   return "?";
 }

@@ -88,7 +88,7 @@ using gloo::transport::UnboundBuffer;
 // reports as an error, and the SIGPIPE it raised is consumed here before the
 // caller's mask comes back.
 class SigpipeGuard {
-public:
+ public:
   SigpipeGuard() {
     sigset_t s;
     sigemptyset(&s);
@@ -112,7 +112,7 @@ public:
     pthread_sigmask(SIG_SETMASK, &old_, nullptr);
   }
 
-private:
+ private:
   sigset_t old_;
   bool active_ = false;
 };
@@ -144,7 +144,7 @@ struct Canceled : std::exception {
 // layout the readers' Address(bytes) expects, the record holds the address,
 // port and sequence number and zeros elsewhere (padding included).
 class CleanAddress : public gloo::transport::tcp::Address {
-public:
+ public:
   static constexpr size_t kSize = sizeof(Impl);
 
   explicit CleanAddress(const std::vector<char> &bytes) : Address(bytes) {}
@@ -181,7 +181,7 @@ bool is_address_key(const std::string &key) {
 // rendezvous: Gloo passes its own timeout to every wait, which would let a
 // rendezvous with W members take up to W-1 timeouts.
 class CStore : public gloo::rendezvous::Store {
-public:
+ public:
   CStore(const sp_comm_store &s, const std::string &prefix,
          Clock::time_point deadline, uint64_t timeout_ms)
       : s_(s), prefix_(prefix), deadline_(deadline), timeout_ms_(timeout_ms) {}
@@ -216,23 +216,27 @@ public:
     wait(keys);
   }
 
-private:
+ private:
   // Only what each address needs goes to the store (CleanAddress).
   static void clean_addresses(const std::string &full,
                               const std::vector<char> &data,
                               std::vector<char> &out) {
     const size_t k = CleanAddress::kSize;
     if (data.size() % k != 0)
-      throw StoreError(SP_EIO, "store set '" + full + "': a rendezvous record "
-                                   "of " + std::to_string(data.size()) +
+      throw StoreError(SP_EIO, "store set '" + full +
+                                   "': a rendezvous record "
+                                   "of " +
+                                   std::to_string(data.size()) +
                                    " bytes is not a whole number of " +
                                    std::to_string(k) + "-byte Gloo addresses");
     out.reserve(data.size());
     for (size_t at = 0; at < data.size(); at += k) {
-      CleanAddress a(std::vector<char>(data.begin() + (std::ptrdiff_t)at,
-                                       data.begin() + (std::ptrdiff_t)(at + k)));
+      CleanAddress a(
+          std::vector<char>(data.begin() + (std::ptrdiff_t)at,
+                            data.begin() + (std::ptrdiff_t)(at + k)));
       if (!a.append_to(out))
-        throw StoreError(SP_EIO, "store set '" + full + "': a Gloo address "
+        throw StoreError(SP_EIO, "store set '" + full +
+                                     "': a Gloo address "
                                      "of an unexpected family");
     }
   }
@@ -291,7 +295,7 @@ struct ThreadNameScope {
   ThreadNameScope(const ThreadNameScope &) = delete;
   ThreadNameScope &operator=(const ThreadNameScope &) = delete;
 
-private:
+ private:
   char own_[16] = "";
   bool named_ = false;
 };
@@ -319,7 +323,7 @@ struct GlooComm {
   std::condition_variable cv;
   bool aborted = false;
   bool stop = false;
-  std::string peer_failure; // non-empty once a connection has failed
+  std::string peer_failure;  // non-empty once a connection has failed
   // The members whose data the last failed operation never received
   // (Op::missing), for its error message.
   std::string last_missing;
@@ -456,10 +460,16 @@ uint64_t mix64(uint64_t x) {
 // One collective in progress: its buffers (registered for abort), its
 // deadline, its slots.
 class Op {
-public:
+ public:
   Op(GlooComm &g, uint64_t a, uint64_t b, uint64_t c)
-      : g_(g), deadline_(Clock::now() + Ms(g.timeout_ms)), seq_(g.seq++), a_(a),
-        b_(b), c_(c), posted_((size_t)g.size), got_((size_t)g.size) {}
+      : g_(g),
+        deadline_(Clock::now() + Ms(g.timeout_ms)),
+        seq_(g.seq++),
+        a_(a),
+        b_(b),
+        c_(c),
+        posted_((size_t)g.size),
+        got_((size_t)g.size) {}
 
   Op(const Op &) = delete;
   Op &operator=(const Op &) = delete;
@@ -539,7 +549,7 @@ public:
   // Every transfer completed: the connections stay open.
   void finish() { done_ = true; }
 
-private:
+ private:
   // A wait returned false: abort or the watchdog told it to give up.
   [[noreturn]] void woken() {
     std::lock_guard<std::mutex> lk(g_.mu);
@@ -558,7 +568,7 @@ private:
   const Clock::time_point deadline_;
   const uint64_t seq_;
   const uint64_t a_, b_, c_;
-  std::vector<uint32_t> posted_, got_; // receives per peer: posted, done
+  std::vector<uint32_t> posted_, got_;  // receives per peer: posted, done
   bool done_ = false;
   // Declared before bufs_ so that it outlives them.
   std::vector<std::unique_ptr<unsigned char[]>> scratch_;
@@ -576,7 +586,8 @@ bool mentions_timeout(const char *what) {
 // The exception boundary of every operation. f may throw anything; the
 // communicator's state decides how a Gloo error reads: after an abort any
 // error is the abort's doing.
-template <typename F> int guarded(GlooComm *g, sp_diag *d, F &&f) noexcept {
+template <typename F>
+int guarded(GlooComm *g, sp_diag *d, F &&f) noexcept {
   SigpipeGuard nosigpipe;
   bool timed_out = false;
   try {
@@ -624,7 +635,8 @@ template <typename F> int guarded(GlooComm *g, sp_diag *d, F &&f) noexcept {
 
 // Runs the body of a collective; on an exception decides, before the Op (and
 // its buffers) is destroyed, whether the deadline had passed.
-template <typename B> void run_op(Op &op, bool &timed_out, B &&body) {
+template <typename B>
+void run_op(Op &op, bool &timed_out, B &&body) {
   try {
     body();
     op.finish();
@@ -698,14 +710,13 @@ void do_reduce_scatter(GlooComm &g, const void *send, void *recv, size_t count,
       for (int i = 1; i < g.size; i++) op.wait_recv(rb);
       for (int i = 1; i < g.size; i++) op.wait_send(sb);
       for (int i = 0; i < g.size; i++)
-        blocks[(size_t)i] =
-            i == g.rank ? in + ((size_t)i * count + e0) * esz
-                        : tmp + (size_t)i * chunk * esz;
+        blocks[(size_t)i] = i == g.rank ? in + ((size_t)i * count + e0) * esz
+                                        : tmp + (size_t)i * chunk * esz;
       // Every send of this round has completed, so recv may overlap send:
       // the sum reads each chunk of every block before writing that
       // chunk, and later rounds read only later parts of the own block.
-      if (sp_comm_sum_blocks(out + e0 * esz, blocks.data(), (uint32_t)g.size,
-                             k, dt) < 0)
+      if (sp_comm_sum_blocks(out + e0 * esz, blocks.data(), (uint32_t)g.size, k,
+                             dt) < 0)
         throw std::invalid_argument("no sum for this dtype");
     }
   });
@@ -757,8 +768,8 @@ void do_all_reduce(GlooComm &g, void *buf, size_t count, sp_dtype dt,
       for (int i = 0; i < nsend; i++) op.wait_send(db);
       if (k > 0) {
         for (size_t i = 0; i < w; i++)
-          blocks[i] = i == me ? data + (off(me) + e0) * esz
-                              : tmp + i * part * esz;
+          blocks[i] =
+              i == me ? data + (off(me) + e0) * esz : tmp + i * part * esz;
         if (sp_comm_sum_blocks(data + (off(me) + e0) * esz, blocks.data(),
                                (uint32_t)w, k, dt) < 0)
           throw std::invalid_argument("no sum for this dtype");
@@ -856,10 +867,11 @@ int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
     ThreadNameScope as_gloo("gloo");
     g->dev = gloo::transport::tcp::CreateDevice(attr);
   } catch (const std::exception &e) {
-    return sp_diag_set(d, SP_EIO,
-                       "cannot create a TCP device on host '%s' (set "
-                       SP_GLOO_HOST_ENV "): %s",
-                       host.c_str(), e.what());
+    return sp_diag_set(
+        d, SP_EIO,
+        "cannot create a TCP device on host '%s' (set " SP_GLOO_HOST_ENV
+        "): %s",
+        host.c_str(), e.what());
   } catch (...) {
     return sp_diag_set(d, SP_EIO, "cannot create a TCP device on host '%s'",
                        host.c_str());
@@ -889,7 +901,7 @@ int gloo_create(const sp_comm_info *info, const sp_comm_store *store,
   return 0;
 }
 
-} // namespace
+}  // namespace
 
 // ---- the C entry points
 // --------------------------------------------------------
@@ -982,12 +994,19 @@ static void gb_abort(void *impl) {
 }
 
 static const sp_comm_backend gloo_backend = {
-    "gloo",        gb_create,    gb_destroy, gb_all_gather, gb_reduce_scatter,
-    gb_all_reduce, gb_broadcast, gb_barrier, gb_abort,
-    nullptr, // cuda_stream: host memory, no stream
-    0,       // device_buffers
+    "gloo",
+    gb_create,
+    gb_destroy,
+    gb_all_gather,
+    gb_reduce_scatter,
+    gb_all_reduce,
+    gb_broadcast,
+    gb_barrier,
+    gb_abort,
+    nullptr,  // cuda_stream: host memory, no stream
+    0,        // device_buffers
 };
 
 const sp_comm_backend *sp_comm_gloo_backend(void) { return &gloo_backend; }
 
-} // extern "C"
+}  // extern "C"

@@ -84,15 +84,15 @@ static int nc_cuda_check(sp_diag *d, cudaError_t e, const char *expr,
 
 /* Expression forms (0 or a negative SP_E* code, d filled), for call sites
  * that must clean up before returning. */
-#define SP_NCCL_CALL(d, call)                                                  \
+#define SP_NCCL_CALL(d, call) \
   nc_nccl_check((d), (call), #call, __FILE__, __LINE__)
-#define NC_CUDA_CALL(d, call)                                                  \
+#define NC_CUDA_CALL(d, call) \
   nc_cuda_check((d), (call), #call, __FILE__, __LINE__)
 /* Return forms. */
-#define SP_NCCL_CHECK(d, call)                                                 \
-  do {                                                                         \
-    int sp_nccl_rc_ = SP_NCCL_CALL(d, call);                                   \
-    if (sp_nccl_rc_ < 0) return sp_nccl_rc_;                                   \
+#define SP_NCCL_CHECK(d, call)               \
+  do {                                       \
+    int sp_nccl_rc_ = SP_NCCL_CALL(d, call); \
+    if (sp_nccl_rc_ < 0) return sp_nccl_rc_; \
   } while (0)
 
 /* ---- time ---------------------------------------------------------------- */
@@ -145,14 +145,10 @@ static int parse_device(const char *s, int *ord) {
 
 static const char *mem_type_name(enum cudaMemoryType t) {
   switch (t) {
-  case cudaMemoryTypeUnregistered:
-    return "host (unregistered)";
-  case cudaMemoryTypeHost:
-    return "pinned host";
-  case cudaMemoryTypeDevice:
-    return "device";
-  case cudaMemoryTypeManaged:
-    return "managed";
+    case cudaMemoryTypeUnregistered: return "host (unregistered)";
+    case cudaMemoryTypeHost: return "pinned host";
+    case cudaMemoryTypeDevice: return "device";
+    case cudaMemoryTypeManaged: return "managed";
   }
   return "unknown";
 }
@@ -266,8 +262,9 @@ static void nc_kill(nccl_impl *n, sp_diag *d) {
     sleep_ns(1000000);
   }
   n->undrained = true;
-  diag_append(d, "; the communicator's stream still has work queued after "
-                 "the abort, so the buffers may still be accessed");
+  diag_append(d,
+              "; the communicator's stream still has work queued after "
+              "the abort, so the buffers may still be accessed");
 }
 
 static int nc_set_device(const nccl_impl *n, sp_diag *d) {
@@ -293,8 +290,9 @@ static int nc_finish(nccl_impl *n, int rc, const char *what, sp_diag *d) {
     rc = nc_wait(n, true, now_ms() + n->timeout_ms, NULL, NULL, what, d);
   if (rc < 0) {
     if (rc == SP_ETIMEDOUT)
-      diag_append(d, "; the NCCL communicator was aborted (are all members "
-                     "issuing the same collectives?)");
+      diag_append(d,
+                  "; the NCCL communicator was aborted (are all members "
+                  "issuing the same collectives?)");
     nc_kill(n, d);
   }
   return rc;
@@ -302,26 +300,13 @@ static int nc_finish(nccl_impl *n, int rc, const char *what, sp_diag *d) {
 
 static int nc_dtype(sp_dtype dt, ncclDataType_t *out) {
   switch (dt) {
-  case SP_FLOAT32:
-    *out = ncclFloat32;
-    return 0;
-  case SP_FLOAT64:
-    *out = ncclFloat64;
-    return 0;
-  case SP_FLOAT16:
-    *out = ncclFloat16;
-    return 0;
-  case SP_BFLOAT16:
-    *out = ncclBfloat16;
-    return 0;
-  case SP_INT32:
-    *out = ncclInt32;
-    return 0;
-  case SP_INT64:
-    *out = ncclInt64;
-    return 0;
-  default:
-    return -1;
+    case SP_FLOAT32: *out = ncclFloat32; return 0;
+    case SP_FLOAT64: *out = ncclFloat64; return 0;
+    case SP_FLOAT16: *out = ncclFloat16; return 0;
+    case SP_BFLOAT16: *out = ncclBfloat16; return 0;
+    case SP_INT32: *out = ncclInt32; return 0;
+    case SP_INT64: *out = ncclInt64; return 0;
+    default: return -1;
   }
 }
 

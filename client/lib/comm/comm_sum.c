@@ -10,15 +10,13 @@
 
 int sp_comm_dtype_summable(sp_dtype dt) {
   switch (dt) {
-  case SP_FLOAT32:
-  case SP_FLOAT64:
-  case SP_BFLOAT16:
-  case SP_FLOAT16:
-  case SP_INT64:
-  case SP_INT32:
-    return 1;
-  default:
-    return 0;
+    case SP_FLOAT32:
+    case SP_FLOAT64:
+    case SP_BFLOAT16:
+    case SP_FLOAT16:
+    case SP_INT64:
+    case SP_INT32: return 1;
+    default: return 0;
   }
 }
 
@@ -141,25 +139,12 @@ int sp_comm_sum_blocks(void *dst, const void *const *blocks, uint32_t n,
   if (dst == NULL || blocks == NULL || n == 0) return SP_EINVAL;
   unsigned char *out = dst;
   switch (dt) {
-  case SP_FLOAT32:
-    sum_f32(out, blocks, n, count);
-    return 0;
-  case SP_FLOAT64:
-    sum_f64(out, blocks, n, count);
-    return 0;
-  case SP_BFLOAT16:
-    sum_bf16(out, blocks, n, count);
-    return 0;
-  case SP_FLOAT16:
-    sum_f16(out, blocks, n, count);
-    return 0;
-  case SP_INT32:
-    sum_i32(out, blocks, n, count);
-    return 0;
-  case SP_INT64:
-    sum_i64(out, blocks, n, count);
-    return 0;
-  default:
-    return SP_EINVAL;
+    case SP_FLOAT32: sum_f32(out, blocks, n, count); return 0;
+    case SP_FLOAT64: sum_f64(out, blocks, n, count); return 0;
+    case SP_BFLOAT16: sum_bf16(out, blocks, n, count); return 0;
+    case SP_FLOAT16: sum_f16(out, blocks, n, count); return 0;
+    case SP_INT32: sum_i32(out, blocks, n, count); return 0;
+    case SP_INT64: sum_i64(out, blocks, n, count); return 0;
+    default: return SP_EINVAL;
   }
 }

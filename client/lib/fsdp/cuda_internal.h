@@ -33,11 +33,10 @@ int sp_fsdp_cuda_scale_div(void *buf, sp_dtype dt, size_t n, double div,
                            void *stream, sp_diag *d);
 int sp_fsdp_cuda_acc(void *dst, sp_dtype dt, const void *src, sp_dtype st,
                      size_t n, void *stream, sp_diag *d);
-int sp_fsdp_cuda_scale(void *g, sp_dtype gdt, size_t n, double k,
-                       void *stream, sp_diag *d);
-int sp_fsdp_cuda_sqsum(const void *g, sp_dtype gdt, size_t n,
-                       double *partial, double *out, void *stream,
+int sp_fsdp_cuda_scale(void *g, sp_dtype gdt, size_t n, double k, void *stream,
                        sp_diag *d);
+int sp_fsdp_cuda_sqsum(const void *g, sp_dtype gdt, size_t n, double *partial,
+                       double *out, void *stream, sp_diag *d);
 int sp_fsdp_cuda_sgd(void *p, sp_dtype pdt, const void *g, sp_dtype gdt,
                      float *buf, size_t n, double lr, double momentum,
                      double wd, void *stream, sp_diag *d);

@@ -60,13 +60,13 @@ static void pool_release(void *user, void *p) {
   f->mem->release(f, p);
 }
 
-int sp_fsdp_alloc(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
-                  void **p, sp_diag *d) {
+int sp_fsdp_alloc(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize, void **p,
+                  sp_diag *d) {
   return sp_mem_pool_alloc(&f->pool, cat, n, esize, p, d);
 }
 
-int sp_fsdp_take(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
-                 void **p, sp_diag *d) {
+int sp_fsdp_take(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize, void **p,
+                 sp_diag *d) {
   return sp_mem_pool_take(&f->pool, cat, n, esize, p, d);
 }
 
@@ -102,11 +102,9 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   fu->esize = sp_dtype_size(u->dtype);
   fu->psize = sp_dtype_size(u->param_dtype);
   fu->c = u->shard_numel;
-  fu->padded = pl->strategy == SP_NO_SHARD
-                   ? fu->c
-                   : fu->c * (int64_t)pl->shard_world;
-  fu->grad_dtype =
-      u->keep_low_precision_grads ? u->param_dtype : u->dtype;
+  fu->padded =
+      pl->strategy == SP_NO_SHARD ? fu->c : fu->c * (int64_t)pl->shard_world;
+  fu->grad_dtype = u->keep_low_precision_grads ? u->param_dtype : u->dtype;
   size_t c = (size_t)fu->c, padded = (size_t)fu->padded;
   fu->rsize = sp_dtype_size(u->reduce_dtype);
   /* The sharded state lives for the runtime's life; the unsharded slots
@@ -129,8 +127,10 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (f->mem->device) {
     host = sp_fsdp_xcalloc(c, fu->esize);
     if (!host)
-      return sp_diag_set(d, SP_ENOMEM, "unit %u (%s): no host memory for "
-                         "%zu elements", ui, sp_fsdp_unit_name(f, ui), c);
+      return sp_diag_set(d, SP_ENOMEM,
+                         "unit %u (%s): no host memory for "
+                         "%zu elements",
+                         ui, sp_fsdp_unit_name(f, ui), c);
   }
   size_t n = 0;
   rc = sp_plan_shard_params(pl, ui, f->rank, NULL, 0, &n);
@@ -147,8 +147,8 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   for (size_t i = 0; rc == 0 && i < n; i++) {
     const sp_flat_entry *e = &pl->entries[sp[i].entry];
     if (f->opts.init_param)
-      f->opts.init_param(f->opts.user, f->model, e->param,
-                         sp[i].intra_start, sp[i].numel_in_shard,
+      f->opts.init_param(f->opts.user, f->model, e->param, sp[i].intra_start,
+                         sp[i].numel_in_shard,
                          host + (size_t)sp[i].offset_in_shard * fu->esize);
   }
   free(sp);
@@ -161,14 +161,16 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 
 int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
   if (!opts || !out || !opts->session || !opts->world)
-    return sp_diag_set(d, SP_EINVAL, "sp_fsdp_new: session and world "
-                                     "communicator are required");
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_fsdp_new: session and world "
+                       "communicator are required");
   *out = NULL;
   const sp_plan *pl = sp_session_plan(opts->session);
   if (pl->strategy == SP_HYBRID_SHARD &&
       (!opts->shard_group || !opts->replica_group))
-    return sp_diag_set(d, SP_EINVAL, "HYBRID_SHARD needs the shard and "
-                                     "replica group communicators");
+    return sp_diag_set(d, SP_EINVAL,
+                       "HYBRID_SHARD needs the shard and "
+                       "replica group communicators");
   if (sp_comm_size(opts->world) != pl->world_size)
     return sp_diag_set(d, SP_EINVAL,
                        "world communicator has %u members, the job %u",
@@ -196,8 +198,8 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
   f->queue_cap = 2 * pl->n_units + 16;
   f->units = sp_fsdp_xcalloc(pl->n_units, sizeof *f->units);
   f->order = sp_fsdp_xcalloc(pl->n_units, sizeof *f->order);
-  f->inflight = sp_fsdp_xcalloc(f->opts.max_inflight_gathers + 1,
-                        sizeof *f->inflight);
+  f->inflight =
+      sp_fsdp_xcalloc(f->opts.max_inflight_gathers + 1, sizeof *f->inflight);
   f->reducing = sp_fsdp_xcalloc(pl->n_units + 1, sizeof *f->reducing);
   f->queue = sp_fsdp_xcalloc(f->queue_cap, sizeof *f->queue);
   f->buffers = sp_fsdp_xcalloc(f->model->n_buffers, sizeof *f->buffers);
@@ -217,12 +219,15 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
     for (int i = 0; rc == 0 && i < 3; i++) {
       void *stream = NULL;
       if (cs[i] && sp_comm_cuda_stream(cs[i], &stream) < 0)
-        rc = sp_diag_set(d, SP_EINVAL, "device %s: the %s communicator "
+        rc = sp_diag_set(d, SP_EINVAL,
+                         "device %s: the %s communicator "
                          "takes host memory; a runtime on a GPU needs NCCL "
                          "communicators (sp_fsdp_comms_open on a session "
-                         "with a cuda device)", opts->device,
-                         i == 0 ? "world" : i == 1 ? "shard-group"
-                                                   : "replica-group");
+                         "with a cuda device)",
+                         opts->device,
+                         i == 0   ? "world"
+                         : i == 1 ? "shard-group"
+                                  : "replica-group");
     }
     if (rc == 0) rc = sp_fsdp_cuda_attach(f, opts->device, d);
   }
@@ -329,8 +334,7 @@ void *sp_fsdp_buffer(sp_fsdp *f, int32_t b) {
 }
 
 sp_dtype sp_fsdp_buffer_dtype(const sp_fsdp *f, int32_t b) {
-  if (!f || b < 0 || (size_t)b >= f->model->n_buffers)
-    return SP_DTYPE_INVALID;
+  if (!f || b < 0 || (size_t)b >= f->model->n_buffers) return SP_DTYPE_INVALID;
   return f->buffer_dtype[b];
 }
 
@@ -357,8 +361,7 @@ void *sp_fsdp_param_grad(sp_fsdp *f, int32_t param) {
   sp_fsdp_unit *fu = param_unit(f, param, &e);
   /* a frozen parameter takes no gradient (its .grad is None): its elements
    * stay zero, so they reduce to zero and no optimizer moves them */
-  if (!fu || !fu->has_data || !fu->full_grad ||
-      !f->model->params[param].flag)
+  if (!fu || !fu->has_data || !fu->full_grad || !f->model->params[param].flag)
     return NULL;
   return fu->full_grad + (size_t)e->offset * fu->psize;
 }
@@ -384,8 +387,7 @@ void *sp_fsdp_shard_grad(sp_fsdp *f, uint32_t ui) {
 }
 
 sp_dtype sp_fsdp_shard_grad_dtype(const sp_fsdp *f, uint32_t ui) {
-  if (!f || ui >= f->n_units || !f->units[ui].has_data)
-    return SP_DTYPE_INVALID;
+  if (!f || ui >= f->n_units || !f->units[ui].has_data) return SP_DTYPE_INVALID;
   return f->units[ui].grad_dtype;
 }
 
@@ -420,8 +422,8 @@ static int host_image(sp_fsdp *f, const void *src, size_t bytes,
     return 0;
   }
   uint8_t *h = malloc(bytes ? bytes : 1);
-  if (!h) return sp_diag_set(d, SP_ENOMEM, "no host memory for %zu bytes",
-                             bytes);
+  if (!h)
+    return sp_diag_set(d, SP_ENOMEM, "no host memory for %zu bytes", bytes);
   int rc = f->mem->to_host(f, h, src, bytes, d);
   if (rc < 0) {
     free(h);
@@ -439,8 +441,8 @@ int sp_fsdp_shard_host(sp_fsdp *f, uint32_t u, const uint8_t **data,
 
 int sp_fsdp_buffer_host(sp_fsdp *f, int32_t b, const uint8_t **data,
                         uint8_t **owned, sp_diag *d) {
-  size_t bytes = (size_t)f->model->buffers[b].numel *
-                 sp_dtype_size(f->buffer_dtype[b]);
+  size_t bytes =
+      (size_t)f->model->buffers[b].numel * sp_dtype_size(f->buffer_dtype[b]);
   return host_image(f, f->buffers[b], bytes, data, owned, d);
 }
 
@@ -474,15 +476,15 @@ int sp_fsdp_shard_commit(sp_fsdp *f, uint32_t u, uint8_t *h, bool keep,
 }
 
 uint8_t *sp_fsdp_buffer_stage(sp_fsdp *f, int32_t b, sp_diag *d) {
-  size_t bytes = (size_t)f->model->buffers[b].numel *
-                 sp_dtype_size(f->buffer_dtype[b]);
+  size_t bytes =
+      (size_t)f->model->buffers[b].numel * sp_dtype_size(f->buffer_dtype[b]);
   return stage(f, f->buffers[b], bytes, d);
 }
 
 int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *h, bool keep,
                           sp_diag *d) {
-  size_t bytes = (size_t)f->model->buffers[b].numel *
-                 sp_dtype_size(f->buffer_dtype[b]);
+  size_t bytes =
+      (size_t)f->model->buffers[b].numel * sp_dtype_size(f->buffer_dtype[b]);
   return commit(f, f->buffers[b], h, bytes, keep, d);
 }
 

@@ -21,7 +21,6 @@
 #include "lib/ckpt/ckpt_format.h"
 #include "safetensors/safetensors.h"
 
-
 /* ---- agreement between ranks ---- */
 
 /* host[0..n) summed over the world, in place, through the runtime's
@@ -85,8 +84,10 @@ static int settle(sp_fsdp *f, int rc, const char *phase, sp_diag *d) {
     return arc;
   }
   if (first >= 0)
-    return sp_diag_set(d, SP_ECANCELED, "rank %lld failed %s (its own "
-                       "message says why)", (long long)first, phase);
+    return sp_diag_set(d, SP_ECANCELED,
+                       "rank %lld failed %s (its own "
+                       "message says why)",
+                       (long long)first, phase);
   return 0;
 }
 
@@ -139,8 +140,8 @@ static int kind_host(sp_fsdp *f, uint32_t u, size_t k, const uint8_t **data,
     return 0;
   }
   uint8_t *h = malloc(bytes ? bytes : 1);
-  if (!h) return sp_diag_set(d, SP_ENOMEM, "no host memory for %zu bytes",
-                             bytes);
+  if (!h)
+    return sp_diag_set(d, SP_ENOMEM, "no host memory for %zu bytes", bytes);
   int rc = f->mem->to_host(f, h, st, bytes, d);
   if (rc < 0) {
     free(h);
@@ -160,13 +161,12 @@ static uint8_t *kind_stage(sp_fsdp *f, uint32_t u, size_t k, sp_diag *d) {
   return h;
 }
 
-static int kind_commit(sp_fsdp *f, uint32_t u, size_t k, uint8_t *h,
-                       bool keep, sp_diag *d) {
+static int kind_commit(sp_fsdp *f, uint32_t u, size_t k, uint8_t *h, bool keep,
+                       sp_diag *d) {
   if (k == 0) return sp_fsdp_shard_commit(f, u, h, keep, d);
   if (!f->mem->device || !h) return 0;
   size_t bytes = (size_t)f->units[u].c * sp_dtype_size(kind_dtype(f, u, k));
-  int rc = keep ? f->mem->from_host(f, kind_storage(f, u, k), h, bytes, d)
-                : 0;
+  int rc = keep ? f->mem->from_host(f, kind_storage(f, u, k), h, bytes, d) : 0;
   free(h);
   return rc;
 }
@@ -177,9 +177,10 @@ static int check_registered(const sp_fsdp *f, sp_diag *d) {
   for (size_t i = 0; i < f->n_states; i++)
     for (uint32_t u = 0; u < f->n_units; u++)
       if (f->units[u].has_data && !f->states[i].per_unit[u])
-        return sp_diag_set(d, SP_EINVAL, "optimizer state \"%s\" has no "
-                           "storage for unit %u (%s)", f->states[i].name, u,
-                           sp_fsdp_unit_name(f, u));
+        return sp_diag_set(d, SP_EINVAL,
+                           "optimizer state \"%s\" has no "
+                           "storage for unit %u (%s)",
+                           f->states[i].name, u, sp_fsdp_unit_name(f, u));
   return 0;
 }
 
@@ -262,14 +263,12 @@ static int open_writer(sp_fsdp *f, save_file *sf, const char *dir,
 }
 
 /* The entries of this rank's FULL or SHARDED file (FULL: rank 0 only). */
-static int plan_file(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf,
-                     sp_diag *d) {
+static int plan_file(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf, sp_diag *d) {
   const sp_model *m = f->model;
   size_t nk = n_kinds(f);
   sf->slot = malloc((nk * m->n_params + 1) * sizeof *sf->slot);
   sf->buf_slot = malloc((m->n_buffers + 1) * sizeof *sf->buf_slot);
-  if (!sf->slot || !sf->buf_slot)
-    return sp_diag_set(d, SP_ENOMEM, "no memory");
+  if (!sf->slot || !sf->buf_slot) return sp_diag_set(d, SP_ENOMEM, "no memory");
   for (size_t i = 0; i < nk * m->n_params; i++) sf->slot[i] = -1;
   for (size_t b = 0; b < m->n_buffers; b++) sf->buf_slot[b] = -1;
   for (size_t k = 0; k < nk; k++)
@@ -383,29 +382,31 @@ static json_t *sharded_index(sp_fsdp *f) {
         if (a >= b) break;
         char fn[128];
         sp_ckpt_file_name(fn, sizeof fn, "rank", r, f->world);
-        ok = json_array_append_new(json_object_get(info, "chunks"),
-                                   json_pack("{s:s, s:I, s:I}", "file", fn,
-                                             "row", (json_int_t)a, "rows",
-                                             (json_int_t)(b - a))) == 0;
+        ok = json_array_append_new(
+                 json_object_get(info, "chunks"),
+                 json_pack("{s:s, s:I, s:I}", "file", fn, "row", (json_int_t)a,
+                           "rows", (json_int_t)(b - a))) == 0;
       }
-      if (ok) ok = json_object_set_new(tensors, name, info) == 0;
-      else json_decref(info);
+      if (ok)
+        ok = json_object_set_new(tensors, name, info) == 0;
+      else
+        json_decref(info);
       free(name);
     }
   for (size_t i = 0; ok && i < f->n_states; i++)
     ok = json_array_append_new(states, json_string(f->states[i].name)) == 0;
   if (ok)
-    ok = json_object_set_new(index, "format",
-                             json_string("shardplane.sharded/v1")) == 0 &&
-         json_object_set_new(index, "plan_version",
-                             json_string(f->plan->version_hex)) == 0 &&
-         json_object_set_new(index, "world_size",
-                             json_integer(f->world)) == 0 &&
-         json_object_set_new(index, "buffers_file", json_string(bufs)) == 0 &&
-         json_object_set_new(index, "optim_steps",
-                             json_integer((json_int_t)f->optim_steps)) == 0 &&
-         json_object_set(index, "optim_states", states) == 0 &&
-         json_object_set(index, "tensors", tensors) == 0;
+    ok =
+        json_object_set_new(index, "format",
+                            json_string("shardplane.sharded/v1")) == 0 &&
+        json_object_set_new(index, "plan_version",
+                            json_string(f->plan->version_hex)) == 0 &&
+        json_object_set_new(index, "world_size", json_integer(f->world)) == 0 &&
+        json_object_set_new(index, "buffers_file", json_string(bufs)) == 0 &&
+        json_object_set_new(index, "optim_steps",
+                            json_integer((json_int_t)f->optim_steps)) == 0 &&
+        json_object_set(index, "optim_states", states) == 0 &&
+        json_object_set(index, "tensors", tensors) == 0;
   json_decref(states);
   json_decref(tensors);
   if (!ok) {
@@ -415,14 +416,13 @@ static json_t *sharded_index(sp_fsdp *f) {
   return index;
 }
 
-
 static int write_index(sp_fsdp *f, const char *dir, sp_diag *d) {
   json_t *index = sharded_index(f);
-  char *text = index ? json_dumps(index, JSON_INDENT(1) | JSON_SORT_KEYS)
-                     : NULL;
+  char *text =
+      index ? json_dumps(index, JSON_INDENT(1) | JSON_SORT_KEYS) : NULL;
   json_decref(index);
-  if (!text) return sp_diag_set(d, SP_ENOMEM, "no memory for %s",
-                                SP_CKPT_INDEX);
+  if (!text)
+    return sp_diag_set(d, SP_ENOMEM, "no memory for %s", SP_CKPT_INDEX);
   char path[PATH_MAX];
   int rc = sp_ckpt_join(path, sizeof path, dir, SP_CKPT_INDEX, d);
   if (rc == 0) rc = sp_ckpt_write_synced(path, text, d);
@@ -449,13 +449,16 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
   size_t cap = 1;
   for (uint32_t u = 0; u < f->n_units; u++)
     for (size_t k = 0; f->units[u].has_data && k < n_kinds(f); k++) {
-      size_t b = (size_t)f->units[u].padded *
-                 sp_dtype_size(kind_dtype(f, u, k));
+      size_t b =
+          (size_t)f->units[u].padded * sp_dtype_size(kind_dtype(f, u, k));
       if (b > cap) cap = b;
     }
   uint8_t *full = malloc(cap);
-  int rc = full ? 0 : sp_diag_set(d, SP_ENOMEM, "no memory for the %zu-byte "
-                                  "gather buffer", cap);
+  int rc = full ? 0
+                : sp_diag_set(d, SP_ENOMEM,
+                              "no memory for the %zu-byte "
+                              "gather buffer",
+                              cap);
   if (rc == 0 && writer) rc = plan_file(f, kind, &sf, d);
   if (rc == 0 && writer) rc = open_writer(f, &sf, dir, name, kind, d);
   /* nobody gathers unless everybody can take part */
@@ -474,16 +477,15 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
         *local = put_unit(f, kind, &sf, u, k, full, ld);
     }
     if (rc == 0)
-      rc = sp_session_transition(f->s, SP_MACHINE_HANDLE, u, SP_HANDLE_IDLE,
-                                 d);
+      rc = sp_session_transition(f->s, SP_MACHINE_HANDLE, u, SP_HANDLE_IDLE, d);
     if (rc < 0)
       sp_diag_prefix(d, rc, "unit %u (%s)", u, sp_fsdp_unit_name(f, u));
   }
   if (rc == 0)
     rc = sp_session_transition(f->s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, d);
   free(full);
-  for (size_t b = 0; rc == 0 && *local == 0 && writer &&
-                     b < f->model->n_buffers; b++)
+  for (size_t b = 0;
+       rc == 0 && *local == 0 && writer && b < f->model->n_buffers; b++)
     if (sf.buf_slot[b] >= 0)
       *local = put_buffer(f, &sf, b, f->model->buffers[b].dtype, ld);
   if (rc == 0 && *local == 0 && writer) {
@@ -505,8 +507,8 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
   save_file sf = {0};
   int64_t *unit_slot = calloc(f->n_units * nk + 1, sizeof *unit_slot);
   sf.buf_slot = malloc((m->n_buffers + 1) * sizeof *sf.buf_slot);
-  int rc = unit_slot && sf.buf_slot ? 0
-                                    : sp_diag_set(d, SP_ENOMEM, "no memory");
+  int rc =
+      unit_slot && sf.buf_slot ? 0 : sp_diag_set(d, SP_ENOMEM, "no memory");
   for (uint32_t u = 0; rc == 0 && u < f->n_units; u++) {
     sp_fsdp_unit *fu = &f->units[u];
     if (!fu->has_data) continue;
@@ -563,10 +565,8 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
 
 int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d) {
   if (!f || !dir) return sp_diag_set(d, SP_EINVAL, "sp_ckpt_save: no dir");
-  if (kind != SP_CKPT_FULL && kind != SP_CKPT_SHARDED &&
-      kind != SP_CKPT_LOCAL)
-    return sp_diag_set(d, SP_EINVAL, "unknown checkpoint kind %d",
-                       (int)kind);
+  if (kind != SP_CKPT_FULL && kind != SP_CKPT_SHARDED && kind != SP_CKPT_LOCAL)
+    return sp_diag_set(d, SP_EINVAL, "unknown checkpoint kind %d", (int)kind);
   const char *kn = sp_ckpt_kind_name(kind);
   /* the same answer on every rank: no collective is needed to refuse */
   sp_ckpt_paths *p = malloc(sizeof *p);
@@ -682,26 +682,28 @@ static int check_states(const sp_fsdp *f, const sp_ckpt_optim *o,
     for (size_t j = 0; j < f->n_states; j++)
       found = found || strcmp(o->states[i], f->states[j].name) == 0;
     if (!found)
-      return sp_diag_set(d, SP_ESTATE, "%s: the checkpoint holds optimizer "
+      return sp_diag_set(d, SP_ESTATE,
+                         "%s: the checkpoint holds optimizer "
                          "state \"%s\", which this runtime has not "
                          "registered (a parameters-only load, "
                          "sp_ckpt_load_opts.params_only, leaves the "
-                         "optimizer out)", where, o->states[i]);
+                         "optimizer out)",
+                         where, o->states[i]);
   }
   for (size_t j = 0; j < f->n_states; j++) {
     bool found = false;
     for (size_t i = 0; i < o->n_states; i++)
       found = found || strcmp(o->states[i], f->states[j].name) == 0;
     if (!found)
-      return sp_diag_set(d, SP_ESTATE, "%s: optimizer state \"%s\" of this "
+      return sp_diag_set(d, SP_ESTATE,
+                         "%s: optimizer state \"%s\" of this "
                          "runtime is not in the checkpoint (a "
                          "parameters-only load, sp_ckpt_load_opts."
-                         "params_only, starts it afresh)", where,
-                         f->states[j].name);
+                         "params_only, starts it afresh)",
+                         where, f->states[j].name);
   }
   return 0;
 }
-
 
 static int load_full(sp_fsdp *f, const char *dir, bool params_only,
                      sp_ckpt_info *info, sp_diag *d) {
@@ -725,7 +727,6 @@ static int load_full(sp_fsdp *f, const char *dir, bool params_only,
   sp_safetensors_close(st);
   return rc;
 }
-
 
 static int load_sharded(sp_fsdp *f, const char *dir, bool params_only,
                         sp_ckpt_info *info, sp_diag *d) {
@@ -780,13 +781,16 @@ static int load_local(sp_fsdp *f, const char *dir, bool params_only,
   if (rc < 0) return rc;
   rc = sp_safetensors_open_header(path, &st, d);
   if (rc == SP_ENOENT)
-    return sp_diag_prefix(d, rc, "a LOCAL checkpoint loads only into the "
+    return sp_diag_prefix(d, rc,
+                          "a LOCAL checkpoint loads only into the "
                           "world size and plan it was written with (this "
-                          "rank is %u of %u)", f->rank, f->world);
+                          "rank is %u of %u)",
+                          f->rank, f->world);
   if (rc < 0) return rc;
   const char *ver = sp_safetensors_metadata_get(st, "shardplane.plan_version");
   if (!ver || strcmp(ver, f->plan->version_hex) != 0)
-    rc = sp_diag_set(d, SP_ESTATE, "%s: plan %s, this job's plan is %s: a "
+    rc = sp_diag_set(d, SP_ESTATE,
+                     "%s: plan %s, this job's plan is %s: a "
                      "LOCAL checkpoint loads only into the same plan",
                      path, ver ? ver : "(none)", f->plan->version_hex);
   sp_ckpt_optim o;
@@ -808,8 +812,10 @@ static int load_local(sp_fsdp *f, const char *dir, bool params_only,
       /* the same plan: the same dtype (states: any floating one) */
       if (t->ndim != 1 || (int64_t)t->numel > fu->c ||
           (k == 0 && t->dtype != dt)) {
-        rc = sp_diag_set(d, SP_EFORMAT, "%s: %s: shape or dtype does not "
-                         "match", path, tn);
+        rc = sp_diag_set(d, SP_EFORMAT,
+                         "%s: %s: shape or dtype does not "
+                         "match",
+                         path, tn);
         break;
       }
       uint8_t *dst = kind_stage(f, u, k, d);
@@ -850,8 +856,7 @@ int sp_ckpt_load_with(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
       break;
     case SP_CKPT_LOCAL: rc = load_local(f, dir, params_only, &got, d); break;
     default:
-      return sp_diag_set(d, SP_EINVAL, "unknown checkpoint kind %d",
-                         (int)kind);
+      return sp_diag_set(d, SP_EINVAL, "unknown checkpoint kind %d", (int)kind);
   }
   if (rc < 0)
     return sp_diag_prefix(d, rc, "loading %s checkpoint",
@@ -864,4 +869,3 @@ int sp_ckpt_load_with(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
 int sp_ckpt_load(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d) {
   return sp_ckpt_load_with(f, kind, dir, NULL, NULL, d);
 }
-

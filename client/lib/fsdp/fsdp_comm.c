@@ -10,8 +10,7 @@
 #include "fsdp_internal.h"
 
 static sp_comm *gather_comm(sp_fsdp *f) {
-  return f->plan->strategy == SP_HYBRID_SHARD ? f->shard_comm
-                                              : f->world_comm;
+  return f->plan->strategy == SP_HYBRID_SHARD ? f->shard_comm : f->world_comm;
 }
 
 /* ---- collectives on the comm lane ----
@@ -27,7 +26,8 @@ static int handoff(sp_fsdp *f, sp_comm *c, sp_diag *d) {
   void *stream = NULL;
   int rc = sp_comm_cuda_stream(c, &stream);
   if (rc < 0)
-    return sp_diag_set(d, rc, "the communicator has no CUDA stream (not an "
+    return sp_diag_set(d, rc,
+                       "the communicator has no CUDA stream (not an "
                        "NCCL communicator?)");
   return f->mem->handoff(f, stream, d);
 }
@@ -67,8 +67,7 @@ static int coll_all_reduce(sp_fsdp *f, sp_fsdp_work *w, size_t *next,
 }
 
 sp_comm_kind sp_fsdp_gather_kind(const sp_fsdp *f) {
-  return f->plan->strategy == SP_HYBRID_SHARD ? SP_COMM_SHARD
-                                              : SP_COMM_WORLD;
+  return f->plan->strategy == SP_HYBRID_SHARD ? SP_COMM_SHARD : SP_COMM_WORLD;
 }
 
 void sp_fsdp_fp_issue(sp_fsdp *f, sp_fsdp_work *w, sp_comm_kind k,
@@ -81,15 +80,18 @@ void sp_fsdp_fp_issue(sp_fsdp *f, sp_fsdp_work *w, sp_comm_kind k,
 int sp_fsdp_before_collective(sp_fsdp *f, sp_comm_kind k, sp_coll_op op,
                               uint32_t unit, uint64_t *count, sp_diag *d) {
   if (f->opts.before_collective == NULL) return 0;
-  int rc = f->opts.before_collective(f->opts.inject_user, f->phase, k, op,
-                                     unit, count);
+  int rc = f->opts.before_collective(f->opts.inject_user, f->phase, k, op, unit,
+                                     count);
   if (rc < 0)
-    return sp_diag_set(d, rc, "unit %u (%s): the before_collective hook "
-                       "failed: %s", unit, sp_fsdp_unit_name(f, unit),
-                       sp_strerror(rc));
+    return sp_diag_set(d, rc,
+                       "unit %u (%s): the before_collective hook "
+                       "failed: %s",
+                       unit, sp_fsdp_unit_name(f, unit), sp_strerror(rc));
   if (rc == 1 && op != SP_OP_ALL_GATHER)
-    return sp_diag_set(d, SP_EINVAL, "unit %u: before_collective may skip "
-                       "only an all-gather", unit);
+    return sp_diag_set(d, SP_EINVAL,
+                       "unit %u: before_collective may skip "
+                       "only an all-gather",
+                       unit);
   return rc;
 }
 
@@ -143,8 +145,9 @@ static int run_gather(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
   if (f->dev || u->param_dtype != u->dtype) {
     int rc = f->mem->cast(f, SP_LANE_COMM, mine, u->param_dtype, fu->shard,
                           u->dtype, (size_t)fu->c, d);
-    if (rc < 0) return sp_diag_prefix(d, rc, "casting the shard to %s",
-                                      sp_dtype_name(u->param_dtype));
+    if (rc < 0)
+      return sp_diag_prefix(d, rc, "casting the shard to %s",
+                            sp_dtype_name(u->param_dtype));
     send = mine;
   }
   if (no_shard)
@@ -203,8 +206,8 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
   }
   /* post-divide, cast to the shard's gradient dtype and add to it: the
    * sharded gradient accumulates until the optimizer step or zero_grad */
-  return mem->acc_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype, out,
-                      rdt, (size_t)fu->c, f->post_divide, d);
+  return mem->acc_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype, out, rdt,
+                      (size_t)fu->c, f->post_divide, d);
 }
 
 static int run_work(sp_fsdp *f, sp_fsdp_work *w, sp_diag *d) {
@@ -214,19 +217,15 @@ static int run_work(sp_fsdp *f, sp_fsdp_work *w, sp_diag *d) {
   size_t next = 0;
   int rc;
   switch (w->kind) {
-    case SP_WORK_GATHER:
-      rc = run_gather(f, w, fu, d);
-      break;
-    case SP_WORK_REDUCE:
-      rc = run_reduce(f, w, fu, d);
-      break;
+    case SP_WORK_GATHER: rc = run_gather(f, w, fu, d); break;
+    case SP_WORK_REDUCE: rc = run_reduce(f, w, fu, d); break;
     case SP_WORK_ALL_REDUCE:
-      rc = coll_all_reduce(f, w, &next, f->world_comm, w->buf, w->count,
-                           w->dt, d);
+      rc = coll_all_reduce(f, w, &next, f->world_comm, w->buf, w->count, w->dt,
+                           d);
       break;
     case SP_WORK_SHARD_ALL_REDUCE:
-      rc = coll_all_reduce(f, w, &next, gather_comm(f), w->buf, w->count,
-                           w->dt, d);
+      rc = coll_all_reduce(f, w, &next, gather_comm(f), w->buf, w->count, w->dt,
+                           d);
       break;
     case SP_WORK_GATHER_MASTER: {
       const void *src = w->src ? w->src : fu->shard;

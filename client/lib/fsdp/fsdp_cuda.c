@@ -74,8 +74,8 @@ static int cu_alloc(sp_fsdp *f, size_t n, size_t esize, void **out,
                     sp_diag *d) {
   *out = NULL;
   if (esize && n > SIZE_MAX / esize)
-    return sp_diag_set(d, SP_ETOOBIG, "%zu elements of %zu bytes overflow",
-                       n, esize);
+    return sp_diag_set(d, SP_ETOOBIG, "%zu elements of %zu bytes overflow", n,
+                       esize);
   /* a valid, distinct pointer also for an empty tensor */
   size_t bytes = n * esize;
   if (bytes == 0) bytes = 1;
@@ -83,15 +83,17 @@ static int cu_alloc(sp_fsdp *f, size_t n, size_t esize, void **out,
   cudaError_t e = cudaMalloc(&p, bytes);
   if (e == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    return sp_diag_set(d, SP_ENOMEM, "cudaMalloc of %zu bytes on cuda:%d: "
-                       "out of device memory", bytes, state(f)->device);
+    return sp_diag_set(d, SP_ENOMEM,
+                       "cudaMalloc of %zu bytes on cuda:%d: "
+                       "out of device memory",
+                       bytes, state(f)->device);
   }
   SP_CUDA_CHECK(d, e);
   e = cudaMemsetAsync(p, 0, bytes, state(f)->compute);
   if (e != cudaSuccess) {
     cudaFree(p);
-    return sp_cuda_diag(d, e, "cudaMemsetAsync(p, 0, bytes, compute)",
-                        __FILE__, __LINE__);
+    return sp_cuda_diag(d, e, "cudaMemsetAsync(p, 0, bytes, compute)", __FILE__,
+                        __LINE__);
   }
   *out = p;
   return 0;
@@ -113,8 +115,8 @@ static int cu_zero(sp_fsdp *f, sp_fsdp_lane l, void *p, size_t bytes,
 static int cu_copy(sp_fsdp *f, sp_fsdp_lane l, void *dst, const void *src,
                    size_t bytes, sp_diag *d) {
   if (bytes && dst != src)
-    SP_CUDA_CHECK(d, cudaMemcpyAsync(dst, src, bytes,
-                                     cudaMemcpyDeviceToDevice, lane(f, l)));
+    SP_CUDA_CHECK(d, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                                     lane(f, l)));
   return 0;
 }
 
@@ -122,11 +124,13 @@ static int cu_cast(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
                    const void *src, sp_dtype st, size_t n, sp_diag *d) {
   int rc = sp_cuda_cast(dst, dt, src, st, n, (void *)lane(f, l));
   if (rc < 0)
-    return sp_diag_set(d, rc, "%s:%d: sp_cuda_cast(%s -> %s, %zu elements) "
-                       "failed: %s%s", __FILE__, __LINE__, sp_dtype_name(st),
-                       sp_dtype_name(dt), n, sp_strerror(rc),
-                       rc == SP_ECUDA ? " (the CUDA error is logged above)"
-                                      : "");
+    return sp_diag_set(
+        d, rc,
+        "%s:%d: sp_cuda_cast(%s -> %s, %zu elements) "
+        "failed: %s%s",
+        __FILE__, __LINE__, sp_dtype_name(st), sp_dtype_name(dt), n,
+        sp_strerror(rc),
+        rc == SP_ECUDA ? " (the CUDA error is logged above)" : "");
   return 0;
 }
 
@@ -141,20 +145,20 @@ static int cu_acc_div(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
                       sp_diag *d) {
   /* the quotient in place (scale_div's rule, as the host), then the sum */
   int rc = cu_scale_div(f, l, src, st, n, div, d);
-  if (rc == 0) rc = sp_fsdp_cuda_acc(dst, dt, src, st, n, (void *)lane(f, l),
-                                     d);
+  if (rc == 0)
+    rc = sp_fsdp_cuda_acc(dst, dt, src, st, n, (void *)lane(f, l), d);
   return rc;
 }
 
-static int cu_scale(sp_fsdp *f, sp_fsdp_lane l, void *g, sp_dtype gdt,
-                    size_t n, double k, sp_diag *d) {
+static int cu_scale(sp_fsdp *f, sp_fsdp_lane l, void *g, sp_dtype gdt, size_t n,
+                    double k, sp_diag *d) {
   return sp_fsdp_cuda_scale(g, gdt, n, k, (void *)lane(f, l), d);
 }
 
 static int cu_sqsum(sp_fsdp *f, const void *g, sp_dtype gdt, size_t n,
                     double *partial, double *out, sp_diag *d) {
-  return sp_fsdp_cuda_sqsum(g, gdt, n, partial, out,
-                            (void *)state(f)->compute, d);
+  return sp_fsdp_cuda_sqsum(g, gdt, n, partial, out, (void *)state(f)->compute,
+                            d);
 }
 
 static int cu_sgd(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
@@ -175,8 +179,8 @@ static int cu_to_host(sp_fsdp *f, void *host, const void *src, size_t bytes,
                       sp_diag *d) {
   if (!bytes) return 0;
   cudaStream_t s = state(f)->compute;
-  SP_CUDA_CHECK(d, cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost,
-                                   s));
+  SP_CUDA_CHECK(d,
+                cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, s));
   SP_CUDA_CHECK(d, cudaStreamSynchronize(s));
   return 0;
 }
@@ -185,8 +189,8 @@ static int cu_from_host(sp_fsdp *f, void *dst, const void *host, size_t bytes,
                         sp_diag *d) {
   if (!bytes) return 0;
   cudaStream_t s = state(f)->compute;
-  SP_CUDA_CHECK(d, cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice,
-                                   s));
+  SP_CUDA_CHECK(d,
+                cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, s));
   /* the caller frees or reuses host memory on return */
   SP_CUDA_CHECK(d, cudaStreamSynchronize(s));
   return 0;
@@ -195,8 +199,7 @@ static int cu_from_host(sp_fsdp *f, void *dst, const void *host, size_t bytes,
 static int cu_mark(sp_fsdp *f, size_t slot, sp_diag *d) {
   cuda_state *cs = state(f);
   if (slot >= cs->n_marks)
-    return sp_diag_set(d, SP_ERANGE, "work slot %zu of %zu", slot,
-                       cs->n_marks);
+    return sp_diag_set(d, SP_ERANGE, "work slot %zu of %zu", slot, cs->n_marks);
   SP_CUDA_CHECK(d, cudaEventRecord(cs->marks[slot], cs->compute));
   return 0;
 }
@@ -204,8 +207,7 @@ static int cu_mark(sp_fsdp *f, size_t slot, sp_diag *d) {
 static int cu_wait_mark(sp_fsdp *f, size_t slot, sp_diag *d) {
   cuda_state *cs = state(f);
   if (slot >= cs->n_marks)
-    return sp_diag_set(d, SP_ERANGE, "work slot %zu of %zu", slot,
-                       cs->n_marks);
+    return sp_diag_set(d, SP_ERANGE, "work slot %zu of %zu", slot, cs->n_marks);
   SP_CUDA_CHECK(d, cudaStreamWaitEvent(cs->comm, cs->marks[slot], 0));
   return 0;
 }
@@ -220,8 +222,7 @@ static int cu_handoff(sp_fsdp *f, void *stream, sp_diag *d) {
   /* one event suffices: only the comm thread hands off, one collective at
    * a time, and a wait captures the event's state when it is enqueued */
   SP_CUDA_CHECK(d, cudaEventRecord(cs->handoff, cs->comm));
-  SP_CUDA_CHECK(d, cudaStreamWaitEvent((cudaStream_t)stream, cs->handoff,
-                                       0));
+  SP_CUDA_CHECK(d, cudaStreamWaitEvent((cudaStream_t)stream, cs->handoff, 0));
   return 0;
 }
 
@@ -272,19 +273,18 @@ static const sp_fsdp_mem_ops k_cuda_ops = {
 
 static int attach(cuda_state *cs, size_t n_marks, sp_diag *d) {
   SP_CUDA_CHECK(d, cudaSetDevice(cs->device));
-  SP_CUDA_CHECK(d, cudaStreamCreateWithFlags(&cs->compute,
-                                             cudaStreamNonBlocking));
-  SP_CUDA_CHECK(d, cudaStreamCreateWithFlags(&cs->comm,
-                                             cudaStreamNonBlocking));
+  SP_CUDA_CHECK(d,
+                cudaStreamCreateWithFlags(&cs->compute, cudaStreamNonBlocking));
+  SP_CUDA_CHECK(d, cudaStreamCreateWithFlags(&cs->comm, cudaStreamNonBlocking));
   cs->marks = calloc(n_marks, sizeof *cs->marks);
   if (!cs->marks) return sp_diag_set(d, SP_ENOMEM, "no memory");
   cs->n_marks = n_marks;
   /* no timing: the cheapest events, used only for ordering */
   for (size_t i = 0; i < n_marks; i++)
-    SP_CUDA_CHECK(d, cudaEventCreateWithFlags(&cs->marks[i],
-                                              cudaEventDisableTiming));
-  SP_CUDA_CHECK(d, cudaEventCreateWithFlags(&cs->handoff,
-                                            cudaEventDisableTiming));
+    SP_CUDA_CHECK(
+        d, cudaEventCreateWithFlags(&cs->marks[i], cudaEventDisableTiming));
+  SP_CUDA_CHECK(d,
+                cudaEventCreateWithFlags(&cs->handoff, cudaEventDisableTiming));
   return 0;
 }
 
@@ -319,8 +319,10 @@ int sp_fsdp_cuda_attach(sp_fsdp *f, const char *device, sp_diag *d) {
   int ordinal;
   int rc = sp_device_parse(device, &ordinal, d);
   return rc < 0 ? rc
-                : sp_diag_set(d, SP_EINVAL, "sp_fsdp_cuda_attach: %s is no "
-                              "GPU", device);
+                : sp_diag_set(d, SP_EINVAL,
+                              "sp_fsdp_cuda_attach: %s is no "
+                              "GPU",
+                              device);
 }
 
 void *sp_fsdp_cuda_stream(const sp_fsdp *f) {
@@ -336,20 +338,23 @@ int sp_device_parse(const char *device, int *ordinal, sp_diag *d) {
   if (!device || !ordinal)
     return sp_diag_set(d, SP_EINVAL, "sp_device_parse: NULL argument");
   *ordinal = -1;
-  if (strcmp(device, "cpu") == 0 || strcmp(device, "cpu-staged") == 0)
-    return 0;
+  if (strcmp(device, "cpu") == 0 || strcmp(device, "cpu-staged") == 0) return 0;
   long n = cuda_ordinal(device);
   if (n < 0)
     return sp_diag_set(d, SP_EINVAL, "%s: expected cpu or cuda:N", device);
 #if !SHARDPLANE_HAVE_CUDA
-  return sp_diag_set(d, SP_EUNSUPPORTED, "%s: this library was built "
-                     "without CUDA", device);
+  return sp_diag_set(d, SP_EUNSUPPORTED,
+                     "%s: this library was built "
+                     "without CUDA",
+                     device);
 #else
   int count = 0;
   int rc = sp_cuda_device_count(&count);
   if (rc < 0)
-    return sp_diag_set(d, rc, "%s: cannot count CUDA devices (the driver's "
-                       "error is logged above)", device);
+    return sp_diag_set(d, rc,
+                       "%s: cannot count CUDA devices (the driver's "
+                       "error is logged above)",
+                       device);
   if (count == 0)
     return sp_diag_set(d, SP_ENODEV, "%s: no CUDA device", device);
   if (n >= count)

@@ -25,30 +25,30 @@
 __global__ void k_fsdp_scale_div(void *buf, int dt, size_t n, double div) {
   for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     switch (dt) {
-    case SP_FLOAT64: {
-      double *p = (double *)buf;
-      p[i] = __ddiv_rn(p[i], div);
-      break;
-    }
-    case SP_FLOAT32: {
-      float *p = (float *)buf;
-      p[i] = __double2float_rn(__ddiv_rn((double)p[i], div));
-      break;
-    }
-    case SP_BFLOAT16: {
-      uint16_t *p = (uint16_t *)buf;
-      float x = sp_f32_from_bits(sp_bf16_to_f32_bits(p[i]));
-      float q = __double2float_rn(__ddiv_rn((double)x, div));
-      p[i] = sp_f32_to_bf16_bits(sp_f32_to_bits(q));
-      break;
-    }
-    default: { /* SP_FLOAT16 */
-      uint16_t *p = (uint16_t *)buf;
-      float x = sp_f32_from_bits(sp_f16_to_f32_bits(p[i]));
-      float q = __double2float_rn(__ddiv_rn((double)x, div));
-      p[i] = sp_f32_to_f16_bits(sp_f32_to_bits(q));
-      break;
-    }
+      case SP_FLOAT64: {
+        double *p = (double *)buf;
+        p[i] = __ddiv_rn(p[i], div);
+        break;
+      }
+      case SP_FLOAT32: {
+        float *p = (float *)buf;
+        p[i] = __double2float_rn(__ddiv_rn((double)p[i], div));
+        break;
+      }
+      case SP_BFLOAT16: {
+        uint16_t *p = (uint16_t *)buf;
+        float x = sp_f32_from_bits(sp_bf16_to_f32_bits(p[i]));
+        float q = __double2float_rn(__ddiv_rn((double)x, div));
+        p[i] = sp_f32_to_bf16_bits(sp_f32_to_bits(q));
+        break;
+      }
+      default: { /* SP_FLOAT16 */
+        uint16_t *p = (uint16_t *)buf;
+        float x = sp_f32_from_bits(sp_f16_to_f32_bits(p[i]));
+        float q = __double2float_rn(__ddiv_rn((double)x, div));
+        p[i] = sp_f32_to_f16_bits(sp_f32_to_bits(q));
+        break;
+      }
     }
   }
 }
@@ -56,7 +56,7 @@ __global__ void k_fsdp_scale_div(void *buf, int dt, size_t n, double div) {
 /* fsdp_mem_host.c host_acc_div, after the quotient (k_fsdp_scale_div):
  * dst = rne_dt(dst + rne_dt(src)) */
 __global__ void k_fsdp_acc(void *dst, int dt, const void *src, int st,
-                         size_t n) {
+                           size_t n) {
   for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     uint64_t tmp;
     sp_elem_store_f64(&tmp, dt, 0, sp_elem_load_f64(src, st, i));
@@ -74,7 +74,7 @@ __global__ void k_fsdp_scale(void *g, int gdt, size_t n, double k) {
 /* sp_fsdp_sqsum_ref's order: block b takes chunks b, b + grid, ...;
  * thread t sums its lane in order, then the shared-memory tree */
 __global__ void k_fsdp_sqsum_chunks(const void *g, int gdt, size_t n,
-                                  double *partial) {
+                                    double *partial) {
   __shared__ double lane[SP_FSDP_SQ_LANES];
   size_t chunks = n / SP_FSDP_SQ_CHUNK + (n % SP_FSDP_SQ_CHUNK != 0);
   for (size_t c = blockIdx.x; c < chunks; c += gridDim.x) {
@@ -101,7 +101,7 @@ __global__ void k_fsdp_sqsum_chunks(const void *g, int gdt, size_t n,
 
 /* the chunk sums in chunk order: one thread */
 __global__ void k_fsdp_sqsum_total(const double *partial, size_t chunks,
-                                 double *out) {
+                                   double *out) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   double acc = 0.0;
   for (size_t c = 0; c < chunks; c++) acc = __dadd_rn(acc, partial[c]);
@@ -109,9 +109,8 @@ __global__ void k_fsdp_sqsum_total(const double *partial, size_t chunks,
 }
 
 /* fsdp_mem_host.c host_sgd */
-__global__ void k_fsdp_sgd(void *p, int pdt, const void *g, int gdt,
-                         float *buf, size_t n, double lr, double momentum,
-                         double wd) {
+__global__ void k_fsdp_sgd(void *p, int pdt, const void *g, int gdt, float *buf,
+                           size_t n, double lr, double momentum, double wd) {
   for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     double pv = sp_elem_load_f64(p, pdt, i);
     double gv = sp_elem_load_f64(g, gdt, i);
@@ -126,16 +125,15 @@ __global__ void k_fsdp_sgd(void *p, int pdt, const void *g, int gdt,
 }
 
 /* fsdp_mem_host.c host_adamw */
-__global__ void k_fsdp_adamw(void *p, int pdt, const void *g, int gdt,
-                           float *m, float *v, size_t n,
-                           sp_fsdp_adamw_args a) {
+__global__ void k_fsdp_adamw(void *p, int pdt, const void *g, int gdt, float *m,
+                             float *v, size_t n, sp_fsdp_adamw_args a) {
   for (size_t i = SP_GRID_TID(); i < n; i += SP_GRID_STRIDE()) {
     double pv = sp_elem_load_f64(p, pdt, i);
     double gv = sp_elem_load_f64(g, gdt, i);
     pv = __dsub_rn(pv, __dmul_rn(a.lrwd, pv));
-    sp_elem_store_f64(m, SP_FLOAT32, i,
-                      __dadd_rn(__dmul_rn(a.beta1, (double)m[i]),
-                                __dmul_rn(a.omb1, gv)));
+    sp_elem_store_f64(
+        m, SP_FLOAT32, i,
+        __dadd_rn(__dmul_rn(a.beta1, (double)m[i]), __dmul_rn(a.omb1, gv)));
     sp_elem_store_f64(v, SP_FLOAT32, i,
                       __dadd_rn(__dmul_rn(a.beta2, (double)v[i]),
                                 __dmul_rn(a.omb2, __dmul_rn(gv, gv))));
@@ -160,10 +158,12 @@ extern "C" int sp_fsdp_cuda_scale_div(void *buf, sp_dtype dt, size_t n,
                                       double div, void *stream, sp_diag *d) {
   if (n == 0 || div == 1.0) return 0;
   if (!buf || !float_dtype(dt) || !aligned(buf, dt))
-    return sp_diag_set(d, SP_EINVAL, "scale_div: %s buffer %p (floating, "
-                       "element-aligned expected)", sp_dtype_name(dt), buf);
-  k_fsdp_scale_div<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, (cudaStream_t)stream>>>(
-      buf, (int)dt, n, div);
+    return sp_diag_set(d, SP_EINVAL,
+                       "scale_div: %s buffer %p (floating, "
+                       "element-aligned expected)",
+                       sp_dtype_name(dt), buf);
+  k_fsdp_scale_div<<<sp_grid_blocks(n), SP_GRID_THREADS, 0,
+                     (cudaStream_t)stream>>>(buf, (int)dt, n, div);
   SP_CUDA_CHECK(d, cudaGetLastError());
   return 0;
 }
@@ -172,9 +172,11 @@ static int check_floats(const char *what, const void *a, sp_dtype adt,
                         const void *b, sp_dtype bdt, sp_diag *d) {
   if (!a || !float_dtype(adt) || !aligned(a, adt) ||
       (b && (!float_dtype(bdt) || !aligned(b, bdt))))
-    return sp_diag_set(d, SP_EINVAL, "%s: %s %p, %s %p (floating, "
-                       "element-aligned expected)", what, sp_dtype_name(adt),
-                       a, b ? sp_dtype_name(bdt) : "-", b);
+    return sp_diag_set(d, SP_EINVAL,
+                       "%s: %s %p, %s %p (floating, "
+                       "element-aligned expected)",
+                       what, sp_dtype_name(adt), a,
+                       b ? sp_dtype_name(bdt) : "-", b);
   return 0;
 }
 
@@ -212,10 +214,10 @@ extern "C" int sp_fsdp_cuda_sqsum(const void *g, sp_dtype gdt, size_t n,
   cudaStream_t s = (cudaStream_t)stream;
   if (chunks) {
     /* one block a chunk, up to the cap (blocks loop over the rest) */
-    unsigned blocks = chunks < SP_GRID_MAX_BLOCKS ? (unsigned)chunks
-                                               : SP_GRID_MAX_BLOCKS;
+    unsigned blocks =
+        chunks < SP_GRID_MAX_BLOCKS ? (unsigned)chunks : SP_GRID_MAX_BLOCKS;
     k_fsdp_sqsum_chunks<<<blocks, SP_FSDP_SQ_LANES, 0, s>>>(g, (int)gdt, n,
-                                                        partial);
+                                                            partial);
     SP_CUDA_CHECK(d, cudaGetLastError());
   }
   k_fsdp_sqsum_total<<<1, 1, 0, s>>>(partial, chunks, out);
@@ -243,8 +245,7 @@ extern "C" int sp_fsdp_cuda_adamw(void *p, sp_dtype pdt, const void *g,
   if (n == 0) return 0;
   int rc = check_floats("AdamW", p, pdt, g, gdt, d);
   if (rc < 0) return rc;
-  if (!m || !v || !a)
-    return sp_diag_set(d, SP_EINVAL, "AdamW: no moments");
+  if (!m || !v || !a) return sp_diag_set(d, SP_EINVAL, "AdamW: no moments");
   k_fsdp_adamw<<<sp_grid_blocks(n), SP_GRID_THREADS, 0, (cudaStream_t)stream>>>(
       p, (int)pdt, g, (int)gdt, m, v, n, *a);
   SP_CUDA_CHECK(d, cudaGetLastError());

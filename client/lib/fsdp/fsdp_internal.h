@@ -23,15 +23,15 @@ typedef struct sp_fsdp_adamw_args sp_fsdp_adamw_args;
 
 typedef struct sp_fsdp_unit {
   const sp_unit *u;
-  bool has_data;      /* the unit owns parameters */
-  bool reduces;       /* has_data and any parameter requires grad */
-  size_t esize;       /* unit (master) dtype size */
-  size_t psize;       /* param_dtype size */
-  int64_t c;          /* shard elements, padding included */
-  int64_t padded;     /* c * shard_world (NO_SHARD: c) */
-  size_t rsize;       /* reduce_dtype size */
-  uint8_t *shard;     /* c, master dtype */
-  uint8_t *shard_grad;/* c, grad_dtype */
+  bool has_data;       /* the unit owns parameters */
+  bool reduces;        /* has_data and any parameter requires grad */
+  size_t esize;        /* unit (master) dtype size */
+  size_t psize;        /* param_dtype size */
+  int64_t c;           /* shard elements, padding included */
+  int64_t padded;      /* c * shard_world (NO_SHARD: c) */
+  size_t rsize;        /* reduce_dtype size */
+  uint8_t *shard;      /* c, master dtype */
+  uint8_t *shard_grad; /* c, grad_dtype */
   sp_dtype grad_dtype;
   /* Slots: pool blocks the unit holds only while it needs them (docs/
    * fsdp.md, "Memory"); NULL otherwise. NO_SHARD keeps full and full_grad
@@ -52,9 +52,9 @@ typedef struct sp_fsdp_unit {
    * pre_backward keeps them for the trainer to add to */
   bool grad_unsynced;
   bool prefetched;
-  int64_t gather_ticket; /* pending all-gather, or -1 */
-  bool gather_skipped;   /* before_collective skipped the last gather */
-  int64_t reduce_ticket; /* pending reduction, or -1 */
+  int64_t gather_ticket;      /* pending all-gather, or -1 */
+  bool gather_skipped;        /* before_collective skipped the last gather */
+  int64_t reduce_ticket;      /* pending reduction, or -1 */
   int32_t post_forward_index; /* in this iteration's order, -1 */
 } sp_fsdp_unit;
 
@@ -95,16 +95,16 @@ typedef struct sp_fsdp_mem_ops {
               const void *src, sp_dtype st, size_t n, sp_diag *d);
   /* buf /= div in place, the quotient computed in double and rounded once
    * (float32, float64) or via float32 (16-bit dtypes) */
-  int (*scale_div)(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
-                   size_t n, double div, sp_diag *d);
+  int (*scale_div)(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt, size_t n,
+                   double div, sp_diag *d);
   /* dst (dt) = rne_dt(dst + cast_dt(src (st) / div)), the sum in double:
    * the reduced gradient's post-divide, cast to the shard gradient's dtype
    * and accumulation into it (FSDP2: a micro-batch's gradient is added to
    * the sharded gradient until the optimizer step or zero_grad clears it;
    * onto a zero gradient it is exactly the cast quotient). The quotient
    * follows scale_div's rule; src is overwritten with it. */
-  int (*acc_div)(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt,
-                 void *src, sp_dtype st, size_t n, double div, sp_diag *d);
+  int (*acc_div)(sp_fsdp *f, sp_fsdp_lane l, void *dst, sp_dtype dt, void *src,
+                 sp_dtype st, size_t n, double div, sp_diag *d);
   /* g = rne_gdt(g * k), the product in double: gradient clipping */
   int (*scale)(sp_fsdp *f, sp_fsdp_lane l, void *g, sp_dtype gdt, size_t n,
                double k, sp_diag *d);
@@ -124,9 +124,9 @@ typedef struct sp_fsdp_mem_ops {
   int (*sgd)(sp_fsdp *f, void *p, sp_dtype pdt, const void *g, sp_dtype gdt,
              float *buf, size_t n, double lr, double momentum, double wd,
              sp_diag *d);
-  int (*adamw)(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
-               sp_dtype gdt, float *m, float *v, size_t n,
-               const sp_fsdp_adamw_args *a, sp_diag *d);
+  int (*adamw)(sp_fsdp *f, void *p, sp_dtype pdt, const void *g, sp_dtype gdt,
+               float *m, float *v, size_t n, const sp_fsdp_adamw_args *a,
+               sp_diag *d);
   /* Synchronous copies between host memory and storage, ordered after
    * everything issued on the compute lane. */
   int (*to_host)(sp_fsdp *f, void *host, const void *src, size_t bytes,
@@ -191,9 +191,9 @@ int sp_fsdp_cuda_attach(sp_fsdp *f, const char *device, sp_diag *d);
 
 /* One collective queued for the communication thread. */
 typedef enum sp_fsdp_work_kind {
-  SP_WORK_GATHER = 1,     /* unshard a unit */
-  SP_WORK_REDUCE = 2,     /* reduce a unit's gradient */
-  SP_WORK_ALL_REDUCE = 3, /* a caller's buffer over the world */
+  SP_WORK_GATHER = 1,        /* unshard a unit */
+  SP_WORK_REDUCE = 2,        /* reduce a unit's gradient */
+  SP_WORK_ALL_REDUCE = 3,    /* a caller's buffer over the world */
   SP_WORK_GATHER_MASTER = 4, /* master shards into a caller's buffer */
   /* a caller's buffer summed over the shard group (the world for
    * FULL_SHARD and SHARD_GRAD_OP, the shard group for HYBRID_SHARD; not
@@ -280,9 +280,9 @@ struct sp_fsdp {
   pthread_cond_t cv;
   sp_fsdp_work *queue; /* ring of queue_cap */
   size_t queue_cap;
-  int64_t issued;    /* tickets handed out: next is issued */
-  int64_t completed; /* tickets [0, completed) finished */
-  int64_t reported;  /* tickets whose completions went to the session */
+  int64_t issued;     /* tickets handed out: next is issued */
+  int64_t completed;  /* tickets [0, completed) finished */
+  int64_t reported;   /* tickets whose completions went to the session */
   uint64_t waited_us; /* training-thread wait not yet reported */
   /* nanoseconds the thread spent running work, under mu; the trainer's
    * thread copies it into stats.comm_busy_s whenever it takes mu */
@@ -290,7 +290,7 @@ struct sp_fsdp {
   /* what the trainer is in, for the fault-injection hook */
   sp_fsdp_phase phase;
   bool stopping;
-  int error;         /* first failure, sticky */
+  int error; /* first failure, sticky */
   sp_diag error_diag;
 };
 
@@ -306,7 +306,7 @@ void sp_fsdp_comm_stop(sp_fsdp *f);
  * load every registered state under "optim.<name>.<fqn>" (FULL, SHARDED)
  * or "<unit>.optim.<name>" (LOCAL). */
 struct sp_fsdp_shard_state {
-  char name[32];      /* "exp_avg", "exp_avg_sq", "momentum_buffer" */
+  char name[32]; /* "exp_avg", "exp_avg_sq", "momentum_buffer" */
   sp_dtype dtype;
   uint8_t **per_unit; /* n_units pointers; NULL for a unit without data */
 };
@@ -359,8 +359,8 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t u, void *dst, sp_diag *d);
  * the collective writes dst itself; on a device it goes through a
  * temporary of the same size in device memory. The caller moves the unit
  * (and the root) into SUMMON_FULL_PARAMS around it; a collective. */
-int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t u, const void *src,
-                          sp_dtype dt, void *dst, sp_diag *d);
+int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t u, const void *src, sp_dtype dt,
+                          void *dst, sp_diag *d);
 /* Original dtype of a buffer, and its element count. */
 sp_dtype sp_fsdp_buffer_orig_dtype(const sp_fsdp *f, int32_t b);
 /* Runs lazy init if it has not run (buffers to compute dtype). */
@@ -402,10 +402,10 @@ int sp_fsdp_buffer_commit(sp_fsdp *f, int32_t b, uint8_t *stage, bool keep,
  * _release: a taken block back to the cache, an own block to the
  *   allocator; NULL is fine. SP_EINVAL when p is not the runtime's or not
  *   of cat (released anyway). */
-int sp_fsdp_alloc(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
-                  void **p, sp_diag *d);
-int sp_fsdp_take(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize,
-                 void **p, sp_diag *d);
+int sp_fsdp_alloc(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize, void **p,
+                  sp_diag *d);
+int sp_fsdp_take(sp_fsdp *f, sp_mem_cat cat, size_t n, size_t esize, void **p,
+                 sp_diag *d);
 int sp_fsdp_release(sp_fsdp *f, sp_mem_cat cat, void *p);
 
 /* calloc that gives a unique pointer for zero elements and NULL (not a

@@ -54,12 +54,14 @@ static int host_alloc(sp_fsdp *f, size_t n, size_t esize, void **out,
                       sp_diag *d) {
   (void)f;
   if (esize && n > SIZE_MAX / esize)
-    return sp_diag_set(d, SP_ETOOBIG, "%zu elements of %zu bytes overflow",
-                       n, esize);
+    return sp_diag_set(d, SP_ETOOBIG, "%zu elements of %zu bytes overflow", n,
+                       esize);
   *out = sp_fsdp_xcalloc(n, esize);
   if (!*out)
-    return sp_diag_set(d, SP_ENOMEM, "no memory for %zu elements of %zu "
-                       "bytes", n, esize);
+    return sp_diag_set(d, SP_ENOMEM,
+                       "no memory for %zu elements of %zu "
+                       "bytes",
+                       n, esize);
   return 0;
 }
 
@@ -97,8 +99,8 @@ static int host_scale_div(sp_fsdp *f, sp_fsdp_lane l, void *buf, sp_dtype dt,
   (void)f, (void)l;
   int rc = scale_div(buf, dt, n, div);
   if (rc < 0)
-    return sp_diag_set(d, rc, "dividing %s gradients by %g",
-                       sp_dtype_name(dt), div);
+    return sp_diag_set(d, rc, "dividing %s gradients by %g", sp_dtype_name(dt),
+                       div);
   return 0;
 }
 
@@ -254,15 +256,15 @@ static int host_adamw(sp_fsdp *f, void *p, sp_dtype pdt, const void *g,
   return 0;
 }
 
-static int host_to_host(sp_fsdp *f, void *host, const void *src,
-                        size_t bytes, sp_diag *d) {
+static int host_to_host(sp_fsdp *f, void *host, const void *src, size_t bytes,
+                        sp_diag *d) {
   (void)f, (void)d;
   if (host != src) memcpy(host, src, bytes);
   return 0;
 }
 
-static int host_from_host(sp_fsdp *f, void *dst, const void *host,
-                          size_t bytes, sp_diag *d) {
+static int host_from_host(sp_fsdp *f, void *dst, const void *host, size_t bytes,
+                          sp_diag *d) {
   (void)f, (void)d;
   if (dst != host) memcpy(dst, host, bytes);
   return 0;
@@ -289,27 +291,13 @@ static void host_destroy(sp_fsdp *f) { (void)f; }
  * runtime treats the storage as a device's differ. */
 #define SP_HOST_OPS(NAME, DEVICE)                                              \
   {                                                                            \
-      .name = NAME,                                                            \
-      .device = DEVICE,                                                        \
-      .alloc = host_alloc,                                                     \
-      .release = host_release,                                                 \
-      .zero = host_zero,                                                       \
-      .copy = host_copy,                                                       \
-      .cast = host_cast,                                                       \
-      .scale_div = host_scale_div,                                             \
-      .acc_div = host_acc_div,                                                 \
-      .scale = host_scale,                                                     \
-      .sqsum = host_sqsum,                                                     \
-      .sgd = host_sgd,                                                         \
-      .adamw = host_adamw,                                                     \
-      .to_host = host_to_host,                                                 \
-      .from_host = host_from_host,                                             \
-      .mark = host_slot_nop,                                                   \
-      .wait_mark = host_slot_nop,                                              \
-      .drain = host_drain,                                                     \
-      .handoff = host_handoff,                                                 \
-      .thread_init = NULL,                                                     \
-      .destroy = host_destroy,                                                 \
+    .name = NAME, .device = DEVICE, .alloc = host_alloc,                       \
+    .release = host_release, .zero = host_zero, .copy = host_copy,             \
+    .cast = host_cast, .scale_div = host_scale_div, .acc_div = host_acc_div,   \
+    .scale = host_scale, .sqsum = host_sqsum, .sgd = host_sgd,                 \
+    .adamw = host_adamw, .to_host = host_to_host, .from_host = host_from_host, \
+    .mark = host_slot_nop, .wait_mark = host_slot_nop, .drain = host_drain,    \
+    .handoff = host_handoff, .thread_init = NULL, .destroy = host_destroy,     \
   }
 
 const sp_fsdp_mem_ops sp_fsdp_host_ops = SP_HOST_OPS("cpu", false);

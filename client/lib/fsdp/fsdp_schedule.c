@@ -57,8 +57,7 @@ static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (f->plan->strategy != SP_NO_SHARD) {
     sp_comm_kind gk = sp_fsdp_gather_kind(f);
     uint64_t count = (uint64_t)fu->c;
-    int rc = sp_fsdp_before_collective(f, gk, SP_OP_ALL_GATHER, ui, &count,
-                                       d);
+    int rc = sp_fsdp_before_collective(f, gk, SP_OP_ALL_GATHER, ui, &count, d);
     if (rc < 0) return rc;
     if (rc == 1) {
       /* skipped (an injected fault): nothing issued, nothing reported */
@@ -66,8 +65,10 @@ static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
       return 0;
     }
     if (count != (uint64_t)fu->c)
-      return sp_diag_set(d, SP_EINVAL, "unit %u: before_collective changed "
-                         "an all-gather's count", ui);
+      return sp_diag_set(d, SP_EINVAL,
+                         "unit %u: before_collective changed "
+                         "an all-gather's count",
+                         ui);
     sp_fsdp_fp_issue(f, &w, gk, SP_OP_ALL_GATHER, ui, fu->u->param_dtype,
                      count);
   }
@@ -306,9 +307,10 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (rc < 0 || again) return rc;
   sp_fsdp_unit *fu = &f->units[ui];
   if (fu->reduces && !fu->full_grad)
-    return sp_diag_set(d, SP_ESTATE, "unit %u (%s): post_backward without "
-                       "its gradient (pre_backward did not run?)", ui,
-                       sp_fsdp_unit_name(f, ui));
+    return sp_diag_set(d, SP_ESTATE,
+                       "unit %u (%s): post_backward without "
+                       "its gradient (pre_backward did not run?)",
+                       ui, sp_fsdp_unit_name(f, ui));
   /* without gradient sync (FSDP's no_sync) the unsharded gradient stays,
    * unreduced and in its slot, for the next backward to add to */
   if (fu->reduces && f->no_sync) fu->grad_unsynced = true;
@@ -322,32 +324,35 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
       rc = take_slot(f, SP_MEM_REDUCE, (size_t)fu->padded, fu->rsize,
                      &fu->red_in, d);
     if (rc == 0 && !no_shard)
-      rc = take_slot(f, SP_MEM_REDUCE, (size_t)fu->c, fu->rsize,
-                     &fu->red_out, d);
+      rc = take_slot(f, SP_MEM_REDUCE, (size_t)fu->c, fu->rsize, &fu->red_out,
+                     d);
     if (rc < 0)
       return sp_diag_prefix(d, rc, "unit %u (%s): reduce buffers", ui,
                             sp_fsdp_unit_name(f, ui));
     sp_fsdp_work w = {.kind = SP_WORK_REDUCE, .unit = ui};
     sp_dtype rdt = fu->u->reduce_dtype;
-    bool hybrid_ar = f->plan->strategy == SP_HYBRID_SHARD &&
-                     f->replica_comm && sp_comm_size(f->replica_comm) > 1;
+    bool hybrid_ar = f->plan->strategy == SP_HYBRID_SHARD && f->replica_comm &&
+                     sp_comm_size(f->replica_comm) > 1;
     sp_coll_op op = no_shard ? SP_OP_ALL_REDUCE : SP_OP_REDUCE_SCATTER;
     sp_comm_kind k = no_shard ? SP_COMM_WORLD : sp_fsdp_gather_kind(f);
     uint64_t planned = (uint64_t)fu->c; /* NO_SHARD: padded == c */
     uint64_t count = planned;
     rc = sp_fsdp_before_collective(f, k, op, ui, &count, d);
     if (rc == 0 && (count > planned || count == 0))
-      rc = sp_diag_set(d, SP_EINVAL, "unit %u: before_collective may only "
-                       "lower a reduction's count (%llu, planned %llu)", ui,
-                       (unsigned long long)count,
+      rc = sp_diag_set(d, SP_EINVAL,
+                       "unit %u: before_collective may only "
+                       "lower a reduction's count (%llu, planned %llu)",
+                       ui, (unsigned long long)count,
                        (unsigned long long)planned);
     if (rc == 0 && hybrid_ar) {
       uint64_t c2 = (uint64_t)fu->c;
-      rc = sp_fsdp_before_collective(f, SP_COMM_REPLICA, SP_OP_ALL_REDUCE,
-                                     ui, &c2, d);
+      rc = sp_fsdp_before_collective(f, SP_COMM_REPLICA, SP_OP_ALL_REDUCE, ui,
+                                     &c2, d);
       if (rc == 0 && c2 != (uint64_t)fu->c)
-        rc = sp_diag_set(d, SP_EINVAL, "unit %u: before_collective changed "
-                         "the replica all-reduce's count", ui);
+        rc = sp_diag_set(d, SP_EINVAL,
+                         "unit %u: before_collective changed "
+                         "the replica all-reduce's count",
+                         ui);
     }
     if (rc != 0) return rc < 0 ? rc : SP_EINVAL;
     if (count != planned) w.count = (size_t)count;
@@ -365,8 +370,7 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
       f->stats.reduce_scatters++;
       if (hybrid_ar) f->stats.all_reduces++;
     }
-  } else if (fu->has_data && !fu->reduces &&
-             f->plan->strategy != SP_NO_SHARD) {
+  } else if (fu->has_data && !fu->reduces && f->plan->strategy != SP_NO_SHARD) {
     /* a frozen unit: its gradient is not reduced, the slot goes at once */
     (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
     fu->full_grad = NULL;
@@ -380,14 +384,18 @@ int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
    * FORWARD included; but a unit still in forward means the caller is not
    * at the end of a backward pass */
   if (sp_session_state(f->s, SP_MACHINE_ROOT, 0) != SP_ROOT_FORWARD_BACKWARD)
-    return sp_diag_set(d, SP_ESTATE, "finish_backward outside backward "
-                       "(root %s)", sp_state_name(SP_MACHINE_ROOT,
-                       sp_session_state(f->s, SP_MACHINE_ROOT, 0)));
+    return sp_diag_set(
+        d, SP_ESTATE,
+        "finish_backward outside backward "
+        "(root %s)",
+        sp_state_name(SP_MACHINE_ROOT,
+                      sp_session_state(f->s, SP_MACHINE_ROOT, 0)));
   for (uint32_t ui = 0; ui < f->n_units; ui++)
     if (sp_session_state(f->s, SP_MACHINE_HANDLE, ui) == SP_HANDLE_FORWARD)
-      return sp_diag_set(d, SP_ESTATE, "finish_backward during forward: "
-                         "unit %u (%s) is in FORWARD", ui,
-                         sp_fsdp_unit_name(f, ui));
+      return sp_diag_set(d, SP_ESTATE,
+                         "finish_backward during forward: "
+                         "unit %u (%s) is in FORWARD",
+                         ui, sp_fsdp_unit_name(f, ui));
   int rc = 0;
   while (rc == 0 && f->n_reducing > 0) rc = retire_oldest(f, d);
   for (uint32_t ui = 0; ui < f->n_units && rc == 0; ui++) {
@@ -400,8 +408,8 @@ int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
       rc = sp_fsdp_wait(f, fu->gather_ticket, d);
       fu->gather_ticket = -1;
     }
-    if (rc == 0 && sp_session_state(f->s, SP_MACHINE_HANDLE, ui) !=
-                       SP_HANDLE_IDLE)
+    if (rc == 0 &&
+        sp_session_state(f->s, SP_MACHINE_HANDLE, ui) != SP_HANDLE_IDLE)
       rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
     /* _catch_all_reshard; and the gradient slot of a unit whose
      * post_backward never ran (one that ran without sync keeps it for the
@@ -424,14 +432,15 @@ int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
 int sp_fsdp_all_reduce(sp_fsdp *f, void *buf, size_t count, sp_dtype dt,
                        sp_diag *d) {
   if (f->world == 1) return 0;
-  sp_fsdp_work w = {.kind = SP_WORK_ALL_REDUCE, .buf = buf, .count = count,
-                    .dt = dt};
+  sp_fsdp_work w = {
+      .kind = SP_WORK_ALL_REDUCE, .buf = buf, .count = count, .dt = dt};
   uint64_t n = count;
   f->phase = SP_PHASE_OTHER;
-  int rc = sp_fsdp_before_collective(f, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0,
-                                     &n, d);
+  int rc =
+      sp_fsdp_before_collective(f, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0, &n, d);
   if (rc == 0 && n != count)
-    rc = sp_diag_set(d, SP_EINVAL, "before_collective changed a caller's "
+    rc = sp_diag_set(d, SP_EINVAL,
+                     "before_collective changed a caller's "
                      "all-reduce count");
   if (rc != 0) return rc < 0 ? rc : SP_EINVAL;
   sp_fsdp_fp_issue(f, &w, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0, dt, count);
@@ -473,8 +482,8 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
   return rc;
 }
 
-int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t ui, const void *src,
-                          sp_dtype dt, void *dst, sp_diag *d) {
+int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t ui, const void *src, sp_dtype dt,
+                          void *dst, sp_diag *d) {
   int rc = check_unit(f, ui, d);
   if (rc < 0) return rc;
   sp_fsdp_unit *fu = &f->units[ui];
@@ -486,12 +495,14 @@ int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t ui, const void *src,
     rc = f->mem->alloc(f, (size_t)fu->padded, es, &buf, d);
     if (rc < 0) return sp_diag_prefix(d, rc, "gathering unit %u", ui);
   }
-  sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = buf,
+  sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER,
+                    .unit = ui,
+                    .buf = buf,
                     .src = src ? src : fu->shard,
                     .dt = src ? dt : fu->u->dtype};
   if (f->plan->strategy != SP_NO_SHARD)
-    sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_GATHER, ui,
-                     w.dt, (uint64_t)fu->padded);
+    sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_GATHER, ui, w.dt,
+                     (uint64_t)fu->padded);
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   rc = t < 0 ? (int)t : sp_fsdp_wait(f, t, d);
   if (rc == 0 && buf != dst)
@@ -523,17 +534,20 @@ int sp_fsdp_gather_param(sp_fsdp *f, int32_t param, void *dst, sp_diag *d) {
 int sp_fsdp_check_between_steps(sp_fsdp *f, const char *what, sp_diag *d) {
   int root = sp_session_state(f->s, SP_MACHINE_ROOT, 0);
   if (root != SP_ROOT_IDLE)
-    return sp_diag_set(d, SP_ESTATE, "%s: between steps only (root %s; "
-                       "after finish_backward)", what,
-                       sp_state_name(SP_MACHINE_ROOT, root));
+    return sp_diag_set(d, SP_ESTATE,
+                       "%s: between steps only (root %s; "
+                       "after finish_backward)",
+                       what, sp_state_name(SP_MACHINE_ROOT, root));
   for (uint32_t ui = 0; ui < f->n_units; ui++) {
     int st = sp_session_state(f->s, SP_MACHINE_HANDLE, ui);
     if (st != SP_HANDLE_IDLE || f->units[ui].reduce_ticket >= 0)
-      return sp_diag_set(d, SP_ESTATE, "%s: between steps only (unit %u "
-                         "(%s) is %s%s)", what, ui, sp_fsdp_unit_name(f, ui),
-                         sp_state_name(SP_MACHINE_HANDLE, st),
-                         f->units[ui].reduce_ticket >= 0
-                             ? ", its reduction pending" : "");
+      return sp_diag_set(
+          d, SP_ESTATE,
+          "%s: between steps only (unit %u "
+          "(%s) is %s%s)",
+          what, ui, sp_fsdp_unit_name(f, ui),
+          sp_state_name(SP_MACHINE_HANDLE, st),
+          f->units[ui].reduce_ticket >= 0 ? ", its reduction pending" : "");
   }
   return 0;
 }
@@ -560,10 +574,11 @@ int sp_fsdp_shards_changed(sp_fsdp *f, sp_diag *d) {
 
 int sp_fsdp_set_requires_gradient_sync(sp_fsdp *f, bool sync, sp_diag *d) {
   if (!f)
-    return sp_diag_set(d, SP_EINVAL, "sp_fsdp_set_requires_gradient_sync: "
-                                     "NULL");
-  int rc = sp_fsdp_check_between_steps(
-      f, "sp_fsdp_set_requires_gradient_sync", d);
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_fsdp_set_requires_gradient_sync: "
+                       "NULL");
+  int rc =
+      sp_fsdp_check_between_steps(f, "sp_fsdp_set_requires_gradient_sync", d);
   if (rc == 0) f->no_sync = !sync;
   return rc;
 }
@@ -592,8 +607,9 @@ static int zero_grads(sp_fsdp *f, bool unsynced, sp_diag *d) {
       }
       fu->grad_unsynced = false;
     }
-    if (rc < 0) sp_diag_prefix(d, rc, "zeroing the gradients of unit %u (%s)",
-                               ui, sp_fsdp_unit_name(f, ui));
+    if (rc < 0)
+      sp_diag_prefix(d, rc, "zeroing the gradients of unit %u (%s)", ui,
+                     sp_fsdp_unit_name(f, ui));
   }
   return rc;
 }
@@ -617,8 +633,8 @@ int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
   for (size_t ui = 0; rc == 0 && ui < f->n_units; ui++) {
     sp_fsdp_unit *fu = &f->units[ui];
     if (!fu->reduces) continue;
-    rc = f->mem->sgd(f, fu->shard, fu->u->dtype, fu->shard_grad,
-                     fu->grad_dtype, NULL, (size_t)fu->c, lr, 0, 0, d);
+    rc = f->mem->sgd(f, fu->shard, fu->u->dtype, fu->shard_grad, fu->grad_dtype,
+                     NULL, (size_t)fu->c, lr, 0, 0, d);
     if (rc < 0)
       sp_diag_prefix(d, rc, "SGD on unit %zu (%s)", ui,
                      sp_fsdp_unit_name(f, (uint32_t)ui));

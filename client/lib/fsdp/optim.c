@@ -22,10 +22,10 @@ typedef struct optim_range {
 } optim_range;
 
 struct sp_fsdp_optim {
-  bool ready;         /* sp_fsdp_optim_init done (clipping alone may come
+  bool ready;      /* sp_fsdp_optim_init done (clipping alone may come
                          first and only set up its scratch) */
-  sp_optim_opts o;    /* the patterns point into `strings` */
-  char **strings;     /* owned copies of the patterns */
+  sp_optim_opts o; /* the patterns point into `strings` */
+  char **strings;  /* owned copies of the patterns */
   size_t n_strings;
   optim_range **ranges; /* per unit */
   size_t *n_ranges;
@@ -54,40 +54,56 @@ void sp_optim_opts_init(sp_optim_opts *o, sp_optim_kind kind) {
 int sp_optim_opts_check(const sp_optim_opts *o, sp_diag *d) {
   if (!o) return sp_diag_set(d, SP_EINVAL, "optimizer options: NULL");
   if (o->kind != SP_OPTIM_SGD && o->kind != SP_OPTIM_ADAMW)
-    return sp_diag_set(d, SP_EINVAL, "optimizer kind %d: expected sgd or "
-                       "adamw", (int)o->kind);
+    return sp_diag_set(d, SP_EINVAL,
+                       "optimizer kind %d: expected sgd or "
+                       "adamw",
+                       (int)o->kind);
   if (!isfinite(o->lr) || o->lr < 0)
-    return sp_diag_set(d, SP_EINVAL, "learning rate %g: expected a finite "
-                       "value >= 0", o->lr);
+    return sp_diag_set(d, SP_EINVAL,
+                       "learning rate %g: expected a finite "
+                       "value >= 0",
+                       o->lr);
   if (!isfinite(o->weight_decay) || o->weight_decay < 0)
-    return sp_diag_set(d, SP_EINVAL, "weight decay %g: expected a finite "
-                       "value >= 0", o->weight_decay);
+    return sp_diag_set(d, SP_EINVAL,
+                       "weight decay %g: expected a finite "
+                       "value >= 0",
+                       o->weight_decay);
   if (o->kind == SP_OPTIM_SGD && (!isfinite(o->momentum) || o->momentum < 0))
-    return sp_diag_set(d, SP_EINVAL, "momentum %g: expected a finite value "
-                       ">= 0", o->momentum);
+    return sp_diag_set(d, SP_EINVAL,
+                       "momentum %g: expected a finite value "
+                       ">= 0",
+                       o->momentum);
   if (o->kind == SP_OPTIM_ADAMW) {
     if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1))
-      return sp_diag_set(d, SP_EINVAL, "betas %g,%g: each expected in "
-                         "[0, 1)", o->beta1, o->beta2);
+      return sp_diag_set(d, SP_EINVAL,
+                         "betas %g,%g: each expected in "
+                         "[0, 1)",
+                         o->beta1, o->beta2);
     if (!isfinite(o->eps) || !(o->eps > 0))
       return sp_diag_set(d, SP_EINVAL, "eps %g: expected a finite value > 0",
                          o->eps);
   }
   if (o->schedule != SP_LR_CONSTANT && o->schedule != SP_LR_COSINE)
-    return sp_diag_set(d, SP_EINVAL, "lr schedule %d: expected constant or "
-                       "cosine", (int)o->schedule);
+    return sp_diag_set(d, SP_EINVAL,
+                       "lr schedule %d: expected constant or "
+                       "cosine",
+                       (int)o->schedule);
   if (o->schedule == SP_LR_COSINE) {
     if (o->total_steps == 0)
-      return sp_diag_set(d, SP_EINVAL, "cosine schedule: total steps 0; "
+      return sp_diag_set(d, SP_EINVAL,
+                         "cosine schedule: total steps 0; "
                          "expected the number of optimizer steps");
     if (o->warmup_steps > o->total_steps)
-      return sp_diag_set(d, SP_EINVAL, "warmup steps %llu: expected at most "
+      return sp_diag_set(d, SP_EINVAL,
+                         "warmup steps %llu: expected at most "
                          "the total steps %llu",
                          (unsigned long long)o->warmup_steps,
                          (unsigned long long)o->total_steps);
     if (!isfinite(o->min_lr) || o->min_lr < 0 || o->min_lr > o->lr)
-      return sp_diag_set(d, SP_EINVAL, "min lr %g: expected a value in "
-                         "[0, lr = %g]", o->min_lr, o->lr);
+      return sp_diag_set(d, SP_EINVAL,
+                         "min lr %g: expected a value in "
+                         "[0, lr = %g]",
+                         o->min_lr, o->lr);
   }
   for (size_t i = 0; i < o->n_decay; i++)
     if (!o->decay || !o->decay[i] || !o->decay[i][0])
@@ -105,9 +121,8 @@ double sp_optim_lr(const sp_optim_opts *o, uint64_t t) {
   if (t < w) return o->lr * (double)(t + 1) / (double)w;
   if (t >= total) return o->min_lr;
   double progress = (double)(t - w) / (double)(total - w);
-  return o->min_lr +
-         0.5 * (o->lr - o->min_lr) * (1.0 + cos(3.14159265358979323846 *
-                                                progress));
+  return o->min_lr + 0.5 * (o->lr - o->min_lr) *
+                         (1.0 + cos(3.14159265358979323846 * progress));
 }
 
 static bool matches(const char *const *pats, size_t n, const char *fqn) {
@@ -116,8 +131,7 @@ static bool matches(const char *const *pats, size_t n, const char *fqn) {
   return false;
 }
 
-bool sp_optim_decays(const sp_optim_opts *o, const sp_model *m,
-                     int32_t param) {
+bool sp_optim_decays(const sp_optim_opts *o, const sp_model *m, int32_t param) {
   if (!o || !m || param < 0 || (size_t)param >= m->n_params) return false;
   const sp_tensor_spec *t = &m->params[param];
   if (matches(o->no_decay, o->n_no_decay, t->fqn)) return false;
@@ -180,8 +194,7 @@ static int copy_patterns(sp_fsdp_optim *op, const char *const *pats, size_t n,
 
 /* The trainable slices of unit u's shard on this rank, in shard order,
  * neighbours with the same decay flag merged. */
-static int build_ranges(sp_fsdp *f, sp_fsdp_optim *op, uint32_t u,
-                        sp_diag *d) {
+static int build_ranges(sp_fsdp *f, sp_fsdp_optim *op, uint32_t u, sp_diag *d) {
   const sp_plan *pl = f->plan;
   size_t n = 0;
   int rc = sp_plan_shard_params(pl, u, f->rank, NULL, 0, &n);
@@ -204,8 +217,7 @@ static int build_ranges(sp_fsdp *f, sp_fsdp_optim *op, uint32_t u,
       r[k - 1].n += sp[i].numel_in_shard;
       continue;
     }
-    r[k++] = (optim_range){sp[i].offset_in_shard, sp[i].numel_in_shard,
-                           decay};
+    r[k++] = (optim_range){sp[i].offset_in_shard, sp[i].numel_in_shard, decay};
   }
   free(sp);
   if (rc < 0) {
@@ -231,11 +243,11 @@ static int alloc_state(sp_fsdp *f, const char *name, uint8_t ***out,
     if (!fu->has_data) continue;
     void *p = NULL;
     /* category: optimizer state */
-    int rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, (size_t)fu->c, sizeof(float),
-                           &p, d);
+    int rc =
+        sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, (size_t)fu->c, sizeof(float), &p, d);
     if (rc < 0)
-      return sp_diag_prefix(d, rc, "optimizer state %s of unit %u (%s)",
-                            name, u, sp_fsdp_unit_name(f, u));
+      return sp_diag_prefix(d, rc, "optimizer state %s of unit %u (%s)", name,
+                            u, sp_fsdp_unit_name(f, u));
     pu[u] = p;
   }
   return sp_fsdp_register_shard_state(f, name, SP_FLOAT32, pu, d);
@@ -245,12 +257,14 @@ int sp_fsdp_optim_init(sp_fsdp *f, const sp_optim_opts *o, sp_diag *d) {
   if (!f || !o)
     return sp_diag_set(d, SP_EINVAL, "sp_fsdp_optim_init: NULL argument");
   if (f->optim && f->optim->ready)
-    return sp_diag_set(d, SP_EEXIST, "sp_fsdp_optim_init: the runtime has "
+    return sp_diag_set(d, SP_EEXIST,
+                       "sp_fsdp_optim_init: the runtime has "
                        "an optimizer already");
   /* its state may be registered already, under the names a second try
    * would register again */
   if (f->optim && f->optim->ranges)
-    return sp_diag_set(d, SP_ESTATE, "sp_fsdp_optim_init: an earlier call "
+    return sp_diag_set(d, SP_ESTATE,
+                       "sp_fsdp_optim_init: an earlier call "
                        "failed half-way; free the runtime");
   int rc = sp_optim_opts_check(o, d);
   if (rc < 0) return rc;
@@ -295,9 +309,8 @@ static float *state_at(uint8_t **pu, uint32_t u, int64_t off) {
   return pu ? (float *)pu[u] + off : NULL;
 }
 
-static int step_unit(sp_fsdp *f, const sp_fsdp_optim *op, uint32_t u,
-                     double lr, const sp_fsdp_adamw_args *base,
-                     sp_diag *d) {
+static int step_unit(sp_fsdp *f, const sp_fsdp_optim *op, uint32_t u, double lr,
+                     const sp_fsdp_adamw_args *base, sp_diag *d) {
   sp_fsdp_unit *fu = &f->units[u];
   const sp_optim_opts *o = &op->o;
   size_t gsize = sp_dtype_size(fu->grad_dtype);
@@ -311,8 +324,8 @@ static int step_unit(sp_fsdp *f, const sp_fsdp_optim *op, uint32_t u,
       if (!r->decay) a.lrwd = 0;
       rc = f->mem->adamw(f, p, fu->u->dtype, g, fu->grad_dtype,
                          state_at(op->exp_avg, u, r->off),
-                         state_at(op->exp_avg_sq, u, r->off), (size_t)r->n,
-                         &a, d);
+                         state_at(op->exp_avg_sq, u, r->off), (size_t)r->n, &a,
+                         d);
     } else {
       rc = f->mem->sgd(f, p, fu->u->dtype, g, fu->grad_dtype,
                        state_at(op->momentum, u, r->off), (size_t)r->n, lr,
@@ -327,7 +340,8 @@ int sp_fsdp_optim_step(sp_fsdp *f, double *lr_out, sp_diag *d) {
   if (!f) return sp_diag_set(d, SP_EINVAL, "sp_fsdp_optim_step: NULL");
   sp_fsdp_optim *op = f->optim;
   if (!op || !op->ready)
-    return sp_diag_set(d, SP_ESTATE, "sp_fsdp_optim_step: no optimizer "
+    return sp_diag_set(d, SP_ESTATE,
+                       "sp_fsdp_optim_step: no optimizer "
                        "(sp_fsdp_optim_init first)");
   int rc = sp_fsdp_check_between_steps(f, "sp_fsdp_optim_step", d);
   if (rc < 0) return rc;
@@ -375,11 +389,12 @@ static int clip_scratch(sp_fsdp *f, sp_fsdp_optim *op, sp_diag *d) {
   void *a = NULL, *b = NULL, *c = NULL;
   /* category: optimizer state (the clipping's few doubles, held from the
    * first clip on) */
-  int rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, f->n_units, sizeof(double), &a,
-                         d);
+  int rc =
+      sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, f->n_units, sizeof(double), &a, d);
   if (rc == 0)
     rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, chunks, sizeof(double), &b, d);
-  if (rc == 0) rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, 1, sizeof(double), &c, d);
+  if (rc == 0)
+    rc = sp_fsdp_alloc(f, SP_MEM_OPTIMIZER, 1, sizeof(double), &c, d);
   if (rc < 0) {
     (void)sp_fsdp_release(f, SP_MEM_OPTIMIZER, a);
     (void)sp_fsdp_release(f, SP_MEM_OPTIMIZER, b);
@@ -393,8 +408,7 @@ static int clip_scratch(sp_fsdp *f, sp_fsdp_optim *op, sp_diag *d) {
 
 /* This rank's sum of squares over its shards: per unit on the compute
  * lane (sqsum's fixed order), then the units in order on the host. */
-static int local_sqsum(sp_fsdp *f, sp_fsdp_optim *op, double *out,
-                       sp_diag *d) {
+static int local_sqsum(sp_fsdp *f, sp_fsdp_optim *op, double *out, sp_diag *d) {
   int rc = 0;
   for (uint32_t u = 0; rc == 0 && u < f->n_units; u++) {
     sp_fsdp_unit *fu = &f->units[u];
@@ -408,8 +422,7 @@ static int local_sqsum(sp_fsdp *f, sp_fsdp_optim *op, double *out,
   double *sums = rc == 0 ? calloc(f->n_units + 1, sizeof *sums) : NULL;
   if (rc == 0 && !sums) rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   if (rc == 0)
-    rc = f->mem->to_host(f, sums, op->unit_sums, f->n_units * sizeof *sums,
-                         d);
+    rc = f->mem->to_host(f, sums, op->unit_sums, f->n_units * sizeof *sums, d);
   double total = 0;
   for (uint32_t u = 0; rc == 0 && u < f->n_units; u++)
     if (f->units[u].reduces) total += sums[u];
@@ -422,8 +435,10 @@ int sp_fsdp_clip_grad_norm(sp_fsdp *f, double max_norm, double *total_norm,
                            sp_diag *d) {
   if (!f) return sp_diag_set(d, SP_EINVAL, "sp_fsdp_clip_grad_norm: NULL");
   if (!(max_norm > 0))
-    return sp_diag_set(d, SP_EINVAL, "clip grad norm: max norm %g; expected "
-                       "a value > 0", max_norm);
+    return sp_diag_set(d, SP_EINVAL,
+                       "clip grad norm: max norm %g; expected "
+                       "a value > 0",
+                       max_norm);
   int rc = sp_fsdp_check_between_steps(f, "sp_fsdp_clip_grad_norm", d);
   sp_fsdp_optim *op = rc == 0 ? optim_get(f, d) : NULL;
   if (rc == 0 && !op) rc = SP_ENOMEM;
@@ -435,8 +450,10 @@ int sp_fsdp_clip_grad_norm(sp_fsdp *f, double max_norm, double *total_norm,
    * group whose replicas elsewhere hold the same shards) */
   if (rc == 0 && f->plan->strategy != SP_NO_SHARD) {
     rc = f->mem->from_host(f, op->total, &sq, sizeof sq, d);
-    sp_fsdp_work w = {.kind = SP_WORK_SHARD_ALL_REDUCE, .buf = op->total,
-                      .count = 1, .dt = SP_FLOAT64};
+    sp_fsdp_work w = {.kind = SP_WORK_SHARD_ALL_REDUCE,
+                      .buf = op->total,
+                      .count = 1,
+                      .dt = SP_FLOAT64};
     if (rc == 0)
       sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_REDUCE, 0,
                        SP_FLOAT64, 1);

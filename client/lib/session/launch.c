@@ -30,8 +30,7 @@ static const char *first_set(const char *const *names, size_t n,
 /* One number from the first variable of names that is set: -1 when none
  * is; an error naming the variable when its value is not in [min, max]. */
 static int read_var(const char *const *names, size_t n, long long min,
-                    long long max, long *out, const char **from,
-                    sp_diag *d) {
+                    long long max, long *out, const char **from, sp_diag *d) {
   const char *val;
   const char *name = first_set(names, n, &val);
   *out = -1;
@@ -54,7 +53,8 @@ int sp_launch_env_read(sp_launch_env *e, sp_diag *d) {
   static const char *const local[] = {"LOCAL_RANK", "SLURM_LOCALID"};
   static const char *const world[] = {"WORLD_SIZE", "SLURM_NTASKS"};
   static const char *const local_world[] = {"LOCAL_WORLD_SIZE"};
-  int rc = read_var(rank, 2, 0, SP_JOB_MAX_WORLD - 1, &e->rank, &e->rank_var, d);
+  int rc =
+      read_var(rank, 2, 0, SP_JOB_MAX_WORLD - 1, &e->rank, &e->rank_var, d);
   if (rc == 0)
     rc = read_var(local, 2, 0, SP_JOB_MAX_WORLD - 1, &e->local_rank,
                   &e->local_rank_var, d);
@@ -66,9 +66,8 @@ int sp_launch_env_read(sp_launch_env *e, sp_diag *d) {
                   &e->local_world_size_var, d);
   if (rc != 0) return rc;
   if (e->rank >= 0 && e->world_size > 0 && e->rank >= e->world_size)
-    return sp_diag_set(d, SP_EINVAL,
-                       "$%s=%ld is not below $%s=%ld", e->rank_var, e->rank,
-                       e->world_size_var, e->world_size);
+    return sp_diag_set(d, SP_EINVAL, "$%s=%ld is not below $%s=%ld",
+                       e->rank_var, e->rank, e->world_size_var, e->world_size);
   const char *coord = getenv(SP_COORDINATOR_ENV);
   e->coordinator = coord != NULL && coord[0] != '\0' ? coord : NULL;
   const char *grace = getenv(SP_COORDINATOR_GRACE_ENV);
@@ -89,8 +88,7 @@ int sp_coordinator_grace_parse(const char *what, const char *value,
   return 0;
 }
 
-int sp_local_addr_toward(const char *addr, char *out, size_t cap,
-                         sp_diag *d) {
+int sp_local_addr_toward(const char *addr, char *out, size_t cap, sp_diag *d) {
   if (addr == NULL || out == NULL || cap == 0)
     return sp_diag_set(d, SP_EINVAL, "sp_local_addr_toward: NULL");
   struct sockaddr_storage peer;
@@ -99,8 +97,7 @@ int sp_local_addr_toward(const char *addr, char *out, size_t cap,
   /* Connecting a UDP socket sends nothing: the kernel only picks the route,
    * and with it the source address a TCP connection to addr would use. */
   int fd = socket(peer.ss_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0)
-    return sp_diag_set(d, SP_EIO, "socket: %s", strerror(errno));
+  if (fd < 0) return sp_diag_set(d, SP_EIO, "socket: %s", strerror(errno));
   socklen_t plen = peer.ss_family == AF_INET6 ? sizeof(struct sockaddr_in6)
                                               : sizeof(struct sockaddr_in);
   struct sockaddr_storage self;
@@ -112,9 +109,10 @@ int sp_local_addr_toward(const char *addr, char *out, size_t cap,
     return sp_diag_set(d, SP_EIO, "no route to %s: %s", addr, strerror(e));
   }
   close(fd);
-  const void *ip = self.ss_family == AF_INET6
-                       ? (const void *)&((struct sockaddr_in6 *)&self)->sin6_addr
-                       : (const void *)&((struct sockaddr_in *)&self)->sin_addr;
+  const void *ip =
+      self.ss_family == AF_INET6
+          ? (const void *)&((struct sockaddr_in6 *)&self)->sin6_addr
+          : (const void *)&((struct sockaddr_in *)&self)->sin_addr;
   if (inet_ntop(self.ss_family, ip, out, (socklen_t)cap) == NULL)
     return sp_diag_set(d, SP_ETOOBIG, "address does not fit %zu bytes", cap);
   return 0;

@@ -68,8 +68,8 @@ static int fill_units(sp_wire_plan *wp, sp_diag *diag) {
   for (size_t u = 0; u < m->n_units; u++) {
     const Shardplane__V1__Unit *x = m->units[u];
     if (x->index != u)
-      return sp_diag_set(diag, SP_EFORMAT, "unit %u is listed at %zu",
-                         x->index, u);
+      return sp_diag_set(diag, SP_EFORMAT, "unit %u is listed at %zu", x->index,
+                         u);
     if (x->parent < -1 || x->parent >= (int32_t)m->n_units)
       return sp_diag_set(diag, SP_EFORMAT, "unit %zu has parent %d", u,
                          x->parent);
@@ -120,8 +120,10 @@ static int fill_units(sp_wire_plan *wp, sp_diag *diag) {
         size_t p = md->n_params++;
         sp_tensor_spec *t = &md->params[p];
         if (copy_shape(fe->shape, fe->n_shape, t) != 0)
-          return sp_diag_set(diag, SP_EFORMAT, "parameter \"%.200s\" has %zu "
-                             "dimensions", fe->fqn, fe->n_shape);
+          return sp_diag_set(diag, SP_EFORMAT,
+                             "parameter \"%.200s\" has %zu "
+                             "dimensions",
+                             fe->fqn, fe->n_shape);
         t->fqn = fe->fqn;
         t->local_name = local_name(fe->fqn);
         t->module = (int32_t)u;
@@ -164,9 +166,9 @@ static int fill_buffers(sp_wire_plan *wp, sp_diag *diag) {
     t->flag = b->persistent;
     t->numel = 1;
     for (size_t d = 0; d < b->n_shape; d++) t->numel *= b->shape[d];
-    pl->buffers[i] = (sp_plan_buffer){(int32_t)i, t->dtype,
-                                      sp_wire_dtype(b->compute_dtype),
-                                      (int32_t)b->owner_unit, b->persistent};
+    pl->buffers[i] =
+        (sp_plan_buffer){(int32_t)i, t->dtype, sp_wire_dtype(b->compute_dtype),
+                         (int32_t)b->owner_unit, b->persistent};
   }
   md->n_buffers = pl->n_buffers = m->n_buffers;
   return 0;
@@ -268,23 +270,27 @@ int sp_wire_memory(const Shardplane__V1__MemoryEstimate *m,
                    sp_mem_estimate *out, sp_diag *diag) {
   memset(out, 0, sizeof *out);
   if (m == NULL)
-    return sp_diag_set(diag, SP_EFORMAT, "no memory estimate in the answer "
+    return sp_diag_set(diag, SP_EFORMAT,
+                       "no memory estimate in the answer "
                        "(a coordinator older than GetPlan.with_memory?)");
   if (m->n_categories != SP_MEM_N_CATS)
-    return sp_diag_set(diag, SP_EFORMAT, "memory: %zu categories, this "
-                       "build has %d", m->n_categories, SP_MEM_N_CATS);
+    return sp_diag_set(diag, SP_EFORMAT,
+                       "memory: %zu categories, this "
+                       "build has %d",
+                       m->n_categories, SP_MEM_N_CATS);
   for (int k = 0; k < SP_MEM_N_CATS; k++) {
     const Shardplane__V1__MemoryBytes *b = m->categories[k];
     const char *want = sp_mem_cat_name((sp_mem_cat)k);
     if (b == NULL || b->category == NULL || strcmp(b->category, want) != 0)
-      return sp_diag_set(diag, SP_EFORMAT, "memory: category %d is \"%.64s\""
-                         ", this build's is \"%s\"", k,
-                         b && b->category ? b->category : "", want);
+      return sp_diag_set(diag, SP_EFORMAT,
+                         "memory: category %d is \"%.64s\""
+                         ", this build's is \"%s\"",
+                         k, b && b->category ? b->category : "", want);
     wire_bytes(b, want, &out->acct.cat[k], diag);
   }
   int rc = wire_bytes(m->total, "total", &out->acct.total, diag);
-  if (rc == 0) rc = wire_bytes(m->reserved, "reserved", &out->acct.reserved,
-                               diag);
+  if (rc == 0)
+    rc = wire_bytes(m->reserved, "reserved", &out->acct.reserved, diag);
   if (rc < 0) return rc;
   const Shardplane__V1__MemoryOptions *o = m->options;
   sp_mem_opts_default(&out->opts);
@@ -293,7 +299,8 @@ int sp_wire_memory(const Shardplane__V1__MemoryEstimate *m,
     if (opt != 0 && (opt < SP_MEM_OPT_NONE || opt > SP_MEM_OPT_ADAMW))
       return sp_diag_set(diag, SP_EFORMAT, "memory: optimizer %d", opt);
     if (opt != 0) out->opts.optimizer = (sp_mem_optimizer)opt;
-    if (o->max_inflight_gathers) out->opts.max_inflight = o->max_inflight_gathers;
+    if (o->max_inflight_gathers)
+      out->opts.max_inflight = o->max_inflight_gathers;
     out->opts.backward_prefetch = !o->no_backward_prefetch;
     out->opts.no_sync = o->no_sync;
   }

@@ -70,33 +70,33 @@ int sp_session_check_plan_version(const char *local, const char *coordinator,
                                   sp_diag *d) {
   if (local == NULL || coordinator == NULL || local[0] == '\0' ||
       strcmp(local, coordinator) != 0)
-    return sp_diag_set(d, SP_ESTATE,
-                       "plan version mismatch: this rank built %s, the "
-                       "coordinator has %s (another model spec or job)",
-                       local != NULL && local[0] ? local : "(none)",
-                       coordinator != NULL && coordinator[0] ? coordinator
-                                                             : "(none)");
+    return sp_diag_set(
+        d, SP_ESTATE,
+        "plan version mismatch: this rank built %s, the "
+        "coordinator has %s (another model spec or job)",
+        local != NULL && local[0] ? local : "(none)",
+        coordinator != NULL && coordinator[0] ? coordinator : "(none)");
   return 0;
 }
 
 int sp_session_rpc_error(int code) {
   switch (code) {
-  case SP_RPC_OK: return 0;
-  case SP_RPC_INVALID_ARGUMENT: return SP_EINVAL;
-  case SP_RPC_OUT_OF_RANGE: return SP_ERANGE;
-  case SP_RPC_DEADLINE_EXCEEDED: return SP_ETIMEDOUT;
-  case SP_RPC_NOT_FOUND: return SP_ENOENT;
-  case SP_RPC_ALREADY_EXISTS: return SP_EEXIST;
-  /* wrong session id, or a rank that is not attached: this side's idea of
+    case SP_RPC_OK: return 0;
+    case SP_RPC_INVALID_ARGUMENT: return SP_EINVAL;
+    case SP_RPC_OUT_OF_RANGE: return SP_ERANGE;
+    case SP_RPC_DEADLINE_EXCEEDED: return SP_ETIMEDOUT;
+    case SP_RPC_NOT_FOUND: return SP_ENOENT;
+    case SP_RPC_ALREADY_EXISTS: return SP_EEXIST;
+    /* wrong session id, or a rank that is not attached: this side's idea of
    * the session no longer holds */
-  case SP_RPC_PERMISSION_DENIED:
-  case SP_RPC_FAILED_PRECONDITION: return SP_ESTATE;
-  case SP_RPC_RESOURCE_EXHAUSTED: return SP_ETOOBIG;
-  case SP_RPC_CANCELLED:
-  case SP_RPC_ABORTED: return SP_ECANCELED;
-  case SP_RPC_UNIMPLEMENTED: return SP_EUNSUPPORTED;
-  case SP_RPC_UNAUTHENTICATED: return SP_EINVAL;
-  default: return SP_EIO; /* UNKNOWN, INTERNAL, UNAVAILABLE, DATA_LOSS */
+    case SP_RPC_PERMISSION_DENIED:
+    case SP_RPC_FAILED_PRECONDITION: return SP_ESTATE;
+    case SP_RPC_RESOURCE_EXHAUSTED: return SP_ETOOBIG;
+    case SP_RPC_CANCELLED:
+    case SP_RPC_ABORTED: return SP_ECANCELED;
+    case SP_RPC_UNIMPLEMENTED: return SP_EUNSUPPORTED;
+    case SP_RPC_UNAUTHENTICATED: return SP_EINVAL;
+    default: return SP_EIO; /* UNKNOWN, INTERNAL, UNAVAILABLE, DATA_LOSS */
   }
 }
 
@@ -109,7 +109,6 @@ static uint64_t round_pow2(uint64_t v) {
   while (p < v) p <<= 1;
   return p;
 }
-
 
 /* ------------------------------------------------------------------ */
 /* Open and close                                                      */
@@ -172,10 +171,10 @@ static int fetch_job(sp_session *s, char *version, size_t cap, sp_diag *d) {
   Shardplane__V1__GetJobRequest q = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;
-  int rc = call_retrying(s, "GetJob", SP_COORD_PATH("GetJob"), &q.base,
-                         &shardplane__v1__get_job_response__descriptor,
-                         s->connect_timeout_ms + s->call_timeout_ms, &m, &st,
-                         d);
+  int rc =
+      call_retrying(s, "GetJob", SP_COORD_PATH("GetJob"), &q.base,
+                    &shardplane__v1__get_job_response__descriptor,
+                    s->connect_timeout_ms + s->call_timeout_ms, &m, &st, d);
   if (rc != 0) {
     /* the first call on a fresh connection: UNAVAILABLE means the engine
      * retried for connect_timeout_ms without reaching the coordinator */
@@ -210,10 +209,10 @@ static int fetch_model(sp_session *s, const char *job_version, sp_diag *d) {
     q.max_bytes = SPEC_PIECE;
     ProtobufCMessage *m = NULL;
     sp_rpc_status st;
-    rc = call_retrying(s, "GetModelSpec", SP_COORD_PATH("GetModelSpec"),
-                       &q.base,
-                       &shardplane__v1__get_model_spec_response__descriptor,
-                       s->call_timeout_ms, &m, &st, d);
+    rc =
+        call_retrying(s, "GetModelSpec", SP_COORD_PATH("GetModelSpec"), &q.base,
+                      &shardplane__v1__get_model_spec_response__descriptor,
+                      s->call_timeout_ms, &m, &st, d);
     if (rc != 0) break;
     Shardplane__V1__GetModelSpecResponse *r =
         (Shardplane__V1__GetModelSpecResponse *)m;
@@ -238,8 +237,8 @@ static int fetch_model(sp_session *s, const char *job_version, sp_diag *d) {
                        "(plan %s, then %s): did the coordinator restart?",
                        version, v);
     }
-    if (rc == 0 && (r->offset != off || len > total - off ||
-                    (len == 0 && off < total)))
+    if (rc == 0 &&
+        (r->offset != off || len > total - off || (len == 0 && off < total)))
       rc = sp_diag_set(d, SP_EFORMAT,
                        "GetModelSpec: asked for byte %" PRIu64
                        ", got %zu bytes at %" PRIu64 " of %" PRIu64,
@@ -287,8 +286,8 @@ static int attach(sp_session *s, sp_diag *d) {
   size_t idl = r->session_id ? strlen(r->session_id) : 0;
   if (idl == 0 || idl > 256) {
     rc = sp_diag_set(d, SP_EFORMAT, "Attach: a session id of %zu bytes", idl);
-  } else if ((rc = sp_session_check_plan_version(
-                  s->plan->version_hex, r->plan_version, d)) == 0) {
+  } else if ((rc = sp_session_check_plan_version(s->plan->version_hex,
+                                                 r->plan_version, d)) == 0) {
     s->session_id = sp_strdup(r->session_id);
     if (s->session_id == NULL) rc = sp_diag_set(d, SP_ENOMEM, "out of memory");
     /* beat often enough that two can be missed before the timeout */
@@ -311,8 +310,8 @@ static int detach(sp_session *s, sp_diag *d) {
   char what[48];
   snprintf(what, sizeof what, "Detach rank %u", s->rank);
   return sp_session_unary(s, what, SP_COORD_PATH("Detach"), &q.base,
-               &shardplane__v1__detach_response__descriptor,
-               s->call_timeout_ms, NULL, NULL, d);
+                          &shardplane__v1__detach_response__descriptor,
+                          s->call_timeout_ms, NULL, NULL, d);
 }
 
 /* Waits until the coordinator acknowledged the binding message. */
@@ -355,28 +354,30 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   if (out != NULL) *out = NULL;
   if (o == NULL || out == NULL || o->coordinator == NULL ||
       o->coordinator[0] == '\0')
-    return sp_diag_set(d, SP_EINVAL, "session: the coordinator address is "
-                                     "required");
+    return sp_diag_set(d, SP_EINVAL,
+                       "session: the coordinator address is "
+                       "required");
   char host[256];
   int port;
   /* unix:PATH: the host agent's socket, which proxies to the coordinator */
-  if (strncmp(o->coordinator, SP_RPC_UNIX_PREFIX,
-              strlen(SP_RPC_UNIX_PREFIX)) != 0 &&
+  if (strncmp(o->coordinator, SP_RPC_UNIX_PREFIX, strlen(SP_RPC_UNIX_PREFIX)) !=
+          0 &&
       sp_rpc_split_addr(o->coordinator, host, sizeof host, &port) != 0)
     return sp_diag_set(d, SP_EINVAL,
                        "session: coordinator: expected HOST:PORT or "
                        "unix:PATH, got \"%s\"",
                        o->coordinator);
-  uint64_t q = o->queue_events ? (uint64_t)o->queue_events
-                               : SP_SESSION_QUEUE_DEFAULT;
+  uint64_t q =
+      o->queue_events ? (uint64_t)o->queue_events : SP_SESSION_QUEUE_DEFAULT;
   if (q > SP_SESSION_QUEUE_MAX)
     return sp_diag_set(d, SP_EINVAL,
-                       "session: queue_events %" PRIu64 " is over the limit "
+                       "session: queue_events %" PRIu64
+                       " is over the limit "
                        "of %u",
                        q, SP_SESSION_QUEUE_MAX);
   q = round_pow2(q);
-  uint32_t flight = o->flight_events ? o->flight_events
-                                     : SP_SESSION_FLIGHT_DEFAULT;
+  uint32_t flight =
+      o->flight_events ? o->flight_events : SP_SESSION_FLIGHT_DEFAULT;
   if (flight > SP_SESSION_FLIGHT_MAX)
     return sp_diag_set(d, SP_EINVAL,
                        "session: flight_events %u is over the limit of %u",
@@ -420,8 +421,8 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   s->world = s->job.world_size;
   if (s->rank >= s->world) {
     rc = sp_diag_set(d, SP_EINVAL,
-                     "rank %u is out of range: the job has ranks 0-%u",
-                     s->rank, s->world - 1);
+                     "rank %u is out of range: the job has ranks 0-%u", s->rank,
+                     s->world - 1);
     goto fail;
   }
   if ((rc = fetch_model(s, job_version, d)) != 0) goto fail;
@@ -432,8 +433,7 @@ int sp_session_open(const sp_session_opts *o, sp_session **out, sp_diag *d) {
   if ((rc = sp_session_check_plan_version(s->plan->version_hex, job_version,
                                           d)) != 0)
     goto fail;
-  if ((rc = sp_state_tracker_init(&s->st, s->plan->n_units, d)) != 0)
-    goto fail;
+  if ((rc = sp_state_tracker_init(&s->st, s->plan->n_units, d)) != 0) goto fail;
   for (int m = 0; m < 2; m++)
     for (int f = 0; f < 8; f++)
       for (int t = 0; t < 8; t++)
@@ -495,9 +495,7 @@ const sp_plan *sp_session_plan(const sp_session *s) {
 const sp_model *sp_session_model(const sp_session *s) {
   return s ? s->model : NULL;
 }
-const sp_job *sp_session_job(const sp_session *s) {
-  return s ? &s->job : NULL;
-}
+const sp_job *sp_session_job(const sp_session *s) { return s ? &s->job : NULL; }
 uint32_t sp_session_rank(const sp_session *s) { return s ? s->rank : 0; }
 uint32_t sp_session_world(const sp_session *s) { return s ? s->world : 0; }
 const char *sp_session_coordinator(const sp_session *s) {

@@ -24,7 +24,8 @@ int sp_session_cred_copy(sp_session_cred *c, const sp_session_opts *o,
     for (size_t i = 0; ok && i < n; i++)
       ok = o->token[i] > 0x20 && o->token[i] < 0x7f;
     if (!ok)
-      return sp_diag_set(d, SP_EINVAL, "session: the token must be 1-1024 "
+      return sp_diag_set(d, SP_EINVAL,
+                         "session: the token must be 1-1024 "
                          "printable characters without spaces");
   }
   c->tls = o->tls;

@@ -67,8 +67,7 @@ uint64_t sp_session_coll_seq(const sp_session *s, sp_comm_kind k);
 
 /* Tests: has the background thread handle m as if the coordinator had
  * sent it (the real decode and handling), soon after the call. */
-int sp_session_test_down(sp_session *s,
-                         const Shardplane__V1__SessionDown *m);
+int sp_session_test_down(sp_session *s, const Shardplane__V1__SessionDown *m);
 /* Tests: the last FlightRecord this session sent, decoded (free with
  * shardplane__v1__flight_record__free_unpacked), or NULL. */
 Shardplane__V1__FlightRecord *sp_session_test_last_flight(sp_session *s);
@@ -280,8 +279,8 @@ struct sp_session {
   uv_timer_t retry_timer, grace_timer;
   uint64_t backoff_ms, jitter;
   bool resyncing; /* the current stream began with a resync */
-  bool need_bind;  /* the next message is the stream's first */
-  bool gave_up;    /* the grace period ran out */
+  bool need_bind; /* the next message is the stream's first */
+  bool gave_up;   /* the grace period ran out */
 };
 
 /* One unary call on a pooled connection (session_store.c). Returns 0 with

@@ -59,14 +59,13 @@ static void fifo_push(sp_session *s, uint64_t seq, uint64_t end, bool data) {
 /* Decodes one drained event: keeps the step and the issued fingerprints
  * (so a completion gets its own), and records it in the flight recorder.
  * Returns false for a step marker, which is no event of the wire. */
-static bool bg_decode(sp_session *s, const sp_sess_event *e,
-                      sp_flight_ev *fe) {
-  *fe = (sp_flight_ev){.time_us = e->time_us, .kind = e->kind,
-                       .comm = e->comm, .step = s->bg_step};
+static bool bg_decode(sp_session *s, const sp_sess_event *e, sp_flight_ev *fe) {
+  *fe = (sp_flight_ev){.time_us = e->time_us,
+                       .kind = e->kind,
+                       .comm = e->comm,
+                       .step = s->bg_step};
   switch (e->kind) {
-    case EV_STEP:
-      s->bg_step = e->a;
-      return false;
+    case EV_STEP: s->bg_step = e->a; return false;
     case EV_TRANSITION:
       s->bg_step = e->a;
       fe->step = e->a;
@@ -81,8 +80,8 @@ static bool bg_decode(sp_session *s, const sp_sess_event *e,
       fe->x = e->x;
       fe->y = e->y;
       if (e->comm < SP_SESSION_COMMS)
-        s->issued[e->comm][e->a & s->issued_mask] = (sp_issued_fp){
-            e->a, e->count, e->unit, e->x, e->y};
+        s->issued[e->comm][e->a & s->issued_mask] =
+            (sp_issued_fp){e->a, e->count, e->unit, e->x, e->y};
       break;
     }
     case EV_DONE: {
@@ -100,8 +99,7 @@ static bool bg_decode(sp_session *s, const sp_sess_event *e,
       }
       break;
     }
-    default:
-      return false;
+    default: return false;
   }
   s->flight[s->flight_n % s->flight_cap] = *fe;
   s->flight_n++;
@@ -201,8 +199,7 @@ static void try_dump(sp_session *s) {
       s->fifo_n >= FIFO_CAP)
     return;
   uint64_t have = s->flight_n < s->flight_cap ? s->flight_n : s->flight_cap;
-  uint64_t n = s->dump_last_n && s->dump_last_n < have ? s->dump_last_n
-                                                        : have;
+  uint64_t n = s->dump_last_n && s->dump_last_n < have ? s->dump_last_n : have;
   Shardplane__V1__FlightRecord fr = SHARDPLANE__V1__FLIGHT_RECORD__INIT;
   fr.rank = s->rank;
   fr.request_id = s->dump_request;
@@ -371,8 +368,7 @@ static void abort_reason(const sp_session *s,
     return;
   }
   if (m->culprit == s->rank) {
-    snprintf(out, cap, "aborted: this rank (%u) is at fault: %s", s->rank,
-             why);
+    snprintf(out, cap, "aborted: this rank (%u) is at fault: %s", s->rank, why);
     return;
   }
   /* the coordinator's reason usually names the rank already */
@@ -628,8 +624,7 @@ int sp_session_bg_start(sp_session *s, sp_diag *d) {
   s->issued_mask = cap - 1;
   for (int k = 0; k < SP_SESSION_COMMS; k++) {
     s->issued[k] = calloc((size_t)cap, sizeof *s->issued[k]);
-    if (s->issued[k] == NULL)
-      return sp_diag_set(d, SP_ENOMEM, "out of memory");
+    if (s->issued[k] == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
   }
   s->flight = calloc(s->flight_cap, sizeof *s->flight);
   if (s->flight == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
@@ -739,10 +734,9 @@ int sp_session_transition(sp_session *s, sp_machine m, uint32_t unit, int to,
       else
         s->st.units[unit] = (uint8_t)to;
       if (!s->no_report) {
-        sp_sess_event e = {s->step_local,   0,
-                           sp_session_time_us(), root ? 0 : unit,
-                           EV_TRANSITION,       (uint8_t)m,
-                           (uint8_t)to,         0};
+        sp_sess_event e = {
+            s->step_local, 0,          sp_session_time_us(), root ? 0 : unit,
+            EV_TRANSITION, (uint8_t)m, (uint8_t)to,          0};
         ring_push(s, &e);
       }
       return 0;
@@ -764,34 +758,33 @@ uint64_t sp_session_time_us(void) {
   return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
-uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm,
-                               sp_coll_op op, uint32_t unit, sp_dtype dtype,
-                               uint64_t count) {
+uint64_t sp_session_collective(sp_session *s, sp_comm_kind comm, sp_coll_op op,
+                               uint32_t unit, sp_dtype dtype, uint64_t count) {
   if (s == NULL || (unsigned)comm >= SP_SESSION_COMMS) return 0;
   uint64_t seq = ++s->coll_seq[comm];
   if (!s->no_report) {
-    sp_sess_event e = {seq,         count,         sp_session_time_us(),
-                       unit,        EV_COLLECTIVE, (uint8_t)op,
-                       (uint8_t)dtype, (uint8_t)comm};
+    sp_sess_event e = {
+        seq,           count,       sp_session_time_us(), unit,
+        EV_COLLECTIVE, (uint8_t)op, (uint8_t)dtype,       (uint8_t)comm};
     ring_push(s, &e);
   }
   return seq;
 }
 
-void sp_session_collective_done(sp_session *s, sp_comm_kind comm,
-                                uint64_t seq, uint64_t time_us,
-                                uint64_t waited_us) {
+void sp_session_collective_done(sp_session *s, sp_comm_kind comm, uint64_t seq,
+                                uint64_t time_us, uint64_t waited_us) {
   if (s == NULL || s->no_report || (unsigned)comm >= SP_SESSION_COMMS ||
       seq == 0)
     return;
   /* a completion has no count of its own: the wait rides there */
-  sp_sess_event e = {seq, waited_us, time_us ? time_us : sp_session_time_us(),
-                     0,   EV_DONE, 0, 0, (uint8_t)comm};
+  sp_sess_event e = {
+      seq, waited_us,    time_us ? time_us : sp_session_time_us(),
+      0,   EV_DONE,      0,
+      0,   (uint8_t)comm};
   ring_push(s, &e);
 }
 
-void sp_session_set_progress(sp_session *s, double loss,
-                             uint64_t total_steps) {
+void sp_session_set_progress(sp_session *s, double loss, uint64_t total_steps) {
   if (s == NULL) return;
   uint64_t bits;
   memcpy(&bits, &loss, sizeof bits);
@@ -808,8 +801,10 @@ int sp_session_set_report(sp_session *s, bool on, sp_diag *d) {
   for (size_t u = 0; idle && u < s->st.n_units; u++)
     idle = s->st.units[u] == SP_HANDLE_IDLE;
   if (!idle)
-    return sp_diag_set(d, SP_ESTATE, "rank %u: reporting can be switched "
-                       "only between steps (every state IDLE)", s->rank);
+    return sp_diag_set(d, SP_ESTATE,
+                       "rank %u: reporting can be switched "
+                       "only between steps (every state IDLE)",
+                       s->rank);
   s->no_report = !on;
   return 0;
 }
@@ -833,8 +828,7 @@ int sp_session_flush(sp_session *s, uint64_t timeout_ms, sp_diag *d) {
   uint64_t t0 = uv_hrtime();
   int rc = 0;
   uv_mutex_lock(&s->lock);
-  while (s->first_error == 0 && !s->stream_done &&
-         s->acked_events < target) {
+  while (s->first_error == 0 && !s->stream_done && s->acked_events < target) {
     uint64_t spent = (uv_hrtime() - t0) / 1000000;
     /* a coordinator outage may last its grace period, which ends it
      * (reattached, or given up) */
@@ -864,8 +858,7 @@ bool sp_session_culprit(const sp_session *s, uint32_t *rank) {
   return has;
 }
 
-int sp_session_test_down(sp_session *s,
-                         const Shardplane__V1__SessionDown *m) {
+int sp_session_test_down(sp_session *s, const Shardplane__V1__SessionDown *m) {
   size_t len = shardplane__v1__session_down__get_packed_size(m);
   uint8_t *buf = malloc(len ? len : 1);
   if (buf == NULL) return SP_ENOMEM;
@@ -882,10 +875,9 @@ int sp_session_test_down(sp_session *s,
 Shardplane__V1__FlightRecord *sp_session_test_last_flight(sp_session *s) {
   uv_mutex_lock(&s->lock);
   Shardplane__V1__FlightRecord *fr =
-      s->last_flight == NULL
-          ? NULL
-          : shardplane__v1__flight_record__unpack(NULL, s->last_flight_len,
-                                                  s->last_flight);
+      s->last_flight == NULL ? NULL
+                             : shardplane__v1__flight_record__unpack(
+                                   NULL, s->last_flight_len, s->last_flight);
   uv_mutex_unlock(&s->lock);
   return fr;
 }
@@ -918,4 +910,3 @@ bool sp_session_aborted(const sp_session *s, char *reason, size_t cap) {
   }
   return true;
 }
-

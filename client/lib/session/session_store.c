@@ -14,7 +14,7 @@
 /* ------------------------------------------------------------------ */
 
 int sp_session_pool_init(sp_session *s, sp_diag *d) {
-  if (uv_mutex_init(&s->pool_lock) != 0) 
+  if (uv_mutex_init(&s->pool_lock) != 0)
     return sp_diag_set(d, SP_EIO, "cannot create a lock");
   if (uv_cond_init(&s->pool_cond) != 0) {
     uv_mutex_destroy(&s->pool_lock);
@@ -36,7 +36,6 @@ void sp_session_pool_close(sp_session *s) {
   uv_cond_destroy(&s->pool_cond);
   s->pool_ready = false;
 }
-
 
 static int pool_get(sp_session *s, sp_rpc_sync **out, sp_diag *d) {
   uv_mutex_lock(&s->pool_lock);
@@ -88,9 +87,10 @@ static bool retry_after(sp_session *s, int code, uint64_t first_fail_ns,
 }
 
 int sp_session_unary(sp_session *s, const char *what, const char *path,
-                 const ProtobufCMessage *req,
-                 const ProtobufCMessageDescriptor *desc, uint64_t timeout_ms,
-                 ProtobufCMessage **resp, sp_rpc_status *st_out, sp_diag *d) {
+                     const ProtobufCMessage *req,
+                     const ProtobufCMessageDescriptor *desc,
+                     uint64_t timeout_ms, ProtobufCMessage **resp,
+                     sp_rpc_status *st_out, sp_diag *d) {
   if (st_out != NULL) {
     st_out->code = SP_RPC_UNKNOWN; /* no call made */
     st_out->message[0] = '\0';
@@ -162,8 +162,8 @@ int sp_session_store_set(sp_session *s, const char *key, const void *val,
   char what[96];
   snprintf(what, sizeof what, "store set \"%.*s\"", KEY_SHOWN, key);
   return sp_session_unary(s, what, SP_COORD_PATH("StoreSet"), &q.base,
-               &shardplane__v1__store_set_response__descriptor,
-               s->call_timeout_ms, NULL, NULL, d);
+                          &shardplane__v1__store_set_response__descriptor,
+                          s->call_timeout_ms, NULL, NULL, d);
 }
 
 int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
@@ -183,12 +183,12 @@ int sp_session_store_get(sp_session *s, const char *key, uint64_t wait_ms,
   ProtobufCMessage *m = NULL;
   sp_rpc_status st;
   rc = sp_session_unary(s, what, SP_COORD_PATH("StoreGet"), &q.base,
-             &shardplane__v1__store_get_response__descriptor,
-             wait_ms > 0 ? wait_ms : s->call_timeout_ms, &m, &st, d);
+                        &shardplane__v1__store_get_response__descriptor,
+                        wait_ms > 0 ? wait_ms : s->call_timeout_ms, &m, &st, d);
   if (rc != 0) {
     if (st.code == SP_RPC_DEADLINE_EXCEEDED && wait_ms > 0)
-      return sp_diag_set(d, SP_ETIMEDOUT,
-                         "%s: not set within %" PRIu64 " ms", what, wait_ms);
+      return sp_diag_set(d, SP_ETIMEDOUT, "%s: not set within %" PRIu64 " ms",
+                         what, wait_ms);
     return rc;
   }
   Shardplane__V1__StoreGetResponse *r = (Shardplane__V1__StoreGetResponse *)m;
@@ -227,8 +227,8 @@ int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
   snprintf(what, sizeof what, "store add \"%.*s\"", KEY_SHOWN, key);
   ProtobufCMessage *m = NULL;
   rc = sp_session_unary(s, what, SP_COORD_PATH("StoreAdd"), &q.base,
-             &shardplane__v1__store_add_response__descriptor,
-             s->call_timeout_ms, &m, NULL, d);
+                        &shardplane__v1__store_add_response__descriptor,
+                        s->call_timeout_ms, &m, NULL, d);
   if (rc != 0) return rc;
   if (value != NULL) *value = ((Shardplane__V1__StoreAddResponse *)m)->value;
   protobuf_c_message_free_unpacked(m, NULL);
