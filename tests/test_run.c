@@ -1022,6 +1022,18 @@ static void test_run_interrupted_stalled(void **state) {
   free(dir);
 }
 
+/* Under AddressSanitizer a gpt2-mini step takes about 10 s and, beside
+ * another test, a rank's silences within one step scatter past the 3x
+ * margin "still moving" allows over its earlier steps (a clean-clone run
+ * saw a 5 s silence after a first step whose longest was under 1.7 s):
+ * that build checks that the last line tells the truth either way, the
+ * optimized one that the ranks are let reach their step boundary. */
+#if defined(__SANITIZE_ADDRESS__)
+#define CHECK_STILL_MOVING 0
+#else
+#define CHECK_STILL_MOVING 1
+#endif
+
 /* Ctrl-C in a step longer than --stop-grace (a GPT-2 of 6 blocks, about
  * 2 s a step here): the coordinator still hears from every rank, so the
  * ranks get past the grace to their step boundary and checkpoint there,
@@ -1055,12 +1067,19 @@ static void test_run_interrupted_long_step(void **state) {
   printf("  exit %d %.1f s after SIGINT:\n%s%s", st, took, err, out);
   assert_int_equal(st, 128 + SIGINT);
   assert_non_null(strstr(err, "the ranks are still moving"));
-  assert_null(strstr(err, "not reached a step boundary"));
   long k = ckpt_step(ck);
-  assert_true(k >= 1);
+  if (CHECK_STILL_MOVING) {
+    assert_null(strstr(err, "not reached a step boundary"));
+    assert_true(k >= 1);
+  }
+  const char *last = strstr(out, "shardplane run: stopped by SIGINT after ");
+  assert_non_null(last);
   char want[96];
-  snprintf(want, sizeof want, "at step %ld; checkpoint in ", k);
-  assert_non_null(strstr(out, want));
+  if (k >= 1)
+    snprintf(want, sizeof want, "at step %ld; checkpoint in ", k);
+  else
+    snprintf(want, sizeof want, "without a checkpoint");
+  assert_non_null(strstr(last, want));
   free(err);
   free(out);
   free(ck);
