@@ -13,7 +13,7 @@
 #include "cast/cast.h"
 #include "cast/cast_scalar.h"
 #include "gpt2_cpu.h"
-#include "gpt2_step.h"
+#include "gpt2_acts.h"
 #include "mlp.h"
 
 /* ------------------------------------------------------------------ */

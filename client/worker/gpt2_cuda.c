@@ -11,7 +11,7 @@
 #include "cast/cast_cuda.h"
 #include "gpt2_gpu.h"
 #include "cuda/cuda_check.h"
-#include "gpt2_step.h"
+#include "gpt2_acts.h"
 
 struct sp_gpt2_cuda {
   sp_gpt2_acts a; /* device arrays, tokens and targets included */
