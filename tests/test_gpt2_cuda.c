@@ -232,10 +232,10 @@ static void test_logits(void **state) {
     free(got), free(bd);
     float *gx = malloc(nx * 4 + 1), *gw = malloc(nw * 4 + 1);
     float *mx = malloc(nx * 4 + 1), *mw = malloc(nw * 4 + 1);
-    sp_gpt2_cpu_logits_bwd(gx, gw, dl, x, wte, N, C, V);
-    sp_gpt2_cpu_logits_bwd(mx, mw, adl, ax, aw, N, C, V);
+    sp_gpt2_cpu_logits_bwd(gx, gw, dl, x, wte, N, C, V, 0);
+    sp_gpt2_cpu_logits_bwd(mx, mw, adl, ax, aw, N, C, V, 0);
     float *dgx = upf(NULL, nx), *dgw = upf(NULL, nw);
-    OK(sp_gpt2_gpu_logits_bwd(g_k, dgx, dgw, ddl, dx_, dw_, N, C, V, &d_));
+    OK(sp_gpt2_gpu_logits_bwd(g_k, dgx, dgw, ddl, dx_, dw_, N, C, V, 0, &d_));
     float *g1 = fetch(dgx, nx), *g2 = fetch(dgw, nw);
     double *b1 = gemm_bound(mx, nx, V), *b2 = gemm_bound(mw, nw, N);
     within("logits_bwd dx (K = V)", g1, gx, b1, nx);

@@ -31,6 +31,7 @@
 #include "worker/inject.h"
 #include "worker/train_flags.h"
 #include "worker/worker_flags.h"
+#include "worker/train_memory.h"
 #include "worker/train_model.h"
 #include "plan/plan.h"
 #include "base/proc.h"
@@ -583,6 +584,43 @@ static int check_gpus(const run_opts *o, run_job *j) {
   return PROCEED;
 }
 
+/* The memory model's peak of the ranks this run places here against what
+ * the host has available (and, on GPUs, each rank's GPU free): a job that
+ * cannot fit is refused now, with the figures and the flags that lower
+ * them, not killed by the kernel minutes in. The workers check their own
+ * rank again (an agent's job has no run to check it). Returns PROCEED or
+ * the exit code. */
+static int check_memory(const run_opts *o, run_job *j) {
+  if (o->train.no_memory_check || o->synthetic) return PROCEED;
+  sp_mem_opts mo;
+  sp_train_shape sh;
+  sp_train_mem m;
+  sp_diag d = {{0}};
+  sp_train_mem_job(&o->train, o->wf.global_batch, o->cuda, &mo, &sh);
+  int rc = sp_train_mem_predict(j->plan, &mo, &sh, &m, &d);
+  uint64_t avail = 0, total = 0;
+  if (rc == 0) rc = sp_host_mem_available(&avail, &d);
+  /* on GPUs the host keeps each rank's process; the device the rest */
+  if (rc == 0 && o->cuda) {
+    sp_train_mem host = m;
+    host.peak = m.footprint;
+    rc = sp_train_mem_fit(&host, (uint32_t)o->nproc, avail, "this host", false,
+                          &d);
+    for (long long r = 0; rc == 0 && r < o->nproc; r++) {
+      char where[24];
+      snprintf(where, sizeof where, "cuda:%lld", r % j->n_gpus);
+      rc = sp_cuda_device_memory((int)(r % j->n_gpus), &avail, &total, &d);
+      if (rc == 0) rc = sp_train_mem_fit(&m, 1, avail, where, true, &d);
+    }
+  } else if (rc == 0) {
+    rc =
+        sp_train_mem_fit(&m, (uint32_t)o->nproc, avail, "this host", false, &d);
+  }
+  if (rc == 0) return PROCEED;
+  sp_cli_error(RUN, "%s", d.msg);
+  return rc == SP_ENOMEM || rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;
+}
+
 /* Where checkpoints go and come from. The default directory is one per
  * configuration (model, world size, plan), and no directory holding a
  * checkpoint of another plan is written to: a second run with another
@@ -628,6 +666,7 @@ static int check_checkpoints(const run_opts *o, run_job *j) {
 static int check_job(run_opts *o, run_job *j) {
   int ec = build_plan(o, j);
   if (ec == PROCEED && o->cuda) ec = check_gpus(o, j);
+  if (ec == PROCEED) ec = check_memory(o, j);
   if (ec != PROCEED) return ec;
   if (bin_path("shardplane-coordinator", j->coord_bin, sizeof j->coord_bin) <
           0 ||

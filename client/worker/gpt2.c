@@ -13,7 +13,7 @@
 #include "cast/cast.h"
 #include "cast/cast_scalar.h"
 #include "gpt2_cpu.h"
-#include "gpt2_acts.h"
+#include "gpt2_step.h"
 #include "mlp.h"
 
 /* ------------------------------------------------------------------ */
@@ -221,8 +221,8 @@ CPU_KERNEL(softmax_xent_bwd,
            (probs, tgt, N, V, scale))
 CPU_KERNEL(logits_bwd,
            (float *dx, float *dwte, const float *dlogits, const float *x,
-            const float *wte, int N, int C, int V),
-           (dx, dwte, dlogits, x, wte, N, C, V))
+            const float *wte, int N, int C, int V, int acc),
+           (dx, dwte, dlogits, x, wte, N, C, V, acc))
 CPU_KERNEL(layernorm_bwd,
            (float *dinp, float *dw, float *db, const float *dout,
             const float *inp, const float *w, const float *mean,
@@ -243,6 +243,10 @@ CPU_KERNEL(wte_bwd,
            (float *dwte, const float *dx, const int32_t *tok, int N, int C,
             int V),
            (dwte, dx, tok, N, C, V))
+CPU_KERNEL(wte_bwd_rows,
+           (float *dwte, float *rows, int32_t *row_of, const float *dx,
+            const int32_t *tok, int N, int C, int V),
+           (dwte, rows, row_of, dx, tok, N, C, V))
 CPU_KERNEL(wpe_bwd,
            (float *dwpe, const float *dx, int N, int T, int C, int ctx),
            (dwpe, dx, N, T, C, ctx))
@@ -257,10 +261,7 @@ static int cpu_softmax_xent_fwd(sp_gpt2_dev *k, float *probs,
 }
 
 static const sp_gpt2_ops cpu_ops = {
-    .name = "sp_gpt2",
-    .max_elems = SP_GPT2_MAX_ELEMS,
-    .datt_all_heads = false,
-    .copy_params = true,
+    .layout = &sp_gpt2_cpu_layout,
     .alloc = host_alloc,
     .release = free,
     .zero = host_zero,
@@ -283,6 +284,7 @@ static const sp_gpt2_ops cpu_ops = {
     .attention_bwd = cpu_attention_bwd,
     .gelu_bwd = cpu_gelu_bwd,
     .wte_bwd = cpu_wte_bwd,
+    .wte_bwd_rows = cpu_wte_bwd_rows,
     .wpe_bwd = cpu_wpe_bwd,
 };
 
@@ -290,13 +292,16 @@ static const sp_gpt2_ops cpu_ops = {
 /* activations and the step's pieces (gpt2_step.c's, on the CPU)       */
 /* ------------------------------------------------------------------ */
 
-int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T, sp_gpt2_acts **out) {
-  if (g == NULL || out == NULL || B == 0 || T == 0 || T > (size_t)g->ctx)
-    return SP_EINVAL;
+int sp_gpt2_acts_new_with(const sp_gpt2 *g, size_t B, size_t T,
+                          bool checkpointing, bool f32_views,
+                          sp_gpt2_acts **out, sp_diag *d) {
+  if (g == NULL || out == NULL)
+    return sp_diag_set(d, SP_EINVAL, "sp_gpt2_acts_new: NULL argument");
   *out = NULL;
   sp_gpt2_acts *a = calloc(1, sizeof *a);
-  if (a == NULL) return SP_ENOMEM;
-  int rc = sp_gpt2_step_acts_alloc(&cpu_ops, g, B, T, a, NULL);
+  if (a == NULL) return sp_diag_set(d, SP_ENOMEM, "no memory");
+  sp_gpt2_shape sh = {B, T, checkpointing, f32_views};
+  int rc = sp_gpt2_acts_alloc(&sp_gpt2_cpu_layout, host_alloc, g, &sh, a, d);
   if (rc != 0) {
     sp_gpt2_acts_free(a);
     return rc;
@@ -306,14 +311,17 @@ int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T, sp_gpt2_acts **out) {
   return 0;
 }
 
+int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T, sp_gpt2_acts **out) {
+  return sp_gpt2_acts_new_with(g, B, T, false, false, out, NULL);
+}
+
 void sp_gpt2_acts_free(sp_gpt2_acts *a) {
   if (a == NULL) return;
-  sp_gpt2_step_acts_release(&cpu_ops, a);
+  sp_gpt2_acts_release(free, a);
   free(a);
 }
 
-/* The checks every piece starts with, then the step over the CPU's table.
- * The forward does not need the gradient scratch: wpe's copy goes there. */
+/* The checks every piece starts with, then the step over the CPU's table. */
 static int cpu_step(const sp_gpt2 *g, const sp_gpt2_io *io, sp_gpt2_acts *a,
                     sp_gpt2_step *s, sp_diag *d) {
   if (g == NULL || io == NULL || a == NULL || io->param == NULL ||
@@ -321,7 +329,7 @@ static int cpu_step(const sp_gpt2 *g, const sp_gpt2_io *io, sp_gpt2_acts *a,
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2: NULL argument or callback");
   if (a->res[g->n_layer] == NULL || a->res[g->n_layer + 1] != NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2: activations of another model");
-  *s = (sp_gpt2_step){g, &cpu_ops, NULL, a, a->gw, NULL, NULL};
+  *s = (sp_gpt2_step){g, &cpu_ops, NULL, a};
   return 0;
 }
 

@@ -41,6 +41,7 @@
 #include "base/sp_error.h"
 #include "cast/dtype.h"
 #include "plan/model.h"
+#include "train_memory.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -100,11 +101,20 @@ typedef struct sp_gpt2_io {
 } sp_gpt2_io;
 
 /* The activations of B sequences of T tokens (T <= ctx), kept from
- * forward for backward, and the backward's scratch. Owned by the caller.
- * T may be lowered afterwards (generation's shorter windows): the arrays
- * stay large enough. */
+ * forward for backward, and the backward's scratch (their layout:
+ * gpt2_acts.h). Owned by the caller. T may be lowered afterwards
+ * (generation's shorter windows): the arrays stay large enough. */
 typedef struct sp_gpt2_acts {
   size_t B, T;
+  /* Only the blocks' inputs are kept; the per-layer arrays below but res
+   * are one set every layer shares, which block_backward refills by
+   * running the block's forward again (same kernels, same inputs: the
+   * same values, so the gradients equal those without checkpointing). */
+  bool checkpointing;
+  /* Laid out for float32 views only (no float32 copies of params or their
+   * gradients): a piece given another view fails instead of overflowing
+   * the scratch. */
+  bool f32_views;
   /* per layer l: res[l] the block's input (res[n_layer] the last output) */
   float **res;
   float **ln1, **ln1_mean, **ln1_rstd, **qkv, **att, **atty, **res2;
@@ -114,17 +124,26 @@ typedef struct sp_gpt2_acts {
   int32_t *tok, *tgt; /* B*T each: the caller writes them */
   /* scratch: residual gradient, a B*T x 4C activation (gradient), dqkv,
    * the attention's T x T gradient and mask, params as float32 and their
-   * gradients (the largest param; LayerNorm's and biases' apart) */
+   * gradients (the largest param; LayerNorm's and biases' apart; wpe's
+   * copy of its own, read beside wte's), the lookup's rows of wte */
   float *dres, *dbuf, *dbig, *dqkv, *datt;
   uint8_t *allow;
-  float *w, *gw, *lnw, *lnb, *gb, *gb2;
-  uint64_t bytes; /* all of the above, as allocated (bench/train adds them
-                     to the runtime's predicted memory) */
+  float *w, *gw, *wpe, *lnw, *lnb, *gb, *gb2;
+  int32_t *wte_row; /* V: a token's row in the lookup's gradient rows */
+  /* the loss's sums in the table's memory (sp_gpt2_layout.device_loss) */
+  double *rows, *total, *scalar;
+  sp_act_bytes mem; /* all of the above by category, as allocated */
 } sp_gpt2_acts;
 
 /* 0, SP_EINVAL (T 0 or over ctx, B 0), SP_ETOOBIG (sizes overflow or over
- * 2^31 elements a tensor: cblas takes int), SP_ENOMEM. */
+ * 2^31 elements a tensor: cblas takes int), SP_ENOMEM. Laid out for any
+ * param dtype, without checkpointing. */
 int sp_gpt2_acts_new(const sp_gpt2 *g, size_t B, size_t T, sp_gpt2_acts **out);
+/* The same with checkpointing and the float32-only layout as asked (a
+ * trainer's), d filled on failure. */
+int sp_gpt2_acts_new_with(const sp_gpt2 *g, size_t B, size_t T,
+                          bool checkpointing, bool f32_views,
+                          sp_gpt2_acts **out, sp_diag *d);
 void sp_gpt2_acts_free(sp_gpt2_acts *a);
 
 /* One step's pieces, in this order (the worker puts the runtime's

@@ -107,11 +107,12 @@ void sp_gpt2_cpu_logits_fwd(float *logits, const float *x, const float *wte,
 
 void sp_gpt2_cpu_logits_bwd(float *dx, float *dwte, const float *dlogits,
                             const float *x, const float *wte, int N, int C,
-                            int V) {
+                            int V, int acc) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, V, 1.0f, dlogits,
               V, wte, C, 0.0f, dx, C);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, dlogits,
-              V, x, C, 0.0f, dwte, C);
+  if (dwte)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, dlogits,
+                V, x, C, acc ? 1.0f : 0.0f, dwte, C);
 }
 
 VEC_CLONES
@@ -321,6 +322,32 @@ void sp_gpt2_cpu_wte_bwd(float *dwte, const float *dx, const int32_t *tok,
     float *r = dwte + (size_t)tok[i] * C;
     const float *g = dx + (size_t)i * C;
     for (int c = 0; c < C; c++) r[c] += g[c];
+  }
+}
+
+void sp_gpt2_cpu_wte_bwd_rows(float *dwte, float *rows, int32_t *row_of,
+                              const float *dx, const int32_t *tok, int N, int C,
+                              int V) {
+  for (int v = 0; v < V; v++) row_of[v] = -1;
+  int n_rows = 0;
+  for (int i = 0; i < N; i++) {
+    float *r;
+    if (row_of[tok[i]] < 0) {
+      row_of[tok[i]] = n_rows;
+      r = rows + (size_t)n_rows++ * C;
+      memset(r, 0, (size_t)C * sizeof *r);
+    } else {
+      r = rows + (size_t)row_of[tok[i]] * C;
+    }
+    const float *g = dx + (size_t)i * C;
+    for (int c = 0; c < C; c++) r[c] += g[c];
+  }
+  for (int i = 0; i < N; i++) {
+    if (row_of[tok[i]] < 0) continue; /* added already */
+    float *w = dwte + (size_t)tok[i] * C;
+    const float *r = rows + (size_t)row_of[tok[i]] * C;
+    for (int c = 0; c < C; c++) w[c] += r[c];
+    row_of[tok[i]] = -1;
   }
 }
 

@@ -25,10 +25,11 @@ void sp_gpt2_cpu_matmul_bwd(float *dinp, float *dw, float *db,
 /* The tied head: logits[N, V] = x[N, C] wte[V, C]^T. */
 void sp_gpt2_cpu_logits_fwd(float *logits, const float *x, const float *wte,
                             int N, int C, int V);
-/* dx[N, C] = dlogits wte, dwte[V, C] = dlogits^T x, both overwritten. */
+/* dx[N, C] = dlogits wte, overwritten; dwte[V, C] = dlogits^T x (NULL:
+ * none), overwritten when acc is 0, added to when it is 1. */
 void sp_gpt2_cpu_logits_bwd(float *dx, float *dwte, const float *dlogits,
                             const float *x, const float *wte, int N, int C,
-                            int V);
+                            int V, int acc);
 /* LayerNorm over C per row, eps 1e-5, biased variance; mean and rstd per
  * row kept for backward. */
 void sp_gpt2_cpu_layernorm_fwd(float *out, float *mean, float *rstd,
@@ -72,6 +73,14 @@ void sp_gpt2_cpu_embed_fwd(float *x, const int32_t *tok, const float *wte,
 /* dwte [V, C] overwritten: row tok[i] sums dx[i], tokens in index order. */
 void sp_gpt2_cpu_wte_bwd(float *dwte, const float *dx, const int32_t *tok,
                          int N, int C, int V);
+/* dwte [V, C] float32 += the same sums, through rows (N x C at most) and
+ * row_of (V ints): each token's rows of dx summed in index order, then
+ * added to its row of dwte once (the float sum of dwte and the sum, as
+ * sp_gpt2_cpu_wte_bwd then an exact float32 add would give); rows of
+ * tokens not in tok are not touched. */
+void sp_gpt2_cpu_wte_bwd_rows(float *dwte, float *rows, int32_t *row_of,
+                              const float *dx, const int32_t *tok, int N, int C,
+                              int V);
 /* dwpe [ctx, C] overwritten: row t sums dx[i] of i mod T == t, in index
  * order; rows from T on are zero. */
 void sp_gpt2_cpu_wpe_bwd(float *dwpe, const float *dx, int N, int T, int C,

@@ -11,15 +11,13 @@
 #include "cast/cast_cuda.h"
 #include "gpt2_gpu.h"
 #include "cuda/cuda_check.h"
-#include "gpt2_acts.h"
+#include "gpt2_step.h"
 
 struct sp_gpt2_cuda {
   sp_gpt2_acts a; /* device arrays, tokens and targets included */
   sp_gpt2_step step;
   cudaStream_t st;
   sp_gpt2_dev *k;
-  float *w2; /* wpe as float32 for embed_forward */
-  double *rows, *total, *scalar;
   /* host */
   int32_t *htok, *htgt;
   double hscalar;
@@ -80,10 +78,7 @@ static int dev_softmax_xent_fwd(sp_gpt2_dev *k, float *probs,
 }
 
 static const sp_gpt2_ops cuda_ops = {
-    .name = "sp_gpt2_cuda",
-    .max_elems = INT_MAX,
-    .datt_all_heads = true,
-    .copy_params = false,
+    .layout = &sp_gpt2_cuda_layout,
     .alloc = dev_alloc,
     .release = dev_release,
     .zero = dev_zero,
@@ -106,6 +101,7 @@ static const sp_gpt2_ops cuda_ops = {
     .attention_bwd = sp_gpt2_gpu_attention_bwd,
     .gelu_bwd = sp_gpt2_gpu_gelu_bwd,
     .wte_bwd = sp_gpt2_gpu_wte_bwd,
+    .wte_bwd_rows = NULL,
     .wpe_bwd = sp_gpt2_gpu_wpe_bwd,
 };
 
@@ -113,69 +109,61 @@ static const sp_gpt2_ops cuda_ops = {
 /* memory                                                              */
 /* ------------------------------------------------------------------ */
 
-/* n elements of es bytes on the device, or NULL with *rc set. */
-static void *dalloc(int64_t n, size_t es, int *rc, sp_diag *d) {
-  void *p = NULL;
-  if (*rc == 0) *rc = sp_gpt2_step_alloc(&cuda_ops, n, 1, es, &p, d);
-  return p;
-}
-
 void sp_gpt2_cuda_free(sp_gpt2_cuda *c) {
   if (c == NULL) return;
   /* kernels of the last step may still use the memory */
   (void)cudaStreamSynchronize(c->st);
-  sp_gpt2_step_acts_release(&cuda_ops, &c->a);
-  void *single[] = {c->w2, c->rows, c->total, c->scalar};
-  for (size_t i = 0; i < sizeof single / sizeof single[0]; i++)
-    dev_release(single[i]);
+  sp_gpt2_acts_release(dev_release, &c->a);
   sp_gpt2_gpu_free(c->k);
   free(c->htok);
   free(c->htgt);
   free(c);
 }
 
-static int cuda_new(sp_gpt2_cuda *c, const sp_gpt2 *g, size_t B, size_t T,
+static int cuda_new(sp_gpt2_cuda *c, const sp_gpt2 *g, const sp_gpt2_shape *sh,
                     sp_diag *d) {
-  int rc = sp_gpt2_step_acts_alloc(&cuda_ops, g, B, T, &c->a, d);
-  int64_t N = (int64_t)(B * T);
-  /* embed_forward reads wte and wpe at once: wte's float32 copy takes
-   * a.w, wpe's this */
-  c->w2 = dalloc(g->ctx * g->C, sizeof(float), &rc, d);
-  c->rows = dalloc(N, sizeof(double), &rc, d);
-  c->total = dalloc(1, sizeof(double), &rc, d);
-  c->scalar = dalloc(1, sizeof(double), &rc, d);
+  int rc = sp_gpt2_acts_alloc(&sp_gpt2_cuda_layout, dev_alloc, g, sh, &c->a, d);
   if (rc != 0) return rc;
-  c->htok = calloc((size_t)N, sizeof *c->htok);
-  c->htgt = calloc((size_t)N, sizeof *c->htgt);
+  size_t N = sh->B * sh->T;
+  c->htok = calloc(N, sizeof *c->htok);
+  c->htgt = calloc(N, sizeof *c->htgt);
   if (!c->htok || !c->htgt) return sp_diag_set(d, SP_ENOMEM, "no memory");
   rc = sp_gpt2_gpu_new(c->st, &c->k, d);
   if (rc != 0) return rc;
-  c->step = (sp_gpt2_step){g, &cuda_ops, c->k, &c->a, c->w2, c->rows, c->total};
+  c->step = (sp_gpt2_step){g, &cuda_ops, c->k, &c->a};
   /* device memory starts undefined; the uploads and the forward write
    * everything before it is read, but a mistake then reads zeros */
-  SP_CUDA_CHECK(d, cudaMemsetAsync(c->a.tok, 0, (size_t)N * 4, c->st));
-  SP_CUDA_CHECK(d, cudaMemsetAsync(c->a.tgt, 0, (size_t)N * 4, c->st));
+  SP_CUDA_CHECK(d, cudaMemsetAsync(c->a.tok, 0, N * 4, c->st));
+  SP_CUDA_CHECK(d, cudaMemsetAsync(c->a.tgt, 0, N * 4, c->st));
+  return 0;
+}
+
+int sp_gpt2_cuda_new_with(const sp_gpt2 *g, const sp_gpt2_shape *sh,
+                          void *stream, sp_gpt2_cuda **out, sp_diag *d) {
+  if (g == NULL || sh == NULL || out == NULL)
+    return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda_new: NULL argument");
+  *out = NULL;
+  sp_gpt2_cuda *c = calloc(1, sizeof *c);
+  if (c == NULL) return sp_diag_set(d, SP_ENOMEM, "no memory");
+  c->st = (cudaStream_t)stream;
+  int rc = cuda_new(c, g, sh, d);
+  if (rc != 0) {
+    sp_gpt2_cuda_free(c);
+    return sp_diag_prefix(d, rc, "GPT-2 on the GPU (%zu x %zu tokens)", sh->B,
+                          sh->T);
+  }
+  *out = c;
   return 0;
 }
 
 int sp_gpt2_cuda_new(const sp_gpt2 *g, size_t B, size_t T, void *stream,
                      sp_gpt2_cuda **out, sp_diag *d) {
-  if (g == NULL || out == NULL || B == 0 || T == 0 || T > (size_t)g->ctx)
-    return sp_diag_set(d, SP_EINVAL,
-                       "sp_gpt2_cuda_new: %zu x %zu tokens "
-                       "(context %lld)",
-                       B, T, g ? (long long)g->ctx : 0LL);
-  *out = NULL;
-  sp_gpt2_cuda *c = calloc(1, sizeof *c);
-  if (c == NULL) return sp_diag_set(d, SP_ENOMEM, "no memory");
-  c->st = (cudaStream_t)stream;
-  int rc = cuda_new(c, g, B, T, d);
-  if (rc != 0) {
-    sp_gpt2_cuda_free(c);
-    return sp_diag_prefix(d, rc, "GPT-2 on the GPU (%zu x %zu tokens)", B, T);
-  }
-  *out = c;
-  return 0;
+  sp_gpt2_shape sh = {B, T, false, false};
+  return sp_gpt2_cuda_new_with(g, &sh, stream, out, d);
+}
+
+sp_act_bytes sp_gpt2_cuda_act_bytes(const sp_gpt2_cuda *c) {
+  return c ? c->a.mem : (sp_act_bytes){{0}, 0};
 }
 
 int32_t *sp_gpt2_cuda_tokens(sp_gpt2_cuda *c) { return c ? c->htok : NULL; }
@@ -203,12 +191,12 @@ int sp_gpt2_cuda_upload(sp_gpt2_cuda *c, sp_diag *d) {
   return 0;
 }
 
-double *sp_gpt2_cuda_scalar(sp_gpt2_cuda *c) { return c ? c->scalar : NULL; }
+double *sp_gpt2_cuda_scalar(sp_gpt2_cuda *c) { return c ? c->a.scalar : NULL; }
 
 int sp_gpt2_cuda_set_scalar(sp_gpt2_cuda *c, double v, sp_diag *d) {
   if (c == NULL) return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda: NULL");
   c->hscalar = v;
-  SP_CUDA_CHECK(d, cudaMemcpyAsync(c->scalar, &c->hscalar, sizeof v,
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(c->a.scalar, &c->hscalar, sizeof v,
                                    cudaMemcpyHostToDevice, c->st));
   return 0;
 }
@@ -216,7 +204,7 @@ int sp_gpt2_cuda_set_scalar(sp_gpt2_cuda *c, double v, sp_diag *d) {
 int sp_gpt2_cuda_get_scalar(sp_gpt2_cuda *c, double *v, sp_diag *d) {
   if (c == NULL || v == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_gpt2_cuda: NULL");
-  SP_CUDA_CHECK(d, cudaMemcpyAsync(&c->hscalar, c->scalar, sizeof *v,
+  SP_CUDA_CHECK(d, cudaMemcpyAsync(&c->hscalar, c->a.scalar, sizeof *v,
                                    cudaMemcpyDeviceToHost, c->st));
   SP_CUDA_CHECK(d, cudaStreamSynchronize(c->st));
   *v = c->hscalar;

@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "gpt2.h"
+#include "gpt2_acts.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,6 +43,12 @@ typedef struct sp_gpt2_cuda sp_gpt2_cuda;
  * SP_ETOOBIG (a tensor over 2^31 elements), SP_ENOMEM, SP_ECUDA. */
 int sp_gpt2_cuda_new(const sp_gpt2 *g, size_t B, size_t T, void *stream,
                      sp_gpt2_cuda **out, sp_diag *d);
+/* The same for a shape with checkpointing or the float32-only layout
+ * (gpt2_acts.h); its activations' bytes by category in
+ * sp_gpt2_cuda_act_bytes. */
+int sp_gpt2_cuda_new_with(const sp_gpt2 *g, const sp_gpt2_shape *sh,
+                          void *stream, sp_gpt2_cuda **out, sp_diag *d);
+sp_act_bytes sp_gpt2_cuda_act_bytes(const sp_gpt2_cuda *c);
 /* Waits for the stream, then frees. NULL is fine. */
 void sp_gpt2_cuda_free(sp_gpt2_cuda *c);
 

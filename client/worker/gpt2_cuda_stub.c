@@ -15,6 +15,18 @@ int sp_gpt2_cuda_new(const sp_gpt2 *g, size_t B, size_t T, void *stream,
   return unsupported(d);
 }
 
+int sp_gpt2_cuda_new_with(const sp_gpt2 *g, const sp_gpt2_shape *sh,
+                          void *stream, sp_gpt2_cuda **out, sp_diag *d) {
+  (void)g, (void)sh, (void)stream;
+  if (out) *out = NULL;
+  return unsupported(d);
+}
+
+sp_act_bytes sp_gpt2_cuda_act_bytes(const sp_gpt2_cuda *c) {
+  (void)c;
+  return (sp_act_bytes){{0}, 0};
+}
+
 void sp_gpt2_cuda_free(sp_gpt2_cuda *c) { (void)c; }
 
 int32_t *sp_gpt2_cuda_tokens(sp_gpt2_cuda *c) {

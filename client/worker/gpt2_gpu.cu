@@ -186,12 +186,12 @@ extern "C" int sp_gpt2_gpu_logits_fwd(sp_gpt2_dev *k, float *logits,
 extern "C" int sp_gpt2_gpu_logits_bwd(sp_gpt2_dev *k, float *dx, float *dwte,
                                       const float *dlogits, const float *x,
                                       const float *wte, int N, int C, int V,
-                                      sp_diag *d) {
+                                      int acc, sp_diag *d) {
   int rc = rm_gemm(k, false, false, N, C, V, 1.0f, dlogits, V, 0, wte, C, 0,
                    0.0f, dx, C, 0, 1, d);
-  if (rc == 0)
-    rc = rm_gemm(k, true, false, V, C, N, 1.0f, dlogits, V, 0, x, C, 0, 0.0f,
-                 dwte, C, 0, 1, d);
+  if (rc == 0 && dwte != NULL)
+    rc = rm_gemm(k, true, false, V, C, N, 1.0f, dlogits, V, 0, x, C, 0,
+                 acc ? 1.0f : 0.0f, dwte, C, 0, 1, d);
   return rc;
 }
 

@@ -56,7 +56,8 @@ int sp_gpt2_gpu_logits_fwd(sp_gpt2_dev *k, float *logits, const float *x,
                            const float *wte, int N, int C, int V, sp_diag *d);
 int sp_gpt2_gpu_logits_bwd(sp_gpt2_dev *k, float *dx, float *dwte,
                            const float *dlogits, const float *x,
-                           const float *wte, int N, int C, int V, sp_diag *d);
+                           const float *wte, int N, int C, int V, int acc,
+                           sp_diag *d);
 int sp_gpt2_gpu_layernorm_fwd(sp_gpt2_dev *k, float *out, float *mean,
                               float *rstd, const float *inp, const float *w,
                               const float *b, int N, int C, sp_diag *d);

@@ -21,9 +21,18 @@ static const char *fqn_of(const sp_gpt2 *g, int32_t p) {
   return g->model->params[p].fqn;
 }
 
+/* A view the float32-only layout has no scratch for. */
+static int f32_only(const sp_gpt2_step *s, int32_t p, sp_dtype pd, sp_diag *d) {
+  return sp_diag_set(d, SP_EINVAL,
+                     "%s: a %s view or gradient where the activations were "
+                     "laid out for float32 ones only",
+                     fqn_of(s->g, p), sp_dtype_name(pd));
+}
+
 /* A param's view as float32: the view itself when it is float32 and
  * aligned for floats (the runtime's flat parameters are) and `copy` is
- * false, else a float32 copy in scratch; *dt its dtype. */
+ * false, else a float32 copy in scratch (none in a float32-only layout:
+ * an error); *dt its dtype. */
 static int view(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
                 float *scratch, bool copy, const float **out, sp_dtype *dt,
                 sp_diag *d) {
@@ -41,14 +50,16 @@ static int view(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
     *out = v;
     return 0;
   }
+  if (s->a->f32_views) return f32_only(s, p, pd, d);
   *out = scratch;
   return s->ops->to_f32(s->k, scratch, v, pd, (size_t)t->numel, t->fqn, d);
 }
 
-/* A param read outside the block products, copied where ops say so. */
+/* A param read outside the block products, copied where the table says
+ * so. */
 static int param(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
                  float *scratch, const float **out, sp_dtype *dt, sp_diag *d) {
-  return view(s, io, p, scratch, s->ops->copy_params, out, dt, d);
+  return view(s, io, p, scratch, s->ops->layout->copy_params, out, dt, d);
 }
 
 /* A block product's weight, read in place where it can be: a copy per
@@ -66,6 +77,22 @@ static float *grad_f32(const sp_gpt2_io *io, int32_t p) {
                  (uintptr_t)v % _Alignof(float) == 0
              ? v
              : NULL;
+}
+
+/* Where p's gradient is computed: its float32 view, summed into in place
+ * (*acc 1), or the scratch a->gw, written (*acc 0) and added by
+ * add_grad; NULL when p takes no gradient. A float32-only layout has no
+ * scratch for a param of another dtype (or none for wte): an error, not
+ * an overflow. */
+static int grad_dst(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
+                    float **out, int *acc, sp_diag *d) {
+  float *v = grad_f32(io, p);
+  *out = v;
+  *acc = v != NULL;
+  if (v != NULL || io->grad == NULL || io->grad(io->user, p) == NULL) return 0;
+  if (s->a->f32_views) return f32_only(s, p, io->param_dtype(io->user, p), d);
+  *out = s->a->gw;
+  return 0;
 }
 
 /* grad view += gr, the sum in double rounded once to the view's dtype;
@@ -100,8 +127,8 @@ static int block_mask(const sp_gpt2_step *s, const sp_gpt2_block *b,
 
 static int check_block(const sp_gpt2_step *s, size_t l, sp_diag *d) {
   if (l >= (size_t)s->g->n_layer)
-    return sp_diag_set(d, SP_ERANGE, "%s: block %zu of %lld", s->ops->name, l,
-                       (long long)s->g->n_layer);
+    return sp_diag_set(d, SP_ERANGE, "%s: block %zu of %lld",
+                       s->ops->layout->name, l, (long long)s->g->n_layer);
   return 0;
 }
 
@@ -123,7 +150,7 @@ int sp_gpt2_step_embed_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   sp_dtype pd = SP_FLOAT32;
   const float *wte, *wpe;
   K(param(s, io, g->wte, a->w, &wte, &pd, d));
-  K(param(s, io, g->wpe, s->wpe, &wpe, NULL, d));
+  K(param(s, io, g->wpe, a->wpe, &wpe, NULL, d));
   K(s->ops->embed_fwd(s->k, a->res[0], a->tok, wte, wpe, N, T, C, d));
   K(s->ops->round(s->k, a->res[0], (size_t)N * (size_t)C, pd, d));
   return 0;
@@ -208,7 +235,7 @@ int sp_gpt2_step_head_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   K(o->logits_fwd(k, a->probs, a->lnf, wte, N, C, V, d));
   K(o->round(k, a->probs, (size_t)N * (size_t)V, pd, d));
   double sum = 0;
-  K(o->softmax_xent_fwd(k, a->probs, a->tgt, N, V, s->rows, s->total, &sum, d));
+  K(o->softmax_xent_fwd(k, a->probs, a->tgt, N, V, a->rows, a->total, &sum, d));
   if (loss) *loss = sum / denom;
   return 0;
 }
@@ -231,10 +258,15 @@ int sp_gpt2_step_head_backward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   size_t NC = (size_t)N * (size_t)C;
   K(o->softmax_xent_bwd(k, a->probs, a->tgt, N, V, (float)(1.0 / denom), d));
   K(o->round(k, a->probs, (size_t)N * (size_t)V, pd, d));
-  /* dlnf = dlogits wte; dwte = dlogits^T lnf */
-  K(o->logits_bwd(k, a->dbuf, a->gw, a->probs, a->lnf, wte, N, C, V, d));
+  /* dlnf = dlogits wte; dwte = dlogits^T lnf, into the view when it is
+   * float32 (no V x C scratch; the first micro-batch's view is zero, so
+   * the sums are those of the scratch) */
+  float *dwte = NULL;
+  int acc = 0;
+  K(grad_dst(s, io, g->wte, &dwte, &acc, d));
+  K(o->logits_bwd(k, a->dbuf, dwte, a->probs, a->lnf, wte, N, C, V, acc, d));
   K(o->round(k, a->dbuf, NC, pd, d));
-  K(add_grad(s, io, g->wte, a->gw, d));
+  if (!acc) K(add_grad(s, io, g->wte, a->gw, d));
   K(o->zero(k, a->dres, NC * sizeof *a->dres, d));
   K(o->layernorm_bwd(k, a->dres, a->gb, a->gb2, a->dbuf, a->res[g->n_layer], lw,
                      a->lnf_mean, a->lnf_rstd, N, C, d));
@@ -257,6 +289,8 @@ static int conv_bwd(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t w,
   if (gw && gbv)
     return s->ops->matmul_bwd(s->k, dinp, gw, gbv, dout, inp, wv, N, IC, OC, 1,
                               d);
+  if (s->a->f32_views)
+    return f32_only(s, gw ? b : w, io->param_dtype(io->user, gw ? b : w), d);
   K(s->ops->matmul_bwd(s->k, dinp, a->gw, a->gb, dout, inp, wv, N, IC, OC, 0,
                        d));
   K(add_grad(s, io, w, a->gw, d));
@@ -287,6 +321,9 @@ int sp_gpt2_step_block_backward(const sp_gpt2_step *s, size_t l,
   int N = (int)(a->B * a->T), C = (int)g->C, NH = (int)g->n_head;
   size_t NC = (size_t)N * (size_t)C;
   sp_dtype pd = io->param_dtype(io->user, b->attn_w);
+  /* checkpointing: the block's activations again, from its kept input;
+   * its output res[l + 1] is rewritten with the values it holds */
+  if (a->checkpointing) K(sp_gpt2_step_block_forward(s, l, io, d));
   /* a->dres: the gradient of the block's output, which the residual
    * passes on unchanged; each branch adds its input gradient to it */
   K(conv_bwd(s, io, b->fcproj_w, b->fcproj_b, a->dbig, a->dres, a->fch_gelu[l],
@@ -321,9 +358,19 @@ int sp_gpt2_step_embed_backward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   const sp_gpt2 *g = s->g;
   sp_gpt2_acts *a = s->a;
   int C = (int)g->C, T = (int)a->T, N = (int)(a->B * a->T);
-  /* wte: rows by token, tokens in order */
-  K(s->ops->wte_bwd(s->k, a->gw, a->dres, a->tok, N, C, (int)g->V, d));
-  K(add_grad(s, io, g->wte, a->gw, d));
+  /* wte: rows by token, tokens in order; into a float32 view through
+   * B*T rows (dbig is free after the blocks) where the table can */
+  float *dwte = grad_f32(io, g->wte);
+  if (dwte && s->ops->layout->wte_rows) {
+    K(s->ops->wte_bwd_rows(s->k, dwte, a->dbig, a->wte_row, a->dres, a->tok, N,
+                           C, (int)g->V, d));
+  } else if (io->grad && io->grad(io->user, g->wte)) {
+    if (s->ops->layout->wte_rows && a->f32_views)
+      return f32_only(s, g->wte, io->param_dtype(io->user, g->wte), d);
+    K(s->ops->wte_bwd(s->k, a->gw, a->dres, a->tok, N, C, (int)g->V, d));
+    K(add_grad(s, io, g->wte, a->gw, d));
+  }
+  /* wpe's ctx x C always fits the scratch */
   K(s->ops->wpe_bwd(s->k, a->gw, a->dres, N, T, C, (int)g->ctx, d));
   return add_grad(s, io, g->wpe, a->gw, d);
 }

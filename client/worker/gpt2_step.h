@@ -20,6 +20,7 @@
 #include "base/sp_error.h"
 #include "cast/dtype.h"
 #include "gpt2.h"
+#include "gpt2_acts.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -33,20 +34,11 @@ typedef struct sp_gpt2_dev sp_gpt2_dev;
  * gpt2_cpu.h's (arguments and meaning there), each returning 0 or an
  * error. */
 typedef struct sp_gpt2_ops {
-  const char *name;  /* names the pieces in messages */
-  int64_t max_elems; /* per array: the kernels index with int */
-  /* The attention backward's scratch holds every head's T x T (the GPU
-   * does a sequence's heads at once) instead of one head's. */
-  bool datt_all_heads;
-  /* The params read outside the block products (LayerNorm's, the biases,
-   * the embeddings, the tied head) are copied to float32 even when their
-   * view is float32, as the CPU always has: in place would read the same
-   * values, the copy only costs a pass over them. */
-  bool copy_params;
+  const sp_gpt2_layout *layout; /* what its activations need */
 
   /* bytes of the table's memory (contents undefined), and back */
-  int (*alloc)(size_t bytes, void **out, sp_diag *d);
-  void (*release)(void *p); /* NULL is fine */
+  sp_gpt2_alloc_fn alloc;
+  sp_gpt2_release_fn release; /* NULL is fine */
   int (*zero)(sp_gpt2_dev *k, void *p, size_t bytes, sp_diag *d);
   /* dst = src (n elements of st) as float32, exact; fqn names the param
    * in the message */
@@ -88,9 +80,10 @@ typedef struct sp_gpt2_ops {
                           double *sum, sp_diag *d);
   int (*softmax_xent_bwd)(sp_gpt2_dev *k, float *probs, const int32_t *tgt,
                           int N, int V, float scale, sp_diag *d);
+  /* dwte's sum added to it when acc, else written */
   int (*logits_bwd)(sp_gpt2_dev *k, float *dx, float *dwte,
                     const float *dlogits, const float *x, const float *wte,
-                    int N, int C, int V, sp_diag *d);
+                    int N, int C, int V, int acc, sp_diag *d);
   int (*layernorm_bwd)(sp_gpt2_dev *k, float *dinp, float *dw, float *db,
                        const float *dout, const float *inp, const float *w,
                        const float *mean, const float *rstd, int N, int C,
@@ -106,6 +99,14 @@ typedef struct sp_gpt2_ops {
                   const float *dout, size_t n, sp_diag *d);
   int (*wte_bwd)(sp_gpt2_dev *k, float *dwte, const float *dx,
                  const int32_t *tok, int N, int C, int V, sp_diag *d);
+  /* The lookup's share added to a float32 view of wte's gradient: each
+   * token's rows of dx summed in token order into scratch rows (N x C at
+   * most; row_of is V ints of scratch), then each sum added to the view
+   * once, as wte_bwd's V x C scratch then grad_add would; NULL when the
+   * table has none (sp_gpt2_layout.wte_rows false). */
+  int (*wte_bwd_rows)(sp_gpt2_dev *k, float *dwte, float *rows, int32_t *row_of,
+                      const float *dx, const int32_t *tok, int N, int C, int V,
+                      sp_diag *d);
   int (*wpe_bwd)(sp_gpt2_dev *k, float *dwpe, const float *dx, int N, int T,
                  int C, int ctx, sp_diag *d);
 } sp_gpt2_ops;
@@ -114,11 +115,8 @@ typedef struct sp_gpt2_ops {
 typedef struct sp_gpt2_step {
   const sp_gpt2 *g;
   const sp_gpt2_ops *ops;
-  sp_gpt2_dev *k;       /* the kernels' state (NULL on the CPU) */
-  sp_gpt2_acts *a;      /* sp_gpt2_step_acts_alloc's, tok and tgt written */
-  float *wpe;           /* embed_forward's float32 copy of wpe, when one is
-                           needed (ctx x C floats) */
-  double *rows, *total; /* softmax_xent_fwd's scratch */
+  sp_gpt2_dev *k;  /* the kernels' state (NULL on the CPU) */
+  sp_gpt2_acts *a; /* sp_gpt2_acts_alloc's over ops, tok and tgt written */
 } sp_gpt2_step;
 
 /* gpt2.h's pieces, with its errors; the caller has checked its arguments

@@ -7,6 +7,7 @@
 
 #include "base/clock.h"
 #include "plan/plan.h"
+#include "train_memory.h"
 #include "gpt2_cuda.h"
 #include "gpt2_trainer_check.h"
 
@@ -71,17 +72,20 @@ int sp_gpt2_trainer_new(const sp_gpt2 *g, sp_fsdp *f, sp_session *s,
   if (rc == 0)
     rc = sp_gpt2_trainer_check_job(g, tr->plan, flags, tr->block_unit,
                                    &tr->head_unit, d);
+  /* the layout the memory model counted (train_memory.h) */
+  sp_gpt2_shape sh = {tr->B, tr->T, flags->checkpointing,
+                      sp_train_mem_f32_views(tr->plan)};
   if (rc == 0 && sp_fsdp_on_device(f)) {
-    rc = sp_gpt2_cuda_new(g, tr->B, tr->T, sp_fsdp_cuda_stream(f), &tr->gpu, d);
+    rc = sp_gpt2_cuda_new_with(g, &sh, sp_fsdp_cuda_stream(f), &tr->gpu, d);
     if (rc == 0) {
       tr->tok = sp_gpt2_cuda_tokens(tr->gpu);
       tr->tgt = sp_gpt2_cuda_targets(tr->gpu);
     }
   } else if (rc == 0) {
-    rc = sp_gpt2_acts_new(g, tr->B, tr->T, &tr->acts);
+    rc = sp_gpt2_acts_new_with(g, sh.B, sh.T, sh.checkpointing, sh.f32_views,
+                               &tr->acts, d);
     if (rc != 0)
-      sp_diag_set(d, rc, "activations of %zu x %zu tokens: %s", tr->B, tr->T,
-                  sp_strerror(rc));
+      sp_diag_prefix(d, rc, "activations of %zu x %zu tokens", tr->B, tr->T);
     else {
       tr->tok = tr->acts->tok;
       tr->tgt = tr->acts->tgt;
@@ -113,8 +117,8 @@ uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr) {
   return (uint64_t)tr->cfg->global_batch * tr->T;
 }
 
-uint64_t sp_gpt2_trainer_act_bytes(const sp_gpt2_trainer *tr) {
-  return tr->acts->bytes;
+sp_act_bytes sp_gpt2_trainer_act_bytes(const sp_gpt2_trainer *tr) {
+  return tr->gpu ? sp_gpt2_cuda_act_bytes(tr->gpu) : tr->acts->mem;
 }
 
 uint64_t sp_gpt2_trainer_eval_tokens(const sp_gpt2_trainer *tr) {

@@ -73,9 +73,10 @@ typedef struct sp_gpt2_times {
 sp_gpt2_times sp_gpt2_trainer_times(const sp_gpt2_trainer *tr);
 /* Tokens a step trains over every rank (global_batch * seq_len). */
 uint64_t sp_gpt2_trainer_tokens_per_step(const sp_gpt2_trainer *tr);
-/* Bytes of the model's activations and scratch on this rank (held from
- * sp_gpt2_trainer_new on; outside the runtime's counted memory). */
-uint64_t sp_gpt2_trainer_act_bytes(const sp_gpt2_trainer *tr);
+/* Bytes of the model's activations and scratch on this rank by category
+ * (held from sp_gpt2_trainer_new on; outside the runtime's counted
+ * memory; what sp_train_mem_predict predicts for the job). */
+sp_act_bytes sp_gpt2_trainer_act_bytes(const sp_gpt2_trainer *tr);
 /* Tokens one sp_gpt2_trainer_eval reads over every rank. */
 uint64_t sp_gpt2_trainer_eval_tokens(const sp_gpt2_trainer *tr);
 /* Where the data came from, for the first progress line. */

@@ -201,10 +201,8 @@ void sp_mlp_init_buffer(void *user, const sp_model *m, int32_t buffer,
   memset(dst, 0, (size_t)t->numel * sp_dtype_size(t->dtype));
 }
 
-/* ------------------------------------------------------------------ */
-/* activations                                                         */
-/* ------------------------------------------------------------------ */
-
+/* n x dim floats, zeroed (a layer's transient scratch), or NULL with *rc
+ * set. */
 static float *alloc_floats(size_t n, int64_t dim, int *rc) {
   if (dim < 0 || (dim > 0 && n > SIZE_MAX / sizeof(float) / (size_t)dim)) {
     *rc = SP_ETOOBIG;
@@ -214,40 +212,6 @@ static float *alloc_floats(size_t n, int64_t dim, int *rc) {
   float *p = calloc(count ? count : 1, sizeof(float));
   if (p == NULL) *rc = SP_ENOMEM;
   return p;
-}
-
-int sp_mlp_acts_new(const sp_mlp *mlp, size_t n, sp_mlp_acts **out) {
-  if (mlp == NULL || out == NULL) return SP_EINVAL;
-  *out = NULL;
-  sp_mlp_acts *a = calloc(1, sizeof *a);
-  if (a == NULL) return SP_ENOMEM;
-  a->n = n;
-  /* NULL-terminated, so sp_mlp_acts_free and the model check below need no
-   * layer count of their own */
-  a->x = calloc(mlp->n_layers + 2, sizeof *a->x);
-  int rc = a->x == NULL ? SP_ENOMEM : 0;
-  for (size_t l = 0; l <= mlp->n_layers && rc == 0; l++) {
-    int64_t dim = l == 0 ? mlp->in_dim : mlp->layers[l - 1].out;
-    a->x[l] = alloc_floats(n, dim, &rc);
-  }
-  if (rc == 0) a->dx = alloc_floats(n, mlp->max_dim, &rc);
-  if (rc == 0) a->dy = alloc_floats(n, mlp->max_dim, &rc);
-  if (rc != 0) {
-    sp_mlp_acts_free(a);
-    return rc;
-  }
-  *out = a;
-  return 0;
-}
-
-void sp_mlp_acts_free(sp_mlp_acts *a) {
-  if (a == NULL) return;
-  if (a->x != NULL)
-    for (size_t l = 0; a->x[l] != NULL; l++) free(a->x[l]);
-  free(a->x);
-  free(a->dx);
-  free(a->dy);
-  free(a);
 }
 
 /* ------------------------------------------------------------------ */

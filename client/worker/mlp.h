@@ -39,6 +39,7 @@
 #include "plan/model.h"
 #include "base/sp_error.h"
 #include "lib/shardplane.h"
+#include "train_memory.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -118,11 +119,17 @@ typedef struct sp_mlp_acts {
   /* x[l]: input of layer l (n x in); x[n_layers]: output; x[n_layers + 1]
    * is NULL */
   float **x;
-  float *dx, *dy; /* scratch, n x max_dim */
+  float *dx, *dy;   /* scratch, n x max_dim */
+  float *t;         /* the targets, n x out_dim */
+  sp_act_bytes mem; /* the arrays' bytes by category (train_memory.h) */
 } sp_mlp_acts;
-/* 0, SP_EINVAL (NULL), SP_ETOOBIG (n x width overflows), SP_ENOMEM. */
+/* 0, SP_EINVAL (NULL), SP_ETOOBIG (n x width overflows), SP_ENOMEM
+ * (mlp_acts.c, which also counts them for the memory model). */
 int sp_mlp_acts_new(const sp_mlp *mlp, size_t n, sp_mlp_acts **out);
 void sp_mlp_acts_free(sp_mlp_acts *a);
+/* What sp_mlp_acts_new allocates for n samples, by category, without
+ * allocating it. Errors as it. */
+int sp_mlp_acts_count(const sp_mlp *mlp, size_t n, sp_act_bytes *out);
 
 /* Forward of layer l: reads a->x[l], writes a->x[l+1]. global_n is the
  * global batch size (RunningNorm's mean; 1..2^24, at least a->n). Updates

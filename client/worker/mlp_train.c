@@ -14,7 +14,6 @@ struct sp_mlp_trainer {
   sp_mlp_acts *acts;    /* host: the batch is generated here */
   sp_mlp_cuda *gpu;     /* device activations; NULL on the CPU */
   uint32_t *layer_unit; /* per layer: the unit its module is, or 0 */
-  float *t;             /* targets of the local batch */
   size_t local_n;       /* samples of a micro-batch on this rank */
   const sp_mlp_train_cfg *cfg;
   uint32_t rank;
@@ -50,8 +49,7 @@ static int trainer_init(sp_mlp_trainer *tr, sp_fsdp *f, sp_session *s,
   size_t local_n = cfg->global_batch / cfg->grad_accum / sp_session_world(s);
   tr->local_n = local_n;
   tr->layer_unit = calloc(mlp->n_layers, sizeof *tr->layer_unit);
-  tr->t = calloc(local_n * (size_t)mlp->out_dim, sizeof *tr->t);
-  if (!tr->layer_unit || !tr->t) return sp_diag_set(d, SP_ENOMEM, "no memory");
+  if (!tr->layer_unit) return sp_diag_set(d, SP_ENOMEM, "no memory");
   for (size_t l = 0; l < mlp->n_layers; l++)
     for (uint32_t u = 1; u < tr->plan->n_units; u++)
       if (tr->plan->units[u].module == mlp->layers[l].module)
@@ -78,12 +76,15 @@ int sp_mlp_trainer_new(const sp_mlp *mlp, sp_fsdp *f, sp_session *s,
   return 0;
 }
 
+sp_act_bytes sp_mlp_trainer_act_bytes(const sp_mlp_trainer *tr) {
+  return tr->acts->mem;
+}
+
 void sp_mlp_trainer_free(sp_mlp_trainer *tr) {
   if (!tr) return;
   sp_mlp_cuda_free(tr->gpu);
   sp_mlp_acts_free(tr->acts);
   free(tr->layer_unit);
-  free(tr->t);
   free(tr);
 }
 
@@ -133,9 +134,9 @@ static int micro_step_gpu(sp_mlp_trainer *tr, uint64_t step, uint32_t j,
   sp_mlp_cuda *g = tr->gpu;
   sp_mlp_io io = runtime_io(f);
   sp_mlp_batch(mlp, step, micro_first(tr, j), tr->local_n, tr->acts->x[0],
-               tr->t);
+               tr->acts->t);
   int rc = set_sync(tr, j, d);
-  if (rc == 0) rc = sp_mlp_cuda_set_batch(g, tr->acts->x[0], tr->t, d);
+  if (rc == 0) rc = sp_mlp_cuda_set_batch(g, tr->acts->x[0], tr->acts->t, d);
   if (rc == 0) rc = sp_fsdp_root_pre_forward(f, d);
   for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
     uint32_t u = tr->layer_unit[l];
@@ -183,7 +184,7 @@ static int micro_step(sp_mlp_trainer *tr, uint64_t step, uint32_t j,
   const sp_mlp *mlp = tr->mlp;
   sp_mlp_io io = runtime_io(f);
   sp_mlp_batch(mlp, step, micro_first(tr, j), tr->local_n, tr->acts->x[0],
-               tr->t);
+               tr->acts->t);
   int rc = set_sync(tr, j, d);
   if (rc == 0) rc = sp_fsdp_root_pre_forward(f, d);
   for (size_t l = 0; rc == 0 && l < mlp->n_layers; l++) {
@@ -194,7 +195,7 @@ static int micro_step(sp_mlp_trainer *tr, uint64_t step, uint32_t j,
     if (rc == 0 && u) rc = sp_fsdp_post_forward(f, u, d);
   }
   if (rc == 0) {
-    *local = sp_mlp_loss_over(mlp, tr->acts, tr->t, output_dtype(tr),
+    *local = sp_mlp_loss_over(mlp, tr->acts, tr->acts->t, output_dtype(tr),
                               tr->local_n * tr->cfg->grad_accum);
     rc = sp_fsdp_root_post_forward(f, d);
   }

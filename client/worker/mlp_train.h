@@ -31,6 +31,9 @@ int sp_mlp_trainer_new(const sp_mlp *mlp, sp_fsdp *f, sp_session *s,
                        const sp_mlp_train_cfg *cfg, sp_mlp_trainer **out,
                        sp_diag *d);
 void sp_mlp_trainer_free(sp_mlp_trainer *tr);
+/* Bytes of the host activations and scratch by category (held from
+ * sp_mlp_trainer_new on; what sp_train_mem_predict predicts). */
+sp_act_bytes sp_mlp_trainer_act_bytes(const sp_mlp_trainer *tr);
 
 /* One optimizer step (index step, 0-based); *loss receives the global
  * mean training loss. A collective: every rank calls it. */

@@ -28,6 +28,8 @@ enum {
   F_EVAL_EVERY,
   F_EVAL_BATCHES,
   F_THREADS,
+  F_CKPT,
+  F_NO_MEM_CHECK,
   F_COUNT
 };
 
@@ -73,6 +75,13 @@ static const struct {
                         "GPT-2 models: validation micro-batches (default "
                         "4)"},
     [F_THREADS] = {"threads", "N", "BLAS threads of each rank (default 1)"},
+    [F_CKPT] = {"activation-checkpointing", NULL,
+                "GPT-2 models: keep only each block's input from forward "
+                "and recompute the block in backward (less memory, about "
+                "one more forward)"},
+    [F_NO_MEM_CHECK] = {"no-memory-check", NULL,
+                        "start even when the memory model predicts more "
+                        "than the host (or device) has available"},
 };
 
 void sp_train_flags_init(sp_train_flags *t) {
@@ -187,6 +196,8 @@ int sp_train_flag(sp_train_flags *t, int c, const char *v, sp_diag *d) {
       t->grad_accum = (uint32_t)n;
       break;
     case F_NO_SYNC: t->no_sync = true; break;
+    case F_CKPT: t->checkpointing = true; break;
+    case F_NO_MEM_CHECK: t->no_memory_check = true; break;
     case F_DECAY: rc = add_pattern(t->decay, &t->n_decay, flag, v, d); break;
     case F_NO_DECAY:
       rc = add_pattern(t->no_decay, &t->n_no_decay, flag, v, d);

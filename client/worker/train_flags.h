@@ -76,6 +76,8 @@ typedef struct sp_train_flags {
   uint32_t eval_every;   /* --eval-every (default 10; 0: never) */
   uint32_t eval_batches; /* --eval-batches (default 4) */
   uint32_t threads;      /* --threads, BLAS threads (default 1) */
+  bool checkpointing;    /* --activation-checkpointing */
+  bool no_memory_check;  /* --no-memory-check */
   /* which were given, for the checks that combine flags: the value as
    * given (NULL: not given), by flag index */
   const char *given[32];

@@ -13,6 +13,8 @@
 #include "base/clock.h"
 #include "mlp_train.h"
 #include "synthetic_train.h"
+#include "cast/cast_cuda.h"
+#include "train_memory.h"
 #include "train_model.h"
 #include "worker_stats.h"
 #include "worker_test_state.h"
@@ -72,6 +74,31 @@ static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
 
 /* Every kind asked for, into --checkpoint-dir/<kind>; each replaces the
  * previous one of its kind only once complete (sp_ckpt_save). */
+/* This rank's predicted peak (train_memory.h) against what its host has
+ * available, or on a GPU what the device has free: as shardplane run
+ * checks every rank it places, for jobs an agent launched. */
+static int check_memory(const sp_worker_opts *o, const sp_plan *plan,
+                        uint32_t rank, sp_diag *d) {
+  int dev = -1;
+  if (o->device && sscanf(o->device, "cuda:%d", &dev) != 1) dev = -1;
+  sp_mem_opts mo;
+  sp_train_shape sh;
+  sp_train_mem m;
+  sp_train_mem_job(&o->train, o->wf.global_batch, dev >= 0, &mo, &sh);
+  int rc = sp_train_mem_predict(plan, &mo, &sh, &m, d);
+  uint64_t avail = 0, total = 0;
+  char where[48];
+  if (rc == 0 && dev >= 0) {
+    snprintf(where, sizeof where, "rank %u's GPU (cuda:%d)", rank, dev);
+    rc = sp_cuda_device_memory(dev, &avail, &total, d);
+  } else if (rc == 0) {
+    snprintf(where, sizeof where, "rank %u's host", rank);
+    rc = sp_host_mem_available(&avail, d);
+  }
+  if (rc == 0) rc = sp_train_mem_fit(&m, 1, avail, where, dev >= 0, d);
+  return rc;
+}
+
 static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f, uint32_t rank,
                             uint64_t step, sp_diag *d) {
   for (int k = SP_CKPT_FULL; o->wf.ckpt_dir && k <= SP_CKPT_LOCAL; k++) {
@@ -159,6 +186,8 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
     rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train, o->wf.steps,
                               o->wf.lr, o->wf.global_batch, w, "the world size",
                               &cfg, d);
+  if (rc == 0 && (tm.gpt || tm.mlp) && !o->train.no_memory_check)
+    rc = check_memory(o, sp_session_plan(s), rank, d);
   sp_gpt2 *gpt = tm.gpt;
   sp_mlp *mlp = tm.mlp;
   bool is_gpt2 = gpt != NULL, is_mlp = mlp != NULL;
@@ -332,6 +361,7 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
     sp_fsdp_stats st;
     sp_fsdp_get_stats(f, &st);
     if (gtr) mem.activations = sp_gpt2_trainer_act_bytes(gtr);
+    if (mtr) mem.activations = sp_mlp_trainer_act_bytes(mtr);
     mem.train = (sp_worker_mem_phase){.have = true,
                                       .rss_start = mem.rss_before,
                                       .rss_hwm = sp_worker_proc_bytes("VmHWM:"),

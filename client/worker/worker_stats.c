@@ -98,9 +98,14 @@ int sp_worker_write_stats(const char *path, const double *step_s,
   }
   fprintf(fp,
           "], \"memory\": {\"rss_before\": %lld, "
-          "\"allocs_after_first_step\": %llu, \"activations\": %llu",
+          "\"allocs_after_first_step\": %llu, \"activations\": %llu, "
+          "\"activations_by_category\": {",
           m->rss_before, (unsigned long long)m->allocs_after_first_step,
-          (unsigned long long)m->activations);
+          (unsigned long long)m->activations.total);
+  for (int c = 0; c < SP_ACT_N_CATS; c++)
+    fprintf(fp, "%s\"%s\": %llu", c ? ", " : "", sp_act_cat_name((sp_act_cat)c),
+            (unsigned long long)m->activations.cat[c]);
+  fputc('}', fp);
   if (m->train.have) put_phase(fp, "train", &m->train);
   if (m->ckpt.have) put_phase(fp, "checkpoint", &m->ckpt);
   fputs("}}\n", fp);

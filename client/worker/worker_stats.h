@@ -27,7 +27,8 @@ typedef struct sp_worker_mem_phase {
 typedef struct sp_worker_mem {
   long long rss_before; /* before sp_fsdp_new */
   uint64_t allocs_after_first_step;
-  uint64_t activations; /* a GPT-2's activations and scratch, else 0 */
+  /* the trainer's activations and scratch by category (0: synthetic) */
+  sp_act_bytes activations;
   sp_worker_mem_phase train, ckpt;
 } sp_worker_mem;
 

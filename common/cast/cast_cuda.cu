@@ -332,6 +332,18 @@ int sp_cuda_device_count(int *n) {
   }
 }
 
+int sp_cuda_device_memory(int device, uint64_t *free_b, uint64_t *total_b,
+                          sp_diag *d) {
+  if (free_b == NULL || total_b == NULL || device < 0)
+    return sp_diag_set(d, SP_EINVAL, "sp_cuda_device_memory: bad argument");
+  size_t fr = 0, tot = 0;
+  SP_CUDA_CHECK(d, cudaSetDevice(device));
+  SP_CUDA_CHECK(d, cudaMemGetInfo(&fr, &tot));
+  *free_b = fr;
+  *total_b = tot;
+  return 0;
+}
+
 /* ---- entry points -------------------------------------------------------- */
 
 /* A few resident blocks per SM saturate memory; beyond that the grid-stride

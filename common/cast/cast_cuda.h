@@ -13,6 +13,7 @@
 #define SP_CAST_CUDA_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "dtype.h"
 #include "base/sp_error.h"
@@ -90,6 +91,14 @@ int sp_cuda_cast_div(void *dst, sp_dtype dst_t, const void *src, sp_dtype src_t,
  * Errors: SP_EINVAL (n NULL), SP_ECUDA (the driver reported something other
  * than "no device"; *n = 0). */
 int sp_cuda_device_count(int *n);
+
+/* Free and total memory of CUDA device `device` in bytes (the memory
+ * check before a job starts compares its prediction with the free part).
+ * The device becomes the calling thread's current one. In every build: a
+ * build without CUDA answers SP_EUNSUPPORTED. Errors: SP_EINVAL, SP_ECUDA
+ * (d names the call). */
+int sp_cuda_device_memory(int device, uint64_t *free_b, uint64_t *total_b,
+                          sp_diag *d);
 
 #ifdef __cplusplus
 }
