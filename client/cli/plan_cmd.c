@@ -66,6 +66,22 @@ static void plan_help(FILE *f) {
         "                               no_sync (every unit's gradient "
         "kept until the\n"
         "                               last micro-batch)\n"
+        "  --global-batch N             with --memory: sequences (samples) "
+        "a step over\n"
+        "                               every rank (default 24, as "
+        "shardplane run)\n"
+        "  --micro-batch N              with --memory: instead, "
+        "sequences a rank takes\n"
+        "                               a micro-batch\n"
+        "  --grad-accum K               with --memory: micro-batches a "
+        "step (default 1)\n"
+        "  --seq-len T                  with --memory: GPT-2 tokens a "
+        "sequence (default:\n"
+        "                               the context)\n"
+        "  --activation-checkpointing   with --memory: GPT-2 keeps only "
+        "each block's input\n"
+        "  --device cpu|cuda            with --memory: where the "
+        "activations live\n"
         "  --help                       this text\n"
         "\n"
         "exit codes: 0 ok, 1 bad spec or job, 2 bad usage, 3 rank/unit not "
@@ -86,6 +102,12 @@ enum {
   OPT_INFLIGHT,
   OPT_NO_PREFETCH,
   OPT_NO_SYNC,
+  OPT_GLOBAL_BATCH,
+  OPT_MICRO_BATCH,
+  OPT_GRAD_ACCUM,
+  OPT_SEQ_LEN,
+  OPT_CKPT,
+  OPT_DEVICE,
 };
 
 static const struct option k_opts[] = {
@@ -100,6 +122,12 @@ static const struct option k_opts[] = {
     {"max-inflight-gathers", required_argument, NULL, OPT_INFLIGHT},
     {"no-backward-prefetch", no_argument, NULL, OPT_NO_PREFETCH},
     {"no-sync", no_argument, NULL, OPT_NO_SYNC},
+    {"global-batch", required_argument, NULL, OPT_GLOBAL_BATCH},
+    {"micro-batch", required_argument, NULL, OPT_MICRO_BATCH},
+    {"grad-accum", required_argument, NULL, OPT_GRAD_ACCUM},
+    {"seq-len", required_argument, NULL, OPT_SEQ_LEN},
+    {"activation-checkpointing", no_argument, NULL, OPT_CKPT},
+    {"device", required_argument, NULL, OPT_DEVICE},
     SP_REMOTE_OPTIONS,
 };
 
@@ -109,6 +137,9 @@ typedef struct plan_args {
   bool json;
   bool memory;
   sp_mem_opts mem;
+  sp_train_shape shape;  /* global_batch 0: from micro_batch */
+  long long micro_batch; /* --micro-batch; 0: not given */
+  bool global_given;
   const char *mem_flag; /* a memory option given (for the error without
                            --memory) */
   bool remote_opts;     /* --coordinator or --timeout-ms given */
@@ -168,15 +199,21 @@ static int run_plan(const plan_args *a) {
     goto out;
   }
   if (a->memory) {
-    sp_mem_estimate e;
-    if (sp_mem_estimate_plan(plan, &a->mem, &e, &diag) != 0) {
+    sp_train_mem tm;
+    sp_train_shape sh = a->shape;
+    if (a->micro_batch > 0)
+      sh.global_batch =
+          (uint32_t)(a->micro_batch * sh.grad_accum * plan->world_size);
+    rc = sp_train_mem_predict(plan, &a->mem, &sh, &tm, &diag);
+    if (rc != 0) {
       sp_cli_error("plan", "memory model: %s", diag.msg);
+      if (rc == SP_EINVAL) exit_code = SP_EXIT_USAGE;
       goto out;
     }
     if (a->json) {
-      if (sp_render_memory_json(plan, &job, &src, &e) != 0) goto out;
+      if (sp_render_memory_json(plan, &job, &src, &tm, &sh) != 0) goto out;
     } else {
-      sp_render_memory_text(plan, &job, &src, &e);
+      sp_render_memory_text(plan, &job, &src, &tm, &sh);
     }
   } else if (a->json) {
     if (sp_render_plan_json(plan, &job, &src, (long)a->rank, unit) != 0)
@@ -195,6 +232,7 @@ out:
 int sp_cmd_plan(int argc, char **argv) {
   plan_args a = {.rank = -1};
   sp_mem_opts_default(&a.mem);
+  a.shape = (sp_train_shape){.global_batch = 24, .grad_accum = 1};
   sp_remote remote;
   sp_remote_init(&remote, "plan");
   int exit_code = SP_EXIT_USAGE;
@@ -269,6 +307,36 @@ int sp_cmd_plan(int argc, char **argv) {
         a.mem_flag = "--no-sync";
         a.mem.no_sync = true;
         break;
+      case OPT_GLOBAL_BATCH:
+      case OPT_MICRO_BATCH:
+      case OPT_GRAD_ACCUM:
+      case OPT_SEQ_LEN: {
+        static const char *const names[] = {"--global-batch", "--micro-batch",
+                                            "--grad-accum", "--seq-len"};
+        const char *flag = names[c - OPT_GLOBAL_BATCH];
+        long long n;
+        a.mem_flag = flag;
+        if (sp_flag_int(flag, optarg, 1, UINT32_MAX, &n, &d) != 0) goto bad;
+        if (c == OPT_GLOBAL_BATCH) a.shape.global_batch = (uint32_t)n;
+        if (c == OPT_GLOBAL_BATCH) a.global_given = true;
+        if (c == OPT_MICRO_BATCH) a.micro_batch = n;
+        if (c == OPT_GRAD_ACCUM) a.shape.grad_accum = (uint32_t)n;
+        if (c == OPT_SEQ_LEN) a.shape.seq_len = (uint32_t)n;
+        break;
+      }
+      case OPT_CKPT:
+        a.mem_flag = "--activation-checkpointing";
+        a.shape.checkpointing = true;
+        break;
+      case OPT_DEVICE: {
+        static const char *const devices[] = {"cpu", "cuda"};
+        size_t k = 0;
+        a.mem_flag = "--device";
+        if (sp_flag_choice("--device", optarg, devices, 2, &k, &d) != 0)
+          goto bad;
+        a.shape.device = k == 1;
+        break;
+      }
       default:
         if (c >= SP_JOB_OPT_BASE) {
           if (sp_job_cli_record(&a.flags, c, optarg) != 0) goto out;
@@ -294,6 +362,12 @@ int sp_cmd_plan(int argc, char **argv) {
                  a.mem_flag);
     goto out;
   }
+  if (a.micro_batch > 0 && a.global_given) {
+    sp_cli_error("plan",
+                 "--micro-batch and --global-batch both give the batch: "
+                 "one of them");
+    goto out;
+  }
   if (a.memory && (a.rank >= 0 || a.unit != NULL)) {
     sp_cli_error("plan",
                  "--memory prints what every rank holds (the same "
@@ -316,7 +390,8 @@ int sp_cmd_plan(int argc, char **argv) {
   } else {
     remote.json = a.json;
     exit_code =
-        sp_remote_plan(&remote, a.rank, a.unit, a.memory ? &a.mem : NULL);
+        sp_remote_plan(&remote, a.rank, a.unit, a.memory ? &a.mem : NULL,
+                       &a.shape, a.micro_batch);
   }
 out:
   sp_job_cli_free(&a.flags);
@@ -329,7 +404,8 @@ out:
 /* ------------------------------------------------------------------ */
 
 int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
-                   const sp_mem_opts *memory) {
+                   const sp_mem_opts *memory, const sp_train_shape *shape,
+                   long long micro_batch) {
   Shardplane__V1__GetJobResponse *j = NULL;
   sp_wire_plan *wp = NULL;
   sp_job job;
@@ -378,16 +454,30 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
                         .elements = j->total_numel,
                         .build_ms = -1};
   if (memory != NULL) {
+    /* the runtime's part is the coordinator's; the trainer's is counted
+     * here, from the plan it sent, for the batch shape asked for */
     sp_mem_estimate e;
+    sp_train_mem tm;
+    sp_train_shape sh = *shape;
+    if (micro_batch > 0)
+      sh.global_batch =
+          (uint32_t)(micro_batch * sh.grad_accum * pl->world_size);
     if (sp_wire_memory(wp->msg->memory, &e, &diag) != 0) {
       sp_cli_error(r->cmd, "the coordinator's memory model is malformed: %s",
                    diag.msg);
       ec = SP_EXIT_FAILURE;
-    } else if (r->json) {
-      if (sp_render_memory_json(pl, &wp->job, &src, &e) != 0)
-        ec = SP_EXIT_FAILURE;
+    } else if (sp_train_mem_predict(pl, memory, &sh, &tm, &diag) != 0) {
+      sp_cli_error(r->cmd, "memory model: %s", diag.msg);
+      ec = SP_EXIT_USAGE;
     } else {
-      sp_render_memory_text(pl, &wp->job, &src, &e);
+      tm.peak = tm.peak - tm.runtime.acct.reserved.peak + e.acct.reserved.peak;
+      tm.runtime = e;
+      if (r->json) {
+        if (sp_render_memory_json(pl, &wp->job, &src, &tm, &sh) != 0)
+          ec = SP_EXIT_FAILURE;
+      } else {
+        sp_render_memory_text(pl, &wp->job, &src, &tm, &sh);
+      }
     }
   } else if (r->json) {
     if (sp_render_plan_json(pl, &wp->job, &src, (long)rank, u) != 0)

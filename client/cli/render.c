@@ -294,9 +294,57 @@ static void memory_row(const char *label, uint64_t peak, uint64_t current) {
          (unsigned long long)current, hc);
 }
 
+static void bytes_row(const char *label, uint64_t b) {
+  char h[32];
+  human_bytes(b, h, sizeof h);
+  printf("%-28s %16llu %12s\n", label, (unsigned long long)b, h);
+}
+
+/* The trainer's part of plan --memory. */
+static void trainer_text(const sp_train_mem *tm, const sp_train_shape *sh) {
+  if (tm->family == NULL) {
+    printf(
+        "\nactivations: not counted (the reference trainer runs GPT-2 and "
+        "MLP specs only);\nwhole peak per rank without them: runtime "
+        "reserved plus the process, ");
+    char h[32];
+    human_bytes(tm->peak, h, sizeof h);
+    printf("%s\n", h);
+    return;
+  }
+  if (tm->seq_len)
+    printf(
+        "\ntrainer  %s, micro-batch of %llu x %u tokens a rank (global "
+        "batch %u, %u micro-batch%s a step), checkpointing %s, %s\n\n",
+        tm->family, (unsigned long long)tm->micro_batch, tm->seq_len,
+        sh->global_batch, sh->grad_accum, sh->grad_accum == 1 ? "" : "es",
+        sh->checkpointing ? "on" : "off", sh->device ? "cuda" : "cpu");
+  else
+    printf(
+        "\ntrainer  %s, micro-batch of %llu samples a rank (global batch "
+        "%u, %u micro-batch%s a step), %s\n\n",
+        tm->family, (unsigned long long)tm->micro_batch, sh->global_batch,
+        sh->grad_accum, sh->grad_accum == 1 ? "" : "es",
+        sh->device ? "cuda" : "cpu");
+  printf("%-28s %16s\n", "CATEGORY", "BYTES");
+  for (int k = 0; k < SP_ACT_N_CATS; k++)
+    bytes_row(sp_act_cat_label((sp_act_cat)k), tm->act.cat[k]);
+  bytes_row("activations in all", tm->act.total);
+  bytes_row("process footprint", tm->footprint);
+  bytes_row("whole peak per rank", tm->peak);
+  printf(
+      "\nThe trainer holds its activations for the whole run; the whole "
+      "peak adds them\nand the worker process's own footprint to the "
+      "runtime's reserved peak.\n%s",
+      sh->device ? "On a GPU the device holds the runtime and the "
+                   "activations, the host the process.\n"
+                 : "");
+}
+
 void sp_render_memory_text(const sp_plan *pl, const sp_job *job,
-                           const sp_plan_source *src,
-                           const sp_mem_estimate *e) {
+                           const sp_plan_source *src, const sp_train_mem *tm,
+                           const sp_train_shape *shape) {
+  const sp_mem_estimate *e = &tm->runtime;
   plan_header(pl, job, src);
   printf(
       "memory  per rank (every rank holds c elements of every unit); "
@@ -325,6 +373,7 @@ void sp_render_memory_text(const sp_plan *pl, const sp_job *job,
       "parameters and gradient, and %u times\nthe largest other unit's "
       "parameters, gradient and reduce buffers.\n",
       e->opts.max_inflight);
+  trainer_text(tm, shape);
 }
 
 static json_t *mem_bytes_json(const sp_mem_bytes *b) {
@@ -332,8 +381,26 @@ static json_t *mem_bytes_json(const sp_mem_bytes *b) {
                    (json_int_t)b->current);
 }
 
+static json_t *trainer_json(const sp_train_mem *tm, const sp_train_shape *sh) {
+  if (tm->family == NULL) return json_null();
+  json_t *cats = json_object();
+  for (int k = 0; k < SP_ACT_N_CATS; k++)
+    json_object_set_new(cats, sp_act_cat_name((sp_act_cat)k),
+                        json_integer((json_int_t)tm->act.cat[k]));
+  return json_pack(
+      "{s:s,s:I,s:I,s:I,s:I,s:b,s:s,s:o,s:I,s:I,s:I}", "family", tm->family,
+      "micro_batch", (json_int_t)tm->micro_batch, "seq_len",
+      (json_int_t)tm->seq_len, "global_batch", (json_int_t)sh->global_batch,
+      "grad_accum", (json_int_t)sh->grad_accum, "checkpointing",
+      sh->checkpointing, "device", sh->device ? "cuda" : "cpu", "categories",
+      cats, "activations", (json_int_t)tm->act.total, "footprint",
+      (json_int_t)tm->footprint, "peak", (json_int_t)tm->peak);
+}
+
 int sp_render_memory_json(const sp_plan *pl, const sp_job *job,
-                          const sp_plan_source *src, const sp_mem_estimate *e) {
+                          const sp_plan_source *src, const sp_train_mem *tm,
+                          const sp_train_shape *shape) {
+  const sp_mem_estimate *e = &tm->runtime;
   json_t *cats = json_object();
   for (int k = 0; k < SP_MEM_N_CATS; k++)
     json_object_set_new(cats, sp_mem_cat_name((sp_mem_cat)k),
@@ -347,6 +414,10 @@ int sp_render_memory_json(const sp_plan *pl, const sp_job *job,
       mem_bytes_json(&e->acct.reserved), "allocs", (json_int_t)e->acct.allocs,
       "sharded_state", (json_int_t)e->sharded_state, "in_flight_floor",
       (json_int_t)e->in_flight_floor);
+  if (mem != NULL) {
+    json_object_set_new(mem, "trainer", trainer_json(tm, shape));
+    json_object_set_new(mem, "peak", json_integer((json_int_t)tm->peak));
+  }
   json_t *model =
       json_pack("{s:s,s:o,s:I}", "name", pl->model->name, "path",
                 src->model_path ? json_string(src->model_path) : json_null(),

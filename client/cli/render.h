@@ -15,6 +15,7 @@
 #include "plan/job.h"
 #include "plan/memory.h"
 #include "plan/plan.h"
+#include "worker/train_memory.h"
 
 /* What the plan header says beyond the plan itself. */
 typedef struct sp_plan_source {
@@ -36,13 +37,18 @@ int sp_render_plan_json(const sp_plan *pl, const sp_job *job,
 
 /* `plan --memory`: the plan's header lines, then the memory model's
  * prediction per rank by category (peak and after the steps), the total in
- * use and reserved, the sharded state and the in-flight floor. */
+ * use and reserved, the sharded state and the in-flight floor (tm->runtime);
+ * then the trainer's activations for the batch shape by category, the
+ * process footprint and the whole peak per rank, or that activations are
+ * not counted for a spec the trainer does not run. */
 void sp_render_memory_text(const sp_plan *pl, const sp_job *job,
-                           const sp_plan_source *src, const sp_mem_estimate *e);
-/* The same as JSON: {"version", "model", "job", "memory": {...}}; -1 when
- * it cannot be built or written. */
+                           const sp_plan_source *src, const sp_train_mem *tm,
+                           const sp_train_shape *shape);
+/* The same as JSON: {"version", "model", "job", "memory": {...,
+ * "trainer": {...} or null}}; -1 when it cannot be built or written. */
 int sp_render_memory_json(const sp_plan *pl, const sp_job *job,
-                          const sp_plan_source *src, const sp_mem_estimate *e);
+                          const sp_plan_source *src, const sp_train_mem *tm,
+                          const sp_train_shape *shape);
 
 /* A unit by index or wrapped-module FQN ("" is the root); -1 when absent. */
 long sp_plan_find_unit(const sp_plan *pl, const char *s);
