@@ -565,8 +565,10 @@ static void test_grad_vs_torch(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_spec_reader), cmocka_unit_test(test_init),
-      cmocka_unit_test(test_data),        cmocka_unit_test(test_gelu),
+      cmocka_unit_test(test_spec_reader),
+      cmocka_unit_test(test_init),
+      cmocka_unit_test(test_data),
+      cmocka_unit_test(test_gelu),
       cmocka_unit_test(test_attention),
       cmocka_unit_test(test_checkpointing_bit_identical),
   };

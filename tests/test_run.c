@@ -491,6 +491,52 @@ static void test_run_untrainable_spec(void **state) {
   free(dir);
 }
 
+/* A job the memory model says cannot fit is refused before anything
+ * starts, in well under 2 s, with the need per rank by category, what is
+ * available and the flags that lower it (the default GPT-2 124M job of 24
+ * x 1024 tokens on a 24 GiB machine was an OOM kill minutes in). 256 ranks
+ * of one 1024-token sequence need some 470 GiB: no test machine has it. */
+static void test_run_refused_for_memory(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  const char *args[] = {"--nproc",
+                        "256",
+                        "--model",
+                        SP_EXAMPLES "/models/gpt2.json",
+                        "--wrap-type",
+                        "GPT2Block",
+                        "--global-batch",
+                        "256",
+                        "--checkpoint",
+                        "none",
+                        NULL};
+  double t0 = sp_clock_s();
+  assert_int_equal(wait_run(start_run(dir, args), 30), 2);
+  double took = sp_clock_s() - t0;
+  char *err = slurp(dir, "err");
+  printf("  refused in %.3f s: %s", took, err);
+  assert_true(took < 2.0);
+  const char *want[] = {"256 ranks x",
+                        "saved activations",
+                        "logits",
+                        "runtime",
+                        "1 x 1024 tokens",
+                        "is available",
+                        "--grad-accum",
+                        "--seq-len",
+                        "--activation-checkpointing",
+                        "--param-dtype bfloat16",
+                        "--nproc",
+                        "--no-memory-check"};
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+    if (strstr(err, want[i]) == NULL)
+      fail_msg("the refusal does not say \"%s\"", want[i]);
+  free(err);
+  assert_nothing_started(dir);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* What the workers would refuse only after their rendezvous, though no
  * worker is needed to see it, is refused before anything starts: exit 2,
  * naming the flag that fixes it. */
@@ -1574,6 +1620,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_load_params_only),
       cmocka_unit_test(test_run_bad_usage),
       cmocka_unit_test(test_run_untrainable_spec),
+      cmocka_unit_test(test_run_refused_for_memory),
       cmocka_unit_test(test_run_checked_before_start),
       cmocka_unit_test(test_run_gpt2_says_how_to_sample),
       cmocka_unit_test(test_run_checkpoint_dir_not_a_directory),

@@ -36,6 +36,7 @@
 #include "base/clock.h"
 #include "support/job_fixture.h"
 #include "worker/mlp.h"
+#include "worker/train_memory.h"
 #include "plan/plan.h"
 #include "base/proc.h"
 #include "safetensors/safetensors.h"
@@ -743,7 +744,8 @@ static void test_untrainable_spec_refused(void **state) {
  * ResNet-50 (the synthetic cycle, `synthetic`) has units of many sizes and
  * full-precision BatchNorm units under bfloat16. */
 static void check_memory_stats(const char *model, const char *const *cflags,
-                               int n, bool synthetic, const char *label) {
+                               int n, bool synthetic, bool ckpt,
+                               const char *label) {
   char *dir = sp_test_mkdtemp();
   char *stats = sp_test_path(dir, "stats.json");
   const char *wflags[] = {"--steps",
@@ -752,7 +754,9 @@ static void check_memory_stats(const char *model, const char *const *cflags,
                           "none",
                           "--stats",
                           stats,
-                          synthetic ? "--synthetic" : NULL,
+                          synthetic ? "--synthetic"
+                          : ckpt    ? "--activation-checkpointing"
+                                    : NULL,
                           NULL};
   sp_tjob_run(model, cflags, n, wflags, JOB_TIMEOUT_S);
   sp_model *m;
@@ -797,6 +801,26 @@ static void check_memory_stats(const char *model, const char *const *cflags,
   json_int_t hwm = json_integer_value(
       json_object_get(json_object_get(mem, "train"), "rss_hwm"));
   assert_true(before > 0 && hwm > before);
+  /* the trainer's activations, as the worker's flags lay them out: what
+   * the memory model predicts for the job, category by category */
+  sp_train_flags tf;
+  sp_train_flags_init(&tf);
+  tf.checkpointing = ckpt;
+  sp_mem_opts mo;
+  sp_train_shape sh;
+  sp_train_mem tm;
+  sp_train_mem_job(&tf, 24, false, &mo, &sh);
+  if (sp_train_mem_predict(pl, &mo, &sh, &tm, &d) != 0) fail_msg("%s", d.msg);
+  json_t *acts = json_object_get(mem, "activations_by_category");
+  for (int k = 0; k < SP_ACT_N_CATS; k++) {
+    uint64_t got = (uint64_t)json_integer_value(
+        json_object_get(acts, sp_act_cat_name((sp_act_cat)k)));
+    if (got != (synthetic ? 0 : tm.act.cat[k]))
+      fail_msg("%s: %s %llu bytes, the model says %llu", label,
+               sp_act_cat_label((sp_act_cat)k), (unsigned long long)got,
+               (unsigned long long)tm.act.cat[k]);
+  }
+  assert_int_equal(tm.runtime.acct.reserved.peak, reserved);
   printf(
       "  %s, %d ranks: counted = predicted, peak %llu bytes in use, %llu "
       "reserved; RSS grew %.1f MiB\n",
@@ -816,12 +840,46 @@ static void test_memory_stats(void **state) {
   const char *mlp[] = {
       "--wrap-type",   "Linear",   "--strategy", "SHARD_GRAD_OP",
       "--param-dtype", "bfloat16", NULL};
-  check_memory_stats(MLP, mlp, 3, false, "mlp SHARD_GRAD_OP bfloat16");
+  check_memory_stats(MLP, mlp, 3, false, false, "mlp SHARD_GRAD_OP bfloat16");
   const char *resnet[] = {"--wrap-type", "Bottleneck",     "--param-dtype",
                           "bfloat16",    "--reduce-dtype", "float32",
                           NULL};
   check_memory_stats(SP_EXAMPLES "/models/resnet50.json", resnet, 2, true,
-                     "resnet50 FULL_SHARD bfloat16/float32");
+                     false, "resnet50 FULL_SHARD bfloat16/float32");
+}
+
+/* The GPT-2 trainer's memory against the model for every strategy, W = 1
+ * to 4, with and without activation checkpointing, float32 and bfloat16
+ * parameters: the runtime's counted bytes and the trainer's activations by
+ * category equal the prediction (56 jobs of gpt2-tiny; HYBRID_SHARD with
+ * shard groups of 2 at even W; W = 1 is NO_SHARD whatever is asked, as
+ * FSDP does). */
+static void test_train_memory_gpt2(void **state) {
+  (void)state;
+  static const char *const strategies[] = {"FULL_SHARD", "SHARD_GRAD_OP",
+                                           "NO_SHARD", "HYBRID_SHARD"};
+  for (int s = 0; s < 4; s++)
+    for (int w = 1; w <= 4; w++)
+      for (int k = 0; k < 4; k++) {
+        int ckpt = k / 2, bf16 = k % 2;
+        const char *st = strategies[s];
+        if (!strcmp(st, "HYBRID_SHARD") && w % 2 != 0) continue;
+        const char *flags[9] = {"--wrap-type", "GPT2Block", "--strategy", st};
+        size_t nf = 4;
+        if (!strcmp(st, "HYBRID_SHARD")) {
+          flags[nf++] = "--shard-group-size";
+          flags[nf++] = "2";
+        }
+        if (bf16) {
+          flags[nf++] = "--param-dtype";
+          flags[nf++] = "bfloat16";
+        }
+        char label[96];
+        snprintf(label, sizeof label, "gpt2-tiny %s %s%s", st,
+                 bf16 ? "bfloat16" : "float32", ckpt ? " checkpointing" : "");
+        check_memory_stats(SP_EXAMPLES "/models/gpt2-tiny.json", flags, w,
+                           false, ckpt, label);
+      }
 }
 
 int main(int argc, char **argv) {
@@ -839,6 +897,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_synthetic_resnet50),
       cmocka_unit_test(test_untrainable_spec_refused),
       cmocka_unit_test(test_memory_stats),
+      cmocka_unit_test(test_train_memory_gpt2),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
