@@ -157,8 +157,8 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
     rc = sp_train_model_pick(sp_session_model(s), o->synthetic, &tm, d);
   if (rc == 0)
     rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train, o->wf.steps,
-                              o->wf.lr, o->wf.global_batch, w, "the world size",
-                              &cfg, d);
+                              o->wf.lr, o->wf.lr_given, o->wf.global_batch, w,
+                              "the world size", &cfg, d);
   sp_gpt2 *gpt = tm.gpt;
   sp_mlp *mlp = tm.mlp;
   bool is_gpt2 = gpt != NULL, is_mlp = mlp != NULL;
@@ -222,6 +222,13 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   }
   if (rc == 0 && rank == 0 && !is_mlp && !is_gpt2)
     printf("rank 0: --synthetic: running the synthetic-gradient cycle\n");
+  /* what the spec chose, said as the flags that change it: a run without
+   * --optimizer must not train AdamW unannounced */
+  if (rc == 0 && rank == 0 && cfg.from_spec[0] != '\0') {
+    printf("rank 0: from the training defaults of %s: %s\n",
+           sp_session_model(s)->name, cfg.from_spec);
+    fflush(stdout);
+  }
   uint32_t todo = o->wf.steps - first;
   losses = calloc(todo ? todo : 1, sizeof *losses);
   step_s = calloc(todo ? todo : 1, sizeof *step_s);
