@@ -149,32 +149,15 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
   for (int r = 0; r < world; r++) {
     char rs[16];
     snprintf(rs, sizeof rs, "%d", r);
-    char *wa[] = {SP_BIN_DIR "/shardplane-worker",
-                  "--coordinator",
-                  addr,
-                  "--insecure",
-                  "--rank",
-                  rs,
-                  "--steps",
-                  steps,
-                  "--global-batch",
-                  batch,
-                  "--seq-len",
-                  seq,
-                  "--threads",
-                  th,
-                  "--optimizer",
-                  "adamw",
-                  "--lr",
-                  "1e-3",
-                  "--eval-every",
-                  "0",
-                  "--log-every",
-                  "0",
-                  "--checkpoint",
-                  "none",
-                  "--stats",
-                  stats,
+    char *wa[] = {SP_BIN_DIR "/shardplane-worker", "--coordinator", addr,
+                  "--insecure", "--rank", rs, "--steps", steps,
+                  "--global-batch", batch, "--seq-len", seq, "--threads", th,
+                  /* torch's AdamW (train_torch.py), not the spec's
+                   * recipe: its betas, decay, constant lr, no clipping */
+                  "--optimizer", "adamw", "--lr", "1e-3", "--betas",
+                  "0.9,0.999", "--weight-decay", "0.01", "--lr-schedule",
+                  "constant", "--clip-grad-norm", "0", "--eval-every", "0",
+                  "--log-every", "0", "--checkpoint", "none", "--stats", stats,
                   NULL};
     if (posix_spawn(&w[r], wa[0], NULL, NULL, wa, environ) != 0) failed = 1;
   }

@@ -9,9 +9,23 @@ Buffers are those of the transformers 4.2x GPT2Attention (a bool causal
 mask "bias" [1, 1, ctx, ctx] and a float scalar "masked_bias");
 lm_head.weight is tied to transformer.wte.weight. "config" carries what
 the shapes do not say (the number of heads), as HF's config.json does.
+"no_split_modules" is HF's GPT2PreTrainedModel._no_split_modules (the
+blocks, which the tools' default wrap policy then wraps as units), and
+"training" the AdamW recipe of GPT-2 124M in nanoGPT and llm.c (TRAINING
+below), the defaults of the training flags of the same names.
 """
 import json
 import sys
+
+# nanoGPT's and llm.c's GPT-2 124M: peak 6e-4, linear warmup then cosine
+# decay to a tenth of it, AdamW (0.9, 0.95), eps 1e-8, decoupled weight
+# decay 0.1, gradients clipped at norm 1.0. Warmup as a fraction of the
+# run's steps (llm.c warms up over 700 of its ~19k steps): a spec cannot
+# know how long a run is, and a fixed count longer than a short run would
+# leave it warming up only.
+TRAINING = {"optimizer": "adamw", "lr": 6e-4, "betas": [0.9, 0.95],
+            "eps": 1e-8, "weight_decay": 0.1, "lr_schedule": "cosine",
+            "warmup_ratio": 0.04, "min_lr": 6e-5, "clip_grad_norm": 1.0}
 
 
 def spec(name, n_layer, d, n_head, ctx, vocab):
@@ -55,6 +69,8 @@ def spec(name, n_layer, d, n_head, ctx, vocab):
                   "scripts/gpt2_spec.py" % (n_layer, d, n_head, ctx, vocab),
         "config": {"n_layer": n_layer, "n_embd": d, "n_head": n_head,
                    "n_positions": ctx, "vocab_size": vocab},
+        "no_split_modules": ["GPT2Block"],
+        "training": TRAINING,
         "modules": [{"fqn": f, "type": t} for f, t in mods],
         "params": [{"fqn": f, "shape": s, "dtype": "float32",
                     "requires_grad": True} for f, s in params],

@@ -23,9 +23,10 @@ static void usage(FILE *f) {
       "  --model PATH                 model spec (shardplane.model/v1)\n"
       "  --job PATH                   job config; the flags below override "
       "it\n"
-      "                               (without a wrap policy every Linear\n"
-      "                               module becomes a unit, as in "
-      "shardplane run)\n",
+      "                               (without a wrap policy every module\n"
+      "                               of a type in the spec's\n"
+      "                               no_split_modules becomes a unit, else\n"
+      "                               every Linear, as in shardplane run)\n",
       f);
   sp_job_flags_print_help(f);
   fputs(
@@ -320,8 +321,9 @@ static void warn_open(const security *s, const char *listen) {
 /* The job against the model: a wrap target it does not have is a flag
  * error (exit 2), named as such, and so is a job the flags alone make
  * that does not hold together; one from a job file is a bad job (1).
- * Without a wrap policy the job gets the tools' default (every Linear a
- * unit), as in shardplane run and shardplane plan. Returns 0 or the exit
+ * Without a wrap policy the job gets the tools' default (the spec's
+ * no_split_modules, else every Linear, as units), as in shardplane run
+ * and shardplane plan. Returns 0 or the exit
  * code. */
 static int check_job(const sp_job_cli *flags, sp_job *job, bool from_file,
                      const char *model_path) {

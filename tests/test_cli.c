@@ -391,6 +391,7 @@ static void test_human_output(void **state) {
 /* so that an old worker which took a bad value fails at once */
 #define WORKER "--coordinator 127.0.0.1:1 --rank 0 "
 #define RUN "run --nproc 2 --model " MLP " "
+#define GPT2RUN "run --nproc 2 --model " MODEL("gpt2-tiny") " "
 #define COORD "--listen 127.0.0.1:0 --quiet --model " MLP " "
 
 /* Every flag error of shardplane-worker, shardplane run, shardplane plan
@@ -449,7 +450,9 @@ static void test_flag_errors(void **state) {
        "--betas \"0.9,1\": expected two numbers B1,B2, each in [0, 1)"},
       {"shardplane-worker", WORKER "--momentum 0.9 --optimizer adamw",
        "--momentum \"0.9\": only with --optimizer sgd"},
-      {"shardplane-worker", WORKER "--eps 1e-6",
+      /* a flag a spec's default could make meaningful waits for the
+       * spec; one the flags alone make meaningless is refused at once */
+      {"shardplane-worker", WORKER "--optimizer sgd --eps 1e-6",
        "--eps \"1e-6\": only with --optimizer adamw"},
       {"shardplane-worker", WORKER "--optimizer adamw --eps 0",
        "--eps \"0\": expected a finite number > 0"},
@@ -457,14 +460,14 @@ static void test_flag_errors(void **state) {
        "--weight-decay \"-1\": expected a finite number >= 0"},
       {"shardplane-worker", WORKER "--lr-schedule linear",
        "--lr-schedule \"linear\": expected one of constant, cosine"},
-      {"shardplane-worker", WORKER "--warmup-steps 5",
+      {"shardplane-worker", WORKER "--lr-schedule constant --warmup-steps 5",
        "--warmup-steps \"5\": only with --lr-schedule cosine"},
       {"shardplane-worker", WORKER "--lr-schedule cosine --warmup-steps 50",
        "--warmup-steps \"50\": expected at most --steps 20"},
-      {"shardplane-worker", WORKER "--lr-schedule cosine --min-lr 1",
+      {"shardplane-worker", WORKER "--lr 0.05 --lr-schedule cosine --min-lr 1",
        "--min-lr \"1\": expected at most --lr 0.05"},
-      {"shardplane-worker", WORKER "--clip-grad-norm 0",
-       "--clip-grad-norm \"0\": expected a finite number > 0"},
+      {"shardplane-worker", WORKER "--clip-grad-norm -1",
+       "--clip-grad-norm \"-1\": expected a finite number >= 0 (0: off)"},
       {"shardplane-worker", WORKER "--grad-accum 0",
        "--grad-accum \"0\": expected an integer in [1, 1024]"},
       {"shardplane-worker", WORKER "--grad-accum 5",
@@ -478,6 +481,17 @@ static void test_flag_errors(void **state) {
        "--grad-accum 5"},
       {"shardplane", RUN "--optimizer sgd --betas 0.9,0.99",
        "--betas \"0.9,0.99\": only with --optimizer adamw"},
+      {"shardplane", RUN "--warmup-steps 5",
+       "--warmup-steps \"5\": only with --lr-schedule cosine"},
+      /* against a spec's training defaults: run knows the spec */
+      {"shardplane", GPT2RUN "--momentum 0.9",
+       "--momentum \"0.9\": only with --optimizer sgd (adamw has --betas); "
+       "adamw is training.optimizer of " MODEL("gpt2-tiny")},
+      {"shardplane", GPT2RUN "--min-lr 0.001",
+       "--min-lr \"0.001\": expected at most the lr 0.0006, training.lr of " MODEL(
+           "gpt2-tiny") " (--lr sets another)"},
+      {"shardplane", GPT2RUN "--lr-schedule constant --warmup-steps 5",
+       "--warmup-steps \"5\": only with --lr-schedule cosine"},
       {"shardplane", RUN "--checkpoint bogus",
        "--checkpoint \"bogus\": expected one of none, full, sharded, local"},
       {"shardplane", RUN "--device tpu",

@@ -226,8 +226,9 @@ static void test_parity(void **state) {
 /* A run of 10 steps resumed from its FULL checkpoint (parameters,
  * AdamW's moments and the step count, so the batches continue) for 10
  * more ends bit for bit where 20 uninterrupted steps do, with the same
- * losses. A constant learning rate: a cosine schedule is laid over
- * --steps, which differs between the two halves' runs. */
+ * losses. A constant learning rate, named (the spec's default is cosine):
+ * a cosine schedule is laid over --steps, which differs between the two
+ * halves' runs. */
 static void test_resume_bit_exact(void **state) {
   (void)state;
   char *a = sp_test_path(g_dir, "straight");
@@ -235,9 +236,10 @@ static void test_resume_bit_exact(void **state) {
   char *la = sp_test_path(g_dir, "la.json");
   char *lb = sp_test_path(g_dir, "lb.json");
   char *load = sp_test_path(b, "full");
-#define RESUME_FLAGS                                          \
-  "--data", g_corpus, "--optimizer", "adamw", "--lr", "1e-3", \
-      "--clip-grad-norm", "1.0", "--global-batch", "8", "--eval-every", "0"
+#define RESUME_FLAGS                                                           \
+  "--data", g_corpus, "--optimizer", "adamw", "--lr", "1e-3", "--lr-schedule", \
+      "constant", "--clip-grad-norm", "1.0", "--global-batch", "8",            \
+      "--eval-every", "0"
   const char *cf[] = {"--wrap-type", "GPT2Block", NULL};
   const char *wa[] = {"--steps",  "20", "--checkpoint-dir", a,
                       "--losses", la,   RESUME_FLAGS,       NULL};

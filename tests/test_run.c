@@ -238,6 +238,49 @@ static void test_run_gpt2_says_how_to_sample(void **state) {
   free(dir);
 }
 
+/* A GPT-2 trains on its spec's defaults alone: without --wrap-type the
+ * spec's no_split_modules make its blocks the units (the tools' default
+ * before, every Linear, made lm_head one and every GPT-2 run failed at
+ * once: "transformer.wte.weight: in unit 1 (lm_head), which is not its
+ * block"), and without --lr or --optimizer its "training" recipe (AdamW
+ * at 6e-4, warmup and cosine, clipping) trains, the loss falling. */
+static void test_run_gpt2_spec_defaults(void **state) {
+  (void)state;
+  char *dir = sp_test_mkdtemp();
+  enum { STEPS = 30 };
+  const char *args[] = {
+      "--nproc",      "2", "--model",      GPT2_TINY, "--steps", "30",
+      "--eval-every", "0", "--checkpoint", "none",    NULL};
+  int st = wait_run(start_run(dir, args), 180);
+  char *out = slurp(dir, "out"), *err = slurp(dir, "err");
+  printf("%s%s", out, err);
+  assert_null(strstr(err, "which is not its block"));
+  assert_int_equal(st, 0);
+  /* rank 0 says what the spec chose, as the flags that change it */
+  assert_non_null(strstr(out,
+                         "[rank0]: rank 0: from the training defaults of "
+                         "gpt2-tiny: --optimizer adamw --lr 0.0006 "
+                         "--weight-decay 0.1 --betas 0.9,0.95 --eps 1e-08 "
+                         "--lr-schedule cosine --warmup-steps 2 --min-lr "
+                         "6e-05 --clip-grad-norm 1\n"));
+  double loss[STEPS];
+  for (int i = 0; i < STEPS; i++) {
+    char want[64];
+    snprintf(want, sizeof want, "step %d/%d  loss ", i + 1, STEPS);
+    const char *at = strstr(out, want);
+    if (at == NULL) fail_msg("no \"%s\" in the run's output", want);
+    loss[i] = strtod(at + strlen(want), NULL);
+  }
+  double first = (loss[0] + loss[1] + loss[2]) / 3;
+  double last = (loss[STEPS - 3] + loss[STEPS - 2] + loss[STEPS - 1]) / 3;
+  printf("  loss %.4f at the start, %.4f at the end\n", first, last);
+  assert_true(last < first - 0.5);
+  free(out);
+  free(err);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* --checkpoint-dir naming a file is bad usage named by its flag before
  * anything starts; a failure inside the directory later names the flag
  * too (the coordinator's state dir, where a file is in the way). */
@@ -555,7 +598,9 @@ static void test_run_checked_before_start(void **state) {
     const char *args[16];
     const char *msg;
   } cases[] = {
-      {{"--model", GPT2_TINY, NULL}, "--wrap-type GPT2Block"},
+      /* a wrap policy given wins over the spec's no_split_modules */
+      {{"--model", GPT2_TINY, "--wrap-type", "Linear", NULL},
+       "--wrap-type GPT2Block"},
       {{"--model", GPT2_TINY, "--wrap-type", "GPT2Block", "--global-batch", "3",
         NULL},
        "--global-batch \"3\": expected a multiple of --nproc 2"},
@@ -1623,6 +1668,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_refused_for_memory),
       cmocka_unit_test(test_run_checked_before_start),
       cmocka_unit_test(test_run_gpt2_says_how_to_sample),
+      cmocka_unit_test(test_run_gpt2_spec_defaults),
       cmocka_unit_test(test_run_checkpoint_dir_not_a_directory),
       cmocka_unit_test(test_run_worker_killed),
       cmocka_unit_test(test_run_restart),

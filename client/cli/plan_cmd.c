@@ -35,9 +35,10 @@ static void plan_help(FILE *f) {
       "  --model PATH                 model spec (shardplane.model/v1)\n"
       "  --job PATH                   job config (shardplane.job/v1); the\n"
       "                               flags below override it (without a\n"
-      "                               wrap policy every Linear module\n"
-      "                               becomes a unit, as in shardplane "
-      "run)\n",
+      "                               wrap policy every module of a type\n"
+      "                               in the spec's no_split_modules\n"
+      "                               becomes a unit, else every Linear,\n"
+      "                               as in shardplane run)\n",
       f);
   sp_job_flags_print_help(f);
   fputs(SP_REMOTE_OPTIONS_HELP

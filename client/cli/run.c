@@ -60,19 +60,20 @@ static void usage(FILE *f) {
       "the flags that load it are printed.\n"
       "\n"
       "  --nproc N                  ranks (the job's world size)\n"
-      "  --model PATH               model spec (examples/models/gpt2-*.json\n"
-      "                             train a GPT-2, with --wrap-type\n"
-      "                             GPT2Block; examples/mlp.json the\n"
-      "                             reference MLP; any other spec is\n"
-      "                             refused, exit 1, unless --synthetic)\n"
+      "  --model PATH               model spec (examples/models/gpt2*.json\n"
+      "                             train a GPT-2, with the defaults they\n"
+      "                             carry: blocks as units, AdamW;\n"
+      "                             examples/mlp.json the reference MLP;\n"
+      "                             any other spec is refused, exit 1,\n"
+      "                             unless --synthetic)\n"
       "  --synthetic                run the synthetic-gradient cycle on the\n"
       "                             spec instead of training (the runtime's\n"
       "                             schedule and memory on any spec, for\n"
       "                             benchmarks)\n"
       "  --job PATH                 job config; the flags below override it\n"
-      "                             (without a wrap policy every Linear "
-      "module\n"
-      "                             becomes a unit)\n",
+      "                             (without a wrap policy every module of\n"
+      "                             a type in the spec's no_split_modules\n"
+      "                             becomes a unit, else every Linear)\n",
       f);
   sp_job_flags_print_help_except(f, "world-size");
   fputs(
@@ -82,7 +83,8 @@ static void usage(FILE *f) {
       "  --global-batch N           samples per step over all ranks and\n"
       "                             micro-batches (default 24)\n"
       "  --lr X                     learning rate, the peak of a schedule\n"
-      "                             (default 0.05)\n"
+      "                             (default: the spec's training.lr, else\n"
+      "                             0.05)\n"
       "  --checkpoint-dir DIR       where to write (default\n"
       "                             shardplane-run/<model>-w<N>-<plan>, one\n"
       "                             per configuration); a directory holding\n"
@@ -188,7 +190,7 @@ static void usage(FILE *f) {
       "Before anything starts, run checks the job as the workers will: a\n"
       "spec they cannot train (exit 1, naming why and --synthetic), a plan\n"
       "or flags their trainer refuses (exit 2, naming the flag: a GPT-2\n"
-      "needs --wrap-type GPT2Block).\n"
+      "needs its blocks as units, --wrap-type GPT2Block).\n"
       "\n"
       "exit codes: 0 done, 1 a bad spec or job file, or the job failed (a\n"
       "worker died or failed, with no restart left: the message names the\n"
@@ -266,6 +268,7 @@ typedef struct run_job {
   sp_ckpt_kind load_kind;  /* and the kind of its checkpoint */
   sp_run_creds creds;      /* the job's tokens (run_auth.c) */
   bool gpt2; /* the workers train a GPT-2: its FULL checkpoint samples text */
+  sp_mlp_train_cfg cfg; /* the training in effect (flags over the spec's) */
 } run_job;
 
 /* The running processes. */
@@ -520,10 +523,9 @@ static int check_training(const run_opts *o, run_job *j) {
     return SP_EXIT_FAILURE;
   }
   j->gpt2 = tm.gpt != NULL;
-  sp_mlp_train_cfg cfg;
   int rc = sp_train_model_check(&tm, j->plan, &o->train, o->wf.steps, o->wf.lr,
-                                o->wf.global_batch, (uint32_t)o->nproc,
-                                "--nproc", &cfg, &d);
+                                o->wf.lr_given, o->wf.global_batch,
+                                (uint32_t)o->nproc, "--nproc", &j->cfg, &d);
   sp_train_model_clear(&tm);
   if (rc == 0) return PROCEED;
   sp_cli_error(RUN, "%s", d.msg);
@@ -596,7 +598,7 @@ static int check_memory(const run_opts *o, run_job *j) {
   sp_train_shape sh;
   sp_train_mem m;
   sp_diag d = {{0}};
-  sp_train_mem_job(&o->train, o->wf.global_batch, o->cuda, &mo, &sh);
+  sp_train_mem_job(&j->cfg, &o->train, o->cuda, &mo, &sh);
   int rc = sp_train_mem_predict(j->plan, &mo, &sh, &m, &d);
   uint64_t avail = 0, total = 0;
   if (rc == 0) rc = sp_host_mem_available(&avail, &d);
@@ -774,8 +776,12 @@ static void worker_args(const run_opts *o, const run_job *j, const run_procs *p,
   push(wa, o->wf.steps_arg);
   push(wa, "--global-batch");
   push(wa, o->wf.batch_arg);
-  push(wa, "--lr");
-  push(wa, o->wf.lr_arg);
+  /* only as given: without it each worker takes the spec's training.lr,
+   * else the default, as the check above did */
+  if (o->wf.lr_given) {
+    push(wa, "--lr");
+    push(wa, o->wf.lr_arg);
+  }
   push(wa, "--log-every");
   push(wa, o->wf.log_every_arg);
   for (size_t i = 0; i < o->n_inject; i++) {

@@ -3,6 +3,8 @@
  * run. */
 #include "train_flags.h"
 
+#include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,7 +53,8 @@ static const struct {
     [F_WARMUP] = {"warmup-steps", "N", "cosine: warmup steps (default 0)"},
     [F_MIN_LR] = {"min-lr", "X", "cosine: the floor (default 0)"},
     [F_CLIP] = {"clip-grad-norm", "X",
-                "clip the gradients' global 2-norm to X before each step"},
+                "clip the gradients' global 2-norm to X before each step "
+                "(default: none; 0: none)"},
     [F_ACCUM] = {"grad-accum", "K",
                  "K micro-batches a step (default 1); --global-batch is "
                  "the step's samples over all of them"},
@@ -187,9 +190,11 @@ int sp_train_flag(sp_train_flags *t, int c, const char *v, sp_diag *d) {
       break;
     case F_MIN_LR: rc = sp_flag_number(flag, v, 0, &t->min_lr, d); break;
     case F_CLIP:
+      /* 0 turns off the clipping a spec's training.clip_grad_norm asks for
+       * (Hugging Face's max_grad_norm 0 does the same) */
       rc = sp_flag_number(flag, v, 0, &t->clip_grad_norm, d);
-      if (rc == 0 && !(t->clip_grad_norm > 0))
-        rc = sp_flag_fail(d, flag, v, "a finite number > 0");
+      if (rc != 0)
+        rc = sp_flag_fail(d, flag, v, "a finite number >= 0 (0: off)");
       break;
     case F_ACCUM:
       rc = sp_flag_int(flag, v, 1, 1024, &n, d);
@@ -228,40 +233,85 @@ int sp_train_flag(sp_train_flags *t, int c, const char *v, sp_diag *d) {
 }
 
 /* `--flag "value": only with <what>` for a flag given where it means
- * nothing. */
+ * nothing; `why` (may be "") says where the setting in the way came from. */
 static int only_with(const sp_train_flags *t, int i, const char *what,
-                     sp_diag *d) {
+                     const char *why, sp_diag *d) {
   if (!k_flags[i].arg)
-    return sp_diag_set(d, SP_EINVAL, "--%s: only with %s", k_flags[i].name,
-                       what);
-  return sp_diag_set(d, SP_EINVAL, "--%s \"%s\": only with %s", k_flags[i].name,
-                     t->given[i], what);
+    return sp_diag_set(d, SP_EINVAL, "--%s: only with %s%s", k_flags[i].name,
+                       what, why);
+  return sp_diag_set(d, SP_EINVAL, "--%s \"%s\": only with %s%s",
+                     k_flags[i].name, t->given[i], what, why);
 }
 
-int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
-                          uint32_t global_batch, uint32_t world,
-                          const char *world_name, sp_mlp_train_cfg *cfg,
-                          sp_diag *d) {
-  bool adamw = t->kind == SP_OPTIM_ADAMW;
-  bool cosine = t->schedule == SP_LR_COSINE;
-  if (adamw && t->given[F_MOMENTUM])
-    return only_with(t, F_MOMENTUM, "--optimizer sgd (adamw has --betas)", d);
-  if (!adamw && t->given[F_BETAS])
-    return only_with(t, F_BETAS, "--optimizer adamw", d);
-  if (!adamw && t->given[F_EPS])
-    return only_with(t, F_EPS, "--optimizer adamw", d);
-  if (!cosine && t->given[F_WARMUP])
-    return only_with(t, F_WARMUP, "--lr-schedule cosine", d);
-  if (!cosine && t->given[F_MIN_LR])
-    return only_with(t, F_MIN_LR, "--lr-schedule cosine", d);
+/* Appends `fmt...` to the cfg's list of what the spec set. */
+static void from_spec(sp_mlp_train_cfg *cfg, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void from_spec(sp_mlp_train_cfg *cfg, const char *fmt, ...) {
+  size_t len = strlen(cfg->from_spec);
+  if (len + 1 >= sizeof cfg->from_spec) return;
+  if (len > 0) cfg->from_spec[len++] = ' ';
+  cfg->from_spec[len] = '\0';
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(cfg->from_spec + len, sizeof cfg->from_spec - len, fmt, ap);
+  va_end(ap);
+}
+
+/* The checks and the configuration, against a spec's "training" when
+ * known (m NULL: a spec without one), or with `known` false before the
+ * spec is: then a check that a spec's default could turn is left out. */
+static int finish(const sp_train_flags *t, const sp_model *m, bool known,
+                  uint32_t steps, double lr, bool lr_given,
+                  uint32_t global_batch, uint32_t world, const char *world_name,
+                  sp_mlp_train_cfg *cfg, sp_diag *d) {
+  const sp_model_training *s = m != NULL ? &m->training : NULL;
+  unsigned set = s != NULL ? s->set : 0;
+  const char *spec = m != NULL && m->path != NULL ? m->path : "the spec";
+  bool opt_spec = !t->given[F_OPTIMIZER] && (set & SP_MODEL_TRAIN_OPTIMIZER);
+  bool adamw = opt_spec ? s->adamw : t->kind == SP_OPTIM_ADAMW;
+  bool sched_spec = !t->given[F_SCHEDULE] && (set & SP_MODEL_TRAIN_SCHEDULE);
+  bool cosine = sched_spec ? s->cosine : t->schedule == SP_LR_COSINE;
+  /* before the spec is known, only what the flags alone decide */
+  bool opt_known = known || t->given[F_OPTIMIZER];
+  bool sched_known = known || t->given[F_SCHEDULE];
+  /* the spec's optimizer settings are for its own optimizer (sgd when it
+   * names none): AdamW's lr would stall SGD, and its decay mean another
+   * thing there */
+  bool spec_opt = s != NULL && adamw == s->adamw;
+  bool lr_spec = !lr_given && spec_opt && (set & SP_MODEL_TRAIN_LR);
+  double peak = lr_spec ? s->lr : lr;
+  char why_opt[600] = "", why_sched[600] = "";
+  if (opt_spec)
+    snprintf(why_opt, sizeof why_opt, "; %s is training.optimizer of %.500s",
+             adamw ? "adamw" : "sgd", spec);
+  if (sched_spec)
+    snprintf(why_sched, sizeof why_sched,
+             "; constant is training.lr_schedule of %.500s", spec);
+  if (opt_known && adamw && t->given[F_MOMENTUM])
+    return only_with(t, F_MOMENTUM, "--optimizer sgd (adamw has --betas)",
+                     why_opt, d);
+  if (opt_known && !adamw && t->given[F_BETAS])
+    return only_with(t, F_BETAS, "--optimizer adamw", why_opt, d);
+  if (opt_known && !adamw && t->given[F_EPS])
+    return only_with(t, F_EPS, "--optimizer adamw", why_opt, d);
+  if (sched_known && !cosine && t->given[F_WARMUP])
+    return only_with(t, F_WARMUP, "--lr-schedule cosine", why_sched, d);
+  if (sched_known && !cosine && t->given[F_MIN_LR])
+    return only_with(t, F_MIN_LR, "--lr-schedule cosine", why_sched, d);
   if (t->no_sync && t->grad_accum < 2)
-    return only_with(t, F_NO_SYNC, "--grad-accum K, K > 1", d);
-  if (cosine && t->warmup_steps > steps)
+    return only_with(t, F_NO_SYNC, "--grad-accum K, K > 1", "", d);
+  if (t->given[F_WARMUP] && t->warmup_steps > steps)
     return sp_flag_fail(d, "--warmup-steps", t->given[F_WARMUP],
                         "at most --steps %u", steps);
-  if (cosine && t->min_lr > lr)
+  if (t->given[F_MIN_LR] && (known || lr_given) && t->min_lr > peak) {
+    if (lr_spec)
+      return sp_flag_fail(d, "--min-lr", t->given[F_MIN_LR],
+                          "at most the lr %g, training.lr of %.500s (--lr "
+                          "sets another)",
+                          peak, spec);
     return sp_flag_fail(d, "--min-lr", t->given[F_MIN_LR], "at most --lr %g",
-                        lr);
+                        peak);
+  }
   uint64_t split = (uint64_t)(world ? world : 1) * t->grad_accum;
   if (global_batch % split != 0) {
     char v[32];
@@ -282,26 +332,80 @@ int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
                         "of each micro-batch",
                         (unsigned)split, world_name, world, t->grad_accum);
   }
-  sp_mlp_train_cfg_init(cfg, steps, global_batch, lr);
+  sp_mlp_train_cfg_init(cfg, steps, global_batch, peak);
   sp_optim_opts *o = &cfg->optim;
-  sp_optim_opts_init(o, t->kind);
-  o->lr = lr;
-  if (t->given[F_MOMENTUM]) o->momentum = t->momentum;
-  if (t->given[F_WEIGHT_DECAY]) o->weight_decay = t->weight_decay;
+  sp_optim_opts_init(o, adamw ? SP_OPTIM_ADAMW : SP_OPTIM_SGD);
+  o->lr = peak;
+  if (opt_spec) from_spec(cfg, "--optimizer %s", adamw ? "adamw" : "sgd");
+  if (lr_spec) from_spec(cfg, "--lr %g", peak);
+    /* each optimizer setting: the flag's, else the spec's for its optimizer,
+   * else sp_optim_opts_init's */
+#define SPEC_OPT(bit) (spec_opt && (set & (bit)))
+  if (t->given[F_MOMENTUM]) {
+    o->momentum = t->momentum;
+  } else if (!adamw && SPEC_OPT(SP_MODEL_TRAIN_MOMENTUM)) {
+    o->momentum = s->momentum;
+    from_spec(cfg, "--momentum %g", o->momentum);
+  }
+  if (t->given[F_WEIGHT_DECAY]) {
+    o->weight_decay = t->weight_decay;
+  } else if (SPEC_OPT(SP_MODEL_TRAIN_WEIGHT_DECAY)) {
+    o->weight_decay = s->weight_decay;
+    from_spec(cfg, "--weight-decay %g", o->weight_decay);
+  }
   if (t->given[F_BETAS]) {
     o->beta1 = t->beta1;
     o->beta2 = t->beta2;
+  } else if (adamw && SPEC_OPT(SP_MODEL_TRAIN_BETAS)) {
+    o->beta1 = s->beta1;
+    o->beta2 = s->beta2;
+    from_spec(cfg, "--betas %g,%g", o->beta1, o->beta2);
   }
-  if (t->given[F_EPS]) o->eps = t->eps;
-  o->schedule = t->schedule;
+  if (t->given[F_EPS]) {
+    o->eps = t->eps;
+  } else if (adamw && SPEC_OPT(SP_MODEL_TRAIN_EPS)) {
+    o->eps = s->eps;
+    from_spec(cfg, "--eps %g", o->eps);
+  }
+#undef SPEC_OPT
+  o->schedule = cosine ? SP_LR_COSINE : SP_LR_CONSTANT;
+  if (sched_spec)
+    from_spec(cfg, "--lr-schedule %s", cosine ? "cosine" : "constant");
+  /* a spec's warmup and floor belong to its cosine schedule: a spec with
+   * them says cosine (model.c checks), and --lr-schedule constant drops
+   * them */
+  bool spec_cosine = cosine && s != NULL && s->cosine;
   o->warmup_steps = t->warmup_steps;
+  if (!t->given[F_WARMUP] && spec_cosine &&
+      (set & SP_MODEL_TRAIN_WARMUP_STEPS)) {
+    o->warmup_steps = s->warmup_steps < steps ? s->warmup_steps : steps;
+    from_spec(cfg, "--warmup-steps %llu", (unsigned long long)o->warmup_steps);
+  } else if (!t->given[F_WARMUP] && spec_cosine &&
+             (set & SP_MODEL_TRAIN_WARMUP_RATIO)) {
+    /* rounded up, as Hugging Face's get_warmup_steps; the product's
+     * rounding error (0.04 * 25 = 1.0000000000000002) is not a step */
+    double x = ceil(s->warmup_ratio * (double)steps * (1.0 - 1e-12));
+    o->warmup_steps = x < (double)steps ? (uint64_t)x : steps;
+    from_spec(cfg, "--warmup-steps %llu", (unsigned long long)o->warmup_steps);
+  }
   o->total_steps = steps;
   o->min_lr = t->min_lr;
+  if (!t->given[F_MIN_LR] && spec_cosine && (set & SP_MODEL_TRAIN_MIN_LR)) {
+    /* the floor keeps its ratio to the peak it was written for */
+    double floor = s->min_lr;
+    if (peak != s->lr) floor = s->lr > 0 ? s->min_lr * (peak / s->lr) : 0;
+    o->min_lr = floor < peak ? floor : peak;
+    from_spec(cfg, "--min-lr %g", o->min_lr);
+  }
   o->decay = t->decay;
   o->n_decay = t->n_decay;
   o->no_decay = t->no_decay;
   o->n_no_decay = t->n_no_decay;
   cfg->clip_grad_norm = t->clip_grad_norm;
+  if (!t->given[F_CLIP] && (set & SP_MODEL_TRAIN_CLIP)) {
+    cfg->clip_grad_norm = s->clip_grad_norm;
+    from_spec(cfg, "--clip-grad-norm %g", cfg->clip_grad_norm);
+  }
   cfg->grad_accum = t->grad_accum;
   cfg->no_sync = t->no_sync;
   /* what sp_optim_opts_check would refuse is refused above, by flag; a
@@ -311,7 +415,37 @@ int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
   return rc < 0 ? rc : 0;
 }
 
+int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
+                          uint32_t global_batch, uint32_t world,
+                          const char *world_name, sp_mlp_train_cfg *cfg,
+                          sp_diag *d) {
+  return finish(t, NULL, true, steps, lr, true, global_batch, world, world_name,
+                cfg, d);
+}
+
+int sp_train_flags_finish_spec(const sp_train_flags *t, const sp_model *spec,
+                               uint32_t steps, double lr, bool lr_given,
+                               uint32_t global_batch, uint32_t world,
+                               const char *world_name, sp_mlp_train_cfg *cfg,
+                               sp_diag *d) {
+  return finish(t, spec, true, steps, lr, lr_given, global_batch, world,
+                world_name, cfg, d);
+}
+
+int sp_train_flags_precheck(const sp_train_flags *t, uint32_t steps, double lr,
+                            bool lr_given, uint32_t global_batch, sp_diag *d) {
+  sp_mlp_train_cfg cfg;
+  return finish(t, NULL, false, steps, lr, lr_given, global_batch, 0, NULL,
+                &cfg, d);
+}
+
 void sp_train_flags_help(FILE *f, int col) {
+  fputs(
+      "  A spec's \"training\" sets the defaults of --lr and the flags\n"
+      "  below (the GPT-2 specs': AdamW at 6e-4, warmup and cosine decay\n"
+      "  to 6e-5, weight decay 0.1, betas 0.9,0.95, clipping at 1.0); a\n"
+      "  flag given wins.\n",
+      f);
   for (size_t i = 0; i < F_COUNT; i++) {
     char head[64];
     snprintf(head, sizeof head, "  --%s%s%s", k_flags[i].name,

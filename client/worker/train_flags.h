@@ -15,6 +15,7 @@
 
 #include "base/sp_error.h"
 #include "lib/shardplane.h"
+#include "plan/model.h"
 
 /* What a trainer runs, made from the flags by sp_train_flags_finish: the
  * worker's trainers' and the tests' reference run's
@@ -41,6 +42,9 @@ typedef struct sp_mlp_train_cfg {
   /* optimizer, schedule (total_steps set by the caller) and decay mask */
   sp_optim_opts optim;
   double clip_grad_norm; /* > 0: clip_grad_norm_ before each step; 0 off */
+  /* what the spec's "training" set (no flag did), as the flags that would
+   * say it: "--optimizer adamw --lr 0.0006 ..."; "" for nothing */
+  char from_spec[384];
 } sp_mlp_train_cfg;
 
 /* steps and global batch, SGD at lr with no momentum, decay, clipping or
@@ -114,6 +118,34 @@ int sp_train_flags_finish(const sp_train_flags *t, uint32_t steps, double lr,
                           uint32_t global_batch, uint32_t world,
                           const char *world_name, sp_mlp_train_cfg *cfg,
                           sp_diag *d);
+
+/* The same with the defaults of a model spec's "training" (model.h) for
+ * the flags not given, the run's lr (the default when !lr_given)
+ * included: a flag always wins. The spec's optimizer settings (lr,
+ * momentum, weight_decay, betas, eps) are for its optimizer (sgd when it
+ * names none) and apply only when that is the optimizer in effect; its
+ * warmup and min_lr only with the cosine schedule in effect. Its
+ * warmup_steps is cut to the run's steps and its warmup_ratio is
+ * ceil(ratio * steps) (as Hugging Face's Trainer): a spec cannot know how
+ * long a run is, and a default that made a short run an error would be
+ * no default. Its min_lr is its lr's floor: under another lr (--lr, or
+ * the spec's optimizer not in effect) it keeps its ratio to the peak.
+ * The checks that combine flags are those above, against the settings in
+ * effect, and say when the spec chose one; cfg->from_spec lists what the
+ * spec set. spec NULL: none (sp_train_flags_finish). */
+int sp_train_flags_finish_spec(const sp_train_flags *t, const sp_model *spec,
+                               uint32_t steps, double lr, bool lr_given,
+                               uint32_t global_batch, uint32_t world,
+                               const char *world_name, sp_mlp_train_cfg *cfg,
+                               sp_diag *d);
+
+/* Before the spec is known (a worker before it attaches): the checks of
+ * sp_train_flags_finish that no spec can change (the values, --warmup-
+ * steps at most --steps, --min-lr at most a given --lr, a flag given where
+ * the flags alone say it means nothing, --no-sync, the batch over
+ * --grad-accum); the rest waits for sp_train_flags_finish_spec. */
+int sp_train_flags_precheck(const sp_train_flags *t, uint32_t steps, double lr,
+                            bool lr_given, uint32_t global_batch, sp_diag *d);
 
 /* The help lines, indented like the programs' own (column `col` for the
  * descriptions). */

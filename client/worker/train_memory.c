@@ -169,15 +169,15 @@ int sp_train_mem_fit(const sp_train_mem *m, uint32_t ranks, uint64_t available,
       human(available, av, sizeof av));
 }
 
-void sp_train_mem_job(const sp_train_flags *t, uint32_t global_batch,
+void sp_train_mem_job(const sp_mlp_train_cfg *cfg, const sp_train_flags *t,
                       bool device, sp_mem_opts *opts, sp_train_shape *shape) {
   sp_mem_opts_default(opts);
-  opts->optimizer = t->kind == SP_OPTIM_ADAMW ? SP_MEM_OPT_ADAMW
-                    : t->momentum > 0         ? SP_MEM_OPT_SGD_MOMENTUM
-                                              : SP_MEM_OPT_SGD;
-  opts->no_sync = t->no_sync;
-  *shape = (sp_train_shape){.global_batch = global_batch,
-                            .grad_accum = t->grad_accum,
+  opts->optimizer = cfg->optim.kind == SP_OPTIM_ADAMW ? SP_MEM_OPT_ADAMW
+                    : cfg->optim.momentum > 0         ? SP_MEM_OPT_SGD_MOMENTUM
+                                                      : SP_MEM_OPT_SGD;
+  opts->no_sync = cfg->no_sync;
+  *shape = (sp_train_shape){.global_batch = cfg->global_batch,
+                            .grad_accum = cfg->grad_accum,
                             .seq_len = t->seq_len,
                             .checkpointing = t->checkpointing,
                             .device = device};

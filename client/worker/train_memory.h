@@ -107,11 +107,12 @@ int sp_train_mem_predict(const sp_plan *plan, const sp_mem_opts *opts,
                          const sp_train_shape *shape, sp_train_mem *out,
                          sp_diag *d);
 
-/* The runtime's options and the batch shape of a job the worker trains
- * with training flags t (the optimizer, --no-sync, --grad-accum,
- * --seq-len, --activation-checkpointing) at global_batch, as the worker
- * runs it (limiter 2, backward prefetch). */
-void sp_train_mem_job(const sp_train_flags *t, uint32_t global_batch,
+/* The runtime's options and the batch shape of a job as the worker runs
+ * it (limiter 2, backward prefetch): cfg the training in effect
+ * (sp_train_model_check's: the optimizer, no_sync, the batch and its
+ * micro-batches, flags over the spec's defaults), t for --seq-len and
+ * --activation-checkpointing. */
+void sp_train_mem_job(const sp_mlp_train_cfg *cfg, const sp_train_flags *t,
                       bool device, sp_mem_opts *opts, sp_train_shape *shape);
 
 /* The host's available memory (MemAvailable of /proc/meminfo: what can

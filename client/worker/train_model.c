@@ -33,12 +33,15 @@ void sp_train_model_clear(sp_train_model *t) {
 
 int sp_train_model_check(sp_train_model *t, const sp_plan *plan,
                          const sp_train_flags *flags, uint32_t steps, double lr,
-                         uint32_t global_batch, uint32_t world,
+                         bool lr_given, uint32_t global_batch, uint32_t world,
                          const char *world_name, sp_mlp_train_cfg *cfg,
                          sp_diag *d) {
   bool synthetic = t->gpt == NULL && t->mlp == NULL;
-  int rc = sp_train_flags_finish(flags, steps, lr, synthetic ? 0 : global_batch,
-                                 world, world_name, cfg, d);
+  /* the one place a run's flags meet the spec's training defaults: the
+   * worker's own check and shardplane run's, so both train the same */
+  int rc = sp_train_flags_finish_spec(
+      flags, synthetic ? NULL : plan->model, steps, lr, lr_given,
+      synthetic ? 0 : global_batch, world, world_name, cfg, d);
   if (rc == 0 && t->gpt != NULL)
     rc = sp_gpt2_trainer_check(t->gpt, plan, flags, &t->data, d);
   return rc;

@@ -43,8 +43,10 @@ void sp_train_model_clear(sp_train_model *t);
 
 /* The job as the model's trainer will take it, over `world` ranks
  * (world_name names what gave it: "--nproc", "the world size"): the
- * training flags with steps, lr and global_batch (sp_train_flags_finish;
- * the synthetic cycle has no batch), and a GPT-2's
+ * training flags with steps, lr (the default unless lr_given) and
+ * global_batch, and the spec's "training" for what they do not say
+ * (sp_train_flags_finish_spec; the synthetic cycle, which trains no model,
+ * takes no spec defaults and has no batch), and a GPT-2's
  * sp_gpt2_trainer_check of the plan, --seq-len and --data. cfg receives
  * the trainer's configuration. SP_EINVAL naming the flag, SP_EUNSUPPORTED
  * naming the wrap that fixes the plan (--wrap-type GPT2Block), the
@@ -52,7 +54,7 @@ void sp_train_model_clear(sp_train_model *t);
  * for its trainer (freed by sp_train_model_clear). */
 int sp_train_model_check(sp_train_model *t, const sp_plan *plan,
                          const sp_train_flags *flags, uint32_t steps, double lr,
-                         uint32_t global_batch, uint32_t world,
+                         bool lr_given, uint32_t global_batch, uint32_t world,
                          const char *world_name, sp_mlp_train_cfg *cfg,
                          sp_diag *d);
 

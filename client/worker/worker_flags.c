@@ -42,6 +42,7 @@ int sp_worker_flag(sp_worker_flags *f, int c, const char *flag, const char *v,
                         d);
     case SP_WORKER_OPT_LR:
       f->lr_arg = v;
+      f->lr_given = true;
       return sp_flag_number(flag, v, 0, &f->lr, d);
     case SP_WORKER_OPT_LOG_EVERY:
       return count_flag(&f->log_every_arg, &f->log_every, flag, v, 0,

@@ -58,8 +58,11 @@ typedef struct sp_worker_flags {
   uint32_t steps;        /* --steps (default 20) */
   uint32_t global_batch; /* --global-batch (default 24) */
   double lr;             /* --lr (default 0.05) */
-  uint32_t log_every;    /* --log-every (default 1) */
-  const char *ckpt_dir;  /* --checkpoint-dir; NULL: not given */
+  /* --lr given: else the spec's training.lr, when it has one, goes first
+   * (sp_train_flags_finish_spec), and shardplane run passes none on */
+  bool lr_given;
+  uint32_t log_every;   /* --log-every (default 1) */
+  const char *ckpt_dir; /* --checkpoint-dir; NULL: not given */
   /* --checkpoint, by sp_ckpt_kind: after sp_worker_flags_finish, FULL
    * unless --checkpoint was given */
   bool kinds[4];

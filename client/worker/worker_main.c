@@ -26,11 +26,12 @@ static void usage(FILE *f) {
       "\n"
       "One rank of a shardplane job: takes the job and model from the\n"
       "coordinator, trains a GPT-2-family transformer (blocks wrapped as\n"
-      "units: --wrap-type GPT2Block) or the reference MLP (a sequential\n"
-      "MLP) with sharded parameters, and reports every training-state\n"
-      "transition. Any other spec is refused (exit 1) before the\n"
-      "rendezvous, as is a job its trainer cannot take; --synthetic runs\n"
-      "the synthetic-gradient cycle on it instead.\n"
+      "units: the spec's no_split_modules or --wrap-type GPT2Block) or the\n"
+      "reference MLP (a sequential MLP) with sharded parameters, and\n"
+      "reports every training-state transition. Any other spec is refused\n"
+      "(exit 1) before the rendezvous, as is a job its trainer cannot\n"
+      "take; --synthetic runs the synthetic-gradient cycle on it instead.\n"
+      "The spec's \"training\" sets the defaults of the training flags.\n"
       "\n"
       "  --coordinator HOST:PORT  coordinator (default $SHARDPLANE_COORDINATOR"
       ",\n"
@@ -47,7 +48,8 @@ static void usage(FILE *f) {
       "  --global-batch N         samples per step over all ranks and micro-\n"
       "                           batches (default 24)\n"
       "  --lr X                   learning rate, the peak of a schedule\n"
-      "                           (default 0.05)\n"
+      "                           (default: the spec's training.lr, else\n"
+      "                           0.05)\n"
       "  --checkpoint-dir DIR     write checkpoints there after training\n"
       "  --checkpoint KIND        full, sharded or local; repeatable "
       "(default full)\n"
@@ -367,12 +369,12 @@ static int parse_args(int argc, char **argv, sp_worker_opts *o) {
             o->wf.ckpt_every);
     return 2;
   }
-  /* the flags that combine (the world size's share of the batch is
-   * checked once the job says it) */
+  /* the flags that combine, as far as the flags alone say (the spec's
+   * training defaults and the world size's share of the batch are
+   * checked once the coordinator gives them) */
   sp_diag d = {{0}};
-  sp_mlp_train_cfg cfg;
-  if (sp_train_flags_finish(&o->train, o->wf.steps, o->wf.lr,
-                            o->wf.global_batch, 0, NULL, &cfg, &d) < 0) {
+  if (sp_train_flags_precheck(&o->train, o->wf.steps, o->wf.lr, o->wf.lr_given,
+                              o->wf.global_batch, &d) < 0) {
     fprintf(stderr, "shardplane-worker: %s\n", d.msg);
     return 2;
   }

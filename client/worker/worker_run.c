@@ -78,13 +78,14 @@ static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
  * available, or on a GPU what the device has free: as shardplane run
  * checks every rank it places, for jobs an agent launched. */
 static int check_memory(const sp_worker_opts *o, const sp_plan *plan,
-                        uint32_t rank, sp_diag *d) {
+                        const sp_mlp_train_cfg *cfg, uint32_t rank,
+                        sp_diag *d) {
   int dev = -1;
   if (o->device && sscanf(o->device, "cuda:%d", &dev) != 1) dev = -1;
   sp_mem_opts mo;
   sp_train_shape sh;
   sp_train_mem m;
-  sp_train_mem_job(&o->train, o->wf.global_batch, dev >= 0, &mo, &sh);
+  sp_train_mem_job(cfg, &o->train, dev >= 0, &mo, &sh);
   int rc = sp_train_mem_predict(plan, &mo, &sh, &m, d);
   uint64_t avail = 0, total = 0;
   char where[48];
@@ -184,10 +185,10 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
     rc = sp_train_model_pick(sp_session_model(s), o->synthetic, &tm, d);
   if (rc == 0)
     rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train, o->wf.steps,
-                              o->wf.lr, o->wf.global_batch, w, "the world size",
-                              &cfg, d);
+                              o->wf.lr, o->wf.lr_given, o->wf.global_batch, w,
+                              "the world size", &cfg, d);
   if (rc == 0 && (tm.gpt || tm.mlp) && !o->train.no_memory_check)
-    rc = check_memory(o, sp_session_plan(s), rank, d);
+    rc = check_memory(o, sp_session_plan(s), &cfg, rank, d);
   sp_gpt2 *gpt = tm.gpt;
   sp_mlp *mlp = tm.mlp;
   bool is_gpt2 = gpt != NULL, is_mlp = mlp != NULL;
@@ -251,6 +252,13 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   }
   if (rc == 0 && rank == 0 && !is_mlp && !is_gpt2)
     printf("rank 0: --synthetic: running the synthetic-gradient cycle\n");
+  /* what the spec chose, said as the flags that change it: a run without
+   * --optimizer must not train AdamW unannounced */
+  if (rc == 0 && rank == 0 && cfg.from_spec[0] != '\0') {
+    printf("rank 0: from the training defaults of %s: %s\n",
+           sp_session_model(s)->name, cfg.from_spec);
+    fflush(stdout);
+  }
   uint32_t todo = o->wf.steps - first;
   losses = calloc(todo ? todo : 1, sizeof *losses);
   step_s = calloc(todo ? todo : 1, sizeof *step_s);

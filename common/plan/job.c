@@ -330,10 +330,22 @@ int sp_job_validate(const sp_job *job, const sp_model *model, sp_diag *diag) {
 }
 
 int sp_job_default_wrap(sp_job *job, const sp_model *model, bool *applied) {
-  bool apply = job->wrap_modules.n == 0 && job->wrap_types.n == 0 &&
-               model_has_type(model, SP_JOB_DEFAULT_WRAP_TYPE);
+  bool none = job->wrap_modules.n == 0 && job->wrap_types.n == 0;
+  /* the spec's no_split_modules, when it has them: the model's author
+   * said which modules hold together (a GPT-2's blocks), which "every
+   * Linear" cannot know */
+  bool from_spec = none && model->n_no_split_modules > 0;
+  bool apply =
+      from_spec || (none && model_has_type(model, SP_JOB_DEFAULT_WRAP_TYPE));
   if (applied != NULL) *applied = apply;
-  return apply ? sp_strlist_add(&job->wrap_types, SP_JOB_DEFAULT_WRAP_TYPE) : 0;
+  if (!from_spec)
+    return apply ? sp_strlist_add(&job->wrap_types, SP_JOB_DEFAULT_WRAP_TYPE)
+                 : 0;
+  for (size_t i = 0; i < model->n_no_split_modules; i++) {
+    int rc = sp_strlist_add(&job->wrap_types, model->no_split_modules[i]);
+    if (rc != 0) return rc;
+  }
+  return 0;
 }
 
 bool sp_job_full_precision_type(const sp_job *job, const char *type) {

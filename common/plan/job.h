@@ -131,8 +131,11 @@ void sp_job_flags_print_help_except(void *file, const char *skip);
 /* The tools' default wrap policy, the same in shardplane run, shardplane
  * plan and shardplane-coordinator (so a checkpoint of one loads into the
  * others): a job without one (no wrap module, no wrap type) wraps every
- * module of type SP_JOB_DEFAULT_WRAP_TYPE as a unit, when the model has
- * any. *applied (may be NULL) says whether it did. 0 or SP_ENOMEM. */
+ * module of the types of the spec's "no_split_modules" as a unit, as
+ * transformer_auto_wrap_policy does with Hugging Face's
+ * _no_split_modules; a spec without them, every module of type
+ * SP_JOB_DEFAULT_WRAP_TYPE, when it has any. *applied (may be NULL) says
+ * whether it did. 0, SP_ETOOBIG or SP_ENOMEM. */
 #define SP_JOB_DEFAULT_WRAP_TYPE "Linear"
 int sp_job_default_wrap(sp_job *job, const sp_model *model, bool *applied);
 

@@ -1,12 +1,14 @@
 #include "model.h"
 
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/json.h"
 #include "base/strmap.h"
+#include "base/suggest.h"
 
 #define SP_MODEL_FORMAT "shardplane.model/v1"
 
@@ -316,6 +318,228 @@ static int load_config(loader *L, json_t *cfg) {
   return 0;
 }
 
+/* The module type nearest to `type`, for "did you mean"; NULL when none
+ * is near or memory is short (only an error path calls it). */
+static const char *nearest_type(const sp_model *m, const char *type) {
+  const char **types = calloc(m->n_modules + 1, sizeof *types);
+  if (types == NULL) return NULL;
+  for (size_t i = 0; i < m->n_modules; i++) types[i] = m->modules[i].type;
+  const char *near = sp_suggest(type, types, m->n_modules);
+  free(types);
+  return near;
+}
+
+/* "no_split_modules": module types of the spec, each once. A type no module
+ * has is an error rather than a wrap policy that silently wraps nothing
+ * (a misspelt "GPT2Blok" would leave the blocks split). */
+static int load_no_split(loader *L, json_t *root) {
+  sp_model *m = L->m;
+  json_t *arr;
+  int rc = sp_json_array(&L->r, root, "no_split_modules", "", false,
+                         SP_MODEL_MAX_NO_SPLIT, &arr);
+  if (rc != 0 || arr == NULL) return rc;
+  size_t n = json_array_size(arr);
+  if (n == 0)
+    return fail(L, SP_EFORMAT,
+                "no_split_modules: empty; list the module types never split "
+                "across units, or leave the field out");
+  m->no_split_modules = calloc(n, sizeof *m->no_split_modules);
+  if (m->no_split_modules == NULL)
+    return fail(L, SP_ENOMEM, "no_split_modules: out of memory");
+  for (size_t i = 0; i < n; i++) {
+    json_t *v = json_array_get(arr, i);
+    if (!json_is_string(v))
+      return fail(L, SP_EFORMAT,
+                  "no_split_modules[%zu]: expected a module type (a string)",
+                  i);
+    const char *type = json_string_value(v);
+    if (json_string_length(v) > SP_JSON_MAX_STRING ||
+        strlen(type) != json_string_length(v))
+      return fail(L, SP_EFORMAT,
+                  "no_split_modules[%zu]: a string of at most %d bytes "
+                  "without NUL",
+                  i, SP_JSON_MAX_STRING);
+    bool found = false;
+    for (size_t k = 0; k < m->n_modules && !found; k++)
+      found = strcmp(m->modules[k].type, type) == 0;
+    if (!found) {
+      const char *near = nearest_type(m, type);
+      return fail(L, SP_EFORMAT,
+                  "no_split_modules: type \"%.200s\" is not the type of any "
+                  "module in %s%s%s%s",
+                  type, L->r.origin, near ? " (did you mean \"" : "",
+                  near ? near : "", near ? "\"?)" : "");
+    }
+    for (size_t k = 0; k < i; k++)
+      if (strcmp(m->no_split_modules[k], type) == 0)
+        return fail(L, SP_EFORMAT,
+                    "no_split_modules[%zu]: type \"%.200s\" is listed twice", i,
+                    type);
+    m->no_split_modules[i] = sp_strdup(type);
+    if (m->no_split_modules[i] == NULL)
+      return fail(L, SP_ENOMEM, "no_split_modules: out of memory");
+    m->n_no_split_modules = i + 1;
+  }
+  return 0;
+}
+
+/* A number of "training" (an integer or a real), finite and >= min;
+ * *has says whether the field is there. */
+static int training_number(loader *L, json_t *o, const char *key, double min,
+                           bool min_open, double *out, bool *has) {
+  json_t *v = json_object_get(o, key);
+  *has = v != NULL;
+  if (v == NULL) return 0;
+  if (!json_is_number(v))
+    return fail(L, SP_EFORMAT, "training.%s: expected a number", key);
+  double x = json_number_value(v);
+  if (!isfinite(x) || x < min || (min_open && x == min))
+    return fail(L, SP_EFORMAT,
+                "training.%s: %g: expected a finite number %s %g", key, x,
+                min_open ? ">" : ">=", min);
+  *out = x;
+  return 0;
+}
+
+/* One of names[0..n) by its exact name. */
+static int training_choice(loader *L, json_t *o, const char *key,
+                           const char *const *names, size_t n, size_t *index,
+                           bool *has) {
+  const char *s;
+  int rc = sp_json_string(&L->r, o, key, "training", false, &s);
+  *has = rc == 0 && s != NULL;
+  if (rc != 0 || s == NULL) return rc;
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(s, names[i]) == 0) {
+      *index = i;
+      return 0;
+    }
+  return fail(L, SP_EFORMAT, "training.%s: \"%.200s\": expected %s or %s", key,
+              s, names[0], names[1]);
+}
+
+/* "training": the defaults of the training flags of the same names. A key
+ * it does not have is an error, as in a job file: a misspelt "warmup_step"
+ * must not leave the run on another schedule unnoticed. */
+static int load_training(loader *L, json_t *o) {
+  static const char *const keys[] = {
+      "optimizer",    "lr",     "momentum",      "weight_decay",
+      "betas",        "eps",    "lr_schedule",   "warmup_steps",
+      "warmup_ratio", "min_lr", "clip_grad_norm"};
+  static const char *const optimizers[] = {"sgd", "adamw"};
+  static const char *const schedules[] = {"constant", "cosine"};
+  if (o == NULL) return 0;
+  if (!json_is_object(o))
+    return fail(L, SP_EFORMAT, "training: expected an object");
+  int rc = sp_json_known_keys(&L->r, o, "training", keys,
+                              sizeof keys / sizeof keys[0]);
+  if (rc != 0) return rc;
+  sp_model_training *t = &L->m->training;
+  bool has;
+  size_t k = 0;
+#define SET(bit) (t->set |= has ? (unsigned)(bit) : 0u)
+  if ((rc = training_choice(L, o, "optimizer", optimizers, 2, &k, &has)) != 0)
+    return rc;
+  t->adamw = has && k == 1;
+  SET(SP_MODEL_TRAIN_OPTIMIZER);
+  if ((rc = training_choice(L, o, "lr_schedule", schedules, 2, &k, &has)) != 0)
+    return rc;
+  t->cosine = has && k == 1;
+  SET(SP_MODEL_TRAIN_SCHEDULE);
+  if ((rc = training_number(L, o, "lr", 0, false, &t->lr, &has)) != 0)
+    return rc;
+  SET(SP_MODEL_TRAIN_LR);
+  if ((rc = training_number(L, o, "momentum", 0, false, &t->momentum, &has)) !=
+      0)
+    return rc;
+  SET(SP_MODEL_TRAIN_MOMENTUM);
+  if ((rc = training_number(L, o, "weight_decay", 0, false, &t->weight_decay,
+                            &has)) != 0)
+    return rc;
+  SET(SP_MODEL_TRAIN_WEIGHT_DECAY);
+  if ((rc = training_number(L, o, "eps", 0, true, &t->eps, &has)) != 0)
+    return rc;
+  SET(SP_MODEL_TRAIN_EPS);
+  if ((rc = training_number(L, o, "warmup_ratio", 0, false, &t->warmup_ratio,
+                            &has)) != 0)
+    return rc;
+  if (has && t->warmup_ratio > 1)
+    return fail(L, SP_EFORMAT,
+                "training.warmup_ratio: %g: expected a fraction of the run's "
+                "steps, in [0, 1]",
+                t->warmup_ratio);
+  SET(SP_MODEL_TRAIN_WARMUP_RATIO);
+  if ((rc = training_number(L, o, "min_lr", 0, false, &t->min_lr, &has)) != 0)
+    return rc;
+  SET(SP_MODEL_TRAIN_MIN_LR);
+  if ((rc = training_number(L, o, "clip_grad_norm", 0, false,
+                            &t->clip_grad_norm, &has)) != 0)
+    return rc;
+  SET(SP_MODEL_TRAIN_CLIP);
+#undef SET
+  long long w = -1;
+  if ((rc = sp_json_int(&L->r, o, "warmup_steps", "training", false, 0,
+                        1000000000, &w)) != 0)
+    return rc;
+  if (w >= 0) {
+    t->warmup_steps = (uint64_t)w;
+    t->set |= SP_MODEL_TRAIN_WARMUP_STEPS;
+  }
+  json_t *betas = json_object_get(o, "betas");
+  if (betas != NULL) {
+    if (!json_is_array(betas) || json_array_size(betas) != 2 ||
+        !json_is_number(json_array_get(betas, 0)) ||
+        !json_is_number(json_array_get(betas, 1)))
+      return fail(L, SP_EFORMAT, "training.betas: expected [B1, B2]");
+    t->beta1 = json_number_value(json_array_get(betas, 0));
+    t->beta2 = json_number_value(json_array_get(betas, 1));
+    if (!(t->beta1 >= 0 && t->beta1 < 1) || !(t->beta2 >= 0 && t->beta2 < 1))
+      return fail(L, SP_EFORMAT,
+                  "training.betas: [%g, %g]: expected each in [0, 1)", t->beta1,
+                  t->beta2);
+    t->set |= SP_MODEL_TRAIN_BETAS;
+  }
+  /* the fields that mean something only with another, as the flags are
+   * checked (a recipe that cannot be what its author meant is refused) */
+  const char *opt = t->adamw ? "adamw" : "sgd";
+  if ((t->set & SP_MODEL_TRAIN_MOMENTUM) && t->adamw)
+    return fail(L, SP_EFORMAT,
+                "training.momentum: only with optimizer sgd (adamw has "
+                "betas)");
+  if ((t->set & SP_MODEL_TRAIN_BETAS) && !t->adamw)
+    return fail(L, SP_EFORMAT,
+                "training.betas: only with optimizer adamw (the optimizer is "
+                "%s)",
+                opt);
+  if ((t->set & SP_MODEL_TRAIN_EPS) && !t->adamw)
+    return fail(L, SP_EFORMAT,
+                "training.eps: only with optimizer adamw (the optimizer is %s)",
+                opt);
+  static const struct {
+    unsigned bit;
+    const char *name;
+  } cosine_only[] = {{SP_MODEL_TRAIN_WARMUP_STEPS, "warmup_steps"},
+                     {SP_MODEL_TRAIN_WARMUP_RATIO, "warmup_ratio"},
+                     {SP_MODEL_TRAIN_MIN_LR, "min_lr"}};
+  for (size_t i = 0; i < 3; i++)
+    if ((t->set & cosine_only[i].bit) && !t->cosine)
+      return fail(L, SP_EFORMAT, "training.%s: only with lr_schedule cosine",
+                  cosine_only[i].name);
+  if ((t->set & SP_MODEL_TRAIN_WARMUP_STEPS) &&
+      (t->set & SP_MODEL_TRAIN_WARMUP_RATIO))
+    return fail(L, SP_EFORMAT,
+                "training: warmup_steps and warmup_ratio both given; one of "
+                "them");
+  if ((t->set & SP_MODEL_TRAIN_MIN_LR) && !(t->set & SP_MODEL_TRAIN_LR))
+    return fail(L, SP_EFORMAT,
+                "training.min_lr: needs training.lr, the peak it decays "
+                "from");
+  if ((t->set & SP_MODEL_TRAIN_MIN_LR) && t->min_lr > t->lr)
+    return fail(L, SP_EFORMAT, "training.min_lr: %g: expected at most lr %g",
+                t->min_lr, t->lr);
+  return 0;
+}
+
 int sp_model_config_int(const sp_model *m, const char *key, int64_t *out) {
   if (m == NULL || key == NULL) return SP_EINVAL;
   for (size_t i = 0; i < m->n_config; i++)
@@ -363,7 +587,9 @@ static int load_root(loader *L, json_t *root) {
                          &L->m->n_buffers)) != 0)
     return rc;
   if ((rc = load_tied(L, tied)) != 0) return rc;
-  return load_config(L, json_object_get(root, "config"));
+  if ((rc = load_config(L, json_object_get(root, "config"))) != 0) return rc;
+  if ((rc = load_no_split(L, root)) != 0) return rc;
+  return load_training(L, json_object_get(root, "training"));
 }
 
 int sp_model_load_string(const char *json, size_t len, const char *origin,
@@ -417,6 +643,9 @@ void sp_model_free(sp_model *m) {
   free(m->tied);
   for (size_t i = 0; i < m->n_config; i++) free((char *)m->config[i].key);
   free(m->config);
+  for (size_t i = 0; i < m->n_no_split_modules; i++)
+    free(m->no_split_modules[i]);
+  free(m->no_split_modules);
   sp_strmap_free(m->index_);
   free(m->name);
   free(m->path);

@@ -5,11 +5,26 @@
  *     "params":  [{"fqn", "shape", "dtype", "requires_grad"}, ...],
  *     "buffers": [{"fqn", "shape", "dtype", "persistent"}, ...],
  *     "tied":    [{"fqn": "lm_head.weight", "to": "transformer.wte.weight"}],
- *     "config":  {"n_head": 12, ...} }
+ *     "config":  {"n_head": 12, ...},
+ *     "no_split_modules": ["GPT2Block"],
+ *     "training": {"optimizer": "adamw", "lr": 6e-4, ...} }
  *
  * "config" (optional) holds the integer hyper-parameters the shapes do not
  * say, as a Hugging Face config.json does (a transformer's head count);
  * other value types there are ignored, so an HF config can be pasted in.
+ *
+ * "no_split_modules" (optional) names module types never split across units,
+ * as Hugging Face's `_no_split_modules`, which PyTorch FSDP users pass to
+ * transformer_auto_wrap_policy: the tools' default wrap policy wraps each
+ * module of these types (sp_job_default_wrap). Every entry must be the type
+ * of some module, once.
+ *
+ * "training" (optional) holds the defaults of the training flags of the
+ * same names (--optimizer, --lr, ...; client/worker/train_flags.h), the
+ * recipe the model is known to train with; flags win over it. Only the
+ * values are checked here, and the fields that need one another (betas only
+ * with adamw, warmup only with cosine, min_lr at most lr); how a run
+ * combines them with its flags is the worker's (sp_train_flags_finish_spec).
  *
  * Every error names the file, the JSON path ("params[17].shape[1]") and what is
  * wrong. A loaded model is immutable; all strings and arrays are owned by the
@@ -71,6 +86,42 @@ typedef struct sp_model_config {
 
 /* Most "config" entries kept. */
 #define SP_MODEL_MAX_CONFIG 256
+/* Most "no_split_modules" entries (Hugging Face's lists hold one or two). */
+#define SP_MODEL_MAX_NO_SPLIT 64
+
+/* Which fields of "training" the spec has (sp_model_training.set). */
+enum {
+  SP_MODEL_TRAIN_OPTIMIZER = 1u << 0,
+  SP_MODEL_TRAIN_LR = 1u << 1,
+  SP_MODEL_TRAIN_MOMENTUM = 1u << 2,
+  SP_MODEL_TRAIN_WEIGHT_DECAY = 1u << 3,
+  SP_MODEL_TRAIN_BETAS = 1u << 4,
+  SP_MODEL_TRAIN_EPS = 1u << 5,
+  SP_MODEL_TRAIN_SCHEDULE = 1u << 6,
+  SP_MODEL_TRAIN_WARMUP_STEPS = 1u << 7,
+  SP_MODEL_TRAIN_WARMUP_RATIO = 1u << 8,
+  SP_MODEL_TRAIN_MIN_LR = 1u << 9,
+  SP_MODEL_TRAIN_CLIP = 1u << 10,
+};
+
+/* The spec's "training", checked: each field as the flag of its name takes
+ * it. warmup_ratio, a fraction of the run's steps (Hugging Face's
+ * TrainingArguments.warmup_ratio), stands for --warmup-steps where the
+ * spec cannot know the run's length. */
+typedef struct sp_model_training {
+  unsigned set;          /* SP_MODEL_TRAIN_* of the fields present */
+  bool adamw;            /* "optimizer": "adamw" (false: "sgd") */
+  bool cosine;           /* "lr_schedule": "cosine" (false: "constant") */
+  double lr;             /* >= 0 */
+  double momentum;       /* >= 0; sgd only */
+  double weight_decay;   /* >= 0 */
+  double beta1, beta2;   /* "betas": [B1, B2], each in [0, 1); adamw only */
+  double eps;            /* > 0; adamw only */
+  uint64_t warmup_steps; /* cosine only; a run shorter takes its length */
+  double warmup_ratio;   /* in [0, 1]; cosine only; not with warmup_steps */
+  double min_lr;         /* in [0, lr]; cosine only; needs lr */
+  double clip_grad_norm; /* >= 0; 0: off */
+} sp_model_training;
 
 typedef struct sp_model {
   char *name;
@@ -85,7 +136,10 @@ typedef struct sp_model {
   size_t n_tied;
   sp_model_config *config;
   size_t n_config;
-  struct sp_strmap *index_; /* private: FQN -> entry, for the lookups below */
+  char **no_split_modules; /* "no_split_modules": module types, each once */
+  size_t n_no_split_modules;
+  sp_model_training training; /* "training"; .set 0 when absent */
+  struct sp_strmap *index_;   /* private: FQN -> entry, for the lookups below */
 } sp_model;
 
 /* Loads and validates a spec. On success *out is a new model the caller frees
