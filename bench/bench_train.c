@@ -71,6 +71,7 @@ extern char **environ;
 typedef struct opts {
   const char *model;
   int steps, warmup, batch, seq, threads, rounds;
+  bool ckpt; /* --checkpointing: both peers recompute each block */
 } opts;
 
 /* The median after the warm-up of the array `key` of a stats object. */
@@ -158,7 +159,7 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
                   "0.9,0.999", "--weight-decay", "0.01", "--lr-schedule",
                   "constant", "--clip-grad-norm", "0", "--eval-every", "0",
                   "--log-every", "0", "--checkpoint", "none", "--stats", stats,
-                  NULL};
+                  o->ckpt ? "--activation-checkpointing" : NULL, NULL};
     if (posix_spawn(&w[r], wa[0], NULL, NULL, wa, environ) != 0) failed = 1;
   }
   for (int r = 0; r < world; r++) {
@@ -211,8 +212,9 @@ static int run_job(const opts *o, int world, int threads, const char *tmp,
 /* PyTorch's median step time and its busy threads. */
 static int run_torch(const opts *o, double *step_s, int *busy) {
   char cmd[8192];
-  snprintf(cmd, sizeof cmd, "'%s' '%s/train_torch.py' '%s' %d %d %d %d", PYTHON,
-           SP_BENCH_DIR, o->model, o->steps, o->batch, o->seq, o->threads);
+  snprintf(cmd, sizeof cmd, "'%s' '%s/train_torch.py' '%s' %d %d %d %d%s",
+           PYTHON, SP_BENCH_DIR, o->model, o->steps, o->batch, o->seq,
+           o->threads, o->ckpt ? " ckpt" : "");
   char *buf;
   int st;
   if (sp_test_capture(cmd, &buf, &st) != 0) return -1;
@@ -298,7 +300,7 @@ static size_t median_at(const double *v, size_t n) {
 
 int main(int argc, char **argv) {
   /* 7 measured steps: an odd count has a median step */
-  opts o = {SP_EXAMPLES "/models/gpt2-mini.json", 9, 2, 8, 256, 1, 3};
+  opts o = {SP_EXAMPLES "/models/gpt2-mini.json", 9, 2, 8, 256, 1, 3, false};
   static const struct option lo[] = {{"model", required_argument, NULL, 'm'},
                                      {"steps", required_argument, NULL, 's'},
                                      {"warmup", required_argument, NULL, 'w'},
@@ -306,6 +308,7 @@ int main(int argc, char **argv) {
                                      {"seq-len", required_argument, NULL, 'T'},
                                      {"threads", required_argument, NULL, 't'},
                                      {"rounds", required_argument, NULL, 'r'},
+                                     {"checkpointing", no_argument, NULL, 'c'},
                                      {"help", no_argument, NULL, 'h'},
                                      {NULL, 0, NULL, 0}};
   int c;
@@ -318,10 +321,12 @@ int main(int argc, char **argv) {
       case 'T': o.seq = atoi(optarg); break;
       case 't': o.threads = atoi(optarg); break;
       case 'r': o.rounds = atoi(optarg); break;
+      case 'c': o.ckpt = true; break;
       default:
         fprintf(c == 'h' ? stdout : stderr,
                 "usage: bench/train [--model SPEC] [--steps N] [--warmup N] "
-                "[--batch B] [--seq-len T] [--threads N] [--rounds R]\n"
+                "[--batch B] [--seq-len T] [--threads N] [--rounds R] "
+                "[--checkpointing]\n"
                 "defaults: gpt2-mini, 9 steps of which the first 2 warm up "
                 "(medians of the rest), batch 8, 256 tokens, 1 BLAS thread, "
                 "3 rounds of the peers in turn (medians of the rounds)\n"
@@ -357,10 +362,12 @@ int main(int argc, char **argv) {
   }
   double tokens = (double)o.batch * o.seq;
   printf(
-      "bench/train: %s, batch %d x %d tokens, AdamW, %d BLAS thread%s, "
+      "bench/train: %s, batch %d x %d tokens, AdamW, %s%d BLAS thread%s, "
       "%d round%s (W=1, PyTorch, W=2 in turn), medians of steps %d..%d "
       "(OpenBLAS kernels: %s)\n",
-      o.model, o.batch, o.seq, o.threads, o.threads == 1 ? "" : "s", o.rounds,
+      o.model, o.batch, o.seq,
+      o.ckpt ? "activation checkpointing (both peers), " : "", o.threads,
+      o.threads == 1 ? "" : "s", o.rounds,
       o.rounds == 1 ? "" : "s", o.warmup + 1, o.steps,
       getenv("OPENBLAS_CORETYPE") ? getenv("OPENBLAS_CORETYPE")
                                   : openblas_get_corename());

@@ -3,7 +3,9 @@
 tests/support/gpt2_torch.py, Hugging Face's GPT2LMHeadModel layout) on
 the same batch shape with torch.optim.AdamW and the same threads.
 
-  train_torch.py SPEC STEPS BATCH SEQ THREADS
+  train_torch.py SPEC STEPS BATCH SEQ THREADS [ckpt]
+
+(ckpt: each block under torch.utils.checkpoint, recomputed in backward)
 
 prints {"step_seconds": [...], "busy_threads": N}: each step is zero_grad,
 forward, backward and the optimizer step; busy_threads counts this
@@ -24,7 +26,7 @@ import os
 import sys
 import time
 
-if len(sys.argv) == 6:
+if len(sys.argv) in (6, 7):
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
         os.environ[var] = sys.argv[5]
 
@@ -51,7 +53,8 @@ def main():
     heads = spec.get("config", {}).get("n_head", C // 64)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    m = g.GPT2LMHeadModel(V, C, ctx, L, heads)
+    m = g.GPT2LMHeadModel(V, C, ctx, L, heads,
+                          checkpointing=len(sys.argv) > 6 and sys.argv[6] == "ckpt")
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.02)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)

@@ -306,6 +306,22 @@ static void test_plan_matches_offline(void **state) {
   assert_string_equal(jstr(mem, "optimizer"), "sgd-momentum");
   assert_true(json_is_true(json_object_get(mem, "no_sync")));
   assert_true(jint(json_object_get(mem, "total"), "peak") > 0);
+  /* the trainer's activations need the spec, which the coordinator's plan
+   * does not carry: counted offline only, and the remote answer says so */
+  json_t *omem = json_object_get(offline, "memory");
+  assert_true(json_is_null(json_object_get(mem, "trainer")));
+  assert_non_null(
+      strstr(jstr(mem, "trainer_not_counted"), "give --model M.json"));
+  assert_string_equal(jstr(json_object_get(omem, "trainer"), "family"),
+                      "gpt2");
+  assert_true(json_integer_value(json_object_get(omem, "peak")) >
+              json_integer_value(json_object_get(mem, "peak")));
+  for (int i = 0; i < 2; i++) {
+    json_t *m = i ? omem : mem;
+    json_object_del(m, "trainer");
+    json_object_del(m, "trainer_not_counted");
+    json_object_del(m, "peak");
+  }
   json_object_del(remote, "model");
   json_object_del(offline, "model");
   assert_true(json_equal(remote, offline));
@@ -314,6 +330,10 @@ static void test_plan_matches_offline(void **state) {
   r = run("plan", "--memory", "--optimizer", "lion", NULL);
   assert_int_equal(r.code, 2);
   assert_non_null(strstr(r.err, "lion"));
+  done(&r);
+  r = run("plan", "--memory", "--seq-len", "128", NULL);
+  assert_int_equal(r.code, 2);
+  assert_non_null(strstr(r.err, "--seq-len sizes the trainer's activations"));
   done(&r);
 
   r = run("plan", "--unit", "transformer.h.0", NULL);

@@ -8,7 +8,6 @@
 #include <stdio.h>
 
 #include "plan/memory.h"
-#include "worker/train_memory.h"
 #include "rpc/rpc_cred.h"
 #include "lib/shardplane.h"
 
@@ -110,10 +109,9 @@ int sp_remote_option(sp_remote *r, int c, const char *arg);
 /* `plan` without --model: the coordinator's plan, printed as the offline
  * one; rank and unit as `plan --rank/--unit` (rank < 0, unit NULL: none);
  * memory not NULL: its memory model for those options instead (`plan
- * --memory`), with the trainer's activations for shape (its global batch
- * from micro_batch when that is > 0). Returns an exit code and closes r. */
+ * --memory`; the trainer's activations are not counted: the plan it sends
+ * carries units, not the spec). Returns an exit code and closes r. */
 int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
-                   const sp_mem_opts *memory, const sp_train_shape *shape,
-                   long long micro_batch);
+                   const sp_mem_opts *memory);
 
 #endif

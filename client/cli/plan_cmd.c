@@ -141,10 +141,11 @@ typedef struct plan_args {
   sp_train_shape shape;  /* global_batch 0: from micro_batch */
   long long micro_batch; /* --micro-batch; 0: not given */
   bool global_given;
-  const char *mem_flag; /* a memory option given (for the error without
-                           --memory) */
-  bool remote_opts;     /* --coordinator or --timeout-ms given */
-  sp_job_cli flags;     /* job flags, applied after --job */
+  const char *mem_flag;   /* a memory option given (for the error without
+                             --memory) */
+  const char *shape_flag; /* a batch-shape option given (needs --model) */
+  bool remote_opts;       /* --coordinator or --timeout-ms given */
+  sp_job_cli flags;       /* job flags, applied after --job */
 } plan_args;
 
 static int run_plan(const plan_args *a) {
@@ -317,6 +318,7 @@ int sp_cmd_plan(int argc, char **argv) {
         const char *flag = names[c - OPT_GLOBAL_BATCH];
         long long n;
         a.mem_flag = flag;
+        a.shape_flag = flag;
         if (sp_flag_int(flag, optarg, 1, UINT32_MAX, &n, &d) != 0) goto bad;
         if (c == OPT_GLOBAL_BATCH) a.shape.global_batch = (uint32_t)n;
         if (c == OPT_GLOBAL_BATCH) a.global_given = true;
@@ -327,12 +329,14 @@ int sp_cmd_plan(int argc, char **argv) {
       }
       case OPT_CKPT:
         a.mem_flag = "--activation-checkpointing";
+        a.shape_flag = "--activation-checkpointing";
         a.shape.checkpointing = true;
         break;
       case OPT_DEVICE: {
         static const char *const devices[] = {"cpu", "cuda"};
         size_t k = 0;
         a.mem_flag = "--device";
+        a.shape_flag = "--device";
         if (sp_flag_choice("--device", optarg, devices, 2, &k, &d) != 0)
           goto bad;
         a.shape.device = k == 1;
@@ -383,6 +387,12 @@ int sp_cmd_plan(int argc, char **argv) {
       goto out;
     }
     exit_code = run_plan(&a);
+  } else if (a.shape_flag != NULL) {
+    sp_cli_error("plan",
+                 "%s sizes the trainer's activations, which need the spec: "
+                 "give --model M.json (the coordinator's plan carries units, "
+                 "not the spec's modules)",
+                 a.shape_flag);
   } else if (a.job != NULL || a.flags.n > 0) {
     /* a running job's plan is fixed: job options only make sense offline */
     sp_cli_error("plan",
@@ -391,8 +401,7 @@ int sp_cmd_plan(int argc, char **argv) {
   } else {
     remote.json = a.json;
     exit_code =
-        sp_remote_plan(&remote, a.rank, a.unit, a.memory ? &a.mem : NULL,
-                       &a.shape, a.micro_batch);
+        sp_remote_plan(&remote, a.rank, a.unit, a.memory ? &a.mem : NULL);
   }
 out:
   sp_job_cli_free(&a.flags);
@@ -405,8 +414,7 @@ out:
 /* ------------------------------------------------------------------ */
 
 int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
-                   const sp_mem_opts *memory, const sp_train_shape *shape,
-                   long long micro_batch) {
+                   const sp_mem_opts *memory) {
   Shardplane__V1__GetJobResponse *j = NULL;
   sp_wire_plan *wp = NULL;
   sp_job job;
@@ -455,24 +463,23 @@ int sp_remote_plan(sp_remote *r, long long rank, const char *unit,
                         .elements = j->total_numel,
                         .build_ms = -1};
   if (memory != NULL) {
-    /* the runtime's part is the coordinator's; the trainer's is counted
-     * here, from the plan it sent, for the batch shape asked for */
+    /* the runtime's part is the coordinator's; the plan it sends holds
+     * units, not the spec's modules, so the trainer's part cannot be
+     * counted here */
     sp_mem_estimate e;
-    sp_train_mem tm;
-    sp_train_shape sh = *shape;
-    if (micro_batch > 0)
-      sh.global_batch =
-          (uint32_t)(micro_batch * sh.grad_accum * pl->world_size);
+    sp_train_mem tm = {0};
+    sp_train_shape sh = {.grad_accum = 1};
     if (sp_wire_memory(wp->msg->memory, &e, &diag) != 0) {
       sp_cli_error(r->cmd, "the coordinator's memory model is malformed: %s",
                    diag.msg);
       ec = SP_EXIT_FAILURE;
-    } else if (sp_train_mem_predict(pl, memory, &sh, &tm, &diag) != 0) {
-      sp_cli_error(r->cmd, "memory model: %s", diag.msg);
-      ec = SP_EXIT_USAGE;
     } else {
-      tm.peak = tm.peak - tm.runtime.acct.reserved.peak + e.acct.reserved.peak;
       tm.runtime = e;
+      tm.not_counted =
+          "the coordinator's plan carries units, not the spec: give "
+          "--model M.json to count them";
+      tm.footprint = SP_TRAIN_PROCESS_FOOTPRINT;
+      tm.peak = e.acct.reserved.peak + tm.footprint;
       if (r->json) {
         if (sp_render_memory_json(pl, &wp->job, &src, &tm, &sh) != 0)
           ec = SP_EXIT_FAILURE;

@@ -304,9 +304,9 @@ static void bytes_row(const char *label, uint64_t b) {
 static void trainer_text(const sp_train_mem *tm, const sp_train_shape *sh) {
   if (tm->family == NULL) {
     printf(
-        "\nactivations: not counted (the reference trainer runs GPT-2 and "
-        "MLP specs only);\nwhole peak per rank without them: runtime "
-        "reserved plus the process, ");
+        "\nactivations: not counted (%s);\nwhole peak per rank without "
+        "them: runtime reserved plus the process, ",
+        tm->not_counted ? tm->not_counted : "no family the trainer runs");
     char h[32];
     human_bytes(tm->peak, h, sizeof h);
     printf("%s\n", h);
@@ -416,6 +416,9 @@ int sp_render_memory_json(const sp_plan *pl, const sp_job *job,
       (json_int_t)e->in_flight_floor);
   if (mem != NULL) {
     json_object_set_new(mem, "trainer", trainer_json(tm, shape));
+    if (tm->family == NULL && tm->not_counted)
+      json_object_set_new(mem, "trainer_not_counted",
+                          json_string(tm->not_counted));
     json_object_set_new(mem, "peak", json_integer((json_int_t)tm->peak));
   }
   json_t *model =

@@ -57,7 +57,10 @@ static int count_acts(const sp_plan *plan, const sp_train_shape *shape,
   sp_diag quiet = {0};
   /* a spec of no family the trainer runs is no error here: the runtime's
    * table stands alone, saying activations are not counted */
-  if (sp_train_model_pick(plan->model, false, &tm, &quiet) != 0) return 0;
+  if (sp_train_model_pick(plan->model, false, &tm, &quiet) != 0) {
+    out->not_counted = "the reference trainer runs GPT-2 and MLP specs only";
+    return 0;
+  }
   int rc = 0;
   if (tm.gpt) {
     const sp_gpt2 *g = tm.gpt;

@@ -76,10 +76,11 @@ typedef struct sp_train_mem {
   /* the family the trainer runs, "gpt2" or "mlp"; NULL: the spec is of
    * no family it runs, and act is zero (not counted) */
   const char *family;
-  uint64_t micro_batch; /* sequences (samples) a micro-batch on a rank */
-  uint32_t seq_len;     /* tokens a sequence (GPT-2), as used */
-  sp_act_bytes act;     /* the trainer's activations and scratch */
-  uint64_t footprint;   /* SP_TRAIN_PROCESS_FOOTPRINT */
+  const char *not_counted; /* family NULL: why, for people */
+  uint64_t micro_batch;    /* sequences (samples) a micro-batch on a rank */
+  uint32_t seq_len;        /* tokens a sequence (GPT-2), as used */
+  sp_act_bytes act;        /* the trainer's activations and scratch */
+  uint64_t footprint;      /* SP_TRAIN_PROCESS_FOOTPRINT */
   /* A rank's peak: the runtime's reserved peak (what its pool holds at
    * most, cached blocks included) plus act (held for the whole run) plus
    * the footprint. On a GPU the device holds the runtime and act, the

@@ -26,6 +26,7 @@ import sys
 try:
     import numpy as np
     import torch
+    import torch.utils.checkpoint
     import torch.nn as nn
     import torch.nn.functional as F
 except ImportError as e:  # the C test turns this into a skip
@@ -149,18 +150,24 @@ class Body(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, V, C, ctx, L, n_head):
+    def __init__(self, V, C, ctx, L, n_head, checkpointing=False):
         super().__init__()
         self.transformer = Body(V, C, ctx, L, n_head)
         self.lm_head = nn.Linear(C, V, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
+        # each block recomputed in backward from its input, as FSDP's
+        # checkpoint_wrapper does (shardplane's --activation-checkpointing)
+        self.checkpointing = checkpointing
 
     def forward(self, tok, tgt):
         t = self.transformer
         pos = torch.arange(tok.shape[1])
         x = t.wte(tok) + t.wpe(pos)
         for b in t.h:
-            x = b(x)
+            if self.checkpointing:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+            else:
+                x = b(x)
         logits = self.lm_head(t.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]),
                                tgt.reshape(-1))
