@@ -614,7 +614,12 @@ static void run_job(const job_cfg *cfg, rank_body body, void *arg) {
   flags[k] = NULL;
   sp_coord_fixture_start(&h->fx, cfg->model, flags, 0);
 
-  sp_strategy eff = cfg->world == 1 ? SP_NO_SHARD : cfg->strategy;
+  /* one rank, or shard groups of one: nothing is sharded, and the runtime
+   * runs NO_SHARD */
+  sp_strategy eff =
+      cfg->world == 1 || (cfg->strategy == SP_HYBRID_SHARD && cfg->group == 1)
+          ? SP_NO_SHARD
+          : cfg->strategy;
   sp_dtype pdt = cfg->param_dtype ? cfg->param_dtype : SP_FLOAT32;
   h->job.world = cfg->world;
   h->job.run = rank_run;

@@ -5,9 +5,9 @@
  *    under FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (groups of
  *    2) and FULL_SHARD with bfloat16 parameters: every category's peak,
  *    the total, the pool's reserved bytes and the allocations;
- *  - the same at W = 1, where every strategy is NO_SHARD: parameters and
- *    gradients held once each, the unsharded ones being the shards
- *    themselves;
+ *  - the same at W = 1, where every strategy is NO_SHARD, and with
+ *    HYBRID_SHARD's shard groups of one rank: parameters and gradients
+ *    held once each, the unsharded ones being the shards themselves;
  *  - GPT-2 (examples/models/gpt2.json, wrap GPT2Block: a root of 39.4 M
  *    elements and 12 equal blocks of 7.1 M) at W = 8 on every strategy in
  *    float32 and bfloat16, with AdamW and with no_sync, and NO_SHARD at
@@ -219,8 +219,9 @@ static void test_mlp_no_shard(void **state) {
   unbuild(&b);
 }
 
-/* One rank: every strategy is NO_SHARD, parameters and gradients once
- * each. */
+/* One rank (every strategy is NO_SHARD), and HYBRID_SHARD with shard
+ * groups of one rank, which shards over nobody: the same as NO_SHARD,
+ * parameters and gradients once each. */
 static void test_mlp_flat(void **state) {
   (void)state;
   const char *strategies[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
@@ -237,6 +238,11 @@ static void test_mlp_flat(void **state) {
     assert_int_equal(e.acct.total.peak, 61080 + 2 * 30272);
     unbuild(&b);
   }
+  built b = build(MLP, "world-size", "4", "wrap-type", "Linear", "strategy",
+                  "HYBRID_SHARD", "shard-group-size", "1", NULL);
+  sp_mem_estimate e = estimate(&b, NULL);
+  expect(&e, &k_mlp_flat, "MLP HYBRID_SHARD W=4 g=1");
+  unbuild(&b);
 }
 
 static void test_mlp_hybrid(void **state) {

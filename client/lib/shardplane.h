@@ -508,7 +508,8 @@ void sp_fsdp_free(sp_fsdp *f);
  *     while max_inflight_gathers reductions are in flight (it waits for the
  *     oldest instead of growing), and at finish_backward.
  * What FSDP keeps unsharded, this runtime keeps too, once: with nothing to
- * shard (NO_SHARD, so any world of one rank) a unit's shard is its whole flat
+ * shard (NO_SHARD, so any world of one rank, or HYBRID_SHARD with shard
+ * groups of one, which runs as NO_SHARD) a unit's shard is its whole flat
  * parameter and is its unsharded parameter, its shard gradient the
  * unsharded gradient (FSDP's NO_SHARD flat parameter and .grad), unless
  * mixed precision needs them in another dtype: then the low-precision
@@ -672,8 +673,9 @@ int sp_fsdp_zero_grad(sp_fsdp *f, sp_diag *d);
  * local sums are then all-reduced over the shard group only: the world
  * for FULL_SHARD and SHARD_GRAD_OP, the shard group for HYBRID_SHARD
  * (replicas hold equal shards and must not be counted twice), and no
- * collective for NO_SHARD (every rank has the whole gradient). Padding
- * and frozen elements hold zero and add nothing. Then, as PyTorch,
+ * collective for NO_SHARD or shard groups of one rank (every rank has the
+ * whole gradient). Padding and frozen elements hold zero and add nothing.
+ * Then, as PyTorch,
  * coef = max_norm / (total_norm + 1e-6) and, when coef < 1 (total_norm
  * + 1e-6 > max_norm), every shard gradient becomes rne(g * coef)
  * (product in double). A non-finite norm is returned and nothing scaled.

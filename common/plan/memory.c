@@ -239,7 +239,7 @@ typedef struct sim_unit {
 typedef struct sim {
   const sp_plan *pl;
   sp_mem_opts o;
-  bool flat; /* NO_SHARD: nothing is sharded */
+  bool flat; /* the shard group is one rank: NO_SHARD's schedule */
   sp_mem_pool pool;
   sim_unit *u;
   size_t n;
@@ -506,7 +506,7 @@ int sp_mem_estimate_plan(const sp_plan *plan, const sp_mem_opts *opts,
                        o.max_inflight, SP_MEM_MAX_INFLIGHT);
   sim s = {.pl = plan,
            .o = o,
-           .flat = plan->strategy == SP_NO_SHARD,
+           .flat = plan->shard_world == 1,
            .n = plan->n_units,
            .d = d};
   uintptr_t tokens = 0;

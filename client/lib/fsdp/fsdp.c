@@ -191,7 +191,7 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
   f->model = pl->model;
   f->rank = sp_session_rank(opts->session);
   f->world = pl->world_size;
-  f->flat = pl->strategy == SP_NO_SHARD;
+  f->flat = pl->shard_world == 1;
   f->opts = *opts;
   if (!f->opts.max_inflight_gathers) f->opts.max_inflight_gathers = 2;
   f->world_comm = opts->world;

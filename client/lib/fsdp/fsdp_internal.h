@@ -248,8 +248,11 @@ struct sp_fsdp {
   const sp_plan *plan;
   const sp_model *model;
   uint32_t rank, world;
-  /* NO_SHARD (which every world of one rank is): nothing is sharded,
-   * every unit is flat. */
+  /* The shard group is this rank alone (NO_SHARD, which every world of
+   * one rank is, or HYBRID_SHARD with groups of one): every unit is flat
+   * and the runtime runs NO_SHARD's schedule, what FSDP runs when it
+   * would shard over one rank; the gradient is all-reduced over the world
+   * (with groups of one, HYBRID_SHARD's replica group is the world). */
   bool flat;
   sp_comm *world_comm, *shard_comm, *replica_comm;
   sp_fsdp_opts opts;
