@@ -5,9 +5,13 @@
  *    under FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (groups of
  *    2) and FULL_SHARD with bfloat16 parameters: every category's peak,
  *    the total, the pool's reserved bytes and the allocations;
+ *  - the same at W = 1, where every strategy is NO_SHARD, and with
+ *    HYBRID_SHARD's shard groups of one rank: parameters and gradients
+ *    held once each, the unsharded ones being the shards themselves;
  *  - GPT-2 (examples/models/gpt2.json, wrap GPT2Block: a root of 39.4 M
  *    elements and 12 equal blocks of 7.1 M) at W = 8 on every strategy in
- *    float32 and bfloat16, with AdamW and with no_sync;
+ *    float32 and bfloat16, with AdamW and with no_sync, and NO_SHARD at
+ *    W = 1;
  *  - the pool: exact-size reuse, peaks, release errors, size overflow;
  *  - options: names, bad values refused naming the field.
  * That the runtime's own counters equal the model's prediction is checked
@@ -186,26 +190,58 @@ static void test_mlp_shard_grad_op(void **state) {
   unbuild(&b);
 }
 
+/* c = N: the shard is the whole flat parameter, which is the unsharded
+ * parameter itself, and the gradient shard the unsharded gradient (FSDP's
+ * NO_SHARD flat parameter and its .grad); the all-reduce runs in place, so
+ * no reduce buffer. Everything from sp_fsdp_new on: 2 * 4 * 7568 = 60544
+ * + 536 = 61080; 2 blocks per unit + 5 buffers = 13. Before, the
+ * unsharded parameters and gradients were copies: 121624. */
+static const want k_mlp_flat = {.peak = {[SHP] = 30272,
+                                         [SHG] = 30272,
+                                         [PAR] = 0,
+                                         [GRD] = 0,
+                                         [RED] = 0,
+                                         [BUF] = MLP_BUFFERS},
+                                .total = 61080,
+                                .reserved = 61080,
+                                .allocs = 13};
+
 static void test_mlp_no_shard(void **state) {
   (void)state;
   built b = build(MLP, "world-size", "4", "wrap-type", "Linear", "strategy",
                   "NO_SHARD", NULL);
-  /* c = N: shards and gradient shards 2 * 4 * 7568 = 60544, the kept
-   * unsharded parameters and gradients as much again; the all-reduce runs
-   * in place, so no reduce buffer. Everything from sp_fsdp_new on:
-   * 60544 * 2 + 536 = 121624; 4 blocks per unit + 5 buffers = 21. */
   sp_mem_estimate e = estimate(&b, NULL);
-  want w = {.peak = {[SHP] = 30272,
-                     [SHG] = 30272,
-                     [PAR] = 30272,
-                     [GRD] = 30272,
-                     [RED] = 0,
-                     [BUF] = MLP_BUFFERS},
-            .total = 121624,
-            .reserved = 121624,
-            .allocs = 21};
-  expect(&e, &w, "MLP NO_SHARD W=4");
-  assert_int_equal(e.acct.total.current, 121624);
+  expect(&e, &k_mlp_flat, "MLP NO_SHARD W=4");
+  assert_int_equal(e.acct.total.current, 61080);
+  /* nothing is in flight: the root's and the layers' slots are their
+   * shards */
+  assert_int_equal(e.in_flight_floor, MLP_BUFFERS);
+  unbuild(&b);
+}
+
+/* One rank (every strategy is NO_SHARD), and HYBRID_SHARD with shard
+ * groups of one rank, which shards over nobody: the same as NO_SHARD,
+ * parameters and gradients once each. */
+static void test_mlp_flat(void **state) {
+  (void)state;
+  const char *strategies[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
+  for (int i = 0; i < 3; i++) {
+    built b = build(MLP, "world-size", "1", "wrap-type", "Linear", "strategy",
+                    strategies[i], NULL);
+    sp_mem_estimate e = estimate(&b, NULL);
+    expect(&e, &k_mlp_flat, strategies[i]);
+    /* AdamW adds its two moments, once each too */
+    sp_mem_opts o;
+    sp_mem_opts_default(&o);
+    o.optimizer = SP_MEM_OPT_ADAMW;
+    e = estimate(&b, &o);
+    assert_int_equal(e.acct.total.peak, 61080 + 2 * 30272);
+    unbuild(&b);
+  }
+  built b = build(MLP, "world-size", "4", "wrap-type", "Linear", "strategy",
+                  "HYBRID_SHARD", "shard-group-size", "1", NULL);
+  sp_mem_estimate e = estimate(&b, NULL);
+  expect(&e, &k_mlp_flat, "MLP HYBRID_SHARD W=4 g=1");
   unbuild(&b);
 }
 
@@ -362,28 +398,65 @@ static void test_gpt2_shard_grad_op(void **state) {
 
 static void test_gpt2_no_shard(void **state) {
   (void)state;
+  /* float32: the master and gradient shards of N elements are the
+   * unsharded parameters and gradients, all from sp_fsdp_new; the
+   * all-reduce in place needs nothing more. 0.94 GiB: at W = 1 (any
+   * strategy) it was 1.87 GiB with the unsharded copies. */
+  uint64_t all = 8 * NALL + GPT2_BUFFERS;
+  want w32 = {
+      .peak = {[SHP] = 4 * NALL, [SHG] = 4 * NALL, [BUF] = GPT2_BUFFERS},
+      .total = all,
+      .reserved = all,
+      .allocs = 2 * 13 + 24};
+  const char *worlds[] = {"8", "1"};
   for (int i = 0; i < 2; i++) {
-    built b = build(GPT2, "world-size", "8", "wrap-type", "GPT2Block",
-                    "strategy", "NO_SHARD", "param-dtype", k_dtypes[i], NULL);
-    uint64_t p = i == 0 ? 4 : 2;
-    /* all of it from sp_fsdp_new: master and gradient shards of N
-     * elements (float32), the kept unsharded parameters and gradients in
-     * param_dtype; the all-reduce in place needs nothing more */
-    uint64_t all = 8 * NALL + 2 * p * NALL + GPT2_BUFFERS;
-    want w = {.peak = {[SHP] = 4 * NALL,
-                       [SHG] = 4 * NALL,
-                       [PAR] = p * NALL,
-                       [GRD] = p * NALL,
-                       [RED] = 0,
-                       [BUF] = GPT2_BUFFERS},
-              .total = all,
-              .reserved = all,
-              .allocs = 4 * 13 + 24};
+    built b = build(GPT2, "world-size", worlds[i], "wrap-type", "GPT2Block",
+                    "strategy", "NO_SHARD", NULL);
     sp_mem_estimate e = estimate(&b, NULL);
-    expect(&e, &w, k_dtypes[i]);
+    expect(&e, &w32, worlds[i]);
     assert_int_equal(e.acct.total.current, all);
+    assert_int_equal(e.acct.total.peak, 1008101424);
     unbuild(&b);
   }
+  /* bfloat16 parameters: the unsharded parameters are a bfloat16 copy,
+   * kept from sp_fsdp_new (2 NALL); the gradients are written in
+   * bfloat16 into slots taken at pre_backward and given back when their
+   * reduction, cast into the float32 gradient shard, is retired, as
+   * FULL_SHARD's: at post_bw(u) the root's, u's and the last one in
+   * flight, P0 + 2 PB (P = 2 N). Reserved: one root-sized slot and two
+   * block-sized. 3 blocks per unit, 24 buffers, 3 pool blocks. */
+  built b = build(GPT2, "world-size", "8", "wrap-type", "GPT2Block", "strategy",
+                  "NO_SHARD", "param-dtype", "bfloat16", NULL);
+  uint64_t kept = 8 * NALL + 2 * NALL + GPT2_BUFFERS;
+  uint64_t slots = 2 * N0 + 2 * (2 * NB);
+  want w16 = {.peak = {[SHP] = 4 * NALL,
+                       [SHG] = 4 * NALL,
+                       [PAR] = 2 * NALL,
+                       [GRD] = slots,
+                       [BUF] = GPT2_BUFFERS},
+              .total = kept + slots,
+              .reserved = kept + slots,
+              .allocs = 3 * 13 + 24 + 3};
+  sp_mem_estimate e = estimate(&b, NULL);
+  expect(&e, &w16, "bfloat16");
+  assert_int_equal(e.acct.total.current, kept);
+  unbuild(&b);
+  /* keep_low_precision_grads: the bfloat16 gradient shard is the
+   * unsharded gradient; only the parameters have a low-precision copy */
+  b = build(GPT2, "world-size", "8", "wrap-type", "GPT2Block", "strategy",
+            "NO_SHARD", "param-dtype", "bfloat16", "keep-low-precision-grads",
+            "1", NULL);
+  uint64_t low = 4 * NALL + 2 * NALL + 2 * NALL + GPT2_BUFFERS;
+  want wlow = {.peak = {[SHP] = 4 * NALL,
+                        [SHG] = 2 * NALL,
+                        [PAR] = 2 * NALL,
+                        [BUF] = GPT2_BUFFERS},
+               .total = low,
+               .reserved = low,
+               .allocs = 3 * 13 + 24};
+  e = estimate(&b, NULL);
+  expect(&e, &wlow, "bfloat16, keep_low_precision_grads");
+  unbuild(&b);
 }
 
 static void test_gpt2_hybrid(void **state) {
@@ -556,6 +629,7 @@ int main(void) {
       cmocka_unit_test(test_mlp_full_shard),
       cmocka_unit_test(test_mlp_shard_grad_op),
       cmocka_unit_test(test_mlp_no_shard),
+      cmocka_unit_test(test_mlp_flat),
       cmocka_unit_test(test_mlp_hybrid),
       cmocka_unit_test(test_mlp_bf16_params),
       cmocka_unit_test(test_gpt2_full_shard),

@@ -519,7 +519,8 @@ static int body_clip(rank_ctx *c, void *arg) {
   CHECK(c, fabs(got - want) <= 1e-12 * want, "norm %.17g, unsharded %.17g", got,
         want);
   sp_fsdp_get_stats(c->f, &after);
-  uint64_t colls = c->plan->strategy == SP_NO_SHARD ? 0 : 1;
+  /* none when nothing is sharded (NO_SHARD, shard groups of one rank) */
+  uint64_t colls = c->plan->shard_world == 1 ? 0 : 1;
   CHECK(c, after.all_reduces - before.all_reduces == colls,
         "%llu all-reduces for the norm, want %llu",
         (unsigned long long)(after.all_reduces - before.all_reduces),
@@ -619,10 +620,10 @@ static int body_accum(rank_ctx *c, void *arg) {
     CHECK(c, sp_fsdp_requires_gradient_sync(c->f), "sync is on again");
     sp_fsdp_get_stats(c->f, &after);
     /* no_sync: one reduction per unit per step, else one per micro-batch */
-    uint64_t reductions = (after.reduce_scatters - before.reduce_scatters) +
-                          (c->plan->strategy == SP_NO_SHARD
-                               ? after.all_reduces - before.all_reduces
-                               : 0);
+    uint64_t reductions =
+        (after.reduce_scatters - before.reduce_scatters) +
+        (c->plan->shard_world == 1 ? after.all_reduces - before.all_reduces
+                                   : 0);
     uint64_t want_red = (uint64_t)n * (a->no_sync ? 1 : a->k);
     CHECK(c, reductions == want_red, "%llu reductions, want %llu",
           (unsigned long long)reductions, (unsigned long long)want_red);

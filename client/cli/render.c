@@ -373,6 +373,11 @@ void sp_render_memory_text(const sp_plan *pl, const sp_job *job,
       "parameters and gradient, and %u times\nthe largest other unit's "
       "parameters, gradient and reduce buffers.\n",
       e->opts.max_inflight);
+  if (pl->shard_world == 1)
+    printf(
+        "Nothing is sharded (one rank per shard group, run as NO_SHARD): the\n"
+        "unsharded parameters and gradients are the shards themselves, except\n"
+        "where mixed precision keeps them in another dtype.\n");
   trainer_text(tm, shape);
 }
 

@@ -507,9 +507,14 @@ void sp_fsdp_free(sp_fsdp *f);
  *     to the pool) when a unit needs a gradient slot or queues a reduction
  *     while max_inflight_gathers reductions are in flight (it waits for the
  *     oldest instead of growing), and at finish_backward.
- * What FSDP keeps unsharded, this runtime keeps too: NO_SHARD's parameters
- * and gradients for the whole run (allocated by sp_fsdp_new); under
- * SHARD_GRAD_OP every unit's parameters from forward until its
+ * What FSDP keeps unsharded, this runtime keeps too, once: with nothing to
+ * shard (NO_SHARD, so any world of one rank, or HYBRID_SHARD with shard
+ * groups of one, which runs as NO_SHARD) a unit's shard is its whole flat
+ * parameter and is its unsharded parameter, its shard gradient the
+ * unsharded gradient (FSDP's NO_SHARD flat parameter and .grad), unless
+ * mixed precision needs them in another dtype: then the low-precision
+ * parameters are kept from sp_fsdp_new and the gradient takes a slot as
+ * above; under SHARD_GRAD_OP every unit's parameters from forward until its
  * post_backward; under FULL_SHARD and HYBRID_SHARD the root unit's from
  * root_pre_forward until post_backward(0) (it is not resharded after
  * forward). sp_fsdp_stats.mem counts every block by category (plan/
@@ -527,7 +532,8 @@ void sp_fsdp_free(sp_fsdp *f);
  * root_pre_backward: root -> FORWARD_BACKWARD, then pre_backward(0).
  * pre_backward(u): unshard if resharded and not prefetched,
  *   u -> BACKWARD_PRE, zero u's unsharded gradient (unless it holds
- *   gradients kept without sync, below), then (backward_prefetch) issue
+ *   gradients kept without sync, below, or is the shard gradient, which
+ *   holds the step's gradient so far), then (backward_prefetch) issue
  *   the all-gather of the unit before u in post-forward order, without
  *   waiting for it.
  * post_backward(u): u -> BACKWARD_POST; queue the unit's gradient
@@ -535,7 +541,9 @@ void sp_fsdp_free(sp_fsdp *f);
  *   (HYBRID: reduce-scatter in the shard group, all-reduce in the replica
  *   group), post-divide, cast to the shard's gradient dtype and ADD to the
  *   shard gradient, which accumulates until the optimizer step or
- *   sp_fsdp_zero_grad clears it); reshard. Without gradient sync
+ *   sp_fsdp_zero_grad clears it; where the unsharded gradient is the shard
+ *   gradient, which already holds the earlier sum, the reduced sum
+ *   replaces it); reshard. Without gradient sync
  *   (sp_fsdp_set_requires_gradient_sync) nothing is reduced: the unsharded
  *   gradient is kept for the next backward to add to.
  * finish_backward: waits for every queued reduction, every unit -> IDLE,
@@ -578,12 +586,19 @@ int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
  * post_backward(unit), as autograd accumulates into .grad: pre_backward
  * zeroes it, except without gradient sync, where it still holds the
  * earlier micro-batches' sum. It exists from pre_backward(unit) until the
- * unit's reduction is retired (NULL outside; NO_SHARD: always; without
- * sync: until the micro-batch that reduces it). NULL also for a parameter
- * with requires_grad false (under use_orig_params a unit may mix them):
- * its elements stay zero, reduce to zero and are left alone by the
- * optimizer. Both point into the unit's current pool block: do not keep
- * them across a reshard or a step.
+ * unit's reduction is retired (NULL outside; without sync: until the
+ * micro-batch that reduces it). NULL also for a parameter with
+ * requires_grad false (under use_orig_params a unit may mix them): its
+ * elements stay zero, reduce to zero and are left alone by the optimizer.
+ * Both point into the unit's current pool block: do not keep them across
+ * a reshard or a step. With nothing to shard (NO_SHARD, any world of one
+ * rank) they point into the unit's master shard and shard gradient
+ * themselves when those are in param_dtype (no mixed precision; for the
+ * gradient, also keep_low_precision_grads), as FSDP's NO_SHARD views of
+ * its flat parameter and .grad: the gradient buffer then exists always,
+ * is not zeroed by pre_backward but by the optimizer step and
+ * sp_fsdp_zero_grad, and holds the step's gradient so far, which the
+ * trainer adds to.
  * On a GPU (sp_fsdp_opts.device) these, the buffers and the shards below
  * are device pointers. */
 void *sp_fsdp_param(sp_fsdp *f, int32_t param);
@@ -644,8 +659,9 @@ int sp_fsdp_shards_changed(sp_fsdp *f, sp_diag *d);
 int sp_fsdp_set_requires_gradient_sync(sp_fsdp *f, bool sync, sp_diag *d);
 bool sp_fsdp_requires_gradient_sync(const sp_fsdp *f);
 /* Clears every sharded gradient and every unsharded one kept without
- * sync. The optimizer steps clear the sharded ones themselves. Between
- * steps only. */
+ * sync. The optimizer steps clear the sharded ones themselves (and so the
+ * unsharded ones that are the sharded gradient, NO_SHARD without mixed
+ * precision). Between steps only. */
 int sp_fsdp_zero_grad(sp_fsdp *f, sp_diag *d);
 
 /* ---- gradient clipping ----
@@ -657,8 +673,9 @@ int sp_fsdp_zero_grad(sp_fsdp *f, sp_diag *d);
  * local sums are then all-reduced over the shard group only: the world
  * for FULL_SHARD and SHARD_GRAD_OP, the shard group for HYBRID_SHARD
  * (replicas hold equal shards and must not be counted twice), and no
- * collective for NO_SHARD (every rank has the whole gradient). Padding
- * and frozen elements hold zero and add nothing. Then, as PyTorch,
+ * collective for NO_SHARD or shard groups of one rank (every rank has the
+ * whole gradient). Padding and frozen elements hold zero and add nothing.
+ * Then, as PyTorch,
  * coef = max_norm / (total_norm + 1e-6) and, when coef < 1 (total_norm
  * + 1e-6 > max_norm), every shard gradient becomes rne(g * coef)
  * (product in double). A non-finite norm is returned and nothing scaled.

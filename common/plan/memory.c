@@ -226,7 +226,11 @@ typedef struct sim_unit {
   size_t c, padded; /* elements */
   size_t esize, psize, gsize, rsize;
   bool red_in;      /* reduce_dtype differs from param_dtype */
-  size_t red_out_n; /* c; 0 for NO_SHARD, which reduces in place */
+  size_t red_out_n; /* c; 0 for a flat unit, which reduces in place */
+  /* a flat unit's unsharded parameter is its master, its unsharded
+   * gradient its shard gradient (the runtime's full_is_shard and
+   * grad_is_shard): nothing of their own */
+  bool full_is_shard, grad_is_shard;
   void *full, *full_grad, *rin, *rout;
   bool unsharded, prefetched, gather_pending, idle;
   int32_t pf_index;
@@ -235,7 +239,7 @@ typedef struct sim_unit {
 typedef struct sim {
   const sp_plan *pl;
   sp_mem_opts o;
-  bool no_shard;
+  bool flat; /* the shard group is one rank: NO_SHARD's schedule */
   sp_mem_pool pool;
   sim_unit *u;
   size_t n;
@@ -287,21 +291,27 @@ static void sim_new(sim *s) {
     if (!su->has_data) continue;
     su->reduces = u->requires_grad;
     su->c = (size_t)u->shard_numel;
-    su->padded = s->no_shard ? su->c : su->c * pl->shard_world;
+    su->padded = s->flat ? su->c : su->c * pl->shard_world;
     su->esize = sp_dtype_size(u->dtype);
     su->psize = sp_dtype_size(u->param_dtype);
     su->gsize =
         sp_dtype_size(u->keep_low_precision_grads ? u->param_dtype : u->dtype);
     su->rsize = sp_dtype_size(u->reduce_dtype);
     su->red_in = u->reduce_dtype != u->param_dtype;
-    su->red_out_n = s->no_shard ? 0 : su->c;
+    su->red_out_n = s->flat ? 0 : su->c;
+    su->full_is_shard = s->flat && u->param_dtype == u->dtype;
+    su->grad_is_shard =
+        s->flat && (u->keep_low_precision_grads || u->param_dtype == u->dtype);
     void *shard, *grad;
     own(s, SP_MEM_SHARD_PARAMS, su->c, su->esize, &shard);
     own(s, SP_MEM_SHARD_GRADS, su->c, su->gsize, &grad);
-    if (s->no_shard) {
-      own(s, SP_MEM_PARAMS, su->padded, su->psize, &su->full);
-      own(s, SP_MEM_GRADS, su->padded, su->psize, &su->full_grad);
+    if (s->flat) {
+      if (su->full_is_shard)
+        su->full = shard;
+      else
+        own(s, SP_MEM_PARAMS, su->padded, su->psize, &su->full);
     }
+    if (su->grad_is_shard) su->full_grad = grad;
   }
   for (size_t b = 0; b < pl->model->n_buffers; b++) {
     const sp_tensor_spec *t = &pl->model->buffers[b];
@@ -356,7 +366,7 @@ static void sim_reshard(sim *s, uint32_t i) {
   sim_unit *su = &s->u[i];
   su->gather_pending = false;
   su->unsharded = su->prefetched = false;
-  if (!s->no_shard) give(s, SP_MEM_PARAMS, &su->full);
+  if (!s->flat) give(s, SP_MEM_PARAMS, &su->full);
 }
 
 /* retire_oldest: the oldest reduction's buffers back to the pool */
@@ -367,7 +377,7 @@ static void sim_retire_oldest(sim *s) {
   sim_unit *su = &s->u[i];
   give(s, SP_MEM_REDUCE, &su->rin);
   give(s, SP_MEM_REDUCE, &su->rout);
-  if (!s->no_shard) give(s, SP_MEM_GRADS, &su->full_grad);
+  if (!su->grad_is_shard) give(s, SP_MEM_GRADS, &su->full_grad);
 }
 
 static void sim_limit_reductions(sim *s) {
@@ -381,8 +391,9 @@ static void sim_pre_forward(sim *s, uint32_t i) {
 }
 
 static bool reshards_after_forward(const sim *s, uint32_t i) {
-  return i != 0 && (s->pl->strategy == SP_FULL_SHARD ||
-                    s->pl->strategy == SP_HYBRID_SHARD);
+  return i != 0 && !s->flat &&
+         (s->pl->strategy == SP_FULL_SHARD ||
+          s->pl->strategy == SP_HYBRID_SHARD);
 }
 
 static void sim_post_forward(sim *s, uint32_t i) {
@@ -401,8 +412,8 @@ static void sim_prefetch(sim *s, uint32_t i) {
   if (!s->o.backward_prefetch || idx <= 0) return;
   uint32_t t = s->order[idx - 1];
   sim_unit *tu = &s->u[t];
-  if (!tu->has_data || tu->unsharded || tu->gather_pending || tu->prefetched ||
-      !tu->idle)
+  if (!tu->has_data || tu->full_is_shard || tu->unsharded ||
+      tu->gather_pending || tu->prefetched || !tu->idle)
     return;
   sim_issue_gather(s, t);
   tu->prefetched = true;
@@ -424,13 +435,12 @@ static void sim_post_backward(sim *s, uint32_t i) {
   if (su->reduces && !s->accumulate) {
     sim_limit_reductions(s);
     if (su->red_in) take(s, SP_MEM_REDUCE, su->padded, su->rsize, &su->rin);
-    if (!s->no_shard)
-      take(s, SP_MEM_REDUCE, su->red_out_n, su->rsize, &su->rout);
+    if (!s->flat) take(s, SP_MEM_REDUCE, su->red_out_n, su->rsize, &su->rout);
     s->pending[s->n_pending++] = i;
-  } else if (su->has_data && !su->reduces && !s->no_shard) {
+  } else if (su->has_data && !su->reduces && !su->grad_is_shard) {
     give(s, SP_MEM_GRADS, &su->full_grad);
   }
-  if (!s->no_shard) sim_reshard(s, i);
+  if (!s->flat) sim_reshard(s, i);
 }
 
 static void sim_finish_backward(sim *s) {
@@ -439,11 +449,9 @@ static void sim_finish_backward(sim *s) {
     sim_unit *su = &s->u[i];
     su->gather_pending = false;
     su->idle = true;
-    if (!s->no_shard) {
-      sim_reshard(s, i);
-      if (!(s->accumulate && su->reduces))
-        give(s, SP_MEM_GRADS, &su->full_grad);
-    }
+    if (!s->flat) sim_reshard(s, i);
+    if (!su->grad_is_shard && !(s->accumulate && su->reduces))
+      give(s, SP_MEM_GRADS, &su->full_grad);
     su->pf_index = -1;
   }
   s->n_order = 0;
@@ -498,7 +506,7 @@ int sp_mem_estimate_plan(const sp_plan *plan, const sp_mem_opts *opts,
                        o.max_inflight, SP_MEM_MAX_INFLIGHT);
   sim s = {.pl = plan,
            .o = o,
-           .no_shard = plan->strategy == SP_NO_SHARD,
+           .flat = plan->shard_world == 1,
            .n = plan->n_units,
            .d = d};
   uintptr_t tokens = 0;
@@ -532,12 +540,16 @@ int sp_mem_estimate_plan(const sp_plan *plan, const sp_mem_opts *opts,
       if (!su->has_data) continue;
       out->sharded_state += (uint64_t)su->c * (su->esize + su->gsize);
       if (su->reduces) out->sharded_state += (uint64_t)su->c * 4u * k;
-      uint64_t slot = (uint64_t)su->padded * 2u * su->psize;
+      /* the unit's parameter and gradient slots, none where they are its
+       * shards */
+      uint64_t pg = (uint64_t)su->padded * su->psize *
+                    (uint64_t)(!su->full_is_shard + !su->grad_is_shard);
+      uint64_t slot = pg;
       if (su->reduces)
         slot += (uint64_t)su->red_out_n * su->rsize +
                 (su->red_in ? (uint64_t)su->padded * su->rsize : 0);
       if (i == 0)
-        out->in_flight_floor += (uint64_t)su->padded * 2u * su->psize;
+        out->in_flight_floor += pg;
       else if (slot > widest)
         widest = slot;
     }

@@ -34,9 +34,13 @@ typedef enum sp_mem_cat {
   SP_MEM_OPTIMIZER = 2,    /* optimizer state (momentum, AdamW moments) */
   SP_MEM_PARAMS = 3,       /* unsharded parameters: c * W_s elements in
                               param_dtype per unit between unshard and
-                              reshard (and summoned master parameters) */
+                              reshard (and summoned master parameters);
+                              none where they are the master (W_s = 1
+                              without mixed precision) */
   SP_MEM_GRADS = 4,        /* unsharded gradients: c * W_s in param_dtype
-                              from pre_backward until the reduction is done */
+                              from pre_backward until the reduction is
+                              done; none where they are the gradient
+                              shard (W_s = 1, gradient in param_dtype) */
   SP_MEM_REDUCE = 5,       /* reduce-dtype buffers of reductions in flight */
   SP_MEM_BUFFERS = 6,      /* module buffers (replicated) */
   SP_MEM_N_CATS = 7,
@@ -164,15 +168,17 @@ typedef struct sp_mem_estimate {
    * does not reshard the root after forward, and its gradient is written
    * throughout the backward), and max_inflight times the largest other
    * unit's parameter slot, gradient slot and reduce buffers (the limiter's
-   * allowance). */
+   * allowance); slots that are a unit's shards themselves (W_s = 1) count
+   * nothing. */
   uint64_t sharded_state;
   uint64_t in_flight_floor;
   sp_mem_opts opts; /* as used (defaults filled in) */
 } sp_mem_estimate;
 
 /* Predicts the runtime's counted bytes per rank for the plan: replays
- * sp_fsdp_new (shards, gradient shards, optimizer state, buffers; NO_SHARD's
- * kept unsharded storage), lazy init, and two steps of the standard
+ * sp_fsdp_new (shards, gradient shards, optimizer state, buffers; with
+ * W_s = 1 the low-precision unsharded parameters of mixed precision, the
+ * only unsharded storage kept), lazy init, and two steps of the standard
  * schedule (forward in module order, root_post_forward, backward in
  * reverse with BACKWARD_PRE prefetch and the limiter, post_backward(0),
  * finish_backward, the optimizer step) through a pool, taking and

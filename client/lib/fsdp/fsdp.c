@@ -102,22 +102,28 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   fu->esize = sp_dtype_size(u->dtype);
   fu->psize = sp_dtype_size(u->param_dtype);
   fu->c = u->shard_numel;
-  fu->padded =
-      pl->strategy == SP_NO_SHARD ? fu->c : fu->c * (int64_t)pl->shard_world;
+  fu->padded = f->flat ? fu->c : fu->c * (int64_t)pl->shard_world;
   fu->grad_dtype = u->keep_low_precision_grads ? u->param_dtype : u->dtype;
   size_t c = (size_t)fu->c, padded = (size_t)fu->padded;
   fu->rsize = sp_dtype_size(u->reduce_dtype);
+  fu->full_is_shard = f->flat && u->param_dtype == u->dtype;
+  fu->grad_is_shard = f->flat && fu->grad_dtype == u->param_dtype;
   /* The sharded state lives for the runtime's life; the unsharded slots
-   * come from the pool when a step needs them (fsdp_schedule.c), except
-   * NO_SHARD's, which FSDP keeps unsharded all along: allocated here. */
+   * come from the pool when a step needs them (fsdp_schedule.c). A flat
+   * unit's shard is its unsharded parameter and, without mixed precision,
+   * its shard gradient the unsharded gradient: FSDP's NO_SHARD flat
+   * parameter and its .grad, one copy each. Its low-precision parameter
+   * (mixed precision) is allocated here: a flat unit never reshards
+   * within a step, so it would be held all along anyway. */
   int rc = 0;
   fu->shard = mem_alloc(f, SP_MEM_SHARD_PARAMS, c, fu->esize, &rc, d);
   fu->shard_grad = mem_alloc(f, SP_MEM_SHARD_GRADS, c,
                              sp_dtype_size(fu->grad_dtype), &rc, d);
-  if (pl->strategy == SP_NO_SHARD) {
-    fu->full = mem_alloc(f, SP_MEM_PARAMS, padded, fu->psize, &rc, d);
-    fu->full_grad = mem_alloc(f, SP_MEM_GRADS, padded, fu->psize, &rc, d);
-  }
+  if (f->flat)
+    fu->full = fu->full_is_shard
+                   ? fu->shard
+                   : mem_alloc(f, SP_MEM_PARAMS, padded, fu->psize, &rc, d);
+  if (fu->grad_is_shard) fu->full_grad = fu->shard_grad;
   if (rc < 0)
     return sp_diag_prefix(d, rc, "unit %u (%s): %lld elements", ui,
                           sp_fsdp_unit_name(f, ui), (long long)padded);
@@ -185,6 +191,7 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
   f->model = pl->model;
   f->rank = sp_session_rank(opts->session);
   f->world = pl->world_size;
+  f->flat = pl->shard_world == 1;
   f->opts = *opts;
   if (!f->opts.max_inflight_gathers) f->opts.max_inflight_gathers = 2;
   f->world_comm = opts->world;

@@ -130,14 +130,15 @@ static void wait_locked(sp_fsdp *f) {
 /* The unshard: the shard goes into this rank's own place of the unsharded
  * buffer (cast to param_dtype when that differs, and always on a GPU, whose
  * cast kernel also copies), then the all-gather runs in place (send = recv
- * + rank * c); NO_SHARD stops after the copy. A host shard already in
- * param_dtype is sent from where it is, which Gloo moves into place
- * itself. Casting into the slot rather than into a separate low-precision
- * shard saves c * param_dtype bytes per unit and gives the same bits. */
+ * + rank * c); a flat unit stops after the cast (one whose full is its
+ * shard is never gathered). A host shard already in param_dtype is sent
+ * from where it is, which Gloo moves into place itself. Casting into the
+ * slot rather than into a separate low-precision shard saves
+ * c * param_dtype bytes per unit and gives the same bits. */
 static int run_gather(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
                       sp_diag *d) {
   const sp_unit *u = fu->u;
-  bool no_shard = f->plan->strategy == SP_NO_SHARD;
+  bool no_shard = f->flat;
   sp_comm *c = gather_comm(f);
   size_t slot = no_shard ? 0 : (size_t)sp_comm_rank(c) * (size_t)fu->c;
   uint8_t *mine = fu->full + slot * fu->psize;
@@ -157,6 +158,37 @@ static int run_gather(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
   size_t next = 0;
   return coll_all_gather(f, w, &next, c, send, fu->full, (size_t)fu->c,
                          u->param_dtype, d);
+}
+
+/* A flat unit's reduction, FSDP's _reduce_grad_no_shard: the all-reduce
+ * over the world runs in place (over one rank there is nothing to sum,
+ * only the report), and the sum is divided and cast from where it is, so
+ * no second buffer of the unit's size (158 MB for GPT-2's root) is
+ * needed. in is the unsharded gradient, or red_in. */
+static int reduce_flat(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
+                       uint8_t *in, sp_diag *d) {
+  size_t next = 0, n = (size_t)fu->c;
+  sp_dtype rdt = fu->u->reduce_dtype;
+  int rc = 0;
+  if (f->world > 1)
+    rc = coll_all_reduce(f, w, &next, f->world_comm, in,
+                         w->count ? w->count : n, rdt, d);
+  else
+    stamp(w, &next);
+  if (rc < 0) return rc;
+  /* post-divide, cast to the shard's gradient dtype and add to it: the
+   * sharded gradient accumulates until the optimizer step or zero_grad */
+  if (!fu->grad_is_shard)
+    return f->mem->acc_div(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype, in,
+                           rdt, n, f->post_divide, d);
+  /* the shard gradient was the buffer reduced: it held the step's earlier
+   * reductions when the trainer added this gradient to it, so the
+   * reduced sum replaces it (as NO_SHARD's .grad in FSDP) */
+  rc = f->mem->scale_div(f, SP_LANE_COMM, in, rdt, n, f->post_divide, d);
+  if (rc == 0 && in != fu->shard_grad)
+    rc = f->mem->cast(f, SP_LANE_COMM, fu->shard_grad, fu->grad_dtype, in, rdt,
+                      n, d);
+  return rc;
 }
 
 /* The post-backward reduction: FSDP's _post_backward_hook +
@@ -180,17 +212,9 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
   }
   rc = mem->scale_div(f, SP_LANE_COMM, in, rdt, padded, f->pre_divide, d);
   if (rc < 0) return rc;
+  if (f->flat) return reduce_flat(f, w, fu, in, d);
   uint8_t *out = fu->red_out;
   switch (f->plan->strategy) {
-    case SP_NO_SHARD:
-      /* in place, as FSDP's _reduce_grad_no_shard: the sum is divided and
-       * cast from where it is, so NO_SHARD needs no second buffer of the
-       * unit's size (177 MB for GPT-2's largest units) */
-      rc = coll_all_reduce(f, w, &next, f->world_comm, in,
-                           w->count ? w->count : padded, rdt, d);
-      if (rc < 0) return rc;
-      out = in;
-      break;
     case SP_HYBRID_SHARD:
       rc = coll_reduce_scatter(f, w, &next, f->shard_comm, in, fu->red_out,
                                rc_count, rdt, d);
@@ -228,15 +252,11 @@ static int run_work(sp_fsdp *f, sp_fsdp_work *w, sp_diag *d) {
                            d);
       break;
     case SP_WORK_GATHER_MASTER: {
+      /* never queued for a flat unit, which copies its master itself */
       const void *src = w->src ? w->src : fu->shard;
       sp_dtype dt = w->src ? w->dt : fu->u->dtype;
-      if (f->plan->strategy == SP_NO_SHARD) {
-        rc = f->mem->copy(f, SP_LANE_COMM, w->buf, src,
-                          (size_t)fu->c * sp_dtype_size(dt), d);
-      } else {
-        rc = coll_all_gather(f, w, &next, gather_comm(f), src, w->buf,
-                             (size_t)fu->c, dt, d);
-      }
+      rc = coll_all_gather(f, w, &next, gather_comm(f), src, w->buf,
+                           (size_t)fu->c, dt, d);
       break;
     }
     default:

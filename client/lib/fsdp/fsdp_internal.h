@@ -33,18 +33,29 @@ typedef struct sp_fsdp_unit {
   uint8_t *shard;      /* c, master dtype */
   uint8_t *shard_grad; /* c, grad_dtype */
   sp_dtype grad_dtype;
+  /* A flat unit (f->flat) holds its whole flat parameter, so, as FSDP's
+   * NO_SHARD, it keeps no second copy of what it already has: full is
+   * shard itself when param_dtype is the unit dtype, and full_grad is
+   * shard_grad itself when the gradient keeps param_dtype (no mixed
+   * precision, or keep_low_precision_grads). The trainer then writes the
+   * gradient where the optimizer reads it, and the reduction runs there
+   * in place. */
+  bool full_is_shard;
+  bool grad_is_shard;
   /* Slots: pool blocks the unit holds only while it needs them (docs/
-   * fsdp.md, "Memory"); NULL otherwise. NO_SHARD keeps full and full_grad
-   * from sp_fsdp_new to sp_fsdp_free. The shard is cast (or copied) into
-   * its own place of full and gathered in place, so mixed precision needs
-   * no separate low-precision shard. */
+   * fsdp.md, "Memory"); NULL otherwise. A flat unit whose full is not its
+   * shard keeps that low-precision copy from sp_fsdp_new to sp_fsdp_free
+   * (it never reshards within a step); its full_grad, when not the shard
+   * gradient, is a slot as for the other strategies. The shard is cast
+   * (or copied) into its own place of full and gathered in place, so
+   * mixed precision needs no separate low-precision shard. */
   uint8_t *full;      /* padded, param_dtype: from the all-gather's issue
                          to reshard */
   uint8_t *full_grad; /* padded, param_dtype: from pre_backward until the
                          reduction is retired */
   uint8_t *red_in;    /* padded, reduce_dtype, only when it differs from
                          param_dtype: from post_backward until retired */
-  uint8_t *red_out;   /* c, reduce_dtype: likewise (NO_SHARD reduces in
+  uint8_t *red_out;   /* c, reduce_dtype: likewise (a flat unit reduces in
                          place and has none) */
   bool unsharded;     /* full holds this step's gathered parameters */
   /* full_grad holds gradients of backward passes run without gradient
@@ -197,7 +208,7 @@ typedef enum sp_fsdp_work_kind {
   SP_WORK_GATHER_MASTER = 4, /* master shards into a caller's buffer */
   /* a caller's buffer summed over the shard group (the world for
    * FULL_SHARD and SHARD_GRAD_OP, the shard group for HYBRID_SHARD; not
-   * queued for NO_SHARD): a gradient norm, whose replicas hold equal
+   * queued when f->flat): a gradient norm, whose replicas hold equal
    * shards and must be counted once */
   SP_WORK_SHARD_ALL_REDUCE = 5,
 } sp_fsdp_work_kind;
@@ -237,6 +248,12 @@ struct sp_fsdp {
   const sp_plan *plan;
   const sp_model *model;
   uint32_t rank, world;
+  /* The shard group is this rank alone (NO_SHARD, which every world of
+   * one rank is, or HYBRID_SHARD with groups of one): every unit is flat
+   * and the runtime runs NO_SHARD's schedule, what FSDP runs when it
+   * would shard over one rank; the gradient is all-reduced over the world
+   * (with groups of one, HYBRID_SHARD's replica group is the world). */
+  bool flat;
   sp_comm *world_comm, *shard_comm, *replica_comm;
   sp_fsdp_opts opts;
   sp_fsdp_unit *units;
@@ -316,8 +333,9 @@ struct sp_fsdp_shard_state {
  * storage goes. NULL optimizer: nothing. */
 void sp_fsdp_optim_release(sp_fsdp *f);
 /* Unit u's master shard changed (a load, an optimizer step): an unsharded
- * copy kept across steps (NO_SHARD, or a gather not consumed yet) must not
- * be served again. Waits for a pending gather of u. */
+ * copy kept across steps (a flat unit's low-precision one, or a gather not
+ * consumed yet) must not be served again. Waits for a pending gather of
+ * u. */
 int sp_fsdp_unit_stale(sp_fsdp *f, uint32_t u, sp_diag *d);
 /* SP_ESTATE naming `what` unless the root and every unit are IDLE and no
  * reduction is pending: the calls that change shards or gradients run
@@ -325,7 +343,8 @@ int sp_fsdp_unit_stale(sp_fsdp *f, uint32_t u, sp_diag *d);
 int sp_fsdp_check_between_steps(sp_fsdp *f, const char *what, sp_diag *d);
 /* The optimizer step's zero_grad: every sharded gradient (compute lane);
  * unsharded gradients kept without sync stay (sp_fsdp_zero_grad clears
- * those too). */
+ * those too), unless they are the sharded gradient itself (a flat unit's
+ * grad_is_shard), which FSDP's NO_SHARD clears with the rest too. */
 int sp_fsdp_zero_shard_grads(sp_fsdp *f, sp_diag *d);
 
 /* The communicator kind of the unshard and of the shard-group sums. */

@@ -44,8 +44,8 @@ static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
             (f->n_inflight - 1) * sizeof *f->inflight);
     f->n_inflight--;
   }
-  /* the unsharded slot, from the pool (NO_SHARD keeps its own): after the
-   * wait, so the limiter bounds the slots of gathers in flight */
+  /* the unsharded slot, from the pool (a flat unit keeps its own): after
+   * the wait, so the limiter bounds the slots of gathers in flight */
   if (!fu->full) {
     int rc = take_slot(f, SP_MEM_PARAMS, (size_t)fu->padded, fu->psize,
                        &fu->full, d);
@@ -54,7 +54,7 @@ static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
                             sp_fsdp_unit_name(f, ui));
   }
   sp_fsdp_work w = {.kind = SP_WORK_GATHER, .unit = ui};
-  if (f->plan->strategy != SP_NO_SHARD) {
+  if (!f->flat) {
     sp_comm_kind gk = sp_fsdp_gather_kind(f);
     uint64_t count = (uint64_t)fu->c;
     int rc = sp_fsdp_before_collective(f, gk, SP_OP_ALL_GATHER, ui, &count, d);
@@ -85,6 +85,11 @@ static int issue_gather(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 static int unshard(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   sp_fsdp_unit *fu = &f->units[ui];
   if (!fu->has_data || fu->unsharded) return 0;
+  /* the master is the unsharded parameter: nothing to gather or copy */
+  if (fu->full_is_shard) {
+    fu->unsharded = true;
+    return 0;
+  }
   if (fu->gather_ticket < 0) {
     int rc = issue_gather(f, ui, d);
     if (rc < 0) return rc;
@@ -101,20 +106,20 @@ static int unshard(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   return 0;
 }
 
-/* The views go away and, except for NO_SHARD (which keeps its unsharded
+/* The views go away and, except for a flat unit (which keeps its unsharded
  * storage), the slot goes back to the pool. A gather still pending into it
  * (a prefetch nobody used) is waited for first: the comm thread must not
  * write a block the pool may hand out again. Its error, if any, is the
  * runtime's sticky one and the next call reports it. */
 static void reshard(sp_fsdp *f, uint32_t ui) {
   sp_fsdp_unit *fu = &f->units[ui];
-  if (fu->gather_ticket >= 0 && f->plan->strategy != SP_NO_SHARD) {
+  if (fu->gather_ticket >= 0 && !f->flat) {
     (void)sp_fsdp_wait(f, fu->gather_ticket, NULL);
     fu->gather_ticket = -1;
   }
   fu->unsharded = false;
   fu->prefetched = false;
-  if (f->plan->strategy != SP_NO_SHARD && fu->full) {
+  if (!f->flat && fu->full) {
     (void)sp_fsdp_release(f, SP_MEM_PARAMS, fu->full);
     fu->full = NULL;
   }
@@ -123,10 +128,11 @@ static void reshard(sp_fsdp *f, uint32_t ui) {
 /* ---- the gradient side of the limiter ----
  * A reduction holds the unit's unsharded gradient and its reduce buffers
  * until it is retired: its ticket waited for, then the blocks back to the
- * pool (NO_SHARD keeps its gradient). Retiring only when the limit forces
- * it or at finish_backward, never because a ticket happens to be done
- * already, makes what is held at every point a function of the schedule
- * alone, so the memory model (plan/memory.c) predicts it exactly. */
+ * pool (a gradient that is the shard gradient stays). Retiring only when
+ * the limit forces it or at finish_backward, never because a ticket
+ * happens to be done already, makes what is held at every point a
+ * function of the schedule alone, so the memory model (plan/memory.c)
+ * predicts it exactly. */
 
 static int retire_oldest(sp_fsdp *f, sp_diag *d) {
   uint32_t ui = f->reducing[0];
@@ -144,7 +150,7 @@ static int retire_oldest(sp_fsdp *f, sp_diag *d) {
   (void)sp_fsdp_release(f, SP_MEM_REDUCE, fu->red_in);
   (void)sp_fsdp_release(f, SP_MEM_REDUCE, fu->red_out);
   fu->red_in = fu->red_out = NULL;
-  if (f->plan->strategy != SP_NO_SHARD) {
+  if (!fu->grad_is_shard) {
     (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
     fu->full_grad = NULL;
   }
@@ -161,10 +167,12 @@ static int limit_reductions(sp_fsdp *f, sp_diag *d) {
   return 0;
 }
 
-/* FULL_SHARD and HYBRID_SHARD free after forward, except the root unit. */
+/* FULL_SHARD and HYBRID_SHARD free after forward, except the root unit;
+ * flat units hold nothing to free. */
 static bool reshard_after_forward(const sp_fsdp *f, uint32_t ui) {
-  return ui != 0 && (f->plan->strategy == SP_FULL_SHARD ||
-                     f->plan->strategy == SP_HYBRID_SHARD);
+  return ui != 0 && !f->flat &&
+         (f->plan->strategy == SP_FULL_SHARD ||
+          f->plan->strategy == SP_HYBRID_SHARD);
 }
 
 static int check_unit(const sp_fsdp *f, uint32_t ui, sp_diag *d) {
@@ -246,8 +254,8 @@ static int prefetch(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (!f->opts.backward_prefetch || idx <= 0) return 0;
   uint32_t target = f->order[idx - 1];
   sp_fsdp_unit *tu = &f->units[target];
-  if (!tu->has_data || tu->unsharded || tu->gather_ticket >= 0 ||
-      tu->prefetched)
+  if (!tu->has_data || tu->full_is_shard || tu->unsharded ||
+      tu->gather_ticket >= 0 || tu->prefetched)
     return 0;
   /* FSDP prefetches only a handle that still needs its pre-backward
    * unshard (_needs_pre_backward_unshard): one whose backward already ran
@@ -274,10 +282,14 @@ int sp_fsdp_pre_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   /* the trainer adds its gradient to the buffer (as autograd accumulates
    * into .grad): a zeroed slot, unless the buffer holds the gradients of
    * earlier backward passes without sync, to be added to and reduced
-   * together (it stays taken from one micro-batch to the next) */
-  if (fu->has_data && !fu->grad_unsynced) {
-    /* the gradient slot (NO_SHARD keeps its own), after waiting for the
-     * oldest reduction if the limit is reached */
+   * together (it stays taken from one micro-batch to the next). A shard
+   * gradient that is the buffer is never zeroed here: like NO_SHARD's
+   * .grad in FSDP it holds this step's gradient so far (the reductions of
+   * earlier micro-batches, the gradients kept without sync), which the
+   * trainer adds to and the next reduction includes. */
+  if (fu->has_data && !fu->grad_unsynced && !fu->grad_is_shard) {
+    /* the gradient slot, after waiting for the oldest reduction if the
+     * limit is reached */
     if (!fu->full_grad) {
       rc = limit_reductions(f, d);
       if (rc == 0)
@@ -316,7 +328,7 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
   if (fu->reduces && f->no_sync) fu->grad_unsynced = true;
   if (fu->reduces && !f->no_sync) {
     fu->grad_unsynced = false;
-    bool no_shard = f->plan->strategy == SP_NO_SHARD;
+    bool no_shard = f->flat;
     /* the oldest reductions first, while the limit is reached, then this
      * one's buffers */
     rc = limit_reductions(f, d);
@@ -331,11 +343,11 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
                             sp_fsdp_unit_name(f, ui));
     sp_fsdp_work w = {.kind = SP_WORK_REDUCE, .unit = ui};
     sp_dtype rdt = fu->u->reduce_dtype;
-    bool hybrid_ar = f->plan->strategy == SP_HYBRID_SHARD && f->replica_comm &&
-                     sp_comm_size(f->replica_comm) > 1;
+    bool hybrid_ar = !no_shard && f->plan->strategy == SP_HYBRID_SHARD &&
+                     f->replica_comm && sp_comm_size(f->replica_comm) > 1;
     sp_coll_op op = no_shard ? SP_OP_ALL_REDUCE : SP_OP_REDUCE_SCATTER;
     sp_comm_kind k = no_shard ? SP_COMM_WORLD : sp_fsdp_gather_kind(f);
-    uint64_t planned = (uint64_t)fu->c; /* NO_SHARD: padded == c */
+    uint64_t planned = (uint64_t)fu->c; /* flat: padded == c */
     uint64_t count = planned;
     rc = sp_fsdp_before_collective(f, k, op, ui, &count, d);
     if (rc == 0 && (count > planned || count == 0))
@@ -370,12 +382,12 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
       f->stats.reduce_scatters++;
       if (hybrid_ar) f->stats.all_reduces++;
     }
-  } else if (fu->has_data && !fu->reduces && f->plan->strategy != SP_NO_SHARD) {
+  } else if (fu->has_data && !fu->reduces && !fu->grad_is_shard) {
     /* a frozen unit: its gradient is not reduced, the slot goes at once */
     (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
     fu->full_grad = NULL;
   }
-  if (f->plan->strategy != SP_NO_SHARD) reshard(f, ui);
+  if (!f->flat) reshard(f, ui);
   return 0;
 }
 
@@ -414,12 +426,10 @@ int sp_fsdp_finish_backward(sp_fsdp *f, sp_diag *d) {
     /* _catch_all_reshard; and the gradient slot of a unit whose
      * post_backward never ran (one that ran without sync keeps it for the
      * next micro-batch) */
-    if (f->plan->strategy != SP_NO_SHARD) {
-      reshard(f, ui);
-      if (!fu->grad_unsynced) {
-        (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
-        fu->full_grad = NULL;
-      }
+    if (!f->flat) reshard(f, ui);
+    if (!fu->grad_unsynced && !fu->grad_is_shard) {
+      (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
+      fu->full_grad = NULL;
     }
     fu->post_forward_index = -1;
   }
@@ -457,6 +467,13 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
   if (!fu->has_data) return 0;
   rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_SUMMON_FULL_PARAMS, d);
   if (rc < 0) return rc;
+  /* a flat unit's master is the whole parameter already */
+  if (f->flat) {
+    rc =
+        f->mem->to_host(f, dst, fu->shard, (size_t)fu->u->numel * fu->esize, d);
+    if (rc == 0) rc = transition(f, SP_MACHINE_HANDLE, ui, SP_HANDLE_IDLE, d);
+    return rc;
+  }
   /* storage of the runtime's kind (the collective runs on it), from the
    * pool: a float32 model's master parameter is the size of its unsharded
    * slot, so a checkpoint between steps reuses the steps' blocks */
@@ -466,9 +483,8 @@ int sp_fsdp_gather_unit(sp_fsdp *f, uint32_t ui, void *dst, sp_diag *d) {
     return sp_diag_prefix(d, rc, "gathering unit %u (%s)", ui,
                           sp_fsdp_unit_name(f, ui));
   sp_fsdp_work w = {.kind = SP_WORK_GATHER_MASTER, .unit = ui, .buf = tmp};
-  if (f->plan->strategy != SP_NO_SHARD)
-    sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_GATHER, ui,
-                     fu->u->dtype, (uint64_t)fu->c);
+  sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_GATHER, ui,
+                   fu->u->dtype, (uint64_t)fu->c);
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   if (t < 0) {
     (void)sp_fsdp_release(f, SP_MEM_PARAMS, tmp);
@@ -489,6 +505,10 @@ int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t ui, const void *src, sp_dtype dt,
   sp_fsdp_unit *fu = &f->units[ui];
   if (!fu->has_data) return 0;
   size_t es = sp_dtype_size(dt);
+  /* a flat unit's tensor is whole on every rank: no collective */
+  if (f->flat)
+    return f->mem->to_host(f, dst, src ? src : fu->shard,
+                           (size_t)fu->padded * es, d);
   /* host storage: Gloo gathers into the caller's buffer, no second copy */
   void *buf = dst;
   if (f->mem->device) {
@@ -500,9 +520,8 @@ int sp_fsdp_gather_tensor(sp_fsdp *f, uint32_t ui, const void *src, sp_dtype dt,
                     .buf = buf,
                     .src = src ? src : fu->shard,
                     .dt = src ? dt : fu->u->dtype};
-  if (f->plan->strategy != SP_NO_SHARD)
-    sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_GATHER, ui, w.dt,
-                     (uint64_t)fu->padded);
+  sp_fsdp_fp_issue(f, &w, sp_fsdp_gather_kind(f), SP_OP_ALL_GATHER, ui, w.dt,
+                   (uint64_t)fu->padded);
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   rc = t < 0 ? (int)t : sp_fsdp_wait(f, t, d);
   if (rc == 0 && buf != dst)
@@ -596,12 +615,11 @@ static int zero_grads(sp_fsdp *f, bool unsynced, sp_diag *d) {
     if (!fu->has_data) continue;
     rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->shard_grad,
                       (size_t)fu->c * sp_dtype_size(fu->grad_dtype), d);
-    if (rc == 0 && unsynced && fu->grad_unsynced) {
-      /* NO_SHARD's slot is its own for good; the others' go back */
-      if (f->plan->strategy == SP_NO_SHARD) {
-        rc = f->mem->zero(f, SP_LANE_COMPUTE, fu->full_grad,
-                          (size_t)fu->padded * fu->psize, d);
-      } else {
+    /* a slot goes back; a shard gradient that is the unsharded one was
+     * just zeroed with its unsynced gradients, as NO_SHARD's .grad in
+     * FSDP */
+    if (rc == 0 && fu->grad_unsynced && (unsynced || fu->grad_is_shard)) {
+      if (!fu->grad_is_shard) {
         (void)sp_fsdp_release(f, SP_MEM_GRADS, fu->full_grad);
         fu->full_grad = NULL;
       }

@@ -445,10 +445,11 @@ int sp_fsdp_clip_grad_norm(sp_fsdp *f, double max_norm, double *total_norm,
   if (rc == 0) rc = clip_scratch(f, op, d);
   double sq = 0;
   if (rc == 0) rc = local_sqsum(f, op, &sq, d);
-  /* NO_SHARD: every rank has the whole reduced gradient; otherwise each
-   * shard once, over the shard group (the world, or for HYBRID_SHARD the
-   * group whose replicas elsewhere hold the same shards) */
-  if (rc == 0 && f->plan->strategy != SP_NO_SHARD) {
+  /* flat (NO_SHARD, or shard groups of one rank): every rank has the
+   * whole reduced gradient; otherwise each shard once, over the shard
+   * group (the world, or for HYBRID_SHARD the group whose replicas
+   * elsewhere hold the same shards) */
+  if (rc == 0 && !f->flat) {
     rc = f->mem->from_host(f, op->total, &sq, sizeof sq, d);
     sp_fsdp_work w = {.kind = SP_WORK_SHARD_ALL_REDUCE,
                       .buf = op->total,
