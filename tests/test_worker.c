@@ -751,7 +751,7 @@ static void check_memory_stats(const char *model, const char *const *cflags,
   /* SGD without clipping (the GPT-2 specs' defaults are AdamW and
    * clipping, whose per-unit norms the runtime counts too): no optimizer
    * state, as the model's default options */
-  const char *wflags[11] = {"--steps", "2",       "--checkpoint",
+  const char *wflags[16] = {"--steps", "2",       "--checkpoint",
                             "none",    "--stats", stats};
   size_t nw = 6;
   if (synthetic) wflags[nw++] = "--synthetic";
