@@ -604,11 +604,17 @@ static void test_plan_memory(void **state) {
   done(&r);
   r = run("plan --model " MODEL(
       "gpt2") " --wrap-type GPT2Block "
-              "--world-size 8 --memory");
+              "--world-size 8 --memory --optimizer sgd");
   assert_int_equal(r.code, 0);
   assert_non_null(strstr(r.out, "unsharded grads"));
   assert_non_null(strstr(r.out, "572599344"));
   assert_non_null(strstr(r.out, "in-flight floor"));
+  done(&r);
+  /* without --optimizer, the one run would train with: the spec's AdamW */
+  r = run("plan --model " MODEL("gpt2") " --world-size 8 --memory");
+  assert_int_equal(r.code, 0);
+  assert_non_null(strstr(r.out, "optimizer adamw"));
+  assert_non_null(strstr(r.out, "whole peak per rank"));
   done(&r);
   r = run("plan --model " MODEL("gpt2") " --memory --optimizer adam");
   assert_int_equal(r.code, 2);

@@ -53,11 +53,13 @@ static void plan_help(FILE *f) {
         "(the memory\n"
         "                               model: exact for shardplane's "
         "runtime)\n"
-        "  --optimizer O                with --memory: none, sgd (default), "
+        "  --optimizer O                with --memory: none, sgd, "
         "sgd-momentum\n"
         "                               or adamw (its state: 0, 0, 1, 2 "
         "float32 copies\n"
-        "                               of each shard)\n"
+        "                               of each shard; default: the "
+        "spec's training\n"
+        "                               optimizer, else sgd)\n"
         "  --max-inflight-gathers N     with --memory: the limiter "
         "(default 2)\n"
         "  --no-backward-prefetch       with --memory: no BACKWARD_PRE "
@@ -141,6 +143,7 @@ typedef struct plan_args {
   sp_train_shape shape;  /* global_batch 0: from micro_batch */
   long long micro_batch; /* --micro-batch; 0: not given */
   bool global_given;
+  bool optimizer_given;   /* else the spec's training optimizer, if any */
   const char *mem_flag;   /* a memory option given (for the error without
                              --memory) */
   const char *shape_flag; /* a batch-shape option given (needs --model) */
@@ -203,10 +206,18 @@ static int run_plan(const plan_args *a) {
   if (a->memory) {
     sp_train_mem tm;
     sp_train_shape sh = a->shape;
+    /* the optimizer run would train with: the spec's, unless asked */
+    sp_mem_opts mo = a->mem;
+    const sp_model_training *tr = &model->training;
+    if (!a->optimizer_given && (tr->set & SP_MODEL_TRAIN_OPTIMIZER))
+      mo.optimizer = tr->adamw ? SP_MEM_OPT_ADAMW
+                     : (tr->set & SP_MODEL_TRAIN_MOMENTUM) && tr->momentum > 0
+                         ? SP_MEM_OPT_SGD_MOMENTUM
+                         : SP_MEM_OPT_SGD;
     if (a->micro_batch > 0)
       sh.global_batch =
           (uint32_t)(a->micro_batch * sh.grad_accum * plan->world_size);
-    rc = sp_train_mem_predict(plan, &a->mem, &sh, &tm, &diag);
+    rc = sp_train_mem_predict(plan, &mo, &sh, &tm, &diag);
     if (rc != 0) {
       sp_cli_error("plan", "memory model: %s", diag.msg);
       if (rc == SP_EINVAL) exit_code = SP_EXIT_USAGE;
@@ -280,6 +291,7 @@ int sp_cmd_plan(int argc, char **argv) {
       case OPT_MEMORY: a.memory = true; break;
       case OPT_OPTIMIZER:
         a.mem_flag = "--optimizer";
+        a.optimizer_given = true;
         if (sp_mem_optimizer_parse(optarg, &a.mem.optimizer) != 0) {
           sp_cli_error("plan",
                        "--optimizer \"%s\": expected none, sgd, "
