@@ -50,8 +50,16 @@ typedef struct sp_act_bytes {
   uint64_t total;
 } sp_act_bytes;
 
-/* b->cat[c] and b->total += bytes. */
-void sp_act_bytes_add(sp_act_bytes *b, sp_act_cat c, uint64_t bytes);
+/* b->cat[c] and b->total += bytes. Inline, so that the activation layouts
+ * (gpt2_acts.c, mlp_acts.c) call nothing of train_memory.c: the worker's
+ * CUDA module links gpt2_acts.c, and train_memory.c's object would pull
+ * the memory model and with it most of libshardplane into it. */
+static inline void sp_act_bytes_add(sp_act_bytes *b, sp_act_cat c,
+                                    uint64_t bytes) {
+  if ((unsigned)c >= SP_ACT_N_CATS) return;
+  b->cat[c] += bytes;
+  b->total += bytes;
+}
 
 /* A worker process's resident bytes besides its runtime and model: the
  * program and its libraries (cuBLAS's alone is some 60 MiB resident in a
