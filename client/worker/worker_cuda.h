@@ -48,7 +48,8 @@ int sp_worker_cuda_load(sp_diag *d);
 int sp_worker_cuda_module_path(char *out, size_t cap, sp_diag *d);
 
 /* The names the forwarding resolves in the module, i < the count; NULL
- * past the end. For a test that every one resolves in the built module. */
+ * past the end. For the test that every one resolves in the built module
+ * (tests/test_worker_cuda.c). */
 size_t sp_worker_cuda_symbol_count(void);
 const char *sp_worker_cuda_symbol(size_t i);
 
