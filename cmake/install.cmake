@@ -37,6 +37,12 @@ install(TARGETS shardplane_shared shardplane_static EXPORT shardplaneTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS shardplane shardplane-worker shardplane-coordinator
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# the worker's GPU models, which it loads from <libdir>/shardplane/ beside
+# <bindir> (client/worker/CMakeLists.txt)
+if(SHARDPLANE_HAVE_CUDA)
+  install(TARGETS shardplane-worker-cuda
+          LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}/shardplane)
+endif()
 
 set(SP_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/shardplane)
 install(EXPORT shardplaneTargets NAMESPACE shardplane::

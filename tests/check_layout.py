@@ -10,9 +10,14 @@
    (x.c, x.h, x.cu, x.cc, x.md, with or without a folder) that the tree
    does not have;
 5. with --binary B: `readelf -d B` names no cuBLAS and no OpenBLAS (the
-   shardplane command links neither the models nor their BLAS).
+   shardplane command links neither the models nor their BLAS);
+6. with --worker W: neither `readelf -d W` nor `ldd W` (what it needs, and
+   what that needs in turn) names cuBLAS: shardplane-worker loads its GPU
+   models, and with them cuBLAS, as a module only to train on a GPU (its
+   CPU kernels' OpenBLAS is fine).
 
-Usage: check_layout.py REPO [--binary PATH]. Exit 0 when every rule holds;
+Usage: check_layout.py REPO [--binary PATH] [--worker PATH]. Exit 0 when
+every rule holds;
 exit 1 with one line per breach, naming the file and line, otherwise; exit
 2 on a usage error.
 """
@@ -158,13 +163,16 @@ def main(argv):
         print(__doc__.strip())
         return 0 if len(argv) >= 2 else 2
     repo = argv[1]
-    binary = None
-    if len(argv) == 4 and argv[2] == "--binary":
-        binary = argv[3]
-    elif len(argv) != 2:
-        print("check_layout.py: usage: check_layout.py REPO [--binary PATH]",
-              file=sys.stderr)
+    opts = {"--binary": None, "--worker": None}
+    rest = argv[2:]
+    while len(rest) >= 2 and rest[0] in opts:
+        opts[rest[0]] = rest[1]
+        rest = rest[2:]
+    if rest:
+        print("check_layout.py: usage: check_layout.py REPO [--binary PATH] "
+              "[--worker PATH]", file=sys.stderr)
         return 2
+    binary, worker = opts["--binary"], opts["--worker"]
     files = tracked(repo)
     fileset = set(files)
     bad = []
@@ -200,6 +208,17 @@ def main(argv):
         for lib in re.findall(r"\[(lib[^\]]+)\]", dyn.stdout):
             if re.match(r"lib(cublas|openblas|blas)", lib):
                 bad.append(f"{binary} links {lib}")
+
+    if worker:
+        for cmd in (["readelf", "-d", worker], ["ldd", worker]):
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                bad.append(f"{worker}: {' '.join(cmd[:-1])} failed: "
+                           f"{out.stderr.strip()}")
+            for lib in sorted(set(re.findall(r"\blibcublas\w*\.so[.\d]*",
+                                             out.stdout))):
+                bad.append(f"{worker} needs {lib} ({cmd[0]}): its GPU "
+                           "models belong in its CUDA module")
 
     for line in bad:
         print(line)

@@ -110,6 +110,14 @@ static void test_installed_files(void **state) {
       "readelf -d lib/libshardplane.so | "
       "grep -q 'SONAME.*libshardplane\\.so\\.%d\\.%d'",
       g_prefix, SHARDPLANE_VERSION_MAJOR, SHARDPLANE_VERSION_MINOR);
+#if SHARDPLANE_HAVE_CUDA
+  /* the worker's GPU models, where the installed worker looks for them
+   * (client/worker/worker_cuda.h), and cuBLAS in them, not in the worker */
+  run("cd %s && f=lib/shardplane/libshardplane-worker-cuda.so && test -f $f "
+      "&& readelf -d $f | grep -q 'NEEDED.*libcublas' && "
+      "! ldd bin/shardplane-worker | grep -q libcublas",
+      g_prefix);
+#endif
   /* every quoted include in an installed header names a file beside it */
   run("cd %s/include/shardplane && for h in $(find . -name '*.h'); do "
       "d=$(dirname $h); for i in $(sed -n 's/^#include \"\\(.*\\)\"/\\1/p' $h); "

@@ -22,12 +22,6 @@ const char *sp_act_cat_label(sp_act_cat c) {
   return (unsigned)c < SP_ACT_N_CATS ? k_labels[c] : "invalid";
 }
 
-void sp_act_bytes_add(sp_act_bytes *b, sp_act_cat c, uint64_t bytes) {
-  if ((unsigned)c >= SP_ACT_N_CATS) return;
-  b->cat[c] += bytes;
-  b->total += bytes;
-}
-
 bool sp_train_mem_f32_views(const sp_plan *plan) {
   for (size_t u = 0; u < plan->n_units; u++)
     if (plan->units[u].n_params > 0 && plan->units[u].param_dtype != SP_FLOAT32)

@@ -50,17 +50,29 @@ typedef struct sp_act_bytes {
   uint64_t total;
 } sp_act_bytes;
 
-/* b->cat[c] and b->total += bytes. */
-void sp_act_bytes_add(sp_act_bytes *b, sp_act_cat c, uint64_t bytes);
+/* b->cat[c] and b->total += bytes. Inline, so that the activation layouts
+ * (gpt2_acts.c, mlp_acts.c) call nothing of train_memory.c: the worker's
+ * CUDA module links gpt2_acts.c, and train_memory.c's object would pull
+ * the memory model and with it most of libshardplane into it. */
+static inline void sp_act_bytes_add(sp_act_bytes *b, sp_act_cat c,
+                                    uint64_t bytes) {
+  if ((unsigned)c >= SP_ACT_N_CATS) return;
+  b->cat[c] += bytes;
+  b->total += bytes;
+}
 
 /* A worker process's resident bytes besides its runtime and model: the
- * program and its libraries (cuBLAS's alone is some 60 MiB resident in a
- * CUDA build), gRPC, the communicators and the BLAS's buffers once
- * touched. Measured: the peak RSS of a worker training gpt2-tiny (a model
- * of 3 MiB) was 168 MiB, and GPT-2 124M's peak exceeded runtime plus
- * activations by 176-183 MiB at W = 1, 2 and 4 (a CUDA build; a CPU-only
- * build holds less, so the check errs on the safe side there). */
-#define SP_TRAIN_PROCESS_FOOTPRINT (UINT64_C(176) << 20)
+ * program and its libraries, gRPC, the communicators and the BLAS's
+ * buffers once touched (more of them by a larger model's products). Not
+ * cuBLAS, which held some 150 MiB resident (210 MiB as the process
+ * exited): the GPU models are a module loaded only to train on a GPU
+ * (worker_cuda.h).
+ * Measured, a CUDA build on the CPU (/usr/bin/time's maximum RSS, SGD,
+ * T = 64, one micro-batch of one sequence a rank): the peak of a worker
+ * training gpt2-tiny (a model of 3 MiB) was 15 MiB (13 MiB in a CPU-only
+ * build), and GPT-2 124M's peak exceeded runtime plus activations by
+ * 26.5, 29.2 and 33.2 MiB at W = 1, 2 and 4. */
+#define SP_TRAIN_PROCESS_FOOTPRINT (UINT64_C(36) << 20)
 
 /* The batch shape of a rank. */
 typedef struct sp_train_shape {

@@ -19,6 +19,9 @@
 #include "train_flags.h"
 #include "worker_flags.h"
 #include "worker_run.h"
+#if SHARDPLANE_HAVE_CUDA
+#include "worker_cuda.h"
+#endif
 
 static void usage(FILE *f) {
   fputs(
@@ -41,7 +44,11 @@ static void usage(FILE *f) {
       "  --device DEV             cpu (default) or cuda:N: shards, parameters,\n"
       "                           gradients and buffers on GPU N, GPT-2 and\n"
       "                           the MLP on cuBLAS, collectives over NCCL\n"
-      "                           (GPU build)\n"
+      "                           (GPU build: the GPU models load then from\n"
+      "                           libshardplane-worker-cuda.so, in\n"
+      "                           lib/shardplane/ beside this bin/, or from\n"
+      "                           the file $SHARDPLANE_WORKER_CUDA_MODULE\n"
+      "                           names)\n"
       "  --steps N                train up to step N in all (default 20): a\n"
       "                           run resumed from a checkpoint of step K\n"
       "                           trains steps K+1..N\n"
@@ -447,6 +454,15 @@ int main(int argc, char **argv) {
             d.msg);
     return 1;
   }
+#if SHARDPLANE_HAVE_CUDA
+  /* the GPU models are a module loaded only for a GPU (worker_cuda.h): a
+   * missing or mismatched one is said here too, not after the rendezvous */
+  if (ordinal >= 0 && sp_worker_cuda_load(&d) < 0) {
+    fprintf(stderr, "shardplane-worker: rank %ld: --device %s: %s\n", o.rank,
+            o.device, d.msg);
+    return 1;
+  }
+#endif
   sp_worker_catch_stop_signals();
   int stopped = 0;
   int rc = sp_worker_run(&o, &stopped, &d);
