@@ -148,7 +148,7 @@ int sp_gpt2_step_embed_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   sp_gpt2_acts *a = s->a;
   int C = (int)g->C, T = (int)a->T, N = (int)(a->B * a->T);
   sp_dtype pd = SP_FLOAT32;
-  const float *wte, *wpe;
+  const float *wte = NULL, *wpe = NULL; /* -O3 cannot see view() set them */
   K(param(s, io, g->wte, a->w, &wte, &pd, d));
   K(param(s, io, g->wpe, a->wpe, &wpe, NULL, d));
   K(s->ops->embed_fwd(s->k, a->res[0], a->tok, wte, wpe, N, T, C, d));
@@ -170,7 +170,7 @@ int sp_gpt2_step_block_forward(const sp_gpt2_step *s, size_t l,
   bool have_mask = false;
   K(block_mask(s, b, io, &have_mask, d));
   float *x = a->res[l], *tmp = a->dbuf;
-  const float *w, *bias, *lw, *lb;
+  const float *w = NULL, *bias = NULL, *lw = NULL, *lb = NULL;
   /* the unit's input cast (FSDP casts a unit's inputs to param_dtype) */
   K(param(s, io, b->ln1_w, a->lnw, &lw, &pd, d));
   K(param(s, io, b->ln1_b, a->lnb, &lb, NULL, d));
@@ -223,7 +223,7 @@ int sp_gpt2_step_head_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   sp_gpt2_acts *a = s->a;
   int N = (int)(a->B * a->T), C = (int)g->C, V = (int)g->V;
   sp_dtype pd = SP_FLOAT32;
-  const float *lw, *lb, *wte;
+  const float *lw = NULL, *lb = NULL, *wte = NULL;
   K(param(s, io, g->lnf_w, a->lnw, &lw, &pd, d));
   K(param(s, io, g->lnf_b, a->lnb, &lb, NULL, d));
   K(param(s, io, g->wte, a->w, &wte, NULL, d));
@@ -252,7 +252,7 @@ int sp_gpt2_step_head_backward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   sp_gpt2_acts *a = s->a;
   int N = (int)(a->B * a->T), C = (int)g->C, V = (int)g->V;
   sp_dtype pd = SP_FLOAT32;
-  const float *wte, *lw;
+  const float *wte = NULL, *lw = NULL;
   K(param(s, io, g->wte, a->w, &wte, &pd, d));
   K(param(s, io, g->lnf_w, a->lnw, &lw, NULL, d));
   size_t NC = (size_t)N * (size_t)C;
