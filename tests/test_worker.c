@@ -596,7 +596,15 @@ static void test_device_errors(void **state) {
 }
 
 /* A worker killed mid-step: the others must fail within the heartbeat
- * timeout with a message naming what happened, and nothing may hang. */
+ * timeout with a message naming what happened, and nothing may hang.
+ * The slack over the timeout: 1 s; under the sanitizers, beside the
+ * suite's other tests, the survivors' own abort took 2.36 s once. */
+#if defined(__SANITIZE_ADDRESS__)
+#define KILL_SLACK_S 3.0
+#else
+#define KILL_SLACK_S 1.0
+#endif
+
 static void test_killed_worker(void **state) {
   (void)state;
   char *dir = sp_test_mkdtemp();
@@ -637,7 +645,7 @@ static void test_killed_worker(void **state) {
     free(err);
     free(path);
   }
-  assert_true(took < 1.0 + 1.0);
+  assert_true(took < 1.0 + KILL_SLACK_S);
   sp_test_rmtree(dir);
   free(dir);
 }
