@@ -9,7 +9,6 @@ const sp_gpt2_layout sp_gpt2_cpu_layout = {
     .name = "sp_gpt2",
     .max_elems = SP_GPT2_MAX_ELEMS,
     .datt_all_heads = false,
-    .copy_params = false,
     .wte_rows = true,
     .device_loss = false,
 };
@@ -18,12 +17,13 @@ const sp_gpt2_layout sp_gpt2_cuda_layout = {
     .name = "sp_gpt2_cuda",
     .max_elems = INT32_MAX,
     .datt_all_heads = true,
-    .copy_params = false,
     .wte_rows = false,
     .device_loss = true,
 };
 
-int sp_gpt2_step_alloc(const sp_gpt2_layout *lo, sp_gpt2_alloc_fn alloc,
+/* n x m elements of es bytes (at least one element) through alloc, held
+ * to lo->max_elems. */
+static int alloc_array(const sp_gpt2_layout *lo, sp_gpt2_alloc_fn alloc,
                        int64_t n, int64_t m, size_t es, void **out,
                        sp_diag *d) {
   *out = NULL;
@@ -48,7 +48,7 @@ static void *array(layout_run *r, sp_act_cat cat, int64_t n, int64_t m,
                    size_t es) {
   void *p = NULL;
   if (r->rc != 0) return NULL;
-  r->rc = sp_gpt2_step_alloc(r->lo, r->alloc, n, m, es, &p, r->d);
+  r->rc = alloc_array(r->lo, r->alloc, n, m, es, &p, r->d);
   if (r->rc == 0)
     sp_act_bytes_add(&r->a->mem, cat, (uint64_t)(n * m > 0 ? n * m : 1) * es);
   return p;
@@ -92,24 +92,22 @@ static void block_arrays(layout_run *r, const sp_gpt2 *g, int64_t l) {
   a->fch_gelu[l] = floats(r, cat, N, 4 * C);
 }
 
-/* The float32 copies of params and their gradients. With float32 views a
- * table that reads params in place needs no copy, and the gradients go
- * into the views: only wpe's (its backward sums positions into ctx x C)
- * and, unless the table adds the lookup's rows in place, wte's lookup
- * share (V x C). Otherwise room for the largest param (wte [V, C], wpe
- * [ctx, C] or a [4C, C] matrix) and wpe's copy beside wte's. */
+/* The float32 copies of params and their gradients. With float32 views the
+ * params are read in place and the gradients go into the views: only
+ * wpe's (its backward sums positions into ctx x C) and, unless the table
+ * adds the lookup's rows in place, wte's lookup share (V x C). Otherwise
+ * room for the largest param (wte [V, C], wpe [ctx, C] or a [4C, C]
+ * matrix) and wpe's copy beside wte's. */
 static void param_scratch(layout_run *r, const sp_gpt2 *g) {
   sp_gpt2_acts *a = r->a;
   const sp_gpt2_layout *lo = r->lo;
   int64_t C = g->C, wmax = g->V * C;
   if (g->ctx * C > wmax) wmax = g->ctx * C;
   if (4 * C * C > wmax) wmax = 4 * C * C;
-  bool copies = lo->copy_params || !a->f32_views;
-  int64_t gmax = wmax;
-  if (!copies) gmax = lo->wte_rows && g->ctx * C < wmax ? g->ctx * C : wmax;
-  a->w = floats(r, SP_ACT_SCRATCH, copies ? wmax : 1, 1);
-  a->wpe = floats(r, SP_ACT_SCRATCH, copies ? g->ctx * C : 1, 1);
-  a->gw = floats(r, SP_ACT_SCRATCH, gmax, 1);
+  bool f32 = a->f32_views;
+  a->w = floats(r, SP_ACT_SCRATCH, f32 ? 1 : wmax, 1);
+  a->wpe = floats(r, SP_ACT_SCRATCH, f32 ? 1 : g->ctx * C, 1);
+  a->gw = floats(r, SP_ACT_SCRATCH, f32 && lo->wte_rows ? g->ctx * C : wmax, 1);
   a->lnw = floats(r, SP_ACT_SCRATCH, C, 1);
   a->lnb = floats(r, SP_ACT_SCRATCH, C, 1);
   a->gb = floats(r, SP_ACT_SCRATCH, 4 * C, 1);

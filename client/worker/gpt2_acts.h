@@ -17,7 +17,7 @@
  *     in place, and no float32 copy of a parameter (the largest is wte,
  *     V x C) or of its gradient is needed.
  *
- * Internal to the worker. Names: sp_gpt2_acts_X, sp_gpt2_step_alloc. */
+ * Internal to the worker. Names: sp_gpt2_acts_X. */
 #ifndef SP_GPT2_ACTS_H
 #define SP_GPT2_ACTS_H
 
@@ -40,10 +40,6 @@ typedef struct sp_gpt2_layout {
   /* The attention backward's scratch holds every head's T x T (the GPU
    * does a sequence's heads at once) instead of one head's. */
   bool datt_all_heads;
-  /* The params read outside the block products (LayerNorm's, the biases,
-   * the embeddings, the tied head) are copied to float32 even when their
-   * view is float32. */
-  bool copy_params;
   /* The table adds the lookup's share of wte's gradient row by row into a
    * float32 view (sp_gpt2_ops.wte_bwd_rows), through B*T rows of scratch
    * instead of a V x C one. */
@@ -83,11 +79,6 @@ void sp_gpt2_acts_release(sp_gpt2_release_fn release, sp_gpt2_acts *a);
  * no memory taken but the per-layer pointer lists. Errors as it. */
 int sp_gpt2_acts_count(const sp_gpt2_layout *lo, const sp_gpt2 *g,
                        const sp_gpt2_shape *sh, sp_act_bytes *out, sp_diag *d);
-
-/* n x m elements of es bytes (at least one element) through alloc, held
- * to lo->max_elems as the activations are. */
-int sp_gpt2_step_alloc(const sp_gpt2_layout *lo, sp_gpt2_alloc_fn alloc,
-                       int64_t n, int64_t m, size_t es, void **out, sp_diag *d);
 
 #ifdef __cplusplus
 }

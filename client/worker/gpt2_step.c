@@ -30,12 +30,13 @@ static int f32_only(const sp_gpt2_step *s, int32_t p, sp_dtype pd, sp_diag *d) {
 }
 
 /* A param's view as float32: the view itself when it is float32 and
- * aligned for floats (the runtime's flat parameters are) and `copy` is
- * false, else a float32 copy in scratch (none in a float32-only layout:
- * an error); *dt its dtype. */
+ * aligned for floats (the runtime's flat parameters are), else a float32
+ * copy in scratch (none in a float32-only layout: an error); *dt its
+ * dtype (dt may be NULL). Read in place, a block product's weight costs
+ * no pass over it (a copy per product was two passes over every weight a
+ * step). */
 static int view(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
-                float *scratch, bool copy, const float **out, sp_dtype *dt,
-                sp_diag *d) {
+                float *scratch, const float **out, sp_dtype *dt, sp_diag *d) {
   const sp_tensor_spec *t = &s->g->model->params[p];
   sp_dtype pd = io->param_dtype(io->user, p);
   if (!sp_dtype_is_floating(pd))
@@ -46,27 +47,13 @@ static int view(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
     return sp_diag_set(d, SP_EINVAL, "%s: no parameter view (unit sharded?)",
                        t->fqn);
   if (dt) *dt = pd;
-  if (!copy && pd == SP_FLOAT32 && (uintptr_t)v % _Alignof(float) == 0) {
+  if (pd == SP_FLOAT32 && (uintptr_t)v % _Alignof(float) == 0) {
     *out = v;
     return 0;
   }
   if (s->a->f32_views) return f32_only(s, p, pd, d);
   *out = scratch;
   return s->ops->to_f32(s->k, scratch, v, pd, (size_t)t->numel, t->fqn, d);
-}
-
-/* A param read outside the block products, copied where the table says
- * so. */
-static int param(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
-                 float *scratch, const float **out, sp_dtype *dt, sp_diag *d) {
-  return view(s, io, p, scratch, s->ops->layout->copy_params, out, dt, d);
-}
-
-/* A block product's weight, read in place where it can be: a copy per
- * product cost a pass over every weight twice a step. */
-static int weight(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t p,
-                  float *scratch, const float **out, sp_diag *d) {
-  return view(s, io, p, scratch, false, out, NULL, d);
 }
 
 /* The gradient view as float32 to add to in place (aligned, float32), or
@@ -149,8 +136,8 @@ int sp_gpt2_step_embed_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   int C = (int)g->C, T = (int)a->T, N = (int)(a->B * a->T);
   sp_dtype pd = SP_FLOAT32;
   const float *wte = NULL, *wpe = NULL; /* -O3 cannot see view() set them */
-  K(param(s, io, g->wte, a->w, &wte, &pd, d));
-  K(param(s, io, g->wpe, a->wpe, &wpe, NULL, d));
+  K(view(s, io, g->wte, a->w, &wte, &pd, d));
+  K(view(s, io, g->wpe, a->wpe, &wpe, NULL, d));
   K(s->ops->embed_fwd(s->k, a->res[0], a->tok, wte, wpe, N, T, C, d));
   K(s->ops->round(s->k, a->res[0], (size_t)N * (size_t)C, pd, d));
   return 0;
@@ -172,41 +159,41 @@ int sp_gpt2_step_block_forward(const sp_gpt2_step *s, size_t l,
   float *x = a->res[l], *tmp = a->dbuf;
   const float *w = NULL, *bias = NULL, *lw = NULL, *lb = NULL;
   /* the unit's input cast (FSDP casts a unit's inputs to param_dtype) */
-  K(param(s, io, b->ln1_w, a->lnw, &lw, &pd, d));
-  K(param(s, io, b->ln1_b, a->lnb, &lb, NULL, d));
+  K(view(s, io, b->ln1_w, a->lnw, &lw, &pd, d));
+  K(view(s, io, b->ln1_b, a->lnb, &lb, NULL, d));
   K(o->round(k, x, NC, pd, d));
   K(o->layernorm_fwd(k, a->ln1[l], a->ln1_mean[l], a->ln1_rstd[l], x, lw, lb, N,
                      C, d));
   K(o->round(k, a->ln1[l], NC, pd, d));
   /* attention */
-  K(weight(s, io, b->attn_w, a->w, &w, d));
-  K(param(s, io, b->attn_b, a->gb, &bias, NULL, d));
+  K(view(s, io, b->attn_w, a->w, &w, NULL, d));
+  K(view(s, io, b->attn_b, a->gb, &bias, NULL, d));
   K(o->matmul_fwd(k, a->qkv[l], a->ln1[l], w, bias, N, C, 3 * C, d));
   K(o->round(k, a->qkv[l], 3 * NC, pd, d));
   K(o->attention_fwd(k, a->atty[l], a->att[l], a->qkv[l],
                      have_mask ? a->allow : NULL, (int)a->B, (int)a->T, C, NH,
                      d));
   K(o->round(k, a->atty[l], NC, pd, d));
-  K(weight(s, io, b->proj_w, a->w, &w, d));
-  K(param(s, io, b->proj_b, a->gb, &bias, NULL, d));
+  K(view(s, io, b->proj_w, a->w, &w, NULL, d));
+  K(view(s, io, b->proj_b, a->gb, &bias, NULL, d));
   K(o->matmul_fwd(k, tmp, a->atty[l], w, bias, N, C, C, d));
   K(o->round(k, tmp, NC, pd, d));
   K(o->add(k, a->res2[l], x, tmp, NC, d));
   K(o->round(k, a->res2[l], NC, pd, d));
   /* MLP */
-  K(param(s, io, b->ln2_w, a->lnw, &lw, NULL, d));
-  K(param(s, io, b->ln2_b, a->lnb, &lb, NULL, d));
+  K(view(s, io, b->ln2_w, a->lnw, &lw, NULL, d));
+  K(view(s, io, b->ln2_b, a->lnb, &lb, NULL, d));
   K(o->layernorm_fwd(k, a->ln2[l], a->ln2_mean[l], a->ln2_rstd[l], a->res2[l],
                      lw, lb, N, C, d));
   K(o->round(k, a->ln2[l], NC, pd, d));
-  K(weight(s, io, b->fc_w, a->w, &w, d));
-  K(param(s, io, b->fc_b, a->gb, &bias, NULL, d));
+  K(view(s, io, b->fc_w, a->w, &w, NULL, d));
+  K(view(s, io, b->fc_b, a->gb, &bias, NULL, d));
   K(o->matmul_fwd(k, a->fch[l], a->ln2[l], w, bias, N, C, 4 * C, d));
   K(o->round(k, a->fch[l], 4 * NC, pd, d));
   K(o->gelu_fwd(k, a->fch_gelu[l], a->fch[l], 4 * NC, d));
   K(o->round(k, a->fch_gelu[l], 4 * NC, pd, d));
-  K(weight(s, io, b->fcproj_w, a->w, &w, d));
-  K(param(s, io, b->fcproj_b, a->gb, &bias, NULL, d));
+  K(view(s, io, b->fcproj_w, a->w, &w, NULL, d));
+  K(view(s, io, b->fcproj_b, a->gb, &bias, NULL, d));
   K(o->matmul_fwd(k, tmp, a->fch_gelu[l], w, bias, N, 4 * C, C, d));
   K(o->round(k, tmp, NC, pd, d));
   float *y = a->res[l + 1];
@@ -224,9 +211,9 @@ int sp_gpt2_step_head_forward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   int N = (int)(a->B * a->T), C = (int)g->C, V = (int)g->V;
   sp_dtype pd = SP_FLOAT32;
   const float *lw = NULL, *lb = NULL, *wte = NULL;
-  K(param(s, io, g->lnf_w, a->lnw, &lw, &pd, d));
-  K(param(s, io, g->lnf_b, a->lnb, &lb, NULL, d));
-  K(param(s, io, g->wte, a->w, &wte, NULL, d));
+  K(view(s, io, g->lnf_w, a->lnw, &lw, &pd, d));
+  K(view(s, io, g->lnf_b, a->lnb, &lb, NULL, d));
+  K(view(s, io, g->wte, a->w, &wte, NULL, d));
   float *x = a->res[g->n_layer];
   size_t NC = (size_t)N * (size_t)C;
   K(o->round(k, x, NC, pd, d));
@@ -253,8 +240,8 @@ int sp_gpt2_step_head_backward(const sp_gpt2_step *s, const sp_gpt2_io *io,
   int N = (int)(a->B * a->T), C = (int)g->C, V = (int)g->V;
   sp_dtype pd = SP_FLOAT32;
   const float *wte = NULL, *lw = NULL;
-  K(param(s, io, g->wte, a->w, &wte, &pd, d));
-  K(param(s, io, g->lnf_w, a->lnw, &lw, NULL, d));
+  K(view(s, io, g->wte, a->w, &wte, &pd, d));
+  K(view(s, io, g->lnf_w, a->lnw, &lw, NULL, d));
   size_t NC = (size_t)N * (size_t)C;
   K(o->softmax_xent_bwd(k, a->probs, a->tgt, N, V, (float)(1.0 / denom), d));
   K(o->round(k, a->probs, (size_t)N * (size_t)V, pd, d));
@@ -282,7 +269,7 @@ static int conv_bwd(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t w,
                     int N, int IC, int OC, sp_diag *d) {
   sp_gpt2_acts *a = s->a;
   const float *wv = NULL; /* -O3 cannot see view() set it */
-  K(weight(s, io, w, a->w, &wv, d));
+  K(view(s, io, w, a->w, &wv, NULL, d));
   /* float32 views take the products' sums in place (the products add to
    * them); others through the scratch, rounded once by add_grad */
   float *gw = grad_f32(io, w), *gbv = grad_f32(io, b);
@@ -303,7 +290,7 @@ static int ln_bwd(const sp_gpt2_step *s, const sp_gpt2_io *io, int32_t w,
                   sp_diag *d) {
   sp_gpt2_acts *a = s->a;
   const float *lw = NULL; /* -O3 cannot see view() set it */
-  K(param(s, io, w, a->lnw, &lw, NULL, d));
+  K(view(s, io, w, a->lnw, &lw, NULL, d));
   K(s->ops->layernorm_bwd(s->k, dinp, a->gb, a->gb2, dout, inp, lw, mean, rstd,
                           N, C, d));
   K(add_grad(s, io, w, a->gb, d));
