@@ -594,30 +594,11 @@ static int check_gpus(const run_opts *o, run_job *j) {
  * the exit code. */
 static int check_memory(const run_opts *o, run_job *j) {
   if (o->train.no_memory_check || o->synthetic) return PROCEED;
-  sp_mem_opts mo;
-  sp_train_shape sh;
-  sp_train_mem m;
   sp_diag d = {{0}};
-  sp_train_mem_job(&j->cfg, &o->train, o->cuda, &mo, &sh);
-  int rc = sp_train_mem_predict(j->plan, &mo, &sh, &m, &d);
-  uint64_t avail = 0, total = 0;
-  if (rc == 0) rc = sp_host_mem_available(&avail, &d);
-  /* on GPUs the host keeps each rank's process; the device the rest */
-  if (rc == 0 && o->cuda) {
-    sp_train_mem host = m;
-    host.peak = m.footprint;
-    rc = sp_train_mem_fit(&host, (uint32_t)o->nproc, avail, "this host", false,
-                          &d);
-    for (long long r = 0; rc == 0 && r < o->nproc; r++) {
-      char where[24];
-      snprintf(where, sizeof where, "cuda:%lld", r % j->n_gpus);
-      rc = sp_cuda_device_memory((int)(r % j->n_gpus), &avail, &total, &d);
-      if (rc == 0) rc = sp_train_mem_fit(&m, 1, avail, where, true, &d);
-    }
-  } else if (rc == 0) {
-    rc =
-        sp_train_mem_fit(&m, (uint32_t)o->nproc, avail, "this host", false, &d);
-  }
+  /* rank r trains on GPU r (check_gpus: no more ranks than GPUs) */
+  int rc =
+      sp_train_mem_check(j->plan, &j->cfg, &o->train, (uint32_t)o->nproc,
+                         "this host", 0, o->cuda ? (uint32_t)o->nproc : 0, &d);
   if (rc == 0) return PROCEED;
   sp_cli_error(RUN, "%s", d.msg);
   return rc == SP_ENOMEM || rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;

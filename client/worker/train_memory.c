@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "cast/cast_cuda.h"
 #include "gpt2_acts.h"
 #include "mlp.h"
 #include "train_model.h"
@@ -29,8 +30,11 @@ bool sp_train_mem_f32_views(const sp_plan *plan) {
   return true;
 }
 
-int sp_train_mem_micro_batch(const sp_plan *plan, const sp_train_shape *shape,
-                             uint64_t *out, sp_diag *d) {
+/* The sequences (samples) of one micro-batch on one rank:
+ * global_batch / grad_accum / world; SP_EINVAL naming the flags when it
+ * does not divide. */
+static int micro_batch(const sp_plan *plan, const sp_train_shape *shape,
+                       uint64_t *out, sp_diag *d) {
   uint32_t W = plan->world_size, k = shape->grad_accum;
   if (k == 0) return sp_diag_set(d, SP_EINVAL, "--grad-accum 0: at least 1");
   uint64_t per_step = (uint64_t)k * W;
@@ -95,7 +99,7 @@ int sp_train_mem_predict(const sp_plan *plan, const sp_mem_opts *opts,
   if (plan == NULL || shape == NULL)
     return sp_diag_set(d, SP_EINVAL, "sp_train_mem_predict: NULL argument");
   int rc = sp_mem_estimate_plan(plan, opts, &out->runtime, d);
-  if (rc == 0) rc = sp_train_mem_micro_batch(plan, shape, &out->micro_batch, d);
+  if (rc == 0) rc = micro_batch(plan, shape, &out->micro_batch, d);
   if (rc == 0) rc = count_acts(plan, shape, out, d);
   if (rc != 0) return rc;
   out->footprint = SP_TRAIN_PROCESS_FOOTPRINT;
@@ -178,4 +182,32 @@ void sp_train_mem_job(const sp_mlp_train_cfg *cfg, const sp_train_flags *t,
                             .seq_len = t->seq_len,
                             .checkpointing = t->checkpointing,
                             .device = device};
+}
+
+int sp_train_mem_check(const sp_plan *plan, const sp_mlp_train_cfg *cfg,
+                       const sp_train_flags *t, uint32_t host_ranks,
+                       const char *host, int first_gpu, uint32_t n_gpus,
+                       sp_diag *d) {
+  sp_mem_opts mo;
+  sp_train_shape sh;
+  sp_train_mem m;
+  sp_train_mem_job(cfg, t, n_gpus > 0, &mo, &sh);
+  int rc = sp_train_mem_predict(plan, &mo, &sh, &m, d);
+  uint64_t avail = 0, total = 0;
+  if (rc == 0 && host_ranks > 0) {
+    rc = sp_host_mem_available(&avail, d);
+    /* on GPUs the host keeps each rank's process; the device the rest */
+    sp_train_mem on_host = m;
+    if (n_gpus > 0) on_host.peak = m.footprint;
+    if (rc == 0)
+      rc = sp_train_mem_fit(&on_host, host_ranks, avail, host, false, d);
+  }
+  for (uint32_t i = 0; rc == 0 && i < n_gpus; i++) {
+    int gpu = first_gpu + (int)i;
+    char where[24];
+    snprintf(where, sizeof where, "cuda:%d", gpu);
+    rc = sp_cuda_device_memory(gpu, &avail, &total, d);
+    if (rc == 0) rc = sp_train_mem_fit(&m, 1, avail, where, true, d);
+  }
+  return rc;
 }

@@ -105,12 +105,6 @@ typedef struct sp_train_mem {
  * no float32 copies (gpt2_acts.h). */
 bool sp_train_mem_f32_views(const sp_plan *plan);
 
-/* The sequences (samples) of one micro-batch on one rank:
- * global_batch / grad_accum / world. SP_EINVAL naming the flags when it
- * does not divide. */
-int sp_train_mem_micro_batch(const sp_plan *plan, const sp_train_shape *shape,
-                             uint64_t *out, sp_diag *d);
-
 /* Predicts a rank's memory for the plan, the runtime's options and the
  * batch shape. For a spec the trainer does not run, only the runtime and
  * the footprint. Errors: SP_EINVAL (the shape does not divide: d names
@@ -140,6 +134,19 @@ int sp_host_mem_available(uint64_t *out, sp_diag *d);
  * the runtime and the activations but not the process. */
 int sp_train_mem_fit(const sp_train_mem *m, uint32_t ranks, uint64_t available,
                      const char *where, bool device, sp_diag *d);
+
+/* The check shardplane run makes for the ranks it places and a worker for
+ * its own: the job's rank predicted (sp_train_mem_job of cfg and t on a
+ * GPU when n_gpus > 0, sp_train_mem_predict), then host_ranks of it
+ * against the host's available memory (none: 0; on GPUs the host holds
+ * only their processes), `host` naming it in the message, and one rank
+ * against each of the GPUs first_gpu .. first_gpu + n_gpus - 1's free
+ * memory. 0, or sp_train_mem_fit's SP_ENOMEM, or the prediction's and the
+ * readings' errors. */
+int sp_train_mem_check(const sp_plan *plan, const sp_mlp_train_cfg *cfg,
+                       const sp_train_flags *t, uint32_t host_ranks,
+                       const char *host, int first_gpu, uint32_t n_gpus,
+                       sp_diag *d);
 
 #ifdef __cplusplus
 }

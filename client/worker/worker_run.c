@@ -13,7 +13,6 @@
 #include "base/clock.h"
 #include "mlp_train.h"
 #include "synthetic_train.h"
-#include "cast/cast_cuda.h"
 #include "train_memory.h"
 #include "train_model.h"
 #include "worker_stats.h"
@@ -82,22 +81,10 @@ static int check_memory(const sp_worker_opts *o, const sp_plan *plan,
                         sp_diag *d) {
   int dev = -1;
   if (o->device && sscanf(o->device, "cuda:%d", &dev) != 1) dev = -1;
-  sp_mem_opts mo;
-  sp_train_shape sh;
-  sp_train_mem m;
-  sp_train_mem_job(cfg, &o->train, dev >= 0, &mo, &sh);
-  int rc = sp_train_mem_predict(plan, &mo, &sh, &m, d);
-  uint64_t avail = 0, total = 0;
-  char where[48];
-  if (rc == 0 && dev >= 0) {
-    snprintf(where, sizeof where, "rank %u's GPU (cuda:%d)", rank, dev);
-    rc = sp_cuda_device_memory(dev, &avail, &total, d);
-  } else if (rc == 0) {
-    snprintf(where, sizeof where, "rank %u's host", rank);
-    rc = sp_host_mem_available(&avail, d);
-  }
-  if (rc == 0) rc = sp_train_mem_fit(&m, 1, avail, where, dev >= 0, d);
-  return rc;
+  char host[32];
+  snprintf(host, sizeof host, "rank %u's host", rank);
+  return sp_train_mem_check(plan, cfg, &o->train, dev >= 0 ? 0 : 1, host, dev,
+                            dev >= 0 ? 1 : 0, d);
 }
 
 static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f, uint32_t rank,
