@@ -1,8 +1,8 @@
 /* A training rank's memory, predicted (train_memory.h). */
 #include "train_memory.h"
 
-#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cast/cast_cuda.h"
@@ -107,20 +107,27 @@ int sp_train_mem_predict(const sp_plan *plan, const sp_mem_opts *opts,
   return 0;
 }
 
-int sp_host_mem_available(uint64_t *out, sp_diag *d) {
-  *out = 0;
-  FILE *f = fopen("/proc/meminfo", "r");
-  if (f == NULL)
-    return sp_diag_set(d, SP_EIO, "/proc/meminfo: %s", strerror(errno));
+long long sp_proc_bytes(const char *path, const char *key) {
+  FILE *fp = fopen(path, "r");
+  if (!fp) return -1;
   char line[256];
-  unsigned long long kb = 0;
-  bool found = false;
-  while (!found && fgets(line, sizeof line, f) != NULL)
-    found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
-  fclose(f);
-  if (!found)
-    return sp_diag_set(d, SP_EFORMAT, "/proc/meminfo: no MemAvailable line");
-  *out = (uint64_t)kb * 1024;
+  long long kb = -1;
+  size_t kl = strlen(key);
+  while (fgets(line, sizeof line, fp))
+    if (strncmp(line, key, kl) == 0) {
+      kb = strtoll(line + kl, NULL, 10);
+      break;
+    }
+  fclose(fp);
+  return kb < 0 ? -1 : kb * 1024;
+}
+
+int sp_host_mem_available(uint64_t *out, sp_diag *d) {
+  long long b = sp_proc_bytes("/proc/meminfo", "MemAvailable:");
+  *out = b < 0 ? 0 : (uint64_t)b;
+  if (b < 0)
+    return sp_diag_set(d, SP_EIO,
+                       "/proc/meminfo: cannot read its MemAvailable line");
   return 0;
 }
 

@@ -122,9 +122,14 @@ int sp_train_mem_predict(const sp_plan *plan, const sp_mem_opts *opts,
 void sp_train_mem_job(const sp_mlp_train_cfg *cfg, const sp_train_flags *t,
                       bool device, sp_mem_opts *opts, sp_train_shape *shape);
 
+/* A "KEY N kB" line of a /proc file (/proc/meminfo, /proc/self/status) in
+ * bytes; -1 when the file or the line is missing. key includes its colon
+ * ("MemAvailable:", "VmHWM:"). */
+long long sp_proc_bytes(const char *path, const char *key);
+
 /* The host's available memory (MemAvailable of /proc/meminfo: what can
  * be allocated without swapping, page cache that can go included), in
- * bytes. SP_EIO, SP_EFORMAT. */
+ * bytes. SP_EIO when it cannot be read. */
 int sp_host_mem_available(uint64_t *out, sp_diag *d);
 
 /* Whether `ranks` ranks of m fit in `available` bytes of `where` ("this

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "train_memory.h"
+
 /* A JSON array of doubles, exact (%.17g). */
 static void put_doubles(FILE *fp, const double *l, uint32_t n) {
   fputc('[', fp);
@@ -21,18 +23,7 @@ int sp_worker_write_losses(const char *path, const double *l, uint32_t n) {
 }
 
 long long sp_worker_proc_bytes(const char *key) {
-  FILE *fp = fopen("/proc/self/status", "r");
-  if (!fp) return -1;
-  char line[256];
-  long long kb = -1;
-  size_t kl = strlen(key);
-  while (fgets(line, sizeof line, fp))
-    if (strncmp(line, key, kl) == 0) {
-      kb = strtoll(line + kl, NULL, 10);
-      break;
-    }
-  fclose(fp);
-  return kb < 0 ? -1 : kb * 1024;
+  return sp_proc_bytes("/proc/self/status", key);
 }
 
 bool sp_worker_reset_rss_peak(void) {
