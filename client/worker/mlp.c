@@ -201,19 +201,6 @@ void sp_mlp_init_buffer(void *user, const sp_model *m, int32_t buffer,
   memset(dst, 0, (size_t)t->numel * sp_dtype_size(t->dtype));
 }
 
-/* n x dim floats, zeroed (a layer's transient scratch), or NULL with *rc
- * set. */
-static float *alloc_floats(size_t n, int64_t dim, int *rc) {
-  if (dim < 0 || (dim > 0 && n > SIZE_MAX / sizeof(float) / (size_t)dim)) {
-    *rc = SP_ETOOBIG;
-    return NULL;
-  }
-  size_t count = n * (size_t)dim;
-  float *p = calloc(count ? count : 1, sizeof(float));
-  if (p == NULL) *rc = SP_ENOMEM;
-  return p;
-}
-
 /* ------------------------------------------------------------------ */
 /* forward and backward                                                */
 /* ------------------------------------------------------------------ */
@@ -237,7 +224,7 @@ static int read_param(const sp_mlp *mlp, const sp_mlp_io *io, int32_t p,
     return sp_diag_set(d, SP_EINVAL, "%s: no parameter view (unit sharded?)",
                        t->fqn);
   int rc = 0;
-  float *f = alloc_floats((size_t)t->numel, 1, &rc);
+  float *f = sp_mlp_floats((size_t)t->numel, 1, &rc);
   if (f == NULL)
     return sp_diag_set(d, rc, "%s: cannot allocate %lld floats", t->fqn,
                        (long long)t->numel);
@@ -338,8 +325,8 @@ static int linear_backward(const sp_mlp *mlp, const sp_mlp_layer *L,
   sp_dtype pd = SP_FLOAT32;
   int rc = read_param(mlp, io, L->weight, &w, &pd, d);
   if (rc == 0) {
-    gw = alloc_floats(out, L->in, &rc);
-    if (gw != NULL) gb = alloc_floats(out, 1, &rc);
+    gw = sp_mlp_floats(out, L->in, &rc);
+    if (gw != NULL) gb = sp_mlp_floats(out, 1, &rc);
     if (rc != 0)
       sp_diag_set(d, rc, "%s: gradient scratch", param_fqn(mlp, L->weight));
   }
@@ -383,7 +370,7 @@ static int norm_forward(const sp_mlp *mlp, const sp_mlp_layer *L,
   int rc = read_param(mlp, io, L->weight, &w, &pd, d);
   if (rc == 0) rc = read_param(mlp, io, L->bias, &b, &bd, d);
   if (rc == 0) rc = buffer_view(mlp, io, L->running_mean, &rm, &rd, d);
-  if (rc == 0 && (sum = alloc_floats(h, 1, &rc)) == NULL)
+  if (rc == 0 && (sum = sp_mlp_floats(h, 1, &rc)) == NULL)
     sp_diag_set(d, rc, "%s: scratch", mlp->model->modules[L->module].fqn);
   if (rc != 0) goto out;
 
@@ -443,9 +430,9 @@ static int norm_backward(const sp_mlp *mlp, const sp_mlp_layer *L,
   int rc = read_param(mlp, io, L->weight, &w, &pd, d);
   if (rc == 0) rc = buffer_view(mlp, io, L->running_mean, &rm, &rd, d);
   if (rc == 0) {
-    if ((gw = alloc_floats(h, 1, &rc)) == NULL ||
-        (gb = alloc_floats(h, 1, &rc)) == NULL ||
-        (mean = alloc_floats(h, 1, &rc)) == NULL)
+    if ((gw = sp_mlp_floats(h, 1, &rc)) == NULL ||
+        (gb = sp_mlp_floats(h, 1, &rc)) == NULL ||
+        (mean = sp_mlp_floats(h, 1, &rc)) == NULL)
       sp_diag_set(d, rc, "%s: scratch", mlp->model->modules[L->module].fqn);
   }
   if (rc != 0) goto out;

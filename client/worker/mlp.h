@@ -130,6 +130,10 @@ void sp_mlp_acts_free(sp_mlp_acts *a);
 /* What sp_mlp_acts_new allocates for n samples, by category, without
  * allocating it. Errors as it. */
 int sp_mlp_acts_count(const sp_mlp *mlp, size_t n, sp_act_bytes *out);
+/* n x dim floats, zeroed (at least one: the activations, a layer's
+ * transient scratch), or NULL with *rc set to SP_ETOOBIG (the bytes
+ * overflow) or SP_ENOMEM; *rc is left alone on success. */
+float *sp_mlp_floats(size_t n, int64_t dim, int *rc);
 
 /* Forward of layer l: reads a->x[l], writes a->x[l+1]. global_n is the
  * global batch size (RunningNorm's mean; 1..2^24, at least a->n). Updates

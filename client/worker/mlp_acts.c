@@ -5,22 +5,32 @@
 
 #include "mlp.h"
 
-/* count elements of floats through alloc (NULL: count only), or NULL with
- * *rc set (nothing done when it is set already). */
+/* n x dim floats' count (at least one), or SP_ETOOBIG when their bytes
+ * overflow. */
+static int float_count(size_t n, int64_t dim, size_t *count) {
+  if (dim < 0 || (dim > 0 && n > SIZE_MAX / sizeof(float) / (size_t)dim))
+    return SP_ETOOBIG;
+  *count = n * (size_t)dim;
+  if (*count == 0) *count = 1;
+  return 0;
+}
+
+float *sp_mlp_floats(size_t n, int64_t dim, int *rc) {
+  size_t count = 0;
+  int r = float_count(n, dim, &count);
+  float *p = r == 0 ? calloc(count, sizeof(float)) : NULL;
+  if (p == NULL) *rc = r ? r : SP_ENOMEM;
+  return p;
+}
+
+/* n x dim floats counted in cat and, when real, allocated; NULL with *rc
+ * set (nothing done when it is set already). */
 static float *floats(sp_mlp_acts *a, bool real, sp_act_cat cat, size_t n,
                      int64_t dim, int *rc) {
-  if (*rc != 0) return NULL;
-  if (dim < 0 || (dim > 0 && n > SIZE_MAX / sizeof(float) / (size_t)dim)) {
-    *rc = SP_ETOOBIG;
-    return NULL;
-  }
-  size_t count = n * (size_t)dim;
-  if (count == 0) count = 1;
+  size_t count = 0;
+  if (*rc != 0 || (*rc = float_count(n, dim, &count)) != 0) return NULL;
   sp_act_bytes_add(&a->mem, cat, (uint64_t)count * sizeof(float));
-  if (!real) return NULL;
-  float *p = calloc(count, sizeof(float));
-  if (p == NULL) *rc = SP_ENOMEM;
-  return p;
+  return real ? sp_mlp_floats(n, dim, rc) : NULL;
 }
 
 /* The layout: every layer's input kept for backward, the output, two
