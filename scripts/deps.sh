@@ -25,6 +25,12 @@ PACKAGES=(
   # the numerical oracle of the GPT-2 gradient and training-parity tests
   # and the peer of bench/train (Debian 12 has PyTorch 1.13.1)
   python3-torch
+  # the coordinator's HTTP listener (/metrics and the dashboard): a
+  # maintained HTTP/1.1 server library driven from the libuv loop
+  libmicrohttpd-dev
+  # interop peers of the observability tests: a real Prometheus (and
+  # promtool for the example alert rules) and a real headless browser
+  prometheus chromium
 )
 # `./dev bench` also needs the reference gRPC C++ server of bench/rpc; what
 # bench/CMakeLists.txt looks for, and the package that has it:

@@ -33,6 +33,9 @@ struct sp_coord_rank {
     bool set;
   } last_coll;
   uint64_t last_heard_ms;
+  /* what the trainer last reported of its throughput and memory
+   * (SessionUp; 0: not reported) */
+  uint64_t tokens_per_step, mem_bytes, mem_peak_bytes, mem_predicted_bytes;
   uint32_t alerts;
   uint32_t snap_alerts; /* what the last written snapshot held, as below */
   char *last_alert;
@@ -135,6 +138,10 @@ void sp_coord_ranks_get(const sp_coord *c, uint32_t rank,
   v->last_heard_ms = k->last_heard_ms;
   v->root = k->st.root;
   v->session = k->session;
+  v->tokens_per_step = k->tokens_per_step;
+  v->mem_bytes = k->mem_bytes;
+  v->mem_peak_bytes = k->mem_peak_bytes;
+  v->mem_predicted_bytes = k->mem_predicted_bytes;
 }
 
 int sp_coord_ranks_status(const sp_coord *c, uint32_t rank) {
@@ -717,6 +724,10 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord_rank *k = &c->ranks[ctx->rank];
   k->last_heard_ms = sp_coord_base_now_ms(c);
   if (q->step > k->step) k->step = q->step;
+  if (q->tokens_per_step) k->tokens_per_step = q->tokens_per_step;
+  if (q->mem_bytes) k->mem_bytes = q->mem_bytes;
+  if (q->mem_peak_bytes) k->mem_peak_bytes = q->mem_peak_bytes;
+  if (q->mem_predicted_bytes) k->mem_predicted_bytes = q->mem_predicted_bytes;
   Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
   Shardplane__V1__Rejection rej[8];
   Shardplane__V1__Rejection *rp[8];

@@ -38,6 +38,8 @@ typedef struct sp_coord_rank_view {
   uint64_t step, last_heard_ms;
   int root;
   sp_rpc_call *session; /* NULL: no open stream */
+  /* the trainer's last report (SessionUp; 0: none) */
+  uint64_t tokens_per_step, mem_bytes, mem_peak_bytes, mem_predicted_bytes;
 } sp_coord_rank_view;
 void sp_coord_ranks_get(const sp_coord *c, uint32_t rank,
                         sp_coord_rank_view *v);

@@ -80,6 +80,13 @@ typedef struct sp_coord_config {
   const sp_rpc_tls_server_opts *tls;
   /* Hang diagnosis (coord_diag.h): thresholds, --on-stall, --dump-dir. */
   sp_coord_diag_config diag;
+  /* The HTTP listener (coord_http.h): NULL: none. Its connections; 0:
+   * SP_COORD_HTTP_MAX_CONNECTIONS. Per-rank series on /metrics up to this
+   * many ranks; 0: SP_COORD_METRICS_RANK_LIMIT. The other limits and the
+   * TLS and tokens are the gRPC port's. */
+  const char *http_listen;
+  uint32_t http_max_connections;
+  uint32_t metrics_rank_limit;
 } sp_coord_config;
 
 typedef struct sp_coord_rank sp_coord_rank;
@@ -130,7 +137,8 @@ typedef struct sp_coord {
   sp_coord_persist *persist;               /* NULL without a state dir */
   /* the hosts' agents and the job's incarnations (coord_agents.c) */
   struct sp_coord_agents *agents;
-  sp_coord_auth *auth; /* NULL without a token file */
+  sp_coord_auth *auth;        /* NULL without a token file */
+  struct sp_coord_http *http; /* coord_http.c; NULL: no HTTP listener */
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
   char *abort_reason;
