@@ -12,6 +12,7 @@
 #include "coord_diag.h"
 #include "coord_dump.h"
 #include "coord_events.h"
+#include "coord_http.h"
 #include "coord_persist.h"
 #include "coord_plan.h"
 #include "coord_ranks.h"
@@ -198,10 +199,20 @@ fail:
   return rc;
 }
 
+/* What the HTTP listener serves, beside its own /healthz, /login and
+ * /logout; the first match wins. */
+static const sp_coord_http_route k_http_routes[] = {{NULL, false, 0, NULL}};
+
 int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
   int bound;
   int rc = sp_rpc_server_listen(c->srv, addr, &bound, diag);
   if (rc != 0) return rc;
+  if (c->cfg.http_listen != NULL &&
+      (rc = sp_coord_http_start(
+           c, c->cfg.http_listen, k_http_routes,
+           sizeof k_http_routes / sizeof k_http_routes[0] - 1, &c->http_port,
+           diag)) != 0)
+    return rc;
   if (port != NULL) *port = bound;
   if (!c->heartbeat_started) sp_coord_ranks_start(c);
   sp_coord_diag_start(c);
@@ -248,6 +259,8 @@ void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
   if (sp_coord_agents_shutdown(c, handle_closed)) c->stopping++;
   sp_coord_events_shutdown(c);
   sp_coord_dump_shutdown(c);
+  c->stopping++;
+  sp_coord_http_shutdown(c, diag_closed);
   sp_coord_diag_shutdown(c, diag_closed);
   sp_coord_ranks_shutdown(c, handle_closed);
   /* after the ranks' last words, before the server goes */
@@ -257,6 +270,7 @@ void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
 
 void sp_coord_free(sp_coord *c) {
   if (c == NULL) return;
+  sp_coord_http_free(c);
   sp_rpc_server_free(c->srv);
   sp_coord_persist_free(c);
   sp_coord_verdict_free(c);

@@ -63,11 +63,37 @@ typedef struct sp_coord_http_resp {
 #define SP_COORD_HTTP_SESSION_S (12u * 3600u)
 #define SP_COORD_HTTP_MAX_SESSIONS 1024u
 
-/* From sp_coord_listen when cfg.http_listen is set: binds and starts
- * serving; *port gets the bound port. SP_EIO with the reason in diag
- * (address in use, TLS material unreadable). */
-int sp_coord_http_start(struct sp_coord *c, const char *addr, int *port,
-                        sp_diag *diag);
+/* Who may read a route. */
+typedef enum sp_coord_http_access {
+  SP_COORD_HTTP_OPEN,   /* anyone: /healthz, the page's scripts and style */
+  SP_COORD_HTTP_HEADER, /* a reader or admin token in the Authorization
+                           header: /metrics, as Prometheus sends it */
+  SP_COORD_HTTP_READER, /* the header or the dashboard's session cookie */
+  /* the dashboard's page: served to anyone, but with 401 without the
+   * header or cookie, so that it shows its login form */
+  SP_COORD_HTTP_PAGE,
+} sp_coord_http_access;
+
+/* A route answers a GET (or HEAD) of path: 0 with r filled, or a negative
+ * SP_E* (the listener answers 500, or 503 for SP_ENOMEM). */
+typedef int (*sp_coord_http_route_fn)(struct sp_coord *c, const char *path,
+                                      const sp_coord_http_query *q,
+                                      sp_coord_http_resp *r);
+typedef struct sp_coord_http_route {
+  const char *path; /* "/metrics"; with prefix, "/api/" */
+  bool prefix;
+  sp_coord_http_access access;
+  sp_coord_http_route_fn fn;
+} sp_coord_http_route;
+
+/* From sp_coord_listen when cfg.http_listen is set: binds addr
+ * ("HOST:PORT", port 0 picks a free one) and serves routes (static, the
+ * first match wins; the listener's own /login and /logout come first);
+ * *port gets the bound port. SP_EIO with the reason in diag (address in
+ * use, TLS material unreadable or unsupported), SP_ENOMEM. */
+int sp_coord_http_start(struct sp_coord *c, const char *addr,
+                        const sp_coord_http_route *routes, size_t n_routes,
+                        int *port, sp_diag *diag);
 /* Stops accepting and closes every connection and handle; closed(c) runs
  * once the handles are released (at once when never started). */
 void sp_coord_http_shutdown(struct sp_coord *c, void (*closed)(void *));

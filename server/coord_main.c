@@ -106,10 +106,27 @@ static void usage(FILE *f) {
       "  --store-quota-keys N         store keys one token may hold "
       "(default\n"
       "                               65536)\n"
+      "\n"
+      "Metrics and the dashboard (docs/observability.md), with the TLS and\n"
+      "tokens above (a reader or admin token; /healthz is open):\n"
+      "  --http-listen HOST:PORT      serve /metrics (Prometheus), the live\n"
+      "                               dashboard at / and its JSON API at\n"
+      "                               /api/v1/ (default: none; port 0 picks\n"
+      "                               a free one). Its connections time out\n"
+      "                               after --request-timeout-ms (or a\n"
+      "                               shorter --idle-timeout-ms); bodies\n"
+      "                               count against --max-buffered-mib\n"
+      "  --http-max-connections N     open HTTP connections (default 256;\n"
+      "                               one client address at most 64 of\n"
+      "                               them)\n"
+      "  --metrics-rank-limit N       per-rank series on /metrics up to N\n"
+      "                               ranks, aggregates only above (default\n"
+      "                               1024)\n"
       "  --quiet                      no log lines\n"
       "  --help                       this text\n"
       "\n"
-      "Prints \"listening on HOST:PORT\" once serving; SIGINT or SIGTERM "
+      "Prints \"listening on HOST:PORT\" (and \", http on HOST:PORT\")\n"
+      "once serving; SIGINT or SIGTERM "
       "shut it down gracefully.\n"
       "exit codes: 0 clean shutdown, 1 cannot start (bad spec or job, "
       "address in use,\n"
@@ -143,7 +160,10 @@ enum {
   OPT_STALL_MS,
   OPT_ON_STALL,
   OPT_STRAGGLER,
-  OPT_DUMP_DIR
+  OPT_DUMP_DIR,
+  OPT_HTTP_LISTEN,
+  OPT_HTTP_MAX_CONNS,
+  OPT_METRICS_RANK_LIMIT
 };
 
 static const struct option k_opts[] = {
@@ -164,6 +184,9 @@ static const struct option k_opts[] = {
     {"on-stall", required_argument, NULL, OPT_ON_STALL},
     {"straggler-ratio", required_argument, NULL, OPT_STRAGGLER},
     {"dump-dir", required_argument, NULL, OPT_DUMP_DIR},
+    {"http-listen", required_argument, NULL, OPT_HTTP_LISTEN},
+    {"http-max-connections", required_argument, NULL, OPT_HTTP_MAX_CONNS},
+    {"metrics-rank-limit", required_argument, NULL, OPT_METRICS_RANK_LIMIT},
     {"help", no_argument, NULL, OPT_HELP},
     {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
     {"tls-key", required_argument, NULL, OPT_TLS_KEY},
@@ -213,6 +236,8 @@ static int parse_limit(int c, const char *v, sp_coord_config *cfg) {
       {OPT_IDLE_MS, "--idle-timeout-ms", "milliseconds", 86400000},
       {OPT_REQUEST_MS, "--request-timeout-ms", "milliseconds", 3600000},
       {OPT_MAX_BUFFERED, "--max-buffered-mib", "MiB", 1 << 20},
+      {OPT_HTTP_MAX_CONNS, "--http-max-connections", "connections", 1 << 16},
+      {OPT_METRICS_RANK_LIMIT, "--metrics-rank-limit", "ranks", 1 << 20},
   };
   for (size_t i = 0; i < sizeof k_limits / sizeof k_limits[0]; i++) {
     if (k_limits[i].opt != c) continue;
@@ -228,6 +253,8 @@ static int parse_limit(int c, const char *v, sp_coord_config *cfg) {
       case OPT_PREFACE_MS: cfg->preface_timeout_ms = (uint64_t)x; break;
       case OPT_IDLE_MS: cfg->idle_timeout_ms = (uint64_t)x; break;
       case OPT_REQUEST_MS: cfg->request_timeout_ms = (uint64_t)x; break;
+      case OPT_HTTP_MAX_CONNS: cfg->http_max_connections = (uint32_t)x; break;
+      case OPT_METRICS_RANK_LIMIT: cfg->metrics_rank_limit = (uint32_t)x; break;
       default: cfg->max_buffered = (size_t)x << 20; break;
     }
     return 0;
@@ -244,12 +271,12 @@ static int parse_text(const char *flag, const char *v, const char *what) {
 }
 
 /* The address to listen on: 0, or -1 with the message printed. */
-static int parse_listen(const char *v) {
+static int parse_listen(const char *flag, const char *v) {
   char host[256];
   int port;
   if (sp_rpc_split_addr(v, host, sizeof host, &port) == 0) return 0;
   sp_diag d = {{0}};
-  sp_flag_fail(&d, "--listen", v,
+  sp_flag_fail(&d, flag, v,
                "HOST:PORT or [v6]:PORT, port in [0, "
                "65535] (0: a free one)");
   fprintf(stderr, "shardplane-coordinator: %s\n", d.msg);
@@ -360,7 +387,7 @@ int main(int argc, char **argv) {
     switch (c) {
       case OPT_LISTEN:
         listen = optarg;
-        if (parse_listen(optarg) != 0) goto out;
+        if (parse_listen("--listen", optarg) != 0) goto out;
         break;
       case OPT_MODEL:
         cfg.model_path = optarg;
@@ -371,6 +398,10 @@ int main(int argc, char **argv) {
         cfg.job_path = optarg;
         if (parse_text("--job", optarg, "a job config (JSON file)") != 0)
           goto out;
+        break;
+      case OPT_HTTP_LISTEN:
+        cfg.http_listen = optarg;
+        if (parse_listen("--http-listen", optarg) != 0) goto out;
         break;
       case OPT_QUIET: cfg.quiet = true; break;
       case OPT_STATE_DIR:
@@ -457,6 +488,8 @@ int main(int argc, char **argv) {
       case OPT_IDLE_MS:
       case OPT_REQUEST_MS:
       case OPT_MAX_BUFFERED:
+      case OPT_HTTP_MAX_CONNS:
+      case OPT_METRICS_RANK_LIMIT:
         if (parse_limit(c, optarg, &cfg) != 0) goto out;
         break;
       default:
@@ -517,8 +550,14 @@ int main(int argc, char **argv) {
   char host[256];
   int ignored;
   sp_rpc_split_addr(listen, host, sizeof host, &ignored);
-  printf("listening on %s%s%s:%d\n", strchr(host, ':') ? "[" : "", host,
+  printf("listening on %s%s%s:%d", strchr(host, ':') ? "[" : "", host,
          strchr(host, ':') ? "]" : "", port);
+  if (cfg.http_listen != NULL) {
+    sp_rpc_split_addr(cfg.http_listen, host, sizeof host, &ignored);
+    printf(", http on %s%s%s:%d", strchr(host, ':') ? "[" : "", host,
+           strchr(host, ':') ? "]" : "", coord->http_port);
+  }
+  putchar('\n');
   fflush(stdout);
   for (int i = 0; i < 2; i++) {
     uv_signal_init(loop, &g_sig[i]);

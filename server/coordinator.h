@@ -139,6 +139,7 @@ typedef struct sp_coord {
   struct sp_coord_agents *agents;
   sp_coord_auth *auth;        /* NULL without a token file */
   struct sp_coord_http *http; /* coord_http.c; NULL: no HTTP listener */
+  int http_port;              /* its bound port */
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
   char *abort_reason;
