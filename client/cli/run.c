@@ -280,6 +280,7 @@ typedef struct run_procs {
   char state_dir[PATH_MAX];
   int restarts;
   char addr[64];
+  int http_port; /* the coordinator's metrics and dashboard */
   /* the workers' calls go through it, as under an agent (agent_proxy.h) */
   sp_agent_proxy *proxy;
   /* the workers, supervised as an agent's (and with --max-restarts
@@ -666,15 +667,18 @@ static int check_job(run_opts *o, run_job *j) {
  * address. Returns PROCEED or the exit code. */
 static int start_coordinator(const run_opts *o, const run_job *j,
                              run_procs *p) {
-  char nproc_s[16], listen[32];
+  char nproc_s[16], listen[32], http[32];
   snprintf(nproc_s, sizeof nproc_s, "%lld", o->nproc);
   /* a restart takes the port the workers know */
   snprintf(listen, sizeof listen, "127.0.0.1:%d",
            p->restarts ? p->coord.port : 0);
+  snprintf(http, sizeof http, "127.0.0.1:%d", p->restarts ? p->http_port : 0);
   argvec ca = {0};
   push(&ca, j->coord_bin);
   push(&ca, "--listen");
   push(&ca, listen);
+  push(&ca, "--http-listen");
+  push(&ca, http);
   push(&ca, "--state-dir");
   push(&ca, p->state_dir);
   push(&ca, "--model");
@@ -727,6 +731,12 @@ static int start_coordinator(const run_opts *o, const run_job *j,
     return SP_EXIT_FAILURE;
   }
   snprintf(p->addr, sizeof p->addr, "127.0.0.1:%d", p->coord.port);
+  const char *h = strstr(p->coord.line, ", http on 127.0.0.1:");
+  if (h == NULL || sscanf(h, ", http on 127.0.0.1:%d", &p->http_port) != 1) {
+    sp_cli_error(RUN, "the coordinator did not report its HTTP port: %s",
+                 p->coord.line);
+    return SP_EXIT_FAILURE;
+  }
   return PROCEED;
 }
 
@@ -1189,6 +1199,10 @@ int sp_cmd_run(int argc, char **argv) {
       "shardplane run: admin token in %s (shardplane status "
       "--coordinator %s --insecure --token-file %s)\n",
       j.creds.admin_token, p.addr, j.creds.admin_token);
+  printf(
+      "shardplane run: dashboard http://127.0.0.1:%d/ and Prometheus "
+      "metrics http://127.0.0.1:%d/metrics (reader token in %s)\n",
+      p.http_port, p.http_port, j.creds.reader_token);
   fflush(stdout);
   double t0 = sp_clock_s();
   p.ranks_at = t0 + o.ranks_every_s;

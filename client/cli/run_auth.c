@@ -50,8 +50,10 @@ int sp_run_creds_make(const char *base, sp_run_creds *c) {
   if (path_in(c->token_file, c->dir, "tokens") != 0 ||
       path_in(c->worker_token, c->dir, "worker.token") != 0 ||
       path_in(c->admin_token, c->dir, "admin.token") != 0 ||
+      path_in(c->reader_token, c->dir, "reader.token") != 0 ||
       one_token(c, SP_ROLE_WORKER, "run-worker", c->worker_token) != 0 ||
-      one_token(c, SP_ROLE_ADMIN, "run-admin", c->admin_token) != 0) {
+      one_token(c, SP_ROLE_ADMIN, "run-admin", c->admin_token) != 0 ||
+      one_token(c, SP_ROLE_READER, "run-reader", c->reader_token) != 0) {
     sp_run_creds_remove(c);
     return -1;
   }
@@ -60,8 +62,9 @@ int sp_run_creds_make(const char *base, sp_run_creds *c) {
 
 void sp_run_creds_remove(const sp_run_creds *c) {
   if (c->dir[0] == '\0') return;
-  const char *files[] = {c->token_file, c->worker_token, c->admin_token};
-  for (size_t i = 0; i < 3; i++)
+  const char *files[] = {c->token_file, c->worker_token, c->admin_token,
+                         c->reader_token};
+  for (size_t i = 0; i < 4; i++)
     if (files[i][0] != '\0') unlink(files[i]);
   rmdir(c->dir);
 }

@@ -9,11 +9,12 @@ typedef struct sp_run_creds {
   char token_file[PATH_MAX];   /* the coordinator's: hashes only */
   char worker_token[PATH_MAX]; /* the workers' token, mode 0600 */
   char admin_token[PATH_MAX];  /* for the operator's commands, mode 0600 */
+  char reader_token[PATH_MAX]; /* the dashboard's and /metrics', 0600 */
 } sp_run_creds;
 
-/* Makes a fresh directory under `base` (created if absent), a worker and
- * an admin token in files of their own, and the token file that lists
- * both. 0, or -1 with the message printed. */
+/* Makes a fresh directory under `base` (created if absent), a worker, an
+ * admin and a reader token in files of their own, and the token file that
+ * lists them. 0, or -1 with the message printed. */
 int sp_run_creds_make(const char *base, sp_run_creds *c);
 /* Removes the files and the directory: the tokens are of no use once the
  * job's coordinator is gone. */

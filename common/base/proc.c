@@ -64,9 +64,9 @@ int sp_proc_spawn(sp_proc *ch, char *const argv[], bool with_stdin,
     return sp_diag_set(diag, SP_EIO, "cannot start %s: %s", argv[0],
                        strerror(rc));
   }
-  char line[160];
-  if (sp_proc_read_line(out[0], line, sizeof line, 20000) == 0)
-    sscanf(line, port_fmt, &ch->port);
+  ch->line[0] = '\0';
+  if (sp_proc_read_line(out[0], ch->line, sizeof ch->line, 20000) == 0)
+    sscanf(ch->line, port_fmt, &ch->port);
   close(out[0]);
   if (ch->port <= 0) {
     if (ch->to_child >= 0) close(ch->to_child);

@@ -20,6 +20,7 @@ typedef struct sp_proc {
   int to_child; /* its stdin when asked for (closing it stops some
                    servers), else -1 */
   int port;
+  char line[160]; /* its first line, whatever else it says */
 } sp_proc;
 
 /* Starts argv[0] with its stdout on a pipe (and its stdin too when

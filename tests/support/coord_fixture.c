@@ -45,13 +45,20 @@ void sp_coord_fixture_start_auth(sp_coord_fixture *fx, const char *model,
                                  uint32_t heartbeat_timeout_ms,
                                  const char *token_file,
                                  const sp_coord_auth_quota *quota) {
-  memset(fx, 0, sizeof *fx);
-  assert_int_equal(uv_loop_init(&fx->loop), 0);
   sp_coord_config cfg = {.model_path = model,
                          .quiet = true,
                          .heartbeat_timeout_ms = heartbeat_timeout_ms,
                          .token_file = token_file};
   if (quota != NULL) cfg.store_quota = *quota;
+  sp_coord_fixture_start_cfg(fx, &cfg, flags);
+}
+
+void sp_coord_fixture_start_cfg(sp_coord_fixture *fx,
+                                const sp_coord_config *base,
+                                const char *const *flags) {
+  memset(fx, 0, sizeof *fx);
+  assert_int_equal(uv_loop_init(&fx->loop), 0);
+  sp_coord_config cfg = *base;
   sp_job_init(&cfg.job);
   sp_diag d = {""};
   for (size_t i = 0; flags != NULL && flags[i] != NULL; i += 2)
@@ -63,12 +70,15 @@ void sp_coord_fixture_start_auth(sp_coord_fixture *fx, const char *model,
   if (sp_coord_listen(fx->c, "127.0.0.1:0", &port, &d) != 0)
     fail_msg("%s", d.msg);
   snprintf(fx->addr, sizeof fx->addr, "127.0.0.1:%d", port);
+  fx->http_port = fx->c->http_port;
   uv_mutex_init(&fx->lock);
   uv_cond_init(&fx->cond);
   uv_async_init(&fx->loop, &fx->wake, on_wake);
   fx->wake.data = fx;
   assert_int_equal(uv_thread_create(&fx->thread, run_loop, fx), 0);
-  assert_int_equal(sp_rpc_sync_open(fx->addr, 5000, &fx->cli), 0);
+  /* its client speaks cleartext: none for a TLS coordinator */
+  if (base->tls == NULL)
+    assert_int_equal(sp_rpc_sync_open(fx->addr, 5000, &fx->cli), 0);
 }
 
 void sp_coord_fixture_run(sp_coord_fixture *fx, void (*fn)(sp_coord *, void *),

@@ -20,6 +20,7 @@ typedef struct sp_coord_fixture {
   void *job_arg;
   sp_coord *c;
   char addr[64];
+  int http_port;    /* 0: no HTTP listener */
   sp_rpc_sync *cli; /* a blocking client, connected */
 } sp_coord_fixture;
 
@@ -37,6 +38,12 @@ void sp_coord_fixture_start_auth(sp_coord_fixture *fx, const char *model,
                                  uint32_t heartbeat_timeout_ms,
                                  const char *token_file,
                                  const sp_coord_auth_quota *quota);
+/* The same from a whole configuration (its job is ignored: flags make
+ * it; model_path and the rest as given), e.g. with an HTTP listener:
+ * fx->http_port is then its port. With TLS, fx->cli is NULL. */
+void sp_coord_fixture_start_cfg(sp_coord_fixture *fx,
+                                const sp_coord_config *base,
+                                const char *const *flags);
 /* Graceful shutdown (finishing calls still open), join, free. */
 void sp_coord_fixture_stop(sp_coord_fixture *fx);
 /* Runs fn(c, arg) on the loop thread and waits for it: the coordinator's
