@@ -459,6 +459,75 @@ static void test_session_reports(void **state) {
   sp_coord_fixture_stop(&fx);
 }
 
+/* Real workers (shardplane-worker, the MLP trainer) report their
+ * throughput and memory: the coordinator shows each rank's samples a
+ * step, its resident memory and the memory model's prediction. */
+static void test_worker_reports(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "2", "wrap-type", "Linear", NULL};
+  sp_coord_fixture fx;
+  sp_coord_fixture_start(&fx, SP_TEST_DATA "/mlp_buffers.json", flags, 0);
+  char *dir = sp_test_mkdtemp();
+  int pid[2];
+  for (int r = 0; r < 2; r++) {
+    char rs[8], out[4200], err[4200];
+    snprintf(rs, sizeof rs, "%d", r);
+    snprintf(out, sizeof out, "%s/rank-%d.out", dir, r);
+    snprintf(err, sizeof err, "%s/rank-%d.err", dir, r);
+    char *argv[] = {SP_BIN_DIR "/shardplane-worker",
+                    "--coordinator",
+                    fx.addr,
+                    "--rank",
+                    rs,
+                    "--insecure",
+                    "--steps",
+                    "3",
+                    "--global-batch",
+                    "24",
+                    "--log-every",
+                    "0",
+                    NULL};
+    pid[r] = sp_test_spawn_logged(out, err, argv);
+  }
+  for (int r = 0; r < 2; r++) {
+    int st = sp_test_wait_exit(pid[r], 120);
+    if (st != 0) {
+      char path[4200];
+      snprintf(path, sizeof path, "%s/rank-%d.err", dir, r);
+      char *e = sp_test_read_file(path);
+      fail_msg("worker %d: exit %d: %s", r, st, e);
+    }
+  }
+  sp_test_rmtree(dir);
+  free(dir);
+  char *t = render(&fx);
+  expect(t, "shardplane_job_state{state=\"completed\"}", 1);
+  for (int r = 0; r < 2; r++) {
+    char series[96];
+    snprintf(series, sizeof series,
+             "shardplane_rank_tokens_per_step{rank=\"%d\"}", r);
+    expect(t, series, 12); /* 24 samples a step over 2 ranks */
+    snprintf(series, sizeof series, "shardplane_rank_memory_bytes{rank=\"%d\"}",
+             r);
+    double now = value(t, series);
+    snprintf(series, sizeof series,
+             "shardplane_rank_memory_peak_bytes{rank=\"%d\"}", r);
+    double peak = value(t, series);
+    snprintf(series, sizeof series,
+             "shardplane_rank_memory_predicted_bytes{rank=\"%d\"}", r);
+    double pred = value(t, series);
+    printf(
+        "  rank %d: %.1f MiB in use, %.1f MiB at most, %.1f MiB "
+        "predicted\n",
+        r, now / (double)MIB, peak / (double)MIB, pred / (double)MIB);
+    assert_true(now > MIB && peak >= now && pred > MIB);
+  }
+  double ratio = value(t, "shardplane_rank_memory_peak_over_predicted_max");
+  assert_true(ratio > 0.1 && ratio < 10);
+  free(t);
+  sp_coord_fixture_stop(&fx);
+}
+
 /* ---- promtool ---- */
 
 static char *g_name_saved;
@@ -621,6 +690,7 @@ int main(void) {
       cmocka_unit_test(test_values),
       cmocka_unit_test(test_reports_reset_on_fresh_attach),
       cmocka_unit_test(test_session_reports),
+      cmocka_unit_test(test_worker_reports),
       cmocka_unit_test(test_promtool),
       cmocka_unit_test(test_render_cost),
   };
