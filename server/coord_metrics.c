@@ -35,6 +35,9 @@ static const double k_step_bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 static const double k_delay_bounds[] = {0.05, 0.1, 0.25, 0.5, 1,   2.5, 5,  10,
                                         15,   20,  30,   60,  120, 300, 600};
 #define MAX_BOUNDS 17
+_Static_assert(COUNT(k_step_bounds) <= MAX_BOUNDS &&
+                   COUNT(k_delay_bounds) <= MAX_BOUNDS,
+               "a histogram's buckets hold its bounds");
 
 /* A histogram of fixed bounds: per bucket (not cumulative; the last one
  * over the last bound), how many, and their sum. */
