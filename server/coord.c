@@ -13,6 +13,7 @@
 #include "coord_dump.h"
 #include "coord_events.h"
 #include "coord_http.h"
+#include "coord_metrics.h"
 #include "coord_persist.h"
 #include "coord_plan.h"
 #include "coord_ranks.h"
@@ -64,7 +65,8 @@ static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
  * message's flight record before the step it closed is judged (a
  * straggler alert the step raises is not in a dump the record
  * completes), the detectors on the tick in the order they were written
- * in (ties, progress, stall, stragglers). */
+ * in (ties, progress, stall, stragglers), the metrics after the progress
+ * they read. */
 static int wire(sp_coord *c) {
   static const struct {
     sp_coord_event_kind kind;
@@ -96,11 +98,14 @@ static int wire(sp_coord *c) {
       {SP_COORD_EV_INCARNATION, sp_coord_alerts_new_incarnation},
       {SP_COORD_EV_ALERT_LOGGED, sp_coord_ranks_alert_logged},
       {SP_COORD_EV_ALERT, sp_coord_agents_alert},
+      {SP_COORD_EV_ALERT, sp_coord_metrics_alert},
       {SP_COORD_EV_TICK, sp_coord_desync_tick},
       {SP_COORD_EV_TICK, sp_coord_verdict_tick},
       {SP_COORD_EV_TICK, sp_coord_stall_tick},
       {SP_COORD_EV_TICK, sp_coord_straggler_tick},
+      {SP_COORD_EV_TICK, sp_coord_metrics_tick},
       {SP_COORD_EV_STEP, sp_coord_straggler_step},
+      {SP_COORD_EV_STEP, sp_coord_metrics_step},
       {SP_COORD_EV_FAULT, sp_coord_dump_write},
       {SP_COORD_EV_COMPLETED, sp_coord_agents_completed},
   };
@@ -167,6 +172,7 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
     goto fail;
   }
   if ((rc = wire(c)) != 0 || (rc = sp_coord_alerts_init(c)) != 0 ||
+      (rc = sp_coord_metrics_init(c)) != 0 ||
       (rc = sp_coord_ranks_init(c)) != 0 || (rc = sp_coord_diag_init(c)) != 0 ||
       (rc = sp_coord_desync_init(c)) != 0 ||
       (rc = sp_coord_stall_init(c)) != 0 ||
@@ -201,7 +207,9 @@ fail:
 
 /* What the HTTP listener serves, beside its own /healthz, /login and
  * /logout; the first match wins. */
-static const sp_coord_http_route k_http_routes[] = {{NULL, false, 0, NULL}};
+static const sp_coord_http_route k_http_routes[] = {
+    {"/metrics", false, SP_COORD_HTTP_HEADER, sp_coord_metrics_route},
+    {NULL, false, 0, NULL}};
 
 int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
   int bound;
@@ -282,6 +290,7 @@ void sp_coord_free(sp_coord *c) {
   sp_coord_agents_free(c);
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
   sp_coord_alerts_free(c);
+  sp_coord_metrics_free(c);
   sp_kvstore_free(c->store);
   sp_coord_auth_free(c->auth);
   free(c->abort_reason);

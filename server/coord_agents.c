@@ -278,6 +278,14 @@ static void clear_store(sp_coord *c) {
   free(l.len);
 }
 
+void sp_coord_agents_incarnation(const sp_coord *c, uint64_t *number,
+                                 uint32_t *restarts) {
+  /* made with the first agent or record: none yet is incarnation 0 */
+  const struct sp_coord_agents *a = c->agents;
+  *number = a ? a->current : 0;
+  *restarts = a ? a->restarts : 0;
+}
+
 int sp_coord_agents_alert(sp_coord *c, void *user, const sp_coord_event *e) {
   (void)user;
   struct sp_coord_agents *a = c->agents;

@@ -58,9 +58,13 @@ void sp_coord_alerts_free(sp_coord *c) {
 }
 
 /* The Watch streams have it, then the subscribers (the agents). */
-static void publish(sp_coord *c, const Shardplane__V1__Alert *a) {
+static void publish(sp_coord *c, const Shardplane__V1__Alert *a,
+                    uint64_t evidence_ms) {
   sp_coord_events_publish_alert(c, a);
-  sp_coord_event e = {.kind = SP_COORD_EV_ALERT, .rank = a->rank, .alert = a};
+  sp_coord_event e = {.kind = SP_COORD_EV_ALERT,
+                      .rank = a->rank,
+                      .alert = a,
+                      .evidence_ms = evidence_ms};
   sp_coord_bus_announce(c, &e);
 }
 
@@ -111,7 +115,7 @@ void sp_coord_alerts_raise(sp_coord *c, const sp_coord_alerts_info *in,
   else
     sp_coord_base_log(c, "alert %s: rank %u: %s", kn ? kn->name : "?", a->rank,
                       msg);
-  publish(c, a);
+  publish(c, a, in->evidence_ms);
 }
 
 void sp_coord_alerts_raisef(sp_coord *c, uint32_t rank, const char *fmt, ...) {

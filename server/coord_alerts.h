@@ -40,6 +40,16 @@ typedef struct sp_coord_alerts_info {
    * is current whenever it is read (NULL: no age) */
   const char *tmpl;
   uint64_t since_ms;
+  /* When the evidence a detector judged began (coordinator clock,
+   * sp_coord_base_now_ms), so that the time from a fault to its diagnosis
+   * can be measured (/metrics). Set by the detectors for their kinds:
+   * stall, when the first of the silent ranks fell silent; lost, when the
+   * rank was last heard (its stream breaking: the break); desync, when
+   * the first fingerprint that differs arrived; straggler, when its step
+   * first crossed the bar of the stretch that named it. Not read for the
+   * other kinds (an illegal transition is its own evidence; an operator's
+   * abort is none). */
+  uint64_t evidence_ms;
 } sp_coord_alerts_info;
 
 /* From sp_coord_new / sp_coord_free. SP_ENOMEM. */

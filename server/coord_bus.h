@@ -23,9 +23,10 @@ typedef enum sp_coord_event_kind {
   /* rank attached afresh (not a reattach); rank detached */
   SP_COORD_EV_ATTACHED,
   SP_COORD_EV_DETACHED,
-  /* rank was lost, text saying why: the subscribers write the ABORT the
-   * other ranks get in out (cap bytes) and the rank it names in *culprit
-   * (preset to rank) */
+  /* rank was lost, text saying why, evidence_ms when the evidence of it
+   * began (its silence: when it was last heard; a broken stream: now):
+   * the subscribers write the ABORT the other ranks get in out (cap
+   * bytes) and the rank it names in *culprit (preset to rank) */
   SP_COORD_EV_LOST,
   /* rank applied transition, a legal one */
   SP_COORD_EV_TRANSITION,
@@ -43,11 +44,14 @@ typedef enum sp_coord_event_kind {
   SP_COORD_EV_INCARNATION,
   /* coord_alerts.c. text was written to the alert log, naming culprits
    * (their counts go with it); then alert was published on the Watch
-   * streams. */
+   * streams, evidence_ms when the evidence of a detector's verdict began
+   * (sp_coord_alerts_info says for which kinds). */
   SP_COORD_EV_ALERT_LOGGED,
   SP_COORD_EV_ALERT,
-  /* coord_diag.c. The detectors' period, at now_ms; rank closed a step,
-   * its waits taken off. */
+  /* coord_diag.c. The detectors' period, at now_ms; rank began a step
+   * (its last one closed, its waits taken off), n_closed the steps the
+   * message closed: the newest of its record's step_ms window (0 for its
+   * first step; more than the window holds: the oldest are gone). */
   SP_COORD_EV_TICK,
   SP_COORD_EV_STEP,
   /* coord_verdict.c. A verdict named a fault, text; every rank finished,
@@ -69,6 +73,8 @@ typedef struct sp_coord_event {
   const Shardplane__V1__SessionUp *up;
   const Shardplane__V1__Collective *collective;
   const Shardplane__V1__Alert *alert;
+  uint64_t evidence_ms;
+  uint32_t n_closed;
   Shardplane__V1__RankInfo *info;
   char *out;
   size_t cap;

@@ -136,10 +136,12 @@ static int other_groups_vote(const sp_coord *c, int kind, uint32_t index,
 }
 
 /* Raises the DESYNC alert, unless the sides are tied with members still
- * to be heard from and force is false; whether it did. */
+ * to be heard from and force is false; whether it did. Its evidence: the
+ * mismatch, seen at evidence_ms. */
 static bool desync_alert(sp_coord *c, int kind, uint32_t index,
                          const comm_slot *ref, uint32_t rank,
-                         const sp_coord_diag_fprint *f, bool force) {
+                         const sp_coord_diag_fprint *f, bool force,
+                         uint64_t evidence_ms) {
   const sp_coord_diag_topo *t = sp_coord_diag_topology(c);
   const sp_coord_diag_rank *rr = sp_coord_diag_ranks(c);
   uint32_t nm = sp_coord_diag_n_members(t, kind);
@@ -195,7 +197,8 @@ static bool desync_alert(sp_coord *c, int kind, uint32_t index,
                              .n_culprits = b_culprit ? nb : na,
                              .victims = b_culprit ? a : b,
                              .n_victims = b_culprit ? na : nb,
-                             .collective = &col};
+                             .collective = &col,
+                             .evidence_ms = evidence_ms};
   sp_coord_alerts_open(c, &in, msg);
   sp_coord_verdict_fault(c, msg, true, b_culprit ? b[0] : a[0], false);
   free(a);
@@ -234,7 +237,7 @@ int sp_coord_desync_collective(sp_coord *c, void *user,
     /* every fingerprint at the pending seq may break a tie */
     if (t->pending && t->pending_f.seq == q->seq &&
         desync_alert(c, kind, q->comm_index, s, t->pending_rank, &t->pending_f,
-                     false)) {
+                     false, t->pending_ms)) {
       t->desynced = true;
       t->pending = false;
     }
@@ -252,8 +255,8 @@ static void settle_tie(sp_coord *c, int kind, uint32_t index, uint64_t now) {
   t->pending = false;
   const comm_slot *s = &t->slots[t->pending_f.seq % COMM_SLOTS];
   if (s->f.seq != t->pending_f.seq) return; /* long gone */
-  t->desynced =
-      desync_alert(c, kind, index, s, t->pending_rank, &t->pending_f, true);
+  t->desynced = desync_alert(c, kind, index, s, t->pending_rank, &t->pending_f,
+                             true, t->pending_ms);
 }
 
 int sp_coord_desync_tick(sp_coord *c, void *user, const sp_coord_event *e) {

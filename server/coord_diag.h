@@ -104,10 +104,12 @@ typedef struct sp_coord_diag_rank {
   float gap_cur_ms, gap_max_ms;
   float step_ms[SP_DIAG_STEP_WINDOW], busy_ms[SP_DIAG_STEP_WINDOW];
   uint8_t n_steps, next;
-  /* a step closed in the message being read: announced (SP_COORD_EV_STEP)
-   * once its waits, which the message carries after its transitions, are
-   * taken off */
+  /* a step began in the message being read: announced (SP_COORD_EV_STEP)
+   * once the waits of the one it closed, which the message carries after
+   * its transitions, are taken off; and how many steps the message closed
+   * (at most 255 counted) */
   bool judge_due;
+  uint8_t n_closed;
   float busy_med;
   float busy_lo; /* its 25th percentile: how fast its faster steps are */
 } sp_coord_diag_rank;
@@ -167,11 +169,13 @@ size_t sp_coord_diag_others(const struct sp_coord *c, const uint32_t *cul,
                             size_t nc, uint32_t *out);
 
 /* Opens an alert of kind naming rank, every other attached rank its
- * victim (coord_alerts.h). */
+ * victim, its evidence from evidence_ms (coord_alerts.h). */
 void sp_coord_diag_open_alert(struct sp_coord *c,
                               Shardplane__V1__AlertKind kind, uint32_t rank,
-                              const char *msg);
+                              const char *msg, uint64_t evidence_ms);
 
+/* The k-th smallest of v[0..n) (k < n), reordering v; any n. */
+float sp_coord_diag_select(float *v, size_t n, size_t k);
 /* The median and the p-th percentile of v[0..n) (n at most
  * SP_DIAG_STEP_WINDOW; 0 when n is 0). */
 float sp_coord_diag_median(const float *v, size_t n);

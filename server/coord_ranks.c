@@ -76,6 +76,12 @@ uint32_t sp_coord_ranks_with_status(const sp_coord *c, int status) {
              : 0;
 }
 
+/* What the trainer reported of its throughput and memory: not reported. */
+static void clear_reports(sp_coord_rank *k) {
+  k->tokens_per_step = k->mem_bytes = k->mem_peak_bytes = 0;
+  k->mem_predicted_bytes = 0;
+}
+
 static void replace_str(char **dst, const char *src, size_t max) {
   free(*dst);
   *dst = strndup(src ? src : "", max);
@@ -259,7 +265,9 @@ int sp_coord_ranks_restore(sp_coord *c, const sp_coord_db_rank *r) {
  * may have been marked lost here). */
 static bool reattach_judged(sp_coord *c, uint32_t rank, uint64_t now);
 
-static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
+/* evidence_ms: when the evidence of the loss began (SP_COORD_EV_LOST). */
+static void mark_lost(sp_coord *c, uint32_t rank, const char *why,
+                      uint64_t evidence_ms) {
   sp_coord_rank *k = &c->ranks[rank];
   if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) return;
   set_status(c, k, SHARDPLANE__V1__RANK_STATUS__LOST);
@@ -283,7 +291,8 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why) {
                       .text = why,
                       .out = reason,
                       .cap = sizeof reason,
-                      .culprit = &culprit};
+                      .culprit = &culprit,
+                      .evidence_ms = evidence_ms};
   sp_coord_bus_announce(c, &e);
   broadcast_abort(c, rank, reason, culprit);
 }
@@ -328,7 +337,7 @@ static void on_heartbeat_check(uv_timer_t *t) {
       char why[96];
       snprintf(why, sizeof why, "no heartbeat for %llu ms",
                (unsigned long long)(now - k->last_heard_ms));
-      mark_lost(c, r, why);
+      mark_lost(c, r, why, k->last_heard_ms);
     }
   }
 }
@@ -341,7 +350,8 @@ static bool reattach_judged(sp_coord *c, uint32_t rank, uint64_t now) {
     snprintf(why, sizeof why,
              "did not reattach within %u ms of the coordinator's restart",
              c->cfg.reattach_grace_ms ? c->cfg.reattach_grace_ms : 60000);
-    mark_lost(c, rank, why);
+    /* heard last when the state dir was read back */
+    mark_lost(c, rank, why, k->last_heard_ms);
   }
   return true;
 }
@@ -525,6 +535,9 @@ static void on_attach(sp_rpc_call *call, const ProtobufCMessage *msg,
     /* a rank that comes back starts from a clean state */
     for (size_t u = 0; u < k->st.n_units; u++) k->st.units[u] = SP_HANDLE_IDLE;
     k->st.root = SP_ROOT_IDLE;
+    /* and the process it now is has reported nothing yet: a figure of
+     * the last one would pass for its own */
+    clear_reports(k);
   }
   set_status(c, k, SHARDPLANE__V1__RANK_STATUS__ATTACHED);
   k->awaiting = false;
@@ -770,7 +783,8 @@ static void session_ended(sp_rpc_call *call, const char *why) {
   if (ctx == NULL) return;
   if (ctx->bound && c->ranks[ctx->rank].session == call) {
     c->ranks[ctx->rank].session = NULL;
-    mark_lost(c, ctx->rank, why);
+    /* the stream's end is the evidence, not the silence before it */
+    mark_lost(c, ctx->rank, why, sp_coord_base_now_ms(c));
   }
   free(ctx);
 }
@@ -875,6 +889,7 @@ int sp_coord_ranks_new_incarnation(sp_coord *c, void *user,
     k->last_coll.set = false;
     k->awaiting = false;
     k->owner = NULL;
+    clear_reports(k);
     persist_rank(c, r);
   }
   /* an abort ended the last incarnation, not this one */

@@ -142,7 +142,8 @@ static uint64_t classify(const sp_coord *c, int kind, uint32_t index,
 static void raise_stall(sp_coord *c, const uint32_t *cul, size_t nc,
                         const uint32_t *vic, size_t nv,
                         const Shardplane__V1__Collective *col, const char *msg,
-                        const char *tmpl, uint64_t since) {
+                        const char *tmpl, uint64_t since,
+                        uint64_t evidence_ms) {
   sp_coord_alerts_info in = {.kind = SHARDPLANE__V1__ALERT_KIND__STALL,
                              .culprits = cul,
                              .n_culprits = nc,
@@ -150,12 +151,16 @@ static void raise_stall(sp_coord *c, const uint32_t *cul, size_t nc,
                              .n_victims = nv,
                              .collective = col,
                              .tmpl = tmpl,
-                             .since_ms = since};
+                             .since_ms = since,
+                             .evidence_ms = evidence_ms};
   sp_coord_alerts_open(c, &in, msg);
   sp_coord_verdict_fault(c, msg, nc > 0, nc > 0 ? cul[0] : 0, true);
 }
 
-static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
+/* The verdict on a stall; evidence_ms: when the first of the silent ranks
+ * fell silent. */
+static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr,
+                          uint64_t evidence_ms) {
   const sp_coord_diag_topo *t = sp_coord_diag_topology(c);
   const sp_coord_diag_rank *d = sp_coord_diag_ranks(c);
   uint32_t *waiting = malloc((size_t)t->world * 2 * sizeof *waiting);
@@ -212,7 +217,8 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
           f.unit, sp_coord_diag_unit_name(c, f.unit), comm, lw,
           nw == 1 ? "has" : "have", SP_COORD_ALERTS_AGE, missing[0], ev, then);
       sp_coord_alerts_render_age(tmpl, secs, msg, sizeof msg);
-      raise_stall(c, missing, nmiss, waiting, nw, &col, msg, tmpl, since);
+      raise_stall(c, missing, nmiss, waiting, nw, &col, msg, tmpl, since,
+                  evidence_ms);
     } else {
       sp_coord_diag_fp_words(c, &f, words, sizeof words);
       sp_coord_diag_say(tmpl, sizeof tmpl,
@@ -222,7 +228,7 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
                         "or the collective library, not a rank",
                         comm, lw, words, f.seq, SP_COORD_ALERTS_AGE);
       sp_coord_alerts_render_age(tmpl, secs, msg, sizeof msg);
-      raise_stall(c, NULL, 0, waiting, nw, &col, msg, tmpl, since);
+      raise_stall(c, NULL, 0, waiting, nw, &col, msg, tmpl, since, evidence_ms);
     }
   } else {
     /* nobody in a collective: the silent ranks themselves */
@@ -244,7 +250,8 @@ static void stall_verdict(sp_coord *c, uint64_t now, uint64_t thr) {
     sp_coord_alerts_render_age(tmpl, (double)(now - since) / 1000.0, msg,
                                sizeof msg);
     nw = sp_coord_diag_others(c, missing, nmiss, waiting);
-    raise_stall(c, missing, nmiss, waiting, nw, NULL, msg, tmpl, since);
+    raise_stall(c, missing, nmiss, waiting, nw, NULL, msg, tmpl, since,
+                evidence_ms);
   }
   free(waiting);
 }
@@ -259,12 +266,16 @@ int sp_coord_stall_tick(sp_coord *c, void *user, const sp_coord_event *e) {
   const sp_coord_diag_rank *d = sp_coord_diag_ranks(c);
   uint64_t thr = sp_coord_diag_stall_threshold(c);
   bool any = false, moving = false;
+  /* the stall's evidence: the silence of the first rank that fell silent */
+  uint64_t silent_since = now;
   for (uint32_t r = 0; r < t->world; r++) {
     if (!sp_coord_ranks_attached(c, r) || !d[r].active) continue;
-    if (now - d[r].last_event_ms > thr)
+    if (now - d[r].last_event_ms > thr) {
       any = true;
-    else if (now - d[r].last_event_ms < SP_DIAG_TICK_MS * 2)
+      if (d[r].last_event_ms < silent_since) silent_since = d[r].last_event_ms;
+    } else if (now - d[r].last_event_ms < SP_DIAG_TICK_MS * 2) {
       moving = true;
+    }
   }
   if (!any) {
     if (s->open) {
@@ -277,6 +288,6 @@ int sp_coord_stall_tick(sp_coord *c, void *user, const sp_coord_event *e) {
   (void)moving;
   if (s->open) return 0;
   s->open = true;
-  stall_verdict(c, now, thr);
+  stall_verdict(c, now, thr, silent_since);
   return 0;
 }

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "coord_alerts.h"
+#include "coord_base.h"
 #include "coord_diag.h"
 #include "coord_ranks.h"
 
@@ -14,6 +15,7 @@ typedef struct straggler_rank {
   /* the rank's step when it first crossed the straggler bar (0: it has
    * not): one slow window is not a straggler, a slow stretch is */
   uint64_t over_since;
+  uint64_t over_since_ms; /* and when (coordinator clock): its evidence */
   float score; /* its own time over the job's median, as last judged */
   bool straggling;
 } straggler_rank;
@@ -55,40 +57,9 @@ int sp_coord_straggler_new_incarnation(sp_coord *c, void *user,
   return straggler_alloc(c, s);
 }
 
-/* The k-th smallest of v[0..n) (k < n), reordering v: Hoare's selection,
- * O(n) on average where sorting was O(n log n). Every 200 ms over the
- * whole world: for 100,000 medians qsort took 14.9 ms of each tick, this
- * 1.0 ms (best of 7 on a loaded machine). */
-static float select_kth(float *v, size_t n, size_t k) {
-  size_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    float pivot = v[lo + (hi - lo) / 2];
-    size_t i = lo, j = hi;
-    while (i <= j) {
-      while (v[i] < pivot) i++;
-      while (v[j] > pivot) j--;
-      if (i <= j) {
-        float x = v[i];
-        v[i] = v[j];
-        v[j] = x;
-        i++;
-        if (j == 0) break;
-        j--;
-      }
-    }
-    if (k <= j)
-      hi = j;
-    else if (k >= i)
-      lo = i;
-    else
-      break; /* between the halves: equal to the pivot */
-  }
-  return v[k];
-}
-
 /* The median of v[0..n) (n > 0), reordering v. */
 static float select_median(float *v, size_t n) {
-  float hi = select_kth(v, n, n / 2);
+  float hi = sp_coord_diag_select(v, n, n / 2);
   if (n % 2) return hi;
   /* the other middle one: the largest of the lower half */
   float lo = v[0];
@@ -130,8 +101,10 @@ static void judge_straggler(sp_coord *c, uint32_t r) {
    * busy host crosses the bar for a window, a straggler stays over it */
   if (!over)
     g->over_since = 0;
-  else if (g->over_since == 0)
+  else if (g->over_since == 0) {
     g->over_since = k->cur_step + 1;
+    g->over_since_ms = sp_coord_base_now_ms(c);
+  }
   if (!g->straggling && over &&
       k->cur_step + 1 >= g->over_since + SP_DIAG_STRAGGLER_STEPS) {
     g->straggling = true;
@@ -147,7 +120,8 @@ static void judge_straggler(sp_coord *c, uint32_t r) {
         r, (double)g->score, job_med < base ? " (taken as 1 ms at least)" : "",
         (double)k->busy_med, (double)job_med, (unsigned)k->n_steps,
         (double)k->busy_lo, (double)step, (double)excess, r);
-    sp_coord_diag_open_alert(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, r, msg);
+    sp_coord_diag_open_alert(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, r, msg,
+                             g->over_since_ms);
   } else if (g->straggling && g->score < (ratio + 1.0) / 2) {
     g->straggling = false;
     sp_coord_alerts_close(c, SHARDPLANE__V1__ALERT_KIND__STRAGGLER, false, r);
@@ -194,7 +168,11 @@ int sp_coord_straggler_attached(sp_coord *c, void *user,
 int sp_coord_straggler_rank_info(sp_coord *c, void *user,
                                  const sp_coord_event *e) {
   (void)user;
-  const sp_coord_diag_rank *k = &sp_coord_diag_ranks(c)[e->rank];
-  e->info->straggler_score = k->n_steps ? c->straggler->r[e->rank].score : 0;
+  e->info->straggler_score = sp_coord_straggler_score(c, e->rank);
   return 0;
+}
+
+float sp_coord_straggler_score(const sp_coord *c, uint32_t rank) {
+  const sp_coord_diag_rank *k = &sp_coord_diag_ranks(c)[rank];
+  return k->n_steps ? c->straggler->r[rank].score : 0;
 }

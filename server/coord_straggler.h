@@ -29,4 +29,9 @@ int sp_coord_straggler_rank_info(sp_coord *c, void *user,
 int sp_coord_straggler_new_incarnation(sp_coord *c, void *user,
                                        const sp_coord_event *e);
 
+/* rank's score, as ListRanks gives it (RankInfo.straggler_score): its
+ * median own time per step over the job's median as last judged; 0
+ * before it closed a step. */
+float sp_coord_straggler_score(const sp_coord *c, uint32_t rank);
+
 #endif

@@ -219,8 +219,8 @@ int sp_coord_verdict_lost(sp_coord *c, void *user, const sp_coord_event *e) {
   char msg[SP_DIAG_MAX];
   sp_coord_diag_say(msg, sizeof msg, "rank %u was lost: %s", rank, e->text);
   name_culprit(c, rank, msg);
-  sp_coord_diag_open_alert(c, SHARDPLANE__V1__ALERT_KIND__ALERT_LOST, rank,
-                           msg);
+  sp_coord_diag_open_alert(c, SHARDPLANE__V1__ALERT_KIND__ALERT_LOST, rank, msg,
+                           e->evidence_ms);
   snprintf(e->out, e->cap, "%s", msg);
   if (v->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING) job_failed(c, msg);
   if (!c->shutting_down) announce_fault(c, msg);
@@ -345,11 +345,8 @@ static bool most_silent(sp_coord *c, uint64_t now, float factor,
   return any;
 }
 
-void sp_coord_verdict_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
-                          Shardplane__V1__Progress *p) {
-  struct sp_coord_verdict *v = c->verdict;
-  r->state = v->state;
-  r->verdict = v->verdict ? v->verdict : (char *)"";
+void sp_coord_verdict_progress(const sp_coord *c, Shardplane__V1__Progress *p) {
+  const struct sp_coord_verdict *v = c->verdict;
   shardplane__v1__progress__init(p);
   p->step = v->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING ||
                     v->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING
@@ -363,6 +360,14 @@ void sp_coord_verdict_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
   p->eta_s = v->total_steps > p->step && v->steps_per_s > 0
                  ? (double)(v->total_steps - p->step) / v->steps_per_s
                  : (v->total_steps && v->total_steps <= p->step ? 0 : -1);
+}
+
+void sp_coord_verdict_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
+                          Shardplane__V1__Progress *p) {
+  struct sp_coord_verdict *v = c->verdict;
+  r->state = v->state;
+  r->verdict = v->verdict ? v->verdict : (char *)"";
+  sp_coord_verdict_progress(c, p);
   r->progress = p;
   uint64_t quiet, limit;
   if (v->state == SHARDPLANE__V1__JOB_STATE__JOB_RUNNING &&

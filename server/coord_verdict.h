@@ -37,6 +37,9 @@ void sp_coord_verdict_fault(sp_coord *c, const char *msg, bool culprit_known,
 /* Read back from a state dir (coord_agents.c): the job had COMPLETED, at
  * the restored ranks' last step; it stays so. */
 void sp_coord_verdict_restore_completed(sp_coord *c);
+/* Progress alone (GetJob's), without the scans of the ranks GetJob's
+ * other fields take. */
+void sp_coord_verdict_progress(const sp_coord *c, Shardplane__V1__Progress *p);
 /* GetJob's state, verdict and progress; the strings live in c. */
 void sp_coord_verdict_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
                           Shardplane__V1__Progress *p);

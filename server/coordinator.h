@@ -137,9 +137,10 @@ typedef struct sp_coord {
   sp_coord_persist *persist;               /* NULL without a state dir */
   /* the hosts' agents and the job's incarnations (coord_agents.c) */
   struct sp_coord_agents *agents;
-  sp_coord_auth *auth;        /* NULL without a token file */
-  struct sp_coord_http *http; /* coord_http.c; NULL: no HTTP listener */
-  int http_port;              /* its bound port */
+  sp_coord_auth *auth;              /* NULL without a token file */
+  struct sp_coord_http *http;       /* coord_http.c; NULL: no HTTP listener */
+  int http_port;                    /* its bound port */
+  struct sp_coord_metrics *metrics; /* coord_metrics.c */
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
   char *abort_reason;

@@ -850,6 +850,101 @@ static void test_heap_trim(void **state) {
   sp_test_server_stop(&ts, 1000);
 }
 
+/* Every call of a registered method is counted once, when it ends, by
+ * its status (the handler's, the authorize hook's, a cancel's), with its
+ * duration in the buckets; a path no method has is counted nowhere. */
+static void test_method_stats(void **state) {
+  (void)state;
+  sp_test_server ts;
+  sp_rpc_server_opts so = {.authorize = check_bearer};
+  sp_test_server_start(&ts, &so);
+  sp_rpc_client_opts co = {.connect_timeout_ms = 5000, .token = "good"};
+  sp_rpc_sync *c, *bad;
+  assert_int_equal(sp_rpc_sync_open_opts(ts.addr, &co, &c), 0);
+  co.token = "bad";
+  assert_int_equal(sp_rpc_sync_open_opts(ts.addr, &co, &bad), 0);
+  EchoRequest req = SHARDPLANE__TESTING__ECHO_REQUEST__INIT;
+  req.text = "m";
+  ProtobufCMessage *resp;
+  sp_rpc_status st;
+  struct {
+    sp_rpc_sync *cli;
+    int fail_code;
+    uint32_t delay_ms;
+    int want;
+  } calls[] = {{c, 0, 0, SP_RPC_OK},
+               {c, 0, 0, SP_RPC_OK},
+               {c, 0, 0, SP_RPC_OK},
+               {c, 0, 60, SP_RPC_OK},
+               {c, SP_RPC_FAILED_PRECONDITION, 0, SP_RPC_FAILED_PRECONDITION},
+               {bad, 0, 0, SP_RPC_UNAUTHENTICATED}};
+  for (size_t i = 0; i < sizeof calls / sizeof calls[0]; i++) {
+    req.fail_code = calls[i].fail_code;
+    req.fail_message = calls[i].fail_code ? "no" : "";
+    req.delay_ms = calls[i].delay_ms;
+    resp = NULL;
+    assert_int_equal(
+        sp_rpc_sync_unary(calls[i].cli, EPATH("Unary"), &req.base,
+                          &shardplane__testing__echo_reply__descriptor, 5000,
+                          &resp, &st),
+        0);
+    assert_int_equal(st.code, calls[i].want);
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+  }
+  assert_int_equal(sp_rpc_sync_unary(c, "/nope.Svc/Missing", &req.base, NULL,
+                                     5000, &resp, &st),
+                   0);
+  assert_int_equal(st.code, SP_RPC_UNIMPLEMENTED);
+  /* a stream the client cancels mid-flight */
+  req.delay_ms = 0;
+  req.fail_code = 0;
+  req.repeat = 1000000;
+  sp_rpc_sync_stream *s;
+  assert_int_equal(
+      sp_rpc_sync_stream_open(c, EPATH("ServerStream"), 0, NULL, 0, &s), 0);
+  sp_rpc_sync_stream_send(s, &req.base);
+  sp_rpc_sync_stream_close_send(s);
+  ProtobufCMessage *m;
+  assert_int_equal(
+      sp_rpc_sync_stream_recv(s, &shardplane__testing__echo_reply__descriptor,
+                              RECV_MS, &m, &st),
+      0);
+  protobuf_c_message_free_unpacked(m, NULL);
+  sp_rpc_sync_stream_close(s);
+  sp_rpc_method_stats ms;
+  for (int i = 0; i < 250; i++) { /* the server hears of the cancel */
+    assert_true(sp_test_server_method_stats(&ts, EPATH("ServerStream"), &ms));
+    if (ms.count > 0) break;
+    uv_sleep(20);
+  }
+  assert_int_equal(ms.count, 1);
+  assert_int_equal(ms.calls[SP_RPC_CANCELLED], 1);
+
+  assert_true(sp_test_server_method_stats(&ts, EPATH("Unary"), &ms));
+  assert_string_equal(ms.path, EPATH("Unary"));
+  assert_int_equal(ms.calls[SP_RPC_OK], 4);
+  assert_int_equal(ms.calls[SP_RPC_FAILED_PRECONDITION], 1);
+  assert_int_equal(ms.calls[SP_RPC_UNAUTHENTICATED], 1);
+  assert_int_equal(ms.count, 6);
+  uint64_t in_buckets = 0, over_50ms = 0;
+  for (size_t i = 0; i <= SP_RPC_DURATION_BUCKETS; i++) {
+    in_buckets += ms.bucket[i];
+    /* bucket i holds what took more than bound i - 1 */
+    if (i > 0 && sp_rpc_duration_bounds[i - 1] >= 0.05)
+      over_50ms += ms.bucket[i];
+  }
+  assert_int_equal(in_buckets, 6);
+  assert_true(over_50ms >= 1); /* the call the handler delayed 60 ms */
+  assert_true(ms.sum_s >= 0.06);
+  printf("  Unary: 6 calls in %.3f s\n", ms.sum_s);
+  assert_true(sp_test_server_method_stats(&ts, EPATH("Bidi"), &ms));
+  assert_int_equal(ms.count, 0);
+  assert_false(sp_test_server_method_stats(&ts, "/nope.Svc/Missing", &ms));
+  sp_rpc_sync_close(bad);
+  sp_rpc_sync_close(c);
+  sp_test_server_stop(&ts, 1000);
+}
+
 int main(void) {
   const struct CMUnitTest wire[] = {
       cmocka_unit_test(test_percent_encoding),
@@ -875,6 +970,7 @@ int main(void) {
       cmocka_unit_test(test_graceful_shutdown_finishes_calls),
       cmocka_unit_test(test_heap_trim),
       cmocka_unit_test(test_deadline_after_idle_loop),
+      cmocka_unit_test(test_method_stats),
   };
   int rc = cmocka_run_group_tests_name("wire", wire, NULL, NULL);
   rc |= cmocka_run_group_tests_name("live", live, setup, teardown);

@@ -597,9 +597,9 @@ static int check_memory(const run_opts *o, run_job *j) {
   if (o->train.no_memory_check || o->synthetic) return PROCEED;
   sp_diag d = {{0}};
   /* rank r trains on GPU r (check_gpus: no more ranks than GPUs) */
-  int rc =
-      sp_train_mem_check(j->plan, &j->cfg, &o->train, (uint32_t)o->nproc,
-                         "this host", 0, o->cuda ? (uint32_t)o->nproc : 0, &d);
+  int rc = sp_train_mem_check(j->plan, &j->cfg, &o->train, (uint32_t)o->nproc,
+                              "this host", 0, o->cuda ? (uint32_t)o->nproc : 0,
+                              NULL, &d);
   if (rc == 0) return PROCEED;
   sp_cli_error(RUN, "%s", d.msg);
   return rc == SP_ENOMEM || rc == SP_EINVAL ? SP_EXIT_USAGE : SP_EXIT_FAILURE;

@@ -253,6 +253,17 @@ uint64_t sp_session_time_us(void);
  * take in all (0: unknown). The coordinator shows them and estimates the
  * time left. */
 void sp_session_set_progress(sp_session *s, double loss, uint64_t total_steps);
+/* The trainer's throughput and memory, sent like the progress with the
+ * next message (a heartbeat at the latest) and every later one, for the
+ * coordinator's /metrics: the tokens this rank consumes per optimizer
+ * step (samples, for a model without a sequence: its micro-batch times
+ * the micro-batches a step); the memory it uses now and the most it used
+ * (resident bytes on a CPU, allocated device bytes on a GPU), and what the
+ * memory model predicted for that peak. 0: not reported (the coordinator
+ * keeps the last figure it had). Any thread; a NULL session is ignored. */
+void sp_session_set_throughput(sp_session *s, uint64_t tokens_per_step);
+void sp_session_set_memory(sp_session *s, uint64_t in_use, uint64_t peak,
+                           uint64_t predicted);
 /* Switches queueing on or off (sp_session_opts.no_report) for measuring
  * what reporting costs within one run. Only between steps: SP_ESTATE unless
  * the root and every unit are IDLE. */

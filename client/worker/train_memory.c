@@ -194,12 +194,13 @@ void sp_train_mem_job(const sp_mlp_train_cfg *cfg, const sp_train_flags *t,
 int sp_train_mem_check(const sp_plan *plan, const sp_mlp_train_cfg *cfg,
                        const sp_train_flags *t, uint32_t host_ranks,
                        const char *host, int first_gpu, uint32_t n_gpus,
-                       sp_diag *d) {
+                       sp_train_mem *pred, sp_diag *d) {
   sp_mem_opts mo;
   sp_train_shape sh;
   sp_train_mem m;
   sp_train_mem_job(cfg, t, n_gpus > 0, &mo, &sh);
   int rc = sp_train_mem_predict(plan, &mo, &sh, &m, d);
+  if (rc == 0 && pred != NULL) *pred = m;
   uint64_t avail = 0, total = 0;
   if (rc == 0 && host_ranks > 0) {
     rc = sp_host_mem_available(&avail, d);

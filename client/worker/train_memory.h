@@ -146,12 +146,14 @@ int sp_train_mem_fit(const sp_train_mem *m, uint32_t ranks, uint64_t available,
  * against the host's available memory (none: 0; on GPUs the host holds
  * only their processes), `host` naming it in the message, and one rank
  * against each of the GPUs first_gpu .. first_gpu + n_gpus - 1's free
- * memory. 0, or sp_train_mem_fit's SP_ENOMEM, or the prediction's and the
- * readings' errors. */
+ * memory. pred (NULL: not wanted) receives the prediction once it is
+ * made, whether the rank then fits or not (the worker reports it). 0, or
+ * sp_train_mem_fit's SP_ENOMEM, or the prediction's and the readings'
+ * errors. */
 int sp_train_mem_check(const sp_plan *plan, const sp_mlp_train_cfg *cfg,
                        const sp_train_flags *t, uint32_t host_ranks,
                        const char *host, int first_gpu, uint32_t n_gpus,
-                       sp_diag *d);
+                       sp_train_mem *pred, sp_diag *d);
 
 #ifdef __cplusplus
 }

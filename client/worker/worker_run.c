@@ -71,21 +71,63 @@ static void set_comms(sp_comm *world, sp_comm *shard, sp_comm *replica) {
   pthread_mutex_unlock(&g_comms_lock);
 }
 
-/* Every kind asked for, into --checkpoint-dir/<kind>; each replaces the
- * previous one of its kind only once complete (sp_ckpt_save). */
-/* This rank's predicted peak (train_memory.h) against what its host has
- * available, or on a GPU what the device has free: as shardplane run
- * checks every rank it places, for jobs an agent launched. */
-static int check_memory(const sp_worker_opts *o, const sp_plan *plan,
-                        const sp_mlp_train_cfg *cfg, uint32_t rank,
-                        sp_diag *d) {
+/* The rank's GPU ("cuda:N"), or -1 on the CPU. */
+static int gpu_of(const sp_worker_opts *o) {
   int dev = -1;
   if (o->device && sscanf(o->device, "cuda:%d", &dev) != 1) dev = -1;
+  return dev;
+}
+
+/* This rank's predicted peak (train_memory.h) against what its host has
+ * available, or on a GPU what the device has free: as shardplane run
+ * checks every rank it places, for jobs an agent launched. The
+ * prediction goes to *pred. */
+static int check_memory(const sp_worker_opts *o, const sp_plan *plan,
+                        const sp_mlp_train_cfg *cfg, uint32_t rank,
+                        sp_train_mem *pred, sp_diag *d) {
+  int dev = gpu_of(o);
   char host[32];
   snprintf(host, sizeof host, "rank %u's host", rank);
   return sp_train_mem_check(plan, cfg, &o->train, dev >= 0 ? 0 : 1, host, dev,
-                            dev >= 0 ? 1 : 0, d);
+                            dev >= 0 ? 1 : 0, pred, d);
 }
+
+/* What the rank reports of its memory (sp_session_set_memory), in the
+ * terms of its prediction: on the CPU the process's resident bytes (now
+ * and at most) against the whole rank's peak; on a GPU what the runtime
+ * holds of the device (its pool, cached blocks included) plus the
+ * trainer's activations, against the prediction less the process's
+ * footprint, which stays on the host. predicted 0: none made. */
+typedef struct mem_report {
+  bool gpu;
+  uint64_t act;       /* the trainer's activations and scratch, bytes */
+  uint64_t predicted; /* this rank's predicted peak, as above */
+  double at;          /* sp_clock_s of the last report; 0: none yet */
+} mem_report;
+
+/* Reads /proc at most once a second: a step of a small model takes
+ * less than the two reads. */
+static void report_memory(sp_session *s, sp_fsdp *f, mem_report *m) {
+  double t = sp_clock_s();
+  if (m->at > 0 && t - m->at < 1.0) return;
+  m->at = t;
+  uint64_t now = 0, peak = 0;
+  if (m->gpu) {
+    sp_fsdp_stats st;
+    sp_fsdp_get_stats(f, &st);
+    now = st.mem.reserved.current + m->act;
+    peak = st.mem.reserved.peak + m->act;
+  } else {
+    long long rss = sp_worker_proc_bytes("VmRSS:");
+    long long hwm = sp_worker_proc_bytes("VmHWM:");
+    now = rss > 0 ? (uint64_t)rss : 0;
+    peak = hwm > 0 ? (uint64_t)hwm : 0;
+  }
+  sp_session_set_memory(s, now, peak, m->predicted);
+}
+
+/* Every kind asked for, into --checkpoint-dir/<kind>; each replaces the
+ * previous one of its kind only once complete (sp_ckpt_save). */
 
 static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f, uint32_t rank,
                             uint64_t step, sp_diag *d) {
@@ -174,8 +216,25 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
     rc = sp_train_model_check(&tm, sp_session_plan(s), &o->train, o->wf.steps,
                               o->wf.lr, o->wf.lr_given, o->wf.global_batch, w,
                               "the world size", &cfg, d);
-  if (rc == 0 && (tm.gpt || tm.mlp) && !o->train.no_memory_check)
-    rc = check_memory(o, sp_session_plan(s), &cfg, rank, d);
+  /* the prediction is made once: the check's, or without a check, for the
+   * report alone (a synthetic run has no trainer's activations to
+   * predict: it reports none) */
+  sp_train_mem pred = {0};
+  bool have_pred = false;
+  if (rc == 0 && (tm.gpt || tm.mlp) && !o->train.no_memory_check) {
+    rc = check_memory(o, sp_session_plan(s), &cfg, rank, &pred, d);
+    have_pred = rc == 0;
+  } else if (rc == 0 && (tm.gpt || tm.mlp)) {
+    sp_mem_opts mo;
+    sp_train_shape sh;
+    sp_diag pd = {{0}};
+    sp_train_mem_job(&cfg, &o->train, gpu_of(o) >= 0, &mo, &sh);
+    have_pred =
+        sp_train_mem_predict(sp_session_plan(s), &mo, &sh, &pred, &pd) == 0;
+  }
+  mem_report mrep = {.gpu = gpu_of(o) >= 0};
+  if (have_pred)
+    mrep.predicted = mrep.gpu ? pred.peak - pred.footprint : pred.peak;
   sp_gpt2 *gpt = tm.gpt;
   sp_mlp *mlp = tm.mlp;
   bool is_gpt2 = gpt != NULL, is_mlp = mlp != NULL;
@@ -239,6 +298,18 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   }
   if (rc == 0 && rank == 0 && !is_mlp && !is_gpt2)
     printf("rank 0: --synthetic: running the synthetic-gradient cycle\n");
+  /* the throughput the coordinator shows: this rank's share of a step,
+   * its micro-batch times the micro-batches, in tokens for GPT-2 and
+   * samples otherwise (the synthetic cycle's nominal ones, as its
+   * samples/s line counts them) */
+  if (rc == 0) {
+    uint64_t per_step = is_gpt2  ? sp_gpt2_trainer_tokens_per_step(gtr)
+                        : is_mlp ? cfg.global_batch
+                                 : o->wf.global_batch;
+    sp_session_set_throughput(s, per_step / w);
+    if (gtr) mrep.act = sp_gpt2_trainer_act_bytes(gtr).total;
+    if (mtr) mrep.act = sp_mlp_trainer_act_bytes(mtr).total;
+  }
   /* what the spec chose, said as the flags that change it: a run without
    * --optimizer must not train AdamW unannounced */
   if (rc == 0 && rank == 0 && cfg.from_spec[0] != '\0') {
@@ -287,8 +358,10 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
     if (rc == 0) sp_inject_after_step(&o->inject, sp_clock_s() - ts0);
     step_s[step - first] = sp_clock_s() - ts0;
     if (rc == 0 && is_gpt2) gtimes[step - first] = sp_gpt2_trainer_times(gtr);
-    if (rc == 0)
+    if (rc == 0) {
       sp_session_set_progress(s, is_mlp || is_gpt2 ? *loss : NAN, o->wf.steps);
+      report_memory(s, f, &mrep);
+    }
     /* the held-out loss every --eval-every steps and after the last */
     double val = NAN;
     if (rc == 0 && is_gpt2 && o->train.eval_every &&

@@ -60,9 +60,15 @@ struct sp_rpc_call {
    * stream, and a 256-byte path buffer was nearly half of every open
    * stream's sp_rpc_call. Only a path no method has is copied, for the
    * error that names it. */
-  int32_t route; /* index in srv->methods; -1: unknown or none */
+  int32_t route; /* index in srv->methods; -1: unknown, none, or counted */
   uint32_t n_requests;
   int status;
+  /* When its request headers began, in microseconds since the server was
+   * made (srv_us), 48 bits of them (8.9 years): split in two, they fill
+   * the padding after the flags, where a uint64_t made the struct 8 bytes
+   * longer. */
+  uint32_t t0_lo;
+  uint16_t t0_hi;
   bool is_post : 1, grpc_content_type : 1, bad_encoding : 1, md_overflow : 1;
   bool headers_sent : 1, finished : 1, released : 1, deferred : 1;
   bool remote_closed : 1;
@@ -119,12 +125,22 @@ typedef struct listener {
   struct listener *next;
 } listener;
 
+/* What the server counted of one method's calls (rpc.h,
+ * sp_rpc_method_stats). */
+typedef struct method_rec {
+  uint64_t calls[SP_RPC_CODES];
+  uint64_t bucket[SP_RPC_DURATION_BUCKETS + 1];
+  uint64_t sum_us;
+} method_rec;
+
 struct sp_rpc_server {
   uv_loop_t *loop;
   sp_rpc_server_opts opts;
   sp_strmap *paths;
   const sp_rpc_method **methods;
+  method_rec *recs; /* beside methods, cap_methods of them */
   size_t n_methods, cap_methods;
+  uint64_t t0_ns; /* uv_hrtime when made: the calls' clock starts there */
   listener *listeners;
   srv_conn *conns;
   uint64_t next_conn_id;
@@ -175,6 +191,38 @@ static void buffered_add(sp_rpc_server *srv, size_t n) {
     srv->stats.buffered_peak = srv->buffered;
 }
 
+const double sp_rpc_duration_bounds[SP_RPC_DURATION_BUCKETS] = {
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25,   0.5,     1,      2.5,   5,      10,    30,   60,    300,  3600};
+/* The same in microseconds, for the call's end: integers compared. */
+static const uint64_t k_bounds_us[SP_RPC_DURATION_BUCKETS] = {
+    100,     250,      500,      1000,     2500,      5000,       10000,
+    25000,   50000,    100000,   250000,   500000,    1000000,    2500000,
+    5000000, 10000000, 30000000, 60000000, 300000000, 3600000000u};
+
+#define T0_MASK ((UINT64_C(1) << 48) - 1)
+
+/* Microseconds since the server was made, 48 bits of them. */
+static uint64_t srv_us(const sp_rpc_server *srv) {
+  return ((uv_hrtime() - srv->t0_ns) / 1000u) & T0_MASK;
+}
+
+/* A call of a known method ended with code: counted once (the route
+ * cleared), with its time since its headers began. */
+static void call_count(sp_rpc_call *call, int code) {
+  sp_rpc_server *srv = call->conn->srv;
+  if (call->route < 0 || (size_t)call->route >= srv->n_methods) return;
+  method_rec *m = &srv->recs[call->route];
+  call->route = -1;
+  uint64_t t0 = (uint64_t)call->t0_hi << 32 | call->t0_lo;
+  uint64_t us = (srv_us(srv) - t0) & T0_MASK;
+  m->calls[code >= 0 && code < SP_RPC_CODES ? code : SP_RPC_UNKNOWN]++;
+  size_t b = 0;
+  while (b < SP_RPC_DURATION_BUCKETS && us > k_bounds_us[b]) b++;
+  m->bucket[b]++;
+  m->sum_us += us;
+}
+
 /* A unary request's bytes: a copy from srv->mem (cap 0), or the buffer
  * the deframer reassembled it in (cap bytes). */
 static void unary_buf_free(sp_rpc_server *srv, uint8_t *buf, size_t cap) {
@@ -209,6 +257,7 @@ static void call_stop_timer(sp_rpc_call *call) {
 static void call_release(sp_rpc_call *call, int code) {
   if (call->released) return;
   call->released = true;
+  call_count(call, code);
   if (call->method != NULL && call->method->on_cancel != NULL)
     call->method->on_cancel(call, code);
 }
@@ -417,6 +466,7 @@ static int call_end(sp_rpc_call *call, int code, const char *msg) {
   if (call->finished) return SP_ESTATE;
   call->finished = true;
   call->status = code;
+  call_count(call, code);
   if (msg != NULL) call->status_msg = sp_strdup(msg);
   call_stop_timer(call);
   /* what the request still holds goes back to the budget now (a partial
@@ -623,6 +673,8 @@ static void http_error(sp_rpc_call *call, const char *status, int code,
   nv[3] = (nghttp2_nv)SP_NV("grpc-message", msg, strlen(msg));
   nghttp2_submit_response(call->conn->io.h2, call->stream_id, nv, 4, NULL);
   call->headers_sent = call->finished = call->released = true;
+  call->status = code;
+  call_count(call, code);
 }
 
 static bool unary_request(const sp_rpc_method *m) {
@@ -1096,6 +1148,9 @@ static int cb_begin_headers(nghttp2_session *s, const nghttp2_frame *f,
   call->stream_id = f->hd.stream_id;
   call->timeout_ms = -1;
   call->route = -1;
+  uint64_t t0 = srv_us(c->srv);
+  call->t0_lo = (uint32_t)t0;
+  call->t0_hi = (uint16_t)(t0 >> 32);
   sp_rpc_deframer_init(&call->df, c->srv->opts.max_message);
   call->df.used = &c->srv->buffered;
   call->df.used_max = c->srv->opts.max_buffered;
@@ -1725,6 +1780,7 @@ int sp_rpc_server_new(uv_loop_t *loop, const sp_rpc_server_opts *opts,
   sp_rpc_server *srv = calloc(1, sizeof *srv);
   if (srv == NULL) return SP_ENOMEM;
   srv->loop = loop;
+  srv->t0_ns = uv_hrtime();
   sp_rpc_mem_init(&srv->mem);
   srv->pb_mem = (ProtobufCAllocator){pb_alloc, pb_free, &srv->mem};
   if (opts) srv->opts = *opts;
@@ -1773,6 +1829,10 @@ int sp_rpc_server_add_methods(sp_rpc_server *srv, const sp_rpc_method *m,
       const sp_rpc_method **a = realloc(srv->methods, cap * sizeof *a);
       if (a == NULL) return SP_ENOMEM;
       srv->methods = a;
+      method_rec *r = realloc(srv->recs, cap * sizeof *r);
+      if (r == NULL) return SP_ENOMEM;
+      memset(r + srv->cap_methods, 0, (cap - srv->cap_methods) * sizeof *r);
+      srv->recs = r;
       srv->cap_methods = cap;
     }
     int rc = sp_strmap_put(srv->paths, m[i].path, (int32_t)srv->n_methods);
@@ -1918,6 +1978,7 @@ void sp_rpc_server_free(sp_rpc_server *srv) {
   sp_rpc_health_free(&srv->health);
   sp_strmap_free(srv->paths);
   free(srv->methods);
+  free(srv->recs);
   free(srv->shared.rbuf);
   free(srv->shared.wbuf);
   SSL_CTX_free(srv->tls);
@@ -1935,4 +1996,18 @@ void sp_rpc_server_get_stats(const sp_rpc_server *srv, sp_rpc_server_stats *s) {
   s->buffered_bytes = srv->buffered;
   for (const srv_conn *c = srv->conns; c; c = c->next)
     s->bytes_out += c->io.bytes_out;
+}
+
+int sp_rpc_server_method_stats(const sp_rpc_server *srv, size_t i,
+                               sp_rpc_method_stats *out) {
+  if (srv == NULL || out == NULL) return SP_EINVAL;
+  if (i >= srv->n_methods) return SP_ENOENT;
+  const method_rec *m = &srv->recs[i];
+  out->path = srv->methods[i]->path;
+  memcpy(out->calls, m->calls, sizeof out->calls);
+  memcpy(out->bucket, m->bucket, sizeof out->bucket);
+  out->count = 0;
+  for (size_t k = 0; k < SP_RPC_CODES; k++) out->count += m->calls[k];
+  out->sum_s = (double)m->sum_us / 1e6;
+  return 0;
 }

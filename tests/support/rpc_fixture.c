@@ -26,6 +26,17 @@ static void on_wake(uv_async_t *a) {
     ts->want_stats = false;
     uv_cond_signal(&ts->cond);
   }
+  if (ts->want_path != NULL) {
+    ts->method_found = false;
+    sp_rpc_method_stats m;
+    for (size_t i = 0; sp_rpc_server_method_stats(ts->srv, i, &m) == 0; i++)
+      if (strcmp(m.path, ts->want_path) == 0) {
+        ts->method = m;
+        ts->method_found = true;
+      }
+    ts->want_path = NULL;
+    uv_cond_signal(&ts->cond);
+  }
   bool stop = ts->stop;
   uv_mutex_unlock(&ts->lock);
   if (stop) sp_rpc_server_shutdown(ts->srv, ts->grace_ms, on_shutdown, ts);
@@ -60,6 +71,18 @@ sp_rpc_server_stats sp_test_server_stats(sp_test_server *ts) {
   sp_rpc_server_stats s = ts->stats;
   uv_mutex_unlock(&ts->lock);
   return s;
+}
+
+bool sp_test_server_method_stats(sp_test_server *ts, const char *path,
+                                 sp_rpc_method_stats *out) {
+  uv_mutex_lock(&ts->lock);
+  ts->want_path = path;
+  uv_async_send(&ts->wake);
+  while (ts->want_path != NULL) uv_cond_wait(&ts->cond, &ts->lock);
+  bool found = ts->method_found;
+  if (found) *out = ts->method;
+  uv_mutex_unlock(&ts->lock);
+  return found;
 }
 
 void sp_test_server_stop(sp_test_server *ts, uint64_t grace_ms) {

@@ -20,6 +20,10 @@ typedef struct sp_test_server {
   /* filled under lock on request (sp_test_server_stats) */
   bool want_stats;
   sp_rpc_server_stats stats;
+  /* likewise one method's (sp_test_server_method_stats) */
+  const char *want_path;
+  bool method_found;
+  sp_rpc_method_stats method;
   uv_cond_t cond;
 } sp_test_server;
 
@@ -30,5 +34,9 @@ void sp_test_server_start(sp_test_server *ts, const sp_rpc_server_opts *opts);
 void sp_test_server_stop(sp_test_server *ts, uint64_t grace_ms);
 /* A consistent snapshot of the server counters, taken on its loop. */
 sp_rpc_server_stats sp_test_server_stats(sp_test_server *ts);
+/* The statistics of the method at path, taken on its loop: false when no
+ * method has that path. */
+bool sp_test_server_method_stats(sp_test_server *ts, const char *path,
+                                 sp_rpc_method_stats *out);
 
 #endif

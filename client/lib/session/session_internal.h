@@ -182,6 +182,10 @@ struct sp_session {
   _Atomic uint64_t loss_bits;
   _Atomic uint64_t total_steps;
   _Atomic bool has_loss;
+  /* sp_session_set_throughput / sp_session_set_memory (0: not reported),
+   * read likewise */
+  _Atomic uint64_t tokens_per_step;
+  _Atomic uint64_t mem_bytes, mem_peak_bytes, mem_predicted_bytes;
   PAD(1);
   _Atomic uint64_t tail; /* published by the consumer */
   PAD(2);

@@ -144,6 +144,13 @@ static int send_up_flight(sp_session *s, size_t n,
     memcpy(&up.loss, &bits, sizeof up.loss);
   }
   up.total_steps = atomic_load_explicit(&s->total_steps, memory_order_relaxed);
+  up.tokens_per_step =
+      atomic_load_explicit(&s->tokens_per_step, memory_order_relaxed);
+  up.mem_bytes = atomic_load_explicit(&s->mem_bytes, memory_order_relaxed);
+  up.mem_peak_bytes =
+      atomic_load_explicit(&s->mem_peak_bytes, memory_order_relaxed);
+  up.mem_predicted_bytes =
+      atomic_load_explicit(&s->mem_predicted_bytes, memory_order_relaxed);
   up.flight = flight;
   if (s->need_bind) {
     /* the first message binds the stream to the rank */
@@ -791,6 +798,23 @@ void sp_session_set_progress(sp_session *s, double loss, uint64_t total_steps) {
   atomic_store_explicit(&s->loss_bits, bits, memory_order_relaxed);
   atomic_store_explicit(&s->total_steps, total_steps, memory_order_relaxed);
   atomic_store_explicit(&s->has_loss, !isnan(loss), memory_order_release);
+}
+
+void sp_session_set_throughput(sp_session *s, uint64_t tokens_per_step) {
+  if (s == NULL) return;
+  atomic_store_explicit(&s->tokens_per_step, tokens_per_step,
+                        memory_order_relaxed);
+}
+
+void sp_session_set_memory(sp_session *s, uint64_t in_use, uint64_t peak,
+                           uint64_t predicted) {
+  if (s == NULL) return;
+  /* each figure on its own: a message may carry one new and one old, and
+   * the next carries both new */
+  atomic_store_explicit(&s->mem_bytes, in_use, memory_order_relaxed);
+  atomic_store_explicit(&s->mem_peak_bytes, peak, memory_order_relaxed);
+  atomic_store_explicit(&s->mem_predicted_bytes, predicted,
+                        memory_order_relaxed);
 }
 
 int sp_session_set_report(sp_session *s, bool on, sp_diag *d) {
