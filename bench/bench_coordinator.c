@@ -70,9 +70,11 @@
  * With a hard limit of 20,000, 100,000 ranks fit at 8 a connection (12,500
  * connections) and not at one each.
  */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -84,6 +86,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -109,6 +112,11 @@ extern char **environ;
  * about 13.5 KiB per connection) and at most 4 KiB with agents carrying 8
  * ranks each. */
 #define GOAL_TPS 1e6
+
+/* What one scrape of /metrics, or one load of the dashboard, may cost the
+ * coordinator's loop: 20 ms for a job of up to 1,024 ranks, 100 ms for
+ * larger ones (up to 100,000). */
+static double goal_http_ms(uint32_t ranks) { return ranks <= 1024 ? 20 : 100; }
 
 static double goal_release_s(uint32_t ranks) {
   if (ranks <= 1024) return 1.0;
@@ -197,7 +205,9 @@ static int child_start(child *ch, const bench_opts *o, const char *model,
                    * nobody must be declared lost for it */
                   "--heartbeat-timeout-ms", "3600000",
                   /* the simulated ranks are this machine's own clients */
-                  "--insecure", "--no-auth", "--quiet", NULL, NULL, NULL};
+                  "--insecure", "--no-auth", "--quiet",
+                  /* what a scrape and a page load cost its loop */
+                  "--http-listen", "127.0.0.1:0", NULL, NULL, NULL};
   if (state_dir != NULL) { /* into the two NULLs after the first */
     size_t k = 0;
     while (argv[k] != NULL) k++;
@@ -521,6 +531,12 @@ typedef struct result {
   /* what the store writes added: the job's data, kept apart */
   double store_kib_per_rank;
   long rss_before_kib, rss_after_kib, rss_streamed_kib;
+  /* the HTTP listener with every rank attached: the coordinator's CPU per
+   * request (its loop's time: it has one thread) of /healthz (the floor of
+   * a request), /metrics and the dashboard's page load, and their sizes */
+  double http_floor_ms, scrape_ms, page_ms;
+  double scrape_wall_ms, page_wall_ms;
+  double scrape_bytes, page_bytes;
   uint64_t transitions;
   int exit_code;
 } result;
@@ -1050,6 +1066,88 @@ static int get_job(const char *addr, char *version, size_t cap, uint32_t *units,
   return 0;
 }
 
+/* One GET on a fresh connection (the coordinator has no auth here): the
+ * body's bytes, or -1. */
+static long http_get(int port, const char *path) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  char req[512];
+  int n = snprintf(req, sizeof req,
+                   "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: "
+                   "close\r\n\r\n",
+                   path);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+      send(fd, req, (size_t)n, MSG_NOSIGNAL) != n) {
+    close(fd);
+    return -1;
+  }
+  static char buf[1 << 16];
+  long total = 0, head = -1;
+  char last4[4] = {0};
+  ssize_t r;
+  while ((r = recv(fd, buf, sizeof buf, 0)) > 0) {
+    for (ssize_t i = 0; head < 0 && i < r; i++) {
+      memmove(last4, last4 + 1, 3);
+      last4[3] = buf[i];
+      if (memcmp(last4, "\r\n\r\n", 4) == 0) head = total + i + 1;
+    }
+    total += r;
+  }
+  close(fd);
+  bool ok = strncmp(buf, "HTTP/1.1 200", 12) == 0 || head > 0;
+  return ok && head > 0 ? total - head : -1;
+}
+
+/* What the dashboard fetches when it loads: the page, its script and
+ * style, then every API answer it draws (the whole rank grid). */
+static const char *const k_page[] = {"/",
+                                     "/app.js",
+                                     "/style.css",
+                                     "/api/v1/job",
+                                     "/api/v1/ranks",
+                                     "/api/v1/history",
+                                     "/api/v1/plan",
+                                     "/api/v1/buffers"};
+
+/* reps times the paths, one after the other: the coordinator's CPU and
+ * the wall time per round, in ms, and the bytes of one round. -1 if a
+ * request failed. */
+static int http_rounds(pid_t pid, int port, const char *const *paths, size_t n,
+                       int reps, double *cpu_ms, double *wall_ms,
+                       double *bytes) {
+  double c0 = read_cpu_s(pid);
+  uint64_t t0 = now_ns();
+  for (int k = 0; k < reps; k++) {
+    size_t got = 0;
+    for (size_t i = 0; i < n; i++) {
+      long b = http_get(port, paths[i]);
+      if (b < 0) return -1;
+      got += (size_t)b;
+    }
+    *bytes = (double)got;
+  }
+  *wall_ms = (double)(now_ns() - t0) / 1e6 / reps;
+  *cpu_ms = (read_cpu_s(pid) - c0) * 1e3 / reps;
+  return 0;
+}
+
+static int measure_http(pid_t pid, int port, result *res, sp_diag *d) {
+  static const char *const floor_path[] = {"/healthz"}, *const scrape[] = {
+                                                            "/metrics"};
+  double wall, bytes;
+  /* enough rounds that the clock ticks of /proc (10 ms) do not matter */
+  if (http_rounds(pid, port, floor_path, 1, 200, &res->http_floor_ms, &wall,
+                  &bytes) != 0 ||
+      http_rounds(pid, port, scrape, 1, 20, &res->scrape_ms,
+                  &res->scrape_wall_ms, &res->scrape_bytes) != 0 ||
+      http_rounds(pid, port, k_page, sizeof k_page / sizeof k_page[0], 10,
+                  &res->page_ms, &res->page_wall_ms, &res->page_bytes) != 0)
+    return sp_diag_set(d, SP_EIO, "an HTTP request to the coordinator failed");
+  return 0;
+}
+
 static int run_once(const bench_opts *o, const char *model, uint32_t units,
                     const workload *w, const char *state_dir, result *res,
                     sp_diag *d) {
@@ -1189,6 +1287,16 @@ static int run_once(const bench_opts *o, const char *model, uint32_t units,
   if (!b->verified) {
     failf(b, "%s", b->verify_msg);
     goto fail;
+  }
+  /* 4b. the HTTP listener, every rank attached and its sessions open */
+  {
+    const char *h = strstr(ch.line, ", http on 127.0.0.1:");
+    int http_port = 0;
+    if (h == NULL || sscanf(h, ", http on 127.0.0.1:%d", &http_port) != 1 ||
+        measure_http(ch.pid, http_port, res, d) != 0) {
+      failf(b, "the HTTP listener: %s", h ? d->msg : "no port reported");
+      goto fail;
+    }
   }
 
   /* 5. detach: each rank's Detach, and its Session ending OK */
@@ -1359,8 +1467,28 @@ static int report(const bench_opts *o, const result *runs, int n,
         o->store_writes,
         MED(store_kib_per_rank) * 1024.0 / (double)o->store_writes);
 
+  double floor_ms = MED(http_floor_ms), scrape = MED(scrape_ms),
+         page = MED(page_ms);
+  printf("  %-48s %10.2f ms  (%.1f KiB; wall %.2f ms; %.1fx a /healthz)\n",
+         "HTTP: coordinator CPU per /metrics scrape", scrape,
+         MED(scrape_bytes) / 1024, MED(scrape_wall_ms),
+         floor_ms > 0 ? scrape / floor_ms : 0);
+  printf("  %-48s %10.2f ms  (%.1f KiB; wall %.2f ms; %.1fx a /healthz)\n",
+         "HTTP: coordinator CPU per dashboard page load", page,
+         MED(page_bytes) / 1024, MED(page_wall_ms),
+         floor_ms > 0 ? page / floor_ms : 0);
+  printf("  %-48s %10.3f ms  (the floor of one request)\n",
+         "  baseline: coordinator CPU per /healthz", floor_ms);
+
   int fails = 0;
   printf("\ngoals\n");
+  double gh = goal_http_ms(o->ranks);
+  bool ph = scrape < gh && page < gh;
+  fails += !ph;
+  printf(
+      "  a scrape and a page load each < %.0f ms of the coordinator's loop: "
+      "%.2f ms, %.2f ms  %s\n",
+      gh, scrape, page, ph ? "PASS" : "FAIL");
   double gr = goal_release_s(o->ranks),
          gk = goal_kib_per_rank(o->ranks_per_agent);
   bool p = release < gr;
