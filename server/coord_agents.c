@@ -315,6 +315,13 @@ int sp_coord_agents_completed(sp_coord *c, void *user,
   return 0;
 }
 
+void sp_coord_agents_incarnation(const sp_coord *c, uint64_t *number,
+                                 uint32_t *restarts) {
+  const struct sp_coord_agents *a = c->agents;
+  *number = a != NULL ? a->current : 0;
+  *restarts = a != NULL ? a->restarts : 0;
+}
+
 /* Every agent stopped its workers: the next incarnation begins. */
 static void next_incarnation(sp_coord *c) {
   struct sp_coord_agents *a = c->agents;

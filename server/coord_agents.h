@@ -25,6 +25,11 @@ void sp_coord_agents_free(sp_coord *c);
  * or bounds). */
 int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *r);
 
+/* The current incarnation's number (0 first, also for a job whose workers
+ * no agent started) and the restarts made so far. */
+void sp_coord_agents_incarnation(const sp_coord *c, uint64_t *number,
+                                 uint32_t *restarts);
+
 /* Subscribers (coord_bus.h). ALERT: every registered agent is told
  * (AGENT_ALERT), to print it beside its workers' output. COMPLETED: the
  * current incarnation's record says so, for good, and an agent that

@@ -29,4 +29,9 @@ int sp_coord_straggler_rank_info(sp_coord *c, void *user,
 int sp_coord_straggler_new_incarnation(sp_coord *c, void *user,
                                        const sp_coord_event *e);
 
+/* Rank's own time per step over the job's median, as last judged (0
+ * before it closed a step): ListRanks' straggler_score, without the rest
+ * of a RankInfo, for readers of every rank at once (the dashboard). */
+float sp_coord_straggler_score(const sp_coord *c, uint32_t rank);
+
 #endif
