@@ -12,6 +12,7 @@
 #include "coord_diag.h"
 #include "coord_dump.h"
 #include "coord_events.h"
+#include "coord_history.h"
 #include "coord_persist.h"
 #include "coord_plan.h"
 #include "coord_ranks.h"
@@ -63,7 +64,8 @@ static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
  * message's flight record before the step it closed is judged (a
  * straggler alert the step raises is not in a dump the record
  * completes), the detectors on the tick in the order they were written
- * in (ties, progress, stall, stragglers). */
+ * in (ties, progress, stall, stragglers), then the dashboard's sample of
+ * what they concluded. */
 static int wire(sp_coord *c) {
   static const struct {
     sp_coord_event_kind kind;
@@ -99,6 +101,7 @@ static int wire(sp_coord *c) {
       {SP_COORD_EV_TICK, sp_coord_verdict_tick},
       {SP_COORD_EV_TICK, sp_coord_stall_tick},
       {SP_COORD_EV_TICK, sp_coord_straggler_tick},
+      {SP_COORD_EV_TICK, sp_coord_history_tick},
       {SP_COORD_EV_STEP, sp_coord_straggler_step},
       {SP_COORD_EV_FAULT, sp_coord_dump_write},
       {SP_COORD_EV_COMPLETED, sp_coord_agents_completed},
@@ -171,6 +174,7 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       (rc = sp_coord_stall_init(c)) != 0 ||
       (rc = sp_coord_straggler_init(c)) != 0 ||
       (rc = sp_coord_verdict_init(c)) != 0 ||
+      (rc = sp_coord_history_init(c)) != 0 ||
       (rc = sp_coord_plan_register(c)) != 0 ||
       (rc = sp_coord_ranks_register(c)) != 0 ||
       (rc = sp_coord_events_register(c)) != 0 ||
@@ -259,6 +263,7 @@ void sp_coord_free(sp_coord *c) {
   if (c == NULL) return;
   sp_rpc_server_free(c->srv);
   sp_coord_persist_free(c);
+  sp_coord_history_free(c);
   sp_coord_verdict_free(c);
   sp_coord_straggler_free(c);
   sp_coord_stall_free(c);

@@ -139,6 +139,8 @@ typedef struct sp_coord {
   struct sp_coord_agents *agents;
   sp_coord_auth *auth;        /* NULL without a token file */
   struct sp_coord_http *http; /* coord_http.c; NULL: no HTTP listener */
+  struct sp_coord_history
+      *history; /* the dashboard's series (coord_history.c) */
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
   char *abort_reason;
