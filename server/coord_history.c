@@ -162,7 +162,11 @@ int sp_coord_history_tick(sp_coord *c, void *user, const sp_coord_event *e) {
   /* the end is sampled at once: the chart ends where the job did */
   if (live && h->n > 0 && e->now_ms < h->s[h->n - 1].t_ms + h->period_ms)
     return 0;
-  if (h->n == SP_COORD_HISTORY_CAP) thin(h);
+  if (h->n == SP_COORD_HISTORY_CAP) {
+    thin(h);
+    /* due again at the new period, for an even spacing */
+    if (live && e->now_ms < h->s[h->n - 1].t_ms + h->period_ms) return 0;
+  }
   take_sample(c, e->now_ms, &h->s[h->n++]);
   h->ended_sampled = !live;
   return 0;
