@@ -313,9 +313,8 @@ static double job_loss(const sp_coord *c, bool *has) {
 #define STUCK_FACTOR 3.0f
 #define STUCK_FLOOR_MS 5000u
 
-static uint64_t silence_limit_ms(sp_coord *c, const sp_coord_diag_rank *k,
-                                 float factor, uint64_t floor_ms) {
-  uint64_t thr = sp_coord_diag_stall_threshold(c);
+static uint64_t silence_limit_ms(const sp_coord_diag_rank *k, float factor,
+                                 uint64_t floor_ms, uint64_t thr) {
   float gap = k->gap_max_ms > k->gap_cur_ms ? k->gap_max_ms : k->gap_cur_ms;
   uint64_t lim = (uint64_t)(factor * gap);
   if (lim < floor_ms) lim = floor_ms;
@@ -328,12 +327,14 @@ static uint64_t silence_limit_ms(sp_coord *c, const sp_coord_diag_rank *k,
 static bool most_silent(sp_coord *c, uint64_t now, float factor,
                         uint64_t floor_ms, uint64_t *quiet, uint64_t *limit) {
   const sp_coord_diag_rank *d = sp_coord_diag_ranks(c);
+  /* once: it is a pass over the world itself */
+  uint64_t thr = sp_coord_diag_stall_threshold(c);
   bool any = false;
   double worst = 0;
   for (uint32_t r = 0; r < c->verdict->world; r++) {
     if (!sp_coord_ranks_attached(c, r) || !d[r].active) continue;
     uint64_t q = now > d[r].last_event_ms ? now - d[r].last_event_ms : 0;
-    uint64_t l = silence_limit_ms(c, &d[r], factor, floor_ms);
+    uint64_t l = silence_limit_ms(&d[r], factor, floor_ms, thr);
     double over = (double)q / (double)l;
     if (!any || over > worst) {
       worst = over;
