@@ -394,10 +394,10 @@ static const char *root_name(int st) {
              : "NONE";
 }
 
-/* A dtype's name, null for none (a unit's buffer_dtype: buffers keep
- * theirs). */
+/* A dtype's name, null for none (unset in the job's mixed precision: the
+ * parameters' own; a unit's buffer_dtype: buffers keep theirs). */
 static void jw_dtype(jw *w, const char *key, sp_dtype t) {
-  jw_str(w, key, sp_dtype_name(t));
+  jw_str(w, key, t == SP_DTYPE_INVALID ? NULL : sp_dtype_name(t));
 }
 
 static uint64_t unix_ms(void) {

@@ -665,6 +665,8 @@ static void test_plan(void **state) {
   assert_true(json_is_true(json_object_get(mp, "enabled")));
   assert_string_equal(jstr(mp, "param_dtype"), "bfloat16");
   assert_string_equal(jstr(mp, "buffer_dtype"), "float16");
+  /* not set: null, not a name */
+  assert_true(json_is_null(json_object_get(mp, "reduce_dtype")));
   json_t *units = jarr(d, "units", f.n_units);
   int64_t total = 0;
   for (size_t u = 0; u < f.n_units; u++) {
