@@ -262,7 +262,10 @@ static int answer_error(sp_coord_http_resp *r, unsigned status, const char *arg,
   jw_init(&w, 0);
   jw_open(&w, NULL, '{');
   jw_str(&w, "error", msg);
-  if (arg != NULL) jw_str(&w, "argument", arg);
+  if (arg != NULL) { /* the client's, echoed: bounded */
+    jw_sep(&w, "argument");
+    jw_escaped(&w, arg, 64);
+  }
   if (status == 404) {
     jw_open(&w, "paths", '[');
     for (size_t i = 0; i < N_ROUTES; i++) jw_str(&w, NULL, k_routes[i].path);
@@ -308,6 +311,10 @@ static bool args_known(const route *rt, const sp_coord_http_query *q,
         snprintf(hint, sizeof hint, " (did you mean \"%s\"?)", near);
       else if (n_known == 0)
         snprintf(hint, sizeof hint, " (it takes none)");
+      else
+        snprintf(hint, sizeof hint, " (it takes %s%s%s%s%s)", rt->args[0],
+                 n_known > 1 ? ", " : "", n_known > 1 ? rt->args[1] : "",
+                 n_known > 2 ? ", " : "", n_known > 2 ? rt->args[2] : "");
       *rc = answer_error(r, 400, k, "%s: unknown argument \"%.64s\"%s",
                          rt->path, k, hint);
       return false;

@@ -485,6 +485,9 @@ static void test_bad_queries_and_paths(void **state) {
              "not a number");
   expect_bad(&j, "/api/v1/job", (const char *const[]){"x", "1", NULL}, "x",
              "takes none");
+  expect_bad(&j, "/api/v1/buffers",
+             (const char *const[]){"zzzzzzzz", "1", NULL}, "zzzzzzzz",
+             "it takes first, count, prefix");
   expect_bad(&j, "/api/v1/history",
              (const char *const[]){"since", "yesterday", NULL}, "since",
              "not a number");
