@@ -5,15 +5,18 @@
 
 #include "base/json.h"
 #include "coord_agents.h"
+#include "coord_api.h"
 #include "coord_alerts.h"
 #include "coord_base.h"
 #include "coord_bus.h"
+#include "coord_dashboard.h"
 #include "coord_desync.h"
 #include "coord_diag.h"
 #include "coord_dump.h"
 #include "coord_events.h"
 #include "coord_http.h"
 #include "coord_metrics.h"
+#include "coord_history.h"
 #include "coord_persist.h"
 #include "coord_plan.h"
 #include "coord_ranks.h"
@@ -65,8 +68,8 @@ static int load_job(const sp_coord_config *cfg, sp_job *job, sp_diag *diag) {
  * message's flight record before the step it closed is judged (a
  * straggler alert the step raises is not in a dump the record
  * completes), the detectors on the tick in the order they were written
- * in (ties, progress, stall, stragglers), the metrics after the progress
- * they read. */
+ * in (ties, progress, stall, stragglers), then what reads the progress:
+ * the metrics and the dashboard's sample of what they concluded. */
 static int wire(sp_coord *c) {
   static const struct {
     sp_coord_event_kind kind;
@@ -104,6 +107,7 @@ static int wire(sp_coord *c) {
       {SP_COORD_EV_TICK, sp_coord_stall_tick},
       {SP_COORD_EV_TICK, sp_coord_straggler_tick},
       {SP_COORD_EV_TICK, sp_coord_metrics_tick},
+      {SP_COORD_EV_TICK, sp_coord_history_tick},
       {SP_COORD_EV_STEP, sp_coord_straggler_step},
       {SP_COORD_EV_STEP, sp_coord_metrics_step},
       {SP_COORD_EV_FAULT, sp_coord_dump_write},
@@ -178,6 +182,7 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       (rc = sp_coord_stall_init(c)) != 0 ||
       (rc = sp_coord_straggler_init(c)) != 0 ||
       (rc = sp_coord_verdict_init(c)) != 0 ||
+      (rc = sp_coord_history_init(c)) != 0 ||
       (rc = sp_coord_plan_register(c)) != 0 ||
       (rc = sp_coord_ranks_register(c)) != 0 ||
       (rc = sp_coord_events_register(c)) != 0 ||
@@ -209,6 +214,13 @@ fail:
  * /logout; the first match wins. */
 static const sp_coord_http_route k_http_routes[] = {
     {"/metrics", false, SP_COORD_HTTP_HEADER, sp_coord_metrics_route},
+    {"/api/", true, SP_COORD_HTTP_READER, sp_coord_api_get},
+    /* the page asks for a login itself; its script and style hold no
+     * data */
+    {"/", false, SP_COORD_HTTP_PAGE, sp_coord_dashboard_route},
+    {"/index.html", false, SP_COORD_HTTP_PAGE, sp_coord_dashboard_route},
+    {"/app.js", false, SP_COORD_HTTP_OPEN, sp_coord_dashboard_route},
+    {"/style.css", false, SP_COORD_HTTP_OPEN, sp_coord_dashboard_route},
     {NULL, false, 0, NULL}};
 
 int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag) {
@@ -281,6 +293,7 @@ void sp_coord_free(sp_coord *c) {
   sp_coord_http_free(c);
   sp_rpc_server_free(c->srv);
   sp_coord_persist_free(c);
+  sp_coord_history_free(c);
   sp_coord_verdict_free(c);
   sp_coord_straggler_free(c);
   sp_coord_stall_free(c);

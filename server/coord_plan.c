@@ -177,19 +177,43 @@ static Shardplane__V1__Unit *unit_msg(arena *a, const sp_plan *pl, uint32_t u) {
   return um;
 }
 
+void sp_coord_plan_buffer_row(const sp_plan *pl, size_t i,
+                              sp_coord_buffer_row *r) {
+  const sp_plan_buffer *b = &pl->buffers[i];
+  r->spec = &pl->model->buffers[b->buffer];
+  r->fqn = r->spec->fqn;
+  r->orig_dtype = b->orig_dtype;
+  r->compute_dtype = b->compute_dtype;
+  r->owner_unit = (uint32_t)b->unit;
+  r->persistent = b->persistent;
+}
+
+size_t sp_coord_plan_buffer_page(const sp_plan *pl, const char *prefix,
+                                 size_t start, size_t cap, size_t *idx,
+                                 size_t *n) {
+  size_t prefix_len = prefix != NULL ? strlen(prefix) : 0, matched = 0;
+  *n = 0;
+  for (size_t i = 0; i < pl->n_buffers; i++) {
+    const char *fqn = pl->model->buffers[pl->buffers[i].buffer].fqn;
+    if (prefix_len && strncmp(fqn, prefix, prefix_len) != 0) continue;
+    if (matched++ >= start && *n < cap) idx[(*n)++] = i;
+  }
+  return matched;
+}
+
 static Shardplane__V1__BufferInfo *buffer_msg(arena *a, const sp_plan *pl,
                                               size_t i) {
-  const sp_plan_buffer *b = &pl->buffers[i];
-  const sp_tensor_spec *t = &pl->model->buffers[b->buffer];
+  sp_coord_buffer_row b;
+  sp_coord_plan_buffer_row(pl, i, &b);
   Shardplane__V1__BufferInfo *bm = ANEW(a, Shardplane__V1__BufferInfo, 1);
   if (bm == NULL) return NULL;
   shardplane__v1__buffer_info__init(bm);
-  bm->fqn = (char *)t->fqn;
-  bm->shape = shape_of(a, t, &bm->n_shape);
-  bm->original_dtype = (PDType)b->orig_dtype;
-  bm->compute_dtype = (PDType)b->compute_dtype;
-  bm->owner_unit = (uint32_t)b->unit;
-  bm->persistent = b->persistent;
+  bm->fqn = (char *)b.fqn;
+  bm->shape = shape_of(a, b.spec, &bm->n_shape);
+  bm->original_dtype = (PDType)b.orig_dtype;
+  bm->compute_dtype = (PDType)b.compute_dtype;
+  bm->owner_unit = b.owner_unit;
+  bm->persistent = b.persistent;
   return bm;
 }
 
@@ -550,21 +574,16 @@ static void on_list_buffers(sp_rpc_call *call, const ProtobufCMessage *msg,
   Shardplane__V1__ListBuffersResponse r =
       SHARDPLANE__V1__LIST_BUFFERS_RESPONSE__INIT;
   r.buffers = ANEW(&a, Shardplane__V1__BufferInfo *, count);
+  size_t *idx = ANEW(&a, size_t, count);
   char *next = ANEW(&a, char, 24);
-  if (r.buffers != NULL && next != NULL) {
-    size_t prefix_len = strlen(q->prefix), matched = 0;
-    for (size_t i = 0; i < pl->n_buffers; i++) {
-      const char *fqn = pl->model->buffers[pl->buffers[i].buffer].fqn;
-      if (strncmp(fqn, q->prefix, prefix_len) != 0) continue;
-      if (matched++ < start) continue;
-      if (r.n_buffers == count) {
-        if (r.next_page_token == NULL || r.next_page_token[0] == '\0') {
-          snprintf(next, 24, "%zu", matched - 1);
-          r.next_page_token = next;
-        }
-        continue;
-      }
-      r.buffers[r.n_buffers++] = buffer_msg(&a, pl, i);
+  if (r.buffers != NULL && idx != NULL && next != NULL) {
+    size_t n, matched = sp_coord_plan_buffer_page(pl, q->prefix, start, count,
+                                                  idx, &n);
+    for (size_t i = 0; i < n; i++)
+      r.buffers[r.n_buffers++] = buffer_msg(&a, pl, idx[i]);
+    if (start + n < matched) {
+      snprintf(next, 24, "%zu", start + n);
+      r.next_page_token = next;
     }
     r.total = (uint32_t)matched;
   }

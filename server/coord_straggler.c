@@ -165,14 +165,14 @@ int sp_coord_straggler_attached(sp_coord *c, void *user,
   return 0;
 }
 
+float sp_coord_straggler_score(const sp_coord *c, uint32_t rank) {
+  const sp_coord_diag_rank *k = &sp_coord_diag_ranks(c)[rank];
+  return k->n_steps ? c->straggler->r[rank].score : 0;
+}
+
 int sp_coord_straggler_rank_info(sp_coord *c, void *user,
                                  const sp_coord_event *e) {
   (void)user;
   e->info->straggler_score = sp_coord_straggler_score(c, e->rank);
   return 0;
-}
-
-float sp_coord_straggler_score(const sp_coord *c, uint32_t rank) {
-  const sp_coord_diag_rank *k = &sp_coord_diag_ranks(c)[rank];
-  return k->n_steps ? c->straggler->r[rank].score : 0;
 }

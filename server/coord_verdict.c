@@ -313,9 +313,8 @@ static double job_loss(const sp_coord *c, bool *has) {
 #define STUCK_FACTOR 3.0f
 #define STUCK_FLOOR_MS 5000u
 
-static uint64_t silence_limit_ms(sp_coord *c, const sp_coord_diag_rank *k,
-                                 float factor, uint64_t floor_ms) {
-  uint64_t thr = sp_coord_diag_stall_threshold(c);
+static uint64_t silence_limit_ms(const sp_coord_diag_rank *k, float factor,
+                                 uint64_t floor_ms, uint64_t thr) {
   float gap = k->gap_max_ms > k->gap_cur_ms ? k->gap_max_ms : k->gap_cur_ms;
   uint64_t lim = (uint64_t)(factor * gap);
   if (lim < floor_ms) lim = floor_ms;
@@ -328,12 +327,14 @@ static uint64_t silence_limit_ms(sp_coord *c, const sp_coord_diag_rank *k,
 static bool most_silent(sp_coord *c, uint64_t now, float factor,
                         uint64_t floor_ms, uint64_t *quiet, uint64_t *limit) {
   const sp_coord_diag_rank *d = sp_coord_diag_ranks(c);
+  /* once: it is a pass over the world itself */
+  uint64_t thr = sp_coord_diag_stall_threshold(c);
   bool any = false;
   double worst = 0;
   for (uint32_t r = 0; r < c->verdict->world; r++) {
     if (!sp_coord_ranks_attached(c, r) || !d[r].active) continue;
     uint64_t q = now > d[r].last_event_ms ? now - d[r].last_event_ms : 0;
-    uint64_t l = silence_limit_ms(c, &d[r], factor, floor_ms);
+    uint64_t l = silence_limit_ms(&d[r], factor, floor_ms, thr);
     double over = (double)q / (double)l;
     if (!any || over > worst) {
       worst = over;
@@ -388,13 +389,13 @@ static size_t open_alerts(sp_coord *c, Shardplane__V1__Alert **out,
   return sp_coord_alerts_list_open(c, as_of, out, cap);
 }
 
-/* The verdict: headline and text in the caller's buffers; whether the job
- * is healthy. */
-static bool verdict_words(sp_coord *c, char *headline, size_t hcap, char *text,
-                          size_t tcap) {
+void sp_coord_verdict_why(sp_coord *c, sp_coord_why *w) {
   struct sp_coord_verdict *v = c->verdict;
-  Shardplane__V1__Alert *open[SP_COORD_ALERTS_MAX_OPEN];
-  size_t n_open = open_alerts(c, open, SP_COORD_ALERTS_MAX_OPEN);
+  char *headline = w->headline, *text = w->text;
+  size_t hcap = sizeof w->headline, tcap = sizeof w->text;
+  w->n_open = open_alerts(c, w->open, SP_COORD_ALERTS_MAX_OPEN);
+  size_t n_open = w->n_open;
+  Shardplane__V1__Alert **open = w->open;
   uint64_t now = sp_coord_base_now_ms(c), quiet, limit;
   uint32_t n_att = 0;
   for (uint32_t r = 0; r < v->world; r++)
@@ -408,7 +409,8 @@ static bool verdict_words(sp_coord *c, char *headline, size_t hcap, char *text,
              "completed: all %u ranks finished at step %" PRIu64, v->world,
              v->end_step);
     snprintf(text, tcap, "%s", headline);
-    return true;
+    w->healthy = true;
+    return;
   } else if (v->state == SHARDPLANE__V1__JOB_STATE__JOB_WAITING) {
     snprintf(headline, hcap, "waiting: %u of %u ranks attached", n_att,
              v->world);
@@ -442,13 +444,19 @@ static bool verdict_words(sp_coord *c, char *headline, size_t hcap, char *text,
   for (size_t i = 0; i < n_open && used + 1 < tcap; i++) {
     const ProtobufCEnumValue *k = protobuf_c_enum_descriptor_get_value(
         &shardplane__v1__alert_kind__descriptor, open[i]->kind);
-    int w = snprintf(text + used, tcap - used, "%s%s: %s", used ? "\n" : "",
+    int n = snprintf(text + used, tcap - used, "%s%s: %s", used ? "\n" : "",
                      k ? k->name : "?", open[i]->message);
-    if (w < 0) break;
-    used += (size_t)w < tcap - used ? (size_t)w : tcap - used - 1;
+    if (n < 0) break;
+    used += (size_t)n < tcap - used ? (size_t)n : tcap - used - 1;
   }
   if (used == 0) snprintf(text, tcap, "%s", headline);
-  return v->state != SHARDPLANE__V1__JOB_STATE__JOB_FAILED && n_open == 0;
+  w->healthy = v->state != SHARDPLANE__V1__JOB_STATE__JOB_FAILED && n_open == 0;
+}
+
+bool sp_coord_verdict_victim(const sp_coord *c, uint32_t rank, uint32_t *of) {
+  const verdict_rank *k = &c->verdict->r[rank];
+  if (k->victim && of != NULL) *of = k->victim_of;
+  return k->victim;
 }
 
 static void on_get_verdict(sp_rpc_call *call, const ProtobufCMessage *msg,
@@ -457,14 +465,14 @@ static void on_get_verdict(sp_rpc_call *call, const ProtobufCMessage *msg,
   (void)raw;
   (void)len;
   sp_coord *c = sp_rpc_call_method_user(call);
-  char headline[SP_DIAG_MAX], text[8192];
+  sp_coord_why w;
+  sp_coord_verdict_why(c, &w);
   Shardplane__V1__Verdict v = SHARDPLANE__V1__VERDICT__INIT;
-  v.healthy = verdict_words(c, headline, sizeof headline, text, sizeof text);
-  v.headline = headline;
-  v.text = text;
-  Shardplane__V1__Alert *open[32];
-  v.n_open_alerts = open_alerts(c, open, 32);
-  v.open_alerts = open;
+  v.healthy = w.healthy;
+  v.headline = w.headline;
+  v.text = w.text;
+  v.n_open_alerts = w.n_open;
+  v.open_alerts = w.open;
   Shardplane__V1__GetJobResponse jr = SHARDPLANE__V1__GET_JOB_RESPONSE__INIT;
   Shardplane__V1__Progress p;
   sp_coord_verdict_job(c, &jr, &p);

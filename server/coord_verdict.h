@@ -16,6 +16,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "coord_alerts.h"
 #include "coord_bus.h"
 #include "coordinator.h"
 
@@ -43,6 +44,23 @@ void sp_coord_verdict_progress(const sp_coord *c, Shardplane__V1__Progress *p);
 /* GetJob's state, verdict and progress; the strings live in c. */
 void sp_coord_verdict_job(sp_coord *c, Shardplane__V1__GetJobResponse *r,
                           Shardplane__V1__Progress *p);
+
+/* What `shardplane why` says (GetVerdict, the dashboard's /api/v1/job):
+ * the headline; the text, one open alert a line ("STALL: ..."), else the
+ * headline; the open alerts, aged as of now or, once the job ended, as of
+ * its end (borrowed until the next alert or listing); whether the job is
+ * healthy (not FAILED, no alert open). */
+typedef struct sp_coord_why {
+  bool healthy;
+  char headline[SP_DIAG_MAX];
+  char text[8192];
+  Shardplane__V1__Alert *open[SP_COORD_ALERTS_MAX_OPEN];
+  size_t n_open;
+} sp_coord_why;
+void sp_coord_verdict_why(sp_coord *c, sp_coord_why *w);
+/* Whether rank was lost after the job's culprit's fault (a victim, kept
+ * when it attaches again), and the culprit in *of (may be NULL). */
+bool sp_coord_verdict_victim(const sp_coord *c, uint32_t rank, uint32_t *of);
 
 /* Subscribers (coord_bus.h). ATTACHING: refused after the job ended ("the
  * job ended (COMPLETED at step 20); start a new coordinator"). ATTACHED:

@@ -141,6 +141,7 @@ typedef struct sp_coord {
   struct sp_coord_http *http;       /* coord_http.c; NULL: no HTTP listener */
   int http_port;                    /* its bound port */
   struct sp_coord_metrics *metrics; /* coord_metrics.c */
+  struct sp_coord_history *history; /* the dashboard's series */
   /* Set by Abort: every Session stream gets ABORT with it, also one that
    * binds later, and no rank attaches any more. */
   char *abort_reason;
