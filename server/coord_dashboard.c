@@ -4,7 +4,7 @@
 #include <stddef.h>
 #include <string.h>
 
-/* dashboard_assets.c (cmake/embed.cmake) */
+/* generated into the build tree by cmake/embed.cmake */
 extern const unsigned char sp_dashboard_index_html[];
 extern const size_t sp_dashboard_index_html_len;
 extern const unsigned char sp_dashboard_app_js[];

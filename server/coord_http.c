@@ -73,8 +73,10 @@ typedef struct http_body {
 } http_body;
 
 const char *sp_coord_http_arg(const sp_coord_http_query *q, const char *key) {
-  for (size_t i = 0; i < q->n; i++)
-    if (strcmp(q->key[i], key) == 0) return q->value[i];
+  if (q == NULL) return NULL;
+  for (size_t i = 0; i < q->n && i < SP_COORD_HTTP_ARGS; i++)
+    if (q->key[i] != NULL && strcmp(q->key[i], key) == 0)
+      return q->value[i] != NULL ? q->value[i] : "";
   return NULL;
 }
 
@@ -448,6 +450,34 @@ static void on_connection(void *cls, struct MHD_Connection *conn,
     h->st.connections_open--;
 }
 
+static int hexval(char ch) {
+  return ch >= '0' && ch <= '9'   ? ch - '0'
+         : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10
+         : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10
+                                  : -1;
+}
+
+/* Percent-decoding of paths and query values, in place, as MHD's own
+ * except that %00 stays as it is: a NUL would cut the path short
+ * ("/%00/etc/passwd" would be "/") and a value a route reads. */
+static size_t unescape(void *cls, struct MHD_Connection *conn, char *s) {
+  (void)cls;
+  (void)conn;
+  char *w = s;
+  for (const char *r = s; *r;) {
+    int hi, lo;
+    if (r[0] == '%' && (hi = hexval(r[1])) >= 0 && (lo = hexval(r[2])) >= 0 &&
+        (hi | lo) != 0) {
+      *w++ = (char)(hi << 4 | lo);
+      r += 3;
+    } else {
+      *w++ = *r++;
+    }
+  }
+  *w = '\0';
+  return (size_t)(w - s);
+}
+
 /* MHD's own complaints (malformed requests, limits) are the clients'
  * doing: kept out of the coordinator's log. */
 static void on_mhd_log(void *cls, const char *fmt, va_list ap) {
@@ -549,7 +579,7 @@ int sp_coord_http_start(sp_coord *c, const char *addr,
   if (c->cfg.idle_timeout_ms && c->cfg.idle_timeout_ms < to_ms)
     to_ms = c->cfg.idle_timeout_ms;
   unsigned to_s = (unsigned)((to_ms + 999) / 1000);
-  struct MHD_OptionItem opts[12];
+  struct MHD_OptionItem opts[13];
   size_t n = 0;
   opts[n++] = (struct MHD_OptionItem){MHD_OPTION_LISTEN_SOCKET, fd, NULL};
   opts[n++] =
@@ -570,6 +600,8 @@ int sp_coord_http_start(sp_coord *c, const char *addr,
                                       (intptr_t)on_completed, NULL};
   opts[n++] = (struct MHD_OptionItem){MHD_OPTION_NOTIFY_CONNECTION,
                                       (intptr_t)on_connection, h};
+  opts[n++] = (struct MHD_OptionItem){MHD_OPTION_UNESCAPE_CALLBACK,
+                                      (intptr_t)unescape, NULL};
   opts[n++] = (struct MHD_OptionItem){MHD_OPTION_EXTERNAL_LOGGER,
                                       (intptr_t)on_mhd_log, NULL};
   if (h->tls) {

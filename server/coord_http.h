@@ -35,7 +35,8 @@ typedef struct sp_coord_http_query {
   size_t n;
 } sp_coord_http_query;
 
-/* The value of key, or NULL. */
+/* The value of key ("" for one given without a value), or NULL when it
+ * was not given; q may be NULL. */
 const char *sp_coord_http_arg(const sp_coord_http_query *q, const char *key);
 
 /* What a route answers. body is malloc'd and handed to the listener,
