@@ -35,6 +35,7 @@ class Job:
     reader token, .output the lines it printed so far."""
 
     def __init__(self, shardplane, args, cwd, timeout=60):
+        self.cwd = cwd
         self.proc = subprocess.Popen(
             [shardplane, "run"] + args, cwd=cwd, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -60,7 +61,7 @@ class Job:
                 # "... dashboard http://127.0.0.1:P/ and ... (reader token in F)"
                 self.http = line.split("dashboard http://", 1)[1].split("/")[0]
                 path = line.rsplit("reader token in ", 1)[1].rstrip(")\n")
-                with open(path) as f:
+                with open(os.path.join(self.cwd, path)) as f:
                     self.token = f.read().strip()
                 self._seen.set()
         self._seen.set()
