@@ -272,6 +272,12 @@ int sp_coord_verdict_tick(sp_coord *c, void *user, const sp_coord_event *e) {
     v->rate_t0_ms = now;
   } else if (now > v->rate_t0_ms + 10000 && min_step == v->rate_step0) {
     v->steps_per_s = 0;
+  } else if (min_step == v->rate_step0 && now > v->rate_t0_ms) {
+    /* no step since rate_t0: the rate now is at most one step over that
+     * silence, so a stalled job's rate (and tokens/s) falls at once
+     * instead of showing its last speed for 10 s */
+    double bound = 1000.0 / (double)(now - v->rate_t0_ms);
+    if (v->steps_per_s > bound) v->steps_per_s = bound;
   }
   return 0;
 }
