@@ -24,6 +24,7 @@
 #include "server/coord_history.h"
 #include "server/coordinator.h"
 #include "support/coord_fixture.h"
+#include "support/fake_rank.h"
 #include "support/testutil.h"
 
 #define PATH(m) SP_COORD_PATH(m)
@@ -32,18 +33,10 @@
 #define TOKENS 1024u
 #define GIB (1024ull * 1024 * 1024)
 
-typedef struct fake {
-  sp_rpc_sync *cli;
-  sp_rpc_sync_stream *s;
-  char session[64];
-  uint32_t rank;
-  uint64_t seq;
-} fake;
-
 typedef struct job {
   sp_coord_fixture fx;
-  char version[32];
-  fake f[WORLD];
+  char version[SP_FAKE_VERSION_MAX];
+  sp_fake_rank f[WORLD];
 } job;
 
 /* ---- the API, called on the loop thread ---- */
@@ -135,66 +128,14 @@ static json_int_t at_int(const json_t *a, size_t i) {
 /* ---- fake ranks ---- */
 
 static void attach_host(job *j, uint32_t r, const char *host) {
-  fake *f = &j->f[r];
-  memset(f, 0, sizeof *f);
-  f->rank = r;
-  Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
-  q.rank = r;
-  q.world_size = WORLD;
-  q.host = (char *)host;
-  q.pid = 1000 + r;
-  q.device = "cpu";
-  q.plan_version = j->version;
-  sp_rpc_status st;
-  Shardplane__V1__AttachResponse *a =
-      (Shardplane__V1__AttachResponse *)sp_coord_fixture_call(
-          &j->fx, PATH("Attach"), &q.base,
-          &shardplane__v1__attach_response__descriptor, &st);
-  if (a == NULL) fail_msg("attach rank %u: %s", r, st.message);
-  snprintf(f->session, sizeof f->session, "%s", a->session_id);
-  sp_test_free_msg(a);
-  assert_int_equal(sp_rpc_sync_open(j->fx.addr, 2000, &f->cli), 0);
-  assert_int_equal(
-      sp_rpc_sync_stream_open(f->cli, PATH("Session"), 0, NULL, 0, &f->s), 0);
-}
-
-/* Sends up and waits for its acknowledgement. */
-static void send_up(fake *f, Shardplane__V1__SessionUp *up) {
-  up->rank = f->rank;
-  up->session_id = f->session;
-  up->seq = ++f->seq;
-  int rc = sp_rpc_sync_stream_send(f->s, &up->base);
-  if (rc != 0) fail_msg("rank %u: send: %s", f->rank, sp_strerror(rc));
-  for (;;) {
-    ProtobufCMessage *m;
-    sp_rpc_status st;
-    rc = sp_rpc_sync_stream_recv(
-        f->s, &shardplane__v1__session_down__descriptor, 5000, &m, &st);
-    if (rc != 0)
-      fail_msg("rank %u: no ack: %s (%s)", f->rank, sp_strerror(rc),
-               st.message);
-    Shardplane__V1__SessionDown *d = (Shardplane__V1__SessionDown *)m;
-    bool acked = d->acked_seq >= f->seq;
-    sp_test_free_msg(d);
-    if (acked) break;
-  }
+  sp_fake_rank_attach(&j->f[r], &j->fx, j->version, r, WORLD, host);
 }
 
 /* Rank f at step, in FORWARD_BACKWARD, reporting what a trainer does:
  * loss, total steps, tokens per step and memory (rank r: r + 1 GiB now,
  * r + 2 at peak, 3 predicted). */
-static void report(fake *f, uint64_t step) {
-  Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
-  t.machine = SHARDPLANE__V1__MACHINE__MACHINE_ROOT;
-  t.state = SP_ROOT_FORWARD_BACKWARD;
-  t.step = step;
-  Shardplane__V1__Transition *tp = &t;
+static void report(sp_fake_rank *f, uint64_t step) {
   Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
-  up.step = step;
-  if (step > 0) {
-    up.n_transitions = 1;
-    up.transitions = &tp;
-  }
   up.has_loss = true;
   up.loss = 2.5;
   up.total_steps = 100;
@@ -202,7 +143,11 @@ static void report(fake *f, uint64_t step) {
   up.mem_bytes = (f->rank + 1) * GIB;
   up.mem_peak_bytes = (f->rank + 2) * GIB;
   up.mem_predicted_bytes = 3 * GIB;
-  send_up(f, &up);
+  if (step > 0)
+    sp_fake_rank_transition(f, SHARDPLANE__V1__MACHINE__MACHINE_ROOT, 0,
+                            SP_ROOT_FORWARD_BACKWARD, step, 0, &up);
+  else /* step 0, just attached: the figures alone */
+    sp_fake_rank_send_up(f, &up);
 }
 
 static void job_start(job *j) {
@@ -210,10 +155,7 @@ static void job_start(job *j) {
                          "Linear",       "param-dtype", "bfloat16",
                          "buffer-dtype", "float16",     NULL};
   memset(j, 0, sizeof *j);
-  sp_coord_fixture_start(&j->fx, MODEL, flags, 0);
-  Shardplane__V1__GetJobResponse *g = sp_coord_fixture_get_job(&j->fx);
-  snprintf(j->version, sizeof j->version, "%s", g->plan_version);
-  sp_test_free_msg(g);
+  sp_fake_job_start(&j->fx, MODEL, flags, j->version, sizeof j->version, NULL);
 }
 
 static void attach_all(job *j) {
@@ -223,10 +165,7 @@ static void attach_all(job *j) {
 }
 
 static void job_stop(job *j) {
-  for (uint32_t r = 0; r < WORLD; r++) {
-    if (j->f[r].s) sp_rpc_sync_stream_close(j->f[r].s);
-    if (j->f[r].cli) sp_rpc_sync_close(j->f[r].cli);
-  }
+  for (uint32_t r = 0; r < WORLD; r++) sp_fake_rank_close(&j->f[r]);
   sp_coord_fixture_stop(&j->fx);
 }
 

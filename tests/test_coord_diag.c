@@ -22,6 +22,7 @@
 #include "plan/state.h"
 #include "server/coordinator.h"
 #include "support/coord_fixture.h"
+#include "support/fake_rank.h"
 #include "support/testutil.h"
 
 #define PATH(m) SP_COORD_PATH(m)
@@ -33,26 +34,11 @@
 
 static uint64_t now_ms(void) { return uv_hrtime() / 1000000u; }
 
-typedef struct fake {
-  sp_rpc_sync *cli;
-  sp_rpc_sync_stream *s;
-  char session[64];
-  uint32_t rank;
-  uint64_t seq;
-  /* what came down */
-  bool aborted, has_culprit;
-  uint32_t culprit;
-  char reason[SP_DIAG_MAX];
-  uint64_t dump_id;
-  uint32_t dump_last_n;
-  bool dump_asked;
-} fake;
-
 typedef struct job {
   sp_coord_fixture fx;
-  char version[32];
+  char version[SP_FAKE_VERSION_MAX];
   uint32_t n_units;
-  fake f[WORLD];
+  sp_fake_rank f[WORLD];
   sp_rpc_sync *wcli;
   sp_rpc_sync_stream *w;
 } job;
@@ -83,105 +69,18 @@ static void unit1_name(sp_coord *c, void *arg) {
   snprintf(g_unit1, sizeof g_unit1, "%s", sp_plan_unit_fqn(c->plan, 1));
 }
 
-static void attach_one(job *j, uint32_t r) {
-  fake *f = &j->f[r];
-  memset(f, 0, sizeof *f);
-  f->rank = r;
-  Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
-  q.rank = r;
-  q.world_size = WORLD;
-  q.host = "testhost";
-  q.pid = 1000 + r;
-  q.device = "cpu";
-  q.plan_version = j->version;
-  sp_rpc_status st;
-  Shardplane__V1__AttachResponse *a =
-      (Shardplane__V1__AttachResponse *)sp_coord_fixture_call(
-          &j->fx, PATH("Attach"), &q.base,
-          &shardplane__v1__attach_response__descriptor, &st);
-  if (a == NULL) fail_msg("attach rank %u: %s", r, st.message);
-  snprintf(f->session, sizeof f->session, "%s", a->session_id);
-  sp_test_free_msg(a);
-  assert_int_equal(sp_rpc_sync_open(j->fx.addr, 2000, &f->cli), 0);
-  assert_int_equal(
-      sp_rpc_sync_stream_open(f->cli, PATH("Session"), 0, NULL, 0, &f->s), 0);
-}
-
-static void take(fake *f, Shardplane__V1__SessionDown *d) {
-  if (d->command == SHARDPLANE__V1__COMMAND__ABORT && !f->aborted) {
-    f->aborted = true;
-    f->has_culprit = d->has_culprit;
-    f->culprit = d->culprit;
-    snprintf(f->reason, sizeof f->reason, "%s", d->reason);
-  } else if (d->command == SHARDPLANE__V1__COMMAND__FLIGHT_DUMP) {
-    f->dump_asked = true;
-    f->dump_id = d->request_id;
-    f->dump_last_n = d->last_n;
-  }
-}
-
-/* Reads what comes down f's stream within wait_ms (at least 1: 0 would
- * wait forever), then what is already there. */
-static void drain(fake *f, uint64_t wait_ms) {
-  ProtobufCMessage *m;
-  sp_rpc_status st;
-  if (wait_ms == 0) wait_ms = 1;
-  while (sp_rpc_sync_stream_recv(f->s,
-                                 &shardplane__v1__session_down__descriptor,
-                                 wait_ms, &m, &st) == 0) {
-    take(f, (Shardplane__V1__SessionDown *)m);
-    sp_test_free_msg(m);
-    wait_ms = 1;
-  }
-}
-
-/* Sends and waits for its acknowledgement: the coordinator has taken the
- * message in when this returns. */
-static void send_up(fake *f, Shardplane__V1__SessionUp *up) {
-  up->rank = f->rank;
-  up->session_id = f->session;
-  up->seq = ++f->seq;
-  int rc = sp_rpc_sync_stream_send(f->s, &up->base);
-  if (rc != 0) fail_msg("rank %u: send: %s", f->rank, sp_strerror(rc));
-  for (;;) {
-    ProtobufCMessage *m;
-    sp_rpc_status st;
-    rc = sp_rpc_sync_stream_recv(
-        f->s, &shardplane__v1__session_down__descriptor, 5000, &m, &st);
-    if (rc != 0)
-      fail_msg("rank %u: no ack of %llu: %s (%s)", f->rank,
-               (unsigned long long)f->seq, sp_strerror(rc), st.message);
-    Shardplane__V1__SessionDown *d = (Shardplane__V1__SessionDown *)m;
-    take(f, d);
-    bool acked = d->acked_seq >= f->seq;
-    sp_test_free_msg(d);
-    if (acked) break;
-  }
-}
-
-static void heartbeat(fake *f) {
+static void heartbeat(sp_fake_rank *f) {
   Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
-  send_up(f, &up);
+  sp_fake_rank_send_up(f, &up);
 }
 
-static void transition(fake *f, int machine, uint32_t unit, int state,
+static void transition(sp_fake_rank *f, int machine, uint32_t unit, int state,
                        uint64_t step, uint64_t t_us) {
-  Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
-  t.machine = (Shardplane__V1__Machine)machine;
-  t.unit = unit;
-  t.state = state;
-  t.step = step;
-  t.time_us = t_us;
-  Shardplane__V1__Transition *tp = &t;
-  Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
-  up.step = step;
-  up.n_transitions = 1;
-  up.transitions = &tp;
-  send_up(f, &up);
+  sp_fake_rank_transition(f, machine, unit, state, step, t_us, NULL);
 }
 
-static void collective(fake *f, int comm, uint32_t index, uint64_t seq, int op,
-                       uint32_t unit, uint64_t count, bool done,
+static void collective(sp_fake_rank *f, int comm, uint32_t index, uint64_t seq,
+                       int op, uint32_t unit, uint64_t count, bool done,
                        uint64_t step) {
   Shardplane__V1__Collective k = SHARDPLANE__V1__COLLECTIVE__INIT;
   k.comm = (Shardplane__V1__CommKind)comm;
@@ -198,13 +97,13 @@ static void collective(fake *f, int comm, uint32_t index, uint64_t seq, int op,
   up.step = step;
   up.n_collectives = 1;
   up.collectives = &kp;
-  send_up(f, &up);
+  sp_fake_rank_send_up(f, &up);
 }
 
 /* An all-reduce of the step (issued and completed at time_us, the
  * training thread having waited waited_us for it). */
-static void waited(fake *f, uint64_t seq, uint64_t step, uint64_t time_us,
-                   uint64_t waited_us) {
+static void waited(sp_fake_rank *f, uint64_t seq, uint64_t step,
+                   uint64_t time_us, uint64_t waited_us) {
   Shardplane__V1__Collective k[2];
   Shardplane__V1__Collective *kp[2] = {&k[0], &k[1]};
   for (int i = 0; i < 2; i++) {
@@ -223,7 +122,7 @@ static void waited(fake *f, uint64_t seq, uint64_t step, uint64_t time_us,
   up.step = step;
   up.n_collectives = 2;
   up.collectives = kp;
-  send_up(f, &up);
+  sp_fake_rank_send_up(f, &up);
 }
 
 #define AG SHARDPLANE__V1__COLLECTIVE_OP__ALL_GATHER
@@ -233,9 +132,8 @@ static void waited(fake *f, uint64_t seq, uint64_t step, uint64_t time_us,
 #define HANDLE SHARDPLANE__V1__MACHINE__MACHINE_HANDLE
 
 static void job_start(job *j, const char *const *flags, uint32_t stall_ms) {
-  sp_coord_fixture_start(&j->fx, MODEL, flags, 0);
-  Shardplane__V1__GetJobResponse *g = sp_coord_fixture_get_job(&j->fx);
-  snprintf(j->version, sizeof j->version, "%s", g->plan_version);
+  Shardplane__V1__GetJobResponse *g;
+  sp_fake_job_start(&j->fx, MODEL, flags, j->version, sizeof j->version, &g);
   j->n_units = g->n_units;
   assert_int_equal(g->state, SHARDPLANE__V1__JOB_STATE__JOB_WAITING);
   sp_test_free_msg(g);
@@ -254,15 +152,13 @@ static void job_start(job *j, const char *const *flags, uint32_t stall_ms) {
   ProtobufCMessage *none;
   sp_rpc_status st;
   sp_rpc_sync_stream_recv(j->w, NULL, 100, &none, &st);
-  for (uint32_t r = 0; r < WORLD; r++) attach_one(j, r);
+  for (uint32_t r = 0; r < WORLD; r++)
+    sp_fake_rank_attach(&j->f[r], &j->fx, j->version, r, WORLD, "testhost");
   for (uint32_t r = 0; r < WORLD; r++) heartbeat(&j->f[r]);
 }
 
 static void job_stop(job *j) {
-  for (uint32_t r = 0; r < WORLD; r++) {
-    if (j->f[r].s) sp_rpc_sync_stream_close(j->f[r].s);
-    if (j->f[r].cli) sp_rpc_sync_close(j->f[r].cli);
-  }
+  for (uint32_t r = 0; r < WORLD; r++) sp_fake_rank_close(&j->f[r]);
   sp_rpc_sync_stream_close(j->w);
   sp_rpc_sync_close(j->wcli);
   sp_coord_fixture_stop(&j->fx);
@@ -446,7 +342,7 @@ static void test_stall_names_the_rank_and_its_victims(void **state) {
   for (uint64_t t1 = now_ms(); !all && now_ms() - t1 < 3000;) {
     all = true;
     for (uint32_t r = 1; r < WORLD; r++) {
-      drain(&j.f[r], 50);
+      sp_fake_rank_drain(&j.f[r], 50);
       all &= j.f[r].aborted;
     }
   }
@@ -605,7 +501,7 @@ static void sync_step(job *j, int s, uint32_t slow, uint64_t slow_us) {
   uint64_t t = 1700000000000000ull + (uint64_t)s * 100000u;
   for (uint32_t r = 0; r < WORLD; r++) {
     uint64_t busy = r == slow ? slow_us : 40000u;
-    fake *f = &j->f[r];
+    sp_fake_rank *f = &j->f[r];
     transition(f, ROOT, 0, SP_ROOT_FORWARD_BACKWARD, (uint64_t)s, t);
     transition(f, HANDLE, 1, SP_HANDLE_FORWARD, (uint64_t)s, t + 1000);
     transition(f, HANDLE, 1, SP_HANDLE_IDLE, (uint64_t)s, t + 1000 + busy / 2);
@@ -751,7 +647,7 @@ static void batched_steps(job *j, int first, int n, uint32_t slow,
     up.transitions = tp;
     up.n_collectives = nk;
     up.collectives = kp;
-    send_up(&j->f[r], &up);
+    sp_fake_rank_send_up(&j->f[r], &up);
   }
 }
 
@@ -811,7 +707,7 @@ static void test_job_completes_and_refuses_attach(void **state) {
       up.total_steps = 20;
       up.has_loss = r == 0;
       up.loss = 3.0 - 0.05 * (double)s;
-      send_up(&j.f[r], &up);
+      sp_fake_rank_send_up(&j.f[r], &up);
     }
     if (s == 10) {
       uv_sleep(700); /* a rate to measure */
@@ -871,7 +767,7 @@ static void test_job_completes_and_refuses_attach(void **state) {
 /* ---------------- GetTrace and GetDump ---------------- */
 
 typedef struct answerer {
-  fake *f;
+  sp_fake_rank *f;
   volatile bool stop;
   int answered;
 } answerer;
@@ -882,7 +778,7 @@ static void answer_loop(void *arg) {
   answerer *a = arg;
   while (!a->stop) {
     a->f->dump_asked = false;
-    drain(a->f, 50);
+    sp_fake_rank_drain(a->f, 50);
     if (!a->f->dump_asked) continue;
     Shardplane__V1__Transition t = SHARDPLANE__V1__TRANSITION__INIT;
     t.machine = HANDLE;
@@ -912,7 +808,7 @@ static void answer_loop(void *arg) {
     fr.time_us = 300;
     Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
     up.flight = &fr;
-    send_up(a->f, &up);
+    sp_fake_rank_send_up(a->f, &up);
     a->answered++;
   }
 }

@@ -45,14 +45,6 @@
 #define PATH(m) SP_COORD_PATH(m)
 #define WAIT_MS 10000
 
-#if defined(__SANITIZE_ADDRESS__)
-#define SP_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define SP_ASAN 1
-#endif
-#endif
-
 static uint64_t now_ms(void) { return uv_hrtime() / 1000000u; }
 
 /* ---------------- the job: sessions heartbeating ---------------- */
@@ -61,7 +53,7 @@ enum { WORLD = 2 };
 /* Short enough that a pause of a second would lose a rank under the old
  * check (timeout checked every quarter of it); under AddressSanitizer,
  * with everything several times slower on a shared machine, twice that. */
-#ifdef SP_ASAN
+#ifdef SP_TEST_ASAN
 #define HB_TIMEOUT_MS 2000
 #else
 #define HB_TIMEOUT_MS 1000
@@ -398,7 +390,7 @@ static void test_unknown_field_attack(void **state) {
       ATK_STREAMS, ATK_BODY >> 20, (unsigned long long)took, work, pause,
       (unsigned long long)peak_mib, (unsigned long long)(hwm0 / 1024), WORLD,
       HB_TIMEOUT_MS / 3, HB_TIMEOUT_MS);
-#ifdef SP_ASAN
+#ifdef SP_TEST_ASAN
   /* ASan makes every byte scanned several times dearer */
   const double bound = 500;
   printf("(AddressSanitizer build: pause bound %.0f ms instead of 50)\n",

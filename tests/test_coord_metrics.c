@@ -27,6 +27,7 @@
 #include "server/coord_ranks.h"
 #include "server/coordinator.h"
 #include "support/coord_fixture.h"
+#include "support/fake_rank.h"
 #include "support/testutil.h"
 #include "support/tmpdir.h"
 
@@ -36,81 +37,16 @@
 #define ROOT SHARDPLANE__V1__MACHINE__MACHINE_ROOT
 #define MIB (UINT64_C(1) << 20)
 
-#if defined(__SANITIZE_ADDRESS__)
-#define SP_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define SP_ASAN 1
-#endif
-#endif
-
 /* ---- fake ranks ---- */
-
-typedef struct fake {
-  sp_rpc_sync *cli;
-  sp_rpc_sync_stream *s;
-  char session[64];
-  uint32_t rank;
-  uint64_t seq;
-} fake;
 
 typedef struct job {
   sp_coord_fixture fx;
-  char version[32];
-  fake f[WORLD];
+  char version[SP_FAKE_VERSION_MAX];
+  sp_fake_rank f[WORLD];
 } job;
 
 static void attach_one(job *j, uint32_t r) {
-  fake *f = &j->f[r];
-  memset(f, 0, sizeof *f);
-  f->rank = r;
-  Shardplane__V1__AttachRequest q = SHARDPLANE__V1__ATTACH_REQUEST__INIT;
-  q.rank = r;
-  q.world_size = WORLD;
-  q.host = "testhost";
-  q.pid = 1000 + r;
-  q.device = "cpu";
-  q.plan_version = j->version;
-  sp_rpc_status st;
-  Shardplane__V1__AttachResponse *a =
-      (Shardplane__V1__AttachResponse *)sp_coord_fixture_call(
-          &j->fx, PATH("Attach"), &q.base,
-          &shardplane__v1__attach_response__descriptor, &st);
-  if (a == NULL) fail_msg("attach rank %u: %s", r, st.message);
-  snprintf(f->session, sizeof f->session, "%s", a->session_id);
-  sp_test_free_msg(a);
-  assert_int_equal(sp_rpc_sync_open(j->fx.addr, 2000, &f->cli), 0);
-  assert_int_equal(
-      sp_rpc_sync_stream_open(f->cli, PATH("Session"), 0, NULL, 0, &f->s), 0);
-}
-
-static void drop_stream(fake *f) {
-  sp_rpc_sync_stream_close(f->s);
-  sp_rpc_sync_close(f->cli);
-  f->s = NULL;
-  f->cli = NULL;
-}
-
-/* Sends up and waits for its acknowledgement: the coordinator has taken
- * the message in when this returns. */
-static void send_up(fake *f, Shardplane__V1__SessionUp *up) {
-  up->rank = f->rank;
-  up->session_id = f->session;
-  up->seq = ++f->seq;
-  int rc = sp_rpc_sync_stream_send(f->s, &up->base);
-  if (rc != 0) fail_msg("rank %u: send: %s", f->rank, sp_strerror(rc));
-  for (;;) {
-    ProtobufCMessage *m;
-    sp_rpc_status st;
-    rc = sp_rpc_sync_stream_recv(
-        f->s, &shardplane__v1__session_down__descriptor, 5000, &m, &st);
-    if (rc != 0)
-      fail_msg("rank %u: no ack of %llu: %s (%s)", f->rank,
-               (unsigned long long)f->seq, sp_strerror(rc), st.message);
-    bool acked = ((Shardplane__V1__SessionDown *)m)->acked_seq >= f->seq;
-    sp_test_free_msg(m);
-    if (acked) break;
-  }
+  sp_fake_rank_attach(&j->f[r], &j->fx, j->version, r, WORLD, "testhost");
 }
 
 /* What a rank reports besides its events: rank r's figures. */
@@ -129,7 +65,7 @@ static void reports(Shardplane__V1__SessionUp *up, uint32_t r) {
  * enters FORWARD_BACKWARD at a step's start and leaves it just before
  * the next. batched: all in one message (as a worker sends several steps
  * at once), else one message a step. */
-static void steps(fake *f, int first, int last, bool batched) {
+static void steps(sp_fake_rank *f, int first, int last, bool batched) {
   enum { MAX = 16 };
   assert_true(last - first + 1 <= MAX);
   uint64_t len_us = (100u + 10u * f->rank) * 1000u;
@@ -153,14 +89,14 @@ static void steps(fake *f, int first, int last, bool batched) {
       up.n_transitions = nt;
       up.transitions = tp;
       reports(&up, f->rank);
-      send_up(f, &up);
+      sp_fake_rank_send_up(f, &up);
       nt = 0;
     }
   }
 }
 
 /* One collective issued on the world at seq with count elements. */
-static void issue(fake *f, uint64_t seq, uint64_t count) {
+static void issue(sp_fake_rank *f, uint64_t seq, uint64_t count) {
   Shardplane__V1__Collective k = SHARDPLANE__V1__COLLECTIVE__INIT;
   k.comm = SHARDPLANE__V1__COMM_KIND__COMM_WORLD;
   k.seq = seq;
@@ -172,22 +108,18 @@ static void issue(fake *f, uint64_t seq, uint64_t count) {
   Shardplane__V1__SessionUp up = SHARDPLANE__V1__SESSION_UP__INIT;
   up.n_collectives = 1;
   up.collectives = &kp;
-  send_up(f, &up);
+  sp_fake_rank_send_up(f, &up);
 }
 
 static void job_start(job *j, uint32_t attach) {
   const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
-  sp_coord_fixture_start(&j->fx, MODEL, flags, 0);
-  Shardplane__V1__GetJobResponse *g = sp_coord_fixture_get_job(&j->fx);
-  snprintf(j->version, sizeof j->version, "%s", g->plan_version);
-  sp_test_free_msg(g);
+  sp_fake_job_start(&j->fx, MODEL, flags, j->version, sizeof j->version, NULL);
   memset(j->f, 0, sizeof j->f);
   for (uint32_t r = 0; r < attach; r++) attach_one(j, r);
 }
 
 static void job_stop(job *j) {
-  for (uint32_t r = 0; r < WORLD; r++)
-    if (j->f[r].s) drop_stream(&j->f[r]);
+  for (uint32_t r = 0; r < WORLD; r++) sp_fake_rank_close(&j->f[r]);
   sp_coord_fixture_stop(&j->fx);
 }
 
@@ -384,7 +316,7 @@ static void test_values(void **state) {
   sp_coord_fixture_run(&j.fx, set_rank_limit, &limit);
 
   /* rank 3's stream breaks: it is lost, the job failed */
-  drop_stream(&j.f[3]);
+  sp_fake_rank_close(&j.f[3]);
   t = render_until(&j.fx, "shardplane_ranks{status=\"lost\"}", 1, 5000);
   expect(t, "shardplane_job_state{state=\"failed\"}", 1);
   expect(t, "shardplane_alerts_raised_total{kind=\"lost\"}", 1);
@@ -414,7 +346,7 @@ static void test_reports_reset_on_fresh_attach(void **state) {
   expect(t, "shardplane_rank_memory_bytes{rank=\"0\"}", MIB);
   expect(t, "shardplane_rank_tokens_per_step{rank=\"0\"}", 1000);
   free(t);
-  drop_stream(&j.f[0]);
+  sp_fake_rank_close(&j.f[0]);
   t = render_until(&j.fx, "shardplane_ranks{status=\"lost\"}", 1, 5000);
   free(t);
   attach_one(&j, 0);
@@ -671,7 +603,7 @@ static void cost_at(uint32_t world, double goal_ms) {
     assert_true(a.len < (64u << 10));
   }
   expect(a.text, "shardplane_collective_seq_lag_max{comm=\"world\"}", 4);
-#ifdef SP_ASAN
+#ifdef SP_TEST_ASAN
   goal_ms *= 4; /* instrumented memory accesses */
 #endif
   assert_true(a.best_ms < goal_ms);

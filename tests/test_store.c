@@ -15,13 +15,6 @@
 #include "server/kvstore.h"
 #include "support/testutil.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define SP_TEST_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define SP_TEST_ASAN 1
-#endif
-#endif
 #ifdef SP_TEST_ASAN
 #include <sanitizer/lsan_interface.h>
 #endif

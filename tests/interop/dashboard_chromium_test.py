@@ -8,7 +8,6 @@ a token must be refused (the page asks for a login and shows no job data).
 Without chromium the test fails (scripts/deps.sh installs it); it never
 skips."""
 
-import argparse
 import html
 import json
 import os
@@ -16,11 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import interop_util as iu  # noqa: E402
-from run_job import Job, metric_values, wait_for  # noqa: E402
+from run_job import (  # noqa: E402
+    metric_values, run_gpt2_tiny, start, wait_for)
 
 
 def chromium(binary, profile, url, extra, timeout=60):
@@ -52,28 +51,14 @@ def element_text(dom, ident):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shardplane", required=True)
-    ap.add_argument("--examples", required=True)
-    ap.add_argument("--out", required=True, help="the screenshot's folder")
-    a = ap.parse_args()
-    iu.start_watchdog(240)
-    runner = iu.Runner()
+    a, runner = start("the screenshot's folder")
     browser = shutil.which("chromium")
     if browser is None:
         runner.fail("peers", "chromium is needed (Debian package chromium; "
                     "scripts/deps.sh installs it)")
         return runner.summary()
-    tmp = tempfile.mkdtemp(prefix="shardplane-dash-")
-    job = None
-    try:
-        job = Job(a.shardplane, [
-            "--nproc", "2", "--model",
-            os.path.join(a.examples, "models", "gpt2-tiny.json"),
-            "--global-batch", "8", "--seq-len", "32", "--steps", "100000",
-            "--eval-every", "0", "--checkpoint", "none", "--log-every",
-            "1000", "--inject", "stall:rank=1,step=20",
-            "--stall-timeout-ms", "2000"], cwd=tmp)
+    def cases(job):
+        tmp = job.cwd
 
         def stalled():
             st, body = job.get("/metrics")
@@ -145,15 +130,9 @@ def main():
             st, _ = job.get("/", token=False)
             iu.check_eq(st, 401, "the page without a token")
         runner.case("refused_without_token", without_token)
-    except Exception as e:  # noqa: BLE001
-        runner.fail("setup", "%s: %s" % (type(e).__name__, e))
-        if job is not None:
-            print("".join(job.output[-20:]))
-    finally:
-        if job is not None:
-            job.stop()
-        iu.kill_all()
-        shutil.rmtree(tmp, ignore_errors=True)
+    run_gpt2_tiny(runner, a.shardplane, a.examples, "shardplane-dash-", cases,
+                  ["--inject", "stall:rank=1,step=20",
+                   "--stall-timeout-ms", "2000"])
     return runner.summary()
 
 

@@ -9,7 +9,6 @@ Grafana board use is checked against a live scrape.
 Without prometheus or promtool the test fails (scripts/deps.sh installs
 them); it never skips."""
 
-import argparse
 import json
 import os
 import re
@@ -17,14 +16,14 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.parse
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import interop_util as iu  # noqa: E402
-from run_job import Job, metric_names, metric_values, wait_for  # noqa: E402
+from run_job import (  # noqa: E402
+    metric_names, metric_values, run_gpt2_tiny, start, wait_for)
 
 
 def free_port():
@@ -75,13 +74,7 @@ def names_used(examples):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shardplane", required=True)
-    ap.add_argument("--examples", required=True)
-    ap.add_argument("--out", required=True, help="where the answer is kept")
-    a = ap.parse_args()
-    iu.start_watchdog(240)
-    runner = iu.Runner()
+    a, runner = start("where the answer is kept")
     prom_bin, promtool = shutil.which("prometheus"), shutil.which("promtool")
     if prom_bin is None or promtool is None:
         runner.fail("peers", "prometheus and promtool are needed (Debian "
@@ -97,15 +90,8 @@ def main():
         iu.check("3 rules found" in r.stdout, r.stdout)
     runner.case("promtool_check_rules", check_rules)
 
-    tmp = tempfile.mkdtemp(prefix="shardplane-prom-")
-    job = prom = None
-    try:
-        job = Job(a.shardplane, [
-            "--nproc", "2", "--model",
-            os.path.join(a.examples, "models", "gpt2-tiny.json"),
-            "--global-batch", "8", "--seq-len", "32", "--steps", "100000",
-            "--eval-every", "0", "--checkpoint", "none", "--log-every",
-            "1000"], cwd=tmp)
+    def cases(job):
+        tmp = job.cwd
         with open(os.path.join(tmp, "reader.token"), "w") as f:
             f.write(job.token)
         os.chmod(os.path.join(tmp, "reader.token"), 0o600)
@@ -132,6 +118,7 @@ scrape_configs:
             stdout=subprocess.DEVNULL, stderr=open(
                 os.path.join(tmp, "prometheus.log"), "w"),
             start_new_session=True)
+        job.kill_with(prom)
 
         def up():
             try:
@@ -206,18 +193,7 @@ scrape_configs:
             v = metric_values(body.decode(), "shardplane_job_world_size")
             iu.check_eq(v.get(""), 2.0, "world size")
         runner.case("example_names_exported", names_exported)
-    except Exception as e:  # noqa: BLE001
-        runner.fail("setup", "%s: %s" % (type(e).__name__, e))
-        if job is not None:
-            print("".join(job.output[-20:]))
-    finally:
-        if prom is not None:
-            prom.kill()
-            prom.wait(timeout=10)
-        if job is not None:
-            job.stop()
-        iu.kill_all()
-        shutil.rmtree(tmp, ignore_errors=True)
+    run_gpt2_tiny(runner, a.shardplane, a.examples, "shardplane-prom-", cases)
     return runner.summary()
 
 

@@ -3,13 +3,18 @@ session of its own, its dashboard address and reader token read from its
 output, and stopped with every process it started (the coordinator runs in
 a process group of its own, so the whole tree is collected first)."""
 
+import argparse
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+
+import interop_util as iu
 
 
 def _children(pid):
@@ -44,6 +49,7 @@ class Job:
         self._seen = threading.Event()
         self.http = None
         self.token = None
+        self._peers = []
         threading.Thread(target=self._read, daemon=True).start()
         if not self._seen.wait(timeout):
             self.stop()
@@ -77,9 +83,19 @@ class Job:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
+    def kill_with(self, proc):
+        """proc (a Popen started for the job, e.g. its scraper) is killed
+        and reaped first when the job stops: it may still be talking to
+        the job's coordinator."""
+        self._peers.append(proc)
+
     def stop(self):
-        """Ctrl-C to run (it stops its coordinator and workers), then
-        SIGKILL to whatever of its tree is left."""
+        """Kills what kill_with was given, then Ctrl-C to run (it stops
+        its coordinator and workers), then SIGKILL to whatever of its tree
+        is left."""
+        for p in self._peers:
+            p.kill()
+            p.wait(timeout=10)
         tree = descendants(self.proc.pid)
         if self.proc.poll() is None:
             try:
@@ -99,6 +115,49 @@ class Job:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+def start(out_help):
+    """The arguments CMake gives each observability test (--shardplane,
+    --examples, --out, described as out_help), parsed, and the Runner for
+    its cases; a watchdog kills the script's children and ends it after
+    240 s, so that a peer that hangs cannot hold ctest."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shardplane", required=True)
+    ap.add_argument("--examples", required=True)
+    ap.add_argument("--out", required=True, help=out_help)
+    a = ap.parse_args()
+    iu.start_watchdog(240)
+    return a, iu.Runner()
+
+
+def run_gpt2_tiny(runner, shardplane, examples, prefix, cases, extra=()):
+    """Runs cases(job) against a 2-rank gpt2-tiny job that trains until
+    stopped, started by `shardplane run` with extra arguments in a fresh
+    folder (job.cwd, named with prefix). The runner's cases report their
+    own failures; anything else raised, starting the job included, is
+    reported as the failure "setup" with the job's last lines, and not
+    raised further (the runner's summary tells). Then the job and every
+    process interop_util started are stopped and the folder removed."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    job = None
+    try:
+        job = Job(shardplane, [
+            "--nproc", "2", "--model",
+            os.path.join(examples, "models", "gpt2-tiny.json"),
+            "--global-batch", "8", "--seq-len", "32", "--steps", "100000",
+            "--eval-every", "0", "--checkpoint", "none", "--log-every",
+            "1000"] + list(extra), cwd=tmp)
+        cases(job)
+    except Exception as e:  # noqa: BLE001 - reported, then cleaned up
+        runner.fail("setup", "%s: %s" % (type(e).__name__, e))
+        if job is not None:
+            print("".join(job.output[-20:]))
+    finally:
+        if job is not None:
+            job.stop()
+        iu.kill_all()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def wait_for(fn, timeout, what, every=0.25):

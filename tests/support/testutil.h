@@ -8,6 +8,17 @@
 #include "shardplane/config.h"
 #include "tmpdir.h"
 
+/* Defined in a build AddressSanitizer instruments (GCC says so with
+ * __SANITIZE_ADDRESS__, clang only through __has_feature): there the
+ * tests' bounds on time and memory are looser or not measured. */
+#if defined(__SANITIZE_ADDRESS__)
+#define SP_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SP_TEST_ASAN 1
+#endif
+#endif
+
 /* Exit status that ctest (SKIP_RETURN_CODE) reports as "skipped". */
 #define SP_TEST_SKIP_RC 77
 
