@@ -639,10 +639,13 @@ static void test_run_checked_before_start(void **state) {
 }
 
 /* How soon a run ends once a worker died: the others must exit too, and
- * under AddressSanitizer each exit runs the leak check (over a second on
- * a busy machine, seen in a clean-clone run beside test_worker). */
+ * under AddressSanitizer each exit runs the leak check, and the
+ * survivors' way out from the abort to their last line takes about 2 s
+ * there against 45 ms in the optimized build (2.57 s in all alone, 3.94 s
+ * in a clean-clone run beside the suite's other tests). The optimized
+ * build keeps 1 s. */
 #if defined(__SANITIZE_ADDRESS__)
-#define EXIT_BOUND_S 3.0
+#define EXIT_BOUND_S 5.0
 #else
 #define EXIT_BOUND_S 1.0
 #endif
