@@ -31,6 +31,9 @@ PACKAGES=(
   # interop peers of the observability tests: a real Prometheus (and
   # promtool for the example alert rules) and a real headless browser
   prometheus chromium
+  # interop peer of the Slurm test: a real one-node Slurm cluster
+  # (controller and node daemon started by the test) and its munge auth
+  slurm-wlm munge
 )
 # `./dev bench` also needs the reference gRPC C++ server of bench/rpc; what
 # bench/CMakeLists.txt looks for, and the package that has it:
