@@ -80,7 +80,8 @@ class Cluster:
 
     def start(self):
         m = os.path.join(self.root, "munge")
-        os.makedirs(m, mode=0o700)
+        os.makedirs(m)
+        os.chmod(m, 0o755)
         key = os.path.join(m, "munge.key")
         subprocess.run(["mungekey", "--create", "--keyfile", key, "--force"],
                        check=True, timeout=30)
@@ -196,9 +197,9 @@ PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscr
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", required=True,
-                    help="the folder of shardplane, shardplane-coordinator "
-                         "and shardplane-worker")
+    ap.add_argument("--shardplane", required=True)
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--worker", required=True)
     ap.add_argument("--examples", required=True)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--only", default="")
@@ -212,6 +213,14 @@ def main():
         fail("needs root: munged, slurmctld and slurmd run as root here")
     root = tempfile.mkdtemp(prefix="shardplane-slurm-")
     os.chmod(root, 0o755)
+    # the batch file takes one folder of the three programs
+    args.bin_dir = os.path.join(root, "bin")
+    os.makedirs(args.bin_dir)
+    for name, path in (("shardplane", args.shardplane),
+                       ("shardplane-coordinator", args.coordinator),
+                       ("shardplane-worker", args.worker)):
+        os.symlink(os.path.abspath(path), os.path.join(args.bin_dir, name))
+    args.examples = os.path.abspath(args.examples)
     cluster = Cluster(root)
     ok = False
     try:
@@ -227,7 +236,75 @@ def main():
     return 0 if ok else 1
 
 
+def job_env(cluster, args, name, **kw):
+    d = os.path.join(cluster.root, name)
+    os.makedirs(d)
+    env = dict(cluster.env,
+               SP_BIN=args.bin_dir,
+               SP_MODEL=os.path.join(args.examples, "mlp.json"),
+               SP_NPROC_PER_NODE="1",
+               SP_COORD_HOST="127.0.0.1",
+               SP_PORT=str(free_port()),
+               SP_DIR=os.path.join(d, "job"))
+    env.update({k: str(v) for k, v in kw.items()})
+    return d, env
+
+
+def sbatch(cluster, args, d, env, wait=True):
+    """sbatch of the example on one node as two agents (two Slurm tasks,
+    one step each); returns the Popen of `sbatch --wait`."""
+    out = os.path.join(d, "slurm-%j.out")
+    argv = ["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+            "--cpus-per-task=1", "--chdir=" + d, "--output=" + out,
+            "--time=5", os.path.join(args.examples, "slurm",
+                                     "train.sbatch")]
+    print("$ " + " ".join(argv), flush=True)
+    return subprocess.Popen(argv, env=env, cwd=d, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def job_output(d):
+    outs = [f for f in os.listdir(d) if f.startswith("slurm-")]
+    if not outs:
+        return ""
+    with open(os.path.join(d, outs[0]), errors="replace") as f:
+        return f.read()
+
+
+def case_trains(cluster, args):
+    d, env = job_env(cluster, args, "trains", SP_STEPS=8,
+                     SP_CHECKPOINT_EVERY=4, SP_MAX_RESTARTS=0)
+    p = sbatch(cluster, args, d, env)
+    try:
+        so, _ = p.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        so, _ = p.communicate()
+        print(job_output(d))
+        fail("sbatch --wait did not return in 150 s")
+    out = job_output(d)
+    print("sbatch printed: %s (exit %d)" % (so.strip(), p.returncode))
+    print("---- the job's output\n" + out, flush=True)
+    if p.returncode != 0:
+        cluster.explain()
+        fail("sbatch --wait ended %d, not 0" % p.returncode)
+    if not re.search(r"\[rank0\]: step 8/8 ", out):
+        fail("no 'step 8/8' of rank 0 in the job's output")
+    if "completed: all 2 ranks finished at step 8" not in out:
+        fail("shardplane incarnations did not say the job completed")
+    if "the job ends with status 0" not in out:
+        fail("the job did not say it ends with status 0")
+
+
 def run_cases(cluster, args):
+    cases = [("trains", case_trains)]
+    for name, fn in cases:
+        if args.only and name != args.only:
+            continue
+        print("==== case %s" % name, flush=True)
+        fn(cluster, args)
+        print("ok %s" % name, flush=True)
     return True
 
 
