@@ -297,8 +297,83 @@ def case_trains(cluster, args):
         fail("the job did not say it ends with status 0")
 
 
+def wait_output(d, pattern, seconds, p):
+    end = time.time() + seconds
+    while time.time() < end:
+        if re.search(pattern, job_output(d), re.M):
+            return
+        if p.poll() is not None:
+            break
+        time.sleep(0.2)
+    print(job_output(d))
+    fail("no line matching %r in the job's output" % pattern)
+
+
+def kill_node_step(cluster, job, node):
+    """scancel --signal=KILL of node's agent step: Slurm SIGKILLs every
+    process of that step (the agent and its workers), as when the node
+    dies."""
+    r = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"],
+                       env=cluster.env, capture_output=True, text=True,
+                       timeout=10)
+    print("$ squeue -s -j %s -o '%%i %%j'\n%s" % (job, r.stdout), end="")
+    step = None
+    for line in r.stdout.splitlines():
+        f = line.split()
+        if len(f) == 2 and f[1] == "shardplane-node%d" % node:
+            step = f[0]
+    if step is None:
+        fail("no step shardplane-node%d in squeue -s" % node)
+    argv = ["scancel", "--signal=KILL", step]
+    print("$ " + " ".join(argv), flush=True)
+    r = subprocess.run(argv, env=cluster.env, capture_output=True,
+                       text=True, timeout=10)
+    if r.returncode != 0:
+        fail("scancel ended %d: %s" % (r.returncode, r.stderr))
+    return step
+
+
+def lost_node(cluster, args, name, restarts):
+    d, env = job_env(cluster, args, name, SP_STEPS=3000,
+                     SP_CHECKPOINT_EVERY=100, SP_MAX_RESTARTS=restarts)
+    p = sbatch(cluster, args, d, env)
+    job = None
+    try:
+        wait_output(d, r"\[rank0\]: step 300/", 120, p)
+        job = re.search(r"JOB (\d+)", "JOB " + job_id(d)).group(1)
+        kill_node_step(cluster, job, 1)
+        so, _ = p.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        so, _ = p.communicate()
+        print(job_output(d))
+        fail("sbatch --wait did not return in 150 s")
+    out = job_output(d)
+    print("sbatch printed: %s (exit %d)" % (so.strip(), p.returncode))
+    print("---- the job's output\n" + out, flush=True)
+    print("---- coordinator.log\n" + tail(os.path.join(d, "job",
+                                                       "coordinator.log"),
+                                          60), flush=True)
+    return p.returncode, out
+
+
+def job_id(d):
+    outs = [f for f in os.listdir(d) if f.startswith("slurm-")]
+    return outs[0][len("slurm-"):-len(".out")]
+
+
+def case_lost_node_no_restart(cluster, args):
+    rc, out = lost_node(cluster, args, "lost0", 0)
+
+
+def case_lost_node_restart(cluster, args):
+    rc, out = lost_node(cluster, args, "lost1", 1)
+
+
 def run_cases(cluster, args):
-    cases = [("trains", case_trains)]
+    cases = [("trains", case_trains),
+             ("lost-node", case_lost_node_no_restart),
+             ("lost-node-restart", case_lost_node_restart)]
     for name, fn in cases:
         if args.only and name != args.only:
             continue
