@@ -474,6 +474,7 @@ static int call_end(sp_rpc_call *call, int code, const char *msg) {
    * until the stream closes, right after the trailers) */
   rq_clear(call);
   unary_req_free(call);
+  if (call->conn->io.h2 == NULL) return 0; /* closing: nothing to send */
   int rc = call->headers_sent ? 0 : submit_headers(call);
   call_kick(call);
   if (rc != 0)
@@ -499,6 +500,10 @@ static void call_fail(sp_rpc_call *call, int code, const char *fmt, ...) {
 static int queue_bytes(sp_rpc_call *call, const uint8_t *data, size_t len,
                        const ProtobufCMessage *msg) {
   if (call->finished || call->released) return SP_ESTATE;
+  /* its connection is closing: a handler told of another call's end on
+   * it (conn_closed releases them one by one) may send on this one, whose
+   * HTTP/2 session is already gone */
+  if (call->conn->io.h2 == NULL) return SP_ESTATE;
   sp_rpc_server *srv = call->conn->srv;
   if (len > srv->opts.max_message) return SP_ETOOBIG;
   if ((call->method->kind == SP_RPC_UNARY ||
