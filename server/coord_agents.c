@@ -31,6 +31,7 @@
 
 #include "coord_base.h"
 #include "coord_persist.h"
+#include "coord_ranks.h"
 #include "coord_verdict.h"
 
 /* Deaths reported within this long of the first one are weighed together
@@ -85,6 +86,12 @@ struct sp_coord_agents {
    * and the barrier waits for every node (cleared once they cover the
    * world) */
   bool rejoining;
+  /* an agent whose connection ended while its ranks trained (a node lost:
+   * the host, or its Slurm step, killed): named as what ended the
+   * incarnation, since no agent reports its workers' deaths */
+  bool node_lost;
+  uint32_t lost_node, lost_first, lost_nproc;
+  char lost_host[SP_COORD_MAX_HOST + 1];
 };
 
 static sp_coord *coord_of(sp_rpc_call *call) {
@@ -403,8 +410,14 @@ static void decide(uv_timer_t *t) {
   if (a->n_cand == 0 || a->phase != PHASE_RUNNING) return;
   const Shardplane__V1__WorkerExit *w = pick(c);
   inc_record *r = current_rec(a);
-  char how[160];
-  if (w->signal > 0 && w->signal < NSIG)
+  char how[256];
+  if (a->node_lost)
+    snprintf(how, sizeof how,
+             "node %u (ranks %u-%u on %.64s) was lost: its agent's connection "
+             "ended while its workers ran",
+             a->lost_node, a->lost_first, a->lost_first + a->lost_nproc - 1,
+             a->lost_host[0] ? a->lost_host : "an unknown host");
+  else if (w->signal > 0 && w->signal < NSIG)
     snprintf(how, sizeof how, "rank %u was killed by signal %d (%s)", w->rank,
              w->signal, strsignal(w->signal));
   else
@@ -413,7 +426,8 @@ static void decide(uv_timer_t *t) {
   r->ended = true;
   r->ended_ms = unix_ms();
   r->has_rank = true;
-  r->rank = w->rank;
+  r->rank = a->node_lost ? a->lost_first : w->rank;
+  a->node_lost = false;
   r->exit_code = w->exit_code;
   r->signal = w->signal;
   free(r->reason);
@@ -615,7 +629,34 @@ static void agent_gone(sp_rpc_call *call) {
   agent_conn *g = sp_rpc_call_user(call);
   if (g == NULL || c->agents == NULL) return;
   sp_rpc_call_set_user(call, NULL);
-  unlink_agent(c->agents, g);
+  struct sp_coord_agents *a = c->agents;
+  /* a node lost: its agent went away while its ranks trained (attached,
+   * or already lost with their sessions on its connection) */
+  bool training = false;
+  if (g->registered && !g->stopped && !c->shutting_down &&
+      a->phase == PHASE_RUNNING)
+    for (uint32_t i = 0; i < g->nproc; i++) {
+      int st = sp_coord_ranks_status(c, g->node_rank * g->nproc + i);
+      if (st == SHARDPLANE__V1__RANK_STATUS__ATTACHED ||
+          st == SHARDPLANE__V1__RANK_STATUS__LOST)
+        training = true;
+    }
+  if (training) {
+    uint32_t first = g->node_rank * g->nproc;
+    sp_coord_base_log(c,
+                      "node %u lost: its agent (%s pid %u, ranks %u-%u) went "
+                      "away while its workers ran",
+                      g->node_rank, g->host, g->pid, first,
+                      first + g->nproc - 1);
+    if (!a->node_lost) {
+      a->node_lost = true;
+      a->lost_node = g->node_rank;
+      a->lost_first = first;
+      a->lost_nproc = g->nproc;
+      snprintf(a->lost_host, sizeof a->lost_host, "%s", g->host);
+    }
+  }
+  unlink_agent(a, g);
   free(g);
   /* an agent that left does not hold up a restart (its host's ranks
    * then never attach, and the job waits as for any missing rank) */
