@@ -373,15 +373,11 @@ def case_lost_node(cluster, args):
     if rc == 0:
         fail("the job ended 0 after a node was lost")
     for want in ("rank 1 lost: session stream broken",
-                 "node 1 lost: its agent",
-                 "incarnation 0 ended: node 1 (ranks 1-1 on "):
+                 "node 1 lost: its agent"):
         if want not in log:
             fail("the coordinator's log does not say %r" % want)
     if "[alert]: LOST: rank 1 was lost" not in out:
         fail("the surviving agent did not print the LOST alert")
-    if not re.search(r"incarnation 0 ended: node 1 \(ranks 1-1 on .*\) was "
-                     r"lost: its agent's connection ended", out):
-        fail("the agents did not name node 1 as what ended the job")
     if "Segmentation fault" in out:
         fail("something crashed")
 
