@@ -53,6 +53,10 @@ typedef struct agent_conn {
   uint32_t node_rank, nproc, pid;
   char host[SP_COORD_MAX_HOST + 1];
   bool registered, stopped;
+  /* the incarnation + 1 in which it reported a worker's death (0: none):
+   * an agent that told what happened to its workers and then left is not
+   * a lost node, its report is the cause */
+  uint64_t told_exit;
   struct agent_conn *prev, *next;
 } agent_conn;
 
@@ -616,6 +620,7 @@ static void on_agent_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
       maybe_all_stopped(c);
       return;
     }
+    g->told_exit = a->current + 1;
     worker_died(c, w);
   }
   if (q->stopped && q->incarnation == a->current) {
@@ -633,8 +638,8 @@ static void agent_gone(sp_rpc_call *call) {
   /* a node lost: its agent went away while its ranks trained (attached,
    * or already lost with their sessions on its connection) */
   bool training = false;
-  if (g->registered && !g->stopped && !c->shutting_down &&
-      a->phase == PHASE_RUNNING)
+  if (g->registered && !g->stopped && g->told_exit != a->current + 1 &&
+      !c->shutting_down && a->phase == PHASE_RUNNING)
     for (uint32_t i = 0; i < g->nproc; i++) {
       int st = sp_coord_ranks_status(c, g->node_rank * g->nproc + i);
       if (st == SHARDPLANE__V1__RANK_STATUS__ATTACHED ||

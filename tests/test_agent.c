@@ -712,6 +712,58 @@ static void test_agent_worker_killed(void **state) {
   free(err1);
 }
 
+/* A node lost: one host's agent and its workers killed at once (its
+ * Slurm step cancelled, the host gone). The coordinator must live through
+ * it (it crashed sending the LOST alert down the dead agent's own stream,
+ * whose connection was being torn down), the other host's workers are
+ * aborted, and the incarnation's end names the node, not a worker death
+ * no agent reported. */
+static void test_agent_node_lost(void **state) {
+  fx *f = *state;
+  const char *trainer[] = {WORKER,         "--insecure",  "--steps",
+                           "100000",       "--log-every", "1",
+                           "--checkpoint", "none",        NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
+  double end = sp_clock_s() + 60;
+  for (;;) {
+    char *out = slurp(f->dir, "agent0.out");
+    bool going = strstr(out, "step 3/") != NULL;
+    free(out);
+    if (going) break;
+    if (sp_clock_s() > end) fail_msg("the job did not reach step 3");
+    usleep(20000);
+  }
+  int kids[8];
+  size_t n = sp_test_children(a[1], kids, 8);
+  assert_int_equal(n, 2);
+  assert_int_equal(kill(a[1], SIGKILL), 0);
+  for (size_t i = 0; i < n; i++) kill(kids[i], SIGKILL);
+  int st[2], max_conns;
+  wait_agents(a, st, f->coord.port, 60, &max_conns);
+  assert_int_equal(st[1], 128 + SIGKILL);
+  assert_int_equal(st[0], 1);
+  /* the coordinator is alive and answers */
+  assert_int_equal(kill(f->coord.pid, 0), 0);
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
+  for (double until = sp_clock_s() + 5;
+       !li->incarnations[0]->ended && sp_clock_s() < until;) {
+    protobuf_c_message_free_unpacked(&li->base, NULL);
+    usleep(20000);
+    li = incarnations(f->addr, &f->auth);
+  }
+  assert_true(li->incarnations[0]->ended);
+  printf("incarnation 0 ended: %s\n", li->incarnations[0]->reason);
+  assert_non_null(strstr(li->incarnations[0]->reason, "node 1"));
+  assert_non_null(strstr(li->incarnations[0]->reason, "was lost"));
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  int cst = sp_proc_stop(&f->coord, 5000);
+  f->coord.pid = 0;
+  assert_int_equal(cst, 0); /* a clean shutdown, no crash */
+}
+
 /* Waits until dir/name holds needle. */
 static void wait_for(const char *dir, const char *name, const char *needle,
                      double timeout_s) {
@@ -1418,6 +1470,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_agents_two_namespaces, fx_setup_bare,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_worker_killed, fx_setup,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_node_lost, fx_setup,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_restart, fx_setup,
                                       fx_teardown),
