@@ -100,6 +100,8 @@ static int wire(sp_coord *c) {
       {SP_COORD_EV_INCARNATION, sp_coord_verdict_new_incarnation},
       {SP_COORD_EV_INCARNATION, sp_coord_alerts_new_incarnation},
       {SP_COORD_EV_ALERT_LOGGED, sp_coord_ranks_alert_logged},
+      {SP_COORD_EV_WORKERS_ALIVE, sp_coord_ranks_workers_alive},
+      {SP_COORD_EV_WORKER_EXITED, sp_coord_ranks_worker_exited},
       {SP_COORD_EV_ALERT, sp_coord_agents_alert},
       {SP_COORD_EV_ALERT, sp_coord_metrics_alert},
       {SP_COORD_EV_TICK, sp_coord_desync_tick},

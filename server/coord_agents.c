@@ -564,6 +564,36 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
   return true;
 }
 
+/* The agent's word on its workers (about every second): checked, then
+ * announced for the ranks' heartbeat check to weigh. A rank not of the
+ * node ends the stream (as for a WorkerExit); a report of another
+ * incarnation than the current one (sent before the agent heard of the
+ * new one) is dropped. Returns false when the stream was ended. */
+static bool workers_alive(sp_coord *c, sp_rpc_call *call, agent_conn *g,
+                          const Shardplane__V1__WorkersAlive *w) {
+  struct sp_coord_agents *a = c->agents;
+  uint32_t first = g->node_rank * g->nproc;
+  for (size_t i = 0; i < w->n_alive_ranks; i++)
+    if (w->alive_ranks[i] < first || w->alive_ranks[i] >= first + g->nproc) {
+      sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                          "alive rank %u is not one of node %u's",
+                          w->alive_ranks[i], g->node_rank);
+      unlink_agent(a, g);
+      sp_rpc_call_set_user(call, NULL);
+      free(g);
+      maybe_all_stopped(c);
+      return false;
+    }
+  if (w->incarnation != a->current || a->phase != PHASE_RUNNING) return true;
+  sp_coord_event e = {.kind = SP_COORD_EV_WORKERS_ALIVE,
+                      .rank = first,
+                      .n_ranks = g->nproc,
+                      .alive = w,
+                      .text = g->host};
+  sp_coord_bus_announce(c, &e);
+  return true;
+}
+
 static void on_agent_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
                          const uint8_t *raw, size_t len) {
   (void)raw;
@@ -622,7 +652,13 @@ static void on_agent_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     }
     g->told_exit = a->current + 1;
     worker_died(c, w);
+    if (w->incarnation == a->current) {
+      sp_coord_event e = {
+          .kind = SP_COORD_EV_WORKER_EXITED, .rank = w->rank, .text = g->host};
+      sp_coord_bus_announce(c, &e);
+    }
   }
+  if (q->alive != NULL && !workers_alive(c, call, g, q->alive)) return;
   if (q->stopped && q->incarnation == a->current) {
     g->stopped = true;
     maybe_all_stopped(c);

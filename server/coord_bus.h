@@ -42,6 +42,12 @@ typedef enum sp_coord_event_kind {
   /* coord_agents.c. A new incarnation begins, text saying so: everything
    * of the last one starts afresh; non-zero: out of memory. */
   SP_COORD_EV_INCARNATION,
+  /* coord_agents.c. A host's agent said which of its node's ranks (rank
+   * to rank + n_ranks - 1) have a process alive now and its host's
+   * pressure (alive, of the current incarnation; text: its host); a
+   * worker of rank exited without being asked to (text: its host). */
+  SP_COORD_EV_WORKERS_ALIVE,
+  SP_COORD_EV_WORKER_EXITED,
   /* coord_alerts.c. text was written to the alert log, naming culprits
    * (their counts go with it); then alert was published on the Watch
    * streams, evidence_ms when the evidence of a detector's verdict began
@@ -76,6 +82,8 @@ typedef struct sp_coord_event {
   uint64_t evidence_ms;
   uint32_t n_closed;
   Shardplane__V1__RankInfo *info;
+  const Shardplane__V1__WorkersAlive *alive;
+  uint32_t n_ranks;
   char *out;
   size_t cap;
   uint32_t *culprit;

@@ -48,6 +48,23 @@ static void usage(FILE *f) {
       "may take\n"
       "                               to reattach before it is lost "
       "(default 60000)\n"
+      "  --loss-grace-ms N            a rank silent past the heartbeat "
+      "timeout is\n"
+      "                               waited for up to N ms more while its "
+      "agent\n"
+      "                               says its process is alive and its "
+      "host is\n"
+      "                               under pressure (or the rank reported "
+      "being\n"
+      "                               descheduled); then it is lost as "
+      "hung. 0: no\n"
+      "                               grace (default 60000: for a long job "
+      "a\n"
+      "                               restart from the last checkpoint "
+      "costs more\n"
+      "                               than a minute's wait; a process the "
+      "agent\n"
+      "                               reports gone is lost at once)\n"
       "Hang diagnosis (docs/architecture.md):\n"
       "  --stall-timeout-ms N         a rank with no event for N ms while "
       "it\n"
@@ -157,6 +174,7 @@ enum {
   OPT_MAX_BUFFERED,
   OPT_STATE_DIR,
   OPT_REATTACH,
+  OPT_LOSS_GRACE,
   OPT_STALL_MS,
   OPT_ON_STALL,
   OPT_STRAGGLER,
@@ -180,6 +198,7 @@ static const struct option k_opts[] = {
     {"quiet", no_argument, NULL, OPT_QUIET},
     {"state-dir", required_argument, NULL, OPT_STATE_DIR},
     {"reattach-grace-ms", required_argument, NULL, OPT_REATTACH},
+    {"loss-grace-ms", required_argument, NULL, OPT_LOSS_GRACE},
     {"stall-timeout-ms", required_argument, NULL, OPT_STALL_MS},
     {"on-stall", required_argument, NULL, OPT_ON_STALL},
     {"straggler-ratio", required_argument, NULL, OPT_STRAGGLER},
@@ -413,6 +432,16 @@ int main(int argc, char **argv) {
             0)
           goto out;
         break;
+      case OPT_LOSS_GRACE: {
+        long long x;
+        sp_diag d = {{0}};
+        if (sp_flag_int("--loss-grace-ms", optarg, 0, 3600000, &x, &d) != 0) {
+          fprintf(stderr, "shardplane-coordinator: %s (milliseconds)\n", d.msg);
+          goto out;
+        }
+        cfg.loss_grace_ms = x == 0 ? SP_COORD_LOSS_GRACE_OFF : (uint32_t)x;
+        break;
+      }
       case OPT_STALL_MS:
         if (parse_ms("--stall-timeout-ms", optarg, &cfg.diag.stall_timeout_ms))
           goto out;

@@ -13,9 +13,38 @@
 
 #define SESSION_ID_LEN 32
 
+/* A host's pressure as its agent last reported it (HostPressure), kept
+ * small since every rank has one: the PSI "some avg10" shares in tenths
+ * of a percent, the 1-minute load average in hundredths. */
+typedef struct host_pressure {
+  uint16_t cpu, memory, io; /* 0-1000 */
+  uint16_t ncpu;
+  uint32_t load; /* x 100 */
+  bool has_psi;
+} host_pressure;
+
+/* A PSI "some avg10" share (tenths of a percent) from which a host counts
+ * as under pressure: 10 % of the last 10 s with some task waiting for the
+ * CPU, memory or I/O. A quiet host sits near 0 (a few percent at most);
+ * the load that made a healthy rank miss its heartbeats (load average 24
+ * on 2 cores) reads near 100 % for the CPU. */
+#define PRESSURE_PSI 100u
+/* Likewise the load average per CPU (x 100): more runnable tasks than
+ * CPUs (where the kernel has no PSI). */
+#define PRESSURE_LOAD 100u
+/* A scheduling gap the rank reported that counts (ms), and for how long
+ * after it was reported: at a 1 s heartbeat, a gap of half of it is
+ * already a process that did not run when it meant to. */
+#define NOTABLE_GAP_MS 500u
+#define GAP_WINDOW_MS 60000u
+/* How recent the agent's word that a process is alive must be (at
+ * least; the heartbeat timeout when longer): agents say it every second,
+ * so this is three of their reports. */
+#define ALIVE_FRESH_MS 3000u
+
 /* One per rank of the world, allocated at start: the small fields share
  * the words around session_id (216 bytes a rank with them apart, 192
- * packed). */
+ * packed; the evidence of losses at the end adds 48). */
 struct sp_coord_rank {
   uint8_t status; /* Shardplane__V1__RankStatus */
   char session_id[SESSION_ID_LEN + 1];
@@ -47,6 +76,13 @@ struct sp_coord_rank {
   /* The token that attached the rank (NULL without authentication): only
    * it may speak for the rank's session. */
   const sp_rpc_principal *owner;
+  /* Losses that are real: when its agent last saw its process alive (0:
+   * no agent said so), the host's pressure it reported then; the largest
+   * scheduling gap the rank reported lately and when; since when its loss
+   * verdict is withheld (0: it is not). */
+  uint64_t alive_ms, gap_at_ms, withheld_ms;
+  uint32_t sched_gap_ms;
+  host_pressure pressure;
 };
 
 /* Per Session call: which rank it speaks for (NULL until the first
@@ -80,6 +116,8 @@ uint32_t sp_coord_ranks_with_status(const sp_coord *c, int status) {
 static void clear_reports(sp_coord_rank *k) {
   k->tokens_per_step = k->mem_bytes = k->mem_peak_bytes = 0;
   k->mem_predicted_bytes = 0;
+  k->sched_gap_ms = 0;
+  k->gap_at_ms = k->withheld_ms = 0;
 }
 
 static void replace_str(char **dst, const char *src, size_t max) {
@@ -148,6 +186,8 @@ void sp_coord_ranks_get(const sp_coord *c, uint32_t rank,
   v->mem_bytes = k->mem_bytes;
   v->mem_peak_bytes = k->mem_peak_bytes;
   v->mem_predicted_bytes = k->mem_predicted_bytes;
+  v->sched_gap_ms = k->sched_gap_ms;
+  v->loss_withheld = k->withheld_ms != 0;
 }
 
 int sp_coord_ranks_status(const sp_coord *c, uint32_t rank) {
@@ -272,6 +312,7 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why,
   if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED) return;
   set_status(c, k, SHARDPLANE__V1__RANK_STATUS__LOST);
   k->awaiting = false;
+  k->withheld_ms = 0;
   persist_rank(c, rank);
   sp_coord_base_log(c, "rank %u lost: %s", rank, why);
   sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__RANK_LOST, rank, why,
@@ -324,6 +365,74 @@ static void discount_loop_pause(sp_coord *c, uint64_t now) {
   c->hb_last_check_ms = now;
 }
 
+static uint32_t loss_grace_ms(const sp_coord *c) {
+  uint32_t g = c->cfg.loss_grace_ms;
+  if (g == SP_COORD_LOSS_GRACE_OFF) return 0;
+  return g ? g : SP_COORD_LOSS_GRACE_DEFAULT_MS;
+}
+
+/* Whether the rank's agent saw its process alive recently enough to
+ * speak for it now. */
+static bool alive_now(const sp_coord *c, const sp_coord_rank *k, uint64_t now) {
+  uint64_t fresh = c->cfg.heartbeat_timeout_ms > ALIVE_FRESH_MS
+                       ? c->cfg.heartbeat_timeout_ms
+                       : ALIVE_FRESH_MS;
+  return k->alive_ms != 0 && now - k->alive_ms <= fresh;
+}
+
+/* Whether what the rank's host and the rank itself reported explains its
+ * silence: the host under pressure, or the rank descheduled lately. The
+ * explanation, for the log, goes to out ("CPU pressure (some avg10
+ * 85.0%)"). */
+static bool silence_explained(const sp_coord_rank *k, uint64_t now, char *out,
+                              size_t cap) {
+  const host_pressure *p = &k->pressure;
+  static const char *const names[] = {"CPU", "memory", "I/O"};
+  uint16_t psi[3] = {p->cpu, p->memory, p->io};
+  int worst = -1;
+  for (int i = 0; i < 3 && p->has_psi; i++)
+    if (psi[i] >= PRESSURE_PSI && (worst < 0 || psi[i] > psi[worst])) worst = i;
+  if (worst >= 0) {
+    snprintf(out, cap, "%s pressure (some avg10 %.1f%%)", names[worst],
+             psi[worst] / 10.0);
+    return true;
+  }
+  if (p->ncpu > 0 && p->load >= (uint32_t)p->ncpu * PRESSURE_LOAD) {
+    snprintf(out, cap, "a load average of %.2f on %u CPUs", p->load / 100.0,
+             p->ncpu);
+    return true;
+  }
+  if (k->sched_gap_ms >= NOTABLE_GAP_MS &&
+      now - k->gap_at_ms <= GAP_WINDOW_MS) {
+    snprintf(out, cap, "scheduling gaps of its own (up to %.1f s)",
+             k->sched_gap_ms / 1000.0);
+    return true;
+  }
+  return false;
+}
+
+/* A rank silent past the heartbeat timeout: whether its loss verdict is
+ * withheld (alive on its host, the silence explained, within the loss
+ * grace). The first time says so in the log. */
+static bool loss_withheld(sp_coord *c, uint32_t rank, uint64_t now) {
+  sp_coord_rank *k = &c->ranks[rank];
+  uint64_t silent = now - k->last_heard_ms;
+  uint32_t grace = loss_grace_ms(c);
+  char why[96];
+  if (grace == 0 || silent > (uint64_t)c->cfg.heartbeat_timeout_ms + grace ||
+      !alive_now(c, k, now) || !silence_explained(k, now, why, sizeof why))
+    return false;
+  if (k->withheld_ms == 0) {
+    k->withheld_ms = now;
+    sp_coord_base_log(c,
+                      "rank %u silent for %.1f s but alive on host %s under "
+                      "%s; waiting up to %.1f s more (--loss-grace-ms)",
+                      rank, silent / 1000.0, k->host ? k->host : "?", why,
+                      grace / 1000.0);
+  }
+  return true;
+}
+
 static void on_heartbeat_check(uv_timer_t *t) {
   sp_coord *c = t->data;
   uint64_t now = sp_coord_base_now_ms(c);
@@ -334,12 +443,84 @@ static void on_heartbeat_check(uv_timer_t *t) {
     if (reattach_judged(c, r, now)) continue;
     if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED &&
         now - k->last_heard_ms > c->cfg.heartbeat_timeout_ms) {
-      char why[96];
-      snprintf(why, sizeof why, "no heartbeat for %llu ms",
-               (unsigned long long)(now - k->last_heard_ms));
+      if (loss_withheld(c, r, now)) continue;
+      char why[200];
+      uint64_t silent = now - k->last_heard_ms;
+      if (k->withheld_ms != 0)
+        snprintf(why, sizeof why,
+                 "no heartbeat for %.1f s although its process was alive on "
+                 "host %s: hung (waited %.0f s past the heartbeat timeout, "
+                 "--loss-grace-ms)",
+                 silent / 1000.0, k->host ? k->host : "?",
+                 (now - k->withheld_ms) / 1000.0);
+      else
+        snprintf(why, sizeof why, "no heartbeat for %llu ms",
+                 (unsigned long long)silent);
       mark_lost(c, r, why, k->last_heard_ms);
     }
   }
+}
+
+/* The agent's word holds only for a rank of this incarnation that is
+ * attached: one that never attached has nothing to lose. */
+int sp_coord_ranks_workers_alive(sp_coord *c, void *user,
+                                 const sp_coord_event *e) {
+  (void)user;
+  const Shardplane__V1__WorkersAlive *w = e->alive;
+  const Shardplane__V1__HostPressure *hp = w->pressure;
+  host_pressure p = {0};
+  if (hp != NULL) {
+    /* read as input: out of range (or NaN) is clamped, not trusted */
+#define PCT(x)                                          \
+  ((x) > 0 && (x) <= 100 ? (uint16_t)((x)*10.0f + 0.5f) \
+                         : ((x) > 100 ? 1000 : 0))
+    p.has_psi = hp->has_psi;
+    p.cpu = PCT(hp->cpu_some_avg10);
+    p.memory = PCT(hp->memory_some_avg10);
+    p.io = PCT(hp->io_some_avg10);
+#undef PCT
+    p.load = hp->loadavg_1m > 0 && hp->loadavg_1m < 1e6f
+                 ? (uint32_t)(hp->loadavg_1m * 100.0f)
+                 : 0;
+    p.ncpu = hp->ncpu < UINT16_MAX ? (uint16_t)hp->ncpu : UINT16_MAX;
+  }
+  uint64_t now = sp_coord_base_now_ms(c);
+  uint32_t end = e->rank + e->n_ranks;
+  if (end > c->plan->world_size) end = c->plan->world_size;
+  for (uint32_t r = e->rank; r < end; r++) {
+    bool alive = false;
+    for (size_t i = 0; i < w->n_alive_ranks && !alive; i++)
+      alive = w->alive_ranks[i] == r;
+    sp_coord_rank *k = &c->ranks[r];
+    if (alive) {
+      k->alive_ms = now;
+      k->pressure = p;
+    } else if (k->status == SHARDPLANE__V1__RANK_STATUS__ATTACHED &&
+               !k->awaiting) {
+      char why[SP_COORD_MAX_HOST + 64];
+      snprintf(why, sizeof why,
+               "its process is gone from host %s (its agent "
+               "says)",
+               e->text);
+      mark_lost(c, r, why, now);
+    }
+  }
+  return 0;
+}
+
+int sp_coord_ranks_worker_exited(sp_coord *c, void *user,
+                                 const sp_coord_event *e) {
+  (void)user;
+  if (e->rank >= c->plan->world_size) return 0;
+  sp_coord_rank *k = &c->ranks[e->rank];
+  k->alive_ms = 0;
+  if (k->status != SHARDPLANE__V1__RANK_STATUS__ATTACHED || k->awaiting)
+    return 0;
+  char why[SP_COORD_MAX_HOST + 64];
+  snprintf(why, sizeof why, "its process exited on host %s (its agent says)",
+           e->text);
+  mark_lost(c, e->rank, why, sp_coord_base_now_ms(c));
+  return 0;
 }
 
 static bool reattach_judged(sp_coord *c, uint32_t rank, uint64_t now) {
@@ -735,7 +916,21 @@ static void on_session_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   if (!ctx->bound) return; /* the rank was marked lost or detached */
   sp_coord_rank *k = &c->ranks[ctx->rank];
-  k->last_heard_ms = sp_coord_base_now_ms(c);
+  uint64_t now = sp_coord_base_now_ms(c);
+  if (k->withheld_ms != 0) {
+    sp_coord_base_log(c,
+                      "rank %u heard again after %.1f s of silence (its loss "
+                      "was withheld: alive under pressure)",
+                      ctx->rank, (now - k->last_heard_ms) / 1000.0);
+    k->withheld_ms = 0;
+  }
+  k->last_heard_ms = now;
+  if (q->sched_gap_ms > 0 && (q->sched_gap_ms >= k->sched_gap_ms ||
+                              now - k->gap_at_ms > GAP_WINDOW_MS)) {
+    k->sched_gap_ms =
+        q->sched_gap_ms < UINT32_MAX ? (uint32_t)q->sched_gap_ms : UINT32_MAX;
+    k->gap_at_ms = now;
+  }
   if (q->step > k->step) k->step = q->step;
   if (q->tokens_per_step) k->tokens_per_step = q->tokens_per_step;
   if (q->mem_bytes) k->mem_bytes = q->mem_bytes;
@@ -855,6 +1050,9 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
       x->alerts = k->alerts;
       x->last_alert = k->last_alert ? k->last_alert : (char *)"";
       x->transitions = k->transitions;
+      x->sched_gap_ms =
+          now - k->gap_at_ms <= GAP_WINDOW_MS ? k->sched_gap_ms : 0;
+      x->loss_withheld = k->withheld_ms != 0;
       sp_coord_event e = {
           .kind = SP_COORD_EV_RANK_INFO, .rank = first + i, .info = x};
       sp_coord_bus_announce(c, &e);
@@ -889,6 +1087,7 @@ int sp_coord_ranks_new_incarnation(sp_coord *c, void *user,
     k->last_coll.set = false;
     k->awaiting = false;
     k->owner = NULL;
+    k->alive_ms = 0;
     clear_reports(k);
     persist_rank(c, r);
   }

@@ -40,6 +40,10 @@ typedef struct sp_coord_rank_view {
   sp_rpc_call *session; /* NULL: no open stream */
   /* the trainer's last report (SessionUp; 0: none) */
   uint64_t tokens_per_step, mem_bytes, mem_peak_bytes, mem_predicted_bytes;
+  /* the largest scheduling gap it reported lately (ms), and whether its
+   * loss is being withheld now (alive on a host under pressure) */
+  uint32_t sched_gap_ms;
+  bool loss_withheld;
 } sp_coord_rank_view;
 void sp_coord_ranks_get(const sp_coord *c, uint32_t rank,
                         sp_coord_rank_view *v);
@@ -71,5 +75,14 @@ int sp_coord_ranks_alert_logged(sp_coord *c, void *user,
                                 const sp_coord_event *e);
 int sp_coord_ranks_new_incarnation(sp_coord *c, void *user,
                                    const sp_coord_event *e);
+/* WORKERS_ALIVE: each of the node's ranks notes that its process was seen
+ * alive now, with its host's pressure (what the heartbeat check weighs
+ * before declaring it lost); an attached rank the agent does not list has
+ * no process and is lost at once. WORKER_EXITED: the rank, attached, is
+ * lost at once (its stream's end usually said so first). */
+int sp_coord_ranks_workers_alive(sp_coord *c, void *user,
+                                 const sp_coord_event *e);
+int sp_coord_ranks_worker_exited(sp_coord *c, void *user,
+                                 const sp_coord_event *e);
 
 #endif

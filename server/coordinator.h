@@ -55,6 +55,14 @@
  * 8 MiB. */
 #define SP_COORD_TRIM_BYTES (8u << 20)
 
+/* The default loss grace: a long job loses more to a restart (every
+ * rank back to its last checkpoint, often many minutes of every GPU) than
+ * to a minute of waiting on a rank that turns out hung; a descheduled,
+ * paging or I/O-stalled worker comes back well within it. Bounded all the
+ * same: a rank silent for the timeout and this long is lost. */
+#define SP_COORD_LOSS_GRACE_DEFAULT_MS 60000u
+#define SP_COORD_LOSS_GRACE_OFF UINT32_MAX
+
 typedef struct sp_coord_config {
   const char *model_path;
   const char *job_path; /* may be NULL: the job comes from `job` alone */
@@ -67,6 +75,12 @@ typedef struct sp_coord_config {
   /* After a restart on a state dir, how long a rank registered before may
    * take to reattach before it is declared lost; 0: 60000. */
   uint32_t reattach_grace_ms;
+  /* Losses that are real (coord_ranks.c): how much longer than the
+   * heartbeat timeout a silent rank is waited for while its agent says
+   * its process is alive and its host is under pressure (or the rank
+   * reported scheduling gaps); 0: SP_COORD_LOSS_GRACE_DEFAULT_MS,
+   * SP_COORD_LOSS_GRACE_OFF: not at all (lost at the timeout). */
+  uint32_t loss_grace_ms;
   /* The server's limits (sp_rpc_server_opts); 0 keeps the engine's
    * default. */
   uint32_t max_connections;

@@ -5,6 +5,7 @@
  * heartbeats, ABORT, detach, no_report, and the per-event cost. */
 #include <dirent.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -12,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -565,6 +568,66 @@ static void test_heartbeat_keeps_rank_alive(void **state) {
   stop(&fx);
 }
 
+/* A worker process stopped for 1.5 s (SIGSTOP, as a host's scheduler or
+ * pager may hold it) says so when it runs again: its next SessionUp
+ * carries a scheduling gap of about as long, which the coordinator keeps
+ * (ListRanks' sched_gap_ms). The worker is a real process of its own,
+ * forked before the coordinator's thread starts, that opens its session
+ * at the address a pipe gives it. */
+static void test_stopped_worker_reports_its_gap(void **state) {
+  (void)state;
+  int to_child[2], from_child[2];
+  assert_int_equal(pipe(to_child), 0);
+  assert_int_equal(pipe(from_child), 0);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    close(to_child[1]);
+    close(from_child[0]);
+    char addr[64] = "";
+    ssize_t n = read(to_child[0], addr, sizeof addr - 1);
+    if (n <= 0) _exit(2);
+    addr[n] = '\0';
+    sp_session_opts o = {
+        .coordinator = addr, .rank = 0, .connect_timeout_ms = 5000};
+    sp_session *s = NULL;
+    sp_diag d = {""};
+    if (sp_session_open(&o, &s, &d) != 0) _exit(3);
+    if (write(from_child[1], "k", 1) != 1) _exit(4);
+    for (;;) pause(); /* until killed */
+  }
+  close(to_child[0]);
+  close(from_child[1]);
+  const char *flags[] = {"world-size", "1", NULL};
+  fixture fx;
+  start(&fx, MODEL("gpt2"), flags, 0);
+  assert_int_equal(write(to_child[1], fx.addr, strlen(fx.addr)),
+                   (ssize_t)strlen(fx.addr));
+  char ok = 0;
+  assert_int_equal(read(from_child[0], &ok, 1), 1);
+  sp_test_sleep_ms(300);
+  assert_int_equal(kill(pid, SIGSTOP), 0);
+  sp_test_sleep_ms(1500);
+  assert_int_equal(kill(pid, SIGCONT), 0);
+  uint64_t gap = 0;
+  for (int i = 0; i < 300 && gap < 1000; i++) {
+    Shardplane__V1__ListRanksResponse *l = list_ranks(&fx);
+    gap = l->ranks[0]->sched_gap_ms;
+    assert_int_equal(l->ranks[0]->status,
+                     SHARDPLANE__V1__RANK_STATUS__ATTACHED);
+    free_msg(l);
+    if (gap < 1000) sp_test_sleep_ms(10);
+  }
+  kill(pid, SIGKILL);
+  int st;
+  waitpid(pid, &st, 0);
+  close(to_child[1]);
+  close(from_child[0]);
+  stop(&fx);
+  if (gap < 1000)
+    fail_msg("the gap reported: %llu ms", (unsigned long long)gap);
+}
+
 typedef struct abort_seen {
   atomic_int calls;
   char reason[256];
@@ -1051,6 +1114,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_queue_overflow_counted),
       cmocka_unit_test(test_dropped_transition_rejected),
       cmocka_unit_test(test_heartbeat_keeps_rank_alive),
+      cmocka_unit_test(test_stopped_worker_reports_its_gap),
       cmocka_unit_test(test_abort_when_a_peer_is_lost),
       cmocka_unit_test(test_abort_when_the_coordinator_goes),
       cmocka_unit_test(test_fingerprints_per_communicator),

@@ -353,6 +353,60 @@ static void poll_ctl(sp_supervise *s) {
   if (s->n_held > 0) judge_held(s);
 }
 
+/* A PSI file's "some avg10=X" (percent); false where the kernel has no
+ * PSI (the file is absent, or reading it is refused). */
+static bool read_psi(const char *path, float *avg10) {
+  FILE *f = fopen(path, "r");
+  if (f == NULL) return false;
+  char line[256];
+  bool ok = false;
+  while (!ok && fgets(line, sizeof line, f) != NULL)
+    ok = sscanf(line, "some avg10=%f", avg10) == 1;
+  fclose(f);
+  return ok;
+}
+
+/* The host's pressure as the coordinator weighs it (HostPressure). */
+static void read_pressure(Shardplane__V1__HostPressure *p) {
+  p->has_psi = read_psi("/proc/pressure/cpu", &p->cpu_some_avg10);
+  /* memory and io are there whenever cpu is */
+  if (p->has_psi) {
+    read_psi("/proc/pressure/memory", &p->memory_some_avg10);
+    read_psi("/proc/pressure/io", &p->io_some_avg10);
+  }
+  FILE *f = fopen("/proc/loadavg", "r");
+  if (f != NULL) {
+    if (fscanf(f, "%f", &p->loadavg_1m) != 1) p->loadavg_1m = 0;
+    fclose(f);
+  }
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  p->ncpu = n > 0 ? (uint32_t)n : 0;
+}
+
+/* Tells the coordinator which of this host's workers have a process
+ * alive, and the host's pressure, once every SP_SUPERVISE_ALIVE_S (after
+ * the reap: a worker that ended is not listed). Nothing while the stream
+ * is not up; a report lost to an outage is simply the next one. */
+static void report_alive(sp_supervise *s) {
+  double now = sp_clock_s();
+  if (!sp_agent_ctl_up(s->ctl) || now < s->alive_at) return;
+  s->alive_at = now + SP_SUPERVISE_ALIVE_S;
+  uint32_t ranks[SP_WORKERS_MAX];
+  size_t n = 0;
+  for (uint32_t i = 0; i < s->n; i++)
+    if (s->pids[i] > 0) ranks[n++] = s->first_rank + i;
+  Shardplane__V1__HostPressure p = SHARDPLANE__V1__HOST_PRESSURE__INIT;
+  read_pressure(&p);
+  Shardplane__V1__WorkersAlive w = SHARDPLANE__V1__WORKERS_ALIVE__INIT;
+  w.incarnation = s->incarnation;
+  w.n_alive_ranks = n;
+  w.alive_ranks = ranks;
+  w.pressure = &p;
+  Shardplane__V1__AgentUp up = SHARDPLANE__V1__AGENT_UP__INIT;
+  up.alive = &w;
+  sp_agent_ctl_send(s->ctl, &up);
+}
+
 static void reap(sp_supervise *s) {
   int st;
   pid_t pid;
@@ -485,6 +539,7 @@ int sp_supervise_run(sp_supervise *s) {
      * then seen as of a coordinator away or gone */
     poll_ctl(s);
     reap(s);
+    report_alive(s);
     if (s->ops->tick) s->ops->tick(s);
     int sig = g_signal;
     g_signal = 0;

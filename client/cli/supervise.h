@@ -17,6 +17,11 @@
  *     stop, and it says so), AGENT_START of the next incarnation (they
  *     start again, loading the last checkpoint) or AGENT_END (the job
  *     ends, naming the rank);
+ *   - about every second (SP_SUPERVISE_ALIVE_S) the coordinator is told
+ *     which workers have a process alive (started, not yet reaped) and
+ *     the host's pressure (PSI, load average): a rank silent under
+ *     pressure while its process lives is waited for (the coordinator's
+ *     --loss-grace-ms), one whose process is gone is lost at once;
  *   - the stream outlives the coordinator's outages of up to grace_ms
  *     (agent_ctl.h): a worker that ends while the coordinator is away is
  *     judged once it is back, never blamed for an outage it could not
@@ -126,9 +131,15 @@ struct sp_supervise {
   bool terminated; /* SIGTERM or SIGKILL sent: the ends that follow are ours */
   bool done;       /* the coordinator ended the job */
   bool coord_gone; /* past the grace, or lost keeping no state dir */
+  double alive_at; /* when to tell the coordinator which workers live */
   double term_at;  /* when to SIGTERM the workers left; < 0: not due */
   double kill_at;  /* when to SIGKILL them; < 0: not due */
 };
+
+/* How often the coordinator is told which workers have a process alive
+ * and the host's pressure (AgentUp.alive), for it to tell a descheduled
+ * rank from a dead one before declaring it lost. */
+#define SP_SUPERVISE_ALIVE_S 1.0
 
 /* SIGINT and SIGTERM set the flag the loop reads (once per process). */
 void sp_supervise_catch_signals(void);

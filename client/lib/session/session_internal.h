@@ -251,6 +251,12 @@ struct sp_session {
   size_t fifo_first, fifo_n, data_inflight;
   uint64_t drain_delay;
   uint64_t last_send_ms;
+  /* This thread's scheduling gaps (uv_hrtime, CLOCK_MONOTONIC ns): when
+   * each of its timers was next due, and the most it woke up late since
+   * the last message went (ms), which that message carries
+   * (SessionUp.sched_gap_ms) */
+  uint64_t hb_due_ns, drain_due_ns;
+  uint64_t sched_gap_ms;
   Shardplane__V1__Transition *tr;
   Shardplane__V1__Transition **trp;
   Shardplane__V1__Collective *co;

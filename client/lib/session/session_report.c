@@ -152,6 +152,7 @@ static int send_up_flight(sp_session *s, size_t n,
   up.mem_predicted_bytes =
       atomic_load_explicit(&s->mem_predicted_bytes, memory_order_relaxed);
   up.flight = flight;
+  up.sched_gap_ms = s->sched_gap_ms;
   if (s->need_bind) {
     /* the first message binds the stream to the rank */
     up.rank = s->rank;
@@ -188,6 +189,7 @@ static int send_up_flight(sp_session *s, size_t n,
   int rc = sp_rpc_ccall_send_msg(s->call, &up.base);
   if (rc != 0) return rc;
   s->need_bind = false;
+  s->sched_gap_ms = 0; /* told */
   s->next_seq++;
   uv_update_time(&s->loop); /* the first send runs before the loop does */
   s->last_send_ms = uv_now(&s->loop);
@@ -315,8 +317,23 @@ static bool drain(sp_session *s) {
   return sent;
 }
 
+/* A timer of this thread fired: how late against when it was due. A
+ * process descheduled on a loaded host, stopped (SIGSTOP), paging or
+ * stalled in I/O wakes up late by about as long, and its next message
+ * says so (the coordinator weighs it before declaring the rank lost).
+ * Returns now, for the timer's next due time. */
+static uint64_t note_wakeup(sp_session *s, uint64_t due_ns) {
+  uint64_t now = uv_hrtime();
+  if (due_ns != 0 && now > due_ns) {
+    uint64_t late_ms = (now - due_ns) / 1000000u;
+    if (late_ms > s->sched_gap_ms) s->sched_gap_ms = late_ms;
+  }
+  return now;
+}
+
 static void on_drain_timer(uv_timer_t *t) {
   sp_session *s = t->data;
+  note_wakeup(s, s->drain_due_ns);
   bool sent = drain(s);
   /* SP_SESSION_DRAIN_MS while events flow; back off when idle */
   if (sent)
@@ -325,10 +342,13 @@ static void on_drain_timer(uv_timer_t *t) {
     s->drain_delay *= 2;
   uv_update_time(&s->loop); /* from now, after the drain's own work */
   uv_timer_start(t, on_drain_timer, s->drain_delay, 0);
+  s->drain_due_ns = uv_hrtime() + s->drain_delay * 1000000u;
 }
 
 static void on_hb_timer(uv_timer_t *t) {
   sp_session *s = t->data;
+  /* a repeating timer: libuv armed the next one as this one ran */
+  s->hb_due_ns = note_wakeup(s, s->hb_due_ns) + (uint64_t)s->hb_ms * 1000000u;
   if (s->call == NULL) return;
   try_dump(s);
   /* any message counts as a heartbeat; send an empty one only when the
@@ -672,6 +692,8 @@ int sp_session_bg_start(sp_session *s, sp_diag *d) {
   uv_update_time(&s->loop); /* the loop has not run yet */
   uv_timer_start(&s->drain_timer, on_drain_timer, s->drain_delay, 0);
   uv_timer_start(&s->hb_timer, on_hb_timer, s->hb_ms, s->hb_ms);
+  s->drain_due_ns = uv_hrtime() + s->drain_delay * 1000000u;
+  s->hb_due_ns = uv_hrtime() + (uint64_t)s->hb_ms * 1000000u;
   if (uv_thread_create(&s->thread, bg_main, s) != 0) {
     rc = sp_diag_set(d, SP_EIO, "cannot start the session thread");
     goto fail_handles;
