@@ -638,14 +638,14 @@ static void test_run_checked_before_start(void **state) {
   free(dir);
 }
 
-/* How soon a run ends once a worker died: the others must exit too, and
- * under AddressSanitizer each exit runs the leak check, and the
- * survivors' way out from the abort to their last line takes about 2 s
- * there against 45 ms in the optimized build (2.57 s in all alone, 3.94 s
- * in a clean-clone run beside the suite's other tests). The optimized
- * build keeps 1 s. */
+/* How soon a run ends once a worker died: the others must exit too.
+ * Under AddressSanitizer the survivors' way out from the abort to their
+ * last line takes about 2 s against 45 ms in the optimized build (2.57 s
+ * in all alone, 3.94 s in a clean-clone run beside the suite's other
+ * tests, and test_worker's like case 7.85 s): there the bound only says
+ * that nothing hangs. The optimized build keeps 1 s. */
 #if defined(__SANITIZE_ADDRESS__)
-#define EXIT_BOUND_S 5.0
+#define EXIT_BOUND_S 10.0
 #else
 #define EXIT_BOUND_S 1.0
 #endif

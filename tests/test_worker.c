@@ -597,10 +597,13 @@ static void test_device_errors(void **state) {
 
 /* A worker killed mid-step: the others must fail within the heartbeat
  * timeout with a message naming what happened, and nothing may hang.
- * The slack over the timeout: 1 s; under the sanitizers, beside the
- * suite's other tests, the survivors' own abort took 2.36 s once. */
+ * The slack over the timeout: 1 s. Under the sanitizers the survivors'
+ * way out of the abort is slow whatever the leak check (3.1 s in all
+ * alone, 2.9 s with detect_leaks=0, against 45 ms optimized) and slower
+ * beside the suite's other tests (7.85 s seen in a clean-clone run):
+ * there the bound only says that nothing hangs. */
 #if defined(__SANITIZE_ADDRESS__)
-#define KILL_SLACK_S 3.0
+#define KILL_SLACK_S 10.0
 #else
 #define KILL_SLACK_S 1.0
 #endif
