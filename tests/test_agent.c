@@ -652,35 +652,34 @@ static pid_t child_with_rank(pid_t parent, int rank) {
   return 0;
 }
 
-/* A worker killed mid-training without restarts: its agent names its
- * rank and signal and exits 1; the other host's workers are aborted by the
- * coordinator and their agent exits 1 too. Nothing is left running. */
-static void test_agent_worker_killed(void **state) {
-  fx *f = *state;
+/* Waits until dir/name holds needle. */
+static void wait_for(const char *dir, const char *name, const char *needle,
+                     double timeout_s) {
+  double end = sp_clock_s() + timeout_s;
+  for (;;) {
+    char *out = slurp(dir, name);
+    bool there = strstr(out, needle) != NULL;
+    free(out);
+    if (there) return;
+    if (sp_clock_s() > end) fail_msg("no \"%s\" in %s", needle, name);
+    usleep(10000);
+  }
+}
+
+/* Both hosts' agents training for ever, once the job is past step 3. */
+static void start_training(fx *f, pid_t a[2]) {
   const char *trainer[] = {WORKER,         "--insecure",  "--steps",
                            "100000",       "--log-every", "1",
                            "--checkpoint", "none",        NULL};
-  pid_t a[2];
   for (int i = 0; i < 2; i++)
     a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
-  double end = sp_clock_s() + 60;
-  for (;;) {
-    char *out = slurp(f->dir, "agent0.out");
-    bool going = strstr(out, "step 3/") != NULL;
-    free(out);
-    if (going) break;
-    if (sp_clock_s() > end) fail_msg("the job did not reach step 3");
-    usleep(20000);
-  }
-  pid_t victim = child_with_rank(a[1], 3);
-  assert_true(victim > 0);
-  assert_int_equal(kill(victim, SIGKILL), 0);
-  int st[2], max_conns;
-  double t0 = sp_clock_s();
-  wait_agents(a, st, f->coord.port, 60, &max_conns);
-  double took = sp_clock_s() - t0;
-  /* the coordinator recorded what ended the job's one incarnation (it
-   * weighs the deaths reported within 300 ms of the first) */
+  wait_for(f->dir, "agent0.out", "step 3/", 60);
+}
+
+/* The job's incarnations once incarnation 0 has ended (the coordinator
+ * weighs the deaths reported within 300 ms of the first), or after 5 s;
+ * the caller frees it. */
+static Shardplane__V1__ListIncarnationsResponse *first_ended(fx *f) {
   Shardplane__V1__ListIncarnationsResponse *li =
       incarnations(f->addr, &f->auth);
   for (double until = sp_clock_s() + 5;
@@ -689,6 +688,25 @@ static void test_agent_worker_killed(void **state) {
     usleep(20000);
     li = incarnations(f->addr, &f->auth);
   }
+  return li;
+}
+
+/* A worker killed mid-training without restarts: its agent names its
+ * rank and signal and exits 1; the other host's workers are aborted by the
+ * coordinator and their agent exits 1 too. Nothing is left running. */
+static void test_agent_worker_killed(void **state) {
+  fx *f = *state;
+  pid_t a[2];
+  start_training(f, a);
+  pid_t victim = child_with_rank(a[1], 3);
+  assert_true(victim > 0);
+  assert_int_equal(kill(victim, SIGKILL), 0);
+  int st[2], max_conns;
+  double t0 = sp_clock_s();
+  wait_agents(a, st, f->coord.port, 60, &max_conns);
+  double took = sp_clock_s() - t0;
+  /* the coordinator recorded what ended the job's one incarnation */
+  Shardplane__V1__ListIncarnationsResponse *li = first_ended(f);
   assert_int_equal(li->current, 0);
   assert_int_equal(li->n_incarnations, 1);
   assert_true(li->incarnations[0]->ended);
@@ -720,21 +738,8 @@ static void test_agent_worker_killed(void **state) {
  * no agent reported. */
 static void test_agent_node_lost(void **state) {
   fx *f = *state;
-  const char *trainer[] = {WORKER,         "--insecure",  "--steps",
-                           "100000",       "--log-every", "1",
-                           "--checkpoint", "none",        NULL};
   pid_t a[2];
-  for (int i = 0; i < 2; i++)
-    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
-  double end = sp_clock_s() + 60;
-  for (;;) {
-    char *out = slurp(f->dir, "agent0.out");
-    bool going = strstr(out, "step 3/") != NULL;
-    free(out);
-    if (going) break;
-    if (sp_clock_s() > end) fail_msg("the job did not reach step 3");
-    usleep(20000);
-  }
+  start_training(f, a);
   int kids[8];
   size_t n = sp_test_children(a[1], kids, 8);
   assert_int_equal(n, 2);
@@ -746,14 +751,7 @@ static void test_agent_node_lost(void **state) {
   assert_int_equal(st[0], 1);
   /* the coordinator is alive and answers */
   assert_int_equal(kill(f->coord.pid, 0), 0);
-  Shardplane__V1__ListIncarnationsResponse *li =
-      incarnations(f->addr, &f->auth);
-  for (double until = sp_clock_s() + 5;
-       !li->incarnations[0]->ended && sp_clock_s() < until;) {
-    protobuf_c_message_free_unpacked(&li->base, NULL);
-    usleep(20000);
-    li = incarnations(f->addr, &f->auth);
-  }
+  Shardplane__V1__ListIncarnationsResponse *li = first_ended(f);
   assert_true(li->incarnations[0]->ended);
   printf("incarnation 0 ended: %s\n", li->incarnations[0]->reason);
   assert_non_null(strstr(li->incarnations[0]->reason, "node 1"));
@@ -762,20 +760,6 @@ static void test_agent_node_lost(void **state) {
   int cst = sp_proc_stop(&f->coord, 5000);
   f->coord.pid = 0;
   assert_int_equal(cst, 0); /* a clean shutdown, no crash */
-}
-
-/* Waits until dir/name holds needle. */
-static void wait_for(const char *dir, const char *name, const char *needle,
-                     double timeout_s) {
-  double end = sp_clock_s() + timeout_s;
-  for (;;) {
-    char *out = slurp(dir, name);
-    bool there = strstr(out, needle) != NULL;
-    free(out);
-    if (there) return;
-    if (sp_clock_s() > end) fail_msg("no \"%s\" in %s", needle, name);
-    usleep(10000);
-  }
 }
 
 /* A worker killed mid-training with --max-restarts 1: the coordinator
