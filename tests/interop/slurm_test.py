@@ -272,10 +272,9 @@ def job_output(d):
         return f.read()
 
 
-def case_trains(cluster, args):
-    d, env = job_env(cluster, args, "trains", SP_STEPS=8,
-                     SP_CHECKPOINT_EVERY=4, SP_MAX_RESTARTS=0)
-    p = sbatch(cluster, args, d, env)
+def sbatch_done(p, d):
+    """Waits up to 150 s for `sbatch --wait` p (killed past it, the test
+    failing), prints what it and the job printed; the job's output."""
     try:
         so, _ = p.communicate(timeout=150)
     except subprocess.TimeoutExpired:
@@ -286,6 +285,14 @@ def case_trains(cluster, args):
     out = job_output(d)
     print("sbatch printed: %s (exit %d)" % (so.strip(), p.returncode))
     print("---- the job's output\n" + out, flush=True)
+    return out
+
+
+def case_trains(cluster, args):
+    d, env = job_env(cluster, args, "trains", SP_STEPS=8,
+                     SP_CHECKPOINT_EVERY=4, SP_MAX_RESTARTS=0)
+    p = sbatch(cluster, args, d, env)
+    out = sbatch_done(p, d)
     if p.returncode != 0:
         cluster.explain()
         fail("sbatch --wait ended %d, not 0" % p.returncode)
@@ -337,20 +344,10 @@ def lost_node(cluster, args, name, restarts):
     d, env = job_env(cluster, args, name, SP_STEPS=3000,
                      SP_CHECKPOINT_EVERY=100, SP_MAX_RESTARTS=restarts)
     p = sbatch(cluster, args, d, env)
-    job = None
-    try:
-        wait_output(d, r"\[rank0\]: step 300/", 120, p)
-        job = re.search(r"JOB (\d+)", "JOB " + job_id(d)).group(1)
-        kill_node_step(cluster, job, 1)
-        so, _ = p.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        so, _ = p.communicate()
-        print(job_output(d))
-        fail("sbatch --wait did not return in 150 s")
-    out = job_output(d)
-    print("sbatch printed: %s (exit %d)" % (so.strip(), p.returncode))
-    print("---- the job's output\n" + out, flush=True)
+    wait_output(d, r"\[rank0\]: step 300/", 120, p)
+    job = re.search(r"JOB (\d+)", "JOB " + job_id(d)).group(1)
+    kill_node_step(cluster, job, 1)
+    out = sbatch_done(p, d)
     print("---- coordinator.log\n" + tail(os.path.join(d, "job",
                                                        "coordinator.log"),
                                           60), flush=True)
