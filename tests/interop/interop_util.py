@@ -4,8 +4,10 @@ runner that prints one line per case and the "N passed, M failed" summary."""
 
 import os
 import queue
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,33 @@ def make_certs():
     out = {k: os.path.join(d, v) for k, v in names.items()}
     out["dir"] = d
     return out
+
+
+def free_port():
+    """A TCP port for a program that takes its port on the command line or
+    in a file (Prometheus, slurmctld, slurmd). It is drawn from below the
+    kernel's ephemeral range: a port from that range, free when probed, can
+    be handed to another test's outgoing connection before the program binds
+    it (slurmd failed so in CI), while one below it is only ever taken by an
+    explicit bind."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    low = max(low, 2048)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 20000), low)
+        s = socket.socket()
+        try:
+            s.bind(("0.0.0.0", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    raise RuntimeError("no free TCP port below %d after 200 draws" % low)
 
 
 def read_bytes(path):

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,14 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import interop_util as iu  # noqa: E402
 from run_job import (  # noqa: E402
     metric_names, metric_values, run_gpt2_tiny, start, wait_for)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def prom_query(base, q):
@@ -95,7 +86,7 @@ def main():
         with open(os.path.join(tmp, "reader.token"), "w") as f:
             f.write(job.token)
         os.chmod(os.path.join(tmp, "reader.token"), 0o600)
-        port = free_port()
+        port = iu.free_port()
         base = "http://127.0.0.1:%d" % port
         with open(os.path.join(tmp, "prometheus.yml"), "w") as f:
             f.write("""global:

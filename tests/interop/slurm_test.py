@@ -27,6 +27,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interop_util import free_port  # noqa: E402
+
 PROGRAMS = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sinfo",
             "squeue", "scancel", "scontrol", "srun"]
 
@@ -34,14 +37,6 @@ PROGRAMS = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sinfo",
 def fail(msg):
     print("FAIL: " + msg, flush=True)
     raise SystemExit(1)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def tail(path, n=40):
