@@ -19,6 +19,7 @@
 #include "coord_history.h"
 #include "coord_persist.h"
 #include "coord_plan.h"
+#include "coord_quorum.h"
 #include "coord_ranks.h"
 #include "coord_stall.h"
 #include "coord_store.h"
@@ -204,6 +205,11 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       .incarnation = sp_coord_agents_restore,
       .snapshot = sp_coord_ranks_snapshot};
   if ((rc = sp_coord_persist_open(c, &hooks, diag)) != 0) goto fail;
+  /* after the store was read back: it holds the quorum of before */
+  if ((rc = sp_coord_quorum_init(c)) != 0) {
+    sp_diag_set(diag, rc, "coordinator: replica quorum: %s", sp_strerror(rc));
+    goto fail;
+  }
   sp_rpc_server_set_health(c->srv, SP_COORD_SERVICE, SP_HEALTH_SERVING);
   *out = c;
   return 0;
@@ -303,6 +309,7 @@ void sp_coord_free(sp_coord *c) {
   sp_coord_diag_free(c);
   sp_coord_ranks_free(c);
   sp_coord_agents_free(c);
+  sp_coord_quorum_free(c);
   for (size_t i = 0; i < c->n_method_tables; i++) free(c->methods[i]);
   sp_coord_alerts_free(c);
   sp_coord_metrics_free(c);

@@ -31,6 +31,7 @@
 
 #include "coord_base.h"
 #include "coord_persist.h"
+#include "coord_quorum.h"
 #include "coord_ranks.h"
 #include "coord_verdict.h"
 
@@ -214,6 +215,7 @@ static int send_cmd(sp_rpc_call *call, int cmd, uint64_t inc,
   d.durable = sp_coord_persist_durable(c);
   d.completed = cmd == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
                 current_rec(c->agents)->completed;
+  d.groups_continue = sp_coord_quorum_on(c);
   return sp_rpc_call_send(call, &d.base);
 }
 
@@ -365,6 +367,7 @@ static void next_incarnation(sp_coord *c) {
     sp_coord_base_log(c,
                       "hang diagnosis: out of memory for the new incarnation");
   clear_store(c);
+  sp_coord_quorum_reset(c);
   sp_coord_base_log(c, "incarnation %llu begins (restart %u of %u)",
                     (unsigned long long)a->current, a->restarts,
                     a->max_restarts);
@@ -459,11 +462,45 @@ static void decide(uv_timer_t *t) {
   send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->end_reason);
 }
 
+static bool in_hosts(const agent_conn *g, uint32_t lo, uint32_t hi) {
+  uint32_t first = g->node_rank * g->nproc;
+  return g->registered && first <= hi && first + g->nproc - 1 >= lo;
+}
+
+void sp_coord_agents_hosts_of(const sp_coord *c, uint32_t lo, uint32_t hi,
+                              uint32_t *lo_out, uint32_t *hi_out) {
+  const struct sp_coord_agents *a = c->agents;
+  for (const agent_conn *g = a ? a->list : NULL; g; g = g->next) {
+    if (!in_hosts(g, lo, hi)) continue;
+    uint32_t first = g->node_rank * g->nproc;
+    if (first < *lo_out) *lo_out = first;
+    if (first + g->nproc - 1 > *hi_out) *hi_out = first + g->nproc - 1;
+  }
+}
+
+void sp_coord_agents_restart(sp_coord *c, uint32_t lo, uint32_t hi,
+                             const char *why) {
+  struct sp_coord_agents *a = c->agents;
+  for (agent_conn *g = a ? a->list : NULL; g; g = g->next)
+    if (in_hosts(g, lo, hi))
+      send_cmd(g->call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_RESTART,
+               a->current, why);
+}
+
 /* A worker died on its own: the end of the current incarnation, decided
- * DECIDE_MS after the first report. */
+ * DECIDE_MS after the first report; or, with replica groups that
+ * continue, the end of its group's place in the quorum. */
 static void worker_died(sp_coord *c, const Shardplane__V1__WorkerExit *w) {
   struct sp_coord_agents *a = c->agents;
   if (w->incarnation != a->current || a->phase != PHASE_RUNNING) return;
+  char how[160];
+  if (w->signal > 0 && w->signal < NSIG)
+    snprintf(how, sizeof how, "rank %u was killed by signal %d (%s)", w->rank,
+             w->signal, strsignal(w->signal));
+  else
+    snprintf(how, sizeof how, "rank %u exited with status %d", w->rank,
+             w->exit_code);
+  if (sp_coord_quorum_drop(c, w->rank, how)) return;
   if (a->n_cand < MAX_CANDIDATES) {
     Shardplane__V1__WorkerExit *x = &a->cand[a->n_cand++];
     shardplane__v1__worker_exit__init(x);
@@ -682,8 +719,12 @@ static void agent_gone(sp_rpc_call *call) {
           st == SHARDPLANE__V1__RANK_STATUS__LOST)
         training = true;
     }
+  uint32_t first = g->node_rank * g->nproc;
+  char lost[SP_COORD_MAX_HOST + 96];
+  snprintf(lost, sizeof lost, "node %u (%s) was lost: its agent went away",
+           g->node_rank, g->host);
+  if (training && sp_coord_quorum_drop(c, first, lost)) training = false;
   if (training) {
-    uint32_t first = g->node_rank * g->nproc;
     sp_coord_base_log(c,
                       "node %u lost: its agent (%s pid %u, ranks %u-%u) went "
                       "away while its workers ran",

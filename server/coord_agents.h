@@ -37,4 +37,13 @@ void sp_coord_agents_incarnation(const sp_coord *c, uint64_t *number,
 int sp_coord_agents_alert(sp_coord *c, void *user, const sp_coord_event *e);
 int sp_coord_agents_completed(sp_coord *c, void *user, const sp_coord_event *e);
 
+/* Replica groups that continue (coord_quorum.h): the ranks of every host
+ * (registered agent) holding any of ranks lo..hi, widened into *lo_out..
+ * *hi_out (which start as lo..hi); and AGENT_RESTART, with why, to each
+ * such host's agent. */
+void sp_coord_agents_hosts_of(const sp_coord *c, uint32_t lo, uint32_t hi,
+                              uint32_t *lo_out, uint32_t *hi_out);
+void sp_coord_agents_restart(sp_coord *c, uint32_t lo, uint32_t hi,
+                             const char *why);
+
 #endif

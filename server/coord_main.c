@@ -66,6 +66,15 @@ static void usage(FILE *f) {
       "agent\n"
       "                               reports gone is lost at once)\n"
       "Hang diagnosis (docs/architecture.md):\n"
+      "  --on-group-failure continue|restart\n"
+      "                               HYBRID_SHARD: when a rank fails, drop "
+      "its\n"
+      "                               replica group and train on with the "
+      "others\n"
+      "                               (it rejoins with their live state), "
+      "or restart\n"
+      "                               the whole job as --max-restarts says "
+      "(default)\n"
       "  --stall-timeout-ms N         a rank with no event for N ms while "
       "it\n"
       "                               heartbeats is stalled (default: "
@@ -175,6 +184,7 @@ enum {
   OPT_STATE_DIR,
   OPT_REATTACH,
   OPT_LOSS_GRACE,
+  OPT_ON_GROUP_FAILURE,
   OPT_STALL_MS,
   OPT_ON_STALL,
   OPT_STRAGGLER,
@@ -199,6 +209,7 @@ static const struct option k_opts[] = {
     {"state-dir", required_argument, NULL, OPT_STATE_DIR},
     {"reattach-grace-ms", required_argument, NULL, OPT_REATTACH},
     {"loss-grace-ms", required_argument, NULL, OPT_LOSS_GRACE},
+    {"on-group-failure", required_argument, NULL, OPT_ON_GROUP_FAILURE},
     {"stall-timeout-ms", required_argument, NULL, OPT_STALL_MS},
     {"on-stall", required_argument, NULL, OPT_ON_STALL},
     {"straggler-ratio", required_argument, NULL, OPT_STRAGGLER},
@@ -442,6 +453,16 @@ int main(int argc, char **argv) {
         cfg.loss_grace_ms = x == 0 ? SP_COORD_LOSS_GRACE_OFF : (uint32_t)x;
         break;
       }
+      case OPT_ON_GROUP_FAILURE:
+        if (strcmp(optarg, "continue") == 0 || strcmp(optarg, "restart") == 0) {
+          cfg.groups_continue = optarg[0] == 'c';
+          break;
+        }
+        fprintf(stderr,
+                "shardplane-coordinator: --on-group-failure %s: expected "
+                "continue or restart\n",
+                optarg);
+        goto out;
       case OPT_STALL_MS:
         if (parse_ms("--stall-timeout-ms", optarg, &cfg.diag.stall_timeout_ms))
           goto out;

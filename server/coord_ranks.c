@@ -10,6 +10,7 @@
 #include "coord_base.h"
 #include "coord_events.h"
 #include "coord_persist.h"
+#include "coord_quorum.h"
 
 #define SESSION_ID_LEN 32
 
@@ -225,6 +226,15 @@ static void broadcast_abort(sp_coord *c, uint32_t lost, const char *reason,
       sp_rpc_call_send(c->ranks[r].session, &d.base);
 }
 
+void sp_coord_ranks_send_quorum(sp_coord *c, uint64_t epoch) {
+  Shardplane__V1__SessionDown d = SHARDPLANE__V1__SESSION_DOWN__INIT;
+  d.command = SHARDPLANE__V1__COMMAND__QUORUM;
+  d.quorum_epoch = epoch;
+  for (uint32_t r = 0; r < c->plan->world_size; r++)
+    if (c->ranks[r].session != NULL)
+      sp_rpc_call_send(c->ranks[r].session, &d.base);
+}
+
 /* The coordinator ends a rank's Session stream itself. A finished call gets
  * no further callback (neither on_half_close nor on_cancel), so its context
  * goes here rather than in session_ended. */
@@ -325,6 +335,11 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why,
     session_finish(s, SP_RPC_ABORTED, msg);
   }
   if (c->shutting_down) return;
+  /* replica groups that continue: its group is dropped, the others train
+   * on (no abort, no verdict on the job) */
+  char lost[SP_DIAG_MAX];
+  snprintf(lost, sizeof lost, "rank %u lost: %s", rank, why);
+  if (sp_coord_quorum_drop(c, rank, lost)) return;
   char reason[SP_DIAG_MAX] = "";
   uint32_t culprit = rank;
   sp_coord_event e = {.kind = SP_COORD_EV_LOST,

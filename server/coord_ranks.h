@@ -50,6 +50,9 @@ void sp_coord_ranks_get(const sp_coord *c, uint32_t rank,
 int sp_coord_ranks_status(const sp_coord *c, uint32_t rank);
 bool sp_coord_ranks_attached(const sp_coord *c, uint32_t rank);
 uint64_t sp_coord_ranks_step(const sp_coord *c, uint32_t rank);
+/* QUORUM with the replica quorum's new epoch down every open Session
+ * stream (coord_quorum.h). */
+void sp_coord_ranks_send_quorum(sp_coord *c, uint64_t epoch);
 /* How many ranks have that status now (kept as they change: O(1)). */
 uint32_t sp_coord_ranks_with_status(const sp_coord *c, int status);
 /* Summary counts for GetJob / status. */

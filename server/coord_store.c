@@ -40,6 +40,7 @@
 
 #include "coord_base.h"
 #include "coord_persist.h"
+#include "coord_quorum.h"
 
 /* TCPStore's cap on keys per multi-key command. */
 #define SP_COORD_STORE_MAX_WAIT_KEYS (128u << 10)
@@ -209,6 +210,7 @@ static void on_set(sp_rpc_call *call, const ProtobufCMessage *msg,
     return;
   }
   wrote(call, q->key, klen, q->value.len);
+  sp_coord_quorum_key(c, q->key, klen);
   sp_coord_persist_reply(c, call, &r.base);
 }
 

@@ -81,6 +81,10 @@ typedef struct sp_coord_config {
    * reported scheduling gaps); 0: SP_COORD_LOSS_GRACE_DEFAULT_MS,
    * SP_COORD_LOSS_GRACE_OFF: not at all (lost at the timeout). */
   uint32_t loss_grace_ms;
+  /* --on-group-failure continue (coord_quorum.h): a HYBRID_SHARD job's
+   * replica groups train on when one fails; false: every fault is the
+   * job's (restart or end, as the agents' --max-restarts say). */
+  bool groups_continue;
   /* The server's limits (sp_rpc_server_opts); 0 keeps the engine's
    * default. */
   uint32_t max_connections;
@@ -151,6 +155,7 @@ typedef struct sp_coord {
   sp_coord_persist *persist;               /* NULL without a state dir */
   /* the hosts' agents and the job's incarnations (coord_agents.c) */
   struct sp_coord_agents *agents;
+  struct sp_coord_quorum *quorum;   /* coord_quorum.c; NULL: none */
   sp_coord_auth *auth;              /* NULL without a token file */
   struct sp_coord_http *http;       /* coord_http.c; NULL: no HTTP listener */
   int http_port;                    /* its bound port */

@@ -17,6 +17,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -59,6 +60,32 @@ static void start_coord_at(sp_proc *c, sp_tauth *auth, int world,
     argv[12] = (char *)state_dir;
     argv[13] = NULL;
   }
+  sp_diag d = {{0}};
+  if (sp_proc_spawn(c, argv, false, true, "listening on 127.0.0.1:%d", &d))
+    fail_msg("coordinator: %s", d.msg);
+  snprintf(addr, cap, "127.0.0.1:%d", c->port);
+}
+
+/* A coordinator of `world` ranks with extra flags (NULL-terminated). */
+static void start_coord_flags(sp_proc *c, sp_tauth *auth, int world,
+                              const char *const *flags, char *addr,
+                              size_t cap) {
+  char ws[16];
+  snprintf(ws, sizeof ws, "%d", world);
+  char *argv[32] = {SP_BIN_DIR "/shardplane-coordinator",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--model",
+                    MLP,
+                    "--world-size",
+                    ws,
+                    "--insecure",
+                    "--token-file",
+                    auth->token_file,
+                    "--quiet"};
+  size_t k = 11;
+  for (size_t i = 0; flags[i] && k < 31; i++) argv[k++] = (char *)flags[i];
+  argv[k] = NULL;
   sp_diag d = {{0}};
   if (sp_proc_spawn(c, argv, false, true, "listening on 127.0.0.1:%d", &d))
     fail_msg("coordinator: %s", d.msg);
@@ -762,6 +789,120 @@ static void test_agent_node_lost(void **state) {
   assert_int_equal(cst, 0); /* a clean shutdown, no crash */
 }
 
+/* The tensor bytes of a safetensors file (all after its header), into
+ * *len; the caller frees them. */
+static uint8_t *tensor_bytes(const char *dir, const char *name, size_t *len) {
+  char *path = sp_test_path(dir, name);
+  FILE *fp = fopen(path, "rb");
+  if (fp == NULL) fail_msg("%s: cannot open", path);
+  uint8_t h[8];
+  assert_int_equal(fread(h, 1, 8, fp), 8);
+  uint64_t hl = 0;
+  for (int i = 7; i >= 0; i--) hl = hl << 8 | h[i];
+  assert_int_equal(fseek(fp, 0, SEEK_END), 0);
+  long size = ftell(fp);
+  assert_true(size > 0 && (uint64_t)size >= 8 + hl);
+  *len = (size_t)size - 8 - hl;
+  uint8_t *b = malloc(*len + 1);
+  assert_non_null(b);
+  assert_int_equal(fseek(fp, (long)(8 + hl), SEEK_SET), 0);
+  assert_int_equal(fread(b, 1, *len, fp), *len);
+  fclose(fp);
+  free(path);
+  return b;
+}
+
+/* The line time ("12:03:04.567 ") of an output line, in seconds of the
+ * day. */
+static double line_time(const char *line) {
+  int h, m;
+  double sec;
+  if (sscanf(line, "%d:%d:%lf", &h, &m, &sec) != 3) return -1;
+  return h * 3600.0 + m * 60.0 + sec;
+}
+
+/* Replica groups that continue (--on-group-failure continue): 2 groups of
+ * 2 ranks (HYBRID_SHARD, one group per host), rank 3 SIGKILLed mid-
+ * training. Group 1 is dropped and restarted by its agent while group 0
+ * trains on: no incarnation ends, the survivors go on (a step in flight
+ * is run again), group 1 rejoins with the live state, the job completes
+ * with both agents ending 0, and each rank's shard, buffers and step
+ * equal its replica's bit for bit (their LOCAL checkpoints). */
+static void test_agent_group_continues(void **state) {
+  fx *f = *state;
+  const char *flags[] = {
+      "--strategy", "HYBRID_SHARD",       "--shard-group-size",
+      "2",          "--on-group-failure", "continue",
+      NULL};
+  start_coord_flags(&f->coord, &f->auth, 4, flags, f->addr, sizeof f->addr);
+  char *ck = sp_test_path(f->dir, "ck");
+  const char *trainer[] = {
+      WORKER, "--insecure",       "--steps", "300",          "--log-every",
+      "1",    "--checkpoint-dir", ck,        "--checkpoint", "local",
+      NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
+  wait_for(f->dir, "agent0.out", "step 20/", 60);
+  pid_t victim = child_with_rank(a[1], 3);
+  assert_true(victim > 0);
+  double killed = sp_clock_s();
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  struct tm tm;
+  localtime_r(&now.tv_sec, &tm);
+  double killed_tod =
+      tm.tm_hour * 3600.0 + tm.tm_min * 60.0 + tm.tm_sec + now.tv_nsec * 1e-9;
+  assert_int_equal(kill(victim, SIGKILL), 0);
+  int st[2], max_conns;
+  wait_agents(a, st, f->coord.port, 120, &max_conns);
+  double took = sp_clock_s() - killed;
+  char *out0 = slurp(f->dir, "agent0.out"), *out1 = slurp(f->dir, "agent1.out");
+  char *err1 = slurp(f->dir, "agent1.err");
+  /* the survivors' first completed step after the kill */
+  double next = -1;
+  char *copy = strdup(out0), *save = NULL;
+  for (char *l = strtok_r(copy, "\n", &save); l && next < 0;
+       l = strtok_r(NULL, "\n", &save))
+    if (strstr(l, "[rank0]: step ") && line_time(l) > killed_tod)
+      next = line_time(l) - killed_tod;
+  free(copy);
+  printf(
+      "agent 1:\n%s\n%s\nthe survivors' next step %.3f s after the kill; "
+      "the job ended %.1f s after it\n",
+      err1, out1, next, took);
+  assert_int_equal(st[0], 0);
+  assert_int_equal(st[1], 0);
+  assert_non_null(strstr(err1, "its replica group was dropped"));
+  assert_non_null(strstr(out1, "received the live state of step"));
+  assert_non_null(strstr(out0, "step 300/300"));
+  assert_true(next >= 0 && next < 10);
+  /* one incarnation: nothing restarted the job */
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
+  assert_int_equal(li->current, 0);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  char *local = sp_test_path(ck, "local");
+  for (int r = 0; r < 2; r++) {
+    char n0[64], n1[64];
+    snprintf(n0, sizeof n0, "local-%d-of-4.safetensors", r);
+    snprintf(n1, sizeof n1, "local-%d-of-4.safetensors", r + 2);
+    size_t l0, l1;
+    uint8_t *b0 = tensor_bytes(local, n0, &l0),
+            *b1 = tensor_bytes(local, n1, &l1);
+    assert_int_equal(l0, l1);
+    assert_memory_equal(b0, b1, l0);
+    free(b0);
+    free(b1);
+  }
+  free(local);
+  free(ck);
+  free(out0);
+  free(out1);
+  free(err1);
+  stop_coord(f);
+}
+
 /* A worker killed mid-training with --max-restarts 1: the coordinator
  * ends incarnation 0 naming the rank and signal, every agent stops its
  * workers and starts them again, they load the last checkpoint and the
@@ -1454,6 +1595,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_agents_two_namespaces, fx_setup_bare,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_worker_killed, fx_setup,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_group_continues, fx_setup_bare,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_node_lost, fx_setup,
                                       fx_teardown),

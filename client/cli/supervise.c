@@ -77,6 +77,7 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
     return SP_EXIT_FAILURE;
   }
   int ec = SP_SUPERVISE_PROCEED;
+  s->groups_continue = cmd->groups_continue;
   if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
     s->incarnation = cmd->incarnation;
   } else if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
@@ -178,7 +179,23 @@ static void print_alert(const Shardplane__V1__Alert *a) {
 
 /* A command from the coordinator. */
 static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
+  s->groups_continue = d->groups_continue;
   switch (d->command) {
+    case SHARDPLANE__V1__AGENT_COMMAND__AGENT_RESTART:
+      if (d->incarnation != s->incarnation || s->stopped || s->done) return;
+      sp_cli_error(s->who, "%s; restarting the %u worker%s of this host",
+                   d->reason, s->n, s->n == 1 ? "" : "s");
+      if (s->live > 0)
+        sp_workers_stop(s->pids, s->n, (int)(SP_SUPERVISE_TERM_S * 1000));
+      s->live = 0;
+      drain_all(s);
+      s->failed = 0;
+      s->n_reported = 0;
+      if (s->ops->start(s) != SP_SUPERVISE_PROCEED && s->ret == SP_EXIT_OK) {
+        s->ret = SP_EXIT_FAILURE;
+        s->term_at = sp_clock_s();
+      }
+      return;
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT:
       /* not those of the workers this host stopped (a rank lost) */
       if (d->alert && !s->terminated) print_alert(d->alert);
@@ -255,7 +272,7 @@ static void judge_end(sp_supervise *s, const struct sp_supervise_end *e) {
   report_exit(s, e);
   if (s->n_reported < SP_WORKERS_MAX) s->reported[s->n_reported++] = *e;
   s->failed++;
-  if (s->max_restarts > 0 && sp_agent_ctl_up(s->ctl)) {
+  if ((s->max_restarts > 0 || s->groups_continue) && sp_agent_ctl_up(s->ctl)) {
     sp_cli_error(s->who, "%s %s; the coordinator decides on a restart", who,
                  how);
     return;

@@ -17,6 +17,11 @@
  *     stop, and it says so), AGENT_START of the next incarnation (they
  *     start again, loading the last checkpoint) or AGENT_END (the job
  *     ends, naming the rank);
+ *   - with replica groups that continue (the coordinator's
+ *     --on-group-failure continue) a death is the coordinator's to judge
+ *     too, and AGENT_RESTART stops this host's workers (their replica
+ *     group was dropped) and starts them again in the same incarnation:
+ *     they rejoin with the live state of the groups that trained on;
  *   - about every second (SP_SUPERVISE_ALIVE_S) the coordinator is told
  *     which workers have a process alive (started, not yet reaped) and
  *     the host's pressure (PSI, load average): a rank silent under
@@ -90,6 +95,9 @@ struct sp_supervise {
   uint32_t n;            /* local workers, at most SP_WORKERS_MAX */
   uint32_t first_rank;   /* the job's rank of local worker 0 */
   uint32_t max_restarts; /* --max-restarts; 0: none */
+  /* the coordinator keeps replica groups going (AgentDown.groups_continue):
+   * a worker's death is its to judge, restarts or not */
+  bool groups_continue;
   /* the coordinator's outages the stream rides out (--coordinator-grace);
    * 0: none */
   uint64_t grace_ms;

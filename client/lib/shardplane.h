@@ -286,6 +286,10 @@ bool sp_session_aborted(const sp_session *s, char *reason, size_t cap);
  * which (*rank). The abort reason then says so: "rank C ..., not this
  * rank's fault". Any thread. */
 bool sp_session_culprit(const sp_session *s, uint32_t *rank);
+/* The newest replica quorum epoch the coordinator announced on the
+ * stream (QUORUM; 0: none yet). The runtime adopts it at a step boundary
+ * (sp_fsdp_quorum_boundary). Any thread. */
+uint64_t sp_session_quorum_epoch(const sp_session *s);
 /* Flight records sent in answer to FLIGHT_DUMP so far (tests). Any
  * thread. */
 uint64_t sp_session_flight_dumps(const sp_session *s);
@@ -498,6 +502,9 @@ typedef struct sp_fsdp_opts {
    * device's (initialisation, checkpoints and loads staged through host
    * copies), so those paths run on a machine without a GPU. */
   const char *device;
+  /* Under a replica quorum (sp_fsdp_quorum_on): the replica groups' forming
+   * and operations time out after this long (0: 60000 ms). */
+  uint64_t comm_timeout_ms;
 } sp_fsdp_opts;
 
 int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d);
@@ -590,6 +597,53 @@ int sp_fsdp_all_reduce(sp_fsdp *f, void *buf, size_t count, sp_dtype dt,
 int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
                        sp_comm **shard_group, sp_comm **replica_group,
                        sp_diag *d);
+
+/* ---- replica groups that continue (HYBRID_SHARD) ----
+ * A coordinator run with --on-group-failure continue keeps a quorum of a
+ * HYBRID_SHARD job's replica groups (the groups of shard_world ranks, each
+ * holding the whole model): when a rank fails, its group is dropped at a
+ * step boundary and the other groups train on, their gradients averaged
+ * over the groups left (the global batch shrinks by the dropped group's
+ * share); the dropped group's processes start again and rejoin with the
+ * live shards and optimizer state of a group that trained on, after which
+ * the two are equal bit for bit. Under such a coordinator
+ * sp_fsdp_comms_open opens the shard group only (world and replica group
+ * NULL) and sp_fsdp_new forms the replica group itself, per quorum; the
+ * world's sums (sp_fsdp_all_reduce, sp_fsdp_any, checkpoints' agreement)
+ * run over the shard group and then the replica group.
+ *
+ * The training loop calls sp_fsdp_quorum_boundary before every step. A
+ * step during which the quorum changed is discarded: sp_fsdp_optim_step
+ * (or sp_fsdp_sgd_step) returns SP_EAGAIN with the gradients cleared and
+ * nothing applied, and the loop runs the step again after the boundary.
+ * The store keys live under "quorum/" (the coordinator's and the ranks').
+ * Training thread only, like the rest of the runtime. */
+
+/* Whether the runtime runs under such a quorum. */
+bool sp_fsdp_quorum_on(const sp_fsdp *f);
+/* At a step boundary: every rank of the shard group agrees whether to
+ * re-form (a replica collective failed, the coordinator announced a new
+ * quorum, or this process has yet to rejoin); if so, they take the newest
+ * quorum from the store, form its replica group with the other groups'
+ * ranks of this shard index, and a group behind (a rejoining one, or one
+ * whose last step was discarded while another's committed) receives every
+ * unit's shard, every registered state and the step count from the group
+ * with the most steps. *next_step receives the optimizer steps taken (the
+ * next step's index). One small shard-group sum when nothing changed.
+ * Returns 0; 1 when the job finished (sp_fsdp_quorum_finished) while this
+ * group waited to rejoin; SP_ECANCELED when the coordinator dropped this
+ * rank's group (its agent restarts it); SP_ETIMEDOUT when no quorum came
+ * within the communicators' timeout; the store's and backends' errors. */
+int sp_fsdp_quorum_boundary(sp_fsdp *f, uint64_t *next_step, sp_diag *d);
+/* The ranks training now: the world, or under a quorum shard_world times
+ * the groups in it (what a sum of per-rank means divides by). */
+uint32_t sp_fsdp_world_now(const sp_fsdp *f);
+/* Whether every replica group is in the quorum (true without one): a
+ * checkpoint needs every rank's piece. */
+bool sp_fsdp_quorum_full(const sp_fsdp *f);
+/* Says in the store that the job's steps are done, for groups still
+ * waiting to rejoin (their boundary then returns 1). */
+void sp_fsdp_quorum_finished(sp_fsdp *f, uint64_t steps);
 
 /* A parameter's unsharded view (param_dtype of its unit) while its unit is
  * unsharded; NULL otherwise. The gradient buffer of the same shape and

@@ -255,7 +255,7 @@ int sp_gpt2_trainer_step(sp_gpt2_trainer *tr, uint64_t step, double *loss,
   /* the global loss: local means weighted equally (equal shares) */
   double sum = local;
   if (rc == 0) rc = all_reduce_sum(tr, &sum, d);
-  *loss = sum / tr->world;
+  *loss = sum / sp_fsdp_world_now(tr->f);
   sp_fsdp_get_stats(tr->f, &st1);
   tr->times.comm_s = st1.comm_busy_s - st0.comm_busy_s;
   return rc;
@@ -278,6 +278,6 @@ int sp_gpt2_trainer_eval(sp_gpt2_trainer *tr, double *loss, sp_diag *d) {
     sum += part;
   }
   if (rc == 0) rc = all_reduce_sum(tr, &sum, d);
-  *loss = sum / ((double)tr->world * tr->flags->eval_batches);
+  *loss = sum / ((double)sp_fsdp_world_now(tr->f) * tr->flags->eval_batches);
   return rc;
 }

@@ -173,7 +173,7 @@ static int step_gpu(sp_mlp_trainer *tr, uint64_t step, double *loss,
   if (rc == 0)
     rc = sp_fsdp_all_reduce(f, sp_mlp_cuda_loss_ptr(tr->gpu), 1, SP_FLOAT64, d);
   if (rc == 0) rc = sp_mlp_cuda_read_loss(tr->gpu, &sum, d);
-  *loss = sum / sp_session_world(tr->s);
+  *loss = sum / sp_fsdp_world_now(tr->f);
   return rc;
 }
 
@@ -226,7 +226,7 @@ static int step_cpu(sp_mlp_trainer *tr, uint64_t step, double *loss,
   /* the global loss: local means weighted equally (equal local batches) */
   double sum = local;
   if (rc == 0) rc = sp_fsdp_all_reduce(tr->f, &sum, 1, SP_FLOAT64, d);
-  *loss = sum / sp_session_world(tr->s);
+  *loss = sum / sp_fsdp_world_now(tr->f);
   return rc;
 }
 

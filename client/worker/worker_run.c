@@ -147,6 +147,22 @@ static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f, uint32_t rank,
   return 0;
 }
 
+/* A checkpoint has a piece of every rank: while a replica group is out
+ * of the quorum none is written (the one on disk stays). Every rank of
+ * the quorum knows the same membership at a step boundary. */
+static bool checkpoint_waits(sp_fsdp *f, const sp_session *s, uint64_t step) {
+  if (sp_fsdp_quorum_full(f)) return false;
+  uint32_t rank = sp_session_rank(s);
+  if (rank % sp_session_plan(s)->shard_world == 0) {
+    printf(
+        "rank %u: no checkpoint of step %llu: a replica group is out of "
+        "the quorum\n",
+        rank, (unsigned long long)step);
+    fflush(stdout);
+  }
+  return true;
+}
+
 /* --load, with --load-params-only or the checkpoint's optimizer state and
  * step; a state mismatch names the flag that loads anyway. */
 static int load(const sp_worker_opts *o, sp_fsdp *f, sp_ckpt_info *info,
@@ -248,7 +264,8 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
                      .backward_prefetch = true,
                      .init_param = sp_mlp_init_param,
                      .init_buffer = sp_mlp_init_buffer,
-                     .device = o->device};
+                     .device = o->device,
+                     .comm_timeout_ms = o->comm_timeout_ms};
   /* no hook at all unless a fault of this rank needs one */
   if (sp_inject_wants_hook(&o->inject)) {
     fo.before_collective = sp_inject_before_collective;
@@ -331,7 +348,39 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   uint32_t logged = first; /* steps up to the last progress line */
   uint32_t step = first;
   uint64_t saved = UINT64_MAX; /* the step of the last checkpoint written */
+  bool ran_any = false;
+  bool late = false; /* the job was done before this group rejoined */
   for (; rc == 0 && step < o->wf.steps; step++) {
+    /* replica groups that continue: the quorum is adopted here, and a
+     * group that rejoins (or fell a step behind) takes up the live step */
+    if (sp_fsdp_quorum_on(f)) {
+      uint64_t next = step;
+      int q = sp_fsdp_quorum_boundary(f, &next, d);
+      if (q < 0) {
+        rc = q;
+        break;
+      }
+      if (q == 1) {
+        printf(
+            "rank %u: the job's steps were done before this replica "
+            "group could rejoin\n",
+            rank);
+        fflush(stdout);
+        late = true;
+        break;
+      }
+      if (next != step) {
+        printf(
+            "rank %u: replica group %u received the live state of step "
+            "%llu (it was at step %u)\n",
+            rank, rank / sp_session_plan(s)->shard_world,
+            (unsigned long long)next, step);
+        fflush(stdout);
+        if (!ran_any) first = (uint32_t)next;
+        step = (uint32_t)next;
+        if (step >= o->wf.steps) break;
+      }
+    }
     sp_inject_step(&o->inject, step + 1);
     /* every rank asks, so all stop after the same step, whichever got
      * the signal */
@@ -353,6 +402,18 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
       rc = sp_mlp_trainer_step(mtr, step, loss, d);
     else
       rc = sp_synthetic_step(f, s, step, o->wf.lr, d);
+    /* the quorum changed during the step: nothing of it was applied, and
+     * it runs again after the boundary */
+    if (rc == SP_EAGAIN && sp_fsdp_quorum_on(f)) {
+      if (rank % sp_session_plan(s)->shard_world == 0) {
+        printf("%s; running step %u again\n", d->msg, step + 1);
+        fflush(stdout);
+      }
+      rc = 0;
+      step--; /* the loop's increment */
+      continue;
+    }
+    ran_any = true;
     if (rc == 0 && ts) rc = sp_test_state_step(ts, d);
     /* a slowed rank's sleep is part of its step, as slow compute is */
     if (rc == 0) sp_inject_after_step(&o->inject, sp_clock_s() - ts0);
@@ -404,11 +465,12 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
       fflush(stdout);
     }
     if (rc == 0 && o->wf.ckpt_every && (step + 1) % o->wf.ckpt_every == 0 &&
-        step + 1 < o->wf.steps) {
+        step + 1 < o->wf.steps && !checkpoint_waits(f, s, step + 1)) {
       rc = save_checkpoints(o, f, rank, step + 1, d);
       saved = step + 1;
     }
   }
+  if (rc == 0 && step == o->wf.steps) sp_fsdp_quorum_finished(f, step);
   uint32_t ran = step - first;
   if (rc == 0 && *stopped && rank == 0) {
     printf("stopping after step %u of %u: %s\n", step, o->wf.steps,
@@ -437,7 +499,8 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   }
   /* the final checkpoint; a stop before any step trained here has
    * nothing new to keep (the loaded checkpoint, if any, stays) */
-  if (rc == 0 && saved != step && !(*stopped && ran == 0)) {
+  if (rc == 0 && saved != step && !(*stopped && ran == 0) && !late &&
+      !checkpoint_waits(f, s, step)) {
     /* the checkpoints' own peak, from here (both counters restart at what
      * is held now) */
     sp_fsdp_reset_peak_memory(f);

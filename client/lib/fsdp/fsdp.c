@@ -33,7 +33,7 @@ void *sp_fsdp_xcalloc(size_t n, size_t size) {
 /* FSDP's gradient divide factors (_get_gradient_predivide_factor): the
  * gradient is divided by pre before the collective and by post after, so
  * neither the sum nor the quotient overflows in low precision. */
-static void divide_factors(uint32_t world, double *pre, double *post) {
+void sp_fsdp_divide_factors(uint32_t world, double *pre, double *post) {
   uint32_t p = 1;
   while (world % p == 0 && world / p > p) p *= 2;
   *pre = p;
@@ -166,18 +166,25 @@ static int alloc_unit(sp_fsdp *f, uint32_t ui, sp_diag *d) {
 }
 
 int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
-  if (!opts || !out || !opts->session || !opts->world)
-    return sp_diag_set(d, SP_EINVAL,
-                       "sp_fsdp_new: session and world "
-                       "communicator are required");
+  if (!opts || !out || !opts->session)
+    return sp_diag_set(d, SP_EINVAL, "sp_fsdp_new: a session is required");
   *out = NULL;
   const sp_plan *pl = sp_session_plan(opts->session);
-  if (pl->strategy == SP_HYBRID_SHARD &&
+  /* a replica quorum's runtime: the shard group alone (the replica group
+   * is formed per quorum, and no communicator spans the world) */
+  bool quorum = pl->strategy == SP_HYBRID_SHARD && !opts->world &&
+                opts->shard_group && !opts->replica_group;
+  if (!opts->world && !quorum)
+    return sp_diag_set(d, SP_EINVAL,
+                       "sp_fsdp_new: the world communicator is required "
+                       "(HYBRID_SHARD under a replica quorum: the shard "
+                       "group alone)");
+  if (pl->strategy == SP_HYBRID_SHARD && !quorum &&
       (!opts->shard_group || !opts->replica_group))
     return sp_diag_set(d, SP_EINVAL,
                        "HYBRID_SHARD needs the shard and "
                        "replica group communicators");
-  if (sp_comm_size(opts->world) != pl->world_size)
+  if (!quorum && sp_comm_size(opts->world) != pl->world_size)
     return sp_diag_set(d, SP_EINVAL,
                        "world communicator has %u members, the job %u",
                        sp_comm_size(opts->world), pl->world_size);
@@ -197,7 +204,8 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
   f->world_comm = opts->world;
   f->shard_comm = opts->shard_group;
   f->replica_comm = opts->replica_group;
-  divide_factors(f->world, &f->pre_divide, &f->post_divide);
+  f->q_on = quorum;
+  sp_fsdp_divide_factors(f->world, &f->pre_divide, &f->post_divide);
   pthread_mutex_init(&f->mu, NULL);
   pthread_cond_init(&f->cv, NULL);
   sp_mem_pool_init(&f->pool, pool_alloc, pool_release, f);
@@ -265,6 +273,7 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
     rc = f->mem->from_host(f, f->buffers[b], host, n * es, d);
     free(host);
   }
+  if (rc == 0 && f->q_on) rc = sp_fsdp_quorum_init(f, d);
   if (rc == 0) rc = sp_fsdp_comm_start(f, d);
   if (rc < 0) {
     sp_fsdp_free(f);
@@ -277,6 +286,7 @@ int sp_fsdp_new(const sp_fsdp_opts *opts, sp_fsdp **out, sp_diag *d) {
 void sp_fsdp_free(sp_fsdp *f) {
   if (!f) return;
   sp_fsdp_comm_stop(f);
+  sp_fsdp_quorum_free(f);
   sp_fsdp_optim_release(f);
   /* nothing may still run on the device when its memory goes */
   if (f->mem->device) {
@@ -507,49 +517,68 @@ void sp_fsdp_reset_peak_memory(sp_fsdp *f) {
 
 /* ---- communicators ---- */
 
-int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
-                       sp_comm **shard_group, sp_comm **replica_group,
-                       sp_diag *d) {
-  const sp_plan *pl = sp_session_plan(s);
+int sp_fsdp_comm_opts(sp_session *s, uint64_t timeout_ms, sp_comm_opts *o,
+                      char *host, size_t cap, sp_diag *d) {
   const sp_job *job = sp_session_job(s);
-  uint32_t r = sp_session_rank(s), w = pl->world_size;
-  *world = *shard_group = *replica_group = NULL;
   /* A rank on a GPU moves device memory: NCCL, whatever the job says (its
    * backend names what CPU ranks use). */
   const char *device = sp_session_device(s);
   bool cuda = device && strncmp(device, "cuda", 4) == 0;
-  sp_comm_opts o = {.backend = cuda ? SP_BACKEND_NCCL : job->backend,
-                    .store = sp_session_comm_store(s),
-                    .timeout_ms = timeout_ms,
-                    .device = cuda ? device : NULL};
+  *o = (sp_comm_opts){.backend = cuda ? SP_BACKEND_NCCL : job->backend,
+                      .store = sp_session_comm_store(s),
+                      .timeout_ms = timeout_ms,
+                      .device = cuda ? device : NULL};
   /* Peers on other hosts reach this one on the network it reaches the
    * coordinator through (loopback for a local job); the variable
    * overrides it, for hosts whose collectives use another network. */
-  char host[64];
   const char *env_host = getenv(SP_GLOO_HOST_ENV);
-  if (env_host == NULL || env_host[0] == '\0') {
-    sp_diag hd = {{0}};
-    if (sp_local_addr_toward(sp_session_coordinator(s), host, sizeof host,
-                             &hd) != 0)
-      return sp_diag_set(d, SP_EIO,
-                         "rank %u: cannot choose the address peers reach this "
-                         "rank at (set " SP_GLOO_HOST_ENV "): %s",
-                         r, hd.msg);
-    o.host = host;
+  if (env_host != NULL && env_host[0] != '\0') return 0;
+  sp_diag hd = {{0}};
+  if (sp_local_addr_toward(sp_session_coordinator(s), host, cap, &hd) != 0)
+    return sp_diag_set(d, SP_EIO,
+                       "rank %u: cannot choose the address peers reach this "
+                       "rank at (set " SP_GLOO_HOST_ENV "): %s",
+                       sp_session_rank(s), hd.msg);
+  o->host = host;
+  return 0;
+}
+
+int sp_fsdp_comms_open(sp_session *s, uint64_t timeout_ms, sp_comm **world,
+                       sp_comm **shard_group, sp_comm **replica_group,
+                       sp_diag *d) {
+  const sp_plan *pl = sp_session_plan(s);
+  uint32_t r = sp_session_rank(s), w = pl->world_size;
+  *world = *shard_group = *replica_group = NULL;
+  sp_comm_opts o;
+  char host[64];
+  int rc = sp_fsdp_comm_opts(s, timeout_ms, &o, host, sizeof host, d);
+  if (rc < 0) return rc;
+  uint32_t g = pl->shard_world;
+  /* under a replica quorum: the shard group alone, named by the group's
+   * generation (a restarted group forms a new one beside the old keys) */
+  uint32_t gen = 0;
+  bool quorum = false;
+  if (pl->strategy == SP_HYBRID_SHARD) {
+    rc = sp_fsdp_quorum_probe(s, r / g, &quorum, &gen, d);
+    if (rc < 0) return rc;
   }
   char prefix[64];
-  o.prefix = "comm/world";
-  o.rank = r;
-  o.size = w;
-  int rc = sp_comm_new(&o, world, d);
-  if (rc < 0 || pl->strategy != SP_HYBRID_SHARD) return rc;
-  uint32_t g = pl->shard_world;
-  snprintf(prefix, sizeof prefix, "comm/shard/%u", r / g);
+  if (!quorum) {
+    o.prefix = "comm/world";
+    o.rank = r;
+    o.size = w;
+    rc = sp_comm_new(&o, world, d);
+    if (rc < 0 || pl->strategy != SP_HYBRID_SHARD) return rc;
+  }
+  if (quorum)
+    snprintf(prefix, sizeof prefix, "comm/shard/%u/g%u", r / g, gen);
+  else
+    snprintf(prefix, sizeof prefix, "comm/shard/%u", r / g);
   o.prefix = prefix;
   o.rank = r % g;
   o.size = g;
   rc = sp_comm_new(&o, shard_group, d);
-  if (rc == 0) {
+  if (rc == 0 && !quorum) {
     snprintf(prefix, sizeof prefix, "comm/replica/%u", r % g);
     o.rank = r / g;
     o.size = w / g;

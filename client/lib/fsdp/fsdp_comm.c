@@ -66,6 +66,22 @@ static int coll_all_reduce(sp_fsdp *f, sp_fsdp_work *w, size_t *next,
   return rc;
 }
 
+/* The sum over the replica group, when there is one of more than this
+ * rank. Under a quorum (fsdp_quorum.c) a failure is the step's, not the
+ * runtime's: it is remembered, the replica sums left in the step are
+ * skipped, and the step is discarded at its commit. */
+static int replica_sum(sp_fsdp *f, sp_fsdp_work *w, size_t *next, void *buf,
+                       size_t count, sp_dtype dt, sp_diag *d) {
+  if (!f->replica_comm || sp_comm_size(f->replica_comm) < 2) return 0;
+  if (!f->q_on)
+    return coll_all_reduce(f, w, next, f->replica_comm, buf, count, dt, d);
+  if (f->q_broken) return 0;
+  sp_diag rd = {{0}};
+  if (coll_all_reduce(f, w, next, f->replica_comm, buf, count, dt, &rd) < 0)
+    sp_fsdp_quorum_failed(f, &rd);
+  return 0;
+}
+
 sp_comm_kind sp_fsdp_gather_kind(const sp_fsdp *f) {
   return f->plan->strategy == SP_HYBRID_SHARD ? SP_COMM_SHARD : SP_COMM_WORLD;
 }
@@ -218,9 +234,8 @@ static int run_reduce(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
     case SP_HYBRID_SHARD:
       rc = coll_reduce_scatter(f, w, &next, f->shard_comm, in, fu->red_out,
                                rc_count, rdt, d);
-      if (rc == 0 && f->replica_comm && sp_comm_size(f->replica_comm) > 1)
-        rc = coll_all_reduce(f, w, &next, f->replica_comm, fu->red_out,
-                             (size_t)fu->c, rdt, d);
+      if (rc == 0)
+        rc = replica_sum(f, w, &next, fu->red_out, (size_t)fu->c, rdt, d);
       if (rc < 0) return rc;
       break;
     default:
@@ -244,8 +259,16 @@ static int run_work(sp_fsdp *f, sp_fsdp_work *w, sp_diag *d) {
     case SP_WORK_GATHER: rc = run_gather(f, w, fu, d); break;
     case SP_WORK_REDUCE: rc = run_reduce(f, w, fu, d); break;
     case SP_WORK_ALL_REDUCE:
-      rc = coll_all_reduce(f, w, &next, f->world_comm, w->buf, w->count, w->dt,
+      if (!f->q_on) {
+        rc = coll_all_reduce(f, w, &next, f->world_comm, w->buf, w->count,
+                             w->dt, d);
+        break;
+      }
+      /* no communicator spans the world: the shard group's sum, then
+       * the replica group's */
+      rc = coll_all_reduce(f, w, &next, f->shard_comm, w->buf, w->count, w->dt,
                            d);
+      if (rc == 0) rc = replica_sum(f, w, &next, w->buf, w->count, w->dt, d);
       break;
     case SP_WORK_SHARD_ALL_REDUCE:
       rc = coll_all_reduce(f, w, &next, gather_comm(f), w->buf, w->count, w->dt,

@@ -309,7 +309,45 @@ struct sp_fsdp {
   bool stopping;
   int error; /* first failure, sticky */
   sp_diag error_diag;
+
+  /* Replica groups that continue (fsdp_quorum.c): q_on when the runtime
+   * forms the replica group itself, per quorum of the coordinator. */
+  bool q_on;
+  /* a replica collective of this step failed (set by the communication
+   * thread, read by the training thread after its wait): the replica
+   * collectives left are skipped and the step is discarded at the commit */
+  bool q_broken;
+  bool q_joiner;    /* a process that has not received the live state */
+  bool q_formed;    /* replica_comm belongs to epoch q_epoch */
+  uint64_t q_epoch; /* the quorum the replica group was formed for */
+  uint64_t q_tried; /* the last epoch this rank tried to form (+1) */
+  uint32_t q_group, q_shard, q_groups, q_members, q_gen;
+  uint64_t q_timeout_ms;   /* a replica group's forming and collectives */
+  char q_host[64];         /* the Gloo address, as sp_fsdp_comms_open chose */
+  char q_why[SP_DIAG_MAX]; /* the replica failure, for the log */
 };
+
+/* The gradient's division in two (before and after the sum) for a sum
+ * over `world` ranks, as FSDP splits it. */
+void sp_fsdp_divide_factors(uint32_t world, double *pre, double *post);
+/* Replica groups that continue (fsdp_quorum.c): sp_fsdp_new's part, and
+ * the commit of a step (0, or SP_EAGAIN with the gradients cleared when a
+ * replica collective failed in any rank of this shard group). */
+int sp_fsdp_quorum_init(sp_fsdp *f, sp_diag *d);
+/* Whether the coordinator keeps a replica quorum for this job (its key
+ * "quorum/epoch" exists), and group's generation (how often it was
+ * dropped: its shard group's name). */
+int sp_fsdp_quorum_probe(sp_session *s, uint32_t group, bool *on, uint32_t *gen,
+                         sp_diag *d);
+/* The options every communicator of the session's job is opened with
+ * (backend, store, device, the address peers reach it at, in host). */
+int sp_fsdp_comm_opts(sp_session *s, uint64_t timeout_ms, sp_comm_opts *o,
+                      char *host, size_t cap, sp_diag *d);
+int sp_fsdp_quorum_commit(sp_fsdp *f, sp_diag *d);
+void sp_fsdp_quorum_free(sp_fsdp *f);
+/* A replica collective's failure under the quorum: remembered (the step
+ * is discarded), not the runtime's sticky error. */
+void sp_fsdp_quorum_failed(sp_fsdp *f, const sp_diag *why);
 
 /* Starts the communication thread (fsdp_comm.c) once the storage is
  * allocated; _stop lets it drain the queue and joins it (nothing to do if

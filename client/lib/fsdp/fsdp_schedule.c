@@ -453,7 +453,13 @@ int sp_fsdp_all_reduce(sp_fsdp *f, void *buf, size_t count, sp_dtype dt,
                      "before_collective changed a caller's "
                      "all-reduce count");
   if (rc != 0) return rc < 0 ? rc : SP_EINVAL;
-  sp_fsdp_fp_issue(f, &w, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0, dt, count);
+  if (!f->q_on) {
+    sp_fsdp_fp_issue(f, &w, SP_COMM_WORLD, SP_OP_ALL_REDUCE, 0, dt, count);
+  } else { /* the shard group's sum, then the replica group's */
+    sp_fsdp_fp_issue(f, &w, SP_COMM_SHARD, SP_OP_ALL_REDUCE, 0, dt, count);
+    if (f->replica_comm && sp_comm_size(f->replica_comm) > 1)
+      sp_fsdp_fp_issue(f, &w, SP_COMM_REPLICA, SP_OP_ALL_REDUCE, 0, dt, count);
+  }
   int64_t t = sp_fsdp_enqueue(f, &w, d);
   if (t < 0) return (int)t;
   f->stats.all_reduces++;
@@ -648,6 +654,7 @@ int sp_fsdp_zero_shard_grads(sp_fsdp *f, sp_diag *d) {
 int sp_fsdp_sgd_step(sp_fsdp *f, double lr, sp_diag *d) {
   if (!f) return sp_diag_set(d, SP_EINVAL, "sp_fsdp_sgd_step: NULL");
   int rc = sp_fsdp_check_between_steps(f, "sp_fsdp_sgd_step", d);
+  if (rc == 0) rc = sp_fsdp_quorum_commit(f, d);
   for (size_t ui = 0; rc == 0 && ui < f->n_units; ui++) {
     sp_fsdp_unit *fu = &f->units[ui];
     if (!fu->reduces) continue;

@@ -344,6 +344,7 @@ int sp_fsdp_optim_step(sp_fsdp *f, double *lr_out, sp_diag *d) {
                        "sp_fsdp_optim_step: no optimizer "
                        "(sp_fsdp_optim_init first)");
   int rc = sp_fsdp_check_between_steps(f, "sp_fsdp_optim_step", d);
+  if (rc == 0) rc = sp_fsdp_quorum_commit(f, d);
   if (rc < 0) return rc;
   const sp_optim_opts *o = &op->o;
   double lr = sp_optim_lr(o, f->optim_steps);

@@ -226,6 +226,8 @@ struct sp_session {
   /* store calls: the sequence of request ids (session id ":" seq) */
   _Atomic uint64_t req_seq;
   _Atomic bool aborted;
+  /* the newest replica quorum the coordinator announced (QUORUM) */
+  _Atomic uint64_t quorum_epoch;
   _Atomic bool abort_called;
   _Atomic bool closing; /* no abort for the stream ending from now on */
   _Atomic bool stop;    /* the background thread should wind down */

@@ -448,6 +448,13 @@ static void session_msg(sp_rpc_ccall *call, const uint8_t *data, size_t len,
     s->dump_pending = true;
     s->dump_request = m->request_id;
     s->dump_last_n = m->last_n;
+  } else if (m->command == SHARDPLANE__V1__COMMAND__QUORUM) {
+    /* announcements may pass each other on a reconnect: the newest wins */
+    uint64_t was = atomic_load(&s->quorum_epoch);
+    while (
+        m->quorum_epoch > was &&
+        !atomic_compare_exchange_weak(&s->quorum_epoch, &was, m->quorum_epoch))
+      ;
   }
   shardplane__v1__session_down__free_unpacked(m, NULL);
   /* acknowledgements open the window; the recorder then holds what was
@@ -930,6 +937,10 @@ Shardplane__V1__FlightRecord *sp_session_test_last_flight(sp_session *s) {
 
 uint64_t sp_session_coll_seq(const sp_session *s, sp_comm_kind k) {
   return s != NULL && (unsigned)k < SP_SESSION_COMMS ? s->coll_seq[k] : 0;
+}
+
+uint64_t sp_session_quorum_epoch(const sp_session *s) {
+  return s == NULL ? 0 : atomic_load(&((sp_session *)s)->quorum_epoch);
 }
 
 uint64_t sp_session_flight_dumps(const sp_session *s) {

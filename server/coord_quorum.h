@@ -1,0 +1,60 @@
+/* Replica groups that continue: the coordinator's per-step quorum of a
+ * HYBRID_SHARD job's replica groups (--on-group-failure continue).
+ *
+ * When a rank of group G dies, is lost or its node goes, G (and every
+ * group sharing a host with it: its agent restarts all of its workers) is
+ * dropped: a new epoch without it goes into the store ("quorum/epoch",
+ * "quorum/e/<E>", and G's generation "quorum/gen/<G>", under keys no
+ * worker token may write) and down every Session stream (QUORUM), and
+ * the agents of its hosts are told AGENT_RESTART. The ranks of the other
+ * groups adopt the epoch at their next step boundary (fsdp_quorum.c) and
+ * train on. The restarted processes say they are ready
+ * ("comm/quorum/ready/<G>/<gen>/<rank>"); once every rank of G is, an
+ * epoch with G follows, and at the boundary G receives the live state.
+ * A rank's plea for the same groups again ("comm/quorum/reform/<E>": its
+ * replica group broke and nobody was lost) gives the next epoch too.
+ *
+ * The quorum lives in the store, which a state dir keeps: a restarted
+ * coordinator reads it back. A death that would leave no group, or a job
+ * without the policy, goes the way of every death (coord_agents.c).
+ * Everything runs on the coordinator's loop. */
+#ifndef SP_COORD_QUORUM_H
+#define SP_COORD_QUORUM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "coordinator.h"
+
+/* After the state dir was read: the quorum read back from the store, or
+ * epoch 0 of every group written into it. SP_ENOMEM. */
+int sp_coord_quorum_init(sp_coord *c);
+void sp_coord_quorum_free(sp_coord *c);
+/* A new incarnation emptied the store: epoch 0 of every group again. */
+void sp_coord_quorum_reset(sp_coord *c);
+/* Whether the job's replica groups continue through faults. */
+bool sp_coord_quorum_on(const sp_coord *c);
+/* A fault of `rank` (why: what happened, for the log and the events):
+ * true when the quorum takes it (its group is dropped now, or was
+ * already), false when it is the job's to end or restart. */
+bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why);
+/* A key a worker wrote (coord_store.c): readiness and pleas are acted
+ * on; any other key is ignored. */
+void sp_coord_quorum_key(sp_coord *c, const char *key, size_t klen);
+
+/* What the operator views show: the epoch, the groups in it, and per
+ * group whether it is in, its generation and its last drop's record. */
+typedef struct sp_coord_quorum_group {
+  bool in;
+  uint32_t gen;
+  uint64_t dropped_unix_ms, rejoined_unix_ms; /* 0: never */
+  uint64_t dropped_at_step, rejoined_at_step;
+  const char *why; /* the last drop's cause; "" never dropped */
+} sp_coord_quorum_group;
+uint64_t sp_coord_quorum_epoch(const sp_coord *c, uint32_t *groups,
+                               uint32_t *in);
+bool sp_coord_quorum_group_get(const sp_coord *c, uint32_t g,
+                               sp_coord_quorum_group *out);
+
+#endif
