@@ -797,7 +797,9 @@ static void on_list_incarnations(sp_rpc_call *call, const ProtobufCMessage *msg,
   }
   r.n_incarnations = a->n_rec;
   r.incarnations = ptrs;
+  r.quorum = sp_coord_quorum_report(c);
   sp_rpc_call_reply(call, &r.base);
+  free(r.quorum);
   free(items);
   free(ptrs);
 }

@@ -11,6 +11,7 @@
 #include "coord_base.h"
 #include "coord_ranks.h"
 #include "coord_verdict.h"
+#include "coord_quorum.h"
 #include "plan/memory.h"
 
 typedef Shardplane__V1__DType PDType;
@@ -130,7 +131,9 @@ static void on_get_job(sp_rpc_call *call, const ProtobufCMessage *msg,
   r.uptime_ms = sp_coord_base_now_ms(c);
   Shardplane__V1__Progress progress;
   sp_coord_verdict_job(c, &r, &progress);
+  r.quorum = sp_coord_quorum_report(c);
   reply(call, &a, &r.base);
+  free(r.quorum);
   arena_free(&a);
 }
 

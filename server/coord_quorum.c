@@ -317,3 +317,77 @@ bool sp_coord_quorum_group_get(const sp_coord *c, uint32_t g,
                                  .why = x->why};
   return true;
 }
+
+/* "HH:MM:SS" UTC of a unix time in ms. */
+static void hms(uint64_t ms, char *out, size_t cap) {
+  time_t t = (time_t)(ms / 1000);
+  struct tm tm;
+  gmtime_r(&t, &tm);
+  strftime(out, cap, "%H:%M:%S", &tm);
+}
+
+Shardplane__V1__ReplicaQuorum *sp_coord_quorum_report(const sp_coord *c) {
+  const struct sp_coord_quorum *q = c->quorum;
+  if (q == NULL) return NULL;
+  size_t n = 0;
+  for (uint32_t g = 0; g < q->groups; g++) n += q->g[g].gen > 0;
+  enum { SUMMARY = 512 };
+  struct block {
+    Shardplane__V1__ReplicaQuorum q;
+  } *b = calloc(
+      1, sizeof *b + n * (sizeof(void *) +
+                          sizeof(Shardplane__V1__ReplicaGroup) + SUMMARY));
+  if (b == NULL) return NULL;
+  Shardplane__V1__ReplicaQuorum *r = &b->q;
+  shardplane__v1__replica_quorum__init(r);
+  Shardplane__V1__ReplicaGroup **ptrs = (void *)(b + 1);
+  Shardplane__V1__ReplicaGroup *msgs = (void *)(ptrs + n);
+  char *text = (char *)(msgs + n);
+  r->epoch = q->epoch;
+  r->groups = q->groups;
+  r->dropped = ptrs;
+  for (uint32_t g = 0; g < q->groups; g++) {
+    const q_group *x = &q->g[g];
+    r->in_quorum += x->in;
+    if (x->gen == 0) continue;
+    Shardplane__V1__ReplicaGroup *m = &msgs[r->n_dropped];
+    char *s = text + r->n_dropped * SUMMARY;
+    ptrs[r->n_dropped++] = m;
+    shardplane__v1__replica_group__init(m);
+    m->group = g;
+    m->first_rank = g * q->size;
+    m->ranks = q->size;
+    m->in_quorum = x->in;
+    m->drops = x->gen;
+    m->dropped_unix_ms = x->dropped_ms;
+    m->dropped_at_step = x->dropped_step;
+    m->why = (char *)x->why;
+    m->rejoined_unix_ms = x->rejoined_ms;
+    m->rejoined_at_step = x->rejoined_step;
+    m->summary = s;
+    char at[16];
+    hms(x->dropped_ms, at, sizeof at);
+    int k = snprintf(s, SUMMARY,
+                     "replica group %u (ranks %u-%u): dropped at %s UTC at "
+                     "step %" PRIu64 ": %s; ",
+                     g, m->first_rank, m->first_rank + q->size - 1, at,
+                     x->dropped_step, x->why);
+    if (k < 0 || k >= SUMMARY) continue;
+    if (x->rejoined_ms)
+      snprintf(s + k, SUMMARY - (size_t)k,
+               "back %.1f s later at step %" PRIu64
+               " with the live state (the others trained %" PRIu64
+               " steps without it)",
+               (double)(x->rejoined_ms - x->dropped_ms) / 1e3, x->rejoined_step,
+               x->rejoined_step - x->dropped_step);
+    else
+      snprintf(s + k, SUMMARY - (size_t)k,
+               "out for %.1f s so far, restarting to rejoin",
+               (double)(unix_ms() - x->dropped_ms) / 1e3);
+    if (x->gen > 1) {
+      size_t l = strlen(s);
+      snprintf(s + l, SUMMARY - l, " (dropped %u times)", x->gen);
+    }
+  }
+  return r;
+}

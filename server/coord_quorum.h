@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "coordinator.h"
+#include "shardplane/v1/coordinator.pb-c.h"
 
 /* After the state dir was read: the quorum read back from the store, or
  * epoch 0 of every group written into it. SP_ENOMEM. */
@@ -56,5 +57,12 @@ uint64_t sp_coord_quorum_epoch(const sp_coord *c, uint32_t *groups,
                                uint32_t *in);
 bool sp_coord_quorum_group_get(const sp_coord *c, uint32_t g,
                                sp_coord_quorum_group *out);
+
+/* The quorum for the operator views (GetJob, GetVerdict and
+ * ListIncarnations: shardplane status, why, incarnations): NULL without
+ * one, or out of memory; else one block the caller frees with free()
+ * (the messages and their summaries are in it; `why` points into the
+ * quorum, valid until it next changes). */
+Shardplane__V1__ReplicaQuorum *sp_coord_quorum_report(const sp_coord *c);
 
 #endif

@@ -12,6 +12,7 @@
 #include "coord_base.h"
 #include "coord_diag.h"
 #include "coord_ranks.h"
+#include "coord_quorum.h"
 
 /* What the verdict keeps of one rank. */
 typedef struct verdict_rank {
@@ -484,7 +485,9 @@ static void on_get_verdict(sp_rpc_call *call, const ProtobufCMessage *msg,
   sp_coord_verdict_job(c, &jr, &p);
   v.state = jr.state;
   v.progress = &p;
+  v.quorum = sp_coord_quorum_report(c);
   sp_rpc_call_reply(call, &v.base);
+  free(v.quorum);
 }
 
 static const sp_rpc_method k_methods[] = {

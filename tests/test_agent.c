@@ -881,6 +881,21 @@ static void test_agent_group_continues(void **state) {
   Shardplane__V1__ListIncarnationsResponse *li =
       incarnations(f->addr, &f->auth);
   assert_int_equal(li->current, 0);
+  /* the operator's view: the drop, its cause, the return and its cost */
+  const Shardplane__V1__ReplicaQuorum *q = li->quorum;
+  assert_non_null(q);
+  assert_int_equal(q->groups, 2);
+  assert_int_equal(q->in_quorum, 2);
+  assert_int_equal(q->n_dropped, 1);
+  const Shardplane__V1__ReplicaGroup *g = q->dropped[0];
+  printf("%s\n", g->summary);
+  assert_int_equal(g->group, 1);
+  assert_int_equal(g->drops, 1);
+  assert_true(g->in_quorum && g->rejoined_unix_ms >= g->dropped_unix_ms);
+  assert_true(g->dropped_at_step >= 10 &&
+              g->rejoined_at_step >= g->dropped_at_step);
+  assert_non_null(strstr(g->why, "rank 3"));
+  assert_non_null(strstr(g->summary, "back "));
   protobuf_c_message_free_unpacked(&li->base, NULL);
   char *local = sp_test_path(ck, "local");
   for (int r = 0; r < 2; r++) {

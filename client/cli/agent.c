@@ -98,8 +98,13 @@ static void usage(FILE *f) {
       "(SHARDPLANE_GLOO_HOST, unless set already).\n"
       "\n"
       "Workers also get SHARDPLANE_INCARNATION (0, then one more per\n"
-      "restart). The coordinator records each incarnation and what ended\n"
-      "it (ListIncarnations); the store is emptied between them.\n"
+      "restart) and SHARDPLANE_RESTART (0, then one more each time this\n"
+      "host starts them again). The coordinator records each incarnation\n"
+      "and what ended it (ListIncarnations); the store is emptied between\n"
+      "them. With a coordinator run with --on-group-failure continue, a\n"
+      "worker's death drops its replica group: its hosts' agents restart\n"
+      "their workers in the same incarnation and they rejoin the others,\n"
+      "which train on; --max-restarts is then not needed.\n"
       "\n"
       "Ctrl-C (SIGINT) or SIGTERM is forwarded to every worker; those\n"
       "still running after --stop-grace are stopped (and named), and a\n"
@@ -356,6 +361,7 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
                                     SP_COORDINATOR_ENV "=",
                                     SP_GLOO_HOST_ENV "=",
                                     "SHARDPLANE_INCARNATION=",
+                                    SP_RESTART_ENV "=",
                                     SP_COORDINATOR_GRACE_ENV "="};
   size_t n = 0, k = 0;
   snprintf(vars[k++], sizeof vars[0], "RANK=%lld", a->node_rank * a->nproc + i);
@@ -368,6 +374,8 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
            a->worker_coord);
   snprintf(vars[k++], sizeof vars[0], "SHARDPLANE_INCARNATION=%llu",
            (unsigned long long)a->sup.incarnation);
+  snprintf(vars[k++], sizeof vars[0], SP_RESTART_ENV "=%u",
+           a->sup.restarts_done);
   /* the workers ride out what the agent does */
   snprintf(vars[k++], sizeof vars[0], SP_COORDINATOR_GRACE_ENV "=%llu.%03llu",
            (unsigned long long)(a->grace_ms / 1000),
@@ -388,7 +396,7 @@ static int worker_env(const agent *a, long long i, char **envp, size_t cap,
   return 0;
 }
 
-#define N_VARS 11 /* the variables worker_env sets, at most */
+#define N_VARS 12 /* the variables worker_env sets, at most */
 
 /* The trainer's argv for this incarnation: after a restart, with --load
  * of the last checkpoint (when --load-on-restart names a directory that

@@ -58,6 +58,7 @@ static void print_incarnations(
                                             : "running";
     printf("%-4" PRIu64 "  %-24s  %-24s  %s\n", x->number, start, end, what);
   }
+  sp_remote_print_quorum(stdout, "replica groups: ", 0, l->quorum);
 }
 
 static json_t *incarnation_json(const Shardplane__V1__Incarnation *x) {
@@ -83,10 +84,10 @@ static int incarnations_json(
   json_t *arr = json_array();
   for (size_t i = 0; i < l->n_incarnations; i++)
     json_array_append_new(arr, incarnation_json(l->incarnations[i]));
-  json_t *root =
-      json_pack("{s:I,s:i,s:i,s:o}", "current", (json_int_t)l->current,
-                "restarts", (int)l->restarts, "max_restarts",
-                (int)l->max_restarts, "incarnations", arr);
+  json_t *root = json_pack("{s:I,s:i,s:i,s:o,s:o}", "current",
+                           (json_int_t)l->current, "restarts", (int)l->restarts,
+                           "max_restarts", (int)l->max_restarts, "incarnations",
+                           arr, "quorum", sp_remote_quorum_json(l->quorum));
   return sp_render_json_out(root) == 0 ? SP_EXIT_OK : SP_EXIT_FAILURE;
 }
 

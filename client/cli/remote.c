@@ -446,3 +446,33 @@ json_t *sp_remote_alert_json(const Shardplane__V1__Alert *a) {
                    "culprits", cul, "victims", vic, "collective",
                    sp_remote_collective_json(a->collective));
 }
+
+void sp_remote_print_quorum(FILE *f, const char *label, int width,
+                            const Shardplane__V1__ReplicaQuorum *q) {
+  if (q == NULL) return;
+  fprintf(f, "%-*s%u of %u training (epoch %" PRIu64 ")\n", width, label,
+          q->in_quorum, q->groups, q->epoch);
+  for (size_t i = 0; i < q->n_dropped; i++)
+    fprintf(f, "  %s\n", q->dropped[i]->summary);
+}
+
+json_t *sp_remote_quorum_json(const Shardplane__V1__ReplicaQuorum *q) {
+  if (q == NULL) return json_null();
+  json_t *arr = json_array();
+  for (size_t i = 0; i < q->n_dropped; i++) {
+    const Shardplane__V1__ReplicaGroup *g = q->dropped[i];
+    json_array_append_new(
+        arr, json_pack("{s:i,s:i,s:i,s:b,s:i,s:I,s:I,s:s,s:I,s:I,s:s}", "group",
+                       (int)g->group, "first_rank", (int)g->first_rank, "ranks",
+                       (int)g->ranks, "in_quorum", g->in_quorum, "drops",
+                       (int)g->drops, "dropped_unix_ms",
+                       (json_int_t)g->dropped_unix_ms, "dropped_at_step",
+                       (json_int_t)g->dropped_at_step, "why", g->why,
+                       "rejoined_unix_ms", (json_int_t)g->rejoined_unix_ms,
+                       "rejoined_at_step", (json_int_t)g->rejoined_at_step,
+                       "summary", g->summary));
+  }
+  return json_pack("{s:I,s:i,s:i,s:o}", "epoch", (json_int_t)q->epoch, "groups",
+                   (int)q->groups, "in_quorum", (int)q->in_quorum, "dropped",
+                   arr);
+}

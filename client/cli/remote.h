@@ -83,6 +83,13 @@ json_t *sp_remote_progress_json(const Shardplane__V1__Progress *p);
 /* "STALL: <message> (culprit rank 3; victims 0-2)", no newline */
 void sp_remote_print_alert(FILE *f, const Shardplane__V1__Alert *a);
 json_t *sp_remote_alert_json(const Shardplane__V1__Alert *a);
+/* Replica groups that continue: "replica groups  1 of 2 training (epoch
+ * 3)" after `label` padded to `width`, then each group ever dropped, one
+ * line each in the coordinator's words; nothing for a NULL quorum (a job
+ * without --on-group-failure continue). The JSON is null then. */
+void sp_remote_print_quorum(FILE *f, const char *label, int width,
+                            const Shardplane__V1__ReplicaQuorum *q);
+json_t *sp_remote_quorum_json(const Shardplane__V1__ReplicaQuorum *q);
 /* GetJob, with the job rebuilt into *job (status.c); the answer is the
  * caller's to free. Returns an exit code. */
 int sp_remote_get_job(sp_remote *r, Shardplane__V1__GetJobResponse **out,

@@ -874,6 +874,8 @@ static int start_workers(sp_supervise *s) {
   char inc[24];
   snprintf(inc, sizeof inc, "%llu", (unsigned long long)s->incarnation);
   setenv("SHARDPLANE_INCARNATION", inc, 1);
+  snprintf(inc, sizeof inc, "%u", s->restarts_done);
+  setenv(SP_RESTART_ENV, inc, 1);
   for (long long r = 0; r < o->nproc; r++) {
     char rank_s[24], device_s[24];
     argvec wa = {0};

@@ -93,6 +93,7 @@ static void print_status(const sp_remote *r,
     }
   printf("%s, %u lost, %u detached, %u never attached\n", any ? ")" : "",
          s->lost, s->detached, s->never_attached);
+  sp_remote_print_quorum(stdout, "replicas", 12, j->quorum);
   printf("alerts      %u", j->alerts);
   if (j->n_recent_alerts > 0)
     printf(" (the last %zu below, times UTC)", j->n_recent_alerts);
@@ -138,6 +139,7 @@ static int status_json(const sp_remote *r,
                         json_string(sp_remote_job_state_name(j->state)));
     json_object_set_new(root, "verdict", json_string(j->verdict));
     json_object_set_new(root, "progress", sp_remote_progress_json(j->progress));
+    json_object_set_new(root, "quorum", sp_remote_quorum_json(j->quorum));
   }
   return sp_render_json_out(root) == 0 ? SP_EXIT_OK : SP_EXIT_FAILURE;
 }

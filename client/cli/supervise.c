@@ -191,6 +191,7 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
       drain_all(s);
       s->failed = 0;
       s->n_reported = 0;
+      s->restarts_done++;
       if (s->ops->start(s) != SP_SUPERVISE_PROCEED && s->ret == SP_EXIT_OK) {
         s->ret = SP_EXIT_FAILURE;
         s->term_at = sp_clock_s();
@@ -242,6 +243,7 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
       s->stopped = false;
       sp_cli_error(s->who, "incarnation %llu: starting the workers again",
                    (unsigned long long)s->incarnation);
+      s->restarts_done++;
       if (s->ops->start(s) != SP_SUPERVISE_PROCEED && s->ret == SP_EXIT_OK) {
         s->ret = SP_EXIT_FAILURE;
         s->term_at = sp_clock_s();

@@ -98,6 +98,8 @@ struct sp_supervise {
   /* the coordinator keeps replica groups going (AgentDown.groups_continue):
    * a worker's death is its to judge, restarts or not */
   bool groups_continue;
+  /* the workers' starts before the current one ($SHARDPLANE_RESTART) */
+  uint32_t restarts_done;
   /* the coordinator's outages the stream rides out (--coordinator-grace);
    * 0: none */
   uint64_t grace_ms;

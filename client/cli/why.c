@@ -49,6 +49,7 @@ static void print_verdict(const Shardplane__V1__Verdict *v) {
   bool one_line = nl == NULL || nl[1] == '\0';
   if (t[0] != '\0' && !(one_line && strstr(t, h) != NULL))
     printf("%s%s", t, t[strlen(t) - 1] == '\n' ? "" : "\n");
+  sp_remote_print_quorum(stdout, "replica groups: ", 0, v->quorum);
   for (size_t i = 0; i < v->n_open_alerts; i++) {
     fputs("  open alert ", stdout);
     sp_remote_print_alert(stdout, v->open_alerts[i]);
@@ -66,6 +67,8 @@ static int verdict_json(const Shardplane__V1__Verdict *v) {
       "{s:b,s:s,s:s,s:s,s:o,s:o}", "healthy", v->healthy, "state",
       sp_remote_job_state_name(v->state), "headline", h, "text", v->text,
       "progress", sp_remote_progress_json(v->progress), "open_alerts", alerts);
+  if (root)
+    json_object_set_new(root, "quorum", sp_remote_quorum_json(v->quorum));
   return sp_render_json_out(root) == 0 ? SP_EXIT_OK : SP_EXIT_FAILURE;
 }
 

@@ -179,6 +179,10 @@ int sp_session_store_add(sp_session *s, const char *key, int64_t delta,
  * .coordinator_grace_ms), in seconds as --coordinator-grace takes it,
  * when no flag gives it: `shardplane agent` sets it for its workers. */
 #define SP_COORDINATOR_GRACE_ENV "SHARDPLANE_COORDINATOR_GRACE"
+/* How often the agent (or shardplane run) has started this host's workers
+ * before: 0 the first time, then one more per restart, a new incarnation
+ * or a replica group's rejoining (--inject's exit faults act only at 0). */
+#define SP_RESTART_ENV "SHARDPLANE_RESTART"
 /* The grace period when neither says. */
 #define SP_COORDINATOR_GRACE_DEFAULT_MS 60000u
 

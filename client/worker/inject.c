@@ -151,8 +151,19 @@ void sp_inject_start(sp_inject *in, sp_session *s, uint32_t rank) {
 
 bool sp_inject_wants_hook(const sp_inject *in) { return in->hooks; }
 
+/* Whether the agent (or run) started this worker again (SHARDPLANE_RESTART
+ * above 0): a new incarnation, or its replica group rejoining. */
+static bool restarted(void) {
+  const char *v = getenv(SP_RESTART_ENV);
+  return v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
+}
+
 void sp_inject_step(sp_inject *in, uint64_t step) {
   in->step = step;
+  /* a drill's death happens once: a restarted worker that passes the step
+   * again (a group rejoining just before it, or a restart from an earlier
+   * checkpoint) carries on */
+  if (restarted()) return;
   for (size_t i = 0; i < in->n; i++) {
     const sp_inject_fault *f = &in->faults[i];
     if (f->rank == in->rank && f->kind == SP_INJECT_EXIT && f->step == step) {
