@@ -500,7 +500,10 @@ static void worker_died(sp_coord *c, const Shardplane__V1__WorkerExit *w) {
   else
     snprintf(how, sizeof how, "rank %u exited with status %d", w->rank,
              w->exit_code);
-  if (sp_coord_quorum_drop(c, w->rank, how)) return;
+  if (sp_coord_quorum_drop(
+          c, w->rank, how,
+          w->signal > 0 ? SP_COORD_CAUSE_SIGNAL : SP_COORD_CAUSE_STATUS))
+    return;
   if (a->n_cand < MAX_CANDIDATES) {
     Shardplane__V1__WorkerExit *x = &a->cand[a->n_cand++];
     shardplane__v1__worker_exit__init(x);
@@ -723,7 +726,8 @@ static void agent_gone(sp_rpc_call *call) {
   char lost[SP_COORD_MAX_HOST + 96];
   snprintf(lost, sizeof lost, "node %u (%s) was lost: its agent went away",
            g->node_rank, g->host);
-  if (training && sp_coord_quorum_drop(c, first, lost)) training = false;
+  if (training && sp_coord_quorum_drop(c, first, lost, SP_COORD_CAUSE_SEEN))
+    training = false;
   if (training) {
     sp_coord_base_log(c,
                       "node %u lost: its agent (%s pid %u, ranks %u-%u) went "

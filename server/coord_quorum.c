@@ -20,6 +20,7 @@ typedef struct q_group {
   uint32_t ready; /* ranks of generation gen that said they are ready */
   uint64_t dropped_ms, rejoined_ms, dropped_step, rejoined_step;
   char why[256];
+  int cause; /* how telling why is (SP_COORD_CAUSE_*) */
 } q_group;
 
 struct sp_coord_quorum {
@@ -167,12 +168,20 @@ static uint64_t live_step(const sp_coord *c) {
   return best;
 }
 
-bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why) {
+bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why,
+                          int cause) {
   struct sp_coord_quorum *q = c->quorum;
   if (q == NULL || c->shutting_down || rank >= c->plan->world_size)
     return false;
   uint32_t g0 = rank / q->size;
-  if (!q->g[g0].in) return true; /* dropped already: part of that drop */
+  q_group *x0 = &q->g[g0];
+  if (!x0->in) { /* dropped already: part of that drop */
+    if (cause > x0->cause && unix_ms() - x0->dropped_ms < 5000) {
+      snprintf(x0->why, sizeof x0->why, "%s", why);
+      x0->cause = cause;
+    }
+    return true;
+  }
   /* the groups that go with it: every one on a host whose agent restarts
    * its workers (all of a host's, so a group sharing one goes too) */
   uint32_t lo = g0 * q->size, hi = lo + q->size - 1;
@@ -206,6 +215,7 @@ bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why) {
     q->g[g].dropped_ms = now;
     q->g[g].dropped_step = step;
     q->g[g].rejoined_ms = 0;
+    q->g[g].cause = g == g0 ? cause : SP_COORD_CAUSE_SEEN;
     if (g == g0)
       snprintf(q->g[g].why, sizeof q->g[g].why, "%s", why);
     else

@@ -36,10 +36,22 @@ void sp_coord_quorum_free(sp_coord *c);
 void sp_coord_quorum_reset(sp_coord *c);
 /* Whether the job's replica groups continue through faults. */
 bool sp_coord_quorum_on(const sp_coord *c);
+/* How telling a cause is: what the coordinator saw (a stream broke, a
+ * node went), an agent's word on an exit status, or on a signal. */
+enum {
+  SP_COORD_CAUSE_SEEN = 0,
+  SP_COORD_CAUSE_STATUS = 1,
+  SP_COORD_CAUSE_SIGNAL = 2
+};
 /* A fault of `rank` (why: what happened, for the log and the events):
  * true when the quorum takes it (its group is dropped now, or was
- * already), false when it is the job's to end or restart. */
-bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why);
+ * already), false when it is the job's to end or restart. A more telling
+ * cause (SP_COORD_CAUSE_*) of a rank of a group dropped within the last
+ * 5 s replaces the one recorded: the rank's stream usually breaks before
+ * its agent reaps it, and a neighbour that failed after it exits with a
+ * status, while the rank that was killed has a signal. */
+bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why,
+                          int cause);
 /* A key a worker wrote (coord_store.c): readiness and pleas are acted
  * on; any other key is ignored. */
 void sp_coord_quorum_key(sp_coord *c, const char *key, size_t klen);

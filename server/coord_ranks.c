@@ -339,7 +339,7 @@ static void mark_lost(sp_coord *c, uint32_t rank, const char *why,
    * on (no abort, no verdict on the job) */
   char lost[SP_DIAG_MAX];
   snprintf(lost, sizeof lost, "rank %u lost: %s", rank, why);
-  if (sp_coord_quorum_drop(c, rank, lost)) return;
+  if (sp_coord_quorum_drop(c, rank, lost, SP_COORD_CAUSE_SEEN)) return;
   char reason[SP_DIAG_MAX] = "";
   uint32_t culprit = rank;
   sp_coord_event e = {.kind = SP_COORD_EV_LOST,

@@ -894,7 +894,7 @@ static void test_agent_group_continues(void **state) {
   assert_true(g->in_quorum && g->rejoined_unix_ms >= g->dropped_unix_ms);
   assert_true(g->dropped_at_step >= 10 &&
               g->rejoined_at_step >= g->dropped_at_step);
-  assert_non_null(strstr(g->why, "rank 3"));
+  assert_non_null(strstr(g->why, "rank 3 was killed by signal 9"));
   assert_non_null(strstr(g->summary, "back "));
   protobuf_c_message_free_unpacked(&li->base, NULL);
   char *local = sp_test_path(ck, "local");

@@ -177,12 +177,18 @@ static void print_alert(const Shardplane__V1__Alert *a) {
   free(line);
 }
 
+static void reap(sp_supervise *s);
+
 /* A command from the coordinator. */
 static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
   s->groups_continue = d->groups_continue;
   switch (d->command) {
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_RESTART:
       if (d->incarnation != s->incarnation || s->stopped || s->done) return;
+      /* a worker that already died is reported first: its signal or
+       * status is the drop's cause the coordinator keeps, rather than
+       * its stream breaking */
+      reap(s);
       sp_cli_error(s->who, "%s; restarting the %u worker%s of this host",
                    d->reason, s->n, s->n == 1 ? "" : "s");
       if (s->live > 0)
