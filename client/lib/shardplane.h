@@ -294,6 +294,15 @@ bool sp_session_culprit(const sp_session *s, uint32_t *rank);
  * stream (QUORUM; 0: none yet). The runtime adopts it at a step boundary
  * (sp_fsdp_quorum_boundary). Any thread. */
 uint64_t sp_session_quorum_epoch(const sp_session *s);
+/* fn is called on the session's thread when QUORUM announces a newer
+ * epoch, under the session's lock (it must be quick, call no session
+ * function, and be thread-safe: the runtime's aborts its replica group,
+ * so a collective waiting on a dropped group fails at once, NCCL's
+ * included). fn NULL unsets it; once this returns the old one is no
+ * longer running. Any thread. */
+void sp_session_set_quorum_hook(sp_session *s,
+                                void (*fn)(void *user, uint64_t epoch),
+                                void *user);
 /* Flight records sent in answer to FLIGHT_DUMP so far (tests). Any
  * thread. */
 uint64_t sp_session_flight_dumps(const sp_session *s);

@@ -325,6 +325,10 @@ struct sp_fsdp {
   uint64_t q_timeout_ms;   /* a replica group's forming and collectives */
   char q_host[64];         /* the Gloo address, as sp_fsdp_comms_open chose */
   char q_why[SP_DIAG_MAX]; /* the replica failure, for the log */
+  /* replica_comm's replacement against the session thread's abort of it
+   * (on_quorum in fsdp_quorum.c) */
+  pthread_mutex_t q_mu;
+  bool q_mu_init;
 };
 
 /* The gradient's division in two (before and after the sum) for a sum

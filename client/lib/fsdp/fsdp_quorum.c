@@ -90,7 +90,34 @@ int sp_fsdp_quorum_probe(sp_session *s, uint32_t group, bool *on, uint32_t *gen,
   return rc;
 }
 
+/* The session's thread, on a newer epoch: the replica group of the old
+ * one is aborted, so a collective waiting on a group that was dropped (a
+ * dead peer NCCL would wait on until its timeout, a stalled one Gloo
+ * would) fails now; the step is discarded and the boundary forms the new
+ * group. */
+static void on_quorum(void *user, uint64_t epoch) {
+  sp_fsdp *f = user;
+  pthread_mutex_lock(&f->q_mu);
+  if (f->replica_comm != NULL && epoch > f->q_epoch)
+    sp_comm_abort(f->replica_comm);
+  pthread_mutex_unlock(&f->q_mu);
+}
+
+/* Replaces replica_comm (NULL: none) and the epoch it is of, together
+ * under q_mu: an announcement of that very epoch must not abort it. */
+static void set_replica(sp_fsdp *f, sp_comm *c, uint64_t epoch) {
+  pthread_mutex_lock(&f->q_mu);
+  sp_comm *old = f->replica_comm;
+  f->replica_comm = c;
+  f->q_epoch = epoch;
+  pthread_mutex_unlock(&f->q_mu);
+  sp_comm_free(old);
+}
+
 int sp_fsdp_quorum_init(sp_fsdp *f, sp_diag *d) {
+  pthread_mutex_init(&f->q_mu, NULL);
+  f->q_mu_init = true;
+  sp_session_set_quorum_hook(f->s, on_quorum, f);
   uint32_t g = f->plan->shard_world;
   f->q_group = f->rank / g;
   f->q_shard = f->rank % g;
@@ -110,9 +137,11 @@ int sp_fsdp_quorum_init(sp_fsdp *f, sp_diag *d) {
 }
 
 void sp_fsdp_quorum_free(sp_fsdp *f) {
-  if (!f->q_on) return;
-  sp_comm_free(f->replica_comm);
-  f->replica_comm = NULL;
+  if (!f->q_on || !f->q_mu_init) return;
+  sp_session_set_quorum_hook(f->s, NULL, NULL);
+  set_replica(f, NULL, f->q_epoch);
+  pthread_mutex_destroy(&f->q_mu);
+  f->q_mu_init = false;
 }
 
 bool sp_fsdp_quorum_on(const sp_fsdp *f) { return f && f->q_on; }
@@ -280,8 +309,7 @@ static int heal(sp_fsdp *f, uint32_t root, sp_diag *d) {
  * not come (a newer epoch is due); 0 formed; < 0 an error. */
 static int form(sp_fsdp *f, uint64_t e, const uint32_t *members, uint32_t n,
                 sp_diag *d) {
-  sp_comm_free(f->replica_comm);
-  f->replica_comm = NULL;
+  set_replica(f, NULL, f->q_epoch);
   f->q_formed = false;
   char key[96], val[48];
   snprintf(key, sizeof key, "comm/quorum/at/%" PRIu64 "/%u/%u", e, f->q_shard,
@@ -322,17 +350,17 @@ static int form(sp_fsdp *f, uint64_t e, const uint32_t *members, uint32_t n,
   o.rank = me;
   o.size = n;
   sp_diag cd = {{0}};
-  if (sp_comm_new(&o, &f->replica_comm, &cd) < 0) {
-    f->replica_comm = NULL;
+  sp_comm *made = NULL;
+  if (sp_comm_new(&o, &made, &cd) < 0) {
     snprintf(f->q_why, sizeof f->q_why, "%s", cd.msg);
     return 1;
   }
+  set_replica(f, made, e);
   if (behind && heal(f, root, &cd) < 0) {
     snprintf(f->q_why, sizeof f->q_why, "%s", cd.msg);
     return 1;
   }
   f->q_formed = true;
-  f->q_epoch = e;
   f->q_members = n;
   f->q_joiner = false;
   f->q_broken = false;

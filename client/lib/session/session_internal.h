@@ -205,6 +205,9 @@ struct sp_session {
   uint32_t hb_ms;
   void (*on_abort)(void *, const char *);
   void *user;
+  /* sp_session_set_quorum_hook's, under lock */
+  void (*on_quorum)(void *, uint64_t);
+  void *quorum_user;
 
   /* ---- shared between threads, under lock ---- */
   uv_mutex_t lock;

@@ -455,6 +455,12 @@ static void session_msg(sp_rpc_ccall *call, const uint8_t *data, size_t len,
         m->quorum_epoch > was &&
         !atomic_compare_exchange_weak(&s->quorum_epoch, &was, m->quorum_epoch))
       ;
+    if (m->quorum_epoch > was) {
+      /* under the lock: the hook's owner unsets it before it goes */
+      uv_mutex_lock(&s->lock);
+      if (s->on_quorum != NULL) s->on_quorum(s->quorum_user, m->quorum_epoch);
+      uv_mutex_unlock(&s->lock);
+    }
   }
   shardplane__v1__session_down__free_unpacked(m, NULL);
   /* acknowledgements open the window; the recorder then holds what was
@@ -937,6 +943,16 @@ Shardplane__V1__FlightRecord *sp_session_test_last_flight(sp_session *s) {
 
 uint64_t sp_session_coll_seq(const sp_session *s, sp_comm_kind k) {
   return s != NULL && (unsigned)k < SP_SESSION_COMMS ? s->coll_seq[k] : 0;
+}
+
+void sp_session_set_quorum_hook(sp_session *s,
+                                void (*fn)(void *user, uint64_t epoch),
+                                void *user) {
+  if (s == NULL) return;
+  uv_mutex_lock(&s->lock);
+  s->on_quorum = fn;
+  s->quorum_user = user;
+  uv_mutex_unlock(&s->lock);
 }
 
 uint64_t sp_session_quorum_epoch(const sp_session *s) {
