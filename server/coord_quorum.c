@@ -303,28 +303,16 @@ void sp_coord_quorum_key(sp_coord *c, const char *key, size_t klen) {
   }
 }
 
-uint64_t sp_coord_quorum_epoch(const sp_coord *c, uint32_t *groups,
-                               uint32_t *in) {
+bool sp_coord_quorum_finished(const sp_coord *c) {
   const struct sp_coord_quorum *q = c->quorum;
-  *groups = *in = 0;
-  if (q == NULL) return 0;
-  *groups = q->groups;
-  for (uint32_t g = 0; g < q->groups; g++) *in += q->g[g].in;
-  return q->epoch;
-}
-
-bool sp_coord_quorum_group_get(const sp_coord *c, uint32_t g,
-                               sp_coord_quorum_group *out) {
-  const struct sp_coord_quorum *q = c->quorum;
-  if (q == NULL || g >= q->groups) return false;
-  const q_group *x = &q->g[g];
-  *out = (sp_coord_quorum_group){.in = x->in,
-                                 .gen = x->gen,
-                                 .dropped_unix_ms = x->dropped_ms,
-                                 .rejoined_unix_ms = x->rejoined_ms,
-                                 .dropped_at_step = x->dropped_step,
-                                 .rejoined_at_step = x->rejoined_step,
-                                 .why = x->why};
+  if (q == NULL) return false;
+  for (uint32_t g = 0; g < q->groups; g++)
+    for (uint32_t i = 0; i < q->size; i++) {
+      int st = sp_coord_ranks_status(c, g * q->size + i);
+      if (q->g[g].in ? st != SHARDPLANE__V1__RANK_STATUS__DETACHED
+                     : st == SHARDPLANE__V1__RANK_STATUS__ATTACHED)
+        return false;
+    }
   return true;
 }
 
@@ -391,8 +379,7 @@ Shardplane__V1__ReplicaQuorum *sp_coord_quorum_report(const sp_coord *c) {
                (double)(x->rejoined_ms - x->dropped_ms) / 1e3, x->rejoined_step,
                x->rejoined_step - x->dropped_step);
     else
-      snprintf(s + k, SUMMARY - (size_t)k,
-               "out for %.1f s so far, restarting to rejoin",
+      snprintf(s + k, SUMMARY - (size_t)k, "out for %.1f s so far",
                (double)(unix_ms() - x->dropped_ms) / 1e3);
     if (x->gen > 1) {
       size_t l = strlen(s);

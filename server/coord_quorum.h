@@ -56,20 +56,11 @@ bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why,
  * on; any other key is ignored. */
 void sp_coord_quorum_key(sp_coord *c, const char *key, size_t klen);
 
-/* What the operator views show: the epoch, the groups in it, and per
- * group whether it is in, its generation and its last drop's record. */
-typedef struct sp_coord_quorum_group {
-  bool in;
-  uint32_t gen;
-  uint64_t dropped_unix_ms, rejoined_unix_ms; /* 0: never */
-  uint64_t dropped_at_step, rejoined_at_step;
-  const char *why; /* the last drop's cause; "" never dropped */
-} sp_coord_quorum_group;
-uint64_t sp_coord_quorum_epoch(const sp_coord *c, uint32_t *groups,
-                               uint32_t *in);
-bool sp_coord_quorum_group_get(const sp_coord *c, uint32_t g,
-                               sp_coord_quorum_group *out);
-
+/* Whether the job is done under the quorum: every rank of the groups in
+ * it detached (after its last step), and no rank of a group out of it is
+ * attached (one still waiting to rejoin ends by itself then). false
+ * without a quorum. */
+bool sp_coord_quorum_finished(const sp_coord *c);
 /* The quorum for the operator views (GetJob, GetVerdict and
  * ListIncarnations: shardplane status, why, incarnations): NULL without
  * one, or out of memory; else one block the caller frees with free()

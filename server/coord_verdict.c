@@ -171,15 +171,16 @@ static uint64_t last_step(const sp_coord *c) {
   return step;
 }
 
-int sp_coord_verdict_detached(sp_coord *c, void *user,
-                              const sp_coord_event *e) {
-  (void)user;
-  (void)e;
+/* COMPLETED once every rank detached, or under a replica quorum every
+ * rank of the groups in it, none of those out of it still attached (a
+ * group whose host is gone never comes back to detach). */
+static void maybe_completed(sp_coord *c) {
   struct sp_coord_verdict *v = c->verdict;
   if (v->state != SHARDPLANE__V1__JOB_STATE__JOB_RUNNING ||
-      sp_coord_ranks_with_status(c, SHARDPLANE__V1__RANK_STATUS__DETACHED) <
-          v->world)
-    return 0;
+      (sp_coord_ranks_with_status(c, SHARDPLANE__V1__RANK_STATUS__DETACHED) <
+           v->world &&
+       !sp_coord_quorum_finished(c)))
+    return;
   /* once, when the last rank detached */
   uint64_t step = last_step(c);
   v->state = SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED;
@@ -188,6 +189,13 @@ int sp_coord_verdict_detached(sp_coord *c, void *user,
   sp_coord_base_log(c, "job COMPLETED at step %" PRIu64, step);
   sp_coord_event done = {.kind = SP_COORD_EV_COMPLETED, .step = step};
   sp_coord_bus_announce(c, &done);
+}
+
+int sp_coord_verdict_detached(sp_coord *c, void *user,
+                              const sp_coord_event *e) {
+  (void)user;
+  (void)e;
+  maybe_completed(c);
   return 0;
 }
 
@@ -251,6 +259,7 @@ int sp_coord_verdict_aborted(sp_coord *c, void *user, const sp_coord_event *e) {
 int sp_coord_verdict_tick(sp_coord *c, void *user, const sp_coord_event *e) {
   (void)user;
   struct sp_coord_verdict *v = c->verdict;
+  maybe_completed(c);
   uint64_t now = e->now_ms;
   uint64_t min_step = UINT64_MAX;
   for (uint32_t r = 0; r < v->world; r++)

@@ -918,6 +918,85 @@ static void test_agent_group_continues(void **state) {
   stop_coord(f);
 }
 
+/* Replica groups that continue, a group that never comes back: node 1
+ * (its agent and workers) killed mid-training. Group 0 trains to the end
+ * and writes the final SHARDED checkpoint with every rank's piece (its
+ * ranks write those of group 1's ranks at their shard index), the job is
+ * COMPLETED, and `shardplane run` of the full world loads that
+ * checkpoint. */
+static void test_agent_group_never_returns(void **state) {
+  fx *f = *state;
+  const char *flags[] = {
+      "--strategy", "HYBRID_SHARD",       "--shard-group-size",
+      "2",          "--on-group-failure", "continue",
+      NULL};
+  start_coord_flags(&f->coord, &f->auth, 4, flags, f->addr, sizeof f->addr);
+  char *ck = sp_test_path(f->dir, "ck");
+  const char *trainer[] = {
+      WORKER, "--insecure",       "--steps", "150",          "--log-every",
+      "1",    "--checkpoint-dir", ck,        "--checkpoint", "sharded",
+      NULL};
+  pid_t a[2];
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
+  wait_for(f->dir, "agent0.out", "step 20/", 60);
+  int kids[8];
+  size_t n = sp_test_children(a[1], kids, 8);
+  assert_int_equal(n, 2);
+  assert_int_equal(kill(a[1], SIGKILL), 0);
+  for (size_t i = 0; i < n; i++) kill(kids[i], SIGKILL);
+  int st[2], max_conns;
+  wait_agents(a, st, f->coord.port, 120, &max_conns);
+  assert_int_equal(st[1], 128 + SIGKILL);
+  assert_int_equal(st[0], 0);
+  char *out0 = slurp(f->dir, "agent0.out");
+  assert_non_null(strstr(out0, "checkpoint (SHARDED) of step 150"));
+  free(out0);
+  Shardplane__V1__GetJobRequest jq = SHARDPLANE__V1__GET_JOB_REQUEST__INIT;
+  Shardplane__V1__GetJobResponse *j = (Shardplane__V1__GetJobResponse *)ask(
+      f->addr, &f->auth, "GetJob", &jq.base,
+      &shardplane__v1__get_job_response__descriptor);
+  assert_int_equal(j->state, SHARDPLANE__V1__JOB_STATE__JOB_COMPLETED);
+  assert_non_null(j->quorum);
+  assert_int_equal(j->quorum->in_quorum, 1);
+  assert_int_equal(j->quorum->n_dropped, 1);
+  printf("%s\n", j->quorum->dropped[0]->summary);
+  protobuf_c_message_free_unpacked(&j->base, NULL);
+  stop_coord(f);
+  char *sharded = sp_test_path(ck, "sharded");
+  char *argv[] = {SHARDPLANE,
+                  "run",
+                  "--nproc",
+                  "4",
+                  "--model",
+                  MLP,
+                  "--strategy",
+                  "HYBRID_SHARD",
+                  "--shard-group-size",
+                  "2",
+                  "--load",
+                  sharded,
+                  "--steps",
+                  "150",
+                  "--checkpoint",
+                  "none",
+                  NULL};
+  char *out = sp_test_path(f->dir, "load.out");
+  char *err = sp_test_path(f->dir, "load.err");
+  pid_t r = sp_test_spawn_logged(out, err, argv);
+  int rst = sp_test_wait_exit(r, 120);
+  char *lo = sp_test_read_file(out), *le = sp_test_read_file(err);
+  printf("run --load:\n%s%s", lo, le);
+  assert_int_equal(rst, 0);
+  assert_non_null(strstr(lo, "loaded the checkpoint of step 150"));
+  free(lo);
+  free(le);
+  free(out);
+  free(err);
+  free(sharded);
+  free(ck);
+}
+
 /* A worker killed mid-training with --max-restarts 1: the coordinator
  * ends incarnation 0 naming the rank and signal, every agent stops its
  * workers and starts them again, they load the last checkpoint and the
@@ -1613,6 +1692,8 @@ int main(int argc, char **argv) {
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_group_continues, fx_setup_bare,
                                       fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_group_never_returns,
+                                      fx_setup_bare, fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_node_lost, fx_setup,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_restart, fx_setup,

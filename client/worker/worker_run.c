@@ -147,22 +147,6 @@ static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f, uint32_t rank,
   return 0;
 }
 
-/* A checkpoint has a piece of every rank: while a replica group is out
- * of the quorum none is written (the one on disk stays). Every rank of
- * the quorum knows the same membership at a step boundary. */
-static bool checkpoint_waits(sp_fsdp *f, const sp_session *s, uint64_t step) {
-  if (sp_fsdp_quorum_full(f)) return false;
-  uint32_t rank = sp_session_rank(s);
-  if (rank % sp_session_plan(s)->shard_world == 0) {
-    printf(
-        "rank %u: no checkpoint of step %llu: a replica group is out of "
-        "the quorum\n",
-        rank, (unsigned long long)step);
-    fflush(stdout);
-  }
-  return true;
-}
-
 /* --load, with --load-params-only or the checkpoint's optimizer state and
  * step; a state mismatch names the flag that loads anyway. */
 static int load(const sp_worker_opts *o, sp_fsdp *f, sp_ckpt_info *info,
@@ -465,7 +449,7 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
       fflush(stdout);
     }
     if (rc == 0 && o->wf.ckpt_every && (step + 1) % o->wf.ckpt_every == 0 &&
-        step + 1 < o->wf.steps && !checkpoint_waits(f, s, step + 1)) {
+        step + 1 < o->wf.steps) {
       rc = save_checkpoints(o, f, rank, step + 1, d);
       saved = step + 1;
     }
@@ -499,8 +483,7 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
   }
   /* the final checkpoint; a stop before any step trained here has
    * nothing new to keep (the loaded checkpoint, if any, stays) */
-  if (rc == 0 && saved != step && !(*stopped && ran == 0) && !late &&
-      !checkpoint_waits(f, s, step)) {
+  if (rc == 0 && saved != step && !(*stopped && ran == 0) && !late) {
     /* the checkpoints' own peak, from here (both counters restart at what
      * is held now) */
     sp_fsdp_reset_peak_memory(f);

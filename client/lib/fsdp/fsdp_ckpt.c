@@ -245,13 +245,16 @@ static void format_meta(sp_fsdp *f, save_file *sf) {
                           i ? "," : "", f->states[i].name);
 }
 
+/* as_rank: the rank whose file it is (this one, or under a replica quorum
+ * one of a group out of it, whose shards this rank holds too). */
 static int open_writer(sp_fsdp *f, save_file *sf, const char *dir,
-                       const char *name, sp_ckpt_kind kind, sp_diag *d) {
+                       const char *name, sp_ckpt_kind kind, uint32_t as_rank,
+                       sp_diag *d) {
   char path[PATH_MAX], world[16], rank[16];
   int rc = sp_ckpt_join(path, sizeof path, dir, name, d);
   if (rc < 0) return rc;
   snprintf(world, sizeof world, "%u", f->world);
-  snprintf(rank, sizeof rank, "%u", f->rank);
+  snprintf(rank, sizeof rank, "%u", as_rank);
   format_meta(f, sf);
   sp_safetensors_kv meta[] = {{"shardplane.kind", sp_ckpt_kind_name(kind)},
                               {"shardplane.plan_version", f->plan->version_hex},
@@ -262,8 +265,10 @@ static int open_writer(sp_fsdp *f, save_file *sf, const char *dir,
   return sp_safetensors_writer_open(path, sf->es, sf->n, meta, 6, &sf->w, d);
 }
 
-/* The entries of this rank's FULL or SHARDED file (FULL: rank 0 only). */
-static int plan_file(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf, sp_diag *d) {
+/* The entries of rank as_rank's FULL or SHARDED file (FULL: rank 0's
+ * only). */
+static int plan_file(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf,
+                     uint32_t as_rank, sp_diag *d) {
   const sp_model *m = f->model;
   size_t nk = n_kinds(f);
   sf->slot = malloc((nk * m->n_params + 1) * sizeof *sf->slot);
@@ -278,7 +283,7 @@ static int plan_file(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf, sp_diag *d) {
       if (u < 0) continue;
       int64_t first = 0, last = 1;
       if (kind == SP_CKPT_SHARDED) {
-        sp_ckpt_chunk_rows(t, f->world, f->rank, &first, &last);
+        sp_ckpt_chunk_rows(t, f->world, as_rank, &first, &last);
         if (first >= last) continue;
       }
       sf->slot[k * m->n_params + p] = (int64_t)sf->n;
@@ -288,7 +293,7 @@ static int plan_file(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf, sp_diag *d) {
       if (kind == SP_CKPT_SHARDED && t->ndim)
         sf->es[sf->n - 1].shape[0] = (uint64_t)(last - first);
     }
-  if (f->rank != 0) return 0;
+  if (as_rank != 0) return 0;
   /* persistent buffers, restored to their original dtype (rank 0) */
   for (size_t b = 0; b < m->n_buffers; b++) {
     const sp_tensor_spec *t = &m->buffers[b];
@@ -330,10 +335,11 @@ static int put_buffer(sp_fsdp *f, save_file *sf, size_t b, sp_dtype to,
   return rc;
 }
 
-/* This rank's pieces of unit u's gathered tensor k (full: c * W_s
+/* Rank as_rank's pieces of unit u's gathered tensor k (full: c * W_s
  * elements): whole parameters (FULL) or their dim-0 chunks (SHARDED). */
 static int put_unit(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf, uint32_t u,
-                    size_t k, const uint8_t *full, sp_diag *d) {
+                    size_t k, const uint8_t *full, uint32_t as_rank,
+                    sp_diag *d) {
   const sp_model *m = f->model;
   size_t es = sp_dtype_size(kind_dtype(f, u, k));
   for (size_t p = 0; p < m->n_params; p++) {
@@ -344,7 +350,7 @@ static int put_unit(sp_fsdp *f, sp_ckpt_kind kind, save_file *sf, uint32_t u,
     const sp_flat_entry *e = &f->plan->entries[f->plan->param_entry[p]];
     int64_t first = 0, last = t->ndim ? t->shape[0] : 1;
     if (kind == SP_CKPT_SHARDED)
-      sp_ckpt_chunk_rows(t, f->world, f->rank, &first, &last);
+      sp_ckpt_chunk_rows(t, f->world, as_rank, &first, &last);
     int64_t rn = sp_ckpt_row_numel(t);
     const uint8_t *src = full + (size_t)(e->offset + first * rn) * es;
     int rc = sp_safetensors_writer_put(sf->w, (size_t)slot, 0, src,
@@ -438,13 +444,17 @@ static int write_index(sp_fsdp *f, const char *dir, sp_diag *d) {
  * fail too). */
 static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
                          int *local, sp_diag *ld, sp_diag *d) {
-  bool writer = kind == SP_CKPT_SHARDED || f->rank == 0;
-  save_file sf = {0};
-  char name[128];
-  if (kind == SP_CKPT_FULL)
-    snprintf(name, sizeof name, "%s", SP_CKPT_FULL_FILE);
-  else
-    sp_ckpt_file_name(name, sizeof name, "rank", f->rank, f->world);
+  /* the files this rank writes: SHARDED its own (and under a replica
+   * quorum those of the groups out of it at its shard index), FULL the
+   * one file, by the lead rank */
+  uint32_t as[SP_FSDP_CKPT_RANKS_MAX];
+  size_t n_as = 0;
+  if (kind == SP_CKPT_SHARDED)
+    n_as = sp_fsdp_ckpt_ranks(f, as, SP_FSDP_CKPT_RANKS_MAX);
+  else if (f->rank == sp_fsdp_ckpt_lead(f))
+    as[n_as++] = 0;
+  save_file sf[SP_FSDP_CKPT_RANKS_MAX];
+  memset(sf, 0, sizeof sf);
   /* the largest unit's c * W_s elements of the widest dtype */
   size_t cap = 1;
   for (uint32_t u = 0; u < f->n_units; u++)
@@ -459,8 +469,15 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
                               "no memory for the %zu-byte "
                               "gather buffer",
                               cap);
-  if (rc == 0 && writer) rc = plan_file(f, kind, &sf, d);
-  if (rc == 0 && writer) rc = open_writer(f, &sf, dir, name, kind, d);
+  for (size_t i = 0; rc == 0 && i < n_as; i++) {
+    char name[128];
+    if (kind == SP_CKPT_FULL)
+      snprintf(name, sizeof name, "%s", SP_CKPT_FULL_FILE);
+    else
+      sp_ckpt_file_name(name, sizeof name, "rank", as[i], f->world);
+    rc = plan_file(f, kind, &sf[i], as[i], d);
+    if (rc == 0) rc = open_writer(f, &sf[i], dir, name, kind, as[i], d);
+  }
   /* nobody gathers unless everybody can take part */
   rc = settle(f, rc, "preparing its checkpoint file", d);
   if (rc == 0)
@@ -473,8 +490,8 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
     for (size_t k = 0; rc == 0 && k < n_kinds(f); k++) {
       const void *src = k == 0 ? NULL : kind_storage(f, u, k);
       rc = sp_fsdp_gather_tensor(f, u, src, kind_dtype(f, u, k), full, d);
-      if (rc == 0 && writer && *local == 0)
-        *local = put_unit(f, kind, &sf, u, k, full, ld);
+      for (size_t i = 0; rc == 0 && i < n_as && *local == 0; i++)
+        *local = put_unit(f, kind, &sf[i], u, k, full, as[i], ld);
     }
     if (rc == 0)
       rc = sp_session_transition(f->s, SP_MACHINE_HANDLE, u, SP_HANDLE_IDLE, d);
@@ -484,24 +501,28 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
   if (rc == 0)
     rc = sp_session_transition(f->s, SP_MACHINE_ROOT, 0, SP_ROOT_IDLE, d);
   free(full);
-  for (size_t b = 0;
-       rc == 0 && *local == 0 && writer && b < f->model->n_buffers; b++)
-    if (sf.buf_slot[b] >= 0)
-      *local = put_buffer(f, &sf, b, f->model->buffers[b].dtype, ld);
-  if (rc == 0 && *local == 0 && writer) {
-    sp_safetensors_writer *w = sf.w;
-    sf.w = NULL;
-    *local = sp_safetensors_writer_commit(w, ld);
+  for (size_t i = 0; rc == 0 && *local == 0 && i < n_as; i++) {
+    for (size_t b = 0; *local == 0 && b < f->model->n_buffers; b++)
+      if (sf[i].buf_slot[b] >= 0)
+        *local = put_buffer(f, &sf[i], b, f->model->buffers[b].dtype, ld);
+    if (*local == 0) {
+      sp_safetensors_writer *w = sf[i].w;
+      sf[i].w = NULL;
+      *local = sp_safetensors_writer_commit(w, ld);
+    }
   }
-  if (rc == 0 && *local == 0 && kind == SP_CKPT_SHARDED && f->rank == 0)
+  if (rc == 0 && *local == 0 && kind == SP_CKPT_SHARDED &&
+      f->rank == sp_fsdp_ckpt_lead(f))
     *local = write_index(f, dir, ld);
-  save_file_free(&sf);
+  for (size_t i = 0; i < n_as; i++) save_file_free(&sf[i]);
   return rc;
 }
 
 /* LOCAL: no collective; one unit's shard at a time (a host copy of it on a
- * GPU). */
-static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
+ * GPU), into rank as_rank's file (this rank's, or one of a group out of a
+ * replica quorum at the same shard index: the same shards). */
+static int save_local_as(sp_fsdp *f, const char *dir, uint32_t as_rank,
+                         sp_diag *d) {
   const sp_model *m = f->model;
   size_t nk = n_kinds(f);
   save_file sf = {0};
@@ -513,7 +534,7 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
     sp_fsdp_unit *fu = &f->units[u];
     if (!fu->has_data) continue;
     int64_t s, e, pad;
-    rc = sp_plan_rank_range(f->plan, u, f->rank, &s, &e, &pad);
+    rc = sp_plan_rank_range(f->plan, u, as_rank, &s, &e, &pad);
     for (size_t k = 0; rc == 0 && k < nk; k++) {
       char tn[SP_SAFETENSORS_MAX_NAME];
       local_name(f, u, k, tn, sizeof tn);
@@ -535,8 +556,8 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
     rc = add_entry(&sf, NULL, t->fqn, f->buffer_dtype[b], t, d);
   }
   char name[128];
-  sp_ckpt_file_name(name, sizeof name, "local", f->rank, f->world);
-  if (rc == 0) rc = open_writer(f, &sf, dir, name, SP_CKPT_LOCAL, d);
+  sp_ckpt_file_name(name, sizeof name, "local", as_rank, f->world);
+  if (rc == 0) rc = open_writer(f, &sf, dir, name, SP_CKPT_LOCAL, as_rank, d);
   for (uint32_t u = 0; rc == 0 && u < f->n_units; u++) {
     if (!f->units[u].has_data) continue;
     for (size_t k = 0; rc == 0 && k < nk; k++) {
@@ -563,6 +584,15 @@ static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
   return rc;
 }
 
+static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
+  uint32_t as[SP_FSDP_CKPT_RANKS_MAX];
+  size_t n = sp_fsdp_ckpt_ranks(f, as, SP_FSDP_CKPT_RANKS_MAX);
+  int rc = 0;
+  for (size_t i = 0; rc == 0 && i < n; i++)
+    rc = save_local_as(f, dir, as[i], d);
+  return rc;
+}
+
 int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d) {
   if (!f || !dir) return sp_diag_set(d, SP_EINVAL, "sp_ckpt_save: no dir");
   if (kind != SP_CKPT_FULL && kind != SP_CKPT_SHARDED && kind != SP_CKPT_LOCAL)
@@ -576,9 +606,11 @@ int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d) {
     free(p);
     return sp_diag_prefix(d, rc, "writing %s checkpoint", kn);
   }
-  /* 1. rank 0 empties the staging directory */
+  /* 1. rank 0 (under a replica quorum the first rank of the first group
+   * in it) empties the staging directory */
   rc = check_registered(f, d);
-  if (rc == 0 && f->rank == 0) rc = sp_ckpt_prepare_staging(p, d);
+  uint32_t lead = sp_fsdp_ckpt_lead(f);
+  if (rc == 0 && f->rank == lead) rc = sp_ckpt_prepare_staging(p, d);
   rc = settle(f, rc, "preparing the checkpoint directory", d);
   /* 2. every rank writes its files there */
   if (rc == 0) {
@@ -594,9 +626,9 @@ int sp_ckpt_save(sp_fsdp *f, sp_ckpt_kind kind, const char *dir, sp_diag *d) {
       rc = settle(f, local, "writing its checkpoint file", d);
     }
   }
-  /* 3. rank 0 publishes; every rank returns once it is done */
+  /* 3. the same rank publishes; every rank returns once it is done */
   if (rc == 0) {
-    int prc = f->rank == 0 ? sp_ckpt_publish(p, d) : 0;
+    int prc = f->rank == lead ? sp_ckpt_publish(p, d) : 0;
     rc = settle(f, prc, "publishing the checkpoint", d);
   }
   free(p);

@@ -129,6 +129,8 @@ int sp_fsdp_quorum_init(sp_fsdp *f, sp_diag *d) {
   /* a group started again after a drop holds no live state; the first
    * start holds the job's (initialised, or loaded) */
   f->q_joiner = f->q_gen > 0;
+  f->q_in = calloc(f->q_groups, sizeof *f->q_in);
+  if (rc == 0 && f->q_in == NULL) rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   if (rc == 0 && !on)
     rc = sp_diag_set(d, SP_ESTATE,
                      "no replica quorum in the coordinator's store (the "
@@ -142,6 +144,30 @@ void sp_fsdp_quorum_free(sp_fsdp *f) {
   set_replica(f, NULL, f->q_epoch);
   pthread_mutex_destroy(&f->q_mu);
   f->q_mu_init = false;
+  free(f->q_in);
+  f->q_in = NULL;
+}
+
+/* The first group of the quorum formed; without one formed yet, group 0. */
+static uint32_t first_in(const sp_fsdp *f) {
+  for (uint32_t g = 0; f->q_in && g < f->q_groups; g++)
+    if (f->q_in[g]) return g;
+  return 0;
+}
+
+size_t sp_fsdp_ckpt_ranks(const sp_fsdp *f, uint32_t *out, size_t cap) {
+  size_t n = 0;
+  if (cap == 0) return 0;
+  out[n++] = f->rank;
+  if (!f->q_on || !f->q_formed || f->q_group != first_in(f)) return n;
+  for (uint32_t g = 0; g < f->q_groups && n < cap; g++)
+    if (!f->q_in[g]) out[n++] = g * f->plan->shard_world + f->q_shard;
+  return n;
+}
+
+uint32_t sp_fsdp_ckpt_lead(const sp_fsdp *f) {
+  if (!f->q_on) return 0;
+  return first_in(f) * f->plan->shard_world;
 }
 
 bool sp_fsdp_quorum_on(const sp_fsdp *f) { return f && f->q_on; }
@@ -362,6 +388,8 @@ static int form(sp_fsdp *f, uint64_t e, const uint32_t *members, uint32_t n,
   }
   f->q_formed = true;
   f->q_members = n;
+  memset(f->q_in, 0, f->q_groups * sizeof *f->q_in);
+  for (uint32_t i = 0; i < n; i++) f->q_in[members[i]] = true;
   f->q_joiner = false;
   f->q_broken = false;
   f->q_why[0] = '\0';
