@@ -569,16 +569,17 @@ int sp_supervise_run(sp_supervise *s) {
     int sig = g_signal;
     g_signal = 0;
     if (sig) on_signal_seen(s, sig);
-    /* with restarts, workers that failed leave the host waiting for the
-     * coordinator's word; without (or once it ended the job) it is done
+    /* with restarts (or replica groups that continue), workers that
+     * failed leave the host waiting for the coordinator's word; without (or once it ended the job) it is done
      * when they are all gone. Ends held through an outage wait for the
      * coordinator too. */
     bool away = sp_agent_ctl_away(s->ctl);
     bool listening = sp_agent_ctl_up(s->ctl) || away;
-    bool waiting =
-        !s->done && !s->interrupted && s->ret == SP_EXIT_OK && s->live == 0 &&
-        ((s->max_restarts > 0 && listening && (s->failed > 0 || s->stopped)) ||
-         (away && s->n_held > 0));
+    bool waiting = !s->done && !s->interrupted && s->ret == SP_EXIT_OK &&
+                   s->live == 0 &&
+                   (((s->max_restarts > 0 || s->groups_continue) && listening &&
+                     (s->failed > 0 || s->stopped)) ||
+                    (away && s->n_held > 0));
     if (s->live == 0 && !waiting) {
       if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
       /* counted again: workers started by a command of this turn (and

@@ -66,22 +66,6 @@ static int coll_all_reduce(sp_fsdp *f, sp_fsdp_work *w, size_t *next,
   return rc;
 }
 
-/* The sum over the replica group, when there is one of more than this
- * rank. Under a quorum (fsdp_quorum.c) a failure is the step's, not the
- * runtime's: it is remembered, the replica sums left in the step are
- * skipped, and the step is discarded at its commit. */
-static int replica_sum(sp_fsdp *f, sp_fsdp_work *w, size_t *next, void *buf,
-                       size_t count, sp_dtype dt, sp_diag *d) {
-  if (!f->replica_comm || sp_comm_size(f->replica_comm) < 2) return 0;
-  if (!f->q_on)
-    return coll_all_reduce(f, w, next, f->replica_comm, buf, count, dt, d);
-  if (f->q_broken) return 0;
-  sp_diag rd = {{0}};
-  if (coll_all_reduce(f, w, next, f->replica_comm, buf, count, dt, &rd) < 0)
-    sp_fsdp_quorum_failed(f, &rd);
-  return 0;
-}
-
 sp_comm_kind sp_fsdp_gather_kind(const sp_fsdp *f) {
   return f->plan->strategy == SP_HYBRID_SHARD ? SP_COMM_SHARD : SP_COMM_WORLD;
 }
@@ -176,6 +160,30 @@ static int run_gather(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
                          u->param_dtype, d);
 }
 
+/* The sum over the replica group, when there is one of more than this
+ * rank. Under a quorum (fsdp_quorum.c) a failure is the step's, not the
+ * runtime's: it is remembered, the replica sums left in the step are
+ * skipped, and the step is discarded at its commit. */
+static int replica_sum(sp_fsdp *f, sp_fsdp_work *w, size_t *next, void *buf,
+                       size_t count, sp_dtype dt, sp_diag *d) {
+  if (!f->replica_comm || sp_comm_size(f->replica_comm) < 2) return 0;
+  if (!f->q_on)
+    return coll_all_reduce(f, w, next, f->replica_comm, buf, count, dt, d);
+  /* skipped or failed, it is reported done: the step's fate is the
+   * commit's, and a collective that never completes is a hang to the
+   * coordinator */
+  if (f->q_broken) {
+    stamp(w, next);
+    return 0;
+  }
+  sp_diag rd = {{0}};
+  if (coll_all_reduce(f, w, next, f->replica_comm, buf, count, dt, &rd) < 0) {
+    sp_fsdp_quorum_failed(f, &rd);
+    stamp(w, next);
+  }
+  return 0;
+}
+
 /* A flat unit's reduction, FSDP's _reduce_grad_no_shard: the all-reduce
  * over the world runs in place (over one rank there is nothing to sum,
  * only the report), and the sum is divided and cast from where it is, so
@@ -186,7 +194,9 @@ static int reduce_flat(sp_fsdp *f, sp_fsdp_work *w, sp_fsdp_unit *fu,
   size_t next = 0, n = (size_t)fu->c;
   sp_dtype rdt = fu->u->reduce_dtype;
   int rc = 0;
-  if (f->world > 1)
+  if (f->q_on) /* groups of one under a replica quorum */
+    rc = replica_sum(f, w, &next, in, w->count ? w->count : n, rdt, d);
+  else if (f->world > 1)
     rc = coll_all_reduce(f, w, &next, f->world_comm, in,
                          w->count ? w->count : n, rdt, d);
   else

@@ -347,6 +347,13 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
                      f->replica_comm && sp_comm_size(f->replica_comm) > 1;
     sp_coll_op op = no_shard ? SP_OP_ALL_REDUCE : SP_OP_REDUCE_SCATTER;
     sp_comm_kind k = no_shard ? SP_COMM_WORLD : sp_fsdp_gather_kind(f);
+    /* under a replica quorum groups of one rank sum over the replica
+     * group, when it has more than this rank */
+    bool main_op = true;
+    if (no_shard && f->q_on) {
+      k = SP_COMM_REPLICA;
+      main_op = f->replica_comm && sp_comm_size(f->replica_comm) > 1;
+    }
     uint64_t planned = (uint64_t)fu->c; /* flat: padded == c */
     uint64_t count = planned;
     rc = sp_fsdp_before_collective(f, k, op, ui, &count, d);
@@ -368,7 +375,7 @@ int sp_fsdp_post_backward(sp_fsdp *f, uint32_t ui, sp_diag *d) {
     }
     if (rc != 0) return rc < 0 ? rc : SP_EINVAL;
     if (count != planned) w.count = (size_t)count;
-    sp_fsdp_fp_issue(f, &w, k, op, ui, rdt, count);
+    if (main_op) sp_fsdp_fp_issue(f, &w, k, op, ui, rdt, count);
     if (hybrid_ar)
       sp_fsdp_fp_issue(f, &w, SP_COMM_REPLICA, SP_OP_ALL_REDUCE, ui, rdt,
                        (uint64_t)fu->c);
