@@ -726,7 +726,7 @@ static void agent_gone(sp_rpc_call *call) {
   char lost[SP_COORD_MAX_HOST + 96];
   snprintf(lost, sizeof lost, "node %u (%s) was lost: its agent went away",
            g->node_rank, g->host);
-  if (training && sp_coord_quorum_drop(c, first, lost, SP_COORD_CAUSE_SEEN))
+  if (training && sp_coord_quorum_drop(c, first, lost, SP_COORD_CAUSE_NODE))
     training = false;
   if (training) {
     sp_coord_base_log(c,

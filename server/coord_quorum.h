@@ -36,12 +36,14 @@ void sp_coord_quorum_free(sp_coord *c);
 void sp_coord_quorum_reset(sp_coord *c);
 /* Whether the job's replica groups continue through faults. */
 bool sp_coord_quorum_on(const sp_coord *c);
-/* How telling a cause is: what the coordinator saw (a stream broke, a
- * node went), an agent's word on an exit status, or on a signal. */
+/* How telling a cause is: a rank's stream broke, its node's agent went
+ * (the whole host or its Slurm step: no agent reports its workers), an
+ * agent's word on an exit status, or on a signal. */
 enum {
   SP_COORD_CAUSE_SEEN = 0,
-  SP_COORD_CAUSE_STATUS = 1,
-  SP_COORD_CAUSE_SIGNAL = 2
+  SP_COORD_CAUSE_NODE = 1,
+  SP_COORD_CAUSE_STATUS = 2,
+  SP_COORD_CAUSE_SIGNAL = 3
 };
 /* A fault of `rank` (why: what happened, for the log and the events):
  * true when the quorum takes it (its group is dropped now, or was

@@ -374,9 +374,42 @@ def case_lost_node(cluster, args):
         fail("something crashed")
 
 
+def case_continues(cluster, args):
+    """HYBRID_SHARD (one replica group per node) with --on-group-failure
+    continue: scancel of node 1's step drops its replica group, node 0
+    trains on to the last step and writes the checkpoint, the job is
+    COMPLETED and the batch job ends 0."""
+    d, env = job_env(cluster, args, "continues", SP_STEPS=3000,
+                     SP_CHECKPOINT_EVERY=1000, SP_MAX_RESTARTS=0,
+                     SP_STRATEGY="HYBRID_SHARD",
+                     SP_ON_GROUP_FAILURE="continue")
+    p = sbatch(cluster, args, d, env)
+    wait_output(d, r"\[rank0\]: step 300/", 120, p)
+    job = job_id(d)
+    kill_node_step(cluster, job, 1)
+    out = sbatch_done(p, d)
+    log = tail(os.path.join(d, "job", "coordinator.log"), 60)
+    print("---- coordinator.log\n" + log, flush=True)
+    if p.returncode != 0:
+        fail("sbatch --wait ended %d, not 0" % p.returncode)
+    for want in (r"\[rank0\]: step 3000/3000 ",
+                 r"checkpoint \(FULL\) of step 3000",
+                 r"replica group 1 \(ranks 1-1\): dropped",
+                 r"the job COMPLETED without the nodes that failed",
+                 r"the job ends with status 0"):
+        if not re.search(want, out):
+            fail("no %r in the job's output" % want)
+    if "replica group 1 (ranks 1-1) dropped at step" not in log:
+        fail("the coordinator's log does not name node 1's replica group")
+    if not re.search(r"replica group 1 \(ranks 1-1\): dropped at .*: "
+                     r"node 1 \(.*\) was lost: its agent went away", out):
+        fail("shardplane incarnations does not say node 1 was lost")
+
+
 def run_cases(cluster, args):
     cases = [("trains", case_trains),
-             ("lost-node", case_lost_node)]
+             ("lost-node", case_lost_node),
+             ("continues", case_continues)]
     for name, fn in cases:
         if args.only and name != args.only:
             continue
