@@ -152,6 +152,13 @@ static void usage(FILE *f) {
       "                             fault to inject, e.g. "
       "stall:rank=2,step=3\n"
       "                             (shardplane-worker --help)\n"
+      "  --loss-grace-ms N          a rank silent past the heartbeat "
+      "timeout\n"
+      "                             while its process lives under a "
+      "loaded host\n"
+      "                             is waited for N ms more (default "
+      "60000; 0:\n"
+      "                             lost at the timeout)\n"
       "  --stall-timeout-ms N       the coordinator calls a job stalled "
       "when\n"
       "                             no rank moves for N ms (default: "
@@ -254,6 +261,7 @@ typedef struct run_opts {
   size_t n_inject;
   sp_inject faults; /* the same, parsed as every worker will */
   const char *stall_ms, *on_stall, *straggler;
+  const char *loss_grace; /* --loss-grace-ms, passed on; NULL: default */
   long long max_restarts; /* --max-restarts; 0: none */
 } run_opts;
 
@@ -320,6 +328,7 @@ enum {
   O_GRACE,
   O_INJECT,
   O_STALL,
+  O_LOSS_GRACE,
   O_ONSTALL,
   O_STRAGGLER,
   O_RESTARTS,
@@ -382,6 +391,9 @@ static int own_option(run_opts *o, int c, const char *flag, const char *v,
     case O_STALL:
       o->stall_ms = v;
       return sp_flag_int(flag, v, 0, 86400000, &n, d);
+    case O_LOSS_GRACE:
+      o->loss_grace = v;
+      return sp_flag_int(flag, v, 0, 3600000, &n, d);
     case O_ONSTALL:
       o->on_stall = v;
       return sp_flag_choice(flag, v, on_stall, 2, &k, d);
@@ -412,6 +424,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
       {"coordinator-grace", required_argument, NULL, O_GRACE},
       {"inject", required_argument, NULL, O_INJECT},
       {"stall-timeout-ms", required_argument, NULL, O_STALL},
+      {"loss-grace-ms", required_argument, NULL, O_LOSS_GRACE},
       {"on-stall", required_argument, NULL, O_ONSTALL},
       {"straggler-ratio", required_argument, NULL, O_STRAGGLER},
       {"max-restarts", required_argument, NULL, O_RESTARTS},
@@ -712,6 +725,10 @@ static int start_coordinator(const run_opts *o, const run_job *j,
   if (o->stall_ms) {
     push(&ca, "--stall-timeout-ms");
     push(&ca, o->stall_ms);
+  }
+  if (o->loss_grace) {
+    push(&ca, "--loss-grace-ms");
+    push(&ca, o->loss_grace);
   }
   if (o->on_stall) {
     push(&ca, "--on-stall");

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/clock.h"
@@ -187,8 +188,16 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
       if (d->incarnation != s->incarnation || s->stopped || s->done) return;
       /* a worker that already died is reported first: its signal or
        * status is the drop's cause the coordinator keeps, rather than
-       * its stream breaking */
-      reap(s);
+       * its stream breaking. A process's sockets close before it can be
+       * reaped, so the coordinator may have acted on the broken stream
+       * first: a dying one is waited for a little. */
+      for (double until = sp_clock_s() + SP_SUPERVISE_REAP_WAIT_S;;) {
+        uint32_t before = s->failed;
+        reap(s);
+        if (s->failed > before || sp_clock_s() >= until) break;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+      }
       sp_cli_error(s->who, "%s; restarting the %u worker%s of this host",
                    d->reason, s->n, s->n == 1 ? "" : "s");
       if (s->live > 0)

@@ -57,6 +57,10 @@
 /* After a failure the other workers get this long to stop by themselves
  * and say why; then SIGTERM, and SIGKILL SP_SUPERVISE_TERM_S after it. */
 #define SP_SUPERVISE_GRACE_S 0.5
+/* AGENT_RESTART: how long a worker that is dying (its stream broke, which
+ * made the coordinator drop its group) is waited for, to be reported with
+ * its signal before the others are stopped. */
+#define SP_SUPERVISE_REAP_WAIT_S 0.3
 #define SP_SUPERVISE_TERM_S 3.0
 /* After SIGINT or SIGTERM, how long the workers have to reach a step
  * boundary, checkpoint and stop (--stop-grace); past it they get more
