@@ -31,6 +31,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "tests", "support"))
+import procs  # noqa: E402
+
 LINE_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d+) ")
 
 
@@ -117,11 +121,7 @@ class Job:
             self.agents.append(self.spawn(argv, out, err))
 
     def spawn(self, argv, out, err):
-        fo = open(out, "w")
-        fe = fo if err == out else open(err, "w")
-        env = dict(os.environ, TMPDIR=self.root)
-        p = subprocess.Popen(argv, stdout=fo, stderr=fe, env=env,
-                             start_new_session=True)
+        p = procs.spawn(argv, out, err, env=dict(os.environ, TMPDIR=self.root))
         self.procs.append(p)
         return p
 
@@ -134,46 +134,14 @@ class Job:
     def wait_agents(self, timeout):
         end = time.time() + timeout
         for a in self.agents:
-            left = max(1.0, end - time.time())
             try:
-                a.wait(timeout=left)
+                a.wait(timeout=max(1.0, end - time.time()))
             except subprocess.TimeoutExpired:
                 return False
         return True
 
     def stop(self):
-        for p in reversed(self.procs):
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in reversed(self.procs):
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-
-
-def worker_pid(agent_pid, rank):
-    want = ("RANK=%d" % rank).encode()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % d) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            with open("/proc/%s/environ" % d, "rb") as f:
-                if want in f.read().split(b"\0"):
-                    return int(d)
-        except (OSError, ValueError, IndexError):
-            continue
-    return None
+        procs.stop(self.procs)
 
 
 STEP = re.compile(r"\[rank0\]: step (\d+)/")
@@ -193,7 +161,7 @@ def run_case(args, model, policy, fault):
                 if done and done[-1] >= at:
                     break
                 time.sleep(0.02)
-            pid = worker_pid(job.agents[1].pid, 3)
+            pid = procs.worker_of(job.agents[1].pid, 3)
             if pid is None:
                 fail("%s/%s: no rank 3 to kill" % (model["name"], policy))
             t_fault = tod(time.time())

@@ -789,6 +789,26 @@ static void test_agent_node_lost(void **state) {
   assert_int_equal(cst, 0); /* a clean shutdown, no crash */
 }
 
+/* Replica groups that continue: a coordinator of 2 groups of 2 ranks
+ * (HYBRID_SHARD, --on-group-failure continue), and one agent per group
+ * training `steps` steps with checkpoints of `kind` into ck, past step 20
+ * when it returns. */
+static void start_continuing(fx *f, const char *steps, const char *ck,
+                             const char *kind, pid_t a[2]) {
+  const char *flags[] = {
+      "--strategy", "HYBRID_SHARD",       "--shard-group-size",
+      "2",          "--on-group-failure", "continue",
+      NULL};
+  start_coord_flags(&f->coord, &f->auth, 4, flags, f->addr, sizeof f->addr);
+  const char *trainer[] = {
+      WORKER, "--insecure",       "--steps", steps,          "--log-every",
+      "1",    "--checkpoint-dir", ck,        "--checkpoint", kind,
+      NULL};
+  for (int i = 0; i < 2; i++)
+    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
+  wait_for(f->dir, "agent0.out", "step 20/", 60);
+}
+
 /* The tensor bytes of a safetensors file (all after its header), into
  * *len; the caller frees them. */
 static uint8_t *tensor_bytes(const char *dir, const char *name, size_t *len) {
@@ -830,20 +850,9 @@ static double line_time(const char *line) {
  * equal its replica's bit for bit (their LOCAL checkpoints). */
 static void test_agent_group_continues(void **state) {
   fx *f = *state;
-  const char *flags[] = {
-      "--strategy", "HYBRID_SHARD",       "--shard-group-size",
-      "2",          "--on-group-failure", "continue",
-      NULL};
-  start_coord_flags(&f->coord, &f->auth, 4, flags, f->addr, sizeof f->addr);
   char *ck = sp_test_path(f->dir, "ck");
-  const char *trainer[] = {
-      WORKER, "--insecure",       "--steps", "300",          "--log-every",
-      "1",    "--checkpoint-dir", ck,        "--checkpoint", "local",
-      NULL};
   pid_t a[2];
-  for (int i = 0; i < 2; i++)
-    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
-  wait_for(f->dir, "agent0.out", "step 20/", 60);
+  start_continuing(f, "300", ck, "local", a);
   pid_t victim = child_with_rank(a[1], 3);
   assert_true(victim > 0);
   double killed = sp_clock_s();
@@ -926,20 +935,9 @@ static void test_agent_group_continues(void **state) {
  * checkpoint. */
 static void test_agent_group_never_returns(void **state) {
   fx *f = *state;
-  const char *flags[] = {
-      "--strategy", "HYBRID_SHARD",       "--shard-group-size",
-      "2",          "--on-group-failure", "continue",
-      NULL};
-  start_coord_flags(&f->coord, &f->auth, 4, flags, f->addr, sizeof f->addr);
   char *ck = sp_test_path(f->dir, "ck");
-  const char *trainer[] = {
-      WORKER, "--insecure",       "--steps", "150",          "--log-every",
-      "1",    "--checkpoint-dir", ck,        "--checkpoint", "sharded",
-      NULL};
   pid_t a[2];
-  for (int i = 0; i < 2; i++)
-    a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
-  wait_for(f->dir, "agent0.out", "step 20/", 60);
+  start_continuing(f, "150", ck, "sharded", a);
   int kids[8];
   size_t n = sp_test_children(a[1], kids, 8);
   assert_int_equal(n, 2);

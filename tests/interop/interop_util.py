@@ -4,10 +4,8 @@ runner that prints one line per case and the "N passed, M failed" summary."""
 
 import os
 import queue
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +17,8 @@ SKIP_RC = 77
 _children = []
 _dirs = []
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "support"))
+from procs import free_port  # noqa: E402,F401 (the interop tests' port)
 CERTS_SCRIPT = os.path.join(HERE, "..", "support", "make_test_certs.sh")
 
 
@@ -41,33 +41,6 @@ def make_certs():
     out = {k: os.path.join(d, v) for k, v in names.items()}
     out["dir"] = d
     return out
-
-
-def free_port():
-    """A TCP port for a program that takes its port on the command line or
-    in a file (Prometheus, slurmctld, slurmd). It is drawn from below the
-    kernel's ephemeral range: a port from that range, free when probed, can
-    be handed to another test's outgoing connection before the program binds
-    it (slurmd failed so in CI), while one below it is only ever taken by an
-    explicit bind."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    low = max(low, 2048)
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 20000), low)
-        s = socket.socket()
-        try:
-            s.bind(("0.0.0.0", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            s.close()
-    raise RuntimeError("no free TCP port below %d after 200 draws" % low)
 
 
 def read_bytes(path):

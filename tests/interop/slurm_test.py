@@ -27,8 +27,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interop_util import free_port  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "support"))
+import procs  # noqa: E402
+from procs import free_port  # noqa: E402
 
 PROGRAMS = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sinfo",
             "squeue", "scancel", "scontrol", "srun"]
@@ -173,21 +175,7 @@ PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscr
             print("---- sinfo: %s" % self.last_sinfo, flush=True)
 
     def stop(self):
-        for name, p in reversed(self.procs):
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for name, p in reversed(self.procs):
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        procs.stop([p for _, p in self.procs])
 
 
 def main():

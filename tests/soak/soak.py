@@ -22,15 +22,16 @@ restarts, losses, the load average it ran under) and exits 1 on a breach.
 
 import argparse
 import os
-import random
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "support"))
+import procs  # noqa: E402
 
 # A kill is named within this long (the rank's stream breaks at once; the
 # agent reaps it within its poll): the bound the soak holds the
@@ -42,73 +43,34 @@ def fail(msg):
     print("FAIL: " + msg, flush=True)
 
 
-def free_port():
-    """A port below the kernel's ephemeral range, free now (the restarted
-    coordinator must get its own back)."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 20000), low)
-        s = socket.socket()
-        try:
-            s.bind(("0.0.0.0", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            s.close()
-    raise RuntimeError("no free port")
-
-
 class Procs:
-    """Every process the soak starts, each in a process group of its own,
-    ended together."""
+    """Every process the soak starts, ended together."""
 
     def __init__(self, root):
         self.root = root
         self.all = []
 
-    def start(self, argv, log, **kw):
-        f = open(log, "a")
-        env = dict(os.environ, TMPDIR=self.root)
-        env.update(kw.pop("env", {}))
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True, **kw)
+    def start(self, argv, log):
+        p = procs.spawn(argv, log, env=dict(os.environ, TMPDIR=self.root))
         self.all.append(p)
         return p
 
     def stop_all(self):
-        for p in reversed(self.all):
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        end = time.time() + 15
-        for p in reversed(self.all):
-            try:
-                p.wait(timeout=max(0.1, end - time.time()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        procs.stop(self.all, term_s=15)
 
 
 class Job:
-    def __init__(self, procs, args, n):
+    def __init__(self, group, args, n):
         self.n = n
-        self.dir = os.path.join(procs.root, "job%d" % n)
+        self.dir = os.path.join(group.root, "job%d" % n)
         os.makedirs(self.dir)
-        self.port = free_port()
-        self.procs = procs
+        self.port = procs.free_port()
+        self.group = group
         self.args = args
         self.log = os.path.join(self.dir, "coordinator.log")
         self.start_coordinator()
         trainer = [os.path.join(args.bin, "shardplane-worker"), "--insecure",
-                   "--steps", "1000000000", "--log-every", "500",
+                   "--steps", "2000000", "--log-every", "500",
                    "--checkpoint", "none"]
         self.agents = []
         for node in (0, 1):
@@ -116,7 +78,7 @@ class Job:
                     "--coordinator", "127.0.0.1:%d" % self.port,
                     "--insecure", "--nproc-per-node", "2", "--node-rank",
                     str(node), "--"] + trainer
-            self.agents.append(procs.start(
+            self.agents.append(group.start(
                 argv, os.path.join(self.dir, "agent%d.log" % node)))
 
     def start_coordinator(self):
@@ -126,7 +88,7 @@ class Job:
                 "4", "--strategy", "HYBRID_SHARD", "--shard-group-size", "2",
                 "--on-group-failure", "continue", "--insecure", "--no-auth",
                 "--state-dir", os.path.join(self.dir, "state")]
-        self.coord = self.procs.start(argv, self.log)
+        self.coord = self.group.start(argv, self.log)
         end = time.time() + 30
         while time.time() < end:
             with open(self.log, errors="replace") as f:
@@ -141,29 +103,14 @@ class Job:
         self.start_coordinator()
 
     def worker(self, rank):
-        agent = self.agents[rank // 2]
-        want = ("RANK=%d" % rank).encode()
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open("/proc/%s/stat" % d) as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                if ppid != agent.pid:
-                    continue
-                with open("/proc/%s/environ" % d, "rb") as f:
-                    if want in f.read().split(b"\0"):
-                        return int(d)
-            except (OSError, ValueError, IndexError):
-                continue
-        return None
+        return procs.worker_of(self.agents[rank // 2].pid, rank)
 
 
-def start_pressure(procs, root):
+def start_pressure(group, root):
     cpus = os.cpu_count() or 2
     hog = "while True: pass\n"
     for i in range(4 * cpus):
-        procs.start([sys.executable, "-c", hog],
+        group.start([sys.executable, "-c", hog],
                     os.path.join(root, "cpu%d.log" % i))
     with open("/proc/meminfo") as f:
         avail = int(re.search(r"MemAvailable:\s+(\d+)", f.read()).group(1))
@@ -172,7 +119,7 @@ def start_pressure(procs, root):
            "while True:\n"
            "    for i in range(0, len(b), 4096): b[i] = (b[i] + 1) %% 256\n"
            "    time.sleep(0.5)\n" % (avail * 1024 // 4))
-    procs.start([sys.executable, "-c", mem], os.path.join(root, "mem.log"))
+    group.start([sys.executable, "-c", mem], os.path.join(root, "mem.log"))
     io = ("import os\n"
           "p = os.path.join(%r, 'io.bin')\n"
           "buf = os.urandom(1 << 20)\n"
@@ -180,7 +127,7 @@ def start_pressure(procs, root):
           "    with open(p, 'wb') as f:\n"
           "        for _ in range(64): f.write(buf)\n"
           "        f.flush(); os.fsync(f.fileno())\n" % root)
-    procs.start([sys.executable, "-c", io], os.path.join(root, "io.log"))
+    group.start([sys.executable, "-c", io], os.path.join(root, "io.log"))
 
 
 class Watch:
@@ -224,25 +171,31 @@ def main():
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--jobs", type=int, default=3)
     args = ap.parse_args()
+    # a soak stopped by a signal still ends everything it started
+    def stop(sig, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
     root = tempfile.mkdtemp(prefix="shardplane-soak-")
-    procs = Procs(root)
+    group = Procs(root)
     kills, restarts, loads = [], [], []
     ok = True
     try:
-        start_pressure(procs, root)
-        jobs = [Job(procs, args, n) for n in range(args.jobs)]
+        start_pressure(group, root)
+        jobs = [Job(group, args, n) for n in range(args.jobs)]
         watch = Watch(jobs)
         t0 = time.time()
         end = t0 + args.minutes * 60
         # the faults, spread over the run: kills of a worker, round-robin
         # over jobs and ranks, and a coordinator restart in between
-        plan, k = [], 0
+        plan, k, nk, nr = [], 0, 0, 0
         at = 45.0
         while at < args.minutes * 60 - 30:
-            if k % 3 == 2:
-                plan.append((at, "restart", k % args.jobs, None))
-            else:
-                plan.append((at, "kill", k % args.jobs, (k * 3 + 1) % 4))
+            if k % 3 == 2:  # every job's coordinator in turn
+                plan.append((at, "restart", (nr + 2) % args.jobs, None))
+                nr += 1
+            else:  # every job and every rank in turn
+                plan.append((at, "kill", nk % args.jobs, (nk * 3 + 1) % 4))
+                nk += 1
             k += 1
             at += 50.0
         for at, what, j, rank in plan:
@@ -274,7 +227,7 @@ def main():
                          "did" % (job.n, i, a.returncode))
                     ok = False
         watch.poll()
-        procs.stop_all()
+        group.stop_all()
         # every loss explained, every kill named in time
         named = []
         for job in jobs:
@@ -310,7 +263,7 @@ def main():
                sum(named) / max(1, len(named)), BOUND_S, len(restarts),
                "none" if ok else "see above"), flush=True)
     finally:
-        procs.stop_all()
+        group.stop_all()
     if ok:
         shutil.rmtree(root, ignore_errors=True)
     else:

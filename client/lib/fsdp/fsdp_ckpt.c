@@ -447,14 +447,13 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
   /* the files this rank writes: SHARDED its own (and under a replica
    * quorum those of the groups out of it at its shard index), FULL the
    * one file, by the lead rank */
-  uint32_t as[SP_FSDP_CKPT_RANKS_MAX];
   size_t n_as = 0;
-  if (kind == SP_CKPT_SHARDED)
-    n_as = sp_fsdp_ckpt_ranks(f, as, SP_FSDP_CKPT_RANKS_MAX);
-  else if (f->rank == sp_fsdp_ckpt_lead(f))
-    as[n_as++] = 0;
-  save_file sf[SP_FSDP_CKPT_RANKS_MAX];
-  memset(sf, 0, sizeof sf);
+  uint32_t *as = sp_fsdp_ckpt_ranks(f, &n_as);
+  if (as && kind == SP_CKPT_FULL) {
+    n_as = f->rank == sp_fsdp_ckpt_lead(f);
+    as[0] = 0;
+  }
+  save_file *sf = calloc(n_as + 1, sizeof *sf);
   /* the largest unit's c * W_s elements of the widest dtype */
   size_t cap = 1;
   for (uint32_t u = 0; u < f->n_units; u++)
@@ -464,11 +463,11 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
       if (b > cap) cap = b;
     }
   uint8_t *full = malloc(cap);
-  int rc = full ? 0
-                : sp_diag_set(d, SP_ENOMEM,
-                              "no memory for the %zu-byte "
-                              "gather buffer",
-                              cap);
+  int rc = full && as && sf ? 0
+                            : sp_diag_set(d, SP_ENOMEM,
+                                          "no memory for the %zu-byte "
+                                          "gather buffer",
+                                          cap);
   for (size_t i = 0; rc == 0 && i < n_as; i++) {
     char name[128];
     if (kind == SP_CKPT_FULL)
@@ -514,7 +513,9 @@ static int save_gathered(sp_fsdp *f, sp_ckpt_kind kind, const char *dir,
   if (rc == 0 && *local == 0 && kind == SP_CKPT_SHARDED &&
       f->rank == sp_fsdp_ckpt_lead(f))
     *local = write_index(f, dir, ld);
-  for (size_t i = 0; i < n_as; i++) save_file_free(&sf[i]);
+  for (size_t i = 0; sf && i < n_as; i++) save_file_free(&sf[i]);
+  free(sf);
+  free(as);
   return rc;
 }
 
@@ -585,11 +586,12 @@ static int save_local_as(sp_fsdp *f, const char *dir, uint32_t as_rank,
 }
 
 static int save_local(sp_fsdp *f, const char *dir, sp_diag *d) {
-  uint32_t as[SP_FSDP_CKPT_RANKS_MAX];
-  size_t n = sp_fsdp_ckpt_ranks(f, as, SP_FSDP_CKPT_RANKS_MAX);
-  int rc = 0;
+  size_t n = 0;
+  uint32_t *as = sp_fsdp_ckpt_ranks(f, &n);
+  int rc = as ? 0 : sp_diag_set(d, SP_ENOMEM, "no memory");
   for (size_t i = 0; rc == 0 && i < n; i++)
     rc = save_local_as(f, dir, as[i], d);
+  free(as);
   return rc;
 }
 

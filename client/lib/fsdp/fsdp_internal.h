@@ -322,7 +322,8 @@ struct sp_fsdp {
   uint64_t q_epoch; /* the quorum the replica group was formed for */
   uint64_t q_tried; /* the last epoch this rank tried to form (+1) */
   uint32_t q_group, q_shard, q_groups, q_members, q_gen;
-  bool *q_in; /* per group: in the quorum formed (q_groups entries) */
+  bool *q_in;       /* per group: in the quorum formed (q_groups entries) */
+  uint32_t *q_list; /* an epoch's groups, as read (q_groups entries) */
   uint64_t q_timeout_ms;   /* a replica group's forming and collectives */
   char q_host[64];         /* the Gloo address, as sp_fsdp_comms_open chose */
   char q_why[SP_DIAG_MAX]; /* the replica failure, for the log */
@@ -351,15 +352,14 @@ int sp_fsdp_comm_opts(sp_session *s, uint64_t timeout_ms, sp_comm_opts *o,
 int sp_fsdp_quorum_commit(sp_fsdp *f, sp_diag *d);
 void sp_fsdp_quorum_free(sp_fsdp *f);
 /* Checkpoints under a replica quorum: the ranks whose files this rank
- * writes into out (cap entries, SP_FSDP_CKPT_RANKS_MAX at most): itself,
+ * writes (*n of them, malloc'd: the caller frees; NULL: no memory): itself,
  * and for a rank of the first group in the quorum the ranks at its shard
  * index of the groups out of it (they hold the same shards), so that a
  * checkpoint has every rank's piece while a group is out; and the rank
  * that does rank 0's part (the staging directory, the FULL file, the
  * index, the publishing): the first rank of the first group in the
  * quorum. Without a quorum: the rank itself, and rank 0. */
-#define SP_FSDP_CKPT_RANKS_MAX 256
-size_t sp_fsdp_ckpt_ranks(const sp_fsdp *f, uint32_t *out, size_t cap);
+uint32_t *sp_fsdp_ckpt_ranks(const sp_fsdp *f, size_t *n);
 uint32_t sp_fsdp_ckpt_lead(const sp_fsdp *f);
 /* A replica collective's failure under the quorum: remembered (the step
  * is discarded), not the runtime's sticky error. */

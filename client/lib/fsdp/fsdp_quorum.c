@@ -130,7 +130,9 @@ int sp_fsdp_quorum_init(sp_fsdp *f, sp_diag *d) {
    * start holds the job's (initialised, or loaded) */
   f->q_joiner = f->q_gen > 0;
   f->q_in = calloc(f->q_groups, sizeof *f->q_in);
-  if (rc == 0 && f->q_in == NULL) rc = sp_diag_set(d, SP_ENOMEM, "no memory");
+  f->q_list = calloc(f->q_groups, sizeof *f->q_list);
+  if (rc == 0 && (f->q_in == NULL || f->q_list == NULL))
+    rc = sp_diag_set(d, SP_ENOMEM, "no memory");
   if (rc == 0 && !on)
     rc = sp_diag_set(d, SP_ESTATE,
                      "no replica quorum in the coordinator's store (the "
@@ -145,7 +147,9 @@ void sp_fsdp_quorum_free(sp_fsdp *f) {
   pthread_mutex_destroy(&f->q_mu);
   f->q_mu_init = false;
   free(f->q_in);
+  free(f->q_list);
   f->q_in = NULL;
+  f->q_list = NULL;
 }
 
 /* The first group of the quorum formed; without one formed yet, group 0. */
@@ -155,14 +159,15 @@ static uint32_t first_in(const sp_fsdp *f) {
   return 0;
 }
 
-size_t sp_fsdp_ckpt_ranks(const sp_fsdp *f, uint32_t *out, size_t cap) {
-  size_t n = 0;
-  if (cap == 0) return 0;
-  out[n++] = f->rank;
-  if (!f->q_on || !f->q_formed || f->q_group != first_in(f)) return n;
-  for (uint32_t g = 0; g < f->q_groups && n < cap; g++)
-    if (!f->q_in[g]) out[n++] = g * f->plan->shard_world + f->q_shard;
-  return n;
+uint32_t *sp_fsdp_ckpt_ranks(const sp_fsdp *f, size_t *n) {
+  uint32_t *out = malloc((f->q_on ? f->q_groups : 1) * sizeof *out);
+  *n = 0;
+  if (out == NULL) return NULL;
+  out[(*n)++] = f->rank;
+  if (!f->q_on || !f->q_formed || f->q_group != first_in(f)) return out;
+  for (uint32_t g = 0; g < f->q_groups; g++)
+    if (!f->q_in[g]) out[(*n)++] = g * f->plan->shard_world + f->q_shard;
+  return out;
 }
 
 uint32_t sp_fsdp_ckpt_lead(const sp_fsdp *f) {
@@ -440,11 +445,7 @@ int sp_fsdp_quorum_boundary(sp_fsdp *f, uint64_t *next_step, sp_diag *d) {
       if (done) return 1;
       continue;
     }
-    uint32_t members[256], n = 0;
-    if (f->q_groups > 256)
-      return sp_diag_set(d, SP_ERANGE,
-                         "%u replica groups: a quorum holds at most 256",
-                         f->q_groups);
+    uint32_t *members = f->q_list, n = 0;
     rc = read_members(f, e, members, &n, d);
     if (rc < 0) return rc;
     bool in = false;
