@@ -224,9 +224,9 @@ bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why,
     put_gen(c, g);
     snprintf(text, sizeof text,
              "replica group %u (ranks %u-%u) dropped at step %" PRIu64
-             ": %s; %u group%s train on",
+             ": %s; %u %s on",
              g, g * q->size, g * q->size + q->size - 1, step, q->g[g].why, left,
-             left == 1 ? "" : "s");
+             left == 1 ? "group trains" : "groups train");
     sp_coord_base_log(c, "%s", text);
     sp_coord_events_publish(c, SHARDPLANE__V1__EVENT_KIND__GROUP_DROPPED,
                             g * q->size, text, NULL);

@@ -39,8 +39,8 @@
 /* A broken replica group with no newer quorum after this long asks the
  * coordinator for one with the same groups (a failure that lost nobody). */
 #define Q_REFORM_MS 2000
-/* Steps of a process that has not received the live state. */
-#define Q_NONE UINT64_MAX
+/* A rejoining group says again that it is ready this often. */
+#define Q_READY_MS 5000
 
 static void sleep_ms(unsigned ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -464,11 +464,17 @@ int sp_fsdp_quorum_boundary(sp_fsdp *f, uint64_t *next_step, sp_diag *d) {
         if (rc < 0) return rc;
         said_ready = true;
       }
+      /* as long as the job lasts: the others may be in a long step. The
+       * readiness is said again every Q_READY_MS, so a coordinator that
+       * restarted meanwhile (it counts readiness in memory) hears it. */
       bool done = false;
       uint64_t newer;
-      uint64_t left_ms = (uint64_t)((sp_clock_s() - start) * 1e3);
-      left_ms = left_ms < f->q_timeout_ms ? f->q_timeout_ms - left_ms : 1;
-      rc = wait_newer(f, e, left_ms, false, &newer, &done, d);
+      rc = wait_newer(f, e, Q_READY_MS, false, &newer, &done, d);
+      if (rc == SP_ETIMEDOUT) {
+        said_ready = false;
+        start = sp_clock_s();
+        continue;
+      }
       if (rc < 0) return rc;
       if (done) return 1;
       continue;
