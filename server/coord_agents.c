@@ -27,8 +27,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "base/clock.h"
 #include "coord_base.h"
 #include "coord_persist.h"
 #include "coord_quorum.h"
@@ -103,12 +103,6 @@ static sp_coord *coord_of(sp_rpc_call *call) {
   return sp_rpc_call_method_user(call);
 }
 
-static uint64_t unix_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 static struct sp_coord_agents *agents_of(sp_coord *c) {
   if (c->agents == NULL) {
     c->agents = calloc(1, sizeof *c->agents);
@@ -118,7 +112,7 @@ static struct sp_coord_agents *agents_of(sp_coord *c) {
   if (a->n_rec == 0) {
     a->rec = calloc(1, sizeof *a->rec);
     if (a->rec == NULL) return NULL;
-    a->rec[0] = (inc_record){.number = 0, .started_ms = unix_ms()};
+    a->rec[0] = (inc_record){.number = 0, .started_ms = sp_clock_unix_ms()};
     a->n_rec = 1;
   }
   return a;
@@ -325,7 +319,7 @@ int sp_coord_agents_completed(sp_coord *c, void *user,
            c->plan->world_size, (unsigned long long)step);
   r->ended = true;
   r->completed = true;
-  r->ended_ms = unix_ms();
+  r->ended_ms = sp_clock_unix_ms();
   free(r->reason);
   r->reason = strdup(why);
   persist_rec(c, r);
@@ -356,7 +350,8 @@ static void next_incarnation(sp_coord *c) {
   }
   a->current++;
   a->restarts++;
-  *current_rec(a) = (inc_record){.number = a->current, .started_ms = unix_ms()};
+  *current_rec(a) =
+      (inc_record){.number = a->current, .started_ms = sp_clock_unix_ms()};
   a->phase = PHASE_RUNNING;
   persist_rec(c, current_rec(a));
   char why[96];
@@ -431,7 +426,7 @@ static void decide(uv_timer_t *t) {
     snprintf(how, sizeof how, "rank %u exited with status %d", w->rank,
              w->exit_code);
   r->ended = true;
-  r->ended_ms = unix_ms();
+  r->ended_ms = sp_clock_unix_ms();
   r->has_rank = true;
   r->rank = a->node_lost ? a->lost_first : w->rank;
   a->node_lost = false;

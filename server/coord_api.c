@@ -12,8 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/time.h>
 
+#include "base/clock.h"
 #include "base/strmap.h"
 #include "base/suggest.h"
 #include "base/textbuf.h"
@@ -398,12 +398,6 @@ static void jw_dtype(jw *w, const char *key, sp_dtype t) {
   jw_str(w, key, t == SP_DTYPE_INVALID ? NULL : sp_dtype_name(t));
 }
 
-static uint64_t unix_ms(void) {
-  struct timeval tv;
-  gettimeofday(&tv, NULL);
-  return (uint64_t)tv.tv_sec * 1000u + (uint64_t)tv.tv_usec / 1000u;
-}
-
 /* ---- culprits and victims ---- */
 
 #define NAMED_CULPRIT 1u
@@ -576,7 +570,7 @@ static int route_job(sp_coord *c, const sp_coord_http_query *q,
   jw_close(&w, '}');
   jw_close(&w, '}');
   jw_u64(&w, "uptime_ms", now);
-  jw_u64(&w, "now_unix_ms", unix_ms());
+  jw_u64(&w, "now_unix_ms", sp_clock_unix_ms());
   jw_u64(&w, "quiet_ms", jr.quiet_ms);
   jw_u64(&w, "quiet_limit_ms", jr.quiet_limit_ms);
   jw_u64(&w, "stall_threshold_ms", jr.stall_threshold_ms);

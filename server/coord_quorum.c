@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/clock.h"
 #include "coord_agents.h"
 #include "coord_base.h"
 #include "coord_desync.h"
@@ -29,12 +30,6 @@ struct sp_coord_quorum {
   q_group *g;
   uint8_t *ready; /* per rank: said ready at its group's generation */
 };
-
-static uint64_t unix_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
 
 bool sp_coord_quorum_on(const sp_coord *c) { return c->quorum != NULL; }
 
@@ -176,7 +171,7 @@ bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why,
   uint32_t g0 = rank / q->size;
   q_group *x0 = &q->g[g0];
   if (!x0->in) { /* dropped already: part of that drop */
-    if (cause > x0->cause && unix_ms() - x0->dropped_ms < 5000) {
+    if (cause > x0->cause && sp_clock_unix_ms() - x0->dropped_ms < 5000) {
       snprintf(x0->why, sizeof x0->why, "%s", why);
       x0->cause = cause;
     }
@@ -204,7 +199,7 @@ bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why,
                       rank, why);
     return false;
   }
-  uint64_t now = unix_ms(), step = live_step(c);
+  uint64_t now = sp_clock_unix_ms(), step = live_step(c);
   char text[512];
   for (uint32_t g = lo / q->size; g <= hi / q->size; g++) {
     if (!q->g[g].in) continue;
@@ -243,7 +238,7 @@ static void admit(sp_coord *c, uint32_t g) {
   struct sp_coord_quorum *q = c->quorum;
   q_group *x = &q->g[g];
   x->in = true;
-  x->rejoined_ms = unix_ms();
+  x->rejoined_ms = sp_clock_unix_ms();
   x->rejoined_step = live_step(c);
   q->epoch++;
   char text[512];
@@ -380,7 +375,7 @@ Shardplane__V1__ReplicaQuorum *sp_coord_quorum_report(const sp_coord *c) {
                x->rejoined_step - x->dropped_step);
     else
       snprintf(s + k, SUMMARY - (size_t)k, "out for %.1f s so far",
-               (double)(unix_ms() - x->dropped_ms) / 1e3);
+               (double)(sp_clock_unix_ms() - x->dropped_ms) / 1e3);
     if (x->gen > 1) {
       size_t l = strlen(s);
       snprintf(s + l, SUMMARY - l, " (dropped %u times)", x->gen);

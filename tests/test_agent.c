@@ -36,45 +36,16 @@
 #define WORKER SP_BIN_DIR "/shardplane-worker"
 #define MLP SP_EXAMPLES "/mlp.json"
 
-/* A coordinator of a world of `world` ranks on a free loopback port,
- * with the tokens of auth. */
-static void start_coord_at(sp_proc *c, sp_tauth *auth, int world,
-                           const char *listen, const char *state_dir,
-                           char *addr, size_t cap) {
-  char ws[16];
-  snprintf(ws, sizeof ws, "%d", world);
-  char *argv[16] = {SP_BIN_DIR "/shardplane-coordinator",
-                    "--listen",
-                    (char *)listen,
-                    "--model",
-                    MLP,
-                    "--world-size",
-                    ws,
-                    "--insecure",
-                    "--token-file",
-                    auth->token_file,
-                    "--quiet",
-                    NULL};
-  if (state_dir) {
-    argv[11] = "--state-dir";
-    argv[12] = (char *)state_dir;
-    argv[13] = NULL;
-  }
-  sp_diag d = {{0}};
-  if (sp_proc_spawn(c, argv, false, true, "listening on 127.0.0.1:%d", &d))
-    fail_msg("coordinator: %s", d.msg);
-  snprintf(addr, cap, "127.0.0.1:%d", c->port);
-}
-
-/* A coordinator of `world` ranks with extra flags (NULL-terminated). */
+/* A coordinator of a world of `world` ranks listening on `listen`, with
+ * the tokens of auth and more flags (NULL-terminated). */
 static void start_coord_flags(sp_proc *c, sp_tauth *auth, int world,
-                              const char *const *flags, char *addr,
-                              size_t cap) {
+                              const char *listen, const char *const *flags,
+                              char *addr, size_t cap) {
   char ws[16];
   snprintf(ws, sizeof ws, "%d", world);
   char *argv[32] = {SP_BIN_DIR "/shardplane-coordinator",
                     "--listen",
-                    "127.0.0.1:0",
+                    (char *)listen,
                     "--model",
                     MLP,
                     "--world-size",
@@ -90,6 +61,14 @@ static void start_coord_flags(sp_proc *c, sp_tauth *auth, int world,
   if (sp_proc_spawn(c, argv, false, true, "listening on 127.0.0.1:%d", &d))
     fail_msg("coordinator: %s", d.msg);
   snprintf(addr, cap, "127.0.0.1:%d", c->port);
+}
+
+/* The same with a state dir, or none (NULL). */
+static void start_coord_at(sp_proc *c, sp_tauth *auth, int world,
+                           const char *listen, const char *state_dir,
+                           char *addr, size_t cap) {
+  const char *flags[] = {state_dir ? "--state-dir" : NULL, state_dir, NULL};
+  start_coord_flags(c, auth, world, listen, flags, addr, cap);
 }
 
 static void start_coord(sp_proc *c, sp_tauth *auth, int world, char *addr,
@@ -799,7 +778,8 @@ static void start_continuing(fx *f, const char *steps, const char *ck,
       "--strategy", "HYBRID_SHARD",       "--shard-group-size",
       "2",          "--on-group-failure", "continue",
       NULL};
-  start_coord_flags(&f->coord, &f->auth, 4, flags, f->addr, sizeof f->addr);
+  start_coord_flags(&f->coord, &f->auth, 4, "127.0.0.1:0", flags, f->addr,
+                    sizeof f->addr);
   const char *trainer[] = {
       WORKER, "--insecure",       "--steps", steps,          "--log-every",
       "1",    "--checkpoint-dir", ck,        "--checkpoint", kind,

@@ -180,6 +180,19 @@ static void print_alert(const Shardplane__V1__Alert *a) {
 
 static void reap(sp_supervise *s);
 
+/* This host's workers started again (AGENT_START of a new incarnation,
+ * AGENT_RESTART of a dropped replica group): what the last start's ended
+ * is forgotten; a start that fails ends the host's run. */
+static void start_again(sp_supervise *s) {
+  s->failed = 0;
+  s->n_reported = 0;
+  s->restarts_done++;
+  if (s->ops->start(s) != SP_SUPERVISE_PROCEED && s->ret == SP_EXIT_OK) {
+    s->ret = SP_EXIT_FAILURE;
+    s->term_at = sp_clock_s();
+  }
+}
+
 /* A command from the coordinator. */
 static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
   s->groups_continue = d->groups_continue;
@@ -204,13 +217,7 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
         sp_workers_stop(s->pids, s->n, (int)(SP_SUPERVISE_TERM_S * 1000));
       s->live = 0;
       drain_all(s);
-      s->failed = 0;
-      s->n_reported = 0;
-      s->restarts_done++;
-      if (s->ops->start(s) != SP_SUPERVISE_PROCEED && s->ret == SP_EXIT_OK) {
-        s->ret = SP_EXIT_FAILURE;
-        s->term_at = sp_clock_s();
-      }
+      start_again(s);
       return;
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT:
       /* not those of the workers this host stopped (a rank lost) */
@@ -253,16 +260,10 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
         drain_all(s);
       }
       s->incarnation = d->incarnation;
-      s->failed = 0;
-      s->n_reported = 0;
       s->stopped = false;
       sp_cli_error(s->who, "incarnation %llu: starting the workers again",
                    (unsigned long long)s->incarnation);
-      s->restarts_done++;
-      if (s->ops->start(s) != SP_SUPERVISE_PROCEED && s->ret == SP_EXIT_OK) {
-        s->ret = SP_EXIT_FAILURE;
-        s->term_at = sp_clock_s();
-      }
+      start_again(s);
       return;
     case SHARDPLANE__V1__AGENT_COMMAND__AGENT_END:
       if (d->completed) { /* its workers finish by themselves */
@@ -579,9 +580,9 @@ int sp_supervise_run(sp_supervise *s) {
     g_signal = 0;
     if (sig) on_signal_seen(s, sig);
     /* with restarts (or replica groups that continue), workers that
-     * failed leave the host waiting for the coordinator's word; without (or once it ended the job) it is done
-     * when they are all gone. Ends held through an outage wait for the
-     * coordinator too. */
+     * failed leave the host waiting for the coordinator's word; without
+     * (or once it ended the job) it is done when they are all gone. Ends
+     * held through an outage wait for the coordinator too. */
     bool away = sp_agent_ctl_away(s->ctl);
     bool listening = sp_agent_ctl_up(s->ctl) || away;
     bool waiting = !s->done && !s->interrupted && s->ret == SP_EXIT_OK &&
