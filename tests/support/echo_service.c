@@ -152,6 +152,10 @@ static void on_unary(sp_rpc_call *call, const ProtobufCMessage *msg,
     sp_rpc_call_finish(call, SP_RPC_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
+  /* The loop's clock was read when this iteration began, maybe
+   * milliseconds ago under load: without a fresh reading the delay would
+   * end early by that much, against the call's measured duration. */
+  uv_update_time(p->timer.loop);
   uv_timer_start(&p->timer, on_delay, req->delay_ms, 0);
 }
 
