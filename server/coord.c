@@ -111,6 +111,7 @@ static int wire(sp_coord *c) {
       {SP_COORD_EV_TICK, sp_coord_straggler_tick},
       {SP_COORD_EV_TICK, sp_coord_metrics_tick},
       {SP_COORD_EV_TICK, sp_coord_history_tick},
+      {SP_COORD_EV_TICK, sp_coord_agents_tick},
       {SP_COORD_EV_STEP, sp_coord_straggler_step},
       {SP_COORD_EV_STEP, sp_coord_metrics_step},
       {SP_COORD_EV_FAULT, sp_coord_dump_write},
@@ -166,6 +167,8 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
       (rc = load_job(cfg, &c->job, diag)) != 0 ||
       (rc = sp_plan_build(c->model, &c->job, &c->plan, diag)) != 0)
     goto fail;
+  c->full_world = c->plan->world_size;
+  memcpy(c->full_version, c->plan->version_hex, sizeof c->full_version);
   if (cfg->token_file != NULL) {
     rc = sp_coord_auth_load(cfg->token_file, &cfg->store_quota, &c->auth, diag);
     if (rc != 0) goto fail;
@@ -216,6 +219,32 @@ int sp_coord_new(uv_loop_t *loop, const sp_coord_config *cfg, sp_coord **out,
 fail:
   sp_coord_free(c);
   return rc;
+}
+
+int sp_coord_set_world(sp_coord *c, uint32_t world, sp_diag *diag) {
+  if (world == c->plan->world_size) return 0;
+  uint32_t was = c->job.world_size;
+  c->job.world_size = world;
+  sp_plan *pl;
+  int rc = sp_plan_build(c->model, &c->job, &pl, diag);
+  if (rc == 0 && (rc = sp_coord_ranks_resize(c, pl)) != 0) sp_plan_free(pl);
+  if (rc != 0) {
+    c->job.world_size = was;
+    if (rc == SP_ENOMEM) sp_diag_set(diag, rc, "out of memory");
+    return rc;
+  }
+  /* the desync tables are freed by the topology they were made for */
+  sp_coord_desync_free(c);
+  sp_coord_quorum_free(c);
+  sp_plan_free(c->plan);
+  c->plan = pl;
+  if ((rc = sp_coord_diag_new_incarnation(c, NULL, NULL)) != 0 ||
+      (rc = sp_coord_desync_init(c)) != 0 ||
+      (rc = sp_coord_straggler_new_incarnation(c, NULL, NULL)) != 0 ||
+      (rc = sp_coord_verdict_new_incarnation(c, NULL, NULL)) != 0 ||
+      (rc = sp_coord_quorum_init(c)) != 0)
+    return sp_diag_set(diag, rc, "out of memory");
+  return 0;
 }
 
 /* What the HTTP listener serves, beside its own /healthz, /login and

@@ -19,6 +19,20 @@
  * them. Until every node is back, a restart's barrier counts the missing
  * ones as still running: one that had not yet been told to stop must not
  * find the next incarnation begun while its workers of the last one live.
+ * A node that is not back within the reattach grace no longer counts: it
+ * may never come back, and the job must not wait on it for ever.
+ *
+ * Elastic nodes (agents with --nnodes MIN:MAX): an incarnation begins
+ * once MIN agents are registered, after --join-wait-ms for more unless
+ * MAX are there, on as many as there are (up to MAX). The coordinator
+ * numbers them (the hosts of the last incarnation first, in their order)
+ * and rebuilds the plan for that world (sp_coord_set_world); each agent
+ * hears its node rank and the world in AGENT_START. A host that leaves
+ * ends the incarnation as any lost node does (a restart, from
+ * --max-restarts); one that registers while the job runs on fewer than
+ * MAX ends it too, without using up a restart (the workers checkpoint on
+ * the stop's SIGTERM), and the next incarnation has it. Agents beyond MAX
+ * wait, unnumbered, for a later incarnation to have room.
  *
  * Everything runs on the coordinator's loop. */
 #include "coord_agents.h"
@@ -54,6 +68,10 @@ typedef struct agent_conn {
   uint32_t node_rank, nproc, pid;
   char host[SP_COORD_MAX_HOST + 1];
   bool registered, stopped;
+  /* it has a node rank in the current world (always, for a fixed set of
+   * hosts); an elastic agent waiting for room has none */
+  bool placed;
+  uint64_t order; /* of registration: who waited longest goes first */
   /* the incarnation + 1 in which it reported a worker's death (0: none):
    * an agent that told what happened to its workers and then left is not
    * a lost node, its report is the cause */
@@ -66,11 +84,13 @@ typedef struct inc_record {
   bool ended, has_rank;
   bool completed; /* ended by the job's completion */
   uint32_t rank;
+  uint32_t world; /* elastic nodes: its world; 0: the configured one */
   int32_t exit_code, signal;
   char *reason;
 } inc_record;
 
-enum { PHASE_RUNNING, PHASE_STOPPING, PHASE_ENDED };
+/* PHASE_WAITING: an elastic job's incarnation waits for its hosts. */
+enum { PHASE_RUNNING, PHASE_STOPPING, PHASE_ENDED, PHASE_WAITING };
 
 struct sp_coord_agents {
   agent_conn *list;
@@ -97,6 +117,16 @@ struct sp_coord_agents {
   bool node_lost;
   uint32_t lost_node, lost_first, lost_nproc;
   char lost_host[SP_COORD_MAX_HOST + 1];
+  /* when `rejoining` stops holding up a restart (sp_coord_base_now_ms) */
+  uint64_t rejoin_by_ms;
+  /* elastic nodes: the bounds and workers per host every agent gave
+   * (min_nodes 0: a fixed set of hosts); when the wait for more hosts
+   * ends (0: not waiting); the stop under way is for a host that joined
+   * (no restart used up) */
+  uint32_t min_nodes, max_nodes, nproc;
+  uint64_t join_by_ms;
+  bool bounds_set, joining;
+  uint64_t registrations;
 };
 
 static sp_coord *coord_of(sp_rpc_call *call) {
@@ -118,7 +148,7 @@ static struct sp_coord_agents *agents_of(sp_coord *c) {
   return a;
 }
 
-static inc_record *current_rec(struct sp_coord_agents *a) {
+static inc_record *current_rec(const struct sp_coord_agents *a) {
   return &a->rec[a->n_rec - 1];
 }
 
@@ -134,7 +164,8 @@ static void persist_rec(sp_coord *c, const inc_record *r) {
                                .exit_code = r->exit_code,
                                .signal = r->signal,
                                .reason = r->reason,
-                               .completed = r->completed};
+                               .completed = r->completed,
+                               .world_size = r->world};
   sp_coord_persist_incarnation(c, &x);
 }
 
@@ -145,6 +176,12 @@ static char *end_reason_of(const char *how, uint32_t max_restarts) {
   snprintf(end, sizeof end, "%s; no restarts left (--max-restarts %u)", how,
            max_restarts);
   return strdup(end);
+}
+
+/* How long a node may take to register again after the coordinator's
+ * restart: as long as its ranks may take to reattach. */
+static uint64_t reattach_grace_ms(const sp_coord *c) {
+  return c->cfg.reattach_grace_ms ? c->cfg.reattach_grace_ms : 60000;
 }
 
 int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
@@ -175,12 +212,14 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
       .completed = x->completed,
       .exit_code = x->exit_code,
       .signal = x->signal,
+      .world = x->world_size,
       .reason = x->reason && x->reason[0] ? strdup(x->reason) : NULL};
   a->current = x->number;
   a->restarts = (uint32_t)x->number;
   a->max_restarts = x->max_restarts;
   a->max_set = true;
   a->rejoining = true;
+  a->rejoin_by_ms = sp_coord_base_now_ms(c) + reattach_grace_ms(c);
   a->phase = PHASE_RUNNING;
   free(a->end_reason);
   a->end_reason = NULL;
@@ -199,24 +238,30 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *x) {
   return 0;
 }
 
-static int send_cmd(sp_rpc_call *call, int cmd, uint64_t inc,
+static int send_cmd(const agent_conn *g, int cmd, uint64_t inc,
                     const char *reason) {
   Shardplane__V1__AgentDown d = SHARDPLANE__V1__AGENT_DOWN__INIT;
   d.command = (Shardplane__V1__AgentCommand)cmd;
   d.incarnation = inc;
   d.reason = (char *)(reason ? reason : "");
-  sp_coord *c = coord_of(call);
+  sp_coord *c = coord_of(g->call);
   d.durable = sp_coord_persist_durable(c);
   d.completed = cmd == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
                 current_rec(c->agents)->completed;
   d.groups_continue = sp_coord_quorum_on(c);
-  return sp_rpc_call_send(call, &d.base);
+  if (c->agents->min_nodes > 0 && g->placed) {
+    d.world_size = c->plan->world_size;
+    d.node_rank = g->node_rank;
+  }
+  return sp_rpc_call_send(g->call, &d.base);
 }
 
+/* To every agent with a place in the world (an elastic one waiting for
+ * room has no workers to start or stop). */
 static void send_all(sp_coord *c, int cmd, const char *reason) {
   struct sp_coord_agents *a = c->agents;
   for (agent_conn *g = a->list; g; g = g->next)
-    if (g->registered) send_cmd(g->call, cmd, a->current, reason);
+    if (g->registered && g->placed) send_cmd(g, cmd, a->current, reason);
 }
 
 static void unlink_agent(struct sp_coord_agents *a, agent_conn *g) {
@@ -312,7 +357,10 @@ int sp_coord_agents_completed(sp_coord *c, void *user,
   (void)user;
   uint64_t step = e->step;
   struct sp_coord_agents *a = agents_of(c);
-  if (a == NULL || a->phase == PHASE_ENDED) return 0;
+  /* ranks that checkpointed and left when told to stop for a restart
+   * (elastic nodes) did not finish the job */
+  if (a == NULL || a->phase == PHASE_ENDED || a->phase == PHASE_STOPPING)
+    return 0;
   inc_record *r = current_rec(a);
   char why[128];
   snprintf(why, sizeof why, "completed: all %u ranks finished at step %llu",
@@ -330,7 +378,47 @@ int sp_coord_agents_completed(sp_coord *c, void *user,
   return 0;
 }
 
-/* Every agent stopped its workers: the next incarnation begins. */
+/* The current incarnation's workers start: every area starts afresh, the
+ * store is emptied, every placed agent is told AGENT_START. */
+static void begin(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  inc_record *r = current_rec(a);
+  r->started_ms = sp_clock_unix_ms();
+  if (a->min_nodes > 0) r->world = c->plan->world_size;
+  a->phase = PHASE_RUNNING;
+  persist_rec(c, r);
+  char why[96];
+  if (a->current == 0)
+    snprintf(why, sizeof why, "incarnation 0 begins");
+  else
+    snprintf(why, sizeof why, "incarnation %llu ended; incarnation %llu begins",
+             (unsigned long long)a->current - 1,
+             (unsigned long long)a->current);
+  sp_coord_event e = {.kind = SP_COORD_EV_INCARNATION, .text = why};
+  if (sp_coord_bus_announce(c, &e) != 0)
+    sp_coord_base_log(c,
+                      "hang diagnosis: out of memory for the new incarnation");
+  clear_store(c);
+  sp_coord_quorum_reset(c);
+  if (a->min_nodes > 0)
+    sp_coord_base_log(c,
+                      "incarnation %llu begins on %u hosts (%u ranks; "
+                      "--nnodes %u:%u), restart %u of %u",
+                      (unsigned long long)a->current,
+                      c->plan->world_size / a->nproc, c->plan->world_size,
+                      a->min_nodes, a->max_nodes, a->restarts, a->max_restarts);
+  else
+    sp_coord_base_log(c, "incarnation %llu begins (restart %u of %u)",
+                      (unsigned long long)a->current, a->restarts,
+                      a->max_restarts);
+  for (agent_conn *g = a->list; g; g = g->next) g->stopped = !g->placed;
+  send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, NULL);
+}
+
+static void maybe_rendezvous(sp_coord *c);
+
+/* Every agent stopped its workers: the next incarnation begins, at once
+ * or (elastic nodes) once its hosts are there. */
 static void next_incarnation(sp_coord *c) {
   struct sp_coord_agents *a = c->agents;
   bool appended = false;
@@ -349,25 +437,93 @@ static void next_incarnation(sp_coord *c) {
     free(current_rec(a)->reason);
   }
   a->current++;
-  a->restarts++;
+  if (!a->joining) a->restarts++; /* a host that joined used up none */
+  a->joining = false;
   *current_rec(a) =
       (inc_record){.number = a->current, .started_ms = sp_clock_unix_ms()};
-  a->phase = PHASE_RUNNING;
+  if (a->min_nodes == 0) {
+    begin(c);
+    return;
+  }
+  a->phase = PHASE_WAITING;
   persist_rec(c, current_rec(a));
-  char why[96];
-  snprintf(why, sizeof why, "incarnation %llu ended; incarnation %llu begins",
-           (unsigned long long)a->current - 1, (unsigned long long)a->current);
-  sp_coord_event e = {.kind = SP_COORD_EV_INCARNATION, .text = why};
-  if (sp_coord_bus_announce(c, &e) != 0)
+  maybe_rendezvous(c);
+}
+
+/* Elastic nodes: the order hosts get their node ranks in. */
+static int host_order(const void *x, const void *y) {
+  const agent_conn *g = *(agent_conn *const *)x, *h = *(agent_conn *const *)y;
+  if (g->placed != h->placed) return g->placed ? -1 : 1;
+  uint64_t kg = g->placed ? g->node_rank : g->order;
+  uint64_t kh = h->placed ? h->node_rank : h->order;
+  return kg < kh ? -1 : kg > kh;
+}
+
+/* Elastic nodes: the current incarnation begins on the registered hosts
+ * (up to MAX): the hosts of the last world keep their order, the others
+ * follow as they came. The largest world the job can have among them
+ * wins (a HYBRID_SHARD job needs whole shard groups). */
+static void start_world(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  a->join_by_ms = 0;
+  size_t n = 0;
+  for (agent_conn *g = a->list; g; g = g->next) n += g->registered;
+  agent_conn **v = calloc(n ? n : 1, sizeof *v);
+  if (v == NULL) {
+    sp_coord_base_log(c, "elastic nodes: out of memory; still waiting");
+    return;
+  }
+  size_t k = 0;
+  for (agent_conn *g = a->list; g; g = g->next)
+    if (g->registered) v[k++] = g;
+  qsort(v, n, sizeof *v, host_order);
+  uint32_t take = n < a->max_nodes ? (uint32_t)n : a->max_nodes;
+  sp_diag d = {{0}};
+  for (; take >= a->min_nodes && take > 0; take--) {
+    if (sp_coord_set_world(c, take * a->nproc, &d) == 0) break;
+    sp_coord_base_log(c, "elastic nodes: no world of %u hosts: %s", take,
+                      d.msg);
+  }
+  if (take < a->min_nodes || take == 0) {
     sp_coord_base_log(c,
-                      "hang diagnosis: out of memory for the new incarnation");
-  clear_store(c);
-  sp_coord_quorum_reset(c);
-  sp_coord_base_log(c, "incarnation %llu begins (restart %u of %u)",
-                    (unsigned long long)a->current, a->restarts,
-                    a->max_restarts);
-  for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
-  send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, NULL);
+                      "elastic nodes: incarnation %llu cannot begin on %zu "
+                      "hosts; waiting for more",
+                      (unsigned long long)a->current, n);
+    free(v);
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    v[i]->placed = i < take;
+    v[i]->node_rank = i < take ? (uint32_t)i : 0;
+  }
+  free(v);
+  begin(c);
+}
+
+/* Elastic nodes: whether the hosts registered let the waiting incarnation
+ * begin: MAX at once, MIN after the join wait. */
+static void maybe_rendezvous(sp_coord *c) {
+  struct sp_coord_agents *a = c->agents;
+  if (a->phase != PHASE_WAITING) return;
+  uint32_t n = 0;
+  for (agent_conn *g = a->list; g; g = g->next) n += g->registered;
+  if (n >= a->max_nodes) {
+    start_world(c);
+  } else if (n < a->min_nodes) {
+    if (a->join_by_ms != 0)
+      sp_coord_base_log(c, "elastic nodes: %u of at least %u hosts; waiting",
+                        n, a->min_nodes);
+    a->join_by_ms = 0;
+  } else if (a->join_by_ms == 0) {
+    uint32_t wait =
+        c->cfg.join_wait_ms ? c->cfg.join_wait_ms : SP_COORD_JOIN_WAIT_DEFAULT_MS;
+    a->join_by_ms = sp_coord_base_now_ms(c) + wait;
+    sp_coord_base_log(c,
+                      "elastic nodes: %u hosts (--nnodes %u:%u); incarnation "
+                      "%llu begins in %u ms unless all %u come sooner",
+                      n, a->min_nodes, a->max_nodes,
+                      (unsigned long long)a->current, wait, a->max_nodes);
+  }
 }
 
 /* After a restart of the coordinator: whether the agents registered
@@ -377,7 +533,7 @@ static bool every_node_back(sp_coord *c) {
   if (!a->rejoining) return true;
   uint64_t ranks = 0;
   for (agent_conn *g = a->list; g; g = g->next)
-    if (g->registered) ranks += g->nproc;
+    if (g->registered && g->placed) ranks += g->nproc;
   if (ranks < c->plan->world_size) return false;
   a->rejoining = false;
   return true;
@@ -390,6 +546,71 @@ static void maybe_all_stopped(sp_coord *c) {
     if (g->registered && !g->stopped) return;
   if (!every_node_back(c)) return;
   next_incarnation(c);
+}
+
+/* The current incarnation ends, for a restart: every placed agent stops
+ * its workers (those of an elastic job checkpoint on the SIGTERM), and
+ * the next incarnation begins once all say so. */
+static void stop_for_restart(sp_coord *c, const char *how) {
+  struct sp_coord_agents *a = c->agents;
+  a->phase = PHASE_STOPPING;
+  for (agent_conn *g = a->list; g; g = g->next) g->stopped = !g->placed;
+  send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, how);
+  maybe_all_stopped(c);
+}
+
+/* Elastic nodes: a host registered while the job runs on fewer than MAX;
+ * the incarnation ends without using up a restart, and the next one has
+ * it. */
+static void host_joined(sp_coord *c, const agent_conn *g) {
+  struct sp_coord_agents *a = c->agents;
+  uint32_t placed = 0;
+  for (const agent_conn *o = a->list; o; o = o->next)
+    placed += o->registered && o->placed;
+  if (a->phase != PHASE_RUNNING || placed >= a->max_nodes ||
+      current_rec(a)->completed) {
+    sp_coord_base_log(c,
+                      "elastic nodes: the agent from %s waits for room (the "
+                      "job runs on %u of at most %u hosts)",
+                      g->host, placed, a->max_nodes);
+    return;
+  }
+  char how[SP_COORD_MAX_HOST + 128];
+  snprintf(how, sizeof how,
+           "a host joined (%.64s): the world grows from %u hosts at this "
+           "restart",
+           g->host[0] ? g->host : "an unknown host", placed);
+  inc_record *r = current_rec(a);
+  r->ended = true;
+  r->ended_ms = sp_clock_unix_ms();
+  r->has_rank = false;
+  free(r->reason);
+  r->reason = strdup(how);
+  persist_rec(c, r);
+  a->n_cand = 0;
+  a->joining = true;
+  sp_coord_base_log(c, "incarnation %llu ended: %s", (unsigned long long)a->current,
+                    how);
+  stop_for_restart(c, how);
+}
+
+int sp_coord_agents_tick(sp_coord *c, void *user, const sp_coord_event *e) {
+  (void)user;
+  struct sp_coord_agents *a = c->agents;
+  if (a == NULL) return 0;
+  if (a->rejoining && e->now_ms >= a->rejoin_by_ms) {
+    a->rejoining = false;
+    sp_coord_base_log(c,
+                      "not every host registered again within %llu ms of the "
+                      "coordinator's restart: a restart no longer waits for "
+                      "those missing",
+                      (unsigned long long)reattach_grace_ms(c));
+    maybe_all_stopped(c);
+  }
+  if (a->phase == PHASE_WAITING && a->join_by_ms != 0 &&
+      e->now_ms >= a->join_by_ms)
+    start_world(c);
+  return 0;
 }
 
 /* The death that ended the incarnation, among those reported in the
@@ -437,15 +658,12 @@ static void decide(uv_timer_t *t) {
   persist_rec(c, r);
   a->n_cand = 0;
   if (a->restarts < a->max_restarts) {
-    a->phase = PHASE_STOPPING;
     sp_coord_base_log(c,
                       "incarnation %llu ended: %s; restarting (%u of %u "
                       "restarts used)",
                       (unsigned long long)a->current, how, a->restarts,
                       a->max_restarts);
-    for (agent_conn *g = a->list; g; g = g->next) g->stopped = false;
-    send_all(c, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, how);
-    maybe_all_stopped(c);
+    stop_for_restart(c, how);
     return;
   }
   a->phase = PHASE_ENDED;
@@ -459,7 +677,8 @@ static void decide(uv_timer_t *t) {
 
 static bool in_hosts(const agent_conn *g, uint32_t lo, uint32_t hi) {
   uint32_t first = g->node_rank * g->nproc;
-  return g->registered && first <= hi && first + g->nproc - 1 >= lo;
+  return g->registered && g->placed && first <= hi &&
+         first + g->nproc - 1 >= lo;
 }
 
 void sp_coord_agents_hosts_of(const sp_coord *c, uint32_t lo, uint32_t hi,
@@ -478,8 +697,8 @@ void sp_coord_agents_restart(sp_coord *c, uint32_t lo, uint32_t hi,
   struct sp_coord_agents *a = c->agents;
   for (agent_conn *g = a ? a->list : NULL; g; g = g->next)
     if (in_hosts(g, lo, hi))
-      send_cmd(g->call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_RESTART,
-               a->current, why);
+      send_cmd(g, SHARDPLANE__V1__AGENT_COMMAND__AGENT_RESTART, a->current,
+               why);
 }
 
 /* A worker died on its own: the end of the current incarnation, decided
@@ -516,6 +735,56 @@ static void worker_died(sp_coord *c, const Shardplane__V1__WorkerExit *w) {
   uv_timer_start(&a->decide, decide, DECIDE_MS, 0);
 }
 
+/* Elastic nodes: the bounds of the first agent hold for the job (and its
+ * workers per host); false when the call was ended. */
+static bool same_bounds(sp_coord *c, sp_rpc_call *call,
+                        const Shardplane__V1__AgentRegister *q) {
+  struct sp_coord_agents *a = c->agents;
+  if (q->min_nodes > 0 &&
+      (q->max_nodes < q->min_nodes ||
+       (uint64_t)q->max_nodes * q->nproc != c->full_world)) {
+    sp_rpc_call_finishf(call, SP_RPC_INVALID_ARGUMENT,
+                        "--nnodes %u:%u with --nproc-per-node %u: at most "
+                        "%llu ranks, but the job's world (its largest) is %u",
+                        q->min_nodes, q->max_nodes, q->nproc,
+                        (unsigned long long)q->max_nodes * q->nproc,
+                        c->full_world);
+    return false;
+  }
+  if (!a->bounds_set) { /* this coordinator's first agent */
+    a->bounds_set = true;
+    a->min_nodes = q->min_nodes;
+    a->max_nodes = q->max_nodes;
+    a->nproc = q->nproc;
+  }
+  if (q->min_nodes != a->min_nodes || q->max_nodes != a->max_nodes ||
+      (q->min_nodes > 0 && q->nproc != a->nproc)) {
+    char mine[48], theirs[48];
+    snprintf(mine, sizeof mine, q->min_nodes ? "--nnodes %u:%u" : "fixed hosts",
+             q->min_nodes, q->max_nodes);
+    snprintf(theirs, sizeof theirs,
+             a->min_nodes ? "--nnodes %u:%u" : "fixed hosts", a->min_nodes,
+             a->max_nodes);
+    sp_rpc_call_finishf(call, SP_RPC_FAILED_PRECONDITION,
+                        "%s with --nproc-per-node %u differs from the job's "
+                        "first agent (%s with --nproc-per-node %u)",
+                        mine, q->nproc, theirs, a->nproc);
+    return false;
+  }
+  return true;
+}
+
+/* Whether q may keep the node rank it says it has: a fixed host always
+ * (checked against the world), an elastic one only when it rejoins the
+ * incarnation it was numbered in. */
+static bool keeps_node(const struct sp_coord_agents *a,
+                       const Shardplane__V1__AgentRegister *q) {
+  return q->min_nodes == 0 ||
+         (q->rejoin && q->incarnation == a->current &&
+          (a->phase == PHASE_RUNNING || a->phase == PHASE_STOPPING) &&
+          current_rec(a)->world != 0);
+}
+
 /* The first message: which node, how many workers, how many restarts. */
 static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
                            const Shardplane__V1__AgentRegister *q) {
@@ -524,8 +793,9 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
   if (!sp_coord_base_text_ok(call, "AgentRegister", "host", q->host,
                              SP_COORD_MAX_HOST))
     return false;
-  if (q->nproc == 0 || q->nproc > world ||
-      (uint64_t)q->node_rank * q->nproc + q->nproc > world) {
+  bool placed = keeps_node(a, q);
+  if (q->nproc == 0 || q->nproc > c->full_world ||
+      (placed && (uint64_t)q->node_rank * q->nproc + q->nproc > world)) {
     sp_rpc_call_finishf(
         call, SP_RPC_INVALID_ARGUMENT,
         "node %u with %u workers: ranks %llu-%llu are not "
@@ -534,6 +804,7 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
         (unsigned long long)q->node_rank * q->nproc + q->nproc - 1, world);
     return false;
   }
+  if (!same_bounds(c, call, q)) return false;
   /* a late agent of a completed job is told so, whatever it asks */
   if (a->max_set && q->max_restarts != a->max_restarts &&
       !current_rec(a)->completed) {
@@ -552,31 +823,37 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
                         (unsigned long long)a->current);
     return false;
   }
-  for (agent_conn *o = a->list; o; o = o->next)
-    if (o->registered && o->node_rank == q->node_rank) {
-      if (!same_agent(o, q)) {
-        sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
-                            "node %u already has an agent", q->node_rank);
-        return false;
-      }
+  for (agent_conn *o = a->list; o; o = o->next) {
+    if (!o->registered) continue;
+    if (same_agent(o, q)) {
       /* its old stream broke without the coordinator noticing yet: the
        * new one takes its place */
       drop_agent(a, o, SP_RPC_UNAVAILABLE,
                  "the agent registered again on a new stream");
       break;
     }
+    if (placed && o->placed && o->node_rank == q->node_rank) {
+      sp_rpc_call_finishf(call, SP_RPC_ALREADY_EXISTS,
+                          "node %u already has an agent", q->node_rank);
+      return false;
+    }
+  }
   if (!a->max_set) { /* the job's first agent: the record starts here */
     a->max_set = true;
     a->max_restarts = q->max_restarts;
     persist_rec(c, current_rec(a));
   }
   g->registered = true;
-  g->node_rank = q->node_rank;
+  g->placed = placed;
+  g->order = ++a->registrations;
+  g->node_rank = placed ? q->node_rank : 0;
   g->nproc = q->nproc;
   g->pid = q->pid;
   snprintf(g->host, sizeof g->host, "%s", q->host ? q->host : "");
-  /* a stop it already made counts for the barrier */
-  g->stopped = q->rejoin && q->stopped && q->incarnation == a->current;
+  /* a stop it already made counts for the barrier; an agent without a
+   * place has no workers to stop */
+  g->stopped =
+      !placed || (q->rejoin && q->stopped && q->incarnation == a->current);
   if (q->rejoin)
     sp_coord_base_log(c,
                       "agent of node %u (%u workers) from %s pid %u registered "
@@ -584,19 +861,39 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
                       q->node_rank, q->nproc, q->host ? q->host : "?", q->pid,
                       (unsigned long long)q->incarnation,
                       q->stopped ? ", its workers stopped" : "");
+  else if (q->min_nodes > 0)
+    sp_coord_base_log(c, "agent of an elastic host (%u workers) from %s pid %u",
+                      q->nproc, q->host ? q->host : "?", q->pid);
   else
     sp_coord_base_log(c, "agent of node %u (%u workers) from %s pid %u",
                       q->node_rank, q->nproc, q->host ? q->host : "?", q->pid);
+  /* an elastic job's first incarnation begins with its hosts */
+  if (a->min_nodes > 0 && a->phase == PHASE_RUNNING &&
+      current_rec(a)->world == 0)
+    a->phase = PHASE_WAITING;
   if (a->phase == PHASE_ENDED)
-    send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->current,
+    send_cmd(g, SHARDPLANE__V1__AGENT_COMMAND__AGENT_END, a->current,
              a->end_reason);
+  else if (!placed)
+    ; /* told when an incarnation has room for it (after_register) */
   else if (a->phase == PHASE_STOPPING)
-    send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, a->current,
+    send_cmd(g, SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP, a->current,
              current_rec(a)->reason);
   else
-    send_cmd(call, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, a->current,
-             NULL);
+    send_cmd(g, SHARDPLANE__V1__AGENT_COMMAND__AGENT_START, a->current, NULL);
   return true;
+}
+
+/* Once the agent is in the list: what its arrival starts. */
+static void after_register(sp_coord *c, const agent_conn *g) {
+  struct sp_coord_agents *a = c->agents;
+  (void)every_node_back(c);
+  if (a->phase == PHASE_WAITING)
+    maybe_rendezvous(c);
+  else if (!g->placed && a->phase == PHASE_RUNNING)
+    host_joined(c, g);
+  else if (g->stopped) /* back with its workers stopped: a restart may go on */
+    maybe_all_stopped(c);
 }
 
 /* The agent's word on its workers (about every second): checked, then
@@ -661,9 +958,7 @@ static void on_agent_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     if (a->list) a->list->prev = g;
     a->list = g;
     sp_rpc_call_set_user(call, g);
-    (void)every_node_back(c);
-    /* an agent back with its workers stopped may complete a restart */
-    if (g->stopped) maybe_all_stopped(c);
+    after_register(c, g);
     return;
   }
   if (q->register_ != NULL) {
@@ -672,6 +967,7 @@ static void on_agent_msg(sp_rpc_call *call, const ProtobufCMessage *msg,
     maybe_all_stopped(c);
     return;
   }
+  if (!g->placed) return; /* no workers: nothing else to hear */
   if (q->worker_exit != NULL) {
     const Shardplane__V1__WorkerExit *w = q->worker_exit;
     if (w->rank < g->node_rank * g->nproc ||
@@ -709,7 +1005,7 @@ static void agent_gone(sp_rpc_call *call) {
   /* a node lost: its agent went away while its ranks trained (attached,
    * or already lost with their sessions on its connection) */
   bool training = false;
-  if (g->registered && !g->stopped && g->told_exit != a->current + 1 &&
+  if (g->registered && g->placed && !g->stopped && g->told_exit != a->current + 1 &&
       !c->shutting_down && a->phase == PHASE_RUNNING)
     for (uint32_t i = 0; i < g->nproc; i++) {
       int st = sp_coord_ranks_status(c, g->node_rank * g->nproc + i);
@@ -742,6 +1038,7 @@ static void agent_gone(sp_rpc_call *call) {
   /* an agent that left does not hold up a restart (its host's ranks
    * then never attach, and the job waits as for any missing rank) */
   if (!c->shutting_down) maybe_all_stopped(c);
+  if (!c->shutting_down) maybe_rendezvous(c);
 }
 
 static void on_agent_half_close(sp_rpc_call *call) {
@@ -791,6 +1088,7 @@ static void on_list_incarnations(sp_rpc_call *call, const ProtobufCMessage *msg,
     x->exit_code = e->exit_code;
     x->signal = e->signal;
     x->completed = e->completed;
+    x->world_size = e->world;
     x->reason = e->reason ? e->reason : "";
     ptrs[i] = x;
   }

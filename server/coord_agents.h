@@ -36,6 +36,10 @@ void sp_coord_agents_incarnation(const sp_coord *c, uint64_t *number,
  * registers later is told AGENT_END, completed. */
 int sp_coord_agents_alert(sp_coord *c, void *user, const sp_coord_event *e);
 int sp_coord_agents_completed(sp_coord *c, void *user, const sp_coord_event *e);
+/* TICK: a node not registered again within the reattach grace of the
+ * coordinator's restart no longer holds up a restart; an elastic job's
+ * wait for more hosts ends. */
+int sp_coord_agents_tick(sp_coord *c, void *user, const sp_coord_event *e);
 
 /* Replica groups that continue (coord_quorum.h): the ranks of every host
  * (registered agent) holding any of ranks lo..hi, widened into *lo_out..

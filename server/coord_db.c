@@ -65,8 +65,8 @@ static const char *const k_sql[ST_N] = {
     [ST_PUT_INCARNATION] =
         "INSERT OR REPLACE INTO incarnations(number, started_ms, ended, "
         "ended_ms, has_rank, rank, exit_code, signal, reason, "
-        "max_restarts, completed) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, "
-        "?9, ?10, ?11)",
+        "max_restarts, completed, world_size) VALUES (?1, ?2, ?3, ?4, ?5, "
+        "?6, ?7, ?8, ?9, ?10, ?11, ?12)",
 };
 
 static const char k_schema[] =
@@ -85,7 +85,8 @@ static const char k_schema[] =
     "CREATE TABLE IF NOT EXISTS incarnations(number INTEGER PRIMARY KEY, "
     "started_ms INTEGER, ended INTEGER, ended_ms INTEGER, has_rank INTEGER, "
     "rank INTEGER, exit_code INTEGER, signal INTEGER, reason TEXT, "
-    "max_restarts INTEGER, completed INTEGER NOT NULL DEFAULT 0);";
+    "max_restarts INTEGER, completed INTEGER NOT NULL DEFAULT 0, "
+    "world_size INTEGER NOT NULL DEFAULT 0);";
 
 struct sp_coord_db {
   sqlite3 *h;
@@ -367,6 +368,11 @@ int sp_coord_db_open(const char *dir, const sp_coord_db_job *job,
                "ALTER TABLE incarnations ADD COLUMN completed INTEGER NOT "
                "NULL DEFAULT 0",
                NULL, NULL, NULL);
+  /* and before elastic nodes (0: the job's configured world) */
+  sqlite3_exec(db->h,
+               "ALTER TABLE incarnations ADD COLUMN world_size INTEGER NOT "
+               "NULL DEFAULT 0",
+               NULL, NULL, NULL);
   for (int i = 0; i < ST_N; i++)
     if ((rc = CHECK(
              db,
@@ -530,6 +536,7 @@ int sp_coord_db_put_incarnation(sp_coord_db *db,
        sqlite3_bind_text(s, 9, r->reason ? r->reason : "", -1, SQLITE_STATIC));
   BIND(bound, sqlite3_bind_int64(s, 10, r->max_restarts));
   BIND(bound, sqlite3_bind_int(s, 11, r->completed));
+  BIND(bound, sqlite3_bind_int64(s, 12, r->world_size));
   return step_done(db, s, bound, "write an incarnation");
 }
 
@@ -654,7 +661,7 @@ int sp_coord_db_each_incarnation(sp_coord_db *db,
   int rc = prepare(db,
                    "SELECT number, started_ms, ended, ended_ms, has_rank, "
                    "rank, exit_code, signal, reason, max_restarts, "
-                   "completed FROM incarnations ORDER BY number",
+                   "completed, world_size FROM incarnations ORDER BY number",
                    &s, d);
   if (rc != 0) return rc;
   int r;
@@ -669,7 +676,8 @@ int sp_coord_db_each_incarnation(sp_coord_db *db,
                                  .signal = sqlite3_column_int(s, 7),
                                  .reason = col_text(s, 8),
                                  .max_restarts = (uint32_t)col_u64(s, 9),
-                                 .completed = sqlite3_column_int(s, 10) != 0};
+                                 .completed = sqlite3_column_int(s, 10) != 0,
+                                 .world_size = (uint32_t)col_u64(s, 11)};
     if ((rc = fn(arg, &k)) != 0) break;
   }
   if (rc == 0) rc = CHECK(db, r, "read the incarnations", d);

@@ -108,6 +108,7 @@ typedef struct sp_coord_db_incarnation {
   bool ended, has_rank;
   bool completed; /* ended by the job's completion, not a death */
   uint32_t rank, max_restarts;
+  uint32_t world_size; /* its world; 0: the job's configured one */
   int32_t exit_code, signal;
   const char *reason;
 } sp_coord_db_incarnation;

@@ -47,7 +47,19 @@ static void usage(FILE *f) {
       "  --reattach-grace-ms N        after such a restart, how long a rank "
       "may take\n"
       "                               to reattach before it is lost "
-      "(default 60000)\n"
+      "(default 60000);\n"
+      "                               a host's agent not back by then no "
+      "longer holds\n"
+      "                               up the job's next restart\n"
+      "  --join-wait-ms N             elastic hosts (shardplane agent "
+      "--nnodes MIN:MAX):\n"
+      "                               once MIN are there, wait N ms for more "
+      "before\n"
+      "                               an incarnation begins (default 5000: "
+      "the agents\n"
+      "                               of one job start together; each "
+      "restart waits\n"
+      "                               again)\n"
       "  --loss-grace-ms N            a rank silent past the heartbeat "
       "timeout is\n"
       "                               waited for up to N ms more while its "
@@ -183,6 +195,7 @@ enum {
   OPT_MAX_BUFFERED,
   OPT_STATE_DIR,
   OPT_REATTACH,
+  OPT_JOIN_WAIT,
   OPT_LOSS_GRACE,
   OPT_ON_GROUP_FAILURE,
   OPT_STALL_MS,
@@ -208,6 +221,7 @@ static const struct option k_opts[] = {
     {"quiet", no_argument, NULL, OPT_QUIET},
     {"state-dir", required_argument, NULL, OPT_STATE_DIR},
     {"reattach-grace-ms", required_argument, NULL, OPT_REATTACH},
+    {"join-wait-ms", required_argument, NULL, OPT_JOIN_WAIT},
     {"loss-grace-ms", required_argument, NULL, OPT_LOSS_GRACE},
     {"on-group-failure", required_argument, NULL, OPT_ON_GROUP_FAILURE},
     {"stall-timeout-ms", required_argument, NULL, OPT_STALL_MS},
@@ -437,6 +451,10 @@ int main(int argc, char **argv) {
       case OPT_STATE_DIR:
         cfg.state_dir = optarg;
         if (parse_text("--state-dir", optarg, "a directory") != 0) goto out;
+        break;
+      case OPT_JOIN_WAIT:
+        if (parse_ms("--join-wait-ms", optarg, &cfg.join_wait_ms) != 0)
+          goto out;
         break;
       case OPT_REATTACH:
         if (parse_ms("--reattach-grace-ms", optarg, &cfg.reattach_grace_ms) !=

@@ -274,6 +274,11 @@ static int restore_incarnation(void *arg, const sp_coord_db_incarnation *r) {
   return c->persist->hooks.incarnation(c, r);
 }
 
+static int last_world(void *arg, const sp_coord_db_incarnation *r) {
+  *(uint32_t *)arg = r->world_size;
+  return 0;
+}
+
 /* Fills *n_alerts with the count of every alert logged. */
 static int restore(sp_coord *c, uint64_t *n_alerts, sp_diag *d) {
   sp_coord_db *db = c->persist->db;
@@ -282,6 +287,17 @@ static int restore(sp_coord *c, uint64_t *n_alerts, sp_diag *d) {
     return sp_diag_set(d, rc, "state dir %s: a store row out of bounds",
                        sp_coord_db_dir(db));
   if (rc != 0) return rc;
+  /* the last incarnation's world (elastic nodes) sizes the rank table
+   * the ranks are read into */
+  uint32_t world = 0;
+  if ((rc = sp_coord_db_each_incarnation(db, last_world, &world, d)) != 0)
+    return rc;
+  if (world > c->full_world)
+    return sp_diag_set(d, SP_EFORMAT,
+                       "state dir %s: an incarnation of %u ranks; the job "
+                       "has %u at most",
+                       sp_coord_db_dir(db), world, c->full_world);
+  if (world != 0 && (rc = sp_coord_set_world(c, world, d)) != 0) return rc;
   if ((rc = sp_coord_db_each_rank(db, restore_rank, c, d)) != 0) {
     if (rc != SP_EIO)
       sp_diag_set(d, rc, "state dir %s: a rank row out of bounds",
@@ -310,10 +326,10 @@ int sp_coord_persist_open(sp_coord *c, const sp_coord_persist_hooks *h,
   sp_coord_persist *p = calloc(1, sizeof *p);
   if (p == NULL) return sp_diag_set(d, SP_ENOMEM, "out of memory");
   sp_coord_db_job job = {
-      .plan_version = c->plan->version_hex,
+      .plan_version = c->full_version,
       .model_name = c->model->name,
       .spec_hash = sp_coord_db_hash(c->spec_json, c->spec_len),
-      .world_size = c->plan->world_size};
+      .world_size = c->full_world};
   bool fresh;
   int rc = sp_coord_db_open(c->cfg.state_dir, &job, &p->db, &fresh, d);
   if (rc != 0) {

@@ -280,6 +280,8 @@ void sp_coord_ranks_snapshot(sp_coord *c) {
 
 /* A rank as a state dir had it: everything read back is checked. */
 int sp_coord_ranks_restore(sp_coord *c, const sp_coord_db_rank *r) {
+  /* a rank of a larger world the job ran before (elastic nodes) */
+  if (r->rank >= c->plan->world_size && r->rank < c->full_world) return 0;
   if (r->rank >= c->plan->world_size || r->n_units != c->plan->n_units ||
       r->status < SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED ||
       r->status > SHARDPLANE__V1__RANK_STATUS__DETACHED ||
@@ -1083,17 +1085,25 @@ static void on_list_ranks(sp_rpc_call *call, const ProtobufCMessage *msg,
   free(states);
 }
 
+/* Ends every rank's open Session stream with code and why. */
+static void end_sessions(sp_coord *c, int code, const char *why) {
+  for (uint32_t r = 0; r < c->plan->world_size; r++) {
+    sp_coord_rank *k = &c->ranks[r];
+    if (k->session != NULL) {
+      sp_rpc_call *s = k->session;
+      k->session = NULL;
+      session_finish(s, code, why);
+    }
+  }
+}
+
 int sp_coord_ranks_new_incarnation(sp_coord *c, void *user,
                                    const sp_coord_event *e) {
   (void)user;
-  const char *why = e->text;
+  /* the workers of the ended incarnation */
+  end_sessions(c, SP_RPC_ABORTED, e->text);
   for (uint32_t r = 0; r < c->plan->world_size; r++) {
     sp_coord_rank *k = &c->ranks[r];
-    if (k->session != NULL) { /* a worker of the ended incarnation */
-      sp_rpc_call *s = k->session;
-      k->session = NULL;
-      session_finish(s, SP_RPC_ABORTED, why);
-    }
     set_status(c, k, SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED);
     k->session_id[0] = '\0';
     k->step = 0;
@@ -1184,6 +1194,23 @@ int sp_coord_ranks_init(sp_coord *c) {
   return 0;
 }
 
+int sp_coord_ranks_resize(sp_coord *c, const sp_plan *pl) {
+  sp_coord_rank *t = calloc(pl->world_size, sizeof *t);
+  if (t == NULL) return SP_ENOMEM;
+  for (uint32_t r = 0; r < pl->world_size; r++)
+    if (sp_state_tracker_init(&t[r].st, pl->n_units, NULL) != 0) {
+      for (uint32_t i = 0; i <= r; i++) sp_state_tracker_free(&t[i].st);
+      free(t);
+      return SP_ENOMEM;
+    }
+  end_sessions(c, SP_RPC_ABORTED, "the job's world changes");
+  sp_coord_ranks_free(c);
+  c->ranks = t;
+  memset(c->n_by_status, 0, sizeof c->n_by_status);
+  c->n_by_status[SHARDPLANE__V1__RANK_STATUS__NEVER_ATTACHED] = pl->world_size;
+  return 0;
+}
+
 void sp_coord_ranks_start(sp_coord *c) {
   uv_timer_init(c->loop, &c->heartbeat_timer);
   c->heartbeat_timer.data = c;
@@ -1195,14 +1222,7 @@ void sp_coord_ranks_start(sp_coord *c) {
 }
 
 void sp_coord_ranks_shutdown(sp_coord *c, uv_close_cb closed) {
-  for (uint32_t r = 0; r < c->plan->world_size; r++) {
-    sp_coord_rank *k = &c->ranks[r];
-    if (k->session != NULL) {
-      sp_rpc_call *s = k->session;
-      k->session = NULL;
-      session_finish(s, SP_RPC_UNAVAILABLE, "coordinator shutting down");
-    }
-  }
+  end_sessions(c, SP_RPC_UNAVAILABLE, "coordinator shutting down");
   if (c->heartbeat_started) {
     uv_timer_stop(&c->heartbeat_timer);
     uv_close((uv_handle_t *)&c->heartbeat_timer, closed);

@@ -22,6 +22,10 @@
 /* From sp_coord_new: the rank table (SP_ENOMEM), then the methods. */
 int sp_coord_ranks_init(sp_coord *c);
 int sp_coord_ranks_register(sp_coord *c);
+/* Elastic nodes (sp_coord_set_world), before c->plan becomes pl: a table
+ * for pl's world, every rank never attached; the old table's open
+ * streams are ended. SP_ENOMEM leaves the old table. */
+int sp_coord_ranks_resize(sp_coord *c, const sp_plan *pl);
 /* Starts the heartbeat check (from sp_coord_listen). */
 void sp_coord_ranks_start(sp_coord *c);
 /* Ends the sessions and closes the heartbeat timer; `closed` runs once the

@@ -61,6 +61,12 @@
  * paging or I/O-stalled worker comes back well within it. Bounded all the
  * same: a rank silent for the timeout and this long is lost. */
 #define SP_COORD_LOSS_GRACE_DEFAULT_MS 60000u
+
+/* The default wait for more hosts once an elastic job has its fewest: the
+ * agents of one job are started together (a Slurm step starts every task
+ * at once) and register within a second or two of each other even on a
+ * loaded host; every wait is paid again at each restart of the job. */
+#define SP_COORD_JOIN_WAIT_DEFAULT_MS 5000u
 #define SP_COORD_LOSS_GRACE_OFF UINT32_MAX
 
 typedef struct sp_coord_config {
@@ -85,6 +91,10 @@ typedef struct sp_coord_config {
    * replica groups train on when one fails; false: every fault is the
    * job's (restart or end, as the agents' --max-restarts say). */
   bool groups_continue;
+  /* Elastic nodes (coord_agents.c): once the fewest hosts the agents'
+   * --nnodes MIN:MAX allow are registered, how long the job waits for
+   * more (up to MAX) before it starts; 0: SP_COORD_JOIN_WAIT_DEFAULT_MS. */
+  uint32_t join_wait_ms;
   /* The server's limits (sp_rpc_server_opts); 0 keeps the engine's
    * default. */
   uint32_t max_connections;
@@ -120,7 +130,12 @@ typedef struct sp_coord {
   char *spec_json;
   size_t spec_len;
   sp_job job;
+  /* The plan of the current world. The job's configured world is the
+   * largest (full_world, whose plan version names the job in a state
+   * dir); elastic nodes run an incarnation on fewer (sp_coord_set_world). */
   sp_plan *plan;
+  uint32_t full_world;
+  char full_version[17];
   sp_coord_config cfg;
   uint64_t started_ms; /* uv_now at start */
   sp_coord_bus bus;    /* the hub's wiring (coord_bus.h) */
@@ -184,5 +199,11 @@ int sp_coord_listen(sp_coord *c, const char *addr, int *port, sp_diag *diag);
 void sp_coord_shutdown(sp_coord *c, void (*done)(sp_coord *, void *),
                        void *arg);
 void sp_coord_free(sp_coord *c);
+/* The world of the next incarnation (elastic nodes), between two: the
+ * plan is built for `world` ranks and everything sized by the world made
+ * again for it; the ranks of the last world are forgotten (their streams
+ * ended). Loop thread only. Errors (a plan the job cannot have at that
+ * size, out of memory) leave the world as it was and say why in diag. */
+int sp_coord_set_world(sp_coord *c, uint32_t world, sp_diag *diag);
 
 #endif

@@ -51,6 +51,23 @@ static void usage(FILE *f) {
       "  --nnodes M                   hosts in the job (default: the job's\n"
       "                               world size / N, asked of the\n"
       "                               coordinator; given, it must agree)\n"
+      "  --nnodes MIN:MAX             elastic hosts, as torchrun: the job\n"
+      "                               starts once MIN agents are there (and\n"
+      "                               the coordinator's --join-wait-ms for\n"
+      "                               more has passed, unless MAX came), on\n"
+      "                               as many as came, up to MAX; the\n"
+      "                               coordinator numbers the hosts (no\n"
+      "                               --node-rank) and the world is N x\n"
+      "                               hosts. A host lost, or one that joins\n"
+      "                               while fewer than MAX run, ends the\n"
+      "                               incarnation; the next one runs on the\n"
+      "                               hosts there (a join uses up no\n"
+      "                               restart; a loss needs --max-restarts)\n"
+      "                               and loads the last SHARDED or FULL\n"
+      "                               checkpoint (--load-on-restart)\n"
+      "                               resharded to the new world. MAX x N\n"
+      "                               must be the job's world size; hosts\n"
+      "                               beyond MAX wait for room\n"
       "  --no-proxy                   the workers connect to the\n"
       "                               coordinator themselves\n"
       "                               (SHARDPLANE_COORDINATOR is its\n"
@@ -121,6 +138,7 @@ static void usage(FILE *f) {
 typedef struct agent {
   sp_remote r; /* the coordinator, its address and credentials */
   long long nproc, node_rank, nnodes;
+  long long min_nodes; /* --nnodes MIN:MAX; -1: a fixed set of hosts */
   const char *node_rank_var; /* where node_rank came from, for messages */
   bool no_proxy;
   long long max_restarts;              /* --max-restarts */
@@ -171,6 +189,31 @@ static int node_rank_from_env(agent *a) {
   return PROCEED;
 }
 
+/* --nnodes M, or MIN:MAX (elastic when MIN < MAX). */
+static int parse_nnodes(agent *a, const char *v, sp_diag *d) {
+  const char *colon = strchr(v, ':');
+  if (colon == NULL) {
+    a->min_nodes = -1;
+    return sp_flag_int("--nnodes", v, 1, SP_WORKERS_MAX * 4096LL, &a->nnodes,
+                       d);
+  }
+  char lo[32];
+  size_t n = (size_t)(colon - v);
+  if (n >= sizeof lo)
+    return sp_diag_set(d, SP_EINVAL, "--nnodes %s: expected M or MIN:MAX", v);
+  memcpy(lo, v, n);
+  lo[n] = '\0';
+  int rc = sp_flag_int("--nnodes (MIN)", lo, 1, SP_WORKERS_MAX * 4096LL,
+                       &a->min_nodes, d);
+  if (rc == 0)
+    rc = sp_flag_int("--nnodes (MAX)", colon + 1, 1, SP_WORKERS_MAX * 4096LL,
+                     &a->nnodes, d);
+  if (rc == 0 && a->min_nodes > a->nnodes)
+    return sp_diag_set(d, SP_EINVAL, "--nnodes %s: MIN is above MAX", v);
+  if (rc == 0 && a->min_nodes == a->nnodes) a->min_nodes = -1;
+  return rc;
+}
+
 static int parse_args(agent *a, int argc, char **argv) {
   static const struct option opts[] = {
       {"nproc-per-node", required_argument, NULL, A_NPROC},
@@ -184,7 +227,7 @@ static int parse_args(agent *a, int argc, char **argv) {
       {"help", no_argument, NULL, A_HELP},
       SP_REMOTE_OPTIONS,
       {NULL, 0, NULL, 0}};
-  a->nproc = a->node_rank = a->nnodes = -1;
+  a->nproc = a->node_rank = a->nnodes = a->min_nodes = -1;
   a->r.timeout_ms = 30000; /* agents may start before their coordinator */
   /* as its workers: the flag, else the variable, else the default */
   a->grace_ms = SP_COORDINATOR_GRACE_DEFAULT_MS;
@@ -213,10 +256,7 @@ static int parse_args(agent *a, int argc, char **argv) {
                          &a->node_rank, &d);
         a->node_rank_var = NULL;
         break;
-      case A_NNODES:
-        rc = sp_flag_int("--nnodes", optarg, 1, SP_WORKERS_MAX * 4096LL,
-                         &a->nnodes, &d);
-        break;
+      case A_NNODES: rc = parse_nnodes(a, optarg, &d); break;
       case A_NO_PROXY: a->no_proxy = true; break;
       case A_MAX_RESTARTS:
         rc = sp_flag_int("--max-restarts", optarg, 0, 1000, &a->max_restarts,
@@ -265,12 +305,23 @@ static int parse_args(agent *a, int argc, char **argv) {
   }
   a->trainer = argv + optind;
   a->n_trainer = (size_t)(argc - optind);
-  if (a->restart_load && a->max_restarts == 0) {
-    sp_cli_error(AGENT, "--load-on-restart %s needs --max-restarts K",
+  if (a->restart_load && a->max_restarts == 0 && a->min_nodes < 0) {
+    sp_cli_error(AGENT,
+                 "--load-on-restart %s needs --max-restarts K (or "
+                 "--nnodes MIN:MAX)",
                  a->restart_load);
     return SP_EXIT_USAGE;
   }
-  return a->node_rank < 0 ? node_rank_from_env(a) : PROCEED;
+  if (a->min_nodes > 0 && a->node_rank >= 0) {
+    sp_cli_error(AGENT,
+                 "--node-rank %lld with --nnodes %lld:%lld: the coordinator "
+                 "numbers elastic hosts",
+                 a->node_rank, a->min_nodes, a->nnodes);
+    return SP_EXIT_USAGE;
+  }
+  /* an elastic host is numbered by the coordinator, whatever Slurm says */
+  return a->node_rank < 0 && a->min_nodes < 0 ? node_rank_from_env(a)
+                                              : PROCEED;
 }
 
 /* Asks the coordinator for the job's world size and checks the hosts
@@ -287,6 +338,9 @@ static int check_world(agent *a) {
   a->world = resp->job ? resp->job->world_size : 0;
   sp_remote_free_msg(resp);
   long long n = a->nproc;
+  /* elastic: the world is the incarnation's, numbered by the coordinator
+   * (which checks MAX x N against the job's largest) */
+  if (a->min_nodes > 0) return PROCEED;
   if (a->world == 0 || a->world % n != 0) {
     sp_cli_error(AGENT,
                  "--nproc-per-node %lld: the job's world size %u is "
@@ -297,9 +351,10 @@ static int check_world(agent *a) {
   if (a->nnodes < 0) a->nnodes = a->world / n;
   if (a->nnodes * n != a->world) {
     sp_cli_error(AGENT,
-                 "--nnodes %lld x --nproc-per-node %lld is %lld "
+                 "--nnodes %s%lld x --nproc-per-node %lld is %lld "
                  "ranks; the job has %u",
-                 a->nnodes, n, a->nnodes * n, a->world);
+                 a->min_nodes > 0 ? "MAX " : "", a->nnodes, n, a->nnodes * n,
+                 a->world);
     return SP_EXIT_USAGE;
   }
   if (a->node_rank < 0) {
@@ -461,8 +516,19 @@ static void name_worker(const sp_supervise *s, uint32_t i, char *out,
            a->node_rank * a->nproc + i, i, a->node_rank);
 }
 
-static const sp_supervise_ops k_ops = {.start = start_workers,
-                                       .name = name_worker};
+/* Elastic nodes: the host's place in this incarnation's world
+ * (sp_supervise_ops.place). */
+static void place_host(sp_supervise *s, uint32_t world, uint32_t node) {
+  agent *a = s->user;
+  s->world_changed = a->world != world;
+  a->world = world;
+  a->node_rank = node;
+  a->nnodes = world / a->nproc;
+  s->first_rank = node * (uint32_t)a->nproc;
+}
+
+static const sp_supervise_ops k_ops = {
+    .start = start_workers, .name = name_worker, .place = place_host};
 
 /* Opens AgentSession through the proxy when there is one (which adds the
  * agent's token), else straight to the coordinator with the agent's
@@ -470,8 +536,9 @@ static const sp_supervise_ops k_ops = {.start = start_workers,
 static int ctl_open(agent *a) {
   sp_rpc_client_opts co = {.connect_timeout_ms = a->r.timeout_ms};
   if (a->proxy == NULL) sp_cred_client_opts(&a->r.cred, &co);
-  return sp_supervise_open_session(&a->sup, a->worker_coord, &co, a->r.addr,
-                                   (uint32_t)a->node_rank, a->r.timeout_ms);
+  return sp_supervise_open_session(
+      &a->sup, a->worker_coord, &co, a->r.addr,
+      a->node_rank < 0 ? 0 : (uint32_t)a->node_rank, a->r.timeout_ms);
 }
 
 /* The supervision's settings, once the node is known. */
@@ -480,8 +547,13 @@ static void setup_sup(agent *a) {
   a->sup.ops = &k_ops;
   a->sup.user = a;
   a->sup.n = (uint32_t)a->nproc;
-  a->sup.first_rank = (uint32_t)(a->node_rank * a->nproc);
+  a->sup.first_rank =
+      a->node_rank < 0 ? 0 : (uint32_t)(a->node_rank * a->nproc);
   a->sup.max_restarts = (uint32_t)a->max_restarts;
+  if (a->min_nodes > 0) {
+    a->sup.min_nodes = (uint32_t)a->min_nodes;
+    a->sup.max_nodes = (uint32_t)a->nnodes;
+  }
   a->sup.grace_ms = a->grace_ms;
   a->sup.stop_grace_s = a->stop_grace_s;
   /* a restart loads only a checkpoint this job wrote */

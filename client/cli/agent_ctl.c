@@ -28,7 +28,7 @@ struct sp_agent_ctl {
   char *who, *coordinator;
   uint64_t grace_ms;
   uint64_t incarnation; /* as the last attempt said, for messages */
-  uint32_t node_rank, nproc, max_restarts;
+  uint32_t node_rank, nproc, max_restarts, min_nodes, max_nodes;
   char host[256];
   int state;
   bool durable; /* as the coordinator's last command said */
@@ -45,6 +45,8 @@ static int send_register(sp_agent_ctl *c, bool rejoin, uint64_t incarnation,
   reg.node_rank = c->node_rank;
   reg.nproc = c->nproc;
   reg.max_restarts = c->max_restarts;
+  reg.min_nodes = c->min_nodes;
+  reg.max_nodes = c->max_nodes;
   reg.host = c->host;
   reg.pid = (uint32_t)getpid();
   reg.rejoin = rejoin;
@@ -81,6 +83,8 @@ int sp_agent_ctl_open(const sp_agent_ctl_opts *o, sp_agent_ctl **out,
   c->node_rank = o->node_rank;
   c->nproc = o->nproc;
   c->max_restarts = o->max_restarts;
+  c->min_nodes = o->min_nodes;
+  c->max_nodes = o->max_nodes;
   c->jitter = (uint64_t)getpid() * 0x9E3779B97F4A7C15ull;
   if (gethostname(c->host, sizeof c->host) != 0)
     snprintf(c->host, sizeof c->host, "?");
@@ -260,4 +264,8 @@ void sp_agent_ctl_close(sp_agent_ctl *c) {
   free(c->coordinator);
   free(c->who);
   free(c);
+}
+
+void sp_agent_ctl_set_node(sp_agent_ctl *c, uint32_t node_rank) {
+  c->node_rank = node_rank;
 }

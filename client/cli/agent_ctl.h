@@ -43,6 +43,8 @@ typedef struct sp_agent_ctl_opts {
   /* Outages ridden out up to this long; 0: none. */
   uint64_t grace_ms;
   uint32_t node_rank, nproc, max_restarts;
+  /* elastic nodes (--nnodes MIN:MAX); 0: a fixed set of hosts */
+  uint32_t min_nodes, max_nodes;
 } sp_agent_ctl_opts;
 
 /* Opens the stream and sends the registration; the coordinator's first
@@ -87,5 +89,9 @@ void sp_agent_ctl_outages(const sp_agent_ctl *c, uint32_t *n,
 /* Half-closes the stream, closes it and frees everything (c may be
  * NULL). */
 void sp_agent_ctl_close(sp_agent_ctl *c);
+
+/* Elastic nodes: the node rank the coordinator gave this host, said when
+ * it registers again. */
+void sp_agent_ctl_set_node(sp_agent_ctl *c, uint32_t node_rank);
 
 #endif

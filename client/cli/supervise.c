@@ -49,6 +49,15 @@ int sp_supervise_alloc_streams(sp_supervise *s) {
 
 /* ---- the stream to the coordinator (agent_ctl.h) ---- */
 
+/* Elastic nodes: this host's place in the world AGENT_START gives. */
+static void place(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
+  if (s->max_nodes == 0 || d->world_size == 0) return;
+  s->ops->place(s, d->world_size, d->node_rank);
+  for (size_t i = 0; s->streams && i < 2 * (size_t)s->n; i++)
+    s->streams[i].rank = (int)(s->first_rank + i / 2);
+  sp_agent_ctl_set_node(s->ctl, d->node_rank);
+}
+
 int sp_supervise_open_session(sp_supervise *s, const char *addr,
                               const sp_rpc_client_opts *opts, const char *shown,
                               uint32_t node_rank, uint64_t timeout_ms) {
@@ -59,7 +68,9 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
                          .grace_ms = s->grace_ms,
                          .node_rank = node_rank,
                          .nproc = s->n,
-                         .max_restarts = s->max_restarts};
+                         .max_restarts = s->max_restarts,
+                         .min_nodes = s->min_nodes,
+                         .max_nodes = s->max_nodes};
   sp_diag d = {{0}};
   if (sp_agent_ctl_open(&o, &s->ctl, &d) != 0) {
     sp_cli_error(s->who, "%s", d.msg);
@@ -67,6 +78,14 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
   }
   Shardplane__V1__AgentDown *cmd = NULL;
   int got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
+  /* an elastic host waits for the job's other hosts, or for room */
+  if (got == 0 && s->max_nodes > 0)
+    sp_cli_error(s->who,
+                 "waiting for the job to have room for this host (--nnodes "
+                 "%u:%u)",
+                 s->min_nodes, s->max_nodes);
+  while (got == 0 && s->max_nodes > 0)
+    got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
   if (got <= 0) {
     if (got == 0)
       sp_cli_error(s->who,
@@ -81,6 +100,7 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
   s->groups_continue = cmd->groups_continue;
   if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_START) {
     s->incarnation = cmd->incarnation;
+    place(s, cmd);
   } else if (cmd->command == SHARDPLANE__V1__AGENT_COMMAND__AGENT_END &&
              cmd->completed) {
     /* nothing to run, and nothing failed: a finished job is never
@@ -261,6 +281,7 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
       }
       s->incarnation = d->incarnation;
       s->stopped = false;
+      place(s, d);
       sp_cli_error(s->who, "incarnation %llu: starting the workers again",
                    (unsigned long long)s->incarnation);
       start_again(s);
@@ -589,6 +610,7 @@ int sp_supervise_run(sp_supervise *s) {
                    s->live == 0 &&
                    (((s->max_restarts > 0 || s->groups_continue) && listening &&
                      (s->failed > 0 || s->stopped)) ||
+                    (s->max_nodes > 0 && listening && s->stopped) ||
                     (away && s->n_held > 0));
     if (s->live == 0 && !waiting) {
       if (drained_by < 0) drained_by = sp_clock_s() + 1.0;
@@ -651,6 +673,14 @@ bool sp_supervise_restart_ckpt(const sp_supervise *s, const char *dir,
   sp_ckpt_find(dir, &f);
   for (int k = SP_CKPT_FULL; k <= SP_CKPT_LOCAL; k++) {
     if (!sp_supervise_ckpt_new(seen, &f, (sp_ckpt_kind)k)) continue;
+    if (k == SP_CKPT_LOCAL && s->world_changed) {
+      sp_cli_error(s->who,
+                   "incarnation %llu cannot load %s: a LOCAL checkpoint "
+                   "holds the ranks of another world (write SHARDED or FULL "
+                   "ones for elastic hosts)",
+                   inc, f.dir[k]);
+      continue;
+    }
     if (snprintf(out, cap, "%s", f.dir[k]) >= (int)cap) continue;
     *kind = (sp_ckpt_kind)k;
     sp_cli_error(s->who, "incarnation %llu loads %s (%s, after step %llu)", inc,

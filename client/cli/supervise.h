@@ -86,6 +86,10 @@ typedef struct sp_supervise_ops {
   void (*reaped)(sp_supervise *s, pid_t pid, int status);
   /* Once a turn, about every 20 ms. */
   void (*tick)(sp_supervise *s);
+  /* Elastic nodes: the world of the incarnation about to start and this
+   * host's place in it (AGENT_START); sets s->first_rank. Required when
+   * s->max_nodes > 0. */
+  void (*place)(sp_supervise *s, uint32_t world, uint32_t node_rank);
 } sp_supervise_ops;
 
 struct sp_supervise {
@@ -99,6 +103,14 @@ struct sp_supervise {
   uint32_t n;            /* local workers, at most SP_WORKERS_MAX */
   uint32_t first_rank;   /* the job's rank of local worker 0 */
   uint32_t max_restarts; /* --max-restarts; 0: none */
+  /* --nnodes MIN:MAX of an elastic host (0: fixed): the coordinator
+   * numbers the host per incarnation, and its workers stopped for a
+   * restart wait for the next one, restarts or not (a host joining stops
+   * the job without using one up) */
+  uint32_t min_nodes, max_nodes;
+  /* the current incarnation's world differs from the last one's: a LOCAL
+   * checkpoint (one file per rank) cannot be loaded */
+  bool world_changed;
   /* the coordinator keeps replica groups going (AgentDown.groups_continue):
    * a worker's death is its to judge, restarts or not */
   bool groups_continue;
@@ -221,7 +233,8 @@ bool sp_supervise_ckpt_new(const sp_supervise_ckpt_seen *seen,
  * with its folder in out (cap bytes) and its kind in *kind, saying
  * "incarnation N loads DIR (after step K)"; false when there is none,
  * saying from where the incarnation starts instead: first_load, the
- * checkpoint incarnation 0 loaded, when given, else step 0. */
+ * checkpoint incarnation 0 loaded, when given, else step 0. A LOCAL one
+ * counts only while the world is the same (s->world_changed). */
 bool sp_supervise_restart_ckpt(const sp_supervise *s, const char *dir,
                                const sp_supervise_ckpt_seen *seen,
                                const char *first_load, char *out, size_t cap,

@@ -147,6 +147,19 @@ static int save_checkpoints(const sp_worker_opts *o, sp_fsdp *f, uint32_t rank,
   return 0;
 }
 
+/* Whether the checkpoint this run resumes from lies in the directory it
+ * writes to: the run continues that job (with elastic hosts, at another
+ * world size, so under another plan), and what the directory holds is
+ * its own to replace. */
+static bool resumes_own(const sp_worker_opts *o) {
+  char from[PATH_MAX], dir[PATH_MAX];
+  if (o->wf.load_dir == NULL || realpath(o->load_from, from) == NULL ||
+      realpath(o->wf.ckpt_dir, dir) == NULL)
+    return false;
+  size_t n = strlen(dir);
+  return strncmp(from, dir, n) == 0 && from[n] == '/';
+}
+
 /* --load, with --load-params-only or the checkpoint's optimizer state and
  * step; a state mismatch names the flag that loads anyway. */
 static int load(const sp_worker_opts *o, sp_fsdp *f, sp_ckpt_info *info,
@@ -204,7 +217,7 @@ int sp_worker_run(sp_worker_opts *o, int *stopped, sp_diag *d) {
                      "size %u",
                      rank, o->env.world_size_var, o->env.world_size, w);
   /* every rank checks before the rendezvous, so before any rank writes */
-  if (rc == 0 && o->wf.ckpt_dir && o->wf.any_kind)
+  if (rc == 0 && o->wf.ckpt_dir && o->wf.any_kind && !resumes_own(o))
     rc = sp_ckpt_check_dir(o->wf.ckpt_dir, sp_session_plan(s)->version_hex, d);
   /* what to train, and the job as its trainer takes it, checked as
    * shardplane run checks them before starting the workers; every rank
