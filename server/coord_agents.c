@@ -330,6 +330,10 @@ static void clear_store(sp_coord *c) {
   free(l.len);
 }
 
+bool sp_coord_agents_restarting(const sp_coord *c) {
+  return c->agents && c->agents->phase == PHASE_STOPPING;
+}
+
 void sp_coord_agents_incarnation(const sp_coord *c, uint64_t *number,
                                  uint32_t *restarts) {
   /* made with the first agent or record: none yet is incarnation 0 */
@@ -357,10 +361,7 @@ int sp_coord_agents_completed(sp_coord *c, void *user,
   (void)user;
   uint64_t step = e->step;
   struct sp_coord_agents *a = agents_of(c);
-  /* ranks that checkpointed and left when told to stop for a restart
-   * (elastic nodes) did not finish the job */
-  if (a == NULL || a->phase == PHASE_ENDED || a->phase == PHASE_STOPPING)
-    return 0;
+  if (a == NULL || a->phase == PHASE_ENDED) return 0;
   inc_record *r = current_rec(a);
   char why[128];
   snprintf(why, sizeof why, "completed: all %u ranks finished at step %llu",

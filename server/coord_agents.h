@@ -30,6 +30,11 @@ int sp_coord_agents_restore(sp_coord *c, const sp_coord_db_incarnation *r);
 void sp_coord_agents_incarnation(const sp_coord *c, uint64_t *number,
                                  uint32_t *restarts);
 
+/* Whether the current incarnation is ending for a restart: ranks that
+ * leave now (a stop's SIGTERM makes shardplane-worker checkpoint and
+ * detach) have not finished the job. */
+bool sp_coord_agents_restarting(const sp_coord *c);
+
 /* Subscribers (coord_bus.h). ALERT: every registered agent is told
  * (AGENT_ALERT), to print it beside its workers' output. COMPLETED: the
  * current incarnation's record says so, for good, and an agent that

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord_agents.h"
 #include "coord_alerts.h"
 #include "coord_base.h"
 #include "coord_diag.h"
@@ -173,10 +174,12 @@ static uint64_t last_step(const sp_coord *c) {
 
 /* COMPLETED once every rank detached, or under a replica quorum every
  * rank of the groups in it, none of those out of it still attached (a
- * group whose host is gone never comes back to detach). */
+ * group whose host is gone never comes back to detach); not while the
+ * ranks stop for a restart. */
 static void maybe_completed(sp_coord *c) {
   struct sp_coord_verdict *v = c->verdict;
   if (v->state != SHARDPLANE__V1__JOB_STATE__JOB_RUNNING ||
+      sp_coord_agents_restarting(c) ||
       (sp_coord_ranks_with_status(c, SHARDPLANE__V1__RANK_STATUS__DETACHED) <
            v->world &&
        !sp_coord_quorum_finished(c)))

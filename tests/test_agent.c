@@ -78,11 +78,11 @@ static void start_coord(sp_proc *c, sp_tauth *auth, int world, char *addr,
 
 /* `shardplane agent --coordinator addr --insecure --token-file (worker)
  * --nproc-per-node 2 [--node-rank node] -- trainer...`, its output in
- * dir/agentNODE.out and .err. node < 0: no --node-rank. */
-static pid_t start_agent(const char *dir, const char *addr,
-                         const sp_tauth *auth, int node,
+ * dir/STEM.out and .err. node NULL: no --node-rank. */
+static pid_t spawn_agent(const char *dir, const char *stem, const char *addr,
+                         const sp_tauth *auth, const char *node,
                          const char *const *extra, const char *const *trainer) {
-  char *argv[64], ns[16], name[32];
+  char *argv[64], name[64];
   size_t k = 0;
   argv[k++] = SHARDPLANE;
   argv[k++] = "agent";
@@ -93,23 +93,34 @@ static pid_t start_agent(const char *dir, const char *addr,
   argv[k++] = auth->file[SP_ROLE_WORKER];
   argv[k++] = "--nproc-per-node";
   argv[k++] = "2";
-  snprintf(ns, sizeof ns, "%d", node);
-  if (node >= 0) {
+  if (node != NULL) {
     argv[k++] = "--node-rank";
-    argv[k++] = ns;
+    argv[k++] = (char *)node;
   }
   for (size_t i = 0; extra && extra[i]; i++) argv[k++] = (char *)extra[i];
   argv[k++] = "--";
   for (size_t i = 0; trainer[i]; i++) argv[k++] = (char *)trainer[i];
   argv[k] = NULL;
-  snprintf(name, sizeof name, "agent%d.out", node < 0 ? 9 : node);
+  snprintf(name, sizeof name, "%s.out", stem);
   char *out = sp_test_path(dir, name);
-  snprintf(name, sizeof name, "agent%d.err", node < 0 ? 9 : node);
+  snprintf(name, sizeof name, "%s.err", stem);
   char *err = sp_test_path(dir, name);
   pid_t pid = sp_test_spawn_logged(out, err, argv);
   free(out);
   free(err);
   return pid;
+}
+
+/* The same, its output in dir/agentNODE.out and .err; node < 0: no
+ * --node-rank (agent9.out). */
+static pid_t start_agent(const char *dir, const char *addr,
+                         const sp_tauth *auth, int node,
+                         const char *const *extra, const char *const *trainer) {
+  char ns[16], stem[32];
+  snprintf(ns, sizeof ns, "%d", node);
+  snprintf(stem, sizeof stem, "agent%d", node < 0 ? 9 : node);
+  return spawn_agent(dir, stem, addr, auth, node >= 0 ? ns : NULL, extra,
+                     trainer);
 }
 
 /* Each test's scratch directory, the job's tokens and, for most, a
@@ -665,9 +676,12 @@ static void wait_for(const char *dir, const char *name, const char *needle,
   for (;;) {
     char *out = slurp(dir, name);
     bool there = strstr(out, needle) != NULL;
+    bool late = !there && sp_clock_s() > end;
+    size_t len = strlen(out);
+    if (late) printf("%s ends:\n%s\n", name, out + (len > 3000 ? len - 3000 : 0));
     free(out);
     if (there) return;
-    if (sp_clock_s() > end) fail_msg("no \"%s\" in %s", needle, name);
+    if (late) fail_msg("no \"%s\" in %s", needle, name);
     usleep(10000);
   }
 }
@@ -973,6 +987,144 @@ static void test_agent_group_never_returns(void **state) {
   free(err);
   free(sharded);
   free(ck);
+}
+
+/* Elastic hosts: the trainer of test_agent_restart (rank 0 slower, for
+ * time to act mid-run), STEPS steps with FULL checkpoints every 4 into ck,
+ * and the agents' flags for --nnodes 1:2 with one restart. */
+#define ELASTIC_STEPS "120"
+#define ELASTIC_TRAINER(ck)                                                 \
+  {                                                                         \
+    WORKER, "--insecure", "--steps", ELASTIC_STEPS, "--global-batch", "24", \
+        "--lr", "0.05", "--log-every", "1", "--checkpoint-dir", ck,         \
+        "--checkpoint-every", "4", "--inject", "slow:rank=0,factor=8", NULL \
+  }
+#define ELASTIC_FLAGS(ck)                                              \
+  {                                                                    \
+    "--nnodes", "1:2", "--max-restarts", "1", "--load-on-restart", ck, \
+        "--coordinator-grace", "60", NULL                              \
+  }
+
+/* The incarnation i of li ran on `world` ranks and its end's reason holds
+ * `why`. */
+static void expect_incarnation(
+    const Shardplane__V1__ListIncarnationsResponse *li, size_t i,
+    uint32_t world, const char *why) {
+  assert_true(li->n_incarnations > i);
+  const Shardplane__V1__Incarnation *x = li->incarnations[i];
+  printf("incarnation %zu: %u ranks, %s\n", i, x->world_size, x->reason);
+  assert_int_equal(x->world_size, world);
+  assert_true(x->ended);
+  assert_non_null(strstr(x->reason, why));
+}
+
+/* Elastic hosts (--nnodes 1:2): the job starts on the one host there;
+ * a second one joining ends that incarnation without using up a restart,
+ * and the next runs on both (4 ranks), resuming from the checkpoint the
+ * stop's SIGTERM wrote; the second host lost (agent and workers killed)
+ * ends that one, and the last runs on the first host again (2 ranks),
+ * resharded from the last checkpoint, to the end. */
+static void test_agent_elastic_hosts(void **state) {
+  fx *f = *state;
+  char *ck = sp_test_path(f->dir, "ck");
+  const char *flags[] = {"--join-wait-ms", "300", NULL};
+  start_coord_flags(&f->coord, &f->auth, 4, "127.0.0.1:0", flags, f->addr,
+                    sizeof f->addr);
+  const char *trainer[] = ELASTIC_TRAINER(ck);
+  const char *extra[] = ELASTIC_FLAGS(ck);
+  pid_t a =
+      spawn_agent(f->dir, "host0", f->addr, &f->auth, NULL, extra, trainer);
+  wait_for(f->dir, "host0.err", "node 0 of 1, ranks 0-1 of 2", 60);
+  wait_for(f->dir, "host0.out", "[rank0]: step 6/", 60);
+  pid_t b =
+      spawn_agent(f->dir, "host1", f->addr, &f->auth, NULL, extra, trainer);
+  wait_for(f->dir, "host1.err", "node 1 of 2, ranks 2-3 of 4", 60);
+  wait_for(f->dir, "host0.err", "incarnation 1 loads ", 60);
+  /* on 4 ranks for a while: checkpoints written by that world */
+  wait_for(f->dir, "host0.out", "[rank0]: step 30/", 60);
+  int kids[8];
+  size_t n = sp_test_children(b, kids, 8);
+  assert_int_equal(kill(b, SIGKILL), 0);
+  for (size_t i = 0; i < n; i++) kill(kids[i], SIGKILL);
+  assert_int_equal(sp_test_wait_exit(a, 120), 0);
+  assert_int_equal(sp_test_wait_exit(b, 10), 128 + SIGKILL);
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
+  stop_coord(f);
+  char *out = slurp(f->dir, "host0.out"), *err = slurp(f->dir, "host0.err");
+  printf("host 0:\n%s\n", err);
+  assert_int_equal(li->n_incarnations, 3);
+  expect_incarnation(li, 0, 2, "a host joined");
+  expect_incarnation(li, 1, 4, "node 1 (ranks 2-3 on ");
+  expect_incarnation(li, 2, 2,
+                     "completed: all 2 ranks finished at step " ELASTIC_STEPS);
+  /* the join used up no restart; the loss its one */
+  assert_int_equal(li->restarts, 1);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  /* each incarnation after the first resumed from a checkpoint */
+  const char *r1 = strstr(out, "[rank0]: resuming after step ");
+  assert_non_null(r1);
+  assert_non_null(strstr(r1 + 1, "[rank0]: resuming after step "));
+  assert_non_null(
+      strstr(out, "[rank0]: step " ELASTIC_STEPS "/" ELASTIC_STEPS));
+  free(out);
+  free(err);
+  free(ck);
+}
+
+/* A host that never comes back after the coordinator's restart no longer
+ * holds up the next restart: once the reattach grace has passed, the
+ * incarnation the death of the other host's peers ended gives way to one
+ * on the host that is back (elastic, the world read back from the state
+ * dir), which trains to the end. Before, the restart waited for every
+ * node of the world for ever. */
+static void test_agent_elastic_after_coordinator_restart(void **state) {
+  fx *f = *state;
+  char *sd = sp_test_path(f->dir, "state"), *ck = sp_test_path(f->dir, "ck");
+  const char *flags[] = {
+      "--state-dir", sd,  "--join-wait-ms", "300", "--reattach-grace-ms",
+      "2000",        NULL};
+  start_coord_flags(&f->coord, &f->auth, 4, "127.0.0.1:0", flags, f->addr,
+                    sizeof f->addr);
+  const char *trainer[] = ELASTIC_TRAINER(ck);
+  const char *extra[] = ELASTIC_FLAGS(ck);
+  pid_t a =
+      spawn_agent(f->dir, "host0", f->addr, &f->auth, NULL, extra, trainer);
+  pid_t b =
+      spawn_agent(f->dir, "host1", f->addr, &f->auth, NULL, extra, trainer);
+  wait_for(f->dir, "host0.err", "ranks 0-1 of 4", 60);
+  wait_for(f->dir, "host0.out", "checkpoint (FULL) of step 8:", 60);
+  kill9_coord(f);
+  int kids[8];
+  size_t n = sp_test_children(b, kids, 8);
+  assert_int_equal(kill(b, SIGKILL), 0);
+  for (size_t i = 0; i < n; i++) kill(kids[i], SIGKILL);
+  char listen[64];
+  snprintf(listen, sizeof listen, "%s", f->addr);
+  start_coord_flags(&f->coord, &f->auth, 4, listen, flags, f->addr,
+                    sizeof f->addr);
+  double t_back = sp_clock_s();
+  wait_for(f->dir, "host0.err", "incarnation 1 loads ", 60);
+  double waited = sp_clock_s() - t_back;
+  assert_int_equal(sp_test_wait_exit(a, 120), 0);
+  assert_int_equal(sp_test_wait_exit(b, 10), 128 + SIGKILL);
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
+  stop_coord(f);
+  char *err = slurp(f->dir, "host0.err");
+  printf(
+      "host 0:\n%s\nincarnation 1 began %.1f s after the coordinator "
+      "came back (reattach grace 2 s)\n",
+      err, waited);
+  assert_int_equal(li->n_incarnations, 2);
+  assert_int_equal(li->incarnations[0]->world_size, 4);
+  expect_incarnation(li, 1, 2,
+                     "completed: all 2 ranks finished at step " ELASTIC_STEPS);
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  assert_true(waited >= 1.5);
+  free(err);
+  free(ck);
+  free(sd);
 }
 
 /* A worker killed mid-training with --max-restarts 1: the coordinator
@@ -1672,6 +1824,11 @@ int main(int argc, char **argv) {
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_group_never_returns,
                                       fx_setup_bare, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_elastic_hosts, fx_setup_bare,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(
+          test_agent_elastic_after_coordinator_restart, fx_setup_bare,
+          fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_node_lost, fx_setup,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_restart, fx_setup,
