@@ -678,7 +678,8 @@ static void wait_for(const char *dir, const char *name, const char *needle,
     bool there = strstr(out, needle) != NULL;
     bool late = !there && sp_clock_s() > end;
     size_t len = strlen(out);
-    if (late) printf("%s ends:\n%s\n", name, out + (len > 3000 ? len - 3000 : 0));
+    if (late)
+      printf("%s ends:\n%s\n", name, out + (len > 3000 ? len - 3000 : 0));
     free(out);
     if (there) return;
     if (late) fail_msg("no \"%s\" in %s", needle, name);
@@ -1088,12 +1089,29 @@ static void test_agent_elastic_after_coordinator_restart(void **state) {
                     sizeof f->addr);
   const char *trainer[] = ELASTIC_TRAINER(ck);
   const char *extra[] = ELASTIC_FLAGS(ck);
-  pid_t a =
-      spawn_agent(f->dir, "host0", f->addr, &f->auth, NULL, extra, trainer);
-  pid_t b =
-      spawn_agent(f->dir, "host1", f->addr, &f->auth, NULL, extra, trainer);
-  wait_for(f->dir, "host0.err", "ranks 0-1 of 4", 60);
-  wait_for(f->dir, "host0.out", "checkpoint (FULL) of step 8:", 60);
+  pid_t h[2];
+  for (int i = 0; i < 2; i++) {
+    char stem[16];
+    snprintf(stem, sizeof stem, "host%d", i);
+    h[i] = spawn_agent(f->dir, stem, f->addr, &f->auth, NULL, extra, trainer);
+  }
+  /* the coordinator numbers the hosts as they come: node 0 survives */
+  int first = -1;
+  for (double end = sp_clock_s() + 60; first < 0 && sp_clock_s() < end;
+       usleep(10000))
+    for (int i = 0; i < 2 && first < 0; i++) {
+      char name[16];
+      snprintf(name, sizeof name, "host%d.err", i);
+      char *e = slurp(f->dir, name);
+      if (strstr(e, "ranks 0-1 of 4")) first = i;
+      free(e);
+    }
+  assert_true(first >= 0);
+  pid_t a = h[first], b = h[1 - first];
+  char out0[16], err0[16];
+  snprintf(out0, sizeof out0, "host%d.out", first);
+  snprintf(err0, sizeof err0, "host%d.err", first);
+  wait_for(f->dir, out0, "checkpoint (FULL) of step 8:", 60);
   kill9_coord(f);
   int kids[8];
   size_t n = sp_test_children(b, kids, 8);
@@ -1104,14 +1122,14 @@ static void test_agent_elastic_after_coordinator_restart(void **state) {
   start_coord_flags(&f->coord, &f->auth, 4, listen, flags, f->addr,
                     sizeof f->addr);
   double t_back = sp_clock_s();
-  wait_for(f->dir, "host0.err", "incarnation 1 loads ", 60);
+  wait_for(f->dir, err0, "incarnation 1 loads ", 60);
   double waited = sp_clock_s() - t_back;
   assert_int_equal(sp_test_wait_exit(a, 120), 0);
   assert_int_equal(sp_test_wait_exit(b, 10), 128 + SIGKILL);
   Shardplane__V1__ListIncarnationsResponse *li =
       incarnations(f->addr, &f->auth);
   stop_coord(f);
-  char *err = slurp(f->dir, "host0.err");
+  char *err = slurp(f->dir, err0);
   printf(
       "host 0:\n%s\nincarnation 1 began %.1f s after the coordinator "
       "came back (reattach grace 2 s)\n",
