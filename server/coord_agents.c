@@ -281,13 +281,15 @@ static void drop_agent(struct sp_coord_agents *a, agent_conn *g, int code,
   free(g);
 }
 
-/* A registration again from the agent already registered for the node:
- * the same process on the same host, as it says (a worker token could say
- * anything, but it could as well register a node that has no agent). */
+/* A registration again from the agent already registered: the same
+ * process on the same host, as it says (a worker token could say
+ * anything, but it could as well register a node that has no agent), for
+ * the same node when both have one. */
 static bool same_agent(const agent_conn *o,
-                       const Shardplane__V1__AgentRegister *q) {
+                       const Shardplane__V1__AgentRegister *q, bool placed) {
   return q->rejoin && q->pid == o->pid &&
-         strcmp(q->host ? q->host : "", o->host) == 0;
+         strcmp(q->host ? q->host : "", o->host) == 0 &&
+         (!placed || !o->placed || o->node_rank == q->node_rank);
 }
 
 /* The store's keys, gathered as they go so that their removal is written
@@ -512,12 +514,12 @@ static void maybe_rendezvous(sp_coord *c) {
     start_world(c);
   } else if (n < a->min_nodes) {
     if (a->join_by_ms != 0)
-      sp_coord_base_log(c, "elastic nodes: %u of at least %u hosts; waiting",
-                        n, a->min_nodes);
+      sp_coord_base_log(c, "elastic nodes: %u of at least %u hosts; waiting", n,
+                        a->min_nodes);
     a->join_by_ms = 0;
   } else if (a->join_by_ms == 0) {
-    uint32_t wait =
-        c->cfg.join_wait_ms ? c->cfg.join_wait_ms : SP_COORD_JOIN_WAIT_DEFAULT_MS;
+    uint32_t wait = c->cfg.join_wait_ms ? c->cfg.join_wait_ms
+                                        : SP_COORD_JOIN_WAIT_DEFAULT_MS;
     a->join_by_ms = sp_coord_base_now_ms(c) + wait;
     sp_coord_base_log(c,
                       "elastic nodes: %u hosts (--nnodes %u:%u); incarnation "
@@ -590,8 +592,8 @@ static void host_joined(sp_coord *c, const agent_conn *g) {
   persist_rec(c, r);
   a->n_cand = 0;
   a->joining = true;
-  sp_coord_base_log(c, "incarnation %llu ended: %s", (unsigned long long)a->current,
-                    how);
+  sp_coord_base_log(c, "incarnation %llu ended: %s",
+                    (unsigned long long)a->current, how);
   stop_for_restart(c, how);
 }
 
@@ -826,7 +828,7 @@ static bool register_agent(sp_coord *c, sp_rpc_call *call, agent_conn *g,
   }
   for (agent_conn *o = a->list; o; o = o->next) {
     if (!o->registered) continue;
-    if (same_agent(o, q)) {
+    if (same_agent(o, q, placed)) {
       /* its old stream broke without the coordinator noticing yet: the
        * new one takes its place */
       drop_agent(a, o, SP_RPC_UNAVAILABLE,
@@ -1006,8 +1008,9 @@ static void agent_gone(sp_rpc_call *call) {
   /* a node lost: its agent went away while its ranks trained (attached,
    * or already lost with their sessions on its connection) */
   bool training = false;
-  if (g->registered && g->placed && !g->stopped && g->told_exit != a->current + 1 &&
-      !c->shutting_down && a->phase == PHASE_RUNNING)
+  if (g->registered && g->placed && !g->stopped &&
+      g->told_exit != a->current + 1 && !c->shutting_down &&
+      a->phase == PHASE_RUNNING)
     for (uint32_t i = 0; i < g->nproc; i++) {
       int st = sp_coord_ranks_status(c, g->node_rank * g->nproc + i);
       if (st == SHARDPLANE__V1__RANK_STATUS__ATTACHED ||

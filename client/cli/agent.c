@@ -138,7 +138,7 @@ static void usage(FILE *f) {
 typedef struct agent {
   sp_remote r; /* the coordinator, its address and credentials */
   long long nproc, node_rank, nnodes;
-  long long min_nodes; /* --nnodes MIN:MAX; -1: a fixed set of hosts */
+  long long min_nodes;       /* --nnodes MIN:MAX; -1: a fixed set of hosts */
   const char *node_rank_var; /* where node_rank came from, for messages */
   bool no_proxy;
   long long max_restarts;              /* --max-restarts */
@@ -320,8 +320,7 @@ static int parse_args(agent *a, int argc, char **argv) {
     return SP_EXIT_USAGE;
   }
   /* an elastic host is numbered by the coordinator, whatever Slurm says */
-  return a->node_rank < 0 && a->min_nodes < 0 ? node_rank_from_env(a)
-                                              : PROCEED;
+  return a->node_rank < 0 && a->min_nodes < 0 ? node_rank_from_env(a) : PROCEED;
 }
 
 /* Asks the coordinator for the job's world size and checks the hosts

@@ -43,7 +43,7 @@ static void print_incarnations(
   printf("incarnation %" PRIu64 " is current; %u of %u restart%s used\n",
          l->current, l->restarts, l->max_restarts,
          l->max_restarts == 1 ? "" : "s");
-  printf("%-4s  %-24s  %-24s  %s\n", "INC", "STARTED", "ENDED",
+  printf("%-4s  %-24s  %-24s  %-5s  %s\n", "INC", "STARTED", "ENDED", "RANKS",
          "WHAT ENDED IT");
   for (size_t i = 0; i < l->n_incarnations; i++) {
     const Shardplane__V1__Incarnation *x = l->incarnations[i];
@@ -56,7 +56,10 @@ static void print_incarnations(
     const char *what = x->reason[0] != '\0' ? x->reason
                        : x->ended           ? "(not recorded)"
                                             : "running";
-    printf("%-4" PRIu64 "  %-24s  %-24s  %s\n", x->number, start, end, what);
+    char ranks[16] = "-"; /* the job's configured world (not elastic) */
+    if (x->world_size) snprintf(ranks, sizeof ranks, "%u", x->world_size);
+    printf("%-4" PRIu64 "  %-24s  %-24s  %-5s  %s\n", x->number, start, end,
+           ranks, what);
   }
   sp_remote_print_quorum(stdout, "replica groups: ", 0, l->quorum);
 }
@@ -75,6 +78,8 @@ static json_t *incarnation_json(const Shardplane__V1__Incarnation *x) {
     json_object_set_new(o, "signal", json_integer(x->signal));
   }
   json_object_set_new(o, "completed", json_boolean(x->completed));
+  if (x->world_size)
+    json_object_set_new(o, "world_size", json_integer(x->world_size));
   json_object_set_new(o, "reason", json_string(x->reason));
   return o;
 }
