@@ -253,6 +253,8 @@ static int send_cmd(const agent_conn *g, int cmd, uint64_t inc,
     d.world_size = c->plan->world_size;
     d.node_rank = g->node_rank;
   }
+  d.checkpoint =
+      cmd == SHARDPLANE__V1__AGENT_COMMAND__AGENT_STOP && c->agents->joining;
   return sp_rpc_call_send(g->call, &d.base);
 }
 

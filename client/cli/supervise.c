@@ -49,6 +49,8 @@ int sp_supervise_alloc_streams(sp_supervise *s) {
 
 /* ---- the stream to the coordinator (agent_ctl.h) ---- */
 
+static void print_alert(const Shardplane__V1__Alert *a);
+
 /* Elastic nodes: this host's place in the world AGENT_START gives. */
 static void place(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
   if (s->max_nodes == 0 || d->world_size == 0) return;
@@ -84,8 +86,18 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
                  "waiting for the job to have room for this host (--nnodes "
                  "%u:%u)",
                  s->min_nodes, s->max_nodes);
-  while (got == 0 && s->max_nodes > 0)
+  for (;;) {
+    while (got == 0 && s->max_nodes > 0)
+      got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
+    /* an alert of the job before this host's first command (it waited
+     * for room): printed, and the wait goes on */
+    if (got <= 0 || cmd->command != SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT)
+      break;
+    if (cmd->alert) print_alert(cmd->alert);
+    protobuf_c_message_free_unpacked(&cmd->base, NULL);
+    cmd = NULL;
     got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
+  }
   if (got <= 0) {
     if (got == 0)
       sp_cli_error(s->who,
@@ -199,6 +211,7 @@ static void print_alert(const Shardplane__V1__Alert *a) {
 }
 
 static void reap(sp_supervise *s);
+static double stop_grace(const sp_supervise *s);
 
 /* This host's workers started again (AGENT_START of a new incarnation,
  * AGENT_RESTART of a dropped replica group): what the last start's ended
@@ -249,12 +262,16 @@ static void on_command(sp_supervise *s, const Shardplane__V1__AgentDown *d) {
         send_stopped(s);
         return;
       }
-      sp_cli_error(s->who,
-                   "incarnation %llu ended (%s); stopping the %u "
-                   "worker%s of this host for a restart",
-                   (unsigned long long)d->incarnation, d->reason, s->live,
-                   s->live == 1 ? "" : "s");
-      sp_workers_stop(s->pids, s->n, (int)(SP_SUPERVISE_TERM_S * 1000));
+      /* no fault: they end their step and checkpoint, as on Ctrl-C */
+      double wait_s = d->checkpoint ? stop_grace(s) : SP_SUPERVISE_TERM_S;
+      sp_cli_error(
+          s->who,
+          "incarnation %llu ended (%s); stopping the %u "
+          "worker%s of this host for a restart%s",
+          (unsigned long long)d->incarnation, d->reason, s->live,
+          s->live == 1 ? "" : "s",
+          d->checkpoint ? " (after a checkpoint, within --stop-grace)" : "");
+      sp_workers_stop(s->pids, s->n, (int)(wait_s * 1000));
       s->live = 0;
       s->stopped = true;
       drain_all(s);
