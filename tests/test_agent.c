@@ -991,14 +991,15 @@ static void test_agent_group_never_returns(void **state) {
 }
 
 /* Elastic hosts: the trainer of test_agent_restart (rank 0 slower, for
- * time to act mid-run), STEPS steps with FULL checkpoints every 4 into ck,
- * and the agents' flags for --nnodes 1:2 with one restart. */
+ * time to act mid-run), STEPS steps with checkpoints of `kind` every 4
+ * into ck, and the agents' flags for --nnodes 1:2 with one restart. */
 #define ELASTIC_STEPS "120"
-#define ELASTIC_TRAINER(ck)                                                 \
+#define ELASTIC_TRAINER(ck, kind)                                           \
   {                                                                         \
     WORKER, "--insecure", "--steps", ELASTIC_STEPS, "--global-batch", "24", \
         "--lr", "0.05", "--log-every", "1", "--checkpoint-dir", ck,         \
-        "--checkpoint-every", "4", "--inject", "slow:rank=0,factor=8", NULL \
+        "--checkpoint", kind, "--checkpoint-every", "4", "--inject",        \
+        "slow:rank=0,factor=8", NULL                                        \
   }
 #define ELASTIC_FLAGS(ck)                                              \
   {                                                                    \
@@ -1021,17 +1022,18 @@ static void expect_incarnation(
 
 /* Elastic hosts (--nnodes 1:2): the job starts on the one host there;
  * a second one joining ends that incarnation without using up a restart,
- * and the next runs on both (4 ranks), resuming from the checkpoint the
- * stop's SIGTERM wrote; the second host lost (agent and workers killed)
- * ends that one, and the last runs on the first host again (2 ranks),
- * resharded from the last checkpoint, to the end. */
+ * and the next runs on both (4 ranks), resuming from the SHARDED
+ * checkpoint of 2 ranks the stop's SIGTERM wrote (no step lost); the
+ * second host lost (agent and workers killed) ends that one, and the last
+ * runs on the first host again (2 ranks), resharded from the last
+ * checkpoint of 4, to the end. */
 static void test_agent_elastic_hosts(void **state) {
   fx *f = *state;
   char *ck = sp_test_path(f->dir, "ck");
   const char *flags[] = {"--join-wait-ms", "300", NULL};
   start_coord_flags(&f->coord, &f->auth, 4, "127.0.0.1:0", flags, f->addr,
                     sizeof f->addr);
-  const char *trainer[] = ELASTIC_TRAINER(ck);
+  const char *trainer[] = ELASTIC_TRAINER(ck, "sharded");
   const char *extra[] = ELASTIC_FLAGS(ck);
   pid_t a =
       spawn_agent(f->dir, "host0", f->addr, &f->auth, NULL, extra, trainer);
@@ -1065,10 +1067,24 @@ static void test_agent_elastic_hosts(void **state) {
   /* the join used up no restart; the loss its one */
   assert_int_equal(li->restarts, 1);
   protobuf_c_message_free_unpacked(&li->base, NULL);
-  /* each incarnation after the first resumed from a checkpoint */
+  /* each incarnation after the first resumed from a SHARDED checkpoint */
   const char *r1 = strstr(out, "[rank0]: resuming after step ");
   assert_non_null(r1);
   assert_non_null(strstr(r1 + 1, "[rank0]: resuming after step "));
+  assert_non_null(strstr(err, "incarnation 1 loads "));
+  assert_non_null(strstr(strstr(err, "incarnation 1 loads "), "(SHARDED, "));
+  assert_non_null(strstr(strstr(err, "incarnation 2 loads "), "(SHARDED, "));
+  /* the join lost no step: incarnation 0 checkpointed the last step it
+   * ran, and incarnation 1 went on after it */
+  unsigned long joined =
+      strtoul(r1 + strlen("[rank0]: resuming after step "), NULL, 10);
+  char ran[64], next[64];
+  snprintf(ran, sizeof ran, "checkpoint (SHARDED) of step %lu:", joined);
+  snprintf(next, sizeof next, "[rank0]: step %lu/", joined + 1);
+  const char *saved = strstr(out, ran), *after = strstr(out, next);
+  printf("the join: incarnation 0 saved step %lu and stopped\n", joined);
+  assert_true(saved != NULL && saved < r1);
+  assert_true(after != NULL && after > r1);
   assert_non_null(
       strstr(out, "[rank0]: step " ELASTIC_STEPS "/" ELASTIC_STEPS));
   free(out);
@@ -1090,7 +1106,7 @@ static void test_agent_elastic_after_coordinator_restart(void **state) {
       "2000",        NULL};
   start_coord_flags(&f->coord, &f->auth, 4, "127.0.0.1:0", flags, f->addr,
                     sizeof f->addr);
-  const char *trainer[] = ELASTIC_TRAINER(ck);
+  const char *trainer[] = ELASTIC_TRAINER(ck, "full");
   const char *extra[] = ELASTIC_FLAGS(ck);
   pid_t h[2];
   for (int i = 0; i < 2; i++) {
