@@ -163,6 +163,14 @@ static uint64_t live_step(const sp_coord *c) {
   return best;
 }
 
+bool sp_coord_quorum_settling(const sp_coord *c, uint32_t rank) {
+  const struct sp_coord_quorum *q = c->quorum;
+  if (q == NULL || rank >= c->plan->world_size) return false;
+  const q_group *x = &q->g[rank / q->size];
+  return !x->in || (x->rejoined_ms != 0 &&
+                    sp_coord_ranks_step(c, rank) <= x->rejoined_step);
+}
+
 bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why,
                           int cause) {
   struct sp_coord_quorum *q = c->quorum;

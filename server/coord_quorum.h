@@ -38,12 +38,16 @@ void sp_coord_quorum_reset(sp_coord *c);
 bool sp_coord_quorum_on(const sp_coord *c);
 /* How telling a cause is: a rank's stream broke, its node's agent went
  * (the whole host or its Slurm step: no agent reports its workers), an
- * agent's word on an exit status, or on a signal. */
+ * agent's word on an exit status, or on a signal; or the hang diagnosis's
+ * stall verdict, which says where the rank stopped (its process is
+ * killed after it, by its agent: the signal is the agent's, not the
+ * fault). */
 enum {
   SP_COORD_CAUSE_SEEN = 0,
   SP_COORD_CAUSE_NODE = 1,
   SP_COORD_CAUSE_STATUS = 2,
-  SP_COORD_CAUSE_SIGNAL = 3
+  SP_COORD_CAUSE_SIGNAL = 3,
+  SP_COORD_CAUSE_STALL = 4
 };
 /* A fault of `rank` (why: what happened, for the log and the events):
  * true when the quorum takes it (its group is dropped now, or was
@@ -54,6 +58,12 @@ enum {
  * status, while the rank that was killed has a signal. */
 bool sp_coord_quorum_drop(sp_coord *c, uint32_t rank, const char *why,
                           int cause);
+/* Whether rank's group is out of the quorum, or back in it and not yet
+ * past the step it rejoined at: its ranks wait for the others (to be let
+ * in, and for the live state) for as long as the others' step takes, so
+ * a stall is not judged by their silence, and one they cause is not
+ * theirs to be dropped for (coord_stall.c, coord_verdict.c). */
+bool sp_coord_quorum_settling(const sp_coord *c, uint32_t rank);
 /* A key a worker wrote (coord_store.c): readiness and pleas are acted
  * on; any other key is ignored. */
 void sp_coord_quorum_key(sp_coord *c, const char *key, size_t klen);

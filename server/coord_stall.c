@@ -11,6 +11,7 @@
 #include "coord_base.h"
 #include "coord_desync.h"
 #include "coord_diag.h"
+#include "coord_quorum.h"
 #include "coord_ranks.h"
 #include "coord_verdict.h"
 
@@ -269,7 +270,9 @@ int sp_coord_stall_tick(sp_coord *c, void *user, const sp_coord_event *e) {
   /* the stall's evidence: the silence of the first rank that fell silent */
   uint64_t silent_since = now;
   for (uint32_t r = 0; r < t->world; r++) {
-    if (!sp_coord_ranks_attached(c, r) || !d[r].active) continue;
+    if (!sp_coord_ranks_attached(c, r) || !d[r].active ||
+        sp_coord_quorum_settling(c, r))
+      continue;
     if (now - d[r].last_event_ms > thr) {
       any = true;
       if (d[r].last_event_ms < silent_since) silent_since = d[r].last_event_ms;

@@ -121,6 +121,16 @@ static void announce_fault(sp_coord *c, const char *msg) {
 
 void sp_coord_verdict_fault(sp_coord *c, const char *msg, bool culprit_known,
                             uint32_t culprit, bool stall) {
+  /* replica groups that continue: a stalled rank's group is dropped (its
+   * agent restarts it, and it rejoins) and the job trains on, with no
+   * culprit of its own; a group rejoining is waited for (the alert
+   * stays open while it is late) */
+  if (stall && culprit_known &&
+      (sp_coord_quorum_settling(c, culprit) ||
+       sp_coord_quorum_drop(c, culprit, msg, SP_COORD_CAUSE_STALL))) {
+    announce_fault(c, msg);
+    return;
+  }
   if (culprit_known) name_culprit(c, culprit, msg);
   if (stall && c->cfg.diag.abort_on_stall) {
     sp_coord_ranks_abort_all(c, msg, culprit_known, culprit);

@@ -31,8 +31,9 @@ Shardplane__V1__JobState sp_coord_verdict_state(const sp_coord *c);
 bool sp_coord_verdict_culprit(const sp_coord *c, uint32_t *rank);
 /* A stall or desync verdict (msg), naming culprit when culprit_known: it
  * is the job's culprit unless one was named before; a stall ends the job
- * under --on-stall abort (every rank gets msg as its ABORT); the dump is
- * written either way. */
+ * under --on-stall abort (every rank gets msg as its ABORT), unless the
+ * job's replica groups continue (the culprit's group is dropped then,
+ * whatever --on-stall says); the dump is written either way. */
 void sp_coord_verdict_fault(sp_coord *c, const char *msg, bool culprit_known,
                             uint32_t culprit, bool stall);
 /* Read back from a state dir (coord_agents.c): the job had COMPLETED, at

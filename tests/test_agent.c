@@ -784,24 +784,40 @@ static void test_agent_node_lost(void **state) {
 }
 
 /* Replica groups that continue: a coordinator of 2 groups of 2 ranks
- * (HYBRID_SHARD, --on-group-failure continue), and one agent per group
- * training `steps` steps with checkpoints of `kind` into ck, past step 20
- * when it returns. */
-static void start_continuing(fx *f, const char *steps, const char *ck,
-                             const char *kind, pid_t a[2]) {
-  const char *flags[] = {
-      "--strategy", "HYBRID_SHARD",       "--shard-group-size",
-      "2",          "--on-group-failure", "continue",
-      NULL};
+ * (HYBRID_SHARD, --on-group-failure continue, and the flags of more,
+ * NULL-terminated, or none), and one agent per group training `steps`
+ * steps with checkpoints of `kind` into ck (and the trainer's flags of
+ * inject: "--inject", FAULT, or none), past step 20 when it returns. */
+static void start_continuing_with(fx *f, const char *steps, const char *ck,
+                                  const char *kind, const char *const *more,
+                                  const char *inject, pid_t a[2]) {
+  const char *flags[16] = {"--strategy",         "HYBRID_SHARD",
+                           "--shard-group-size", "2",
+                           "--on-group-failure", "continue"};
+  for (size_t i = 0; more && more[i] && i < 8; i++) flags[6 + i] = more[i];
   start_coord_flags(&f->coord, &f->auth, 4, "127.0.0.1:0", flags, f->addr,
                     sizeof f->addr);
-  const char *trainer[] = {
-      WORKER, "--insecure",       "--steps", steps,          "--log-every",
-      "1",    "--checkpoint-dir", ck,        "--checkpoint", kind,
-      NULL};
+  const char *trainer[] = {WORKER,
+                           "--insecure",
+                           "--steps",
+                           steps,
+                           "--log-every",
+                           "1",
+                           "--checkpoint-dir",
+                           ck,
+                           "--checkpoint",
+                           kind,
+                           inject ? "--inject" : NULL,
+                           inject,
+                           NULL};
   for (int i = 0; i < 2; i++)
     a[i] = start_agent(f->dir, f->addr, &f->auth, i, NULL, trainer);
   wait_for(f->dir, "agent0.out", "step 20/", 60);
+}
+
+static void start_continuing(fx *f, const char *steps, const char *ck,
+                             const char *kind, pid_t a[2]) {
+  start_continuing_with(f, steps, ck, kind, NULL, NULL, a);
 }
 
 /* The tensor bytes of a safetensors file (all after its header), into
@@ -825,6 +841,26 @@ static uint8_t *tensor_bytes(const char *dir, const char *name, size_t *len) {
   fclose(fp);
   free(path);
   return b;
+}
+
+/* The LOCAL checkpoints in ck of ranks 0 and 1 (replica group 0) equal
+ * those of ranks 2 and 3 (group 1) byte for byte: tensors, optimizer
+ * state, buffers and step. */
+static void expect_replicas_equal(const char *ck) {
+  char *local = sp_test_path(ck, "local");
+  for (int r = 0; r < 2; r++) {
+    char n0[64], n1[64];
+    snprintf(n0, sizeof n0, "local-%d-of-4.safetensors", r);
+    snprintf(n1, sizeof n1, "local-%d-of-4.safetensors", r + 2);
+    size_t l0, l1;
+    uint8_t *b0 = tensor_bytes(local, n0, &l0),
+            *b1 = tensor_bytes(local, n1, &l1);
+    assert_int_equal(l0, l1);
+    assert_memory_equal(b0, b1, l0);
+    free(b0);
+    free(b1);
+  }
+  free(local);
 }
 
 /* The line time ("12:03:04.567 ") of an output line, in seconds of the
@@ -901,20 +937,55 @@ static void test_agent_group_continues(void **state) {
   assert_non_null(strstr(g->why, "rank 3 was killed by signal 9"));
   assert_non_null(strstr(g->summary, "back "));
   protobuf_c_message_free_unpacked(&li->base, NULL);
-  char *local = sp_test_path(ck, "local");
-  for (int r = 0; r < 2; r++) {
-    char n0[64], n1[64];
-    snprintf(n0, sizeof n0, "local-%d-of-4.safetensors", r);
-    snprintf(n1, sizeof n1, "local-%d-of-4.safetensors", r + 2);
-    size_t l0, l1;
-    uint8_t *b0 = tensor_bytes(local, n0, &l0),
-            *b1 = tensor_bytes(local, n1, &l1);
-    assert_int_equal(l0, l1);
-    assert_memory_equal(b0, b1, l0);
-    free(b0);
-    free(b1);
-  }
-  free(local);
+  expect_replicas_equal(ck);
+  free(ck);
+  free(out0);
+  free(out1);
+  free(err1);
+  stop_coord(f);
+}
+
+/* Replica groups that continue through a stall: rank 3 blocks before a
+ * collective at step 30 while it keeps heartbeating (alive, no
+ * progress). The stall verdict (2 s) names it, and its group is dropped
+ * rather than the job aborted: the other group trains on, the stalled
+ * group's agent restarts its workers, which rejoin with the live state
+ * and end equal to their replicas. */
+static void test_agent_group_stalls(void **state) {
+  fx *f = *state;
+  char *ck = sp_test_path(f->dir, "ck");
+  const char *more[] = {"--stall-timeout-ms", "2000", NULL};
+  pid_t a[2];
+  /* steps enough for the others to be training still when the stalled
+   * group is back (its agent waits 3 s on the stalled worker's SIGTERM) */
+  start_continuing_with(f, "1000", ck, "local", more, "stall:rank=3,step=30",
+                        a);
+  int st[2], max_conns;
+  wait_agents(a, st, f->coord.port, 120, &max_conns);
+  char *out0 = slurp(f->dir, "agent0.out"), *out1 = slurp(f->dir, "agent1.out");
+  char *err1 = slurp(f->dir, "agent1.err");
+  printf("agent 1:\n%s\n", err1);
+  assert_int_equal(st[0], 0);
+  assert_int_equal(st[1], 0);
+  assert_non_null(strstr(err1, "--inject stall: blocking"));
+  assert_non_null(strstr(err1, "its replica group was dropped"));
+  assert_non_null(strstr(out1, "received the live state of step"));
+  assert_non_null(strstr(out0, "step 1000/1000"));
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
+  assert_int_equal(li->current, 0);
+  const Shardplane__V1__ReplicaQuorum *q = li->quorum;
+  assert_non_null(q);
+  assert_int_equal(q->in_quorum, 2);
+  assert_int_equal(q->n_dropped, 1);
+  const Shardplane__V1__ReplicaGroup *g = q->dropped[0];
+  printf("%s\n", g->summary);
+  assert_int_equal(g->group, 1);
+  assert_true(g->in_quorum);
+  /* the stall verdict's words, not the agent's kill after it */
+  assert_non_null(strstr(g->why, "rank 3 has not issued"));
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+  expect_replicas_equal(ck);
   free(ck);
   free(out0);
   free(out1);
@@ -1912,6 +1983,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_agent_worker_killed, fx_setup,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_group_continues, fx_setup_bare,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_group_stalls, fx_setup_bare,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_group_never_returns,
                                       fx_setup_bare, fx_teardown),

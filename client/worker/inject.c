@@ -205,6 +205,7 @@ int sp_inject_before_collective(void *user, sp_fsdp_phase phase,
                                 sp_comm_kind comm, sp_coll_op op, uint32_t unit,
                                 uint64_t *count) {
   sp_inject *in = user;
+  if (restarted()) return 0; /* a drill's fault happens once */
   for (size_t i = 0; i < in->n; i++) {
     sp_inject_fault *f = &in->faults[i];
     if (f->fired || f->rank != in->rank || f->step != in->step) continue;

@@ -394,10 +394,42 @@ def case_continues(cluster, args):
         fail("shardplane incarnations does not say node 1 was lost")
 
 
+def case_elastic(cluster, args):
+    """Elastic nodes (SP_MIN_NODES=1, agents with --nnodes 1:2) and one
+    restart: scancel of node 1's step restarts the job on node 0 alone (1
+    rank), from the last checkpoint resharded, which trains to the end;
+    the job is COMPLETED and the batch job ends 0."""
+    d, env = job_env(cluster, args, "elastic", SP_STEPS=3000,
+                     SP_CHECKPOINT_EVERY=100, SP_MAX_RESTARTS=1,
+                     SP_MIN_NODES=1)
+    p = sbatch(cluster, args, d, env)
+    wait_output(d, r"\[rank0\]: step 300/", 120, p)
+    kill_node_step(cluster, job_id(d), 1)
+    out = sbatch_done(p, d)
+    print("---- coordinator.log\n" + tail(os.path.join(d, "job",
+                                                       "coordinator.log"),
+                                          60), flush=True)
+    if p.returncode != 0:
+        fail("sbatch --wait ended %d, not 0" % p.returncode)
+    for want in (r"node 0 of 2, ranks 0-0 of 2",
+                 r"incarnation 1 loads .*\(FULL, after step \d+\)",
+                 r"\[rank0\]: step 3000/3000 ",
+                 # the coordinator numbers the nodes as their agents come
+                 r"^shardplane: 0 .* 2 +node \d \(ranks (\d)-\1 on .*\) was "
+                 r"lost",
+                 r"^shardplane: 1 .* 1 +completed: all 1 ranks finished at "
+                 r"step 3000",
+                 r"the job COMPLETED without the nodes that failed",
+                 r"the job ends with status 0"):
+        if not re.search(want, out, re.M):
+            fail("no %r in the job's output" % want)
+
+
 def run_cases(cluster, args):
     cases = [("trains", case_trains),
              ("lost-node", case_lost_node),
-             ("continues", case_continues)]
+             ("continues", case_continues),
+             ("elastic", case_elastic)]
     for name, fn in cases:
         if args.only and name != args.only:
             continue
