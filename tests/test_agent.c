@@ -872,6 +872,30 @@ static double line_time(const char *line) {
   return h * 3600.0 + m * 60.0 + sec;
 }
 
+/* The operator's record once the job ended: one incarnation (nothing
+ * restarted the job), replica group 1 dropped once for `why` and back in
+ * the quorum with the live state, its return and cost told. */
+static void expect_group1_back(fx *f, const char *why) {
+  Shardplane__V1__ListIncarnationsResponse *li =
+      incarnations(f->addr, &f->auth);
+  assert_int_equal(li->current, 0);
+  const Shardplane__V1__ReplicaQuorum *q = li->quorum;
+  assert_non_null(q);
+  assert_int_equal(q->groups, 2);
+  assert_int_equal(q->in_quorum, 2);
+  assert_int_equal(q->n_dropped, 1);
+  const Shardplane__V1__ReplicaGroup *g = q->dropped[0];
+  printf("%s\n", g->summary);
+  assert_int_equal(g->group, 1);
+  assert_int_equal(g->drops, 1);
+  assert_true(g->in_quorum && g->rejoined_unix_ms >= g->dropped_unix_ms);
+  assert_true(g->dropped_at_step >= 10 &&
+              g->rejoined_at_step >= g->dropped_at_step);
+  assert_non_null(strstr(g->why, why));
+  assert_non_null(strstr(g->summary, "back "));
+  protobuf_c_message_free_unpacked(&li->base, NULL);
+}
+
 /* Replica groups that continue (--on-group-failure continue): 2 groups of
  * 2 ranks (HYBRID_SHARD, one group per host), rank 3 SIGKILLed mid-
  * training. Group 1 is dropped and restarted by its agent while group 0
@@ -917,26 +941,7 @@ static void test_agent_group_continues(void **state) {
   assert_non_null(strstr(out1, "received the live state of step"));
   assert_non_null(strstr(out0, "step 300/300"));
   assert_true(next >= 0 && next < 10);
-  /* one incarnation: nothing restarted the job */
-  Shardplane__V1__ListIncarnationsResponse *li =
-      incarnations(f->addr, &f->auth);
-  assert_int_equal(li->current, 0);
-  /* the operator's view: the drop, its cause, the return and its cost */
-  const Shardplane__V1__ReplicaQuorum *q = li->quorum;
-  assert_non_null(q);
-  assert_int_equal(q->groups, 2);
-  assert_int_equal(q->in_quorum, 2);
-  assert_int_equal(q->n_dropped, 1);
-  const Shardplane__V1__ReplicaGroup *g = q->dropped[0];
-  printf("%s\n", g->summary);
-  assert_int_equal(g->group, 1);
-  assert_int_equal(g->drops, 1);
-  assert_true(g->in_quorum && g->rejoined_unix_ms >= g->dropped_unix_ms);
-  assert_true(g->dropped_at_step >= 10 &&
-              g->rejoined_at_step >= g->dropped_at_step);
-  assert_non_null(strstr(g->why, "rank 3 was killed by signal 9"));
-  assert_non_null(strstr(g->summary, "back "));
-  protobuf_c_message_free_unpacked(&li->base, NULL);
+  expect_group1_back(f, "rank 3 was killed by signal 9");
   expect_replicas_equal(ck);
   free(ck);
   free(out0);
@@ -971,20 +976,8 @@ static void test_agent_group_stalls(void **state) {
   assert_non_null(strstr(err1, "its replica group was dropped"));
   assert_non_null(strstr(out1, "received the live state of step"));
   assert_non_null(strstr(out0, "step 1000/1000"));
-  Shardplane__V1__ListIncarnationsResponse *li =
-      incarnations(f->addr, &f->auth);
-  assert_int_equal(li->current, 0);
-  const Shardplane__V1__ReplicaQuorum *q = li->quorum;
-  assert_non_null(q);
-  assert_int_equal(q->in_quorum, 2);
-  assert_int_equal(q->n_dropped, 1);
-  const Shardplane__V1__ReplicaGroup *g = q->dropped[0];
-  printf("%s\n", g->summary);
-  assert_int_equal(g->group, 1);
-  assert_true(g->in_quorum);
   /* the stall verdict's words, not the agent's kill after it */
-  assert_non_null(strstr(g->why, "rank 3 has not issued"));
-  protobuf_c_message_free_unpacked(&li->base, NULL);
+  expect_group1_back(f, "rank 3 has not issued");
   expect_replicas_equal(ck);
   free(ck);
   free(out0);
