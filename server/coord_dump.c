@@ -370,6 +370,17 @@ int sp_coord_dump_write(sp_coord *c, void *user, const sp_coord_event *e) {
 void sp_coord_dump_shutdown(sp_coord *c) {
   while (c->traces) {
     trace_req *q = c->traces;
+    /* a dump still gathering is written with what came: a job that
+     * failed is often stopped (shardplane run stops its coordinator)
+     * before its ranks, aborted, could all answer */
+    if (q->to_file && !q->single) {
+      for (size_t i = 0; i < q->n_ranks; i++)
+        if (q->recs[i] == NULL && q->errs[i] == NULL)
+          q->errs[i] = sp_strdup(
+              "the coordinator shut down before it answered FLIGHT_DUMP");
+      req_done(q);
+      continue;
+    }
     if (q->call)
       sp_rpc_call_finish(q->call, SP_RPC_UNAVAILABLE,
                          "coordinator shutting down");
