@@ -455,6 +455,14 @@ static void next_incarnation(sp_coord *c) {
   maybe_rendezvous(c);
 }
 
+/* The registered agents, or those of them with a place in the world. */
+static uint32_t hosts(const struct sp_coord_agents *a, bool placed) {
+  uint32_t n = 0;
+  for (const agent_conn *g = a->list; g; g = g->next)
+    n += g->registered && (g->placed || !placed);
+  return n;
+}
+
 /* Elastic nodes: the order hosts get their node ranks in. */
 static int host_order(const void *x, const void *y) {
   const agent_conn *g = *(agent_conn *const *)x, *h = *(agent_conn *const *)y;
@@ -471,8 +479,7 @@ static int host_order(const void *x, const void *y) {
 static void start_world(sp_coord *c) {
   struct sp_coord_agents *a = c->agents;
   a->join_by_ms = 0;
-  size_t n = 0;
-  for (agent_conn *g = a->list; g; g = g->next) n += g->registered;
+  size_t n = hosts(a, false);
   agent_conn **v = calloc(n ? n : 1, sizeof *v);
   if (v == NULL) {
     sp_coord_base_log(c, "elastic nodes: out of memory; still waiting");
@@ -510,8 +517,7 @@ static void start_world(sp_coord *c) {
 static void maybe_rendezvous(sp_coord *c) {
   struct sp_coord_agents *a = c->agents;
   if (a->phase != PHASE_WAITING) return;
-  uint32_t n = 0;
-  for (agent_conn *g = a->list; g; g = g->next) n += g->registered;
+  uint32_t n = hosts(a, false);
   if (n >= a->max_nodes) {
     start_world(c);
   } else if (n < a->min_nodes) {
@@ -569,9 +575,7 @@ static void stop_for_restart(sp_coord *c, const char *how) {
  * it. */
 static void host_joined(sp_coord *c, const agent_conn *g) {
   struct sp_coord_agents *a = c->agents;
-  uint32_t placed = 0;
-  for (const agent_conn *o = a->list; o; o = o->next)
-    placed += o->registered && o->placed;
+  uint32_t placed = hosts(a, true);
   if (a->phase != PHASE_RUNNING || placed >= a->max_nodes ||
       current_rec(a)->completed) {
     sp_coord_base_log(c,

@@ -79,16 +79,20 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
     return SP_EXIT_UNREACHABLE;
   }
   Shardplane__V1__AgentDown *cmd = NULL;
-  int got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
-  /* an elastic host waits for the job's other hosts, or for room */
-  if (got == 0 && s->max_nodes > 0)
-    sp_cli_error(s->who,
-                 "waiting for the job to have room for this host (--nnodes "
-                 "%u:%u)",
-                 s->min_nodes, s->max_nodes);
+  int got;
+  bool said = false;
   for (;;) {
-    while (got == 0 && s->max_nodes > 0)
-      got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
+    got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
+    /* an elastic host waits for the job's other hosts, or for room */
+    if (got == 0 && s->max_nodes > 0) {
+      if (!said)
+        sp_cli_error(s->who,
+                     "waiting for the job to have room for this host "
+                     "(--nnodes %u:%u)",
+                     s->min_nodes, s->max_nodes);
+      said = true;
+      continue;
+    }
     /* an alert of the job before this host's first command (it waited
      * for room): printed, and the wait goes on */
     if (got <= 0 || cmd->command != SHARDPLANE__V1__AGENT_COMMAND__AGENT_ALERT)
@@ -96,7 +100,6 @@ int sp_supervise_open_session(sp_supervise *s, const char *addr,
     if (cmd->alert) print_alert(cmd->alert);
     protobuf_c_message_free_unpacked(&cmd->base, NULL);
     cmd = NULL;
-    got = sp_agent_ctl_next(s->ctl, timeout_ms, 0, false, &cmd, &d);
   }
   if (got <= 0) {
     if (got == 0)
