@@ -6,7 +6,8 @@
  * issued the collective its peers wait in; a collective nobody completes),
  * victims and the culprit in every ABORT, stragglers with the step
  * percentiles, the job's state and progress, Attach refused after the job
- * ended, GetTrace and GetDump with a fake worker answering FLIGHT_DUMP. */
+ * ended, GetTrace and GetDump with a fake worker answering FLIGHT_DUMP, and
+ * a dump written when the coordinator shuts down mid-gather. */
 #include <jansson.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -913,6 +914,58 @@ static void test_trace_and_dump(void **state) {
   job_stop(&j);
 }
 
+static void set_dump_dir(sp_coord *c, void *arg) { c->cfg.diag.dump_dir = arg; }
+
+/* A dump still gathering the ranks' flight records when the coordinator
+ * shuts down is written with what came: shardplane run stops its
+ * coordinator once a job failed, often before the aborted ranks answer,
+ * and the dump of the failure was then lost. */
+static void test_dump_written_at_shutdown(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  job_start(&j, flags, 60000);
+  char *dir = sp_test_mkdtemp();
+  sp_coord_fixture_run(&j.fx, set_dump_dir, dir);
+  /* rank 3 lost: the dump asks ranks 0 to 2, which never answer */
+  sp_rpc_sync_stream_close(j.f[3].s);
+  j.f[3].s = NULL;
+  Shardplane__V1__Event *ev = next_alert(&j, 5000);
+  assert_non_null(ev);
+  sp_test_free_msg(ev);
+  sp_coord_fixture_stop(&j.fx); /* within the ranks' 3 s to answer */
+  char *list;
+  char cmd[4200];
+  snprintf(cmd, sizeof cmd, "ls %s", dir);
+  assert_int_equal(sp_test_shell(cmd, &list), 0);
+  printf("  dumps: %s", list);
+  if (strncmp(list, "dump-", 5) != 0 || strstr(list, ".json") == NULL)
+    fail_msg("no dump in %s: %s", dir, list);
+  list[strcspn(list, "\n")] = '\0';
+  char *path = sp_test_path(dir, list);
+  json_error_t je;
+  json_t *doc = json_load_file(path, 0, &je);
+  if (doc == NULL) fail_msg("%s: %s", path, je.text);
+  json_t *ranks = json_object_get(doc, "ranks");
+  assert_int_equal(json_array_size(ranks), 4);
+  for (size_t r = 0; r < 3; r++) {
+    const char *why = json_string_value(
+        json_object_get(json_array_get(ranks, r), "flight_error"));
+    assert_non_null(why);
+    assert_string_equal(why,
+                        "the coordinator shut down before it answered "
+                        "FLIGHT_DUMP");
+  }
+  json_decref(doc);
+  free(path);
+  free(list);
+  for (uint32_t r = 0; r < WORLD; r++) sp_fake_rank_close(&j.f[r]);
+  sp_rpc_sync_stream_close(j.w);
+  sp_rpc_sync_close(j.wcli);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_desync_world),
@@ -925,6 +978,7 @@ int main(void) {
       cmocka_unit_test(test_straggler_score_of_batched_steps),
       cmocka_unit_test(test_job_completes_and_refuses_attach),
       cmocka_unit_test(test_trace_and_dump),
+      cmocka_unit_test(test_dump_written_at_shutdown),
   };
   /* streams the coordinator ends may be written once more */
   signal(SIGPIPE, SIG_IGN);
