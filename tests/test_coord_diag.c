@@ -916,6 +916,48 @@ static void test_trace_and_dump(void **state) {
 
 static void set_dump_dir(sp_coord *c, void *arg) { c->cfg.diag.dump_dir = arg; }
 
+static void abort_on_stall(sp_coord *c, void *arg) {
+  (void)arg;
+  c->cfg.diag.abort_on_stall = true;
+}
+
+/* With --on-stall abort and a dump dir, every rank is asked for its
+ * flight record before it is told to abort: a worker aborts and exits,
+ * and one asked after that was often gone before the request came (the
+ * dump then lacked the records that show the stall). */
+static void test_stall_dump_asked_before_abort(void **state) {
+  (void)state;
+  const char *flags[] = {"world-size", "4", "wrap-type", "Block", NULL};
+  job j;
+  job_start(&j, flags, 1000);
+  char *dir = sp_test_mkdtemp();
+  sp_coord_fixture_run(&j.fx, set_dump_dir, dir);
+  sp_coord_fixture_run(&j.fx, abort_on_stall, NULL);
+  for (uint32_t r = 0; r < WORLD; r++)
+    transition(&j.f[r], ROOT, 0, SP_ROOT_FORWARD_BACKWARD, 4, 0);
+  for (uint32_t r = 0; r < WORLD; r++)
+    if (r != 2) collective(&j.f[r], WORLD_C, 0, 5, AG, 1, 100, false, 4);
+  Shardplane__V1__Event *ev = next_alert(&j, 10000);
+  assert_non_null(ev);
+  assert_int_equal(ev->alert->kind, SHARDPLANE__V1__ALERT_KIND__STALL);
+  sp_test_free_msg(ev);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    for (uint64_t t1 = now_ms();
+         !(j.f[r].aborted && j.f[r].dump_asked) && now_ms() - t1 < 3000;)
+      sp_fake_rank_drain(&j.f[r], 50);
+    printf("  rank %u: FLIGHT_DUMP %s, ABORT %s%s\n", r,
+           j.f[r].dump_asked ? "asked" : "not asked",
+           j.f[r].aborted ? "sent" : "not sent",
+           j.f[r].dump_after_abort ? " (the dump asked after it)" : "");
+    assert_true(j.f[r].aborted);
+    assert_true(j.f[r].dump_asked);
+    assert_false(j.f[r].dump_after_abort);
+  }
+  job_stop(&j);
+  sp_test_rmtree(dir);
+  free(dir);
+}
+
 /* A dump still gathering the ranks' flight records when the coordinator
  * shuts down is written with what came: shardplane run stops its
  * coordinator once a job failed, often before the aborted ranks answer,
@@ -979,6 +1021,7 @@ int main(void) {
       cmocka_unit_test(test_job_completes_and_refuses_attach),
       cmocka_unit_test(test_trace_and_dump),
       cmocka_unit_test(test_dump_written_at_shutdown),
+      cmocka_unit_test(test_stall_dump_asked_before_abort),
   };
   /* streams the coordinator ends may be written once more */
   signal(SIGPIPE, SIG_IGN);

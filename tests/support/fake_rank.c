@@ -58,6 +58,7 @@ static void take(sp_fake_rank *f, const Shardplane__V1__SessionDown *d) {
     snprintf(f->reason, sizeof f->reason, "%s", d->reason);
   } else if (d->command == SHARDPLANE__V1__COMMAND__FLIGHT_DUMP) {
     f->dump_asked = true;
+    f->dump_after_abort |= f->aborted;
     f->dump_id = d->request_id;
     f->dump_last_n = d->last_n;
   }

@@ -28,8 +28,10 @@ typedef struct sp_fake_rank {
   uint64_t seq; /* of the last SessionUp sent */
   /* What came down the stream while sp_fake_rank_send_up waited for an
    * ack or sp_fake_rank_drain read: the first ABORT, and the last
-   * FLIGHT_DUMP (dump_asked stays set until the caller clears it). */
-  bool aborted, has_culprit;
+   * FLIGHT_DUMP (dump_asked stays set until the caller clears it), and
+   * whether a FLIGHT_DUMP came after the ABORT (a worker may be gone by
+   * then). */
+  bool aborted, has_culprit, dump_after_abort;
   uint32_t culprit;
   char reason[SP_DIAG_MAX];
   bool dump_asked;
