@@ -15,7 +15,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -651,6 +653,77 @@ static void test_agent_env_and_exit_codes(void **state) {
   assert_int_equal(st, 1);
   assert_non_null(strstr(out, "[rank0]: grace 60.000\n"));
   free(out);
+  stop_coord(f);
+}
+
+/* A unix socket bound at path, listening or (closed) what a killed agent
+ * leaves behind: its fd, or -1 once closed. */
+static int socket_at(const char *path, bool listening) {
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  assert_true(strlen(path) < sizeof a.sun_path);
+  strcpy(a.sun_path, path);
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  if (listening) {
+    assert_int_equal(listen(fd, 4), 0);
+    return fd;
+  }
+  close(fd);
+  return -1;
+}
+
+/* The entries of dir named shardplane-agent-*. */
+static int agent_dirs(const char *dir) {
+  char cmd[256], *out;
+  snprintf(cmd, sizeof cmd, "ls -A %s | grep -c '^shardplane-agent-'", dir);
+  sp_test_shell(cmd, &out);
+  int n = atoi(out);
+  free(out);
+  return n;
+}
+
+/* An agent killed by SIGKILL leaves its private directory and socket in
+ * $TMPDIR; the next agent of the user removes those whose socket nobody
+ * listens on, and leaves a live agent's and one not yet bound (an agent
+ * starting). It removes its own on the way out. */
+static void test_agent_sweeps_stale_dirs(void **state) {
+  fx *f = *state;
+  const char *names[] = {"shardplane-agent-stale1", "shardplane-agent-live01",
+                         "shardplane-agent-fresh1"};
+  char *d[3];
+  for (int i = 0; i < 3; i++) {
+    d[i] = sp_test_path(f->dir, names[i]);
+    assert_int_equal(mkdir(d[i], 0700), 0);
+  }
+  char *stale_sock = sp_test_path(d[0], "coordinator.sock");
+  char *live_sock = sp_test_path(d[1], "coordinator.sock");
+  socket_at(stale_sock, false);
+  int live = socket_at(live_sock, true);
+  const char *say[] = {"/bin/sh", "-c",
+                       "echo \"at $SHARDPLANE_COORDINATOR\"; exit 3", NULL};
+  setenv("TMPDIR", f->dir, 1);
+  setenv("NODE_RANK", "1", 1);
+  pid_t pid = start_agent(f->dir, f->addr, &f->auth, -1, NULL, say);
+  unsetenv("NODE_RANK");
+  unsetenv("TMPDIR");
+  int st = sp_test_wait_exit(pid, 60);
+  char *out = slurp(f->dir, "agent9.out");
+  printf("%s", out);
+  assert_int_equal(st, 1);
+  char want[128];
+  snprintf(want, sizeof want, "at unix:%s/shardplane-agent-", f->dir);
+  assert_non_null(strstr(out, want));
+  struct stat sb;
+  assert_int_not_equal(stat(d[0], &sb), 0);
+  assert_int_equal(stat(live_sock, &sb), 0);
+  assert_int_equal(stat(d[2], &sb), 0);
+  assert_int_equal(agent_dirs(f->dir), 2);
+  close(live);
+  free(out);
+  free(stale_sock);
+  free(live_sock);
+  for (int i = 0; i < 3; i++) free(d[i]);
   stop_coord(f);
 }
 
@@ -1959,6 +2032,8 @@ static void test_agent_bad_usage(void **state) {
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_agent_env_and_exit_codes, fx_setup,
+                                      fx_teardown),
+      cmocka_unit_test_setup_teardown(test_agent_sweeps_stale_dirs, fx_setup,
                                       fx_teardown),
       cmocka_unit_test_setup_teardown(test_agent_bad_usage, fx_setup,
                                       fx_teardown),

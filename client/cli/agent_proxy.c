@@ -1,6 +1,7 @@
 /* The agent's proxy (agent_proxy.h). */
 #include "agent_proxy.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -8,6 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "base/strmap.h"
@@ -226,20 +230,66 @@ static int build_methods(sp_agent_proxy *p) {
   return 0;
 }
 
-/* The private directory and the socket's path in it. */
+#define DIR_STEM "shardplane-agent-"
+#define SOCKET_NAME "coordinator.sock"
+
+/* Whether path is a unix socket that refuses a connection: nobody
+ * listens on it any more. A full backlog answers EAGAIN (the socket does
+ * not block), which is a live one. */
+static bool refused(const char *path) {
+  struct stat st;
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  if (lstat(path, &st) != 0 || !S_ISSOCK(st.st_mode) ||
+      strlen(path) >= sizeof a.sun_path)
+    return false;
+  memcpy(a.sun_path, path, strlen(path) + 1);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  bool r = connect(fd, (struct sockaddr *)&a, sizeof a) != 0 &&
+           errno == ECONNREFUSED;
+  close(fd);
+  return r;
+}
+
+/* The directories in tmp of this user's agents that ended without
+ * removing theirs (SIGKILL, a crash): each holds a socket nobody listens
+ * on. One whose socket takes connections, or has none yet (an agent
+ * starting), is left; rmdir removes only an empty one. */
+static void sweep_stale(const char *tmp) {
+  DIR *dir = opendir(tmp);
+  if (dir == NULL) return;
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL) {
+    if (strncmp(e->d_name, DIR_STEM, strlen(DIR_STEM)) != 0) continue;
+    char path[128], sock[160];
+    int n = snprintf(path, sizeof path, "%s/%s", tmp, e->d_name);
+    if (n <= 0 || (size_t)n >= sizeof path) continue;
+    struct stat st;
+    if (lstat(path, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid())
+      continue;
+    snprintf(sock, sizeof sock, "%s/" SOCKET_NAME, path);
+    if (!refused(sock)) continue;
+    unlink(sock);
+    rmdir(path);
+  }
+  closedir(dir);
+}
+
+/* The private directory and the socket's path in it; stale ones of
+ * agents killed before they could remove theirs go first. */
 static int make_dir(sp_agent_proxy *p, sp_diag *d) {
   const char *tmp = getenv("TMPDIR");
   /* a long $TMPDIR would not leave room for the socket's name */
   if (tmp == NULL || tmp[0] == '\0' || strlen(tmp) > 50) tmp = "/tmp";
-  snprintf(p->dir, sizeof p->dir, "%s/shardplane-agent-XXXXXX", tmp);
+  sweep_stale(tmp);
+  snprintf(p->dir, sizeof p->dir, "%s/" DIR_STEM "XXXXXX", tmp);
   if (mkdtemp(p->dir) == NULL) { /* mode 0700 */
     int e = errno;
     p->dir[0] = '\0';
     return sp_diag_set(d, SP_EIO, "cannot create a directory in %s: %s", tmp,
                        strerror(e));
   }
-  snprintf(p->socket_path, sizeof p->socket_path, "%s/coordinator.sock",
-           p->dir);
+  snprintf(p->socket_path, sizeof p->socket_path, "%s/" SOCKET_NAME, p->dir);
   snprintf(p->address, sizeof p->address, SP_RPC_UNIX_PREFIX "%s",
            p->socket_path);
   return 0;
