@@ -287,6 +287,20 @@ static void test_windows_and_silent_ranks(void **state) {
   assert_int_equal(a.n_findings, 0);
   assert_false(a.ranks[2].answered);
   assert_non_null(strstr(a.ranks[2].text, "no answer within 2000 ms"));
+  /* a rank without a record may be the one that parted: no "none is
+   * stuck" then */
+  char *t = printed(&a);
+  printf("%s", t);
+  assert_non_null(strstr(t,
+                         "no divergence in the records that came, but 1 of 3 "
+                         "ranks sent none (below): what that rank issued is "
+                         "not in the dump"));
+  assert_null(strstr(t, "none is stuck"));
+  free(t);
+  json_t *js = sp_analysis_json(&a);
+  assert_int_equal(
+      json_integer_value(json_object_get(js, "ranks_without_record")), 1);
+  json_decref(js);
   sp_analysis_free(&a);
   json_decref(d);
 }

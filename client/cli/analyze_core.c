@@ -799,11 +799,29 @@ static void put_finding_comm(FILE *f, const sp_finding *x) {
   put_comm(f, &k);
 }
 
+/* The ranks whose flight record is not in the dump. */
+static size_t silent_ranks(const sp_analysis *a) {
+  size_t n = 0;
+  for (size_t i = 0; i < a->n_ranks; i++) n += !a->ranks[i].answered;
+  return n;
+}
+
 void sp_analysis_print(const sp_analysis *a, FILE *f) {
   fprintf(f, "%s\n", a->header ? a->header : "");
   if (a->alerts != NULL && a->alerts[0] != '\0')
     fprintf(f, "alerts:\n%s", a->alerts);
-  if (a->n_findings == 0) {
+  size_t silent = silent_ranks(a);
+  if (a->n_findings == 0 && silent > 0) {
+    /* "none is stuck" would be a guess: the ranks without a record may
+     * be the ones that parted (an aborted job's often are) */
+    fprintf(f,
+            "no divergence in the records that came, but %zu of %zu "
+            "rank%s sent none (below): what %s issued is not in the dump "
+            "(%" PRIu64 " collective events on %zu communicator%s)\n",
+            silent, a->n_ranks, a->n_ranks == 1 ? "" : "s",
+            silent == 1 ? "that rank" : "they", a->n_collectives, a->n_comms,
+            a->n_comms == 1 ? "" : "s");
+  } else if (a->n_findings == 0) {
     fprintf(f,
             "no divergence: on %zu communicator%s, every member issued the "
             "same collectives, and none is stuck (%" PRIu64
@@ -842,9 +860,9 @@ json_t *sp_analysis_json(const sp_analysis *a) {
         ranks,
         json_pack("{s:i,s:b,s:s}", "rank", (int)a->ranks[i].rank, "answered",
                   a->ranks[i].answered, "last", a->ranks[i].text));
-  return json_pack("{s:s,s:s,s:b,s:I,s:o,s:o}", "header",
-                   a->header ? a->header : "", "alerts",
-                   a->alerts ? a->alerts : "", "diverged", a->n_findings > 0,
-                   "collective_events", (json_int_t)a->n_collectives,
-                   "findings", findings, "ranks", ranks);
+  return json_pack(
+      "{s:s,s:s,s:b,s:I,s:I,s:o,s:o}", "header", a->header ? a->header : "",
+      "alerts", a->alerts ? a->alerts : "", "diverged", a->n_findings > 0,
+      "collective_events", (json_int_t)a->n_collectives, "ranks_without_record",
+      (json_int_t)silent_ranks(a), "findings", findings, "ranks", ranks);
 }
