@@ -132,13 +132,13 @@ void sp_coord_verdict_fault(sp_coord *c, const char *msg, bool culprit_known,
     return;
   }
   if (culprit_known) name_culprit(c, culprit, msg);
-  bool abort = stall && c->cfg.diag.abort_on_stall;
-  if (abort) job_failed(c, msg);
+  bool aborting = stall && c->cfg.diag.abort_on_stall;
+  if (aborting) job_failed(c, msg);
   /* the dump's FLIGHT_DUMP goes down each stream before the ABORT: a rank
    * answers it as it comes, while one told to abort first may be gone
    * before the request reaches it, and the dump would lack its record */
   announce_fault(c, msg);
-  if (abort) sp_coord_ranks_abort_all(c, msg, culprit_known, culprit);
+  if (aborting) sp_coord_ranks_abort_all(c, msg, culprit_known, culprit);
 }
 
 /* ---- the ranks' events ---- */
