@@ -3,7 +3,6 @@
  * bad usage, a worker killed mid-run (and, with --max-restarts, the job
  * restarted from its last checkpoint), Ctrl-C.
  */
-#include <dirent.h>
 #include <fcntl.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -911,21 +910,6 @@ static void test_run_restarts_used_up(void **state) {
   free(dir);
 }
 
-/* The first file in dir whose name ends in suffix (malloc'd), or NULL. */
-static char *first_file(const char *dir, const char *suffix) {
-  DIR *d = opendir(dir);
-  if (!d) return NULL;
-  struct dirent *e;
-  char *found = NULL;
-  while (!found && (e = readdir(d)) != NULL) {
-    size_t n = strlen(e->d_name), m = strlen(suffix);
-    if (n > m && strcmp(e->d_name + n - m, suffix) == 0)
-      found = sp_test_path(dir, e->d_name);
-  }
-  closedir(d);
-  return found;
-}
-
 /* A rank that stalls: run passes --inject to the workers and the stall
  * settings to the coordinator, which aborts the job and writes its dump to
  * the run's dumps folder; run's exit message names rank 2 (not rank 0,
@@ -974,7 +958,7 @@ static void test_run_stall_named(void **state) {
     fail_msg("run's message does not name rank 2: \"%s\"", first);
   free(first);
   char *dumps = sp_test_path(ck, "dumps");
-  char *dump = first_file(dumps, ".json");
+  char *dump = sp_test_first_file(dumps, ".json");
   if (!dump) fail_msg("no dump in %s", dumps);
   char *argv[] = {SHARDPLANE, "analyze", dump, NULL};
   pid_t a = start_cmd(dir, argv);

@@ -81,6 +81,20 @@ char *sp_test_path(const char *dir, const char *name) {
   return p;
 }
 
+char *sp_test_first_file(const char *dir, const char *suffix) {
+  DIR *d = opendir(dir);
+  if (!d) return NULL;
+  struct dirent *e;
+  char *found = NULL;
+  while (!found && (e = readdir(d)) != NULL) {
+    size_t n = strlen(e->d_name), m = strlen(suffix);
+    if (n > m && strcmp(e->d_name + n - m, suffix) == 0)
+      found = sp_test_path(dir, e->d_name);
+  }
+  closedir(d);
+  return found;
+}
+
 char *sp_test_read_file(const char *path) {
   FILE *f = fopen(path, "rb");
   assert_non_null(f);

@@ -55,6 +55,9 @@ uint64_t sp_test_rng_below(sp_test_rng *r, uint64_t n);
 char *sp_test_mkdtemp(void);
 /* Joins dir and name into a malloc'd path. */
 char *sp_test_path(const char *dir, const char *name);
+/* The path of the first file in dir (in readdir's order) whose name ends
+ * in suffix, malloc'd; NULL when there is none or dir cannot be read. */
+char *sp_test_first_file(const char *dir, const char *suffix);
 /* The whole file as a malloc'd NUL-terminated string (the caller frees).
  * Aborts the test on failure. */
 char *sp_test_read_file(const char *path);
