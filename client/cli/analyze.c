@@ -21,9 +21,11 @@ static const subcmd k_analyze = {
     "collective (by its seq) where the members issued different\n"
     "collectives, where some issued it and others did not, or where not\n"
     "every member completed it, naming the ranks, the unit and its module;\n"
-    "then each rank's last event. DUMP is a file the coordinator wrote to\n"
-    "its --dump-dir; without one, the coordinator (--coordinator) takes a\n"
-    "dump now (GetDump; --last N events per rank, default all).\n\n"
+    "then each rank's last event, or why it sent no record (with ranks\n"
+    "missing, no divergence is not called healthy: they may be the ones\n"
+    "that parted). DUMP is a file the coordinator wrote to its\n"
+    "--dump-dir; without one, the coordinator (--coordinator) takes a dump\n"
+    "now (GetDump; --last N events per rank, default all).\n\n"
     "  --last N                     a live dump: the last N events per rank\n"
     "\nexit code 5: the dump shows a divergence (0: none).\n\n",
     0, 1, "the dump shows a divergence"};
